@@ -1,0 +1,300 @@
+"""Typed configuration: one dataclass per config group, the Hydra schema, and cross-field checks.
+
+The YAML files under conf/ are merged onto these dataclasses, so a typo'd key or a wrong type is an
+error at composition time. `load_config` composes, converts to the dataclass tree, and runs
+`validate`, which knows the world size and refuses a layout before any process group exists.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF_DIR = ROOT / "conf"
+
+
+class ConfigError(ValueError):
+    """A bad setting; the message names the field. Entry points turn it into exit code 2."""
+
+
+@dataclass
+class ModelConfig:
+    name: str = "gpt_tiny"
+    """Preset name, for logs only."""
+    num_layers: int = 4
+    """Transformer blocks."""
+    hidden_size: int = 128
+    """Model width D."""
+    num_attention_heads: int = 4
+    """Query heads; must divide by parallel.tp."""
+    num_query_groups: Optional[int] = None
+    """Key/value heads for GQA; None means num_attention_heads (plain multi-head attention)."""
+    ffn_hidden_size: int = 512
+    """MLP inner width F (per branch for SwiGLU)."""
+    seq_length: int = 128
+    """Tokens per sample."""
+    vocab_size: int = 4096
+    """Rows of the embedding table; >= the tokenizer's vocabulary, divisible by parallel.tp."""
+    num_experts: int = 0
+    """Experts per MoE layer; 0 means a dense MLP."""
+    moe_top_k: int = 2
+    """Experts each token is routed to."""
+    dropout: float = 0.0
+    """Dropout on attention probabilities and residual branches (0 keeps layouts bit-comparable)."""
+    norm: str = "rmsnorm"
+    """rmsnorm | layernorm."""
+    activation: str = "swiglu"
+    """swiglu | gelu."""
+    position_embedding: str = "rope"
+    """rope | learned."""
+    tie_embeddings: bool = False
+    """Share the input embedding with the output head."""
+    bias: bool = False
+    """Biases on linear layers (GPT-2 style)."""
+    rope_theta: float = 10000.0
+    """RoPE base."""
+    norm_eps: float = 1e-5
+    """Epsilon of the norms."""
+    init_std: float = 0.02
+    """Std of the normal init; output projections use init_std / sqrt(2 * num_layers)."""
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1
+    """Tensor-parallel size (innermost, fastest-varying rank axis)."""
+    pp: int = 1
+    """Pipeline-parallel size (outermost axis)."""
+    vpp: int = 1
+    """Virtual pipeline chunks per pipeline rank; 1 = plain 1F1B."""
+    ep: int = 1
+    """Expert-parallel size, borrowed from the data-parallel ranks."""
+    sp: bool = False
+    """Sequence parallelism: split the sequence over tp between blocks (needs tp > 1 to matter)."""
+
+
+@dataclass
+class TrainConfig:
+    micro_batch_size: int = 4
+    """Samples per micro-batch per data-parallel rank."""
+    global_batch_size: int = 16
+    """Samples per optimizer step over all data-parallel ranks."""
+    max_steps: int = 100
+    """Optimizer steps to run."""
+    seed: int = 1234
+    """Seeds init (with each parameter's global name) and the sample order."""
+    log_interval: int = 10
+    """Write metrics every this many steps (and at the last step)."""
+    device: str = "auto"
+    """auto | cpu | cuda."""
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-3
+    """Peak learning rate."""
+    min_lr: float = 1e-4
+    """Learning rate at the end of the cosine decay."""
+    warmup_steps: int = 10
+    """Linear warmup steps from 0 to lr."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay; applied to matrices only, never to norms or biases."""
+    clip_grad: float = 1.0
+    """Clip the global gradient norm to this; 0 disables clipping."""
+    beta1: float = 0.9
+    """Adam beta1."""
+    beta2: float = 0.95
+    """Adam beta2."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+
+
+@dataclass
+class DataConfig:
+    name: str = "demo"
+    """Dataset label for logs."""
+    kind: str = "prepared"
+    """prepared (token shards under data.path) | synthetic (deterministic random tokens)."""
+    path: str = ""
+    """Folder written by megaframe.data.prepare: tokenizer.model, meta.json and token shards."""
+    source: str = ""
+    """For prepare: a folder or glob of .txt, .jsonl(.gz) or .parquet files."""
+    vocab_size: int = 4096
+    """For prepare: sentencepiece vocabulary size to train."""
+    text_key: str = "text"
+    """For prepare: the text field of jsonl / parquet records."""
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str = "${run.dir}/checkpoints"
+    """Where step_XXXXXXXX/ folders and the `latest` pointer live."""
+    interval: int = 0
+    """Save every this many steps; 0 saves only at the end."""
+    resume: str = "auto"
+    """auto (newest committed in dir, if any) | none | a step folder path."""
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "offline"
+    """online | offline | disabled."""
+    project: str = "megaframe"
+    """wandb project."""
+    entity: Optional[str] = None
+    """wandb entity (team); None uses the default."""
+
+
+@dataclass
+class LoggingConfig:
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+@dataclass
+class RunConfig:
+    name: str = "dev"
+    """Run name; the wandb id and default run dir derive from it."""
+    dir: str = "outputs/${run.name}"
+    """Output folder shared by every rank: metrics.jsonl, config.yaml, checkpoints."""
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+
+def _register() -> None:
+    from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
+
+    ConfigStore.instance().store(name="megaframe_schema", node=Config)
+    if not OmegaConf.has_resolver("mf_root"):
+        OmegaConf.register_new_resolver("mf_root", lambda: str(ROOT))
+    if not OmegaConf.has_resolver("mf_run_name"):
+        OmegaConf.register_new_resolver("mf_run_name", default_run_name)
+
+
+def default_run_name() -> str:
+    """MEGAFRAME_RUN_NAME, else torchrun's run id (stable across its restarts), else a timestamp.
+
+    Ranks may disagree on a timestamp; the trainer broadcasts rank 0's run dir after init.
+    """
+    import time
+
+    name = os.environ.get("MEGAFRAME_RUN_NAME") or os.environ.get("TORCHELASTIC_RUN_ID", "")
+    if name and name != "none":
+        return name
+    return time.strftime("%Y%m%d-%H%M%S")
+
+
+def load_config(overrides: list[str], world_size: Optional[int] = None, check_data: bool = True) -> Config:
+    """Compose conf/config.yaml with Hydra overrides, convert to `Config`, validate. Raises ConfigError."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    _register()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            raw = compose(config_name="config", overrides=list(overrides))
+        cfg = OmegaConf.to_object(raw)
+    except (OmegaConfBaseException, Exception) as e:  # Hydra wraps most errors; keep one line
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(_one_line(e)) from e
+    validate(cfg, world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1")),
+             check_data=check_data)
+    return cfg
+
+
+def _one_line(e: BaseException) -> str:
+    msg = str(e).strip().splitlines()
+    text = " ".join(m.strip() for m in msg if m.strip())
+    return text or type(e).__name__
+
+
+def _req(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ConfigError(msg)
+
+
+def validate(cfg: Config, world_size: int, check_data: bool = True) -> None:
+    """Cross-field checks that need no process group; the first problem raises ConfigError."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    for name in ("tp", "pp", "vpp", "ep"):
+        _req(getattr(p, name) >= 1, f"parallel.{name}={getattr(p, name)} must be >= 1")
+    _req(world_size % (p.tp * p.pp) == 0,
+         f"parallel.tp={p.tp} x parallel.pp={p.pp} does not divide the world size {world_size}")
+    dp = world_size // (p.tp * p.pp)
+    _req(m.hidden_size % m.num_attention_heads == 0,
+         f"model.hidden_size={m.hidden_size} is not divisible by model.num_attention_heads={m.num_attention_heads}")
+    _req(m.num_attention_heads % m.kv_heads == 0,
+         f"model.num_query_groups={m.kv_heads} does not divide model.num_attention_heads={m.num_attention_heads}")
+    _req(m.num_attention_heads % p.tp == 0,
+         f"parallel.tp={p.tp} does not divide model.num_attention_heads={m.num_attention_heads}")
+    _req(m.kv_heads % p.tp == 0, f"parallel.tp={p.tp} does not divide model.num_query_groups={m.kv_heads}")
+    _req(m.ffn_hidden_size % p.tp == 0, f"parallel.tp={p.tp} does not divide model.ffn_hidden_size={m.ffn_hidden_size}")
+    _req(m.vocab_size % p.tp == 0, f"parallel.tp={p.tp} does not divide model.vocab_size={m.vocab_size}")
+    _req(m.head_dim % 2 == 0 or m.position_embedding != "rope", "model head dim must be even for RoPE")
+    _req(m.norm in ("rmsnorm", "layernorm"), f"model.norm={m.norm!r} must be rmsnorm or layernorm")
+    _req(m.activation in ("swiglu", "gelu"), f"model.activation={m.activation!r} must be swiglu or gelu")
+    _req(m.position_embedding in ("rope", "learned"),
+         f"model.position_embedding={m.position_embedding!r} must be rope or learned")
+    _req(0.0 <= m.dropout < 1.0, f"model.dropout={m.dropout} must be in [0, 1)")
+    if p.sp:
+        _req(m.seq_length % p.tp == 0, f"parallel.sp needs parallel.tp={p.tp} to divide model.seq_length={m.seq_length}")
+    _req(p.pp == 1 and p.vpp == 1, "parallel.pp/parallel.vpp > 1: pipeline parallelism is not implemented yet")
+    _req(p.ep == 1 and m.num_experts == 0, "parallel.ep / model.num_experts: MoE is not implemented yet")
+    _req(t.micro_batch_size >= 1, f"train.micro_batch_size={t.micro_batch_size} must be >= 1")
+    _req(t.global_batch_size % (t.micro_batch_size * dp) == 0,
+         f"train.global_batch_size={t.global_batch_size} is not divisible by "
+         f"train.micro_batch_size={t.micro_batch_size} x dp={dp}")
+    _req(t.max_steps >= 1, f"train.max_steps={t.max_steps} must be >= 1")
+    _req(t.log_interval >= 1, f"train.log_interval={t.log_interval} must be >= 1")
+    _req(t.device in ("auto", "cpu", "cuda"), f"train.device={t.device!r} must be auto, cpu or cuda")
+    _req(cfg.optim.lr > 0 and cfg.optim.min_lr >= 0, "optim.lr must be > 0 and optim.min_lr >= 0")
+    _req(cfg.optim.warmup_steps >= 0, f"optim.warmup_steps={cfg.optim.warmup_steps} must be >= 0")
+    _req(cfg.logging.wandb.mode in ("online", "offline", "disabled"),
+         f"logging.wandb.mode={cfg.logging.wandb.mode!r} must be online, offline or disabled")
+    _req(cfg.data.kind in ("prepared", "synthetic"), f"data.kind={cfg.data.kind!r} must be prepared or synthetic")
+    r = cfg.checkpoint.resume
+    _req(r in ("auto", "none") or (Path(r) / "metadata.json").is_file(),
+         f"checkpoint.resume={r}: not a committed checkpoint folder (no metadata.json)")
+    if check_data and cfg.data.kind == "prepared":
+        _check_prepared(cfg)
+
+
+def _check_prepared(cfg: Config) -> None:
+    path = Path(cfg.data.path)
+    _req(bool(cfg.data.path), "data.path is empty: point it at a folder written by megaframe.data.prepare")
+    meta = path / "meta.json"
+    _req(meta.is_file(), f"data.path={cfg.data.path}: no prepared data (meta.json missing); "
+                         f"run python -m megaframe.data.prepare data.source=... data.path={cfg.data.path}")
+    try:
+        info = json.loads(meta.read_text())
+        vocab = int(info["vocab_size"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"data.path={cfg.data.path}: meta.json is corrupt ({_one_line(e)})") from e
+    _req(vocab <= cfg.model.vocab_size,
+         f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer vocabulary {vocab} of data.path")
+    _req((path / "tokenizer.model").is_file(), f"data.path={cfg.data.path}: tokenizer.model missing")

@@ -1,0 +1,79 @@
+"""Vocab-parallel embedding and cross-entropy: the vocabulary is split over tp, full logits never exist.
+
+Legend: S sequence (S/tp when sequence-parallel), B batch, D hidden, V vocab rows held by this rank (V/tp).
+VocabParallelEmbedding: weight [V/tp, D], rows [r·V/tp, (r+1)·V/tp) on tp rank r.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from megaframe.layers.shard import Shard, sharded_param
+from megaframe.parallel import comm
+from megaframe.parallel.mesh import Axis
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Lookup in this rank's vocab rows, zero elsewhere, then sum over tp (reduce-scatter over seq under sp)."""
+
+    def __init__(self, vocab: int, dim: int, tp: Axis, sp: bool, device=None):
+        super().__init__()
+        self.tp, self.sp = tp, sp
+        self.weight = sharded_param(Shard((vocab, dim), 0, (vocab,), tp.rank, tp.size), device)
+        self.start = tp.rank * (vocab // tp.size)
+        self.end = self.start + vocab // tp.size
+
+    def forward(self, ids_SB: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids_SB, self.weight)
+        outside_SB = (ids_SB < self.start) | (ids_SB >= self.end)
+        local_SB = (ids_SB - self.start).masked_fill(outside_SB, 0)
+        x_SBD = F.embedding(local_SB, self.weight).masked_fill(outside_SB.unsqueeze(-1), 0.0)
+        return comm.reduce_scatter_to_sp(x_SBD, self.tp) if self.sp else comm.reduce_from_tp(x_SBD, self.tp)
+
+
+def parallel_logits(x_SBD: torch.Tensor, weight_VD: torch.Tensor, tp: Axis, sp: bool) -> torch.Tensor:
+    """logits_SBV for this rank's vocab rows; x all-gathered over seq under sp, else copied to tp."""
+    x_SBD = comm.gather_from_sp(x_SBD, tp) if sp else comm.copy_to_tp(x_SBD, tp)
+    return F.linear(x_SBD, weight_VD)
+
+
+class _VocabParallelCE(torch.autograd.Function):
+    """forward: per-token -log softmax(target) with max, target logit and sum-exp reduced over tp.
+
+    backward: softmax - onehot(target) on this rank's vocab rows (no communication).
+    """
+
+    @staticmethod
+    def forward(ctx, logits_SBV, target_SB, tp: Axis):
+        logits_SBV = logits_SBV.float()
+        vocab = logits_SBV.shape[-1]
+        start = tp.rank * vocab
+        max_SB = logits_SBV.max(dim=-1).values
+        comm.all_reduce(max_SB, tp, op=dist.ReduceOp.MAX)
+        shifted_SBV = logits_SBV - max_SB.unsqueeze(-1)
+        outside_SB = (target_SB < start) | (target_SB >= start + vocab)
+        local_SB = (target_SB - start).masked_fill(outside_SB, 0)
+        picked_SB = shifted_SBV.gather(-1, local_SB.unsqueeze(-1)).squeeze(-1).masked_fill(outside_SB, 0.0)
+        exp_SBV = shifted_SBV.exp()
+        # one all-reduce for both sums: [target logit, sum of exp]
+        both_2SB = comm.all_reduce(torch.stack([picked_SB, exp_SBV.sum(dim=-1)]), tp)
+        loss_SB = torch.log(both_2SB[1]) - both_2SB[0]
+        exp_SBV.div_(both_2SB[1].unsqueeze(-1))  # now the softmax, kept for backward
+        ctx.save_for_backward(exp_SBV, local_SB, outside_SB)
+        return loss_SB
+
+    @staticmethod
+    def backward(ctx, g_SB):
+        softmax_SBV, local_SB, outside_SB = ctx.saved_tensors
+        grad_SBV = softmax_SBV.clone()
+        grad_SBV.scatter_add_(-1, local_SB.unsqueeze(-1), (outside_SB.float() - 1.0).unsqueeze(-1))
+        grad_SBV.mul_(g_SB.unsqueeze(-1))
+        return grad_SBV, None, None
+
+
+def vocab_parallel_cross_entropy(logits_SBV: torch.Tensor, target_SB: torch.Tensor, tp: Axis) -> torch.Tensor:
+    """Per-token loss_SB from vocab-split logits; equals F.cross_entropy on the gathered logits."""
+    return _VocabParallelCE.apply(logits_SBV, target_SB, tp)

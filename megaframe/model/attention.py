@@ -1,0 +1,58 @@
+"""Causal self-attention with GQA and RoPE, tensor-parallel over heads.
+
+Legend: S sequence (full inside attention), B batch, D hidden, H query heads on this rank (heads/tp),
+K kv heads on this rank (groups/tp), E head dim.
+qkv: ColumnParallelLinear with blocks [q | k | v] = [heads·E | groups·E | groups·E], each split over tp.
+out_proj: RowParallelLinear [D, heads·E], input split by head.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megaframe.config import ModelConfig
+from megaframe.layers.linear import ColumnParallelLinear, RowParallelLinear
+from megaframe.parallel.mesh import Axis
+
+
+def rope_tables(seq: int, dim: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos_SE, sin_SE for the non-interleaved (rotate-half) RoPE used by Llama."""
+    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
+    ang = torch.outer(torch.arange(seq, dtype=torch.float32, device=device), inv)
+    ang = torch.cat([ang, ang], dim=-1)
+    return ang.cos(), ang.sin()
+
+
+def apply_rope(x_BHSE: torch.Tensor, cos_SE: torch.Tensor, sin_SE: torch.Tensor) -> torch.Tensor:
+    half = x_BHSE.shape[-1] // 2
+    rotated = torch.cat([-x_BHSE[..., half:], x_BHSE[..., :half]], dim=-1)
+    return x_BHSE * cos_SE.to(x_BHSE.dtype) + rotated * sin_SE.to(x_BHSE.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: Axis, sp: bool, device=None):
+        super().__init__()
+        e = cfg.head_dim
+        self.heads, self.groups, self.head_dim = cfg.num_attention_heads // tp.size, cfg.kv_heads // tp.size, e
+        self.dropout = cfg.dropout
+        self.qkv = ColumnParallelLinear(cfg.hidden_size, [cfg.num_attention_heads * e, cfg.kv_heads * e,
+                                                          cfg.kv_heads * e], tp, sp, cfg.bias, device)
+        self.out_proj = RowParallelLinear(cfg.num_attention_heads * e, cfg.hidden_size, tp, sp, cfg.bias, device)
+
+    def forward(self, x_SBD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        qkv_SBX = self.qkv(x_SBD)
+        s, b = qkv_SBX.shape[:2]
+        h, k, e = self.heads, self.groups, self.head_dim
+        q, kk, v = qkv_SBX.split([h * e, k * e, k * e], dim=-1)
+        q_BHSE = q.view(s, b, h, e).permute(1, 2, 0, 3)
+        k_BKSE = kk.view(s, b, k, e).permute(1, 2, 0, 3)
+        v_BKSE = v.view(s, b, k, e).permute(1, 2, 0, 3)
+        if rope is not None:
+            cos_SE, sin_SE = rope[0][:s], rope[1][:s]
+            q_BHSE, k_BKSE = apply_rope(q_BHSE, cos_SE, sin_SE), apply_rope(k_BKSE, cos_SE, sin_SE)
+        o_BHSE = F.scaled_dot_product_attention(q_BHSE, k_BKSE, v_BKSE, is_causal=True,
+                                                dropout_p=self.dropout if self.training else 0.0,
+                                                enable_gqa=(h != k))
+        o_SBX = o_BHSE.permute(2, 0, 1, 3).reshape(s, b, h * e)
+        return self.out_proj(o_SBX)

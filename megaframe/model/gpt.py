@@ -1,0 +1,114 @@
+"""The GPT model: Llama-style (RMSNorm, SwiGLU, RoPE, GQA) or GPT-2-style (LayerNorm, GELU, learned
+positions, tied embeddings, biases), built from tensor-parallel layers. The block reads like the
+single-device one; each layer owns its communication.
+
+Legend: B batch, S sequence (S/tp between blocks under sp), D hidden, F ffn on this rank (F/tp),
+V vocab rows on this rank (V/tp).
+Parameter names are global (`layers.{i}....` with the global layer index) so init and checkpoints do
+not depend on the layout.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megaframe.config import ModelConfig
+from megaframe.layers.linear import ColumnParallelLinear, RowParallelLinear
+from megaframe.layers.norm import Norm
+from megaframe.layers.shard import Shard, init_model, sharded_param
+from megaframe.layers.vocab import VocabParallelEmbedding, parallel_logits, vocab_parallel_cross_entropy
+from megaframe.model.attention import Attention, rope_tables
+from megaframe.parallel.mesh import Mesh
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate) * up) with fused [gate | up]; or GELU: down(gelu(up))."""
+
+    def __init__(self, cfg: ModelConfig, mesh: Mesh, sp: bool, device=None):
+        super().__init__()
+        self.swiglu = cfg.activation == "swiglu"
+        f = cfg.ffn_hidden_size
+        parts = [f, f] if self.swiglu else [f]
+        self.up_proj = ColumnParallelLinear(cfg.hidden_size, parts, mesh.tp, sp, cfg.bias, device)
+        self.down_proj = RowParallelLinear(f, cfg.hidden_size, mesh.tp, sp, cfg.bias, device)
+
+    def forward(self, x_SBD: torch.Tensor) -> torch.Tensor:
+        h_SBX = self.up_proj(x_SBD)
+        if self.swiglu:
+            gate_SBF, up_SBF = h_SBX.chunk(2, dim=-1)
+            h_SBF = F.silu(gate_SBF) * up_SBF
+        else:
+            h_SBF = F.gelu(h_SBX, approximate="tanh")
+        return self.down_proj(h_SBF)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, mesh: Mesh, sp: bool, device=None):
+        super().__init__()
+        self.attn_norm = Norm(cfg.norm, cfg.hidden_size, cfg.norm_eps, sp, device)
+        self.attn = Attention(cfg, mesh.tp, sp, device)
+        self.mlp_norm = Norm(cfg.norm, cfg.hidden_size, cfg.norm_eps, sp, device)
+        self.mlp = MLP(cfg, mesh, sp, device)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x_SBD: torch.Tensor, rope) -> torch.Tensor:
+        x_SBD = x_SBD + self.dropout(self.attn(self.attn_norm(x_SBD), rope))
+        return x_SBD + self.dropout(self.mlp(self.mlp_norm(x_SBD)))
+
+
+class GPT(nn.Module):
+    """forward(input_ids_BS) -> logits_BSV (this rank's vocab rows); with labels_BS -> per-token loss_BS."""
+
+    def __init__(self, cfg: ModelConfig, mesh: Mesh, sp: bool = False, device=None):
+        super().__init__()
+        self.cfg, self.mesh = cfg, mesh
+        self.sp = sp and mesh.tp.size > 1
+        device = device or mesh.device
+        tp = mesh.tp
+        self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, self.sp, device)
+        if cfg.position_embedding == "learned":
+            # replicated; under sp each rank adds the rows of its own sequence block
+            self.pos_embed = sharded_param(Shard((cfg.seq_length, cfg.hidden_size)), device, tp_partial_grad=self.sp)
+        self.layers = nn.ModuleDict({str(i): Block(cfg, mesh, self.sp, device) for i in range(cfg.num_layers)})
+        self.final_norm = Norm(cfg.norm, cfg.hidden_size, cfg.norm_eps, self.sp, device)
+        if not cfg.tie_embeddings:
+            self.head = ColumnParallelLinear(cfg.hidden_size, [cfg.vocab_size], tp, self.sp, False, device)
+        self.rope = None
+        if cfg.position_embedding == "rope":
+            self.rope = rope_tables(cfg.seq_length, cfg.head_dim, cfg.rope_theta, device)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def init_weights(self, seed: int) -> None:
+        init_model(self, seed, self.cfg.init_std, self.cfg.num_layers)
+
+    def embed_tokens(self, ids_BS: torch.Tensor) -> torch.Tensor:
+        x_SBD = self.embed(ids_BS.t())
+        if self.cfg.position_embedding == "learned":
+            s = x_SBD.shape[0]
+            start = self.mesh.tp.rank * s if self.sp else 0
+            x_SBD = x_SBD + self.pos_embed[start:start + s].unsqueeze(1)
+        return self.drop(x_SBD)
+
+    def forward(self, input_ids_BS: torch.Tensor, labels_BS: torch.Tensor | None = None) -> torch.Tensor:
+        x_SBD = self.embed_tokens(input_ids_BS)
+        for block in self.layers.values():
+            x_SBD = block(x_SBD, self.rope)
+        x_SBD = self.final_norm(x_SBD)
+        if self.cfg.tie_embeddings:
+            logits_SBV = parallel_logits(x_SBD, self.embed.weight, self.mesh.tp, self.sp)
+        else:
+            logits_SBV = self.head(x_SBD)
+        if labels_BS is None:
+            return logits_SBV.transpose(0, 1)
+        return vocab_parallel_cross_entropy(logits_SBV, labels_BS.t(), self.mesh.tp).t()
+
+
+def build_model(cfg: ModelConfig, mesh: Mesh, sp: bool, seed: int) -> GPT:
+    model = GPT(cfg, mesh, sp)
+    model.init_weights(seed)
+    return model
+
+
+def tp_partial_params(model: nn.Module) -> list[nn.Parameter]:
+    return [p for p in model.parameters() if getattr(p, "tp_partial_grad", False)]

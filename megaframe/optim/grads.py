@@ -1,0 +1,71 @@
+"""Gradient reductions before the step: sequence-parallel partial grads over tp, data-parallel over dp,
+then the global norm and clipping.
+
+Grads are reduced in flat buckets (one collective per bucket, not one per tensor).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from megaframe.parallel import comm
+from megaframe.parallel.mesh import Axis, Mesh
+
+BUCKET_BYTES = 32 * 2**20
+
+
+def _buckets(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
+    out, cur, size = [], [], 0
+    for p in params:
+        cur.append(p)
+        size += p.grad.numel() * p.grad.element_size()
+        if size >= BUCKET_BYTES:
+            out.append(cur)
+            cur, size = [], 0
+    return out + ([cur] if cur else [])
+
+
+def all_reduce_grads(params: list[nn.Parameter], axis: Axis) -> None:
+    """Sum the grads of `params` over `axis`, one flat all-reduce per bucket."""
+    if axis.size == 1:
+        return
+    params = [p for p in params if p.grad is not None]
+    for bucket in _buckets(params):
+        grads = [p.grad for p in bucket]
+        flat = comm.all_reduce(_flatten_dense_tensors(grads), axis)
+        for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+            g.copy_(synced)
+
+
+def finalize_grads(model: nn.Module, mesh: Mesh) -> None:
+    """Make every grad the full-batch gradient of this rank's slice.
+
+    The loss is already divided by the global token count, so reductions are sums.
+    """
+    params = [p for p in model.parameters() if p.grad is not None]
+    all_reduce_grads([p for p in params if getattr(p, "tp_partial_grad", False)], mesh.tp)
+    all_reduce_grads(params, mesh.dp)
+
+
+def grad_norm(model: nn.Module, mesh: Mesh) -> torch.Tensor:
+    """Global L2 norm of the gradient, each element counted once: tp-split slices on every tp rank,
+    tp-replicated parameters only on tp rank 0; dp replicas hold equal grads and are not added."""
+    sq = torch.zeros((), device=mesh.device, dtype=torch.float32)
+    for p in model.parameters():
+        if p.grad is None:
+            continue
+        if p.shard.dim is not None or mesh.tp.rank == 0:
+            sq += p.grad.float().pow(2).sum()
+    comm.all_reduce(sq, mesh.tp)
+    comm.all_reduce(sq, mesh.pp)
+    return sq.sqrt()
+
+
+def clip_grads(model: nn.Module, norm: torch.Tensor, max_norm: float) -> None:
+    """Scale grads by min(1, max_norm / norm), without a host sync."""
+    if max_norm <= 0:
+        return
+    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    torch._foreach_mul_(grads, scale)

@@ -1,0 +1,155 @@
+"""Collectives over one mesh axis, plain and autograd-aware, each counting the bytes this rank sends.
+
+Byte counts are the ring-algorithm volumes for n ranks and a tensor of b bytes:
+all-reduce 2(n-1)/n·b, all-gather (n-1)·b_in, reduce-scatter (n-1)/n·b_in, all-to-all (n-1)/n·b.
+An axis of size 1 never communicates, so every function is the identity there.
+
+Activations are sequence-first ([S, B, D]), so sequence-parallel splits and gathers are along dim 0,
+which is contiguous and maps straight onto all_gather / reduce_scatter of flat tensors.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megaframe.parallel.mesh import Axis
+
+# torch 2.13 renamed the flat collectives; keep working on the older names (torch >= 2.6 on GPU hosts).
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _nbytes(x: torch.Tensor) -> int:
+    return x.numel() * x.element_size()
+
+
+def all_reduce(x: torch.Tensor, axis: Axis, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """In place all-reduce over `axis`; returns x."""
+    if axis.size == 1:
+        return x
+    axis.stats.add(axis.name, 2 * (axis.size - 1) / axis.size * _nbytes(x))
+    dist.all_reduce(x, op=op, group=axis.group)
+    return x
+
+
+def all_gather_dim0(x: torch.Tensor, axis: Axis) -> torch.Tensor:
+    """Concatenate every rank's x along dim 0, in axis-rank order."""
+    if axis.size == 1:
+        return x
+    x = x.contiguous()
+    out = torch.empty((axis.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    axis.stats.add(axis.name, (axis.size - 1) * _nbytes(x))
+    _all_gather_flat(out, x, group=axis.group)
+    return out
+
+
+def reduce_scatter_dim0(x: torch.Tensor, axis: Axis) -> torch.Tensor:
+    """Sum x over the axis and keep this rank's 1/n block of dim 0."""
+    if axis.size == 1:
+        return x
+    x = x.contiguous()
+    assert x.shape[0] % axis.size == 0, f"dim 0 ({x.shape[0]}) not divisible by {axis.name}={axis.size}"
+    out = torch.empty((x.shape[0] // axis.size, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    axis.stats.add(axis.name, (axis.size - 1) / axis.size * _nbytes(x))
+    _reduce_scatter_flat(out, x, group=axis.group)
+    return out
+
+
+def split_dim0(x: torch.Tensor, axis: Axis) -> torch.Tensor:
+    """This rank's 1/n block of dim 0 (no communication)."""
+    if axis.size == 1:
+        return x
+    return x.chunk(axis.size, dim=0)[axis.rank].contiguous()
+
+
+class _CopyToTP(torch.autograd.Function):
+    """forward: identity (input replicated on tp); backward: all-reduce grads over tp."""
+
+    @staticmethod
+    def forward(ctx, x, axis):
+        ctx.axis = axis
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return all_reduce(g.contiguous(), ctx.axis), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """forward: all-reduce partial sums over tp; backward: identity."""
+
+    @staticmethod
+    def forward(ctx, x, axis):
+        return all_reduce(x.contiguous().clone() if axis.size > 1 else x, axis)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class _ScatterToSP(torch.autograd.Function):
+    """forward: keep this rank's sequence block (dim 0); backward: all-gather the seq dim."""
+
+    @staticmethod
+    def forward(ctx, x, axis):
+        ctx.axis = axis
+        return split_dim0(x, axis)
+
+    @staticmethod
+    def backward(ctx, g):
+        return all_gather_dim0(g, ctx.axis), None
+
+
+class _GatherFromSP(torch.autograd.Function):
+    """forward: all-gather the seq dim (before a column-parallel layer); backward: reduce-scatter."""
+
+    @staticmethod
+    def forward(ctx, x, axis):
+        ctx.axis = axis
+        return all_gather_dim0(x, axis)
+
+    @staticmethod
+    def backward(ctx, g):
+        return reduce_scatter_dim0(g, ctx.axis), None
+
+
+class _ReduceScatterToSP(torch.autograd.Function):
+    """forward: reduce-scatter partial sums over the seq dim (after a row-parallel layer); backward: all-gather."""
+
+    @staticmethod
+    def forward(ctx, x, axis):
+        ctx.axis = axis
+        return reduce_scatter_dim0(x, axis)
+
+    @staticmethod
+    def backward(ctx, g):
+        return all_gather_dim0(g, ctx.axis), None
+
+
+def copy_to_tp(x: torch.Tensor, axis: Axis) -> torch.Tensor:
+    return x if axis.size == 1 else _CopyToTP.apply(x, axis)
+
+
+def reduce_from_tp(x: torch.Tensor, axis: Axis) -> torch.Tensor:
+    return x if axis.size == 1 else _ReduceFromTP.apply(x, axis)
+
+
+def scatter_to_sp(x: torch.Tensor, axis: Axis) -> torch.Tensor:
+    return x if axis.size == 1 else _ScatterToSP.apply(x, axis)
+
+
+def gather_from_sp(x: torch.Tensor, axis: Axis) -> torch.Tensor:
+    return x if axis.size == 1 else _GatherFromSP.apply(x, axis)
+
+
+def reduce_scatter_to_sp(x: torch.Tensor, axis: Axis) -> torch.Tensor:
+    return x if axis.size == 1 else _ReduceScatterToSP.apply(x, axis)
+
+
+def broadcast_object(obj, src: int = 0):
+    """Broadcast a picklable object from global rank `src` to every process (used once at start)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]

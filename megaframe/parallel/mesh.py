@@ -1,0 +1,122 @@
+"""The process mesh: which ranks share a tensor-, pipeline- or data-parallel group, and this rank's place.
+
+Global rank order is tp innermost, then dp, then pp outermost (Megatron's order), so a tp group is a
+block of consecutive ranks and tensor-parallel traffic stays on one node:
+
+    rank = tp_rank + tp * (dp_rank + dp * pp_rank)
+
+The mesh is built once from the config and passed to every layer, the optimizer and the data loader.
+Axes of size 1 carry no process group: the collectives in `comm` never communicate over them, which is
+also why one process needs no torch.distributed at all.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class CommStats:
+    """Bytes this rank sent per group, counted by the collectives in `comm` (ring-algorithm volumes)."""
+
+    sent: dict[str, int] = field(default_factory=dict)
+
+    def add(self, group: str, nbytes: float) -> None:
+        self.sent[group] = self.sent.get(group, 0) + int(nbytes)
+
+    def pop(self) -> dict[str, int]:
+        out, self.sent = self.sent, {}
+        return out
+
+
+@dataclass(frozen=True)
+class Axis:
+    """One parallel dimension seen from this rank: group, size, coordinate and global ranks in order."""
+
+    name: str
+    size: int
+    rank: int
+    ranks: tuple[int, ...]
+    group: Optional[dist.ProcessGroup]
+    stats: CommStats
+
+    def __post_init__(self):
+        assert self.size == 1 or self.group is not None, f"axis {self.name} of size {self.size} needs a group"
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """Frozen layout of this rank: the tp, pp and dp axes, the device, and the shared byte counter."""
+
+    tp: Axis
+    pp: Axis
+    dp: Axis
+    rank: int
+    world: int
+    device: torch.device
+    stats: CommStats
+    group: Optional[dist.ProcessGroup] = None
+    """All ranks of this mesh (barriers, gathering checkpoint metadata); None for one process."""
+
+    @property
+    def is_logger(self) -> bool:
+        """The one rank that writes metrics and talks to wandb: first rank of the last pipeline stage."""
+        return self.tp.rank == 0 and self.dp.rank == 0 and self.pp.rank == self.pp.size - 1
+
+    def describe(self) -> str:
+        return (f"world={self.world} tp={self.tp.size} pp={self.pp.size} dp={self.dp.size} "
+                f"device={self.device.type}")
+
+
+def build_mesh(tp: int, pp: int, device: torch.device, ranks: Optional[Sequence[int]] = None) -> Mesh:
+    """Create every tp/pp/dp group over `ranks` (default: all). Collective: every process must call it.
+
+    Processes outside `ranks` (a worker pool running a smaller job) take part in group creation and get
+    back None's stand-in: they must not use the result.
+    """
+    initialized = dist.is_available() and dist.is_initialized()
+    me = dist.get_rank() if initialized else 0
+    ranks = list(ranks) if ranks is not None else list(range(dist.get_world_size() if initialized else 1))
+    world = len(ranks)
+    assert world % (tp * pp) == 0, f"tp*pp={tp * pp} does not divide world {world}"
+    dp = world // (tp * pp)
+    grid = {}  # (pp, dp, tp) coordinate -> global rank
+    for p, d, t in itertools.product(range(pp), range(dp), range(tp)):
+        grid[(p, d, t)] = ranks[t + tp * (d + dp * p)]
+    stats = CommStats()
+    axes: dict[str, Axis] = {}
+    for name, size in (("tp", tp), ("dp", dp), ("pp", pp)):
+        for members in _groups_along(grid, name, tp, pp, dp):
+            group = dist.new_group(list(members)) if (size > 1 and initialized) else None
+            if me in members:
+                axes[name] = Axis(name, size, members.index(me), tuple(members), group, stats)
+    everyone = dist.new_group(ranks) if (world > 1 and initialized) else None
+    if me not in ranks:
+        return None  # type: ignore[return-value]
+    return Mesh(tp=axes["tp"], pp=axes["pp"], dp=axes["dp"], rank=ranks.index(me), world=world,
+                device=device, stats=stats, group=everyone)
+
+
+def _groups_along(grid: dict, name: str, tp: int, pp: int, dp: int) -> list[tuple[int, ...]]:
+    """Groups varying along axis `name` with the other two coordinates fixed, in a fixed global order."""
+    sizes = {"pp": pp, "dp": dp, "tp": tp}
+    order = ("pp", "dp", "tp")
+    others = [a for a in order if a != name]
+    out = []
+    for fixed in itertools.product(*(range(sizes[a]) for a in others)):
+        coord = dict(zip(others, fixed))
+        members = []
+        for i in range(sizes[name]):
+            coord[name] = i
+            members.append(grid[(coord["pp"], coord["dp"], coord["tp"])])
+        out.append(tuple(members))
+    return out
+
+
+def single_process_mesh(device: torch.device | str = "cpu") -> Mesh:
+    """The mesh of one process: every axis of size 1, no process groups."""
+    return build_mesh(1, 1, torch.device(device), ranks=[dist.get_rank() if dist.is_initialized() else 0])

@@ -1,0 +1,71 @@
+"""Where metrics go: ${run.dir}/metrics.jsonl, a console line, and wandb; all from one logging rank."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+
+def _fmt_duration(s: float) -> str:
+    if not math.isfinite(s):
+        return "?"
+    s = int(s)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+class Tracker:
+    """Appends one JSON line per logged step, prints a readable line, mirrors to wandb (if enabled)."""
+
+    def __init__(self, cfg, run_dir: str, active: bool, max_steps: int):
+        self.active, self.max_steps = active, max_steps
+        self.wandb_run = None
+        self.t_start = time.time()
+        if not active:
+            return
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.file = open(self.path, "a", buffering=1)
+        if cfg.logging.wandb.mode != "disabled":
+            self.wandb_run = _start_wandb(cfg, run_dir)
+
+    def log(self, metrics: dict, start_step: int) -> None:
+        if not self.active:
+            return
+        self.file.write(json.dumps(metrics) + "\n")
+        step = metrics["step"]
+        rate = (time.time() - self.t_start) / max(1, step - start_step)
+        eta = rate * (self.max_steps - step)
+        parts = [f"step {step:>6}/{self.max_steps}", f"loss {metrics['loss']:.4f}", f"lr {metrics['lr']:.2e}",
+                 f"grad {metrics['grad_norm']:.3f}", f"{metrics['tokens_per_s'] / 1e3:.1f}k tok/s"]
+        if metrics.get("mfu"):
+            parts.append(f"mfu {100 * metrics['mfu']:.1f}%")
+        parts.append(f"eta {_fmt_duration(eta)}")
+        print(" | ".join(parts), flush=True)
+        if self.wandb_run is not None:
+            self.wandb_run.log({k: v for k, v in metrics.items() if k != "step"}, step=step)
+
+    def finish(self) -> None:
+        if not self.active:
+            return
+        self.file.close()
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+
+
+def _start_wandb(cfg, run_dir: str):
+    """Offline/online run with an id derived from the run name, so restarts continue the same run."""
+    try:
+        import wandb
+    except ImportError:
+        print("megaframe: warning: wandb not installed; logging to metrics.jsonl only", file=sys.stderr)
+        return None
+    run_id = re.sub(r"[^A-Za-z0-9_-]", "-", cfg.run.name)[:64]
+    os.environ.setdefault("WANDB_SILENT", "true")
+    return wandb.init(project=cfg.logging.wandb.project, entity=cfg.logging.wandb.entity,
+                      mode=cfg.logging.wandb.mode, dir=run_dir, id=run_id, name=cfg.run.name,
+                      resume="allow", config=dataclasses.asdict(cfg))

@@ -1,0 +1,55 @@
+"""Process-group start-up from the launcher's environment (torchrun, Slurm's srun, or nothing).
+
+torchrun sets RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT. Under srun without torchrun
+the SLURM_* variables describe the rank; torchrun's names win when both exist (inside torchrun workers
+the SLURM_* variables describe the agent). One process needs no process group at all.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+
+
+def env_ranks() -> DistEnv:
+    env = os.environ
+    rank = int(env.get("RANK", env.get("SLURM_PROCID", "0")))
+    world = int(env.get("WORLD_SIZE", env.get("SLURM_NTASKS", "1")))
+    local = int(env.get("LOCAL_RANK", env.get("SLURM_LOCALID", "0")))
+    return DistEnv(rank, world, local)
+
+
+def pick_device(choice: str, local_rank: int) -> torch.device:
+    if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def init_distributed(env: DistEnv, device: torch.device, timeout_s: float = 600.0) -> None:
+    """NCCL on CUDA, gloo on CPU; every collective times out after `timeout_s` instead of hanging."""
+    if env.world_size == 1 or dist.is_initialized():
+        return
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        job = int(os.environ.get("SLURM_JOB_ID", "0"))
+        os.environ["MASTER_PORT"] = str(20000 + job % 10000)  # per-job port: jobs may share a host
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, rank=env.rank, world_size=env.world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s),
+                            **({"device_id": device} if device.type == "cuda" else {}))
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

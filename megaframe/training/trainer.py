@@ -1,0 +1,124 @@
+"""The training run: start-up, the step loop, logging and checkpoints. `run(cfg)` is all train.py calls."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from megaframe.checkpoint import sharded
+from megaframe.config import Config, ConfigError
+from megaframe.data.dataset import build_data, microbatches
+from megaframe.layers.shard import param_seed
+from megaframe.model.gpt import build_model
+from megaframe.optim.build import build_optimizer
+from megaframe.parallel import comm
+from megaframe.parallel.mesh import Mesh, build_mesh
+from megaframe.tracking import Tracker
+from megaframe.training.distributed import env_ranks, init_distributed, pick_device, shutdown
+from megaframe.training.metrics import flops_per_token, memory_figures, peak_flops
+from megaframe.training.step import train_step
+
+
+def run(cfg: Config) -> None:
+    env = env_ranks()
+    device = pick_device(cfg.train.device, env.local_rank)
+    init_distributed(env, device)
+    try:
+        mesh = build_mesh(cfg.parallel.tp, cfg.parallel.pp, device)
+        # ranks may have resolved a timestamped run name a second apart: rank 0's wins
+        cfg.run.name, cfg.run.dir, cfg.checkpoint.dir = comm.broadcast_object(
+            (cfg.run.name, cfg.run.dir, cfg.checkpoint.dir))
+        train(cfg, mesh)
+    finally:
+        shutdown()
+
+
+def train(cfg: Config, mesh: Mesh) -> None:
+    model = build_model(cfg.model, mesh, cfg.parallel.sp, cfg.train.seed)
+    optimizer = build_optimizer(model, cfg.optim, mesh.device)
+    try:
+        data = build_data(cfg)
+    except (OSError, ValueError, KeyError) as e:
+        raise ConfigError(f"data.path={cfg.data.path}: unreadable prepared data ({e})") from e
+    start = resume(cfg, model, optimizer, mesh)
+    if mesh.rank == 0:
+        describe(cfg, mesh, model, data, start)
+        Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
+        from omegaconf import OmegaConf
+        (Path(cfg.run.dir) / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+    tracker = Tracker(cfg, cfg.run.dir, mesh.is_logger, cfg.train.max_steps)
+    t = cfg.train
+    tokens_step = t.global_batch_size * cfg.model.seq_length
+    fpt, peak = flops_per_token(cfg.model), (peak_flops(mesh.device) if mesh.is_logger else 0.0)
+    t_last, steps_since = time.perf_counter(), 0
+    for step in range(start + 1, t.max_steps + 1):
+        mesh.stats.pop()  # count only this step's bytes
+        # dropout RNG is a function of (seed, step, rank): resume needs no RNG state
+        torch.manual_seed(param_seed(t.seed, f"dropout/step{step}/rank{mesh.rank}"))
+        batches = microbatches(data, step - 1, t.global_batch_size, t.micro_batch_size, mesh.dp.rank,
+                               mesh.dp.size, t.seed, mesh.device)
+        res = train_step(model, optimizer, batches, mesh, cfg, step)
+        steps_since += 1
+        if step % t.log_interval == 0 or step == t.max_steps:
+            sent = mesh.stats.pop()
+            loss = comm.all_reduce(res.loss_sum.clone(), mesh.dp).item() / tokens_step  # .item() syncs
+            now = time.perf_counter()
+            tps = tokens_step * steps_since / (now - t_last)
+            t_last, steps_since = now, 0
+            metrics = {"step": step, "loss": loss, "lr": res.lr, "grad_norm": res.grad_norm.item(),
+                       "tokens_per_s": tps, "consumed_samples": step * t.global_batch_size,
+                       "mfu": tps * fpt / (peak * mesh.world) if peak else 0.0,
+                       **{f"comm_bytes/{g}": sent.get(g, 0) for g in ("tp", "pp", "dp")},
+                       **memory_figures(model, optimizer, mesh.device)}
+            tracker.log(metrics, start)
+        interval = cfg.checkpoint.interval
+        if (interval and step % interval == 0) or step == t.max_steps:
+            save(cfg, model, optimizer, mesh, step)
+    tracker.finish()
+
+
+def save(cfg: Config, model, optimizer, mesh: Mesh, step: int) -> None:
+    t0 = time.perf_counter()
+    meta = {"consumed_samples": step * cfg.train.global_batch_size,
+            "layout": {"tp": mesh.tp.size, "pp": mesh.pp.size, "dp": mesh.dp.size, "sp": cfg.parallel.sp},
+            "rng": "derived from (train.seed, step, rank); no state to restore",
+            "data": {"kind": cfg.data.kind, "path": cfg.data.path, "consumed_samples": step * cfg.train.global_batch_size},
+            "config": dataclasses.asdict(cfg)}
+    path = sharded.save(cfg.checkpoint.dir, step, model, optimizer, mesh, meta)
+    if mesh.rank == 0:
+        print(f"checkpoint: {path} ({time.perf_counter() - t0:.2f}s)", flush=True)
+
+
+def resume(cfg: Config, model, optimizer, mesh: Mesh) -> int:
+    """Load the checkpoint named by checkpoint.resume; returns the step it holds (0 when starting fresh)."""
+    if cfg.checkpoint.resume == "none":
+        return 0
+    path = sharded.latest(cfg.checkpoint.dir) if cfg.checkpoint.resume == "auto" else Path(cfg.checkpoint.resume)
+    if path is None:
+        return 0
+    try:
+        meta = sharded.load_into(path, model, optimizer)
+    except (OSError, ValueError, KeyError, RuntimeError) as e:
+        raise ConfigError(f"checkpoint {path} cannot be loaded ({str(e).splitlines()[0]})") from e
+    if mesh.rank == 0:
+        print(f"resumed from {path} at step {meta['step']}", flush=True)
+    return int(meta["step"])
+
+
+def describe(cfg: Config, mesh: Mesh, model, data, start: int) -> None:
+    """Print the derived sizes once, so a user can check the layout before the first step."""
+    m, t = cfg.model, cfg.train
+    local = sum(p.numel() for p in model.parameters())
+    total = sum(math.prod(p.shard.global_shape) for p in model.parameters())
+    accum = t.global_batch_size // (t.micro_batch_size * mesh.dp.size)
+    print(f"megaframe | run {cfg.run.dir} | {mesh.describe()} sp={cfg.parallel.sp}", flush=True)
+    print(f"model {m.name}: {m.num_layers} layers, D={m.hidden_size}, heads {m.num_attention_heads} "
+          f"(kv {m.kv_heads}), F={m.ffn_hidden_size}, vocab {m.vocab_size}, seq {m.seq_length} | "
+          f"params {total / 1e6:.2f}M, {local / 1e6:.2f}M on this rank | "
+          f"{flops_per_token(m) / 1e6:.1f} MFLOP/token", flush=True)
+    print(f"batch {t.global_batch_size} x {m.seq_length} = {t.global_batch_size * m.seq_length} tokens/step, "
+          f"micro {t.micro_batch_size}, accumulation {accum} | data {cfg.data.name}: {data.num_samples} samples | "
+          f"steps {start + 1}..{t.max_steps}", flush=True)

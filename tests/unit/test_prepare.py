@@ -1,0 +1,182 @@
+"""megaframe.data.prepare: a tiny corpus in, token shards + tokenizer + meta.json out, and its failure modes.
+
+Most cases call main() in-process (fast); the CLI contract (exit code 2, one stderr line) is checked
+in a subprocess, as a user would run it.
+"""
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megaframe.config import ROOT, load_config
+from megaframe.data import prepare as prep
+from megaframe.data.tokenizer import Tokenizer
+
+SENTENCES = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Emma Woodhouse, handsome, clever, and rich, had lived nearly twenty-one years in the world.",
+    "It is a truth universally acknowledged that a single man must be in want of a wife!",
+    "Alice was beginning to get very tired of sitting by her sister on the bank.",
+    "Of Man's first disobedience, and the fruit of that forbidden tree;",
+    "All the world's a stage, and all the men and women merely players.",
+    "How vexingly quick daft zebras jump; the five boxing wizards jump quickly?",
+    "In 1815 there were 3 carriages, 12 horses and 250 acres (or so they said).",
+    "\"Nonsense,\" said she, \"you must not talk of such things\" -- and then she laughed.",
+    "Pack my box with five dozen liquor jugs: naïve café owners rarely agree.",
+]
+
+
+def paragraphs(n: int = 24) -> list[str]:
+    """Deterministic varied paragraphs; a few span two lines and one holds the literal text '</s>'."""
+    out = []
+    for i in range(n):
+        words = [SENTENCES[(i * 3 + k) % len(SENTENCES)] for k in range(1 + i % 4)]
+        sep = "\n" if i % 5 == 0 else " "
+        out.append(sep.join(words))
+    out[3] += " A literal </s> is text, not an end of document."
+    return out
+
+
+def write_text_corpus(folder: Path, paras: list[str]) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    half = len(paras) // 2
+    (folder / "a.txt").write_text("\n\n".join(paras[:half]) + "\n")
+    with gzip.open(folder / "b.txt.gz", "wt") as f:  # compressed files are read too, after a.txt
+        f.write("\n\n\n".join(paras[half:]) + "\n\n")
+    return folder
+
+
+def run_main(capsys, *overrides: str) -> tuple[int, str, str]:
+    rc = prep.main(list(overrides))
+    cap = capsys.readouterr()
+    return rc, cap.out, cap.err
+
+
+def read_tokens(out: Path) -> tuple[dict, np.ndarray]:
+    meta = json.loads((out / "meta.json").read_text())
+    arrays = [np.fromfile(out / s["file"], dtype="<" + np.dtype(meta["dtype"]).str[1:]) for s in meta["shards"]]
+    return meta, np.concatenate(arrays)
+
+
+def split_docs(tokens: np.ndarray, eos: int) -> list[np.ndarray]:
+    assert tokens[-1] == eos, "the stream must end with eos"
+    cuts = np.nonzero(tokens == eos)[0]
+    return np.split(tokens, cuts + 1)[:-1]
+
+
+@pytest.fixture(scope="module")
+def text_corpus(tmp_path_factory) -> Path:
+    return write_text_corpus(tmp_path_factory.mktemp("corpus"), paragraphs())
+
+
+def test_prepare_text_corpus(tmp_path, text_corpus, capsys):
+    out = tmp_path / "nested" / "prepared"
+    rc, stdout, err = run_main(capsys, f"data.source={text_corpus}", f"data.path={out}", "data.vocab_size=400")
+    assert rc == 0, err
+    assert "prepared 24 documents" in stdout and str(out) in stdout
+    meta, tokens = read_tokens(out)
+    tok = Tokenizer.load(out / "tokenizer.model")
+    assert meta["format"] == "megaframe-tokens-v1" and meta["dtype"] == "uint16"
+    assert meta["vocab_size"] == tok.vocab_size <= 400 and meta["eos_id"] == tok.eos_id
+    assert meta["num_documents"] == 24 and meta["num_tokens"] == tokens.size
+    assert sum(s["num_tokens"] for s in meta["shards"]) == tokens.size
+    assert meta["tokenizer"] == "tokenizer.model" and meta["source"] == str(text_corpus)
+    assert meta["tokenizer_sha256"] == hashlib.sha256((out / "tokenizer.model").read_bytes()).hexdigest()
+    assert tokens.max() < meta["vocab_size"]
+    # eos separates documents: one per paragraph, each decoding back to its text exactly
+    docs = split_docs(tokens, tok.eos_id)
+    assert len(docs) == 24
+    assert tok.decode(docs[0][:-1]) == paragraphs()[0]
+    assert [tok.decode(d[:-1]) for d in docs] == paragraphs()
+    assert sorted(p.name for p in out.parent.iterdir()) == ["prepared"], "temp folder left behind"
+
+
+def test_deterministic_and_sharded(tmp_path, text_corpus, capsys):
+    """Two runs give the same tokenizer and tokens; tiny shards concatenate to the same stream."""
+    args = [f"data.source={text_corpus}", "data.vocab_size=400"]
+    assert run_main(capsys, *args, f"data.path={tmp_path / 'a'}")[0] == 0
+    meta_b = prep.prepare(load_config([*args, f"data.path={tmp_path / 'b'}"], world_size=1, check_data=False),
+                          shard_tokens=100)
+    meta_a, tokens_a = read_tokens(tmp_path / "a")
+    _, tokens_b = read_tokens(tmp_path / "b")
+    assert meta_a["tokenizer_sha256"] == meta_b["tokenizer_sha256"]
+    assert len(meta_b["shards"]) == -(-tokens_a.size // 100) and meta_b["shards"][0]["num_tokens"] == 100
+    np.testing.assert_array_equal(tokens_a, tokens_b)
+
+
+def test_jsonl_and_parquet_source(tmp_path, capsys):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    paras = paragraphs(16)
+    src = tmp_path / "src"
+    (src / "sub").mkdir(parents=True)
+    with gzip.open(src / "a.jsonl.gz", "wt") as f:
+        for i, p in enumerate(paras[:10]):
+            f.write(json.dumps({"body": p, "id": i}) + "\n")
+    (src / "b.jsonl").write_text(json.dumps({"body": "   "}) + "\n")  # a blank record is skipped
+    pq.write_table(pa.table({"body": paras[10:], "id": list(range(6))}), src / "sub" / "c.parquet")
+    (src / "notes.md").write_text("not a corpus file")
+    out = tmp_path / "out"
+    rc, _, err = run_main(capsys, f"data.source={src}", f"data.path={out}", "data.vocab_size=400",
+                          "data.text_key=body")
+    assert rc == 0, err
+    meta, tokens = read_tokens(out)
+    tok = Tokenizer.load(out / "tokenizer.model")
+    assert meta["num_documents"] == 16
+    assert [tok.decode(d[:-1]) for d in split_docs(tokens, tok.eos_id)] == paras
+
+
+def test_missing_source_cli(tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "megaframe.data.prepare", f"data.source={tmp_path / 'nope'}",
+                           f"data.path={out}"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("megaframe: error: ") and "does not exist" in lines[0]
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("setup, overrides, needle", [
+    (lambda d: (d / "x.csv").write_text("a,b\n"), ["data.vocab_size=400"], "no .txt"),
+    (lambda d: (d / "x.txt").write_text("\n\n   \n\n"), ["data.vocab_size=400"], "no text"),
+    (lambda d: (d / "x.txt").write_text("hello"), ["data.vocab_size=100"], "too small"),
+    (lambda d: (d / "x.txt").write_text("hello"), ["data.vocab_size=abc"], "data.vocab_size"),
+    (lambda d: (d / "x.jsonl").write_text('{"text": "hi"}\n{"text": oops\n'), ["data.vocab_size=400"], "cannot read"),
+    (lambda d: (d / "x.jsonl").write_text('{"body": "hi"}\n'), ["data.vocab_size=400"], "no field 'text'"),
+])
+def test_bad_input_exits_2(tmp_path, capsys, setup, overrides, needle):
+    src = tmp_path / "src"
+    src.mkdir()
+    setup(src)
+    rc, stdout, err = run_main(capsys, f"data.source={src}", f"data.path={tmp_path / 'a' / 'out'}", *overrides)
+    assert rc == 2 and stdout == ""
+    assert len(err.strip().splitlines()) == 1 and err.startswith("megaframe: error: ") and needle in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"], "a failed run must write nothing"
+
+
+def test_existing_prepared_folder_untouched(tmp_path, text_corpus, capsys):
+    out = tmp_path / "out"
+    assert run_main(capsys, f"data.source={text_corpus}", f"data.path={out}", "data.vocab_size=400")[0] == 0
+    before = {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in out.iterdir()}
+    # even a different source and vocabulary must not rebuild over existing data
+    rc, stdout, _ = run_main(capsys, f"data.source={tmp_path / 'nope'}", f"data.path={out}", "data.vocab_size=500")
+    assert rc == 0 and "already prepared" in stdout
+    assert {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_non_empty_unprepared_path_refused(tmp_path, text_corpus, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    rc, _, err = run_main(capsys, f"data.source={text_corpus}", f"data.path={out}")
+    assert rc == 2 and "without meta.json" in err
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]

@@ -1,0 +1,40 @@
+"""megaframe entry point: `python train.py [hydra overrides]`, or under torchrun / srun for many ranks.
+
+Bad input (config, data, checkpoint) ends the run with exit code 2 and one line naming the cause,
+checked before any process group is built. `--cfg` prints the composed config; `--help` the usage.
+"""
+import os
+import sys
+
+
+def main(argv: list[str]) -> int:
+    from megaframe.config import ConfigError, load_config
+
+    quiet = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) != "0"  # one rank speaks for all
+    if "--help" in argv or "-h" in argv:
+        print(__doc__.strip() + "\nConfig: conf/config.yaml; e.g. python train.py model=gpt2_tiny parallel.tp=2")
+        return 0
+    show = "--cfg" in argv
+    argv = [a for a in argv if a != "--cfg"]
+    try:
+        cfg = load_config(argv)
+    except ConfigError as e:
+        if not quiet:
+            print(f"megaframe: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    if show:
+        from omegaconf import OmegaConf
+        print(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+        return 0
+    from megaframe.training.trainer import run
+
+    try:
+        run(cfg)
+    except ConfigError as e:
+        print(f"megaframe: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
