@@ -51,6 +51,8 @@ class PreparedData:
 class SyntheticData:
     """Deterministic random tokens: sample i is drawn from a generator seeded by (seed, i).
 
+    Each next token is (7 * previous + r) mod V with r uniform in [0, 8): learnable (the best loss is
+    ln 8 ≈ 2.08 nats, against ln V for uniform tokens), so a synthetic run shows training working.
     Already random, endless and never repeated, so it is read in order (no permutation).
     """
 
@@ -62,7 +64,14 @@ class SyntheticData:
 
     def __getitem__(self, i: int) -> np.ndarray:
         rng = np.random.default_rng([self.seed, i])
-        return rng.integers(0, self.vocab_size, self.seq_length + 1, dtype=np.int64)
+        steps = rng.integers(0, 8, self.seq_length + 1, dtype=np.int64)
+        steps[0] = rng.integers(0, self.vocab_size)
+        out = np.empty_like(steps)
+        prev = 0
+        for j, r in enumerate(steps.tolist()):
+            prev = (7 * prev + r) % self.vocab_size
+            out[j] = prev
+        return out
 
 
 @lru_cache(maxsize=4)

@@ -1,0 +1,100 @@
+"""A thin sentencepiece wrapper: train a byte-fallback BPE model, load it, encode in batches, decode.
+
+Choices, and why:
+- BPE with byte_fallback: any UTF-8 input encodes (unseen characters become <0xNN> byte pieces), so a
+  model trained on English never maps text to <unk>.
+- identity normalization, no whitespace squeezing: decode(encode(text)) == text, newlines included,
+  which is what a pretraining corpus wants (the model sees the text exactly as written).
+- an explicit </s> (eos) piece and no <s>/<pad>: documents are joined by eos in the token stream.
+- determinism: a fixed sentencepiece seed for the sentence sampling, so training twice on the same
+  text gives a byte-identical model (the prepared data's tokenizer_sha256 is then reproducible).
+- hard_vocab_limit off: a tiny corpus that cannot fill vocab_size gives a smaller vocabulary instead
+  of an error; callers must read `Tokenizer.vocab_size`, not assume the requested size.
+"""
+from __future__ import annotations
+
+import io
+import os
+import re
+from pathlib import Path
+from typing import Iterable, Iterator, Sequence
+
+import sentencepiece as spm
+
+UNK_ID, EOS_ID = 0, 1
+MAX_SENTENCE_CHARS = 16384
+"""Training "sentences" longer than this are cut into pieces: sentencepiece silently drops any sentence
+over max_sentence_length bytes, which would hide long documents (jsonl web pages) from training."""
+MAX_SENTENCE_BYTES = 4 * MAX_SENTENCE_CHARS  # a UTF-8 character is at most 4 bytes
+
+
+class TokenizerError(ValueError):
+    """Tokenizer training failed for a reason in the input (too small a vocabulary, no text)."""
+
+
+class Tokenizer:
+    """A loaded sentencepiece model; encode takes a batch so sentencepiece can use all cores."""
+
+    def __init__(self, processor: spm.SentencePieceProcessor):
+        self.sp = processor
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Tokenizer":
+        return cls(spm.SentencePieceProcessor(model_file=str(path)))
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.sp.get_piece_size())
+
+    @property
+    def eos_id(self) -> int:
+        return int(self.sp.eos_id())
+
+    def encode(self, texts: Sequence[str], num_threads: int | None = None) -> list[list[int]]:
+        """Token ids of each text (no eos appended: the caller decides document boundaries)."""
+        return self.sp.encode(list(texts), out_type=int, num_threads=num_threads or os.cpu_count() or 1)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.sp.decode([int(i) for i in ids])
+
+
+def _sentences(texts: Iterable[str]) -> Iterator[str]:
+    for text in texts:
+        for start in range(0, len(text), MAX_SENTENCE_CHARS):
+            yield text[start:start + MAX_SENTENCE_CHARS]
+
+
+def _one_line(e: BaseException) -> str:
+    """sentencepiece errors read 'INTERNAL: src/x.cc(638) [check] message'; keep the message."""
+    msg = " ".join(str(e).split())
+    return re.sub(r"^[A-Z_]+: \S+\(\d+\) \[[^\]]*\]\s*", "", msg) or type(e).__name__
+
+
+def train_tokenizer(text_iterator: Iterable[str], vocab_size: int, model_prefix: str | Path, *,
+                    seed: int = 1234, max_sentences: int = 1_000_000,
+                    character_coverage: float = 0.9995, num_threads: int | None = None) -> Path:
+    """Train a byte-fallback BPE model on the texts; writes `{model_prefix}.model` and returns its path.
+
+    At most `max_sentences` training sentences are kept (a seeded reservoir sample when there are more),
+    which bounds the trainer's memory on a large corpus. Raises TokenizerError on bad input.
+    """
+    model = io.BytesIO()
+    spm.set_random_generator_seed(seed)  # the reservoir sampling is the only randomness
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=_sentences(text_iterator), model_writer=model,
+            model_type="bpe", vocab_size=int(vocab_size), hard_vocab_limit=False,
+            byte_fallback=True, character_coverage=character_coverage,
+            normalization_rule_name="identity", remove_extra_whitespaces=False,
+            add_dummy_prefix=True, split_digits=True, allow_whitespace_only_pieces=True,
+            unk_id=UNK_ID, eos_id=EOS_ID, bos_id=-1, pad_id=-1, eos_piece="</s>",
+            input_sentence_size=max_sentences, shuffle_input_sentence=True,
+            max_sentence_length=MAX_SENTENCE_BYTES, num_threads=num_threads or os.cpu_count() or 1,
+            minloglevel=2)
+    except RuntimeError as e:
+        raise TokenizerError(f"tokenizer training failed: {_one_line(e)}") from e
+    if not model.getvalue():
+        raise TokenizerError("tokenizer training produced no model (no text?)")
+    path = Path(f"{model_prefix}.model")
+    path.write_bytes(model.getvalue())
+    return path
