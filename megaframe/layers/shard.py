@@ -115,3 +115,17 @@ def init_model(model: nn.Module, seed: int, std: float, num_layers: int) -> None
     for name, p in model.named_parameters():
         full = full_init(name, p.shard.global_shape, seed, std, num_layers)
         p.copy_(p.shard.local(full).to(p.device, p.dtype))
+
+
+def gather_full(local: torch.Tensor, shard: Shard, axis) -> torch.Tensor:
+    """The full tensor from every tp rank's slice (a plain all-gather; for tests, export and checks)."""
+    import torch.distributed as dist
+
+    if shard.dim is None or axis.size == 1:
+        return local.detach().clone()
+    pieces = [torch.empty_like(local) for _ in range(axis.size)]
+    dist.all_gather(pieces, local.detach().contiguous(), group=axis.group)
+    full = torch.empty(shard.global_shape, dtype=local.dtype, device=local.device)
+    for r, piece in enumerate(pieces):
+        shard.place(full, piece, r)
+    return full

@@ -1,0 +1,96 @@
+"""A pool of gloo ranks reused across tests: spawned once per session, each job runs on the first n.
+
+Every worker joins one 4-rank gloo world (1 thread each, 2 cores). A job is (fn, tp, pp, n, args):
+all workers build (or reuse) the mesh over ranks [0, n) — group creation is collective over the whole
+world — then ranks < n call fn(mesh, *args). Results come back through pipes. Every collective has
+the process-group timeout and every wait here has its own, so a broken test fails instead of hanging.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import traceback
+
+import torch.multiprocessing as mp
+
+JOB_TIMEOUT_S = 240
+COLLECTIVE_TIMEOUT_S = 60
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, size: int, port: int, conn) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from megaframe.parallel.mesh import build_mesh
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
+                            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    meshes = {}
+    while True:
+        job = conn.recv()
+        if job is None:
+            break
+        fn, tp, pp, n, args = job
+        try:
+            key = (tp, pp, n)
+            if key not in meshes:  # groups are cached: creating them per job would leak sockets
+                meshes[key] = build_mesh(tp, pp, torch.device("cpu"), ranks=range(n))
+            mesh = meshes[key]
+            if mesh is not None:
+                mesh.stats.pop()
+            conn.send((True, fn(mesh, *args) if mesh is not None else None))
+        except BaseException:  # report, keep serving; the test decides
+            conn.send((False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class RankPool:
+    def __init__(self, size: int = 4):
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        self.size, self.conns, self.procs = size, [], []
+        for r in range(size):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=_worker, args=(r, size, port, child), daemon=True)
+            p.start()
+            self.conns.append(parent)
+            self.procs.append(p)
+        self.broken = False
+
+    def run(self, fn, n: int, *args, tp: int = 1, pp: int = 1, timeout: float = JOB_TIMEOUT_S) -> list:
+        """Run fn(mesh, *args) on ranks [0, n) with the given layout; returns their results in rank order."""
+        assert not self.broken, "pool broken by an earlier timeout"
+        assert n <= self.size
+        for c in self.conns:
+            c.send((fn, tp, pp, n, args))
+        results, errors = [], []
+        for r, c in enumerate(self.conns):
+            if not c.poll(timeout):
+                self.broken = True
+                self.close()
+                raise TimeoutError(f"rank {r} gave no result in {timeout}s")
+            ok, val = c.recv()
+            (results if ok else errors).append(val if ok else f"rank {r}:\n{val}")
+        if errors:
+            raise RuntimeError("\n".join(errors))
+        return results[:n]
+
+    def close(self) -> None:
+        for c, p in zip(self.conns, self.procs):
+            try:
+                if p.is_alive() and not self.broken:
+                    c.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+        for p in self.procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
