@@ -90,11 +90,11 @@ class TrainConfig:
     """Samples per micro-batch per data-parallel rank."""
     global_batch_size: int = 16
     """Samples per optimizer step over all data-parallel ranks."""
-    max_steps: int = 100
+    max_steps: int = 300
     """Optimizer steps to run."""
     seed: int = 1234
     """Seeds init (with each parameter's global name) and the sample order."""
-    log_interval: int = 10
+    log_interval: int = 25
     """Write metrics every this many steps (and at the last step)."""
     device: str = "auto"
     """auto | cpu | cuda."""
@@ -102,11 +102,11 @@ class TrainConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = 1e-3
+    lr: float = 2e-3
     """Peak learning rate."""
     min_lr: float = 1e-4
     """Learning rate at the end of the cosine decay."""
-    warmup_steps: int = 10
+    warmup_steps: int = 20
     """Linear warmup steps from 0 to lr."""
     weight_decay: float = 0.1
     """AdamW decoupled weight decay; applied to matrices only, never to norms or biases."""

@@ -48,3 +48,33 @@ def train_and_report(mesh, overrides: list[str], steps: int) -> dict | None:
     if mesh.rank != 0:
         return None
     return {"losses": losses, "grads": grads, "weights": weights, "comm": comm_tp}
+
+
+def vocab_layers(mesh, sp: bool) -> dict | None:
+    """Tied vocab-parallel embedding -> logits -> cross-entropy vs dense torch ops: rank 0 returns max errors."""
+    import torch.nn.functional as F
+
+    from megaframe.layers.shard import full_init
+    from megaframe.layers.vocab import VocabParallelEmbedding, parallel_logits, vocab_parallel_cross_entropy
+
+    v, d, s, b, tp = 64, 16, 8, 3, mesh.tp
+    full_w = full_init("embed.weight", (v, d), 7, 0.5, 1)
+    ids_SB = torch.randint(0, v, (s, b), generator=torch.Generator().manual_seed(1))
+    target_SB = ids_SB.roll(1, 0)
+    emb = VocabParallelEmbedding(v, d, tp, sp)
+    emb.weight.data.copy_(emb.weight.shard.local(full_w))
+    loss_SB = vocab_parallel_cross_entropy(parallel_logits(emb(ids_SB), emb.weight, tp, sp), target_SB, tp)
+    loss_SB.sum().backward()
+    w_ref = full_w.clone().requires_grad_(True)
+    ref_SB = F.cross_entropy((F.embedding(ids_SB, w_ref) @ w_ref.t()).flatten(0, 1), target_SB.flatten(),
+                             reduction="none").view(s, b)
+    ref_SB.sum().backward()
+    errs = {"loss": (loss_SB - ref_SB).abs().max().item(),
+            "grad": (emb.weight.grad - emb.weight.shard.local(w_ref.grad)).abs().max().item()}
+    return errs if mesh.rank == 0 else None
+
+
+def comm_volume(mesh, overrides: list[str]) -> dict | None:
+    """Bytes sent per group during one training step of the tiny model; rank 0 returns them."""
+    out = train_and_report(mesh, overrides, 1)
+    return out and out["comm"][0]

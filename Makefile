@@ -1,0 +1,38 @@
+# megaframe: `make train` (set up, prepare the demo corpus, pretrain) and `make test` (set up, run every test).
+# Everything lands in .venv; torch is pinned by constraints.txt (a CPU wheel here, CUDA on GPU hosts).
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+ARGS   ?=
+RUN    ?= demo-$(shell date +%Y%m%d-%H%M%S)
+
+.PHONY: install data train test test-fast clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml constraints.txt
+	@# Debian's python3 needs python3-venv for ensurepip; install it when missing and we may
+	@$(PYTHON) -c "import ensurepip, venv" 2>/dev/null || { [ "$$(id -u)" = 0 ] && apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv >/dev/null; }
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q -c constraints.txt "torch==2.13.0"
+	$(PIP) install -q -c constraints.txt -e ".[test]"
+	touch $@
+
+data: $(VENV)/.installed data/demo/prepared/meta.json
+
+data/demo/prepared/meta.json:
+	$(PY) -m megaframe.data.prepare
+
+train: data
+	MEGAFRAME_RUN_NAME=$(RUN) $(PY) train.py $(ARGS)
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q -rs $(ARGS); rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
+
+test-fast: $(VENV)/.installed
+	$(PY) -m pytest -q -m "not e2e" $(ARGS)
+
+clean:
+	rm -rf $(VENV) data/demo/prepared outputs
