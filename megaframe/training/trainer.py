@@ -120,5 +120,6 @@ def describe(cfg: Config, mesh: Mesh, model, data, start: int) -> None:
           f"params {total / 1e6:.2f}M, {local / 1e6:.2f}M on this rank | "
           f"{flops_per_token(m) / 1e6:.1f} MFLOP/token", flush=True)
     print(f"batch {t.global_batch_size} x {m.seq_length} = {t.global_batch_size * m.seq_length} tokens/step, "
-          f"micro {t.micro_batch_size}, accumulation {accum} | data {cfg.data.name}: {data.num_samples} samples | "
+          f"micro {t.micro_batch_size}, accumulation {accum} | data {cfg.data.name}: "
+          f"{'endless' if cfg.data.kind == 'synthetic' else data.num_samples} samples | "
           f"steps {start + 1}..{t.max_steps}", flush=True)

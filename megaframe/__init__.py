@@ -1,0 +1,31 @@
+"""megaframe: Megatron-style LLM pretraining, every parallel layout proven equal to one process."""
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+
+def load_model(path: str):
+    """The full model of a checkpoint on CPU in one process (any layout it was saved under).
+
+    `path` is a step folder (step_XXXXXXXX) or a checkpoint dir holding `latest`.
+    `model(input_ids_BS)` returns logits [batch, seq, vocab].
+    """
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    from megaframe.checkpoint import sharded
+    from megaframe.config import Config
+    from megaframe.model.gpt import GPT
+    from megaframe.parallel.mesh import single_process_mesh
+
+    step = Path(path)
+    if not (step / "metadata.json").is_file():
+        step = sharded.latest(path)
+        if step is None:
+            raise FileNotFoundError(f"{path}: no committed checkpoint")
+    meta = sharded.read_metadata(step)
+    cfg: Config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), meta["config"]))
+    model = GPT(cfg.model, single_process_mesh("cpu"), sp=False)
+    sharded.load_into(step, model)
+    return model.eval()

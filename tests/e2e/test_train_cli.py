@@ -1,0 +1,90 @@
+"""The user-facing commands end to end: one process, torchrun, bad input, resume, load_model."""
+import json
+import shutil
+import time
+
+import pytest
+import torch
+
+from tests.e2e.helpers import TINY, metrics, run, train
+
+pytestmark = pytest.mark.e2e
+
+
+def _rel(a, b):
+    return abs(a - b) / abs(b)
+
+
+def test_torchrun_tp4_sp_matches_one_process(tmp_path):
+    over = ["data=synthetic", *TINY, "train.max_steps=6", "train.log_interval=1"]
+    one = train(over + [f"run.dir={tmp_path / 'one'}"])
+    assert one.returncode == 0, one.stderr[-3000:]
+    four = train(over + ["parallel.tp=4", "parallel.sp=true", f"run.dir={tmp_path / 'tp4'}"], nproc=4)
+    assert four.returncode == 0, four.stderr[-3000:]
+    ref, got = metrics(tmp_path / "one"), metrics(tmp_path / "tp4")
+    assert [r["step"] for r in got] == list(range(1, 7))
+    for a, b in zip(got, ref):
+        assert _rel(a["loss"], b["loss"]) <= 1e-4, (a["loss"], b["loss"])
+    # each rank holds a quarter of the sharded weights; tp traffic is counted
+    assert got[0]["mem/params_bytes"] < 0.4 * ref[0]["mem/params_bytes"]
+    assert got[0]["comm_bytes/tp"] > 0 and ref[0]["comm_bytes/tp"] == 0
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["parallel.tp=3"], "parallel.tp"),
+    (["model.hiden_size=3"], "hiden_size"),
+    (["data.path=/nonexistent/prepared"], "data.path"),
+    (["train.global_batch_size=7"], "train.global_batch_size"),
+])
+def test_bad_input_exits_2_with_one_line(args, needle, tmp_path):
+    t0 = time.time()
+    res = train(args + [f"run.dir={tmp_path}/r"], timeout=60)
+    assert res.returncode == 2, res.stderr
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and needle in lines[0] and lines[0].startswith("megaframe: error:"), res.stderr
+    assert time.time() - t0 < 30
+    assert not (tmp_path / "r").exists()
+
+
+def test_torchrun_refuses_tp_that_does_not_divide_world(tmp_path):
+    res = train(["data=synthetic", "parallel.tp=3", f"run.dir={tmp_path}/r"], nproc=2, timeout=120)
+    assert res.returncode != 0
+    out = res.stdout + res.stderr
+    assert "megaframe: error: parallel.tp=3" in out and "exitcode" in out and ": 2" in out, out[-2000:]
+    assert out.index("megaframe: error:") < out.index("exitcode")
+
+
+def test_resume_continues_with_uninterrupted_losses(tmp_path):
+    over = ["data=synthetic", *TINY, "train.max_steps=6", "train.log_interval=1", "checkpoint.interval=3"]
+    full = train(over + [f"run.dir={tmp_path / 'a'}"])
+    assert full.returncode == 0, full.stderr[-2000:]
+    ck = tmp_path / "a" / "checkpoints"
+    assert (ck / "latest").read_text().strip() == "step_00000006"
+    meta = json.loads((ck / "step_00000003" / "metadata.json").read_text())
+    assert meta["step"] == 3 and meta["consumed_samples"] == 24
+    assert meta["tensors"]["model/embed.weight"]["global_shape"] == [4096, 64]
+    # a second run that finds only the step-3 checkpoint resumes there and continues identically
+    (tmp_path / "b" / "checkpoints").mkdir(parents=True)
+    shutil.copytree(ck / "step_00000003", tmp_path / "b" / "checkpoints" / "step_00000003")
+    resumed = train(over + [f"run.dir={tmp_path / 'b'}"])
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resumed from" in resumed.stdout
+    a, b = metrics(tmp_path / "a"), metrics(tmp_path / "b")
+    assert [r["step"] for r in b] == [4, 5, 6]
+    for x, y in zip(a[3:], b):
+        assert _rel(y["loss"], x["loss"]) <= 1e-6, (x, y)
+
+
+def test_tp2_checkpoint_loads_as_one_process_model(tmp_path):
+    over = ["data=synthetic", *TINY, "train.max_steps=2", "train.log_interval=1", f"run.dir={tmp_path}"]
+    res = train(over + ["parallel.tp=2", "parallel.sp=true"], nproc=2)
+    assert res.returncode == 0, res.stderr[-2000:]
+    import megaframe
+
+    model = megaframe.load_model(str(tmp_path / "checkpoints"))
+    ids = torch.randint(0, 4096, (2, 32))
+    with torch.no_grad():
+        logits = model(ids)
+    assert logits.shape == (2, 32, 4096) and torch.isfinite(logits).all()
+    shards = sorted(p.name for p in (tmp_path / "checkpoints" / "step_00000002").glob("*.safetensors"))
+    assert shards == ["shard_00000.safetensors", "shard_00001.safetensors"]

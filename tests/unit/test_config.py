@@ -1,0 +1,217 @@
+"""The config contract: the frozen key set, every model preset, and the one-line ConfigError of each bad setting."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from megaframe.config import CONF_DIR, Config, ConfigError, ModelConfig, load_config, validate
+
+# Adding, renaming or removing a config key is a deliberate edit of this list (and of the docs that cite it).
+EXPECTED_KEYS = sorted("""
+checkpoint.dir checkpoint.interval checkpoint.resume
+data.kind data.name data.path data.source data.text_key data.vocab_size
+logging.wandb.entity logging.wandb.mode logging.wandb.project
+model.activation model.bias model.dropout model.ffn_hidden_size model.hidden_size model.init_std
+model.moe_top_k model.name model.norm model.norm_eps model.num_attention_heads model.num_experts
+model.num_layers model.num_query_groups model.position_embedding model.rope_theta model.seq_length
+model.tie_embeddings model.vocab_size
+optim.beta1 optim.beta2 optim.clip_grad optim.eps optim.lr optim.min_lr optim.warmup_steps optim.weight_decay
+parallel.ep parallel.pp parallel.sp parallel.tp parallel.vpp
+run.dir run.name
+train.device train.global_batch_size train.log_interval train.max_steps train.micro_batch_size train.seed
+""".split())
+
+PRESETS = sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml"))
+
+
+def flatten(d: dict, prefix: str = "") -> list[str]:
+    out = []
+    for k, v in d.items():
+        out += flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else [prefix + k]
+    return out
+
+
+def param_count(m: ModelConfig) -> int:
+    """Parameters computed from the dims alone: embeddings + layers + final norm + head."""
+    d, e, h, kv, f, v = m.hidden_size, m.head_dim, m.num_attention_heads, m.kv_heads, m.ffn_hidden_size, m.vocab_size
+    b = int(m.bias)
+    branches = 2 if m.activation == "swiglu" else 1
+    norm = d * (2 if m.norm == "layernorm" else 1)
+    attn = d * (h + 2 * kv) * e + b * (h + 2 * kv) * e + h * e * d + b * d
+    mlp = d * f * branches + b * f * branches + f * d + b * d
+    emb = v * d + (m.seq_length * d if m.position_embedding == "learned" else 0)
+    head = 0 if m.tie_embeddings else v * d
+    return emb + m.num_layers * (attn + mlp + 2 * norm) + norm + head
+
+
+def one_line_error(overrides, world_size=1, **kw) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides, world_size=world_size, **kw)
+    msg = str(info.value)
+    assert msg and "\n" not in msg, repr(msg)
+    return msg
+
+
+def test_config_keys_are_frozen():
+    assert sorted(flatten(dataclasses.asdict(Config()))) == EXPECTED_KEYS
+
+
+def test_composed_config_has_exactly_the_schema_keys():
+    cfg = load_config(["data=synthetic"], world_size=1)
+    assert isinstance(cfg, Config)
+    assert sorted(flatten(dataclasses.asdict(cfg))) == EXPECTED_KEYS
+
+
+def test_presets_exist():
+    assert {"gpt_tiny", "gpt2_tiny", "gpt2_small", "llama3_8b", "llama_1b"} <= set(PRESETS)
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_preset_composes_validates_and_counts_match_the_model(name):
+    from megaframe.model.gpt import GPT
+    from megaframe.parallel.mesh import single_process_mesh
+
+    cfg = load_config([f"model={name}", "data=synthetic"], world_size=1)
+    assert cfg.model.name == name
+    assert cfg.data.kind == "synthetic"
+    # the count from dims equals the real model's parameter count (built on meta: no memory)
+    model = GPT(cfg.model, single_process_mesh(), device=torch.device("meta"))
+    assert sum(p.numel() for p in model.parameters()) == param_count(cfg.model)
+
+
+@pytest.mark.parametrize("name,lo,hi", [
+    ("llama3_8b", 7.5e9, 8.5e9),        # 8.03B
+    ("llama_1b", 1.1e9, 1.6e9),         # 1.2B untied body + 0.26B head
+    ("gpt2_small", 123.5e6, 125.5e6),   # 124.4M with tied embeddings (124.48M with vocab padded to 50304)
+])
+def test_preset_sizes_are_plausible(name, lo, hi):
+    cfg = load_config([f"model={name}", "data=synthetic"], world_size=1)
+    n = param_count(cfg.model)
+    assert lo <= n <= hi, n
+
+
+def test_gpt2_small_exact_count():
+    # GPT-2 small is published as 124,439,808 parameters with vocab 50257; +47 padded rows x 768.
+    cfg = load_config(["model=gpt2_small", "data=synthetic"], world_size=1)
+    assert cfg.model.tie_embeddings and cfg.model.vocab_size == 50304
+    assert param_count(cfg.model) == 124_439_808 + 47 * 768
+
+
+def test_llama3_8b_exact_count():
+    cfg = load_config(["model=llama3_8b", "data=synthetic"], world_size=1)
+    assert param_count(cfg.model) == 8_030_261_248  # Meta-Llama-3-8B
+
+
+def test_overrides_reach_the_dataclasses():
+    cfg = load_config(["model=gpt2_tiny", "data=synthetic", "parallel.tp=2", "parallel.sp=true",
+                       "train.max_steps=7", "optim.lr=0.5"], world_size=4)
+    assert (cfg.parallel.tp, cfg.parallel.sp, cfg.train.max_steps, cfg.optim.lr) == (2, True, 7, 0.5)
+    assert cfg.model.norm == "layernorm" and cfg.model.tie_embeddings
+
+
+def test_typo_key_is_a_one_line_error():
+    assert "hiden_size" in one_line_error(["model.hiden_size=3", "data=synthetic"])
+
+
+def test_wrong_type_is_a_one_line_error():
+    assert "train.max_steps" in one_line_error(["train.max_steps=abc", "data=synthetic"])
+
+
+def test_unknown_preset_is_a_one_line_error():
+    assert "no_such_model" in one_line_error(["model=no_such_model", "data=synthetic"])
+
+
+@pytest.mark.parametrize("overrides,world,names", [
+    (["parallel.tp=3"], 2, ["parallel.tp"]),
+    (["model.num_attention_heads=6", "model.hidden_size=192", "parallel.tp=4"], 4,
+     ["parallel.tp", "model.num_attention_heads"]),
+    (["parallel.tp=4"], 4, ["parallel.tp", "model.num_query_groups"]),  # gpt_tiny: 4 heads, 2 kv groups
+    (["model.num_query_groups=3"], 1, ["model.num_query_groups"]),
+    (["model.hidden_size=130"], 1, ["model.hidden_size"]),
+    (["model.ffn_hidden_size=351", "parallel.tp=2"], 2, ["model.ffn_hidden_size"]),
+    (["model.vocab_size=4095", "parallel.tp=2"], 2, ["model.vocab_size"]),
+    (["train.global_batch_size=8", "train.micro_batch_size=4"], 4, ["train.global_batch_size"]),
+    (["train.global_batch_size=12", "train.micro_batch_size=4", "parallel.tp=2"], 4, ["train.global_batch_size"]),
+    (["parallel.sp=true", "parallel.tp=2", "model.seq_length=127"], 2, ["parallel.sp", "model.seq_length"]),
+    (["parallel.pp=2"], 2, ["parallel.pp"]),
+    (["model.num_experts=4"], 1, ["model.num_experts"]),
+    (["model.norm=batchnorm"], 1, ["model.norm"]),
+    (["model.dropout=1.0"], 1, ["model.dropout"]),
+    (["logging.wandb.mode=loud"], 1, ["logging.wandb.mode"]),
+    (["checkpoint.resume=/nonexistent/step_00000010"], 1, ["checkpoint.resume"]),
+])
+def test_layout_errors_name_the_field(overrides, world, names):
+    msg = one_line_error(["model=gpt_tiny", "data=synthetic", *overrides], world_size=world)
+    for n in names:
+        assert n in msg, msg
+
+
+@pytest.mark.parametrize("overrides,world", [
+    (["parallel.tp=2"], 2),
+    (["parallel.tp=2", "parallel.sp=true"], 8),
+    (["train.global_batch_size=16", "train.micro_batch_size=2"], 8),
+    (["checkpoint.resume=none"], 1),
+])
+def test_good_layouts_pass(overrides, world):
+    load_config(["model=gpt_tiny", "data=synthetic", *overrides], world_size=world)
+
+
+def test_resume_accepts_a_committed_checkpoint_folder(tmp_path):
+    (tmp_path / "metadata.json").write_text("{}")
+    cfg = load_config(["data=synthetic", f"checkpoint.resume={tmp_path}"], world_size=1)
+    assert cfg.checkpoint.resume == str(tmp_path)
+
+
+def fake_prepared(folder: Path, vocab: int, tokenizer: bool = True) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "meta.json").write_text(json.dumps({"vocab_size": vocab, "dtype": "uint16", "shards": []}))
+    if tokenizer:
+        (folder / "tokenizer.model").write_bytes(b"not a real model")
+    return folder
+
+
+def test_missing_prepared_data_names_data_path(tmp_path):
+    msg = one_line_error(["data=demo", f"data.path={tmp_path / 'nope'}"])
+    assert "data.path" in msg and "nope" in msg
+
+
+def test_empty_data_path_names_data_path():
+    assert "data.path" in one_line_error(["data=demo", "data.path="])
+
+
+def test_check_data_false_skips_the_data_check(tmp_path):
+    load_config(["data=demo", f"data.path={tmp_path / 'nope'}"], world_size=1, check_data=False)
+
+
+def test_vocab_smaller_than_the_tokenizer_names_model_vocab_size(tmp_path):
+    path = fake_prepared(tmp_path / "prep", vocab=8192)
+    msg = one_line_error(["data=demo", f"data.path={path}", "model.vocab_size=4096"])
+    assert "model.vocab_size" in msg
+
+
+def test_prepared_data_with_fitting_vocab_passes(tmp_path):
+    path = fake_prepared(tmp_path / "prep", vocab=4000)
+    cfg = load_config(["data=demo", f"data.path={path}", "model.vocab_size=4096"], world_size=1)
+    assert cfg.data.path == str(path)
+
+
+def test_missing_tokenizer_and_corrupt_meta_name_data_path(tmp_path):
+    path = fake_prepared(tmp_path / "a", vocab=100, tokenizer=False)
+    assert "tokenizer.model" in one_line_error(["data=demo", f"data.path={path}"])
+    bad = tmp_path / "b"
+    bad.mkdir()
+    (bad / "meta.json").write_text("{not json")
+    assert "data.path" in one_line_error(["data=demo", f"data.path={bad}"])
+
+
+def test_validate_directly_uses_world_size():
+    cfg = Config()
+    cfg.data.kind = "synthetic"
+    cfg.parallel.tp = 2
+    validate(cfg, world_size=2)
+    with pytest.raises(ConfigError, match="parallel.tp"):
+        validate(cfg, world_size=3)
