@@ -1,0 +1,121 @@
+"""The learning-rate schedule and the FLOPs-per-token figure behind MFU."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from megaframe.config import ModelConfig, load_config
+from megaframe.optim.schedule import lr_at
+from megaframe.training.metrics import flops_per_token, matmul_params
+
+LR, MIN_LR = 3e-3, 3e-4
+
+
+# ---------------------------------------------------------------- lr_at
+
+def test_warmup_is_linear_from_zero():
+    assert lr_at(0, LR, MIN_LR, 10, 100) == 0.0
+    assert lr_at(1, LR, MIN_LR, 10, 100) == pytest.approx(LR / 10)
+    for s in range(1, 11):
+        assert lr_at(s, LR, MIN_LR, 10, 100) == pytest.approx(LR * s / 10)
+    assert lr_at(10, LR, MIN_LR, 10, 100) == pytest.approx(LR)  # peak exactly at the end of warmup
+
+
+def test_cosine_decay_ends_at_min_lr_and_is_monotone():
+    lrs = [lr_at(s, LR, MIN_LR, 10, 100) for s in range(10, 101)]
+    assert lrs[0] == pytest.approx(LR)
+    assert lrs[-1] == pytest.approx(MIN_LR)
+    assert all(b < a for a, b in zip(lrs, lrs[1:]))  # strictly decreasing after the peak
+    assert all(MIN_LR <= x <= LR for x in lrs)
+    assert lr_at(55, LR, MIN_LR, 10, 100) == pytest.approx((LR + MIN_LR) / 2)  # cosine midpoint
+    # the cosine shape: a quarter of the way down
+    assert lr_at(35, LR, MIN_LR, 10, 110) == pytest.approx(MIN_LR + 0.5 * (LR - MIN_LR) * (1 + math.cos(math.pi / 4)))
+
+
+def test_after_max_steps_stays_at_min_lr():
+    for s in (100, 101, 150, 10_000):
+        assert lr_at(s, LR, MIN_LR, 10, 100) == pytest.approx(MIN_LR)
+
+
+def test_no_warmup():
+    assert lr_at(0, LR, MIN_LR, 0, 50) == pytest.approx(LR)
+    assert MIN_LR < lr_at(1, LR, MIN_LR, 0, 50) < LR
+    assert lr_at(1, LR, MIN_LR, 0, 50) == pytest.approx(MIN_LR + 0.5 * (LR - MIN_LR) * (1 + math.cos(math.pi / 50)))
+    assert lr_at(50, LR, MIN_LR, 0, 50) == pytest.approx(MIN_LR)
+    lrs = [lr_at(s, LR, MIN_LR, 0, 50) for s in range(0, 51)]
+    assert all(b < a for a, b in zip(lrs, lrs[1:]))
+
+
+def test_warmup_as_long_as_the_run():
+    assert lr_at(5, LR, MIN_LR, 10, 10) == pytest.approx(LR / 2)
+    assert lr_at(10, LR, MIN_LR, 10, 10) == pytest.approx(LR)
+    assert lr_at(11, LR, MIN_LR, 10, 10) == pytest.approx(MIN_LR)
+
+
+def test_min_lr_equal_to_lr_is_constant_after_warmup():
+    assert {round(lr_at(s, LR, LR, 5, 40), 12) for s in range(5, 60)} == {LR}
+
+
+# ---------------------------------------------------------------- FLOPs per token
+
+def dense(**kw) -> ModelConfig:
+    base = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256, seq_length=32,
+                vocab_size=100, norm="layernorm", activation="gelu", position_embedding="learned",
+                tie_embeddings=True, bias=True)
+    return ModelConfig(**{**base, **kw})
+
+
+def test_gpt2_small_flops_by_hand():
+    m = load_config(["model=gpt2_small", "data=synthetic"], world_size=1).model
+    # N = L * (qkv 3d^2 + out d^2 + mlp 8d^2) + head V*d = 12 * 12 * 768^2 + 50304 * 768
+    assert matmul_params(m) == 84_934_656 + 38_633_472 == 123_568_128
+    # 6N + 12 * L * d * s = 741,408,768 + 12 * 12 * 768 * 1024 (= 113,246,208)
+    assert flops_per_token(m) == 854_654_976
+    assert flops_per_token(m, causal=True) == 741_408_768 + 56_623_104
+
+
+def test_llama3_8b_flops_by_hand():
+    m = load_config(["model=llama3_8b", "data=synthetic"], world_size=1).model
+    # per layer: qkv 4096 x (32 + 2*8) x 128, out 4096^2, SwiGLU 3 x 4096 x 14336; plus untied head 128256 x 4096
+    n = 32 * (4096 * 6144 + 4096 * 4096 + 3 * 4096 * 14336) + 128256 * 4096
+    assert matmul_params(m) == n == 7_504_658_432  # Llama-3-8B's 8.03B minus the 0.525B input embedding
+    assert flops_per_token(m) == 6 * n + 12 * 32 * 4096 * 8192
+
+
+@pytest.mark.parametrize("kw", [{}, {"num_layers": 5}, {"seq_length": 128}, {"hidden_size": 96, "num_attention_heads": 6}])
+def test_flops_is_6n_plus_attention_term(kw):
+    m = dense(**kw)
+    d, L, s, f, v = m.hidden_size, m.num_layers, m.seq_length, m.ffn_hidden_size, m.vocab_size
+    n = L * (4 * d * d + 2 * d * f) + v * d
+    assert matmul_params(m) == n
+    assert flops_per_token(m) == 6 * n + 12 * L * d * s
+    full, causal = flops_per_token(m), flops_per_token(m, causal=True)
+    assert full - causal == 6 * L * d * s  # causal halves exactly the attention term
+    assert causal - 6 * n == (full - 6 * n) / 2
+
+
+def test_gqa_and_swiglu_matmul_params():
+    m = dense(num_query_groups=2, activation="swiglu", tie_embeddings=False)
+    d, e, f, v = 64, 16, 256, 100
+    assert matmul_params(m) == 2 * (d * (4 + 2 * 2) * e + 4 * e * d + 3 * d * f) + v * d
+
+
+def test_flops_without_the_head_scale_linearly_with_layers():
+    a, b = dense(num_layers=2), dense(num_layers=4)
+    head = 6 * 100 * 64
+    assert flops_per_token(b) - head == 2 * (flops_per_token(a) - head)
+
+
+@pytest.mark.parametrize("name", ["gpt_tiny", "gpt2_tiny", "gpt2_small", "llama_1b"])
+def test_matmul_params_equal_the_models_matmul_weights(name):
+    from megaframe.model.gpt import GPT
+    from megaframe.parallel.mesh import single_process_mesh
+
+    m = load_config([f"model={name}", "data=synthetic"], world_size=1).model
+    model = GPT(m, single_process_mesh(), device=torch.device("meta"))
+    # every 2-D weight a token multiplies by: not the position table, and the input embedding only as a tied head
+    n = sum(p.numel() for k, p in model.named_parameters()
+            if p.dim() == 2 and k != "pos_embed" and (k != "embed.weight" or m.tie_embeddings))
+    assert matmul_params(m) == n
