@@ -32,6 +32,9 @@ def env_ranks() -> DistEnv:
 def pick_device(choice: str, local_rank: int) -> torch.device:
     if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
+    if not torch.cuda.is_available():
+        from megaframe.config import ConfigError
+        raise ConfigError("train.device=cuda but CUDA is not available on this machine")
     torch.cuda.set_device(local_rank % torch.cuda.device_count())
     return torch.device("cuda", torch.cuda.current_device())
 
