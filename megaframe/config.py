@@ -228,9 +228,11 @@ def load_config(overrides: list[str], world_size: Optional[int] = None, check_da
 
 
 def _one_line(e: BaseException) -> str:
-    msg = str(e).strip().splitlines()
-    text = " ".join(m.strip() for m in msg if m.strip())
-    return text or type(e).__name__
+    """The error and its cause (Hydra puts the reason, e.g. a failed type conversion, in __cause__)."""
+    parts = [str(e)] + ([str(e.__cause__)] if e.__cause__ is not None and str(e.__cause__) not in str(e) else [])
+    words = " ".join(" ".join(p.split()) for p in parts)
+    words = words.split(" full_key:")[0]  # OmegaConf appends a multi-field context block
+    return words or type(e).__name__
 
 
 def _req(ok: bool, msg: str) -> None:
