@@ -50,10 +50,8 @@ def _owned_tensors(model, optimizer, mesh: Mesh) -> dict[str, tuple[torch.Tensor
         if p.shard.dim is None and mesh.tp.rank != 0:
             continue
         out[f"model/{name}"] = (p.detach(), p.shard)
-        state = optimizer.state.get(p, {})
-        for k in ("exp_avg", "exp_avg_sq"):
-            if k in state:
-                out[f"optim/{k}/{name}"] = (state[k], p.shard)
+        for k, t in optimizer.logical_state(p).items():
+            out[f"optim/{k}/{name}"] = (t, p.shard)
     return out
 
 
@@ -143,9 +141,6 @@ def load_into(path: str | Path, model, optimizer=None) -> dict:
         p.copy_(p.shard.local(load_full(path, f"model/{name}", meta)).to(p.device, p.dtype))
         if optimizer is None or f"optim/exp_avg/{name}" not in meta["tensors"]:
             continue
-        state = optimizer.state[p]
-        for k in ("exp_avg", "exp_avg_sq"):
-            state[k] = p.shard.local(load_full(path, f"optim/{k}/{name}", meta)).to(p.device, torch.float32)
-        # fused AdamW keeps its step counter on the parameter's device
-        state["step"] = torch.tensor(float(meta["step"]), device=p.device if p.is_cuda else "cpu")
+        moments = {k: p.shard.local(load_full(path, f"optim/{k}/{name}", meta)) for k in ("exp_avg", "exp_avg_sq")}
+        optimizer.load_logical_state(p, moments, int(meta["step"]))
     return meta

@@ -1,21 +1,77 @@
-"""AdamW over this rank's parameter slices. Adam is elementwise, so sharding never changes the math."""
+"""The optimizer interface the trainer drives, and the plain data-parallel implementation.
+
+Adam is elementwise, so running it on each rank's parameter slices never changes the math.
+Every optimizer here offers:
+    zero_grad()                       before a step's first micro-batch
+    backward_context(is_last)         around each micro-batch's backward; is_last marks the final
+                                      backward of a parameter set (where reductions may start early)
+    step(lr) -> grad_norm             reduce grads, global norm, clip, update (no host sync)
+    logical_state(p) / load_logical_state(p, state, step)
+                                      Adam moments shaped like p's local slice (checkpoints)
+    memory_bytes()                    mem/grads_bytes and mem/optim_bytes of this rank
+"""
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from torch import nn
 
 from megaframe.config import OptimConfig
+from megaframe.optim.grads import clip_grads, finalize_grads, grad_norm
+from megaframe.parallel.mesh import Mesh
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) -> torch.optim.AdamW:
+def adamw(params_decay, params_no_decay, cfg: OptimConfig, device: torch.device) -> torch.optim.AdamW:
     """Weight decay on matrices only (never norms or biases); fused kernels on CUDA, foreach on CPU."""
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [{"params": params_decay, "weight_decay": cfg.weight_decay},
+              {"params": params_no_decay, "weight_decay": 0.0}]
     kwargs = {"fused": True} if device.type == "cuda" else {"foreach": True}
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **kwargs)
 
 
-def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
-    for group in optimizer.param_groups:
-        group["lr"] = lr
+class PlainOptimizer:
+    """Replicated AdamW; grads all-reduced over dp in flat buckets after the last micro-batch."""
+
+    def __init__(self, model: nn.Module, cfg: OptimConfig, mesh: Mesh):
+        self.model, self.cfg, self.mesh = model, cfg, mesh
+        params = list(model.parameters())
+        self.adam = adamw([p for p in params if p.ndim >= 2], [p for p in params if p.ndim < 2], cfg, mesh.device)
+
+    def zero_grad(self) -> None:
+        self.adam.zero_grad(set_to_none=True)
+
+    def backward_context(self, is_last: bool):
+        return contextlib.nullcontext()
+
+    def step(self, lr: float) -> torch.Tensor:
+        finalize_grads(self.model, self.mesh)
+        norm = grad_norm(self.model, self.mesh)
+        clip_grads(self.model, norm, self.cfg.clip_grad)
+        for group in self.adam.param_groups:
+            group["lr"] = lr
+        self.adam.step()
+        return norm
+
+    def logical_state(self, p: nn.Parameter) -> dict[str, torch.Tensor]:
+        state = self.adam.state.get(p, {})
+        return {k: state[k] for k in MOMENTS if k in state}
+
+    def load_logical_state(self, p: nn.Parameter, moments: dict[str, torch.Tensor], step: int) -> None:
+        state = self.adam.state[p]
+        for k in MOMENTS:
+            state[k] = moments[k].to(p.device, torch.float32)
+        # fused AdamW keeps its step counter on the parameter's device
+        state["step"] = torch.tensor(float(step), device=p.device if p.is_cuda else "cpu")
+
+    def memory_bytes(self) -> dict[str, int]:
+        grads = sum(p.grad.numel() * p.grad.element_size() for p in self.model.parameters() if p.grad is not None)
+        optim = sum(v.numel() * v.element_size() for s in self.adam.state.values() for v in s.values()
+                    if isinstance(v, torch.Tensor) and v.dim() > 0)
+        return {"mem/grads_bytes": grads, "mem/optim_bytes": optim}
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig, mesh: Mesh) -> PlainOptimizer:
+    return PlainOptimizer(model, cfg, mesh)

@@ -48,14 +48,18 @@ def finalize_grads(model: nn.Module, mesh: Mesh) -> None:
     all_reduce_grads(params, mesh.dp)
 
 
+def counts_in_norm(p: nn.Parameter, mesh: Mesh) -> bool:
+    """Whether this rank's copy of p adds to the global grad norm, so each element counts once:
+    tp-split slices on every tp rank, tp-replicated parameters on tp rank 0 only, and never a
+    pipeline duplicate (a tied embedding's copy on the last stage is tagged `pp_duplicate`)."""
+    return (p.shard.dim is not None or mesh.tp.rank == 0) and not getattr(p, "pp_duplicate", False)
+
+
 def grad_norm(model: nn.Module, mesh: Mesh) -> torch.Tensor:
-    """Global L2 norm of the gradient, each element counted once: tp-split slices on every tp rank,
-    tp-replicated parameters only on tp rank 0; dp replicas hold equal grads and are not added."""
+    """Global L2 norm of the gradient over tp and pp; dp replicas hold equal grads and are not added."""
     sq = torch.zeros((), device=mesh.device, dtype=torch.float32)
     for p in model.parameters():
-        if p.grad is None:
-            continue
-        if p.shard.dim is not None or mesh.tp.rank == 0:
+        if p.grad is not None and counts_in_norm(p, mesh):
             sq += p.grad.float().pow(2).sum()
     comm.all_reduce(sq, mesh.tp)
     comm.all_reduce(sq, mesh.pp)

@@ -51,17 +51,10 @@ def peak_flops(device: torch.device) -> float:
     return best
 
 
-def memory_figures(model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> dict[str, int]:
+def memory_figures(model: nn.Module, optimizer, device: torch.device) -> dict[str, int]:
     """This rank's bytes of parameters, gradients and optimizer state (and the CUDA peak)."""
-    def nbytes(ts):
-        return sum(t.numel() * t.element_size() for t in ts if isinstance(t, torch.Tensor))
-
-    out = {
-        "mem/params_bytes": nbytes(model.parameters()),
-        "mem/grads_bytes": nbytes(p.grad for p in model.parameters() if p.grad is not None),
-        "mem/optim_bytes": nbytes(v for s in optimizer.state.values() for v in s.values()
-                                  if isinstance(v, torch.Tensor) and v.dim() > 0),
-    }
+    out = {"mem/params_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+           **optimizer.memory_bytes()}
     if device.type == "cuda":
         out["mem/peak_bytes"] = torch.cuda.max_memory_allocated(device)
     return out

@@ -38,7 +38,7 @@ def run(cfg: Config) -> None:
 
 def train(cfg: Config, mesh: Mesh) -> None:
     model = build_model(cfg.model, mesh, cfg.parallel.sp, cfg.train.seed)
-    optimizer = build_optimizer(model, cfg.optim, mesh.device)
+    optimizer = build_optimizer(model, cfg.optim, mesh)
     try:
         data = build_data(cfg)
     except (OSError, ValueError, KeyError) as e:

@@ -30,7 +30,7 @@ def train_and_report(mesh, overrides: list[str], steps: int) -> dict | None:
     """Run `steps` optimizer steps; rank 0 returns losses, step-1 grads, final weights (full tensors)."""
     cfg = tiny_config(overrides + [f"train.max_steps={steps}"], mesh.world)
     model = build_model(cfg.model, mesh, cfg.parallel.sp, cfg.train.seed)
-    optimizer = build_optimizer(model, cfg.optim, mesh.device)
+    optimizer = build_optimizer(model, cfg.optim, mesh)
     data = build_data(cfg)
     t = cfg.train
     losses, grads, comm_tp = [], None, []
