@@ -82,6 +82,10 @@ class ParallelConfig:
     """Expert-parallel size, borrowed from the data-parallel ranks."""
     sp: bool = False
     """Sequence parallelism: split the sequence over tp between blocks (needs tp > 1 to matter)."""
+    pp_schedule: str = "auto"
+    """gpipe | 1f1b | interleaved | auto (interleaved when vpp > 1, else 1f1b)."""
+    pp_layout: Optional[list[int]] = None
+    """Layers per virtual stage (pp x vpp entries, stage s = chunk * pp + rank) for uneven splits."""
 
 
 @dataclass
@@ -265,12 +269,12 @@ def validate(cfg: Config, world_size: int, check_data: bool = True) -> None:
     _req(0.0 <= m.dropout < 1.0, f"model.dropout={m.dropout} must be in [0, 1)")
     if p.sp:
         _req(m.seq_length % p.tp == 0, f"parallel.sp needs parallel.tp={p.tp} to divide model.seq_length={m.seq_length}")
-    _req(p.pp == 1 and p.vpp == 1, "parallel.pp/parallel.vpp > 1: pipeline parallelism is not implemented yet")
     _req(p.ep == 1 and m.num_experts == 0, "parallel.ep / model.num_experts: MoE is not implemented yet")
     _req(t.micro_batch_size >= 1, f"train.micro_batch_size={t.micro_batch_size} must be >= 1")
     _req(t.global_batch_size % (t.micro_batch_size * dp) == 0,
          f"train.global_batch_size={t.global_batch_size} is not divisible by "
          f"train.micro_batch_size={t.micro_batch_size} x dp={dp}")
+    _check_pipeline(cfg, dp)
     _req(t.max_steps >= 1, f"train.max_steps={t.max_steps} must be >= 1")
     _req(t.log_interval >= 1, f"train.log_interval={t.log_interval} must be >= 1")
     _req(t.device in ("auto", "cpu", "cuda"), f"train.device={t.device!r} must be auto, cpu or cuda")
@@ -284,6 +288,21 @@ def validate(cfg: Config, world_size: int, check_data: bool = True) -> None:
          f"checkpoint.resume={r}: not a committed checkpoint folder (no metadata.json)")
     if check_data and cfg.data.kind == "prepared":
         _check_prepared(cfg)
+
+
+def _check_pipeline(cfg: Config, dp: int) -> None:
+    from megaframe.pipeline.partition import stage_counts
+    from megaframe.pipeline.schedule import check_args, resolve_kind
+
+    p, t = cfg.parallel, cfg.train
+    _req(p.vpp == 1 or p.pp > 1, f"parallel.vpp={p.vpp} needs parallel.pp > 1")
+    _req(p.pp_schedule in ("auto", "gpipe", "1f1b", "interleaved"),
+         f"parallel.pp_schedule={p.pp_schedule!r} must be auto, gpipe, 1f1b or interleaved")
+    try:
+        stage_counts(cfg.model.num_layers, p.pp, p.vpp, p.pp_layout)
+        check_args(resolve_kind(p.pp_schedule, p.vpp), p.pp, p.vpp, t.global_batch_size // (t.micro_batch_size * dp))
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
 
 
 def _check_prepared(cfg: Config) -> None:

@@ -47,7 +47,7 @@ def _owned_tensors(model, optimizer, mesh: Mesh) -> dict[str, tuple[torch.Tensor
         return {}
     out = {}
     for name, p in model.named_parameters():
-        if p.shard.dim is None and mesh.tp.rank != 0:
+        if (p.shard.dim is None and mesh.tp.rank != 0) or getattr(p, "pp_duplicate", False):
             continue
         out[f"model/{name}"] = (p.detach(), p.shard)
         for k, t in optimizer.logical_state(p).items():

@@ -20,6 +20,7 @@ from megaframe.layers.shard import Shard, init_model, sharded_param
 from megaframe.layers.vocab import VocabParallelEmbedding, parallel_logits, vocab_parallel_cross_entropy
 from megaframe.model.attention import Attention, rope_tables
 from megaframe.parallel.mesh import Mesh
+from megaframe.pipeline.partition import Stage, stage_layout
 
 
 class MLP(nn.Module):
@@ -58,22 +59,32 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """forward(input_ids_BS) -> logits_BSV (this rank's vocab rows); with labels_BS -> per-token loss_BS."""
+    """The model, or one pipeline rank's part of it (`stage`: its chunks of global layer indices).
 
-    def __init__(self, cfg: ModelConfig, mesh: Mesh, sp: bool = False, device=None):
+    forward(input_ids_BS) -> logits_BSV (this rank's vocab rows); with labels_BS -> per-token loss_BS.
+    forward_chunk runs one pipeline chunk: embedding first on stage 0, head and loss last on the
+    last stage. With tied embeddings the last stage keeps its own copy of `embed.weight` (same
+    name, same init); its grads are summed with stage 0's and it is tagged `pp_duplicate`.
+    """
+
+    def __init__(self, cfg: ModelConfig, mesh: Mesh, sp: bool = False, device=None, stage: Stage | None = None):
         super().__init__()
         self.cfg, self.mesh = cfg, mesh
+        self.stage = stage = stage or Stage.whole(cfg.num_layers)
         self.sp = sp and mesh.tp.size > 1
         device = device or mesh.device
         tp = mesh.tp
-        self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, self.sp, device)
-        if cfg.position_embedding == "learned":
+        if stage.first or (stage.last and cfg.tie_embeddings):
+            self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, self.sp, device)
+            self.embed.weight.pp_duplicate = not stage.first
+        if stage.first and cfg.position_embedding == "learned":
             # replicated; under sp each rank adds the rows of its own sequence block
             self.pos_embed = sharded_param(Shard((cfg.seq_length, cfg.hidden_size)), device, tp_partial_grad=self.sp)
-        self.layers = nn.ModuleDict({str(i): Block(cfg, mesh, self.sp, device) for i in range(cfg.num_layers)})
-        self.final_norm = Norm(cfg.norm, cfg.hidden_size, cfg.norm_eps, self.sp, device)
-        if not cfg.tie_embeddings:
-            self.head = ColumnParallelLinear(cfg.hidden_size, [cfg.vocab_size], tp, self.sp, False, device)
+        self.layers = nn.ModuleDict({str(i): Block(cfg, mesh, self.sp, device) for c in stage.chunks for i in c})
+        if stage.last:
+            self.final_norm = Norm(cfg.norm, cfg.hidden_size, cfg.norm_eps, self.sp, device)
+            if not cfg.tie_embeddings:
+                self.head = ColumnParallelLinear(cfg.hidden_size, [cfg.vocab_size], tp, self.sp, False, device)
         self.rope = None
         if cfg.position_embedding == "rope":
             self.rope = rope_tables(cfg.seq_length, cfg.head_dim, cfg.rope_theta, device)
@@ -90,10 +101,7 @@ class GPT(nn.Module):
             x_SBD = x_SBD + self.pos_embed[start:start + s].unsqueeze(1)
         return self.drop(x_SBD)
 
-    def forward(self, input_ids_BS: torch.Tensor, labels_BS: torch.Tensor | None = None) -> torch.Tensor:
-        x_SBD = self.embed_tokens(input_ids_BS)
-        for block in self.layers.values():
-            x_SBD = block(x_SBD, self.rope)
+    def head_output(self, x_SBD: torch.Tensor, labels_BS: torch.Tensor | None) -> torch.Tensor:
         x_SBD = self.final_norm(x_SBD)
         if self.cfg.tie_embeddings:
             logits_SBV = parallel_logits(x_SBD, self.embed.weight, self.mesh.tp, self.sp)
@@ -103,12 +111,26 @@ class GPT(nn.Module):
             return logits_SBV.transpose(0, 1)
         return vocab_parallel_cross_entropy(logits_SBV, labels_BS.t(), self.mesh.tp).t()
 
+    def forward_chunk(self, chunk: int, x_SBD: torch.Tensor | None, input_ids_BS: torch.Tensor,
+                      labels_BS: torch.Tensor | None) -> torch.Tensor:
+        """One chunk: hidden states in, hidden states out (or loss_BS / logits on the last stage)."""
+        if chunk == 0 and self.stage.first:
+            x_SBD = self.embed_tokens(input_ids_BS)
+        for i in self.stage.chunks[chunk]:
+            x_SBD = self.layers[str(i)](x_SBD, self.rope)
+        if chunk == len(self.stage.chunks) - 1 and self.stage.last:
+            return self.head_output(x_SBD, labels_BS)
+        return x_SBD
 
-def build_model(cfg: ModelConfig, mesh: Mesh, sp: bool, seed: int) -> GPT:
-    model = GPT(cfg, mesh, sp)
-    model.init_weights(seed)
+    def forward(self, input_ids_BS: torch.Tensor, labels_BS: torch.Tensor | None = None) -> torch.Tensor:
+        assert self.stage.first and self.stage.last and len(self.stage.chunks) == 1, "use forward_chunk under pp"
+        return self.forward_chunk(0, None, input_ids_BS, labels_BS)
+
+
+def build_model(cfg, mesh: Mesh) -> GPT:
+    """This rank's part of the model for the run config `cfg` (a megaframe.config.Config), initialised."""
+    p = cfg.parallel
+    stage = stage_layout(cfg.model.num_layers, mesh.pp.size, p.vpp, mesh.pp.rank, p.pp_layout)
+    model = GPT(cfg.model, mesh, p.sp, stage=stage)
+    model.init_weights(cfg.train.seed)
     return model
-
-
-def tp_partial_params(model: nn.Module) -> list[nn.Parameter]:
-    return [p for p in model.parameters() if getattr(p, "tp_partial_grad", False)]

@@ -48,6 +48,12 @@ def finalize_grads(model: nn.Module, mesh: Mesh) -> None:
     all_reduce_grads(params, mesh.dp)
 
 
+def sync_tied_grads(model: nn.Module, mesh: Mesh) -> None:
+    """Sum the tied embedding's grads between the first and last pipeline stage (both hold a copy)."""
+    if mesh.pp_ends.size > 1 and model.cfg.tie_embeddings:
+        all_reduce_grads([model.embed.weight], mesh.pp_ends)
+
+
 def counts_in_norm(p: nn.Parameter, mesh: Mesh) -> bool:
     """Whether this rank's copy of p adds to the global grad norm, so each element counts once:
     tp-split slices on every tp rank, tp-replicated parameters on tp rank 0 only, and never a

@@ -55,6 +55,8 @@ class Mesh:
     tp: Axis
     pp: Axis
     dp: Axis
+    pp_ends: Axis
+    """First and last pipeline rank of this pipeline (tied-embedding grads); size 1 elsewhere."""
     rank: int
     world: int
     device: torch.device
@@ -94,11 +96,25 @@ def build_mesh(tp: int, pp: int, device: torch.device, ranks: Optional[Sequence[
             group = dist.new_group(list(members)) if (size > 1 and initialized) else None
             if me in members:
                 axes[name] = Axis(name, size, members.index(me), tuple(members), group, stats)
+    axes["pp_ends"] = _pp_ends_axis(me, stats, initialized and pp > 1, grid, pp, dp, tp)
     everyone = dist.new_group(ranks) if (world > 1 and initialized) else None
     if me not in ranks:
         return None  # type: ignore[return-value]
-    return Mesh(tp=axes["tp"], pp=axes["pp"], dp=axes["dp"], rank=ranks.index(me), world=world,
-                device=device, stats=stats, group=everyone)
+    return Mesh(tp=axes["tp"], pp=axes["pp"], dp=axes["dp"], pp_ends=axes["pp_ends"], rank=ranks.index(me),
+                world=world, device=device, stats=stats, group=everyone)
+
+
+def _pp_ends_axis(me, stats, make_groups: bool, grid, pp, dp, tp) -> Axis | None:
+    """The group {first, last} pipeline rank for every (dp, tp); its bytes count as pp traffic."""
+    mine = None
+    for d, t in itertools.product(range(dp), range(tp)):
+        members = (grid[(0, d, t)], grid[(pp - 1, d, t)])
+        group = dist.new_group(list(members)) if make_groups else None
+        if me in members and pp > 1:
+            mine = Axis("pp", 2, members.index(me), members, group, stats)
+    if mine is None:
+        mine = Axis("pp", 1, 0, (me,), None, stats)
+    return mine
 
 
 def _groups_along(grid: dict, name: str, tp: int, pp: int, dp: int) -> list[tuple[int, ...]]:

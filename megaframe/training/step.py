@@ -1,4 +1,4 @@
-"""One optimizer step: forward/backward over this rank's micro-batches, then the optimizer's step
+"""One optimizer step: this rank's pipeline schedule over its micro-batches, then the optimizer's step
 (gradient reductions, clipping, AdamW). Returns device tensors; nothing here syncs the host.
 
 Each micro-batch's loss is its token-loss sum divided by the global batch's token count, so the
@@ -12,8 +12,11 @@ from dataclasses import dataclass
 import torch
 
 from megaframe.config import Config
+from megaframe.optim.grads import sync_tied_grads
 from megaframe.optim.schedule import lr_at
 from megaframe.parallel.mesh import Mesh
+from megaframe.pipeline.executor import run_schedule
+from megaframe.pipeline.schedule import Action, build_schedule, resolve_kind
 
 
 @dataclass
@@ -25,22 +28,18 @@ class StepResult:
     lr: float
 
 
-def forward_backward(model, optimizer, batches, tokens_global: int) -> torch.Tensor:
-    loss_sum = torch.zeros((), device=batches[0][0].device)
-    for i, (input_ids_BS, labels_BS) in enumerate(batches):
-        loss_BS = model(input_ids_BS, labels_BS)
-        total = loss_BS.float().sum()
-        with optimizer.backward_context(is_last=i == len(batches) - 1):
-            (total / tokens_global).backward()
-        loss_sum += total.detach()
-    return loss_sum
+def rank_schedule(cfg: Config, mesh: Mesh, num_microbatches: int) -> list[Action]:
+    """This rank's pipeline schedule (with pp = 1: forward, backward, forward, backward, ...)."""
+    kind = resolve_kind(cfg.parallel.pp_schedule, cfg.parallel.vpp)
+    return build_schedule(kind, mesh.pp.size, cfg.parallel.vpp, num_microbatches, mesh.pp.rank)
 
 
 def train_step(model, optimizer, batches, mesh: Mesh, cfg: Config, step: int) -> StepResult:
     """Run optimizer step number `step` (1-based) on `batches`, this rank's micro-batches."""
     tokens_global = cfg.train.global_batch_size * cfg.model.seq_length
     optimizer.zero_grad()
-    loss_sum = forward_backward(model, optimizer, batches, tokens_global)
+    loss_sum = run_schedule(rank_schedule(cfg, mesh, len(batches)), model, batches, mesh, optimizer, tokens_global)
+    sync_tied_grads(model, mesh)
     o = cfg.optim
     lr = lr_at(step, o.lr, o.min_lr, o.warmup_steps, cfg.train.max_steps)
     norm = optimizer.step(lr)

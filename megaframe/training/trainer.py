@@ -16,6 +16,7 @@ from megaframe.model.gpt import build_model
 from megaframe.optim.build import build_optimizer
 from megaframe.parallel import comm
 from megaframe.parallel.mesh import Mesh, build_mesh
+from megaframe.pipeline import p2p
 from megaframe.tracking import Tracker
 from megaframe.training.distributed import env_ranks, init_distributed, pick_device, shutdown
 from megaframe.training.metrics import flops_per_token, memory_figures, peak_flops
@@ -28,6 +29,7 @@ def run(cfg: Config) -> None:
     init_distributed(env, device)
     try:
         mesh = build_mesh(cfg.parallel.tp, cfg.parallel.pp, device)
+        p2p.warm_up(mesh.pp, device)
         # ranks may have resolved a timestamped run name a second apart: rank 0's wins
         cfg.run.name, cfg.run.dir, cfg.checkpoint.dir = comm.broadcast_object(
             (cfg.run.name, cfg.run.dir, cfg.checkpoint.dir))
@@ -37,7 +39,7 @@ def run(cfg: Config) -> None:
 
 
 def train(cfg: Config, mesh: Mesh) -> None:
-    model = build_model(cfg.model, mesh, cfg.parallel.sp, cfg.train.seed)
+    model = build_model(cfg, mesh)
     optimizer = build_optimizer(model, cfg.optim, mesh)
     try:
         data = build_data(cfg)

@@ -22,14 +22,22 @@ def tiny_config(overrides: list[str], world: int):
 
 
 def full_state(model, mesh, grads: bool = False) -> dict[str, torch.Tensor]:
-    """Every parameter (or its grad) as the full global tensor."""
-    return {n: gather_full(p.grad if grads else p.data, p.shard, mesh.tp) for n, p in model.named_parameters()}
+    """Every parameter (or its grad) of the whole model as full global tensors (collective over the mesh)."""
+    import torch.distributed as dist
+
+    mine = {n: gather_full(p.grad if grads else p.data, p.shard, mesh.tp) for n, p in model.named_parameters()
+            if not getattr(p, "pp_duplicate", False)}
+    if mesh.pp.size == 1:
+        return mine
+    parts = [None] * mesh.world
+    dist.all_gather_object(parts, mine if mesh.tp.rank == 0 and mesh.dp.rank == 0 else {}, group=mesh.group)
+    return {k: v for part in parts for k, v in part.items()}
 
 
 def train_and_report(mesh, overrides: list[str], steps: int) -> dict | None:
     """Run `steps` optimizer steps; rank 0 returns losses, step-1 grads, final weights (full tensors)."""
     cfg = tiny_config(overrides + [f"train.max_steps={steps}"], mesh.world)
-    model = build_model(cfg.model, mesh, cfg.parallel.sp, cfg.train.seed)
+    model = build_model(cfg, mesh)
     optimizer = build_optimizer(model, cfg.optim, mesh)
     data = build_data(cfg)
     t = cfg.train
@@ -41,6 +49,7 @@ def train_and_report(mesh, overrides: list[str], steps: int) -> dict | None:
         res = train_step(model, optimizer, batches, mesh, cfg, step)
         comm_tp.append(dict(mesh.stats.pop()))
         loss = comm.all_reduce(res.loss_sum.clone(), mesh.dp) / (t.global_batch_size * cfg.model.seq_length)
+        comm.all_reduce(loss, mesh.pp)  # only the last stage has a loss; the others add 0
         losses.append(loss.item())
         if step == 1:
             grads = full_state(model, mesh, grads=True)

@@ -29,6 +29,7 @@ def _worker(rank: int, size: int, port: int, conn) -> None:
     import torch.distributed as dist
 
     from megaframe.parallel.mesh import build_mesh
+    from megaframe.pipeline import p2p
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
@@ -43,6 +44,8 @@ def _worker(rank: int, size: int, port: int, conn) -> None:
             key = (tp, pp, n)
             if key not in meshes:  # groups are cached: creating them per job would leak sockets
                 meshes[key] = build_mesh(tp, pp, torch.device("cpu"), ranks=range(n))
+                if meshes[key] is not None:
+                    p2p.warm_up(meshes[key].pp, torch.device("cpu"))
             mesh = meshes[key]
             if mesh is not None:
                 mesh.stats.pop()

@@ -20,7 +20,7 @@ model.moe_top_k model.name model.norm model.norm_eps model.num_attention_heads m
 model.num_layers model.num_query_groups model.position_embedding model.rope_theta model.seq_length
 model.tie_embeddings model.vocab_size
 optim.beta1 optim.beta2 optim.clip_grad optim.eps optim.lr optim.min_lr optim.warmup_steps optim.weight_decay
-parallel.ep parallel.pp parallel.sp parallel.tp parallel.vpp
+parallel.ep parallel.pp parallel.pp_layout parallel.pp_schedule parallel.sp parallel.tp parallel.vpp
 run.dir run.name
 train.device train.global_batch_size train.log_interval train.max_steps train.micro_batch_size train.seed
 """.split())
@@ -137,7 +137,12 @@ def test_unknown_preset_is_a_one_line_error():
     (["train.global_batch_size=8", "train.micro_batch_size=4"], 4, ["train.global_batch_size"]),
     (["train.global_batch_size=12", "train.micro_batch_size=4", "parallel.tp=2"], 4, ["train.global_batch_size"]),
     (["parallel.sp=true", "parallel.tp=2", "model.seq_length=127"], 2, ["parallel.sp", "model.seq_length"]),
-    (["parallel.pp=2"], 2, ["parallel.pp"]),
+    (["parallel.pp=2", "model.num_layers=3"], 2, ["model.num_layers", "parallel.pp_layout"]),
+    (["parallel.vpp=2"], 1, ["parallel.vpp"]),
+    (["parallel.pp=2", "parallel.pp_layout=[1,2]"], 2, ["parallel.pp_layout"]),
+    (["parallel.pp=2", "parallel.vpp=2", "train.global_batch_size=12"], 2, ["parallel.pp"]),
+    (["parallel.pp=2", "parallel.pp_schedule=1f1b", "parallel.vpp=2"], 2, ["parallel.vpp"]),
+    (["parallel.pp=2", "parallel.pp_schedule=zigzag"], 2, ["parallel.pp_schedule"]),
     (["model.num_experts=4"], 1, ["model.num_experts"]),
     (["model.norm=batchnorm"], 1, ["model.norm"]),
     (["model.dropout=1.0"], 1, ["model.dropout"]),
@@ -155,6 +160,8 @@ def test_layout_errors_name_the_field(overrides, world, names):
     (["parallel.tp=2", "parallel.sp=true"], 8),
     (["train.global_batch_size=16", "train.micro_batch_size=2"], 8),
     (["checkpoint.resume=none"], 1),
+    (["parallel.pp=2", "parallel.vpp=2"], 2),
+    (["parallel.pp=2", "parallel.pp_layout=[3,1]"], 4),
 ])
 def test_good_layouts_pass(overrides, world):
     load_config(["model=gpt_tiny", "data=synthetic", *overrides], world_size=world)

@@ -1,0 +1,130 @@
+"""The one loop that runs a rank's schedule (any kind, any pp and vpp; pp = 1 included).
+
+Legend: S sequence (S/tp under sp), B micro-batch, D hidden.
+Stage boundaries carry x_SBD activations forward and their grads backward. The output of a forward
+is kept as the root of its backward; once its send has completed its storage is released (the
+autograd graph does not need the output's values: Megatron's deallocate trick), so a rank holds
+only the activations the schedule's warm-up requires.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch.autograd import Variable
+
+from megaframe.pipeline import p2p
+from megaframe.pipeline.schedule import COMPUTE, RECV_B, RECV_F, SEND_B, SEND_F, F, Action
+from megaframe.parallel.mesh import Mesh
+
+
+@dataclass
+class _State:
+    inputs: dict = field(default_factory=dict)   # (mb, chunk) -> received activation (leaf)
+    outputs: dict = field(default_factory=dict)  # (mb, chunk) -> backward root: activation or scaled loss
+    grads: dict = field(default_factory=dict)    # (mb, chunk) -> received grad of the output
+    to_send: dict = field(default_factory=dict)  # (SEND_F | SEND_B, mb, chunk) -> tensor
+    in_flight: list = field(default_factory=list)  # (send work, output to release once sent | None)
+    loss_sum: torch.Tensor | None = None
+
+
+def run_schedule(actions: list[Action], model, batches, mesh: Mesh, optimizer, tokens_global: int) -> torch.Tensor:
+    """Run every action; returns the sum of token losses of this rank's micro-batches (0 off the last stage)."""
+    st = _State(loss_sum=torch.zeros((), device=batches[0][0].device))
+    last_b = {a.chunk: i for i, a in enumerate(actions) if a.kind == "B"}
+    shape = _activation_shape(model, batches[0][0])
+    dtype = next(model.parameters()).dtype
+    comm: list[Action] = []
+    for i, a in enumerate(actions):
+        if a.kind not in COMPUTE:
+            comm.append(a)
+            continue
+        _communicate(comm, st, mesh, shape, dtype, batches[0][0].device)
+        comm = []
+        _release_sent(st, wait=False)
+        if a.kind == F:
+            _forward(a, st, model, batches, tokens_global)
+        else:
+            with optimizer.backward_context(is_last=i == last_b[a.chunk]):
+                _backward(a, st)
+    _communicate(comm, st, mesh, shape, dtype, batches[0][0].device)
+    _release_sent(st, wait=True)
+    assert not (st.inputs or st.outputs or st.grads or st.to_send), "schedule left work undone"
+    return st.loss_sum
+
+
+def _activation_shape(model, input_ids_BS: torch.Tensor) -> tuple[int, int, int]:
+    b, s = input_ids_BS.shape
+    tp = model.mesh.tp.size
+    return (s // tp if model.sp else s, b, model.cfg.hidden_size)
+
+
+def _is_loss_chunk(model, chunk: int) -> bool:
+    return model.stage.last and chunk == len(model.stage.chunks) - 1
+
+
+def _forward(a: Action, st: _State, model, batches, tokens_global: int) -> None:
+    key = (a.microbatch, a.chunk)
+    input_ids_BS, labels_BS = batches[a.microbatch]
+    x_SBD = st.inputs.pop(key, None)
+    out = model.forward_chunk(a.chunk, x_SBD, input_ids_BS, labels_BS)
+    if _is_loss_chunk(model, a.chunk):
+        total = out.float().sum()
+        st.loss_sum += total.detach()
+        st.outputs[key] = (total / tokens_global, x_SBD)
+    else:
+        st.outputs[key] = (out, x_SBD)
+        st.to_send[(SEND_F, *key)] = out
+
+
+def _backward(a: Action, st: _State) -> None:
+    key = (a.microbatch, a.chunk)
+    root, x_SBD = st.outputs.pop(key)
+    grad = st.grads.pop(key, None)
+    if grad is None:
+        root.backward()
+    else:
+        # the root's storage may be released already: run the engine directly, skipping the shape
+        # check torch.autograd.backward would do against it
+        Variable._execution_engine.run_backward((root,), (grad,), False, False, (), True, True)
+    if x_SBD is not None:
+        st.to_send[(SEND_B, *key)] = x_SBD.grad
+
+
+def _communicate(comm: list[Action], st: _State, mesh: Mesh, shape, dtype, device) -> None:
+    """One batched exchange for consecutive communication actions."""
+    if not comm:
+        return
+    sends, releases, recvs, arrivals = [], [], [], []
+    for a in comm:
+        key = (a.microbatch, a.chunk)
+        if a.kind in (SEND_F, SEND_B):
+            t = st.to_send.pop((a.kind, *key))
+            sends.append((t.detach().contiguous(), a.peer))
+            releases.append(t if a.kind == SEND_F and t.grad_fn is not None else None)
+        else:
+            buf = torch.empty(shape, dtype=dtype, device=device)
+            recvs.append((buf, a.peer))
+            arrivals.append((a.kind, key, buf))
+    works = p2p.exchange(mesh.pp, sends, recvs)
+    st.in_flight += list(zip(works, releases))
+    for kind, key, buf in arrivals:
+        if kind == RECV_F:
+            st.inputs[key] = buf.requires_grad_()
+        else:
+            assert kind == RECV_B
+            st.grads[key] = buf
+
+
+def _release_sent(st: _State, wait: bool) -> None:
+    """Free the storage of outputs whose sends completed (all of them, waiting, when `wait`)."""
+    keep = []
+    for work, out in st.in_flight:
+        if wait:
+            work.wait()
+        elif not work.is_completed():
+            keep.append((work, out))
+            continue
+        if out is not None:
+            out.data = torch.empty((0,), dtype=out.dtype, device=out.device)
+    st.in_flight = keep

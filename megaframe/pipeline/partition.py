@@ -1,0 +1,48 @@
+"""Which layers each pipeline rank holds.
+
+Virtual stage s = chunk·pp + rank holds a contiguous block of layers: an even split of num_layers
+over pp·vpp stages, or the explicit per-stage counts of `parallel.pp_layout`. Stage 0 also holds the
+embedding; the last stage the final norm, the output head and the loss.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+
+@dataclass(frozen=True)
+class Stage:
+    """This rank's part of the model: the global layer indices of each of its chunks."""
+
+    chunks: tuple[tuple[int, ...], ...]
+    first: bool
+    """Holds stage 0 (chunk 0 starts with the embedding)."""
+    last: bool
+    """Holds the last stage (the last chunk ends with the head and loss)."""
+
+    @staticmethod
+    def whole(num_layers: int) -> "Stage":
+        return Stage((tuple(range(num_layers)),), True, True)
+
+
+def stage_counts(num_layers: int, pp: int, vpp: int, layout: Optional[Sequence[int]] = None) -> list[int]:
+    """Layers per virtual stage; raises ValueError naming the setting when impossible."""
+    stages = pp * vpp
+    if layout:
+        counts = list(layout)
+        if len(counts) != stages or sum(counts) != num_layers or min(counts) < 0:
+            raise ValueError(f"parallel.pp_layout={counts} must give {stages} non-negative layer counts "
+                             f"(pp x vpp) summing to model.num_layers={num_layers}")
+        return counts
+    if num_layers % stages:
+        raise ValueError(f"model.num_layers={num_layers} is not divisible by parallel.pp x parallel.vpp={stages}; "
+                         "set parallel.pp_layout for an uneven split")
+    return [num_layers // stages] * stages
+
+
+def stage_layout(num_layers: int, pp: int, vpp: int, rank: int, layout: Optional[Sequence[int]] = None) -> Stage:
+    counts = stage_counts(num_layers, pp, vpp, layout)
+    starts = [sum(counts[:s]) for s in range(len(counts))]
+    chunks = tuple(tuple(range(starts[c * pp + rank], starts[c * pp + rank] + counts[c * pp + rank]))
+                   for c in range(vpp))
+    return Stage(chunks, first=rank == 0, last=rank == pp - 1)

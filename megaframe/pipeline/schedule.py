@@ -1,0 +1,123 @@
+"""Pipeline schedules as data: a pure function from (kind, pp, vpp, microbatches, rank) to actions.
+
+Virtual stages: chunk c of pipeline rank r is stage s = c·pp + r (Megatron/torchtitan "loop" order),
+so a micro-batch visits rank 0, 1, ..., pp-1, then rank 0 again for chunk 1, and so on.
+
+A rank's schedule is a flat list of `Action`s. Compute actions are F (forward) and B (backward) of
+(microbatch, chunk). Around them sit the point-to-point actions that move activations between
+neighbouring stages: RECV_F before an F whose input comes from another stage, SEND_F after it;
+RECV_B before a B whose output grad comes from another stage, SEND_B after it. The executor issues
+consecutive communication actions as one batched isend/irecv (e.g. SEND_F + RECV_B is Megatron's
+send_forward_recv_backward), so both directions of a neighbour pair are in flight together.
+
+Kinds: gpipe (all forwards, then all backwards), 1f1b (Megatron's one-forward-one-backward), and
+interleaved (1F1B over vpp chunks per rank; needs microbatches % pp == 0).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+F, B = "F", "B"
+SEND_F, RECV_F, SEND_B, RECV_B = "SEND_F", "RECV_F", "SEND_B", "RECV_B"
+COMPUTE = (F, B)
+
+
+@dataclass(frozen=True)
+class Action:
+    """One step of a rank's schedule. For communication, `peer` is the other pipeline rank."""
+
+    kind: str
+    microbatch: int
+    chunk: int
+    peer: int = -1
+
+    def __str__(self) -> str:
+        tail = f"->{self.peer}" if self.kind.startswith("SEND") else (f"<-{self.peer}" if self.peer >= 0 else "")
+        return f"{self.kind}{self.microbatch}.{self.chunk}{tail}"
+
+
+def stage_of(rank: int, chunk: int, pp: int) -> int:
+    return chunk * pp + rank
+
+
+def check_args(kind: str, pp: int, vpp: int, m: int) -> None:
+    """Raise ValueError when the schedule cannot be built (names the offending setting)."""
+    if kind not in ("gpipe", "1f1b", "interleaved"):
+        raise ValueError(f"parallel.pp_schedule={kind!r} must be gpipe, 1f1b or interleaved")
+    if pp < 1 or vpp < 1 or m < 1:
+        raise ValueError(f"pp={pp}, vpp={vpp} and microbatches={m} must all be >= 1")
+    if kind == "1f1b" and vpp != 1:
+        raise ValueError("parallel.pp_schedule=1f1b runs one chunk per rank: use parallel.vpp=1 or interleaved")
+    if kind == "interleaved" and vpp < 2:
+        raise ValueError("interleaved 1F1B needs parallel.vpp >= 2 (vpp=1 is plain 1f1b)")
+    if kind == "interleaved" and m % pp != 0:
+        raise ValueError(f"interleaved 1F1B needs the micro-batch count ({m}) to be a multiple of parallel.pp={pp}")
+
+
+def _virtual(k: int, pp: int, vpp: int, m: int, forward: bool) -> tuple[int, int]:
+    """(microbatch, chunk) of the k-th forward (or backward) on a rank.
+
+    Micro-batches go in groups of pp: each group runs through chunk 0, then chunk 1, ...
+    (backwards through the chunks in reverse). With vpp = 1 this is simply (k, 0).
+    """
+    if vpp == 1:
+        return k, 0
+    group, within = divmod(k, pp * vpp)
+    chunk = within // pp
+    return group * pp + within % pp, (chunk if forward else vpp - 1 - chunk)
+
+
+def num_warmup(kind: str, pp: int, vpp: int, m: int, rank: int) -> int:
+    """Forwards a rank runs before its first backward."""
+    total = m * vpp
+    if kind == "gpipe":
+        return total
+    if kind == "1f1b":
+        return min(total, pp - rank - 1)
+    return min(total, (pp - rank - 1) * 2 + (vpp - 1) * pp)
+
+
+def compute_order(kind: str, pp: int, vpp: int, m: int, rank: int) -> list[Action]:
+    """The F/B sequence of one rank: warm-up forwards, steady 1F1B pairs, cool-down backwards."""
+    check_args(kind, pp, vpp, m)
+    total, warm = m * vpp, num_warmup(kind, pp, vpp, m, rank)
+    out = [Action(F, *_virtual(k, pp, vpp, m, True)) for k in range(warm)]
+    for i in range(total - warm):
+        out.append(Action(F, *_virtual(warm + i, pp, vpp, m, True)))
+        out.append(Action(B, *_virtual(i, pp, vpp, m, False)))
+    out += [Action(B, *_virtual(k, pp, vpp, m, False)) for k in range(total - warm, total)]
+    return out
+
+
+def build_schedule(kind: str, pp: int, vpp: int, m: int, rank: int) -> list[Action]:
+    """The full action list of `rank`: compute actions with their receives before and sends after."""
+    last = pp * vpp - 1
+    prev_rank, next_rank = (rank - 1) % pp, (rank + 1) % pp
+    out: list[Action] = []
+    for a in compute_order(kind, pp, vpp, m, rank):
+        s = stage_of(rank, a.chunk, pp)
+        if a.kind == F:
+            if s > 0:
+                out.append(Action(RECV_F, a.microbatch, a.chunk, prev_rank))
+            out.append(a)
+            if s < last:
+                out.append(Action(SEND_F, a.microbatch, a.chunk, next_rank))
+        else:
+            if s < last:
+                out.append(Action(RECV_B, a.microbatch, a.chunk, next_rank))
+            out.append(a)
+            if s > 0:
+                out.append(Action(SEND_B, a.microbatch, a.chunk, prev_rank))
+    return out
+
+
+def resolve_kind(kind: str, vpp: int) -> str:
+    """parallel.pp_schedule=auto means interleaved when vpp > 1, else 1f1b."""
+    if kind == "auto":
+        return "interleaved" if vpp > 1 else "1f1b"
+    return kind
+
+
+def activation_bound(kind: str, pp: int, vpp: int, m: int, rank: int) -> int:
+    """Most forwards a rank holds activations for at once (the schedule's memory bound)."""
+    return min(m * vpp, num_warmup(kind, pp, vpp, m, rank) + 1)
