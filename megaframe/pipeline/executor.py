@@ -8,6 +8,7 @@ only the activations the schedule's warm-up requires.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -28,8 +29,12 @@ class _State:
     loss_sum: torch.Tensor | None = None
 
 
-def run_schedule(actions: list[Action], model, batches, mesh: Mesh, optimizer, tokens_global: int) -> torch.Tensor:
-    """Run every action; returns the sum of token losses of this rank's micro-batches (0 off the last stage)."""
+def run_schedule(actions: list[Action], model, batches, mesh: Mesh, optimizer, tokens_global: int,
+                 timeline: list | None = None) -> torch.Tensor:
+    """Run every action; returns the sum of token losses of this rank's micro-batches (0 off the last stage).
+
+    With `timeline`, appends (action, start, end) in perf_counter seconds for each compute action.
+    """
     st = _State(loss_sum=torch.zeros((), device=batches[0][0].device))
     last_b = {a.chunk: i for i, a in enumerate(actions) if a.kind == "B"}
     shape = _activation_shape(model, batches[0][0])
@@ -42,11 +47,14 @@ def run_schedule(actions: list[Action], model, batches, mesh: Mesh, optimizer, t
         _communicate(comm, st, mesh, shape, dtype, batches[0][0].device)
         comm = []
         _release_sent(st, wait=False)
+        t0 = time.perf_counter()
         if a.kind == F:
             _forward(a, st, model, batches, tokens_global)
         else:
             with optimizer.backward_context(is_last=i == last_b[a.chunk]):
                 _backward(a, st)
+        if timeline is not None:
+            timeline.append((a, t0, time.perf_counter()))
     _communicate(comm, st, mesh, shape, dtype, batches[0][0].device)
     _release_sent(st, wait=True)
     assert not (st.inputs or st.outputs or st.grads or st.to_send), "schedule left work undone"

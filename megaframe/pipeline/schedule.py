@@ -80,6 +80,9 @@ def num_warmup(kind: str, pp: int, vpp: int, m: int, rank: int) -> int:
 def compute_order(kind: str, pp: int, vpp: int, m: int, rank: int) -> list[Action]:
     """The F/B sequence of one rank: warm-up forwards, steady 1F1B pairs, cool-down backwards."""
     check_args(kind, pp, vpp, m)
+    if kind == "gpipe":  # every micro-batch through chunk 0, then chunk 1, ...; backwards in reverse
+        fwd = [Action(F, mb, c) for c in range(vpp) for mb in range(m)]
+        return fwd + [Action(B, mb, c) for c in reversed(range(vpp)) for mb in range(m)]
     total, warm = m * vpp, num_warmup(kind, pp, vpp, m, rank)
     out = [Action(F, *_virtual(k, pp, vpp, m, True)) for k in range(warm)]
     for i in range(total - warm):

@@ -1,0 +1,102 @@
+"""Schedules as data, checked without processes: ordering, matching, deadlock freedom, memory, bubble."""
+import itertools
+
+import pytest
+
+from megaframe.pipeline.partition import stage_counts, stage_layout
+from megaframe.pipeline.schedule import (B, RECV_B, RECV_F, SEND_B, SEND_F, F, Action, activation_bound,
+                                          build_schedule, check_args, compute_order)
+from megaframe.pipeline.simulate import ScheduleError, bubble_formula, simulate
+
+GRID = [(kind, pp, vpp, m)
+        for pp, vpp, m in itertools.product([1, 2, 3, 4], [1, 2, 3], [1, 2, 3, 4, 6, 8, 12])
+        for kind in ("gpipe", "1f1b", "interleaved")
+        if not (kind == "1f1b" and vpp > 1) and not (kind == "interleaved" and (vpp < 2 or m % pp))
+        and not (vpp > 1 and pp == 1)]
+
+
+@pytest.mark.parametrize("kind,pp,vpp,m", GRID, ids=[f"{k}-pp{p}-vpp{v}-m{m}" for k, p, v, m in GRID])
+def test_simulator_accepts_every_schedule(kind, pp, vpp, m):
+    res = simulate(kind, pp, vpp, m)  # raises on mismatch, deadlock, B before F, or memory over bound
+    if kind == "gpipe" and vpp > 1 and m < pp:  # chunk 1 waits for the last rank's chunk 0
+        assert res.bubble > bubble_formula(pp, vpp, m)
+    else:
+        assert res.bubble == pytest.approx(bubble_formula(pp, vpp, m), abs=1e-12)
+    for r in range(pp):
+        assert res.peak_inflight[r] <= activation_bound(kind, pp, vpp, m, r)
+
+
+def test_interleaved_bubble_equals_formula_pp4_vpp2_m8():
+    res = simulate("interleaved", 4, 2, 8)
+    assert res.bubble == pytest.approx(3 / (2 * 8 + 3))
+    plain = simulate("1f1b", 4, 1, 8)
+    assert plain.bubble == pytest.approx(3 / (8 + 3)) and res.bubble < plain.bubble
+
+
+def test_1f1b_holds_at_most_pp_minus_rank_activations():
+    res = simulate("1f1b", 4, 1, 8)
+    assert res.peak_inflight == [4, 3, 2, 1]
+    assert simulate("gpipe", 4, 1, 8).peak_inflight == [8, 8, 8, 8]
+
+
+def test_1f1b_order_of_the_last_rank_alternates():
+    order = [(a.kind, a.microbatch) for a in compute_order("1f1b", 4, 1, 4, 3)]
+    assert order == [(F, 0), (B, 0), (F, 1), (B, 1), (F, 2), (B, 2), (F, 3), (B, 3)]
+    first = [(a.kind, a.microbatch) for a in compute_order("1f1b", 4, 1, 4, 0)]
+    assert first[:4] == [(F, 0), (F, 1), (F, 2), (F, 3)] and first[4:] == [(B, 0), (B, 1), (B, 2), (B, 3)]
+
+
+def test_interleaved_visits_chunks_in_groups_of_pp():
+    order = [(a.kind, a.microbatch, a.chunk) for a in compute_order("interleaved", 2, 2, 4, 0) if a.kind == F]
+    assert order == [(F, 0, 0), (F, 1, 0), (F, 0, 1), (F, 1, 1), (F, 2, 0), (F, 3, 0), (F, 2, 1), (F, 3, 1)]
+
+
+def test_communication_surrounds_compute():
+    sched = build_schedule("1f1b", 2, 1, 2, 0)
+    kinds = [a.kind for a in sched]
+    assert kinds == [F, SEND_F, F, SEND_F, RECV_B, B, RECV_B, B]
+    last = build_schedule("1f1b", 2, 1, 2, 1)
+    assert [a.kind for a in last] == [RECV_F, F, B, SEND_B, RECV_F, F, B, SEND_B]
+    assert all(a.peer == 0 for a in last if a.kind not in (F, B))
+
+
+def test_simulator_catches_a_broken_schedule(monkeypatch):
+    import megaframe.pipeline.simulate as sim
+
+    def swapped(kind, pp, vpp, m, rank):
+        s = build_schedule(kind, pp, vpp, m, rank)
+        if rank == 1:  # receive micro-batch 1 before 0: mismatched order
+            i, j = [k for k, a in enumerate(s) if a.kind == RECV_F][:2]
+            s[i], s[j] = s[j], s[i]
+        return s
+
+    monkeypatch.setattr(sim, "build_schedule", swapped)
+    with pytest.raises(ScheduleError):
+        sim.simulate("1f1b", 2, 1, 4)
+
+    def backward_first(kind, pp, vpp, m, rank):
+        return [Action(B, 0, 0)] + build_schedule(kind, pp, vpp, m, rank)
+
+    monkeypatch.setattr(sim, "build_schedule", backward_first)
+    with pytest.raises(ScheduleError):
+        sim.simulate("1f1b", 1, 1, 2)
+
+
+@pytest.mark.parametrize("kind,pp,vpp,m,needle", [
+    ("interleaved", 4, 2, 6, "multiple"), ("1f1b", 2, 2, 4, "vpp"), ("interleaved", 2, 1, 4, "vpp"),
+    ("zigzag", 2, 1, 4, "pp_schedule")])
+def test_impossible_schedules_are_refused(kind, pp, vpp, m, needle):
+    with pytest.raises(ValueError, match=needle):
+        check_args(kind, pp, vpp, m)
+
+
+def test_stage_layout_loop_order_and_uneven_split():
+    # chunk c of rank r holds layer block r + c*pp
+    assert stage_layout(8, 2, 2, 0).chunks == ((0, 1), (4, 5))
+    assert stage_layout(8, 2, 2, 1).chunks == ((2, 3), (6, 7))
+    s = stage_layout(5, 2, 1, 0, layout=[3, 2])
+    assert s.chunks == ((0, 1, 2),) and s.first and not s.last
+    with pytest.raises(ValueError, match="pp_layout"):
+        stage_counts(5, 2, 1, [3, 3])
+    with pytest.raises(ValueError, match="num_layers"):
+        stage_counts(5, 2, 1)
