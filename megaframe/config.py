@@ -102,6 +102,9 @@ class TrainConfig:
     """Write metrics every this many steps (and at the last step)."""
     device: str = "auto"
     """auto | cpu | cuda."""
+    precision: str = "fp32"
+    """fp32 | bf16: bf16 parameters and compute, with fp32 master weights, Adam moments and grad
+    reduction in the optimizer (needs optim.zero=1). No loss scaling: bf16 has fp32's range."""
 
 
 @dataclass
@@ -122,6 +125,13 @@ class OptimConfig:
     """Adam beta2."""
     eps: float = 1e-8
     """Adam epsilon."""
+    zero: int = 1
+    """1: ZeRO-1 distributed optimizer (AdamW state sharded over dp, grads reduce-scattered in buckets
+    during backward, params all-gathered after the step; at dp=1 it only adds the flat buffers).
+    0: replicated AdamW with a plain all-reduce of grads after backward (for comparison)."""
+    bucket_size_mb: float = 25.0
+    """ZeRO grad bucket size in MiB of fp32 grads: one reduce-scatter per bucket, launched as soon as
+    backward has finished all of its grads. Smaller buckets start earlier but cost more launches."""
 
 
 @dataclass
@@ -280,6 +290,11 @@ def validate(cfg: Config, world_size: int, check_data: bool = True) -> None:
     _req(t.device in ("auto", "cpu", "cuda"), f"train.device={t.device!r} must be auto, cpu or cuda")
     _req(cfg.optim.lr > 0 and cfg.optim.min_lr >= 0, "optim.lr must be > 0 and optim.min_lr >= 0")
     _req(cfg.optim.warmup_steps >= 0, f"optim.warmup_steps={cfg.optim.warmup_steps} must be >= 0")
+    _req(cfg.optim.zero in (0, 1), f"optim.zero={cfg.optim.zero} must be 0 or 1")
+    _req(cfg.optim.bucket_size_mb > 0, f"optim.bucket_size_mb={cfg.optim.bucket_size_mb} must be > 0")
+    _req(t.precision in ("fp32", "bf16"), f"train.precision={t.precision!r} must be fp32 or bf16")
+    _req(t.precision == "fp32" or cfg.optim.zero == 1,
+         f"train.precision={t.precision} needs optim.zero=1 (its fp32 master weights live in the ZeRO optimizer)")
     _req(cfg.logging.wandb.mode in ("online", "offline", "disabled"),
          f"logging.wandb.mode={cfg.logging.wandb.mode!r} must be online, offline or disabled")
     _req(cfg.data.kind in ("prepared", "synthetic"), f"data.kind={cfg.data.kind!r} must be prepared or synthetic")

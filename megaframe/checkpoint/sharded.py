@@ -42,15 +42,19 @@ def _fsync_write(path: Path, text: str) -> None:
 
 
 def _owned_tensors(model, optimizer, mesh: Mesh) -> dict[str, tuple[torch.Tensor, object]]:
-    """key -> (local tensor, Shard) for the slices this rank writes."""
-    if mesh.dp.rank != 0:
-        return {}
+    """key -> (local tensor, Shard) for the slices this rank writes.
+
+    Every dp rank asks for the optimizer state (a ZeRO optimizer all-gathers its dp-sharded moments
+    there, a collective); only dp rank 0 writes."""
     out = {}
     for name, p in model.named_parameters():
         if (p.shard.dim is None and mesh.tp.rank != 0) or getattr(p, "pp_duplicate", False):
             continue
+        state = optimizer.logical_state(p)
+        if mesh.dp.rank != 0:
+            continue
         out[f"model/{name}"] = (p.detach(), p.shard)
-        for k, t in optimizer.logical_state(p).items():
+        for k, t in state.items():
             out[f"optim/{k}/{name}"] = (t, p.shard)
     return out
 
@@ -141,6 +145,8 @@ def load_into(path: str | Path, model, optimizer=None) -> dict:
         p.copy_(p.shard.local(load_full(path, f"model/{name}", meta)).to(p.device, p.dtype))
         if optimizer is None or f"optim/exp_avg/{name}" not in meta["tensors"]:
             continue
-        moments = {k: p.shard.local(load_full(path, f"optim/{k}/{name}", meta)) for k in ("exp_avg", "exp_avg_sq")}
+        # "master": fp32 master weights of a bf16 run (written by the ZeRO optimizer)
+        moments = {k: p.shard.local(load_full(path, f"optim/{k}/{name}", meta))
+                   for k in ("exp_avg", "exp_avg_sq", "master") if f"optim/{k}/{name}" in meta["tensors"]}
         optimizer.load_logical_state(p, moments, int(meta["step"]))
     return meta

@@ -60,6 +60,9 @@ class PlainOptimizer:
         return {k: state[k] for k in MOMENTS if k in state}
 
     def load_logical_state(self, p: nn.Parameter, moments: dict[str, torch.Tensor], step: int) -> None:
+        if "master" in moments:  # a bf16 run's fp32 master weights are more exact than its bf16 params
+            with torch.no_grad():
+                p.copy_(moments["master"].to(p.device, p.dtype))
         state = self.adam.state[p]
         for k in MOMENTS:
             state[k] = moments[k].to(p.device, torch.float32)
@@ -73,5 +76,20 @@ class PlainOptimizer:
         return {"mem/grads_bytes": grads, "mem/optim_bytes": optim}
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig, mesh: Mesh) -> PlainOptimizer:
+PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def cast_model(model: nn.Module, precision: str) -> nn.Module:
+    """Parameters (and so compute) in the dtype of train.precision; call before build_optimizer, whose
+    fp32 master weights then start from the cast values. Parameter objects and tags are kept."""
+    return model.to(PARAM_DTYPES[precision])
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig, mesh: Mesh):
+    """optim.zero=1: the ZeRO-1 distributed optimizer (zero.py); 0: replicated AdamW (fp32 params only)."""
+    if cfg.zero:
+        from megaframe.optim.zero import ZeroOptimizer
+
+        return ZeroOptimizer(model, cfg, mesh)
+    assert all(p.dtype == torch.float32 for p in model.parameters()), "optim.zero=0 needs fp32 parameters"
     return PlainOptimizer(model, cfg, mesh)

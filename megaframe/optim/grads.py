@@ -51,7 +51,11 @@ def finalize_grads(model: nn.Module, mesh: Mesh) -> None:
 def sync_tied_grads(model: nn.Module, mesh: Mesh) -> None:
     """Sum the tied embedding's grads between the first and last pipeline stage (both hold a copy)."""
     if mesh.pp_ends.size > 1 and model.cfg.tie_embeddings:
-        all_reduce_grads([model.embed.weight], mesh.pp_ends)
+        main = getattr(model.embed.weight, "main_grad", None)
+        if main is not None:  # ZeRO's fp32 grad-buffer slice (bf16 params have no .grad of their own)
+            comm.all_reduce(main, mesh.pp_ends)
+        else:
+            all_reduce_grads([model.embed.weight], mesh.pp_ends)
 
 
 def counts_in_norm(p: nn.Parameter, mesh: Mesh) -> bool:

@@ -55,6 +55,35 @@ def reduce_scatter_dim0(x: torch.Tensor, axis: Axis) -> torch.Tensor:
     return out
 
 
+def reduce_scatter_flat(out: torch.Tensor, x: torch.Tensor, axis: Axis, async_op: bool = False):
+    """Sum the flat x over `axis`; rank r keeps block r (of x.numel() / n elements) in `out`.
+
+    `out` may be x's own block r (in place, as the ZeRO grad buckets do). With async_op the bytes are
+    counted at launch and the Work is returned for the caller to wait on; None on an axis of size 1.
+    """
+    if axis.size == 1:
+        if out.data_ptr() != x.data_ptr():
+            out.copy_(x)
+        return None
+    assert x.numel() == out.numel() * axis.size, f"{x.numel()} elements do not split into {axis.size} x {out.numel()}"
+    axis.stats.add(axis.name, (axis.size - 1) / axis.size * _nbytes(x))
+    return _reduce_scatter_flat(out, x, group=axis.group, async_op=async_op)
+
+
+def all_gather_flat(out: torch.Tensor, x: torch.Tensor, axis: Axis, async_op: bool = False):
+    """Concatenate every rank's flat x into `out` in axis-rank order; x may be out's own block (in place).
+
+    Bytes counted at launch; returns the Work with async_op, None on an axis of size 1.
+    """
+    if axis.size == 1:
+        if out.data_ptr() != x.data_ptr():
+            out.copy_(x)
+        return None
+    assert out.numel() == x.numel() * axis.size, f"{out.numel()} elements are not {axis.size} x {x.numel()}"
+    axis.stats.add(axis.name, (axis.size - 1) * _nbytes(x))
+    return _all_gather_flat(out, x, group=axis.group, async_op=async_op)
+
+
 def split_dim0(x: torch.Tensor, axis: Axis) -> torch.Tensor:
     """This rank's 1/n block of dim 0 (no communication)."""
     if axis.size == 1:

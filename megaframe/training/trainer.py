@@ -13,7 +13,7 @@ from megaframe.config import Config, ConfigError
 from megaframe.data.dataset import build_data, microbatches
 from megaframe.layers.shard import param_seed
 from megaframe.model.gpt import build_model
-from megaframe.optim.build import build_optimizer
+from megaframe.optim.build import build_optimizer, cast_model
 from megaframe.parallel import comm
 from megaframe.parallel.mesh import Mesh, build_mesh
 from megaframe.pipeline import p2p
@@ -39,7 +39,7 @@ def run(cfg: Config) -> None:
 
 
 def train(cfg: Config, mesh: Mesh) -> None:
-    model = build_model(cfg, mesh)
+    model = cast_model(build_model(cfg, mesh), cfg.train.precision)
     optimizer = build_optimizer(model, cfg.optim, mesh)
     try:
         data = build_data(cfg)

@@ -21,11 +21,16 @@ def tiny_config(overrides: list[str], world: int):
     return load_config(TINY + list(overrides), world_size=world, check_data=False)
 
 
-def full_state(model, mesh, grads: bool = False) -> dict[str, torch.Tensor]:
-    """Every parameter (or its grad) of the whole model as full global tensors (collective over the mesh)."""
+def full_state(model, mesh, grads: bool = False, optimizer=None) -> dict[str, torch.Tensor]:
+    """Every parameter (or its grad) of the whole model as full global tensors (collective over the mesh).
+
+    A ZeRO optimizer holds the reduced grad only for its dp range: its `reduced_grad` gathers it."""
     import torch.distributed as dist
 
-    mine = {n: gather_full(p.grad if grads else p.data, p.shard, mesh.tp) for n, p in model.named_parameters()
+    def grad(p):
+        return optimizer.reduced_grad(p) if hasattr(optimizer, "reduced_grad") else p.grad
+
+    mine = {n: gather_full(grad(p) if grads else p.data, p.shard, mesh.tp) for n, p in model.named_parameters()
             if not getattr(p, "pp_duplicate", False)}
     if mesh.pp.size == 1:
         return mine
@@ -52,7 +57,7 @@ def train_and_report(mesh, overrides: list[str], steps: int) -> dict | None:
         comm.all_reduce(loss, mesh.pp)  # only the last stage has a loss; the others add 0
         losses.append(loss.item())
         if step == 1:
-            grads = full_state(model, mesh, grads=True)
+            grads = full_state(model, mesh, grads=True, optimizer=optimizer)
     weights = full_state(model, mesh)
     if mesh.rank != 0:
         return None

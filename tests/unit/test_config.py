@@ -19,10 +19,12 @@ model.activation model.bias model.dropout model.ffn_hidden_size model.hidden_siz
 model.moe_top_k model.name model.norm model.norm_eps model.num_attention_heads model.num_experts
 model.num_layers model.num_query_groups model.position_embedding model.rope_theta model.seq_length
 model.tie_embeddings model.vocab_size
-optim.beta1 optim.beta2 optim.clip_grad optim.eps optim.lr optim.min_lr optim.warmup_steps optim.weight_decay
+optim.beta1 optim.beta2 optim.bucket_size_mb optim.clip_grad optim.eps optim.lr optim.min_lr optim.warmup_steps
+optim.weight_decay optim.zero
 parallel.ep parallel.pp parallel.pp_layout parallel.pp_schedule parallel.sp parallel.tp parallel.vpp
 run.dir run.name
-train.device train.global_batch_size train.log_interval train.max_steps train.micro_batch_size train.seed
+train.device train.global_batch_size train.log_interval train.max_steps train.micro_batch_size train.precision
+train.seed
 """.split())
 
 PRESETS = sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml"))
@@ -144,6 +146,10 @@ def test_unknown_preset_is_a_one_line_error():
     (["parallel.pp=2", "parallel.pp_schedule=1f1b", "parallel.vpp=2"], 2, ["parallel.vpp"]),
     (["parallel.pp=2", "parallel.pp_schedule=zigzag"], 2, ["parallel.pp_schedule"]),
     (["model.num_experts=4"], 1, ["model.num_experts"]),
+    (["optim.zero=2"], 2, ["optim.zero"]),
+    (["optim.bucket_size_mb=0"], 2, ["optim.bucket_size_mb"]),
+    (["train.precision=fp16"], 1, ["train.precision"]),
+    (["train.precision=bf16", "optim.zero=0"], 2, ["train.precision", "optim.zero"]),
     (["model.norm=batchnorm"], 1, ["model.norm"]),
     (["model.dropout=1.0"], 1, ["model.dropout"]),
     (["logging.wandb.mode=loud"], 1, ["logging.wandb.mode"]),

@@ -1,0 +1,155 @@
+"""Contiguous gradient and parameter buffers, cut into buckets, and this dp rank's ranges of them.
+
+Layout of one buffer (there is one per parameter dtype):
+
+    params in reverse order of model.parameters() (roughly the order backward finishes them), whole
+    params only, packed into buckets of at least `bucket_bytes` of fp32 grads; each bucket is padded
+    to a multiple of dp elements, so the buffer is too.
+
+        buffer   | bucket 0 (n_0 elements, padded)      | bucket 1 (n_1)        | ...
+        rank r   |   [r·n_0/dp, (r+1)·n_0/dp) of bucket 0 | [r·n_1/dp, ...) of 1 | ...
+
+    Element i of the grad buffer (fp32) and of the param buffer (the params' dtype) is the same
+    parameter element: every parameter's `.data` is re-pointed at its slice of the param buffer, and
+    its fp32 gradient (`p.main_grad`, also `p.grad` for fp32 params) is its slice of the grad buffer.
+
+Each dp rank owns one contiguous range of every bucket (with one bucket: one range of the whole
+buffer). Per-bucket ranges are what lets each bucket's reduce-scatter hand every rank its part the
+moment that bucket's grads are final. A parameter may straddle two ranks' ranges (Megatron's "param
+range within the bucket shard"): each rank sees a `Segment`, the part of one parameter it owns.
+
+This rank's optimizer state (fp32 master where needed, Adam moments) is flat: the concatenation of its
+bucket ranges, n_b / dp elements per bucket, `state_numel` in all.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+
+@dataclass
+class Segment:
+    """The part of `param` inside this rank's range: elements [param_lo, param_lo + numel) of the flat
+    local (tp-sliced) parameter, at `buf_lo` in the buffer and at `state_lo` in the flat rank state."""
+
+    param: nn.Parameter
+    param_lo: int
+    buf_lo: int
+    state_lo: int
+    numel: int
+
+
+@dataclass(eq=False)
+class Bucket:
+    """Buffer elements [start, end) (end - start divisible by dp), holding whole `params`.
+
+    `late` buckets hold a parameter whose grad is still summed with another pipeline stage's after
+    backward (the tied embedding): they are only reduce-scattered in step()."""
+
+    index: int
+    params: list
+    start: int
+    end: int
+    shard_lo: int
+    """This rank's range in the buffer starts here; it is (end - start) / dp long."""
+    state_lo: int
+    """... and sits at this offset of the flat rank state."""
+    late: bool = False
+    ready: set = field(default_factory=set)
+    work: object = None
+    launched: bool = False
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+    def shard_numel(self, dp: int) -> int:
+        return self.numel // dp
+
+
+def plan_buckets(numels: list[int], bucket_elems: int, dp: int) -> list[tuple[list[int], int, int]]:
+    """Pack params (by flat size, in the given order) into buckets: [(param indices, start, padded end)]."""
+    out, cur, start, size = [], [], 0, 0
+    for i, n in enumerate(numels):
+        cur.append(i)
+        size += n
+        if size >= bucket_elems or i == len(numels) - 1:
+            padded = -(-size // dp) * dp
+            out.append((cur, start, start + padded))
+            cur, start, size = [], start + padded, 0
+    return out
+
+
+class FlatBuffer:
+    """The grad buffer (fp32) and param buffer (params' dtype) of params sharing one dtype, bucketed
+    and split over dp as described above. Re-points every param's storage into the param buffer."""
+
+    def __init__(self, params: list[nn.Parameter], bucket_bytes: int, dp_rank: int, dp_size: int,
+                 late: set[int]):
+        self.dtype = params[0].dtype
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        device = params[0].device
+        ordered = params[::-1]  # backward finishes the last layers first
+        plan = plan_buckets([p.numel() for p in ordered], max(1, bucket_bytes // 4), dp_size)
+        self.numel = plan[-1][2] if plan else 0
+        self.state_numel = self.numel // dp_size
+        self.grad = torch.zeros(self.numel, dtype=torch.float32, device=device)
+        self.param = torch.zeros(self.numel, dtype=self.dtype, device=device)
+        self.offset: dict[nn.Parameter, int] = {}
+        self.buckets: list[Bucket] = []
+        self.bucket_of: dict[nn.Parameter, Bucket] = {}
+        state_lo = 0
+        for index, (idx, start, end) in enumerate(plan):
+            members = [ordered[i] for i in idx]
+            shard_lo = start + dp_rank * (end - start) // dp_size
+            b = Bucket(index, members, start, end, shard_lo, state_lo, late=any(id(p) in late for p in members))
+            self.buckets.append(b)
+            state_lo += b.shard_numel(dp_size)
+            off = start
+            for p in members:
+                self.offset[p] = off
+                self.bucket_of[p] = b
+                off += p.numel()
+        self._repoint(ordered)
+        self.segments = self._segments()
+
+    @torch.no_grad()
+    def _repoint(self, params: list[nn.Parameter]) -> None:
+        for p in params:
+            view = self.param_view(p)
+            view.copy_(p.data)
+            p.data = view
+            p.main_grad = self.grad_view(p)
+
+    def grad_view(self, p: nn.Parameter) -> torch.Tensor:
+        o = self.offset[p]
+        return self.grad[o:o + p.numel()].view(p.shape)
+
+    def param_view(self, p: nn.Parameter) -> torch.Tensor:
+        o = self.offset[p]
+        return self.param[o:o + p.numel()].view(p.shape)
+
+    def bucket_range(self, flat: torch.Tensor, b: Bucket) -> torch.Tensor:
+        """b's elements of a buffer-shaped flat tensor (grad or param buffer)."""
+        return flat[b.start:b.end]
+
+    def shard(self, flat: torch.Tensor, b: Bucket) -> torch.Tensor:
+        """This rank's range of bucket b in a buffer-shaped flat tensor."""
+        return flat[b.shard_lo:b.shard_lo + b.shard_numel(self.dp_size)]
+
+    def state_shard(self, state: torch.Tensor, b: Bucket) -> torch.Tensor:
+        """Bucket b's part of a flat rank-state tensor (state_numel elements)."""
+        return state[b.state_lo:b.state_lo + b.shard_numel(self.dp_size)]
+
+    def _segments(self) -> list[Segment]:
+        out = []
+        for b in self.buckets:
+            lo, hi = b.shard_lo, b.shard_lo + b.shard_numel(self.dp_size)
+            for p in b.params:
+                p_lo, p_hi = self.offset[p], self.offset[p] + p.numel()
+                s_lo, s_hi = max(lo, p_lo), min(hi, p_hi)
+                if s_lo < s_hi:
+                    out.append(Segment(p, s_lo - p_lo, s_lo, b.state_lo + s_lo - lo, s_hi - s_lo))
+        return out

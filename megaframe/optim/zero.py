@@ -1,0 +1,283 @@
+"""ZeRO-1 distributed optimizer: dp-sharded AdamW state, bucketed reduce-scatter overlapped with backward.
+
+Sharding (see buffer.py for the layout): every parameter lives in a contiguous param buffer and its
+fp32 gradient in a grad buffer of the same layout, cut into buckets. dp rank r owns the r-th 1/dp of
+every bucket. It keeps AdamW state only for that range: the Adam moments (fp32) and, for bf16 params,
+an fp32 master copy (fp32 params are their own master: the update writes the param buffer in place).
+So optimizer state per rank is 8 (fp32) or 12 (bf16) bytes per owned element, 1/dp of the whole.
+
+One step:
+  backward     grads accumulate in place into the grad buffer (fp32 params: p.grad *is* the buffer
+               slice; bf16 params: a post-accumulate hook adds p.grad into the fp32 slice, p.main_grad,
+               and frees it). Inside backward_context(is_last=True) the same hook marks the param
+               ready; the hook that completes a bucket launches its async reduce-scatter over dp, so
+               communication of the last layers' grads runs while earlier layers still compute.
+  step(lr)     launch what backward did not (buckets with an unused param, or `late` ones: the tied
+               embedding, summed over the pipeline ends by the caller after backward), wait for
+               everything in flight, sum tp-partial grads over tp (sequence-parallel norms: on this
+               rank's range only), global grad norm, clip, AdamW on the owned range, then all-gather
+               the updated param buckets over dp.
+The all-gather is NOT overlapped with the next forward: step() waits for it, so parameters are whole
+when it returns (checkpointing, evaluation and the pipeline need nothing special). Megatron overlaps it
+by waiting per bucket in forward pre-hooks; on gloo/CPU it would buy little.
+
+Grad norm: each element is counted once. Ranges are disjoint over dp, so squares are summed over dp;
+over tp and pp `counts_in_norm` drops tp-replicated copies on tp ranks > 0 and pipeline duplicates.
+Weight decay applies to matrices only (p.ndim >= 2). The update itself is torch.optim.AdamW run on
+1-D views of the owned range (segments), so the math is exactly torch's (decoupled decay, bias
+correction) and zero=1 equals zero=0 elementwise.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from megaframe.config import OptimConfig
+from megaframe.optim.buffer import Bucket, FlatBuffer
+from megaframe.optim.grads import counts_in_norm
+from megaframe.parallel import comm
+from megaframe.parallel.mesh import Mesh
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+@dataclass
+class _State:
+    """This rank's flat optimizer state for one buffer (state_numel elements each)."""
+
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    master: torch.Tensor | None
+    """fp32 master weights for low-precision params; None when the param buffer is fp32 already."""
+
+
+class ZeroOptimizer:
+    """The optimizer interface of build.py (zero_grad, backward_context, step, logical_state,
+    load_logical_state, memory_bytes) with ZeRO-1 sharding over mesh.dp.
+
+    overlap=False launches every reduce-scatter in step() instead of from backward hooks (benchmarks).
+    """
+
+    def __init__(self, model: nn.Module, cfg: OptimConfig, mesh: Mesh, overlap: bool = True):
+        self.model, self.cfg, self.mesh, self.overlap = model, cfg, mesh, overlap
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        # the tied embedding's grad is summed over the pipeline ends after backward: reduce it late
+        late = {id(p) for p in self.params if hasattr(p, "pp_duplicate")} if mesh.pp_ends.size > 1 else set()
+        by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+        for p in self.params:
+            by_dtype.setdefault(p.dtype, []).append(p)
+        bucket_bytes = int(cfg.bucket_size_mb * 2**20)
+        self.buffers = [FlatBuffer(ps, bucket_bytes, mesh.dp.rank, mesh.dp.size, late) for ps in by_dtype.values()]
+        self._buffer_of = {p: buf for buf in self.buffers for p in buf.offset}
+        self._last = False
+        self._gathered: tuple | None = None  # (key, {name: full bucket tensor}) of the last gathered bucket
+        self._build_state()
+        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self.params]
+        self.zero_grad()
+
+    # ------------------------------------------------------------------ state
+
+    def _build_state(self) -> None:
+        """Flat moments (and master) per buffer; torch AdamW over 1-D segment views of them."""
+        device = self.mesh.device
+        fused = device.type == "cuda"
+        self.states, self._segs_of, groups, pre = [], {}, ([], []), []
+        for buf in self.buffers:
+            n = buf.state_numel
+            master = None
+            if buf.dtype != torch.float32:
+                master = torch.empty(n, dtype=torch.float32, device=device)
+                for b in buf.buckets:
+                    buf.state_shard(master, b).copy_(buf.shard(buf.param, b))
+            st = _State(torch.zeros(n, device=device), torch.zeros(n, device=device), master)
+            self.states.append(st)
+            for seg in buf.segments:
+                lo, hi = seg.state_lo, seg.state_lo + seg.numel
+                weights = buf.param[seg.buf_lo:seg.buf_lo + seg.numel] if master is None else master[lo:hi]
+                weights.grad = buf.grad[seg.buf_lo:seg.buf_lo + seg.numel]
+                groups[0 if seg.param.ndim >= 2 else 1].append(weights)
+                step = torch.zeros((), dtype=torch.float32, device=device if fused else "cpu")
+                pre.append((weights, {"step": step, "exp_avg": st.exp_avg[lo:hi], "exp_avg_sq": st.exp_avg_sq[lo:hi]}))
+                self._segs_of.setdefault(seg.param, []).append((seg, weights))
+        c = self.cfg
+        param_groups = [{"params": ps, "weight_decay": wd} for ps, wd in zip(groups, (c.weight_decay, 0.0)) if ps]
+        kwargs = {"fused": True} if fused else {"foreach": True}
+        self.adam = torch.optim.AdamW(param_groups, lr=c.lr, betas=(c.beta1, c.beta2), eps=c.eps,
+                                      **kwargs) if param_groups else None
+        for weights, s in pre:  # torch AdamW keeps state it finds: point it at our flat moments
+            self.adam.state[weights] = s
+        self._shard_grads = [buf.shard(buf.grad, b) for buf in self.buffers for b in buf.buckets]
+        segs = [(buf, s) for buf in self.buffers for s in buf.segments]
+        self._norm_views = [buf.grad[s.buf_lo:s.buf_lo + s.numel] for buf, s in segs
+                            if counts_in_norm(s.param, self.mesh)]
+        self._tp_partial_views = [buf.grad[s.buf_lo:s.buf_lo + s.numel] for buf, s in segs
+                                  if getattr(s.param, "tp_partial_grad", False)]
+
+    # ------------------------------------------------------------------ backward
+
+    def zero_grad(self) -> None:
+        self._wait_all()
+        for buf in self.buffers:
+            buf.grad.zero_()
+            for b in buf.buckets:
+                b.ready.clear()
+                b.launched = False
+        for p in self.params:
+            # fp32: autograd accumulates straight into the buffer slice; bf16: the hook moves it there
+            p.grad = p.main_grad if p.dtype == torch.float32 else None
+
+    def backward_context(self, is_last: bool):
+        @contextlib.contextmanager
+        def ctx():
+            self._last = is_last
+            try:
+                yield
+            finally:
+                self._last = False
+        return ctx()
+
+    def _grad_ready(self, p: nn.Parameter) -> None:
+        """Post-accumulate hook: fold a separate grad into the fp32 buffer; on the last backward, mark
+        p ready and launch its bucket's reduce-scatter once every param of the bucket is ready."""
+        main = p.main_grad
+        if p.grad is not None and p.grad.data_ptr() != main.data_ptr():
+            main.add_(p.grad)  # bf16 params (fp32 accumulation), or a grad someone replaced
+            p.grad = main if p.dtype == torch.float32 else None
+        if not (self._last and self.overlap):
+            return
+        buf = self._buffer_of[p]
+        b = buf.bucket_of[p]
+        b.ready.add(p)
+        if not b.late and not b.launched and len(b.ready) == len(b.params):
+            self._launch(buf, b)
+
+    def _launch(self, buf: FlatBuffer, b: Bucket) -> None:
+        """Async reduce-scatter of bucket b over dp, in place: this rank's range ends up summed."""
+        b.launched = True
+        b.work = comm.reduce_scatter_flat(buf.shard(buf.grad, b), buf.bucket_range(buf.grad, b), self.mesh.dp,
+                                          async_op=True)
+
+    def _wait_all(self) -> None:
+        for buf in self.buffers:
+            for b in buf.buckets:
+                if b.work is not None:
+                    b.work.wait()
+                    b.work = None
+
+    # ------------------------------------------------------------------ step
+
+    def step(self, lr: float) -> torch.Tensor:
+        self._gathered = None
+        for buf in self.buffers:  # in bucket order: the same order on every dp rank
+            for b in buf.buckets:
+                if not b.launched:
+                    self._launch(buf, b)
+        self._wait_all()
+        self._sum_tp_partial()
+        norm = self._grad_norm()
+        if self.cfg.clip_grad > 0:
+            scale = (self.cfg.clip_grad / (norm + 1e-6)).clamp(max=1.0)
+            torch._foreach_mul_(self._shard_grads, scale)
+        if self.adam is not None:
+            for group in self.adam.param_groups:
+                group["lr"] = lr
+            self.adam.step()
+        self._gather_params()
+        return norm
+
+    def _sum_tp_partial(self) -> None:
+        """Sum over tp the grads of tp-replicated params that each tp rank saw part of (sp norms).
+        tp peers share the buffer layout, so their owned ranges hold the same elements."""
+        views = self._tp_partial_views
+        if self.mesh.tp.size == 1 or not views:
+            return
+        flat = comm.all_reduce(torch.cat(views), self.mesh.tp)
+        torch._foreach_copy_(views, list(flat.split([v.numel() for v in views])))
+
+    def _grad_norm(self) -> torch.Tensor:
+        sq = torch.zeros((), dtype=torch.float32, device=self.mesh.device)
+        if self._norm_views:
+            sq = torch.stack(torch._foreach_norm(self._norm_views)).square().sum()
+        for axis in (self.mesh.dp, self.mesh.tp, self.mesh.pp):
+            comm.all_reduce(sq, axis)
+        return sq.sqrt()
+
+    @torch.no_grad()
+    def _gather_params(self) -> None:
+        """Owned range -> param buffer (cast from the fp32 master), then all-gather every bucket over dp."""
+        works = []
+        for buf, st in zip(self.buffers, self.states):
+            for b in buf.buckets:
+                mine = buf.shard(buf.param, b)
+                if st.master is not None:
+                    mine.copy_(buf.state_shard(st.master, b))
+                works.append(comm.all_gather_flat(buf.bucket_range(buf.param, b), mine, self.mesh.dp, async_op=True))
+        for w in works:
+            if w is not None:
+                w.wait()
+
+    # ------------------------------------------------------------------ checkpoints and figures
+
+    def _gather_bucket(self, buf: FlatBuffer, b: Bucket, what: str) -> dict[str, torch.Tensor]:
+        """Full-bucket tensors gathered over dp (collective): 'state' -> moments (+ master), 'grad' ->
+        the reduced grad. Only the last bucket is cached: checkpoints walk params bucket by bucket."""
+        key = (id(buf), b.index, what)
+        if self._gathered is not None and self._gathered[0] == key:
+            return self._gathered[1]
+        if what == "grad":
+            shards = {"grad": buf.shard(buf.grad, b)}
+        else:
+            st = self.states[self.buffers.index(buf)]
+            shards = {k: buf.state_shard(getattr(st, k), b) for k in MOMENTS}
+            if st.master is not None:
+                shards["master"] = buf.state_shard(st.master, b)
+        full = {}
+        for k, shard in shards.items():
+            full[k] = torch.empty(b.numel, dtype=shard.dtype, device=shard.device)
+            comm.all_gather_flat(full[k], shard, self.mesh.dp)
+        self._gathered = (key, full)
+        return full
+
+    def _slice(self, p: nn.Parameter, what: str) -> dict[str, torch.Tensor]:
+        buf = self._buffer_of.get(p)
+        if buf is None:
+            return {}
+        b = buf.bucket_of[p]
+        o = buf.offset[p] - b.start
+        return {k: v[o:o + p.numel()].view(p.shape) for k, v in self._gather_bucket(buf, b, what).items()}
+
+    def logical_state(self, p: nn.Parameter) -> dict[str, torch.Tensor]:
+        """exp_avg, exp_avg_sq (and the fp32 master of bf16 params) shaped like p's local tensor.
+        Collective over dp: every dp rank must call it for the same params in the same order."""
+        return self._slice(p, "state")
+
+    def reduced_grad(self, p: nn.Parameter) -> torch.Tensor:
+        """p's full-batch (dp-summed, clipped) fp32 grad after step(); collective over dp (tests, debugging)."""
+        return self._slice(p, "grad")["grad"]
+
+    @torch.no_grad()
+    def load_logical_state(self, p: nn.Parameter, moments: dict[str, torch.Tensor], step: int) -> None:
+        """Cut this rank's segments of p out of p-shaped moments (any layout wrote them)."""
+        self._gathered = None
+        buf = self._buffer_of[p]
+        st = self.states[self.buffers.index(buf)]
+        if "master" in moments and st.master is None:
+            p.copy_(moments["master"].to(p.device, p.dtype))  # fp32 params: the saved master is exact
+        src = {k: moments[k].to(p.device, torch.float32).reshape(-1) for k in MOMENTS}
+        if st.master is not None:
+            src["master"] = moments.get("master", p.detach()).to(p.device, torch.float32).reshape(-1)
+        for seg, weights in self._segs_of.get(p, []):
+            lo, n = seg.state_lo, seg.numel
+            for k, full in src.items():
+                getattr(st, k)[lo:lo + n].copy_(full[seg.param_lo:seg.param_lo + n])
+            self.adam.state[weights]["step"].fill_(float(step))
+
+    def memory_bytes(self) -> dict[str, int]:
+        """This rank's fp32 grad buffer and optimizer state (moments + master for its range)."""
+        grads = sum(buf.grad.numel() * buf.grad.element_size() for buf in self.buffers)
+        optim = sum(t.numel() * t.element_size() for st in self.states
+                    for t in (st.exp_avg, st.exp_avg_sq, st.master) if t is not None)
+        return {"mem/grads_bytes": grads, "mem/optim_bytes": optim}

@@ -1,0 +1,125 @@
+"""Functions the rank pool runs for the ZeRO-1 tests: fn(mesh, *args), module-level for spawned workers."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from megaframe.checkpoint import sharded
+from megaframe.data.dataset import build_data, microbatches
+from megaframe.model.gpt import build_model
+from megaframe.optim.build import build_optimizer, cast_model
+from megaframe.parallel import comm
+from megaframe.training.metrics import memory_figures
+from megaframe.training.step import train_step
+from tests.distributed.cases import full_state, tiny_config
+
+
+def _setup(mesh, overrides: list[str], steps: int):
+    cfg = tiny_config(overrides + [f"train.max_steps={steps}"], mesh.world)
+    model = cast_model(build_model(cfg, mesh), cfg.train.precision)
+    return cfg, model, build_optimizer(model, cfg.optim, mesh), build_data(cfg)
+
+
+def _step(mesh, cfg, model, optimizer, data, step: int) -> tuple[float, dict]:
+    """One optimizer step; returns the global mean loss and the bytes sent per group during the step."""
+    t = cfg.train
+    batches = microbatches(data, step - 1, t.global_batch_size, t.micro_batch_size, mesh.dp.rank, mesh.dp.size, t.seed)
+    mesh.stats.pop()
+    res = train_step(model, optimizer, batches, mesh, cfg, step)
+    sent = dict(mesh.stats.pop())
+    loss = comm.all_reduce(res.loss_sum.clone(), mesh.dp) / (t.global_batch_size * cfg.model.seq_length)
+    comm.all_reduce(loss, mesh.pp)  # only the last pipeline stage has a loss
+    return loss.item(), sent
+
+
+def run_steps(mesh, overrides: list[str], steps: int, load: str | None = None, save: str | None = None,
+              start: int = 0, stop: int | None = None) -> dict | None:
+    """Steps start+1..stop of a `steps`-step run (after loading checkpoint `load`), saving at the end
+    when `save` names a folder.
+
+    Rank 0 returns losses, the step-1 reduced grads (full tensors), final weights, per-step bytes by
+    group, memory figures and the padded buffer size."""
+    cfg, model, optimizer, data = _setup(mesh, overrides, steps)
+    if load:
+        sharded.load_into(load, model, optimizer)
+    losses, sent, grads = [], [], None
+    stop = stop or steps
+    for step in range(start + 1, stop + 1):
+        loss, s = _step(mesh, cfg, model, optimizer, data, step)
+        losses.append(loss)
+        sent.append(s)
+        if step == 1:
+            grads = full_state(model, mesh, grads=True, optimizer=optimizer)
+    weights = full_state(model, mesh)
+    if save:
+        sharded.save(save, stop, model, optimizer, mesh, {"layout": {"dp": mesh.dp.size}})
+    if mesh.rank != 0:
+        return None
+    buffers = getattr(optimizer, "buffers", [])
+    return {"losses": losses, "grads": grads, "weights": weights, "comm": sent,
+            "mem": memory_figures(model, optimizer, mesh.device),
+            "buffer_numel": sum(b.numel for b in buffers), "buckets": sum(len(b.buckets) for b in buffers),
+            "params_numel": sum(p.numel() for p in model.parameters())}
+
+
+def logical_moments(mesh, overrides: list[str], steps: int) -> dict | None:
+    """After `steps` steps: every parameter's Adam moments as logical (full, global) tensors."""
+    from megaframe.layers.shard import gather_full
+
+    cfg, model, optimizer, data = _setup(mesh, overrides, steps)
+    for step in range(1, steps + 1):
+        _step(mesh, cfg, model, optimizer, data, step)
+    out = {}
+    for name, p in model.named_parameters():
+        for k, t in optimizer.logical_state(p).items():
+            out[f"{k}/{name}"] = gather_full(t, p.shard, mesh.tp)
+    return out if mesh.rank == 0 else None
+
+
+def overlap_probe(mesh, overrides: list[str], overlap: bool) -> dict | None:
+    """Which buckets have their reduce-scatter launched before step(): after a non-last micro-batch's
+    backward, and after the last one (the hooks only act inside backward_context(is_last=True))."""
+    from megaframe.optim.zero import ZeroOptimizer
+
+    cfg, model, _, data = _setup(mesh, overrides, 1)
+    optimizer = ZeroOptimizer(model, cfg.optim, mesh, overlap=overlap)
+    t = cfg.train
+    batches = microbatches(data, 0, t.global_batch_size, t.micro_batch_size, mesh.dp.rank, mesh.dp.size, t.seed)
+    optimizer.zero_grad()
+    launched = []
+    tokens = t.global_batch_size * cfg.model.seq_length
+    for i, (ids, labels) in enumerate(batches):
+        loss = model(ids, labels).float().sum() / tokens
+        with optimizer.backward_context(is_last=i == len(batches) - 1):
+            loss.backward()
+        launched.append([b.launched for buf in optimizer.buffers for b in buf.buckets])
+    optimizer.step(1e-3)
+    return {"launched": launched} if mesh.rank == 0 else None
+
+
+def bf16_losses(mesh, overrides: list[str], steps: int) -> dict | None:
+    """Train in bf16; rank 0 returns the losses, the param dtype and the optimizer's state dtypes."""
+    cfg, model, optimizer, data = _setup(mesh, overrides + ["train.precision=bf16"], steps)
+    losses = [_step(mesh, cfg, model, optimizer, data, s)[0] for s in range(1, steps + 1)]
+    p = next(model.parameters())
+    state = optimizer.logical_state(p)
+    if mesh.rank != 0:
+        return None
+    return {"losses": losses, "param_dtype": str(p.dtype), "state_dtypes": {k: str(v.dtype) for k, v in state.items()},
+            "finite": all(math.isfinite(x) for x in losses), "mem": memory_figures(model, optimizer, mesh.device)}
+
+
+def bf16_checkpoint_roundtrip(mesh, load_overrides: list[str], folder: str) -> dict | None:
+    """bf16 zero=1: two steps, save; load into an fp32 run (`load_overrides`); rank 0 returns the largest
+    difference between a loaded weight and the saved fp32 master."""
+    run_steps(mesh, ["train.precision=bf16"], 2, save=folder)
+    cfg, model, optimizer, _ = _setup(mesh, load_overrides, 2)
+    path = sharded.latest(folder)
+    sharded.load_into(path, model, optimizer)
+    meta = sharded.read_metadata(path)
+    name, p = next((n, q) for n, q in model.named_parameters() if q.ndim >= 2)
+    master = sharded.load_full(path, f"optim/master/{name}", meta)
+    return {"err": (p.detach().float() - p.shard.local(master)).abs().max().item(),
+            "has_master": f"optim/master/{name}" in meta["tensors"]} if mesh.rank == 0 else None
+
