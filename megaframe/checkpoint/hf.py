@@ -1,0 +1,311 @@
+"""Hugging Face transformers interop: megaframe full tensors <-> LlamaForCausalLM / GPT2LMHeadModel.
+
+megaframe names and layouts (full, unsharded tensors; D hidden, V vocab rows, S seq_length,
+H query heads, K kv heads (num_query_groups), E head dim = D/H, F ffn_hidden_size):
+    embed.weight                     [V, D]
+    pos_embed                        [S, D]            (learned positions only)
+    layers.{i}.attn_norm.weight/bias [D]               (bias for layernorm only)
+    layers.{i}.attn.qkv.weight       [(H+2K)·E, D]     rows [q | k | v]; q = H·E rows head-major, k, v = K·E
+    layers.{i}.attn.qkv.bias         [(H+2K)·E]
+    layers.{i}.attn.out_proj.weight  [D, H·E]  (+ bias [D])
+    layers.{i}.mlp_norm.weight/bias  [D]
+    layers.{i}.mlp.up_proj.weight    [2F, D] = [gate | up] (swiglu) or [F, D] (gelu)  (+ bias)
+    layers.{i}.mlp.down_proj.weight  [D, F]  (+ bias [D])
+    final_norm.weight/bias           [D]
+    head.weight                      [V, D]            (untied only)
+
+Llama (rmsnorm, swiglu, rope): q_proj/k_proj/v_proj are the [q | k | v] row blocks as they are (both
+use rotate-half RoPE on head-major rows, so no permutation); gate_proj/up_proj the [gate | up] blocks.
+GPT-2 (layernorm, gelu-tanh, learned positions, H == K): Conv1D weights are stored [in, out], so
+c_attn = qkv.weight.T [D, 3D], c_proj = out_proj.weight.T, c_fc = up_proj.weight.T [D, F],
+mlp.c_proj = down_proj.weight.T [F, D]; wpe = pos_embed with n_positions = S.
+Vocabulary: all V embedding rows are exported (the tokenizer may have fewer pieces).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from megaframe.config import ModelConfig
+
+LLAMA_LAYER = {"attn_norm.weight": "input_layernorm.weight", "mlp_norm.weight": "post_attention_layernorm.weight",
+               "attn.out_proj.weight": "self_attn.o_proj.weight", "attn.out_proj.bias": "self_attn.o_proj.bias",
+               "mlp.down_proj.weight": "mlp.down_proj.weight", "mlp.down_proj.bias": "mlp.down_proj.bias"}
+GPT2_LAYER = {"attn_norm.weight": "ln_1.weight", "attn_norm.bias": "ln_1.bias",
+              "mlp_norm.weight": "ln_2.weight", "mlp_norm.bias": "ln_2.bias",
+              "attn.qkv.weight": "attn.c_attn.weight", "attn.qkv.bias": "attn.c_attn.bias",
+              "attn.out_proj.weight": "attn.c_proj.weight", "attn.out_proj.bias": "attn.c_proj.bias",
+              "mlp.up_proj.weight": "mlp.c_fc.weight", "mlp.up_proj.bias": "mlp.c_fc.bias",
+              "mlp.down_proj.weight": "mlp.c_proj.weight", "mlp.down_proj.bias": "mlp.c_proj.bias"}
+GPT2_TOP = {"embed.weight": "transformer.wte.weight", "pos_embed": "transformer.wpe.weight",
+            "final_norm.weight": "transformer.ln_f.weight", "final_norm.bias": "transformer.ln_f.bias",
+            "head.weight": "lm_head.weight"}
+LLAMA_TOP = {"embed.weight": "model.embed_tokens.weight", "final_norm.weight": "model.norm.weight",
+             "head.weight": "lm_head.weight"}
+GELU_TANH = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
+
+
+def family(m: ModelConfig) -> str:
+    """'llama' or 'gpt2': the transformers architecture that computes exactly what `m` computes."""
+    if m.num_experts:
+        raise ValueError("MoE models (model.num_experts > 0) cannot be exported yet")
+    style = (m.norm, m.activation, m.position_embedding)
+    if style == ("rmsnorm", "swiglu", "rope"):
+        return "llama"
+    if style == ("layernorm", "gelu", "learned") and m.kv_heads == m.num_attention_heads:
+        return "gpt2"
+    raise ValueError(f"no transformers architecture matches norm={m.norm}, activation={m.activation}, "
+                     f"position_embedding={m.position_embedding}, kv heads {m.kv_heads}/{m.num_attention_heads} "
+                     "(supported: rmsnorm+swiglu+rope -> Llama; layernorm+gelu+learned without GQA -> GPT-2)")
+
+
+def _split_layer_key(name: str) -> tuple[int, str] | None:
+    if not name.startswith("layers."):
+        return None
+    _, i, rest = name.split(".", 2)
+    return int(i), rest
+
+
+def to_hf(m: ModelConfig, state: dict[str, torch.Tensor], eos_token_id: int | None = None,
+          bos_token_id: int | None = None):
+    """(transformers config, HF state_dict) for megaframe full tensors `state` (names as in the module doc).
+
+    The state_dict omits lm_head.weight when the embeddings are tied (transformers ties it itself)."""
+    fam = family(m)
+    cfg = (_llama_config if fam == "llama" else _gpt2_config)(m, eos_token_id, bos_token_id)
+    sd = {}
+    for name, t in state.items():
+        t = t.detach().cpu()
+        split = _split_layer_key(name)
+        if split is None:
+            top = LLAMA_TOP if fam == "llama" else GPT2_TOP
+            if name not in top:
+                raise ValueError(f"unexpected megaframe tensor {name!r} for a {fam} export")
+            sd[top[name]] = t
+        elif fam == "llama":
+            sd.update(_llama_layer_out(m, *split, t))
+        else:
+            i, rest = split
+            if rest not in GPT2_LAYER:
+                raise ValueError(f"unexpected megaframe tensor {name!r} for a gpt2 export")
+            sd[f"transformer.h.{i}.{GPT2_LAYER[rest]}"] = t.t().contiguous() if t.ndim == 2 else t
+    if fam == "gpt2" and not m.bias:  # GPT-2's Conv1D layers always carry biases: export zeros
+        _add_zero_gpt2_biases(m, sd)
+    return cfg, sd
+
+
+def _llama_layer_out(m: ModelConfig, i: int, rest: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
+    pre = f"model.layers.{i}."
+    e = m.head_dim
+    if rest.startswith("attn.qkv."):
+        q, k, v = t.split([m.num_attention_heads * e, m.kv_heads * e, m.kv_heads * e], dim=0)
+        kind = rest.rsplit(".", 1)[1]
+        return {f"{pre}self_attn.{p}_proj.{kind}": x.contiguous() for p, x in zip("qkv", (q, k, v))}
+    if rest.startswith("mlp.up_proj."):
+        gate, up = t.chunk(2, dim=0)
+        kind = rest.rsplit(".", 1)[1]
+        return {f"{pre}mlp.gate_proj.{kind}": gate.contiguous(), f"{pre}mlp.up_proj.{kind}": up.contiguous()}
+    if rest not in LLAMA_LAYER:
+        raise ValueError(f"unexpected megaframe tensor layers.{i}.{rest} for a llama export")
+    return {pre + LLAMA_LAYER[rest]: t}
+
+
+def _add_zero_gpt2_biases(m: ModelConfig, sd: dict) -> None:
+    d, f = m.hidden_size, m.ffn_hidden_size
+    for i in range(m.num_layers):
+        for key, n in (("attn.c_attn", 3 * d), ("attn.c_proj", d), ("mlp.c_fc", f), ("mlp.c_proj", d)):
+            sd.setdefault(f"transformer.h.{i}.{key}.bias", torch.zeros(n))
+
+
+def _llama_config(m: ModelConfig, eos, bos):
+    from transformers import LlamaConfig
+
+    kw = dict(vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.ffn_hidden_size,
+              num_hidden_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
+              num_key_value_heads=m.kv_heads, head_dim=m.head_dim, hidden_act="silu",
+              max_position_embeddings=m.seq_length, rms_norm_eps=m.norm_eps, tie_word_embeddings=m.tie_embeddings,
+              attention_bias=m.bias, mlp_bias=m.bias, attention_dropout=m.dropout, bos_token_id=bos,
+              eos_token_id=eos, pad_token_id=None, initializer_range=m.init_std)
+    if "rope_parameters" in LlamaConfig().to_dict():  # transformers >= 5
+        kw["rope_parameters"] = {"rope_type": "default", "rope_theta": m.rope_theta}
+    else:
+        kw["rope_theta"] = m.rope_theta
+    cfg = LlamaConfig(**kw)
+    cfg.architectures = ["LlamaForCausalLM"]
+    return cfg
+
+
+def _gpt2_config(m: ModelConfig, eos, bos):
+    from transformers import GPT2Config
+
+    cfg = GPT2Config(vocab_size=m.vocab_size, n_positions=m.seq_length, n_embd=m.hidden_size, n_layer=m.num_layers,
+                     n_head=m.num_attention_heads, n_inner=m.ffn_hidden_size, activation_function="gelu_new",
+                     resid_pdrop=m.dropout, embd_pdrop=m.dropout, attn_pdrop=m.dropout,
+                     layer_norm_epsilon=m.norm_eps, initializer_range=m.init_std, tie_word_embeddings=m.tie_embeddings,
+                     bos_token_id=bos, eos_token_id=eos)
+    cfg.architectures = ["GPT2LMHeadModel"]
+    return cfg
+
+
+def build_hf_model(cfg, sd: dict[str, torch.Tensor]):
+    """A transformers causal LM for `cfg`, holding exactly `sd` (strict: every weight must be given)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(cfg, **_fp32())
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    tied = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+    missing = [k for k in missing if k not in tied and not k.endswith(".attn.bias") and "masked_bias" not in k]
+    if missing or unexpected:
+        raise ValueError(f"HF state mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    if cfg.tie_word_embeddings:
+        model.tie_weights()
+    return model.eval()
+
+
+def _fp32() -> dict:
+    """The fp32 dtype keyword of from_config / from_pretrained (renamed torch_dtype -> dtype in transformers 5)."""
+    import transformers
+
+    return {"torch_dtype" if int(transformers.__version__.split(".")[0]) < 5 else "dtype": torch.float32}
+
+
+def from_hf(source) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(megaframe ModelConfig fields, full fp32 megaframe state) from a transformers Llama or GPT-2 model,
+    or from a local folder holding one (loaded offline)."""
+    if isinstance(source, (str, Path)):
+        from transformers import AutoModelForCausalLM
+
+        source = AutoModelForCausalLM.from_pretrained(str(source), local_files_only=True, **_fp32())
+    cfg = source.config
+    sd = {k: v.detach().to(torch.float32).cpu() for k, v in source.state_dict().items()}
+    if cfg.model_type == "llama":
+        return _llama_fields(cfg), _llama_state(cfg, sd)
+    if cfg.model_type == "gpt2":
+        return _gpt2_fields(cfg), _gpt2_state(cfg, sd)
+    raise ValueError(f"unsupported transformers model_type {cfg.model_type!r} (supported: llama, gpt2)")
+
+
+def _rope_theta(cfg) -> float:
+    params = getattr(cfg, "rope_parameters", None) or {}
+    kind = params.get("rope_type", "default") if params else (getattr(cfg, "rope_scaling", None) or {}).get(
+        "rope_type", "default")
+    if kind != "default":
+        raise ValueError(f"RoPE scaling {kind!r} is not supported (megaframe uses plain RoPE)")
+    return float(params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
+
+
+def _llama_fields(cfg) -> dict:
+    if cfg.hidden_act != "silu":
+        raise ValueError(f"Llama hidden_act={cfg.hidden_act!r} is not supported (megaframe SwiGLU uses silu)")
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    if head_dim * cfg.num_attention_heads != cfg.hidden_size:
+        raise ValueError(f"head_dim={head_dim} x heads != hidden_size={cfg.hidden_size}: not supported")
+    if bool(getattr(cfg, "attention_bias", False)) != bool(getattr(cfg, "mlp_bias", False)):
+        raise ValueError("Llama with attention_bias != mlp_bias is not supported (megaframe has one `bias` flag)")
+    return dict(name="hf_llama", num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size,
+                num_attention_heads=cfg.num_attention_heads, num_query_groups=cfg.num_key_value_heads,
+                ffn_hidden_size=cfg.intermediate_size, seq_length=cfg.max_position_embeddings,
+                vocab_size=cfg.vocab_size, norm="rmsnorm", activation="swiglu", position_embedding="rope",
+                tie_embeddings=bool(cfg.tie_word_embeddings), bias=bool(getattr(cfg, "attention_bias", False)),
+                rope_theta=_rope_theta(cfg), norm_eps=float(cfg.rms_norm_eps), dropout=0.0)
+
+
+def _gpt2_fields(cfg) -> dict:
+    if cfg.activation_function not in GELU_TANH:
+        raise ValueError(f"GPT-2 activation_function={cfg.activation_function!r} is not supported (tanh GELU only)")
+    if cfg.scale_attn_by_inverse_layer_idx or not cfg.scale_attn_weights:
+        raise ValueError("GPT-2 attention scaling other than 1/sqrt(head_dim) is not supported")
+    return dict(name="hf_gpt2", num_layers=cfg.n_layer, hidden_size=cfg.n_embd, num_attention_heads=cfg.n_head,
+                num_query_groups=None, ffn_hidden_size=cfg.n_inner or 4 * cfg.n_embd, seq_length=cfg.n_positions,
+                vocab_size=cfg.vocab_size, norm="layernorm", activation="gelu", position_embedding="learned",
+                tie_embeddings=bool(cfg.tie_word_embeddings), bias=True, norm_eps=float(cfg.layer_norm_epsilon),
+                dropout=0.0)
+
+
+def _llama_state(cfg, sd: dict) -> dict[str, torch.Tensor]:
+    out = {"embed.weight": sd["model.embed_tokens.weight"], "final_norm.weight": sd["model.norm.weight"]}
+    if not cfg.tie_word_embeddings:
+        out["head.weight"] = sd["lm_head.weight"]
+    kinds = ("weight", "bias") if getattr(cfg, "attention_bias", False) else ("weight",)
+    for i in range(cfg.num_hidden_layers):
+        pre, mine = f"model.layers.{i}.", f"layers.{i}."
+        for kind in kinds:
+            out[f"{mine}attn.qkv.{kind}"] = torch.cat([sd[f"{pre}self_attn.{p}_proj.{kind}"] for p in "qkv"])
+            out[f"{mine}mlp.up_proj.{kind}"] = torch.cat([sd[f"{pre}mlp.{p}_proj.{kind}"] for p in ("gate", "up")])
+        for rest, theirs in LLAMA_LAYER.items():
+            if pre + theirs in sd:
+                out[mine + rest] = sd[pre + theirs]
+    return out
+
+
+def _gpt2_state(cfg, sd: dict) -> dict[str, torch.Tensor]:
+    out = {mine: sd[theirs] for mine, theirs in GPT2_TOP.items() if mine != "head.weight"}
+    if not cfg.tie_word_embeddings:
+        out["head.weight"] = sd["lm_head.weight"]
+    for i in range(cfg.n_layer):
+        for rest, theirs in GPT2_LAYER.items():
+            t = sd[f"transformer.h.{i}.{theirs}"]
+            out[f"layers.{i}.{rest}"] = t.t().contiguous() if t.ndim == 2 else t
+    return out
+
+
+def model_overrides(fields: dict) -> list[str]:
+    """Hydra overrides (`model.num_layers=2`, ...) that make train.py build the model `fields` describe."""
+    def fmt(v):
+        return "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
+    return [f"model.{k}={fmt(v)}" for k, v in fields.items()]
+
+
+def save_tokenizer(spm_model: str | Path, out: str | Path, model_max_length: int | None = None):
+    """Write a sentencepiece BPE model (as megaframe.data.prepare trains it: byte fallback, identity
+    normalization, dummy prefix, no bos) to `out` as a transformers fast tokenizer (tokenizer.json) that
+    AutoTokenizer loads offline and that encodes exactly like sentencepiece (no special tokens added,
+    literal "</s>" in text stays text). Returns the transformers tokenizer."""
+    import sentencepiece as spm
+    from tokenizers import Tokenizer, decoders, normalizers
+    from tokenizers.models import BPE
+    from transformers import PreTrainedTokenizerFast
+
+    sp = spm.SentencePieceProcessor(model_file=str(spm_model))
+    proto = _spm_proto(sp)
+    if proto.trainer_spec.model_type != 2:
+        raise ValueError(f"{spm_model}: only sentencepiece BPE models are converted")
+    vocab = {sp.id_to_piece(i): i for i in range(sp.get_piece_size())}
+    plain = {p for p, i in vocab.items() if not (sp.is_control(i) or sp.is_unknown(i) or sp.is_byte(i))}
+    merges = []  # every split of a piece into two pieces, ranked by the merged piece's id (= BPE merge order)
+    for piece in sorted(plain, key=vocab.get):
+        pairs = [(piece[:k], piece[k:]) for k in range(1, len(piece)) if piece[:k] in plain and piece[k:] in plain]
+        merges += sorted(pairs, key=lambda lr: (vocab[lr[0]], vocab[lr[1]]))
+    unk = sp.id_to_piece(sp.unk_id())
+    tok = Tokenizer(BPE(vocab, merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
+    tok.normalizer = _spm_normalizer(proto.normalizer_spec)
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    special = {"unk_token": unk}
+    if sp.eos_id() >= 0:
+        special["eos_token"] = sp.id_to_piece(sp.eos_id())
+    if sp.bos_id() >= 0:
+        special["bos_token"] = sp.id_to_piece(sp.bos_id())
+    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, split_special_tokens=True, clean_up_tokenization_spaces=False,
+                                     **special, **({"model_max_length": model_max_length} if model_max_length else {}))
+    hf_tok.save_pretrained(str(out))
+    return hf_tok
+
+
+def _spm_proto(sp):
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    return pb.ModelProto.FromString(sp.serialized_model_proto())
+
+
+def _spm_normalizer(spec):
+    """sentencepiece's normalizer: charsmap, whitespace squeezing, dummy prefix, spaces -> U+2581."""
+    from tokenizers import Regex, normalizers
+
+    steps = [normalizers.Precompiled(spec.precompiled_charsmap)] if spec.precompiled_charsmap else []
+    if spec.remove_extra_whitespaces:
+        steps += [normalizers.Strip(left=True, right=True), normalizers.Replace(Regex(" {2,}"), " ")]
+    if spec.add_dummy_prefix:
+        steps.append(normalizers.Prepend("\u2581"))
+    return normalizers.Sequence(steps + [normalizers.Replace(" ", "\u2581")])

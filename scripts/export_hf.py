@@ -1,0 +1,155 @@
+"""Export a megaframe checkpoint to a Hugging Face transformers folder.
+
+    python scripts/export_hf.py CKPT OUT [--dtype fp32|bf16] [--force]
+
+CKPT is a step folder (step_XXXXXXXX) or a checkpoint dir holding committed step folders (the newest
+one that verifies is used); it may have been saved under any parallel layout. OUT receives
+config.json, model.safetensors (LlamaForCausalLM for rmsnorm/swiglu/rope models, GPT2LMHeadModel for
+layernorm/gelu/learned-position models) and, when the run's prepared data (data.path or a blend
+source) holds its tokenizer, a transformers tokenizer (a sentencepiece tokenizer.model is converted
+to tokenizer.json, encoding exactly alike) that AutoTokenizer.from_pretrained(OUT) loads offline. All model.vocab_size embedding rows are exported, even when the tokenizer has fewer.
+Bad input (missing or corrupt checkpoint, unsupported model, OUT not empty) exits 2 with one line.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def fail(msg: str) -> int:
+    print(f"megaframe: error: {msg}", file=sys.stderr, flush=True)
+    return 2
+
+
+def resolve_step(path: str) -> tuple[Path, dict]:
+    """(step folder, verified metadata) for a step folder or a checkpoint dir; ValueError if none."""
+    from megaframe.checkpoint import sharded
+
+    p = Path(path)
+    if not p.exists():
+        raise ValueError(f"{path}: no such checkpoint")
+    if not (p / "metadata.json").is_file():
+        skipped = []
+        p = sharded.latest(p, on_skip=lambda s, why: skipped.append(why))
+        if p is None:
+            raise ValueError(f"{path}: no committed checkpoint" + (f" ({skipped[0]})" if skipped else ""))
+        for why in skipped:
+            print(f"megaframe: warning: skipping {why}", file=sys.stderr)
+    return p, sharded.verify(p)
+
+
+def read_checkpoint(step: Path, meta: dict):
+    """(ModelConfig, {megaframe name: full tensor}, data config dict) of a verified step folder."""
+    import dataclasses
+
+    from megaframe.checkpoint import sharded
+    from megaframe.config import ModelConfig
+
+    config = meta.get("config") or {}
+    if "model" not in config:
+        raise ValueError(f"{step}: metadata.json carries no model config")
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    model_cfg = ModelConfig(**{k: v for k, v in config["model"].items() if k in known})
+    state = {k.removeprefix("model/"): sharded.load_full(step, k, meta)
+             for k in meta["tensors"] if k.startswith("model/")}
+    if not state:
+        raise ValueError(f"{step}: no model tensors in the checkpoint")
+    return model_cfg, state, config.get("data") or {}
+
+
+def find_tokenizer(data: dict) -> Path | None:
+    """The tokenizer of the run's prepared data (data.path, else the first blend source that has one):
+    the name meta.json records (a sentencepiece file or a transformers tokenizer folder), else tokenizer.model."""
+    for folder in [data.get("path")] + [b.get("path") for b in data.get("blend") or []]:
+        if not folder:
+            continue
+        names = ["tokenizer.model"]
+        try:
+            names.insert(0, json.loads((Path(folder) / "meta.json").read_text())["tokenizer"])
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        for name in names:
+            if (Path(folder) / name).exists():
+                return Path(folder) / name
+    return None
+
+
+def export_tokenizer(data: dict, out: Path, seq_length: int):
+    """Write the run's tokenizer into `out` as a transformers tokenizer; returns it, or None if there is none."""
+    from megaframe.checkpoint.hf import save_tokenizer
+
+    path = find_tokenizer(data)
+    if path is None:
+        print(f"export: no tokenizer found (data.path={data.get('path')!r} has none); exporting the model only",
+              flush=True)
+        return None
+    if path.is_dir():  # already a transformers tokenizer (prepared with data.tokenizer=FOLDER)
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        tok.save_pretrained(str(out))
+    else:
+        tok = save_tokenizer(path, out, model_max_length=seq_length)
+    print(f"export: tokenizer {path} -> {out} ({len(tok)} tokens)", flush=True)
+    return tok
+
+
+def export(ckpt: str, out: Path, dtype: str) -> Path:
+    import torch
+
+    from megaframe.checkpoint.hf import build_hf_model, family, to_hf
+
+    step, meta = resolve_step(ckpt)
+    try:
+        model_cfg, state, data = read_checkpoint(step, meta)
+    except (OSError, KeyError, RuntimeError) as e:  # unreadable shard contents
+        raise ValueError(f"{step}: cannot read the checkpoint ({str(e).splitlines()[0]})") from e
+    family(model_cfg)  # refuse an unsupported model before writing anything
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        tok = export_tokenizer(data, tmp, model_cfg.seq_length)
+        ids = {"eos_token_id": tok.eos_token_id, "bos_token_id": tok.bos_token_id} if tok is not None else {}
+        cfg, sd = to_hf(model_cfg, state, **ids)
+        model = build_hf_model(cfg, sd)
+        if dtype == "bf16":
+            model = model.to(torch.bfloat16)
+        model.save_pretrained(str(tmp))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if out.exists():
+        shutil.rmtree(out) if out.is_dir() else out.unlink()
+    os.replace(tmp, out)
+    n = sum(t.numel() for t in state.values())
+    print(f"export: {step} (step {meta['step']}, {n / 1e6:.2f}M params) -> {out} as "
+          f"{cfg.architectures[0]} ({dtype})", flush=True)
+    return out
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("ckpt", help="step folder or checkpoint dir")
+    ap.add_argument("out", help="output transformers folder")
+    ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="weight dtype written")
+    ap.add_argument("--force", action="store_true", help="replace OUT if it exists and is not empty")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.force:
+        return fail(f"{out} exists and is not empty (pass --force to replace it)")
+    try:
+        export(args.ckpt, out, args.dtype)
+    except ValueError as e:
+        return fail(" ".join(str(e).split()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

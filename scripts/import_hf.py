@@ -1,0 +1,152 @@
+"""Import a Hugging Face transformers Llama or GPT-2 folder as a megaframe checkpoint at step 0.
+
+    python scripts/import_hf.py HF_FOLDER OUT_CKPT_DIR [hydra overrides ...] [--force]
+
+HF_FOLDER is a local folder (config.json + weights) of a LlamaForCausalLM or GPT2LMHeadModel; it is
+loaded offline. The model fields come from its config.json; the overrides set the rest of the run
+config recorded in the checkpoint (data=..., optim.lr=..., train.*). The result is a committed
+checkpoint OUT_CKPT_DIR/step_00000000 with `latest`, holding the weights only (no optimizer moments:
+training from it starts with fresh AdamW state at step 1). `megaframe.load_model(OUT_CKPT_DIR)` loads
+it, and the printed `python train.py checkpoint.resume=... model....` command continues pretraining it
+under any parallel layout. Bad input exits 2 with one line.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import shutil
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+class WeightsOnly:
+    """The optimizer interface sharded.save needs, with no state: the checkpoint holds weights only."""
+
+    def logical_state(self, p) -> dict:
+        return {}
+
+
+def fail(msg: str) -> int:
+    print(f"megaframe: error: {msg}", file=sys.stderr, flush=True)
+    return 2
+
+
+def run_config(fields: dict, overrides: list[str]):
+    """The full run Config: `overrides` composed as train.py would, with the HF model fields on top.
+
+    The fields that shape the weights always come from HF; model.name, model.dropout and (for RoPE
+    models, where it shapes no weight) model.seq_length keep the user's value when an override gives one."""
+    from megaframe.config import ConfigError, load_config, validate
+
+    cfg = load_config(list(overrides), world_size=1, check_data=False)
+    soft = {"name", "dropout"} | ({"seq_length"} if fields.get("position_embedding") == "rope" else set())
+    given = {o.split("=", 1)[0].removeprefix("++").removeprefix("+") for o in overrides if "=" in o}
+    chosen = {}
+    for k, v in fields.items():
+        if f"model.{k}" in given and k in soft:
+            continue
+        if f"model.{k}" in given and getattr(cfg.model, k) != v:
+            print(f"import: warning: model.{k}={getattr(cfg.model, k)} replaced by the HF config's {v}", file=sys.stderr)
+        chosen[k] = v
+    cfg.model = dataclasses.replace(cfg.model, **chosen)
+    try:
+        validate(cfg, 1, check_data=False)
+    except ConfigError as e:
+        raise ValueError(f"the imported model does not fit the config: {e}") from e
+    return cfg
+
+
+def build_filled_model(cfg, state: dict):
+    """A one-process GPT holding the imported full tensors (names and shapes must match exactly)."""
+    import torch
+
+    from megaframe.model.gpt import GPT
+    from megaframe.parallel.mesh import single_process_mesh
+
+    mesh = single_process_mesh("cpu")
+    model = GPT(cfg.model, mesh, sp=False)
+    names = dict(model.named_parameters())
+    if set(names) != set(state):
+        raise ValueError(f"HF weights do not map onto the megaframe model: missing {sorted(set(names) - set(state))[:4]}"
+                         f", extra {sorted(set(state) - set(names))[:4]}")
+    with torch.no_grad():
+        for name, p in names.items():
+            if tuple(p.shape) != tuple(state[name].shape):
+                raise ValueError(f"{name}: HF shape {tuple(state[name].shape)} != megaframe {tuple(p.shape)}")
+            p.copy_(state[name])
+    return model, mesh
+
+
+def copy_tokenizer(src: Path, dest: Path) -> None:
+    """Save the HF folder's tokenizer to `dest`, for `megaframe.data.prepare data.tokenizer=dest`: data
+    for continued pretraining must be tokenized with the model's own tokenizer."""
+    from transformers import AutoTokenizer
+
+    if not any((src / n).is_file() for n in ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")):
+        print(f"import: {src} has no tokenizer files; none copied", flush=True)
+        return
+    try:
+        tok = AutoTokenizer.from_pretrained(str(src), local_files_only=True)
+    except Exception as e:  # no tokenizer files, or a kind transformers cannot load offline
+        print(f"import: no tokenizer copied ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})")
+        return
+    shutil.rmtree(dest, ignore_errors=True)
+    tok.save_pretrained(str(dest))
+    print(f"import: tokenizer ({len(tok)} tokens) -> {dest}; prepare data with "
+          f"python -m megaframe.data.prepare data.tokenizer={dest} data.source=... data.path=...", flush=True)
+
+
+def import_hf(folder: str, out: Path, overrides: list[str]) -> Path:
+    from megaframe.checkpoint import sharded
+    from megaframe.checkpoint.hf import from_hf, model_overrides
+
+    src = Path(folder)
+    if not (src / "config.json").is_file():
+        raise ValueError(f"{folder}: not a transformers model folder (no config.json)")
+    try:
+        fields, state = from_hf(src)
+    except (OSError, KeyError, RuntimeError) as e:
+        raise ValueError(f"{folder}: cannot load the transformers model ({str(e).splitlines()[0]})") from e
+    cfg = run_config(fields, overrides)
+    model, mesh = build_filled_model(cfg, state)
+    meta = {"consumed_samples": 0, "layout": {"tp": 1, "pp": 1, "dp": 1, "sp": False},
+            "rng": "derived from (train.seed, step, rank); no state to restore",
+            "data": {"kind": cfg.data.kind, "path": cfg.data.path, "consumed_samples": 0},
+            "config": dataclasses.asdict(cfg), "imported_from": str(src.resolve())}
+    path = sharded.save(out, 0, model, WeightsOnly(), mesh, meta)
+    copy_tokenizer(src, out / "hf_tokenizer")
+    n = sum(t.numel() for t in state.values())
+    print(f"import: {folder} ({n / 1e6:.2f}M params, {fields['name']}) -> {path}", flush=True)
+    model_args = model_overrides({k: getattr(cfg.model, k) for k in fields})
+    rest = [o for o in overrides if not o.startswith("model.")]
+    print("continue pretraining with:\n  python train.py checkpoint.resume=" + str(path) + " "
+          + " ".join(model_args + rest), flush=True)
+    return path
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("hf_folder", help="local transformers model folder")
+    ap.add_argument("out", help="checkpoint dir to write step_00000000 into")
+    ap.add_argument("overrides", nargs="*", help="hydra overrides for the rest of the run config")
+    ap.add_argument("--force", action="store_true", help="write even if OUT already holds checkpoints")
+    args = ap.parse_args(argv)
+    from megaframe.checkpoint import sharded
+    from megaframe.config import ConfigError
+
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        return fail(f"{out} exists and is not a folder")
+    if sharded.committed(out) and not args.force:
+        return fail(f"{out} already holds checkpoints (pass --force to add step_00000000 and repoint latest)")
+    try:
+        import_hf(args.hf_folder, out, args.overrides)
+    except (ValueError, ConfigError) as e:
+        return fail(" ".join(str(e).split()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
