@@ -1,0 +1,53 @@
+"""The ZeRO buffer layout: bucket packing and padding, and dp ranges that cover every element once."""
+import pytest
+import torch
+from torch import nn
+
+from megaframe.optim.buffer import FlatBuffer, plan_buckets
+
+SHAPES = [(7, 5), (3,), (11, 4), (1,), (6, 6), (13,), (2, 9)]
+
+
+def fresh_params():
+    gen = torch.Generator().manual_seed(0)
+    return [nn.Parameter(torch.randn(s, generator=gen)) for s in SHAPES]
+
+
+def test_plan_buckets_packs_whole_params_and_pads_to_dp():
+    plan = plan_buckets([5, 3, 10, 1], bucket_elems=8, dp=4)
+    assert plan == [([0, 1], 0, 8), ([2], 8, 20), ([3], 20, 24)]
+    assert plan_buckets([5, 3], bucket_elems=100, dp=3) == [([0, 1], 0, 9)]
+
+
+@pytest.mark.parametrize("dp", [1, 2, 3, 4])
+@pytest.mark.parametrize("bucket_bytes", [4 * 20, 4 * 1000])
+def test_ranges_cover_every_element_exactly_once(dp, bucket_bytes):
+    covered = {i: torch.zeros(torch.Size(s).numel(), dtype=torch.int32) for i, s in enumerate(SHAPES)}
+    for rank in range(dp):
+        params = fresh_params()
+        values = [p.detach().clone() for p in params]
+        buf = FlatBuffer(params, bucket_bytes, rank, dp, late=set())
+        assert buf.numel % dp == 0 and all(b.numel % dp == 0 for b in buf.buckets)
+        state = torch.zeros(buf.state_numel, dtype=torch.int32)
+        for seg in buf.segments:
+            i = next(k for k, p in enumerate(params) if p is seg.param)
+            covered[i][seg.param_lo:seg.param_lo + seg.numel] += 1
+            state[seg.state_lo:seg.state_lo + seg.numel] += 1
+            # the segment's buffer elements are the param's elements
+            assert torch.equal(buf.param[seg.buf_lo:seg.buf_lo + seg.numel],
+                               seg.param.detach().reshape(-1)[seg.param_lo:seg.param_lo + seg.numel])
+        assert state.max() <= 1  # segments never share rank state
+        for p, v in zip(params, values):  # params now live in the buffer, values kept
+            assert torch.equal(p.detach(), v)
+            assert buf.param_view(p).data_ptr() == p.data_ptr()
+            assert p.main_grad.data_ptr() == buf.grad_view(p).data_ptr()
+    for i, c in covered.items():
+        assert torch.equal(c, torch.ones_like(c)), (i, c)
+
+
+def test_buckets_follow_reverse_parameter_order():
+    params = fresh_params()
+    buf = FlatBuffer(params, 4 * 40, 0, 2, late={id(params[0])})
+    order = [p for b in buf.buckets for p in b.params]
+    assert order == params[::-1]
+    assert [b.late for b in buf.buckets][-1] and not buf.buckets[0].late  # params[0] sits in the last bucket
