@@ -6,7 +6,6 @@ error at composition time. `load_config` composes, converts to the dataclass tre
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -105,6 +104,10 @@ class TrainConfig:
     precision: str = "fp32"
     """fp32 | bf16: bf16 parameters and compute, with fp32 master weights, Adam moments and grad
     reduction in the optimizer (needs optim.zero=1). No loss scaling: bf16 has fp32's range."""
+    eval_interval: int = 0
+    """Compute val_loss on the validation split every this many steps (and at the last); 0 = never."""
+    eval_iters: int = 4
+    """Global batches of validation samples per evaluation (the same fixed samples every time)."""
 
 
 @dataclass
@@ -135,6 +138,14 @@ class OptimConfig:
 
 
 @dataclass
+class BlendSource:
+    path: str = ""
+    """A folder written by megaframe.data.prepare."""
+    weight: float = 1.0
+    """Relative share of the training samples (weights are normalized)."""
+
+
+@dataclass
 class DataConfig:
     name: str = "demo"
     """Dataset label for logs."""
@@ -148,6 +159,19 @@ class DataConfig:
     """For prepare: sentencepiece vocabulary size to train."""
     text_key: str = "text"
     """For prepare: the text field of jsonl / parquet records."""
+    tokenizer: str = ""
+    """For prepare: reuse this tokenizer (a sentencepiece .model or a transformers tokenizer folder)
+    instead of training one; empty = train a sentencepiece BPE of data.vocab_size pieces."""
+    tokenizer_sample_bytes: int = 1 << 30
+    """For prepare: train the tokenizer on about this many bytes of text spread over the corpus (0 = all)."""
+    num_workers: int = 0
+    """For prepare: tokenizer processes; 0 = one per CPU core."""
+    valid_fraction: float = 0.0
+    """Hold out this fraction of each dataset's tokens (its tail, cut on a document boundary) for
+    validation (train.eval_interval); the training samples never include them."""
+    blend: list[BlendSource] = field(default_factory=list)
+    """Train on several prepared datasets mixed by weight, instead of data.path, e.g.
+    data.blend='[{path: /data/a, weight: 0.7}, {path: /data/b, weight: 0.3}]'. They must share a tokenizer."""
 
 
 @dataclass
@@ -298,6 +322,7 @@ def validate(cfg: Config, world_size: int, check_data: bool = True) -> None:
     _req(cfg.logging.wandb.mode in ("online", "offline", "disabled"),
          f"logging.wandb.mode={cfg.logging.wandb.mode!r} must be online, offline or disabled")
     _req(cfg.data.kind in ("prepared", "synthetic"), f"data.kind={cfg.data.kind!r} must be prepared or synthetic")
+    _check_data_fields(cfg)
     r = cfg.checkpoint.resume
     _req(r in ("auto", "none") or (Path(r) / "metadata.json").is_file(),
          f"checkpoint.resume={r}: not a committed checkpoint folder (no metadata.json)")
@@ -320,17 +345,24 @@ def _check_pipeline(cfg: Config, dp: int) -> None:
         raise ConfigError(str(e)) from e
 
 
+def _check_data_fields(cfg: Config) -> None:
+    d, t = cfg.data, cfg.train
+    _req(d.num_workers >= 0, f"data.num_workers={d.num_workers} must be >= 0 (0 = every core)")
+    _req(d.tokenizer_sample_bytes >= 0, f"data.tokenizer_sample_bytes={d.tokenizer_sample_bytes} must be >= 0")
+    _req(0.0 <= d.valid_fraction < 1.0, f"data.valid_fraction={d.valid_fraction} must be in [0, 1)")
+    for i, b in enumerate(d.blend):
+        _req(bool(b.path) and b.weight > 0, f"data.blend[{i}] needs a path and a weight > 0")
+    _req(t.eval_interval >= 0 and t.eval_iters >= 1,
+         f"train.eval_interval={t.eval_interval} must be >= 0 and train.eval_iters={t.eval_iters} >= 1")
+    _req(t.eval_interval == 0 or d.kind == "synthetic" or d.valid_fraction > 0,
+         f"train.eval_interval={t.eval_interval} needs a validation split: set data.valid_fraction > 0")
+
+
 def _check_prepared(cfg: Config) -> None:
-    path = Path(cfg.data.path)
-    _req(bool(cfg.data.path), "data.path is empty: point it at a folder written by megaframe.data.prepare")
-    meta = path / "meta.json"
-    _req(meta.is_file(), f"data.path={cfg.data.path}: no prepared data (meta.json missing); "
-                         f"run python -m megaframe.data.prepare data.source=... data.path={cfg.data.path}")
+    """Every prepared dataset (data.path, or each data.blend path) is whole and fits the model."""
+    from megaframe.data.shards import check_datasets
+
     try:
-        info = json.loads(meta.read_text())
-        vocab = int(info["vocab_size"])
-    except (ValueError, KeyError, TypeError) as e:
-        raise ConfigError(f"data.path={cfg.data.path}: meta.json is corrupt ({_one_line(e)})") from e
-    _req(vocab <= cfg.model.vocab_size,
-         f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer vocabulary {vocab} of data.path")
-    _req((path / "tokenizer.model").is_file(), f"data.path={cfg.data.path}: tokenizer.model missing")
+        check_datasets(cfg)
+    except ValueError as e:
+        raise ConfigError(_one_line(e)) from e

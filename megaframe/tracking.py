@@ -42,6 +42,8 @@ class Tracker:
         eta = rate * (self.max_steps - step)
         parts = [f"step {step:>6}/{self.max_steps}", f"loss {metrics['loss']:.4f}", f"lr {metrics['lr']:.2e}",
                  f"grad {metrics['grad_norm']:.3f}", f"{metrics['tokens_per_s'] / 1e3:.1f}k tok/s"]
+        if "val_loss" in metrics:
+            parts.insert(2, f"val {metrics['val_loss']:.4f}")
         if metrics.get("mfu"):
             parts.append(f"mfu {100 * metrics['mfu']:.1f}%")
         parts.append(f"eta {_fmt_duration(eta)}")

@@ -1,8 +1,15 @@
 """Samples and their order: the global batch of a step depends only on (seed, step), never on the layout.
 
 A sample is seq_length + 1 consecutive tokens (inputs and shifted labels). Prepared data is read from
-memory-mapped token shards; sample i starts at token i * seq_length. The order is a seeded permutation
-per epoch, so global position g (counting samples over the whole run) is sample perm_{g // N}[g % N].
+memory-mapped token shards; sample i of a split starts at token split_start + i * seq_length. The order
+is a seeded permutation per epoch, so global position g (counting samples over the whole run) is sample
+perm_{g // N}[g % N]. A blend of datasets (megaframe.data.blend) maps g to (dataset, its own position).
+The data cursor is therefore derived, never stored: after step t, positions [0, t·G) are consumed, and a
+run resumed under any dp continues at position t·G exactly.
+
+Validation: with data.valid_fraction = f, each dataset's last ~f of tokens (cut at the first document
+boundary after (1 - f)·T, from the shards' document index) form the "valid" split; "train" samples come
+only from the tokens before it.
 Step t owns positions [t·G, (t+1)·G); dp rank d reads the block [d·G/dp, (d+1)·G/dp) of it in
 micro-batches. The loss is a sum over tokens divided by the global token count, so any split of the
 global batch over ranks and micro-batches gives the same gradient.
@@ -18,28 +25,53 @@ import torch
 
 
 class PreparedData:
-    """Memory-mapped token shards written by megaframe.data.prepare."""
+    """Memory-mapped token shards written by megaframe.data.prepare; one split of them ("train",
+    "valid", or "all") at a time."""
 
     shuffle = True
 
-    def __init__(self, path: str | Path, seq_length: int):
+    def __init__(self, path: str | Path, seq_length: int, split: str = "all", valid_fraction: float = 0.0):
         path = Path(path)
         meta = json.loads((path / "meta.json").read_text())
         dtype = np.dtype(meta["dtype"])
+        self.path, self.meta = path, meta
         self.shards = [np.memmap(path / s["file"], dtype=dtype, mode="r") for s in meta["shards"]]
         for s, arr in zip(meta["shards"], self.shards):
             if arr.shape[0] != s["num_tokens"]:
                 raise ValueError(f"data shard {s['file']} has {arr.shape[0]} tokens, meta.json says {s['num_tokens']}")
         self.starts = np.cumsum([0] + [a.shape[0] for a in self.shards])
-        self.num_tokens = int(self.starts[-1])
+        total = int(self.starts[-1])
+        cut = total if split == "all" or valid_fraction <= 0 else self.valid_start(valid_fraction)
+        self.first, end = (cut, total) if split == "valid" else (0, cut)
+        self.num_tokens = end - self.first
         self.seq_length = seq_length
         self.vocab_size = int(meta["vocab_size"])
         self.num_samples = (self.num_tokens - 1) // seq_length
         if self.num_samples < 1:
-            raise ValueError(f"data has {self.num_tokens} tokens, fewer than one sample of {seq_length + 1}")
+            what = "the validation split" if split == "valid" else "data"
+            raise ValueError(f"{path}: {what} has {self.num_tokens} tokens, fewer than one sample of {seq_length + 1}")
+
+    def valid_start(self, fraction: float) -> int:
+        """Token where the validation tail begins: the first document start at or after (1 - f)·T
+        (the last one before it when no document starts later), so no document is split."""
+        total = int(self.starts[-1])
+        target = int(total * (1.0 - fraction))
+        k = int(np.searchsorted(self.starts, target, side="right") - 1)
+        entries = self.meta["shards"]
+        if k >= len(entries) or not entries[k].get("docs"):
+            return target  # no document index (older data): cut on the token
+        local = np.load(self.path / entries[k]["docs"], mmap_mode="r") + int(self.starts[k])
+        after = local[np.searchsorted(local, target):]
+        if after.size:
+            return int(after[0])
+        if k + 1 < len(entries):
+            return int(self.starts[k + 1])  # shards hold whole documents: the next one starts a document
+        before = local[local <= target]
+        return int(before[-1]) if before.size and before[-1] > 0 else target
 
     def __getitem__(self, i: int) -> np.ndarray:
-        lo, hi = i * self.seq_length, i * self.seq_length + self.seq_length + 1
+        lo = self.first + i * self.seq_length
+        hi = lo + self.seq_length + 1
         pieces, k = [], int(np.searchsorted(self.starts, lo, side="right") - 1)
         while lo < hi:  # a sample may straddle shard boundaries
             end = min(hi, int(self.starts[k + 1]))
@@ -74,7 +106,7 @@ class SyntheticData:
         return out
 
 
-@lru_cache(maxsize=4)
+@lru_cache(maxsize=16)  # one per dataset and split in use; a miss recomputes a whole permutation
 def _epoch_permutation(num_samples: int, seed: int, epoch: int) -> np.ndarray:
     return np.random.default_rng([seed, epoch, 0x5EED]).permutation(num_samples)
 
@@ -100,7 +132,26 @@ def microbatches(data, step: int, global_batch: int, micro_batch: int, dp_rank: 
     return out
 
 
-def build_data(cfg) -> PreparedData | SyntheticData:
-    if cfg.data.kind == "synthetic":
-        return SyntheticData(cfg.model.vocab_size, cfg.model.seq_length, cfg.train.seed)
-    return PreparedData(cfg.data.path, cfg.model.seq_length)
+def build_data(cfg, split: str = "train"):
+    """The training (or, with split="valid", validation) samples of the run: synthetic, one prepared
+    dataset, or a blend. Raises OSError/ValueError on unreadable data (callers make it a ConfigError)."""
+    from megaframe.data.blend import BlendedData
+
+    d, seq = cfg.data, cfg.model.seq_length
+    if d.kind == "synthetic":  # validation: the same generator under another seed, never seen in training
+        seed = cfg.train.seed if split == "train" else cfg.train.seed + 1_000_003
+        return SyntheticData(cfg.model.vocab_size, seq, seed)
+    if not d.blend:
+        return PreparedData(d.path, seq, split, d.valid_fraction)
+    parts = [PreparedData(b.path, seq, split, d.valid_fraction) for b in d.blend]
+    return BlendedData(parts, [b.weight for b in d.blend], cfg.train.seed)
+
+
+def data_state(cfg, step: int) -> dict:
+    """The data cursor for checkpoint metadata. It is derived from the step (positions [0, step·G) of
+    the (seed, epoch) order are consumed), so resume needs no saved reader state, under any dp."""
+    d = cfg.data
+    return {"kind": d.kind, "path": d.path, "blend": [{"path": b.path, "weight": b.weight} for b in d.blend],
+            "valid_fraction": d.valid_fraction, "seed": cfg.train.seed,
+            "consumed_samples": step * cfg.train.global_batch_size,
+            "cursor": "derived: global sample position = step * global_batch_size + index in the batch"}

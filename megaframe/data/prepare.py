@@ -1,222 +1,112 @@
-"""Prepare a text corpus for training: train a tokenizer, tokenize, write flat token shards.
+"""Prepare a text corpus for training: get a tokenizer, tokenize on every core, write token shards.
 
-    python -m megaframe.data.prepare data.source=SRC data.path=OUT data.vocab_size=N
+    python -m megaframe.data.prepare data.source=SRC data.path=OUT [data.vocab_size=N] [data.tokenizer=PATH]
+                                     [data.tokenizer_sample_bytes=B] [data.num_workers=W] [data.text_key=K]
 
 The arguments are Hydra overrides of the main config (conf/config.yaml); with none, the embedded demo
-corpus is prepared into data/demo/prepared.
+corpus is prepared into data/demo/prepared. Sources and documents: see megaframe.data.sources.
 
-Input: data.source is a folder (every *.txt, *.txt.gz, *.jsonl(.gz), *.json(.gz), *.parquet under it,
-recursively, sorted, hidden entries skipped), a glob, or one file. Files are read with the `datasets`
-library in streaming mode (bounded memory; compressed files are decompressed on the fly), offline and
-with its cache in a temp folder, so a fresh machine needs no network and no ~/.cache.
+Tokenizer: data.tokenizer=PATH reuses a sentencepiece .model file or a transformers tokenizer folder
+(copied into OUT, loaded offline); otherwise a sentencepiece BPE of data.vocab_size pieces is trained on
+~data.tokenizer_sample_bytes of text spread over the corpus (0 = all of it).
 
-Documents: a jsonl/json/parquet record's data.text_key field is one document. A text file is read as
-blank-line separated paragraphs and EACH PARAGRAPH is one document: the demo corpus is whole books, and
-paragraph documents give the eos token real boundaries to learn while keeping every paragraph intact.
-Documents are stripped of surrounding whitespace; empty ones are skipped.
+Work: the sorted source files are grouped into units (~UNIT_BYTES each). The main process streams each
+unit's documents, cuts them into chunks and hands each chunk to one of data.num_workers processes
+(0 = every core), which tokenizes it and writes one shard (megaframe.data.shards). The token stream is
+the same whatever the worker count or chunk size: the documents in file order, each followed by eos.
 
-Output (data.path): tokenizer.model; tokens_00000.bin, ... = one flat stream of little-endian uint16
-token ids (uint32 when the vocabulary exceeds 65535), every document followed by eos, cut into shards
-of at most SHARD_TOKENS tokens (a document may straddle two shards; readers concatenate them); and
-meta.json describing it all. Everything is written into a hidden temp folder beside data.path and
-renamed into place at the end, so an interrupted run never leaves a half-prepared data.path. A data.path
-that already holds meta.json is left untouched.
+Output (OUT): the tokenizer, shard_*.bin + shard_*.docs.npy, and meta.json, the manifest
+(megaframe.data.manifest). Everything is built in a hidden `.OUT.partial` folder beside OUT and renamed
+into place at the end, so OUT is either absent or complete. An interrupted run keeps the partial folder
+and the next run resumes it, skipping finished units. Re-running on a finished OUT does nothing when the
+sources and settings are the same, and refuses (exit 2) when they differ: good data is never overwritten.
 
 Bad input prints one `megaframe: error: ...` line to stderr and exits 2.
 """
 from __future__ import annotations
 
 import contextlib
-import glob
-import hashlib
 import json
+import multiprocessing
 import os
 import shutil
 import sys
 import tempfile
 import time
+from collections import deque
 from pathlib import Path
 from typing import Iterator
 
-import numpy as np
-
 from megaframe.config import Config, ConfigError, load_config
-from megaframe.data.tokenizer import Tokenizer, TokenizerError, train_tokenizer
+from megaframe.data import manifest as mf
+from megaframe.data.shards import encode_chunk, token_dtype
+from megaframe.data.sources import (PrepareError, SourceFile, file_sha256, iter_documents, offline_hf,
+                                    resolve_source, sample_documents, screen_head, units)
+from megaframe.data.tokenizer import TokenizerError, load_tokenizer, tokenizer_sha256, train_tokenizer
 
-FORMAT = "megaframe-tokens-v1"
-SHARD_TOKENS = 32 * 1024 * 1024
-BATCH_DOCS = 1024
-KINDS = {".txt": "text", ".txt.gz": "text", ".jsonl": "json", ".jsonl.gz": "json",
-         ".json": "json", ".json.gz": "json", ".parquet": "parquet"}
+__all__ = ["PrepareError", "prepare", "main"]
 
-
-class PrepareError(ValueError):
-    """Bad input (source, text, vocabulary); main() turns it into exit code 2."""
-
-
-def _kind(path: Path) -> str | None:
-    name = path.name.lower()
-    return next((k for suffix, k in KINDS.items() if name.endswith(suffix)), None)
+UNIT_BYTES = 256 << 20
+MAX_CHUNK_CHARS, MIN_CHUNK_CHARS = 8 << 20, 256 << 10
+TOKENIZER_SEED = 1234
+"""Fixed (not train.seed): the tokenizer, hence the prepared data, must not change with a training seed."""
 
 
-def resolve_source(source: str) -> list[Path]:
-    """The input files of data.source, sorted; raises PrepareError when there are none."""
-    if not source:
-        raise PrepareError("data.source is empty: set it to a folder or glob of .txt/.jsonl/.parquet files")
-    root = Path(source)
-    if any(c in source for c in "*?["):
-        candidates = [Path(p) for p in glob.glob(source, recursive=True)]
-    elif root.is_dir():
-        candidates = [p for p in root.rglob("*") if not any(part.startswith(".") for part in p.relative_to(root).parts)]
-    elif root.exists():
-        candidates = [root]
-    else:
-        raise PrepareError(f"data.source={source} does not exist")
-    files = sorted(p for p in candidates if p.is_file() and _kind(p))
-    if not files:
-        raise PrepareError(f"data.source={source}: no {', '.join(KINDS)} files found")
-    return files
-
-
-def _runs(files: list[Path]) -> list[tuple[str, list[Path]]]:
-    """Consecutive files of one kind, so documents keep the sorted file order with few loader calls."""
-    runs: list[tuple[str, list[Path]]] = []
+def prepare(cfg: Config, *, unit_bytes: int = UNIT_BYTES, chunk_chars: int | None = None,
+            show_progress: bool | None = None) -> dict | None:
+    """Prepare cfg.data.source into cfg.data.path. Returns meta.json's content plus 'stats' (timings),
+    or None when data.path already holds exactly this preparation. Raises PrepareError on bad input."""
+    d = cfg.data
+    if not d.path:
+        raise PrepareError("data.path is empty: set it to the output folder")
+    if not d.tokenizer and d.vocab_size < 260:  # 256 byte pieces + unk + eos + a few characters
+        raise PrepareError(f"data.vocab_size={d.vocab_size} is too small (byte fallback alone needs 258)")
+    out = Path(d.path)
+    files = resolve_source(d.source)
     for f in files:
-        if runs and runs[-1][0] == _kind(f):
-            runs[-1][1].append(f)
-        else:
-            runs.append((_kind(f), [f]))
-    return runs
-
-
-def iter_documents(files: list[Path], text_key: str, cache_dir: str) -> Iterator[list[str]]:
-    """Batches of non-empty, stripped documents, in file order. Read errors become PrepareError."""
-    import datasets
-
-    datasets.utils.logging.set_verbosity(50)  # CRITICAL: read errors are reported once, by us
-    datasets.disable_progress_bars()
-    for kind, group in _runs(files):
-        extra = {"sample_by": "paragraph", "encoding_errors": "replace"} if kind == "text" else {}
-        key = "text" if kind == "text" else text_key
-        try:
-            ds = datasets.load_dataset(kind, data_files=[str(f) for f in group], split="train",
-                                       streaming=True, cache_dir=cache_dir, **extra)
-            for batch in ds.iter(batch_size=BATCH_DOCS):
-                if key not in batch:
-                    raise PrepareError(f"{group[0]}: records have no field {key!r} (set data.text_key)")
-                docs = [t.strip() for t in batch[key] if isinstance(t, str)]
-                yield [d for d in docs if d]
-        except PrepareError:
-            raise
-        except Exception as e:  # datasets/pyarrow/json errors: name the files, keep one line
-            where = group[0] if len(group) == 1 else f"{group[0]} (+{len(group) - 1} more)"
-            raise PrepareError(f"cannot read {where}: {' '.join(str(e).split()) or type(e).__name__}") from e
-
-
-@contextlib.contextmanager
-def _offline_hf(cache_dir: str):
-    """No network and no ~/.cache for `datasets`; the environment is restored afterwards (tests run in-process)."""
-    env = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_HOME": cache_dir,
-           "HF_DATASETS_CACHE": cache_dir}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
+        screen_head(f)
+    if d.tokenizer and not Path(d.tokenizer).exists():
+        raise PrepareError(f"data.tokenizer={d.tokenizer} does not exist")
+    settings = mf.settings_of(d, tokenizer_sha256(d.tokenizer) if d.tokenizer else None)
+    if _already_prepared(out, settings, files):
+        return None
+    created = [p for p in [out.parent, *out.parent.parents] if not p.exists()]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    work = out.parent / f".{out.name}.partial"
+    fresh = not work.exists()
+    work.mkdir(exist_ok=True)
+    lock, done = mf.Lock(work / ".lock"), False
     try:
-        yield
+        if _already_prepared(out, settings, files):  # a concurrent run finished first: its data is as good
+            return None
+        meta = _build(cfg, files, work, settings, unit_bytes, chunk_chars, show_progress)
+        shutil.rmtree(work / "units")  # resume records: meta.json now says it all
+        (work / "settings.json").unlink()
+        lock.release(unlink=True)
+        os.rename(work, out)  # atomic; replaces only a missing or empty folder
+        done = True
+        return meta
+    except PrepareError as e:
+        if any(work.glob("shard_*.bin")):
+            raise PrepareError(f"{e} (finished work kept in {work}; a re-run resumes it)") from e
+        raise
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        lock.release()
+        if not done and fresh and not any(work.glob("shard_*.bin")):  # nothing worth keeping
+            shutil.rmtree(work, ignore_errors=True)
+            for p in created:
+                with contextlib.suppress(OSError):
+                    p.rmdir()
 
 
-class ShardWriter:
-    """Appends token arrays to tokens_NNNNN.bin files of at most `max_tokens` tokens each."""
-
-    def __init__(self, folder: Path, dtype: np.dtype, max_tokens: int):
-        self.folder, self.dtype, self.max_tokens = folder, dtype, max_tokens
-        self.shards: list[dict] = []
-        self._file = None
-
-    def write(self, tokens: np.ndarray) -> None:
-        tokens = tokens.astype(self.dtype, copy=False)
-        while tokens.size:
-            if self._file is None:
-                name = f"tokens_{len(self.shards):05d}.bin"
-                self._file = open(self.folder / name, "wb")
-                self.shards.append({"file": name, "num_tokens": 0})
-            shard = self.shards[-1]
-            room = self.max_tokens - shard["num_tokens"]
-            part, tokens = tokens[:room], tokens[room:]
-            self._file.write(part.tobytes())
-            shard["num_tokens"] += int(part.size)
-            if shard["num_tokens"] == self.max_tokens:
-                self.close()
-
-    def close(self) -> list[dict]:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-        return self.shards
-
-
-def _train(files: list[Path], cfg: Config, cache_dir: str, work: Path) -> Tokenizer:
-    """Pass 1: train the tokenizer on every document (raises PrepareError when there is no text)."""
-    docs = (d for batch in iter_documents(files, cfg.data.text_key, cache_dir) for d in batch)
-    first = next(docs, None)
-    if first is None:
-        raise PrepareError(f"data.source={cfg.data.source}: the files hold no text")
-    try:
-        path = train_tokenizer(_chain(first, docs), cfg.data.vocab_size, work / "tokenizer", seed=cfg.train.seed)
-    except TokenizerError as e:
-        raise PrepareError(f"data.vocab_size={cfg.data.vocab_size}: {e}") from e
-    return Tokenizer.load(path)
-
-
-def _chain(first: str, rest: Iterator[str]) -> Iterator[str]:
-    yield first
-    yield from rest
-
-
-def _encode(files: list[Path], cfg: Config, tok: Tokenizer, cache_dir: str, work: Path,
-            shard_tokens: int) -> tuple[int, list[dict], np.dtype]:
-    """Pass 2: tokenize batches of documents, eos after each, into shards. Returns (docs, shards, dtype)."""
-    dtype = np.dtype("<u2") if tok.vocab_size <= 1 << 16 else np.dtype("<u4")
-    writer, num_docs = ShardWriter(work, dtype, shard_tokens), 0
-    try:
-        for batch in iter_documents(files, cfg.data.text_key, cache_dir):
-            flat: list[int] = []
-            for ids in tok.encode(batch):
-                flat.extend(ids)
-                flat.append(tok.eos_id)
-            writer.write(np.asarray(flat, dtype=dtype))
-            num_docs += len(batch)
-    finally:
-        shards = writer.close()
-    return num_docs, shards, dtype
-
-
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def _build(files: list[Path], cfg: Config, work: Path, shard_tokens: int) -> dict:
-    """Write tokenizer.model, the shards and meta.json into `work`; returns the meta."""
-    with tempfile.TemporaryDirectory(prefix="megaframe-hf-") as cache_dir, _offline_hf(cache_dir):
-        tok = _train(files, cfg, cache_dir, work)
-        num_docs, shards, dtype = _encode(files, cfg, tok, cache_dir, work, shard_tokens)
-    meta = {"format": FORMAT, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id,
-            "dtype": "uint16" if dtype.itemsize == 2 else "uint32",
-            "num_tokens": sum(s["num_tokens"] for s in shards), "num_documents": num_docs,
-            "shards": shards, "source": cfg.data.source, "tokenizer": "tokenizer.model",
-            "tokenizer_sha256": _sha256(work / "tokenizer.model")}
-    (work / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-    return meta
-
-
-def _check_output(out: Path) -> bool:
-    """True when `out` is already prepared; raises PrepareError when it is something else."""
+def _already_prepared(out: Path, settings: dict, files: list[SourceFile]) -> bool:
+    """True when `out` holds this very preparation; PrepareError when it holds anything else."""
     if (out / "meta.json").is_file():
+        try:
+            meta = json.loads((out / "meta.json").read_text())
+        except ValueError as e:
+            raise PrepareError(f"data.path={out}: meta.json is corrupt; refusing to overwrite it") from e
+        mf.check_existing(out, meta, settings, files)
         return True
     if out.exists() and not out.is_dir():
         raise PrepareError(f"data.path={out} exists and is not a folder")
@@ -225,51 +115,226 @@ def _check_output(out: Path) -> bool:
     return False
 
 
+def _build(cfg: Config, files: list[SourceFile], work: Path, settings: dict, unit_bytes: int,
+           chunk_chars: int | None, show_progress: bool | None) -> dict:
+    """Tokenizer, shards and meta.json inside the partial folder `work`; returns the meta + stats."""
+    t0 = time.perf_counter()
+    old = work / "settings.json"
+    if old.is_file() and json.loads(old.read_text()) != settings:
+        raise PrepareError(f"{work} holds an unfinished preparation made with other settings "
+                           f"({mf.describe_settings_change(json.loads(old.read_text()), settings)}); "
+                           "delete it or restore them")
+    mf.write_json(old, settings)
+    os.chmod(work, 0o777 & ~_umask())  # other users' jobs must read the data
+    workers = cfg.data.num_workers or os.cpu_count() or 1
+    with tempfile.TemporaryDirectory(prefix="megaframe-hf-") as cache, offline_hf(cache), _pool(workers) as pool:
+        records = [f.record(h) for f, h in zip(files, _map(pool, file_sha256, [f.path for f in files]))]
+        tok_name = _tokenizer(cfg, files, work, cache)
+        tok = load_tokenizer(work / tok_name)
+        t1 = time.perf_counter()
+        shards = _encode(cfg, files, records, str(work / tok_name), work, pool, unit_bytes,
+                         chunk_chars or _chunk_size(files, workers), cache, show_progress)
+        t2 = time.perf_counter()
+    num_tokens = sum(s["num_tokens"] for s in shards)
+    if num_tokens == 0:
+        raise PrepareError(f"data.source={cfg.data.source}: the files hold no text")
+    meta = {"format": mf.FORMAT, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id,
+            "dtype": token_dtype(tok.vocab_size).name, "num_tokens": num_tokens,
+            "num_documents": sum(s["num_docs"] for s in shards), "shards": shards,
+            "tokenizer": tok_name, "tokenizer_kind": tok.kind, "tokenizer_sha256": tokenizer_sha256(work / tok_name),
+            "source": cfg.data.source, "sources": records, "settings": settings}
+    mf.write_json(work / "meta.json", meta)
+    return {**meta, "stats": {"workers": workers, "seconds": time.perf_counter() - t0,
+                              "tokenizer_seconds": t1 - t0, "encode_seconds": t2 - t1}}
+
+
 def _umask() -> int:
     mask = os.umask(0o022)
     os.umask(mask)
     return mask
 
 
-def _missing_parents(folder: Path) -> list[Path]:
-    return [p for p in [folder, *folder.parents] if not p.exists()]
+@contextlib.contextmanager
+def _pool(workers: int):
+    """`workers` tokenizer processes, or None for in-process work. forkserver: the workers start from a
+    clean process (no inherited torch/pyarrow threads), with numpy and the shard writer preloaded."""
+    if workers <= 1:
+        yield None
+        return
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["megaframe.data.shards"])
+    with ctx.Pool(workers) as pool:
+        yield pool
 
 
-def prepare(cfg: Config, shard_tokens: int = SHARD_TOKENS) -> dict | None:
-    """Prepare cfg.data.source into cfg.data.path; returns the meta, or None when it was already there."""
-    out = Path(cfg.data.path)
-    if not cfg.data.path:
-        raise PrepareError("data.path is empty: set it to the output folder")
-    if _check_output(out):
-        return None
-    if cfg.data.vocab_size < 260:  # 256 byte pieces + unk + eos + a few characters
-        raise PrepareError(f"data.vocab_size={cfg.data.vocab_size} is too small (byte fallback alone needs 258)")
-    files = resolve_source(cfg.data.source)
-    created = _missing_parents(out.parent)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    os.chmod(work, 0o777 & ~_umask())  # mkdtemp makes it 0700; other users' jobs must read the data
-    done = False
-    try:
-        meta = _build(files, cfg, work, shard_tokens)
+def _map(pool, fn, items: list) -> list:
+    return pool.map(fn, items, chunksize=1) if pool is not None else [fn(x) for x in items]
+
+
+def _tokenizer(cfg: Config, files: list[SourceFile], work: Path, cache: str) -> str:
+    """Put the tokenizer into `work` (kept from an interrupted run, copied, or trained); returns its name."""
+    d = cfg.data
+    if d.tokenizer:
+        src = Path(d.tokenizer)
+        name = "tokenizer" if src.is_dir() else "tokenizer.model"
+        if not (work / name).exists():
+            tmp = work / f"{name}.tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.copytree(src, tmp) if src.is_dir() else shutil.copyfile(src, tmp)
+            os.rename(tmp, work / name)
         try:
-            os.rename(work, out)  # atomic; replaces only a missing or empty folder
-        except OSError:
-            if (out / "meta.json").is_file():  # a concurrent run finished first: its data is as good
-                return None
-            raise
-        done = True
-        return meta
+            load_tokenizer(work / name)
+        except TokenizerError as e:
+            raise PrepareError(f"data.tokenizer={d.tokenizer}: {e}") from e
+        return name
+    if (work / "tokenizer.model").is_file():
+        return "tokenizer.model"
+    docs = sample_documents(files, d.text_key, cache, d.tokenizer_sample_bytes)
+    first = next(docs, None)
+    if first is None:
+        raise PrepareError(f"data.source={d.source}: the files hold no text")
+    try:
+        # one thread: sentencepiece's result depends on its thread count (and threads barely speed it
+        # up), so the same corpus gives the same tokenizer on every machine
+        path = train_tokenizer(_chain(first, docs), d.vocab_size, work / "tokenizer.tmp",
+                               seed=TOKENIZER_SEED, num_threads=1)
+    except TokenizerError as e:
+        raise PrepareError(f"data.vocab_size={d.vocab_size}: {e}") from e
+    os.rename(path, work / "tokenizer.model")
+    return "tokenizer.model"
+
+
+def _chain(first: str, rest: Iterator[str]) -> Iterator[str]:
+    yield first
+    yield from rest
+
+
+def _chunk_size(files: list[SourceFile], workers: int) -> int:
+    """About four chunks per worker on a small corpus (all cores busy), capped for bounded memory."""
+    return max(MIN_CHUNK_CHARS, min(MAX_CHUNK_CHARS, sum(f.size for f in files) // (4 * workers)))
+
+
+def _chunks(batches: Iterator[list[str]], chunk_chars: int) -> Iterator[tuple[list[str], int]]:
+    buf, n = [], 0
+    for batch in batches:
+        for doc in batch:
+            buf.append(doc)
+            n += len(doc)
+            if n >= chunk_chars:
+                yield buf, n
+                buf, n = [], 0
+    if buf:
+        yield buf, n
+
+
+class _Ready:
+    """An already computed result with AsyncResult's get(), for in-process work."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def get(self):
+        return self.value
+
+
+def _finish_unit(work: Path, k: int, record: dict) -> None:
+    mf.write_json(mf.unit_record_path(work, k), record)
+
+
+def _encode(cfg: Config, files: list[SourceFile], records: list[dict], tok_path: str, work: Path, pool,
+            unit_bytes: int, chunk_chars: int, cache: str, show_progress: bool | None) -> list[dict]:
+    """Tokenize every unit not finished by an earlier run; returns all shards in stream order."""
+    (work / "units").mkdir(exist_ok=True)
+    groups, done, todo, i = units(files, unit_bytes), {}, [], 0
+    for k, group in enumerate(groups):
+        recs, i = records[i:i + len(group)], i + len(group)
+        rec = mf.finished_unit(work, k, recs)
+        if rec is not None:
+            done[k] = rec
+        else:
+            todo.append((k, group, recs))
+    progress = Progress(sum(f.size for _, g, _ in todo for f in g), show_progress)
+    pending: deque = deque()  # in stream order: ("chunk", k, result, chars) and ("unit", k, recs)
+    limit = 2 * (pool._processes if pool is not None else 1)  # bounded memory: few chunks in flight
+    acc: dict[int, list[dict]] = {}
+
+    def drain(keep: int) -> None:
+        while len(pending) > keep:
+            item = pending.popleft()
+            if item[0] == "chunk":
+                entry = item[2].get()
+                acc[item[1]].append(entry)
+                progress.update(item[1], item[3], entry["num_tokens"])
+            else:
+                rec = {"files": item[2], "shards": acc.pop(item[1])}
+                _finish_unit(work, item[1], rec)
+                done[item[1]] = rec
+                progress.unit_done(item[1])
+
+    try:
+        for k, group, recs in todo:
+            for stale in work.glob(f"shard_{k:05d}_*"):  # from an interrupted run of this unit
+                stale.unlink()
+            acc[k] = []
+            progress.start_unit(k, sum(f.size for f in group))
+            batches = iter_documents(group, cfg.data.text_key, cache)
+            for c, (docs, chars) in enumerate(_chunks(batches, chunk_chars)):
+                task = (tok_path, str(work), f"shard_{k:05d}_{c:05d}", docs)
+                res = pool.apply_async(encode_chunk, (task,)) if pool is not None else _Ready(encode_chunk(task))
+                pending.append(("chunk", k, res, chars))
+                drain(limit)
+            pending.append(("unit", k, recs))
+        drain(0)
+    except OSError as e:
+        raise PrepareError(f"cannot write to {work}: {e}") from e
     finally:
-        shutil.rmtree(work, ignore_errors=True)
-        for p in created if not done else []:  # leave no empty parent folders behind on failure
-            with contextlib.suppress(OSError):
-                p.rmdir()
+        progress.close()
+    return [s for k in sorted(done) for s in done[k]["shards"]]
+
+
+class Progress:
+    """tqdm bar over source bytes with tokens/s and ETA on a terminal; a line every 30 s otherwise."""
+
+    def __init__(self, total: int, show: bool | None):
+        from tqdm import tqdm
+
+        show = sys.stderr.isatty() if show is None else show
+        self.bar = tqdm(total=total, unit="B", unit_scale=True, desc="tokenizing", disable=not show,
+                        leave=False, dynamic_ncols=True, smoothing=0.05)
+        self.lines, self.total, self.tokens, self.counted = not show, total, 0, 0
+        self.t0 = self.t_line = time.perf_counter()
+        self.unit_left: dict[int, int] = {}
+
+    def start_unit(self, k: int, size: int) -> None:
+        self.unit_left[k] = size
+
+    def update(self, k: int, chars: int, tokens: int) -> None:
+        step = min(chars, self.unit_left[k])  # chars approximate bytes; a unit never overshoots its size
+        self.unit_left[k] -= step
+        self._advance(step, tokens)
+
+    def unit_done(self, k: int) -> None:
+        self._advance(self.unit_left.pop(k), 0)
+
+    def _advance(self, nbytes: int, tokens: int) -> None:
+        self.tokens += tokens
+        self.counted += nbytes
+        now = time.perf_counter()
+        rate = self.tokens / max(now - self.t0, 1e-9)
+        self.bar.set_postfix_str(f"{rate / 1e3:,.0f}k tok/s", refresh=False)
+        self.bar.update(nbytes)
+        if self.lines and now - self.t_line > 30 and self.counted:
+            eta = (now - self.t0) * (self.total - self.counted) / self.counted
+            print(f"megaframe: prepare: {self.counted / max(self.total, 1):.0%} of the source, "
+                  f"{self.tokens:,} tokens, {rate:,.0f} tokens/s, eta {eta:.0f}s", flush=True)
+            self.t_line = now
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    start = time.perf_counter()
     try:
         cfg = load_config(argv, world_size=1, check_data=False)
         meta = prepare(cfg)
@@ -277,12 +342,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"megaframe: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     if meta is None:
-        print(f"megaframe: {cfg.data.path} is already prepared (meta.json present); nothing to do")
+        print(f"megaframe: {cfg.data.path} is already prepared from these sources and settings; nothing to do")
         return 0
-    secs = time.perf_counter() - start
+    st = meta["stats"]
     print(f"megaframe: prepared {meta['num_documents']:,} documents, {meta['num_tokens']:,} tokens "
-          f"(vocab {meta['vocab_size']}, {len(meta['shards'])} shard(s)) in {secs:.1f}s "
-          f"({meta['num_tokens'] / max(secs, 1e-9):,.0f} tokens/s) -> {cfg.data.path}")
+          f"(vocab {meta['vocab_size']}, {len(meta['shards'])} shard(s)) in {st['seconds']:.1f}s; "
+          f"tokenizing with {st['workers']} worker(s): {meta['num_tokens'] / max(st['encode_seconds'], 1e-9):,.0f} "
+          f"tokens/s -> {cfg.data.path}")
     return 0
 
 

@@ -1,4 +1,5 @@
-"""A thin sentencepiece wrapper: train a byte-fallback BPE model, load it, encode in batches, decode.
+"""Tokenizers: train a sentencepiece byte-fallback BPE model, or load an existing one (a sentencepiece
+.model file or a transformers tokenizer folder, offline); encode in batches, decode, hash.
 
 Choices, and why:
 - BPE with byte_fallback: any UTF-8 input encodes (unseen characters become <0xNN> byte pieces), so a
@@ -13,6 +14,7 @@ Choices, and why:
 """
 from __future__ import annotations
 
+import hashlib
 import io
 import os
 import re
@@ -35,6 +37,8 @@ class TokenizerError(ValueError):
 class Tokenizer:
     """A loaded sentencepiece model; encode takes a batch so sentencepiece can use all cores."""
 
+    kind = "sentencepiece"
+
     def __init__(self, processor: spm.SentencePieceProcessor):
         self.sp = processor
 
@@ -56,6 +60,67 @@ class Tokenizer:
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.sp.decode([int(i) for i in ids])
+
+
+class HFTokenizer:
+    """A transformers tokenizer folder (tokenizer.json / tokenizer_config.json ...), loaded offline.
+
+    Documents are encoded without special tokens; the eos token (which the tokenizer must have) is
+    appended by the caller, as for sentencepiece.
+    """
+
+    kind = "transformers"
+
+    def __init__(self, path: str | Path):
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # we parallelize over processes
+        from transformers import AutoTokenizer
+
+        self.tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        if self.tok.eos_token_id is None:
+            raise TokenizerError(f"{path}: the tokenizer has no eos token (set eos_token in its config)")
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tok)  # added tokens included, unlike tok.vocab_size
+
+    @property
+    def eos_id(self) -> int:
+        return int(self.tok.eos_token_id)
+
+    def encode(self, texts: Sequence[str], num_threads: int | None = None) -> list[list[int]]:
+        # split_special_tokens: a literal "</s>" in a document is text, not a document boundary
+        return self.tok(list(texts), add_special_tokens=False, split_special_tokens=True,
+                        return_attention_mask=False)["input_ids"]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.tok.decode([int(i) for i in ids])
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer | HFTokenizer:
+    """A sentencepiece model file or a transformers tokenizer folder; TokenizerError when it is neither."""
+    path = Path(path)
+    try:
+        if path.is_dir():
+            return HFTokenizer(path)
+        if path.is_file():
+            return Tokenizer.load(path)
+    except TokenizerError:
+        raise
+    except Exception as e:  # sentencepiece/transformers raise many kinds; one line names the cause
+        raise TokenizerError(f"{path}: cannot load the tokenizer ({_one_line(e)})") from e
+    raise TokenizerError(f"{path} does not exist")
+
+
+def tokenizer_sha256(path: str | Path) -> str:
+    """Content hash of a tokenizer file, or of a folder's files (sorted relative names and bytes)."""
+    path = Path(path)
+    if path.is_file():
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    h = hashlib.sha256()
+    for f in sorted(p for p in path.rglob("*") if p.is_file()):
+        rel = f.relative_to(path).as_posix()
+        h.update(rel.encode() + b"\0" + hashlib.sha256(f.read_bytes()).digest())
+    return h.hexdigest()
 
 
 def _sentences(texts: Iterable[str]) -> Iterator[str]:

@@ -10,7 +10,7 @@ import torch
 
 from megaframe.checkpoint import sharded
 from megaframe.config import Config, ConfigError
-from megaframe.data.dataset import build_data, microbatches
+from megaframe.data.dataset import build_data, data_state, microbatches
 from megaframe.layers.shard import param_seed
 from megaframe.model.gpt import build_model
 from megaframe.optim.build import build_optimizer, cast_model
@@ -19,6 +19,7 @@ from megaframe.parallel.mesh import Mesh, build_mesh
 from megaframe.pipeline import p2p
 from megaframe.tracking import Tracker
 from megaframe.training.distributed import env_ranks, init_distributed, pick_device, shutdown
+from megaframe.training.evaluate import Evaluator
 from megaframe.training.metrics import flops_per_token, memory_figures, peak_flops
 from megaframe.training.step import train_step
 
@@ -43,6 +44,7 @@ def train(cfg: Config, mesh: Mesh) -> None:
     optimizer = build_optimizer(model, cfg.optim, mesh)
     try:
         data = build_data(cfg)
+        evaluator = Evaluator.build(cfg, mesh)  # None unless train.eval_interval > 0
     except (OSError, ValueError, KeyError) as e:
         raise ConfigError(f"data.path={cfg.data.path}: unreadable prepared data ({e})") from e
     start = resume(cfg, model, optimizer, mesh)
@@ -64,7 +66,12 @@ def train(cfg: Config, mesh: Mesh) -> None:
                                mesh.dp.size, t.seed, mesh.device)
         res = train_step(model, optimizer, batches, mesh, cfg, step)
         steps_since += 1
-        if step % t.log_interval == 0 or step == t.max_steps:
+        val = None
+        if evaluator is not None and evaluator.due(step):
+            t0 = time.perf_counter()
+            val = evaluator.evaluate(model)
+            t_last += time.perf_counter() - t0  # tokens_per_s counts training time only
+        if step % t.log_interval == 0 or step == t.max_steps or val is not None:
             sent = mesh.stats.pop()
             loss = comm.all_reduce(res.loss_sum.clone(), mesh.dp).item() / tokens_step  # .item() syncs
             now = time.perf_counter()
@@ -75,7 +82,7 @@ def train(cfg: Config, mesh: Mesh) -> None:
                        "mfu": tps * fpt / (peak * mesh.world) if peak else 0.0,
                        **{f"comm_bytes/{g}": sent.get(g, 0) for g in ("tp", "pp", "dp")},
                        **memory_figures(model, optimizer, mesh.device)}
-            tracker.log(metrics, start)
+            tracker.log(metrics if val is None else {**metrics, "val_loss": val}, start)
         interval = cfg.checkpoint.interval
         if (interval and step % interval == 0) or step == t.max_steps:
             save(cfg, model, optimizer, mesh, step)
@@ -87,7 +94,7 @@ def save(cfg: Config, model, optimizer, mesh: Mesh, step: int) -> None:
     meta = {"consumed_samples": step * cfg.train.global_batch_size,
             "layout": {"tp": mesh.tp.size, "pp": mesh.pp.size, "dp": mesh.dp.size, "sp": cfg.parallel.sp},
             "rng": "derived from (train.seed, step, rank); no state to restore",
-            "data": {"kind": cfg.data.kind, "path": cfg.data.path, "consumed_samples": step * cfg.train.global_batch_size},
+            "data": data_state(cfg, step),
             "config": dataclasses.asdict(cfg)}
     path = sharded.save(cfg.checkpoint.dir, step, model, optimizer, mesh, meta)
     if mesh.rank == 0:

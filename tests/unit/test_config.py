@@ -13,7 +13,8 @@ from megaframe.config import CONF_DIR, Config, ConfigError, ModelConfig, load_co
 # Adding, renaming or removing a config key is a deliberate edit of this list (and of the docs that cite it).
 EXPECTED_KEYS = sorted("""
 checkpoint.dir checkpoint.interval checkpoint.resume
-data.kind data.name data.path data.source data.text_key data.vocab_size
+data.blend data.kind data.name data.num_workers data.path data.source data.text_key data.tokenizer
+data.tokenizer_sample_bytes data.valid_fraction data.vocab_size
 logging.wandb.entity logging.wandb.mode logging.wandb.project
 model.activation model.bias model.dropout model.ffn_hidden_size model.hidden_size model.init_std
 model.moe_top_k model.name model.norm model.norm_eps model.num_attention_heads model.num_experts
@@ -24,7 +25,7 @@ optim.weight_decay optim.zero
 parallel.ep parallel.pp parallel.pp_layout parallel.pp_schedule parallel.sp parallel.tp parallel.vpp
 run.dir run.name
 train.device train.global_batch_size train.log_interval train.max_steps train.micro_batch_size train.precision
-train.seed
+train.seed train.eval_interval train.eval_iters
 """.split())
 
 PRESETS = sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml"))

@@ -1,4 +1,5 @@
-"""megaframe.data.prepare: a tiny corpus in, token shards + tokenizer + meta.json out, and its failure modes.
+"""megaframe.data.prepare: a tiny corpus in, token shards + document index + tokenizer + meta.json out,
+the same stream whatever the worker count and chunking, and its failure modes.
 
 Most cases call main() in-process (fast); the CLI contract (exit code 2, one stderr line) is checked
 in a subprocess, as a user would run it.
@@ -83,13 +84,20 @@ def test_prepare_text_corpus(tmp_path, text_corpus, capsys):
     assert "prepared 24 documents" in stdout and str(out) in stdout
     meta, tokens = read_tokens(out)
     tok = Tokenizer.load(out / "tokenizer.model")
-    assert meta["format"] == "megaframe-tokens-v1" and meta["dtype"] == "uint16"
+    assert meta["format"] == "megaframe-tokens-v2" and meta["dtype"] == "uint16"
     assert meta["vocab_size"] == tok.vocab_size <= 400 and meta["eos_id"] == tok.eos_id
     assert meta["num_documents"] == 24 and meta["num_tokens"] == tokens.size
     assert sum(s["num_tokens"] for s in meta["shards"]) == tokens.size
     assert meta["tokenizer"] == "tokenizer.model" and meta["source"] == str(text_corpus)
     assert meta["tokenizer_sha256"] == hashlib.sha256((out / "tokenizer.model").read_bytes()).hexdigest()
     assert tokens.max() < meta["vocab_size"]
+    assert [r["rel"] for r in meta["sources"]] == ["a.txt", "b.txt.gz"]
+    assert meta["sources"][0]["sha256"] == hashlib.sha256((text_corpus / "a.txt").read_bytes()).hexdigest()
+    assert meta["settings"]["tokenizer"] == {"train_vocab_size": 400, "train_sample_bytes": 1 << 30}
+    # the document index: each shard's document starts, and eos right before every one but the first
+    starts = np.concatenate([np.load(out / s["docs"]) + off for s, off in
+                             zip(meta["shards"], np.cumsum([0] + [s["num_tokens"] for s in meta["shards"]]))])
+    assert len(starts) == 24 and starts[0] == 0 and (tokens[starts[1:] - 1] == tok.eos_id).all()
     # eos separates documents: one per paragraph, each decoding back to its text exactly
     docs = split_docs(tokens, tok.eos_id)
     assert len(docs) == 24
@@ -98,17 +106,20 @@ def test_prepare_text_corpus(tmp_path, text_corpus, capsys):
     assert sorted(p.name for p in out.parent.iterdir()) == ["prepared"], "temp folder left behind"
 
 
-def test_deterministic_and_sharded(tmp_path, text_corpus, capsys):
-    """Two runs give the same tokenizer and tokens; tiny shards concatenate to the same stream."""
+def test_deterministic_whatever_the_workers_and_chunks(tmp_path, text_corpus, capsys):
+    """One worker or two, one shard or many small ones (one unit per file): the same tokenizer and stream."""
     args = [f"data.source={text_corpus}", "data.vocab_size=400"]
-    assert run_main(capsys, *args, f"data.path={tmp_path / 'a'}")[0] == 0
-    meta_b = prep.prepare(load_config([*args, f"data.path={tmp_path / 'b'}"], world_size=1, check_data=False),
-                          shard_tokens=100)
+    assert run_main(capsys, *args, "data.num_workers=1", f"data.path={tmp_path / 'a'}")[0] == 0
+    cfg = load_config([*args, "data.num_workers=2", f"data.path={tmp_path / 'b'}"], world_size=1, check_data=False)
+    meta_b = prep.prepare(cfg, unit_bytes=1, chunk_chars=300)
     meta_a, tokens_a = read_tokens(tmp_path / "a")
     _, tokens_b = read_tokens(tmp_path / "b")
     assert meta_a["tokenizer_sha256"] == meta_b["tokenizer_sha256"]
-    assert len(meta_b["shards"]) == -(-tokens_a.size // 100) and meta_b["shards"][0]["num_tokens"] == 100
+    assert len(meta_a["shards"]) == 1 and len(meta_b["shards"]) > 4
+    assert meta_b["shards"][-1]["file"].startswith("shard_00001_")  # unit 1 = the second file
     np.testing.assert_array_equal(tokens_a, tokens_b)
+    assert meta_b["num_documents"] == sum(s["num_docs"] for s in meta_b["shards"]) == 24
+    assert meta_b["shards"][0]["sha256"] == hashlib.sha256((tmp_path / "b" / meta_b["shards"][0]["file"]).read_bytes()).hexdigest()
 
 
 def test_jsonl_and_parquet_source(tmp_path, capsys):
@@ -151,6 +162,12 @@ def test_missing_source_cli(tmp_path):
     (lambda d: (d / "x.txt").write_text("hello"), ["data.vocab_size=abc"], "data.vocab_size"),
     (lambda d: (d / "x.jsonl").write_text('{"text": "hi"}\n{"text": oops\n'), ["data.vocab_size=400"], "cannot read"),
     (lambda d: (d / "x.jsonl").write_text('{"body": "hi"}\n'), ["data.vocab_size=400"], "no field 'text'"),
+    (lambda d: (d / "x.jsonl").write_text('{"text": ""}\n{"text": 3}\n'), ["data.vocab_size=400"], "no text"),
+    (lambda d: (d / "x.txt").write_bytes(np.random.default_rng(0).bytes(5000)), ["data.vocab_size=400"], "x.txt: binary"),
+    (lambda d: (d / "x.txt").write_text("ok text " * 50 + "\x01\x02\x03" * 30), ["data.vocab_size=400"], "binary"),
+    (lambda d: (d / "x.txt").write_text("hello"), ["data.tokenizer=/nonexistent/tok.model"], "data.tokenizer"),
+    (lambda d: (d / "x.txt").write_text("hello") and (d / "t.model").write_text("junk"),
+     ["data.tokenizer=${data.source}/t.model"], "cannot load the tokenizer"),
 ])
 def test_bad_input_exits_2(tmp_path, capsys, setup, overrides, needle):
     src = tmp_path / "src"
@@ -166,9 +183,15 @@ def test_existing_prepared_folder_untouched(tmp_path, text_corpus, capsys):
     out = tmp_path / "out"
     assert run_main(capsys, f"data.source={text_corpus}", f"data.path={out}", "data.vocab_size=400")[0] == 0
     before = {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in out.iterdir()}
-    # even a different source and vocabulary must not rebuild over existing data
-    rc, stdout, _ = run_main(capsys, f"data.source={tmp_path / 'nope'}", f"data.path={out}", "data.vocab_size=500")
-    assert rc == 0 and "already prepared" in stdout
+    rc, stdout, _ = run_main(capsys, f"data.source={text_corpus}", f"data.path={out}", "data.vocab_size=400")
+    assert rc == 0 and "already prepared" in stdout  # an identical re-run does nothing
+    # a different source or vocabulary never rebuilds over existing data: exit 2, one line
+    for args, needle in [([f"data.source={tmp_path / 'nope'}"], "does not exist"),
+                         (["data.vocab_size=500"], "data.vocab_size=500"),
+                         (["data.text_key=body"], "data.text_key")]:
+        over = [f"data.source={text_corpus}", f"data.path={out}", "data.vocab_size=400", *args]
+        rc, stdout, err = run_main(capsys, *over)
+        assert rc == 2 and needle in err and len(err.strip().splitlines()) == 1, err
     assert {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in out.iterdir()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 

@@ -1,0 +1,141 @@
+"""Token shards on disk: the worker that writes one, and the check that a prepared folder is whole.
+
+A shard is a chunk of consecutive documents of one work unit, written by one worker process:
+  shard_UUUUU_CCCCC.bin        flat little-endian uint16 (uint32 for vocabularies over 65536) token ids,
+                               every document followed by eos;
+  shard_UUUUU_CCCCC.docs.npy   int64 offsets (in tokens, within the shard) where each document starts:
+                               the document-boundary index (validation split on a document boundary,
+                               document-aware tools later).
+Both are written under a temp name and renamed, so a crash never leaves a half shard under a real name.
+Shards hold whole documents; the reader concatenates them in meta.json order into one token stream.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from itertools import chain
+from pathlib import Path
+
+import numpy as np
+
+_TOKENIZERS: dict = {}  # per worker process: tokenizer path -> loaded tokenizer
+
+
+def _tokenizer(path: str):
+    if path not in _TOKENIZERS:
+        from megaframe.data.tokenizer import load_tokenizer
+
+        _TOKENIZERS[path] = load_tokenizer(path)
+    return _TOKENIZERS[path]
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def encode_chunk(task: tuple) -> dict:
+    """Tokenize one chunk of documents and write it as a shard; runs in a worker process.
+
+    task = (tokenizer_path, out_dir, shard_name, docs). Returns the shard's meta.json entry.
+    """
+    tok_path, out_dir, name, docs = task
+    tok = _tokenizer(tok_path)
+    ids = tok.encode(docs, num_threads=1)  # one thread: parallelism comes from the processes
+    eos = tok.eos_id
+    lengths = np.fromiter((len(x) + 1 for x in ids), np.int64, len(ids))
+    total = int(lengths.sum())
+    dtype = token_dtype(tok.vocab_size)
+    flat = np.fromiter(chain.from_iterable(chain(x, (eos,)) for x in ids), dtype=dtype, count=total)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    out = Path(out_dir)
+    data = flat.tobytes()
+    _write_atomic(out / f"{name}.bin", data)
+    with open(out / f"{name}.docs.npy.tmp", "wb") as f:
+        np.save(f, starts)
+    os.replace(out / f"{name}.docs.npy.tmp", out / f"{name}.docs.npy")
+    return {"file": f"{name}.bin", "num_tokens": total, "num_docs": len(docs), "docs": f"{name}.docs.npy",
+            "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def read_meta(path: Path) -> dict:
+    """meta.json of a prepared folder; ValueError names what is wrong."""
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+        int(meta["vocab_size"])
+        np.dtype(meta["dtype"])
+        list(meta["shards"])
+    except FileNotFoundError as e:
+        raise ValueError("no prepared data (meta.json missing); run python -m megaframe.data.prepare "
+                         f"data.source=... data.path={path}") from e
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"meta.json is corrupt ({' '.join(str(e).split()) or type(e).__name__})") from e
+    return meta
+
+
+def check_prepared(path: str | Path) -> dict:
+    """Cheap whole-folder check before training (stat calls and one tokenizer hash): the tokenizer is
+    the one the shards were made with, and every shard has the size meta.json records (a truncated or
+    missing shard is caught here, before any process group exists). Returns the meta; ValueError else."""
+    from megaframe.data.tokenizer import tokenizer_sha256
+
+    path = Path(path)
+    meta = read_meta(path)
+    tok = path / meta.get("tokenizer", "tokenizer.model")
+    if not tok.exists():
+        raise ValueError(f"{tok.name} missing (the tokenizer the shards were made with)")
+    want = meta.get("tokenizer_sha256")
+    if want and tokenizer_sha256(tok) != want:
+        raise ValueError(f"{tok.name} does not match the tokenizer the shards were made with "
+                         "(tokenizer_sha256 in meta.json differs)")
+    itemsize = np.dtype(meta["dtype"]).itemsize
+    for s in meta["shards"]:
+        f = path / s["file"]
+        if not f.is_file():
+            raise ValueError(f"shard {s['file']} missing")
+        size, want_size = f.stat().st_size, int(s["num_tokens"]) * itemsize
+        if size != want_size:
+            raise ValueError(f"shard {s['file']} has {size} bytes, meta.json says {want_size} (truncated or corrupt)")
+        if s.get("docs") and not (path / s["docs"]).is_file():
+            raise ValueError(f"document index {s['docs']} missing")
+    return meta
+
+
+def dataset_paths(data_cfg) -> list[tuple[str, str]]:
+    """(config key, folder) of every prepared dataset a run reads: each data.blend path, else data.path."""
+    if data_cfg.blend:
+        return [(f"data.blend[{i}].path", b.path) for i, b in enumerate(data_cfg.blend)]
+    return [("data.path", data_cfg.path)]
+
+
+def check_datasets(cfg) -> list[dict]:
+    """check_prepared on every dataset of the run, plus: the vocabulary fits model.vocab_size, and blended
+    datasets share one tokenizer (mixed token ids would be garbage). ValueError names the config key."""
+    metas, first = [], None
+    for key, path in dataset_paths(cfg.data):
+        if not path:
+            raise ValueError(f"{key} is empty: point it at a folder written by megaframe.data.prepare")
+        try:
+            meta = check_prepared(path)
+        except ValueError as e:
+            raise ValueError(f"{key}={path}: {e}") from e
+        vocab = int(meta["vocab_size"])
+        if vocab > cfg.model.vocab_size:
+            raise ValueError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer "
+                             f"vocabulary {vocab} of {key}={path}")
+        sha = meta.get("tokenizer_sha256")
+        if first is None:
+            first = (key, sha)
+        elif sha != first[1]:
+            raise ValueError(f"data.blend: {key} and {first[0]} were prepared with different tokenizers")
+        metas.append(meta)
+    return metas

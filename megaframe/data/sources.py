@@ -1,0 +1,214 @@
+"""Source files of a corpus: find them, fingerprint them, screen them, and stream their documents.
+
+data.source is a folder (every *.txt, *.txt.gz, *.jsonl(.gz), *.json(.gz), *.parquet under it, recursively,
+sorted, hidden entries skipped), a glob, or one file. Files are read with the `datasets` library in
+streaming mode (bounded memory; compressed files are decompressed on the fly), offline and with its cache
+in a temp folder, so a fresh machine needs no network and no ~/.cache.
+
+Documents: a jsonl/json/parquet record's data.text_key field is one document. A text file is read as
+blank-line separated paragraphs and EACH PARAGRAPH is one document: the demo corpus is whole books, and
+paragraph documents give the eos token real boundaries to learn while keeping every paragraph intact.
+Documents are stripped of surrounding whitespace; empty ones are skipped.
+
+Binary garbage (a renamed image, a corrupt download) is refused twice over: the head of every text/json
+file is screened before anything is written (naming the exact file), and every streamed batch is
+screened again (undecodable bytes become U+FFFD, which is then counted).
+"""
+from __future__ import annotations
+
+import contextlib
+import glob
+import gzip
+import hashlib
+import math
+import os
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Iterator
+
+KINDS = {".txt": "text", ".txt.gz": "text", ".jsonl": "json", ".jsonl.gz": "json",
+         ".json": "json", ".json.gz": "json", ".parquet": "parquet"}
+BATCH_DOCS = 1024
+HEAD_BYTES = 64 * 1024
+MAX_BAD_FRACTION = 0.05
+"""More than this fraction of undecodable or control characters means binary data, not text; real text
+in a wrong encoding (latin-1 read as UTF-8) stays well under it."""
+_BAD_CHARS = re.compile("[\x00-\x08\x0e-\x1f\x7f\ufffd]")
+
+
+class PrepareError(ValueError):
+    """Bad input (source, text, tokenizer, existing output); prepare's main() turns it into exit code 2."""
+
+
+@dataclass(frozen=True)
+class SourceFile:
+    path: Path
+    rel: str
+    """The path relative to the source root: what the manifest records and compares."""
+    size: int
+    mtime_ns: int
+
+    @property
+    def kind(self) -> str:
+        return kind_of(self.path)
+
+    def record(self, sha256: str) -> dict:
+        d = asdict(self)
+        d.pop("path")
+        return {**d, "sha256": sha256}
+
+
+def kind_of(path: Path) -> str | None:
+    name = path.name.lower()
+    return next((k for suffix, k in KINDS.items() if name.endswith(suffix)), None)
+
+
+def resolve_source(source: str) -> list[SourceFile]:
+    """The input files of data.source, sorted; raises PrepareError when there are none."""
+    if not source:
+        raise PrepareError("data.source is empty: set it to a folder or glob of .txt/.jsonl/.parquet files")
+    path = Path(source)
+    if any(c in source for c in "*?["):
+        candidates = [Path(p) for p in glob.glob(source, recursive=True)]
+        prefix = re.split(r"[*?\[]", source)[0]  # the glob's literal head: its folder is the root
+        root = Path(prefix) if prefix.endswith(os.sep) else Path(prefix).parent
+    elif path.is_dir():
+        root = path
+        candidates = [p for p in path.rglob("*") if not any(part.startswith(".") for part in p.relative_to(path).parts)]
+    elif path.exists():
+        root, candidates = path.parent, [path]
+    else:
+        raise PrepareError(f"data.source={source} does not exist")
+    files = sorted(p for p in candidates if p.is_file() and kind_of(p))
+    if not files:
+        raise PrepareError(f"data.source={source}: no {', '.join(KINDS)} files found")
+    out = []
+    for f in files:
+        st = f.stat()
+        out.append(SourceFile(f, os.path.relpath(f, root), st.st_size, st.st_mtime_ns))
+    return out
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def bad_fraction(text: str) -> float:
+    return len(_BAD_CHARS.findall(text)) / max(1, len(text))
+
+
+def screen_head(src: SourceFile) -> None:
+    """Refuse a text/json file whose first bytes are binary (parquet is binary by design: skipped)."""
+    if src.kind == "parquet":
+        return
+    try:
+        opener = gzip.open if src.path.name.lower().endswith(".gz") else open
+        with opener(src.path, "rb") as f:
+            head = f.read(HEAD_BYTES)
+    except (OSError, EOFError) as e:
+        raise PrepareError(f"cannot read {src.path}: {' '.join(str(e).split())}") from e
+    if b"\x00" in head or bad_fraction(head.decode("utf-8", errors="replace")) > MAX_BAD_FRACTION:
+        raise PrepareError(f"{src.path}: binary data, not UTF-8 text")
+
+
+def units(files: list[SourceFile], unit_bytes: int) -> list[list[SourceFile]]:
+    """Consecutive files of one kind, packed up to ~unit_bytes: the unit of work a re-run can skip.
+
+    Grouping keeps the number of `datasets` loader calls (~30 ms each) and of done-records small on a
+    corpus of many small files; it depends only on the sorted files and their sizes, so it is stable.
+    """
+    out: list[list[SourceFile]] = []
+    size = 0
+    for f in files:
+        if out and out[-1][0].kind == f.kind and size + f.size <= unit_bytes:
+            out[-1].append(f)
+            size += f.size
+        else:
+            out.append([f])
+            size = f.size
+    return out
+
+
+def _where(group: list[SourceFile]) -> str:
+    return str(group[0].path) if len(group) == 1 else f"{group[0].path} (+{len(group) - 1} more)"
+
+
+def iter_documents(group: list[SourceFile], text_key: str, cache_dir: str) -> Iterator[list[str]]:
+    """Batches of non-empty, stripped documents of files of ONE kind, in file order.
+
+    Read errors, a missing text field and binary content become PrepareError naming the files.
+    """
+    import datasets
+
+    datasets.utils.logging.set_verbosity(50)  # CRITICAL: read errors are reported once, by us
+    datasets.disable_progress_bars()
+    kind = group[0].kind
+    extra = {"sample_by": "paragraph", "encoding_errors": "replace"} if kind == "text" else {}
+    key = "text" if kind == "text" else text_key
+    try:
+        ds = datasets.load_dataset(kind, data_files=[str(f.path) for f in group], split="train",
+                                   streaming=True, cache_dir=cache_dir, **extra)
+        for batch in ds.iter(batch_size=BATCH_DOCS):
+            if key not in batch:
+                raise PrepareError(f"{_where(group)}: records have no field {key!r} (set data.text_key)")
+            docs = [d for d in (t.strip() for t in batch[key] if isinstance(t, str)) if d]
+            if docs and bad_fraction("".join(docs)) > MAX_BAD_FRACTION:
+                raise PrepareError(f"{_where(group)}: binary data, not UTF-8 text")
+            yield docs
+    except PrepareError:
+        raise
+    except Exception as e:  # datasets/pyarrow/json errors: name the files, keep one line
+        raise PrepareError(f"cannot read {_where(group)}: {' '.join(str(e).split()) or type(e).__name__}") from e
+
+
+def sample_documents(files: list[SourceFile], text_key: str, cache_dir: str, budget: int) -> Iterator[str]:
+    """Documents for tokenizer training: all of them, or ~`budget` characters spread over the corpus.
+
+    With a budget smaller than the corpus, evenly spaced files are read, each up to an equal share of
+    the budget: about four times as many files as the budget could hold whole, a quarter of each, so the
+    sample covers the whole sorted file list without reading it all; deterministic.
+    """
+    total = sum(f.size for f in files)
+    if budget <= 0 or budget >= total:
+        for group in units(files, 1 << 62):
+            for batch in iter_documents(group, text_key, cache_dir):
+                yield from batch
+        return
+    n = len(files)
+    k = min(n, 4 * math.ceil(n * budget / total))
+    picks = sorted({j * n // k for j in range(k)})
+    share = budget // len(picks)
+    for i in picks:
+        taken = 0
+        batches = iter_documents([files[i]], text_key, cache_dir)
+        with contextlib.closing(batches):
+            for batch in batches:
+                for d in batch:
+                    yield d
+                    taken += len(d)
+                    if taken >= share:
+                        break
+                if taken >= share:
+                    break
+
+
+@contextlib.contextmanager
+def offline_hf(cache_dir: str):
+    """No network and no ~/.cache for `datasets`; the environment is restored afterwards (tests run in-process)."""
+    env = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_HOME": cache_dir,
+           "HF_DATASETS_CACHE": cache_dir}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -1,0 +1,109 @@
+"""data.blend: the Megatron-style blended index is deterministic, layout-free and hits its weights; the
+validation split is held out on a document boundary."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from megaframe.config import load_config
+from megaframe.data.blend import BlendedData, blend_pattern
+from megaframe.data.dataset import PreparedData, build_data, data_state, microbatches
+from tests.unit.test_data_order import write_prepared
+
+SEQ = 8
+
+
+def dataset(folder, base: int, num_tokens: int, doc_len: int = 50):
+    """Tokens base + position; a document index of documents of doc_len tokens per shard."""
+    tokens = base + np.arange(num_tokens)
+    path = write_prepared(folder, np.array_split(tokens, 3))
+    meta = json.loads((path / "meta.json").read_text())
+    for k, s in enumerate(meta["shards"]):
+        np.save(path / f"docs_{k}.npy", np.arange(0, s["num_tokens"], doc_len, dtype=np.int64))
+        s["docs"] = f"docs_{k}.npy"
+    (path / "meta.json").write_text(json.dumps(meta))
+    return path
+
+
+@pytest.fixture()
+def two(tmp_path):
+    return dataset(tmp_path / "a", 0, 4000), dataset(tmp_path / "b", 30000, 1500)
+
+
+def test_pattern_keeps_every_prefix_within_one_sample_of_the_weights():
+    which, rank, counts = blend_pattern([0.7, 0.3], block=1000)
+    seen = np.cumsum(np.stack([which == 0, which == 1]), axis=1)
+    target = np.outer([0.7, 0.3], np.arange(1, 1001))
+    assert np.abs(seen - target).max() <= 1.0
+    assert counts.tolist() == [700, 300]
+    assert rank[which == 1].tolist() == list(range(300))  # each dataset walks its own positions in order
+    assert blend_pattern([7, 3], block=1000)[0].tolist() == which.tolist()  # weights are normalized
+
+
+def test_blend_of_07_03_samples_within_one_percent(two):
+    a, b = (PreparedData(p, SEQ) for p in two)
+    data = BlendedData([a, b], [0.7, 0.3], seed=3)
+    from_a = n = 0
+    for step in range(100):  # 1600 samples: b (187 samples) is reused over several epochs
+        x, _ = torch.cat([m[0] for m in microbatches(data, step, 16, 8, 0, 1, 3)]), None
+        from_a += int((x[:, 0] < 30000).sum())
+        n += x.shape[0]
+    assert abs(from_a / n - 0.7) < 0.01, from_a / n
+    # every sample is whole: consecutive tokens of one dataset
+    for g in range(50):
+        s = data[g]
+        assert np.array_equal(s - s[0], np.arange(SEQ + 1))
+
+
+@pytest.mark.parametrize("dp,micro", [(1, 2), (2, 4), (4, 1)])
+def test_blended_global_batch_is_layout_free(two, dp, micro):
+    data = BlendedData([PreparedData(p, SEQ) for p in two], [0.7, 0.3], seed=3)
+
+    def batch(dp, micro):
+        return torch.cat([x for r in range(dp) for x, _ in microbatches(data, 5, 16, micro, r, dp, 3)])
+
+    assert torch.equal(batch(dp, micro), batch(1, 16))
+
+
+def test_blended_datasets_are_each_shuffled_per_epoch(two):
+    data = BlendedData([PreparedData(p, SEQ) for p in two], [0.5, 0.5], seed=3)
+    n = data.parts[1].num_samples
+    assert n == (1500 - 1) // SEQ
+    starts = [int(data[g][0]) for g in range(2 * n) if data.locate(g)[0] == 1]
+    first = [(s - 30000) // SEQ for s in starts]
+    assert sorted(first) == list(range(n)) and first != list(range(n))
+
+
+def test_validation_split_is_a_document_aligned_tail(tmp_path):
+    path = dataset(tmp_path / "a", 0, 4000, doc_len=50)
+    train = PreparedData(path, SEQ, "train", 0.1)
+    valid = PreparedData(path, SEQ, "valid", 0.1)
+    # shards of 1334, 1333, 1333 tokens with documents every 50 tokens from each shard's start:
+    # the first document start at or after 90 % is 2667 + 19 * 50
+    assert valid.first == 3617 and train.first == 0
+    assert train.num_samples == (3617 - 1) // SEQ and valid.num_samples == (4000 - 3617 - 1) // SEQ
+    last_train = train[train.num_samples - 1]
+    assert last_train[-1] < 3617 and valid[0][0] == 3617
+    full = PreparedData(path, SEQ)
+    assert full.num_samples == (4000 - 1) // SEQ and np.array_equal(full[3], train[3])
+    # the last document is never split: a tiny fraction still gets it whole (it starts at 3967)
+    assert PreparedData(path, SEQ, "valid", 0.0005).first == 3967
+    plain = write_prepared(tmp_path / "plain", [np.arange(4000)])  # no document index: cut on the token
+    assert PreparedData(plain, SEQ, "valid", 0.1).first == 3600
+    with pytest.raises(ValueError, match="validation split"):
+        PreparedData(plain, SEQ, "valid", 0.001)
+
+
+def test_build_data_from_a_command_line_blend(two):
+    a, b = two
+    cfg = load_config(["data=demo", f"data.blend=[{{path: {a}, weight: 0.7}}, {{path: {b}, weight: 0.3}}]",
+                       "data.valid_fraction=0.1", "model.seq_length=8"], world_size=1, check_data=False)
+    assert [(x.path, x.weight) for x in cfg.data.blend] == [(str(a), 0.7), (str(b), 0.3)]
+    train, valid = build_data(cfg), build_data(cfg, split="valid")
+    assert isinstance(train, BlendedData) and train.weights == pytest.approx([0.7, 0.3])
+    assert [p.first for p in valid.parts] == [3617, 1350]
+    state = data_state(cfg, 10)
+    assert state["consumed_samples"] == 10 * cfg.train.global_batch_size and len(state["blend"]) == 2
