@@ -182,6 +182,8 @@ class CheckpointConfig:
     """Save every this many steps; 0 saves only at the end."""
     resume: str = "auto"
     """auto (newest committed in dir, if any) | none | a step folder path."""
+    keep_last: int = 0
+    """Keep only the newest this many checkpoints (0 keeps all)."""
 
 
 @dataclass
@@ -326,6 +328,12 @@ def validate(cfg: Config, world_size: int, check_data: bool = True) -> None:
     r = cfg.checkpoint.resume
     _req(r in ("auto", "none") or (Path(r) / "metadata.json").is_file(),
          f"checkpoint.resume={r}: not a committed checkpoint folder (no metadata.json)")
+    if r not in ("auto", "none"):
+        from megaframe.checkpoint.sharded import verify
+        try:
+            verify(r)
+        except ValueError as e:
+            raise ConfigError(f"checkpoint.resume={r}: {e}") from e
     if check_data and cfg.data.kind == "prepared":
         _check_prepared(cfg)
 

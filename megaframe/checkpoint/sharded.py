@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import zlib
 from pathlib import Path
 
 import torch
@@ -64,7 +65,7 @@ def _barrier(mesh: Mesh) -> None:
         dist.barrier(group=mesh.group)
 
 
-def save(root: str | Path, step: int, model, optimizer, mesh: Mesh, meta: dict) -> Path:
+def save(root: str | Path, step: int, model, optimizer, mesh: Mesh, meta: dict, keep_last: int = 0) -> Path:
     """Write and commit step_XXXXXXXX under root; collective over the mesh. Returns the final folder."""
     final = step_dir(root, step)
     tmp = final.with_name(final.name + ".tmp")
@@ -72,47 +73,103 @@ def save(root: str | Path, step: int, model, optimizer, mesh: Mesh, meta: dict) 
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier(mesh)
-    fname = f"shard_{mesh.rank:05d}.safetensors"
-    owned = _owned_tensors(model, optimizer, mesh)
-    entries = {}
-    if owned:
-        save_file({k: t.contiguous().cpu() for k, (t, _) in owned.items()}, str(tmp / fname))
-        with open(tmp / fname, "rb") as f:
-            os.fsync(f.fileno())
-        for k, (t, s) in owned.items():
-            entries[k] = {"file": fname, "dim": s.dim, "ranges": s.ranges(), "global_shape": list(s.global_shape),
-                          "dtype": str(t.dtype).removeprefix("torch.")}
-    gathered = [entries]
+    written = _write_shard(tmp, model, optimizer, mesh)
+    gathered = [written]
     if mesh.group is not None:
         gathered = [None] * mesh.world
-        dist.all_gather_object(gathered, entries, group=mesh.group)
+        dist.all_gather_object(gathered, written, group=mesh.group)
     if mesh.rank == 0:
-        tensors: dict[str, dict] = {}
-        for part in gathered:
-            for k, e in part.items():
-                t = tensors.setdefault(k, {"global_shape": e["global_shape"], "dtype": e["dtype"], "shards": []})
-                t["shards"].append({"file": e["file"], "dim": e["dim"], "ranges": e["ranges"]})
-        _fsync_write(tmp / "metadata.json", json.dumps({"format": FORMAT, "step": step, **meta,
-                                                        "tensors": tensors}, indent=1))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _fsync_write(Path(root) / "latest.tmp", final.name + "\n")
-        os.replace(Path(root) / "latest.tmp", Path(root) / "latest")
+        _commit(root, tmp, final, step, meta, gathered)
+        prune(root, keep_last)
     _barrier(mesh)
     return final
 
 
-def latest(root: str | Path) -> Path | None:
-    """The newest committed checkpoint under root, or None."""
-    pointer = Path(root) / "latest"
-    if pointer.is_file():
-        path = Path(root) / pointer.read_text().strip()
-        if (path / "metadata.json").is_file():
+def _write_shard(folder: Path, model, optimizer, mesh: Mesh) -> dict:
+    """This rank's safetensors file; returns its tensor entries and the file's size and checksum."""
+    owned = _owned_tensors(model, optimizer, mesh)
+    if not owned:
+        return {"entries": {}, "file": None}
+    fname = f"shard_{mesh.rank:05d}.safetensors"
+    save_file({k: t.contiguous().cpu() for k, (t, _) in owned.items()}, str(folder / fname))
+    with open(folder / fname, "rb") as f:
+        os.fsync(f.fileno())
+    entries = {k: {"file": fname, "dim": s.dim, "ranges": s.ranges(), "global_shape": list(s.global_shape),
+                   "dtype": str(t.dtype).removeprefix("torch.")} for k, (t, s) in owned.items()}
+    return {"entries": entries, "file": (fname, _file_info(folder / fname))}
+
+
+def _file_info(path: Path) -> dict:
+    crc, size = 0, 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            crc, size = zlib.crc32(chunk, crc), size + len(chunk)
+    return {"bytes": size, "crc32": crc}
+
+
+def _commit(root, tmp: Path, final: Path, step: int, meta: dict, gathered: list[dict]) -> None:
+    """metadata.json last (fsynced), atomic rename of the folder, then the `latest` pointer."""
+    tensors: dict[str, dict] = {}
+    for part in gathered:
+        for k, e in part["entries"].items():
+            t = tensors.setdefault(k, {"global_shape": e["global_shape"], "dtype": e["dtype"], "shards": []})
+            t["shards"].append({"file": e["file"], "dim": e["dim"], "ranges": e["ranges"]})
+    files = dict(part["file"] for part in gathered if part["file"])
+    _fsync_write(tmp / "metadata.json", json.dumps({"format": FORMAT, "step": step, **meta, "files": files,
+                                                    "tensors": tensors}, indent=1))
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_write(Path(root) / "latest.tmp", final.name + "\n")
+    os.replace(Path(root) / "latest.tmp", Path(root) / "latest")
+
+
+def committed(root: str | Path) -> list[Path]:
+    """Committed step folders under root, oldest first."""
+    if not Path(root).is_dir():
+        return []
+    return sorted(p for p in Path(root).glob("step_*")
+                  if p.is_dir() and not p.name.endswith(".tmp") and (p / "metadata.json").is_file())
+
+
+def prune(root: str | Path, keep_last: int) -> None:
+    """Delete all but the newest `keep_last` committed checkpoints (0 keeps everything)."""
+    if keep_last > 0:
+        for old in committed(root)[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def verify(path: str | Path) -> dict:
+    """Metadata of a checkpoint whose files all have their recorded size and checksum; ValueError otherwise."""
+    try:
+        meta = read_metadata(path)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: unreadable metadata.json ({e})") from e
+    for name, want in meta.get("files", {}).items():
+        f = Path(path) / name
+        if not f.is_file():
+            raise ValueError(f"{path}: shard {name} is missing")
+        got = _file_info(f)
+        if got != want:
+            raise ValueError(f"{path}: shard {name} is corrupt ({got['bytes']} bytes, crc32 {got['crc32']}; "
+                             f"expected {want['bytes']} bytes, crc32 {want['crc32']})")
+    return meta
+
+
+def latest(root: str | Path, on_skip=None) -> Path | None:
+    """The newest committed checkpoint under root that verifies, or None. `on_skip(path, reason)` hears
+    about each newer one passed over because it is corrupt.
+
+    A folder counts once its metadata.json exists (it is renamed into place whole), so a crash between
+    the rename and the `latest` update loses nothing; `latest` is for people and scripts."""
+    for path in committed(root)[::-1]:
+        try:
+            verify(path)
             return path
-    done = sorted(p for p in Path(root).glob("step_*") if p.is_dir() and (p / "metadata.json").is_file()
-                  and not p.name.endswith(".tmp")) if Path(root).is_dir() else []
-    return done[-1] if done else None
+        except ValueError as e:
+            if on_skip:
+                on_skip(path, str(e))
+    return None
 
 
 def read_metadata(path: str | Path) -> dict:

@@ -48,9 +48,22 @@ def init_distributed(env: DistEnv, device: torch.device, timeout_s: float = 600.
         job = int(os.environ.get("SLURM_JOB_ID", "0"))
         os.environ["MASTER_PORT"] = str(20000 + job % 10000)  # per-job port: jobs may share a host
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, rank=env.rank, world_size=env.world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s),
-                            **({"device_id": device} if device.type == "cuda" else {}))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group(backend, store=_store(env, timeout), rank=env.rank, world_size=env.world_size,
+                            timeout=timeout, **({"device_id": device} if device.type == "cuda" else {}))
+
+
+def _store(env: DistEnv, timeout: datetime.timedelta) -> dist.Store:
+    """The rendezvous store, with keys private to this restart attempt.
+
+    Under torchrun the agent hosts the store and keeps it across worker restarts; without a prefix the
+    restarted ranks can read a dead rank's address left by the previous attempt and hang in the
+    process-group handshake (seen with gloo on torch 2.13). Elsewhere rank 0 hosts it.
+    """
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(host, port, env.world_size, is_master=not agent and env.rank == 0, timeout=timeout)
+    return dist.PrefixStore(f"megaframe/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def shutdown() -> None:

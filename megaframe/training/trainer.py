@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from megaframe.tracking import Tracker
 from megaframe.training.distributed import env_ranks, init_distributed, pick_device, shutdown
 from megaframe.training.evaluate import Evaluator
 from megaframe.training.metrics import flops_per_token, memory_figures, peak_flops
+from megaframe.training.signals import StopFlag
 from megaframe.training.step import train_step
 
 
@@ -54,39 +56,60 @@ def train(cfg: Config, mesh: Mesh) -> None:
         from omegaconf import OmegaConf
         (Path(cfg.run.dir) / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
     tracker = Tracker(cfg, cfg.run.dir, mesh.is_logger, cfg.train.max_steps)
+    meter = Meter(cfg, mesh)
+    stop = StopFlag()
     t = cfg.train
-    tokens_step = t.global_batch_size * cfg.model.seq_length
-    fpt, peak = flops_per_token(cfg.model), (peak_flops(mesh.device) if mesh.is_logger else 0.0)
-    t_last, steps_since = time.perf_counter(), 0
-    for step in range(start + 1, t.max_steps + 1):
-        mesh.stats.pop()  # count only this step's bytes
-        # dropout RNG is a function of (seed, step, rank): resume needs no RNG state
-        torch.manual_seed(param_seed(t.seed, f"dropout/step{step}/rank{mesh.rank}"))
-        batches = microbatches(data, step - 1, t.global_batch_size, t.micro_batch_size, mesh.dp.rank,
-                               mesh.dp.size, t.seed, mesh.device)
-        res = train_step(model, optimizer, batches, mesh, cfg, step)
-        steps_since += 1
-        val = None
-        if evaluator is not None and evaluator.due(step):
-            t0 = time.perf_counter()
-            val = evaluator.evaluate(model)
-            t_last += time.perf_counter() - t0  # tokens_per_s counts training time only
-        if step % t.log_interval == 0 or step == t.max_steps or val is not None:
-            sent = mesh.stats.pop()
-            loss = comm.all_reduce(res.loss_sum.clone(), mesh.dp).item() / tokens_step  # .item() syncs
-            now = time.perf_counter()
-            tps = tokens_step * steps_since / (now - t_last)
-            t_last, steps_since = now, 0
-            metrics = {"step": step, "loss": loss, "lr": res.lr, "grad_norm": res.grad_norm.item(),
-                       "tokens_per_s": tps, "consumed_samples": step * t.global_batch_size,
-                       "mfu": tps * fpt / (peak * mesh.world) if peak else 0.0,
-                       **{f"comm_bytes/{g}": sent.get(g, 0) for g in ("tp", "pp", "dp")},
-                       **memory_figures(model, optimizer, mesh.device)}
-            tracker.log(metrics if val is None else {**metrics, "val_loss": val}, start)
-        interval = cfg.checkpoint.interval
-        if (interval and step % interval == 0) or step == t.max_steps:
-            save(cfg, model, optimizer, mesh, step)
-    tracker.finish()
+    try:
+        for step in range(start + 1, t.max_steps + 1):
+            mesh.stats.pop()  # count only this step's bytes
+            # dropout RNG is a function of (seed, step, rank): resume needs no RNG state
+            torch.manual_seed(param_seed(t.seed, f"dropout/step{step}/rank{mesh.rank}"))
+            batches = microbatches(data, step - 1, t.global_batch_size, t.micro_batch_size, mesh.dp.rank,
+                                   mesh.dp.size, t.seed, mesh.device)
+            res = train_step(model, optimizer, batches, mesh, cfg, step)
+            meter.steps += 1
+            val = None
+            if evaluator is not None and evaluator.due(step):
+                t0 = time.perf_counter()
+                val = evaluator.evaluate(model)
+                meter.t_last += time.perf_counter() - t0  # tokens_per_s counts training time only
+            if step % t.log_interval == 0 or step == t.max_steps or val is not None:
+                row = meter.metrics(step, res, model, optimizer)
+                tracker.log(row if val is None else {**row, "val_loss": val}, start)
+            stopping = stop.agreed(mesh)
+            interval = cfg.checkpoint.interval
+            if (interval and step % interval == 0) or step == t.max_steps or stopping:
+                save(cfg, model, optimizer, mesh, step)
+            if stopping:
+                stop.report(step)
+                break
+    finally:
+        stop.restore()
+        tracker.finish()
+
+
+class Meter:
+    """Turns a step's device results into the logged figures (the .item() calls sync the host)."""
+
+    def __init__(self, cfg: Config, mesh: Mesh):
+        self.cfg, self.mesh = cfg, mesh
+        self.tokens_step = cfg.train.global_batch_size * cfg.model.seq_length
+        self.fpt = flops_per_token(cfg.model)
+        self.peak = peak_flops(mesh.device) if mesh.is_logger else 0.0
+        self.t_last, self.steps = time.perf_counter(), 0
+
+    def metrics(self, step: int, res, model, optimizer) -> dict:
+        mesh = self.mesh
+        sent = mesh.stats.pop()
+        loss = comm.all_reduce(res.loss_sum.clone(), mesh.dp).item() / self.tokens_step
+        now = time.perf_counter()
+        tps = self.tokens_step * self.steps / (now - self.t_last)
+        self.t_last, self.steps = now, 0
+        return {"step": step, "loss": loss, "lr": res.lr, "grad_norm": res.grad_norm.item(),
+                "tokens_per_s": tps, "consumed_samples": step * self.cfg.train.global_batch_size,
+                "mfu": tps * self.fpt / (self.peak * mesh.world) if self.peak else 0.0,
+                **{f"comm_bytes/{g}": sent.get(g, 0) for g in ("tp", "pp", "dp")},
+                **memory_figures(model, optimizer, mesh.device)}
 
 
 def save(cfg: Config, model, optimizer, mesh: Mesh, step: int) -> None:
@@ -96,7 +119,7 @@ def save(cfg: Config, model, optimizer, mesh: Mesh, step: int) -> None:
             "rng": "derived from (train.seed, step, rank); no state to restore",
             "data": data_state(cfg, step),
             "config": dataclasses.asdict(cfg)}
-    path = sharded.save(cfg.checkpoint.dir, step, model, optimizer, mesh, meta)
+    path = sharded.save(cfg.checkpoint.dir, step, model, optimizer, mesh, meta, cfg.checkpoint.keep_last)
     if mesh.rank == 0:
         print(f"checkpoint: {path} ({time.perf_counter() - t0:.2f}s)", flush=True)
 
@@ -105,7 +128,14 @@ def resume(cfg: Config, model, optimizer, mesh: Mesh) -> int:
     """Load the checkpoint named by checkpoint.resume; returns the step it holds (0 when starting fresh)."""
     if cfg.checkpoint.resume == "none":
         return 0
-    path = sharded.latest(cfg.checkpoint.dir) if cfg.checkpoint.resume == "auto" else Path(cfg.checkpoint.resume)
+    def skipped(path, reason):
+        if mesh.rank == 0:
+            print(f"megaframe: warning: skipping checkpoint {path}: {reason}", file=sys.stderr, flush=True)
+
+    if cfg.checkpoint.resume == "auto":
+        path = sharded.latest(cfg.checkpoint.dir, on_skip=skipped)
+    else:
+        path = Path(cfg.checkpoint.resume)
     if path is None:
         return 0
     try:

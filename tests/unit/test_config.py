@@ -12,7 +12,7 @@ from megaframe.config import CONF_DIR, Config, ConfigError, ModelConfig, load_co
 
 # Adding, renaming or removing a config key is a deliberate edit of this list (and of the docs that cite it).
 EXPECTED_KEYS = sorted("""
-checkpoint.dir checkpoint.interval checkpoint.resume
+checkpoint.dir checkpoint.interval checkpoint.keep_last checkpoint.resume
 data.blend data.kind data.name data.num_workers data.path data.source data.text_key data.tokenizer
 data.tokenizer_sample_bytes data.valid_fraction data.vocab_size
 logging.wandb.entity logging.wandb.mode logging.wandb.project
@@ -175,9 +175,14 @@ def test_good_layouts_pass(overrides, world):
 
 
 def test_resume_accepts_a_committed_checkpoint_folder(tmp_path):
-    (tmp_path / "metadata.json").write_text("{}")
+    (tmp_path / "metadata.json").write_text(json.dumps({"format": "megaframe-ckpt-v1", "step": 0, "files": {},
+                                                        "tensors": {}}))
     cfg = load_config(["data=synthetic", f"checkpoint.resume={tmp_path}"], world_size=1)
     assert cfg.checkpoint.resume == str(tmp_path)
+    (tmp_path / "shard_00000.safetensors").write_bytes(b"x" * 10)
+    (tmp_path / "metadata.json").write_text(json.dumps({"format": "megaframe-ckpt-v1", "step": 0, "tensors": {},
+                                                        "files": {"shard_00000.safetensors": {"bytes": 11, "crc32": 0}}}))
+    assert "corrupt" in one_line_error(["data=synthetic", f"checkpoint.resume={tmp_path}"])
 
 
 def fake_prepared(folder: Path, vocab: int, tokenizer: bool = True) -> Path:

@@ -1,0 +1,43 @@
+"""Stop signals: SIGTERM or SIGUSR1 on any rank stops every rank at the same step boundary.
+
+The handler only sets a flag (it runs between bytecodes, so it must not touch collectives). At each
+step boundary the ranks take the max of their flags in one scalar all-reduce; once it is set, all of
+them save a checkpoint and leave the loop together. Slurm's `--signal`, torchrun (which forwards
+SIGTERM, and SIGUSR1 with --signals-to-handle) and `kill` all reach it.
+"""
+from __future__ import annotations
+
+import signal
+import sys
+
+import torch
+import torch.distributed as dist
+
+from megaframe.parallel.mesh import Mesh
+
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class StopFlag:
+    def __init__(self):
+        self.signum: int | None = None
+        self.previous = {s: signal.signal(s, self._handle) for s in SIGNALS}
+
+    def _handle(self, signum, frame) -> None:
+        self.signum = signum
+
+    def agreed(self, mesh: Mesh) -> bool:
+        """Whether any rank has been signalled; collective over the mesh (a host sync)."""
+        if mesh.group is None:
+            return self.signum is not None
+        flag = torch.tensor([0.0 if self.signum is None else 1.0], device=mesh.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=mesh.group)
+        return bool(flag.item())
+
+    def restore(self) -> None:
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+    def report(self, step: int) -> None:
+        name = signal.Signals(self.signum).name if self.signum else "a signal on another rank"
+        print(f"megaframe: stopping at step {step} after {name}; checkpoint saved", file=sys.stderr, flush=True)
