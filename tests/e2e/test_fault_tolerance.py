@@ -88,3 +88,24 @@ def test_keep_last_prunes_old_checkpoints(tmp_path):
                  f"run.dir={tmp_path}"])
     assert res.returncode == 0, res.stderr[-2000:]
     assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*")) == ["step_00000005", "step_00000006"]
+
+
+@pytest.mark.parametrize("name,nproc,layout", [
+    ("dp2", 2, []), ("pp4", 4, ["parallel.pp=4"]), ("tp4-sp", 4, ["parallel.tp=4", "parallel.sp=true"])])
+def test_tp2_pp2_checkpoint_resumes_under_another_layout(tmp_path_factory, name, nproc, layout):
+    import shutil
+
+    base = tmp_path_factory.getbasetemp() / "tp2pp2-source"
+    over = ["data=synthetic", *TINY, "model.num_layers=4", "train.max_steps=6", "train.log_interval=1",
+            "checkpoint.interval=3", "train.micro_batch_size=1"]
+    if not (base / "checkpoints" / "step_00000003").is_dir():  # one source run shared by the parameters
+        src = train(over + ["parallel.tp=2", "parallel.pp=2", f"run.dir={base}"], nproc=4)
+        assert src.returncode == 0, src.stderr[-3000:]
+    run = tmp_path_factory.mktemp(name)
+    shutil.copytree(base / "checkpoints" / "step_00000003", run / "checkpoints" / "step_00000003")
+    res = train(over + layout + [f"run.dir={run}"], nproc=nproc)
+    assert res.returncode == 0, res.stderr[-3000:]
+    want, got = metrics(base)[3:], metrics(run)
+    assert [r["step"] for r in got] == [4, 5, 6]
+    for a, b in zip(got, want):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]), (name, a["loss"], b["loss"])
