@@ -41,7 +41,7 @@ from megaframe.config import Config, ConfigError, load_config
 from megaframe.data import manifest as mf
 from megaframe.data.shards import encode_chunk, token_dtype
 from megaframe.data.sources import (PrepareError, SourceFile, file_sha256, iter_documents, offline_hf,
-                                    resolve_source, sample_documents, screen_head, units)
+                                    resolve_source, sample_documents, screen_head, text_size, units)
 from megaframe.data.tokenizer import TokenizerError, load_tokenizer, tokenizer_sha256, train_tokenizer
 
 __all__ = ["PrepareError", "prepare", "main"]
@@ -253,7 +253,7 @@ def _encode(cfg: Config, files: list[SourceFile], records: list[dict], tok_path:
             done[k] = rec
         else:
             todo.append((k, group, recs))
-    progress = Progress(sum(f.size for _, g, _ in todo for f in g), show_progress)
+    progress = Progress(sum(text_size(f) for _, g, _ in todo for f in g), show_progress)
     pending: deque = deque()  # in stream order: ("chunk", k, result, chars) and ("unit", k, recs)
     limit = 2 * (pool._processes if pool is not None else 1)  # bounded memory: few chunks in flight
     acc: dict[int, list[dict]] = {}
@@ -276,7 +276,7 @@ def _encode(cfg: Config, files: list[SourceFile], records: list[dict], tok_path:
             for stale in work.glob(f"shard_{k:05d}_*"):  # from an interrupted run of this unit
                 stale.unlink()
             acc[k] = []
-            progress.start_unit(k, sum(f.size for f in group))
+            progress.start_unit(k, sum(text_size(f) for f in group))
             batches = iter_documents(group, cfg.data.text_key, cache)
             for c, (docs, chars) in enumerate(_chunks(batches, chunk_chars)):
                 task = (tok_path, str(work), f"shard_{k:05d}_{c:05d}", docs)
@@ -293,7 +293,7 @@ def _encode(cfg: Config, files: list[SourceFile], records: list[dict], tok_path:
 
 
 class Progress:
-    """tqdm bar over source bytes with tokens/s and ETA on a terminal; a line every 30 s otherwise."""
+    """tqdm bar over source text bytes with tokens/s and ETA on a terminal; a line every 30 s otherwise."""
 
     def __init__(self, total: int, show: bool | None):
         from tqdm import tqdm

@@ -90,6 +90,24 @@ def resolve_source(source: str) -> list[SourceFile]:
     return out
 
 
+def text_size(src: SourceFile) -> int:
+    """About how many bytes of text the file holds, for the progress bar: a .gz file's trailer records
+    its uncompressed size (mod 4 GiB), a parquet footer its row groups' uncompressed sizes."""
+    try:
+        if src.path.name.lower().endswith(".gz") and src.size >= 18:
+            with open(src.path, "rb") as f:
+                f.seek(-4, os.SEEK_END)
+                return max(src.size, int.from_bytes(f.read(4), "little"))
+        if src.kind == "parquet":
+            import pyarrow.parquet as pq
+
+            meta = pq.ParquetFile(src.path).metadata
+            return max(src.size, sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups)))
+    except Exception:  # an estimate only: the real read reports real problems
+        pass
+    return src.size
+
+
 def file_sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

@@ -99,3 +99,19 @@ def test_prepare_refuses_binary_garbage_and_keeps_good_data(prepared, tmp_path):
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and "photo.txt: binary data" in lines[0], res.stderr
     assert snapshot(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ["out", "src"]
+
+
+def test_val_loss_is_layout_free_and_leaves_comm_bytes_alone(prepared, tmp_path):
+    """val_loss under pp=2 (a forward-only walk of the stages) equals one process's; evaluation traffic
+    is not counted in the step's comm_bytes."""
+    over = [f"data.path={prepared}", f"model.vocab_size={VOCAB}", "model.num_layers=2", "model.hidden_size=64",
+            "model.num_attention_heads=4", "model.ffn_hidden_size=128", "model.seq_length=32",
+            "train.global_batch_size=8", "train.micro_batch_size=2", "train.max_steps=2", "train.log_interval=1",
+            "data.valid_fraction=0.05", "train.eval_interval=2", "train.eval_iters=2"]
+    one = train(over + [f"run.dir={tmp_path / 'one'}"], timeout=120)
+    assert one.returncode == 0, one.stderr[-2000:]
+    pp2 = train(over + ["parallel.pp=2", f"run.dir={tmp_path / 'pp2'}"], nproc=2, timeout=180)
+    assert pp2.returncode == 0, pp2.stderr[-3000:]
+    ref, got = metrics(tmp_path / "one"), metrics(tmp_path / "pp2")
+    assert "val_loss" not in got[0] and abs(got[1]["val_loss"] - ref[1]["val_loss"]) <= 1e-4 * ref[1]["val_loss"]
+    assert got[0]["comm_bytes/pp"] == got[1]["comm_bytes/pp"] > 0  # step 2 evaluated, step 1 did not
