@@ -184,6 +184,15 @@ class CheckpointConfig:
     """auto (newest committed in dir, if any) | none | a step folder path."""
     keep_last: int = 0
     """Keep only the newest this many checkpoints (0 keeps all)."""
+    # `checkpoint.async` is the user-facing name, but `async` is a Python keyword: declare the field
+    # through the class namespace; code reads it as `cfg.checkpoint.async_save`.
+    __annotations__["async"] = bool
+    locals()["async"] = field(default=False, init=False, repr=False, compare=False)  # kept out of generated code
+    """Copy to host, write in a background thread and commit at a later step boundary."""
+
+    @property
+    def async_save(self) -> bool:
+        return getattr(self, "async")
 
 
 @dataclass

@@ -65,21 +65,27 @@ def _barrier(mesh: Mesh) -> None:
         dist.barrier(group=mesh.group)
 
 
-def save(root: str | Path, step: int, model, optimizer, mesh: Mesh, meta: dict, keep_last: int = 0) -> Path:
-    """Write and commit step_XXXXXXXX under root; collective over the mesh. Returns the final folder."""
+def begin(root: str | Path, step: int, mesh: Mesh) -> tuple[Path, Path]:
+    """Create the (empty) temporary folder of a checkpoint; collective. Returns (tmp, final)."""
     final = step_dir(root, step)
     tmp = final.with_name(final.name + ".tmp")
     if mesh.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier(mesh)
+    return tmp, final
+
+
+def save(root: str | Path, step: int, model, optimizer, mesh: Mesh, meta: dict, keep_last: int = 0) -> Path:
+    """Write and commit step_XXXXXXXX under root; collective over the mesh. Returns the final folder."""
+    tmp, final = begin(root, step, mesh)
     written = _write_shard(tmp, model, optimizer, mesh)
     gathered = [written]
     if mesh.group is not None:
         gathered = [None] * mesh.world
         dist.all_gather_object(gathered, written, group=mesh.group)
     if mesh.rank == 0:
-        _commit(root, tmp, final, step, meta, gathered)
+        commit(root, tmp, final, step, meta, gathered)
         prune(root, keep_last)
     _barrier(mesh)
     return final
@@ -87,16 +93,31 @@ def save(root: str | Path, step: int, model, optimizer, mesh: Mesh, meta: dict, 
 
 def _write_shard(folder: Path, model, optimizer, mesh: Mesh) -> dict:
     """This rank's safetensors file; returns its tensor entries and the file's size and checksum."""
+    tensors, entries = host_snapshot(model, optimizer, mesh, copy=False)
+    return {"entries": entries, "file": write_file(folder, mesh.rank, tensors)}
+
+
+def host_snapshot(model, optimizer, mesh: Mesh, copy: bool) -> tuple[dict, dict]:
+    """(tensors on the host, metadata entries) of the slices this rank owns; `copy` detaches them from
+    the live parameters so training may go on while they are written."""
     owned = _owned_tensors(model, optimizer, mesh)
-    if not owned:
-        return {"entries": {}, "file": None}
     fname = f"shard_{mesh.rank:05d}.safetensors"
-    save_file({k: t.contiguous().cpu() for k, (t, _) in owned.items()}, str(folder / fname))
-    with open(folder / fname, "rb") as f:
-        os.fsync(f.fileno())
+    tensors = {k: (t.detach().to("cpu", copy=True) if copy else t.detach().cpu()).contiguous()
+               for k, (t, _) in owned.items()}
     entries = {k: {"file": fname, "dim": s.dim, "ranges": s.ranges(), "global_shape": list(s.global_shape),
                    "dtype": str(t.dtype).removeprefix("torch.")} for k, (t, s) in owned.items()}
-    return {"entries": entries, "file": (fname, _file_info(folder / fname))}
+    return tensors, entries
+
+
+def write_file(folder: Path, rank: int, tensors: dict) -> tuple[str, dict] | None:
+    """Write and fsync shard_<rank>.safetensors; returns (name, size and checksum)."""
+    if not tensors:
+        return None
+    fname = f"shard_{rank:05d}.safetensors"
+    save_file(tensors, str(folder / fname))
+    with open(folder / fname, "rb") as f:
+        os.fsync(f.fileno())
+    return fname, _file_info(folder / fname)
 
 
 def _file_info(path: Path) -> dict:
@@ -107,7 +128,7 @@ def _file_info(path: Path) -> dict:
     return {"bytes": size, "crc32": crc}
 
 
-def _commit(root, tmp: Path, final: Path, step: int, meta: dict, gathered: list[dict]) -> None:
+def commit(root, tmp: Path, final: Path, step: int, meta: dict, gathered: list[dict]) -> None:
     """metadata.json last (fsynced), atomic rename of the folder, then the `latest` pointer."""
     tensors: dict[str, dict] = {}
     for part in gathered:

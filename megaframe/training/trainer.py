@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from megaframe.checkpoint import sharded
+from megaframe.checkpoint.async_save import AsyncSaver
 from megaframe.config import Config, ConfigError
 from megaframe.data.dataset import build_data, data_state, microbatches
 from megaframe.layers.shard import param_seed
@@ -58,6 +59,7 @@ def train(cfg: Config, mesh: Mesh) -> None:
     tracker = Tracker(cfg, cfg.run.dir, mesh.is_logger, cfg.train.max_steps)
     meter = Meter(cfg, mesh)
     stop = StopFlag()
+    saver = AsyncSaver(mesh) if cfg.checkpoint.async_save else None
     t = cfg.train
     try:
         for step in range(start + 1, t.max_steps + 1):
@@ -77,12 +79,19 @@ def train(cfg: Config, mesh: Mesh) -> None:
                 row = meter.metrics(step, res, model, optimizer)
                 tracker.log(row if val is None else {**row, "val_loss": val}, start)
             stopping = stop.agreed(mesh)
+            if saver:
+                saver.poll()
             interval = cfg.checkpoint.interval
-            if (interval and step % interval == 0) or step == t.max_steps or stopping:
-                save(cfg, model, optimizer, mesh, step)
+            last = step == t.max_steps or stopping
+            if (interval and step % interval == 0) or last:
+                if saver and last:
+                    saver.wait()  # commit the older one first, so `latest` ends on this step
+                save(cfg, model, optimizer, mesh, step, saver if not last else None)
             if stopping:
                 stop.report(step)
                 break
+        if saver:
+            saver.wait()
     finally:
         stop.restore()
         tracker.finish()
@@ -112,13 +121,19 @@ class Meter:
                 **memory_figures(model, optimizer, mesh.device)}
 
 
-def save(cfg: Config, model, optimizer, mesh: Mesh, step: int) -> None:
+def save(cfg: Config, model, optimizer, mesh: Mesh, step: int, saver: AsyncSaver | None = None) -> None:
+    """Checkpoint at `step`: in the background with `saver`, else written and committed now."""
     t0 = time.perf_counter()
     meta = {"consumed_samples": step * cfg.train.global_batch_size,
             "layout": {"tp": mesh.tp.size, "pp": mesh.pp.size, "dp": mesh.dp.size, "sp": cfg.parallel.sp},
             "rng": "derived from (train.seed, step, rank); no state to restore",
             "data": data_state(cfg, step),
             "config": dataclasses.asdict(cfg)}
+    if saver is not None:
+        saver.save(cfg.checkpoint.dir, step, model, optimizer, meta, cfg.checkpoint.keep_last)
+        if mesh.rank == 0:
+            print(f"checkpoint: step {step} copied to host in {time.perf_counter() - t0:.2f}s, writing", flush=True)
+        return
     path = sharded.save(cfg.checkpoint.dir, step, model, optimizer, mesh, meta, cfg.checkpoint.keep_last)
     if mesh.rank == 0:
         print(f"checkpoint: {path} ({time.perf_counter() - t0:.2f}s)", flush=True)

@@ -109,3 +109,26 @@ def test_tp2_pp2_checkpoint_resumes_under_another_layout(tmp_path_factory, name,
     assert [r["step"] for r in got] == [4, 5, 6]
     for a, b in zip(got, want):
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]), (name, a["loss"], b["loss"])
+
+
+def test_async_save_commits_every_checkpoint_and_resumes(tmp_path):
+    from megaframe.checkpoint import sharded
+
+    over = ["data=synthetic", *TINY, "train.max_steps=6", "train.log_interval=1", "checkpoint.interval=2",
+            "checkpoint.async=true"]
+    res = train(over + [f"run.dir={tmp_path / 'a'}"], nproc=2)
+    assert res.returncode == 0, res.stderr[-3000:]
+    ck = tmp_path / "a" / "checkpoints"
+    assert [p.name for p in sharded.committed(ck)] == ["step_00000002", "step_00000004", "step_00000006"]
+    for p in sharded.committed(ck):
+        sharded.verify(p)
+        assert not list(p.glob("*.json"))[1:], "sidecars must be gone"  # only metadata.json remains
+    assert (ck / "latest").read_text().strip() == "step_00000006"
+    (tmp_path / "b" / "checkpoints").mkdir(parents=True)
+    import shutil
+
+    shutil.copytree(ck / "step_00000004", tmp_path / "b" / "checkpoints" / "step_00000004")
+    again = train(over + [f"run.dir={tmp_path / 'b'}"])
+    assert again.returncode == 0, again.stderr[-3000:]
+    for x, y in zip(metrics(tmp_path / "a")[4:], metrics(tmp_path / "b")):
+        assert abs(x["loss"] - y["loss"]) <= 1e-5 * abs(x["loss"])
