@@ -271,7 +271,9 @@ def load_config(overrides: list[str], world_size: Optional[int] = None, check_da
         if isinstance(e, ConfigError):
             raise
         raise ConfigError(_one_line(e)) from e
-    validate(cfg, world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1")),
+    if world_size is None:  # torchrun's WORLD_SIZE, else srun's task count (one Slurm task = one rank)
+        world_size = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
+    validate(cfg, world_size,
              check_data=check_data)
     return cfg
 
