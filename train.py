@@ -26,13 +26,16 @@ def main(argv: list[str]) -> int:
         from omegaconf import OmegaConf
         print(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
         return 0
-    from megaframe.training.trainer import run
+    from megaframe.training.trainer import TrainingError, run
 
     try:
         run(cfg)
     except ConfigError as e:
         print(f"megaframe: error: {e}", file=sys.stderr, flush=True)
         return 2
+    except TrainingError as e:
+        print(f"megaframe: error: {e}", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 

@@ -99,6 +99,8 @@ class TrainConfig:
     """Seeds init (with each parameter's global name) and the sample order."""
     log_interval: int = 25
     """Write metrics every this many steps (and at the last step)."""
+    max_bad_steps: int = 10
+    """Stop with an error after this many optimizer steps in a row with a non-finite grad norm (each is skipped)."""
     device: str = "auto"
     """auto | cpu | cuda."""
     precision: str = "fp32"

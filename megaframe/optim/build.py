@@ -5,7 +5,8 @@ Every optimizer here offers:
     zero_grad()                       before a step's first micro-batch
     backward_context(is_last)         around each micro-batch's backward; is_last marks the final
                                       backward of a parameter set (where reductions may start early)
-    step(lr) -> grad_norm             reduce grads, global norm, clip, update (no host sync)
+    step(lr) -> grad_norm             reduce grads, global norm, clip, update; a non-finite norm
+                                      skips the update (the trainer counts such steps)
     logical_state(p) / load_logical_state(p, state, step)
                                       Adam moments shaped like p's local slice (checkpoints)
     memory_bytes()                    mem/grads_bytes and mem/optim_bytes of this rank
@@ -49,6 +50,8 @@ class PlainOptimizer:
     def step(self, lr: float) -> torch.Tensor:
         finalize_grads(self.model, self.mesh)
         norm = grad_norm(self.model, self.mesh)
+        if not torch.isfinite(norm):  # a NaN/Inf anywhere: skip the update (the check syncs the host)
+            return norm
         clip_grads(self.model, norm, self.cfg.clip_grad)
         for group in self.adam.param_groups:
             group["lr"] = lr

@@ -75,6 +75,7 @@ class ZeroOptimizer:
         self._last = False
         self._gathered: tuple | None = None  # (key, {name: full bucket tensor}) of the last gathered bucket
         self._build_state()
+        self._seen = {p: p._version for p in self._segs_of if p.dtype != torch.float32}
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self.params]
         self.zero_grad()
 
@@ -171,6 +172,7 @@ class ZeroOptimizer:
 
     def step(self, lr: float) -> torch.Tensor:
         self._gathered = None
+        self._resync_master()
         for buf in self.buffers:  # in bucket order: the same order on every dp rank
             for b in buf.buckets:
                 if not b.launched:
@@ -178,6 +180,8 @@ class ZeroOptimizer:
         self._wait_all()
         self._sum_tp_partial()
         norm = self._grad_norm()
+        if not torch.isfinite(norm):  # a NaN/Inf anywhere: skip the update, params stay whole (syncs)
+            return norm
         if self.cfg.clip_grad > 0:
             scale = (self.cfg.clip_grad / (norm + 1e-6)).clamp(max=1.0)
             torch._foreach_mul_(self._shard_grads, scale)
@@ -187,6 +191,19 @@ class ZeroOptimizer:
             self.adam.step()
         self._gather_params()
         return norm
+
+    @torch.no_grad()
+    def _resync_master(self) -> None:
+        """Low-precision params written from outside since we last saw them (a checkpoint without
+        optimizer state, an HF import, a user's copy_) hand their values to the fp32 master, which
+        would otherwise overwrite them at the next all-gather. Our own writes (the all-gather into
+        the param buffer) do not move a param's version counter: it is not shared with the buffer."""
+        for p, seen in self._seen.items():
+            if p._version != seen:
+                flat = p.detach().reshape(-1)
+                for seg, weights in self._segs_of[p]:
+                    weights.copy_(flat[seg.param_lo:seg.param_lo + seg.numel])
+                self._seen[p] = p._version
 
     def _sum_tp_partial(self) -> None:
         """Sum over tp the grads of tp-replicated params that each tp rank saw part of (sp norms).
@@ -274,6 +291,8 @@ class ZeroOptimizer:
             for k, full in src.items():
                 getattr(st, k)[lo:lo + n].copy_(full[seg.param_lo:seg.param_lo + n])
             self.adam.state[weights]["step"].fill_(float(step))
+        if p in self._seen:
+            self._seen[p] = p._version  # the master just loaded is exact: do not re-read it from p
 
     def memory_bytes(self) -> dict[str, int]:
         """This rank's fp32 grad buffer and optimizer state (moments + master for its range)."""

@@ -60,6 +60,7 @@ def train(cfg: Config, mesh: Mesh) -> None:
     meter = Meter(cfg, mesh)
     stop = StopFlag()
     saver = AsyncSaver(mesh) if cfg.checkpoint.async_save else None
+    bad = BadSteps(cfg.train.max_bad_steps, mesh.rank == 0)
     t = cfg.train
     try:
         for step in range(start + 1, t.max_steps + 1):
@@ -70,6 +71,7 @@ def train(cfg: Config, mesh: Mesh) -> None:
                                    mesh.dp.size, t.seed, mesh.device)
             res = train_step(model, optimizer, batches, mesh, cfg, step)
             meter.steps += 1
+            bad.check(step, res.grad_norm)
             val = None
             if evaluator is not None and evaluator.due(step):
                 t0 = time.perf_counter()
@@ -95,6 +97,29 @@ def train(cfg: Config, mesh: Mesh) -> None:
     finally:
         stop.restore()
         tracker.finish()
+
+
+class TrainingError(RuntimeError):
+    """The run cannot go on (not a bad input): train.py prints it on one line and exits 1."""
+
+
+class BadSteps:
+    """Counts optimizer steps skipped for a non-finite grad norm; too many in a row end the run."""
+
+    def __init__(self, limit: int, verbose: bool):
+        self.limit, self.verbose, self.in_a_row, self.total = limit, verbose, 0, 0
+
+    def check(self, step: int, grad_norm: torch.Tensor) -> None:
+        if math.isfinite(grad_norm.item()):  # .item() syncs; the optimizer synced on it already
+            self.in_a_row = 0
+            return
+        self.in_a_row, self.total = self.in_a_row + 1, self.total + 1
+        if self.verbose:
+            print(f"megaframe: warning: step {step} skipped: non-finite grad norm "
+                  f"({self.in_a_row} in a row, {self.total} in all)", file=sys.stderr, flush=True)
+        if self.in_a_row > self.limit:
+            raise TrainingError(f"{self.in_a_row} steps in a row had a non-finite loss or grad norm "
+                                f"(train.max_bad_steps={self.limit}); stopping at step {step}")
 
 
 class Meter:

@@ -24,7 +24,7 @@ optim.beta1 optim.beta2 optim.bucket_size_mb optim.clip_grad optim.eps optim.lr 
 optim.weight_decay optim.zero
 parallel.ep parallel.pp parallel.pp_layout parallel.pp_schedule parallel.sp parallel.tp parallel.vpp
 run.dir run.name
-train.device train.global_batch_size train.log_interval train.max_steps train.micro_batch_size train.precision
+train.device train.global_batch_size train.log_interval train.max_bad_steps train.max_steps train.micro_batch_size train.precision
 train.seed train.eval_interval train.eval_iters
 """.split())
 

@@ -51,3 +51,31 @@ def test_buckets_follow_reverse_parameter_order():
     order = [p for b in buf.buckets for p in b.params]
     assert order == params[::-1]
     assert [b.late for b in buf.buckets][-1] and not buf.buckets[0].late  # params[0] sits in the last bucket
+
+
+def test_bf16_master_follows_params_written_from_outside():
+    """Weights loaded without optimizer state (an import) must not be overwritten by a stale master."""
+    from megaframe.config import OptimConfig
+    from megaframe.layers.shard import Shard, sharded_param
+    from megaframe.optim.zero import ZeroOptimizer
+    from megaframe.parallel.mesh import single_process_mesh
+
+    model = nn.Module()
+    model.w = sharded_param(Shard((4, 3)), "cpu")
+    model.b = sharded_param(Shard((3,)), "cpu")
+    with torch.no_grad():
+        model.w.fill_(1.0)
+        model.b.fill_(2.0)
+    model.to(torch.bfloat16)
+    opt = ZeroOptimizer(model, OptimConfig(weight_decay=0.0, bucket_size_mb=1e-5), single_process_mesh())
+    with torch.no_grad():  # an import writes the params after the optimizer exists
+        model.w.copy_(torch.full((4, 3), 3.0))
+    opt.zero_grad()
+    (model.w.float().sum() + model.b.float().sum()).backward()
+    opt.step(0.0)  # lr 0: the params must stay what was written
+    assert torch.equal(model.w.detach(), torch.full((4, 3), 3.0, dtype=torch.bfloat16))
+    assert torch.equal(model.b.detach(), torch.full((3,), 2.0, dtype=torch.bfloat16))
+    opt.zero_grad()
+    (model.w.float().sum() + model.b.float().sum()).backward()
+    opt.step(0.1)  # an Adam step moves every element by ~lr
+    assert torch.allclose(model.w.detach().float(), torch.full((4, 3), 2.9), atol=0.02)
