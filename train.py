@@ -21,6 +21,9 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         if not quiet:
             print(f"megaframe: error: {e}", file=sys.stderr, flush=True)
+        else:  # let rank 0 print before torchrun sees a failed rank and stops everyone
+            import time
+            time.sleep(3)
         return 2
     if show:
         from omegaconf import OmegaConf
