@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 ARGS   ?=
 RUN    ?= demo-$(shell date +%Y%m%d-%H%M%S)
 
-.PHONY: install data train test test-fast clean
+.PHONY: install data train test test-fast slurm-up slurm-down slurm-test clean
 
 install: $(VENV)/.installed
 
@@ -33,6 +33,17 @@ test: $(VENV)/.installed
 
 test-fast: $(VENV)/.installed
 	$(PY) -m pytest -q -m "not e2e" $(ARGS)
+
+# A real single-host Slurm (two emulated nodes) for scripts/slurm/pretrain.sbatch; needs root.
+# `make test` starts it itself for the slurm tests (when root) and stops it afterwards.
+slurm-up:
+	bash scripts/slurm/local_cluster.sh start
+
+slurm-down:
+	bash scripts/slurm/local_cluster.sh stop
+
+slurm-test: $(VENV)/.installed
+	$(PY) -m pytest -q -rs -m slurm $(ARGS)
 
 clean:
 	rm -rf $(VENV) data/demo/prepared outputs

@@ -48,15 +48,25 @@ class Tracker:
             parts.append(f"mfu {100 * metrics['mfu']:.1f}%")
         parts.append(f"eta {_fmt_duration(eta)}")
         print(" | ".join(parts), flush=True)
-        if self.wandb_run is not None:
-            self.wandb_run.log({k: v for k, v in metrics.items() if k != "step"}, step=step)
+        if self.wandb_run is not None:  # explicit step: a resumed run continues the same history
+            self._wandb(self.wandb_run.log, {k: v for k, v in metrics.items() if k != "step"}, step=step)
 
     def finish(self) -> None:
         if not self.active:
             return
         self.file.close()
         if self.wandb_run is not None:
-            self.wandb_run.finish()
+            self._wandb(self.wandb_run.finish)
+
+    def _wandb(self, fn, *args, **kwargs) -> None:
+        """wandb never stops training: under Slurm a stop signal reaches every process of the step,
+        wandb's service included, and a dead service makes log/finish raise. metrics.jsonl goes on."""
+        try:
+            fn(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - any wandb failure
+            print(f"megaframe: warning: wandb failed ({type(e).__name__}: {e}); "
+                  f"logging to metrics.jsonl only", file=sys.stderr, flush=True)
+            self.wandb_run = None
 
 
 def _start_wandb(cfg, run_dir: str):

@@ -1,0 +1,61 @@
+"""scripts/slurm/sweep.py: Hydra sweep overrides -> one pretrain.sbatch job per point."""
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from tests.e2e.helpers import TINY
+from tests.slurm.helpers import ROOT, job_env, wait_done
+
+SWEEP = ROOT / "scripts" / "slurm" / "sweep.py"
+
+
+def _sweep_module():
+    spec = importlib.util.spec_from_file_location("megaframe_slurm_sweep", SWEEP)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_expand_is_hydra_multirun_order():
+    expand = _sweep_module().expand
+    points = expand(["optim.lr=1e-3,3e-3", "model=gpt_tiny,gpt2_tiny", "train.max_steps=5", "train.seed=range(1,3)"])
+    assert len(points) == 8
+    assert points[0] == ["optim.lr=0.001", "model=gpt_tiny", "train.max_steps=5", "train.seed=1"]
+    assert points[1] == ["optim.lr=0.001", "model=gpt_tiny", "train.max_steps=5", "train.seed=2"]
+    assert points[-1] == ["optim.lr=0.003", "model=gpt2_tiny", "train.max_steps=5", "train.seed=2"]
+    assert expand(["train.max_steps=5"]) == [["train.max_steps=5"]]
+
+
+def test_dry_run_prints_one_sbatch_per_point_and_bad_syntax_exits_2():
+    res = subprocess.run([sys.executable, str(SWEEP), "--dry-run", "--name", "sw", "optim.lr=1e-3,3e-3",
+                          "--", "--nodes=1", "--time=5"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    assert len(lines) == 2 and all("--job-name=sw-" in ln and "--nodes=1 --time=5" in ln for ln in lines)
+    assert lines[1].endswith("pretrain.sbatch optim.lr=0.003")
+    bad = subprocess.run([sys.executable, str(SWEEP), "--dry-run", "optim.lr=interval(0,1)"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "interval" in bad.stderr
+
+
+@pytest.mark.slurm
+@pytest.mark.e2e
+def test_sweep_submits_one_job_per_point_with_its_own_run(slurm_cluster, tmp_path):
+    tiny = [o for o in TINY if not o.startswith("optim.lr=")]
+    res = subprocess.run([sys.executable, str(SWEEP), "--name", "mf-sweep", "optim.lr=1e-3,3e-3", "data=synthetic",
+                          *tiny, "train.max_steps=2", "logging.wandb.mode=disabled", "--", "--ntasks=1", "--time=5"],
+                         cwd=tmp_path, env=job_env(), capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    jobs = [line.split("\t") for line in res.stdout.splitlines()]
+    assert [j[0] for j in jobs] == ["0", "1"] and jobs[0][2] != jobs[1][2]
+    for (idx, job, name, _), lr in zip(jobs, (0.001, 0.003)):
+        info = wait_done(int(job), 180, tmp_path / f"mf-sweep-{idx}-{job}.out")
+        assert info["JobState"] == "COMPLETED", info
+        cfg = yaml.safe_load((tmp_path / "outputs" / name / "config.yaml").read_text())
+        assert cfg["optim"]["lr"] == lr and cfg["run"]["name"] == name
+        assert (tmp_path / "outputs" / name / "metrics.jsonl").read_text().count("\n") >= 1
