@@ -8,7 +8,9 @@ folder, so the run is long enough to time. The tokenizer is trained once (timed 
 with data.tokenizer=PATH, so the figures are for tokenization at scale, where training on a sample is a
 small fixed cost. Printed: the one-core encode limit, prepare's end-to-end tokens/s with 1 and with
 `--workers` processes, and the ratios to the limit (ideal: the worker count). Each figure is the best
-of `--trials` runs, which filters out other jobs sharing the machine.
+of `--trials` runs, which filters out other jobs sharing the machine. CPU seconds are printed too
+(prepare's main process plus its workers, for the tokenizing phase): they do not depend on other
+load, and limit CPU / prepare CPU is the share of the work that is tokenizing proper.
 """
 from __future__ import annotations
 
@@ -38,16 +40,16 @@ def make_corpus(source: Path, repeat: int, dst: Path) -> Path:
     return dst
 
 
-def encode_limit(src: Path, tok_path: Path, cache: str) -> tuple[int, float]:
-    """(tokens, seconds) of sentencepiece encoding every document on one thread (documents in memory)."""
+def encode_limit(src: Path, tok_path: Path, cache: str) -> tuple[tuple[int, float], float]:
+    """((tokens, cpu seconds), seconds) of sentencepiece encoding every document on one thread."""
     files = resolve_source(str(src))
     docs = [d for g in units(files, 1 << 62) for b in iter_documents(g, "text", cache) for d in b]
     tok = Tokenizer.load(tok_path)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     n = 0
     for i in range(0, len(docs), 1024):
         n += sum(len(x) + 1 for x in tok.encode(docs[i:i + 1024], num_threads=1))  # + eos, as prepare
-    return n, time.perf_counter() - t0
+    return (n, time.process_time() - c0), time.perf_counter() - t0
 
 
 def best(trials: int, fn):
@@ -83,9 +85,10 @@ def main() -> None:
         tok = tmp / "tokenizer.model"
         shutil.copyfile(tmp / "trained" / "tokenizer.model", tok)
         with tempfile.TemporaryDirectory() as cache, offline_hf(cache):
-            n, secs = best(a.trials, lambda: encode_limit(src, tok, cache))
+            (n, limit_cpu), secs = best(a.trials, lambda: encode_limit(src, tok, cache))
         limit = n / secs
-        print(f"limit: sentencepiece encode, 1 core: {n:,} tokens in {secs:.2f}s = {limit:,.0f} tokens/s", flush=True)
+        print(f"limit: sentencepiece encode, 1 core: {n:,} tokens in {secs:.2f}s = {limit:,.0f} tokens/s "
+              f"({limit_cpu:.2f} CPU s)", flush=True)
         for w in sorted({1, a.workers}):
             def once():
                 shutil.rmtree(tmp / f"w{w}", ignore_errors=True)
@@ -97,7 +100,8 @@ def main() -> None:
             enc = meta["num_tokens"] / meta["stats"]["encode_seconds"]
             print(f"prepare, {w} worker(s): {wall:.2f}s end to end = {n / wall:,.0f} tokens/s "
                   f"(ratio to the 1-core limit {n / wall / limit:.2f}); tokenizing phase {enc:,.0f} tokens/s "
-                  f"(ratio {enc / limit:.2f})", flush=True)
+                  f"(ratio {enc / limit:.2f}); tokenizing CPU {meta['stats']['encode_cpu_seconds']:.2f}s "
+                  f"(limit CPU / this: {limit_cpu / meta['stats']['encode_cpu_seconds']:.2f})", flush=True)
 
 
 if __name__ == "__main__":

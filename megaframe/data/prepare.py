@@ -131,10 +131,10 @@ def _build(cfg: Config, files: list[SourceFile], work: Path, settings: dict, uni
         records = [f.record(h) for f, h in zip(files, _map(pool, file_sha256, [f.path for f in files]))]
         tok_name = _tokenizer(cfg, files, work, cache)
         tok = load_tokenizer(work / tok_name)
-        t1 = time.perf_counter()
-        shards = _encode(cfg, files, records, str(work / tok_name), work, pool, unit_bytes,
+        t1, cpu1 = time.perf_counter(), time.process_time()
+        shards, worker_cpu = _encode(cfg, files, records, str(work / tok_name), work, pool, unit_bytes,
                          chunk_chars or _chunk_size(files, workers), cache, show_progress)
-        t2 = time.perf_counter()
+        t2, cpu2 = time.perf_counter(), time.process_time()
     num_tokens = sum(s["num_tokens"] for s in shards)
     if num_tokens == 0:
         raise PrepareError(f"data.source={cfg.data.source}: the files hold no text")
@@ -145,7 +145,8 @@ def _build(cfg: Config, files: list[SourceFile], work: Path, settings: dict, uni
             "source": cfg.data.source, "sources": records, "settings": settings}
     mf.write_json(work / "meta.json", meta)
     return {**meta, "stats": {"workers": workers, "seconds": time.perf_counter() - t0,
-                              "tokenizer_seconds": t1 - t0, "encode_seconds": t2 - t1}}
+                              "tokenizer_seconds": t1 - t0, "encode_seconds": t2 - t1,
+                              "encode_cpu_seconds": cpu2 - cpu1 + worker_cpu}}
 
 
 def _umask() -> int:
@@ -242,8 +243,9 @@ def _finish_unit(work: Path, k: int, record: dict) -> None:
 
 
 def _encode(cfg: Config, files: list[SourceFile], records: list[dict], tok_path: str, work: Path, pool,
-            unit_bytes: int, chunk_chars: int, cache: str, show_progress: bool | None) -> list[dict]:
-    """Tokenize every unit not finished by an earlier run; returns all shards in stream order."""
+            unit_bytes: int, chunk_chars: int, cache: str, show_progress: bool | None) -> tuple[list[dict], float]:
+    """Tokenize every unit not finished by an earlier run; returns all shards in stream order and the
+    worker processes' CPU seconds."""
     (work / "units").mkdir(exist_ok=True)
     groups, done, todo, i = units(files, unit_bytes), {}, [], 0
     for k, group in enumerate(groups):
@@ -263,6 +265,7 @@ def _encode(cfg: Config, files: list[SourceFile], records: list[dict], tok_path:
             item = pending.popleft()
             if item[0] == "chunk":
                 entry = item[2].get()
+                progress.worker_cpu += entry.pop("_cpu_s")
                 acc[item[1]].append(entry)
                 progress.update(item[1], item[3], entry["num_tokens"])
             else:
@@ -289,7 +292,7 @@ def _encode(cfg: Config, files: list[SourceFile], records: list[dict], tok_path:
         raise PrepareError(f"cannot write to {work}: {e}") from e
     finally:
         progress.close()
-    return [s for k in sorted(done) for s in done[k]["shards"]]
+    return [s for k in sorted(done) for s in done[k]["shards"]], progress.worker_cpu if pool is not None else 0.0
 
 
 class Progress:
@@ -303,6 +306,7 @@ class Progress:
                         leave=False, dynamic_ncols=True, smoothing=0.05)
         self.lines, self.total, self.tokens, self.counted = not show, total, 0, 0
         self.t0 = self.t_line = time.perf_counter()
+        self.worker_cpu = 0.0
         self.unit_left: dict[int, int] = {}
 
     def start_unit(self, k: int, size: int) -> None:

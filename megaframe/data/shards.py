@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from itertools import chain
 from pathlib import Path
 
@@ -46,8 +47,10 @@ def _write_atomic(path: Path, data: bytes) -> None:
 def encode_chunk(task: tuple) -> dict:
     """Tokenize one chunk of documents and write it as a shard; runs in a worker process.
 
-    task = (tokenizer_path, out_dir, shard_name, docs). Returns the shard's meta.json entry.
+    task = (tokenizer_path, out_dir, shard_name, docs). Returns the shard's meta.json entry, plus the
+    worker's CPU seconds under "_cpu_s" (for prepare's figures; not written to meta.json).
     """
+    cpu0 = time.process_time()
     tok_path, out_dir, name, docs = task
     tok = _tokenizer(tok_path)
     ids = tok.encode(docs, num_threads=1)  # one thread: parallelism comes from the processes
@@ -64,7 +67,7 @@ def encode_chunk(task: tuple) -> dict:
         np.save(f, starts)
     os.replace(out / f"{name}.docs.npy.tmp", out / f"{name}.docs.npy")
     return {"file": f"{name}.bin", "num_tokens": total, "num_docs": len(docs), "docs": f"{name}.docs.npy",
-            "sha256": hashlib.sha256(data).hexdigest()}
+            "sha256": hashlib.sha256(data).hexdigest(), "_cpu_s": time.process_time() - cpu0}
 
 
 def read_meta(path: Path) -> dict:
