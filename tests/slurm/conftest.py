@@ -33,17 +33,18 @@ def slurm_cluster():
         pytest.skip("the local Slurm cluster needs root (scripts/slurm/local_cluster.sh installs and starts daemons)")
     if shutil.which("sbatch") is None and shutil.which("apt-get") is None:
         pytest.skip("no Slurm installed and no apt-get to install it")
-    was_up = shutil.which("sbatch") is not None and _cluster("status", 30).returncode == 0
-    res = _cluster("start", 600)
-    if res.returncode == 3:
-        pytest.skip(f"cannot install Slurm/munge packages: {res.stderr.strip().splitlines()[-1]}")
-    assert res.returncode == 0, f"local_cluster.sh start failed:\n{res.stdout}\n{res.stderr}"
     STATE.mkdir(parents=True, exist_ok=True)
-    if not was_up:
-        MARKER.touch()
     users = open(USERS_LOCK, "a")
-    fcntl.flock(users, fcntl.LOCK_SH)
+    fcntl.flock(users, fcntl.LOCK_SH)  # before `start`: a session ending now must not stop it under us
     try:
+        was_up = shutil.which("sbatch") is not None and _cluster("status", 30).returncode == 0
+        res = _cluster("start", 600)
+        if res.returncode == 3:
+            why = (res.stderr.strip().splitlines() or ["apt-get failed"])[-1]
+            pytest.skip(f"cannot install Slurm/munge packages: {why}")
+        assert res.returncode == 0, f"local_cluster.sh start failed:\n{res.stdout}\n{res.stderr}"
+        if not was_up:
+            MARKER.touch()
         yield
     finally:
         try:  # the last session still using a cluster that a test session started stops it
