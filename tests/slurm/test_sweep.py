@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from tests.e2e.helpers import TINY
-from tests.slurm.helpers import ROOT, job_env, wait_done
+from tests.slurm.helpers import ROOT, job_env, tail, wait_done
 
 SWEEP = ROOT / "scripts" / "slurm" / "sweep.py"
 
@@ -48,14 +48,15 @@ def test_dry_run_prints_one_sbatch_per_point_and_bad_syntax_exits_2():
 def test_sweep_submits_one_job_per_point_with_its_own_run(slurm_cluster, tmp_path):
     tiny = [o for o in TINY if not o.startswith("optim.lr=")]
     res = subprocess.run([sys.executable, str(SWEEP), "--name", "mf-sweep", "optim.lr=1e-3,3e-3", "data=synthetic",
-                          *tiny, "train.max_steps=2", "logging.wandb.mode=disabled", "--", "--ntasks=1", "--time=5"],
+                          *tiny, "train.max_steps=2", "logging.wandb.mode=disabled", "--", "--ntasks=1", "--time=15"],
                          cwd=tmp_path, env=job_env(), capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
     jobs = [line.split("\t") for line in res.stdout.splitlines()]
     assert [j[0] for j in jobs] == ["0", "1"] and jobs[0][2] != jobs[1][2]
     for (idx, job, name, _), lr in zip(jobs, (0.001, 0.003)):
-        info = wait_done(int(job), 180, tmp_path / f"mf-sweep-{idx}-{job}.out")
-        assert info["JobState"] == "COMPLETED", info
+        out = tmp_path / f"mf-sweep-{idx}-{job}.out"
+        info = wait_done(int(job), 180, out)
+        assert info["JobState"] == "COMPLETED", f"{info}\n{tail(out)}"
         cfg = yaml.safe_load((tmp_path / "outputs" / name / "config.yaml").read_text())
         assert cfg["optim"]["lr"] == lr and cfg["run"]["name"] == name
         assert (tmp_path / "outputs" / name / "metrics.jsonl").read_text().count("\n") >= 1
