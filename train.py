@@ -8,6 +8,11 @@ import sys
 
 
 def main(argv: list[str]) -> int:
+    # first, before the slow imports: a stop signal (Slurm's --signal, torchrun) during start-up is
+    # remembered and honoured at the first step instead of killing the rank mid-rendezvous
+    from megaframe.training.signals import StopFlag
+
+    stop = StopFlag()
     from megaframe.config import ConfigError, load_config
 
     quiet = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) != "0"  # one rank speaks for all
@@ -32,7 +37,7 @@ def main(argv: list[str]) -> int:
     from megaframe.training.trainer import TrainingError, run
 
     try:
-        run(cfg)
+        run(cfg, stop)
     except ConfigError as e:
         print(f"megaframe: error: {e}", file=sys.stderr, flush=True)
         return 2

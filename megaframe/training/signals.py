@@ -9,16 +9,17 @@ from __future__ import annotations
 
 import signal
 import sys
+from typing import TYPE_CHECKING
 
-import torch
-import torch.distributed as dist
-
-from megaframe.parallel.mesh import Mesh
+if TYPE_CHECKING:
+    from megaframe.parallel.mesh import Mesh
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
 class StopFlag:
+    """Installed by train.py before its slow imports: a signal during start-up is kept, not fatal."""
+
     def __init__(self):
         self.signum: int | None = None
         self.previous = {s: signal.signal(s, self._handle) for s in SIGNALS}
@@ -28,6 +29,9 @@ class StopFlag:
 
     def agreed(self, mesh: Mesh) -> bool:
         """Whether any rank has been signalled; collective over the mesh (a host sync)."""
+        import torch  # not at import time: train.py installs the flag before torch is loaded
+        import torch.distributed as dist
+
         if mesh.group is None:
             return self.signum is not None
         flag = torch.tensor([0.0 if self.signum is None else 1.0], device=mesh.device)

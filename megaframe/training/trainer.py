@@ -27,7 +27,8 @@ from megaframe.training.signals import StopFlag
 from megaframe.training.step import train_step
 
 
-def run(cfg: Config) -> None:
+def run(cfg: Config, stop: StopFlag | None = None) -> None:
+    """Train under the ranks of the environment; `stop` is the caller's flag if it installed one early."""
     env = env_ranks()
     device = pick_device(cfg.train.device, env.local_rank)
     init_distributed(env, device)
@@ -37,12 +38,12 @@ def run(cfg: Config) -> None:
         # ranks may have resolved a timestamped run name a second apart: rank 0's wins
         cfg.run.name, cfg.run.dir, cfg.checkpoint.dir = comm.broadcast_object(
             (cfg.run.name, cfg.run.dir, cfg.checkpoint.dir))
-        train(cfg, mesh)
+        train(cfg, mesh, stop or StopFlag())
     finally:
         shutdown()
 
 
-def train(cfg: Config, mesh: Mesh) -> None:
+def train(cfg: Config, mesh: Mesh, stop: StopFlag) -> None:
     model = cast_model(build_model(cfg, mesh), cfg.train.precision)
     optimizer = build_optimizer(model, cfg.optim, mesh)
     try:
@@ -58,7 +59,6 @@ def train(cfg: Config, mesh: Mesh) -> None:
         (Path(cfg.run.dir) / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
     tracker = Tracker(cfg, cfg.run.dir, mesh.is_logger, cfg.train.max_steps)
     meter = Meter(cfg, mesh)
-    stop = StopFlag()
     saver = AsyncSaver(mesh) if cfg.checkpoint.async_save else None
     bad = BadSteps(cfg.train.max_bad_steps, mesh.rank == 0)
     t = cfg.train

@@ -47,6 +47,18 @@ def test_sigterm_on_one_rank_stops_all_at_one_step_with_a_checkpoint(tmp_path):
     assert ckpt == f"step_{last:08d}" and "stopping at step" in out
 
 
+def test_signal_during_start_up_stops_at_the_first_step_with_a_checkpoint(tmp_path):
+    """Slurm may signal a rank while it still imports torch: the flag is set before those imports."""
+    over = ["data=synthetic", *TINY, "train.max_steps=100000", f"run.dir={tmp_path}"]
+    proc = subprocess.Popen([sys.executable, "train.py", *over], cwd=ROOT, env=env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    time.sleep(0.5)  # python is up, torch is not imported yet (it takes seconds)
+    proc.send_signal(signal.SIGUSR1)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and "stopping at step 1 after SIGUSR1" in out, out[-3000:]
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_00000001"
+
+
 def test_sigkill_under_torchrun_restarts_resume_with_identical_losses(tmp_path):
     over = ["data=synthetic", *TINY, "train.max_steps=40", "train.log_interval=1", "checkpoint.interval=5"]
     ref = train(over + [f"run.dir={tmp_path / 'ref'}"], nproc=1)
