@@ -41,6 +41,22 @@ class ModelConfig:
     """Experts per MoE layer; 0 means a dense MLP."""
     moe_top_k: int = 2
     """Experts each token is routed to."""
+    moe_ffn_hidden_size: Optional[int] = None
+    """Inner width of each expert's SwiGLU (per branch); None means ffn_hidden_size."""
+    moe_router_score: str = "softmax"
+    """softmax | sigmoid: how router logits become scores (top-k weights are renormalised to sum 1)."""
+    moe_aux_loss_coeff: float = 0.01
+    """Load-balancing loss (Switch/GShard: E * sum_e f_e * P_e) weight; logged as aux_loss."""
+    moe_z_loss_coeff: float = 0.0
+    """Router z-loss (mean squared logsumexp of the logits) weight; logged as z_loss."""
+    moe_expert_bias: bool = False
+    """Aux-loss-free balancing (DeepSeek-V3): a per-expert bias added to the scores for selection only,
+    moved after each step by moe_bias_update_rate towards under-loaded experts (a checkpointed buffer)."""
+    moe_bias_update_rate: float = 1e-3
+    """Step of the expert-bias update: bias_e += rate * sign(mean load - load_e), then recentred."""
+    moe_capacity_factor: Optional[float] = None
+    """None = dropless. Else each expert takes at most ceil(factor * tokens * top_k / experts) assignments
+    of a micro-batch (first come, in token order); the rest are dropped (moe/layer{i}/dropped_frac)."""
     dropout: float = 0.0
     """Dropout on attention probabilities and residual branches (0 keeps layouts bit-comparable)."""
     norm: str = "rmsnorm"
@@ -67,6 +83,11 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
+
+    @property
+    def expert_ffn(self) -> int:
+        """Inner width of one expert (moe_ffn_hidden_size, else ffn_hidden_size)."""
+        return self.moe_ffn_hidden_size or self.ffn_hidden_size
 
 
 @dataclass
@@ -318,7 +339,7 @@ def validate(cfg: Config, world_size: int, check_data: bool = True) -> None:
     _req(0.0 <= m.dropout < 1.0, f"model.dropout={m.dropout} must be in [0, 1)")
     if p.sp:
         _req(m.seq_length % p.tp == 0, f"parallel.sp needs parallel.tp={p.tp} to divide model.seq_length={m.seq_length}")
-    _req(p.ep == 1 and m.num_experts == 0, "parallel.ep / model.num_experts: MoE is not implemented yet")
+    _check_moe(m, p, dp)
     _req(t.micro_batch_size >= 1, f"train.micro_batch_size={t.micro_batch_size} must be >= 1")
     _req(t.global_batch_size % (t.micro_batch_size * dp) == 0,
          f"train.global_batch_size={t.global_batch_size} is not divisible by "
@@ -349,6 +370,26 @@ def validate(cfg: Config, world_size: int, check_data: bool = True) -> None:
             raise ConfigError(f"checkpoint.resume={r}: {e}") from e
     if check_data and cfg.data.kind == "prepared":
         _check_prepared(cfg)
+
+
+def _check_moe(m: ModelConfig, p: ParallelConfig, dp: int) -> None:
+    _req(m.num_experts >= 0, f"model.num_experts={m.num_experts} must be >= 0")
+    _req(p.ep == 1 or m.num_experts > 0, f"parallel.ep={p.ep} needs model.num_experts > 0 (a MoE model)")
+    _req(dp % p.ep == 0, f"parallel.ep={p.ep} does not divide the data-parallel size {dp} (ep ranks come from dp)")
+    if m.num_experts == 0:
+        return
+    _req(m.num_experts % p.ep == 0, f"parallel.ep={p.ep} does not divide model.num_experts={m.num_experts}")
+    _req(1 <= m.moe_top_k <= m.num_experts,
+         f"model.moe_top_k={m.moe_top_k} must be in [1, model.num_experts={m.num_experts}]")
+    _req(m.activation == "swiglu", f"model.activation={m.activation!r}: MoE experts are SwiGLU only")
+    _req(m.moe_router_score in ("softmax", "sigmoid"),
+         f"model.moe_router_score={m.moe_router_score!r} must be softmax or sigmoid")
+    _req(m.moe_ffn_hidden_size is None or m.moe_ffn_hidden_size >= 1,
+         f"model.moe_ffn_hidden_size={m.moe_ffn_hidden_size} must be >= 1 (or null)")
+    _req(m.moe_capacity_factor is None or m.moe_capacity_factor > 0,
+         f"model.moe_capacity_factor={m.moe_capacity_factor} must be > 0 (or null for dropless)")
+    _req(m.moe_aux_loss_coeff >= 0 and m.moe_z_loss_coeff >= 0,
+         "model.moe_aux_loss_coeff and model.moe_z_loss_coeff must be >= 0")
 
 
 def _check_pipeline(cfg: Config, dp: int) -> None:

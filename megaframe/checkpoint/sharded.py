@@ -49,15 +49,27 @@ def _owned_tensors(model, optimizer, mesh: Mesh) -> dict[str, tuple[torch.Tensor
     there, a collective); only dp rank 0 writes."""
     out = {}
     for name, p in model.named_parameters():
-        if (p.shard.dim is None and mesh.tp.rank != 0) or getattr(p, "pp_duplicate", False):
+        if (not p.shard.tp_split and mesh.tp.rank != 0) or getattr(p, "pp_duplicate", False):
             continue
         state = optimizer.logical_state(p)
-        if mesh.dp.rank != 0:
+        # experts differ over ep: the first rank of each edp group writes its experts' slice
+        if (mesh.edp if p.shard.expert else mesh.dp).rank != 0:
             continue
         out[f"model/{name}"] = (p.detach(), p.shard)
         for k, t in state.items():
             out[f"optim/{k}/{name}"] = (t, p.shard)
+    for name, b, shard in state_buffers(model):  # replicated state outside autograd (the MoE expert bias)
+        if mesh.tp.rank == 0 and mesh.dp.rank == 0:
+            out[f"model/{name}"] = (b.detach(), shard)
     return out
+
+
+def state_buffers(model) -> list[tuple[str, torch.Tensor, object]]:
+    """(global name, tensor, Shard) of buffers that are model state, saved and loaded like parameters.
+    A module declares them in `state_shards` ({buffer name: Shard}): a tag on the tensor itself would be
+    lost when model.to() replaces buffers."""
+    return [(f"{prefix}.{n}" if prefix else n, getattr(m, n), shard) for prefix, m in model.named_modules()
+            for n, shard in getattr(m, "state_shards", {}).items()]
 
 
 def _barrier(mesh: Mesh) -> None:
@@ -227,4 +239,7 @@ def load_into(path: str | Path, model, optimizer=None) -> dict:
         moments = {k: p.shard.local(load_full(path, f"optim/{k}/{name}", meta))
                    for k in ("exp_avg", "exp_avg_sq", "master") if f"optim/{k}/{name}" in meta["tensors"]}
         optimizer.load_logical_state(p, moments, int(meta["step"]))
+    for name, b, shard in state_buffers(model):  # absent in checkpoints of runs without it: keep the init value
+        if f"model/{name}" in meta["tensors"]:
+            b.copy_(shard.local(load_full(path, f"model/{name}", meta)).to(b.device, b.dtype))
     return meta

@@ -19,13 +19,17 @@ from torch import nn
 
 @dataclass(frozen=True)
 class Shard:
-    """Split of a global tensor over `size` ranks along `dim` (None: replicated), block by block."""
+    """Split of a global tensor over `size` ranks along `dim` (None: replicated), block by block.
+
+    `axis` names the mesh axis of the split: "tp" (tensor-parallel layers) or "ep" (experts stacked
+    along dim 0, split over expert parallelism and replicated over tp)."""
 
     global_shape: tuple[int, ...]
     dim: Optional[int] = None
     parts: tuple[int, ...] = ()
     rank: int = 0
     size: int = 1
+    axis: str = "tp"
 
     def __post_init__(self):
         if self.dim is not None:
@@ -52,6 +56,16 @@ class Shard:
             g_off += p
             l_off += n
         return out
+
+    @property
+    def tp_split(self) -> bool:
+        """Whether tp ranks hold different slices (else the tensor is replicated over tp)."""
+        return self.dim is not None and self.axis == "tp"
+
+    @property
+    def expert(self) -> bool:
+        """Expert weights: split over ep, reduced and ZeRO-sharded over edp instead of dp."""
+        return self.axis == "ep"
 
     def local(self, full: torch.Tensor, rank: Optional[int] = None) -> torch.Tensor:
         """This rank's slice of the full tensor."""
@@ -109,16 +123,33 @@ def full_init(name: str, shape: tuple[int, ...], seed: int, std: float, num_laye
     return torch.empty(shape).normal_(0.0, s, generator=gen)
 
 
+def expert_name(name: str, e: int) -> str:
+    """The global name of expert e's own weight in a stacked expert parameter:
+    layers.3.mlp.experts.up_proj.weight -> layers.3.mlp.experts.5.up_proj.weight."""
+    return name.replace(".experts.", f".experts.{e}.", 1)
+
+
+def full_init_param(name: str, shard: Shard, seed: int, std: float, num_layers: int) -> torch.Tensor:
+    """full_init, except that stacked experts ([E, ...] over ep) get one tensor per expert, each from
+    (seed, the expert's own global name): the same experts whatever ep is."""
+    if not shard.expert:
+        return full_init(name, shard.global_shape, seed, std, num_layers)
+    shape = shard.global_shape[1:]
+    return torch.stack([full_init(expert_name(name, e), shape, seed, std, num_layers)
+                        for e in range(shard.global_shape[0])])
+
+
 @torch.no_grad()
 def init_model(model: nn.Module, seed: int, std: float, num_layers: int) -> None:
     """Initialise every parameter from (seed, global name): build the full tensor, keep this rank's slice."""
     for name, p in model.named_parameters():
-        full = full_init(name, p.shard.global_shape, seed, std, num_layers)
+        full = full_init_param(name, p.shard, seed, std, num_layers)
         p.copy_(p.shard.local(full).to(p.device, p.dtype))
 
 
 def gather_full(local: torch.Tensor, shard: Shard, axis) -> torch.Tensor:
-    """The full tensor from every tp rank's slice (a plain all-gather; for tests, export and checks)."""
+    """The full tensor from every rank's slice along `axis` (the mesh axis named by shard.axis: tp, or ep
+    for experts); a plain all-gather, for tests, export and checks."""
     import torch.distributed as dist
 
     if shard.dim is None or axis.size == 1:

@@ -19,6 +19,7 @@ from megaframe.layers.norm import Norm
 from megaframe.layers.shard import Shard, init_model, sharded_param
 from megaframe.layers.vocab import VocabParallelEmbedding, parallel_logits, vocab_parallel_cross_entropy
 from megaframe.model.attention import Attention, rope_tables
+from megaframe.model.moe import MoE
 from megaframe.parallel.mesh import Mesh
 from megaframe.pipeline.partition import Stage, stage_layout
 
@@ -45,12 +46,17 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, mesh: Mesh, sp: bool, device=None):
+    """Attention and MLP with pre-norms; the MLP is a mixture of experts when cfg.num_experts > 0."""
+
+    def __init__(self, cfg: ModelConfig, mesh: Mesh, sp: bool, device=None, tokens_per_step: int | None = None):
         super().__init__()
         self.attn_norm = Norm(cfg.norm, cfg.hidden_size, cfg.norm_eps, sp, device)
         self.attn = Attention(cfg, mesh.tp, sp, device)
         self.mlp_norm = Norm(cfg.norm, cfg.hidden_size, cfg.norm_eps, sp, device)
-        self.mlp = MLP(cfg, mesh, sp, device)
+        if cfg.num_experts:
+            self.mlp = MoE(cfg, mesh, sp, device, tokens_per_step)
+        else:
+            self.mlp = MLP(cfg, mesh, sp, device)
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x_SBD: torch.Tensor, rope) -> torch.Tensor:
@@ -65,9 +71,11 @@ class GPT(nn.Module):
     forward_chunk runs one pipeline chunk: embedding first on stage 0, head and loss last on the
     last stage. With tied embeddings the last stage keeps its own copy of `embed.weight` (same
     name, same init); its grads are summed with stage 0's and it is tagged `pp_duplicate`.
+    `tokens_per_step` (global batch x seq) scales MoE router losses like the LM loss (see moe/layer.py).
     """
 
-    def __init__(self, cfg: ModelConfig, mesh: Mesh, sp: bool = False, device=None, stage: Stage | None = None):
+    def __init__(self, cfg: ModelConfig, mesh: Mesh, sp: bool = False, device=None, stage: Stage | None = None,
+                 tokens_per_step: int | None = None):
         super().__init__()
         self.cfg, self.mesh = cfg, mesh
         self.stage = stage = stage or Stage.whole(cfg.num_layers)
@@ -80,7 +88,8 @@ class GPT(nn.Module):
         if stage.first and cfg.position_embedding == "learned":
             # replicated; under sp each rank adds the rows of its own sequence block
             self.pos_embed = sharded_param(Shard((cfg.seq_length, cfg.hidden_size)), device, tp_partial_grad=self.sp)
-        self.layers = nn.ModuleDict({str(i): Block(cfg, mesh, self.sp, device) for c in stage.chunks for i in c})
+        self.layers = nn.ModuleDict({str(i): Block(cfg, mesh, self.sp, device, tokens_per_step)
+                                     for c in stage.chunks for i in c})
         if stage.last:
             self.final_norm = Norm(cfg.norm, cfg.hidden_size, cfg.norm_eps, self.sp, device)
             if not cfg.tie_embeddings:
@@ -131,6 +140,7 @@ def build_model(cfg, mesh: Mesh) -> GPT:
     """This rank's part of the model for the run config `cfg` (a megaframe.config.Config), initialised."""
     p = cfg.parallel
     stage = stage_layout(cfg.model.num_layers, mesh.pp.size, p.vpp, mesh.pp.rank, p.pp_layout)
-    model = GPT(cfg.model, mesh, p.sp, stage=stage)
+    model = GPT(cfg.model, mesh, p.sp, stage=stage,
+                tokens_per_step=cfg.train.global_batch_size * cfg.model.seq_length)
     model.init_weights(cfg.train.seed)
     return model

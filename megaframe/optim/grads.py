@@ -42,10 +42,12 @@ def finalize_grads(model: nn.Module, mesh: Mesh) -> None:
     """Make every grad the full-batch gradient of this rank's slice.
 
     The loss is already divided by the global token count, so reductions are sums.
+    Expert params (split over ep) are summed over edp, the ranks holding the same experts; the rest over dp.
     """
     params = [p for p in model.parameters() if p.grad is not None]
     all_reduce_grads([p for p in params if getattr(p, "tp_partial_grad", False)], mesh.tp)
-    all_reduce_grads(params, mesh.dp)
+    all_reduce_grads([p for p in params if not p.shard.expert], mesh.dp)
+    all_reduce_grads([p for p in params if p.shard.expert], mesh.edp)
 
 
 def sync_tied_grads(model: nn.Module, mesh: Mesh) -> None:
@@ -62,15 +64,18 @@ def counts_in_norm(p: nn.Parameter, mesh: Mesh) -> bool:
     """Whether this rank's copy of p adds to the global grad norm, so each element counts once:
     tp-split slices on every tp rank, tp-replicated parameters on tp rank 0 only, and never a
     pipeline duplicate (a tied embedding's copy on the last stage is tagged `pp_duplicate`)."""
-    return (p.shard.dim is not None or mesh.tp.rank == 0) and not getattr(p, "pp_duplicate", False)
+    return (p.shard.tp_split or mesh.tp.rank == 0) and not getattr(p, "pp_duplicate", False)
 
 
 def grad_norm(model: nn.Module, mesh: Mesh) -> torch.Tensor:
-    """Global L2 norm of the gradient over tp and pp; dp replicas hold equal grads and are not added."""
+    """Global L2 norm of the gradient over tp and pp; dp replicas hold equal grads and are not added,
+    but ep ranks hold different experts, whose squares are summed over ep."""
     sq = torch.zeros((), device=mesh.device, dtype=torch.float32)
+    sq_experts = torch.zeros((), device=mesh.device, dtype=torch.float32)
     for p in model.parameters():
         if p.grad is not None and counts_in_norm(p, mesh):
-            sq += p.grad.float().pow(2).sum()
+            (sq_experts if p.shard.expert else sq).add_(p.grad.float().pow(2).sum())
+    sq += comm.all_reduce(sq_experts, mesh.ep)
     comm.all_reduce(sq, mesh.tp)
     comm.all_reduce(sq, mesh.pp)
     return sq.sqrt()

@@ -56,7 +56,7 @@ class _State:
 
 class ZeroOptimizer:
     """The optimizer interface of build.py (zero_grad, backward_context, step, logical_state,
-    load_logical_state, memory_bytes) with ZeRO-1 sharding over mesh.dp.
+    load_logical_state, memory_bytes) with ZeRO-1 sharding over mesh.dp (expert params: over mesh.edp).
 
     overlap=False launches every reduce-scatter in step() instead of from backward hooks (benchmarks).
     """
@@ -66,11 +66,18 @@ class ZeroOptimizer:
         self.params = [p for p in model.parameters() if p.requires_grad]
         # the tied embedding's grad is summed over the pipeline ends after backward: reduce it late
         late = {id(p) for p in self.params if hasattr(p, "pp_duplicate")} if mesh.pp_ends.size > 1 else set()
-        by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+        # one buffer per (dtype, dense | expert): expert params are sharded and reduced over edp (the dp
+        # ranks holding the same experts), dense ones over the whole dp group
+        by_kind: dict[tuple, list[nn.Parameter]] = {}
         for p in self.params:
-            by_dtype.setdefault(p.dtype, []).append(p)
+            by_kind.setdefault((p.dtype, p.shard.expert), []).append(p)
         bucket_bytes = int(cfg.bucket_size_mb * 2**20)
-        self.buffers = [FlatBuffer(ps, bucket_bytes, mesh.dp.rank, mesh.dp.size, late) for ps in by_dtype.values()]
+        self.buffers = []
+        for (_, expert), ps in by_kind.items():
+            axis = mesh.edp if expert else mesh.dp
+            buf = FlatBuffer(ps, bucket_bytes, axis.rank, axis.size, late)
+            buf.axis = axis
+            self.buffers.append(buf)
         self._buffer_of = {p: buf for buf in self.buffers for p in buf.offset}
         self._last = False
         self._gathered: tuple | None = None  # (key, {name: full bucket tensor}) of the last gathered bucket
@@ -158,7 +165,7 @@ class ZeroOptimizer:
     def _launch(self, buf: FlatBuffer, b: Bucket) -> None:
         """Async reduce-scatter of bucket b over dp, in place: this rank's range ends up summed."""
         b.launched = True
-        b.work = comm.reduce_scatter_flat(buf.shard(buf.grad, b), buf.bucket_range(buf.grad, b), self.mesh.dp,
+        b.work = comm.reduce_scatter_flat(buf.shard(buf.grad, b), buf.bucket_range(buf.grad, b), buf.axis,
                                           async_op=True)
 
     def _wait_all(self) -> None:
@@ -215,6 +222,8 @@ class ZeroOptimizer:
         torch._foreach_copy_(views, list(flat.split([v.numel() for v in views])))
 
     def _grad_norm(self) -> torch.Tensor:
+        """Owned ranges are disjoint over dp for dense params and over edp for experts, and ep ranks hold
+        different experts, so one sum over dp (= ep x edp) counts every element once."""
         sq = torch.zeros((), dtype=torch.float32, device=self.mesh.device)
         if self._norm_views:
             sq = torch.stack(torch._foreach_norm(self._norm_views)).square().sum()
@@ -231,7 +240,7 @@ class ZeroOptimizer:
                 mine = buf.shard(buf.param, b)
                 if st.master is not None:
                     mine.copy_(buf.state_shard(st.master, b))
-                works.append(comm.all_gather_flat(buf.bucket_range(buf.param, b), mine, self.mesh.dp, async_op=True))
+                works.append(comm.all_gather_flat(buf.bucket_range(buf.param, b), mine, buf.axis, async_op=True))
         for w in works:
             if w is not None:
                 w.wait()
@@ -254,7 +263,7 @@ class ZeroOptimizer:
         full = {}
         for k, shard in shards.items():
             full[k] = torch.empty(b.numel, dtype=shard.dtype, device=shard.device)
-            comm.all_gather_flat(full[k], shard, self.mesh.dp)
+            comm.all_gather_flat(full[k], shard, buf.axis)
         self._gathered = (key, full)
         return full
 

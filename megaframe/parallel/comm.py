@@ -9,6 +9,8 @@ which is contiguous and maps straight onto all_gather / reduce_scatter of flat t
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -173,6 +175,54 @@ def gather_from_sp(x: torch.Tensor, axis: Axis) -> torch.Tensor:
 
 def reduce_scatter_to_sp(x: torch.Tensor, axis: Axis) -> torch.Tensor:
     return x if axis.size == 1 else _ReduceScatterToSP.apply(x, axis)
+
+
+def all_to_all_counts(counts: torch.Tensor, axis: Axis) -> torch.Tensor:
+    """Even all-to-all of a flat tensor of axis.size equal blocks: block r goes to rank r (the per-expert
+    token counts a dispatcher exchanges before the tokens themselves)."""
+    if axis.size == 1:
+        return counts
+    counts = counts.contiguous()
+    out = torch.empty_like(counts)
+    axis.stats.add(axis.name, (axis.size - 1) / axis.size * _nbytes(counts))
+    dist.all_to_all_single(out, counts, group=axis.group)
+    return out
+
+
+def all_to_all_rows(x: torch.Tensor, axis: Axis, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
+    """Rows [sum(in_splits[:r]), +in_splits[r]) of x go to rank r; out holds rank r's rows to us at
+    [sum(out_splits[:r]), +out_splits[r]). Bytes counted: the rows actually sent to other ranks."""
+    if axis.size == 1:
+        return x
+    x = x.contiguous()
+    out = x.new_empty((sum(out_splits), *x.shape[1:]))
+    row = x.element_size() * math.prod(x.shape[1:])
+    axis.stats.add(axis.name, (sum(in_splits) - in_splits[axis.rank]) * row)
+    dist.all_to_all_single(out, x, output_split_sizes=list(out_splits), input_split_sizes=list(in_splits),
+                           group=axis.group)
+    return out
+
+
+class _AllToAll(torch.autograd.Function):
+    """forward: all-to-all with splits s; backward: all-to-all with the reversed splits.
+
+    s = (out_splits, in_splits) as in `all_to_all_rows`; the gradient of the rows we received goes back
+    to the ranks that sent them (out and in swapped), so the pair is its own adjoint."""
+
+    @staticmethod
+    def forward(ctx, x, axis, out_splits, in_splits):
+        ctx.axis, ctx.splits = axis, (out_splits, in_splits)
+        return all_to_all_rows(x, axis, out_splits, in_splits)
+
+    @staticmethod
+    def backward(ctx, g):
+        out_splits, in_splits = ctx.splits
+        return all_to_all_rows(g, ctx.axis, in_splits, out_splits), None, None, None
+
+
+def all_to_all(x: torch.Tensor, axis: Axis, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
+    """Autograd-aware uneven all-to-all of rows over `axis` (expert-parallel token dispatch)."""
+    return x if axis.size == 1 else _AllToAll.apply(x, axis, list(out_splits), list(in_splits))
 
 
 def broadcast_object(obj, src: int = 0):

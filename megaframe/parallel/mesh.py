@@ -5,6 +5,13 @@ block of consecutive ranks and tensor-parallel traffic stays on one node:
 
     rank = tp_rank + tp * (dp_rank + dp * pp_rank)
 
+Expert parallelism borrows its ranks from dp (Megatron's "parallel folding"): the dp group is cut into
+contiguous blocks of `ep` ranks, each block an `ep` group holding all experts between them (each rank
+E/ep of them); the dp ranks holding the same experts (same position in their block) form the
+expert-data-parallel group `edp` (size dp/ep), over which expert grads are reduced:
+
+    dp_rank = ep_rank + ep * edp_rank
+
 The mesh is built once from the config and passed to every layer, the optimizer and the data loader.
 Axes of size 1 carry no process group: the collectives in `comm` never communicate over them, which is
 also why one process needs no torch.distributed at all.
@@ -50,7 +57,7 @@ class Axis:
 
 @dataclass(frozen=True)
 class Mesh:
-    """Frozen layout of this rank: the tp, pp and dp axes, the device, and the shared byte counter."""
+    """Frozen layout of this rank: the tp, pp, dp (and ep, edp) axes, the device, and the shared byte counter."""
 
     tp: Axis
     pp: Axis
@@ -63,6 +70,17 @@ class Mesh:
     stats: CommStats
     group: Optional[dist.ProcessGroup] = None
     """All ranks of this mesh (barriers, gathering checkpoint metadata); None for one process."""
+    ep: Optional[Axis] = None
+    """Expert-parallel axis: a contiguous block of the dp group (all-to-all of tokens); bytes count as ep."""
+    edp: Optional[Axis] = None
+    """Expert-data-parallel axis: dp ranks holding the same experts (expert grads, ZeRO shards of expert
+    params); its bytes count as dp traffic. It is the dp axis itself when ep = 1."""
+
+    def __post_init__(self):
+        if self.ep is None:  # a mesh without expert parallelism: ep of size 1, edp = dp
+            object.__setattr__(self, "ep", Axis("ep", 1, 0, (self.dp.ranks[self.dp.rank],), None, self.stats))
+        if self.edp is None:
+            object.__setattr__(self, "edp", self.dp)
 
     @property
     def is_logger(self) -> bool:
@@ -70,12 +88,13 @@ class Mesh:
         return self.tp.rank == 0 and self.dp.rank == 0 and self.pp.rank == self.pp.size - 1
 
     def describe(self) -> str:
-        return (f"world={self.world} tp={self.tp.size} pp={self.pp.size} dp={self.dp.size} "
+        ep = f" ep={self.ep.size}" if self.ep.size > 1 else ""
+        return (f"world={self.world} tp={self.tp.size} pp={self.pp.size} dp={self.dp.size}{ep} "
                 f"device={self.device.type}")
 
 
-def build_mesh(tp: int, pp: int, device: torch.device, ranks: Optional[Sequence[int]] = None) -> Mesh:
-    """Create every tp/pp/dp group over `ranks` (default: all). Collective: every process must call it.
+def build_mesh(tp: int, pp: int, device: torch.device, ranks: Optional[Sequence[int]] = None, ep: int = 1) -> Mesh:
+    """Create every tp/pp/dp (and ep/edp) group over `ranks` (default: all). Collective: every process must call it.
 
     Processes outside `ranks` (a worker pool running a smaller job) take part in group creation and get
     back None's stand-in: they must not use the result.
@@ -97,11 +116,33 @@ def build_mesh(tp: int, pp: int, device: torch.device, ranks: Optional[Sequence[
             if me in members:
                 axes[name] = Axis(name, size, members.index(me), tuple(members), group, stats)
     axes["pp_ends"] = _pp_ends_axis(me, stats, initialized and pp > 1, grid, pp, dp, tp)
+    assert dp % ep == 0, f"ep={ep} does not divide dp={dp}"
+    _expert_axes(axes, me, stats, initialized, grid, pp, dp, tp, ep)
     everyone = dist.new_group(ranks) if (world > 1 and initialized) else None
     if me not in ranks:
         return None  # type: ignore[return-value]
     return Mesh(tp=axes["tp"], pp=axes["pp"], dp=axes["dp"], pp_ends=axes["pp_ends"], rank=ranks.index(me),
-                world=world, device=device, stats=stats, group=everyone)
+                world=world, device=device, stats=stats, group=everyone, ep=axes.get("ep"), edp=axes.get("edp"))
+
+
+def _expert_axes(axes: dict, me, stats, initialized: bool, grid, pp, dp, tp, ep) -> None:
+    """ep groups: dp ranks [j*ep, (j+1)*ep) of each dp group; edp groups: dp ranks congruent mod ep.
+    Reuses the dp group where an axis spans all of dp (ep = dp: ep; ep = 1: edp)."""
+    if ep == 1:
+        return
+    edp = dp // ep
+    for p, t in itertools.product(range(pp), range(tp)):
+        dp_members = [grid[(p, d, t)] for d in range(dp)]
+        for name, size, blocks in (("ep", ep, [dp_members[j * ep:(j + 1) * ep] for j in range(edp)]),
+                                   ("dp", edp, [dp_members[e::ep] for e in range(ep)])):
+            for members in blocks:
+                if size == dp and me in members:
+                    group = axes["dp"].group  # this axis is the whole dp group
+                else:
+                    group = dist.new_group(members) if (size > 1 and initialized and size != dp) else None
+                if me in members:
+                    axes["ep" if name == "ep" else "edp"] = Axis(name, size, members.index(me), tuple(members),
+                                                                  group, stats)
 
 
 def _pp_ends_axis(me, stats, make_groups: bool, grid, pp, dp, tp) -> Axis | None:

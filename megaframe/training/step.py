@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from megaframe.config import Config
+from megaframe.model.moe import stats as moe_stats
 from megaframe.optim.grads import sync_tied_grads
 from megaframe.optim.schedule import lr_at
 from megaframe.parallel.mesh import Mesh
@@ -38,9 +39,11 @@ def train_step(model, optimizer, batches, mesh: Mesh, cfg: Config, step: int) ->
     """Run optimizer step number `step` (1-based) on `batches`, this rank's micro-batches."""
     tokens_global = cfg.train.global_batch_size * cfg.model.seq_length
     optimizer.zero_grad()
+    moe_stats.begin_step(model)
     loss_sum = run_schedule(rank_schedule(cfg, mesh, len(batches)), model, batches, mesh, optimizer, tokens_global)
     sync_tied_grads(model, mesh)
     o = cfg.optim
     lr = lr_at(step, o.lr, o.min_lr, o.warmup_steps, cfg.train.max_steps)
     norm = optimizer.step(lr)
+    moe_stats.update_expert_bias(model, mesh)  # no-op unless model.moe_expert_bias
     return StepResult(loss_sum, norm, lr)

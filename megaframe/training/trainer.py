@@ -15,6 +15,7 @@ from megaframe.config import Config, ConfigError
 from megaframe.data.dataset import build_data, data_state, microbatches
 from megaframe.layers.shard import param_seed
 from megaframe.model.gpt import build_model
+from megaframe.model.moe import stats as moe_stats
 from megaframe.optim.build import build_optimizer, cast_model
 from megaframe.parallel import comm
 from megaframe.parallel.mesh import Mesh, build_mesh
@@ -33,7 +34,7 @@ def run(cfg: Config, stop: StopFlag | None = None) -> None:
     device = pick_device(cfg.train.device, env.local_rank)
     init_distributed(env, device)
     try:
-        mesh = build_mesh(cfg.parallel.tp, cfg.parallel.pp, device)
+        mesh = build_mesh(cfg.parallel.tp, cfg.parallel.pp, device, ep=cfg.parallel.ep)
         p2p.warm_up(mesh.pp, device)
         # ranks may have resolved a timestamped run name a second apart: rank 0's wins
         cfg.run.name, cfg.run.dir, cfg.checkpoint.dir = comm.broadcast_object(
@@ -142,15 +143,24 @@ class Meter:
         return {"step": step, "loss": loss, "lr": res.lr, "grad_norm": res.grad_norm.item(),
                 "tokens_per_s": tps, "consumed_samples": step * self.cfg.train.global_batch_size,
                 "mfu": tps * self.fpt / (self.peak * mesh.world) if self.peak else 0.0,
-                **{f"comm_bytes/{g}": sent.get(g, 0) for g in ("tp", "pp", "dp")},
-                **memory_figures(model, optimizer, mesh.device)}
+                **{f"comm_bytes/{g}": sent.get(g, 0) for g in ("tp", "pp", "dp", "ep")},
+                **memory_figures(model, optimizer, mesh.device), **self.moe(step, model)}
+
+    def moe(self, step: int, model) -> dict:
+        """aux_loss, z_loss and the per-layer expert-load figures (MoE models); warns on imbalance."""
+        row = moe_stats.metrics(model, self.mesh)
+        if row and self.mesh.is_logger:
+            for line in moe_stats.imbalance_warnings({"step": step, **row}, self.cfg.model.num_layers):
+                print(line, file=sys.stderr, flush=True)
+        return row
 
 
 def save(cfg: Config, model, optimizer, mesh: Mesh, step: int, saver: AsyncSaver | None = None) -> None:
     """Checkpoint at `step`: in the background with `saver`, else written and committed now."""
     t0 = time.perf_counter()
     meta = {"consumed_samples": step * cfg.train.global_batch_size,
-            "layout": {"tp": mesh.tp.size, "pp": mesh.pp.size, "dp": mesh.dp.size, "sp": cfg.parallel.sp},
+            "layout": {"tp": mesh.tp.size, "pp": mesh.pp.size, "dp": mesh.dp.size, "ep": mesh.ep.size,
+                       "sp": cfg.parallel.sp},
             "rng": "derived from (train.seed, step, rank); no state to restore",
             "data": data_state(cfg, step),
             "config": dataclasses.asdict(cfg)}

@@ -1,0 +1,132 @@
+"""The MoE block MLP: router, capacity, dispatch over ep, stacked SwiGLU experts, and the router losses.
+
+Legend: S sequence (S/tp under sp), B batch, D hidden, T = S·B tokens on this rank, N tokens of the
+whole micro-batch (T·tp under sp, else T), E experts, L = E/ep local experts, F expert width, K top-k.
+
+Sharding: experts are stacked [E, ...] tensors split along dim 0 over ep (Shard axis "ep"), replicated
+over tp (not tensor-split). Without sp every tp rank sees the same tokens and computes the same expert
+grads; with sp each sees its own sequence block, so the experts' and router's grads are partial over
+tp (tp_partial_grad) and summed before the step. Expert grads are reduced over edp, not dp.
+
+Router losses reach the objective without touching the pipeline executor (Megatron's trick): the
+output passes through `_InjectLoss`, the identity forward, which in backward also seeds the losses'
+graph with d(objective)/d(loss) = N / tokens_per_step, the micro-batch's share of the step's tokens.
+The LM loss is a token sum over tokens_per_step, so the objective is loss + mean router losses
+over the global batch, in every layout. The logged `aux_loss`/`z_loss` are those mean terms.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megaframe.config import ModelConfig
+from megaframe.layers.shard import Shard, sharded_param
+from megaframe.model.moe import dispatcher, router
+from megaframe.parallel import comm
+from megaframe.parallel.mesh import Mesh
+
+STAT_NAMES = ("dropped", "assigned", "entropy_sum", "tokens", "aux", "z")
+"""Per-step scalars each MoE layer accumulates after its E per-expert routed counts (see moe.stats)."""
+
+
+class _InjectLoss(torch.autograd.Function):
+    """forward: identity on y; backward: y's grad unchanged, and `scale` as the grad of `loss`."""
+
+    @staticmethod
+    def forward(ctx, y, loss, scale: float):
+        ctx.scale = scale
+        ctx.loss_meta = (loss.dtype, loss.device)
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, g):
+        dtype, device = ctx.loss_meta
+        return g, torch.full((), ctx.scale, dtype=dtype, device=device), None
+
+
+class _Stacked(nn.Module):
+    """Holds one stacked expert weight, so its global name reads `...experts.up_proj.weight`."""
+
+    def __init__(self, shard: Shard, device, tp_partial_grad: bool):
+        super().__init__()
+        self.weight = sharded_param(shard, device, tp_partial_grad=tp_partial_grad)
+
+
+class Experts(nn.Module):
+    """L SwiGLU experts: up_proj.weight [L, 2F, D] (fused [gate | up]), down_proj.weight [L, D, F]."""
+
+    def __init__(self, cfg: ModelConfig, ep, sp: bool, device=None):
+        super().__init__()
+        e, d, f = cfg.num_experts, cfg.hidden_size, cfg.expert_ffn
+        self.up_proj = _Stacked(Shard((e, 2 * f, d), 0, (e,), ep.rank, ep.size, "ep"), device, sp)
+        self.down_proj = _Stacked(Shard((e, d, f), 0, (e,), ep.rank, ep.size, "ep"), device, sp)
+
+    def forward(self, x_ND: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        """Rows grouped by local expert (sizes[l] rows for expert l). Every expert's weight takes part,
+        even with no rows, so each gets a (zero) grad like in one process."""
+        outs = []
+        for w_up, w_down, rows_ND in zip(self.up_proj.weight.unbind(0), self.down_proj.weight.unbind(0),
+                                         x_ND.split(sizes)):
+            gate_NF, up_NF = F.linear(rows_ND, w_up).chunk(2, dim=-1)
+            outs.append(F.linear(F.silu(gate_NF) * up_NF, w_down))
+        return torch.cat(outs)
+
+
+class MoE(nn.Module):
+    """Top-k mixture of SwiGLU experts, experts split over mesh.ep. See the module docstring."""
+
+    def __init__(self, cfg: ModelConfig, mesh: Mesh, sp: bool, device=None, tokens_per_step: int | None = None):
+        super().__init__()
+        self.cfg, self.tp, self.ep, self.sp = cfg, mesh.tp, mesh.ep, sp
+        self.tokens_per_step = tokens_per_step
+        self.router = router.Router(cfg.hidden_size, cfg.num_experts, sp, device)
+        self.experts = Experts(cfg, mesh.ep, sp, device)
+        # this step's statistics, accumulated over micro-batches on the device (no host sync)
+        # (a plain attribute, not a buffer: model.to(bf16) must not cast it)
+        self.step_stats = torch.zeros(cfg.num_experts + len(STAT_NAMES), dtype=torch.float64, device=device)
+
+    def _batch_counts(self, counts_E: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(routed counts of the whole micro-batch, those of earlier sequence blocks) — under sp the
+        micro-batch is split over tp in sequence order, so gather every block's counts."""
+        if not (self.sp and self.tp.size > 1):
+            return counts_E, torch.zeros_like(counts_E)
+        all_PE = comm.all_gather_dim0(counts_E.unsqueeze(0), self.tp)
+        return all_PE.sum(0), all_PE[:self.tp.rank].sum(0)
+
+    def forward(self, x_SBD: torch.Tensor) -> torch.Tensor:
+        c = self.cfg
+        s, b, d = x_SBD.shape
+        x_TD = x_SBD.reshape(-1, d)
+        n = x_TD.shape[0] * (self.tp.size if self.sp else 1)
+        logits_TE = self.router(x_TD)
+        bias_E = self.router.expert_bias if c.moe_expert_bias else None
+        r = router.route(logits_TE, c.moe_top_k, c.moe_router_score, bias_E)
+        counts_E = torch.bincount(r.experts_TK.reshape(-1), minlength=c.num_experts)
+        batch_E, offset_E = self._batch_counts(counts_E)
+        capacity = None
+        if c.moe_capacity_factor is not None:
+            capacity = math.ceil(c.moe_capacity_factor * n * c.moe_top_k / c.num_experts)
+        plan = dispatcher.plan(r.experts_TK, r.weights_TK, c.num_experts, capacity, offset_E)
+        y_TD = dispatcher.dispatch_combine(x_TD, plan, self.ep, self.experts)
+        if torch.is_grad_enabled():
+            y_TD = self._add_losses(y_TD, r, logits_TE, batch_E, counts_E, plan, n)
+        return y_TD.view(s, b, d)
+
+    def _add_losses(self, y_TD, r: router.Routing, logits_TE, batch_E, counts_E, plan, n: int) -> torch.Tensor:
+        """Attach the router losses to y's backward and add this micro-batch to the step statistics."""
+        c = self.cfg
+        share = n / (self.tokens_per_step or n)
+        aux = c.moe_aux_loss_coeff * router.load_balancing_loss(r.probs_TE, batch_E, n, c.moe_top_k)
+        z = c.moe_z_loss_coeff * router.z_loss(logits_TE, n) if c.moe_z_loss_coeff > 0 else aux.new_zeros(())
+        if c.moe_aux_loss_coeff > 0 or c.moe_z_loss_coeff > 0:
+            y_TD = _InjectLoss.apply(y_TD, aux + z, share)
+        with torch.no_grad():
+            row = torch.stack([plan.dropped.to(torch.float64), counts_E.sum().to(torch.float64),
+                               router.entropy_sum(r.probs_TE).to(torch.float64),
+                               torch.tensor(float(r.probs_TE.shape[0]), dtype=torch.float64, device=y_TD.device),
+                               (aux.detach() * share).to(torch.float64), (z.detach() * share).to(torch.float64)])
+            self.step_stats += torch.cat([counts_E.to(torch.float64), row])
+        return y_TD

@@ -1,0 +1,87 @@
+"""The MoE router: an fp32 linear gate, top-k selection, and the router's losses.
+
+Legend: T tokens of this rank's micro-batch (S/tp·B under sp, else S·B), D hidden, E experts (all of
+them: the router is replicated over tp and ep), K = moe_top_k.
+
+Scores: softmax over the experts, or an independent sigmoid per expert (DeepSeek-V3). The top-k
+weights are the chosen scores renormalised to sum 1. With the aux-loss-free expert bias, the bias is
+added to the scores for *selection only*; the weights use the unbiased scores.
+
+Losses (both layout-invariant: statistics are over the whole micro-batch, see MoE.forward):
+    aux (Switch/GShard)  E · sum_e f_e · P_e,  f_e = count_e / (T·K) (fraction of assignments),
+                         P_e = mean over tokens of the normalised scores; 1 when perfectly balanced
+    z-loss               mean over tokens of logsumexp(logits)^2
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megaframe.layers.shard import Shard, sharded_param
+
+
+@dataclass
+class Routing:
+    experts_TK: torch.Tensor
+    """Chosen experts per token (int64), in decreasing order of (biased) score."""
+    weights_TK: torch.Tensor
+    """fp32 combine weights (renormalised scores of the chosen experts); carries the router's grad."""
+    probs_TE: torch.Tensor
+    """fp32 score distribution over experts (sums to 1 per token): aux loss and entropy."""
+
+
+def route(logits_TE: torch.Tensor, top_k: int, score: str = "softmax",
+          bias_E: torch.Tensor | None = None) -> Routing:
+    """Top-k routing of fp32 logits (pure function; the reference the tests check by hand)."""
+    logits_TE = logits_TE.float()
+    if score == "softmax":
+        scores_TE = torch.softmax(logits_TE, dim=-1)
+        probs_TE = scores_TE
+    else:
+        scores_TE = torch.sigmoid(logits_TE)
+        probs_TE = scores_TE / scores_TE.sum(-1, keepdim=True)
+    select_TE = scores_TE.detach() if bias_E is None else scores_TE.detach() + bias_E.float()
+    # topk on the detached scores: selection is not differentiable; ties go to the lower expert index
+    experts_TK = torch.topk(select_TE, top_k, dim=-1, sorted=True).indices
+    chosen_TK = scores_TE.gather(-1, experts_TK)
+    weights_TK = chosen_TK / chosen_TK.sum(-1, keepdim=True).clamp_min(1e-20)
+    return Routing(experts_TK, weights_TK, probs_TE)
+
+
+def load_balancing_loss(probs_TE: torch.Tensor, counts_E: torch.Tensor, num_tokens: int, top_k: int) -> torch.Tensor:
+    """E · sum_e (counts_e / (N·K)) · (sum_t probs_te / N) over a micro-batch of N tokens.
+
+    counts_E are the whole micro-batch's assignment counts (constants); probs_TE may be only this rank's
+    tokens of it (sequence parallel): the result is then this rank's additive share of the loss and its
+    gradient is exact for these tokens."""
+    e = probs_TE.shape[-1]
+    return e * (probs_TE.sum(0) * counts_E.to(probs_TE.dtype)).sum() / (num_tokens * num_tokens * top_k)
+
+
+def z_loss(logits_TE: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """sum_t logsumexp(logits_t)^2 / N: this rank's share of the micro-batch mean (N tokens in all)."""
+    return torch.logsumexp(logits_TE.float(), dim=-1).square().sum() / num_tokens
+
+
+def entropy_sum(probs_TE: torch.Tensor) -> torch.Tensor:
+    """Sum over tokens of the routing distribution's entropy (nats); detached."""
+    p = probs_TE.detach()
+    return -(p * p.clamp_min(1e-20).log()).sum()
+
+
+class Router(nn.Module):
+    """logits_TE = x_TD @ W[E, D]^T in fp32. W is replicated over tp and ep, reduced over dp; under sp
+    each tp rank routes its own sequence block, so W's grad is partial over tp (tp_partial_grad).
+    `expert_bias` [E] is a buffer (saved in checkpoints, moved outside autograd by moe.stats)."""
+
+    def __init__(self, hidden: int, num_experts: int, sp: bool, device=None):
+        super().__init__()
+        self.weight = sharded_param(Shard((num_experts, hidden)), device, tp_partial_grad=sp)
+        self.register_buffer("expert_bias", torch.zeros(num_experts, device=device))
+        self.state_shards = {"expert_bias": Shard((num_experts,))}
+
+    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        return F.linear(x_TD.float(), self.weight.float())
