@@ -30,8 +30,8 @@ def full_state(model, mesh, grads: bool = False, optimizer=None) -> dict[str, to
     def grad(p):
         return optimizer.reduced_grad(p) if hasattr(optimizer, "reduced_grad") else p.grad
 
-    mine = {n: gather_full(grad(p) if grads else p.data, p.shard, mesh.tp) for n, p in model.named_parameters()
-            if not getattr(p, "pp_duplicate", False)}
+    mine = {n: gather_full(grad(p) if grads else p.data, p.shard, mesh.ep if p.shard.expert else mesh.tp)
+            for n, p in model.named_parameters() if not getattr(p, "pp_duplicate", False)}
     if mesh.pp.size == 1:
         return mine
     parts = [None] * mesh.world

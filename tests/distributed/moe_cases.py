@@ -1,0 +1,88 @@
+"""Functions the rank pool runs for the MoE tests: fn(mesh, *args), module-level for spawned workers.
+
+Legend: T tokens per rank, D hidden, E experts.
+"""
+from __future__ import annotations
+
+import torch
+
+from megaframe.layers.shard import init_model
+from megaframe.model.moe.layer import MoE
+from megaframe.parallel.mesh import single_process_mesh
+from tests.distributed.cases import full_state, tiny_config
+
+MOE = ["model.num_experts=4", "model.moe_top_k=2", "model.moe_ffn_hidden_size=64", "model.moe_z_loss_coeff=1e-3"]
+
+
+def _layer(cfg, mesh, seed: int = 5) -> MoE:
+    layer = MoE(cfg.model, mesh, sp=False, device=torch.device("cpu"), tokens_per_step=None)
+    # init under the names the layer has inside a model, so every ep slices the same global experts
+    named = torch.nn.ModuleDict({"mlp": layer})
+    init_model(named, seed, 0.5, 1)
+    return layer
+
+
+def _tokens(rank: int, t: int, d: int) -> torch.Tensor:
+    return torch.randn(t, 1, d, generator=torch.Generator().manual_seed(100 + rank))
+
+
+def _run(layer: MoE, x_TBD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Forward, backward of a fixed projection of the output; (y, x grad, param grads by name)."""
+    x = x_TBD.clone().requires_grad_(True)
+    y = layer(x)
+    proj = torch.randn(y.shape, generator=torch.Generator().manual_seed(7))
+    (y * proj).sum().backward()
+    return y.detach(), x.grad, {n: p.grad for n, p in layer.named_parameters()}
+
+
+def dispatcher_vs_one_process(mesh, overrides: list[str]) -> dict | None:
+    """Each rank routes its own tokens through the ep-split layer; rank 0 also runs one process's layer
+    on every rank's tokens in turn (grads summed) and returns the largest differences."""
+    from megaframe.layers.shard import gather_full
+    import torch.distributed as dist
+
+    cfg = tiny_config(MOE + overrides, mesh.world)
+    d, t = cfg.model.hidden_size, 24
+    y, gx, grads = _run(_layer(cfg, mesh), _tokens(mesh.rank, t, d))
+    layer = _layer(cfg, mesh)
+    full = {n: gather_full(g, p.shard, mesh.ep if p.shard.expert else mesh.tp)
+            for (n, p), g in zip(layer.named_parameters(), grads.values())}
+    for n, p in layer.named_parameters():  # the router is replicated: its grads add up over the ranks
+        if not p.shard.expert:
+            dist.all_reduce(full[n], group=mesh.group)
+    ys = [torch.empty_like(y) for _ in range(mesh.world)]
+    gxs = [torch.empty_like(gx) for _ in range(mesh.world)]
+    dist.all_gather(ys, y, group=mesh.group)
+    dist.all_gather(gxs, gx, group=mesh.group)
+    if mesh.rank != 0:
+        return None
+    ref_layer = _layer(cfg, single_process_mesh())
+    errs = {"y": 0.0, "x_grad": 0.0}
+    ref_grads = {n: torch.zeros_like(p) for n, p in ref_layer.named_parameters()}
+    for r in range(mesh.world):
+        ref_layer.zero_grad()
+        ry, rgx, rg = _run(ref_layer, _tokens(r, t, d))
+        errs["y"] = max(errs["y"], (ry - ys[r]).abs().max().item())
+        errs["x_grad"] = max(errs["x_grad"], (rgx - gxs[r]).abs().max().item())
+        for n in rg:
+            ref_grads[n] += rg[n]
+    for n, g in ref_grads.items():
+        errs[n] = (g - full[n]).abs().max().item()
+    errs["scale"] = max(g.abs().max().item() for g in ref_grads.values())
+    return errs
+
+
+def checkpoint_across_ep(mesh, overrides: list[str], folder: str, steps: int, save_at: int) -> dict | None:
+    """Steps 1..save_at then a checkpoint under this mesh (`folder` empty), or, if it holds one, load
+    it and run save_at+1..steps. Rank 0 returns losses and final weights."""
+    from megaframe.checkpoint import sharded
+    from tests.distributed.zero_cases import run_steps
+
+    latest = sharded.latest(folder)
+    if latest is None:
+        return run_steps(mesh, overrides, steps, save=folder, stop=save_at)
+    return run_steps(mesh, overrides, steps, load=str(latest), start=save_at)
+
+
+def full_weights(mesh, model) -> dict:
+    return full_state(model, mesh)

@@ -1,0 +1,61 @@
+"""MoE under expert parallelism equals one process: the dispatcher's all-to-all autograd, training
+(losses, step-1 grads, weights after 4 ZeRO-1 steps) for ep2, ep4, tp2·sp·ep2 and pp2·ep2, and a
+checkpoint written at ep2 resumed at ep1."""
+import pytest
+
+from tests.distributed.cases import train_and_report
+from tests.distributed.moe_cases import MOE, checkpoint_across_ep, dispatcher_vs_one_process
+from tests.distributed.test_model_equivalence import assert_close_dicts
+
+pytestmark = pytest.mark.distributed
+
+STEPS = 4
+# (name, ranks, tp, pp, ep, overrides): each layout also switches on one MoE option, checked against
+# one process with the same option
+LAYOUTS = [
+    ("ep2", 2, 1, 1, 2, []),
+    ("ep4-expert-bias", 4, 1, 1, 4, ["model.moe_expert_bias=true", "model.moe_bias_update_rate=0.01"]),
+    ("tp2-sp-ep2-capacity", 4, 2, 1, 2, ["parallel.tp=2", "parallel.sp=true", "model.moe_capacity_factor=1.0"]),
+    ("pp2-ep2-sigmoid", 4, 1, 2, 2, ["parallel.pp=2", "model.moe_router_score=sigmoid"]),
+]
+LAYOUT_ONLY = ("parallel.tp", "parallel.sp", "parallel.pp", "parallel.ep")
+_reference: dict = {}
+
+
+def reference(pool, options: list[str]) -> dict:
+    key = tuple(options)
+    if key not in _reference:
+        _reference[key] = pool.run(train_and_report, 1, MOE + options, STEPS)[0]
+    return _reference[key]
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+def test_dispatcher_all_to_all_autograd_matches_one_process(pool, ep):
+    errs = pool.run(dispatcher_vs_one_process, ep, [f"parallel.ep={ep}"], ep=ep)[0]
+    scale = errs.pop("scale")
+    assert errs["y"] < 1e-5 and errs["x_grad"] < 1e-5, errs
+    for name, err in errs.items():
+        assert err <= 1e-5 * max(scale, 1.0), (name, errs)
+
+
+@pytest.mark.parametrize("name,n,tp,pp,ep,extra", LAYOUTS, ids=[layout[0] for layout in LAYOUTS])
+def test_moe_layout_matches_one_process(pool, name, n, tp, pp, ep, extra):
+    options = [o for o in extra if not o.startswith(LAYOUT_ONLY)]
+    ref = reference(pool, options)
+    got = pool.run(train_and_report, n, MOE + extra + [f"parallel.ep={ep}"], STEPS, tp=tp, pp=pp, ep=ep)[0]
+    rel = [abs(a - b) / abs(b) for a, b in zip(got["losses"], ref["losses"])]
+    assert max(rel) <= 1e-5, (got["losses"], ref["losses"])
+    assert_close_dicts(got["grads"], ref["grads"], rtol=1e-4, atol=1e-6, what="grad")
+    assert_close_dicts(got["weights"], ref["weights"], rtol=1e-4, atol=1e-4, what="weight")
+    if ep > 1:
+        assert all(c.get("ep", 0) > 0 for c in got["comm"]), got["comm"]
+
+
+def test_ep2_checkpoint_resumes_at_ep1(pool, tmp_path):
+    over = MOE + ["model.moe_expert_bias=true", "model.moe_bias_update_rate=0.01"]
+    whole = pool.run(checkpoint_across_ep, 1, over, str(tmp_path / "whole"), 4, 4)[0]
+    pool.run(checkpoint_across_ep, 2, over + ["parallel.ep=2"], str(tmp_path / "ck"), 4, 2, ep=2)
+    resumed = pool.run(checkpoint_across_ep, 1, over, str(tmp_path / "ck"), 4, 2)[0]
+    rel = [abs(a - b) / abs(b) for a, b in zip(resumed["losses"], whole["losses"][2:])]
+    assert max(rel) <= 1e-5, (resumed["losses"], whole["losses"])
+    assert_close_dicts(resumed["weights"], whole["weights"], rtol=1e-4, atol=1e-4, what="weight")
