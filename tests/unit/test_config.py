@@ -17,7 +17,8 @@ data.blend data.kind data.name data.num_workers data.path data.source data.text_
 data.tokenizer_sample_bytes data.valid_fraction data.vocab_size
 logging.wandb.entity logging.wandb.mode logging.wandb.project
 model.activation model.bias model.dropout model.ffn_hidden_size model.hidden_size model.init_std
-model.moe_top_k model.name model.norm model.norm_eps model.num_attention_heads model.num_experts
+model.moe_aux_loss_coeff model.moe_bias_update_rate model.moe_capacity_factor model.moe_expert_bias
+model.moe_ffn_hidden_size model.moe_router_score model.moe_top_k model.moe_z_loss_coeff model.name model.norm model.norm_eps model.num_attention_heads model.num_experts
 model.num_layers model.num_query_groups model.position_embedding model.rope_theta model.seq_length
 model.tie_embeddings model.vocab_size
 optim.beta1 optim.beta2 optim.bucket_size_mb optim.clip_grad optim.eps optim.lr optim.min_lr optim.warmup_steps
@@ -46,6 +47,8 @@ def param_count(m: ModelConfig) -> int:
     norm = d * (2 if m.norm == "layernorm" else 1)
     attn = d * (h + 2 * kv) * e + b * (h + 2 * kv) * e + h * e * d + b * d
     mlp = d * f * branches + b * f * branches + f * d + b * d
+    if m.num_experts:  # router + E stacked SwiGLU experts
+        mlp = m.num_experts * d + m.num_experts * 3 * d * m.expert_ffn
     emb = v * d + (m.seq_length * d if m.position_embedding == "learned" else 0)
     head = 0 if m.tie_embeddings else v * d
     return emb + m.num_layers * (attn + mlp + 2 * norm) + norm + head
@@ -70,7 +73,7 @@ def test_composed_config_has_exactly_the_schema_keys():
 
 
 def test_presets_exist():
-    assert {"gpt_tiny", "gpt2_tiny", "gpt2_small", "llama3_8b", "llama_1b"} <= set(PRESETS)
+    assert {"gpt_tiny", "gpt2_tiny", "gpt2_small", "llama3_8b", "llama_1b", "moe_tiny", "mixtral_8x7b"} <= set(PRESETS)
 
 
 @pytest.mark.parametrize("name", PRESETS)
@@ -90,6 +93,7 @@ def test_preset_composes_validates_and_counts_match_the_model(name):
     ("llama3_8b", 7.5e9, 8.5e9),        # 8.03B
     ("llama_1b", 1.1e9, 1.6e9),         # 1.2B untied body + 0.26B head
     ("gpt2_small", 123.5e6, 125.5e6),   # 124.4M with tied embeddings (124.48M with vocab padded to 50304)
+    ("mixtral_8x7b", 46.6e9, 46.8e9),   # 46.7B
 ])
 def test_preset_sizes_are_plausible(name, lo, hi):
     cfg = load_config([f"model={name}", "data=synthetic"], world_size=1)
@@ -146,7 +150,13 @@ def test_unknown_preset_is_a_one_line_error():
     (["parallel.pp=2", "parallel.vpp=2", "train.global_batch_size=12"], 2, ["parallel.pp"]),
     (["parallel.pp=2", "parallel.pp_schedule=1f1b", "parallel.vpp=2"], 2, ["parallel.vpp"]),
     (["parallel.pp=2", "parallel.pp_schedule=zigzag"], 2, ["parallel.pp_schedule"]),
-    (["model.num_experts=4"], 1, ["model.num_experts"]),
+    (["model=moe_tiny", "model.moe_top_k=9"], 1, ["model.moe_top_k", "model.num_experts"]),
+    (["model=moe_tiny", "parallel.ep=3"], 3, ["parallel.ep", "model.num_experts"]),
+    (["model=moe_tiny", "parallel.ep=4"], 2, ["parallel.ep", "data-parallel size"]),
+    (["model=moe_tiny", "parallel.ep=2", "parallel.tp=2"], 2, ["parallel.ep", "data-parallel size"]),
+    (["parallel.ep=2"], 2, ["parallel.ep", "model.num_experts"]),
+    (["model=moe_tiny", "model.moe_router_score=relu"], 1, ["model.moe_router_score"]),
+    (["model=moe_tiny", "model.moe_capacity_factor=0"], 1, ["model.moe_capacity_factor"]),
     (["optim.zero=2"], 2, ["optim.zero"]),
     (["optim.bucket_size_mb=0"], 2, ["optim.bucket_size_mb"]),
     (["train.precision=fp16"], 1, ["train.precision"]),
@@ -169,6 +179,9 @@ def test_layout_errors_name_the_field(overrides, world, names):
     (["checkpoint.resume=none"], 1),
     (["parallel.pp=2", "parallel.vpp=2"], 2),
     (["parallel.pp=2", "parallel.pp_layout=[3,1]"], 4),
+    (["model=moe_tiny", "parallel.ep=4"], 4),
+    (["model=moe_tiny", "parallel.ep=2", "parallel.tp=2", "parallel.sp=true"], 4),
+    (["model=moe_tiny", "parallel.ep=8", "parallel.pp=2", "train.global_batch_size=64"], 16),
 ])
 def test_good_layouts_pass(overrides, world):
     load_config(["model=gpt_tiny", "data=synthetic", *overrides], world_size=world)
