@@ -44,6 +44,8 @@ class Tracker:
                  f"grad {metrics['grad_norm']:.3f}", f"{metrics['tokens_per_s'] / 1e3:.1f}k tok/s"]
         if "val_loss" in metrics:
             parts.insert(2, f"val {metrics['val_loss']:.4f}")
+        if "aux_loss" in metrics:  # MoE: the router losses added to the objective
+            parts.insert(2, f"aux {metrics['aux_loss']:.4f}")
         if metrics.get("mfu"):
             parts.append(f"mfu {100 * metrics['mfu']:.1f}%")
         parts.append(f"eta {_fmt_duration(eta)}")

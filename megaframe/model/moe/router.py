@@ -83,5 +83,12 @@ class Router(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(num_experts, device=device))
         self.state_shards = {"expert_bias": Shard((num_experts,))}
 
+    def _apply(self, fn, recurse=True):
+        """model.to(bf16) casts buffers too: keep the bias fp32, its small steps would round away."""
+        super()._apply(fn, recurse)
+        if self.expert_bias.is_floating_point() and self.expert_bias.dtype != torch.float32:
+            self.expert_bias = self.expert_bias.float()
+        return self
+
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
         return F.linear(x_TD.float(), self.weight.float())
