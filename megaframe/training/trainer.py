@@ -205,7 +205,8 @@ def describe(cfg: Config, mesh: Mesh, model, data, start: int) -> None:
     accum = t.global_batch_size // (t.micro_batch_size * mesh.dp.size)
     print(f"megaframe | run {cfg.run.dir} | {mesh.describe()} sp={cfg.parallel.sp}", flush=True)
     print(f"model {m.name}: {m.num_layers} layers, D={m.hidden_size}, heads {m.num_attention_heads} "
-          f"(kv {m.kv_heads}), F={m.ffn_hidden_size}, vocab {m.vocab_size}, seq {m.seq_length} | "
+          f"(kv {m.kv_heads}), F={m.ffn_hidden_size}, vocab {m.vocab_size}, seq {m.seq_length}"
+          f"{f', {m.num_experts} experts (top-{m.moe_top_k}, F={m.expert_ffn})' if m.num_experts else ''} | "
           f"params {total / 1e6:.2f}M, {local / 1e6:.2f}M on this rank | "
           f"{flops_per_token(m) / 1e6:.1f} MFLOP/token", flush=True)
     print(f"batch {t.global_batch_size} x {m.seq_length} = {t.global_batch_size * m.seq_length} tokens/step, "
