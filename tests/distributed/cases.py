@@ -39,10 +39,13 @@ def full_state(model, mesh, grads: bool = False, optimizer=None) -> dict[str, to
     return {k: v for part in parts for k, v in part.items()}
 
 
-def train_and_report(mesh, overrides: list[str], steps: int) -> dict | None:
-    """Run `steps` optimizer steps; rank 0 returns losses, step-1 grads, final weights (full tensors)."""
+def train_and_report(mesh, overrides: list[str], steps: int, setup=None) -> dict | None:
+    """Run `steps` optimizer steps; rank 0 returns losses, step-1 grads, final weights (full tensors).
+    `setup(model)`, a module-level function, may change the fresh model first (same on every rank)."""
     cfg = tiny_config(overrides + [f"train.max_steps={steps}"], mesh.world)
     model = build_model(cfg, mesh)
+    if setup is not None:
+        setup(model)
     optimizer = build_optimizer(model, cfg.optim, mesh)
     data = build_data(cfg)
     t = cfg.train

@@ -9,7 +9,7 @@ import torch
 from megaframe.layers.shard import init_model
 from megaframe.model.moe.layer import MoE
 from megaframe.parallel.mesh import single_process_mesh
-from tests.distributed.cases import full_state, tiny_config
+from tests.distributed.cases import tiny_config
 
 MOE = ["model.num_experts=4", "model.moe_top_k=2", "model.moe_ffn_hidden_size=64", "model.moe_z_loss_coeff=1e-3"]
 
@@ -84,5 +84,11 @@ def checkpoint_across_ep(mesh, overrides: list[str], folder: str, steps: int, sa
     return run_steps(mesh, overrides, steps, load=str(latest), start=save_at)
 
 
-def full_weights(mesh, model) -> dict:
-    return full_state(model, mesh)
+@torch.no_grad()
+def starve_experts(model) -> None:
+    """Force imbalance: a large fixed expert bias sends every token to experts 0 and 1 (of 4), so the
+    other experts (all of ep rank 1's under ep2) get no tokens and only zero grads."""
+    from megaframe.model.moe import stats
+
+    for _, layer in stats.moe_layers(model):
+        layer.router.expert_bias.copy_(torch.tensor([10.0, 9.0, 0.0, 0.0]))

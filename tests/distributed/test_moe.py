@@ -5,7 +5,7 @@ checkpoint written at ep2 resumed at ep1."""
 import pytest
 
 from tests.distributed.cases import train_and_report
-from tests.distributed.moe_cases import MOE, checkpoint_across_ep, dispatcher_vs_one_process
+from tests.distributed.moe_cases import MOE, checkpoint_across_ep, dispatcher_vs_one_process, starve_experts
 from tests.distributed.test_model_equivalence import assert_close_dicts
 
 pytestmark = pytest.mark.distributed
@@ -62,3 +62,16 @@ def test_ep2_checkpoint_resumes_at_ep1(pool, tmp_path):
     rel = [abs(a - b) / abs(b) for a, b in zip(resumed["losses"], whole["losses"][2:])]
     assert max(rel) <= 1e-5, (resumed["losses"], whole["losses"])
     assert_close_dicts(resumed["weights"], whole["weights"], rtol=1e-4, atol=1e-4, what="weight")
+
+
+def test_starved_experts_update_like_one_process(pool):
+    """Experts 2 and 3 (ep rank 1's) never get a token: their zero grads still go through ZeRO over
+    edp, and AdamW's weight decay moves them exactly as in one process."""
+    over = MOE + ["model.moe_expert_bias=true", "model.moe_bias_update_rate=0"]
+    ref = pool.run(train_and_report, 1, over, 2, starve_experts)[0]
+    got = pool.run(train_and_report, 2, over + ["parallel.ep=2"], 2, starve_experts, ep=2)[0]
+    up = "layers.0.mlp.experts.up_proj.weight"
+    assert ref["grads"][up][2:].abs().max() == 0 and ref["grads"][up][:2].abs().max() > 0
+    assert max(abs(a - b) / b for a, b in zip(got["losses"], ref["losses"])) <= 1e-5
+    assert_close_dicts(got["grads"], ref["grads"], rtol=1e-4, atol=1e-6, what="grad")
+    assert_close_dicts(got["weights"], ref["weights"], rtol=1e-4, atol=1e-4, what="weight")
