@@ -11,7 +11,6 @@ from megaframe.config import load_config
 from megaframe.layers.shard import full_init
 from megaframe.model.gpt import build_model
 from megaframe.model.moe import dispatcher, router, stats
-from megaframe.model.moe.layer import MoE
 from megaframe.optim.build import build_optimizer
 from megaframe.parallel.mesh import single_process_mesh
 from megaframe.training.step import train_step
