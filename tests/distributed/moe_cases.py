@@ -43,8 +43,10 @@ def dispatcher_vs_one_process(mesh, overrides: list[str]) -> dict | None:
 
     cfg = tiny_config(MOE + overrides, mesh.world)
     d, t = cfg.model.hidden_size, 24
+    mesh.stats.pop()
     y, gx, grads = _run(_layer(cfg, mesh), _tokens(mesh.rank, t, d))
     layer = _layer(cfg, mesh)
+    sent = _ep_bytes_vs_theory(cfg, mesh, layer, _tokens(mesh.rank, t, d))
     full = {n: gather_full(g, p.shard, mesh.ep if p.shard.expert else mesh.tp)
             for (n, p), g in zip(layer.named_parameters(), grads.values())}
     for n, p in layer.named_parameters():  # the router is replicated: its grads add up over the ranks
@@ -69,7 +71,25 @@ def dispatcher_vs_one_process(mesh, overrides: list[str]) -> dict | None:
     for n, g in ref_grads.items():
         errs[n] = (g - full[n]).abs().max().item()
     errs["scale"] = max(g.abs().max().item() for g in ref_grads.values())
-    return errs
+    return {**errs, **sent}
+
+
+def _ep_bytes_vs_theory(cfg, mesh, layer: MoE, x_TBD: torch.Tensor) -> dict:
+    """(counted, expected) ep bytes summed over ranks for one forward + backward. A row (D fp32) that
+    leaves its rank crosses ep four times: dispatch and combine forward, both again in backward; the
+    rows a rank receives are other ranks' departures, so over all ranks it is 4 x the rows sent off-rank.
+    Plus one even all-to-all of E int64 counts per rank."""
+    import torch.distributed as dist
+
+    counted = mesh.stats.pop().get("ep", 0)
+    e, ep = cfg.model.num_experts, mesh.ep.size
+    with torch.no_grad():
+        experts = torch.topk(layer.router(x_TBD.reshape(-1, x_TBD.shape[-1])), cfg.model.moe_top_k).indices
+    off_rank = (experts // (e // ep) != mesh.ep.rank).sum().item()
+    expected = 4 * off_rank * x_TBD.shape[-1] * 4 + int((ep - 1) / ep * e * 8)
+    both = torch.tensor([counted, expected], dtype=torch.float64)
+    dist.all_reduce(both, group=mesh.group)
+    return {"ep_bytes": both[0].item(), "ep_bytes_theory": both[1].item()}
 
 
 def checkpoint_across_ep(mesh, overrides: list[str], folder: str, steps: int, save_at: int) -> dict | None:

@@ -36,6 +36,8 @@ def reference(pool, options: list[str]) -> dict:
 def test_dispatcher_all_to_all_autograd_matches_one_process(pool, ep):
     errs = pool.run(dispatcher_vs_one_process, ep, [f"parallel.ep={ep}"], ep=ep)[0]
     scale = errs.pop("scale")
+    # comm_bytes/ep: the rows that leave their rank, 4 crossings each, plus the counts exchange
+    assert errs.pop("ep_bytes") == errs.pop("ep_bytes_theory") > 0
     assert errs["y"] < 1e-5 and errs["x_grad"] < 1e-5, errs
     for name, err in errs.items():
         assert err <= 1e-5 * max(scale, 1.0), (name, errs)
