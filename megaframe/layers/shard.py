@@ -113,6 +113,8 @@ def full_init(name: str, shape: tuple[int, ...], seed: int, std: float, num_laye
 def init_model(model: nn.Module, seed: int, std: float, num_layers: int) -> None:
     """Initialise every parameter from (seed, global name): build the full tensor, keep this rank's slice."""
     for name, p in model.named_parameters():
+        if p.is_meta:  # a planning model: shapes only, and building a full 8B tensor would take minutes
+            continue
         full = full_init(name, p.shard.global_shape, seed, std, num_layers)
         p.copy_(p.shard.local(full).to(p.device, p.dtype))
 
