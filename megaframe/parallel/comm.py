@@ -34,9 +34,8 @@ def _enter(axis: Axis, op: str, x: torch.Tensor, sent: float) -> dict | None:
 
 
 def _done(entry: dict, work=None):
-    """Mark a blocking collective as returned (async ones stay 'launched'); passes `work` through."""
-    if work is None:
-        entry["done"] = True
+    """Mark a blocking collective as returned, an async one as launched; passes `work` through."""
+    entry["done" if work is None else "async"] = True
     return work
 
 

@@ -31,7 +31,8 @@ class CommStats:
 
     sent: dict[str, int] = field(default_factory=dict)
     recent: deque = field(default_factory=lambda: deque(maxlen=RECENT_COLLECTIVES))
-    """dicts: op, group, ranks, shape, dtype, bytes, t (wall clock at entry), done (a sync call returned)."""
+    """dicts: op, group, ranks, shape, dtype, bytes, t (wall clock at entry), done (a blocking call
+    returned), async (launched with async_op: its completion is waited for elsewhere, not tracked)."""
 
     def add(self, group: str, nbytes: float) -> None:
         self.sent[group] = self.sent.get(group, 0) + int(nbytes)
@@ -39,7 +40,7 @@ class CommStats:
     def record(self, op: str, group: str, ranks, shape, dtype, nbytes: int) -> dict:
         """Note a collective as it is entered; the caller sets entry['done'] once a blocking call returns."""
         entry = {"op": op, "group": group, "ranks": tuple(ranks), "shape": tuple(shape), "dtype": str(dtype),
-                 "bytes": int(nbytes), "t": time.time(), "done": False}
+                 "bytes": int(nbytes), "t": time.time(), "done": False, "async": False}
         self.recent.append(entry)
         return entry
 
