@@ -4,7 +4,7 @@
 
 The config is composed and validated as train.py does (megaframe.config.load_config; prepared data
 is not read, since planning happens before it exists), so a layout train.py would refuse exits 2 with
-the same one-line message. `+world_size` (default: $WORLD_SIZE, else tp·pp), `+device_memory_gb`
+the same one-line message. `+world_size` (required unless $WORLD_SIZE is set), `+device_memory_gb`
 (GiB per device) and `+plan_json` are the planner's own and are removed before composing. Every
 rank's model is then built on the meta device with a virtual mesh (megaframe.planning.estimate).
 A rank over the device memory prints a `DOES NOT FIT` line (exit code 0: the plan itself worked).
@@ -89,15 +89,17 @@ def render(plan, cfg) -> str:
 def main(argv: list[str]) -> int:
     from megaframe.config import ConfigError, load_config
 
+    if "--help" in argv or "-h" in argv:
+        print(__doc__.strip())
+        return 0
     overrides, own = split_args(argv)
     try:
         world = int(own["world_size"]) if "world_size" in own else None
         memory = float(own["device_memory_gb"]) if "device_memory_gb" in own else None
-        if world is None and "WORLD_SIZE" not in os.environ:
-            probe = load_config(overrides, world_size=1 << 20, check_data=False)  # any multiple of tp·pp
-            world = probe.parallel.tp * probe.parallel.pp
+        world = world or int(os.environ.get("WORLD_SIZE", "0"))
+        if world < 1:
+            raise ValueError("+world_size=N (the number of ranks to plan for) is required")
         cfg = load_config(overrides, world_size=world, check_data=False)
-        world = world or int(os.environ["WORLD_SIZE"])
     except ValueError as e:  # ConfigError is a ValueError; so is a bad +world_size
         print(f"megaframe: error: {e if isinstance(e, ConfigError) else 'plan settings: ' + str(e)}",
               file=sys.stderr, flush=True)
