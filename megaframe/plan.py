@@ -53,37 +53,50 @@ def ranges(xs: list[int]) -> str:
 
 
 def render(plan, cfg) -> str:
+    """The printed plan: header, per-rank table, bubble, and the fit verdict."""
+    m, lay = cfg.model, plan.layout
+    head = (f"plan: {m.name} ({m.num_layers} layers, D={m.hidden_size}, seq {m.seq_length}) on "
+            f"{plan.world_size} ranks | tp={lay['tp']} pp={lay['pp']} vpp={lay['vpp']} dp={lay['dp']} "
+            f"sp={lay['sp']} | {lay['precision']}, optim.zero={lay['zero']} | micro-batch "
+            f"{lay['micro_batch_size']} x {plan.microbatches} micro-batches per step, schedule {plan.schedule}")
+    bubble = (f"pipeline bubble: {100 * plan.bubble:.1f}% of the step idle ({plan.schedule}, pp={lay['pp']}, "
+              f"vpp={lay['vpp']}, {plan.microbatches} micro-batches)")
+    return "\n".join([head, *_table(plan), bubble, *_verdict(plan)])
+
+
+def _table(plan) -> list[str]:
     from megaframe.planning.estimate import merged_rows
 
-    m, lay = cfg.model, plan.layout
-    lines = [f"plan: {m.name} ({m.num_layers} layers, D={m.hidden_size}, seq {m.seq_length}) on {plan.world_size} ranks | "
-             f"tp={lay['tp']} pp={lay['pp']} vpp={lay['vpp']} dp={lay['dp']} sp={lay['sp']} | "
-             f"{lay['precision']}, optim.zero={lay['zero']} | micro-batch {lay['micro_batch_size']} x "
-             f"{plan.microbatches} micro-batches per step, schedule {plan.schedule}"]
-    head = ("pp", "tp ranks", "ranks", "params", "grads", "optim", "act/microbatch", "in flight", "activations", "total")
+    head = ("pp", "tp ranks", "ranks", "params", "grads", "optim", "act/microbatch", "in flight", "activations",
+            "total")
     rows = [head]
     for tps, r in merged_rows(plan):
-        per_mb = " + ".join(human(b) for b in r.chunk_activation_bytes)
         rows.append((str(r.pp_rank), ranges(tps), ranges(r.ranks) if len(r.ranks) <= 8 else f"{len(r.ranks)} ranks",
-                     human(r.params_bytes), human(r.grads_bytes), human(r.optim_bytes), per_mb,
+                     human(r.params_bytes), human(r.grads_bytes), human(r.optim_bytes),
+                     " + ".join(human(b) for b in r.chunk_activation_bytes),  # one figure per pipeline chunk
                      str(r.peak_inflight), human(r.activation_bytes), human(r.total_bytes)))
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
-    for row in rows:
-        lines.append("  ".join(c.rjust(w) if i >= 3 else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))))
-    lines.append(f"pipeline bubble: {100 * plan.bubble:.1f}% of the step idle ({plan.schedule}, pp={lay['pp']}, "
-                 f"vpp={lay['vpp']}, {plan.microbatches} micro-batches)")
+    return ["  ".join(c.rjust(w) if i >= 3 else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
+            for row in rows]
+
+
+def _verdict(plan) -> list[str]:
+    from megaframe.planning.estimate import merged_rows
+
     worst = max(plan.ranks, key=lambda r: r.total_bytes)
-    lines.append(f"largest rank: {worst.ranks[0]} (pp {worst.pp_rank}, tp {worst.tp_rank}) needs {human(worst.total_bytes)}")
-    if plan.device_memory_bytes is not None:
-        over = [r for _, r in merged_rows(plan) if not r.fits]
-        cap = human(plan.device_memory_bytes)
-        for r in over:
-            lines.append(f"DOES NOT FIT: ranks {ranges(r.ranks)} (pp {r.pp_rank}) need {human(r.total_bytes)} "
-                         f"> {cap} per device")
-        if not over:
-            lines.append(f"fits: every rank within {cap} per device "
-                         f"({human(plan.device_memory_bytes - worst.total_bytes)} to spare on the largest)")
-    return "\n".join(lines)
+    lines = [f"largest rank: {worst.ranks[0]} (pp {worst.pp_rank}, tp {worst.tp_rank}) needs "
+             f"{human(worst.total_bytes)}"]
+    if plan.device_memory_bytes is None:
+        return lines
+    cap = human(plan.device_memory_bytes)
+    over = [r for _, r in merged_rows(plan) if not r.fits]
+    for r in over:
+        lines.append(f"DOES NOT FIT: ranks {ranges(r.ranks)} (pp {r.pp_rank}) need {human(r.total_bytes)} "
+                     f"> {cap} per device")
+    if not over:
+        lines.append(f"fits: every rank within {cap} per device "
+                     f"({human(plan.device_memory_bytes - worst.total_bytes)} to spare on the largest)")
+    return lines
 
 
 def main(argv: list[str]) -> int:
