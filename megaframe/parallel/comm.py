@@ -33,10 +33,28 @@ def _enter(axis: Axis, op: str, x: torch.Tensor, sent: float) -> dict | None:
     return None if axis.virtual else entry
 
 
+class _TrackedWork:
+    """An async collective's Work that marks its ring-buffer entry done once waited for."""
+
+    def __init__(self, work, entry: dict):
+        self.work, self.entry = work, entry
+
+    def wait(self, *args, **kwargs):
+        out = self.work.wait(*args, **kwargs)
+        self.entry["done"] = True
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self.work, name)
+
+
 def _done(entry: dict, work=None):
-    """Mark a blocking collective as returned, an async one as launched; passes `work` through."""
-    entry["done" if work is None else "async"] = True
-    return work
+    """Mark a blocking collective as returned; an async one as launched, done when its Work is waited for."""
+    if work is None:
+        entry["done"] = True
+        return None
+    entry["async"] = True
+    return _TrackedWork(work, entry)
 
 
 def all_reduce(x: torch.Tensor, axis: Axis, op=dist.ReduceOp.SUM) -> torch.Tensor:

@@ -32,7 +32,7 @@ class CommStats:
     sent: dict[str, int] = field(default_factory=dict)
     recent: deque = field(default_factory=lambda: deque(maxlen=RECENT_COLLECTIVES))
     """dicts: op, group, ranks, shape, dtype, bytes, t (wall clock at entry), done (a blocking call
-    returned), async (launched with async_op: its completion is waited for elsewhere, not tracked)."""
+    returned, or an async one's Work was waited for), async (launched with async_op)."""
 
     def add(self, group: str, nbytes: float) -> None:
         self.sent[group] = self.sent.get(group, 0) + int(nbytes)

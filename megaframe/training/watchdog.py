@@ -6,9 +6,10 @@ The trainer feeds it a heartbeat at every step boundary (and around checkpoints)
 blocked inside a collective never returns to Python, so raising or sys.exit could not end it.
 The report holds the step, the seconds since the last heartbeat, the last collectives the rank
 entered (op, group and its global ranks, shape, dtype, bytes, how long ago, whether a blocking call
-returned; from the CommStats ring buffer that megaframe.parallel.comm fills) and the Python stack of
-every thread. The newest collective that has not returned is usually where the rank waits; the rank
-missing from it, or still in compute, is the one to look at.
+returned or an async one was waited for; from the CommStats ring buffer that megaframe.parallel.comm
+fills) and the Python stack of every thread. The newest collective that has not completed is
+usually where the rank waits; the rank that never entered it, or is still in compute, is the one
+to look at.
 
 Every rank trips on its own (they all stop making progress), so no collective is needed and a dead
 peer cannot block the report. After its report a rank waits a grace period (timeout/10, between 2
@@ -85,7 +86,7 @@ class Watchdog:
                  f"{self.timeout_s:g}) after step {self.step}; exiting with code {HANG_EXIT_CODE}",
                  f"last {SHOW_COLLECTIVES} collectives entered by rank {self.rank} (oldest first):"]
         for e in self.stats.last(SHOW_COLLECTIVES):
-            state = "returned" if e["done"] else ("launched async" if e["async"] else "NOT RETURNED")
+            state = "returned" if e["done"] else ("async, NOT WAITED FOR YET" if e["async"] else "NOT RETURNED")
             lines.append(f"  {now - e['t']:8.2f}s ago  {e['op']:<24} group {e['group']} ranks {list(e['ranks'])}  "
                          f"shape {list(e['shape'])} {e['dtype']} {e['bytes']} B  {state}")
         lines.append(f"python stacks of rank {self.rank}:")
