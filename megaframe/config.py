@@ -131,6 +131,9 @@ class TrainConfig:
     """Compute val_loss on the validation split every this many steps (and at the last); 0 = never."""
     eval_iters: int = 4
     """Global batches of validation samples per evaluation (the same fixed samples every time)."""
+    hang_timeout_s: float = 600.0
+    """Hang watchdog: a rank making no step progress for this many seconds writes its Python stacks
+    and last collectives to stderr and ${run.dir}/hang/rank{R}.txt, then exits with code 124; 0 = off."""
 
 
 @dataclass
@@ -347,6 +350,7 @@ def validate(cfg: Config, world_size: int, check_data: bool = True) -> None:
     _check_pipeline(cfg, dp)
     _req(t.max_steps >= 1, f"train.max_steps={t.max_steps} must be >= 1")
     _req(t.log_interval >= 1, f"train.log_interval={t.log_interval} must be >= 1")
+    _req(t.hang_timeout_s >= 0, f"train.hang_timeout_s={t.hang_timeout_s} must be >= 0 (0 = no watchdog)")
     _req(t.device in ("auto", "cpu", "cuda"), f"train.device={t.device!r} must be auto, cpu or cuda")
     _req(cfg.optim.lr > 0 and cfg.optim.min_lr >= 0, "optim.lr must be > 0 and optim.min_lr >= 0")
     _req(cfg.optim.warmup_steps >= 0, f"optim.warmup_steps={cfg.optim.warmup_steps} must be >= 0")

@@ -143,6 +143,8 @@ def full_init_param(name: str, shard: Shard, seed: int, std: float, num_layers: 
 def init_model(model: nn.Module, seed: int, std: float, num_layers: int) -> None:
     """Initialise every parameter from (seed, global name): build the full tensor, keep this rank's slice."""
     for name, p in model.named_parameters():
+        if p.is_meta:  # a planning model: shapes only, and building a full 8B tensor would take minutes
+            continue
         full = full_init_param(name, p.shard, seed, std, num_layers)
         p.copy_(p.shard.local(full).to(p.device, p.dtype))
 

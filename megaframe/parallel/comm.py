@@ -2,7 +2,10 @@
 
 Byte counts are the ring-algorithm volumes for n ranks and a tensor of b bytes:
 all-reduce 2(n-1)/n·b, all-gather (n-1)·b_in, reduce-scatter (n-1)/n·b_in, all-to-all (n-1)/n·b.
-An axis of size 1 never communicates, so every function is the identity there.
+An axis of size 1 never communicates, so every function is the identity there. A virtual axis (the
+planner's, no process group) counts and returns tensors of the right shape without communicating.
+Every collective is also noted in the axis's CommStats ring buffer as it is entered (op, group,
+shape, bytes), which the hang watchdog dumps: the last entries name the collective a rank is stuck in.
 
 Activations are sequence-first ([S, B, D]), so sequence-parallel splits and gathers are along dim 0,
 which is contiguous and maps straight onto all_gather / reduce_scatter of flat tensors.
@@ -25,12 +28,44 @@ def _nbytes(x: torch.Tensor) -> int:
     return x.numel() * x.element_size()
 
 
+def _enter(axis: Axis, op: str, x: torch.Tensor, sent: float) -> dict | None:
+    """Count the bytes sent, note the collective in the ring buffer; None on a virtual axis (skip the call)."""
+    axis.stats.add(axis.name, sent)
+    entry = axis.stats.record(op, axis.name, axis.ranks, x.shape, x.dtype, _nbytes(x))
+    return None if axis.virtual else entry
+
+
+class _TrackedWork:
+    """An async collective's Work that marks its ring-buffer entry done once waited for."""
+
+    def __init__(self, work, entry: dict):
+        self.work, self.entry = work, entry
+
+    def wait(self, *args, **kwargs):
+        out = self.work.wait(*args, **kwargs)
+        self.entry["done"] = True
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self.work, name)
+
+
+def _done(entry: dict, work=None):
+    """Mark a blocking collective as returned; an async one as launched, done when its Work is waited for."""
+    if work is None:
+        entry["done"] = True
+        return None
+    entry["async"] = True
+    return _TrackedWork(work, entry)
+
+
 def all_reduce(x: torch.Tensor, axis: Axis, op=dist.ReduceOp.SUM) -> torch.Tensor:
     """In place all-reduce over `axis`; returns x."""
     if axis.size == 1:
         return x
-    axis.stats.add(axis.name, 2 * (axis.size - 1) / axis.size * _nbytes(x))
-    dist.all_reduce(x, op=op, group=axis.group)
+    entry = _enter(axis, "all_reduce", x, 2 * (axis.size - 1) / axis.size * _nbytes(x))
+    if entry is not None:
+        _done(entry, dist.all_reduce(x, op=op, group=axis.group))
     return x
 
 
@@ -40,8 +75,9 @@ def all_gather_dim0(x: torch.Tensor, axis: Axis) -> torch.Tensor:
         return x
     x = x.contiguous()
     out = torch.empty((axis.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    axis.stats.add(axis.name, (axis.size - 1) * _nbytes(x))
-    _all_gather_flat(out, x, group=axis.group)
+    entry = _enter(axis, "all_gather", x, (axis.size - 1) * _nbytes(x))
+    if entry is not None:
+        _done(entry, _all_gather_flat(out, x, group=axis.group))
     return out
 
 
@@ -52,8 +88,9 @@ def reduce_scatter_dim0(x: torch.Tensor, axis: Axis) -> torch.Tensor:
     x = x.contiguous()
     assert x.shape[0] % axis.size == 0, f"dim 0 ({x.shape[0]}) not divisible by {axis.name}={axis.size}"
     out = torch.empty((x.shape[0] // axis.size, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    axis.stats.add(axis.name, (axis.size - 1) / axis.size * _nbytes(x))
-    _reduce_scatter_flat(out, x, group=axis.group)
+    entry = _enter(axis, "reduce_scatter", x, (axis.size - 1) / axis.size * _nbytes(x))
+    if entry is not None:
+        _done(entry, _reduce_scatter_flat(out, x, group=axis.group))
     return out
 
 
@@ -68,8 +105,10 @@ def reduce_scatter_flat(out: torch.Tensor, x: torch.Tensor, axis: Axis, async_op
             out.copy_(x)
         return None
     assert x.numel() == out.numel() * axis.size, f"{x.numel()} elements do not split into {axis.size} x {out.numel()}"
-    axis.stats.add(axis.name, (axis.size - 1) / axis.size * _nbytes(x))
-    return _reduce_scatter_flat(out, x, group=axis.group, async_op=async_op)
+    entry = _enter(axis, "reduce_scatter_flat", x, (axis.size - 1) / axis.size * _nbytes(x))
+    if entry is None:
+        return None
+    return _done(entry, _reduce_scatter_flat(out, x, group=axis.group, async_op=async_op))
 
 
 def all_gather_flat(out: torch.Tensor, x: torch.Tensor, axis: Axis, async_op: bool = False):
@@ -82,8 +121,10 @@ def all_gather_flat(out: torch.Tensor, x: torch.Tensor, axis: Axis, async_op: bo
             out.copy_(x)
         return None
     assert out.numel() == x.numel() * axis.size, f"{out.numel()} elements are not {axis.size} x {x.numel()}"
-    axis.stats.add(axis.name, (axis.size - 1) * _nbytes(x))
-    return _all_gather_flat(out, x, group=axis.group, async_op=async_op)
+    entry = _enter(axis, "all_gather_flat", x, (axis.size - 1) * _nbytes(x))
+    if entry is None:
+        return None
+    return _done(entry, _all_gather_flat(out, x, group=axis.group, async_op=async_op))
 
 
 def split_dim0(x: torch.Tensor, axis: Axis) -> torch.Tensor:

@@ -19,6 +19,8 @@ also why one process needs no torch.distributed at all.
 from __future__ import annotations
 
 import itertools
+import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -26,14 +28,37 @@ import torch
 import torch.distributed as dist
 
 
+RECENT_COLLECTIVES = 64
+
+
 @dataclass
 class CommStats:
-    """Bytes this rank sent per group, counted by the collectives in `comm` (ring-algorithm volumes)."""
+    """Bytes this rank sent per group, counted by the collectives in `comm` (ring-algorithm volumes),
+    and the last collectives this rank entered (a ring buffer the hang watchdog dumps)."""
 
     sent: dict[str, int] = field(default_factory=dict)
+    recent: deque = field(default_factory=lambda: deque(maxlen=RECENT_COLLECTIVES))
+    """dicts: op, group, ranks, shape, dtype, bytes, t (wall clock at entry), done (a blocking call
+    returned, or an async one's Work was waited for), async (launched with async_op)."""
 
     def add(self, group: str, nbytes: float) -> None:
         self.sent[group] = self.sent.get(group, 0) + int(nbytes)
+
+    def record(self, op: str, group: str, ranks, shape, dtype, nbytes: int) -> dict:
+        """Note a collective as it is entered; the caller sets entry['done'] once a blocking call returns."""
+        entry = {"op": op, "group": group, "ranks": tuple(ranks), "shape": tuple(shape), "dtype": str(dtype),
+                 "bytes": int(nbytes), "t": time.time(), "done": False, "async": False}
+        self.recent.append(entry)
+        return entry
+
+    def last(self, n: int = RECENT_COLLECTIVES) -> list[dict]:
+        """The newest n entries, oldest first (safe to call from another thread)."""
+        for _ in range(10):  # the main thread may append while we copy
+            try:
+                return list(self.recent)[-n:]
+            except RuntimeError:
+                continue
+        return []
 
     def pop(self) -> dict[str, int]:
         out, self.sent = self.sent, {}
@@ -50,9 +75,13 @@ class Axis:
     ranks: tuple[int, ...]
     group: Optional[dist.ProcessGroup]
     stats: CommStats
+    virtual: bool = False
+    """A planning axis (megaframe.parallel.virtual): sizes and coordinates only; collectives return
+    tensors of the right shape without communicating."""
 
     def __post_init__(self):
-        assert self.size == 1 or self.group is not None, f"axis {self.name} of size {self.size} needs a group"
+        assert self.size == 1 or self.group is not None or self.virtual, \
+            f"axis {self.name} of size {self.size} needs a group"
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,9 @@ class StopFlag:
         if mesh.group is None:
             return self.signum is not None
         flag = torch.tensor([0.0 if self.signum is None else 1.0], device=mesh.device)
+        entry = mesh.stats.record("all_reduce(stop flag)", "world", range(mesh.world), flag.shape, flag.dtype, 4)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=mesh.group)
+        entry["done"] = True
         return bool(flag.item())
 
     def restore(self) -> None:

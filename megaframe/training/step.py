@@ -35,12 +35,18 @@ def rank_schedule(cfg: Config, mesh: Mesh, num_microbatches: int) -> list[Action
     return build_schedule(kind, mesh.pp.size, cfg.parallel.vpp, num_microbatches, mesh.pp.rank)
 
 
-def train_step(model, optimizer, batches, mesh: Mesh, cfg: Config, step: int) -> StepResult:
-    """Run optimizer step number `step` (1-based) on `batches`, this rank's micro-batches."""
+def train_step(model, optimizer, batches, mesh: Mesh, cfg: Config, step: int, probe=None) -> StepResult:
+    """Run optimizer step number `step` (1-based) on `batches`, this rank's micro-batches.
+
+    `probe` (a training.straggler.StragglerProbe) opens the compute window and collects the
+    executor's forward/backward timings, before any data-parallel or optimizer collective."""
     tokens_global = cfg.train.global_batch_size * cfg.model.seq_length
     optimizer.zero_grad()
     moe_stats.begin_step(model)
-    loss_sum = run_schedule(rank_schedule(cfg, mesh, len(batches)), model, batches, mesh, optimizer, tokens_global)
+    if probe is not None:
+        probe.begin(step)
+    loss_sum = run_schedule(rank_schedule(cfg, mesh, len(batches)), model, batches, mesh, optimizer, tokens_global,
+                            timeline=probe.spans if probe is not None else None)
     sync_tied_grads(model, mesh)
     o = cfg.optim
     lr = lr_at(step, o.lr, o.min_lr, o.warmup_steps, cfg.train.max_steps)

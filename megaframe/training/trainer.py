@@ -23,9 +23,12 @@ from megaframe.pipeline import p2p
 from megaframe.tracking import Tracker
 from megaframe.training.distributed import env_ranks, init_distributed, pick_device, shutdown
 from megaframe.training.evaluate import Evaluator
+from megaframe.training.faults import Injector
 from megaframe.training.metrics import flops_per_token, memory_figures, peak_flops
 from megaframe.training.signals import StopFlag
 from megaframe.training.step import train_step
+from megaframe.training.straggler import StragglerProbe
+from megaframe.training.watchdog import Watchdog
 
 
 def run(cfg: Config, stop: StopFlag | None = None) -> None:
@@ -63,14 +66,17 @@ def train(cfg: Config, mesh: Mesh, stop: StopFlag) -> None:
     saver = AsyncSaver(mesh) if cfg.checkpoint.async_save else None
     bad = BadSteps(cfg.train.max_bad_steps, mesh.rank == 0)
     t = cfg.train
+    probe = StragglerProbe(injector(mesh.rank))
+    watchdog = Watchdog(t.hang_timeout_s, mesh.rank, cfg.run.dir, mesh.stats).start()
     try:
         for step in range(start + 1, t.max_steps + 1):
+            watchdog.beat(step)
             mesh.stats.pop()  # count only this step's bytes
             # dropout RNG is a function of (seed, step, rank): resume needs no RNG state
             torch.manual_seed(param_seed(t.seed, f"dropout/step{step}/rank{mesh.rank}"))
             batches = microbatches(data, step - 1, t.global_batch_size, t.micro_batch_size, mesh.dp.rank,
                                    mesh.dp.size, t.seed, mesh.device)
-            res = train_step(model, optimizer, batches, mesh, cfg, step)
+            res = train_step(model, optimizer, batches, mesh, cfg, step, probe)
             meter.steps += 1
             bad.check(step, res.grad_norm)
             val = None
@@ -79,7 +85,7 @@ def train(cfg: Config, mesh: Mesh, stop: StopFlag) -> None:
                 val = evaluator.evaluate(model)
                 meter.t_last += time.perf_counter() - t0  # tokens_per_s counts training time only
             if step % t.log_interval == 0 or step == t.max_steps or val is not None:
-                row = meter.metrics(step, res, model, optimizer)
+                row = {**meter.metrics(step, res, model, optimizer), **probe.gather(mesh)}
                 tracker.log(row if val is None else {**row, "val_loss": val}, start)
             stopping = stop.agreed(mesh)
             if saver:
@@ -90,14 +96,24 @@ def train(cfg: Config, mesh: Mesh, stop: StopFlag) -> None:
                 if saver and last:
                     saver.wait()  # commit the older one first, so `latest` ends on this step
                 save(cfg, model, optimizer, mesh, step, saver if not last else None)
+                watchdog.beat()
             if stopping:
                 stop.report(step)
                 break
         if saver:
             saver.wait()
     finally:
+        watchdog.stop()
         stop.restore()
         tracker.finish()
+
+
+def injector(rank: int) -> Injector | None:
+    """MEGAFRAME_INJECT's faults for this rank (read once, at start); a malformed value is bad input."""
+    try:
+        return Injector.from_env(rank)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
 
 
 class TrainingError(RuntimeError):

@@ -26,7 +26,7 @@ optim.weight_decay optim.zero
 parallel.ep parallel.pp parallel.pp_layout parallel.pp_schedule parallel.sp parallel.tp parallel.vpp
 run.dir run.name
 train.device train.global_batch_size train.log_interval train.max_bad_steps train.max_steps train.micro_batch_size train.precision
-train.seed train.eval_interval train.eval_iters
+train.seed train.eval_interval train.eval_iters train.hang_timeout_s
 """.split())
 
 PRESETS = sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml"))
@@ -158,6 +158,7 @@ def test_unknown_preset_is_a_one_line_error():
     (["model=moe_tiny", "model.moe_router_score=relu"], 1, ["model.moe_router_score"]),
     (["model=moe_tiny", "model.moe_capacity_factor=0"], 1, ["model.moe_capacity_factor"]),
     (["optim.zero=2"], 2, ["optim.zero"]),
+    (["train.hang_timeout_s=-1"], 1, ["train.hang_timeout_s"]),
     (["optim.bucket_size_mb=0"], 2, ["optim.bucket_size_mb"]),
     (["train.precision=fp16"], 1, ["train.precision"]),
     (["train.precision=bf16", "optim.zero=0"], 2, ["train.precision", "optim.zero"]),

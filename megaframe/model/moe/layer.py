@@ -104,6 +104,8 @@ class MoE(nn.Module):
         logits_TE = self.router(x_TD)
         bias_E = self.router.expert_bias if c.moe_expert_bias else None
         r = router.route(logits_TE, c.moe_top_k, c.moe_router_score, bias_E)
+        if x_TD.is_meta:  # the planner (megaframe.plan): shapes only, so assume perfectly balanced routing
+            return self._balanced(x_TD, r).view(s, b, d)
         counts_E = torch.bincount(r.experts_TK.reshape(-1), minlength=c.num_experts)
         batch_E, offset_E = self._batch_counts(counts_E)
         capacity = None
@@ -114,6 +116,20 @@ class MoE(nn.Module):
         if torch.is_grad_enabled():
             y_TD = self._add_losses(y_TD, r, logits_TE, batch_E, counts_E, plan, n)
         return y_TD.view(s, b, d)
+
+    def _balanced(self, x_TD: torch.Tensor, r: router.Routing) -> torch.Tensor:
+        """dispatch_combine's operations (so the same tensors are saved for backward) with every local
+        expert getting an equal share of the T·K rows this rank receives over the ep group."""
+        k, local = self.cfg.moe_top_k, self.cfg.num_experts // self.ep.size
+        rows = x_TD.shape[0] * k
+        sizes = [rows // local] * local
+        sizes[-1] += rows - sum(sizes)
+        perm_A = torch.arange(rows, device=x_TD.device)
+        token_A = perm_A // k
+        x_AD = x_TD[token_A][perm_A]  # gather by token, then the regrouping by local expert
+        y_AD = self.experts(x_AD, sizes)[perm_A]
+        y_AD = y_AD * r.weights_TK.reshape(-1)[perm_A].unsqueeze(-1).to(y_AD.dtype)
+        return torch.zeros_like(x_TD).index_add(0, token_A, y_AD)
 
     def _add_losses(self, y_TD, r: router.Routing, logits_TE, batch_E, counts_E, plan, n: int) -> torch.Tensor:
         """Attach the router losses to y's backward and add this micro-batch to the step statistics."""

@@ -1,0 +1,108 @@
+"""Activation memory of one micro-batch: the bytes autograd saves for backward during a forward.
+
+`saved_bytes(fn)` runs fn under `torch.autograd.graph.saved_tensors_hooks` and sums the storages the
+graph keeps, each storage once (views of one tensor share it) and never a parameter's. It is the
+same measurement on real tensors (tests, on CPU) and on the meta device (the planner), where shapes
+and dtypes propagate without memory or compute.
+
+One difference between devices needs care: on meta, `scaled_dot_product_attention` falls back to its
+math decomposition, which saves the [B, H, S, S] attention matrix; the fused kernels every real
+device runs (flash / memory-efficient on CUDA, flash on CPU) save only q, k, v, the output and the
+row log-sum-exp [B, H, S] (fp32). `FusedAttentionSizes` swaps in a shape-only stand-in that saves
+exactly those, so meta figures are what a real device keeps.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata  # the StorageImpl: shared by every view of one allocation
+
+
+class SavedBytes:
+    """Collects the distinct non-parameter storages saved for backward while active."""
+
+    def __init__(self, params: Iterable[torch.Tensor] = ()):
+        self.exclude = {_storage_key(p) for p in params}
+        self.storages: dict[int, int] = {}
+        self._keep: list[torch.Tensor] = []  # keep storages alive: a freed key could be reused
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        key = _storage_key(t)
+        if key not in self.exclude and key not in self.storages:
+            self.storages[key] = t.untyped_storage().nbytes()
+            self._keep.append(t)
+        return t
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.storages.values())
+
+
+@contextmanager
+def count_saved(params: Iterable[torch.Tensor] = ()):
+    """with count_saved(model.parameters()) as c: forward ...; then c.bytes."""
+    counter = SavedBytes(params)
+    with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
+        yield counter
+
+
+def saved_bytes(fn: Callable[[], object], params: Iterable[torch.Tensor] = ()) -> int:
+    """Bytes of the distinct storages saved for backward while fn() runs (parameters excluded)."""
+    with count_saved(params) as c:
+        out = fn()
+    del out
+    return c.bytes
+
+
+class _FusedAttention(torch.autograd.Function):
+    """Shape-only stand-in for a fused attention kernel: saves q, k, v, out and logsumexp_BHS."""
+
+    @staticmethod
+    def forward(ctx, q_BHSE, k_BKSE, v_BKSE):
+        out_BHSE = torch.empty_like(q_BHSE)
+        lse_BHS = torch.empty(q_BHSE.shape[:-1], dtype=torch.float32, device=q_BHSE.device)
+        ctx.save_for_backward(q_BHSE, k_BKSE, v_BKSE, out_BHSE, lse_BHS)
+        return out_BHSE
+
+    @staticmethod
+    def backward(ctx, g):  # pragma: no cover - planning never runs backward
+        raise RuntimeError("the planner's attention stand-in has no backward")
+
+
+class FusedAttentionSizes(TorchFunctionMode):
+    """Inside this mode scaled_dot_product_attention saves what a fused kernel saves (see above)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is F.scaled_dot_product_attention:
+            return _FusedAttention.apply(*args[:3])
+        return func(*args, **(kwargs or {}))
+
+
+def chunk_activation_bytes(model, chunk: int, micro_batch: int, fused_attention: bool) -> int:
+    """Bytes one micro-batch of `chunk` saves for backward on this rank (model: a megaframe GPT).
+
+    The chunk's input is what the pipeline hands it: token ids on the first stage, else a hidden-state
+    tensor [S (S/tp under sp), B, D] in the parameters' dtype that requires grad (a received activation).
+    """
+    cfg, device = model.cfg, next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    ids_BS = torch.zeros(micro_batch, cfg.seq_length, dtype=torch.long, device=device)
+    x_SBD = None
+    if not (chunk == 0 and model.stage.first):
+        s = cfg.seq_length // model.mesh.tp.size if model.sp else cfg.seq_length
+        x_SBD = torch.empty(s, micro_batch, cfg.hidden_size, dtype=dtype, device=device, requires_grad=True)
+    params = list(model.parameters())
+    with (FusedAttentionSizes() if fused_attention else _nothing()):
+        return saved_bytes(lambda: model.forward_chunk(chunk, x_SBD, ids_BS, ids_BS), params)
+
+
+@contextmanager
+def _nothing():
+    yield

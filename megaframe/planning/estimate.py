@@ -1,0 +1,158 @@
+"""Per-rank memory of a layout, computed in one process from the config alone.
+
+For every (pipeline rank, tensor rank) coordinate the planner builds that rank's exact model on the
+meta device with a virtual mesh (no process groups; megaframe.parallel.virtual), then counts:
+
+  params       every local parameter in train.precision (what mem/params_bytes logs)
+  grads        optim.zero=1: the fp32 grad buffer, padded bucket by bucket exactly as
+               optim/buffer.py packs it; zero=0: one grad per parameter in its dtype
+  optim        optim.zero=1: the owned 1/dp of every bucket x (two fp32 Adam moments, plus an fp32
+               master copy for bf16 params); zero=0: two fp32 moments per element
+  activations  the bytes one micro-batch of each pipeline chunk saves for backward (a meta-device
+               forward, planning.activations), times the chunks in flight at the schedule's peak:
+               the rank's own action list (pipeline/schedule.py) walked forward by forward
+
+dp ranks of one coordinate hold the same amounts (ZeRO pads every bucket to a multiple of dp), so
+each coordinate is sized once; rows with equal figures are merged when printed.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from megaframe.config import Config
+from megaframe.model.gpt import build_model
+from megaframe.optim.buffer import plan_buckets
+from megaframe.optim.build import cast_model
+from megaframe.parallel.virtual import virtual_mesh
+from megaframe.pipeline.schedule import F, compute_order, resolve_kind
+from megaframe.pipeline.simulate import simulate
+from megaframe.planning.activations import chunk_activation_bytes
+
+
+@dataclass
+class RankFigures:
+    """Memory of the ranks at one (pp_rank, tp_rank) coordinate (all of its dp ranks)."""
+
+    pp_rank: int
+    tp_rank: int
+    ranks: list[int]
+    params_bytes: int
+    grads_bytes: int
+    optim_bytes: int
+    chunk_activation_bytes: list[int]
+    """Per micro-batch, per pipeline chunk of this rank."""
+    peak_inflight: int
+    """Micro-batch chunks whose activations are held at once, at the activation peak."""
+    activation_bytes: int
+    """Peak over the schedule of the activations held."""
+    total_bytes: int = 0
+    fits: bool | None = None
+
+    def __post_init__(self):
+        self.total_bytes = self.params_bytes + self.grads_bytes + self.optim_bytes + self.activation_bytes
+
+    def key(self) -> tuple:
+        return (self.pp_rank, self.params_bytes, self.grads_bytes, self.optim_bytes, self.activation_bytes,
+                tuple(self.chunk_activation_bytes), self.peak_inflight)
+
+
+@dataclass
+class Plan:
+    world_size: int
+    layout: dict
+    microbatches: int
+    schedule: str
+    bubble: float
+    """Idle fraction of the step from the schedule simulation (equal F and B times)."""
+    ranks: list[RankFigures] = field(default_factory=list)
+    device_memory_bytes: int | None = None
+
+    @property
+    def fits(self) -> bool | None:
+        if self.device_memory_bytes is None:
+            return None
+        return all(r.fits for r in self.ranks)
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "fits": self.fits}
+
+
+def state_bytes(model, cfg: Config, dp: int, ep: int = 1) -> tuple[int, int, int]:
+    """(params, grads, optimizer state) bytes of this rank's model, as the optimizer lays them out
+    (ZeRO: dense params sharded over dp, expert params over edp = dp / ep)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    if not cfg.optim.zero:
+        numel = sum(p.numel() for p in params)
+        return param_bytes, sum(p.numel() * p.element_size() for p in params), 8 * numel
+    by_kind: dict[tuple[torch.dtype, bool], list[int]] = {}
+    for p in params:  # one buffer per (dtype, dense | expert), as optim/zero.py builds them
+        by_kind.setdefault((p.dtype, p.shard.expert), []).append(p.numel())
+    bucket_elems = max(1, int(cfg.optim.bucket_size_mb * 2**20) // 4)
+    grads = optim = 0
+    for (dtype, expert), numels in by_kind.items():
+        shards = dp // ep if expert else dp
+        buckets = plan_buckets(numels[::-1], bucket_elems, shards)  # FlatBuffer packs params in reverse
+        numel = buckets[-1][2] if buckets else 0
+        grads += 4 * numel
+        optim += (numel // shards) * (8 if dtype == torch.float32 else 12)
+    return param_bytes, grads, optim
+
+
+def peak_activations(order, chunk_bytes: list[int]) -> tuple[int, int]:
+    """(peak bytes, chunks held at that peak) walking a rank's compute order: F adds, B frees."""
+    held = count = peak = peak_count = 0
+    for a in order:
+        sign = 1 if a.kind == F else -1
+        held += sign * chunk_bytes[a.chunk]
+        count += sign
+        if held > peak:
+            peak, peak_count = held, count
+    return peak, peak_count
+
+
+def plan_layout(cfg: Config, world_size: int, device_memory_gb: float | None = None) -> Plan:
+    """Size every rank of the (validated) config on `world_size` ranks."""
+    p, t = cfg.parallel, cfg.train
+    tp, pp = p.tp, p.pp
+    dp = world_size // (tp * pp)
+    m = t.global_batch_size // (t.micro_batch_size * dp)
+    kind = resolve_kind(p.pp_schedule, p.vpp)
+    plan = Plan(world_size, {"tp": tp, "pp": pp, "dp": dp, "vpp": p.vpp, "sp": p.sp, "zero": cfg.optim.zero,
+                             "precision": t.precision, "micro_batch_size": t.micro_batch_size},
+                m, kind, simulate(kind, pp, p.vpp, m).bubble)
+    if device_memory_gb is not None:
+        plan.device_memory_bytes = int(device_memory_gb * 2**30)
+    for pp_rank in range(pp):
+        order = compute_order(kind, pp, p.vpp, m, pp_rank)
+        for tp_rank in range(tp):
+            plan.ranks.append(_rank_figures(cfg, tp, pp, dp, pp_rank, tp_rank, order))
+    for r in plan.ranks:
+        r.fits = None if plan.device_memory_bytes is None else r.total_bytes <= plan.device_memory_bytes
+    return plan
+
+
+def _rank_figures(cfg: Config, tp: int, pp: int, dp: int, pp_rank: int, tp_rank: int, order) -> RankFigures:
+    mesh = virtual_mesh(tp, pp, dp, tp_rank=tp_rank, pp_rank=pp_rank, device="meta", ep=cfg.parallel.ep)
+    model = cast_model(build_model(cfg, mesh), cfg.train.precision)
+    params, grads, optim = state_bytes(model, cfg, dp, cfg.parallel.ep)
+    chunks = [chunk_activation_bytes(model, c, cfg.train.micro_batch_size, fused_attention=True)
+              for c in range(len(model.stage.chunks))]
+    act, inflight = peak_activations(order, chunks)
+    ranks = [tp_rank + tp * (d + dp * pp_rank) for d in range(dp)]
+    return RankFigures(pp_rank, tp_rank, ranks, params, grads, optim, chunks, inflight, act)
+
+
+def merged_rows(plan: Plan) -> list[tuple[list[int], RankFigures]]:
+    """Rows of equal figures within a pipeline rank merged: ([tp ranks], figures with all their ranks)."""
+    rows: dict[tuple, tuple[list[int], RankFigures]] = {}
+    for r in plan.ranks:
+        if r.key() in rows:
+            tps, first = rows[r.key()]
+            tps.append(r.tp_rank)
+            first.ranks = sorted(first.ranks + r.ranks)
+        else:
+            rows[r.key()] = ([r.tp_rank], RankFigures(**{**asdict(r), "ranks": list(r.ranks)}))
+    return list(rows.values())

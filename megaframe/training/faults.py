@@ -1,0 +1,76 @@
+"""Fault injection for tests and drills: make one rank slow or hang, on purpose.
+
+Set once in the environment of every rank (read at start-up, then passed to the step as state):
+
+    MEGAFRAME_INJECT="sleep:rank=1:seconds=0.3"        rank 1 computes 0.3 s longer every step
+    MEGAFRAME_INJECT="sleep:rank=1:seconds=0.3:step=5" ... at step 5 only
+    MEGAFRAME_INJECT="hang:rank=1:step=3"              rank 1 blocks forever at the start of step 3
+    MEGAFRAME_INJECT="sleep:rank=0:seconds=1;hang:rank=2:step=9"   several, separated by ';'
+
+`rank` is the global rank (omitted: every rank); `step` the optimizer step (omitted: every step for
+sleep, step 1 for hang). The delay happens at the start of the step's compute window, so the straggler
+figures count it as compute; a hang never returns, so only the watchdog (train.hang_timeout_s) ends it.
+An unparsable value is a bad input (exit 2).
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+ENV = "MEGAFRAME_INJECT"
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    """sleep | hang."""
+    rank: int | None
+    step: int | None
+    seconds: float = 0.0
+
+
+def parse(spec: str) -> list[Fault]:
+    """The faults of a MEGAFRAME_INJECT value; ValueError naming the variable when malformed."""
+    faults = []
+    for part in filter(None, (p.strip() for p in spec.split(";"))):
+        kind, *fields = part.split(":")
+        try:
+            kv = dict(f.split("=", 1) for f in fields)
+            rank = int(kv.pop("rank")) if "rank" in kv else None
+            step = int(kv.pop("step")) if "step" in kv else (1 if kind == "hang" else None)
+            seconds = float(kv.pop("seconds", 0.0))
+        except ValueError as e:
+            raise ValueError(f"{ENV}={spec!r}: cannot parse {part!r} ({e})") from e
+        if kind not in ("sleep", "hang") or kv or (kind == "sleep" and seconds <= 0):
+            raise ValueError(f"{ENV}={spec!r}: {part!r} must be sleep:[rank=R:][step=S:]seconds=X "
+                             f"or hang:[rank=R:][step=S]")
+        faults.append(Fault(kind, rank, step, seconds))
+    return faults
+
+
+class Injector:
+    """This rank's faults; `apply(step)` runs them and returns the seconds it slept."""
+
+    def __init__(self, faults: list[Fault], rank: int):
+        self.faults = [f for f in faults if f.rank in (None, rank)]
+        self.rank = rank
+
+    @classmethod
+    def from_env(cls, rank: int) -> "Injector | None":
+        spec = os.environ.get(ENV, "")
+        return cls(parse(spec), rank) if spec else None
+
+    def apply(self, step: int) -> float:
+        slept = 0.0
+        for f in self.faults:
+            if f.step is not None and f.step != step:
+                continue
+            if f.kind == "hang":
+                print(f"megaframe: rank {self.rank}: injected hang at step {step} ({ENV})", file=sys.stderr, flush=True)
+                threading.Event().wait()  # forever; the watchdog ends the process
+            time.sleep(f.seconds)
+            slept += f.seconds
+        return slept

@@ -1,0 +1,99 @@
+"""Hang watchdog: a daemon thread per rank that ends a run making no progress, leaving evidence.
+
+The trainer feeds it a heartbeat at every step boundary (and around checkpoints). After
+`train.hang_timeout_s` seconds without one it writes this rank's report to stderr and to
+`${run.dir}/hang/rank{R}.txt`, then ends the process with exit code 124 via os._exit: a rank
+blocked inside a collective never returns to Python, so raising or sys.exit could not end it.
+The report holds the step, the seconds since the last heartbeat, the last collectives the rank
+entered (op, group and its global ranks, shape, dtype, bytes, how long ago, whether a blocking call
+returned or an async one was waited for; from the CommStats ring buffer that megaframe.parallel.comm
+fills) and the Python stack of every thread. The newest collective that has not completed is
+usually where the rank waits; the rank that never entered it, or is still in compute, is the one
+to look at.
+
+Every rank trips on its own (they all stop making progress), so no collective is needed and a dead
+peer cannot block the report. After its report a rank waits a grace period (timeout/10, between 2
+and 30 s) before exiting: its peers stopped at the same step and trip within a poll interval, and
+they must write their reports before this rank's closed connections turn their waits into errors.
+0 disables the watchdog.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+from megaframe.parallel.mesh import CommStats
+
+HANG_EXIT_CODE = 124
+SHOW_COLLECTIVES = 32
+
+
+class Watchdog:
+    def __init__(self, timeout_s: float, rank: int, run_dir: str, stats: CommStats,
+                 exit_fn=os._exit, grace_s: float | None = None):
+        self.timeout_s, self.rank, self.run_dir, self.stats = timeout_s, rank, run_dir, stats
+        self.exit_fn = exit_fn  # tests pass a recorder instead of ending the process
+        self.grace_s = min(30.0, max(2.0, timeout_s / 10)) if grace_s is None else grace_s
+        self.step, self.last = 0, time.monotonic()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> "Watchdog":
+        if self.timeout_s > 0:
+            self.last = time.monotonic()
+            self._thread = threading.Thread(target=self._watch, name=f"megaframe-watchdog-rank{self.rank}", daemon=True)
+            self._thread.start()
+        return self
+
+    def beat(self, step: int | None = None) -> None:
+        """Progress: called by the training loop; cheap (two assignments)."""
+        if step is not None:
+            self.step = step
+        self.last = time.monotonic()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def _watch(self) -> None:
+        poll = min(1.0, self.timeout_s / 10)
+        while not self._stop.wait(poll):
+            idle = time.monotonic() - self.last
+            if idle > self.timeout_s:
+                self.trip(idle)
+                return
+
+    def trip(self, idle: float) -> None:
+        text = self.report(idle)
+        print(text, file=sys.stderr, flush=True)
+        try:
+            path = Path(self.run_dir) / "hang" / f"rank{self.rank}.txt"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+        except OSError as e:  # the report on stderr is what matters; a full disk must not hide it
+            print(f"megaframe: rank {self.rank}: could not write the hang report: {e}", file=sys.stderr, flush=True)
+        time.sleep(self.grace_s)
+        self.exit_fn(HANG_EXIT_CODE)
+
+    def report(self, idle: float) -> str:
+        now = time.time()
+        lines = [f"megaframe: rank {self.rank}: HANG: no progress for {idle:.1f}s (train.hang_timeout_s="
+                 f"{self.timeout_s:g}) after step {self.step}; exiting with code {HANG_EXIT_CODE}",
+                 f"last {SHOW_COLLECTIVES} collectives entered by rank {self.rank} (oldest first):"]
+        for e in self.stats.last(SHOW_COLLECTIVES):
+            state = "returned" if e["done"] else ("async, NOT WAITED FOR YET" if e["async"] else "NOT RETURNED")
+            lines.append(f"  {now - e['t']:8.2f}s ago  {e['op']:<24} group {e['group']} ranks {list(e['ranks'])}  "
+                         f"shape {list(e['shape'])} {e['dtype']} {e['bytes']} B  {state}")
+        lines.append(f"python stacks of rank {self.rank}:")
+        names = {t.ident: t.name for t in threading.enumerate()}
+        main = threading.main_thread().ident
+        frames = sorted(sys._current_frames().items(), key=lambda kv: kv[0] != main)  # the main thread first
+        for ident, frame in frames:
+            lines.append(f"  thread {names.get(ident, ident)}:")
+            lines += ["    " + ln for chunk in traceback.format_stack(frame) for ln in chunk.rstrip().splitlines()]
+        return "\n".join(lines) + "\n"

@@ -1,0 +1,79 @@
+"""Functions the rank pool runs for the planner test: real per-rank memory of a small run.
+
+Measured, per rank: mem/{params,grads,optim}_bytes as the trainer logs them (after two optimizer
+steps, so lazily created optimizer state exists), the bytes one micro-batch of each chunk saves for
+backward (saved_tensors_hooks on real CPU tensors, with CPU's own attention kernel), and the peak of
+the activations held at once while the real pipeline executor runs a step (`LiveSaved`).
+"""
+from __future__ import annotations
+
+from megaframe.data.dataset import build_data, microbatches
+from megaframe.model.gpt import build_model
+from megaframe.optim.build import build_optimizer, cast_model
+from megaframe.planning.activations import chunk_activation_bytes
+from megaframe.training.metrics import memory_figures
+from megaframe.training.step import train_step
+from tests.distributed.cases import tiny_config
+
+
+class _Packed:
+    """What autograd holds for one saved tensor; its end (the graph freeing it) is the storage's release."""
+
+    def __init__(self, owner: "LiveSaved", t):
+        self.owner, self.t, self.key = owner, t, t.untyped_storage()._cdata
+        owner.hold(self.key, t.untyped_storage().nbytes())
+
+    def __del__(self):
+        self.owner.release(self.key)
+
+
+class LiveSaved:
+    """Bytes of distinct non-parameter storages saved for backward and not yet freed; tracks the peak."""
+
+    def __init__(self, params):
+        self.exclude = {p.untyped_storage()._cdata for p in params}
+        self.refs: dict[int, list[int]] = {}  # storage -> [references, bytes]
+        self.live = self.peak = 0
+
+    def hold(self, key: int, nbytes: int) -> None:
+        ref = self.refs.setdefault(key, [0, nbytes])
+        ref[0] += 1
+        if ref[0] == 1:
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
+
+    def release(self, key: int) -> None:
+        ref = self.refs[key]
+        ref[0] -= 1
+        if ref[0] == 0:
+            self.live -= ref[1]
+            del self.refs[key]
+
+    def pack(self, t):
+        if t.untyped_storage()._cdata in self.exclude:
+            return t
+        return _Packed(self, t)
+
+    @staticmethod
+    def unpack(x):
+        return x.t if isinstance(x, _Packed) else x
+
+
+def measure_memory(mesh, overrides: list[str]) -> dict:
+    """This rank's measured figures: coordinates, logged memory, per-chunk and peak activation bytes."""
+    import torch
+
+    cfg = tiny_config(overrides + ["train.max_steps=2"], mesh.world)
+    model = cast_model(build_model(cfg, mesh), cfg.train.precision)
+    optimizer = build_optimizer(model, cfg.optim, mesh)
+    data, t = build_data(cfg), cfg.train
+    live = LiveSaved(model.parameters())
+    for step in (1, 2):
+        batches = microbatches(data, step - 1, t.global_batch_size, t.micro_batch_size, mesh.dp.rank,
+                               mesh.dp.size, t.seed)
+        with torch.autograd.graph.saved_tensors_hooks(live.pack, live.unpack):
+            train_step(model, optimizer, batches, mesh, cfg, step)
+    chunks = [chunk_activation_bytes(model, c, t.micro_batch_size, fused_attention=False)
+              for c in range(len(model.stage.chunks))]
+    return {"pp_rank": mesh.pp.rank, "tp_rank": mesh.tp.rank, **memory_figures(model, optimizer, mesh.device),
+            "chunk_activation_bytes": chunks, "activation_peak_bytes": live.peak, "live_after": live.live}

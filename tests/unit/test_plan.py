@@ -1,0 +1,66 @@
+"""The dry-run planner's command line: the table, the JSON, the DOES NOT FIT flag, exit 2 on a bad
+layout, large presets in seconds, and the activation peak against the schedule's own bound."""
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from megaframe.config import load_config
+from megaframe.pipeline.schedule import activation_bound, compute_order
+from megaframe.plan import main, ranges, split_args
+from megaframe.planning.estimate import peak_activations, plan_layout
+from tests.e2e.helpers import ROOT, TINY
+
+LLAMA8B = ["model=llama3_8b", "data=synthetic", "parallel.tp=8", "parallel.pp=4", "parallel.sp=true",
+           "train.micro_batch_size=1", "train.global_batch_size=512", "train.precision=bf16"]
+
+
+def test_split_args_takes_the_planners_own_keys():
+    over, own = split_args(["parallel.tp=2", "+world_size=8", "device_memory_gb=80", "+plan_json=x.json"])
+    assert over == ["parallel.tp=2"] and own == {"world_size": "8", "device_memory_gb": "80", "plan_json": "x.json"}
+    assert ranges([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
+
+
+def test_bad_layout_exits_2_with_one_line(capsys):
+    assert main(["data=synthetic", "parallel.tp=3", "+world_size=2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("megaframe: error:") and "parallel.tp" in err and "\n" not in err
+
+
+def test_json_and_does_not_fit(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    args = ["data=synthetic", *TINY, "parallel.pp=2", "+world_size=4", f"+plan_json={out}"]
+    assert main(args + ["+device_memory_gb=0.0005"]) == 0  # 512 KiB: too small for every rank
+    text = capsys.readouterr().out
+    assert "DOES NOT FIT" in text and "pipeline bubble" in text
+    plan = json.loads(out.read_text())
+    assert plan["fits"] is False and plan["layout"]["dp"] == 2 and len(plan["ranks"]) == 2
+    assert sorted(r for row in plan["ranks"] for r in row["ranks"]) == [0, 1, 2, 3]
+    assert main(args + ["+device_memory_gb=1"]) == 0
+    assert "DOES NOT FIT" not in capsys.readouterr().out and json.loads(out.read_text())["fits"] is True
+
+
+def test_bubble_and_inflight_follow_the_schedule():
+    cfg = load_config(["data=synthetic", *TINY, "model.num_layers=4", "parallel.pp=2", "parallel.vpp=2"],
+                      world_size=2, check_data=False)
+    plan = plan_layout(cfg, 2)
+    m = plan.microbatches
+    assert plan.bubble == pytest.approx((2 - 1) / (2 * m + 2 - 1))
+    for r in plan.ranks:  # equal chunk sizes: the peak count is the schedule's activation bound
+        order = compute_order("interleaved", 2, 2, m, r.pp_rank)
+        assert peak_activations(order, [1, 1])[1] == activation_bound("interleaved", 2, 2, m, r.pp_rank)
+        assert r.peak_inflight <= activation_bound("interleaved", 2, 2, m, r.pp_rank)
+
+
+def test_llama3_8b_plans_in_seconds_from_the_command_line():
+    t0 = time.perf_counter()
+    res = subprocess.run([sys.executable, "-m", "megaframe.plan", *LLAMA8B, "+world_size=256",
+                          "+device_memory_gb=80"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    elapsed = time.perf_counter() - t0
+    assert res.returncode == 0, res.stderr
+    print(res.stdout, f"({elapsed:.1f}s)")
+    assert "fits: every rank" in res.stdout and elapsed < 60
+    # params on the first stage: 8 of 32 layers + the embedding, split over tp=8, in bf16
+    assert "541.38 MiB" in res.stdout
