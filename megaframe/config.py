@@ -110,6 +110,13 @@ class TrainConfig:
     """Compute val_loss on the validation split every this many steps (and at the last); 0 = never."""
     eval_iters: int = 4
     """Global batches of validation samples per evaluation (the same fixed samples every time)."""
+    compile: bool = False
+    """torch.compile each transformer block (the first steps pay the compile time; the losses stay equal
+    up to float rounding). Works on CPU (inductor's C++ backend) and CUDA."""
+    recompute: str = "none"
+    """Activation recompute: none | selective (recompute the attention core, SDPA, in backward: Megatron's
+    selective mode, it saves the S x S-sized intermediates) | full (torch.utils.checkpoint per block: only
+    each block's input is kept). Trades compute for activation memory; losses are unchanged."""
 
 
 @dataclass
@@ -331,6 +338,8 @@ def validate(cfg: Config, world_size: int, check_data: bool = True) -> None:
     _req(cfg.optim.warmup_steps >= 0, f"optim.warmup_steps={cfg.optim.warmup_steps} must be >= 0")
     _req(cfg.optim.zero in (0, 1), f"optim.zero={cfg.optim.zero} must be 0 or 1")
     _req(cfg.optim.bucket_size_mb > 0, f"optim.bucket_size_mb={cfg.optim.bucket_size_mb} must be > 0")
+    _req(t.recompute in ("none", "selective", "full"),
+         f"train.recompute={t.recompute!r} must be none, selective or full")
     _req(t.precision in ("fp32", "bf16"), f"train.precision={t.precision!r} must be fp32 or bf16")
     _req(t.precision == "fp32" or cfg.optim.zero == 1,
          f"train.precision={t.precision} needs optim.zero=1 (its fp32 master weights live in the ZeRO optimizer)")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from megaframe.config import ModelConfig
 from megaframe.layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -45,10 +46,10 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, mesh: Mesh, sp: bool, device=None):
+    def __init__(self, cfg: ModelConfig, mesh: Mesh, sp: bool, device=None, recompute: str = "none"):
         super().__init__()
         self.attn_norm = Norm(cfg.norm, cfg.hidden_size, cfg.norm_eps, sp, device)
-        self.attn = Attention(cfg, mesh.tp, sp, device)
+        self.attn = Attention(cfg, mesh.tp, sp, device, recompute_core=recompute == "selective")
         self.mlp_norm = Norm(cfg.norm, cfg.hidden_size, cfg.norm_eps, sp, device)
         self.mlp = MLP(cfg, mesh, sp, device)
         self.dropout = nn.Dropout(cfg.dropout)
@@ -67,9 +68,11 @@ class GPT(nn.Module):
     name, same init); its grads are summed with stage 0's and it is tagged `pp_duplicate`.
     """
 
-    def __init__(self, cfg: ModelConfig, mesh: Mesh, sp: bool = False, device=None, stage: Stage | None = None):
+    def __init__(self, cfg: ModelConfig, mesh: Mesh, sp: bool = False, device=None, stage: Stage | None = None,
+                 recompute: str = "none"):
         super().__init__()
         self.cfg, self.mesh = cfg, mesh
+        self.recompute_blocks = recompute == "full"
         self.stage = stage = stage or Stage.whole(cfg.num_layers)
         self.sp = sp and mesh.tp.size > 1
         device = device or mesh.device
@@ -80,7 +83,7 @@ class GPT(nn.Module):
         if stage.first and cfg.position_embedding == "learned":
             # replicated; under sp each rank adds the rows of its own sequence block
             self.pos_embed = sharded_param(Shard((cfg.seq_length, cfg.hidden_size)), device, tp_partial_grad=self.sp)
-        self.layers = nn.ModuleDict({str(i): Block(cfg, mesh, self.sp, device) for c in stage.chunks for i in c})
+        self.layers = nn.ModuleDict({str(i): Block(cfg, mesh, self.sp, device, recompute) for c in stage.chunks for i in c})
         if stage.last:
             self.final_norm = Norm(cfg.norm, cfg.hidden_size, cfg.norm_eps, self.sp, device)
             if not cfg.tie_embeddings:
@@ -116,8 +119,12 @@ class GPT(nn.Module):
         """One chunk: hidden states in, hidden states out (or loss_BS / logits on the last stage)."""
         if chunk == 0 and self.stage.first:
             x_SBD = self.embed_tokens(input_ids_BS)
+        full = self.recompute_blocks and self.training and torch.is_grad_enabled()
         for i in self.stage.chunks[chunk]:
-            x_SBD = self.layers[str(i)](x_SBD, self.rope)
+            if full:  # keep only the block's input; backward re-runs its forward (same RNG state: same dropout)
+                x_SBD = checkpoint(self.layers[str(i)], x_SBD, self.rope, use_reentrant=False)
+            else:
+                x_SBD = self.layers[str(i)](x_SBD, self.rope)
         if chunk == len(self.stage.chunks) - 1 and self.stage.last:
             return self.head_output(x_SBD, labels_BS)
         return x_SBD
@@ -131,6 +138,17 @@ def build_model(cfg, mesh: Mesh) -> GPT:
     """This rank's part of the model for the run config `cfg` (a megaframe.config.Config), initialised."""
     p = cfg.parallel
     stage = stage_layout(cfg.model.num_layers, mesh.pp.size, p.vpp, mesh.pp.rank, p.pp_layout)
-    model = GPT(cfg.model, mesh, p.sp, stage=stage)
+    model = GPT(cfg.model, mesh, p.sp, stage=stage, recompute=cfg.train.recompute)
     model.init_weights(cfg.train.seed)
+    if cfg.train.compile:
+        compile_blocks(model)
     return model
+
+
+def compile_blocks(model: GPT) -> None:
+    """torch.compile every transformer block in place (Module.compile keeps parameter names, so init,
+    checkpoints and the optimizer's buffers see the same parameters). Per block, not the whole model:
+    the blocks are identical, so inductor compiles one graph and reuses it; the tp/sp collectives
+    between blocks and the pipeline's cuts stay outside the compiled code."""
+    for block in model.layers.values():
+        block.compile(dynamic=False)

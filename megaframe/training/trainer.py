@@ -22,7 +22,7 @@ from megaframe.pipeline import p2p
 from megaframe.tracking import Tracker
 from megaframe.training.distributed import env_ranks, init_distributed, pick_device, shutdown
 from megaframe.training.evaluate import Evaluator
-from megaframe.training.metrics import flops_per_token, memory_figures, peak_flops
+from megaframe.training.metrics import flops_per_token, memory_figures, peak_flops, throughput_figures
 from megaframe.training.signals import StopFlag
 from megaframe.training.step import train_step
 
@@ -141,7 +141,7 @@ class Meter:
         self.t_last, self.steps = now, 0
         return {"step": step, "loss": loss, "lr": res.lr, "grad_norm": res.grad_norm.item(),
                 "tokens_per_s": tps, "consumed_samples": step * self.cfg.train.global_batch_size,
-                "mfu": tps * self.fpt / (self.peak * mesh.world) if self.peak else 0.0,
+                **throughput_figures(tps, self.fpt, mesh.world, self.peak),
                 **{f"comm_bytes/{g}": sent.get(g, 0) for g in ("tp", "pp", "dp")},
                 **memory_figures(model, optimizer, mesh.device)}
 
