@@ -6,12 +6,12 @@
 Both sides get the same model (hidden, layers, heads, GQA groups, ffn, vocab, seq, untied head,
 RMSNorm eps, RoPE theta), the same token batch (B x S synthetic tokens, next-token labels), the same
 optimizer (AdamW with the same lr/betas/eps/weight decay on matrices, global-norm clipping to 1.0;
-foreach kernels on CPU, fused on CUDA) and the same number of timed steps after the same warm-up.
+fused kernels on both sides, CPU and CUDA) and the same number of timed steps after the same warm-up.
 Repeats are interleaved (megaframe, peer, megaframe, peer, ...) so load drift hits both alike; the
 median tokens/s of each and their ratio are printed, with megaframe's MFU.
 
 The peer runs the way a transformers user trains: attn_implementation="sdpa", loss from
-F.cross_entropy on the logits, torch.nn.utils.clip_grad_norm_ (foreach), torch.optim.AdamW. On CUDA
+F.cross_entropy on the logits, torch.nn.utils.clip_grad_norm_ (foreach), torch.optim.AdamW(fused=True). On CUDA
 megaframe trains with train.precision=bf16 (bf16 params, fp32 master weights in its ZeRO optimizer)
 and the peer with bf16 autocast over fp32 params (the usual transformers bf16 recipe).
 --preset 1b is the GPU goal (conf/model/llama_1b.yaml: ~1.2B params, seq 2048).
@@ -77,9 +77,8 @@ def hf_side(cfg, device: torch.device):
     model = LlamaForCausalLM(hc).to(device).train()
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
-    kw = {"fused": True} if device.type == "cuda" else {"foreach": True}
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": WD}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=LR, betas=BETAS, eps=EPS, **kw)
+                            lr=LR, betas=BETAS, eps=EPS, fused=True)  # the kernel megaframe uses, CPU and CUDA
     autocast = torch.autocast("cuda", torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
 
     def step(ids_BS, labels_BS):
