@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from megaframe.config import ModelConfig
+from megaframe.layers.fused_ce import linear_cross_entropy
 from megaframe.layers.linear import ColumnParallelLinear, RowParallelLinear
 from megaframe.layers.norm import Norm
 from megaframe.layers.shard import Shard, init_model, sharded_param
@@ -106,6 +107,9 @@ class GPT(nn.Module):
 
     def head_output(self, x_SBD: torch.Tensor, labels_BS: torch.Tensor | None) -> torch.Tensor:
         x_SBD = self.final_norm(x_SBD)
+        if labels_BS is not None and self.mesh.tp.size == 1:  # head + loss fused, chunked: no full logits
+            weight_VD = self.embed.weight if self.cfg.tie_embeddings else self.head.weight
+            return linear_cross_entropy(x_SBD, weight_VD, labels_BS.t()).t()
         if self.cfg.tie_embeddings:
             logits_SBV = parallel_logits(x_SBD, self.embed.weight, self.mesh.tp, self.sp)
         else:
