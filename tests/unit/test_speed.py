@@ -96,3 +96,27 @@ def test_prefetcher_hands_out_the_same_batches_in_order():
                 assert torch.equal(a, c) and torch.equal(b, d)
     finally:
         pre.close()
+
+
+@pytest.mark.parametrize("chunk_elems", [1 << 21, 200])  # one chunk, and many uneven ones
+def test_fused_head_cross_entropy_equals_linear_then_cross_entropy(monkeypatch, chunk_elems):
+    import torch.nn.functional as F
+
+    from megaframe.layers import fused_ce
+
+    monkeypatch.setitem(fused_ce.CHUNK_ELEMS, "cpu", chunk_elems)
+    gen = torch.Generator().manual_seed(0)
+    x0, w0 = torch.randn(12, 3, 16, generator=gen), torch.randn(50, 16, generator=gen)
+    target, weights = torch.randint(0, 50, (12, 3), generator=gen), torch.rand(12, 3, generator=gen)
+    for upstream in (lambda loss: loss.sum() / 7, lambda loss: (loss * weights).sum()):  # uniform, per-token
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        xr, wr = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        loss = fused_ce.linear_cross_entropy(x, w, target)
+        ref = F.cross_entropy(F.linear(xr, wr).flatten(0, 1), target.flatten(), reduction="none").view(12, 3)
+        torch.testing.assert_close(loss, ref, rtol=1e-6, atol=1e-6)
+        upstream(loss).backward()
+        upstream(ref).backward()
+        torch.testing.assert_close(x.grad, xr.grad, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(w.grad, wr.grad, rtol=1e-5, atol=1e-7)
+    with torch.no_grad():
+        torch.testing.assert_close(fused_ce.linear_cross_entropy(x0, w0, target), ref.detach(), rtol=1e-6, atol=1e-6)
