@@ -145,7 +145,8 @@ def main() -> None:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench_vs_hf: --device cuda but CUDA is not available on this machine")
     args.preset = args.preset or ("1b" if args.device == "cuda" else "cpu")
-    args.batch = args.batch or (4 if args.preset == "1b" else 4)
+    # 1b: both models (with fp32 Adam state) and their activations share one 80 GB GPU
+    args.batch = args.batch or (2 if args.preset == "1b" else 4)
     args.seq = args.seq or (2048 if args.preset == "1b" else CPU_DIMS["seq_length"])
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)

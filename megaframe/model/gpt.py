@@ -84,7 +84,8 @@ class GPT(nn.Module):
         if stage.first and cfg.position_embedding == "learned":
             # replicated; under sp each rank adds the rows of its own sequence block
             self.pos_embed = sharded_param(Shard((cfg.seq_length, cfg.hidden_size)), device, tp_partial_grad=self.sp)
-        self.layers = nn.ModuleDict({str(i): Block(cfg, mesh, self.sp, device, recompute) for c in stage.chunks for i in c})
+        self.layers = nn.ModuleDict({str(i): Block(cfg, mesh, self.sp, device, recompute)
+                                     for c in stage.chunks for i in c})
         if stage.last:
             self.final_norm = Norm(cfg.norm, cfg.hidden_size, cfg.norm_eps, self.sp, device)
             if not cfg.tie_embeddings:
@@ -152,7 +153,7 @@ def build_model(cfg, mesh: Mesh) -> GPT:
 def compile_blocks(model: GPT) -> None:
     """torch.compile every transformer block in place (Module.compile keeps parameter names, so init,
     checkpoints and the optimizer's buffers see the same parameters). Per block, not the whole model:
-    the blocks are identical, so inductor compiles one graph and reuses it; the tp/sp collectives
-    between blocks and the pipeline's cuts stay outside the compiled code."""
+    the blocks are identical, so inductor compiles one graph and reuses it; the pipeline's cuts stay
+    outside, and the tp/sp collectives inside a block run eagerly between its compiled pieces (comm.py)."""
     for block in model.layers.values():
         block.compile(dynamic=False)
