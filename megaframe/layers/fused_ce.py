@@ -38,7 +38,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         loss_N = torch.empty(n, dtype=torch.float32, device=x_ND.device)
         grads = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         gx_ND = torch.empty_like(x_ND) if grads else None
-        gw_VD = torch.zeros_like(w_VD) if grads else None
+        gw_VD = torch.empty_like(w_VD) if grads else None  # the first chunk writes it: no zero fill
         for lo in range(0, n, c):
             x_CD, t_C = x_ND[lo:lo + c], target_N[lo:lo + c]
             if not grads:
@@ -47,7 +47,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 continue
             loss_N[lo:lo + c], grad_CV = _chunk_grads(x_CD, w_VD, t_C)
             torch.mm(grad_CV, w_VD, out=gx_ND[lo:lo + c])
-            gw_VD.addmm_(grad_CV.t(), x_CD)  # accumulate in place: no V x D temporary per chunk
+            if lo == 0:
+                torch.mm(grad_CV.t(), x_CD, out=gw_VD)
+            else:
+                gw_VD.addmm_(grad_CV.t(), x_CD)  # accumulate in place: no V x D temporary per chunk
         ctx.save_for_backward(x_ND, w_VD, target_N, gx_ND, gw_VD)
         return loss_N
 
@@ -62,7 +65,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         for lo in range(0, x_ND.shape[0], c):
             _, grad_CV = _chunk_grads(x_ND[lo:lo + c], w_VD, target_N[lo:lo + c], g_N[lo:lo + c].float())
             torch.mm(grad_CV, w_VD, out=gx_ND[lo:lo + c])
-            gw_VD.addmm_(grad_CV.t(), x_ND[lo:lo + c])
+            gw_VD.addmm_(grad_CV.t(), x_ND[lo:lo + c])  # (rare path: per-token weights)
         return gx_ND, gw_VD, None
 
 
