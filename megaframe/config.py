@@ -134,6 +134,13 @@ class TrainConfig:
     hang_timeout_s: float = 600.0
     """Hang watchdog: a rank making no step progress for this many seconds writes its Python stacks
     and last collectives to stderr and ${run.dir}/hang/rank{R}.txt, then exits with code 124; 0 = off."""
+    compile: bool = False
+    """torch.compile each transformer block (the first steps pay the compile time; the losses stay equal
+    up to float rounding). Works on CPU (inductor's C++ backend) and CUDA."""
+    recompute: str = "none"
+    """Activation recompute: none | selective (recompute the attention core, SDPA, in backward: Megatron's
+    selective mode, it saves the S x S-sized intermediates) | full (torch.utils.checkpoint per block: only
+    each block's input is kept). Trades compute for activation memory; losses are unchanged."""
 
 
 @dataclass
@@ -356,6 +363,8 @@ def validate(cfg: Config, world_size: int, check_data: bool = True) -> None:
     _req(cfg.optim.warmup_steps >= 0, f"optim.warmup_steps={cfg.optim.warmup_steps} must be >= 0")
     _req(cfg.optim.zero in (0, 1), f"optim.zero={cfg.optim.zero} must be 0 or 1")
     _req(cfg.optim.bucket_size_mb > 0, f"optim.bucket_size_mb={cfg.optim.bucket_size_mb} must be > 0")
+    _req(t.recompute in ("none", "selective", "full"),
+         f"train.recompute={t.recompute!r} must be none, selective or full")
     _req(t.precision in ("fp32", "bf16"), f"train.precision={t.precision!r} must be fp32 or bf16")
     _req(t.precision == "fp32" or cfg.optim.zero == 1,
          f"train.precision={t.precision} needs optim.zero=1 (its fp32 master weights live in the ZeRO optimizer)")

@@ -127,9 +127,39 @@ def microbatches(data, step: int, global_batch: int, micro_batch: int, dp_rank: 
         pos = range(first + m * micro_batch, first + (m + 1) * micro_batch)
         ids = [sample_index(p, data.num_samples, seed) if data.shuffle else p for p in pos]
         tokens = torch.from_numpy(np.stack([data[i] for i in ids]))
+        if torch.device(device).type == "cuda":  # page-locked: the copy below runs async to the host
+            tokens = tokens.pin_memory()
         tokens = tokens.to(device, non_blocking=True)
         out.append((tokens[:, :-1], tokens[:, 1:]))
     return out
+
+
+class Prefetcher:
+    """Reads step s+1's micro-batches on a background thread while step s computes.
+
+    `load(step)` returns a step's batches (microbatches(...) bound to the run); steps are asked for in
+    order from `first` to `last`. Reading is numpy memory-map work that releases the GIL; on CUDA the
+    tokens are pinned and copied with non_blocking=True on the thread's (default) stream, so the copy is
+    ordered before the step that uses it. What a step gets is exactly what `load` returns: the order of
+    samples and the losses do not change.
+    """
+
+    def __init__(self, load, first: int, last: int):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.load, self.last = load, last
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megaframe-data")
+        self.ahead = (first, self.pool.submit(load, first)) if first <= last else None
+
+    def get(self, step: int):
+        if self.ahead is None or self.ahead[0] != step:  # out of order (not the trainer's loop): read now
+            return self.load(step)
+        batches = self.ahead[1].result()  # re-raises a read error here, in the step that needs the data
+        self.ahead = (step + 1, self.pool.submit(self.load, step + 1)) if step < self.last else None
+        return batches
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
 
 
 def build_data(cfg, split: str = "train"):

@@ -68,12 +68,34 @@ class _VocabParallelCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_SB):
         softmax_SBV, local_SB, outside_SB = ctx.saved_tensors
-        grad_SBV = softmax_SBV.clone()
+        grad_SBV = softmax_SBV  # in place: the saved softmax is ours and backward runs once
         grad_SBV.scatter_add_(-1, local_SB.unsqueeze(-1), (outside_SB.float() - 1.0).unsqueeze(-1))
         grad_SBV.mul_(g_SB.unsqueeze(-1))
         return grad_SBV, None, None
 
 
+class _CrossEntropy(torch.autograd.Function):
+    """tp = 1: loss = -log_softmax(logits)[target] with torch's fused log_softmax (one pass over the
+    logits instead of max, subtract, exp, sum, divide). Backward turns the saved log-probabilities into
+    softmax - onehot in place: no new V-wide buffer, no zero-filled one-hot."""
+
+    @staticmethod
+    def forward(ctx, logits_SBV, target_SB):
+        logp_SBV = torch.log_softmax(logits_SBV.float(), dim=-1)
+        loss_SB = -logp_SBV.gather(-1, target_SB.unsqueeze(-1)).squeeze(-1)
+        ctx.save_for_backward(logp_SBV, target_SB)
+        return loss_SB
+
+    @staticmethod
+    def backward(ctx, g_SB):
+        logp_SBV, target_SB = ctx.saved_tensors
+        grad_SBV = logp_SBV.exp_()  # in place: backward runs once, nothing else reads the saved tensor
+        grad_SBV.scatter_add_(-1, target_SB.unsqueeze(-1), torch.full_like(g_SB, -1.0).unsqueeze(-1))
+        return grad_SBV.mul_(g_SB.unsqueeze(-1)), None
+
+
 def vocab_parallel_cross_entropy(logits_SBV: torch.Tensor, target_SB: torch.Tensor, tp: Axis) -> torch.Tensor:
     """Per-token loss_SB from vocab-split logits; equals F.cross_entropy on the gathered logits."""
+    if tp.size == 1:
+        return _CrossEntropy.apply(logits_SBV, target_SB)
     return _VocabParallelCE.apply(logits_SBV, target_SB, tp)

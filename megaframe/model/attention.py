@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from megaframe.config import ModelConfig
 from megaframe.layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -31,8 +32,9 @@ def apply_rope(x_BHSE: torch.Tensor, cos_SE: torch.Tensor, sin_SE: torch.Tensor)
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: Axis, sp: bool, device=None):
+    def __init__(self, cfg: ModelConfig, tp: Axis, sp: bool, device=None, recompute_core: bool = False):
         super().__init__()
+        self.recompute_core = recompute_core
         e = cfg.head_dim
         self.heads, self.groups, self.head_dim = cfg.num_attention_heads // tp.size, cfg.kv_heads // tp.size, e
         self.dropout = cfg.dropout
@@ -51,8 +53,17 @@ class Attention(nn.Module):
         if rope is not None:
             cos_SE, sin_SE = rope[0][:s], rope[1][:s]
             q_BHSE, k_BKSE = apply_rope(q_BHSE, cos_SE, sin_SE), apply_rope(k_BKSE, cos_SE, sin_SE)
-        o_BHSE = F.scaled_dot_product_attention(q_BHSE, k_BKSE, v_BKSE, is_causal=True,
-                                                dropout_p=self.dropout if self.training else 0.0,
-                                                enable_gqa=(h != k))
+        if self.recompute_core and self.training and torch.is_grad_enabled():
+            # selective recompute (Megatron): drop what SDPA saved for backward (probabilities, or the
+            # flash/efficient kernels' logsumexp) and re-run it in backward; RNG state is restored
+            o_BHSE = checkpoint(self._core, q_BHSE, k_BKSE, v_BKSE, use_reentrant=False)
+        else:
+            o_BHSE = self._core(q_BHSE, k_BKSE, v_BKSE)
         o_SBX = o_BHSE.permute(2, 0, 1, 3).reshape(s, b, h * e)
         return self.out_proj(o_SBX)
+
+    def _core(self, q_BHSE: torch.Tensor, k_BKSE: torch.Tensor, v_BKSE: torch.Tensor) -> torch.Tensor:
+        """Causal SDPA: is_causal and no mask tensor, so flash / memory-efficient kernels apply."""
+        return F.scaled_dot_product_attention(q_BHSE, k_BKSE, v_BKSE, is_causal=True,
+                                              dropout_p=self.dropout if self.training else 0.0,
+                                              enable_gqa=q_BHSE.shape[1] != k_BKSE.shape[1])

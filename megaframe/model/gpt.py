@@ -12,8 +12,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from megaframe.config import ModelConfig
+from megaframe.layers.fused_ce import linear_cross_entropy
 from megaframe.layers.linear import ColumnParallelLinear, RowParallelLinear
 from megaframe.layers.norm import Norm
 from megaframe.layers.shard import Shard, init_model, sharded_param
@@ -48,10 +50,11 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Attention and MLP with pre-norms; the MLP is a mixture of experts when cfg.num_experts > 0."""
 
-    def __init__(self, cfg: ModelConfig, mesh: Mesh, sp: bool, device=None, tokens_per_step: int | None = None):
+    def __init__(self, cfg: ModelConfig, mesh: Mesh, sp: bool, device=None, tokens_per_step: int | None = None,
+                 recompute: str = "none"):
         super().__init__()
         self.attn_norm = Norm(cfg.norm, cfg.hidden_size, cfg.norm_eps, sp, device)
-        self.attn = Attention(cfg, mesh.tp, sp, device)
+        self.attn = Attention(cfg, mesh.tp, sp, device, recompute_core=recompute == "selective")
         self.mlp_norm = Norm(cfg.norm, cfg.hidden_size, cfg.norm_eps, sp, device)
         if cfg.num_experts:
             self.mlp = MoE(cfg, mesh, sp, device, tokens_per_step)
@@ -75,9 +78,10 @@ class GPT(nn.Module):
     """
 
     def __init__(self, cfg: ModelConfig, mesh: Mesh, sp: bool = False, device=None, stage: Stage | None = None,
-                 tokens_per_step: int | None = None):
+                 tokens_per_step: int | None = None, recompute: str = "none"):
         super().__init__()
         self.cfg, self.mesh = cfg, mesh
+        self.recompute_blocks = recompute == "full"
         self.stage = stage = stage or Stage.whole(cfg.num_layers)
         self.sp = sp and mesh.tp.size > 1
         device = device or mesh.device
@@ -88,7 +92,7 @@ class GPT(nn.Module):
         if stage.first and cfg.position_embedding == "learned":
             # replicated; under sp each rank adds the rows of its own sequence block
             self.pos_embed = sharded_param(Shard((cfg.seq_length, cfg.hidden_size)), device, tp_partial_grad=self.sp)
-        self.layers = nn.ModuleDict({str(i): Block(cfg, mesh, self.sp, device, tokens_per_step)
+        self.layers = nn.ModuleDict({str(i): Block(cfg, mesh, self.sp, device, tokens_per_step, recompute)
                                      for c in stage.chunks for i in c})
         if stage.last:
             self.final_norm = Norm(cfg.norm, cfg.hidden_size, cfg.norm_eps, self.sp, device)
@@ -112,6 +116,9 @@ class GPT(nn.Module):
 
     def head_output(self, x_SBD: torch.Tensor, labels_BS: torch.Tensor | None) -> torch.Tensor:
         x_SBD = self.final_norm(x_SBD)
+        if labels_BS is not None and self.mesh.tp.size == 1:  # head + loss fused, chunked: no full logits
+            weight_VD = self.embed.weight if self.cfg.tie_embeddings else self.head.weight
+            return linear_cross_entropy(x_SBD, weight_VD, labels_BS.t()).t()
         if self.cfg.tie_embeddings:
             logits_SBV = parallel_logits(x_SBD, self.embed.weight, self.mesh.tp, self.sp)
         else:
@@ -125,8 +132,12 @@ class GPT(nn.Module):
         """One chunk: hidden states in, hidden states out (or loss_BS / logits on the last stage)."""
         if chunk == 0 and self.stage.first:
             x_SBD = self.embed_tokens(input_ids_BS)
+        full = self.recompute_blocks and self.training and torch.is_grad_enabled()
         for i in self.stage.chunks[chunk]:
-            x_SBD = self.layers[str(i)](x_SBD, self.rope)
+            if full:  # keep only the block's input; backward re-runs its forward (same RNG state: same dropout)
+                x_SBD = checkpoint(self.layers[str(i)], x_SBD, self.rope, use_reentrant=False)
+            else:
+                x_SBD = self.layers[str(i)](x_SBD, self.rope)
         if chunk == len(self.stage.chunks) - 1 and self.stage.last:
             return self.head_output(x_SBD, labels_BS)
         return x_SBD
@@ -141,6 +152,17 @@ def build_model(cfg, mesh: Mesh) -> GPT:
     p = cfg.parallel
     stage = stage_layout(cfg.model.num_layers, mesh.pp.size, p.vpp, mesh.pp.rank, p.pp_layout)
     model = GPT(cfg.model, mesh, p.sp, stage=stage,
-                tokens_per_step=cfg.train.global_batch_size * cfg.model.seq_length)
+                tokens_per_step=cfg.train.global_batch_size * cfg.model.seq_length, recompute=cfg.train.recompute)
     model.init_weights(cfg.train.seed)
+    if cfg.train.compile:
+        compile_blocks(model)
     return model
+
+
+def compile_blocks(model: GPT) -> None:
+    """torch.compile every transformer block in place (Module.compile keeps parameter names, so init,
+    checkpoints and the optimizer's buffers see the same parameters). Per block, not the whole model:
+    the blocks are identical, so inductor compiles one graph and reuses it; the pipeline's cuts stay
+    outside, and the tp/sp collectives inside a block run eagerly between its compiled pieces (comm.py)."""
+    for block in model.layers.values():
+        block.compile(dynamic=False)

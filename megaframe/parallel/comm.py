@@ -198,24 +198,30 @@ class _ReduceScatterToSP(torch.autograd.Function):
         return all_gather_dim0(g, ctx.axis), None
 
 
+# The collectives run eagerly even inside a torch.compile'd block (train.compile): dynamo would guard
+# on the byte counters and recompile every step. At size 1 they are the identity and compile away.
+_eager = {f: torch.compiler.disable(f.apply) for f in (_CopyToTP, _ReduceFromTP, _ScatterToSP, _GatherFromSP,
+                                                      _ReduceScatterToSP)}
+
+
 def copy_to_tp(x: torch.Tensor, axis: Axis) -> torch.Tensor:
-    return x if axis.size == 1 else _CopyToTP.apply(x, axis)
+    return x if axis.size == 1 else _eager[_CopyToTP](x, axis)
 
 
 def reduce_from_tp(x: torch.Tensor, axis: Axis) -> torch.Tensor:
-    return x if axis.size == 1 else _ReduceFromTP.apply(x, axis)
+    return x if axis.size == 1 else _eager[_ReduceFromTP](x, axis)
 
 
 def scatter_to_sp(x: torch.Tensor, axis: Axis) -> torch.Tensor:
-    return x if axis.size == 1 else _ScatterToSP.apply(x, axis)
+    return x if axis.size == 1 else _eager[_ScatterToSP](x, axis)
 
 
 def gather_from_sp(x: torch.Tensor, axis: Axis) -> torch.Tensor:
-    return x if axis.size == 1 else _GatherFromSP.apply(x, axis)
+    return x if axis.size == 1 else _eager[_GatherFromSP](x, axis)
 
 
 def reduce_scatter_to_sp(x: torch.Tensor, axis: Axis) -> torch.Tensor:
-    return x if axis.size == 1 else _ReduceScatterToSP.apply(x, axis)
+    return x if axis.size == 1 else _eager[_ReduceScatterToSP](x, axis)
 
 
 def all_to_all_counts(counts: torch.Tensor, axis: Axis) -> torch.Tensor:

@@ -1,13 +1,32 @@
 """Figures a user checks a run by: model FLOPs per token (for MFU) and per-rank memory.
 
-FLOPs per token of one training step (forward + backward = 3x forward), PaLM/Megatron convention:
+MFU definition (one, used everywhere: metrics.jsonl, bench_vs_hf, describe()):
 
-    6 * N_matmul + 12 * L * S * (H * E)
+    mfu = tokens_per_s * flops_per_token / (world_size * peak_flops_per_device)
+    tflops_per_device = tokens_per_s * flops_per_token / world_size / 1e12
 
-N_matmul counts the weights of every matmul a token passes through (qkv, out_proj, MLP, output head;
-the input embedding is a lookup and is not counted). The attention core (QK^T and AV) costs
-2 * 2 * S * H*E per token per layer forward for full attention; we count it full, without the causal
-1/2 discount, so MFU is comparable with published figures (causal=True halves that term).
+flops_per_token = 3 * forward FLOPs per token (backward = 2x forward: grads of inputs and of
+weights), PaLM / Megatron "model FLOPs": what the model needs, never what an implementation spends
+(activation recompute, padding, communication and the optimizer are not counted):
+
+    flops_per_token = 6 * N_matmul + 12 * L * S * (H * E)
+
+  N_matmul  weights of every matmul one token passes through, per layer
+              attention  D * (H + 2 * K) * E   fused QKV, GQA: K kv heads of dim E   (K = H: MHA)
+                         H * E * D             output projection
+              MLP        3 * D * F             SwiGLU (gate, up, down)   | 2 * D * F  GELU (up, down)
+              MoE        top_k * (3 | 2) * D * F_moe + D * num_experts   only the top_k experts a
+                         token is routed to, plus the router (F_moe = model.moe_ffn_hidden_size, else F)
+            plus the output head V * D (counted tied or not: the logits matmul runs either way); the
+            input embedding is a lookup and is not counted; norms, biases, RoPE, softmax are ignored.
+  attention core  QK^T and AV: 2 matmuls x 2 FLOPs x S x (H * E) per token per layer forward, so
+            3 * 4 = 12 * L * S * H * E per token for the step. Counted FULL (the whole S x S score
+            matrix), without the causal 1/2 discount, as Megatron-LM and the PaLM appendix do, so MFU is
+            comparable with published figures (`causal=True` gives the halved count).
+
+For a dense GPT-3-style model (F = 4D, H * E = D) this is Megatron-LM's 72 * B * S * L * D^2 *
+(1 + S / (6 D) + V / (12 L D)) per B*S tokens (Korthikanti et al. 2022, eq. for model FLOPs), and
+PaLM's 6N + 12 * L * H * Q * T (Chowdhery et al. 2022, appendix B); tests/unit check both.
 """
 from __future__ import annotations
 
@@ -23,19 +42,33 @@ GPU_PEAK = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10
 
 
 def matmul_params(cfg: ModelConfig) -> int:
+    """N_matmul of the module docstring: matmul weights one token meets (MoE: only its top_k experts)."""
     d, e = cfg.hidden_size, cfg.head_dim
     attn = d * (cfg.num_attention_heads + 2 * cfg.kv_heads) * e + cfg.num_attention_heads * e * d
-    mlp = (3 if cfg.activation == "swiglu" else 2) * d * cfg.ffn_hidden_size
+    per_expert = 3 if cfg.activation == "swiglu" else 2
+    if cfg.num_experts > 0:
+        f_moe = getattr(cfg, "moe_ffn_hidden_size", None) or cfg.ffn_hidden_size
+        mlp = cfg.moe_top_k * per_expert * d * f_moe + d * cfg.num_experts  # active experts + router
+    else:
+        mlp = per_expert * d * cfg.ffn_hidden_size
     return cfg.num_layers * (attn + mlp) + cfg.vocab_size * d
 
 
 def flops_per_token(cfg: ModelConfig, causal: bool = False) -> float:
+    """Model FLOPs per trained token (forward + backward), the module docstring's formula."""
     attn_core = 12 * cfg.num_layers * cfg.seq_length * cfg.num_attention_heads * cfg.head_dim
     return 6 * matmul_params(cfg) + (attn_core / 2 if causal else attn_core)
 
 
+def throughput_figures(tokens_per_s: float, fpt: float, world: int, peak: float) -> dict[str, float]:
+    """`tflops_per_device` (model TFLOP/s per rank) and `mfu` (0 when the peak is unknown)."""
+    per_device = tokens_per_s * fpt / world
+    return {"tflops_per_device": per_device / 1e12, "mfu": per_device / peak if peak else 0.0}
+
+
 def peak_flops(device: torch.device) -> float:
-    """Peak FLOP/s of one device: a table for GPUs; on CPU a short fp32 matmul measurement."""
+    """Peak FLOP/s of one device: dense bf16 from GPU_PEAK by torch.cuda device name (0 = unknown: mfu
+    is logged as 0); on CPU the best fp32 matmul rate measured here (a practical, not a datasheet, peak)."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         return next((v for k, v in GPU_PEAK.items() if k in name), 0.0)

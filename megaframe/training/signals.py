@@ -22,23 +22,30 @@ class StopFlag:
 
     def __init__(self):
         self.signum: int | None = None
+        self.group = None  # the gloo group the flag is reduced over (set at the first agreed())
         self.previous = {s: signal.signal(s, self._handle) for s in SIGNALS}
 
     def _handle(self, signum, frame) -> None:
         self.signum = signum
 
     def agreed(self, mesh: Mesh) -> bool:
-        """Whether any rank has been signalled; collective over the mesh (a host sync)."""
+        """Whether any rank has been signalled; collective over the mesh.
+
+        The flag is a CPU tensor reduced over a gloo group (the mesh's own on CPU, a gloo twin of it on
+        CUDA, made at the first call, which every rank reaches at the same step): the host waits only
+        for the other hosts, never for the GPU's queue, so the step loop keeps no device sync."""
         import torch  # not at import time: train.py installs the flag before torch is loaded
         import torch.distributed as dist
 
         if mesh.group is None:
             return self.signum is not None
-        flag = torch.tensor([0.0 if self.signum is None else 1.0], device=mesh.device)
+        if self.group is None:
+            self.group = mesh.group if mesh.device.type == "cpu" else dist.new_group(backend="gloo")
+        flag = torch.tensor([0.0 if self.signum is None else 1.0])
         entry = mesh.stats.record("all_reduce(stop flag)", "world", range(mesh.world), flag.shape, flag.dtype, 4)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=mesh.group)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         entry["done"] = True
-        return bool(flag.item())
+        return bool(flag.item())  # a CPU tensor: no device sync
 
     def restore(self) -> None:
         for s, handler in self.previous.items():

@@ -12,7 +12,7 @@ import torch
 from megaframe.checkpoint import sharded
 from megaframe.checkpoint.async_save import AsyncSaver
 from megaframe.config import Config, ConfigError
-from megaframe.data.dataset import build_data, data_state, microbatches
+from megaframe.data.dataset import Prefetcher, build_data, data_state, microbatches
 from megaframe.layers.shard import param_seed
 from megaframe.model.gpt import build_model
 from megaframe.model.moe import stats as moe_stats
@@ -24,7 +24,7 @@ from megaframe.tracking import Tracker
 from megaframe.training.distributed import env_ranks, init_distributed, pick_device, shutdown
 from megaframe.training.evaluate import Evaluator
 from megaframe.training.faults import Injector
-from megaframe.training.metrics import flops_per_token, memory_figures, peak_flops
+from megaframe.training.metrics import flops_per_token, memory_figures, peak_flops, throughput_figures
 from megaframe.training.signals import StopFlag
 from megaframe.training.step import train_step
 from megaframe.training.straggler import StragglerProbe
@@ -64,21 +64,23 @@ def train(cfg: Config, mesh: Mesh, stop: StopFlag) -> None:
     tracker = Tracker(cfg, cfg.run.dir, mesh.is_logger, cfg.train.max_steps)
     meter = Meter(cfg, mesh)
     saver = AsyncSaver(mesh) if cfg.checkpoint.async_save else None
-    bad = BadSteps(cfg.train.max_bad_steps, mesh.rank == 0)
+    # on CUDA the grad norms are read (a host sync) only at log steps; on CPU reading is free
+    bad = BadSteps(cfg.train.max_bad_steps, mesh.rank == 0, defer=mesh.device.type == "cuda")
     t = cfg.train
     probe = StragglerProbe(injector(mesh.rank))
     watchdog = Watchdog(t.hang_timeout_s, mesh.rank, cfg.run.dir, mesh.stats).start()
+    loader = Prefetcher(lambda s: microbatches(data, s - 1, t.global_batch_size, t.micro_batch_size, mesh.dp.rank,
+                                               mesh.dp.size, t.seed, mesh.device), start + 1, t.max_steps)
     try:
         for step in range(start + 1, t.max_steps + 1):
             watchdog.beat(step)
             mesh.stats.pop()  # count only this step's bytes
             # dropout RNG is a function of (seed, step, rank): resume needs no RNG state
             torch.manual_seed(param_seed(t.seed, f"dropout/step{step}/rank{mesh.rank}"))
-            batches = microbatches(data, step - 1, t.global_batch_size, t.micro_batch_size, mesh.dp.rank,
-                                   mesh.dp.size, t.seed, mesh.device)
+            batches = loader.get(step)  # read while the previous step computed
             res = train_step(model, optimizer, batches, mesh, cfg, step, probe)
             meter.steps += 1
-            bad.check(step, res.grad_norm)
+            bad.check(step, res.grad_norm, flush=step % t.log_interval == 0 or step == t.max_steps)
             val = None
             if evaluator is not None and evaluator.due(step):
                 t0 = time.perf_counter()
@@ -104,6 +106,7 @@ def train(cfg: Config, mesh: Mesh, stop: StopFlag) -> None:
             saver.wait()
     finally:
         watchdog.stop()
+        loader.close()
         stop.restore()
         tracker.finish()
 
@@ -121,13 +124,26 @@ class TrainingError(RuntimeError):
 
 
 class BadSteps:
-    """Counts optimizer steps skipped for a non-finite grad norm; too many in a row end the run."""
+    """Counts optimizer steps skipped for a non-finite grad norm; too many in a row end the run.
 
-    def __init__(self, limit: int, verbose: bool):
-        self.limit, self.verbose, self.in_a_row, self.total = limit, verbose, 0, 0
+    The optimizer skips such steps on the device; with `defer` the norms are only read (one host sync
+    for all of them) at flush steps, so a warning or the stop comes at the next log step."""
 
-    def check(self, step: int, grad_norm: torch.Tensor) -> None:
-        if math.isfinite(grad_norm.item()):  # .item() syncs; the optimizer synced on it already
+    def __init__(self, limit: int, verbose: bool, defer: bool = False):
+        self.limit, self.verbose, self.defer, self.in_a_row, self.total = limit, verbose, defer, 0, 0
+        self.pending: list[tuple[int, torch.Tensor]] = []
+
+    def check(self, step: int, grad_norm: torch.Tensor, flush: bool = True) -> None:
+        self.pending.append((step, grad_norm))
+        if self.defer and not flush:
+            return
+        norms = torch.stack([n for _, n in self.pending]).tolist()  # syncs the device, once for all pending
+        steps, self.pending = [s for s, _ in self.pending], []
+        for s, norm in zip(steps, norms):
+            self._count(s, norm)
+
+    def _count(self, step: int, norm: float) -> None:
+        if math.isfinite(norm):
             self.in_a_row = 0
             return
         self.in_a_row, self.total = self.in_a_row + 1, self.total + 1
@@ -158,7 +174,7 @@ class Meter:
         self.t_last, self.steps = now, 0
         return {"step": step, "loss": loss, "lr": res.lr, "grad_norm": res.grad_norm.item(),
                 "tokens_per_s": tps, "consumed_samples": step * self.cfg.train.global_batch_size,
-                "mfu": tps * self.fpt / (self.peak * mesh.world) if self.peak else 0.0,
+                **throughput_figures(tps, self.fpt, mesh.world, self.peak),
                 **{f"comm_bytes/{g}": sent.get(g, 0) for g in ("tp", "pp", "dp", "ep")},
                 **memory_figures(model, optimizer, mesh.device), **self.moe(step, model)}
 

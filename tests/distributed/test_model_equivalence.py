@@ -46,3 +46,24 @@ def test_layout_matches_one_process(pool, family, tp, dp, sp):
 def test_loss_falls_on_synthetic(pool):
     ref = reference(pool, "gpt_tiny")
     assert ref["losses"][-1] < ref["losses"][0]
+
+
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_recompute_under_tp2_sp_matches_one_process(pool, recompute):
+    """Recompute re-runs the blocks' forward collectives in backward; every tp rank does so in step."""
+    ref = reference(pool, "gpt_tiny")
+    over = ["parallel.tp=2", "parallel.sp=true", f"train.recompute={recompute}"]
+    got = pool.run(train_and_report, 2, over, STEPS, tp=2)[0]
+    rel = [abs(a - b) / abs(b) for a, b in zip(got["losses"], ref["losses"])]
+    assert max(rel) <= 1e-5, (got["losses"], ref["losses"])
+    assert_close_dicts(got["grads"], ref["grads"], rtol=1e-4, atol=1e-6, what="grad")
+
+
+def test_compile_under_tp2_sp_matches_one_process(pool):
+    """Compiled blocks with the tp/sp collectives left eager between the compiled pieces."""
+    ref = reference(pool, "gpt_tiny")
+    over = ["parallel.tp=2", "parallel.sp=true", "train.compile=true"]
+    got = pool.run(train_and_report, 2, over, STEPS, tp=2)[0]
+    rel = [abs(a - b) / abs(b) for a, b in zip(got["losses"], ref["losses"])]
+    assert max(rel) <= 1e-5, (got["losses"], ref["losses"])
+    assert_close_dicts(got["grads"], ref["grads"], rtol=1e-4, atol=1e-5, what="grad")

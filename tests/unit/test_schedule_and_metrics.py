@@ -119,3 +119,56 @@ def test_matmul_params_equal_the_models_matmul_weights(name):
     n = sum(p.numel() for k, p in model.named_parameters()
             if p.dim() == 2 and k != "pos_embed" and (k != "embed.weight" or m.tie_embeddings))
     assert matmul_params(m) == n
+
+
+# ---------------------------------------------------------------- published FLOPs figures
+
+def test_megatron_gpt3_175b_model_flops():
+    """Korthikanti et al. 2022 (and Narayanan et al. 2021 without recompute): model FLOPs per iteration
+    72 * B * s * L * h^2 * (1 + s / (6h) + V / (12 L h)) for GPT-3 175B (L=96, h=12288, s=2048, V=51200)."""
+    L, h, s, V = 96, 12288, 2048, 51200
+    m = ModelConfig(num_layers=L, hidden_size=h, num_attention_heads=96, ffn_hidden_size=4 * h, seq_length=s,
+                    vocab_size=V, norm="layernorm", activation="gelu", position_embedding="learned",
+                    tie_embeddings=True, bias=True)
+    assert matmul_params(m) / 1e9 == pytest.approx(174.6, abs=0.05)  # the paper's "175B" (biases, norms aside)
+    per_token = 72 * L * h**2 * (1 + s / (6 * h) + V / (12 * L * h))
+    assert flops_per_token(m) == pytest.approx(per_token, rel=1e-12)
+    # the 96 * B*s*L*h^2 * (1 + s/6h + V/16Lh) form counts a 4th (recompute) forward of the layers, not the head
+    hardware = 96 * L * h**2 * (1 + s / (6 * h) + V / (16 * L * h))
+    assert hardware == pytest.approx(4 / 3 * (flops_per_token(m) - 6 * V * h) + 6 * V * h, rel=1e-12)
+
+
+@pytest.mark.parametrize("L,d,H,billions", [(32, 4096, 16, 8.63), (64, 8192, 32, 62.50)])
+def test_palm_params_and_flops(L, d, H, billions):
+    """PaLM 8B and 62B (Chowdhery et al. 2022, table 1: SwiGLU, multi-query, head dim Q=256, shared
+    256k embedding): their parameter counts, and appendix B's model FLOPs per token 6N + 12 * L * H * Q * T."""
+    Q, T = 256, 2048
+    m = ModelConfig(num_layers=L, hidden_size=d, num_attention_heads=H, num_query_groups=1, ffn_hidden_size=4 * d,
+                    seq_length=T, vocab_size=256_000, tie_embeddings=True)
+    assert m.head_dim == Q
+    n = matmul_params(m)
+    assert n / 1e9 == pytest.approx(billions, abs=0.005)
+    assert flops_per_token(m) == 6 * n + 12 * L * H * Q * T
+
+
+def test_moe_counts_only_active_experts_and_router():
+    dense_m = dense(activation="swiglu", tie_embeddings=False)
+    moe = dense(activation="swiglu", tie_embeddings=False, num_experts=8, moe_top_k=2)
+    d, f, L = 64, 256, 2
+    assert matmul_params(moe) - matmul_params(dense_m) == L * (3 * d * f + d * 8)  # a 2nd expert + router
+    moe.moe_ffn_hidden_size = 128  # the MoE branch's key (read with getattr until it lands)
+    assert matmul_params(moe) - matmul_params(dense_m) == L * (2 * 3 * d * 128 - 3 * d * f + d * 8)
+    # Mixtral 8x7B: ~12.9B active params per token, of which ~12.5B in matmuls besides the input embedding
+    mix = ModelConfig(num_layers=32, hidden_size=4096, num_attention_heads=32, num_query_groups=8,
+                      ffn_hidden_size=14336, vocab_size=32000, num_experts=8, moe_top_k=2)
+    active = matmul_params(mix) + 32000 * 4096 + 32 * 2 * 4096 + 4096  # + input embedding and norms
+    assert active / 1e9 == pytest.approx(12.9, abs=0.05)
+
+
+def test_throughput_figures():
+    from megaframe.training.metrics import throughput_figures
+
+    out = throughput_figures(1000.0, 6e9, 2, 989e12)
+    assert out["tflops_per_device"] == pytest.approx(3.0)
+    assert out["mfu"] == pytest.approx(3e12 / 989e12)
+    assert throughput_figures(1000.0, 6e9, 2, 0.0)["mfu"] == 0.0

@@ -1,0 +1,76 @@
+"""Output head and cross-entropy in one pass over token chunks (tp = 1): full logits never exist.
+
+Legend: N tokens (S*B flattened), D hidden, V vocab, C tokens per chunk.
+Forward, per chunk of C tokens: logits_CV = x_CD @ W^T, log-softmax, the token losses, and right away
+their gradient (softmax - onehot): grad_x_CD = g_CV @ W and grad_W += g_CV^T @ x_CD. Only grad_x_ND
+and grad_W_VD (parameter-sized) outlive the chunk, so the V-wide buffers stay cache-sized (CPU) or a
+bounded slice of memory (GPU: a 128k vocab at 8k tokens would be 4 GiB of fp32 logits, twice).
+Same FLOPs as head + cross-entropy, no recompute. Backward only scales the saved grads by the loss's
+upstream grad: exact when that is one value for every token (the trainer's loss is a plain sum, whose
+grad arrives as an expanded scalar), otherwise it recomputes chunk by chunk with the per-token weights.
+"""
+from __future__ import annotations
+
+import torch
+
+CHUNK_ELEMS = {"cpu": 1 << 21, "cuda": 1 << 26}  # logits elements per chunk: 8 MiB on CPU, 256 MiB on GPU
+
+
+def _chunk_tokens(n: int, vocab: int, device: torch.device) -> int:
+    return max(1, min(n, CHUNK_ELEMS.get(device.type, 1 << 22) // vocab))
+
+
+def _chunk_grads(x_CD, w_VD, target_C, g_C=None):
+    """(loss_C, grad_logits_CV) of one chunk; grad_logits is softmax - onehot (times g_C if given)."""
+    logp_CV = torch.log_softmax((x_CD @ w_VD.t()).float(), dim=-1)
+    loss_C = -logp_CV.gather(-1, target_C.unsqueeze(-1)).squeeze(-1)
+    grad_CV = logp_CV.exp_()  # in place: the log-probabilities are not needed once the loss is picked
+    grad_CV.scatter_add_(-1, target_C.unsqueeze(-1), torch.full_like(loss_C, -1.0).unsqueeze(-1))
+    if g_C is not None:
+        grad_CV.mul_(g_C.unsqueeze(-1))
+    return loss_C, grad_CV.to(w_VD.dtype)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_ND, w_VD, target_N):
+        n, c = x_ND.shape[0], _chunk_tokens(x_ND.shape[0], w_VD.shape[0], x_ND.device)
+        loss_N = torch.empty(n, dtype=torch.float32, device=x_ND.device)
+        grads = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        gx_ND = torch.empty_like(x_ND) if grads else None
+        gw_VD = torch.empty_like(w_VD) if grads else None  # the first chunk writes it: no zero fill
+        for lo in range(0, n, c):
+            x_CD, t_C = x_ND[lo:lo + c], target_N[lo:lo + c]
+            if not grads:
+                logp_CV = torch.log_softmax((x_CD @ w_VD.t()).float(), dim=-1)
+                loss_N[lo:lo + c] = -logp_CV.gather(-1, t_C.unsqueeze(-1)).squeeze(-1)
+                continue
+            loss_N[lo:lo + c], grad_CV = _chunk_grads(x_CD, w_VD, t_C)
+            torch.mm(grad_CV, w_VD, out=gx_ND[lo:lo + c])
+            if lo == 0:
+                torch.mm(grad_CV.t(), x_CD, out=gw_VD)
+            else:
+                gw_VD.addmm_(grad_CV.t(), x_CD)  # accumulate in place: no V x D temporary per chunk
+        ctx.save_for_backward(x_ND, w_VD, target_N, gx_ND, gw_VD)
+        return loss_N
+
+    @staticmethod
+    def backward(ctx, g_N):
+        x_ND, w_VD, target_N, gx_ND, gw_VD = ctx.saved_tensors
+        if g_N.numel() == 1 or g_N.stride(0) == 0:  # one upstream grad for all tokens: scale, no sync
+            scale = g_N.reshape(-1)[0]
+            return gx_ND.mul_(scale), gw_VD.mul_(scale), None
+        c = _chunk_tokens(x_ND.shape[0], w_VD.shape[0], x_ND.device)  # per-token weights: recompute
+        gw_VD.zero_()
+        for lo in range(0, x_ND.shape[0], c):
+            _, grad_CV = _chunk_grads(x_ND[lo:lo + c], w_VD, target_N[lo:lo + c], g_N[lo:lo + c].float())
+            torch.mm(grad_CV, w_VD, out=gx_ND[lo:lo + c])
+            gw_VD.addmm_(grad_CV.t(), x_ND[lo:lo + c])  # (rare path: per-token weights)
+        return gx_ND, gw_VD, None
+
+
+def linear_cross_entropy(x_SBD: torch.Tensor, weight_VD: torch.Tensor, target_SB: torch.Tensor) -> torch.Tensor:
+    """Per-token loss_SB of logits x @ W^T against target (tp = 1); equals F.cross_entropy on the logits."""
+    s, b, d = x_SBD.shape
+    loss_N = _LinearCrossEntropy.apply(x_SBD.reshape(s * b, d), weight_VD, target_SB.reshape(s * b))
+    return loss_N.view(s, b)
