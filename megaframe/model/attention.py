@@ -25,10 +25,11 @@ def rope_tables(seq: int, dim: int, theta: float, device=None) -> tuple[torch.Te
     return ang.cos(), ang.sin()
 
 
-def apply_rope(x_BHSE: torch.Tensor, cos_SE: torch.Tensor, sin_SE: torch.Tensor) -> torch.Tensor:
-    half = x_BHSE.shape[-1] // 2
-    rotated = torch.cat([-x_BHSE[..., half:], x_BHSE[..., :half]], dim=-1)
-    return x_BHSE * cos_SE.to(x_BHSE.dtype) + rotated * sin_SE.to(x_BHSE.dtype)
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE on the last dim (E); cos/sin broadcast against x (e.g. [S, 1, 1, E] for x_SBHE)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -47,12 +48,13 @@ class Attention(nn.Module):
         s, b = qkv_SBX.shape[:2]
         h, k, e = self.heads, self.groups, self.head_dim
         q, kk, v = qkv_SBX.split([h * e, k * e, k * e], dim=-1)
-        q_BHSE = q.view(s, b, h, e).permute(1, 2, 0, 3)
-        k_BKSE = kk.view(s, b, k, e).permute(1, 2, 0, 3)
+        q_SBHE, k_SBKE = q.view(s, b, h, e), kk.view(s, b, k, e)
+        if rope is not None:  # before the permute: rows of E stay contiguous, so the rotation streams
+            cos_S11E, sin_S11E = rope[0][:s, None, None, :], rope[1][:s, None, None, :]
+            q_SBHE, k_SBKE = apply_rope(q_SBHE, cos_S11E, sin_S11E), apply_rope(k_SBKE, cos_S11E, sin_S11E)
+        q_BHSE = q_SBHE.permute(1, 2, 0, 3)
+        k_BKSE = k_SBKE.permute(1, 2, 0, 3)
         v_BKSE = v.view(s, b, k, e).permute(1, 2, 0, 3)
-        if rope is not None:
-            cos_SE, sin_SE = rope[0][:s], rope[1][:s]
-            q_BHSE, k_BKSE = apply_rope(q_BHSE, cos_SE, sin_SE), apply_rope(k_BKSE, cos_SE, sin_SE)
         if self.recompute_core and self.training and torch.is_grad_enabled():
             # selective recompute (Megatron): drop what SDPA saved for backward (probabilities, or the
             # flash/efficient kernels' logsumexp) and re-run it in backward; RNG state is restored
