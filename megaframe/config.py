@@ -163,7 +163,8 @@ class OptimConfig:
     """Adam epsilon."""
     zero: int = 1
     """1: ZeRO-1 distributed optimizer (AdamW state sharded over dp, grads reduce-scattered in buckets
-    during backward, params all-gathered after the step; at dp=1 it only adds the flat buffers).
+    during backward, params all-gathered after the step; with one dp rank and fp32 params there is nothing to shard,
+    so the replicated optimizer runs instead).
     0: replicated AdamW with a plain all-reduce of grads after backward (for comparison)."""
     bucket_size_mb: float = 25.0
     """ZeRO grad bucket size in MiB of fp32 grads: one reduce-scatter per bucket, launched as soon as
