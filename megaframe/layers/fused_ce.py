@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from megaframe.layers.vocab import log_softmax_nll, nll_grad_
+
 CHUNK_ELEMS = {"cpu": 1 << 21, "cuda": 1 << 26}  # logits elements per chunk: 8 MiB on CPU, 256 MiB on GPU
 
 
@@ -22,13 +24,9 @@ def _chunk_tokens(n: int, vocab: int, device: torch.device) -> int:
 
 def _chunk_grads(x_CD, w_VD, target_C, g_C=None):
     """(loss_C, grad_logits_CV) of one chunk; grad_logits is softmax - onehot (times g_C if given)."""
-    logp_CV = torch.log_softmax((x_CD @ w_VD.t()).float(), dim=-1)
-    loss_C = -logp_CV.gather(-1, target_C.unsqueeze(-1)).squeeze(-1)
-    grad_CV = logp_CV.exp_()  # in place: the log-probabilities are not needed once the loss is picked
-    grad_CV.scatter_add_(-1, target_C.unsqueeze(-1), torch.full_like(loss_C, -1.0).unsqueeze(-1))
-    if g_C is not None:
-        grad_CV.mul_(g_C.unsqueeze(-1))
-    return loss_C, grad_CV.to(w_VD.dtype)
+    logp_CV, loss_C = log_softmax_nll(x_CD @ w_VD.t(), target_C)
+    # in place: the log-probabilities are not needed once the loss is picked
+    return loss_C, nll_grad_(logp_CV, target_C, g_C).to(w_VD.dtype)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -42,8 +40,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         for lo in range(0, n, c):
             x_CD, t_C = x_ND[lo:lo + c], target_N[lo:lo + c]
             if not grads:
-                logp_CV = torch.log_softmax((x_CD @ w_VD.t()).float(), dim=-1)
-                loss_N[lo:lo + c] = -logp_CV.gather(-1, t_C.unsqueeze(-1)).squeeze(-1)
+                loss_N[lo:lo + c] = log_softmax_nll(x_CD @ w_VD.t(), t_C)[1]
                 continue
             loss_N[lo:lo + c], grad_CV = _chunk_grads(x_CD, w_VD, t_C)
             torch.mm(grad_CV, w_VD, out=gx_ND[lo:lo + c])

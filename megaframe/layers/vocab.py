@@ -74,24 +74,34 @@ class _VocabParallelCE(torch.autograd.Function):
         return grad_SBV, None, None
 
 
+def log_softmax_nll(logits_XV: torch.Tensor, target_X: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp32 log-probabilities, per-token loss = -logp[target]) with torch's fused log_softmax (one pass
+    over the logits instead of max, subtract, exp, sum, divide). X: any leading token dims."""
+    logp_XV = torch.log_softmax(logits_XV.float(), dim=-1)
+    return logp_XV, -logp_XV.gather(-1, target_X.unsqueeze(-1)).squeeze(-1)
+
+
+def nll_grad_(logp_XV: torch.Tensor, target_X: torch.Tensor, g_X: torch.Tensor | None = None) -> torch.Tensor:
+    """The loss's grad w.r.t. the logits, softmax - onehot (times g_X), written over logp_XV in place:
+    no new V-wide buffer, no zero-filled one-hot. The caller must not need logp afterwards."""
+    grad_XV = logp_XV.exp_()
+    grad_XV.scatter_add_(-1, target_X.unsqueeze(-1), grad_XV.new_full((*target_X.shape, 1), -1.0))
+    return grad_XV if g_X is None else grad_XV.mul_(g_X.unsqueeze(-1))
+
+
 class _CrossEntropy(torch.autograd.Function):
-    """tp = 1: loss = -log_softmax(logits)[target] with torch's fused log_softmax (one pass over the
-    logits instead of max, subtract, exp, sum, divide). Backward turns the saved log-probabilities into
-    softmax - onehot in place: no new V-wide buffer, no zero-filled one-hot."""
+    """tp = 1: loss = -log_softmax(logits)[target]; backward reuses the saved log-probabilities."""
 
     @staticmethod
     def forward(ctx, logits_SBV, target_SB):
-        logp_SBV = torch.log_softmax(logits_SBV.float(), dim=-1)
-        loss_SB = -logp_SBV.gather(-1, target_SB.unsqueeze(-1)).squeeze(-1)
+        logp_SBV, loss_SB = log_softmax_nll(logits_SBV, target_SB)
         ctx.save_for_backward(logp_SBV, target_SB)
         return loss_SB
 
     @staticmethod
     def backward(ctx, g_SB):
         logp_SBV, target_SB = ctx.saved_tensors
-        grad_SBV = logp_SBV.exp_()  # in place: backward runs once, nothing else reads the saved tensor
-        grad_SBV.scatter_add_(-1, target_SB.unsqueeze(-1), torch.full_like(g_SB, -1.0).unsqueeze(-1))
-        return grad_SBV.mul_(g_SB.unsqueeze(-1)), None
+        return nll_grad_(logp_SBV, target_SB, g_SB), None  # in place: backward runs once
 
 
 def vocab_parallel_cross_entropy(logits_SBV: torch.Tensor, target_SB: torch.Tensor, tp: Axis) -> torch.Tensor:

@@ -37,6 +37,7 @@ from torch import nn
 
 from megaframe.config import OptimConfig
 from megaframe.optim.buffer import Bucket, FlatBuffer
+from megaframe.optim.build import adamw
 from megaframe.optim.grads import counts_in_norm
 from megaframe.parallel import comm
 from megaframe.parallel.mesh import Mesh
@@ -91,7 +92,6 @@ class ZeroOptimizer:
     def _build_state(self) -> None:
         """Flat moments (and master) per buffer; torch AdamW over 1-D segment views of them."""
         device = self.mesh.device
-        fused = True  # one vectorized kernel per tensor: on CPU ~6x faster than foreach (torch >= 2.4)
         self.states, self._segs_of, groups, pre = [], {}, ([], []), []
         for buf in self.buffers:
             n = buf.state_numel
@@ -110,11 +110,7 @@ class ZeroOptimizer:
                 step = torch.zeros((), dtype=torch.float32, device=device)
                 pre.append((weights, {"step": step, "exp_avg": st.exp_avg[lo:hi], "exp_avg_sq": st.exp_avg_sq[lo:hi]}))
                 self._segs_of.setdefault(seg.param, []).append((seg, weights))
-        c = self.cfg
-        param_groups = [{"params": ps, "weight_decay": wd} for ps, wd in zip(groups, (c.weight_decay, 0.0)) if ps]
-        kwargs = {"fused": True}
-        self.adam = torch.optim.AdamW(param_groups, lr=c.lr, betas=(c.beta1, c.beta2), eps=c.eps,
-                                      **kwargs) if param_groups else None
+        self.adam = adamw(*groups, self.cfg, device) if any(groups) else None
         for weights, s in pre:  # torch AdamW keeps state it finds: point it at our flat moments
             self.adam.state[weights] = s
         self._shard_grads = [buf.shard(buf.grad, b) for buf in self.buffers for b in buf.buckets]

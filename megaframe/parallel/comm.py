@@ -231,8 +231,9 @@ def all_to_all_counts(counts: torch.Tensor, axis: Axis) -> torch.Tensor:
         return counts
     counts = counts.contiguous()
     out = torch.empty_like(counts)
-    axis.stats.add(axis.name, (axis.size - 1) / axis.size * _nbytes(counts))
-    dist.all_to_all_single(out, counts, group=axis.group)
+    entry = _enter(axis, "all_to_all_counts", counts, (axis.size - 1) / axis.size * _nbytes(counts))
+    if entry is not None:
+        _done(entry, dist.all_to_all_single(out, counts, group=axis.group))
     return out
 
 
@@ -244,9 +245,10 @@ def all_to_all_rows(x: torch.Tensor, axis: Axis, out_splits: list[int], in_split
     x = x.contiguous()
     out = x.new_empty((sum(out_splits), *x.shape[1:]))
     row = x.element_size() * math.prod(x.shape[1:])
-    axis.stats.add(axis.name, (sum(in_splits) - in_splits[axis.rank]) * row)
-    dist.all_to_all_single(out, x, output_split_sizes=list(out_splits), input_split_sizes=list(in_splits),
-                           group=axis.group)
+    entry = _enter(axis, "all_to_all", x, (sum(in_splits) - in_splits[axis.rank]) * row)
+    if entry is not None:
+        _done(entry, dist.all_to_all_single(out, x, output_split_sizes=list(out_splits),
+                                            input_split_sizes=list(in_splits), group=axis.group))
     return out
 
 

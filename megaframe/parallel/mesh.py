@@ -21,6 +21,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -45,11 +46,19 @@ class CommStats:
         self.sent[group] = self.sent.get(group, 0) + int(nbytes)
 
     def record(self, op: str, group: str, ranks, shape, dtype, nbytes: int) -> dict:
-        """Note a collective as it is entered; the caller sets entry['done'] once a blocking call returns."""
+        """Note a collective as it is entered; entry['done'] is set once a blocking call returns (see
+        `noting`) or an async one's Work is waited for (comm._done)."""
         entry = {"op": op, "group": group, "ranks": tuple(ranks), "shape": tuple(shape), "dtype": str(dtype),
                  "bytes": int(nbytes), "t": time.time(), "done": False, "async": False}
         self.recent.append(entry)
         return entry
+
+    @contextmanager
+    def noting(self, op: str, group: str, ranks, shape, dtype, nbytes: int):
+        """`with stats.noting(...):` around a blocking collective: recorded on entry, done on return."""
+        entry = self.record(op, group, ranks, shape, dtype, nbytes)
+        yield entry
+        entry["done"] = True
 
     def last(self, n: int = RECENT_COLLECTIVES) -> list[dict]:
         """The newest n entries, oldest first (safe to call from another thread)."""
@@ -154,6 +163,13 @@ def build_mesh(tp: int, pp: int, device: torch.device, ranks: Optional[Sequence[
                 world=world, device=device, stats=stats, group=everyone, ep=axes.get("ep"), edp=axes.get("edp"))
 
 
+def expert_groups(dp_members: Sequence[int], ep: int) -> tuple[list[list[int]], list[list[int]]]:
+    """(ep groups, edp groups) of one dp group's ranks: dp_rank = ep_rank + ep * edp_rank."""
+    dp_members = list(dp_members)
+    return ([dp_members[j:j + ep] for j in range(0, len(dp_members), ep)],
+            [dp_members[e::ep] for e in range(ep)])
+
+
 def _expert_axes(axes: dict, me, stats, initialized: bool, grid, pp, dp, tp, ep) -> None:
     """ep groups: dp ranks [j*ep, (j+1)*ep) of each dp group; edp groups: dp ranks congruent mod ep.
     Reuses the dp group where an axis spans all of dp (ep = dp: ep; ep = 1: edp)."""
@@ -161,9 +177,8 @@ def _expert_axes(axes: dict, me, stats, initialized: bool, grid, pp, dp, tp, ep)
         return
     edp = dp // ep
     for p, t in itertools.product(range(pp), range(tp)):
-        dp_members = [grid[(p, d, t)] for d in range(dp)]
-        for name, size, blocks in (("ep", ep, [dp_members[j * ep:(j + 1) * ep] for j in range(edp)]),
-                                   ("dp", edp, [dp_members[e::ep] for e in range(ep)])):
+        ep_blocks, edp_blocks = expert_groups([grid[(p, d, t)] for d in range(dp)], ep)
+        for name, size, blocks in (("ep", ep, ep_blocks), ("dp", edp, edp_blocks)):
             for members in blocks:
                 if size == dp and me in members:
                     group = axes["dp"].group  # this axis is the whole dp group

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from megaframe.parallel.mesh import Axis, CommStats, Mesh
+from megaframe.parallel.mesh import Axis, CommStats, Mesh, expert_groups
 
 
 def virtual_mesh(tp: int, pp: int, dp: int, tp_rank: int = 0, pp_rank: int = 0, dp_rank: int = 0,
@@ -32,9 +32,8 @@ def virtual_mesh(tp: int, pp: int, dp: int, tp_rank: int = 0, pp_rank: int = 0, 
     ends_axis = axis("pp", 2, ends.index(me), ends) if pp > 1 and me in ends else axis("pp", 1, 0, [me])
     ep_axis = edp_axis = None
     if ep > 1:
-        dp_members = list(dp_axis.ranks)
-        block = dp_rank // ep
-        ep_axis = axis("ep", ep, dp_rank % ep, dp_members[block * ep:(block + 1) * ep])
-        edp_axis = axis("dp", dp // ep, block, dp_members[dp_rank % ep::ep])
+        ep_blocks, edp_blocks = expert_groups(dp_axis.ranks, ep)
+        ep_axis = axis("ep", ep, dp_rank % ep, ep_blocks[dp_rank // ep])
+        edp_axis = axis("dp", dp // ep, dp_rank // ep, edp_blocks[dp_rank % ep])
     return Mesh(tp=tp_axis, pp=pp_axis, dp=dp_axis, pp_ends=ends_axis, rank=me, world=tp * pp * dp,
                 device=torch.device(device), stats=stats, group=None, ep=ep_axis, edp=edp_axis)

@@ -41,11 +41,11 @@ def exchange(pp: Axis, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[
         pp.stats.add(pp.name, t.numel() * t.element_size())
     if not ops:
         return []
-    entry = pp.stats.record(f"p2p send{[p for _, p in sends]} recv{[p for _, p in recvs]}", pp.name, pp.ranks,
-                            (sends or recvs)[0][0].shape, (sends or recvs)[0][0].dtype,
-                            sum(t.numel() * t.element_size() for t, _ in sends + recvs))
-    works = dist.batch_isend_irecv(ops)
-    for w in works[len(sends):]:
-        w.wait()
-    entry["done"] = True  # the receives arrived; sends may still be in flight
+    first = (sends or recvs)[0][0]
+    # noted done once the receives arrived; the sends may still be in flight
+    with pp.stats.noting(f"p2p send{[p for _, p in sends]} recv{[p for _, p in recvs]}", pp.name, pp.ranks,
+                         first.shape, first.dtype, sum(t.numel() * t.element_size() for t, _ in sends + recvs)):
+        works = dist.batch_isend_irecv(ops)
+        for w in works[len(sends):]:
+            w.wait()
     return works[:len(sends)]

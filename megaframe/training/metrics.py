@@ -47,8 +47,7 @@ def matmul_params(cfg: ModelConfig) -> int:
     attn = d * (cfg.num_attention_heads + 2 * cfg.kv_heads) * e + cfg.num_attention_heads * e * d
     per_expert = 3 if cfg.activation == "swiglu" else 2
     if cfg.num_experts > 0:
-        f_moe = getattr(cfg, "moe_ffn_hidden_size", None) or cfg.ffn_hidden_size
-        mlp = cfg.moe_top_k * per_expert * d * f_moe + d * cfg.num_experts  # active experts + router
+        mlp = cfg.moe_top_k * per_expert * d * cfg.expert_ffn + d * cfg.num_experts  # active experts + router
     else:
         mlp = per_expert * d * cfg.ffn_hidden_size
     return cfg.num_layers * (attn + mlp) + cfg.vocab_size * d

@@ -42,9 +42,8 @@ class StopFlag:
         if self.group is None:
             self.group = mesh.group if mesh.device.type == "cpu" else dist.new_group(backend="gloo")
         flag = torch.tensor([0.0 if self.signum is None else 1.0])
-        entry = mesh.stats.record("all_reduce(stop flag)", "world", range(mesh.world), flag.shape, flag.dtype, 4)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        entry["done"] = True
+        with mesh.stats.noting("all_reduce(stop flag)", "world", range(mesh.world), flag.shape, flag.dtype, 4):
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         return bool(flag.item())  # a CPU tensor: no device sync
 
     def restore(self) -> None:

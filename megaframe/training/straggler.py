@@ -49,9 +49,8 @@ class StragglerProbe:
             every = local
         else:
             every = torch.empty(mesh.world, dtype=torch.float64, device=mesh.device)
-            entry = mesh.stats.record("all_gather(straggler)", "world", range(mesh.world), local.shape, local.dtype, 8)
-            dist.all_gather_into_tensor(every, local, group=mesh.group)
-            entry["done"] = True
+            with mesh.stats.noting("all_gather(straggler)", "world", range(mesh.world), local.shape, local.dtype, 8):
+                dist.all_gather_into_tensor(every, local, group=mesh.group)
         values = every.tolist()
         slowest = max(range(len(values)), key=values.__getitem__)
         return {"straggler/compute_s_min": min(values), "straggler/compute_s_max": values[slowest],
