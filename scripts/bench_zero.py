@@ -46,7 +46,6 @@ def _build(mesh, overrides: list[str], overlap):
 
 def _timed_step(model, opt, batches, mesh, cfg, step: int) -> tuple[float, float]:
     """train_step split in two: (zero_grad + forward/backward, optimizer step) wall seconds."""
-    from megaframe.optim.grads import sync_tied_grads
     from megaframe.pipeline.executor import run_schedule
     from megaframe.training.step import rank_schedule
 
@@ -54,7 +53,6 @@ def _timed_step(model, opt, batches, mesh, cfg, step: int) -> tuple[float, float
     opt.zero_grad()
     run_schedule(rank_schedule(cfg, mesh, len(batches)), model, batches, mesh, opt,
                  cfg.train.global_batch_size * cfg.model.seq_length)
-    sync_tied_grads(model, mesh)
     t1 = time.perf_counter()
     opt.step(cfg.optim.lr)
     return t1 - t0, time.perf_counter() - t1

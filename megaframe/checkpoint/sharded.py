@@ -7,7 +7,8 @@ Layout on disk:
                                                                    each shard's file, key, dim and ranges
     ${checkpoint.dir}/latest                                       name of the newest committed step folder
 
-A tensor slice is written once: by dp rank 0, and for tp-replicated tensors by tp rank 0 only.
+A tensor slice is written once, by the rank holding replica (0, 0, 0) of it (its Placement: tp copy 0,
+not the pipeline duplicate, data-parallel rank 0).
 Ranges are (global offset, local offset, length) along the split dim, so a fused [q|k|v] slice is
 three ranges. A checkpoint is committed by renaming its temporary folder after metadata.json (written
 last, fsynced) exists; `latest` is replaced atomically afterwards. Loading rebuilds each logical tensor
@@ -43,33 +44,32 @@ def _fsync_write(path: Path, text: str) -> None:
 
 
 def _owned_tensors(model, optimizer, mesh: Mesh) -> dict[str, tuple[torch.Tensor, object]]:
-    """key -> (local tensor, Shard) for the slices this rank writes.
+    """key -> (local tensor, Shard) for the slices this rank writes (placement.writes_checkpoint).
 
-    Every dp rank asks for the optimizer state (a ZeRO optimizer all-gathers its dp-sharded moments
-    there, a collective); only dp rank 0 writes."""
+    Every rank of a data-parallel group that saves a parameter asks for its optimizer state (a ZeRO
+    optimizer all-gathers its dp-sharded moments there, a collective); only replica 0 writes."""
     out = {}
     for name, p in model.named_parameters():
-        if (not p.shard.tp_split and mesh.tp.rank != 0) or getattr(p, "pp_duplicate", False):
+        if not p.placement.in_checkpoint(mesh):
             continue
         state = optimizer.logical_state(p)
-        # experts differ over ep: the first rank of each edp group writes its experts' slice
-        if (mesh.edp if p.shard.expert else mesh.dp).rank != 0:
+        if not p.placement.writes_checkpoint(mesh):
             continue
-        out[f"model/{name}"] = (p.detach(), p.shard)
+        out[f"model/{name}"] = (p.detach(), p.placement.shard)
         for k, t in state.items():
-            out[f"optim/{k}/{name}"] = (t, p.shard)
-    for name, b, shard in state_buffers(model):  # replicated state outside autograd (the MoE expert bias)
-        if mesh.tp.rank == 0 and mesh.dp.rank == 0:
-            out[f"model/{name}"] = (b.detach(), shard)
+            out[f"optim/{k}/{name}"] = (t, p.placement.shard)
+    for name, b, placement in state_buffers(model):  # state outside autograd (the MoE expert bias)
+        if placement.writes_checkpoint(mesh):
+            out[f"model/{name}"] = (b.detach(), placement.shard)
     return out
 
 
 def state_buffers(model) -> list[tuple[str, torch.Tensor, object]]:
-    """(global name, tensor, Shard) of buffers that are model state, saved and loaded like parameters.
-    A module declares them in `state_shards` ({buffer name: Shard}): a tag on the tensor itself would be
-    lost when model.to() replaces buffers."""
-    return [(f"{prefix}.{n}" if prefix else n, getattr(m, n), shard) for prefix, m in model.named_modules()
-            for n, shard in getattr(m, "state_shards", {}).items()]
+    """(global name, tensor, Placement) of buffers that are model state, saved and loaded like parameters.
+    A module declares them in `state_placements` ({buffer name: Placement}): a tag on the tensor itself
+    would be lost when model.to() replaces buffers."""
+    return [(f"{prefix}.{n}" if prefix else n, getattr(m, n), pl) for prefix, m in model.named_modules()
+            for n, pl in getattr(m, "state_placements", {}).items()]
 
 
 def _barrier(mesh: Mesh) -> None:
@@ -232,14 +232,15 @@ def load_into(path: str | Path, model, optimizer=None) -> dict:
     """Fill this rank's parameter (and Adam moment) slices from a checkpoint of any layout."""
     meta = read_metadata(path)
     for name, p in model.named_parameters():
-        p.copy_(p.shard.local(load_full(path, f"model/{name}", meta)).to(p.device, p.dtype))
+        shard = p.placement.shard
+        p.copy_(shard.local(load_full(path, f"model/{name}", meta)).to(p.device, p.dtype))
         if optimizer is None or f"optim/exp_avg/{name}" not in meta["tensors"]:
             continue
         # "master": fp32 master weights of a bf16 run (written by the ZeRO optimizer)
-        moments = {k: p.shard.local(load_full(path, f"optim/{k}/{name}", meta))
+        moments = {k: shard.local(load_full(path, f"optim/{k}/{name}", meta))
                    for k in ("exp_avg", "exp_avg_sq", "master") if f"optim/{k}/{name}" in meta["tensors"]}
         optimizer.load_logical_state(p, moments, int(meta["step"]))
-    for name, b, shard in state_buffers(model):  # absent in checkpoints of runs without it: keep the init value
+    for name, b, placement in state_buffers(model):  # absent in checkpoints of runs without it: keep the init value
         if f"model/{name}" in meta["tensors"]:
-            b.copy_(shard.local(load_full(path, f"model/{name}", meta)).to(b.device, b.dtype))
+            b.copy_(placement.shard.local(load_full(path, f"model/{name}", meta)).to(b.device, b.dtype))
     return meta

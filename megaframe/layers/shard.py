@@ -1,7 +1,7 @@
 """How each local parameter is cut from its global tensor, and layout-free initialisation.
 
-Every parameter carries a `Shard` (as `param.shard`): the global shape, the split dim, and the fused
-sub-blocks along it. A fused QKV weight of a GQA model is [q | k | v] along dim 0 with unequal sizes;
+Every parameter carries a `Placement` (parallel/placement.py, as `param.placement`) whose `shard` is a
+`Shard`: the global shape, the split dim, and the fused sub-blocks along it. A fused QKV weight of a GQA model is [q | k | v] along dim 0 with unequal sizes;
 each block is split over tp separately, so rank r holds [q_r | k_r | v_r] and its heads line up.
 The same description drives init (build the full tensor, keep the slice), checkpoint metadata (global
 shape and every slice's offset) and reassembly of full tensors.
@@ -15,6 +15,8 @@ from typing import Optional
 
 import torch
 from torch import nn
+
+from megaframe.parallel.placement import Placement
 
 
 @dataclass(frozen=True)
@@ -58,11 +60,6 @@ class Shard:
         return out
 
     @property
-    def tp_split(self) -> bool:
-        """Whether tp ranks hold different slices (else the tensor is replicated over tp)."""
-        return self.dim is not None and self.axis == "tp"
-
-    @property
     def expert(self) -> bool:
         """Expert weights: split over ep, reduced and ZeRO-sharded over edp instead of dp."""
         return self.axis == "ep"
@@ -82,15 +79,13 @@ class Shard:
             full.narrow(self.dim, g, n).copy_(local.narrow(self.dim, l, n))
 
 
-def sharded_param(shard: Shard, device, dtype=torch.float32, tp_partial_grad: bool = False) -> nn.Parameter:
-    """An uninitialised parameter of the shard's local shape, tagged with its Shard.
-
-    tp_partial_grad marks a tp-replicated parameter whose gradient is partial on each tp rank (it sees
-    only that rank's sequence block under sp); its grads are summed over tp before the optimizer step.
-    """
+def sharded_param(shard: Shard, device, dtype=torch.float32, tp_partial_grad: bool = False,
+                  pp_tied: bool = False, pp_duplicate: bool = False) -> nn.Parameter:
+    """An uninitialised parameter of the shard's local shape, with its `Placement` (the flags are its
+    fields: tp_partial_grad for a tp-replicated parameter whose grad is partial on each tp rank under sp,
+    pp_tied / pp_duplicate for a tied embedding's copies on the pipeline ends)."""
     p = nn.Parameter(torch.empty(shard.local_shape, device=device, dtype=dtype))
-    p.shard = shard
-    p.tp_partial_grad = tp_partial_grad
+    p.placement = Placement(shard, tp_partial_grad, pp_tied, pp_duplicate)
     return p
 
 
@@ -145,8 +140,8 @@ def init_model(model: nn.Module, seed: int, std: float, num_layers: int) -> None
     for name, p in model.named_parameters():
         if p.is_meta:  # a planning model: shapes only, and building a full 8B tensor would take minutes
             continue
-        full = full_init_param(name, p.shard, seed, std, num_layers)
-        p.copy_(p.shard.local(full).to(p.device, p.dtype))
+        full = full_init_param(name, p.placement.shard, seed, std, num_layers)
+        p.copy_(p.placement.shard.local(full).to(p.device, p.dtype))
 
 
 def gather_full(local: torch.Tensor, shard: Shard, axis) -> torch.Tensor:

@@ -18,10 +18,12 @@ from megaframe.parallel.mesh import Axis
 class VocabParallelEmbedding(nn.Module):
     """Lookup in this rank's vocab rows, zero elsewhere, then sum over tp (reduce-scatter over seq under sp)."""
 
-    def __init__(self, vocab: int, dim: int, tp: Axis, sp: bool, device=None):
+    def __init__(self, vocab: int, dim: int, tp: Axis, sp: bool, device=None, pp_tied: bool = False,
+                 pp_duplicate: bool = False):
         super().__init__()
         self.tp, self.sp = tp, sp
-        self.weight = sharded_param(Shard((vocab, dim), 0, (vocab,), tp.rank, tp.size), device)
+        self.weight = sharded_param(Shard((vocab, dim), 0, (vocab,), tp.rank, tp.size), device,
+                                    pp_tied=pp_tied, pp_duplicate=pp_duplicate)
         self.start = tp.rank * (vocab // tp.size)
         self.end = self.start + vocab // tp.size
 

@@ -73,7 +73,8 @@ class GPT(nn.Module):
     forward(input_ids_BS) -> logits_BSV (this rank's vocab rows); with labels_BS -> per-token loss_BS.
     forward_chunk runs one pipeline chunk: embedding first on stage 0, head and loss last on the
     last stage. With tied embeddings the last stage keeps its own copy of `embed.weight` (same
-    name, same init); its grads are summed with stage 0's and it is tagged `pp_duplicate`.
+    name, same init); its grads are summed with stage 0's: its placement is pp_tied, the last stage's
+    copy the pp_duplicate.
     `tokens_per_step` (global batch x seq) scales MoE router losses like the LM loss (see moe/layer.py).
     """
 
@@ -87,8 +88,9 @@ class GPT(nn.Module):
         device = device or mesh.device
         tp = mesh.tp
         if stage.first or (stage.last and cfg.tie_embeddings):
-            self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, self.sp, device)
-            self.embed.weight.pp_duplicate = not stage.first
+            tied = cfg.tie_embeddings and mesh.pp_ends.size > 1  # a copy on each pipeline end
+            self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, self.sp, device,
+                                                pp_tied=tied, pp_duplicate=tied and not stage.first)
         if stage.first and cfg.position_embedding == "learned":
             # replicated; under sp each rank adds the rows of its own sequence block
             self.pos_embed = sharded_param(Shard((cfg.seq_length, cfg.hidden_size)), device, tp_partial_grad=self.sp)

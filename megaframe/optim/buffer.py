@@ -1,6 +1,6 @@
 """Contiguous gradient and parameter buffers, cut into buckets, and this dp rank's ranges of them.
 
-Layout of one buffer (there is one per parameter dtype):
+Layout of one buffer (there is one per parameter dtype and data-parallel axis, `buffer_groups`):
 
     params in reverse order of model.parameters() (roughly the order backward finishes them), whole
     params only, packed into buckets of at least `bucket_bytes` of fp32 grads; each bucket is padded
@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+
+from megaframe.parallel.mesh import Axis, Mesh
 
 
 @dataclass
@@ -82,6 +84,23 @@ def plan_buckets(numels: list[int], bucket_elems: int, dp: int) -> list[tuple[li
     return out
 
 
+def buffer_groups(params: list[nn.Parameter], mesh: Mesh) -> list[tuple[Axis, list[nn.Parameter]]]:
+    """(data axis, params) of each buffer, in order of first appearance: one per (dtype, data axis of the
+    placement). Expert params are sharded and reduced over edp (the dp ranks holding the same experts),
+    dense ones over the whole dp group. The trainer's optimizer and the planner both build from this."""
+    groups: dict[tuple, tuple[Axis, list[nn.Parameter]]] = {}
+    for p in params:
+        axis = p.placement.data_axis(mesh)
+        groups.setdefault((p.dtype, p.placement.expert), (axis, []))[1].append(p)
+    return list(groups.values())
+
+
+def bucket_plan(params: list[nn.Parameter], bucket_bytes: int, dp: int) -> tuple[list, list]:
+    """(params in buffer order, plan_buckets of them): the layout FlatBuffer allocates."""
+    ordered = params[::-1]  # backward finishes the last layers first
+    return ordered, plan_buckets([p.numel() for p in ordered], max(1, bucket_bytes // 4), dp)
+
+
 class FlatBuffer:
     """The grad buffer (fp32) and param buffer (params' dtype) of params sharing one dtype, bucketed
     and split over dp as described above. Re-points every param's storage into the param buffer."""
@@ -91,8 +110,7 @@ class FlatBuffer:
         self.dtype = params[0].dtype
         self.dp_rank, self.dp_size = dp_rank, dp_size
         device = params[0].device
-        ordered = params[::-1]  # backward finishes the last layers first
-        plan = plan_buckets([p.numel() for p in ordered], max(1, bucket_bytes // 4), dp_size)
+        ordered, plan = bucket_plan(params, bucket_bytes, dp_size)
         self.numel = plan[-1][2] if plan else 0
         self.state_numel = self.numel // dp_size
         self.grad = torch.zeros(self.numel, dtype=torch.float32, device=device)

@@ -5,8 +5,9 @@ Every optimizer here offers:
     zero_grad()                       before a step's first micro-batch
     backward_context(is_last)         around each micro-batch's backward; is_last marks the final
                                       backward of a parameter set (where reductions may start early)
-    step(lr) -> grad_norm             reduce grads, global norm, clip, update; a non-finite norm
-                                      skips the update (the trainer counts such steps)
+    step(lr) -> grad_norm             finalize.py's one path (tied copies, dp, tp partials, norm,
+                                      clip), then the update; a non-finite norm skips the update
+                                      (the trainer counts such steps)
     logical_state(p) / load_logical_state(p, state, step)
                                       Adam moments shaped like p's local slice (checkpoints)
     memory_bytes()                    mem/grads_bytes and mem/optim_bytes of this rank
@@ -19,18 +20,11 @@ import torch
 from torch import nn
 
 from megaframe.config import OptimConfig
-from megaframe.optim.grads import clip_grads, finalize_grads, grad_norm
+from megaframe.optim.adamw import MOMENTS, adamw
+from megaframe.optim.finalize import finalize
+from megaframe.optim.grads import ReplicatedGrads
+from megaframe.optim.zero import ZeroOptimizer
 from megaframe.parallel.mesh import Mesh
-
-MOMENTS = ("exp_avg", "exp_avg_sq")
-
-
-def adamw(params_decay, params_no_decay, cfg: OptimConfig, device: torch.device) -> torch.optim.AdamW:
-    """Weight decay on matrices only (never norms or biases). Fused kernels on CUDA and on CPU (on CPU
-    ~6x faster than foreach); they also take `found_inf`, which skips a step without a host sync."""
-    groups = [{"params": ps, "weight_decay": wd}
-              for ps, wd in ((params_decay, cfg.weight_decay), (params_no_decay, 0.0)) if ps]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=True)
 
 
 class PlainOptimizer:
@@ -40,6 +34,7 @@ class PlainOptimizer:
         self.model, self.cfg, self.mesh = model, cfg, mesh
         params = list(model.parameters())
         self.adam = adamw([p for p in params if p.ndim >= 2], [p for p in params if p.ndim < 2], cfg, mesh.device)
+        self.grads = ReplicatedGrads(model, mesh)
 
     def zero_grad(self) -> None:
         self.adam.zero_grad(set_to_none=True)
@@ -48,9 +43,7 @@ class PlainOptimizer:
         return contextlib.nullcontext()
 
     def step(self, lr: float) -> torch.Tensor:
-        finalize_grads(self.model, self.mesh)
-        norm = grad_norm(self.model, self.mesh)
-        clip_grads(self.model, norm, self.cfg.clip_grad)
+        norm = finalize(self.grads, self.mesh, self.cfg.clip_grad)
         for group in self.adam.param_groups:
             group["lr"] = lr
         self.adam.found_inf = (~torch.isfinite(norm)).float()  # a NaN/Inf skips the update, no host sync
@@ -95,8 +88,6 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, mesh: Mesh):
     per-parameter hooks (~3% of a CPU step in scripts/bench_vs_hf.py)."""
     fp32 = all(p.dtype == torch.float32 for p in model.parameters())
     if cfg.zero and not (mesh.dp.size == 1 and fp32):
-        from megaframe.optim.zero import ZeroOptimizer
-
         return ZeroOptimizer(model, cfg, mesh)
     assert fp32, "optim.zero=0 needs fp32 parameters"
     return PlainOptimizer(model, cfg, mesh)

@@ -12,17 +12,19 @@ One step:
                and frees it). Inside backward_context(is_last=True) the same hook marks the param
                ready; the hook that completes a bucket launches its async reduce-scatter over dp, so
                communication of the last layers' grads runs while earlier layers still compute.
-  step(lr)     launch what backward did not (buckets with an unused param, or `late` ones: the tied
-               embedding, summed over the pipeline ends by the caller after backward), wait for
+  step(lr)     optim/finalize.py's one path, with this optimizer as its GradSource: sum the tied
+               embedding over the pipeline ends (its bucket is `late`: never launched from backward),
+               launch what backward did not (buckets with an unused param, or late ones), wait for
                everything in flight, sum tp-partial grads over tp (sequence-parallel norms: on this
-               rank's range only), global grad norm, clip, AdamW on the owned range, then all-gather
-               the updated param buckets over dp.
+               rank's range only), global grad norm, clip; then AdamW on the owned range, and the
+               all-gather of the updated param buckets over dp.
 The all-gather is NOT overlapped with the next forward: step() waits for it, so parameters are whole
 when it returns (checkpointing, evaluation and the pipeline need nothing special). Megatron overlaps it
 by waiting per bucket in forward pre-hooks; on gloo/CPU it would buy little.
 
 Grad norm: each element is counted once. Ranges are disjoint over dp, so squares are summed over dp;
-over tp and pp `counts_in_norm` drops tp-replicated copies on tp ranks > 0 and pipeline duplicates.
+over tp and pp `Placement.counts_in_norm` drops tp-replicated copies on tp ranks > 0 and pipeline
+duplicates.
 Weight decay applies to matrices only (p.ndim >= 2). The update itself is torch.optim.AdamW run on
 1-D views of the owned range (segments), so the math is exactly torch's (decoupled decay, bias
 correction) and zero=1 equals zero=0 elementwise.
@@ -36,13 +38,12 @@ import torch
 from torch import nn
 
 from megaframe.config import OptimConfig
-from megaframe.optim.buffer import Bucket, FlatBuffer
-from megaframe.optim.build import adamw
-from megaframe.optim.grads import counts_in_norm
+from megaframe.optim.adamw import MOMENTS, adamw
+from megaframe.optim.buffer import Bucket, FlatBuffer, bucket_plan, buffer_groups
+from megaframe.optim.finalize import finalize
 from megaframe.parallel import comm
 from megaframe.parallel.mesh import Mesh
-
-MOMENTS = ("exp_avg", "exp_avg_sq")
+from megaframe.parallel.placement import Placement
 
 
 @dataclass
@@ -58,6 +59,7 @@ class _State:
 class ZeroOptimizer:
     """The optimizer interface of build.py (zero_grad, backward_context, step, logical_state,
     load_logical_state, memory_bytes) with ZeRO-1 sharding over mesh.dp (expert params: over mesh.edp).
+    Also the finalize.GradSource of its step: grads reduce-scattered, so `sharded`.
 
     overlap=False launches every reduce-scatter in step() instead of from backward hooks (benchmarks).
     """
@@ -65,17 +67,11 @@ class ZeroOptimizer:
     def __init__(self, model: nn.Module, cfg: OptimConfig, mesh: Mesh, overlap: bool = True):
         self.model, self.cfg, self.mesh, self.overlap = model, cfg, mesh, overlap
         self.params = [p for p in model.parameters() if p.requires_grad]
-        # the tied embedding's grad is summed over the pipeline ends after backward: reduce it late
-        late = {id(p) for p in self.params if hasattr(p, "pp_duplicate")} if mesh.pp_ends.size > 1 else set()
-        # one buffer per (dtype, dense | expert): expert params are sharded and reduced over edp (the dp
-        # ranks holding the same experts), dense ones over the whole dp group
-        by_kind: dict[tuple, list[nn.Parameter]] = {}
-        for p in self.params:
-            by_kind.setdefault((p.dtype, p.shard.expert), []).append(p)
+        # a tied embedding's grad is first summed over the pipeline ends (finalize): reduce it late
+        late = {id(p) for p in self.params if p.placement.pp_tied}
         bucket_bytes = int(cfg.bucket_size_mb * 2**20)
         self.buffers = []
-        for (_, expert), ps in by_kind.items():
-            axis = mesh.edp if expert else mesh.dp
+        for axis, ps in buffer_groups(self.params, mesh):
             buf = FlatBuffer(ps, bucket_bytes, axis.rank, axis.size, late)
             buf.axis = axis
             self.buffers.append(buf)
@@ -113,12 +109,9 @@ class ZeroOptimizer:
         self.adam = adamw(*groups, self.cfg, device) if any(groups) else None
         for weights, s in pre:  # torch AdamW keeps state it finds: point it at our flat moments
             self.adam.state[weights] = s
-        self._shard_grads = [buf.shard(buf.grad, b) for buf in self.buffers for b in buf.buckets]
-        segs = [(buf, s) for buf in self.buffers for s in buf.segments]
-        self._norm_views = [buf.grad[s.buf_lo:s.buf_lo + s.numel] for buf, s in segs
-                            if counts_in_norm(s.param, self.mesh)]
-        self._tp_partial_views = [buf.grad[s.buf_lo:s.buf_lo + s.numel] for buf, s in segs
-                                  if getattr(s.param, "tp_partial_grad", False)]
+        # this rank's final grads: the owned segment of every parameter, viewed in the grad buffer
+        self._owned_grads = [(s.param.placement, buf.grad[s.buf_lo:s.buf_lo + s.numel])
+                             for buf in self.buffers for s in buf.segments]
 
     # ------------------------------------------------------------------ backward
 
@@ -171,21 +164,29 @@ class ZeroOptimizer:
                     b.work.wait()
                     b.work = None
 
-    # ------------------------------------------------------------------ step
+    # ------------------------------------------------------------------ finalize.GradSource
 
-    def step(self, lr: float) -> torch.Tensor:
-        self._gathered = None
-        self._resync_master()
+    sharded = True
+
+    def tied_grads(self) -> list[torch.Tensor]:
+        return [p.main_grad for p in self.params if p.placement.pp_tied]
+
+    def reduce_data_parallel(self) -> None:
         for buf in self.buffers:  # in bucket order: the same order on every dp rank
             for b in buf.buckets:
                 if not b.launched:
                     self._launch(buf, b)
         self._wait_all()
-        self._sum_tp_partial()
-        norm = self._grad_norm()
-        if self.cfg.clip_grad > 0:
-            scale = (self.cfg.clip_grad / (norm + 1e-6)).clamp(max=1.0)
-            torch._foreach_mul_(self._shard_grads, scale)
+
+    def final_grads(self) -> list[tuple[Placement, torch.Tensor]]:
+        return self._owned_grads
+
+    # ------------------------------------------------------------------ step
+
+    def step(self, lr: float) -> torch.Tensor:
+        self._gathered = None
+        self._resync_master()
+        norm = finalize(self, self.mesh, self.cfg.clip_grad)
         if self.adam is not None:
             for group in self.adam.param_groups:
                 group["lr"] = lr
@@ -209,25 +210,6 @@ class ZeroOptimizer:
                 for seg, weights in self._segs_of[p]:
                     weights.copy_(flat[seg.param_lo:seg.param_lo + seg.numel])
                 self._seen[p] = p._version
-
-    def _sum_tp_partial(self) -> None:
-        """Sum over tp the grads of tp-replicated params that each tp rank saw part of (sp norms).
-        tp peers share the buffer layout, so their owned ranges hold the same elements."""
-        views = self._tp_partial_views
-        if self.mesh.tp.size == 1 or not views:
-            return
-        flat = comm.all_reduce(torch.cat(views), self.mesh.tp)
-        torch._foreach_copy_(views, list(flat.split([v.numel() for v in views])))
-
-    def _grad_norm(self) -> torch.Tensor:
-        """Owned ranges are disjoint over dp for dense params and over edp for experts, and ep ranks hold
-        different experts, so one sum over dp (= ep x edp) counts every element once."""
-        sq = torch.zeros((), dtype=torch.float32, device=self.mesh.device)
-        if self._norm_views:
-            sq = torch.stack(torch._foreach_norm(self._norm_views)).square().sum()
-        for axis in (self.mesh.dp, self.mesh.tp, self.mesh.pp):
-            comm.all_reduce(sq, axis)
-        return sq.sqrt()
 
     @torch.no_grad()
     def _gather_params(self) -> None:
@@ -307,3 +289,16 @@ class ZeroOptimizer:
         optim = sum(t.numel() * t.element_size() for st in self.states
                     for t in (st.exp_avg, st.exp_avg_sq, st.master) if t is not None)
         return {"mem/grads_bytes": grads, "mem/optim_bytes": optim}
+
+
+def planned_memory_bytes(params: list[nn.Parameter], cfg: OptimConfig, mesh: Mesh) -> dict[str, int]:
+    """memory_bytes() of the ZeroOptimizer of `params` on this rank of `mesh`, without allocating (the
+    planner, on a virtual mesh): the same buffers and bucket padding, and per owned element the state
+    _build_state keeps (two fp32 moments, plus an fp32 master for low-precision params)."""
+    grads = optim = 0
+    for axis, ps in buffer_groups(params, mesh):
+        _, plan = bucket_plan(ps, int(cfg.bucket_size_mb * 2**20), axis.size)
+        numel = plan[-1][2] if plan else 0
+        grads += 4 * numel
+        optim += (numel // axis.size) * (8 if ps[0].dtype == torch.float32 else 12)
+    return {"mem/grads_bytes": grads, "mem/optim_bytes": optim}

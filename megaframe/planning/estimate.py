@@ -4,8 +4,8 @@ For every (pipeline rank, tensor rank) coordinate the planner builds that rank's
 meta device with a virtual mesh (no process groups; megaframe.parallel.virtual), then counts:
 
   params       every local parameter in train.precision (what mem/params_bytes logs)
-  grads        optim.zero=1: the fp32 grad buffer, padded bucket by bucket exactly as
-               optim/buffer.py packs it; zero=0: one grad per parameter in its dtype
+  grads        optim.zero=1: the fp32 grad buffer, padded bucket by bucket by the optimizer's own
+               buffer code (optim/zero.py planned_memory_bytes); zero=0: one grad per parameter
   optim        optim.zero=1: the owned 1/dp of every bucket x (two fp32 Adam moments, plus an fp32
                master copy for bf16 params); zero=0: two fp32 moments per element
   activations  the bytes one micro-batch of each pipeline chunk saves for backward (a meta-device
@@ -19,12 +19,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-import torch
-
 from megaframe.config import Config
 from megaframe.model.gpt import build_model
-from megaframe.optim.buffer import plan_buckets
 from megaframe.optim.build import cast_model
+from megaframe.optim.zero import planned_memory_bytes
 from megaframe.parallel.virtual import virtual_mesh
 from megaframe.pipeline.schedule import F, compute_order, resolve_kind
 from megaframe.pipeline.simulate import simulate
@@ -79,26 +77,16 @@ class Plan:
         return {**asdict(self), "fits": self.fits}
 
 
-def state_bytes(model, cfg: Config, dp: int, ep: int = 1) -> tuple[int, int, int]:
-    """(params, grads, optimizer state) bytes of this rank's model, as the optimizer lays them out
-    (ZeRO: dense params sharded over dp, expert params over edp = dp / ep)."""
+def state_bytes(model, cfg: Config, mesh) -> tuple[int, int, int]:
+    """(params, grads, optimizer state) bytes of this rank's model, as the trainer's optimizer lays them
+    out on this (virtual) mesh: ZeRO's own buffer code, or one grad and two moments per element."""
     params = [p for p in model.parameters() if p.requires_grad]
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     if not cfg.optim.zero:
         numel = sum(p.numel() for p in params)
         return param_bytes, sum(p.numel() * p.element_size() for p in params), 8 * numel
-    by_kind: dict[tuple[torch.dtype, bool], list[int]] = {}
-    for p in params:  # one buffer per (dtype, dense | expert), as optim/zero.py builds them
-        by_kind.setdefault((p.dtype, p.shard.expert), []).append(p.numel())
-    bucket_elems = max(1, int(cfg.optim.bucket_size_mb * 2**20) // 4)
-    grads = optim = 0
-    for (dtype, expert), numels in by_kind.items():
-        shards = dp // ep if expert else dp
-        buckets = plan_buckets(numels[::-1], bucket_elems, shards)  # FlatBuffer packs params in reverse
-        numel = buckets[-1][2] if buckets else 0
-        grads += 4 * numel
-        optim += (numel // shards) * (8 if dtype == torch.float32 else 12)
-    return param_bytes, grads, optim
+    mem = planned_memory_bytes(params, cfg.optim, mesh)
+    return param_bytes, mem["mem/grads_bytes"], mem["mem/optim_bytes"]
 
 
 def peak_activations(order, chunk_bytes: list[int]) -> tuple[int, int]:
@@ -137,12 +125,11 @@ def plan_layout(cfg: Config, world_size: int, device_memory_gb: float | None = N
 def _rank_figures(cfg: Config, tp: int, pp: int, dp: int, pp_rank: int, tp_rank: int, order) -> RankFigures:
     mesh = virtual_mesh(tp, pp, dp, tp_rank=tp_rank, pp_rank=pp_rank, device="meta", ep=cfg.parallel.ep)
     model = cast_model(build_model(cfg, mesh), cfg.train.precision)
-    params, grads, optim = state_bytes(model, cfg, dp, cfg.parallel.ep)
+    params, grads, optim = state_bytes(model, cfg, mesh)
     chunks = [chunk_activation_bytes(model, c, cfg.train.micro_batch_size, fused_attention=True)
               for c in range(len(model.stage.chunks))]
     act, inflight = peak_activations(order, chunks)
-    ranks = [tp_rank + tp * (d + dp * pp_rank) for d in range(dp)]
-    return RankFigures(pp_rank, tp_rank, ranks, params, grads, optim, chunks, inflight, act)
+    return RankFigures(pp_rank, tp_rank, list(mesh.dp.ranks), params, grads, optim, chunks, inflight, act)
 
 
 def merged_rows(plan: Plan) -> list[tuple[list[int], RankFigures]]:

@@ -1,5 +1,6 @@
 """One optimizer step: this rank's pipeline schedule over its micro-batches, then the optimizer's step
-(gradient reductions, clipping, AdamW). Returns device tensors; nothing here syncs the host.
+(gradient reductions, the tied embedding's included; clipping; AdamW). Returns device tensors; nothing
+here syncs the host.
 
 Each micro-batch's loss is its token-loss sum divided by the global batch's token count, so the
 gradients summed over micro-batches and dp ranks are exactly those of the mean loss of the global
@@ -13,7 +14,6 @@ import torch
 
 from megaframe.config import Config
 from megaframe.model.moe import stats as moe_stats
-from megaframe.optim.grads import sync_tied_grads
 from megaframe.optim.schedule import lr_at
 from megaframe.parallel.mesh import Mesh
 from megaframe.pipeline.executor import run_schedule
@@ -47,7 +47,6 @@ def train_step(model, optimizer, batches, mesh: Mesh, cfg: Config, step: int, pr
         probe.begin(step)
     loss_sum = run_schedule(rank_schedule(cfg, mesh, len(batches)), model, batches, mesh, optimizer, tokens_global,
                             timeline=probe.spans if probe is not None else None)
-    sync_tied_grads(model, mesh)
     o = cfg.optim
     lr = lr_at(step, o.lr, o.min_lr, o.warmup_steps, cfg.train.max_steps)
     norm = optimizer.step(lr)

@@ -233,7 +233,7 @@ def describe(cfg: Config, mesh: Mesh, model, data, start: int) -> None:
     """Print the derived sizes once, so a user can check the layout before the first step."""
     m, t = cfg.model, cfg.train
     local = sum(p.numel() for p in model.parameters())
-    total = sum(math.prod(p.shard.global_shape) for p in model.parameters())
+    total = sum(math.prod(p.placement.shard.global_shape) for p in model.parameters())
     accum = t.global_batch_size // (t.micro_batch_size * mesh.dp.size)
     print(f"megaframe | run {cfg.run.dir} | {mesh.describe()} sp={cfg.parallel.sp}", flush=True)
     print(f"model {m.name}: {m.num_layers} layers, D={m.hidden_size}, heads {m.num_attention_heads} "

@@ -30,8 +30,9 @@ def full_state(model, mesh, grads: bool = False, optimizer=None) -> dict[str, to
     def grad(p):
         return optimizer.reduced_grad(p) if hasattr(optimizer, "reduced_grad") else p.grad
 
-    mine = {n: gather_full(grad(p) if grads else p.data, p.shard, mesh.ep if p.shard.expert else mesh.tp)
-            for n, p in model.named_parameters() if not getattr(p, "pp_duplicate", False)}
+    mine = {n: gather_full(grad(p) if grads else p.data, p.placement.shard,
+                           mesh.ep if p.placement.expert else mesh.tp)
+            for n, p in model.named_parameters() if not p.placement.pp_duplicate}
     if mesh.pp.size == 1:
         return mine
     parts = [None] * mesh.world
@@ -79,7 +80,7 @@ def vocab_layers(mesh, sp: bool) -> dict | None:
     ids_SB = torch.randint(0, v, (s, b), generator=torch.Generator().manual_seed(1))
     target_SB = ids_SB.roll(1, 0)
     emb = VocabParallelEmbedding(v, d, tp, sp)
-    emb.weight.data.copy_(emb.weight.shard.local(full_w))
+    emb.weight.data.copy_(emb.weight.placement.shard.local(full_w))
     loss_SB = vocab_parallel_cross_entropy(parallel_logits(emb(ids_SB), emb.weight, tp, sp), target_SB, tp)
     loss_SB.sum().backward()
     w_ref = full_w.clone().requires_grad_(True)
@@ -87,7 +88,7 @@ def vocab_layers(mesh, sp: bool) -> dict | None:
                              reduction="none").view(s, b)
     ref_SB.sum().backward()
     errs = {"loss": (loss_SB - ref_SB).abs().max().item(),
-            "grad": (emb.weight.grad - emb.weight.shard.local(w_ref.grad)).abs().max().item()}
+            "grad": (emb.weight.grad - emb.weight.placement.shard.local(w_ref.grad)).abs().max().item()}
     return errs if mesh.rank == 0 else None
 
 

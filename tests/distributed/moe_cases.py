@@ -47,10 +47,10 @@ def dispatcher_vs_one_process(mesh, overrides: list[str]) -> dict | None:
     y, gx, grads = _run(_layer(cfg, mesh), _tokens(mesh.rank, t, d))
     layer = _layer(cfg, mesh)
     sent = _ep_bytes_vs_theory(cfg, mesh, layer, _tokens(mesh.rank, t, d))
-    full = {n: gather_full(g, p.shard, mesh.ep if p.shard.expert else mesh.tp)
+    full = {n: gather_full(g, p.placement.shard, mesh.ep if p.placement.expert else mesh.tp)
             for (n, p), g in zip(layer.named_parameters(), grads.values())}
     for n, p in layer.named_parameters():  # the router is replicated: its grads add up over the ranks
-        if not p.shard.expert:
+        if not p.placement.expert:
             dist.all_reduce(full[n], group=mesh.group)
     ys = [torch.empty_like(y) for _ in range(mesh.world)]
     gxs = [torch.empty_like(gx) for _ in range(mesh.world)]

@@ -73,7 +73,7 @@ def logical_moments(mesh, overrides: list[str], steps: int) -> dict | None:
     out = {}
     for name, p in model.named_parameters():
         for k, t in optimizer.logical_state(p).items():
-            out[f"{k}/{name}"] = gather_full(t, p.shard, mesh.tp)
+            out[f"{k}/{name}"] = gather_full(t, p.placement.shard, mesh.tp)
     return out if mesh.rank == 0 else None
 
 
@@ -120,6 +120,6 @@ def bf16_checkpoint_roundtrip(mesh, load_overrides: list[str], folder: str) -> d
     meta = sharded.read_metadata(path)
     name, p = next((n, q) for n, q in model.named_parameters() if q.ndim >= 2)
     master = sharded.load_full(path, f"optim/master/{name}", meta)
-    return {"err": (p.detach().float() - p.shard.local(master)).abs().max().item(),
+    return {"err": (p.detach().float() - p.placement.shard.local(master)).abs().max().item(),
             "has_master": f"optim/master/{name}" in meta["tensors"]} if mesh.rank == 0 else None
 

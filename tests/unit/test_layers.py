@@ -103,7 +103,7 @@ def test_init_model_keeps_each_ranks_slice_of_the_same_full_tensor(size):
         m = nn.Module()
         m.w = sharded_param(Shard((16, 5), 0, (8, 4, 4), r, size), "cpu")
         init_model(m, 3, 0.02, 2)
-        assert torch.equal(m.w.data, m.w.shard.local(full))
+        assert torch.equal(m.w.data, m.w.placement.shard.local(full))
 
 
 # ---------------------------------------------------------------- GPT at tp=1

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megaframe.layers.shard import Shard, sharded_param
+from megaframe.parallel.placement import Placement
 
 
 @dataclass
@@ -81,7 +82,7 @@ class Router(nn.Module):
         super().__init__()
         self.weight = sharded_param(Shard((num_experts, hidden)), device, tp_partial_grad=sp)
         self.register_buffer("expert_bias", torch.zeros(num_experts, device=device))
-        self.state_shards = {"expert_bias": Shard((num_experts,))}
+        self.state_placements = {"expert_bias": Placement(Shard((num_experts,)))}
 
     def _apply(self, fn, recurse=True):
         """model.to(bf16) casts buffers too: keep the bias fp32, its small steps would round away."""

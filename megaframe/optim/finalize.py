@@ -1,0 +1,117 @@
+"""The one gradient-finalisation path of every optimizer stage: from the grads backward left on this
+rank to the clipped full-batch grads the update reads, and the global norm.
+
+    1. tied copies    sum the grads of pp_tied tensors (the tied embedding) over the pipeline ends
+    2. data parallel  sum over dp (edp for experts): an all-reduce (zero=0) or the reduce-scatter of
+                      ZeRO's buckets (zero=1, mostly launched during backward), waited for here
+    3. tp partials    sum over tp the grads each tp rank saw part of (sequence-parallel norms, biases)
+    4. norm           each element once: `Placement.counts_in_norm` drops tp copies and pipeline
+                      duplicates; squares are summed over the data-parallel axis where ranks hold
+                      different elements (ZeRO's owned ranges; experts over ep)
+    5. clip           scale by min(1, max_norm / norm) on the device
+
+The stage supplies a `GradSource`: which grads are tied, how it reduces over data parallel, and this
+rank's final grads with their placements. Every step above reads only the placements, so zero=0 and
+zero=1 (and later stages) agree on what is summed where. The loss is already divided by the global
+token count, so every reduction is a sum.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from megaframe.parallel import comm
+from megaframe.parallel.mesh import Axis, Mesh
+from megaframe.parallel.placement import Placement
+
+BUCKET_BYTES = 32 * 2**20
+
+
+class GradSource(Protocol):
+    """What an optimizer stage hands to `finalize`."""
+
+    sharded: bool
+    """After `reduce_data_parallel`, ranks of the data-parallel axis hold disjoint parts of the grads
+    (ZeRO), so their squares are summed over dp; else they hold equal copies."""
+
+    def tied_grads(self) -> list[torch.Tensor]:
+        """This rank's whole grads of pp_tied tensors, not yet reduced over data parallel."""
+
+    def reduce_data_parallel(self) -> None:
+        """Sum over each tensor's data axis (Placement.data_axis); returns once the sums have landed."""
+
+    def final_grads(self) -> list[tuple[Placement, torch.Tensor]]:
+        """The grads the update reads (whole tensors, or ZeRO's owned ranges), with their placements."""
+
+
+def _buckets(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    out, cur, size = [], [], 0
+    for t in tensors:
+        cur.append(t)
+        size += t.numel() * t.element_size()
+        if size >= BUCKET_BYTES:
+            out.append(cur)
+            cur, size = [], 0
+    return out + ([cur] if cur else [])
+
+
+def all_reduce_tensors(tensors: list[torch.Tensor], axis: Axis) -> None:
+    """Sum `tensors` in place over `axis`, one flat all-reduce per bucket (not one per tensor)."""
+    if axis.size == 1 or not tensors:
+        return
+    for bucket in _buckets(tensors):
+        flat = comm.all_reduce(_flatten_dense_tensors(bucket), axis)
+        torch._foreach_copy_(bucket, list(_unflatten_dense_tensors(flat, bucket)))
+
+
+def _sum_squares(tensors: list[torch.Tensor], device) -> torch.Tensor:
+    if not tensors:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    # one norm per tensor (a fused kernel), squared and summed: no flat copy of the grads
+    return torch.stack(torch._foreach_norm(tensors)).square().sum()
+
+
+def global_norm(grads: list[tuple[Placement, torch.Tensor]], mesh: Mesh, sharded: bool) -> torch.Tensor:
+    """L2 norm of the whole model's gradient, the same on every rank.
+
+    Squares are grouped by the data-parallel axis over which ranks hold different elements: ZeRO's
+    owned ranges are disjoint over dp (experts: over edp, and ep ranks hold different experts, so dp =
+    ep x edp covers both); replicated grads differ only between ep ranks, for experts. Every group is
+    reduced even when empty on this rank, so all ranks enter the same collectives."""
+    groups: dict[str, tuple[Axis | None, list[torch.Tensor]]] = (
+        {"dp": (mesh.dp, [])} if sharded else {"dense": (None, []), "expert": (mesh.ep, [])})
+    for pl, g in grads:
+        if pl.counts_in_norm(mesh):
+            groups["dp" if sharded else "expert" if pl.expert else "dense"][1].append(g)
+    sq = torch.zeros((), dtype=torch.float32, device=mesh.device)
+    for axis, tensors in groups.values():
+        part = _sum_squares(tensors, mesh.device)
+        sq += part if axis is None else comm.all_reduce(part, axis)
+    # tp ranks hold different slices (or a copy counted on tp rank 0 only), pp ranks different layers
+    comm.all_reduce(sq, mesh.tp)
+    comm.all_reduce(sq, mesh.pp)
+    return sq.sqrt()
+
+
+def clip_(grads: list[torch.Tensor], norm: torch.Tensor, max_norm: float) -> None:
+    """Scale grads by min(1, max_norm / norm) on the device, without a host sync (eps: a zero norm)."""
+    if max_norm <= 0 or not grads:
+        return
+    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    torch._foreach_mul_(grads, scale)
+
+
+def finalize(source: GradSource, mesh: Mesh, max_norm: float) -> torch.Tensor:
+    """Steps 1-5 of the module docstring; returns the global norm before clipping."""
+    # The tied sum must precede the data-parallel reduction: ZeRO's reduce-scatter leaves each rank only
+    # its range, and both copies' ranges must hold the sum of the two stages' grads.
+    all_reduce_tensors(source.tied_grads(), mesh.pp_ends)
+    source.reduce_data_parallel()
+    grads = source.final_grads()
+    # tp peers share the buffer layout, so under ZeRO their owned ranges hold the same elements
+    all_reduce_tensors([g for pl, g in grads if pl.tp_partial_grad], mesh.tp)
+    norm = global_norm(grads, mesh, source.sharded)
+    clip_([g for _, g in grads], norm, max_norm)
+    return norm
