@@ -1,7 +1,8 @@
 """The process mesh: which ranks share a tensor-, pipeline- or data-parallel group, and this rank's place.
 
-Global rank order is tp innermost, then dp, then pp outermost (Megatron's order), so a tp group is a
-block of consecutive ranks and tensor-parallel traffic stays on one node:
+Global rank order (`RankGrid`, shared with the planner's virtual meshes) is tp innermost, then dp,
+then pp outermost (Megatron's order), so a tp group is a block of consecutive ranks and
+tensor-parallel traffic stays on one node:
 
     rank = tp_rank + tp * (dp_rank + dp * pp_rank)
 
@@ -18,7 +19,6 @@ also why one process needs no torch.distributed at all.
 """
 from __future__ import annotations
 
-import itertools
 import time
 from collections import deque
 from contextlib import contextmanager
@@ -131,6 +131,77 @@ class Mesh:
                 f"device={self.device.type}")
 
 
+@dataclass(frozen=True)
+class RankGrid:
+    """The rank arithmetic of a layout: the one place that knows the axis order and group membership.
+    build_mesh creates a process group per group listed here; virtual_mesh (planning) reads the same
+    membership without groups. Positions are 0..world-1; build_mesh maps them to process ranks.
+
+        position = tp_rank + tp * (dp_rank + dp * pp_rank),    dp_rank = ep_rank + ep * edp_rank
+    """
+
+    tp: int
+    dp: int
+    pp: int
+    ep: int = 1
+
+    AXES = ("tp", "dp", "pp", "pp_ends", "ep", "edp")
+    STATS = {"pp_ends": "pp", "edp": "dp"}
+    """The byte counter of an axis, where it is not its own name (an Axis's `name`)."""
+
+    def __post_init__(self):
+        assert self.dp % self.ep == 0, f"ep={self.ep} does not divide dp={self.dp}"
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.dp * self.pp
+
+    def position(self, pp_rank: int, dp_rank: int, tp_rank: int) -> int:
+        return tp_rank + self.tp * (dp_rank + self.dp * pp_rank)
+
+    def groups(self, name: str) -> list[tuple[int, ...]]:
+        """Every group of axis `name`, in one fixed order (every process creates them in this order)."""
+        at, tp, dp, pp, ep = self.position, self.tp, self.dp, self.pp, self.ep
+        dp_groups = [tuple(at(p, d, t) for d in range(dp)) for p in range(pp) for t in range(tp)]
+        if name == "tp":
+            return [tuple(at(p, d, t) for t in range(tp)) for p in range(pp) for d in range(dp)]
+        if name == "dp":
+            return dp_groups
+        if name == "pp":
+            return [tuple(at(p, d, t) for p in range(pp)) for d in range(dp) for t in range(tp)]
+        if name == "pp_ends":  # first and last pipeline rank: the tied embedding's two copies
+            return [(at(0, d, t), at(pp - 1, d, t)) for d in range(dp) for t in range(tp)] if pp > 1 else []
+        if name == "ep":  # contiguous blocks of ep dp ranks, each holding all experts between them
+            return [g[j:j + ep] for g in dp_groups for j in range(0, dp, ep)]
+        if name == "edp":  # the dp ranks holding the same experts: same position in their ep block
+            return [g[e::ep] for g in dp_groups for e in range(ep)]
+        raise KeyError(name)
+
+    def group_of(self, name: str, position: int) -> tuple[int, ...]:
+        """The group of axis `name` holding `position` (just itself where it has none: off the pipeline ends)."""
+        return next((g for g in self.groups(name) if position in g), (position,))
+
+
+def mesh_at(grid: RankGrid, position: int, device, ranks: Sequence[int], groups: Optional[dict] = None,
+            everyone=None) -> Mesh:
+    """The Mesh of `position` in the grid; `ranks` maps positions to process ranks. `groups` maps (axis,
+    members) to its process group; None builds a virtual mesh (planning: sizes and coordinates only)."""
+    stats = CommStats()
+
+    def axis(name: str) -> Axis:
+        members = grid.group_of(name, position)
+        real = tuple(ranks[i] for i in members)
+        size = len(members)
+        group = groups.get((name, members)) if groups is not None else None
+        return Axis(RankGrid.STATS.get(name, name), size, members.index(position), real, group, stats,
+                    virtual=groups is None and size > 1)
+
+    experts = grid.ep > 1  # else ep is of size 1 and edp is dp (the Mesh defaults)
+    return Mesh(tp=axis("tp"), pp=axis("pp"), dp=axis("dp"), pp_ends=axis("pp_ends"), rank=position,
+                world=grid.world, device=torch.device(device), stats=stats, group=everyone,
+                ep=axis("ep") if experts else None, edp=axis("edp") if experts else None)
+
+
 def build_mesh(tp: int, pp: int, device: torch.device, ranks: Optional[Sequence[int]] = None, ep: int = 1) -> Mesh:
     """Create every tp/pp/dp (and ep/edp) group over `ranks` (default: all). Collective: every process must call it.
 
@@ -142,80 +213,21 @@ def build_mesh(tp: int, pp: int, device: torch.device, ranks: Optional[Sequence[
     ranks = list(ranks) if ranks is not None else list(range(dist.get_world_size() if initialized else 1))
     world = len(ranks)
     assert world % (tp * pp) == 0, f"tp*pp={tp * pp} does not divide world {world}"
-    dp = world // (tp * pp)
-    grid = {}  # (pp, dp, tp) coordinate -> global rank
-    for p, d, t in itertools.product(range(pp), range(dp), range(tp)):
-        grid[(p, d, t)] = ranks[t + tp * (d + dp * p)]
-    stats = CommStats()
-    axes: dict[str, Axis] = {}
-    for name, size in (("tp", tp), ("dp", dp), ("pp", pp)):
-        for members in _groups_along(grid, name, tp, pp, dp):
-            group = dist.new_group(list(members)) if (size > 1 and initialized) else None
-            if me in members:
-                axes[name] = Axis(name, size, members.index(me), tuple(members), group, stats)
-    axes["pp_ends"] = _pp_ends_axis(me, stats, initialized and pp > 1, grid, pp, dp, tp)
-    assert dp % ep == 0, f"ep={ep} does not divide dp={dp}"
-    _expert_axes(axes, me, stats, initialized, grid, pp, dp, tp, ep)
+    grid = RankGrid(tp, world // (tp * pp), pp, ep)
+    groups: dict = {}
+    for name in RankGrid.AXES if ep > 1 else RankGrid.AXES[:4]:
+        for members in grid.groups(name):
+            if len(members) == 1 or not initialized:
+                continue
+            if name == "ep" and len(members) == grid.dp:  # ep = dp: the ep group is the dp group
+                groups[(name, members)] = groups[("dp", members)]
+                continue
+            # new_group is collective over the whole world: every process creates every group, in order
+            groups[(name, members)] = dist.new_group([ranks[i] for i in members])
     everyone = dist.new_group(ranks) if (world > 1 and initialized) else None
     if me not in ranks:
         return None  # type: ignore[return-value]
-    return Mesh(tp=axes["tp"], pp=axes["pp"], dp=axes["dp"], pp_ends=axes["pp_ends"], rank=ranks.index(me),
-                world=world, device=device, stats=stats, group=everyone, ep=axes.get("ep"), edp=axes.get("edp"))
-
-
-def expert_groups(dp_members: Sequence[int], ep: int) -> tuple[list[list[int]], list[list[int]]]:
-    """(ep groups, edp groups) of one dp group's ranks: dp_rank = ep_rank + ep * edp_rank."""
-    dp_members = list(dp_members)
-    return ([dp_members[j:j + ep] for j in range(0, len(dp_members), ep)],
-            [dp_members[e::ep] for e in range(ep)])
-
-
-def _expert_axes(axes: dict, me, stats, initialized: bool, grid, pp, dp, tp, ep) -> None:
-    """ep groups: dp ranks [j*ep, (j+1)*ep) of each dp group; edp groups: dp ranks congruent mod ep.
-    Reuses the dp group where an axis spans all of dp (ep = dp: ep; ep = 1: edp)."""
-    if ep == 1:
-        return
-    edp = dp // ep
-    for p, t in itertools.product(range(pp), range(tp)):
-        ep_blocks, edp_blocks = expert_groups([grid[(p, d, t)] for d in range(dp)], ep)
-        for name, size, blocks in (("ep", ep, ep_blocks), ("dp", edp, edp_blocks)):
-            for members in blocks:
-                if size == dp and me in members:
-                    group = axes["dp"].group  # this axis is the whole dp group
-                else:
-                    group = dist.new_group(members) if (size > 1 and initialized and size != dp) else None
-                if me in members:
-                    axes["ep" if name == "ep" else "edp"] = Axis(name, size, members.index(me), tuple(members),
-                                                                  group, stats)
-
-
-def _pp_ends_axis(me, stats, make_groups: bool, grid, pp, dp, tp) -> Axis | None:
-    """The group {first, last} pipeline rank for every (dp, tp); its bytes count as pp traffic."""
-    mine = None
-    for d, t in itertools.product(range(dp), range(tp)):
-        members = (grid[(0, d, t)], grid[(pp - 1, d, t)])
-        group = dist.new_group(list(members)) if make_groups else None
-        if me in members and pp > 1:
-            mine = Axis("pp", 2, members.index(me), members, group, stats)
-    if mine is None:
-        mine = Axis("pp", 1, 0, (me,), None, stats)
-    return mine
-
-
-def _groups_along(grid: dict, name: str, tp: int, pp: int, dp: int) -> list[tuple[int, ...]]:
-    """Groups varying along axis `name` with the other two coordinates fixed, in a fixed global order."""
-    sizes = {"pp": pp, "dp": dp, "tp": tp}
-    order = ("pp", "dp", "tp")
-    others = [a for a in order if a != name]
-    out = []
-    for fixed in itertools.product(*(range(sizes[a]) for a in others)):
-        coord = dict(zip(others, fixed))
-        members = []
-        for i in range(sizes[name]):
-            coord[name] = i
-            members.append(grid[(coord["pp"], coord["dp"], coord["tp"])])
-        out.append(tuple(members))
-    return out
+    return mesh_at(grid, ranks.index(me), device, ranks, groups, everyone)
 
 
 def single_process_mesh(device: torch.device | str = "cpu") -> Mesh:

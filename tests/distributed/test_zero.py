@@ -7,7 +7,7 @@ import pytest
 
 from tests.distributed.test_model_equivalence import assert_close_dicts
 from tests.distributed.zero_cases import (bf16_checkpoint_roundtrip, bf16_losses, logical_moments, overlap_probe,
-                                          run_steps)
+                                          pipeline_ends_probe, run_steps)
 
 pytestmark = pytest.mark.distributed
 
@@ -95,6 +95,26 @@ def test_reduce_scatter_starts_during_the_last_backward_only(pool, overlap):
     assert len(launched) == 2  # 8 samples / (2 per micro-batch x dp 2)
     assert not any(launched[0])  # accumulation step: nothing reduced yet
     assert all(launched[1]) if overlap else not any(launched[1])
+
+
+@pytest.mark.skipif(not HAS_PP, reason="needs pipeline")
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_pipeline_ends_treated_alike_by_zero0_and_zero1(pool, family):
+    """pp2-dp2: the embedding's grads are summed over the pipeline ends only when the embeddings are tied
+    (gpt2_tiny), by both optimizers alike. ZeRO then holds back exactly the embedding's bucket on each
+    end until that sum is done; with untied embeddings (gpt_tiny) every bucket is reduce-scattered
+    during backward. (Before the Placement record ZeRO held back the untied embedding's bucket too,
+    reading `hasattr(p, "pp_duplicate")` where zero=0 read its value.)"""
+    over = FAMILIES[family] + ["parallel.pp=2"] + SMALL_BUCKETS
+    plain = pool.run(pipeline_ends_probe, 4, over + ["optim.zero=0"], pp=2)
+    zero = pool.run(pipeline_ends_probe, 4, over + ["optim.zero=1"], pp=2)
+    tied = family == "gpt2_tiny"
+    for z, p in zip(zero, plain):
+        held_back = z["launched"].count(False)
+        assert held_back == (1 if tied else 0), (family, z["pp_rank"], z["launched"])
+        assert z["sent"].get("pp", 0) == p["sent"].get("pp", 0), (z["sent"], p["sent"])
+    assert abs(zero[0]["loss"] - plain[0]["loss"]) <= 1e-6 * abs(plain[0]["loss"])
+    assert_close_dicts(zero[0]["grads"], plain[0]["grads"], rtol=1e-6, atol=1e-8, what="grad")
 
 
 def test_checkpoint_moments_are_layout_free(pool):

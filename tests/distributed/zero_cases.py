@@ -123,3 +123,22 @@ def bf16_checkpoint_roundtrip(mesh, load_overrides: list[str], folder: str) -> d
     return {"err": (p.detach().float() - p.placement.shard.local(master)).abs().max().item(),
             "has_master": f"optim/master/{name}" in meta["tensors"]} if mesh.rank == 0 else None
 
+
+
+def pipeline_ends_probe(mesh, overrides: list[str]) -> dict:
+    """One step; every rank returns its pipeline rank, the bytes it sent per group, which of its ZeRO
+    buckets had their reduce-scatter launched before step() (empty for zero=0), and (rank 0) the
+    reduced step-1 grads as full tensors."""
+    cfg, model, optimizer, data = _setup(mesh, overrides, 1)
+    launched: list[bool] = []
+    if hasattr(optimizer, "buffers"):
+        step = optimizer.step
+
+        def probed_step(lr):
+            launched.extend(b.launched for buf in optimizer.buffers for b in buf.buckets)
+            return step(lr)
+        optimizer.step = probed_step
+    loss, sent = _step(mesh, cfg, model, optimizer, data, 1)
+    grads = full_state(model, mesh, grads=True, optimizer=optimizer)
+    return {"pp_rank": mesh.pp.rank, "sent": sent, "launched": launched, "loss": loss,
+            "grads": grads if mesh.rank == 0 else None}
