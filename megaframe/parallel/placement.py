@@ -77,7 +77,8 @@ class Placement:
         return mesh.edp if self.expert else mesh.dp
 
     def replica_id(self, mesh: Mesh) -> ReplicaId:
-        return ReplicaId(0 if self.tp_split else mesh.tp.rank, int(self.pp_duplicate), self.data_axis(mesh).rank)
+        tp_copy = mesh.tp.rank if "tp" in self.replicated_over else 0
+        return ReplicaId(tp_copy, int(self.pp_duplicate), self.data_axis(mesh).rank)
 
     def counts_in_norm(self, mesh: Mesh) -> bool:
         """Whether this rank's copy adds to the global grad norm, so that each element counts once over
