@@ -7,6 +7,7 @@ before any process group exists.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -297,6 +298,7 @@ def load_config(overrides: list[str], world_size: Optional[int] = None, check_da
     from omegaconf.errors import OmegaConfBaseException
 
     _register()
+    check_override_keys(overrides)
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
@@ -311,6 +313,62 @@ def load_config(overrides: list[str], world_size: Optional[int] = None, check_da
     validate(cfg, world_size,
              check_data=check_data)
     return cfg
+
+
+# --- strict overrides: every key an override names is in the schema ---------------------------------
+TOOL_KEYS = {"world_size": "python -m megaframe.plan", "device_memory_gb": "python -m megaframe.plan",
+             "plan_json": "python -m megaframe.plan", "search": "python -m megaframe.plan"}
+"""`+key=value` settings that belong to a tool, not to the config: the tool removes them before
+load_config (megaframe.plan's split_args); anywhere else they are refused with the tool's name."""
+
+
+def schema_keys(node: type = None, prefix: str = "") -> set[str]:
+    """Every dotted key of the schema, groups (model, train, logging.wandb) included."""
+    out: set[str] = set()
+    for f in dataclasses.fields(node or Config):
+        key = prefix + f.name
+        out.add(key)
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        if dataclasses.is_dataclass(default):
+            out |= schema_keys(type(default), key + ".")
+    return out
+
+
+def check_override_keys(overrides: list[str]) -> None:
+    """Refuse an override of a key that is not in the schema, `+`/`++` ones included: Hydra would add
+    the key to the composed config, where no dataclass reads it (the setting silently vanished).
+    The hint names the closest schema key, never a `+` form."""
+    import difflib
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(list(overrides))
+    except HydraException as e:
+        raise ConfigError(_one_line(e)) from e
+    known = schema_keys()
+    for o, text in zip(parsed, overrides):
+        key = o.key_or_group
+        if key in known or key.startswith("hydra.") or _under_container(key, known):
+            continue
+        if key in TOOL_KEYS:
+            raise ConfigError(f"{text}: {key} is a setting of {TOOL_KEYS[key]}, not a config key")
+        close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
+        hint = f"; did you mean {close[0]}?" if close else " (python train.py --cfg lists the keys)"
+        raise ConfigError(f"{text}: {key} is not a config key{hint}")
+
+
+def _under_container(key: str, known: set[str]) -> bool:
+    """data.blend.0.path and the like: keys inside a list or dict field are typed by Hydra itself."""
+    head = key.rsplit(".", 1)[0]
+    while "." in head and head not in known:
+        head = head.rsplit(".", 1)[0]
+    return head in CONTAINER_KEYS and key.startswith(head + ".")
+
+
+CONTAINER_KEYS = {"data.blend", "parallel.pp_layout"}
+# --- end strict overrides ----------------------------------------------------------------------------
 
 
 def _one_line(e: BaseException) -> str:

@@ -124,6 +124,17 @@ def test_typo_key_is_a_one_line_error():
     assert "hiden_size" in one_line_error(["model.hiden_size=3", "data=synthetic"])
 
 
+def test_plus_keys_outside_the_schema_are_refused_with_the_closest_key():
+    # before the strict check `+train.max_step=10` composed, exited 0 and the setting vanished
+    msg = one_line_error(["+train.max_step=10", "data=synthetic"])
+    assert "did you mean train.max_steps?" in msg and "use +" not in msg
+    msg = one_line_error(["train.max_step=10", "data=synthetic"])
+    assert "did you mean train.max_steps?" in msg and "+train" not in msg.split(":", 1)[1]
+    assert "not a config key" in one_line_error(["++optim.lrr=1", "data=synthetic"])
+    assert "megaframe.plan" in one_line_error(["+world_size=8", "data=synthetic"])  # a tool's own key
+    assert load_config(["data=synthetic", "data.blend=[{path: /x, weight: 1}]"], world_size=1, check_data=False)
+
+
 def test_wrong_type_is_a_one_line_error():
     assert "train.max_steps" in one_line_error(["train.max_steps=abc", "data=synthetic"])
 
