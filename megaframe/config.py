@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import Optional
 
@@ -145,14 +146,30 @@ class TrainConfig:
     each block's input is kept). Trades compute for activation memory; losses are unchanged."""
 
 
+class LRSchedule(str, Enum):
+    """Shape of the learning rate after warmup (megaframe/optim/schedule.py has the formulas)."""
+    cosine = "cosine"
+    linear = "linear"
+    wsd = "wsd"
+    constant = "constant"
+
+
 @dataclass
 class OptimConfig:
     lr: float = 2e-3
     """Peak learning rate."""
     min_lr: float = 1e-4
-    """Learning rate at the end of the cosine decay."""
+    """Learning rate at the end of the decay (kept past the decay horizon)."""
     warmup_steps: int = 20
     """Linear warmup steps from 0 to lr."""
+    lr_schedule: LRSchedule = LRSchedule.cosine
+    """cosine | linear | wsd (warmup-stable-decay) | constant: the decay after warmup."""
+    lr_decay_steps: Optional[int] = None
+    """Decay horizon in steps (from step 0): min_lr is reached here and kept after. None = train.max_steps of
+    the run's first start; a resume adopts the horizon its checkpoint recorded, so a larger max_steps
+    continues at min_lr instead of reshaping the curve."""
+    wsd_decay_fraction: float = 0.2
+    """wsd only: the last fraction of the horizon over which lr decays linearly to min_lr."""
     weight_decay: float = 0.1
     """AdamW decoupled weight decay; applied to matrices only, never to norms or biases."""
     clip_grad: float = 1.0

@@ -55,6 +55,7 @@ def check_config(cfg: Config, world_size: int, check_data: bool = True) -> None:
     _req(t.device in ("auto", "cpu", "cuda"), f"train.device={t.device!r} must be auto, cpu or cuda")
     _req(cfg.optim.lr > 0 and cfg.optim.min_lr >= 0, "optim.lr must be > 0 and optim.min_lr >= 0")
     _req(cfg.optim.warmup_steps >= 0, f"optim.warmup_steps={cfg.optim.warmup_steps} must be >= 0")
+    _check_lr_schedule(cfg)
     _req(cfg.optim.zero in (0, 1), f"optim.zero={cfg.optim.zero} must be 0 or 1")
     _req(cfg.optim.bucket_size_mb > 0, f"optim.bucket_size_mb={cfg.optim.bucket_size_mb} must be > 0")
     _req(t.recompute in ("none", "selective", "full"),
@@ -77,6 +78,13 @@ def check_config(cfg: Config, world_size: int, check_data: bool = True) -> None:
             raise ConfigError(f"checkpoint.resume={r}: {e}") from e
     if check_data and cfg.data.kind == "prepared":
         _check_prepared(cfg)
+
+
+def _check_lr_schedule(cfg: Config) -> None:
+    o = cfg.optim
+    _req(o.lr_decay_steps is None or o.lr_decay_steps >= 1,
+         f"optim.lr_decay_steps={o.lr_decay_steps} must be >= 1 (or null: train.max_steps of the first start)")
+    _req(0.0 < o.wsd_decay_fraction <= 1.0, f"optim.wsd_decay_fraction={o.wsd_decay_fraction} must be in (0, 1]")
 
 
 def _check_moe(m: ModelConfig, p: ParallelConfig, dp: int) -> None:

@@ -23,6 +23,7 @@ class Tracker:
 
     def __init__(self, cfg, run_dir: str, active: bool, max_steps: int):
         self.active, self.max_steps = active, max_steps
+        self.schedule = cfg.optim.lr_schedule.value
         self.wandb_run = None
         self.t_start = time.time()
         if not active:
@@ -40,7 +41,7 @@ class Tracker:
         step = metrics["step"]
         rate = (time.time() - self.t_start) / max(1, step - start_step)
         eta = rate * (self.max_steps - step)
-        parts = [f"step {step:>6}/{self.max_steps}", f"loss {metrics['loss']:.4f}", f"lr {metrics['lr']:.2e}",
+        parts = [f"step {step:>6}/{self.max_steps}", f"loss {metrics['loss']:.4f}", f"lr {metrics['lr']:.2e} ({self.schedule})",
                  f"grad {metrics['grad_norm']:.3f}", f"{metrics['tokens_per_s'] / 1e3:.1f}k tok/s"]
         if "val_loss" in metrics:
             parts.insert(2, f"val {metrics['val_loss']:.4f}")

@@ -1,0 +1,39 @@
+"""A new user's first day: the lr curve survives a longer resume, the log rows and the closing summary."""
+from __future__ import annotations
+
+import pytest
+
+from tests.e2e.helpers import TINY, metrics, train
+
+pytestmark = pytest.mark.e2e
+SMALL = [*TINY, "model.num_layers=1", "model.hidden_size=32", "model.ffn_hidden_size=64", "model.seq_length=16",
+         "data=synthetic", "optim.min_lr=1e-4", "train.log_interval=1"]
+
+
+def test_resume_with_more_steps_keeps_the_lr_horizon_and_logs_an_honest_row(tmp_path):
+    # before the recorded horizon, resuming with max_steps=30 re-stretched the cosine over 30 steps:
+    # lr rose again above min_lr after step 20
+    first = train(SMALL + ["train.max_steps=20", f"run.dir={tmp_path}"], timeout=120)
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert "(cosine)" in first.stdout  # the step line names the schedule
+    summary = [ln for ln in first.stdout.splitlines() if ln.startswith("run summary:")]
+    assert len(summary) == 1 and "20 steps (1..20)" in summary[0] and "final loss" in summary[0]
+    assert "step_00000020" in summary[0]
+    more = train(SMALL + ["train.max_steps=30", f"run.dir={tmp_path}"], timeout=120)
+    assert more.returncode == 0, more.stderr[-2000:]
+    rows = metrics(tmp_path)
+    assert [r["step"] for r in rows] == list(range(1, 31))
+    assert rows[19]["lr"] == pytest.approx(1e-4)
+    assert all(r["lr"] == pytest.approx(1e-4) for r in rows[20:]), [r["lr"] for r in rows[20:]]
+    assert all(r["time"] > 1.7e9 and r["step_time_s"] > 0 for r in rows)
+    assert all(r["mfu"] is None or 0 < r["mfu"] <= 1 for r in rows)
+
+
+def test_logged_loss_is_the_mean_since_the_last_log_line(tmp_path):
+    every = train(SMALL + ["train.max_steps=6", f"run.dir={tmp_path / 'a'}"], timeout=120)
+    third = train(SMALL + ["train.max_steps=6", "train.log_interval=3", f"run.dir={tmp_path / 'b'}"], timeout=120)
+    assert every.returncode == 0 and third.returncode == 0, every.stderr[-2000:] + third.stderr[-2000:]
+    a, b = metrics(tmp_path / "a"), metrics(tmp_path / "b")
+    assert [r["step"] for r in b] == [3, 6]
+    for row, lo in zip(b, (0, 3)):
+        assert row["loss"] == pytest.approx(sum(r["loss"] for r in a[lo:lo + 3]) / 3, rel=1e-5)
