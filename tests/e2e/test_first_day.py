@@ -37,3 +37,12 @@ def test_logged_loss_is_the_mean_since_the_last_log_line(tmp_path):
     assert [r["step"] for r in b] == [3, 6]
     for row, lo in zip(b, (0, 3)):
         assert row["loss"] == pytest.approx(sum(r["loss"] for r in a[lo:lo + 3]) / 3, rel=1e-5)
+
+
+def test_wandb_online_without_login_is_one_line_before_training(tmp_path):
+    res = train(["data=synthetic", "logging.wandb.mode=online", f"run.dir={tmp_path / 'r'}"], timeout=60,
+                WANDB_MODE="", HOME=str(tmp_path), WANDB_API_KEY="", NETRC=str(tmp_path / "none"))
+    assert res.returncode == 2, res.stderr[-2000:]
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "wandb login" in lines[0] and "logging.wandb.mode=offline" in lines[0]
+    assert "megaframe |" not in res.stdout and not (tmp_path / "r").exists()  # nothing built, nothing written
