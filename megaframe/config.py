@@ -38,8 +38,10 @@ class ModelConfig:
     """MLP inner width F (per branch for SwiGLU)."""
     seq_length: int = 128
     """Tokens per sample."""
-    vocab_size: int = 4096
-    """Rows of the embedding table; >= the tokenizer's vocabulary, divisible by parallel.tp."""
+    vocab_size: Optional[int] = None
+    """Rows of the embedding table; >= the tokenizer's vocabulary, divisible by parallel.tp. None = the
+    prepared data's vocabulary (data.path's meta.json, else data.vocab_size), padded up to a multiple of
+    VOCAB_PAD (the same for every layout, so layouts stay comparable)."""
     num_experts: int = 0
     """Experts per MoE layer; 0 means a dense MLP."""
     moe_top_k: int = 2
@@ -396,9 +398,38 @@ def _one_line(e: BaseException) -> str:
     return words or type(e).__name__
 
 
+# --- model.vocab_size from the data ------------------------------------------------------------------
+VOCAB_PAD = 128
+"""Megatron's make-vocab-size-divisible-by: every tp up to 128 (powers of two) divides the padded size,
+so the default does not change with the layout; the extra rows are never a target (never learned)."""
+
+
+def default_vocab_size(cfg: Config) -> int:
+    """model.vocab_size when left unset: the prepared data's tokenizer vocabulary (the first blend source:
+    blended data shares one tokenizer), else data.vocab_size (synthetic data, or data not prepared yet),
+    padded to a multiple of VOCAB_PAD and of parallel.tp."""
+    import json
+    import math
+
+    d = cfg.data
+    vocab = d.vocab_size
+    path = d.blend[0].path if d.blend else d.path
+    if d.kind == "prepared" and path:
+        try:
+            vocab = int(json.loads((Path(path) / "meta.json").read_text())["vocab_size"])
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # not prepared (yet): the data check names the problem when it matters
+    pad = math.lcm(VOCAB_PAD, max(1, cfg.parallel.tp))
+    return -(-vocab // pad) * pad
+# --- end model.vocab_size ------------------------------------------------------------------------------
+
+
 def validate(cfg: Config, world_size: int, check_data: bool = True) -> None:
     """Cross-field checks that need no process group; the first problem raises ConfigError.
-    The checks themselves live in megaframe/config_checks.py."""
+    The checks themselves live in megaframe/config_checks.py. Fills model.vocab_size when unset."""
     from megaframe.config_checks import check_config
+
+    if cfg.model.vocab_size is None:
+        cfg.model.vocab_size = default_vocab_size(cfg)
 
     check_config(cfg, world_size, check_data)

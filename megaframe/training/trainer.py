@@ -13,6 +13,7 @@ from megaframe.checkpoint import sharded
 from megaframe.checkpoint.async_save import AsyncSaver
 from megaframe.config import Config, ConfigError
 from megaframe.data.dataset import Prefetcher, build_data, data_state, microbatches
+from megaframe.data.shards import tokenizer_identity
 from megaframe.layers.shard import param_seed
 from megaframe.model.gpt import build_model
 from megaframe.model.moe import stats as moe_stats
@@ -239,6 +240,7 @@ def save(cfg: Config, model, optimizer, mesh: Mesh, step: int, saver: AsyncSaver
                        "sp": cfg.parallel.sp},
             "rng": "derived from (train.seed, step, rank); no state to restore",
             "data": data_state(cfg, step),
+            "tokenizer": tokenizer_identity(cfg.data),  # a resume checks its data against it
             "config": dataclasses.asdict(cfg)}
     if saver is not None:
         saver.save(cfg.checkpoint.dir, step, model, optimizer, meta, cfg.checkpoint.keep_last)

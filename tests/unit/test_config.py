@@ -260,3 +260,12 @@ def test_validate_directly_uses_world_size():
     validate(cfg, world_size=2)
     with pytest.raises(ConfigError, match="parallel.tp"):
         validate(cfg, world_size=3)
+
+
+def test_vocab_size_defaults_to_the_prepared_data_padded(tmp_path):
+    # before: every preset said 4096, whatever the data's tokenizer (prepare's vocabulary given twice)
+    path = fake_prepared(tmp_path / "d", vocab=300)
+    assert load_config(["data=demo", f"data.path={path}"], world_size=1).model.vocab_size == 384
+    assert load_config(["data=demo", f"data.path={path}", "parallel.tp=2"], world_size=2).model.vocab_size == 384
+    assert load_config(["data=demo", f"data.path={path}", "model.vocab_size=512"], world_size=1).model.vocab_size == 512
+    assert load_config(["data=synthetic", "data.vocab_size=1000"], world_size=1).model.vocab_size == 1024
