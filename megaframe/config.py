@@ -200,6 +200,27 @@ class BlendSource:
     """Relative share of the training samples (weights are normalized)."""
 
 
+class DocSplit(str, Enum):
+    """How a plain-text file becomes documents (jsonl / json / parquet: one document per record)."""
+    file = "file"
+    paragraph = "paragraph"
+
+
+DEFAULT_EXTENSIONS = [
+    # records
+    ".jsonl", ".json", ".parquet",
+    # prose and markup
+    ".txt", ".md", ".markdown", ".rst", ".tex", ".org", ".adoc", ".html", ".htm", ".xml", ".csv", ".tsv",
+    # source code and its configuration
+    ".py", ".pyi", ".ipynb", ".c", ".h", ".cc", ".cpp", ".cxx", ".hpp", ".hh", ".cu", ".cuh", ".java", ".kt",
+    ".scala", ".go", ".rs", ".rb", ".php", ".js", ".jsx", ".mjs", ".ts", ".tsx", ".swift", ".m", ".mm", ".cs",
+    ".fs", ".hs", ".ml", ".lua", ".pl", ".r", ".jl", ".dart", ".zig", ".nim", ".ex", ".exs", ".erl", ".clj",
+    ".el", ".vim", ".sh", ".bash", ".zsh", ".ps1", ".sql", ".css", ".scss", ".yaml", ".yml", ".toml", ".ini",
+    ".cfg", ".proto", ".cmake", ".mk", ".gradle", ".bzl",
+]
+"""data.extensions' default. Any of them may also be gzipped (name.ext.gz)."""
+
+
 @dataclass
 class DataConfig:
     name: str = "demo"
@@ -222,8 +243,14 @@ class DataConfig:
     num_workers: int = 0
     """For prepare: tokenizer processes; 0 = one per CPU core."""
     valid_fraction: float = 0.0
-    """Hold out this fraction of each dataset's tokens (its tail, cut on a document boundary) for
-    validation (train.eval_interval); the training samples never include them."""
+    """Hold out about this fraction of each dataset's tokens for validation (train.eval_interval): whole
+    documents in a fixed seeded random order (megaframe.data.dataset.VALID_SEED); training never reads them."""
+    extensions: list[str] = field(default_factory=lambda: list(DEFAULT_EXTENSIONS))
+    """For prepare: the file name endings read from a data.source folder or glob (.jsonl/.json/.parquet as
+    records, the rest as plain text); files without any extension are read when their head is text."""
+    split: DocSplit = DocSplit.file
+    """For prepare: file = one document per text file (code, web pages); paragraph = one document per
+    blank-line separated paragraph (books). jsonl / json / parquet are always one document per record."""
     blend: list[BlendSource] = field(default_factory=list)
     """Train on several prepared datasets mixed by weight, instead of data.path, e.g.
     data.blend='[{path: /data/a, weight: 0.7}, {path: /data/b, weight: 0.3}]'. They must share a tokenizer."""

@@ -14,7 +14,7 @@ from megaframe.config import CONF_DIR, Config, ConfigError, ModelConfig, load_co
 EXPECTED_KEYS = sorted("""
 checkpoint.async checkpoint.dir checkpoint.interval checkpoint.keep_last checkpoint.resume
 data.blend data.kind data.name data.num_workers data.path data.source data.text_key data.tokenizer
-data.tokenizer_sample_bytes data.valid_fraction data.vocab_size
+data.tokenizer_sample_bytes data.valid_fraction data.vocab_size data.extensions data.split
 logging.wandb.entity logging.wandb.mode logging.wandb.project
 model.activation model.bias model.dropout model.ffn_hidden_size model.hidden_size model.init_std
 model.moe_aux_loss_coeff model.moe_bias_update_rate model.moe_capacity_factor model.moe_expert_bias
