@@ -60,11 +60,10 @@ def train(cfg: Config, mesh: Mesh, stop: StopFlag) -> None:
     start = resume(cfg, model, optimizer, mesh)
     if cfg.optim.lr_decay_steps is None:  # a fresh start (or a pre-horizon checkpoint): this run's length
         cfg.optim.lr_decay_steps = cfg.train.max_steps
+    total_params = global_param_count(model, mesh)  # a collective over pp: every rank takes part
     if mesh.rank == 0:
-        describe(cfg, mesh, model, data, start)
-        Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
-        from omegaconf import OmegaConf
-        (Path(cfg.run.dir) / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+        describe(cfg, mesh, model, data, start, total_params)
+        write_run_config(cfg, start)
     tracker = Tracker(cfg, cfg.run.dir, mesh.is_logger, cfg.train.max_steps)
     meter = Meter(cfg, mesh)
     saver = AsyncSaver(mesh) if cfg.checkpoint.async_save else None
@@ -111,8 +110,9 @@ def train(cfg: Config, mesh: Mesh, stop: StopFlag) -> None:
                 break
         if saver:
             saver.wait()
-        if mesh.is_logger and meter.run_steps:
-            print(meter.summary(start, step, saved), flush=True)
+        if mesh.is_logger and meter.run_steps:  # one write: under pp another rank prints at the same time
+            sys.stdout.write(meter.summary(start, step, saved) + "\n")
+            sys.stdout.flush()
     finally:
         watchdog.stop()
         loader.close()
@@ -289,11 +289,48 @@ def adopt_lr_horizon(cfg: Config, meta: dict) -> None:
         cfg.optim.lr_decay_steps = int(horizon)
 
 
-def describe(cfg: Config, mesh: Mesh, model, data, start: int) -> None:
+def global_param_count(model, mesh: Mesh) -> int:
+    """Parameters of the whole model: this stage's global tensors summed over the pipeline stages (the
+    header used to count rank 0's stage only, half the model at pp=2). A tied embedding repeated on the
+    last stage (pp_duplicate) counts once."""
+    mine = sum(math.prod(p.shard.global_shape) for p in model.parameters() if not getattr(p, "pp_duplicate", False))
+    if mesh.pp.size == 1:
+        return mine
+    return int(comm.all_reduce(torch.tensor([mine], dtype=torch.float64, device=mesh.device), mesh.pp).item())
+
+
+def write_run_config(cfg: Config, start: int) -> None:
+    """${run.dir}/config.yaml is the run's first config and is kept; a resume (which may change settings)
+    writes config.resume-<step>.yaml beside it."""
+    from omegaconf import OmegaConf
+
+    run_dir = Path(cfg.run.dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    first = run_dir / "config.yaml"
+    path = first if not first.exists() else run_dir / f"config.resume-{start}.yaml"
+    path.write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+
+
+def data_label(cfg: Config) -> str:
+    """What the header calls the data: data.name only where it names this data (the demo group's
+    name: demo stays on when data.path points at another corpus), else the prepared folder."""
+    d = cfg.data
+    if d.kind == "synthetic":
+        return "synthetic"
+    if d.blend:
+        return f"blend of {len(d.blend)} ({', '.join(Path(b.path).name for b in d.blend)})"
+    from megaframe.config import CONF_DIR
+
+    demo = (CONF_DIR.parent / "data" / "demo" / "prepared").resolve()
+    if d.name == "demo" and Path(d.path).resolve() != demo:
+        return str(d.path)
+    return f"{d.name} ({d.path})"
+
+
+def describe(cfg: Config, mesh: Mesh, model, data, start: int, total: int) -> None:
     """Print the derived sizes once, so a user can check the layout before the first step."""
     m, t = cfg.model, cfg.train
     local = sum(p.numel() for p in model.parameters())
-    total = sum(math.prod(p.shard.global_shape) for p in model.parameters())
     accum = t.global_batch_size // (t.micro_batch_size * mesh.dp.size)
     print(f"megaframe | run {cfg.run.dir} | {mesh.describe()} sp={cfg.parallel.sp}", flush=True)
     print(f"model {m.name}: {m.num_layers} layers, D={m.hidden_size}, heads {m.num_attention_heads} "
@@ -302,6 +339,6 @@ def describe(cfg: Config, mesh: Mesh, model, data, start: int) -> None:
           f"params {total / 1e6:.2f}M, {local / 1e6:.2f}M on this rank | "
           f"{flops_per_token(m) / 1e6:.1f} MFLOP/token", flush=True)
     print(f"batch {t.global_batch_size} x {m.seq_length} = {t.global_batch_size * m.seq_length} tokens/step, "
-          f"micro {t.micro_batch_size}, accumulation {accum} | data {cfg.data.name}: "
+          f"micro {t.micro_batch_size}, accumulation {accum} | data {data_label(cfg)}: "
           f"{'endless' if cfg.data.kind == 'synthetic' else data.num_samples} samples | "
           f"steps {start + 1}..{t.max_steps}", flush=True)
