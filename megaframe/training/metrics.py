@@ -83,10 +83,11 @@ def peak_flops(device: torch.device) -> float:
 
 
 # --- CPU peak: measured once per machine, cached in the user cache folder -----------------------------
-CPU_PEAK_REPS = 40
-"""Timed 1024^3 matmuls (after warm-up); the fastest one is the peak. A single matmul is short
-(~10-40 ms), so even on a shared machine some of them run with the cores to themselves: the fastest of
-many is the machine's rate, where the old best-of-five 50 ms windows at start-up read a busy machine's
+CPU_PEAK_REPS = 200
+"""Timed 512^3 matmuls (after warm-up); the fastest one is the peak. One takes ~1-2 ms, shorter than a
+scheduler time slice, so even on a shared machine many run with the core to themselves: the fastest of
+200 read the idle figure at a load average of 38 on 2 cores (164.5 GFLOP/s against 163.6 idle), where
+the fastest 1024^3 matmul read 35 and the old best-of-five 50 ms windows at start-up a busy machine's
 share (MFU then showed 77-200 %)."""
 
 
@@ -103,7 +104,7 @@ def _cpu_key() -> str:
     return f"{platform.node()}|{cpu}|threads={torch.get_num_threads()}|torch={torch.__version__}|fp32"
 
 
-def measure_cpu_peak(reps: int = CPU_PEAK_REPS, n: int = 1024) -> float:
+def measure_cpu_peak(reps: int = CPU_PEAK_REPS, n: int = 512) -> float:
     a = torch.randn(n, n)
     out = torch.empty(n, n)
     for _ in range(3):  # warm-up: thread pool start, page faults

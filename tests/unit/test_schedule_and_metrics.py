@@ -202,3 +202,25 @@ def test_lr_schedule_is_an_enum_in_the_config():
     assert cfg.optim.lr_schedule is LRSchedule.wsd and cfg.optim.lr_decay_steps is None
     with pytest.raises(ConfigError, match="lr_schedule"):
         load_config(["data=synthetic", "optim.lr_schedule=cosin"], world_size=1)
+
+
+# ---------------------------------------------------------------- the CPU peak behind MFU
+
+def test_cpu_peak_is_measured_once_per_machine_and_cached(tmp_path, monkeypatch):
+    from megaframe.training import metrics
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    calls = []
+    monkeypatch.setattr(metrics, "measure_cpu_peak", lambda: calls.append(1) or 1.5e11)
+    assert metrics.cpu_peak_flops() == 1.5e11 and metrics.cpu_peak_flops() == 1.5e11 and len(calls) == 1
+    assert (tmp_path / "megaframe" / "cpu_peak.json").is_file()
+    metrics.forget_cpu_peak()  # a step beat the peak: measured again at the next start
+    assert metrics.cpu_peak_flops() == 1.5e11 and len(calls) == 2
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "file"))
+    (tmp_path / "file").write_text("not a folder")
+    assert metrics.cpu_peak_flops() == 0.0  # cannot cache: not reported rather than re-measured per run
+
+
+def test_cpu_peak_measurement_is_a_plausible_matmul_rate():
+    peak = __import__("megaframe.training.metrics", fromlist=["x"]).measure_cpu_peak(reps=5)
+    assert 1e9 < peak < 1e13
