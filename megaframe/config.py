@@ -7,7 +7,6 @@ before any process group exists.
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass, field
 from enum import Enum
@@ -41,7 +40,7 @@ class ModelConfig:
     vocab_size: Optional[int] = None
     """Rows of the embedding table; >= the tokenizer's vocabulary, divisible by parallel.tp. None = the
     prepared data's vocabulary (data.path's meta.json, else data.vocab_size), padded up to a multiple of
-    VOCAB_PAD (the same for every layout, so layouts stay comparable)."""
+    megaframe.config_keys.VOCAB_PAD (the same for every layout, so layouts stay comparable)."""
     num_experts: int = 0
     """Experts per MoE layer; 0 means a dense MLP."""
     moe_top_k: int = 2
@@ -344,6 +343,8 @@ def load_config(overrides: list[str], world_size: Optional[int] = None, check_da
     from omegaconf.errors import OmegaConfBaseException
 
     _register()
+    from megaframe.config_keys import check_override_keys
+
     check_override_keys(overrides)
     GlobalHydra.instance().clear()
     try:
@@ -361,62 +362,6 @@ def load_config(overrides: list[str], world_size: Optional[int] = None, check_da
     return cfg
 
 
-# --- strict overrides: every key an override names is in the schema ---------------------------------
-TOOL_KEYS = {"world_size": "python -m megaframe.plan", "device_memory_gb": "python -m megaframe.plan",
-             "plan_json": "python -m megaframe.plan", "search": "python -m megaframe.plan"}
-"""`+key=value` settings that belong to a tool, not to the config: the tool removes them before
-load_config (megaframe.plan's split_args); anywhere else they are refused with the tool's name."""
-
-
-def schema_keys(node: type = None, prefix: str = "") -> set[str]:
-    """Every dotted key of the schema, groups (model, train, logging.wandb) included."""
-    out: set[str] = set()
-    for f in dataclasses.fields(node or Config):
-        key = prefix + f.name
-        out.add(key)
-        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        if dataclasses.is_dataclass(default):
-            out |= schema_keys(type(default), key + ".")
-    return out
-
-
-def check_override_keys(overrides: list[str]) -> None:
-    """Refuse an override of a key that is not in the schema, `+`/`++` ones included: Hydra would add
-    the key to the composed config, where no dataclass reads it (the setting silently vanished).
-    The hint names the closest schema key, never a `+` form."""
-    import difflib
-
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import HydraException
-
-    try:
-        parsed = OverridesParser.create().parse_overrides(list(overrides))
-    except HydraException as e:
-        raise ConfigError(_one_line(e)) from e
-    known = schema_keys()
-    for o, text in zip(parsed, overrides):
-        key = o.key_or_group
-        if key in known or key.startswith("hydra.") or _under_container(key, known):
-            continue
-        if key in TOOL_KEYS:
-            raise ConfigError(f"{text}: {key} is a setting of {TOOL_KEYS[key]}, not a config key")
-        close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
-        hint = f"; did you mean {close[0]}?" if close else " (python train.py --cfg lists the keys)"
-        raise ConfigError(f"{text}: {key} is not a config key{hint}")
-
-
-def _under_container(key: str, known: set[str]) -> bool:
-    """data.blend.0.path and the like: keys inside a list or dict field are typed by Hydra itself."""
-    head = key.rsplit(".", 1)[0]
-    while "." in head and head not in known:
-        head = head.rsplit(".", 1)[0]
-    return head in CONTAINER_KEYS and key.startswith(head + ".")
-
-
-CONTAINER_KEYS = {"data.blend", "parallel.pp_layout"}
-# --- end strict overrides ----------------------------------------------------------------------------
-
-
 def _one_line(e: BaseException) -> str:
     """The error and its cause (Hydra puts the reason, e.g. a failed type conversion, in __cause__)."""
     parts = [str(e)] + ([str(e.__cause__)] if e.__cause__ is not None and str(e.__cause__) not in str(e) else [])
@@ -425,38 +370,14 @@ def _one_line(e: BaseException) -> str:
     return words or type(e).__name__
 
 
-# --- model.vocab_size from the data ------------------------------------------------------------------
-VOCAB_PAD = 128
-"""Megatron's make-vocab-size-divisible-by: every tp up to 128 (powers of two) divides the padded size,
-so the default does not change with the layout; the extra rows are never a target (never learned)."""
-
-
-def default_vocab_size(cfg: Config) -> int:
-    """model.vocab_size when left unset: the prepared data's tokenizer vocabulary (the first blend source:
-    blended data shares one tokenizer), else data.vocab_size (synthetic data, or data not prepared yet),
-    padded to a multiple of VOCAB_PAD and of parallel.tp."""
-    import json
-    import math
-
-    d = cfg.data
-    vocab = d.vocab_size
-    path = d.blend[0].path if d.blend else d.path
-    if d.kind == "prepared" and path:
-        try:
-            vocab = int(json.loads((Path(path) / "meta.json").read_text())["vocab_size"])
-        except (OSError, ValueError, KeyError, TypeError):
-            pass  # not prepared (yet): the data check names the problem when it matters
-    pad = math.lcm(VOCAB_PAD, max(1, cfg.parallel.tp))
-    return -(-vocab // pad) * pad
-# --- end model.vocab_size ------------------------------------------------------------------------------
-
-
 def validate(cfg: Config, world_size: int, check_data: bool = True) -> None:
     """Cross-field checks that need no process group; the first problem raises ConfigError.
     The checks themselves live in megaframe/config_checks.py. Fills model.vocab_size when unset."""
     from megaframe.config_checks import check_config
 
     if cfg.model.vocab_size is None:
+        from megaframe.config_keys import default_vocab_size
+
         cfg.model.vocab_size = default_vocab_size(cfg)
 
     check_config(cfg, world_size, check_data)

@@ -23,7 +23,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-
 VALID_SEED = 20240917
 """Seed of the held-out documents: fixed (not train.seed), so every run on a dataset validates on the same
 documents and val_loss stays comparable across seeds and layouts."""

@@ -155,4 +155,5 @@ def tokenizer_identity(data_cfg) -> dict | None:
     except ValueError:
         return None
     return {"sha256": meta.get("tokenizer_sha256"), "vocab_size": int(meta["vocab_size"]),
-            "kind": meta.get("tokenizer_kind", "sentencepiece"), "from": str(Path(path) / meta.get("tokenizer", "tokenizer.model"))}
+            "kind": meta.get("tokenizer_kind", "sentencepiece"),
+            "from": str(Path(path) / meta.get("tokenizer", "tokenizer.model"))}

@@ -64,7 +64,8 @@ def kind_of(path: Path, extensions: list[str] | tuple[str, ...]) -> str | None:
     by sniffing when it has no extension at all, else None (skipped)."""
     name = path.name.lower()
     base = name[:-3] if name.endswith(".gz") else name
-    for ext in sorted((e.lower() if e.startswith(".") else "." + e.lower() for e in extensions), key=len, reverse=True):
+    endings = sorted((e.lower() if e.startswith(".") else "." + e.lower() for e in extensions), key=len, reverse=True)
+    for ext in endings:
         if base.endswith(ext) and not (ext == ".parquet" and base != name):
             return RECORD_KINDS.get(ext, "text")
     if "." not in base.lstrip(".") and looks_like_text(path):
@@ -80,10 +81,11 @@ def looks_like_text(path: Path) -> bool:
             head = f.read(SNIFF_BYTES)
     except (OSError, EOFError):
         return False
-    return bool(head) and b"\x00" not in head and bad_fraction(head.decode("utf-8", errors="replace")) <= MAX_BAD_FRACTION
+    text = head.decode("utf-8", errors="replace")
+    return bool(head) and b"\x00" not in head and bad_fraction(text) <= MAX_BAD_FRACTION
 
 
-def resolve_source(source: str, extensions: list[str] | tuple[str, ...] = tuple(RECORD_KINDS) + (".txt",)) -> list[SourceFile]:
+def resolve_source(source: str, extensions: list[str] | tuple[str, ...] = (*RECORD_KINDS, ".txt")) -> list[SourceFile]:
     """The input files of data.source, sorted; raises PrepareError when there are none."""
     if not source:
         raise PrepareError("data.source is empty: set it to a folder or glob of text, code, .jsonl or .parquet files")
@@ -101,8 +103,8 @@ def resolve_source(source: str, extensions: list[str] | tuple[str, ...] = tuple(
         raise PrepareError(f"data.source={source} does not exist")
     files = sorted((p, k) for p in candidates if p.is_file() and (k := kind_of(p, extensions)))
     if not files:
-        raise PrepareError(f"data.source={source}: no files ending in data.extensions ({', '.join(extensions[:8])}, ...) "
-                           "and no extension-less text files found")
+        raise PrepareError(f"data.source={source}: no files ending in data.extensions "
+                           f"({', '.join(extensions[:8])}, ...) and no extension-less text files found")
     out = []
     for f, kind in files:
         st = f.stat()

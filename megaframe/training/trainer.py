@@ -25,8 +25,7 @@ from megaframe.tracking import Tracker
 from megaframe.training.distributed import env_ranks, init_distributed, pick_device, shutdown
 from megaframe.training.evaluate import Evaluator
 from megaframe.training.faults import Injector
-from megaframe.training.metrics import (flops_per_token, forget_cpu_peak, memory_figures, peak_flops,
-                                       throughput_figures)
+from megaframe.training.metrics import flops_per_token, forget_cpu_peak, memory_figures, peak_flops, throughput_figures
 from megaframe.training.signals import StopFlag
 from megaframe.training.step import train_step
 from megaframe.training.straggler import StragglerProbe
