@@ -11,10 +11,12 @@ from pathlib import Path
 
 from megaframe.config import Config, ConfigError, _one_line
 
-TOOL_KEYS = {"world_size": "python -m megaframe.plan", "device_memory_gb": "python -m megaframe.plan",
-             "plan_json": "python -m megaframe.plan", "search": "python -m megaframe.plan"}
-"""`+key=value` settings that belong to a tool, not to the config: the tool removes them before
-load_config (megaframe.plan's split_args); anywhere else they are refused with the tool's name."""
+def tool_keys() -> dict[str, str]:
+    """`+key=value` settings that belong to a tool, not to the config (the planner's OWN_KEYS: it removes
+    them before load_config); anywhere else they are refused with the tool's name."""
+    from megaframe.plan import OWN_KEYS
+
+    return {k: "python -m megaframe.plan" for k in OWN_KEYS}
 
 
 def schema_keys(node: type = None, prefix: str = "") -> set[str]:
@@ -45,8 +47,9 @@ def check_override_keys(overrides: list[str]) -> None:
         key = o.key_or_group
         if key in known or key.startswith("hydra.") or _under_container(key, known):
             continue
-        if key in TOOL_KEYS:
-            raise ConfigError(f"{text}: {key} is a setting of {TOOL_KEYS[key]}, not a config key")
+        tools = tool_keys()
+        if key in tools:
+            raise ConfigError(f"{text}: {key} is a setting of {tools[key]}, not a config key")
         close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
         hint = f"; did you mean {close[0]}?" if close else " (python train.py --cfg lists the keys)"
         raise ConfigError(f"{text}: {key} is not a config key{hint}")
