@@ -23,6 +23,7 @@ def main(argv: list[str]) -> int:
     argv = [a for a in argv if a != "--cfg"]
     try:
         cfg = load_config(argv)
+        check_wandb_login(cfg, show)
     except ConfigError as e:
         if not quiet:
             print(f"megaframe: error: {e}", file=sys.stderr, flush=True)
@@ -45,6 +46,16 @@ def main(argv: list[str]) -> int:
         print(f"megaframe: error: {e}", file=sys.stderr, flush=True)
         return 1
     return 0
+
+
+def check_wandb_login(cfg, show: bool) -> None:
+    """logging.wandb.mode=online without credentials is bad input: refused before any rank starts."""
+    from megaframe.config import ConfigError
+    from megaframe.tracking import wandb_login_problem
+
+    problem = None if show else wandb_login_problem(cfg)
+    if problem:
+        raise ConfigError(problem)
 
 
 if __name__ == "__main__":

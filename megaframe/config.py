@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import Optional
 
@@ -36,8 +37,10 @@ class ModelConfig:
     """MLP inner width F (per branch for SwiGLU)."""
     seq_length: int = 128
     """Tokens per sample."""
-    vocab_size: int = 4096
-    """Rows of the embedding table; >= the tokenizer's vocabulary, divisible by parallel.tp."""
+    vocab_size: Optional[int] = None
+    """Rows of the embedding table; >= the tokenizer's vocabulary, divisible by parallel.tp. None = the
+    prepared data's vocabulary (data.path's meta.json, else data.vocab_size), padded up to a multiple of
+    megaframe.config_keys.VOCAB_PAD (the same for every layout, so layouts stay comparable)."""
     num_experts: int = 0
     """Experts per MoE layer; 0 means a dense MLP."""
     moe_top_k: int = 2
@@ -144,14 +147,30 @@ class TrainConfig:
     each block's input is kept). Trades compute for activation memory; losses are unchanged."""
 
 
+class LRSchedule(str, Enum):
+    """Shape of the learning rate after warmup (megaframe/optim/schedule.py has the formulas)."""
+    cosine = "cosine"
+    linear = "linear"
+    wsd = "wsd"
+    constant = "constant"
+
+
 @dataclass
 class OptimConfig:
     lr: float = 2e-3
     """Peak learning rate."""
     min_lr: float = 1e-4
-    """Learning rate at the end of the cosine decay."""
+    """Learning rate at the end of the decay (kept past the decay horizon)."""
     warmup_steps: int = 20
     """Linear warmup steps from 0 to lr."""
+    lr_schedule: LRSchedule = LRSchedule.cosine
+    """cosine | linear | wsd (warmup-stable-decay) | constant: the decay after warmup."""
+    lr_decay_steps: Optional[int] = None
+    """Decay horizon in steps (from step 0): min_lr is reached here and kept after. None = train.max_steps of
+    the run's first start; a resume adopts the horizon its checkpoint recorded, so a larger max_steps
+    continues at min_lr instead of reshaping the curve."""
+    wsd_decay_fraction: float = 0.2
+    """wsd only: the last fraction of the horizon over which lr decays linearly to min_lr."""
     weight_decay: float = 0.1
     """AdamW decoupled weight decay; applied to matrices only, never to norms or biases."""
     clip_grad: float = 1.0
@@ -180,6 +199,27 @@ class BlendSource:
     """Relative share of the training samples (weights are normalized)."""
 
 
+class DocSplit(str, Enum):
+    """How a plain-text file becomes documents (jsonl / json / parquet: one document per record)."""
+    file = "file"
+    paragraph = "paragraph"
+
+
+DEFAULT_EXTENSIONS = [
+    # records
+    ".jsonl", ".json", ".parquet",
+    # prose and markup
+    ".txt", ".md", ".markdown", ".rst", ".tex", ".org", ".adoc", ".html", ".htm", ".xml", ".csv", ".tsv",
+    # source code and its configuration
+    ".py", ".pyi", ".ipynb", ".c", ".h", ".cc", ".cpp", ".cxx", ".hpp", ".hh", ".cu", ".cuh", ".java", ".kt",
+    ".scala", ".go", ".rs", ".rb", ".php", ".js", ".jsx", ".mjs", ".ts", ".tsx", ".swift", ".m", ".mm", ".cs",
+    ".fs", ".hs", ".ml", ".lua", ".pl", ".r", ".jl", ".dart", ".zig", ".nim", ".ex", ".exs", ".erl", ".clj",
+    ".el", ".vim", ".sh", ".bash", ".zsh", ".ps1", ".sql", ".css", ".scss", ".yaml", ".yml", ".toml", ".ini",
+    ".cfg", ".proto", ".cmake", ".mk", ".gradle", ".bzl",
+]
+"""data.extensions' default. Any of them may also be gzipped (name.ext.gz)."""
+
+
 @dataclass
 class DataConfig:
     name: str = "demo"
@@ -202,8 +242,14 @@ class DataConfig:
     num_workers: int = 0
     """For prepare: tokenizer processes; 0 = one per CPU core."""
     valid_fraction: float = 0.0
-    """Hold out this fraction of each dataset's tokens (its tail, cut on a document boundary) for
-    validation (train.eval_interval); the training samples never include them."""
+    """Hold out about this fraction of each dataset's tokens for validation (train.eval_interval): whole
+    documents in a fixed seeded random order (megaframe.data.dataset.VALID_SEED); training never reads them."""
+    extensions: list[str] = field(default_factory=lambda: list(DEFAULT_EXTENSIONS))
+    """For prepare: the file name endings read from a data.source folder or glob (.jsonl/.json/.parquet as
+    records, the rest as plain text); files without any extension are read when their head is text."""
+    split: DocSplit = DocSplit.file
+    """For prepare: file = one document per text file (code, web pages); paragraph = one document per
+    blank-line separated paragraph (books). jsonl / json / parquet are always one document per record."""
     blend: list[BlendSource] = field(default_factory=list)
     """Train on several prepared datasets mixed by weight, instead of data.path, e.g.
     data.blend='[{path: /data/a, weight: 0.7}, {path: /data/b, weight: 0.3}]'. They must share a tokenizer."""
@@ -297,6 +343,9 @@ def load_config(overrides: list[str], world_size: Optional[int] = None, check_da
     from omegaconf.errors import OmegaConfBaseException
 
     _register()
+    from megaframe.config_keys import check_override_keys
+
+    check_override_keys(overrides)
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
@@ -323,7 +372,12 @@ def _one_line(e: BaseException) -> str:
 
 def validate(cfg: Config, world_size: int, check_data: bool = True) -> None:
     """Cross-field checks that need no process group; the first problem raises ConfigError.
-    The checks themselves live in megaframe/config_checks.py."""
+    The checks themselves live in megaframe/config_checks.py. Fills model.vocab_size when unset."""
     from megaframe.config_checks import check_config
+
+    if cfg.model.vocab_size is None:
+        from megaframe.config_keys import default_vocab_size
+
+        cfg.model.vocab_size = default_vocab_size(cfg)
 
     check_config(cfg, world_size, check_data)

@@ -55,6 +55,7 @@ def check_config(cfg: Config, world_size: int, check_data: bool = True) -> None:
     _req(t.device in ("auto", "cpu", "cuda"), f"train.device={t.device!r} must be auto, cpu or cuda")
     _req(cfg.optim.lr > 0 and cfg.optim.min_lr >= 0, "optim.lr must be > 0 and optim.min_lr >= 0")
     _req(cfg.optim.warmup_steps >= 0, f"optim.warmup_steps={cfg.optim.warmup_steps} must be >= 0")
+    _check_lr_schedule(cfg)
     _req(cfg.optim.zero in (0, 1), f"optim.zero={cfg.optim.zero} must be 0 or 1")
     _req(cfg.optim.bucket_size_mb > 0, f"optim.bucket_size_mb={cfg.optim.bucket_size_mb} must be > 0")
     _req(t.recompute in ("none", "selective", "full"),
@@ -77,6 +78,14 @@ def check_config(cfg: Config, world_size: int, check_data: bool = True) -> None:
             raise ConfigError(f"checkpoint.resume={r}: {e}") from e
     if check_data and cfg.data.kind == "prepared":
         _check_prepared(cfg)
+        _check_checkpoint_tokenizer(cfg)
+
+
+def _check_lr_schedule(cfg: Config) -> None:
+    o = cfg.optim
+    _req(o.lr_decay_steps is None or o.lr_decay_steps >= 1,
+         f"optim.lr_decay_steps={o.lr_decay_steps} must be >= 1 (or null: train.max_steps of the first start)")
+    _req(0.0 < o.wsd_decay_fraction <= 1.0, f"optim.wsd_decay_fraction={o.wsd_decay_fraction} must be in (0, 1]")
 
 
 def _check_moe(m: ModelConfig, p: ParallelConfig, dp: int) -> None:
@@ -135,3 +144,37 @@ def _check_prepared(cfg: Config) -> None:
         check_datasets(cfg)
     except ValueError as e:
         raise ConfigError(_one_line(e)) from e
+
+
+def _check_checkpoint_tokenizer(cfg: Config) -> None:
+    """The checkpoint a run continues (checkpoint.resume, or the newest in checkpoint.dir) was trained
+    with the tokenizer the data was prepared with: token ids of another tokenizer train silently on
+    garbage (an imported 8,192-token model fed the demo's 4,096-piece data)."""
+    from megaframe.checkpoint.sharded import committed, read_metadata
+    from megaframe.data.shards import dataset_paths, tokenizer_identity
+
+    r = cfg.checkpoint.resume
+    if r == "none":
+        return
+    found = committed(cfg.checkpoint.dir) if r == "auto" else [Path(r)]
+    if not found:
+        return
+    try:
+        meta = read_metadata(found[-1])
+    except (OSError, ValueError):
+        return  # the resume itself reports an unreadable checkpoint
+    data = tokenizer_identity(cfg.data)
+    tok = meta.get("tokenizer")
+    if data is None or (tok is None and "imported_from" not in meta):
+        return  # a checkpoint written before tokenizers were recorded: nothing to compare
+    if tok is None:  # an import without tokenizer files: its vocabulary is all there is to compare
+        tok = {"vocab_size": meta["config"]["model"]["vocab_size"], "kind": "unknown", "sha256": None}
+    same = tok["sha256"] == data["sha256"] if tok.get("sha256") and data["sha256"] else \
+        tok["vocab_size"] == data["vocab_size"]
+    if same:
+        return
+    key, path = dataset_paths(cfg.data)[0]
+    fix = f"; prepare the data with data.tokenizer={tok['from']}" if tok.get("from") else ""
+    raise ConfigError(f"checkpoint {found[-1]} was trained with a {tok['kind']} tokenizer of {tok['vocab_size']} "
+                      f"tokens, but {key}={path} was prepared with a {data['kind']} tokenizer of "
+                      f"{data['vocab_size']} tokens{fix}")

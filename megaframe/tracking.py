@@ -23,6 +23,7 @@ class Tracker:
 
     def __init__(self, cfg, run_dir: str, active: bool, max_steps: int):
         self.active, self.max_steps = active, max_steps
+        self.schedule = cfg.optim.lr_schedule.value
         self.wandb_run = None
         self.t_start = time.time()
         if not active:
@@ -40,7 +41,7 @@ class Tracker:
         step = metrics["step"]
         rate = (time.time() - self.t_start) / max(1, step - start_step)
         eta = rate * (self.max_steps - step)
-        parts = [f"step {step:>6}/{self.max_steps}", f"loss {metrics['loss']:.4f}", f"lr {metrics['lr']:.2e}",
+        parts = [f"step {step:>6}/{self.max_steps}", f"loss {metrics['loss']:.4f}", f"lr {metrics['lr']:.2e} ({self.schedule})",
                  f"grad {metrics['grad_norm']:.3f}", f"{metrics['tokens_per_s'] / 1e3:.1f}k tok/s"]
         if "val_loss" in metrics:
             parts.insert(2, f"val {metrics['val_loss']:.4f}")
@@ -83,3 +84,29 @@ def _start_wandb(cfg, run_dir: str):
     return wandb.init(project=cfg.logging.wandb.project, entity=cfg.logging.wandb.entity,
                       mode=cfg.logging.wandb.mode, dir=run_dir, id=run_id, name=cfg.run.name,
                       resume="allow", config=dataclasses.asdict(cfg))
+
+
+def wandb_login_problem(cfg) -> str | None:
+    """One line naming the fix when logging.wandb.mode=online but wandb holds no credentials (no
+    WANDB_API_KEY, no netrc entry for the server), else None. Checked before any process group: without
+    it wandb.init fails at the first log rank after the model is built, with a 30-line traceback."""
+    mode = os.environ.get("WANDB_MODE") or cfg.logging.wandb.mode  # wandb lets the environment win
+    if mode != "online" or os.environ.get("WANDB_API_KEY"):
+        return None
+    host = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")
+    try:
+        from wandb.sdk.lib.wbauth.wbnetrc import read_netrc_auth
+
+        if read_netrc_auth(host=host):
+            return None
+    except ImportError:  # another wandb version: read the netrc ourselves
+        import netrc
+        from urllib.parse import urlparse
+
+        try:
+            if netrc.netrc(os.environ.get("NETRC")).authenticators(urlparse(host).hostname or host):
+                return None
+        except (OSError, netrc.NetrcParseError):
+            pass
+    return (f"logging.wandb.mode=online but wandb is not logged in to {host}: run `wandb login` "
+            "(or set WANDB_API_KEY), or use logging.wandb.mode=offline")

@@ -79,23 +79,30 @@ def build_filled_model(cfg, state: dict):
     return model, mesh
 
 
-def copy_tokenizer(src: Path, dest: Path) -> None:
+def copy_tokenizer(src: Path, dest: Path) -> dict | None:
     """Save the HF folder's tokenizer to `dest`, for `megaframe.data.prepare data.tokenizer=dest`: data
-    for continued pretraining must be tokenized with the model's own tokenizer."""
+    for continued pretraining must be tokenized with the model's own tokenizer. Returns the identity the
+    checkpoint records (content hash as prepare computes it, size), or None when there is none."""
     from transformers import AutoTokenizer
+
+    from megaframe.data.tokenizer import load_tokenizer, tokenizer_sha256
 
     if not any((src / n).is_file() for n in ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")):
         print(f"import: {src} has no tokenizer files; none copied", flush=True)
-        return
+        return None
     try:
         tok = AutoTokenizer.from_pretrained(str(src), local_files_only=True)
     except Exception as e:  # no tokenizer files, or a kind transformers cannot load offline
         print(f"import: no tokenizer copied ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})")
-        return
+        return None
     shutil.rmtree(dest, ignore_errors=True)
     tok.save_pretrained(str(dest))
+    loaded = load_tokenizer(dest)  # the vocabulary as prepare will record it in meta.json
+    identity = {"sha256": tokenizer_sha256(dest), "vocab_size": loaded.vocab_size, "kind": loaded.kind,
+                "from": str(dest.resolve())}
     print(f"import: tokenizer ({len(tok)} tokens) -> {dest}; prepare data with "
           f"python -m megaframe.data.prepare data.tokenizer={dest} data.source=... data.path=...", flush=True)
+    return identity
 
 
 def import_hf(folder: str, out: Path, overrides: list[str]) -> Path:
@@ -111,12 +118,13 @@ def import_hf(folder: str, out: Path, overrides: list[str]) -> Path:
         raise ValueError(f"{folder}: cannot load the transformers model ({str(e).splitlines()[0]})") from e
     cfg = run_config(fields, overrides)
     model, mesh = build_filled_model(cfg, state)
+    tok = copy_tokenizer(src, out / "hf_tokenizer")
     meta = {"consumed_samples": 0, "layout": {"tp": 1, "pp": 1, "dp": 1, "sp": False},
             "rng": "derived from (train.seed, step, rank); no state to restore",
             "data": {"kind": cfg.data.kind, "path": cfg.data.path, "consumed_samples": 0},
+            "tokenizer": tok,  # train.py refuses data prepared with another tokenizer
             "config": dataclasses.asdict(cfg), "imported_from": str(src.resolve())}
     path = sharded.save(out, 0, model, WeightsOnly(), mesh, meta)
-    copy_tokenizer(src, out / "hf_tokenizer")
     n = sum(t.numel() for t in state.values())
     print(f"import: {folder} ({n / 1e6:.2f}M params, {fields['name']}) -> {path}", flush=True)
     model_args = model_overrides({k: getattr(cfg.model, k) for k in fields})

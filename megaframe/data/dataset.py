@@ -7,9 +7,9 @@ perm_{g // N}[g % N]. A blend of datasets (megaframe.data.blend) maps g to (data
 The data cursor is therefore derived, never stored: after step t, positions [0, t·G) are consumed, and a
 run resumed under any dp continues at position t·G exactly.
 
-Validation: with data.valid_fraction = f, each dataset's last ~f of tokens (cut at the first document
-boundary after (1 - f)·T, from the shards' document index) form the "valid" split; "train" samples come
-only from the tokens before it.
+Validation: with data.valid_fraction = f, a seeded random sample of each dataset's documents holding ~f
+of its tokens (from the shards' document index; VALID_SEED, not train.seed) forms the "valid" split;
+"train" samples come only from the other documents. Data without a document index holds out its tail.
 Step t owns positions [t·G, (t+1)·G); dp rank d reads the block [d·G/dp, (d+1)·G/dp) of it in
 micro-batches. The loss is a sum over tokens divided by the global token count, so any split of the
 global batch over ranks and micro-batches gives the same gradient.
@@ -23,10 +23,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
+VALID_SEED = 20240917
+"""Seed of the held-out documents: fixed (not train.seed), so every run on a dataset validates on the same
+documents and val_loss stays comparable across seeds and layouts."""
+
 
 class PreparedData:
     """Memory-mapped token shards written by megaframe.data.prepare; one split of them ("train",
-    "valid", or "all") at a time."""
+    "valid", or "all") at a time. A split is a list of global token ranges (whole documents) read as one
+    stream: sample i of the split is its tokens [i * seq_length, (i + 1) * seq_length + 1)."""
 
     shuffle = True
 
@@ -41,9 +46,12 @@ class PreparedData:
                 raise ValueError(f"data shard {s['file']} has {arr.shape[0]} tokens, meta.json says {s['num_tokens']}")
         self.starts = np.cumsum([0] + [a.shape[0] for a in self.shards])
         total = int(self.starts[-1])
-        cut = total if split == "all" or valid_fraction <= 0 else self.valid_start(valid_fraction)
-        self.first, end = (cut, total) if split == "valid" else (0, cut)
-        self.num_tokens = end - self.first
+        if split == "all" or valid_fraction <= 0:
+            self.segments = np.array([[0, total]], dtype=np.int64)
+        else:
+            self.segments = self.split_segments(valid_fraction, split == "valid")
+        self.seg_starts = np.cumsum([0] + [int(b - a) for a, b in self.segments])
+        self.num_tokens = int(self.seg_starts[-1])
         self.seq_length = seq_length
         self.vocab_size = int(meta["vocab_size"])
         self.num_samples = (self.num_tokens - 1) // seq_length
@@ -51,33 +59,62 @@ class PreparedData:
             what = "the validation split" if split == "valid" else "data"
             raise ValueError(f"{path}: {what} has {self.num_tokens} tokens, fewer than one sample of {seq_length + 1}")
 
-    def valid_start(self, fraction: float) -> int:
-        """Token where the validation tail begins: the first document start at or after (1 - f)·T
-        (the last one before it when no document starts later), so no document is split."""
-        total = int(self.starts[-1])
-        target = int(total * (1.0 - fraction))
-        k = int(np.searchsorted(self.starts, target, side="right") - 1)
+    def document_starts(self) -> np.ndarray | None:
+        """Global token offset of every document (shards hold whole documents), or None without an index."""
         entries = self.meta["shards"]
-        if k >= len(entries) or not entries[k].get("docs"):
-            return target  # no document index (older data): cut on the token
-        local = np.load(self.path / entries[k]["docs"], mmap_mode="r") + int(self.starts[k])
-        after = local[np.searchsorted(local, target):]
-        if after.size:
-            return int(after[0])
-        if k + 1 < len(entries):
-            return int(self.starts[k + 1])  # shards hold whole documents: the next one starts a document
-        before = local[local <= target]
-        return int(before[-1]) if before.size and before[-1] > 0 else target
+        if not entries or not all(e.get("docs") for e in entries):
+            return None
+        parts = [np.load(self.path / e["docs"], mmap_mode="r") + int(self.starts[k]) for k, e in enumerate(entries)]
+        return np.unique(np.concatenate([np.asarray(p, dtype=np.int64) for p in parts] + [np.zeros(1, np.int64)]))
+
+    def split_segments(self, fraction: float, valid: bool) -> np.ndarray:
+        """Token ranges of the train or valid split. Valid: whole documents drawn in a VALID_SEED-seeded
+        random order until they hold fraction · T tokens (at least one, never all). Without a document
+        index (older data) or with a single document, the tail from token (1 - f)·T is held out."""
+        total = int(self.starts[-1])
+        starts = self.document_starts()
+        if starts is None or len(starts) < 2:
+            cut = int(total * (1.0 - fraction))
+            return np.array([[cut, total]] if valid else [[0, cut]], dtype=np.int64)
+        ends = np.append(starts[1:], total)
+        order = np.random.default_rng(VALID_SEED).permutation(len(starts))
+        held = np.cumsum((ends - starts)[order])
+        k = min(max(1, int(np.searchsorted(held, fraction * total)) + 1), len(starts) - 1)
+        chosen = np.zeros(len(starts), dtype=bool)
+        chosen[order[:k]] = True
+        keep = chosen if valid else ~chosen
+        return _merge(starts[keep], ends[keep])
 
     def __getitem__(self, i: int) -> np.ndarray:
-        lo = self.first + i * self.seq_length
+        lo = i * self.seq_length
         hi = lo + self.seq_length + 1
+        pieces, j = [], int(np.searchsorted(self.seg_starts, lo, side="right") - 1)
+        while lo < hi:  # a sample may span several held-out gaps
+            a = int(self.segments[j][0]) + lo - int(self.seg_starts[j])
+            end = min(hi, int(self.seg_starts[j + 1]))
+            pieces.append(self._tokens(a, a + end - lo))
+            lo, j = end, j + 1
+        return np.concatenate(pieces).astype(np.int64)
+
+    def _tokens(self, lo: int, hi: int) -> np.ndarray:
+        """Global tokens [lo, hi), across shard boundaries."""
         pieces, k = [], int(np.searchsorted(self.starts, lo, side="right") - 1)
-        while lo < hi:  # a sample may straddle shard boundaries
+        while lo < hi:
             end = min(hi, int(self.starts[k + 1]))
             pieces.append(self.shards[k][lo - self.starts[k]:end - self.starts[k]])
             lo, k = end, k + 1
-        return np.concatenate(pieces).astype(np.int64)
+        return np.concatenate(pieces)
+
+
+def _merge(starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """Adjacent [start, end) ranges joined: fewer segments, the same tokens."""
+    out: list[list[int]] = []
+    for a, b in zip(starts.tolist(), ends.tolist()):
+        if out and out[-1][1] == a:
+            out[-1][1] = b
+        else:
+            out.append([a, b])
+    return np.array(out, dtype=np.int64).reshape(-1, 2)
 
 
 class SyntheticData:

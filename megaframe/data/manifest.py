@@ -41,13 +41,24 @@ def settings_of(data_cfg, given_sha256: str | None) -> dict:
     else:
         tok = {"train_vocab_size": int(data_cfg.vocab_size),
                "train_sample_bytes": int(data_cfg.tokenizer_sample_bytes)}
-    return {"format": FORMAT, "text_key": data_cfg.text_key, "tokenizer": tok}
+    return {"format": FORMAT, "text_key": data_cfg.text_key, "split": _split_name(data_cfg.split), "tokenizer": tok}
+
+
+def _split_name(split) -> str:
+    return getattr(split, "value", split)
+
+
+def _with_old_defaults(settings: dict) -> dict:
+    """Settings recorded before data.split existed: text files were read as paragraphs then."""
+    return {"split": "paragraph", **settings} if "format" in settings else settings
 
 
 def describe_settings_change(old: dict, new: dict) -> str:
     o, n = old.get("tokenizer", {}), new["tokenizer"]
     if old.get("format") != new["format"]:
         return f"format {old.get('format')} (this version writes {new['format']})"
+    if old.get("split", "paragraph") != new["split"]:
+        return f"data.split={new['split']} (it was made with data.split={old.get('split', 'paragraph')})"
     if old.get("text_key") != new["text_key"]:
         return f"data.text_key={new['text_key']!r} (it was made with {old.get('text_key')!r})"
     if "given_sha256" in n or "given_sha256" in o:
@@ -84,7 +95,7 @@ def check_existing(out: Path, meta: dict, settings: dict, files: list[SourceFile
     if meta.get("format") == "megaframe-tokens-v1":
         return  # made before manifests existed: nothing to compare, and never rebuilt
     why = None
-    if meta.get("settings") != settings:
+    if _with_old_defaults(meta.get("settings") or {}) != settings:
         why = describe_settings_change(meta.get("settings") or {}, settings)
     else:
         why = source_change(meta.get("sources", []), files)

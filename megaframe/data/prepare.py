@@ -2,6 +2,7 @@
 
     python -m megaframe.data.prepare data.source=SRC data.path=OUT [data.vocab_size=N] [data.tokenizer=PATH]
                                      [data.tokenizer_sample_bytes=B] [data.num_workers=W] [data.text_key=K]
+                                     [data.split=file|paragraph] [data.extensions=[.py,.md,...]]
 
 The arguments are Hydra overrides of the main config (conf/config.yaml); with none, the embedded demo
 corpus is prepared into data/demo/prepared. Sources and documents: see megaframe.data.sources.
@@ -37,7 +38,7 @@ from collections import deque
 from pathlib import Path
 from typing import Iterator
 
-from megaframe.config import Config, ConfigError, load_config
+from megaframe.config import Config, ConfigError, DocSplit, load_config
 from megaframe.data import manifest as mf
 from megaframe.data.shards import encode_chunk, token_dtype
 from megaframe.data.sources import (PrepareError, SourceFile, file_sha256, iter_documents, offline_hf,
@@ -62,7 +63,7 @@ def prepare(cfg: Config, *, unit_bytes: int = UNIT_BYTES, chunk_chars: int | Non
     if not d.tokenizer and d.vocab_size < 260:  # 256 byte pieces + unk + eos + a few characters
         raise PrepareError(f"data.vocab_size={d.vocab_size} is too small (byte fallback alone needs 258)")
     out = Path(d.path)
-    files = resolve_source(d.source)
+    files = resolve_source(d.source, list(d.extensions))
     for f in files:
         screen_head(f)
     if d.tokenizer and not Path(d.tokenizer).exists():
@@ -190,7 +191,7 @@ def _tokenizer(cfg: Config, files: list[SourceFile], work: Path, cache: str) -> 
         return name
     if (work / "tokenizer.model").is_file():
         return "tokenizer.model"
-    docs = sample_documents(files, d.text_key, cache, d.tokenizer_sample_bytes)
+    docs = sample_documents(files, d.text_key, cache, d.tokenizer_sample_bytes, DocSplit(d.split).value)
     first = next(docs, None)
     if first is None:
         raise PrepareError(f"data.source={d.source}: the files hold no text")
@@ -280,7 +281,7 @@ def _encode(cfg: Config, files: list[SourceFile], records: list[dict], tok_path:
                 stale.unlink()
             acc[k] = []
             progress.start_unit(k, sum(text_size(f) for f in group))
-            batches = iter_documents(group, cfg.data.text_key, cache)
+            batches = iter_documents(group, cfg.data.text_key, cache, DocSplit(cfg.data.split).value)
             for c, (docs, chars) in enumerate(_chunks(batches, chunk_chars)):
                 task = (tok_path, str(work), f"shard_{k:05d}_{c:05d}", docs)
                 res = pool.apply_async(encode_chunk, (task,)) if pool is not None else _Ready(encode_chunk(task))

@@ -142,3 +142,18 @@ def check_datasets(cfg) -> list[dict]:
             raise ValueError(f"data.blend: {key} and {first[0]} were prepared with different tokenizers")
         metas.append(meta)
     return metas
+
+
+def tokenizer_identity(data_cfg) -> dict | None:
+    """What a checkpoint records of the tokenizer it was trained with (the first dataset's: blended ones
+    share it); None for synthetic data or data that cannot be read."""
+    if data_cfg.kind != "prepared":
+        return None
+    key, path = dataset_paths(data_cfg)[0]
+    try:
+        meta = read_meta(Path(path))
+    except ValueError:
+        return None
+    return {"sha256": meta.get("tokenizer_sha256"), "vocab_size": int(meta["vocab_size"]),
+            "kind": meta.get("tokenizer_kind", "sentencepiece"),
+            "from": str(Path(path) / meta.get("tokenizer", "tokenizer.model"))}

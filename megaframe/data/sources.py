@@ -1,14 +1,15 @@
 """Source files of a corpus: find them, fingerprint them, screen them, and stream their documents.
 
-data.source is a folder (every *.txt, *.txt.gz, *.jsonl(.gz), *.json(.gz), *.parquet under it, recursively,
-sorted, hidden entries skipped), a glob, or one file. Files are read with the `datasets` library in
-streaming mode (bounded memory; compressed files are decompressed on the fly), offline and with its cache
-in a temp folder, so a fresh machine needs no network and no ~/.cache.
+data.source is a folder (every file under it whose name ends in one of data.extensions, optionally
+followed by .gz, plus extension-less files whose head is text; recursively, sorted, hidden entries
+skipped), a glob, or one file. Files are read with the `datasets` library in streaming mode (bounded
+memory; compressed files are decompressed on the fly), offline and with its cache in a temp folder, so a
+fresh machine needs no network and no ~/.cache.
 
-Documents: a jsonl/json/parquet record's data.text_key field is one document. A text file is read as
-blank-line separated paragraphs and EACH PARAGRAPH is one document: the demo corpus is whole books, and
-paragraph documents give the eos token real boundaries to learn while keeping every paragraph intact.
-Documents are stripped of surrounding whitespace; empty ones are skipped.
+Documents: a jsonl/json/parquet record's data.text_key field is one document. A plain-text file is one
+document (data.split=file: code, web pages) or one per blank-line separated paragraph
+(data.split=paragraph: books; the demo corpus). Documents are stripped of surrounding whitespace; empty
+ones are skipped.
 
 Binary garbage (a renamed image, a corrupt download) is refused twice over: the head of every text/json
 file is screened before anything is written (naming the exact file), and every streamed batch is
@@ -27,10 +28,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterator
 
-KINDS = {".txt": "text", ".txt.gz": "text", ".jsonl": "json", ".jsonl.gz": "json",
-         ".json": "json", ".json.gz": "json", ".parquet": "parquet"}
+RECORD_KINDS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 BATCH_DOCS = 1024
 HEAD_BYTES = 64 * 1024
+SNIFF_BYTES = 8 * 1024
 MAX_BAD_FRACTION = 0.05
 """More than this fraction of undecodable or control characters means binary data, not text; real text
 in a wrong encoding (latin-1 read as UTF-8) stays well under it."""
@@ -48,26 +49,46 @@ class SourceFile:
     """The path relative to the source root: what the manifest records and compares."""
     size: int
     mtime_ns: int
-
-    @property
-    def kind(self) -> str:
-        return kind_of(self.path)
+    kind: str = "text"
+    """text | json | parquet: how the file is read (not recorded: it follows from the name)."""
 
     def record(self, sha256: str) -> dict:
         d = asdict(self)
         d.pop("path")
+        d.pop("kind")
         return {**d, "sha256": sha256}
 
 
-def kind_of(path: Path) -> str | None:
+def kind_of(path: Path, extensions: list[str] | tuple[str, ...]) -> str | None:
+    """How to read `path`: by its ending among `extensions` (a .gz after it is allowed, not for parquet),
+    by sniffing when it has no extension at all, else None (skipped)."""
     name = path.name.lower()
-    return next((k for suffix, k in KINDS.items() if name.endswith(suffix)), None)
+    base = name[:-3] if name.endswith(".gz") else name
+    endings = sorted((e.lower() if e.startswith(".") else "." + e.lower() for e in extensions), key=len, reverse=True)
+    for ext in endings:
+        if base.endswith(ext) and not (ext == ".parquet" and base != name):
+            return RECORD_KINDS.get(ext, "text")
+    if "." not in base.lstrip(".") and looks_like_text(path):
+        return "text"  # Makefile, LICENSE, README, scripts without an extension
+    return None
 
 
-def resolve_source(source: str) -> list[SourceFile]:
+def looks_like_text(path: Path) -> bool:
+    """The head of a file decodes as UTF-8 text: no NUL byte, few undecodable or control characters."""
+    try:
+        opener = gzip.open if path.name.lower().endswith(".gz") else open
+        with opener(path, "rb") as f:
+            head = f.read(SNIFF_BYTES)
+    except (OSError, EOFError):
+        return False
+    text = head.decode("utf-8", errors="replace")
+    return bool(head) and b"\x00" not in head and bad_fraction(text) <= MAX_BAD_FRACTION
+
+
+def resolve_source(source: str, extensions: list[str] | tuple[str, ...] = (*RECORD_KINDS, ".txt")) -> list[SourceFile]:
     """The input files of data.source, sorted; raises PrepareError when there are none."""
     if not source:
-        raise PrepareError("data.source is empty: set it to a folder or glob of .txt/.jsonl/.parquet files")
+        raise PrepareError("data.source is empty: set it to a folder or glob of text, code, .jsonl or .parquet files")
     path = Path(source)
     if any(c in source for c in "*?["):
         candidates = [Path(p) for p in glob.glob(source, recursive=True)]
@@ -80,13 +101,14 @@ def resolve_source(source: str) -> list[SourceFile]:
         root, candidates = path.parent, [path]
     else:
         raise PrepareError(f"data.source={source} does not exist")
-    files = sorted(p for p in candidates if p.is_file() and kind_of(p))
+    files = sorted((p, k) for p in candidates if p.is_file() and (k := kind_of(p, extensions)))
     if not files:
-        raise PrepareError(f"data.source={source}: no {', '.join(KINDS)} files found")
+        raise PrepareError(f"data.source={source}: no files ending in data.extensions "
+                           f"({', '.join(extensions[:8])}, ...) and no extension-less text files found")
     out = []
-    for f in files:
+    for f, kind in files:
         st = f.stat()
-        out.append(SourceFile(f, os.path.relpath(f, root), st.st_size, st.st_mtime_ns))
+        out.append(SourceFile(f, os.path.relpath(f, root), st.st_size, st.st_mtime_ns, kind))
     return out
 
 
@@ -156,7 +178,8 @@ def _where(group: list[SourceFile]) -> str:
     return str(group[0].path) if len(group) == 1 else f"{group[0].path} (+{len(group) - 1} more)"
 
 
-def iter_documents(group: list[SourceFile], text_key: str, cache_dir: str) -> Iterator[list[str]]:
+def iter_documents(group: list[SourceFile], text_key: str, cache_dir: str,
+                   split: str = "paragraph") -> Iterator[list[str]]:
     """Batches of non-empty, stripped documents of files of ONE kind, in file order.
 
     Read errors, a missing text field and binary content become PrepareError naming the files.
@@ -166,7 +189,8 @@ def iter_documents(group: list[SourceFile], text_key: str, cache_dir: str) -> It
     datasets.utils.logging.set_verbosity(50)  # CRITICAL: read errors are reported once, by us
     datasets.disable_progress_bars()
     kind = group[0].kind
-    extra = {"sample_by": "paragraph", "encoding_errors": "replace"} if kind == "text" else {}
+    by = "document" if split == "file" else "paragraph"  # a text file is one document, or its paragraphs
+    extra = {"sample_by": by, "encoding_errors": "replace"} if kind == "text" else {}
     key = "text" if kind == "text" else text_key
     try:
         ds = datasets.load_dataset(kind, data_files=[str(f.path) for f in group], split="train",
@@ -184,7 +208,8 @@ def iter_documents(group: list[SourceFile], text_key: str, cache_dir: str) -> It
         raise PrepareError(f"cannot read {_where(group)}: {' '.join(str(e).split()) or type(e).__name__}") from e
 
 
-def sample_documents(files: list[SourceFile], text_key: str, cache_dir: str, budget: int) -> Iterator[str]:
+def sample_documents(files: list[SourceFile], text_key: str, cache_dir: str, budget: int,
+                     split: str = "paragraph") -> Iterator[str]:
     """Documents for tokenizer training: all of them, or ~`budget` characters spread over the corpus.
 
     With a budget smaller than the corpus, evenly spaced files are read, each up to an equal share of
@@ -194,7 +219,7 @@ def sample_documents(files: list[SourceFile], text_key: str, cache_dir: str, bud
     total = sum(f.size for f in files)
     if budget <= 0 or budget >= total:
         for group in units(files, 1 << 62):
-            for batch in iter_documents(group, text_key, cache_dir):
+            for batch in iter_documents(group, text_key, cache_dir, split):
                 yield from batch
         return
     n = len(files)
@@ -203,7 +228,7 @@ def sample_documents(files: list[SourceFile], text_key: str, cache_dir: str, bud
     share = budget // len(picks)
     for i in picks:
         taken = 0
-        batches = iter_documents([files[i]], text_key, cache_dir)
+        batches = iter_documents([files[i]], text_key, cache_dir, split)
         with contextlib.closing(batches):
             for batch in batches:
                 for d in batch:

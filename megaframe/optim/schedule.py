@@ -1,16 +1,40 @@
-"""Learning-rate schedule: linear warmup from 0, then cosine decay to min_lr at max_steps.
+"""Learning-rate schedules: linear warmup from 0, then a decay to min_lr over the decay horizon.
 
-A pure function of the step, so resuming needs no scheduler state.
+A pure function of the step and the horizon, so resuming needs no scheduler state: the horizon
+(optim.lr_decay_steps, by default train.max_steps of the run's first start) is recorded in every
+checkpoint's config and adopted on resume, so raising train.max_steps on a resume does not reshape the
+curve; past the horizon the rate stays at min_lr.
+
+  cosine    min_lr + (lr - min_lr) * (1 + cos(pi * p)) / 2,  p = (step - warmup) / (horizon - warmup)
+  linear    lr - (lr - min_lr) * p
+  wsd       warmup-stable-decay: lr until the last optim.wsd_decay_fraction of the horizon, then linear
+            to min_lr at the horizon (the decay phase can be re-run from a stable-phase checkpoint)
+  constant  lr after warmup
 """
 from __future__ import annotations
 
 import math
 
+from megaframe.config import LRSchedule
 
-def lr_at(step: int, lr: float, min_lr: float, warmup_steps: int, max_steps: int) -> float:
-    """Learning rate of optimizer step `step` (1-based: the first update is step 1)."""
+
+def lr_at(step: int, lr: float, min_lr: float, warmup_steps: int, decay_steps: int,
+          schedule: LRSchedule = LRSchedule.cosine, wsd_decay_fraction: float = 0.2) -> float:
+    """Learning rate of optimizer step `step` (1-based: the first update is step 1); `decay_steps` is
+    the horizon (counted from step 0, warmup included) at which the rate reaches min_lr."""
     if warmup_steps > 0 and step <= warmup_steps:
         return lr * step / warmup_steps
-    decay_steps = max(1, max_steps - warmup_steps)
-    progress = min(1.0, (step - warmup_steps) / decay_steps)
+    schedule = LRSchedule(schedule)
+    if schedule is LRSchedule.constant:
+        return lr
+    if schedule is LRSchedule.wsd:
+        # the decay phase is the last fraction of the horizon, never reaching into warmup
+        start = max(warmup_steps, decay_steps - round(wsd_decay_fraction * decay_steps))
+        if step <= start:
+            return lr
+        progress = min(1.0, (step - start) / max(1, decay_steps - start))
+        return lr - (lr - min_lr) * progress
+    progress = min(1.0, (step - warmup_steps) / max(1, decay_steps - warmup_steps))
+    if schedule is LRSchedule.linear:
+        return lr - (lr - min_lr) * progress
     return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * progress))

@@ -281,3 +281,9 @@ def broadcast_object(obj, src: int = 0):
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+def all_gather_world(out: torch.Tensor, x: torch.Tensor, group) -> None:
+    """Flat all-gather over a whole-world group (no Axis; the caller records it). Through the
+    non-deprecated entry: torch 2.13 warns on all_gather_into_tensor, once per rank."""
+    _all_gather_flat(out, x, group=group)

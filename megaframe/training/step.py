@@ -48,7 +48,8 @@ def train_step(model, optimizer, batches, mesh: Mesh, cfg: Config, step: int, pr
     loss_sum = run_schedule(rank_schedule(cfg, mesh, len(batches)), model, batches, mesh, optimizer, tokens_global,
                             timeline=probe.spans if probe is not None else None)
     o = cfg.optim
-    lr = lr_at(step, o.lr, o.min_lr, o.warmup_steps, cfg.train.max_steps)
+    lr = lr_at(step, o.lr, o.min_lr, o.warmup_steps, o.lr_decay_steps or cfg.train.max_steps, o.lr_schedule,
+               o.wsd_decay_fraction)
     norm = optimizer.step(lr)
     moe_stats.update_expert_bias(model, mesh)  # no-op unless model.moe_expert_bias
     return StepResult(loss_sum, norm, lr)

@@ -14,8 +14,8 @@ GPU, unless the step synchronises.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
+from megaframe.parallel import comm
 from megaframe.parallel.mesh import Mesh
 from megaframe.training.faults import Injector
 
@@ -50,7 +50,7 @@ class StragglerProbe:
         else:
             every = torch.empty(mesh.world, dtype=torch.float64, device=mesh.device)
             with mesh.stats.noting("all_gather(straggler)", "world", range(mesh.world), local.shape, local.dtype, 8):
-                dist.all_gather_into_tensor(every, local, group=mesh.group)
+                comm.all_gather_world(every, local, mesh.group)
         values = every.tolist()
         slowest = max(range(len(values)), key=values.__getitem__)
         return {"straggler/compute_s_min": min(values), "straggler/compute_s_max": values[slowest],

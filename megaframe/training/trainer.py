@@ -13,6 +13,7 @@ from megaframe.checkpoint import sharded
 from megaframe.checkpoint.async_save import AsyncSaver
 from megaframe.config import Config, ConfigError
 from megaframe.data.dataset import Prefetcher, build_data, data_state, microbatches
+from megaframe.data.shards import tokenizer_identity
 from megaframe.layers.shard import param_seed
 from megaframe.model.gpt import build_model
 from megaframe.model.moe import stats as moe_stats
@@ -24,7 +25,7 @@ from megaframe.tracking import Tracker
 from megaframe.training.distributed import env_ranks, init_distributed, pick_device, shutdown
 from megaframe.training.evaluate import Evaluator
 from megaframe.training.faults import Injector
-from megaframe.training.metrics import flops_per_token, memory_figures, peak_flops, throughput_figures
+from megaframe.training.metrics import flops_per_token, forget_cpu_peak, memory_figures, peak_flops, throughput_figures
 from megaframe.training.signals import StopFlag
 from megaframe.training.step import train_step
 from megaframe.training.straggler import StragglerProbe
@@ -56,11 +57,12 @@ def train(cfg: Config, mesh: Mesh, stop: StopFlag) -> None:
     except (OSError, ValueError, KeyError) as e:
         raise ConfigError(f"data.path={cfg.data.path}: unreadable prepared data ({e})") from e
     start = resume(cfg, model, optimizer, mesh)
+    if cfg.optim.lr_decay_steps is None:  # a fresh start (or a pre-horizon checkpoint): this run's length
+        cfg.optim.lr_decay_steps = cfg.train.max_steps
+    total_params = global_param_count(model, mesh)  # a collective over pp: every rank takes part
     if mesh.rank == 0:
-        describe(cfg, mesh, model, data, start)
-        Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
-        from omegaconf import OmegaConf
-        (Path(cfg.run.dir) / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+        describe(cfg, mesh, model, data, start, total_params)
+        write_run_config(cfg, start)
     tracker = Tracker(cfg, cfg.run.dir, mesh.is_logger, cfg.train.max_steps)
     meter = Meter(cfg, mesh)
     saver = AsyncSaver(mesh) if cfg.checkpoint.async_save else None
@@ -71,6 +73,7 @@ def train(cfg: Config, mesh: Mesh, stop: StopFlag) -> None:
     watchdog = Watchdog(t.hang_timeout_s, mesh.rank, cfg.run.dir, mesh.stats).start()
     loader = Prefetcher(lambda s: microbatches(data, s - 1, t.global_batch_size, t.micro_batch_size, mesh.dp.rank,
                                                mesh.dp.size, t.seed, mesh.device), start + 1, t.max_steps)
+    saved = None
     try:
         for step in range(start + 1, t.max_steps + 1):
             watchdog.beat(step)
@@ -79,16 +82,18 @@ def train(cfg: Config, mesh: Mesh, stop: StopFlag) -> None:
             torch.manual_seed(param_seed(t.seed, f"dropout/step{step}/rank{mesh.rank}"))
             batches = loader.get(step)  # read while the previous step computed
             res = train_step(model, optimizer, batches, mesh, cfg, step, probe)
-            meter.steps += 1
+            meter.add(res)
             bad.check(step, res.grad_norm, flush=step % t.log_interval == 0 or step == t.max_steps)
             val = None
             if evaluator is not None and evaluator.due(step):
                 t0 = time.perf_counter()
                 val = evaluator.evaluate(model)
-                meter.t_last += time.perf_counter() - t0  # tokens_per_s counts training time only
+                meter.paused(time.perf_counter() - t0)  # tokens_per_s counts training time only
             if step % t.log_interval == 0 or step == t.max_steps or val is not None:
                 row = {**meter.metrics(step, res, model, optimizer), **probe.gather(mesh)}
-                tracker.log(row if val is None else {**row, "val_loss": val}, start)
+                if val is not None:
+                    row["val_loss"] = meter.last["val_loss"] = val
+                tracker.log(row, start)
             stopping = stop.agreed(mesh)
             if saver:
                 saver.poll()
@@ -97,13 +102,16 @@ def train(cfg: Config, mesh: Mesh, stop: StopFlag) -> None:
             if (interval and step % interval == 0) or last:
                 if saver and last:
                     saver.wait()  # commit the older one first, so `latest` ends on this step
-                save(cfg, model, optimizer, mesh, step, saver if not last else None)
+                saved = save(cfg, model, optimizer, mesh, step, saver if not last else None)
                 watchdog.beat()
             if stopping:
                 stop.report(step)
                 break
         if saver:
             saver.wait()
+        if mesh.is_logger and meter.run_steps:  # one write: under pp another rank prints at the same time
+            sys.stdout.write(meter.summary(start, step, saved) + "\n")
+            sys.stdout.flush()
     finally:
         watchdog.stop()
         loader.close()
@@ -156,27 +164,62 @@ class BadSteps:
 
 
 class Meter:
-    """Turns a step's device results into the logged figures (the .item() calls sync the host)."""
+    """Turns the device results of the steps since the last log line into the logged figures (the
+    .item() calls sync the host, at log steps only).
+
+    `loss` is the mean LM loss over every step since the previous log line or this start (each step's loss is the
+    mean over its global batch's tokens), as Megatron and torchtitan log it; `grad_norm` is the log
+    step's own. `time` is unix seconds at the log line; `step_time_s` the mean wall time of those
+    steps, evaluation excluded."""
 
     def __init__(self, cfg: Config, mesh: Mesh):
         self.cfg, self.mesh = cfg, mesh
         self.tokens_step = cfg.train.global_batch_size * cfg.model.seq_length
         self.fpt = flops_per_token(cfg.model)
         self.peak = peak_flops(mesh.device) if mesh.is_logger else 0.0
-        self.t_last, self.steps = time.perf_counter(), 0
+        self.t_last, self.steps, self.loss_sum = time.perf_counter(), 0, None
+        self.t_start, self.run_steps, self.eval_s, self.last = self.t_last, 0, 0.0, {}
+
+    def add(self, res) -> None:
+        """One step done: its loss joins the interval's sum on the device (no host sync)."""
+        s = res.loss_sum.detach()
+        self.loss_sum = s.clone() if self.loss_sum is None else self.loss_sum + s
+        self.steps += 1
+        self.run_steps += 1
+
+    def paused(self, seconds: float) -> None:
+        """Time spent outside training (evaluation): not counted in tokens_per_s or step_time_s."""
+        self.t_last += seconds
+        self.eval_s += seconds
 
     def metrics(self, step: int, res, model, optimizer) -> dict:
         mesh = self.mesh
         sent = mesh.stats.pop()
-        loss = comm.all_reduce(res.loss_sum.clone(), mesh.dp).item() / self.tokens_step
+        loss = comm.all_reduce(self.loss_sum, mesh.dp).item() / (self.tokens_step * self.steps)
         now = time.perf_counter()
         tps = self.tokens_step * self.steps / (now - self.t_last)
-        self.t_last, self.steps = now, 0
-        return {"step": step, "loss": loss, "lr": res.lr, "grad_norm": res.grad_norm.item(),
-                "tokens_per_s": tps, "consumed_samples": step * self.cfg.train.global_batch_size,
-                **throughput_figures(tps, self.fpt, mesh.world, self.peak),
-                **{f"comm_bytes/{g}": sent.get(g, 0) for g in ("tp", "pp", "dp", "ep")},
-                **memory_figures(model, optimizer, mesh.device), **self.moe(step, model)}
+        step_time = (now - self.t_last) / self.steps
+        self.t_last, self.steps, self.loss_sum = now, 0, None
+        speed = throughput_figures(tps, self.fpt, mesh.world, self.peak)
+        if self.peak and speed["mfu"] is None and mesh.device.type == "cpu":
+            forget_cpu_peak()  # a step beat the cached peak: it was measured on a busy machine
+        row = {"step": step, "loss": loss, "lr": res.lr, "grad_norm": res.grad_norm.item(),
+               "tokens_per_s": tps, "consumed_samples": step * self.cfg.train.global_batch_size,
+               "time": time.time(), "step_time_s": step_time, **speed,
+               **{f"comm_bytes/{g}": sent.get(g, 0) for g in ("tp", "pp", "dp", "ep")},
+               **memory_figures(model, optimizer, mesh.device), **self.moe(step, model)}
+        self.last.update(row)
+        return row
+
+    def summary(self, start: int, step: int, checkpoint: str | None) -> str:
+        """The run's closing line: what was trained, how fast, where it ended and where it is saved."""
+        wall = time.perf_counter() - self.t_start
+        tokens = self.run_steps * self.tokens_step
+        val = f", val_loss {self.last['val_loss']:.4f}" if "val_loss" in self.last else ""
+        loss = f"final loss {self.last['loss']:.4f}{val}" if "loss" in self.last else "no step logged"
+        return (f"run summary: {self.run_steps} steps ({start + 1}..{step}), {tokens:,} tokens in {wall:.1f}s "
+                f"({tokens / max(wall - self.eval_s, 1e-9):,.0f} tokens/s mean, evaluation excluded) | {loss} | "
+                f"checkpoint {checkpoint or 'none'}")
 
     def moe(self, step: int, model) -> dict:
         """aux_loss, z_loss and the per-layer expert-load figures (MoE models); warns on imbalance."""
@@ -187,23 +230,26 @@ class Meter:
         return row
 
 
-def save(cfg: Config, model, optimizer, mesh: Mesh, step: int, saver: AsyncSaver | None = None) -> None:
-    """Checkpoint at `step`: in the background with `saver`, else written and committed now."""
+def save(cfg: Config, model, optimizer, mesh: Mesh, step: int, saver: AsyncSaver | None = None) -> str:
+    """Checkpoint at `step`: in the background with `saver`, else written and committed now. Returns
+    its folder."""
     t0 = time.perf_counter()
     meta = {"consumed_samples": step * cfg.train.global_batch_size,
             "layout": {"tp": mesh.tp.size, "pp": mesh.pp.size, "dp": mesh.dp.size, "ep": mesh.ep.size,
                        "sp": cfg.parallel.sp},
             "rng": "derived from (train.seed, step, rank); no state to restore",
             "data": data_state(cfg, step),
+            "tokenizer": tokenizer_identity(cfg.data),  # a resume checks its data against it
             "config": dataclasses.asdict(cfg)}
     if saver is not None:
         saver.save(cfg.checkpoint.dir, step, model, optimizer, meta, cfg.checkpoint.keep_last)
         if mesh.rank == 0:
             print(f"checkpoint: step {step} copied to host in {time.perf_counter() - t0:.2f}s, writing", flush=True)
-        return
+        return str(Path(cfg.checkpoint.dir) / f"step_{step:08d}")
     path = sharded.save(cfg.checkpoint.dir, step, model, optimizer, mesh, meta, cfg.checkpoint.keep_last)
     if mesh.rank == 0:
         print(f"checkpoint: {path} ({time.perf_counter() - t0:.2f}s)", flush=True)
+    return str(path)
 
 
 def resume(cfg: Config, model, optimizer, mesh: Mesh) -> int:
@@ -224,16 +270,67 @@ def resume(cfg: Config, model, optimizer, mesh: Mesh) -> int:
         meta = sharded.load_into(path, model, optimizer)
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         raise ConfigError(f"checkpoint {path} cannot be loaded ({str(e).splitlines()[0]})") from e
+    adopt_lr_horizon(cfg, meta)
     if mesh.rank == 0:
         print(f"resumed from {path} at step {meta['step']}", flush=True)
     return int(meta["step"])
 
 
-def describe(cfg: Config, mesh: Mesh, model, data, start: int) -> None:
+def adopt_lr_horizon(cfg: Config, meta: dict) -> None:
+    """The decay horizon of the run being resumed, unless optim.lr_decay_steps is set: the one its
+    checkpoint recorded, else (older checkpoints) the train.max_steps it ran with. A step-0 checkpoint
+    (an import) has no curve yet, so this run's own length stands."""
+    if cfg.optim.lr_decay_steps is not None or int(meta["step"]) == 0:
+        return
+    saved = meta.get("config", {})
+    horizon = saved.get("optim", {}).get("lr_decay_steps") or saved.get("train", {}).get("max_steps")
+    if horizon:
+        cfg.optim.lr_decay_steps = int(horizon)
+
+
+def global_param_count(model, mesh: Mesh) -> int:
+    """Parameters of the whole model: this stage's global tensors summed over the pipeline stages (the
+    header used to count rank 0's stage only, half the model at pp=2). A tied embedding repeated on the
+    last stage (pp_duplicate) counts once."""
+    mine = sum(math.prod(p.placement.shard.global_shape) for p in model.parameters()
+               if not p.placement.pp_duplicate)
+    if mesh.pp.size == 1:
+        return mine
+    return int(comm.all_reduce(torch.tensor([mine], dtype=torch.float64, device=mesh.device), mesh.pp).item())
+
+
+def write_run_config(cfg: Config, start: int) -> None:
+    """${run.dir}/config.yaml is the run's first config and is kept; a resume (which may change settings)
+    writes config.resume-<step>.yaml beside it."""
+    from omegaconf import OmegaConf
+
+    run_dir = Path(cfg.run.dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    first = run_dir / "config.yaml"
+    path = first if not first.exists() else run_dir / f"config.resume-{start}.yaml"
+    path.write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+
+
+def data_label(cfg: Config) -> str:
+    """What the header calls the data: data.name only where it names this data (the demo group's
+    name: demo stays on when data.path points at another corpus), else the prepared folder."""
+    d = cfg.data
+    if d.kind == "synthetic":
+        return "synthetic"
+    if d.blend:
+        return f"blend of {len(d.blend)} ({', '.join(Path(b.path).name for b in d.blend)})"
+    from megaframe.config import CONF_DIR
+
+    demo = (CONF_DIR.parent / "data" / "demo" / "prepared").resolve()
+    if d.name == "demo" and Path(d.path).resolve() != demo:
+        return str(d.path)
+    return f"{d.name} ({d.path})"
+
+
+def describe(cfg: Config, mesh: Mesh, model, data, start: int, total: int) -> None:
     """Print the derived sizes once, so a user can check the layout before the first step."""
     m, t = cfg.model, cfg.train
     local = sum(p.numel() for p in model.parameters())
-    total = sum(math.prod(p.placement.shard.global_shape) for p in model.parameters())
     accum = t.global_batch_size // (t.micro_batch_size * mesh.dp.size)
     print(f"megaframe | run {cfg.run.dir} | {mesh.describe()} sp={cfg.parallel.sp}", flush=True)
     print(f"model {m.name}: {m.num_layers} layers, D={m.hidden_size}, heads {m.num_attention_heads} "
@@ -242,6 +339,6 @@ def describe(cfg: Config, mesh: Mesh, model, data, start: int) -> None:
           f"params {total / 1e6:.2f}M, {local / 1e6:.2f}M on this rank | "
           f"{flops_per_token(m) / 1e6:.1f} MFLOP/token", flush=True)
     print(f"batch {t.global_batch_size} x {m.seq_length} = {t.global_batch_size * m.seq_length} tokens/step, "
-          f"micro {t.micro_batch_size}, accumulation {accum} | data {cfg.data.name}: "
+          f"micro {t.micro_batch_size}, accumulation {accum} | data {data_label(cfg)}: "
           f"{'endless' if cfg.data.kind == 'synthetic' else data.num_samples} samples | "
           f"steps {start + 1}..{t.max_steps}", flush=True)

@@ -24,7 +24,8 @@ import sys
 import time
 from pathlib import Path
 
-SBATCH_SCRIPT = Path(__file__).resolve().parent / "pretrain.sbatch"
+SBATCH_SCRIPT = Path(os.environ.get("MEGAFRAME_SBATCH_SCRIPT") or Path(__file__).resolve().parent / "pretrain.sbatch")
+"""The job script; MEGAFRAME_SBATCH_SCRIPT names another (a site's copy, or the tests' CPU-only one)."""
 
 
 class SweepError(ValueError):

@@ -24,13 +24,27 @@ def job_env(**extra: str) -> dict:
               "MASTER_PORT", "WANDB_DIR", "WANDB_API_KEY"):
         env.pop(k, None)
     env.update(WANDB_MODE="offline", WANDB_SILENT="true", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-               HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+               HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", MEGAFRAME_ROOT=str(ROOT))
     env.update(extra)
     return env
 
 
+GPU_ONLY = re.compile(r"^#SBATCH --(gpus-per-node|exclusive|ntasks-per-node)\b")
+"""pretrain.sbatch's GPU-cluster directives: the local cluster has no GPUs, and Slurm refuses any GPU
+request there (--gpus-per-node=0 included)."""
+
+
+def cpu_script(folder: Path) -> Path:
+    """pretrain.sbatch less its GPU-cluster directives, every other line as shipped; the job finds the
+    checkout through MEGAFRAME_ROOT (job_env)."""
+    lines = [ln for ln in SBATCH_SCRIPT.read_text().splitlines() if not GPU_ONLY.match(ln)]
+    path = Path(folder) / "pretrain-cpu.sbatch"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
 def sbatch(flags: list[str], overrides: list[str], cwd: Path, **extra_env: str) -> int:
-    res = subprocess.run(["sbatch", "--parsable", *flags, str(SBATCH_SCRIPT), *overrides], cwd=cwd,
+    res = subprocess.run(["sbatch", "--parsable", *flags, str(cpu_script(cwd)), *overrides], cwd=cwd,
                          env=job_env(**extra_env), capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, f"sbatch failed: {res.stderr}"
     return int(res.stdout.strip().split(";")[0])

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from tests.e2e.helpers import TINY
-from tests.slurm.helpers import ROOT, job_env, tail, wait_done
+from tests.slurm.helpers import ROOT, cpu_script, job_env, tail, wait_done
 
 SWEEP = ROOT / "scripts" / "slurm" / "sweep.py"
 
@@ -49,7 +49,8 @@ def test_sweep_submits_one_job_per_point_with_its_own_run(slurm_cluster, tmp_pat
     tiny = [o for o in TINY if not o.startswith("optim.lr=")]
     res = subprocess.run([sys.executable, str(SWEEP), "--name", "mf-sweep", "optim.lr=1e-3,3e-3", "data=synthetic",
                           *tiny, "train.max_steps=2", "logging.wandb.mode=disabled", "--", "--ntasks=1", "--time=15"],
-                         cwd=tmp_path, env=job_env(), capture_output=True, text=True, timeout=60)
+                         cwd=tmp_path, env=job_env(MEGAFRAME_SBATCH_SCRIPT=str(cpu_script(tmp_path))),
+                         capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
     jobs = [line.split("\t") for line in res.stdout.splitlines()]
     assert [j[0] for j in jobs] == ["0", "1"] and jobs[0][2] != jobs[1][2]
@@ -60,3 +61,19 @@ def test_sweep_submits_one_job_per_point_with_its_own_run(slurm_cluster, tmp_pat
         cfg = yaml.safe_load((tmp_path / "outputs" / name / "config.yaml").read_text())
         assert cfg["optim"]["lr"] == lr and cfg["run"]["name"] == name
         assert (tmp_path / "outputs" / name / "metrics.jsonl").read_text().count("\n") >= 1
+
+
+def test_pretrain_sbatch_is_gpu_cluster_ready(tmp_path):
+    """The shipped script asks for GPUs and whole nodes and carries the network / allocator settings; the
+    local cluster's copy drops exactly the GPU-cluster directives (needs no Slurm: runs everywhere)."""
+    from tests.slurm.helpers import SBATCH_SCRIPT
+
+    text = SBATCH_SCRIPT.read_text()
+    assert subprocess.run(["bash", "-n", str(SBATCH_SCRIPT)]).returncode == 0
+    for needle in ("#SBATCH --gpus-per-node=", "#SBATCH --exclusive", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME",
+                   "NCCL_IB_HCA", "PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}",
+                   "--container-image=", "MEGAFRAME_SETUP"):
+        assert needle in text, needle
+    cpu = cpu_script(tmp_path).read_text().splitlines()
+    assert len(text.splitlines()) - len(cpu) == 3
+    assert not [ln for ln in cpu if ln.startswith(("#SBATCH --gpus", "#SBATCH --exclusive"))]

@@ -1,5 +1,5 @@
 """data.blend: the Megatron-style blended index is deterministic, layout-free and hits its weights; the
-validation split is held out on a document boundary."""
+validation split is a seeded random sample of whole documents."""
 from __future__ import annotations
 
 import json
@@ -77,22 +77,26 @@ def test_blended_datasets_are_each_shuffled_per_epoch(two):
     assert sorted(first) == list(range(n)) and first != list(range(n))
 
 
-def test_validation_split_is_a_document_aligned_tail(tmp_path):
+def test_validation_split_is_a_seeded_random_sample_of_whole_documents(tmp_path):
+    # before: the last ~10 % of tokens (one tail of the corpus: the last books, the last files)
     path = dataset(tmp_path / "a", 0, 4000, doc_len=50)
     train = PreparedData(path, SEQ, "train", 0.1)
     valid = PreparedData(path, SEQ, "valid", 0.1)
-    # shards of 1334, 1333, 1333 tokens with documents every 50 tokens from each shard's start:
-    # the first document start at or after 90 % is 2667 + 19 * 50
-    assert valid.first == 3617 and train.first == 0
-    assert train.num_samples == (3617 - 1) // SEQ and valid.num_samples == (4000 - 3617 - 1) // SEQ
-    last_train = train[train.num_samples - 1]
-    assert last_train[-1] < 3617 and valid[0][0] == 3617
+    assert 400 <= valid.num_tokens < 450 and train.num_tokens + valid.num_tokens == 4000
+    starts = PreparedData(path, SEQ).document_starts()
+    ends = np.append(starts[1:], 4000)
+    held = [(a, b) for a, b in zip(starts, ends) if any(s <= a and b <= e for s, e in valid.segments)]
+    assert sum(b - a for a, b in held) == valid.num_tokens  # whole documents only
+    assert len(valid.segments) > 1  # documents from all over the corpus, not one tail
+    tokens = lambda d: {int(t) for i in range(d.num_samples) for t in d[i]}  # noqa: E731 (tokens = positions)
+    assert not tokens(train) & {t for a, b in held for t in range(a, b)}  # training never reads held-out tokens
+    again = PreparedData(path, SEQ, "valid", 0.1)
+    assert np.array_equal(again.segments, valid.segments)  # seeded: the same documents every time
     full = PreparedData(path, SEQ)
-    assert full.num_samples == (4000 - 1) // SEQ and np.array_equal(full[3], train[3])
-    # the last document is never split: a tiny fraction still gets it whole (it starts at 3967)
-    assert PreparedData(path, SEQ, "valid", 0.0005).first == 3967
-    plain = write_prepared(tmp_path / "plain", [np.arange(4000)])  # no document index: cut on the token
-    assert PreparedData(plain, SEQ, "valid", 0.1).first == 3600
+    assert full.num_samples == (4000 - 1) // SEQ and np.array_equal(full[3], np.arange(24, 33))
+    assert PreparedData(path, SEQ, "valid", 0.0005).num_tokens in (50, 34, 33)  # at least one document
+    plain = write_prepared(tmp_path / "plain", [np.arange(4000)])  # no document index: the tail
+    assert PreparedData(plain, SEQ, "valid", 0.1)[0][0] == 3600
     with pytest.raises(ValueError, match="validation split"):
         PreparedData(plain, SEQ, "valid", 0.001)
 
@@ -104,6 +108,6 @@ def test_build_data_from_a_command_line_blend(two):
     assert [(x.path, x.weight) for x in cfg.data.blend] == [(str(a), 0.7), (str(b), 0.3)]
     train, valid = build_data(cfg), build_data(cfg, split="valid")
     assert isinstance(train, BlendedData) and train.weights == pytest.approx([0.7, 0.3])
-    assert [p.first for p in valid.parts] == [3617, 1350]
+    assert [p.num_tokens for p in valid.parts] == [PreparedData(x, 8, "valid", 0.1).num_tokens for x in two]
     state = data_state(cfg, 10)
     assert state["consumed_samples"] == 10 * cfg.train.global_batch_size and len(state["blend"]) == 2

@@ -14,7 +14,7 @@ from megaframe.config import CONF_DIR, Config, ConfigError, ModelConfig, load_co
 EXPECTED_KEYS = sorted("""
 checkpoint.async checkpoint.dir checkpoint.interval checkpoint.keep_last checkpoint.resume
 data.blend data.kind data.name data.num_workers data.path data.source data.text_key data.tokenizer
-data.tokenizer_sample_bytes data.valid_fraction data.vocab_size
+data.tokenizer_sample_bytes data.valid_fraction data.vocab_size data.extensions data.split
 logging.wandb.entity logging.wandb.mode logging.wandb.project
 model.activation model.bias model.dropout model.ffn_hidden_size model.hidden_size model.init_std
 model.moe_aux_loss_coeff model.moe_bias_update_rate model.moe_capacity_factor model.moe_expert_bias
@@ -23,6 +23,7 @@ model.num_layers model.num_query_groups model.position_embedding model.rope_thet
 model.tie_embeddings model.vocab_size
 optim.beta1 optim.beta2 optim.bucket_size_mb optim.clip_grad optim.eps optim.lr optim.min_lr optim.warmup_steps
 optim.weight_decay optim.zero
+optim.lr_schedule optim.lr_decay_steps optim.wsd_decay_fraction
 parallel.ep parallel.pp parallel.pp_layout parallel.pp_schedule parallel.sp parallel.tp parallel.vpp
 run.dir run.name
 train.device train.global_batch_size train.log_interval train.max_bad_steps train.max_steps train.micro_batch_size train.precision
@@ -122,6 +123,17 @@ def test_overrides_reach_the_dataclasses():
 
 def test_typo_key_is_a_one_line_error():
     assert "hiden_size" in one_line_error(["model.hiden_size=3", "data=synthetic"])
+
+
+def test_plus_keys_outside_the_schema_are_refused_with_the_closest_key():
+    # before the strict check `+train.max_step=10` composed, exited 0 and the setting vanished
+    msg = one_line_error(["+train.max_step=10", "data=synthetic"])
+    assert "did you mean train.max_steps?" in msg and "use +" not in msg
+    msg = one_line_error(["train.max_step=10", "data=synthetic"])
+    assert "did you mean train.max_steps?" in msg and "+train" not in msg.split(":", 1)[1]
+    assert "not a config key" in one_line_error(["++optim.lrr=1", "data=synthetic"])
+    assert "megaframe.plan" in one_line_error(["+world_size=8", "data=synthetic"])  # a tool's own key
+    assert load_config(["data=synthetic", "data.blend=[{path: /x, weight: 1}]"], world_size=1, check_data=False)
 
 
 def test_wrong_type_is_a_one_line_error():
@@ -248,3 +260,12 @@ def test_validate_directly_uses_world_size():
     validate(cfg, world_size=2)
     with pytest.raises(ConfigError, match="parallel.tp"):
         validate(cfg, world_size=3)
+
+
+def test_vocab_size_defaults_to_the_prepared_data_padded(tmp_path):
+    # before: every preset said 4096, whatever the data's tokenizer (prepare's vocabulary given twice)
+    path = fake_prepared(tmp_path / "d", vocab=300)
+    assert load_config(["data=demo", f"data.path={path}"], world_size=1).model.vocab_size == 384
+    assert load_config(["data=demo", f"data.path={path}", "parallel.tp=2"], world_size=2).model.vocab_size == 384
+    assert load_config(["data=demo", f"data.path={path}", "model.vocab_size=512"], world_size=1).model.vocab_size == 512
+    assert load_config(["data=synthetic", "data.vocab_size=1000"], world_size=1).model.vocab_size == 1024

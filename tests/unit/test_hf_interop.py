@@ -183,3 +183,27 @@ def test_bad_input_exits_2(tmp_path, capsys):
     assert "no transformers architecture" in capsys.readouterr().err
     assert import_hf.main([str(tmp_path), str(tmp_path / "imp")]) == 2  # not an HF folder
     assert "not a transformers model folder" in capsys.readouterr().err
+
+
+def test_imported_model_refuses_data_of_another_tokenizer(tmp_path, tokenizer_dir):
+    """An import records its tokenizer; data prepared with another one is refused, with one line naming
+    both (before: the run trained on ids of the wrong tokenizer); data prepared with it is accepted."""
+    from megaframe.config import ConfigError
+    from megaframe.data import prepare
+
+    make_checkpoint(tmp_path / "ckpt", CASES["llama_gqa_untied"], str(tokenizer_dir))
+    assert export_hf.main([str(tmp_path / "ckpt" / "step_00000003"), str(tmp_path / "hf")]) == 0
+    assert import_hf.main([str(tmp_path / "hf"), str(tmp_path / "ck"), "data=synthetic"]) == 0
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.txt").write_text("\n\n".join(f"Line {i}: the quick brown fox {i * 3}." for i in range(400)))
+    common = [f"data.source={tmp_path / 'corpus'}", "data.num_workers=1"]
+    assert prepare.main(common + [f"data.path={tmp_path / 'own'}", f"data.tokenizer={tmp_path / 'ck' / 'hf_tokenizer'}"]) == 0
+    assert prepare.main(common + [f"data.path={tmp_path / 'other'}", "data.vocab_size=300"]) == 0
+    fields, _ = hf.from_hf(tmp_path / "hf")
+    run = [f"checkpoint.resume={tmp_path / 'ck' / 'step_00000000'}", *hf.model_overrides(fields)]
+    with pytest.raises(ConfigError) as info:
+        load_config(run + [f"data.path={tmp_path / 'other'}"], world_size=1)
+    msg = str(info.value)
+    assert "\n" not in msg and "transformers tokenizer of" in msg and "sentencepiece tokenizer of" in msg
+    assert "data.tokenizer=" in msg  # names the fix
+    assert load_config(run + [f"data.path={tmp_path / 'own'}"], world_size=1).model.vocab_size == 384

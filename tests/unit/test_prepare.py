@@ -55,6 +55,10 @@ def write_text_corpus(folder: Path, paras: list[str]) -> Path:
 
 
 def run_main(capsys, *overrides: str) -> tuple[int, str, str]:
+    # these corpora are paragraphs of prose and the tests count paragraph documents; the default
+    # (data.split=file) has its own tests below
+    if not any(o.startswith("data.split=") for o in overrides):
+        overrides = (*overrides, "data.split=paragraph")
     rc = prep.main(list(overrides))
     cap = capsys.readouterr()
     return rc, cap.out, cap.err
@@ -108,7 +112,7 @@ def test_prepare_text_corpus(tmp_path, text_corpus, capsys):
 
 def test_deterministic_whatever_the_workers_and_chunks(tmp_path, text_corpus, capsys):
     """One worker or two, one shard or many small ones (one unit per file): the same tokenizer and stream."""
-    args = [f"data.source={text_corpus}", "data.vocab_size=400"]
+    args = [f"data.source={text_corpus}", "data.vocab_size=400", "data.split=paragraph"]
     assert run_main(capsys, *args, "data.num_workers=1", f"data.path={tmp_path / 'a'}")[0] == 0
     cfg = load_config([*args, "data.num_workers=2", f"data.path={tmp_path / 'b'}"], world_size=1, check_data=False)
     meta_b = prep.prepare(cfg, unit_bytes=1, chunk_chars=300)
@@ -134,7 +138,7 @@ def test_jsonl_and_parquet_source(tmp_path, capsys):
             f.write(json.dumps({"body": p, "id": i}) + "\n")
     (src / "b.jsonl").write_text(json.dumps({"body": "   "}) + "\n")  # a blank record is skipped
     pq.write_table(pa.table({"body": paras[10:], "id": list(range(6))}), src / "sub" / "c.parquet")
-    (src / "notes.md").write_text("not a corpus file")
+    (src / "image.png").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(100))  # not a listed extension: skipped
     out = tmp_path / "out"
     rc, _, err = run_main(capsys, f"data.source={src}", f"data.path={out}", "data.vocab_size=400",
                           "data.text_key=body")
@@ -156,7 +160,7 @@ def test_missing_source_cli(tmp_path):
 
 
 @pytest.mark.parametrize("setup, overrides, needle", [
-    (lambda d: (d / "x.csv").write_text("a,b\n"), ["data.vocab_size=400"], "no .txt"),
+    (lambda d: (d / "x.png").write_bytes(bytes(64)), ["data.vocab_size=400"], "no files ending in data.extensions"),
     (lambda d: (d / "x.txt").write_text("\n\n   \n\n"), ["data.vocab_size=400"], "no text"),
     (lambda d: (d / "x.txt").write_text("hello"), ["data.vocab_size=100"], "too small"),
     (lambda d: (d / "x.txt").write_text("hello"), ["data.vocab_size=abc"], "data.vocab_size"),
@@ -203,3 +207,34 @@ def test_non_empty_unprepared_path_refused(tmp_path, text_corpus, capsys):
     rc, _, err = run_main(capsys, f"data.source={text_corpus}", f"data.path={out}")
     assert rc == 2 and "without meta.json" in err
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
+
+
+def test_code_folder_is_one_document_per_file(tmp_path, capsys):
+    """data.split=file (the default): a folder of .py files, one document each, blank lines kept inside;
+    an extension-less text file (a Makefile) is sniffed in, a binary one and an unlisted extension skipped.
+    Before: only .txt/.jsonl/.json/.parquet were read (this folder had no corpus files at all), and every
+    blank-line paragraph of a .txt became its own document."""
+    src = tmp_path / "repo"
+    (src / "pkg").mkdir(parents=True)
+    files = {"pkg/__init__.py": '"""A package."""\n\nVERSION = "1.0"\n',
+             "pkg/core.py": "import os\n\n\ndef f(x):\n    return x + 1\n\n\nclass A:\n    pass\n",
+             "setup.py": "from setuptools import setup\n\nsetup(name='pkg')\n",
+             "Makefile": "all:\n\tpython setup.py build\n\ntest:\n\tpytest\n"}
+    for rel, text in files.items():
+        (src / rel).write_text(text)
+    (src / "blob").write_bytes(bytes(range(256)) * 4)  # extension-less, binary: skipped
+    (src / "logo.png").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(100))
+    out = tmp_path / "out"
+    rc, stdout, err = run_main(capsys, f"data.source={src}", f"data.path={out}", "data.vocab_size=300",
+                               "data.split=file")
+    assert rc == 0, err
+    meta, tokens = read_tokens(out)
+    assert sorted(r["rel"] for r in meta["sources"]) == sorted(files)
+    assert meta["num_documents"] == 4 and meta["settings"]["split"] == "file"
+    tok = Tokenizer.load(out / "tokenizer.model")
+    order = sorted(files, key=lambda rel: str(src / rel))
+    assert [tok.decode(d[:-1]) for d in split_docs(tokens, tok.eos_id)] == [files[r].strip() for r in order]
+    # the same folder read as paragraphs is another preparation: refused over the first, never overwritten
+    rc, _, err = run_main(capsys, f"data.source={src}", f"data.path={out}", "data.vocab_size=300",
+                          "data.split=paragraph")
+    assert rc == 2 and "data.split=paragraph" in err

@@ -171,4 +171,56 @@ def test_throughput_figures():
     out = throughput_figures(1000.0, 6e9, 2, 989e12)
     assert out["tflops_per_device"] == pytest.approx(3.0)
     assert out["mfu"] == pytest.approx(3e12 / 989e12)
-    assert throughput_figures(1000.0, 6e9, 2, 0.0)["mfu"] == 0.0
+    assert throughput_figures(1000.0, 6e9, 2, 0.0)["mfu"] is None  # unknown peak: not reported
+    assert throughput_figures(1000.0, 6e9, 2, 1e12)["mfu"] is None  # faster than the peak: the peak is wrong
+
+
+# ---------------------------------------------------------------- optim.lr_schedule
+
+def test_wsd_is_flat_then_decays_linearly_over_the_last_fraction():
+    from megaframe.config import LRSchedule
+
+    lrs = {s: lr_at(s, LR, MIN_LR, 10, 100, LRSchedule.wsd, 0.2) for s in range(0, 131)}
+    assert lrs[10] == lrs[50] == lrs[80] == LR  # stable until the last 20 steps of the 100-step horizon
+    assert lrs[90] == pytest.approx((LR + MIN_LR) / 2)  # halfway through the linear decay
+    assert all(lrs[s] == pytest.approx(MIN_LR) for s in range(100, 131))  # min_lr at and past the horizon
+    assert all(lrs[s + 1] < lrs[s] for s in range(80, 100))
+
+
+def test_linear_and_constant_schedules():
+    from megaframe.config import LRSchedule
+
+    assert lr_at(55, LR, MIN_LR, 10, 100, LRSchedule.linear) == pytest.approx((LR + MIN_LR) / 2)
+    assert lr_at(100, LR, MIN_LR, 10, 100, "linear") == pytest.approx(MIN_LR)
+    assert {lr_at(s, LR, MIN_LR, 10, 100, LRSchedule.constant) for s in range(10, 300)} == {LR}
+
+
+def test_lr_schedule_is_an_enum_in_the_config():
+    from megaframe.config import ConfigError, LRSchedule
+
+    cfg = load_config(["data=synthetic", "optim.lr_schedule=wsd", "optim.wsd_decay_fraction=0.3"], world_size=1)
+    assert cfg.optim.lr_schedule is LRSchedule.wsd and cfg.optim.lr_decay_steps is None
+    with pytest.raises(ConfigError, match="lr_schedule"):
+        load_config(["data=synthetic", "optim.lr_schedule=cosin"], world_size=1)
+
+
+# ---------------------------------------------------------------- the CPU peak behind MFU
+
+def test_cpu_peak_is_measured_once_per_machine_and_cached(tmp_path, monkeypatch):
+    from megaframe.training import metrics
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    calls = []
+    monkeypatch.setattr(metrics, "measure_cpu_peak", lambda: calls.append(1) or 1.5e11)
+    assert metrics.cpu_peak_flops() == 1.5e11 and metrics.cpu_peak_flops() == 1.5e11 and len(calls) == 1
+    assert (tmp_path / "megaframe" / "cpu_peak.json").is_file()
+    metrics.forget_cpu_peak()  # a step beat the peak: measured again at the next start
+    assert metrics.cpu_peak_flops() == 1.5e11 and len(calls) == 2
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "file"))
+    (tmp_path / "file").write_text("not a folder")
+    assert metrics.cpu_peak_flops() == 0.0  # cannot cache: not reported rather than re-measured per run
+
+
+def test_cpu_peak_measurement_is_a_plausible_matmul_rate():
+    peak = __import__("megaframe.training.metrics", fromlist=["x"]).measure_cpu_peak(reps=5)
+    assert 1e9 < peak < 1e13

@@ -1,0 +1,87 @@
+"""The config's loading rules beside the schema (megaframe/config.py): every overridden key must be a
+schema key (Hydra's `+key=value` would otherwise add a key no dataclass reads: the setting silently
+vanished), and model.vocab_size, when unset, comes from the prepared data."""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+from pathlib import Path
+
+from megaframe.config import Config, ConfigError, _one_line
+
+def tool_keys() -> dict[str, str]:
+    """`+key=value` settings that belong to a tool, not to the config (the planner's OWN_KEYS: it removes
+    them before load_config); anywhere else they are refused with the tool's name."""
+    from megaframe.plan import OWN_KEYS
+
+    return {k: "python -m megaframe.plan" for k in OWN_KEYS}
+
+
+def schema_keys(node: type = None, prefix: str = "") -> set[str]:
+    """Every dotted key of the schema, groups (model, train, logging.wandb) included."""
+    out: set[str] = set()
+    for f in dataclasses.fields(node or Config):
+        key = prefix + f.name
+        out.add(key)
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        if dataclasses.is_dataclass(default):
+            out |= schema_keys(type(default), key + ".")
+    return out
+
+
+def check_override_keys(overrides: list[str]) -> None:
+    """Refuse an override of a key that is not in the schema, `+`/`++` ones included: Hydra would add
+    the key to the composed config, where no dataclass reads it (the setting silently vanished).
+    The hint names the closest schema key, never a `+` form."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(list(overrides))
+    except HydraException as e:
+        raise ConfigError(_one_line(e)) from e
+    known = schema_keys()
+    for o, text in zip(parsed, overrides):
+        key = o.key_or_group
+        if key in known or key.startswith("hydra.") or _under_container(key, known):
+            continue
+        tools = tool_keys()
+        if key in tools:
+            raise ConfigError(f"{text}: {key} is a setting of {tools[key]}, not a config key")
+        close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
+        hint = f"; did you mean {close[0]}?" if close else " (python train.py --cfg lists the keys)"
+        raise ConfigError(f"{text}: {key} is not a config key{hint}")
+
+
+def _under_container(key: str, known: set[str]) -> bool:
+    """data.blend.0.path and the like: keys inside a list or dict field are typed by Hydra itself."""
+    head = key.rsplit(".", 1)[0]
+    while "." in head and head not in known:
+        head = head.rsplit(".", 1)[0]
+    return head in CONTAINER_KEYS and key.startswith(head + ".")
+
+
+CONTAINER_KEYS = {"data.blend", "parallel.pp_layout"}
+
+
+VOCAB_PAD = 128
+"""Megatron's make-vocab-size-divisible-by: every tp up to 128 (powers of two) divides the padded size,
+so the default does not change with the layout; the extra rows are never a target (never learned)."""
+
+
+def default_vocab_size(cfg: Config) -> int:
+    """model.vocab_size when left unset: the prepared data's tokenizer vocabulary (the first blend source:
+    blended data shares one tokenizer), else data.vocab_size (synthetic data, or data not prepared yet),
+    padded to a multiple of VOCAB_PAD and of parallel.tp."""
+    d = cfg.data
+    vocab = d.vocab_size
+    path = d.blend[0].path if d.blend else d.path
+    if d.kind == "prepared" and path:
+        try:
+            vocab = int(json.loads((Path(path) / "meta.json").read_text())["vocab_size"])
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # not prepared (yet): the data check names the problem when it matters
+    pad = math.lcm(VOCAB_PAD, max(1, cfg.parallel.tp))
+    return -(-vocab // pad) * pad

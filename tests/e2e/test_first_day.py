@@ -1,0 +1,76 @@
+"""A new user's first day: the lr curve survives a longer resume, the log rows and the closing summary."""
+from __future__ import annotations
+
+import pytest
+
+from tests.e2e.helpers import TINY, metrics, train
+
+pytestmark = pytest.mark.e2e
+SMALL = [*TINY, "model.num_layers=1", "model.hidden_size=32", "model.ffn_hidden_size=64", "model.seq_length=16",
+         "data=synthetic", "optim.min_lr=1e-4", "train.log_interval=1"]
+
+
+def test_resume_with_more_steps_keeps_the_lr_horizon_and_logs_an_honest_row(tmp_path):
+    # before the recorded horizon, resuming with max_steps=30 re-stretched the cosine over 30 steps:
+    # lr rose again above min_lr after step 20
+    first = train(SMALL + ["train.max_steps=20", f"run.dir={tmp_path}"], timeout=120)
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert "(cosine)" in first.stdout  # the step line names the schedule
+    summary = [ln for ln in first.stdout.splitlines() if ln.startswith("run summary:")]
+    assert len(summary) == 1 and "20 steps (1..20)" in summary[0] and "final loss" in summary[0]
+    assert "step_00000020" in summary[0]
+    more = train(SMALL + ["train.max_steps=30", f"run.dir={tmp_path}"], timeout=120)
+    assert more.returncode == 0, more.stderr[-2000:]
+    rows = metrics(tmp_path)
+    assert [r["step"] for r in rows] == list(range(1, 31))
+    assert rows[19]["lr"] == pytest.approx(1e-4)
+    assert all(r["lr"] == pytest.approx(1e-4) for r in rows[20:]), [r["lr"] for r in rows[20:]]
+    assert all(r["time"] > 1.7e9 and r["step_time_s"] > 0 for r in rows)
+    assert all(r["mfu"] is None or 0 < r["mfu"] <= 1 for r in rows)
+    # the first config.yaml is kept; the resume's settings go beside it
+    assert "max_steps: 20" in (tmp_path / "config.yaml").read_text()
+    resumed = (tmp_path / "config.resume-20.yaml").read_text()
+    assert "max_steps: 30" in resumed and "lr_decay_steps: 20" in resumed
+
+
+def test_logged_loss_is_the_mean_since_the_last_log_line(tmp_path):
+    every = train(SMALL + ["train.max_steps=6", f"run.dir={tmp_path / 'a'}"], timeout=120)
+    third = train(SMALL + ["train.max_steps=6", "train.log_interval=3", f"run.dir={tmp_path / 'b'}"], timeout=120)
+    assert every.returncode == 0 and third.returncode == 0, every.stderr[-2000:] + third.stderr[-2000:]
+    a, b = metrics(tmp_path / "a"), metrics(tmp_path / "b")
+    assert [r["step"] for r in b] == [3, 6]
+    for row, lo in zip(b, (0, 3)):
+        assert row["loss"] == pytest.approx(sum(r["loss"] for r in a[lo:lo + 3]) / 3, rel=1e-5)
+
+
+def test_wandb_online_without_login_is_one_line_before_training(tmp_path):
+    res = train(["data=synthetic", "logging.wandb.mode=online", f"run.dir={tmp_path / 'r'}"], timeout=60,
+                WANDB_MODE="", HOME=str(tmp_path), WANDB_API_KEY="", NETRC=str(tmp_path / "none"))
+    assert res.returncode == 2, res.stderr[-2000:]
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "wandb login" in lines[0] and "logging.wandb.mode=offline" in lines[0]
+    assert "megaframe |" not in res.stdout and not (tmp_path / "r").exists()  # nothing built, nothing written
+
+
+def test_pp2_header_counts_the_whole_model_and_ranks_print_no_warning(tmp_path):
+    # before: params 0.14M at pp=2 (rank 0's stage) for a 0.28M model, and each rank printed torch's
+    # FutureWarning for all_gather_into_tensor
+    one = train(SMALL + ["train.max_steps=1", f"run.dir={tmp_path / 'a'}"], timeout=120)
+    two = train(SMALL + ["train.max_steps=1", "model.num_layers=2", "parallel.pp=2", f"run.dir={tmp_path / 'b'}"],
+                nproc=2, timeout=180)
+    assert one.returncode == 0 and two.returncode == 0, one.stderr[-2000:] + two.stderr[-2000:]
+    one2 = train(SMALL + ["train.max_steps=1", "model.num_layers=2", f"run.dir={tmp_path / 'c'}"], timeout=120)
+    params = lambda out: [w for w in out.split("|") if "params" in w][0].split()[1]  # noqa: E731
+    assert params(two.stdout) == params(one2.stdout) != params(one.stdout)
+    assert "FutureWarning" not in two.stderr, two.stderr[-2000:]
+
+
+def test_header_names_the_data_it_reads(tmp_path):
+    from megaframe.config import load_config
+    from megaframe.training.trainer import data_label
+
+    demo = load_config(["data=demo"], world_size=1, check_data=False)
+    assert data_label(demo).startswith("demo (")
+    other = load_config(["data=demo", f"data.path={tmp_path / 'web'}"], world_size=1, check_data=False)
+    assert data_label(other) == str(tmp_path / "web")  # before: `data demo:` for any corpus
+    assert data_label(load_config(["data=synthetic"], world_size=1, check_data=False)) == "synthetic"
