@@ -37,12 +37,13 @@ def check_shard(folder: Path, entry: dict, dtype: np.dtype, vocab: int) -> str |
             h.update(chunk)
             ids = np.frombuffer(chunk[: len(chunk) - len(chunk) % dtype.itemsize], dtype=dtype)
             if where is None and ids.size and int(ids.max()) >= vocab:
-                where = off + int(np.argmax(ids >= vocab))
+                at = int(np.argmax(ids >= vocab))
+                where = (off + at, int(ids[at]))
             off += ids.size
     if entry.get("sha256") and h.hexdigest() != entry["sha256"]:
         return f"shard {entry['file']} is corrupt (sha256 {h.hexdigest()[:16]}..., meta.json says {entry['sha256'][:16]}...)"
     if where is not None:
-        return f"shard {entry['file']}: token id at token offset {where} is outside the vocabulary ({vocab})"
+        return f"shard {entry['file']} is corrupt: token id {where[1]} at token offset {where[0]} is outside the vocabulary ({vocab})"
     return None
 
 
