@@ -87,7 +87,7 @@ def resume(cfg: Config, model, optimizer, mesh: Mesh) -> Resumed:
     if mesh.rank == 0:
         order = []
         for p in lineage.candidates(cfg.checkpoint.dir):
-            why = lineage.cheap_check(p)
+            why = lineage.cheap_check(p) or _content_check(p)
             if why:
                 _warn(mesh, f"skipping checkpoint {p}: {why}")
             else:
@@ -99,6 +99,16 @@ def resume(cfg: Config, model, optimizer, mesh: Mesh) -> Resumed:
         if all_agree(meta is not None, mesh):
             return _done(mesh, p, meta)
     return Resumed()
+
+
+def _content_check(path: Path) -> str | None:
+    """Whole-file checksums, on rank 0 only. MERGE NOTE (issue 16): once loads verify the slices they read
+    (per-slice checksums), drop this call: the metadata + sizes check above is then all resume needs."""
+    try:
+        sharded.verify(path)
+    except ValueError as e:
+        return str(e).removeprefix(f"{path}: ")
+    return None
 
 
 def _done(mesh: Mesh, path: Path, meta: dict) -> Resumed:
