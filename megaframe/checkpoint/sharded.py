@@ -170,9 +170,8 @@ def committed(root: str | Path) -> list[Path]:
 
 
 def prune(root: str | Path, keep_last: int) -> None:
-    """Keep the newest `keep_last` checkpoints of the current lineage (0 keeps everything).
+    """Keep the newest `keep_last` checkpoints of the current lineage (0 keeps everything)."""
     # safety (issue 20): by lineage, not by step number, so a rollback's new branch is never pruned
-    """
     from megaframe.checkpoint import lineage
 
     lineage.prune(root, keep_last)

@@ -20,13 +20,15 @@ GUARDED_TRAIN = ("global_batch_size", "seed")
 UNCHECKED_MODEL = ("name",)
 
 
-def differences(cfg: Config, saved: dict) -> list[tuple[str, object, object]]:
-    """(field, saved value, current value) of every guarded field that differs."""
+def differences(cfg: Config, saved: dict, consumed: int = 1) -> list[tuple[str, object, object]]:
+    """(field, saved value, current value) of every guarded field that differs. Before any sample is
+    consumed (`consumed` = 0: a step-0 checkpoint, e.g. imported from Hugging Face) the data fields
+    decide nothing yet and may change."""
     import dataclasses
 
     out = []
     cur_train, old_train = dataclasses.asdict(cfg.train), saved.get("train", {})
-    for k in GUARDED_TRAIN:
+    for k in GUARDED_TRAIN if consumed > 0 else ():
         if k in old_train and old_train[k] != cur_train[k]:
             out.append((f"train.{k}", old_train[k], cur_train[k]))
     cur_model, old_model = dataclasses.asdict(cfg.model), saved.get("model", {})
@@ -43,7 +45,7 @@ def _allowed(name: str, allow: list[str]) -> bool:
 def check_resume(cfg: Config, meta: dict, path, verbose: bool) -> None:
     """ConfigError on the first change not allowed; the allowed ones are logged (by rank 0, `verbose`)."""
     allow = list(cfg.checkpoint.allow_config_change)
-    for name, old, new in differences(cfg, meta.get("config") or {}):
+    for name, old, new in differences(cfg, meta.get("config") or {}, consumed_samples(meta)):
         if not _allowed(name, allow):
             why = ("samples would be skipped or repeated" if name.startswith("train.")
                    else "the weights belong to another model")
