@@ -184,3 +184,30 @@ def test_resume_refuses_a_changed_batch_seed_or_model_and_accounts_samples_with_
     assert [(r["step"], r["consumed_samples"]) for r in rows[-2:]] == [(5, 4 * 8 + 16), (6, 4 * 8 + 32)]
     meta = json.loads((tmp_path / "checkpoints" / "step_00000006" / "metadata.json").read_text())
     assert meta["consumed_samples"] == 64 and meta["data"]["consumed_samples"] == 64
+
+
+def test_a_checkpoint_that_fails_to_load_is_passed_over_by_auto_and_exits_2_when_named(tmp_path):
+    """The newest checkpoint's safetensors header is garbage but its recorded size and checksum match
+    (written so, or checked only by metadata): loading raises safetensors' own error. resume=auto falls back
+    along the lineage; naming it explicitly exits 2 with one line (not a traceback)."""
+    import zlib
+
+    ck = tmp_path / "checkpoints"
+    over = SYN + ["checkpoint.interval=3", f"run.dir={tmp_path}"]
+    first = train(over + ["train.max_steps=6"])
+    assert first.returncode == 0, first.stderr[-2000:]
+    shard = ck / "step_00000006" / "shard_00000.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[:8] = b"\xff" * 8  # header length: absurd
+    shard.write_bytes(bytes(data))
+    meta_path = ck / "step_00000006" / "metadata.json"
+    meta = json.loads(meta_path.read_text())
+    meta["files"]["shard_00000.safetensors"] = {"bytes": len(data), "crc32": zlib.crc32(bytes(data))}
+    meta_path.write_text(json.dumps(meta))
+    named = train(over + ["train.max_steps=7", f"checkpoint.resume={shard.parent}"], timeout=120)
+    assert named.returncode == 2 and len(named.stderr.strip().splitlines()) == 1, named.stderr[-2000:]
+    assert "cannot be loaded (SafetensorError" in named.stderr
+    auto = train(over + ["train.max_steps=7"], timeout=120)
+    assert auto.returncode == 0, auto.stderr[-2000:]
+    assert "skipping checkpoint" in auto.stderr and "SafetensorError" in auto.stderr
+    assert f"resumed from {ck / 'step_00000003'} at step 3" in auto.stdout
