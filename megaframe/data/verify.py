@@ -31,7 +31,7 @@ def check_shard(folder: Path, entry: dict, dtype: np.dtype, vocab: int) -> str |
     f = Path(folder) / entry["file"]
     if not f.is_file():
         return f"shard {entry['file']} is missing"
-    h, top, off, where = hashlib.sha256(), -1, 0, None
+    h, off, where = hashlib.sha256(), 0, None
     with open(f, "rb") as fh:
         while chunk := fh.read(BLOCK - BLOCK % dtype.itemsize):
             h.update(chunk)

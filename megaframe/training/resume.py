@@ -14,14 +14,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors import SafetensorError  # a bad header or truncated file: not an OSError
 
 from megaframe.checkpoint import lineage, sharded
 from megaframe.config import Config, ConfigError
 from megaframe.parallel import comm
 from megaframe.parallel.mesh import Axis, Mesh
 from megaframe.training.resume_checks import check_resume, consumed_samples
-
-from safetensors import SafetensorError  # a bad header or truncated file: not an OSError
 
 LOAD_ERRORS = (OSError, ValueError, KeyError, RuntimeError, SafetensorError)
 

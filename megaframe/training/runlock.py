@@ -51,7 +51,7 @@ class RunLock:
     def me(self) -> dict:
         return {"host": socket.gethostname(), "pid": os.getpid(), "job": job_id(), "since": time.time()}
 
-    def acquire(self) -> "RunLock":
+    def acquire(self) -> RunLock:
         """Take the lock, or raise RunDirBusy naming the live holder."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         for _ in range(3):  # a racing taker may remove a stale file between our tries

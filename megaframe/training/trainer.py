@@ -20,10 +20,10 @@ from megaframe.parallel import comm
 from megaframe.parallel.mesh import Mesh, build_mesh
 from megaframe.pipeline import p2p
 from megaframe.tracking import Tracker
+from megaframe.training.checkpointing import Checkpointer
 from megaframe.training.distributed import env_ranks, init_distributed, pick_device, shutdown
 from megaframe.training.evaluate import Evaluator
 from megaframe.training.faults import Injector
-from megaframe.training.checkpointing import Checkpointer
 from megaframe.training.metrics import flops_per_token, memory_figures, peak_flops, throughput_figures
 from megaframe.training.resume import resume
 from megaframe.training.resume_checks import Accounting

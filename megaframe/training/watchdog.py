@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import os
 import sys
-from contextlib import contextmanager
 import threading
 import time
 import traceback
+from contextlib import contextmanager
 from pathlib import Path
 
 from megaframe.parallel.mesh import CommStats

@@ -2,7 +2,6 @@
 two jobs on one run.dir, a save slower than the hang limit, corrupt data, resume config checks, SIGINT."""
 import hashlib
 import json
-import os
 import shutil
 import signal
 import subprocess
