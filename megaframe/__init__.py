@@ -19,9 +19,11 @@ def load_model(path: str):
     from megaframe.model.gpt import GPT
     from megaframe.parallel.mesh import single_process_mesh
 
+    from megaframe.checkpoint import lineage
+
     step = Path(path)
-    if not (step / "metadata.json").is_file():
-        step = sharded.latest(path)
+    if not (step / "metadata.json").is_file():  # a checkpoint dir: what `latest` names (a rollback's branch)
+        step = lineage.pointed(path) or sharded.latest(path)
         if step is None:
             raise FileNotFoundError(f"{path}: no committed checkpoint")
     meta = sharded.read_metadata(step)

@@ -271,6 +271,16 @@ class CheckpointConfig:
     locals()["async"] = field(default=False, init=False, repr=False, compare=False)  # kept out of generated code
     """Copy to host, write in a background thread and commit at a later step boundary."""
 
+    # --- safety (issue 20): resume checks and the save watchdog ---
+    allow_config_change: list[str] = field(default_factory=list)
+    """Fields a resume may change from the checkpoint's config, e.g. [train.global_batch_size] (the data
+    then continues from the saved consumed samples), [train.seed], [model.dropout] or [model] (all of
+    model.*). Anything else that differs is refused (exit 2): it would skip or repeat data or change the model."""
+    save_timeout_s: float = 3600.0
+    """The hang watchdog's limit while a checkpoint is saved or loaded (train.hang_timeout_s covers steps
+    only: a save is slow, not hung); 0 = no limit during saves and loads."""
+    # --- end safety ---
+
     @property
     def async_save(self) -> bool:
         return getattr(self, "async")
@@ -323,7 +333,7 @@ def _register() -> None:
 
 
 def default_run_name() -> str:
-    """MEGAFRAME_RUN_NAME, else torchrun's run id (stable across its restarts), else a timestamp.
+    """MEGAFRAME_RUN_NAME, else torchrun's run id (stable across its restarts), else a unique timestamp.
 
     Ranks may disagree on a timestamp; the trainer broadcasts rank 0's run dir after init.
     """
@@ -332,7 +342,12 @@ def default_run_name() -> str:
     name = os.environ.get("MEGAFRAME_RUN_NAME") or os.environ.get("TORCHELASTIC_RUN_ID", "")
     if name and name != "none":
         return name
-    return time.strftime("%Y%m%d-%H%M%S")
+    # two jobs started in the same second must not share a run dir: milliseconds, then the Slurm job id
+    # (unique per job) or a random suffix
+    now = time.time()
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now)) + f".{int(now * 1000) % 1000:03d}"
+    job = os.environ.get("SLURM_JOB_ID")
+    return f"{stamp}-{f'job{job}' if job else os.urandom(3).hex()}"
 
 
 def load_config(overrides: list[str], world_size: Optional[int] = None, check_data: bool = True) -> Config:

@@ -30,6 +30,8 @@ from safetensors.torch import save_file
 from megaframe.parallel.mesh import Mesh
 
 FORMAT = "megaframe-ckpt-v1"
+_UMASK = os.umask(0o022)  # read once at import (single-threaded): os.umask can only be read by setting it
+os.umask(_UMASK)
 
 
 def step_dir(root: str | Path, step: int) -> Path:
@@ -127,6 +129,8 @@ def write_file(folder: Path, rank: int, tensors: dict) -> tuple[str, dict] | Non
         return None
     fname = f"shard_{rank:05d}.safetensors"
     save_file(tensors, str(folder / fname))
+    # safety (issue 20): safetensors creates 0600 files; a checkpoint is shared like any output (umask rules)
+    os.chmod(folder / fname, 0o666 & ~_UMASK)
     with open(folder / fname, "rb") as f:
         os.fsync(f.fileno())
     return fname, _file_info(folder / fname)
@@ -166,10 +170,11 @@ def committed(root: str | Path) -> list[Path]:
 
 
 def prune(root: str | Path, keep_last: int) -> None:
-    """Delete all but the newest `keep_last` committed checkpoints (0 keeps everything)."""
-    if keep_last > 0:
-        for old in committed(root)[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+    """Keep the newest `keep_last` checkpoints of the current lineage (0 keeps everything)."""
+    # safety (issue 20): by lineage, not by step number, so a rollback's new branch is never pruned
+    from megaframe.checkpoint import lineage
+
+    lineage.prune(root, keep_last)
 
 
 def verify(path: str | Path) -> dict:

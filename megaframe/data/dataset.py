@@ -23,6 +23,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from megaframe.data.shards import check_token_range
+
 VALID_SEED = 20240917
 """Seed of the held-out documents: fixed (not train.seed), so every run on a dataset validates on the same
 documents and val_loss stays comparable across seeds and layouts."""
@@ -34,6 +36,7 @@ class PreparedData:
     stream: sample i of the split is its tokens [i * seq_length, (i + 1) * seq_length + 1)."""
 
     shuffle = True
+    touched: set | None = None
 
     def __init__(self, path: str | Path, seq_length: int, split: str = "all", valid_fraction: float = 0.0):
         path = Path(path)
@@ -101,7 +104,12 @@ class PreparedData:
         pieces, k = [], int(np.searchsorted(self.starts, lo, side="right") - 1)
         while lo < hi:
             end = min(hi, int(self.starts[k + 1]))
-            pieces.append(self.shards[k][lo - self.starts[k]:end - self.starts[k]])
+            piece = self.shards[k][lo - self.starts[k]:end - self.starts[k]]
+            check_token_range(piece, self.vocab_size, self.path, self.meta["shards"][k]["file"],
+                              int(lo - self.starts[k]))  # safety (issue 20): every layout, every read
+            if self.touched is not None:  # start-up verification records which shards a batch reads
+                self.touched.add(k)
+            pieces.append(piece)
             lo, k = end, k + 1
         return np.concatenate(pieces)
 
@@ -155,10 +163,11 @@ def sample_index(position: int, num_samples: int, seed: int) -> int:
 
 
 def microbatches(data, step: int, global_batch: int, micro_batch: int, dp_rank: int, dp_size: int,
-                 seed: int, device: torch.device | str = "cpu") -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """This dp rank's micro-batches of step `step` (0-based): [(input_ids_BS, labels_BS), ...]."""
+                 seed: int, device: torch.device | str = "cpu", base: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This dp rank's micro-batches of step `step` (0-based, counted from sample position `base`: a run
+    resumed with another global batch continues from its consumed samples): [(input_ids_BS, labels_BS), ...]."""
     per_rank = global_batch // dp_size
-    first = step * global_batch + dp_rank * per_rank
+    first = base + step * global_batch + dp_rank * per_rank
     out = []
     for m in range(per_rank // micro_batch):
         pos = range(first + m * micro_batch, first + (m + 1) * micro_batch)

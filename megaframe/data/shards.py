@@ -113,6 +113,22 @@ def check_prepared(path: str | Path) -> dict:
     return meta
 
 
+class CorruptShard(ValueError):
+    """A shard holds a token id outside the vocabulary; the message names the shard and token offset."""
+
+
+def check_token_range(tokens: np.ndarray, vocab: int, folder: Path, file: str, offset: int) -> None:
+    """Token ids of a piece read from `file` (starting at token `offset`) lie in [0, vocab).
+
+    Runs on the host for every sample read (a max over seq_length + 1 ids): a corrupt id must stop the
+    run on every layout, not be masked by a vocab-parallel embedding (tp > 1) or crash an index (tp = 1)."""
+    if tokens.size and int(tokens.max()) >= vocab:
+        at = offset + int(np.argmax(tokens >= vocab))
+        raise CorruptShard(f"data shard {Path(folder) / file} is corrupt: token id {int(tokens[at - offset])} at "
+                           f"token offset {at} is outside the vocabulary ({vocab}); check it with "
+                           f"python -m megaframe.data verify {folder}")
+
+
 def dataset_paths(data_cfg) -> list[tuple[str, str]]:
     """(config key, folder) of every prepared dataset a run reads: each data.blend path, else data.path."""
     if data_cfg.blend:

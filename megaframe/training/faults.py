@@ -6,6 +6,7 @@ Set once in the environment of every rank (read at start-up, then passed to the 
     MEGAFRAME_INJECT="sleep:rank=1:seconds=0.3:step=5" ... at step 5 only
     MEGAFRAME_INJECT="hang:rank=1:step=3"              rank 1 blocks forever at the start of step 3
     MEGAFRAME_INJECT="sleep:rank=0:seconds=1;hang:rank=2:step=9"   several, separated by ';'
+    MEGAFRAME_INJECT="slow_save:rank=0:seconds=8"      rank 0's checkpoint saves take 8 s longer (step=S: that save)
 
 `rank` is the global rank (omitted: every rank); `step` the optimizer step (omitted: every step for
 sleep, step 1 for hang). The delay happens at the start of the step's compute window, so the straggler
@@ -26,7 +27,7 @@ ENV = "MEGAFRAME_INJECT"
 @dataclass(frozen=True)
 class Fault:
     kind: str
-    """sleep | hang."""
+    """sleep | hang | slow_save."""
     rank: int | None
     step: int | None
     seconds: float = 0.0
@@ -44,9 +45,9 @@ def parse(spec: str) -> list[Fault]:
             seconds = float(kv.pop("seconds", 0.0))
         except ValueError as e:
             raise ValueError(f"{ENV}={spec!r}: cannot parse {part!r} ({e})") from e
-        if kind not in ("sleep", "hang") or kv or (kind == "sleep" and seconds <= 0):
-            raise ValueError(f"{ENV}={spec!r}: {part!r} must be sleep:[rank=R:][step=S:]seconds=X "
-                             f"or hang:[rank=R:][step=S]")
+        if kind not in ("sleep", "hang", "slow_save") or kv or (kind != "hang" and seconds <= 0):
+            raise ValueError(f"{ENV}={spec!r}: {part!r} must be sleep:[rank=R:][step=S:]seconds=X, "
+                             f"slow_save:[rank=R:][step=S:]seconds=X or hang:[rank=R:][step=S]")
         faults.append(Fault(kind, rank, step, seconds))
     return faults
 
@@ -66,11 +67,17 @@ class Injector:
     def apply(self, step: int) -> float:
         slept = 0.0
         for f in self.faults:
-            if f.step is not None and f.step != step:
+            if f.kind == "slow_save" or (f.step is not None and f.step != step):
                 continue
             if f.kind == "hang":
                 print(f"megaframe: rank {self.rank}: injected hang at step {step} ({ENV})", file=sys.stderr, flush=True)
                 threading.Event().wait()  # forever; the watchdog ends the process
             time.sleep(f.seconds)
             slept += f.seconds
+        return slept
+
+    def save_delay(self, step: int) -> float:
+        """Sleep as a slow_save fault says, inside the save of `step` (watchdog drills); returns the seconds."""
+        slept = sum(f.seconds for f in self.faults if f.kind == "slow_save" and f.step in (None, step))
+        time.sleep(slept)
         return slept

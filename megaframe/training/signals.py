@@ -1,4 +1,4 @@
-"""Stop signals: SIGTERM or SIGUSR1 on any rank stops every rank at the same step boundary.
+"""Stop signals: SIGTERM, SIGUSR1 or SIGINT on any rank stops every rank at the same step boundary.
 
 The handler only sets a flag (it runs between bytecodes, so it must not touch collectives). At each
 step boundary the ranks take the max of their flags in one scalar all-reduce; once it is set, all of
@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from megaframe.parallel.mesh import Mesh
 
-SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)  # Ctrl-C too: stop with a checkpoint, not a traceback
 
 
 class StopFlag:

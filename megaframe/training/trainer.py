@@ -1,19 +1,17 @@
 """The training run: start-up, the step loop, logging and checkpoints. `run(cfg)` is all train.py calls."""
 from __future__ import annotations
 
-import dataclasses
 import math
+import os
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from megaframe.checkpoint import sharded
-from megaframe.checkpoint.async_save import AsyncSaver
 from megaframe.config import Config, ConfigError
-from megaframe.data.dataset import Prefetcher, build_data, data_state, microbatches
-from megaframe.data.shards import tokenizer_identity
+from megaframe.data.dataset import Prefetcher, build_data, microbatches
+from megaframe.data.shards import CorruptShard
 from megaframe.layers.shard import param_seed
 from megaframe.model.gpt import build_model
 from megaframe.model.moe import stats as moe_stats
@@ -22,10 +20,14 @@ from megaframe.parallel import comm
 from megaframe.parallel.mesh import Mesh, build_mesh
 from megaframe.pipeline import p2p
 from megaframe.tracking import Tracker
+from megaframe.training.checkpointing import Checkpointer
 from megaframe.training.distributed import env_ranks, init_distributed, pick_device, shutdown
 from megaframe.training.evaluate import Evaluator
 from megaframe.training.faults import Injector
 from megaframe.training.metrics import flops_per_token, forget_cpu_peak, memory_figures, peak_flops, throughput_figures
+from megaframe.training.resume import resume
+from megaframe.training.resume_checks import Accounting
+from megaframe.training.runlock import RunDirBusy, RunLock
 from megaframe.training.signals import StopFlag
 from megaframe.training.step import train_step
 from megaframe.training.straggler import StragglerProbe
@@ -40,15 +42,38 @@ def run(cfg: Config, stop: StopFlag | None = None) -> None:
     try:
         mesh = build_mesh(cfg.parallel.tp, cfg.parallel.pp, device, ep=cfg.parallel.ep)
         p2p.warm_up(mesh.pp, device)
-        # ranks may have resolved a timestamped run name a second apart: rank 0's wins
-        cfg.run.name, cfg.run.dir, cfg.checkpoint.dir = comm.broadcast_object(
-            (cfg.run.name, cfg.run.dir, cfg.checkpoint.dir))
-        train(cfg, mesh, stop or StopFlag())
+        # ranks may have resolved a timestamped run name a second apart: rank 0's wins; the run id
+        # (this launch of the run, recorded in each checkpoint's lineage) is rank 0's too
+        run_id = f"{cfg.run.name}@{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(3).hex()}"
+        cfg.run.name, cfg.run.dir, cfg.checkpoint.dir, run_id = comm.broadcast_object(
+            (cfg.run.name, cfg.run.dir, cfg.checkpoint.dir, run_id))
+        lock = take_run_dir(cfg, mesh)
+        try:
+            train(cfg, mesh, stop or StopFlag(), run_id)
+        finally:
+            lock.release()
     finally:
         shutdown()
 
 
-def train(cfg: Config, mesh: Mesh, stop: StopFlag) -> None:
+def take_run_dir(cfg: Config, mesh: Mesh) -> RunLock:
+    """Rank 0 locks run.dir before anything is written there; every rank hears the outcome, so all of
+    them exit 2 when another live job owns the folder."""
+    lock, err = RunLock(cfg.run.dir), None
+    if mesh.rank == 0:
+        try:
+            lock.acquire()
+        except RunDirBusy as e:
+            err = str(e)
+        except OSError as e:
+            err = f"run.dir={cfg.run.dir}: cannot take the run lock ({e})"
+    err = comm.broadcast_object(err)
+    if err:
+        raise ConfigError(err)
+    return lock
+
+
+def train(cfg: Config, mesh: Mesh, stop: StopFlag, run_id: str = "") -> None:
     model = cast_model(build_model(cfg, mesh), cfg.train.precision)
     optimizer = build_optimizer(model, cfg.optim, mesh)
     try:
@@ -56,34 +81,47 @@ def train(cfg: Config, mesh: Mesh, stop: StopFlag) -> None:
         evaluator = Evaluator.build(cfg, mesh)  # None unless train.eval_interval > 0
     except (OSError, ValueError, KeyError) as e:
         raise ConfigError(f"data.path={cfg.data.path}: unreadable prepared data ({e})") from e
-    start = resume(cfg, model, optimizer, mesh)
+    resumed = resume(cfg, model, optimizer, mesh)
+    start, t = resumed.step, cfg.train
+    if resumed.meta:
+        adopt_lr_horizon(cfg, resumed.meta)
     if cfg.optim.lr_decay_steps is None:  # a fresh start (or a pre-horizon checkpoint): this run's length
-        cfg.optim.lr_decay_steps = cfg.train.max_steps
+        cfg.optim.lr_decay_steps = t.max_steps
+    acct = Accounting(start, resumed.consumed if resumed.path else 0, t.global_batch_size)
+    check_first_shards(cfg, mesh, data, start, acct)
     total_params = global_param_count(model, mesh)  # a collective over pp: every rank takes part
     if mesh.rank == 0:
         describe(cfg, mesh, model, data, start, total_params)
         write_run_config(cfg, start)
     tracker = Tracker(cfg, cfg.run.dir, mesh.is_logger, cfg.train.max_steps)
-    meter = Meter(cfg, mesh)
-    saver = AsyncSaver(mesh) if cfg.checkpoint.async_save else None
+    meter = Meter(cfg, mesh, acct)
     # on CUDA the grad norms are read (a host sync) only at log steps; on CPU reading is free
     bad = BadSteps(cfg.train.max_bad_steps, mesh.rank == 0, defer=mesh.device.type == "cuda")
-    t = cfg.train
-    probe = StragglerProbe(injector(mesh.rank))
+    faults = injector(mesh.rank)
+    probe = StragglerProbe(faults)
     watchdog = Watchdog(t.hang_timeout_s, mesh.rank, cfg.run.dir, mesh.stats).start()
-    loader = Prefetcher(lambda s: microbatches(data, s - 1, t.global_batch_size, t.micro_batch_size, mesh.dp.rank,
-                                               mesh.dp.size, t.seed, mesh.device), start + 1, t.max_steps)
-    saved = None
+    ckpt = Checkpointer(cfg, mesh, run_id, resumed, acct, watchdog, faults)
+    # positions continue from the consumed samples at the resume (exact even if the batch size changed)
+    loader = Prefetcher(lambda s: microbatches(data, s - 1 - start, t.global_batch_size, t.micro_batch_size,
+                                               mesh.dp.rank, mesh.dp.size, t.seed, mesh.device, base=acct.base),
+                        start + 1, t.max_steps)
+    marker = {"resumed_from": str(resumed.path), "resumed_step": start, "run_id": run_id} if resumed.path else {}
     try:
         for step in range(start + 1, t.max_steps + 1):
             watchdog.beat(step)
             mesh.stats.pop()  # count only this step's bytes
             # dropout RNG is a function of (seed, step, rank): resume needs no RNG state
             torch.manual_seed(param_seed(t.seed, f"dropout/step{step}/rank{mesh.rank}"))
-            batches = loader.get(step)  # read while the previous step computed
+            try:
+                batches = loader.get(step)  # read while the previous step computed
+            except CorruptShard as e:
+                raise ConfigError(str(e)) from e
             res = train_step(model, optimizer, batches, mesh, cfg, step, probe)
             meter.add(res)
-            bad.check(step, res.grad_norm, flush=step % t.log_interval == 0 or step == t.max_steps)
+            try:
+                bad.check(step, res.grad_norm, flush=step % t.log_interval == 0 or step == t.max_steps)
+            except TrainingError as e:
+                raise TrainingError(f"{e}; {ckpt.resume_hint()}") from e
             val = None
             if evaluator is not None and evaluator.due(step):
                 t0 = time.perf_counter()
@@ -93,24 +131,22 @@ def train(cfg: Config, mesh: Mesh, stop: StopFlag) -> None:
                 row = {**meter.metrics(step, res, model, optimizer), **probe.gather(mesh)}
                 if val is not None:
                     row["val_loss"] = meter.last["val_loss"] = val
+                # the first row after a resume names the checkpoint (readers see where the run restarted)
+                row, marker = {**row, **marker}, {}
                 tracker.log(row, start)
             stopping = stop.agreed(mesh)
-            if saver:
-                saver.poll()
+            ckpt.poll()
             interval = cfg.checkpoint.interval
             last = step == t.max_steps or stopping
             if (interval and step % interval == 0) or last:
-                if saver and last:
-                    saver.wait()  # commit the older one first, so `latest` ends on this step
-                saved = save(cfg, model, optimizer, mesh, step, saver if not last else None)
-                watchdog.beat()
+                bad.flush()  # a deferred grad-norm read: the save must know whether this step was skipped
+                ckpt.save(model, optimizer, step, last, bad.in_a_row)
             if stopping:
                 stop.report(step)
                 break
-        if saver:
-            saver.wait()
+        ckpt.finish()
         if mesh.is_logger and meter.run_steps:  # one write: under pp another rank prints at the same time
-            sys.stdout.write(meter.summary(start, step, saved) + "\n")
+            sys.stdout.write(meter.summary(start, step, ckpt.last_saved) + "\n")
             sys.stdout.flush()
     finally:
         watchdog.stop()
@@ -145,6 +181,12 @@ class BadSteps:
         self.pending.append((step, grad_norm))
         if self.defer and not flush:
             return
+        self.flush()
+
+    def flush(self) -> None:
+        """Count every pending step now (one host sync for all of them)."""
+        if not self.pending:
+            return
         norms = torch.stack([n for _, n in self.pending]).tolist()  # syncs the device, once for all pending
         steps, self.pending = [s for s, _ in self.pending], []
         for s, norm in zip(steps, norms):
@@ -172,8 +214,8 @@ class Meter:
     step's own. `time` is unix seconds at the log line; `step_time_s` the mean wall time of those
     steps, evaluation excluded."""
 
-    def __init__(self, cfg: Config, mesh: Mesh):
-        self.cfg, self.mesh = cfg, mesh
+    def __init__(self, cfg: Config, mesh: Mesh, acct: Accounting):
+        self.cfg, self.mesh, self.acct = cfg, mesh, acct
         self.tokens_step = cfg.train.global_batch_size * cfg.model.seq_length
         self.fpt = flops_per_token(cfg.model)
         self.peak = peak_flops(mesh.device) if mesh.is_logger else 0.0
@@ -204,7 +246,7 @@ class Meter:
         if self.peak and speed["mfu"] is None and mesh.device.type == "cpu":
             forget_cpu_peak()  # a step beat the cached peak: it was measured on a busy machine
         row = {"step": step, "loss": loss, "lr": res.lr, "grad_norm": res.grad_norm.item(),
-               "tokens_per_s": tps, "consumed_samples": step * self.cfg.train.global_batch_size,
+               "tokens_per_s": tps, "consumed_samples": self.acct.consumed(step),
                "time": time.time(), "step_time_s": step_time, **speed,
                **{f"comm_bytes/{g}": sent.get(g, 0) for g in ("tp", "pp", "dp", "ep")},
                **memory_figures(model, optimizer, mesh.device), **self.moe(step, model)}
@@ -228,52 +270,6 @@ class Meter:
             for line in moe_stats.imbalance_warnings({"step": step, **row}, self.cfg.model.num_layers):
                 print(line, file=sys.stderr, flush=True)
         return row
-
-
-def save(cfg: Config, model, optimizer, mesh: Mesh, step: int, saver: AsyncSaver | None = None) -> str:
-    """Checkpoint at `step`: in the background with `saver`, else written and committed now. Returns
-    its folder."""
-    t0 = time.perf_counter()
-    meta = {"consumed_samples": step * cfg.train.global_batch_size,
-            "layout": {"tp": mesh.tp.size, "pp": mesh.pp.size, "dp": mesh.dp.size, "ep": mesh.ep.size,
-                       "sp": cfg.parallel.sp},
-            "rng": "derived from (train.seed, step, rank); no state to restore",
-            "data": data_state(cfg, step),
-            "tokenizer": tokenizer_identity(cfg.data),  # a resume checks its data against it
-            "config": dataclasses.asdict(cfg)}
-    if saver is not None:
-        saver.save(cfg.checkpoint.dir, step, model, optimizer, meta, cfg.checkpoint.keep_last)
-        if mesh.rank == 0:
-            print(f"checkpoint: step {step} copied to host in {time.perf_counter() - t0:.2f}s, writing", flush=True)
-        return str(Path(cfg.checkpoint.dir) / f"step_{step:08d}")
-    path = sharded.save(cfg.checkpoint.dir, step, model, optimizer, mesh, meta, cfg.checkpoint.keep_last)
-    if mesh.rank == 0:
-        print(f"checkpoint: {path} ({time.perf_counter() - t0:.2f}s)", flush=True)
-    return str(path)
-
-
-def resume(cfg: Config, model, optimizer, mesh: Mesh) -> int:
-    """Load the checkpoint named by checkpoint.resume; returns the step it holds (0 when starting fresh)."""
-    if cfg.checkpoint.resume == "none":
-        return 0
-    def skipped(path, reason):
-        if mesh.rank == 0:
-            print(f"megaframe: warning: skipping checkpoint {path}: {reason}", file=sys.stderr, flush=True)
-
-    if cfg.checkpoint.resume == "auto":
-        path = sharded.latest(cfg.checkpoint.dir, on_skip=skipped)
-    else:
-        path = Path(cfg.checkpoint.resume)
-    if path is None:
-        return 0
-    try:
-        meta = sharded.load_into(path, model, optimizer)
-    except (OSError, ValueError, KeyError, RuntimeError) as e:
-        raise ConfigError(f"checkpoint {path} cannot be loaded ({str(e).splitlines()[0]})") from e
-    adopt_lr_horizon(cfg, meta)
-    if mesh.rank == 0:
-        print(f"resumed from {path} at step {meta['step']}", flush=True)
-    return int(meta["step"])
 
 
 def adopt_lr_horizon(cfg: Config, meta: dict) -> None:
@@ -342,3 +338,26 @@ def describe(cfg: Config, mesh: Mesh, model, data, start: int, total: int) -> No
           f"micro {t.micro_batch_size}, accumulation {accum} | data {data_label(cfg)}: "
           f"{'endless' if cfg.data.kind == 'synthetic' else data.num_samples} samples | "
           f"steps {start + 1}..{t.max_steps}", flush=True)
+
+
+def check_first_shards(cfg: Config, mesh: Mesh, data, start: int, acct: Accounting) -> None:
+    """Rank 0 hashes the shards the first global batch reads (megaframe.data.verify: a few shard files,
+    not the corpus); every rank hears the verdict, so all of them stop with exit 2 on a corrupt shard."""
+    if cfg.data.kind != "prepared":
+        return
+    err = None
+    if mesh.rank == 0:
+        from megaframe.data.verify import first_batch_shards, verify
+
+        t0, nbytes = time.perf_counter(), 0
+        try:
+            for folder, files in first_batch_shards(data, 0, cfg.train.global_batch_size, acct.base,
+                                                    cfg.train.seed).items():
+                nbytes += verify(folder, files)
+            print(f"data: the first batch's shards match their sha256 ({nbytes / 1e6:.1f} MB hashed in "
+                  f"{time.perf_counter() - t0:.2f}s)", flush=True)
+        except ValueError as e:  # CorruptShard included
+            err = f"data: {e}"
+    err = comm.broadcast_object(err)
+    if err:
+        raise ConfigError(err)

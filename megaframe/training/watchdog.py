@@ -24,6 +24,7 @@ import sys
 import threading
 import time
 import traceback
+from contextlib import contextmanager
 from pathlib import Path
 
 from megaframe.parallel.mesh import CommStats
@@ -39,6 +40,7 @@ class Watchdog:
         self.exit_fn = exit_fn  # tests pass a recorder instead of ending the process
         self.grace_s = min(30.0, max(2.0, timeout_s / 10)) if grace_s is None else grace_s
         self.step, self.last = 0, time.monotonic()
+        self.override: float | None = None  # the limit while suspended() (a save or load)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -55,6 +57,18 @@ class Watchdog:
             self.step = step
         self.last = time.monotonic()
 
+    @contextmanager
+    def suspended(self, limit_s: float):
+        """A checkpoint save or load: slow is not hung, so it is judged by its own limit
+        (checkpoint.save_timeout_s; 0 = none) instead of train.hang_timeout_s."""
+        self.beat()
+        self.override = limit_s
+        try:
+            yield
+        finally:
+            self.override = None
+            self.beat()
+
     def stop(self) -> None:
         self._stop.set()
         if self._thread is not None:
@@ -63,8 +77,10 @@ class Watchdog:
     def _watch(self) -> None:
         poll = min(1.0, self.timeout_s / 10)
         while not self._stop.wait(poll):
-            idle = time.monotonic() - self.last
-            if idle > self.timeout_s:
+            idle, limit = time.monotonic() - self.last, self.override
+            if limit is None:
+                limit = self.timeout_s
+            if limit > 0 and idle > limit:
                 self.trip(idle)
                 return
 

@@ -1,0 +1,127 @@
+"""Checkpoint lineage: which checkpoint a run resumed from, and which of them `resume=auto` and
+`checkpoint.keep_last` may touch.
+
+Every checkpoint's metadata.json carries
+    "lineage": {"id": "<run id>:<step>", "run_id": ..., "parent": <folder name, or an absolute path
+                outside checkpoint.dir, or null>, "parent_id": <the parent's lineage id, or null>}
+where the parent is the checkpoint this run resumed from. The chain of parents from a checkpoint is its
+lineage. A rollback (resuming from an older step, the usual answer to a loss spike) starts a new branch:
+its checkpoints name the older one as parent, while the abandoned branch's newer steps are on no path
+from the new ones. Hence:
+- `resume=auto` follows `${checkpoint.dir}/latest` (replaced atomically after each commit), then that
+  checkpoint's ancestors, never the highest step number, which may belong to an abandoned branch;
+- `keep_last=N` deletes only ancestors of the newest checkpoint beyond the N newest of its chain; other
+  branches and anything outside checkpoint.dir are never deleted (a person decides about them).
+A parent link whose folder now holds another checkpoint (a branch rewrote that step) has a different id:
+the chain stops there, so nothing of another branch is taken for ours.
+"""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from megaframe.checkpoint import sharded
+
+
+def lineage_meta(run_id: str, step: int, parent: Path | None, parent_id: str | None, root: str | Path) -> dict:
+    """The "lineage" entry of a checkpoint written by `run_id` at `step`, continuing `parent` (whose
+    lineage id is `parent_id`; None for checkpoints written before lineage existed)."""
+    ref = None
+    if parent is not None:
+        parent = Path(parent).resolve()
+        ref = parent.name if parent.parent == Path(root).resolve() else str(parent)
+    return {"id": f"{run_id}:{step}", "run_id": run_id, "parent": ref, "parent_id": parent_id if ref else None}
+
+
+def _meta(path: Path) -> dict | None:
+    try:
+        return sharded.read_metadata(path)
+    except (OSError, ValueError):  # json.JSONDecodeError is a ValueError
+        return None
+
+
+def parent_of(path: Path, meta: dict, root: str | Path) -> Path | None:
+    """The checkpoint `path` was resumed from, if it is still the same checkpoint (same lineage id)."""
+    lin = meta.get("lineage") or {}
+    ref = lin.get("parent")
+    if not ref:
+        return None
+    parent = Path(ref) if Path(ref).is_absolute() else Path(root) / ref
+    pmeta = _meta(parent)
+    if pmeta is None:
+        return None
+    if lin.get("parent_id") is not None and (pmeta.get("lineage") or {}).get("id") != lin["parent_id"]:
+        return None  # that step folder was rewritten by another branch: not our ancestor any more
+    return parent
+
+
+def chain(start: Path, root: str | Path, limit: int = 100_000) -> list[Path]:
+    """`start` and its ancestors, newest first (a cycle or a missing parent ends it)."""
+    out, seen, path = [], set(), Path(start)
+    while path is not None and len(out) < limit:
+        key = str(path.resolve())
+        meta = _meta(path)
+        if key in seen or meta is None:
+            break
+        seen.add(key)
+        out.append(path)
+        path = parent_of(path, meta, root)
+    return out
+
+
+def pointed(root: str | Path) -> Path | None:
+    """The committed checkpoint `${root}/latest` names, or None (no pointer, or it names nothing)."""
+    try:
+        name = (Path(root) / "latest").read_text().strip()
+    except OSError:
+        return None
+    path = Path(root) / name
+    return path if name and "/" not in name and (path / "metadata.json").is_file() else None
+
+
+def candidates(root: str | Path) -> list[Path]:
+    """What resume=auto tries, in order: `latest` and its lineage; then, only as a last resort (the whole
+    lineage is unreadable), the other committed folders newest first."""
+    head = pointed(root)
+    first = chain(head, root) if head is not None else []
+    rest = [p for p in sharded.committed(root)[::-1] if p not in first]
+    return first + rest
+
+
+def cheap_check(path: Path) -> str | None:
+    """Why `path` cannot be a resume point from its metadata and file sizes alone (no shard bytes read:
+    the load checks what it reads), or None. Sizes are compared where the metadata records them."""
+    meta = _meta(path)
+    if meta is None:
+        return "unreadable metadata.json"
+    for name, want in (meta.get("files") or {}).items():
+        f = path / name
+        if not f.is_file():
+            return f"shard {name} is missing"
+        size = want.get("bytes") if isinstance(want, dict) else None
+        if size is not None and f.stat().st_size != int(size):
+            return f"shard {name} has {f.stat().st_size} bytes, metadata.json says {size}"
+    return None
+
+
+def prune(root: str | Path, keep_last: int) -> list[Path]:
+    """Delete the ancestors of the newest checkpoint (the one `latest` names) beyond the `keep_last`
+    newest of its chain; returns what was deleted. Only folders directly inside `root` are deleted, the
+    newest is always kept, and nothing off the chain is touched. keep_last=0 keeps everything."""
+    head = pointed(root)
+    if keep_last <= 0 or head is None:
+        return []
+    root_r = Path(root).resolve()
+    gone = []
+    for old in chain(head, root)[max(1, keep_last):]:
+        if old.resolve().parent == root_r and old.name.startswith("step_"):
+            shutil.rmtree(old, ignore_errors=True)
+            gone.append(old)
+    return gone
+
+
+def describe(path: Path) -> str:
+    """One line for logs: the checkpoint and where it came from."""
+    meta = _meta(path) or {}
+    lin = meta.get("lineage") or {}
+    return f"{path} (run {lin.get('run_id', '?')}, parent {lin.get('parent') or 'none'})"

@@ -1,0 +1,96 @@
+"""The trainer's side of checkpoints: what a save records, when a save is refused, and what to say.
+
+Each save records its lineage (this run's id and the checkpoint it continues: the resume point for the
+first save, then this run's previous save), the exact consumed samples, and runs under the watchdog's
+save limit (a slow save is not a hang). A save is refused, keeping every committed checkpoint and
+`latest` as they are, while the state is not finite (save_guard).
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from pathlib import Path
+
+from megaframe.checkpoint import lineage, sharded
+from megaframe.checkpoint.async_save import AsyncSaver
+from megaframe.config import Config
+from megaframe.data.dataset import data_state
+from megaframe.data.shards import tokenizer_identity
+from megaframe.parallel.mesh import Mesh
+from megaframe.training.resume import Resumed
+from megaframe.training.resume_checks import Accounting
+from megaframe.training.save_guard import state_is_finite
+
+
+class Checkpointer:
+    def __init__(self, cfg: Config, mesh: Mesh, run_id: str, resumed: Resumed, acct: Accounting,
+                 watchdog, injector=None):
+        self.cfg, self.mesh, self.run_id, self.acct = cfg, mesh, run_id, acct
+        self.watchdog, self.injector = watchdog, injector
+        parent_id = ((resumed.meta or {}).get("lineage") or {}).get("id")
+        self.parent: tuple[Path | None, str | None] = (resumed.path, parent_id)
+        self.saver = AsyncSaver(mesh) if cfg.checkpoint.async_save else None
+        self.last_saved: str | None = None
+        """The newest checkpoint this run wrote (committed, or being written in the background)."""
+
+    def save(self, model, optimizer, step: int, last: bool, bad_in_a_row: int) -> bool:
+        """Checkpoint `step` (in the background unless `last`); False when refused as non-finite."""
+        cfg, mesh = self.cfg, self.mesh
+        with self.watchdog.suspended(cfg.checkpoint.save_timeout_s):
+            if self.saver is not None and last:
+                self.saver.wait()  # commit the older one first, so `latest` ends on this step
+            # the finiteness vote is collective: every rank reaches it, also after a skipped step
+            finite = state_is_finite(model, optimizer, mesh)
+            if bad_in_a_row or not finite:
+                if mesh.rank == 0:
+                    why = "the last step was skipped (non-finite grad norm)" if bad_in_a_row else \
+                        "the weights or optimizer state hold NaN/inf"
+                    print(f"megaframe: warning: not saving step {step}: {why}; {self.resume_hint()}",
+                          file=sys.stderr, flush=True)
+                return False
+            if self.injector is not None:
+                self.injector.save_delay(step)
+            self._write(model, optimizer, step, background=self.saver is not None and not last)
+        return True
+
+    def _write(self, model, optimizer, step: int, background: bool) -> None:
+        cfg, mesh, t0 = self.cfg, self.mesh, time.perf_counter()
+        root = cfg.checkpoint.dir
+        consumed = self.acct.consumed(step)
+        data = {**data_state(cfg, step), "consumed_samples": consumed}
+        meta = {"consumed_samples": consumed,
+                "layout": {"tp": mesh.tp.size, "pp": mesh.pp.size, "dp": mesh.dp.size, "ep": mesh.ep.size,
+                           "sp": cfg.parallel.sp},
+                "rng": "derived from (train.seed, step, rank); no state to restore",
+                "data": data, "config": dataclasses.asdict(cfg),
+                "tokenizer": tokenizer_identity(cfg.data),  # a resume checks its data against it
+                "lineage": lineage.lineage_meta(self.run_id, step, *self.parent, root)}
+        if background:
+            self.saver.save(root, step, model, optimizer, meta, cfg.checkpoint.keep_last)
+            if mesh.rank == 0:
+                print(f"checkpoint: step {step} copied to host in {time.perf_counter() - t0:.2f}s, writing", flush=True)
+        else:
+            path = sharded.save(root, step, model, optimizer, mesh, meta, cfg.checkpoint.keep_last)
+            if mesh.rank == 0:
+                print(f"checkpoint: {path} ({time.perf_counter() - t0:.2f}s)", flush=True)
+        self.parent = (sharded.step_dir(root, step), meta["lineage"]["id"])
+        self.last_saved = str(self.parent[0])
+
+    def poll(self) -> None:
+        """Commit a finished background save. Not suspended: it is one scalar vote and a metadata write,
+        and a rank waiting there for a hung peer must still trip at train.hang_timeout_s."""
+        if self.saver is not None:
+            self.saver.poll()
+
+    def finish(self) -> None:
+        if self.saver is not None:
+            with self.watchdog.suspended(self.cfg.checkpoint.save_timeout_s):
+                self.saver.wait()
+
+    def resume_hint(self) -> str:
+        """Which committed checkpoint to resume from (the one `latest` names), for the stop message."""
+        path = lineage.pointed(self.cfg.checkpoint.dir)
+        if path is None:
+            return "no checkpoint has been committed: restart from scratch (e.g. with a lower optim.lr)"
+        return f"the last good checkpoint is {path}: resume with checkpoint.resume={path} (e.g. with a lower optim.lr)"

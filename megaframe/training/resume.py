@@ -1,0 +1,116 @@
+"""Where a run starts: the checkpoint `checkpoint.resume` names, loaded only if its config fits.
+
+resume=auto walks `lineage.candidates` (the `latest` pointer, then its ancestors): a candidate whose
+metadata or file sizes are wrong is skipped on rank 0's cheap check, and one whose load fails on ANY rank
+(a corrupt shard is caught by whoever reads it) is skipped by every rank: the ranks vote after each load
+(one scalar all-reduce), so they always agree on the checkpoint they continue from. An explicit path that
+fails to load is bad input (exit 2, one line).
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors import SafetensorError  # a bad header or truncated file: not an OSError
+
+from megaframe.checkpoint import lineage, sharded
+from megaframe.config import Config, ConfigError
+from megaframe.parallel import comm
+from megaframe.parallel.mesh import Axis, Mesh
+from megaframe.training.resume_checks import check_resume, consumed_samples
+
+LOAD_ERRORS = (OSError, ValueError, KeyError, RuntimeError, SafetensorError)
+
+
+@dataclass
+class Resumed:
+    step: int = 0
+    """The step the loaded checkpoint holds (0: a fresh start)."""
+    path: Path | None = None
+    consumed: int = 0
+    """Samples consumed at that step (the data continues from here)."""
+    meta: dict | None = None
+
+
+def world_axis(mesh: Mesh) -> Axis:
+    """The whole mesh as one axis, so a vote goes through comm like every collective."""
+    return Axis("world", mesh.world, mesh.rank, tuple(range(mesh.world)), mesh.group, mesh.stats)
+
+
+def all_agree(ok: bool, mesh: Mesh) -> bool:
+    """True when `ok` holds on every rank; collective (one scalar MIN over the mesh)."""
+    flag = torch.tensor([1.0 if ok else 0.0], device=mesh.device)
+    comm.all_reduce(flag, world_axis(mesh), op=dist.ReduceOp.MIN)
+    return bool(flag.item())  # the host needs the decision
+
+
+def _warn(mesh: Mesh, msg: str, every_rank: bool = False) -> None:
+    if every_rank or mesh.rank == 0:
+        print(f"megaframe: warning: {msg}", file=sys.stderr, flush=True)
+
+
+def _load(cfg: Config, path: Path, model, optimizer, mesh: Mesh) -> tuple[dict | None, str]:
+    """Check the config against the checkpoint's, then load; (meta, "") or (None, why it failed)."""
+    try:
+        meta = sharded.read_metadata(path)
+    except LOAD_ERRORS as e:
+        return None, _one(e)
+    check_resume(cfg, meta, path, verbose=mesh.rank == 0)  # a refused change is bad input, not a fallback
+    try:
+        sharded.load_into(path, model, optimizer)
+    except LOAD_ERRORS as e:
+        return None, _one(e)
+    return meta, ""
+
+
+def _one(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"
+
+
+def resume(cfg: Config, model, optimizer, mesh: Mesh) -> Resumed:
+    """Load the checkpoint checkpoint.resume names (auto: along the lineage); Resumed() when fresh."""
+    r = cfg.checkpoint.resume
+    if r == "none":
+        return Resumed()
+    if r != "auto":
+        meta, why = _load(cfg, Path(r), model, optimizer, mesh)
+        if not all_agree(meta is not None, mesh):
+            raise ConfigError(f"checkpoint {r} cannot be loaded ({why or 'failed on another rank'})")
+        return _done(mesh, Path(r), meta)
+    # rank 0 decides the order (and the cheap checks), so every rank walks the same list
+    order = None
+    if mesh.rank == 0:
+        order = []
+        for p in lineage.candidates(cfg.checkpoint.dir):
+            why = lineage.cheap_check(p) or _content_check(p)
+            if why:
+                _warn(mesh, f"skipping checkpoint {p}: {why}")
+            else:
+                order.append(str(p))
+    for p in map(Path, comm.broadcast_object(order)):
+        meta, why = _load(cfg, p, model, optimizer, mesh)
+        if why:
+            _warn(mesh, f"skipping checkpoint {p}: cannot be loaded on rank {mesh.rank} ({why})", every_rank=True)
+        if all_agree(meta is not None, mesh):
+            return _done(mesh, p, meta)
+    return Resumed()
+
+
+def _content_check(path: Path) -> str | None:
+    """Whole-file checksums, on rank 0 only. MERGE NOTE (issue 16): once loads verify the slices they read
+    (per-slice checksums), drop this call: the metadata + sizes check above is then all resume needs."""
+    try:
+        sharded.verify(path)
+    except ValueError as e:
+        return str(e).removeprefix(f"{path}: ")
+    return None
+
+
+def _done(mesh: Mesh, path: Path, meta: dict) -> Resumed:
+    if mesh.rank == 0:
+        print(f"resumed from {path} at step {meta['step']}", flush=True)
+    return Resumed(int(meta["step"]), path, consumed_samples(meta), meta)
