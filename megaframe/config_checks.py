@@ -74,6 +74,7 @@ FIELD_RULES: dict[str, Rule] = {
     "optim.lr": POSF, "optim.min_lr": NONNEGF, "optim.warmup_steps": NONNEG, "optim.weight_decay": NONNEGF,
     "optim.clip_grad": NONNEGF, "optim.beta1": UNIT, "optim.beta2": UNIT, "optim.eps": POSF,
     "optim.zero": _r(0, hi=1, le=True), "optim.bucket_size_mb": POSF,
+    "optim.lr_decay_steps": _r(1, opt=True), "optim.wsd_decay_fraction": UNIT,
     # data
     "data.vocab_size": POS, "data.tokenizer_sample_bytes": NONNEG, "data.num_workers": NONNEG,
     "data.valid_fraction": UNIT,
