@@ -135,6 +135,13 @@ class TrainConfig:
     hang_timeout_s: float = 600.0
     """Hang watchdog: a rank making no step progress for this many seconds writes its Python stacks
     and last collectives to stderr and ${run.dir}/hang/rank{R}.txt, then exits with code 124; 0 = off."""
+    dist_timeout_s: float = 600.0
+    """Process-group timeout: a collective waiting longer fails the run (NCCL: its watchdog aborts the
+    communicator and dumps the flight recorder). Checkpoint saves get checkpoint.save_timeout_s."""
+    signal_check_interval: int = 10
+    """Every this many steps (and at the first, log and last steps) the ranks agree, in one host-side
+    all-reduce, whether a stop signal arrived and whether an async checkpoint's writers are done; no
+    collective over the whole job in the other steps. A signal stops the run within this many steps."""
     compile: bool = False
     """torch.compile each transformer block (the first steps pay the compile time; the losses stay equal
     up to float rounding). Works on CPU (inductor's C++ backend) and CUDA."""
@@ -224,6 +231,9 @@ class CheckpointConfig:
     __annotations__["async"] = bool
     locals()["async"] = field(default=False, init=False, repr=False, compare=False)  # kept out of generated code
     """Copy to host, write in a background thread and commit at a later step boundary."""
+    save_timeout_s: float = 1800.0
+    """Timeout of the barriers and metadata gathers of a checkpoint save (a world group of its own): a
+    large synchronous save may outlast train.dist_timeout_s on the ranks that wait for the slowest writer."""
 
     @property
     def async_save(self) -> bool:

@@ -18,6 +18,7 @@ also why one process needs no torch.distributed at all.
 """
 from __future__ import annotations
 
+import datetime
 import itertools
 import time
 from collections import deque
@@ -40,7 +41,28 @@ class CommStats:
     sent: dict[str, int] = field(default_factory=dict)
     recent: deque = field(default_factory=lambda: deque(maxlen=RECENT_COLLECTIVES))
     """dicts: op, group, ranks, shape, dtype, bytes, t (wall clock at entry), done (a blocking call
-    returned, or an async one's Work was waited for), async (launched with async_op)."""
+    returned, or an async one's Work was waited for), async (launched with async_op), event (device
+    collectives: a CUDA event recorded once done, see `returned`)."""
+
+    events: list = field(default_factory=list)
+    """CUDA events, reused round-robin (one per ring-buffer slot), that tell whether a device
+    collective's work has finished on its stream."""
+
+    def returned(self, entry: dict, on_device: bool = False) -> None:
+        """The host call of a collective returned (blocking) or its Work was waited for (async). On
+        CUDA neither means it ran: NCCL only enqueued it on a stream. So for device tensors an event
+        is recorded on the current stream (after the collective, or after the stream's wait on its
+        Work); the watchdog's report queries it (completed vs enqueued). No host sync."""
+        entry["done"] = True
+        if on_device:
+            if len(self.events) < RECENT_COLLECTIVES:
+                self.events.append(torch.cuda.Event())
+            event = self.events[self._next_event % RECENT_COLLECTIVES]
+            self._next_event += 1
+            event.record()
+            entry["event"] = event
+
+    _next_event: int = 0
 
     def add(self, group: str, nbytes: float) -> None:
         self.sent[group] = self.sent.get(group, 0) + int(nbytes)
@@ -107,7 +129,8 @@ class Mesh:
     device: torch.device
     stats: CommStats
     group: Optional[dist.ProcessGroup] = None
-    """All ranks of this mesh (barriers, gathering checkpoint metadata); None for one process."""
+    """All ranks of this mesh (barriers, gathering checkpoint metadata); None for one process. Its
+    timeout is the checkpoint save's (build_mesh's world_timeout)."""
     ep: Optional[Axis] = None
     """Expert-parallel axis: a contiguous block of the dp group (all-to-all of tokens); bytes count as ep."""
     edp: Optional[Axis] = None
@@ -131,8 +154,14 @@ class Mesh:
                 f"device={self.device.type}")
 
 
-def build_mesh(tp: int, pp: int, device: torch.device, ranks: Optional[Sequence[int]] = None, ep: int = 1) -> Mesh:
+def build_mesh(tp: int, pp: int, device: torch.device, ranks: Optional[Sequence[int]] = None, ep: int = 1,
+               timeout: Optional[datetime.timedelta] = None, world_timeout: Optional[datetime.timedelta] = None) -> Mesh:
     """Create every tp/pp/dp (and ep/edp) group over `ranks` (default: all). Collective: every process must call it.
+
+    `timeout` (train.dist_timeout_s) applies to every group: new_group does not inherit
+    init_process_group's, it takes the backend's default (30 min on gloo, 10 on NCCL) unless told.
+    `world_timeout`: mesh.group's, whose barriers and gathers wait for the slowest checkpoint writer
+    (checkpoint.save_timeout_s). None: the backend's default.
 
     Processes outside `ranks` (a worker pool running a smaller job) take part in group creation and get
     back None's stand-in: they must not use the result.
@@ -150,13 +179,13 @@ def build_mesh(tp: int, pp: int, device: torch.device, ranks: Optional[Sequence[
     axes: dict[str, Axis] = {}
     for name, size in (("tp", tp), ("dp", dp), ("pp", pp)):
         for members in _groups_along(grid, name, tp, pp, dp):
-            group = dist.new_group(list(members)) if (size > 1 and initialized) else None
+            group = dist.new_group(list(members), timeout=timeout) if (size > 1 and initialized) else None
             if me in members:
                 axes[name] = Axis(name, size, members.index(me), tuple(members), group, stats)
-    axes["pp_ends"] = _pp_ends_axis(me, stats, initialized and pp > 1, grid, pp, dp, tp)
+    axes["pp_ends"] = _pp_ends_axis(me, stats, initialized and pp > 1, grid, pp, dp, tp, timeout)
     assert dp % ep == 0, f"ep={ep} does not divide dp={dp}"
-    _expert_axes(axes, me, stats, initialized, grid, pp, dp, tp, ep)
-    everyone = dist.new_group(ranks) if (world > 1 and initialized) else None
+    _expert_axes(axes, me, stats, initialized, grid, pp, dp, tp, ep, timeout)
+    everyone = dist.new_group(ranks, timeout=world_timeout) if (world > 1 and initialized) else None
     if me not in ranks:
         return None  # type: ignore[return-value]
     return Mesh(tp=axes["tp"], pp=axes["pp"], dp=axes["dp"], pp_ends=axes["pp_ends"], rank=ranks.index(me),
@@ -170,7 +199,7 @@ def expert_groups(dp_members: Sequence[int], ep: int) -> tuple[list[list[int]], 
             [dp_members[e::ep] for e in range(ep)])
 
 
-def _expert_axes(axes: dict, me, stats, initialized: bool, grid, pp, dp, tp, ep) -> None:
+def _expert_axes(axes: dict, me, stats, initialized: bool, grid, pp, dp, tp, ep, timeout=None) -> None:
     """ep groups: dp ranks [j*ep, (j+1)*ep) of each dp group; edp groups: dp ranks congruent mod ep.
     Reuses the dp group where an axis spans all of dp (ep = dp: ep; ep = 1: edp)."""
     if ep == 1:
@@ -183,18 +212,18 @@ def _expert_axes(axes: dict, me, stats, initialized: bool, grid, pp, dp, tp, ep)
                 if size == dp and me in members:
                     group = axes["dp"].group  # this axis is the whole dp group
                 else:
-                    group = dist.new_group(members) if (size > 1 and initialized and size != dp) else None
+                    group = dist.new_group(members, timeout=timeout) if (size > 1 and initialized and size != dp) else None
                 if me in members:
                     axes["ep" if name == "ep" else "edp"] = Axis(name, size, members.index(me), tuple(members),
                                                                   group, stats)
 
 
-def _pp_ends_axis(me, stats, make_groups: bool, grid, pp, dp, tp) -> Axis | None:
+def _pp_ends_axis(me, stats, make_groups: bool, grid, pp, dp, tp, timeout=None) -> Axis | None:
     """The group {first, last} pipeline rank for every (dp, tp); its bytes count as pp traffic."""
     mine = None
     for d, t in itertools.product(range(dp), range(tp)):
         members = (grid[(0, d, t)], grid[(pp - 1, d, t)])
-        group = dist.new_group(list(members)) if make_groups else None
+        group = dist.new_group(list(members), timeout=timeout) if make_groups else None
         if me in members and pp > 1:
             mine = Axis("pp", 2, members.index(me), members, group, stats)
     if mine is None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import math
 import sys
 import time
@@ -21,7 +22,7 @@ from megaframe.parallel import comm
 from megaframe.parallel.mesh import Mesh, build_mesh
 from megaframe.pipeline import p2p
 from megaframe.tracking import Tracker
-from megaframe.training.distributed import env_ranks, init_distributed, pick_device, shutdown
+from megaframe.training.distributed import env_ranks, init_distributed, nccl_env, pick_device, shutdown
 from megaframe.training.evaluate import Evaluator
 from megaframe.training.faults import Injector
 from megaframe.training.metrics import flops_per_token, memory_figures, peak_flops, throughput_figures
@@ -35,13 +36,18 @@ def run(cfg: Config, stop: StopFlag | None = None) -> None:
     """Train under the ranks of the environment; `stop` is the caller's flag if it installed one early."""
     env = env_ranks()
     device = pick_device(cfg.train.device, env.local_rank)
-    init_distributed(env, device)
+    init_distributed(env, device, cfg.train.dist_timeout_s, cfg.run.dir)
     try:
-        mesh = build_mesh(cfg.parallel.tp, cfg.parallel.pp, device, ep=cfg.parallel.ep)
+        mesh = build_mesh(cfg.parallel.tp, cfg.parallel.pp, device, ep=cfg.parallel.ep,
+                          timeout=datetime.timedelta(seconds=cfg.train.dist_timeout_s),
+                          world_timeout=datetime.timedelta(seconds=cfg.checkpoint.save_timeout_s))
         p2p.warm_up(mesh.pp, device)
         # ranks may have resolved a timestamped run name a second apart: rank 0's wins
         cfg.run.name, cfg.run.dir, cfg.checkpoint.dir = comm.broadcast_object(
             (cfg.run.name, cfg.run.dir, cfg.checkpoint.dir))
+        if device.type == "cuda" and env.world_size > 1:
+            nccl_env(cfg.run.dir)  # the agreed run folder for the flight recorder's dumps
+            (Path(cfg.run.dir) / "nccl_trace").mkdir(parents=True, exist_ok=True)
         train(cfg, mesh, stop or StopFlag())
     finally:
         shutdown()
@@ -89,9 +95,11 @@ def train(cfg: Config, mesh: Mesh, stop: StopFlag) -> None:
             if step % t.log_interval == 0 or step == t.max_steps or val is not None:
                 row = {**meter.metrics(step, res, model, optimizer), **probe.gather(mesh)}
                 tracker.log(row if val is None else {**row, "val_loss": val}, start)
-            stopping = stop.agreed(mesh)
-            if saver:
-                saver.poll()
+            stopping = False
+            if checks_at(step, start, t):  # the same steps on every rank: they stop together
+                stopping, writing = stop.decide(mesh, busy=saver is not None and saver.writing())
+                if saver:
+                    saver.poll(all_written=not writing)
             interval = cfg.checkpoint.interval
             last = step == t.max_steps or stopping
             if (interval and step % interval == 0) or last:
@@ -109,6 +117,13 @@ def train(cfg: Config, mesh: Mesh, stop: StopFlag) -> None:
         loader.close()
         stop.restore()
         tracker.finish()
+
+
+def checks_at(step: int, start: int, t) -> bool:
+    """Steps at which the ranks agree on stop signals and async-save completion (one host-side
+    all-reduce over every rank): the first step, every train.signal_check_interval, log and last steps."""
+    return (step == start + 1 or step % t.signal_check_interval == 0 or step % t.log_interval == 0
+            or step == t.max_steps)
 
 
 def injector(rank: int) -> Injector | None:
