@@ -14,7 +14,7 @@ from megaframe.checkpoint import sharded
 from megaframe.checkpoint.async_save import AsyncSaver
 from megaframe.config import Config, ConfigError
 from megaframe.data.dataset import Prefetcher, build_data, data_state, microbatches
-from megaframe.layers.shard import param_seed
+from megaframe.layers.rng import seed_step
 from megaframe.model.gpt import build_model
 from megaframe.model.moe import stats as moe_stats
 from megaframe.optim.build import build_optimizer, cast_model
@@ -81,8 +81,7 @@ def train(cfg: Config, mesh: Mesh, stop: StopFlag) -> None:
         for step in range(start + 1, t.max_steps + 1):
             watchdog.beat(step)
             mesh.stats.pop()  # count only this step's bytes
-            # dropout RNG is a function of (seed, step, rank): resume needs no RNG state
-            torch.manual_seed(param_seed(t.seed, f"dropout/step{step}/rank{mesh.rank}"))
+            seed_step(t.seed, step, mesh)  # dropout RNG: equal on tp ranks, a function of the step (layers.rng)
             batches = loader.get(step)  # read while the previous step computed
             res = train_step(model, optimizer, batches, mesh, cfg, step, probe)
             meter.steps += 1
@@ -208,7 +207,7 @@ def save(cfg: Config, model, optimizer, mesh: Mesh, step: int, saver: AsyncSaver
     meta = {"consumed_samples": step * cfg.train.global_batch_size,
             "layout": {"tp": mesh.tp.size, "pp": mesh.pp.size, "dp": mesh.dp.size, "ep": mesh.ep.size,
                        "sp": cfg.parallel.sp},
-            "rng": "derived from (train.seed, step, rank); no state to restore",
+            "rng": "derived from (train.seed, step, pp and dp rank); no state to restore",
             "data": data_state(cfg, step),
             "config": dataclasses.asdict(cfg)}
     if saver is not None:
