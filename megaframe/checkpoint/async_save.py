@@ -4,8 +4,8 @@ At save time each rank copies the slices it owns to host memory (the only pause 
 gathers the metadata entries; a thread then writes and fsyncs its shard and a small sidecar with the
 file's size and checksum. At the trainer's check steps the ranks agree whether every writer is done
 (a flag riding on the stop-signal all-reduce on the host: no collective or device sync of its own);
-then rank 0 writes metadata.json and commits by rename, exactly as a synchronous save does. Host memory is bounded: at most one checkpoint is in
-flight, and a new save first finishes the previous one.
+then rank 0 writes metadata.json and commits by rename, exactly as a synchronous save does. Host
+memory is bounded: at most one checkpoint is in flight, and a new save first finishes the previous one.
 """
 from __future__ import annotations
 

@@ -34,11 +34,13 @@ class _GatheredLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_SBO):
         x_SBI, weight = ctx.saved_tensors
-        full_SBI = comm.all_gather_dim0(x_SBI, ctx.axis)  # the re-gather the saving costs
         g_SBO = g_SBO.contiguous()
-        gx_SBI = comm.reduce_scatter_dim0(g_SBO @ weight, ctx.axis)
-        gw_OI = g_SBO.flatten(0, -2).t() @ full_SBI.flatten(0, -2)
-        gb_O = g_SBO.flatten(0, -2).sum(0) if ctx.has_bias else None
+        gx_SBI = comm.reduce_scatter_dim0(g_SBO @ weight, ctx.axis) if ctx.needs_input_grad[0] else None
+        gw_OI = None
+        if ctx.needs_input_grad[1]:
+            full_SBI = comm.all_gather_dim0(x_SBI, ctx.axis)  # the re-gather the saving costs
+            gw_OI = g_SBO.flatten(0, -2).t() @ full_SBI.flatten(0, -2)
+        gb_O = g_SBO.flatten(0, -2).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return gx_SBI, gw_OI, gb_O, None
 
 

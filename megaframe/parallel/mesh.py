@@ -155,7 +155,8 @@ class Mesh:
 
 
 def build_mesh(tp: int, pp: int, device: torch.device, ranks: Optional[Sequence[int]] = None, ep: int = 1,
-               timeout: Optional[datetime.timedelta] = None, world_timeout: Optional[datetime.timedelta] = None) -> Mesh:
+               timeout: Optional[datetime.timedelta] = None,
+               world_timeout: Optional[datetime.timedelta] = None) -> Mesh:
     """Create every tp/pp/dp (and ep/edp) group over `ranks` (default: all). Collective: every process must call it.
 
     `timeout` (train.dist_timeout_s) applies to every group: new_group does not inherit
@@ -212,7 +213,8 @@ def _expert_axes(axes: dict, me, stats, initialized: bool, grid, pp, dp, tp, ep,
                 if size == dp and me in members:
                     group = axes["dp"].group  # this axis is the whole dp group
                 else:
-                    group = dist.new_group(members, timeout=timeout) if (size > 1 and initialized and size != dp) else None
+                    make = size > 1 and initialized and size != dp
+                    group = dist.new_group(members, timeout=timeout) if make else None
                 if me in members:
                     axes["ep" if name == "ep" else "edp"] = Axis(name, size, members.index(me), tuple(members),
                                                                   group, stats)

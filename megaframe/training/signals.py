@@ -4,8 +4,9 @@ The handler only sets a flag (it runs between bytecodes, so it must not touch co
 steps (every train.signal_check_interval steps, and the first, log and last steps: the same steps on
 every rank) the ranks take the max of their flags in one small host-side all-reduce; once it is set,
 all of them save a checkpoint and leave the loop together. Between check steps no collective over the
-whole job runs: at hundreds of ranks that gloo round costs milliseconds and is a host barrier. Slurm's `--signal`, torchrun (which forwards
-SIGTERM, and SIGUSR1 with --signals-to-handle) and `kill` all reach it.
+whole job runs: at hundreds of ranks that gloo round costs milliseconds and is a host barrier.
+Slurm's `--signal`, torchrun (which forwards SIGTERM, and SIGUSR1 with --signals-to-handle) and
+`kill` all reach it.
 """
 from __future__ import annotations
 

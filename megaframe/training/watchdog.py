@@ -7,9 +7,9 @@ blocked inside a collective never returns to Python, so raising or sys.exit coul
 The report holds the step, the seconds since the last heartbeat, the last collectives the rank
 entered (op, group and its global ranks, shape, dtype, bytes, how long ago, whether a blocking call
 returned or an async one was waited for, and on CUDA whether the GPU completed it or it is only
-enqueued; from the CommStats ring buffer that megaframe.parallel.comm fills) and the Python stack of every thread. The newest collective that has not completed is
-usually where the rank waits; the rank that never entered it, or is still in compute, is the one
-to look at.
+enqueued; from the CommStats ring buffer that megaframe.parallel.comm fills) and the Python stack
+of every thread. The newest collective that has not completed is usually where the rank waits; the
+rank that never entered it, or is still in compute, is the one to look at.
 
 Every rank trips on its own (they all stop making progress), so no collective is needed and a dead
 peer cannot block the report. After its report a rank waits a grace period (timeout/10, between 2

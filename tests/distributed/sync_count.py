@@ -50,7 +50,7 @@ class _Dispatch(TorchDispatchMode):
         kwargs = kwargs or {}
         if func in READS or func in DATA_DEPENDENT:
             self.note(str(func.overloadpacket.__name__))
-        elif func is aten.repeat_interleave.Tensor and kwargs.get("output_size", args[1] if len(args) > 1 else None) is None:
+        elif func is aten.repeat_interleave.Tensor and kwargs.get("output_size") is None:
             self.note("repeat_interleave without output_size")
         elif func is aten.index.Tensor and any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in args[1]):
             self.note("boolean-mask index")
