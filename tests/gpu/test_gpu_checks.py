@@ -96,6 +96,8 @@ def test_flash_attention_runs_the_models_attention():
     assert cfg.model.head_dim == 128
     m = cfg.model
     attn = Attention(m, single_process_mesh("cuda").tp, sp=False, device="cuda").to(torch.bfloat16)
+    for p in attn.parameters():  # sharded_param leaves them uninitialised
+        torch.nn.init.normal_(p, std=0.02)
     rope = rope_tables(m.seq_length, m.head_dim, m.rope_theta, "cuda")
     x_SBD = torch.randn(m.seq_length, 1, m.hidden_size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):  # raises "No available kernel" if flash cannot take it
@@ -114,7 +116,7 @@ def test_fused_cross_entropy_bf16_matches_fp32():
     t = torch.randint(0, v, (n, 1), device="cuda", generator=g)
     out = {}
     for dtype in (torch.bfloat16, torch.float32):
-        x_, w_ = x.to(dtype).requires_grad_(True), w.to(dtype).requires_grad_(True)
+        x_, w_ = x.detach().to(dtype).clone().requires_grad_(True), w.detach().to(dtype).clone().requires_grad_(True)
         loss = linear_cross_entropy(x_, w_, t).sum()
         loss.backward()
         out[dtype] = (loss.float(), x_.grad.float(), w_.grad.float())
