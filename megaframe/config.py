@@ -138,6 +138,13 @@ class TrainConfig:
     hang_timeout_s: float = 600.0
     """Hang watchdog: a rank making no step progress for this many seconds writes its Python stacks
     and last collectives to stderr and ${run.dir}/hang/rank{R}.txt, then exits with code 124; 0 = off."""
+    dist_timeout_s: float = 600.0
+    """Process-group timeout: a collective waiting longer fails the run (NCCL: its watchdog aborts the
+    communicator and dumps the flight recorder). Checkpoint saves get checkpoint.save_timeout_s."""
+    signal_check_interval: int = 10
+    """Every this many steps (and at the first, log and last steps) the ranks agree, in one host-side
+    all-reduce, whether a stop signal arrived and whether an async checkpoint's writers are done; no
+    collective over the whole job in the other steps. A signal stops the run within this many steps."""
     compile: bool = False
     """torch.compile each transformer block (the first steps pay the compile time; the losses stay equal
     up to float rounding). Works on CPU (inductor's C++ backend) and CUDA."""
@@ -270,15 +277,17 @@ class CheckpointConfig:
     __annotations__["async"] = bool
     locals()["async"] = field(default=False, init=False, repr=False, compare=False)  # kept out of generated code
     """Copy to host, write in a background thread and commit at a later step boundary."""
+    save_timeout_s: float = 1800.0
+    """The allowance of a checkpoint save or load, used twice: the hang watchdog's limit while one runs
+    (train.hang_timeout_s covers steps only: a save is slow, not hung), and the timeout of the world group
+    whose barriers and metadata gathers wait for the slowest writer (a large synchronous save may
+    outlast train.dist_timeout_s). Must be > 0."""
 
     # --- safety (issue 20): resume checks and the save watchdog ---
     allow_config_change: list[str] = field(default_factory=list)
     """Fields a resume may change from the checkpoint's config, e.g. [train.global_batch_size] (the data
     then continues from the saved consumed samples), [train.seed], [model.dropout] or [model] (all of
     model.*). Anything else that differs is refused (exit 2): it would skip or repeat data or change the model."""
-    save_timeout_s: float = 3600.0
-    """The hang watchdog's limit while a checkpoint is saved or loaded (train.hang_timeout_s covers steps
-    only: a save is slow, not hung); 0 = no limit during saves and loads."""
     # --- end safety ---
 
     @property

@@ -79,7 +79,7 @@ FIELD_RULES: dict[str, Rule] = {
     "data.vocab_size": POS, "data.tokenizer_sample_bytes": NONNEG, "data.num_workers": NONNEG,
     "data.valid_fraction": UNIT,
     # checkpoint
-    "checkpoint.interval": NONNEG, "checkpoint.keep_last": NONNEG, "checkpoint.save_timeout_s": NONNEGF,
+    "checkpoint.interval": NONNEG, "checkpoint.keep_last": NONNEG, "checkpoint.save_timeout_s": POSF,
 }
 """Every int/float field of the schema must appear here (tests/unit/test_config_fields.py checks it):
 a new numeric field gets its rule in the same change."""
@@ -139,6 +139,9 @@ def check_config(cfg: Config, world_size: int, check_data: bool = True) -> None:
     _req(t.max_steps >= 1, f"train.max_steps={t.max_steps} must be >= 1")
     _req(t.log_interval >= 1, f"train.log_interval={t.log_interval} must be >= 1")
     _req(t.hang_timeout_s >= 0, f"train.hang_timeout_s={t.hang_timeout_s} must be >= 0 (0 = no watchdog)")
+    _req(t.dist_timeout_s > 0, f"train.dist_timeout_s={t.dist_timeout_s} must be > 0")
+    _req(cfg.checkpoint.save_timeout_s > 0, f"checkpoint.save_timeout_s={cfg.checkpoint.save_timeout_s} must be > 0")
+    _req(t.signal_check_interval >= 1, f"train.signal_check_interval={t.signal_check_interval} must be >= 1")
     _req(t.device in ("auto", "cpu", "cuda"), f"train.device={t.device!r} must be auto, cpu or cuda")
     _req(cfg.optim.lr > 0 and cfg.optim.min_lr >= 0, "optim.lr must be > 0 and optim.min_lr >= 0")
     _req(cfg.optim.warmup_steps >= 0, f"optim.warmup_steps={cfg.optim.warmup_steps} must be >= 0")
@@ -182,6 +185,10 @@ def _check_moe(m: ModelConfig, p: ParallelConfig, dp: int) -> None:
     if m.num_experts == 0:
         return
     _req(m.num_experts % p.ep == 0, f"parallel.ep={p.ep} does not divide model.num_experts={m.num_experts}")
+    # experts are split over ep only: without sp every tp rank would route the same tokens through the
+    # same experts, tp-fold redundant expert FLOPs
+    _req(p.tp == 1 or p.sp, f"model.num_experts={m.num_experts} with parallel.tp={p.tp} needs parallel.sp=true "
+                            "(experts are not split over tp: every tp rank would compute the same experts)")
     _req(1 <= m.moe_top_k <= m.num_experts,
          f"model.moe_top_k={m.moe_top_k} must be in [1, model.num_experts={m.num_experts}]")
     _req(m.activation == "swiglu", f"model.activation={m.activation!r}: MoE experts are SwiGLU only")

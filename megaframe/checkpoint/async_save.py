@@ -2,10 +2,10 @@
 
 At save time each rank copies the slices it owns to host memory (the only pause training sees) and
 gathers the metadata entries; a thread then writes and fsyncs its shard and a small sidecar with the
-file's size and checksum. At each later step boundary the ranks agree (one scalar all-reduce, only
-while a save is pending) whether every writer is done; then rank 0 writes metadata.json and commits
-by rename, exactly as a synchronous save does. Host memory is bounded: at most one checkpoint is in
-flight, and a new save first finishes the previous one.
+file's size and checksum. At the trainer's check steps the ranks agree whether every writer is done
+(a flag riding on the stop-signal all-reduce on the host: no collective or device sync of its own);
+then rank 0 writes metadata.json and commits by rename, exactly as a synchronous save does. Host
+memory is bounded: at most one checkpoint is in flight, and a new save first finishes the previous one.
 """
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from megaframe.checkpoint import sharded
@@ -59,14 +58,14 @@ class AsyncSaver:
         except BaseException as e:  # surfaced on the main thread at commit
             self.error = e
 
-    def poll(self) -> None:
-        """Commit the pending checkpoint if every rank has finished writing; collective while pending."""
-        if self.pending is None:
-            return
-        done = torch.tensor([0.0 if self.pending.thread.is_alive() else 1.0], device=self.mesh.device)
-        if self.mesh.group is not None:
-            dist.all_reduce(done, op=dist.ReduceOp.MIN, group=self.mesh.group)
-        if done.item() == 1.0:
+    def writing(self) -> bool:
+        """Whether this rank's writer thread is still running (host state; no collective)."""
+        return self.pending is not None and self.pending.thread.is_alive()
+
+    def poll(self, all_written: bool) -> None:
+        """Commit the pending checkpoint if `all_written`: the ranks' agreement that none is `writing()`
+        (every rank must pass the same value; rank 0 then reads every rank's sidecar)."""
+        if self.pending is not None and all_written:
             self._commit()
 
     def wait(self) -> None:

@@ -5,7 +5,8 @@ Forward, per chunk of C tokens: logits_CV = x_CD @ W^T, log-softmax, the token l
 their gradient (softmax - onehot): grad_x_CD = g_CV @ W and grad_W += g_CV^T @ x_CD. Only grad_x_ND
 and grad_W_VD (parameter-sized) outlive the chunk, so the V-wide buffers stay cache-sized (CPU) or a
 bounded slice of memory (GPU: a 128k vocab at 8k tokens would be 4 GiB of fp32 logits, twice).
-Same FLOPs as head + cross-entropy, no recompute. Backward only scales the saved grads by the loss's
+Same FLOPs as head + cross-entropy, no recompute. The head-weight grad sums over the chunks in fp32
+(under bf16 a bf16 sum would round once per chunk). Backward only scales the saved grads by the loss's
 upstream grad: exact when that is one value for every token (the trainer's loss is a plain sum, whose
 grad arrives as an expanded scalar), otherwise it recomputes chunk by chunk with the per-token weights.
 """
@@ -29,6 +30,22 @@ def _chunk_grads(x_CD, w_VD, target_C, g_C=None):
     return loss_C, nll_grad_(logp_CV, target_C, g_C).to(w_VD.dtype)
 
 
+def _accumulate(acc_VD: torch.Tensor, grad_CV: torch.Tensor, x_CD: torch.Tensor, first: bool) -> None:
+    """acc_VD (fp32) = or += grad_CV^T @ x_CD, in place: no V x D temporary per chunk."""
+    if acc_VD.dtype == grad_CV.dtype:  # an fp32 run
+        if first:
+            torch.mm(grad_CV.t(), x_CD, out=acc_VD)
+        else:
+            acc_VD.addmm_(grad_CV.t(), x_CD)
+    elif acc_VD.is_cuda:  # bf16 operands, the GEMM's own fp32 accumulator written out as fp32 (cuBLAS)
+        if first:
+            torch.mm(grad_CV.t(), x_CD, torch.float32, out=acc_VD)
+        else:
+            torch.addmm(acc_VD, grad_CV.t(), x_CD, torch.float32, out=acc_VD)
+    else:  # CPU has no mixed-dtype GEMM: upcast the chunk's operands (bf16 on CPU is for tests)
+        _accumulate(acc_VD, grad_CV.float(), x_CD.float(), first)
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_ND, w_VD, target_N):
@@ -36,7 +53,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         loss_N = torch.empty(n, dtype=torch.float32, device=x_ND.device)
         grads = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         gx_ND = torch.empty_like(x_ND) if grads else None
-        gw_VD = torch.empty_like(w_VD) if grads else None  # the first chunk writes it: no zero fill
+        # the head grad sums over every chunk: accumulate it in fp32 (a bf16 sum would round once per
+        # chunk), cast once at the end; the first chunk writes it: no zero fill
+        gw_VD = torch.empty_like(w_VD, dtype=torch.float32) if grads else None
         for lo in range(0, n, c):
             x_CD, t_C = x_ND[lo:lo + c], target_N[lo:lo + c]
             if not grads:
@@ -44,10 +63,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 continue
             loss_N[lo:lo + c], grad_CV = _chunk_grads(x_CD, w_VD, t_C)
             torch.mm(grad_CV, w_VD, out=gx_ND[lo:lo + c])
-            if lo == 0:
-                torch.mm(grad_CV.t(), x_CD, out=gw_VD)
-            else:
-                gw_VD.addmm_(grad_CV.t(), x_CD)  # accumulate in place: no V x D temporary per chunk
+            _accumulate(gw_VD, grad_CV, x_CD, first=lo == 0)
+        if grads:
+            gw_VD = gw_VD.to(w_VD.dtype)
         ctx.save_for_backward(x_ND, w_VD, target_N, gx_ND, gw_VD)
         return loss_N
 
@@ -58,12 +76,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
             scale = g_N.reshape(-1)[0]
             return gx_ND.mul_(scale), gw_VD.mul_(scale), None
         c = _chunk_tokens(x_ND.shape[0], w_VD.shape[0], x_ND.device)  # per-token weights: recompute
-        gw_VD.zero_()
+        acc_VD = torch.empty_like(w_VD, dtype=torch.float32)
         for lo in range(0, x_ND.shape[0], c):
             _, grad_CV = _chunk_grads(x_ND[lo:lo + c], w_VD, target_N[lo:lo + c], g_N[lo:lo + c].float())
             torch.mm(grad_CV, w_VD, out=gx_ND[lo:lo + c])
-            gw_VD.addmm_(grad_CV.t(), x_ND[lo:lo + c])  # (rare path: per-token weights)
-        return gx_ND, gw_VD, None
+            _accumulate(acc_VD, grad_CV, x_ND[lo:lo + c], first=lo == 0)  # (rare path: per-token weights)
+        return gx_ND, acc_VD.to(w_VD.dtype), None
 
 
 def linear_cross_entropy(x_SBD: torch.Tensor, weight_VD: torch.Tensor, target_SB: torch.Tensor) -> torch.Tensor:

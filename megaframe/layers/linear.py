@@ -17,8 +17,40 @@ from megaframe.parallel import comm
 from megaframe.parallel.mesh import Axis
 
 
+class _GatheredLinear(torch.autograd.Function):
+    """y = all_gather_seq(x) @ W^T + b under sp, saving only x's local sequence block for backward.
+
+    Autograd through a separate gather and F.linear would keep the gathered [S, B, I] input (tp times
+    the local block) until backward; Megatron instead saves the local [S/tp, B, I] block and
+    all-gathers it again in backward for the weight grad: one more all-gather per layer, tp-fold
+    less memory for this input."""
+
+    @staticmethod
+    def forward(ctx, x_SBI, weight, bias, axis):
+        ctx.axis, ctx.has_bias = axis, bias is not None
+        ctx.save_for_backward(x_SBI, weight)
+        return F.linear(comm.all_gather_dim0(x_SBI, axis), weight, bias)
+
+    @staticmethod
+    def backward(ctx, g_SBO):
+        x_SBI, weight = ctx.saved_tensors
+        g_SBO = g_SBO.contiguous()
+        gx_SBI = comm.reduce_scatter_dim0(g_SBO @ weight, ctx.axis) if ctx.needs_input_grad[0] else None
+        gw_OI = None
+        if ctx.needs_input_grad[1]:
+            full_SBI = comm.all_gather_dim0(x_SBI, ctx.axis)  # the re-gather the saving costs
+            gw_OI = g_SBO.flatten(0, -2).t() @ full_SBI.flatten(0, -2)
+        gb_O = g_SBO.flatten(0, -2).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return gx_SBI, gw_OI, gb_O, None
+
+
+# eager inside a torch.compile'd block, like the collectives in comm (see comm._eager)
+_gathered_linear = torch.compiler.disable(_GatheredLinear.apply)
+
+
 class ColumnParallelLinear(nn.Module):
-    """y_SBO/tp = x_SBI @ W[O/tp, I]^T; input copied to tp (or all-gathered over seq under sp)."""
+    """y_SBO/tp = x_SBI @ W[O/tp, I]^T; input copied to tp (or all-gathered over seq under sp, saving
+    only the local block for backward: _GatheredLinear)."""
 
     def __init__(self, in_features: int, out_parts: Sequence[int], tp: Axis, sp: bool, bias: bool,
                  device=None):
@@ -29,8 +61,9 @@ class ColumnParallelLinear(nn.Module):
         self.bias = sharded_param(Shard((out,), 0, tuple(out_parts), tp.rank, tp.size), device) if bias else None
 
     def forward(self, x_SBI: torch.Tensor) -> torch.Tensor:
-        x_SBI = comm.gather_from_sp(x_SBI, self.tp) if self.sp else comm.copy_to_tp(x_SBI, self.tp)
-        return F.linear(x_SBI, self.weight, self.bias)
+        if self.sp and self.tp.size > 1:
+            return _gathered_linear(x_SBI, self.weight, self.bias, self.tp)
+        return F.linear(comm.copy_to_tp(x_SBI, self.tp), self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):

@@ -14,6 +14,7 @@ from torch.utils.checkpoint import checkpoint
 
 from megaframe.config import ModelConfig
 from megaframe.layers.linear import ColumnParallelLinear, RowParallelLinear
+from megaframe.layers.rng import tp_distinct
 from megaframe.parallel.mesh import Axis
 
 
@@ -38,7 +39,7 @@ class Attention(nn.Module):
         self.recompute_core = recompute_core
         e = cfg.head_dim
         self.heads, self.groups, self.head_dim = cfg.num_attention_heads // tp.size, cfg.kv_heads // tp.size, e
-        self.dropout = cfg.dropout
+        self.dropout, self.tp = cfg.dropout, tp
         self.qkv = ColumnParallelLinear(cfg.hidden_size, [cfg.num_attention_heads * e, cfg.kv_heads * e,
                                                           cfg.kv_heads * e], tp, sp, cfg.bias, device)
         self.out_proj = RowParallelLinear(cfg.num_attention_heads * e, cfg.hidden_size, tp, sp, cfg.bias, device)
@@ -65,7 +66,14 @@ class Attention(nn.Module):
         return self.out_proj(o_SBX)
 
     def _core(self, q_BHSE: torch.Tensor, k_BKSE: torch.Tensor, v_BKSE: torch.Tensor) -> torch.Tensor:
-        """Causal SDPA: is_causal and no mask tensor, so flash / memory-efficient kernels apply."""
+        """Causal SDPA: is_causal and no mask tensor, so flash / memory-efficient kernels apply. The
+        heads are split over tp: attention dropout draws per tp rank (layers.rng)."""
+        if self.training and self.dropout > 0 and self.tp.size > 1:
+            with tp_distinct(self.tp, q_BHSE.device):
+                return self._sdpa(q_BHSE, k_BKSE, v_BKSE)
+        return self._sdpa(q_BHSE, k_BKSE, v_BKSE)
+
+    def _sdpa(self, q_BHSE: torch.Tensor, k_BKSE: torch.Tensor, v_BKSE: torch.Tensor) -> torch.Tensor:
         return F.scaled_dot_product_attention(q_BHSE, k_BKSE, v_BKSE, is_causal=True,
                                               dropout_p=self.dropout if self.training else 0.0,
                                               enable_gqa=q_BHSE.shape[1] != k_BKSE.shape[1])

@@ -17,6 +17,7 @@ from torch.utils.checkpoint import checkpoint
 from megaframe.config import ModelConfig
 from megaframe.layers.fused_ce import linear_cross_entropy
 from megaframe.layers.linear import ColumnParallelLinear, RowParallelLinear
+from megaframe.layers.rng import tp_distinct
 from megaframe.layers.norm import Norm
 from megaframe.layers.shard import Shard, init_model, sharded_param
 from megaframe.layers.vocab import VocabParallelEmbedding, parallel_logits, vocab_parallel_cross_entropy
@@ -61,8 +62,18 @@ class Block(nn.Module):
         else:
             self.mlp = MLP(cfg, mesh, sp, device)
         self.dropout = nn.Dropout(cfg.dropout)
+        self.tp, self.sp = mesh.tp, sp
 
     def forward(self, x_SBD: torch.Tensor, rope) -> torch.Tensor:
+        # under sp each tp rank's residual stream is its own sequence block: distinct masks; without sp
+        # it is a replica, whose masks must agree (layers.rng). No context at all without dropout, so
+        # a compiled block traces nothing extra.
+        if self.sp and self.tp.size > 1 and self.training and self.dropout.p > 0:
+            with tp_distinct(self.tp, x_SBD.device):
+                return self._forward(x_SBD, rope)
+        return self._forward(x_SBD, rope)
+
+    def _forward(self, x_SBD: torch.Tensor, rope) -> torch.Tensor:
         x_SBD = x_SBD + self.dropout(self.attn(self.attn_norm(x_SBD), rope))
         return x_SBD + self.dropout(self.mlp(self.mlp_norm(x_SBD)))
 
@@ -114,6 +125,9 @@ class GPT(nn.Module):
             s = x_SBD.shape[0]
             start = self.mesh.tp.rank * s if self.sp else 0
             x_SBD = x_SBD + self.pos_embed[start:start + s].unsqueeze(1)
+        if self.sp and self.mesh.tp.size > 1 and self.training and self.drop.p > 0:
+            with tp_distinct(self.mesh.tp, x_SBD.device):  # each tp rank's own sequence block
+                return self.drop(x_SBD)
         return self.drop(x_SBD)
 
     def head_output(self, x_SBD: torch.Tensor, labels_BS: torch.Tensor | None) -> torch.Tensor:

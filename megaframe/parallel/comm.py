@@ -38,25 +38,26 @@ def _enter(axis: Axis, op: str, x: torch.Tensor, sent: float) -> dict | None:
 class _TrackedWork:
     """An async collective's Work that marks its ring-buffer entry done once waited for."""
 
-    def __init__(self, work, entry: dict):
-        self.work, self.entry = work, entry
+    def __init__(self, work, entry: dict, axis: Axis, on_device: bool):
+        self.work, self.entry, self.axis, self.on_device = work, entry, axis, on_device
 
     def wait(self, *args, **kwargs):
         out = self.work.wait(*args, **kwargs)
-        self.entry["done"] = True
+        self.axis.stats.returned(self.entry, self.on_device)
         return out
 
     def __getattr__(self, name):
         return getattr(self.work, name)
 
 
-def _done(entry: dict, work=None):
-    """Mark a blocking collective as returned; an async one as launched, done when its Work is waited for."""
+def _done(axis: Axis, entry: dict, x: torch.Tensor, work=None):
+    """Mark a blocking collective as returned; an async one as launched, done when its Work is waited
+    for. On CUDA "returned" is only "enqueued": CommStats.returned records an event the watchdog checks."""
     if work is None:
-        entry["done"] = True
+        axis.stats.returned(entry, x.is_cuda)
         return None
     entry["async"] = True
-    return _TrackedWork(work, entry)
+    return _TrackedWork(work, entry, axis, x.is_cuda)
 
 
 def all_reduce(x: torch.Tensor, axis: Axis, op=dist.ReduceOp.SUM) -> torch.Tensor:
@@ -65,7 +66,7 @@ def all_reduce(x: torch.Tensor, axis: Axis, op=dist.ReduceOp.SUM) -> torch.Tenso
         return x
     entry = _enter(axis, "all_reduce", x, 2 * (axis.size - 1) / axis.size * _nbytes(x))
     if entry is not None:
-        _done(entry, dist.all_reduce(x, op=op, group=axis.group))
+        _done(axis, entry, x, dist.all_reduce(x, op=op, group=axis.group))
     return x
 
 
@@ -77,7 +78,7 @@ def all_gather_dim0(x: torch.Tensor, axis: Axis) -> torch.Tensor:
     out = torch.empty((axis.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
     entry = _enter(axis, "all_gather", x, (axis.size - 1) * _nbytes(x))
     if entry is not None:
-        _done(entry, _all_gather_flat(out, x, group=axis.group))
+        _done(axis, entry, x, _all_gather_flat(out, x, group=axis.group))
     return out
 
 
@@ -90,7 +91,7 @@ def reduce_scatter_dim0(x: torch.Tensor, axis: Axis) -> torch.Tensor:
     out = torch.empty((x.shape[0] // axis.size, *x.shape[1:]), dtype=x.dtype, device=x.device)
     entry = _enter(axis, "reduce_scatter", x, (axis.size - 1) / axis.size * _nbytes(x))
     if entry is not None:
-        _done(entry, _reduce_scatter_flat(out, x, group=axis.group))
+        _done(axis, entry, x, _reduce_scatter_flat(out, x, group=axis.group))
     return out
 
 
@@ -108,7 +109,7 @@ def reduce_scatter_flat(out: torch.Tensor, x: torch.Tensor, axis: Axis, async_op
     entry = _enter(axis, "reduce_scatter_flat", x, (axis.size - 1) / axis.size * _nbytes(x))
     if entry is None:
         return None
-    return _done(entry, _reduce_scatter_flat(out, x, group=axis.group, async_op=async_op))
+    return _done(axis, entry, x, _reduce_scatter_flat(out, x, group=axis.group, async_op=async_op))
 
 
 def all_gather_flat(out: torch.Tensor, x: torch.Tensor, axis: Axis, async_op: bool = False):
@@ -124,7 +125,7 @@ def all_gather_flat(out: torch.Tensor, x: torch.Tensor, axis: Axis, async_op: bo
     entry = _enter(axis, "all_gather_flat", x, (axis.size - 1) * _nbytes(x))
     if entry is None:
         return None
-    return _done(entry, _all_gather_flat(out, x, group=axis.group, async_op=async_op))
+    return _done(axis, entry, x, _all_gather_flat(out, x, group=axis.group, async_op=async_op))
 
 
 def split_dim0(x: torch.Tensor, axis: Axis) -> torch.Tensor:
@@ -233,7 +234,7 @@ def all_to_all_counts(counts: torch.Tensor, axis: Axis) -> torch.Tensor:
     out = torch.empty_like(counts)
     entry = _enter(axis, "all_to_all_counts", counts, (axis.size - 1) / axis.size * _nbytes(counts))
     if entry is not None:
-        _done(entry, dist.all_to_all_single(out, counts, group=axis.group))
+        _done(axis, entry, counts, dist.all_to_all_single(out, counts, group=axis.group))
     return out
 
 
@@ -247,7 +248,7 @@ def all_to_all_rows(x: torch.Tensor, axis: Axis, out_splits: list[int], in_split
     row = x.element_size() * math.prod(x.shape[1:])
     entry = _enter(axis, "all_to_all", x, (sum(in_splits) - in_splits[axis.rank]) * row)
     if entry is not None:
-        _done(entry, dist.all_to_all_single(out, x, output_split_sizes=list(out_splits),
+        _done(axis, entry, x, dist.all_to_all_single(out, x, output_split_sizes=list(out_splits),
                                             input_split_sizes=list(in_splits), group=axis.group))
     return out
 

@@ -19,6 +19,7 @@ also why one process needs no torch.distributed at all.
 """
 from __future__ import annotations
 
+import datetime
 import time
 from collections import deque
 from contextlib import contextmanager
@@ -40,7 +41,28 @@ class CommStats:
     sent: dict[str, int] = field(default_factory=dict)
     recent: deque = field(default_factory=lambda: deque(maxlen=RECENT_COLLECTIVES))
     """dicts: op, group, ranks, shape, dtype, bytes, t (wall clock at entry), done (a blocking call
-    returned, or an async one's Work was waited for), async (launched with async_op)."""
+    returned, or an async one's Work was waited for), async (launched with async_op), event (device
+    collectives: a CUDA event recorded once done, see `returned`)."""
+
+    events: list = field(default_factory=list)
+    """CUDA events, reused round-robin (one per ring-buffer slot), that tell whether a device
+    collective's work has finished on its stream."""
+
+    def returned(self, entry: dict, on_device: bool = False) -> None:
+        """The host call of a collective returned (blocking) or its Work was waited for (async). On
+        CUDA neither means it ran: NCCL only enqueued it on a stream. So for device tensors an event
+        is recorded on the current stream (after the collective, or after the stream's wait on its
+        Work); the watchdog's report queries it (completed vs enqueued). No host sync."""
+        entry["done"] = True
+        if on_device:
+            if len(self.events) < RECENT_COLLECTIVES:
+                self.events.append(torch.cuda.Event())
+            event = self.events[self._next_event % RECENT_COLLECTIVES]
+            self._next_event += 1
+            event.record()
+            entry["event"] = event
+
+    _next_event: int = 0
 
     def add(self, group: str, nbytes: float) -> None:
         self.sent[group] = self.sent.get(group, 0) + int(nbytes)
@@ -107,7 +129,8 @@ class Mesh:
     device: torch.device
     stats: CommStats
     group: Optional[dist.ProcessGroup] = None
-    """All ranks of this mesh (barriers, gathering checkpoint metadata); None for one process."""
+    """All ranks of this mesh (barriers, gathering checkpoint metadata); None for one process. Its
+    timeout is the checkpoint save's (build_mesh's world_timeout)."""
     ep: Optional[Axis] = None
     """Expert-parallel axis: a contiguous block of the dp group (all-to-all of tokens); bytes count as ep."""
     edp: Optional[Axis] = None
@@ -202,8 +225,15 @@ def mesh_at(grid: RankGrid, position: int, device, ranks: Sequence[int], groups:
                 ep=axis("ep") if experts else None, edp=axis("edp") if experts else None)
 
 
-def build_mesh(tp: int, pp: int, device: torch.device, ranks: Optional[Sequence[int]] = None, ep: int = 1) -> Mesh:
+def build_mesh(tp: int, pp: int, device: torch.device, ranks: Optional[Sequence[int]] = None, ep: int = 1,
+               timeout: Optional[datetime.timedelta] = None,
+               world_timeout: Optional[datetime.timedelta] = None) -> Mesh:
     """Create every tp/pp/dp (and ep/edp) group over `ranks` (default: all). Collective: every process must call it.
+
+    `timeout` (train.dist_timeout_s) applies to every group: new_group does not inherit
+    init_process_group's, it takes the backend's default (30 min on gloo, 10 on NCCL) unless told.
+    `world_timeout`: mesh.group's, whose barriers and gathers wait for the slowest checkpoint writer
+    (checkpoint.save_timeout_s). None: the backend's default.
 
     Processes outside `ranks` (a worker pool running a smaller job) take part in group creation and get
     back None's stand-in: they must not use the result.
@@ -223,8 +253,8 @@ def build_mesh(tp: int, pp: int, device: torch.device, ranks: Optional[Sequence[
                 groups[(name, members)] = groups[("dp", members)]
                 continue
             # new_group is collective over the whole world: every process creates every group, in order
-            groups[(name, members)] = dist.new_group([ranks[i] for i in members])
-    everyone = dist.new_group(ranks) if (world > 1 and initialized) else None
+            groups[(name, members)] = dist.new_group([ranks[i] for i in members], timeout=timeout)
+    everyone = dist.new_group(ranks, timeout=world_timeout) if (world > 1 and initialized) else None
     if me not in ranks:
         return None  # type: ignore[return-value]
     return mesh_at(grid, ranks.index(me), device, ranks, groups, everyone)

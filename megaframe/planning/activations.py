@@ -106,3 +106,13 @@ def chunk_activation_bytes(model, chunk: int, micro_batch: int, fused_attention:
 @contextmanager
 def _nothing():
     yield
+
+
+def block_activation_bytes(model, layer: int, micro_batch: int, fused_attention: bool = True) -> int:
+    """Bytes one transformer block (global index `layer`, on this rank) saves for backward for one
+    micro-batch: its input is [S (S/tp under sp), B, D] in the parameters' dtype."""
+    cfg, p = model.cfg, next(model.parameters())
+    s = cfg.seq_length // model.mesh.tp.size if model.sp else cfg.seq_length
+    x_SBD = torch.empty(s, micro_batch, cfg.hidden_size, dtype=p.dtype, device=p.device, requires_grad=True)
+    with (FusedAttentionSizes() if fused_attention else _nothing()):
+        return saved_bytes(lambda: model.layers[str(layer)](x_SBD, model.rope), list(model.parameters()))

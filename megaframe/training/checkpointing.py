@@ -62,7 +62,7 @@ class Checkpointer:
         meta = {"consumed_samples": consumed,
                 "layout": {"tp": mesh.tp.size, "pp": mesh.pp.size, "dp": mesh.dp.size, "ep": mesh.ep.size,
                            "sp": cfg.parallel.sp},
-                "rng": "derived from (train.seed, step, rank); no state to restore",
+                "rng": "derived from (train.seed, step, pp and dp rank); no state to restore",
                 "data": data, "config": dataclasses.asdict(cfg),
                 "tokenizer": tokenizer_identity(cfg.data),  # a resume checks its data against it
                 "lineage": lineage.lineage_meta(self.run_id, step, *self.parent, root)}
@@ -77,11 +77,16 @@ class Checkpointer:
         self.parent = (sharded.step_dir(root, step), meta["lineage"]["id"])
         self.last_saved = str(self.parent[0])
 
-    def poll(self) -> None:
-        """Commit a finished background save. Not suspended: it is one scalar vote and a metadata write,
-        and a rank waiting there for a hung peer must still trip at train.hang_timeout_s."""
+    def writing(self) -> bool:
+        """Whether this rank's background write is still running (host state; no collective)."""
+        return self.saver is not None and self.saver.writing()
+
+    def poll(self, all_written: bool) -> None:
+        """Commit a finished background save once the ranks agreed none is `writing()` (every rank passes
+        the same value). Not suspended: a metadata write, and a rank waiting there for a hung peer must
+        still trip at train.hang_timeout_s."""
         if self.saver is not None:
-            self.saver.poll()
+            self.saver.poll(all_written)
 
     def finish(self) -> None:
         if self.saver is not None:

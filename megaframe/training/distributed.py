@@ -39,10 +39,38 @@ def pick_device(choice: str, local_rank: int) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def init_distributed(env: DistEnv, device: torch.device, timeout_s: float = 600.0) -> None:
-    """NCCL on CUDA, gloo on CPU; every collective times out after `timeout_s` instead of hanging."""
+NCCL_DEFAULTS = {
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",  # a failed or timed-out collective aborts the communicator and
+                                             # ends the process, instead of leaving the others hanging
+    "TORCH_NCCL_TRACE_BUFFER_SIZE": "20000",  # flight recorder: each rank's last 20000 collectives
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",  # written out when NCCL's watchdog sees a timeout
+}
+"""NCCL diagnosis settings (as torchtitan sets them); a value the user exported wins."""
+
+
+def nccl_env(run_dir: str, environ=os.environ) -> dict[str, str]:
+    """Set NCCL_DEFAULTS and the flight recorder's dump prefix ${run_dir}/nccl_trace/rank_ (torch appends
+    the rank) wherever the user has not; returns what was set. torch reads the prefix when it first
+    dumps, so calling this again once the ranks agree on run_dir (trainer.run) moves the dumps there."""
+    wanted = {**NCCL_DEFAULTS, "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": f"{run_dir}/nccl_trace/rank_"}
+    ours = environ.get("MEGAFRAME_NCCL_DUMP_PREFIX")  # set by an earlier call: still ours to move
+    if ours is not None and environ.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE") == ours:
+        del environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"]
+    done = {k: v for k, v in wanted.items() if k not in environ}
+    environ.update(done)
+    if "TORCH_NCCL_DEBUG_INFO_TEMP_FILE" in done:
+        environ["MEGAFRAME_NCCL_DUMP_PREFIX"] = done["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"]
+    return done
+
+
+def init_distributed(env: DistEnv, device: torch.device, timeout_s: float = 600.0, run_dir: str | None = None) -> None:
+    """NCCL on CUDA, gloo on CPU; every collective times out after `timeout_s` (train.dist_timeout_s)
+    instead of hanging. On CUDA, NCCL's async error handling and flight recorder are switched on, with
+    dumps under `run_dir` (see nccl_env)."""
     if env.world_size == 1 or dist.is_initialized():
         return
+    if device.type == "cuda" and run_dir is not None:
+        nccl_env(run_dir)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in os.environ:
         job = int(os.environ.get("SLURM_JOB_ID", "0"))

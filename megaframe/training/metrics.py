@@ -44,7 +44,15 @@ from torch import nn
 from megaframe.config import ModelConfig
 
 # dense bf16 tensor-core peaks (no sparsity), FLOP/s
-GPU_PEAK = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}
+GPU_PEAK = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H200 NVL": 835e12,
+            "H200": 989e12, "H100": 989e12, "GH200": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}
+"""Dense bf16 FLOP/s by device-name substring, the first match wins: the PCIe and NVL cards come before
+the SXM/HBM3 parts ("NVIDIA H100 80GB HBM3"), whose 989 TF would overstate their MFU by 1.31x / 1.18x."""
+
+
+def gpu_peak(name: str) -> float:
+    """GPU_PEAK's figure for a torch.cuda device name; 0 when unknown."""
+    return next((v for k, v in GPU_PEAK.items() if k in name), 0.0)
 
 
 def matmul_params(cfg: ModelConfig) -> int:
@@ -77,8 +85,7 @@ def peak_flops(device: torch.device) -> float:
     is not reported); on CPU the fp32 matmul rate of this machine at this rank's thread count, measured
     once and cached (cpu_peak_flops)."""
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        return next((v for k, v in GPU_PEAK.items() if k in name), 0.0)
+        return gpu_peak(torch.cuda.get_device_name(device))
     return cpu_peak_flops()
 
 

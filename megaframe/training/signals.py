@@ -1,9 +1,12 @@
 """Stop signals: SIGTERM, SIGUSR1 or SIGINT on any rank stops every rank at the same step boundary.
 
-The handler only sets a flag (it runs between bytecodes, so it must not touch collectives). At each
-step boundary the ranks take the max of their flags in one scalar all-reduce; once it is set, all of
-them save a checkpoint and leave the loop together. Slurm's `--signal`, torchrun (which forwards
-SIGTERM, and SIGUSR1 with --signals-to-handle) and `kill` all reach it.
+The handler only sets a flag (it runs between bytecodes, so it must not touch collectives). At check
+steps (every train.signal_check_interval steps, and the first, log and last steps: the same steps on
+every rank) the ranks take the max of their flags in one small host-side all-reduce; once it is set,
+all of them save a checkpoint and leave the loop together. Between check steps no collective over the
+whole job runs: at hundreds of ranks that gloo round costs milliseconds and is a host barrier.
+Slurm's `--signal`, torchrun (which forwards SIGTERM, and SIGUSR1 with --signals-to-handle) and
+`kill` all reach it.
 """
 from __future__ import annotations
 
@@ -29,22 +32,29 @@ class StopFlag:
         self.signum = signum
 
     def agreed(self, mesh: Mesh) -> bool:
-        """Whether any rank has been signalled; collective over the mesh.
+        """Whether any rank has been signalled; collective over the mesh."""
+        return self.decide(mesh)[0]
 
-        The flag is a CPU tensor reduced over a gloo group (the mesh's own on CPU, a gloo twin of it on
-        CUDA, made at the first call, which every rank reaches at the same step): the host waits only
-        for the other hosts, never for the GPU's queue, so the step loop keeps no device sync."""
+    def decide(self, mesh: Mesh, busy: bool = False) -> tuple[bool, bool]:
+        """(any rank signalled, any rank `busy`); collective over the mesh, call it at check steps only.
+
+        `busy` rides along for free: the trainer passes whether this rank's async checkpoint writer
+        is still running, so the commit needs no collective of its own. The flags are a CPU tensor
+        reduced over a gloo group (the mesh's own on CPU, a gloo twin of it on CUDA, made at the first
+        call, which every rank reaches at the same step): the host waits only for the other hosts,
+        never for the GPU's queue."""
         import torch  # not at import time: train.py installs the flag before torch is loaded
         import torch.distributed as dist
 
         if mesh.group is None:
-            return self.signum is not None
+            return self.signum is not None, busy
         if self.group is None:
             self.group = mesh.group if mesh.device.type == "cpu" else dist.new_group(backend="gloo")
-        flag = torch.tensor([0.0 if self.signum is None else 1.0])
-        with mesh.stats.noting("all_reduce(stop flag)", "world", range(mesh.world), flag.shape, flag.dtype, 4):
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        return bool(flag.item())  # a CPU tensor: no device sync
+        flags = torch.tensor([0.0 if self.signum is None else 1.0, 1.0 if busy else 0.0])
+        with mesh.stats.noting("all_reduce(stop flag)", "world", range(mesh.world), flags.shape, flags.dtype, 8):
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        signalled, writing = flags.tolist()  # a CPU tensor: no device sync
+        return signalled > 0, writing > 0
 
     def restore(self) -> None:
         for s, handler in self.previous.items():

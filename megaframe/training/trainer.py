@@ -1,6 +1,7 @@
 """The training run: start-up, the step loop, logging and checkpoints. `run(cfg)` is all train.py calls."""
 from __future__ import annotations
 
+import datetime
 import math
 import os
 import sys
@@ -12,7 +13,7 @@ import torch
 from megaframe.config import Config, ConfigError
 from megaframe.data.dataset import Prefetcher, build_data, microbatches
 from megaframe.data.shards import CorruptShard
-from megaframe.layers.shard import param_seed
+from megaframe.layers.rng import seed_step
 from megaframe.model.gpt import build_model
 from megaframe.model.moe import stats as moe_stats
 from megaframe.optim.build import build_optimizer, cast_model
@@ -21,7 +22,7 @@ from megaframe.parallel.mesh import Mesh, build_mesh
 from megaframe.pipeline import p2p
 from megaframe.tracking import Tracker
 from megaframe.training.checkpointing import Checkpointer
-from megaframe.training.distributed import env_ranks, init_distributed, pick_device, shutdown
+from megaframe.training.distributed import env_ranks, init_distributed, nccl_env, pick_device, shutdown
 from megaframe.training.evaluate import Evaluator
 from megaframe.training.faults import Injector
 from megaframe.training.metrics import flops_per_token, forget_cpu_peak, memory_figures, peak_flops, throughput_figures
@@ -38,9 +39,11 @@ def run(cfg: Config, stop: StopFlag | None = None) -> None:
     """Train under the ranks of the environment; `stop` is the caller's flag if it installed one early."""
     env = env_ranks()
     device = pick_device(cfg.train.device, env.local_rank)
-    init_distributed(env, device)
+    init_distributed(env, device, cfg.train.dist_timeout_s, cfg.run.dir)
     try:
-        mesh = build_mesh(cfg.parallel.tp, cfg.parallel.pp, device, ep=cfg.parallel.ep)
+        mesh = build_mesh(cfg.parallel.tp, cfg.parallel.pp, device, ep=cfg.parallel.ep,
+                          timeout=datetime.timedelta(seconds=cfg.train.dist_timeout_s),
+                          world_timeout=datetime.timedelta(seconds=cfg.checkpoint.save_timeout_s))
         p2p.warm_up(mesh.pp, device)
         # ranks may have resolved a timestamped run name a second apart: rank 0's wins; the run id
         # (this launch of the run, recorded in each checkpoint's lineage) is rank 0's too
@@ -49,6 +52,9 @@ def run(cfg: Config, stop: StopFlag | None = None) -> None:
             (cfg.run.name, cfg.run.dir, cfg.checkpoint.dir, run_id))
         lock = take_run_dir(cfg, mesh)
         try:
+            if device.type == "cuda" and env.world_size > 1:
+                nccl_env(cfg.run.dir)  # the agreed run folder for the flight recorder's dumps
+                (Path(cfg.run.dir) / "nccl_trace").mkdir(parents=True, exist_ok=True)
             train(cfg, mesh, stop or StopFlag(), run_id)
         finally:
             lock.release()
@@ -110,8 +116,7 @@ def train(cfg: Config, mesh: Mesh, stop: StopFlag, run_id: str = "") -> None:
         for step in range(start + 1, t.max_steps + 1):
             watchdog.beat(step)
             mesh.stats.pop()  # count only this step's bytes
-            # dropout RNG is a function of (seed, step, rank): resume needs no RNG state
-            torch.manual_seed(param_seed(t.seed, f"dropout/step{step}/rank{mesh.rank}"))
+            seed_step(t.seed, step, mesh)  # dropout RNG: equal on tp ranks, a function of the step (layers.rng)
             try:
                 batches = loader.get(step)  # read while the previous step computed
             except CorruptShard as e:
@@ -134,8 +139,10 @@ def train(cfg: Config, mesh: Mesh, stop: StopFlag, run_id: str = "") -> None:
                 # the first row after a resume names the checkpoint (readers see where the run restarted)
                 row, marker = {**row, **marker}, {}
                 tracker.log(row, start)
-            stopping = stop.agreed(mesh)
-            ckpt.poll()
+            stopping = False
+            if checks_at(step, start, t):  # the same steps on every rank: they stop together
+                stopping, writing = stop.decide(mesh, busy=ckpt.writing())
+                ckpt.poll(all_written=not writing)
             interval = cfg.checkpoint.interval
             last = step == t.max_steps or stopping
             if (interval and step % interval == 0) or last:
@@ -153,6 +160,13 @@ def train(cfg: Config, mesh: Mesh, stop: StopFlag, run_id: str = "") -> None:
         loader.close()
         stop.restore()
         tracker.finish()
+
+
+def checks_at(step: int, start: int, t) -> bool:
+    """Steps at which the ranks agree on stop signals and async-save completion (one host-side
+    all-reduce over every rank): the first step, every train.signal_check_interval, log and last steps."""
+    return (step == start + 1 or step % t.signal_check_interval == 0 or step % t.log_interval == 0
+            or step == t.max_steps)
 
 
 def injector(rank: int) -> Injector | None:

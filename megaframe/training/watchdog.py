@@ -6,10 +6,10 @@ The trainer feeds it a heartbeat at every step boundary (and around checkpoints)
 blocked inside a collective never returns to Python, so raising or sys.exit could not end it.
 The report holds the step, the seconds since the last heartbeat, the last collectives the rank
 entered (op, group and its global ranks, shape, dtype, bytes, how long ago, whether a blocking call
-returned or an async one was waited for; from the CommStats ring buffer that megaframe.parallel.comm
-fills) and the Python stack of every thread. The newest collective that has not completed is
-usually where the rank waits; the rank that never entered it, or is still in compute, is the one
-to look at.
+returned or an async one was waited for, and on CUDA whether the GPU completed it or it is only
+enqueued; from the CommStats ring buffer that megaframe.parallel.comm fills) and the Python stack
+of every thread. The newest collective that has not completed is usually where the rank waits; the
+rank that never entered it, or is still in compute, is the one to look at.
 
 Every rank trips on its own (they all stop making progress), so no collective is needed and a dead
 peer cannot block the report. After its report a rank waits a grace period (timeout/10, between 2
@@ -31,6 +31,17 @@ from megaframe.parallel.mesh import CommStats
 
 HANG_EXIT_CODE = 124
 SHOW_COLLECTIVES = 32
+
+
+def collective_state(e: dict) -> str:
+    """A ring-buffer entry's state. On NCCL a returned host call (or a waited Work) only enqueued the
+    collective on a stream: its CUDA event (CommStats.returned) says whether the GPU got past it."""
+    if not e["done"]:
+        return "async, NOT WAITED FOR YET" if e["async"] else "NOT RETURNED"
+    event = e.get("event")
+    if event is None:
+        return "returned"  # a host (gloo/CPU) collective: returned means done
+    return "completed on the GPU" if event.query() else "ENQUEUED, NOT COMPLETED on the GPU"
 
 
 class Watchdog:
@@ -60,7 +71,7 @@ class Watchdog:
     @contextmanager
     def suspended(self, limit_s: float):
         """A checkpoint save or load: slow is not hung, so it is judged by its own limit
-        (checkpoint.save_timeout_s; 0 = none) instead of train.hang_timeout_s."""
+        (checkpoint.save_timeout_s) instead of train.hang_timeout_s."""
         self.beat()
         self.override = limit_s
         try:
@@ -102,7 +113,7 @@ class Watchdog:
                  f"{self.timeout_s:g}) after step {self.step}; exiting with code {HANG_EXIT_CODE}",
                  f"last {SHOW_COLLECTIVES} collectives entered by rank {self.rank} (oldest first):"]
         for e in self.stats.last(SHOW_COLLECTIVES):
-            state = "returned" if e["done"] else ("async, NOT WAITED FOR YET" if e["async"] else "NOT RETURNED")
+            state = collective_state(e)
             lines.append(f"  {now - e['t']:8.2f}s ago  {e['op']:<24} group {e['group']} ranks {list(e['ranks'])}  "
                          f"shape {list(e['shape'])} {e['dtype']} {e['bytes']} B  {state}")
         lines.append(f"python stacks of rank {self.rank}:")

@@ -18,7 +18,9 @@ def test_comm_bytes_match_theory(pool, tp, dp, sp):
 
     Per micro-batch on tp: 4L+2 activation all-reduces of S*B*D floats (fwd: embedding, attn out and mlp
     out per block; bwd: qkv input, mlp input per block, head input), sent 2(n-1)/n each; under sp the same
-    traffic as all-gather + reduce-scatter pairs ((n-1)/n each, twice as many). Cross-entropy: a max and a
+    traffic as all-gather + reduce-scatter pairs ((n-1)/n each, twice as many), plus, in backward, the
+    re-gather of each column-parallel input (qkv, up_proj per block, the head: 2L+1), whose forward
+    gather is not kept for backward (Megatron's sp activation saving). Cross-entropy: a max and a
     [2, S, B] sum. Per step: the grad-norm scalar; under sp the partial grads of replicated params.
     dp: one all-reduce of all grads (flat) plus nothing else inside the step.
     """
@@ -33,6 +35,7 @@ def test_comm_bytes_match_theory(pool, tp, dp, sp):
     if sp:
         replicated = (2 * L + 1) * D  # RMSNorm weights (gpt_tiny has no biases)
         tp_bytes += ring * replicated * f32
+        tp_bytes += micro * (2 * L + 1) * (n - 1) / n * S * B * D * f32  # backward re-gathers
     # each collective's count is truncated to an int separately; allow that rounding
     assert abs(sent.get("tp", 0) - tp_bytes) <= 64, (sent, tp_bytes)
     if dp > 1:

@@ -28,6 +28,7 @@ parallel.ep parallel.pp parallel.pp_layout parallel.pp_schedule parallel.sp para
 run.dir run.name
 train.device train.global_batch_size train.log_interval train.max_bad_steps train.max_steps train.micro_batch_size train.precision
 train.seed train.eval_interval train.eval_iters train.hang_timeout_s train.compile train.recompute
+train.dist_timeout_s train.signal_check_interval checkpoint.save_timeout_s
 """.split())
 
 PRESETS = sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml"))
@@ -171,6 +172,10 @@ def test_unknown_preset_is_a_one_line_error():
     (["model=moe_tiny", "model.moe_capacity_factor=0"], 1, ["model.moe_capacity_factor"]),
     (["optim.zero=2"], 2, ["optim.zero"]),
     (["train.hang_timeout_s=-1"], 1, ["train.hang_timeout_s"]),
+    (["train.dist_timeout_s=0"], 1, ["train.dist_timeout_s"]),
+    (["checkpoint.save_timeout_s=-5"], 1, ["checkpoint.save_timeout_s"]),
+    (["train.signal_check_interval=0"], 1, ["train.signal_check_interval"]),
+    (["model=moe_tiny", "parallel.tp=2"], 2, ["parallel.tp=2", "parallel.sp=true"]),
     (["optim.bucket_size_mb=0"], 2, ["optim.bucket_size_mb"]),
     (["train.precision=fp16"], 1, ["train.precision"]),
     (["train.precision=bf16", "optim.zero=0"], 2, ["train.precision", "optim.zero"]),

@@ -63,10 +63,11 @@ def test_aux_and_z_loss_by_hand():
 def test_capacity_keeps_the_first_assignments_in_token_order():
     experts = torch.tensor([[0], [0], [1], [0], [0]])
     p = dispatcher.plan(experts, torch.ones(5, 1), 2, capacity=2)
-    assert p.token_A.tolist() == [0, 1, 2] and p.kept_E.tolist() == [2, 1] and p.dropped.item() == 2
+    assert p.token_A[:3].tolist() == [0, 1, 2] and p.kept_E.tolist() == [2, 1] and p.dropped.item() == 2
+    assert sorted(p.token_A[3:].tolist()) == [3, 4]  # the dropped ones, after the kept
     # an earlier sequence block (another tp rank under sp) already filled one slot of expert 0
     p = dispatcher.plan(experts, torch.ones(5, 1), 2, capacity=2, offset_E=torch.tensor([1, 0]))
-    assert p.token_A.tolist() == [0, 2] and p.dropped.item() == 3
+    assert p.kept_E.tolist() == [1, 1] and p.token_A[:2].tolist() == [0, 2] and p.dropped.item() == 3
 
 
 def _layer_outputs(cfg, x):

@@ -77,3 +77,44 @@ def test_straggler_probe_single_process():
     figures = probe.gather(single_process_mesh())
     assert figures["straggler/slowest_rank"] == 0
     assert figures["straggler/compute_s_min"] == figures["straggler/compute_s_max"] == pytest.approx(0.27)
+
+
+class _StuckEvent:
+    """Stands in for a CUDA event whose collective the GPU has (or has not) got past."""
+
+    def __init__(self, finished: bool):
+        self.finished = finished
+
+    def query(self) -> bool:
+        return self.finished
+
+
+def test_report_tells_enqueued_from_completed_device_collectives():
+    """On NCCL a returned host call only enqueued the collective: the report must not call it done."""
+    stats = CommStats()
+    host = stats.record("all_reduce", "dp", (0, 1), (4,), torch.float32, 16)
+    stats.returned(host, on_device=False)  # gloo: returned is done
+    for finished in (True, False):
+        e = stats.record("reduce_scatter", "tp", (0, 1), (8,), torch.bfloat16, 16)
+        stats.returned(e)
+        e["event"] = _StuckEvent(finished)
+    report = Watchdog(1, 0, "/nonexistent", stats).report(2.0)
+    lines = [ln for ln in report.splitlines() if " group " in ln]
+    assert lines[0].endswith("returned") and "event" not in stats.last()[0]
+    assert lines[1].endswith("completed on the GPU") and lines[2].endswith("ENQUEUED, NOT COMPLETED on the GPU")
+
+
+def test_nccl_env_defaults_yield_to_the_user_and_follow_the_run_dir():
+    from megaframe.training.distributed import NCCL_DEFAULTS, nccl_env
+
+    env = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "7"}
+    set_now = nccl_env("/runs/a", env)
+    assert env["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "7" and "TORCH_NCCL_TRACE_BUFFER_SIZE" not in set_now
+    assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == NCCL_DEFAULTS["TORCH_NCCL_ASYNC_ERROR_HANDLING"]
+    assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    assert env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == "/runs/a/nccl_trace/rank_"
+    nccl_env("/runs/b", env)  # the ranks agreed on another run folder: our prefix moves
+    assert env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == "/runs/b/nccl_trace/rank_"
+    user = {"TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/scratch/fr_"}
+    nccl_env("/runs/c", user)
+    assert user["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == "/scratch/fr_"

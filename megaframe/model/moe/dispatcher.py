@@ -12,7 +12,9 @@ expert runs one GEMM on a contiguous slice. The way back is the exact reverse. B
 autograd-aware (comm.all_to_all), so gradients take the same route backwards.
 
 The split sizes must be known on the host, so dispatch syncs once per layer and micro-batch (as
-Megatron's dropless dispatcher does).
+Megatron's dropless dispatcher does), and only there: counts are one-hot sums, the capacity cut is a
+slice after that sync, the regrouping's sizes come from the host lists (tests/distributed/
+test_host_syncs.py counts them).
 """
 from __future__ import annotations
 
@@ -26,10 +28,14 @@ from megaframe.parallel.mesh import Axis
 
 @dataclass
 class Plan:
-    """Where each kept assignment goes: sorted by expert, with its token and its combine weight."""
+    """Where each assignment goes: sorted by expert, with its token and its combine weight.
+
+    The kept assignments come first (kept_E.sum() of them, in expert order), the dropped ones after:
+    their number is only known on the host after dispatch's one sync, so the cut is a slice there
+    rather than a boolean mask here (which would sync again)."""
 
     token_A: torch.Tensor
-    """Token index of each kept assignment, in expert order."""
+    """Token index of each assignment: the kept ones in expert order, then the dropped ones."""
     weight_A: torch.Tensor
     """Its combine weight (fp32, differentiable)."""
     kept_E: torch.Tensor
@@ -38,36 +44,46 @@ class Plan:
     """Assignments dropped by the capacity limit (int64 scalar; 0 when dropless)."""
 
 
+def expert_counts(experts_A: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Assignments per expert (int64) as a one-hot sum: bincount would size its output from the data's
+    max on the host (a device sync on CUDA); scatter_add has a fixed size, and integer sums are exact
+    whatever the order."""
+    return experts_A.new_zeros(num_experts).scatter_add_(0, experts_A, torch.ones_like(experts_A))
+
+
 def plan(experts_TK: torch.Tensor, weights_TK: torch.Tensor, num_experts: int, capacity: int | None = None,
-         offset_E: torch.Tensor | None = None) -> Plan:
+         offset_E: torch.Tensor | None = None, counts_E: torch.Tensor | None = None) -> Plan:
     """Sort assignments by expert; with a capacity, keep each expert's first `capacity` assignments in
     token order. `offset_E`: assignments per expert on earlier sequence blocks of the micro-batch (the
-    tp ranks before this one under sp), so the cut is the one a single process would make."""
+    tp ranks before this one under sp), so the cut is the one a single process would make. `counts_E`:
+    expert_counts(experts_TK) if the caller has it. No host sync."""
     k = experts_TK.shape[1]
     flat_A = experts_TK.reshape(-1)
     order_A = torch.argsort(flat_A, stable=True)
-    sorted_A = flat_A[order_A]
-    counts_E = torch.bincount(flat_A, minlength=num_experts)
-    dropped = torch.zeros((), dtype=torch.int64, device=flat_A.device)
+    if counts_E is None:
+        counts_E = expert_counts(flat_A, num_experts)
+    kept_E, dropped = counts_E, torch.zeros((), dtype=torch.int64, device=flat_A.device)
     if capacity is not None:
-        starts_E = counts_E.cumsum(0) - counts_E
-        pos_A = torch.arange(flat_A.numel(), device=flat_A.device) - starts_E[sorted_A]
-        if offset_E is not None:
-            pos_A = pos_A + offset_E[sorted_A]
-        keep_A = pos_A < capacity
-        dropped = (~keep_A).sum()
-        order_A, sorted_A = order_A[keep_A], sorted_A[keep_A]
-        counts_E = torch.bincount(sorted_A, minlength=num_experts)
-    return Plan(order_A // k, weights_TK.reshape(-1)[order_A], counts_E, dropped)
+        before_E = torch.zeros_like(counts_E) if offset_E is None else offset_E
+        kept_E = torch.minimum(counts_E, (capacity - before_E).clamp_min(0))
+        dropped = (counts_E - kept_E).sum()
+        sorted_A = flat_A[order_A]
+        pos_A = torch.arange(flat_A.numel(), device=flat_A.device) - (counts_E.cumsum(0) - counts_E)[sorted_A]
+        # dropped assignments sort last (key E), kept ones keep their expert order (stable)
+        key_A = torch.where(pos_A < kept_E[sorted_A], sorted_A, num_experts)
+        order_A = order_A[torch.argsort(key_A, stable=True)]
+    return Plan(order_A // k, weights_TK.reshape(-1)[order_A], kept_E, dropped)
 
 
-def _regroup(recv_counts_RL: list[list[int]], device) -> tuple[torch.Tensor, list[int]]:
+def _regroup(recv_E: torch.Tensor, recv_RL: list[list[int]]) -> tuple[torch.Tensor, list[int]]:
     """Permutation taking rows ordered (source rank, local expert) to (local expert, source rank), and
-    the rows per local expert."""
-    counts = torch.tensor(recv_counts_RL, dtype=torch.int64, device=device)
-    local = counts.shape[1]
-    expert_R = torch.repeat_interleave(torch.arange(local, device=device).repeat(counts.shape[0]), counts.reshape(-1))
-    return torch.argsort(expert_R, stable=True), counts.sum(0).tolist()
+    the rows per local expert. recv_E: the received counts on the device, recv_RL: the same on the host
+    (so nothing here syncs: repeat_interleave gets its output size)."""
+    ranks, local = len(recv_RL), len(recv_RL[0])
+    sizes = [sum(col) for col in zip(*recv_RL)]
+    expert_R = torch.repeat_interleave(torch.arange(local, device=recv_E.device).repeat(ranks), recv_E,
+                                       output_size=sum(sizes))
+    return torch.argsort(expert_R, stable=True), sizes
 
 
 def dispatch_combine(x_TD: torch.Tensor, p: Plan, ep: Axis, experts) -> torch.Tensor:
@@ -76,19 +92,21 @@ def dispatch_combine(x_TD: torch.Tensor, p: Plan, ep: Axis, experts) -> torch.Te
     row blocks of the given sizes."""
     num_experts = p.kept_E.numel()
     local = num_experts // ep.size
-    x_AD = x_TD[p.token_A]
     recv_E = comm.all_to_all_counts(p.kept_E, ep)  # recv_E[r·L + l]: rows rank r sends to our expert l
-    kept, recv = torch.stack([p.kept_E, recv_E]).tolist()  # the one host sync
+    kept, recv = torch.stack([p.kept_E, recv_E]).tolist()  # the one host sync: split sizes
+    n = sum(kept)  # the kept assignments lead token_A; the dropped ones are cut here
+    token_A, weight_A = p.token_A[:n], p.weight_A[:n]
+    x_AD = x_TD[token_A]
     send_splits = [sum(kept[r * local:(r + 1) * local]) for r in range(ep.size)]
     recv_RL = [recv[r * local:(r + 1) * local] for r in range(ep.size)]
     recv_splits = [sum(row) for row in recv_RL]
     x_RD = comm.all_to_all(x_AD, ep, recv_splits, send_splits)
     if ep.size > 1:
-        perm_R, sizes = _regroup(recv_RL, x_TD.device)
+        perm_R, sizes = _regroup(recv_E, recv_RL)
         y_RD = experts(x_RD[perm_R], sizes)
         y_RD = y_RD[torch.argsort(perm_R)]
     else:
         y_RD = experts(x_RD, recv_RL[0])
     y_AD = comm.all_to_all(y_RD, ep, send_splits, recv_splits)
-    y_AD = y_AD * p.weight_A.unsqueeze(-1).to(y_AD.dtype)
-    return torch.zeros_like(x_TD).index_add(0, p.token_A, y_AD)
+    y_AD = y_AD * weight_A.unsqueeze(-1).to(y_AD.dtype)
+    return torch.zeros_like(x_TD).index_add(0, token_A, y_AD)

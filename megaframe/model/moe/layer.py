@@ -106,12 +106,12 @@ class MoE(nn.Module):
         r = router.route(logits_TE, c.moe_top_k, c.moe_router_score, bias_E)
         if x_TD.is_meta:  # the planner (megaframe.plan): shapes only, so assume perfectly balanced routing
             return self._balanced(x_TD, r).view(s, b, d)
-        counts_E = torch.bincount(r.experts_TK.reshape(-1), minlength=c.num_experts)
+        counts_E = dispatcher.expert_counts(r.experts_TK.reshape(-1), c.num_experts)
         batch_E, offset_E = self._batch_counts(counts_E)
         capacity = None
         if c.moe_capacity_factor is not None:
             capacity = math.ceil(c.moe_capacity_factor * n * c.moe_top_k / c.num_experts)
-        plan = dispatcher.plan(r.experts_TK, r.weights_TK, c.num_experts, capacity, offset_E)
+        plan = dispatcher.plan(r.experts_TK, r.weights_TK, c.num_experts, capacity, offset_E, counts_E)
         y_TD = dispatcher.dispatch_combine(x_TD, plan, self.ep, self.experts)
         if torch.is_grad_enabled():
             y_TD = self._add_losses(y_TD, r, logits_TE, batch_E, counts_E, plan, n)
@@ -142,7 +142,7 @@ class MoE(nn.Module):
         with torch.no_grad():
             row = torch.stack([plan.dropped.to(torch.float64), counts_E.sum().to(torch.float64),
                                router.entropy_sum(r.probs_TE).to(torch.float64),
-                               torch.tensor(float(r.probs_TE.shape[0]), dtype=torch.float64, device=y_TD.device),
+                               torch.full((), float(r.probs_TE.shape[0]), dtype=torch.float64, device=y_TD.device),
                                (aux.detach() * share).to(torch.float64), (z.detach() * share).to(torch.float64)])
             self.step_stats += torch.cat([counts_E.to(torch.float64), row])
         return y_TD

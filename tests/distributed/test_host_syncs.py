@@ -1,0 +1,39 @@
+"""No host sync in a training step outside log steps, except the MoE split sizes (one per MoE layer and
+micro-batch), and no collective over the whole job every step: counted on CPU by tests/distributed/
+sync_count.py over the real trainer loop (stop flag, async checkpoint commit, bad-step checks).
+
+Steps 1 (first), 2 and 4 (checkpoint saves) and 6 (log, last) may sync; steps 3 and 5 are plain
+steps, with an async save pending since step 2 or 4 (checkpoint.interval=2, checkpoint.async=true).
+"""
+import pytest
+
+from tests.distributed.moe_cases import MOE
+from tests.distributed.sync_count import syncs_per_step
+
+pytestmark = pytest.mark.distributed
+
+STEPS = 6
+PLAIN_STEPS = (3, 5)
+CKPT = ["checkpoint.interval=2", "checkpoint.async=true"]
+# (name, ranks, tp, pp, ep, overrides, MoE layers on the busiest rank)
+LAYOUTS = [
+    ("dense-1proc", 1, 1, 1, 1, [], 0),
+    ("moe-1proc", 1, 1, 1, 1, MOE, 2),
+    ("dense-tp2-pp2", 4, 2, 2, 1, ["parallel.tp=2", "parallel.pp=2", "parallel.sp=true"], 0),
+    ("moe-ep2", 2, 1, 1, 2, MOE + ["parallel.ep=2"], 2),
+    ("moe-tp2-sp-ep2-capacity", 4, 2, 1, 2,
+     MOE + ["parallel.tp=2", "parallel.sp=true", "parallel.ep=2", "model.moe_capacity_factor=1.0"], 2),
+]
+
+
+@pytest.mark.parametrize("name,n,tp,pp,ep,over,moe_layers", LAYOUTS, ids=[x[0] for x in LAYOUTS])
+def test_host_syncs_per_step_within_budget(pool, tmp_path, name, n, tp, pp, ep, over, moe_layers):
+    counts = pool.run(syncs_per_step, n, over + CKPT, STEPS, str(tmp_path), tp=tp, pp=pp, ep=ep)[0]
+    micro = 8 // (2 * (n // (tp * pp)))  # global batch 8, micro-batch 2, over dp
+    budget = moe_layers * micro  # the MoE split sizes: one .tolist() per MoE layer and micro-batch
+    print(name, {s: (len(c["syncs"]), len(c["world"])) for s, c in counts.items()})
+    for s in PLAIN_STEPS:
+        assert len(counts[s]["syncs"]) <= budget, (name, s, budget, counts[s]["syncs"])
+        assert not counts[s]["world"], (name, s, counts[s]["world"])
+    if moe_layers:  # the counter sees the one sync the split sizes need
+        assert len(counts[PLAIN_STEPS[0]]["syncs"]) == budget, counts[PLAIN_STEPS[0]]["syncs"]

@@ -1,0 +1,34 @@
+"""Stop signals are agreed only at check steps (train.signal_check_interval, the first, log and last
+steps), and every rank still stops at the same one, with one committed checkpoint."""
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.e2e.helpers import ROOT, TINY, env
+
+pytestmark = pytest.mark.e2e
+
+
+def test_sigterm_stops_every_rank_at_the_next_check_step(tmp_path):
+    over = ["data=synthetic", *TINY, "train.max_steps=100000", "train.log_interval=5",
+            "train.signal_check_interval=3", f"run.dir={tmp_path}"]
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                             "train.py", *over], cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    metrics = tmp_path / "metrics.jsonl"
+    t0 = time.time()
+    while not (metrics.is_file() and metrics.read_text().strip()):
+        assert proc.poll() is None and time.time() - t0 < 120, "training did not start"
+        time.sleep(0.05)
+    workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    os.kill(int(workers[-1]), signal.SIGTERM)  # one rank only: the other learns it at the check step
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out[-3000:]
+    stop = int(re.search(r"stopping at step (\d+)", out).group(1))
+    assert stop >= 5 and (stop % 3 == 0 or stop % 5 == 0), stop
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == f"step_{stop:08d}"
