@@ -306,6 +306,12 @@ def load_config(overrides: list[str], world_size: Optional[int] = None, check_da
         if isinstance(e, ConfigError):
             raise
         raise ConfigError(_one_line(e)) from e
+    # settings from outside the command line: the resumed checkpoint's model, WANDB_MODE (before validate,
+    # so every check, the resume checks included, sees the values the run will use)
+    from megaframe.checkpoint.adopt import adopt_model, apply_environment
+
+    adopt_model(cfg, list(overrides))
+    apply_environment(cfg, list(overrides))
     if world_size is None:  # torchrun's WORLD_SIZE, else srun's task count (one Slurm task = one rank)
         world_size = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
     validate(cfg, world_size,

@@ -12,6 +12,7 @@ import torch
 from megaframe.checkpoint import sharded
 from megaframe.checkpoint.async_save import AsyncSaver
 from megaframe.config import Config, ConfigError
+from megaframe.inference.files import tokenizer_record
 from megaframe.data.dataset import Prefetcher, build_data, data_state, microbatches
 from megaframe.layers.shard import param_seed
 from megaframe.model.gpt import build_model
@@ -195,6 +196,7 @@ def save(cfg: Config, model, optimizer, mesh: Mesh, step: int, saver: AsyncSaver
                        "sp": cfg.parallel.sp},
             "rng": "derived from (train.seed, step, rank); no state to restore",
             "data": data_state(cfg, step),
+            "tokenizer": tokenizer_record(cfg.data),  # generate / export find the run's tokenizer here
             "config": dataclasses.asdict(cfg)}
     if saver is not None:
         saver.save(cfg.checkpoint.dir, step, model, optimizer, meta, cfg.checkpoint.keep_last)
