@@ -142,6 +142,14 @@ class TrainConfig:
     """Activation recompute: none | selective (recompute the attention core, SDPA, in backward: Megatron's
     selective mode, it saves the S x S-sized intermediates) | full (torch.utils.checkpoint per block: only
     each block's input is kept). Trades compute for activation memory; losses are unchanged."""
+    # -- samples during training (megaframe.inference.sampler)
+    sample_interval: int = 0
+    """Every this many steps, write greedy continuations of sample_prompts to the console, ${run.dir}/samples.jsonl
+    and wandb (a table); 0 = never. Needs prepared data (its tokenizer). Time excluded from tokens_per_s."""
+    sample_prompts: list[str] = field(default_factory=lambda: ["The", "Once upon a time"])
+    """Prompts of the training-time samples."""
+    sample_tokens: int = 24
+    """New tokens per training-time sample."""
 
 
 @dataclass

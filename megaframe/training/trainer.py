@@ -13,6 +13,7 @@ from megaframe.checkpoint import sharded
 from megaframe.checkpoint.async_save import AsyncSaver
 from megaframe.config import Config, ConfigError
 from megaframe.inference.files import tokenizer_record
+from megaframe.inference.sampler import Sampler
 from megaframe.data.dataset import Prefetcher, build_data, data_state, microbatches
 from megaframe.layers.shard import param_seed
 from megaframe.model.gpt import build_model
@@ -54,6 +55,7 @@ def train(cfg: Config, mesh: Mesh, stop: StopFlag) -> None:
     try:
         data = build_data(cfg)
         evaluator = Evaluator.build(cfg, mesh)  # None unless train.eval_interval > 0
+        sampler = Sampler.build(cfg, mesh)  # None unless train.sample_interval > 0
     except (OSError, ValueError, KeyError) as e:
         raise ConfigError(f"data.path={cfg.data.path}: unreadable prepared data ({e})") from e
     start = resume(cfg, model, optimizer, mesh)
@@ -87,6 +89,8 @@ def train(cfg: Config, mesh: Mesh, stop: StopFlag) -> None:
                 t0 = time.perf_counter()
                 val = evaluator.evaluate(model)
                 meter.t_last += time.perf_counter() - t0  # tokens_per_s counts training time only
+            if sampler is not None and sampler.due(step):  # tokens_per_s counts training time only
+                meter.t_last += sampler.sample(step, model, cfg.run.dir, tracker.wandb_run)
             if step % t.log_interval == 0 or step == t.max_steps or val is not None:
                 row = {**meter.metrics(step, res, model, optimizer), **probe.gather(mesh)}
                 tracker.log(row if val is None else {**row, "val_loss": val}, start)
