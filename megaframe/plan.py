@@ -120,12 +120,14 @@ def main(argv: list[str]) -> int:
         world = world or int(os.environ.get("WORLD_SIZE", "0"))
         if world < 1:
             raise ValueError("+world_size=N (the number of ranks to plan for) is required")
-        cfg = load_config(overrides, world_size=world, check_data=False)
+        searching = own.get("search", "false").lower() in ("true", "1", "yes")
+        # a search picks the layout itself: the config is checked as one rank's, each candidate on `world`
+        cfg = load_config(overrides, world_size=1 if searching else world, check_data=False)
     except ValueError as e:  # ConfigError is a ValueError; so is a bad +world_size
         print(f"megaframe: error: {e if isinstance(e, ConfigError) else 'plan settings: ' + str(e)}",
               file=sys.stderr, flush=True)
         return 2
-    if own.get("search", "false").lower() in ("true", "1", "yes"):
+    if searching:
         return search_main(cfg, world, memory, own)
     from megaframe.planning.estimate import plan_layout
 

@@ -3,9 +3,9 @@ sized, timed by a stated model, ranked. (cp is 1: this branch has no context par
 
 Memory of the largest rank (first or last pipeline stage): parameters counted from the dims per stage;
 grads and optimizer state as the ZeRO optimizer lays them out (estimate.state_bytes' rules without the
-bucket padding); activations per micro-batch from a meta-device forward of a 1- and a 2-layer model at
-this tp / sp / recompute (planning.activations: per-layer bytes and the embedding + head extra), times the
-micro-batch size, walked through the rank's own schedule (peak in flight).
+bucket padding); activations per micro-batch from meta-device forwards at this tp / sp / recompute (planning.activations: the bytes of a
+block, of the embedding and of the head + loss), times the micro-batch size, walked through the rank's
+own schedule (peak in flight).
 
 Step time (seconds) =
     (compute + tp_comm + ep_comm) / (1 - bubble) + pp_comm + dp_comm
@@ -130,23 +130,26 @@ def stage_params(m, lay: Layout, first: bool, last: bool) -> tuple[int, int]:
 
 
 @functools.lru_cache(maxsize=None)
-def _act_per_layer(cfg_key, tp: int, recompute: str) -> tuple[int, int]:
-    """(bytes per block, bytes of embedding + head) a micro-batch of 1 saves, from meta forwards."""
+def _act_per_layer(cfg_key, tp: int, recompute: str) -> tuple[int, int, int]:
+    """(bytes per block, embedding extra, head + loss extra) a micro-batch of 1 saves, from meta forwards of
+    a 1- and a 2-layer model and of the two stages of a 2-layer, pp=2 model."""
     from megaframe.model.gpt import build_model
     from megaframe.optim.build import cast_model
     from megaframe.parallel.virtual import virtual_mesh
     from megaframe.planning.activations import chunk_activation_bytes
 
     cfg = _CFGS[cfg_key]
-    sizes = []
-    for layers in (1, 2):
+
+    def measure(layers: int, pp: int, pp_rank: int) -> int:
         c = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_layers=layers),
-                                parallel=dataclasses.replace(cfg.parallel, tp=tp, pp=1, vpp=1, ep=1, sp=tp > 1,
+                                parallel=dataclasses.replace(cfg.parallel, tp=tp, pp=pp, vpp=1, ep=1, sp=tp > 1,
                                                              pp_layout=None),
                                 train=dataclasses.replace(cfg.train, recompute=recompute, compile=False))
-        model = cast_model(build_model(c, virtual_mesh(tp, 1, 1, device="meta")), c.train.precision)
-        sizes.append(chunk_activation_bytes(model, 0, 1, fused_attention=True))
-    return sizes[1] - sizes[0], 2 * sizes[0] - sizes[1]
+        mesh = virtual_mesh(tp, pp, 1, pp_rank=pp_rank, device="meta")
+        return chunk_activation_bytes(cast_model(build_model(c, mesh), c.train.precision), 0, 1, fused_attention=True)
+
+    per_layer = measure(2, 1, 0) - measure(1, 1, 0)
+    return per_layer, measure(2, 2, 0) - per_layer, measure(2, 2, 1) - per_layer
 
 
 _CFGS: dict[int, Config] = {}
@@ -174,7 +177,7 @@ def memory(cfg: Config, lay: Layout) -> int:
     m, t = cfg.model, cfg.train
     key = id(cfg)
     _CFGS[key] = cfg
-    per_layer, extra = _act_per_layer(key, lay.tp, lay.recompute)
+    per_layer, embed, head = _act_per_layer(key, lay.tp, lay.recompute)
     a_bytes = 2 if t.precision == "bf16" else 4
     micro = t.global_batch_size // (lay.micro_batch * lay.dp)
     kind = resolve_kind(cfg.parallel.pp_schedule, lay.vpp)
@@ -187,9 +190,8 @@ def memory(cfg: Config, lay: Layout) -> int:
         grads = 4 * n if lay.zero else a_bytes * n
         per_el = 8 if t.precision == "fp32" else 12
         optim = (per_el * dense // lay.dp + per_el * expert // (lay.dp // lay.ep)) if lay.zero else 8 * n
-        chunks = tuple(lay.micro_batch * (chunk_layers * per_layer
-                                          + (extra if (c == 0 and first) or (c == lay.vpp - 1 and last) else 0))
-                       for c in range(lay.vpp))
+        chunks = tuple(lay.micro_batch * (chunk_layers * per_layer + (embed if c == 0 and first else 0)
+                                          + (head if c == lay.vpp - 1 and last else 0)) for c in range(lay.vpp))
         act = _peak_inflight(kind, lay.pp, lay.vpp, micro, rank, chunks) if lay.pp > 1 else chunks[0]
         worst = max(worst, a_bytes * n + grads + optim + act)
     return worst
