@@ -57,3 +57,12 @@ def test_wandb_mode_from_the_environment(monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "loud")
     with pytest.raises(ConfigError, match="WANDB_MODE"):
         load_config(["data=synthetic"], world_size=1)
+
+
+def test_missing_prepared_data_names_the_exact_command(tmp_path):
+    with pytest.raises(ConfigError) as info:  # the demo at another path: prepare needs only that path
+        load_config([f"data.path={tmp_path / 'demo'}"], world_size=1)
+    assert f"prepare it with: python -m megaframe.data.prepare data.path={tmp_path / 'demo'}" in str(info.value)
+    with pytest.raises(ConfigError) as info:  # a corpus of one's own: its source and path
+        load_config([f"data.path={tmp_path / 'web'}", "data.name=web", "data.source=/texts"], world_size=1)
+    assert f"data.source=/texts data.path={tmp_path / 'web'}" in str(info.value) and "\n" not in str(info.value)
