@@ -3,11 +3,14 @@
     python scripts/validate_planner.py [--steps 8] [--out FILE.json]
 
 1. Measures the "cpu" device (planning.devices.measure_cpu: one core's fp32 matmul rate, TCP loopback).
-2. Calibrates the compute efficiency once: two independent 1-process runs at the same time (so each
-   gets the share of the cores a rank of a 2-rank layout gets on this shared machine; no communication),
-   the fraction of the measured matmul rate a step reaches. The only fitted constant; none of the six.
-3. Runs six 2-rank layouts of a small model with torchrun (data=synthetic, short runs) and reads their
-   step time from metrics.jsonl (tokens per step / tokens_per_s, the steps after the first log line).
+2. Calibrates the compute efficiency right before each layout: two independent 1-process runs at once
+   (so each gets the share of the cores a rank of a 2-rank layout gets on this shared machine, whose
+   load drifts by the minute; no communication) at the layout's micro-batch size (CPU matmul rates
+   depend on it): the fraction of the matmul rate a step reaches. The only fitted constant; the
+   communication, bubble, recompute and splitting terms are predicted.
+3. Runs six 2-rank layouts of a small model with torchrun (data=synthetic, short runs; --rounds times,
+   in alternating order) and reads their step time from
+   metrics.jsonl (tokens per step / tokens_per_s, the steps after the first log line); medians are used.
 4. Prints estimated vs measured step time per layout, the error, both rankings and Spearman's rho.
 The machine's load average is printed before and after: other processes share the cores.
 """
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -25,8 +29,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-MODEL = ["data=synthetic", "model.num_layers=4", "model.hidden_size=256", "model.num_attention_heads=8",
-         "model.num_query_groups=4", "model.ffn_hidden_size=704", "model.seq_length=256", "model.vocab_size=4096",
+MODEL = ["data=synthetic", "model.num_layers=4", "model.hidden_size=192", "model.num_attention_heads=6",
+         "model.num_query_groups=2", "model.ffn_hidden_size=512", "model.seq_length=128", "model.vocab_size=2048",
          "train.global_batch_size=16", "logging.wandb.mode=disabled", "checkpoint.resume=none",
          "train.hang_timeout_s=0"]
 LAYOUTS = {  # name -> (search.Layout fields, extra overrides)
@@ -53,7 +57,7 @@ def finish(proc: subprocess.Popen, run_dir: Path) -> float:
     if proc.returncode != 0:
         raise RuntimeError(f"{run_dir.name}: exit {proc.returncode}\n{err[-2000:]}")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][1:]
-    tokens = 16 * 256
+    tokens = 16 * 128
     return sum(tokens / r["tokens_per_s"] for r in rows) / len(rows)
 
 
@@ -61,10 +65,11 @@ def measured_step_s(overrides: list[str], nproc: int, steps: int, run_dir: Path)
     return finish(start(overrides, nproc, steps, run_dir), run_dir)
 
 
-def calibrate(steps: int, tmp: Path) -> float:
+def calibrate(steps: int, tmp: Path, micro_batch: int) -> float:
     """Step time of one process while another identical one runs: the per-core rate two of our ranks
-    get on this (shared) machine, with no communication at all."""
-    procs = [(start(["train.micro_batch_size=2"], 1, steps, tmp / f"one{i}"), tmp / f"one{i}") for i in range(2)]
+    get on this (shared) machine at this micro-batch size, with no communication at all."""
+    procs = [(start([f"train.micro_batch_size={micro_batch}"], 1, steps, tmp / f"one{i}"), tmp / f"one{i}")
+             for i in range(2)]
     times = [finish(p, d) for p, d in procs]
     return sum(times) / len(times)
 
@@ -83,6 +88,7 @@ def main(argv: list[str]) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=2, help="runs per layout (alternating order); medians are used")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     print(f"load average before: {os.getloadavg()}", flush=True)
@@ -90,23 +96,30 @@ def main(argv: list[str]) -> int:
     print(f"device: {dev.name}", flush=True)
     base = load_config(MODEL, world_size=1, check_data=False)
     tmp = Path(tempfile.mkdtemp(prefix="validate_planner_"))
-    one = Layout(1, 1, 1, 1, 1, 1, 2, "none")
-    t1 = calibrate(args.steps, tmp)
-    eff = step_time(layout_config(base, one), one, dev, 1)["compute"] / t1
-    dev = replace(dev, efficiency=eff)
-    print(f"calibration (2 independent 1-process runs at once, mb 2): {t1:.3f} s/step -> compute efficiency "
-          f"{100 * eff:.1f}% of the matmul rate", flush=True)
+    measured: dict[str, list[float]] = {name: [] for name in LAYOUTS}
+    calib: dict[str, list[float]] = {name: [] for name in LAYOUTS}
+    for r in range(args.rounds):  # layouts in alternating order; each right after its own calibration
+        for name in (list(LAYOUTS) if r % 2 == 0 else list(LAYOUTS)[::-1]):
+            lay = Layout(**LAYOUTS[name])
+            calib[name].append(calibrate(args.steps, tmp / f"cal-{name}-{r}", lay.micro_batch))
+            measured[name].append(measured_step_s(lay.overrides(), 2, args.steps, tmp / f"{name}-{r}"))
+            print(f"  round {r + 1} {name:<20} calibration {calib[name][-1]:.3f} s/step, layout "
+                  f"{measured[name][-1]:.3f} s/step (load {os.getloadavg()[0]:.1f})", flush=True)
     rows = []
     for name, fields in LAYOUTS.items():
         lay = Layout(**fields)
+        one = Layout(1, 1, 1, 1, 1, 1, lay.micro_batch, "none")
+        t1 = statistics.median(calib[name])
+        eff = step_time(layout_config(base, one), one, dev, 1)["compute"] / t1
         cfg = load_config(MODEL + lay.overrides(), world_size=2, check_data=False)
-        parts = step_time(cfg, lay, dev, 2)
-        est = sum(parts.values())
-        got = measured_step_s(lay.overrides(), 2, args.steps, tmp / name)
-        rows.append({"layout": name, "estimated_s": est, "measured_s": got, "error": est / got - 1,
+        parts = step_time(cfg, lay, replace(dev, efficiency=eff), 2)
+        est, got = sum(parts.values()), statistics.median(measured[name])
+        rows.append({"layout": name, "estimated_s": est, "measured_s": got, "runs_s": measured[name],
+                     "calibration_s": calib[name], "efficiency": eff, "error": est / got - 1,
                      "parts_ms": {k: round(v * 1e3, 1) for k, v in parts.items()}})
         print(f"{name:<20} estimated {est:7.3f} s  measured {got:7.3f} s  error {100 * (est / got - 1):+6.1f}%  "
-              f"({', '.join(f'{k} {v * 1e3:.0f} ms' for k, v in parts.items() if v)})", flush=True)
+              f"(efficiency {100 * eff:.0f}%; {', '.join(f'{k} {v * 1e3:.0f} ms' for k, v in parts.items() if v)})",
+              flush=True)
     est_rank = [r["layout"] for r in sorted(rows, key=lambda r: r["estimated_s"])]
     got_rank = [r["layout"] for r in sorted(rows, key=lambda r: r["measured_s"])]
     rho = spearman([r["estimated_s"] for r in rows], [r["measured_s"] for r in rows])
@@ -115,8 +128,8 @@ def main(argv: list[str]) -> int:
           f"Spearman rho {rho:.3f} | largest step-time error {100 * worst:.1f}%", flush=True)
     print(f"load average after: {os.getloadavg()}", flush=True)
     if args.out:
-        Path(args.out).write_text(json.dumps({"device": dev.name, "efficiency": eff, "rows": rows, "rho": rho,
-                                              "estimated_rank": est_rank, "measured_rank": got_rank}, indent=1))
+        Path(args.out).write_text(json.dumps({"device": dev.name, "rows": rows, "rho": rho, "estimated_rank": est_rank,
+                                              "measured_rank": got_rank}, indent=1))
     return 0
 
 
