@@ -152,6 +152,14 @@ class TrainConfig:
     """Activation recompute: none | selective (recompute the attention core, SDPA, in backward: Megatron's
     selective mode, it saves the S x S-sized intermediates) | full (torch.utils.checkpoint per block: only
     each block's input is kept). Trades compute for activation memory; losses are unchanged."""
+    # -- samples during training (megaframe.inference.sampler)
+    sample_interval: int = 0
+    """Every this many steps, write greedy continuations of sample_prompts to the console, ${run.dir}/samples.jsonl
+    and wandb (a table); 0 = never. Needs prepared data (its tokenizer). Time excluded from tokens_per_s."""
+    sample_prompts: list[str] = field(default_factory=lambda: ["The", "Once upon a time"])
+    """Prompts of the training-time samples."""
+    sample_tokens: int = 24
+    """New tokens per training-time sample."""
 
 
 class LRSchedule(str, Enum):
@@ -379,6 +387,12 @@ def load_config(overrides: list[str], world_size: Optional[int] = None, check_da
         if isinstance(e, ConfigError):
             raise
         raise ConfigError(_one_line(e)) from e
+    # settings from outside the command line: the resumed checkpoint's model, WANDB_MODE (before validate,
+    # so every check, the resume checks included, sees the values the run will use)
+    from megaframe.checkpoint.adopt import adopt_model, apply_environment
+
+    adopt_model(cfg, list(overrides))
+    apply_environment(cfg, list(overrides))
     if world_size is None:  # torchrun's WORLD_SIZE, else srun's task count (one Slurm task = one rank)
         world_size = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
     validate(cfg, world_size,

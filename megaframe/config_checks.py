@@ -227,6 +227,8 @@ def _check_data_fields(cfg: Config) -> None:
         _req(bool(b.path) and b.weight > 0, f"data.blend[{i}] needs a path and a weight > 0")
     _req(t.eval_interval >= 0 and t.eval_iters >= 1,
          f"train.eval_interval={t.eval_interval} must be >= 0 and train.eval_iters={t.eval_iters} >= 1")
+    _req(t.sample_interval >= 0 and t.sample_tokens >= 1,
+         f"train.sample_interval={t.sample_interval} must be >= 0 and train.sample_tokens={t.sample_tokens} >= 1")
     _req(t.eval_interval == 0 or d.kind == "synthetic" or d.valid_fraction > 0,
          f"train.eval_interval={t.eval_interval} needs a validation split: set data.valid_fraction > 0")
 

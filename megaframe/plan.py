@@ -8,6 +8,14 @@ the same one-line message. `+world_size` (required unless $WORLD_SIZE is set), `
 (GiB per device) and `+plan_json` are the planner's own and are removed before composing. Every
 rank's model is then built on the meta device with a virtual mesh (megaframe.planning.estimate).
 A rank over the device memory prints a `DOES NOT FIT` line (exit code 0: the plan itself worked).
+
+    python -m megaframe.plan model=llama3_8b +world_size=64 +device_memory_gb=80 +search=true
+                             [+device=H100|H200|A100|B200|cpu] [+top=5] [+efficiency=0.5]
+
+proposes a layout instead: every valid (tp, pp, vpp, dp, ep, ZeRO, micro-batch, recompute) is sized,
+those over the memory dropped, the rest ranked by the step-time model of megaframe.planning.search
+(device figures and their sources in megaframe.planning.devices); the top ones are printed with their
+memory and why each is slower than the first. The model, data and batch settings come from the config.
 """
 from __future__ import annotations
 
@@ -16,7 +24,7 @@ import os
 import sys
 from pathlib import Path
 
-OWN_KEYS = ("world_size", "device_memory_gb", "plan_json")
+OWN_KEYS = ("world_size", "device_memory_gb", "plan_json", "search", "device", "top", "efficiency")
 
 
 def split_args(argv: list[str]) -> tuple[list[str], dict[str, str]]:
@@ -112,11 +120,15 @@ def main(argv: list[str]) -> int:
         world = world or int(os.environ.get("WORLD_SIZE", "0"))
         if world < 1:
             raise ValueError("+world_size=N (the number of ranks to plan for) is required")
-        cfg = load_config(overrides, world_size=world, check_data=False)
+        searching = own.get("search", "false").lower() in ("true", "1", "yes")
+        # a search picks the layout itself: the config is checked as one rank's, each candidate on `world`
+        cfg = load_config(overrides, world_size=1 if searching else world, check_data=False)
     except ValueError as e:  # ConfigError is a ValueError; so is a bad +world_size
         print(f"megaframe: error: {e if isinstance(e, ConfigError) else 'plan settings: ' + str(e)}",
               file=sys.stderr, flush=True)
         return 2
+    if searching:
+        return search_main(cfg, world, memory, own)
     from megaframe.planning.estimate import plan_layout
 
     plan = plan_layout(cfg, world, memory)
@@ -124,6 +136,54 @@ def main(argv: list[str]) -> int:
     if "plan_json" in own:
         Path(own["plan_json"]).write_text(json.dumps(plan.to_dict(), indent=1))
     return 0
+
+
+def search_main(cfg, world: int, memory_gb: float | None, own: dict) -> int:
+    from megaframe.planning.devices import get_device
+    from megaframe.planning.search import search
+
+    try:
+        eff = float(own["efficiency"]) if "efficiency" in own else None
+        dev = get_device(own.get("device", "H100"), efficiency=eff)
+        top = int(own.get("top", 5))
+    except ValueError as e:
+        print(f"megaframe: error: plan settings: {e}", file=sys.stderr, flush=True)
+        return 2
+    cap = memory_gb * 2**30 if memory_gb is not None else None
+    ests, n, dropped = search(cfg, world, dev, cap)
+    print(search_report(cfg, world, dev, ests, n, dropped, top, cap))
+    return 0
+
+
+def search_report(cfg, world, dev, ests, n, dropped, top, cap) -> str:
+    from megaframe.planning.search import why_slower
+
+    m, t = cfg.model, cfg.train
+    tokens = t.global_batch_size * m.seq_length
+    lines = [f"search: {m.name} on {world} x {dev.name} ({human(cap or dev.memory_gb * 2**30)} each) | "
+             f"{t.precision}, global batch {t.global_batch_size} x {m.seq_length} = {tokens / 1e6:.2f}M tokens",
+             f"model: compute at {100 * dev.efficiency:.0f}% of {dev.peak(t.precision) / 1e12:.1f} TFLOP/s, links at "
+             f"{100 * dev.link_eff:.0f}% of {dev.intra_bw / 1e9:.0f} GB/s in a node of {dev.per_node} / "
+             f"{dev.inter_bw / 1e9:.0f} GB/s across, {dev.latency_s * 1e6:.0f} us per hop; bubble from the "
+             f"schedule simulator ({dev.source})",
+             f"{n} valid layouts, {dropped} dropped (over 90% of the memory), {len(ests)} ranked"]
+    if not ests:
+        return "\n".join(lines + ["no layout fits: more devices, or a smaller batch / sequence"])
+    best = ests[0]
+    head = f"{'#':>2}  {'layout':<58} {'step':>9} {'tok/s/dev':>10} {'MFU':>6} {'memory':>10}  parts (ms)"
+    lines.append(head)
+    from megaframe.training.metrics import flops_per_token
+
+    for i, e in enumerate(ests[:top], 1):
+        tps = tokens / e.step_s / world
+        mfu = tps * flops_per_token(m) / dev.peak(t.precision)
+        parts = " ".join(f"{k} {v * 1e3:.0f}" for k, v in e.parts.items() if v > 0)
+        lines.append(f"{i:>2}  {e.layout.label():<58} {e.step_s:>8.3f}s {tps:>10.0f} {100 * mfu:>5.1f}% "
+                     f"{human(e.memory_bytes):>10}  {parts}")
+    for i, e in enumerate(ests[1:top], 2):
+        lines.append(f"#{i} loses to #1 by {why_slower(e, best)}")
+    lines.append("run #1 with: " + " ".join(best.layout.overrides()))
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

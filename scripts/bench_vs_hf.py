@@ -48,8 +48,7 @@ def megaframe_side(args, device: torch.device):
         over += ["model=llama_1b"]
     else:
         over += [f"model.{k}={v}" for k, v in CPU_DIMS.items() if k != "seq_length"]
-    if device.type == "cuda":
-        over += ["train.precision=bf16"]
+    over += [f"train.precision={'bf16' if device.type == 'cuda' else 'fp32'}"]  # presets default to bf16
     cfg = load_config(over, world_size=1, check_data=False)
     mesh = single_process_mesh(device)
     model = cast_model(build_model(cfg, mesh), cfg.train.precision)

@@ -1,14 +1,15 @@
-"""Import a Hugging Face transformers Llama or GPT-2 folder as a megaframe checkpoint at step 0.
+"""Import a Hugging Face transformers Llama, GPT-2 or Mixtral folder as a megaframe checkpoint at step 0.
 
     python scripts/import_hf.py HF_FOLDER OUT_CKPT_DIR [hydra overrides ...] [--force]
 
-HF_FOLDER is a local folder (config.json + weights) of a LlamaForCausalLM or GPT2LMHeadModel; it is
+HF_FOLDER is a local folder (config.json + weights) of a LlamaForCausalLM, GPT2LMHeadModel or
+MixtralForCausalLM; it is
 loaded offline. The model fields come from its config.json; the overrides set the rest of the run
 config recorded in the checkpoint (data=..., optim.lr=..., train.*). The result is a committed
 checkpoint OUT_CKPT_DIR/step_00000000 with `latest`, holding the weights only (no optimizer moments:
 training from it starts with fresh AdamW state at step 1). `megaframe.load_model(OUT_CKPT_DIR)` loads
-it, and the printed `python train.py checkpoint.resume=... model....` command continues pretraining it
-under any parallel layout. Bad input exits 2 with one line.
+it, and the printed `python train.py checkpoint.resume=...` command continues pretraining it under any
+parallel layout (the model sizes come from the checkpoint). Bad input exits 2 with one line.
 """
 from __future__ import annotations
 
@@ -107,7 +108,7 @@ def copy_tokenizer(src: Path, dest: Path) -> dict | None:
 
 def import_hf(folder: str, out: Path, overrides: list[str]) -> Path:
     from megaframe.checkpoint import sharded
-    from megaframe.checkpoint.hf import from_hf, model_overrides
+    from megaframe.checkpoint.hf import from_hf
 
     src = Path(folder)
     if not (src / "config.json").is_file():
@@ -127,10 +128,10 @@ def import_hf(folder: str, out: Path, overrides: list[str]) -> Path:
     path = sharded.save(out, 0, model, WeightsOnly(), mesh, meta)
     n = sum(t.numel() for t in state.values())
     print(f"import: {folder} ({n / 1e6:.2f}M params, {fields['name']}) -> {path}", flush=True)
-    model_args = model_overrides({k: getattr(cfg.model, k) for k in fields})
     rest = [o for o in overrides if not o.startswith("model.")]
-    print("continue pretraining with:\n  python train.py checkpoint.resume=" + str(path) + " "
-          + " ".join(model_args + rest), flush=True)
+    # no model.* overrides: train.py takes the model from checkpoint.resume's metadata (checkpoint/adopt.py)
+    print("continue pretraining with:\n  python train.py checkpoint.resume=" + str(path)
+          + "".join(" " + o for o in rest), flush=True)
     return path
 
 

@@ -19,6 +19,11 @@ use rotate-half RoPE on head-major rows, so no permutation); gate_proj/up_proj t
 GPT-2 (layernorm, gelu-tanh, learned positions, H == K): Conv1D weights are stored [in, out], so
 c_attn = qkv.weight.T [D, 3D], c_proj = out_proj.weight.T, c_fc = up_proj.weight.T [D, F],
 mlp.c_proj = down_proj.weight.T [F, D]; wpe = pos_embed with n_positions = S.
+Mixtral (rmsnorm, swiglu, rope, every block a softmax top-k MoE): attention and norms as Llama; per
+layer the router layers.{i}.mlp.router.weight [E, D] is mlp.gate.weight, and the stacked experts
+layers.{i}.mlp.experts.up_proj.weight [E, 2F, D] = [gate | up] and down_proj.weight [E, D, F] are
+transformers 5's fused mlp.experts.gate_up_proj and mlp.experts.down_proj as they are (transformers 4
+names them block_sparse_moe.experts.{e}.w1 (gate) / w3 (up) / w2 (down): converted).
 Vocabulary: all V embedding rows are exported (the tokenizer may have fewer pieces).
 """
 from __future__ import annotations
@@ -48,9 +53,9 @@ GELU_TANH = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
 
 def family(m: ModelConfig) -> str:
     """'llama' or 'gpt2': the transformers architecture that computes exactly what `m` computes."""
-    if m.num_experts:
-        raise ValueError("MoE models (model.num_experts > 0) cannot be exported yet")
     style = (m.norm, m.activation, m.position_embedding)
+    if m.num_experts:
+        return _mixtral_family(m, style)
     if style == ("rmsnorm", "swiglu", "rope"):
         return "llama"
     if style == ("layernorm", "gelu", "learned") and m.kv_heads == m.num_attention_heads:
@@ -58,6 +63,57 @@ def family(m: ModelConfig) -> str:
     raise ValueError(f"no transformers architecture matches norm={m.norm}, activation={m.activation}, "
                      f"position_embedding={m.position_embedding}, kv heads {m.kv_heads}/{m.num_attention_heads} "
                      "(supported: rmsnorm+swiglu+rope -> Llama; layernorm+gelu+learned without GQA -> GPT-2)")
+
+
+def _mixtral_family(m: ModelConfig, style: tuple) -> str:
+    """'mixtral' when the MoE model computes what MixtralForCausalLM computes, else ValueError naming why."""
+    why = []
+    if style != ("rmsnorm", "swiglu", "rope"):
+        why.append(f"norm/activation/positions {'/'.join(style)} (Mixtral: rmsnorm/swiglu/rope)")
+    if m.moe_router_score != "softmax":
+        why.append(f"model.moe_router_score={m.moe_router_score} (Mixtral: softmax)")
+    if m.moe_expert_bias:
+        why.append("model.moe_expert_bias=true (Mixtral selects by the plain scores)")
+    if m.moe_capacity_factor is not None:
+        why.append(f"model.moe_capacity_factor={m.moe_capacity_factor} (Mixtral is dropless)")
+    if m.bias:
+        why.append("model.bias=true (Mixtral has no biases)")
+    if why:
+        raise ValueError("this MoE model has no transformers equivalent: " + "; ".join(why))
+    return "mixtral"
+
+
+def _mixtral_out(m: ModelConfig, name: str, split, t: torch.Tensor) -> dict[str, torch.Tensor]:
+    from megaframe.checkpoint.hf_mixtral import MIXTRAL_MOE, experts_out
+
+    if split is None:
+        if name not in LLAMA_TOP:
+            raise ValueError(f"unexpected megaframe tensor {name!r} for a mixtral export")
+        return {LLAMA_TOP[name]: t}
+    i, rest = split
+    if rest in MIXTRAL_MOE:
+        return experts_out(i, rest, t)
+    return _llama_layer_out(m, i, rest, t)
+
+
+def _mixtral_config(m: ModelConfig, eos, bos):
+    from transformers import MixtralConfig
+
+    kw = dict(vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.expert_ffn,
+              num_hidden_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
+              num_key_value_heads=m.kv_heads, head_dim=m.head_dim, hidden_act="silu",
+              max_position_embeddings=m.seq_length, rms_norm_eps=m.norm_eps, tie_word_embeddings=m.tie_embeddings,
+              num_local_experts=m.num_experts, num_experts_per_tok=m.moe_top_k,
+              router_aux_loss_coef=m.moe_aux_loss_coeff, router_jitter_noise=0.0, sliding_window=None,
+              attention_dropout=m.dropout, bos_token_id=bos, eos_token_id=eos, pad_token_id=None,
+              initializer_range=m.init_std)
+    if "rope_parameters" in MixtralConfig().to_dict():  # transformers >= 5
+        kw["rope_parameters"] = {"rope_type": "default", "rope_theta": m.rope_theta}
+    else:
+        kw["rope_theta"] = m.rope_theta
+    cfg = MixtralConfig(**kw)
+    cfg.architectures = ["MixtralForCausalLM"]
+    return cfg
 
 
 def _split_layer_key(name: str) -> tuple[int, str] | None:
@@ -73,12 +129,17 @@ def to_hf(m: ModelConfig, state: dict[str, torch.Tensor], eos_token_id: int | No
 
     The state_dict omits lm_head.weight when the embeddings are tied (transformers ties it itself)."""
     fam = family(m)
-    cfg = (_llama_config if fam == "llama" else _gpt2_config)(m, eos_token_id, bos_token_id)
+    make = {"llama": _llama_config, "gpt2": _gpt2_config, "mixtral": _mixtral_config}[fam]
+    cfg = make(m, eos_token_id, bos_token_id)
     sd = {}
     for name, t in state.items():
         t = t.detach().cpu()
         split = _split_layer_key(name)
-        if split is None:
+        if fam == "mixtral":
+            if split is not None and split[1] == "mlp.router.expert_bias":
+                continue  # a selection-only buffer, unused (zero) when model.moe_expert_bias is off
+            sd.update(_mixtral_out(m, name, split, t))
+        elif split is None:
             top = LLAMA_TOP if fam == "llama" else GPT2_TOP
             if name not in top:
                 raise ValueError(f"unexpected megaframe tensor {name!r} for a {fam} export")
@@ -183,7 +244,11 @@ def from_hf(source) -> tuple[dict, dict[str, torch.Tensor]]:
         return _llama_fields(cfg), _llama_state(cfg, sd)
     if cfg.model_type == "gpt2":
         return _gpt2_fields(cfg), _gpt2_state(cfg, sd)
-    raise ValueError(f"unsupported transformers model_type {cfg.model_type!r} (supported: llama, gpt2)")
+    if cfg.model_type == "mixtral":
+        from megaframe.checkpoint.hf_mixtral import mixtral_fields, mixtral_state
+
+        return mixtral_fields(cfg, _rope_theta(cfg)), mixtral_state(cfg, sd)
+    raise ValueError(f"unsupported transformers model_type {cfg.model_type!r} (supported: llama, gpt2, mixtral)")
 
 
 def _rope_theta(cfg) -> float:

@@ -70,6 +70,23 @@ def encode_chunk(task: tuple) -> dict:
             "sha256": hashlib.sha256(data).hexdigest(), "_cpu_s": time.process_time() - cpu0}
 
 
+class NotPrepared(ValueError):
+    """The folder holds no prepared data (no meta.json); check_datasets names the command that prepares it."""
+
+
+def prepare_command(data_cfg, path) -> str:
+    """The exact command that prepares `path`: plain `prepare` for the demo (its source and path are the
+    data=demo defaults), else the source and path of the run's config."""
+    from megaframe.config import ROOT
+
+    if data_cfg.name == "demo" and data_cfg.source == str(ROOT / "data/demo/corpus"):
+        if Path(path).resolve() == (ROOT / "data/demo/prepared").resolve():
+            return "python -m megaframe.data.prepare (or: make data)"
+        return f"python -m megaframe.data.prepare data.path={path}"
+    source = data_cfg.source or "YOUR_TEXT_FOLDER"
+    return f"python -m megaframe.data.prepare data.source={source} data.path={path}"
+
+
 def read_meta(path: Path) -> dict:
     """meta.json of a prepared folder; ValueError names what is wrong."""
     try:
@@ -78,8 +95,8 @@ def read_meta(path: Path) -> dict:
         np.dtype(meta["dtype"])
         list(meta["shards"])
     except FileNotFoundError as e:
-        raise ValueError("no prepared data (meta.json missing); run python -m megaframe.data.prepare "
-                         f"data.source=... data.path={path}") from e
+        raise NotPrepared("no prepared data (meta.json missing); run python -m megaframe.data.prepare "
+                          f"data.source=... data.path={path}") from e
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"meta.json is corrupt ({' '.join(str(e).split()) or type(e).__name__})") from e
     return meta
@@ -145,6 +162,9 @@ def check_datasets(cfg) -> list[dict]:
             raise ValueError(f"{key} is empty: point it at a folder written by megaframe.data.prepare")
         try:
             meta = check_prepared(path)
+        except NotPrepared as e:
+            raise NotPrepared(f"{key}={path}: no prepared data (meta.json missing); prepare it with: "
+                              f"{prepare_command(cfg.data, path)}") from None  # the cause says less
         except ValueError as e:
             raise ValueError(f"{key}={path}: {e}") from e
         vocab = int(meta["vocab_size"])
@@ -170,6 +190,7 @@ def tokenizer_identity(data_cfg) -> dict | None:
         meta = read_meta(Path(path))
     except ValueError:
         return None
+    tok = Path(path) / meta.get("tokenizer", "tokenizer.model")
     return {"sha256": meta.get("tokenizer_sha256"), "vocab_size": int(meta["vocab_size"]),
-            "kind": meta.get("tokenizer_kind", "sentencepiece"),
-            "from": str(Path(path) / meta.get("tokenizer", "tokenizer.model"))}
+            "kind": meta.get("tokenizer_kind", "sentencepiece"), "from": str(tok),
+            "path": str(tok.resolve())}  # where generate / export find the run's tokenizer

@@ -14,6 +14,7 @@ from megaframe.config import Config, ConfigError
 from megaframe.data.dataset import Prefetcher, build_data, microbatches
 from megaframe.data.shards import CorruptShard
 from megaframe.layers.rng import seed_step
+from megaframe.inference.sampler import Sampler
 from megaframe.model.gpt import build_model
 from megaframe.model.moe import stats as moe_stats
 from megaframe.optim.build import build_optimizer, cast_model
@@ -85,6 +86,7 @@ def train(cfg: Config, mesh: Mesh, stop: StopFlag, run_id: str = "") -> None:
     try:
         data = build_data(cfg)
         evaluator = Evaluator.build(cfg, mesh)  # None unless train.eval_interval > 0
+        sampler = Sampler.build(cfg, mesh)  # None unless train.sample_interval > 0
     except (OSError, ValueError, KeyError) as e:
         raise ConfigError(f"data.path={cfg.data.path}: unreadable prepared data ({e})") from e
     resumed = resume(cfg, model, optimizer, mesh)
@@ -132,6 +134,8 @@ def train(cfg: Config, mesh: Mesh, stop: StopFlag, run_id: str = "") -> None:
                 t0 = time.perf_counter()
                 val = evaluator.evaluate(model)
                 meter.paused(time.perf_counter() - t0)  # tokens_per_s counts training time only
+            if sampler is not None and sampler.due(step):  # sampling time is not training time either
+                meter.paused(sampler.sample(step, model, cfg.run.dir, tracker.wandb_run))
             if step % t.log_interval == 0 or step == t.max_steps or val is not None:
                 row = {**meter.metrics(step, res, model, optimizer), **probe.gather(mesh)}
                 if val is not None:

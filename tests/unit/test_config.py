@@ -29,6 +29,7 @@ run.dir run.name
 train.device train.global_batch_size train.log_interval train.max_bad_steps train.max_steps train.micro_batch_size train.precision
 train.seed train.eval_interval train.eval_iters train.hang_timeout_s train.compile train.recompute
 train.dist_timeout_s train.signal_check_interval
+train.sample_interval train.sample_prompts train.sample_tokens
 """.split())
 
 PRESETS = sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml"))

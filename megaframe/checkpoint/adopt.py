@@ -1,0 +1,86 @@
+"""Settings a run takes from outside its command line, applied by load_config before validation.
+
+- `checkpoint.resume=PATH`: every model.* field the command line does not set comes from the
+  checkpoint's recorded config (metadata.json), so resuming, or continuing an imported model, needs no
+  model.* overrides. A field the command line sets to another value than the checkpoint's is refused
+  with one line naming the field and both values (resume-time checks then see equal values), except
+  the few fields that shape no weight and that a continued run may change on purpose (SOFT).
+  `model=PRESET` on the command line counts as setting every field of that preset.
+- `WANDB_MODE` in the environment sets logging.wandb.mode unless the command line sets it (wandb's own
+  rule: the variable wins over a program default).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+from megaframe.config import ConfigError, ModelConfig
+
+SOFT = frozenset({"name", "dropout", "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_bias_update_rate",
+                  "moe_capacity_factor", "init_std"})
+"""model.* fields a resume may change without a refusal: none shapes a weight or the function computed
+at inference (the init std only matters for a fresh start)."""
+
+WANDB_MODES = {"online": "online", "offline": "offline", "disabled": "disabled", "dryrun": "offline",
+               "run": "online"}
+"""WANDB_MODE values wandb accepts, and the logging.wandb.mode each means."""
+
+
+def _keys(overrides: list[str]) -> set[str]:
+    return {o.split("=", 1)[0].lstrip("+~") for o in overrides if "=" in o}
+
+
+def set_on_command_line(overrides: list[str]) -> set[str]:
+    """model.* field names the command line sets (all of them when it picks a preset with model=...)."""
+    keys = _keys(overrides)
+    if "model" in keys:
+        return {f.name for f in dataclasses.fields(ModelConfig)}
+    return {k.removeprefix("model.") for k in keys if k.startswith("model.")}
+
+
+def checkpoint_model(path: str) -> dict | None:
+    """The model config recorded in a checkpoint folder's metadata.json (None if it records none)."""
+    try:
+        meta = json.loads((Path(path) / "metadata.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"checkpoint.resume={path}: unreadable metadata.json ({type(e).__name__})") from e
+    model = (meta.get("config") or {}).get("model") if isinstance(meta, dict) else None
+    return model if isinstance(model, dict) else None
+
+
+def adopt_model(cfg, overrides: list[str]) -> list[str]:
+    """Fill cfg.model from checkpoint.resume=PATH (see the module doc); returns the fields taken.
+    A missing metadata.json is left to validate, which refuses it with its own message."""
+    path = cfg.checkpoint.resume
+    if path in ("auto", "none") or not (Path(path) / "metadata.json").is_file():
+        return []
+    saved = checkpoint_model(path)
+    if not saved:
+        return []
+    mine = set_on_command_line(overrides)
+    taken, changes = [], {}
+    for f in dataclasses.fields(ModelConfig):
+        if f.name not in saved:
+            continue
+        theirs, current = saved[f.name], getattr(cfg.model, f.name)
+        if f.name in mine:
+            if current != theirs and f.name not in SOFT:
+                raise ConfigError(f"model.{f.name}={current} contradicts the checkpoint's model.{f.name}={theirs} "
+                                  f"(checkpoint.resume={path}); drop the override to use the checkpoint's")
+        elif current != theirs:
+            changes[f.name] = theirs
+            taken.append(f.name)
+    cfg.model = dataclasses.replace(cfg.model, **changes)
+    return taken
+
+
+def apply_environment(cfg, overrides: list[str]) -> None:
+    """WANDB_MODE sets logging.wandb.mode unless the command line does."""
+    env = os.environ.get("WANDB_MODE")
+    if not env or "logging.wandb.mode" in _keys(overrides):
+        return
+    if env.lower() not in WANDB_MODES:
+        raise ConfigError(f"WANDB_MODE={env!r} in the environment must be one of {', '.join(WANDB_MODES)}")
+    cfg.logging.wandb.mode = WANDB_MODES[env.lower()]

@@ -1,0 +1,88 @@
+"""Loss and perplexity of a checkpoint on a prepared dataset, in one process (any saved layout).
+
+    python -m megaframe.evaluate CKPT [data.path=DIR] [data.valid_fraction=F] [train.eval_iters=N | N]
+                                 [--all] [hydra overrides]
+
+The model comes from the checkpoint (megaframe.load_model); the config is composed like train.py's with
+checkpoint.resume=CKPT, so model.* is the checkpoint's. Without data.path / data= the run's own
+prepared data is used. With data.valid_fraction > 0 the validation split is scored (the first
+train.eval_iters global batches of its seeded order: the samples the run's val_loss used), else the
+whole dataset; --all scores every sample of the split once. A bare integer is train.eval_iters.
+Prints one line: loss (mean token cross-entropy, nats), perplexity, tokens. Bad input exits 2.
+"""
+from __future__ import annotations
+
+import math
+import sys
+import time
+
+
+def split_args(argv: list[str]) -> tuple[str, list[str], bool]:
+    if not argv or argv[0].startswith("-") or "=" in argv[0]:
+        raise ValueError("usage: python -m megaframe.evaluate CKPT [overrides] (CKPT first)")
+    over = [f"train.eval_iters={a}" if a.isdigit() else a for a in argv[1:] if a != "--all"]
+    return argv[0], over, "--all" in argv
+
+
+def compose(ckpt, step, meta: dict, overrides: list[str]):
+    """The run config: overrides + the checkpoint's model and (unless given) its data."""
+    from megaframe.config import load_config
+
+    keys = {o.split("=", 1)[0].lstrip("+") for o in overrides if "=" in o}
+    data = (meta.get("config") or {}).get("data") or {}
+    extra = []
+    if not keys & {"data", "data.path", "data.blend"} and data.get("path"):
+        extra += [f"data.path={data['path']}", f"data.valid_fraction={data.get('valid_fraction', 0.0)}"]
+    extra += [f"data.name={data.get('name', 'data')}"] if "data.name" not in keys and data else []
+    return load_config(extra + list(overrides) + [f"checkpoint.resume={step}"], world_size=1)
+
+
+def evaluate(model, cfg, every: bool) -> tuple[float, int, str]:
+    """(mean token loss, tokens scored, split) over the configured samples."""
+    import torch
+
+    from megaframe.data.dataset import build_data, microbatches
+    from megaframe.parallel.mesh import single_process_mesh
+    from megaframe.training.evaluate import loss_sum
+
+    split = "valid" if cfg.data.valid_fraction > 0 else "all"
+    data = build_data(cfg, split=split)
+    t = cfg.train
+    g = min(t.global_batch_size, data.num_samples) // t.micro_batch_size * t.micro_batch_size
+    if g < 1:
+        raise ValueError(f"the {split} split has {data.num_samples} samples < train.micro_batch_size={t.micro_batch_size}")
+    iters = data.num_samples // g if every else min(t.eval_iters, data.num_samples // g)
+    mesh = single_process_mesh("cpu")
+    total = torch.zeros((), dtype=torch.float64)
+    with torch.no_grad():
+        for k in range(iters):
+            total += loss_sum(model, microbatches(data, k, g, t.micro_batch_size, 0, 1, t.seed), mesh).double()
+    tokens = iters * g * cfg.model.seq_length
+    return total.item() / tokens, tokens, split
+
+
+def main(argv: list[str]) -> int:
+    from megaframe.config import ConfigError
+
+    try:
+        ckpt, overrides, every = split_args(argv)
+        from megaframe.inference.files import resolve_step
+
+        step, meta = resolve_step(ckpt)
+        cfg = compose(ckpt, step, meta, overrides)
+        import megaframe
+
+        t0 = time.perf_counter()
+        model = megaframe.load_model(str(step))
+        loss, tokens, split = evaluate(model, cfg, every)
+    except (ValueError, ConfigError, OSError) as e:  # ConfigError is a ValueError
+        print(f"megaframe: error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
+        return 2
+    src = cfg.data.path or "+".join(b.path for b in cfg.data.blend)
+    print(f"evaluate: {step} (step {meta.get('step')}) on {src} [{split}]: loss {loss:.4f} | "
+          f"perplexity {math.exp(min(loss, 700)):.2f} | {tokens} tokens in {time.perf_counter() - t0:.1f}s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,124 @@
+"""Generate text from a checkpoint of any layout, in one process, with a KV cache.
+
+    python -m megaframe.generate CKPT --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K]
+                                 [--top-p P] [--seed S] [--prompts FILE] [--device cpu|cuda|auto]
+                                 [--dtype fp32|bf16] [--no-cache] [--tokenizer PATH]
+
+CKPT is a step folder or a checkpoint dir (its newest committed step). The tokenizer is the run's: the
+one the checkpoint records, else its prepared data's, else an HF import's copy (or --tokenizer).
+stdout carries the prompt and the generated text only, streamed as tokens are chosen (pipe it);
+settings and timings go to stderr. --temperature 0 is greedy. --prompts FILE generates for each line.
+Bad input (no checkpoint, no tokenizer, bad setting) exits 2 with one line.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from megaframe.inference.sampling import SamplingConfig
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m megaframe.generate", description=__doc__.split("\n\n")[0])
+    ap.add_argument("ckpt")
+    ap.add_argument("--prompt", action="append", default=[], help="may repeat")
+    ap.add_argument("--prompts", help="a file with one prompt per line")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=0.8)
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    ap.add_argument("--no-cache", action="store_true", help="recompute the whole sequence every token")
+    ap.add_argument("--tokenizer", help="a sentencepiece .model or transformers folder (default: the run's)")
+    return ap.parse_args(argv)
+
+
+def load(ckpt: str, device: str, dtype: str, tokenizer: str | None = None):
+    """(model on device, tokenizer, its path, step folder): ValueError on bad input."""
+    import torch
+
+    import megaframe
+    from megaframe.inference.files import find_tokenizer, resolve_step
+
+    step, meta = resolve_step(ckpt)
+    tok, tok_path = find_tokenizer(step, meta, tokenizer)
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device here")
+    try:
+        model = megaframe.load_model(str(step))
+    except (OSError, KeyError, RuntimeError) as e:
+        raise ValueError(f"{step}: cannot load the model ({str(e).splitlines()[0]})") from e
+    model = model.to(device=device, dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)
+    if model.rope is not None:  # plain tensors, not buffers: .to() does not move them
+        model.rope = tuple(t.to(device) for t in model.rope)
+    if tok.vocab_size > model.cfg.vocab_size:
+        raise ValueError(f"tokenizer {tok_path} has {tok.vocab_size} tokens > model.vocab_size={model.cfg.vocab_size}")
+    return model, tok, tok_path, step
+
+
+class Stream:
+    """Writes the text of the tokens so far to stdout as it grows (decoding the whole tail each time, so a
+    character split over byte-fallback pieces is written once complete)."""
+
+    def __init__(self, tok, prompt_ids: list[int], out=sys.stdout):
+        # decoding after the prompt's ids keeps the space sentencepiece drops at the start of a text
+        self.tok, self.out, self.ids = tok, out, list(prompt_ids)
+        self.written = tok.decode(self.ids)
+
+    def __call__(self, token: int) -> None:
+        if token == self.tok.eos_id:
+            return
+        self.ids.append(token)
+        text = self.tok.decode(self.ids)
+        if text.endswith("\ufffd"):  # an incomplete UTF-8 character: wait for its next byte
+            return
+        self.out.write(text[len(self.written):])
+        self.out.flush()
+        self.written = text
+
+
+def main(argv: list[str]) -> int:
+    from megaframe.inference.decode import generate
+
+    args = parse(argv)
+    s = SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed)
+    try:
+        s.check()
+        prompts = list(args.prompt)
+        if args.prompts:
+            prompts += [line for line in open(args.prompts, encoding="utf-8").read().splitlines() if line.strip()]
+        if not prompts:
+            raise ValueError("give --prompt TEXT or --prompts FILE")
+        if args.max_new_tokens < 1:
+            raise ValueError(f"--max-new-tokens {args.max_new_tokens} must be >= 1")
+        model, tok, tok_path, step = load(args.ckpt, args.device, args.dtype, args.tokenizer)
+    except (ValueError, OSError) as e:
+        print(f"megaframe: error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
+        return 2
+    device = next(model.parameters()).device
+    print(f"generate: {step} | {model.cfg.name} on {device.type} {args.dtype} | tokenizer {tok_path} | "
+          f"temperature {s.temperature} top-k {s.top_k} top-p {s.top_p} seed {s.seed} | "
+          f"kv cache {'off' if args.no_cache else 'on'}", file=sys.stderr, flush=True)
+    for prompt in prompts:
+        ids = tok.encode([prompt])[0]
+        sys.stdout.write(prompt)
+        sys.stdout.flush()
+        try:
+            g = generate(model, ids, args.max_new_tokens, s, tok.vocab_size, tok.eos_id, not args.no_cache,
+                         Stream(tok, ids))
+        except ValueError as e:
+            print(f"\nmegaframe: error: {e}", file=sys.stderr, flush=True)
+            return 2
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        print(f"generate: {len(ids)} prompt tokens, {len(g.tokens)} new ({g.stopped}) | prefill {g.prefill_s * 1e3:.1f} ms"
+              f" | decode {g.tokens_per_s:.1f} tokens/s", file=sys.stderr, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,46 @@
+"""Next-token choice: greedy (temperature 0) or sampling with temperature, top-k and top-p (nucleus).
+
+Sampling draws from a torch.Generator seeded once per generation, so a seed gives the same text on a
+machine every time. Logit rows beyond the tokenizer's vocabulary (the embedding is padded to a
+multiple of the layout's needs) are never chosen.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SamplingConfig:
+    temperature: float = 0.8
+    """0 = greedy (argmax)."""
+    top_k: int = 0
+    """Keep only the k most likely tokens; 0 = all."""
+    top_p: float = 1.0
+    """Keep the smallest set of tokens whose probability reaches p; 1 = all."""
+    seed: int = 0
+    """Seeds the sampling generator."""
+
+    def check(self) -> None:
+        if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1:
+            raise ValueError(f"--temperature {self.temperature} must be >= 0, --top-k {self.top_k} >= 0 and "
+                             f"--top-p {self.top_p} in (0, 1]")
+
+
+def next_token(logits_BV: torch.Tensor, s: SamplingConfig, vocab: int, gen: torch.Generator | None) -> torch.Tensor:
+    """[B] token ids from the last position's logits."""
+    logits_BV = logits_BV.float()[:, :vocab]
+    if s.temperature == 0:
+        return logits_BV.argmax(-1)
+    logits_BV = logits_BV / s.temperature
+    if s.top_k:
+        kth_B1 = torch.topk(logits_BV, min(s.top_k, vocab), dim=-1).values[:, -1:]
+        logits_BV = logits_BV.masked_fill(logits_BV < kth_B1, float("-inf"))
+    if s.top_p < 1:
+        sorted_BV, order_BV = torch.sort(logits_BV, descending=True, dim=-1)
+        cum_BV = sorted_BV.softmax(-1).cumsum(-1)
+        drop_BV = cum_BV - sorted_BV.softmax(-1) >= s.top_p  # mass before this token already reaches p
+        logits_BV = logits_BV.scatter(-1, order_BV, sorted_BV.masked_fill(drop_BV, float("-inf")))
+    probs_BV = logits_BV.softmax(-1)
+    return torch.multinomial(probs_BV.cpu(), 1, generator=gen).squeeze(-1).to(logits_BV.device)

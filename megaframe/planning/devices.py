@@ -1,0 +1,140 @@
+"""Device specs for the planner's step-time model: one table, each figure with its source.
+
+Peaks are dense (no sparsity) tensor-core FLOP/s; link bandwidths are per direction per device.
+`efficiency` is the fraction of peak the model assumes a training step's matmuls reach (stated, not
+fitted: ~50 % is what well-tuned Megatron-LM / torchtitan bf16 runs of 8B-70B dense models report as
+MFU on H100/A100, e.g. Llama 3's 38-43 % at 16k GPUs, Megatron's 47 % at 1T params on A100); `link_eff`
+the fraction of the link rate NCCL's bus bandwidth reaches (nccl-tests all-reduce busbw, ~80 %).
+`latency_s` is the per-message cost of one ring step (NCCL's few-microsecond launch + hop).
+
+"cpu" is measured when asked for (`measure_cpu`): the best fp32 matmul rate of one core, and the
+latency and bandwidth of a TCP loopback socket (the transport gloo uses between local ranks).
+"""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from dataclasses import dataclass, replace
+
+import torch
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str
+    peak_bf16: float
+    """Dense bf16 FLOP/s per device."""
+    peak_fp32: float
+    """fp32 FLOP/s per device (TF32 tensor cores on GPUs, as PyTorch uses for fp32 matmuls when allowed)."""
+    memory_gb: float
+    intra_bw: float
+    """Bytes/s per direction between devices of one node (NVLink)."""
+    inter_bw: float
+    """Bytes/s per direction per device between nodes (one InfiniBand NIC per GPU)."""
+    per_node: int
+    """Devices per node (the NVLink domain)."""
+    efficiency: float = 0.5
+    link_eff: float = 0.8
+    latency_s: float = 10e-6
+    source: str = ""
+
+    def peak(self, precision: str) -> float:
+        return self.peak_bf16 if precision == "bf16" else self.peak_fp32
+
+
+DEVICES = {
+    "H100": Device("H100 SXM5 80GB", 989e12, 494.7e12, 80, 450e9, 50e9, 8,
+                   source="NVIDIA H100 Tensor Core GPU datasheet (SXM5: 989 TF bf16 dense, 495 TF tf32 dense, "
+                          "NVLink 900 GB/s bidirectional); DGX H100: 8 GPUs, ConnectX-7 400 Gb/s per GPU"),
+    "H200": Device("H200 SXM 141GB", 989e12, 494.7e12, 141, 450e9, 50e9, 8,
+                   source="NVIDIA H200 Tensor Core GPU datasheet (same compute and NVLink as H100 SXM, 141 GB "
+                          "HBM3e); HGX H200 with 400 Gb/s NDR per GPU"),
+    "A100": Device("A100 SXM4 80GB", 312e12, 156e12, 80, 300e9, 25e9, 8,
+                   source="NVIDIA A100 Tensor Core GPU datasheet (312 TF bf16 dense, 156 TF tf32, NVLink 600 GB/s "
+                          "bidirectional); DGX A100: ConnectX-6 200 Gb/s HDR per GPU"),
+    "B200": Device("B200 SXM 180GB", 2.25e15, 1.1e15, 180, 900e9, 50e9, 8,
+                   source="NVIDIA DGX B200 datasheet (72 PF fp8 training / 8 GPUs = 9 PF fp8 sparse, i.e. 2.25 PF "
+                          "bf16 dense; 1,440 GB / 8; NVLink 5 1.8 TB/s bidirectional; ConnectX-7 400 Gb/s per GPU)"),
+}
+
+
+def _socket_link(nbytes: int = 32 << 20, pings: int = 200) -> tuple[float, float]:
+    """(one-way latency s, bandwidth B/s) of a TCP loopback connection, from a thread echoing/draining it."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    a = socket.create_connection(srv.getsockname())
+    b, _ = srv.accept()
+    for s in (a, b):
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def echo():
+        for _ in range(pings):
+            b.sendall(b.recv(1))
+        left = nbytes
+        while left > 0:
+            left -= len(b.recv(min(left, 1 << 20)))
+        b.sendall(b"k")
+
+    t = threading.Thread(target=echo)
+    t.start()
+    t0 = time.perf_counter()
+    for _ in range(pings):
+        a.sendall(b"x")
+        a.recv(1)
+    latency = (time.perf_counter() - t0) / pings / 2
+    payload = bytes(1 << 20)
+    t0 = time.perf_counter()
+    for _ in range(nbytes >> 20):
+        a.sendall(payload)
+    a.recv(1)
+    bw = nbytes / (time.perf_counter() - t0)
+    t.join()
+    for s in (a, b, srv):
+        s.close()
+    return latency, bw
+
+
+def _matmul_rate(n: int = 512, seconds: float = 0.3) -> float:
+    """Best fp32 matmul FLOP/s on one thread over a few windows (another process may share the core)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a = torch.randn(n, n)
+        torch.mm(a, a)
+        best = 0.0
+        for _ in range(5):
+            k, t0 = 0, time.perf_counter()
+            while time.perf_counter() - t0 < seconds / 5:
+                torch.mm(a, a)
+                k += 1
+            best = max(best, 2 * n**3 * k / (time.perf_counter() - t0))
+        return best
+    finally:
+        torch.set_num_threads(threads)
+
+
+def measure_cpu(cores: int | None = None) -> Device:
+    """The "cpu" device: one rank per core, gloo over TCP loopback, measured now."""
+    import os
+
+    rate = _matmul_rate()
+    latency, bw = _socket_link()
+    cores = cores or os.cpu_count() or 1
+    return Device(f"cpu (measured: {rate / 1e9:.1f} GFLOP/s fp32 per core, loopback {bw / 1e9:.2f} GB/s, "
+                  f"{latency * 1e6:.0f} us)", rate, rate, 0, bw, bw, cores, efficiency=0.5, link_eff=1.0,
+                  latency_s=latency, source="measured at start: best fp32 512x512 matmul rate on one thread; "
+                  "TCP loopback ping-pong and 32 MiB stream")
+
+
+def get_device(name: str, **overrides) -> Device:
+    """A table entry by name (case-insensitive), or the measured "cpu"; fields may be overridden."""
+    key = name.upper()
+    if name.lower() == "cpu":
+        dev = measure_cpu()
+    elif key in DEVICES:
+        dev = DEVICES[key]
+    else:
+        raise ValueError(f"+device={name}: unknown (one of {', '.join(DEVICES)}, cpu)")
+    return replace(dev, **{k: v for k, v in overrides.items() if v is not None})

@@ -1,0 +1,100 @@
+"""Training curves from metrics.jsonl, without a wandb account: several runs on one figure.
+
+    python -m megaframe.plot RUN_DIR [RUN_DIR ...] [--out FILE.png] [--x tokens|step]
+
+Panels: loss (solid) and val_loss (dashed, where logged) against tokens seen (or steps), learning
+rate, grad norm, tokens/s and MFU. Each run is one colour, labelled by its folder name. A step logged
+twice (after a restart) counts once, the later line winning. Writes FILE.png (default loss.png) with
+matplotlib's Agg backend (no display needed). A folder without metrics.jsonl exits 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+PANELS = [("loss", "loss (val dashed)"), ("lr", "learning rate"), ("grad_norm", "grad norm"),
+          ("tokens_per_s", "tokens/s"), ("mfu", "MFU")]
+
+
+def read_run(run_dir: str | Path) -> list[dict]:
+    """Rows of metrics.jsonl by step (the later line wins); ValueError when there is none."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise ValueError(f"{run_dir}: no metrics.jsonl (not a run folder)")
+    rows = {}
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            rows[int(row["step"])] = row
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{path}:{n}: not a metrics row ({e})") from e
+    if not rows:
+        raise ValueError(f"{path} is empty")
+    return [rows[s] for s in sorted(rows)]
+
+
+def tokens_per_step(run_dir: Path, rows: list[dict]) -> float | None:
+    """Global batch x sequence length from the run's config.yaml (None when it has none)."""
+    try:
+        from omegaconf import OmegaConf
+
+        cfg = OmegaConf.load(run_dir / "config.yaml")
+        return float(cfg.train.global_batch_size * cfg.model.seq_length)
+    except (OSError, AttributeError, ValueError, TypeError):
+        return None
+
+
+def plot(runs: list[str], out: str, x_axis: str = "tokens") -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(PANELS), figsize=(4 * len(PANELS), 3.4))
+    for i, run in enumerate(runs):
+        rows, color = read_run(run), f"C{i % 10}"
+        tps = tokens_per_step(Path(run), rows) if x_axis == "tokens" else None
+        xs = [r["step"] * tps for r in rows] if tps else [r["step"] for r in rows]
+        for ax, (key, _) in zip(axes, PANELS):
+            pts = [(x, r[key]) for x, r in zip(xs, rows) if r.get(key) is not None]
+            if pts:
+                ax.plot(*zip(*pts), color=color, label=Path(run).name)
+            if key == "loss":
+                val = [(x, r["val_loss"]) for x, r in zip(xs, rows) if r.get("val_loss") is not None]
+                if val:
+                    ax.plot(*zip(*val), color=color, linestyle="--", marker=".")
+    xlabel = "tokens" if x_axis == "tokens" else "step"
+    for ax, (key, title) in zip(axes, PANELS):
+        ax.set_title(title)
+        ax.set_xlabel(xlabel)
+        ax.grid(alpha=0.3)
+        if key in ("loss", "grad_norm"):
+            ax.set_yscale("log")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=80)
+    plt.close(fig)
+    return Path(out)
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="python -m megaframe.plot", description=__doc__.split("\n\n")[0])
+    ap.add_argument("runs", nargs="+", help="run folders holding metrics.jsonl")
+    ap.add_argument("--out", default="loss.png")
+    ap.add_argument("--x", choices=["tokens", "step"], default="tokens", help="x axis")
+    args = ap.parse_args(argv)
+    try:
+        path = plot(args.runs, args.out, args.x)
+    except ValueError as e:
+        print(f"megaframe: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    print(f"plot: {len(args.runs)} run(s) -> {path}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,22 @@
+"""megaframe.plot: several runs on one PNG; a step logged twice counts once (the later line); bad input exits 2."""
+import json
+
+from megaframe.plot import main, read_run
+
+
+def write_run(d, rows):
+    d.mkdir()
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (d / "config.yaml").write_text("train:\n  global_batch_size: 4\nmodel:\n  seq_length: 8\n")
+
+
+def test_two_runs_one_png(tmp_path, capsys):
+    row = lambda s, loss: {"step": s, "loss": loss, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 100.0, "mfu": 0.1}
+    write_run(tmp_path / "a", [row(1, 5.0), row(2, 4.0), row(2, 3.5), {**row(3, 3.0), "val_loss": 3.2}])
+    write_run(tmp_path / "b", [row(1, 6.0), row(2, 5.0)])
+    assert [r["loss"] for r in read_run(tmp_path / "a")] == [5.0, 3.5, 3.0]
+    out = tmp_path / "curves.png"
+    assert main([str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+    assert main([str(tmp_path / "missing")]) == 2
+    assert "no metrics.jsonl" in capsys.readouterr().err
