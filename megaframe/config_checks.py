@@ -9,10 +9,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from megaframe.config import ConfigError, _one_line
+from megaframe.errors import ConfigError, one_line as _one_line
 
 if TYPE_CHECKING:
-    from megaframe.config import Config, ModelConfig, ParallelConfig
+    from megaframe.schema import Config, ModelConfig, ParallelConfig
 
 
 def _req(ok: bool, msg: str) -> None:
@@ -70,6 +70,7 @@ FIELD_RULES: dict[str, Rule] = {
     "train.micro_batch_size": POS, "train.global_batch_size": POS, "train.max_steps": POS, "train.seed": SEED,
     "train.log_interval": POS, "train.max_bad_steps": NONNEG, "train.eval_interval": NONNEG,
     "train.eval_iters": POS, "train.hang_timeout_s": NONNEGF, "train.dist_timeout_s": POSF,
+    "train.sample_interval": NONNEG, "train.sample_tokens": POS,
     "train.signal_check_interval": POS,
     # optim
     "optim.lr": POSF, "optim.min_lr": NONNEGF, "optim.warmup_steps": NONNEG, "optim.weight_decay": NONNEGF,

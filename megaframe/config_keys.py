@@ -9,14 +9,19 @@ import json
 import math
 from pathlib import Path
 
-from megaframe.config import Config, ConfigError, _one_line
+from megaframe.errors import ConfigError, one_line as _one_line
+from megaframe.schema import Config
+
+
+PLANNER_KEYS = ("world_size", "device_memory_gb", "plan_json", "search", "device", "top", "efficiency")
+"""The planner's own `+key=value` settings (megaframe.plan removes them before load_config). Kept here,
+below the config loader, so the loader can name them without importing the planner."""
+
 
 def tool_keys() -> dict[str, str]:
-    """`+key=value` settings that belong to a tool, not to the config (the planner's OWN_KEYS: it removes
-    them before load_config); anywhere else they are refused with the tool's name."""
-    from megaframe.plan import OWN_KEYS
-
-    return {k: "python -m megaframe.plan" for k in OWN_KEYS}
+    """`+key=value` settings that belong to a tool, not to the config (PLANNER_KEYS); anywhere else they
+    are refused with the tool's name."""
+    return {k: "python -m megaframe.plan" for k in PLANNER_KEYS}
 
 
 def schema_keys(node: type = None, prefix: str = "") -> set[str]:

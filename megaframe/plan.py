@@ -24,7 +24,7 @@ import os
 import sys
 from pathlib import Path
 
-OWN_KEYS = ("world_size", "device_memory_gb", "plan_json", "search", "device", "top", "efficiency")
+from megaframe.config_keys import PLANNER_KEYS as OWN_KEYS
 
 
 def split_args(argv: list[str]) -> tuple[list[str], dict[str, str]]:

@@ -16,7 +16,8 @@ import json
 import os
 from pathlib import Path
 
-from megaframe.config import ConfigError, ModelConfig
+from megaframe.errors import ConfigError
+from megaframe.schema import ModelConfig
 
 SOFT = frozenset({"name", "dropout", "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_bias_update_rate",
                   "moe_capacity_factor", "init_std"})

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from megaframe.config import ModelConfig
+from megaframe.schema import ModelConfig
 
 LLAMA_LAYER = {"attn_norm.weight": "input_layernorm.weight", "mlp_norm.weight": "post_attention_layernorm.weight",
                "attn.out_proj.weight": "self_attn.o_proj.weight", "attn.out_proj.bias": "self_attn.o_proj.bias",

@@ -77,7 +77,7 @@ class NotPrepared(ValueError):
 def prepare_command(data_cfg, path) -> str:
     """The exact command that prepares `path`: plain `prepare` for the demo (its source and path are the
     data=demo defaults), else the source and path of the run's config."""
-    from megaframe.config import ROOT
+    from megaframe.schema import ROOT
 
     if data_cfg.name == "demo" and data_cfg.source == str(ROOT / "data/demo/corpus"):
         if Path(path).resolve() == (ROOT / "data/demo/prepared").resolve():

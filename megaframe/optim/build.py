@@ -19,7 +19,7 @@ import contextlib
 import torch
 from torch import nn
 
-from megaframe.config import OptimConfig
+from megaframe.schema import OptimConfig
 from megaframe.optim.adamw import MOMENTS, adamw
 from megaframe.optim.finalize import finalize
 from megaframe.optim.grads import ReplicatedGrads

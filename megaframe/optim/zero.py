@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from megaframe.config import OptimConfig
+from megaframe.schema import OptimConfig
 from megaframe.optim.adamw import MOMENTS, adamw
 from megaframe.optim.buffer import Bucket, FlatBuffer, bucket_plan, buffer_groups
 from megaframe.optim.finalize import finalize

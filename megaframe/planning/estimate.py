@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from megaframe.config import Config
+from megaframe.schema import Config
 from megaframe.model.gpt import build_model
 from megaframe.optim.build import cast_model
 from megaframe.optim.zero import planned_memory_bytes

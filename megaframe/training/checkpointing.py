@@ -14,7 +14,7 @@ from pathlib import Path
 
 from megaframe.checkpoint import lineage, sharded
 from megaframe.checkpoint.async_save import AsyncSaver
-from megaframe.config import Config
+from megaframe.schema import Config
 from megaframe.data.dataset import data_state
 from megaframe.data.shards import tokenizer_identity
 from megaframe.parallel.mesh import Mesh

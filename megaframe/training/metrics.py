@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from megaframe.config import ModelConfig
+from megaframe.schema import ModelConfig
 
 # dense bf16 tensor-core peaks (no sparsity), FLOP/s
 GPU_PEAK = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H200 NVL": 835e12,

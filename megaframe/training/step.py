@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megaframe.config import Config
+from megaframe.schema import Config
 from megaframe.model.moe import stats as moe_stats
 from megaframe.optim.schedule import lr_at
 from megaframe.parallel.mesh import Mesh

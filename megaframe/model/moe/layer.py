@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megaframe.config import ModelConfig
+from megaframe.schema import ModelConfig
 from megaframe.layers.shard import Shard, sharded_param
 from megaframe.model.moe import dispatcher, router
 from megaframe.parallel import comm

@@ -1,0 +1,53 @@
+"""Code health: no import cycles in megaframe/, with imports inside functions counted (a function-level
+import hides a cycle from the interpreter, not from a reader). Uses scripts/code_stats.py's definitions."""
+from __future__ import annotations
+
+import ast
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Cycles owned by a branch still in flight (scale: data/order.py and the checkpoint split remove them).
+# Empty this set when that branch is merged; nothing may be added to it.
+PENDING = {
+    frozenset({"megaframe.data.blend", "megaframe.data.dataset"}),
+    frozenset({"megaframe.checkpoint.lineage", "megaframe.checkpoint.sharded"}),
+}
+
+
+def _code_stats():
+    spec = importlib.util.spec_from_file_location("code_stats", ROOT / "scripts" / "code_stats.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_no_import_cycles():
+    cycles = _code_stats().stats()["import_cycles"]
+    new = [" <-> ".join(c) for c in cycles if frozenset(c) not in PENDING]
+    assert not new, f"import cycles: {new}"
+
+
+def test_function_level_import_counts_as_an_edge():
+    """The definition the test relies on: an import inside a function is an edge, so a cycle through it
+    is found (a checker that only read module-level imports would pass the old config <-> checks loop)."""
+    cs = _code_stats()
+    known = {"megaframe.a", "megaframe.b"}
+    a = ast.parse("from megaframe.b import x\n")
+    b = ast.parse("def f():\n    from megaframe.a import y\n")
+    graph = {"megaframe.a": cs.imports(a, "megaframe.a", False, known),
+             "megaframe.b": cs.imports(b, "megaframe.b", False, known)}
+    assert cs.cycles(graph) == [["megaframe.a", "megaframe.b"]]
+
+
+def test_config_public_path_unchanged():
+    """The schema moved to megaframe.schema (a leaf); megaframe.config still exports the same names."""
+    import megaframe.config as config
+    import megaframe.schema as schema
+
+    for name in ("Config", "ModelConfig", "ParallelConfig", "TrainConfig", "OptimConfig", "DataConfig",
+                 "CheckpointConfig", "LoggingConfig", "WandbConfig", "RunConfig", "BlendSource", "LRSchedule",
+                 "DocSplit", "ConfigError", "ROOT", "CONF_DIR", "DEFAULT_EXTENSIONS"):
+        assert getattr(config, name) is getattr(schema, name), name
+    assert callable(config.load_config) and callable(config.validate) and callable(config.default_run_name)
