@@ -52,6 +52,7 @@ def load_config(overrides: list[str], world_size: Optional[int] = None, check_da
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from omegaconf import OmegaConf
+    from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
     _register()
@@ -63,10 +64,8 @@ def load_config(overrides: list[str], world_size: Optional[int] = None, check_da
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             raw = compose(config_name="config", overrides=list(overrides))
         cfg = OmegaConf.to_object(raw)
-    except (OmegaConfBaseException, Exception) as e:  # Hydra wraps most errors; keep one line
-        if isinstance(e, ConfigError):
-            raise
-        raise ConfigError(_one_line(e)) from e
+    except (HydraException, OmegaConfBaseException) as e:  # a bad value, group or interpolation
+        raise ConfigError(_composition_error(e)) from e
     # settings from outside the command line: the resumed checkpoint's model, WANDB_MODE (before validate,
     # so every check, the resume checks included, sees the values the run will use)
     from megaframe.checkpoint.adopt import adopt_model, apply_environment
@@ -78,6 +77,14 @@ def load_config(overrides: list[str], world_size: Optional[int] = None, check_da
     validate(cfg, world_size,
              check_data=check_data)
     return cfg
+
+
+def _composition_error(e: BaseException) -> str:
+    """One line naming the field: OmegaConf keeps it in `full_key`, which the message of a value read
+    from a YAML file (not an override, whose text names it) does not otherwise show."""
+    line = _one_line(e)
+    key = next((getattr(x, "full_key", None) for x in (e, e.__cause__) if getattr(x, "full_key", None)), None)
+    return line if not key or key in line else f"{key}: {line}"
 
 
 def validate(cfg: Config, world_size: int, check_data: bool = True) -> None:

@@ -6,14 +6,84 @@ model, optim, checkpoint and the checks all read it; loading and validation (meg
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import Enum, StrEnum
 from pathlib import Path
-from typing import Optional
+from typing import Optional, get_type_hints
 
 from megaframe.errors import ConfigError  # noqa: F401  (re-exported: the schema's error type)
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF_DIR = ROOT / "conf"
+
+
+# -- closed string choices: Hydra refuses any other value at composition, naming the field. StrEnum members
+# are str (== their value, str()/format() give the value), so comparisons with literals and JSON keep working.
+class Norm(StrEnum):
+    """model.norm."""
+    rmsnorm = "rmsnorm"
+    layernorm = "layernorm"
+
+
+class Activation(StrEnum):
+    """model.activation (MoE experts are SwiGLU only)."""
+    swiglu = "swiglu"
+    gelu = "gelu"
+
+
+class PositionEmbedding(StrEnum):
+    """model.position_embedding."""
+    rope = "rope"
+    learned = "learned"
+
+
+class RouterScore(StrEnum):
+    """model.moe_router_score."""
+    softmax = "softmax"
+    sigmoid = "sigmoid"
+
+
+# OmegaConf looks members up by name, and "1f1b" is no identifier: the functional form allows it
+ScheduleKind = StrEnum("ScheduleKind", [(k, k) for k in ("auto", "gpipe", "1f1b", "interleaved")],
+                       module=__name__)
+ScheduleKind.__doc__ = "parallel.pp_schedule (auto: interleaved when vpp > 1, else 1f1b)."
+
+
+class Device(StrEnum):
+    """train.device."""
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class Precision(StrEnum):
+    """train.precision."""
+    fp32 = "fp32"
+    bf16 = "bf16"
+
+
+class Recompute(StrEnum):
+    """train.recompute."""
+    none = "none"
+    selective = "selective"
+    full = "full"
+
+
+class DataKind(StrEnum):
+    """data.kind."""
+    prepared = "prepared"
+    synthetic = "synthetic"
+
+
+class WandbMode(StrEnum):
+    """logging.wandb.mode."""
+    online = "online"
+    offline = "offline"
+    disabled = "disabled"
+
+
+def enum_fields(cls: type) -> dict[str, type[Enum]]:
+    """The Enum-typed fields of a schema dataclass, name -> Enum (to type values set after composition)."""
+    return {k: t for k, t in get_type_hints(cls).items() if isinstance(t, type) and issubclass(t, Enum)}
 
 
 @dataclass
@@ -42,7 +112,7 @@ class ModelConfig:
     """Experts each token is routed to."""
     moe_ffn_hidden_size: Optional[int] = None
     """Inner width of each expert's SwiGLU (per branch); None means ffn_hidden_size."""
-    moe_router_score: str = "softmax"
+    moe_router_score: RouterScore = RouterScore.softmax
     """softmax | sigmoid: how router logits become scores (top-k weights are renormalised to sum 1)."""
     moe_aux_loss_coeff: float = 0.01
     """Load-balancing loss (Switch/GShard: E * sum_e f_e * P_e) weight; logged as aux_loss."""
@@ -58,11 +128,11 @@ class ModelConfig:
     of a micro-batch (first come, in token order); the rest are dropped (moe/layer{i}/dropped_frac)."""
     dropout: float = 0.0
     """Dropout on attention probabilities and residual branches (0 keeps layouts bit-comparable)."""
-    norm: str = "rmsnorm"
+    norm: Norm = Norm.rmsnorm
     """rmsnorm | layernorm."""
-    activation: str = "swiglu"
+    activation: Activation = Activation.swiglu
     """swiglu | gelu."""
-    position_embedding: str = "rope"
+    position_embedding: PositionEmbedding = PositionEmbedding.rope
     """rope | learned."""
     tie_embeddings: bool = False
     """Share the input embedding with the output head."""
@@ -101,7 +171,7 @@ class ParallelConfig:
     """Expert-parallel size, borrowed from the data-parallel ranks."""
     sp: bool = False
     """Sequence parallelism: split the sequence over tp between blocks (needs tp > 1 to matter)."""
-    pp_schedule: str = "auto"
+    pp_schedule: ScheduleKind = ScheduleKind.auto
     """gpipe | 1f1b | interleaved | auto (interleaved when vpp > 1, else 1f1b)."""
     pp_layout: Optional[list[int]] = None
     """Layers per virtual stage (pp x vpp entries, stage s = chunk * pp + rank) for uneven splits."""
@@ -121,9 +191,9 @@ class TrainConfig:
     """Write metrics every this many steps (and at the last step)."""
     max_bad_steps: int = 10
     """Stop with an error after this many optimizer steps in a row with a non-finite grad norm (each is skipped)."""
-    device: str = "auto"
+    device: Device = Device.auto
     """auto | cpu | cuda."""
-    precision: str = "fp32"
+    precision: Precision = Precision.fp32
     """fp32 | bf16: bf16 parameters and compute, with fp32 master weights, Adam moments and grad
     reduction in the optimizer (needs optim.zero=1). No loss scaling: bf16 has fp32's range."""
     eval_interval: int = 0
@@ -143,7 +213,7 @@ class TrainConfig:
     compile: bool = False
     """torch.compile each transformer block (the first steps pay the compile time; the losses stay equal
     up to float rounding). Works on CPU (inductor's C++ backend) and CUDA."""
-    recompute: str = "none"
+    recompute: Recompute = Recompute.none
     """Activation recompute: none | selective (recompute the attention core, SDPA, in backward: Megatron's
     selective mode, it saves the S x S-sized intermediates) | full (torch.utils.checkpoint per block: only
     each block's input is kept). Trades compute for activation memory; losses are unchanged."""
@@ -157,7 +227,7 @@ class TrainConfig:
     """New tokens per training-time sample."""
 
 
-class LRSchedule(str, Enum):
+class LRSchedule(StrEnum):
     """Shape of the learning rate after warmup (megaframe/optim/schedule.py has the formulas)."""
     cosine = "cosine"
     linear = "linear"
@@ -209,7 +279,7 @@ class BlendSource:
     """Relative share of the training samples (weights are normalized)."""
 
 
-class DocSplit(str, Enum):
+class DocSplit(StrEnum):
     """How a plain-text file becomes documents (jsonl / json / parquet: one document per record)."""
     file = "file"
     paragraph = "paragraph"
@@ -234,7 +304,7 @@ DEFAULT_EXTENSIONS = [
 class DataConfig:
     name: str = "demo"
     """Dataset label for logs."""
-    kind: str = "prepared"
+    kind: DataKind = DataKind.prepared
     """prepared (token shards under data.path) | synthetic (deterministic random tokens)."""
     path: str = ""
     """Folder written by megaframe.data.prepare: tokenizer.model, meta.json and token shards."""
@@ -300,7 +370,7 @@ class CheckpointConfig:
 
 @dataclass
 class WandbConfig:
-    mode: str = "offline"
+    mode: WandbMode = WandbMode.offline
     """online | offline | disabled."""
     project: str = "megaframe"
     """wandb project."""
@@ -331,3 +401,11 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     run: RunConfig = field(default_factory=RunConfig)
+
+
+def plain(cfg) -> dict:
+    """dataclasses.asdict with every Enum as its plain string value: what checkpoint metadata, wandb and
+    metadata JSON record (they must read back without this module)."""
+    import dataclasses
+
+    return dataclasses.asdict(cfg, dict_factory=lambda kv: {k: v.value if isinstance(v, Enum) else v for k, v in kv})

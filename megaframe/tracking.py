@@ -1,7 +1,6 @@
 """Where metrics go: ${run.dir}/metrics.jsonl, a console line, and wandb; all from one logging rank."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -9,6 +8,8 @@ import re
 import sys
 import time
 from pathlib import Path
+
+from megaframe.schema import plain
 
 
 def _fmt_duration(s: float) -> str:
@@ -83,7 +84,7 @@ def _start_wandb(cfg, run_dir: str):
     os.environ.setdefault("WANDB_SILENT", "true")
     return wandb.init(project=cfg.logging.wandb.project, entity=cfg.logging.wandb.entity,
                       mode=cfg.logging.wandb.mode, dir=run_dir, id=run_id, name=cfg.run.name,
-                      resume="allow", config=dataclasses.asdict(cfg))
+                      resume="allow", config=plain(cfg))
 
 
 def wandb_login_problem(cfg) -> str | None:

@@ -109,6 +109,7 @@ def copy_tokenizer(src: Path, dest: Path) -> dict | None:
 def import_hf(folder: str, out: Path, overrides: list[str]) -> Path:
     from megaframe.checkpoint import sharded
     from megaframe.checkpoint.hf import from_hf
+    from megaframe.schema import plain
 
     src = Path(folder)
     if not (src / "config.json").is_file():
@@ -124,7 +125,7 @@ def import_hf(folder: str, out: Path, overrides: list[str]) -> Path:
             "rng": "derived from (train.seed, step, rank); no state to restore",
             "data": {"kind": cfg.data.kind, "path": cfg.data.path, "consumed_samples": 0},
             "tokenizer": tok,  # train.py refuses data prepared with another tokenizer
-            "config": dataclasses.asdict(cfg), "imported_from": str(src.resolve())}
+            "config": plain(cfg), "imported_from": str(src.resolve())}
     path = sharded.save(out, 0, model, WeightsOnly(), mesh, meta)
     n = sum(t.numel() for t in state.values())
     print(f"import: {folder} ({n / 1e6:.2f}M params, {fields['name']}) -> {path}", flush=True)

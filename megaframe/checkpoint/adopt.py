@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 
 from megaframe.errors import ConfigError
-from megaframe.schema import ModelConfig
+from megaframe.schema import ModelConfig, WandbMode, enum_fields
 
 SOFT = frozenset({"name", "dropout", "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_bias_update_rate",
                   "moe_capacity_factor", "init_std"})
@@ -62,10 +62,17 @@ def adopt_model(cfg, overrides: list[str]) -> list[str]:
         return []
     mine = set_on_command_line(overrides)
     taken, changes = [], {}
+    enums = enum_fields(ModelConfig)
     for f in dataclasses.fields(ModelConfig):
         if f.name not in saved:
             continue
         theirs, current = saved[f.name], getattr(cfg.model, f.name)
+        if f.name in enums:  # typed as Hydra would have typed it: the checkpoint records plain strings
+            try:
+                theirs = enums[f.name](theirs)
+            except ValueError as e:
+                raise ConfigError(f"checkpoint.resume={path}: its model.{f.name}={theirs!r} is not one of "
+                                  f"{', '.join(enums[f.name])}") from e
         if f.name in mine:
             if current != theirs and f.name not in SOFT:
                 raise ConfigError(f"model.{f.name}={current} contradicts the checkpoint's model.{f.name}={theirs} "
@@ -84,4 +91,4 @@ def apply_environment(cfg, overrides: list[str]) -> None:
         return
     if env.lower() not in WANDB_MODES:
         raise ConfigError(f"WANDB_MODE={env!r} in the environment must be one of {', '.join(WANDB_MODES)}")
-    cfg.logging.wandb.mode = WANDB_MODES[env.lower()]
+    cfg.logging.wandb.mode = WandbMode(WANDB_MODES[env.lower()])

@@ -7,14 +7,13 @@ save limit (a slow save is not a hang). A save is refused, keeping every committ
 """
 from __future__ import annotations
 
-import dataclasses
 import sys
 import time
 from pathlib import Path
 
 from megaframe.checkpoint import lineage, sharded
 from megaframe.checkpoint.async_save import AsyncSaver
-from megaframe.schema import Config
+from megaframe.schema import Config, plain
 from megaframe.data.dataset import data_state
 from megaframe.data.shards import tokenizer_identity
 from megaframe.parallel.mesh import Mesh
@@ -63,7 +62,7 @@ class Checkpointer:
                 "layout": {"tp": mesh.tp.size, "pp": mesh.pp.size, "dp": mesh.dp.size, "ep": mesh.ep.size,
                            "sp": cfg.parallel.sp},
                 "rng": "derived from (train.seed, step, pp and dp rank); no state to restore",
-                "data": data, "config": dataclasses.asdict(cfg),
+                "data": data, "config": plain(cfg),
                 "tokenizer": tokenizer_identity(cfg.data),  # a resume checks its data against it
                 "lineage": lineage.lineage_meta(self.run_id, step, *self.parent, root)}
         if background:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import sys
 
 from megaframe.config import Config, ConfigError
+from megaframe.schema import plain
 
 GUARDED_TRAIN = ("global_batch_size", "seed")
 UNCHECKED_MODEL = ("name",)
@@ -24,14 +25,12 @@ def differences(cfg: Config, saved: dict, consumed: int = 1) -> list[tuple[str, 
     """(field, saved value, current value) of every guarded field that differs. Before any sample is
     consumed (`consumed` = 0: a step-0 checkpoint, e.g. imported from Hugging Face) the data fields
     decide nothing yet and may change."""
-    import dataclasses
-
     out = []
-    cur_train, old_train = dataclasses.asdict(cfg.train), saved.get("train", {})
+    cur_train, old_train = plain(cfg.train), saved.get("train", {})
     for k in GUARDED_TRAIN if consumed > 0 else ():
         if k in old_train and old_train[k] != cur_train[k]:
             out.append((f"train.{k}", old_train[k], cur_train[k]))
-    cur_model, old_model = dataclasses.asdict(cfg.model), saved.get("model", {})
+    cur_model, old_model = plain(cfg.model), saved.get("model", {})
     for k, v in cur_model.items():
         if k not in UNCHECKED_MODEL and k in old_model and old_model[k] != v:
             out.append((f"model.{k}", old_model[k], v))

@@ -51,3 +51,30 @@ def test_config_public_path_unchanged():
                  "DocSplit", "ConfigError", "ROOT", "CONF_DIR", "DEFAULT_EXTENSIONS"):
         assert getattr(config, name) is getattr(schema, name), name
     assert callable(config.load_config) and callable(config.validate) and callable(config.default_run_name)
+
+
+def test_closed_string_choices_are_enums():
+    """Hydra refuses a value outside the Enum at composition; what is recorded (checkpoint metadata,
+    wandb config) is plain strings that read back into the schema."""
+    import json
+    from enum import Enum
+
+    from omegaconf import OmegaConf
+
+    from megaframe.config import load_config
+    from megaframe.schema import Config, enum_fields, plain
+
+    closed = {"ModelConfig": {"norm", "activation", "position_embedding", "moe_router_score"},
+              "ParallelConfig": {"pp_schedule"}, "TrainConfig": {"precision", "recompute", "device"},
+              "OptimConfig": {"lr_schedule"}, "DataConfig": {"kind", "split"}, "WandbConfig": {"mode"}}
+    import megaframe.schema as schema
+    for cls, names in closed.items():
+        assert names <= enum_fields(getattr(schema, cls)).keys(), cls
+    cfg = load_config(["parallel.pp=2", "parallel.pp_schedule=1f1b", "train.recompute=full"], world_size=2,
+                      check_data=False)
+    assert cfg.parallel.pp_schedule == "1f1b" and f"{cfg.train.recompute}" == "full"
+    text = json.dumps(plain(cfg))
+    assert '"pp_schedule": "1f1b"' in text and "ScheduleKind" not in text
+    back = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), json.loads(text)))
+    assert back.parallel.pp_schedule == cfg.parallel.pp_schedule and isinstance(back.train.recompute, Enum)
+    assert "pp_schedule: 1f1b" in OmegaConf.to_yaml(OmegaConf.structured(cfg))
