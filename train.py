@@ -14,6 +14,7 @@ def main(argv: list[str]) -> int:
 
     stop = StopFlag()
     from megaframe.config import ConfigError, load_config
+    from megaframe.errors import fail
 
     quiet = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) != "0"  # one rank speaks for all
     if "--help" in argv or "-h" in argv:
@@ -26,7 +27,7 @@ def main(argv: list[str]) -> int:
         check_wandb_login(cfg, show)
     except ConfigError as e:
         if not quiet:
-            print(f"megaframe: error: {e}", file=sys.stderr, flush=True)
+            return fail(e)
         else:  # let rank 0 print before torchrun sees a failed rank and stops everyone
             import time
             time.sleep(3)
@@ -40,11 +41,9 @@ def main(argv: list[str]) -> int:
     try:
         run(cfg, stop)
     except ConfigError as e:
-        print(f"megaframe: error: {e}", file=sys.stderr, flush=True)
-        return 2
+        return fail(e)
     except TrainingError as e:
-        print(f"megaframe: error: {e}", file=sys.stderr, flush=True)
-        return 1
+        return fail(e, code=1)
     return 0
 
 

@@ -1,11 +1,10 @@
 """Bad input ends a command the same way everywhere: one `megaframe: error: <cause>` line on stderr and
 exit code 2 (the contract: a bad config, data, checkpoint or tokenizer is named in one line, within
-seconds). A leaf module: the schema and every entry point import it, it imports nothing of megaframe."""
+seconds). Entry points catch only the exceptions that mean bad input and `return fail(e)`; anything else
+keeps its traceback. A leaf module: the schema and every entry point import it, it imports nothing of megaframe."""
 from __future__ import annotations
 
 import sys
-from contextlib import contextmanager
-from typing import Iterator, NoReturn
 
 
 class ConfigError(ValueError):
@@ -20,18 +19,9 @@ def one_line(e: BaseException) -> str:
     return words or type(e).__name__
 
 
-def fail(msg: object, code: int = 2, prefix: str = "") -> NoReturn:
-    """Print `megaframe: error: <msg>` (whitespace folded to one line) and exit with `code`."""
+def fail(msg: object, code: int = 2, prefix: str = "") -> int:
+    """Print `megaframe: error: <msg>` (whitespace folded to one line) on stderr; returns `code`, the
+    exit status of the entry point's main() (`return fail(e)`): 2 for bad input, 1 for a failed run."""
     text = " ".join(str(msg).split())
     print(f"{prefix}megaframe: error: {text}", file=sys.stderr, flush=True)
-    raise SystemExit(code)
-
-
-@contextmanager
-def exit_on(*kinds: type[BaseException], code: int = 2) -> Iterator[None]:
-    """Turn the listed exceptions (default: ConfigError) raised inside the block into `fail`'s one line;
-    anything else keeps its traceback (a programming error is not bad input)."""
-    try:
-        yield
-    except kinds or (ConfigError,) as e:
-        fail(e, code)
+    return code

@@ -63,6 +63,7 @@ def evaluate(model, cfg, every: bool) -> tuple[float, int, str]:
 
 def main(argv: list[str]) -> int:
     from megaframe.config import ConfigError
+    from megaframe.errors import fail
 
     try:
         ckpt, overrides, every = split_args(argv)
@@ -76,8 +77,7 @@ def main(argv: list[str]) -> int:
         model = megaframe.load_model(str(step))
         loss, tokens, split = evaluate(model, cfg, every)
     except (ValueError, ConfigError, OSError) as e:  # ConfigError is a ValueError
-        print(f"megaframe: error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
-        return 2
+        return fail(e)
     src = cfg.data.path or "+".join(b.path for b in cfg.data.blend)
     print(f"evaluate: {step} (step {meta.get('step')}) on {src} [{split}]: loss {loss:.4f} | "
           f"perplexity {math.exp(min(loss, 700)):.2f} | {tokens} tokens in {time.perf_counter() - t0:.1f}s", flush=True)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from megaframe.errors import fail
 from megaframe.inference.sampling import SamplingConfig
 
 
@@ -97,8 +98,7 @@ def main(argv: list[str]) -> int:
             raise ValueError(f"--max-new-tokens {args.max_new_tokens} must be >= 1")
         model, tok, tok_path, step = load(args.ckpt, args.device, args.dtype, args.tokenizer)
     except (ValueError, OSError) as e:
-        print(f"megaframe: error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
-        return 2
+        return fail(e)
     device = next(model.parameters()).device
     print(f"generate: {step} | {model.cfg.name} on {device.type} {args.dtype} | tokenizer {tok_path} | "
           f"temperature {s.temperature} top-k {s.top_k} top-p {s.top_p} seed {s.seed} | "
@@ -111,8 +111,7 @@ def main(argv: list[str]) -> int:
             g = generate(model, ids, args.max_new_tokens, s, tok.vocab_size, tok.eos_id, not args.no_cache,
                          Stream(tok, ids))
         except ValueError as e:
-            print(f"\nmegaframe: error: {e}", file=sys.stderr, flush=True)
-            return 2
+            return fail(e, prefix="\n")  # after the partial continuation on stdout
         sys.stdout.write("\n")
         sys.stdout.flush()
         print(f"generate: {len(ids)} prompt tokens, {len(g.tokens)} new ({g.stopped}) | prefill {g.prefill_s * 1e3:.1f} ms"

@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 from megaframe.config_keys import PLANNER_KEYS as OWN_KEYS
+from megaframe.errors import fail
 
 
 def split_args(argv: list[str]) -> tuple[list[str], dict[str, str]]:
@@ -124,9 +125,7 @@ def main(argv: list[str]) -> int:
         # a search picks the layout itself: the config is checked as one rank's, each candidate on `world`
         cfg = load_config(overrides, world_size=1 if searching else world, check_data=False)
     except ValueError as e:  # ConfigError is a ValueError; so is a bad +world_size
-        print(f"megaframe: error: {e if isinstance(e, ConfigError) else 'plan settings: ' + str(e)}",
-              file=sys.stderr, flush=True)
-        return 2
+        return fail(e if isinstance(e, ConfigError) else f"plan settings: {e}")
     if searching:
         return search_main(cfg, world, memory, own)
     from megaframe.planning.estimate import plan_layout
@@ -147,8 +146,7 @@ def search_main(cfg, world: int, memory_gb: float | None, own: dict) -> int:
         dev = get_device(own.get("device", "H100"), efficiency=eff)
         top = int(own.get("top", 5))
     except ValueError as e:
-        print(f"megaframe: error: plan settings: {e}", file=sys.stderr, flush=True)
-        return 2
+        return fail(f"plan settings: {e}")
     cap = memory_gb * 2**30 if memory_gb is not None else None
     ests, n, dropped = search(cfg, world, dev, cap)
     print(search_report(cfg, world, dev, ests, n, dropped, top, cap))

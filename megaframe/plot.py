@@ -14,6 +14,8 @@ import json
 import sys
 from pathlib import Path
 
+from megaframe.errors import fail
+
 PANELS = [("loss", "loss (val dashed)"), ("lr", "learning rate"), ("grad_norm", "grad norm"),
           ("tokens_per_s", "tokens/s"), ("mfu", "MFU")]
 
@@ -90,8 +92,7 @@ def main(argv: list[str]) -> int:
     try:
         path = plot(args.runs, args.out, args.x)
     except ValueError as e:
-        print(f"megaframe: error: {e}", file=sys.stderr, flush=True)
-        return 2
+        return fail(e)
     print(f"plot: {len(args.runs)} run(s) -> {path}", flush=True)
     return 0
 

@@ -21,10 +21,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from megaframe.errors import fail  # noqa: E402  (after the path insert)
 
-def fail(msg: str) -> int:
-    print(f"megaframe: error: {msg}", file=sys.stderr, flush=True)
-    return 2
+
 
 
 def resolve_step(path: str) -> tuple[Path, dict]:

@@ -21,6 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from megaframe.errors import fail  # noqa: E402  (after the path insert)
+
 
 class WeightsOnly:
     """The optimizer interface sharded.save needs, with no state: the checkpoint holds weights only."""
@@ -29,9 +31,6 @@ class WeightsOnly:
         return {}
 
 
-def fail(msg: str) -> int:
-    print(f"megaframe: error: {msg}", file=sys.stderr, flush=True)
-    return 2
 
 
 def run_config(fields: dict, overrides: list[str]):

@@ -43,6 +43,7 @@ from megaframe.data import manifest as mf
 from megaframe.data.shards import encode_chunk, token_dtype
 from megaframe.data.sources import (PrepareError, SourceFile, file_sha256, iter_documents, offline_hf,
                                     resolve_source, sample_documents, screen_head, text_size, units)
+from megaframe.errors import fail
 from megaframe.data.tokenizer import TokenizerError, load_tokenizer, tokenizer_sha256, train_tokenizer
 
 __all__ = ["PrepareError", "prepare", "main"]
@@ -344,8 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(argv, world_size=1, check_data=False)
         meta = prepare(cfg)
     except (ConfigError, PrepareError) as e:
-        print(f"megaframe: error: {' '.join(str(e).split())}", file=sys.stderr)
-        return 2
+        return fail(e)
     if meta is None:
         print(f"megaframe: {cfg.data.path} is already prepared from these sources and settings; nothing to do")
         return 0

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from megaframe.data.shards import read_meta
+from megaframe.errors import fail
 
 BLOCK = 16 << 20
 MAX_STARTUP_SHARDS = 8
@@ -92,8 +93,7 @@ def main(argv: list[str]) -> int:
         try:
             nbytes = verify(path)
         except ValueError as e:
-            print(f"megaframe: error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
-            return 2
+            return fail(e)
         print(f"{path}: every shard matches its sha256 and vocabulary ({nbytes / 1e6:.1f} MB read in "
               f"{time.perf_counter() - t0:.2f}s)", flush=True)
     return 0

@@ -33,12 +33,12 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--world-size", type=int, default=1)
     args, overrides = ap.parse_known_args(argv)
     from megaframe.config import ConfigError, load_config
+    from megaframe.errors import fail
 
     try:
         cfg = load_config(overrides, world_size=args.world_size)
     except ConfigError as e:
-        print(f"megaframe: error: {e}", file=sys.stderr, flush=True)
-        return 2
+        return fail(e)
     ckpt = Path(cfg.checkpoint.dir).absolute()
     for key, value in (("RUN_DIR", Path(cfg.run.dir).absolute()), ("CKPT_DIR", ckpt),
                        ("MAX_STEPS", cfg.train.max_steps), ("LATEST_STEP", latest_step(ckpt))):
