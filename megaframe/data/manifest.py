@@ -20,6 +20,7 @@ import json
 import os
 from pathlib import Path
 
+from megaframe.atomic import write_atomic
 from megaframe.data.sources import PrepareError, SourceFile, file_sha256
 
 FORMAT = "megaframe-tokens-v2"
@@ -27,12 +28,7 @@ FORMAT = "megaframe-tokens-v2"
 
 def write_json(path: Path, obj) -> None:
     """Write-then-rename: a reader sees the old file or the whole new one, never half."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(json.dumps(obj, indent=1) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(obj, indent=1) + "\n")
 
 
 def settings_of(data_cfg, given_sha256: str | None) -> dict:

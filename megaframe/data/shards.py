@@ -12,13 +12,15 @@ Shards hold whole documents; the reader concatenates them in meta.json order int
 from __future__ import annotations
 
 import hashlib
+import io
 import json
-import os
 import time
 from itertools import chain
 from pathlib import Path
 
 import numpy as np
+
+from megaframe.atomic import write_atomic
 
 _TOKENIZERS: dict = {}  # per worker process: tokenizer path -> loaded tokenizer
 
@@ -33,15 +35,6 @@ def _tokenizer(path: str):
 
 def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def encode_chunk(task: tuple) -> dict:
@@ -62,10 +55,10 @@ def encode_chunk(task: tuple) -> dict:
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
     out = Path(out_dir)
     data = flat.tobytes()
-    _write_atomic(out / f"{name}.bin", data)
-    with open(out / f"{name}.docs.npy.tmp", "wb") as f:
-        np.save(f, starts)
-    os.replace(out / f"{name}.docs.npy.tmp", out / f"{name}.docs.npy")
+    write_atomic(out / f"{name}.bin", data)
+    starts_npy = io.BytesIO()
+    np.save(starts_npy, starts)
+    write_atomic(out / f"{name}.docs.npy", starts_npy.getvalue())
     return {"file": f"{name}.bin", "num_tokens": total, "num_docs": len(docs), "docs": f"{name}.docs.npy",
             "sha256": hashlib.sha256(data).hexdigest(), "_cpu_s": time.process_time() - cpu0}
 
@@ -162,7 +155,7 @@ def check_datasets(cfg) -> list[dict]:
             raise ValueError(f"{key} is empty: point it at a folder written by megaframe.data.prepare")
         try:
             meta = check_prepared(path)
-        except NotPrepared as e:
+        except NotPrepared:
             raise NotPrepared(f"{key}={path}: no prepared data (meta.json missing); prepare it with: "
                               f"{prepare_command(cfg.data, path)}") from None  # the cause says less
         except ValueError as e:

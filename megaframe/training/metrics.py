@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from megaframe.atomic import write_atomic
 from megaframe.schema import ModelConfig
 
 # dense bf16 tensor-core peaks (no sparsity), FLOP/s
@@ -138,9 +139,7 @@ def cpu_peak_flops(refresh: bool = False) -> float:
     cache[key] = peak
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # ranks may race: write, then rename
-        tmp.write_text(json.dumps(cache, indent=1))
-        os.replace(tmp, path)
+        write_atomic(path, json.dumps(cache, indent=1))  # ranks may race on the cache: last rename wins
     except OSError:
         return 0.0
     return peak
@@ -152,7 +151,7 @@ def forget_cpu_peak() -> None:
     with contextlib.suppress(OSError, ValueError):
         cache = json.loads(path.read_text())
         cache.pop(_cpu_key(), None)
-        path.write_text(json.dumps(cache, indent=1))
+        write_atomic(path, json.dumps(cache, indent=1))
 # --- end CPU peak --------------------------------------------------------------------------------------
 
 

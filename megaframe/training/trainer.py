@@ -318,11 +318,13 @@ def write_run_config(cfg: Config, start: int) -> None:
     writes config.resume-<step>.yaml beside it."""
     from omegaconf import OmegaConf
 
+    from megaframe.atomic import write_atomic
+
     run_dir = Path(cfg.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     first = run_dir / "config.yaml"
     path = first if not first.exists() else run_dir / f"config.resume-{start}.yaml"
-    path.write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+    write_atomic(path, OmegaConf.to_yaml(OmegaConf.structured(cfg)))  # a crash leaves no half config
 
 
 def data_label(cfg: Config) -> str:

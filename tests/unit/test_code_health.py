@@ -78,3 +78,17 @@ def test_closed_string_choices_are_enums():
     back = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), json.loads(text)))
     assert back.parallel.pp_schedule == cfg.parallel.pp_schedule and isinstance(back.train.recompute, Enum)
     assert "pp_schedule: 1f1b" in OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def test_write_atomic_replaces_whole_or_not_at_all(tmp_path):
+    from megaframe.atomic import write_atomic
+
+    p = tmp_path / "x.json"
+    write_atomic(p, "old")
+    write_atomic(p, b"new")
+    assert p.read_text() == "new"
+    try:
+        write_atomic(p, object())  # fails inside the write: the old content stays, no temporary is left
+    except TypeError:
+        pass
+    assert p.read_text() == "new" and [f.name for f in tmp_path.iterdir()] == ["x.json"]
