@@ -65,9 +65,12 @@ class Tracker:
     def _wandb(self, fn, *args, **kwargs) -> None:
         """wandb never stops training: under Slurm a stop signal reaches every process of the step,
         wandb's service included, and a dead service makes log/finish raise. metrics.jsonl goes on."""
+        import wandb
+
         try:
             fn(*args, **kwargs)
-        except Exception as e:  # noqa: BLE001 - any wandb failure
+        # wandb's own errors, and the broken pipe / refused connection of a dead service (OSError)
+        except (wandb.Error, OSError, RuntimeError) as e:
             print(f"megaframe: warning: wandb failed ({type(e).__name__}: {e}); "
                   f"logging to metrics.jsonl only", file=sys.stderr, flush=True)
             self.wandb_run = None

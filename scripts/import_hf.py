@@ -92,7 +92,7 @@ def copy_tokenizer(src: Path, dest: Path) -> dict | None:
         return None
     try:
         tok = AutoTokenizer.from_pretrained(str(src), local_files_only=True)
-    except Exception as e:  # no tokenizer files, or a kind transformers cannot load offline
+    except (OSError, ValueError, KeyError) as e:  # no tokenizer files, or a kind transformers cannot load offline
         print(f"import: no tokenizer copied ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})")
         return None
     shutil.rmtree(dest, ignore_errors=True)

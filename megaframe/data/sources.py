@@ -125,7 +125,7 @@ def text_size(src: SourceFile) -> int:
 
             meta = pq.ParquetFile(src.path).metadata
             return max(src.size, sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups)))
-    except Exception:  # an estimate only: the real read reports real problems
+    except (OSError, ValueError):  # an estimate only (ArrowInvalid is a ValueError); the real read reports
         pass
     return src.size
 
@@ -185,6 +185,8 @@ def iter_documents(group: list[SourceFile], text_key: str, cache_dir: str,
     Read errors, a missing text field and binary content become PrepareError naming the files.
     """
     import datasets
+    from datasets.exceptions import DatasetsError
+    from pyarrow.lib import ArrowException
 
     datasets.utils.logging.set_verbosity(50)  # CRITICAL: read errors are reported once, by us
     datasets.disable_progress_bars()
@@ -204,7 +206,7 @@ def iter_documents(group: list[SourceFile], text_key: str, cache_dir: str,
             yield docs
     except PrepareError:
         raise
-    except Exception as e:  # datasets/pyarrow/json errors: name the files, keep one line
+    except (OSError, ValueError, DatasetsError, ArrowException) as e:  # unreadable input: name the files, one line
         raise PrepareError(f"cannot read {_where(group)}: {' '.join(str(e).split()) or type(e).__name__}") from e
 
 

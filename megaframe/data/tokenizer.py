@@ -106,7 +106,9 @@ def load_tokenizer(path: str | Path) -> Tokenizer | HFTokenizer:
             return Tokenizer.load(path)
     except TokenizerError:
         raise
-    except Exception as e:  # sentencepiece/transformers raise many kinds; one line names the cause
+    # what a bad tokenizer raises: sentencepiece a RuntimeError (bad model) or OSError; transformers an
+    # OSError (missing files), ValueError (bad JSON, unknown kind) or KeyError (a config without a field)
+    except (OSError, RuntimeError, ValueError, KeyError) as e:
         raise TokenizerError(f"{path}: cannot load the tokenizer ({_one_line(e)})") from e
     raise TokenizerError(f"{path} does not exist")
 

@@ -92,3 +92,22 @@ def test_write_atomic_replaces_whole_or_not_at_all(tmp_path):
     except TypeError:
         pass
     assert p.read_text() == "new" and [f.name for f in tmp_path.iterdir()] == ["x.json"]
+
+
+def test_programming_error_in_composition_is_not_bad_config(monkeypatch):
+    """Only Hydra/OmegaConf errors become ConfigError (exit 2); a bug keeps its traceback (main turned
+    every Exception into 'bad config')."""
+    import pytest
+    from omegaconf import OmegaConf
+
+    from megaframe.config import ConfigError, load_config
+
+    def buggy(*a, **k):
+        raise TypeError("a bug, not a bad setting")
+
+    monkeypatch.setattr(OmegaConf, "to_object", buggy)
+    with pytest.raises(TypeError):
+        load_config([], world_size=1, check_data=False)
+    monkeypatch.undo()
+    with pytest.raises(ConfigError, match="train.max_steps"):
+        load_config(["train.max_steps=abc"], world_size=1, check_data=False)
