@@ -15,6 +15,8 @@ from megaframe.errors import ConfigError, one_line as _one_line  # noqa: F401  (
 from megaframe.schema import (  # noqa: F401  (the public path of the schema's names)
     CONF_DIR, DEFAULT_EXTENSIONS, ROOT, BlendSource, CheckpointConfig, Config, DataConfig, DocSplit,
     LoggingConfig, LRSchedule, ModelConfig, OptimConfig, ParallelConfig, RunConfig, TrainConfig, WandbConfig,
+    Activation, DataKind, Device, Norm, PositionEmbedding, Precision, Recompute, RouterScore, ScheduleKind,
+    WandbMode, plain,
 )
 
 

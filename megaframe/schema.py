@@ -1,84 +1,24 @@
-"""The config schema: one dataclass per config group (a docstring per field) and the Enums of its closed
-string choices. Hydra merges conf/*.yaml onto these, so a typo'd key, a wrong type or a value outside an
-Enum is an error at composition time. A leaf module (it imports nothing of megaframe but errors.py):
+"""The config schema: one dataclass per config group (a docstring per field); its closed string choices
+are the Enums of megaframe/choices.py. Hydra merges conf/*.yaml onto these, so a typo'd key, a wrong type
+or a value outside an Enum is an error at composition time. A leaf module (of megaframe it imports only
+choices.py and errors.py):
 model, optim, checkpoint and the checks all read it; loading and validation (megaframe.config) sit above.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum, StrEnum
+from enum import Enum
 from pathlib import Path
 from typing import Optional, get_type_hints
 
+from megaframe.choices import (  # noqa: F401  (re-exported: the schema's public names)
+    Activation, DataKind, Device, DocSplit, LRSchedule, Norm, PositionEmbedding, Precision, Recompute,
+    RouterScore, ScheduleKind, WandbMode,
+)
 from megaframe.errors import ConfigError  # noqa: F401  (re-exported: the schema's error type)
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF_DIR = ROOT / "conf"
-
-
-# -- closed string choices: Hydra refuses any other value at composition, naming the field. StrEnum members
-# are str (== their value, str()/format() give the value), so comparisons with literals and JSON keep working.
-class Norm(StrEnum):
-    """model.norm."""
-    rmsnorm = "rmsnorm"
-    layernorm = "layernorm"
-
-
-class Activation(StrEnum):
-    """model.activation (MoE experts are SwiGLU only)."""
-    swiglu = "swiglu"
-    gelu = "gelu"
-
-
-class PositionEmbedding(StrEnum):
-    """model.position_embedding."""
-    rope = "rope"
-    learned = "learned"
-
-
-class RouterScore(StrEnum):
-    """model.moe_router_score."""
-    softmax = "softmax"
-    sigmoid = "sigmoid"
-
-
-# OmegaConf looks members up by name, and "1f1b" is no identifier: the functional form allows it
-ScheduleKind = StrEnum("ScheduleKind", [(k, k) for k in ("auto", "gpipe", "1f1b", "interleaved")],
-                       module=__name__)
-ScheduleKind.__doc__ = "parallel.pp_schedule (auto: interleaved when vpp > 1, else 1f1b)."
-
-
-class Device(StrEnum):
-    """train.device."""
-    auto = "auto"
-    cpu = "cpu"
-    cuda = "cuda"
-
-
-class Precision(StrEnum):
-    """train.precision."""
-    fp32 = "fp32"
-    bf16 = "bf16"
-
-
-class Recompute(StrEnum):
-    """train.recompute."""
-    none = "none"
-    selective = "selective"
-    full = "full"
-
-
-class DataKind(StrEnum):
-    """data.kind."""
-    prepared = "prepared"
-    synthetic = "synthetic"
-
-
-class WandbMode(StrEnum):
-    """logging.wandb.mode."""
-    online = "online"
-    offline = "offline"
-    disabled = "disabled"
 
 
 def enum_fields(cls: type) -> dict[str, type[Enum]]:
@@ -227,14 +167,6 @@ class TrainConfig:
     """New tokens per training-time sample."""
 
 
-class LRSchedule(StrEnum):
-    """Shape of the learning rate after warmup (megaframe/optim/schedule.py has the formulas)."""
-    cosine = "cosine"
-    linear = "linear"
-    wsd = "wsd"
-    constant = "constant"
-
-
 @dataclass
 class OptimConfig:
     lr: float = 2e-3
@@ -277,12 +209,6 @@ class BlendSource:
     """A folder written by megaframe.data.prepare."""
     weight: float = 1.0
     """Relative share of the training samples (weights are normalized)."""
-
-
-class DocSplit(StrEnum):
-    """How a plain-text file becomes documents (jsonl / json / parquet: one document per record)."""
-    file = "file"
-    paragraph = "paragraph"
 
 
 DEFAULT_EXTENSIONS = [

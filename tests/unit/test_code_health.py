@@ -48,7 +48,9 @@ def test_config_public_path_unchanged():
 
     for name in ("Config", "ModelConfig", "ParallelConfig", "TrainConfig", "OptimConfig", "DataConfig",
                  "CheckpointConfig", "LoggingConfig", "WandbConfig", "RunConfig", "BlendSource", "LRSchedule",
-                 "DocSplit", "ConfigError", "ROOT", "CONF_DIR", "DEFAULT_EXTENSIONS"):
+                 "DocSplit", "ConfigError", "ROOT", "CONF_DIR", "DEFAULT_EXTENSIONS", "Norm", "Activation",
+                 "PositionEmbedding", "RouterScore", "ScheduleKind", "Device", "Precision", "Recompute", "DataKind",
+                 "WandbMode"):
         assert getattr(config, name) is getattr(schema, name), name
     assert callable(config.load_config) and callable(config.validate) and callable(config.default_run_name)
 

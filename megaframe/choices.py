@@ -1,0 +1,84 @@
+"""The closed string choices of the config, as StrEnums: Hydra refuses any other value at composition,
+naming the field. A StrEnum member is a str (== its value; str() and format() give the value), so
+comparisons with literals, dict keys and JSON keep working. megaframe.schema (and megaframe.config)
+re-export them."""
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class Norm(StrEnum):
+    """model.norm."""
+    rmsnorm = "rmsnorm"
+    layernorm = "layernorm"
+
+
+class Activation(StrEnum):
+    """model.activation (MoE experts are SwiGLU only)."""
+    swiglu = "swiglu"
+    gelu = "gelu"
+
+
+class PositionEmbedding(StrEnum):
+    """model.position_embedding."""
+    rope = "rope"
+    learned = "learned"
+
+
+class RouterScore(StrEnum):
+    """model.moe_router_score."""
+    softmax = "softmax"
+    sigmoid = "sigmoid"
+
+
+# OmegaConf looks members up by name, and "1f1b" is no identifier: the functional form allows it
+ScheduleKind = StrEnum("ScheduleKind", [(k, k) for k in ("auto", "gpipe", "1f1b", "interleaved")],
+                       module=__name__)
+ScheduleKind.__doc__ = "parallel.pp_schedule (auto: interleaved when vpp > 1, else 1f1b)."
+
+
+class Device(StrEnum):
+    """train.device."""
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class Precision(StrEnum):
+    """train.precision."""
+    fp32 = "fp32"
+    bf16 = "bf16"
+
+
+class Recompute(StrEnum):
+    """train.recompute."""
+    none = "none"
+    selective = "selective"
+    full = "full"
+
+
+class DataKind(StrEnum):
+    """data.kind."""
+    prepared = "prepared"
+    synthetic = "synthetic"
+
+
+class WandbMode(StrEnum):
+    """logging.wandb.mode."""
+    online = "online"
+    offline = "offline"
+    disabled = "disabled"
+
+
+class LRSchedule(StrEnum):
+    """Shape of the learning rate after warmup (megaframe/optim/schedule.py has the formulas)."""
+    cosine = "cosine"
+    linear = "linear"
+    wsd = "wsd"
+    constant = "constant"
+
+
+class DocSplit(StrEnum):
+    """How a plain-text file becomes documents (jsonl / json / parquet: one document per record)."""
+    file = "file"
+    paragraph = "paragraph"
