@@ -113,3 +113,18 @@ def test_programming_error_in_composition_is_not_bad_config(monkeypatch):
     monkeypatch.undo()
     with pytest.raises(ConfigError, match="train.max_steps"):
         load_config(["train.max_steps=abc"], world_size=1, check_data=False)
+
+
+def test_a_bad_choice_from_a_file_names_its_field():
+    """A value merged from a YAML file (no override text to quote) still names the field in the line."""
+    import pytest
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from megaframe.config import _composition_error
+    from megaframe.schema import Config
+
+    with pytest.raises(OmegaConfBaseException) as e:
+        OmegaConf.merge(OmegaConf.structured(Config), {"train": {"precision": "fp16"}})
+    line = _composition_error(e.value)
+    assert line.startswith("train.precision: ") and "fp32, bf16" in line and "\n" not in line, line
