@@ -28,6 +28,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megaframe.parallel.p2p_semantics import NcclStream, P2PSemantics, group_timeout_s, semantics_from_env
 
 RECENT_COLLECTIVES = 64
 
@@ -87,6 +88,9 @@ class Axis:
     virtual: bool = False
     """A planning axis (megaframe.parallel.virtual): sizes and coordinates only; collectives return
     tensors of the right shape without communicating."""
+    p2p: Optional[NcclStream] = None
+    """The pipeline axis's emulated NCCL p2p stream (MEGAFRAME_P2P_SEMANTICS=nccl, parallel/p2p_semantics.py);
+    None: point-to-point transfers use the backend's own semantics."""
 
     def __post_init__(self):
         assert self.size == 1 or self.group is not None or self.virtual, \
@@ -147,12 +151,14 @@ def build_mesh(tp: int, pp: int, device: torch.device, ranks: Optional[Sequence[
     for p, d, t in itertools.product(range(pp), range(dp), range(tp)):
         grid[(p, d, t)] = ranks[t + tp * (d + dp * p)]
     stats = CommStats()
+    emulate_nccl = semantics_from_env() is P2PSemantics.NCCL  # read once; the axis carries the mode
     axes: dict[str, Axis] = {}
     for name, size in (("tp", tp), ("dp", dp), ("pp", pp)):
         for members in _groups_along(grid, name, tp, pp, dp):
             group = dist.new_group(list(members)) if (size > 1 and initialized) else None
             if me in members:
-                axes[name] = Axis(name, size, members.index(me), tuple(members), group, stats)
+                stream = NcclStream(group, group_timeout_s(group)) if name == "pp" and group is not None and emulate_nccl else None
+                axes[name] = Axis(name, size, members.index(me), tuple(members), group, stats, p2p=stream)
     axes["pp_ends"] = _pp_ends_axis(me, stats, initialized and pp > 1, grid, pp, dp, tp)
     assert dp % ep == 0, f"ep={ep} does not divide dp={dp}"
     _expert_axes(axes, me, stats, initialized, grid, pp, dp, tp, ep)
