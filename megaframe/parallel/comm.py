@@ -287,13 +287,14 @@ class _BatchWork:
     """One Work of a p2p batch, tracked: the batch's ring-buffer entry is done once all are waited for."""
 
     def __init__(self, work, entry: dict, pending: list):
-        self.work, self.entry, self.pending = work, entry, pending
+        self.work, self.entry, self.pending, self.waited = work, entry, pending, False
 
     def wait(self, *args, **kwargs):
         out = self.work.wait(*args, **kwargs)
-        self.pending[0] -= 1
-        if self.pending[0] == 0:
-            self.entry["done"] = True
+        if not self.waited:
+            self.waited = True
+            self.pending[0] -= 1
+            self.entry["done"] = self.pending[0] == 0
         return out
 
     def __getattr__(self, name):

@@ -131,8 +131,9 @@ class Mesh:
 
     def describe(self) -> str:
         ep = f" ep={self.ep.size}" if self.ep.size > 1 else ""
+        p2p = " p2p=nccl-emulated" if self.pp.p2p is not None else ""
         return (f"world={self.world} tp={self.tp.size} pp={self.pp.size} dp={self.dp.size}{ep} "
-                f"device={self.device.type}")
+                f"device={self.device.type}{p2p}")
 
 
 def build_mesh(tp: int, pp: int, device: torch.device, ranks: Optional[Sequence[int]] = None, ep: int = 1) -> Mesh:

@@ -1,8 +1,8 @@
 """Run every rank's action list together, without processes, and check the schedule.
 
 The ranks issue their communication in batches exactly as the executor does (consecutive
-communication actions are one batch; a batch that receives is waited for before the next compute),
-under one of two send models:
+communication actions are one batch, waited for right before the first compute that reads one of its
+receives, and every batch by the end), under one of two send models:
 - BUFFERED (gloo): every op of a batch is posted when issued; a send completes at once; a receive
   when its message has been sent.
 - RENDEZVOUS (NCCL, DESIGN §1.3c): a rank's batches on its one communicator run in order, a batch's
@@ -11,7 +11,7 @@ under one of two send models:
 Messages between two ranks match in posting order, one FIFO per (sender, receiver) whatever the
 direction (NCCL has no tags): the n-th send from r to q is the n-th receive by q from r, and it must
 carry what that receive expects (direction, micro-batch, the neighbouring stage).
-Time model: F and B take one unit each, transfers none. Checks: matching, no deadlock, each
+Time model: F takes one unit, B `backward_time` units (default 1), transfers none. Checks: matching, no deadlock, each
 (microbatch, chunk) forwarded before it is backwarded, every F and B exactly once, in-flight
 activations within the schedule's bound. Reports the bubble: idle time / makespan per rank.
 """
@@ -64,12 +64,12 @@ class _Channel:
 
 
 class _Sim:
-    def __init__(self, kind, pp, vpp, m, model: SendModel, grouping: Grouping):
-        self.pp, self.vpp, self.m, self.model = pp, vpp, m, model
+    def __init__(self, kind, pp, vpp, m, model: SendModel, grouping: Grouping, backward_time: int = 1):
+        self.pp, self.vpp, self.m, self.model, self.backward_time = pp, vpp, m, model, backward_time
         self.scheds = [build_schedule(kind, pp, vpp, m, r, grouping) for r in range(pp)]
         self.pos, self.clock = [0] * pp, [0] * pp
         self.pending: list[deque] = [deque() for _ in range(pp)]  # a rank's batches not yet done, in order
-        self.waiting: list[_Batch | None] = [None] * pp
+        self.arriving: list[dict] = [{} for _ in range(pp)]  # (RECV_F | RECV_B, mb, chunk) -> its batch
         self.last_done = [0] * pp
         self.channels: dict = defaultdict(_Channel)
         self.done_f, self.inflight, self.peak = set(), [0] * pp, [0] * pp
@@ -94,13 +94,13 @@ class _Sim:
     def _advance_host(self, r: int) -> bool:
         moved = False
         while self.pos[r] < len(self.scheds[r]):
-            if self.waiting[r] is not None:
-                if self.waiting[r].done is None:
-                    return moved
-                self.clock[r] = max(self.clock[r], self.waiting[r].done)
-                self.waiting[r] = None
             a = self.scheds[r][self.pos[r]]
             if a.kind in COMPUTE:
+                batch = self.arriving[r].get((RECV_F if a.kind == F else RECV_B, a.microbatch, a.chunk))
+                if batch is not None:  # the executor waits for the batch that brings this compute's input
+                    if batch.done is None:
+                        return moved
+                    self.clock[r] = max(self.clock[r], batch.done)
                 self._compute(r, a)
                 self.pos[r] += 1
             else:
@@ -112,13 +112,11 @@ class _Sim:
                 self.pending[r].append(batch)
                 if self.model is SendModel.BUFFERED:
                     self._post(batch, self.clock[r])
-                if any(o.kind in (RECV_F, RECV_B) for o in ops):
-                    self.waiting[r] = batch
+                for o in ops:
+                    if o.kind in (RECV_F, RECV_B):
+                        self.arriving[r][(o.kind, o.microbatch, o.chunk)] = batch
                 self._advance_stream(r)
             moved = True
-        if self.waiting[r] is not None and self.waiting[r].done is not None:  # the executor waits at the end
-            self.clock[r] = max(self.clock[r], self.waiting[r].done)
-            self.waiting[r] = None
         return moved
 
     def _advance_stream(self, r: int) -> bool:
@@ -141,6 +139,10 @@ class _Sim:
             self.last_done[r] = head.done
             moved = True
         return moved
+
+    def finish_time(self, r: int) -> int:
+        """The rank's clock once it has waited for every batch (the executor's last step)."""
+        return max([self.clock[r]] + [b.done for b in self.arriving[r].values()] + [self.last_done[r]])
 
     def _post(self, b: _Batch, t: int) -> None:
         """Post every op of the batch at time t; note each op's place in its channel."""
@@ -192,21 +194,21 @@ class _Sim:
                 raise ScheduleError(f"rank {r} runs {a} before its forward")
             self.inflight[r] -= 1
         self.timeline[r].append((self.clock[r], a))
-        self.clock[r] += 1
+        self.clock[r] += 1 if a.kind == F else self.backward_time
 
 
 def simulate(kind: str, pp: int, vpp: int, m: int, sends: SendModel = SendModel.BUFFERED,
-             grouping: Grouping = Grouping.PAIRED) -> SimResult:
+             grouping: Grouping = Grouping.PAIRED, backward_time: int = 1) -> SimResult:
     """Replay `build_schedule(kind, pp, vpp, m, rank, grouping)` of every rank under a send model; raises
     ScheduleError on a mismatch, a deadlock, B before F, a missing F/B or activations over the bound."""
-    sim = _Sim(kind, pp, vpp, m, sends, grouping)
+    sim = _Sim(kind, pp, vpp, m, sends, grouping, backward_time)
     sim.run()
     _check_complete(sim.timeline, pp, vpp, m)
     for r in range(pp):
         if sim.peak[r] > activation_bound(kind, pp, vpp, m, r):
             raise ScheduleError(f"rank {r} holds {sim.peak[r]} activations, bound {activation_bound(kind, pp, vpp, m, r)}")
-    makespan = max(sim.clock)
-    busy = 2 * m * vpp
+    makespan = max(sim.finish_time(r) for r in range(pp))
+    busy = (1 + backward_time) * m * vpp
     return SimResult(makespan, (makespan - busy) / makespan, sim.peak, sim.timeline)
 
 

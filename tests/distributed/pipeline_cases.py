@@ -30,23 +30,31 @@ def val_loss(mesh, overrides: list[str]) -> float | None:
     return total.item() / (t.global_batch_size * cfg.model.seq_length) if mesh.rank == 0 else None
 
 
-def old_exchange(pp, sends, recvs) -> list:
-    """p2p.exchange before the fix: waits on the Works after the first len(sends), as if there were one
-    per op. On NCCL (one coalesced Work) that waits on nothing when the batch also sends."""
-    works = comm.batch_isend_irecv(pp, sends, recvs)
-    for w in works[len(sends):]:
-        w.wait()
-    return works[:len(sends)]
+class _OldTransfer(p2p.Transfer):
+    """The wait before the fix: on the Works after the first len(sends), as if there were one per op.
+    On NCCL (one coalesced Work per batch) that waits on nothing when the batch also sends."""
+
+    def __init__(self, works: list, sends: int):
+        super().__init__(works)
+        self.sends = sends
+
+    def wait(self) -> None:
+        for w in self.works[self.sends:]:
+            w.wait()
+
+
+def old_start(pp, sends, recvs) -> p2p.Transfer:
+    return _OldTransfer(comm.batch_isend_irecv(pp, sends, recvs), len(sends))
 
 
 def train_with_old_exchange(mesh, overrides: list[str], steps: int) -> dict | None:
-    """train_and_report with the pre-fix exchange patched in on this rank (restored afterwards)."""
-    fixed = p2p.exchange
-    p2p.exchange = old_exchange
+    """train_and_report with the pre-fix wait patched in on this rank (restored afterwards)."""
+    fixed = p2p.start
+    p2p.start = old_start
     try:
         return train_and_report(mesh, overrides, steps)
     finally:
-        p2p.exchange = fixed
+        p2p.start = fixed
 
 
 def train_with_old_grouping(mesh, overrides: list[str], steps: int) -> dict | None:

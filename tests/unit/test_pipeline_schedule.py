@@ -18,14 +18,16 @@ GRID = [(kind, pp, vpp, m)
 @pytest.mark.parametrize("sends", list(SendModel), ids=[s.value for s in SendModel])
 @pytest.mark.parametrize("kind,pp,vpp,m", GRID, ids=[f"{k}-pp{p}-vpp{v}-m{m}" for k, p, v, m in GRID])
 def test_simulator_accepts_every_schedule(kind, pp, vpp, m, sends):
-    """Buffered (gloo) and rendezvous (NCCL) sends: no deadlock, the bubble of the formula either way."""
-    res = simulate(kind, pp, vpp, m, sends)  # raises on mismatch, deadlock, B before F, or memory over bound
-    if kind == "gpipe" and vpp > 1 and m < pp:  # chunk 1 waits for the last rank's chunk 0
-        assert res.bubble > bubble_formula(pp, vpp, m)
-    else:
-        assert res.bubble == pytest.approx(bubble_formula(pp, vpp, m), abs=1e-12)
-    for r in range(pp):
-        assert res.peak_inflight[r] <= activation_bound(kind, pp, vpp, m, r)
+    """Buffered (gloo) and rendezvous (NCCL) sends: no deadlock, the bubble of the formula either way,
+    with backward as long as forward and twice as long (the receives posted early cost no idle time)."""
+    for backward_time in (1, 2):
+        res = simulate(kind, pp, vpp, m, sends, backward_time=backward_time)  # raises on mismatch, deadlock,
+        if kind == "gpipe" and vpp > 1 and m < pp:  # B before F, or memory over bound; gpipe's chunk 1
+            assert res.bubble > bubble_formula(pp, vpp, m)  # waits for the last rank's chunk 0
+        else:
+            assert res.bubble == pytest.approx(bubble_formula(pp, vpp, m), abs=1e-12)
+        for r in range(pp):
+            assert res.peak_inflight[r] <= activation_bound(kind, pp, vpp, m, r)
 
 
 def _deadlock_free(grouping: Grouping, sends: SendModel) -> int:
