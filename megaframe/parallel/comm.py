@@ -284,17 +284,19 @@ def broadcast_object(obj, src: int = 0):
 
 
 class _BatchWork:
-    """One Work of a p2p batch, tracked: the batch's ring-buffer entry is done once all are waited for."""
+    """One Work of a p2p batch, tracked: the batch's ring-buffer entry is done once all are waited for.
+    Waiting again returns at once."""
 
     def __init__(self, work, entry: dict, pending: list):
         self.work, self.entry, self.pending, self.waited = work, entry, pending, False
 
     def wait(self, *args, **kwargs):
+        if self.waited:  # a gloo Work waited twice waits for a second transfer that never comes
+            return True
         out = self.work.wait(*args, **kwargs)
-        if not self.waited:
-            self.waited = True
-            self.pending[0] -= 1
-            self.entry["done"] = self.pending[0] == 0
+        self.waited = True
+        self.pending[0] -= 1
+        self.entry["done"] = self.pending[0] == 0
         return out
 
     def __getattr__(self, name):

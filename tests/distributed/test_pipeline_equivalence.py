@@ -68,6 +68,16 @@ def test_pipeline_matches_one_process(pool, family, name, n, tp, pp, ep, extra):
 
 def test_the_suite_runs_pipelines_under_nccl_semantics(pool):
     assert all(pool.run(emulates_nccl, 2, pp=2))
+    assert not any(pool.run(emulates_nccl, 2, pp=2, p2p="native"))
+
+
+def test_interleaved_matches_one_process_on_plain_gloo(pool):
+    """The backend's own semantics (what a GPU run uses, with NCCL): one Work per op on gloo, each waited
+    once (a gloo Work waited twice would wait for a transfer that never comes)."""
+    extra = ["parallel.vpp=2", L4]
+    ref = reference(pool, _model_options("gpt_tiny", extra))
+    got = pool.run(train_and_report, 2, ["parallel.pp=2", *extra], STEPS, pp=2, p2p="native")[0]
+    assert max(abs(a - b) / abs(b) for a, b in zip(got["losses"], ref["losses"])) <= 1e-5
 
 
 def test_old_exchange_trains_on_nan_under_nccl_semantics(pool):
