@@ -21,7 +21,7 @@ import enum
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
-from megaframe.pipeline.schedule import (B, COMPUTE, RECV_B, RECV_F, SEND_B, SEND_F, F, Action, Grouping,
+from megaframe.pipeline.schedule import (COMPUTE, RECV_B, RECV_F, SEND_B, SEND_F, F, Action, Grouping,
                                           activation_bound, build_schedule, stage_of)
 
 
