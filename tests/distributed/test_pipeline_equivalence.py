@@ -3,9 +3,11 @@ MEGAFRAME_P2P_SEMANTICS=nccl, tests/conftest.py): 1F1B, interleaved and GPipe, p
 micro-batch counts from pp to 4·pp, with tp/sp, dp (ZeRO-1), ep, both model families; evaluation's
 forward-only walk too. And the mode bites: the exchange before the fix trains on NaN under it."""
 import math
+import os
 
 import pytest
 
+from megaframe.parallel.p2p_semantics import ENV_VAR, P2PSemantics
 from tests.distributed.cases import train_and_report
 from tests.distributed.moe_cases import MOE
 from tests.distributed.pipeline_cases import emulates_nccl, train_with_old_exchange, val_loss
@@ -67,6 +69,8 @@ def test_pipeline_matches_one_process(pool, family, name, n, tp, pp, ep, extra):
 
 
 def test_the_suite_runs_pipelines_under_nccl_semantics(pool):
+    if os.environ.get(ENV_VAR) != P2PSemantics.NCCL.value:
+        pytest.skip(f"{ENV_VAR} overridden by the caller")
     assert all(pool.run(emulates_nccl, 2, pp=2))
     assert not any(pool.run(emulates_nccl, 2, pp=2, p2p="native"))
 
@@ -83,9 +87,9 @@ def test_interleaved_matches_one_process_on_plain_gloo(pool):
 def test_old_exchange_trains_on_nan_under_nccl_semantics(pool):
     """Bug 1 of issue 14: waiting on works[len(sends):] waits on nothing when NCCL returns one Work for a
     batch that sends and receives, so the next compute reads the receive buffer unfilled (NaN here)."""
-    got = pool.run(train_with_old_exchange, 2, ["parallel.pp=2"], 2, pp=2)[0]
+    got = pool.run(train_with_old_exchange, 2, ["parallel.pp=2"], 2, pp=2, p2p="nccl")[0]
     assert not any(math.isfinite(x) for x in got["losses"]), got["losses"]
-    fixed = pool.run(train_and_report, 2, ["parallel.pp=2"], 2, pp=2)[0]
+    fixed = pool.run(train_and_report, 2, ["parallel.pp=2"], 2, pp=2, p2p="nccl")[0]
     assert all(math.isfinite(x) for x in fixed["losses"]), fixed["losses"]
 
 
