@@ -70,7 +70,7 @@ FIELD_RULES: dict[str, Rule] = {
     "train.micro_batch_size": POS, "train.global_batch_size": POS, "train.max_steps": POS, "train.seed": SEED,
     "train.log_interval": POS, "train.max_bad_steps": NONNEG, "train.eval_interval": NONNEG,
     "train.eval_iters": POS, "train.hang_timeout_s": NONNEGF, "train.dist_timeout_s": POSF,
-    "train.signal_check_interval": POS,
+    "train.signal_check_interval": POS, "train.sample_interval": NONNEG, "train.sample_tokens": POS,
     # optim
     "optim.lr": POSF, "optim.min_lr": NONNEGF, "optim.warmup_steps": NONNEG, "optim.weight_decay": NONNEGF,
     "optim.clip_grad": NONNEGF, "optim.beta1": UNIT, "optim.beta2": UNIT, "optim.eps": POSF,
