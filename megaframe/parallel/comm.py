@@ -275,12 +275,17 @@ def all_to_all(x: torch.Tensor, axis: Axis, out_splits: list[int], in_splits: li
     return x if axis.size == 1 else _AllToAll.apply(x, axis, list(out_splits), list(in_splits))
 
 
-def broadcast_object(obj, src: int = 0):
-    """Broadcast a picklable object from global rank `src` to every process (used once at start)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+def broadcast_object(obj, mesh=None):
+    """Broadcast a picklable object from the job's first rank to all of its ranks (start-up, resume and
+    checkpoint decisions, never in a step). With `mesh`, over the mesh's world group: a job may run on a
+    subset of the processes (the test pool), and only its ranks take part."""
+    if not dist.is_initialized() or dist.get_world_size() == 1 or (mesh is not None and mesh.world == 1):
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src)
+    if mesh is None:
+        dist.broadcast_object_list(box, src=0)
+    else:
+        dist.broadcast_object_list(box, group=mesh.group, group_src=0)
     return box[0]
 
 

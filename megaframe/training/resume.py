@@ -91,7 +91,7 @@ def resume(cfg: Config, model, optimizer, mesh: Mesh) -> Resumed:
                 _warn(mesh, f"skipping checkpoint {p}: {why}")
             else:
                 order.append(str(p))
-    for p in map(Path, comm.broadcast_object(order)):
+    for p in map(Path, comm.broadcast_object(order, mesh)):
         meta, why = _load(cfg, p, model, optimizer, mesh)
         if why:
             _warn(mesh, f"skipping checkpoint {p}: cannot be loaded on rank {mesh.rank} ({why})", every_rank=True)

@@ -50,7 +50,7 @@ def run(cfg: Config, stop: StopFlag | None = None) -> None:
         # (this launch of the run, recorded in each checkpoint's lineage) is rank 0's too
         run_id = f"{cfg.run.name}@{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(3).hex()}"
         cfg.run.name, cfg.run.dir, cfg.checkpoint.dir, run_id = comm.broadcast_object(
-            (cfg.run.name, cfg.run.dir, cfg.checkpoint.dir, run_id))
+            (cfg.run.name, cfg.run.dir, cfg.checkpoint.dir, run_id), mesh)
         lock = take_run_dir(cfg, mesh)
         try:
             if device.type == "cuda" and env.world_size > 1:
@@ -74,7 +74,7 @@ def take_run_dir(cfg: Config, mesh: Mesh) -> RunLock:
             err = str(e)
         except OSError as e:
             err = f"run.dir={cfg.run.dir}: cannot take the run lock ({e})"
-    err = comm.broadcast_object(err)
+    err = comm.broadcast_object(err, mesh)
     if err:
         raise ConfigError(err)
     return lock
@@ -376,6 +376,6 @@ def check_first_shards(cfg: Config, mesh: Mesh, data, start: int, acct: Accounti
                   f"{time.perf_counter() - t0:.2f}s)", flush=True)
         except ValueError as e:  # CorruptShard included
             err = f"data: {e}"
-    err = comm.broadcast_object(err)
+    err = comm.broadcast_object(err, mesh)
     if err:
         raise ConfigError(err)
