@@ -13,6 +13,7 @@ from megaframe.checkpoint import sharded
 from megaframe.checkpoint.async_save import AsyncSaver
 from megaframe.config import Config, ConfigError
 from megaframe.data.dataset import Prefetcher, build_data, data_state, microbatches
+from megaframe.data.order import ORDER, resumed_order
 from megaframe.layers.shard import param_seed
 from megaframe.model.gpt import build_model
 from megaframe.model.moe import stats as moe_stats
@@ -55,7 +56,7 @@ def train(cfg: Config, mesh: Mesh, stop: StopFlag) -> None:
         evaluator = Evaluator.build(cfg, mesh)  # None unless train.eval_interval > 0
     except (OSError, ValueError, KeyError) as e:
         raise ConfigError(f"data.path={cfg.data.path}: unreadable prepared data ({e})") from e
-    start = resume(cfg, model, optimizer, mesh)
+    start = resume(cfg, model, optimizer, mesh, data)
     if mesh.rank == 0:
         describe(cfg, mesh, model, data, start)
         Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
@@ -97,7 +98,7 @@ def train(cfg: Config, mesh: Mesh, stop: StopFlag) -> None:
             if (interval and step % interval == 0) or last:
                 if saver and last:
                     saver.wait()  # commit the older one first, so `latest` ends on this step
-                save(cfg, model, optimizer, mesh, step, saver if not last else None)
+                save(cfg, model, optimizer, mesh, step, saver if not last else None, getattr(data, "order", ORDER))
                 watchdog.beat()
             if stopping:
                 stop.report(step)
@@ -187,14 +188,15 @@ class Meter:
         return row
 
 
-def save(cfg: Config, model, optimizer, mesh: Mesh, step: int, saver: AsyncSaver | None = None) -> None:
+def save(cfg: Config, model, optimizer, mesh: Mesh, step: int, saver: AsyncSaver | None = None,
+         order: str = ORDER) -> None:
     """Checkpoint at `step`: in the background with `saver`, else written and committed now."""
     t0 = time.perf_counter()
     meta = {"consumed_samples": step * cfg.train.global_batch_size,
             "layout": {"tp": mesh.tp.size, "pp": mesh.pp.size, "dp": mesh.dp.size, "ep": mesh.ep.size,
                        "sp": cfg.parallel.sp},
             "rng": "derived from (train.seed, step, rank); no state to restore",
-            "data": data_state(cfg, step),
+            "data": data_state(cfg, step, order),
             "config": dataclasses.asdict(cfg)}
     if saver is not None:
         saver.save(cfg.checkpoint.dir, step, model, optimizer, meta, cfg.checkpoint.keep_last)
@@ -206,8 +208,9 @@ def save(cfg: Config, model, optimizer, mesh: Mesh, step: int, saver: AsyncSaver
         print(f"checkpoint: {path} ({time.perf_counter() - t0:.2f}s)", flush=True)
 
 
-def resume(cfg: Config, model, optimizer, mesh: Mesh) -> int:
-    """Load the checkpoint named by checkpoint.resume; returns the step it holds (0 when starting fresh)."""
+def resume(cfg: Config, model, optimizer, mesh: Mesh, data=None) -> int:
+    """Load the checkpoint named by checkpoint.resume; returns the step it holds (0 when starting fresh).
+    `data` then keeps the sample order the checkpointed run began with."""
     if cfg.checkpoint.resume == "none":
         return 0
     def skipped(path, reason):
@@ -224,6 +227,8 @@ def resume(cfg: Config, model, optimizer, mesh: Mesh) -> int:
         meta = sharded.load_into(path, model, optimizer)
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         raise ConfigError(f"checkpoint {path} cannot be loaded ({str(e).splitlines()[0]})") from e
+    if data is not None:
+        data.order = resumed_order(meta)
     if mesh.rank == 0:
         print(f"resumed from {path} at step {meta['step']}", flush=True)
     return int(meta["step"])
