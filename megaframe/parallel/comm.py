@@ -281,3 +281,13 @@ def broadcast_object(obj, src: int = 0):
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+def gather_objects(obj, group) -> list:
+    """Every rank's picklable `obj`, in rank order, over the whole-mesh `group` (None: one process).
+    Used where ranks must agree on an outcome (a checkpoint commit, a load), never in a step."""
+    if group is None:
+        return [obj]
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out

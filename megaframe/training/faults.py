@@ -6,6 +6,8 @@ Set once in the environment of every rank (read at start-up, then passed to the 
     MEGAFRAME_INJECT="sleep:rank=1:seconds=0.3:step=5" ... at step 5 only
     MEGAFRAME_INJECT="hang:rank=1:step=3"              rank 1 blocks forever at the start of step 3
     MEGAFRAME_INJECT="sleep:rank=0:seconds=1;hang:rank=2:step=9"   several, separated by ';'
+    MEGAFRAME_INJECT="savefail:rank=1:step=4"          rank 1's checkpoint write at step 4 fails (OSError)
+    MEGAFRAME_INJECT="savekill:rank=1:step=4"          rank 1 is SIGKILLed in the middle of that write
 
 `rank` is the global rank (omitted: every rank); `step` the optimizer step (omitted: every step for
 sleep, step 1 for hang). The delay happens at the start of the step's compute window, so the straggler
@@ -26,7 +28,7 @@ ENV = "MEGAFRAME_INJECT"
 @dataclass(frozen=True)
 class Fault:
     kind: str
-    """sleep | hang."""
+    """sleep | hang | savefail | savekill."""
     rank: int | None
     step: int | None
     seconds: float = 0.0
@@ -44,9 +46,9 @@ def parse(spec: str) -> list[Fault]:
             seconds = float(kv.pop("seconds", 0.0))
         except ValueError as e:
             raise ValueError(f"{ENV}={spec!r}: cannot parse {part!r} ({e})") from e
-        if kind not in ("sleep", "hang") or kv or (kind == "sleep" and seconds <= 0):
+        if kind not in ("sleep", "hang", "savefail", "savekill") or kv or (kind == "sleep" and seconds <= 0):
             raise ValueError(f"{ENV}={spec!r}: {part!r} must be sleep:[rank=R:][step=S:]seconds=X "
-                             f"or hang:[rank=R:][step=S]")
+                             f"or hang|savefail|savekill:[rank=R:][step=S]")
         faults.append(Fault(kind, rank, step, seconds))
     return faults
 
@@ -63,9 +65,18 @@ class Injector:
         spec = os.environ.get(ENV, "")
         return cls(parse(spec), rank) if spec else None
 
+    def save_fault(self, step: int) -> str | None:
+        """"error" | "kill" when this rank's checkpoint write at `step` is to fail, else None."""
+        for f in self.faults:
+            if f.kind in ("savefail", "savekill") and f.step in (None, step):
+                return "error" if f.kind == "savefail" else "kill"
+        return None
+
     def apply(self, step: int) -> float:
         slept = 0.0
         for f in self.faults:
+            if f.kind not in ("sleep", "hang"):
+                continue
             if f.step is not None and f.step != step:
                 continue
             if f.kind == "hang":

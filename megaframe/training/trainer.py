@@ -56,7 +56,8 @@ def train(cfg: Config, mesh: Mesh, stop: StopFlag) -> None:
         evaluator = Evaluator.build(cfg, mesh)  # None unless train.eval_interval > 0
     except (OSError, ValueError, KeyError) as e:
         raise ConfigError(f"data.path={cfg.data.path}: unreadable prepared data ({e})") from e
-    start = resume(cfg, model, optimizer, mesh, data)
+    ckpt_io: dict = {}  # this rank's last save/load figures, logged at the next log step
+    start = resume(cfg, model, optimizer, mesh, data, ckpt_io)
     if mesh.rank == 0:
         describe(cfg, mesh, model, data, start)
         Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
@@ -68,7 +69,8 @@ def train(cfg: Config, mesh: Mesh, stop: StopFlag) -> None:
     # on CUDA the grad norms are read (a host sync) only at log steps; on CPU reading is free
     bad = BadSteps(cfg.train.max_bad_steps, mesh.rank == 0, defer=mesh.device.type == "cuda")
     t = cfg.train
-    probe = StragglerProbe(injector(mesh.rank))
+    faults = injector(mesh.rank)
+    probe = StragglerProbe(faults)
     watchdog = Watchdog(t.hang_timeout_s, mesh.rank, cfg.run.dir, mesh.stats).start()
     loader = Prefetcher(lambda s: microbatches(data, s - 1, t.global_batch_size, t.micro_batch_size, mesh.dp.rank,
                                                mesh.dp.size, t.seed, mesh.device), start + 1, t.max_steps)
@@ -88,23 +90,24 @@ def train(cfg: Config, mesh: Mesh, stop: StopFlag) -> None:
                 val = evaluator.evaluate(model)
                 meter.t_last += time.perf_counter() - t0  # tokens_per_s counts training time only
             if step % t.log_interval == 0 or step == t.max_steps or val is not None:
-                row = {**meter.metrics(step, res, model, optimizer), **probe.gather(mesh)}
+                row = {**meter.metrics(step, res, model, optimizer), **probe.gather(mesh), **ckpt_io}
                 tracker.log(row if val is None else {**row, "val_loss": val}, start)
             stopping = stop.agreed(mesh)
             if saver:
-                saver.poll()
+                poll_saver(cfg, saver, ckpt_io)
             interval = cfg.checkpoint.interval
             last = step == t.max_steps or stopping
             if (interval and step % interval == 0) or last:
                 if saver and last:
-                    saver.wait()  # commit the older one first, so `latest` ends on this step
-                save(cfg, model, optimizer, mesh, step, saver if not last else None, getattr(data, "order", ORDER))
+                    poll_saver(cfg, saver, ckpt_io, wait=True)  # commit the older one first: `latest` ends here
+                ckpt_io.update(save(cfg, model, optimizer, mesh, step, saver if not last else None,
+                                    getattr(data, "order", ORDER), faults.save_fault(step) if faults else None))
                 watchdog.beat()
             if stopping:
                 stop.report(step)
                 break
         if saver:
-            saver.wait()
+            poll_saver(cfg, saver, ckpt_io, wait=True)
     finally:
         watchdog.stop()
         loader.close()
@@ -188,9 +191,27 @@ class Meter:
         return row
 
 
+def poll_saver(cfg: Config, saver: AsyncSaver, ckpt_io: dict, wait: bool = False) -> None:
+    """Commit the pending async save if every rank is done (wait: once they are); a save that is not
+    committed stops the run (exit 1) or, with checkpoint.on_save_error=continue, is reported and dropped."""
+    try:
+        saver.wait() if wait else saver.poll()
+        ckpt_io.update(saver.last_io)
+    except sharded.SaveError as e:
+        save_failed(cfg, saver.mesh, e)
+
+
+def save_failed(cfg: Config, mesh: Mesh, e: Exception) -> None:
+    if cfg.checkpoint.on_save_error == "stop":
+        raise TrainingError(f"{e} (checkpoint.on_save_error=stop)") from e
+    if mesh.rank == 0:
+        print(f"megaframe: warning: {e}; going on (checkpoint.on_save_error=continue)", file=sys.stderr, flush=True)
+
+
 def save(cfg: Config, model, optimizer, mesh: Mesh, step: int, saver: AsyncSaver | None = None,
-         order: str = ORDER) -> None:
-    """Checkpoint at `step`: in the background with `saver`, else written and committed now."""
+         order: str = ORDER, fail: str | None = None) -> dict:
+    """Checkpoint at `step`: in the background with `saver`, else written and committed now. Returns
+    this rank's figures (ckpt/write_bytes, ckpt/save_s) once known."""
     t0 = time.perf_counter()
     meta = {"consumed_samples": step * cfg.train.global_batch_size,
             "layout": {"tp": mesh.tp.size, "pp": mesh.pp.size, "dp": mesh.dp.size, "ep": mesh.ep.size,
@@ -199,16 +220,23 @@ def save(cfg: Config, model, optimizer, mesh: Mesh, step: int, saver: AsyncSaver
             "data": data_state(cfg, step, order),
             "config": dataclasses.asdict(cfg)}
     if saver is not None:
-        saver.save(cfg.checkpoint.dir, step, model, optimizer, meta, cfg.checkpoint.keep_last)
+        saver.save(cfg.checkpoint.dir, step, model, optimizer, meta, cfg.checkpoint.keep_last, fail)
         if mesh.rank == 0:
             print(f"checkpoint: step {step} copied to host in {time.perf_counter() - t0:.2f}s, writing", flush=True)
-        return
-    path = sharded.save(cfg.checkpoint.dir, step, model, optimizer, mesh, meta, cfg.checkpoint.keep_last)
+        return {}
+    io: dict = {}
+    try:
+        path = sharded.save(cfg.checkpoint.dir, step, model, optimizer, mesh, meta, cfg.checkpoint.keep_last,
+                            fail, io)
+    except sharded.SaveError as e:
+        save_failed(cfg, mesh, e)
+        return {}
     if mesh.rank == 0:
         print(f"checkpoint: {path} ({time.perf_counter() - t0:.2f}s)", flush=True)
+    return io
 
 
-def resume(cfg: Config, model, optimizer, mesh: Mesh, data=None) -> int:
+def resume(cfg: Config, model, optimizer, mesh: Mesh, data=None, ckpt_io: dict | None = None) -> int:
     """Load the checkpoint named by checkpoint.resume; returns the step it holds (0 when starting fresh).
     `data` then keeps the sample order the checkpointed run began with."""
     if cfg.checkpoint.resume == "none":
@@ -217,18 +245,19 @@ def resume(cfg: Config, model, optimizer, mesh: Mesh, data=None) -> int:
         if mesh.rank == 0:
             print(f"megaframe: warning: skipping checkpoint {path}: {reason}", file=sys.stderr, flush=True)
 
-    if cfg.checkpoint.resume == "auto":
-        path = sharded.latest(cfg.checkpoint.dir, on_skip=skipped)
+    if cfg.checkpoint.resume == "auto":  # newest first; past any that some rank cannot load, all together
+        path, meta = sharded.load_newest(cfg.checkpoint.dir, model, optimizer, mesh, on_skip=skipped)
+        if path is None:
+            return 0
     else:
         path = Path(cfg.checkpoint.resume)
-    if path is None:
-        return 0
-    try:
-        meta = sharded.load_into(path, model, optimizer)
-    except (OSError, ValueError, KeyError, RuntimeError) as e:
-        raise ConfigError(f"checkpoint {path} cannot be loaded ({str(e).splitlines()[0]})") from e
+        meta, err = sharded.load_agreed(path, model, optimizer, mesh)
+        if meta is None:
+            raise ConfigError(f"checkpoint {path} cannot be loaded ({err})")
     if data is not None:
         data.order = resumed_order(meta)
+    if ckpt_io is not None:
+        ckpt_io.update({f"ckpt/{k}": v for k, v in meta["io_load"].items() if k in ("read_bytes", "load_s")})
     if mesh.rank == 0:
         print(f"resumed from {path} at step {meta['step']}", flush=True)
     return int(meta["step"])
