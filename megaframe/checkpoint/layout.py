@@ -4,13 +4,14 @@ optimizer's segments and the rank's coordinates (a meta model plans a 1000-rank 
 An `Item` is one logical tensor (model/<name>, optim/<kind>/<name>) as this rank holds it: flat ranges
 of its local (tp/ep-sliced) tensor, held identically by `holders` ranks (dp replicas of a parameter, tp
 replicas of a replicated one, 1 for a ZeRO segment). Each held range is cut in `holders` near-equal
-parts and replica i writes part i (rows of a whole tensor, rotated by the item's ordinal so small
+parts and replica i writes part i (rows of a whole tensor, rotated by a hash of its key so small
 tensors spread round-robin), so every rank writes about total/world bytes and no rank gathers state
 it does not write.
 """
 from __future__ import annotations
 
 import math
+import zlib
 from dataclasses import dataclass, field
 
 import torch
@@ -106,15 +107,21 @@ class Stored:
 def my_writes(items: list[Item]) -> list[Stored]:
     """The stored tensors this rank writes: its part of every held range, cut into boxes."""
     out = []
-    for ordinal, it in enumerate(items):
+    for it in items:
+        # the replicas must agree on the rotation: a function of the key only (not of list positions,
+        # which differ where a ZeRO rank holds no segment of some parameter)
+        ordinal = zlib.crc32(it.key.encode())
         shape = it.local_shape
-        inner = math.prod(shape[1:]) if shape else 1
+        k = 1  # cut on boundaries of the first k dims, enough of them to give every holder a part
+        while k < len(shape) and math.prod(shape[:k]) < it.holders:
+            k += 1
+        rows, inner = math.prod(shape[:k]), math.prod(shape[k:])
         count = 0
         for (lo, hi), src in zip(it.held, it.sources or [None] * len(it.held)):
             if it.holders == 1:
                 a, b = lo, hi
             elif (lo, hi) == (0, math.prod(shape)):  # a whole tensor: cut on row boundaries
-                r0, r1 = split_rows(shape[0] if shape else 1, it.holders, ordinal)[it.index]
+                r0, r1 = split_rows(rows, it.holders, ordinal)[it.index]
                 a, b = r0 * inner, r1 * inner
             else:
                 c0, c1 = split_rows(hi - lo, it.holders, ordinal)[it.index]

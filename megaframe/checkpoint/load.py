@@ -54,27 +54,30 @@ def load_items(model, optimizer, meta: dict) -> list[Item]:
     return items
 
 
-def execute(path: Path, meta: dict, plan, out: dict[str, torch.Tensor], stats: ReadStats) -> None:
+def execute(path: Path, meta: dict, plan, index, out: dict[str, torch.Tensor], stats: ReadStats) -> None:
     """Read the plan's ranges (each file opened once) and copy each piece into out[key]."""
-    by_stored: dict[tuple, list] = {}
-    for c in plan.copies:
-        by_stored.setdefault((c.file, c.stored_key), []).append(c)
+    by_stored: dict[int, list] = {}
+    for key, sid, src, dst, size in plan.copies:
+        for i in range(len(sid)):
+            by_stored.setdefault(int(sid[i]), []).append((key, src[i].tolist(), dst[i].tolist(), size[i].tolist()))
+    sid_of = {(f, k): i for i, (f, k, _) in enumerate(index.stored)}
     files = meta.get("files", {})
     v1 = "v1_files" in meta
     for name, reads in plan.reads.items():
         want = None if v1 else files.get(name, {}).get("header_crc32")
         for skey, first, data in read_ranges(path, name, reads, want, stats, check=not v1):
-            for c in by_stored[(name, skey)]:
-                strides = [math.prod(c.stored_shape[d + 1:]) for d in range(len(c.stored_shape))]
-                at = sum(lo * s for (lo, _), s in zip(c.src, strides))
-                last = at + sum((hi - lo - 1) * s for (lo, hi), s in zip(c.src, strides)) + 1
+            sid = sid_of[(name, skey)]
+            shape = index.stored[sid][2]
+            strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+            for key, src, dst, size in by_stored[sid]:
+                at = sum(lo * s for lo, s in zip(src, strides))
+                last = at + sum((n - 1) * s for n, s in zip(size, strides)) + 1
                 if at < first or last > first + data.numel():
                     continue  # the piece lies in another merged range of this stored tensor
-                src = data.as_strided([hi - lo for lo, hi in c.src], strides, at - first)
-                dst = out[c.key]
-                for d, (lo, hi) in enumerate(c.dst):
-                    dst = dst.narrow(d, lo, hi - lo)
-                dst.copy_(src)
+                view = out[key]
+                for d, (lo, n) in enumerate(zip(dst, size)):
+                    view = view.narrow(d, lo, n)
+                view.copy_(data.as_strided(size, strides, at - first))
 
 
 def read_items(path: str | Path, meta: dict, items: list[Item]) -> tuple[dict[str, torch.Tensor], dict]:
@@ -82,10 +85,11 @@ def read_items(path: str | Path, meta: dict, items: list[Item]) -> tuple[dict[st
     t0 = time.perf_counter()
     check_coverage({k: meta["tensors"][k] for k in {it.key for it in items}})
     need = needs(items)
-    plan = plan_reads(Index(meta["tensors"]), need)
+    index = Index(meta["tensors"])
+    plan = plan_reads(index, need)
     out = {it.key: torch.zeros(it.local_shape, dtype=getattr(torch, it.dtype)) for it in items}
     stats = ReadStats()
-    execute(Path(path), meta, plan, out, stats)
+    execute(Path(path), meta, plan, index, out, stats)
     return out, {"read_bytes": stats.bytes, "needed_bytes": plan.needed_bytes, "planned_bytes": plan.planned_bytes,
                  "files_opened": stats.files, "load_s": time.perf_counter() - t0}
 
