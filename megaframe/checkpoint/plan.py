@@ -83,6 +83,8 @@ def plan_reads(index: Index, need: dict[str, list[tuple[Box, Box]]]) -> Plan:
     spans_sid, spans_first, spans_last, sizes = [], [], [], []
     for key, pairs in need.items():
         pc = index.pieces(key)
+        if not pairs:  # a ZeRO rank holding no segment of this parameter
+            continue
         boxes = np.array(pairs, dtype=np.int64)  # [m, 2 (local, global), nd, 2 (lo, hi)]
         l_lo, g_lo, g_hi = boxes[:, 0, :, 0], boxes[:, 1, :, 0], boxes[:, 1, :, 1]
         # every needed box against every stored piece of the tensor at once: [m, n]

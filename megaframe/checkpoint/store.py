@@ -7,6 +7,7 @@ up to 256 B, capped at 64 KiB, so small tensors get fine blocks and big ones ~16
 """
 from __future__ import annotations
 
+import base64
 import json
 import os
 import struct
@@ -32,10 +33,18 @@ def _bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.contiguous().view(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
 
 
-def block_crcs(t: torch.Tensor) -> list[int]:
+def block_crcs(t: torch.Tensor) -> str:
+    """"<block size>:<base64 of the little-endian uint32 crc32 of each block>" (compact: the header is
+    metadata every reader of the file reads)."""
     data = _bytes(t)
     b = block_size(len(data))
-    return [b] + [zlib.crc32(data[i:i + b]) for i in range(0, max(len(data), 1), b)]
+    crcs = np.array([zlib.crc32(data[i:i + b]) for i in range(0, max(len(data), 1), b)], dtype="<u4")
+    return f"{b}:{base64.b64encode(crcs.tobytes()).decode()}"
+
+
+def _parse_crcs(text: str) -> tuple[int, np.ndarray]:
+    b, _, packed = text.partition(":")
+    return int(b), np.frombuffer(base64.b64decode(packed), dtype="<u4")
 
 
 def shard_name(rank: int) -> str:
@@ -91,6 +100,8 @@ def read_header(f, name: str, want_crc: int | None) -> Header:
 @dataclass
 class ReadStats:
     bytes: int = 0
+    """All bytes read: shard headers (metadata) and tensor data."""
+    data_bytes: int = 0
     files: int = 0
     opened: list = field(default_factory=list)
 
@@ -118,19 +129,20 @@ def read_ranges(folder: Path, name: str, reads: list, want_crc: int | None, stat
             item = torch.empty((), dtype=dtype).element_size()
             begin = head.data_start + t["data_offsets"][0]
             a, b = first * item, last * item
-            crc = head.crcs.get(key) if check else None
-            if crc:
-                blk = crc[0]
+            crc = _parse_crcs(head.crcs[key]) if check and key in head.crcs else None
+            if crc is not None:
+                blk, crc = crc
                 a0, b0 = a // blk * blk, min(-(-b // blk) * blk, t["data_offsets"][1] - t["data_offsets"][0])
             else:
                 a0, b0 = a, b
             buf = os.pread(fd, b0 - a0, begin + a0)
             stats.bytes += len(buf)
+            stats.data_bytes += len(buf)
             if len(buf) != b0 - a0:
                 raise CheckpointError(f"shard {name} is corrupt (tensor {key} is cut short)")
-            if crc:
+            if crc is not None:
                 for i, at in enumerate(range(a0, b0, blk)):
-                    if zlib.crc32(buf[at - a0:at - a0 + blk]) != crc[1 + at // blk]:
+                    if zlib.crc32(buf[at - a0:at - a0 + blk]) != int(crc[at // blk]):
                         raise CheckpointError(f"shard {name} is corrupt: tensor {key}, bytes "
                                               f"{at}..{min(at + blk, b0)} fail their checksum")
             arr = np.frombuffer(buf, dtype=np.uint8)[a - a0:b - a0]

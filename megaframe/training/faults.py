@@ -66,7 +66,10 @@ class Injector:
         return cls(parse(spec), rank) if spec else None
 
     def save_fault(self, step: int) -> str | None:
-        """"error" | "kill" when this rank's checkpoint write at `step` is to fail, else None."""
+        """"error" | "kill" when this rank's checkpoint write at `step` is to fail, else None. Only in a
+        group's first attempt: a worker group torchrun restarted must not be killed again."""
+        if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+            return None
         for f in self.faults:
             if f.kind in ("savefail", "savekill") and f.step in (None, step):
                 return "error" if f.kind == "savefail" else "kill"
