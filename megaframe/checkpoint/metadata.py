@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
 import numpy as np
+
+from megaframe.paths import OutsideFolder, inside
 
 FORMAT = "megaframe-ckpt-v2"
 FORMAT_V1 = "megaframe-ckpt-v1"
@@ -27,16 +28,11 @@ class CheckpointError(ValueError):
 
 
 def confined(folder: str | Path, name: str) -> Path:
-    """folder/name when name is a plain file name inside folder (no '..', no absolute path, no link
-    leading out); CheckpointError otherwise."""
-    folder = Path(folder)
-    if not isinstance(name, str) or not name or os.path.isabs(name) or ".." in Path(name).parts \
-            or Path(name).name != name:
-        raise CheckpointError(f"{folder}: file name {name!r} is not a plain name inside the folder")
-    path = folder / name
-    if path.is_symlink() and not path.resolve().is_relative_to(folder.resolve()):
-        raise CheckpointError(f"{folder}: {name} is a link out of the folder")
-    return path
+    """folder/name when name is a plain file name inside folder; CheckpointError otherwise."""
+    try:
+        return inside(folder, name)
+    except OutsideFolder as e:
+        raise CheckpointError(str(e)) from e
 
 
 def check_coverage(tensors: dict) -> None:

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from megaframe.data.order import ORDER, sample_index
+from megaframe.paths import inside
 
 
 class PreparedData:
@@ -36,7 +37,7 @@ class PreparedData:
         meta = json.loads((path / "meta.json").read_text())
         dtype = np.dtype(meta["dtype"])
         self.path, self.meta = path, meta
-        self.shards = [np.memmap(path / s["file"], dtype=dtype, mode="r") for s in meta["shards"]]
+        self.shards = [np.memmap(inside(path, s["file"]), dtype=dtype, mode="r") for s in meta["shards"]]
         for s, arr in zip(meta["shards"], self.shards):
             if arr.shape[0] != s["num_tokens"]:
                 raise ValueError(f"data shard {s['file']} has {arr.shape[0]} tokens, meta.json says {s['num_tokens']}")
@@ -61,7 +62,7 @@ class PreparedData:
         entries = self.meta["shards"]
         if k >= len(entries) or not entries[k].get("docs"):
             return target  # no document index (older data): cut on the token
-        local = np.load(self.path / entries[k]["docs"], mmap_mode="r") + int(self.starts[k])
+        local = np.load(inside(self.path, entries[k]["docs"]), mmap_mode="r") + int(self.starts[k])
         after = local[np.searchsorted(local, target):]
         if after.size:
             return int(after[0])
