@@ -14,7 +14,11 @@ from pathlib import Path
 import torch
 
 from megaframe.checkpoint.layout import Item, needs
-from megaframe.checkpoint.metadata import CheckpointError, check_complete, check_coverage
+from megaframe.checkpoint.metadata import (
+    CheckpointError,
+    check_complete,
+    check_coverage,
+)
 from megaframe.checkpoint.plan import Index, plan_reads
 from megaframe.checkpoint.store import ReadStats, read_ranges
 from megaframe.parallel import comm

@@ -58,7 +58,7 @@ class Index:
                     llo.append([a for a, _ in local])
                     stride.append(st)
                     sid.append(self._sid[ident])
-            arr = lambda x: np.array(x, dtype=np.int64).reshape(-1, nd)  # noqa: E731
+            arr = lambda x: np.array(x, dtype=np.int64).reshape(-1, nd)
             size = torch.empty((), dtype=getattr(torch, info["dtype"])).element_size()
             self._by_key[key] = Pieces(arr(lo), arr(hi), arr(llo), arr(stride),
                                        np.array(sid, dtype=np.int64), size)

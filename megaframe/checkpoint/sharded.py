@@ -29,8 +29,13 @@ import torch
 
 from megaframe.checkpoint.layout import my_writes, param_items
 from megaframe.checkpoint.load import load_agreed, load_full, load_into, load_newest  # noqa: F401  (public API)
-from megaframe.checkpoint.metadata import (FORMAT, CheckpointError, check_complete, check_coverage,  # noqa: F401
-                                           confined)
+from megaframe.checkpoint.metadata import (
+    FORMAT,
+    CheckpointError,
+    check_complete,
+    check_coverage,
+    confined,
+)
 from megaframe.checkpoint.metadata import read as read_metadata  # noqa: F401
 from megaframe.checkpoint.store import shard_name, verify_file, write_file
 from megaframe.parallel import comm

@@ -9,7 +9,11 @@ import torch
 
 from megaframe.checkpoint import sharded
 from megaframe.checkpoint.metadata import CheckpointError
-from tests.distributed.ckpt_cases import load_agreed_report, load_and_report, train_and_save
+from tests.distributed.ckpt_cases import (
+    load_agreed_report,
+    load_and_report,
+    train_and_save,
+)
 
 pytestmark = pytest.mark.distributed
 
