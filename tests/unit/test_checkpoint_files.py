@@ -95,3 +95,30 @@ def test_block_checksums_cover_every_byte():
     t = torch.arange(5000, dtype=torch.float32)
     blk, crcs = _parse_crcs(block_crcs(t))
     assert blk == block_size(20000) and len(crcs) == -(-20000 // blk)
+
+
+def test_a_v1_checkpoint_still_loads(tmp_path, saved):
+    """Checkpoints written before format v2 (whole slices keyed by logical name, a crc32 per file) load."""
+    import zlib
+
+    from safetensors.torch import save_file
+
+    path, cfg, mesh = saved
+    meta = sharded.read_metadata(path)
+    tensors = {k: sharded.load_full(path, k, meta) for k in meta["tensors"]}
+    old = tmp_path / "v1" / "step_00000001"
+    old.mkdir(parents=True)
+    save_file(tensors, str(old / "shard_00000.safetensors"))
+    crc = zlib.crc32((old / "shard_00000.safetensors").read_bytes())
+    v1 = {"format": "megaframe-ckpt-v1", "step": 1, "files": {"shard_00000.safetensors": {
+        "bytes": (old / "shard_00000.safetensors").stat().st_size, "crc32": crc}},
+        "tensors": {k: {"global_shape": list(t.shape), "dtype": "float32",
+                        "shards": [{"file": "shard_00000.safetensors", "dim": None, "ranges": []}]}
+                    for k, t in tensors.items()}}
+    (old / "metadata.json").write_text(json.dumps(v1))
+    sharded.verify(old)
+    model = build_model(tiny_config(["train.seed=9"], 1), mesh)
+    opt = build_optimizer(model, cfg.optim, mesh)
+    sharded.load_into(old, model, opt)
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach(), tensors[f"model/{name}"]), name
