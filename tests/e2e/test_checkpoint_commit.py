@@ -48,6 +48,9 @@ def test_a_failed_write_on_one_rank_stops_without_commit_then_resume_continues(t
     rows = metrics(tmp_path)
     assert [r["step"] for r in rows] == list(range(1, 7))
     assert_same_losses(rows, reference(tmp_path_factory))
+    # accounting: the resumed run logs what its logging rank read, and later what it wrote
+    assert rows[2]["ckpt/read_bytes"] > 0 and rows[2]["ckpt/load_s"] >= 0
+    assert rows[-1]["ckpt/write_bytes"] > 0 and rows[-1]["ckpt/save_s"] > 0
 
 
 def test_sigkill_during_an_async_write_restarts_from_the_previous_checkpoint(tmp_path, tmp_path_factory):
