@@ -280,6 +280,10 @@ class CheckpointConfig:
     """auto (newest committed in dir, if any) | none | a step folder path."""
     keep_last: int = 0
     """Keep only the newest this many checkpoints (0 keeps all)."""
+    on_save_error: str = "stop"
+    """stop | continue: when a save is not committed (a rank's write failed, or its pieces do not cover
+    every tensor exactly once), stop the run with exit 1, or warn and go on (the next save tries again).
+    Either way nothing is committed and `latest` and older checkpoints stay as they were."""
     # `checkpoint.async` is the user-facing name, but `async` is a Python keyword: declare the field
     # through the class namespace; code reads it as `cfg.checkpoint.async_save`.
     __annotations__["async"] = bool

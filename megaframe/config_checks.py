@@ -161,10 +161,12 @@ def check_config(cfg: Config, world_size: int, check_data: bool = True) -> None:
     r = cfg.checkpoint.resume
     _req(r in ("auto", "none") or (Path(r) / "metadata.json").is_file(),
          f"checkpoint.resume={r}: not a committed checkpoint folder (no metadata.json)")
-    if r not in ("auto", "none"):
-        from megaframe.checkpoint.sharded import verify
+    _req(cfg.checkpoint.on_save_error in ("stop", "continue"),
+         f"checkpoint.on_save_error={cfg.checkpoint.on_save_error!r} must be stop or continue")
+    if r not in ("auto", "none"):  # metadata only: shard bytes are checked where each rank reads them
+        from megaframe.checkpoint.metadata import check_complete
         try:
-            verify(r)
+            check_complete(r)
         except ValueError as e:
             raise ConfigError(f"checkpoint.resume={r}: {e}") from e
     if check_data and cfg.data.kind == "prepared":

@@ -340,3 +340,13 @@ def batch_isend_irecv(axis: Axis, sends: list[tuple[torch.Tensor, int]], recvs: 
         works = dist.batch_isend_irecv(ops)
     pending = [len(works)]
     return [_BatchWork(w, entry, pending) for w in works]
+
+
+def gather_objects(obj, group) -> list:
+    """Every rank's picklable `obj`, in rank order, over the whole-mesh `group` (None: one process).
+    Used where ranks must agree on an outcome (a checkpoint commit, a load), never in a step."""
+    if group is None:
+        return [obj]
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
