@@ -70,6 +70,11 @@ class WandbMode(StrEnum):
     disabled = "disabled"
 
 
+# `continue` is a keyword: the functional form again (OmegaConf needs name == value)
+SaveErrorPolicy = StrEnum("SaveErrorPolicy", [(k, k) for k in ("stop", "continue")], module=__name__)
+SaveErrorPolicy.__doc__ = "checkpoint.on_save_error."
+
+
 class LRSchedule(StrEnum):
     """Shape of the learning rate after warmup (megaframe/optim/schedule.py has the formulas)."""
     cosine = "cosine"

@@ -16,7 +16,7 @@ from megaframe.schema import (  # noqa: F401  (the public path of the schema's n
     CONF_DIR, DEFAULT_EXTENSIONS, ROOT, BlendSource, CheckpointConfig, Config, DataConfig, DocSplit,
     LoggingConfig, LRSchedule, ModelConfig, OptimConfig, ParallelConfig, RunConfig, TrainConfig, WandbConfig,
     Activation, DataKind, Device, Norm, PositionEmbedding, Precision, Recompute, RouterScore, ScheduleKind,
-    WandbMode, plain,
+    SaveErrorPolicy, WandbMode, plain,
 )
 
 

@@ -70,8 +70,7 @@ FIELD_RULES: dict[str, Rule] = {
     "train.micro_batch_size": POS, "train.global_batch_size": POS, "train.max_steps": POS, "train.seed": SEED,
     "train.log_interval": POS, "train.max_bad_steps": NONNEG, "train.eval_interval": NONNEG,
     "train.eval_iters": POS, "train.hang_timeout_s": NONNEGF, "train.dist_timeout_s": POSF,
-    "train.sample_interval": NONNEG, "train.sample_tokens": POS,
-    "train.signal_check_interval": POS,
+    "train.signal_check_interval": POS, "train.sample_interval": NONNEG, "train.sample_tokens": POS,
     # optim
     "optim.lr": POSF, "optim.min_lr": NONNEGF, "optim.warmup_steps": NONNEG, "optim.weight_decay": NONNEGF,
     "optim.clip_grad": NONNEGF, "optim.beta1": UNIT, "optim.beta2": UNIT, "optim.eps": POSF,
@@ -151,10 +150,10 @@ def check_config(cfg: Config, world_size: int, check_data: bool = True) -> None:
     r = cfg.checkpoint.resume
     _req(r in ("auto", "none") or (Path(r) / "metadata.json").is_file(),
          f"checkpoint.resume={r}: not a committed checkpoint folder (no metadata.json)")
-    if r not in ("auto", "none"):
-        from megaframe.checkpoint.sharded import verify
+    if r not in ("auto", "none"):  # metadata only: shard bytes are checked where each rank reads them
+        from megaframe.checkpoint.metadata import check_complete
         try:
-            verify(r)
+            check_complete(r)
         except ValueError as e:
             raise ConfigError(f"checkpoint.resume={r}: {e}") from e
     if check_data and cfg.data.kind == "prepared":

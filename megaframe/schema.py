@@ -13,7 +13,7 @@ from typing import Optional, get_type_hints
 
 from megaframe.choices import (  # noqa: F401  (re-exported: the schema's public names)
     Activation, DataKind, Device, DocSplit, LRSchedule, Norm, PositionEmbedding, Precision, Recompute,
-    RouterScore, ScheduleKind, WandbMode,
+    RouterScore, SaveErrorPolicy, ScheduleKind, WandbMode,
 )
 from megaframe.errors import ConfigError  # noqa: F401  (re-exported: the schema's error type)
 
@@ -271,6 +271,10 @@ class CheckpointConfig:
     """auto (newest committed in dir, if any) | none | a step folder path."""
     keep_last: int = 0
     """Keep only the newest this many checkpoints (0 keeps all)."""
+    on_save_error: SaveErrorPolicy = SaveErrorPolicy.stop
+    """stop | continue: when a save is not committed (a rank's write failed, or its pieces do not cover
+    every tensor exactly once), stop the run with exit 1, or warn and go on (the next save tries again).
+    Either way nothing is committed and `latest` and older checkpoints stay as they were."""
     # `checkpoint.async` is the user-facing name, but `async` is a Python keyword: declare the field
     # through the class namespace; code reads it as `cfg.checkpoint.async_save`.
     __annotations__["async"] = bool

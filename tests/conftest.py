@@ -8,6 +8,9 @@ os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.pop("WANDB_API_KEY", None)
+# Point-to-point transfers follow NCCL's rules on gloo (DESIGN §1.3c, parallel/p2p_semantics.py): the rank
+# pool and every torchrun a test starts inherit it, so each pipeline test checks what a GPU run needs.
+os.environ.setdefault("MEGAFRAME_P2P_SEMANTICS", "nccl")
 
 _pool = None
 

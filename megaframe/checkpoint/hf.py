@@ -328,7 +328,7 @@ def save_tokenizer(spm_model: str | Path, out: str | Path, model_max_length: int
     AutoTokenizer loads offline and that encodes exactly like sentencepiece (no special tokens added,
     literal "</s>" in text stays text). Returns the transformers tokenizer."""
     import sentencepiece as spm
-    from tokenizers import Tokenizer, decoders, normalizers
+    from tokenizers import Tokenizer, decoders
     from tokenizers.models import BPE
     from transformers import PreTrainedTokenizerFast
 

@@ -20,7 +20,8 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from megaframe.checkpoint import sharded
+from megaframe.checkpoint.metadata import check_complete, committed
+from megaframe.checkpoint.metadata import read as read_metadata
 
 
 def lineage_meta(run_id: str, step: int, parent: Path | None, parent_id: str | None, root: str | Path) -> dict:
@@ -35,7 +36,7 @@ def lineage_meta(run_id: str, step: int, parent: Path | None, parent_id: str | N
 
 def _meta(path: Path) -> dict | None:
     try:
-        return sharded.read_metadata(path)
+        return read_metadata(path)
     except (OSError, ValueError):  # json.JSONDecodeError is a ValueError
         return None
 
@@ -84,23 +85,17 @@ def candidates(root: str | Path) -> list[Path]:
     lineage is unreadable), the other committed folders newest first."""
     head = pointed(root)
     first = chain(head, root) if head is not None else []
-    rest = [p for p in sharded.committed(root)[::-1] if p not in first]
+    rest = [p for p in committed(root)[::-1] if p not in first]
     return first + rest
 
 
 def cheap_check(path: Path) -> str | None:
     """Why `path` cannot be a resume point from its metadata and file sizes alone (no shard bytes read:
-    the load checks what it reads), or None. Sizes are compared where the metadata records them."""
-    meta = _meta(path)
-    if meta is None:
-        return "unreadable metadata.json"
-    for name, want in (meta.get("files") or {}).items():
-        f = path / name
-        if not f.is_file():
-            return f"shard {name} is missing"
-        size = want.get("bytes") if isinstance(want, dict) else None
-        if size is not None and f.stat().st_size != int(size):
-            return f"shard {name} has {f.stat().st_size} bytes, metadata.json says {size}"
+    the load checks every block it reads against its checksum), or None."""
+    try:
+        check_complete(path)
+    except (OSError, ValueError, KeyError) as e:  # CheckpointError is a ValueError
+        return str(e).splitlines()[0] if str(e) else type(e).__name__
     return None
 
 

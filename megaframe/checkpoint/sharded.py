@@ -1,37 +1,51 @@
-"""Sharded checkpoints: each rank writes the slices it uniquely owns into one safetensors file.
+"""Sharded checkpoints: every rank writes its share into one safetensors file; rank 0 commits only when
+every rank succeeded and the pieces tile every tensor exactly once.
 
 Layout on disk:
-    ${checkpoint.dir}/step_00000008/shard_00000.safetensors ...   tensors keyed model/<name>,
-                                                                   optim/exp_avg/<name>, optim/exp_avg_sq/<name>
-    ${checkpoint.dir}/step_00000008/metadata.json                 every logical tensor's global shape and dtype,
-                                                                   each shard's file, key, dim and ranges
+    ${checkpoint.dir}/step_00000008/shard_00000.safetensors ...   stored tensors keyed <logical key>#<n>
+                                                                   (model/<name>, optim/<kind>/<name>),
+                                                                   a crc32 per block in the header
+    ${checkpoint.dir}/step_00000008/metadata.json                 every logical tensor's global shape and
+                                                                   dtype, and each stored piece's global box
     ${checkpoint.dir}/latest                                       name of the newest committed step folder
 
-A tensor slice is written once, by the rank holding replica (0, 0, 0) of it (its Placement: tp copy 0,
-not the pipeline duplicate, data-parallel rank 0).
-Ranges are (global offset, local offset, length) along the split dim, so a fused [q|k|v] slice is
-three ranges. A checkpoint is committed by renaming its temporary folder after metadata.json (written
-last, fsynced) exists; `latest` is replaced atomically afterwards. Loading rebuilds each logical tensor
-from its shards and cuts the slice the loading rank needs, so any layout loads any checkpoint.
+Who writes what (checkpoint/layout.py): each slice several ranks hold (dp replicas, tp replicas of a
+replicated tensor) is cut in row chunks over them, and each ZeRO rank writes its own segments, so every
+rank writes about total/world bytes and nothing is gathered for a write.
+Commit on agreement: every rank reports (ok, size, header checksum, its entries); rank 0 checks them
+all and the coverage, writes metadata.json last (fsynced), renames the folder, then replaces `latest`
+atomically; on any failure nothing is committed, the temporary folder is removed and every rank raises
+SaveError. Loading (checkpoint/load.py) reads per-rank plans of byte ranges.
 """
 from __future__ import annotations
 
 import json
 import os
 import shutil
-import zlib
+import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-from safetensors import safe_open
-from safetensors.torch import save_file
 
+from megaframe.checkpoint import lineage
+from megaframe.checkpoint.layout import my_writes, param_items
+from megaframe.checkpoint.load import load_agreed, load_full, load_into, load_newest  # noqa: F401  (public API)
+from megaframe.checkpoint.metadata import (
+    FORMAT,
+    CheckpointError,
+    check_complete,
+    check_coverage,
+    confined,
+)
+from megaframe.checkpoint.metadata import committed  # noqa: F401  (public API)
+from megaframe.checkpoint.metadata import read as read_metadata  # noqa: F401
+from megaframe.checkpoint.store import shard_name, verify_file, write_file
+from megaframe.parallel import comm
 from megaframe.parallel.mesh import Mesh
 
-FORMAT = "megaframe-ckpt-v1"
-_UMASK = os.umask(0o022)  # read once at import (single-threaded): os.umask can only be read by setting it
-os.umask(_UMASK)
+
+class SaveError(RuntimeError):
+    """A save that was not committed (a rank's write failed, or the coverage check did not pass)."""
 
 
 def step_dir(root: str | Path, step: int) -> Path:
@@ -45,27 +59,6 @@ def _fsync_write(path: Path, text: str) -> None:
         os.fsync(f.fileno())
 
 
-def _owned_tensors(model, optimizer, mesh: Mesh) -> dict[str, tuple[torch.Tensor, object]]:
-    """key -> (local tensor, Shard) for the slices this rank writes (placement.writes_checkpoint).
-
-    Every rank of a data-parallel group that saves a parameter asks for its optimizer state (a ZeRO
-    optimizer all-gathers its dp-sharded moments there, a collective); only replica 0 writes."""
-    out = {}
-    for name, p in model.named_parameters():
-        if not p.placement.in_checkpoint(mesh):
-            continue
-        state = optimizer.logical_state(p)
-        if not p.placement.writes_checkpoint(mesh):
-            continue
-        out[f"model/{name}"] = (p.detach(), p.placement.shard)
-        for k, t in state.items():
-            out[f"optim/{k}/{name}"] = (t, p.placement.shard)
-    for name, b, placement in state_buffers(model):  # state outside autograd (the MoE expert bias)
-        if placement.writes_checkpoint(mesh):
-            out[f"model/{name}"] = (b.detach(), placement.shard)
-    return out
-
-
 def state_buffers(model) -> list[tuple[str, torch.Tensor, object]]:
     """(global name, tensor, Placement) of buffers that are model state, saved and loaded like parameters.
     A module declares them in `state_placements` ({buffer name: Placement}): a tag on the tensor itself
@@ -75,8 +68,7 @@ def state_buffers(model) -> list[tuple[str, torch.Tensor, object]]:
 
 
 def _barrier(mesh: Mesh) -> None:
-    if mesh.group is not None:
-        dist.barrier(group=mesh.group)
+    comm.gather_objects(None, mesh.group)
 
 
 def begin(root: str | Path, step: int, mesh: Mesh) -> tuple[Path, Path]:
@@ -90,70 +82,114 @@ def begin(root: str | Path, step: int, mesh: Mesh) -> tuple[Path, Path]:
     return tmp, final
 
 
-def save(root: str | Path, step: int, model, optimizer, mesh: Mesh, meta: dict, keep_last: int = 0) -> Path:
-    """Write and commit step_XXXXXXXX under root; collective over the mesh. Returns the final folder."""
+def host_snapshot(model, optimizer, mesh: Mesh, copy: bool, pin: bool = False) -> list:
+    """This rank's stored tensors (checkpoint/layout.py) with their data on the host; `copy` detaches
+    them from the live state so training may go on while they are written; `pin` stages them in
+    page-locked memory (an async save on CUDA: the device-to-host copies then run at full speed)."""
+    stored = my_writes(param_items(model, optimizer, mesh, with_sources=True))
+    for s in stored:
+        t = s.source.detach()
+        if t.device.type != "cpu" or copy:
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin and t.device.type == "cuda")
+            host.copy_(t, non_blocking=pin)
+            t = host
+        s.source = t.contiguous()
+    if pin and torch.cuda.is_available():
+        torch.cuda.synchronize()  # the non_blocking copies must land before the writer thread reads them
+    return stored
+
+
+def write_report(folder: Path, rank: int, stored: list, fail: str | None = None) -> dict:
+    """Write this rank's file; returns what the commit needs (never raises for an I/O failure)."""
+    t0 = time.perf_counter()
+    name = shard_name(rank)
+    try:
+        info = write_file(folder, rank, {s.stored_key: s.source for s in stored}, fail) if stored else None
+    except OSError as e:
+        return {"rank": rank, "ok": False, "error": f"rank {rank}: {e}"}
+    entries: dict[str, dict] = {}
+    for s in stored:
+        e = entries.setdefault(s.key, {"global_shape": list(s.global_shape), "dtype": s.dtype, "shards": []})
+        e["shards"].append({"file": name, "key": s.stored_key, "shape": list(s.shape), "dtype": s.dtype,
+                            "pieces": [[list(map(list, a)), list(map(list, b))] for a, b in s.pieces]})
+    return {"rank": rank, "ok": True, "file": name if info else None, "info": info, "entries": entries,
+            "write_bytes": info["bytes"] if info else 0, "data_bytes": info["data_bytes"] if info else 0,
+            "save_s": time.perf_counter() - t0}
+
+
+def save(root: str | Path, step: int, model, optimizer, mesh: Mesh, meta: dict, keep_last: int = 0,
+         fail: str | None = None, io: dict | None = None) -> Path:
+    """Write and commit step_XXXXXXXX under root; collective over the mesh. Returns the final folder;
+    SaveError (on every rank) when it was not committed. `io` receives this rank's figures."""
+    t0 = time.perf_counter()
     tmp, final = begin(root, step, mesh)
-    written = _write_shard(tmp, model, optimizer, mesh)
-    gathered = [written]
-    if mesh.group is not None:
-        gathered = [None] * mesh.world
-        dist.all_gather_object(gathered, written, group=mesh.group)
-    if mesh.rank == 0:
-        commit(root, tmp, final, step, meta, gathered)
-        prune(root, keep_last)
-    _barrier(mesh)
+    report = write_report(tmp, mesh.rank, host_snapshot(model, optimizer, mesh, copy=False), fail)
+    report["save_s"] = time.perf_counter() - t0
+    final = finish(root, tmp, final, step, meta, report, mesh, keep_last)
+    if io is not None:
+        io.update({"ckpt/write_bytes": report["write_bytes"], "ckpt/save_s": report["save_s"]})
     return final
 
 
-def _write_shard(folder: Path, model, optimizer, mesh: Mesh) -> dict:
-    """This rank's safetensors file; returns its tensor entries and the file's size and checksum."""
-    tensors, entries = host_snapshot(model, optimizer, mesh, copy=False)
-    return {"entries": entries, "file": write_file(folder, mesh.rank, tensors)}
+def finish(root, tmp: Path, final: Path, step: int, meta: dict, report: dict, mesh: Mesh, keep_last: int) -> Path:
+    """Gather every rank's report, commit on rank 0 if all agree, and tell every rank; collective."""
+    reports = comm.gather_objects(report, mesh.group)
+    outcome = None
+    if mesh.rank == 0:
+        outcome = decide(root, tmp, final, step, meta, reports, keep_last)
+    outcome = comm.gather_objects(outcome, mesh.group)[0]
+    if outcome is not None:
+        raise SaveError(outcome)
+    return final
 
 
-def host_snapshot(model, optimizer, mesh: Mesh, copy: bool) -> tuple[dict, dict]:
-    """(tensors on the host, metadata entries) of the slices this rank owns; `copy` detaches them from
-    the live parameters so training may go on while they are written."""
-    owned = _owned_tensors(model, optimizer, mesh)
-    fname = f"shard_{mesh.rank:05d}.safetensors"
-    tensors = {k: (t.detach().to("cpu", copy=True) if copy else t.detach().cpu()).contiguous()
-               for k, (t, _) in owned.items()}
-    entries = {k: {"file": fname, "dim": s.dim, "ranges": s.ranges(), "global_shape": list(s.global_shape),
-                   "dtype": str(t.dtype).removeprefix("torch.")} for k, (t, s) in owned.items()}
-    return tensors, entries
+def io_figures(reports: list[dict]) -> dict:
+    """Per-rank bytes and seconds of a save, for metadata.json and the metrics."""
+    return {str(r["rank"]): {"write_bytes": r.get("write_bytes", 0), "save_s": round(r.get("save_s", 0.0), 4)}
+            for r in reports}
 
 
-def write_file(folder: Path, rank: int, tensors: dict) -> tuple[str, dict] | None:
-    """Write and fsync shard_<rank>.safetensors; returns (name, size and checksum)."""
-    if not tensors:
-        return None
-    fname = f"shard_{rank:05d}.safetensors"
-    save_file(tensors, str(folder / fname))
-    # safety (issue 20): safetensors creates 0600 files; a checkpoint is shared like any output (umask rules)
-    os.chmod(folder / fname, 0o666 & ~_UMASK)
-    with open(folder / fname, "rb") as f:
-        os.fsync(f.fileno())
-    return fname, _file_info(folder / fname)
+def decide(root, tmp: Path, final: Path, step: int, meta: dict, reports: list[dict], keep_last: int) -> str | None:
+    """Commit if every rank wrote its file and the pieces tile every tensor; else remove the temporary
+    folder, leave `latest` and every older checkpoint as they are, and return the reason."""
+    failed = [r["error"] for r in reports if not r["ok"]]
+    reason = None
+    if failed:
+        reason = f"{len(failed)} of {len(reports)} ranks failed to write ({failed[0]})"
+    else:
+        tensors = merge_entries(reports)
+        try:
+            check_coverage(tensors)
+        except CheckpointError as e:
+            reason = f"coverage check failed: {e}"
+    if reason is not None:
+        shutil.rmtree(tmp, ignore_errors=True)
+        return f"checkpoint step {step} not committed: {reason}"
+    files = {r["file"]: r["info"] for r in reports if r["file"]}
+    commit(root, tmp, final, step, {**meta, "io": io_figures(reports)}, tensors, files)
+    prune(root, keep_last)
+    return None
 
 
-def _file_info(path: Path) -> dict:
-    crc, size = 0, 0
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            crc, size = zlib.crc32(chunk, crc), size + len(chunk)
-    return {"bytes": size, "crc32": crc}
-
-
-def commit(root, tmp: Path, final: Path, step: int, meta: dict, gathered: list[dict]) -> None:
-    """metadata.json last (fsynced), atomic rename of the folder, then the `latest` pointer."""
+def merge_entries(reports: list[dict]) -> dict:
     tensors: dict[str, dict] = {}
-    for part in gathered:
-        for k, e in part["entries"].items():
+    for r in reports:
+        for k, e in r["entries"].items():
             t = tensors.setdefault(k, {"global_shape": e["global_shape"], "dtype": e["dtype"], "shards": []})
-            t["shards"].append({"file": e["file"], "dim": e["dim"], "ranges": e["ranges"]})
-    files = dict(part["file"] for part in gathered if part["file"])
+            if t["global_shape"] != e["global_shape"]:
+                t["shape_conflict"] = e["global_shape"]
+            t["shards"] += e["shards"]
+    for k, t in tensors.items():
+        if "shape_conflict" in t:
+            raise CheckpointError(f"tensor {k}: ranks disagree on its global shape "
+                                  f"({t['global_shape']} vs {t['shape_conflict']})")
+    return tensors
+
+
+def commit(root, tmp: Path, final: Path, step: int, meta: dict, tensors: dict, files: dict) -> None:
+    """metadata.json last (fsynced), atomic rename of the folder, then the `latest` pointer."""
     _fsync_write(tmp / "metadata.json", json.dumps({"format": FORMAT, "step": step, **meta, "files": files,
-                                                    "tensors": tensors}, indent=1))
+                                                    "coverage": "exact", "tensors": tensors}, indent=1))
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -161,91 +197,37 @@ def commit(root, tmp: Path, final: Path, step: int, meta: dict, gathered: list[d
     os.replace(Path(root) / "latest.tmp", Path(root) / "latest")
 
 
-def committed(root: str | Path) -> list[Path]:
-    """Committed step folders under root, oldest first."""
-    if not Path(root).is_dir():
-        return []
-    return sorted(p for p in Path(root).glob("step_*")
-                  if p.is_dir() and not p.name.endswith(".tmp") and (p / "metadata.json").is_file())
-
-
 def prune(root: str | Path, keep_last: int) -> None:
-    """Keep the newest `keep_last` checkpoints of the current lineage (0 keeps everything)."""
-    # safety (issue 20): by lineage, not by step number, so a rollback's new branch is never pruned
-    from megaframe.checkpoint import lineage
-
+    """Keep the newest `keep_last` checkpoints of the current lineage (0 keeps everything): by lineage,
+    not by step number, so a rollback's new branch is never pruned (checkpoint/lineage.py)."""
     lineage.prune(root, keep_last)
 
 
 def verify(path: str | Path) -> dict:
-    """Metadata of a checkpoint whose files all have their recorded size and checksum; ValueError otherwise."""
-    try:
-        meta = read_metadata(path)
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: unreadable metadata.json ({e})") from e
-    for name, want in meta.get("files", {}).items():
-        f = Path(path) / name
-        if not f.is_file():
-            raise ValueError(f"{path}: shard {name} is missing")
-        got = _file_info(f)
-        if got != want:
-            raise ValueError(f"{path}: shard {name} is corrupt ({got['bytes']} bytes, crc32 {got['crc32']}; "
-                             f"expected {want['bytes']} bytes, crc32 {want['crc32']})")
+    """Full offline verification: metadata complete, coverage exact, every byte of every file against its
+    checksums. Returns the metadata; CheckpointError (a ValueError) naming the file otherwise."""
+    meta = check_complete(path)
+    check_coverage(meta["tensors"])
+    if "v1_files" in meta:  # a v1 checkpoint: one crc32 per whole file
+        from megaframe.checkpoint.load import file_crc32
+        for name, want in meta["v1_files"].items():
+            if file_crc32(confined(path, name)) != want["crc32"]:
+                raise CheckpointError(f"{path}: shard {name} is corrupt (crc32 mismatch)")
+        return meta
+    for name, want in meta["files"].items():
+        verify_file(Path(path), name, want)
     return meta
 
 
 def latest(root: str | Path, on_skip=None) -> Path | None:
-    """The newest committed checkpoint under root that verifies, or None. `on_skip(path, reason)` hears
-    about each newer one passed over because it is corrupt.
-
-    A folder counts once its metadata.json exists (it is renamed into place whole), so a crash between
-    the rename and the `latest` update loses nothing; `latest` is for people and scripts."""
+    """The newest committed checkpoint under root whose metadata is complete (files present with their
+    sizes), decided without reading shard bytes; `on_skip(path, reason)` hears about each passed over.
+    Shard bytes are checked where they are read (load_newest falls back past one that fails)."""
     for path in committed(root)[::-1]:
         try:
-            verify(path)
+            check_complete(path)
             return path
-        except ValueError as e:
+        except CheckpointError as e:
             if on_skip:
                 on_skip(path, str(e))
     return None
-
-
-def read_metadata(path: str | Path) -> dict:
-    meta = json.loads((Path(path) / "metadata.json").read_text())
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"{path}: not a megaframe checkpoint (format {meta.get('format')!r})")
-    return meta
-
-
-def load_full(path: str | Path, key: str, meta: dict) -> torch.Tensor:
-    """Rebuild one logical tensor from its shards."""
-    info = meta["tensors"][key]
-    full = torch.empty(info["global_shape"], dtype=getattr(torch, info["dtype"]))
-    for shard in info["shards"]:
-        with safe_open(str(Path(path) / shard["file"]), framework="pt") as f:
-            local = f.get_tensor(key)
-        if shard["dim"] is None:
-            full.copy_(local)
-            continue
-        for g, lo, n in shard["ranges"]:
-            full.narrow(shard["dim"], g, n).copy_(local.narrow(shard["dim"], lo, n))
-    return full
-
-
-@torch.no_grad()
-def load_into(path: str | Path, model, optimizer=None) -> dict:
-    """Fill this rank's parameter (and Adam moment) slices from a checkpoint of any layout."""
-    meta = read_metadata(path)
-    for name, p in model.named_parameters():
-        shard = p.placement.shard
-        p.copy_(shard.local(load_full(path, f"model/{name}", meta)).to(p.device, p.dtype))
-        if optimizer is None or f"optim/exp_avg/{name}" not in meta["tensors"]:
-            continue
-        # "master": fp32 master weights of a bf16 run (written by the ZeRO optimizer)
-        moments = {k: shard.local(load_full(path, f"optim/{k}/{name}", meta))
-                   for k in ("exp_avg", "exp_avg_sq", "master") if f"optim/{k}/{name}" in meta["tensors"]}
-        optimizer.load_logical_state(p, moments, int(meta["step"]))
-    for name, b, placement in state_buffers(model):  # absent in checkpoints of runs without it: keep the init value
-        if f"model/{name}" in meta["tensors"]:
-            b.copy_(placement.shard.local(load_full(path, f"model/{name}", meta)).to(b.device, b.dtype))
-    return meta

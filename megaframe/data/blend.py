@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from megaframe.data.dataset import sample_index
+from megaframe.data.order import ORDER, sample_index
 
 BLOCK = 1 << 14
 
@@ -37,6 +37,7 @@ class BlendedData:
     """Datasets mixed by weight; data[g] is the sample at global position g (no outer shuffle)."""
 
     shuffle = False
+    order = ORDER  # the parts' order; a resumed run sets the one it began with
 
     def __init__(self, parts: list, weights: list[float], seed: int):
         if len(parts) != len(weights) or not parts:
@@ -58,5 +59,5 @@ class BlendedData:
         d, local = self.locate(position)
         part = self.parts[d]
         # a per-dataset seed: two datasets of equal size must not share one permutation
-        idx = sample_index(local, part.num_samples, self.seed * 257 + d + 1) if part.shuffle else local
+        idx = sample_index(local, part.num_samples, self.seed * 257 + d + 1, self.order) if part.shuffle else local
         return part[idx]

@@ -2,8 +2,8 @@
 
 A sample is seq_length + 1 consecutive tokens (inputs and shifted labels). Prepared data is read from
 memory-mapped token shards; sample i of a split starts at token split_start + i * seq_length. The order
-is a seeded permutation per epoch, so global position g (counting samples over the whole run) is sample
-perm_{g // N}[g % N]. A blend of datasets (megaframe.data.blend) maps g to (dataset, its own position).
+is a seeded bijection per epoch (megaframe.data.order: computed per position, O(1) memory), so global
+position g (counting samples over the whole run) is sample perm_{g // N}(g % N). A blend of datasets (megaframe.data.blend) maps g to (dataset, its own position).
 The data cursor is therefore derived, never stored: after step t, positions [0, t·G) are consumed, and a
 run resumed under any dp continues at position t·G exactly.
 
@@ -17,13 +17,14 @@ global batch over ranks and micro-batches gives the same gradient.
 from __future__ import annotations
 
 import json
-from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from megaframe.data.order import ORDER, sample_index
 from megaframe.data.shards import check_token_range
+from megaframe.paths import inside
 
 VALID_SEED = 20240917
 """Seed of the held-out documents: fixed (not train.seed), so every run on a dataset validates on the same
@@ -43,7 +44,7 @@ class PreparedData:
         meta = json.loads((path / "meta.json").read_text())
         dtype = np.dtype(meta["dtype"])
         self.path, self.meta = path, meta
-        self.shards = [np.memmap(path / s["file"], dtype=dtype, mode="r") for s in meta["shards"]]
+        self.shards = [np.memmap(inside(path, s["file"]), dtype=dtype, mode="r") for s in meta["shards"]]
         for s, arr in zip(meta["shards"], self.shards):
             if arr.shape[0] != s["num_tokens"]:
                 raise ValueError(f"data shard {s['file']} has {arr.shape[0]} tokens, meta.json says {s['num_tokens']}")
@@ -67,7 +68,7 @@ class PreparedData:
         entries = self.meta["shards"]
         if not entries or not all(e.get("docs") for e in entries):
             return None
-        parts = [np.load(self.path / e["docs"], mmap_mode="r") + int(self.starts[k]) for k, e in enumerate(entries)]
+        parts = [np.load(inside(self.path, e["docs"]), mmap_mode="r") + int(self.starts[k]) for k, e in enumerate(entries)]
         return np.unique(np.concatenate([np.asarray(p, dtype=np.int64) for p in parts] + [np.zeros(1, np.int64)]))
 
     def split_segments(self, fraction: float, valid: bool) -> np.ndarray:
@@ -151,27 +152,17 @@ class SyntheticData:
         return out
 
 
-@lru_cache(maxsize=16)  # one per dataset and split in use; a miss recomputes a whole permutation
-def _epoch_permutation(num_samples: int, seed: int, epoch: int) -> np.ndarray:
-    return np.random.default_rng([seed, epoch, 0x5EED]).permutation(num_samples)
-
-
-def sample_index(position: int, num_samples: int, seed: int) -> int:
-    """Sample id at a global position in the run's sample stream (layout-free)."""
-    epoch, offset = divmod(position, num_samples)
-    return int(_epoch_permutation(num_samples, seed, epoch)[offset])
-
-
 def microbatches(data, step: int, global_batch: int, micro_batch: int, dp_rank: int, dp_size: int,
                  seed: int, device: torch.device | str = "cpu", base: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """This dp rank's micro-batches of step `step` (0-based, counted from sample position `base`: a run
     resumed with another global batch continues from its consumed samples): [(input_ids_BS, labels_BS), ...]."""
     per_rank = global_batch // dp_size
+    order = getattr(data, "order", ORDER)  # a resumed run keeps the order it began with
     first = base + step * global_batch + dp_rank * per_rank
     out = []
     for m in range(per_rank // micro_batch):
         pos = range(first + m * micro_batch, first + (m + 1) * micro_batch)
-        ids = [sample_index(p, data.num_samples, seed) if data.shuffle else p for p in pos]
+        ids = [sample_index(p, data.num_samples, seed, order) if data.shuffle else p for p in pos]
         tokens = torch.from_numpy(np.stack([data[i] for i in ids]))
         if torch.device(device).type == "cuda":  # page-locked: the copy below runs async to the host
             tokens = tokens.pin_memory()
@@ -223,11 +214,11 @@ def build_data(cfg, split: str = "train"):
     return BlendedData(parts, [b.weight for b in d.blend], cfg.train.seed)
 
 
-def data_state(cfg, step: int) -> dict:
+def data_state(cfg, step: int, order: str = ORDER) -> dict:
     """The data cursor for checkpoint metadata. It is derived from the step (positions [0, step·G) of
     the (seed, epoch) order are consumed), so resume needs no saved reader state, under any dp."""
     d = cfg.data
     return {"kind": d.kind, "path": d.path, "blend": [{"path": b.path, "weight": b.weight} for b in d.blend],
-            "valid_fraction": d.valid_fraction, "seed": cfg.train.seed,
+            "valid_fraction": d.valid_fraction, "seed": cfg.train.seed, "order": order,
             "consumed_samples": step * cfg.train.global_batch_size,
             "cursor": "derived: global sample position = step * global_batch_size + index in the batch"}

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from megaframe.atomic import write_atomic
+from megaframe.paths import inside
 
 _TOKENIZERS: dict = {}  # per worker process: tokenizer path -> loaded tokenizer
 
@@ -103,7 +104,7 @@ def check_prepared(path: str | Path) -> dict:
 
     path = Path(path)
     meta = read_meta(path)
-    tok = path / meta.get("tokenizer", "tokenizer.model")
+    tok = inside(path, meta.get("tokenizer", "tokenizer.model"))
     if not tok.exists():
         raise ValueError(f"{tok.name} missing (the tokenizer the shards were made with)")
     want = meta.get("tokenizer_sha256")
@@ -112,13 +113,13 @@ def check_prepared(path: str | Path) -> dict:
                          "(tokenizer_sha256 in meta.json differs)")
     itemsize = np.dtype(meta["dtype"]).itemsize
     for s in meta["shards"]:
-        f = path / s["file"]
+        f = inside(path, s["file"])
         if not f.is_file():
             raise ValueError(f"shard {s['file']} missing")
         size, want_size = f.stat().st_size, int(s["num_tokens"]) * itemsize
         if size != want_size:
             raise ValueError(f"shard {s['file']} has {size} bytes, meta.json says {want_size} (truncated or corrupt)")
-        if s.get("docs") and not (path / s["docs"]).is_file():
+        if s.get("docs") and not inside(path, s["docs"]).is_file():
             raise ValueError(f"document index {s['docs']} missing")
     return meta
 

@@ -36,13 +36,12 @@ def forward_logits(model, mesh, ids_BS: torch.Tensor) -> torch.Tensor | None:
         if stage > 0:
             x_SBD = torch.empty((s // mesh.tp.size if model.sp else s, b, model.cfg.hidden_size), dtype=dtype,
                                 device=mesh.device)
-            p2p.exchange(mesh.pp, [], [(x_SBD, (rank - 1) % pp)])
+            p2p.start(mesh.pp, [], [(x_SBD, (rank - 1) % pp)]).wait()
         y = model.forward_chunk(chunk, x_SBD, ids_BS, None)
         if stage == last:
             out = y
         else:
-            for w in p2p.exchange(mesh.pp, [(y.contiguous(), (rank + 1) % pp)], []):
-                w.wait()
+            p2p.start(mesh.pp, [(y.contiguous(), (rank + 1) % pp)], []).wait()
     return out
 
 

@@ -3,12 +3,14 @@
 Every parameter carries a `Placement` (parallel/placement.py, as `param.placement`) whose `shard` is a
 `Shard`: the global shape, the split dim, and the fused sub-blocks along it. A fused QKV weight of a GQA model is [q | k | v] along dim 0 with unequal sizes;
 each block is split over tp separately, so rank r holds [q_r | k_r | v_r] and its heads line up.
-The same description drives init (build the full tensor, keep the slice), checkpoint metadata (global
-shape and every slice's offset) and reassembly of full tensors.
+The same description drives init (each rank draws only the fixed blocks of the global tensor its slice
+touches, each block from a seed of (seed, name, block)), checkpoint metadata (global shape and every
+slice's offset) and reassembly of full tensors.
 """
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -107,15 +109,64 @@ def init_rule(name: str, std: float, num_layers: int) -> tuple[str, float]:
     return "normal", std
 
 
-def full_init(name: str, shape: tuple[int, ...], seed: int, std: float, num_layers: int) -> torch.Tensor:
-    """The full (global) initial tensor of a parameter, identical in every layout."""
+BLOCK_EDGE = 256  # init block: 256 x 256 of the last two dims (one row of earlier dims)
+BLOCK_1D = 1 << 16
+_M64 = (1 << 64) - 1
+
+
+def block_edges(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Edge of an init block along each dim: the unit a rank draws (a slice draws the blocks it touches)."""
+    if len(shape) == 1:
+        return (BLOCK_1D,)
+    return (1,) * (len(shape) - 2) + (BLOCK_EDGE, BLOCK_EDGE)
+
+
+def block_seed(base: int, index: int) -> int:
+    """A 63-bit seed for block `index` of the parameter seeded `base` (splitmix64's finaliser: cheap, and
+    no two blocks of a tensor share a stream)."""
+    x = (base + (index + 1) * 0x9E3779B97F4A7C15) & _M64
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & _M64
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EB & _M64
+    return (x ^ (x >> 31)) & ((1 << 63) - 1)
+
+
+def init_region(name: str, shape: tuple[int, ...], region: list[tuple[int, int]], seed: int, std: float,
+                num_layers: int) -> torch.Tensor:
+    """The [lo, hi) box `region` (one pair per dim) of a parameter's global initial tensor.
+
+    The tensor is cut into fixed blocks (block_edges), block b drawn from its own generator seeded by
+    (seed, name, b): a value depends only on (seed, name, position), whatever box is asked for, so any
+    layout gets the same numbers while drawing only the blocks its slice touches."""
     kind, s = init_rule(name, std, num_layers)
-    if kind == "ones":
-        return torch.ones(shape)
-    if kind == "zeros":
-        return torch.zeros(shape)
-    gen = torch.Generator().manual_seed(param_seed(seed, name))
-    return torch.empty(shape).normal_(0.0, s, generator=gen)
+    size = [hi - lo for lo, hi in region]
+    if kind != "normal":
+        return torch.ones(size) if kind == "ones" else torch.zeros(size)
+    edges, base = block_edges(shape), param_seed(seed, name)
+    grid = [(n + e - 1) // e for n, e in zip(shape, edges)]
+    out = torch.empty(size)
+    spans = [range(lo // e, (hi - 1) // e + 1) for (lo, hi), e in zip(region, edges)]
+    for b in itertools.product(*spans):
+        box = [(i * e, min((i + 1) * e, n)) for i, e, n in zip(b, edges, shape)]
+        gen = torch.Generator().manual_seed(block_seed(base, _ravel(b, grid)))
+        block = torch.empty([hi - lo for lo, hi in box]).normal_(0.0, s, generator=gen)
+        src, dst = block, out
+        for d, ((blo, bhi), (rlo, rhi)) in enumerate(zip(box, region)):
+            lo, hi = max(blo, rlo), min(bhi, rhi)
+            src, dst = src.narrow(d, lo - blo, hi - lo), dst.narrow(d, lo - rlo, hi - lo)
+        dst.copy_(src)
+    return out
+
+
+def _ravel(index: tuple[int, ...], grid: list[int]) -> int:
+    flat = 0
+    for i, n in zip(index, grid):
+        flat = flat * n + i
+    return flat
+
+
+def full_init(name: str, shape: tuple[int, ...], seed: int, std: float, num_layers: int) -> torch.Tensor:
+    """The full (global) initial tensor of a parameter, identical in every layout (tests, references)."""
+    return init_region(name, tuple(shape), [(0, n) for n in shape], seed, std, num_layers)
 
 
 def expert_name(name: str, e: int) -> str:
@@ -125,23 +176,43 @@ def expert_name(name: str, e: int) -> str:
 
 
 def full_init_param(name: str, shard: Shard, seed: int, std: float, num_layers: int) -> torch.Tensor:
-    """full_init, except that stacked experts ([E, ...] over ep) get one tensor per expert, each from
-    (seed, the expert's own global name): the same experts whatever ep is."""
-    if not shard.expert:
-        return full_init(name, shard.global_shape, seed, std, num_layers)
-    shape = shard.global_shape[1:]
-    return torch.stack([full_init(expert_name(name, e), shape, seed, std, num_layers)
-                        for e in range(shard.global_shape[0])])
+    """The full initial tensor of a parameter (stacked experts: each expert from its own global name)."""
+    whole = Shard(shard.global_shape, 0, (), 0, 1, "ep") if shard.expert else Shard(shard.global_shape)
+    return local_init(name, whole, seed, std, num_layers)
+
+
+def local_init(name: str, shard: Shard, seed: int, std: float, num_layers: int) -> torch.Tensor:
+    """This rank's slice of the parameter's global initial tensor, drawing only the blocks it touches.
+    Stacked experts ([E, ...] over ep) get one tensor per expert, each from (seed, the expert's own
+    global name): the same experts whatever ep is."""
+    shape = shard.global_shape
+    out = torch.empty(shard.local_shape)
+    if shard.expert:
+        experts = [e for g, _, n in _ranges(shard) for e in range(g, g + n)]
+        for i, e in enumerate(experts):
+            out[i] = init_region(expert_name(name, e), shape[1:], [(0, n) for n in shape[1:]], seed, std,
+                                 num_layers)
+        return out
+    for g, lo, n in _ranges(shard):
+        region = [(0, size) for size in shape]
+        if shard.dim is not None:
+            region[shard.dim] = (g, g + n)
+        dst = out if shard.dim is None else out.narrow(shard.dim, lo, n)
+        dst.copy_(init_region(name, shape, region, seed, std, num_layers))
+    return out
+
+
+def _ranges(shard: Shard) -> list[tuple[int, int, int]]:
+    return [(0, 0, 0)] if shard.dim is None else shard.ranges()
 
 
 @torch.no_grad()
 def init_model(model: nn.Module, seed: int, std: float, num_layers: int) -> None:
-    """Initialise every parameter from (seed, global name): build the full tensor, keep this rank's slice."""
+    """Initialise every parameter from (seed, global name, position): each rank draws its slice only."""
     for name, p in model.named_parameters():
-        if p.is_meta:  # a planning model: shapes only, and building a full 8B tensor would take minutes
+        if p.is_meta:  # a planning model: shapes only
             continue
-        full = full_init_param(name, p.placement.shard, seed, std, num_layers)
-        p.copy_(p.placement.shard.local(full).to(p.device, p.dtype))
+        p.copy_(local_init(name, p.placement.shard, seed, std, num_layers).to(p.device, p.dtype))
 
 
 def gather_full(local: torch.Tensor, shard: Shard, axis) -> torch.Tensor:

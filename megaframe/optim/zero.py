@@ -56,6 +56,20 @@ class _State:
     """fp32 master weights for low-precision params; None when the param buffer is fp32 already."""
 
 
+def flat_buffers(params: list[nn.Parameter], cfg: OptimConfig, mesh: Mesh) -> list[FlatBuffer]:
+    """The ZeRO buffers of a rank's params (one per buffer_groups entry: dtype and data axis). Also what
+    checkpoint planning calls on a meta model to know every rank's segments."""
+    # a tied embedding's grad is first summed over the pipeline ends (finalize): reduce it late
+    late = {id(p) for p in params if p.placement.pp_tied}
+    bucket_bytes = int(cfg.bucket_size_mb * 2**20)
+    buffers = []
+    for axis, ps in buffer_groups(params, mesh):
+        buf = FlatBuffer(ps, bucket_bytes, axis.rank, axis.size, late)
+        buf.axis = axis
+        buffers.append(buf)
+    return buffers
+
+
 class ZeroOptimizer:
     """The optimizer interface of build.py (zero_grad, backward_context, step, logical_state,
     load_logical_state, memory_bytes) with ZeRO-1 sharding over mesh.dp (expert params: over mesh.edp).
@@ -67,14 +81,7 @@ class ZeroOptimizer:
     def __init__(self, model: nn.Module, cfg: OptimConfig, mesh: Mesh, overlap: bool = True):
         self.model, self.cfg, self.mesh, self.overlap = model, cfg, mesh, overlap
         self.params = [p for p in model.parameters() if p.requires_grad]
-        # a tied embedding's grad is first summed over the pipeline ends (finalize): reduce it late
-        late = {id(p) for p in self.params if p.placement.pp_tied}
-        bucket_bytes = int(cfg.bucket_size_mb * 2**20)
-        self.buffers = []
-        for axis, ps in buffer_groups(self.params, mesh):
-            buf = FlatBuffer(ps, bucket_bytes, axis.rank, axis.size, late)
-            buf.axis = axis
-            self.buffers.append(buf)
+        self.buffers = flat_buffers(self.params, cfg, mesh)
         self._buffer_of = {p: buf for buf in self.buffers for p in buf.offset}
         self._last = False
         self._gathered: tuple | None = None  # (key, {name: full bucket tensor}) of the last gathered bucket
@@ -254,6 +261,22 @@ class ZeroOptimizer:
         b = buf.bucket_of[p]
         o = buf.offset[p] - b.start
         return {k: v[o:o + p.numel()].view(p.shape) for k, v in self._gather_bucket(buf, b, what).items()}
+
+    def state_segments(self, p: nn.Parameter) -> list[tuple[int, int, dict[str, torch.Tensor]]]:
+        """This rank's segments of p's state, no collective: (first element of the flat local param,
+        length, {exp_avg, exp_avg_sq[, master]: 1-D views of the flat state}). Checkpoints write these."""
+        buf = self._buffer_of.get(p)
+        if buf is None:
+            return []
+        st = self.states[self.buffers.index(buf)]
+        out = []
+        for seg, _ in self._segs_of.get(p, []):
+            lo, n = seg.state_lo, seg.numel
+            views = {"exp_avg": st.exp_avg[lo:lo + n], "exp_avg_sq": st.exp_avg_sq[lo:lo + n]}
+            if st.master is not None:
+                views["master"] = st.master[lo:lo + n]
+            out.append((seg.param_lo, n, views))
+        return out
 
     def logical_state(self, p: nn.Parameter) -> dict[str, torch.Tensor]:
         """exp_avg, exp_avg_sq (and the fp32 master of bf16 params) shaped like p's local tensor.

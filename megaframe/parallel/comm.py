@@ -275,12 +275,17 @@ def all_to_all(x: torch.Tensor, axis: Axis, out_splits: list[int], in_splits: li
     return x if axis.size == 1 else _AllToAll.apply(x, axis, list(out_splits), list(in_splits))
 
 
-def broadcast_object(obj, src: int = 0):
-    """Broadcast a picklable object from global rank `src` to every process (used once at start)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+def broadcast_object(obj, mesh=None):
+    """Broadcast a picklable object from the job's first rank to all of its ranks (start-up, resume and
+    checkpoint decisions, never in a step). With `mesh`, over the mesh's world group: a job may run on a
+    subset of the processes (the test pool), and only its ranks take part."""
+    if not dist.is_initialized() or dist.get_world_size() == 1 or (mesh is not None and mesh.world == 1):
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src)
+    if mesh is None:
+        dist.broadcast_object_list(box, src=0)
+    else:
+        dist.broadcast_object_list(box, group=mesh.group, group_src=0)
     return box[0]
 
 
@@ -288,3 +293,60 @@ def all_gather_world(out: torch.Tensor, x: torch.Tensor, group) -> None:
     """Flat all-gather over a whole-world group (no Axis; the caller records it). Through the
     non-deprecated entry: torch 2.13 warns on all_gather_into_tensor, once per rank."""
     _all_gather_flat(out, x, group=group)
+
+
+class _BatchWork:
+    """One Work of a p2p batch, tracked: the batch's ring-buffer entry is done once all are waited for.
+    Waiting again returns at once."""
+
+    def __init__(self, work, entry: dict, pending: list):
+        self.work, self.entry, self.pending, self.waited = work, entry, pending, False
+
+    def wait(self, *args, **kwargs):
+        if self.waited:  # a gloo Work waited twice waits for a second transfer that never comes
+            return True
+        out = self.work.wait(*args, **kwargs)
+        self.waited = True
+        self.pending[0] -= 1
+        self.entry["done"] = self.pending[0] == 0
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self.work, name)
+
+
+def batch_isend_irecv(axis: Axis, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]) -> list:
+    """Send and receive (tensor, peer rank on `axis`) pairs as one batch; returns what the backend returns.
+
+    That is one Work per op on gloo but ONE coalesced Work for the whole batch on NCCL (and under the
+    emulated NCCL semantics the axis may carry, parallel/p2p_semantics.py): a caller must wait on every
+    Work returned, never pick out the receives' Works by position. Bytes sent count as `axis` traffic.
+    """
+    for t, _ in sends:
+        axis.stats.add(axis.name, _nbytes(t))
+    if not sends and not recvs:
+        return []
+    first = (sends or recvs)[0][0]
+    entry = axis.stats.record(f"p2p send{[p for _, p in sends]} recv{[p for _, p in recvs]}", axis.name, axis.ranks,
+                              first.shape, first.dtype, sum(_nbytes(t) for t, _ in sends + recvs))
+    entry["async"] = True
+    sends_g = [(t, axis.ranks[p]) for t, p in sends]
+    recvs_g = [(t, axis.ranks[p]) for t, p in recvs]
+    if axis.p2p is not None:
+        works = [axis.p2p.submit(sends_g, recvs_g)]
+    else:
+        ops = [dist.P2POp(dist.isend, t, peer, group=axis.group) for t, peer in sends_g]
+        ops += [dist.P2POp(dist.irecv, t, peer, group=axis.group) for t, peer in recvs_g]
+        works = dist.batch_isend_irecv(ops)
+    pending = [len(works)]
+    return [_BatchWork(w, entry, pending) for w in works]
+
+
+def gather_objects(obj, group) -> list:
+    """Every rank's picklable `obj`, in rank order, over the whole-mesh `group` (None: one process).
+    Used where ranks must agree on an outcome (a checkpoint commit, a load), never in a step."""
+    if group is None:
+        return [obj]
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out

@@ -29,6 +29,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megaframe.parallel.p2p_semantics import NcclStream, P2PSemantics, group_timeout_s, semantics_from_env
 
 RECENT_COLLECTIVES = 64
 
@@ -109,6 +110,9 @@ class Axis:
     virtual: bool = False
     """A planning axis (megaframe.parallel.virtual): sizes and coordinates only; collectives return
     tensors of the right shape without communicating."""
+    p2p: Optional[NcclStream] = None
+    """The pipeline axis's emulated NCCL p2p stream (MEGAFRAME_P2P_SEMANTICS=nccl, parallel/p2p_semantics.py);
+    None: point-to-point transfers use the backend's own semantics."""
 
     def __post_init__(self):
         assert self.size == 1 or self.group is not None or self.virtual, \
@@ -150,8 +154,9 @@ class Mesh:
 
     def describe(self) -> str:
         ep = f" ep={self.ep.size}" if self.ep.size > 1 else ""
+        p2p = " p2p=nccl-emulated" if self.pp.p2p is not None else ""
         return (f"world={self.world} tp={self.tp.size} pp={self.pp.size} dp={self.dp.size}{ep} "
-                f"device={self.device.type}")
+                f"device={self.device.type}{p2p}")
 
 
 @dataclass(frozen=True)
@@ -206,9 +211,10 @@ class RankGrid:
 
 
 def mesh_at(grid: RankGrid, position: int, device, ranks: Sequence[int], groups: Optional[dict] = None,
-            everyone=None) -> Mesh:
+            everyone=None, emulate_nccl: bool = False) -> Mesh:
     """The Mesh of `position` in the grid; `ranks` maps positions to process ranks. `groups` maps (axis,
-    members) to its process group; None builds a virtual mesh (planning: sizes and coordinates only)."""
+    members) to its process group; None builds a virtual mesh (planning: sizes and coordinates only).
+    `emulate_nccl`: the pp axis sends and receives through an emulated NCCL stream (p2p_semantics.py)."""
     stats = CommStats()
 
     def axis(name: str) -> Axis:
@@ -216,8 +222,10 @@ def mesh_at(grid: RankGrid, position: int, device, ranks: Sequence[int], groups:
         real = tuple(ranks[i] for i in members)
         size = len(members)
         group = groups.get((name, members)) if groups is not None else None
+        stream = NcclStream(group, group_timeout_s(group)) if name == "pp" and group is not None and emulate_nccl \
+            else None
         return Axis(RankGrid.STATS.get(name, name), size, members.index(position), real, group, stats,
-                    virtual=groups is None and size > 1)
+                    virtual=groups is None and size > 1, p2p=stream)
 
     experts = grid.ep > 1  # else ep is of size 1 and edp is dp (the Mesh defaults)
     return Mesh(tp=axis("tp"), pp=axis("pp"), dp=axis("dp"), pp_ends=axis("pp_ends"), rank=position,
@@ -257,7 +265,8 @@ def build_mesh(tp: int, pp: int, device: torch.device, ranks: Optional[Sequence[
     everyone = dist.new_group(ranks, timeout=world_timeout) if (world > 1 and initialized) else None
     if me not in ranks:
         return None  # type: ignore[return-value]
-    return mesh_at(grid, ranks.index(me), device, ranks, groups, everyone)
+    emulate_nccl = semantics_from_env() is P2PSemantics.NCCL  # read once; the pp axis carries the mode
+    return mesh_at(grid, ranks.index(me), device, ranks, groups, everyone, emulate_nccl)
 
 
 def single_process_mesh(device: torch.device | str = "cpu") -> Mesh:

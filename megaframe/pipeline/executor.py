@@ -2,9 +2,12 @@
 
 Legend: S sequence (S/tp under sp), B micro-batch, D hidden.
 Stage boundaries carry x_SBD activations forward and their grads backward. The output of a forward
-is kept as the root of its backward; once its send has completed its storage is released (the
-autograd graph does not need the output's values: Megatron's deallocate trick), so a rank holds
-only the activations the schedule's warm-up requires.
+is kept as the root of its backward; its storage is released right after its send is issued (the
+autograd graph does not need the output's values, and the in-flight send holds the storage until it
+completes: Megatron's deallocate trick), so a rank holds only the activations the schedule's warm-up
+requires. Consecutive communication actions are one batch (`p2p.start`), as the schedule groups them;
+a batch is waited for right before the first compute that reads one of its receives, so receives the
+schedule posts early (to meet the peer's sends, schedule.py) do not hold this rank's compute back.
 """
 from __future__ import annotations
 
@@ -25,7 +28,8 @@ class _State:
     outputs: dict = field(default_factory=dict)  # (mb, chunk) -> backward root: activation or scaled loss
     grads: dict = field(default_factory=dict)    # (mb, chunk) -> received grad of the output
     to_send: dict = field(default_factory=dict)  # (SEND_F | SEND_B, mb, chunk) -> tensor
-    in_flight: list = field(default_factory=list)  # (send work, output to release once sent | None)
+    arriving: dict = field(default_factory=dict)  # (RECV_F | RECV_B, mb, chunk) -> its batch's Transfer
+    in_flight: list = field(default_factory=list)  # every Transfer of the schedule, all waited at the end
     loss_sum: torch.Tensor | None = None
 
 
@@ -46,7 +50,9 @@ def run_schedule(actions: list[Action], model, batches, mesh: Mesh, optimizer, t
             continue
         _communicate(comm, st, mesh, shape, dtype, batches[0][0].device)
         comm = []
-        _release_sent(st, wait=False)
+        transfer = st.arriving.pop((RECV_F if a.kind == F else RECV_B, a.microbatch, a.chunk), None)
+        if transfer is not None:  # the compute reads this batch's receive
+            transfer.wait()
         t0 = time.perf_counter()
         if a.kind == F:
             _forward(a, st, model, batches, tokens_global)
@@ -56,8 +62,9 @@ def run_schedule(actions: list[Action], model, batches, mesh: Mesh, optimizer, t
         if timeline is not None:
             timeline.append((a, t0, time.perf_counter()))
     _communicate(comm, st, mesh, shape, dtype, batches[0][0].device)
-    _release_sent(st, wait=True)
-    assert not (st.inputs or st.outputs or st.grads or st.to_send), "schedule left work undone"
+    for transfer in st.in_flight:  # the sends must have left before the step's optimizer and the next step
+        transfer.wait()
+    assert not (st.inputs or st.outputs or st.grads or st.to_send or st.arriving), "schedule left work undone"
     return st.loss_sum
 
 
@@ -109,30 +116,20 @@ def _communicate(comm: list[Action], st: _State, mesh: Mesh, shape, dtype, devic
         if a.kind in (SEND_F, SEND_B):
             t = st.to_send.pop((a.kind, *key))
             sends.append((t.detach().contiguous(), a.peer))
-            releases.append(t if a.kind == SEND_F and t.grad_fn is not None else None)
+            if a.kind == SEND_F and t.grad_fn is not None:
+                releases.append(t)
         else:
             buf = torch.empty(shape, dtype=dtype, device=device)
             recvs.append((buf, a.peer))
             arrivals.append((a.kind, key, buf))
-    works = p2p.exchange(mesh.pp, sends, recvs)
-    st.in_flight += list(zip(works, releases))
+    transfer = p2p.start(mesh.pp, sends, recvs)
+    st.in_flight.append(transfer)
+    for out in releases:  # the send holds the storage (the detached view above) until it completes
+        out.data = torch.empty((0,), dtype=out.dtype, device=out.device)
     for kind, key, buf in arrivals:
+        st.arriving[(kind, *key)] = transfer
         if kind == RECV_F:
             st.inputs[key] = buf.requires_grad_()
         else:
             assert kind == RECV_B
             st.grads[key] = buf
-
-
-def _release_sent(st: _State, wait: bool) -> None:
-    """Free the storage of outputs whose sends completed (all of them, waiting, when `wait`)."""
-    keep = []
-    for work, out in st.in_flight:
-        if wait:
-            work.wait()
-        elif not work.is_completed():
-            keep.append((work, out))
-            continue
-        if out is not None:
-            out.data = torch.empty((0,), dtype=out.dtype, device=out.device)
-    st.in_flight = keep

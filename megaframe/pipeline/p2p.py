@@ -1,16 +1,32 @@
 """Point-to-point transfers between neighbouring pipeline ranks, batched and counted.
 
-Consecutive sends and receives of a schedule go out as one `batch_isend_irecv` (NCCL groups them,
-so a rank can send forward and receive backward at once without either blocking the other).
-Receives are waited for at once (the next compute needs them); sends stay in flight and are
-tracked by the executor, which frees an activation only once its send has completed.
+The sends and receives of one step of a schedule go out as one batch (`comm.batch_isend_irecv`);
+the schedule pairs each send with the receive the peer posts in its batch of the same step
+(schedule.py), which NCCL's rendezvous sends and in-order stream require. A `Transfer` is waited
+for right before the first compute that reads one of its receives (on NCCL a wait only orders the
+compute stream after the transfer), and what is waited on is every Work the backend returned: one
+per op on gloo, ONE for the whole batch on NCCL, which then also covers the batch's sends.
 """
 from __future__ import annotations
 
-import torch
-import torch.distributed as dist
+from dataclasses import dataclass
 
+import torch
+
+from megaframe.parallel import comm
 from megaframe.parallel.mesh import Axis
+
+
+@dataclass
+class Transfer:
+    """One batch in flight. Its sent tensors must stay unmodified until it is waited for (the Works
+    hold their storage, so the caller may drop its own references at once)."""
+
+    works: list
+
+    def wait(self) -> None:
+        for w in self.works:  # all of them: on NCCL the one Work covers the receives and the sends
+            w.wait()
 
 
 def warm_up(pp: Axis, device: torch.device) -> None:
@@ -22,30 +38,13 @@ def warm_up(pp: Axis, device: torch.device) -> None:
     """
     if pp.size == 1:
         return
-    nxt, prv = pp.ranks[(pp.rank + 1) % pp.size], pp.ranks[(pp.rank - 1) % pp.size]
+    nxt, prv = (pp.rank + 1) % pp.size, (pp.rank - 1) % pp.size
     send, recv_n, recv_p = torch.zeros(1, device=device), torch.empty(1, device=device), torch.empty(1, device=device)
-    ops = [dist.P2POp(dist.isend, send, nxt, group=pp.group), dist.P2POp(dist.irecv, recv_p, prv, group=pp.group),
-           dist.P2POp(dist.isend, send, prv, group=pp.group), dist.P2POp(dist.irecv, recv_n, nxt, group=pp.group)]
-    for w in dist.batch_isend_irecv(ops):
-        w.wait()
+    start(pp, [(send, nxt), (send, prv)], [(recv_p, prv), (recv_n, nxt)]).wait()
+    pp.stats.pop()  # the warm-up is no step's traffic
 
 
-def exchange(pp: Axis, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]) -> list:
-    """Issue sends and receives (tensor, peer pipeline rank) as one batch; wait for the receives.
-
-    Returns the send works, still in flight.
-    """
-    ops = [dist.P2POp(dist.isend, t, pp.ranks[peer], group=pp.group) for t, peer in sends]
-    ops += [dist.P2POp(dist.irecv, t, pp.ranks[peer], group=pp.group) for t, peer in recvs]
-    for t, _ in sends:
-        pp.stats.add(pp.name, t.numel() * t.element_size())
-    if not ops:
-        return []
-    first = (sends or recvs)[0][0]
-    # noted done once the receives arrived; the sends may still be in flight
-    with pp.stats.noting(f"p2p send{[p for _, p in sends]} recv{[p for _, p in recvs]}", pp.name, pp.ranks,
-                         first.shape, first.dtype, sum(t.numel() * t.element_size() for t, _ in sends + recvs)):
-        works = dist.batch_isend_irecv(ops)
-        for w in works[len(sends):]:
-            w.wait()
-    return works[:len(sends)]
+def start(pp: Axis, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]) -> Transfer:
+    """Issue sends and receives (tensor, peer pipeline rank) as one batch; the receives hold their data
+    only once the returned Transfer is waited for."""
+    return Transfer(comm.batch_isend_irecv(pp, sends, recvs))

@@ -4,22 +4,43 @@ Virtual stages: chunk c of pipeline rank r is stage s = c·pp + r (Megatron/torc
 so a micro-batch visits rank 0, 1, ..., pp-1, then rank 0 again for chunk 1, and so on.
 
 A rank's schedule is a flat list of `Action`s. Compute actions are F (forward) and B (backward) of
-(microbatch, chunk). Around them sit the point-to-point actions that move activations between
-neighbouring stages: RECV_F before an F whose input comes from another stage, SEND_F after it;
-RECV_B before a B whose output grad comes from another stage, SEND_B after it. The executor issues
-consecutive communication actions as one batched isend/irecv (e.g. SEND_F + RECV_B is Megatron's
-send_forward_recv_backward), so both directions of a neighbour pair are in flight together.
+(microbatch, chunk). Between them sit the point-to-point actions that move activations between
+neighbouring stages: SEND_F after an F whose output goes to another stage, RECV_F somewhere before an
+F whose input comes from one; SEND_B after a B, RECV_B before a B. The executor issues consecutive
+communication actions as one batched isend/irecv and waits for a batch that receives.
+
+Where the receives go (`Grouping`) decides whether the schedule survives NCCL (DESIGN §1.3c): there a
+send completes only once the peer has posted the matching receive, and a group's batches run in
+order on one stream. PAIRED (the default) runs every rank's compute order in unit time (F = B = 1)
+and gives every message a tick, the time its sender finishes the compute that produces it; the
+sender sends at that tick and the receiver posts the receive at the same tick, so each batch's sends
+meet receives in the peer's batch of the same tick (Megatron's pairing, send_forward_recv_backward
+and send_forward_backward_recv_forward_backward, derived for every schedule). Ticks advance on every
+rank together and what a rank sends at tick t depends only on what arrived before t, so no ring of
+waiting batches can form, whatever the real compute times; with F = B the receives cost no idle
+time either, so the bubble is the schedule's own. ADJACENT (receive right before the compute that
+needs it, send right after) is deadlock-free only with buffered sends (gloo); kept for the checker's
+counterexample.
 
 Kinds: gpipe (all forwards, then all backwards), 1f1b (Megatron's one-forward-one-backward), and
 interleaved (1F1B over vpp chunks per rank; needs microbatches % pp == 0).
 """
 from __future__ import annotations
 
+import enum
+import functools
 from dataclasses import dataclass
 
 F, B = "F", "B"
 SEND_F, RECV_F, SEND_B, RECV_B = "SEND_F", "RECV_F", "SEND_B", "RECV_B"
 COMPUTE = (F, B)
+
+
+class Grouping(enum.Enum):
+    PAIRED = "paired"
+    """Receives posted at their message's tick, in the batch of the peer's matching send (NCCL-safe)."""
+    ADJACENT = "adjacent"
+    """Each receive right before the compute that needs it (deadlocks interleaved schedules on NCCL)."""
 
 
 @dataclass(frozen=True)
@@ -92,8 +113,64 @@ def compute_order(kind: str, pp: int, vpp: int, m: int, rank: int) -> list[Actio
     return out
 
 
-def build_schedule(kind: str, pp: int, vpp: int, m: int, rank: int) -> list[Action]:
-    """The full action list of `rank`: compute actions with their receives before and sends after."""
+def build_schedule(kind: str, pp: int, vpp: int, m: int, rank: int,
+                   grouping: Grouping = Grouping.PAIRED) -> list[Action]:
+    """The full action list of `rank`: compute actions with the sends and receives between them."""
+    if grouping is Grouping.ADJACENT:
+        return _adjacent(kind, pp, vpp, m, rank)
+    starts, sent_at = _unit_times(kind, pp, vpp, m)
+    last = pp * vpp - 1
+    prev_rank, next_rank = (rank - 1) % pp, (rank + 1) % pp
+    # (time, 0 = comm | 1 = compute, order within a tick, action): at tick t a rank's sends and receives
+    # come after its compute that ends at t and before the one that starts at t
+    items = []
+    for i, (a, t) in enumerate(zip(compute_order(kind, pp, vpp, m, rank), starts[rank])):
+        s = stage_of(rank, a.chunk, pp)
+        items.append((t, 1, i, a))
+        if a.kind == F:
+            if s > 0:
+                items.append((sent_at[(F, a.microbatch, s - 1)], 0, 1, Action(RECV_F, a.microbatch, a.chunk, prev_rank)))
+            if s < last:
+                items.append((t + 1, 0, 0, Action(SEND_F, a.microbatch, a.chunk, next_rank)))
+        else:
+            if s < last:
+                items.append((sent_at[(B, a.microbatch, s + 1)], 0, 2, Action(RECV_B, a.microbatch, a.chunk, next_rank)))
+            if s > 0:
+                items.append((t + 1, 0, 0, Action(SEND_B, a.microbatch, a.chunk, prev_rank)))
+    return [a for *_, a in sorted(items, key=lambda x: x[:3])]
+
+
+@functools.lru_cache(maxsize=64)
+def _unit_times(kind: str, pp: int, vpp: int, m: int) -> tuple[list[list[int]], dict]:
+    """Every rank's compute order run with F = B = 1 and instant transfers: (start times per rank, in
+    compute order; {(F | B, microbatch, stage): time the stage's output is sent})."""
+    orders = [compute_order(kind, pp, vpp, m, r) for r in range(pp)]
+    last = pp * vpp - 1
+    sent_at: dict = {}
+    starts: list[list[int]] = [[] for _ in range(pp)]
+    clock = [0] * pp
+    progress = True
+    while progress:
+        progress = False
+        for r in range(pp):
+            while len(starts[r]) < len(orders[r]):
+                a = orders[r][len(starts[r])]
+                s = stage_of(r, a.chunk, pp)
+                dep = (F, a.microbatch, s - 1) if a.kind == F else (B, a.microbatch, s + 1)
+                if (dep[0] == F and s == 0) or (dep[0] == B and s == last):
+                    dep = None
+                if dep is not None and dep not in sent_at:
+                    break  # its input is not computed yet
+                starts[r].append(max(clock[r], sent_at[dep] if dep else 0))
+                clock[r] = sent_at[(a.kind, a.microbatch, s)] = starts[r][-1] + 1
+                progress = True
+    if any(len(starts[r]) < len(orders[r]) for r in range(pp)):
+        raise ValueError(f"{kind} pp={pp} vpp={vpp} m={m}: the compute orders wait on each other")
+    return starts, sent_at
+
+
+def _adjacent(kind: str, pp: int, vpp: int, m: int, rank: int) -> list[Action]:
+    """Grouping.ADJACENT: each receive right before its compute, each send right after."""
     last = pp * vpp - 1
     prev_rank, next_rank = (rank - 1) % pp, (rank + 1) % pp
     out: list[Action] = []

@@ -1,23 +1,37 @@
 """Run every rank's action list together, without processes, and check the schedule.
 
-Time model: each F and B of one chunk takes one unit; a send is asynchronous and delivers when the
-sender's compute that produced it has finished; a receive blocks until its message is there.
-Checks: the n-th receive on a channel (src, dst, direction) matches the n-th send (same
-micro-batch, and the receiver's stage is the sender's stage ± 1), no deadlock, each (microbatch,
-chunk) is forwarded before it is backwarded, every F and B happens exactly once, and in-flight
-activations never exceed the schedule's bound. Reports the bubble: idle time / makespan per rank.
+The ranks issue their communication in batches exactly as the executor does (consecutive
+communication actions are one batch, waited for right before the first compute that reads one of its
+receives, and every batch by the end), under one of two send models:
+- BUFFERED (gloo): every op of a batch is posted when issued; a send completes at once; a receive
+  when its message has been sent.
+- RENDEZVOUS (NCCL, DESIGN §1.3c): a rank's batches on its one communicator run in order, a batch's
+  ops are posted only once the batch before it completed, a send completes only once the peer has
+  posted the matching receive and a receive once the matching send is posted.
+Messages between two ranks match in posting order, one FIFO per (sender, receiver) whatever the
+direction (NCCL has no tags): the n-th send from r to q is the n-th receive by q from r, and it must
+carry what that receive expects (direction, micro-batch, the neighbouring stage).
+Time model: F takes one unit, B `backward_time` units (default 1), transfers none. Checks: matching, no deadlock, each
+(microbatch, chunk) forwarded before it is backwarded, every F and B exactly once, in-flight
+activations within the schedule's bound. Reports the bubble: idle time / makespan per rank.
 """
 from __future__ import annotations
 
+import enum
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
-from megaframe.pipeline.schedule import (B, COMPUTE, RECV_B, RECV_F, SEND_B, SEND_F, F, Action,
+from megaframe.pipeline.schedule import (COMPUTE, RECV_B, RECV_F, SEND_B, SEND_F, F, Action, Grouping,
                                           activation_bound, build_schedule, stage_of)
 
 
 class ScheduleError(AssertionError):
     pass
+
+
+class SendModel(enum.Enum):
+    BUFFERED = "buffered"
+    RENDEZVOUS = "rendezvous"
 
 
 @dataclass
@@ -30,67 +44,172 @@ class SimResult:
     """Per rank: (start time, compute action)."""
 
 
-def simulate(kind: str, pp: int, vpp: int, m: int) -> SimResult:
-    scheds = [build_schedule(kind, pp, vpp, m, r) for r in range(pp)]
-    pos, clock = [0] * pp, [0] * pp
-    channels: dict[tuple[int, int, str], deque] = defaultdict(deque)  # (src, dst, dir) -> (mb, stage, t)
-    done_f, inflight, peak = set(), [0] * pp, [0] * pp
-    timeline: list[list] = [[] for _ in range(pp)]
-    progress = True
-    while progress:
-        progress = False
-        for r in range(pp):
-            while pos[r] < len(scheds[r]):
-                a = scheds[r][pos[r]]
-                if not _step(r, a, pp, clock, channels, done_f, inflight, timeline):
-                    break  # blocked on a receive
-                peak[r] = max(peak[r], inflight[r])
-                pos[r] += 1
-                progress = True
-    stuck = [r for r in range(pp) if pos[r] < len(scheds[r])]
-    if stuck:
-        raise ScheduleError(f"deadlock: ranks {stuck} wait at {[str(scheds[r][pos[r]]) for r in stuck]}")
-    if any(channels.values()):
-        raise ScheduleError(f"unreceived messages: {[k for k, v in channels.items() if v]}")
-    _check_complete(timeline, pp, vpp, m)
-    for r in range(pp):
-        if peak[r] > activation_bound(kind, pp, vpp, m, r):
-            raise ScheduleError(f"rank {r} holds {peak[r]} activations, bound {activation_bound(kind, pp, vpp, m, r)}")
-    makespan = max(clock)
-    busy = 2 * m * vpp
-    return SimResult(makespan, sum((makespan - busy) / makespan for _ in range(pp)) / pp, peak, timeline)
+@dataclass
+class _Batch:
+    rank: int
+    ops: list[Action]
+    issued: int
+    posted: int | None = None
+    done: int | None = None
+    op_index: list = field(default_factory=list)
+    """Per op: (is a send, (sender, receiver), its index in that channel)."""
 
 
-def _step(r, a: Action, pp, clock, channels, done_f, inflight, timeline) -> bool:
-    """Execute one action of rank r if it can run now; False when it must wait."""
-    s = stage_of(r, a.chunk, pp)
-    if a.kind in (SEND_F, SEND_B):
-        direction = "f" if a.kind == SEND_F else "b"
-        channels[(r, a.peer, direction)].append((a.microbatch, s, clock[r]))
-        return True
-    if a.kind in (RECV_F, RECV_B):
-        direction = "f" if a.kind == RECV_F else "b"
-        q = channels[(a.peer, r, direction)]
-        if not q:
+@dataclass
+class _Channel:
+    """One (sender, receiver) FIFO: (message, post time) of the sends and the receives, in order."""
+
+    sends: list = field(default_factory=list)
+    recvs: list = field(default_factory=list)
+
+
+class _Sim:
+    def __init__(self, kind, pp, vpp, m, model: SendModel, grouping: Grouping, backward_time: int = 1):
+        self.pp, self.vpp, self.m, self.model, self.backward_time = pp, vpp, m, model, backward_time
+        self.scheds = [build_schedule(kind, pp, vpp, m, r, grouping) for r in range(pp)]
+        self.pos, self.clock = [0] * pp, [0] * pp
+        self.pending: list[deque] = [deque() for _ in range(pp)]  # a rank's batches not yet done, in order
+        self.arriving: list[dict] = [{} for _ in range(pp)]  # (RECV_F | RECV_B, mb, chunk) -> its batch
+        self.last_done = [0] * pp
+        self.channels: dict = defaultdict(_Channel)
+        self.done_f, self.inflight, self.peak = set(), [0] * pp, [0] * pp
+        self.timeline: list[list] = [[] for _ in range(pp)]
+
+    def run(self) -> None:
+        progress = True
+        while progress:
+            progress = False
+            for r in range(self.pp):
+                progress |= self._advance_stream(r)
+                progress |= self._advance_host(r)
+        stuck = [r for r in range(self.pp) if self.pos[r] < len(self.scheds[r]) or self.pending[r]]
+        if stuck:
+            where = {r: [str(a) for a in self.pending[r][0].ops] if self.pending[r] else str(self.scheds[r][self.pos[r]])
+                     for r in stuck}
+            raise ScheduleError(f"deadlock ({self.model.value} sends): ranks wait at {where}")
+        unreceived = [k for k, ch in self.channels.items() if len(ch.sends) != len(ch.recvs)]
+        if unreceived:
+            raise ScheduleError(f"unreceived messages on channels {unreceived}")
+
+    def _advance_host(self, r: int) -> bool:
+        moved = False
+        while self.pos[r] < len(self.scheds[r]):
+            a = self.scheds[r][self.pos[r]]
+            if a.kind in COMPUTE:
+                batch = self.arriving[r].get((RECV_F if a.kind == F else RECV_B, a.microbatch, a.chunk))
+                if batch is not None:  # the executor waits for the batch that brings this compute's input
+                    if batch.done is None:
+                        return moved
+                    self.clock[r] = max(self.clock[r], batch.done)
+                self._compute(r, a)
+                self.pos[r] += 1
+            else:
+                ops = []
+                while self.pos[r] < len(self.scheds[r]) and self.scheds[r][self.pos[r]].kind not in COMPUTE:
+                    ops.append(self.scheds[r][self.pos[r]])
+                    self.pos[r] += 1
+                batch = _Batch(r, ops, self.clock[r])
+                self.pending[r].append(batch)
+                if self.model is SendModel.BUFFERED:
+                    self._post(batch, self.clock[r])
+                for o in ops:
+                    if o.kind in (RECV_F, RECV_B):
+                        self.arriving[r][(o.kind, o.microbatch, o.chunk)] = batch
+                self._advance_stream(r)
+            moved = True
+        return moved
+
+    def _advance_stream(self, r: int) -> bool:
+        """Complete what can complete; under RENDEZVOUS post the head batch once the one before is done."""
+        moved = False
+        if self.model is SendModel.BUFFERED:
+            for b in list(self.pending[r]):  # no order between batches: each op runs on its own
+                if self._try_complete(b):
+                    self.pending[r].remove(b)
+                    moved = True
+            return moved
+        while self.pending[r]:
+            head = self.pending[r][0]
+            if head.posted is None:
+                self._post(head, max(head.issued, self.last_done[r]))
+                moved = True
+            if not self._try_complete(head):
+                return moved
+            self.pending[r].popleft()
+            self.last_done[r] = head.done
+            moved = True
+        return moved
+
+    def finish_time(self, r: int) -> int:
+        """The rank's clock once it has waited for every batch (the executor's last step)."""
+        return max([self.clock[r]] + [b.done for b in self.arriving[r].values()] + [self.last_done[r]])
+
+    def _post(self, b: _Batch, t: int) -> None:
+        """Post every op of the batch at time t; note each op's place in its channel."""
+        b.posted, b.op_index = t, []
+        for a in b.ops:
+            is_send = a.kind in (SEND_F, SEND_B)
+            key = (b.rank, a.peer) if is_send else (a.peer, b.rank)
+            side = self.channels[key].sends if is_send else self.channels[key].recvs
+            side.append((self._message(b.rank, a) if is_send else self._expects(b.rank, a), t))
+            b.op_index.append((is_send, key, len(side) - 1))
+
+    def _try_complete(self, b: _Batch) -> bool:
+        if b.posted is None:
             return False
-        mb, src_stage, t = q.popleft()
-        want = s - 1 if direction == "f" else s + 1
-        if mb != a.microbatch or src_stage != want:
-            raise ScheduleError(f"rank {r} {a} got micro-batch {mb} from stage {src_stage}")
-        clock[r] = max(clock[r], t)
+        times = [b.posted]
+        for is_send, key, n in b.op_index:
+            ch = self.channels[key]
+            other = ch.recvs if is_send else ch.sends
+            if is_send and self.model is SendModel.BUFFERED:
+                continue  # delivered when sent; the receive checks the message
+            if len(other) <= n:
+                return False  # the matching op is not posted yet
+            times.append(other[n][1])
+            sent, want = (ch.sends[n][0], other[n][0]) if is_send else (other[n][0], ch.recvs[n][0])
+            if sent != want:
+                raise ScheduleError(f"rank {b.rank}: message {n} from rank {key[0]} to {key[1]} is {sent}, "
+                                    f"the receive expects {want}")
+        b.done = max(times)
         return True
-    assert a.kind in COMPUTE
-    key = (a.microbatch, a.chunk, r)
-    if a.kind == F:
-        done_f.add(key)
-        inflight[r] += 1
-    else:
-        if key not in done_f:
-            raise ScheduleError(f"rank {r} runs {a} before its forward")
-        inflight[r] -= 1
-    timeline[r].append((clock[r], a))
-    clock[r] += 1
-    return True
+
+    @staticmethod
+    def _message(r: int, a: Action) -> tuple:
+        return (a.kind[-1], a.microbatch, a.chunk, r)
+
+    def _expects(self, r: int, a: Action) -> tuple:
+        """(direction, micro-batch, chunk, rank) of the send this receive must match."""
+        s = stage_of(r, a.chunk, self.pp)
+        src = s - 1 if a.kind == RECV_F else s + 1
+        return (a.kind[-1], a.microbatch, src // self.pp, a.peer)
+
+    def _compute(self, r: int, a: Action) -> None:
+        key = (a.microbatch, a.chunk, r)
+        if a.kind == F:
+            self.done_f.add(key)
+            self.inflight[r] += 1
+            self.peak[r] = max(self.peak[r], self.inflight[r])
+        else:
+            if key not in self.done_f:
+                raise ScheduleError(f"rank {r} runs {a} before its forward")
+            self.inflight[r] -= 1
+        self.timeline[r].append((self.clock[r], a))
+        self.clock[r] += 1 if a.kind == F else self.backward_time
+
+
+def simulate(kind: str, pp: int, vpp: int, m: int, sends: SendModel = SendModel.BUFFERED,
+             grouping: Grouping = Grouping.PAIRED, backward_time: int = 1) -> SimResult:
+    """Replay `build_schedule(kind, pp, vpp, m, rank, grouping)` of every rank under a send model; raises
+    ScheduleError on a mismatch, a deadlock, B before F, a missing F/B or activations over the bound."""
+    sim = _Sim(kind, pp, vpp, m, sends, grouping, backward_time)
+    sim.run()
+    _check_complete(sim.timeline, pp, vpp, m)
+    for r in range(pp):
+        if sim.peak[r] > activation_bound(kind, pp, vpp, m, r):
+            raise ScheduleError(f"rank {r} holds {sim.peak[r]} activations, bound {activation_bound(kind, pp, vpp, m, r)}")
+    makespan = max(sim.finish_time(r) for r in range(pp))
+    busy = (1 + backward_time) * m * vpp
+    return SimResult(makespan, (makespan - busy) / makespan, sim.peak, sim.timeline)
 
 
 def _check_complete(timeline, pp: int, vpp: int, m: int) -> None:

@@ -15,8 +15,10 @@ from megaframe.checkpoint import lineage, sharded
 from megaframe.checkpoint.async_save import AsyncSaver
 from megaframe.schema import Config, plain
 from megaframe.data.dataset import data_state
+from megaframe.data.order import ORDER
 from megaframe.data.shards import tokenizer_identity
 from megaframe.parallel.mesh import Mesh
+from megaframe.training.errors import TrainingError
 from megaframe.training.resume import Resumed
 from megaframe.training.resume_checks import Accounting
 from megaframe.training.save_guard import state_is_finite
@@ -24,9 +26,13 @@ from megaframe.training.save_guard import state_is_finite
 
 class Checkpointer:
     def __init__(self, cfg: Config, mesh: Mesh, run_id: str, resumed: Resumed, acct: Accounting,
-                 watchdog, injector=None):
+                 watchdog, injector=None, data=None):
         self.cfg, self.mesh, self.run_id, self.acct = cfg, mesh, run_id, acct
         self.watchdog, self.injector = watchdog, injector
+        self.order = getattr(data, "order", ORDER)  # recorded, so a resume keeps the sample order
+        load = (resumed.meta or {}).get("io_load") or {}
+        self.io = {f"ckpt/{k}": v for k, v in load.items() if k in ("read_bytes", "load_s")}
+        """This rank's newest save/load figures, logged (then cleared) at the next log step."""
         parent_id = ((resumed.meta or {}).get("lineage") or {}).get("id")
         self.parent: tuple[Path | None, str | None] = (resumed.path, parent_id)
         self.saver = AsyncSaver(mesh) if cfg.checkpoint.async_save else None
@@ -38,7 +44,7 @@ class Checkpointer:
         cfg, mesh = self.cfg, self.mesh
         with self.watchdog.suspended(cfg.checkpoint.save_timeout_s):
             if self.saver is not None and last:
-                self.saver.wait()  # commit the older one first, so `latest` ends on this step
+                self._settle(self.saver.wait)  # commit the older one first, so `latest` ends on this step
             # the finiteness vote is collective: every rank reaches it, also after a skipped step
             finite = state_is_finite(model, optimizer, mesh)
             if bad_in_a_row or not finite:
@@ -50,14 +56,30 @@ class Checkpointer:
                 return False
             if self.injector is not None:
                 self.injector.save_delay(step)
-            self._write(model, optimizer, step, background=self.saver is not None and not last)
+            fail = self.injector.save_fault(step) if self.injector is not None else None
+            try:
+                self._write(model, optimizer, step, self.saver is not None and not last, fail)
+            except sharded.SaveError as e:
+                self._failed(e)
+                return False
         return True
 
-    def _write(self, model, optimizer, step: int, background: bool) -> None:
+    def _failed(self, e: Exception) -> None:
+        """A save that was not committed (every rank raised it together): stop with exit 1, or go on."""
+        if self.cfg.checkpoint.on_save_error == "stop":
+            raise TrainingError(f"{e} (checkpoint.on_save_error=stop)") from e
+        if self.mesh.rank == 0:
+            print(f"megaframe: warning: {e}; going on (checkpoint.on_save_error=continue)", file=sys.stderr, flush=True)
+
+    def take_io(self) -> dict:
+        out, self.io = self.io, {}
+        return out
+
+    def _write(self, model, optimizer, step: int, background: bool, fail: str | None) -> None:
         cfg, mesh, t0 = self.cfg, self.mesh, time.perf_counter()
         root = cfg.checkpoint.dir
         consumed = self.acct.consumed(step)
-        data = {**data_state(cfg, step), "consumed_samples": consumed}
+        data = {**data_state(cfg, step, self.order), "consumed_samples": consumed}
         meta = {"consumed_samples": consumed,
                 "layout": {"tp": mesh.tp.size, "pp": mesh.pp.size, "dp": mesh.dp.size, "ep": mesh.ep.size,
                            "sp": cfg.parallel.sp},
@@ -66,11 +88,11 @@ class Checkpointer:
                 "tokenizer": tokenizer_identity(cfg.data),  # a resume checks its data against it
                 "lineage": lineage.lineage_meta(self.run_id, step, *self.parent, root)}
         if background:
-            self.saver.save(root, step, model, optimizer, meta, cfg.checkpoint.keep_last)
+            self.saver.save(root, step, model, optimizer, meta, cfg.checkpoint.keep_last, fail)
             if mesh.rank == 0:
                 print(f"checkpoint: step {step} copied to host in {time.perf_counter() - t0:.2f}s, writing", flush=True)
         else:
-            path = sharded.save(root, step, model, optimizer, mesh, meta, cfg.checkpoint.keep_last)
+            path = sharded.save(root, step, model, optimizer, mesh, meta, cfg.checkpoint.keep_last, fail, self.io)
             if mesh.rank == 0:
                 print(f"checkpoint: {path} ({time.perf_counter() - t0:.2f}s)", flush=True)
         self.parent = (sharded.step_dir(root, step), meta["lineage"]["id"])
@@ -85,12 +107,21 @@ class Checkpointer:
         the same value). Not suspended: a metadata write, and a rank waiting there for a hung peer must
         still trip at train.hang_timeout_s."""
         if self.saver is not None:
-            self.saver.poll(all_written)
+            self._settle(lambda: self.saver.poll(all_written))
 
     def finish(self) -> None:
         if self.saver is not None:
             with self.watchdog.suspended(self.cfg.checkpoint.save_timeout_s):
-                self.saver.wait()
+                self._settle(self.saver.wait)
+
+    def _settle(self, finish) -> None:
+        """Run the background save's commit step; its figures join io, a failed commit goes to _failed."""
+        try:
+            finish()
+        except sharded.SaveError as e:
+            self._failed(e)
+        self.io.update(self.saver.last_io)
+        self.saver.last_io = {}
 
     def resume_hint(self) -> str:
         """Which committed checkpoint to resume from (the one `latest` names), for the stop message."""

@@ -73,11 +73,10 @@ def loss_sum(model, batches, mesh) -> torch.Tensor:
             x_SBD = None
             if stage > 0:  # receive the previous stage's activations
                 x_SBD = torch.empty(shape, dtype=dtype, device=mesh.device)
-                p2p.exchange(mesh.pp, [], [(x_SBD, (rank - 1) % pp)])
+                p2p.start(mesh.pp, [], [(x_SBD, (rank - 1) % pp)]).wait()
             out = model.forward_chunk(chunk, x_SBD, input_ids_BS, labels_BS)
             if stage == last:
                 total += out.float().sum()
             else:
-                for w in p2p.exchange(mesh.pp, [(out.contiguous(), (rank + 1) % pp)], []):
-                    w.wait()
+                p2p.start(mesh.pp, [(out.contiguous(), (rank + 1) % pp)], []).wait()
     return total

@@ -7,6 +7,8 @@ Set once in the environment of every rank (read at start-up, then passed to the 
     MEGAFRAME_INJECT="hang:rank=1:step=3"              rank 1 blocks forever at the start of step 3
     MEGAFRAME_INJECT="sleep:rank=0:seconds=1;hang:rank=2:step=9"   several, separated by ';'
     MEGAFRAME_INJECT="slow_save:rank=0:seconds=8"      rank 0's checkpoint saves take 8 s longer (step=S: that save)
+    MEGAFRAME_INJECT="savefail:rank=1:step=4"          rank 1's checkpoint write at step 4 fails (OSError)
+    MEGAFRAME_INJECT="savekill:rank=1:step=4"          rank 1 is SIGKILLed in the middle of that write
 
 `rank` is the global rank (omitted: every rank); `step` the optimizer step (omitted: every step for
 sleep, step 1 for hang). The delay happens at the start of the step's compute window, so the straggler
@@ -27,7 +29,7 @@ ENV = "MEGAFRAME_INJECT"
 @dataclass(frozen=True)
 class Fault:
     kind: str
-    """sleep | hang | slow_save."""
+    """sleep | hang | slow_save | savefail | savekill."""
     rank: int | None
     step: int | None
     seconds: float = 0.0
@@ -45,9 +47,10 @@ def parse(spec: str) -> list[Fault]:
             seconds = float(kv.pop("seconds", 0.0))
         except ValueError as e:
             raise ValueError(f"{ENV}={spec!r}: cannot parse {part!r} ({e})") from e
-        if kind not in ("sleep", "hang", "slow_save") or kv or (kind != "hang" and seconds <= 0):
-            raise ValueError(f"{ENV}={spec!r}: {part!r} must be sleep:[rank=R:][step=S:]seconds=X, "
-                             f"slow_save:[rank=R:][step=S:]seconds=X or hang:[rank=R:][step=S]")
+        if kind not in ("sleep", "hang", "slow_save", "savefail", "savekill") or kv \
+                or (kind in ("sleep", "slow_save") and seconds <= 0):
+            raise ValueError(f"{ENV}={spec!r}: {part!r} must be sleep|slow_save:[rank=R:][step=S:]seconds=X "
+                             f"or hang|savefail|savekill:[rank=R:][step=S]")
         faults.append(Fault(kind, rank, step, seconds))
     return faults
 
@@ -64,10 +67,22 @@ class Injector:
         spec = os.environ.get(ENV, "")
         return cls(parse(spec), rank) if spec else None
 
+    def save_fault(self, step: int) -> str | None:
+        """"error" | "kill" when this rank's checkpoint write at `step` is to fail, else None. Only in a
+        group's first attempt: a worker group torchrun restarted must not be killed again."""
+        if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+            return None
+        for f in self.faults:
+            if f.kind in ("savefail", "savekill") and f.step in (None, step):
+                return "error" if f.kind == "savefail" else "kill"
+        return None
+
     def apply(self, step: int) -> float:
         slept = 0.0
         for f in self.faults:
-            if f.kind == "slow_save" or (f.step is not None and f.step != step):
+            if f.kind not in ("sleep", "hang"):
+                continue
+            if f.step is not None and f.step != step:
                 continue
             if f.kind == "hang":
                 print(f"megaframe: rank {self.rank}: injected hang at step {step} ({ENV})", file=sys.stderr, flush=True)

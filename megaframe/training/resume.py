@@ -60,7 +60,7 @@ def _load(cfg: Config, path: Path, model, optimizer, mesh: Mesh) -> tuple[dict |
         return None, _one(e)
     check_resume(cfg, meta, path, verbose=mesh.rank == 0)  # a refused change is bad input, not a fallback
     try:
-        sharded.load_into(path, model, optimizer)
+        meta = sharded.load_into(path, model, optimizer)  # reads this rank's plan, checks every block it reads
     except LOAD_ERRORS as e:
         return None, _one(e)
     return meta, ""
@@ -86,28 +86,18 @@ def resume(cfg: Config, model, optimizer, mesh: Mesh) -> Resumed:
     if mesh.rank == 0:
         order = []
         for p in lineage.candidates(cfg.checkpoint.dir):
-            why = lineage.cheap_check(p) or _content_check(p)
+            why = lineage.cheap_check(p)  # metadata and file sizes only: the loads check the bytes
             if why:
                 _warn(mesh, f"skipping checkpoint {p}: {why}")
             else:
                 order.append(str(p))
-    for p in map(Path, comm.broadcast_object(order)):
+    for p in map(Path, comm.broadcast_object(order, mesh)):
         meta, why = _load(cfg, p, model, optimizer, mesh)
         if why:
             _warn(mesh, f"skipping checkpoint {p}: cannot be loaded on rank {mesh.rank} ({why})", every_rank=True)
         if all_agree(meta is not None, mesh):
             return _done(mesh, p, meta)
     return Resumed()
-
-
-def _content_check(path: Path) -> str | None:
-    """Whole-file checksums, on rank 0 only. MERGE NOTE (issue 16): once loads verify the slices they read
-    (per-slice checksums), drop this call: the metadata + sizes check above is then all resume needs."""
-    try:
-        sharded.verify(path)
-    except ValueError as e:
-        return str(e).removeprefix(f"{path}: ")
-    return None
 
 
 def _done(mesh: Mesh, path: Path, meta: dict) -> Resumed:

@@ -15,6 +15,7 @@ from megaframe.data.dataset import Prefetcher, build_data, microbatches
 from megaframe.data.shards import CorruptShard
 from megaframe.layers.rng import seed_step
 from megaframe.inference.sampler import Sampler
+from megaframe.data.order import resumed_order
 from megaframe.model.gpt import build_model
 from megaframe.model.moe import stats as moe_stats
 from megaframe.optim.build import build_optimizer, cast_model
@@ -23,6 +24,7 @@ from megaframe.parallel.mesh import Mesh, build_mesh
 from megaframe.pipeline import p2p
 from megaframe.tracking import Tracker
 from megaframe.training.checkpointing import Checkpointer
+from megaframe.training.errors import TrainingError  # noqa: F401  (re-exported for train.py)
 from megaframe.training.distributed import env_ranks, init_distributed, nccl_env, pick_device, shutdown
 from megaframe.training.evaluate import Evaluator
 from megaframe.training.faults import Injector
@@ -50,7 +52,7 @@ def run(cfg: Config, stop: StopFlag | None = None) -> None:
         # (this launch of the run, recorded in each checkpoint's lineage) is rank 0's too
         run_id = f"{cfg.run.name}@{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(3).hex()}"
         cfg.run.name, cfg.run.dir, cfg.checkpoint.dir, run_id = comm.broadcast_object(
-            (cfg.run.name, cfg.run.dir, cfg.checkpoint.dir, run_id))
+            (cfg.run.name, cfg.run.dir, cfg.checkpoint.dir, run_id), mesh)
         lock = take_run_dir(cfg, mesh)
         try:
             if device.type == "cuda" and env.world_size > 1:
@@ -74,7 +76,7 @@ def take_run_dir(cfg: Config, mesh: Mesh) -> RunLock:
             err = str(e)
         except OSError as e:
             err = f"run.dir={cfg.run.dir}: cannot take the run lock ({e})"
-    err = comm.broadcast_object(err)
+    err = comm.broadcast_object(err, mesh)
     if err:
         raise ConfigError(err)
     return lock
@@ -92,6 +94,8 @@ def train(cfg: Config, mesh: Mesh, stop: StopFlag, run_id: str = "") -> None:
     resumed = resume(cfg, model, optimizer, mesh)
     start, t = resumed.step, cfg.train
     if resumed.meta:
+        data.order = resumed_order(resumed.meta)  # a resumed run keeps the sample order it began with
+    if resumed.meta:
         adopt_lr_horizon(cfg, resumed.meta)
     if cfg.optim.lr_decay_steps is None:  # a fresh start (or a pre-horizon checkpoint): this run's length
         cfg.optim.lr_decay_steps = t.max_steps
@@ -108,7 +112,7 @@ def train(cfg: Config, mesh: Mesh, stop: StopFlag, run_id: str = "") -> None:
     faults = injector(mesh.rank)
     probe = StragglerProbe(faults)
     watchdog = Watchdog(t.hang_timeout_s, mesh.rank, cfg.run.dir, mesh.stats).start()
-    ckpt = Checkpointer(cfg, mesh, run_id, resumed, acct, watchdog, faults)
+    ckpt = Checkpointer(cfg, mesh, run_id, resumed, acct, watchdog, faults, data)
     # positions continue from the consumed samples at the resume (exact even if the batch size changed)
     loader = Prefetcher(lambda s: microbatches(data, s - 1 - start, t.global_batch_size, t.micro_batch_size,
                                                mesh.dp.rank, mesh.dp.size, t.seed, mesh.device, base=acct.base),
@@ -137,7 +141,7 @@ def train(cfg: Config, mesh: Mesh, stop: StopFlag, run_id: str = "") -> None:
             if sampler is not None and sampler.due(step):  # sampling time is not training time either
                 meter.paused(sampler.sample(step, model, cfg.run.dir, tracker.wandb_run))
             if step % t.log_interval == 0 or step == t.max_steps or val is not None:
-                row = {**meter.metrics(step, res, model, optimizer), **probe.gather(mesh)}
+                row = {**meter.metrics(step, res, model, optimizer), **probe.gather(mesh), **ckpt.take_io()}
                 if val is not None:
                     row["val_loss"] = meter.last["val_loss"] = val
                 # the first row after a resume names the checkpoint (readers see where the run restarted)
@@ -179,10 +183,6 @@ def injector(rank: int) -> Injector | None:
         return Injector.from_env(rank)
     except ValueError as e:
         raise ConfigError(str(e)) from e
-
-
-class TrainingError(RuntimeError):
-    """The run cannot go on (not a bad input): train.py prints it on one line and exits 1."""
 
 
 class BadSteps:
@@ -378,6 +378,6 @@ def check_first_shards(cfg: Config, mesh: Mesh, data, start: int, acct: Accounti
                   f"{time.perf_counter() - t0:.2f}s)", flush=True)
         except ValueError as e:  # CorruptShard included
             err = f"data: {e}"
-    err = comm.broadcast_object(err)
+    err = comm.broadcast_object(err, mesh)
     if err:
         raise ConfigError(err)

@@ -1,8 +1,9 @@
 """A pool of gloo ranks reused across tests: spawned once per session, each job runs on the first n.
 
-Every worker joins one 4-rank gloo world (1 thread each, 2 cores). A job is (fn, tp, pp, n, args, ep):
+Every worker joins one 4-rank gloo world (1 thread each, 2 cores). A job is (fn, tp, pp, n, args, ep, p2p):
 all workers build (or reuse) the mesh over ranks [0, n) — group creation is collective over the whole
-world — then ranks < n call fn(mesh, *args). Results come back through pipes. Every collective has
+world — then ranks < n call fn(mesh, *args). Point-to-point semantics follow MEGAFRAME_P2P_SEMANTICS
+(the suite sets nccl, tests/conftest.py) unless a job names its own `p2p`. Results come back through pipes. Every collective has
 the process-group timeout and every wait here has its own, so a broken test fails instead of hanging.
 """
 from __future__ import annotations
@@ -29,6 +30,7 @@ def _worker(rank: int, size: int, port: int, conn) -> None:
     import torch.distributed as dist
 
     from megaframe.parallel.mesh import build_mesh
+    from megaframe.parallel.p2p_semantics import ENV_VAR
     from megaframe.pipeline import p2p
 
     torch.set_num_threads(1)
@@ -39,11 +41,19 @@ def _worker(rank: int, size: int, port: int, conn) -> None:
         job = conn.recv()
         if job is None:
             break
-        fn, tp, pp, n, args, ep = job if len(job) == 6 else (*job, 1)
+        fn, tp, pp, n, args, ep, semantics = job
         try:
-            key = (tp, pp, n, ep)
+            key = (tp, pp, n, ep, semantics)
             if key not in meshes:  # groups are cached: creating them per job would leak sockets
-                meshes[key] = build_mesh(tp, pp, torch.device("cpu"), ranks=range(n), ep=ep)
+                suite = os.environ.get(ENV_VAR)
+                if semantics is not None:
+                    os.environ[ENV_VAR] = semantics  # build_mesh reads it once
+                try:
+                    meshes[key] = build_mesh(tp, pp, torch.device("cpu"), ranks=range(n), ep=ep)
+                finally:
+                    os.environ.pop(ENV_VAR, None)
+                    if suite is not None:
+                        os.environ[ENV_VAR] = suite
                 if meshes[key] is not None:
                     p2p.warm_up(meshes[key].pp, torch.device("cpu"))
             mesh = meshes[key]
@@ -68,12 +78,14 @@ class RankPool:
             self.procs.append(p)
         self.broken = False
 
-    def run(self, fn, n: int, *args, tp: int = 1, pp: int = 1, ep: int = 1, timeout: float = JOB_TIMEOUT_S) -> list:
-        """Run fn(mesh, *args) on ranks [0, n) with the given layout; returns their results in rank order."""
+    def run(self, fn, n: int, *args, tp: int = 1, pp: int = 1, ep: int = 1, p2p: str | None = None,
+            timeout: float = JOB_TIMEOUT_S) -> list:
+        """Run fn(mesh, *args) on ranks [0, n) with the given layout; returns their results in rank order.
+        `p2p` (native | nccl) overrides the suite's point-to-point semantics for this job's mesh."""
         assert not self.broken, "pool broken by an earlier timeout"
         assert n <= self.size
         for c in self.conns:
-            c.send((fn, tp, pp, n, args, ep))
+            c.send((fn, tp, pp, n, args, ep, p2p))
         results, errors = [], []
         for r, c in enumerate(self.conns):
             if not c.poll(timeout):

@@ -4,9 +4,9 @@ import itertools
 import pytest
 
 from megaframe.pipeline.partition import stage_counts, stage_layout
-from megaframe.pipeline.schedule import (B, RECV_B, RECV_F, SEND_B, SEND_F, F, Action, activation_bound,
+from megaframe.pipeline.schedule import (B, RECV_B, RECV_F, SEND_B, SEND_F, F, Action, Grouping, activation_bound,
                                           build_schedule, check_args, compute_order)
-from megaframe.pipeline.simulate import ScheduleError, bubble_formula, simulate
+from megaframe.pipeline.simulate import ScheduleError, SendModel, bubble_formula, simulate
 
 GRID = [(kind, pp, vpp, m)
         for pp, vpp, m in itertools.product([1, 2, 3, 4], [1, 2, 3], [1, 2, 3, 4, 6, 8, 12])
@@ -15,15 +15,45 @@ GRID = [(kind, pp, vpp, m)
         and not (vpp > 1 and pp == 1)]
 
 
+@pytest.mark.parametrize("sends", list(SendModel), ids=[s.value for s in SendModel])
 @pytest.mark.parametrize("kind,pp,vpp,m", GRID, ids=[f"{k}-pp{p}-vpp{v}-m{m}" for k, p, v, m in GRID])
-def test_simulator_accepts_every_schedule(kind, pp, vpp, m):
-    res = simulate(kind, pp, vpp, m)  # raises on mismatch, deadlock, B before F, or memory over bound
-    if kind == "gpipe" and vpp > 1 and m < pp:  # chunk 1 waits for the last rank's chunk 0
-        assert res.bubble > bubble_formula(pp, vpp, m)
-    else:
-        assert res.bubble == pytest.approx(bubble_formula(pp, vpp, m), abs=1e-12)
-    for r in range(pp):
-        assert res.peak_inflight[r] <= activation_bound(kind, pp, vpp, m, r)
+def test_simulator_accepts_every_schedule(kind, pp, vpp, m, sends):
+    """Buffered (gloo) and rendezvous (NCCL) sends: no deadlock, the bubble of the formula either way,
+    with backward as long as forward and twice as long (the receives posted early cost no idle time)."""
+    for backward_time in (1, 2):
+        res = simulate(kind, pp, vpp, m, sends, backward_time=backward_time)  # raises on mismatch, deadlock,
+        if kind == "gpipe" and vpp > 1 and m < pp:  # B before F, or memory over bound; gpipe's chunk 1
+            assert res.bubble > bubble_formula(pp, vpp, m)  # waits for the last rank's chunk 0
+        else:
+            assert res.bubble == pytest.approx(bubble_formula(pp, vpp, m), abs=1e-12)
+        for r in range(pp):
+            assert res.peak_inflight[r] <= activation_bound(kind, pp, vpp, m, r)
+
+
+def _deadlock_free(grouping: Grouping, sends: SendModel) -> int:
+    ok = 0
+    for case in GRID:
+        try:
+            simulate(*case, sends, grouping)
+            ok += 1
+        except ScheduleError as e:
+            assert "deadlock" in str(e), e
+    return ok
+
+
+def test_every_grid_case_is_deadlock_free_under_rendezvous_and_the_old_grouping_is_not():
+    """The count the issue asks for; and the checker bites: receives posted right before their compute
+    (the grouping before the pairing) deadlock interleaved and gpipe vpp>1 under NCCL's rendezvous sends,
+    though gloo's buffered sends hide it."""
+    assert len(GRID) == 120
+    assert _deadlock_free(Grouping.PAIRED, SendModel.RENDEZVOUS) == 120
+    assert _deadlock_free(Grouping.ADJACENT, SendModel.BUFFERED) == 120
+    assert _deadlock_free(Grouping.ADJACENT, SendModel.RENDEZVOUS) == 86
+    with pytest.raises(ScheduleError, match="deadlock"):  # the review's example, at the first steady backward
+        simulate("interleaved", 4, 2, 64, SendModel.RENDEZVOUS, Grouping.ADJACENT)
+    simulate("interleaved", 4, 2, 64, SendModel.RENDEZVOUS)
+    for pp, m in [(2, 2), (2, 8), (4, 4), (4, 12)]:  # 1F1B is safe either way (its batches already pair)
+        simulate("1f1b", pp, 1, m, SendModel.RENDEZVOUS, Grouping.ADJACENT)
 
 
 def test_interleaved_bubble_equals_formula_pp4_vpp2_m8():
@@ -55,16 +85,20 @@ def test_communication_surrounds_compute():
     sched = build_schedule("1f1b", 2, 1, 2, 0)
     kinds = [a.kind for a in sched]
     assert kinds == [F, SEND_F, F, SEND_F, RECV_B, B, RECV_B, B]
-    last = build_schedule("1f1b", 2, 1, 2, 1)
+    last = build_schedule("1f1b", 2, 1, 2, 1, Grouping.ADJACENT)
     assert [a.kind for a in last] == [RECV_F, F, B, SEND_B, RECV_F, F, B, SEND_B]
+    # paired: micro-batch 1's input is received when rank 0 sends it, before B0 (the last rank's
+    # send_backward_recv_forward, one batch earlier)
+    last = build_schedule("1f1b", 2, 1, 2, 1)
+    assert [a.kind for a in last] == [RECV_F, F, RECV_F, B, SEND_B, F, B, SEND_B]
     assert all(a.peer == 0 for a in last if a.kind not in (F, B))
 
 
 def test_simulator_catches_a_broken_schedule(monkeypatch):
     import megaframe.pipeline.simulate as sim
 
-    def swapped(kind, pp, vpp, m, rank):
-        s = build_schedule(kind, pp, vpp, m, rank)
+    def swapped(kind, pp, vpp, m, rank, grouping):
+        s = build_schedule(kind, pp, vpp, m, rank, grouping)
         if rank == 1:  # receive micro-batch 1 before 0: mismatched order
             i, j = [k for k, a in enumerate(s) if a.kind == RECV_F][:2]
             s[i], s[j] = s[j], s[i]
@@ -74,8 +108,8 @@ def test_simulator_catches_a_broken_schedule(monkeypatch):
     with pytest.raises(ScheduleError):
         sim.simulate("1f1b", 2, 1, 4)
 
-    def backward_first(kind, pp, vpp, m, rank):
-        return [Action(B, 0, 0)] + build_schedule(kind, pp, vpp, m, rank)
+    def backward_first(kind, pp, vpp, m, rank, grouping):
+        return [Action(B, 0, 0)] + build_schedule(kind, pp, vpp, m, rank, grouping)
 
     monkeypatch.setattr(sim, "build_schedule", backward_first)
     with pytest.raises(ScheduleError):

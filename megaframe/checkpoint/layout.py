@@ -1,0 +1,159 @@
+"""Who writes which bytes, and which bytes each rank needs: pure functions of the model's shards, the
+optimizer's segments and the rank's coordinates (a meta model plans a 1000-rank layout in one process).
+
+An `Item` is one logical tensor (model/<name>, optim/<kind>/<name>) as this rank holds it: flat ranges
+of its local (tp/ep-sliced) tensor, held identically by `holders` ranks (dp replicas of a parameter, tp
+replicas of a replicated one, 1 for a ZeRO segment). Each held range is cut in `holders` near-equal
+parts and replica i writes part i (rows of a whole tensor, rotated by a hash of its key so small
+tensors spread round-robin), so every rank writes about total/world bytes and no rank gathers state
+it does not write.
+"""
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass, field
+
+import torch
+
+from megaframe.checkpoint.boxes import Box, flat_boxes, flat_span, split_rows, to_global
+
+MOMENTS = ("exp_avg", "exp_avg_sq", "master")
+
+
+@dataclass
+class Item:
+    key: str
+    shard: object
+    """This rank's Shard of the tensor (global shape, split dim, its ranges)."""
+    dtype: str
+    held: list[tuple[int, int]]
+    """Flat ranges [lo, hi) of the local tensor this rank holds (all of it, or ZeRO segments)."""
+    holders: int = 1
+    index: int = 0
+    sources: list = field(default_factory=list)
+    """Runtime only: per held range, a 1-D tensor of exactly its elements (None when planning)."""
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        return tuple(self.shard.local_shape)
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+
+
+def dtype_name(t: torch.dtype) -> str:
+    return str(t).removeprefix("torch.")
+
+
+def _replicas(p, mesh, segments: bool) -> tuple[int, int]:
+    """(holders, my index) of p's local tensor (segments: of its ZeRO segments, already split over dp)."""
+    tp_rep = not p.placement.tp_split  # tp-replicated (norms, biases of row-parallel layers, experts)
+    tp_n, tp_i = (mesh.tp.size, mesh.tp.rank) if tp_rep else (1, 0)
+    if segments:
+        return tp_n, tp_i
+    dp = (mesh.edp or mesh.dp) if p.placement.expert else mesh.dp
+    return dp.size * tp_n, dp.rank * tp_n + tp_i
+
+
+def param_items(model, optimizer, mesh, with_sources: bool) -> list[Item]:
+    """Every logical tensor of this rank's model and optimizer state, with its holders."""
+    from megaframe.checkpoint.sharded import state_buffers
+
+    items = []
+    for name, p in model.named_parameters():
+        if p.placement.pp_duplicate:  # the tied embedding's copy: stage 0 holds the same tensor
+            continue
+        whole = [(0, p.numel())]
+        h, i = _replicas(p, mesh, segments=False)
+        items.append(Item(f"model/{name}", p.placement.shard, dtype_name(p.dtype), whole, h, i,
+                          [p.detach().reshape(-1)] if with_sources else []))
+        segs = optimizer.state_segments(p) if hasattr(optimizer, "state_segments") else None
+        if segs is not None:  # ZeRO: this dp rank's segments, replicated over tp only
+            h, i = _replicas(p, mesh, segments=True)
+            for kind in MOMENTS:
+                parts = [(lo, n, st[kind]) for lo, n, st in segs if kind in st]
+                if parts:
+                    items.append(Item(f"optim/{kind}/{name}", p.placement.shard, "float32", [(lo, lo + n) for lo, n, _ in parts],
+                                      h, i, [t for _, _, t in parts] if with_sources else []))
+            continue
+        h, i = _replicas(p, mesh, segments=False)
+        for kind, t in optimizer.logical_state(p).items():
+            items.append(Item(f"optim/{kind}/{name}", p.placement.shard, dtype_name(t.dtype), whole, h, i,
+                              [t.detach().reshape(-1)] if with_sources else []))
+    for name, b, pl in state_buffers(model):
+        shard = pl.shard
+        h, i = mesh.tp.size * mesh.dp.size, mesh.dp.rank * mesh.tp.size + mesh.tp.rank
+        items.append(Item(f"model/{name}", shard, dtype_name(b.dtype), [(0, b.numel())], h, i,
+                          [b.detach().reshape(-1)] if with_sources else []))
+    return items
+
+
+@dataclass
+class Stored:
+    """One tensor of this rank's file: elements [lo, hi) of an item's local tensor, a box of it."""
+    key: str
+    stored_key: str
+    shape: tuple[int, ...]
+    lo: int
+    hi: int
+    pieces: list[tuple[Box, Box]]
+    """(box of the stored tensor, box of the global tensor) per fused block it crosses."""
+    dtype: str = "float32"
+    global_shape: tuple[int, ...] = ()
+    source: object = None
+
+
+def my_writes(items: list[Item]) -> list[Stored]:
+    """The stored tensors this rank writes: its part of every held range, cut into boxes."""
+    out = []
+    for it in items:
+        # the replicas must agree on the rotation: a function of the key only (not of list positions,
+        # which differ where a ZeRO rank holds no segment of some parameter)
+        ordinal = zlib.crc32(it.key.encode())
+        shape = it.local_shape
+        k = 1  # cut on boundaries of the first k dims, enough of them to give every holder a part
+        while k < len(shape) and math.prod(shape[:k]) < it.holders:
+            k += 1
+        rows, inner = math.prod(shape[:k]), math.prod(shape[k:])
+        count = 0
+        for (lo, hi), src in zip(it.held, it.sources or [None] * len(it.held)):
+            if it.holders == 1:
+                a, b = lo, hi
+            elif (lo, hi) == (0, math.prod(shape)):  # a whole tensor: cut on row boundaries
+                r0, r1 = split_rows(rows, it.holders, ordinal)[it.index]
+                a, b = r0 * inner, r1 * inner
+            else:
+                c0, c1 = split_rows(hi - lo, it.holders, ordinal)[it.index]
+                a, b = lo + c0, lo + c1
+            for box in flat_boxes(shape, a, b):
+                first, _ = flat_span(shape, box)
+                size = tuple(h - l for l, h in box)
+                pieces = [(tuple((pl - bl, ph - bl) for (pl, ph), (bl, _) in zip(local, box)), glob)
+                          for local, glob in to_global(box, it.shard.dim, _ranges(it.shard))]
+                n = math.prod(size)
+                data = None if src is None else src[first - lo:first - lo + n].view(size)
+                out.append(Stored(it.key, f"{it.key}#{count}", size, first, first + n, pieces, it.dtype,
+                                  tuple(it.shard.global_shape), data))
+                count += 1
+    return out
+
+
+def _ranges(shard) -> list[tuple[int, int, int]]:
+    return [] if shard.dim is None else shard.ranges()
+
+
+def needs(items: list[Item]) -> dict[str, list[tuple[Box, Box]]]:
+    """key -> (local box, global box) pairs this rank must read: every held element, exactly once."""
+    out: dict[str, list[tuple[Box, Box]]] = {}
+    for it in items:
+        pairs = out.setdefault(it.key, [])
+        for lo, hi in it.held:
+            for box in flat_boxes(it.local_shape, lo, hi):
+                pairs += to_global(box, it.shard.dim, _ranges(it.shard))
+    return out
+
+
+def share_bytes(items: list[Item]) -> int:
+    return sum((hi - lo) * it.itemsize for it in items for lo, hi in it.held)

@@ -1,0 +1,143 @@
+"""Checkpoint metadata: the coverage check a commit must pass, the completeness check `latest` uses
+(metadata only, no shard bytes), and file names confined to the checkpoint folder.
+
+metadata.json (format v2):
+    files:   {name: {"bytes": size, "header_crc32": crc of the safetensors header}}; the header holds a
+             crc32 per fixed-size block of every stored tensor, so the header checksum covers all bytes
+    tensors: {logical key: {"global_shape", "dtype", "shards": [{"file", "key", "shape",
+             "pieces": [[stored box, global box], ...]}]}}
+    coverage: "exact" (set by the commit after check_coverage passed)
+v1 checkpoints ({"dim", "ranges"} per shard, a crc32 per whole file) are read through `upgrade`.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+from megaframe.paths import OutsideFolder, inside
+
+FORMAT = "megaframe-ckpt-v2"
+FORMAT_V1 = "megaframe-ckpt-v1"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint (or a save) that cannot be used; the message names the file or tensor."""
+
+
+def confined(folder: str | Path, name: str) -> Path:
+    """folder/name when name is a plain file name inside folder; CheckpointError otherwise."""
+    try:
+        return inside(folder, name)
+    except OutsideFolder as e:
+        raise CheckpointError(str(e)) from e
+
+
+def check_coverage(tensors: dict) -> None:
+    """Every logical tensor's stored pieces tile its global shape exactly once: in bounds, shapes and
+    dtypes consistent, no overlap, no gap. CheckpointError naming the first tensor that fails."""
+    for key, info in tensors.items():
+        shape = tuple(info["global_shape"])
+        nd = len(shape)
+        los, his = [], []
+        for s in info["shards"]:
+            if s.get("dtype", info["dtype"]) != info["dtype"]:
+                raise CheckpointError(f"tensor {key}: dtype {s['dtype']} in {s['file']}, {info['dtype']} elsewhere")
+            stored = 0
+            for local, glob in s["pieces"]:
+                if len(glob) != nd or len(local) != len(s["shape"]):
+                    raise CheckpointError(f"tensor {key}: a piece in {s['file']} has the wrong rank")
+                if any(not (0 <= lo < hi <= n) for (lo, hi), n in zip(glob, shape)) or \
+                        any(not (0 <= lo < hi <= n) for (lo, hi), n in zip(local, s["shape"])):
+                    raise CheckpointError(f"tensor {key}: a piece in {s['file']} lies outside its tensor")
+                if [hi - lo for lo, hi in local] != [hi - lo for lo, hi in glob]:
+                    raise CheckpointError(f"tensor {key}: a piece in {s['file']} changes shape")
+                los.append([lo for lo, _ in glob])
+                his.append([hi for _, hi in glob])
+                stored += math.prod(hi - lo for lo, hi in local)
+            if stored != math.prod(s["shape"]):
+                raise CheckpointError(f"tensor {key}: pieces of {s['key']} in {s['file']} do not fill it")
+        lo, hi = np.array(los, dtype=np.int64).reshape(-1, nd), np.array(his, dtype=np.int64).reshape(-1, nd)
+        total = int(np.prod(hi - lo, axis=1).sum()) if len(lo) else 0
+        if total != math.prod(shape):
+            raise CheckpointError(f"tensor {key}: pieces hold {total} elements of {math.prod(shape)} "
+                                  f"({'a gap' if total < math.prod(shape) else 'an overlap'})")
+        if _overlaps(lo, hi):  # equal volume and no overlap: an exact tiling
+            raise CheckpointError(f"tensor {key}: pieces overlap (and leave a gap)")
+
+
+def _overlaps(lo: np.ndarray, hi: np.ndarray) -> bool:
+    order = np.argsort(lo[:, 0], kind="stable") if len(lo) else []
+    lo, hi = lo[order], hi[order]
+    for i in range(len(lo)):  # against the later pieces starting before this one ends along dim 0
+        j = np.searchsorted(lo[i + 1:, 0], hi[i, 0], side="left")
+        if j and np.any(np.all((lo[i + 1:i + 1 + j] < hi[i]) & (hi[i + 1:i + 1 + j] > lo[i]), axis=1)):
+            return True
+    return False
+
+
+def read(path: str | Path) -> dict:
+    """metadata.json of a checkpoint folder (v1 upgraded in memory); CheckpointError if unreadable."""
+    try:
+        meta = json.loads((Path(path) / "metadata.json").read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: unreadable metadata.json ({e})") from e
+    if meta.get("format") == FORMAT_V1:
+        return upgrade(meta)
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: not a megaframe checkpoint (format {meta.get('format')!r})")
+    return meta
+
+
+def upgrade(meta: dict) -> dict:
+    """A v1 metadata dict in v2 form: each shard's tensor stored whole under its logical key."""
+    for key, info in meta["tensors"].items():
+        shape, shards = info["global_shape"], []
+        for s in info["shards"]:
+            if s["dim"] is None:
+                local = [[0, n] for n in shape]
+                pieces = [[local, local]]
+            else:
+                d, size = s["dim"], sum(n for _, _, n in s["ranges"])
+                local = [list(x) for x in ([0, n] for n in shape)]
+                local[d] = [0, size]
+                pieces = []
+                for g, lo, n in s["ranges"]:
+                    lb, gb = [list(x) for x in local], [list(x) for x in local]
+                    lb[d], gb[d] = [lo, lo + n], [g, g + n]
+                    pieces.append([lb, gb])
+            shards.append({"file": s["file"], "key": key, "shape": [hi for _, hi in local], "pieces": pieces})
+        info["shards"] = shards
+    meta["v1_files"] = meta.get("files", {})
+    return meta
+
+
+def check_complete(path: str | Path) -> dict:
+    """Metadata of a checkpoint that is committed with its coverage recorded and whose files are all
+    present with their recorded sizes, decided without reading shard bytes; CheckpointError otherwise."""
+    meta = read(path)
+    if meta.get("format") == FORMAT and meta.get("coverage") != "exact":
+        raise CheckpointError(f"{path}: metadata.json records no coverage check")
+    files = meta.get("files", {})
+    for name, want in files.items():
+        f = confined(path, name)
+        if not f.is_file():
+            raise CheckpointError(f"{path}: shard {name} is missing")
+        size = f.stat().st_size
+        if size != want["bytes"]:
+            raise CheckpointError(f"{path}: shard {name} is corrupt ({size} bytes, expected {want['bytes']})")
+    for key, info in meta["tensors"].items():
+        for s in info["shards"]:
+            if s["file"] not in files:
+                raise CheckpointError(f"{path}: tensor {key} names file {s['file']!r}, which the checkpoint does not list")
+    return meta
+
+
+def committed(root: str | Path) -> list[Path]:
+    """Committed step folders under root, oldest first."""
+    if not Path(root).is_dir():
+        return []
+    return sorted(p for p in Path(root).glob("step_*")
+                  if p.is_dir() and not p.name.endswith(".tmp") and (p / "metadata.json").is_file())

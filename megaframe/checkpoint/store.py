@@ -1,0 +1,165 @@
+"""Shard files: safetensors with a crc32 per fixed-size block of every tensor in the header, written
+and fsynced whole; read back by byte ranges, each block checked as it is read.
+
+The blocks let a rank check exactly what it reads: a read is widened to whole blocks (at most two
+partial blocks per range), never to whole tensors or files. Block size per tensor: nbytes / 64 rounded
+up to 256 B, capped at 64 KiB, so small tensors get fine blocks and big ones ~16 crcs per MiB.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import os
+import struct
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+
+from megaframe.checkpoint.metadata import CheckpointError, confined
+
+CRC_KEY = "megaframe/crc32"
+MAX_BLOCK = 64 << 10
+
+
+def block_size(nbytes: int) -> int:
+    return max(256, min(MAX_BLOCK, -(-max(nbytes, 1) // 64 // 256) * 256))
+
+
+def _bytes(t: torch.Tensor) -> memoryview:
+    return memoryview(t.contiguous().view(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+
+
+def block_crcs(t: torch.Tensor) -> str:
+    """"<block size>:<base64 of the little-endian uint32 crc32 of each block>" (compact: the header is
+    metadata every reader of the file reads)."""
+    data = _bytes(t)
+    b = block_size(len(data))
+    crcs = np.array([zlib.crc32(data[i:i + b]) for i in range(0, max(len(data), 1), b)], dtype="<u4")
+    return f"{b}:{base64.b64encode(crcs.tobytes()).decode()}"
+
+
+def _parse_crcs(text: str) -> tuple[int, np.ndarray]:
+    b, _, packed = text.partition(":")
+    return int(b), np.frombuffer(base64.b64decode(packed), dtype="<u4")
+
+
+def shard_name(rank: int) -> str:
+    return f"shard_{rank:05d}.safetensors"
+
+
+_UMASK = os.umask(0o022)  # read once at import (single-threaded): os.umask can only be read by setting it
+os.umask(_UMASK)
+
+
+def write_file(folder: Path, rank: int, tensors: dict[str, torch.Tensor], fail: str | None = None) -> dict:
+    """Write and fsync shard_<rank>.safetensors; returns {"bytes", "header_crc32", "data_bytes"}.
+    `fail` injects a fault for tests: "error" raises after a partial file, "kill" SIGKILLs this process
+    in the middle of the write."""
+    path = folder / shard_name(rank)
+    crcs = {k: block_crcs(t) for k, t in tensors.items()}
+    if fail:
+        path.write_bytes(b"\0" * 1024)
+        if fail == "kill":
+            import signal
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise OSError(f"injected write failure on rank {rank} ({path.name})")
+    save_file({k: t.contiguous() for k, t in tensors.items()}, str(path), metadata={CRC_KEY: json.dumps(crcs)})
+    # safetensors creates 0600 files; a checkpoint is shared like any other output (the umask rules)
+    os.chmod(path, 0o666 & ~_UMASK)
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+        n = struct.unpack("<Q", f.read(8))[0]
+        header_crc = zlib.crc32(f.read(n))
+    data = sum(t.numel() * t.element_size() for t in tensors.values())
+    return {"bytes": path.stat().st_size, "header_crc32": header_crc, "data_bytes": data}
+
+
+@dataclass
+class Header:
+    data_start: int
+    tensors: dict
+    crcs: dict
+    nbytes: int
+
+
+def read_header(f, name: str, want_crc: int | None) -> Header:
+    raw = f.read(8)
+    if len(raw) < 8:
+        raise CheckpointError(f"shard {name} is corrupt (no safetensors header)")
+    n = struct.unpack("<Q", raw)[0]
+    head = f.read(n)
+    if want_crc is not None and zlib.crc32(head) != want_crc:
+        raise CheckpointError(f"shard {name} is corrupt (its header does not match the recorded checksum)")
+    try:
+        info = json.loads(head)
+        crcs = json.loads(info.get("__metadata__", {}).get(CRC_KEY, "{}"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"shard {name} is corrupt (unreadable header: {e})") from e
+    info.pop("__metadata__", None)
+    return Header(8 + n, info, crcs, 8 + n)
+
+
+@dataclass
+class ReadStats:
+    bytes: int = 0
+    """All bytes read: shard headers (metadata) and tensor data."""
+    data_bytes: int = 0
+    files: int = 0
+    opened: list = field(default_factory=list)
+
+
+_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I64": torch.int64,
+           "I32": torch.int32, "F64": torch.float64, "U8": torch.uint8, "BOOL": torch.bool}
+
+
+def read_ranges(folder: Path, name: str, reads: list, want_crc: int | None, stats: ReadStats, check: bool = True):
+    """Open `name` once and yield (stored key, first element, tensor of elements [first, last)) for each
+    (stored key, first, last) in `reads`, reading only the blocks those ranges touch, each block checked
+    against its crc32. CheckpointError names the file and tensor of a mismatch."""
+    path = confined(folder, name)
+    with open(path, "rb") as f:
+        stats.files += 1
+        stats.opened.append(name)
+        head = read_header(f, name, want_crc)
+        stats.bytes += head.nbytes
+        fd = f.fileno()
+        for key, first, last in reads:
+            t = head.tensors.get(key)
+            if t is None:
+                raise CheckpointError(f"shard {name} has no tensor {key}")
+            dtype = _DTYPES[t["dtype"]]
+            item = torch.empty((), dtype=dtype).element_size()
+            begin = head.data_start + t["data_offsets"][0]
+            a, b = first * item, last * item
+            crc = _parse_crcs(head.crcs[key]) if check and key in head.crcs else None
+            if crc is not None:
+                blk, crc = crc
+                a0, b0 = a // blk * blk, min(-(-b // blk) * blk, t["data_offsets"][1] - t["data_offsets"][0])
+            else:
+                a0, b0 = a, b
+            buf = os.pread(fd, b0 - a0, begin + a0)
+            stats.bytes += len(buf)
+            stats.data_bytes += len(buf)
+            if len(buf) != b0 - a0:
+                raise CheckpointError(f"shard {name} is corrupt (tensor {key} is cut short)")
+            if crc is not None:
+                for i, at in enumerate(range(a0, b0, blk)):
+                    if zlib.crc32(buf[at - a0:at - a0 + blk]) != int(crc[at // blk]):
+                        raise CheckpointError(f"shard {name} is corrupt: tensor {key}, bytes "
+                                              f"{at}..{min(at + blk, b0)} fail their checksum")
+            arr = np.frombuffer(buf, dtype=np.uint8)[a - a0:b - a0]
+            yield key, first, torch.from_numpy(arr.copy()).view(dtype)
+
+
+def verify_file(folder: Path, name: str, want: dict) -> None:
+    """Every byte of one shard file against its checksums (offline verification)."""
+    path = confined(folder, name)
+    with open(path, "rb") as f:
+        head = read_header(f, name, want.get("header_crc32"))
+        reads = [(k, 0, int(np.prod(t["shape"]))) for k, t in head.tensors.items()]
+    for _ in read_ranges(folder, name, reads, want.get("header_crc32"), ReadStats()):
+        pass
