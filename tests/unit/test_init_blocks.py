@@ -21,16 +21,17 @@ def small_blocks(monkeypatch):
 
 def assembled(overrides: list[str], tp: int, pp: int, dp: int = 1, ep: int = 1) -> dict[str, torch.Tensor]:
     """The global initial tensors, put together from every rank's own build."""
-    cfg = tiny_config(overrides + [f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.ep={ep}"], tp * pp * dp)
+    sp = [f"parallel.sp={tp > 1}"]  # MoE with tp > 1 needs sp (config_checks)
+    cfg = tiny_config(overrides + sp + [f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.ep={ep}"], tp * pp * dp)
     out: dict[str, torch.Tensor] = {}
     for p_rank in range(pp):
         for d_rank in range(dp):
             for t_rank in range(tp):
                 mesh = virtual_mesh(tp, pp, dp, t_rank, p_rank, d_rank, device="cpu", ep=ep)
                 for name, p in build_model(cfg, mesh).named_parameters():
-                    full = out.setdefault(name, torch.full(p.shard.global_shape, float("nan")))
-                    rank = mesh.ep.rank if p.shard.expert and ep > 1 else t_rank
-                    p.shard.place(full, p.detach(), rank if p.shard.dim is not None else 0)
+                    full = out.setdefault(name, torch.full(p.placement.shard.global_shape, float("nan")))
+                    rank = mesh.ep.rank if p.placement.shard.expert and ep > 1 else t_rank
+                    p.placement.shard.place(full, p.detach(), rank if p.placement.shard.dim is not None else 0)
     return out
 
 

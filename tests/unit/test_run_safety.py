@@ -64,6 +64,7 @@ def test_cheap_check_reads_sizes_not_bytes(tmp_path):
     d.mkdir()
     (d / "shard_00000.safetensors").write_bytes(b"x" * 10)
     (d / "metadata.json").write_text(json.dumps({"format": sharded.FORMAT, "step": 1, "tensors": {},
+                                                 "coverage": "exact",
                                                  "files": {"shard_00000.safetensors": {"bytes": 10, "crc32": 1}}}))
     assert lineage.cheap_check(d) is None  # a wrong crc is the load's business, not this check's
     (d / "shard_00000.safetensors").write_bytes(b"x" * 9)
@@ -72,15 +73,17 @@ def test_cheap_check_reads_sizes_not_bytes(tmp_path):
 
 @pytest.mark.parametrize("umask,mode", [(0o022, 0o644), (0o077, 0o600)])
 def test_checkpoint_shards_follow_the_umask(tmp_path, umask, mode, monkeypatch):
-    monkeypatch.setattr(sharded, "_UMASK", umask)  # the process umask is read once at import
-    name, _ = sharded.write_file(tmp_path, 0, {"w": torch.zeros(3)})
-    assert (tmp_path / name).stat().st_mode & 0o777 == mode
+    from megaframe.checkpoint import store
+
+    monkeypatch.setattr(store, "_UMASK", umask)  # the process umask is read once at import
+    store.write_file(tmp_path, 0, {"w": torch.zeros(3)})
+    assert (tmp_path / store.shard_name(0)).stat().st_mode & 0o777 == mode
 
 
 def test_default_umask_gives_0644_shards(tmp_path):
-    code = ("import os, torch; os.umask(0o022); from megaframe.checkpoint import sharded; "
-            f"n, _ = sharded.write_file(__import__('pathlib').Path({str(tmp_path)!r}), 0, {{'w': torch.zeros(2)}}); "
-            f"print(oct(os.stat(os.path.join({str(tmp_path)!r}, n)).st_mode & 0o777))")
+    code = ("import os, torch; os.umask(0o022); from megaframe.checkpoint import store; "
+            f"store.write_file(__import__('pathlib').Path({str(tmp_path)!r}), 0, {{'w': torch.zeros(2)}}); "
+            f"print(oct(os.stat(os.path.join({str(tmp_path)!r}, store.shard_name(0))).st_mode & 0o777))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                          env={**os.environ, "PYTHONPATH": os.getcwd()})
     assert out.stdout.strip() == "0o644", out.stderr
