@@ -57,10 +57,16 @@ def _replicas(p, mesh, segments: bool) -> tuple[int, int]:
     return dp.size * tp_n, dp.rank * tp_n + tp_i
 
 
+def state_buffers(model) -> list[tuple[str, torch.Tensor, object]]:
+    """(global name, tensor, Placement) of buffers that are model state, saved and loaded like parameters.
+    A module declares them in `state_placements` ({buffer name: Placement}): a tag on the tensor itself
+    would be lost when model.to() replaces buffers."""
+    return [(f"{prefix}.{n}" if prefix else n, getattr(m, n), pl) for prefix, m in model.named_modules()
+            for n, pl in getattr(m, "state_placements", {}).items()]
+
+
 def param_items(model, optimizer, mesh, with_sources: bool) -> list[Item]:
     """Every logical tensor of this rank's model and optimizer state, with its holders."""
-    from megaframe.checkpoint.sharded import state_buffers
-
     items = []
     for name, p in model.named_parameters():
         if p.placement.pp_duplicate:  # the tied embedding's copy: stage 0 holds the same tensor

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from megaframe.checkpoint.layout import Item, needs
+from megaframe.checkpoint.layout import Item, needs, state_buffers
 from megaframe.checkpoint.metadata import (
     CheckpointError,
     check_complete,
@@ -34,8 +34,6 @@ def file_crc32(path: Path) -> int:
 
 def load_items(model, optimizer, meta: dict) -> list[Item]:
     """What this rank needs: each parameter's local slice, and its optimizer state (ZeRO: its segments)."""
-    from megaframe.checkpoint.sharded import state_buffers
-
     have, items = meta["tensors"], []
     for name, p in model.named_parameters():
         whole = [(0, p.numel())]
@@ -122,7 +120,6 @@ def load_into(path: str | Path, model, optimizer=None) -> dict:
                    if f"optim/{k}/{name}" in got}
         if moments:
             optimizer.load_logical_state(p, moments, int(meta["step"]))
-    from megaframe.checkpoint.sharded import state_buffers
     for name, b, _ in state_buffers(model):
         if f"model/{name}" in got:
             b.copy_(got[f"model/{name}"].to(b.device, b.dtype))
@@ -143,7 +140,7 @@ def load_agreed(path: Path, model, optimizer, mesh) -> tuple[dict | None, str | 
 
 def load_newest(root: str | Path, model, optimizer, mesh, on_skip=None) -> tuple[Path | None, dict | None]:
     """Load the newest checkpoint under root that every rank loads; (None, None) if there is none."""
-    from megaframe.checkpoint.sharded import committed
+    from megaframe.checkpoint.metadata import committed
 
     for path in committed(root)[::-1]:
         try:

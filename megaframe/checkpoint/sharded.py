@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from megaframe.checkpoint import lineage
-from megaframe.checkpoint.layout import my_writes, param_items
+from megaframe.checkpoint.layout import my_writes, param_items, state_buffers  # noqa: F401  (public API)
 from megaframe.checkpoint.load import load_agreed, load_full, load_into, load_newest  # noqa: F401  (public API)
 from megaframe.checkpoint.metadata import (
     FORMAT,
@@ -57,14 +57,6 @@ def _fsync_write(path: Path, text: str) -> None:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
-
-
-def state_buffers(model) -> list[tuple[str, torch.Tensor, object]]:
-    """(global name, tensor, Placement) of buffers that are model state, saved and loaded like parameters.
-    A module declares them in `state_placements` ({buffer name: Placement}): a tag on the tensor itself
-    would be lost when model.to() replaces buffers."""
-    return [(f"{prefix}.{n}" if prefix else n, getattr(m, n), pl) for prefix, m in model.named_modules()
-            for n, pl in getattr(m, "state_placements", {}).items()]
 
 
 def _barrier(mesh: Mesh) -> None:

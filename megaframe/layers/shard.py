@@ -217,14 +217,13 @@ def init_model(model: nn.Module, seed: int, std: float, num_layers: int) -> None
 
 def gather_full(local: torch.Tensor, shard: Shard, axis) -> torch.Tensor:
     """The full tensor from every rank's slice along `axis` (the mesh axis named by shard.axis: tp, or ep
-    for experts); a plain all-gather, for tests, export and checks."""
-    import torch.distributed as dist
+    for experts); a plain all-gather (through comm, so it is counted), for tests, export and checks."""
+    from megaframe.parallel import comm
 
     if shard.dim is None or axis.size == 1:
         return local.detach().clone()
-    pieces = [torch.empty_like(local) for _ in range(axis.size)]
-    dist.all_gather(pieces, local.detach().contiguous(), group=axis.group)
+    pieces = comm.all_gather_dim0(local.detach().reshape(1, *local.shape), axis)
     full = torch.empty(shard.global_shape, dtype=local.dtype, device=local.device)
-    for r, piece in enumerate(pieces):
-        shard.place(full, piece, r)
+    for r in range(axis.size):
+        shard.place(full, pieces[r], r)
     return full

@@ -46,13 +46,16 @@ class StopFlag:
         import torch  # not at import time: train.py installs the flag before torch is loaded
         import torch.distributed as dist
 
+        from megaframe.parallel import comm
+        from megaframe.parallel.mesh import Axis
+
         if mesh.group is None:
             return self.signum is not None, busy
         if self.group is None:
-            self.group = mesh.group if mesh.device.type == "cpu" else dist.new_group(backend="gloo")
+            group = mesh.group if mesh.device.type == "cpu" else dist.new_group(backend="gloo")
+            self.group = Axis("world", mesh.world, mesh.rank, tuple(range(mesh.world)), group, mesh.stats)
         flags = torch.tensor([0.0 if self.signum is None else 1.0, 1.0 if busy else 0.0])
-        with mesh.stats.noting("all_reduce(stop flag)", "world", range(mesh.world), flags.shape, flags.dtype, 8):
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        comm.all_reduce(flags, self.group, op=dist.ReduceOp.MAX)  # MAX: any rank signalled / any still writing
         signalled, writing = flags.tolist()  # a CPU tensor: no device sync
         return signalled > 0, writing > 0
 
