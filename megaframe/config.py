@@ -166,7 +166,13 @@ class OptimConfig:
     """1: ZeRO-1 distributed optimizer (AdamW state sharded over dp, grads reduce-scattered in buckets
     during backward, params all-gathered after the step; with one dp rank and fp32 params there is nothing to shard,
     so the replicated optimizer runs instead).
+    2: ZeRO-2: as 1, and grads live only as this rank's 1/dp shard: each bucket is reduce-scattered into
+    it as soon as backward completes it, in every micro-batch; no full-size grad buffer is kept.
     0: replicated AdamW with a plain all-reduce of grads after backward (for comparison)."""
+    shard_group_size: int = 0
+    """HSDP: shard grads and optimizer state over groups of this many consecutive dp ranks and replicate
+    them across the dp / shard_group_size groups (their shards are all-reduced once per step). 0 = dp
+    (plain ZeRO). Must divide dp; needs optim.zero >= 1 and parallel.ep = 1."""
     bucket_size_mb: float = 25.0
     """ZeRO grad bucket size in MiB of fp32 grads: one reduce-scatter per bucket, launched as soon as
     backward has finished all of its grads. Smaller buckets start earlier but cost more launches."""

@@ -55,13 +55,17 @@ def check_config(cfg: Config, world_size: int, check_data: bool = True) -> None:
     _req(t.device in ("auto", "cpu", "cuda"), f"train.device={t.device!r} must be auto, cpu or cuda")
     _req(cfg.optim.lr > 0 and cfg.optim.min_lr >= 0, "optim.lr must be > 0 and optim.min_lr >= 0")
     _req(cfg.optim.warmup_steps >= 0, f"optim.warmup_steps={cfg.optim.warmup_steps} must be >= 0")
-    _req(cfg.optim.zero in (0, 1), f"optim.zero={cfg.optim.zero} must be 0 or 1")
+    _req(cfg.optim.zero in (0, 1, 2), f"optim.zero={cfg.optim.zero} must be 0, 1 or 2")
+    s = cfg.optim.shard_group_size
+    _req(s >= 0 and (s == 0 or dp % s == 0), f"optim.shard_group_size={s} must divide dp={dp} (0 = dp)")
+    _req(s in (0, dp) or (cfg.optim.zero >= 1 and p.ep == 1),
+         f"optim.shard_group_size={s} (HSDP) needs optim.zero >= 1 and parallel.ep=1")
     _req(cfg.optim.bucket_size_mb > 0, f"optim.bucket_size_mb={cfg.optim.bucket_size_mb} must be > 0")
     _req(t.recompute in ("none", "selective", "full"),
          f"train.recompute={t.recompute!r} must be none, selective or full")
     _req(t.precision in ("fp32", "bf16"), f"train.precision={t.precision!r} must be fp32 or bf16")
-    _req(t.precision == "fp32" or cfg.optim.zero == 1,
-         f"train.precision={t.precision} needs optim.zero=1 (its fp32 master weights live in the ZeRO optimizer)")
+    _req(t.precision == "fp32" or cfg.optim.zero >= 1,
+         f"train.precision={t.precision} needs optim.zero >= 1 (its fp32 master weights live in the ZeRO optimizer)")
     _req(cfg.logging.wandb.mode in ("online", "offline", "disabled"),
          f"logging.wandb.mode={cfg.logging.wandb.mode!r} must be online, offline or disabled")
     _req(cfg.data.kind in ("prepared", "synthetic"), f"data.kind={cfg.data.kind!r} must be prepared or synthetic")

@@ -123,7 +123,8 @@ def plan_layout(cfg: Config, world_size: int, device_memory_gb: float | None = N
 
 
 def _rank_figures(cfg: Config, tp: int, pp: int, dp: int, pp_rank: int, tp_rank: int, order) -> RankFigures:
-    mesh = virtual_mesh(tp, pp, dp, tp_rank=tp_rank, pp_rank=pp_rank, device="meta", ep=cfg.parallel.ep)
+    mesh = virtual_mesh(tp, pp, dp, tp_rank=tp_rank, pp_rank=pp_rank, device="meta", ep=cfg.parallel.ep,
+                        shard=cfg.optim.shard_group_size)
     model = cast_model(build_model(cfg, mesh), cfg.train.precision)
     params, grads, optim = state_bytes(model, cfg, mesh)
     chunks = [chunk_activation_bytes(model, c, cfg.train.micro_batch_size, fused_attention=True)

@@ -37,7 +37,8 @@ def run(cfg: Config, stop: StopFlag | None = None) -> None:
     device = pick_device(cfg.train.device, env.local_rank)
     init_distributed(env, device)
     try:
-        mesh = build_mesh(cfg.parallel.tp, cfg.parallel.pp, device, ep=cfg.parallel.ep)
+        mesh = build_mesh(cfg.parallel.tp, cfg.parallel.pp, device, ep=cfg.parallel.ep,
+                          shard=cfg.optim.shard_group_size)
         p2p.warm_up(mesh.pp, device)
         # ranks may have resolved a timestamped run name a second apart: rank 0's wins
         cfg.run.name, cfg.run.dir, cfg.checkpoint.dir = comm.broadcast_object(

@@ -1,6 +1,6 @@
 """A pool of gloo ranks reused across tests: spawned once per session, each job runs on the first n.
 
-Every worker joins one 4-rank gloo world (1 thread each, 2 cores). A job is (fn, tp, pp, n, args, ep):
+Every worker joins one 4-rank gloo world (1 thread each, 2 cores). A job is (fn, tp, pp, n, args, ep, shard):
 all workers build (or reuse) the mesh over ranks [0, n) — group creation is collective over the whole
 world — then ranks < n call fn(mesh, *args). Results come back through pipes. Every collective has
 the process-group timeout and every wait here has its own, so a broken test fails instead of hanging.
@@ -39,11 +39,11 @@ def _worker(rank: int, size: int, port: int, conn) -> None:
         job = conn.recv()
         if job is None:
             break
-        fn, tp, pp, n, args, ep = job if len(job) == 6 else (*job, 1)
+        fn, tp, pp, n, args, ep, shard = job
         try:
-            key = (tp, pp, n, ep)
+            key = (tp, pp, n, ep, shard)
             if key not in meshes:  # groups are cached: creating them per job would leak sockets
-                meshes[key] = build_mesh(tp, pp, torch.device("cpu"), ranks=range(n), ep=ep)
+                meshes[key] = build_mesh(tp, pp, torch.device("cpu"), ranks=range(n), ep=ep, shard=shard)
                 if meshes[key] is not None:
                     p2p.warm_up(meshes[key].pp, torch.device("cpu"))
             mesh = meshes[key]
@@ -68,12 +68,14 @@ class RankPool:
             self.procs.append(p)
         self.broken = False
 
-    def run(self, fn, n: int, *args, tp: int = 1, pp: int = 1, ep: int = 1, timeout: float = JOB_TIMEOUT_S) -> list:
-        """Run fn(mesh, *args) on ranks [0, n) with the given layout; returns their results in rank order."""
+    def run(self, fn, n: int, *args, tp: int = 1, pp: int = 1, ep: int = 1, shard: int = 0,
+            timeout: float = JOB_TIMEOUT_S) -> list:
+        """Run fn(mesh, *args) on ranks [0, n) with the given layout (`shard`: HSDP shard group size, 0 =
+        dp); returns their results in rank order."""
         assert not self.broken, "pool broken by an earlier timeout"
         assert n <= self.size
         for c in self.conns:
-            c.send((fn, tp, pp, n, args, ep))
+            c.send((fn, tp, pp, n, args, ep, shard))
         results, errors = [], []
         for r, c in enumerate(self.conns):
             if not c.poll(timeout):

@@ -60,6 +60,8 @@ def run_steps(mesh, overrides: list[str], steps: int, load: str | None = None, s
     return {"losses": losses, "grads": grads, "weights": weights, "comm": sent,
             "mem": memory_figures(model, optimizer, mesh.device),
             "buffer_numel": sum(b.numel for b in buffers), "buckets": sum(len(b.buckets) for b in buffers),
+            "bucket_numels": [b.numel for buf in buffers for b in buf.buckets],
+            "microbatches": cfg.train.global_batch_size // (cfg.train.micro_batch_size * mesh.dp.size),
             "params_numel": sum(p.numel() for p in model.parameters())}
 
 
