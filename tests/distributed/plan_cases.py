@@ -77,3 +77,10 @@ def measure_memory(mesh, overrides: list[str]) -> dict:
               for c in range(len(model.stage.chunks))]
     return {"pp_rank": mesh.pp.rank, "tp_rank": mesh.tp.rank, **memory_figures(model, optimizer, mesh.device),
             "chunk_activation_bytes": chunks, "activation_peak_bytes": live.peak, "live_after": live.live}
+
+
+def mesh_coordinates(mesh) -> dict:
+    """This rank's axes as (size, rank, member ranks), and its (pp, dp, tp) coordinate."""
+    axes = {n: (a.size, a.rank, a.ranks, a.name) for n in ("tp", "dp", "pp", "pp_ends", "ep", "edp")
+            for a in [getattr(mesh, n)]}
+    return {"coord": (mesh.pp.rank, mesh.dp.rank, mesh.tp.rank), "axes": axes, "rank": mesh.rank}

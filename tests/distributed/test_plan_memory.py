@@ -5,7 +5,7 @@ import pytest
 
 from megaframe.planning.estimate import plan_layout
 from tests.distributed.cases import tiny_config
-from tests.distributed.plan_cases import measure_memory
+from tests.distributed.plan_cases import measure_memory, mesh_coordinates
 
 pytestmark = pytest.mark.distributed
 
@@ -50,3 +50,14 @@ def test_planner_matches_measured_memory(pool, name, n, tp, pp, extra):
             errors.pop("act/microbatch")  # worst imbalance, while the planner assumes balance (the peak, on real
         assert max(errors.values()) <= TOL, report[-1]  # data, is still compared)
     print("\n" + "\n".join(report))
+
+
+@pytest.mark.parametrize("tp,pp,ep", [(2, 2, 1), (1, 2, 2), (1, 1, 4), (2, 1, 2)])
+def test_virtual_mesh_is_the_real_mesh(pool, tp, pp, ep):
+    """The planner's virtual mesh of every rank has the real groups' members, coordinates and counters."""
+    from megaframe.parallel.virtual import virtual_mesh
+
+    for got in pool.run(mesh_coordinates, 4, tp=tp, pp=pp, ep=ep):
+        p, d, t = got["coord"]
+        want = mesh_coordinates(virtual_mesh(tp, pp, 4 // (tp * pp), t, p, d, device="cpu", ep=ep))
+        assert want == got, (tp, pp, ep, got, want)
