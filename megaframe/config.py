@@ -173,6 +173,9 @@ class OptimConfig:
     """HSDP: shard grads and optimizer state over groups of this many consecutive dp ranks and replicate
     them across the dp / shard_group_size groups (their shards are all-reduced once per step). 0 = dp
     (plain ZeRO). Must divide dp; needs optim.zero >= 1 and parallel.ep = 1."""
+    overlap_param_gather: bool = True
+    """ZeRO: the all-gather of updated parameters runs bucket by bucket during the next forward (each
+    module's forward pre-hook waits for its bucket) instead of being waited for at the end of the step."""
     bucket_size_mb: float = 25.0
     """ZeRO grad bucket size in MiB of fp32 grads: one reduce-scatter per bucket, launched as soon as
     backward has finished all of its grads. Smaller buckets start earlier but cost more launches."""

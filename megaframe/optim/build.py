@@ -11,6 +11,8 @@ Every optimizer here offers:
     logical_state(p) / load_logical_state(p, state, step)
                                       Adam moments shaped like p's local slice (checkpoints)
     memory_bytes()                    mem/grads_bytes and mem/optim_bytes of this rank
+    sync_params()                     wait for parameter updates still in flight (ZeRO's overlapped
+                                      all-gather) before reading params outside a forward
 """
 from __future__ import annotations
 
@@ -49,6 +51,9 @@ class PlainOptimizer:
         self.adam.found_inf = (~torch.isfinite(norm)).float()  # a NaN/Inf skips the update, no host sync
         self.adam.step()
         return norm
+
+    def sync_params(self) -> None:
+        """Nothing in flight: the update writes the params in place."""
 
     def logical_state(self, p: nn.Parameter) -> dict[str, torch.Tensor]:
         state = self.adam.state.get(p, {})

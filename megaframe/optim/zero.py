@@ -33,9 +33,9 @@ HSDP (optim.shard_group_size = s < dp): the axis sharded over is mesh.dp_shard (
 after the reduce-scatters, this rank's reduced shard is all-reduced over mesh.dp_rep (the dp/s ranks
 holding the same shard) once per step, and the param all-gather runs within the shard group.
 
-The all-gather is NOT overlapped with the next forward: step() waits for it, so parameters are whole
-when it returns (checkpointing, evaluation and the pipeline need nothing special). Megatron overlaps it
-by waiting per bucket in forward pre-hooks; on gloo/CPU it would buy little.
+The param all-gather after the update is overlapped with the next forward (optim.overlap_param_gather,
+see param_gather.py): step() launches it bucket by bucket and each module's forward pre-hook waits for
+the buckets it needs. Readers of parameters outside a forward call sync_params() first.
 
 Grad norm: each element is counted once. Ranges are disjoint over the shard axis, so squares are summed
 over it; over tp and pp `Placement.counts_in_norm` drops tp-replicated copies on tp ranks > 0 and pipeline
@@ -56,6 +56,7 @@ from megaframe.config import OptimConfig
 from megaframe.optim.adamw import MOMENTS, adamw
 from megaframe.optim.buffer import Bucket, FlatBuffer, bucket_plan, buffer_groups
 from megaframe.optim.finalize import all_reduce_tensors, finalize
+from megaframe.optim.param_gather import ParamGather
 from megaframe.parallel import comm
 from megaframe.parallel.mesh import Axis, Mesh
 from megaframe.parallel.placement import Placement
@@ -102,6 +103,7 @@ class ZeroOptimizer:
         self._build_state()
         self._seen = {p: p._version for p in self._segs_of if p.dtype != torch.float32}
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self.params]
+        self.param_gather = ParamGather(model, self.buffers, cfg.overlap_param_gather)
         self.zero_grad()
 
     # ------------------------------------------------------------------ state
@@ -157,6 +159,7 @@ class ZeroOptimizer:
         @contextlib.contextmanager
         def ctx():
             self._last = is_last
+            self.param_gather.wait()  # backward reads the params (a chunk run without its forward's hooks)
             try:
                 yield
                 if self.stage == 2:  # no full-size grads survive a micro-batch (late buckets aside)
@@ -268,6 +271,7 @@ class ZeroOptimizer:
 
     def step(self, lr: float) -> torch.Tensor:
         self._gathered = None
+        self.param_gather.wait()  # a step with no forward since the last one (the master is re-read)
         self._resync_master()
         norm = finalize(self, self.mesh, self.cfg.clip_grad)
         if self.adam is not None:
@@ -278,7 +282,7 @@ class ZeroOptimizer:
             # AMP grad scaler uses). Every rank sees the same global norm, so all skip together.
             self.adam.found_inf = (~torch.isfinite(norm)).float()
             self.adam.step()
-        self._gather_params()
+        self.param_gather.launch(self._launch_param_gather)
         return norm
 
     @torch.no_grad()
@@ -295,24 +299,25 @@ class ZeroOptimizer:
                 self._seen[p] = p._version
 
     @torch.no_grad()
-    def _gather_params(self) -> None:
-        """Owned range -> param buffer (cast from the fp32 master), then all-gather every bucket over dp."""
-        works = []
-        for buf, st in zip(self.buffers, self.states):
-            for b in buf.buckets:
-                mine = buf.shard(buf.param, b)
-                if st.master is not None:
-                    mine.copy_(buf.state_shard(st.master, b))
-                works.append(comm.all_gather_flat(buf.bucket_range(buf.param, b), mine, buf.axis, async_op=True))
-        for w in works:
-            if w is not None:
-                w.wait()
+    def _launch_param_gather(self, buf: FlatBuffer, b: Bucket):
+        """Owned range -> param buffer (cast from the fp32 master), then launch the bucket's all-gather."""
+        mine = buf.shard(buf.param, b)
+        st = self.states[self.buffers.index(buf)]
+        if st.master is not None:
+            mine.copy_(buf.state_shard(st.master, b))
+        return comm.all_gather_flat(buf.bucket_range(buf.param, b), mine, buf.axis, async_op=True)
+
+    def sync_params(self) -> None:
+        """Wait for the parameter all-gathers still in flight (overlap_param_gather): call before reading
+        parameters outside a forward (saving, copying them out)."""
+        self.param_gather.wait()
 
     # ------------------------------------------------------------------ checkpoints and figures
 
     def _gather_bucket(self, buf: FlatBuffer, b: Bucket, what: str) -> dict[str, torch.Tensor]:
         """Full-bucket tensors gathered over dp (collective): 'state' -> moments (+ master), 'grad' ->
         the reduced grad. Only the last bucket is cached: checkpoints walk params bucket by bucket."""
+        self.param_gather.wait()
         key = (id(buf), b.index, what)
         if self._gathered is not None and self._gathered[0] == key:
             return self._gathered[1]
@@ -351,6 +356,7 @@ class ZeroOptimizer:
     def load_logical_state(self, p: nn.Parameter, moments: dict[str, torch.Tensor], step: int) -> None:
         """Cut this rank's segments of p out of p-shaped moments (any layout wrote them)."""
         self._gathered = None
+        self.param_gather.wait()  # the gather would overwrite what we load
         buf = self._buffer_of[p]
         st = self.states[self.buffers.index(buf)]
         if "master" in moments and st.master is None:

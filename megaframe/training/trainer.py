@@ -191,6 +191,7 @@ class Meter:
 def save(cfg: Config, model, optimizer, mesh: Mesh, step: int, saver: AsyncSaver | None = None) -> None:
     """Checkpoint at `step`: in the background with `saver`, else written and committed now."""
     t0 = time.perf_counter()
+    optimizer.sync_params()  # ZeRO's overlapped all-gather may still be writing the params
     meta = {"consumed_samples": step * cfg.train.global_batch_size,
             "layout": {"tp": mesh.tp.size, "pp": mesh.pp.size, "dp": mesh.dp.size, "ep": mesh.ep.size,
                        "sp": cfg.parallel.sp},

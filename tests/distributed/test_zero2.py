@@ -5,7 +5,7 @@ import pytest
 
 from tests.distributed.test_model_equivalence import assert_close_dicts
 from tests.distributed.test_zero import FAMILIES, HAS_PP, SMALL_BUCKETS, STEPS, reference, rel_errors
-from tests.distributed.zero_cases import run_steps
+from tests.distributed.zero_cases import param_gather_probe, run_steps
 
 pytestmark = pytest.mark.distributed
 
@@ -64,3 +64,19 @@ def test_zero2_tied_embedding_under_pp(pool):
     assert_close_dicts(got["grads"], ref["grads"], rtol=1e-4, atol=1e-6, what="grad")
     assert_close_dicts(got["weights"], ref["weights"], rtol=1e-4, atol=1e-4, what="weight")
     assert got["mem"]["mem/grads_bytes"] < 4 * got["buffer_numel"]
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_param_gather_overlaps_the_next_forward(pool, overlap):
+    """optim.overlap_param_gather: step() leaves every bucket's all-gather in flight; the first block's
+    pre-hook has waited only for the buckets up to its own (the later layers' still fly); the forward
+    ends with none in flight. Off: step() waits for all of them."""
+    over = SMALL_BUCKETS + ["optim.zero=2", f"optim.overlap_param_gather={str(overlap).lower()}"]
+    got = pool.run(param_gather_probe, 2, over)[0]
+    assert got["total"] > 4
+    if overlap:
+        assert got["after_step"] == got["total"]
+        assert 0 < got["first_block"] < got["total"]
+    else:
+        assert got["after_step"] == got["first_block"] == 0
+    assert got["after_forward"] == 0
