@@ -6,8 +6,11 @@ meta device with a virtual mesh (no process groups; megaframe.parallel.virtual),
   params       every local parameter in train.precision (what mem/params_bytes logs)
   grads        optim.zero=1: the fp32 grad buffer, padded bucket by bucket by the optimizer's own
                buffer code (optim/zero.py planned_memory_bytes); zero=0: one grad per parameter
-  optim        optim.zero=1: the owned 1/dp of every bucket x (two fp32 Adam moments, plus an fp32
-               master copy for bf16 params); zero=0: two fp32 moments per element
+               zero=2: only the owned 1/dp of it (plus a tied embedding's bucket, kept whole for the step);
+               HSDP (optim.shard_group_size=s): 1/s instead of 1/dp
+  optim        optim.zero>=1: the owned 1/dp (HSDP: 1/s) of every bucket x (two fp32 Adam moments, plus
+               an fp32 master copy for bf16 params); zero=0: two fp32 moments per element
+  dp bytes     ZeRO: the bytes a rank sends on dp per step (optim/zero.py planned_dp_bytes, the same buckets)
   activations  the bytes one micro-batch of each pipeline chunk saves for backward (a meta-device
                forward, planning.activations), times the chunks in flight at the schedule's peak:
                the rank's own action list (pipeline/schedule.py) walked forward by forward
@@ -22,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 from megaframe.config import Config
 from megaframe.model.gpt import build_model
 from megaframe.optim.build import cast_model
-from megaframe.optim.zero import planned_memory_bytes
+from megaframe.optim.zero import planned_dp_bytes, planned_memory_bytes
 from megaframe.parallel.virtual import virtual_mesh
 from megaframe.pipeline.schedule import F, compute_order, resolve_kind
 from megaframe.pipeline.simulate import simulate
@@ -47,13 +50,15 @@ class RankFigures:
     """Peak over the schedule of the activations held."""
     total_bytes: int = 0
     fits: bool | None = None
+    dp_comm_bytes: int | None = None
+    """Bytes each of these ranks sends on dp per step (comm_bytes/dp) under ZeRO; None for zero=0."""
 
     def __post_init__(self):
         self.total_bytes = self.params_bytes + self.grads_bytes + self.optim_bytes + self.activation_bytes
 
     def key(self) -> tuple:
         return (self.pp_rank, self.params_bytes, self.grads_bytes, self.optim_bytes, self.activation_bytes,
-                tuple(self.chunk_activation_bytes), self.peak_inflight)
+                tuple(self.chunk_activation_bytes), self.peak_inflight, self.dp_comm_bytes)
 
 
 @dataclass
@@ -130,7 +135,11 @@ def _rank_figures(cfg: Config, tp: int, pp: int, dp: int, pp_rank: int, tp_rank:
     chunks = [chunk_activation_bytes(model, c, cfg.train.micro_batch_size, fused_attention=True)
               for c in range(len(model.stage.chunks))]
     act, inflight = peak_activations(order, chunks)
-    return RankFigures(pp_rank, tp_rank, list(mesh.dp.ranks), params, grads, optim, chunks, inflight, act)
+    out = RankFigures(pp_rank, tp_rank, list(mesh.dp.ranks), params, grads, optim, chunks, inflight, act)
+    if cfg.optim.zero and not (mesh.dp_shard.size == 1 and cfg.train.precision == "fp32"):  # build_optimizer's choice
+        m = cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)
+        out.dp_comm_bytes = planned_dp_bytes([p for p in model.parameters() if p.requires_grad], cfg.optim, mesh, m)
+    return out
 
 
 def merged_rows(plan: Plan) -> list[tuple[list[int], RankFigures]]:

@@ -1,8 +1,10 @@
 """ZeRO-2 (grads kept only as this rank's shard) and HSDP (shard groups, replicated across them): equal to
 one process, grads memory 1/dp (HSDP: 1/s) of ZeRO-1's, and the dp bytes of every step equal to theory
-to the byte."""
+to the byte (and to the planner's figures); overlapped parameter all-gather; checkpoints across stages."""
 import pytest
 
+from megaframe.planning.estimate import plan_layout
+from tests.distributed.cases import tiny_config
 from tests.distributed.test_model_equivalence import assert_close_dicts
 from tests.distributed.test_zero import FAMILIES, HAS_PP, SMALL_BUCKETS, STEPS, reference, rel_errors
 from tests.distributed.zero_cases import param_gather_probe, run_steps
@@ -51,6 +53,10 @@ def test_zero2_and_hsdp_match_one_process(pool, name, n, shard, pp, extra):
     want = theory_dp_bytes(got["bucket_numels"], s, n, got["microbatches"], zero)
     for sent in got["comm"]:
         assert sent["dp"] == want, (sent, want)
+    # the planner sizes and counts the same, from the config alone
+    planned = plan_layout(tiny_config(SMALL_BUCKETS + extra, n), n).ranks[0]
+    assert (planned.grads_bytes, planned.optim_bytes, planned.dp_comm_bytes) == \
+        (m["mem/grads_bytes"], m["mem/optim_bytes"], want)
 
 
 @pytest.mark.skipif(not HAS_PP, reason="needs pipeline")
