@@ -113,16 +113,33 @@ def bucket_plan(params: list[nn.Parameter], bucket_bytes: int, dp: int) -> tuple
     return ordered, plan_buckets([p.numel() for p in ordered], max(1, bucket_bytes // 4), dp)
 
 
+def group_plan(params: list[nn.Parameter], groups: list[list[nn.Parameter]], dp: int) -> tuple[list, list]:
+    """zero=3's layout: one bucket per group (a transformer block, or the params outside blocks), so a
+    block's params are gathered and freed as one; groups in reverse order, like bucket_plan."""
+    mine = set(params)
+    ordered, plan, start = [], [], 0
+    for g in reversed(groups):
+        members = [p for p in reversed(g) if p in mine]
+        if not members:
+            continue
+        size = sum(p.numel() for p in members)
+        plan.append((list(range(len(ordered), len(ordered) + len(members))), start, start + -(-size // dp) * dp))
+        ordered += members
+        start = plan[-1][2]
+    assert len(ordered) == len(params), "every param in exactly one group"
+    return ordered, plan
+
+
 class FlatBuffer:
     """The grad buffer (fp32) and param buffer (params' dtype) of params sharing one dtype, bucketed
     and split over dp as described above. Re-points every param's storage into the param buffer."""
 
     def __init__(self, params: list[nn.Parameter], bucket_bytes: int, dp_rank: int, dp_size: int,
-                 late: set[int], sharded_grads: bool = False):
+                 late: set[int], sharded_grads: bool = False, groups: list[list[nn.Parameter]] | None = None):
         self.dtype = params[0].dtype
         self.dp_rank, self.dp_size = dp_rank, dp_size
-        device = params[0].device
-        ordered, plan = bucket_plan(params, bucket_bytes, dp_size)
+        self.device = device = params[0].device
+        ordered, plan = bucket_plan(params, bucket_bytes, dp_size) if groups is None else group_plan(params, groups, dp_size)
         self.numel = plan[-1][2] if plan else 0
         self.state_numel = self.numel // dp_size
         # zero=1: the whole grad buffer; zero=2: this rank's shard of it (see the module docstring)
@@ -164,7 +181,7 @@ class FlatBuffer:
         """zero=2: p's slice of its bucket's accumulation tensor, allocated (zeroed) if the bucket has none."""
         b = self.bucket_of[p]
         if b.acc is None:
-            b.acc = torch.zeros(b.numel, dtype=torch.float32, device=self.param.device)
+            b.acc = torch.zeros(b.numel, dtype=torch.float32, device=self.device)
         o = self.offset[p] - b.start
         return b.acc[o:o + p.numel()].view(p.shape)
 

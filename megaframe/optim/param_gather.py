@@ -15,6 +15,12 @@ import torch
 from torch import nn
 
 
+def blocks_of(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks (`model.layers`), in forward order; none for another module."""
+    layers = getattr(model, "layers", None)
+    return list(layers.values()) if isinstance(layers, nn.ModuleDict) else []
+
+
 def _hook_sites(model: nn.Module) -> list[tuple[nn.Module, list]]:
     """(module, params its forward pre-hook waits for), in the order forwards run. A pipeline rank's
     forward is `forward_chunk`, not a call of the model, so the hooks sit on the modules it calls:
@@ -24,8 +30,7 @@ def _hook_sites(model: nn.Module) -> list[tuple[nn.Module, list]]:
         final_norm   every param outside the blocks: the output head's weight (or the tied embedding's
                      copy on the last stage) is read right after it, not through a module call
     A model without these (another module) waits at its own entry for everything outside blocks."""
-    layers = getattr(model, "layers", None)
-    blocks = list(layers.values()) if isinstance(layers, nn.ModuleDict) else []
+    blocks = blocks_of(model)
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
     outside = [p for p in model.parameters() if id(p) not in in_blocks]
     embed, final_norm = getattr(model, "embed", None), getattr(model, "final_norm", None)

@@ -90,7 +90,7 @@ class ZeroOptimizer:
         bucket_bytes = int(cfg.bucket_size_mb * 2**20)
         self.buffers = []
         for axis, ps in buffer_groups(self.params, mesh):
-            buf = FlatBuffer(ps, bucket_bytes, axis.rank, axis.size, late, sharded_grads=self.stage == 2)
+            buf = self._make_buffer(ps, bucket_bytes, axis, late)
             buf.axis = axis
             # HSDP: the ranks holding the same shard as this one (size 1 without HSDP, and for experts)
             buf.rep = mesh.dp_rep if axis is mesh.dp_shard else Axis("dp", 1, 0, (mesh.rank,), None, mesh.stats)
@@ -101,10 +101,20 @@ class ZeroOptimizer:
         self._acc_bytes = self.gathered_peak = 0  # zero=2: live bucket-sized grads now, and their peak
         self._gathered: tuple | None = None  # (key, {name: full bucket tensor}) of the last gathered bucket
         self._build_state()
-        self._seen = {p: p._version for p in self._segs_of if p.dtype != torch.float32}
+        self._seen = {p: p._version for p in self._segs_of if p.dtype != torch.float32 or self.always_master}
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self.params]
-        self.param_gather = ParamGather(model, self.buffers, cfg.overlap_param_gather)
+        self.param_gather = self._make_param_gather(model)
         self.zero_grad()
+
+    always_master = False
+    """Keep the owned range of fp32 params in a separate fp32 tensor too (zero=3: the param buffer is
+    not kept whole, so the update cannot write it in place)."""
+
+    def _make_buffer(self, params: list[nn.Parameter], bucket_bytes: int, axis: Axis, late: set) -> FlatBuffer:
+        return FlatBuffer(params, bucket_bytes, axis.rank, axis.size, late, sharded_grads=self.stage == 2)
+
+    def _make_param_gather(self, model: nn.Module):
+        return ParamGather(model, self.buffers, self.cfg.overlap_param_gather)
 
     # ------------------------------------------------------------------ state
 
@@ -115,7 +125,7 @@ class ZeroOptimizer:
         for buf in self.buffers:
             n = buf.state_numel
             master = None
-            if buf.dtype != torch.float32:
+            if buf.dtype != torch.float32 or self.always_master:
                 master = torch.empty(n, dtype=torch.float32, device=device)
                 for b in buf.buckets:
                     buf.state_shard(master, b).copy_(buf.shard(buf.param, b))
