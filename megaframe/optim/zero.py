@@ -54,7 +54,7 @@ from torch import nn
 
 from megaframe.config import OptimConfig
 from megaframe.optim.adamw import MOMENTS, adamw
-from megaframe.optim.buffer import Bucket, FlatBuffer, bucket_plan, buffer_groups
+from megaframe.optim.buffer import Bucket, FlatBuffer, buffer_groups
 from megaframe.optim.finalize import all_reduce_tensors, finalize
 from megaframe.optim.param_gather import ParamGather
 from megaframe.parallel import comm
@@ -392,40 +392,3 @@ class ZeroOptimizer:
                     for t in (st.exp_avg, st.exp_avg_sq, st.master) if t is not None)
         return {"mem/grads_bytes": grads, "mem/optim_bytes": optim, "mem/gathered_peak_bytes": self.gathered_peak}
 
-
-def planned_memory_bytes(params: list[nn.Parameter], cfg: OptimConfig, mesh: Mesh) -> dict[str, int]:
-    """memory_bytes() of the ZeroOptimizer of `params` on this rank of `mesh`, without allocating (the
-    planner, on a virtual mesh): the same buffers and bucket padding, and per owned element the state
-    _build_state keeps (two fp32 moments, plus an fp32 master for low-precision params)."""
-    grads = optim = 0
-    for axis, ps in buffer_groups(params, mesh):
-        ordered, plan = bucket_plan(ps, int(cfg.bucket_size_mb * 2**20), axis.size)
-        numel = plan[-1][2] if plan else 0
-        if cfg.zero >= 2:  # the shard, plus the whole of late buckets (a tied embedding's)
-            late = sum(end - start for idx, start, end in plan if any(ordered[i].placement.pp_tied for i in idx))
-            grads += 4 * (numel // axis.size + late)
-        else:
-            grads += 4 * numel
-        optim += (numel // axis.size) * (8 if ps[0].dtype == torch.float32 else 12)
-    return {"mem/grads_bytes": grads, "mem/optim_bytes": optim}
-
-
-def planned_dp_bytes(params: list[nn.Parameter], cfg: OptimConfig, mesh: Mesh, microbatches: int) -> int:
-    """Bytes this rank sends on dp in one step of the ZeroOptimizer of `params` (the planner; what
-    comm_bytes/dp logs), from the same buffers: per bucket of n elements over a shard axis of s ranks, a
-    reduce-scatter (s-1)/s·4n once a step (zero=1) or per micro-batch (zero=2: exact with one pipeline
-    chunk per rank; under vpp a bucket spanning two chunks is reduced once per chunk), the all-gather
-    (s-1)·n/s params, under HSDP the all-reduce 2(r-1)/r·4n/s of the shard over r replicas; plus the
-    grad norm's scalar all-reduce over the dense shard axis."""
-    total = 0
-    for axis, ps in buffer_groups(params, mesh):
-        _, plan = bucket_plan(ps, int(cfg.bucket_size_mb * 2**20), axis.size)
-        s, r = axis.size, (mesh.dp_rep.size if axis is mesh.dp_shard else 1)
-        elem = ps[0].element_size()
-        for _, start, end in plan:
-            n = end - start
-            total += (s - 1) * 4 * n // s * (microbatches if cfg.zero >= 2 else 1) + (s - 1) * elem * n // s
-        if r > 1:
-            total += 2 * (r - 1) * 4 * (plan[-1][2] // s) // r
-    s = mesh.dp_shard.size
-    return total + int(2 * (s - 1) / s * 4)

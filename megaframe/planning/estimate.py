@@ -5,12 +5,13 @@ meta device with a virtual mesh (no process groups; megaframe.parallel.virtual),
 
   params       every local parameter in train.precision (what mem/params_bytes logs)
   grads        optim.zero=1: the fp32 grad buffer, padded bucket by bucket by the optimizer's own
-               buffer code (optim/zero.py planned_memory_bytes); zero=0: one grad per parameter
+               buffer code (optim/sizing.py planned_memory_bytes); zero=0: one grad per parameter
                zero=2: only the owned 1/dp of it (plus a tied embedding's bucket, kept whole for the step);
                HSDP (optim.shard_group_size=s): 1/s instead of 1/dp
   optim        optim.zero>=1: the owned 1/dp (HSDP: 1/s) of every bucket x (two fp32 Adam moments, plus
                an fp32 master copy for bf16 params); zero=0: two fp32 moments per element
-  dp bytes     ZeRO: the bytes a rank sends on dp per step (optim/zero.py planned_dp_bytes, the same buckets)
+  dp bytes     ZeRO: the bytes a rank sends on dp per step (optim/sizing.py planned_dp_bytes, the same buckets);
+               zero=3: params are the owned 1/dp plus the params outside blocks, kept whole
   activations  the bytes one micro-batch of each pipeline chunk saves for backward (a meta-device
                forward, planning.activations), times the chunks in flight at the schedule's peak:
                the rank's own action list (pipeline/schedule.py) walked forward by forward
@@ -20,12 +21,12 @@ each coordinate is sized once; rows with equal figures are merged when printed.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from megaframe.config import Config
 from megaframe.model.gpt import build_model
 from megaframe.optim.build import cast_model
-from megaframe.optim.zero import planned_dp_bytes, planned_memory_bytes
+from megaframe.optim.sizing import planned_dp_bytes, planned_memory_bytes
 from megaframe.parallel.virtual import virtual_mesh
 from megaframe.pipeline.schedule import F, compute_order, resolve_kind
 from megaframe.pipeline.simulate import simulate
@@ -90,8 +91,10 @@ def state_bytes(model, cfg: Config, mesh) -> tuple[int, int, int]:
     if not cfg.optim.zero:
         numel = sum(p.numel() for p in params)
         return param_bytes, sum(p.numel() * p.element_size() for p in params), 8 * numel
-    mem = planned_memory_bytes(params, cfg.optim, mesh)
-    return param_bytes, mem["mem/grads_bytes"], mem["mem/optim_bytes"]
+    if cfg.optim.zero == 3 and mesh.dp.size == 1:  # build_optimizer: nothing to shard, ZeRO-2's layout
+        cfg = replace(cfg, optim=replace(cfg.optim, zero=2))
+    mem = planned_memory_bytes(params, cfg.optim, mesh, model)
+    return mem.get("mem/params_bytes", param_bytes), mem["mem/grads_bytes"], mem["mem/optim_bytes"]
 
 
 def peak_activations(order, chunk_bytes: list[int]) -> tuple[int, int]:
@@ -138,7 +141,8 @@ def _rank_figures(cfg: Config, tp: int, pp: int, dp: int, pp_rank: int, tp_rank:
     out = RankFigures(pp_rank, tp_rank, list(mesh.dp.ranks), params, grads, optim, chunks, inflight, act)
     if cfg.optim.zero and not (mesh.dp_shard.size == 1 and cfg.train.precision == "fp32"):  # build_optimizer's choice
         m = cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)
-        out.dp_comm_bytes = planned_dp_bytes([p for p in model.parameters() if p.requires_grad], cfg.optim, mesh, m)
+        out.dp_comm_bytes = planned_dp_bytes([p for p in model.parameters() if p.requires_grad], cfg.optim, mesh, m,
+                                             model)
     return out
 
 

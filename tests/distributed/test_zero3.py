@@ -3,6 +3,8 @@ grads and optimizer state per rank against the layout, dp bytes to theory to the
 chain zero=3 dp4 -> zero=1 dp2 -> zero=0 one process."""
 import pytest
 
+from megaframe.planning.estimate import plan_layout
+from tests.distributed.cases import tiny_config
 from tests.distributed.test_model_equivalence import assert_close_dicts
 from tests.distributed.test_zero import STEPS, reference, rel_errors
 from tests.distributed.zero_cases import run_steps
@@ -37,7 +39,11 @@ def test_zero3_matches_one_process(pool, dp):
     block = max(got["bucket_numels"][:-1])
     assert 4 * block <= m["mem/gathered_peak_bytes"] <= 4 * (2 * block + b), m  # <= 2 blocks + transient grads
     # the last step: steps 1-2 differ only by gathers the test's own full-state reads made unnecessary
-    assert got["comm"][-1]["dp"] == theory_dp_bytes(got["bucket_numels"], dp, got["microbatches"])
+    want = theory_dp_bytes(got["bucket_numels"], dp, got["microbatches"])
+    assert got["comm"][-1]["dp"] == want
+    planned = plan_layout(tiny_config(["optim.zero=3"], dp), dp).ranks[0]  # the planner, from the config alone
+    assert (planned.params_bytes, planned.grads_bytes, planned.optim_bytes, planned.dp_comm_bytes) == \
+        (m["mem/params_bytes"], m["mem/grads_bytes"], m["mem/optim_bytes"], want)
 
 
 def test_checkpoint_resumes_from_zero3(pool, tmp_path):
