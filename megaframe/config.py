@@ -169,7 +169,13 @@ class OptimConfig:
     2: ZeRO-2: as 1, and grads live only as this rank's 1/dp shard: each bucket is reduce-scattered into
     it as soon as backward completes it, in every micro-batch; no full-size grad buffer is kept.
     3: ZeRO-3: as 2, and params live as 1/dp shards too, each transformer block's gathered before its
-    forward and its backward and freed after (with tp/sp and HSDP; not yet pp, ep, full recompute, compile).
+    forward and its backward and freed after (with tp/sp, pp/vpp and HSDP; not yet ep, full recompute,
+    compile)."""
+    reshard_after_forward: bool = True
+    """zero=3: free a block's gathered params after its forward (and gather them again for its backward).
+    false keeps them from the block's first forward of the step to its last backward: one gather per
+    block per step instead of two per micro-batch, for the memory of the whole gathered chunk (the
+    choice for pipelines, where several micro-batches are in flight).
     0: replicated AdamW with a plain all-reduce of grads after backward (for comparison)."""
     shard_group_size: int = 0
     """HSDP: shard grads and optimizer state over groups of this many consecutive dp ranks and replicate

@@ -34,14 +34,14 @@ def planned_memory_bytes(params: list[nn.Parameter], cfg: OptimConfig, mesh: Mes
     grads = optim = params_bytes = 0
     for axis, ps, ordered, plan in _plans(params, cfg, mesh, model):
         numel = plan[-1][2] if plan else 0
+        late = sum(end - start for idx, start, end in plan if any(ordered[i].placement.pp_tied for i in idx))
         if cfg.zero == 3:
             _, start, end = plan[-1]  # the params outside blocks (group_plan puts them last)
-            grads += 4 * numel // axis.size
+            grads += 4 * (numel // axis.size + late)  # a tied embedding's bucket: whole for the step
             optim += 8 * numel // axis.size
             params_bytes += 4 * numel // axis.size + (end - start) * ps[0].element_size()
             continue
         if cfg.zero >= 2:  # the shard, plus the whole of late buckets (a tied embedding's)
-            late = sum(end - start for idx, start, end in plan if any(ordered[i].placement.pp_tied for i in idx))
             grads += 4 * (numel // axis.size + late)
         else:
             grads += 4 * numel
@@ -58,15 +58,18 @@ def planned_dp_bytes(params: list[nn.Parameter], cfg: OptimConfig, mesh: Mesh, m
     chunk per rank; under vpp a bucket spanning two chunks is reduced once per chunk), the all-gather
     (s-1)·n/s params, under HSDP the all-reduce 2(r-1)/r·4n/s of the shard over r replicas; plus the
     grad norm's scalar all-reduce over the dense shard axis. zero=3 gathers every block bucket twice per
-    micro-batch (forward, backward) and the bucket outside blocks once per step."""
+    micro-batch (forward, backward; once per step without reshard_after_forward) and the bucket outside
+    blocks once per step."""
     total = 0
-    for axis, ps, _, plan in _plans(params, cfg, mesh, model):
+    for axis, ps, ordered, plan in _plans(params, cfg, mesh, model):
         s, r = axis.size, (mesh.dp_rep.size if axis is mesh.dp_shard else 1)
         elem = ps[0].element_size()
-        for k, (_, start, end) in enumerate(plan):
+        for k, (idx, start, end) in enumerate(plan):
             n = end - start
-            gathers = 2 * microbatches if cfg.zero == 3 and k < len(plan) - 1 else 1
-            total += (s - 1) * 4 * n // s * (microbatches if cfg.zero >= 2 else 1) + gathers * ((s - 1) * elem * n // s)
+            gathers = 2 * microbatches if cfg.zero == 3 and k < len(plan) - 1 and cfg.reshard_after_forward else 1
+            late = any(ordered[i].placement.pp_tied for i in idx)  # reduced once, in step()
+            reduces = microbatches if cfg.zero >= 2 and not late else 1
+            total += (s - 1) * 4 * n // s * reduces + gathers * ((s - 1) * elem * n // s)
         if r > 1:
             total += 2 * (r - 1) * 4 * (plan[-1][2] // s) // r
     s = mesh.dp_shard.size

@@ -9,12 +9,19 @@ an fp32 tensor (`always_master`), which the update writes and the gathers read.
 Each bucket's parameters are views of one bucket-sized tensor of its own. Freeing resizes that tensor's
 storage to 0 bytes and gathering resizes it back and all-gathers into it, so the views (p.data, and the
 weights autograd saved for backward) stay the same tensors and see the gathered values again before
-the block's backward runs (the storage trick of PyTorch's FSDP1).
+the block's backward runs (the storage trick of PyTorch's FSDP1). Under pipeline parallelism the hooks
+act per block whatever the schedule (vpp included); the tied embedding's copy on each pipeline end sits
+in the bucket outside blocks, whose grads are summed over the ends before their reduce-scatter.
 
     forward pre-hook of block i     wait for (or run) the gather of block i; launch block i+1's
     forward hook of block i         free block i
     backward pre-hook of block i    gather block i again; launch block i-1's
     backward hook of block i        free block i (its input grad is computed: the weights are done)
+
+`optim.reshard_after_forward=false` (torchtitan's and Megatron's choice for pipelines, where a rank
+runs several micro-batches' forwards before their backwards) keeps a block gathered from its first
+forward of the step to its last backward (backward_context(is_last=True) of its chunk): one gather
+per block per step instead of two per micro-batch, for the memory of the whole chunk's params.
 
 The bucket outside the blocks stays gathered: the output head reads the embedding's or its own weight
 inside the model's forward, not through a module call. After step() every bucket is stale: the
@@ -24,9 +31,9 @@ them (readers outside a forward: checkpoints); the next forward frees them again
 Per step, B the padded buffer of the blocks and R the resident bucket: gathers 2·M·(dp-1)/dp·B' (B' in
 the params' dtype, once for forward and once for backward per micro-batch), reduce-scatters
 M·(dp-1)/dp·4(B+R), the resident gather (dp-1)/dp·R', and the norm scalar (under HSDP dp is the shard
-group, plus the all-reduce of the grad shard over its replicas). Composes with tp/sp and HSDP; refused
-with pp > 1, ep > 1, full recompute and compile (config_checks): the hooks assume one chunk of eager
-blocks, and a recomputed block would be freed by its recompute's forward hook before its backward.
+group, plus the all-reduce of the grad shard over its replicas). Composes with tp/sp, pp/vpp and HSDP;
+refused with ep > 1, full recompute and compile (config_checks): the hooks assume eager blocks, and a
+recomputed block would be freed by its recompute's forward hook before its backward.
 """
 from __future__ import annotations
 
@@ -87,8 +94,8 @@ class Zero3Optimizer(ZeroOptimizer):
             if when in ("fwd_pre", "bwd_pre"):
                 self._ensure(i)
                 self._prefetch(i + 1 if when == "fwd_pre" else i - 1)
-            else:
-                self._free(i)
+            elif self.cfg.reshard_after_forward or (when == "bwd_post" and self._last):
+                self._free(i)  # else kept from the first forward to the last backward of the step
         return hook
 
     def _launch_gather(self, buf: FlatBuffer, b: Bucket) -> None:

@@ -1,5 +1,5 @@
 """ZeRO-3 (params sharded too, gathered block by block): equal to one process at dp2, dp4, tp2·dp2·sp
-and HSDP dp4/s2, params,
+HSDP dp4/s2, pp2 and pp2 with tied embeddings (gpt2) without resharding after forward, pp2·vpp2; params,
 grads and optimizer state per rank against the layout, dp bytes to theory to the byte, and a resume
 chain zero=3 dp4 -> zero=1 dp2 -> zero=0 one process."""
 import pytest
@@ -7,51 +7,59 @@ import pytest
 from megaframe.planning.estimate import plan_layout
 from tests.distributed.cases import tiny_config
 from tests.distributed.test_model_equivalence import assert_close_dicts
-from tests.distributed.test_zero import STEPS, reference, rel_errors
+from tests.distributed.test_zero import FAMILIES, STEPS, reference, rel_errors
 from tests.distributed.zero_cases import run_steps
 
 pytestmark = pytest.mark.distributed
 
 
-def theory_dp_bytes(bucket_numels: list[int], s: int, r: int, microbatches: int) -> int:
+def theory_dp_bytes(bucket_numels: list[int], s: int, r: int, microbatches: int, reshard: bool = True,
+                    late: bool = False) -> int:
     """One step's bytes on dp, over shard groups of s ranks and r replicas of them (HSDP; r = 1 without),
     with one bucket per block and the last one, R, the params outside blocks:
-        block gathers    2 per micro-batch (forward, backward), (s-1)·4n/s each
+        block gathers    2 per micro-batch (forward, backward; once a step without reshard), (s-1)·4n/s each
         R's gather       once, after the update
-        reduce-scatter   every bucket once per micro-batch, (s-1)/s·4n
+        reduce-scatter   every bucket once per micro-batch, (s-1)/s·4n (R once a step when it holds a
+                         tied embedding under pp: `late`, summed over the pipeline ends first)
         HSDP all-reduce  the shard, 2(r-1)/r·4·Σn/s, once
         grad-norm scalar 2(s-1)/s·4"""
     one = [(s - 1) * 4 * n // s for n in bucket_numels]
     hsdp = 2 * (r - 1) * 4 * sum(bucket_numels) // s // r
-    return (microbatches * 2 * sum(one[:-1]) + one[-1] + microbatches * sum(one) + hsdp
+    rs = microbatches * sum(one[:-1]) + (1 if late else microbatches) * one[-1]
+    return ((microbatches * 2 if reshard else 1) * sum(one[:-1]) + one[-1] + rs + hsdp
             + int(2 * (s - 1) / s * 4))
 
 
-# (name, ranks, tp, HSDP shard group size (0: dp), overrides)
-CASES = [("dp2", 2, 1, 0, []), ("dp4", 4, 1, 0, []),
-         ("tp2-dp2-sp", 4, 2, 0, ["parallel.tp=2", "parallel.sp=true"]),
-         ("hsdp-dp4-s2", 4, 1, 2, ["optim.shard_group_size=2"])]
+G2 = FAMILIES["gpt2_tiny"]
+NO_RESHARD = "optim.reshard_after_forward=false"
+# (name, family, ranks, tp, pp, HSDP shard group size (0: dp), overrides)
+CASES = [("dp2", "gpt_tiny", 2, 1, 1, 0, []), ("dp4", "gpt_tiny", 4, 1, 1, 0, []),
+         ("tp2-dp2-sp", "gpt_tiny", 4, 2, 1, 0, ["parallel.tp=2", "parallel.sp=true"]),
+         ("hsdp-dp4-s2", "gpt_tiny", 4, 1, 1, 2, ["optim.shard_group_size=2"]),
+         ("pp2-dp2", "gpt_tiny", 4, 1, 2, 0, ["parallel.pp=2"]),
+         ("pp2-dp2-tied-keep", "gpt2_tiny", 4, 1, 2, 0, G2 + ["parallel.pp=2", NO_RESHARD])]
 
 
-@pytest.mark.parametrize("name,n,tp,shard,extra", CASES, ids=[c[0] for c in CASES])
-def test_zero3_matches_one_process(pool, name, n, tp, shard, extra):
-    ref = reference(pool, "gpt_tiny")
+@pytest.mark.parametrize("name,family,n,tp,pp,shard,extra", CASES, ids=[c[0] for c in CASES])
+def test_zero3_matches_one_process(pool, name, family, n, tp, pp, shard, extra):
+    ref = reference(pool, family)
     over = ["optim.zero=3"] + extra
-    got = pool.run(run_steps, n, over, STEPS, tp=tp, shard=shard)[0]
+    got = pool.run(run_steps, n, over, STEPS, tp=tp, pp=pp, shard=shard)[0]
     assert max(rel_errors(got["losses"], ref["losses"])) <= 1e-5, (got["losses"], ref["losses"])
     assert_close_dicts(got["grads"], ref["grads"], rtol=1e-4, atol=1e-6, what="grad")
     assert_close_dicts(got["weights"], ref["weights"], rtol=1e-4, atol=1e-4, what="weight")
-    dp = n // tp
+    dp = n // (tp * pp)
     s = shard or dp
     m, b, resident = got["mem"], got["buffer_numel"], got["bucket_numels"][-1]
-    assert len(got["bucket_numels"]) == 3  # the two blocks and the params outside them
+    assert len(got["bucket_numels"]) == 3 - (pp > 1)  # the blocks and the params outside them
     # params: this rank's fp32 owned range plus the (whole) params outside blocks; grads and Adam moments 1/s
     assert m["mem/params_bytes"] == 4 * b // s + 4 * resident
-    assert m["mem/grads_bytes"] == 4 * b // s and m["mem/optim_bytes"] == 8 * b // s
+    late = resident if family == "gpt2_tiny" and pp > 1 else 0  # the tied embedding's grads, kept whole
+    assert m["mem/grads_bytes"] == 4 * b // s + 4 * late and m["mem/optim_bytes"] == 8 * b // s
     block = max(got["bucket_numels"][:-1])
     assert 4 * block <= m["mem/gathered_peak_bytes"] <= 4 * (2 * block + b), m  # <= 2 blocks + transient grads
     # the last step: steps 1-2 differ only by gathers the test's own full-state reads made unnecessary
-    want = theory_dp_bytes(got["bucket_numels"], s, dp // s, got["microbatches"])
+    want = theory_dp_bytes(got["bucket_numels"], s, dp // s, got["microbatches"], NO_RESHARD not in extra, late > 0)
     assert got["comm"][-1]["dp"] == want
     planned = plan_layout(tiny_config(over, n), n).ranks[0]  # the planner, from the config alone
     assert (planned.params_bytes, planned.grads_bytes, planned.optim_bytes, planned.dp_comm_bytes) == \
@@ -69,3 +77,13 @@ def test_checkpoint_resumes_from_zero3(pool, tmp_path):
     resumed = mid["losses"] + end["losses"]
     assert max(rel_errors(resumed, full["losses"][2:])) <= 1e-5, (resumed, full["losses"])
     assert_close_dicts(end["weights"], full["weights"], rtol=1e-4, atol=1e-4, what="weight")
+
+
+def test_zero3_interleaved_pipeline(pool):
+    """pp2·vpp2 (two chunks of one block per rank, micro-batches interleaved): equal to one process."""
+    over = ["parallel.pp=2", "parallel.vpp=2", "model.num_layers=4"]
+    ref = pool.run(run_steps, 1, ["model.num_layers=4", "optim.zero=0"], STEPS)[0]
+    got = pool.run(run_steps, 4, over + ["optim.zero=3"], STEPS, pp=2)[0]
+    assert max(rel_errors(got["losses"], ref["losses"])) <= 1e-5, (got["losses"], ref["losses"])
+    assert_close_dicts(got["grads"], ref["grads"], rtol=1e-4, atol=1e-6, what="grad")
+    assert_close_dicts(got["weights"], ref["weights"], rtol=1e-4, atol=1e-4, what="weight")

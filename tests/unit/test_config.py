@@ -22,7 +22,7 @@ model.moe_ffn_hidden_size model.moe_router_score model.moe_top_k model.moe_z_los
 model.num_layers model.num_query_groups model.position_embedding model.rope_theta model.seq_length
 model.tie_embeddings model.vocab_size
 optim.beta1 optim.beta2 optim.bucket_size_mb optim.clip_grad optim.eps optim.lr optim.min_lr optim.warmup_steps
-optim.weight_decay optim.zero optim.shard_group_size optim.overlap_param_gather
+optim.weight_decay optim.zero optim.shard_group_size optim.overlap_param_gather optim.reshard_after_forward
 parallel.ep parallel.pp parallel.pp_layout parallel.pp_schedule parallel.sp parallel.tp parallel.vpp
 run.dir run.name
 train.device train.global_batch_size train.log_interval train.max_bad_steps train.max_steps train.micro_batch_size train.precision
@@ -158,7 +158,7 @@ def test_unknown_preset_is_a_one_line_error():
     (["model=moe_tiny", "model.moe_router_score=relu"], 1, ["model.moe_router_score"]),
     (["model=moe_tiny", "model.moe_capacity_factor=0"], 1, ["model.moe_capacity_factor"]),
     (["optim.zero=4"], 2, ["optim.zero"]),
-    (["optim.zero=3", "parallel.pp=2"], 4, ["optim.zero=3"]),
+    (["optim.zero=3", "model=moe_tiny", "parallel.ep=2"], 4, ["optim.zero=3"]),
     (["optim.shard_group_size=3"], 4, ["optim.shard_group_size", "dp=4"]),
     (["optim.shard_group_size=2", "optim.zero=0"], 4, ["optim.shard_group_size", "optim.zero"]),
     (["train.hang_timeout_s=-1"], 1, ["train.hang_timeout_s"]),
