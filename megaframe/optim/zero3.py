@@ -31,9 +31,10 @@ them (readers outside a forward: checkpoints); the next forward frees them again
 Per step, B the padded buffer of the blocks and R the resident bucket: gathers 2·M·(dp-1)/dp·B' (B' in
 the params' dtype, once for forward and once for backward per micro-batch), reduce-scatters
 M·(dp-1)/dp·4(B+R), the resident gather (dp-1)/dp·R', and the norm scalar (under HSDP dp is the shard
-group, plus the all-reduce of the grad shard over its replicas). Composes with tp/sp, pp/vpp and HSDP;
-refused with ep > 1, full recompute and compile (config_checks): the hooks assume eager blocks, and a
-recomputed block would be freed by its recompute's forward hook before its backward.
+group, plus the all-reduce of the grad shard over its replicas). Composes with tp/sp, pp/vpp, ep (expert
+params in a buffer of their own, sharded over edp, one bucket per block too) and HSDP; refused with full
+recompute and compile (config_checks): the hooks assume eager blocks, and a recomputed block would be
+freed by its recompute's forward hook before its backward.
 """
 from __future__ import annotations
 

@@ -87,3 +87,14 @@ def test_zero3_interleaved_pipeline(pool):
     assert max(rel_errors(got["losses"], ref["losses"])) <= 1e-5, (got["losses"], ref["losses"])
     assert_close_dicts(got["grads"], ref["grads"], rtol=1e-4, atol=1e-6, what="grad")
     assert_close_dicts(got["weights"], ref["weights"], rtol=1e-4, atol=1e-4, what="weight")
+
+
+def test_zero3_moe_ep2(pool):
+    """moe_tiny at dp4·ep2: dense block params sharded over dp (4), expert params over edp (2), in
+    buckets of their own per block; equal to one process."""
+    ref = pool.run(run_steps, 1, ["model=moe_tiny", "optim.zero=0"], STEPS)[0]
+    got = pool.run(run_steps, 4, ["model=moe_tiny", "parallel.ep=2", "optim.zero=3"], STEPS, ep=2)[0]
+    assert max(rel_errors(got["losses"], ref["losses"])) <= 1e-5, (got["losses"], ref["losses"])
+    assert_close_dicts(got["grads"], ref["grads"], rtol=1e-4, atol=1e-6, what="grad")
+    assert_close_dicts(got["weights"], ref["weights"], rtol=1e-4, atol=1e-4, what="weight")
+    assert got["buckets"] == 5  # dense: 2 blocks + the rest; experts: 2 blocks
