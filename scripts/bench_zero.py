@@ -1,7 +1,7 @@
 """Step time, memory and bytes of data parallelism on gloo (CPU), dp=2: plain all-reduce (zero=0); ZeRO-1
 with the reduce-scatter overlapped with backward, and without (every bucket reduced after backward);
 ZeRO-1 and ZeRO-2 with the parameter all-gather overlapped with the next forward
-(optim.overlap_param_gather, the default) and without.
+(optim.overlap_param_gather, the default) and without; ZeRO-3.
 
     python scripts/bench_zero.py [steps=2] [rounds=8] [bucket_mb=4] [threads=1]
 
@@ -38,7 +38,8 @@ NO_GATHER_OVERLAP = ["optim.overlap_param_gather=false"]
 MODES = [("zero1 overlap", ["optim.zero=1"], True), ("zero1 no overlap", ["optim.zero=1"] + NO_GATHER_OVERLAP, False),
          ("zero0 all-reduce", ["optim.zero=0"], None),
          ("zero1 no gather ovl", ["optim.zero=1"] + NO_GATHER_OVERLAP, True),
-         ("zero2", ["optim.zero=2"], True), ("zero2 no gather ovl", ["optim.zero=2"] + NO_GATHER_OVERLAP, True)]
+         ("zero2", ["optim.zero=2"], True), ("zero2 no gather ovl", ["optim.zero=2"] + NO_GATHER_OVERLAP, True),
+         ("zero3", ["optim.zero=3"], True)]
 
 
 def _build(mesh, overrides: list[str], overlap):
@@ -46,10 +47,14 @@ def _build(mesh, overrides: list[str], overlap):
     from megaframe.model.gpt import build_model
     from megaframe.optim.build import PlainOptimizer
     from megaframe.optim.zero import ZeroOptimizer
+    from megaframe.optim.zero3 import Zero3Optimizer
 
     cfg = load_config(MODEL + overrides, world_size=mesh.world, check_data=False)
     model = build_model(cfg, mesh)
-    opt = ZeroOptimizer(model, cfg.optim, mesh, overlap=overlap) if cfg.optim.zero else PlainOptimizer(model, cfg.optim, mesh)
+    if cfg.optim.zero == 3:
+        opt = Zero3Optimizer(model, cfg.optim, mesh)
+    else:
+        opt = ZeroOptimizer(model, cfg.optim, mesh, overlap=overlap) if cfg.optim.zero else PlainOptimizer(model, cfg.optim, mesh)
     return cfg, model, opt
 
 
@@ -94,7 +99,8 @@ def _worker(rank: int, port: int, steps: int, rounds: int, bucket_mb: float, thr
                 sent[name] = mesh.stats.pop().get("dp", 0)
             opt.sync_params()  # this mode's overlapped gather must not run into the next mode's step
     n_params = sum(p.numel() for p in runs[MODES[0][0]][1].parameters())
-    mem = {name: opt.memory_bytes() for name, (_, _, opt) in runs.items()}
+    from megaframe.training.metrics import memory_figures
+    mem = {name: memory_figures(model, opt, mesh.device) for name, (_, model, opt) in runs.items()}
     if rank == 0:
         out.put((times, sent, n_params, len(runs[MODES[0][0]][2].buffers[0].buckets), mem))
     dist.barrier()
@@ -123,8 +129,9 @@ def main(steps: int = 2, rounds: int = 8, bucket_mb: float = 4.0, threads: int =
         fb, st = statistics.median(a for a, _ in ts), statistics.median(b for _, b in ts)
         print(f"  {name:18s} step median {med[name] * 1e3:7.1f} ms (min {min(total) * 1e3:7.1f}, max "
               f"{max(total) * 1e3:7.1f}) = fwd/bwd {fb * 1e3:7.1f} + optimizer step {st * 1e3:6.1f} | "
-              f"dp bytes/step {sent[name] / 2**20:5.1f} MiB | grads {mem[name]['mem/grads_bytes'] / 2**20:5.1f} "
-              f"MiB, optim {mem[name]['mem/optim_bytes'] / 2**20:5.1f} MiB, transient grads peak "
+              f"dp bytes/step {sent[name] / 2**20:5.1f} MiB | params {mem[name]['mem/params_bytes'] / 2**20:5.1f} MiB, "
+              f"grads {mem[name]['mem/grads_bytes'] / 2**20:5.1f} "
+              f"MiB, optim {mem[name]['mem/optim_bytes'] / 2**20:5.1f} MiB, transient (grads, zero=3 params) peak "
               f"{mem[name].get('mem/gathered_peak_bytes', 0) / 2**20:4.1f} MiB")
     print(f"ratio overlap / no overlap: {med['zero1 overlap'] / med['zero1 no overlap']:.3f}")
     print(f"ratio overlap / zero0 all-reduce: {med['zero1 overlap'] / med['zero0 all-reduce']:.3f}")

@@ -98,3 +98,13 @@ def test_zero3_moe_ep2(pool):
     assert_close_dicts(got["grads"], ref["grads"], rtol=1e-4, atol=1e-6, what="grad")
     assert_close_dicts(got["weights"], ref["weights"], rtol=1e-4, atol=1e-4, what="weight")
     assert got["buckets"] == 5  # dense: 2 blocks + the rest; experts: 2 blocks
+
+
+def test_checkpoint_loads_into_zero3(pool, tmp_path):
+    """The other way: zero=1 at dp2 for steps 1-3, then zero=3 at dp4 (pp2) for 4-6, losses continuing."""
+    full = reference(pool, "gpt_tiny")
+    pool.run(run_steps, 2, ["optim.zero=1"], STEPS, None, str(tmp_path), 0, 3)
+    got = pool.run(run_steps, 4, ["optim.zero=3", "parallel.pp=2"], STEPS, str(tmp_path / "step_00000003"),
+                   None, 3, pp=2)[0]
+    assert max(rel_errors(got["losses"], full["losses"][3:])) <= 1e-5, (got["losses"], full["losses"])
+    assert_close_dicts(got["weights"], full["weights"], rtol=1e-4, atol=1e-4, what="weight")
