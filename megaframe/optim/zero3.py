@@ -55,8 +55,7 @@ class Zero3Optimizer(ZeroOptimizer):
     def __init__(self, model: nn.Module, cfg, mesh):
         self.blocks = blocks_of(model)
         super().__init__(model, cfg, mesh)
-        self._syncing = False
-        self.gathered_params = 0  # bytes of params gathered now (blocks only: the resident bucket is counted as params)
+        self._syncing = False  # sync_params is gathering everything: not the training working set
         self.resident: list[tuple[FlatBuffer, Bucket]] = []
         self.block_buckets: list[list[tuple[FlatBuffer, Bucket]]] = [[] for _ in self.blocks]
         where = {id(p): i for i, blk in enumerate(self.blocks) for p in blk.parameters()}
@@ -77,7 +76,8 @@ class Zero3Optimizer(ZeroOptimizer):
                             blk.register_forward_hook(self._on(i, "fwd_post")),
                             blk.register_full_backward_pre_hook(self._on(i, "bwd_pre")),
                             blk.register_full_backward_hook(self._on(i, "bwd_post"))]
-        # params stay gathered until the first forward frees them: a checkpoint loads into whole params
+        # params stay gathered until the first forward frees them: a checkpoint loads into whole params.
+        # Bytes of block params gathered now (the resident bucket is counted in mem/params_bytes).
         self.gathered_params = sum(b.numel * b.pfull.element_size() for bs in self.block_buckets for _, b in bs)
 
     def _make_buffer(self, params, bucket_bytes, axis, late) -> FlatBuffer:
@@ -179,9 +179,7 @@ class Zero3Optimizer(ZeroOptimizer):
             self._free(i)
         for buf, b in self.resident:
             self._launch_gather(buf, b)
-        for _, b in self.resident:
-            b.gwork.wait() if b.gwork is not None else None
-            b.gwork = None
+        self.wait()
 
     def memory_bytes(self) -> dict[str, int]:
         """Params: this rank's shards (the fp32 owned range) plus the resident bucket; grads and optimizer
