@@ -8,7 +8,7 @@ from megaframe.planning.estimate import plan_layout
 from tests.distributed.cases import tiny_config
 from tests.distributed.test_model_equivalence import assert_close_dicts
 from tests.distributed.test_zero import FAMILIES, STEPS, reference, rel_errors
-from tests.distributed.zero_cases import run_steps
+from tests.distributed.zero_cases import bf16_losses, run_steps
 
 pytestmark = pytest.mark.distributed
 
@@ -108,3 +108,13 @@ def test_checkpoint_loads_into_zero3(pool, tmp_path):
                    None, 3, pp=2)[0]
     assert max(rel_errors(got["losses"], full["losses"][3:])) <= 1e-5, (got["losses"], full["losses"])
     assert_close_dicts(got["weights"], full["weights"], rtol=1e-4, atol=1e-4, what="weight")
+
+
+def test_zero3_bf16_equals_zero2(pool):
+    """bf16 params, fp32 master: zero=3 (gathers of bf16 blocks cast from the master) gives zero=2's
+    losses exactly, and they fall."""
+    z2 = pool.run(bf16_losses, 2, ["optim.zero=2"], 8)[0]
+    z3 = pool.run(bf16_losses, 2, ["optim.zero=3"], 8)[0]
+    assert z3["finite"] and z3["losses"] == z2["losses"], (z3["losses"], z2["losses"])
+    assert z3["losses"][-1] < z3["losses"][0] - 0.05
+    assert z3["param_dtype"] == "torch.bfloat16" and "master" in z3["state_dtypes"]
