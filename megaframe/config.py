@@ -169,7 +169,7 @@ class OptimConfig:
     2: ZeRO-2: as 1, and grads live only as this rank's 1/dp shard: each bucket is reduce-scattered into
     it as soon as backward completes it, in every micro-batch; no full-size grad buffer is kept.
     3: ZeRO-3: as 2, and params live as 1/dp shards too, each transformer block's gathered before its
-    forward and its backward and freed after (with tp/sp, pp/vpp, ep and HSDP; not yet full recompute or
+    forward and its backward and freed after (with tp/sp, pp/vpp, ep, HSDP and recompute; not yet
     compile)."""
     reshard_after_forward: bool = True
     """zero=3: free a block's gathered params after its forward (and gather them again for its backward).

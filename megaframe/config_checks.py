@@ -56,9 +56,8 @@ def check_config(cfg: Config, world_size: int, check_data: bool = True) -> None:
     _req(cfg.optim.lr > 0 and cfg.optim.min_lr >= 0, "optim.lr must be > 0 and optim.min_lr >= 0")
     _req(cfg.optim.warmup_steps >= 0, f"optim.warmup_steps={cfg.optim.warmup_steps} must be >= 0")
     _req(cfg.optim.zero in (0, 1, 2, 3), f"optim.zero={cfg.optim.zero} must be 0, 1, 2 or 3")
-    _req(cfg.optim.zero != 3 or (t.recompute != "full" and not t.compile),
-         "optim.zero=3 does not yet compose with full recompute or compile: "
-         "needs train.recompute != full and train.compile=false")
+    _req(cfg.optim.zero != 3 or not t.compile,
+         "optim.zero=3 does not yet compose with train.compile: needs train.compile=false")
     s = cfg.optim.shard_group_size
     _req(s >= 0 and (s == 0 or dp % s == 0), f"optim.shard_group_size={s} must divide dp={dp} (0 = dp)")
     _req(s in (0, dp) or (cfg.optim.zero >= 1 and p.ep == 1),

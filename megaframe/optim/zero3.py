@@ -32,9 +32,9 @@ Per step, B the padded buffer of the blocks and R the resident bucket: gathers 2
 the params' dtype, once for forward and once for backward per micro-batch), reduce-scatters
 M·(dp-1)/dp·4(B+R), the resident gather (dp-1)/dp·R', and the norm scalar (under HSDP dp is the shard
 group, plus the all-reduce of the grad shard over its replicas). Composes with tp/sp, pp/vpp, ep (expert
-params in a buffer of their own, sharded over edp, one bucket per block too) and HSDP; refused with full
-recompute and compile (config_checks): the hooks assume eager blocks, and a recomputed block would be
-freed by its recompute's forward hook before its backward.
+params in a buffer of their own, sharded over edp, one bucket per block too), HSDP and full recompute
+(the re-run forward inside backward neither frees nor prefetches); refused with compile (config_checks):
+hooks inside compiled blocks are not handled.
 """
 from __future__ import annotations
 
@@ -92,9 +92,15 @@ class Zero3Optimizer(ZeroOptimizer):
 
     def _on(self, i: int, when: str):
         def hook(module, *args):
+            # a forward inside backward is train.recompute=full's re-run: the block's backward follows and
+            # needs its params, and the next block to prefetch is the previous one (bwd_pre launched it)
+            recompute = when.startswith("fwd") and torch._C._current_graph_task_id() != -1
             if when in ("fwd_pre", "bwd_pre"):
                 self._ensure(i)
-                self._prefetch(i + 1 if when == "fwd_pre" else i - 1)
+                if not recompute:
+                    self._prefetch(i + 1 if when == "fwd_pre" else i - 1)
+            elif recompute:
+                pass
             elif self.cfg.reshard_after_forward or (when == "bwd_post" and self._last):
                 self._free(i)  # else kept from the first forward to the last backward of the step
         return hook

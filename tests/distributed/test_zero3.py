@@ -34,6 +34,7 @@ G2 = FAMILIES["gpt2_tiny"]
 NO_RESHARD = "optim.reshard_after_forward=false"
 # (name, family, ranks, tp, pp, HSDP shard group size (0: dp), overrides)
 CASES = [("dp2", "gpt_tiny", 2, 1, 1, 0, []), ("dp4", "gpt_tiny", 4, 1, 1, 0, []),
+         ("dp2-recompute-full", "gpt_tiny", 2, 1, 1, 0, ["train.recompute=full"]),
          ("tp2-dp2-sp", "gpt_tiny", 4, 2, 1, 0, ["parallel.tp=2", "parallel.sp=true"]),
          ("hsdp-dp4-s2", "gpt_tiny", 4, 1, 1, 2, ["optim.shard_group_size=2"]),
          ("pp2-dp2", "gpt_tiny", 4, 1, 2, 0, ["parallel.pp=2"]),
