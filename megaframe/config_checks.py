@@ -74,7 +74,7 @@ FIELD_RULES: dict[str, Rule] = {
     # optim
     "optim.lr": POSF, "optim.min_lr": NONNEGF, "optim.warmup_steps": NONNEG, "optim.weight_decay": NONNEGF,
     "optim.clip_grad": NONNEGF, "optim.beta1": UNIT, "optim.beta2": UNIT, "optim.eps": POSF,
-    "optim.zero": _r(0, hi=1, le=True), "optim.bucket_size_mb": POSF,
+    "optim.zero": _r(0, hi=3, le=True), "optim.shard_group_size": NONNEG, "optim.bucket_size_mb": POSF,
     "optim.lr_decay_steps": _r(1, opt=True), "optim.wsd_decay_fraction": UNIT,
     # data
     "data.vocab_size": POS, "data.tokenizer_sample_bytes": NONNEG, "data.num_workers": NONNEG,
@@ -142,10 +142,16 @@ def check_config(cfg: Config, world_size: int, check_data: bool = True) -> None:
     _req(cfg.optim.lr > 0 and cfg.optim.min_lr >= 0, "optim.lr must be > 0 and optim.min_lr >= 0")
     _req(cfg.optim.warmup_steps >= 0, f"optim.warmup_steps={cfg.optim.warmup_steps} must be >= 0")
     _check_lr_schedule(cfg)
-    _req(cfg.optim.zero in (0, 1), f"optim.zero={cfg.optim.zero} must be 0 or 1")
+    _req(cfg.optim.zero in (0, 1, 2, 3), f"optim.zero={cfg.optim.zero} must be 0, 1, 2 or 3")
+    _req(cfg.optim.zero != 3 or not t.compile,
+         "optim.zero=3 does not yet compose with train.compile: needs train.compile=false")
+    s = cfg.optim.shard_group_size
+    _req(s >= 0 and (s == 0 or dp % s == 0), f"optim.shard_group_size={s} must divide dp={dp} (0 = dp)")
+    _req(s in (0, dp) or (cfg.optim.zero >= 1 and p.ep == 1),
+         f"optim.shard_group_size={s} (HSDP) needs optim.zero >= 1 and parallel.ep=1")
     _req(cfg.optim.bucket_size_mb > 0, f"optim.bucket_size_mb={cfg.optim.bucket_size_mb} must be > 0")
-    _req(t.precision == "fp32" or cfg.optim.zero == 1,
-         f"train.precision={t.precision} needs optim.zero=1 (its fp32 master weights live in the ZeRO optimizer)")
+    _req(t.precision == "fp32" or cfg.optim.zero >= 1,
+         f"train.precision={t.precision} needs optim.zero >= 1 (its fp32 master weights live in the ZeRO optimizer)")
     _check_data_fields(cfg)
     r = cfg.checkpoint.resume
     _req(r in ("auto", "none") or (Path(r) / "metadata.json").is_file(),

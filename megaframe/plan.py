@@ -66,7 +66,8 @@ def render(plan, cfg) -> str:
     m, lay = cfg.model, plan.layout
     head = (f"plan: {m.name} ({m.num_layers} layers, D={m.hidden_size}, seq {m.seq_length}) on "
             f"{plan.world_size} ranks | tp={lay['tp']} pp={lay['pp']} vpp={lay['vpp']} dp={lay['dp']} "
-            f"sp={lay['sp']} | {lay['precision']}, optim.zero={lay['zero']} | micro-batch "
+            f"sp={lay['sp']} | {lay['precision']}, optim.zero={lay['zero']}"
+            f"{' shard_group_size=' + str(cfg.optim.shard_group_size) if cfg.optim.shard_group_size else ''} | micro-batch "
             f"{lay['micro_batch_size']} x {plan.microbatches} micro-batches per step, schedule {plan.schedule}")
     bubble = (f"pipeline bubble: {100 * plan.bubble:.1f}% of the step idle ({plan.schedule}, pp={lay['pp']}, "
               f"vpp={lay['vpp']}, {plan.microbatches} micro-batches)")
@@ -77,13 +78,14 @@ def _table(plan) -> list[str]:
     from megaframe.planning.estimate import merged_rows
 
     head = ("pp", "tp ranks", "ranks", "params", "grads", "optim", "act/microbatch", "in flight", "activations",
-            "total")
+            "total", "dp bytes/step")
     rows = [head]
     for tps, r in merged_rows(plan):
         rows.append((str(r.pp_rank), ranges(tps), ranges(r.ranks) if len(r.ranks) <= 8 else f"{len(r.ranks)} ranks",
                      human(r.params_bytes), human(r.grads_bytes), human(r.optim_bytes),
                      " + ".join(human(b) for b in r.chunk_activation_bytes),  # one figure per pipeline chunk
-                     str(r.peak_inflight), human(r.activation_bytes), human(r.total_bytes)))
+                     str(r.peak_inflight), human(r.activation_bytes), human(r.total_bytes),
+                     "-" if r.dp_comm_bytes is None else human(r.dp_comm_bytes)))
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     return ["  ".join(c.rjust(w) if i >= 3 else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
             for row in rows]

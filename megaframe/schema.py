@@ -197,7 +197,24 @@ class OptimConfig:
     """1: ZeRO-1 distributed optimizer (AdamW state sharded over dp, grads reduce-scattered in buckets
     during backward, params all-gathered after the step; with one dp rank and fp32 params there is nothing to shard,
     so the replicated optimizer runs instead).
+    2: ZeRO-2: as 1, and grads live only as this rank's 1/dp shard: each bucket is reduce-scattered into
+    it as soon as backward completes it, in every micro-batch; no full-size grad buffer is kept.
+    3: ZeRO-3: as 2, and params live as 1/dp shards too, each transformer block's gathered before its
+    forward and its backward and freed after (with tp/sp, pp/vpp, ep, HSDP and recompute; not yet
+    compile).
     0: replicated AdamW with a plain all-reduce of grads after backward (for comparison)."""
+    reshard_after_forward: bool = True
+    """zero=3: free a block's gathered params after its forward (and gather them again for its backward).
+    false keeps them from the block's first forward of the step to its last backward: one gather per
+    block per step instead of two per micro-batch, for the memory of the whole gathered chunk (the
+    choice for pipelines, where several micro-batches are in flight)."""
+    shard_group_size: int = 0
+    """HSDP: shard grads and optimizer state over groups of this many consecutive dp ranks and replicate
+    them across the dp / shard_group_size groups (their shards are all-reduced once per step). 0 = dp
+    (plain ZeRO). Must divide dp; needs optim.zero >= 1 and parallel.ep = 1."""
+    overlap_param_gather: bool = True
+    """ZeRO: the all-gather of updated parameters runs bucket by bucket during the next forward (each
+    module's forward pre-hook waits for its bucket) instead of being waited for at the end of the step."""
     bucket_size_mb: float = 25.0
     """ZeRO grad bucket size in MiB of fp32 grads: one reduce-scatter per bucket, launched as soon as
     backward has finished all of its grads. Smaller buckets start earlier but cost more launches."""

@@ -1,14 +1,19 @@
-"""Step time of data parallelism on gloo (CPU), dp=2: ZeRO-1 with the reduce-scatter overlapped with
-backward, ZeRO-1 without overlap (every bucket reduced after backward), and plain all-reduce (zero=0).
+"""Step time, memory and bytes of data parallelism on gloo (CPU), dp=2: plain all-reduce (zero=0); ZeRO-1
+with the reduce-scatter overlapped with backward, and without (every bucket reduced after backward);
+ZeRO-1 and ZeRO-2 with the parameter all-gather overlapped with the next forward
+(optim.overlap_param_gather, the default) and without; ZeRO-3.
 
     python scripts/bench_zero.py [steps=2] [rounds=8] [bucket_mb=4] [threads=1]
 
 Spawns 2 ranks (`threads` intra-op threads each), builds the three optimizers over three copies of a
 ~21M-parameter GPT (84 MB of fp32 grads: the dp traffic is a visible part of the step), and times
 whole steps (zero_grad, forward/backward, optimizer step with its all-gather), modes interleaved in
-rounds so drift hits all three alike. Reports per mode the median step time split into forward/backward
-and the optimizer step (what waits for the reduce-scatter still in flight, AdamW, the all-gather), the
-dp bytes per step and the ratios. On a machine with few cores, gloo's communication threads compete with compute for
+rounds so drift hits all alike (a mode's overlapped gather is waited for, untimed, before the next mode
+runs). Reports per mode the median step time split into forward/backward (with the overlapped gather:
+including the waits for it) and the optimizer step (what waits for the reduce-scatter still in flight,
+AdamW, the all-gather unless overlapped), the dp bytes per step, this rank's persistent grad and
+optimizer-state bytes and the peak of ZeRO-2's transient bucket grads (mem/gathered_peak_bytes), and
+the ratios. On a machine with few cores, gloo's communication threads compete with compute for
 them, which caps what overlap can win.
 """
 from __future__ import annotations
@@ -28,8 +33,13 @@ MODEL = ["data=synthetic", "model.num_layers=4", "model.hidden_size=512", "model
          "model.num_query_groups=8", "model.ffn_hidden_size=1408", "model.seq_length=128",
          "model.vocab_size=8192", "train.micro_batch_size=2", "train.global_batch_size=4",
          "logging.wandb.mode=disabled", "train.max_steps=1000"]
-MODES = [("zero1 overlap", ["optim.zero=1"], True), ("zero1 no overlap", ["optim.zero=1"], False),
-         ("zero0 all-reduce", ["optim.zero=0"], None)]
+NO_GATHER_OVERLAP = ["optim.overlap_param_gather=false"]
+# (name, overrides, reduce-scatter overlapped with backward; None: zero=0)
+MODES = [("zero1 overlap", ["optim.zero=1"], True), ("zero1 no overlap", ["optim.zero=1"] + NO_GATHER_OVERLAP, False),
+         ("zero0 all-reduce", ["optim.zero=0"], None),
+         ("zero1 no gather ovl", ["optim.zero=1"] + NO_GATHER_OVERLAP, True),
+         ("zero2", ["optim.zero=2"], True), ("zero2 no gather ovl", ["optim.zero=2"] + NO_GATHER_OVERLAP, True),
+         ("zero3", ["optim.zero=3"], True)]
 
 
 def _build(mesh, overrides: list[str], overlap):
@@ -37,10 +47,14 @@ def _build(mesh, overrides: list[str], overlap):
     from megaframe.model.gpt import build_model
     from megaframe.optim.build import PlainOptimizer
     from megaframe.optim.zero import ZeroOptimizer
+    from megaframe.optim.zero3 import Zero3Optimizer
 
     cfg = load_config(MODEL + overrides, world_size=mesh.world, check_data=False)
     model = build_model(cfg, mesh)
-    opt = ZeroOptimizer(model, cfg.optim, mesh, overlap=overlap) if cfg.optim.zero else PlainOptimizer(model, cfg.optim, mesh)
+    if cfg.optim.zero == 3:
+        opt = Zero3Optimizer(model, cfg.optim, mesh)
+    else:
+        opt = ZeroOptimizer(model, cfg.optim, mesh, overlap=overlap) if cfg.optim.zero else PlainOptimizer(model, cfg.optim, mesh)
     return cfg, model, opt
 
 
@@ -83,9 +97,12 @@ def _worker(rank: int, port: int, steps: int, rounds: int, bucket_mb: float, thr
                 if r:
                     times[name].append(phases)
                 sent[name] = mesh.stats.pop().get("dp", 0)
+            opt.sync_params()  # this mode's overlapped gather must not run into the next mode's step
     n_params = sum(p.numel() for p in runs[MODES[0][0]][1].parameters())
+    from megaframe.training.metrics import memory_figures
+    mem = {name: memory_figures(model, opt, mesh.device) for name, (_, model, opt) in runs.items()}
     if rank == 0:
-        out.put((times, sent, n_params, len(runs[MODES[0][0]][2].buffers[0].buckets)))
+        out.put((times, sent, n_params, len(runs[MODES[0][0]][2].buffers[0].buckets), mem))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -99,7 +116,7 @@ def main(steps: int = 2, rounds: int = 8, bucket_mb: float = 4.0, threads: int =
     procs = [ctx.Process(target=_worker, args=(r, port, steps, rounds, bucket_mb, threads, out)) for r in range(2)]
     for p in procs:
         p.start()
-    times, sent, n_params, buckets = out.get(timeout=1800)
+    times, sent, n_params, buckets, mem = out.get(timeout=3600)
     for p in procs:
         p.join()
     print(f"dp=2 on gloo, {os.cpu_count()} cores, {threads} thread(s)/rank | {n_params / 1e6:.1f}M params "
@@ -112,10 +129,16 @@ def main(steps: int = 2, rounds: int = 8, bucket_mb: float = 4.0, threads: int =
         fb, st = statistics.median(a for a, _ in ts), statistics.median(b for _, b in ts)
         print(f"  {name:18s} step median {med[name] * 1e3:7.1f} ms (min {min(total) * 1e3:7.1f}, max "
               f"{max(total) * 1e3:7.1f}) = fwd/bwd {fb * 1e3:7.1f} + optimizer step {st * 1e3:6.1f} | "
-              f"dp bytes/step {sent[name] / 2**20:5.1f} MiB")
+              f"dp bytes/step {sent[name] / 2**20:5.1f} MiB | params {mem[name]['mem/params_bytes'] / 2**20:5.1f} MiB, "
+              f"grads {mem[name]['mem/grads_bytes'] / 2**20:5.1f} "
+              f"MiB, optim {mem[name]['mem/optim_bytes'] / 2**20:5.1f} MiB, transient (grads, zero=3 params) peak "
+              f"{mem[name].get('mem/gathered_peak_bytes', 0) / 2**20:4.1f} MiB")
     print(f"ratio overlap / no overlap: {med['zero1 overlap'] / med['zero1 no overlap']:.3f}")
     print(f"ratio overlap / zero0 all-reduce: {med['zero1 overlap'] / med['zero0 all-reduce']:.3f}")
     print(f"ratio no overlap / zero0 all-reduce: {med['zero1 no overlap'] / med['zero0 all-reduce']:.3f}")
+    for z in ("zero1", "zero2"):
+        on = med["zero1 overlap" if z == "zero1" else z]
+        print(f"ratio {z} gather overlapped / not: {on / med[z + ' no gather ovl']:.3f}")
 
 
 if __name__ == "__main__":

@@ -20,6 +20,15 @@ range within the bucket shard"): each rank sees a `Segment`, the part of one par
 
 This rank's optimizer state (fp32 master where needed, Adam moments) is flat: the concatenation of its
 bucket ranges, n_b / dp elements per bucket, `state_numel` in all.
+
+Where the reduced grads live depends on the ZeRO stage (`sharded_grads`):
+    zero=1   the whole fp32 grad buffer is kept; this rank's final grads are its ranges of it
+    zero=2   only `grad_shard` (state_numel fp32, laid out like the rank state) is kept. During backward a
+             bucket's grads accumulate in a bucket-sized `Bucket.acc`, allocated when its first grad
+             arrives, reduce-scattered into grad_shard and freed once the bucket is complete (every
+             micro-batch). A `late` bucket (tied embedding) keeps its acc for the whole step: its grads are
+             summed over the pipeline ends before the data-parallel reduction.
+Here "dp" is the axis ZeRO shards over: dp itself, edp for experts, or an HSDP shard group (dp_shard).
 """
 from __future__ import annotations
 
@@ -62,6 +71,8 @@ class Bucket:
     ready: set = field(default_factory=set)
     work: object = None
     launched: bool = False
+    acc: object = None
+    """zero=2: the bucket-sized fp32 tensor this micro-batch's grads accumulate in (None when freed)."""
 
     @property
     def numel(self) -> int:
@@ -85,12 +96,13 @@ def plan_buckets(numels: list[int], bucket_elems: int, dp: int) -> list[tuple[li
 
 
 def buffer_groups(params: list[nn.Parameter], mesh: Mesh) -> list[tuple[Axis, list[nn.Parameter]]]:
-    """(data axis, params) of each buffer, in order of first appearance: one per (dtype, data axis of the
+    """(shard axis, params) of each buffer, in order of first appearance: one per (dtype, data axis of the
     placement). Expert params are sharded and reduced over edp (the dp ranks holding the same experts),
-    dense ones over the whole dp group. The trainer's optimizer and the planner both build from this."""
+    dense ones over dp, or under HSDP over their shard group (mesh.dp_shard; the shards are then
+    all-reduced over mesh.dp_rep). The trainer's optimizer and the planner both build from this."""
     groups: dict[tuple, tuple[Axis, list[nn.Parameter]]] = {}
     for p in params:
-        axis = p.placement.data_axis(mesh)
+        axis = p.placement.data_axis(mesh) if p.placement.expert else mesh.dp_shard
         groups.setdefault((p.dtype, p.placement.expert), (axis, []))[1].append(p)
     return list(groups.values())
 
@@ -101,19 +113,38 @@ def bucket_plan(params: list[nn.Parameter], bucket_bytes: int, dp: int) -> tuple
     return ordered, plan_buckets([p.numel() for p in ordered], max(1, bucket_bytes // 4), dp)
 
 
+def group_plan(params: list[nn.Parameter], groups: list[list[nn.Parameter]], dp: int) -> tuple[list, list]:
+    """zero=3's layout: one bucket per group (a transformer block, or the params outside blocks), so a
+    block's params are gathered and freed as one; groups in reverse order, like bucket_plan."""
+    mine = set(params)
+    ordered, plan, start = [], [], 0
+    for g in reversed(groups):
+        members = [p for p in reversed(g) if p in mine]
+        if not members:
+            continue
+        size = sum(p.numel() for p in members)
+        plan.append((list(range(len(ordered), len(ordered) + len(members))), start, start + -(-size // dp) * dp))
+        ordered += members
+        start = plan[-1][2]
+    assert len(ordered) == len(params), "every param in exactly one group"
+    return ordered, plan
+
+
 class FlatBuffer:
     """The grad buffer (fp32) and param buffer (params' dtype) of params sharing one dtype, bucketed
     and split over dp as described above. Re-points every param's storage into the param buffer."""
 
     def __init__(self, params: list[nn.Parameter], bucket_bytes: int, dp_rank: int, dp_size: int,
-                 late: set[int]):
+                 late: set[int], sharded_grads: bool = False, groups: list[list[nn.Parameter]] | None = None):
         self.dtype = params[0].dtype
         self.dp_rank, self.dp_size = dp_rank, dp_size
-        device = params[0].device
-        ordered, plan = bucket_plan(params, bucket_bytes, dp_size)
+        self.device = device = params[0].device
+        ordered, plan = bucket_plan(params, bucket_bytes, dp_size) if groups is None else group_plan(params, groups, dp_size)
         self.numel = plan[-1][2] if plan else 0
         self.state_numel = self.numel // dp_size
-        self.grad = torch.zeros(self.numel, dtype=torch.float32, device=device)
+        # zero=1: the whole grad buffer; zero=2: this rank's shard of it (see the module docstring)
+        self.grad = None if sharded_grads else torch.zeros(self.numel, dtype=torch.float32, device=device)
+        self.grad_shard = torch.zeros(self.state_numel, device=device) if sharded_grads else None
         self.param = torch.zeros(self.numel, dtype=self.dtype, device=device)
         self.offset: dict[nn.Parameter, int] = {}
         self.buckets: list[Bucket] = []
@@ -139,11 +170,32 @@ class FlatBuffer:
             view = self.param_view(p)
             view.copy_(p.data)
             p.data = view
-            p.main_grad = self.grad_view(p)
+            if self.grad is not None:
+                p.main_grad = self.grad_view(p)
 
     def grad_view(self, p: nn.Parameter) -> torch.Tensor:
         o = self.offset[p]
         return self.grad[o:o + p.numel()].view(p.shape)
+
+    def acc_view(self, p: nn.Parameter) -> torch.Tensor:
+        """zero=2: p's slice of its bucket's accumulation tensor, allocated (zeroed) if the bucket has none."""
+        b = self.bucket_of[p]
+        if b.acc is None:
+            b.acc = torch.zeros(b.numel, dtype=torch.float32, device=self.device)
+        o = self.offset[p] - b.start
+        return b.acc[o:o + p.numel()].view(p.shape)
+
+    def owned_grad(self, b: Bucket) -> torch.Tensor:
+        """This rank's reduced grads of bucket b: its range of the grad buffer, or of grad_shard."""
+        if self.grad is not None:
+            return self.shard(self.grad, b)
+        return self.state_shard(self.grad_shard, b)
+
+    def owned_grad_at(self, seg: Segment) -> torch.Tensor:
+        """The reduced grad of one segment (what the update reads)."""
+        if self.grad is not None:
+            return self.grad[seg.buf_lo:seg.buf_lo + seg.numel]
+        return self.grad_shard[seg.state_lo:seg.state_lo + seg.numel]
 
     def param_view(self, p: nn.Parameter) -> torch.Tensor:
         o = self.offset[p]

@@ -11,6 +11,8 @@ Every optimizer here offers:
     logical_state(p) / load_logical_state(p, state, step)
                                       Adam moments shaped like p's local slice (checkpoints)
     memory_bytes()                    mem/grads_bytes and mem/optim_bytes of this rank
+    sync_params()                     wait for parameter updates still in flight (ZeRO's overlapped
+                                      all-gather) before reading params outside a forward
 """
 from __future__ import annotations
 
@@ -50,6 +52,9 @@ class PlainOptimizer:
         self.adam.step()
         return norm
 
+    def sync_params(self) -> None:
+        """Nothing in flight: the update writes the params in place."""
+
     def logical_state(self, p: nn.Parameter) -> dict[str, torch.Tensor]:
         state = self.adam.state.get(p, {})
         return {k: state[k] for k in MOMENTS if k in state}
@@ -81,13 +86,17 @@ def cast_model(model: nn.Module, precision: str) -> nn.Module:
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, mesh: Mesh):
-    """optim.zero=1: the ZeRO-1 distributed optimizer (zero.py); 0: replicated AdamW (fp32 params only).
+    """optim.zero=1, 2: the ZeRO-1/-2 distributed optimizer (zero.py); 3: ZeRO-3 (zero3.py); 0: replicated
+    AdamW (fp32 params only).
 
     With one data-parallel rank and fp32 params ZeRO has nothing to shard and no master copy to keep, so
     the replicated optimizer runs instead: same math and state, without the flat-buffer copies and
     per-parameter hooks (~3% of a CPU step in scripts/bench_vs_hf.py)."""
     fp32 = all(p.dtype == torch.float32 for p in model.parameters())
-    if cfg.zero and not (mesh.dp.size == 1 and fp32):
+    if cfg.zero == 3 and mesh.dp.size > 1:
+        from megaframe.optim.zero3 import Zero3Optimizer  # noqa: PLC0415 (zero3 imports zero)
+        return Zero3Optimizer(model, cfg, mesh)
+    if cfg.zero and not (mesh.dp_shard.size == 1 and fp32):
         return ZeroOptimizer(model, cfg, mesh)
     assert fp32, "optim.zero=0 needs fp32 parameters"
     return PlainOptimizer(model, cfg, mesh)

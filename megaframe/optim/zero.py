@@ -1,4 +1,5 @@
-"""ZeRO-1 distributed optimizer: dp-sharded AdamW state, bucketed reduce-scatter overlapped with backward.
+"""ZeRO-1 and ZeRO-2 distributed optimizer (and HSDP): dp-sharded AdamW state (ZeRO-2: and grads),
+bucketed reduce-scatters overlapped with backward.
 
 Sharding (see buffer.py for the layout): every parameter lives in a contiguous param buffer and its
 fp32 gradient in a grad buffer of the same layout, cut into buckets. dp rank r owns the r-th 1/dp of
@@ -6,7 +7,7 @@ every bucket. It keeps AdamW state only for that range: the Adam moments (fp32) 
 an fp32 master copy (fp32 params are their own master: the update writes the param buffer in place).
 So optimizer state per rank is 8 (fp32) or 12 (bf16) bytes per owned element, 1/dp of the whole.
 
-One step:
+One step, zero=1:
   backward     grads accumulate in place into the grad buffer (fp32 params: p.grad *is* the buffer
                slice; bf16 params: a post-accumulate hook adds p.grad into the fp32 slice, p.main_grad,
                and frees it). Inside backward_context(is_last=True) the same hook marks the param
@@ -18,12 +19,26 @@ One step:
                everything in flight, sum tp-partial grads over tp (sequence-parallel norms: on this
                rank's range only), global grad norm, clip; then AdamW on the owned range, and the
                all-gather of the updated param buckets over dp.
-The all-gather is NOT overlapped with the next forward: step() waits for it, so parameters are whole
-when it returns (checkpointing, evaluation and the pipeline need nothing special). Megatron overlaps it
-by waiting per bucket in forward pre-hooks; on gloo/CPU it would buy little.
+zero=2 keeps no grad buffer (buffer.py): in EVERY micro-batch's backward the hook adds p.grad into its
+bucket's `acc` (allocated on the bucket's first grad) and frees p.grad; the hook completing a bucket
+launches its reduce-scatter in place on acc, and once that has landed (waited for when the next bucket
+is launched, or at the end of the micro-batch's backward) this rank's part is added into grad_shard and
+acc is freed. So at most about two buckets of full-size grads exist at once (mem/gathered_peak_bytes),
+and the dp traffic is one reduce-scatter per micro-batch instead of one per step. A bucket left
+incomplete at the end of a micro-batch (a param without a grad, a bucket spanning two vpp chunks) is
+reduce-scattered then, in bucket order. Every dp rank must use the same params in a micro-batch (they
+run the same model), or their collectives would not match.
 
-Grad norm: each element is counted once. Ranges are disjoint over dp, so squares are summed over dp;
-over tp and pp `Placement.counts_in_norm` drops tp-replicated copies on tp ranks > 0 and pipeline
+HSDP (optim.shard_group_size = s < dp): the axis sharded over is mesh.dp_shard (s consecutive dp ranks);
+after the reduce-scatters, this rank's reduced shard is all-reduced over mesh.dp_rep (the dp/s ranks
+holding the same shard) once per step, and the param all-gather runs within the shard group.
+
+The param all-gather after the update is overlapped with the next forward (optim.overlap_param_gather,
+see param_gather.py): step() launches it bucket by bucket and each module's forward pre-hook waits for
+the buckets it needs. Readers of parameters outside a forward call sync_params() first.
+
+Grad norm: each element is counted once. Ranges are disjoint over the shard axis, so squares are summed
+over it; over tp and pp `Placement.counts_in_norm` drops tp-replicated copies on tp ranks > 0 and pipeline
 duplicates.
 Weight decay applies to matrices only (p.ndim >= 2). The update itself is torch.optim.AdamW run on
 1-D views of the owned range (segments), so the math is exactly torch's (decoupled decay, bias
@@ -39,10 +54,11 @@ from torch import nn
 
 from megaframe.schema import OptimConfig
 from megaframe.optim.adamw import MOMENTS, adamw
-from megaframe.optim.buffer import Bucket, FlatBuffer, bucket_plan, buffer_groups
-from megaframe.optim.finalize import finalize
+from megaframe.optim.buffer import Bucket, FlatBuffer, buffer_groups
+from megaframe.optim.finalize import all_reduce_tensors, finalize
+from megaframe.optim.param_gather import ParamGather
 from megaframe.parallel import comm
-from megaframe.parallel.mesh import Mesh
+from megaframe.parallel.mesh import Axis, Mesh
 from megaframe.parallel.placement import Placement
 
 
@@ -56,39 +72,58 @@ class _State:
     """fp32 master weights for low-precision params; None when the param buffer is fp32 already."""
 
 
-def flat_buffers(params: list[nn.Parameter], cfg: OptimConfig, mesh: Mesh) -> list[FlatBuffer]:
-    """The ZeRO buffers of a rank's params (one per buffer_groups entry: dtype and data axis). Also what
-    checkpoint planning calls on a meta model to know every rank's segments."""
+def flat_buffers(params: list[nn.Parameter], cfg: OptimConfig, mesh: Mesh, make=None) -> list[FlatBuffer]:
+    """The ZeRO buffers of a rank's params (one per buffer_groups entry: dtype and shard axis), made by
+    `make(params, bucket_bytes, axis, late)` (the optimizer's stage-specific buffer; default ZeRO-1's).
+    Also what checkpoint planning calls on a meta model to know every rank's segments."""
     # a tied embedding's grad is first summed over the pipeline ends (finalize): reduce it late
     late = {id(p) for p in params if p.placement.pp_tied}
     bucket_bytes = int(cfg.bucket_size_mb * 2**20)
+    make = make or (lambda ps, b, axis, lt: FlatBuffer(ps, b, axis.rank, axis.size, lt))
     buffers = []
     for axis, ps in buffer_groups(params, mesh):
-        buf = FlatBuffer(ps, bucket_bytes, axis.rank, axis.size, late)
+        buf = make(ps, bucket_bytes, axis, late)
         buf.axis = axis
+        # HSDP: the ranks holding the same shard as this one (size 1 without HSDP, and for experts)
+        buf.rep = mesh.dp_rep if axis is mesh.dp_shard else Axis("dp", 1, 0, (mesh.rank,), None, mesh.stats)
         buffers.append(buf)
     return buffers
 
 
 class ZeroOptimizer:
     """The optimizer interface of build.py (zero_grad, backward_context, step, logical_state,
-    load_logical_state, memory_bytes) with ZeRO-1 sharding over mesh.dp (expert params: over mesh.edp).
-    Also the finalize.GradSource of its step: grads reduce-scattered, so `sharded`.
+    load_logical_state, memory_bytes) with ZeRO-1 or -2 (cfg.zero) sharding over mesh.dp_shard (= dp
+    unless HSDP; expert params: over mesh.edp). Also the finalize.GradSource of its step: grads
+    reduce-scattered, so `sharded`.
 
     overlap=False launches every reduce-scatter in step() instead of from backward hooks (benchmarks).
     """
 
     def __init__(self, model: nn.Module, cfg: OptimConfig, mesh: Mesh, overlap: bool = True):
         self.model, self.cfg, self.mesh, self.overlap = model, cfg, mesh, overlap
+        self.stage = 2 if cfg.zero >= 2 else 1
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.buffers = flat_buffers(self.params, cfg, mesh)
+        self.buffers = flat_buffers(self.params, cfg, mesh, self._make_buffer)
         self._buffer_of = {p: buf for buf in self.buffers for p in buf.offset}
         self._last = False
+        self._pending: list[tuple[FlatBuffer, Bucket]] = []  # zero=2: reduce-scatters not yet added in
+        self._acc_bytes = self.gathered_peak = 0  # zero=2: live bucket-sized grads now, and their peak
         self._gathered: tuple | None = None  # (key, {name: full bucket tensor}) of the last gathered bucket
         self._build_state()
-        self._seen = {p: p._version for p in self._segs_of if p.dtype != torch.float32}
+        self._seen = {p: p._version for p in self._segs_of if p.dtype != torch.float32 or self.always_master}
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self.params]
+        self.param_gather = self._make_param_gather(model)
         self.zero_grad()
+
+    always_master = False
+    """Keep the owned range of fp32 params in a separate fp32 tensor too (zero=3: the param buffer is
+    not kept whole, so the update cannot write it in place)."""
+
+    def _make_buffer(self, params: list[nn.Parameter], bucket_bytes: int, axis: Axis, late: set) -> FlatBuffer:
+        return FlatBuffer(params, bucket_bytes, axis.rank, axis.size, late, sharded_grads=self.stage == 2)
+
+    def _make_param_gather(self, model: nn.Module):
+        return ParamGather(model, self.buffers, self.cfg.overlap_param_gather)
 
     # ------------------------------------------------------------------ state
 
@@ -99,7 +134,7 @@ class ZeroOptimizer:
         for buf in self.buffers:
             n = buf.state_numel
             master = None
-            if buf.dtype != torch.float32:
+            if buf.dtype != torch.float32 or self.always_master:
                 master = torch.empty(n, dtype=torch.float32, device=device)
                 for b in buf.buckets:
                     buf.state_shard(master, b).copy_(buf.shard(buf.param, b))
@@ -108,7 +143,7 @@ class ZeroOptimizer:
             for seg in buf.segments:
                 lo, hi = seg.state_lo, seg.state_lo + seg.numel
                 weights = buf.param[seg.buf_lo:seg.buf_lo + seg.numel] if master is None else master[lo:hi]
-                weights.grad = buf.grad[seg.buf_lo:seg.buf_lo + seg.numel]
+                weights.grad = buf.owned_grad_at(seg)
                 groups[0 if seg.param.ndim >= 2 else 1].append(weights)
                 step = torch.zeros((), dtype=torch.float32, device=device)
                 pre.append((weights, {"step": step, "exp_avg": st.exp_avg[lo:hi], "exp_avg_sq": st.exp_avg_sq[lo:hi]}))
@@ -116,55 +151,109 @@ class ZeroOptimizer:
         self.adam = adamw(*groups, self.cfg, device) if any(groups) else None
         for weights, s in pre:  # torch AdamW keeps state it finds: point it at our flat moments
             self.adam.state[weights] = s
-        # this rank's final grads: the owned segment of every parameter, viewed in the grad buffer
-        self._owned_grads = [(s.param.placement, buf.grad[s.buf_lo:s.buf_lo + s.numel])
-                             for buf in self.buffers for s in buf.segments]
+        # this rank's final grads: the owned segment of every parameter, viewed in the grad buffer (or shard)
+        self._owned_grads = [(s.param.placement, buf.owned_grad_at(s)) for buf in self.buffers for s in buf.segments]
 
     # ------------------------------------------------------------------ backward
 
     def zero_grad(self) -> None:
         self._wait_all()
+        self._acc_bytes = 0
         for buf in self.buffers:
-            buf.grad.zero_()
+            for t in (buf.grad, buf.grad_shard):
+                if t is not None:
+                    t.zero_()
             for b in buf.buckets:
                 b.ready.clear()
                 b.launched = False
+                b.acc = None
+                if self.stage == 2 and b.late:  # kept for the step: summed over the pipeline ends first
+                    for p in b.params:
+                        p.main_grad = buf.acc_view(p)
         for p in self.params:
-            # fp32: autograd accumulates straight into the buffer slice; bf16: the hook moves it there
-            p.grad = p.main_grad if p.dtype == torch.float32 else None
+            # zero=1 fp32: autograd accumulates straight into the buffer slice; else the hook moves it
+            p.grad = p.main_grad if p.dtype == torch.float32 and self.stage == 1 else None
 
     def backward_context(self, is_last: bool):
         @contextlib.contextmanager
         def ctx():
             self._last = is_last
+            self.param_gather.wait()  # backward reads the params (a chunk run without its forward's hooks)
             try:
                 yield
+                if self.stage == 2:  # no full-size grads survive a micro-batch (late buckets aside)
+                    self._launch_rest(late=False)
+                    self._drain(keep=0)
             finally:
                 self._last = False
         return ctx()
 
     def _grad_ready(self, p: nn.Parameter) -> None:
-        """Post-accumulate hook: fold a separate grad into the fp32 buffer; on the last backward, mark
-        p ready and launch its bucket's reduce-scatter once every param of the bucket is ready."""
-        main = p.main_grad
-        if p.grad is not None and p.grad.data_ptr() != main.data_ptr():
-            main.add_(p.grad)  # bf16 params (fp32 accumulation), or a grad someone replaced
-            p.grad = main if p.dtype == torch.float32 else None
-        if not (self._last and self.overlap):
-            return
+        """Post-accumulate hook: fold a separate grad into the fp32 buffer (zero=2: the bucket's acc); on
+        the last backward (zero=2: every backward), mark p ready and launch its bucket's reduce-scatter
+        once every param of the bucket is ready."""
         buf = self._buffer_of[p]
         b = buf.bucket_of[p]
+        if self.stage == 2:
+            fresh = b.acc is None
+            main = buf.acc_view(p)
+            if fresh:
+                self._note_acc(b.numel * 4)
+        else:
+            main = p.main_grad
+        if p.grad is not None and p.grad.data_ptr() != main.data_ptr():
+            main.add_(p.grad)  # bf16 params (fp32 accumulation), zero=2, or a grad someone replaced
+            p.grad = main if p.dtype == torch.float32 and self.stage == 1 else None
+        if not ((self._last or self.stage == 2) and self.overlap):
+            return
         b.ready.add(p)
         if not b.late and not b.launched and len(b.ready) == len(b.params):
             self._launch(buf, b)
 
+    def _note_acc(self, nbytes: int) -> None:
+        self._acc_bytes += nbytes
+        self.gathered_peak = max(self.gathered_peak, self._acc_bytes)
+
     def _launch(self, buf: FlatBuffer, b: Bucket) -> None:
-        """Async reduce-scatter of bucket b over dp, in place: this rank's range ends up summed."""
+        """Async reduce-scatter of bucket b over the shard axis, in place: this rank's range ends up summed
+        (zero=2: in acc's range, added into grad_shard by _drain)."""
         b.launched = True
-        b.work = comm.reduce_scatter_flat(buf.shard(buf.grad, b), buf.bucket_range(buf.grad, b), buf.axis,
+        if self.stage == 1:
+            b.work = comm.reduce_scatter_flat(buf.shard(buf.grad, b), buf.bucket_range(buf.grad, b), buf.axis,
+                                              async_op=True)
+            return
+        n = b.shard_numel(buf.dp_size)
+        b.work = comm.reduce_scatter_flat(b.acc[buf.dp_rank * n:(buf.dp_rank + 1) * n], b.acc, buf.axis,
                                           async_op=True)
+        self._pending.append((buf, b))
+        self._drain(keep=1)  # the one just launched may fly on; older ones land and free their acc
+
+    def _launch_rest(self, late: bool) -> None:
+        """zero=2: launch, in bucket order, every bucket holding grads not yet launched (late ones only
+        when `late`: in step, after their sum over the pipeline ends)."""
+        for buf in self.buffers:
+            for b in buf.buckets:
+                if b.acc is not None and not b.launched and (late or not b.late):
+                    self._launch(buf, b)
+
+    def _drain(self, keep: int) -> None:
+        """zero=2: wait for all but the newest `keep` reduce-scatters; add their range into grad_shard and
+        free the bucket's acc (a late bucket's acc is kept: p.main_grad views it until zero_grad)."""
+        while len(self._pending) > keep:
+            buf, b = self._pending.pop(0)
+            if b.work is not None:
+                b.work.wait()
+                b.work = None
+            n = b.shard_numel(buf.dp_size)
+            buf.owned_grad(b).add_(b.acc[buf.dp_rank * n:(buf.dp_rank + 1) * n])
+            b.ready.clear()
+            b.launched = False
+            if not b.late:
+                b.acc = None
+                self._acc_bytes -= b.numel * 4
 
     def _wait_all(self) -> None:
+        self._drain(keep=0)
         for buf in self.buffers:
             for b in buf.buckets:
                 if b.work is not None:
@@ -179,11 +268,20 @@ class ZeroOptimizer:
         return [p.main_grad for p in self.params if p.placement.pp_tied]
 
     def reduce_data_parallel(self) -> None:
-        for buf in self.buffers:  # in bucket order: the same order on every dp rank
-            for b in buf.buckets:
-                if not b.launched:
-                    self._launch(buf, b)
+        if self.stage == 2:
+            self._launch_rest(late=True)
+        else:
+            for buf in self.buffers:  # in bucket order: the same order on every dp rank
+                for b in buf.buckets:
+                    if not b.launched:
+                        self._launch(buf, b)
         self._wait_all()
+        # HSDP: each shard group reduced its own samples; sum the shards over the groups (one all-reduce
+        # per buffer: zero=2's grad_shard is contiguous, zero=1's ranges are flattened by all_reduce_tensors)
+        for buf in self.buffers:
+            if buf.rep.size > 1:
+                shards = [buf.grad_shard] if buf.grad_shard is not None else [buf.owned_grad(b) for b in buf.buckets]
+                all_reduce_tensors(shards, buf.rep)
 
     def final_grads(self) -> list[tuple[Placement, torch.Tensor]]:
         return self._owned_grads
@@ -192,6 +290,7 @@ class ZeroOptimizer:
 
     def step(self, lr: float) -> torch.Tensor:
         self._gathered = None
+        self.param_gather.wait()  # a step with no forward since the last one (the master is re-read)
         self._resync_master()
         norm = finalize(self, self.mesh, self.cfg.clip_grad)
         if self.adam is not None:
@@ -202,7 +301,7 @@ class ZeroOptimizer:
             # AMP grad scaler uses). Every rank sees the same global norm, so all skip together.
             self.adam.found_inf = (~torch.isfinite(norm)).float()
             self.adam.step()
-        self._gather_params()
+        self.param_gather.launch(self._launch_param_gather)
         return norm
 
     @torch.no_grad()
@@ -219,29 +318,30 @@ class ZeroOptimizer:
                 self._seen[p] = p._version
 
     @torch.no_grad()
-    def _gather_params(self) -> None:
-        """Owned range -> param buffer (cast from the fp32 master), then all-gather every bucket over dp."""
-        works = []
-        for buf, st in zip(self.buffers, self.states):
-            for b in buf.buckets:
-                mine = buf.shard(buf.param, b)
-                if st.master is not None:
-                    mine.copy_(buf.state_shard(st.master, b))
-                works.append(comm.all_gather_flat(buf.bucket_range(buf.param, b), mine, buf.axis, async_op=True))
-        for w in works:
-            if w is not None:
-                w.wait()
+    def _launch_param_gather(self, buf: FlatBuffer, b: Bucket):
+        """Owned range -> param buffer (cast from the fp32 master), then launch the bucket's all-gather."""
+        mine = buf.shard(buf.param, b)
+        st = self.states[self.buffers.index(buf)]
+        if st.master is not None:
+            mine.copy_(buf.state_shard(st.master, b))
+        return comm.all_gather_flat(buf.bucket_range(buf.param, b), mine, buf.axis, async_op=True)
+
+    def sync_params(self) -> None:
+        """Wait for the parameter all-gathers still in flight (overlap_param_gather): call before reading
+        parameters outside a forward (saving, copying them out)."""
+        self.param_gather.wait()
 
     # ------------------------------------------------------------------ checkpoints and figures
 
     def _gather_bucket(self, buf: FlatBuffer, b: Bucket, what: str) -> dict[str, torch.Tensor]:
         """Full-bucket tensors gathered over dp (collective): 'state' -> moments (+ master), 'grad' ->
         the reduced grad. Only the last bucket is cached: checkpoints walk params bucket by bucket."""
+        self.param_gather.wait()
         key = (id(buf), b.index, what)
         if self._gathered is not None and self._gathered[0] == key:
             return self._gathered[1]
         if what == "grad":
-            shards = {"grad": buf.shard(buf.grad, b)}
+            shards = {"grad": buf.owned_grad(b)}
         else:
             st = self.states[self.buffers.index(buf)]
             shards = {k: buf.state_shard(getattr(st, k), b) for k in MOMENTS}
@@ -291,6 +391,7 @@ class ZeroOptimizer:
     def load_logical_state(self, p: nn.Parameter, moments: dict[str, torch.Tensor], step: int) -> None:
         """Cut this rank's segments of p out of p-shaped moments (any layout wrote them)."""
         self._gathered = None
+        self.param_gather.wait()  # the gather would overwrite what we load
         buf = self._buffer_of[p]
         st = self.states[self.buffers.index(buf)]
         if "master" in moments and st.master is None:
@@ -307,21 +408,12 @@ class ZeroOptimizer:
             self._seen[p] = p._version  # the master just loaded is exact: do not re-read it from p
 
     def memory_bytes(self) -> dict[str, int]:
-        """This rank's fp32 grad buffer and optimizer state (moments + master for its range)."""
-        grads = sum(buf.grad.numel() * buf.grad.element_size() for buf in self.buffers)
+        """This rank's persistent fp32 grads (zero=1: the buffer; zero=2: its shard, plus the acc of late
+        buckets), optimizer state (moments + master for its range), and the peak of zero=2's transient
+        bucket-sized grads."""
+        grads = sum(4 * (buf.numel if buf.grad is not None else
+                         buf.state_numel + sum(b.numel for b in buf.buckets if b.late)) for buf in self.buffers)
         optim = sum(t.numel() * t.element_size() for st in self.states
                     for t in (st.exp_avg, st.exp_avg_sq, st.master) if t is not None)
-        return {"mem/grads_bytes": grads, "mem/optim_bytes": optim}
+        return {"mem/grads_bytes": grads, "mem/optim_bytes": optim, "mem/gathered_peak_bytes": self.gathered_peak}
 
-
-def planned_memory_bytes(params: list[nn.Parameter], cfg: OptimConfig, mesh: Mesh) -> dict[str, int]:
-    """memory_bytes() of the ZeroOptimizer of `params` on this rank of `mesh`, without allocating (the
-    planner, on a virtual mesh): the same buffers and bucket padding, and per owned element the state
-    _build_state keeps (two fp32 moments, plus an fp32 master for low-precision params)."""
-    grads = optim = 0
-    for axis, ps in buffer_groups(params, mesh):
-        _, plan = bucket_plan(ps, int(cfg.bucket_size_mb * 2**20), axis.size)
-        numel = plan[-1][2] if plan else 0
-        grads += 4 * numel
-        optim += (numel // axis.size) * (8 if ps[0].dtype == torch.float32 else 12)
-    return {"mem/grads_bytes": grads, "mem/optim_bytes": optim}

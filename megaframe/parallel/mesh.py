@@ -13,6 +13,12 @@ expert-data-parallel group `edp` (size dp/ep), over which expert grads are reduc
 
     dp_rank = ep_rank + ep * edp_rank
 
+Hybrid sharded data parallelism (optim.shard_group_size = s) cuts dp the same way: `dp_shard`, blocks
+of s consecutive dp ranks over which ZeRO shards grads, state (and params), and `dp_rep`, the dp/s ranks
+at the same position of their block, which hold equal shards (all-reduced over it):
+
+    dp_rank = shard_rank + s * rep_rank
+
 The mesh is built once from the config and passed to every layer, the optimizer and the data loader.
 Axes of size 1 carry no process group: the collectives in `comm` never communicate over them, which is
 also why one process needs no torch.distributed at all.
@@ -140,12 +146,21 @@ class Mesh:
     edp: Optional[Axis] = None
     """Expert-data-parallel axis: dp ranks holding the same experts (expert grads, ZeRO shards of expert
     params); its bytes count as dp traffic. It is the dp axis itself when ep = 1."""
+    dp_shard: Optional[Axis] = None
+    """HSDP: the s consecutive dp ranks ZeRO shards over (bytes count as dp); the dp axis itself by default."""
+    dp_rep: Optional[Axis] = None
+    """HSDP: the dp ranks holding the same shard (their shards are all-reduced; bytes count as dp);
+    size 1 by default."""
 
     def __post_init__(self):
         if self.ep is None:  # a mesh without expert parallelism: ep of size 1, edp = dp
             object.__setattr__(self, "ep", Axis("ep", 1, 0, (self.dp.ranks[self.dp.rank],), None, self.stats))
         if self.edp is None:
             object.__setattr__(self, "edp", self.dp)
+        if self.dp_shard is None:
+            object.__setattr__(self, "dp_shard", self.dp)
+        if self.dp_rep is None:
+            object.__setattr__(self, "dp_rep", Axis("dp", 1, 0, (self.dp.ranks[self.dp.rank],), None, self.stats))
 
     @property
     def is_logger(self) -> bool:
@@ -166,19 +181,30 @@ class RankGrid:
     membership without groups. Positions are 0..world-1; build_mesh maps them to process ranks.
 
         position = tp_rank + tp * (dp_rank + dp * pp_rank),    dp_rank = ep_rank + ep * edp_rank
+                                                               dp_rank = shard_rank + shard * rep_rank
     """
 
     tp: int
     dp: int
     pp: int
     ep: int = 1
+    shard: int = 0
+    """HSDP shard group size (dp_shard); 0 means dp (no replication across shard groups)."""
 
-    AXES = ("tp", "dp", "pp", "pp_ends", "ep", "edp")
-    STATS = {"pp_ends": "pp", "edp": "dp"}
+    AXES = ("tp", "dp", "pp", "pp_ends", "ep", "edp", "dp_shard", "dp_rep")
+    STATS = {"pp_ends": "pp", "edp": "dp", "dp_shard": "dp", "dp_rep": "dp"}
     """The byte counter of an axis, where it is not its own name (an Axis's `name`)."""
 
     def __post_init__(self):
         assert self.dp % self.ep == 0, f"ep={self.ep} does not divide dp={self.dp}"
+        if not self.shard:
+            object.__setattr__(self, "shard", self.dp)
+        assert self.dp % self.shard == 0, f"shard group size {self.shard} does not divide dp={self.dp}"
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether dp is cut into HSDP shard groups (then dp_shard and dp_rep get their own groups)."""
+        return self.shard < self.dp
 
     @property
     def world(self) -> int:
@@ -203,6 +229,10 @@ class RankGrid:
             return [g[j:j + ep] for g in dp_groups for j in range(0, dp, ep)]
         if name == "edp":  # the dp ranks holding the same experts: same position in their ep block
             return [g[e::ep] for g in dp_groups for e in range(ep)]
+        if name == "dp_shard":  # HSDP: blocks of `shard` consecutive dp ranks
+            return [g[j:j + self.shard] for g in dp_groups for j in range(0, dp, self.shard)]
+        if name == "dp_rep":  # HSDP: the dp ranks at the same position of their shard block
+            return [g[e::self.shard] for g in dp_groups for e in range(self.shard)]
         raise KeyError(name)
 
     def group_of(self, name: str, position: int) -> tuple[int, ...]:
@@ -228,15 +258,18 @@ def mesh_at(grid: RankGrid, position: int, device, ranks: Sequence[int], groups:
                     virtual=groups is None and size > 1, p2p=stream)
 
     experts = grid.ep > 1  # else ep is of size 1 and edp is dp (the Mesh defaults)
+    hybrid = grid.hybrid  # else dp_shard is dp and dp_rep of size 1 (the Mesh defaults)
     return Mesh(tp=axis("tp"), pp=axis("pp"), dp=axis("dp"), pp_ends=axis("pp_ends"), rank=position,
                 world=grid.world, device=torch.device(device), stats=stats, group=everyone,
-                ep=axis("ep") if experts else None, edp=axis("edp") if experts else None)
+                ep=axis("ep") if experts else None, edp=axis("edp") if experts else None,
+                dp_shard=axis("dp_shard") if hybrid else None, dp_rep=axis("dp_rep") if hybrid else None)
 
 
 def build_mesh(tp: int, pp: int, device: torch.device, ranks: Optional[Sequence[int]] = None, ep: int = 1,
                timeout: Optional[datetime.timedelta] = None,
-               world_timeout: Optional[datetime.timedelta] = None) -> Mesh:
-    """Create every tp/pp/dp (and ep/edp) group over `ranks` (default: all). Collective: every process must call it.
+               world_timeout: Optional[datetime.timedelta] = None, shard: int = 0) -> Mesh:
+    """Create every tp/pp/dp (and ep/edp, HSDP's dp_shard/dp_rep) group over `ranks` (default: all).
+    Collective: every process must call it. `shard`: optim.shard_group_size (0 or dp: no HSDP).
 
     `timeout` (train.dist_timeout_s) applies to every group: new_group does not inherit
     init_process_group's, it takes the backend's default (30 min on gloo, 10 on NCCL) unless told.
@@ -251,13 +284,14 @@ def build_mesh(tp: int, pp: int, device: torch.device, ranks: Optional[Sequence[
     ranks = list(ranks) if ranks is not None else list(range(dist.get_world_size() if initialized else 1))
     world = len(ranks)
     assert world % (tp * pp) == 0, f"tp*pp={tp * pp} does not divide world {world}"
-    grid = RankGrid(tp, world // (tp * pp), pp, ep)
+    grid = RankGrid(tp, world // (tp * pp), pp, ep, shard)
     groups: dict = {}
-    for name in RankGrid.AXES if ep > 1 else RankGrid.AXES[:4]:
+    names = RankGrid.AXES[:4] + (RankGrid.AXES[4:6] if ep > 1 else ()) + (RankGrid.AXES[6:] if grid.hybrid else ())
+    for name in names:
         for members in grid.groups(name):
             if len(members) == 1 or not initialized:
                 continue
-            if name == "ep" and len(members) == grid.dp:  # ep = dp: the ep group is the dp group
+            if name in ("ep", "dp_shard") and len(members) == grid.dp:  # the whole dp group
                 groups[(name, members)] = groups[("dp", members)]
                 continue
             # new_group is collective over the whole world: every process creates every group, in order

@@ -5,9 +5,13 @@ meta device with a virtual mesh (no process groups; megaframe.parallel.virtual),
 
   params       every local parameter in train.precision (what mem/params_bytes logs)
   grads        optim.zero=1: the fp32 grad buffer, padded bucket by bucket by the optimizer's own
-               buffer code (optim/zero.py planned_memory_bytes); zero=0: one grad per parameter
-  optim        optim.zero=1: the owned 1/dp of every bucket x (two fp32 Adam moments, plus an fp32
-               master copy for bf16 params); zero=0: two fp32 moments per element
+               buffer code (optim/sizing.py planned_memory_bytes); zero=0: one grad per parameter
+               zero=2: only the owned 1/dp of it (plus a tied embedding's bucket, kept whole for the step);
+               HSDP (optim.shard_group_size=s): 1/s instead of 1/dp
+  optim        optim.zero>=1: the owned 1/dp (HSDP: 1/s) of every bucket x (two fp32 Adam moments, plus
+               an fp32 master copy for bf16 params); zero=0: two fp32 moments per element
+  dp bytes     ZeRO: the bytes a rank sends on dp per step (optim/sizing.py planned_dp_bytes, the same buckets);
+               zero=3: params are the owned 1/dp plus the params outside blocks, kept whole
   activations  the bytes one micro-batch of each pipeline chunk saves for backward (a meta-device
                forward, planning.activations), times the chunks in flight at the schedule's peak:
                the rank's own action list (pipeline/schedule.py) walked forward by forward
@@ -17,12 +21,12 @@ each coordinate is sized once; rows with equal figures are merged when printed.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from megaframe.schema import Config
 from megaframe.model.gpt import build_model
 from megaframe.optim.build import cast_model
-from megaframe.optim.zero import planned_memory_bytes
+from megaframe.optim.sizing import planned_dp_bytes, planned_memory_bytes
 from megaframe.parallel.virtual import virtual_mesh
 from megaframe.pipeline.schedule import F, compute_order, resolve_kind
 from megaframe.pipeline.simulate import simulate
@@ -47,13 +51,15 @@ class RankFigures:
     """Peak over the schedule of the activations held."""
     total_bytes: int = 0
     fits: bool | None = None
+    dp_comm_bytes: int | None = None
+    """Bytes each of these ranks sends on dp per step (comm_bytes/dp) under ZeRO; None for zero=0."""
 
     def __post_init__(self):
         self.total_bytes = self.params_bytes + self.grads_bytes + self.optim_bytes + self.activation_bytes
 
     def key(self) -> tuple:
         return (self.pp_rank, self.params_bytes, self.grads_bytes, self.optim_bytes, self.activation_bytes,
-                tuple(self.chunk_activation_bytes), self.peak_inflight)
+                tuple(self.chunk_activation_bytes), self.peak_inflight, self.dp_comm_bytes)
 
 
 @dataclass
@@ -85,8 +91,10 @@ def state_bytes(model, cfg: Config, mesh) -> tuple[int, int, int]:
     if not cfg.optim.zero:
         numel = sum(p.numel() for p in params)
         return param_bytes, sum(p.numel() * p.element_size() for p in params), 8 * numel
-    mem = planned_memory_bytes(params, cfg.optim, mesh)
-    return param_bytes, mem["mem/grads_bytes"], mem["mem/optim_bytes"]
+    if cfg.optim.zero == 3 and mesh.dp.size == 1:  # build_optimizer: nothing to shard, ZeRO-2's layout
+        cfg = replace(cfg, optim=replace(cfg.optim, zero=2))
+    mem = planned_memory_bytes(params, cfg.optim, mesh, model)
+    return mem.get("mem/params_bytes", param_bytes), mem["mem/grads_bytes"], mem["mem/optim_bytes"]
 
 
 def peak_activations(order, chunk_bytes: list[int]) -> tuple[int, int]:
@@ -123,13 +131,19 @@ def plan_layout(cfg: Config, world_size: int, device_memory_gb: float | None = N
 
 
 def _rank_figures(cfg: Config, tp: int, pp: int, dp: int, pp_rank: int, tp_rank: int, order) -> RankFigures:
-    mesh = virtual_mesh(tp, pp, dp, tp_rank=tp_rank, pp_rank=pp_rank, device="meta", ep=cfg.parallel.ep)
+    mesh = virtual_mesh(tp, pp, dp, tp_rank=tp_rank, pp_rank=pp_rank, device="meta", ep=cfg.parallel.ep,
+                        shard=cfg.optim.shard_group_size)
     model = cast_model(build_model(cfg, mesh), cfg.train.precision)
     params, grads, optim = state_bytes(model, cfg, mesh)
     chunks = [chunk_activation_bytes(model, c, cfg.train.micro_batch_size, fused_attention=True)
               for c in range(len(model.stage.chunks))]
     act, inflight = peak_activations(order, chunks)
-    return RankFigures(pp_rank, tp_rank, list(mesh.dp.ranks), params, grads, optim, chunks, inflight, act)
+    out = RankFigures(pp_rank, tp_rank, list(mesh.dp.ranks), params, grads, optim, chunks, inflight, act)
+    if cfg.optim.zero and not (mesh.dp_shard.size == 1 and cfg.train.precision == "fp32"):  # build_optimizer's choice
+        m = cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)
+        out.dp_comm_bytes = planned_dp_bytes([p for p in model.parameters() if p.requires_grad], cfg.optim, mesh, m,
+                                             model)
+    return out
 
 
 def merged_rows(plan: Plan) -> list[tuple[list[int], RankFigures]]:

@@ -45,6 +45,7 @@ class Checkpointer:
         with self.watchdog.suspended(cfg.checkpoint.save_timeout_s):
             if self.saver is not None and last:
                 self._settle(self.saver.wait)  # commit the older one first, so `latest` ends on this step
+            optimizer.sync_params()  # ZeRO's overlapped all-gather may still be writing the params (zero=3: gathers them)
             # the finiteness vote is collective: every rank reaches it, also after a skipped step
             finite = state_is_finite(model, optimizer, mesh)
             if bad_in_a_row or not finite:

@@ -46,7 +46,8 @@ def run(cfg: Config, stop: StopFlag | None = None) -> None:
     try:
         mesh = build_mesh(cfg.parallel.tp, cfg.parallel.pp, device, ep=cfg.parallel.ep,
                           timeout=datetime.timedelta(seconds=cfg.train.dist_timeout_s),
-                          world_timeout=datetime.timedelta(seconds=cfg.checkpoint.save_timeout_s))
+                          world_timeout=datetime.timedelta(seconds=cfg.checkpoint.save_timeout_s),
+                          shard=cfg.optim.shard_group_size)
         p2p.warm_up(mesh.pp, device)
         # ranks may have resolved a timestamped run name a second apart: rank 0's wins; the run id
         # (this launch of the run, recorded in each checkpoint's lineage) is rank 0's too

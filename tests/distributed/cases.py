@@ -24,8 +24,12 @@ def tiny_config(overrides: list[str], world: int):
 def full_state(model, mesh, grads: bool = False, optimizer=None) -> dict[str, torch.Tensor]:
     """Every parameter (or its grad) of the whole model as full global tensors (collective over the mesh).
 
-    A ZeRO optimizer holds the reduced grad only for its dp range: its `reduced_grad` gathers it."""
+    A ZeRO optimizer holds the reduced grad only for its dp range: its `reduced_grad` gathers it; its
+    parameter all-gather may still be in flight (overlap_param_gather): pass it to wait for that."""
     import torch.distributed as dist
+
+    if optimizer is not None:
+        optimizer.sync_params()
 
     def grad(p):
         return optimizer.reduced_grad(p) if hasattr(optimizer, "reduced_grad") else p.grad
@@ -62,7 +66,7 @@ def train_and_report(mesh, overrides: list[str], steps: int, setup=None) -> dict
         losses.append(loss.item())
         if step == 1:
             grads = full_state(model, mesh, grads=True, optimizer=optimizer)
-    weights = full_state(model, mesh)
+    weights = full_state(model, mesh, optimizer=optimizer)
     if mesh.rank != 0:
         return None
     return {"losses": losses, "grads": grads, "weights": weights, "comm": comm_tp}

@@ -1,6 +1,6 @@
 """A pool of gloo ranks reused across tests: spawned once per session, each job runs on the first n.
 
-Every worker joins one 4-rank gloo world (1 thread each, 2 cores). A job is (fn, tp, pp, n, args, ep, p2p):
+Every worker joins one 4-rank gloo world (1 thread each, 2 cores). A job is (fn, tp, pp, n, args, ep, p2p, shard):
 all workers build (or reuse) the mesh over ranks [0, n) — group creation is collective over the whole
 world — then ranks < n call fn(mesh, *args). Point-to-point semantics follow MEGAFRAME_P2P_SEMANTICS
 (the suite sets nccl, tests/conftest.py) unless a job names its own `p2p`. Results come back through pipes. Every collective has
@@ -41,15 +41,15 @@ def _worker(rank: int, size: int, port: int, conn) -> None:
         job = conn.recv()
         if job is None:
             break
-        fn, tp, pp, n, args, ep, semantics = job
+        fn, tp, pp, n, args, ep, semantics, shard = job
         try:
-            key = (tp, pp, n, ep, semantics)
+            key = (tp, pp, n, ep, semantics, shard)
             if key not in meshes:  # groups are cached: creating them per job would leak sockets
                 suite = os.environ.get(ENV_VAR)
                 if semantics is not None:
                     os.environ[ENV_VAR] = semantics  # build_mesh reads it once
                 try:
-                    meshes[key] = build_mesh(tp, pp, torch.device("cpu"), ranks=range(n), ep=ep)
+                    meshes[key] = build_mesh(tp, pp, torch.device("cpu"), ranks=range(n), ep=ep, shard=shard)
                 finally:
                     os.environ.pop(ENV_VAR, None)
                     if suite is not None:
@@ -78,14 +78,15 @@ class RankPool:
             self.procs.append(p)
         self.broken = False
 
-    def run(self, fn, n: int, *args, tp: int = 1, pp: int = 1, ep: int = 1, p2p: str | None = None,
+    def run(self, fn, n: int, *args, tp: int = 1, pp: int = 1, ep: int = 1, p2p: str | None = None, shard: int = 0,
             timeout: float = JOB_TIMEOUT_S) -> list:
         """Run fn(mesh, *args) on ranks [0, n) with the given layout; returns their results in rank order.
-        `p2p` (native | nccl) overrides the suite's point-to-point semantics for this job's mesh."""
+        `p2p` (native | nccl) overrides the suite's point-to-point semantics for this job's mesh; `shard`:
+        HSDP shard group size (0 = dp)."""
         assert not self.broken, "pool broken by an earlier timeout"
         assert n <= self.size
         for c in self.conns:
-            c.send((fn, tp, pp, n, args, ep, p2p))
+            c.send((fn, tp, pp, n, args, ep, p2p, shard))
         results, errors = [], []
         for r, c in enumerate(self.conns):
             if not c.poll(timeout):

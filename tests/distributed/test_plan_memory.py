@@ -17,6 +17,9 @@ LAYOUTS = [
     ("tp2-dp2-sp", 4, 2, 1, ["parallel.tp=2", "parallel.sp=true"]),
     ("pp2-vpp2-tp2", 4, 2, 2, ["parallel.tp=2", "parallel.pp=2", "parallel.vpp=2", "model.num_layers=4"]),
     ("moe-ep2-dp4", 4, 1, 1, ["model.num_experts=4", "parallel.ep=2"]),
+    ("dp4-hsdp2-zero2", 4, 1, 1, ["optim.zero=2", "optim.shard_group_size=2", "optim.bucket_size_mb=0.01"]),
+    ("pp2-dp2-zero2-tied", 4, 1, 2, ["model=gpt2_tiny", "model.num_query_groups=null", "parallel.pp=2",
+                                     "optim.zero=2", "optim.bucket_size_mb=0.01"]),
 ]
 TOL = 0.10
 
@@ -28,7 +31,8 @@ def rel(a: float, b: float) -> float:
 @pytest.mark.parametrize("name,n,tp,pp,extra", LAYOUTS, ids=[x[0] for x in LAYOUTS])
 def test_planner_matches_measured_memory(pool, name, n, tp, pp, extra):
     ep = next((int(o.split("=")[1]) for o in extra if o.startswith("parallel.ep=")), 1)
-    measured = pool.run(measure_memory, n, extra, tp=tp, pp=pp, ep=ep)
+    shard = next((int(o.split("=")[1]) for o in extra if o.startswith("optim.shard_group_size=")), 0)
+    measured = pool.run(measure_memory, n, extra, tp=tp, pp=pp, ep=ep, shard=shard)
     plan = plan_layout(tiny_config(extra, n), n)
     planned = {(r.pp_rank, r.tp_rank): r for r in plan.ranks}
     report = []

@@ -51,7 +51,7 @@ def run_steps(mesh, overrides: list[str], steps: int, load: str | None = None, s
         sent.append(s)
         if step == 1:
             grads = full_state(model, mesh, grads=True, optimizer=optimizer)
-    weights = full_state(model, mesh)
+    weights = full_state(model, mesh, optimizer=optimizer)
     if save:
         sharded.save(save, stop, model, optimizer, mesh, {"layout": {"dp": mesh.dp.size}})
     if mesh.rank != 0:
@@ -60,6 +60,8 @@ def run_steps(mesh, overrides: list[str], steps: int, load: str | None = None, s
     return {"losses": losses, "grads": grads, "weights": weights, "comm": sent,
             "mem": memory_figures(model, optimizer, mesh.device),
             "buffer_numel": sum(b.numel for b in buffers), "buckets": sum(len(b.buckets) for b in buffers),
+            "bucket_numels": [b.numel for buf in buffers for b in buf.buckets],
+            "microbatches": cfg.train.global_batch_size // (cfg.train.micro_batch_size * mesh.dp.size),
             "params_numel": sum(p.numel() for p in model.parameters())}
 
 
@@ -142,3 +144,21 @@ def pipeline_ends_probe(mesh, overrides: list[str]) -> dict:
     grads = full_state(model, mesh, grads=True, optimizer=optimizer)
     return {"pp_rank": mesh.pp.rank, "sent": sent, "launched": launched, "loss": loss,
             "grads": grads if mesh.rank == 0 else None}
+
+
+def param_gather_probe(mesh, overrides: list[str]) -> dict | None:
+    """One step, then the next forward: param all-gathers not yet waited for right after step(), at the
+    entry of the first transformer block (after the optimizer's own pre-hook there) and after the forward."""
+    cfg, model, optimizer, data = _setup(mesh, overrides, 2)
+    _step(mesh, cfg, model, optimizer, data, 1)
+    seen = {"after_step": optimizer.param_gather.in_flight, "total": len(optimizer.param_gather.works)}
+
+    def probe(module, args):
+        seen.setdefault("first_block", optimizer.param_gather.in_flight)
+    model.layers["0"].register_forward_pre_hook(probe)
+    t = cfg.train
+    ids, labels = microbatches(data, 1, t.global_batch_size, t.micro_batch_size, mesh.dp.rank, mesh.dp.size, t.seed)[0]
+    with torch.no_grad():
+        model(ids, labels)
+    seen["after_forward"] = optimizer.param_gather.in_flight
+    return seen if mesh.rank == 0 else None

@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from tests.e2e.helpers import TINY, metrics, run, train
+from tests.e2e.helpers import TINY, metrics, train
 
 pytestmark = pytest.mark.e2e
 

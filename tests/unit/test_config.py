@@ -22,7 +22,7 @@ model.moe_ffn_hidden_size model.moe_router_score model.moe_top_k model.moe_z_los
 model.num_layers model.num_query_groups model.position_embedding model.rope_theta model.seq_length
 model.tie_embeddings model.vocab_size
 optim.beta1 optim.beta2 optim.bucket_size_mb optim.clip_grad optim.eps optim.lr optim.min_lr optim.warmup_steps
-optim.weight_decay optim.zero
+optim.weight_decay optim.zero optim.shard_group_size optim.overlap_param_gather optim.reshard_after_forward
 optim.lr_schedule optim.lr_decay_steps optim.wsd_decay_fraction
 parallel.ep parallel.pp parallel.pp_layout parallel.pp_schedule parallel.sp parallel.tp parallel.vpp
 run.dir run.name
@@ -171,7 +171,10 @@ def test_unknown_preset_is_a_one_line_error():
     (["parallel.ep=2"], 2, ["parallel.ep", "model.num_experts"]),
     (["model=moe_tiny", "model.moe_router_score=relu"], 1, ["model.moe_router_score"]),
     (["model=moe_tiny", "model.moe_capacity_factor=0"], 1, ["model.moe_capacity_factor"]),
-    (["optim.zero=2"], 2, ["optim.zero"]),
+    (["optim.zero=4"], 2, ["optim.zero"]),
+    (["optim.zero=3", "train.compile=true"], 2, ["optim.zero=3"]),
+    (["optim.shard_group_size=3"], 4, ["optim.shard_group_size", "dp=4"]),
+    (["optim.shard_group_size=2", "optim.zero=0"], 4, ["optim.shard_group_size", "optim.zero"]),
     (["train.hang_timeout_s=-1"], 1, ["train.hang_timeout_s"]),
     (["train.dist_timeout_s=0"], 1, ["train.dist_timeout_s"]),
     (["checkpoint.save_timeout_s=-5"], 1, ["checkpoint.save_timeout_s"]),

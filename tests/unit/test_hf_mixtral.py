@@ -3,7 +3,6 @@
 an MoE model transformers cannot express is refused in one line."""
 from __future__ import annotations
 
-import pytest
 import torch
 
 import megaframe

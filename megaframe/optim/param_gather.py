@@ -1,0 +1,101 @@
+"""The all-gather of updated parameter buckets after a ZeRO step, optionally overlapped with the next
+forward (optim.overlap_param_gather, Megatron's --overlap-param-gather).
+
+Without overlap, step() waits for every bucket, so parameters are whole when it returns. With overlap,
+step() only launches the all-gathers, in the order forward needs them (`_hook_sites`: the params
+outside the transformer blocks, then block by block), and a forward pre-hook on the model and on each
+block waits for the gathers up to the last bucket it needs. Gathers on one group complete in launch
+order, so waiting "up to k" is what the wire does anyway.
+`wait()` finishes everything: whoever reads parameters outside a forward (checkpoints, tests, the next
+step, backward) calls it first; it is a no-op when nothing is in flight.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def blocks_of(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks (`model.layers`), in forward order; none for another module."""
+    layers = getattr(model, "layers", None)
+    return list(layers.values()) if isinstance(layers, nn.ModuleDict) else []
+
+
+def _hook_sites(model: nn.Module) -> list[tuple[nn.Module, list]]:
+    """(module, params its forward pre-hook waits for), in the order forwards run. A pipeline rank's
+    forward is `forward_chunk`, not a call of the model, so the hooks sit on the modules it calls:
+        embed        the input embedding and every other param outside blocks and head (pos_embed)
+        each block   all of its params, one hook at its entry (a block may be torch.compile'd whole: a
+                     hook inside it would break its graph at every sub-module)
+        final_norm   every param outside the blocks: the output head's weight (or the tied embedding's
+                     copy on the last stage) is read right after it, not through a module call
+    A model without these (another module) waits at its own entry for everything outside blocks."""
+    blocks = blocks_of(model)
+    in_blocks = {id(p) for b in blocks for p in b.parameters()}
+    outside = [p for p in model.parameters() if id(p) not in in_blocks]
+    embed, final_norm = getattr(model, "embed", None), getattr(model, "final_norm", None)
+    if not isinstance(embed, nn.Module) and not isinstance(final_norm, nn.Module):
+        sites = [(model, outside)] + [(b, list(b.parameters())) for b in blocks]
+    else:
+        head = {id(p) for m in (final_norm, getattr(model, "head", None)) if isinstance(m, nn.Module)
+                for p in m.parameters()}
+        sites = [(embed, [p for p in outside if id(p) not in head])] if isinstance(embed, nn.Module) else []
+        sites += [(b, list(b.parameters())) for b in blocks]
+        sites += [(final_norm, outside)] if isinstance(final_norm, nn.Module) else []
+    return [(m, ps) for m, ps in sites if ps]
+
+
+class ParamGather:
+    """Launches and waits for the param all-gathers of a ZeroOptimizer's buffers."""
+
+    def __init__(self, model: nn.Module, buffers: list, overlap: bool):
+        self.buffers, self.overlap = buffers, overlap
+        self.works: list = []  # Work or None, in launch order
+        self.waited = 0  # works[:waited] are done
+        # launch order: the buckets the earliest hook needs first (the same on every rank: same model)
+        sites = _hook_sites(model)
+        bucket = {p: (buf, buf.bucket_of[p]) for buf in buffers for p in buf.bucket_of}
+        self.launch_order: list = []
+        index: dict = {}
+        for _, params in sites:
+            for p in params:
+                if p in bucket and id(bucket[p][1]) not in index:
+                    index[id(bucket[p][1])] = len(self.launch_order)
+                    self.launch_order.append(bucket[p])
+        for buf in buffers:  # buckets no hook needs (none in a GPT): last
+            for b in buf.buckets:
+                if id(b) not in index:
+                    index[id(b)] = len(self.launch_order)
+                    self.launch_order.append((buf, b))
+        self.hooks = []
+        if overlap:
+            for module, params in sites:
+                need = [index[id(bucket[p][1])] for p in params if p in bucket]
+                if need:
+                    self.hooks.append(module.register_forward_pre_hook(self._pre_hook(max(need))))
+
+    def _pre_hook(self, upto: int):
+        @torch.compiler.disable  # a wait on a Work: never traced into a compiled graph
+        def hook(module, args):
+            self.wait(upto)
+        return hook
+
+    def launch(self, gather_bucket) -> None:
+        """gather_bucket(buf, b) -> Work | None starts one bucket's all-gather; called in launch order."""
+        self.wait()
+        self.works = [gather_bucket(buf, b) for buf, b in self.launch_order]
+        self.waited = 0
+        if not self.overlap:
+            self.wait()
+    def wait(self, upto: int | None = None) -> None:
+        """Wait for the gathers of launch index <= upto (all by default)."""
+        end = len(self.works) if upto is None else min(upto + 1, len(self.works))
+        while self.waited < end:
+            w = self.works[self.waited]
+            if w is not None:
+                w.wait()
+            self.waited += 1
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.works) - self.waited

@@ -1,0 +1,76 @@
+"""What the ZeRO optimizers allocate and send, computed without allocating: the planner sizes every rank
+of a layout with these on a virtual mesh, from the same `buffer_groups` and bucket plans the optimizers
+(zero.py, zero3.py) build their buffers from."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megaframe.config import OptimConfig
+from megaframe.optim.buffer import buffer_groups, bucket_plan, group_plan
+from megaframe.optim.param_gather import blocks_of
+from megaframe.parallel.mesh import Mesh
+
+
+def _plans(params: list[nn.Parameter], cfg: OptimConfig, mesh: Mesh, model: nn.Module | None):
+    """(shard axis, params, buffer order, bucket plan) per buffer, as the optimizer of cfg.zero lays them."""
+    blocks = blocks_of(model) if model is not None and cfg.zero == 3 else []
+    in_blocks = {id(p) for b in blocks for p in b.parameters()}
+    for axis, ps in buffer_groups(params, mesh):
+        if blocks:
+            groups = [[p for p in ps if id(p) not in in_blocks]] + [list(b.parameters()) for b in blocks]
+            ordered, plan = group_plan(ps, groups, axis.size)
+        else:
+            ordered, plan = bucket_plan(ps, int(cfg.bucket_size_mb * 2**20), axis.size)
+        yield axis, ps, ordered, plan
+
+
+def planned_memory_bytes(params: list[nn.Parameter], cfg: OptimConfig, mesh: Mesh,
+                         model: nn.Module | None = None) -> dict[str, int]:
+    """memory_bytes() of the ZeRO optimizer of `params` on this rank of `mesh` (zero=3 needs the `model`
+    for its block buckets): the same buffers and bucket padding, and per owned element the state
+    _build_state keeps (two fp32 moments, plus an fp32 master for low-precision params). zero=3 adds
+    mem/params_bytes: the fp32 owned range plus the bucket outside blocks, kept whole."""
+    grads = optim = params_bytes = 0
+    for axis, ps, ordered, plan in _plans(params, cfg, mesh, model):
+        numel = plan[-1][2] if plan else 0
+        late = sum(end - start for idx, start, end in plan if any(ordered[i].placement.pp_tied for i in idx))
+        if cfg.zero == 3:
+            _, start, end = plan[-1]  # the params outside blocks (group_plan puts them last)
+            grads += 4 * (numel // axis.size + late)  # a tied embedding's bucket: whole for the step
+            optim += 8 * numel // axis.size
+            params_bytes += 4 * numel // axis.size + (end - start) * ps[0].element_size()
+            continue
+        if cfg.zero >= 2:  # the shard, plus the whole of late buckets (a tied embedding's)
+            grads += 4 * (numel // axis.size + late)
+        else:
+            grads += 4 * numel
+        optim += (numel // axis.size) * (8 if ps[0].dtype == torch.float32 else 12)
+    out = {"mem/grads_bytes": grads, "mem/optim_bytes": optim}
+    return {**out, "mem/params_bytes": params_bytes} if cfg.zero == 3 else out
+
+
+def planned_dp_bytes(params: list[nn.Parameter], cfg: OptimConfig, mesh: Mesh, microbatches: int,
+                     model: nn.Module | None = None) -> int:
+    """Bytes this rank sends on dp in one step of the ZeroOptimizer of `params` (the planner; what
+    comm_bytes/dp logs), from the same buffers: per bucket of n elements over a shard axis of s ranks, a
+    reduce-scatter (s-1)/s·4n once a step (zero=1) or per micro-batch (zero=2: exact with one pipeline
+    chunk per rank; under vpp a bucket spanning two chunks is reduced once per chunk), the all-gather
+    (s-1)·n/s params, under HSDP the all-reduce 2(r-1)/r·4n/s of the shard over r replicas; plus the
+    grad norm's scalar all-reduce over the dense shard axis. zero=3 gathers every block bucket twice per
+    micro-batch (forward, backward; once per step without reshard_after_forward) and the bucket outside
+    blocks once per step."""
+    total = 0
+    for axis, ps, ordered, plan in _plans(params, cfg, mesh, model):
+        s, r = axis.size, (mesh.dp_rep.size if axis is mesh.dp_shard else 1)
+        elem = ps[0].element_size()
+        for k, (idx, start, end) in enumerate(plan):
+            n = end - start
+            gathers = 2 * microbatches if cfg.zero == 3 and k < len(plan) - 1 and cfg.reshard_after_forward else 1
+            late = any(ordered[i].placement.pp_tied for i in idx)  # reduced once, in step()
+            reduces = microbatches if cfg.zero >= 2 and not late else 1
+            total += (s - 1) * 4 * n // s * reduces + gathers * ((s - 1) * elem * n // s)
+        if r > 1:
+            total += 2 * (r - 1) * 4 * (plan[-1][2] // s) // r
+    s = mesh.dp_shard.size
+    return total + int(2 * (s - 1) / s * 4)

@@ -1,0 +1,121 @@
+"""ZeRO-3 (params sharded too, gathered block by block): equal to one process at dp2, dp4, tp2·dp2·sp
+HSDP dp4/s2, pp2 and pp2 with tied embeddings (gpt2) without resharding after forward, pp2·vpp2; params,
+grads and optimizer state per rank against the layout, dp bytes to theory to the byte, and a resume
+chain zero=3 dp4 -> zero=1 dp2 -> zero=0 one process."""
+import pytest
+
+from megaframe.planning.estimate import plan_layout
+from tests.distributed.cases import tiny_config
+from tests.distributed.test_model_equivalence import assert_close_dicts
+from tests.distributed.test_zero import FAMILIES, STEPS, reference, rel_errors
+from tests.distributed.zero_cases import bf16_losses, run_steps
+
+pytestmark = pytest.mark.distributed
+
+
+def theory_dp_bytes(bucket_numels: list[int], s: int, r: int, microbatches: int, reshard: bool = True,
+                    late: bool = False) -> int:
+    """One step's bytes on dp, over shard groups of s ranks and r replicas of them (HSDP; r = 1 without),
+    with one bucket per block and the last one, R, the params outside blocks:
+        block gathers    2 per micro-batch (forward, backward; once a step without reshard), (s-1)·4n/s each
+        R's gather       once, after the update
+        reduce-scatter   every bucket once per micro-batch, (s-1)/s·4n (R once a step when it holds a
+                         tied embedding under pp: `late`, summed over the pipeline ends first)
+        HSDP all-reduce  the shard, 2(r-1)/r·4·Σn/s, once
+        grad-norm scalar 2(s-1)/s·4"""
+    one = [(s - 1) * 4 * n // s for n in bucket_numels]
+    hsdp = 2 * (r - 1) * 4 * sum(bucket_numels) // s // r
+    rs = microbatches * sum(one[:-1]) + (1 if late else microbatches) * one[-1]
+    return ((microbatches * 2 if reshard else 1) * sum(one[:-1]) + one[-1] + rs + hsdp
+            + int(2 * (s - 1) / s * 4))
+
+
+G2 = FAMILIES["gpt2_tiny"]
+NO_RESHARD = "optim.reshard_after_forward=false"
+# (name, family, ranks, tp, pp, HSDP shard group size (0: dp), overrides)
+CASES = [("dp2", "gpt_tiny", 2, 1, 1, 0, []), ("dp4", "gpt_tiny", 4, 1, 1, 0, []),
+         ("dp2-recompute-full", "gpt_tiny", 2, 1, 1, 0, ["train.recompute=full"]),
+         ("tp2-dp2-sp", "gpt_tiny", 4, 2, 1, 0, ["parallel.tp=2", "parallel.sp=true"]),
+         ("hsdp-dp4-s2", "gpt_tiny", 4, 1, 1, 2, ["optim.shard_group_size=2"]),
+         ("pp2-dp2", "gpt_tiny", 4, 1, 2, 0, ["parallel.pp=2"]),
+         ("pp2-dp2-tied-keep", "gpt2_tiny", 4, 1, 2, 0, G2 + ["parallel.pp=2", NO_RESHARD])]
+
+
+@pytest.mark.parametrize("name,family,n,tp,pp,shard,extra", CASES, ids=[c[0] for c in CASES])
+def test_zero3_matches_one_process(pool, name, family, n, tp, pp, shard, extra):
+    ref = reference(pool, family)
+    over = ["optim.zero=3"] + extra
+    got = pool.run(run_steps, n, over, STEPS, tp=tp, pp=pp, shard=shard)[0]
+    assert max(rel_errors(got["losses"], ref["losses"])) <= 1e-5, (got["losses"], ref["losses"])
+    assert_close_dicts(got["grads"], ref["grads"], rtol=1e-4, atol=1e-6, what="grad")
+    assert_close_dicts(got["weights"], ref["weights"], rtol=1e-4, atol=1e-4, what="weight")
+    dp = n // (tp * pp)
+    s = shard or dp
+    m, b, resident = got["mem"], got["buffer_numel"], got["bucket_numels"][-1]
+    assert len(got["bucket_numels"]) == 3 - (pp > 1)  # the blocks and the params outside them
+    # params: this rank's fp32 owned range plus the (whole) params outside blocks; grads and Adam moments 1/s
+    assert m["mem/params_bytes"] == 4 * b // s + 4 * resident
+    late = resident if family == "gpt2_tiny" and pp > 1 else 0  # the tied embedding's grads, kept whole
+    assert m["mem/grads_bytes"] == 4 * b // s + 4 * late and m["mem/optim_bytes"] == 8 * b // s
+    block = max(got["bucket_numels"][:-1])
+    assert 4 * block <= m["mem/gathered_peak_bytes"] <= 4 * (2 * block + b), m  # <= 2 blocks + transient grads
+    # the last step: steps 1-2 differ only by gathers the test's own full-state reads made unnecessary
+    want = theory_dp_bytes(got["bucket_numels"], s, dp // s, got["microbatches"], NO_RESHARD not in extra, late > 0)
+    assert got["comm"][-1]["dp"] == want
+    planned = plan_layout(tiny_config(over, n), n).ranks[0]  # the planner, from the config alone
+    assert (planned.params_bytes, planned.grads_bytes, planned.optim_bytes, planned.dp_comm_bytes) == \
+        (m["mem/params_bytes"], m["mem/grads_bytes"], m["mem/optim_bytes"], want)
+
+
+def test_checkpoint_resumes_from_zero3(pool, tmp_path):
+    """zero=3 at dp4 for steps 1-2 -> zero=1 at dp2 for 3-4 -> zero=0 in one process for 5-6: the
+    losses continue those of one uninterrupted run (<= 1e-5), and so do the final weights."""
+    full = reference(pool, "gpt_tiny")
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    pool.run(run_steps, 4, ["optim.zero=3"], STEPS, None, a, 0, 2)
+    mid = pool.run(run_steps, 2, ["optim.zero=1", "optim.bucket_size_mb=0.01"], STEPS, f"{a}/step_00000002", b, 2, 4)[0]
+    end = pool.run(run_steps, 1, ["optim.zero=0"], STEPS, f"{b}/step_00000004", None, 4)[0]
+    resumed = mid["losses"] + end["losses"]
+    assert max(rel_errors(resumed, full["losses"][2:])) <= 1e-5, (resumed, full["losses"])
+    assert_close_dicts(end["weights"], full["weights"], rtol=1e-4, atol=1e-4, what="weight")
+
+
+def test_zero3_interleaved_pipeline(pool):
+    """pp2·vpp2 (two chunks of one block per rank, micro-batches interleaved): equal to one process."""
+    over = ["parallel.pp=2", "parallel.vpp=2", "model.num_layers=4"]
+    ref = pool.run(run_steps, 1, ["model.num_layers=4", "optim.zero=0"], STEPS)[0]
+    got = pool.run(run_steps, 4, over + ["optim.zero=3"], STEPS, pp=2)[0]
+    assert max(rel_errors(got["losses"], ref["losses"])) <= 1e-5, (got["losses"], ref["losses"])
+    assert_close_dicts(got["grads"], ref["grads"], rtol=1e-4, atol=1e-6, what="grad")
+    assert_close_dicts(got["weights"], ref["weights"], rtol=1e-4, atol=1e-4, what="weight")
+
+
+def test_zero3_moe_ep2(pool):
+    """moe_tiny at dp4·ep2: dense block params sharded over dp (4), expert params over edp (2), in
+    buckets of their own per block; equal to one process."""
+    ref = pool.run(run_steps, 1, ["model=moe_tiny", "optim.zero=0"], STEPS)[0]
+    got = pool.run(run_steps, 4, ["model=moe_tiny", "parallel.ep=2", "optim.zero=3"], STEPS, ep=2)[0]
+    assert max(rel_errors(got["losses"], ref["losses"])) <= 1e-5, (got["losses"], ref["losses"])
+    assert_close_dicts(got["grads"], ref["grads"], rtol=1e-4, atol=1e-6, what="grad")
+    assert_close_dicts(got["weights"], ref["weights"], rtol=1e-4, atol=1e-4, what="weight")
+    assert got["buckets"] == 5  # dense: 2 blocks + the rest; experts: 2 blocks
+
+
+def test_checkpoint_loads_into_zero3(pool, tmp_path):
+    """The other way: zero=1 at dp2 for steps 1-3, then zero=3 at dp4 (pp2) for 4-6, losses continuing."""
+    full = reference(pool, "gpt_tiny")
+    pool.run(run_steps, 2, ["optim.zero=1"], STEPS, None, str(tmp_path), 0, 3)
+    got = pool.run(run_steps, 4, ["optim.zero=3", "parallel.pp=2"], STEPS, str(tmp_path / "step_00000003"),
+                   None, 3, pp=2)[0]
+    assert max(rel_errors(got["losses"], full["losses"][3:])) <= 1e-5, (got["losses"], full["losses"])
+    assert_close_dicts(got["weights"], full["weights"], rtol=1e-4, atol=1e-4, what="weight")
+
+
+def test_zero3_bf16_equals_zero2(pool):
+    """bf16 params, fp32 master: zero=3 (gathers of bf16 blocks cast from the master) gives zero=2's
+    losses exactly, and they fall."""
+    z2 = pool.run(bf16_losses, 2, ["optim.zero=2"], 8)[0]
+    z3 = pool.run(bf16_losses, 2, ["optim.zero=3"], 8)[0]
+    assert z3["finite"] and z3["losses"] == z2["losses"], (z3["losses"], z2["losses"])
+    assert z3["losses"][-1] < z3["losses"][0] - 0.05
+    assert z3["param_dtype"] == "torch.bfloat16" and "master" in z3["state_dtypes"]
