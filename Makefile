@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 ARGS   ?=
 RUN    ?= demo-$(shell date +%Y%m%d-%H%M%S)
 
-.PHONY: install data train test test-fast slurm-up slurm-down slurm-test clean
+.PHONY: install data train test lint test-fast slurm-up slurm-down slurm-test clean
 
 install: $(VENV)/.installed
 
@@ -28,8 +28,12 @@ data/demo/prepared/meta.json:
 train: data
 	MEGAFRAME_RUN_NAME=$(RUN) $(PY) train.py $(ARGS)
 
-test: $(VENV)/.installed
+test: $(VENV)/.installed lint
 	$(PY) -m pytest -q -rs $(ARGS); rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
+
+# ruff (pyflakes, pycodestyle, import order, bugbear; pyproject.toml [tool.ruff]): seconds, before the tests
+lint: $(VENV)/.installed
+	$(PY) -m ruff check megaframe tests scripts train.py
 
 test-fast: $(VENV)/.installed
 	$(PY) -m pytest -q -m "not e2e" $(ARGS)

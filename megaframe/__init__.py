@@ -14,12 +14,10 @@ def load_model(path: str):
 
     from omegaconf import OmegaConf
 
-    from megaframe.checkpoint import sharded
+    from megaframe.checkpoint import lineage, sharded
     from megaframe.config import Config
     from megaframe.model.gpt import GPT
     from megaframe.parallel.mesh import single_process_mesh
-
-    from megaframe.checkpoint import lineage
 
     step = Path(path)
     if not (step / "metadata.json").is_file():  # a checkpoint dir: what `latest` names (a rollback's branch)

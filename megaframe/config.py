@@ -11,12 +11,37 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from megaframe.errors import ConfigError, one_line as _one_line  # noqa: F401  (re-exported)
+from megaframe.errors import ConfigError  # noqa: F401  (re-exported)
+from megaframe.errors import one_line as _one_line
 from megaframe.schema import (  # noqa: F401  (the public path of the schema's names)
-    CONF_DIR, DEFAULT_EXTENSIONS, ROOT, BlendSource, CheckpointConfig, Config, DataConfig, DocSplit,
-    LoggingConfig, LRSchedule, ModelConfig, OptimConfig, ParallelConfig, RunConfig, TrainConfig, WandbConfig,
-    Activation, DataKind, Device, Norm, PositionEmbedding, Precision, Recompute, RouterScore, ScheduleKind,
-    SaveErrorPolicy, WandbMode, plain,
+    CONF_DIR,
+    DEFAULT_EXTENSIONS,
+    ROOT,
+    Activation,
+    BlendSource,
+    CheckpointConfig,
+    Config,
+    DataConfig,
+    DataKind,
+    Device,
+    DocSplit,
+    LoggingConfig,
+    LRSchedule,
+    ModelConfig,
+    Norm,
+    OptimConfig,
+    ParallelConfig,
+    PositionEmbedding,
+    Precision,
+    Recompute,
+    RouterScore,
+    RunConfig,
+    SaveErrorPolicy,
+    ScheduleKind,
+    TrainConfig,
+    WandbConfig,
+    WandbMode,
+    plain,
 )
 
 
@@ -53,8 +78,8 @@ def load_config(overrides: list[str], world_size: Optional[int] = None, check_da
     """Compose conf/config.yaml with Hydra overrides, convert to `Config`, validate. Raises ConfigError."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
-    from omegaconf import OmegaConf
     from hydra.errors import HydraException
+    from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
     _register()

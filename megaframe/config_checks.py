@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from megaframe.errors import ConfigError, one_line as _one_line
+from megaframe.errors import ConfigError
+from megaframe.errors import one_line as _one_line
 
 if TYPE_CHECKING:
     from megaframe.schema import Config, ModelConfig, ParallelConfig

@@ -9,9 +9,9 @@ import json
 import math
 from pathlib import Path
 
-from megaframe.errors import ConfigError, one_line as _one_line
+from megaframe.errors import ConfigError
+from megaframe.errors import one_line as _one_line
 from megaframe.schema import Config
-
 
 PLANNER_KEYS = ("world_size", "device_memory_gb", "plan_json", "search", "device", "top", "efficiency")
 """The planner's own `+key=value` settings (megaframe.plan removes them before load_config). Kept here,

@@ -12,8 +12,19 @@ from pathlib import Path
 from typing import Optional, get_type_hints
 
 from megaframe.choices import (  # noqa: F401  (re-exported: the schema's public names)
-    Activation, DataKind, Device, DocSplit, LRSchedule, Norm, PositionEmbedding, Precision, Recompute,
-    RouterScore, SaveErrorPolicy, ScheduleKind, WandbMode,
+    Activation,
+    DataKind,
+    Device,
+    DocSplit,
+    LRSchedule,
+    Norm,
+    PositionEmbedding,
+    Precision,
+    Recompute,
+    RouterScore,
+    SaveErrorPolicy,
+    ScheduleKind,
+    WandbMode,
 )
 from megaframe.errors import ConfigError  # noqa: F401  (re-exported: the schema's error type)
 

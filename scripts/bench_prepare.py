@@ -90,7 +90,7 @@ def main() -> None:
         print(f"limit: sentencepiece encode, 1 core: {n:,} tokens in {secs:.2f}s = {limit:,.0f} tokens/s "
               f"({limit_cpu:.2f} CPU s)", flush=True)
         for w in sorted({1, a.workers}):
-            def once():
+            def once(w=w):
                 shutil.rmtree(tmp / f"w{w}", ignore_errors=True)
                 t0 = time.perf_counter()
                 meta = run_prepare(src, tmp / f"w{w}", w, tok, a.vocab)

@@ -117,7 +117,8 @@ def make_batches(n: int, batch: int, seq: int, vocab: int, device, seed: int = 0
 
 
 def profile(name: str, step, batches) -> None:
-    from torch.profiler import ProfilerActivity, profile as prof
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as prof
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with prof(activities=acts) as p:
@@ -154,7 +155,7 @@ def main() -> None:
     hf_step = hf_side(cfg, device)
     batches = make_batches(args.warmup + args.steps, args.batch, args.seq, cfg.model.vocab_size, device)
     sides = {"megaframe": mf_step, "hf_llama": hf_step}
-    for name, step in sides.items():
+    for _name, step in sides.items():
         timed(step, batches[:args.warmup], device)
     if args.profile:
         for name, step in sides.items():

@@ -5,9 +5,11 @@
 CKPT is a step folder (step_XXXXXXXX) or a checkpoint dir holding committed step folders (the newest
 one that verifies is used); it may have been saved under any parallel layout. OUT receives
 config.json, model.safetensors (LlamaForCausalLM for rmsnorm/swiglu/rope models, MixtralForCausalLM for
-their softmax top-k MoE variant, GPT2LMHeadModel for layernorm/gelu/learned-position models) and, when the run's prepared data (data.path or a blend
+their softmax top-k MoE variant, GPT2LMHeadModel for layernorm/gelu/learned-position models) and, when the run's
+prepared data (data.path or a blend
 source) holds its tokenizer, a transformers tokenizer (a sentencepiece tokenizer.model is converted
-to tokenizer.json, encoding exactly alike) that AutoTokenizer.from_pretrained(OUT) loads offline. All model.vocab_size embedding rows are exported, even when the tokenizer has fewer.
+to tokenizer.json, encoding exactly alike) that AutoTokenizer.from_pretrained(OUT) loads offline. All model.vocab_size
+embedding rows are exported, even when the tokenizer has fewer.
 Bad input (missing or corrupt checkpoint, unsupported model, OUT not empty) exits 2 with one line.
 """
 from __future__ import annotations
@@ -22,8 +24,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megaframe.errors import fail  # noqa: E402  (after the path insert)
-
-
 
 
 def resolve_step(path: str) -> tuple[Path, dict]:

@@ -15,7 +15,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-
 from megaframe.checkpoint import sharded
 from megaframe.parallel.mesh import Mesh
 

@@ -93,7 +93,8 @@ def read_items(path: str | Path, meta: dict, items: list[Item]) -> tuple[dict[st
     out = {it.key: torch.zeros(it.local_shape, dtype=getattr(torch, it.dtype)) for it in items}
     stats = ReadStats()
     execute(Path(path), meta, plan, index, out, stats)
-    return out, {"read_bytes": stats.bytes, "read_data_bytes": stats.data_bytes, "needed_bytes": plan.needed_bytes, "planned_bytes": plan.planned_bytes,
+    return out, {"read_bytes": stats.bytes, "read_data_bytes": stats.data_bytes, "needed_bytes": plan.needed_bytes,
+                 "planned_bytes": plan.planned_bytes,
                  "files_opened": stats.files, "load_s": time.perf_counter() - t0}
 
 

@@ -35,9 +35,9 @@ from megaframe.checkpoint.metadata import (
     CheckpointError,
     check_complete,
     check_coverage,
+    committed,  # noqa: F401  (public API)
     confined,
 )
-from megaframe.checkpoint.metadata import committed  # noqa: F401  (public API)
 from megaframe.checkpoint.metadata import read as read_metadata  # noqa: F401
 from megaframe.checkpoint.store import shard_name, verify_file, write_file
 from megaframe.parallel import comm

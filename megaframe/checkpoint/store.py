@@ -147,7 +147,7 @@ def read_ranges(folder: Path, name: str, reads: list, want_crc: int | None, stat
             if len(buf) != b0 - a0:
                 raise CheckpointError(f"shard {name} is corrupt (tensor {key} is cut short)")
             if crc is not None:
-                for i, at in enumerate(range(a0, b0, blk)):
+                for at in range(a0, b0, blk):
                     if zlib.crc32(buf[at - a0:at - a0 + blk]) != int(crc[at // blk]):
                         raise CheckpointError(f"shard {name} is corrupt: tensor {key}, bytes "
                                               f"{at}..{min(at + blk, b0)} fail their checksum")

@@ -3,7 +3,8 @@
 A sample is seq_length + 1 consecutive tokens (inputs and shifted labels). Prepared data is read from
 memory-mapped token shards; sample i of a split starts at token split_start + i * seq_length. The order
 is a seeded bijection per epoch (megaframe.data.order: computed per position, O(1) memory), so global
-position g (counting samples over the whole run) is sample perm_{g // N}(g % N). A blend of datasets (megaframe.data.blend) maps g to (dataset, its own position).
+position g (counting samples over the whole run) is sample perm_{g // N}(g % N). A blend of datasets
+(megaframe.data.blend) maps g to (dataset, its own position).
 The data cursor is therefore derived, never stored: after step t, positions [0, t·G) are consumed, and a
 run resumed under any dp continues at position t·G exactly.
 

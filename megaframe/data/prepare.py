@@ -41,10 +41,20 @@ from typing import Iterator
 from megaframe.config import Config, ConfigError, DocSplit, load_config
 from megaframe.data import manifest as mf
 from megaframe.data.shards import encode_chunk, token_dtype
-from megaframe.data.sources import (PrepareError, SourceFile, file_sha256, iter_documents, offline_hf,
-                                    resolve_source, sample_documents, screen_head, text_size, units)
-from megaframe.errors import fail
+from megaframe.data.sources import (
+    PrepareError,
+    SourceFile,
+    file_sha256,
+    iter_documents,
+    offline_hf,
+    resolve_source,
+    sample_documents,
+    screen_head,
+    text_size,
+    units,
+)
 from megaframe.data.tokenizer import TokenizerError, load_tokenizer, tokenizer_sha256, train_tokenizer
+from megaframe.errors import fail
 
 __all__ = ["PrepareError", "prepare", "main"]
 

@@ -6,7 +6,8 @@ reads every byte once (sha256 and the largest token id of each shard, streamed i
 A training run cannot afford that over a whole corpus on every rank, so at start ONE rank (global rank 0)
 hashes only the shards the run's first global batch touches (`first_batch_shards`), at most
 MAX_STARTUP_SHARDS of them: the cost is at most 8 shard files (the demo's are ~130 KB, 1 MB in all,
-<0.01 s; a prepared shard is about one work unit of data.prepare), independent of the corpus size. Every other read is guarded by the token-id range check that the
+<0.01 s; a prepared shard is about one work unit of data.prepare), independent of the corpus size. Every other read is
+guarded by the token-id range check that the
 reader applies to each sample as it is read (megaframe.data.shards.check_token_range).
 """
 from __future__ import annotations
@@ -44,7 +45,8 @@ def check_shard(folder: Path, entry: dict, dtype: np.dtype, vocab: int) -> str |
     if entry.get("sha256") and h.hexdigest() != entry["sha256"]:
         return f"shard {entry['file']} is corrupt (sha256 {h.hexdigest()[:16]}..., meta.json says {entry['sha256'][:16]}...)"
     if where is not None:
-        return f"shard {entry['file']} is corrupt: token id {where[1]} at token offset {where[0]} is outside the vocabulary ({vocab})"
+        return (f"shard {entry['file']} is corrupt: token id {where[1]} at token offset {where[0]} is outside "
+                f"the vocabulary ({vocab})")
     return None
 
 

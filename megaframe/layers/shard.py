@@ -1,7 +1,8 @@
 """How each local parameter is cut from its global tensor, and layout-free initialisation.
 
 Every parameter carries a `Placement` (parallel/placement.py, as `param.placement`) whose `shard` is a
-`Shard`: the global shape, the split dim, and the fused sub-blocks along it. A fused QKV weight of a GQA model is [q | k | v] along dim 0 with unequal sizes;
+`Shard`: the global shape, the split dim, and the fused sub-blocks along it. A fused QKV weight of a GQA model is [q |
+k | v] along dim 0 with unequal sizes;
 each block is split over tp separately, so rank r holds [q_r | k_r | v_r] and its heads line up.
 The same description drives init (each rank draws only the fixed blocks of the global tensor its slice
 touches, each block from a seed of (seed, name, block)), checkpoint metadata (global shape and every

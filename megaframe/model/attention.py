@@ -12,10 +12,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from megaframe.schema import ModelConfig
 from megaframe.layers.linear import ColumnParallelLinear, RowParallelLinear
 from megaframe.layers.rng import tp_distinct
 from megaframe.parallel.mesh import Axis
+from megaframe.schema import ModelConfig
 
 
 def rope_tables(seq: int, dim: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:

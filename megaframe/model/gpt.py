@@ -14,17 +14,17 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from megaframe.schema import ModelConfig
 from megaframe.layers.fused_ce import linear_cross_entropy
 from megaframe.layers.linear import ColumnParallelLinear, RowParallelLinear
-from megaframe.layers.rng import tp_distinct
 from megaframe.layers.norm import Norm
+from megaframe.layers.rng import tp_distinct
 from megaframe.layers.shard import Shard, init_model, sharded_param
 from megaframe.layers.vocab import VocabParallelEmbedding, parallel_logits, vocab_parallel_cross_entropy
 from megaframe.model.attention import Attention, rope_tables
 from megaframe.model.moe import MoE
 from megaframe.parallel.mesh import Mesh
 from megaframe.pipeline.partition import Stage, stage_layout
+from megaframe.schema import ModelConfig
 
 
 class MLP(nn.Module):

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from megaframe.config import OptimConfig
-from megaframe.optim.buffer import buffer_groups, bucket_plan, group_plan
+from megaframe.optim.buffer import bucket_plan, buffer_groups, group_plan
 from megaframe.optim.param_gather import blocks_of
 from megaframe.parallel.mesh import Mesh
 

@@ -52,7 +52,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from megaframe.schema import OptimConfig
 from megaframe.optim.adamw import MOMENTS, adamw
 from megaframe.optim.buffer import Bucket, FlatBuffer, buffer_groups
 from megaframe.optim.finalize import all_reduce_tensors, finalize
@@ -60,6 +59,7 @@ from megaframe.optim.param_gather import ParamGather
 from megaframe.parallel import comm
 from megaframe.parallel.mesh import Axis, Mesh
 from megaframe.parallel.placement import Placement
+from megaframe.schema import OptimConfig
 
 
 @dataclass

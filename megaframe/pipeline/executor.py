@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 import torch
 from torch.autograd import Variable
 
-from megaframe.pipeline import p2p
-from megaframe.pipeline.schedule import COMPUTE, RECV_B, RECV_F, SEND_B, SEND_F, F, Action
 from megaframe.parallel.mesh import Mesh
+from megaframe.pipeline import p2p
+from megaframe.pipeline.schedule import COMPUTE, RECV_B, RECV_F, SEND_B, SEND_F, Action, F
 
 
 @dataclass

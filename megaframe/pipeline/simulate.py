@@ -21,8 +21,19 @@ import enum
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
-from megaframe.pipeline.schedule import (COMPUTE, RECV_B, RECV_F, SEND_B, SEND_F, F, Action, Grouping,
-                                          activation_bound, build_schedule, stage_of)
+from megaframe.pipeline.schedule import (
+    COMPUTE,
+    RECV_B,
+    RECV_F,
+    SEND_B,
+    SEND_F,
+    Action,
+    F,
+    Grouping,
+    activation_bound,
+    build_schedule,
+    stage_of,
+)
 
 
 class ScheduleError(AssertionError):

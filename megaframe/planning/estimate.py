@@ -23,7 +23,6 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 
-from megaframe.schema import Config
 from megaframe.model.gpt import build_model
 from megaframe.optim.build import cast_model
 from megaframe.optim.sizing import planned_dp_bytes, planned_memory_bytes
@@ -31,6 +30,7 @@ from megaframe.parallel.virtual import virtual_mesh
 from megaframe.pipeline.schedule import F, compute_order, resolve_kind
 from megaframe.pipeline.simulate import simulate
 from megaframe.planning.activations import chunk_activation_bytes
+from megaframe.schema import Config
 
 
 @dataclass

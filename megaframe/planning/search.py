@@ -3,7 +3,8 @@ sized, timed by a stated model, ranked. (cp is 1: this branch has no context par
 
 Memory of the largest rank (first or last pipeline stage): parameters counted from the dims per stage;
 grads and optimizer state as the ZeRO optimizer lays them out (estimate.state_bytes' rules without the
-bucket padding); activations per micro-batch from meta-device forwards at this tp / sp / recompute (planning.activations: the bytes of a
+bucket padding); activations per micro-batch from meta-device forwards at this tp / sp / recompute
+(planning.activations: the bytes of a
 block, of the embedding and of the head + loss), times the micro-batch size, walked through the rank's
 own schedule (peak in flight).
 

@@ -13,11 +13,11 @@ from pathlib import Path
 
 from megaframe.checkpoint import lineage, sharded
 from megaframe.checkpoint.async_save import AsyncSaver
-from megaframe.schema import Config, plain
 from megaframe.data.dataset import data_state
 from megaframe.data.order import ORDER
 from megaframe.data.shards import tokenizer_identity
 from megaframe.parallel.mesh import Mesh
+from megaframe.schema import Config, plain
 from megaframe.training.errors import TrainingError
 from megaframe.training.resume import Resumed
 from megaframe.training.resume_checks import Accounting

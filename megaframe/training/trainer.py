@@ -12,10 +12,10 @@ import torch
 
 from megaframe.config import Config, ConfigError
 from megaframe.data.dataset import Prefetcher, build_data, microbatches
-from megaframe.data.shards import CorruptShard
-from megaframe.layers.rng import seed_step
-from megaframe.inference.sampler import Sampler
 from megaframe.data.order import resumed_order
+from megaframe.data.shards import CorruptShard
+from megaframe.inference.sampler import Sampler
+from megaframe.layers.rng import seed_step
 from megaframe.model.gpt import build_model
 from megaframe.model.moe import stats as moe_stats
 from megaframe.optim.build import build_optimizer, cast_model
@@ -24,8 +24,8 @@ from megaframe.parallel.mesh import Mesh, build_mesh
 from megaframe.pipeline import p2p
 from megaframe.tracking import Tracker
 from megaframe.training.checkpointing import Checkpointer
-from megaframe.training.errors import TrainingError  # noqa: F401  (re-exported for train.py)
 from megaframe.training.distributed import env_ranks, init_distributed, nccl_env, pick_device, shutdown
+from megaframe.training.errors import TrainingError  # noqa: F401  (re-exported for train.py)
 from megaframe.training.evaluate import Evaluator
 from megaframe.training.faults import Injector
 from megaframe.training.metrics import flops_per_token, forget_cpu_peak, memory_figures, peak_flops, throughput_figures

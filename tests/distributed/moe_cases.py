@@ -38,8 +38,9 @@ def _run(layer: MoE, x_TBD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, d
 def dispatcher_vs_one_process(mesh, overrides: list[str]) -> dict | None:
     """Each rank routes its own tokens through the ep-split layer; rank 0 also runs one process's layer
     on every rank's tokens in turn (grads summed) and returns the largest differences."""
-    from megaframe.layers.shard import gather_full
     import torch.distributed as dist
+
+    from megaframe.layers.shard import gather_full
 
     cfg = tiny_config(MOE + overrides, mesh.world)
     d, t = cfg.model.hidden_size, 24

@@ -26,7 +26,7 @@ def reference(pool, family):
 def assert_close_dicts(got, want, rtol, atol, what):
     assert got.keys() == want.keys()
     for k in want:
-        torch.testing.assert_close(got[k], want[k], rtol=rtol, atol=atol, msg=lambda m: f"{what} {k}: {m}")
+        torch.testing.assert_close(got[k], want[k], rtol=rtol, atol=atol, msg=lambda m, k=k: f"{what} {k}: {m}")
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

@@ -6,8 +6,14 @@ import math
 import pytest
 
 from tests.distributed.test_model_equivalence import assert_close_dicts
-from tests.distributed.zero_cases import (bf16_checkpoint_roundtrip, bf16_losses, logical_moments, overlap_probe,
-                                          pipeline_ends_probe, run_steps)
+from tests.distributed.zero_cases import (
+    bf16_checkpoint_roundtrip,
+    bf16_losses,
+    logical_moments,
+    overlap_probe,
+    pipeline_ends_probe,
+    run_steps,
+)
 
 pytestmark = pytest.mark.distributed
 

@@ -12,13 +12,15 @@ from megaframe.config import CONF_DIR, Config, ConfigError, ModelConfig, load_co
 
 # Adding, renaming or removing a config key is a deliberate edit of this list (and of the docs that cite it).
 EXPECTED_KEYS = sorted("""
-checkpoint.allow_config_change checkpoint.async checkpoint.dir checkpoint.interval checkpoint.keep_last checkpoint.on_save_error checkpoint.resume checkpoint.save_timeout_s
+checkpoint.allow_config_change checkpoint.async checkpoint.dir checkpoint.interval checkpoint.keep_last
+checkpoint.on_save_error checkpoint.resume checkpoint.save_timeout_s
 data.blend data.kind data.name data.num_workers data.path data.source data.text_key data.tokenizer
 data.tokenizer_sample_bytes data.valid_fraction data.vocab_size data.extensions data.split
 logging.wandb.entity logging.wandb.mode logging.wandb.project
 model.activation model.bias model.dropout model.ffn_hidden_size model.hidden_size model.init_std
 model.moe_aux_loss_coeff model.moe_bias_update_rate model.moe_capacity_factor model.moe_expert_bias
-model.moe_ffn_hidden_size model.moe_router_score model.moe_top_k model.moe_z_loss_coeff model.name model.norm model.norm_eps model.num_attention_heads model.num_experts
+model.moe_ffn_hidden_size model.moe_router_score model.moe_top_k model.moe_z_loss_coeff model.name model.norm
+model.norm_eps model.num_attention_heads model.num_experts
 model.num_layers model.num_query_groups model.position_embedding model.rope_theta model.seq_length
 model.tie_embeddings model.vocab_size
 optim.beta1 optim.beta2 optim.bucket_size_mb optim.clip_grad optim.eps optim.lr optim.min_lr optim.warmup_steps

@@ -62,7 +62,7 @@ def make_checkpoint(root: Path, overrides: list[str], data_path: str = ""):
     model = build_model(cfg, mesh).eval()
     gen = torch.Generator().manual_seed(7)
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for _name, p in model.named_parameters():
             if p.ndim == 1:
                 p.add_(0.2 * torch.randn(p.shape, generator=gen))
     meta = {"consumed_samples": 0, "config": dataclasses.asdict(cfg)}

@@ -4,8 +4,20 @@ import itertools
 import pytest
 
 from megaframe.pipeline.partition import stage_counts, stage_layout
-from megaframe.pipeline.schedule import (B, RECV_B, RECV_F, SEND_B, SEND_F, F, Action, Grouping, activation_bound,
-                                          build_schedule, check_args, compute_order)
+from megaframe.pipeline.schedule import (
+    RECV_B,
+    RECV_F,
+    SEND_B,
+    SEND_F,
+    Action,
+    B,
+    F,
+    Grouping,
+    activation_bound,
+    build_schedule,
+    check_args,
+    compute_order,
+)
 from megaframe.pipeline.simulate import ScheduleError, SendModel, bubble_formula, simulate
 
 GRID = [(kind, pp, vpp, m)

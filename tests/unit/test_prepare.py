@@ -123,7 +123,8 @@ def test_deterministic_whatever_the_workers_and_chunks(tmp_path, text_corpus, ca
     assert meta_b["shards"][-1]["file"].startswith("shard_00001_")  # unit 1 = the second file
     np.testing.assert_array_equal(tokens_a, tokens_b)
     assert meta_b["num_documents"] == sum(s["num_docs"] for s in meta_b["shards"]) == 24
-    assert meta_b["shards"][0]["sha256"] == hashlib.sha256((tmp_path / "b" / meta_b["shards"][0]["file"]).read_bytes()).hexdigest()
+    shard_b = (tmp_path / "b" / meta_b["shards"][0]["file"]).read_bytes()
+    assert meta_b["shards"][0]["sha256"] == hashlib.sha256(shard_b).hexdigest()
 
 
 def test_jsonl_and_parquet_source(tmp_path, capsys):

@@ -28,7 +28,8 @@ def snapshot(folder):
 
 
 def cfg_for(src, out, *extra):
-    return load_config([f"data.source={src}", f"data.path={out}", "data.vocab_size=400", "data.num_workers=1", "data.split=paragraph",
+    return load_config([f"data.source={src}", f"data.path={out}", "data.vocab_size=400", "data.num_workers=1",
+                        "data.split=paragraph",
                         *extra], world_size=1, check_data=False)
 
 
