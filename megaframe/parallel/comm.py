@@ -30,6 +30,7 @@ def _nbytes(x: torch.Tensor) -> int:
 
 def _enter(axis: Axis, op: str, x: torch.Tensor, sent: float) -> dict | None:
     """Count the bytes sent, note the collective in the ring buffer; None on a virtual axis (skip the call)."""
+    # Counted before the call, so a rank stuck inside the collective still shows it as its last entry.
     axis.stats.add(axis.name, sent)
     entry = axis.stats.record(op, axis.name, axis.ranks, x.shape, x.dtype, _nbytes(x))
     return None if axis.virtual else entry
@@ -43,6 +44,7 @@ class _TrackedWork:
 
     def wait(self, *args, **kwargs):
         out = self.work.wait(*args, **kwargs)
+        # Marked after the wait, not at launch: a hang inside the wait must leave the entry open.
         self.axis.stats.returned(self.entry, self.on_device)
         return out
 
@@ -74,6 +76,7 @@ def all_gather_dim0(x: torch.Tensor, axis: Axis) -> torch.Tensor:
     """Concatenate every rank's x along dim 0, in axis-rank order."""
     if axis.size == 1:
         return x
+    # The flat collective reads and writes raw storage: a strided view would gather the wrong elements.
     x = x.contiguous()
     out = torch.empty((axis.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
     entry = _enter(axis, "all_gather", x, (axis.size - 1) * _nbytes(x))
@@ -87,6 +90,7 @@ def reduce_scatter_dim0(x: torch.Tensor, axis: Axis) -> torch.Tensor:
     if axis.size == 1:
         return x
     x = x.contiguous()
+    # Every rank must pass the same shape: an uneven split would make ranks disagree on the block sizes.
     assert x.shape[0] % axis.size == 0, f"dim 0 ({x.shape[0]}) not divisible by {axis.name}={axis.size}"
     out = torch.empty((x.shape[0] // axis.size, *x.shape[1:]), dtype=x.dtype, device=x.device)
     entry = _enter(axis, "reduce_scatter", x, (axis.size - 1) / axis.size * _nbytes(x))
@@ -102,6 +106,7 @@ def reduce_scatter_flat(out: torch.Tensor, x: torch.Tensor, axis: Axis, async_op
     counted at launch and the Work is returned for the caller to wait on; None on an axis of size 1.
     """
     if axis.size == 1:
+        # In place (out is x) is already the result; a copy_ onto itself would be wasted work.
         if out.data_ptr() != x.data_ptr():
             out.copy_(x)
         return None
@@ -145,6 +150,7 @@ class _CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
+        # Each tp rank's downstream consumes x through its own weight shard, so x's grad is the sum of them.
         return all_reduce(g.contiguous(), ctx.axis), None
 
 
@@ -153,6 +159,7 @@ class _ReduceFromTP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, axis):
+        # all_reduce works in place: the clone keeps autograd's saved input (and the caller's x) untouched.
         return all_reduce(x.contiguous().clone() if axis.size > 1 else x, axis)
 
     @staticmethod
@@ -230,6 +237,7 @@ def all_to_all_counts(counts: torch.Tensor, axis: Axis) -> torch.Tensor:
     token counts a dispatcher exchanges before the tokens themselves)."""
     if axis.size == 1:
         return counts
+    # Even splits: every rank knows the sizes without a prior exchange (this IS the size exchange).
     counts = counts.contiguous()
     out = torch.empty_like(counts)
     entry = _enter(axis, "all_to_all_counts", counts, (axis.size - 1) / axis.size * _nbytes(counts))
@@ -246,6 +254,7 @@ def all_to_all_rows(x: torch.Tensor, axis: Axis, out_splits: list[int], in_split
     x = x.contiguous()
     out = x.new_empty((sum(out_splits), *x.shape[1:]))
     row = x.element_size() * math.prod(x.shape[1:])
+    # The rows this rank keeps for itself never leave it, so they are not counted as traffic.
     entry = _enter(axis, "all_to_all", x, (sum(in_splits) - in_splits[axis.rank]) * row)
     if entry is not None:
         _done(axis, entry, x, dist.all_to_all_single(out, x, output_split_sizes=list(out_splits),
@@ -279,12 +288,14 @@ def broadcast_object(obj, mesh=None):
     """Broadcast a picklable object from the job's first rank to all of its ranks (start-up, resume and
     checkpoint decisions, never in a step). With `mesh`, over the mesh's world group: a job may run on a
     subset of the processes (the test pool), and only its ranks take part."""
+    # Every rank of the job must reach this call (it blocks until all do); one process needs no exchange.
     if not dist.is_initialized() or dist.get_world_size() == 1 or (mesh is not None and mesh.world == 1):
         return obj
     box = [obj]
     if mesh is None:
         dist.broadcast_object_list(box, src=0)
     else:
+        # group_src is the rank within the job's group: with the test pool, global rank 0 may not be in it.
         dist.broadcast_object_list(box, group=mesh.group, group_src=0)
     return box[0]
 
@@ -324,12 +335,14 @@ def batch_isend_irecv(axis: Axis, sends: list[tuple[torch.Tensor, int]], recvs: 
     """
     for t, _ in sends:
         axis.stats.add(axis.name, _nbytes(t))
+    # An empty batch must not reach torch: dist.batch_isend_irecv reads op 0's group and raises on [].
     if not sends and not recvs:
         return []
     first = (sends or recvs)[0][0]
     entry = axis.stats.record(f"p2p send{[p for _, p in sends]} recv{[p for _, p in recvs]}", axis.name, axis.ranks,
                               first.shape, first.dtype, sum(_nbytes(t) for t, _ in sends + recvs))
     entry["async"] = True
+    # P2POp takes global ranks even with a group; axis ranks are positions within the axis.
     sends_g = [(t, axis.ranks[p]) for t, p in sends]
     recvs_g = [(t, axis.ranks[p]) for t, p in recvs]
     if axis.p2p is not None:
@@ -338,6 +351,7 @@ def batch_isend_irecv(axis: Axis, sends: list[tuple[torch.Tensor, int]], recvs: 
         ops = [dist.P2POp(dist.isend, t, peer, group=axis.group) for t, peer in sends_g]
         ops += [dist.P2POp(dist.irecv, t, peer, group=axis.group) for t, peer in recvs_g]
         works = dist.batch_isend_irecv(ops)
+    # Shared counter (a list, so every _BatchWork sees one cell): the entry is done when the last Work is.
     pending = [len(works)]
     return [_BatchWork(w, entry, pending) for w in works]
 

@@ -62,6 +62,8 @@ class CommStats:
         Work); the watchdog's report queries it (completed vs enqueued). No host sync."""
         entry["done"] = True
         if on_device:
+            # A fixed pool, not an event per collective: thousands of calls a step would each allocate one;
+            # an event is only overwritten after RECENT_COLLECTIVES newer entries, when its entry left the ring.
             if len(self.events) < RECENT_COLLECTIVES:
                 self.events.append(torch.cuda.Event())
             event = self.events[self._next_event % RECENT_COLLECTIVES]
@@ -87,6 +89,7 @@ class CommStats:
         """`with stats.noting(...):` around a blocking collective: recorded on entry, done on return."""
         entry = self.record(op, group, ranks, shape, dtype, nbytes)
         yield entry
+        # Not in a finally: a collective that raised did not complete, and the dump should say so.
         entry["done"] = True
 
     def last(self, n: int = RECENT_COLLECTIVES) -> list[dict]:
@@ -99,6 +102,7 @@ class CommStats:
         return []
 
     def pop(self) -> dict[str, int]:
+        # Swap, not clear: the caller keeps the dict it got while later collectives count into a new one.
         out, self.sent = self.sent, {}
         return out
 
@@ -165,6 +169,7 @@ class Mesh:
     @property
     def is_logger(self) -> bool:
         """The one rank that writes metrics and talks to wandb: first rank of the last pipeline stage."""
+        # The last stage: only it computes the loss, so it logs without fetching the loss from another rank.
         return self.tp.rank == 0 and self.dp.rank == 0 and self.pp.rank == self.pp.size - 1
 
     def describe(self) -> str:
@@ -196,6 +201,7 @@ class RankGrid:
     """The byte counter of an axis, where it is not its own name (an Axis's `name`)."""
 
     def __post_init__(self):
+        # Uneven blocks would give ranks different expert counts and edp groups of different sizes.
         assert self.dp % self.ep == 0, f"ep={self.ep} does not divide dp={self.dp}"
         if not self.shard:
             object.__setattr__(self, "shard", self.dp)
@@ -237,6 +243,7 @@ class RankGrid:
 
     def group_of(self, name: str, position: int) -> tuple[int, ...]:
         """The group of axis `name` holding `position` (just itself where it has none: off the pipeline ends)."""
+        # A linear scan over every group: called once per axis at start-up, never in a step.
         return next((g for g in self.groups(name) if position in g), (position,))
 
 
@@ -292,10 +299,13 @@ def build_mesh(tp: int, pp: int, device: torch.device, ranks: Optional[Sequence[
             if len(members) == 1 or not initialized:
                 continue
             if name in ("ep", "dp_shard") and len(members) == grid.dp:  # the whole dp group
+                # Reuse dp's group: a second communicator over the same ranks costs NCCL memory and init time.
+                # Every process takes this branch alike, so the new_group calls below stay in step.
                 groups[(name, members)] = groups[("dp", members)]
                 continue
             # new_group is collective over the whole world: every process creates every group, in order
             groups[(name, members)] = dist.new_group([ranks[i] for i in members], timeout=timeout)
+    # Created before the `me not in ranks` exit: processes outside the job must still join the call.
     everyone = dist.new_group(ranks, timeout=world_timeout) if (world > 1 and initialized) else None
     if me not in ranks:
         return None  # type: ignore[return-value]

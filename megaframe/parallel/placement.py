@@ -77,6 +77,7 @@ class Placement:
         return mesh.edp if self.expert else mesh.dp
 
     def replica_id(self, mesh: Mesh) -> ReplicaId:
+        # A tp-split slice is unique on its tp rank (copy 0), whatever that rank's tp coordinate.
         tp_copy = mesh.tp.rank if "tp" in self.replicated_over else 0
         return ReplicaId(tp_copy, int(self.pp_duplicate), self.data_axis(mesh).rank)
 
@@ -85,6 +86,8 @@ class Placement:
         tp and pp (dp copies are handled by the norm's reduction): tp-split slices on every tp rank,
         tp-replicated tensors on tp rank 0 only, and never a pipeline duplicate."""
         rid = self.replica_id(mesh)
+        # No dp term: global_norm sums squares over dp only where ranks hold different elements (ZeRO's
+        # ranges, experts), so equal dp copies are never counted twice.
         return rid.tp == 0 and rid.pp == 0
 
     def in_checkpoint(self, mesh: Mesh) -> bool:
