@@ -39,8 +39,12 @@ def run_schedule(actions: list[Action], model, batches, mesh: Mesh, optimizer, t
 
     With `timeline`, appends (action, start, end) in perf_counter seconds for each compute action.
     """
+    # A device scalar, summed without .item(): the loss is read on the host only at log steps.
     st = _State(loss_sum=torch.zeros((), device=batches[0][0].device))
+    # The last backward of each chunk is where its grads become final: ZeRO launches reduce-scatters there.
     last_b = {a.chunk: i for i, a in enumerate(actions) if a.kind == "B"}
+    # Receive buffers are sized from the config, not from a message: p2p carries no shape header, so
+    # sender and receiver must agree on it (the same micro-batch shape on every rank).
     shape = _activation_shape(model, batches[0][0])
     dtype = next(model.parameters()).dtype
     comm: list[Action] = []
@@ -48,6 +52,8 @@ def run_schedule(actions: list[Action], model, batches, mesh: Mesh, optimizer, t
         if a.kind not in COMPUTE:
             comm.append(a)
             continue
+        # Issued before the compute: the schedule placed this batch to meet the peer's, and delaying it
+        # behind our compute would stall the peer's matching batch (NCCL sends rendezvous).
         _communicate(comm, st, mesh, shape, dtype, batches[0][0].device)
         comm = []
         transfer = st.arriving.pop((RECV_F if a.kind == F else RECV_B, a.microbatch, a.chunk), None)
@@ -84,8 +90,11 @@ def _forward(a: Action, st: _State, model, batches, tokens_global: int) -> None:
     x_SBD = st.inputs.pop(key, None)
     out = model.forward_chunk(a.chunk, x_SBD, input_ids_BS, labels_BS)
     if _is_loss_chunk(model, a.chunk):
+        # fp32 sum of per-token losses: a bf16 sum over B·S tokens would round away the small terms.
         total = out.float().sum()
         st.loss_sum += total.detach()
+        # Divided by the global token count, not this micro-batch's: every reduction of the grads is then
+        # a plain sum, whatever the layout (layout invariance).
         st.outputs[key] = (total / tokens_global, x_SBD)
     else:
         st.outputs[key] = (out, x_SBD)
@@ -115,6 +124,7 @@ def _communicate(comm: list[Action], st: _State, mesh: Mesh, shape, dtype, devic
         key = (a.microbatch, a.chunk)
         if a.kind in (SEND_F, SEND_B):
             t = st.to_send.pop((a.kind, *key))
+            # Detached: the send must not hold the graph; contiguous: p2p sends raw storage.
             sends.append((t.detach().contiguous(), a.peer))
             if a.kind == SEND_F and t.grad_fn is not None:
                 releases.append(t)
@@ -129,6 +139,7 @@ def _communicate(comm: list[Action], st: _State, mesh: Mesh, shape, dtype, devic
     for kind, key, buf in arrivals:
         st.arriving[(kind, *key)] = transfer
         if kind == RECV_F:
+            # A leaf requiring grad: its .grad after the chunk's backward is what SEND_B returns upstream.
             st.inputs[key] = buf.requires_grad_()
         else:
             assert kind == RECV_B

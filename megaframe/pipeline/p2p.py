@@ -39,6 +39,8 @@ def warm_up(pp: Axis, device: torch.device) -> None:
     if pp.size == 1:
         return
     nxt, prv = (pp.rank + 1) % pp.size, (pp.rank - 1) % pp.size
+    # One send buffer for both peers: it is never written, and distinct receive buffers keep the two
+    # arrivals from landing on each other when pp = 2 (both neighbours are the same rank).
     send, recv_n, recv_p = torch.zeros(1, device=device), torch.empty(1, device=device), torch.empty(1, device=device)
     start(pp, [(send, nxt), (send, prv)], [(recv_p, prv), (recv_n, nxt)]).wait()
     pp.stats.pop()  # the warm-up is no step's traffic

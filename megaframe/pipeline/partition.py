@@ -42,7 +42,10 @@ def stage_counts(num_layers: int, pp: int, vpp: int, layout: Optional[Sequence[i
 
 def stage_layout(num_layers: int, pp: int, vpp: int, rank: int, layout: Optional[Sequence[int]] = None) -> Stage:
     counts = stage_counts(num_layers, pp, vpp, layout)
+    # Every rank computes the whole table from the same config, so neighbouring stages agree on where
+    # one chunk ends and the next begins without exchanging anything.
     starts = [sum(counts[:s]) for s in range(len(counts))]
     chunks = tuple(tuple(range(starts[c * pp + rank], starts[c * pp + rank] + counts[c * pp + rank]))
                    for c in range(vpp))
+    # first/last go by rank, not chunk: under vpp rank 0 holds stage 0 and rank pp-1 the last stage.
     return Stage(chunks, first=rank == 0, last=rank == pp - 1)

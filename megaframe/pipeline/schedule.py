@@ -71,6 +71,8 @@ def check_args(kind: str, pp: int, vpp: int, m: int) -> None:
         raise ValueError("parallel.pp_schedule=1f1b runs one chunk per rank: use parallel.vpp=1 or interleaved")
     if kind == "interleaved" and vpp < 2:
         raise ValueError("interleaved 1F1B needs parallel.vpp >= 2 (vpp=1 is plain 1f1b)")
+    # _virtual walks micro-batches in groups of pp per chunk; a partial group would leave a rank waiting
+    # for a micro-batch its neighbour never sends.
     if kind == "interleaved" and m % pp != 0:
         raise ValueError(f"interleaved 1F1B needs the micro-batch count ({m}) to be a multiple of parallel.pp={pp}")
 
@@ -94,7 +96,10 @@ def num_warmup(kind: str, pp: int, vpp: int, m: int, rank: int) -> int:
     if kind == "gpipe":
         return total
     if kind == "1f1b":
+        # Enough forwards to fill the pipe downstream: the last rank starts its first backward at once.
         return min(total, pp - rank - 1)
+    # Megatron's interleaved warm-up: a full round of the other chunks ((vpp-1)·pp) plus twice the
+    # distance to the last rank, so the first backward's input has arrived when the rank starts it.
     return min(total, (pp - rank - 1) * 2 + (vpp - 1) * pp)
 
 
@@ -118,8 +123,11 @@ def build_schedule(kind: str, pp: int, vpp: int, m: int, rank: int,
     """The full action list of `rank`: compute actions with the sends and receives between them."""
     if grouping is Grouping.ADJACENT:
         return _adjacent(kind, pp, vpp, m, rank)
+    # Every rank derives the same global timetable, so a send's tick on one rank and its receive's tick on
+    # the peer agree without any exchange: that is what pairs the batches under NCCL.
     starts, sent_at = _unit_times(kind, pp, vpp, m)
     last = pp * vpp - 1
+    # Modulo pp: under interleaving the last rank's chunk c feeds rank 0's chunk c + 1.
     prev_rank, next_rank = (rank - 1) % pp, (rank + 1) % pp
     # (time, 0 = comm | 1 = compute, order within a tick, action): at tick t a rank's sends and receives
     # come after its compute that ends at t and before the one that starts at t
@@ -137,9 +145,12 @@ def build_schedule(kind: str, pp: int, vpp: int, m: int, rank: int,
                 items.append((sent_at[(B, a.microbatch, s + 1)], 0, 2, Action(RECV_B, a.microbatch, a.chunk, next_rank)))
             if s > 0:
                 items.append((t + 1, 0, 0, Action(SEND_B, a.microbatch, a.chunk, prev_rank)))
+    # The key stops before the Action: ties are broken by (kind, index), never by comparing Actions.
     return [a for *_, a in sorted(items, key=lambda x: x[:3])]
 
 
+# Cached: build_schedule asks for the same timetable once per rank (pp times per layout, and the planner
+# asks for many layouts); the result is only read.
 @functools.lru_cache(maxsize=64)
 def _unit_times(kind: str, pp: int, vpp: int, m: int) -> tuple[list[list[int]], dict]:
     """Every rank's compute order run with F = B = 1 and instant transfers: (start times per rank, in
@@ -149,6 +160,8 @@ def _unit_times(kind: str, pp: int, vpp: int, m: int) -> tuple[list[list[int]], 
     sent_at: dict = {}
     starts: list[list[int]] = [[] for _ in range(pp)]
     clock = [0] * pp
+    # Fixed point: sweep the ranks until none can start its next action; a rank blocks on a dependency
+    # another rank has yet to produce, like the real pipeline with instant transfers.
     progress = True
     while progress:
         progress = False
@@ -161,6 +174,7 @@ def _unit_times(kind: str, pp: int, vpp: int, m: int) -> tuple[list[list[int]], 
                     dep = None
                 if dep is not None and dep not in sent_at:
                     break  # its input is not computed yet
+                # Starts when both the rank is free and the input has been sent (transfers take no time).
                 starts[r].append(max(clock[r], sent_at[dep] if dep else 0))
                 clock[r] = sent_at[(a.kind, a.microbatch, s)] = starts[r][-1] + 1
                 progress = True
@@ -200,4 +214,5 @@ def resolve_kind(kind: str, vpp: int) -> str:
 
 def activation_bound(kind: str, pp: int, vpp: int, m: int, rank: int) -> int:
     """Most forwards a rank holds activations for at once (the schedule's memory bound)."""
+    # +1: in the steady state the next forward runs before the oldest backward frees its activations.
     return min(m * vpp, num_warmup(kind, pp, vpp, m, rank) + 1)

@@ -87,6 +87,7 @@ class _Sim:
         self.timeline: list[list] = [[] for _ in range(pp)]
 
     def run(self) -> None:
+        # Round-robin until no rank can move: a fixed point with work left is exactly a deadlock.
         progress = True
         while progress:
             progress = False
@@ -111,6 +112,7 @@ class _Sim:
                 if batch is not None:  # the executor waits for the batch that brings this compute's input
                     if batch.done is None:
                         return moved
+                    # The wait: compute cannot start before the batch bringing its input has completed.
                     self.clock[r] = max(self.clock[r], batch.done)
                 self._compute(r, a)
                 self.pos[r] += 1
@@ -141,6 +143,7 @@ class _Sim:
             return moved
         while self.pending[r]:
             head = self.pending[r][0]
+            # Only the head is posted: NCCL runs a communicator's batches in order on one stream.
             if head.posted is None:
                 self._post(head, max(head.issued, self.last_done[r]))
                 moved = True
@@ -160,6 +163,7 @@ class _Sim:
         b.posted, b.op_index = t, []
         for a in b.ops:
             is_send = a.kind in (SEND_F, SEND_B)
+            # Keyed by (sender, receiver) only, no direction or tag: NCCL matches p2p ops in posting order.
             key = (b.rank, a.peer) if is_send else (a.peer, b.rank)
             side = self.channels[key].sends if is_send else self.channels[key].recvs
             side.append((self._message(b.rank, a) if is_send else self._expects(b.rank, a), t))
@@ -181,6 +185,7 @@ class _Sim:
             if sent != want:
                 raise ScheduleError(f"rank {b.rank}: message {n} from rank {key[0]} to {key[1]} is {sent}, "
                                     f"the receive expects {want}")
+        # A batch completes when its last op does (one Work per batch on NCCL).
         b.done = max(times)
         return True
 
@@ -192,6 +197,7 @@ class _Sim:
         """(direction, micro-batch, chunk, rank) of the send this receive must match."""
         s = stage_of(r, a.chunk, self.pp)
         src = s - 1 if a.kind == RECV_F else s + 1
+        # The sender's chunk is its stage // pp (stage = chunk·pp + rank).
         return (a.kind[-1], a.microbatch, src // self.pp, a.peer)
 
     def _compute(self, r: int, a: Action) -> None:
@@ -219,6 +225,7 @@ def simulate(kind: str, pp: int, vpp: int, m: int, sends: SendModel = SendModel.
         if sim.peak[r] > activation_bound(kind, pp, vpp, m, r):
             raise ScheduleError(f"rank {r} holds {sim.peak[r]} activations, bound {activation_bound(kind, pp, vpp, m, r)}")
     makespan = max(sim.finish_time(r) for r in range(pp))
+    # Every rank does the same work, one F and one B per (micro-batch, chunk); the rest is bubble.
     busy = (1 + backward_time) * m * vpp
     return SimResult(makespan, (makespan - busy) / makespan, sim.peak, sim.timeline)
 
