@@ -89,6 +89,8 @@ def plan_buckets(numels: list[int], bucket_elems: int, dp: int) -> list[tuple[li
         cur.append(i)
         size += n
         if size >= bucket_elems or i == len(numels) - 1:
+            # Padded to a multiple of dp: reduce-scatter needs equal blocks, and the zero padding adds
+            # nothing to sums or norms.
             padded = -(-size // dp) * dp
             out.append((cur, start, start + padded))
             cur, start, size = [], start + padded, 0
@@ -103,6 +105,8 @@ def buffer_groups(params: list[nn.Parameter], mesh: Mesh) -> list[tuple[Axis, li
     groups: dict[tuple, tuple[Axis, list[nn.Parameter]]] = {}
     for p in params:
         axis = p.placement.data_axis(mesh) if p.placement.expert else mesh.dp_shard
+        # Keyed by dtype (one flat param buffer holds one dtype) and by expert-ness (a different reduce
+        # axis); every rank of the axis sees the same params in the same order, so the buffers line up.
         groups.setdefault((p.dtype, p.placement.expert), (axis, []))[1].append(p)
     return list(groups.values())
 
@@ -110,13 +114,14 @@ def buffer_groups(params: list[nn.Parameter], mesh: Mesh) -> list[tuple[Axis, li
 def bucket_plan(params: list[nn.Parameter], bucket_bytes: int, dp: int) -> tuple[list, list]:
     """(params in buffer order, plan_buckets of them): the layout FlatBuffer allocates."""
     ordered = params[::-1]  # backward finishes the last layers first
+    # bucket_bytes counts fp32 grads (4 bytes each), whatever the params' dtype.
     return ordered, plan_buckets([p.numel() for p in ordered], max(1, bucket_bytes // 4), dp)
 
 
 def group_plan(params: list[nn.Parameter], groups: list[list[nn.Parameter]], dp: int) -> tuple[list, list]:
     """zero=3's layout: one bucket per group (a transformer block, or the params outside blocks), so a
     block's params are gathered and freed as one; groups in reverse order, like bucket_plan."""
-    mine = set(params)
+    mine = set(params)  # groups list the whole model's params; this buffer holds one dtype/axis of them
     ordered, plan, start = [], [], 0
     for g in reversed(groups):
         members = [p for p in reversed(g) if p in mine]
@@ -145,6 +150,7 @@ class FlatBuffer:
         # zero=1: the whole grad buffer; zero=2: this rank's shard of it (see the module docstring)
         self.grad = None if sharded_grads else torch.zeros(self.numel, dtype=torch.float32, device=device)
         self.grad_shard = torch.zeros(self.state_numel, device=device) if sharded_grads else None
+        # Zeros, not empty: the padding at each bucket's end is all-gathered and must stay finite.
         self.param = torch.zeros(self.numel, dtype=self.dtype, device=device)
         self.offset: dict[nn.Parameter, int] = {}
         self.buckets: list[Bucket] = []
@@ -152,6 +158,8 @@ class FlatBuffer:
         state_lo = 0
         for index, (idx, start, end) in enumerate(plan):
             members = [ordered[i] for i in idx]
+            # The same arithmetic on every rank of the axis: rank r's range is block r of the bucket's
+            # reduce-scatter, so the collective's block order and the ranges must agree.
             shard_lo = start + dp_rank * (end - start) // dp_size
             b = Bucket(index, members, start, end, shard_lo, state_lo, late=any(id(p) in late for p in members))
             self.buckets.append(b)
@@ -169,6 +177,8 @@ class FlatBuffer:
         for p in params:
             view = self.param_view(p)
             view.copy_(p.data)
+            # `.data` swap keeps the Parameter object (and the optimizer's and hooks' references to it)
+            # while its storage becomes the buffer slice the all-gather writes into.
             p.data = view
             if self.grad is not None:
                 p.main_grad = self.grad_view(p)
@@ -181,6 +191,8 @@ class FlatBuffer:
         """zero=2: p's slice of its bucket's accumulation tensor, allocated (zeroed) if the bucket has none."""
         b = self.bucket_of[p]
         if b.acc is None:
+            # Allocated lazily and freed after the bucket's reduce-scatter: at most the buckets in
+            # flight hold a full-size fp32 copy, which is zero=2's memory saving.
             b.acc = torch.zeros(b.numel, dtype=torch.float32, device=self.device)
         o = self.offset[p] - b.start
         return b.acc[o:o + p.numel()].view(p.shape)
@@ -220,6 +232,7 @@ class FlatBuffer:
             for p in b.params:
                 p_lo, p_hi = self.offset[p], self.offset[p] + p.numel()
                 s_lo, s_hi = max(lo, p_lo), min(hi, p_hi)
+                # A param may straddle two ranks' ranges: each rank keeps only its overlap.
                 if s_lo < s_hi:
                     out.append(Segment(p, s_lo - p_lo, s_lo, b.state_lo + s_lo - lo, s_hi - s_lo))
         return out

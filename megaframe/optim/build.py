@@ -48,6 +48,7 @@ class PlainOptimizer:
         norm = finalize(self.grads, self.mesh, self.cfg.clip_grad)
         for group in self.adam.param_groups:
             group["lr"] = lr
+        # Every rank computed the same global norm, so all ranks skip (or not) together and stay replicas.
         self.adam.found_inf = (~torch.isfinite(norm)).float()  # a NaN/Inf skips the update, no host sync
         self.adam.step()
         return norm

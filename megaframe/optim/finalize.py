@@ -47,6 +47,8 @@ class GradSource(Protocol):
 
 
 def _buckets(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    # Bounded buckets: one flat copy of all grads would double their memory; one call per tensor would
+    # pay the collective's latency hundreds of times. Ranks build the same buckets from the same list.
     out, cur, size = [], [], 0
     for t in tensors:
         cur.append(t)
@@ -86,7 +88,9 @@ def global_norm(grads: list[tuple[Placement, torch.Tensor]], mesh: Mesh, sharded
     for pl, g in grads:
         if pl.counts_in_norm(mesh):
             groups["dp" if sharded else "expert" if pl.expert else "dense"][1].append(g)
+    # fp32 accumulator: bf16 partial sums of squares would lose the small layers' contribution.
     sq = torch.zeros((), dtype=torch.float32, device=mesh.device)
+    # Dict order is fixed by construction, so every rank issues these all-reduces in the same order.
     for axis, tensors in groups.values():
         part = _sum_squares(tensors, mesh.device)
         sq += part if axis is None else comm.all_reduce(part, axis)
@@ -100,6 +104,7 @@ def clip_(grads: list[torch.Tensor], norm: torch.Tensor, max_norm: float) -> Non
     """Scale grads by min(1, max_norm / norm) on the device, without a host sync (eps: a zero norm)."""
     if max_norm <= 0 or not grads:
         return
+    # A tensor scale, not `if norm > max_norm`: a Python branch would sync the host on the norm every step.
     scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
     torch._foreach_mul_(grads, scale)
 

@@ -72,6 +72,7 @@ class ParamGather:
             for module, params in sites:
                 need = [index[id(bucket[p][1])] for p in params if p in bucket]
                 if need:
+                    # One wait up to the last bucket needed: gathers complete in launch order anyway.
                     self.hooks.append(module.register_forward_pre_hook(self._pre_hook(max(need))))
 
     def _pre_hook(self, upto: int):
@@ -82,6 +83,7 @@ class ParamGather:
 
     def launch(self, gather_bucket) -> None:
         """gather_bucket(buf, b) -> Work | None starts one bucket's all-gather; called in launch order."""
+        # The previous step's gathers must land first: the new ones write into the same param buffer.
         self.wait()
         self.works = [gather_bucket(buf, b) for buf, b in self.launch_order]
         self.waited = 0
@@ -90,6 +92,7 @@ class ParamGather:
     def wait(self, upto: int | None = None) -> None:
         """Wait for the gathers of launch index <= upto (all by default)."""
         end = len(self.works) if upto is None else min(upto + 1, len(self.works))
+        # In launch order, so works[:waited] is always a landed prefix and one counter tracks it.
         while self.waited < end:
             w = self.works[self.waited]
             if w is not None:

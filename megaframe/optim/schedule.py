@@ -32,8 +32,10 @@ def lr_at(step: int, lr: float, min_lr: float, warmup_steps: int, decay_steps: i
         start = max(warmup_steps, decay_steps - round(wsd_decay_fraction * decay_steps))
         if step <= start:
             return lr
+        # max(1, ...): a decay phase of zero steps (tiny horizons) must not divide by zero.
         progress = min(1.0, (step - start) / max(1, decay_steps - start))
         return lr - (lr - min_lr) * progress
+    # Clamped at 1: past the horizon (a resume with more steps) the rate stays at min_lr.
     progress = min(1.0, (step - warmup_steps) / max(1, decay_steps - warmup_steps))
     if schedule is LRSchedule.linear:
         return lr - (lr - min_lr) * progress

@@ -72,5 +72,6 @@ def planned_dp_bytes(params: list[nn.Parameter], cfg: OptimConfig, mesh: Mesh, m
             total += (s - 1) * 4 * n // s * reduces + gathers * ((s - 1) * elem * n // s)
         if r > 1:
             total += 2 * (r - 1) * 4 * (plan[-1][2] // s) // r
+    # The grad norm's one fp32 scalar all-reduce (finalize.global_norm), counted like comm.all_reduce does.
     s = mesh.dp_shard.size
     return total + int(2 * (s - 1) / s * 4)

@@ -146,6 +146,7 @@ class ZeroOptimizer:
                 weights.grad = buf.owned_grad_at(seg)
                 groups[0 if seg.param.ndim >= 2 else 1].append(weights)
                 step = torch.zeros((), dtype=torch.float32, device=device)
+                # fused AdamW wants its step counter as an fp32 tensor on the params' device (bumped in-kernel).
                 pre.append((weights, {"step": step, "exp_avg": st.exp_avg[lo:hi], "exp_avg_sq": st.exp_avg_sq[lo:hi]}))
                 self._segs_of.setdefault(seg.param, []).append((seg, weights))
         self.adam = adamw(*groups, self.cfg, device) if any(groups) else None
@@ -208,6 +209,8 @@ class ZeroOptimizer:
             return
         b.ready.add(p)
         if not b.late and not b.launched and len(b.ready) == len(b.params):
+            # Every dp rank runs the same graph, so its hooks complete the buckets in the same order and
+            # the async reduce-scatters are issued in matching order on every rank.
             self._launch(buf, b)
 
     def _note_acc(self, nbytes: int) -> None:
@@ -223,6 +226,7 @@ class ZeroOptimizer:
                                               async_op=True)
             return
         n = b.shard_numel(buf.dp_size)
+        # Output is block dp_rank of acc itself: no extra shard-sized buffer while the bucket flies.
         b.work = comm.reduce_scatter_flat(b.acc[buf.dp_rank * n:(buf.dp_rank + 1) * n], b.acc, buf.axis,
                                           async_op=True)
         self._pending.append((buf, b))
@@ -240,6 +244,7 @@ class ZeroOptimizer:
         """zero=2: wait for all but the newest `keep` reduce-scatters; add their range into grad_shard and
         free the bucket's acc (a late bucket's acc is kept: p.main_grad views it until zero_grad)."""
         while len(self._pending) > keep:
+            # Oldest first: the launch order, so no wait ever waits behind a later collective.
             buf, b = self._pending.pop(0)
             if b.work is not None:
                 b.work.wait()
@@ -253,6 +258,7 @@ class ZeroOptimizer:
                 self._acc_bytes -= b.numel * 4
 
     def _wait_all(self) -> None:
+        # Also from zero_grad: no reduce-scatter may still be writing into a buffer about to be zeroed.
         self._drain(keep=0)
         for buf in self.buffers:
             for b in buf.buckets:
@@ -323,6 +329,8 @@ class ZeroOptimizer:
         mine = buf.shard(buf.param, b)
         st = self.states[self.buffers.index(buf)]
         if st.master is not None:
+            # The cast to the params' dtype happens once, on the owned range, before the gather: ranks then
+            # gather bf16, half the bytes of gathering the fp32 master.
             mine.copy_(buf.state_shard(st.master, b))
         return comm.all_gather_flat(buf.bucket_range(buf.param, b), mine, buf.axis, async_op=True)
 
@@ -336,6 +344,7 @@ class ZeroOptimizer:
     def _gather_bucket(self, buf: FlatBuffer, b: Bucket, what: str) -> dict[str, torch.Tensor]:
         """Full-bucket tensors gathered over dp (collective): 'state' -> moments (+ master), 'grad' ->
         the reduced grad. Only the last bucket is cached: checkpoints walk params bucket by bucket."""
+        # Gathered state must not race the param all-gather still writing the same bucket's params.
         self.param_gather.wait()
         key = (id(buf), b.index, what)
         if self._gathered is not None and self._gathered[0] == key:
@@ -403,6 +412,7 @@ class ZeroOptimizer:
             lo, n = seg.state_lo, seg.numel
             for k, full in src.items():
                 getattr(st, k)[lo:lo + n].copy_(full[seg.param_lo:seg.param_lo + n])
+            # fill_, not a new tensor: the fused kernel holds this step tensor in the optimizer state.
             self.adam.state[weights]["step"].fill_(float(step))
         if p in self._seen:
             self._seen[p] = p._version  # the master just loaded is exact: do not re-read it from p

@@ -94,6 +94,7 @@ class Zero3Optimizer(ZeroOptimizer):
         def hook(module, *args):
             # a forward inside backward is train.recompute=full's re-run: the block's backward follows and
             # needs its params, and the next block to prefetch is the previous one (bwd_pre launched it)
+            # Not a host sync: the graph task id is autograd-engine state (-1 outside a backward).
             recompute = when.startswith("fwd") and torch._C._current_graph_task_id() != -1
             if when in ("fwd_pre", "bwd_pre"):
                 self._ensure(i)
@@ -108,6 +109,7 @@ class Zero3Optimizer(ZeroOptimizer):
     def _launch_gather(self, buf: FlatBuffer, b: Bucket) -> None:
         st = self.states[self.buffers.index(buf)]
         if b.pfull.untyped_storage().nbytes() == 0:
+            # Resize the storage, not a new tensor: p.data views and autograd's saved weights point at it.
             b.pfull.untyped_storage().resize_(b.numel * b.pfull.element_size())
             if all(b is not x for _, x in self.resident):
                 self.gathered_params += b.numel * b.pfull.element_size()
@@ -115,6 +117,7 @@ class Zero3Optimizer(ZeroOptimizer):
                     self.gathered_peak = max(self.gathered_peak, self.gathered_params + self._acc_bytes)
         n = b.shard_numel(buf.dp_size)
         mine = b.pfull[buf.dp_rank * n:(buf.dp_rank + 1) * n]
+        # From the fp32 master, not a stale bf16 copy: the master is what the update wrote.
         with torch.no_grad():
             mine.copy_(buf.state_shard(st.master, b))
         b.gwork = comm.all_gather_flat(b.pfull, mine, buf.axis, async_op=True)
@@ -134,6 +137,7 @@ class Zero3Optimizer(ZeroOptimizer):
                 b.gwork = None
 
     def _free(self, i: int) -> None:
+        # Last chance to see writes made from outside into the gathered params: after the resize they are gone.
         self._resync_master([p for _, b in self.block_buckets[i] for p in b.params])
         for _, b in self.block_buckets[i]:
             if b.gwork is not None:  # a prefetch never used (eval without backward): let it land first
@@ -141,6 +145,7 @@ class Zero3Optimizer(ZeroOptimizer):
                 b.gwork = None
             if b.pfull.untyped_storage().nbytes():
                 self.gathered_params -= b.numel * b.pfull.element_size()
+                # Safe only after the wait above: NCCL could still be writing into this storage.
                 b.pfull.untyped_storage().resize_(0)
             b.fresh = False
 
@@ -185,6 +190,8 @@ class Zero3Optimizer(ZeroOptimizer):
             self._free(i)
         for buf, b in self.resident:
             self._launch_gather(buf, b)
+        # Waited at once: the resident bucket is read outside any hooked module (the head), so no
+        # forward pre-hook would wait for it.
         self.wait()
 
     def memory_bytes(self) -> dict[str, int]:
