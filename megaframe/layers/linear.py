@@ -35,10 +35,13 @@ class _GatheredLinear(torch.autograd.Function):
     def backward(ctx, g_SBO):
         x_SBI, weight = ctx.saved_tensors
         g_SBO = g_SBO.contiguous()
+        # The grad of the gathered input is partial per rank (each saw its own O/tp columns): summed over
+        # tp and scattered back to this rank's sequence block in one reduce-scatter.
         gx_SBI = comm.reduce_scatter_dim0(g_SBO @ weight, ctx.axis) if ctx.needs_input_grad[0] else None
         gw_OI = None
         if ctx.needs_input_grad[1]:
             full_SBI = comm.all_gather_dim0(x_SBI, ctx.axis)  # the re-gather the saving costs
+            # The weight grad needs every sequence position: this rank's O/tp rows see the whole sequence.
             gw_OI = g_SBO.flatten(0, -2).t() @ full_SBI.flatten(0, -2)
         gb_O = g_SBO.flatten(0, -2).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return gx_SBI, gw_OI, gb_O, None
@@ -78,6 +81,7 @@ class RowParallelLinear(nn.Module):
         self.bias = sharded_param(Shard((out_features,)), device, tp_partial_grad=sp) if bias else None
 
     def forward(self, x_SBI: torch.Tensor) -> torch.Tensor:
+        # No bias in the matmul: added before the reduction it would be summed tp times.
         y_SBO = F.linear(x_SBI, self.weight)
         y_SBO = comm.reduce_scatter_to_sp(y_SBO, self.tp) if self.sp else comm.reduce_from_tp(y_SBO, self.tp)
         return y_SBO if self.bias is None else y_SBO + self.bias

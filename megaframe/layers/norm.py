@@ -23,6 +23,7 @@ class Norm(nn.Module):
         self.bias = sharded_param(Shard((dim,)), device, tp_partial_grad=sp) if kind == "layernorm" else None
 
     def forward(self, x_SBD: torch.Tensor) -> torch.Tensor:
+        # Over the full hidden dim D, which tp never splits here: no collective needed for the statistics.
         if self.kind == "rmsnorm":
             return F.rms_norm(x_SBD, (x_SBD.shape[-1],), self.weight, self.eps)
         return F.layer_norm(x_SBD, (x_SBD.shape[-1],), self.weight, self.bias, self.eps)

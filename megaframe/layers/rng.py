@@ -22,6 +22,7 @@ from megaframe.parallel.mesh import Axis, Mesh
 def seed_step(seed: int, step: int, mesh: Mesh) -> None:
     """Seed the default generators for optimizer step `step`: equal on the tp ranks of one (pp, dp)
     coordinate; a function of the step, so resuming needs no RNG state."""
+    # No tp rank in the key: tp replicas must draw the same masks or their copies of the residual diverge.
     torch.manual_seed(param_seed(seed, f"dropout/step{step}/pp{mesh.pp.rank}/dp{mesh.dp.rank}"))
 
 
@@ -35,6 +36,7 @@ def tp_distinct(tp: Axis, device: torch.device, active: bool = True):
     # a CPU tensor: reading it waits for no device work
     key = int(torch.randint(1 << 62, (), dtype=torch.int64).item())
     devices = [device] if device.type == "cuda" else []
+    # fork_rng restores the default stream afterwards: code after the region draws as if it never ran.
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(param_seed(key, f"tp{tp.rank}"))
         yield

@@ -40,6 +40,7 @@ class Shard:
         if self.dim is not None:
             parts = self.parts or (self.global_shape[self.dim],)
             assert sum(parts) == self.global_shape[self.dim], (self, parts)
+            # Each fused block is split separately, so each must divide: rank r's q, k and v heads must line up.
             assert all(p % self.size == 0 for p in parts), f"{parts} not divisible by {self.size}"
             object.__setattr__(self, "parts", tuple(parts))
 
@@ -94,6 +95,7 @@ def sharded_param(shard: Shard, device, dtype=torch.float32, tp_partial_grad: bo
 
 def param_seed(seed: int, name: str) -> int:
     """A 63-bit seed from (run seed, global parameter name): the only inputs of init."""
+    # sha256, not hash(): Python's str hash is salted per process, and every rank must derive the same seed.
     digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
@@ -125,6 +127,7 @@ def block_edges(shape: tuple[int, ...]) -> tuple[int, ...]:
 def block_seed(base: int, index: int) -> int:
     """A 63-bit seed for block `index` of the parameter seeded `base` (splitmix64's finaliser: cheap, and
     no two blocks of a tensor share a stream)."""
+    # Masked to 64 bits after every step: Python ints do not wrap, the reference splitmix64 does.
     x = (base + (index + 1) * 0x9E3779B97F4A7C15) & _M64
     x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & _M64
     x = (x ^ (x >> 27)) * 0x94D049BB133111EB & _M64
@@ -141,6 +144,7 @@ def init_region(name: str, shape: tuple[int, ...], region: list[tuple[int, int]]
     kind, s = init_rule(name, std, num_layers)
     size = [hi - lo for lo, hi in region]
     if kind != "normal":
+        # Constant inits draw nothing: no generator to keep in step across layouts.
         return torch.ones(size) if kind == "ones" else torch.zeros(size)
     edges, base = block_edges(shape), param_seed(seed, name)
     grid = [(n + e - 1) // e for n, e in zip(shape, edges)]
@@ -149,6 +153,8 @@ def init_region(name: str, shape: tuple[int, ...], region: list[tuple[int, int]]
     for b in itertools.product(*spans):
         box = [(i * e, min((i + 1) * e, n)) for i, e, n in zip(b, edges, shape)]
         gen = torch.Generator().manual_seed(block_seed(base, _ravel(b, grid)))
+        # The whole block is drawn even when the region takes a corner of it: a generator's stream is
+        # positional, so drawing fewer values would change which value lands where.
         block = torch.empty([hi - lo for lo, hi in box]).normal_(0.0, s, generator=gen)
         src, dst = block, out
         for d, ((blo, bhi), (rlo, rhi)) in enumerate(zip(box, region)):
@@ -213,6 +219,7 @@ def init_model(model: nn.Module, seed: int, std: float, num_layers: int) -> None
     for name, p in model.named_parameters():
         if p.is_meta:  # a planning model: shapes only
             continue
+        # Drawn in fp32 on the CPU and then cast: the values must not depend on the device's RNG or dtype.
         p.copy_(local_init(name, p.placement.shard, seed, std, num_layers).to(p.device, p.dtype))
 
 
@@ -223,6 +230,7 @@ def gather_full(local: torch.Tensor, shard: Shard, axis) -> torch.Tensor:
 
     if shard.dim is None or axis.size == 1:
         return local.detach().clone()
+    # A leading dim of 1 so the dim-0 gather stacks whole slices; fused blocks are then placed one by one.
     pieces = comm.all_gather_dim0(local.detach().reshape(1, *local.shape), axis)
     full = torch.empty(shard.global_shape, dtype=local.dtype, device=local.device)
     for r in range(axis.size):

@@ -31,6 +31,8 @@ class VocabParallelEmbedding(nn.Module):
         if self.tp.size == 1:
             return F.embedding(ids_SB, self.weight)
         outside_SB = (ids_SB < self.start) | (ids_SB >= self.end)
+        # Clamp outside ids to row 0 so the lookup stays in bounds, then zero those rows: the sum over tp
+        # leaves exactly one rank's row per token.
         local_SB = (ids_SB - self.start).masked_fill(outside_SB, 0)
         x_SBD = F.embedding(local_SB, self.weight).masked_fill(outside_SB.unsqueeze(-1), 0.0)
         return comm.reduce_scatter_to_sp(x_SBD, self.tp) if self.sp else comm.reduce_from_tp(x_SBD, self.tp)
@@ -50,14 +52,18 @@ class _VocabParallelCE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits_SBV, target_SB, tp: Axis):
+        # fp32 for exp and the sums: bf16 logits would lose the loss's small differences.
         logits_SBV = logits_SBV.float()
         vocab = logits_SBV.shape[-1]
         start = tp.rank * vocab
+        # Log-sum-exp shift by the GLOBAL max: every rank must subtract the same value, or the summed
+        # exps of different ranks would be on different scales. It also keeps exp() from overflowing.
         max_SB = logits_SBV.max(dim=-1).values
         comm.all_reduce(max_SB, tp, op=dist.ReduceOp.MAX)
         shifted_SBV = logits_SBV - max_SB.unsqueeze(-1)
         outside_SB = (target_SB < start) | (target_SB >= start + vocab)
         local_SB = (target_SB - start).masked_fill(outside_SB, 0)
+        # Only the rank holding the target's row contributes its logit; the others add 0 in the sum below.
         picked_SB = shifted_SBV.gather(-1, local_SB.unsqueeze(-1)).squeeze(-1).masked_fill(outside_SB, 0.0)
         exp_SBV = shifted_SBV.exp()
         # one all-reduce for both sums: [target logit, sum of exp]
@@ -71,6 +77,7 @@ class _VocabParallelCE(torch.autograd.Function):
     def backward(ctx, g_SB):
         softmax_SBV, local_SB, outside_SB = ctx.saved_tensors
         grad_SBV = softmax_SBV  # in place: the saved softmax is ours and backward runs once
+        # -1 at the target on the rank that holds it; 0 (a no-op add at the clamped index) on the others.
         grad_SBV.scatter_add_(-1, local_SB.unsqueeze(-1), (outside_SB.float() - 1.0).unsqueeze(-1))
         grad_SBV.mul_(g_SB.unsqueeze(-1))
         return grad_SBV, None, None
@@ -79,6 +86,7 @@ class _VocabParallelCE(torch.autograd.Function):
 def log_softmax_nll(logits_XV: torch.Tensor, target_X: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(fp32 log-probabilities, per-token loss = -logp[target]) with torch's fused log_softmax (one pass
     over the logits instead of max, subtract, exp, sum, divide). X: any leading token dims."""
+    # fp32: log_softmax's internal log-sum-exp and the saved logp feed the grad; bf16 would round both.
     logp_XV = torch.log_softmax(logits_XV.float(), dim=-1)
     return logp_XV, -logp_XV.gather(-1, target_X.unsqueeze(-1)).squeeze(-1)
 
@@ -86,7 +94,7 @@ def log_softmax_nll(logits_XV: torch.Tensor, target_X: torch.Tensor) -> tuple[to
 def nll_grad_(logp_XV: torch.Tensor, target_X: torch.Tensor, g_X: torch.Tensor | None = None) -> torch.Tensor:
     """The loss's grad w.r.t. the logits, softmax - onehot (times g_X), written over logp_XV in place:
     no new V-wide buffer, no zero-filled one-hot. The caller must not need logp afterwards."""
-    grad_XV = logp_XV.exp_()
+    grad_XV = logp_XV.exp_()  # exp(log_softmax) is the softmax, without a second pass over the logits
     grad_XV.scatter_add_(-1, target_X.unsqueeze(-1), grad_XV.new_full((*target_X.shape, 1), -1.0))
     return grad_XV if g_X is None else grad_XV.mul_(g_X.unsqueeze(-1))
 
