@@ -20,6 +20,7 @@ from megaframe.schema import ModelConfig
 
 def rope_tables(seq: int, dim: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos_SE, sin_SE for the non-interleaved (rotate-half) RoPE used by Llama."""
+    # fp32 tables: at long positions bf16 angles would be off by whole radians.
     inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
     ang = torch.outer(torch.arange(seq, dtype=torch.float32, device=device), inv)
     ang = torch.cat([ang, ang], dim=-1)
@@ -38,6 +39,7 @@ class Attention(nn.Module):
         super().__init__()
         self.recompute_core = recompute_core
         e = cfg.head_dim
+        # Whole heads per rank (config_checks requires tp to divide both): attention never crosses ranks.
         self.heads, self.groups, self.head_dim = cfg.num_attention_heads // tp.size, cfg.kv_heads // tp.size, e
         self.dropout, self.tp = cfg.dropout, tp
         self.qkv = ColumnParallelLinear(cfg.hidden_size, [cfg.num_attention_heads * e, cfg.kv_heads * e,

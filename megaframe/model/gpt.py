@@ -44,7 +44,7 @@ class MLP(nn.Module):
             gate_SBF, up_SBF = h_SBX.chunk(2, dim=-1)
             h_SBF = F.silu(gate_SBF) * up_SBF
         else:
-            h_SBF = F.gelu(h_SBX, approximate="tanh")
+            h_SBF = F.gelu(h_SBX, approximate="tanh")  # tanh form: HF GPT-2's gelu_new, so imported weights match
         return self.down_proj(h_SBF)
 
 
@@ -95,6 +95,7 @@ class GPT(nn.Module):
         self.cfg, self.mesh = cfg, mesh
         self.recompute_blocks = recompute == "full"
         self.stage = stage = stage or Stage.whole(cfg.num_layers)
+        # sp means nothing at tp = 1; folding it here keeps every sp branch below from also testing tp.
         self.sp = sp and mesh.tp.size > 1
         device = device or mesh.device
         tp = mesh.tp
@@ -113,6 +114,8 @@ class GPT(nn.Module):
                 self.head = ColumnParallelLinear(cfg.hidden_size, [cfg.vocab_size], tp, self.sp, False, device)
         self.rope = None
         if cfg.position_embedding == "rope":
+            # A plain attribute, not a buffer: model.to(bf16) must not cast the fp32 tables, nor a checkpoint
+            # store what the config determines.
             self.rope = rope_tables(cfg.seq_length, cfg.head_dim, cfg.rope_theta, device)
         self.drop = nn.Dropout(cfg.dropout)
 
@@ -120,9 +123,11 @@ class GPT(nn.Module):
         init_model(self, seed, self.cfg.init_std, self.cfg.num_layers)
 
     def embed_tokens(self, ids_BS: torch.Tensor) -> torch.Tensor:
+        # Transposed to sequence-first: sp splits and gathers dim 0, contiguous (comm's convention).
         x_SBD = self.embed(ids_BS.t())
         if self.cfg.position_embedding == "learned":
             s = x_SBD.shape[0]
+            # Under sp x_SBD is already this rank's sequence block: add the positions of that block.
             start = self.mesh.tp.rank * s if self.sp else 0
             x_SBD = x_SBD + self.pos_embed[start:start + s].unsqueeze(1)
         if self.sp and self.mesh.tp.size > 1 and self.training and self.drop.p > 0:
@@ -166,6 +171,7 @@ class GPT(nn.Module):
 def build_model(cfg, mesh: Mesh) -> GPT:
     """This rank's part of the model for the run config `cfg` (a megaframe.config.Config), initialised."""
     p = cfg.parallel
+    # Every rank derives its stage from the same config: the pipeline neighbours agree on the cut.
     stage = stage_layout(cfg.model.num_layers, mesh.pp.size, p.vpp, mesh.pp.rank, p.pp_layout)
     model = GPT(cfg.model, mesh, p.sp, stage=stage,
                 tokens_per_step=cfg.train.global_batch_size * cfg.model.seq_length, recompute=cfg.train.recompute)

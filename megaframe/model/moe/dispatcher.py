@@ -59,15 +59,18 @@ def plan(experts_TK: torch.Tensor, weights_TK: torch.Tensor, num_experts: int, c
     expert_counts(experts_TK) if the caller has it. No host sync."""
     k = experts_TK.shape[1]
     flat_A = experts_TK.reshape(-1)
+    # Stable: ties keep token order, so which assignments capacity keeps is deterministic and layout-free.
     order_A = torch.argsort(flat_A, stable=True)
     if counts_E is None:
         counts_E = expert_counts(flat_A, num_experts)
     kept_E, dropped = counts_E, torch.zeros((), dtype=torch.int64, device=flat_A.device)
     if capacity is not None:
         before_E = torch.zeros_like(counts_E) if offset_E is None else offset_E
+        # Earlier sequence blocks used up part of each expert's capacity; clamp: they may have used it all.
         kept_E = torch.minimum(counts_E, (capacity - before_E).clamp_min(0))
         dropped = (counts_E - kept_E).sum()
         sorted_A = flat_A[order_A]
+        # Rank of each sorted assignment within its expert (index minus the expert's exclusive prefix count).
         pos_A = torch.arange(flat_A.numel(), device=flat_A.device) - (counts_E.cumsum(0) - counts_E)[sorted_A]
         # dropped assignments sort last (key E), kept ones keep their expert order (stable)
         key_A = torch.where(pos_A < kept_E[sorted_A], sorted_A, num_experts)
@@ -92,7 +95,9 @@ def dispatch_combine(x_TD: torch.Tensor, p: Plan, ep: Axis, experts) -> torch.Te
     row blocks of the given sizes."""
     num_experts = p.kept_E.numel()
     local = num_experts // ep.size
+    # Counts before rows: the receiver must size its buffer and splits before the row all-to-all.
     recv_E = comm.all_to_all_counts(p.kept_E, ep)  # recv_E[r·L + l]: rows rank r sends to our expert l
+    # Stacked so both lists cost one device-to-host copy, not two.
     kept, recv = torch.stack([p.kept_E, recv_E]).tolist()  # the one host sync: split sizes
     n = sum(kept)  # the kept assignments lead token_A; the dropped ones are cut here
     token_A, weight_A = p.token_A[:n], p.weight_A[:n]
@@ -104,9 +109,12 @@ def dispatch_combine(x_TD: torch.Tensor, p: Plan, ep: Axis, experts) -> torch.Te
     if ep.size > 1:
         perm_R, sizes = _regroup(recv_E, recv_RL)
         y_RD = experts(x_RD[perm_R], sizes)
+        # Back to (source rank, local expert) order: the return all-to-all's splits assume the arrival order.
         y_RD = y_RD[torch.argsort(perm_R)]
     else:
         y_RD = experts(x_RD, recv_RL[0])
     y_AD = comm.all_to_all(y_RD, ep, send_splits, recv_splits)
+    # Weighted after the way back, on the token's own rank: the weight's grad (the router's) stays local.
     y_AD = y_AD * weight_A.unsqueeze(-1).to(y_AD.dtype)
+    # index_add sums a token's K expert outputs; tokens whose assignments were all dropped stay zero.
     return torch.zeros_like(x_TD).index_add(0, token_A, y_AD)

@@ -44,6 +44,8 @@ class _InjectLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         dtype, device = ctx.loss_meta
+        # A constant seed, not derived from g: the router losses' weight in the objective does not depend
+        # on what flows back through y, and a device scalar from a Python float needs no host sync.
         return g, torch.full((), ctx.scale, dtype=dtype, device=device), None
 
 
@@ -93,6 +95,8 @@ class MoE(nn.Module):
         micro-batch is split over tp in sequence order, so gather every block's counts."""
         if not (self.sp and self.tp.size > 1):
             return counts_E, torch.zeros_like(counts_E)
+        # Gathered, not all-reduced: besides the total, capacity needs the counts of the blocks before ours
+        # to drop the same assignments as one process would.
         all_PE = comm.all_gather_dim0(counts_E.unsqueeze(0), self.tp)
         return all_PE.sum(0), all_PE[:self.tp.rank].sum(0)
 
@@ -110,9 +114,11 @@ class MoE(nn.Module):
         batch_E, offset_E = self._batch_counts(counts_E)
         capacity = None
         if c.moe_capacity_factor is not None:
+            # From n, the whole micro-batch's tokens (not this rank's block): the same capacity in every layout.
             capacity = math.ceil(c.moe_capacity_factor * n * c.moe_top_k / c.num_experts)
         plan = dispatcher.plan(r.experts_TK, r.weights_TK, c.num_experts, capacity, offset_E, counts_E)
         y_TD = dispatcher.dispatch_combine(x_TD, plan, self.ep, self.experts)
+        # Not under no_grad (eval): no backward to inject into, and eval must not count into step_stats.
         if torch.is_grad_enabled():
             y_TD = self._add_losses(y_TD, r, logits_TE, batch_E, counts_E, plan, n)
         return y_TD.view(s, b, d)
@@ -123,7 +129,7 @@ class MoE(nn.Module):
         k, local = self.cfg.moe_top_k, self.cfg.num_experts // self.ep.size
         rows = x_TD.shape[0] * k
         sizes = [rows // local] * local
-        sizes[-1] += rows - sum(sizes)
+        sizes[-1] += rows - sum(sizes)  # the remainder to the last expert: sizes must sum to the rows
         perm_A = torch.arange(rows, device=x_TD.device)
         token_A = perm_A // k
         x_AD = x_TD[token_A][perm_A]  # gather by token, then the regrouping by local expert
@@ -134,11 +140,14 @@ class MoE(nn.Module):
     def _add_losses(self, y_TD, r: router.Routing, logits_TE, batch_E, counts_E, plan, n: int) -> torch.Tensor:
         """Attach the router losses to y's backward and add this micro-batch to the step statistics."""
         c = self.cfg
+        # The micro-batch's share of the step's tokens: summed over micro-batches and dp ranks the router
+        # losses enter the objective as a token-weighted mean, like the LM loss.
         share = n / (self.tokens_per_step or n)
         aux = c.moe_aux_loss_coeff * router.load_balancing_loss(r.probs_TE, batch_E, n, c.moe_top_k)
         z = c.moe_z_loss_coeff * router.z_loss(logits_TE, n) if c.moe_z_loss_coeff > 0 else aux.new_zeros(())
         if c.moe_aux_loss_coeff > 0 or c.moe_z_loss_coeff > 0:
             y_TD = _InjectLoss.apply(y_TD, aux + z, share)
+        # Kept on the device in fp64 and read only by moe.stats at log steps: no host sync per micro-batch.
         with torch.no_grad():
             row = torch.stack([plan.dropped.to(torch.float64), counts_E.sum().to(torch.float64),
                                router.entropy_sum(r.probs_TE).to(torch.float64),

@@ -37,6 +37,7 @@ class Routing:
 def route(logits_TE: torch.Tensor, top_k: int, score: str = "softmax",
           bias_E: torch.Tensor | None = None) -> Routing:
     """Top-k routing of fp32 logits (pure function; the reference the tests check by hand)."""
+    # fp32: near-tied bf16 scores would flip top-k choices between layouts that round differently.
     logits_TE = logits_TE.float()
     if score == "softmax":
         scores_TE = torch.softmax(logits_TE, dim=-1)
@@ -48,6 +49,7 @@ def route(logits_TE: torch.Tensor, top_k: int, score: str = "softmax",
     # topk on the detached scores: selection is not differentiable; ties go to the lower expert index
     experts_TK = torch.topk(select_TE, top_k, dim=-1, sorted=True).indices
     chosen_TK = scores_TE.gather(-1, experts_TK)
+    # clamp: sigmoid scores can all underflow to 0 for a token; 0/0 would turn its output into NaN.
     weights_TK = chosen_TK / chosen_TK.sum(-1, keepdim=True).clamp_min(1e-20)
     return Routing(experts_TK, weights_TK, probs_TE)
 
@@ -64,12 +66,14 @@ def load_balancing_loss(probs_TE: torch.Tensor, counts_E: torch.Tensor, num_toke
 
 def z_loss(logits_TE: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """sum_t logsumexp(logits_t)^2 / N: this rank's share of the micro-batch mean (N tokens in all)."""
+    # logsumexp, not log(sum(exp)): large router logits (what z-loss penalises) would overflow exp().
     return torch.logsumexp(logits_TE.float(), dim=-1).square().sum() / num_tokens
 
 
 def entropy_sum(probs_TE: torch.Tensor) -> torch.Tensor:
     """Sum over tokens of the routing distribution's entropy (nats); detached."""
     p = probs_TE.detach()
+    # clamp inside the log only: p·log p -> 0 as p -> 0, and log(0) would give 0·(-inf) = NaN.
     return -(p * p.clamp_min(1e-20).log()).sum()
 
 
@@ -92,4 +96,5 @@ class Router(nn.Module):
         return self
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        # fp32 gate even in a bf16 model: expert choice is a discrete decision sensitive to rounding.
         return F.linear(x_TD.float(), self.weight.float())

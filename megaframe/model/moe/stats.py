@@ -36,9 +36,12 @@ def reduced_table(model, mesh: Mesh, over_pp: bool) -> torch.Tensor | None:
     cfg = model.cfg
     if cfg.num_experts == 0:
         return None
+    # fp64: token counts summed over a large global batch and many steps must stay exact integers.
+    # Every rank builds the full [num_layers, ...] table, zero rows included, so the shapes agree.
     table = torch.zeros(cfg.num_layers, cfg.num_experts + len(STAT_NAMES), dtype=torch.float64, device=mesh.device)
     for i, layer in moe_layers(model):
         table[i] = layer.step_stats
+    # Fixed order dp, tp, pp on every rank; the `if`s depend only on config, so all ranks take them alike.
     comm.all_reduce(table, mesh.dp)
     if model.sp:
         comm.all_reduce(table, mesh.tp)
@@ -55,11 +58,13 @@ def update_expert_bias(model, mesh: Mesh) -> None:
     cfg = model.cfg
     if cfg.num_experts == 0 or not cfg.moe_expert_bias:
         return
+    # No pp reduction: each stage updates only its own layers' biases, from rows its own ranks summed.
     table = reduced_table(model, mesh, over_pp=False)
     for i, layer in moe_layers(model):
         counts_E = table[i, :cfg.num_experts]
         bias_E = layer.router.expert_bias
         bias_E += (cfg.moe_bias_update_rate * torch.sign(counts_E.mean() - counts_E)).to(bias_E.dtype)
+        # Recentred: only differences between experts matter for top-k, and this stops a common drift.
         bias_E -= bias_E.mean()
 
 
@@ -70,6 +75,7 @@ def metrics(model, mesh: Mesh) -> dict[str, float]:
         return {}
     e = model.cfg.num_experts
     col = {name: e + j for j, name in enumerate(STAT_NAMES)}
+    # The one host sync, at log steps only: the figures go to the logger as Python floats.
     rows = table.tolist()
     out = {"aux_loss": sum(r[col["aux"]] for r in rows), "z_loss": sum(r[col["z"]] for r in rows)}
     for i, r in enumerate(rows):
