@@ -159,7 +159,7 @@ class _ReduceFromTP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, axis):
-        # all_reduce works in place: the clone keeps autograd's saved input (and the caller's x) untouched.
+        # all_reduce works in place: the clone leaves the caller's x (which autograd may hold) unmodified.
         return all_reduce(x.contiguous().clone() if axis.size > 1 else x, axis)
 
     @staticmethod
