@@ -150,7 +150,7 @@ class FlatBuffer:
         # zero=1: the whole grad buffer; zero=2: this rank's shard of it (see the module docstring)
         self.grad = None if sharded_grads else torch.zeros(self.numel, dtype=torch.float32, device=device)
         self.grad_shard = torch.zeros(self.state_numel, device=device) if sharded_grads else None
-        # Zeros, not empty: the padding at each bucket's end is all-gathered and must stay finite.
+        # Zeros, not empty: the padding belongs to no param; zeros keep it deterministic in the master and gathers.
         self.param = torch.zeros(self.numel, dtype=self.dtype, device=device)
         self.offset: dict[nn.Parameter, int] = {}
         self.buckets: list[Bucket] = []

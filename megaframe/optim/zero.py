@@ -146,7 +146,7 @@ class ZeroOptimizer:
                 weights.grad = buf.owned_grad_at(seg)
                 groups[0 if seg.param.ndim >= 2 else 1].append(weights)
                 step = torch.zeros((), dtype=torch.float32, device=device)
-                # fused AdamW wants its step counter as an fp32 tensor on the params' device (bumped in-kernel).
+                # fused AdamW requires its step counter as an fp32 tensor on the params' device, never a Python int.
                 pre.append((weights, {"step": step, "exp_avg": st.exp_avg[lo:hi], "exp_avg_sq": st.exp_avg_sq[lo:hi]}))
                 self._segs_of.setdefault(seg.param, []).append((seg, weights))
         self.adam = adamw(*groups, self.cfg, device) if any(groups) else None
@@ -244,7 +244,7 @@ class ZeroOptimizer:
         """zero=2: wait for all but the newest `keep` reduce-scatters; add their range into grad_shard and
         free the bucket's acc (a late bucket's acc is kept: p.main_grad views it until zero_grad)."""
         while len(self._pending) > keep:
-            # Oldest first: the launch order, so no wait ever waits behind a later collective.
+            # Oldest first: collectives on one group complete in launch order, so no wait is longer than needed.
             buf, b = self._pending.pop(0)
             if b.work is not None:
                 b.work.wait()
@@ -344,7 +344,6 @@ class ZeroOptimizer:
     def _gather_bucket(self, buf: FlatBuffer, b: Bucket, what: str) -> dict[str, torch.Tensor]:
         """Full-bucket tensors gathered over dp (collective): 'state' -> moments (+ master), 'grad' ->
         the reduced grad. Only the last bucket is cached: checkpoints walk params bucket by bucket."""
-        # Gathered state must not race the param all-gather still writing the same bucket's params.
         self.param_gather.wait()
         key = (id(buf), b.index, what)
         if self._gathered is not None and self._gathered[0] == key:
@@ -412,7 +411,6 @@ class ZeroOptimizer:
             lo, n = seg.state_lo, seg.numel
             for k, full in src.items():
                 getattr(st, k)[lo:lo + n].copy_(full[seg.param_lo:seg.param_lo + n])
-            # fill_, not a new tensor: the fused kernel holds this step tensor in the optimizer state.
             self.adam.state[weights]["step"].fill_(float(step))
         if p in self._seen:
             self._seen[p] = p._version  # the master just loaded is exact: do not re-read it from p
