@@ -71,8 +71,7 @@ def check_args(kind: str, pp: int, vpp: int, m: int) -> None:
         raise ValueError("parallel.pp_schedule=1f1b runs one chunk per rank: use parallel.vpp=1 or interleaved")
     if kind == "interleaved" and vpp < 2:
         raise ValueError("interleaved 1F1B needs parallel.vpp >= 2 (vpp=1 is plain 1f1b)")
-    # _virtual walks micro-batches in groups of pp per chunk; a partial group would leave a rank waiting
-    # for a micro-batch its neighbour never sends.
+    # _virtual walks micro-batches in groups of pp per chunk: it has no rule for a partial group.
     if kind == "interleaved" and m % pp != 0:
         raise ValueError(f"interleaved 1F1B needs the micro-batch count ({m}) to be a multiple of parallel.pp={pp}")
 
@@ -145,7 +144,7 @@ def build_schedule(kind: str, pp: int, vpp: int, m: int, rank: int,
                 items.append((sent_at[(B, a.microbatch, s + 1)], 0, 2, Action(RECV_B, a.microbatch, a.chunk, next_rank)))
             if s > 0:
                 items.append((t + 1, 0, 0, Action(SEND_B, a.microbatch, a.chunk, prev_rank)))
-    # The key stops before the Action: ties are broken by (kind, index), never by comparing Actions.
+    # The key stops before the Action (not orderable); full ties keep insertion order (sorted is stable).
     return [a for *_, a in sorted(items, key=lambda x: x[:3])]
 
 
