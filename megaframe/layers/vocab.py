@@ -31,7 +31,7 @@ class VocabParallelEmbedding(nn.Module):
         if self.tp.size == 1:
             return F.embedding(ids_SB, self.weight)
         outside_SB = (ids_SB < self.start) | (ids_SB >= self.end)
-        # Clamp outside ids to row 0 so the lookup stays in bounds, then zero those rows: the sum over tp
+        # Map outside ids to row 0 so the lookup stays in bounds, then zero those rows: the sum over tp
         # leaves exactly one rank's row per token.
         local_SB = (ids_SB - self.start).masked_fill(outside_SB, 0)
         x_SBD = F.embedding(local_SB, self.weight).masked_fill(outside_SB.unsqueeze(-1), 0.0)
