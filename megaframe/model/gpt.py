@@ -114,8 +114,6 @@ class GPT(nn.Module):
                 self.head = ColumnParallelLinear(cfg.hidden_size, [cfg.vocab_size], tp, self.sp, False, device)
         self.rope = None
         if cfg.position_embedding == "rope":
-            # A plain attribute, not a buffer: model.to(bf16) must not cast the fp32 tables, nor a checkpoint
-            # store what the config determines.
             self.rope = rope_tables(cfg.seq_length, cfg.head_dim, cfg.rope_theta, device)
         self.drop = nn.Dropout(cfg.dropout)
 

@@ -118,7 +118,7 @@ class MoE(nn.Module):
             capacity = math.ceil(c.moe_capacity_factor * n * c.moe_top_k / c.num_experts)
         plan = dispatcher.plan(r.experts_TK, r.weights_TK, c.num_experts, capacity, offset_E, counts_E)
         y_TD = dispatcher.dispatch_combine(x_TD, plan, self.ep, self.experts)
-        # Not under no_grad (eval): no backward to inject into, and eval must not count into step_stats.
+        # Skipped under no_grad (eval): no backward to inject into, and eval batches stay out of step_stats.
         if torch.is_grad_enabled():
             y_TD = self._add_losses(y_TD, r, logits_TE, batch_E, counts_E, plan, n)
         return y_TD.view(s, b, d)

@@ -37,7 +37,7 @@ class Routing:
 def route(logits_TE: torch.Tensor, top_k: int, score: str = "softmax",
           bias_E: torch.Tensor | None = None) -> Routing:
     """Top-k routing of fp32 logits (pure function; the reference the tests check by hand)."""
-    # fp32: near-tied bf16 scores would flip top-k choices between layouts that round differently.
+    # fp32: in bf16 many scores round to ties, and top-k choices would flip on rounding noise.
     logits_TE = logits_TE.float()
     if score == "softmax":
         scores_TE = torch.softmax(logits_TE, dim=-1)
