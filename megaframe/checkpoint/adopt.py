@@ -38,6 +38,7 @@ def set_on_command_line(overrides: list[str]) -> set[str]:
     keys = _keys(overrides)
     if "model" in keys:
         return {f.name for f in dataclasses.fields(ModelConfig)}
+    # only explicit model.* keys count as set; every other model field may come from the checkpoint
     return {k.removeprefix("model.") for k in keys if k.startswith("model.")}
 
 

@@ -37,7 +37,7 @@ def experts_out(i: int, rest: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
     out = {}
     for e, w in enumerate(t.unbind(0)):
         if rest == "mlp.experts.up_proj.weight":
-            gate, up = w.chunk(2, dim=0)
+            gate, up = w.chunk(2, dim=0)  # [gate | up] rows: w1 is the gate, w3 the up
             out[f"{moe}experts.{e}.w1.weight"], out[f"{moe}experts.{e}.w3.weight"] = gate.contiguous(), up.contiguous()
         else:
             out[f"{moe}experts.{e}.w2.weight"] = w.contiguous()
