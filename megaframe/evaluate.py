@@ -34,6 +34,7 @@ def compose(ckpt, step, meta: dict, overrides: list[str]):
     if not keys & {"data", "data.path", "data.blend"} and data.get("path"):
         extra += [f"data.path={data['path']}", f"data.valid_fraction={data.get('valid_fraction', 0.0)}"]
     extra += [f"data.name={data.get('name', 'data')}"] if "data.name" not in keys and data else []
+    # the run's data settings first, so the command line's overrides win over them
     return load_config(extra + list(overrides) + [f"checkpoint.resume={step}"], world_size=1)
 
 
@@ -48,12 +49,13 @@ def evaluate(model, cfg, every: bool) -> tuple[float, int, str]:
     split = "valid" if cfg.data.valid_fraction > 0 else "all"
     data = build_data(cfg, split=split)
     t = cfg.train
+    # whole micro-batches, at most the split's size: a small validation split is still scored
     g = min(t.global_batch_size, data.num_samples) // t.micro_batch_size * t.micro_batch_size
     if g < 1:
         raise ValueError(f"the {split} split has {data.num_samples} samples < train.micro_batch_size={t.micro_batch_size}")
     iters = data.num_samples // g if every else min(t.eval_iters, data.num_samples // g)
     mesh = single_process_mesh("cpu")
-    total = torch.zeros((), dtype=torch.float64)
+    total = torch.zeros((), dtype=torch.float64)  # many batches of fp32 sums: keep the digits
     with torch.no_grad():
         for k in range(iters):
             total += loss_sum(model, microbatches(data, k, g, t.micro_batch_size, 0, 1, t.seed), mesh).double()
@@ -80,6 +82,7 @@ def main(argv: list[str]) -> int:
         return fail(e)
     src = cfg.data.path or "+".join(b.path for b in cfg.data.blend)
     print(f"evaluate: {step} (step {meta.get('step')}) on {src} [{split}]: loss {loss:.4f} | "
+          # exp overflows past ~709: a diverged model prints a huge but finite perplexity
           f"perplexity {math.exp(min(loss, 700)):.2f} | {tokens} tokens in {time.perf_counter() - t0:.1f}s", flush=True)
     return 0
 
