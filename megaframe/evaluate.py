@@ -34,7 +34,6 @@ def compose(ckpt, step, meta: dict, overrides: list[str]):
     if not keys & {"data", "data.path", "data.blend"} and data.get("path"):
         extra += [f"data.path={data['path']}", f"data.valid_fraction={data.get('valid_fraction', 0.0)}"]
     extra += [f"data.name={data.get('name', 'data')}"] if "data.name" not in keys and data else []
-    # the run's data settings first, so the command line's overrides win over them
     return load_config(extra + list(overrides) + [f"checkpoint.resume={step}"], world_size=1)
 
 

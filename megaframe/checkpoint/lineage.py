@@ -30,7 +30,7 @@ def lineage_meta(run_id: str, step: int, parent: Path | None, parent_id: str | N
     ref = None
     if parent is not None:
         parent = Path(parent).resolve()
-        # a name relative to root inside it, so a checkpoint folder can be moved or copied whole with its lineage
+        # inside root: a bare folder name, so the whole checkpoint dir can be moved or copied with its lineage
         ref = parent.name if parent.parent == Path(root).resolve() else str(parent)
     # run id and step: a rewritten step folder (another branch) gets a new id, which ends parent_of's chain there
     return {"id": f"{run_id}:{step}", "run_id": run_id, "parent": ref, "parent_id": parent_id if ref else None}

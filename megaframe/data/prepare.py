@@ -58,7 +58,7 @@ from megaframe.errors import fail
 
 __all__ = ["PrepareError", "prepare", "main"]
 
-UNIT_BYTES = 256 << 20  # the resume granularity: an interrupted run redoes at most one unit per worker
+UNIT_BYTES = 256 << 20  # the resume granularity: an interrupted run redoes only the units without a record
 MAX_CHUNK_CHARS, MIN_CHUNK_CHARS = 8 << 20, 256 << 10
 TOKENIZER_SEED = 1234
 """Fixed (not train.seed): the tokenizer, hence the prepared data, must not change with a training seed."""
@@ -93,7 +93,6 @@ def prepare(cfg: Config, *, unit_bytes: int = UNIT_BYTES, chunk_chars: int | Non
         if _already_prepared(out, settings, files):  # a concurrent run finished first: its data is as good
             return None
         meta = _build(cfg, files, work, settings, unit_bytes, chunk_chars, show_progress)
-        # the unit records go before the rename: OUT holds only what readers need
         shutil.rmtree(work / "units")  # resume records: meta.json now says it all
         (work / "settings.json").unlink()
         lock.release(unlink=True)
@@ -159,7 +158,7 @@ def _build(cfg: Config, files: list[SourceFile], work: Path, settings: dict, uni
             "num_documents": sum(s["num_docs"] for s in shards), "shards": shards,
             "tokenizer": tok_name, "tokenizer_kind": tok.kind, "tokenizer_sha256": tokenizer_sha256(work / tok_name),
             "source": cfg.data.source, "sources": records, "settings": settings}
-    # (in _build) meta.json is written after every shard: a folder with it is complete
+    # after every shard: prepare() renames the folder into place only once meta.json exists
     mf.write_json(work / "meta.json", meta)
     return {**meta, "stats": {"workers": workers, "seconds": time.perf_counter() - t0,
                               "tokenizer_seconds": t1 - t0, "encode_seconds": t2 - t1,

@@ -53,6 +53,6 @@ def train_step(model, optimizer, batches, mesh: Mesh, cfg: Config, step: int, pr
     lr = lr_at(step, o.lr, o.min_lr, o.warmup_steps, o.lr_decay_steps or cfg.train.max_steps, o.lr_schedule,
                o.wsd_decay_fraction)
     norm = optimizer.step(lr)
-    # after the optimizer step: the bias update uses this step's expert loads, and must not touch this step's gradients
+    # once per optimizer step, from the expert loads this step's micro-batches recorded (begin_step reset them)
     moe_stats.update_expert_bias(model, mesh)  # no-op unless model.moe_expert_bias
     return StepResult(loss_sum, norm, lr)

@@ -95,7 +95,6 @@ def train(cfg: Config, mesh: Mesh, stop: StopFlag, run_id: str = "") -> None:
         sampler = Sampler.build(cfg, mesh)  # None unless train.sample_interval > 0
     except (OSError, ValueError, KeyError) as e:
         raise ConfigError(f"data.path={cfg.data.path}: unreadable prepared data ({e})") from e
-    # after build_data: a resume must not load weights only to find the data unreadable
     resumed = resume(cfg, model, optimizer, mesh)
     start, t = resumed.step, cfg.train
     if resumed.meta:
