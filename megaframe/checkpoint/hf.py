@@ -151,6 +151,7 @@ def to_hf(m: ModelConfig, state: dict[str, torch.Tensor], eos_token_id: int | No
             i, rest = split
             if rest not in GPT2_LAYER:
                 raise ValueError(f"unexpected megaframe tensor {name!r} for a gpt2 export")
+            # Conv1D stores [in, out]: a matrix is transposed both ways, vectors pass as they are
             sd[f"transformer.h.{i}.{GPT2_LAYER[rest]}"] = t.t().contiguous() if t.ndim == 2 else t
     if fam == "gpt2" and not m.bias:  # GPT-2's Conv1D layers always carry biases: export zeros
         _add_zero_gpt2_biases(m, sd)
@@ -222,7 +223,7 @@ def build_hf_model(cfg, sd: dict[str, torch.Tensor]):
     if missing or unexpected:
         raise ValueError(f"HF state mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
     if cfg.tie_word_embeddings:
-        model.tie_weights()
+        model.tie_weights()  # lm_head then shares the loaded embedding, not from_config's random one
     return model.eval()
 
 

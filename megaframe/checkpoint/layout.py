@@ -55,7 +55,8 @@ def _replicas(p, mesh, segments: bool) -> tuple[int, int]:
         rep = mesh.dp_rep if (not p.placement.expert and mesh.dp_rep is not None) else None
         if rep is None or rep.size == 1:
             return tp_n, tp_i
-        return tp_n * rep.size, rep.rank * tp_n + tp_i
+        return tp_n * rep.size, rep.rank * tp_n + tp_i  # tp innermost: a distinct part per holder
+    # an expert's replicas are its expert-data-parallel ranks: the ep ranks beside them hold other experts
     dp = (mesh.edp or mesh.dp) if p.placement.expert else mesh.dp
     return dp.size * tp_n, dp.rank * tp_n + tp_i
 

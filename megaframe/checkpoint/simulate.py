@@ -38,7 +38,7 @@ class Layout:
 
     @property
     def world(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.dp  # ep is carved out of dp, not an axis of its own
 
     def coords(self):
         """(pp rank, dp rank, tp rank) of every rank, in Megatron's rank order (tp innermost)."""
