@@ -27,6 +27,7 @@ def fused() -> bool:
 def experts_out(i: int, rest: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
     """The transformers tensors of megaframe's layers.{i}.{rest} (one of MIXTRAL_MOE)."""
     pre = f"model.layers.{i}."
+    # transformers 5 stacks the experts in 3-D tensors, as megaframe stores them: renamed, never split
     if fused():
         name = {"mlp.router.weight": "mlp.gate.weight", "mlp.experts.up_proj.weight": "mlp.experts.gate_up_proj",
                 "mlp.experts.down_proj.weight": "mlp.experts.down_proj"}[rest]
