@@ -86,10 +86,12 @@ def load_config(overrides: list[str], world_size: Optional[int] = None, check_da
     from megaframe.config_keys import check_override_keys
 
     check_override_keys(overrides)
+    # Hydra keeps one global instance: a second load_config in a process (tests, tools) must start afresh
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             raw = compose(config_name="config", overrides=list(overrides))
+        # to real dataclasses: enums typed, and every later access is a plain attribute, not OmegaConf's
         cfg = OmegaConf.to_object(raw)
     except (HydraException, OmegaConfBaseException) as e:  # a bad value, group or interpolation
         raise ConfigError(_composition_error(e)) from e
@@ -122,6 +124,7 @@ def validate(cfg: Config, world_size: int, check_data: bool = True) -> None:
     if cfg.model.vocab_size is None:
         from megaframe.config_keys import default_vocab_size
 
+        # before the checks: they test divisibility of the vocabulary by tp
         cfg.model.vocab_size = default_vocab_size(cfg)
 
     check_config(cfg, world_size, check_data)

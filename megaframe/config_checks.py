@@ -54,7 +54,7 @@ def _r(lo=None, *, gt=False, hi=None, le=False, opt=False, int_=True) -> Rule:
 POS, NONNEG = _r(1), _r(0)  # integer counts and sizes
 POSF, NONNEGF = _r(0, gt=True, int_=False), _r(0, int_=False)  # finite real numbers
 UNIT = _r(0, hi=1, int_=False)  # a fraction in [0, 1)
-SEED = _r(0, hi=2**63)
+SEED = _r(0, hi=2**63)  # numpy and torch take a non-negative int64 seed
 
 FIELD_RULES: dict[str, Rule] = {
     # model
@@ -121,15 +121,19 @@ def check_config(cfg: Config, world_size: int, check_data: bool = True) -> None:
          f"model.num_query_groups={m.kv_heads} does not divide model.num_attention_heads={m.num_attention_heads}")
     _req(m.num_attention_heads % p.tp == 0,
          f"parallel.tp={p.tp} does not divide model.num_attention_heads={m.num_attention_heads}")
+    # whole kv heads per tp rank: a rank's query heads must find their kv group locally
     _req(m.kv_heads % p.tp == 0, f"parallel.tp={p.tp} does not divide model.num_query_groups={m.kv_heads}")
     _req(m.ffn_hidden_size % p.tp == 0, f"parallel.tp={p.tp} does not divide model.ffn_hidden_size={m.ffn_hidden_size}")
+    # vocab-parallel embedding and head: each tp rank holds an equal block of rows
     _req(m.vocab_size % p.tp == 0, f"parallel.tp={p.tp} does not divide model.vocab_size={m.vocab_size}")
-    _req(m.head_dim % 2 == 0 or m.position_embedding != "rope", "model head dim must be even for RoPE")
+    _req(m.head_dim % 2 == 0 or m.position_embedding != "rope", "model head dim must be even for RoPE")  # RoPE rotates dim pairs
     _req(0.0 <= m.dropout < 1.0, f"model.dropout={m.dropout} must be in [0, 1)")
     if p.sp:
+        # sp splits the sequence evenly over the tp ranks
         _req(m.seq_length % p.tp == 0, f"parallel.sp needs parallel.tp={p.tp} to divide model.seq_length={m.seq_length}")
     _check_moe(m, p, dp)
     _req(t.micro_batch_size >= 1, f"train.micro_batch_size={t.micro_batch_size} must be >= 1")
+    # every dp rank runs the same number of whole micro-batches: ranks must agree on the schedule's length
     _req(t.global_batch_size % (t.micro_batch_size * dp) == 0,
          f"train.global_batch_size={t.global_batch_size} is not divisible by "
          f"train.micro_batch_size={t.micro_batch_size} x dp={dp}")
@@ -245,6 +249,7 @@ def _check_checkpoint_tokenizer(cfg: Config) -> None:
     r = cfg.checkpoint.resume
     if r == "none":
         return
+    # the newest committed folder stands in for resume=auto's pick: a cheap check, before any rank starts
     found = committed(cfg.checkpoint.dir) if r == "auto" else [Path(r)]
     if not found:
         return
@@ -258,6 +263,7 @@ def _check_checkpoint_tokenizer(cfg: Config) -> None:
         return  # a checkpoint written before tokenizers were recorded: nothing to compare
     if tok is None:  # an import without tokenizer files: its vocabulary is all there is to compare
         tok = {"vocab_size": meta["config"]["model"]["vocab_size"], "kind": "unknown", "sha256": None}
+    # the hash when both sides recorded one; else the vocabulary size, the one figure an import always has
     same = tok["sha256"] == data["sha256"] if tok.get("sha256") and data["sha256"] else \
         tok["vocab_size"] == data["vocab_size"]
     if same:

@@ -50,11 +50,12 @@ def check_override_keys(overrides: list[str]) -> None:
     known = schema_keys()
     for o, text in zip(parsed, overrides):
         key = o.key_or_group
-        if key in known or key.startswith("hydra.") or _under_container(key, known):
+        if key in known or key.startswith("hydra.") or _under_container(key, known):  # hydra.* is Hydra's own
             continue
         tools = tool_keys()
         if key in tools:
             raise ConfigError(f"{text}: {key} is a setting of {tools[key]}, not a config key")
+        # 0.6: difflib's default; typos like "trian.seed" still match, unrelated keys don't
         close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
         hint = f"; did you mean {close[0]}?" if close else " (python train.py --cfg lists the keys)"
         raise ConfigError(f"{text}: {key} is not a config key{hint}")
@@ -88,5 +89,6 @@ def default_vocab_size(cfg: Config) -> int:
             vocab = int(json.loads((Path(path) / "meta.json").read_text())["vocab_size"])
         except (OSError, ValueError, KeyError, TypeError):
             pass  # not prepared (yet): the data check names the problem when it matters
+    # lcm: a tp that does not divide 128 (3, 6) still gets a vocabulary it divides
     pad = math.lcm(VOCAB_PAD, max(1, cfg.parallel.tp))
     return -(-vocab // pad) * pad

@@ -48,12 +48,13 @@ def evaluate(model, cfg, every: bool) -> tuple[float, int, str]:
     split = "valid" if cfg.data.valid_fraction > 0 else "all"
     data = build_data(cfg, split=split)
     t = cfg.train
+    # whole micro-batches, at most the split's size: a small validation split is still scored
     g = min(t.global_batch_size, data.num_samples) // t.micro_batch_size * t.micro_batch_size
     if g < 1:
         raise ValueError(f"the {split} split has {data.num_samples} samples < train.micro_batch_size={t.micro_batch_size}")
     iters = data.num_samples // g if every else min(t.eval_iters, data.num_samples // g)
     mesh = single_process_mesh("cpu")
-    total = torch.zeros((), dtype=torch.float64)
+    total = torch.zeros((), dtype=torch.float64)  # many batches of fp32 sums: keep the digits
     with torch.no_grad():
         for k in range(iters):
             total += loss_sum(model, microbatches(data, k, g, t.micro_batch_size, 0, 1, t.seed), mesh).double()
@@ -80,6 +81,7 @@ def main(argv: list[str]) -> int:
         return fail(e)
     src = cfg.data.path or "+".join(b.path for b in cfg.data.blend)
     print(f"evaluate: {step} (step {meta.get('step')}) on {src} [{split}]: loss {loss:.4f} | "
+          # exp overflows past ~709: a diverged model prints a huge but finite perplexity
           f"perplexity {math.exp(min(loss, 700)):.2f} | {tokens} tokens in {time.perf_counter() - t0:.1f}s", flush=True)
     return 0
 

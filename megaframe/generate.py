@@ -30,6 +30,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    # fp32 by default: every checkpoint and every device runs it; bf16 halves the memory on a GPU
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     ap.add_argument("--no-cache", action="store_true", help="recompute the whole sequence every token")
     ap.add_argument("--tokenizer", help="a sentencepiece .model or transformers folder (default: the run's)")
@@ -71,7 +72,7 @@ class Stream:
         self.written = tok.decode(self.ids)
 
     def __call__(self, token: int) -> None:
-        if token == self.tok.eos_id:
+        if token == self.tok.eos_id:  # eos ends the text: nothing to print
             return
         self.ids.append(token)
         text = self.tok.decode(self.ids)

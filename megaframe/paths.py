@@ -16,6 +16,7 @@ def inside(folder: str | Path, name: object) -> Path:
             or name in (".", ".."):
         raise OutsideFolder(f"{folder}: file name {name!r} is not a plain name inside the folder")
     path = folder / name
+    # a link that stays inside the folder is fine; only one leading out of it is refused
     if path.is_symlink() and not path.resolve().is_relative_to(folder.resolve()):
         raise OutsideFolder(f"{folder}: {name} is a link out of the folder")
     return path

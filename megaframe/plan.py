@@ -33,6 +33,7 @@ def split_args(argv: list[str]) -> tuple[list[str], dict[str, str]]:
     overrides, own = [], {}
     for a in argv:
         key, _, value = a.lstrip("+").partition("=")
+        # the planner's keys are taken out before composing: the config schema has no such fields and Hydra would refuse them
         if key in OWN_KEYS and value:
             own[key] = value
         else:
@@ -81,6 +82,7 @@ def _table(plan) -> list[str]:
             "total", "dp bytes/step")
     rows = [head]
     for tps, r in merged_rows(plan):
+        # a long rank list would swamp the table: counted instead
         rows.append((str(r.pp_rank), ranges(tps), ranges(r.ranks) if len(r.ranks) <= 8 else f"{len(r.ranks)} ranks",
                      human(r.params_bytes), human(r.grads_bytes), human(r.optim_bytes),
                      " + ".join(human(b) for b in r.chunk_activation_bytes),  # one figure per pipeline chunk
@@ -120,7 +122,7 @@ def main(argv: list[str]) -> int:
     try:
         world = int(own["world_size"]) if "world_size" in own else None
         memory = float(own["device_memory_gb"]) if "device_memory_gb" in own else None
-        world = world or int(os.environ.get("WORLD_SIZE", "0"))
+        world = world or int(os.environ.get("WORLD_SIZE", "0"))  # planning inside a launched job
         if world < 1:
             raise ValueError("+world_size=N (the number of ranks to plan for) is required")
         searching = own.get("search", "false").lower() in ("true", "1", "yes")

@@ -53,13 +53,14 @@ def tokens_per_step(run_dir: Path, rows: list[dict]) -> float | None:
 def plot(runs: list[str], out: str, x_axis: str = "tokens") -> Path:
     import matplotlib
 
-    matplotlib.use("Agg")
+    matplotlib.use("Agg")  # before pyplot's import: no display on a compute node
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(PANELS), figsize=(4 * len(PANELS), 3.4))
     for i, run in enumerate(runs):
         rows, color = read_run(run), f"C{i % 10}"
         tps = tokens_per_step(Path(run), rows) if x_axis == "tokens" else None
+        # step x the first config's tokens per step: a resume that changed the batch size bends this axis
         xs = [r["step"] * tps for r in rows] if tps else [r["step"] for r in rows]
         for ax, (key, _) in zip(axes, PANELS):
             pts = [(x, r[key]) for x, r in zip(xs, rows) if r.get(key) is not None]
@@ -75,7 +76,7 @@ def plot(runs: list[str], out: str, x_axis: str = "tokens") -> Path:
         ax.set_xlabel(xlabel)
         ax.grid(alpha=0.3)
         if key in ("loss", "grad_norm"):
-            ax.set_yscale("log")
+            ax.set_yscale("log")  # both span orders of magnitude over a run
     axes[0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out, dpi=80)

@@ -65,14 +65,14 @@ class ModelConfig:
     """Inner width of each expert's SwiGLU (per branch); None means ffn_hidden_size."""
     moe_router_score: RouterScore = RouterScore.softmax
     """softmax | sigmoid: how router logits become scores (top-k weights are renormalised to sum 1)."""
-    moe_aux_loss_coeff: float = 0.01
+    moe_aux_loss_coeff: float = 0.01  # Switch Transformer's value
     """Load-balancing loss (Switch/GShard: E * sum_e f_e * P_e) weight; logged as aux_loss."""
     moe_z_loss_coeff: float = 0.0
     """Router z-loss (mean squared logsumexp of the logits) weight; logged as z_loss."""
     moe_expert_bias: bool = False
     """Aux-loss-free balancing (DeepSeek-V3): a per-expert bias added to the scores for selection only,
     moved after each step by moe_bias_update_rate towards under-loaded experts (a checkpointed buffer)."""
-    moe_bias_update_rate: float = 1e-3
+    moe_bias_update_rate: float = 1e-3  # DeepSeek-V3's update speed
     """Step of the expert-bias update: bias_e += rate * sign(mean load - load_e), then recentred."""
     moe_capacity_factor: Optional[float] = None
     """None = dropless. Else each expert takes at most ceil(factor * tokens * top_k / experts) assignments
@@ -89,11 +89,11 @@ class ModelConfig:
     """Share the input embedding with the output head."""
     bias: bool = False
     """Biases on linear layers (GPT-2 style)."""
-    rope_theta: float = 10000.0
+    rope_theta: float = 10000.0  # RoFormer's base, as in Llama 1/2
     """RoPE base."""
     norm_eps: float = 1e-5
     """Epsilon of the norms."""
-    init_std: float = 0.02
+    init_std: float = 0.02  # GPT-2's and Megatron's default
     """Std of the normal init; output projections use init_std / sqrt(2 * num_layers)."""
 
     @property
@@ -194,13 +194,13 @@ class OptimConfig:
     continues at min_lr instead of reshaping the curve."""
     wsd_decay_fraction: float = 0.2
     """wsd only: the last fraction of the horizon over which lr decays linearly to min_lr."""
-    weight_decay: float = 0.1
+    weight_decay: float = 0.1  # GPT-3 / Llama pretraining value
     """AdamW decoupled weight decay; applied to matrices only, never to norms or biases."""
     clip_grad: float = 1.0
     """Clip the global gradient norm to this; 0 disables clipping."""
     beta1: float = 0.9
     """Adam beta1."""
-    beta2: float = 0.95
+    beta2: float = 0.95  # not torch's 0.999: LLM pretraining's choice, steadier through loss spikes
     """Adam beta2."""
     eps: float = 1e-8
     """Adam epsilon."""
@@ -226,7 +226,7 @@ class OptimConfig:
     overlap_param_gather: bool = True
     """ZeRO: the all-gather of updated parameters runs bucket by bucket during the next forward (each
     module's forward pre-hook waits for its bucket) instead of being waited for at the end of the step."""
-    bucket_size_mb: float = 25.0
+    bucket_size_mb: float = 25.0  # DDP's default bucket size
     """ZeRO grad bucket size in MiB of fp32 grads: one reduce-scatter per bucket, launched as soon as
     backward has finished all of its grads. Smaller buckets start earlier but cost more launches."""
 

@@ -31,6 +31,7 @@ class Tracker:
             return
         Path(run_dir).mkdir(parents=True, exist_ok=True)
         self.path = Path(run_dir) / "metrics.jsonl"
+        # append: a resumed run extends the same file; line-buffered: every row reaches the file as it is logged
         self.file = open(self.path, "a", buffering=1)
         if cfg.logging.wandb.mode != "disabled":
             self.wandb_run = _start_wandb(cfg, run_dir)
@@ -40,6 +41,7 @@ class Tracker:
             return
         self.file.write(json.dumps(metrics) + "\n")
         step = metrics["step"]
+        # steps since this launch: a resumed run's earlier steps took no time here
         rate = (time.time() - self.t_start) / max(1, step - start_step)
         eta = rate * (self.max_steps - step)
         parts = [f"step {step:>6}/{self.max_steps}", f"loss {metrics['loss']:.4f}", f"lr {metrics['lr']:.2e} ({self.schedule})",
@@ -83,8 +85,9 @@ def _start_wandb(cfg, run_dir: str):
     except ImportError:
         print("megaframe: warning: wandb not installed; logging to metrics.jsonl only", file=sys.stderr)
         return None
+    # only characters wandb accepts in an id, at most 64: the same run name gives the same id after a restart
     run_id = re.sub(r"[^A-Za-z0-9_-]", "-", cfg.run.name)[:64]
-    os.environ.setdefault("WANDB_SILENT", "true")
+    os.environ.setdefault("WANDB_SILENT", "true")  # its banner would break up the step lines
     return wandb.init(project=cfg.logging.wandb.project, entity=cfg.logging.wandb.entity,
                       mode=cfg.logging.wandb.mode, dir=run_dir, id=run_id, name=cfg.run.name,
                       resume="allow", config=plain(cfg))

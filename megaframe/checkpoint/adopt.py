@@ -30,7 +30,7 @@ WANDB_MODES = {"online": "online", "offline": "offline", "disabled": "disabled",
 
 
 def _keys(overrides: list[str]) -> set[str]:
-    return {o.split("=", 1)[0].lstrip("+~") for o in overrides if "=" in o}
+    return {o.split("=", 1)[0].lstrip("+~") for o in overrides if "=" in o}  # +key adds, ~key deletes: both name it
 
 
 def set_on_command_line(overrides: list[str]) -> set[str]:
@@ -38,6 +38,7 @@ def set_on_command_line(overrides: list[str]) -> set[str]:
     keys = _keys(overrides)
     if "model" in keys:
         return {f.name for f in dataclasses.fields(ModelConfig)}
+    # only explicit model.* keys count as set; every other model field may come from the checkpoint
     return {k.removeprefix("model.") for k in keys if k.startswith("model.")}
 
 
@@ -55,6 +56,7 @@ def adopt_model(cfg, overrides: list[str]) -> list[str]:
     """Fill cfg.model from checkpoint.resume=PATH (see the module doc); returns the fields taken.
     A missing metadata.json is left to validate, which refuses it with its own message."""
     path = cfg.checkpoint.resume
+    # resume=auto's checkpoint is chosen later, by the ranks together: only an explicit path can shape the config now
     if path in ("auto", "none") or not (Path(path) / "metadata.json").is_file():
         return []
     saved = checkpoint_model(path)

@@ -39,12 +39,15 @@ class AsyncSaver:
         self.last_io: dict = {}
 
     def save(self, root, step: int, model, optimizer, meta: dict, keep_last: int, fail: str | None = None) -> None:
+        # at most one save in flight: bounds host memory to one copy of the state, and commits stay in step order
         self.wait()
         mesh = self.mesh
         t0 = time.perf_counter()
         tmp, final = sharded.begin(root, step, mesh)
+        # copy=True: training goes on and updates the params in place while the thread writes
         stored = sharded.host_snapshot(model, optimizer, mesh, copy=True, pin=mesh.device.type == "cuda")
         pending = _Pending(Path(root), tmp, final, step, meta, keep_last, None, t0)  # type: ignore[arg-type]
+        # daemon: a crashed trainer must not hang on the writer at exit; its uncommitted .tmp is never taken for a checkpoint
         pending.thread = threading.Thread(target=self._write, args=(pending, stored, fail), daemon=True)
         pending.thread.start()
         self.pending = pending
@@ -59,6 +62,7 @@ class AsyncSaver:
         """Whether this rank's writer thread is still running (host state; no collective)."""
         return self.pending is not None and self.pending.thread.is_alive()
 
+    # never decided from this rank's writing() alone: ranks that disagreed would not all enter finish()'s gathers
     def poll(self, all_written: bool) -> None:
         """Commit the pending checkpoint if `all_written`: the ranks' agreement that none is `writing()`
         (every rank must pass the same value; the report exchange below is then collective)."""
@@ -68,6 +72,7 @@ class AsyncSaver:
     def wait(self) -> None:
         """Finish and commit the pending checkpoint; collective."""
         if self.pending is not None:
+            # join before the collective commit: this rank's report must exist before it is exchanged
             self.pending.thread.join()
             self._finish()
 

@@ -29,6 +29,7 @@ def flat_boxes(shape: tuple[int, ...], lo: int, hi: int) -> list[Box]:
     if r0 == r1:
         return [((r0, r0 + 1),) + b for b in flat_boxes(shape[1:], c0, c1)]
     out: list[Box] = []
+    # a partial first row, then the whole rows as one box, then a partial last row: at most 2·ndim - 1 boxes
     if c0:
         out += [((r0, r0 + 1),) + b for b in flat_boxes(shape[1:], c0, inner)]
         r0 += 1
@@ -68,7 +69,7 @@ def flat_span(shape: tuple[int, ...], box: Box) -> tuple[int, int]:
     """[first, last + 1) flat indices of a box in a row-major tensor: the bytes to read to get it."""
     first = last = 0
     for (lo, hi), n in zip(box, shape):
-        first, last = first * n + lo, last * n + hi - 1
+        first, last = first * n + lo, last * n + hi - 1  # hi - 1: the box's last element
     return first, last + 1
 
 
@@ -76,6 +77,7 @@ def split_rows(rows: int, parts: int, rotate: int = 0) -> list[tuple[int, int]]:
     """Part j of `rows` split in `parts` near-equal contiguous chunks, for j = 0..parts-1, where the
     larger chunks go to the parts after `rotate` (so small tensors do not all land on part 0)."""
     base, extra = divmod(rows, parts)
+    # replicas agree on the cut: `rotate` comes from the tensor's key, never from rank-local state
     sizes = [base + (1 if (j - rotate) % parts < extra else 0) for j in range(parts)]
     out, at = [], 0
     for s in sizes:

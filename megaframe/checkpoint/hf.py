@@ -104,6 +104,7 @@ def _mixtral_config(m: ModelConfig, eos, bos):
               num_key_value_heads=m.kv_heads, head_dim=m.head_dim, hidden_act="silu",
               max_position_embeddings=m.seq_length, rms_norm_eps=m.norm_eps, tie_word_embeddings=m.tie_embeddings,
               num_local_experts=m.num_experts, num_experts_per_tok=m.moe_top_k,
+              # no jitter, no sliding window: the export must compute exactly what megaframe's router and attention compute
               router_aux_loss_coef=m.moe_aux_loss_coeff, router_jitter_noise=0.0, sliding_window=None,
               attention_dropout=m.dropout, bos_token_id=bos, eos_token_id=eos, pad_token_id=None,
               initializer_range=m.init_std)
@@ -150,6 +151,7 @@ def to_hf(m: ModelConfig, state: dict[str, torch.Tensor], eos_token_id: int | No
             i, rest = split
             if rest not in GPT2_LAYER:
                 raise ValueError(f"unexpected megaframe tensor {name!r} for a gpt2 export")
+            # Conv1D stores [in, out]: a matrix is transposed both ways, vectors pass as they are
             sd[f"transformer.h.{i}.{GPT2_LAYER[rest]}"] = t.t().contiguous() if t.ndim == 2 else t
     if fam == "gpt2" and not m.bias:  # GPT-2's Conv1D layers always carry biases: export zeros
         _add_zero_gpt2_biases(m, sd)
@@ -201,7 +203,7 @@ def _gpt2_config(m: ModelConfig, eos, bos):
     from transformers import GPT2Config
 
     cfg = GPT2Config(vocab_size=m.vocab_size, n_positions=m.seq_length, n_embd=m.hidden_size, n_layer=m.num_layers,
-                     n_head=m.num_attention_heads, n_inner=m.ffn_hidden_size, activation_function="gelu_new",
+                     n_head=m.num_attention_heads, n_inner=m.ffn_hidden_size, activation_function="gelu_new",  # = tanh GELU
                      resid_pdrop=m.dropout, embd_pdrop=m.dropout, attn_pdrop=m.dropout,
                      layer_norm_epsilon=m.norm_eps, initializer_range=m.init_std, tie_word_embeddings=m.tie_embeddings,
                      bos_token_id=bos, eos_token_id=eos)
@@ -216,11 +218,12 @@ def build_hf_model(cfg, sd: dict[str, torch.Tensor]):
     model = AutoModelForCausalLM.from_config(cfg, **_fp32())
     missing, unexpected = model.load_state_dict(sd, strict=False)
     tied = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+    # GPT-2's causal-mask buffers (attn.bias, masked_bias) are no weights: from_config builds them
     missing = [k for k in missing if k not in tied and not k.endswith(".attn.bias") and "masked_bias" not in k]
     if missing or unexpected:
         raise ValueError(f"HF state mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
     if cfg.tie_word_embeddings:
-        model.tie_weights()
+        model.tie_weights()  # lm_head then shares the loaded embedding, not from_config's random one
     return model.eval()
 
 
@@ -239,6 +242,7 @@ def from_hf(source) -> tuple[dict, dict[str, torch.Tensor]]:
 
         source = AutoModelForCausalLM.from_pretrained(str(source), local_files_only=True, **_fp32())
     cfg = source.config
+    # fp32 whatever the source's dtype: the import is the full-precision state a run starts from
     sd = {k: v.detach().to(torch.float32).cpu() for k, v in source.state_dict().items()}
     if cfg.model_type == "llama":
         return _llama_fields(cfg), _llama_state(cfg, sd)
@@ -282,6 +286,7 @@ def _gpt2_fields(cfg) -> dict:
     if cfg.scale_attn_by_inverse_layer_idx or not cfg.scale_attn_weights:
         raise ValueError("GPT-2 attention scaling other than 1/sqrt(head_dim) is not supported")
     return dict(name="hf_gpt2", num_layers=cfg.n_layer, hidden_size=cfg.n_embd, num_attention_heads=cfg.n_head,
+                # n_inner=None means GPT-2's default of 4·D
                 num_query_groups=None, ffn_hidden_size=cfg.n_inner or 4 * cfg.n_embd, seq_length=cfg.n_positions,
                 vocab_size=cfg.vocab_size, norm="layernorm", activation="gelu", position_embedding="learned",
                 tie_embeddings=bool(cfg.tie_word_embeddings), bias=True, norm_eps=float(cfg.layer_norm_epsilon),
@@ -334,7 +339,7 @@ def save_tokenizer(spm_model: str | Path, out: str | Path, model_max_length: int
 
     sp = spm.SentencePieceProcessor(model_file=str(spm_model))
     proto = _spm_proto(sp)
-    if proto.trainer_spec.model_type != 2:
+    if proto.trainer_spec.model_type != 2:  # sentencepiece's ModelType: 2 = BPE
         raise ValueError(f"{spm_model}: only sentencepiece BPE models are converted")
     vocab = {sp.id_to_piece(i): i for i in range(sp.get_piece_size())}
     plain = {p for p, i in vocab.items() if not (sp.is_control(i) or sp.is_unknown(i) or sp.is_byte(i))}
@@ -343,15 +348,17 @@ def save_tokenizer(spm_model: str | Path, out: str | Path, model_max_length: int
         pairs = [(piece[:k], piece[k:]) for k in range(1, len(piece)) if piece[:k] in plain and piece[k:] in plain]
         merges += sorted(pairs, key=lambda lr: (vocab[lr[0]], vocab[lr[1]]))
     unk = sp.id_to_piece(sp.unk_id())
+    # byte_fallback as trained: a character outside the vocabulary becomes <0xNN> pieces, not unk
     tok = Tokenizer(BPE(vocab, merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
     tok.normalizer = _spm_normalizer(proto.normalizer_spec)
     tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                     decoders.Strip(" ", 1, 0)])
+                                     decoders.Strip(" ", 1, 0)])  # the dummy prefix's space
     special = {"unk_token": unk}
     if sp.eos_id() >= 0:
         special["eos_token"] = sp.id_to_piece(sp.eos_id())
     if sp.bos_id() >= 0:
         special["bos_token"] = sp.id_to_piece(sp.bos_id())
+    # split_special_tokens: a literal "</s>" in text is encoded as text, as sentencepiece does
     hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, split_special_tokens=True, clean_up_tokenization_spaces=False,
                                      **special, **({"model_max_length": model_max_length} if model_max_length else {}))
     hf_tok.save_pretrained(str(out))

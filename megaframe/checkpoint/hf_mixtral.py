@@ -27,6 +27,7 @@ def fused() -> bool:
 def experts_out(i: int, rest: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
     """The transformers tensors of megaframe's layers.{i}.{rest} (one of MIXTRAL_MOE)."""
     pre = f"model.layers.{i}."
+    # transformers 5 stacks the experts in 3-D tensors, as megaframe stores them: renamed, never split
     if fused():
         name = {"mlp.router.weight": "mlp.gate.weight", "mlp.experts.up_proj.weight": "mlp.experts.gate_up_proj",
                 "mlp.experts.down_proj.weight": "mlp.experts.down_proj"}[rest]
@@ -37,7 +38,7 @@ def experts_out(i: int, rest: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
     out = {}
     for e, w in enumerate(t.unbind(0)):
         if rest == "mlp.experts.up_proj.weight":
-            gate, up = w.chunk(2, dim=0)
+            gate, up = w.chunk(2, dim=0)  # [gate | up] rows: w1 is the gate, w3 the up
             out[f"{moe}experts.{e}.w1.weight"], out[f"{moe}experts.{e}.w3.weight"] = gate.contiguous(), up.contiguous()
         else:
             out[f"{moe}experts.{e}.w2.weight"] = w.contiguous()

@@ -55,7 +55,8 @@ def _replicas(p, mesh, segments: bool) -> tuple[int, int]:
         rep = mesh.dp_rep if (not p.placement.expert and mesh.dp_rep is not None) else None
         if rep is None or rep.size == 1:
             return tp_n, tp_i
-        return tp_n * rep.size, rep.rank * tp_n + tp_i
+        return tp_n * rep.size, rep.rank * tp_n + tp_i  # tp innermost: a distinct part per holder
+    # an expert's replicas are its expert-data-parallel ranks: the ep ranks beside them hold other experts
     dp = (mesh.edp or mesh.dp) if p.placement.expert else mesh.dp
     return dp.size * tp_n, dp.rank * tp_n + tp_i
 
@@ -93,6 +94,8 @@ def param_items(model, optimizer, mesh, with_sources: bool) -> list[Item]:
                               [t.detach().reshape(-1)] if with_sources else []))
     for name, b, pl in state_buffers(model):
         shard = pl.shard
+        # a state buffer is replicated over tp and dp: that stage's tp x dp ranks share its write
+        # a state buffer is replicated over tp and dp: that stage's tp x dp ranks share its write
         h, i = mesh.tp.size * mesh.dp.size, mesh.dp.rank * mesh.tp.size + mesh.tp.rank
         items.append(Item(f"model/{name}", shard, dtype_name(b.dtype), [(0, b.numel())], h, i,
                           [b.detach().reshape(-1)] if with_sources else []))
@@ -133,6 +136,8 @@ def my_writes(items: list[Item]) -> list[Stored]:
             elif (lo, hi) == (0, math.prod(shape)):  # a whole tensor: cut on row boundaries
                 r0, r1 = split_rows(rows, it.holders, ordinal)[it.index]
                 a, b = r0 * inner, r1 * inner
+            # a ZeRO segment is a flat range, not whole rows: cut it on element boundaries
+            # a ZeRO segment is a flat range, not whole rows: cut it on element boundaries
             else:
                 c0, c1 = split_rows(hi - lo, it.holders, ordinal)[it.index]
                 a, b = lo + c0, lo + c1

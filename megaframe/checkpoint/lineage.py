@@ -30,7 +30,9 @@ def lineage_meta(run_id: str, step: int, parent: Path | None, parent_id: str | N
     ref = None
     if parent is not None:
         parent = Path(parent).resolve()
+        # inside root: a bare folder name, so the whole checkpoint dir can be moved or copied with its lineage
         ref = parent.name if parent.parent == Path(root).resolve() else str(parent)
+    # run id and step: a rewritten step folder (another branch) gets a new id, which ends parent_of's chain there
     return {"id": f"{run_id}:{step}", "run_id": run_id, "parent": ref, "parent_id": parent_id if ref else None}
 
 
@@ -77,6 +79,7 @@ def pointed(root: str | Path) -> Path | None:
     except OSError:
         return None
     path = Path(root) / name
+    # a bare name only: a pointer naming ../elsewhere must not send resume or prune outside root
     return path if name and "/" not in name and (path / "metadata.json").is_file() else None
 
 
@@ -108,7 +111,9 @@ def prune(root: str | Path, keep_last: int) -> list[Path]:
         return []
     root_r = Path(root).resolve()
     gone = []
+    # max(1, ..): the head itself is never deleted, whatever keep_last says
     for old in chain(head, root)[max(1, keep_last):]:
+        # an ancestor outside root (an imported or copied checkpoint) belongs to someone else: never deleted
         if old.resolve().parent == root_r and old.name.startswith("step_"):
             shutil.rmtree(old, ignore_errors=True)
             gone.append(old)

@@ -27,7 +27,7 @@ from megaframe.parallel import comm
 def file_crc32(path: Path) -> int:
     crc = 0
     with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
+        while chunk := f.read(1 << 22):  # 4 MiB chunks: a whole-file crc without the file in memory
             crc = zlib.crc32(chunk, crc)
     return crc
 
@@ -67,7 +67,7 @@ def execute(path: Path, meta: dict, plan, index, out: dict[str, torch.Tensor], s
     files = meta.get("files", {})
     v1 = "v1_files" in meta
     for name, reads in plan.reads.items():
-        want = None if v1 else files.get(name, {}).get("header_crc32")
+        want = None if v1 else files.get(name, {}).get("header_crc32")  # v1 recorded no header crc
         for skey, first, data in read_ranges(path, name, reads, want, stats, check=not v1):
             sid = sid_of[(name, skey)]
             shape = index.stored[sid][2]
@@ -90,6 +90,7 @@ def read_items(path: str | Path, meta: dict, items: list[Item]) -> tuple[dict[st
     need = needs(items)
     index = Index(meta["tensors"])
     plan = plan_reads(index, need)
+    # zeros, not empty: only the held ranges are read (a ZeRO rank's segments); the rest must hold a defined value
     out = {it.key: torch.zeros(it.local_shape, dtype=getattr(torch, it.dtype)) for it in items}
     stats = ReadStats()
     execute(Path(path), meta, plan, index, out, stats)
@@ -116,6 +117,7 @@ def load_into(path: str | Path, model, optimizer=None) -> dict:
     items = load_items(model, optimizer, meta)
     got, figures = read_items(path, meta, items)
     for name, p in model.named_parameters():
+        # cast: the checkpoint may hold another dtype than this run's params (a bf16 run resumed in fp32)
         p.copy_(got[f"model/{name}"].to(p.device, p.dtype))
         moments = {k: got[f"optim/{k}/{name}"] for k in ("exp_avg", "exp_avg_sq", "master")
                    if f"optim/{k}/{name}" in got}
@@ -135,6 +137,7 @@ def load_agreed(path: Path, model, optimizer, mesh) -> tuple[dict | None, str | 
         meta = load_into(path, model, optimizer)
     except (CheckpointError, OSError, KeyError, RuntimeError) as e:
         err = f"rank {mesh.rank}: {str(e).splitlines()[0]}"
+    # every rank reaches the gather, failed or not, so all return the same verdict and fall back together
     errors = [e for e in comm.gather_objects(err, mesh.group) if e]
     return (meta, None) if not errors else (None, errors[0])
 
@@ -145,6 +148,7 @@ def load_newest(root: str | Path, model, optimizer, mesh, on_skip=None) -> tuple
 
     for path in committed(root)[::-1]:
         try:
+            # every rank checks the same shared files, so all skip the same folders before the collective load
             check_complete(path)
         except CheckpointError as e:
             if on_skip:

@@ -59,6 +59,7 @@ def _fsync_write(path: Path, text: str) -> None:
         os.fsync(f.fileno())
 
 
+# an all-gather of nothing: a barrier that goes through comm (and its timeout) like every collective
 def _barrier(mesh: Mesh) -> None:
     comm.gather_objects(None, mesh.group)
 
@@ -66,10 +67,12 @@ def _barrier(mesh: Mesh) -> None:
 def begin(root: str | Path, step: int, mesh: Mesh) -> tuple[Path, Path]:
     """Create the (empty) temporary folder of a checkpoint; collective. Returns (tmp, final)."""
     final = step_dir(root, step)
-    tmp = final.with_name(final.name + ".tmp")
+    tmp = final.with_name(final.name + ".tmp")  # only the commit's rename creates `final`: no reader sees half a save
     if mesh.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
+        # rank 0 alone: a .tmp left by a crashed save was wiped, so no stale shard joins this one
         tmp.mkdir(parents=True)
+    # no rank may write its shard before rank 0 has (re)created the folder
     _barrier(mesh)
     return tmp, final
 
@@ -81,6 +84,8 @@ def host_snapshot(model, optimizer, mesh: Mesh, copy: bool, pin: bool = False) -
     stored = my_writes(param_items(model, optimizer, mesh, with_sources=True))
     for s in stored:
         t = s.source.detach()
+        # a blocking save may write CPU params in place (training waits); a background one needs its own copy, the next step
+        # updates them in place
         if t.device.type != "cpu" or copy:
             host = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin and t.device.type == "cuda")
             host.copy_(t, non_blocking=pin)
@@ -98,6 +103,7 @@ def write_report(folder: Path, rank: int, stored: list, fail: str | None = None)
     try:
         info = write_file(folder, rank, {s.stored_key: s.source for s in stored}, fail) if stored else None
     except OSError as e:
+        # reported, not raised: a rank that raised here would miss the gather in finish() and hang its peers there
         return {"rank": rank, "ok": False, "error": f"rank {rank}: {e}"}
     entries: dict[str, dict] = {}
     for s in stored:
@@ -125,10 +131,13 @@ def save(root: str | Path, step: int, model, optimizer, mesh: Mesh, meta: dict, 
 
 def finish(root, tmp: Path, final: Path, step: int, meta: dict, report: dict, mesh: Mesh, keep_last: int) -> Path:
     """Gather every rank's report, commit on rank 0 if all agree, and tell every rank; collective."""
+    # every rank reaches this gather, failed or not; only rank 0 acts on the reports
     reports = comm.gather_objects(report, mesh.group)
     outcome = None
     if mesh.rank == 0:
         outcome = decide(root, tmp, final, step, meta, reports, keep_last)
+    # rank 0's verdict goes to all, so every rank raises SaveError or none does (a lone raise would desynchronise the next
+    # collective)
     outcome = comm.gather_objects(outcome, mesh.group)[0]
     if outcome is not None:
         raise SaveError(outcome)
@@ -159,6 +168,7 @@ def decide(root, tmp: Path, final: Path, step: int, meta: dict, reports: list[di
         return f"checkpoint step {step} not committed: {reason}"
     files = {r["file"]: r["info"] for r in reports if r["file"]}
     commit(root, tmp, final, step, {**meta, "io": io_figures(reports)}, tensors, files)
+    # only after the new checkpoint is committed: a crash in between never leaves fewer than keep_last good ones
     prune(root, keep_last)
     return None
 
@@ -180,11 +190,14 @@ def merge_entries(reports: list[dict]) -> dict:
 
 def commit(root, tmp: Path, final: Path, step: int, meta: dict, tensors: dict, files: dict) -> None:
     """metadata.json last (fsynced), atomic rename of the folder, then the `latest` pointer."""
+    # last of the folder: check_complete treats a folder with metadata.json as whole, so the shards must be on disk first
     _fsync_write(tmp / "metadata.json", json.dumps({"format": FORMAT, "step": step, **meta, "files": files,
                                                     "coverage": "exact", "tensors": tensors}, indent=1))
+    # a re-save of the same step (after a rollback) replaces it; os.replace cannot rename over a non-empty folder
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
+    # the pointer moves only once the folder is in place: a crash before leaves it naming the previous complete checkpoint
     _fsync_write(Path(root) / "latest.tmp", final.name + "\n")
     os.replace(Path(root) / "latest.tmp", Path(root) / "latest")
 

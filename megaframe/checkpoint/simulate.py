@@ -19,6 +19,7 @@ class PlannedZero:
         params = [p for p in model.parameters() if p.requires_grad]
         self.segs = {}
         for buf in flat_buffers(params, cfg.optim, mesh):
+            # a master copy only for sub-fp32 params (bf16), as the real ZeroOptimizer keeps
             kinds = ("exp_avg", "exp_avg_sq") + (("master",) if buf.dtype.is_floating_point and
                                                  buf.dtype.itemsize < 4 else ())
             for s in buf.segments:
@@ -37,7 +38,7 @@ class Layout:
 
     @property
     def world(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.dp  # ep is carved out of dp, not an axis of its own
 
     def coords(self):
         """(pp rank, dp rank, tp rank) of every rank, in Megatron's rank order (tp innermost)."""
@@ -50,6 +51,7 @@ def rank_items(cfg, layout: Layout, models: dict, p: int, d: int, t: int) -> lis
     from megaframe.model.gpt import build_model
 
     mesh = virtual_mesh(layout.tp, layout.pp, layout.dp, t, p, d, device="meta", ep=layout.ep)
+    # dp replicas hold the same shapes: one meta model per (pp, tp, ep) rank keeps a 256-rank plan cheap
     key = (p, t, mesh.ep.rank)
     if key not in models:
         models[key] = build_model(cfg, mesh)

@@ -30,6 +30,7 @@ def block_size(nbytes: int) -> int:
 
 
 def _bytes(t: torch.Tensor) -> memoryview:
+    # a uint8 view: the crcs cover the stored bytes of any dtype (numpy has no bfloat16)
     return memoryview(t.contiguous().view(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
 
 
@@ -38,6 +39,7 @@ def block_crcs(t: torch.Tensor) -> str:
     metadata every reader of the file reads)."""
     data = _bytes(t)
     b = block_size(len(data))
+    # max(len, 1): an empty tensor still gets one crc (of no bytes), so every key has an entry
     crcs = np.array([zlib.crc32(data[i:i + b]) for i in range(0, max(len(data), 1), b)], dtype="<u4")
     return f"{b}:{base64.b64encode(crcs.tobytes()).decode()}"
 
@@ -62,6 +64,7 @@ def write_file(folder: Path, rank: int, tensors: dict[str, torch.Tensor], fail: 
     path = folder / shard_name(rank)
     crcs = {k: block_crcs(t) for k, t in tensors.items()}
     if fail:
+        # leave a partial file behind, as a real failed write would: the commit must refuse it, not trip on it
         path.write_bytes(b"\0" * 1024)
         if fail == "kill":
             import signal
@@ -71,9 +74,10 @@ def write_file(folder: Path, rank: int, tensors: dict[str, torch.Tensor], fail: 
     # safetensors creates 0600 files; a checkpoint is shared like any other output (the umask rules)
     os.chmod(path, 0o666 & ~_UMASK)
     with open(path, "rb") as f:
+        # fsync before reporting ok: rank 0 commits on this report, and a crash must not leave a commit without its data
         os.fsync(f.fileno())
         n = struct.unpack("<Q", f.read(8))[0]
-        header_crc = zlib.crc32(f.read(n))
+        header_crc = zlib.crc32(f.read(n))  # recorded in metadata.json: a torn header is caught before its offsets are trusted
     data = sum(t.numel() * t.element_size() for t in tensors.values())
     return {"bytes": path.stat().st_size, "header_crc32": header_crc, "data_bytes": data}
 
@@ -138,6 +142,7 @@ def read_ranges(folder: Path, name: str, reads: list, want_crc: int | None, stat
             crc = _parse_crcs(head.crcs[key]) if check and key in head.crcs else None
             if crc is not None:
                 blk, crc = crc
+                # widened to whole blocks so each one can be checked against its crc; a tensor's last block may be short
                 a0, b0 = a // blk * blk, min(-(-b // blk) * blk, t["data_offsets"][1] - t["data_offsets"][0])
             else:
                 a0, b0 = a, b
@@ -152,6 +157,7 @@ def read_ranges(folder: Path, name: str, reads: list, want_crc: int | None, stat
                         raise CheckpointError(f"shard {name} is corrupt: tensor {key}, bytes "
                                               f"{at}..{min(at + blk, b0)} fail their checksum")
             arr = np.frombuffer(buf, dtype=np.uint8)[a - a0:b - a0]
+            # copy: pread's bytes are immutable and wider than the range; the tensor must own writable memory
             yield key, first, torch.from_numpy(arr.copy()).view(dtype)
 
 

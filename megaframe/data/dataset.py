@@ -59,6 +59,7 @@ class PreparedData:
         self.num_tokens = int(self.seg_starts[-1])
         self.seq_length = seq_length
         self.vocab_size = int(meta["vocab_size"])
+        # samples overlap by one token (a sample's last label is the next one's first input): - 1 keeps the last sample whole
         self.num_samples = (self.num_tokens - 1) // seq_length
         if self.num_samples < 1:
             what = "the validation split" if split == "valid" else "data"
@@ -70,6 +71,7 @@ class PreparedData:
         if not entries or not all(e.get("docs") for e in entries):
             return None
         parts = [np.load(inside(self.path, e["docs"]), mmap_mode="r") + int(self.starts[k]) for k, e in enumerate(entries)]
+        # 0 added: the stream's start is a document start even if an index omits it; unique also sorts
         return np.unique(np.concatenate([np.asarray(p, dtype=np.int64) for p in parts] + [np.zeros(1, np.int64)]))
 
     def split_segments(self, fraction: float, valid: bool) -> np.ndarray:
@@ -82,8 +84,10 @@ class PreparedData:
             cut = int(total * (1.0 - fraction))
             return np.array([[cut, total]] if valid else [[0, cut]], dtype=np.int64)
         ends = np.append(starts[1:], total)
+        # VALID_SEED, not train.seed: every run on this data holds out the same documents
         order = np.random.default_rng(VALID_SEED).permutation(len(starts))
         held = np.cumsum((ends - starts)[order])
+        # + 1 takes the document crossing f·T, so valid holds at least f of the tokens; clamped so both splits keep a document
         k = min(max(1, int(np.searchsorted(held, fraction * total)) + 1), len(starts) - 1)
         chosen = np.zeros(len(starts), dtype=bool)
         chosen[order[:k]] = True
@@ -99,7 +103,7 @@ class PreparedData:
             end = min(hi, int(self.seg_starts[j + 1]))
             pieces.append(self._tokens(a, a + end - lo))
             lo, j = end, j + 1
-        return np.concatenate(pieces).astype(np.int64)
+        return np.concatenate(pieces).astype(np.int64)  # shards are uint16/32; torch indexes with int64
 
     def _tokens(self, lo: int, hi: int) -> np.ndarray:
         """Global tokens [lo, hi), across shard boundaries."""
@@ -139,9 +143,10 @@ class SyntheticData:
 
     def __init__(self, vocab_size: int, seq_length: int, seed: int):
         self.vocab_size, self.seq_length, self.seed = vocab_size, seq_length, seed
-        self.num_samples = 1 << 62
+        self.num_samples = 1 << 62  # endless: positions never wrap into a second epoch
 
     def __getitem__(self, i: int) -> np.ndarray:
+        # seeded per sample: any rank reads any sample without drawing the ones before it
         rng = np.random.default_rng([self.seed, i])
         steps = rng.integers(0, 8, self.seq_length + 1, dtype=np.int64)
         steps[0] = rng.integers(0, self.vocab_size)
@@ -159,6 +164,7 @@ def microbatches(data, step: int, global_batch: int, micro_batch: int, dp_rank: 
     resumed with another global batch continues from its consumed samples): [(input_ids_BS, labels_BS), ...]."""
     per_rank = global_batch // dp_size
     order = getattr(data, "order", ORDER)  # a resumed run keeps the order it began with
+    # a contiguous block per dp rank: the global batch holds the same samples whatever dp is
     first = base + step * global_batch + dp_rank * per_rank
     out = []
     for m in range(per_rank // micro_batch):
@@ -168,7 +174,7 @@ def microbatches(data, step: int, global_batch: int, micro_batch: int, dp_rank: 
         if torch.device(device).type == "cuda":  # page-locked: the copy below runs async to the host
             tokens = tokens.pin_memory()
         tokens = tokens.to(device, non_blocking=True)
-        out.append((tokens[:, :-1], tokens[:, 1:]))
+        out.append((tokens[:, :-1], tokens[:, 1:]))  # views of one copy, shifted by a token
     return out
 
 
@@ -186,6 +192,7 @@ class Prefetcher:
         from concurrent.futures import ThreadPoolExecutor
 
         self.load, self.last = load, last
+        # one worker: steps are read in order, and at most one step's batches wait in memory
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megaframe-data")
         self.ahead = (first, self.pool.submit(load, first)) if first <= last else None
 
@@ -197,6 +204,7 @@ class Prefetcher:
         return batches
 
     def close(self) -> None:
+        # wait: the worker may be inside a read of the mmap; the not-started next step is cancelled
         self.pool.shutdown(wait=True, cancel_futures=True)
 
 
@@ -221,5 +229,6 @@ def data_state(cfg, step: int, order: str = ORDER) -> dict:
     d = cfg.data
     return {"kind": d.kind, "path": d.path, "blend": [{"path": b.path, "weight": b.weight} for b in d.blend],
             "valid_fraction": d.valid_fraction, "seed": cfg.train.seed, "order": order,
+            # the trainer replaces it with Accounting's exact count (a batch size changed at a resume)
             "consumed_samples": step * cfg.train.global_batch_size,
             "cursor": "derived: global sample position = step * global_batch_size + index in the batch"}

@@ -69,6 +69,7 @@ def same_file(old: dict, f: SourceFile) -> bool:
     """Same content as a recorded file: equal size, and equal mtime or (if it moved) equal sha256."""
     if old["size"] != f.size:
         return False
+    # mtime first: hashing every source on every re-run would read the whole corpus
     return old["mtime_ns"] == f.mtime_ns or old["sha256"] == file_sha256(f.path)
 
 
@@ -76,6 +77,7 @@ def source_change(old: list[dict], files: list[SourceFile]) -> str | None:
     """A readable reason when `files` differ from the recorded sources, else None."""
     recorded = {r["rel"]: r for r in old}
     current = {f.rel: f for f in files}
+    # sorted: a re-run names the same file as the reason every time
     for rel in sorted(recorded.keys() - current.keys()):
         return f"source file {rel} is gone"
     for rel in sorted(current.keys() - recorded.keys()):
@@ -107,6 +109,7 @@ class Lock:
         self.path = path
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
+            # flock, not a pid file: the kernel drops it when the holder dies, so a crashed prepare never blocks the next
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError as e:
             os.close(self.fd)
@@ -137,6 +140,7 @@ def finished_unit(work: Path, k: int, records: list[dict]) -> dict | None:
 
     if content(rec.get("files", [])) != content(records):
         return None
+    # a record whose shards were removed by hand redoes the unit rather than trusting it
     if not all((work / s["file"]).is_file() and (work / s["docs"]).is_file() for s in rec["shards"]):
         return None
     return rec

@@ -19,7 +19,7 @@ import numpy as np
 
 ORDER = "feistel-v1"
 LEGACY = "numpy-permutation-v0"
-ROUNDS = 6
+ROUNDS = 6  # a Feistel network is a strong pseudorandom permutation from 4 rounds (Luby-Rackoff)
 _M64 = (1 << 64) - 1
 
 
@@ -32,11 +32,14 @@ def _mix(x: int) -> int:
 
 @lru_cache(maxsize=64)
 def _keys(seed: int, epoch: int) -> tuple[int, ...]:
+    # sha256, not hash(): Python salts hash() per process, and every rank and every resume must get the same keys
     digest = hashlib.sha256(f"megaframe-order/{seed}/{epoch}".encode()).digest()
+    # overlapping 8-byte windows: six 64-bit keys from one 32-byte digest
     return tuple(int.from_bytes(digest[4 * r:4 * r + 8], "little") for r in range(ROUNDS))
 
 
 def _half_bits(n: int) -> int:
+    # 2h >= the bits of n - 1, so 2^(2h) < 4n: cycle walking passes the network under 4 times on average
     return max(1, ((n - 1).bit_length() + 1) // 2)
 
 
@@ -75,4 +78,5 @@ def sample_index(position: int, num_samples: int, seed: int, order: str = ORDER)
 def resumed_order(meta: dict) -> str:
     """The order a checkpointed run was using (checkpoints from before ORDER existed: LEGACY)."""
     data = meta.get("data") or {}
+    # data state without an order predates ORDER; no data state at all (an import) has no order to keep
     return data.get("order", LEGACY if data else ORDER)

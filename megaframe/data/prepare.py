@@ -58,7 +58,7 @@ from megaframe.errors import fail
 
 __all__ = ["PrepareError", "prepare", "main"]
 
-UNIT_BYTES = 256 << 20
+UNIT_BYTES = 256 << 20  # the resume granularity: an interrupted run redoes only the units without a record
 MAX_CHUNK_CHARS, MIN_CHUNK_CHARS = 8 << 20, 256 << 10
 TOKENIZER_SEED = 1234
 """Fixed (not train.seed): the tokenizer, hence the prepared data, must not change with a training seed."""
@@ -87,6 +87,7 @@ def prepare(cfg: Config, *, unit_bytes: int = UNIT_BYTES, chunk_chars: int | Non
     work = out.parent / f".{out.name}.partial"
     fresh = not work.exists()
     work.mkdir(exist_ok=True)
+    # two prepares of one data.path share the partial folder: the lock lets only one build it
     lock, done = mf.Lock(work / ".lock"), False
     try:
         if _already_prepared(out, settings, files):  # a concurrent run finished first: its data is as good
@@ -136,10 +137,12 @@ def _build(cfg: Config, files: list[SourceFile], work: Path, settings: dict, uni
         raise PrepareError(f"{work} holds an unfinished preparation made with other settings "
                            f"({mf.describe_settings_change(json.loads(old.read_text()), settings)}); "
                            "delete it or restore them")
+    # recorded before any work: a resumed run must be this preparation, not one with other settings
     mf.write_json(old, settings)
     os.chmod(work, 0o777 & ~_umask())  # other users' jobs must read the data
     workers = cfg.data.num_workers or os.cpu_count() or 1
     with tempfile.TemporaryDirectory(prefix="megaframe-hf-") as cache, offline_hf(cache), _pool(workers) as pool:
+        # hashed first: a re-run compares them to decide whether OUT is this very preparation
         records = [f.record(h) for f, h in zip(files, _map(pool, file_sha256, [f.path for f in files]))]
         tok_name = _tokenizer(cfg, files, work, cache)
         tok = load_tokenizer(work / tok_name)
@@ -155,6 +158,7 @@ def _build(cfg: Config, files: list[SourceFile], work: Path, settings: dict, uni
             "num_documents": sum(s["num_docs"] for s in shards), "shards": shards,
             "tokenizer": tok_name, "tokenizer_kind": tok.kind, "tokenizer_sha256": tokenizer_sha256(work / tok_name),
             "source": cfg.data.source, "sources": records, "settings": settings}
+    # after every shard: prepare() renames the folder into place only once meta.json exists
     mf.write_json(work / "meta.json", meta)
     return {**meta, "stats": {"workers": workers, "seconds": time.perf_counter() - t0,
                               "tokenizer_seconds": t1 - t0, "encode_seconds": t2 - t1,
@@ -194,6 +198,7 @@ def _tokenizer(cfg: Config, files: list[SourceFile], work: Path, cache: str) -> 
             tmp = work / f"{name}.tmp"
             shutil.rmtree(tmp, ignore_errors=True)
             shutil.copytree(src, tmp) if src.is_dir() else shutil.copyfile(src, tmp)
+            # copied under a temporary name: a crash mid-copy never leaves a partial tokenizer under the real name
             os.rename(tmp, work / name)
         try:
             load_tokenizer(work / name)
@@ -213,6 +218,7 @@ def _tokenizer(cfg: Config, files: list[SourceFile], work: Path, cache: str) -> 
                                seed=TOKENIZER_SEED, num_threads=1)
     except TokenizerError as e:
         raise PrepareError(f"data.vocab_size={d.vocab_size}: {e}") from e
+    # renamed into place only when training finished: a resumed run reuses a whole tokenizer or trains anew
     os.rename(path, work / "tokenizer.model")
     return "tokenizer.model"
 
@@ -288,6 +294,7 @@ def _encode(cfg: Config, files: list[SourceFile], records: list[dict], tok_path:
 
     try:
         for k, group, recs in todo:
+            # the unit is rewritten whole: its chunk count may differ from the interrupted run's (another chunk size)
             for stale in work.glob(f"shard_{k:05d}_*"):  # from an interrupted run of this unit
                 stale.unlink()
             acc[k] = []
@@ -297,7 +304,10 @@ def _encode(cfg: Config, files: list[SourceFile], records: list[dict], tok_path:
                 task = (tok_path, str(work), f"shard_{k:05d}_{c:05d}", docs)
                 res = pool.apply_async(encode_chunk, (task,)) if pool is not None else _Ready(encode_chunk(task))
                 pending.append(("chunk", k, res, chars))
+                # results are taken in submission order, so shards and the token stream keep file order whatever the workers
+                # finish first
                 drain(limit)
+            # the unit's record is written only after all its chunks: a record on disk means the unit's shards are whole
             pending.append(("unit", k, recs))
         drain(0)
     except OSError as e:

@@ -35,6 +35,7 @@ def _tokenizer(path: str):
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
+    # uint16 halves the shards wherever every id fits; little-endian explicitly: shards move between machines
     return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
 
 
@@ -47,7 +48,7 @@ def encode_chunk(task: tuple) -> dict:
     cpu0 = time.process_time()
     tok_path, out_dir, name, docs = task
     tok = _tokenizer(tok_path)
-    ids = tok.encode(docs, num_threads=1)  # one thread: parallelism comes from the processes
+    ids = tok.encode(docs, num_threads=1)  # one thread: parallelism comes from the processes  # processes give the parallelism
     eos = tok.eos_id
     lengths = np.fromiter((len(x) + 1 for x in ids), np.int64, len(ids))
     total = int(lengths.sum())
@@ -56,11 +57,13 @@ def encode_chunk(task: tuple) -> dict:
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
     out = Path(out_dir)
     data = flat.tobytes()
+    # a crash may leave a shard without its index, but never a half file; prepare writes meta.json, which names them, last
     write_atomic(out / f"{name}.bin", data)
     starts_npy = io.BytesIO()
     np.save(starts_npy, starts)
     write_atomic(out / f"{name}.docs.npy", starts_npy.getvalue())
     return {"file": f"{name}.bin", "num_tokens": total, "num_docs": len(docs), "docs": f"{name}.docs.npy",
+            # hashed from the bytes in memory: verify checks the files against it later, prepare reads nothing twice
             "sha256": hashlib.sha256(data).hexdigest(), "_cpu_s": time.process_time() - cpu0}
 
 

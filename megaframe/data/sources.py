@@ -35,6 +35,7 @@ SNIFF_BYTES = 8 * 1024
 MAX_BAD_FRACTION = 0.05
 """More than this fraction of undecodable or control characters means binary data, not text; real text
 in a wrong encoding (latin-1 read as UTF-8) stays well under it."""
+# C0 controls except tab, newline, vertical tab, form feed and carriage return (\x09-\x0d, common in text), DEL and U+FFFD
 _BAD_CHARS = re.compile("[\x00-\x08\x0e-\x1f\x7f\ufffd]")
 
 
@@ -64,6 +65,7 @@ def kind_of(path: Path, extensions: list[str] | tuple[str, ...]) -> str | None:
     by sniffing when it has no extension at all, else None (skipped)."""
     name = path.name.lower()
     base = name[:-3] if name.endswith(".gz") else name
+    # longest first: of several endings a name matches, the most specific decides how it is read
     endings = sorted((e.lower() if e.startswith(".") else "." + e.lower() for e in extensions), key=len, reverse=True)
     for ext in endings:
         if base.endswith(ext) and not (ext == ".parquet" and base != name):
@@ -101,6 +103,7 @@ def resolve_source(source: str, extensions: list[str] | tuple[str, ...] = (*RECO
         root, candidates = path.parent, [path]
     else:
         raise PrepareError(f"data.source={source} does not exist")
+    # sorted: the token stream (file order) must not depend on the file system's listing order
     files = sorted((p, k) for p in candidates if p.is_file() and (k := kind_of(p, extensions)))
     if not files:
         raise PrepareError(f"data.source={source}: no files ending in data.extensions "
@@ -119,6 +122,7 @@ def text_size(src: SourceFile) -> int:
         if src.path.name.lower().endswith(".gz") and src.size >= 18:
             with open(src.path, "rb") as f:
                 f.seek(-4, os.SEEK_END)
+                # max with the compressed size: ISIZE wraps at 4 GiB, so a huge file could read small
                 return max(src.size, int.from_bytes(f.read(4), "little"))
         if src.kind == "parquet":
             import pyarrow.parquet as pq
@@ -133,7 +137,7 @@ def text_size(src: SourceFile) -> int:
 def file_sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
+        for block in iter(lambda: f.read(1 << 20), b""):  # 1 MiB blocks: bounded memory
             h.update(block)
     return h.hexdigest()
 
@@ -165,6 +169,7 @@ def units(files: list[SourceFile], unit_bytes: int) -> list[list[SourceFile]]:
     out: list[list[SourceFile]] = []
     size = 0
     for f in files:
+        # one kind per unit: a unit is one `datasets` loader call, which reads one format
         if out and out[-1][0].kind == f.kind and size + f.size <= unit_bytes:
             out[-1].append(f)
             size += f.size
@@ -200,6 +205,7 @@ def iter_documents(group: list[SourceFile], text_key: str, cache_dir: str,
         for batch in ds.iter(batch_size=BATCH_DOCS):
             if key not in batch:
                 raise PrepareError(f"{_where(group)}: records have no field {key!r} (set data.text_key)")
+            # a null or non-string field is skipped like an empty document, not an error
             docs = [d for d in (t.strip() for t in batch[key] if isinstance(t, str)) if d]
             if docs and bad_fraction("".join(docs)) > MAX_BAD_FRACTION:
                 raise PrepareError(f"{_where(group)}: binary data, not UTF-8 text")
@@ -225,8 +231,9 @@ def sample_documents(files: list[SourceFile], text_key: str, cache_dir: str, bud
                 yield from batch
         return
     n = len(files)
+    # 4x the files the budget holds whole, a quarter of each: the sample spans the whole sorted list
     k = min(n, 4 * math.ceil(n * budget / total))
-    picks = sorted({j * n // k for j in range(k)})
+    picks = sorted({j * n // k for j in range(k)})  # evenly spaced, deterministic
     share = budget // len(picks)
     for i in picks:
         taken = 0

@@ -23,7 +23,7 @@ from typing import Iterable, Iterator, Sequence
 
 import sentencepiece as spm
 
-UNK_ID, EOS_ID = 0, 1
+UNK_ID, EOS_ID = 0, 1  # fixed ids; no bos or pad: documents are joined by eos
 MAX_SENTENCE_CHARS = 16384
 """Training "sentences" longer than this are cut into pieces: sentencepiece silently drops any sentence
 over max_sentence_length bytes, which would hide long documents (jsonl web pages) from training."""
@@ -121,6 +121,7 @@ def tokenizer_sha256(path: str | Path) -> str:
     h = hashlib.sha256()
     for f in sorted(p for p in path.rglob("*") if p.is_file()):
         rel = f.relative_to(path).as_posix()
+        # names and contents: a renamed file changes the hash; \0 keeps "a"+"bc" apart from "ab"+"c"
         h.update(rel.encode() + b"\0" + hashlib.sha256(f.read_bytes()).digest())
     return h.hexdigest()
 
@@ -149,10 +150,13 @@ def train_tokenizer(text_iterator: Iterable[str], vocab_size: int, model_prefix:
     spm.set_random_generator_seed(seed)  # the reservoir sampling is the only randomness
     try:
         spm.SentencePieceTrainer.train(
+            # trained into memory: the .model file is written only on success, never half
             sentence_iterator=_sentences(text_iterator), model_writer=model,
             model_type="bpe", vocab_size=int(vocab_size), hard_vocab_limit=False,
             byte_fallback=True, character_coverage=character_coverage,
             normalization_rule_name="identity", remove_extra_whitespaces=False,
+            # dummy prefix: a text's first word gets the same piece as mid-text; split digits: numbers tokenize digit by digit,
+            # consistently
             add_dummy_prefix=True, split_digits=True, allow_whitespace_only_pieces=True,
             unk_id=UNK_ID, eos_id=EOS_ID, bos_id=-1, pad_id=-1, eos_piece="</s>",
             input_sentence_size=max_sentences, shuffle_input_sentence=True,

@@ -35,8 +35,9 @@ def check_shard(folder: Path, entry: dict, dtype: np.dtype, vocab: int) -> str |
         return f"shard {entry['file']} is missing"
     h, off, where = hashlib.sha256(), 0, None
     with open(f, "rb") as fh:
-        while chunk := fh.read(BLOCK - BLOCK % dtype.itemsize):
+        while chunk := fh.read(BLOCK - BLOCK % dtype.itemsize):  # whole ids per read: none split
             h.update(chunk)
+            # a file cut mid-id leaves a partial last id: not decoded, the sha256 check catches it
             ids = np.frombuffer(chunk[: len(chunk) - len(chunk) % dtype.itemsize], dtype=dtype)
             if where is None and ids.size and int(ids.max()) >= vocab:
                 at = int(np.argmax(ids >= vocab))
@@ -75,6 +76,7 @@ def first_batch_shards(data, step: int, global_batch: int, base: int, seed: int)
     for p in parts:
         p.touched = set()
     try:
+        # the whole global batch as dp=1 in one micro-batch: the samples of that step under any layout
         microbatches(data, step, global_batch, global_batch, 0, 1, seed, "cpu", base=base)
         touched = [(p.path, p.meta["shards"][k]["file"]) for p in parts if hasattr(p, "path") for k in sorted(p.touched)]
         out: dict[Path, set[str]] = {}
@@ -83,6 +85,7 @@ def first_batch_shards(data, step: int, global_batch: int, base: int, seed: int)
         return out
     finally:
         for p in parts:
+            # stop recording: training reads must not keep growing the sets
             p.touched = None
 
 

@@ -39,8 +39,10 @@ def generate(model, prompt: list[int], max_new: int, sampling: SamplingConfig, v
     limit = model.cfg.seq_length
     if not prompt or len(prompt) >= limit:
         raise ValueError(f"the prompt has {len(prompt)} tokens; it must have 1 to {limit - 1} (model.seq_length)")
+    # a CPU generator: multinomial draws on the host, so a seed gives the same text on CPU and CUDA
     gen = torch.Generator().manual_seed(sampling.seed)
     ids_BS = torch.tensor([prompt], dtype=torch.long, device=device)
+    # preallocated to seq_length, the most positions there can be: no regrowth while decoding
     cache = KVCache.empty(model, 1, limit) if use_cache else None
     out: list[int] = []
     stopped = "max_new_tokens"
@@ -58,6 +60,7 @@ def generate(model, prompt: list[int], max_new: int, sampling: SamplingConfig, v
         if len(prompt) + len(out) >= limit:
             stopped = "seq_length"
             break
+        # the last token needs no forward: its logits would go unused
         if n + 1 == max_new:
             break
         new_BS = torch.tensor([[tok]], dtype=torch.long, device=device)

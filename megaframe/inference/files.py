@@ -14,6 +14,7 @@ def resolve_step(path: str | Path) -> tuple[Path, dict]:
     if not p.exists():
         raise ValueError(f"{path}: no such checkpoint")
     if not (p / "metadata.json").is_file():
+        # a checkpoint dir: its newest complete step (metadata and sizes checked, no shard bytes read)
         p = sharded.latest(p)
         if p is None:
             raise ValueError(f"{path}: no committed checkpoint (no step folder with metadata.json)")
@@ -29,7 +30,7 @@ def tokenizer_candidates(step: Path, meta: dict) -> list[Path]:
     import leaves beside its checkpoint (hf_tokenizer/)."""
     out = []
     rec = meta.get("tokenizer") or {}
-    if rec.get("path"):
+    if rec.get("path"):  # exactly the tokenizer the run trained with
         out.append(Path(rec["path"]))
     data = (meta.get("config") or {}).get("data") or {}
     for folder in [data.get("path")] + [b.get("path") for b in data.get("blend") or []]:
@@ -55,6 +56,7 @@ def find_tokenizer(step: Path, meta: dict, given: str | None = None):
             try:
                 return load_tokenizer(p), p
             except TokenizerError as e:
+                # a tokenizer that exists but fails to load stops here: falling back could decode with another vocabulary
                 raise ValueError(str(e)) from e
     raise ValueError(f"no tokenizer found for {step} (looked at {', '.join(map(str, paths)) or 'nothing'}); "
                      "pass --tokenizer PATH")

@@ -33,6 +33,7 @@ class KVCache:
         p = next(model.parameters())
         shape = (batch, cfg.kv_heads, max_len, cfg.head_dim)
         layers = [int(i) for i in model.layers]
+        # zeros: positions past `length` are never read (the slices stop at pos + s) but stay defined
         return cls({i: torch.zeros(shape, dtype=p.dtype, device=p.device) for i in layers},
                    {i: torch.zeros(shape, dtype=p.dtype, device=p.device) for i in layers})
 
@@ -51,8 +52,10 @@ def _attend(attn, x_SBD: torch.Tensor, rope, cache: KVCache, layer: int) -> torc
     q, kk, v = qkv_SBX.split([h * e, k * e, k * e], dim=-1)
     q_SBHE, k_SBKE = q.view(s, b, h, e), kk.view(s, b, k, e)
     if rope is not None:
+        # absolute positions: the new tokens continue at the cache's length
         cos_S11E, sin_S11E = rope[0][pos:pos + s, None, None, :], rope[1][pos:pos + s, None, None, :]
         q_SBHE, k_SBKE = apply_rope(q_SBHE, cos_S11E, sin_S11E), apply_rope(k_SBKE, cos_S11E, sin_S11E)
+    # written before attending: each new position attends to itself too
     cache.k[layer][:, :, pos:pos + s] = k_SBKE.permute(1, 2, 0, 3)
     cache.v[layer][:, :, pos:pos + s] = v.view(s, b, k, e).permute(1, 2, 0, 3)
     k_BKTE, v_BKTE = cache.k[layer][:, :, :pos + s], cache.v[layer][:, :, :pos + s]
@@ -60,6 +63,7 @@ def _attend(attn, x_SBD: torch.Tensor, rope, cache: KVCache, layer: int) -> torc
     if pos == 0:  # prefill: plain causal attention (the training kernel)
         o_BHSE = F.scaled_dot_product_attention(q_BHSE, k_BKTE, v_BKTE, is_causal=True, enable_gqa=h != k)
     else:  # new position i (absolute pos + i) sees every cached position and the new ones up to itself
+        # boolean mask: True = may attend (SDPA's convention)
         mask_ST = torch.arange(pos + s, device=x_SBD.device)[None, :] <= (pos + torch.arange(s, device=x_SBD.device))[:, None]
         o_BHSE = F.scaled_dot_product_attention(q_BHSE, k_BKTE, v_BKTE, attn_mask=mask_ST, enable_gqa=h != k)
     return attn.out_proj(o_BHSE.permute(2, 0, 1, 3).reshape(s, b, h * e))
@@ -87,6 +91,7 @@ def forward_cached(model, ids_BS: torch.Tensor, cache: KVCache) -> torch.Tensor:
         block = model.layers[str(i)]
         x_SBD = x_SBD + _attend(block.attn, block.attn_norm(x_SBD), model.rope, cache, i)
         x_SBD = x_SBD + block.mlp(block.mlp_norm(x_SBD))
+    # once per call, after every layer wrote at the same positions
     cache.length += ids_BS.shape[1]
     return _head(model, x_SBD)
 

@@ -49,15 +49,19 @@ def forward_logits(model, mesh, ids_BS: torch.Tensor) -> torch.Tensor | None:
 def greedy(model, mesh, prompt: list[int], new_tokens: int, vocab: int) -> list[int]:
     """Greedy continuation of `prompt` under the model's layout (collective over tp and pp)."""
     seq = model.cfg.seq_length
+    # the prompt's tail, so at least one new position fits; an empty prompt starts from token 0
     ids = list(prompt)[-(seq - 1):] or [0]
     out = []
     for _ in range(min(new_tokens, seq - len(ids))):
+        # padded to seq_length: sp splits the sequence evenly, and causal attention never reads the padding
         x_BS = torch.tensor([ids + [0] * (seq - len(ids))], dtype=torch.long, device=mesh.device)
         logits_BSV = forward_logits(model, mesh, x_BS)
+        # 0 off the last stage: the sum over pp then hands every stage the last stage's token
         tok = torch.zeros((), dtype=torch.long, device=mesh.device)
         if logits_BSV is not None:
+            # the whole vocab row gathered over tp: an argmax over this rank's slice would be a local one
             row_V = comm.all_gather_dim0(logits_BSV[0, len(ids) - 1].float().contiguous(), mesh.tp)
-            tok = row_V[:vocab].argmax()
+            tok = row_V[:vocab].argmax()  # padded rows are never chosen
         tok = comm.all_reduce(tok, mesh.pp)
         out.append(int(tok))  # host read: the next forward's input is this token
         ids.append(out[-1])
@@ -107,6 +111,7 @@ class Sampler:
             self.mesh.stats.pop()
             for group, nbytes in counted.items():
                 self.mesh.stats.add(group, nbytes)
+        # one writer: every dp replica computed the same samples
         if self.mesh.is_logger:
             with open(Path(run_dir) / "samples.jsonl", "a") as f:
                 for p, text in rows:

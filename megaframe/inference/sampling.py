@@ -30,12 +30,14 @@ class SamplingConfig:
 
 def next_token(logits_BV: torch.Tensor, s: SamplingConfig, vocab: int, gen: torch.Generator | None) -> torch.Tensor:
     """[B] token ids from the last position's logits."""
+    # fp32: softmax and cumulative sums over a large vocabulary lose precision in bf16
     logits_BV = logits_BV.float()[:, :vocab]
     if s.temperature == 0:
         return logits_BV.argmax(-1)
     logits_BV = logits_BV / s.temperature
     if s.top_k:
         kth_B1 = torch.topk(logits_BV, min(s.top_k, vocab), dim=-1).values[:, -1:]
+        # ties with the k-th logit stay: possibly more than k tokens, never fewer
         logits_BV = logits_BV.masked_fill(logits_BV < kth_B1, float("-inf"))
     if s.top_p < 1:
         sorted_BV, order_BV = torch.sort(logits_BV, descending=True, dim=-1)
@@ -43,4 +45,5 @@ def next_token(logits_BV: torch.Tensor, s: SamplingConfig, vocab: int, gen: torc
         drop_BV = cum_BV - sorted_BV.softmax(-1) >= s.top_p  # mass before this token already reaches p
         logits_BV = logits_BV.scatter(-1, order_BV, sorted_BV.masked_fill(drop_BV, float("-inf")))
     probs_BV = logits_BV.softmax(-1)
+    # drawn on the host with the CPU generator: the same seed picks the same token on any device
     return torch.multinomial(probs_BV.cpu(), 1, generator=gen).squeeze(-1).to(logits_BV.device)

@@ -49,7 +49,7 @@ class SavedBytes:
 def count_saved(params: Iterable[torch.Tensor] = ()):
     """with count_saved(model.parameters()) as c: forward ...; then c.bytes."""
     counter = SavedBytes(params)
-    with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):  # only packing is measured
         yield counter
 
 
@@ -81,7 +81,7 @@ class FusedAttentionSizes(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func is F.scaled_dot_product_attention:
-            return _FusedAttention.apply(*args[:3])
+            return _FusedAttention.apply(*args[:3])  # q, k, v: mask and scale change nothing saved
         return func(*args, **(kwargs or {}))
 
 
@@ -97,9 +97,11 @@ def chunk_activation_bytes(model, chunk: int, micro_batch: int, fused_attention:
     x_SBD = None
     if not (chunk == 0 and model.stage.first):
         s = cfg.seq_length // model.mesh.tp.size if model.sp else cfg.seq_length
+        # requires grad like a received activation, so the first layer saves what it saves in training
         x_SBD = torch.empty(s, micro_batch, cfg.hidden_size, dtype=dtype, device=device, requires_grad=True)
     params = list(model.parameters())
     with (FusedAttentionSizes() if fused_attention else _nothing()):
+        # the ids double as labels: the loss saves its tensors with the real shapes
         return saved_bytes(lambda: model.forward_chunk(chunk, x_SBD, ids_BS, ids_BS), params)
 
 

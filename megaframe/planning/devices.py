@@ -67,7 +67,7 @@ def _socket_link(nbytes: int = 32 << 20, pings: int = 200) -> tuple[float, float
     a = socket.create_connection(srv.getsockname())
     b, _ = srv.accept()
     for s in (a, b):
-        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # no Nagle delay on 1-byte pings
 
     def echo():
         for _ in range(pings):
@@ -83,11 +83,12 @@ def _socket_link(nbytes: int = 32 << 20, pings: int = 200) -> tuple[float, float
     for _ in range(pings):
         a.sendall(b"x")
         a.recv(1)
-    latency = (time.perf_counter() - t0) / pings / 2
+    latency = (time.perf_counter() - t0) / pings / 2  # a round trip is two one-way hops
     payload = bytes(1 << 20)
     t0 = time.perf_counter()
     for _ in range(nbytes >> 20):
         a.sendall(payload)
+    # the echo thread answers once every byte arrived: the time covers delivery, not only filling the send buffer
     a.recv(1)
     bw = nbytes / (time.perf_counter() - t0)
     t.join()
@@ -99,11 +100,14 @@ def _socket_link(nbytes: int = 32 << 20, pings: int = 200) -> tuple[float, float
 def _matmul_rate(n: int = 512, seconds: float = 0.3) -> float:
     """Best fp32 matmul FLOP/s on one thread over a few windows (another process may share the core)."""
     threads = torch.get_num_threads()
+    # one thread: the figure is per core, as the cpu device runs one rank per core
     torch.set_num_threads(1)
     try:
         a = torch.randn(n, n)
+        # warm-up: thread pool start and page faults stay out of the timed windows
         torch.mm(a, a)
         best = 0.0
+        # the best of five windows: another process on the core slows some of them, not all
         for _ in range(5):
             k, t0 = 0, time.perf_counter()
             while time.perf_counter() - t0 < seconds / 5:
@@ -123,6 +127,7 @@ def measure_cpu(cores: int | None = None) -> Device:
     latency, bw = _socket_link()
     cores = cores or os.cpu_count() or 1
     return Device(f"cpu (measured: {rate / 1e9:.1f} GFLOP/s fp32 per core, loopback {bw / 1e9:.2f} GB/s, "
+                  # link_eff 1: the bandwidth was measured, not taken from a datasheet peak
                   f"{latency * 1e6:.0f} us)", rate, rate, 0, bw, bw, cores, efficiency=0.5, link_eff=1.0,
                   latency_s=latency, source="measured at start: best fp32 512x512 matmul rate on one thread; "
                   "TCP loopback ping-pong and 32 MiB stream")

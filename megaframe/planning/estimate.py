@@ -90,7 +90,7 @@ def state_bytes(model, cfg: Config, mesh) -> tuple[int, int, int]:
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     if not cfg.optim.zero:
         numel = sum(p.numel() for p in params)
-        return param_bytes, sum(p.numel() * p.element_size() for p in params), 8 * numel
+        return param_bytes, sum(p.numel() * p.element_size() for p in params), 8 * numel  # 2 fp32 moments
     if cfg.optim.zero == 3 and mesh.dp.size == 1:  # build_optimizer: nothing to shard, ZeRO-2's layout
         cfg = replace(cfg, optim=replace(cfg.optim, zero=2))
     mem = planned_memory_bytes(params, cfg.optim, mesh, model)
@@ -120,9 +120,10 @@ def plan_layout(cfg: Config, world_size: int, device_memory_gb: float | None = N
                              "precision": t.precision, "micro_batch_size": t.micro_batch_size},
                 m, kind, simulate(kind, pp, p.vpp, m).bubble)
     if device_memory_gb is not None:
-        plan.device_memory_bytes = int(device_memory_gb * 2**30)
+        plan.device_memory_bytes = int(device_memory_gb * 2**30)  # GiB, as torch.cuda reports
     for pp_rank in range(pp):
         order = compute_order(kind, pp, p.vpp, m, pp_rank)
+        # each tp rank is sized from its own model; the dp ranks of a coordinate hold the same (module doc): sized once
         for tp_rank in range(tp):
             plan.ranks.append(_rank_figures(cfg, tp, pp, dp, pp_rank, tp_rank, order))
     for r in plan.ranks:
@@ -135,6 +136,7 @@ def _rank_figures(cfg: Config, tp: int, pp: int, dp: int, pp_rank: int, tp_rank:
                         shard=cfg.optim.shard_group_size)
     model = cast_model(build_model(cfg, mesh), cfg.train.precision)
     params, grads, optim = state_bytes(model, cfg, mesh)
+    # fused: real devices run a fused attention kernel; meta's math path would count the S x S matrix
     chunks = [chunk_activation_bytes(model, c, cfg.train.micro_batch_size, fused_attention=True)
               for c in range(len(model.stage.chunks))]
     act, inflight = peak_activations(order, chunks)
@@ -153,6 +155,7 @@ def merged_rows(plan: Plan) -> list[tuple[list[int], RankFigures]]:
         if r.key() in rows:
             tps, first = rows[r.key()]
             tps.append(r.tp_rank)
+            # a copy was stored (below): merging never changes the plan's own rows
             first.ranks = sorted(first.ranks + r.ranks)
         else:
             rows[r.key()] = ([r.tp_rank], RankFigures(**{**asdict(r), "ranks": list(r.ranks)}))

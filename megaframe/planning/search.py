@@ -89,7 +89,9 @@ def divisors(n: int) -> list[int]:
 def candidates(cfg: Config, world: int, per_node: int) -> list[Layout]:
     """Every layout validate() accepts: tp within a node, pp dividing the layers, sp wherever tp > 1."""
     m, out = cfg.model, []
+    # bf16 params need ZeRO's fp32 master weights and grad buffer: zero=0 builds for fp32 only
     zeros = (1,) if cfg.train.precision == "bf16" else (0, 1)
+    # tp within a node: its per-block all-reduces need the intra-node links
     for tp in [t for t in divisors(world) if t <= max(per_node, 1)]:
         for pp in [p for p in divisors(world // tp) if m.num_layers % p == 0]:
             dp = world // (tp * pp)
@@ -149,6 +151,7 @@ def _act_per_layer(cfg_key, tp: int, recompute: str) -> tuple[int, int, int]:
         mesh = virtual_mesh(tp, pp, 1, pp_rank=pp_rank, device="meta")
         return chunk_activation_bytes(cast_model(build_model(c, mesh), c.train.precision), 0, 1, fused_attention=True)
 
+    # a 2-layer minus a 1-layer model: one block's bytes, the embedding and head cancel out
     per_layer = measure(2, 1, 0) - measure(1, 1, 0)
     return per_layer, measure(2, 2, 0) - per_layer, measure(2, 2, 1) - per_layer
 
@@ -177,6 +180,7 @@ def memory(cfg: Config, lay: Layout) -> int:
 
     m, t = cfg.model, cfg.train
     key = id(cfg)
+    # a Config is not hashable for lru_cache: its id keys the cache, and keeping it here stops the id being reused
     _CFGS[key] = cfg
     per_layer, embed, head = _act_per_layer(key, lay.tp, lay.recompute)
     a_bytes = 2 if t.precision == "bf16" else 4
@@ -184,12 +188,15 @@ def memory(cfg: Config, lay: Layout) -> int:
     kind = resolve_kind(cfg.parallel.pp_schedule, lay.vpp)
     chunk_layers = m.num_layers // (lay.pp * lay.vpp)
     worst = 0
+    # the first stage holds the embedding, the last the head: the largest rank is one of them
     for rank in {0, lay.pp - 1}:
         first, last = rank == 0, rank == lay.pp - 1
         dense, expert = stage_params(m, lay, first, last)
         n = dense + expert
+        # ZeRO reduces grads in an fp32 buffer; without it a grad has its param's dtype
         grads = 4 * n if lay.zero else a_bytes * n
-        per_el = 8 if t.precision == "fp32" else 12
+        per_el = 8 if t.precision == "fp32" else 12  # 2 fp32 moments (+ an fp32 master for bf16)
+        # expert state is sharded over the expert-data-parallel group (dp / ep ranks), dense state over dp
         optim = (per_el * dense // lay.dp + per_el * expert // (lay.dp // lay.ep)) if lay.zero else 8 * n
         chunks = tuple(lay.micro_batch * (chunk_layers * per_layer + (embed if c == 0 and first else 0)
                                           + (head if c == lay.vpp - 1 and last else 0)) for c in range(lay.vpp))
@@ -213,6 +220,8 @@ def step_time(cfg: Config, lay: Layout, dev: Device, world: int) -> dict[str, fl
     micro = t.global_batch_size // (lay.micro_batch * lay.dp)
     fpt = flops_per_token(m)
     attn_core = 12 * m.num_layers * m.seq_length * m.num_attention_heads * m.head_dim
+    # recompute adds a forward (a third of fwd + bwd): the attention core's for selective, every block's (all but the head) for
+    # full
     extra = {"none": 0.0, "selective": attn_core / 3, "full": (fpt - 6 * m.vocab_size * m.hidden_size) / 3}
     # ranks beyond the cores share them (cpu): each gets cores/world of a core
     share = min(1.0, dev.per_node / world) if dev.name.startswith("cpu") else 1.0
@@ -230,22 +239,27 @@ def step_time(cfg: Config, lay: Layout, dev: Device, world: int) -> dict[str, fl
     ep = 0.0
     if m.num_experts and lay.ep > 1:
         bw, lat = link(lay.tp * lay.ep)
+        # each token goes to top_k experts; under sp a tp rank routes its 1/tp of the sequence
         routed = act * m.moe_top_k / (lay.tp if lay.tp > 1 else 1)
         ep = 4 * layers * micro * _ring((lay.ep - 1) / lay.ep * routed, lay.ep, lay.ep - 1, bw, lat)
     bw, lat = link(lay.tp * lay.dp * lay.pp)
     hop = act / (lay.tp if lay.tp > 1 else 1)
+    # an activation forward and a gradient back per micro-batch per virtual stage
     pp = 2 * micro * lay.vpp * (hop / bw + lat) if lay.pp > 1 else 0.0
     dense, expert = stage_params(m, lay, True, lay.pp == 1)
     bw, lat = link(lay.tp * lay.dp)
+    # one collective per bucket: the ring latency is paid per bucket
     buckets = max(1, math.ceil(4 * (dense + expert) / (cfg.optim.bucket_size_mb * 2**20)))
     if lay.zero:
         edp = lay.dp // lay.ep
+        # reduce-scatter of fp32 grads (4 B) plus all-gather of params (a B) per element
         dp = (_ring((lay.dp - 1) / lay.dp * (4 + a) * dense, lay.dp, 2 * (lay.dp - 1) * buckets, bw, lat)
               + _ring((edp - 1) / max(edp, 1) * (4 + a) * expert, edp, 2 * (edp - 1) * buckets, bw, lat))
     else:
         dp = _ring(2 * (lay.dp - 1) / lay.dp * 4 * (dense + expert), lay.dp, 2 * (lay.dp - 1) * buckets, bw, lat)
     bubble = _bubble(resolve_kind(cfg.parallel.pp_schedule, lay.vpp), lay.pp, lay.vpp, micro) if lay.pp > 1 else 0.0
     inner = compute + tp + ep
+    # the bubble stretches the compute-bound part; reported as its own share so why_slower can name it
     return {"compute": compute, "tp": tp, "ep": ep, "bubble": inner / (1 - bubble) - inner, "pp": pp, "dp": dp}
 
 

@@ -48,6 +48,8 @@ class Checkpointer:
             optimizer.sync_params()  # ZeRO's overlapped all-gather may still be writing the params (zero=3: gathers them)
             # the finiteness vote is collective: every rank reaches it, also after a skipped step
             finite = state_is_finite(model, optimizer, mesh)
+            # both are the same on every rank (the skip follows the all-reduced grad norm, the vote is collective), so all ranks
+            # return here together
             if bad_in_a_row or not finite:
                 if mesh.rank == 0:
                     why = "the last step was skipped (non-finite grad norm)" if bad_in_a_row else \
@@ -96,6 +98,7 @@ class Checkpointer:
             path = sharded.save(root, step, model, optimizer, mesh, meta, cfg.checkpoint.keep_last, fail, self.io)
             if mesh.rank == 0:
                 print(f"checkpoint: {path} ({time.perf_counter() - t0:.2f}s)", flush=True)
+        # set even for a save still writing in the background: the next save's lineage follows the order of saves
         self.parent = (sharded.step_dir(root, step), meta["lineage"]["id"])
         self.last_saved = str(self.parent[0])
 

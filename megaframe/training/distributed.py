@@ -23,6 +23,7 @@ class DistEnv:
 
 def env_ranks() -> DistEnv:
     env = os.environ
+    # torchrun's names first: inside torchrun workers the SLURM_* variables describe the agent
     rank = int(env.get("RANK", env.get("SLURM_PROCID", "0")))
     world = int(env.get("WORLD_SIZE", env.get("SLURM_NTASKS", "1")))
     local = int(env.get("LOCAL_RANK", env.get("SLURM_LOCALID", "0")))
@@ -35,6 +36,7 @@ def pick_device(choice: str, local_rank: int) -> torch.device:
     if not torch.cuda.is_available():
         from megaframe.config import ConfigError
         raise ConfigError("train.device=cuda but CUDA is not available on this machine")
+    # before init_process_group: NCCL binds each rank to the current device
     torch.cuda.set_device(local_rank % torch.cuda.device_count())
     return torch.device("cuda", torch.cuda.current_device())
 
@@ -71,6 +73,7 @@ def init_distributed(env: DistEnv, device: torch.device, timeout_s: float = 600.
         return
     if device.type == "cuda" and run_dir is not None:
         nccl_env(run_dir)
+    # one host without a launcher's address: rank 0 hosts the store locally
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in os.environ:
         job = int(os.environ.get("SLURM_JOB_ID", "0"))

@@ -43,14 +43,18 @@ class Evaluator:
         try:
             with torch.no_grad():
                 for k in range(t.eval_iters):
+                    # batch k of the validation split's own order: the same samples at every evaluation, split over dp like
+                    # training
                     batches = microbatches(self.data, k, t.global_batch_size, t.micro_batch_size, mesh.dp.rank,
                                            mesh.dp.size, t.seed, mesh.device)
                     total += loss_sum(model, batches, mesh)
             tokens = t.eval_iters * t.global_batch_size * self.cfg.model.seq_length
+            # the evaluation's one host sync
             return comm.all_reduce(total, mesh.dp).item() / tokens  # meaningful on the last pipeline stage
         finally:
             model.train(was_training)
             mesh.stats.pop()
+            # evaluation traffic is dropped; the step's counts taken before it are put back
             for group, nbytes in counted.items():
                 mesh.stats.add(group, nbytes)
 
@@ -60,7 +64,7 @@ def loss_sum(model, batches, mesh) -> torch.Tensor:
     total = torch.zeros((), device=mesh.device)
     if mesh.pp.size == 1:
         for input_ids_BS, labels_BS in batches:
-            total += model(input_ids_BS, labels_BS).float().sum()
+            total += model(input_ids_BS, labels_BS).float().sum()  # fp32 sum over many tokens
         return total
     pp, rank = mesh.pp.size, mesh.pp.rank
     last = pp * len(model.stage.chunks) - 1
@@ -72,7 +76,9 @@ def loss_sum(model, batches, mesh) -> torch.Tensor:
             stage = chunk * pp + rank
             x_SBD = None
             if stage > 0:  # receive the previous stage's activations
-                x_SBD = torch.empty(shape, dtype=dtype, device=mesh.device)
+                x_SBD = torch.empty(shape, dtype=dtype, device=mesh.device)  # shape from the config: no shape exchange
+                # blocking, one micro-batch at a time (evaluation is rare); modulo: a virtual chunk's previous stage wraps round
+                # to the last rank
                 p2p.start(mesh.pp, [], [(x_SBD, (rank - 1) % pp)]).wait()
             out = model.forward_chunk(chunk, x_SBD, input_ids_BS, labels_BS)
             if stage == last:

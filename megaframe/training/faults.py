@@ -70,6 +70,7 @@ class Injector:
     def save_fault(self, step: int) -> str | None:
         """"error" | "kill" when this rank's checkpoint write at `step` is to fail, else None. Only in a
         group's first attempt: a worker group torchrun restarted must not be killed again."""
+        # a restart would hit the same fault at the same step forever: the drill is one failure
         if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
             return None
         for f in self.faults:
@@ -87,6 +88,7 @@ class Injector:
             if f.kind == "hang":
                 print(f"megaframe: rank {self.rank}: injected hang at step {step} ({ENV})", file=sys.stderr, flush=True)
                 threading.Event().wait()  # forever; the watchdog ends the process
+            # inside the compute window (probe.begin): the straggler figures must see it as compute
             time.sleep(f.seconds)
             slept += f.seconds
         return slept

@@ -122,7 +122,7 @@ def measure_cpu_peak(reps: int = CPU_PEAK_REPS, n: int = 512) -> float:
         t0 = time.perf_counter()
         torch.mm(a, a, out=out)
         best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best
+    return 2 * n**3 / best  # a multiply and an add per term
 
 
 def cpu_peak_flops(refresh: bool = False) -> float:
@@ -148,6 +148,7 @@ def cpu_peak_flops(refresh: bool = False) -> float:
 def forget_cpu_peak() -> None:
     """Drop this machine's cached peak (a step ran faster than it: it was measured on a busy machine)."""
     path = cpu_peak_cache()
+    # a best-effort drop: a missing or unreadable cache simply stays as it is
     with contextlib.suppress(OSError, ValueError):
         cache = json.loads(path.read_text())
         cache.pop(_cpu_key(), None)

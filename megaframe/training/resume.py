@@ -22,6 +22,7 @@ from megaframe.parallel import comm
 from megaframe.parallel.mesh import Axis, Mesh
 from megaframe.training.resume_checks import check_resume, consumed_samples
 
+# what a missing, corrupt or mismatched checkpoint raises on load; anything else is a bug and propagates
 LOAD_ERRORS = (OSError, ValueError, KeyError, RuntimeError, SafetensorError)
 
 
@@ -42,6 +43,7 @@ def world_axis(mesh: Mesh) -> Axis:
 
 def all_agree(ok: bool, mesh: Mesh) -> bool:
     """True when `ok` holds on every rank; collective (one scalar MIN over the mesh)."""
+    # a float MIN: every backend reduces floats; one 0 from any rank vetoes
     flag = torch.tensor([1.0 if ok else 0.0], device=mesh.device)
     comm.all_reduce(flag, world_axis(mesh), op=dist.ReduceOp.MIN)
     return bool(flag.item())  # the host needs the decision
@@ -78,6 +80,7 @@ def resume(cfg: Config, model, optimizer, mesh: Mesh) -> Resumed:
         return Resumed()
     if r != "auto":
         meta, why = _load(cfg, Path(r), model, optimizer, mesh)
+        # every rank votes, also one whose load failed, so none waits alone in the all-reduce
         if not all_agree(meta is not None, mesh):
             raise ConfigError(f"checkpoint {r} cannot be loaded ({why or 'failed on another rank'})")
         return _done(mesh, Path(r), meta)
@@ -95,6 +98,7 @@ def resume(cfg: Config, model, optimizer, mesh: Mesh) -> Resumed:
         meta, why = _load(cfg, p, model, optimizer, mesh)
         if why:
             _warn(mesh, f"skipping checkpoint {p}: cannot be loaded on rank {mesh.rank} ({why})", every_rank=True)
+        # loaded on some ranks but not on others: all move on together; the next candidate's load overwrites what this one left
         if all_agree(meta is not None, mesh):
             return _done(mesh, p, meta)
     return Resumed()

@@ -60,6 +60,7 @@ def consumed_samples(meta: dict) -> int:
     if "consumed_samples" in meta:
         return int(meta["consumed_samples"])
     gbs = int((meta.get("config") or {}).get("train", {}).get("global_batch_size", 0))
+    # no recorded count: exact as long as that run never changed its batch size
     return int(meta["step"]) * gbs
 
 
@@ -72,4 +73,5 @@ class Accounting:
 
     def consumed(self, step: int) -> int:
         """Samples consumed once step `step` is done."""
+        # from the resume's consumed count, not step x batch: exact when an allowed batch-size change was made
         return self.base + (step - self.start) * self.gbs

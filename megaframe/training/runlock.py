@@ -56,6 +56,7 @@ class RunLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         for _ in range(3):  # a racing taker may remove a stale file between our tries
             try:
+                # O_EXCL: of two jobs racing for the folder exactly one creates the file
                 fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             except FileExistsError:
                 holder = self._holder()
@@ -84,6 +85,7 @@ class RunLock:
         if holder is None:
             # half-written by a taker that died at once, or garbage: stale only once it is old
             age = time.time() - self.path.stat().st_mtime if self.path.exists() else 1e9
+            # 60 s: far longer than a taker needs between O_EXCL and its fsynced write, so a live one is not robbed
             return "unreadable lock file" if age > 60 else None
         mine = job_id()
         if mine and holder.get("job") == mine:
@@ -103,6 +105,7 @@ class RunLock:
     def release(self) -> None:
         if self.held:
             holder = self._holder()
+            # only our own file: a job that took over a stale lock keeps it
             if holder is not None and holder.get("pid") == os.getpid():
                 self.path.unlink(missing_ok=True)
             self.held = False

@@ -35,6 +35,8 @@ def state_is_finite(model, optimizer, mesh: Mesh) -> bool:
     tensors = held_tensors(model, optimizer)
     flag = torch.ones(1, device=mesh.device)
     if tensors:
+        # reduced on the device: one small tensor, no per-tensor host read
         flag = torch.stack([torch.isfinite(t).all() for t in tensors]).all().float().reshape(1).to(mesh.device)
+    # every rank reaches it, also one holding no tensor (flag 1): a rank skipping it would hang the others
     comm.all_reduce(flag, world_axis(mesh), op=dist.ReduceOp.MIN)
     return bool(flag.item())  # the one host sync of the check

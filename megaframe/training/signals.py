@@ -52,8 +52,10 @@ class StopFlag:
         if mesh.group is None:
             return self.signum is not None, busy
         if self.group is None:
+            # new_group is collective: made on the first check step, which every rank reaches at the same step
             group = mesh.group if mesh.device.type == "cpu" else dist.new_group(backend="gloo")
             self.group = Axis("world", mesh.world, mesh.rank, tuple(range(mesh.world)), group, mesh.stats)
+        # both flags in one tensor: one all-reduce per check step, not two
         flags = torch.tensor([0.0 if self.signum is None else 1.0, 1.0 if busy else 0.0])
         comm.all_reduce(flags, self.group, op=dist.ReduceOp.MAX)  # MAX: any rank signalled / any still writing
         signalled, writing = flags.tolist()  # a CPU tensor: no device sync

@@ -40,6 +40,7 @@ def train_step(model, optimizer, batches, mesh: Mesh, cfg: Config, step: int, pr
 
     `probe` (a training.straggler.StragglerProbe) opens the compute window and collects the
     executor's forward/backward timings, before any data-parallel or optimizer collective."""
+    # the loss divisor is the global token count on every rank: dp and micro-batch sums then give the mean's gradient
     tokens_global = cfg.train.global_batch_size * cfg.model.seq_length
     optimizer.zero_grad()
     moe_stats.begin_step(model)
@@ -48,8 +49,10 @@ def train_step(model, optimizer, batches, mesh: Mesh, cfg: Config, step: int, pr
     loss_sum = run_schedule(rank_schedule(cfg, mesh, len(batches)), model, batches, mesh, optimizer, tokens_global,
                             timeline=probe.spans if probe is not None else None)
     o = cfg.optim
+    # a Python float from the step alone: no device tensor, no sync, the same on every rank
     lr = lr_at(step, o.lr, o.min_lr, o.warmup_steps, o.lr_decay_steps or cfg.train.max_steps, o.lr_schedule,
                o.wsd_decay_fraction)
     norm = optimizer.step(lr)
+    # once per optimizer step, from the expert loads this step's micro-batches recorded (begin_step reset them)
     moe_stats.update_expert_bias(model, mesh)  # no-op unless model.moe_expert_bias
     return StepResult(loss_sum, norm, lr)

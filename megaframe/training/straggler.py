@@ -30,6 +30,7 @@ class StragglerProbe:
         self.compute_s, self.steps = 0.0, 0
 
     def begin(self, step: int) -> None:
+        # the previous step's spans: the executor fills them during train_step, after begin()
         self._fold()
         self.steps += 1
         if self.injector is not None:
@@ -44,6 +45,7 @@ class StragglerProbe:
         self._fold()
         mine = self.compute_s / max(1, self.steps)
         self.compute_s, self.steps = 0.0, 0
+        # on the mesh's device: the group may be NCCL, which gathers device tensors only
         local = torch.tensor([mine], dtype=torch.float64, device=mesh.device)
         if mesh.group is None:
             every = local
@@ -51,6 +53,7 @@ class StragglerProbe:
             every = torch.empty(mesh.world, dtype=torch.float64, device=mesh.device)
             with mesh.stats.noting("all_gather(straggler)", "world", range(mesh.world), local.shape, local.dtype, 8):
                 comm.all_gather_world(every, local, mesh.group)
+        # a host sync, at log steps only (gather() is called from the log row)
         values = every.tolist()
         slowest = max(range(len(values)), key=values.__getitem__)
         return {"straggler/compute_s_min": min(values), "straggler/compute_s_max": values[slowest],

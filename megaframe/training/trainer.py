@@ -48,6 +48,8 @@ def run(cfg: Config, stop: StopFlag | None = None) -> None:
                           timeout=datetime.timedelta(seconds=cfg.train.dist_timeout_s),
                           world_timeout=datetime.timedelta(seconds=cfg.checkpoint.save_timeout_s),
                           shard=cfg.optim.shard_group_size)
+        # before anything else talks over pp: NCCL builds a pair's channel at its first transfer, and ranks first meeting in
+        # different schedule phases can deadlock
         p2p.warm_up(mesh.pp, device)
         # ranks may have resolved a timestamped run name a second apart: rank 0's wins; the run id
         # (this launch of the run, recorded in each checkpoint's lineage) is rank 0's too
@@ -77,6 +79,7 @@ def take_run_dir(cfg: Config, mesh: Mesh) -> RunLock:
             err = str(e)
         except OSError as e:
             err = f"run.dir={cfg.run.dir}: cannot take the run lock ({e})"
+    # every rank reaches the broadcast whatever rank 0 found, so none goes on alone into the run folder
     err = comm.broadcast_object(err, mesh)
     if err:
         raise ConfigError(err)
@@ -101,10 +104,12 @@ def train(cfg: Config, mesh: Mesh, stop: StopFlag, run_id: str = "") -> None:
     if cfg.optim.lr_decay_steps is None:  # a fresh start (or a pre-horizon checkpoint): this run's length
         cfg.optim.lr_decay_steps = t.max_steps
     acct = Accounting(start, resumed.consumed if resumed.path else 0, t.global_batch_size)
+    # before the first step: a corrupt shard is bad input (exit 2 in seconds), not a crash mid-run
     check_first_shards(cfg, mesh, data, start, acct)
     total_params = global_param_count(model, mesh)  # a collective over pp: every rank takes part
     if mesh.rank == 0:
         describe(cfg, mesh, model, data, start, total_params)
+        # after the resume: the config written is the one the run goes on with (lr horizon adopted)
         write_run_config(cfg, start)
     tracker = Tracker(cfg, cfg.run.dir, mesh.is_logger, cfg.train.max_steps)
     meter = Meter(cfg, mesh, acct)
@@ -112,6 +117,7 @@ def train(cfg: Config, mesh: Mesh, stop: StopFlag, run_id: str = "") -> None:
     bad = BadSteps(cfg.train.max_bad_steps, mesh.rank == 0, defer=mesh.device.type == "cuda")
     faults = injector(mesh.rank)
     probe = StragglerProbe(faults)
+    # started after start-up: resume and shard checks may take longer than a step's hang limit
     watchdog = Watchdog(t.hang_timeout_s, mesh.rank, cfg.run.dir, mesh.stats).start()
     ckpt = Checkpointer(cfg, mesh, run_id, resumed, acct, watchdog, faults, data)
     # positions continue from the consumed samples at the resume (exact even if the batch size changed)
@@ -141,6 +147,7 @@ def train(cfg: Config, mesh: Mesh, stop: StopFlag, run_id: str = "") -> None:
                 meter.paused(time.perf_counter() - t0)  # tokens_per_s counts training time only
             if sampler is not None and sampler.due(step):  # sampling time is not training time either
                 meter.paused(sampler.sample(step, model, cfg.run.dir, tracker.wandb_run))
+            # on every rank, not only the logger: the row's dp loss all-reduce and MoE figures are collectives
             if step % t.log_interval == 0 or step == t.max_steps or val is not None:
                 row = {**meter.metrics(step, res, model, optimizer), **probe.gather(mesh), **ckpt.take_io()}
                 if val is not None:
@@ -151,6 +158,7 @@ def train(cfg: Config, mesh: Mesh, stop: StopFlag, run_id: str = "") -> None:
             stopping = False
             if checks_at(step, start, t):  # the same steps on every rank: they stop together
                 stopping, writing = stop.decide(mesh, busy=ckpt.writing())
+                # `writing` is the all-reduced flag, the same on every rank: all commit the background save or none does
                 ckpt.poll(all_written=not writing)
             interval = cfg.checkpoint.interval
             last = step == t.max_steps or stopping
@@ -206,6 +214,7 @@ class BadSteps:
         """Count every pending step now (one host sync for all of them)."""
         if not self.pending:
             return
+        # the grad norm is all-reduced, so every rank counts the same skips and stops at the same step
         norms = torch.stack([n for _, n in self.pending]).tolist()  # syncs the device, once for all pending
         steps, self.pending = [s for s, _ in self.pending], []
         for s, norm in zip(steps, norms):
@@ -237,6 +246,7 @@ class Meter:
         self.cfg, self.mesh, self.acct = cfg, mesh, acct
         self.tokens_step = cfg.train.global_batch_size * cfg.model.seq_length
         self.fpt = flops_per_token(cfg.model)
+        # only the logger reports MFU; the other ranks skip the peak measurement
         self.peak = peak_flops(mesh.device) if mesh.is_logger else 0.0
         self.t_last, self.steps, self.loss_sum = time.perf_counter(), 0, None
         self.t_start, self.run_steps, self.eval_s, self.last = self.t_last, 0, 0.0, {}
@@ -256,6 +266,7 @@ class Meter:
     def metrics(self, step: int, res, model, optimizer) -> dict:
         mesh = self.mesh
         sent = mesh.stats.pop()
+        # the log step's host sync: the interval's loss summed on the device, reduced over dp and read once
         loss = comm.all_reduce(self.loss_sum, mesh.dp).item() / (self.tokens_step * self.steps)
         now = time.perf_counter()
         tps = self.tokens_step * self.steps / (now - self.t_last)
@@ -311,6 +322,7 @@ def global_param_count(model, mesh: Mesh) -> int:
                if not p.placement.pp_duplicate)
     if mesh.pp.size == 1:
         return mine
+    # float64 holds any parameter count exactly (below 2^53); read once, at start-up
     return int(comm.all_reduce(torch.tensor([mine], dtype=torch.float64, device=mesh.device), mesh.pp).item())
 
 
@@ -324,6 +336,7 @@ def write_run_config(cfg: Config, start: int) -> None:
     run_dir = Path(cfg.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     first = run_dir / "config.yaml"
+    # config.yaml is never overwritten: it records how the run began
     path = first if not first.exists() else run_dir / f"config.resume-{start}.yaml"
     write_atomic(path, OmegaConf.to_yaml(OmegaConf.structured(cfg)))  # a crash leaves no half config
 
@@ -379,6 +392,7 @@ def check_first_shards(cfg: Config, mesh: Mesh, data, start: int, acct: Accounti
                   f"{time.perf_counter() - t0:.2f}s)", flush=True)
         except ValueError as e:  # CorruptShard included
             err = f"data: {e}"
+    # rank 0 hashed, every rank hears the verdict: all exit 2 together, none starts the first step alone
     err = comm.broadcast_object(err, mesh)
     if err:
         raise ConfigError(err)

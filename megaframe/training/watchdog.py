@@ -58,6 +58,7 @@ class Watchdog:
     def start(self) -> "Watchdog":
         if self.timeout_s > 0:
             self.last = time.monotonic()
+            # daemon: a run that ends normally never waits for the watcher
             self._thread = threading.Thread(target=self._watch, name=f"megaframe-watchdog-rank{self.rank}", daemon=True)
             self._thread.start()
         return self
@@ -66,6 +67,7 @@ class Watchdog:
         """Progress: called by the training loop; cheap (two assignments)."""
         if step is not None:
             self.step = step
+        # plain assignments read by the watch thread: atomic under the GIL, no lock on the step path
         self.last = time.monotonic()
 
     @contextmanager
@@ -86,9 +88,11 @@ class Watchdog:
             self._thread.join(timeout=5)
 
     def _watch(self) -> None:
+        # a tenth of the limit (at most 1 s): a trip comes within 10% of the timeout, and ranks tripping at the same step report
+        # close together
         poll = min(1.0, self.timeout_s / 10)
         while not self._stop.wait(poll):
-            idle, limit = time.monotonic() - self.last, self.override
+            idle, limit = time.monotonic() - self.last, self.override  # monotonic: a clock change is no hang
             if limit is None:
                 limit = self.timeout_s
             if limit > 0 and idle > limit:
@@ -104,6 +108,7 @@ class Watchdog:
             path.write_text(text)
         except OSError as e:  # the report on stderr is what matters; a full disk must not hide it
             print(f"megaframe: rank {self.rank}: could not write the hang report: {e}", file=sys.stderr, flush=True)
+        # let the peers, stuck at the same step, write their reports before this rank's exit breaks their connections
         time.sleep(self.grace_s)
         self.exit_fn(HANG_EXIT_CODE)
 
