@@ -94,6 +94,7 @@ def resume(cfg: Config, model, optimizer, mesh: Mesh) -> Resumed:
                 _warn(mesh, f"skipping checkpoint {p}: {why}")
             else:
                 order.append(str(p))
+    tried = None
     for p in map(Path, comm.broadcast_object(order, mesh)):
         meta, why = _load(cfg, p, model, optimizer, mesh)
         if why:
@@ -101,6 +102,12 @@ def resume(cfg: Config, model, optimizer, mesh: Mesh) -> Resumed:
         # loaded on some ranks but not on others: all move on together; the next candidate's load overwrites what this one left
         if all_agree(meta is not None, mesh):
             return _done(mesh, p, meta)
+        tried = p
+    if tried is not None:
+        # a failed load may have overwritten part of the state on some ranks: a "fresh" start from here
+        # would train on mixed, rank-dependent weights, so it is refused rather than silently begun
+        raise ConfigError(f"checkpoint.resume=auto: no checkpoint under {cfg.checkpoint.dir} could be loaded "
+                          f"(last tried {tried}); move them away or set checkpoint.resume=none to start fresh")
     return Resumed()
 
 

@@ -169,3 +169,18 @@ def test_non_finite_steps_are_skipped_then_the_run_stops(tmp_path, zero):
     meta = sharded.read_metadata(ck / "step_00000001")
     for key in meta["tensors"]:
         assert sharded.load_full(ck / "step_00000001", key, meta).isfinite().all(), key
+
+
+def test_auto_resume_refuses_when_no_checkpoint_loads(tmp_path):
+    """Every checkpoint fails to load (a flipped byte inside a tensor: sizes right, block checksum wrong):
+    a failed load may have left part of the state overwritten, so resume=auto refuses (exit 2, one line)
+    instead of starting "fresh" on mixed weights (before: it trained on from whatever the load left)."""
+    over = ["data=synthetic", *TINY, "train.max_steps=2", "checkpoint.interval=2", f"run.dir={tmp_path}"]
+    assert train(over).returncode == 0
+    shard = tmp_path / "checkpoints" / "step_00000002" / "shard_00000.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-8] ^= 0xFF  # in the last tensor's bytes: same size, so only the load's block check sees it
+    shard.write_bytes(bytes(data))
+    bad = train(over + ["train.max_steps=4"], timeout=120)
+    assert bad.returncode == 2, bad.stderr[-2000:]
+    assert "no checkpoint under" in bad.stderr and "could be loaded" in bad.stderr
