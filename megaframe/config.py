@@ -94,6 +94,12 @@ class ModelConfig:
         return self.moe_ffn_hidden_size or self.ffn_hidden_size
 
 
+class CPComm(str, Enum):
+    """How context-parallel ranks see each other's keys and values (megaframe/parallel/context.py)."""
+    allgather = "allgather"
+    ring = "ring"
+
+
 @dataclass
 class ParallelConfig:
     tp: int = 1
@@ -110,6 +116,13 @@ class ParallelConfig:
     """gpipe | 1f1b | interleaved | auto (interleaved when vpp > 1, else 1f1b)."""
     pp_layout: Optional[list[int]] = None
     """Layers per virtual stage (pp x vpp entries, stage s = chunk * pp + rank) for uneven splits."""
+    # -- context parallelism (megaframe/parallel/context.py)
+    cp: int = 1
+    """Context-parallel size: each sequence cut into 2·cp chunks, cp rank i keeps chunks i and 2cp-1-i
+    (rank order: between tp and dp). Parameters are replicated over cp; grads reduced over cp·dp."""
+    cp_comm: CPComm = CPComm.allgather
+    """allgather: K and V all-gathered over cp before attention (grads reduce-scattered in backward);
+    ring: K/V blocks passed around the cp ring (not implemented yet: refused)."""
 
 
 @dataclass

@@ -53,7 +53,7 @@ def _replicas(p, mesh, segments: bool) -> tuple[int, int]:
     tp_n, tp_i = (mesh.tp.size, mesh.tp.rank) if tp_rep else (1, 0)
     if segments:
         return tp_n, tp_i
-    dp = (mesh.edp or mesh.dp) if p.placement.expert else mesh.dp
+    dp = (mesh.edp or mesh.dp) if p.placement.expert else mesh.dpcp
     return dp.size * tp_n, dp.rank * tp_n + tp_i
 
 
@@ -84,7 +84,7 @@ def param_items(model, optimizer, mesh, with_sources: bool) -> list[Item]:
                               [t.detach().reshape(-1)] if with_sources else []))
     for name, b, pl in state_buffers(model):
         shard = pl.shard
-        h, i = mesh.tp.size * mesh.dp.size, mesh.dp.rank * mesh.tp.size + mesh.tp.rank
+        h, i = mesh.tp.size * mesh.dpcp.size, mesh.dpcp.rank * mesh.tp.size + mesh.tp.rank
         items.append(Item(f"model/{name}", shard, dtype_name(b.dtype), [(0, b.numel())], h, i,
                           [b.detach().reshape(-1)] if with_sources else []))
     return items

@@ -22,7 +22,8 @@ from megaframe.parallel.mesh import Axis, Mesh
 def seed_step(seed: int, step: int, mesh: Mesh) -> None:
     """Seed the default generators for optimizer step `step`: equal on the tp ranks of one (pp, dp)
     coordinate; a function of the step, so resuming needs no RNG state."""
-    torch.manual_seed(param_seed(seed, f"dropout/step{step}/pp{mesh.pp.rank}/dp{mesh.dp.rank}"))
+    cp = f"/cp{mesh.cp.rank}" if mesh.cp.size > 1 else ""  # cp ranks hold different tokens: own masks
+    torch.manual_seed(param_seed(seed, f"dropout/step{step}/pp{mesh.pp.rank}/dp{mesh.dp.rank}{cp}"))
 
 
 @contextmanager

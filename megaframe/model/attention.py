@@ -1,6 +1,7 @@
 """Causal self-attention with GQA and RoPE, tensor-parallel over heads.
 
-Legend: S sequence (full inside attention), B batch, D hidden, H query heads on this rank (heads/tp),
+Legend: S sequence (full inside attention; this cp rank's S/cp under context parallelism), T the cp
+group's gathered K/V tokens, B batch, D hidden, H query heads on this rank (heads/tp),
 K kv heads on this rank (groups/tp), E head dim.
 qkv: ColumnParallelLinear with blocks [q | k | v] = [heads·E | groups·E | groups·E], each split over tp.
 out_proj: RowParallelLinear [D, heads·E], input split by head.
@@ -15,6 +16,8 @@ from torch.utils.checkpoint import checkpoint
 from megaframe.config import ModelConfig
 from megaframe.layers.linear import ColumnParallelLinear, RowParallelLinear
 from megaframe.layers.rng import tp_distinct
+from megaframe.parallel import comm
+from megaframe.parallel.context import cp_causal_mask
 from megaframe.parallel.mesh import Axis
 
 
@@ -34,8 +37,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: Axis, sp: bool, device=None, recompute_core: bool = False):
+    def __init__(self, cfg: ModelConfig, tp: Axis, sp: bool, device=None, recompute_core: bool = False,
+                 cp: Axis | None = None):
         super().__init__()
+        self.cp = cp if cp is not None and cp.size > 1 else None
+        # causal by global position: this rank's queries against the cp group's gathered K/V (not a
+        # buffer: it is derived from the layout, never saved)
+        self.cp_mask_QT = cp_causal_mask(cfg.seq_length, cp.size, cp.rank, device) if self.cp else None
         self.recompute_core = recompute_core
         e = cfg.head_dim
         self.heads, self.groups, self.head_dim = cfg.num_attention_heads // tp.size, cfg.kv_heads // tp.size, e
@@ -53,9 +61,12 @@ class Attention(nn.Module):
         if rope is not None:  # before the permute: rows of E stay contiguous, so the rotation streams
             cos_S11E, sin_S11E = rope[0][:s, None, None, :], rope[1][:s, None, None, :]
             q_SBHE, k_SBKE = apply_rope(q_SBHE, cos_S11E, sin_S11E), apply_rope(k_SBKE, cos_S11E, sin_S11E)
+        v_SBKE = v.view(s, b, k, e)
+        if self.cp is not None:  # the whole sequence's K/V (after RoPE: each rotated at its own position)
+            k_SBKE, v_SBKE = comm.gather_from_cp(k_SBKE, self.cp), comm.gather_from_cp(v_SBKE, self.cp)
         q_BHSE = q_SBHE.permute(1, 2, 0, 3)
         k_BKSE = k_SBKE.permute(1, 2, 0, 3)
-        v_BKSE = v.view(s, b, k, e).permute(1, 2, 0, 3)
+        v_BKSE = v_SBKE.permute(1, 2, 0, 3)
         if self.recompute_core and self.training and torch.is_grad_enabled():
             # selective recompute (Megatron): drop what SDPA saved for backward (probabilities, or the
             # flash/efficient kernels' logsumexp) and re-run it in backward; RNG state is restored
@@ -74,6 +85,10 @@ class Attention(nn.Module):
         return self._sdpa(q_BHSE, k_BKSE, v_BKSE)
 
     def _sdpa(self, q_BHSE: torch.Tensor, k_BKSE: torch.Tensor, v_BKSE: torch.Tensor) -> torch.Tensor:
+        if self.cp_mask_QT is not None:  # queries and keys are not aligned: an explicit global-position mask
+            return F.scaled_dot_product_attention(q_BHSE, k_BKSE, v_BKSE, attn_mask=self.cp_mask_QT,
+                                                  dropout_p=self.dropout if self.training else 0.0,
+                                                  enable_gqa=q_BHSE.shape[1] != k_BKSE.shape[1])
         return F.scaled_dot_product_attention(q_BHSE, k_BKSE, v_BKSE, is_causal=True,
                                               dropout_p=self.dropout if self.training else 0.0,
                                               enable_gqa=q_BHSE.shape[1] != k_BKSE.shape[1])

@@ -23,6 +23,7 @@ from megaframe.layers.shard import Shard, init_model, sharded_param
 from megaframe.layers.vocab import VocabParallelEmbedding, parallel_logits, vocab_parallel_cross_entropy
 from megaframe.model.attention import Attention, rope_tables
 from megaframe.model.moe import MoE
+from megaframe.parallel.context import cp_positions
 from megaframe.parallel.mesh import Mesh
 from megaframe.pipeline.partition import Stage, stage_layout
 
@@ -55,7 +56,7 @@ class Block(nn.Module):
                  recompute: str = "none"):
         super().__init__()
         self.attn_norm = Norm(cfg.norm, cfg.hidden_size, cfg.norm_eps, sp, device)
-        self.attn = Attention(cfg, mesh.tp, sp, device, recompute_core=recompute == "selective")
+        self.attn = Attention(cfg, mesh.tp, sp, device, recompute_core=recompute == "selective", cp=mesh.cp)
         self.mlp_norm = Norm(cfg.norm, cfg.hidden_size, cfg.norm_eps, sp, device)
         if cfg.num_experts:
             self.mlp = MoE(cfg, mesh, sp, device, tokens_per_step)
@@ -111,9 +112,12 @@ class GPT(nn.Module):
             self.final_norm = Norm(cfg.norm, cfg.hidden_size, cfg.norm_eps, self.sp, device)
             if not cfg.tie_embeddings:
                 self.head = ColumnParallelLinear(cfg.hidden_size, [cfg.vocab_size], tp, self.sp, False, device)
+        # global positions of this cp rank's tokens (all of them when cp = 1)
+        self.positions = cp_positions(cfg.seq_length, mesh.cp.size, mesh.cp.rank, device)
         self.rope = None
         if cfg.position_embedding == "rope":
-            self.rope = rope_tables(cfg.seq_length, cfg.head_dim, cfg.rope_theta, device)
+            cos, sin = rope_tables(cfg.seq_length, cfg.head_dim, cfg.rope_theta, device)
+            self.rope = (cos[self.positions], sin[self.positions]) if mesh.cp.size > 1 else (cos, sin)
         self.drop = nn.Dropout(cfg.dropout)
 
     def init_weights(self, seed: int) -> None:
@@ -124,7 +128,10 @@ class GPT(nn.Module):
         if self.cfg.position_embedding == "learned":
             s = x_SBD.shape[0]
             start = self.mesh.tp.rank * s if self.sp else 0
-            x_SBD = x_SBD + self.pos_embed[start:start + s].unsqueeze(1)
+            if self.mesh.cp.size > 1:  # this cp rank's chunks: their global rows
+                x_SBD = x_SBD + self.pos_embed[self.positions[start:start + s]].unsqueeze(1)
+            else:
+                x_SBD = x_SBD + self.pos_embed[start:start + s].unsqueeze(1)
         if self.sp and self.mesh.tp.size > 1 and self.training and self.drop.p > 0:
             with tp_distinct(self.mesh.tp, x_SBD.device):  # each tp rank's own sequence block
                 return self.drop(x_SBD)

@@ -87,7 +87,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, mesh: Mesh):
     the replicated optimizer runs instead: same math and state, without the flat-buffer copies and
     per-parameter hooks (~3% of a CPU step in scripts/bench_vs_hf.py)."""
     fp32 = all(p.dtype == torch.float32 for p in model.parameters())
-    if cfg.zero and not (mesh.dp.size == 1 and fp32):
+    if cfg.zero and not (mesh.dpcp.size == 1 and fp32):
         return ZeroOptimizer(model, cfg, mesh)
     assert fp32, "optim.zero=0 needs fp32 parameters"
     return PlainOptimizer(model, cfg, mesh)

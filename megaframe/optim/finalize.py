@@ -81,7 +81,7 @@ def global_norm(grads: list[tuple[Placement, torch.Tensor]], mesh: Mesh, sharded
     ep x edp covers both); replicated grads differ only between ep ranks, for experts. Every group is
     reduced even when empty on this rank, so all ranks enter the same collectives."""
     groups: dict[str, tuple[Axis | None, list[torch.Tensor]]] = (
-        {"dp": (mesh.dp, [])} if sharded else {"dense": (None, []), "expert": (mesh.ep, [])})
+        {"dp": (mesh.dpcp, [])} if sharded else {"dense": (None, []), "expert": (mesh.ep, [])})
     for pl, g in grads:
         if pl.counts_in_norm(mesh):
             groups["dp" if sharded else "expert" if pl.expert else "dense"][1].append(g)

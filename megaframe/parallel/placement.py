@@ -74,7 +74,7 @@ class Placement:
 
     def data_axis(self, mesh: Mesh) -> Axis:
         """The data-parallel axis its grads are summed over and its optimizer state is sharded over."""
-        return mesh.edp if self.expert else mesh.dp
+        return mesh.edp if self.expert else mesh.dpcp  # dense params are replicated over cp too
 
     def replica_id(self, mesh: Mesh) -> ReplicaId:
         tp_copy = mesh.tp.rank if "tp" in self.replicated_over else 0

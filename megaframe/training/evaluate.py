@@ -44,10 +44,11 @@ class Evaluator:
             with torch.no_grad():
                 for k in range(t.eval_iters):
                     batches = microbatches(self.data, k, t.global_batch_size, t.micro_batch_size, mesh.dp.rank,
-                                           mesh.dp.size, t.seed, mesh.device)
+                                           mesh.dp.size, t.seed, mesh.device, cp_rank=mesh.cp.rank,
+                                           cp_size=mesh.cp.size)
                     total += loss_sum(model, batches, mesh)
             tokens = t.eval_iters * t.global_batch_size * self.cfg.model.seq_length
-            return comm.all_reduce(total, mesh.dp).item() / tokens  # meaningful on the last pipeline stage
+            return comm.all_reduce(total, mesh.dpcp).item() / tokens  # meaningful on the last pipeline stage
         finally:
             model.train(was_training)
             mesh.stats.pop()

@@ -44,7 +44,7 @@ def run(cfg: Config, stop: StopFlag | None = None) -> None:
     device = pick_device(cfg.train.device, env.local_rank)
     init_distributed(env, device, cfg.train.dist_timeout_s, cfg.run.dir)
     try:
-        mesh = build_mesh(cfg.parallel.tp, cfg.parallel.pp, device, ep=cfg.parallel.ep,
+        mesh = build_mesh(cfg.parallel.tp, cfg.parallel.pp, device, ep=cfg.parallel.ep, cp=cfg.parallel.cp,
                           timeout=datetime.timedelta(seconds=cfg.train.dist_timeout_s),
                           world_timeout=datetime.timedelta(seconds=cfg.checkpoint.save_timeout_s))
         p2p.warm_up(mesh.pp, device)
@@ -115,7 +115,8 @@ def train(cfg: Config, mesh: Mesh, stop: StopFlag, run_id: str = "") -> None:
     ckpt = Checkpointer(cfg, mesh, run_id, resumed, acct, watchdog, faults, data)
     # positions continue from the consumed samples at the resume (exact even if the batch size changed)
     loader = Prefetcher(lambda s: microbatches(data, s - 1 - start, t.global_batch_size, t.micro_batch_size,
-                                               mesh.dp.rank, mesh.dp.size, t.seed, mesh.device, base=acct.base),
+                                               mesh.dp.rank, mesh.dp.size, t.seed, mesh.device, base=acct.base,
+                                               cp_rank=mesh.cp.rank, cp_size=mesh.cp.size),
                         start + 1, t.max_steps)
     marker = {"resumed_from": str(resumed.path), "resumed_step": start, "run_id": run_id} if resumed.path else {}
     try:
@@ -255,7 +256,7 @@ class Meter:
     def metrics(self, step: int, res, model, optimizer) -> dict:
         mesh = self.mesh
         sent = mesh.stats.pop()
-        loss = comm.all_reduce(self.loss_sum, mesh.dp).item() / (self.tokens_step * self.steps)
+        loss = comm.all_reduce(self.loss_sum, mesh.dpcp).item() / (self.tokens_step * self.steps)
         now = time.perf_counter()
         tps = self.tokens_step * self.steps / (now - self.t_last)
         step_time = (now - self.t_last) / self.steps

@@ -41,15 +41,15 @@ def _worker(rank: int, size: int, port: int, conn) -> None:
         job = conn.recv()
         if job is None:
             break
-        fn, tp, pp, n, args, ep, semantics = job
+        fn, tp, pp, n, args, ep, semantics, cp = job
         try:
-            key = (tp, pp, n, ep, semantics)
+            key = (tp, pp, n, ep, semantics, cp)
             if key not in meshes:  # groups are cached: creating them per job would leak sockets
                 suite = os.environ.get(ENV_VAR)
                 if semantics is not None:
                     os.environ[ENV_VAR] = semantics  # build_mesh reads it once
                 try:
-                    meshes[key] = build_mesh(tp, pp, torch.device("cpu"), ranks=range(n), ep=ep)
+                    meshes[key] = build_mesh(tp, pp, torch.device("cpu"), ranks=range(n), ep=ep, cp=cp)
                 finally:
                     os.environ.pop(ENV_VAR, None)
                     if suite is not None:
@@ -79,13 +79,13 @@ class RankPool:
         self.broken = False
 
     def run(self, fn, n: int, *args, tp: int = 1, pp: int = 1, ep: int = 1, p2p: str | None = None,
-            timeout: float = JOB_TIMEOUT_S) -> list:
+            timeout: float = JOB_TIMEOUT_S, cp: int = 1) -> list:
         """Run fn(mesh, *args) on ranks [0, n) with the given layout; returns their results in rank order.
         `p2p` (native | nccl) overrides the suite's point-to-point semantics for this job's mesh."""
         assert not self.broken, "pool broken by an earlier timeout"
         assert n <= self.size
         for c in self.conns:
-            c.send((fn, tp, pp, n, args, ep, p2p))
+            c.send((fn, tp, pp, n, args, ep, p2p, cp))
         results, errors = [], []
         for r, c in enumerate(self.conns):
             if not c.poll(timeout):
