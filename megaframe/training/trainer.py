@@ -267,7 +267,7 @@ class Meter:
         row = {"step": step, "loss": loss, "lr": res.lr, "grad_norm": res.grad_norm.item(),
                "tokens_per_s": tps, "consumed_samples": self.acct.consumed(step),
                "time": time.time(), "step_time_s": step_time, **speed,
-               **{f"comm_bytes/{g}": sent.get(g, 0) for g in ("tp", "pp", "dp", "ep")},
+               **{f"comm_bytes/{g}": sent.get(g, 0) for g in ("tp", "pp", "dp", "ep", "cp")},
                **memory_figures(model, optimizer, mesh.device), **self.moe(step, model)}
         self.last.update(row)
         return row

@@ -38,3 +38,18 @@ def test_cp_matches_one_process(pool, cp, tp, dp, sp, zero, family):
                            f"optim.zero={zero}"]
     got = pool.run(train_and_report, cp * tp * dp, over, STEPS, tp=tp, cp=cp)[0]
     check(got, ref)
+
+
+@pytest.mark.parametrize("cp,tp", [(2, 1), (4, 1), (2, 2)])
+def test_cp_bytes_match_theory(pool, cp, tp):
+    """comm_bytes/cp of one step, to the byte: per layer and micro-batch, forward all-gathers K and V
+    ((c-1) x this rank's block each), backward reduce-scatters their grads ((c-1)/c of the gathered
+    [S, B, K/tp, E] each, the same bytes). Nothing else crosses the cp axis (grads go over cp·dp: 'dp')."""
+    from tests.distributed.cases import comm_volume
+
+    L, S, B, kv, E, f32 = 2, 32, 2, 4, 8, 4  # cases.TINY: 2 layers, 4 kv heads of 64/8
+    micro = 8 // B
+    block = S // cp * B * kv // tp * E * f32  # this rank's K (or V) for one micro-batch
+    want = L * micro * 4 * (cp - 1) * block
+    sent = pool.run(comm_volume, cp * tp, [f"parallel.cp={cp}", f"parallel.tp={tp}"], tp=tp, cp=cp)[0]
+    assert sent["cp"] == want, (sent, want)
