@@ -187,10 +187,10 @@ def _check_context(cfg: Config, world_size: int) -> None:
          f"parallel.cp={p.cp} needs model.seq_length={m.seq_length} divisible by 2·cp (each rank keeps two chunks)")
     _req(not p.sp or (m.seq_length // p.cp) % p.tp == 0,
          f"parallel.sp with parallel.cp={p.cp} needs parallel.tp={p.tp} to divide seq_length/cp={m.seq_length // p.cp}")
-    _req(CPComm(p.cp_comm) == CPComm.allgather, f"parallel.cp_comm={CPComm(p.cp_comm).value}: not implemented yet (use allgather)")
+    comm_kind = CPComm(p.cp_comm).value
+    _req(comm_kind == CPComm.allgather.value, f"parallel.cp_comm={comm_kind}: not implemented yet (use allgather)")
     # the router's load-balancing statistics are per-rank token counts not yet reduced over cp
     _req(m.num_experts == 0, f"parallel.cp={p.cp} with model.num_experts={m.num_experts}: MoE under cp is not supported yet")
-    _req(p.pp == 1, f"parallel.cp={p.cp} with parallel.pp={p.pp}: pipeline parallelism under cp is not supported yet")
 
 
 def _check_lr_schedule(cfg: Config) -> None:

@@ -53,3 +53,19 @@ def test_cp_bytes_match_theory(pool, cp, tp):
     want = L * micro * 4 * (cp - 1) * block
     sent = pool.run(comm_volume, cp * tp, [f"parallel.cp={cp}", f"parallel.tp={tp}"], tp=tp, cp=cp)[0]
     assert sent["cp"] == want, (sent, want)
+
+
+L4 = "model.num_layers=4"
+# (name, pp, overrides): pipeline stages carry this cp rank's S/c activations; recompute re-runs the K/V
+# all-gather in backward (full) or keeps it and re-runs only the attention core (selective)
+COMBOS = [("cp2-pp2", 2, []), ("cp2-pp2-vpp2", 2, ["parallel.vpp=2", L4]),
+          ("cp2-recompute-full", 1, ["train.recompute=full"]),
+          ("cp2-recompute-selective", 1, ["train.recompute=selective"])]
+
+
+@pytest.mark.parametrize("name,pp,extra", COMBOS, ids=[c[0] for c in COMBOS])
+def test_cp_combinations_match_one_process(pool, name, pp, extra):
+    model = tuple(o for o in extra if o.startswith("model."))
+    ref = reference(pool, model)
+    got = pool.run(train_and_report, 2 * pp, ["parallel.cp=2", f"parallel.pp={pp}", *extra], STEPS, pp=pp, cp=2)[0]
+    check(got, ref)
