@@ -219,9 +219,12 @@ class _GatherFromCP(torch.autograd.Function):
         return reduce_scatter_dim0(g, ctx.axis), None
 
 
+_eager_cp_gather = torch.compiler.disable(_GatherFromCP.apply)  # eager inside compiled blocks, as above
+
+
 def gather_from_cp(x: torch.Tensor, axis: Axis) -> torch.Tensor:
     """K or V of the whole cp group (context parallelism, cp_comm=allgather); bytes count as cp."""
-    return _GatherFromCP.apply(x, axis) if axis.size > 1 else x
+    return _eager_cp_gather(x, axis) if axis.size > 1 else x
 
 
 def copy_to_tp(x: torch.Tensor, axis: Axis) -> torch.Tensor:
