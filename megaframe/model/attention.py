@@ -19,6 +19,7 @@ from megaframe.layers.rng import tp_distinct
 from megaframe.parallel import comm
 from megaframe.parallel.context import cp_causal_mask
 from megaframe.parallel.mesh import Axis
+from megaframe.parallel.ring_attention import ring_attention
 
 
 def rope_tables(seq: int, dim: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,12 +39,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: Axis, sp: bool, device=None, recompute_core: bool = False,
-                 cp: Axis | None = None):
+                 cp: Axis | None = None, cp_ring: bool = False):
         super().__init__()
         self.cp = cp if cp is not None and cp.size > 1 else None
+        self.cp_ring, self.seq = cp_ring and self.cp is not None, cfg.seq_length
         # causal by global position: this rank's queries against the cp group's gathered K/V (not a
         # buffer: it is derived from the layout, never saved)
-        self.cp_mask_QT = cp_causal_mask(cfg.seq_length, cp.size, cp.rank, device) if self.cp else None
+        self.cp_mask_QT = cp_causal_mask(cfg.seq_length, cp.size, cp.rank, device) if self.cp and not self.cp_ring else None
         self.recompute_core = recompute_core
         e = cfg.head_dim
         self.heads, self.groups, self.head_dim = cfg.num_attention_heads // tp.size, cfg.kv_heads // tp.size, e
@@ -62,7 +64,7 @@ class Attention(nn.Module):
             cos_S11E, sin_S11E = rope[0][:s, None, None, :], rope[1][:s, None, None, :]
             q_SBHE, k_SBKE = apply_rope(q_SBHE, cos_S11E, sin_S11E), apply_rope(k_SBKE, cos_S11E, sin_S11E)
         v_SBKE = v.view(s, b, k, e)
-        if self.cp is not None:  # the whole sequence's K/V (after RoPE: each rotated at its own position)
+        if self.cp is not None and not self.cp_ring:  # the whole sequence's K/V (after RoPE: each rotated at its own position)
             k_SBKE, v_SBKE = comm.gather_from_cp(k_SBKE, self.cp), comm.gather_from_cp(v_SBKE, self.cp)
         q_BHSE = q_SBHE.permute(1, 2, 0, 3)
         k_BKSE = k_SBKE.permute(1, 2, 0, 3)
@@ -85,6 +87,8 @@ class Attention(nn.Module):
         return self._sdpa(q_BHSE, k_BKSE, v_BKSE)
 
     def _sdpa(self, q_BHSE: torch.Tensor, k_BKSE: torch.Tensor, v_BKSE: torch.Tensor) -> torch.Tensor:
+        if self.cp_ring:  # K/V blocks passed around the cp ring (parallel/ring_attention.py)
+            return ring_attention(q_BHSE, k_BKSE, v_BKSE, self.cp, self.seq)
         if self.cp_mask_QT is not None:  # queries and keys are not aligned: an explicit global-position mask
             return F.scaled_dot_product_attention(q_BHSE, k_BKSE, v_BKSE, attn_mask=self.cp_mask_QT,
                                                   dropout_p=self.dropout if self.training else 0.0,

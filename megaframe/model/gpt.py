@@ -53,10 +53,11 @@ class Block(nn.Module):
     """Attention and MLP with pre-norms; the MLP is a mixture of experts when cfg.num_experts > 0."""
 
     def __init__(self, cfg: ModelConfig, mesh: Mesh, sp: bool, device=None, tokens_per_step: int | None = None,
-                 recompute: str = "none"):
+                 recompute: str = "none", cp_ring: bool = False):
         super().__init__()
         self.attn_norm = Norm(cfg.norm, cfg.hidden_size, cfg.norm_eps, sp, device)
-        self.attn = Attention(cfg, mesh.tp, sp, device, recompute_core=recompute == "selective", cp=mesh.cp)
+        self.attn = Attention(cfg, mesh.tp, sp, device, recompute_core=recompute == "selective", cp=mesh.cp,
+                              cp_ring=cp_ring)
         self.mlp_norm = Norm(cfg.norm, cfg.hidden_size, cfg.norm_eps, sp, device)
         if cfg.num_experts:
             self.mlp = MoE(cfg, mesh, sp, device, tokens_per_step)
@@ -91,7 +92,7 @@ class GPT(nn.Module):
     """
 
     def __init__(self, cfg: ModelConfig, mesh: Mesh, sp: bool = False, device=None, stage: Stage | None = None,
-                 tokens_per_step: int | None = None, recompute: str = "none"):
+                 tokens_per_step: int | None = None, recompute: str = "none", cp_ring: bool = False):
         super().__init__()
         self.cfg, self.mesh = cfg, mesh
         self.recompute_blocks = recompute == "full"
@@ -106,7 +107,7 @@ class GPT(nn.Module):
         if stage.first and cfg.position_embedding == "learned":
             # replicated; under sp each rank adds the rows of its own sequence block
             self.pos_embed = sharded_param(Shard((cfg.seq_length, cfg.hidden_size)), device, tp_partial_grad=self.sp)
-        self.layers = nn.ModuleDict({str(i): Block(cfg, mesh, self.sp, device, tokens_per_step, recompute)
+        self.layers = nn.ModuleDict({str(i): Block(cfg, mesh, self.sp, device, tokens_per_step, recompute, cp_ring)
                                      for c in stage.chunks for i in c})
         if stage.last:
             self.final_norm = Norm(cfg.norm, cfg.hidden_size, cfg.norm_eps, self.sp, device)
@@ -175,7 +176,8 @@ def build_model(cfg, mesh: Mesh) -> GPT:
     p = cfg.parallel
     stage = stage_layout(cfg.model.num_layers, mesh.pp.size, p.vpp, mesh.pp.rank, p.pp_layout)
     model = GPT(cfg.model, mesh, p.sp, stage=stage,
-                tokens_per_step=cfg.train.global_batch_size * cfg.model.seq_length, recompute=cfg.train.recompute)
+                tokens_per_step=cfg.train.global_batch_size * cfg.model.seq_length, recompute=cfg.train.recompute,
+                cp_ring=str(getattr(p.cp_comm, "value", p.cp_comm)) == "ring")
     model.init_weights(cfg.train.seed)
     if cfg.train.compile:
         compile_blocks(model)

@@ -40,18 +40,23 @@ def test_cp_matches_one_process(pool, cp, tp, dp, sp, zero, family):
     check(got, ref)
 
 
+@pytest.mark.parametrize("kind", ["allgather", "ring"])
 @pytest.mark.parametrize("cp,tp", [(2, 1), (4, 1), (2, 2)])
-def test_cp_bytes_match_theory(pool, cp, tp):
-    """comm_bytes/cp of one step, to the byte: per layer and micro-batch, forward all-gathers K and V
-    ((c-1) x this rank's block each), backward reduce-scatters their grads ((c-1)/c of the gathered
-    [S, B, K/tp, E] each, the same bytes). Nothing else crosses the cp axis (grads go over cp·dp: 'dp')."""
+def test_cp_bytes_match_theory(pool, cp, tp, kind):
+    """comm_bytes/cp of one step, to the byte, per layer and micro-batch. allgather: forward all-gathers
+    K and V ((c-1) x this rank's block each), backward reduce-scatters their grads ((c-1)/c of the gathered
+    [S, B, K/tp, E] each, the same bytes). ring: c-1 sends of the K/V pair forward, c-1 again in backward,
+    plus c sends of the travelling fp32 dK/dV pair (the last brings it home). Nothing else crosses the cp
+    axis (grads go over cp·dp: 'dp')."""
     from tests.distributed.cases import comm_volume
 
     L, S, B, kv, E, f32 = 2, 32, 2, 4, 8, 4  # cases.TINY: 2 layers, 4 kv heads of 64/8
     micro = 8 // B
     block = S // cp * B * kv // tp * E * f32  # this rank's K (or V) for one micro-batch
-    want = L * micro * 4 * (cp - 1) * block
-    sent = pool.run(comm_volume, cp * tp, [f"parallel.cp={cp}", f"parallel.tp={tp}"], tp=tp, cp=cp)[0]
+    per = 4 * (cp - 1) * block if kind == "allgather" else (2 * (cp - 1) * 2 + 2 * cp) * block
+    want = L * micro * per
+    over = [f"parallel.cp={cp}", f"parallel.tp={tp}", f"parallel.cp_comm={kind}"]
+    sent = pool.run(comm_volume, cp * tp, over, tp=tp, cp=cp)[0]
     assert sent["cp"] == want, (sent, want)
 
 
@@ -59,6 +64,8 @@ L4 = "model.num_layers=4"
 # (name, pp, overrides): pipeline stages carry this cp rank's S/c activations; recompute re-runs the K/V
 # all-gather in backward (full) or keeps it and re-runs only the attention core (selective)
 COMBOS = [("cp2-pp2", 2, []), ("cp2-pp2-vpp2", 2, ["parallel.vpp=2", L4]),
+          ("ring-cp2-pp2", 2, ["parallel.cp_comm=ring"]),
+          ("ring-cp2-recompute-full", 1, ["train.recompute=full", "parallel.cp_comm=ring"]),
           ("cp2-recompute-full", 1, ["train.recompute=full"]),
           ("cp2-recompute-selective", 1, ["train.recompute=selective"])]
 
@@ -97,3 +104,18 @@ def test_checkpoint_resumes_across_cp(pool, tmp_path, first, then):
     rel = [abs(a - b) / abs(b) for a, b in zip(got["losses"], ref["losses"][2:])]
     assert max(rel) <= 1e-5, (got["losses"], ref["losses"])
     assert_close_dicts(got["weights"], ref["weights"], rtol=1e-4, atol=1e-4, what="weight")
+
+
+RING = [(2, 1, 1, False, 0, ()), (4, 1, 1, False, 0, ()), (2, 2, 1, True, 0, ()), (2, 1, 2, False, 1, ()),
+        (2, 1, 1, False, 0, tuple(GPT2))]
+
+
+@pytest.mark.parametrize("cp,tp,dp,sp,zero,family", RING,
+                         ids=["ring-cp2", "ring-cp4", "ring-cp2-tp2-sp", "ring-cp2-dp2-zero1", "ring-gpt2-cp2"])
+def test_ring_matches_one_process(pool, cp, tp, dp, sp, zero, family):
+    """cp_comm=ring: K/V blocks around the ring, partial results merged by log-sum-exp."""
+    ref = reference(pool, family)
+    over = list(family) + [f"parallel.cp={cp}", f"parallel.tp={tp}", f"parallel.sp={str(sp).lower()}",
+                           f"optim.zero={zero}", "parallel.cp_comm=ring"]
+    got = pool.run(train_and_report, cp * tp * dp, over, STEPS, tp=tp, cp=cp)[0]
+    check(got, ref)

@@ -187,7 +187,7 @@ def test_unknown_preset_is_a_one_line_error():
     (["parallel.cp=3"], 2, ["parallel.cp=3", "world size"]),
     (["parallel.cp=0"], 1, ["parallel.cp"]),
     (["parallel.cp=2", "model.seq_length=30"], 2, ["parallel.cp", "model.seq_length"]),
-    (["parallel.cp=2", "parallel.cp_comm=ring"], 2, ["parallel.cp_comm=ring", "not implemented"]),
+    (["parallel.cp=2", "parallel.cp_comm=ring", "model.dropout=0.1"], 2, ["parallel.cp_comm=ring", "model.dropout"]),
     (["parallel.cp=2", "parallel.cp_comm=zigzag"], 2, ["parallel.cp_comm"]),
     (["model=moe_tiny", "parallel.cp=2"], 2, ["parallel.cp", "model.num_experts"]),
     (["parallel.cp=2", "train.global_batch_size=12", "train.micro_batch_size=4"], 4, ["train.global_batch_size"]),
