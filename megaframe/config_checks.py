@@ -190,7 +190,8 @@ def _check_context(cfg: Config, world_size: int) -> None:
     _req(CPComm(p.cp_comm) == CPComm.allgather or m.dropout == 0,
          f"parallel.cp_comm=ring with model.dropout={m.dropout}: attention dropout is not implemented in the ring")
     # the router's load-balancing statistics are per-rank token counts not yet reduced over cp
-    _req(m.num_experts == 0, f"parallel.cp={p.cp} with model.num_experts={m.num_experts}: MoE under cp is not supported yet")
+    _req(m.num_experts == 0,
+         f"parallel.cp={p.cp} with model.num_experts={m.num_experts}: MoE under cp is not supported yet")
 
 
 def _check_lr_schedule(cfg: Config) -> None:

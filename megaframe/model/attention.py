@@ -45,7 +45,8 @@ class Attention(nn.Module):
         self.cp_ring, self.seq = cp_ring and self.cp is not None, cfg.seq_length
         # causal by global position: this rank's queries against the cp group's gathered K/V (not a
         # buffer: it is derived from the layout, never saved)
-        self.cp_mask_QT = cp_causal_mask(cfg.seq_length, cp.size, cp.rank, device) if self.cp and not self.cp_ring else None
+        gathered = self.cp is not None and not self.cp_ring
+        self.cp_mask_QT = cp_causal_mask(cfg.seq_length, cp.size, cp.rank, device) if gathered else None
         self.recompute_core = recompute_core
         e = cfg.head_dim
         self.heads, self.groups, self.head_dim = cfg.num_attention_heads // tp.size, cfg.kv_heads // tp.size, e
@@ -64,7 +65,8 @@ class Attention(nn.Module):
             cos_S11E, sin_S11E = rope[0][:s, None, None, :], rope[1][:s, None, None, :]
             q_SBHE, k_SBKE = apply_rope(q_SBHE, cos_S11E, sin_S11E), apply_rope(k_SBKE, cos_S11E, sin_S11E)
         v_SBKE = v.view(s, b, k, e)
-        if self.cp is not None and not self.cp_ring:  # the whole sequence's K/V (after RoPE: each rotated at its own position)
+        if self.cp is not None and not self.cp_ring:
+            # the whole sequence's K/V (after RoPE: each rotated at its own position)
             k_SBKE, v_SBKE = comm.gather_from_cp(k_SBKE, self.cp), comm.gather_from_cp(v_SBKE, self.cp)
         q_BHSE = q_SBHE.permute(1, 2, 0, 3)
         k_BKSE = k_SBKE.permute(1, 2, 0, 3)

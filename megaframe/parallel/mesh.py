@@ -261,7 +261,8 @@ def mesh_at(grid: RankGrid, position: int, device, ranks: Sequence[int], groups:
 def build_mesh(tp: int, pp: int, device: torch.device, ranks: Optional[Sequence[int]] = None, ep: int = 1,
                timeout: Optional[datetime.timedelta] = None,
                world_timeout: Optional[datetime.timedelta] = None, cp: int = 1) -> Mesh:
-    """Create every tp/pp/dp (and ep/edp, cp/dpcp) group over `ranks` (default: all). Collective: every process must call it.
+    """Create every tp/pp/dp (and ep/edp, cp/dpcp) group over `ranks` (default: all). Collective: every process
+    must call it.
 
     `timeout` (train.dist_timeout_s) applies to every group: new_group does not inherit
     init_process_group's, it takes the backend's default (30 min on gloo, 10 on NCCL) unless told.

@@ -96,7 +96,7 @@ def test_checkpoint_resumes_across_cp(pool, tmp_path, first, then):
     from tests.distributed.zero_cases import run_steps
 
     ref = pool.run(run_steps, 1, ["optim.zero=0"], 4)[0]
-    (cp1, tp1, z1), (cp2, tp2, z2) = first, then
+    (cp1, _, z1), (cp2, tp2, z2) = first, then
     n1 = 4 if cp1 == 2 else 1  # cp2·dp2 on four ranks
     pool.run(run_steps, n1, [f"parallel.cp={cp1}", z1], 4, None, str(tmp_path), 0, 2, cp=cp1)
     over = [f"parallel.cp={cp2}", f"parallel.tp={tp2}", f"parallel.sp={str(tp2 > 1).lower()}", z2]
