@@ -39,3 +39,20 @@ def test_causal_work_is_balanced():
     """Every cp rank attends to the same number of (query, key) pairs: the point of the head-tail cut."""
     work = [int(cp_causal_mask(64, 4, r).sum()) for r in range(4)]
     assert len(set(work)) == 1
+
+
+def test_rank_grid_puts_cp_between_tp_and_dp():
+    """position = tp_rank + tp·(cp_rank + cp·(dp_rank + dp·pp_rank)); grads reduce over cp·dp."""
+    from megaframe.parallel.mesh import RankGrid
+    from megaframe.parallel.virtual import virtual_mesh
+
+    g = RankGrid(tp=2, dp=2, pp=2, cp=2)
+    assert g.world == 16
+    assert g.position(pp_rank=1, dp_rank=1, tp_rank=1, cp_rank=1) == 1 + 2 * (1 + 2 * (1 + 2 * 1))
+    assert g.groups("cp")[0] == (0, 2) and g.groups("tp")[0] == (0, 1)
+    assert g.groups("dp")[0] == (0, 4) and g.groups("dpcp")[0] == (0, 2, 4, 6)
+    m = virtual_mesh(2, 2, 2, tp_rank=1, pp_rank=0, dp_rank=1, device="meta", cp=2, cp_rank=1)
+    assert (m.cp.size, m.cp.rank, m.dpcp.size, m.dpcp.rank, m.dp.rank) == (2, 1, 4, 3, 1)
+    assert m.rank == 1 + 2 * (1 + 2 * 1)
+    plain = virtual_mesh(2, 1, 2, device="meta")
+    assert plain.dpcp is plain.dp and plain.cp.size == 1
