@@ -87,3 +87,10 @@ class DocSplit(StrEnum):
     """How a plain-text file becomes documents (jsonl / json / parquet: one document per record)."""
     file = "file"
     paragraph = "paragraph"
+
+
+class CPComm(StrEnum):
+    """How context-parallel ranks see each other's keys and values (megaframe/parallel/context.py)."""
+
+    allgather = "allgather"
+    ring = "ring"

@@ -21,6 +21,7 @@ from megaframe.schema import (  # noqa: F401  (the public path of the schema's n
     BlendSource,
     CheckpointConfig,
     Config,
+    CPComm,
     DataConfig,
     DataKind,
     Device,

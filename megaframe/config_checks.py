@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from megaframe.errors import ConfigError
 from megaframe.errors import one_line as _one_line
+from megaframe.schema import CPComm
 
 if TYPE_CHECKING:
     from megaframe.schema import Config, ModelConfig, ParallelConfig
@@ -66,7 +67,7 @@ FIELD_RULES: dict[str, Rule] = {
     "model.moe_capacity_factor": _r(0, gt=True, opt=True, int_=False), "model.dropout": UNIT,
     "model.rope_theta": POSF, "model.norm_eps": POSF, "model.init_std": POSF,
     # parallel
-    "parallel.tp": POS, "parallel.pp": POS, "parallel.vpp": POS, "parallel.ep": POS,
+    "parallel.tp": POS, "parallel.pp": POS, "parallel.vpp": POS, "parallel.ep": POS, "parallel.cp": POS,
     # train
     "train.micro_batch_size": POS, "train.global_batch_size": POS, "train.max_steps": POS, "train.seed": SEED,
     "train.log_interval": POS, "train.max_bad_steps": NONNEG, "train.eval_interval": NONNEG,
@@ -114,7 +115,8 @@ def check_config(cfg: Config, world_size: int, check_data: bool = True) -> None:
         _req(getattr(p, name) >= 1, f"parallel.{name}={getattr(p, name)} must be >= 1")
     _req(world_size % (p.tp * p.pp) == 0,
          f"parallel.tp={p.tp} x parallel.pp={p.pp} does not divide the world size {world_size}")
-    dp = world_size // (p.tp * p.pp)
+    _check_context(cfg, world_size)
+    dp = world_size // (p.tp * p.pp * p.cp)
     _req(m.hidden_size % m.num_attention_heads == 0,
          f"model.hidden_size={m.hidden_size} is not divisible by model.num_attention_heads={m.num_attention_heads}")
     _req(m.num_attention_heads % m.kv_heads == 0,
@@ -170,6 +172,28 @@ def check_config(cfg: Config, world_size: int, check_data: bool = True) -> None:
     if check_data and cfg.data.kind == "prepared":
         _check_prepared(cfg)
         _check_checkpoint_tokenizer(cfg)
+
+
+def _check_context(cfg: Config, world_size: int) -> None:
+    """Context parallelism: layouts that divide, and the combinations not built (refused, never wrong)."""
+    m, p = cfg.model, cfg.parallel
+    _req(p.cp >= 1, f"parallel.cp={p.cp} must be >= 1")
+    if p.cp == 1:
+        return
+    _req(world_size % (p.tp * p.pp * p.cp) == 0, f"parallel.tp={p.tp} x parallel.cp={p.cp} x parallel.pp={p.pp} "
+                                                 f"does not divide the world size {world_size}")
+    _req(m.seq_length % (2 * p.cp) == 0,
+         f"parallel.cp={p.cp} needs model.seq_length={m.seq_length} divisible by 2·cp (each rank keeps two chunks)")
+    _req(not p.sp or (m.seq_length // p.cp) % p.tp == 0,
+         f"parallel.sp with parallel.cp={p.cp} needs parallel.tp={p.tp} to divide seq_length/cp={m.seq_length // p.cp}")
+    _req(cfg.optim.shard_group_size in (0, world_size // (p.tp * p.pp * p.cp)),
+         f"parallel.cp={p.cp} with optim.shard_group_size={cfg.optim.shard_group_size}: HSDP under cp is not supported yet")
+    _req(cfg.optim.zero <= 1, f"parallel.cp={p.cp} with optim.zero={cfg.optim.zero}: ZeRO-2/3 under cp is not tested yet")
+    _req(CPComm(p.cp_comm) == CPComm.allgather or m.dropout == 0,
+         f"parallel.cp_comm=ring with model.dropout={m.dropout}: attention dropout is not implemented in the ring")
+    # the router's load-balancing statistics are per-rank token counts not yet reduced over cp
+    _req(m.num_experts == 0,
+         f"parallel.cp={p.cp} with model.num_experts={m.num_experts}: MoE under cp is not supported yet")
 
 
 def _check_lr_schedule(cfg: Config) -> None:

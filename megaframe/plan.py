@@ -128,6 +128,8 @@ def main(argv: list[str]) -> int:
         searching = own.get("search", "false").lower() in ("true", "1", "yes")
         # a search picks the layout itself: the config is checked as one rank's, each candidate on `world`
         cfg = load_config(overrides, world_size=1 if searching else world, check_data=False)
+        if cfg.parallel.cp > 1:  # refused, not silently sized as if cp were dp
+            raise ConfigError(f"parallel.cp={cfg.parallel.cp}: the planner does not model context parallelism yet")
     except ValueError as e:  # ConfigError is a ValueError; so is a bad +world_size
         return fail(e if isinstance(e, ConfigError) else f"plan settings: {e}")
     if searching:

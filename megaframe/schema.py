@@ -13,6 +13,7 @@ from typing import Optional, get_type_hints
 
 from megaframe.choices import (  # noqa: F401  (re-exported: the schema's public names)
     Activation,
+    CPComm,
     DataKind,
     Device,
     DocSplit,
@@ -126,6 +127,13 @@ class ParallelConfig:
     """gpipe | 1f1b | interleaved | auto (interleaved when vpp > 1, else 1f1b)."""
     pp_layout: Optional[list[int]] = None
     """Layers per virtual stage (pp x vpp entries, stage s = chunk * pp + rank) for uneven splits."""
+    # -- context parallelism (megaframe/parallel/context.py)
+    cp: int = 1
+    """Context-parallel size: each sequence cut into 2·cp chunks, cp rank i keeps chunks i and 2cp-1-i
+    (rank order: between tp and dp). Parameters are replicated over cp; grads reduced over cp·dp."""
+    cp_comm: CPComm = CPComm.allgather
+    """allgather: K and V all-gathered over cp before attention (grads reduce-scattered in backward);
+    ring: K/V blocks passed around the cp ring with p2p, partial results merged by log-sum-exp."""
 
 
 @dataclass

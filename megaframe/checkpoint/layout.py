@@ -57,7 +57,7 @@ def _replicas(p, mesh, segments: bool) -> tuple[int, int]:
             return tp_n, tp_i
         return tp_n * rep.size, rep.rank * tp_n + tp_i  # tp innermost: a distinct part per holder
     # an expert's replicas are its expert-data-parallel ranks: the ep ranks beside them hold other experts
-    dp = (mesh.edp or mesh.dp) if p.placement.expert else mesh.dp
+    dp = (mesh.edp or mesh.dp) if p.placement.expert else mesh.dpcp  # dense: replicated over cp·dp
     return dp.size * tp_n, dp.rank * tp_n + tp_i
 
 
@@ -94,9 +94,8 @@ def param_items(model, optimizer, mesh, with_sources: bool) -> list[Item]:
                               [t.detach().reshape(-1)] if with_sources else []))
     for name, b, pl in state_buffers(model):
         shard = pl.shard
-        # a state buffer is replicated over tp and dp: that stage's tp x dp ranks share its write
-        # a state buffer is replicated over tp and dp: that stage's tp x dp ranks share its write
-        h, i = mesh.tp.size * mesh.dp.size, mesh.dp.rank * mesh.tp.size + mesh.tp.rank
+        # a state buffer is replicated over tp and cp·dp: that stage's tp x cp·dp ranks share its write
+        h, i = mesh.tp.size * mesh.dpcp.size, mesh.dpcp.rank * mesh.tp.size + mesh.tp.rank
         items.append(Item(f"model/{name}", shard, dtype_name(b.dtype), [(0, b.numel())], h, i,
                           [b.detach().reshape(-1)] if with_sources else []))
     return items

@@ -25,6 +25,7 @@ import torch
 
 from megaframe.data.order import ORDER, sample_index
 from megaframe.data.shards import check_token_range
+from megaframe.parallel.context import cp_keep
 from megaframe.paths import inside
 
 VALID_SEED = 20240917
@@ -159,9 +160,11 @@ class SyntheticData:
 
 
 def microbatches(data, step: int, global_batch: int, micro_batch: int, dp_rank: int, dp_size: int,
-                 seed: int, device: torch.device | str = "cpu", base: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                 seed: int, device: torch.device | str = "cpu", base: int = 0, cp_rank: int = 0,
+                 cp_size: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """This dp rank's micro-batches of step `step` (0-based, counted from sample position `base`: a run
-    resumed with another global batch continues from its consumed samples): [(input_ids_BS, labels_BS), ...]."""
+    resumed with another global batch continues from its consumed samples): [(input_ids_BS, labels_BS), ...].
+    Under cp every cp rank reads the same samples and keeps its two chunks of each (parallel.context)."""
     per_rank = global_batch // dp_size
     order = getattr(data, "order", ORDER)  # a resumed run keeps the order it began with
     # a contiguous block per dp rank: the global batch holds the same samples whatever dp is
@@ -174,7 +177,8 @@ def microbatches(data, step: int, global_batch: int, micro_batch: int, dp_rank: 
         if torch.device(device).type == "cuda":  # page-locked: the copy below runs async to the host
             tokens = tokens.pin_memory()
         tokens = tokens.to(device, non_blocking=True)
-        out.append((tokens[:, :-1], tokens[:, 1:]))  # views of one copy, shifted by a token
+        # views of one copy, shifted by a token; under cp each rank keeps its two chunks of both
+        out.append((cp_keep(tokens[:, :-1], cp_rank, cp_size), cp_keep(tokens[:, 1:], cp_rank, cp_size)))
     return out
 
 

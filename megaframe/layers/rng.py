@@ -23,7 +23,8 @@ def seed_step(seed: int, step: int, mesh: Mesh) -> None:
     """Seed the default generators for optimizer step `step`: equal on the tp ranks of one (pp, dp)
     coordinate; a function of the step, so resuming needs no RNG state."""
     # No tp rank in the key: tp replicas must draw the same masks or their copies of the residual diverge.
-    torch.manual_seed(param_seed(seed, f"dropout/step{step}/pp{mesh.pp.rank}/dp{mesh.dp.rank}"))
+    cp = f"/cp{mesh.cp.rank}" if mesh.cp.size > 1 else ""  # cp ranks hold different tokens: own masks
+    torch.manual_seed(param_seed(seed, f"dropout/step{step}/pp{mesh.pp.rank}/dp{mesh.dp.rank}{cp}"))
 
 
 @contextmanager

@@ -1,6 +1,7 @@
 """Causal self-attention with GQA and RoPE, tensor-parallel over heads.
 
-Legend: S sequence (full inside attention), B batch, D hidden, H query heads on this rank (heads/tp),
+Legend: S sequence (full inside attention; this cp rank's S/cp under context parallelism), T the cp
+group's gathered K/V tokens, B batch, D hidden, H query heads on this rank (heads/tp),
 K kv heads on this rank (groups/tp), E head dim.
 qkv: ColumnParallelLinear with blocks [q | k | v] = [heads·E | groups·E | groups·E], each split over tp.
 out_proj: RowParallelLinear [D, heads·E], input split by head.
@@ -14,7 +15,10 @@ from torch.utils.checkpoint import checkpoint
 
 from megaframe.layers.linear import ColumnParallelLinear, RowParallelLinear
 from megaframe.layers.rng import tp_distinct
+from megaframe.parallel import comm
+from megaframe.parallel.context import cp_causal_mask
 from megaframe.parallel.mesh import Axis
+from megaframe.parallel.ring_attention import ring_attention
 from megaframe.schema import ModelConfig
 
 
@@ -35,8 +39,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: Axis, sp: bool, device=None, recompute_core: bool = False):
+    def __init__(self, cfg: ModelConfig, tp: Axis, sp: bool, device=None, recompute_core: bool = False,
+                 cp: Axis | None = None, cp_ring: bool = False):
         super().__init__()
+        self.cp = cp if cp is not None and cp.size > 1 else None
+        self.cp_ring, self.seq = cp_ring and self.cp is not None, cfg.seq_length
+        # causal by global position: this rank's queries against the cp group's gathered K/V (not a
+        # buffer: it is derived from the layout, never saved)
+        gathered = self.cp is not None and not self.cp_ring
+        self.cp_mask_QT = cp_causal_mask(cfg.seq_length, cp.size, cp.rank, device) if gathered else None
         self.recompute_core = recompute_core
         e = cfg.head_dim
         # Whole heads per rank (config_checks requires tp to divide both): attention never crosses ranks.
@@ -55,9 +66,13 @@ class Attention(nn.Module):
         if rope is not None:  # before the permute: rows of E stay contiguous, so the rotation streams
             cos_S11E, sin_S11E = rope[0][:s, None, None, :], rope[1][:s, None, None, :]
             q_SBHE, k_SBKE = apply_rope(q_SBHE, cos_S11E, sin_S11E), apply_rope(k_SBKE, cos_S11E, sin_S11E)
+        v_SBKE = v.view(s, b, k, e)
+        if self.cp is not None and not self.cp_ring:
+            # the whole sequence's K/V (after RoPE: each rotated at its own position)
+            k_SBKE, v_SBKE = comm.gather_from_cp(k_SBKE, self.cp), comm.gather_from_cp(v_SBKE, self.cp)
         q_BHSE = q_SBHE.permute(1, 2, 0, 3)
         k_BKSE = k_SBKE.permute(1, 2, 0, 3)
-        v_BKSE = v.view(s, b, k, e).permute(1, 2, 0, 3)
+        v_BKSE = v_SBKE.permute(1, 2, 0, 3)
         if self.recompute_core and self.training and torch.is_grad_enabled():
             # selective recompute (Megatron): drop what SDPA saved for backward (probabilities, or the
             # flash/efficient kernels' logsumexp) and re-run it in backward; RNG state is restored
@@ -76,6 +91,12 @@ class Attention(nn.Module):
         return self._sdpa(q_BHSE, k_BKSE, v_BKSE)
 
     def _sdpa(self, q_BHSE: torch.Tensor, k_BKSE: torch.Tensor, v_BKSE: torch.Tensor) -> torch.Tensor:
+        if self.cp_ring:  # K/V blocks passed around the cp ring (parallel/ring_attention.py)
+            return ring_attention(q_BHSE, k_BKSE, v_BKSE, self.cp, self.seq)
+        if self.cp_mask_QT is not None:  # queries and keys are not aligned: an explicit global-position mask
+            return F.scaled_dot_product_attention(q_BHSE, k_BKSE, v_BKSE, attn_mask=self.cp_mask_QT,
+                                                  dropout_p=self.dropout if self.training else 0.0,
+                                                  enable_gqa=q_BHSE.shape[1] != k_BKSE.shape[1])
         return F.scaled_dot_product_attention(q_BHSE, k_BKSE, v_BKSE, is_causal=True,
                                               dropout_p=self.dropout if self.training else 0.0,
                                               enable_gqa=q_BHSE.shape[1] != k_BKSE.shape[1])

@@ -22,6 +22,7 @@ from megaframe.layers.shard import Shard, init_model, sharded_param
 from megaframe.layers.vocab import VocabParallelEmbedding, parallel_logits, vocab_parallel_cross_entropy
 from megaframe.model.attention import Attention, rope_tables
 from megaframe.model.moe import MoE
+from megaframe.parallel.context import cp_positions
 from megaframe.parallel.mesh import Mesh
 from megaframe.pipeline.partition import Stage, stage_layout
 from megaframe.schema import ModelConfig
@@ -52,10 +53,11 @@ class Block(nn.Module):
     """Attention and MLP with pre-norms; the MLP is a mixture of experts when cfg.num_experts > 0."""
 
     def __init__(self, cfg: ModelConfig, mesh: Mesh, sp: bool, device=None, tokens_per_step: int | None = None,
-                 recompute: str = "none"):
+                 recompute: str = "none", cp_ring: bool = False):
         super().__init__()
         self.attn_norm = Norm(cfg.norm, cfg.hidden_size, cfg.norm_eps, sp, device)
-        self.attn = Attention(cfg, mesh.tp, sp, device, recompute_core=recompute == "selective")
+        self.attn = Attention(cfg, mesh.tp, sp, device, recompute_core=recompute == "selective", cp=mesh.cp,
+                              cp_ring=cp_ring)
         self.mlp_norm = Norm(cfg.norm, cfg.hidden_size, cfg.norm_eps, sp, device)
         if cfg.num_experts:
             self.mlp = MoE(cfg, mesh, sp, device, tokens_per_step)
@@ -90,7 +92,7 @@ class GPT(nn.Module):
     """
 
     def __init__(self, cfg: ModelConfig, mesh: Mesh, sp: bool = False, device=None, stage: Stage | None = None,
-                 tokens_per_step: int | None = None, recompute: str = "none"):
+                 tokens_per_step: int | None = None, recompute: str = "none", cp_ring: bool = False):
         super().__init__()
         self.cfg, self.mesh = cfg, mesh
         self.recompute_blocks = recompute == "full"
@@ -106,15 +108,18 @@ class GPT(nn.Module):
         if stage.first and cfg.position_embedding == "learned":
             # replicated; under sp each rank adds the rows of its own sequence block
             self.pos_embed = sharded_param(Shard((cfg.seq_length, cfg.hidden_size)), device, tp_partial_grad=self.sp)
-        self.layers = nn.ModuleDict({str(i): Block(cfg, mesh, self.sp, device, tokens_per_step, recompute)
+        self.layers = nn.ModuleDict({str(i): Block(cfg, mesh, self.sp, device, tokens_per_step, recompute, cp_ring)
                                      for c in stage.chunks for i in c})
         if stage.last:
             self.final_norm = Norm(cfg.norm, cfg.hidden_size, cfg.norm_eps, self.sp, device)
             if not cfg.tie_embeddings:
                 self.head = ColumnParallelLinear(cfg.hidden_size, [cfg.vocab_size], tp, self.sp, False, device)
+        # global positions of this cp rank's tokens (all of them when cp = 1)
+        self.positions = cp_positions(cfg.seq_length, mesh.cp.size, mesh.cp.rank, device)
         self.rope = None
         if cfg.position_embedding == "rope":
-            self.rope = rope_tables(cfg.seq_length, cfg.head_dim, cfg.rope_theta, device)
+            cos, sin = rope_tables(cfg.seq_length, cfg.head_dim, cfg.rope_theta, device)
+            self.rope = (cos[self.positions], sin[self.positions]) if mesh.cp.size > 1 else (cos, sin)
         self.drop = nn.Dropout(cfg.dropout)
 
     def init_weights(self, seed: int) -> None:
@@ -127,7 +132,10 @@ class GPT(nn.Module):
             s = x_SBD.shape[0]
             # Under sp x_SBD is already this rank's sequence block: add the positions of that block.
             start = self.mesh.tp.rank * s if self.sp else 0
-            x_SBD = x_SBD + self.pos_embed[start:start + s].unsqueeze(1)
+            if self.mesh.cp.size > 1:  # this cp rank's chunks: their global rows
+                x_SBD = x_SBD + self.pos_embed[self.positions[start:start + s]].unsqueeze(1)
+            else:
+                x_SBD = x_SBD + self.pos_embed[start:start + s].unsqueeze(1)
         if self.sp and self.mesh.tp.size > 1 and self.training and self.drop.p > 0:
             with tp_distinct(self.mesh.tp, x_SBD.device):  # each tp rank's own sequence block
                 return self.drop(x_SBD)
@@ -172,7 +180,8 @@ def build_model(cfg, mesh: Mesh) -> GPT:
     # Every rank derives its stage from the same config: the pipeline neighbours agree on the cut.
     stage = stage_layout(cfg.model.num_layers, mesh.pp.size, p.vpp, mesh.pp.rank, p.pp_layout)
     model = GPT(cfg.model, mesh, p.sp, stage=stage,
-                tokens_per_step=cfg.train.global_batch_size * cfg.model.seq_length, recompute=cfg.train.recompute)
+                tokens_per_step=cfg.train.global_batch_size * cfg.model.seq_length, recompute=cfg.train.recompute,
+                cp_ring=str(getattr(p.cp_comm, "value", p.cp_comm)) == "ring")
     model.init_weights(cfg.train.seed)
     if cfg.train.compile:
         compile_blocks(model)

@@ -1,10 +1,16 @@
 """The process mesh: which ranks share a tensor-, pipeline- or data-parallel group, and this rank's place.
 
-Global rank order (`RankGrid`, shared with the planner's virtual meshes) is tp innermost, then dp,
-then pp outermost (Megatron's order), so a tp group is a block of consecutive ranks and
+Global rank order (`RankGrid`, shared with the planner's virtual meshes) is tp innermost, then cp,
+then dp, then pp outermost (Megatron's order), so a tp group is a block of consecutive ranks and
 tensor-parallel traffic stays on one node:
 
-    rank = tp_rank + tp * (dp_rank + dp * pp_rank)
+    rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))
+
+cp sits between tp and dp: its all-gather of K/V runs every layer, forward and backward, so a cp group
+(tp·cp consecutive ranks with its tp peers) stays inside a node whenever tp·cp <= GPUs per node, while
+dp, whose grads are reduced once per step, spans nodes. Parameters are replicated over cp, so their
+grads are reduced (and ZeRO-sharded) over the combined `dpcp` axis (cp·dp ranks: Megatron's dp-cp
+group), dpcp_rank = cp_rank + cp * dp_rank; with cp = 1 it is the dp axis itself.
 
 Expert parallelism borrows its ranks from dp (Megatron's "parallel folding"): the dp group is cut into
 contiguous blocks of `ep` ranks, each block an `ep` group holding all experts between them (each rank
@@ -156,26 +162,36 @@ class Mesh:
     """HSDP: the dp ranks holding the same shard (their shards are all-reduced; bytes count as dp);
     size 1 by default."""
 
+    cp: Optional[Axis] = None
+    """Context-parallel axis: ranks holding different chunks of the same sequences (K/V all-gathered)."""
+    dpcp: Optional[Axis] = None
+    """cp·dp ranks of one (tp, pp) coordinate: the grad reduction and ZeRO axis of dense params (bytes count as
+    dp). The dp axis itself when cp = 1."""
+
     def __post_init__(self):
+        if self.cp is None:
+            object.__setattr__(self, "cp", Axis("cp", 1, 0, (self.dp.ranks[self.dp.rank],), None, self.stats))
+        if self.dpcp is None:
+            object.__setattr__(self, "dpcp", self.dp)
         if self.ep is None:  # a mesh without expert parallelism: ep of size 1, edp = dp
             object.__setattr__(self, "ep", Axis("ep", 1, 0, (self.dp.ranks[self.dp.rank],), None, self.stats))
         if self.edp is None:
             object.__setattr__(self, "edp", self.dp)
         if self.dp_shard is None:
-            object.__setattr__(self, "dp_shard", self.dp)
+            object.__setattr__(self, "dp_shard", self.dpcp)  # no HSDP: ZeRO shards over all of cp·dp
         if self.dp_rep is None:
             object.__setattr__(self, "dp_rep", Axis("dp", 1, 0, (self.dp.ranks[self.dp.rank],), None, self.stats))
 
     @property
     def is_logger(self) -> bool:
         """The one rank that writes metrics and talks to wandb: first rank of the last pipeline stage."""
-        # The last stage: only it computes the loss, so it logs without fetching the loss from another rank.
-        return self.tp.rank == 0 and self.dp.rank == 0 and self.pp.rank == self.pp.size - 1
+        return self.tp.rank == 0 and self.cp.rank == 0 and self.dp.rank == 0 and self.pp.rank == self.pp.size - 1
 
     def describe(self) -> str:
         ep = f" ep={self.ep.size}" if self.ep.size > 1 else ""
         p2p = " p2p=nccl-emulated" if self.pp.p2p is not None else ""
-        return (f"world={self.world} tp={self.tp.size} pp={self.pp.size} dp={self.dp.size}{ep} "
+        cp = f" cp={self.cp.size}" if self.cp.size > 1 else ""
+        return (f"world={self.world} tp={self.tp.size}{cp} pp={self.pp.size} dp={self.dp.size}{ep} "
                 f"device={self.device.type}{p2p}")
 
 
@@ -185,8 +201,8 @@ class RankGrid:
     build_mesh creates a process group per group listed here; virtual_mesh (planning) reads the same
     membership without groups. Positions are 0..world-1; build_mesh maps them to process ranks.
 
-        position = tp_rank + tp * (dp_rank + dp * pp_rank),    dp_rank = ep_rank + ep * edp_rank
-                                                               dp_rank = shard_rank + shard * rep_rank
+        position = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank)),    dp_rank = ep_rank + ep * edp_rank
+                                                                             dp_rank = shard_rank + shard * rep_rank
     """
 
     tp: int
@@ -195,9 +211,11 @@ class RankGrid:
     ep: int = 1
     shard: int = 0
     """HSDP shard group size (dp_shard); 0 means dp (no replication across shard groups)."""
+    cp: int = 1
+    """Context-parallel size (between tp and dp in the rank order)."""
 
-    AXES = ("tp", "dp", "pp", "pp_ends", "ep", "edp", "dp_shard", "dp_rep")
-    STATS = {"pp_ends": "pp", "edp": "dp", "dp_shard": "dp", "dp_rep": "dp"}
+    AXES = ("tp", "dp", "pp", "pp_ends", "ep", "edp", "dp_shard", "dp_rep", "cp", "dpcp")
+    STATS = {"pp_ends": "pp", "edp": "dp", "dp_shard": "dp", "dp_rep": "dp", "dpcp": "dp"}
     """The byte counter of an axis, where it is not its own name (an Axis's `name`)."""
 
     def __post_init__(self):
@@ -214,23 +232,28 @@ class RankGrid:
 
     @property
     def world(self) -> int:
-        return self.tp * self.dp * self.pp
+        return self.tp * self.cp * self.dp * self.pp
 
-    def position(self, pp_rank: int, dp_rank: int, tp_rank: int) -> int:
-        return tp_rank + self.tp * (dp_rank + self.dp * pp_rank)
+    def position(self, pp_rank: int, dp_rank: int, tp_rank: int, cp_rank: int = 0) -> int:
+        return tp_rank + self.tp * (cp_rank + self.cp * (dp_rank + self.dp * pp_rank))
 
     def groups(self, name: str) -> list[tuple[int, ...]]:
         """Every group of axis `name`, in one fixed order (every process creates them in this order)."""
-        at, tp, dp, pp, ep = self.position, self.tp, self.dp, self.pp, self.ep
-        dp_groups = [tuple(at(p, d, t) for d in range(dp)) for p in range(pp) for t in range(tp)]
+        at, tp, dp, pp, ep, cp = self.position, self.tp, self.dp, self.pp, self.ep, self.cp
+        ctp = [(c, t) for c in range(cp) for t in range(tp)]
+        dp_groups = [tuple(at(p, d, t, c) for d in range(dp)) for p in range(pp) for c, t in ctp]
         if name == "tp":
-            return [tuple(at(p, d, t) for t in range(tp)) for p in range(pp) for d in range(dp)]
+            return [tuple(at(p, d, t, c) for t in range(tp)) for p in range(pp) for d in range(dp) for c in range(cp)]
         if name == "dp":
             return dp_groups
+        if name == "cp":
+            return [tuple(at(p, d, t, c) for c in range(cp)) for p in range(pp) for d in range(dp) for t in range(tp)]
+        if name == "dpcp":  # ordered by position: dpcp_rank = cp_rank + cp * dp_rank
+            return [tuple(at(p, d, t, c) for d in range(dp) for c in range(cp)) for p in range(pp) for t in range(tp)]
         if name == "pp":
-            return [tuple(at(p, d, t) for p in range(pp)) for d in range(dp) for t in range(tp)]
+            return [tuple(at(p, d, t, c) for p in range(pp)) for d in range(dp) for c, t in ctp]
         if name == "pp_ends":  # first and last pipeline rank: the tied embedding's two copies
-            return [(at(0, d, t), at(pp - 1, d, t)) for d in range(dp) for t in range(tp)] if pp > 1 else []
+            return [(at(0, d, t, c), at(pp - 1, d, t, c)) for d in range(dp) for c, t in ctp] if pp > 1 else []
         if name == "ep":  # contiguous blocks of ep dp ranks, each holding all experts between them
             return [g[j:j + ep] for g in dp_groups for j in range(0, dp, ep)]
         if name == "edp":  # the dp ranks holding the same experts: same position in their ep block
@@ -265,18 +288,20 @@ def mesh_at(grid: RankGrid, position: int, device, ranks: Sequence[int], groups:
                     virtual=groups is None and size > 1, p2p=stream)
 
     experts = grid.ep > 1  # else ep is of size 1 and edp is dp (the Mesh defaults)
-    hybrid = grid.hybrid  # else dp_shard is dp and dp_rep of size 1 (the Mesh defaults)
+    hybrid = grid.hybrid  # else dp_shard is dp (or dpcp under cp) and dp_rep of size 1 (the Mesh defaults)
+    context = grid.cp > 1  # else cp is of size 1 and dpcp is dp (the Mesh defaults)
     return Mesh(tp=axis("tp"), pp=axis("pp"), dp=axis("dp"), pp_ends=axis("pp_ends"), rank=position,
                 world=grid.world, device=torch.device(device), stats=stats, group=everyone,
                 ep=axis("ep") if experts else None, edp=axis("edp") if experts else None,
-                dp_shard=axis("dp_shard") if hybrid else None, dp_rep=axis("dp_rep") if hybrid else None)
+                dp_shard=axis("dp_shard") if hybrid else None, dp_rep=axis("dp_rep") if hybrid else None,
+                cp=axis("cp") if context else None, dpcp=axis("dpcp") if context else None)
 
 
 def build_mesh(tp: int, pp: int, device: torch.device, ranks: Optional[Sequence[int]] = None, ep: int = 1,
                timeout: Optional[datetime.timedelta] = None,
-               world_timeout: Optional[datetime.timedelta] = None, shard: int = 0) -> Mesh:
-    """Create every tp/pp/dp (and ep/edp, HSDP's dp_shard/dp_rep) group over `ranks` (default: all).
-    Collective: every process must call it. `shard`: optim.shard_group_size (0 or dp: no HSDP).
+               world_timeout: Optional[datetime.timedelta] = None, shard: int = 0, cp: int = 1) -> Mesh:
+    """Create every tp/pp/dp (and ep/edp, HSDP's dp_shard/dp_rep, cp/dpcp) group over `ranks` (default:
+    all). Collective: every process must call it. `shard`: optim.shard_group_size (0 or dp: no HSDP).
 
     `timeout` (train.dist_timeout_s) applies to every group: new_group does not inherit
     init_process_group's, it takes the backend's default (30 min on gloo, 10 on NCCL) unless told.
@@ -290,10 +315,11 @@ def build_mesh(tp: int, pp: int, device: torch.device, ranks: Optional[Sequence[
     me = dist.get_rank() if initialized else 0
     ranks = list(ranks) if ranks is not None else list(range(dist.get_world_size() if initialized else 1))
     world = len(ranks)
-    assert world % (tp * pp) == 0, f"tp*pp={tp * pp} does not divide world {world}"
-    grid = RankGrid(tp, world // (tp * pp), pp, ep, shard)
+    assert world % (tp * pp * cp) == 0, f"tp*pp*cp={tp * pp * cp} does not divide world {world}"
+    grid = RankGrid(tp, world // (tp * pp * cp), pp, ep=ep, shard=shard, cp=cp)
     groups: dict = {}
-    names = RankGrid.AXES[:4] + (RankGrid.AXES[4:6] if ep > 1 else ()) + (RankGrid.AXES[6:] if grid.hybrid else ())
+    names = RankGrid.AXES[:4] + (("ep", "edp") if ep > 1 else ()) + (("dp_shard", "dp_rep") if grid.hybrid else ()) \
+        + (("cp", "dpcp") if cp > 1 else ())
     for name in names:
         for members in grid.groups(name):
             if len(members) == 1 or not initialized:
@@ -302,6 +328,9 @@ def build_mesh(tp: int, pp: int, device: torch.device, ranks: Optional[Sequence[
                 # Reuse dp's group: a second communicator over the same ranks costs NCCL memory and init time.
                 # Every process takes this branch alike, so the new_group calls below stay in step.
                 groups[(name, members)] = groups[("dp", members)]
+                continue
+            if name == "dpcp" and grid.dp == 1:  # dp = 1: the dpcp group is the cp group
+                groups[(name, members)] = groups[("cp", members)]
                 continue
             # new_group is collective over the whole world: every process creates every group, in order
             groups[(name, members)] = dist.new_group([ranks[i] for i in members], timeout=timeout)

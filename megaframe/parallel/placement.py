@@ -74,7 +74,7 @@ class Placement:
 
     def data_axis(self, mesh: Mesh) -> Axis:
         """The data-parallel axis its grads are summed over and its optimizer state is sharded over."""
-        return mesh.edp if self.expert else mesh.dp
+        return mesh.edp if self.expert else mesh.dpcp  # dense params are replicated over cp too
 
     def replica_id(self, mesh: Mesh) -> ReplicaId:
         # A tp-split slice is unique on its tp rank (copy 0), whatever that rank's tp coordinate.

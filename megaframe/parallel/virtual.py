@@ -13,8 +13,9 @@ from megaframe.parallel.mesh import Mesh, RankGrid, mesh_at
 
 
 def virtual_mesh(tp: int, pp: int, dp: int, tp_rank: int = 0, pp_rank: int = 0, dp_rank: int = 0,
-                 device: torch.device | str = "meta", ep: int = 1, shard: int = 0) -> Mesh:
-    """The mesh rank (pp_rank, dp_rank, tp_rank) would build: build_mesh's own RankGrid and mesh_at,
-    with no process groups."""
-    grid = RankGrid(tp, dp, pp, ep, shard)
-    return mesh_at(grid, grid.position(pp_rank, dp_rank, tp_rank), device, range(grid.world))
+                 device: torch.device | str = "meta", ep: int = 1, shard: int = 0, cp: int = 1,
+                 cp_rank: int = 0) -> Mesh:
+    """The mesh rank (pp_rank, dp_rank, tp_rank, cp_rank) would build: build_mesh's own RankGrid and
+    mesh_at, with no process groups."""
+    grid = RankGrid(tp, dp, pp, ep=ep, shard=shard, cp=cp)
+    return mesh_at(grid, grid.position(pp_rank, dp_rank, tp_rank, cp_rank), device, range(grid.world))

@@ -84,8 +84,8 @@ class Checkpointer:
         consumed = self.acct.consumed(step)
         data = {**data_state(cfg, step, self.order), "consumed_samples": consumed}
         meta = {"consumed_samples": consumed,
-                "layout": {"tp": mesh.tp.size, "pp": mesh.pp.size, "dp": mesh.dp.size, "ep": mesh.ep.size,
-                           "sp": cfg.parallel.sp},
+                "layout": {"tp": mesh.tp.size, "cp": mesh.cp.size, "pp": mesh.pp.size, "dp": mesh.dp.size,
+                           "ep": mesh.ep.size, "sp": cfg.parallel.sp},
                 "rng": "derived from (train.seed, step, pp and dp rank); no state to restore",
                 "data": data, "config": plain(cfg),
                 "tokenizer": tokenizer_identity(cfg.data),  # a resume checks its data against it

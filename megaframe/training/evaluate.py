@@ -46,11 +46,12 @@ class Evaluator:
                     # batch k of the validation split's own order: the same samples at every evaluation, split over dp like
                     # training
                     batches = microbatches(self.data, k, t.global_batch_size, t.micro_batch_size, mesh.dp.rank,
-                                           mesh.dp.size, t.seed, mesh.device)
+                                           mesh.dp.size, t.seed, mesh.device, cp_rank=mesh.cp.rank,
+                                           cp_size=mesh.cp.size)
                     total += loss_sum(model, batches, mesh)
             tokens = t.eval_iters * t.global_batch_size * self.cfg.model.seq_length
             # the evaluation's one host sync
-            return comm.all_reduce(total, mesh.dp).item() / tokens  # meaningful on the last pipeline stage
+            return comm.all_reduce(total, mesh.dpcp).item() / tokens  # meaningful on the last pipeline stage
         finally:
             model.train(was_training)
             mesh.stats.pop()

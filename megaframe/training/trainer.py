@@ -44,7 +44,7 @@ def run(cfg: Config, stop: StopFlag | None = None) -> None:
     device = pick_device(cfg.train.device, env.local_rank)
     init_distributed(env, device, cfg.train.dist_timeout_s, cfg.run.dir)
     try:
-        mesh = build_mesh(cfg.parallel.tp, cfg.parallel.pp, device, ep=cfg.parallel.ep,
+        mesh = build_mesh(cfg.parallel.tp, cfg.parallel.pp, device, ep=cfg.parallel.ep, cp=cfg.parallel.cp,
                           timeout=datetime.timedelta(seconds=cfg.train.dist_timeout_s),
                           world_timeout=datetime.timedelta(seconds=cfg.checkpoint.save_timeout_s),
                           shard=cfg.optim.shard_group_size)
@@ -122,7 +122,8 @@ def train(cfg: Config, mesh: Mesh, stop: StopFlag, run_id: str = "") -> None:
     ckpt = Checkpointer(cfg, mesh, run_id, resumed, acct, watchdog, faults, data)
     # positions continue from the consumed samples at the resume (exact even if the batch size changed)
     loader = Prefetcher(lambda s: microbatches(data, s - 1 - start, t.global_batch_size, t.micro_batch_size,
-                                               mesh.dp.rank, mesh.dp.size, t.seed, mesh.device, base=acct.base),
+                                               mesh.dp.rank, mesh.dp.size, t.seed, mesh.device, base=acct.base,
+                                               cp_rank=mesh.cp.rank, cp_size=mesh.cp.size),
                         start + 1, t.max_steps)
     marker = {"resumed_from": str(resumed.path), "resumed_step": start, "run_id": run_id} if resumed.path else {}
     try:
@@ -266,8 +267,8 @@ class Meter:
     def metrics(self, step: int, res, model, optimizer) -> dict:
         mesh = self.mesh
         sent = mesh.stats.pop()
-        # the log step's host sync: the interval's loss summed on the device, reduced over dp and read once
-        loss = comm.all_reduce(self.loss_sum, mesh.dp).item() / (self.tokens_step * self.steps)
+        # the log step's host sync: the interval's loss summed on the device, reduced over cp·dp and read once
+        loss = comm.all_reduce(self.loss_sum, mesh.dpcp).item() / (self.tokens_step * self.steps)
         now = time.perf_counter()
         tps = self.tokens_step * self.steps / (now - self.t_last)
         step_time = (now - self.t_last) / self.steps
@@ -278,7 +279,7 @@ class Meter:
         row = {"step": step, "loss": loss, "lr": res.lr, "grad_norm": res.grad_norm.item(),
                "tokens_per_s": tps, "consumed_samples": self.acct.consumed(step),
                "time": time.time(), "step_time_s": step_time, **speed,
-               **{f"comm_bytes/{g}": sent.get(g, 0) for g in ("tp", "pp", "dp", "ep")},
+               **{f"comm_bytes/{g}": sent.get(g, 0) for g in ("tp", "pp", "dp", "ep", "cp")},
                **memory_figures(model, optimizer, mesh.device), **self.moe(step, model)}
         self.last.update(row)
         return row

@@ -57,11 +57,11 @@ def train_and_report(mesh, overrides: list[str], steps: int, setup=None) -> dict
     losses, grads, comm_tp = [], None, []
     for step in range(1, steps + 1):
         batches = microbatches(data, step - 1, t.global_batch_size, t.micro_batch_size, mesh.dp.rank,
-                               mesh.dp.size, t.seed)
+                               mesh.dp.size, t.seed, cp_rank=mesh.cp.rank, cp_size=mesh.cp.size)
         mesh.stats.pop()
         res = train_step(model, optimizer, batches, mesh, cfg, step)
         comm_tp.append(dict(mesh.stats.pop()))
-        loss = comm.all_reduce(res.loss_sum.clone(), mesh.dp) / (t.global_batch_size * cfg.model.seq_length)
+        loss = comm.all_reduce(res.loss_sum.clone(), mesh.dpcp) / (t.global_batch_size * cfg.model.seq_length)
         comm.all_reduce(loss, mesh.pp)  # only the last stage has a loss; the others add 0
         losses.append(loss.item())
         if step == 1:

@@ -41,15 +41,15 @@ def _worker(rank: int, size: int, port: int, conn) -> None:
         job = conn.recv()
         if job is None:
             break
-        fn, tp, pp, n, args, ep, semantics, shard = job
+        fn, tp, pp, n, args, ep, semantics, shard, cp = job
         try:
-            key = (tp, pp, n, ep, semantics, shard)
+            key = (tp, pp, n, ep, semantics, shard, cp)
             if key not in meshes:  # groups are cached: creating them per job would leak sockets
                 suite = os.environ.get(ENV_VAR)
                 if semantics is not None:
                     os.environ[ENV_VAR] = semantics  # build_mesh reads it once
                 try:
-                    meshes[key] = build_mesh(tp, pp, torch.device("cpu"), ranks=range(n), ep=ep, shard=shard)
+                    meshes[key] = build_mesh(tp, pp, torch.device("cpu"), ranks=range(n), ep=ep, shard=shard, cp=cp)
                 finally:
                     os.environ.pop(ENV_VAR, None)
                     if suite is not None:
@@ -79,14 +79,14 @@ class RankPool:
         self.broken = False
 
     def run(self, fn, n: int, *args, tp: int = 1, pp: int = 1, ep: int = 1, p2p: str | None = None, shard: int = 0,
-            timeout: float = JOB_TIMEOUT_S) -> list:
+            timeout: float = JOB_TIMEOUT_S, cp: int = 1) -> list:
         """Run fn(mesh, *args) on ranks [0, n) with the given layout; returns their results in rank order.
         `p2p` (native | nccl) overrides the suite's point-to-point semantics for this job's mesh; `shard`:
         HSDP shard group size (0 = dp)."""
         assert not self.broken, "pool broken by an earlier timeout"
         assert n <= self.size
         for c in self.conns:
-            c.send((fn, tp, pp, n, args, ep, p2p, shard))
+            c.send((fn, tp, pp, n, args, ep, p2p, shard, cp))
         results, errors = [], []
         for r, c in enumerate(self.conns):
             if not c.poll(timeout):

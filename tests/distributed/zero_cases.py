@@ -24,11 +24,12 @@ def _setup(mesh, overrides: list[str], steps: int):
 def _step(mesh, cfg, model, optimizer, data, step: int) -> tuple[float, dict]:
     """One optimizer step; returns the global mean loss and the bytes sent per group during the step."""
     t = cfg.train
-    batches = microbatches(data, step - 1, t.global_batch_size, t.micro_batch_size, mesh.dp.rank, mesh.dp.size, t.seed)
+    batches = microbatches(data, step - 1, t.global_batch_size, t.micro_batch_size, mesh.dp.rank, mesh.dp.size, t.seed,
+                           cp_rank=mesh.cp.rank, cp_size=mesh.cp.size)
     mesh.stats.pop()
     res = train_step(model, optimizer, batches, mesh, cfg, step)
     sent = dict(mesh.stats.pop())
-    loss = comm.all_reduce(res.loss_sum.clone(), mesh.dp) / (t.global_batch_size * cfg.model.seq_length)
+    loss = comm.all_reduce(res.loss_sum.clone(), mesh.dpcp) / (t.global_batch_size * cfg.model.seq_length)
     comm.all_reduce(loss, mesh.pp)  # only the last pipeline stage has a loss
     return loss.item(), sent
 

@@ -26,7 +26,7 @@ model.tie_embeddings model.vocab_size
 optim.beta1 optim.beta2 optim.bucket_size_mb optim.clip_grad optim.eps optim.lr optim.min_lr optim.warmup_steps
 optim.weight_decay optim.zero optim.shard_group_size optim.overlap_param_gather optim.reshard_after_forward
 optim.lr_schedule optim.lr_decay_steps optim.wsd_decay_fraction
-parallel.ep parallel.pp parallel.pp_layout parallel.pp_schedule parallel.sp parallel.tp parallel.vpp
+parallel.cp parallel.cp_comm parallel.ep parallel.pp parallel.pp_layout parallel.pp_schedule parallel.sp parallel.tp parallel.vpp
 run.dir run.name
 train.device train.global_batch_size train.log_interval train.max_bad_steps train.max_steps train.micro_batch_size train.precision
 train.seed train.eval_interval train.eval_iters train.hang_timeout_s train.compile train.recompute
@@ -189,6 +189,13 @@ def test_unknown_preset_is_a_one_line_error():
     (["model.dropout=1.0"], 1, ["model.dropout"]),
     (["logging.wandb.mode=loud"], 1, ["logging.wandb.mode"]),
     (["checkpoint.resume=/nonexistent/step_00000010"], 1, ["checkpoint.resume"]),
+    (["parallel.cp=3"], 2, ["parallel.cp=3", "world size"]),
+    (["parallel.cp=0"], 1, ["parallel.cp"]),
+    (["parallel.cp=2", "model.seq_length=30"], 2, ["parallel.cp", "model.seq_length"]),
+    (["parallel.cp=2", "parallel.cp_comm=ring", "model.dropout=0.1"], 2, ["parallel.cp_comm=ring", "model.dropout"]),
+    (["parallel.cp=2", "parallel.cp_comm=zigzag"], 2, ["parallel.cp_comm"]),
+    (["model=moe_tiny", "parallel.cp=2"], 2, ["parallel.cp", "model.num_experts"]),
+    (["parallel.cp=2", "train.global_batch_size=12", "train.micro_batch_size=4"], 4, ["train.global_batch_size"]),
 ])
 def test_layout_errors_name_the_field(overrides, world, names):
     msg = one_line_error(["model=gpt_tiny", "data=synthetic", *overrides], world_size=world)
@@ -199,6 +206,7 @@ def test_layout_errors_name_the_field(overrides, world, names):
 @pytest.mark.parametrize("overrides,world", [
     (["parallel.tp=2"], 2),
     (["parallel.tp=2", "parallel.sp=true"], 8),
+    (["parallel.cp=2", "parallel.tp=2", "parallel.sp=true"], 8),
     (["train.global_batch_size=16", "train.micro_batch_size=2"], 8),
     (["checkpoint.resume=none"], 1),
     (["parallel.pp=2", "parallel.vpp=2"], 2),

@@ -1,0 +1,49 @@
+"""Context parallelism (parallel.cp = c): each sequence is cut into 2c chunks along S and cp rank i keeps
+chunks i and 2c-1-i, so every rank holds one early and one late chunk and causal attention work is
+balanced (torchtitan's head-tail / Megatron's load balancing). Tokens, labels and positions all follow
+the same cut; the model sees the global position of every kept token (RoPE angles, learned rows).
+
+Attention (cp_comm=allgather, Llama 3's choice): K and V of the cp group are all-gathered along S in
+cp-rank order (comm.gather_from_cp), so the gathered sequence is rank 0's two chunks, rank 1's, ...;
+`cp_positions(S, c, r)` for each r gives their global positions, and the causal mask compares global
+positions: exact, whatever the order.
+
+Legend: B batch, S sequence (S/c on a cp rank), Q this rank's query tokens, T the gathered K/V tokens.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def cp_positions(seq: int, cp: int, rank: int, device=None) -> torch.Tensor:
+    """Global positions of the tokens cp rank `rank` keeps of a length-`seq` sequence: chunks rank and
+    2cp-1-rank, in that order."""
+    n = seq // (2 * cp)
+    first = torch.arange(rank * n, (rank + 1) * n, device=device)
+    second = torch.arange((2 * cp - 1 - rank) * n, (2 * cp - rank) * n, device=device)
+    return torch.cat([first, second])
+
+
+def cp_keep(x_BS: torch.Tensor, rank: int, cp: int) -> torch.Tensor:
+    """This cp rank's chunks of every sequence (dim 1); x itself when cp = 1."""
+    if cp == 1:
+        return x_BS
+    n = x_BS.shape[1] // (2 * cp)
+    return torch.cat([x_BS[:, rank * n:(rank + 1) * n], x_BS[:, (2 * cp - 1 - rank) * n:(2 * cp - rank) * n]], dim=1)
+
+
+def cp_merge(parts_BS: list[torch.Tensor]) -> torch.Tensor:
+    """Inverse of cp_keep: the whole sequences from every cp rank's kept chunks (rank order)."""
+    cp = len(parts_BS)
+    n = parts_BS[0].shape[1] // 2
+    chunks = [None] * (2 * cp)
+    for r, part in enumerate(parts_BS):
+        chunks[r], chunks[2 * cp - 1 - r] = part[:, :n], part[:, n:]
+    return torch.cat(chunks, dim=1)
+
+
+def cp_causal_mask(seq: int, cp: int, rank: int, device=None) -> torch.Tensor:
+    """mask_QT (True = attend) of this rank's queries against the gathered K/V of the whole cp group."""
+    q_Q = cp_positions(seq, cp, rank, device)
+    k_T = torch.cat([cp_positions(seq, cp, r, device) for r in range(cp)])
+    return k_T[None, :] <= q_Q[:, None]

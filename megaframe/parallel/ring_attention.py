@@ -1,0 +1,117 @@
+"""Ring attention over the cp group (parallel.cp_comm=ring, Megatron's p2p context parallelism).
+
+Each cp rank keeps its own K/V block; the blocks travel around the ring (rank r sends to r+1, receives
+from r-1), one exchange per step, issued before the block attention of the step so the transfer overlaps
+it. Partial results are merged by log-sum-exp, so only two K/V blocks (the one in use, the one arriving)
+are held at a time. Backward runs the ring again: the K/V block travels with its dK/dV accumulator, and
+one last exchange returns each accumulator to its owner. The mask compares global positions
+(context.cp_positions), as the all-gather variant does: exact causal attention.
+
+Legend: B batch, H query heads, K kv heads, Q this rank's tokens, N the tokens of one K/V block, E head
+dim. Math in fp32 (the probabilities are recomputed in backward from the saved log-sum-exp).
+"""
+from __future__ import annotations
+
+import torch
+
+from megaframe.parallel import comm
+from megaframe.parallel.context import cp_positions
+from megaframe.parallel.mesh import Axis
+
+
+def _exchange(axis: Axis, x: torch.Tensor) -> tuple[torch.Tensor, list]:
+    """Send x to the next ring rank, receive the previous one's; returns (buffer, works to wait)."""
+    buf = torch.empty_like(x)
+    nxt, prv = (axis.rank + 1) % axis.size, (axis.rank - 1) % axis.size
+    return buf, comm.batch_isend_irecv(axis, [(x.contiguous(), nxt)], [(buf, prv)])
+
+
+def _wait(works: list) -> None:
+    for w in works:
+        w.wait()
+
+
+def _expand(x_BKNE: torch.Tensor, heads: int) -> torch.Tensor:
+    """GQA: kv head k serves query heads k·g .. k·g+g-1 (SDPA's enable_gqa order)."""
+    return x_BKNE.repeat_interleave(heads // x_BKNE.shape[1], dim=1)
+
+
+def _fold(g_BHNE: torch.Tensor, groups: int) -> torch.Tensor:
+    b, h, n, e = g_BHNE.shape
+    return g_BHNE.view(b, groups, h // groups, n, e).sum(2)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q_BHQE, k_BKNE, v_BKNE, axis: Axis, seq: int):
+        c, r, h = axis.size, axis.rank, q_BHQE.shape[1]
+        scale = q_BHQE.shape[-1] ** -0.5
+        pos_q = cp_positions(seq, c, r, q_BHQE.device)
+        q = q_BHQE.float()
+        o = torch.zeros_like(q)
+        lse = torch.full(q.shape[:-1], float("-inf"), device=q.device)
+        kv = torch.stack([k_BKNE, v_BKNE])
+        for j in range(c):
+            works = []
+            if j < c - 1:  # the next block's transfer overlaps this block's attention
+                nxt, works = _exchange(axis, kv)
+            src = (r - j) % c
+            mask_QN = cp_positions(seq, c, src, q.device)[None, :] <= pos_q[:, None]
+            s = (q @ _expand(kv[0].float(), h).transpose(-1, -2)) * scale
+            s = s.masked_fill(~mask_QN, float("-inf"))
+            blk_lse = torch.logsumexp(s, dim=-1)
+            new_lse = torch.logaddexp(lse, blk_lse)
+            seen = torch.isfinite(new_lse)  # rows with no visible key yet keep 0
+            p = torch.where(seen[..., None], torch.exp(s - new_lse.where(seen, 0)[..., None]), 0.0)
+            keep = torch.where(seen, torch.exp(lse - new_lse.where(seen, 0)), 0.0)
+            o = o * keep[..., None] + p @ _expand(kv[1].float(), h)
+            lse = new_lse
+            _wait(works)
+            if j < c - 1:
+                kv = nxt
+        ctx.save_for_backward(q_BHQE, k_BKNE, v_BKNE, o, lse)
+        ctx.axis, ctx.seq = axis, seq
+        return o.to(q_BHQE.dtype)
+
+    @staticmethod
+    def backward(ctx, do_BHQE):
+        q_BHQE, k_BKNE, v_BKNE, o, lse = ctx.saved_tensors
+        axis, seq = ctx.axis, ctx.seq
+        c, r, h, groups = axis.size, axis.rank, q_BHQE.shape[1], k_BKNE.shape[1]
+        scale = q_BHQE.shape[-1] ** -0.5
+        pos_q = cp_positions(seq, c, r, q_BHQE.device)
+        q, do = q_BHQE.float(), do_BHQE.float()
+        delta = (do * o).sum(-1)
+        dq = torch.zeros_like(q)
+        kv = torch.stack([k_BKNE, v_BKNE])
+        dkv = torch.zeros_like(kv, dtype=torch.float32)
+        for j in range(c):
+            works = []
+            if j < c - 1:  # the K/V block moves on while its grads are computed here
+                nxt, works = _exchange(axis, kv)
+            src = (r - j) % c
+            mask_QN = cp_positions(seq, c, src, q.device)[None, :] <= pos_q[:, None]
+            k, v = _expand(kv[0].float(), h), _expand(kv[1].float(), h)
+            s = ((q @ k.transpose(-1, -2)) * scale).masked_fill(~mask_QN, float("-inf"))
+            p = torch.exp(s - lse.where(torch.isfinite(lse), 0)[..., None]).masked_fill(~mask_QN, 0.0)
+            dp = do @ v.transpose(-1, -2)
+            ds = p * (dp - delta[..., None]) * scale
+            dq += ds @ k
+            dk, dv = _fold(ds.transpose(-1, -2) @ q, groups), _fold(p.transpose(-1, -2) @ do, groups)
+            dkv = dkv + torch.stack([dk, dv])
+            _wait(works)
+            # the accumulator follows its block: after c-1 moves it sits one rank behind its owner, and
+            # one more move (below) brings it home
+            moved, w2 = _exchange(axis, dkv)
+            _wait(w2)
+            dkv = moved
+            if j < c - 1:
+                kv = nxt
+        return dq.to(q_BHQE.dtype), dkv[0].to(k_BKNE.dtype), dkv[1].to(v_BKNE.dtype), None, None
+
+
+@torch.compiler.disable  # p2p inside: eager between a compiled block's pieces (as comm.py's collectives)
+def ring_attention(q_BHQE: torch.Tensor, k_BKNE: torch.Tensor, v_BKNE: torch.Tensor, axis: Axis,
+                   seq: int) -> torch.Tensor:
+    """Exact causal attention of this rank's queries against the whole cp group's K/V, by ring."""
+    return _RingAttention.apply(q_BHQE, k_BKNE, v_BKNE, axis, seq)

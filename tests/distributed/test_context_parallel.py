@@ -1,0 +1,121 @@
+"""Context parallelism trains the tiny models exactly like one process: losses, grads, weights; and the
+cp all-gather moves exactly the bytes of the theory."""
+import pytest
+
+from tests.distributed.cases import train_and_report
+from tests.distributed.test_model_equivalence import assert_close_dicts
+
+pytestmark = pytest.mark.distributed
+
+STEPS = 6
+GPT2 = ["model=gpt2_tiny", "model.num_query_groups=null"]
+_reference: dict = {}
+
+
+def reference(pool, family: tuple):
+    if family not in _reference:
+        _reference[family] = pool.run(train_and_report, 1, list(family), STEPS)[0]
+    return _reference[family]
+
+
+def check(got, ref):
+    rel = [abs(a - b) / abs(b) for a, b in zip(got["losses"], ref["losses"])]
+    assert max(rel) <= 1e-5, (got["losses"], ref["losses"])
+    assert_close_dicts(got["grads"], ref["grads"], rtol=1e-4, atol=1e-6, what="grad")
+    assert_close_dicts(got["weights"], ref["weights"], rtol=1e-4, atol=1e-4, what="weight")
+
+
+# (cp, tp, dp, sp, zero, family)
+LAYOUTS = [(2, 1, 1, False, 0, ()), (4, 1, 1, False, 0, ()), (2, 2, 1, True, 0, ()), (2, 1, 2, False, 1, ()),
+           (2, 1, 1, False, 0, tuple(GPT2))]
+
+
+@pytest.mark.parametrize("cp,tp,dp,sp,zero,family", LAYOUTS,
+                         ids=["cp2", "cp4", "cp2-tp2-sp", "cp2-dp2-zero1", "gpt2-cp2"])
+def test_cp_matches_one_process(pool, cp, tp, dp, sp, zero, family):
+    ref = reference(pool, family)
+    over = list(family) + [f"parallel.cp={cp}", f"parallel.tp={tp}", f"parallel.sp={str(sp).lower()}",
+                           f"optim.zero={zero}"]
+    got = pool.run(train_and_report, cp * tp * dp, over, STEPS, tp=tp, cp=cp)[0]
+    check(got, ref)
+
+
+@pytest.mark.parametrize("kind", ["allgather", "ring"])
+@pytest.mark.parametrize("cp,tp", [(2, 1), (4, 1), (2, 2)])
+def test_cp_bytes_match_theory(pool, cp, tp, kind):
+    """comm_bytes/cp of one step, to the byte, per layer and micro-batch. allgather: forward all-gathers
+    K and V ((c-1) x this rank's block each), backward reduce-scatters their grads ((c-1)/c of the gathered
+    [S, B, K/tp, E] each, the same bytes). ring: c-1 sends of the K/V pair forward, c-1 again in backward,
+    plus c sends of the travelling fp32 dK/dV pair (the last brings it home). Nothing else crosses the cp
+    axis (grads go over cp·dp: 'dp')."""
+    from tests.distributed.cases import comm_volume
+
+    L, S, B, kv, E, f32 = 2, 32, 2, 4, 8, 4  # cases.TINY: 2 layers, 4 kv heads of 64/8
+    micro = 8 // B
+    block = S // cp * B * kv // tp * E * f32  # this rank's K (or V) for one micro-batch
+    per = 4 * (cp - 1) * block if kind == "allgather" else (2 * (cp - 1) * 2 + 2 * cp) * block
+    want = L * micro * per
+    over = [f"parallel.cp={cp}", f"parallel.tp={tp}", f"parallel.cp_comm={kind}"]
+    sent = pool.run(comm_volume, cp * tp, over, tp=tp, cp=cp)[0]
+    assert sent["cp"] == want, (sent, want)
+
+
+L4 = "model.num_layers=4"
+# (name, pp, overrides): pipeline stages carry this cp rank's S/c activations; recompute re-runs the K/V
+# all-gather in backward (full) or keeps it and re-runs only the attention core (selective)
+COMBOS = [("cp2-pp2", 2, []), ("cp2-pp2-vpp2", 2, ["parallel.vpp=2", L4]),
+          ("ring-cp2-pp2", 2, ["parallel.cp_comm=ring"]),
+          ("ring-cp2-recompute-full", 1, ["train.recompute=full", "parallel.cp_comm=ring"]),
+          ("cp2-recompute-full", 1, ["train.recompute=full"]),
+          ("cp2-recompute-selective", 1, ["train.recompute=selective"])]
+
+
+@pytest.mark.parametrize("name,pp,extra", COMBOS, ids=[c[0] for c in COMBOS])
+def test_cp_combinations_match_one_process(pool, name, pp, extra):
+    model = tuple(o for o in extra if o.startswith("model."))
+    ref = reference(pool, model)
+    got = pool.run(train_and_report, 2 * pp, ["parallel.cp=2", f"parallel.pp={pp}", *extra], STEPS, pp=pp, cp=2)[0]
+    check(got, ref)
+
+
+def test_cp_compiled_blocks_match_one_process(pool):
+    """Compiled blocks with the cp all-gather left eager between the compiled pieces (comm.py)."""
+    ref = reference(pool, ("model.num_layers=1",))
+    got = pool.run(train_and_report, 2, ["model.num_layers=1", "parallel.cp=2", "train.compile=true"], 2, cp=2)[0]
+    rel = [abs(a - b) / abs(b) for a, b in zip(got["losses"], ref["losses"][:2])]
+    assert max(rel) <= 1e-5, (got["losses"], ref["losses"])
+    assert_close_dicts(got["grads"], ref["grads"], rtol=1e-4, atol=1e-5, what="grad")
+
+
+@pytest.mark.parametrize("first,then", [((2, 1, "optim.zero=1"), (1, 1, "optim.zero=1")),
+                                        ((1, 1, "optim.zero=0"), (2, 2, "optim.zero=1"))],
+                         ids=["cp2-dp2-zero1-to-cp1", "cp1-to-cp2-tp2-sp-zero1"])
+def test_checkpoint_resumes_across_cp(pool, tmp_path, first, then):
+    """Checkpoints are layout-free under cp (parameters and their placements do not change): 2 steps in
+    one layout, saved, 2 more in another give the uninterrupted one-process losses and weights."""
+    from tests.distributed.zero_cases import run_steps
+
+    ref = pool.run(run_steps, 1, ["optim.zero=0"], 4)[0]
+    (cp1, _, z1), (cp2, tp2, z2) = first, then
+    n1 = 4 if cp1 == 2 else 1  # cp2·dp2 on four ranks
+    pool.run(run_steps, n1, [f"parallel.cp={cp1}", z1], 4, None, str(tmp_path), 0, 2, cp=cp1)
+    over = [f"parallel.cp={cp2}", f"parallel.tp={tp2}", f"parallel.sp={str(tp2 > 1).lower()}", z2]
+    got = pool.run(run_steps, cp2 * tp2, over, 4, str(tmp_path / "step_00000002"), None, 2, 4, tp=tp2, cp=cp2)[0]
+    rel = [abs(a - b) / abs(b) for a, b in zip(got["losses"], ref["losses"][2:])]
+    assert max(rel) <= 1e-5, (got["losses"], ref["losses"])
+    assert_close_dicts(got["weights"], ref["weights"], rtol=1e-4, atol=1e-4, what="weight")
+
+
+RING = [(2, 1, 1, False, 0, ()), (4, 1, 1, False, 0, ()), (2, 2, 1, True, 0, ()), (2, 1, 2, False, 1, ()),
+        (2, 1, 1, False, 0, tuple(GPT2))]
+
+
+@pytest.mark.parametrize("cp,tp,dp,sp,zero,family", RING,
+                         ids=["ring-cp2", "ring-cp4", "ring-cp2-tp2-sp", "ring-cp2-dp2-zero1", "ring-gpt2-cp2"])
+def test_ring_matches_one_process(pool, cp, tp, dp, sp, zero, family):
+    """cp_comm=ring: K/V blocks around the ring, partial results merged by log-sum-exp."""
+    ref = reference(pool, family)
+    over = list(family) + [f"parallel.cp={cp}", f"parallel.tp={tp}", f"parallel.sp={str(sp).lower()}",
+                           f"optim.zero={zero}", "parallel.cp_comm=ring"]
+    got = pool.run(train_and_report, cp * tp * dp, over, STEPS, tp=tp, cp=cp)[0]
+    check(got, ref)
