@@ -120,3 +120,14 @@ def test_a_bad_choice_from_a_file_names_its_field():
         OmegaConf.merge(OmegaConf.structured(Config), {"train": {"precision": "fp16"}})
     line = _composition_error(e.value)
     assert line.startswith("train.precision: ") and "fp32, bf16" in line and "\n" not in line, line
+
+
+def test_no_collective_outside_comm():
+    """Every collective and p2p transfer goes through megaframe/parallel/comm.py (bytes counted, the
+    watchdog's ring buffer fed, virtual axes honoured); the NCCL emulation below comm is the one other file."""
+    assert _code_stats().stats()["collectives_outside_comm"] == []
+
+
+def test_the_collective_check_bites():
+    tree = ast.parse("import torch.distributed as dist\ndef f(x, g):\n    dist.all_reduce(x, group=g)\n")
+    assert _code_stats().collectives_outside_comm(tree) == [(3, "dist.all_reduce")]
