@@ -37,7 +37,8 @@ def run_schedule(actions: list[Action], model, batches, mesh: Mesh, optimizer, t
                  timeline: list | None = None) -> torch.Tensor:
     """Run every action; returns the sum of token losses of this rank's micro-batches (0 off the last stage).
 
-    With `timeline`, appends (action, start, end) in perf_counter seconds for each compute action.
+    With `timeline`, appends (action, start, end) in perf_counter seconds for each compute action. A
+    forward-only schedule (schedule.forward_schedule: evaluation, under no_grad) keeps no backward roots.
     """
     # A device scalar, summed without .item(): the loss is read on the host only at log steps.
     st = _State(loss_sum=torch.zeros((), device=batches[0][0].device))
@@ -89,6 +90,12 @@ def _forward(a: Action, st: _State, model, batches, tokens_global: int) -> None:
     input_ids_BS, labels_BS = batches[a.microbatch]
     x_SBD = st.inputs.pop(key, None)
     out = model.forward_chunk(a.chunk, x_SBD, input_ids_BS, labels_BS)
+    if not torch.is_grad_enabled():  # forward-only (evaluation): nothing to keep for a backward
+        if _is_loss_chunk(model, a.chunk):
+            st.loss_sum += out.float().sum()
+        else:
+            st.to_send[(SEND_F, *key)] = out
+        return
     if _is_loss_chunk(model, a.chunk):
         # fp32 sum of per-token losses: a bf16 sum over B·S tokens would round away the small terms.
         total = out.float().sum()

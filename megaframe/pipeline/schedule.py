@@ -148,6 +148,13 @@ def build_schedule(kind: str, pp: int, vpp: int, m: int, rank: int,
     return [a for *_, a in sorted(items, key=lambda x: x[:3])]
 
 
+def forward_schedule(pp: int, vpp: int, m: int, rank: int) -> list[Action]:
+    """Forward-only (evaluation): GPipe's forward phase with its paired sends and receives. GPipe runs
+    every forward before any backward, so dropping the backward actions leaves each forward batch meeting
+    the same peer batch as in training (deadlock-free under rendezvous sends, tests/unit)."""
+    return [a for a in build_schedule("gpipe", pp, vpp, m, rank) if a.kind in (F, SEND_F, RECV_F)]
+
+
 # Cached: build_schedule asks for the same timetable once per rank (pp times per layout, and the planner
 # asks for many layouts); the result is only read.
 @functools.lru_cache(maxsize=64)

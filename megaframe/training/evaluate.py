@@ -4,9 +4,9 @@ The set is the first train.eval_iters global batches of the validation split's o
 over dp ranks exactly like training batches, so val_loss is the same number under every layout and at
 every evaluation the same samples are scored (a curve, not noise from resampling).
 
-How a loss comes out of the model is in one function, `loss_sum`: with one pipeline stage it is
-model(input_ids, labels) -> per-token loss [B, S]; over pp stages a plain forward-only walk of the
-stages (no overlap: evaluation is rare, and this keeps it independent of the training schedules).
+How a loss comes out of the model is in one function, `loss_sum`: the training executor running a
+forward-only schedule (GPipe's forward phase, pp = 1 included), so evaluation moves activations through
+the same paired p2p batches as training.
 """
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ import torch
 
 from megaframe.data.dataset import build_data, microbatches
 from megaframe.parallel import comm
-from megaframe.pipeline import p2p
+from megaframe.pipeline.executor import run_schedule
+from megaframe.pipeline.schedule import forward_schedule
 
 
 class Evaluator:
@@ -61,29 +62,7 @@ class Evaluator:
 
 
 def loss_sum(model, batches, mesh) -> torch.Tensor:
-    """Sum of token losses of this rank's micro-batches (0 off the last pipeline stage)."""
-    total = torch.zeros((), device=mesh.device)
-    if mesh.pp.size == 1:
-        for input_ids_BS, labels_BS in batches:
-            total += model(input_ids_BS, labels_BS).float().sum()  # fp32 sum over many tokens
-        return total
-    pp, rank = mesh.pp.size, mesh.pp.rank
-    last = pp * len(model.stage.chunks) - 1
-    dtype = next(model.parameters()).dtype
-    for input_ids_BS, labels_BS in batches:
-        b, s = input_ids_BS.shape
-        shape = (s // mesh.tp.size if model.sp else s, b, model.cfg.hidden_size)
-        for chunk in range(len(model.stage.chunks)):
-            stage = chunk * pp + rank
-            x_SBD = None
-            if stage > 0:  # receive the previous stage's activations
-                x_SBD = torch.empty(shape, dtype=dtype, device=mesh.device)  # shape from the config: no shape exchange
-                # blocking, one micro-batch at a time (evaluation is rare); modulo: a virtual chunk's previous stage wraps round
-                # to the last rank
-                p2p.start(mesh.pp, [], [(x_SBD, (rank - 1) % pp)]).wait()
-            out = model.forward_chunk(chunk, x_SBD, input_ids_BS, labels_BS)
-            if stage == last:
-                total += out.float().sum()
-            else:
-                p2p.start(mesh.pp, [(out.contiguous(), (rank + 1) % pp)], []).wait()
-    return total
+    """Sum of token losses of this rank's micro-batches (0 off the last pipeline stage): the training
+    executor running a forward-only schedule (pp = 1 included), under the caller's no_grad."""
+    actions = forward_schedule(mesh.pp.size, len(model.stage.chunks), len(batches), mesh.pp.rank)
+    return run_schedule(actions, model, batches, mesh, None, tokens_global=1)

@@ -16,7 +16,7 @@ def emulates_nccl(mesh) -> bool:
 
 
 def val_loss(mesh, overrides: list[str]) -> float | None:
-    """evaluate.loss_sum (the forward-only walk of the stages) of step 0's batches on the fresh model,
+    """evaluate.loss_sum (a forward-only schedule through the executor) of step 0's batches on the fresh model,
     as the mean token loss; rank 0 returns it."""
     from megaframe.training.evaluate import loss_sum
 

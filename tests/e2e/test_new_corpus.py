@@ -103,7 +103,7 @@ def test_prepare_refuses_binary_garbage_and_keeps_good_data(prepared, tmp_path):
 
 
 def test_val_loss_is_layout_free_and_leaves_comm_bytes_alone(prepared, tmp_path):
-    """val_loss under pp=2 (a forward-only walk of the stages) equals one process's; evaluation traffic
+    """val_loss under pp=2 (a forward-only schedule through the executor) equals one process's; evaluation traffic
     is not counted in the step's comm_bytes."""
     over = [f"data.path={prepared}", f"model.vocab_size={VOCAB}", "model.num_layers=2", "model.hidden_size=64",
             "model.num_attention_heads=4", "model.ffn_hidden_size=128", "model.seq_length=32",

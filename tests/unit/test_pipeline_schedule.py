@@ -146,3 +146,17 @@ def test_stage_layout_loop_order_and_uneven_split():
         stage_counts(5, 2, 1, [3, 3])
     with pytest.raises(ValueError, match="num_layers"):
         stage_counts(5, 2, 1)
+
+
+@pytest.mark.parametrize("pp,vpp,m", [(2, 1, 1), (2, 2, 3), (4, 2, 8), (4, 3, 2), (3, 1, 5)])
+def test_forward_schedule_is_deadlock_free_under_rendezvous(pp, vpp, m):
+    """Evaluation's forward-only schedule: every forward once, paired sends/receives that meet."""
+    from megaframe.pipeline.schedule import F, RECV_F, SEND_F, forward_schedule, stage_of
+
+    scheds = [forward_schedule(pp, vpp, m, r) for r in range(pp)]
+    for r, s in enumerate(scheds):
+        assert sorted((a.microbatch, a.chunk) for a in s if a.kind == F) == [(mb, c) for mb in range(m) for c in range(vpp)]
+        sends = [(a.microbatch, stage_of(r, a.chunk, pp)) for a in s if a.kind == SEND_F]
+        recvs = [(a.microbatch, stage_of((r + 1) % pp, a.chunk, pp) - 1) for a in scheds[(r + 1) % pp]
+                 if a.kind == RECV_F]
+        assert sends == recvs  # the same messages in the same order on each channel
