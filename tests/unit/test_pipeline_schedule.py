@@ -151,7 +151,7 @@ def test_stage_layout_loop_order_and_uneven_split():
 @pytest.mark.parametrize("pp,vpp,m", [(2, 1, 1), (2, 2, 3), (4, 2, 8), (4, 3, 2), (3, 1, 5)])
 def test_forward_schedule_is_deadlock_free_under_rendezvous(pp, vpp, m):
     """Evaluation's forward-only schedule: every forward once, paired sends/receives that meet."""
-    from megaframe.pipeline.schedule import F, RECV_F, SEND_F, forward_schedule, stage_of
+    from megaframe.pipeline.schedule import RECV_F, SEND_F, F, forward_schedule, stage_of
 
     scheds = [forward_schedule(pp, vpp, m, r) for r in range(pp)]
     for r, s in enumerate(scheds):
