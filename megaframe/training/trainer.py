@@ -6,6 +6,7 @@ import math
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -29,7 +30,7 @@ from megaframe.training.errors import TrainingError  # noqa: F401  (re-exported 
 from megaframe.training.evaluate import Evaluator
 from megaframe.training.faults import Injector
 from megaframe.training.metrics import flops_per_token, forget_cpu_peak, memory_figures, peak_flops, throughput_figures
-from megaframe.training.resume import resume
+from megaframe.training.resume import Resumed, resume
 from megaframe.training.resume_checks import Accounting
 from megaframe.training.runlock import RunDirBusy, RunLock
 from megaframe.training.signals import StopFlag
@@ -86,7 +87,21 @@ def take_run_dir(cfg: Config, mesh: Mesh) -> RunLock:
     return lock
 
 
-def train(cfg: Config, mesh: Mesh, stop: StopFlag, run_id: str = "") -> None:
+@dataclass
+class Setup:
+    """What start-up hands the step loop: the model and optimizer, the data, and where the run resumes."""
+
+    model: object
+    optimizer: object
+    data: object
+    evaluator: Evaluator | None
+    sampler: Sampler | None
+    resumed: Resumed
+    acct: Accounting
+
+
+def set_up(cfg: Config, mesh: Mesh) -> Setup:
+    """Model, optimizer and data; the resume (which may adopt the saved sample order and lr horizon)."""
     model = cast_model(build_model(cfg, mesh), cfg.train.precision)
     optimizer = build_optimizer(model, cfg.optim, mesh)
     try:
@@ -96,14 +111,19 @@ def train(cfg: Config, mesh: Mesh, stop: StopFlag, run_id: str = "") -> None:
     except (OSError, ValueError, KeyError) as e:
         raise ConfigError(f"data.path={cfg.data.path}: unreadable prepared data ({e})") from e
     resumed = resume(cfg, model, optimizer, mesh)
-    start, t = resumed.step, cfg.train
     if resumed.meta:
         data.order = resumed_order(resumed.meta)  # a resumed run keeps the sample order it began with
-    if resumed.meta:
         adopt_lr_horizon(cfg, resumed.meta)
     if cfg.optim.lr_decay_steps is None:  # a fresh start (or a pre-horizon checkpoint): this run's length
-        cfg.optim.lr_decay_steps = t.max_steps
-    acct = Accounting(start, resumed.consumed if resumed.path else 0, t.global_batch_size)
+        cfg.optim.lr_decay_steps = cfg.train.max_steps
+    acct = Accounting(resumed.step, resumed.consumed if resumed.path else 0, cfg.train.global_batch_size)
+    return Setup(model, optimizer, data, evaluator, sampler, resumed, acct)
+
+
+def train(cfg: Config, mesh: Mesh, stop: StopFlag, run_id: str = "") -> None:
+    su = set_up(cfg, mesh)
+    model, optimizer, data, evaluator, sampler = su.model, su.optimizer, su.data, su.evaluator, su.sampler
+    resumed, acct, start, t = su.resumed, su.acct, su.resumed.step, cfg.train
     # before the first step: a corrupt shard is bad input (exit 2 in seconds), not a crash mid-run
     check_first_shards(cfg, mesh, data, start, acct)
     total_params = global_param_count(model, mesh)  # a collective over pp: every rank takes part
