@@ -32,7 +32,7 @@ class Checkpointer:
         self.order = getattr(data, "order", ORDER)  # recorded, so a resume keeps the sample order
         load = (resumed.meta or {}).get("io_load") or {}
         self.io = {f"ckpt/{k}": v for k, v in load.items() if k in ("read_bytes", "load_s")}
-        """This rank's newest save/load figures, logged (then cleared) at the next log step."""
+        """This rank's newest save/load figures, on every metrics row from then on."""
         parent_id = ((resumed.meta or {}).get("lineage") or {}).get("id")
         self.parent: tuple[Path | None, str | None] = (resumed.path, parent_id)
         self.saver = AsyncSaver(mesh) if cfg.checkpoint.async_save else None
@@ -75,8 +75,8 @@ class Checkpointer:
             print(f"megaframe: warning: {e}; going on (checkpoint.on_save_error=continue)", file=sys.stderr, flush=True)
 
     def take_io(self) -> dict:
-        out, self.io = self.io, {}
-        return out
+        """This rank's newest save and load figures (they stay on the rows until a newer save replaces them)."""
+        return dict(self.io)
 
     def _write(self, model, optimizer, step: int, background: bool, fail: str | None) -> None:
         cfg, mesh, t0 = self.cfg, self.mesh, time.perf_counter()
