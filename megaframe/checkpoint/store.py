@@ -95,6 +95,10 @@ def read_header(f, name: str, want_crc: int | None) -> Header:
     if len(raw) < 8:
         raise CheckpointError(f"shard {name} is corrupt (no safetensors header)")
     n = struct.unpack("<Q", raw)[0]
+    # a garbage length (a torn or overwritten file) must be a corrupt shard, not a huge read or an OverflowError
+    size = os.fstat(f.fileno()).st_size
+    if n > size - 8:
+        raise CheckpointError(f"shard {name} is corrupt (header length {n} exceeds the file's {size} bytes)")
     head = f.read(n)
     if want_crc is not None and zlib.crc32(head) != want_crc:
         raise CheckpointError(f"shard {name} is corrupt (its header does not match the recorded checksum)")

@@ -205,8 +205,8 @@ def test_a_checkpoint_that_fails_to_load_is_passed_over_by_auto_and_exits_2_when
     meta_path.write_text(json.dumps(meta))
     named = train(over + ["train.max_steps=7", f"checkpoint.resume={shard.parent}"], timeout=120)
     assert named.returncode == 2 and len(named.stderr.strip().splitlines()) == 1, named.stderr[-2000:]
-    assert "cannot be loaded (SafetensorError" in named.stderr
+    assert "cannot be loaded" in named.stderr and "corrupt" in named.stderr
     auto = train(over + ["train.max_steps=7"], timeout=120)
     assert auto.returncode == 0, auto.stderr[-2000:]
-    assert "skipping checkpoint" in auto.stderr and "SafetensorError" in auto.stderr
+    assert "skipping checkpoint" in auto.stderr and "corrupt" in auto.stderr
     assert f"resumed from {ck / 'step_00000003'} at step 3" in auto.stdout
