@@ -121,7 +121,9 @@ def save(root: str | Path, step: int, model, optimizer, mesh: Mesh, meta: dict, 
     SaveError (on every rank) when it was not committed. `io` receives this rank's figures."""
     t0 = time.perf_counter()
     tmp, final = begin(root, step, mesh)
-    report = write_report(tmp, mesh.rank, host_snapshot(model, optimizer, mesh, copy=False), fail)
+    # copy=True: serialising views of live params exports their storage (safetensors goes through numpy),
+    # after which ZeRO-3 can no longer resize (free) a block's gathered storage
+    report = write_report(tmp, mesh.rank, host_snapshot(model, optimizer, mesh, copy=True), fail)
     report["save_s"] = time.perf_counter() - t0
     final = finish(root, tmp, final, step, meta, report, mesh, keep_last)
     if io is not None:
