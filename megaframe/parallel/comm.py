@@ -181,7 +181,8 @@ class _ScatterToSP(torch.autograd.Function):
 
 
 class _GatherFromSP(torch.autograd.Function):
-    """forward: all-gather the seq dim (before a column-parallel layer); backward: reduce-scatter."""
+    """forward: all-gather the seq dim; backward: reduce-scatter of the grads. sp: before a column-parallel
+    layer; cp: K and V (every rank's queries attended to every rank's K/V, so each block's grad is a sum)."""
 
     @staticmethod
     def forward(ctx, x, axis):
@@ -212,26 +213,9 @@ _eager = {f: torch.compiler.disable(f.apply) for f in (_CopyToTP, _ReduceFromTP,
                                                       _ReduceScatterToSP)}
 
 
-class _GatherFromCP(torch.autograd.Function):
-    """forward: all-gather along dim 0 (the sequence) over cp, in cp-rank order; backward: reduce-scatter
-    of the grads (every rank's queries attended to every rank's K/V, so each block's grad is a sum)."""
-
-    @staticmethod
-    def forward(ctx, x, axis):
-        ctx.axis = axis
-        return all_gather_dim0(x, axis)
-
-    @staticmethod
-    def backward(ctx, g):
-        return reduce_scatter_dim0(g, ctx.axis), None
-
-
-_eager_cp_gather = torch.compiler.disable(_GatherFromCP.apply)  # eager inside compiled blocks, as above
-
-
 def gather_from_cp(x: torch.Tensor, axis: Axis) -> torch.Tensor:
     """K or V of the whole cp group (context parallelism, cp_comm=allgather); bytes count as cp."""
-    return _eager_cp_gather(x, axis) if axis.size > 1 else x
+    return _eager[_GatherFromSP](x, axis) if axis.size > 1 else x  # the sp gather's op, over cp
 
 
 def copy_to_tp(x: torch.Tensor, axis: Axis) -> torch.Tensor:
