@@ -25,10 +25,20 @@ def _one_error_line(stderr: str) -> str:
     return lines[0]
 
 
-def _copy_demo(out: Path) -> Path:
-    """The demo's prepared files (regular files only: the folder may hold links)."""
+@pytest.fixture(scope="module")
+def demo_prepared(tmp_path_factory) -> Path:
+    """The demo corpus prepared once for this module (a fresh clone has no data/demo/prepared: CI runs
+    `make test`, not `make data`), ~5 s."""
+    out = tmp_path_factory.mktemp("demo") / "prepared"
+    prep = run([sys.executable, "-m", "megaframe.data.prepare", f"data.path={out}"], timeout=300)
+    assert prep.returncode == 0, prep.stderr[-2000:]
+    return out
+
+
+def _copy_demo(src: Path, out: Path) -> Path:
+    """A private copy of the prepared demo files (regular files only: the folder may hold links)."""
     out.mkdir(parents=True)
-    for f in (ROOT / "data" / "demo" / "prepared").iterdir():
+    for f in src.iterdir():
         if f.is_file() and not f.is_symlink():
             shutil.copy(f, out / f.name)
     return out
@@ -107,14 +117,14 @@ def test_sigint_stops_like_sigterm_with_a_checkpoint(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def corrupt_data(tmp_path_factory):
+def corrupt_data(tmp_path_factory, demo_prepared):
     """A copy of the demo data whose shards hold token ids >= the vocabulary (same sizes), with meta.json's
     sha256 made to match (corruption upstream of the checksum): only the read-time range check sees it."""
     from megaframe.config import load_config
     from megaframe.data.dataset import build_data
     from megaframe.data.verify import first_batch_shards
 
-    out = _copy_demo(tmp_path_factory.mktemp("corrupt") / "prepared")
+    out = _copy_demo(demo_prepared, tmp_path_factory.mktemp("corrupt") / "prepared")
     cfg = load_config([*TINY, f"data.path={out}"], world_size=1)
     first = first_batch_shards(build_data(cfg), 0, cfg.train.global_batch_size, 0, cfg.train.seed)[out]
     meta = json.loads((out / "meta.json").read_text())
@@ -142,8 +152,8 @@ def test_token_ids_outside_the_vocabulary_exit_2_naming_shard_and_offset(corrupt
     assert not (tmp_path / "checkpoints").exists()
 
 
-def test_data_verify_checks_sha256_and_start_up_refuses_a_corrupt_first_shard(tmp_path):
-    data = _copy_demo(tmp_path / "prepared")
+def test_data_verify_checks_sha256_and_start_up_refuses_a_corrupt_first_shard(tmp_path, demo_prepared):
+    data = _copy_demo(demo_prepared, tmp_path / "prepared")
     ok = run([sys.executable, "-m", "megaframe.data", "verify", str(data)], timeout=120)
     assert ok.returncode == 0 and "every shard matches" in ok.stdout, ok.stderr
     for f in data.glob("shard_*.bin"):  # flip one byte: same size, same vocabulary, other sha256
