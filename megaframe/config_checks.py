@@ -133,7 +133,7 @@ def check_config(cfg: Config, world_size: int, check_data: bool = True) -> None:
     if p.sp:
         # sp splits the sequence evenly over the tp ranks
         _req(m.seq_length % p.tp == 0, f"parallel.sp needs parallel.tp={p.tp} to divide model.seq_length={m.seq_length}")
-    _check_moe(m, p, dp)
+    _check_moe(m, p, dp * p.cp)
     _req(t.micro_batch_size >= 1, f"train.micro_batch_size={t.micro_batch_size} must be >= 1")
     # every dp rank runs the same number of whole micro-batches: ranks must agree on the schedule's length
     _req(t.global_batch_size % (t.micro_batch_size * dp) == 0,
@@ -191,9 +191,6 @@ def _check_context(cfg: Config, world_size: int) -> None:
     _req(cfg.optim.zero <= 1, f"parallel.cp={p.cp} with optim.zero={cfg.optim.zero}: ZeRO-2/3 under cp is not tested yet")
     _req(CPComm(p.cp_comm) == CPComm.allgather or m.dropout == 0,
          f"parallel.cp_comm=ring with model.dropout={m.dropout}: attention dropout is not implemented in the ring")
-    # the router's load-balancing statistics are per-rank token counts not yet reduced over cp
-    _req(m.num_experts == 0,
-         f"parallel.cp={p.cp} with model.num_experts={m.num_experts}: MoE under cp is not supported yet")
 
 
 def _check_lr_schedule(cfg: Config) -> None:
@@ -203,10 +200,11 @@ def _check_lr_schedule(cfg: Config) -> None:
     _req(0.0 < o.wsd_decay_fraction <= 1.0, f"optim.wsd_decay_fraction={o.wsd_decay_fraction} must be in (0, 1]")
 
 
-def _check_moe(m: ModelConfig, p: ParallelConfig, dp: int) -> None:
+def _check_moe(m: ModelConfig, p: ParallelConfig, dpcp: int) -> None:
+    """`dpcp`: cp·dp, the ranks ep borrows from (parallel/mesh.py)."""
     _req(m.num_experts >= 0, f"model.num_experts={m.num_experts} must be >= 0")
     _req(p.ep == 1 or m.num_experts > 0, f"parallel.ep={p.ep} needs model.num_experts > 0 (a MoE model)")
-    _req(dp % p.ep == 0, f"parallel.ep={p.ep} does not divide the data-parallel size {dp} (ep ranks come from dp)")
+    _req(dpcp % p.ep == 0, f"parallel.ep={p.ep} does not divide cp x dp = {dpcp} (ep ranks come from cp·dp)")
     if m.num_experts == 0:
         return
     _req(m.num_experts % p.ep == 0, f"parallel.ep={p.ep} does not divide model.num_experts={m.num_experts}")

@@ -47,3 +47,15 @@ def cp_causal_mask(seq: int, cp: int, rank: int, device=None) -> torch.Tensor:
     q_Q = cp_positions(seq, cp, rank, device)
     k_T = torch.cat([cp_positions(seq, cp, r, device) for r in range(cp)])
     return k_T[None, :] <= q_Q[:, None]
+
+
+def cp_runs(seq: int, cp: int, rank: int, blocks: int = 1, block: int = 0) -> list[tuple[int, int, int]]:
+    """Runs of consecutive global positions among the rows a rank holds, in its local order: cp rank
+    `rank`'s two chunks of a length-`seq` sequence, cut into `blocks` equal blocks of which the rank holds
+    block `block` (sequence parallelism over tp). Always two runs, (local lo, local hi, global start); a
+    block inside one chunk gets an empty second (or first) run."""
+    n = seq // (2 * cp)
+    m = 2 * n // blocks  # rows of one block
+    lo = block * m  # the block's first row in the rank's two chunks
+    split = min(max(n - lo, 0), m)  # block rows from the first chunk
+    return [(0, split, rank * n + lo), (split, m, (2 * cp - 1 - rank) * n + max(lo - n, 0))]

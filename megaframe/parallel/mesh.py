@@ -12,12 +12,18 @@ dp, whose grads are reduced once per step, spans nodes. Parameters are replicate
 grads are reduced (and ZeRO-sharded) over the combined `dpcp` axis (cp·dp ranks: Megatron's dp-cp
 group), dpcp_rank = cp_rank + cp * dp_rank; with cp = 1 it is the dp axis itself.
 
-Expert parallelism borrows its ranks from dp (Megatron's "parallel folding"): the dp group is cut into
-contiguous blocks of `ep` ranks, each block an `ep` group holding all experts between them (each rank
-E/ep of them); the dp ranks holding the same experts (same position in their block) form the
-expert-data-parallel group `edp` (size dp/ep), over which expert grads are reduced:
+Expert parallelism borrows its ranks from cp·dp (Megatron's "parallel folding"; Megatron also requires
+ep to divide cp·dp): the dpcp group is cut into contiguous blocks of `ep` ranks, each block an `ep` group
+holding all experts between them (each rank E/ep of them); the dpcp ranks holding the same experts (same
+position in their block) form the expert-data-parallel group `edp` (size cp·dp/ep), over which expert
+grads are reduced (every cp and dp rank routes its own tokens, so expert grads are partial over both):
 
-    dp_rank = ep_rank + ep * edp_rank
+    dpcp_rank = cp_rank + cp * dp_rank = ep_rank + ep * edp_rank
+
+Contiguous blocks put an ep group inside a cp group first (ep <= cp: the ep ranks are cp peers) and
+only then across dp: the token all-to-all runs twice per layer and direction, so it takes the ranks
+nearest in the rank order (same node), like cp's own K/V traffic; the edp reduction runs once a step.
+With cp = 1 this is the dp group cut as before.
 
 Hybrid sharded data parallelism (optim.shard_group_size = s) cuts dp the same way: `dp_shard`, blocks
 of s consecutive dp ranks over which ZeRO shards grads, state (and params), and `dp_rep`, the dp/s ranks
@@ -44,6 +50,9 @@ import torch.distributed as dist
 from megaframe.parallel.p2p_semantics import NcclStream, P2PSemantics, group_timeout_s, semantics_from_env
 
 RECENT_COLLECTIVES = 64
+REUSABLE = ("dp", "cp", "dpcp", "ep", "edp", "dp_shard", "dp_rep")
+"""Axes whose collectives are all-reduces, gathers and all-to-alls of whole groups (never p2p): one of them
+over the same ranks as another shares its process group (tp, pp and pp_ends keep their own)."""
 
 
 @dataclass
@@ -152,10 +161,10 @@ class Mesh:
     """All ranks of this mesh (barriers, gathering checkpoint metadata); None for one process. Its
     timeout is the checkpoint save's (build_mesh's world_timeout)."""
     ep: Optional[Axis] = None
-    """Expert-parallel axis: a contiguous block of the dp group (all-to-all of tokens); bytes count as ep."""
+    """Expert-parallel axis: a contiguous block of the dpcp group (all-to-all of tokens); bytes count as ep."""
     edp: Optional[Axis] = None
-    """Expert-data-parallel axis: dp ranks holding the same experts (expert grads, ZeRO shards of expert
-    params); its bytes count as dp traffic. It is the dp axis itself when ep = 1."""
+    """Expert-data-parallel axis: cp·dp ranks holding the same experts (expert grads, ZeRO shards of expert
+    params); its bytes count as dp traffic. It is the dpcp axis itself when ep = 1."""
     dp_shard: Optional[Axis] = None
     """HSDP: the s consecutive dp ranks ZeRO shards over (bytes count as dp); the dp axis itself by default."""
     dp_rep: Optional[Axis] = None
@@ -173,10 +182,10 @@ class Mesh:
             object.__setattr__(self, "cp", Axis("cp", 1, 0, (self.dp.ranks[self.dp.rank],), None, self.stats))
         if self.dpcp is None:
             object.__setattr__(self, "dpcp", self.dp)
-        if self.ep is None:  # a mesh without expert parallelism: ep of size 1, edp = dp
+        if self.ep is None:  # a mesh without expert parallelism: ep of size 1, edp = dpcp
             object.__setattr__(self, "ep", Axis("ep", 1, 0, (self.dp.ranks[self.dp.rank],), None, self.stats))
-        if self.edp is None:
-            object.__setattr__(self, "edp", self.dp)
+        if self.edp is None:  # experts replicated over cp·dp: every cp rank's tokens reach them
+            object.__setattr__(self, "edp", self.dpcp)
         if self.dp_shard is None:
             object.__setattr__(self, "dp_shard", self.dpcp)  # no HSDP: ZeRO shards over all of cp·dp
         if self.dp_rep is None:
@@ -201,8 +210,9 @@ class RankGrid:
     build_mesh creates a process group per group listed here; virtual_mesh (planning) reads the same
     membership without groups. Positions are 0..world-1; build_mesh maps them to process ranks.
 
-        position = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank)),    dp_rank = ep_rank + ep * edp_rank
-                                                                             dp_rank = shard_rank + shard * rep_rank
+        position = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))
+        dpcp_rank = cp_rank + cp * dp_rank = ep_rank + ep * edp_rank
+        dp_rank = shard_rank + shard * rep_rank
     """
 
     tp: int
@@ -220,7 +230,7 @@ class RankGrid:
 
     def __post_init__(self):
         # Uneven blocks would give ranks different expert counts and edp groups of different sizes.
-        assert self.dp % self.ep == 0, f"ep={self.ep} does not divide dp={self.dp}"
+        assert self.cp * self.dp % self.ep == 0, f"ep={self.ep} does not divide cp·dp={self.cp * self.dp}"
         if not self.shard:
             object.__setattr__(self, "shard", self.dp)
         assert self.dp % self.shard == 0, f"shard group size {self.shard} does not divide dp={self.dp}"
@@ -242,22 +252,24 @@ class RankGrid:
         at, tp, dp, pp, ep, cp = self.position, self.tp, self.dp, self.pp, self.ep, self.cp
         ctp = [(c, t) for c in range(cp) for t in range(tp)]
         dp_groups = [tuple(at(p, d, t, c) for d in range(dp)) for p in range(pp) for c, t in ctp]
+        # ordered by position: dpcp_rank = cp_rank + cp * dp_rank (with cp = 1 the dp groups, in their order)
+        dpcp_groups = [tuple(at(p, d, t, c) for d in range(dp) for c in range(cp)) for p in range(pp) for t in range(tp)]
         if name == "tp":
             return [tuple(at(p, d, t, c) for t in range(tp)) for p in range(pp) for d in range(dp) for c in range(cp)]
         if name == "dp":
             return dp_groups
         if name == "cp":
             return [tuple(at(p, d, t, c) for c in range(cp)) for p in range(pp) for d in range(dp) for t in range(tp)]
-        if name == "dpcp":  # ordered by position: dpcp_rank = cp_rank + cp * dp_rank
-            return [tuple(at(p, d, t, c) for d in range(dp) for c in range(cp)) for p in range(pp) for t in range(tp)]
+        if name == "dpcp":
+            return dpcp_groups
         if name == "pp":
             return [tuple(at(p, d, t, c) for p in range(pp)) for d in range(dp) for c, t in ctp]
         if name == "pp_ends":  # first and last pipeline rank: the tied embedding's two copies
             return [(at(0, d, t, c), at(pp - 1, d, t, c)) for d in range(dp) for c, t in ctp] if pp > 1 else []
-        if name == "ep":  # contiguous blocks of ep dp ranks, each holding all experts between them
-            return [g[j:j + ep] for g in dp_groups for j in range(0, dp, ep)]
-        if name == "edp":  # the dp ranks holding the same experts: same position in their ep block
-            return [g[e::ep] for g in dp_groups for e in range(ep)]
+        if name == "ep":  # contiguous blocks of ep cp·dp ranks, each holding all experts between them
+            return [g[j:j + ep] for g in dpcp_groups for j in range(0, cp * dp, ep)]
+        if name == "edp":  # the cp·dp ranks holding the same experts: same position in their ep block
+            return [g[e::ep] for g in dpcp_groups for e in range(ep)]
         if name == "dp_shard":  # HSDP: blocks of `shard` consecutive dp ranks
             return [g[j:j + self.shard] for g in dp_groups for j in range(0, dp, self.shard)]
         if name == "dp_rep":  # HSDP: the dp ranks at the same position of their shard block
@@ -318,22 +330,23 @@ def build_mesh(tp: int, pp: int, device: torch.device, ranks: Optional[Sequence[
     assert world % (tp * pp * cp) == 0, f"tp*pp*cp={tp * pp * cp} does not divide world {world}"
     grid = RankGrid(tp, world // (tp * pp * cp), pp, ep=ep, shard=shard, cp=cp)
     groups: dict = {}
-    names = RankGrid.AXES[:4] + (("ep", "edp") if ep > 1 else ()) + (("dp_shard", "dp_rep") if grid.hybrid else ()) \
-        + (("cp", "dpcp") if cp > 1 else ())
+    # cp and dpcp before ep and edp: an ep group may be a whole cp or dpcp group, and then reuses it
+    names = RankGrid.AXES[:4] + (("cp", "dpcp") if cp > 1 else ()) + (("ep", "edp") if ep > 1 else ()) \
+        + (("dp_shard", "dp_rep") if grid.hybrid else ())
+    made: dict = {}  # members -> the data-parallel family's group already created over them
     for name in names:
         for members in grid.groups(name):
             if len(members) == 1 or not initialized:
                 continue
-            if name in ("ep", "dp_shard") and len(members) == grid.dp:  # the whole dp group
-                # Reuse dp's group: a second communicator over the same ranks costs NCCL memory and init time.
+            if name in REUSABLE and members in made:  # e.g. ep = dp, ep = cp, dpcp = cp (dp = 1)
+                # Reuse: a second communicator over the same ranks costs NCCL memory and init time.
                 # Every process takes this branch alike, so the new_group calls below stay in step.
-                groups[(name, members)] = groups[("dp", members)]
-                continue
-            if name == "dpcp" and grid.dp == 1:  # dp = 1: the dpcp group is the cp group
-                groups[(name, members)] = groups[("cp", members)]
+                groups[(name, members)] = made[members]
                 continue
             # new_group is collective over the whole world: every process creates every group, in order
             groups[(name, members)] = dist.new_group([ranks[i] for i in members], timeout=timeout)
+            if name in REUSABLE:
+                made[members] = groups[(name, members)]
     # Created before the `me not in ranks` exit: processes outside the job must still join the call.
     everyone = dist.new_group(ranks, timeout=world_timeout) if (world > 1 and initialized) else None
     if me not in ranks:

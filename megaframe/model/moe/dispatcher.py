@@ -52,11 +52,14 @@ def expert_counts(experts_A: torch.Tensor, num_experts: int) -> torch.Tensor:
 
 
 def plan(experts_TK: torch.Tensor, weights_TK: torch.Tensor, num_experts: int, capacity: int | None = None,
-         offset_E: torch.Tensor | None = None, counts_E: torch.Tensor | None = None) -> Plan:
+         offset_E: torch.Tensor | None = None, counts_E: torch.Tensor | None = None,
+         runs: tuple[torch.Tensor, torch.Tensor] | None = None) -> Plan:
     """Sort assignments by expert; with a capacity, keep each expert's first `capacity` assignments in
     token order. `offset_E`: assignments per expert on earlier sequence blocks of the micro-batch (the
-    tp ranks before this one under sp), so the cut is the one a single process would make. `counts_E`:
-    expert_counts(experts_TK) if the caller has it. No host sync."""
+    tp ranks before this one under sp), so the cut is the one a single process would make. `runs`, in
+    its place where this rank's tokens are several runs of the micro-batch's token order (cp's two
+    chunks): (counts_JE of each run's assignments, before_JE: the micro-batch's assignments per expert
+    ahead of each run). `counts_E`: expert_counts(experts_TK) if the caller has it. No host sync."""
     k = experts_TK.shape[1]
     flat_A = experts_TK.reshape(-1)
     # Stable: ties keep token order, so which assignments capacity keeps is deterministic and layout-free.
@@ -65,9 +68,12 @@ def plan(experts_TK: torch.Tensor, weights_TK: torch.Tensor, num_experts: int, c
         counts_E = expert_counts(flat_A, num_experts)
     kept_E, dropped = counts_E, torch.zeros((), dtype=torch.int64, device=flat_A.device)
     if capacity is not None:
-        before_E = torch.zeros_like(counts_E) if offset_E is None else offset_E
-        # Earlier sequence blocks used up part of each expert's capacity; clamp: they may have used it all.
-        kept_E = torch.minimum(counts_E, (capacity - before_E).clamp_min(0))
+        if runs is None:
+            runs = (counts_E[None], (torch.zeros_like(counts_E) if offset_E is None else offset_E)[None])
+        run_JE, before_JE = runs
+        # Earlier tokens used up part of each expert's capacity; clamp: they may have used it all. Runs
+        # come in token order, so an expert's kept assignments are still its first ones here (a prefix).
+        kept_E = torch.minimum(run_JE, (capacity - before_JE).clamp_min(0)).sum(0)
         dropped = (counts_E - kept_E).sum()
         sorted_A = flat_A[order_A]
         # Rank of each sorted assignment within its expert (index minus the expert's exclusive prefix count).

@@ -1,12 +1,22 @@
 """The MoE block MLP: router, capacity, dispatch over ep, stacked SwiGLU experts, and the router losses.
 
-Legend: S sequence (S/tp under sp), B batch, D hidden, T = S·B tokens on this rank, N tokens of the
-whole micro-batch (T·tp under sp, else T), E experts, L = E/ep local experts, F expert width, K top-k.
+Legend: S sequence (S/cp, then /tp under sp), B batch, D hidden, T = S·B tokens on this rank, N tokens of
+the whole micro-batch (T·cp, ·tp under sp), E experts, L = E/ep local experts, F expert width, K top-k,
+J runs of consecutive positions among a rank's tokens, G ranks splitting one micro-batch's sequence.
 
 Sharding: experts are stacked [E, ...] tensors split along dim 0 over ep (Shard axis "ep"), replicated
 over tp (not tensor-split). Without sp every tp rank sees the same tokens and computes the same expert
 grads; with sp each sees its own sequence block, so the experts' and router's grads are partial over
 tp (tp_partial_grad) and summed before the step. Expert grads are reduced over edp, not dp.
+
+Context parallelism: each cp rank routes the tokens it holds (its two chunks of every sequence), as a
+tp rank does its block under sp. The router losses' statistics are the micro-batch's: the routed counts
+are gathered over the ranks splitting its sequence (tp under sp, and cp) and N counts all their tokens,
+so each rank's aux/z term is its additive share of the one-process loss, exact in value and gradient
+(the counts are constants of the loss; the scores it differentiates are this rank's own tokens), and
+the shares add up in the objective through each rank's own backward, as dp ranks' micro-batches do.
+Router and experts are replicated over cp, so their grads are partial over it: the router's reduced
+over cp·dp with the dense params, the experts' over edp, which ep cuts out of cp·dp (parallel/mesh.py).
 
 Router losses reach the objective without touching the pipeline executor (Megatron's trick): the
 output passes through `_InjectLoss`, the identity forward, which in backward also seeds the losses'
@@ -24,7 +34,7 @@ from torch import nn
 
 from megaframe.layers.shard import Shard, sharded_param
 from megaframe.model.moe import dispatcher, router
-from megaframe.parallel import comm
+from megaframe.parallel import comm, context
 from megaframe.parallel.mesh import Mesh
 from megaframe.schema import ModelConfig
 
@@ -82,41 +92,61 @@ class MoE(nn.Module):
 
     def __init__(self, cfg: ModelConfig, mesh: Mesh, sp: bool, device=None, tokens_per_step: int | None = None):
         super().__init__()
-        self.cfg, self.tp, self.ep, self.sp = cfg, mesh.tp, mesh.ep, sp
+        self.cfg, self.tp, self.ep, self.cp, self.sp = cfg, mesh.tp, mesh.ep, mesh.cp, sp
         self.tokens_per_step = tokens_per_step
+        self._ahead: dict[int, torch.Tensor] = {}  # _batch_counts' run order masks, by sequence length
         self.router = router.Router(cfg.hidden_size, cfg.num_experts, sp, device)
         self.experts = Experts(cfg, mesh.ep, sp, device)
         # this step's statistics, accumulated over micro-batches on the device (no host sync)
         # (a plain attribute, not a buffer: model.to(bf16) must not cast it)
         self.step_stats = torch.zeros(cfg.num_experts + len(STAT_NAMES), dtype=torch.float64, device=device)
 
-    def _batch_counts(self, counts_E: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(routed counts of the whole micro-batch, those of earlier sequence blocks) — under sp the
-        micro-batch is split over tp in sequence order, so gather every block's counts."""
-        if not (self.sp and self.tp.size > 1):
-            return counts_E, torch.zeros_like(counts_E)
-        # Gathered, not all-reduced: besides the total, capacity needs the counts of the blocks before ours
-        # to drop the same assignments as one process would.
-        all_PE = comm.all_gather_dim0(counts_E.unsqueeze(0), self.tp)
-        return all_PE.sum(0), all_PE[:self.tp.rank].sum(0)
+    def _batch_counts(self, experts_TK: torch.Tensor, counts_E: torch.Tensor, batch: int):
+        """(routed counts of the whole micro-batch, plan's `runs` for capacity or None). The micro-batch's
+        sequence is split over cp (two chunks per rank) and, under sp, each rank's rows over tp; every rank
+        routes its own tokens, so the counts of the group's runs (context.cp_runs) are gathered: their sum
+        is the micro-batch's, and the runs ahead of each of ours give what they took of the capacity."""
+        blocks = self.tp.size if self.sp else 1
+        if blocks * self.cp.size == 1:
+            return counts_E, None
+        rows = experts_TK.shape[0] // batch  # tokens are sequence-major: row s holds tokens s·B .. s·B+B-1
+        seq = rows * blocks * self.cp.size
+        runs = [context.cp_runs(seq, self.cp.size, r, blocks, t) for r in range(self.cp.size) for t in range(blocks)]
+        me = runs[self.cp.rank * blocks + (self.tp.rank if blocks > 1 else 0)]
+        e = self.cfg.num_experts
+        run_JE = torch.stack([dispatcher.expert_counts(experts_TK[lo * batch:hi * batch].reshape(-1), e)
+                              for lo, hi, _ in me])
+        # Gathered, not all-reduced: besides the total, capacity needs the counts of the runs before ours to
+        # drop the same assignments as one process would. Order (cp rank, tp rank), as `runs` lists them.
+        all_GJE = run_JE.unsqueeze(0)
+        if blocks > 1:
+            all_GJE = comm.all_gather_dim0(all_GJE, self.tp)
+        all_GJE = comm.all_gather_dim0(all_GJE, self.cp)
+        if seq not in self._ahead:  # static per sequence length: built once, not a host copy per layer call
+            start_G = [g for rank_runs in runs for _, _, g in rank_runs]
+            self._ahead[seq] = torch.tensor([[s < g for s in start_G] for _, _, g in me], device=counts_E.device)
+        # the runs of the whole group that come before each of ours in the micro-batch's token order
+        before_JE = (self._ahead[seq][:, :, None] * all_GJE.reshape(-1, e)[None]).sum(1)
+        return all_GJE.sum((0, 1)), (run_JE, before_JE)
 
     def forward(self, x_SBD: torch.Tensor) -> torch.Tensor:
         c = self.cfg
         s, b, d = x_SBD.shape
         x_TD = x_SBD.reshape(-1, d)
-        n = x_TD.shape[0] * (self.tp.size if self.sp else 1)
+        # the micro-batch's tokens: this rank's, times the sp blocks and cp ranks that split its sequence
+        n = x_TD.shape[0] * (self.tp.size if self.sp else 1) * self.cp.size
         logits_TE = self.router(x_TD)
         bias_E = self.router.expert_bias if c.moe_expert_bias else None
         r = router.route(logits_TE, c.moe_top_k, c.moe_router_score, bias_E)
         if x_TD.is_meta:  # the planner (megaframe.plan): shapes only, so assume perfectly balanced routing
             return self._balanced(x_TD, r).view(s, b, d)
         counts_E = dispatcher.expert_counts(r.experts_TK.reshape(-1), c.num_experts)
-        batch_E, offset_E = self._batch_counts(counts_E)
+        batch_E, runs = self._batch_counts(r.experts_TK, counts_E, b)
         capacity = None
         if c.moe_capacity_factor is not None:
             # From n, the whole micro-batch's tokens (not this rank's block): the same capacity in every layout.
             capacity = math.ceil(c.moe_capacity_factor * n * c.moe_top_k / c.num_experts)
-        plan = dispatcher.plan(r.experts_TK, r.weights_TK, c.num_experts, capacity, offset_E, counts_E)
+        plan = dispatcher.plan(r.experts_TK, r.weights_TK, c.num_experts, capacity, counts_E=counts_E, runs=runs)
         y_TD = dispatcher.dispatch_combine(x_TD, plan, self.ep, self.experts)
         # Skipped under no_grad (eval): no backward to inject into, and eval batches stay out of step_stats.
         if torch.is_grad_enabled():

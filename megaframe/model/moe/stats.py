@@ -2,9 +2,9 @@
 
 Each MoE layer accumulates, over the step's micro-batches and on the device, a row
     [routed assignments per expert (E) | dropped, assigned, entropy sum, tokens, aux, z]
-of this rank's tokens (see layer.STAT_NAMES). Summed over dp — and over tp under sp, where each tp rank
-routed its own sequence block (without sp every tp rank routed the same tokens) — the row describes
-the whole global batch. Each layer lives on one pipeline stage: a sum over pp of the [layers, E + 6]
+of this rank's tokens (see layer.STAT_NAMES). Summed over cp·dp (each cp rank routed its own chunks)
+— and over tp under sp, where each tp rank routed its own sequence block (without sp every tp rank
+routed the same tokens) — the row describes the whole global batch. Each layer lives on one pipeline stage: a sum over pp of the [layers, E + 6]
 table (zero rows for other stages' layers) brings all of them to the logging rank.
 Nothing here syncs the host except `metrics`, which the trainer calls at log steps only.
 """
@@ -31,7 +31,7 @@ def begin_step(model) -> None:
 
 
 def reduced_table(model, mesh: Mesh, over_pp: bool) -> torch.Tensor | None:
-    """[num_layers, E + 6] step statistics of the global batch (collective over dp, tp, and pp when
+    """[num_layers, E + 6] step statistics of the global batch (collective over cp·dp, tp, and pp when
     `over_pp`); None for a dense model."""
     cfg = model.cfg
     if cfg.num_experts == 0:
@@ -41,8 +41,8 @@ def reduced_table(model, mesh: Mesh, over_pp: bool) -> torch.Tensor | None:
     table = torch.zeros(cfg.num_layers, cfg.num_experts + len(STAT_NAMES), dtype=torch.float64, device=mesh.device)
     for i, layer in moe_layers(model):
         table[i] = layer.step_stats
-    # Fixed order dp, tp, pp on every rank; the `if`s depend only on config, so all ranks take them alike.
-    comm.all_reduce(table, mesh.dp)
+    # Fixed order cp·dp, tp, pp on every rank; the `if`s depend only on config, so all ranks take them alike.
+    comm.all_reduce(table, mesh.dpcp)
     if model.sp:
         comm.all_reduce(table, mesh.tp)
     if over_pp:

@@ -1,0 +1,44 @@
+"""MoE under context parallelism trains like one process: each cp rank routes the tokens it holds, the
+router losses and capacity see the whole micro-batch (counts gathered over cp), and ep borrows its ranks
+from cp·dp (expert grads over edp, dense ones over cp·dp). Losses (6 steps), step-1 grads and the final
+weights against one process, for cp_comm allgather and ring."""
+import pytest
+
+from tests.distributed.cases import train_and_report
+from tests.distributed.test_context_parallel import STEPS, check
+
+pytestmark = pytest.mark.distributed
+
+MOE = ["model=moe_tiny"]  # 8 experts, top-2, aux 0.01 and z 0.001 losses, on the tiny dims of cases.TINY
+_reference: dict = {}
+
+
+def reference(pool, options: tuple) -> dict:
+    if options not in _reference:
+        _reference[options] = pool.run(train_and_report, 1, MOE + list(options), STEPS)[0]
+    return _reference[options]
+
+
+# (name, cp, dp, ep, tp, overrides): ep = cp takes the cp group itself; ep = cp·dp spans cp and dp;
+# ep = 2 at cp2·dp2 leaves edp = dp (each expert's grads summed over the two dp ranks holding it)
+LAYOUTS = [
+    ("cp2", 2, 1, 1, 1, []),
+    ("cp2-ep2", 2, 1, 2, 1, []),
+    ("ring-cp2-ep2", 2, 1, 2, 1, ["parallel.cp_comm=ring"]),
+    ("cp2-dp2-ep2-zero1", 2, 2, 2, 1, ["optim.zero=1"]),
+    ("ring-cp2-dp2-ep4", 2, 2, 4, 1, ["parallel.cp_comm=ring"]),
+    ("cp2-tp2-sp-ep2-capacity", 2, 1, 2, 2, ["parallel.sp=true", "model.moe_capacity_factor=1.0"]),
+    ("cp2-ep2-capacity-expert-bias", 2, 1, 2, 1, ["model.moe_capacity_factor=1.0", "model.moe_expert_bias=true",
+                                                  "model.moe_bias_update_rate=0.01"]),
+]
+LAYOUT_ONLY = ("parallel.",)
+
+
+@pytest.mark.parametrize("name,cp,dp,ep,tp,extra", LAYOUTS, ids=[layout[0] for layout in LAYOUTS])
+def test_moe_under_cp_matches_one_process(pool, name, cp, dp, ep, tp, extra):
+    ref = reference(pool, tuple(o for o in extra if not o.startswith(LAYOUT_ONLY)))
+    over = MOE + extra + [f"parallel.cp={cp}", f"parallel.ep={ep}", f"parallel.tp={tp}"]
+    got = pool.run(train_and_report, cp * dp * tp, over, STEPS, tp=tp, cp=cp, ep=ep)[0]
+    check(got, ref)
+    if ep > 1:  # the tokens did cross the ep group
+        assert all(c.get("ep", 0) > 0 for c in got["comm"]), got["comm"]
