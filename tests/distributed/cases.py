@@ -7,6 +7,7 @@ from megaframe.config import load_config
 from megaframe.data.dataset import build_data, microbatches
 from megaframe.layers.shard import gather_full
 from megaframe.model.gpt import build_model
+from megaframe.model.moe import stats as moe_stats
 from megaframe.optim.build import build_optimizer
 from megaframe.parallel import comm
 from megaframe.training.step import train_step
@@ -67,9 +68,10 @@ def train_and_report(mesh, overrides: list[str], steps: int, setup=None) -> dict
         if step == 1:
             grads = full_state(model, mesh, grads=True, optimizer=optimizer)
     weights = full_state(model, mesh, optimizer=optimizer)
+    moe = moe_stats.metrics(model, mesh)  # the last step's router figures (collective; {} for a dense model)
     if mesh.rank != 0:
         return None
-    return {"losses": losses, "grads": grads, "weights": weights, "comm": comm_tp}
+    return {"losses": losses, "grads": grads, "weights": weights, "comm": comm_tp, "moe": moe}
 
 
 def vocab_layers(mesh, sp: bool) -> dict | None:

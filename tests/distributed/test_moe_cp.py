@@ -1,7 +1,8 @@
 """MoE under context parallelism trains like one process: each cp rank routes the tokens it holds, the
 router losses and capacity see the whole micro-batch (counts gathered over cp), and ep borrows its ranks
 from cp·dp (expert grads over edp, dense ones over cp·dp). Losses (6 steps), step-1 grads and the final
-weights against one process, for cp_comm allgather and ring."""
+weights against one process, and the logged router figures (aux/z loss, per-expert loads) of the last step,
+for cp_comm allgather and ring."""
 import pytest
 
 from tests.distributed.cases import train_and_report
@@ -40,5 +41,9 @@ def test_moe_under_cp_matches_one_process(pool, name, cp, dp, ep, tp, extra):
     over = MOE + extra + [f"parallel.cp={cp}", f"parallel.ep={ep}", f"parallel.tp={tp}"]
     got = pool.run(train_and_report, cp * dp * tp, over, STEPS, tp=tp, cp=cp, ep=ep)[0]
     check(got, ref)
+    # the logged router figures of the last step: aux and z losses, per-expert loads, drops, entropy
+    assert got["moe"].keys() == ref["moe"].keys() and got["moe"]
+    for key, want in ref["moe"].items():
+        assert got["moe"][key] == pytest.approx(want, rel=1e-5, abs=1e-9), (key, got["moe"][key], want)
     if ep > 1:  # the tokens did cross the ep group
         assert all(c.get("ep", 0) > 0 for c in got["comm"]), got["comm"]

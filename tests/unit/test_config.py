@@ -168,8 +168,9 @@ def test_unknown_preset_is_a_one_line_error():
     (["parallel.pp=2", "parallel.pp_schedule=zigzag"], 2, ["parallel.pp_schedule"]),
     (["model=moe_tiny", "model.moe_top_k=9"], 1, ["model.moe_top_k", "model.num_experts"]),
     (["model=moe_tiny", "parallel.ep=3"], 3, ["parallel.ep", "model.num_experts"]),
-    (["model=moe_tiny", "parallel.ep=4"], 2, ["parallel.ep", "data-parallel size"]),
-    (["model=moe_tiny", "parallel.ep=2", "parallel.tp=2"], 2, ["parallel.ep", "data-parallel size"]),
+    (["model=moe_tiny", "parallel.ep=4"], 2, ["parallel.ep", "cp x dp"]),
+    (["model=moe_tiny", "parallel.ep=2", "parallel.tp=2"], 2, ["parallel.ep", "cp x dp"]),
+    (["model=moe_tiny", "parallel.ep=4", "parallel.cp=2"], 2, ["parallel.ep=4", "cp x dp = 2"]),
     (["parallel.ep=2"], 2, ["parallel.ep", "model.num_experts"]),
     (["model=moe_tiny", "model.moe_router_score=relu"], 1, ["model.moe_router_score"]),
     (["model=moe_tiny", "model.moe_capacity_factor=0"], 1, ["model.moe_capacity_factor"]),
@@ -194,7 +195,6 @@ def test_unknown_preset_is_a_one_line_error():
     (["parallel.cp=2", "model.seq_length=30"], 2, ["parallel.cp", "model.seq_length"]),
     (["parallel.cp=2", "parallel.cp_comm=ring", "model.dropout=0.1"], 2, ["parallel.cp_comm=ring", "model.dropout"]),
     (["parallel.cp=2", "parallel.cp_comm=zigzag"], 2, ["parallel.cp_comm"]),
-    (["model=moe_tiny", "parallel.cp=2"], 2, ["parallel.cp", "model.num_experts"]),
     (["parallel.cp=2", "train.global_batch_size=12", "train.micro_batch_size=4"], 4, ["train.global_batch_size"]),
 ])
 def test_layout_errors_name_the_field(overrides, world, names):
@@ -214,6 +214,9 @@ def test_layout_errors_name_the_field(overrides, world, names):
     (["model=moe_tiny", "parallel.ep=4"], 4),
     (["model=moe_tiny", "parallel.ep=2", "parallel.tp=2", "parallel.sp=true"], 4),
     (["model=moe_tiny", "parallel.ep=8", "parallel.pp=2", "train.global_batch_size=64"], 16),
+    (["model=moe_tiny", "parallel.cp=2"], 2),  # MoE under cp: ep borrows from cp·dp
+    (["model=moe_tiny", "parallel.cp=2", "parallel.ep=2"], 2),
+    (["model=moe_tiny", "parallel.cp=2", "parallel.ep=4", "model.moe_capacity_factor=1.0"], 4),
 ])
 def test_good_layouts_pass(overrides, world):
     load_config(["model=gpt_tiny", "data=synthetic", *overrides], world_size=world)

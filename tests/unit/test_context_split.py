@@ -56,3 +56,40 @@ def test_rank_grid_puts_cp_between_tp_and_dp():
     assert m.rank == 1 + 2 * (1 + 2 * 1)
     plain = virtual_mesh(2, 1, 2, device="meta")
     assert plain.dpcp is plain.dp and plain.cp.size == 1
+
+
+def test_rank_grid_ep_borrows_from_cp_dp():
+    """ep cuts contiguous blocks out of the dpcp group (cp peers first), edp takes what is left; with
+    cp = 1 the groups are the dp ones of before."""
+    from megaframe.parallel.mesh import RankGrid
+    from megaframe.parallel.virtual import virtual_mesh
+
+    g = RankGrid(tp=1, dp=2, pp=1, cp=2, ep=2)  # positions: cp_rank + 2·dp_rank
+    assert g.groups("ep") == g.groups("cp") == [(0, 1), (2, 3)]
+    assert g.groups("edp") == g.groups("dp") == [(0, 2), (1, 3)]
+    g4 = RankGrid(tp=2, dp=2, pp=1, cp=2, ep=4)
+    assert g4.groups("ep") == g4.groups("dpcp") == [(0, 2, 4, 6), (1, 3, 5, 7)] and g4.groups("edp")[0] == (0,)
+    assert RankGrid(tp=1, dp=1, pp=1, cp=2, ep=2).groups("ep") == [(0, 1)]
+    assert RankGrid(tp=2, dp=4, pp=1, ep=2).groups("ep") == [(0, 2), (4, 6), (1, 3), (5, 7)]  # cp = 1: as before
+    m = virtual_mesh(1, 1, 2, dp_rank=1, cp=2, cp_rank=0, ep=2)
+    assert (m.ep.rank, m.edp.size, m.edp.rank) == (0, 2, 1)
+    plain = virtual_mesh(1, 1, 1, cp=2, cp_rank=1)  # ep = 1: experts reduced over all of cp·dp
+    assert plain.edp is plain.dpcp and plain.edp.size == 2
+
+
+@pytest.mark.parametrize("seq,cp,blocks", [(32, 2, 1), (32, 2, 2), (32, 2, 4), (48, 3, 2), (32, 1, 2), (24, 2, 3)])
+def test_cp_runs_are_the_held_positions(seq, cp, blocks):
+    """Each rank's rows (two cp chunks, cut into sp blocks) as runs of consecutive global positions."""
+    from megaframe.parallel.context import cp_positions, cp_runs
+
+    held = []
+    for r in range(cp):
+        pos = cp_positions(seq, cp, r)
+        m = len(pos) // blocks
+        for t in range(blocks):
+            runs = cp_runs(seq, cp, r, blocks, t)
+            assert len(runs) == 2 and runs[0][0] == 0 and runs[0][1] == runs[1][0] and runs[1][1] == m
+            for lo, hi, start in runs:
+                assert torch.equal(pos[t * m:(t + 1) * m][lo:hi], torch.arange(start, start + hi - lo))
+                held += range(start, start + hi - lo)
+    assert sorted(held) == list(range(seq))
