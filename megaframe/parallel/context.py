@@ -54,6 +54,9 @@ def cp_runs(seq: int, cp: int, rank: int, blocks: int = 1, block: int = 0) -> li
     `rank`'s two chunks of a length-`seq` sequence, cut into `blocks` equal blocks of which the rank holds
     block `block` (sequence parallelism over tp). Always two runs, (local lo, local hi, global start); a
     block inside one chunk gets an empty second (or first) run."""
+    if cp == 1:  # one run (the sequence need not split into two chunks: an odd length under sp)
+        m = seq // blocks
+        return [(0, m, block * m), (m, m, seq)]
     n = seq // (2 * cp)
     m = 2 * n // blocks  # rows of one block
     lo = block * m  # the block's first row in the rank's two chunks

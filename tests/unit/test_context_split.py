@@ -77,14 +77,15 @@ def test_rank_grid_ep_borrows_from_cp_dp():
     assert plain.edp is plain.dpcp and plain.edp.size == 2
 
 
-@pytest.mark.parametrize("seq,cp,blocks", [(32, 2, 1), (32, 2, 2), (32, 2, 4), (48, 3, 2), (32, 1, 2), (24, 2, 3)])
+@pytest.mark.parametrize("seq,cp,blocks", [(32, 2, 1), (32, 2, 2), (32, 2, 4), (48, 3, 2), (32, 1, 2), (24, 2, 3),
+                                            (9, 1, 3), (5, 1, 1)])
 def test_cp_runs_are_the_held_positions(seq, cp, blocks):
     """Each rank's rows (two cp chunks, cut into sp blocks) as runs of consecutive global positions."""
     from megaframe.parallel.context import cp_positions, cp_runs
 
     held = []
     for r in range(cp):
-        pos = cp_positions(seq, cp, r)
+        pos = cp_positions(seq, cp, r) if cp > 1 else torch.arange(seq)  # cp = 1: any length
         m = len(pos) // blocks
         for t in range(blocks):
             runs = cp_runs(seq, cp, r, blocks, t)
