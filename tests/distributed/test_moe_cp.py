@@ -7,6 +7,7 @@ import pytest
 
 from tests.distributed.cases import train_and_report
 from tests.distributed.test_context_parallel import STEPS, check
+from tests.distributed.test_model_equivalence import assert_close_dicts
 
 pytestmark = pytest.mark.distributed
 
@@ -47,3 +48,19 @@ def test_moe_under_cp_matches_one_process(pool, name, cp, dp, ep, tp, extra):
         assert got["moe"][key] == pytest.approx(want, rel=1e-5, abs=1e-9), (key, got["moe"][key], want)
     if ep > 1:  # the tokens did cross the ep group
         assert all(c.get("ep", 0) > 0 for c in got["comm"]), got["comm"]
+
+
+def test_cp_ep_checkpoint_resumes_in_one_process(pool, tmp_path):
+    """Layout-free checkpoints with experts under cp: 2 steps at cp2·dp2·ep4 (ZeRO-1: expert moments
+    sharded over edp, dense ones over cp·dp; the expert bias buffer), saved, 2 more in one process give
+    the uninterrupted one-process losses and weights."""
+    from tests.distributed.moe_cases import checkpoint_across_ep
+
+    over = MOE + ["optim.zero=1", "model.moe_expert_bias=true", "model.moe_bias_update_rate=0.01"]
+    whole = pool.run(checkpoint_across_ep, 1, over, str(tmp_path / "whole"), 4, 4)[0]
+    pool.run(checkpoint_across_ep, 4, over + ["parallel.cp=2", "parallel.ep=4"], str(tmp_path / "ck"), 4, 2,
+             cp=2, ep=4)
+    resumed = pool.run(checkpoint_across_ep, 1, over, str(tmp_path / "ck"), 4, 2)[0]
+    rel = [abs(a - b) / abs(b) for a, b in zip(resumed["losses"], whole["losses"][2:])]
+    assert max(rel) <= 1e-5, (resumed["losses"], whole["losses"])
+    assert_close_dicts(resumed["weights"], whole["weights"], rtol=1e-4, atol=1e-4, what="weight")
