@@ -6,8 +6,9 @@ A `Placement` is attached once, where the tensor is created (`layers.shard.shard
     tp      split (a `Shard` along `dim`, fused blocks split separately) or replicated; a replicated
             tensor's grad may be partial over tp (sequence parallel: each rank saw its own block)
     ep      experts stacked along dim 0 are split over ep (then replicated over tp)
-    dp      replicated; grads summed over dp, or over edp for experts (the dp ranks holding the same
-            experts). ZeRO shards the optimizer state over the same axis.
+    dp      replicated; grads summed over cp·dp (dpcp: cp ranks hold other tokens of the same sequences),
+            or over edp for experts (the cp·dp ranks holding the same experts; ep borrows the others).
+            ZeRO shards the optimizer state over the same axis.
     pp      one stage holds it, except a tied embedding: a copy on each pipeline end whose grads are
             summed over `mesh.pp_ends`; the last stage's copy is the duplicate
 

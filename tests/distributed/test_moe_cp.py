@@ -30,6 +30,7 @@ LAYOUTS = [
     ("cp2-dp2-ep2-zero1", 2, 2, 2, 1, ["optim.zero=1"]),
     ("ring-cp2-dp2-ep4", 2, 2, 4, 1, ["parallel.cp_comm=ring"]),
     ("cp2-tp2-sp-ep2-capacity", 2, 1, 2, 2, ["parallel.sp=true", "model.moe_capacity_factor=1.0"]),
+    ("cp2-pp2-ep2-sigmoid", 2, 1, 2, 1, ["parallel.pp=2", "model.moe_router_score=sigmoid"]),
     ("cp2-ep2-capacity-expert-bias", 2, 1, 2, 1, ["model.moe_capacity_factor=1.0", "model.moe_expert_bias=true",
                                                   "model.moe_bias_update_rate=0.01"]),
 ]
@@ -40,7 +41,8 @@ LAYOUT_ONLY = ("parallel.",)
 def test_moe_under_cp_matches_one_process(pool, name, cp, dp, ep, tp, extra):
     ref = reference(pool, tuple(o for o in extra if not o.startswith(LAYOUT_ONLY)))
     over = MOE + extra + [f"parallel.cp={cp}", f"parallel.ep={ep}", f"parallel.tp={tp}"]
-    got = pool.run(train_and_report, cp * dp * tp, over, STEPS, tp=tp, cp=cp, ep=ep)[0]
+    pp = 2 if "parallel.pp=2" in extra else 1
+    got = pool.run(train_and_report, cp * dp * tp * pp, over, STEPS, tp=tp, cp=cp, ep=ep, pp=pp)[0]
     check(got, ref)
     # the logged router figures of the last step: aux and z losses, per-expert loads, drops, entropy
     assert got["moe"].keys() == ref["moe"].keys() and got["moe"]
