@@ -80,8 +80,8 @@ def global_norm(grads: list[tuple[Placement, torch.Tensor]], mesh: Mesh, sharded
 
     Squares are grouped by the data-parallel axis over which ranks hold different elements: ZeRO's
     owned ranges are disjoint over dp (cp·dp under cp; experts: over edp, and ep ranks hold different
-    experts, so cp·dp = ep x edp covers both; under HSDP over the shard group dp_shard, whose replicas hold equal shards); replicated
-    grads differ only between ep ranks, for experts. Every group is
+    experts, so cp·dp = ep x edp covers both; under HSDP over the shard group dp_shard, whose replicas
+    hold equal shards); replicated grads differ only between ep ranks, for experts. Every group is
     reduced even when empty on this rank, so all ranks enter the same collectives."""
     groups: dict[str, tuple[Axis | None, list[torch.Tensor]]] = (
         {"dp": (mesh.dp_shard, [])} if sharded else {"dense": (None, []), "expert": (mesh.ep, [])})

@@ -4,8 +4,9 @@ Each MoE layer accumulates, over the step's micro-batches and on the device, a r
     [routed assignments per expert (E) | dropped, assigned, entropy sum, tokens, aux, z]
 of this rank's tokens (see layer.STAT_NAMES). Summed over cp·dp (each cp rank routed its own chunks)
 — and over tp under sp, where each tp rank routed its own sequence block (without sp every tp rank
-routed the same tokens) — the row describes the whole global batch. Each layer lives on one pipeline stage: a sum over pp of the [layers, E + 6]
-table (zero rows for other stages' layers) brings all of them to the logging rank.
+routed the same tokens) — the row describes the whole global batch. Each layer lives on one pipeline
+stage: a sum over pp of the [layers, E + 6] table (zero rows for other stages' layers) brings all of
+them to the logging rank.
 Nothing here syncs the host except `metrics`, which the trainer calls at log steps only.
 """
 from __future__ import annotations
