@@ -1,5 +1,5 @@
 """No host sync in a training step outside log steps, except the MoE split sizes (one per MoE layer and
-micro-batch), and no collective over the whole job every step: counted on CPU by tests/distributed/
+micro-batch; under cp too), and no collective over the whole job every step: counted on CPU by tests/distributed/
 sync_count.py over the real trainer loop (stop flag, async checkpoint commit, bad-step checks).
 
 Steps 1 (first), 2 and 4 (checkpoint saves) and 6 (log, last) may sync; steps 3 and 5 are plain
@@ -23,13 +23,16 @@ LAYOUTS = [
     ("moe-ep2", 2, 1, 1, 2, MOE + ["parallel.ep=2"], 2),
     ("moe-tp2-sp-ep2-capacity", 4, 2, 1, 2,
      MOE + ["parallel.tp=2", "parallel.sp=true", "parallel.ep=2", "model.moe_capacity_factor=1.0"], 2),
+    # MoE under cp: the run counts gathered over cp, capacity's run-order mask built once (first step)
+    ("moe-cp2-ep2-capacity", 2, 1, 1, 2, MOE + ["parallel.cp=2", "parallel.ep=2", "model.moe_capacity_factor=1.0"], 2),
 ]
 
 
 @pytest.mark.parametrize("name,n,tp,pp,ep,over,moe_layers", LAYOUTS, ids=[x[0] for x in LAYOUTS])
 def test_host_syncs_per_step_within_budget(pool, tmp_path, name, n, tp, pp, ep, over, moe_layers):
-    counts = pool.run(syncs_per_step, n, over + CKPT, STEPS, str(tmp_path), tp=tp, pp=pp, ep=ep)[0]
-    micro = 8 // (2 * (n // (tp * pp)))  # global batch 8, micro-batch 2, over dp
+    cp = 2 if "parallel.cp=2" in over else 1
+    counts = pool.run(syncs_per_step, n, over + CKPT, STEPS, str(tmp_path), tp=tp, pp=pp, ep=ep, cp=cp)[0]
+    micro = 8 // (2 * (n // (tp * pp * cp)))  # global batch 8, micro-batch 2, over dp
     budget = moe_layers * micro  # the MoE split sizes: one .tolist() per MoE layer and micro-batch
     print(name, {s: (len(c["syncs"]), len(c["world"])) for s, c in counts.items()})
     for s in PLAIN_STEPS:
