@@ -55,7 +55,7 @@ def train_and_report(mesh, overrides: list[str], steps: int, setup=None) -> dict
     optimizer = build_optimizer(model, cfg.optim, mesh)
     data = build_data(cfg)
     t = cfg.train
-    losses, grads, comm_tp = [], None, []
+    losses, grads, comm_tp, norms = [], None, [], []
     for step in range(1, steps + 1):
         batches = microbatches(data, step - 1, t.global_batch_size, t.micro_batch_size, mesh.dp.rank,
                                mesh.dp.size, t.seed, cp_rank=mesh.cp.rank, cp_size=mesh.cp.size)
@@ -65,13 +65,14 @@ def train_and_report(mesh, overrides: list[str], steps: int, setup=None) -> dict
         loss = comm.all_reduce(res.loss_sum.clone(), mesh.dpcp) / (t.global_batch_size * cfg.model.seq_length)
         comm.all_reduce(loss, mesh.pp)  # only the last stage has a loss; the others add 0
         losses.append(loss.item())
+        norms.append(res.grad_norm.item())
         if step == 1:
             grads = full_state(model, mesh, grads=True, optimizer=optimizer)
     weights = full_state(model, mesh, optimizer=optimizer)
     moe = moe_stats.metrics(model, mesh)  # the last step's router figures (collective; {} for a dense model)
     if mesh.rank != 0:
         return None
-    return {"losses": losses, "grads": grads, "weights": weights, "comm": comm_tp, "moe": moe}
+    return {"losses": losses, "grads": grads, "weights": weights, "comm": comm_tp, "moe": moe, "norms": norms}
 
 
 def vocab_layers(mesh, sp: bool) -> dict | None:

@@ -26,8 +26,8 @@ def reference(pool, options: tuple) -> dict:
 LAYOUTS = [
     ("cp2", 2, 1, 1, 1, []),
     ("cp2-ep2", 2, 1, 2, 1, []),
-    ("ring-cp2-ep2", 2, 1, 2, 1, ["parallel.cp_comm=ring"]),
-    ("cp2-dp2-ep2-zero1", 2, 2, 2, 1, ["optim.zero=1"]),
+    ("ring-cp2-ep2-zero0-clip", 2, 1, 2, 1, ["parallel.cp_comm=ring", "optim.zero=0", "optim.clip_grad=0.3"]),
+    ("cp2-dp2-ep2-zero1-clip", 2, 2, 2, 1, ["optim.zero=1", "optim.clip_grad=0.3"]),
     ("ring-cp2-dp2-ep4", 2, 2, 4, 1, ["parallel.cp_comm=ring"]),
     ("cp2-tp2-sp-ep2-capacity", 2, 1, 2, 2, ["parallel.sp=true", "model.moe_capacity_factor=1.0"]),
     ("cp2-pp2-ep2-sigmoid", 2, 1, 2, 1, ["parallel.pp=2", "model.moe_router_score=sigmoid"]),
@@ -44,6 +44,8 @@ def test_moe_under_cp_matches_one_process(pool, name, cp, dp, ep, tp, extra):
     pp = 2 if "parallel.pp=2" in extra else 1
     got = pool.run(train_and_report, cp * dp * tp * pp, over, STEPS, tp=tp, cp=cp, ep=ep, pp=pp)[0]
     check(got, ref)
+    # the global grad norm (clipping is active where clip_grad=0.3): each element counted once over ep x edp
+    assert got["norms"] == pytest.approx(ref["norms"], rel=1e-5), (got["norms"], ref["norms"])
     # the logged router figures of the last step: aux and z losses, per-expert loads, drops, entropy
     assert got["moe"].keys() == ref["moe"].keys() and got["moe"]
     for key, want in ref["moe"].items():
