@@ -7,13 +7,11 @@ MFU on H100/A100, e.g. Llama 3's 38-43 % at 16k GPUs, Megatron's 47 % at 1T para
 the fraction of the link rate NCCL's bus bandwidth reaches (nccl-tests all-reduce busbw, ~80 %).
 `latency_s` is the per-message cost of one ring step (NCCL's few-microsecond launch + hop).
 
-"cpu" is measured when asked for (`measure_cpu`): the best fp32 matmul rate of one core, and the
-latency and bandwidth of a TCP loopback socket (the transport gloo uses between local ranks).
+"cpu" is measured when asked for (`measure_cpu`): the best fp32 matmul rate of one core, and the time
+of one gloo ring hop against its size between two local processes (planning.gloo_link).
 """
 from __future__ import annotations
 
-import socket
-import threading
 import time
 from dataclasses import dataclass, replace
 
@@ -37,6 +35,9 @@ class Device:
     efficiency: float = 0.5
     link_eff: float = 0.8
     latency_s: float = 10e-6
+    hops: tuple = ()
+    """Measured ((bytes, seconds of one ring hop), ...) (cpu: gloo, planning.gloo_link); when set it
+    replaces latency_s + bytes / bandwidth."""
     source: str = ""
 
     def peak(self, precision: str) -> float:
@@ -57,44 +58,6 @@ DEVICES = {
                    source="NVIDIA DGX B200 datasheet (72 PF fp8 training / 8 GPUs = 9 PF fp8 sparse, i.e. 2.25 PF "
                           "bf16 dense; 1,440 GB / 8; NVLink 5 1.8 TB/s bidirectional; ConnectX-7 400 Gb/s per GPU)"),
 }
-
-
-def _socket_link(nbytes: int = 32 << 20, pings: int = 200) -> tuple[float, float]:
-    """(one-way latency s, bandwidth B/s) of a TCP loopback connection, from a thread echoing/draining it."""
-    srv = socket.socket()
-    srv.bind(("127.0.0.1", 0))
-    srv.listen(1)
-    a = socket.create_connection(srv.getsockname())
-    b, _ = srv.accept()
-    for s in (a, b):
-        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # no Nagle delay on 1-byte pings
-
-    def echo():
-        for _ in range(pings):
-            b.sendall(b.recv(1))
-        left = nbytes
-        while left > 0:
-            left -= len(b.recv(min(left, 1 << 20)))
-        b.sendall(b"k")
-
-    t = threading.Thread(target=echo)
-    t.start()
-    t0 = time.perf_counter()
-    for _ in range(pings):
-        a.sendall(b"x")
-        a.recv(1)
-    latency = (time.perf_counter() - t0) / pings / 2  # a round trip is two one-way hops
-    payload = bytes(1 << 20)
-    t0 = time.perf_counter()
-    for _ in range(nbytes >> 20):
-        a.sendall(payload)
-    # the echo thread answers once every byte arrived: the time covers delivery, not only filling the send buffer
-    a.recv(1)
-    bw = nbytes / (time.perf_counter() - t0)
-    t.join()
-    for s in (a, b, srv):
-        s.close()
-    return latency, bw
 
 
 def _matmul_rate(n: int = 512, seconds: float = 0.3) -> float:
@@ -120,17 +83,22 @@ def _matmul_rate(n: int = 512, seconds: float = 0.3) -> float:
 
 
 def measure_cpu(cores: int | None = None) -> Device:
-    """The "cpu" device: one rank per core, gloo over TCP loopback, measured now."""
+    """The "cpu" device: one rank per core, gloo between local processes, measured now."""
     import os
 
+    from megaframe.planning.gloo_link import measure_hops
+
     rate = _matmul_rate()
-    latency, bw = _socket_link()
+    hops = measure_hops()
+    (s0, t0), (s1, t1) = hops[-2], hops[-1]
+    bw = (s1 - s0) / (t1 - t0)  # the largest sizes' bandwidth, for the printed summary
     cores = cores or os.cpu_count() or 1
-    return Device(f"cpu (measured: {rate / 1e9:.1f} GFLOP/s fp32 per core, loopback {bw / 1e9:.2f} GB/s, "
-                  # link_eff 1: the bandwidth was measured, not taken from a datasheet peak
-                  f"{latency * 1e6:.0f} us)", rate, rate, 0, bw, bw, cores, efficiency=0.5, link_eff=1.0,
-                  latency_s=latency, source="measured at start: best fp32 512x512 matmul rate on one thread; "
-                  "TCP loopback ping-pong and 32 MiB stream")
+    return Device(f"cpu (measured: {rate / 1e9:.1f} GFLOP/s fp32 per core; gloo hop {hops[0][1] * 1e6:.0f} us "
+                  f"for {hops[0][0]} B, {hops[-1][1] * 1e3:.1f} ms for {hops[-1][0] >> 20} MiB)", rate, rate, 0, bw, bw,
+                  # link_eff 1: the link was measured, not taken from a datasheet peak
+                  cores, efficiency=0.5, link_eff=1.0, latency_s=hops[0][1], hops=hops,
+                  source="measured at start: best fp32 512x512 matmul rate on one thread; gloo all-gather and "
+                  "reduce-scatter between two local processes, 4 B to 4 MiB per hop")
 
 
 def get_device(name: str, **overrides) -> Device:

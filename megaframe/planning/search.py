@@ -14,10 +14,13 @@ Step time (seconds) =
            blocks for full recompute, + the attention core's forward for selective) / world size
            / (device peak x efficiency)
   comm     per axis: bytes a rank sends (ring all-reduce 2(n-1)/n, all-gather / reduce-scatter / all-to-all
-           (n-1)/n of the tensor) / (link bandwidth x link_eff) + ring steps x latency. An axis is on NVLink
+           (n-1)/n of the tensor) / (link bandwidth x link_eff) + ring steps x latency (cpu: ring steps x
+           the measured time of one gloo hop of bytes / steps, Device.hops). An axis is on NVLink
            when its ranks fit in one node (tp innermost, then dp (ep within it), then pp), else on IB.
            tp: 4 all-reduce-sized collectives of a micro-batch's activations per block (2 forward, 2
-           backward; 6 with full recompute); ep: 4 all-to-alls of the routed tokens per MoE block; pp: one
+           backward; 6 with full recompute), 2 more per micro-batch for the embedding and the head, and
+           the vocab-parallel loss's two small all-reduces (fp32 per token: the max, then the target
+           logit and the exp-sum); ep: 4 all-to-alls of the routed tokens per MoE block; pp: one
            activation and one gradient per micro-batch per virtual stage; dp: ZeRO-1 reduce-scatter of fp32
            grads + all-gather of params, or ZeRO-0's all-reduce, not overlapped with backward (conservative).
   bubble   the schedule simulator's idle fraction (pipeline.simulate) for (schedule, pp, vpp, micro-batches).
@@ -31,6 +34,7 @@ from dataclasses import dataclass, field
 
 from megaframe.config import Config, ConfigError, validate
 from megaframe.planning.devices import Device
+from megaframe.planning.gloo_link import hop_seconds
 from megaframe.training.metrics import flops_per_token
 
 RECOMPUTE = ("none", "selective", "full")
@@ -205,9 +209,12 @@ def memory(cfg: Config, lay: Layout) -> int:
     return worst
 
 
-def _ring(nbytes: float, n: int, steps: float, bw: float, latency: float) -> float:
-    """Seconds for a collective moving nbytes per rank over a ring of n ranks in `steps` hops."""
-    return 0.0 if n <= 1 else nbytes / bw + steps * latency
+def _ring(nbytes: float, n: int, steps: float, bw: float, latency: float, hops: tuple = ()) -> float:
+    """Seconds for a collective moving nbytes per rank over a ring of n ranks in `steps` hops: bandwidth
+    plus a latency per hop, or `steps` hops of nbytes / steps on a measured curve (Device.hops)."""
+    if n <= 1:
+        return 0.0
+    return steps * hop_seconds(hops, nbytes / steps) if hops else nbytes / bw + steps * latency
 
 
 def step_time(cfg: Config, lay: Layout, dev: Device, world: int) -> dict[str, float]:
@@ -234,18 +241,23 @@ def step_time(cfg: Config, lay: Layout, dev: Device, world: int) -> dict[str, fl
     layers = m.num_layers // lay.pp
     act = lay.micro_batch * m.seq_length * m.hidden_size * a
     bw, lat = link(lay.tp)
-    colls = (6 if lay.recompute == "full" else 4) * layers * micro
-    tp = colls * _ring(2 * (lay.tp - 1) / lay.tp * act, lay.tp, 2 * (lay.tp - 1), bw, lat)
+    # + 2 per micro-batch outside the blocks: the embedding's output and the head's input (forward and
+    # backward: one all-reduce's worth each way); the vocab-parallel loss adds two small all-reduces
+    colls = (6 if lay.recompute == "full" else 4) * layers * micro + 2 * micro
+    tokens_mb = lay.micro_batch * m.seq_length
+    tp = (colls * _ring(2 * (lay.tp - 1) / lay.tp * act, lay.tp, 2 * (lay.tp - 1), bw, lat, dev.hops)
+          + micro * sum(_ring(2 * (lay.tp - 1) / lay.tp * k * 4 * tokens_mb, lay.tp, 2 * (lay.tp - 1), bw, lat,
+                              dev.hops) for k in (1, 2)))  # the logits' max; the target logit and the exp-sum
     ep = 0.0
     if m.num_experts and lay.ep > 1:
         bw, lat = link(lay.tp * lay.ep)
         # each token goes to top_k experts; under sp a tp rank routes its 1/tp of the sequence
         routed = act * m.moe_top_k / (lay.tp if lay.tp > 1 else 1)
-        ep = 4 * layers * micro * _ring((lay.ep - 1) / lay.ep * routed, lay.ep, lay.ep - 1, bw, lat)
+        ep = 4 * layers * micro * _ring((lay.ep - 1) / lay.ep * routed, lay.ep, lay.ep - 1, bw, lat, dev.hops)
     bw, lat = link(lay.tp * lay.dp * lay.pp)
     hop = act / (lay.tp if lay.tp > 1 else 1)
     # an activation forward and a gradient back per micro-batch per virtual stage
-    pp = 2 * micro * lay.vpp * (hop / bw + lat) if lay.pp > 1 else 0.0
+    pp = 2 * micro * lay.vpp * _ring(hop, 2, 1, bw, lat, dev.hops) if lay.pp > 1 else 0.0
     dense, expert = stage_params(m, lay, True, lay.pp == 1)
     bw, lat = link(lay.tp * lay.dp)
     # one collective per bucket: the ring latency is paid per bucket
@@ -253,10 +265,10 @@ def step_time(cfg: Config, lay: Layout, dev: Device, world: int) -> dict[str, fl
     if lay.zero:
         edp = lay.dp // lay.ep
         # reduce-scatter of fp32 grads (4 B) plus all-gather of params (a B) per element
-        dp = (_ring((lay.dp - 1) / lay.dp * (4 + a) * dense, lay.dp, 2 * (lay.dp - 1) * buckets, bw, lat)
-              + _ring((edp - 1) / max(edp, 1) * (4 + a) * expert, edp, 2 * (edp - 1) * buckets, bw, lat))
+        dp = (_ring((lay.dp - 1) / lay.dp * (4 + a) * dense, lay.dp, 2 * (lay.dp - 1) * buckets, bw, lat, dev.hops)
+              + _ring((edp - 1) / max(edp, 1) * (4 + a) * expert, edp, 2 * (edp - 1) * buckets, bw, lat, dev.hops))
     else:
-        dp = _ring(2 * (lay.dp - 1) / lay.dp * 4 * (dense + expert), lay.dp, 2 * (lay.dp - 1) * buckets, bw, lat)
+        dp = _ring(2 * (lay.dp - 1) / lay.dp * 4 * (dense + expert), lay.dp, 2 * (lay.dp - 1) * buckets, bw, lat, dev.hops)
     bubble = _bubble(resolve_kind(cfg.parallel.pp_schedule, lay.vpp), lay.pp, lay.vpp, micro) if lay.pp > 1 else 0.0
     inner = compute + tp + ep
     # the bubble stretches the compute-bound part; reported as its own share so why_slower can name it
