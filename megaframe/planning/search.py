@@ -18,7 +18,7 @@ Step time (seconds) =
            the measured time of one gloo hop of bytes / steps, Device.hops). An axis is on NVLink
            when its ranks fit in one node (tp innermost, then dp (ep within it), then pp), else on IB.
            tp: 4 all-reduce-sized collectives of a micro-batch's activations per block (2 forward, 2
-           backward; 6 with full recompute), 2 more per micro-batch for the embedding and the head, and
+           backward; 6 with full recompute; +1 under sp for the backward's re-gathers), 2 more per micro-batch for the embedding and the head, and
            the vocab-parallel loss's two small all-reduces (fp32 per token: the max, then the target
            logit and the exp-sum); ep: 4 all-to-alls of the routed tokens per MoE block; pp: one
            activation and one gradient per micro-batch per virtual stage; dp: ZeRO-1 reduce-scatter of fp32
@@ -243,7 +243,10 @@ def step_time(cfg: Config, lay: Layout, dev: Device, world: int) -> dict[str, fl
     bw, lat = link(lay.tp)
     # + 2 per micro-batch outside the blocks: the embedding's output and the head's input (forward and
     # backward: one all-reduce's worth each way); the vocab-parallel loss adds two small all-reduces
-    colls = (6 if lay.recompute == "full" else 4) * layers * micro + 2 * micro
+    # under sp the two column-parallel linears re-gather their saved sequence block in backward for the
+    # weight grad (layers.linear._GatheredLinear): two more all-gathers, one all-reduce's worth, per block
+    per_block = (6 if lay.recompute == "full" else 4) + (1 if lay.tp > 1 else 0)
+    colls = per_block * layers * micro + 2 * micro
     tokens_mb = lay.micro_batch * m.seq_length
     tp = (colls * _ring(2 * (lay.tp - 1) / lay.tp * act, lay.tp, 2 * (lay.tp - 1), bw, lat, dev.hops)
           + micro * sum(_ring(2 * (lay.tp - 1) / lay.tp * k * 4 * tokens_mb, lay.tp, 2 * (lay.tp - 1), bw, lat,
