@@ -18,11 +18,12 @@ Step time (seconds) =
            the measured time of one gloo hop of bytes / steps, Device.hops). An axis is on NVLink
            when its ranks fit in one node (tp innermost, then dp (ep within it), then pp), else on IB.
            tp: 4 all-reduce-sized collectives of a micro-batch's activations per block (2 forward, 2
-           backward; 6 with full recompute; +1 under sp for the backward's re-gathers), 2 more per micro-batch for the embedding and the head, and
-           the vocab-parallel loss's two small all-reduces (fp32 per token: the max, then the target
-           logit and the exp-sum); ep: 4 all-to-alls of the routed tokens per MoE block; pp: one
-           activation and one gradient per micro-batch per virtual stage; dp: ZeRO-1 reduce-scatter of fp32
-           grads + all-gather of params, or ZeRO-0's all-reduce, not overlapped with backward (conservative).
+           backward; 6 with full recompute; +1 under sp for the backward's re-gathers), 2 more per
+           micro-batch for the embedding and the head, and the vocab-parallel loss's two small
+           all-reduces (fp32 per token: the max, then the target logit and the exp-sum); ep: 4
+           all-to-alls of the routed tokens per MoE block; pp: one activation and one gradient per
+           micro-batch per virtual stage; dp: ZeRO-1 reduce-scatter of fp32 grads + all-gather of params,
+           or ZeRO-0's all-reduce, not overlapped with backward (conservative).
   bubble   the schedule simulator's idle fraction (pipeline.simulate) for (schedule, pp, vpp, micro-batches).
 """
 from __future__ import annotations
