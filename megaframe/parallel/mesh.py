@@ -19,11 +19,19 @@ expert-data-parallel group `edp` (size dp/ep), over which expert grads are reduc
 
     dp_rank = ep_rank + ep * edp_rank
 
-Hybrid sharded data parallelism (optim.shard_group_size = s) cuts dp the same way: `dp_shard`, blocks
-of s consecutive dp ranks over which ZeRO shards grads, state (and params), and `dp_rep`, the dp/s ranks
-at the same position of their block, which hold equal shards (all-reduced over it):
+Hybrid sharded data parallelism (optim.shard_group_size = s) cuts the ZeRO axis dpcp (dp itself when
+cp = 1) the same way: `dp_shard`, blocks of s consecutive dpcp ranks over which ZeRO shards grads, state
+(and params), and `dp_rep`, the cp·dp/s ranks at the same position of their block, which hold equal
+shards (all-reduced over it):
 
-    dp_rank = shard_rank + s * rep_rank
+    dpcp_rank = cp_rank + cp * dp_rank = shard_rank + s * rep_rank
+
+Under cp the shard group is cut from cp·dp, not dp, because the cp ranks hold the same params: with s a
+multiple of cp a shard group is s/cp whole cp groups and the replicas are dp ranks, torchtitan's and
+Megatron's dp_shard·cp x dp_replicate; with s < cp it lies inside one cp group. Either way it is s
+neighbouring ranks (tp aside): the reduce-scatters and gathers of every micro-batch stay near, and only
+the once-a-step all-reduce over dp_rep crosses the farther ranks. Any s dividing cp·dp is exact: the
+grads are summed within the shard group and then over its replicas, i.e. over all cp·dp ranks.
 
 The mesh is built once from the config and passed to every layer, the optimizer and the data loader.
 Axes of size 1 carry no process group: the collectives in `comm` never communicate over them, which is
@@ -157,9 +165,9 @@ class Mesh:
     """Expert-data-parallel axis: dp ranks holding the same experts (expert grads, ZeRO shards of expert
     params); its bytes count as dp traffic. It is the dp axis itself when ep = 1."""
     dp_shard: Optional[Axis] = None
-    """HSDP: the s consecutive dp ranks ZeRO shards over (bytes count as dp); the dp axis itself by default."""
+    """HSDP: the s consecutive cp·dp ranks ZeRO shards over (bytes count as dp); dpcp itself by default."""
     dp_rep: Optional[Axis] = None
-    """HSDP: the dp ranks holding the same shard (their shards are all-reduced; bytes count as dp);
+    """HSDP: the cp·dp ranks holding the same shard (their shards are all-reduced; bytes count as dp);
     size 1 by default."""
 
     cp: Optional[Axis] = None
@@ -202,7 +210,7 @@ class RankGrid:
     membership without groups. Positions are 0..world-1; build_mesh maps them to process ranks.
 
         position = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank)),    dp_rank = ep_rank + ep * edp_rank
-                                                                             dp_rank = shard_rank + shard * rep_rank
+                                                          cp_rank + cp * dp_rank = shard_rank + shard * rep_rank
     """
 
     tp: int
@@ -210,7 +218,8 @@ class RankGrid:
     pp: int
     ep: int = 1
     shard: int = 0
-    """HSDP shard group size (dp_shard); 0 means dp (no replication across shard groups)."""
+    """HSDP shard group size (dp_shard), out of the cp·dp ranks; 0 means cp·dp (no replication across
+    shard groups)."""
     cp: int = 1
     """Context-parallel size (between tp and dp in the rank order)."""
 
@@ -222,13 +231,14 @@ class RankGrid:
         # Uneven blocks would give ranks different expert counts and edp groups of different sizes.
         assert self.dp % self.ep == 0, f"ep={self.ep} does not divide dp={self.dp}"
         if not self.shard:
-            object.__setattr__(self, "shard", self.dp)
-        assert self.dp % self.shard == 0, f"shard group size {self.shard} does not divide dp={self.dp}"
+            object.__setattr__(self, "shard", self.cp * self.dp)
+        assert self.cp * self.dp % self.shard == 0, \
+            f"shard group size {self.shard} does not divide cp·dp={self.cp * self.dp}"
 
     @property
     def hybrid(self) -> bool:
-        """Whether dp is cut into HSDP shard groups (then dp_shard and dp_rep get their own groups)."""
-        return self.shard < self.dp
+        """Whether cp·dp is cut into HSDP shard groups (then dp_shard and dp_rep get their own groups)."""
+        return self.shard < self.cp * self.dp
 
     @property
     def world(self) -> int:
@@ -242,14 +252,16 @@ class RankGrid:
         at, tp, dp, pp, ep, cp = self.position, self.tp, self.dp, self.pp, self.ep, self.cp
         ctp = [(c, t) for c in range(cp) for t in range(tp)]
         dp_groups = [tuple(at(p, d, t, c) for d in range(dp)) for p in range(pp) for c, t in ctp]
+        # ordered by position: dpcp_rank = cp_rank + cp * dp_rank
+        dpcp_groups = [tuple(at(p, d, t, c) for d in range(dp) for c in range(cp)) for p in range(pp) for t in range(tp)]
         if name == "tp":
             return [tuple(at(p, d, t, c) for t in range(tp)) for p in range(pp) for d in range(dp) for c in range(cp)]
         if name == "dp":
             return dp_groups
         if name == "cp":
             return [tuple(at(p, d, t, c) for c in range(cp)) for p in range(pp) for d in range(dp) for t in range(tp)]
-        if name == "dpcp":  # ordered by position: dpcp_rank = cp_rank + cp * dp_rank
-            return [tuple(at(p, d, t, c) for d in range(dp) for c in range(cp)) for p in range(pp) for t in range(tp)]
+        if name == "dpcp":
+            return dpcp_groups
         if name == "pp":
             return [tuple(at(p, d, t, c) for p in range(pp)) for d in range(dp) for c, t in ctp]
         if name == "pp_ends":  # first and last pipeline rank: the tied embedding's two copies
@@ -258,10 +270,10 @@ class RankGrid:
             return [g[j:j + ep] for g in dp_groups for j in range(0, dp, ep)]
         if name == "edp":  # the dp ranks holding the same experts: same position in their ep block
             return [g[e::ep] for g in dp_groups for e in range(ep)]
-        if name == "dp_shard":  # HSDP: blocks of `shard` consecutive dp ranks
-            return [g[j:j + self.shard] for g in dp_groups for j in range(0, dp, self.shard)]
-        if name == "dp_rep":  # HSDP: the dp ranks at the same position of their shard block
-            return [g[e::self.shard] for g in dp_groups for e in range(self.shard)]
+        if name == "dp_shard":  # HSDP: blocks of `shard` consecutive cp·dp ranks
+            return [g[j:j + self.shard] for g in dpcp_groups for j in range(0, cp * dp, self.shard)]
+        if name == "dp_rep":  # HSDP: the cp·dp ranks at the same position of their shard block
+            return [g[e::self.shard] for g in dpcp_groups for e in range(self.shard)]
         raise KeyError(name)
 
     def group_of(self, name: str, position: int) -> tuple[int, ...]:
@@ -324,9 +336,11 @@ def build_mesh(tp: int, pp: int, device: torch.device, ranks: Optional[Sequence[
         for members in grid.groups(name):
             if len(members) == 1 or not initialized:
                 continue
-            if name in ("ep", "dp_shard") and len(members) == grid.dp:  # the whole dp group
+            if name in ("ep", "dp_shard", "dp_rep") and ("dp", members) in groups:  # a whole dp group
                 # Reuse dp's group: a second communicator over the same ranks costs NCCL memory and init time.
-                # Every process takes this branch alike, so the new_group calls below stay in step.
+                # Every process takes this branch alike, so the new_group calls below stay in step. (HSDP
+                # under cp with shard = cp makes dp_rep a dp group; a dp_shard equal to a cp group keeps
+                # its own: its reduce-scatters run during backward beside cp's attention traffic.)
                 groups[(name, members)] = groups[("dp", members)]
                 continue
             if name == "dpcp" and grid.dp == 1:  # dp = 1: the dpcp group is the cp group

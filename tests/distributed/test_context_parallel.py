@@ -119,3 +119,41 @@ def test_ring_matches_one_process(pool, cp, tp, dp, sp, zero, family):
                            f"optim.zero={zero}", "parallel.cp_comm=ring"]
     got = pool.run(train_and_report, cp * tp * dp, over, STEPS, tp=tp, cp=cp)[0]
     check(got, ref)
+
+
+# (name, cp, dp, HSDP shard group size (0: all cp·dp ranks), overrides): ZeRO-2/3 shard over cp·dp, their
+# reduce-scatters (and zero=3's gathers) run over it; HSDP cuts cp·dp into shard groups of s and replicas
+ZERO_CP = [("cp2-dp2-zero2", 2, 2, 0, ["optim.zero=2", "optim.bucket_size_mb=0.01"]),
+           ("cp2-dp2-zero3", 2, 2, 0, ["optim.zero=3"]),
+           ("ring-cp2-dp2-zero3-keep", 2, 2, 0, ["optim.zero=3", "parallel.cp_comm=ring",
+                                                 "optim.reshard_after_forward=false"]),
+           ("cp2-dp2-hsdp2-zero2", 2, 2, 2, ["optim.zero=2", "optim.bucket_size_mb=0.01"]),
+           ("ring-cp2-dp2-hsdp2-zero3", 2, 2, 2, ["optim.zero=3", "parallel.cp_comm=ring"]),
+           ("cp4-hsdp2-zero1", 4, 1, 2, ["optim.zero=1", "optim.bucket_size_mb=0.01"])]
+
+
+@pytest.mark.parametrize("name,cp,dp,shard,extra", ZERO_CP, ids=[c[0] for c in ZERO_CP])
+def test_zero_and_hsdp_under_cp_match_one_process(pool, name, cp, dp, shard, extra):
+    """Equal to one process, with grads, state and params sharded 1/s over the cp·dp ranks (s the shard
+    group, cp·dp without HSDP) and the dp bytes of zero=3 to the byte (test_zero3's theory, its dp
+    being the shard group)."""
+    from tests.distributed.test_zero3 import theory_dp_bytes
+    from tests.distributed.zero_cases import run_steps
+
+    ref = reference(pool, ())
+    over = [f"parallel.cp={cp}", *extra] + ([f"optim.shard_group_size={shard}"] if shard else [])
+    got = pool.run(run_steps, cp * dp, over, STEPS, cp=cp, shard=shard)[0]
+    check(got, ref)
+    s = shard or cp * dp
+    m, b = got["mem"], got["buffer_numel"]
+    assert m["mem/optim_bytes"] == 8 * b // s  # the two fp32 Adam moments of the owned range
+    if "optim.zero=1" in extra:
+        assert m["mem/grads_bytes"] == 4 * b
+        return
+    if "optim.zero=2" in extra:
+        assert m["mem/grads_bytes"] == 4 * b // s
+        return
+    assert m["mem/params_bytes"] == 4 * b // s + 4 * got["bucket_numels"][-1]
+    keep = "optim.reshard_after_forward=false" in extra
+    assert got["comm"][-1]["dp"] == theory_dp_bytes(got["bucket_numels"], s, cp * dp // s, got["microbatches"],
+                                                    not keep)

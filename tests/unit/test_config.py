@@ -196,6 +196,8 @@ def test_unknown_preset_is_a_one_line_error():
     (["parallel.cp=2", "parallel.cp_comm=zigzag"], 2, ["parallel.cp_comm"]),
     (["model=moe_tiny", "parallel.cp=2"], 2, ["parallel.cp", "model.num_experts"]),
     (["parallel.cp=2", "train.global_batch_size=12", "train.micro_batch_size=4"], 4, ["train.global_batch_size"]),
+    (["parallel.cp=2", "optim.shard_group_size=3"], 4, ["optim.shard_group_size", "cp·dp=4"]),
+    (["parallel.cp=2", "optim.shard_group_size=2", "optim.zero=0"], 4, ["optim.shard_group_size", "optim.zero"]),
 ])
 def test_layout_errors_name_the_field(overrides, world, names):
     msg = one_line_error(["model=gpt_tiny", "data=synthetic", *overrides], world_size=world)
@@ -207,6 +209,10 @@ def test_layout_errors_name_the_field(overrides, world, names):
     (["parallel.tp=2"], 2),
     (["parallel.tp=2", "parallel.sp=true"], 8),
     (["parallel.cp=2", "parallel.tp=2", "parallel.sp=true"], 8),
+    (["parallel.cp=2", "optim.zero=2"], 4),
+    (["parallel.cp=2", "optim.zero=3"], 4),
+    (["parallel.cp=2", "optim.zero=2", "optim.shard_group_size=2"], 4),  # HSDP over cp·dp = 4
+    (["parallel.cp=4", "optim.zero=1", "optim.shard_group_size=2"], 4),  # shard groups inside a cp group
     (["train.global_batch_size=16", "train.micro_batch_size=2"], 8),
     (["checkpoint.resume=none"], 1),
     (["parallel.pp=2", "parallel.vpp=2"], 2),

@@ -56,3 +56,29 @@ def test_rank_grid_puts_cp_between_tp_and_dp():
     assert m.rank == 1 + 2 * (1 + 2 * 1)
     plain = virtual_mesh(2, 1, 2, device="meta")
     assert plain.dpcp is plain.dp and plain.cp.size == 1
+
+
+def test_hsdp_under_cp_cuts_the_cp_dp_ranks():
+    """optim.shard_group_size=s under cp: dp_shard is s consecutive cp·dp ranks (s a multiple of cp: whole
+    cp groups, replicas over dp; s < cp: inside a cp group), dp_rep the ranks at the same place of their
+    block; together they cover cp·dp, so a reduce-scatter over one and an all-reduce over the other sum
+    every cp·dp rank's grads."""
+    from megaframe.parallel.mesh import RankGrid
+
+    g = RankGrid(tp=2, dp=2, pp=1, cp=2, shard=2)  # positions: tp innermost, then cp, then dp
+    assert g.hybrid and g.groups("dpcp") == [(0, 2, 4, 6), (1, 3, 5, 7)]
+    assert g.groups("dp_shard") == [(0, 2), (4, 6), (1, 3), (5, 7)]
+    g = RankGrid(tp=1, dp=4, pp=1, cp=2, shard=4)
+    assert g.groups("dp_shard") == [(0, 1, 2, 3), (4, 5, 6, 7)]  # two whole cp groups x two dp ranks each
+    assert g.groups("dp_rep") == [(0, 4), (1, 5), (2, 6), (3, 7)]
+    g = RankGrid(tp=1, dp=2, pp=1, cp=2, shard=2)  # s = cp: a shard group is one cp group, replicas are dp
+    assert g.groups("dp_shard") == g.groups("cp") == [(0, 1), (2, 3)]
+    assert g.groups("dp_rep") == g.groups("dp") == [(0, 2), (1, 3)]
+    g = RankGrid(tp=2, dp=1, pp=1, cp=4, shard=2)  # s < cp: halves of a cp group
+    assert g.groups("dp_shard") == [(0, 2), (4, 6), (1, 3), (5, 7)]
+    for s in (1, 2, 4):
+        grid = RankGrid(tp=1, dp=2, pp=2, cp=2, shard=s)
+        for shard in grid.groups("dp_shard"):
+            reps = [r for r in grid.groups("dp_rep") if set(r) & set(shard)]
+            assert sorted(x for r in reps for x in r) == sorted(grid.group_of("dpcp", shard[0]))
+    assert not RankGrid(tp=1, dp=2, pp=1, cp=2, shard=4).hybrid and not RankGrid(tp=1, dp=2, pp=1, cp=2).hybrid
