@@ -87,18 +87,23 @@ def test_cp_compiled_blocks_match_one_process(pool):
     assert_close_dicts(got["grads"], ref["grads"], rtol=1e-4, atol=1e-5, what="grad")
 
 
-@pytest.mark.parametrize("first,then", [((2, 1, "optim.zero=1"), (1, 1, "optim.zero=1")),
-                                        ((1, 1, "optim.zero=0"), (2, 2, "optim.zero=1"))],
-                         ids=["cp2-dp2-zero1-to-cp1", "cp1-to-cp2-tp2-sp-zero1"])
+# first: (cp, HSDP shard group size (0: none), zero) on cp·dp2 ranks (one rank at cp1); then: (cp, tp, zero)
+@pytest.mark.parametrize("first,then", [((2, 0, "optim.zero=1"), (1, 1, "optim.zero=1")),
+                                        ((1, 0, "optim.zero=0"), (2, 2, "optim.zero=1")),
+                                        ((2, 0, "optim.zero=3"), (1, 1, "optim.zero=1")),
+                                        ((2, 2, "optim.zero=2"), (1, 1, "optim.zero=0"))],
+                         ids=["cp2-dp2-zero1-to-cp1", "cp1-to-cp2-tp2-sp-zero1", "cp2-dp2-zero3-to-cp1",
+                              "cp2-dp2-hsdp2-zero2-to-cp1"])
 def test_checkpoint_resumes_across_cp(pool, tmp_path, first, then):
     """Checkpoints are layout-free under cp (parameters and their placements do not change): 2 steps in
     one layout, saved, 2 more in another give the uninterrupted one-process losses and weights."""
     from tests.distributed.zero_cases import run_steps
 
     ref = pool.run(run_steps, 1, ["optim.zero=0"], 4)[0]
-    (cp1, _, z1), (cp2, tp2, z2) = first, then
+    (cp1, shard, z1), (cp2, tp2, z2) = first, then
     n1 = 4 if cp1 == 2 else 1  # cp2·dp2 on four ranks
-    pool.run(run_steps, n1, [f"parallel.cp={cp1}", z1], 4, None, str(tmp_path), 0, 2, cp=cp1)
+    hsdp = [f"optim.shard_group_size={shard}"] if shard else []
+    pool.run(run_steps, n1, [f"parallel.cp={cp1}", z1, *hsdp], 4, None, str(tmp_path), 0, 2, cp=cp1, shard=shard)
     over = [f"parallel.cp={cp2}", f"parallel.tp={tp2}", f"parallel.sp={str(tp2 > 1).lower()}", z2]
     got = pool.run(run_steps, cp2 * tp2, over, 4, str(tmp_path / "step_00000002"), None, 2, 4, tp=tp2, cp=cp2)[0]
     rel = [abs(a - b) / abs(b) for a, b in zip(got["losses"], ref["losses"][2:])]
