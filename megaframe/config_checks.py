@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING
 
 from megaframe.errors import ConfigError
 from megaframe.errors import one_line as _one_line
-from megaframe.schema import CPComm
 
 if TYPE_CHECKING:
     from megaframe.schema import Config, ModelConfig, ParallelConfig
@@ -188,8 +187,6 @@ def _check_context(cfg: Config, world_size: int) -> None:
          f"parallel.cp={p.cp} needs model.seq_length={m.seq_length} divisible by 2·cp (each rank keeps two chunks)")
     _req(not p.sp or (m.seq_length // p.cp) % p.tp == 0,
          f"parallel.sp with parallel.cp={p.cp} needs parallel.tp={p.tp} to divide seq_length/cp={m.seq_length // p.cp}")
-    _req(CPComm(p.cp_comm) == CPComm.allgather or m.dropout == 0,
-         f"parallel.cp_comm=ring with model.dropout={m.dropout}: attention dropout is not implemented in the ring")
     # the router's load-balancing statistics are per-rank token counts not yet reduced over cp
     _req(m.num_experts == 0,
          f"parallel.cp={p.cp} with model.num_experts={m.num_experts}: MoE under cp is not supported yet")

@@ -162,3 +162,25 @@ def test_zero_and_hsdp_under_cp_match_one_process(pool, name, cp, dp, shard, ext
     keep = "optim.reshard_after_forward=false" in extra
     assert got["comm"][-1]["dp"] == theory_dp_bytes(got["bucket_numels"], s, cp * dp // s, got["microbatches"],
                                                     not keep)
+
+
+DROPOUT = ["model.dropout=0.1"]
+# (name, cp, tp, overrides): under tp the heads' masks come from tp_distinct's stream, under selective
+# recompute the ring re-runs with the restored generator and must draw the same mask again
+RING_DROPOUT = [("cp2", 2, 1, []), ("cp4", 4, 1, []), ("cp2-tp2-sp", 2, 2, ["parallel.sp=true"]),
+                ("cp2-recompute-selective", 2, 1, ["train.recompute=selective"])]
+
+
+@pytest.mark.parametrize("name,cp,tp,extra", RING_DROPOUT, ids=[c[0] for c in RING_DROPOUT])
+def test_ring_dropout_matches_allgather(pool, name, cp, tp, extra):
+    """Attention dropout in the ring draws the all-gather path's masks (one [B, H, Q, T] draw, block
+    columns by source rank): the same losses, grads and weights over 6 steps with dropout on, and
+    different ones from a run without dropout (the masks bite)."""
+    over = DROPOUT + [f"parallel.cp={cp}", f"parallel.tp={tp}", *extra]
+    gathered = pool.run(train_and_report, cp * tp, over, STEPS, None, True, tp=tp, cp=cp)[0]
+    ring = pool.run(train_and_report, cp * tp, over + ["parallel.cp_comm=ring"], STEPS, None, True, tp=tp, cp=cp)[0]
+    check(ring, gathered)
+    if name == "cp2":
+        plain = pool.run(train_and_report, cp, [f"parallel.cp={cp}", "parallel.cp_comm=ring"], STEPS, None, True,
+                         cp=cp)[0]
+        assert max(abs(a - b) / b for a, b in zip(plain["losses"], ring["losses"])) > 1e-3

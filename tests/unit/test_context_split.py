@@ -82,3 +82,36 @@ def test_hsdp_under_cp_cuts_the_cp_dp_ranks():
             reps = [r for r in grid.groups("dp_rep") if set(r) & set(shard)]
             assert sorted(x for r in reps for x in r) == sorted(grid.group_of("dpcp", shard[0]))
     assert not RankGrid(tp=1, dp=2, pp=1, cp=2, shard=4).hybrid and not RankGrid(tp=1, dp=2, pp=1, cp=2).hybrid
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ring_dropout_mask_is_sdpa_s_draw(dtype):
+    """The ring's attention-dropout mask is the one the all-gather path's SDPA (math kernel, CPU) draws
+    for the same queries against the gathered K/V: attention with it equals SDPA's dropout output, and
+    the generator is left where SDPA leaves it (later dropout draws agree too). Pins the premise of
+    ring_attention's dropout on this torch build."""
+    import torch.nn.functional as F
+
+    from megaframe.parallel.ring_attention import dropout_keep
+
+    b, h, k, q, t, e, p = 2, 4, 2, 8, 16, 8, 0.3
+    g = torch.Generator().manual_seed(0)
+    q_BHQE, k_BKTE, v_BKTE = (torch.randn(b, n, s, e, generator=g).to(dtype) for n, s in ((h, q), (k, t), (k, t)))
+    mask_QT = cp_causal_mask(t, 2, 1)  # a cp rank's queries against the gathered sequence
+    torch.manual_seed(5)
+    ref = F.scaled_dot_product_attention(q_BHQE, k_BKTE, v_BKTE, attn_mask=mask_QT, dropout_p=p, enable_gqa=True)
+    after_ref = torch.rand(4)
+    torch.manual_seed(5)
+    keep = dropout_keep(q_BHQE, t, p)
+    after = torch.rand(4)
+    assert torch.equal(after, after_ref)
+    assert 0.5 < keep.float().mean() < 0.9
+    kk, vv = (x.float().repeat_interleave(h // k, 1) for x in (k_BKTE, v_BKTE))
+    s = (q_BHQE.float() @ kk.transpose(-1, -2) * e ** -0.5).masked_fill(~mask_QT, float("-inf"))
+    out = (torch.softmax(s, -1) * keep.float() / (1 - p)) @ vv
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # SDPA computes in bf16 there
+    assert (out - ref.float()).abs().max() < tol
+    if dtype == torch.float32:  # a different mask would differ by O(1)
+        torch.manual_seed(6)
+        other = (torch.softmax(s, -1) * dropout_keep(q_BHQE, t, p).float() / (1 - p)) @ vv
+        assert (other - ref).abs().max() > 0.1
