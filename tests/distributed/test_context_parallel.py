@@ -164,6 +164,16 @@ def test_zero_and_hsdp_under_cp_match_one_process(pool, name, cp, dp, shard, ext
                                                     not keep)
 
 
+def test_zero3_under_cp_and_pp_matches_one_process(pool):
+    """ZeRO-3 on cp2·pp2 (dp = 1: its shard axis is the cp group itself), ring attention, blocks kept
+    gathered from first forward to last backward (the pipeline setting)."""
+    from tests.distributed.zero_cases import run_steps
+
+    over = ["parallel.cp=2", "parallel.pp=2", "optim.zero=3", "optim.reshard_after_forward=false",
+            "parallel.cp_comm=ring"]
+    check(pool.run(run_steps, 4, over, STEPS, pp=2, cp=2)[0], reference(pool, ()))
+
+
 DROPOUT = ["model.dropout=0.1"]
 # (name, cp, tp, overrides): under tp the heads' masks come from tp_distinct's stream, under selective
 # recompute the ring re-runs with the restored generator and must draw the same mask again
