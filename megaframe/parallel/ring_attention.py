@@ -13,7 +13,8 @@ SDPA draws it (one `bernoulli_` of a tensor of that shape and dtype from the def
 math kernel's draw on CPU), and block `src` uses its columns src·N..(src+1)·N. So on CPU the ring gives
 the all-gather path's dropout results and leaves the generator where SDPA would (later draws agree);
 on CUDA SDPA's fused kernels draw their own Philox masks, so the two paths agree in distribution only.
-It costs a bool mask of Q x c·N per layer held for backward (the ring without dropout keeps none).
+No mask is held between forward and backward: backward draws it again from the generator state saved
+at the forward's draw (one more bernoulli_ per layer; a Q x c·N bool mask lives only inside each pass).
 The dropped probabilities do not change the normaliser: o = Σ_b (P_b ⊙ D_b) V_b with P from the
 final log-sum-exp, so the online merge is unchanged; in backward dP is masked too and
 delta = rowsum(dO ⊙ O) still equals rowsum(P ⊙ dP) (FlashAttention's identity, dropout included).
@@ -22,6 +23,8 @@ Legend: B batch, H query heads, K kv heads, Q this rank's tokens, N the tokens o
 the gathered tokens, E head dim. Math in fp32 (the probabilities are recomputed in backward from the saved log-sum-exp).
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -61,8 +64,10 @@ def _kept(keep_BHQT: torch.Tensor | None, src: int, n: int, p: float) -> torch.T
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q_BHQE, k_BKNE, v_BKNE, axis: Axis, seq: int, keep_BHQT, dropout_p: float):
+    def forward(ctx, q_BHQE, k_BKNE, v_BKNE, axis: Axis, seq: int, dropout_p: float):
         c, r, h = axis.size, axis.rank, q_BHQE.shape[1]
+        ctx.rng = _rng_state(q_BHQE.device) if dropout_p > 0 else None  # backward draws the mask again
+        keep_BHQT = dropout_keep(q_BHQE, c * k_BKNE.shape[2], dropout_p) if dropout_p > 0 else None
         scale = q_BHQE.shape[-1] ** -0.5
         pos_q = cp_positions(seq, c, r, q_BHQE.device)
         q = q_BHQE.float()
@@ -88,15 +93,19 @@ class _RingAttention(torch.autograd.Function):
             _wait(works)
             if j < c - 1:
                 kv = nxt
-        ctx.save_for_backward(q_BHQE, k_BKNE, v_BKNE, o, lse, keep_BHQT)
+        ctx.save_for_backward(q_BHQE, k_BKNE, v_BKNE, o, lse)
         ctx.axis, ctx.seq, ctx.dropout_p = axis, seq, dropout_p
         return o.to(q_BHQE.dtype)
 
     @staticmethod
     def backward(ctx, do_BHQE):
-        q_BHQE, k_BKNE, v_BKNE, o, lse, keep_BHQT = ctx.saved_tensors
+        q_BHQE, k_BKNE, v_BKNE, o, lse = ctx.saved_tensors
         axis, seq = ctx.axis, ctx.seq
         c, r, h, groups = axis.size, axis.rank, q_BHQE.shape[1], k_BKNE.shape[1]
+        keep_BHQT = None
+        if ctx.rng is not None:  # the forward's mask, drawn again from the generator state it started from
+            with _rng_at(ctx.rng, q_BHQE.device):
+                keep_BHQT = dropout_keep(q_BHQE, c * k_BKNE.shape[2], ctx.dropout_p)
         scale = q_BHQE.shape[-1] ** -0.5
         pos_q = cp_positions(seq, c, r, q_BHQE.device)
         q, do = q_BHQE.float(), do_BHQE.float()
@@ -130,7 +139,25 @@ class _RingAttention(torch.autograd.Function):
             dkv = moved
             if j < c - 1:
                 kv = nxt
-        return dq.to(q_BHQE.dtype), dkv[0].to(k_BKNE.dtype), dkv[1].to(v_BKNE.dtype), None, None, None, None
+        return dq.to(q_BHQE.dtype), dkv[0].to(k_BKNE.dtype), dkv[1].to(v_BKNE.dtype), None, None, None
+
+
+def _rng_state(device: torch.device) -> torch.Tensor:
+    """The state of the generator dropout_keep draws from on `device`."""
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+@contextlib.contextmanager
+def _rng_at(state: torch.Tensor, device: torch.device):
+    """Within: the device's default generator at `state`; restored after (the backward pass's own draws,
+    and those of a later forward, are untouched)."""
+    cuda = device.type == "cuda"
+    with torch.random.fork_rng(devices=[device] if cuda else []):
+        if cuda:
+            torch.cuda.set_rng_state(state, device)
+        else:
+            torch.set_rng_state(state)
+        yield
 
 
 def dropout_keep(q_BHQE: torch.Tensor, gathered: int, p: float) -> torch.Tensor:
@@ -146,5 +173,4 @@ def ring_attention(q_BHQE: torch.Tensor, k_BKNE: torch.Tensor, v_BKNE: torch.Ten
                    seq: int, dropout_p: float = 0.0) -> torch.Tensor:
     """Exact causal attention of this rank's queries against the whole cp group's K/V, by ring, with
     attention dropout when dropout_p > 0 (see the module docstring)."""
-    keep_BHQT = dropout_keep(q_BHQE, axis.size * k_BKNE.shape[2], dropout_p) if dropout_p > 0 else None
-    return _RingAttention.apply(q_BHQE, k_BKNE, v_BKNE, axis, seq, keep_BHQT, dropout_p)
+    return _RingAttention.apply(q_BHQE, k_BKNE, v_BKNE, axis, seq, dropout_p)

@@ -175,10 +175,12 @@ def test_zero3_under_cp_and_pp_matches_one_process(pool):
 
 
 DROPOUT = ["model.dropout=0.1"]
-# (name, cp, tp, overrides): under tp the heads' masks come from tp_distinct's stream, under selective
-# recompute the ring re-runs with the restored generator and must draw the same mask again
+# (name, cp, tp, overrides): under tp the heads' masks come from tp_distinct's stream, under recompute
+# the ring re-runs with the restored generator and must draw the same mask again (and its backward once
+# more, from the state saved at that draw)
 RING_DROPOUT = [("cp2", 2, 1, []), ("cp4", 4, 1, []), ("cp2-tp2-sp", 2, 2, ["parallel.sp=true"]),
-                ("cp2-recompute-selective", 2, 1, ["train.recompute=selective"])]
+                ("cp2-recompute-selective", 2, 1, ["train.recompute=selective"]),
+                ("cp2-recompute-full", 2, 1, ["train.recompute=full"])]
 
 
 @pytest.mark.parametrize("name,cp,tp,extra", RING_DROPOUT, ids=[c[0] for c in RING_DROPOUT])
