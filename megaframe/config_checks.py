@@ -153,8 +153,8 @@ def check_config(cfg: Config, world_size: int, check_data: bool = True) -> None:
          "optim.zero=3 does not yet compose with train.compile: needs train.compile=false")
     # HSDP shards over blocks of the cp·dp ranks (params are replicated over cp too: mesh.py)
     s, dpcp = cfg.optim.shard_group_size, dp * p.cp
-    _req(s >= 0 and (s == 0 or dpcp % s == 0),
-         f"optim.shard_group_size={s} must divide " + (f"cp·dp={dpcp}" if p.cp > 1 else f"dp={dp}") + " (0 = all of them)")
+    ranks = f"cp·dp={dpcp}" if p.cp > 1 else f"dp={dp}"
+    _req(s >= 0 and (s == 0 or dpcp % s == 0), f"optim.shard_group_size={s} must divide {ranks} (0 = all of them)")
     _req(s in (0, dpcp) or (cfg.optim.zero >= 1 and p.ep == 1),
          f"optim.shard_group_size={s} (HSDP) needs optim.zero >= 1 and parallel.ep=1")
     _req(cfg.optim.bucket_size_mb > 0, f"optim.bucket_size_mb={cfg.optim.bucket_size_mb} must be > 0")

@@ -20,7 +20,8 @@ final log-sum-exp, so the online merge is unchanged; in backward dP is masked to
 delta = rowsum(dO ⊙ O) still equals rowsum(P ⊙ dP) (FlashAttention's identity, dropout included).
 
 Legend: B batch, H query heads, K kv heads, Q this rank's tokens, N the tokens of one K/V block, T = c·N
-the gathered tokens, E head dim. Math in fp32 (the probabilities are recomputed in backward from the saved log-sum-exp).
+the gathered tokens, E head dim. Math in fp32 (the probabilities are recomputed in backward from the
+saved log-sum-exp).
 """
 from __future__ import annotations
 
