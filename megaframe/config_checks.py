@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING
 
 from megaframe.errors import ConfigError
 from megaframe.errors import one_line as _one_line
-from megaframe.schema import CPComm
 
 if TYPE_CHECKING:
     from megaframe.schema import Config, ModelConfig, ParallelConfig
@@ -152,9 +151,11 @@ def check_config(cfg: Config, world_size: int, check_data: bool = True) -> None:
     _req(cfg.optim.zero in (0, 1, 2, 3), f"optim.zero={cfg.optim.zero} must be 0, 1, 2 or 3")
     _req(cfg.optim.zero != 3 or not t.compile,
          "optim.zero=3 does not yet compose with train.compile: needs train.compile=false")
-    s = cfg.optim.shard_group_size
-    _req(s >= 0 and (s == 0 or dp % s == 0), f"optim.shard_group_size={s} must divide dp={dp} (0 = dp)")
-    _req(s in (0, dp) or (cfg.optim.zero >= 1 and p.ep == 1),
+    # HSDP shards over blocks of the cp·dp ranks (params are replicated over cp too: mesh.py)
+    s, dpcp = cfg.optim.shard_group_size, dp * p.cp
+    ranks = f"cp·dp={dpcp}" if p.cp > 1 else f"dp={dp}"
+    _req(s >= 0 and (s == 0 or dpcp % s == 0), f"optim.shard_group_size={s} must divide {ranks} (0 = all of them)")
+    _req(s in (0, dpcp) or (cfg.optim.zero >= 1 and p.ep == 1),
          f"optim.shard_group_size={s} (HSDP) needs optim.zero >= 1 and parallel.ep=1")
     _req(cfg.optim.bucket_size_mb > 0, f"optim.bucket_size_mb={cfg.optim.bucket_size_mb} must be > 0")
     _req(t.precision == "fp32" or cfg.optim.zero >= 1,
@@ -186,11 +187,6 @@ def _check_context(cfg: Config, world_size: int) -> None:
          f"parallel.cp={p.cp} needs model.seq_length={m.seq_length} divisible by 2·cp (each rank keeps two chunks)")
     _req(not p.sp or (m.seq_length // p.cp) % p.tp == 0,
          f"parallel.sp with parallel.cp={p.cp} needs parallel.tp={p.tp} to divide seq_length/cp={m.seq_length // p.cp}")
-    _req(cfg.optim.shard_group_size in (0, world_size // (p.tp * p.pp * p.cp)),
-         f"parallel.cp={p.cp} with optim.shard_group_size={cfg.optim.shard_group_size}: HSDP under cp is not supported yet")
-    _req(cfg.optim.zero <= 1, f"parallel.cp={p.cp} with optim.zero={cfg.optim.zero}: ZeRO-2/3 under cp is not tested yet")
-    _req(CPComm(p.cp_comm) == CPComm.allgather or m.dropout == 0,
-         f"parallel.cp_comm=ring with model.dropout={m.dropout}: attention dropout is not implemented in the ring")
 
 
 def _check_lr_schedule(cfg: Config) -> None:

@@ -219,8 +219,9 @@ class OptimConfig:
     2: ZeRO-2: as 1, and grads live only as this rank's 1/dp shard: each bucket is reduce-scattered into
     it as soon as backward completes it, in every micro-batch; no full-size grad buffer is kept.
     3: ZeRO-3: as 2, and params live as 1/dp shards too, each transformer block's gathered before its
-    forward and its backward and freed after (with tp/sp, pp/vpp, ep, HSDP and recompute; not yet
+    forward and its backward and freed after (with tp/sp, pp/vpp, ep, cp, HSDP and recompute; not yet
     compile).
+    Under parallel.cp "dp" above is cp·dp: the cp ranks hold the same params, so ZeRO shards over all of them.
     0: replicated AdamW with a plain all-reduce of grads after backward (for comparison)."""
     reshard_after_forward: bool = True
     """zero=3: free a block's gathered params after its forward (and gather them again for its backward).
@@ -230,7 +231,10 @@ class OptimConfig:
     shard_group_size: int = 0
     """HSDP: shard grads and optimizer state over groups of this many consecutive dp ranks and replicate
     them across the dp / shard_group_size groups (their shards are all-reduced once per step). 0 = dp
-    (plain ZeRO). Must divide dp; needs optim.zero >= 1 and parallel.ep = 1."""
+    (plain ZeRO). Must divide dp; needs optim.zero >= 1 and parallel.ep = 1. Under parallel.cp = c the
+    ranks cut into groups are the c·dp ranks sharing the params (cp inner): s a multiple of c shards over
+    s/c whole cp groups and replicates over dp (Megatron/torchtitan's dp_shard·cp), s < c over part of a
+    cp group; s must divide c·dp (0 = c·dp)."""
     overlap_param_gather: bool = True
     """ZeRO: the all-gather of updated parameters runs bucket by bucket during the next forward (each
     module's forward pre-hook waits for its bucket) instead of being waited for at the end of the step."""

@@ -92,7 +92,9 @@ class Attention(nn.Module):
 
     def _sdpa(self, q_BHSE: torch.Tensor, k_BKSE: torch.Tensor, v_BKSE: torch.Tensor) -> torch.Tensor:
         if self.cp_ring:  # K/V blocks passed around the cp ring (parallel/ring_attention.py)
-            return ring_attention(q_BHSE, k_BKSE, v_BKSE, self.cp, self.seq)
+            # dropout drawn as the all-gather branch's SDPA draws it (ring_attention.py)
+            return ring_attention(q_BHSE, k_BKSE, v_BKSE, self.cp, self.seq,
+                                  dropout_p=self.dropout if self.training else 0.0)
         if self.cp_mask_QT is not None:  # queries and keys are not aligned: an explicit global-position mask
             return F.scaled_dot_product_attention(q_BHSE, k_BKSE, v_BKSE, attn_mask=self.cp_mask_QT,
                                                   dropout_p=self.dropout if self.training else 0.0,

@@ -33,6 +33,11 @@ HSDP (optim.shard_group_size = s < dp): the axis sharded over is mesh.dp_shard (
 after the reduce-scatters, this rank's reduced shard is all-reduced over mesh.dp_rep (the dp/s ranks
 holding the same shard) once per step, and the param all-gather runs within the shard group.
 
+Under context parallelism "dp" in all of this is the cp·dp ranks (mesh.dpcp): cp ranks hold the same
+params and their grads are partial sums over their own tokens, so the dense buffers shard and reduce
+over cp·dp (Megatron's dp-cp group), and HSDP cuts that axis into shard groups (mesh.py says how).
+Nothing here knows about cp: the mesh hands it dp_shard = dpcp (or its HSDP blocks).
+
 The param all-gather after the update is overlapped with the next forward (optim.overlap_param_gather,
 see param_gather.py): step() launches it bucket by bucket and each module's forward pre-hook waits for
 the buckets it needs. Readers of parameters outside a forward call sync_params() first.

@@ -31,8 +31,9 @@ them (readers outside a forward: checkpoints); the next forward frees them again
 Per step, B the padded buffer of the blocks and R the resident bucket: gathers 2·M·(dp-1)/dp·B' (B' in
 the params' dtype, once for forward and once for backward per micro-batch), reduce-scatters
 M·(dp-1)/dp·4(B+R), the resident gather (dp-1)/dp·R', and the norm scalar (under HSDP dp is the shard
-group, plus the all-reduce of the grad shard over its replicas). Composes with tp/sp, pp/vpp, ep (expert
-params in a buffer of their own, sharded over edp, one bucket per block too), HSDP and full recompute
+group, plus the all-reduce of the grad shard over its replicas; under cp, dp is cp·dp). Composes with
+tp/sp, pp/vpp, ep (expert params in a buffer of their own, sharded over edp, one bucket per block too),
+cp (shards and gathers over cp·dp, both cp_comm kinds), HSDP and full recompute
 (the re-run forward inside backward neither frees nor prefetches); refused with compile (config_checks):
 hooks inside compiled blocks are not handled.
 """

@@ -25,11 +25,19 @@ only then across dp: the token all-to-all runs twice per layer and direction, so
 nearest in the rank order (same node), like cp's own K/V traffic; the edp reduction runs once a step.
 With cp = 1 this is the dp group cut as before.
 
-Hybrid sharded data parallelism (optim.shard_group_size = s) cuts dp the same way: `dp_shard`, blocks
-of s consecutive dp ranks over which ZeRO shards grads, state (and params), and `dp_rep`, the dp/s ranks
-at the same position of their block, which hold equal shards (all-reduced over it):
+Hybrid sharded data parallelism (optim.shard_group_size = s) cuts the ZeRO axis dpcp (dp itself when
+cp = 1) the same way: `dp_shard`, blocks of s consecutive dpcp ranks over which ZeRO shards grads, state
+(and params), and `dp_rep`, the cp·dp/s ranks at the same position of their block, which hold equal
+shards (all-reduced over it):
 
-    dp_rank = shard_rank + s * rep_rank
+    dpcp_rank = cp_rank + cp * dp_rank = shard_rank + s * rep_rank
+
+Under cp the shard group is cut from cp·dp, not dp, because the cp ranks hold the same params: with s a
+multiple of cp a shard group is s/cp whole cp groups and the replicas are dp ranks, torchtitan's and
+Megatron's dp_shard·cp x dp_replicate; with s < cp it lies inside one cp group. Either way it is s
+neighbouring ranks (tp aside): the reduce-scatters and gathers of every micro-batch stay near, and only
+the once-a-step all-reduce over dp_rep crosses the farther ranks. Any s dividing cp·dp is exact: the
+grads are summed within the shard group and then over its replicas, i.e. over all cp·dp ranks.
 
 The mesh is built once from the config and passed to every layer, the optimizer and the data loader.
 Axes of size 1 carry no process group: the collectives in `comm` never communicate over them, which is
@@ -166,9 +174,9 @@ class Mesh:
     """Expert-data-parallel axis: cp·dp ranks holding the same experts (expert grads, ZeRO shards of expert
     params); its bytes count as dp traffic. It is the dpcp axis itself when ep = 1."""
     dp_shard: Optional[Axis] = None
-    """HSDP: the s consecutive dp ranks ZeRO shards over (bytes count as dp); the dp axis itself by default."""
+    """HSDP: the s consecutive cp·dp ranks ZeRO shards over (bytes count as dp); dpcp itself by default."""
     dp_rep: Optional[Axis] = None
-    """HSDP: the dp ranks holding the same shard (their shards are all-reduced; bytes count as dp);
+    """HSDP: the cp·dp ranks holding the same shard (their shards are all-reduced; bytes count as dp);
     size 1 by default."""
 
     cp: Optional[Axis] = None
@@ -211,8 +219,7 @@ class RankGrid:
     membership without groups. Positions are 0..world-1; build_mesh maps them to process ranks.
 
         position = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))
-        dpcp_rank = cp_rank + cp * dp_rank = ep_rank + ep * edp_rank
-        dp_rank = shard_rank + shard * rep_rank
+        dpcp_rank = cp_rank + cp * dp_rank = ep_rank + ep * edp_rank = shard_rank + shard * rep_rank
     """
 
     tp: int
@@ -220,7 +227,8 @@ class RankGrid:
     pp: int
     ep: int = 1
     shard: int = 0
-    """HSDP shard group size (dp_shard); 0 means dp (no replication across shard groups)."""
+    """HSDP shard group size (dp_shard), out of the cp·dp ranks; 0 means cp·dp (no replication across
+    shard groups)."""
     cp: int = 1
     """Context-parallel size (between tp and dp in the rank order)."""
 
@@ -232,13 +240,14 @@ class RankGrid:
         # Uneven blocks would give ranks different expert counts and edp groups of different sizes.
         assert self.cp * self.dp % self.ep == 0, f"ep={self.ep} does not divide cp·dp={self.cp * self.dp}"
         if not self.shard:
-            object.__setattr__(self, "shard", self.dp)
-        assert self.dp % self.shard == 0, f"shard group size {self.shard} does not divide dp={self.dp}"
+            object.__setattr__(self, "shard", self.cp * self.dp)
+        assert self.cp * self.dp % self.shard == 0, \
+            f"shard group size {self.shard} does not divide cp·dp={self.cp * self.dp}"
 
     @property
     def hybrid(self) -> bool:
-        """Whether dp is cut into HSDP shard groups (then dp_shard and dp_rep get their own groups)."""
-        return self.shard < self.dp
+        """Whether cp·dp is cut into HSDP shard groups (then dp_shard and dp_rep get their own groups)."""
+        return self.shard < self.cp * self.dp
 
     @property
     def world(self) -> int:
@@ -270,10 +279,10 @@ class RankGrid:
             return [g[j:j + ep] for g in dpcp_groups for j in range(0, cp * dp, ep)]
         if name == "edp":  # the cp·dp ranks holding the same experts: same position in their ep block
             return [g[e::ep] for g in dpcp_groups for e in range(ep)]
-        if name == "dp_shard":  # HSDP: blocks of `shard` consecutive dp ranks
-            return [g[j:j + self.shard] for g in dp_groups for j in range(0, dp, self.shard)]
-        if name == "dp_rep":  # HSDP: the dp ranks at the same position of their shard block
-            return [g[e::self.shard] for g in dp_groups for e in range(self.shard)]
+        if name == "dp_shard":  # HSDP: blocks of `shard` consecutive cp·dp ranks
+            return [g[j:j + self.shard] for g in dpcp_groups for j in range(0, cp * dp, self.shard)]
+        if name == "dp_rep":  # HSDP: the cp·dp ranks at the same position of their shard block
+            return [g[e::self.shard] for g in dpcp_groups for e in range(self.shard)]
         raise KeyError(name)
 
     def group_of(self, name: str, position: int) -> tuple[int, ...]:
@@ -333,20 +342,22 @@ def build_mesh(tp: int, pp: int, device: torch.device, ranks: Optional[Sequence[
     # cp and dpcp before ep and edp: an ep group may be a whole cp or dpcp group, and then reuses it
     names = RankGrid.AXES[:4] + (("cp", "dpcp") if cp > 1 else ()) + (("ep", "edp") if ep > 1 else ()) \
         + (("dp_shard", "dp_rep") if grid.hybrid else ())
-    made: dict = {}  # members -> the data-parallel family's group already created over them
+    made: dict = {}  # members -> (axis, group) of the data-parallel family's group already created over them
     for name in names:
         for members in grid.groups(name):
             if len(members) == 1 or not initialized:
                 continue
-            if name in REUSABLE and members in made:  # e.g. ep = dp, ep = cp, dpcp = cp (dp = 1)
+            # e.g. ep = dp, ep = cp, dpcp = cp (dp = 1). Not a dp_shard over a cp group: its reduce-scatters
+            # run during backward beside cp's attention traffic, and one communicator would serialise them.
+            if name in REUSABLE and members in made and not (name == "dp_shard" and made[members][0] == "cp"):
                 # Reuse: a second communicator over the same ranks costs NCCL memory and init time.
                 # Every process takes this branch alike, so the new_group calls below stay in step.
-                groups[(name, members)] = made[members]
+                groups[(name, members)] = made[members][1]
                 continue
             # new_group is collective over the whole world: every process creates every group, in order
             groups[(name, members)] = dist.new_group([ranks[i] for i in members], timeout=timeout)
             if name in REUSABLE:
-                made[members] = groups[(name, members)]
+                made[members] = (name, groups[(name, members)])
     # Created before the `me not in ranks` exit: processes outside the job must still join the call.
     everyone = dist.new_group(ranks, timeout=world_timeout) if (world > 1 and initialized) else None
     if me not in ranks:

@@ -7,10 +7,25 @@ are held at a time. Backward runs the ring again: the K/V block travels with its
 one last exchange returns each accumulator to its owner. The mask compares global positions
 (context.cp_positions), as the all-gather variant does: exact causal attention.
 
-Legend: B batch, H query heads, K kv heads, Q this rank's tokens, N the tokens of one K/V block, E head
-dim. Math in fp32 (the probabilities are recomputed in backward from the saved log-sum-exp).
+Attention dropout (model.dropout > 0, training): the keep mask of this rank's queries against the whole
+gathered sequence, [B, H, Q, c·N] in cp-rank order, is drawn up front exactly as the all-gather path's
+SDPA draws it (one `bernoulli_` of a tensor of that shape and dtype from the default generator, the
+math kernel's draw on CPU), and block `src` uses its columns src·N..(src+1)·N. So on CPU the ring gives
+the all-gather path's dropout results and leaves the generator where SDPA would (later draws agree);
+on CUDA SDPA's fused kernels draw their own Philox masks, so the two paths agree in distribution only.
+No mask is held between forward and backward: backward draws it again from the generator state saved
+at the forward's draw (one more bernoulli_ per layer; a Q x c·N bool mask lives only inside each pass).
+The dropped probabilities do not change the normaliser: o = Σ_b (P_b ⊙ D_b) V_b with P from the
+final log-sum-exp, so the online merge is unchanged; in backward dP is masked too and
+delta = rowsum(dO ⊙ O) still equals rowsum(P ⊙ dP) (FlashAttention's identity, dropout included).
+
+Legend: B batch, H query heads, K kv heads, Q this rank's tokens, N the tokens of one K/V block, T = c·N
+the gathered tokens, E head dim. Math in fp32 (the probabilities are recomputed in backward from the
+saved log-sum-exp).
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -41,10 +56,19 @@ def _fold(g_BHNE: torch.Tensor, groups: int) -> torch.Tensor:
     return g_BHNE.view(b, groups, h // groups, n, e).sum(2)
 
 
+def _kept(keep_BHQT: torch.Tensor | None, src: int, n: int, p: float) -> torch.Tensor | None:
+    """Block src's dropout factors (0 or 1/(1-p), fp32, as SDPA scales), None without dropout."""
+    if keep_BHQT is None:
+        return None
+    return keep_BHQT[..., src * n:(src + 1) * n].float().div_(1 - p)
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q_BHQE, k_BKNE, v_BKNE, axis: Axis, seq: int):
+    def forward(ctx, q_BHQE, k_BKNE, v_BKNE, axis: Axis, seq: int, dropout_p: float):
         c, r, h = axis.size, axis.rank, q_BHQE.shape[1]
+        ctx.rng = _rng_state(q_BHQE.device) if dropout_p > 0 else None  # backward draws the mask again
+        keep_BHQT = dropout_keep(q_BHQE, c * k_BKNE.shape[2], dropout_p) if dropout_p > 0 else None
         scale = q_BHQE.shape[-1] ** -0.5
         pos_q = cp_positions(seq, c, r, q_BHQE.device)
         q = q_BHQE.float()
@@ -64,13 +88,14 @@ class _RingAttention(torch.autograd.Function):
             seen = torch.isfinite(new_lse)  # rows with no visible key yet keep 0
             p = torch.where(seen[..., None], torch.exp(s - new_lse.where(seen, 0)[..., None]), 0.0)
             keep = torch.where(seen, torch.exp(lse - new_lse.where(seen, 0)), 0.0)
-            o = o * keep[..., None] + p @ _expand(kv[1].float(), h)
+            drop = _kept(keep_BHQT, src, k_BKNE.shape[2], dropout_p)
+            o = o * keep[..., None] + (p if drop is None else p * drop) @ _expand(kv[1].float(), h)
             lse = new_lse
             _wait(works)
             if j < c - 1:
                 kv = nxt
         ctx.save_for_backward(q_BHQE, k_BKNE, v_BKNE, o, lse)
-        ctx.axis, ctx.seq = axis, seq
+        ctx.axis, ctx.seq, ctx.dropout_p = axis, seq, dropout_p
         return o.to(q_BHQE.dtype)
 
     @staticmethod
@@ -78,6 +103,10 @@ class _RingAttention(torch.autograd.Function):
         q_BHQE, k_BKNE, v_BKNE, o, lse = ctx.saved_tensors
         axis, seq = ctx.axis, ctx.seq
         c, r, h, groups = axis.size, axis.rank, q_BHQE.shape[1], k_BKNE.shape[1]
+        keep_BHQT = None
+        if ctx.rng is not None:  # the forward's mask, drawn again from the generator state it started from
+            with _rng_at(ctx.rng, q_BHQE.device):
+                keep_BHQT = dropout_keep(q_BHQE, c * k_BKNE.shape[2], ctx.dropout_p)
         scale = q_BHQE.shape[-1] ** -0.5
         pos_q = cp_positions(seq, c, r, q_BHQE.device)
         q, do = q_BHQE.float(), do_BHQE.float()
@@ -95,9 +124,13 @@ class _RingAttention(torch.autograd.Function):
             s = ((q @ k.transpose(-1, -2)) * scale).masked_fill(~mask_QN, float("-inf"))
             p = torch.exp(s - lse.where(torch.isfinite(lse), 0)[..., None]).masked_fill(~mask_QN, 0.0)
             dp = do @ v.transpose(-1, -2)
+            drop = _kept(keep_BHQT, src, k_BKNE.shape[2], ctx.dropout_p)
+            if drop is not None:  # o = (P ⊙ D) V: dP and dV see the dropped probabilities
+                dp = dp * drop
             ds = p * (dp - delta[..., None]) * scale
             dq += ds @ k
-            dk, dv = _fold(ds.transpose(-1, -2) @ q, groups), _fold(p.transpose(-1, -2) @ do, groups)
+            pv = p if drop is None else p * drop
+            dk, dv = _fold(ds.transpose(-1, -2) @ q, groups), _fold(pv.transpose(-1, -2) @ do, groups)
             dkv = dkv + torch.stack([dk, dv])
             _wait(works)
             # the accumulator follows its block: after c-1 moves it sits one rank behind its owner, and
@@ -107,11 +140,38 @@ class _RingAttention(torch.autograd.Function):
             dkv = moved
             if j < c - 1:
                 kv = nxt
-        return dq.to(q_BHQE.dtype), dkv[0].to(k_BKNE.dtype), dkv[1].to(v_BKNE.dtype), None, None
+        return dq.to(q_BHQE.dtype), dkv[0].to(k_BKNE.dtype), dkv[1].to(v_BKNE.dtype), None, None, None
+
+
+def _rng_state(device: torch.device) -> torch.Tensor:
+    """The state of the generator dropout_keep draws from on `device`."""
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+@contextlib.contextmanager
+def _rng_at(state: torch.Tensor, device: torch.device):
+    """Within: the device's default generator at `state`; restored after (the backward pass's own draws,
+    and those of a later forward, are untouched)."""
+    cuda = device.type == "cuda"
+    with torch.random.fork_rng(devices=[device] if cuda else []):
+        if cuda:
+            torch.cuda.set_rng_state(state, device)
+        else:
+            torch.set_rng_state(state)
+        yield
+
+
+def dropout_keep(q_BHQE: torch.Tensor, gathered: int, p: float) -> torch.Tensor:
+    """The attention-dropout keep mask (True = kept) of this rank's queries against `gathered` tokens,
+    drawn as SDPA's math kernel draws it for the all-gather path: one bernoulli_ of a [B, H, Q, T] tensor
+    of the queries' dtype from the default generator (same values, same generator state after)."""
+    b, h, q = q_BHQE.shape[:3]
+    return torch.empty(b, h, q, gathered, dtype=q_BHQE.dtype, device=q_BHQE.device).bernoulli_(1 - p).bool()
 
 
 @torch.compiler.disable  # p2p inside: eager between a compiled block's pieces (as comm.py's collectives)
 def ring_attention(q_BHQE: torch.Tensor, k_BKNE: torch.Tensor, v_BKNE: torch.Tensor, axis: Axis,
-                   seq: int) -> torch.Tensor:
-    """Exact causal attention of this rank's queries against the whole cp group's K/V, by ring."""
-    return _RingAttention.apply(q_BHQE, k_BKNE, v_BKNE, axis, seq)
+                   seq: int, dropout_p: float = 0.0) -> torch.Tensor:
+    """Exact causal attention of this rank's queries against the whole cp group's K/V, by ring, with
+    attention dropout when dropout_p > 0 (see the module docstring)."""
+    return _RingAttention.apply(q_BHQE, k_BKNE, v_BKNE, axis, seq, dropout_p)

@@ -45,9 +45,13 @@ def full_state(model, mesh, grads: bool = False, optimizer=None) -> dict[str, to
     return {k: v for part in parts for k, v in part.items()}
 
 
-def train_and_report(mesh, overrides: list[str], steps: int, setup=None) -> dict | None:
+def train_and_report(mesh, overrides: list[str], steps: int, setup=None, seed_dropout: bool = False) -> dict | None:
     """Run `steps` optimizer steps; rank 0 returns losses, step-1 grads, final weights (full tensors).
-    `setup(model)`, a module-level function, may change the fresh model first (same on every rank)."""
+    `setup(model)`, a module-level function, may change the fresh model first (same on every rank).
+    `seed_dropout`: seed the dropout RNG before each step as the trainer does (layers.rng.seed_step), so
+    two runs with dropout draw the same masks whatever the pool's processes ran before."""
+    from megaframe.layers.rng import seed_step
+
     cfg = tiny_config(overrides + [f"train.max_steps={steps}"], mesh.world)
     model = build_model(cfg, mesh)
     if setup is not None:
@@ -60,6 +64,8 @@ def train_and_report(mesh, overrides: list[str], steps: int, setup=None) -> dict
         batches = microbatches(data, step - 1, t.global_batch_size, t.micro_batch_size, mesh.dp.rank,
                                mesh.dp.size, t.seed, cp_rank=mesh.cp.rank, cp_size=mesh.cp.size)
         mesh.stats.pop()
+        if seed_dropout:
+            seed_step(t.seed, step, mesh)
         res = train_step(model, optimizer, batches, mesh, cfg, step)
         comm_tp.append(dict(mesh.stats.pop()))
         loss = comm.all_reduce(res.loss_sum.clone(), mesh.dpcp) / (t.global_batch_size * cfg.model.seq_length)

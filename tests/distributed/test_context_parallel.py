@@ -87,18 +87,23 @@ def test_cp_compiled_blocks_match_one_process(pool):
     assert_close_dicts(got["grads"], ref["grads"], rtol=1e-4, atol=1e-5, what="grad")
 
 
-@pytest.mark.parametrize("first,then", [((2, 1, "optim.zero=1"), (1, 1, "optim.zero=1")),
-                                        ((1, 1, "optim.zero=0"), (2, 2, "optim.zero=1"))],
-                         ids=["cp2-dp2-zero1-to-cp1", "cp1-to-cp2-tp2-sp-zero1"])
+# first: (cp, HSDP shard group size (0: none), zero) on cp·dp2 ranks (one rank at cp1); then: (cp, tp, zero)
+@pytest.mark.parametrize("first,then", [((2, 0, "optim.zero=1"), (1, 1, "optim.zero=1")),
+                                        ((1, 0, "optim.zero=0"), (2, 2, "optim.zero=1")),
+                                        ((2, 0, "optim.zero=3"), (1, 1, "optim.zero=1")),
+                                        ((2, 2, "optim.zero=2"), (1, 1, "optim.zero=0"))],
+                         ids=["cp2-dp2-zero1-to-cp1", "cp1-to-cp2-tp2-sp-zero1", "cp2-dp2-zero3-to-cp1",
+                              "cp2-dp2-hsdp2-zero2-to-cp1"])
 def test_checkpoint_resumes_across_cp(pool, tmp_path, first, then):
     """Checkpoints are layout-free under cp (parameters and their placements do not change): 2 steps in
     one layout, saved, 2 more in another give the uninterrupted one-process losses and weights."""
     from tests.distributed.zero_cases import run_steps
 
     ref = pool.run(run_steps, 1, ["optim.zero=0"], 4)[0]
-    (cp1, _, z1), (cp2, tp2, z2) = first, then
+    (cp1, shard, z1), (cp2, tp2, z2) = first, then
     n1 = 4 if cp1 == 2 else 1  # cp2·dp2 on four ranks
-    pool.run(run_steps, n1, [f"parallel.cp={cp1}", z1], 4, None, str(tmp_path), 0, 2, cp=cp1)
+    hsdp = [f"optim.shard_group_size={shard}"] if shard else []
+    pool.run(run_steps, n1, [f"parallel.cp={cp1}", z1, *hsdp], 4, None, str(tmp_path), 0, 2, cp=cp1, shard=shard)
     over = [f"parallel.cp={cp2}", f"parallel.tp={tp2}", f"parallel.sp={str(tp2 > 1).lower()}", z2]
     got = pool.run(run_steps, cp2 * tp2, over, 4, str(tmp_path / "step_00000002"), None, 2, 4, tp=tp2, cp=cp2)[0]
     rel = [abs(a - b) / abs(b) for a, b in zip(got["losses"], ref["losses"][2:])]
@@ -119,3 +124,75 @@ def test_ring_matches_one_process(pool, cp, tp, dp, sp, zero, family):
                            f"optim.zero={zero}", "parallel.cp_comm=ring"]
     got = pool.run(train_and_report, cp * tp * dp, over, STEPS, tp=tp, cp=cp)[0]
     check(got, ref)
+
+
+# (name, cp, dp, HSDP shard group size (0: all cp·dp ranks), overrides): ZeRO-2/3 shard over cp·dp, their
+# reduce-scatters (and zero=3's gathers) run over it; HSDP cuts cp·dp into shard groups of s and replicas
+ZERO_CP = [("cp2-dp2-zero2", 2, 2, 0, ["optim.zero=2", "optim.bucket_size_mb=0.01"]),
+           ("cp2-dp2-zero3", 2, 2, 0, ["optim.zero=3"]),
+           ("ring-cp2-dp2-zero3-keep", 2, 2, 0, ["optim.zero=3", "parallel.cp_comm=ring",
+                                                 "optim.reshard_after_forward=false"]),
+           ("cp2-dp2-hsdp2-zero2", 2, 2, 2, ["optim.zero=2", "optim.bucket_size_mb=0.01"]),
+           ("ring-cp2-dp2-hsdp2-zero3", 2, 2, 2, ["optim.zero=3", "parallel.cp_comm=ring"]),
+           ("cp4-hsdp2-zero1", 4, 1, 2, ["optim.zero=1", "optim.bucket_size_mb=0.01"])]
+
+
+@pytest.mark.parametrize("name,cp,dp,shard,extra", ZERO_CP, ids=[c[0] for c in ZERO_CP])
+def test_zero_and_hsdp_under_cp_match_one_process(pool, name, cp, dp, shard, extra):
+    """Equal to one process, with grads, state and params sharded 1/s over the cp·dp ranks (s the shard
+    group, cp·dp without HSDP) and the dp bytes of zero=3 to the byte (test_zero3's theory, its dp
+    being the shard group)."""
+    from tests.distributed.test_zero3 import theory_dp_bytes
+    from tests.distributed.zero_cases import run_steps
+
+    ref = reference(pool, ())
+    over = [f"parallel.cp={cp}", *extra] + ([f"optim.shard_group_size={shard}"] if shard else [])
+    got = pool.run(run_steps, cp * dp, over, STEPS, cp=cp, shard=shard)[0]
+    check(got, ref)
+    s = shard or cp * dp
+    m, b = got["mem"], got["buffer_numel"]
+    assert m["mem/optim_bytes"] == 8 * b // s  # the two fp32 Adam moments of the owned range
+    if "optim.zero=1" in extra:
+        assert m["mem/grads_bytes"] == 4 * b
+        return
+    if "optim.zero=2" in extra:
+        assert m["mem/grads_bytes"] == 4 * b // s
+        return
+    assert m["mem/params_bytes"] == 4 * b // s + 4 * got["bucket_numels"][-1]
+    keep = "optim.reshard_after_forward=false" in extra
+    assert got["comm"][-1]["dp"] == theory_dp_bytes(got["bucket_numels"], s, cp * dp // s, got["microbatches"],
+                                                    not keep)
+
+
+def test_zero3_under_cp_and_pp_matches_one_process(pool):
+    """ZeRO-3 on cp2·pp2 (dp = 1: its shard axis is the cp group itself), ring attention, blocks kept
+    gathered from first forward to last backward (the pipeline setting)."""
+    from tests.distributed.zero_cases import run_steps
+
+    over = ["parallel.cp=2", "parallel.pp=2", "optim.zero=3", "optim.reshard_after_forward=false",
+            "parallel.cp_comm=ring"]
+    check(pool.run(run_steps, 4, over, STEPS, pp=2, cp=2)[0], reference(pool, ()))
+
+
+DROPOUT = ["model.dropout=0.1"]
+# (name, cp, tp, overrides): under tp the heads' masks come from tp_distinct's stream, under recompute
+# the ring re-runs with the restored generator and must draw the same mask again (and its backward once
+# more, from the state saved at that draw)
+RING_DROPOUT = [("cp2", 2, 1, []), ("cp4", 4, 1, []), ("cp2-tp2-sp", 2, 2, ["parallel.sp=true"]),
+                ("cp2-recompute-selective", 2, 1, ["train.recompute=selective"]),
+                ("cp2-recompute-full", 2, 1, ["train.recompute=full"])]
+
+
+@pytest.mark.parametrize("name,cp,tp,extra", RING_DROPOUT, ids=[c[0] for c in RING_DROPOUT])
+def test_ring_dropout_matches_allgather(pool, name, cp, tp, extra):
+    """Attention dropout in the ring draws the all-gather path's masks (one [B, H, Q, T] draw, block
+    columns by source rank): the same losses, grads and weights over 6 steps with dropout on, and
+    different ones from a run without dropout (the masks bite)."""
+    over = DROPOUT + [f"parallel.cp={cp}", f"parallel.tp={tp}", *extra]
+    gathered = pool.run(train_and_report, cp * tp, over, STEPS, None, True, tp=tp, cp=cp)[0]
+    ring = pool.run(train_and_report, cp * tp, over + ["parallel.cp_comm=ring"], STEPS, None, True, tp=tp, cp=cp)[0]
+    check(ring, gathered)
+    if name == "cp2":
+        plain = pool.run(train_and_report, cp, [f"parallel.cp={cp}", "parallel.cp_comm=ring"], STEPS, None, True,
+                         cp=cp)[0]
+        assert max(abs(a - b) / b for a, b in zip(plain["losses"], ring["losses"])) > 1e-3

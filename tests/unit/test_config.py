@@ -193,9 +193,10 @@ def test_unknown_preset_is_a_one_line_error():
     (["parallel.cp=3"], 2, ["parallel.cp=3", "world size"]),
     (["parallel.cp=0"], 1, ["parallel.cp"]),
     (["parallel.cp=2", "model.seq_length=30"], 2, ["parallel.cp", "model.seq_length"]),
-    (["parallel.cp=2", "parallel.cp_comm=ring", "model.dropout=0.1"], 2, ["parallel.cp_comm=ring", "model.dropout"]),
     (["parallel.cp=2", "parallel.cp_comm=zigzag"], 2, ["parallel.cp_comm"]),
     (["parallel.cp=2", "train.global_batch_size=12", "train.micro_batch_size=4"], 4, ["train.global_batch_size"]),
+    (["parallel.cp=2", "optim.shard_group_size=3"], 4, ["optim.shard_group_size", "cp·dp=4"]),
+    (["parallel.cp=2", "optim.shard_group_size=2", "optim.zero=0"], 4, ["optim.shard_group_size", "optim.zero"]),
 ])
 def test_layout_errors_name_the_field(overrides, world, names):
     msg = one_line_error(["model=gpt_tiny", "data=synthetic", *overrides], world_size=world)
@@ -207,6 +208,11 @@ def test_layout_errors_name_the_field(overrides, world, names):
     (["parallel.tp=2"], 2),
     (["parallel.tp=2", "parallel.sp=true"], 8),
     (["parallel.cp=2", "parallel.tp=2", "parallel.sp=true"], 8),
+    (["parallel.cp=2", "optim.zero=2"], 4),
+    (["parallel.cp=2", "optim.zero=3"], 4),
+    (["parallel.cp=2", "optim.zero=2", "optim.shard_group_size=2"], 4),  # HSDP over cp·dp = 4
+    (["parallel.cp=4", "optim.zero=1", "optim.shard_group_size=2"], 4),  # shard groups inside a cp group
+    (["parallel.cp=2", "parallel.cp_comm=ring", "model.dropout=0.1"], 2),  # dropout in the ring
     (["train.global_batch_size=16", "train.micro_batch_size=2"], 8),
     (["checkpoint.resume=none"], 1),
     (["parallel.pp=2", "parallel.vpp=2"], 2),

@@ -94,3 +94,62 @@ def test_cp_runs_are_the_held_positions(seq, cp, blocks):
                 assert torch.equal(pos[t * m:(t + 1) * m][lo:hi], torch.arange(start, start + hi - lo))
                 held += range(start, start + hi - lo)
     assert sorted(held) == list(range(seq))
+
+
+def test_hsdp_under_cp_cuts_the_cp_dp_ranks():
+    """optim.shard_group_size=s under cp: dp_shard is s consecutive cp·dp ranks (s a multiple of cp: whole
+    cp groups, replicas over dp; s < cp: inside a cp group), dp_rep the ranks at the same place of their
+    block; together they cover cp·dp, so a reduce-scatter over one and an all-reduce over the other sum
+    every cp·dp rank's grads."""
+    from megaframe.parallel.mesh import RankGrid
+
+    g = RankGrid(tp=2, dp=2, pp=1, cp=2, shard=2)  # positions: tp innermost, then cp, then dp
+    assert g.hybrid and g.groups("dpcp") == [(0, 2, 4, 6), (1, 3, 5, 7)]
+    assert g.groups("dp_shard") == [(0, 2), (4, 6), (1, 3), (5, 7)]
+    g = RankGrid(tp=1, dp=4, pp=1, cp=2, shard=4)
+    assert g.groups("dp_shard") == [(0, 1, 2, 3), (4, 5, 6, 7)]  # two whole cp groups x two dp ranks each
+    assert g.groups("dp_rep") == [(0, 4), (1, 5), (2, 6), (3, 7)]
+    g = RankGrid(tp=1, dp=2, pp=1, cp=2, shard=2)  # s = cp: a shard group is one cp group, replicas are dp
+    assert g.groups("dp_shard") == g.groups("cp") == [(0, 1), (2, 3)]
+    assert g.groups("dp_rep") == g.groups("dp") == [(0, 2), (1, 3)]
+    g = RankGrid(tp=2, dp=1, pp=1, cp=4, shard=2)  # s < cp: halves of a cp group
+    assert g.groups("dp_shard") == [(0, 2), (4, 6), (1, 3), (5, 7)]
+    for s in (1, 2, 4):
+        grid = RankGrid(tp=1, dp=2, pp=2, cp=2, shard=s)
+        for shard in grid.groups("dp_shard"):
+            reps = [r for r in grid.groups("dp_rep") if set(r) & set(shard)]
+            assert sorted(x for r in reps for x in r) == sorted(grid.group_of("dpcp", shard[0]))
+    assert not RankGrid(tp=1, dp=2, pp=1, cp=2, shard=4).hybrid and not RankGrid(tp=1, dp=2, pp=1, cp=2).hybrid
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ring_dropout_mask_is_sdpa_s_draw(dtype):
+    """The ring's attention-dropout mask is the one the all-gather path's SDPA (math kernel, CPU) draws
+    for the same queries against the gathered K/V: attention with it equals SDPA's dropout output, and
+    the generator is left where SDPA leaves it (later dropout draws agree too). Pins the premise of
+    ring_attention's dropout on this torch build."""
+    import torch.nn.functional as F
+
+    from megaframe.parallel.ring_attention import dropout_keep
+
+    b, h, k, q, t, e, p = 2, 4, 2, 8, 16, 8, 0.3
+    g = torch.Generator().manual_seed(0)
+    q_BHQE, k_BKTE, v_BKTE = (torch.randn(b, n, s, e, generator=g).to(dtype) for n, s in ((h, q), (k, t), (k, t)))
+    mask_QT = cp_causal_mask(t, 2, 1)  # a cp rank's queries against the gathered sequence
+    torch.manual_seed(5)
+    ref = F.scaled_dot_product_attention(q_BHQE, k_BKTE, v_BKTE, attn_mask=mask_QT, dropout_p=p, enable_gqa=True)
+    after_ref = torch.rand(4)
+    torch.manual_seed(5)
+    keep = dropout_keep(q_BHQE, t, p)
+    after = torch.rand(4)
+    assert torch.equal(after, after_ref)
+    assert 0.5 < keep.float().mean() < 0.9
+    kk, vv = (x.float().repeat_interleave(h // k, 1) for x in (k_BKTE, v_BKTE))
+    s = (q_BHQE.float() @ kk.transpose(-1, -2) * e ** -0.5).masked_fill(~mask_QT, float("-inf"))
+    out = (torch.softmax(s, -1) * keep.float() / (1 - p)) @ vv
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # SDPA computes in bf16 there
+    assert (out - ref.float()).abs().max() < tol
+    if dtype == torch.float32:  # a different mask would differ by O(1)
+        torch.manual_seed(6)
+        other = (torch.softmax(s, -1) * dropout_keep(q_BHQE, t, p).float() / (1 - p)) @ vv
+        assert (other - ref).abs().max() > 0.1
