@@ -51,6 +51,8 @@ class Attention(nn.Module):
         # causal by global position: this rank's queries against the cp group's gathered K/V (built on
         # first use in the attention dtype, shared by the layers: context.cp_causal_bias)
         self.cp_gathered = self.cp is not None and not self.cp_ring
+        self.ring_overlap = True  # scripts/bench_cp.py turns it off to time the exchange unhidden
+        self.ring_tile_elems: int | None = None  # ring_attention's tile (None: the device's default)
         self.recompute_core = recompute_core
         e = cfg.head_dim
         # Whole heads per rank (config_checks requires tp to divide both): attention never crosses ranks.
@@ -95,7 +97,7 @@ class Attention(nn.Module):
 
     def _sdpa(self, q_BHSE: torch.Tensor, k_BKSE: torch.Tensor, v_BKSE: torch.Tensor) -> torch.Tensor:
         if self.cp_ring:  # K/V blocks passed around the cp ring (parallel/ring_attention.py)
-            return ring_attention(q_BHSE, k_BKSE, v_BKSE, self.cp, self.seq)
+            return ring_attention(q_BHSE, k_BKSE, v_BKSE, self.cp, self.seq, self.ring_overlap, self.ring_tile_elems)
         if self.cp_gathered:  # queries and keys are not aligned: an explicit global-position mask
             bias_QT = _cp_bias(self.seq, self.cp.size, self.cp.rank, q_BHSE.device, q_BHSE.dtype)
             return F.scaled_dot_product_attention(q_BHSE, k_BKSE, v_BKSE, attn_mask=bias_QT,

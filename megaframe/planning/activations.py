@@ -132,3 +132,19 @@ def block_activation_bytes(model, layer: int, micro_batch: int, fused_attention:
     x_SBD = torch.empty(s, micro_batch, cfg.hidden_size, dtype=p.dtype, device=p.device, requires_grad=True)
     with (FusedAttentionSizes() if fused_attention else _nothing()):
         return saved_bytes(lambda: model.layers[str(layer)](x_SBD, model.rope), list(model.parameters()))
+
+
+def allocator_peak(fn) -> int:
+    """Peak of the bytes allocated and not yet freed while fn() runs, above what was live before: the
+    running sum of the CPU allocator's own events (torch.profiler with profile_memory), in time order."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    live = peak = 0
+    for e in events:
+        live += e.nbytes()
+        peak = max(peak, live)
+    return peak
