@@ -4,10 +4,11 @@ and the ring with its K/V exchange not overlapped with the block attention (ring
 `overlap=False`: each exchange issued after the block's attention and waited for at once: the same bytes
 and results, the transfer on the critical path). Ratios are against cp1 measured in the same run.
 
-    python scripts/bench_cp.py [seqs=2048,8192] [cps=1,2,4] [steps=2] [layers=2] [threads=1]
+    python scripts/bench_cp.py [seqs=2048,8192] [cps=1,2,4] [steps=3] [layers=2] [threads=1]
 
 A small GPT (D=64, 4 heads, 2 kv groups, FFN 256, vocab 256), one sequence per step: tokens/s is
-seq / (median step time), the whole cp group working on one sequence. Peak: the CPU allocator's own
+seq / (fastest step time: on a shared machine the least disturbed one), the whole cp group working on one
+sequence, every rank starting each step together (a barrier) and the slowest rank's time counted. Peak: the CPU allocator's own
 events during one forward + backward (planning.activations.allocator_peak), max over the cp ranks, next
 to the planner's activation figure for the same layout. With more ranks than cores, cp ranks share
 cores: tokens/s then shows the communication and split-attention overhead, not a speed-up.
@@ -17,7 +18,6 @@ from __future__ import annotations
 import datetime
 import os
 import socket
-import statistics
 import sys
 import time
 
@@ -66,7 +66,7 @@ def _rank(rank: int, world: int, port: int, over: list[str], overlap: bool, step
         times.append(time.perf_counter() - t0)
     cp_causal_bias.cache_clear()  # rebuilt inside the measurement, as in a first step (the planner counts it)
     peak = allocator_peak(step)
-    t = torch.tensor([statistics.median(times), float(peak)])
+    t = torch.tensor([min(times), float(peak)])
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     if rank == 0:
         q.put((t[0].item(), int(t[1].item())))
@@ -101,8 +101,8 @@ def main(argv: list[str]) -> int:
     opts = dict(a.split("=", 1) for a in argv)
     seqs = [int(x) for x in opts.get("seqs", "2048,8192").split(",")]
     cps = [int(x) for x in opts.get("cps", "1,2,4").split(",")]
-    steps, layers, threads = int(opts.get("steps", 2)), int(opts.get("layers", 2)), int(opts.get("threads", 1))
-    print(f"bench_cp: {layers} layers D=64, one sequence per step, {steps} timed steps (median), {threads} thread(s) "
+    steps, layers, threads = int(opts.get("steps", 3)), int(opts.get("layers", 2)), int(opts.get("threads", 1))
+    print(f"bench_cp: {layers} layers D=64, one sequence per step, fastest of {steps} timed steps, {threads} thread(s) "
           f"per rank, {os.cpu_count()} cores, load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
     mib = 2**20
     print(f"{'seq':>5} {'cp':>3} {'variant':<18} {'step s':>8} {'tok/s':>8} {'x cp1':>6} {'peak MiB':>9} "

@@ -10,6 +10,9 @@ math decomposition, which saves the [B, H, S, S] attention matrix; the fused ker
 device runs (flash / memory-efficient on CUDA, flash on CPU) save only q, k, v, the output and the
 row log-sum-exp [B, H, S] (fp32). `FusedAttentionSizes` swaps in a shape-only stand-in that saves
 exactly those, so meta figures are what a real device keeps.
+
+`allocator_peak(fn)` is the measured counterpart on CPU: the peak of what the allocator hands out while
+fn runs (saved tensors and transients alike), from the profiler's allocation events.
 """
 from __future__ import annotations
 
