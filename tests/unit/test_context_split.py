@@ -56,3 +56,17 @@ def test_rank_grid_puts_cp_between_tp_and_dp():
     assert m.rank == 1 + 2 * (1 + 2 * 1)
     plain = virtual_mesh(2, 1, 2, device="meta")
     assert plain.dpcp is plain.dp and plain.cp.size == 1
+
+
+def test_cp_causal_bias_is_the_mask_shared_by_the_layers():
+    """allgather attention passes SDPA one additive bias per (layout, dtype): 0 where the mask attends,
+    -inf elsewhere, the same tensor for every layer (a bool mask is converted and saved per call)."""
+    import torch
+
+    from megaframe.parallel.context import cp_causal_bias
+
+    mask_QT = cp_causal_mask(64, 4, 1)
+    bias_QT = cp_causal_bias(64, 4, 1, torch.device("cpu"), torch.float32)
+    assert torch.equal(bias_QT == 0, mask_QT) and torch.isinf(bias_QT[~mask_QT]).all()
+    assert cp_causal_bias(64, 4, 1, torch.device("cpu"), torch.float32) is bias_QT
+    assert cp_causal_bias(64, 4, 1, torch.device("cpu"), torch.bfloat16).dtype == torch.bfloat16
