@@ -67,7 +67,7 @@ def render(plan, cfg) -> str:
     m, lay = cfg.model, plan.layout
     head = (f"plan: {m.name} ({m.num_layers} layers, D={m.hidden_size}, seq {m.seq_length}) on "
             f"{plan.world_size} ranks | tp={lay['tp']} pp={lay['pp']} vpp={lay['vpp']} dp={lay['dp']} "
-            f"sp={lay['sp']} | {lay['precision']}, optim.zero={lay['zero']}"
+            f"sp={lay['sp']}{cp_label(lay)} | {lay['precision']}, optim.zero={lay['zero']}"
             f"{' shard_group_size=' + str(cfg.optim.shard_group_size) if cfg.optim.shard_group_size else ''} | micro-batch "
             f"{lay['micro_batch_size']} x {plan.microbatches} micro-batches per step, schedule {plan.schedule}")
     bubble = (f"pipeline bubble: {100 * plan.bubble:.1f}% of the step idle ({plan.schedule}, pp={lay['pp']}, "
@@ -75,11 +75,15 @@ def render(plan, cfg) -> str:
     return "\n".join([head, *_table(plan), bubble, *_verdict(plan)])
 
 
+def cp_label(lay: dict) -> str:
+    return f" cp={lay['cp']} ({lay['cp_comm']})" if lay.get("cp", 1) > 1 else ""
+
+
 def _table(plan) -> list[str]:
     from megaframe.planning.estimate import merged_rows
 
     head = ("pp", "tp ranks", "ranks", "params", "grads", "optim", "act/microbatch", "in flight", "activations",
-            "total", "dp bytes/step")
+            "total", "dp bytes/step", "cp bytes/step")
     rows = [head]
     for tps, r in merged_rows(plan):
         # a long rank list would swamp the table: counted instead
@@ -87,7 +91,8 @@ def _table(plan) -> list[str]:
                      human(r.params_bytes), human(r.grads_bytes), human(r.optim_bytes),
                      " + ".join(human(b) for b in r.chunk_activation_bytes),  # one figure per pipeline chunk
                      str(r.peak_inflight), human(r.activation_bytes), human(r.total_bytes),
-                     "-" if r.dp_comm_bytes is None else human(r.dp_comm_bytes)))
+                     "-" if r.dp_comm_bytes is None else human(r.dp_comm_bytes),
+                     human(r.cp_comm_bytes) if r.cp_comm_bytes else "-"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     return ["  ".join(c.rjust(w) if i >= 3 else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
             for row in rows]
@@ -128,8 +133,6 @@ def main(argv: list[str]) -> int:
         searching = own.get("search", "false").lower() in ("true", "1", "yes")
         # a search picks the layout itself: the config is checked as one rank's, each candidate on `world`
         cfg = load_config(overrides, world_size=1 if searching else world, check_data=False)
-        if cfg.parallel.cp > 1:  # refused, not silently sized as if cp were dp
-            raise ConfigError(f"parallel.cp={cfg.parallel.cp}: the planner does not model context parallelism yet")
     except ValueError as e:  # ConfigError is a ValueError; so is a bad +world_size
         return fail(e if isinstance(e, ConfigError) else f"plan settings: {e}")
     if searching:

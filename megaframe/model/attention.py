@@ -16,7 +16,7 @@ from torch.utils.checkpoint import checkpoint
 from megaframe.layers.linear import ColumnParallelLinear, RowParallelLinear
 from megaframe.layers.rng import tp_distinct
 from megaframe.parallel import comm
-from megaframe.parallel.context import cp_causal_mask
+from megaframe.parallel.context import cp_causal_bias
 from megaframe.parallel.mesh import Axis
 from megaframe.parallel.ring_attention import ring_attention
 from megaframe.schema import ModelConfig
@@ -38,16 +38,21 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
 
 
+# eager under train.compile: dynamo would trace through the cache and rebuild the bias inside the graph
+_cp_bias = torch.compiler.disable(cp_causal_bias)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: Axis, sp: bool, device=None, recompute_core: bool = False,
                  cp: Axis | None = None, cp_ring: bool = False):
         super().__init__()
         self.cp = cp if cp is not None and cp.size > 1 else None
         self.cp_ring, self.seq = cp_ring and self.cp is not None, cfg.seq_length
-        # causal by global position: this rank's queries against the cp group's gathered K/V (not a
-        # buffer: it is derived from the layout, never saved)
-        gathered = self.cp is not None and not self.cp_ring
-        self.cp_mask_QT = cp_causal_mask(cfg.seq_length, cp.size, cp.rank, device) if gathered else None
+        # causal by global position: this rank's queries against the cp group's gathered K/V (built on
+        # first use in the attention dtype, shared by the layers: context.cp_causal_bias)
+        self.cp_gathered = self.cp is not None and not self.cp_ring
+        self.ring_overlap = True  # scripts/bench_cp.py turns it off to time the exchange unhidden
+        self.ring_tile_elems: int | None = None  # ring_attention's tile (None: the device's default)
         self.recompute_core = recompute_core
         e = cfg.head_dim
         # Whole heads per rank (config_checks requires tp to divide both): attention never crosses ranks.
@@ -93,10 +98,11 @@ class Attention(nn.Module):
     def _sdpa(self, q_BHSE: torch.Tensor, k_BKSE: torch.Tensor, v_BKSE: torch.Tensor) -> torch.Tensor:
         if self.cp_ring:  # K/V blocks passed around the cp ring (parallel/ring_attention.py)
             # dropout drawn as the all-gather branch's SDPA draws it (ring_attention.py)
-            return ring_attention(q_BHSE, k_BKSE, v_BKSE, self.cp, self.seq,
+            return ring_attention(q_BHSE, k_BKSE, v_BKSE, self.cp, self.seq, self.ring_overlap, self.ring_tile_elems,
                                   dropout_p=self.dropout if self.training else 0.0)
-        if self.cp_mask_QT is not None:  # queries and keys are not aligned: an explicit global-position mask
-            return F.scaled_dot_product_attention(q_BHSE, k_BKSE, v_BKSE, attn_mask=self.cp_mask_QT,
+        if self.cp_gathered:  # queries and keys are not aligned: an explicit global-position mask
+            bias_QT = _cp_bias(self.seq, self.cp.size, self.cp.rank, q_BHSE.device, q_BHSE.dtype)
+            return F.scaled_dot_product_attention(q_BHSE, k_BKSE, v_BKSE, attn_mask=bias_QT,
                                                   dropout_p=self.dropout if self.training else 0.0,
                                                   enable_gqa=q_BHSE.shape[1] != k_BKSE.shape[1])
         return F.scaled_dot_product_attention(q_BHSE, k_BKSE, v_BKSE, is_causal=True,

@@ -341,6 +341,8 @@ def batch_isend_irecv(axis: Axis, sends: list[tuple[torch.Tensor, int]], recvs: 
     """
     for t, _ in sends:
         axis.stats.add(axis.name, _nbytes(t))
+    if axis.virtual:  # the planner's axis: counted, nothing to move (the receive buffers keep their shapes)
+        return []
     # An empty batch must not reach torch: dist.batch_isend_irecv reads op 0's group and raises on [].
     if not sends and not recvs:
         return []

@@ -12,6 +12,8 @@ Legend: B batch, S sequence (S/c on a cp rank), Q this rank's query tokens, T th
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
@@ -62,3 +64,34 @@ def cp_runs(seq: int, cp: int, rank: int, blocks: int = 1, block: int = 0) -> li
     lo = block * m  # the block's first row in the rank's two chunks
     split = min(max(n - lo, 0), m)  # block rows from the first chunk
     return [(0, split, rank * n + lo), (split, m, (2 * cp - 1 - rank) * n + max(lo - n, 0))]
+
+
+@functools.lru_cache(maxsize=16)
+def cp_causal_bias(seq: int, cp: int, rank: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """bias_QT: the additive form of cp_causal_mask (0 attend, -inf not) in the attention dtype, one tensor
+    shared by every layer. Handed a bool mask, SDPA's kernels (CPU flash, CUDA memory-efficient) convert
+    it to exactly this on every call and save the copy for backward: a [Q, T] tensor per layer, more than
+    all the layer's other activations at long S. A float bias is saved by reference. Cached (a derived
+    constant of the layout, like the RoPE tables) so the layers share one copy."""
+    mask_QT = cp_causal_mask(seq, cp, rank, device)
+    return torch.zeros(mask_QT.shape, dtype=dtype, device=device).masked_fill_(~mask_QT, float("-inf"))
+
+
+def cp_bytes_per_layer(seq: int, cp: int, micro_batch: int, kv_heads: int, head_dim: int, elem_bytes: int,
+                       ring: bool, recompute: str = "none") -> int:
+    """Bytes one cp rank sends on the cp axis for one transformer layer and one micro-batch, forward and
+    backward (the theory comm_bytes/cp is checked against, and the planner's figure). kv_heads: this tp
+    rank's. A rank's K (or V) block is S/c x B x K x E elements.
+      allgather: forward all-gathers K and V, (c-1) blocks each; backward reduce-scatters their grads,
+                 (c-1)/c of the gathered c blocks each: the same bytes.
+      ring:      forward passes the K/V pair c-1 times; backward passes it c-1 times again, plus the
+                 travelling fp32 dK/dV pair c times (the last move brings it home).
+    Recompute re-runs the forward exchange in backward: full recompute re-runs the block (both kinds);
+    selective re-runs the attention core, which holds the ring but not the all-gather."""
+    if cp == 1:
+        return 0
+    block = seq // cp * micro_batch * kv_heads * head_dim
+    fwd = 2 * (cp - 1) * block * elem_bytes
+    bwd = fwd + (2 * cp * block * 4 if ring else 0)
+    reruns = recompute == "full" or (ring and recompute == "selective")
+    return fwd * (2 if reruns else 1) + bwd

@@ -22,6 +22,11 @@ delta = rowsum(dO ⊙ O) still equals rowsum(P ⊙ dP) (FlashAttention's identit
 Legend: B batch, H query heads, K kv heads, Q this rank's tokens, N the tokens of one K/V block, T = c·N
 the gathered tokens, E head dim. Math in fp32 (the probabilities are recomputed in backward from the
 saved log-sum-exp).
+
+Query rows are processed in tiles (TILE_ELEMS) so the math's working memory stays bounded.
+`overlap=False` (an internal switch for scripts/bench_cp.py, not a config key) issues each exchange after
+the block's attention instead of before it and waits for it at once: the same bytes and results, with
+the transfer on the critical path, so the bench shows what the overlap saves.
 """
 from __future__ import annotations
 
@@ -56,82 +61,105 @@ def _fold(g_BHNE: torch.Tensor, groups: int) -> torch.Tensor:
     return g_BHNE.view(b, groups, h // groups, n, e).sum(2)
 
 
-def _kept(keep_BHQT: torch.Tensor | None, src: int, n: int, p: float) -> torch.Tensor | None:
-    """Block src's dropout factors (0 or 1/(1-p), fp32, as SDPA scales), None without dropout."""
+def _kept(keep_BHQT: torch.Tensor | None, t: slice, src: int, n: int, p: float) -> torch.Tensor | None:
+    """Block src's dropout factors for query rows t (0 or 1/(1-p), fp32, as SDPA scales); None without dropout."""
     if keep_BHQT is None:
         return None
-    return keep_BHQT[..., src * n:(src + 1) * n].float().div_(1 - p)
+    return keep_BHQT[:, :, t, src * n:(src + 1) * n].float().div_(1 - p)
+
+
+TILE_ELEMS = {"cpu": 1 << 20, "cuda": 1 << 26}
+"""Score elements ([B, H, rows, N] fp32) one tile of query rows works on: the block attention is math, so
+its scores, probabilities and their grads are working memory; tiling the rows bounds it (4 MiB a tensor
+on CPU, 256 MiB on GPU) instead of [B, H, S/c, S/c], which at long S outweighs all the saved activations."""
+
+
+def _tiles(q_BHQE: torch.Tensor, n: int, elems: int | None) -> list[slice]:
+    b, h, rows = q_BHQE.shape[:3]
+    step = max(1, (elems or TILE_ELEMS.get(q_BHQE.device.type, 1 << 22)) // max(1, b * h * n))
+    return [slice(a, min(a + step, rows)) for a in range(0, rows, step)]
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q_BHQE, k_BKNE, v_BKNE, axis: Axis, seq: int, dropout_p: float):
-        c, r, h = axis.size, axis.rank, q_BHQE.shape[1]
+    def forward(ctx, q_BHQE, k_BKNE, v_BKNE, axis: Axis, seq: int, overlap: bool, tile: int | None,
+                dropout_p: float):
+        c, r, h, n = axis.size, axis.rank, q_BHQE.shape[1], k_BKNE.shape[2]
         ctx.rng = _rng_state(q_BHQE.device) if dropout_p > 0 else None  # backward draws the mask again
-        keep_BHQT = dropout_keep(q_BHQE, c * k_BKNE.shape[2], dropout_p) if dropout_p > 0 else None
+        keep_BHQT = dropout_keep(q_BHQE, c * n, dropout_p) if dropout_p > 0 else None
         scale = q_BHQE.shape[-1] ** -0.5
         pos_q = cp_positions(seq, c, r, q_BHQE.device)
         q = q_BHQE.float()
         o = torch.zeros_like(q)
         lse = torch.full(q.shape[:-1], float("-inf"), device=q.device)
         kv = torch.stack([k_BKNE, v_BKNE])
+        tiles = _tiles(q, k_BKNE.shape[2], tile)
         for j in range(c):
             works = []
-            if j < c - 1:  # the next block's transfer overlaps this block's attention
+            if j < c - 1 and overlap:  # the next block's transfer overlaps this block's attention
                 nxt, works = _exchange(axis, kv)
-            src = (r - j) % c
-            mask_QN = cp_positions(seq, c, src, q.device)[None, :] <= pos_q[:, None]
-            s = (q @ _expand(kv[0].float(), h).transpose(-1, -2)) * scale
-            s = s.masked_fill(~mask_QN, float("-inf"))
-            blk_lse = torch.logsumexp(s, dim=-1)
-            new_lse = torch.logaddexp(lse, blk_lse)
-            seen = torch.isfinite(new_lse)  # rows with no visible key yet keep 0
-            p = torch.where(seen[..., None], torch.exp(s - new_lse.where(seen, 0)[..., None]), 0.0)
-            keep = torch.where(seen, torch.exp(lse - new_lse.where(seen, 0)), 0.0)
-            drop = _kept(keep_BHQT, src, k_BKNE.shape[2], dropout_p)
-            o = o * keep[..., None] + (p if drop is None else p * drop) @ _expand(kv[1].float(), h)
-            lse = new_lse
+            pos_k = cp_positions(seq, c, (r - j) % c, q.device)
+            k, v = _expand(kv[0].float(), h), _expand(kv[1].float(), h)
+            for t in tiles:  # rows are independent: each tile merges its block into its own rows of o, lse
+                mask_QN = pos_k[None, :] <= pos_q[t, None]
+                s = ((q[:, :, t] @ k.transpose(-1, -2)) * scale).masked_fill(~mask_QN, float("-inf"))
+                new_lse = torch.logaddexp(lse[:, :, t], torch.logsumexp(s, dim=-1))
+                seen = torch.isfinite(new_lse)  # rows with no visible key yet keep 0
+                ref = new_lse.where(seen, 0)
+                p = torch.where(seen[..., None], torch.exp(s - ref[..., None]), 0.0)
+                keep = torch.where(seen, torch.exp(lse[:, :, t] - ref), 0.0)
+                drop = _kept(keep_BHQT, t, (r - j) % c, n, dropout_p)
+                o[:, :, t] = o[:, :, t] * keep[..., None] + (p if drop is None else p * drop) @ v
+                lse[:, :, t] = new_lse
+            if j < c - 1 and not overlap:
+                nxt, works = _exchange(axis, kv)
             _wait(works)
             if j < c - 1:
                 kv = nxt
         ctx.save_for_backward(q_BHQE, k_BKNE, v_BKNE, o, lse)
-        ctx.axis, ctx.seq, ctx.dropout_p = axis, seq, dropout_p
+        ctx.axis, ctx.seq, ctx.overlap, ctx.tile, ctx.dropout_p = axis, seq, overlap, tile, dropout_p
         return o.to(q_BHQE.dtype)
 
     @staticmethod
     def backward(ctx, do_BHQE):
         q_BHQE, k_BKNE, v_BKNE, o, lse = ctx.saved_tensors
         axis, seq = ctx.axis, ctx.seq
-        c, r, h, groups = axis.size, axis.rank, q_BHQE.shape[1], k_BKNE.shape[1]
+        c, r, h, groups, n = axis.size, axis.rank, q_BHQE.shape[1], k_BKNE.shape[1], k_BKNE.shape[2]
+        scale = q_BHQE.shape[-1] ** -0.5
+        pos_q = cp_positions(seq, c, r, q_BHQE.device)
         keep_BHQT = None
         if ctx.rng is not None:  # the forward's mask, drawn again from the generator state it started from
             with _rng_at(ctx.rng, q_BHQE.device):
-                keep_BHQT = dropout_keep(q_BHQE, c * k_BKNE.shape[2], ctx.dropout_p)
-        scale = q_BHQE.shape[-1] ** -0.5
-        pos_q = cp_positions(seq, c, r, q_BHQE.device)
+                keep_BHQT = dropout_keep(q_BHQE, c * n, ctx.dropout_p)
         q, do = q_BHQE.float(), do_BHQE.float()
         delta = (do * o).sum(-1)
+        ref = lse.where(torch.isfinite(lse), 0)
         dq = torch.zeros_like(q)
         kv = torch.stack([k_BKNE, v_BKNE])
         dkv = torch.zeros_like(kv, dtype=torch.float32)
+        tiles = _tiles(q, k_BKNE.shape[2], ctx.tile)
         for j in range(c):
             works = []
-            if j < c - 1:  # the K/V block moves on while its grads are computed here
+            if j < c - 1 and ctx.overlap:  # the K/V block moves on while its grads are computed here
                 nxt, works = _exchange(axis, kv)
-            src = (r - j) % c
-            mask_QN = cp_positions(seq, c, src, q.device)[None, :] <= pos_q[:, None]
+            pos_k = cp_positions(seq, c, (r - j) % c, q.device)
             k, v = _expand(kv[0].float(), h), _expand(kv[1].float(), h)
-            s = ((q @ k.transpose(-1, -2)) * scale).masked_fill(~mask_QN, float("-inf"))
-            p = torch.exp(s - lse.where(torch.isfinite(lse), 0)[..., None]).masked_fill(~mask_QN, 0.0)
-            dp = do @ v.transpose(-1, -2)
-            drop = _kept(keep_BHQT, src, k_BKNE.shape[2], ctx.dropout_p)
-            if drop is not None:  # o = (P ⊙ D) V: dP and dV see the dropped probabilities
-                dp = dp * drop
-            ds = p * (dp - delta[..., None]) * scale
-            dq += ds @ k
-            pv = p if drop is None else p * drop
-            dk, dv = _fold(ds.transpose(-1, -2) @ q, groups), _fold(pv.transpose(-1, -2) @ do, groups)
-            dkv = dkv + torch.stack([dk, dv])
+            dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+            for t in tiles:
+                mask_QN = pos_k[None, :] <= pos_q[t, None]
+                s = ((q[:, :, t] @ k.transpose(-1, -2)) * scale).masked_fill(~mask_QN, float("-inf"))
+                p = torch.exp(s - ref[:, :, t, None]).masked_fill(~mask_QN, 0.0)
+                dp = do[:, :, t] @ v.transpose(-1, -2)
+                drop = _kept(keep_BHQT, t, (r - j) % c, n, ctx.dropout_p)
+                if drop is not None:  # o = (P ⊙ D) V: dP and dV see the dropped probabilities
+                    dp = dp * drop
+                ds = p * (dp - delta[:, :, t, None]) * scale
+                dq[:, :, t] += ds @ k
+                dk += ds.transpose(-1, -2) @ q[:, :, t]
+                dv += (p if drop is None else p * drop).transpose(-1, -2) @ do[:, :, t]
+            dkv = dkv + torch.stack([_fold(dk, groups), _fold(dv, groups)])
+            if j < c - 1 and not ctx.overlap:
+                nxt, works = _exchange(axis, kv)
             _wait(works)
             # the accumulator follows its block: after c-1 moves it sits one rank behind its owner, and
             # one more move (below) brings it home
@@ -140,7 +168,7 @@ class _RingAttention(torch.autograd.Function):
             dkv = moved
             if j < c - 1:
                 kv = nxt
-        return dq.to(q_BHQE.dtype), dkv[0].to(k_BKNE.dtype), dkv[1].to(v_BKNE.dtype), None, None, None
+        return dq.to(q_BHQE.dtype), dkv[0].to(k_BKNE.dtype), dkv[1].to(v_BKNE.dtype), None, None, None, None, None
 
 
 def _rng_state(device: torch.device) -> torch.Tensor:
@@ -169,9 +197,13 @@ def dropout_keep(q_BHQE: torch.Tensor, gathered: int, p: float) -> torch.Tensor:
     return torch.empty(b, h, q, gathered, dtype=q_BHQE.dtype, device=q_BHQE.device).bernoulli_(1 - p).bool()
 
 
+
 @torch.compiler.disable  # p2p inside: eager between a compiled block's pieces (as comm.py's collectives)
 def ring_attention(q_BHQE: torch.Tensor, k_BKNE: torch.Tensor, v_BKNE: torch.Tensor, axis: Axis,
-                   seq: int, dropout_p: float = 0.0) -> torch.Tensor:
+                   seq: int, overlap: bool = True, tile_elems: int | None = None,
+                   dropout_p: float = 0.0) -> torch.Tensor:
     """Exact causal attention of this rank's queries against the whole cp group's K/V, by ring, with
-    attention dropout when dropout_p > 0 (see the module docstring)."""
-    return _RingAttention.apply(q_BHQE, k_BKNE, v_BKNE, axis, seq, dropout_p)
+    attention dropout when dropout_p > 0 (see the module docstring).
+    `tile_elems`: score elements per tile of query rows (None: TILE_ELEMS of the device; tests set a
+    small one to cross tile boundaries on tiny shapes)."""
+    return _RingAttention.apply(q_BHQE, k_BKNE, v_BKNE, axis, seq, overlap, tile_elems, dropout_p)

@@ -10,6 +10,9 @@ math decomposition, which saves the [B, H, S, S] attention matrix; the fused ker
 device runs (flash / memory-efficient on CUDA, flash on CPU) save only q, k, v, the output and the
 row log-sum-exp [B, H, S] (fp32). `FusedAttentionSizes` swaps in a shape-only stand-in that saves
 exactly those, so meta figures are what a real device keeps.
+
+`allocator_peak(fn)` is the measured counterpart on CPU: the peak of what the allocator hands out while
+fn runs (saved tensors and transients alike), from the profiler's allocation events.
 """
 from __future__ import annotations
 
@@ -62,13 +65,18 @@ def saved_bytes(fn: Callable[[], object], params: Iterable[torch.Tensor] = ()) -
 
 
 class _FusedAttention(torch.autograd.Function):
-    """Shape-only stand-in for a fused attention kernel: saves q, k, v, out and logsumexp_BHS."""
+    """Shape-only stand-in for a fused attention kernel: saves q, k, v, out and logsumexp_BHS, and for a
+    bool mask the float copy the kernels make of it per call (a float mask is saved by reference: the cp
+    bias shared by the layers, which the planner counts once per rank, not per micro-batch)."""
 
     @staticmethod
-    def forward(ctx, q_BHSE, k_BKSE, v_BKSE):
+    def forward(ctx, q_BHSE, k_BKSE, v_BKSE, mask):
         out_BHSE = torch.empty_like(q_BHSE)
         lse_BHS = torch.empty(q_BHSE.shape[:-1], dtype=torch.float32, device=q_BHSE.device)
-        ctx.save_for_backward(q_BHSE, k_BKSE, v_BKSE, out_BHSE, lse_BHS)
+        saved = [q_BHSE, k_BKSE, v_BKSE, out_BHSE, lse_BHS]
+        if mask is not None and mask.dtype == torch.bool:
+            saved.append(torch.empty(mask.shape, dtype=q_BHSE.dtype, device=mask.device))
+        ctx.save_for_backward(*saved)
         return out_BHSE
 
     @staticmethod
@@ -81,7 +89,8 @@ class FusedAttentionSizes(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func is F.scaled_dot_product_attention:
-            return _FusedAttention.apply(*args[:3])  # q, k, v: mask and scale change nothing saved
+            mask = (kwargs or {}).get("attn_mask", args[3] if len(args) > 3 else None)
+            return _FusedAttention.apply(*args[:3], mask)  # scale, dropout, gqa change nothing saved
         return func(*args, **(kwargs or {}))
 
 
@@ -90,13 +99,16 @@ def chunk_activation_bytes(model, chunk: int, micro_batch: int, fused_attention:
 
     The chunk's input is what the pipeline hands it: token ids on the first stage, else a hidden-state
     tensor [S (S/tp under sp), B, D] in the parameters' dtype that requires grad (a received activation).
+    Under context parallelism S is this cp rank's S/cp tokens, and attention runs over the cp axis as in
+    training (the gathered K/V, or the ring's blocks), on a virtual axis without communicating.
     """
     cfg, device = model.cfg, next(model.parameters()).device
     dtype = next(model.parameters()).dtype
-    ids_BS = torch.zeros(micro_batch, cfg.seq_length, dtype=torch.long, device=device)
+    seq = local_seq(model)
+    ids_BS = torch.zeros(micro_batch, seq, dtype=torch.long, device=device)
     x_SBD = None
     if not (chunk == 0 and model.stage.first):
-        s = cfg.seq_length // model.mesh.tp.size if model.sp else cfg.seq_length
+        s = seq // model.mesh.tp.size if model.sp else seq
         # requires grad like a received activation, so the first layer saves what it saves in training
         x_SBD = torch.empty(s, micro_batch, cfg.hidden_size, dtype=dtype, device=device, requires_grad=True)
     params = list(model.parameters())
@@ -110,11 +122,32 @@ def _nothing():
     yield
 
 
+def local_seq(model) -> int:
+    """The tokens of a sequence this rank's model sees: S/cp."""
+    return model.cfg.seq_length // model.mesh.cp.size
+
+
 def block_activation_bytes(model, layer: int, micro_batch: int, fused_attention: bool = True) -> int:
     """Bytes one transformer block (global index `layer`, on this rank) saves for backward for one
     micro-batch: its input is [S (S/tp under sp), B, D] in the parameters' dtype."""
     cfg, p = model.cfg, next(model.parameters())
-    s = cfg.seq_length // model.mesh.tp.size if model.sp else cfg.seq_length
+    s = local_seq(model) // model.mesh.tp.size if model.sp else local_seq(model)
     x_SBD = torch.empty(s, micro_batch, cfg.hidden_size, dtype=p.dtype, device=p.device, requires_grad=True)
     with (FusedAttentionSizes() if fused_attention else _nothing()):
         return saved_bytes(lambda: model.layers[str(layer)](x_SBD, model.rope), list(model.parameters()))
+
+
+def allocator_peak(fn) -> int:
+    """Peak of the bytes allocated and not yet freed while fn() runs, above what was live before: the
+    running sum of the CPU allocator's own events (torch.profiler with profile_memory), in time order."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    live = peak = 0
+    for e in events:
+        live += e.nbytes()
+        peak = max(peak, live)
+    return peak

@@ -14,10 +14,15 @@ meta device with a virtual mesh (no process groups; megaframe.parallel.virtual),
                zero=3: params are the owned 1/dp plus the params outside blocks, kept whole
   activations  the bytes one micro-batch of each pipeline chunk saves for backward (a meta-device
                forward, planning.activations), times the chunks in flight at the schedule's peak:
-               the rank's own action list (pipeline/schedule.py) walked forward by forward
+               the rank's own action list (pipeline/schedule.py) walked forward by forward; under
+               cp the forward runs on the rank's S/cp tokens with attention over a virtual cp axis
+               (the gathered K/V, or the ring's own block), plus the cp causal bias the layers share
+  cp bytes     the bytes a rank sends on cp per step (comm_bytes/cp): context.cp_bytes_per_layer, the
+               theory the cp byte-count test checks, times the rank's layers and micro-batches
 
-dp ranks of one coordinate hold the same amounts (ZeRO pads every bucket to a multiple of dp), so
-each coordinate is sized once; rows with equal figures are merged when printed.
+dp and cp ranks of one coordinate hold the same amounts (ZeRO pads every bucket to a multiple of cp·dp;
+every cp rank holds two equal chunks), so each coordinate is sized once (at cp rank 0); rows with equal
+figures are merged when printed.
 """
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ from dataclasses import asdict, dataclass, field, replace
 from megaframe.model.gpt import build_model
 from megaframe.optim.build import cast_model
 from megaframe.optim.sizing import planned_dp_bytes, planned_memory_bytes
+from megaframe.parallel.context import cp_bytes_per_layer
 from megaframe.parallel.virtual import virtual_mesh
 from megaframe.pipeline.schedule import F, compute_order, resolve_kind
 from megaframe.pipeline.simulate import simulate
@@ -53,13 +59,15 @@ class RankFigures:
     fits: bool | None = None
     dp_comm_bytes: int | None = None
     """Bytes each of these ranks sends on dp per step (comm_bytes/dp) under ZeRO; None for zero=0."""
+    cp_comm_bytes: int = 0
+    """Bytes each of these ranks sends on cp per step (comm_bytes/cp); 0 without context parallelism."""
 
     def __post_init__(self):
         self.total_bytes = self.params_bytes + self.grads_bytes + self.optim_bytes + self.activation_bytes
 
     def key(self) -> tuple:
         return (self.pp_rank, self.params_bytes, self.grads_bytes, self.optim_bytes, self.activation_bytes,
-                tuple(self.chunk_activation_bytes), self.peak_inflight, self.dp_comm_bytes)
+                tuple(self.chunk_activation_bytes), self.peak_inflight, self.dp_comm_bytes, self.cp_comm_bytes)
 
 
 @dataclass
@@ -112,12 +120,13 @@ def peak_activations(order, chunk_bytes: list[int]) -> tuple[int, int]:
 def plan_layout(cfg: Config, world_size: int, device_memory_gb: float | None = None) -> Plan:
     """Size every rank of the (validated) config on `world_size` ranks."""
     p, t = cfg.parallel, cfg.train
-    tp, pp = p.tp, p.pp
-    dp = world_size // (tp * pp)
-    m = t.global_batch_size // (t.micro_batch_size * dp)
+    tp, pp, cp = p.tp, p.pp, p.cp
+    dp = world_size // (tp * pp * cp)
+    m = t.global_batch_size // (t.micro_batch_size * dp)  # cp ranks read the same samples: dp alone divides
     kind = resolve_kind(p.pp_schedule, p.vpp)
     plan = Plan(world_size, {"tp": tp, "pp": pp, "dp": dp, "vpp": p.vpp, "sp": p.sp, "zero": cfg.optim.zero,
-                             "precision": t.precision, "micro_batch_size": t.micro_batch_size},
+                             "precision": t.precision, "micro_batch_size": t.micro_batch_size, "cp": cp,
+                             "cp_comm": str(getattr(p.cp_comm, "value", p.cp_comm))},
                 m, kind, simulate(kind, pp, p.vpp, m).bubble)
     if device_memory_gb is not None:
         plan.device_memory_bytes = int(device_memory_gb * 2**30)  # GiB, as torch.cuda reports
@@ -133,19 +142,40 @@ def plan_layout(cfg: Config, world_size: int, device_memory_gb: float | None = N
 
 def _rank_figures(cfg: Config, tp: int, pp: int, dp: int, pp_rank: int, tp_rank: int, order) -> RankFigures:
     mesh = virtual_mesh(tp, pp, dp, tp_rank=tp_rank, pp_rank=pp_rank, device="meta", ep=cfg.parallel.ep,
-                        shard=cfg.optim.shard_group_size)
+                        shard=cfg.optim.shard_group_size, cp=cfg.parallel.cp)
     model = cast_model(build_model(cfg, mesh), cfg.train.precision)
     params, grads, optim = state_bytes(model, cfg, mesh)
     # fused: real devices run a fused attention kernel; meta's math path would count the S x S matrix
     chunks = [chunk_activation_bytes(model, c, cfg.train.micro_batch_size, fused_attention=True)
               for c in range(len(model.stage.chunks))]
     act, inflight = peak_activations(order, chunks)
-    out = RankFigures(pp_rank, tp_rank, list(mesh.dp.ranks), params, grads, optim, chunks, inflight, act)
+    out = RankFigures(pp_rank, tp_rank, list(mesh.dpcp.ranks), params, grads, optim, chunks, inflight,
+                      act + cp_bias_bytes(model), cp_comm_bytes=cp_step_bytes(cfg, model, dp))
     if cfg.optim.zero and not (mesh.dp_shard.size == 1 and cfg.train.precision == "fp32"):  # build_optimizer's choice
         m = cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)
         out.dp_comm_bytes = planned_dp_bytes([p for p in model.parameters() if p.requires_grad], cfg.optim, mesh, m,
                                              model)
     return out
+
+
+def cp_bias_bytes(model) -> int:
+    """The causal bias [S/cp, S] the layers of a cp rank share under cp_comm=allgather (context.cp_causal_bias):
+    built in the first forward and held from then on, once per rank."""
+    attn = next((b.attn for b in model.layers.values()), None)
+    if attn is None or not attn.cp_gathered:
+        return 0
+    p = next(model.parameters())
+    return model.cfg.seq_length ** 2 // attn.cp.size * p.element_size()
+
+
+def cp_step_bytes(cfg: Config, model, dp: int) -> int:
+    """comm_bytes/cp of one step on this rank: every layer it holds, every micro-batch."""
+    mesh, m, t = model.mesh, cfg.model, cfg.train
+    micro = t.global_batch_size // (t.micro_batch_size * dp)
+    ring = str(getattr(cfg.parallel.cp_comm, "value", cfg.parallel.cp_comm)) == "ring"
+    per = cp_bytes_per_layer(m.seq_length, mesh.cp.size, t.micro_batch_size, m.kv_heads // mesh.tp.size,
+                             m.head_dim, next(model.parameters()).element_size(), ring, t.recompute)
+    return len(model.layers) * micro * per
 
 
 def merged_rows(plan: Plan) -> list[tuple[list[int], RankFigures]]:

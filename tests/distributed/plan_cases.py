@@ -7,10 +7,11 @@ the activations held at once while the real pipeline executor runs a step (`Live
 """
 from __future__ import annotations
 
+from megaframe.config import load_config
 from megaframe.data.dataset import build_data, microbatches
 from megaframe.model.gpt import build_model
 from megaframe.optim.build import build_optimizer, cast_model
-from megaframe.planning.activations import chunk_activation_bytes
+from megaframe.planning.activations import allocator_peak, chunk_activation_bytes
 from megaframe.training.metrics import memory_figures
 from megaframe.training.step import train_step
 from tests.distributed.cases import tiny_config
@@ -84,3 +85,26 @@ def mesh_coordinates(mesh) -> dict:
     axes = {n: (a.size, a.rank, a.ranks, a.name) for n in ("tp", "dp", "pp", "pp_ends", "ep", "edp")
             for a in [getattr(mesh, n)]}
     return {"coord": (mesh.pp.rank, mesh.dp.rank, mesh.tp.rank), "axes": axes, "rank": mesh.rank}
+
+
+def measure_cp_peak(mesh, overrides: list[str]) -> dict:
+    """This cp rank's allocator peak over one forward + backward of one micro-batch (its S/cp tokens of a
+    fixed global batch), after a warm-up step so the grads exist (backward accumulates into them, as every
+    micro-batch after the first does) and lazy state is built; the cp causal bias is dropped first, so its
+    first build, which the planner counts, falls inside the measurement."""
+    import torch
+
+    from megaframe.parallel.context import cp_causal_bias, cp_keep
+
+    cfg = load_config(overrides, world_size=mesh.world, check_data=False)
+    model = build_model(cfg, mesh)
+    g = torch.Generator().manual_seed(0)
+    ids_BS = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch_size, cfg.model.seq_length + 1), generator=g)
+    x_BS, y_BS = cp_keep(ids_BS[:, :-1], mesh.cp.rank, mesh.cp.size), cp_keep(ids_BS[:, 1:], mesh.cp.rank, mesh.cp.size)
+
+    def step():
+        model(x_BS, y_BS).sum().backward()
+
+    step()
+    cp_causal_bias.cache_clear()
+    return {"peak": allocator_peak(step), "cp_rank": mesh.cp.rank}

@@ -40,24 +40,41 @@ def test_cp_matches_one_process(pool, cp, tp, dp, sp, zero, family):
     check(got, ref)
 
 
-@pytest.mark.parametrize("kind", ["allgather", "ring"])
+@pytest.mark.parametrize("kind,recompute", [("allgather", "none"), ("ring", "none")])
 @pytest.mark.parametrize("cp,tp", [(2, 1), (4, 1), (2, 2)])
-def test_cp_bytes_match_theory(pool, cp, tp, kind):
-    """comm_bytes/cp of one step, to the byte, per layer and micro-batch. allgather: forward all-gathers
+def test_cp_bytes_match_theory(pool, cp, tp, kind, recompute):
+    """comm_bytes/cp of one step, to the byte, against context.cp_bytes_per_layer (the planner's figure)
+    per layer and micro-batch, and against the theory written out here. allgather: forward all-gathers
     K and V ((c-1) x this rank's block each), backward reduce-scatters their grads ((c-1)/c of the gathered
     [S, B, K/tp, E] each, the same bytes). ring: c-1 sends of the K/V pair forward, c-1 again in backward,
     plus c sends of the travelling fp32 dK/dV pair (the last brings it home). Nothing else crosses the cp
     axis (grads go over cp·dp: 'dp')."""
+    check_cp_bytes(pool, cp, tp, kind, recompute)
+
+
+@pytest.mark.parametrize("kind,recompute", [("allgather", "full"), ("allgather", "selective"), ("ring", "full"),
+                                            ("ring", "selective")])
+def test_cp_bytes_with_recompute_match_theory(pool, kind, recompute):
+    """Recompute re-runs the forward exchange in backward where the re-run holds it: full recompute
+    (the block) for both kinds, selective (the attention core) for the ring only."""
+    check_cp_bytes(pool, 2, 1, kind, recompute)
+
+
+def check_cp_bytes(pool, cp, tp, kind, recompute):
+    from megaframe.parallel.context import cp_bytes_per_layer
     from tests.distributed.cases import comm_volume
 
     L, S, B, kv, E, f32 = 2, 32, 2, 4, 8, 4  # cases.TINY: 2 layers, 4 kv heads of 64/8
     micro = 8 // B
     block = S // cp * B * kv // tp * E * f32  # this rank's K (or V) for one micro-batch
-    per = 4 * (cp - 1) * block if kind == "allgather" else (2 * (cp - 1) * 2 + 2 * cp) * block
-    want = L * micro * per
-    over = [f"parallel.cp={cp}", f"parallel.tp={tp}", f"parallel.cp_comm={kind}"]
+    fwd = 2 * (cp - 1) * block
+    per = 2 * fwd if kind == "allgather" else 2 * fwd + 2 * cp * block
+    if recompute == "full" or (kind == "ring" and recompute == "selective"):
+        per += fwd
+    assert cp_bytes_per_layer(S, cp, B, kv // tp, E, f32, kind == "ring", recompute) == per
+    over = [f"parallel.cp={cp}", f"parallel.tp={tp}", f"parallel.cp_comm={kind}", f"train.recompute={recompute}"]
     sent = pool.run(comm_volume, cp * tp, over, tp=tp, cp=cp)[0]
-    assert sent["cp"] == want, (sent, want)
+    assert sent["cp"] == L * micro * per, (sent, L * micro * per)
 
 
 L4 = "model.num_layers=4"
@@ -196,3 +213,23 @@ def test_ring_dropout_matches_allgather(pool, name, cp, tp, extra):
         plain = pool.run(train_and_report, cp, [f"parallel.cp={cp}", "parallel.cp_comm=ring"], STEPS, None, True,
                          cp=cp)[0]
         assert max(abs(a - b) / b for a, b in zip(plain["losses"], ring["losses"])) > 1e-3
+
+
+def small_ring_tiles(model):
+    """Ring tiles of 64 score elements: 2 heads x 16 rows x ... every block crosses tile boundaries."""
+    for block in model.layers.values():
+        block.attn.ring_tile_elems = 64
+
+
+def ring_without_overlap(model):
+    for block in model.layers.values():
+        block.attn.ring_overlap = False
+
+
+@pytest.mark.parametrize("setup", [small_ring_tiles, ring_without_overlap], ids=["tiled", "no-overlap"])
+def test_ring_tiles_and_overlap_switch_match_one_process(pool, setup):
+    """The ring's query-row tiles (bounded working memory) and its bench-only no-overlap order give the
+    one-process numbers too."""
+    ref = reference(pool, ())
+    got = pool.run(train_and_report, 4, ["parallel.cp=4", "parallel.cp_comm=ring"], STEPS, setup, cp=4)[0]
+    check(got, ref)

@@ -153,3 +153,17 @@ def test_ring_dropout_mask_is_sdpa_s_draw(dtype):
         torch.manual_seed(6)
         other = (torch.softmax(s, -1) * dropout_keep(q_BHQE, t, p).float() / (1 - p)) @ vv
         assert (other - ref).abs().max() > 0.1
+
+
+def test_cp_causal_bias_is_the_mask_shared_by_the_layers():
+    """allgather attention passes SDPA one additive bias per (layout, dtype): 0 where the mask attends,
+    -inf elsewhere, the same tensor for every layer (a bool mask is converted and saved per call)."""
+    import torch
+
+    from megaframe.parallel.context import cp_causal_bias
+
+    mask_QT = cp_causal_mask(64, 4, 1)
+    bias_QT = cp_causal_bias(64, 4, 1, torch.device("cpu"), torch.float32)
+    assert torch.equal(bias_QT == 0, mask_QT) and torch.isinf(bias_QT[~mask_QT]).all()
+    assert cp_causal_bias(64, 4, 1, torch.device("cpu"), torch.float32) is bias_QT
+    assert cp_causal_bias(64, 4, 1, torch.device("cpu"), torch.bfloat16).dtype == torch.bfloat16
