@@ -1,0 +1,69 @@
+"""A candidate layout of the search (planning.search) and the parameter counts the memory and
+step-time models (planning.timing) share: one record, read by both."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from megaframe.schema import Config
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int
+    pp: int
+    vpp: int
+    dp: int
+    ep: int
+    zero: int
+    micro_batch: int
+    recompute: str
+    cp: int = 1
+
+    def label(self) -> str:
+        ep = f" ep={self.ep}" if self.ep > 1 else ""
+        cp = f" cp={self.cp}" if self.cp > 1 else ""
+        return (f"tp={self.tp}{cp} pp={self.pp} vpp={self.vpp} dp={self.dp}{ep} zero={self.zero} "
+                f"mb={self.micro_batch} recompute={self.recompute}")
+
+    def overrides(self) -> list[str]:
+        return [f"parallel.tp={self.tp}", f"parallel.pp={self.pp}", f"parallel.vpp={self.vpp}",
+                f"parallel.ep={self.ep}", f"parallel.cp={self.cp}", f"parallel.sp={str(self.tp > 1).lower()}",
+                f"optim.zero={self.zero}",
+                f"train.micro_batch_size={self.micro_batch}", f"train.recompute={self.recompute}"]
+
+
+def layout_config(cfg: Config, lay: Layout) -> Config:
+    c = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, tp=lay.tp, pp=lay.pp, vpp=lay.vpp,
+                                                              ep=lay.ep, sp=lay.tp > 1, pp_layout=None, cp=lay.cp),
+                            optim=dataclasses.replace(cfg.optim, zero=lay.zero),
+                            train=dataclasses.replace(cfg.train, micro_batch_size=lay.micro_batch,
+                                                      recompute=lay.recompute))
+    return c
+
+
+def cp_ring(cfg: Config) -> bool:
+    return str(getattr(cfg.parallel.cp_comm, "value", cfg.parallel.cp_comm)) == "ring"
+
+
+def _layer_params(m, tp: int, ep: int) -> tuple[int, int]:
+    """(dense, expert) parameters of one block on one rank."""
+    d, e = m.hidden_size, m.head_dim
+    attn = (d * (m.num_attention_heads + 2 * m.kv_heads) * e + m.num_attention_heads * e * d) // tp
+    norms = 2 * d * (2 if m.norm == "layernorm" else 1)
+    if m.num_experts:
+        return attn + norms + m.num_experts * d, (m.num_experts // ep) * 3 * d * m.expert_ffn
+    per = 3 if m.activation == "swiglu" else 2
+    return attn + norms + per * d * m.ffn_hidden_size // tp, 0
+
+
+def stage_params(m, lay: Layout, first: bool, last: bool) -> tuple[int, int]:
+    """(dense, expert) parameters of the first or last pipeline rank."""
+    layers = m.num_layers // lay.pp
+    dense, expert = (layers * x for x in _layer_params(m, lay.tp, lay.ep))
+    table = m.vocab_size * m.hidden_size // lay.tp
+    if first:
+        dense += table + (m.seq_length * m.hidden_size if m.position_embedding == "learned" else 0)
+    if last:
+        dense += m.hidden_size + (table if not (first and m.tie_embeddings) else 0)
+    return dense, expert

@@ -1,0 +1,194 @@
+"""The planner's step-time model: seconds per step of a layout, by part (planning.search ranks by it).
+
+Step time (seconds) =
+    (compute + tp_comm + ep_comm + cp_comm) / (1 - bubble) + pp_comm + dp_comm
+  compute  model FLOPs of the step (training.metrics.flops_per_token x tokens; + one forward of the
+           blocks for full recompute, + the attention core's forward for selective) / world size
+           / (device peak x efficiency)
+  comm     per axis: bytes a rank sends (ring all-reduce 2(n-1)/n, all-gather / reduce-scatter / all-to-all
+           (n-1)/n of the tensor) / (link bandwidth x link_eff) + ring steps x latency (cpu: ring steps x
+           the measured time of one gloo hop of bytes / steps, Device.hops). An axis is on NVLink
+           when its ranks fit in one node (tp innermost, then cp, dp (ep within cp·dp), then pp), else on IB.
+           tp: 4 all-reduce-sized collectives of a micro-batch's activations per block (2 forward, 2
+           backward; 6 with full recompute; +1 under sp for the backward's re-gathers), 2 more per
+           micro-batch for the embedding and the head, and the vocab-parallel loss's two small
+           all-reduces (fp32 per token: the max, then the target logit and the exp-sum); ep: 4
+           all-to-alls of the routed tokens per MoE block; pp: one activation and one gradient per
+           micro-batch per virtual stage; dp: ZeRO-1 reduce-scatter of fp32 grads + all-gather of params,
+           or ZeRO-0's all-reduce, not overlapped with backward (conservative).
+  cp       the K/V exchange of every layer and micro-batch (context.cp_bytes_per_layer, the bytes the
+           cp byte-count test checks) over tp·cp ranks' links; allgather is on the critical path (K/V are
+           needed before attention), the ring overlaps its exchange with the block attention, so only
+           what the attention core's compute does not hide is paid (plus the hops' latency). Under cp
+           the tp / ep / pp activations are the rank's S/cp tokens; dp reduces over cp·dp.
+  bubble   the schedule simulator's idle fraction (pipeline.simulate) for (schedule, pp, vpp, micro-batches).
+
+Checked against measured runs on this machine by scripts/validate_planner.py (README: the six-layout
+table).
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+from megaframe.parallel.context import cp_bytes_per_layer
+from megaframe.planning.devices import Device
+from megaframe.planning.gloo_link import hop_seconds
+from megaframe.planning.layout import Layout, cp_ring, stage_params
+from megaframe.schema import Config
+from megaframe.training.metrics import flops_per_token
+
+
+def _ring(nbytes: float, n: int, steps: float, bw: float, latency: float, hops: tuple = ()) -> float:
+    """Seconds for a collective moving nbytes per rank over a ring of n ranks in `steps` hops: bandwidth
+    plus a latency per hop, or `steps` hops of nbytes / steps on a measured curve (Device.hops)."""
+    if n <= 1:
+        return 0.0
+    return steps * hop_seconds(hops, nbytes / steps) if hops else nbytes / bw + steps * latency
+
+
+@functools.lru_cache(maxsize=None)
+def _bubble(kind: str, pp: int, vpp: int, m: int) -> float:
+    from megaframe.pipeline.simulate import simulate
+
+    return simulate(kind, pp, vpp, m).bubble
+
+
+@dataclass(frozen=True)
+class _Step:
+    """What every part of one layout's step time reads."""
+
+    cfg: Config
+    lay: Layout
+    dev: Device
+    world: int
+
+    @property
+    def elem(self) -> int:
+        return 2 if self.cfg.train.precision == "bf16" else 4
+
+    @property
+    def micro(self) -> int:
+        """Micro-batches per step on a rank."""
+        return self.cfg.train.global_batch_size // (self.lay.micro_batch * self.lay.dp)
+
+    @property
+    def layers(self) -> int:
+        return self.cfg.model.num_layers // self.lay.pp
+
+    @property
+    def act(self) -> int:
+        """Bytes of one micro-batch's [S/cp, B, D] activations: a cp rank's S/cp tokens."""
+        m = self.cfg.model
+        return self.lay.micro_batch * m.seq_length // self.lay.cp * m.hidden_size * self.elem
+
+    @property
+    def attn_core(self) -> float:
+        """FLOPs per token of the attention core (QK^T and PV, forward and backward) over all layers."""
+        m = self.cfg.model
+        return 12 * m.num_layers * m.seq_length * m.num_attention_heads * m.head_dim
+
+    @property
+    def rate(self) -> float:
+        """FLOP/s one rank reaches; ranks beyond the cores share them (cpu): each gets cores/world of one."""
+        share = min(1.0, self.dev.per_node / self.world) if self.dev.name.startswith("cpu") else 1.0
+        return self.dev.peak(self.cfg.train.precision) * self.dev.efficiency * share
+
+    def coll(self, nbytes: float, n: int, steps: float, span: int) -> float:
+        """A ring collective over n ranks whose group spans `span` consecutive ranks (NVLink within a node)."""
+        d = self.dev
+        on_node = d.name.startswith("cpu") or span <= d.per_node
+        bw = (d.intra_bw if on_node else d.inter_bw) * d.link_eff
+        return _ring(nbytes, n, steps, bw, d.latency_s, d.hops)
+
+
+def _compute(s: _Step) -> float:
+    m, t = s.cfg.model, s.cfg.train
+    fpt = flops_per_token(m)
+    # recompute adds a forward (a third of fwd + bwd): the attention core's for selective, every
+    # block's (all but the head) for full
+    extra = {"none": 0.0, "selective": s.attn_core / 3, "full": (fpt - 6 * m.vocab_size * m.hidden_size) / 3}
+    return (fpt + extra[s.lay.recompute]) * t.global_batch_size * m.seq_length / s.world / s.rate
+
+
+def _tp(s: _Step) -> float:
+    lay, tp = s.lay, s.lay.tp
+    # under sp the two column-parallel linears re-gather their saved sequence block in backward for the
+    # weight grad (layers.linear._GatheredLinear): two more all-gathers, one all-reduce's worth, per block;
+    # + 2 per micro-batch outside the blocks: the embedding's output and the head's input
+    per_block = (6 if lay.recompute == "full" else 4) + (1 if tp > 1 else 0)
+    colls = per_block * s.layers * s.micro + 2 * s.micro
+    tokens_mb = lay.micro_batch * s.cfg.model.seq_length // lay.cp
+    blocks = colls * s.coll(2 * (tp - 1) / tp * s.act, tp, 2 * (tp - 1), tp)
+    # the vocab-parallel loss: the logits' max, then the target logit and the exp-sum (fp32 per token)
+    loss = s.micro * sum(s.coll(2 * (tp - 1) / tp * k * 4 * tokens_mb, tp, 2 * (tp - 1), tp) for k in (1, 2))
+    return blocks + loss
+
+
+def _ep(s: _Step) -> float:
+    m, lay = s.cfg.model, s.lay
+    if not m.num_experts or lay.ep == 1:
+        return 0.0
+    # each token goes to top_k experts; under sp a tp rank routes its 1/tp of the sequence
+    routed = s.act * m.moe_top_k / lay.tp
+    return 4 * s.layers * s.micro * s.coll((lay.ep - 1) / lay.ep * routed, lay.ep, lay.ep - 1, lay.tp * lay.ep)
+
+
+def _cp(s: _Step) -> float:
+    """The K/V exchange (module doc); the ring's is hidden behind the block attention up to its time."""
+    m, lay, c = s.cfg.model, s.lay, s.lay.cp
+    if c == 1:
+        return 0.0
+    ring = cp_ring(s.cfg)
+    sent = s.layers * s.micro * cp_bytes_per_layer(m.seq_length, c, lay.micro_batch, m.kv_heads // lay.tp,
+                                                   m.head_dim, s.elem, ring, lay.recompute)
+    reruns = lay.recompute == "full" or (ring and lay.recompute == "selective")
+    # ring steps per layer and micro-batch: all-gather K, V and reduce-scatter dK, dV (c-1 each); the
+    # ring's c-1 forward moves, c-1 + c backward ones; a re-run forward repeats its own
+    hops = s.layers * s.micro * ((4 if not ring else 3) * (c - 1) + (1 if ring else 0)
+                                 + (2 if not ring else 1) * (c - 1) * reruns)
+    t = s.coll(sent, c, hops, lay.tp * c)
+    if not ring:
+        return t
+    hop_lat = hops * (hop_seconds(s.dev.hops, 0) if s.dev.hops else s.dev.latency_s)  # no overlap hides it
+    # the attention core's fwd + bwd (+ the re-run forward): the time the exchange can hide behind
+    core = s.attn_core * (4 / 3 if reruns else 1) * s.cfg.train.global_batch_size * m.seq_length / s.world
+    return max(t - hop_lat - core / s.rate, 0.0) + hop_lat
+
+
+def _pp(s: _Step) -> float:
+    lay = s.lay
+    if lay.pp == 1:
+        return 0.0
+    # an activation forward and a gradient back per micro-batch per virtual stage (sp: 1/tp of it)
+    return 2 * s.micro * lay.vpp * s.coll(s.act / lay.tp, 2, 1, lay.tp * lay.cp * lay.dp * lay.pp)
+
+
+def _dp(s: _Step) -> float:
+    lay, a = s.lay, s.elem
+    dpcp = lay.dp * lay.cp  # parameters are replicated over cp: grads reduce (and ZeRO shards) over cp·dp
+    dense, expert = stage_params(s.cfg.model, lay, True, lay.pp == 1)
+    # one collective per bucket: the ring latency is paid per bucket
+    buckets = max(1, math.ceil(4 * (dense + expert) / (s.cfg.optim.bucket_size_mb * 2**20)))
+    span = lay.tp * dpcp
+    if not lay.zero:
+        return s.coll(2 * (dpcp - 1) / dpcp * 4 * (dense + expert), dpcp, 2 * (dpcp - 1) * buckets, span)
+    edp = dpcp // lay.ep  # ep borrows its ranks from cp·dp
+    # reduce-scatter of fp32 grads (4 B) plus all-gather of params (a B) per element
+    return (s.coll((dpcp - 1) / dpcp * (4 + a) * dense, dpcp, 2 * (dpcp - 1) * buckets, span)
+            + s.coll((edp - 1) / max(edp, 1) * (4 + a) * expert, edp, 2 * (edp - 1) * buckets, span))
+
+
+def step_time(cfg: Config, lay: Layout, dev: Device, world: int) -> dict[str, float]:
+    """The module docstring's model: seconds per step by part."""
+    from megaframe.pipeline.schedule import resolve_kind
+
+    s = _Step(cfg, lay, dev, world)
+    compute, tp, ep, cp = _compute(s), _tp(s), _ep(s), _cp(s)
+    kind = resolve_kind(cfg.parallel.pp_schedule, lay.vpp)
+    bubble = _bubble(kind, lay.pp, lay.vpp, s.micro) if lay.pp > 1 else 0.0
+    inner = compute + tp + ep + cp
+    # the bubble stretches the compute-bound part; reported as its own share so why_slower can name it
+    return {"compute": compute, "tp": tp, "ep": ep, "cp": cp, "bubble": inner / (1 - bubble) - inner,
+            "pp": _pp(s), "dp": _dp(s)}
