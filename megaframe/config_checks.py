@@ -116,6 +116,30 @@ def check_config(cfg: Config, world_size: int, check_data: bool = True) -> None:
          f"parallel.tp={p.tp} x parallel.pp={p.pp} does not divide the world size {world_size}")
     _check_context(cfg, world_size)
     dp = world_size // (p.tp * p.pp * p.cp)
+    _check_model_shapes(m, p)
+    _check_moe(m, p, dp * p.cp)
+    _req(t.micro_batch_size >= 1, f"train.micro_batch_size={t.micro_batch_size} must be >= 1")
+    # every dp rank runs the same number of whole micro-batches: ranks must agree on the schedule's length
+    _req(t.global_batch_size % (t.micro_batch_size * dp) == 0,
+         f"train.global_batch_size={t.global_batch_size} is not divisible by "
+         f"train.micro_batch_size={t.micro_batch_size} x dp={dp}")
+    _check_pipeline(cfg, dp)
+    _req(t.max_steps >= 1, f"train.max_steps={t.max_steps} must be >= 1")
+    _req(t.log_interval >= 1, f"train.log_interval={t.log_interval} must be >= 1")
+    _req(t.hang_timeout_s >= 0, f"train.hang_timeout_s={t.hang_timeout_s} must be >= 0 (0 = no watchdog)")
+    _req(t.dist_timeout_s > 0, f"train.dist_timeout_s={t.dist_timeout_s} must be > 0")
+    _req(cfg.checkpoint.save_timeout_s > 0, f"checkpoint.save_timeout_s={cfg.checkpoint.save_timeout_s} must be > 0")
+    _req(t.signal_check_interval >= 1, f"train.signal_check_interval={t.signal_check_interval} must be >= 1")
+    _check_optim(cfg, dp)
+    _check_data_fields(cfg)
+    _check_resume(cfg)
+    if check_data and cfg.data.kind == "prepared":
+        _check_prepared(cfg)
+        _check_checkpoint_tokenizer(cfg)
+
+
+def _check_model_shapes(m: ModelConfig, p: ParallelConfig) -> None:
+    """The model's shapes: heads and widths that split evenly over the tp ranks."""
     _req(m.hidden_size % m.num_attention_heads == 0,
          f"model.hidden_size={m.hidden_size} is not divisible by model.num_attention_heads={m.num_attention_heads}")
     _req(m.num_attention_heads % m.kv_heads == 0,
@@ -132,19 +156,11 @@ def check_config(cfg: Config, world_size: int, check_data: bool = True) -> None:
     if p.sp:
         # sp splits the sequence evenly over the tp ranks
         _req(m.seq_length % p.tp == 0, f"parallel.sp needs parallel.tp={p.tp} to divide model.seq_length={m.seq_length}")
-    _check_moe(m, p, dp * p.cp)
-    _req(t.micro_batch_size >= 1, f"train.micro_batch_size={t.micro_batch_size} must be >= 1")
-    # every dp rank runs the same number of whole micro-batches: ranks must agree on the schedule's length
-    _req(t.global_batch_size % (t.micro_batch_size * dp) == 0,
-         f"train.global_batch_size={t.global_batch_size} is not divisible by "
-         f"train.micro_batch_size={t.micro_batch_size} x dp={dp}")
-    _check_pipeline(cfg, dp)
-    _req(t.max_steps >= 1, f"train.max_steps={t.max_steps} must be >= 1")
-    _req(t.log_interval >= 1, f"train.log_interval={t.log_interval} must be >= 1")
-    _req(t.hang_timeout_s >= 0, f"train.hang_timeout_s={t.hang_timeout_s} must be >= 0 (0 = no watchdog)")
-    _req(t.dist_timeout_s > 0, f"train.dist_timeout_s={t.dist_timeout_s} must be > 0")
-    _req(cfg.checkpoint.save_timeout_s > 0, f"checkpoint.save_timeout_s={cfg.checkpoint.save_timeout_s} must be > 0")
-    _req(t.signal_check_interval >= 1, f"train.signal_check_interval={t.signal_check_interval} must be >= 1")
+
+
+def _check_optim(cfg: Config, dp: int) -> None:
+    """The lr curve, the ZeRO stage, HSDP's shard groups and what low precision needs of them."""
+    p, t = cfg.parallel, cfg.train
     _req(cfg.optim.lr > 0 and cfg.optim.min_lr >= 0, "optim.lr must be > 0 and optim.min_lr >= 0")
     _req(cfg.optim.warmup_steps >= 0, f"optim.warmup_steps={cfg.optim.warmup_steps} must be >= 0")
     _check_lr_schedule(cfg)
@@ -160,7 +176,10 @@ def check_config(cfg: Config, world_size: int, check_data: bool = True) -> None:
     _req(cfg.optim.bucket_size_mb > 0, f"optim.bucket_size_mb={cfg.optim.bucket_size_mb} must be > 0")
     _req(t.precision == "fp32" or cfg.optim.zero >= 1,
          f"train.precision={t.precision} needs optim.zero >= 1 (its fp32 master weights live in the ZeRO optimizer)")
-    _check_data_fields(cfg)
+
+
+def _check_resume(cfg: Config) -> None:
+    """checkpoint.resume names a committed checkpoint whose metadata is whole."""
     r = cfg.checkpoint.resume
     _req(r in ("auto", "none") or (Path(r) / "metadata.json").is_file(),
          f"checkpoint.resume={r}: not a committed checkpoint folder (no metadata.json)")
@@ -170,9 +189,6 @@ def check_config(cfg: Config, world_size: int, check_data: bool = True) -> None:
             check_complete(r)
         except ValueError as e:
             raise ConfigError(f"checkpoint.resume={r}: {e}") from e
-    if check_data and cfg.data.kind == "prepared":
-        _check_prepared(cfg)
-        _check_checkpoint_tokenizer(cfg)
 
 
 def _check_context(cfg: Config, world_size: int) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megaframe.checkpoint.layout import Item, my_writes, param_items, share_bytes
-from megaframe.optim.zero import flat_buffers
+from megaframe.optim.zero_state import flat_buffers
 from megaframe.parallel.virtual import virtual_mesh
 
 

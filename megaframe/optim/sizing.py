@@ -29,7 +29,7 @@ def planned_memory_bytes(params: list[nn.Parameter], cfg: OptimConfig, mesh: Mes
                          model: nn.Module | None = None) -> dict[str, int]:
     """memory_bytes() of the ZeRO optimizer of `params` on this rank of `mesh` (zero=3 needs the `model`
     for its block buckets): the same buffers and bucket padding, and per owned element the state
-    _build_state keeps (two fp32 moments, plus an fp32 master for low-precision params). zero=3 adds
+    zero_state.build_state keeps (two fp32 moments, plus an fp32 master for low-precision params). zero=3 adds
     mem/params_bytes: the fp32 owned range plus the bucket outside blocks, kept whole."""
     grads = optim = params_bytes = 0
     for axis, ps, ordered, plan in _plans(params, cfg, mesh, model):

@@ -45,54 +45,24 @@ the buckets it needs. Readers of parameters outside a forward call sync_params()
 Grad norm: each element is counted once. Ranges are disjoint over the shard axis, so squares are summed
 over it; over tp and pp `Placement.counts_in_norm` drops tp-replicated copies on tp ranks > 0 and pipeline
 duplicates.
-Weight decay applies to matrices only (p.ndim >= 2). The update itself is torch.optim.AdamW run on
-1-D views of the owned range (segments), so the math is exactly torch's (decoupled decay, bias
-correction) and zero=1 equals zero=0 elementwise.
+The buffers and the AdamW state over the owned range are built in zero_state.py.
 """
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from megaframe.optim.adamw import MOMENTS, adamw
-from megaframe.optim.buffer import Bucket, FlatBuffer, buffer_groups
+from megaframe.optim.adamw import MOMENTS
+from megaframe.optim.buffer import Bucket, FlatBuffer
 from megaframe.optim.finalize import all_reduce_tensors, finalize
 from megaframe.optim.param_gather import ParamGather
+from megaframe.optim.zero_state import build_state, flat_buffers
 from megaframe.parallel import comm
 from megaframe.parallel.mesh import Axis, Mesh
 from megaframe.parallel.placement import Placement
 from megaframe.schema import OptimConfig
-
-
-@dataclass
-class _State:
-    """This rank's flat optimizer state for one buffer (state_numel elements each)."""
-
-    exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor
-    master: torch.Tensor | None
-    """fp32 master weights for low-precision params; None when the param buffer is fp32 already."""
-
-
-def flat_buffers(params: list[nn.Parameter], cfg: OptimConfig, mesh: Mesh, make=None) -> list[FlatBuffer]:
-    """The ZeRO buffers of a rank's params (one per buffer_groups entry: dtype and shard axis), made by
-    `make(params, bucket_bytes, axis, late)` (the optimizer's stage-specific buffer; default ZeRO-1's).
-    Also what checkpoint planning calls on a meta model to know every rank's segments."""
-    # a tied embedding's grad is first summed over the pipeline ends (finalize): reduce it late
-    late = {id(p) for p in params if p.placement.pp_tied}
-    bucket_bytes = int(cfg.bucket_size_mb * 2**20)
-    make = make or (lambda ps, b, axis, lt: FlatBuffer(ps, b, axis.rank, axis.size, lt))
-    buffers = []
-    for axis, ps in buffer_groups(params, mesh):
-        buf = make(ps, bucket_bytes, axis, late)
-        buf.axis = axis
-        # HSDP: the ranks holding the same shard as this one (size 1 without HSDP, and for experts)
-        buf.rep = mesh.dp_rep if axis is mesh.dp_shard else Axis("dp", 1, 0, (mesh.rank,), None, mesh.stats)
-        buffers.append(buf)
-    return buffers
 
 
 class ZeroOptimizer:
@@ -114,7 +84,8 @@ class ZeroOptimizer:
         self._pending: list[tuple[FlatBuffer, Bucket]] = []  # zero=2: reduce-scatters not yet added in
         self._acc_bytes = self.gathered_peak = 0  # zero=2: live bucket-sized grads now, and their peak
         self._gathered: tuple | None = None  # (key, {name: full bucket tensor}) of the last gathered bucket
-        self._build_state()
+        self.states, self._segs_of, self.adam, self._owned_grads = build_state(
+            self.buffers, cfg, mesh.device, self.always_master)
         self._seen = {p: p._version for p in self._segs_of if p.dtype != torch.float32 or self.always_master}
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self.params]
         self.param_gather = self._make_param_gather(model)
@@ -129,36 +100,6 @@ class ZeroOptimizer:
 
     def _make_param_gather(self, model: nn.Module):
         return ParamGather(model, self.buffers, self.cfg.overlap_param_gather)
-
-    # ------------------------------------------------------------------ state
-
-    def _build_state(self) -> None:
-        """Flat moments (and master) per buffer; torch AdamW over 1-D segment views of them."""
-        device = self.mesh.device
-        self.states, self._segs_of, groups, pre = [], {}, ([], []), []
-        for buf in self.buffers:
-            n = buf.state_numel
-            master = None
-            if buf.dtype != torch.float32 or self.always_master:
-                master = torch.empty(n, dtype=torch.float32, device=device)
-                for b in buf.buckets:
-                    buf.state_shard(master, b).copy_(buf.shard(buf.param, b))
-            st = _State(torch.zeros(n, device=device), torch.zeros(n, device=device), master)
-            self.states.append(st)
-            for seg in buf.segments:
-                lo, hi = seg.state_lo, seg.state_lo + seg.numel
-                weights = buf.param[seg.buf_lo:seg.buf_lo + seg.numel] if master is None else master[lo:hi]
-                weights.grad = buf.owned_grad_at(seg)
-                groups[0 if seg.param.ndim >= 2 else 1].append(weights)
-                step = torch.zeros((), dtype=torch.float32, device=device)
-                # fused AdamW requires its step counter as an fp32 tensor on the params' device, never a Python int.
-                pre.append((weights, {"step": step, "exp_avg": st.exp_avg[lo:hi], "exp_avg_sq": st.exp_avg_sq[lo:hi]}))
-                self._segs_of.setdefault(seg.param, []).append((seg, weights))
-        self.adam = adamw(*groups, self.cfg, device) if any(groups) else None
-        for weights, s in pre:  # torch AdamW keeps state it finds: point it at our flat moments
-            self.adam.state[weights] = s
-        # this rank's final grads: the owned segment of every parameter, viewed in the grad buffer (or shard)
-        self._owned_grads = [(s.param.placement, buf.owned_grad_at(s)) for buf in self.buffers for s in buf.segments]
 
     # ------------------------------------------------------------------ backward
 

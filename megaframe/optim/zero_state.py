@@ -1,0 +1,90 @@
+"""ZeRO's layout and state (zero.py drives them): the flat buffers a rank's params live in, and the
+AdamW state of this rank's owned range of each.
+
+Weight decay applies to matrices only (p.ndim >= 2). The update itself is torch.optim.AdamW run on
+1-D views of the owned range (segments), so the math is exactly torch's (decoupled decay, bias
+correction) and zero=1 equals zero=0 elementwise.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from megaframe.optim.adamw import adamw
+from megaframe.optim.buffer import FlatBuffer, Segment, buffer_groups
+from megaframe.parallel.mesh import Axis, Mesh
+from megaframe.parallel.placement import Placement
+from megaframe.schema import OptimConfig
+
+
+@dataclass
+class FlatState:
+    """This rank's flat optimizer state for one buffer (state_numel elements each)."""
+
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    master: torch.Tensor | None
+    """fp32 master weights for low-precision params; None when the param buffer is fp32 already."""
+
+
+class OwnedState(NamedTuple):
+    """What build_state hands the optimizer."""
+
+    states: list[FlatState]
+    """One per buffer, in buffer order."""
+    segs_of: dict[nn.Parameter, list[tuple[Segment, torch.Tensor]]]
+    """Each param's owned segments with the 1-D weights AdamW updates for it (param buffer or master)."""
+    adam: torch.optim.AdamW | None
+    """None when this rank owns no element at all."""
+    owned_grads: list[tuple[Placement, torch.Tensor]]
+    """This rank's final grads: the owned segment of every parameter, viewed in the grad buffer (or shard)."""
+
+
+def flat_buffers(params: list[nn.Parameter], cfg: OptimConfig, mesh: Mesh, make=None) -> list[FlatBuffer]:
+    """The ZeRO buffers of a rank's params (one per buffer_groups entry: dtype and shard axis), made by
+    `make(params, bucket_bytes, axis, late)` (the optimizer's stage-specific buffer; default ZeRO-1's).
+    Also what checkpoint planning calls on a meta model to know every rank's segments."""
+    # a tied embedding's grad is first summed over the pipeline ends (finalize): reduce it late
+    late = {id(p) for p in params if p.placement.pp_tied}
+    bucket_bytes = int(cfg.bucket_size_mb * 2**20)
+    make = make or (lambda ps, b, axis, lt: FlatBuffer(ps, b, axis.rank, axis.size, lt))
+    buffers = []
+    for axis, ps in buffer_groups(params, mesh):
+        buf = make(ps, bucket_bytes, axis, late)
+        buf.axis = axis
+        # HSDP: the ranks holding the same shard as this one (size 1 without HSDP, and for experts)
+        buf.rep = mesh.dp_rep if axis is mesh.dp_shard else Axis("dp", 1, 0, (mesh.rank,), None, mesh.stats)
+        buffers.append(buf)
+    return buffers
+
+
+def build_state(buffers: list[FlatBuffer], cfg: OptimConfig, device: torch.device, always_master: bool) -> OwnedState:
+    """Flat moments (and master) per buffer; torch AdamW over 1-D segment views of them. `always_master`:
+    an fp32 master for fp32 params too (zero=3, whose param buffer is not kept whole)."""
+    states, segs_of, groups, pre = [], {}, ([], []), []
+    for buf in buffers:
+        n = buf.state_numel
+        master = None
+        if buf.dtype != torch.float32 or always_master:
+            master = torch.empty(n, dtype=torch.float32, device=device)
+            for b in buf.buckets:
+                buf.state_shard(master, b).copy_(buf.shard(buf.param, b))
+        st = FlatState(torch.zeros(n, device=device), torch.zeros(n, device=device), master)
+        states.append(st)
+        for seg in buf.segments:
+            lo, hi = seg.state_lo, seg.state_lo + seg.numel
+            weights = buf.param[seg.buf_lo:seg.buf_lo + seg.numel] if master is None else master[lo:hi]
+            weights.grad = buf.owned_grad_at(seg)
+            groups[0 if seg.param.ndim >= 2 else 1].append(weights)
+            step = torch.zeros((), dtype=torch.float32, device=device)
+            # fused AdamW requires its step counter as an fp32 tensor on the params' device, never a Python int.
+            pre.append((weights, {"step": step, "exp_avg": st.exp_avg[lo:hi], "exp_avg_sq": st.exp_avg_sq[lo:hi]}))
+            segs_of.setdefault(seg.param, []).append((seg, weights))
+    adam = adamw(*groups, cfg, device) if any(groups) else None
+    for weights, s in pre:  # torch AdamW keeps state it finds: point it at our flat moments
+        adam.state[weights] = s
+    owned = [(s.param.placement, buf.owned_grad_at(s)) for buf in buffers for s in buf.segments]
+    return OwnedState(states, segs_of, adam, owned)
