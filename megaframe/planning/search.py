@@ -225,8 +225,11 @@ def _cp_ring(cfg: Config) -> bool:
 
 
 def _cp_bias_bytes(cfg: Config, lay: Layout, a_bytes: int) -> int:
-    """The [S/cp, S] causal bias the layers share under cp_comm=allgather (estimate.cp_bias_bytes)."""
-    return 0 if lay.cp == 1 or _cp_ring(cfg) else cfg.model.seq_length ** 2 // lay.cp * a_bytes
+    """The [S/cp, S] causal bias the layers share under cp_comm=allgather with attention dropout
+    (estimate.cp_bias_bytes)."""
+    if lay.cp == 1 or _cp_ring(cfg) or not cfg.model.dropout > 0:
+        return 0
+    return cfg.model.seq_length ** 2 // lay.cp * a_bytes
 
 
 def _ring(nbytes: float, n: int, steps: float, bw: float, latency: float, hops: tuple = ()) -> float:
