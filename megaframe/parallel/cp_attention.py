@@ -60,7 +60,8 @@ class _CpuChunkedCausal(torch.autograd.Function):
             o_full, lse_full = _FLASH(q, k_BKTE[:, :, :d], v_BKTE[:, :, :d], 0.0, False)
             lse = torch.logaddexp(lse_full, lse_diag)
             # every row sees at least itself: both parts' lse are finite, no empty-row guard needed
-            o = o_full.to(lse.dtype) * (lse_full - lse).exp()[..., None] + o_diag.to(lse.dtype) * (lse_diag - lse).exp()[..., None]
+            w_full, w_diag = (lse_full - lse).exp()[..., None], (lse_diag - lse).exp()[..., None]
+            o = o_full.to(lse.dtype) * w_full + o_diag.to(lse.dtype) * w_diag
             o_BHQE[:, :, lo:hi], lse_BHQ[:, :, lo:hi] = o, lse
         ctx.save_for_backward(q_BHQE, k_BKTE, v_BKTE, o_BHQE, lse_BHQ)
         ctx.segments = segments
