@@ -102,12 +102,24 @@ def cp_chunked_attention(q_BHQE: torch.Tensor, k_BKTE: torch.Tensor, v_BKTE: tor
     segments = tuple(cp_query_segments(seq, cp, rank))
     if q_BHQE.device.type in ("cpu", "meta"):
         return _CpuChunkedCausal.apply(q_BHQE, k_BKTE, v_BKTE, segments)
+    return lower_right_sdpa(q_BHQE, k_BKTE, v_BKTE, segments)
+
+
+def lower_right_sdpa(q_BHQE: torch.Tensor, k_BKTE: torch.Tensor, v_BKTE: torch.Tensor, segments) -> torch.Tensor:
+    """The per-chunk calls for devices with a bottom-right causal kernel (K/V in global order). Exact on
+    any device (CPU materialises the mask; the unit test runs it there)."""
+    from torch.backends.cuda import SDPAParams, can_use_flash_attention
     from torch.nn.attention.bias import causal_lower_right
 
-    gqa = q_BHQE.shape[1] != k_BKTE.shape[1]
     outs = []
     for lo, hi, d in segments:
         end = d + hi - lo
-        outs.append(F.scaled_dot_product_attention(q_BHQE[:, :, lo:hi], k_BKTE[:, :, :end], v_BKTE[:, :, :end],
-                                                   attn_mask=causal_lower_right(hi - lo, end), enable_gqa=gqa))
+        q, k, v = q_BHQE[:, :, lo:hi], k_BKTE[:, :, :end], v_BKTE[:, :, :end]
+        gqa = q.shape[1] != k.shape[1]
+        if gqa and not can_use_flash_attention(SDPAParams(q, k, v, None, 0.0, False, True)):
+            # the memory-efficient kernel (fp32) takes no GQA: without whole heads torch would fall back
+            # to a materialised [n, end] mask per call; expanded K/V cost O(S) instead
+            k, v = k.repeat_interleave(q.shape[1] // k.shape[1], 1), v.repeat_interleave(q.shape[1] // v.shape[1], 1)
+            gqa = False
+        outs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(hi - lo, end), enable_gqa=gqa))
     return torch.cat(outs, dim=2)

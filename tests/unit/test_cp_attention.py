@@ -85,3 +85,22 @@ def test_runs_on_meta_for_the_planner():
     q = torch.empty(B, H, seq // cp, E, device="meta", requires_grad=True)
     k, v = (torch.empty(B, K, seq, E, device="meta", requires_grad=True) for _ in range(2))
     assert cp_chunked_attention(q, k, v, seq, cp, 1).shape == q.shape
+
+
+@pytest.mark.parametrize("cp", [1, 3])
+def test_lower_right_calls_equal_masked_sdpa(cp):
+    """The per-chunk causal_lower_right calls other devices run (CPU materialises the mask: exact here)."""
+    from megaframe.parallel.cp_attention import cp_query_segments, lower_right_sdpa
+
+    seq = 24 * cp
+    qs, k, v = gathered(seq, cp)
+    for rank, q in enumerate(qs):
+        bias_QT = cp_causal_bias(seq, cp, rank, torch.device("cpu"), torch.float32)
+        do = torch.randn_like(q)
+        ref = grads(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=bias_QT, enable_gqa=True),
+                    q, k, v, do)
+        segs = cp_query_segments(seq, cp, rank)
+        got = grads(lambda q, k, v: lower_right_sdpa(q, cp_global_order(k, cp), cp_global_order(v, cp), segs),
+                    q, k, v, do)
+        for a, b in zip(got, ref):
+            assert (a - b).abs().max() <= 2e-6 * max(1.0, b.abs().max())
