@@ -64,7 +64,8 @@ def _rank(rank: int, world: int, port: int, over: list[str], overlap: bool, step
         t0 = time.perf_counter()
         step()
         times.append(time.perf_counter() - t0)
-    cp_causal_bias.cache_clear()  # rebuilt inside the measurement, as in a first step (the planner counts it)
+    # the cp bias (built only with attention dropout) is rebuilt inside the measurement, as in a first step
+    cp_causal_bias.cache_clear()
     peak = allocator_peak(step)
     t = torch.tensor([min(times), float(peak)])
     dist.all_reduce(t, op=dist.ReduceOp.MAX)

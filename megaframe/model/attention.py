@@ -17,6 +17,7 @@ from megaframe.layers.linear import ColumnParallelLinear, RowParallelLinear
 from megaframe.layers.rng import tp_distinct
 from megaframe.parallel import comm
 from megaframe.parallel.context import cp_causal_bias
+from megaframe.parallel.cp_attention import cp_chunked_attention
 from megaframe.parallel.mesh import Axis
 from megaframe.parallel.ring_attention import ring_attention
 from megaframe.schema import ModelConfig
@@ -48,8 +49,9 @@ class Attention(nn.Module):
         super().__init__()
         self.cp = cp if cp is not None and cp.size > 1 else None
         self.cp_ring, self.seq = cp_ring and self.cp is not None, cfg.seq_length
-        # causal by global position: this rank's queries against the cp group's gathered K/V (built on
-        # first use in the attention dtype, shared by the layers: context.cp_causal_bias)
+        # causal by global position: this rank's queries against the cp group's gathered K/V, per query
+        # chunk without a mask (cp_attention.py); with attention dropout one SDPA call under the shared
+        # [S/c, S] bias (context.cp_causal_bias, built on first use)
         self.cp_gathered = self.cp is not None and not self.cp_ring
         self.ring_overlap = True  # scripts/bench_cp.py turns it off to time the exchange unhidden
         self.ring_tile_elems: int | None = None  # ring_attention's tile (None: the device's default)
@@ -96,15 +98,19 @@ class Attention(nn.Module):
         return self._sdpa(q_BHSE, k_BKSE, v_BKSE)
 
     def _sdpa(self, q_BHSE: torch.Tensor, k_BKSE: torch.Tensor, v_BKSE: torch.Tensor) -> torch.Tensor:
+        dropout = self.dropout if self.training else 0.0
+        gqa = q_BHSE.shape[1] != k_BKSE.shape[1]
         if self.cp_ring:  # K/V blocks passed around the cp ring (parallel/ring_attention.py)
             # dropout drawn as the all-gather branch's SDPA draws it (ring_attention.py)
             return ring_attention(q_BHSE, k_BKSE, v_BKSE, self.cp, self.seq, self.ring_overlap, self.ring_tile_elems,
-                                  dropout_p=self.dropout if self.training else 0.0)
-        if self.cp_gathered:  # queries and keys are not aligned: an explicit global-position mask
+                                  dropout_p=dropout)
+        if self.cp_gathered and dropout == 0:  # per query chunk, no mask tensor
+            return cp_chunked_attention(q_BHSE, k_BKSE, v_BKSE, self.seq, self.cp.size, self.cp.rank)
+        if self.cp_gathered:
+            # dropout: one SDPA call draws one [B, H, Q, T] mask, the draw the ring reproduces
+            # (ring_attention.py); queries and keys are not aligned: an explicit global-position mask
             bias_QT = _cp_bias(self.seq, self.cp.size, self.cp.rank, q_BHSE.device, q_BHSE.dtype)
-            return F.scaled_dot_product_attention(q_BHSE, k_BKSE, v_BKSE, attn_mask=bias_QT,
-                                                  dropout_p=self.dropout if self.training else 0.0,
-                                                  enable_gqa=q_BHSE.shape[1] != k_BKSE.shape[1])
-        return F.scaled_dot_product_attention(q_BHSE, k_BKSE, v_BKSE, is_causal=True,
-                                              dropout_p=self.dropout if self.training else 0.0,
-                                              enable_gqa=q_BHSE.shape[1] != k_BKSE.shape[1])
+            return F.scaled_dot_product_attention(q_BHSE, k_BKSE, v_BKSE, attn_mask=bias_QT, dropout_p=dropout,
+                                                  enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q_BHSE, k_BKSE, v_BKSE, is_causal=True, dropout_p=dropout,
+                                              enable_gqa=gqa)

@@ -9,7 +9,9 @@ One difference between devices needs care: on meta, `scaled_dot_product_attentio
 math decomposition, which saves the [B, H, S, S] attention matrix; the fused kernels every real
 device runs (flash / memory-efficient on CUDA, flash on CPU) save only q, k, v, the output and the
 row log-sum-exp [B, H, S] (fp32). `FusedAttentionSizes` swaps in a shape-only stand-in that saves
-exactly those, so meta figures are what a real device keeps.
+exactly those, so meta figures are what a real device keeps. The cp all-gather path without dropout
+(parallel/cp_attention.py) calls the CPU flash kernel itself, which has meta shapes: it runs as is on
+meta and saves what it saves on CPU (the same five tensors, no mask).
 
 `allocator_peak(fn)` is the measured counterpart on CPU: the peak of what the allocator hands out while
 fn runs (saved tensors and transients alike), from the profiler's allocation events.

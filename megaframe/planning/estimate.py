@@ -16,7 +16,8 @@ meta device with a virtual mesh (no process groups; megaframe.parallel.virtual),
                forward, planning.activations), times the chunks in flight at the schedule's peak:
                the rank's own action list (pipeline/schedule.py) walked forward by forward; under
                cp the forward runs on the rank's S/cp tokens with attention over a virtual cp axis
-               (the gathered K/V, or the ring's own block), plus the cp causal bias the layers share
+               (the gathered K/V, or the ring's own block), plus, with attention dropout, the cp causal bias
+               the layers share
   cp bytes     the bytes a rank sends on cp per step (comm_bytes/cp): context.cp_bytes_per_layer, the
                theory the cp byte-count test checks, times the rank's layers and micro-batches
 
@@ -159,10 +160,11 @@ def _rank_figures(cfg: Config, tp: int, pp: int, dp: int, pp_rank: int, tp_rank:
 
 
 def cp_bias_bytes(model) -> int:
-    """The causal bias [S/cp, S] the layers of a cp rank share under cp_comm=allgather (context.cp_causal_bias):
-    built in the first forward and held from then on, once per rank."""
+    """The causal bias [S/cp, S] the layers of a cp rank share under cp_comm=allgather with attention dropout
+    (context.cp_causal_bias): built in the first forward and held from then on, once per rank. Without
+    dropout the allgather path attends per query chunk and builds no mask (parallel/cp_attention.py)."""
     attn = next((b.attn for b in model.layers.values()), None)
-    if attn is None or not attn.cp_gathered:
+    if attn is None or not attn.cp_gathered or not attn.dropout > 0:
         return 0
     p = next(model.parameters())
     return model.cfg.seq_length ** 2 // attn.cp.size * p.element_size()

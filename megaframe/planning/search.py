@@ -137,8 +137,11 @@ def memory(cfg: Config, lay: Layout) -> int:
 
 
 def _cp_bias_bytes(cfg: Config, lay: Layout, a_bytes: int) -> int:
-    """The [S/cp, S] causal bias the layers share under cp_comm=allgather (estimate.cp_bias_bytes)."""
-    return 0 if lay.cp == 1 or cp_ring(cfg) else cfg.model.seq_length ** 2 // lay.cp * a_bytes
+    """The [S/cp, S] causal bias the layers share under cp_comm=allgather with attention dropout
+    (estimate.cp_bias_bytes)."""
+    if lay.cp == 1 or cp_ring(cfg) or not cfg.model.dropout > 0:
+        return 0
+    return cfg.model.seq_length ** 2 // lay.cp * a_bytes
 
 
 def search(cfg: Config, world: int, dev: Device, memory_bytes: float | None) -> tuple[list[Estimate], int, int]:

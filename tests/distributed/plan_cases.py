@@ -90,8 +90,8 @@ def mesh_coordinates(mesh) -> dict:
 def measure_cp_peak(mesh, overrides: list[str]) -> dict:
     """This cp rank's allocator peak over one forward + backward of one micro-batch (its S/cp tokens of a
     fixed global batch), after a warm-up step so the grads exist (backward accumulates into them, as every
-    micro-batch after the first does) and lazy state is built; the cp causal bias is dropped first, so its
-    first build, which the planner counts, falls inside the measurement."""
+    micro-batch after the first does) and lazy state is built; the cp causal bias (built only with attention
+    dropout) is dropped first, so its first build, which the planner counts, falls inside the measurement."""
     import torch
 
     from megaframe.parallel.context import cp_causal_bias, cp_keep
