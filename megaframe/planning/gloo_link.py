@@ -4,9 +4,11 @@ A TCP ping between two threads (a few microseconds, GB/s) says little about gloo
 hundred KB costs ~1 ms on this kind of machine (rendezvous, its I/O threads, copies), 100x the ping. So
 the planner's cpu figures are a curve of measured times of one ring hop against the bytes it carries:
 an all-gather of s bytes per rank between 2 ranks is one hop of s bytes, as is a reduce-scatter of 2s
-(each rank sends the half it does not keep). A hop's time is the mean of the two, each the median of
-repeats that follow a burst of matmuls on both ranks: a collective inside a step costs a computing rank
-more than one in a tight loop (the peer's arrival skew, gloo's threads waking), 2-5x at these sizes.
+(each rank sends the half it does not keep). A hop's time is the mean of the two, each the
+interquartile mean of 40 repeats (12 above 256 KiB) that follow a burst of matmuls on both ranks: a
+collective inside a step costs a computing rank more than one in a tight loop (the peer's arrival
+skew, gloo's threads waking), 2-5x at these sizes. (A median of 15 moved 2x between runs at 16-256 KiB;
+this moves ~15 %.)
 """
 from __future__ import annotations
 
@@ -25,8 +27,8 @@ BURST = 8
 
 
 def _in_step(fn, reps: int, work: torch.Tensor) -> float:
-    """Median seconds of fn, each call right after a burst of matmuls (a rank reaching a collective
-    mid-step: its peer arrives a little earlier or later, gloo's threads wake from sleep)."""
+    """Interquartile-mean seconds of fn, each call right after a burst of matmuls (a rank reaching a
+    collective mid-step: its peer arrives a little earlier or later, gloo's threads wake from sleep)."""
     fn()  # warm-up: gloo's first call on a size sets up its buffers
     times = []
     for _ in range(reps):
@@ -35,7 +37,9 @@ def _in_step(fn, reps: int, work: torch.Tensor) -> float:
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
+    times.sort()
+    mid = times[len(times) // 4:len(times) - len(times) // 4]  # the interquartile mean: stable across runs
+    return sum(mid) / len(mid)
 
 
 def _worker(rank: int, port: int, out) -> None:
@@ -50,7 +54,7 @@ def _worker(rank: int, port: int, out) -> None:
         for s in SIZES:
             x = torch.ones(max(1, s // 4))
             both = torch.empty(2 * x.numel())
-            reps = 15 if s <= 256 << 10 else 7
+            reps = 40 if s <= 256 << 10 else 12
             ag = _in_step(lambda b=both, y=x: comm.all_gather_flat(b, y, axis), reps, work)
             rs = _in_step(lambda b=both, y=x: comm.reduce_scatter_flat(y, b, axis), reps, work)
             # a larger hop never costs less than a smaller one: medians of noisy repeats may say so
