@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from megaframe.choices import CPComm
 from megaframe.layers.fused_ce import linear_cross_entropy
 from megaframe.layers.linear import ColumnParallelLinear, RowParallelLinear
 from megaframe.layers.norm import Norm
@@ -181,7 +182,7 @@ def build_model(cfg, mesh: Mesh) -> GPT:
     stage = stage_layout(cfg.model.num_layers, mesh.pp.size, p.vpp, mesh.pp.rank, p.pp_layout)
     model = GPT(cfg.model, mesh, p.sp, stage=stage,
                 tokens_per_step=cfg.train.global_batch_size * cfg.model.seq_length, recompute=cfg.train.recompute,
-                cp_ring=str(getattr(p.cp_comm, "value", p.cp_comm)) == "ring")
+                cp_ring=CPComm(p.cp_comm) is CPComm.ring)
     model.init_weights(cfg.train.seed)
     if cfg.train.compile:
         compile_blocks(model)

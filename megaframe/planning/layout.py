@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from megaframe.choices import CPComm
 from megaframe.schema import Config
 
 
@@ -43,7 +44,8 @@ def layout_config(cfg: Config, lay: Layout) -> Config:
 
 
 def cp_ring(cfg: Config) -> bool:
-    return str(getattr(cfg.parallel.cp_comm, "value", cfg.parallel.cp_comm)) == "ring"
+    """cp_comm=ring (the enum, or its string where a config was built by hand)."""
+    return CPComm(cfg.parallel.cp_comm) is CPComm.ring
 
 
 def _layer_params(m, tp: int, ep: int) -> tuple[int, int]:
