@@ -96,6 +96,17 @@ def _mixtral_out(m: ModelConfig, name: str, split, t: torch.Tensor) -> dict[str,
     return _llama_layer_out(m, i, rest, t)
 
 
+def _rope_config(cls, kw: dict, theta: float, arch: str):
+    """A RoPE family's transformers config: rope_theta where transformers >= 5 moved it (rope_parameters)."""
+    if "rope_parameters" in cls().to_dict():  # transformers >= 5
+        kw["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
+    else:
+        kw["rope_theta"] = theta
+    cfg = cls(**kw)
+    cfg.architectures = [arch]
+    return cfg
+
+
 def _mixtral_config(m: ModelConfig, eos, bos):
     from transformers import MixtralConfig
 
@@ -108,13 +119,7 @@ def _mixtral_config(m: ModelConfig, eos, bos):
               router_aux_loss_coef=m.moe_aux_loss_coeff, router_jitter_noise=0.0, sliding_window=None,
               attention_dropout=m.dropout, bos_token_id=bos, eos_token_id=eos, pad_token_id=None,
               initializer_range=m.init_std)
-    if "rope_parameters" in MixtralConfig().to_dict():  # transformers >= 5
-        kw["rope_parameters"] = {"rope_type": "default", "rope_theta": m.rope_theta}
-    else:
-        kw["rope_theta"] = m.rope_theta
-    cfg = MixtralConfig(**kw)
-    cfg.architectures = ["MixtralForCausalLM"]
-    return cfg
+    return _rope_config(MixtralConfig, kw, m.rope_theta, "MixtralForCausalLM")
 
 
 def _split_layer_key(name: str) -> tuple[int, str] | None:
@@ -190,13 +195,7 @@ def _llama_config(m: ModelConfig, eos, bos):
               max_position_embeddings=m.seq_length, rms_norm_eps=m.norm_eps, tie_word_embeddings=m.tie_embeddings,
               attention_bias=m.bias, mlp_bias=m.bias, attention_dropout=m.dropout, bos_token_id=bos,
               eos_token_id=eos, pad_token_id=None, initializer_range=m.init_std)
-    if "rope_parameters" in LlamaConfig().to_dict():  # transformers >= 5
-        kw["rope_parameters"] = {"rope_type": "default", "rope_theta": m.rope_theta}
-    else:
-        kw["rope_theta"] = m.rope_theta
-    cfg = LlamaConfig(**kw)
-    cfg.architectures = ["LlamaForCausalLM"]
-    return cfg
+    return _rope_config(LlamaConfig, kw, m.rope_theta, "LlamaForCausalLM")
 
 
 def _gpt2_config(m: ModelConfig, eos, bos):
