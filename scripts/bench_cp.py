@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import sys
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from megaframe.parallel.local import spawn_local
 
 MODEL = ["data=synthetic", "model.hidden_size=64", "model.num_attention_heads=4", "model.num_query_groups=2",
          "model.ffn_hidden_size=256", "model.vocab_size=256", "model.dropout=0.0", "train.micro_batch_size=1",
@@ -35,7 +35,7 @@ def overrides(seq: int, cp: int, kind: str, layers: int) -> list[str]:
                     f"parallel.cp_comm={kind}"]
 
 
-def _rank(rank: int, world: int, port: int, over: list[str], overlap: bool, steps: int, threads: int, q) -> None:
+def _rank(rank: int, port: int, world: int, over: list[str], overlap: bool, steps: int, threads: int, q) -> None:
     from megaframe.config import load_config
     from megaframe.model.gpt import build_model
     from megaframe.parallel.context import cp_causal_bias, cp_keep
@@ -75,19 +75,7 @@ def _rank(rank: int, world: int, port: int, over: list[str], overlap: bool, step
 
 
 def run(seq: int, cp: int, kind: str, overlap: bool, steps: int, layers: int, threads: int) -> tuple[float, int]:
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=_rank, args=(r, cp, port, overrides(seq, cp, kind, layers), overlap, steps, threads, q))
-             for r in range(cp)]
-    for p in procs:
-        p.start()
-    out = q.get(timeout=1800)
-    for p in procs:
-        p.join()
-    return out
+    return spawn_local(_rank, cp, cp, overrides(seq, cp, kind, layers), overlap, steps, threads)
 
 
 def planned(seq: int, cp: int, kind: str, layers: int) -> int:

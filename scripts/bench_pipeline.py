@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import sys
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from megaframe.parallel.local import spawn_local
 from megaframe.parallel.p2p_semantics import ENV_VAR, P2PSemantics
 from megaframe.pipeline.simulate import SendModel, simulate
 
@@ -29,7 +28,7 @@ MODEL = ["data=synthetic", "model.num_layers=8", "model.hidden_size=256", "model
          "model.vocab_size=1024", "train.micro_batch_size=2", "logging.wandb.mode=disabled"]
 
 
-def _worker(rank: int, pp: int, port: int, m: int, steps: int, schedules: list, out) -> None:
+def _worker(rank: int, port: int, pp: int, m: int, steps: int, schedules: list, out) -> None:
     from megaframe.config import load_config
     from megaframe.data.dataset import build_data, microbatches
     from megaframe.model.gpt import build_model
@@ -77,17 +76,7 @@ def main(argv: list[str]) -> None:
     pp, m, steps = int(args.get("pp", 2)), int(args.get("microbatches", 8)), int(args.get("steps", 3))
     os.environ[ENV_VAR] = P2PSemantics(args.get("p2p", "native")).value  # the spawned ranks inherit it
     schedules = [("1f1b", 1), ("interleaved", 2)]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, pp, port, m, steps, schedules, q)) for r in range(pp)]
-    for p in procs:
-        p.start()
-    per_rank = q.get(timeout=900)
-    for p in procs:
-        p.join()
+    per_rank = spawn_local(_worker, pp, pp, m, steps, schedules, timeout_s=900)
     print(f"pp={pp} microbatches={m} cores={os.cpu_count()} p2p={os.environ[ENV_VAR]} (gloo, CPU)")
     for name, vpp in schedules:
         measured = sum(r[name][0] for r in per_rank) / pp

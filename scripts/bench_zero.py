@@ -20,14 +20,14 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import statistics
 import sys
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from megaframe.parallel.local import spawn_local
 
 MODEL = ["data=synthetic", "model.num_layers=4", "model.hidden_size=512", "model.num_attention_heads=8",
          "model.num_query_groups=8", "model.ffn_hidden_size=1408", "model.seq_length=128",
@@ -108,17 +108,7 @@ def _worker(rank: int, port: int, steps: int, rounds: int, bucket_mb: float, thr
 
 
 def main(steps: int = 2, rounds: int = 8, bucket_mb: float = 4.0, threads: int = 1) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, port, steps, rounds, bucket_mb, threads, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    times, sent, n_params, buckets, mem = out.get(timeout=3600)
-    for p in procs:
-        p.join()
+    times, sent, n_params, buckets, mem = spawn_local(_worker, 2, steps, rounds, bucket_mb, threads, timeout_s=3600)
     print(f"dp=2 on gloo, {os.cpu_count()} cores, {threads} thread(s)/rank | {n_params / 1e6:.1f}M params "
           f"({4 * n_params / 2**20:.0f} MiB fp32 grads), {buckets} buckets of {bucket_mb} MiB | "
           f"{rounds} rounds x {steps} steps per mode")

@@ -13,12 +13,12 @@ this moves ~15 %.)
 from __future__ import annotations
 
 import math
-import socket
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from megaframe.parallel.local import spawn_local
 
 SIZES = (4, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20)
 """Bytes per hop measured: from a scalar to a ZeRO bucket's share."""
@@ -57,7 +57,7 @@ def _worker(rank: int, port: int, out) -> None:
             reps = 40 if s <= 256 << 10 else 12
             ag = _in_step(lambda b=both, y=x: comm.all_gather_flat(b, y, axis), reps, work)
             rs = _in_step(lambda b=both, y=x: comm.reduce_scatter_flat(y, b, axis), reps, work)
-            # a larger hop never costs less than a smaller one: medians of noisy repeats may say so
+            # a larger hop never costs less than a smaller one: averages of noisy repeats may say so
             curve.append((s, max((ag + rs) / 2, curve[-1][1] if curve else 0.0)))
         if rank == 0:
             out.put(curve)
@@ -65,28 +65,9 @@ def _worker(rank: int, port: int, out) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def measure_hops(timeout_s: float = 120.0) -> tuple[tuple[int, float], ...]:
     """((bytes, seconds of one hop), ...) for SIZES, from two spawned gloo processes (~5 s)."""
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, q), daemon=True) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        curve = q.get(timeout=timeout_s)
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    return tuple(curve)
+    return tuple(spawn_local(_worker, 2, timeout_s=timeout_s))
 
 
 def hop_seconds(curve: tuple[tuple[int, float], ...], nbytes: float) -> float:

@@ -10,19 +10,14 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import traceback
 
 import torch.multiprocessing as mp
 
+from megaframe.parallel.local import free_port
+
 JOB_TIMEOUT_S = 240
 COLLECTIVE_TIMEOUT_S = 60
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, size: int, port: int, conn) -> None:
@@ -68,7 +63,7 @@ def _worker(rank: int, size: int, port: int, conn) -> None:
 class RankPool:
     def __init__(self, size: int = 4):
         ctx = mp.get_context("spawn")
-        port = _free_port()
+        port = free_port()
         self.size, self.conns, self.procs = size, [], []
         for r in range(size):
             parent, child = ctx.Pipe()
