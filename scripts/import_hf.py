@@ -108,6 +108,7 @@ def copy_tokenizer(src: Path, dest: Path) -> dict | None:
 def import_hf(folder: str, out: Path, overrides: list[str]) -> Path:
     from megaframe.checkpoint import sharded
     from megaframe.checkpoint.hf import from_hf
+    from megaframe.data.order import ORDER
     from megaframe.schema import plain
 
     src = Path(folder)
@@ -122,7 +123,7 @@ def import_hf(folder: str, out: Path, overrides: list[str]) -> Path:
     tok = copy_tokenizer(src, out / "hf_tokenizer")
     meta = {"consumed_samples": 0, "layout": {"tp": 1, "pp": 1, "dp": 1, "sp": False},
             "rng": "derived from (train.seed, step, rank); no state to restore",
-            "data": {"kind": cfg.data.kind, "path": cfg.data.path, "consumed_samples": 0},
+            "data": {"kind": cfg.data.kind, "path": cfg.data.path, "consumed_samples": 0, "order": ORDER},
             "tokenizer": tok,  # train.py refuses data prepared with another tokenizer
             "config": plain(cfg), "imported_from": str(src.resolve())}
     path = sharded.save(out, 0, model, WeightsOnly(), mesh, meta)

@@ -5,7 +5,9 @@
   model.* overrides. A field the command line sets to another value than the checkpoint's is refused
   with one line naming the field and both values (resume-time checks then see equal values), except
   the few fields that shape no weight and that a continued run may change on purpose (SOFT).
-  `model=PRESET` on the command line counts as setting every field of that preset.
+  `model=PRESET` on the command line counts as setting the fields that preset sets to a value (a
+  preset that leaves vocab_size to the data sets no vocab_size). A field left unset (None) is never a
+  contradiction: it takes the checkpoint's value.
 - `WANDB_MODE` in the environment sets logging.wandb.mode unless the command line sets it (wandb's own
   rule: the variable wins over a program default).
 """
@@ -17,7 +19,7 @@ import os
 from pathlib import Path
 
 from megaframe.errors import ConfigError
-from megaframe.schema import ModelConfig, WandbMode, enum_fields
+from megaframe.schema import CONF_DIR, ModelConfig, WandbMode, enum_fields
 
 SOFT = frozenset({"name", "dropout", "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_bias_update_rate",
                   "moe_capacity_factor", "init_std"})
@@ -33,13 +35,24 @@ def _keys(overrides: list[str]) -> set[str]:
     return {o.split("=", 1)[0].lstrip("+~") for o in overrides if "=" in o}  # +key adds, ~key deletes: both name it
 
 
+def preset_fields(name: str) -> set[str]:
+    """The model.* fields preset conf/model/NAME.yaml sets to a value (null entries set nothing)."""
+    from omegaconf import OmegaConf
+
+    path = CONF_DIR / "model" / f"{name}.yaml"
+    if not path.is_file():
+        return set()  # Hydra refuses an unknown preset itself, naming it
+    loaded = OmegaConf.to_container(OmegaConf.load(path))
+    return {k for k, v in (loaded or {}).items() if v is not None}
+
+
 def set_on_command_line(overrides: list[str]) -> set[str]:
-    """model.* field names the command line sets (all of them when it picks a preset with model=...)."""
-    keys = _keys(overrides)
+    """model.* field names the command line sets: its model.* keys, and the fields a model=PRESET sets."""
+    keys = {o.split("=", 1)[0].lstrip("+~"): o.split("=", 1)[1] for o in overrides if "=" in o}
+    mine = {k.removeprefix("model.") for k in keys if k.startswith("model.")}
     if "model" in keys:
-        return {f.name for f in dataclasses.fields(ModelConfig)}
-    # only explicit model.* keys count as set; every other model field may come from the checkpoint
-    return {k.removeprefix("model.") for k in keys if k.startswith("model.")}
+        mine |= preset_fields(keys["model"])
+    return mine
 
 
 def checkpoint_model(path: str) -> dict | None:
@@ -75,7 +88,7 @@ def adopt_model(cfg, overrides: list[str]) -> list[str]:
             except ValueError as e:
                 raise ConfigError(f"checkpoint.resume={path}: its model.{f.name}={theirs!r} is not one of "
                                   f"{', '.join(enums[f.name])}") from e
-        if f.name in mine:
+        if f.name in mine and current is not None:  # None is unset: the checkpoint's value is no contradiction
             if current != theirs and f.name not in SOFT:
                 raise ConfigError(f"model.{f.name}={current} contradicts the checkpoint's model.{f.name}={theirs} "
                                   f"(checkpoint.resume={path}); drop the override to use the checkpoint's")

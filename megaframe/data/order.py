@@ -76,7 +76,10 @@ def sample_index(position: int, num_samples: int, seed: int, order: str = ORDER)
 
 
 def resumed_order(meta: dict) -> str:
-    """The order a checkpointed run was using (checkpoints from before ORDER existed: LEGACY)."""
+    """The order a checkpointed run was using: the recorded one, else LEGACY for a run begun before ORDER
+    existed, else ORDER for a checkpoint that never drew a sample (an HF import, old or new: nothing to keep)."""
     data = meta.get("data") or {}
-    # data state without an order predates ORDER; no data state at all (an import) has no order to keep
-    return data.get("order", LEGACY if data else ORDER)
+    if "order" in data:
+        return data["order"]
+    drew = data.get("consumed_samples", meta.get("consumed_samples", 0)) and "imported_from" not in meta
+    return LEGACY if drew else ORDER

@@ -54,19 +54,20 @@ def test_torchrun_refuses_tp_that_does_not_divide_world(tmp_path):
     assert out.index("megaframe: error:") < out.index("exitcode")
 
 
-def test_resume_continues_with_uninterrupted_losses(tmp_path):
-    over = ["data=synthetic", *TINY, "train.max_steps=6", "train.log_interval=1", "checkpoint.interval=3"]
-    full = train(over + [f"run.dir={tmp_path / 'a'}"])
+@pytest.mark.parametrize("nproc,layout", [(1, []), (2, ["parallel.tp=2", "parallel.sp=true"])], ids=["one", "tp2"])
+def test_resume_continues_with_uninterrupted_losses(tmp_path, nproc, layout):
+    """The README's resume, same command line plus checkpoint.resume=STEP_FOLDER into a new run.dir, with a
+    preset that leaves vocab_size to the data (it was refused: 'model.vocab_size=None contradicts ...')."""
+    over = ["model=gpt_tiny", "data=synthetic", *TINY, "train.max_steps=6", "train.log_interval=1", *layout]
+    full = train(over + ["checkpoint.interval=3", f"run.dir={tmp_path / 'a'}"], nproc=nproc)
     assert full.returncode == 0, full.stderr[-2000:]
     ck = tmp_path / "a" / "checkpoints"
     assert (ck / "latest").read_text().strip() == "step_00000006"
     meta = json.loads((ck / "step_00000003" / "metadata.json").read_text())
     assert meta["step"] == 3 and meta["consumed_samples"] == 24
     assert meta["tensors"]["model/embed.weight"]["global_shape"] == [4096, 64]
-    # a second run that finds only the step-3 checkpoint resumes there and continues identically
-    (tmp_path / "b" / "checkpoints").mkdir(parents=True)
-    shutil.copytree(ck / "step_00000003", tmp_path / "b" / "checkpoints" / "step_00000003")
-    resumed = train(over + [f"run.dir={tmp_path / 'b'}"])
+    # a second run pointed at the step-3 checkpoint resumes there and continues identically
+    resumed = train(over + [f"run.dir={tmp_path / 'b'}", f"checkpoint.resume={ck / 'step_00000003'}"], nproc=nproc)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "resumed from" in resumed.stdout
     a, b = metrics(tmp_path / "a"), metrics(tmp_path / "b")

@@ -66,3 +66,16 @@ def test_missing_prepared_data_names_the_exact_command(tmp_path):
     with pytest.raises(ConfigError) as info:  # a corpus of one's own: its source and path
         load_config([f"data.path={tmp_path / 'web'}", "data.name=web", "data.source=/texts"], world_size=1)
     assert f"data.source=/texts data.path={tmp_path / 'web'}" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_preset_that_leaves_a_field_unset_resumes(tmp_path):
+    """The README's resume line: model=gpt_tiny leaves vocab_size to the data, so the checkpoint's counts
+    as no contradiction (it was refused: 'model.vocab_size=None contradicts ...')."""
+    cfg = load_config(["data=synthetic", "model=gpt_tiny", "model.vocab_size=300"], world_size=1)
+    path = sharded.save(tmp_path, 2, build_model(cfg, single_process_mesh()), WeightsOnly(), single_process_mesh(),
+                        {"config": dataclasses.asdict(cfg)})
+    again = load_config(["data=synthetic", "model=gpt_tiny", f"checkpoint.resume={path}"], world_size=1)
+    assert again.model.vocab_size == 300 and again.model == cfg.model
+    with pytest.raises(ConfigError, match="model.hidden_size=64 contradicts"):  # what the user typed is still checked
+        load_config(["data=synthetic", "model=gpt_tiny", "model.hidden_size=64", f"checkpoint.resume={path}"],
+                    world_size=1)

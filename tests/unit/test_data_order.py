@@ -185,7 +185,11 @@ def test_resumed_run_keeps_the_order_it_began_with():
     from megaframe.data import order
 
     assert order.resumed_order({"data": {"order": order.ORDER}}) == order.ORDER
-    assert order.resumed_order({"data": {"kind": "prepared"}}) == order.LEGACY  # written before orders had names
+    old = {"consumed_samples": 64, "data": {"kind": "prepared", "consumed_samples": 64}}
+    assert order.resumed_order(old) == order.LEGACY  # written before orders had names
+    # a checkpoint that never drew a sample has no order to keep: an import from before imports recorded one
+    imported = {"consumed_samples": 0, "imported_from": "/hf/llama", "data": {"kind": "prepared", "consumed_samples": 0}}
+    assert order.resumed_order(imported) == order.ORDER
     legacy = [order.sample_index(p, 37, 11, order.LEGACY) for p in range(37)]
     assert legacy == np.random.default_rng([11, 0, 0x5EED]).permutation(37).tolist()
     data = Labelled(37)

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import megaframe
+from megaframe.data.order import ORDER
 from megaframe.checkpoint import hf, sharded
 from megaframe.config import load_config
 from megaframe.model.gpt import build_model
@@ -159,6 +160,9 @@ def test_train_continues_from_imported(tmp_path):
                   microbatches(build_data(cfg), 0, 4, 2, 0, 1, cfg.train.seed)]
     assert abs(rows[0]["loss"] - torch.stack(losses).mean().item()) < 1e-4
     assert megaframe.load_model(str(tmp_path / "run" / "checkpoints")).cfg.num_layers == 2
+    # the import and the run continued from it use the documented order (they fell back to the legacy one)
+    for folder in (tmp_path / "ck" / "step_00000000", tmp_path / "run" / "checkpoints" / "step_00000002"):
+        assert json.loads((folder / "metadata.json").read_text())["data"]["order"] == ORDER, folder
 
 
 def test_bad_input_exits_2(tmp_path, capsys):
