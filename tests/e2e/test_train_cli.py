@@ -1,6 +1,5 @@
 """The user-facing commands end to end: one process, torchrun, bad input, resume, load_model."""
 import json
-import shutil
 import time
 
 import pytest

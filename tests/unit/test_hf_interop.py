@@ -15,9 +15,9 @@ import pytest
 import torch
 
 import megaframe
-from megaframe.data.order import ORDER
 from megaframe.checkpoint import hf, sharded
 from megaframe.config import load_config
+from megaframe.data.order import ORDER
 from megaframe.model.gpt import build_model
 from megaframe.parallel.mesh import single_process_mesh
 
