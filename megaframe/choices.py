@@ -48,6 +48,13 @@ class Precision(StrEnum):
     """train.precision."""
     fp32 = "fp32"
     bf16 = "bf16"
+    fp8 = "fp8"
+
+
+class Fp8Recipe(StrEnum):
+    """train.fp8_recipe: torchao's float8 scaling recipes."""
+    tensorwise = "tensorwise"
+    rowwise = "rowwise"
 
 
 class Recompute(StrEnum):

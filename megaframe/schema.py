@@ -17,6 +17,7 @@ from megaframe.choices import (  # noqa: F401  (re-exported: the schema's public
     DataKind,
     Device,
     DocSplit,
+    Fp8Recipe,
     LRSchedule,
     Norm,
     PositionEmbedding,
@@ -153,8 +154,14 @@ class TrainConfig:
     device: Device = Device.auto
     """auto | cpu | cuda."""
     precision: Precision = Precision.fp32
-    """fp32 | bf16: bf16 parameters and compute, with fp32 master weights, Adam moments and grad
-    reduction in the optimizer (needs optim.zero=1). No loss scaling: bf16 has fp32's range."""
+    """fp32 | bf16 | fp8: bf16 parameters and compute, with fp32 master weights, Adam moments and grad
+    reduction in the optimizer (needs optim.zero=1). No loss scaling: bf16 has fp32's range. fp8 is bf16
+    with the transformer blocks' linears as float8 GEMMs through torchao (needs torchao; fast only with
+    train.compile=true on an H100-class GPU); the head, embedding, router and experts stay bf16, and an fp8
+    checkpoint is a bf16 one."""
+    fp8_recipe: Fp8Recipe = Fp8Recipe.tensorwise
+    """tensorwise | rowwise: torchao's float8 scaling under train.precision=fp8 (one scale per tensor, or
+    per row of each GEMM operand: slower, closer to bf16)."""
     eval_interval: int = 0
     """Compute val_loss on the validation split every this many steps (and at the last); 0 = never."""
     eval_iters: int = 4

@@ -62,8 +62,13 @@ class ColumnParallelLinear(nn.Module):
         out = sum(out_parts)
         self.weight = sharded_param(Shard((out, in_features), 0, tuple(out_parts), tp.rank, tp.size), device)
         self.bias = sharded_param(Shard((out,), 0, tuple(out_parts), tp.rank, tp.size), device) if bias else None
+        self.gemm = None  # an Fp8Gemm under train.precision=fp8 (layers/fp8.py:enable_fp8)
 
     def forward(self, x_SBI: torch.Tensor) -> torch.Tensor:
+        if self.gemm is not None:  # FP8: gather (autograd) then the scaled GEMM on the gathered input
+            x_SBI = comm.gather_from_sp(x_SBI, self.tp) if self.sp else comm.copy_to_tp(x_SBI, self.tp)
+            y_SBO = self.gemm(x_SBI, self.weight)
+            return y_SBO if self.bias is None else y_SBO + self.bias
         if self.sp and self.tp.size > 1:
             return _gathered_linear(x_SBI, self.weight, self.bias, self.tp)
         return F.linear(comm.copy_to_tp(x_SBI, self.tp), self.weight, self.bias)
@@ -79,9 +84,10 @@ class RowParallelLinear(nn.Module):
         # The bias is added after the reduction, once; under sp each rank adds it to its own sequence block,
         # so its gradient is partial over tp.
         self.bias = sharded_param(Shard((out_features,)), device, tp_partial_grad=sp) if bias else None
+        self.gemm = None  # an Fp8Gemm under train.precision=fp8 (layers/fp8.py:enable_fp8)
 
     def forward(self, x_SBI: torch.Tensor) -> torch.Tensor:
         # No bias in the matmul: added before the reduction it would be summed tp times.
-        y_SBO = F.linear(x_SBI, self.weight)
+        y_SBO = F.linear(x_SBI, self.weight) if self.gemm is None else self.gemm(x_SBI, self.weight)
         y_SBO = comm.reduce_scatter_to_sp(y_SBO, self.tp) if self.sp else comm.reduce_from_tp(y_SBO, self.tp)
         return y_SBO if self.bias is None else y_SBO + self.bias

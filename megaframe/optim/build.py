@@ -77,7 +77,7 @@ class PlainOptimizer:
         return {"mem/grads_bytes": grads, "mem/optim_bytes": optim}
 
 
-PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.bfloat16}  # fp8: bf16 params, fp8 GEMMs
 
 
 def cast_model(model: nn.Module, precision: str) -> nn.Module:
