@@ -2,6 +2,7 @@
 
     python scripts/bench_vs_hf.py [--device cpu|cuda] [--preset cpu|1b] [--steps 3] [--repeats 5]
                                   [--warmup 2] [--threads 1] [--batch B] [--seq S] [--profile]
+                                  [--fp8 [--fp8-recipe tensorwise|rowwise]] [--compile]
 
 Both sides get the same model (hidden, layers, heads, GQA groups, ffn, vocab, seq, untied head,
 RMSNorm eps, RoPE theta), the same token batch (B x S synthetic tokens, next-token labels), the same
@@ -31,7 +32,7 @@ CPU_DIMS = dict(num_layers=4, hidden_size=256, num_attention_heads=8, num_query_
 LR, BETAS, EPS, WD, CLIP = 3e-4, (0.9, 0.95), 1e-8, 0.1, 1.0
 
 
-def megaframe_side(args, device: torch.device):
+def megaframe_side(args, device: torch.device, precision: str | None = None):
     """(cfg, step function) for megaframe: the trainer's own train_step over one micro-batch."""
     from megaframe.config import load_config
     from megaframe.model.gpt import build_model
@@ -45,13 +46,17 @@ def megaframe_side(args, device: torch.device):
             "train.max_steps=1000000", f"train.device={device.type}", f"model.seq_length={args.seq}",
             f"train.compile={str(args.compile).lower()}", f"train.recompute={args.recompute}"]
     if args.preset == "1b":
-        over += ["model=llama_1b"]
+        over += ["model=llama_1b"] + ([f"model.num_layers={args.layers}"] if args.layers else [])
     else:
         over += [f"model.{k}={v}" for k, v in CPU_DIMS.items() if k != "seq_length"]
-    over += [f"train.precision={'bf16' if device.type == 'cuda' else 'fp32'}"]  # presets default to bf16
+    precision = precision or ("bf16" if device.type == "cuda" else "fp32")  # presets default to bf16
+    over += [f"train.precision={precision}"] + (["optim.zero=1"] if precision != "fp32" else [])
     cfg = load_config(over, world_size=1, check_data=False)
     mesh = single_process_mesh(device)
     model = cast_model(build_model(cfg, mesh), cfg.train.precision)
+    if precision == "fp8":
+        from megaframe.layers.fp8 import enable_fp8
+        enable_fp8(model, args.fp8_recipe)
     opt = build_optimizer(model, cfg.optim, mesh)
     counter = [0]
 
@@ -141,6 +146,10 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="megaframe with train.compile=true")
     ap.add_argument("--recompute", default="none", choices=["none", "selective", "full"])
     ap.add_argument("--profile", action="store_true", help="print torch.profiler tables of both and exit")
+    ap.add_argument("--fp8", action="store_true", help="also megaframe at train.precision=fp8 (torchao float8 GEMMs), "
+                    "timed in the same run: prints fp8 / bf16")
+    ap.add_argument("--layers", type=int, default=None, help="--preset 1b with fewer layers (three models share a GPU)")
+    ap.add_argument("--fp8-recipe", default="tensorwise", choices=["tensorwise", "rowwise"])
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench_vs_hf: --device cuda but CUDA is not available on this machine")
@@ -155,6 +164,10 @@ def main() -> None:
     hf_step = hf_side(cfg, device)
     batches = make_batches(args.warmup + args.steps, args.batch, args.seq, cfg.model.vocab_size, device)
     sides = {"megaframe": mf_step, "hf_llama": hf_step}
+    if args.fp8:  # the fp8 side beside the bf16 one (bf16 on CPU too, so the ratio is fp8 GEMMs alone)
+        if cfg.train.precision != "bf16":
+            cfg, sides["megaframe"] = megaframe_side(args, device, "bf16")
+        sides["megaframe_fp8"] = megaframe_side(args, device, "fp8")[1]
     for _name, step in sides.items():
         timed(step, batches[:args.warmup], device)
     if args.profile:
@@ -187,10 +200,12 @@ def report(args, cfg, sides, batches, device) -> None:
         print(f"  {name:10s} tokens/s median {med:10.1f} (min {min(xs):.1f}, max {max(xs):.1f}) | "
               f"{med * fpt / 1e12:.3f} TFLOP/s, MFU {med * fpt / peak if peak else 0:.3f} | "
               f"tokens per CPU-second median {statistics.median(cpu[name]):.1f}")
-    for what, d in (("wall", tps), ("CPU time", cpu)):
-        ratios = [a / b for a, b in zip(d["megaframe"], d["hf_llama"])]
-        print(f"ratio megaframe / hf_llama ({what}): median {statistics.median(ratios):.3f} "
-              f"(per repeat: {', '.join(f'{x:.3f}' for x in ratios)})")
+    pairs = [("megaframe", "hf_llama")] + ([("megaframe_fp8", "megaframe")] if "megaframe_fp8" in tps else [])
+    for a_name, b_name in pairs:
+        for what, d in (("wall", tps), ("CPU time", cpu)):
+            ratios = [a / b for a, b in zip(d[a_name], d[b_name])]
+            print(f"ratio {a_name} / {b_name} ({what}): median {statistics.median(ratios):.3f} "
+                  f"(per repeat: {', '.join(f'{x:.3f}' for x in ratios)})")
 
 
 if __name__ == "__main__":
