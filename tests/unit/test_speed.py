@@ -120,3 +120,16 @@ def test_fused_head_cross_entropy_equals_linear_then_cross_entropy(monkeypatch, 
         torch.testing.assert_close(w.grad, wr.grad, rtol=1e-5, atol=1e-7)
     with torch.no_grad():
         torch.testing.assert_close(fused_ce.linear_cross_entropy(x0, w0, target), ref.detach(), rtol=1e-6, atol=1e-6)
+
+
+def test_bench_experts_prints_its_ratio():
+    """scripts/bench_experts.py (grouped expert GEMM vs the per-expert loop) runs and prints the ratio."""
+    import subprocess
+    import sys
+
+    from megaframe.config import ROOT
+
+    res = subprocess.run([sys.executable, str(ROOT / "scripts/bench_experts.py"), "--experts", "4", "--rows", "64",
+                          "--hidden", "32", "--ffn", "32", "--repeats", "1"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "ratio loop / grouped:" in res.stdout

@@ -112,13 +112,15 @@ def dispatch_combine(x_TD: torch.Tensor, p: Plan, ep: Axis, experts) -> torch.Te
     recv_RL = [recv[r * local:(r + 1) * local] for r in range(ep.size)]
     recv_splits = [sum(row) for row in recv_RL]
     x_RD = comm.all_to_all(x_AD, ep, recv_splits, send_splits)
+    # each local expert's rows on the device too: the grouped GEMM's group ends, with no host-to-device copy
+    ends_L = recv_E.view(ep.size, local).sum(0).cumsum(0)
     if ep.size > 1:
         perm_R, sizes = _regroup(recv_E, recv_RL)
-        y_RD = experts(x_RD[perm_R], sizes)
+        y_RD = experts(x_RD[perm_R], sizes, ends_L)
         # Back to (source rank, local expert) order: the return all-to-all's splits assume the arrival order.
         y_RD = y_RD[torch.argsort(perm_R)]
     else:
-        y_RD = experts(x_RD, recv_RL[0])
+        y_RD = experts(x_RD, recv_RL[0], ends_L)
     y_AD = comm.all_to_all(y_RD, ep, send_splits, recv_splits)
     # Weighted after the way back, on the token's own rank: the weight's grad (the router's) stays local.
     y_AD = y_AD * weight_A.unsqueeze(-1).to(y_AD.dtype)
