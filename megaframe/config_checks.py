@@ -110,8 +110,11 @@ def check_config(cfg: Config, world_size: int, check_data: bool = True) -> None:
     """Cross-field checks that need no process group; the first problem raises ConfigError."""
     check_fields(cfg)
     m, p, t = cfg.model, cfg.parallel, cfg.train
-    for name in ("tp", "pp", "vpp", "ep"):
+    for name in ("tp", "pp", "vpp", "ep", "tp_comm_chunks"):
         _req(getattr(p, name) >= 1, f"parallel.{name}={getattr(p, name)} must be >= 1")
+    _req(not p.tp_comm_overlap or (p.sp and p.tp > 1),
+         f"parallel.tp_comm_overlap=true overlaps sp's collectives: it needs parallel.sp=true and tp > 1 "
+         f"(got parallel.sp={p.sp}, parallel.tp={p.tp})")
     _req(world_size % (p.tp * p.pp) == 0,
          f"parallel.tp={p.tp} x parallel.pp={p.pp} does not divide the world size {world_size}")
     _check_context(cfg, world_size)

@@ -124,6 +124,12 @@ class ParallelConfig:
     """Expert-parallel size, borrowed from the data-parallel ranks."""
     sp: bool = False
     """Sequence parallelism: split the sequence over tp between blocks (needs tp > 1 to matter)."""
+    tp_comm_overlap: bool = False
+    """Under sp at tp > 1: cut the all-gather before each column-parallel GEMM and the reduce-scatter after
+    each row-parallel one into chunks pipelined with the partial GEMMs (Megatron's and torchtitan's
+    collective matmul; parallel/tp_overlap.py). Equal results; not applied to FP8 linears."""
+    tp_comm_chunks: int = 4
+    """Chunks of the local sequence block under tp_comm_overlap (the largest count <= this dividing it)."""
     pp_schedule: ScheduleKind = ScheduleKind.auto
     """gpipe | 1f1b | interleaved | auto (interleaved when vpp > 1, else 1f1b)."""
     pp_layout: Optional[list[int]] = None

@@ -50,13 +50,11 @@ def megaframe_side(args, device: torch.device, precision: str | None = None):
     else:
         over += [f"model.{k}={v}" for k, v in CPU_DIMS.items() if k != "seq_length"]
     precision = precision or ("bf16" if device.type == "cuda" else "fp32")  # presets default to bf16
-    over += [f"train.precision={precision}"] + (["optim.zero=1"] if precision != "fp32" else [])
+    over += [f"train.precision={precision}", f"train.fp8_recipe={args.fp8_recipe}"]
+    over += ["optim.zero=1"] if precision != "fp32" else []
     cfg = load_config(over, world_size=1, check_data=False)
     mesh = single_process_mesh(device)
     model = cast_model(build_model(cfg, mesh), cfg.train.precision)
-    if precision == "fp8":
-        from megaframe.layers.fp8 import enable_fp8
-        enable_fp8(model, args.fp8_recipe)
     opt = build_optimizer(model, cfg.optim, mesh)
     counter = [0]
 

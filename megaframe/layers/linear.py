@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megaframe.layers.shard import Shard, sharded_param
-from megaframe.parallel import comm
+from megaframe.parallel import comm, tp_overlap
 from megaframe.parallel.mesh import Axis
 
 
@@ -63,8 +63,11 @@ class ColumnParallelLinear(nn.Module):
         self.weight = sharded_param(Shard((out, in_features), 0, tuple(out_parts), tp.rank, tp.size), device)
         self.bias = sharded_param(Shard((out,), 0, tuple(out_parts), tp.rank, tp.size), device) if bias else None
         self.gemm = None  # an Fp8Gemm under train.precision=fp8 (layers/fp8.py:enable_fp8)
+        self.overlap_chunks = 0  # > 0: the sp all-gather chunked under the GEMM (parallel/tp_overlap.py)
 
     def forward(self, x_SBI: torch.Tensor) -> torch.Tensor:
+        if self.overlap_chunks and self.gemm is None:  # enable_tp_overlap sets it only under sp at tp > 1
+            return tp_overlap.gather_matmul(x_SBI, self.weight, self.bias, self.tp, self.overlap_chunks)
         if self.gemm is not None:  # FP8: gather (autograd) then the scaled GEMM on the gathered input
             x_SBI = comm.gather_from_sp(x_SBI, self.tp) if self.sp else comm.copy_to_tp(x_SBI, self.tp)
             y_SBO = self.gemm(x_SBI, self.weight)
@@ -85,8 +88,12 @@ class RowParallelLinear(nn.Module):
         # so its gradient is partial over tp.
         self.bias = sharded_param(Shard((out_features,)), device, tp_partial_grad=sp) if bias else None
         self.gemm = None  # an Fp8Gemm under train.precision=fp8 (layers/fp8.py:enable_fp8)
+        self.overlap_chunks = 0  # > 0: the sp reduce-scatter chunked under the GEMM (parallel/tp_overlap.py)
 
     def forward(self, x_SBI: torch.Tensor) -> torch.Tensor:
+        if self.overlap_chunks and self.gemm is None:  # enable_tp_overlap sets it only under sp at tp > 1
+            y_SBO = tp_overlap.matmul_scatter(x_SBI, self.weight, self.tp, self.overlap_chunks)
+            return y_SBO if self.bias is None else y_SBO + self.bias
         # No bias in the matmul: added before the reduction it would be summed tp times.
         y_SBO = F.linear(x_SBI, self.weight) if self.gemm is None else self.gemm(x_SBI, self.weight)
         y_SBO = comm.reduce_scatter_to_sp(y_SBO, self.tp) if self.sp else comm.reduce_from_tp(y_SBO, self.tp)

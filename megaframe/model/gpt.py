@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from megaframe.choices import CPComm
+from megaframe.layers.fp8 import enable_fp8
 from megaframe.layers.fused_ce import linear_cross_entropy
 from megaframe.layers.linear import ColumnParallelLinear, RowParallelLinear
 from megaframe.layers.norm import Norm
@@ -25,6 +26,7 @@ from megaframe.model.attention import Attention, rope_tables
 from megaframe.model.moe import MoE
 from megaframe.parallel.context import cp_positions
 from megaframe.parallel.mesh import Mesh
+from megaframe.parallel.tp_overlap import enable_tp_overlap
 from megaframe.pipeline.partition import Stage, stage_layout
 from megaframe.schema import ModelConfig
 
@@ -184,6 +186,12 @@ def build_model(cfg, mesh: Mesh) -> GPT:
                 tokens_per_step=cfg.train.global_batch_size * cfg.model.seq_length, recompute=cfg.train.recompute,
                 cp_ring=CPComm(p.cp_comm) is CPComm.ring)
     model.init_weights(cfg.train.seed)
+    # the blocks' GEMMs as torchao float8 (parameters stay as they are); a planning (meta) model keeps the
+    # bf16 GEMMs, whose saved tensors are the same size as the float8 path's high-precision ones
+    if cfg.train.precision == "fp8" and torch.device(mesh.device).type != "meta":
+        enable_fp8(model, cfg.train.fp8_recipe)
+    if p.tp_comm_overlap:
+        enable_tp_overlap(model, p.tp_comm_chunks)
     if cfg.train.compile:
         compile_blocks(model)
     return model

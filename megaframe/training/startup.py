@@ -13,7 +13,6 @@ from megaframe.config import Config, ConfigError
 from megaframe.data.dataset import Prefetcher, build_data, microbatches
 from megaframe.data.order import resumed_order
 from megaframe.inference.sampler import Sampler
-from megaframe.layers.fp8 import enable_fp8
 from megaframe.model.gpt import build_model
 from megaframe.optim.build import build_optimizer, cast_model
 from megaframe.parallel import comm
@@ -40,8 +39,6 @@ class Setup:
 def set_up(cfg: Config, mesh: Mesh) -> Setup:
     """Model, optimizer and data; the resume (which may adopt the saved sample order and lr horizon)."""
     model = cast_model(build_model(cfg, mesh), cfg.train.precision)
-    if cfg.train.precision == "fp8":
-        enable_fp8(model, cfg.train.fp8_recipe)
     optimizer = build_optimizer(model, cfg.optim, mesh)
     try:
         data = build_data(cfg)
