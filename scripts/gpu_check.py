@@ -1,19 +1,26 @@
-"""Run every CUDA check (tests/gpu) on this machine's GPU and print one summary line per check.
+"""The one prepared GPU check: tests/gpu, then the speed figures, one line per check and a summary.
 
-    python scripts/gpu_check.py            # all of tests/gpu
-    python scripts/gpu_check.py -k moe     # extra arguments go to pytest
+    python scripts/gpu_check.py                 # on a GPU host: everything (about 6 minutes on one H100)
+    python scripts/gpu_check.py --dry           # CPU, tiny sizes: the same checks, to prove the harness (the suite runs it)
+    python scripts/gpu_check.py --only tests    # or: benches; extra arguments after -- go to pytest
 
-Exit code: pytest's (0 when every check passed). Without CUDA every check is skipped and the summary
-says so. The checks: no device sync in dense steps and one per MoE layer and micro-batch (fp32, bf16,
-compile, recompute), SDPA's flash kernel on the model's attention, the fused cross-entropy in bf16 vs
-fp32, the watchdog's enqueued-vs-completed states, a one-process checkpoint round trip (sync and
-async), CPU vs CUDA losses, and the benchmark against transformers.
+The checks:
+- tests/gpu (pytest): device syncs per step (none dense; one per MoE layer and micro-batch), flash
+  attention on the model's call, the fused cross-entropy in bf16, the watchdog's CUDA events, checkpoint
+  round trips, CPU vs CUDA losses, grouped experts against the loop, compiled FP8 against bf16;
+- bench_vs_hf: a llama_1b-shaped step (8 of its 16 layers, so three models share one 80 GB GPU) compiled,
+  megaframe bf16 and FP8 against transformers in the same run: tokens/s, MFU, the ratios;
+- bench_experts: the MoE experts' grouped GEMM against the per-expert loop, bf16.
+NCCL refuses two ranks on one GPU, so every check is one process. Exit code: 0 when every check passed.
 """
 from __future__ import annotations
 
+import argparse
+import re
 import subprocess
 import sys
 import tempfile
+import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -30,29 +37,72 @@ def summarize(junit: Path) -> list[tuple[str, str, float, str]]:
             node = case.find(tag)
             if node is not None:
                 outcome = {"failure": "FAILED", "error": "ERROR", "skipped": "skipped"}[tag]
-                reason = (node.get("message") or node.text or "").strip().splitlines()[0][:100] if (
-                    node.get("message") or node.text) else ""
+                text = (node.get("message") or node.text or "").strip()
+                reason = text.splitlines()[0][:100] if text else ""
                 break
         rows.append((name, outcome, float(case.get("time", 0.0)), reason))
     return rows
 
 
-def main(argv: list[str]) -> int:
-    import torch
-
-    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA device"
+def run_tests(pytest_args: list[str]) -> list[tuple[str, str, float, str]]:
     with tempfile.TemporaryDirectory() as tmp:
         junit = Path(tmp) / "gpu.xml"
-        code = subprocess.call([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "tests/gpu"),
-                                f"--junitxml={junit}", *argv], cwd=ROOT)
-        rows = summarize(junit) if junit.is_file() else []
+        subprocess.call([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "tests/gpu"),
+                         f"--junitxml={junit}", *pytest_args], cwd=ROOT)
+        return summarize(junit) if junit.is_file() else [("tests/gpu", "ERROR", 0.0, "pytest wrote no report")]
+
+
+def benches(dry: bool) -> list[tuple[str, list[str], str]]:
+    """(name, command, the line of its output to report) per speed check; --dry: CPU and tiny sizes."""
+    py = [sys.executable]
+    if dry:
+        vs_hf = ["--device", "cpu", "--fp8", "--seq", "32", "--batch", "1", "--repeats", "1", "--steps", "1",
+                 "--warmup", "1"]
+        experts = ["--device", "cpu", "--experts", "4", "--rows", "64", "--hidden", "32", "--ffn", "32", "--repeats", "1"]
+    else:
+        vs_hf = ["--device", "cuda", "--preset", "1b", "--layers", "8", "--fp8", "--compile", "--repeats", "3",
+                 "--steps", "3", "--warmup", "2"]
+        experts = ["--device", "cuda", "--dtype", "bf16", "--experts", "8", "--rows", "32768", "--hidden", "2048",
+                   "--ffn", "1024", "--repeats", "5"]
+    return [("bench_vs_hf (bf16, fp8, transformers)", py + [str(ROOT / "scripts/bench_vs_hf.py"), *vs_hf], r"ratio .*wall"),
+            ("bench_experts (grouped vs loop)", py + [str(ROOT / "scripts/bench_experts.py"), *experts], r"ratio|median")]
+
+
+def run_bench(name: str, cmd: list[str], pattern: str, timeout: float) -> tuple[str, str, float, str]:
+    t = time.perf_counter()
+    try:
+        res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return name, "FAILED", time.perf_counter() - t, f"timed out after {timeout:.0f}s"
+    took = time.perf_counter() - t
+    print(res.stdout, flush=True)
+    if res.returncode != 0:
+        return name, "FAILED", took, (res.stderr.strip().splitlines() or ["no output"])[-1][:200]
+    lines = [ln.strip() for ln in res.stdout.splitlines() if re.search(pattern, ln)]
+    return name, "passed", took, " | ".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dry", action="store_true", help="CPU and tiny sizes (the harness only)")
+    ap.add_argument("--only", choices=["tests", "benches"], default=None)
+    ap.add_argument("--bench-timeout", type=float, default=300.0, help="seconds per bench")
+    args, pytest_args = ap.parse_known_args(argv)
+    pytest_args = [a for a in pytest_args if a != "--"]
+    import torch
+
+    cuda = torch.cuda.is_available() and not args.dry
+    device = torch.cuda.get_device_name(0) if cuda else "CPU (dry run)" if args.dry else "no CUDA device"
+    rows = run_tests(pytest_args) if args.only != "benches" else []
+    if args.only != "tests" and (cuda or args.dry):
+        rows += [run_bench(n, c, p, args.bench_timeout) for n, c, p in benches(args.dry)]
     print(f"\nGPU checks on {device}:")
     for name, outcome, seconds, reason in rows:
-        print(f"  {outcome:<8} {seconds:7.1f}s  {name}" + (f"  ({reason})" if reason and outcome != "passed" else ""))
+        print(f"  {outcome:<8} {seconds:7.1f}s  {name}" + (f"  ({reason})" if reason else ""))
     counts = {o: sum(r[1] == o for r in rows) for o in ("passed", "FAILED", "ERROR", "skipped")}
     print("summary: " + ", ".join(f"{n} {o.lower()}" for o, n in counts.items() if n) +
-          (" (no CUDA: nothing was checked)" if not torch.cuda.is_available() else ""))
-    return code
+          ("" if cuda else " (no CUDA: tests/gpu skipped)"))
+    return 1 if counts["FAILED"] or counts["ERROR"] else 0
 
 
 if __name__ == "__main__":

@@ -122,14 +122,17 @@ def test_fused_head_cross_entropy_equals_linear_then_cross_entropy(monkeypatch, 
         torch.testing.assert_close(fused_ce.linear_cross_entropy(x0, w0, target), ref.detach(), rtol=1e-6, atol=1e-6)
 
 
-def test_bench_experts_prints_its_ratio():
-    """scripts/bench_experts.py (grouped expert GEMM vs the per-expert loop) runs and prints the ratio."""
+
+def test_gpu_check_dry_runs_every_check_on_cpu():
+    """scripts/gpu_check.py --dry: the prepared GPU check's harness at tiny sizes on CPU (tests/gpu skip,
+    the benches run: bench_vs_hf with its fp8 side, bench_experts), one line per check, exit 0."""
     import subprocess
     import sys
 
     from megaframe.config import ROOT
 
-    res = subprocess.run([sys.executable, str(ROOT / "scripts/bench_experts.py"), "--experts", "4", "--rows", "64",
-                          "--hidden", "32", "--ffn", "32", "--repeats", "1"], capture_output=True, text=True, timeout=120)
-    assert res.returncode == 0, res.stderr[-2000:]
-    assert "ratio loop / grouped:" in res.stdout
+    res = subprocess.run([sys.executable, str(ROOT / "scripts/gpu_check.py"), "--dry"], capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    assert "ratio megaframe_fp8 / megaframe (wall)" in res.stdout and "ratio loop / grouped:" in res.stdout
+    assert "summary:" in res.stdout and "FAILED" not in res.stdout
