@@ -7,7 +7,8 @@ meta device with a virtual mesh (no process groups; megaframe.parallel.virtual),
   grads        optim.zero=1: the fp32 grad buffer, padded bucket by bucket by the optimizer's own
                buffer code (optim/sizing.py planned_memory_bytes); zero=0: one grad per parameter
                zero=2: only the owned 1/dp of it (plus a tied embedding's bucket, kept whole for the step);
-               HSDP (optim.shard_group_size=s): 1/s instead of 1/dp
+               HSDP (optim.shard_group_size=s): 1/s instead of 1/dp; 2 bytes an element instead of 4 under
+               optim.grad_reduce_dtype=bf16 (and half the reduce-scatter / all-reduce bytes in dp bytes)
   optim        optim.zero>=1: the owned 1/dp (HSDP: 1/s) of every bucket x (two fp32 Adam moments, plus
                an fp32 master copy for bf16 params); zero=0: two fp32 moments per element
   dp bytes     ZeRO: the bytes a rank sends on dp per step (optim/sizing.py planned_dp_bytes, the same buckets);
