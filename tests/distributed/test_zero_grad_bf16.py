@@ -7,14 +7,16 @@ under pp2): equal to bf16 noise, grad memory and the grads' dp bytes exactly hal
 figures equal to the measured ones. (zero=0 has no bf16 path: bf16 training needs zero >= 1.)
 
 The bounds, with u = 2^-8 the unit roundoff of bf16 (8 significand bits):
-  step-1 grads  per tensor ||g_bf16 - g_fp32|| <= k·u·||g_fp32||, k = dp x micro-batches = the terms of
-                the sum: recursive summation in bf16 rounds k-1 times and the result once, each <= u
-                relative ((k-1)·u·Σ|g_i| + u·|Σ g_i|; the micro-batch grads of one step mostly agree in
-                sign, so Σ|g_i| ~ |Σ g_i|). Measured <= 3.6e-3 at k = 4 (bound 1.6e-2).
+  step-1 grads  per tensor ||g_bf16 - g_fp32|| <= sqrt(k)·u·||g_fp32||, k = dp x micro-batches = the terms
+                of the sum: summation in bf16 rounds k-1 partial sums and the result, each by <= u relative;
+                over a tensor's elements these roundings are independent, so their norms add in quadrature
+                (the worst case of one element, k·u, is not what a whole tensor shows). Every case here
+                has k = 4: bound 2u = 7.8e-3, measured <= 3.6e-3 (~0.9u).
   losses        relative difference <= u at every step: the runs agree to bf16's own resolution.
                 Measured <= 4e-5 over 6 steps.
-A dropped or doubled contribution (a rank, a micro-batch, a missing widen to fp32) moves a grad by
->= 1/k of its norm, far above k·u, so the grad bound is the sharp check."""
+A dropped or doubled contribution (a rank, a micro-batch, a stale widen to fp32) moves a grad by ~1/k of
+its norm, and even one bucket's grads scaled by 0.99 exceeds the bound: the grad bound is the sharp check
+(Adam's update is nearly scale-invariant, so the losses alone would miss it)."""
 import pytest
 
 from megaframe.planning.estimate import plan_layout
@@ -53,7 +55,7 @@ def test_bf16_grad_reduction(pool, name):
     worst = 0.0
     for key, g in ref["grads"].items():
         err = (got["grads"][key].float() - g.float()).norm() / g.float().norm()
-        assert err <= k * U, (key, err.item(), k * U)
+        assert err <= k ** 0.5 * U, (key, err.item(), k ** 0.5 * U)
         worst = max(worst, err.item())
     assert worst > 0  # the bf16 path ran: its rounding shows (fp32 reduction of equal inputs would not)
     for a, b in zip(got["losses"], ref["losses"]):
