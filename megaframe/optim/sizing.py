@@ -31,12 +31,14 @@ def planned_memory_bytes(params: list[nn.Parameter], cfg: OptimConfig, mesh: Mes
     for its block buckets): the same buffers and bucket padding, and per owned element the state
     zero_state.build_state keeps (two fp32 moments, plus an fp32 master for low-precision params). zero=3 adds
     mem/params_bytes: the fp32 owned range plus the bucket outside blocks, kept whole. Grads take g bytes
-    an element: 4, or 2 under optim.grad_reduce_dtype=bf16 for bf16 params (buffer.grad_dtype)."""
-    grads = optim = params_bytes = 0
+    an element: 4, or 2 under optim.grad_reduce_dtype=bf16 for bf16 params (buffer.grad_dtype); then the
+    step's fp32 copy of the owned range is mem/grads_fp32_bytes, 4 bytes per owned element."""
+    grads = optim = params_bytes = wide = 0
     for axis, ps, ordered, plan in _plans(params, cfg, mesh, model):
         numel = plan[-1][2] if plan else 0
         late = sum(end - start for idx, start, end in plan if any(ordered[i].placement.pp_tied for i in idx))
         g = grad_dtype(cfg.grad_reduce_dtype, ps[0].dtype).itemsize
+        wide += 4 * numel // axis.size if g != 4 else 0
         if cfg.zero == 3:
             _, start, end = plan[-1]  # the params outside blocks (group_plan puts them last)
             grads += g * (numel // axis.size + late)  # a tied embedding's bucket: whole for the step
@@ -48,7 +50,7 @@ def planned_memory_bytes(params: list[nn.Parameter], cfg: OptimConfig, mesh: Mes
         else:
             grads += g * numel
         optim += (numel // axis.size) * (8 if ps[0].dtype == torch.float32 else 12)
-    out = {"mem/grads_bytes": grads, "mem/optim_bytes": optim}
+    out = {"mem/grads_bytes": grads, "mem/optim_bytes": optim, "mem/grads_fp32_bytes": wide}
     return {**out, "mem/params_bytes": params_bytes} if cfg.zero == 3 else out
 
 

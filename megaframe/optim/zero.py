@@ -379,11 +379,14 @@ class ZeroOptimizer:
     def memory_bytes(self) -> dict[str, int]:
         """This rank's persistent grads in their dtype (zero=1: the buffer; zero=2: its shard, plus the acc
         of late buckets), optimizer state (moments + master for its range), and the peak of zero=2's
-        transient bucket-sized grads. Not counted: bf16 reduction's grad32, the fp32 copy of the owned
-        range that lives from the reduction to the next zero_grad (4 bytes per owned element)."""
+        transient bucket-sized grads. mem/grads_fp32_bytes: bf16 reduction's grad32, the fp32 copy of the
+        owned range (4 bytes per owned element; 0 with fp32 grads), alive only from the reduction to the
+        next zero_grad, when the activations are already freed: not part of mem/grads_bytes."""
         grads = sum(buf.grad_elem * (buf.numel if buf.grad is not None else
                          buf.state_numel + sum(b.numel for b in buf.buckets if b.late)) for buf in self.buffers)
         optim = sum(t.numel() * t.element_size() for st in self.states
                     for t in (st.exp_avg, st.exp_avg_sq, st.master) if t is not None)
-        return {"mem/grads_bytes": grads, "mem/optim_bytes": optim, "mem/gathered_peak_bytes": self.gathered_peak}
+        wide = sum(4 * buf.state_numel for buf in self.buffers if buf.grad32 is not None)
+        return {"mem/grads_bytes": grads, "mem/optim_bytes": optim, "mem/gathered_peak_bytes": self.gathered_peak,
+                "mem/grads_fp32_bytes": wide}
 

@@ -63,6 +63,9 @@ def test_bf16_grad_reduction(pool, name):
     # memory: every persistent grad byte (buffer, shard, a tied embedding's kept bucket) halves
     assert 2 * got["mem"]["mem/grads_bytes"] == ref["mem"]["mem/grads_bytes"], (got["mem"], ref["mem"])
     assert got["mem"]["mem/optim_bytes"] == ref["mem"]["mem/optim_bytes"]
+    # the update's fp32 copy of the owned range (transient: reduction to next zero_grad), 4 B per owned element
+    assert ref["mem"]["mem/grads_fp32_bytes"] == 0
+    assert got["mem"]["mem/grads_fp32_bytes"] == 4 * got["buffer_numel"] // (shard or dp)
     # dp bytes: the grads' share halves to the byte; the param all-gathers (bf16 already) and the norm's
     # fp32 scalar do not change
     if pp == 1:
@@ -73,4 +76,5 @@ def test_bf16_grad_reduction(pool, name):
     # the planner, from the config alone, sizes and counts both the same as the run
     for run, cfg in ((ref, over), (got, over + ["optim.grad_reduce_dtype=bf16"])):
         planned = plan_layout(tiny_config(cfg, n), n).ranks[0]
-        assert (planned.grads_bytes, planned.dp_comm_bytes) == (run["mem"]["mem/grads_bytes"], run["comm"][-1]["dp"])
+        assert (planned.grads_bytes, planned.grads_fp32_bytes, planned.dp_comm_bytes) == \
+            (run["mem"]["mem/grads_bytes"], run["mem"]["mem/grads_fp32_bytes"], run["comm"][-1]["dp"])
