@@ -57,6 +57,12 @@ class Fp8Recipe(StrEnum):
     rowwise = "rowwise"
 
 
+class GradReduceDtype(StrEnum):
+    """optim.grad_reduce_dtype: the dtype gradients accumulate and are reduced over data parallel in."""
+    fp32 = "fp32"
+    bf16 = "bf16"
+
+
 class Recompute(StrEnum):
     """train.recompute."""
     none = "none"

@@ -179,6 +179,11 @@ def _check_optim(cfg: Config, dp: int) -> None:
     _req(cfg.optim.bucket_size_mb > 0, f"optim.bucket_size_mb={cfg.optim.bucket_size_mb} must be > 0")
     _req(t.precision == "fp32" or cfg.optim.zero >= 1,
          f"train.precision={t.precision} needs optim.zero >= 1 (its fp32 master weights live in the ZeRO optimizer)")
+    # Megatron allows --grad-reduce-in-bf16 only with bf16 params: with fp32 params the bf16 grads would be
+    # rounded below the precision of the weights they update, for no memory the user asked to save.
+    _req(cfg.optim.grad_reduce_dtype == "fp32" or t.precision in ("bf16", "fp8"),
+         f"optim.grad_reduce_dtype={cfg.optim.grad_reduce_dtype} needs train.precision=bf16 "
+         f"(got train.precision={t.precision})")
 
 
 def _check_resume(cfg: Config) -> None:

@@ -68,7 +68,8 @@ def render(plan, cfg) -> str:
     head = (f"plan: {m.name} ({m.num_layers} layers, D={m.hidden_size}, seq {m.seq_length}) on "
             f"{plan.world_size} ranks | tp={lay['tp']} pp={lay['pp']} vpp={lay['vpp']} dp={lay['dp']} "
             f"sp={lay['sp']}{cp_label(lay)} | {lay['precision']}, optim.zero={lay['zero']}"
-            f"{' shard_group_size=' + str(cfg.optim.shard_group_size) if cfg.optim.shard_group_size else ''} | micro-batch "
+            f"{' shard_group_size=' + str(cfg.optim.shard_group_size) if cfg.optim.shard_group_size else ''}"
+            f"{' grad_reduce_dtype=bf16' if lay.get('grad_reduce_dtype') == 'bf16' else ''} | micro-batch "
             f"{lay['micro_batch_size']} x {plan.microbatches} micro-batches per step, schedule {plan.schedule}")
     bubble = (f"pipeline bubble: {100 * plan.bubble:.1f}% of the step idle ({plan.schedule}, pp={lay['pp']}, "
               f"vpp={lay['vpp']}, {plan.microbatches} micro-batches)")

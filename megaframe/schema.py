@@ -18,6 +18,7 @@ from megaframe.choices import (  # noqa: F401  (re-exported: the schema's public
     Device,
     DocSplit,
     Fp8Recipe,
+    GradReduceDtype,
     LRSchedule,
     Norm,
     PositionEmbedding,
@@ -251,6 +252,15 @@ class OptimConfig:
     overlap_param_gather: bool = True
     """ZeRO: the all-gather of updated parameters runs bucket by bucket during the next forward (each
     module's forward pre-hook waits for its bucket) instead of being waited for at the end of the step."""
+    grad_reduce_dtype: GradReduceDtype = GradReduceDtype.fp32
+    """fp32 | bf16 (Megatron's --grad-reduce-in-bf16, FSDP's reduce_dtype; needs train.precision=bf16):
+    the dtype of the ZeRO grad buffers (zero=1: the whole buffer; zero=2/3: the owned shard and the
+    bucket accumulators), of the grads' accumulation over micro-batches and of their reduce-scatter /
+    all-reduce over dp. bf16 halves the grad memory and the grads' dp traffic. The reduced owned range
+    is widened to fp32 once per step (a transient copy, 4 bytes per owned element, freed at the next
+    zero_grad) for the clip, the norm and the AdamW step on the fp32 master weights. Each rank's grads
+    are already divided by the global token count before the reduction (the loss is), so the bf16 sum
+    adds already-averaged values; only its rounding (~2^-8 relative per addition) differs from fp32."""
     bucket_size_mb: float = 25.0  # DDP's default bucket size
     """ZeRO grad bucket size in MiB of fp32 grads: one reduce-scatter per bucket, launched as soon as
     backward has finished all of its grads. Smaller buckets start earlier but cost more launches."""

@@ -9,9 +9,9 @@ Layout of one buffer (there is one per parameter dtype and data-parallel axis, `
         buffer   | bucket 0 (n_0 elements, padded)      | bucket 1 (n_1)        | ...
         rank r   |   [r·n_0/dp, (r+1)·n_0/dp) of bucket 0 | [r·n_1/dp, ...) of 1 | ...
 
-    Element i of the grad buffer (fp32) and of the param buffer (the params' dtype) is the same
+    Element i of the grad buffer (fp32, or bf16: see below) and of the param buffer (the params' dtype) is the same
     parameter element: every parameter's `.data` is re-pointed at its slice of the param buffer, and
-    its fp32 gradient (`p.main_grad`, also `p.grad` for fp32 params) is its slice of the grad buffer.
+    its gradient (`p.main_grad`, also `p.grad` where the dtypes agree) is its slice of the grad buffer.
 
 Each dp rank owns one contiguous range of every bucket (with one bucket: one range of the whole
 buffer). Per-bucket ranges are what lets each bucket's reduce-scatter hand every rank its part the
@@ -20,6 +20,11 @@ range within the bucket shard"): each rank sees a `Segment`, the part of one par
 
 This rank's optimizer state (fp32 master where needed, Adam moments) is flat: the concatenation of its
 bucket ranges, n_b / dp elements per bucket, `state_numel` in all.
+
+Grads are fp32 unless optim.grad_reduce_dtype=bf16 and the params are bf16 (`grad_dtype`): then the grad
+buffer, grad_shard and every Bucket.acc are bf16 (half the memory and half the reduce-scatter bytes), and
+the reduced owned range is widened once per step into `grad32` (fp32, state_numel elements; its storage
+exists only from the reduction to the next zero_grad) for the norm, the clip and AdamW on the fp32 master.
 
 Where the reduced grads live depends on the ZeRO stage (`sharded_grads`):
     zero=1   the whole fp32 grad buffer is kept; this rank's final grads are its ranges of it
@@ -72,7 +77,7 @@ class Bucket:
     work: object = None
     launched: bool = False
     acc: object = None
-    """zero=2: the bucket-sized fp32 tensor this micro-batch's grads accumulate in (None when freed)."""
+    """zero=2: the bucket-sized tensor (the buffer's grad dtype) this micro-batch's grads accumulate in (None when freed)."""
 
     @property
     def numel(self) -> int:
@@ -80,6 +85,12 @@ class Bucket:
 
     def shard_numel(self, dp: int) -> int:
         return self.numel // dp
+
+
+def grad_dtype(reduce_dtype: str, param_dtype: torch.dtype) -> torch.dtype:
+    """The dtype a buffer's grads accumulate and are reduced in (optim.grad_reduce_dtype): bf16 only for
+    bf16 params (config_checks refuses bf16 reduction of fp32 training); fp32 otherwise."""
+    return torch.bfloat16 if reduce_dtype == "bf16" and param_dtype == torch.bfloat16 else torch.float32
 
 
 def plan_buckets(numels: list[int], bucket_elems: int, dp: int) -> list[tuple[list[int], int, int]]:
@@ -136,20 +147,26 @@ def group_plan(params: list[nn.Parameter], groups: list[list[nn.Parameter]], dp:
 
 
 class FlatBuffer:
-    """The grad buffer (fp32) and param buffer (params' dtype) of params sharing one dtype, bucketed
+    """The grad buffer (`grad_dtype`, fp32 by default) and param buffer (params' dtype) of params sharing one dtype, bucketed
     and split over dp as described above. Re-points every param's storage into the param buffer."""
 
     def __init__(self, params: list[nn.Parameter], bucket_bytes: int, dp_rank: int, dp_size: int,
-                 late: set[int], sharded_grads: bool = False, groups: list[list[nn.Parameter]] | None = None):
-        self.dtype = params[0].dtype
+                 late: set[int], sharded_grads: bool = False, groups: list[list[nn.Parameter]] | None = None,
+                 grad_dtype: torch.dtype = torch.float32):
+        self.dtype, self.grad_dtype = params[0].dtype, grad_dtype
+        self.grad_elem = grad_dtype.itemsize
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.device = device = params[0].device
         ordered, plan = bucket_plan(params, bucket_bytes, dp_size) if groups is None else group_plan(params, groups, dp_size)
         self.numel = plan[-1][2] if plan else 0
         self.state_numel = self.numel // dp_size
         # zero=1: the whole grad buffer; zero=2: this rank's shard of it (see the module docstring)
-        self.grad = None if sharded_grads else torch.zeros(self.numel, dtype=torch.float32, device=device)
-        self.grad_shard = torch.zeros(self.state_numel, device=device) if sharded_grads else None
+        self.grad = None if sharded_grads else torch.zeros(self.numel, dtype=grad_dtype, device=device)
+        self.grad_shard = torch.zeros(self.state_numel, dtype=grad_dtype, device=device) if sharded_grads else None
+        # One tensor whose storage comes and goes (widen_owned / free_grad32): the AdamW segments' .grad
+        # and the owned-grad list view it once, at construction, and stay valid across the resizes.
+        self.grad32 = (None if grad_dtype == torch.float32 else
+                       torch.zeros(self.state_numel, dtype=torch.float32, device=device))
         # Zeros, not empty: the padding belongs to no param; zeros keep it deterministic in the master and gathers.
         self.param = torch.zeros(self.numel, dtype=self.dtype, device=device)
         self.offset: dict[nn.Parameter, int] = {}
@@ -193,7 +210,7 @@ class FlatBuffer:
         if b.acc is None:
             # Allocated lazily and freed after the bucket's reduce-scatter: at most the buckets in
             # flight hold a full-size fp32 copy, which is zero=2's memory saving.
-            b.acc = torch.zeros(b.numel, dtype=torch.float32, device=self.device)
+            b.acc = torch.zeros(b.numel, dtype=self.grad_dtype, device=self.device)
         o = self.offset[p] - b.start
         return b.acc[o:o + p.numel()].view(p.shape)
 
@@ -203,11 +220,34 @@ class FlatBuffer:
             return self.shard(self.grad, b)
         return self.state_shard(self.grad_shard, b)
 
+    def final_grad(self, b: Bucket) -> torch.Tensor:
+        """This rank's reduced grads of bucket b as the update reads them: fp32 (grad32 under bf16 reduction)."""
+        return self.owned_grad(b) if self.grad32 is None else self.state_shard(self.grad32, b)
+
     def owned_grad_at(self, seg: Segment) -> torch.Tensor:
-        """The reduced grad of one segment (what the update reads)."""
+        """The reduced fp32 grad of one segment (what the update reads; grad32's under bf16 reduction)."""
+        if self.grad32 is not None:
+            return self.grad32[seg.state_lo:seg.state_lo + seg.numel]
         if self.grad is not None:
             return self.grad[seg.buf_lo:seg.buf_lo + seg.numel]
         return self.grad_shard[seg.state_lo:seg.state_lo + seg.numel]
+
+    @torch.no_grad()
+    def widen_owned(self) -> None:
+        """bf16 reduction: give grad32 its storage and copy this rank's reduced range into it (fp32)."""
+        if self.grad32 is None:
+            return
+        self.grad32.untyped_storage().resize_(self.state_numel * 4)
+        if self.grad_shard is not None:
+            self.grad32.copy_(self.grad_shard)
+            return
+        for b in self.buckets:
+            self.state_shard(self.grad32, b).copy_(self.owned_grad(b))
+
+    def free_grad32(self) -> None:
+        """Release grad32's storage (zero_grad): it is only needed from the reduction to the update."""
+        if self.grad32 is not None:
+            self.grad32.untyped_storage().resize_(0)
 
     def param_view(self, p: nn.Parameter) -> torch.Tensor:
         o = self.offset[p]

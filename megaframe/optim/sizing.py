@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from megaframe.config import OptimConfig
-from megaframe.optim.buffer import bucket_plan, buffer_groups, group_plan
+from megaframe.optim.buffer import bucket_plan, buffer_groups, grad_dtype, group_plan
 from megaframe.optim.param_gather import blocks_of
 from megaframe.parallel.mesh import Mesh
 
@@ -30,23 +30,27 @@ def planned_memory_bytes(params: list[nn.Parameter], cfg: OptimConfig, mesh: Mes
     """memory_bytes() of the ZeRO optimizer of `params` on this rank of `mesh` (zero=3 needs the `model`
     for its block buckets): the same buffers and bucket padding, and per owned element the state
     zero_state.build_state keeps (two fp32 moments, plus an fp32 master for low-precision params). zero=3 adds
-    mem/params_bytes: the fp32 owned range plus the bucket outside blocks, kept whole."""
-    grads = optim = params_bytes = 0
+    mem/params_bytes: the fp32 owned range plus the bucket outside blocks, kept whole. Grads take g bytes
+    an element: 4, or 2 under optim.grad_reduce_dtype=bf16 for bf16 params (buffer.grad_dtype); then the
+    step's fp32 copy of the owned range is mem/grads_fp32_bytes, 4 bytes per owned element."""
+    grads = optim = params_bytes = wide = 0
     for axis, ps, ordered, plan in _plans(params, cfg, mesh, model):
         numel = plan[-1][2] if plan else 0
         late = sum(end - start for idx, start, end in plan if any(ordered[i].placement.pp_tied for i in idx))
+        g = grad_dtype(cfg.grad_reduce_dtype, ps[0].dtype).itemsize
+        wide += 4 * numel // axis.size if g != 4 else 0
         if cfg.zero == 3:
             _, start, end = plan[-1]  # the params outside blocks (group_plan puts them last)
-            grads += 4 * (numel // axis.size + late)  # a tied embedding's bucket: whole for the step
+            grads += g * (numel // axis.size + late)  # a tied embedding's bucket: whole for the step
             optim += 8 * numel // axis.size
             params_bytes += 4 * numel // axis.size + (end - start) * ps[0].element_size()
             continue
         if cfg.zero >= 2:  # the shard, plus the whole of late buckets (a tied embedding's)
-            grads += 4 * (numel // axis.size + late)
+            grads += g * (numel // axis.size + late)
         else:
-            grads += 4 * numel
+            grads += g * numel
         optim += (numel // axis.size) * (8 if ps[0].dtype == torch.float32 else 12)
-    out = {"mem/grads_bytes": grads, "mem/optim_bytes": optim}
+    out = {"mem/grads_bytes": grads, "mem/optim_bytes": optim, "mem/grads_fp32_bytes": wide}
     return {**out, "mem/params_bytes": params_bytes} if cfg.zero == 3 else out
 
 
@@ -54,24 +58,24 @@ def planned_dp_bytes(params: list[nn.Parameter], cfg: OptimConfig, mesh: Mesh, m
                      model: nn.Module | None = None) -> int:
     """Bytes this rank sends on dp in one step of the ZeroOptimizer of `params` (the planner; what
     comm_bytes/dp logs), from the same buffers: per bucket of n elements over a shard axis of s ranks, a
-    reduce-scatter (s-1)/s·4n once a step (zero=1) or per micro-batch (zero=2: exact with one pipeline
-    chunk per rank; under vpp a bucket spanning two chunks is reduced once per chunk), the all-gather
-    (s-1)·n/s params, under HSDP the all-reduce 2(r-1)/r·4n/s of the shard over r replicas; plus the
-    grad norm's scalar all-reduce over the dense shard axis. zero=3 gathers every block bucket twice per
-    micro-batch (forward, backward; once per step without reshard_after_forward) and the bucket outside
-    blocks once per step."""
+    reduce-scatter (s-1)/s·g·n (g: the grad bytes, 4 or 2 under bf16 reduction) once a step (zero=1) or per
+    micro-batch (zero=2: exact with one pipeline chunk per rank; under vpp a bucket spanning two chunks is
+    reduced once per chunk), the all-gather (s-1)·n/s params, under HSDP the all-reduce 2(r-1)/r·g·n/s of
+    the shard over r replicas; plus the grad norm's scalar all-reduce over the dense shard axis. zero=3
+    gathers every block bucket twice per micro-batch (forward, backward; once per step without
+    reshard_after_forward) and the bucket outside blocks once per step."""
     total = 0
     for axis, ps, ordered, plan in _plans(params, cfg, mesh, model):
         s, r = axis.size, (mesh.dp_rep.size if axis is mesh.dp_shard else 1)
-        elem = ps[0].element_size()
+        elem, g = ps[0].element_size(), grad_dtype(cfg.grad_reduce_dtype, ps[0].dtype).itemsize
         for k, (idx, start, end) in enumerate(plan):
             n = end - start
             gathers = 2 * microbatches if cfg.zero == 3 and k < len(plan) - 1 and cfg.reshard_after_forward else 1
             late = any(ordered[i].placement.pp_tied for i in idx)  # reduced once, in step()
             reduces = microbatches if cfg.zero >= 2 and not late else 1
-            total += (s - 1) * 4 * n // s * reduces + gathers * ((s - 1) * elem * n // s)
+            total += (s - 1) * g * n // s * reduces + gathers * ((s - 1) * elem * n // s)
         if r > 1:
-            total += 2 * (r - 1) * 4 * (plan[-1][2] // s) // r
+            total += 2 * (r - 1) * g * (plan[-1][2] // s) // r
     # The grad norm's one fp32 scalar all-reduce (finalize.global_norm), counted like comm.all_reduce does.
     s = mesh.dp_shard.size
     return total + int(2 * (s - 1) / s * 4)

@@ -46,6 +46,14 @@ Grad norm: each element is counted once. Ranges are disjoint over the shard axis
 over it; over tp and pp `Placement.counts_in_norm` drops tp-replicated copies on tp ranks > 0 and pipeline
 duplicates.
 The buffers and the AdamW state over the owned range are built in zero_state.py.
+
+optim.grad_reduce_dtype=bf16 (bf16 params only): the grad buffer, grad_shard and the buckets' acc are
+bf16, so "fp32" above reads "bf16" for everything up to the reduction (zero=1 bf16 params then accumulate
+straight into the buffer, as fp32 ones do); the reduce-scatters and HSDP's all-reduce send half the bytes.
+reduce_data_parallel then widens the owned range into the buffer's grad32 (fp32) and the tp sum, norm,
+clip and AdamW read that. No extra scaling is needed: the loss is divided by the global token count, so
+what is summed is already each rank's share of the mean (Megatron scales by 1/dp before its bf16 reduce
+for the same reason: a sum of already-averaged values keeps the magnitude of one).
 """
 from __future__ import annotations
 
@@ -55,7 +63,7 @@ import torch
 from torch import nn
 
 from megaframe.optim.adamw import MOMENTS
-from megaframe.optim.buffer import Bucket, FlatBuffer
+from megaframe.optim.buffer import Bucket, FlatBuffer, grad_dtype
 from megaframe.optim.finalize import all_reduce_tensors, finalize
 from megaframe.optim.param_gather import ParamGather
 from megaframe.optim.zero_state import build_state, flat_buffers
@@ -96,7 +104,11 @@ class ZeroOptimizer:
     not kept whole, so the update cannot write it in place)."""
 
     def _make_buffer(self, params: list[nn.Parameter], bucket_bytes: int, axis: Axis, late: set) -> FlatBuffer:
-        return FlatBuffer(params, bucket_bytes, axis.rank, axis.size, late, sharded_grads=self.stage == 2)
+        return FlatBuffer(params, bucket_bytes, axis.rank, axis.size, late, sharded_grads=self.stage == 2,
+                          grad_dtype=self._grad_dtype(params))
+
+    def _grad_dtype(self, params: list[nn.Parameter]) -> torch.dtype:
+        return grad_dtype(self.cfg.grad_reduce_dtype, params[0].dtype)
 
     def _make_param_gather(self, model: nn.Module):
         return ParamGather(model, self.buffers, self.cfg.overlap_param_gather)
@@ -110,6 +122,7 @@ class ZeroOptimizer:
             for t in (buf.grad, buf.grad_shard):
                 if t is not None:
                     t.zero_()
+            buf.free_grad32()
             for b in buf.buckets:
                 b.ready.clear()
                 b.launched = False
@@ -118,8 +131,9 @@ class ZeroOptimizer:
                     for p in b.params:
                         p.main_grad = buf.acc_view(p)
         for p in self.params:
-            # zero=1 fp32: autograd accumulates straight into the buffer slice; else the hook moves it
-            p.grad = p.main_grad if p.dtype == torch.float32 and self.stage == 1 else None
+            # zero=1 with grads in the param's dtype (fp32, or bf16 reduction): autograd accumulates straight
+            # into the buffer slice; else the hook moves it
+            p.grad = p.main_grad if self.stage == 1 and p.main_grad.dtype == p.dtype else None
 
     def backward_context(self, is_last: bool):
         @contextlib.contextmanager
@@ -145,12 +159,12 @@ class ZeroOptimizer:
             fresh = b.acc is None
             main = buf.acc_view(p)
             if fresh:
-                self._note_acc(b.numel * 4)
+                self._note_acc(b.numel * buf.grad_elem)
         else:
             main = p.main_grad
         if p.grad is not None and p.grad.data_ptr() != main.data_ptr():
-            main.add_(p.grad)  # bf16 params (fp32 accumulation), zero=2, or a grad someone replaced
-            p.grad = main if p.dtype == torch.float32 and self.stage == 1 else None
+            main.add_(p.grad)  # bf16 params into fp32 grads, zero=2, or a grad someone replaced
+            p.grad = main if self.stage == 1 and main.dtype == p.dtype else None
         if not ((self._last or self.stage == 2) and self.overlap):
             return
         b.ready.add(p)
@@ -201,7 +215,7 @@ class ZeroOptimizer:
             b.launched = False
             if not b.late:
                 b.acc = None
-                self._acc_bytes -= b.numel * 4
+                self._acc_bytes -= b.numel * buf.grad_elem
 
     def _wait_all(self) -> None:
         # Also from zero_grad: no reduce-scatter may still be writing into a buffer about to be zeroed.
@@ -234,6 +248,7 @@ class ZeroOptimizer:
             if buf.rep.size > 1:
                 shards = [buf.grad_shard] if buf.grad_shard is not None else [buf.owned_grad(b) for b in buf.buckets]
                 all_reduce_tensors(shards, buf.rep)
+            buf.widen_owned()  # bf16 reduction: the norm, clip and update read fp32 (no-op for fp32 grads)
 
     def final_grads(self) -> list[tuple[Placement, torch.Tensor]]:
         return self._owned_grads
@@ -295,7 +310,7 @@ class ZeroOptimizer:
         if self._gathered is not None and self._gathered[0] == key:
             return self._gathered[1]
         if what == "grad":
-            shards = {"grad": buf.owned_grad(b)}
+            shards = {"grad": buf.final_grad(b)}
         else:
             st = self.states[self.buffers.index(buf)]
             shards = {k: buf.state_shard(getattr(st, k), b) for k in MOMENTS}
@@ -362,12 +377,16 @@ class ZeroOptimizer:
             self._seen[p] = p._version  # the master just loaded is exact: do not re-read it from p
 
     def memory_bytes(self) -> dict[str, int]:
-        """This rank's persistent fp32 grads (zero=1: the buffer; zero=2: its shard, plus the acc of late
-        buckets), optimizer state (moments + master for its range), and the peak of zero=2's transient
-        bucket-sized grads."""
-        grads = sum(4 * (buf.numel if buf.grad is not None else
+        """This rank's persistent grads in their dtype (zero=1: the buffer; zero=2: its shard, plus the acc
+        of late buckets), optimizer state (moments + master for its range), and the peak of zero=2's
+        transient bucket-sized grads. mem/grads_fp32_bytes: bf16 reduction's grad32, the fp32 copy of the
+        owned range (4 bytes per owned element; 0 with fp32 grads), alive only from the reduction to the
+        next zero_grad, when the activations are already freed: not part of mem/grads_bytes."""
+        grads = sum(buf.grad_elem * (buf.numel if buf.grad is not None else
                          buf.state_numel + sum(b.numel for b in buf.buckets if b.late)) for buf in self.buffers)
         optim = sum(t.numel() * t.element_size() for st in self.states
                     for t in (st.exp_avg, st.exp_avg_sq, st.master) if t is not None)
-        return {"mem/grads_bytes": grads, "mem/optim_bytes": optim, "mem/gathered_peak_bytes": self.gathered_peak}
+        wide = sum(4 * buf.state_numel for buf in self.buffers if buf.grad32 is not None)
+        return {"mem/grads_bytes": grads, "mem/optim_bytes": optim, "mem/gathered_peak_bytes": self.gathered_peak,
+                "mem/grads_fp32_bytes": wide}
 

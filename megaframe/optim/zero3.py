@@ -28,9 +28,9 @@ inside the model's forward, not through a module call. After step() every bucket
 resident one is gathered again at once, the blocks at their next forward. sync_params() gathers all of
 them (readers outside a forward: checkpoints); the next forward frees them again.
 
-Per step, B the padded buffer of the blocks and R the resident bucket: gathers 2·M·(dp-1)/dp·B' (B' in
+Per step, B the padded buffer of the blocks, R the resident bucket, g the grad bytes (buffer.py): gathers 2·M·(dp-1)/dp·B' (B' in
 the params' dtype, once for forward and once for backward per micro-batch), reduce-scatters
-M·(dp-1)/dp·4(B+R), the resident gather (dp-1)/dp·R', and the norm scalar (under HSDP dp is the shard
+M·(dp-1)/dp·g(B+R), the resident gather (dp-1)/dp·R', and the norm scalar (under HSDP dp is the shard
 group, plus the all-reduce of the grad shard over its replicas; under cp, dp is cp·dp). Composes with
 tp/sp, pp/vpp, ep (expert params in a buffer of their own, sharded over edp, one bucket per block too),
 cp (shards and gathers over cp·dp, both cp_comm kinds), HSDP and full recompute
@@ -84,7 +84,8 @@ class Zero3Optimizer(ZeroOptimizer):
     def _make_buffer(self, params, bucket_bytes, axis, late) -> FlatBuffer:
         outside = [p for p in params if all(p is not q for blk in self.blocks for q in blk.parameters())]
         groups = [outside] + [list(blk.parameters()) for blk in self.blocks]
-        return FlatBuffer(params, bucket_bytes, axis.rank, axis.size, late, sharded_grads=True, groups=groups)
+        return FlatBuffer(params, bucket_bytes, axis.rank, axis.size, late, sharded_grads=True, groups=groups,
+                          grad_dtype=self._grad_dtype(params))
 
     def _make_param_gather(self, model):
         return self  # wait() / launch() / in_flight below

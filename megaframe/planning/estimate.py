@@ -7,7 +7,8 @@ meta device with a virtual mesh (no process groups; megaframe.parallel.virtual),
   grads        optim.zero=1: the fp32 grad buffer, padded bucket by bucket by the optimizer's own
                buffer code (optim/sizing.py planned_memory_bytes); zero=0: one grad per parameter
                zero=2: only the owned 1/dp of it (plus a tied embedding's bucket, kept whole for the step);
-               HSDP (optim.shard_group_size=s): 1/s instead of 1/dp
+               HSDP (optim.shard_group_size=s): 1/s instead of 1/dp; 2 bytes an element instead of 4 under
+               optim.grad_reduce_dtype=bf16 (and half the reduce-scatter / all-reduce bytes in dp bytes)
   optim        optim.zero>=1: the owned 1/dp (HSDP: 1/s) of every bucket x (two fp32 Adam moments, plus
                an fp32 master copy for bf16 params); zero=0: two fp32 moments per element
   dp bytes     ZeRO: the bytes a rank sends on dp per step (optim/sizing.py planned_dp_bytes, the same buckets);
@@ -62,9 +63,14 @@ class RankFigures:
     """Bytes each of these ranks sends on dp per step (comm_bytes/dp) under ZeRO; None for zero=0."""
     cp_comm_bytes: int = 0
     """Bytes each of these ranks sends on cp per step (comm_bytes/cp); 0 without context parallelism."""
+    grads_fp32_bytes: int = 0
+    """optim.grad_reduce_dtype=bf16: the fp32 copy of the owned reduced grads the update reads
+    (mem/grads_fp32_bytes). It lives from the reduction to the next step's zero_grad, after the last
+    backward has freed the activations, so the peak holds the larger of the two, not both."""
 
     def __post_init__(self):
-        self.total_bytes = self.params_bytes + self.grads_bytes + self.optim_bytes + self.activation_bytes
+        self.total_bytes = (self.params_bytes + self.grads_bytes + self.optim_bytes
+                            + max(self.activation_bytes, self.grads_fp32_bytes))
 
     def key(self) -> tuple:
         return (self.pp_rank, self.params_bytes, self.grads_bytes, self.optim_bytes, self.activation_bytes,
@@ -94,7 +100,8 @@ class Plan:
 
 def state_bytes(model, cfg: Config, mesh) -> tuple[int, int, int]:
     """(params, grads, optimizer state) bytes of this rank's model, as the trainer's optimizer lays them
-    out on this (virtual) mesh: ZeRO's own buffer code, or one grad and two moments per element."""
+    out on this (virtual) mesh: ZeRO's own buffer code, or one grad and two moments per element.
+    (bf16 grad reduction's transient fp32 copy: grads_fp32_bytes.)"""
     params = [p for p in model.parameters() if p.requires_grad]
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     if not cfg.optim.zero:
@@ -104,6 +111,16 @@ def state_bytes(model, cfg: Config, mesh) -> tuple[int, int, int]:
         cfg = replace(cfg, optim=replace(cfg.optim, zero=2))
     mem = planned_memory_bytes(params, cfg.optim, mesh, model)
     return mem.get("mem/params_bytes", param_bytes), mem["mem/grads_bytes"], mem["mem/optim_bytes"]
+
+
+def grads_fp32_bytes(model, cfg: Config, mesh) -> int:
+    """mem/grads_fp32_bytes of this rank: bf16 grad reduction's fp32 copy of the owned grads (0 otherwise)."""
+    if cfg.optim.grad_reduce_dtype != "bf16" or not cfg.optim.zero:
+        return 0
+    if cfg.optim.zero == 3 and mesh.dp.size == 1:  # as state_bytes: ZeRO-2's layout
+        cfg = replace(cfg, optim=replace(cfg.optim, zero=2))
+    params = [p for p in model.parameters() if p.requires_grad]
+    return planned_memory_bytes(params, cfg.optim, mesh, model)["mem/grads_fp32_bytes"]
 
 
 def peak_activations(order, chunk_bytes: list[int]) -> tuple[int, int]:
@@ -127,6 +144,7 @@ def plan_layout(cfg: Config, world_size: int, device_memory_gb: float | None = N
     kind = resolve_kind(p.pp_schedule, p.vpp)
     plan = Plan(world_size, {"tp": tp, "pp": pp, "dp": dp, "vpp": p.vpp, "sp": p.sp, "zero": cfg.optim.zero,
                              "precision": t.precision, "micro_batch_size": t.micro_batch_size, "cp": cp,
+                             "grad_reduce_dtype": str(cfg.optim.grad_reduce_dtype),
                              "cp_comm": str(getattr(p.cp_comm, "value", p.cp_comm))},
                 m, kind, simulate(kind, pp, p.vpp, m).bubble)
     if device_memory_gb is not None:
@@ -151,7 +169,8 @@ def _rank_figures(cfg: Config, tp: int, pp: int, dp: int, pp_rank: int, tp_rank:
               for c in range(len(model.stage.chunks))]
     act, inflight = peak_activations(order, chunks)
     out = RankFigures(pp_rank, tp_rank, list(mesh.dpcp.ranks), params, grads, optim, chunks, inflight,
-                      act + cp_bias_bytes(model), cp_comm_bytes=cp_step_bytes(cfg, model, dp))
+                      act + cp_bias_bytes(model), cp_comm_bytes=cp_step_bytes(cfg, model, dp),
+                      grads_fp32_bytes=grads_fp32_bytes(model, cfg, mesh))
     if cfg.optim.zero and not (mesh.dp_shard.size == 1 and cfg.train.precision == "fp32"):  # build_optimizer's choice
         m = cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)
         out.dp_comm_bytes = planned_dp_bytes([p for p in model.parameters() if p.requires_grad], cfg.optim, mesh, m,

@@ -20,6 +20,8 @@ LAYOUTS = [
     ("dense-1proc", 1, 1, 1, 1, [], 0),
     ("moe-1proc", 1, 1, 1, 1, MOE, 2),
     ("dense-tp2-pp2", 4, 2, 2, 1, ["parallel.tp=2", "parallel.pp=2", "parallel.sp=true"], 0),
+    # bf16 grad reduction: grad32's storage is resized and filled on the device every step, no sync
+    ("dense-dp2-zero2-bf16-reduce", 2, 1, 1, 1, ["train.precision=bf16", "optim.zero=2", "optim.grad_reduce_dtype=bf16"], 0),
     ("moe-ep2", 2, 1, 1, 2, MOE + ["parallel.ep=2"], 2),
     ("moe-tp2-sp-ep2-capacity", 4, 2, 1, 2,
      MOE + ["parallel.tp=2", "parallel.sp=true", "parallel.ep=2", "model.moe_capacity_factor=1.0"], 2),

@@ -60,7 +60,7 @@ def test_closed_string_choices_are_enums():
 
     closed = {"ModelConfig": {"norm", "activation", "position_embedding", "moe_router_score"},
               "ParallelConfig": {"pp_schedule"}, "TrainConfig": {"precision", "recompute", "device"},
-              "OptimConfig": {"lr_schedule"}, "DataConfig": {"kind", "split"}, "WandbConfig": {"mode"}}
+              "OptimConfig": {"lr_schedule", "grad_reduce_dtype"}, "DataConfig": {"kind", "split"}, "WandbConfig": {"mode"}}
     import megaframe.schema as schema
     for cls, names in closed.items():
         assert names <= enum_fields(getattr(schema, cls)).keys(), cls

@@ -25,7 +25,7 @@ model.num_layers model.num_query_groups model.position_embedding model.rope_thet
 model.tie_embeddings model.vocab_size
 optim.beta1 optim.beta2 optim.bucket_size_mb optim.clip_grad optim.eps optim.lr optim.min_lr optim.warmup_steps
 optim.weight_decay optim.zero optim.shard_group_size optim.overlap_param_gather optim.reshard_after_forward
-optim.lr_schedule optim.lr_decay_steps optim.wsd_decay_fraction
+optim.lr_schedule optim.lr_decay_steps optim.wsd_decay_fraction optim.grad_reduce_dtype
 parallel.cp parallel.cp_comm parallel.ep parallel.pp parallel.pp_layout parallel.pp_schedule parallel.sp parallel.tp parallel.vpp
 run.dir run.name
 train.device train.global_batch_size train.log_interval train.max_bad_steps train.max_steps train.micro_batch_size train.precision

@@ -82,7 +82,10 @@ def test_table_covers_a_bad_value_per_field():
 
 @pytest.mark.parametrize("override,needle", [("optim.lr=inf", "optim.lr=inf must be finite"),
                                              ("model.rope_theta=0", "model.rope_theta=0.0 must be > 0"),
-                                             ("train.seed=0.5", "train.seed")])
+                                             ("train.seed=0.5", "train.seed"),
+                                             ("optim.grad_reduce_dtype=bf16",
+                                              "optim.grad_reduce_dtype=bf16 needs train.precision=bf16 "
+                                              "(got train.precision=fp32)")])
 def test_train_exits_2_before_any_process_group(override, needle, tmp_path):
     env = {"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "WORLD_SIZE": "2",
            "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}  # a rendezvous would fail, not hang
