@@ -67,6 +67,7 @@ FIELD_RULES: dict[str, Rule] = {
     "model.rope_theta": POSF, "model.norm_eps": POSF, "model.init_std": POSF,
     # parallel
     "parallel.tp": POS, "parallel.pp": POS, "parallel.vpp": POS, "parallel.ep": POS, "parallel.cp": POS,
+    "parallel.tp_comm_chunks": POS,
     # train
     "train.micro_batch_size": POS, "train.global_batch_size": POS, "train.max_steps": POS, "train.seed": SEED,
     "train.log_interval": POS, "train.max_bad_steps": NONNEG, "train.eval_interval": NONNEG,
@@ -110,7 +111,7 @@ def check_config(cfg: Config, world_size: int, check_data: bool = True) -> None:
     """Cross-field checks that need no process group; the first problem raises ConfigError."""
     check_fields(cfg)
     m, p, t = cfg.model, cfg.parallel, cfg.train
-    for name in ("tp", "pp", "vpp", "ep", "tp_comm_chunks"):
+    for name in ("tp", "pp", "vpp", "ep"):
         _req(getattr(p, name) >= 1, f"parallel.{name}={getattr(p, name)} must be >= 1")
     _req(not p.tp_comm_overlap or (p.sp and p.tp > 1),
          f"parallel.tp_comm_overlap=true overlaps sp's collectives: it needs parallel.sp=true and tp > 1 "

@@ -135,10 +135,8 @@ matmul_scatter = torch.compiler.disable(_MatmulScatter.apply)
 def enable_tp_overlap(model: nn.Module, chunks: int) -> int:
     """Set every tp linear (sequence-parallel, tp > 1, not an FP8 one) to the overlapped path with `chunks`
     chunks; returns how many were set."""
-    from megaframe.layers.linear import ColumnParallelLinear, RowParallelLinear
-
     n = 0
-    for mod in model.modules():
-        if isinstance(mod, (ColumnParallelLinear, RowParallelLinear)) and mod.sp and mod.tp.size > 1:
+    for mod in model.modules():  # the tp linears are the modules with an overlap_chunks slot (layers/linear.py)
+        if hasattr(mod, "overlap_chunks") and mod.sp and mod.tp.size > 1:
             mod.overlap_chunks, n = chunks, n + 1
     return n
