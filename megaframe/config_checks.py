@@ -264,12 +264,33 @@ def _check_data_fields(cfg: Config) -> None:
     _req(0.0 <= d.valid_fraction < 1.0, f"data.valid_fraction={d.valid_fraction} must be in [0, 1)")
     for i, b in enumerate(d.blend):
         _req(bool(b.path) and b.weight > 0, f"data.blend[{i}] needs a path and a weight > 0")
+    _check_stages(d, t, cfg.model.seq_length)
     _req(t.eval_interval >= 0 and t.eval_iters >= 1,
          f"train.eval_interval={t.eval_interval} must be >= 0 and train.eval_iters={t.eval_iters} >= 1")
     _req(t.sample_interval >= 0 and t.sample_tokens >= 1,
          f"train.sample_interval={t.sample_interval} must be >= 0 and train.sample_tokens={t.sample_tokens} >= 1")
     _req(t.eval_interval == 0 or d.kind == "synthetic" or d.valid_fraction > 0,
          f"train.eval_interval={t.eval_interval} needs a validation split: set data.valid_fraction > 0")
+
+
+def _check_stages(d, t, seq_length: int) -> None:
+    """data.stages: each a non-empty blend and one end (the last may be open), ends increasing."""
+    from megaframe.data.stages import stage_ends
+
+    _req(not (d.stages and d.blend), "data.stages and data.blend are both set: the stages carry their own blends")
+    for k, s in enumerate(d.stages):
+        _req(bool(s.blend), f"data.stages[{k}] needs a blend")
+        for i, b in enumerate(s.blend):
+            _req(bool(b.path) and 0 < b.weight < float("inf"),
+                 f"data.stages[{k}].blend[{i}] needs a path and a finite weight > 0 (got weight={b.weight})")
+        _req(s.until_step is None or s.until_tokens is None,
+             f"data.stages[{k}] sets until_step={s.until_step} and until_tokens={s.until_tokens}: give one")
+        _req(k == len(d.stages) - 1 or s.until_step is not None or s.until_tokens is not None,
+             f"data.stages[{k}] has no end (until_step or until_tokens): only the last stage may be open")
+    ends = stage_ends(d.stages, t.global_batch_size, seq_length) if d.stages else []
+    for k in range(1, len(ends)):
+        _req(ends[k] > ends[k - 1], f"data.stages[{k}] ends at or before data.stages[{k - 1}] "
+                                    "(compare them in samples: until_tokens is rounded up to a global batch)")
 
 
 def _check_prepared(cfg: Config) -> None:

@@ -274,6 +274,16 @@ class BlendSource:
     """Relative share of the training samples (weights are normalized)."""
 
 
+@dataclass
+class DataStage:
+    until_step: Optional[int] = None
+    """This stage ends after this many steps of the run (counted from step 0)."""
+    until_tokens: Optional[float] = None
+    """Or: it ends once this many training tokens were consumed, rounded up to a whole global batch."""
+    blend: list[BlendSource] = field(default_factory=list)
+    """The stage's mixture, as data.blend (the stages' datasets must share a tokenizer)."""
+
+
 DEFAULT_EXTENSIONS = [
     # records
     ".jsonl", ".json", ".parquet",
@@ -322,6 +332,10 @@ class DataConfig:
     blend: list[BlendSource] = field(default_factory=list)
     """Train on several prepared datasets mixed by weight, instead of data.path, e.g.
     data.blend='[{path: /data/a, weight: 0.7}, {path: /data/b, weight: 0.3}]'. They must share a tokenizer."""
+    stages: list[DataStage] = field(default_factory=list)
+    """Mixtures that change during the run, instead of data.blend: a list of {until_step or until_tokens,
+    blend}, ends increasing, the last one open-ended; the sampler switches at each boundary, exactly, under
+    any dp, and a resume inside a stage continues its stream (megaframe.data.stages)."""
 
 
 @dataclass

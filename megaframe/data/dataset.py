@@ -221,6 +221,16 @@ def build_data(cfg, split: str = "train"):
     if d.kind == "synthetic":  # validation: the same generator under another seed, never seen in training
         seed = cfg.train.seed if split == "train" else cfg.train.seed + 1_000_003
         return SyntheticData(cfg.model.vocab_size, seq, seed)
+    if d.stages and split == "train":
+        from megaframe.data.stages import StagedData
+
+        paths = dict.fromkeys(b.path for s in d.stages for b in s.blend)  # the union, in first-seen order
+        parts = {p: PreparedData(p, seq, split, d.valid_fraction) for p in paths}
+        return StagedData(parts, d.stages, cfg.train.global_batch_size, cfg.train.seed)
+    if d.stages:  # validation: the last stage's mixture (the data the run ends on)
+        last = d.stages[-1].blend
+        parts = [PreparedData(b.path, seq, split, d.valid_fraction) for b in last]
+        return BlendedData(parts, [b.weight for b in last], cfg.train.seed)
     if not d.blend:
         return PreparedData(d.path, seq, split, d.valid_fraction)
     parts = [PreparedData(b.path, seq, split, d.valid_fraction) for b in d.blend]
@@ -233,6 +243,8 @@ def data_state(cfg, step: int, order: str = ORDER) -> dict:
     d = cfg.data
     return {"kind": d.kind, "path": d.path, "blend": [{"path": b.path, "weight": b.weight} for b in d.blend],
             "valid_fraction": d.valid_fraction, "seed": cfg.train.seed, "order": order,
+            "stages": [{"until_step": s.until_step, "until_tokens": s.until_tokens,
+                        "blend": [{"path": b.path, "weight": b.weight} for b in s.blend]} for s in d.stages],
             # the trainer replaces it with Accounting's exact count (a batch size changed at a resume)
             "consumed_samples": step * cfg.train.global_batch_size,
             "cursor": "derived: global sample position = step * global_batch_size + index in the batch"}

@@ -10,6 +10,7 @@ from pathlib import Path
 from megaframe.config import Config, ConfigError
 from megaframe.data.dataset import Prefetcher
 from megaframe.data.shards import CorruptShard
+from megaframe.data.stages import stage_metric
 from megaframe.layers.rng import seed_step
 from megaframe.parallel import comm
 from megaframe.parallel.mesh import Mesh, build_mesh
@@ -109,7 +110,8 @@ def train(cfg: Config, mesh: Mesh, stop: StopFlag, run_id: str = "") -> None:
             val = evaluate_and_sample(su, meter, tracker, step, cfg.run.dir)
             # on every rank, not only the logger: the row's dp loss all-reduce and MoE figures are collectives
             if step % t.log_interval == 0 or step == t.max_steps or val is not None:
-                row = {**meter.metrics(step, res, su.model, su.optimizer), **probe.gather(mesh), **ckpt.take_io()}
+                row = {**meter.metrics(step, res, su.model, su.optimizer), **probe.gather(mesh), **ckpt.take_io(),
+                       **stage_metric(su.data, su.acct.consumed(step))}
                 if val is not None:
                     row["val_loss"] = meter.last["val_loss"] = val
                 # the first row after a resume names the checkpoint (readers see where the run restarted)

@@ -116,3 +116,29 @@ def test_val_loss_is_layout_free_and_leaves_comm_bytes_alone(prepared, tmp_path)
     ref, got = metrics(tmp_path / "one"), metrics(tmp_path / "pp2")
     assert "val_loss" not in got[0] and abs(got[1]["val_loss"] - ref[1]["val_loss"]) <= 1e-4 * ref[1]["val_loss"]
     assert got[0]["comm_bytes/pp"] == got[1]["comm_bytes/pp"] > 0  # step 2 evaluated, step 1 did not
+
+
+def test_data_stages_resume_inside_a_stage_continues_identically(prepared, tmp_path):
+    """data.stages with two boundaries (steps 2 and 4) over two datasets: metrics show the stage, and a run
+    resumed from step 3 (inside stage 2) gives the uninterrupted run's losses."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    shutil.copytree(prepared, a)
+    shutil.copytree(prepared, b)
+    stages = (f"[{{until_step: 2, blend: [{{path: {a}, weight: 1}}]}}, {{until_step: 4, blend: [{{path: {a}, weight: 0.5}}, "
+              f"{{path: {b}, weight: 0.5}}]}}, {{blend: [{{path: {b}, weight: 1}}]}}]")
+    over = [f"data.stages={stages}", "data.name=stdlib", f"model.vocab_size={VOCAB}", "model.num_layers=1",
+            "model.hidden_size=32", "model.num_attention_heads=2", "model.num_query_groups=1",
+            "model.ffn_hidden_size=64", "model.seq_length=32", "train.global_batch_size=4",
+            "train.micro_batch_size=4", "train.max_steps=6", "train.log_interval=1"]
+    full = train(over + ["checkpoint.interval=3", f"run.dir={tmp_path / 'full'}"], timeout=120)
+    assert full.returncode == 0, full.stderr[-3000:]
+    rows = metrics(tmp_path / "full")
+    assert [r["data/stage"] for r in rows] == [0, 0, 1, 1, 2, 2]
+    step3 = tmp_path / "full" / "checkpoints" / "step_00000003"
+    assert len(json.loads((step3 / "metadata.json").read_text())["data"]["stages"]) == 3
+    resumed = train(over + [f"checkpoint.resume={step3}", f"run.dir={tmp_path / 'resumed'}"], timeout=120)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    again = metrics(tmp_path / "resumed")
+    assert [r["step"] for r in again] == [4, 5, 6]
+    for x, y in zip(rows[3:], again):
+        assert abs(x["loss"] - y["loss"]) <= 1e-6 * abs(x["loss"]), (x["loss"], y["loss"])

@@ -111,3 +111,53 @@ def test_build_data_from_a_command_line_blend(two):
     assert [p.num_tokens for p in valid.parts] == [PreparedData(x, 8, "valid", 0.1).num_tokens for x in two]
     state = data_state(cfg, 10)
     assert state["consumed_samples"] == 10 * cfg.train.global_batch_size and len(state["blend"]) == 2
+
+
+def _staged(paths, until=(3, 6)):
+    from megaframe.schema import BlendSource, DataStage
+
+    a, b, c = (str(p) for p in paths)
+    return [DataStage(until_step=until[0], blend=[BlendSource(a, 1.0)]),
+            DataStage(until_step=until[1], blend=[BlendSource(a, 0.5), BlendSource(c, 0.5)]),
+            DataStage(blend=[BlendSource(b, 0.7), BlendSource(c, 0.3)])]
+
+
+def test_stages_switch_exactly_at_their_steps_under_any_dp(tmp_path):
+    """A 3-stage run (two boundaries): the same sample ids in the same order at dp1 and dp4; stage k's
+    batches come only from its datasets; a dataset in two stages continues its own stream (no repeats)."""
+    from megaframe.data.stages import StagedData
+
+    paths = [dataset(tmp_path / "a", 0, 4000), dataset(tmp_path / "b", 30000, 1500), dataset(tmp_path / "c", 50000, 2000)]
+    data = StagedData({str(p): PreparedData(p, SEQ) for p in paths}, _staged(paths), 8, seed=3)
+    source = {0: "a", 30000: "b", 50000: "c"}
+
+    def step_tokens(step, dp, micro):
+        return torch.cat([x for r in range(dp) for x, _ in microbatches(data, step, 8, micro, r, dp, 3)])
+
+    for step in range(10):
+        one = step_tokens(step, 1, 8)
+        assert torch.equal(one, step_tokens(step, 4, 1)) and torch.equal(one, step_tokens(step, 2, 2))
+        seen = {source[max(k for k in source if k <= int(t))] for t in one[:, 0]}
+        assert seen <= [{"a"}, {"a", "c"}, {"b", "c"}][0 if step < 3 else 1 if step < 6 else 2], (step, seen)
+    own = [data.locate(g)[1] for g in range(80) if data.locate(g)[0] == 0]  # dataset a over stages 0 and 1
+    assert own == list(range(len(own))) and len(own) == 24 + 12
+    assert [data.stage_of(g) for g in (0, 23, 24, 47, 48, 10**9)] == [0, 0, 1, 1, 2, 2]
+
+
+def test_stages_from_the_command_line_and_their_checks(tmp_path):
+    from megaframe.config import ConfigError
+    from megaframe.data.stages import StagedData
+
+    a, b = dataset(tmp_path / "a", 0, 4000), dataset(tmp_path / "b", 30000, 1500)
+    stages = f"[{{until_tokens: 640, blend: [{{path: {a}, weight: 1}}]}}, {{blend: [{{path: {b}, weight: 1}}]}}]"
+    cfg = load_config(["data=demo", f"data.stages={stages}", "model.seq_length=8", "train.global_batch_size=16"],
+                      world_size=1, check_data=False)
+    data = build_data(cfg)  # 640 tokens = 80 samples: rounded up to whole global batches of 16
+    assert isinstance(data, StagedData) and data.ends[0] == 80
+    assert [s["until_tokens"] for s in data_state(cfg, 1)["stages"]] == [640, None]
+    for bad, needle in [(f"[{{blend: [{{path: {a}, weight: 1}}]}}, {{blend: [{{path: {b}, weight: 1}}]}}]", "no end"),
+                        (f"[{{until_step: 5, blend: [{{path: {a}, weight: 1}}]}}, {{until_step: 5, blend: "
+                         f"[{{path: {b}, weight: 1}}]}}]", "ends at or before"),
+                        ("[{until_step: 5, blend: []}]", "needs a blend")]:
+        with pytest.raises(ConfigError, match=needle):
+            load_config(["data=demo", f"data.stages={bad}", "model.seq_length=8"], world_size=1, check_data=False)
