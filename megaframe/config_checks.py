@@ -81,7 +81,8 @@ FIELD_RULES: dict[str, Rule] = {
     "data.vocab_size": POS, "data.tokenizer_sample_bytes": NONNEG, "data.num_workers": NONNEG,
     "data.valid_fraction": UNIT,
     # checkpoint
-    "checkpoint.interval": NONNEG, "checkpoint.keep_last": NONNEG, "checkpoint.save_timeout_s": POSF,
+    "checkpoint.interval": NONNEG, "checkpoint.interval_minutes": NONNEGF, "checkpoint.keep_last": NONNEG,
+    "checkpoint.save_timeout_s": POSF,
 }
 """Every int/float field of the schema must appear here (tests/unit/test_config_fields.py checks it):
 a new numeric field gets its rule in the same change."""

@@ -38,10 +38,18 @@ class Checkpointer:
         self.saver = AsyncSaver(mesh) if cfg.checkpoint.async_save else None
         self.last_saved: str | None = None
         """The newest checkpoint this run wrote (committed, or being written in the background)."""
+        self.clock = time.monotonic()
+        """When this run started or last tried a save: checkpoint.interval_minutes counts from here."""
+
+    def overdue(self) -> bool:
+        """This rank's clock says a timed save is due (host only; the ranks agree on it at a check step)."""
+        minutes = self.cfg.checkpoint.interval_minutes
+        return minutes > 0 and time.monotonic() - self.clock >= 60 * minutes
 
     def save(self, model, optimizer, step: int, last: bool, bad_in_a_row: int) -> bool:
         """Checkpoint `step` (in the background unless `last`); False when refused as non-finite."""
         cfg, mesh = self.cfg, self.mesh
+        self.clock = time.monotonic()  # also for a refused save: the next timed try waits a full interval
         with self.watchdog.suspended(cfg.checkpoint.save_timeout_s):
             if self.saver is not None and last:
                 self._settle(self.saver.wait)  # commit the older one first, so `latest` ends on this step

@@ -35,11 +35,14 @@ class StopFlag:
         """Whether any rank has been signalled; collective over the mesh."""
         return self.decide(mesh)[0]
 
-    def decide(self, mesh: Mesh, busy: bool = False) -> tuple[bool, bool]:
-        """(any rank signalled, any rank `busy`); collective over the mesh, call it at check steps only.
+    def decide(self, mesh: Mesh, busy: bool = False, due: bool = False) -> tuple[bool, bool, bool]:
+        """(any rank signalled, any rank `busy`, any rank `due`); collective over the mesh, call it at
+        check steps only.
 
-        `busy` rides along for free: the trainer passes whether this rank's async checkpoint writer
-        is still running, so the commit needs no collective of its own. The flags are a CPU tensor
+        `busy` and `due` ride along for free: the trainer passes whether this rank's async checkpoint
+        writer is still running, so the commit needs no collective of its own, and whether its clock says
+        a timed save is due (checkpoint.interval_minutes): ranks' clocks differ slightly, so the save
+        follows the agreed flag, never a rank's own clock (a save is collective). The flags are a CPU tensor
         reduced over a gloo group (the mesh's own on CPU, a gloo twin of it on CUDA, made at the first
         call, which every rank reaches at the same step): the host waits only for the other hosts,
         never for the GPU's queue."""
@@ -50,16 +53,16 @@ class StopFlag:
         from megaframe.parallel.mesh import Axis
 
         if mesh.group is None:
-            return self.signum is not None, busy
+            return self.signum is not None, busy, due
         if self.group is None:
             # new_group is collective: made on the first check step, which every rank reaches at the same step
             group = mesh.group if mesh.device.type == "cpu" else dist.new_group(backend="gloo")
             self.group = Axis("world", mesh.world, mesh.rank, tuple(range(mesh.world)), group, mesh.stats)
-        # both flags in one tensor: one all-reduce per check step, not two
-        flags = torch.tensor([0.0 if self.signum is None else 1.0, 1.0 if busy else 0.0])
-        comm.all_reduce(flags, self.group, op=dist.ReduceOp.MAX)  # MAX: any rank signalled / any still writing
-        signalled, writing = flags.tolist()  # a CPU tensor: no device sync
-        return signalled > 0, writing > 0
+        # every flag in one tensor: one all-reduce per check step, not three
+        flags = torch.tensor([float(self.signum is not None), float(busy), float(due)])
+        comm.all_reduce(flags, self.group, op=dist.ReduceOp.MAX)  # MAX: any rank signalled / still writing / due
+        signalled, writing, timed = flags.tolist()  # a CPU tensor: no device sync
+        return signalled > 0, writing > 0, timed > 0
 
     def restore(self) -> None:
         for s, handler in self.previous.items():

@@ -115,12 +115,12 @@ def train(cfg: Config, mesh: Mesh, stop: StopFlag, run_id: str = "") -> None:
                 # the first row after a resume names the checkpoint (readers see where the run restarted)
                 row, marker = {**row, **marker}, {}
                 tracker.log(row, start)
-            stopping = False
-            if checks_at(step, start, t):  # the same steps on every rank: they stop together
-                stopping, writing = stop.decide(mesh, busy=ckpt.writing())
+            stopping = timed = False
+            if checks_at(step, start, t):  # the same steps on every rank: they stop (and save on time) together
+                stopping, writing, timed = stop.decide(mesh, busy=ckpt.writing(), due=ckpt.overdue())
                 # `writing` is the all-reduced flag, the same on every rank: all commit the background save or none does
                 ckpt.poll(all_written=not writing)
-            if save_due(cfg, step, stopping):
+            if save_due(cfg, step, stopping) or timed:
                 bad.flush()  # a deferred grad-norm read: the save must know whether this step was skipped
                 ckpt.save(su.model, su.optimizer, step, step == t.max_steps or stopping, bad.in_a_row)
             if stopping:
@@ -156,7 +156,8 @@ def evaluate_and_sample(su: Setup, meter: Meter, tracker: Tracker, step: int, ru
 
 
 def save_due(cfg: Config, step: int, stopping: bool) -> bool:
-    """Every checkpoint.interval steps, and at the run's last step (the end, or a stop)."""
+    """Every checkpoint.interval steps, and at the run's last step (the end, or a stop); the timed saves
+    (checkpoint.interval_minutes) are decided at the check steps, together (StopFlag.decide)."""
     interval = cfg.checkpoint.interval
     return bool(interval and step % interval == 0) or step == cfg.train.max_steps or stopping
 
