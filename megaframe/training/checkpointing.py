@@ -104,7 +104,7 @@ class Checkpointer:
                 print(f"checkpoint: step {step} copied to host in {time.perf_counter() - t0:.2f}s, writing", flush=True)
         else:
             path = sharded.save(root, step, model, optimizer, mesh, meta, cfg.checkpoint.keep_last, fail, self.io)
-            if mesh.rank == 0:
+            if mesh.is_logger:  # the rank that prints the run summary: under torchrun this line comes before it
                 print(f"checkpoint: {path} ({time.perf_counter() - t0:.2f}s)", flush=True)
         # set even for a save still writing in the background: the next save's lineage follows the order of saves
         self.parent = (sharded.step_dir(root, step), meta["lineage"]["id"])

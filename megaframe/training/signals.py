@@ -10,6 +10,8 @@ Slurm's `--signal`, torchrun (which forwards SIGTERM, and SIGUSR1 with --signals
 """
 from __future__ import annotations
 
+import os
+import shlex
 import signal
 import sys
 from typing import TYPE_CHECKING
@@ -68,6 +70,25 @@ class StopFlag:
         for s, handler in self.previous.items():
             signal.signal(s, handler)
 
-    def report(self, step: int) -> None:
+    def report(self, step: int, hint: str = "") -> None:
         name = signal.Signals(self.signum).name if self.signum else "a signal on another rank"
-        print(f"megaframe: stopping at step {step} after {name}; checkpoint saved", file=sys.stderr, flush=True)
+        print(f"megaframe: stopping at step {step} after {name}; checkpoint saved{hint}", file=sys.stderr, flush=True)
+
+
+def continue_command(run_name: str, argv: list[str] | None = None, env=None) -> str:
+    """How to continue this run from the checkpoint just saved: the same command with the run's name (a
+    default name is a new timestamp at every start) and without a checkpoint.resume path (the default,
+    auto, takes the newest checkpoint of the run)."""
+    env = os.environ if env is None else env
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = [a for a in argv if not a.lstrip("+~").startswith(("run.name=", "checkpoint.resume="))]
+    args.append(f"run.name={run_name}")
+    if env.get("SLURM_JOB_ID"):  # pretrain.sbatch requeues by itself; a resubmission names the run
+        return f"; continue with: MEGAFRAME_RUN_NAME={shlex.quote(run_name)} sbatch scripts/slurm/pretrain.sbatch " + \
+            shlex.join(a for a in args if not a.startswith("run.name="))
+    world = int(env.get("WORLD_SIZE", "1"))
+    nodes = world // max(int(env.get("LOCAL_WORLD_SIZE", world)), 1)
+    launch = "python train.py" if world == 1 else \
+        f"torchrun {f'--nnodes={nodes} ... ' if nodes > 1 else ''}--nproc-per-node={env.get('LOCAL_WORLD_SIZE', world)} train.py"
+    make = f" (or: make train RUN={shlex.quote(run_name)})" if world == 1 and not argv and env.get("MEGAFRAME_RUN_NAME") else ""
+    return f"; continue with: {launch} {shlex.join(args)}{make}"

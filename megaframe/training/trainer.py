@@ -21,7 +21,7 @@ from megaframe.training.errors import TrainingError  # also re-exported for trai
 from megaframe.training.faults import Injector
 from megaframe.training.meter import BadSteps, Meter
 from megaframe.training.runlock import RunDirBusy, RunLock
-from megaframe.training.signals import StopFlag
+from megaframe.training.signals import StopFlag, continue_command
 from megaframe.training.startup import Setup, announce, batch_loader, set_up
 from megaframe.training.startup import data_label as data_label  # re-exported: its old path, tests import it here
 from megaframe.training.step import train_step
@@ -107,24 +107,25 @@ def train(cfg: Config, mesh: Mesh, stop: StopFlag, run_id: str = "") -> None:
             except TrainingError as e:
                 raise TrainingError(f"{e}; {ckpt.resume_hint()}") from e
             val = evaluate_and_sample(su, meter, tracker, step, cfg.run.dir)
-            # on every rank, not only the logger: the row's dp loss all-reduce and MoE figures are collectives
-            if step % t.log_interval == 0 or step == t.max_steps or val is not None:
+            stopping = timed = False
+            if checks_at(step, start, t):  # the same steps on every rank: they stop (and save on time) together
+                stopping, writing, timed = stop.decide(mesh, busy=ckpt.writing(), due=ckpt.overdue())
+                # `writing` is the all-reduced flag, the same on every rank: all commit the background save or none does
+                ckpt.poll(all_written=not writing)
+            # on every rank, not only the logger: the row's dp loss all-reduce and MoE figures are collectives; the
+            # stop step too (agreed on every rank), so the summary's final loss is the one the checkpoint holds
+            if step % t.log_interval == 0 or step == t.max_steps or val is not None or stopping:
                 row = {**meter.metrics(step, res, su.model, su.optimizer), **probe.gather(mesh), **ckpt.take_io()}
                 if val is not None:
                     row["val_loss"] = meter.last["val_loss"] = val
                 # the first row after a resume names the checkpoint (readers see where the run restarted)
                 row, marker = {**row, **marker}, {}
                 tracker.log(row, start)
-            stopping = timed = False
-            if checks_at(step, start, t):  # the same steps on every rank: they stop (and save on time) together
-                stopping, writing, timed = stop.decide(mesh, busy=ckpt.writing(), due=ckpt.overdue())
-                # `writing` is the all-reduced flag, the same on every rank: all commit the background save or none does
-                ckpt.poll(all_written=not writing)
             if save_due(cfg, step, stopping) or timed:
                 bad.flush()  # a deferred grad-norm read: the save must know whether this step was skipped
                 ckpt.save(su.model, su.optimizer, step, step == t.max_steps or stopping, bad.in_a_row)
             if stopping:
-                stop.report(step)
+                stop.report(step, continue_command(cfg.run.name) if mesh.rank == 0 else "")
                 break
         ckpt.finish()
         meter.report(start, step, ckpt.last_saved)

@@ -1,0 +1,53 @@
+"""The second newcomer trial's frictions (shared/notes/newcomer-2.md), through train.py as a user runs it.
+
+F8: the Ctrl-C stop message prints the command that continues the run, and that command does continue it.
+F9: start-up warns about an lr curve the run will not follow to the end. F10: the header names the ZeRO stage.
+F11: the stop step is logged (the summary's final loss is the stopped step's), and the checkpoint line comes
+before the run summary.
+"""
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.e2e.helpers import ROOT, TINY, env, metrics, run
+
+pytestmark = pytest.mark.e2e
+
+SYN = ["data=synthetic", *TINY, "train.log_interval=1000", "train.signal_check_interval=1",
+       "logging.wandb.mode=disabled"]
+
+
+def test_ctrl_c_prints_the_command_that_continues_the_run(tmp_path):
+    proc = subprocess.Popen([sys.executable, "train.py", *SYN, "train.max_steps=100000", f"run.dir={tmp_path}"],
+                            cwd=ROOT, env=env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    t0 = time.time()
+    while not list(tmp_path.glob("config.yaml")) or time.time() - t0 < 1:
+        assert proc.poll() is None and time.time() - t0 < 120, proc.stdout.read()
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out[-2000:]
+    assert "zero=1 (optimizer state sharded over dp=1)" in out, out[:2000]  # F10: before, no ZeRO stage
+    stop = re.search(r"stopping at step (\d+) after SIGINT; checkpoint saved; continue with: (python train\.py .*)", out)
+    assert stop, out[-2000:]  # before: "...; checkpoint saved" and nothing on how to go on
+    step, cmd = int(stop.group(1)), shlex.split(stop.group(2))
+    # the run's own name (a default one is a new timestamp at every start) and the user's arguments
+    assert [a for a in cmd if a.startswith("run.name=")] and f"run.dir={tmp_path}" in cmd and "optim.lr=3e-3" in cmd
+    # F11: the stop step has its row (before: the last log_interval row), and the save line precedes the summary
+    assert metrics(tmp_path)[-1]["step"] == step
+    assert f"final loss {metrics(tmp_path)[-1]['loss']:.4f}" in out
+    assert out.index(f"checkpoint: {tmp_path}/checkpoints/step_{step:08d}") < out.index("run summary:")
+
+    # the printed command continues the run (two more steps); the lr horizon is the first start's 100000
+    res = run([sys.executable, *cmd[1:], f"train.max_steps={step + 2}"], timeout=180)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert f"resumed from {tmp_path}/checkpoints/step_{step:08d}" in res.stdout + res.stderr
+    # F9: before, a run ending before its recorded decay horizon said nothing
+    assert f"train.max_steps={step + 2} < the decay horizon 100000" in res.stderr, res.stderr[-2000:]
+    assert metrics(tmp_path)[-1]["step"] == step + 2
