@@ -39,3 +39,32 @@ def test_schedule_warnings_for_the_notes_three_cases():
     # the ordinary run says nothing
     assert schedule_warnings(_optim(lr_decay_steps=300), 300) == [] == schedule_warnings(_optim(), 500)
     assert schedule_warnings(_optim(lr_schedule=LRSchedule.constant, lr_decay_steps=300), 200) == []
+
+
+def test_prepare_names_the_files_it_skips_and_reads_dotted_extensionless_names(tmp_path, capsys):
+    """F3: Debian's doc folder lost 70 of 399 files without a word; `libglib2.0-0__copyright` (a version's dot,
+    not an extension) was one of them. Now it is sniffed in like any extension-less text file, and the
+    rest is one line by reason, the names in meta.json."""
+    import json
+
+    from megaframe.data import prepare as prep
+
+    src = tmp_path / "docs"
+    src.mkdir()
+    text = "Copyright 2020 the authors. Permission is granted to copy and modify this text.\n" * 20
+    for name in ("libglib2.0-0__copyright", "libboost-filesystem1.74.0__copyright", "zlib__README.md"):
+        (src / name).write_text(text)
+    for name in ("a__README.Debian", "b__README.Debian", "c__README.source"):
+        (src / name).write_text(text)
+    (src / "pkg__empty.txt").write_text("")
+    out = tmp_path / "out"
+    rc = prep.main([f"data.source={src}", f"data.path={out}", "data.vocab_size=300"])
+    stdout = capsys.readouterr().out
+    assert rc == 0
+    meta = json.loads((out / "meta.json").read_text())
+    assert sorted(r["rel"] for r in meta["sources"]) == ["libboost-filesystem1.74.0__copyright",
+                                                         "libglib2.0-0__copyright", "pkg__empty.txt", "zlib__README.md"]
+    assert "skipped 4 of 7 files (2 x .debian, 1 x .source, 1 x empty)" in stdout, stdout
+    assert meta["skipped"] == {".debian": ["a__README.Debian", "b__README.Debian"], ".source": ["c__README.source"],
+                               "empty": ["pkg__empty.txt"]}
+    assert "training a tokenizer (vocab 300)" in stdout and "tokenizing 4 files" in stdout  # the phases, as they start
