@@ -51,3 +51,32 @@ def test_ctrl_c_prints_the_command_that_continues_the_run(tmp_path):
     # F9: before, a run ending before its recorded decay horizon said nothing
     assert f"train.max_steps={step + 2} < the decay horizon 100000" in res.stderr, res.stderr[-2000:]
     assert metrics(tmp_path)[-1]["step"] == step + 2
+
+
+def test_evaluate_says_which_samples_and_whether_the_run_trained_on_them(tmp_path, capsys):
+    """F4: `evaluate` called 8,192 training tokens "[all]", and with the README's data.valid_fraction=0.05 on a run
+    trained without a split called documents it trained on "[valid]"."""
+    from megaframe import evaluate
+    from megaframe.data import prepare as prep
+
+    src = tmp_path / "corpus"
+    src.mkdir()
+    for i in range(12):
+        (src / f"doc{i}.txt").write_text(f"Document {i}. " + "The quick brown fox jumps over the lazy dog. " * 40)
+    data = tmp_path / "data"
+    assert prep.main([f"data.source={src}", f"data.path={data}", "data.vocab_size=300"]) == 0
+    res = run([sys.executable, "train.py", *TINY, f"data.path={data}", "train.max_steps=1", "logging.wandb.mode=disabled",
+               f"run.dir={tmp_path / 'run'}"], timeout=180)
+    assert res.returncode == 0, res.stderr[-2000:]
+    capsys.readouterr()
+    ckpt = str(tmp_path / "run" / "checkpoints")
+
+    assert evaluate.main([ckpt, "1"]) == 0
+    cap = capsys.readouterr()
+    assert re.search(r"\[all: the first 16 of 499 samples, trained on\]", cap.out), cap.out  # before: "[all]"
+    assert "these are the run's training samples" in cap.err
+
+    assert evaluate.main([ckpt, "data.valid_fraction=0.2", "1"]) == 0
+    cap = capsys.readouterr()
+    assert re.search(r"\[valid: .*, trained on\]", cap.out), cap.out  # before: "[valid]", nothing said
+    assert "trained on this data with data.valid_fraction=0.0" in cap.err

@@ -68,3 +68,21 @@ def test_prepare_names_the_files_it_skips_and_reads_dotted_extensionless_names(t
     assert meta["skipped"] == {".debian": ["a__README.Debian", "b__README.Debian"], ".source": ["c__README.source"],
                                "empty": ["pkg__empty.txt"]}
     assert "training a tokenizer (vocab 300)" in stdout and "tokenizing 4 files" in stdout  # the phases, as they start
+
+
+def test_evaluate_trained_on_follows_the_runs_held_out_fraction(tmp_path):
+    """F4: the held-out documents of a fraction are a prefix of one fixed order: a split no larger than the
+    run's is held out; a larger one, or no split, is data the run trained on; other data says nothing."""
+    from megaframe.config import load_config
+    from megaframe.evaluate import trained_on
+
+    def cfg(*over):
+        return load_config([f"data.path={tmp_path / 'd'}", *over], world_size=1, check_data=False)
+
+    meta = {"config": {"data": {"path": str(tmp_path / "d"), "valid_fraction": 0.05, "blend": []}}}
+    assert trained_on(meta, cfg("data.valid_fraction=0.05")) is None
+    assert trained_on(meta, cfg("data.valid_fraction=0.02")) is None
+    assert "holds documents it trained on" in trained_on(meta, cfg("data.valid_fraction=0.1"))
+    assert "training samples" in trained_on(meta, cfg())
+    other = {"config": {"data": {"path": str(tmp_path / "other"), "valid_fraction": 0.0}}}
+    assert trained_on(other, cfg("data.valid_fraction=0.1")) is None
