@@ -279,7 +279,7 @@ def _check_checkpoint_tokenizer(cfg: Config) -> None:
     with the tokenizer the data was prepared with: token ids of another tokenizer train silently on
     garbage (an imported 8,192-token model fed the demo's 4,096-piece data)."""
     from megaframe.checkpoint.sharded import committed, read_metadata
-    from megaframe.data.shards import dataset_paths, tokenizer_identity
+    from megaframe.data.shards import dataset_paths, same_tokenizer, tokenizer_identity
 
     r = cfg.checkpoint.resume
     if r == "none":
@@ -298,10 +298,9 @@ def _check_checkpoint_tokenizer(cfg: Config) -> None:
         return  # a checkpoint written before tokenizers were recorded: nothing to compare
     if tok is None:  # an import without tokenizer files: its vocabulary is all there is to compare
         tok = {"vocab_size": meta["config"]["model"]["vocab_size"], "kind": "unknown", "sha256": None}
-    # the hash when both sides recorded one; else the vocabulary size, the one figure an import always has
-    same = tok["sha256"] == data["sha256"] if tok.get("sha256") and data["sha256"] else \
-        tok["vocab_size"] == data["vocab_size"]
-    if same:
+    # the hash when both sides recorded one (or the one an imported tokenizer was converted from); else the
+    # vocabulary size, the one figure an import always has
+    if same_tokenizer(tok, data):
         return
     key, path = dataset_paths(cfg.data)[0]
     fix = f"; prepare the data with data.tokenizer={tok['from']}" if tok.get("from") else ""

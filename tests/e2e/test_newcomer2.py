@@ -53,24 +53,31 @@ def test_ctrl_c_prints_the_command_that_continues_the_run(tmp_path):
     assert metrics(tmp_path)[-1]["step"] == step + 2
 
 
-def test_evaluate_says_which_samples_and_whether_the_run_trained_on_them(tmp_path, capsys):
-    """F4: `evaluate` called 8,192 training tokens "[all]", and with the README's data.valid_fraction=0.05 on a run
-    trained without a split called documents it trained on "[valid]"."""
-    from megaframe import evaluate
+@pytest.fixture(scope="module")
+def small_run(tmp_path_factory):
+    """A prepared corpus of 12 files (its own sentencepiece tokenizer) and a 1-step run on it."""
     from megaframe.data import prepare as prep
 
-    src = tmp_path / "corpus"
+    tmp = tmp_path_factory.mktemp("small")
+    src = tmp / "corpus"
     src.mkdir()
     for i in range(12):
         (src / f"doc{i}.txt").write_text(f"Document {i}. " + "The quick brown fox jumps over the lazy dog. " * 40)
-    data = tmp_path / "data"
+    data = tmp / "data"
     assert prep.main([f"data.source={src}", f"data.path={data}", "data.vocab_size=300"]) == 0
     res = run([sys.executable, "train.py", *TINY, f"data.path={data}", "train.max_steps=1", "logging.wandb.mode=disabled",
-               f"run.dir={tmp_path / 'run'}"], timeout=180)
+               f"run.dir={tmp / 'run'}"], timeout=180)
     assert res.returncode == 0, res.stderr[-2000:]
-    capsys.readouterr()
-    ckpt = str(tmp_path / "run" / "checkpoints")
+    return data, tmp / "run"
 
+
+def test_evaluate_says_which_samples_and_whether_the_run_trained_on_them(small_run, capsys):
+    """F4: `evaluate` called 8,192 training tokens "[all]", and with the README's data.valid_fraction=0.05 on a run
+    trained without a split called documents it trained on "[valid]"."""
+    from megaframe import evaluate
+
+    capsys.readouterr()
+    ckpt = str(small_run[1] / "checkpoints")
     assert evaluate.main([ckpt, "1"]) == 0
     cap = capsys.readouterr()
     assert re.search(r"\[all: the first 16 of 499 samples, trained on\]", cap.out), cap.out  # before: "[all]"
@@ -80,3 +87,32 @@ def test_evaluate_says_which_samples_and_whether_the_run_trained_on_them(tmp_pat
     cap = capsys.readouterr()
     assert re.search(r"\[valid: .*, trained on\]", cap.out), cap.out  # before: "[valid]", nothing said
     assert "trained on this data with data.valid_fraction=0.0" in cap.err
+
+
+def test_hf_round_trip_continues_on_the_original_data_and_prints_a_command_that_runs(small_run, tmp_path, capsys):
+    """F5: export -> import could not reuse the run's own prepared data (refused: "transformers ... vs
+    sentencepiece"), and the import printed a train command on data=demo that the tokenizer check refused."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import export_hf
+    import import_hf
+
+    from megaframe.config import load_config
+
+    data, run_dir = small_run
+    assert export_hf.main([str(run_dir / "checkpoints"), str(tmp_path / "hf")]) == 0
+    capsys.readouterr()
+    # the round trip: the run's own data, as is
+    assert import_hf.main([str(tmp_path / "hf"), str(tmp_path / "back"), f"data.path={data}"]) == 0
+    out = capsys.readouterr().out
+    cmd = out.split("continue pretraining with:\n")[1].split()
+    assert cmd[:3] == ["python", "train.py", f"checkpoint.resume={tmp_path / 'back' / 'step_00000000'}"], out
+    cfg = load_config(cmd[2:] + ["train.max_steps=1"], world_size=1)  # before: exit 2, the tokenizer check
+    assert cfg.data.path == str(data)
+
+    # the README's example, data=demo (another tokenizer, or not prepared): prepare first, then train on that
+    assert import_hf.main([str(tmp_path / "hf"), str(tmp_path / "demo"), "data=demo"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    prep_line = next(ln.split() for ln in lines if "megaframe.data.prepare" in ln)
+    assert f"data.tokenizer={(tmp_path / 'demo' / 'hf_tokenizer').resolve()}" in prep_line
+    train_line = next(ln for ln in lines if "python train.py" in ln)
+    assert "data=demo" not in train_line and "data.path=DATA" in train_line  # before: "... data=demo", refused
