@@ -1,7 +1,11 @@
 """The second newcomer trial's frictions (shared/notes/newcomer-2.md) that need no process: F8's continue
 command under each launcher, F9's lr-curve warnings with the note's own numbers."""
+import json
 from types import SimpleNamespace
 
+import pytest
+
+from megaframe.config import ConfigError, load_config
 from megaframe.optim.schedule import schedule_warnings
 from megaframe.schema import LRSchedule
 from megaframe.training.signals import continue_command
@@ -45,8 +49,6 @@ def test_prepare_names_the_files_it_skips_and_reads_dotted_extensionless_names(t
     """F3: Debian's doc folder lost 70 of 399 files without a word; `libglib2.0-0__copyright` (a version's dot,
     not an extension) was one of them. Now it is sniffed in like any extension-less text file, and the
     rest is one line by reason, the names in meta.json."""
-    import json
-
     from megaframe.data import prepare as prep
 
     src = tmp_path / "docs"
@@ -73,7 +75,6 @@ def test_prepare_names_the_files_it_skips_and_reads_dotted_extensionless_names(t
 def test_evaluate_trained_on_follows_the_runs_held_out_fraction(tmp_path):
     """F4: the held-out documents of a fraction are a prefix of one fixed order: a split no larger than the
     run's is held out; a larger one, or no split, is data the run trained on; other data says nothing."""
-    from megaframe.config import load_config
     from megaframe.evaluate import trained_on
 
     def cfg(*over):
@@ -86,3 +87,21 @@ def test_evaluate_trained_on_follows_the_runs_held_out_fraction(tmp_path):
     assert "training samples" in trained_on(meta, cfg())
     other = {"config": {"data": {"path": str(tmp_path / "other"), "valid_fraction": 0.0}}}
     assert trained_on(other, cfg("data.valid_fraction=0.1")) is None
+
+
+def test_a_preset_over_another_presets_checkpoint_names_both(tmp_path):
+    """F1 (cosmetic): `model=gpt_tiny` over a gpt2_tiny checkpoint blamed `model.num_query_groups=2`, an
+    override the user never typed."""
+    from megaframe.schema import plain
+
+    ck = tmp_path / "step_00000005"
+    ck.mkdir()
+    base = load_config(["model=gpt2_tiny"], world_size=1, check_data=False)
+    (ck / "metadata.json").write_text(json.dumps({"step": 5, "config": plain(base)}))
+    with pytest.raises(ConfigError) as e:
+        load_config(["model=gpt_tiny", f"checkpoint.resume={ck}"], world_size=1, check_data=False)
+    msg = str(e.value)
+    assert msg.startswith("model=gpt_tiny (model.") and "a gpt2_tiny" in msg and "drop model=gpt_tiny" in msg, msg
+    with pytest.raises(ConfigError) as e:  # a field typed out is still named as typed
+        load_config(["model.num_layers=2", f"checkpoint.resume={ck}"], world_size=1, check_data=False)
+    assert str(e.value).startswith("model.num_layers=2 contradicts the checkpoint's model.num_layers=4")
