@@ -105,3 +105,12 @@ def test_a_preset_over_another_presets_checkpoint_names_both(tmp_path):
     with pytest.raises(ConfigError) as e:  # a field typed out is still named as typed
         load_config(["model.num_layers=2", f"checkpoint.resume={ck}"], world_size=1, check_data=False)
     assert str(e.value).startswith("model.num_layers=2 contradicts the checkpoint's model.num_layers=4")
+
+
+def test_an_unknown_preset_is_one_line_with_the_closest_name_and_no_search_path():
+    """F11: `model=gpt2_tinyy` listed the presets, then Hydra's config search path on the same line."""
+    with pytest.raises(ConfigError) as e:
+        load_config(["model=gpt2_tinyy"], world_size=1, check_data=False)
+    msg = str(e.value)
+    assert msg.startswith("model=gpt2_tinyy: no such model preset; did you mean gpt2_tiny?"), msg
+    assert "search path" not in msg and "gpt_tiny" in msg
