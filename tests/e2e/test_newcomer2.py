@@ -116,3 +116,12 @@ def test_hf_round_trip_continues_on_the_original_data_and_prints_a_command_that_
     assert f"data.tokenizer={(tmp_path / 'demo' / 'hf_tokenizer').resolve()}" in prep_line
     train_line = next(ln for ln in lines if "python train.py" in ln)
     assert "data=demo" not in train_line and "data.path=DATA" in train_line  # before: "... data=demo", refused
+
+
+def test_torchrun_failure_summary_ends_with_the_megaframe_error():
+    """F11: under torchrun the one-line error came first, then ~35 lines of ChildFailedError ending in a link."""
+    res = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "train.py",
+               "data=synthetic", "parallel.tp=3"], timeout=120)
+    assert res.returncode != 0
+    tail = [ln for ln in (res.stdout + res.stderr).splitlines() if ln.strip()][-3:]
+    assert any("traceback : megaframe: error: parallel.tp=3" in ln for ln in tail), tail
