@@ -8,7 +8,9 @@ megaframe.schema instead, so nothing the loader imports imports it back.
 """
 from __future__ import annotations
 
+import difflib
 import os
+import re
 from typing import Optional
 
 from megaframe.errors import ConfigError  # noqa: F401  (re-exported)
@@ -112,7 +114,13 @@ def load_config(overrides: list[str], world_size: Optional[int] = None, check_da
 def _composition_error(e: BaseException) -> str:
     """One line naming the field: OmegaConf keeps it in `full_key`, which the message of a value read
     from a YAML file (not an override, whose text names it) does not otherwise show."""
-    line = _one_line(e)
+    line = _one_line(e).split(" Config search path:")[0]  # Hydra's search path: noise to a user
+    missing = re.search(r"Could not find '(\w+)/([^']*)'\s*Available options in '\w+':\s*(.*)", line)
+    if missing:  # an unknown preset (model=gpt2_tinyy): what was typed, the closest name, the choices
+        group, typed, options = missing.group(1), missing.group(2), missing.group(3).split()
+        close = difflib.get_close_matches(typed, options, n=1)
+        return (f"{group}={typed}: no such {group} preset{f'; did you mean {close[0]}?' if close else ''} "
+                f"(conf/{group}/: {', '.join(options)})")
     key = next((getattr(x, "full_key", None) for x in (e, e.__cause__) if getattr(x, "full_key", None)), None)
     return line if not key or key in line else f"{key}: {line}"
 

@@ -82,7 +82,8 @@ FIELD_RULES: dict[str, Rule] = {
     "data.vocab_size": POS, "data.tokenizer_sample_bytes": NONNEG, "data.num_workers": NONNEG,
     "data.valid_fraction": UNIT,
     # checkpoint
-    "checkpoint.interval": NONNEG, "checkpoint.keep_last": NONNEG, "checkpoint.save_timeout_s": POSF,
+    "checkpoint.interval": NONNEG, "checkpoint.interval_minutes": NONNEGF, "checkpoint.keep_last": NONNEG,
+    "checkpoint.save_timeout_s": POSF,
 }
 """Every int/float field of the schema must appear here (tests/unit/test_config_fields.py checks it):
 a new numeric field gets its rule in the same change."""
@@ -308,7 +309,7 @@ def _check_checkpoint_tokenizer(cfg: Config) -> None:
     with the tokenizer the data was prepared with: token ids of another tokenizer train silently on
     garbage (an imported 8,192-token model fed the demo's 4,096-piece data)."""
     from megaframe.checkpoint.sharded import committed, read_metadata
-    from megaframe.data.shards import dataset_paths, tokenizer_identity
+    from megaframe.data.shards import dataset_paths, same_tokenizer, tokenizer_identity
 
     r = cfg.checkpoint.resume
     if r == "none":
@@ -327,10 +328,9 @@ def _check_checkpoint_tokenizer(cfg: Config) -> None:
         return  # a checkpoint written before tokenizers were recorded: nothing to compare
     if tok is None:  # an import without tokenizer files: its vocabulary is all there is to compare
         tok = {"vocab_size": meta["config"]["model"]["vocab_size"], "kind": "unknown", "sha256": None}
-    # the hash when both sides recorded one; else the vocabulary size, the one figure an import always has
-    same = tok["sha256"] == data["sha256"] if tok.get("sha256") and data["sha256"] else \
-        tok["vocab_size"] == data["vocab_size"]
-    if same:
+    # the hash when both sides recorded one (or the one an imported tokenizer was converted from); else the
+    # vocabulary size, the one figure an import always has
+    if same_tokenizer(tok, data):
         return
     key, path = dataset_paths(cfg.data)[0]
     fix = f"; prepare the data with data.tokenizer={tok['from']}" if tok.get("from") else ""

@@ -24,4 +24,22 @@ def fail(msg: object, code: int = 2, prefix: str = "") -> int:
     exit status of the entry point's main() (`return fail(e)`): 2 for bad input, 1 for a failed run."""
     text = " ".join(str(msg).split())
     print(f"{prefix}megaframe: error: {text}", file=sys.stderr, flush=True)
+    _tell_torchrun(f"megaframe: error: {text}")
     return code
+
+
+def _tell_torchrun(line: str) -> None:
+    """Under torchrun, the line goes into the worker's error file too: torchrun's failure summary, the ~35
+    lines that follow it, then ends with it (`traceback : megaframe: error: ...`) instead of a link."""
+    import json
+    import os
+    import time
+
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    try:
+        with open(path, "w") as f:
+            json.dump({"message": line, "timestamp": int(time.time())}, f)
+    except OSError:  # the summary is a convenience: the line is on stderr already
+        pass

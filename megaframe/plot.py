@@ -17,7 +17,11 @@ from pathlib import Path
 from megaframe.errors import fail
 
 PANELS = [("loss", "loss (val dashed)"), ("lr", "learning rate"), ("grad_norm", "grad norm"),
-          ("tokens_per_s", "tokens/s"), ("mfu", "MFU")]
+          ("tokens_per_s", "tokens/s"), ("mfu", "MFU (%)")]
+SCALE = {"mfu": 100.0}
+"""metrics.jsonl holds MFU as a fraction; the panel shows percent."""
+GRID = [(0, slice(0, 2)), (0, 2), (1, 0), (1, 1), (1, 2)]
+"""Where each panel sits on a 2 x 3 grid: the loss twice as wide (before: one 1600 x 272 px strip)."""
 
 
 def read_run(run_dir: str | Path) -> list[dict]:
@@ -55,15 +59,18 @@ def plot(runs: list[str], out: str, x_axis: str = "tokens") -> Path:
 
     matplotlib.use("Agg")  # before pyplot's import: no display on a compute node
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import LogFormatter
 
-    fig, axes = plt.subplots(1, len(PANELS), figsize=(4 * len(PANELS), 3.4))
+    fig = plt.figure(figsize=(13, 7.5))
+    grid = fig.add_gridspec(2, 3)
+    axes = [fig.add_subplot(grid[r, c]) for r, c in GRID]
     for i, run in enumerate(runs):
         rows, color = read_run(run), f"C{i % 10}"
         tps = tokens_per_step(Path(run), rows) if x_axis == "tokens" else None
         # step x the first config's tokens per step: a resume that changed the batch size bends this axis
         xs = [r["step"] * tps for r in rows] if tps else [r["step"] for r in rows]
         for ax, (key, _) in zip(axes, PANELS):
-            pts = [(x, r[key]) for x, r in zip(xs, rows) if r.get(key) is not None]
+            pts = [(x, r[key] * SCALE.get(key, 1.0)) for x, r in zip(xs, rows) if r.get(key) is not None]
             if pts:
                 ax.plot(*zip(*pts), color=color, label=Path(run).name)
             if key == "loss":
@@ -77,6 +84,8 @@ def plot(runs: list[str], out: str, x_axis: str = "tokens") -> Path:
         ax.grid(alpha=0.3)
         if key in ("loss", "grad_norm"):
             ax.set_yscale("log")  # both span orders of magnitude over a run
+            # label the 2..9 ticks too while the axis spans under 3 decades: a loss of 4 -> 3 had 2 labels
+            ax.yaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False, minor_thresholds=(3, 1)))
     axes[0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out, dpi=80)

@@ -343,7 +343,12 @@ class CheckpointConfig:
     dir: str = "${run.dir}/checkpoints"
     """Where step_XXXXXXXX/ folders and the `latest` pointer live."""
     interval: int = 0
-    """Save every this many steps; 0 saves only at the end."""
+    """Save every this many steps; 0 saves only at the end (and on a stop signal)."""
+    interval_minutes: float = 0.0
+    """Also save once this many minutes of wall time have passed since this run's start or its last save;
+    0 = off. The ranks agree at the stop-check steps (train.signal_check_interval), so a save comes at
+    most that many steps late and no extra collective runs: a node that dies without a signal loses at
+    most this much time. Use with checkpoint.interval for long jobs (scripts/slurm/pretrain.sbatch)."""
     resume: str = "auto"
     """auto (newest committed in dir, if any) | none | a step folder path."""
     keep_last: int = 0

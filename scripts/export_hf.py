@@ -95,8 +95,25 @@ def export_tokenizer(data: dict, out: Path, seq_length: int):
         tok.save_pretrained(str(out))
     else:
         tok = save_tokenizer(path, out, model_max_length=seq_length)
+    write_provenance(path, out)
     print(f"export: tokenizer {path} -> {out} ({len(tok)} tokens)", flush=True)
     return tok
+
+
+PROVENANCE = "megaframe_tokenizer.json"
+"""Beside the exported tokenizer: the hash of the run's tokenizer it encodes exactly like, and of the
+tokenizer.json written, so import_hf can let the imported model train on the run's prepared data as is
+(an export -> import round trip needs no re-tokenisation) unless the tokenizer was changed since."""
+
+
+def write_provenance(src: Path, out: Path) -> None:
+    from megaframe.data.tokenizer import load_tokenizer, tokenizer_sha256
+
+    if not (out / "tokenizer.json").is_file():  # a slow tokenizer saved as is: nothing to vouch for
+        return
+    record = {"converted_from": {"sha256": tokenizer_sha256(src), "kind": load_tokenizer(src).kind},
+              "tokenizer_json_sha256": tokenizer_sha256(out / "tokenizer.json")}
+    (out / PROVENANCE).write_text(json.dumps(record, indent=1) + "\n")
 
 
 def export(ckpt: str, out: Path, dtype: str) -> Path:

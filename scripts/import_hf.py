@@ -100,9 +100,48 @@ def copy_tokenizer(src: Path, dest: Path) -> dict | None:
     loaded = load_tokenizer(dest)  # the vocabulary as prepare will record it in meta.json
     identity = {"sha256": tokenizer_sha256(dest), "vocab_size": loaded.vocab_size, "kind": loaded.kind,
                 "from": str(dest.resolve())}
-    print(f"import: tokenizer ({len(tok)} tokens) -> {dest}; prepare data with "
-          f"python -m megaframe.data.prepare data.tokenizer={dest} data.source=... data.path=...", flush=True)
+    origin = converted_from(src)
+    if origin:  # a megaframe export: data prepared with the run's own tokenizer gives the same ids
+        identity["same_as"] = [origin["sha256"]]
+    print(f"import: tokenizer ({len(tok)} tokens) -> {dest}"
+          + (f", an exact conversion of a {origin['kind']} tokenizer (data prepared with it is used as is)"
+             if origin else ""), flush=True)
     return identity
+
+
+def converted_from(src: Path) -> dict | None:
+    """The tokenizer an HF folder's tokenizer was exported from (export_hf's provenance record), when its
+    tokenizer.json is still the one exported; else None."""
+    import json
+
+    from megaframe.data.tokenizer import tokenizer_sha256
+
+    try:
+        record = json.loads((src / "megaframe_tokenizer.json").read_text())
+        if tokenizer_sha256(src / "tokenizer.json") == record["tokenizer_json_sha256"]:
+            return record["converted_from"]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return None
+
+
+def continue_lines(path: Path, cfg, tok: dict | None, overrides: list[str]) -> list[str]:
+    """The commands that continue pretraining the import: train.py on the data the overrides name when it
+    was prepared with the model's tokenizer; else prepare first (before: the printed train command named
+    data the check then refused)."""
+    from megaframe.data.shards import same_tokenizer, tokenizer_identity
+
+    rest = [o for o in overrides if not o.startswith("model.")]  # the model comes from the checkpoint (adopt.py)
+    data = tokenizer_identity(cfg.data)
+    if tok is None or cfg.data.kind != "prepared" or (data is not None and same_tokenizer(tok, data)):
+        return ["continue pretraining with:", f"  python train.py checkpoint.resume={path} {' '.join(rest)}".rstrip()]
+    keys = ("data=", "data.path=", "data.blend=", "+data.blend=")
+    rest = [o for o in rest if not o.startswith(keys)]
+    why = "was prepared with another tokenizer" if data is not None else "is not prepared"
+    return [f"the data ({cfg.data.path or 'data.blend'}) {why}: prepare your corpus with the model's tokenizer, then "
+            "continue pretraining:",
+            f"  python -m megaframe.data.prepare data.tokenizer={tok['from']} data.source=CORPUS data.path=DATA",
+            f"  python train.py checkpoint.resume={path} data.path=DATA {' '.join(rest)}".rstrip()]
 
 
 def import_hf(folder: str, out: Path, overrides: list[str]) -> Path:
@@ -129,10 +168,7 @@ def import_hf(folder: str, out: Path, overrides: list[str]) -> Path:
     path = sharded.save(out, 0, model, WeightsOnly(), mesh, meta)
     n = sum(t.numel() for t in state.values())
     print(f"import: {folder} ({n / 1e6:.2f}M params, {fields['name']}) -> {path}", flush=True)
-    rest = [o for o in overrides if not o.startswith("model.")]
-    # no model.* overrides: train.py takes the model from checkpoint.resume's metadata (checkpoint/adopt.py)
-    print("continue pretraining with:\n  python train.py checkpoint.resume=" + str(path)
-          + "".join(" " + o for o in rest), flush=True)
+    print("\n".join(continue_lines(path, cfg, tok, overrides)), flush=True)
     return path
 
 

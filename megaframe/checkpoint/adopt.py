@@ -90,13 +90,23 @@ def adopt_model(cfg, overrides: list[str]) -> list[str]:
                                   f"{', '.join(enums[f.name])}") from e
         if f.name in mine and current is not None:  # None is unset: the checkpoint's value is no contradiction
             if current != theirs and f.name not in SOFT:
-                raise ConfigError(f"model.{f.name}={current} contradicts the checkpoint's model.{f.name}={theirs} "
-                                  f"(checkpoint.resume={path}); drop the override to use the checkpoint's")
+                raise ConfigError(contradiction(f.name, current, theirs, saved.get("name"), overrides, path))
         elif current != theirs:
             changes[f.name] = theirs
             taken.append(f.name)
     cfg.model = dataclasses.replace(cfg.model, **changes)
     return taken
+
+
+def contradiction(name: str, mine, theirs, saved_preset, overrides: list[str], path: str) -> str:
+    """The refusal of a model field that differs from the checkpoint's: naming the override the user typed,
+    model.NAME=... or, when it came from a preset, model=PRESET and the checkpoint's own preset."""
+    keys = {o.split("=", 1)[0].lstrip("+~"): o.split("=", 1)[1] for o in overrides if "=" in o}
+    if f"model.{name}" in keys or "model" not in keys:
+        return (f"model.{name}={mine} contradicts the checkpoint's model.{name}={theirs} "
+                f"(checkpoint.resume={path}); drop the override to use the checkpoint's")
+    return (f"model={keys['model']} (model.{name}={mine}) contradicts the checkpoint's model, a {saved_preset} "
+            f"(model.{name}={theirs}) (checkpoint.resume={path}); drop model={keys['model']} to use the checkpoint's")
 
 
 def apply_environment(cfg, overrides: list[str]) -> None:

@@ -194,3 +194,13 @@ def tokenizer_identity(data_cfg) -> dict | None:
     return {"sha256": meta.get("tokenizer_sha256"), "vocab_size": int(meta["vocab_size"]),
             "kind": meta.get("tokenizer_kind", "sentencepiece"), "from": str(tok),
             "path": str(tok.resolve())}  # where generate / export find the run's tokenizer
+
+
+def same_tokenizer(tok: dict, data: dict) -> bool:
+    """Whether data prepared with the tokenizer `data` (tokenizer_identity) gives the token ids of the
+    checkpoint's tokenizer `tok`: the same content hash, or one `tok` is an exact conversion of (`same_as`:
+    an HF export of a megaframe run, imported back, names its run's sentencepiece model); the vocabulary
+    size when a hash is missing (an import without tokenizer files)."""
+    if tok.get("sha256") and data.get("sha256"):
+        return tok["sha256"] == data["sha256"] or data["sha256"] in (tok.get("same_as") or [])
+    return tok["vocab_size"] == data["vocab_size"]

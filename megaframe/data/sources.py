@@ -70,9 +70,16 @@ def kind_of(path: Path, extensions: list[str] | tuple[str, ...]) -> str | None:
     for ext in endings:
         if base.endswith(ext) and not (ext == ".parquet" and base != name):
             return RECORD_KINDS.get(ext, "text")
-    if "." not in base.lstrip(".") and looks_like_text(path):
-        return "text"  # Makefile, LICENSE, README, scripts without an extension
+    if not extension_of(base) and looks_like_text(path):
+        return "text"  # Makefile, LICENSE, README, scripts without an extension; libglib2.0-0__copyright
     return None
+
+
+def extension_of(name: str) -> str:
+    """The name's extension, '' when it has none: what follows the last dot counts only when it looks like
+    one (1-10 letters or digits), so in `libglib2.0-0__copyright` the dot is part of a version."""
+    stem, dot, ext = name.lstrip(".").rpartition(".")
+    return f".{ext.lower()}" if dot and stem and re.fullmatch(r"[A-Za-z0-9]{1,10}", ext) else ""
 
 
 def looks_like_text(path: Path) -> bool:
@@ -91,18 +98,7 @@ def resolve_source(source: str, extensions: list[str] | tuple[str, ...] = (*RECO
     """The input files of data.source, sorted; raises PrepareError when there are none."""
     if not source:
         raise PrepareError("data.source is empty: set it to a folder or glob of text, code, .jsonl or .parquet files")
-    path = Path(source)
-    if any(c in source for c in "*?["):
-        candidates = [Path(p) for p in glob.glob(source, recursive=True)]
-        prefix = re.split(r"[*?\[]", source)[0]  # the glob's literal head: its folder is the root
-        root = Path(prefix) if prefix.endswith(os.sep) else Path(prefix).parent
-    elif path.is_dir():
-        root = path
-        candidates = [p for p in path.rglob("*") if not any(part.startswith(".") for part in p.relative_to(path).parts)]
-    elif path.exists():
-        root, candidates = path.parent, [path]
-    else:
-        raise PrepareError(f"data.source={source} does not exist")
+    root, candidates = _candidates(source)
     # sorted: the token stream (file order) must not depend on the file system's listing order
     files = sorted((p, k) for p in candidates if p.is_file() and (k := kind_of(p, extensions)))
     if not files:
@@ -113,6 +109,46 @@ def resolve_source(source: str, extensions: list[str] | tuple[str, ...] = (*RECO
         st = f.stat()
         out.append(SourceFile(f, os.path.relpath(f, root), st.st_size, st.st_mtime_ns, kind))
     return out
+
+
+def _candidates(source: str) -> tuple[Path, list[Path]]:
+    """The root of data.source and every path under it that could be an input (hidden entries left out)."""
+    path = Path(source)
+    if any(c in source for c in "*?["):
+        prefix = re.split(r"[*?\[]", source)[0]  # the glob's literal head: its folder is the root
+        root = Path(prefix) if prefix.endswith(os.sep) else Path(prefix).parent
+        return root, [Path(p) for p in glob.glob(source, recursive=True)]
+    if path.is_dir():
+        return path, [p for p in path.rglob("*") if not any(part.startswith(".") for part in p.relative_to(path).parts)]
+    if path.exists():
+        return path.parent, [path]
+    raise PrepareError(f"data.source={source} does not exist")
+
+
+def skipped(source: str, files: list[SourceFile]) -> dict[str, list[str]]:
+    """The files of data.source that give no document, by reason: an ending not in data.extensions (the
+    ending, e.g. '.debian'), 'not text' (no extension, binary head) or 'empty'. Hidden entries are not listed."""
+    root, candidates = _candidates(source)
+    taken = {f.path for f in files}
+    out: dict[str, list[str]] = {}
+    for p in sorted(c for c in candidates if c.is_file() and c not in taken):
+        base = p.name[:-3] if p.name.lower().endswith(".gz") else p.name
+        out.setdefault(extension_of(base) or "not text", []).append(os.path.relpath(p, root))
+    for f in files:
+        if f.size == 0:
+            out.setdefault("empty", []).append(f.rel)
+    return out
+
+
+def skip_line(groups: dict[str, list[str]], total: int) -> str | None:
+    """One line for prepare's output: how many files were skipped and why, most common reason first."""
+    n = sum(len(v) for v in groups.values())
+    if not n:
+        return None
+    parts = [f"{len(v)} x {k}" for k, v in sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[0]))]
+    shown = ", ".join(parts[:6]) + (f", {len(parts) - 6} more endings" if len(parts) > 6 else "")
+    return (f"megaframe: prepare: skipped {n} of {total + n - len(groups.get('empty', []))} files ({shown}); "
+            "add endings to data.extensions to read them; the names are in meta.json's `skipped`")
 
 
 def text_size(src: SourceFile) -> int:

@@ -78,6 +78,9 @@ class HFTokenizer:
         self.tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         if self.tok.eos_token_id is None:
             raise TokenizerError(f"{path}: the tokenizer has no eos token (set eos_token in its config)")
+        # documents are encoded whole, never truncated: no "Token indices sequence length is longer than the
+        # specified maximum" warning per long document (the model's context length is not a document limit)
+        self.tok.model_max_length = int(1e30)
 
     @property
     def vocab_size(self) -> int:

@@ -40,3 +40,23 @@ def lr_at(step: int, lr: float, min_lr: float, warmup_steps: int, decay_steps: i
     if schedule is LRSchedule.linear:
         return lr - (lr - min_lr) * progress
     return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+def schedule_warnings(o, max_steps: int) -> list[str]:
+    """What a user would not see coming in the lr curve of a run to `max_steps` (o: the OptimConfig, its
+    horizon resolved): a run that ends inside the warmup, a horizon inside the warmup (the rate falls from
+    its peak to min_lr in one step), a run that ends before its horizon (it never reaches min_lr)."""
+    horizon, warm, out = o.lr_decay_steps or max_steps, o.warmup_steps, []
+    at = lr_at(max_steps, o.lr, o.min_lr, warm, horizon, o.lr_schedule, o.wsd_decay_fraction)
+    if max_steps < warm:
+        out.append(f"optim.warmup_steps={warm} > train.max_steps={max_steps}: the run ends inside the warmup, "
+                   f"at lr {at:.2e} of optim.lr={o.lr:.2e}")
+    decays = LRSchedule(o.lr_schedule) is not LRSchedule.constant
+    if decays and warm >= horizon:
+        out.append(f"optim.warmup_steps={warm} >= the decay horizon {horizon} (optim.lr_decay_steps): the lr falls "
+                   f"from its peak to optim.min_lr={o.min_lr:.2e} at step {warm + 1} (also in a resume with more steps)")
+    if decays and warm < max_steps < horizon:
+        out.append(f"train.max_steps={max_steps} < the decay horizon {horizon} (optim.lr_decay_steps): the run ends "
+                   f"at lr {at:.2e}, before the decay reaches optim.min_lr={o.min_lr:.2e} "
+                   f"(optim.lr_decay_steps={max_steps} ends it there)")
+    return out

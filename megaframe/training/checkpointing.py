@@ -38,10 +38,18 @@ class Checkpointer:
         self.saver = AsyncSaver(mesh) if cfg.checkpoint.async_save else None
         self.last_saved: str | None = None
         """The newest checkpoint this run wrote (committed, or being written in the background)."""
+        self.clock = time.monotonic()
+        """When this run started or last tried a save: checkpoint.interval_minutes counts from here."""
+
+    def overdue(self) -> bool:
+        """This rank's clock says a timed save is due (host only; the ranks agree on it at a check step)."""
+        minutes = self.cfg.checkpoint.interval_minutes
+        return minutes > 0 and time.monotonic() - self.clock >= 60 * minutes
 
     def save(self, model, optimizer, step: int, last: bool, bad_in_a_row: int) -> bool:
         """Checkpoint `step` (in the background unless `last`); False when refused as non-finite."""
         cfg, mesh = self.cfg, self.mesh
+        self.clock = time.monotonic()  # also for a refused save: the next timed try waits a full interval
         with self.watchdog.suspended(cfg.checkpoint.save_timeout_s):
             if self.saver is not None and last:
                 self._settle(self.saver.wait)  # commit the older one first, so `latest` ends on this step
@@ -96,7 +104,7 @@ class Checkpointer:
                 print(f"checkpoint: step {step} copied to host in {time.perf_counter() - t0:.2f}s, writing", flush=True)
         else:
             path = sharded.save(root, step, model, optimizer, mesh, meta, cfg.checkpoint.keep_last, fail, self.io)
-            if mesh.rank == 0:
+            if mesh.is_logger:  # the rank that prints the run summary: under torchrun this line comes before it
                 print(f"checkpoint: {path} ({time.perf_counter() - t0:.2f}s)", flush=True)
         # set even for a save still writing in the background: the next save's lineage follows the order of saves
         self.parent = (sharded.step_dir(root, step), meta["lineage"]["id"])

@@ -10,6 +10,8 @@ Slurm's `--signal`, torchrun (which forwards SIGTERM, and SIGUSR1 with --signals
 """
 from __future__ import annotations
 
+import os
+import shlex
 import signal
 import sys
 from typing import TYPE_CHECKING
@@ -35,11 +37,14 @@ class StopFlag:
         """Whether any rank has been signalled; collective over the mesh."""
         return self.decide(mesh)[0]
 
-    def decide(self, mesh: Mesh, busy: bool = False) -> tuple[bool, bool]:
-        """(any rank signalled, any rank `busy`); collective over the mesh, call it at check steps only.
+    def decide(self, mesh: Mesh, busy: bool = False, due: bool = False) -> tuple[bool, bool, bool]:
+        """(any rank signalled, any rank `busy`, any rank `due`); collective over the mesh, call it at
+        check steps only.
 
-        `busy` rides along for free: the trainer passes whether this rank's async checkpoint writer
-        is still running, so the commit needs no collective of its own. The flags are a CPU tensor
+        `busy` and `due` ride along for free: the trainer passes whether this rank's async checkpoint
+        writer is still running, so the commit needs no collective of its own, and whether its clock says
+        a timed save is due (checkpoint.interval_minutes): ranks' clocks differ slightly, so the save
+        follows the agreed flag, never a rank's own clock (a save is collective). The flags are a CPU tensor
         reduced over a gloo group (the mesh's own on CPU, a gloo twin of it on CUDA, made at the first
         call, which every rank reaches at the same step): the host waits only for the other hosts,
         never for the GPU's queue."""
@@ -50,21 +55,40 @@ class StopFlag:
         from megaframe.parallel.mesh import Axis
 
         if mesh.group is None:
-            return self.signum is not None, busy
+            return self.signum is not None, busy, due
         if self.group is None:
             # new_group is collective: made on the first check step, which every rank reaches at the same step
             group = mesh.group if mesh.device.type == "cpu" else dist.new_group(backend="gloo")
             self.group = Axis("world", mesh.world, mesh.rank, tuple(range(mesh.world)), group, mesh.stats)
-        # both flags in one tensor: one all-reduce per check step, not two
-        flags = torch.tensor([0.0 if self.signum is None else 1.0, 1.0 if busy else 0.0])
-        comm.all_reduce(flags, self.group, op=dist.ReduceOp.MAX)  # MAX: any rank signalled / any still writing
-        signalled, writing = flags.tolist()  # a CPU tensor: no device sync
-        return signalled > 0, writing > 0
+        # every flag in one tensor: one all-reduce per check step, not three
+        flags = torch.tensor([float(self.signum is not None), float(busy), float(due)])
+        comm.all_reduce(flags, self.group, op=dist.ReduceOp.MAX)  # MAX: any rank signalled / still writing / due
+        signalled, writing, timed = flags.tolist()  # a CPU tensor: no device sync
+        return signalled > 0, writing > 0, timed > 0
 
     def restore(self) -> None:
         for s, handler in self.previous.items():
             signal.signal(s, handler)
 
-    def report(self, step: int) -> None:
+    def report(self, step: int, hint: str = "") -> None:
         name = signal.Signals(self.signum).name if self.signum else "a signal on another rank"
-        print(f"megaframe: stopping at step {step} after {name}; checkpoint saved", file=sys.stderr, flush=True)
+        print(f"megaframe: stopping at step {step} after {name}; checkpoint saved{hint}", file=sys.stderr, flush=True)
+
+
+def continue_command(run_name: str, argv: list[str] | None = None, env=None) -> str:
+    """How to continue this run from the checkpoint just saved: the same command with the run's name (a
+    default name is a new timestamp at every start) and without a checkpoint.resume path (the default,
+    auto, takes the newest checkpoint of the run)."""
+    env = os.environ if env is None else env
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = [a for a in argv if not a.lstrip("+~").startswith(("run.name=", "checkpoint.resume="))]
+    args.append(f"run.name={run_name}")
+    if env.get("SLURM_JOB_ID"):  # pretrain.sbatch requeues by itself; a resubmission names the run
+        return f"; continue with: MEGAFRAME_RUN_NAME={shlex.quote(run_name)} sbatch scripts/slurm/pretrain.sbatch " + \
+            shlex.join(a for a in args if not a.startswith("run.name="))
+    world = int(env.get("WORLD_SIZE", "1"))
+    nodes = world // max(int(env.get("LOCAL_WORLD_SIZE", world)), 1)
+    launch = "python train.py" if world == 1 else \
+        f"torchrun {f'--nnodes={nodes} ... ' if nodes > 1 else ''}--nproc-per-node={env.get('LOCAL_WORLD_SIZE', world)} train.py"
+    make = f" (or: make train RUN={shlex.quote(run_name)})" if world == 1 and not argv and env.get("MEGAFRAME_RUN_NAME") else ""
+    return f"; continue with: {launch} {shlex.join(args)}{make}"

@@ -3,6 +3,7 @@ checks and header that precede the loop (announce), and the batch loader the loo
 from __future__ import annotations
 
 import math
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +16,7 @@ from megaframe.data.order import resumed_order
 from megaframe.inference.sampler import Sampler
 from megaframe.model.gpt import build_model
 from megaframe.optim.build import build_optimizer, cast_model
+from megaframe.optim.schedule import schedule_warnings
 from megaframe.parallel import comm
 from megaframe.parallel.mesh import Mesh
 from megaframe.training.evaluate import Evaluator
@@ -64,6 +66,8 @@ def announce(cfg: Config, mesh: Mesh, su: Setup) -> None:
     total_params = global_param_count(su.model, mesh)  # a collective over pp: every rank takes part
     if mesh.rank == 0:
         describe(cfg, mesh, su.model, su.data, start, total_params)
+        for line in schedule_warnings(cfg.optim, cfg.train.max_steps):
+            print(f"megaframe: warning: {line}", file=sys.stderr, flush=True)
         # after the resume: the config written is the one the run goes on with (lr horizon adopted)
         write_run_config(cfg, start)
 
@@ -140,7 +144,7 @@ def describe(cfg: Config, mesh: Mesh, model, data, start: int, total: int) -> No
     m, t = cfg.model, cfg.train
     local = sum(p.numel() for p in model.parameters())
     accum = t.global_batch_size // (t.micro_batch_size * mesh.dp.size)
-    print(f"megaframe | run {cfg.run.dir} | {mesh.describe()} sp={cfg.parallel.sp}", flush=True)
+    print(f"megaframe | run {cfg.run.dir} | {mesh.describe()} sp={cfg.parallel.sp} {zero_label(cfg, mesh)}", flush=True)
     print(f"model {m.name}: {m.num_layers} layers, D={m.hidden_size}, heads {m.num_attention_heads} "
           f"(kv {m.kv_heads}), F={m.ffn_hidden_size}, vocab {m.vocab_size}, seq {m.seq_length}"
           f"{f', {m.num_experts} experts (top-{m.moe_top_k}, F={m.expert_ffn})' if m.num_experts else ''} | "
@@ -150,6 +154,15 @@ def describe(cfg: Config, mesh: Mesh, model, data, start: int, total: int) -> No
           f"micro {t.micro_batch_size}, accumulation {accum} | data {data_label(cfg)}: "
           f"{'endless' if cfg.data.kind == 'synthetic' else data.num_samples} samples | "
           f"steps {start + 1}..{t.max_steps}", flush=True)
+
+
+def zero_label(cfg: Config, mesh: Mesh) -> str:
+    """The ZeRO stage and what it shards over dp (the params count of a ZeRO-3 run reads as if replicated)."""
+    o, dp = cfg.optim, mesh.dp.size
+    what = {0: "nothing sharded", 1: "optimizer state sharded", 2: "optimizer state and grads sharded",
+            3: "optimizer state, grads and params sharded"}[o.zero]
+    over = f"groups of {o.shard_group_size} (HSDP)" if o.shard_group_size and o.shard_group_size != dp else f"dp={dp}"
+    return f"zero={o.zero} ({what}{'' if o.zero == 0 else f' over {over}'})"
 
 
 def check_first_shards(cfg: Config, mesh: Mesh, data, start: int, acct: Accounting) -> None:

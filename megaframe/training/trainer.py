@@ -22,7 +22,7 @@ from megaframe.training.errors import TrainingError  # also re-exported for trai
 from megaframe.training.faults import Injector
 from megaframe.training.meter import BadSteps, Meter
 from megaframe.training.runlock import RunDirBusy, RunLock
-from megaframe.training.signals import StopFlag
+from megaframe.training.signals import StopFlag, continue_command
 from megaframe.training.startup import Setup, announce, batch_loader, set_up
 from megaframe.training.startup import data_label as data_label  # re-exported: its old path, tests import it here
 from megaframe.training.step import train_step
@@ -108,8 +108,14 @@ def train(cfg: Config, mesh: Mesh, stop: StopFlag, run_id: str = "") -> None:
             except TrainingError as e:
                 raise TrainingError(f"{e}; {ckpt.resume_hint()}") from e
             val = evaluate_and_sample(su, meter, tracker, step, cfg.run.dir)
-            # on every rank, not only the logger: the row's dp loss all-reduce and MoE figures are collectives
-            if step % t.log_interval == 0 or step == t.max_steps or val is not None:
+            stopping = timed = False
+            if checks_at(step, start, t):  # the same steps on every rank: they stop (and save on time) together
+                stopping, writing, timed = stop.decide(mesh, busy=ckpt.writing(), due=ckpt.overdue())
+                # `writing` is the all-reduced flag, the same on every rank: all commit the background save or none does
+                ckpt.poll(all_written=not writing)
+            # on every rank, not only the logger: the row's dp loss all-reduce and MoE figures are collectives; the
+            # stop step too (agreed on every rank), so the summary's final loss is the one the checkpoint holds
+            if step % t.log_interval == 0 or step == t.max_steps or val is not None or stopping:
                 row = {**meter.metrics(step, res, su.model, su.optimizer), **probe.gather(mesh), **ckpt.take_io(),
                        **stage_metric(su.data, su.acct.consumed(step))}
                 if val is not None:
@@ -117,16 +123,11 @@ def train(cfg: Config, mesh: Mesh, stop: StopFlag, run_id: str = "") -> None:
                 # the first row after a resume names the checkpoint (readers see where the run restarted)
                 row, marker = {**row, **marker}, {}
                 tracker.log(row, start)
-            stopping = False
-            if checks_at(step, start, t):  # the same steps on every rank: they stop together
-                stopping, writing = stop.decide(mesh, busy=ckpt.writing())
-                # `writing` is the all-reduced flag, the same on every rank: all commit the background save or none does
-                ckpt.poll(all_written=not writing)
-            if save_due(cfg, step, stopping):
+            if save_due(cfg, step, stopping) or timed:
                 bad.flush()  # a deferred grad-norm read: the save must know whether this step was skipped
                 ckpt.save(su.model, su.optimizer, step, step == t.max_steps or stopping, bad.in_a_row)
             if stopping:
-                stop.report(step)
+                stop.report(step, continue_command(cfg.run.name) if mesh.rank == 0 else "")
                 break
         ckpt.finish()
         meter.report(start, step, ckpt.last_saved)
@@ -158,7 +159,8 @@ def evaluate_and_sample(su: Setup, meter: Meter, tracker: Tracker, step: int, ru
 
 
 def save_due(cfg: Config, step: int, stopping: bool) -> bool:
-    """Every checkpoint.interval steps, and at the run's last step (the end, or a stop)."""
+    """Every checkpoint.interval steps, and at the run's last step (the end, or a stop); the timed saves
+    (checkpoint.interval_minutes) are decided at the check steps, together (StopFlag.decide)."""
     interval = cfg.checkpoint.interval
     return bool(interval and step % interval == 0) or step == cfg.train.max_steps or stopping
 

@@ -29,7 +29,7 @@ def job_env(**extra: str) -> dict:
     return env
 
 
-GPU_ONLY = re.compile(r"^#SBATCH --(gpus-per-node|exclusive|ntasks-per-node)\b")
+GPU_ONLY = re.compile(r"^#SBATCH --(gpus-per-node|cpus-per-task|exclusive|ntasks-per-node)\b")
 """pretrain.sbatch's GPU-cluster directives: the local cluster has no GPUs, and Slurm refuses any GPU
 request there (--gpus-per-node=0 included)."""
 

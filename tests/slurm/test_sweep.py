@@ -75,5 +75,5 @@ def test_pretrain_sbatch_is_gpu_cluster_ready(tmp_path):
                    "--container-image=", "MEGAFRAME_SETUP"):
         assert needle in text, needle
     cpu = cpu_script(tmp_path).read_text().splitlines()
-    assert len(text.splitlines()) - len(cpu) == 3
-    assert not [ln for ln in cpu if ln.startswith(("#SBATCH --gpus", "#SBATCH --exclusive"))]
+    assert len(text.splitlines()) - len(cpu) == 4
+    assert not [ln for ln in cpu if ln.startswith(("#SBATCH --gpus", "#SBATCH --exclusive", "#SBATCH --cpus"))]

@@ -12,8 +12,8 @@ from megaframe.config import CONF_DIR, Config, ConfigError, ModelConfig, load_co
 
 # Adding, renaming or removing a config key is a deliberate edit of this list (and of the docs that cite it).
 EXPECTED_KEYS = sorted("""
-checkpoint.allow_config_change checkpoint.async checkpoint.dir checkpoint.interval checkpoint.keep_last
-checkpoint.on_save_error checkpoint.resume checkpoint.save_timeout_s
+checkpoint.allow_config_change checkpoint.async checkpoint.dir checkpoint.interval checkpoint.interval_minutes
+checkpoint.keep_last checkpoint.on_save_error checkpoint.resume checkpoint.save_timeout_s
 data.blend data.kind data.name data.num_workers data.path data.source data.text_key data.tokenizer
 data.tokenizer_sample_bytes data.valid_fraction data.vocab_size data.extensions data.split
 logging.wandb.entity logging.wandb.mode logging.wandb.project

@@ -20,3 +20,19 @@ def test_two_runs_one_png(tmp_path, capsys):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
     assert main([str(tmp_path / "missing")]) == 2
     assert "no metrics.jsonl" in capsys.readouterr().err
+
+
+def test_panels_on_a_grid_with_mfu_in_percent(tmp_path):
+    """newcomer-2 F11: one row of 5 panels (1600 x 272 px), MFU a raw fraction."""
+    import struct
+
+    from megaframe.plot import PANELS, SCALE
+
+    rows = [{"step": s, "loss": 5.0 - s / 10, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 100.0, "mfu": 0.1}
+            for s in range(1, 11)]
+    write_run(tmp_path / "a", rows)
+    out = tmp_path / "c.png"
+    assert main([str(tmp_path / "a"), "--out", str(out)]) == 0
+    width, height = struct.unpack(">II", out.read_bytes()[16:24])  # the PNG's IHDR
+    assert height >= 450 and width / height < 2.5, (width, height)
+    assert dict(PANELS)["mfu"] == "MFU (%)" and SCALE["mfu"] == 100.0
