@@ -266,6 +266,8 @@ def _check_data_fields(cfg: Config) -> None:
     for i, b in enumerate(d.blend):
         _req(bool(b.path) and b.weight > 0, f"data.blend[{i}] needs a path and a weight > 0")
     _check_stages(d, t, cfg.model.seq_length)
+    _req(not d.document_mask or cfg.parallel.cp == 1,
+         f"data.document_mask=true is not supported with parallel.cp={cfg.parallel.cp} yet: use cp=1")
     _req(t.eval_interval >= 0 and t.eval_iters >= 1,
          f"train.eval_interval={t.eval_interval} must be >= 0 and train.eval_iters={t.eval_iters} >= 1")
     _req(t.sample_interval >= 0 and t.sample_tokens >= 1,

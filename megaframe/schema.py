@@ -332,6 +332,11 @@ class DataConfig:
     blend: list[BlendSource] = field(default_factory=list)
     """Train on several prepared datasets mixed by weight, instead of data.path, e.g.
     data.blend='[{path: /data/a, weight: 0.7}, {path: /data/b, weight: 0.3}]'. They must share a tokenizer."""
+    document_mask: bool = False
+    """Attention only within each sample's own documents (causal within each), positions (RoPE or learned)
+    restarting at every document; a document ends at the tokenizer's end-of-document id (synthetic data:
+    ids that are multiples of 64). The end token's loss (predicting the next document's first token) is
+    kept. Not with parallel.cp > 1 yet (megaframe.model.documents)."""
     stages: list[DataStage] = field(default_factory=list)
     """Mixtures that change during the run, instead of data.blend: a list of {until_step or until_tokens,
     blend}, ends increasing, the last one open-ended; the sampler switches at each boundary, exactly, under

@@ -49,6 +49,7 @@ class BlendedData:
         self.seq_length = parts[0].seq_length
         # the parts share one tokenizer (check_datasets refuses otherwise); the max bounds every id
         self.vocab_size = max(p.vocab_size for p in parts)
+        self.eos_ids = parts[0].eos_ids  # one tokenizer (check_datasets): one end-of-document id
         self.num_samples = sum(p.num_samples for p in parts)  # for display: one epoch of every dataset
 
     def locate(self, position: int) -> tuple[int, int]:

@@ -60,6 +60,7 @@ class PreparedData:
         self.num_tokens = int(self.seg_starts[-1])
         self.seq_length = seq_length
         self.vocab_size = int(meta["vocab_size"])
+        self.eos_ids = [int(meta["eos_id"])] if meta.get("eos_id") is not None else []  # data.document_mask
         # samples overlap by one token (a sample's last label is the next one's first input): - 1 keeps the last sample whole
         self.num_samples = (self.num_tokens - 1) // seq_length
         if self.num_samples < 1:
@@ -145,6 +146,8 @@ class SyntheticData:
     def __init__(self, vocab_size: int, seq_length: int, seed: int):
         self.vocab_size, self.seq_length, self.seed = vocab_size, seq_length, seed
         self.num_samples = 1 << 62  # endless: positions never wrap into a second epoch
+        # data.document_mask on synthetic data: ids that are multiples of 64 end a document (~1 in 64 tokens)
+        self.eos_ids = list(range(0, vocab_size, 64))
 
     def __getitem__(self, i: int) -> np.ndarray:
         # seeded per sample: any rank reads any sample without drawing the ones before it

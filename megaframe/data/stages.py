@@ -60,6 +60,7 @@ class StagedData:
         self.ends = stage_ends(stages, global_batch, self.parts[0].seq_length)
         self.seq_length = self.parts[0].seq_length
         self.vocab_size = max(p.vocab_size for p in self.parts)
+        self.eos_ids = self.parts[0].eos_ids  # one tokenizer (check_datasets): one end-of-document id
         self.num_samples = sum(p.num_samples for p in self.parts)  # for display: one epoch of every dataset
         self.stages = []  # per stage: (start, global dataset ids, pattern, start offset of each global dataset)
         offset, start = np.zeros(len(self.parts), dtype=np.int64), 0

@@ -23,6 +23,7 @@ from megaframe.layers.rng import tp_distinct
 from megaframe.layers.shard import Shard, init_model, sharded_param
 from megaframe.layers.vocab import VocabParallelEmbedding, parallel_logits, vocab_parallel_cross_entropy
 from megaframe.model.attention import Attention, rope_tables
+from megaframe.model.documents import DocContext, document_context, rope_at
 from megaframe.model.moe import MoE
 from megaframe.parallel.context import cp_positions
 from megaframe.parallel.mesh import Mesh
@@ -124,18 +125,25 @@ class GPT(nn.Module):
             cos, sin = rope_tables(cfg.seq_length, cfg.head_dim, cfg.rope_theta, device)
             self.rope = (cos[self.positions], sin[self.positions]) if mesh.cp.size > 1 else (cos, sin)
         self.drop = nn.Dropout(cfg.dropout)
+        self.doc_eos: torch.Tensor | None = None  # end-of-document ids under data.document_mask (set_documents)
+
+    def set_documents(self, eos_ids: list[int]) -> None:
+        """data.document_mask: attention within documents, positions restarting at each (model/documents.py)."""
+        self.doc_eos = torch.tensor(eos_ids, dtype=torch.long, device=self.positions.device)
 
     def init_weights(self, seed: int) -> None:
         init_model(self, seed, self.cfg.init_std, self.cfg.num_layers)
 
-    def embed_tokens(self, ids_BS: torch.Tensor) -> torch.Tensor:
+    def embed_tokens(self, ids_BS: torch.Tensor, doc: DocContext | None = None) -> torch.Tensor:
         # Transposed to sequence-first: sp splits and gathers dim 0, contiguous (comm's convention).
         x_SBD = self.embed(ids_BS.t())
         if self.cfg.position_embedding == "learned":
             s = x_SBD.shape[0]
             # Under sp x_SBD is already this rank's sequence block: add the positions of that block.
             start = self.mesh.tp.rank * s if self.sp else 0
-            if self.mesh.cp.size > 1:  # this cp rank's chunks: their global rows
+            if doc is not None:  # positions within each document (cp is refused with document masking)
+                x_SBD = x_SBD + self.pos_embed[doc.pos_BS.t()[start:start + s]]
+            elif self.mesh.cp.size > 1:  # this cp rank's chunks: their global rows
                 x_SBD = x_SBD + self.pos_embed[self.positions[start:start + s]].unsqueeze(1)
             else:
                 x_SBD = x_SBD + self.pos_embed[start:start + s].unsqueeze(1)
@@ -160,14 +168,19 @@ class GPT(nn.Module):
     def forward_chunk(self, chunk: int, x_SBD: torch.Tensor | None, input_ids_BS: torch.Tensor,
                       labels_BS: torch.Tensor | None) -> torch.Tensor:
         """One chunk: hidden states in, hidden states out (or loss_BS / logits on the last stage)."""
+        doc = document_context(input_ids_BS, self.doc_eos) if self.doc_eos is not None else None
         if chunk == 0 and self.stage.first:
-            x_SBD = self.embed_tokens(input_ids_BS)
+            x_SBD = self.embed_tokens(input_ids_BS, doc)
+        # what attention needs: (cos, sin) tables, and under document masking per-token ones plus the mask
+        rope = self.rope
+        if doc is not None:
+            rope = (*(rope_at(*self.rope, doc.pos_BS) if self.rope is not None else (None, None)), doc.mask_B1SS)
         full = self.recompute_blocks and self.training and torch.is_grad_enabled()
         for i in self.stage.chunks[chunk]:
             if full:  # keep only the block's input; backward re-runs its forward (same RNG state: same dropout)
-                x_SBD = checkpoint(self.layers[str(i)], x_SBD, self.rope, use_reentrant=False)
+                x_SBD = checkpoint(self.layers[str(i)], x_SBD, rope, use_reentrant=False)
             else:
-                x_SBD = self.layers[str(i)](x_SBD, self.rope)
+                x_SBD = self.layers[str(i)](x_SBD, rope)
         if chunk == len(self.stage.chunks) - 1 and self.stage.last:
             return self.head_output(x_SBD, labels_BS)
         return x_SBD

@@ -48,6 +48,8 @@ def set_up(cfg: Config, mesh: Mesh) -> Setup:
         sampler = Sampler.build(cfg, mesh)  # None unless train.sample_interval > 0
     except (OSError, ValueError, KeyError) as e:
         raise ConfigError(f"data.path={cfg.data.path}: unreadable prepared data ({e})") from e
+    if cfg.data.document_mask:
+        set_documents(model, data, cfg)
     resumed = resume(cfg, model, optimizer, mesh)
     if resumed.meta:
         data.order = resumed_order(resumed.meta)  # a resumed run keeps the sample order it began with
@@ -119,6 +121,14 @@ def write_run_config(cfg: Config, start: int) -> None:
     # config.yaml is never overwritten: it records how the run began
     path = first if not first.exists() else run_dir / f"config.resume-{start}.yaml"
     write_atomic(path, OmegaConf.to_yaml(OmegaConf.structured(cfg)))  # a crash leaves no half config
+
+
+def set_documents(model, data, cfg: Config) -> None:
+    """data.document_mask: the model masks attention at the data's end-of-document ids."""
+    if not getattr(data, "eos_ids", None):
+        raise ConfigError(f"data.document_mask=true needs an end-of-document id, and data.path={cfg.data.path} "
+                          "records none (meta.json eos_id): prepare it again")
+    model.set_documents(data.eos_ids)
 
 
 def data_label(cfg: Config) -> str:

@@ -58,6 +58,8 @@ def train_and_report(mesh, overrides: list[str], steps: int, setup=None, seed_dr
         setup(model)
     optimizer = build_optimizer(model, cfg.optim, mesh)
     data = build_data(cfg)
+    if cfg.data.document_mask:
+        model.set_documents(data.eos_ids)
     t = cfg.train
     losses, grads, comm_tp, norms = [], None, [], []
     for step in range(1, steps + 1):
