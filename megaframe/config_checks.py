@@ -80,6 +80,7 @@ FIELD_RULES: dict[str, Rule] = {
     "optim.lr_decay_steps": _r(1, opt=True), "optim.wsd_decay_fraction": UNIT,
     # data
     "data.vocab_size": POS, "data.tokenizer_sample_bytes": NONNEG, "data.num_workers": NONNEG,
+    "data.task": NONNEG, "data.num_tasks": POS,
     "data.valid_fraction": UNIT,
     # checkpoint
     "checkpoint.interval": NONNEG, "checkpoint.interval_minutes": NONNEGF, "checkpoint.keep_last": NONNEG,

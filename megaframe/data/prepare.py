@@ -55,6 +55,7 @@ from megaframe.data.sources import (
     text_size,
     units,
 )
+from megaframe.data.tasks import missing_line, unit_tasks, waiting_lock
 from megaframe.data.tokenizer import TokenizerError, load_tokenizer, tokenizer_sha256, train_tokenizer
 from megaframe.errors import fail
 
@@ -67,12 +68,16 @@ TOKENIZER_SEED = 1234
 
 
 def prepare(cfg: Config, *, unit_bytes: int = UNIT_BYTES, chunk_chars: int | None = None,
-            show_progress: bool | None = None) -> dict | None:
+            show_progress: bool | None = None, merge: bool = False) -> dict | None:
     """Prepare cfg.data.source into cfg.data.path. Returns meta.json's content plus 'stats' (timings),
-    or None when data.path already holds exactly this preparation. Raises PrepareError on bad input."""
+    or None when data.path already holds exactly this preparation; under data.num_tasks, {"part": ...}
+    when this task's units are done but not every task's. merge: tokenize nothing, write meta.json if
+    every unit is there (megaframe.data.tasks). Raises PrepareError on bad input."""
     d = cfg.data
     if not d.path:
         raise PrepareError("data.path is empty: set it to the output folder")
+    if not 0 <= d.task < d.num_tasks:
+        raise PrepareError(f"data.task={d.task} must be in [0, data.num_tasks={d.num_tasks})")
     if not d.tokenizer and d.vocab_size < 260:  # 256 byte pieces + unk + eos + a few characters
         raise PrepareError(f"data.vocab_size={d.vocab_size} is too small (byte fallback alone needs 258)")
     out = Path(d.path)
@@ -92,16 +97,19 @@ def prepare(cfg: Config, *, unit_bytes: int = UNIT_BYTES, chunk_chars: int | Non
     work = out.parent / f".{out.name}.partial"
     fresh = not work.exists()
     work.mkdir(exist_ok=True)
-    # two prepares of one data.path share the partial folder: the lock lets only one build it
-    lock, done = mf.Lock(work / ".lock"), False
+    # two prepares of one data.path share the partial folder: the lock lets only one build it (one per task)
+    tasked = d.num_tasks > 1 or merge
+    lock, done = mf.Lock(work / (f".lock.task{d.task}" if tasked and not merge else ".lock")), False
     try:
         if _already_prepared(out, settings, files):  # a concurrent run finished first: its data is as good
             return None
-        meta = _build(cfg, files, work, settings, unit_bytes, chunk_chars, show_progress, skips)
-        shutil.rmtree(work / "units")  # resume records: meta.json now says it all
-        (work / "settings.json").unlink()
-        lock.release(unlink=True)
-        os.rename(work, out)  # atomic; replaces only a missing or empty folder
+        meta = _build(cfg, files, work, settings, unit_bytes, chunk_chars, show_progress, skips, merge)
+        if "part" in meta:  # this task's part is done, and not yet every task's: the folder is shared, keep it
+            done = True
+            return meta
+        if not tasked:
+            lock.release(unlink=True)
+            _publish(work, out)
         done = True
         return meta
     except PrepareError as e:
@@ -115,6 +123,14 @@ def prepare(cfg: Config, *, unit_bytes: int = UNIT_BYTES, chunk_chars: int | Non
             for p in created:
                 with contextlib.suppress(OSError):
                     p.rmdir()
+
+
+def _publish(work: Path, out: Path) -> None:
+    shutil.rmtree(work / "units")  # resume records: meta.json now says it all
+    (work / "settings.json").unlink()
+    for lock_file in work.glob(".*lock*"):  # the tasks' and the tokenizer's locks (flocks outlive an unlink)
+        lock_file.unlink(missing_ok=True)
+    os.rename(work, out)  # atomic; replaces only a missing or empty folder
 
 
 def _already_prepared(out: Path, settings: dict, files: list[SourceFile]) -> bool:
@@ -134,8 +150,9 @@ def _already_prepared(out: Path, settings: dict, files: list[SourceFile]) -> boo
 
 
 def _build(cfg: Config, files: list[SourceFile], work: Path, settings: dict, unit_bytes: int,
-           chunk_chars: int | None, show_progress: bool | None, skips: dict | None = None) -> dict:
-    """Tokenizer, shards and meta.json inside the partial folder `work`; returns the meta + stats."""
+           chunk_chars: int | None, show_progress: bool | None, skips: dict | None = None, merge: bool = False) -> dict:
+    """Tokenizer, shards and meta.json inside the partial folder `work`; returns the meta + stats, or
+    {"part": ...} for a task whose units are done while others' are not (megaframe.data.tasks)."""
     t0 = time.perf_counter()
     old = work / "settings.json"
     if old.is_file() and json.loads(old.read_text()) != settings:
@@ -149,14 +166,19 @@ def _build(cfg: Config, files: list[SourceFile], work: Path, settings: dict, uni
     with tempfile.TemporaryDirectory(prefix="megaframe-hf-") as cache, offline_hf(cache), _pool(workers) as pool:
         # hashed first: a re-run compares them to decide whether OUT is this very preparation
         records = [f.record(h) for f, h in zip(files, _map(pool, file_sha256, [f.path for f in files]))]
-        tok_name = _tokenizer(cfg, files, work, cache)
+        with waiting_lock(work / ".tokenizer.lock"):  # under tasks: one trains it, the others wait and load it
+            tok_name = _tokenizer(cfg, files, work, cache)
         tok = load_tokenizer(work / tok_name)
         t1, cpu1 = time.perf_counter(), time.process_time()
         print(f"megaframe: prepare: tokenizing {len(files):,} files ({sum(f.size for f in files) / 1e6:,.1f} MB) "
               f"with {workers} worker(s)", flush=True)
         shards, worker_cpu = _encode(cfg, files, records, str(work / tok_name), work, pool, unit_bytes,
-                         chunk_chars or _chunk_size(files, workers), cache, show_progress)
+                         chunk_chars or _chunk_size(files, workers), cache, show_progress, merge)
         t2, cpu2 = time.perf_counter(), time.process_time()
+    if isinstance(shards, dict):  # units missing: a task's part, or a refused merge
+        if merge:
+            raise PrepareError(missing_line(shards["missing"], shards["tasks"], Path(cfg.data.path)))
+        return {"part": shards, "stats": {"seconds": time.perf_counter() - t0, "encode_seconds": t2 - t1}}
     num_tokens = sum(s["num_tokens"] for s in shards)
     if num_tokens == 0:
         raise PrepareError(f"data.source={cfg.data.source}: the files hold no text")
@@ -166,7 +188,15 @@ def _build(cfg: Config, files: list[SourceFile], work: Path, settings: dict, uni
             "tokenizer": tok_name, "tokenizer_kind": tok.kind, "tokenizer_sha256": tokenizer_sha256(work / tok_name),
             "source": cfg.data.source, "sources": records, "settings": settings, "skipped": skips or {}}
     # after every shard: prepare() renames the folder into place only once meta.json exists
-    mf.write_json(work / "meta.json", meta)
+    if cfg.data.num_tasks > 1 or merge:  # tasks finishing together: one writes and publishes, under a lock
+        out = Path(cfg.data.path)
+        with waiting_lock(work / ".merge.lock"):
+            if (out / "meta.json").is_file():
+                return {"part": {"task": cfg.data.task, "merged_by_another": True}, "stats": {}}
+            mf.write_json(work / "meta.json", meta)
+            _publish(work, out)
+    else:
+        mf.write_json(work / "meta.json", meta)
     return {**meta, "stats": {"workers": workers, "seconds": time.perf_counter() - t0,
                               "tokenizer_seconds": t1 - t0, "encode_seconds": t2 - t1,
                               "encode_cpu_seconds": cpu2 - cpu1 + worker_cpu}}
@@ -271,17 +301,20 @@ def _finish_unit(work: Path, k: int, record: dict) -> None:
 
 
 def _encode(cfg: Config, files: list[SourceFile], records: list[dict], tok_path: str, work: Path, pool,
-            unit_bytes: int, chunk_chars: int, cache: str, show_progress: bool | None) -> tuple[list[dict], float]:
-    """Tokenize every unit not finished by an earlier run; returns all shards in stream order and the
-    worker processes' CPU seconds."""
+            unit_bytes: int, chunk_chars: int, cache: str, show_progress: bool | None,
+            merge: bool = False) -> tuple[list[dict] | dict, float]:
+    """Tokenize every unit (of this task's part, under data.num_tasks; none for a merge) not finished by an
+    earlier run; returns all shards in stream order, or {"missing", "tasks"} while other tasks' units are
+    not done, and the worker processes' CPU seconds."""
     (work / "units").mkdir(exist_ok=True)
     groups, done, todo, i = units(files, unit_bytes), {}, [], 0
+    owner = unit_tasks([sum(f.size for f in g) for g in groups], cfg.data.num_tasks)
     for k, group in enumerate(groups):
         recs, i = records[i:i + len(group)], i + len(group)
         rec = mf.finished_unit(work, k, recs)
         if rec is not None:
             done[k] = rec
-        else:
+        elif owner[k] == cfg.data.task and not merge:
             todo.append((k, group, recs))
     progress = Progress(sum(text_size(f) for _, g, _ in todo for f in g), show_progress)
     pending: deque = deque()  # in stream order: ("chunk", k, result, chars) and ("unit", k, recs)
@@ -324,7 +357,11 @@ def _encode(cfg: Config, files: list[SourceFile], records: list[dict], tok_path:
         raise PrepareError(f"cannot write to {work}: {e}") from e
     finally:
         progress.close()
-    return [s for k in sorted(done) for s in done[k]["shards"]], progress.worker_cpu if pool is not None else 0.0
+    cpu = progress.worker_cpu if pool is not None else 0.0
+    missing = [k for k in range(len(groups)) if k not in done]
+    if missing:
+        return {"task": cfg.data.task, "missing": missing, "tasks": owner, "units": len(groups)}, cpu
+    return [s for k in sorted(done) for s in done[k]["shards"]], cpu
 
 
 class Progress:
@@ -371,11 +408,17 @@ class Progress:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    merge = bool(argv) and argv[0] == "merge"  # python -m megaframe.data.prepare merge data.path=... (same args)
     try:
-        cfg = load_config(argv, world_size=1, check_data=False)
-        meta = prepare(cfg)
+        cfg = load_config(argv[1:] if merge else argv, world_size=1, check_data=False)
+        meta = prepare(cfg, merge=merge)
     except (ConfigError, PrepareError) as e:
         return fail(e)
+    if meta is not None and "part" in meta:
+        part = meta["part"]
+        left = f"{len(part['missing'])} unit(s) of other tasks still to do" if "missing" in part else "merged by another task"
+        print(f"megaframe: prepare: task {cfg.data.task} of {cfg.data.num_tasks} done; {left}")
+        return 0
     if meta is None:
         print(f"megaframe: {cfg.data.path} is already prepared from these sources and settings; nothing to do")
         return 0

@@ -1,0 +1,46 @@
+"""prepare as N tasks (`data.task=i data.num_tasks=N`, e.g. a Slurm job array: scripts/slurm/prepare.sbatch).
+
+The source files' units (data.sources.units: consecutive files, ~UNIT_BYTES each) are cut into N contiguous
+ranges balanced by bytes; task i tokenizes range i into the shared partial folder `.OUT.partial` (one
+filesystem all tasks see), each unit's record written once its shards are whole, exactly as one task
+writes them. The tokenizer is trained (or copied) once: the first task to take its lock does it while the
+others wait on the lock, then load it. The task that finds every unit done writes meta.json and renames the
+folder into place (under a merge lock: one of several finishing together does it); `prepare merge` does the
+same by hand, and refuses, naming the missing units and their tasks, while any is missing. The shards,
+their order and the token stream are those of one task with the same data.num_workers (chunk sizes come
+from the whole file list), so the output equals the one-task output shard for shard.
+"""
+from __future__ import annotations
+
+import fcntl
+import os
+from contextlib import contextmanager
+from pathlib import Path
+
+
+def unit_tasks(sizes: list[int], num_tasks: int) -> list[int]:
+    """The task of each unit: contiguous ranges, each unit going where its middle byte falls."""
+    total, acc, out = max(sum(sizes), 1), 0, []
+    for s in sizes:
+        out.append(min(num_tasks - 1, int((acc + s / 2) * num_tasks / total)))
+        acc += s
+    return out
+
+
+@contextmanager
+def waiting_lock(path: Path):
+    """A blocking exclusive flock (the kernel drops it if the holder dies): tasks take turns."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def missing_line(missing: list[int], tasks: list[int], out: Path) -> str:
+    """One line naming the units not done and the tasks that own them."""
+    owners = sorted({tasks[k] for k in missing})
+    return (f"data.path={out}: {len(missing)} of {len(tasks)} unit(s) not prepared yet (units "
+            f"{', '.join(map(str, missing[:8]))}{' ...' if len(missing) > 8 else ''}; tasks "
+            f"{', '.join(map(str, owners))}): run those tasks (data.task=I) before the merge")
