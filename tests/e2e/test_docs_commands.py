@@ -1,0 +1,104 @@
+"""Every shell command of README.md and docs/ is checked: each page's commands run in order in a scratch
+copy of the checkout (a user's journey through the page, with a tiny model and a few steps appended to
+train commands), and the ones a CPU box cannot run (tagged [gpu], [cluster], [slow]) or that a named test
+already runs ([tested-by: ...]) are checked for syntax: bash -n, and their Hydra overrides parsed and
+checked against the schema. See tests/e2e/docs_commands.py for how a command is read, docs/README.md
+for the tags."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.docs_commands import PAGES, ROOT, commands, hydra_overrides, small_overrides
+from tests.e2e.helpers import env
+
+pytestmark = pytest.mark.e2e
+TIMEOUT_S = 240
+PLANNER_KEYS = ("world_size", "device_memory_gb", "plan_json", "search", "device", "top", "efficiency")
+
+
+def test_every_page_has_commands_and_the_readme_is_short():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= 250, f"README.md has {len(lines)} lines: move detail into docs/"
+    assert sum(len(commands(p)) for p in PAGES) >= 40
+    assert [c.code for c in commands("README.md")[:2]] == ["make train", "make test"]  # DESIGN 1.1
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_syntax_and_config_keys(page):
+    """bash -n over every block, each tested-by names a test that exists, and each command's Hydra
+    overrides are keys of the schema (a renamed or deleted key fails here even where nothing runs)."""
+    from megaframe.config_keys import check_override_keys
+    from megaframe.errors import ConfigError
+
+    cmds = commands(page)
+    script = "\n".join(c.code for c in cmds)
+    res = subprocess.run(["bash", "-n"], input=script, capture_output=True, text=True, timeout=30)
+    assert res.returncode == 0, f"{page}: {res.stderr}"
+    for c in cmds:
+        if c.tested_by:
+            path, _, name = c.tested_by.partition("::")
+            assert (ROOT / path).is_file(), f"{c.where}: tested-by names a missing file {path}"
+            assert not name or f"def {name}(" in (ROOT / path).read_text(), f"{c.where}: no test {c.tested_by}"
+        if c.expected_exit:  # a refusal the page shows on purpose: the run checks it
+            continue
+        tool, over = hydra_overrides(c)
+        over = [o for o in over if o.lstrip("+").split("=", 1)[0] not in PLANNER_KEYS]
+        try:
+            check_override_keys(over)
+        except ConfigError as e:
+            pytest.fail(f"{c.where}: `{c.code}`: {e}")
+
+
+def scratch_checkout(root: Path) -> Path:
+    """A folder that looks like the checkout (its files linked) but keeps what the commands write: outputs/,
+    runs/, data/<new corpus>. data/demo is linked, so the demo corpus prepared in the checkout is read."""
+    work = root / "checkout"
+    (work / "data").mkdir(parents=True)
+    for p in ROOT.iterdir():
+        if p.name not in {"data", "outputs", "runs", ".git", ".venv", ".pytest_cache"}:
+            (work / p.name).symlink_to(p)
+    for p in (ROOT / "data").iterdir():
+        (work / "data" / p.name).symlink_to(p)
+    (work / ".venv").symlink_to(Path(sys.prefix))
+    return work
+
+
+@pytest.fixture(scope="module")
+def demo_corpus():
+    """The demo corpus prepared in the checkout, as `make train` leaves it (~15 s once on a fresh clone)."""
+    if not (ROOT / "data" / "demo" / "prepared" / "meta.json").is_file():
+        res = subprocess.run([sys.executable, "-m", "megaframe.data.prepare"], cwd=ROOT, env=env(),
+                             capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, res.stderr[-2000:]
+
+
+RUN_PAGES = [p for p in PAGES if any(c.runs for c in commands(p))]
+
+
+@pytest.mark.parametrize("page", RUN_PAGES)
+def test_page_commands_run_in_order(page, demo_corpus, tmp_path):
+    work = scratch_checkout(tmp_path)
+    bin_dir = str(Path(sys.executable).parent)
+    run_env = env(PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", PET_STANDALONE="1",
+                  VIRTUAL_ENV=sys.prefix)
+    timings = []
+    for c in commands(page):
+        if not c.runs:
+            continue
+        line = " ".join([c.code, *small_overrides(c)])
+        t0 = time.perf_counter()
+        res = subprocess.run(["bash", "-c", f"set -o pipefail; {line}"], cwd=work, env=run_env,
+                             capture_output=True, text=True, timeout=TIMEOUT_S)
+        timings.append((c.where, time.perf_counter() - t0))
+        assert res.returncode == c.expected_exit, (
+            f"{c.where}: exit {res.returncode} (expected {c.expected_exit}) from\n  {line}\n"
+            f"stdout: {res.stdout[-1500:]}\nstderr: {res.stderr[-2500:]}")
+        if c.expected_exit == 2:  # a refusal is one line naming the cause
+            assert "megaframe: error:" in res.stdout + res.stderr, f"{c.where}: {res.stderr[-1000:]}"
+    print("\n".join(f"{where}: {s:.1f}s" for where, s in timings))
