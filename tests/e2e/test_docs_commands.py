@@ -44,6 +44,9 @@ def test_syntax_and_config_keys(page):
         if c.tested_by:
             path, _, name = c.tested_by.partition("::")
             assert (ROOT / path).is_file(), f"{c.where}: tested-by names a missing file {path}"
+            if path.endswith(".md"):  # the same command runs on that page (README.md's tour runs first)
+                assert c.code in [o.code for o in commands(path) if o.runs], f"{c.where}: {path} does not run it"
+                continue
             assert not name or f"def {name}(" in (ROOT / path).read_text(), f"{c.where}: no test {c.tested_by}"
         if c.expected_exit:  # a refusal the page shows on purpose: the run checks it
             continue
@@ -78,27 +81,54 @@ def demo_corpus():
         assert res.returncode == 0, res.stderr[-2000:]
 
 
+class Journey:
+    """One scratch checkout for every page: README.md's tour runs first (once, whichever page asks), then
+    each page in it, so a page may build on what the tour wrote (runs/a, data/code) as its reader has."""
+
+    def __init__(self, root: Path):
+        self.work = scratch_checkout(root)
+        bin_dir = str(Path(sys.executable).parent)
+        self.env = env(PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", PET_STANDALONE="1",
+                       VIRTUAL_ENV=sys.prefix)
+        self.done: dict[str, str] = {}  # page -> "" when its commands passed, else the failure
+
+    def run(self, page: str) -> str:
+        if page not in self.done:
+            if page != "README.md" and self.run("README.md"):
+                return "README.md's tour failed first"
+            self.done[page] = self._run(page)
+        return self.done[page]
+
+    def _run(self, page: str) -> str:
+        timings = []
+        try:
+            for c in commands(page):
+                if not c.runs:
+                    continue
+                line = " ".join([c.code, *small_overrides(c)])
+                t0 = time.perf_counter()
+                res = subprocess.run(["bash", "-c", f"set -o pipefail; {line}"], cwd=self.work, env=self.env,
+                                     capture_output=True, text=True, timeout=TIMEOUT_S)
+                timings.append((c.where, time.perf_counter() - t0))
+                if res.returncode != c.expected_exit:
+                    return (f"{c.where}: exit {res.returncode} (expected {c.expected_exit}) from\n  {line}\n"
+                            f"stdout: {res.stdout[-1500:]}\nstderr: {res.stderr[-2500:]}")
+                if c.expected_exit == 2 and "megaframe: error:" not in res.stdout + res.stderr:
+                    return f"{c.where}: exit 2 without a one-line `megaframe: error:`: {res.stderr[-1000:]}"
+            return ""
+        finally:
+            print("\n".join(f"{where}: {s:.1f}s" for where, s in timings))
+
+
+@pytest.fixture(scope="module")
+def journey(demo_corpus, tmp_path_factory):
+    return Journey(tmp_path_factory.mktemp("docs"))
+
+
 RUN_PAGES = [p for p in PAGES if any(c.runs for c in commands(p))]
 
 
 @pytest.mark.parametrize("page", RUN_PAGES)
-def test_page_commands_run_in_order(page, demo_corpus, tmp_path):
-    work = scratch_checkout(tmp_path)
-    bin_dir = str(Path(sys.executable).parent)
-    run_env = env(PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", PET_STANDALONE="1",
-                  VIRTUAL_ENV=sys.prefix)
-    timings = []
-    for c in commands(page):
-        if not c.runs:
-            continue
-        line = " ".join([c.code, *small_overrides(c)])
-        t0 = time.perf_counter()
-        res = subprocess.run(["bash", "-c", f"set -o pipefail; {line}"], cwd=work, env=run_env,
-                             capture_output=True, text=True, timeout=TIMEOUT_S)
-        timings.append((c.where, time.perf_counter() - t0))
-        assert res.returncode == c.expected_exit, (
-            f"{c.where}: exit {res.returncode} (expected {c.expected_exit}) from\n  {line}\n"
-            f"stdout: {res.stdout[-1500:]}\nstderr: {res.stderr[-2500:]}")
-        if c.expected_exit == 2:  # a refusal is one line naming the cause
-            assert "megaframe: error:" in res.stdout + res.stderr, f"{c.where}: {res.stderr[-1000:]}"
-    print("\n".join(f"{where}: {s:.1f}s" for where, s in timings))
+def test_page_commands_run_in_order(page, journey):
+    failure = journey.run(page)
+    assert not failure, failure
