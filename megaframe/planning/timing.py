@@ -23,8 +23,8 @@ Step time (seconds) =
            the tp / ep / pp activations are the rank's S/cp tokens; dp reduces over cp·dp.
   bubble   the schedule simulator's idle fraction (pipeline.simulate) for (schedule, pp, vpp, micro-batches).
 
-Checked against measured runs on this machine by scripts/validate_planner.py (README: the six-layout
-table).
+Checked against measured runs on this machine by scripts/validate_planner.py (docs/planning.md: the
+six-layout table).
 """
 from __future__ import annotations
 
