@@ -1,0 +1,65 @@
+"""The second GPU review's defects (shared notes gpu-review-2.md), each checked on CPU."""
+import torch
+
+from megaframe.layers import fused_ce
+
+
+def _bf16_head_grad(n=1024, d=16, v=4096):  # two CPU chunks
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 1, d, generator=g).bfloat16().requires_grad_(True)
+    w = (torch.randn(v, d, generator=g) * 0.05).bfloat16().requires_grad_(True)
+    t = torch.randint(0, v, (n, 1), generator=g)
+    fused_ce.linear_cross_entropy(x, w, t).sum().backward()
+    return w.grad.float()
+
+
+def test_mixed_gemm_probe_falls_back_on_a_torch_without_the_out_dtype_overloads(monkeypatch):
+    """#1: torch 2.6/2.7 have no mm/addmm(..., out_dtype) (TypeError), 2.8/2.9 refuse an fp32 `self`
+    (RuntimeError): the probe says no and the head grad upcasts instead of dying on step 1."""
+    real_mm, real_addmm = torch.mm, torch.addmm
+
+    def old_mm(*args, **kwargs):
+        if len(args) > 2:
+            raise TypeError("mm() received an invalid combination of arguments")
+        return real_mm(*args, **kwargs)
+
+    def old_addmm(*args, **kwargs):
+        if len(args) > 3:
+            raise RuntimeError("self and mat2 must have the same dtype")
+        return real_addmm(*args, **kwargs)
+
+    fused_ce.mixed_gemm.cache_clear()
+    monkeypatch.setattr(torch, "mm", old_mm)
+    assert fused_ce.mixed_gemm("cpu") is False
+    fused_ce.mixed_gemm.cache_clear()
+    monkeypatch.setattr(torch, "mm", real_mm)
+    monkeypatch.setattr(torch, "addmm", old_addmm)
+    assert fused_ce.mixed_gemm("cpu") is False
+    fused_ce.mixed_gemm.cache_clear()
+    monkeypatch.undo()
+    assert fused_ce.mixed_gemm("cpu") is False  # the CPU wheel has no kernel for the overloads either
+    fused_ce.mixed_gemm.cache_clear()
+
+
+def test_the_mixed_gemm_path_is_chosen_by_the_probe_and_equals_the_fallback(monkeypatch):
+    """With the probe forced on, the bf16 head grad goes through the out_dtype overloads (emulated here
+    as the fp32 GEMM cuBLAS runs) and equals the upcasting fallback, which runs with the probe off."""
+    fallback = _bf16_head_grad()
+    real_mm, real_addmm, calls = torch.mm, torch.addmm, []
+
+    def mm(a, b, *dtype, out=None):
+        if dtype:
+            calls.append("mm")
+            return out.copy_(real_mm(a.float(), b.float()))
+        return real_mm(a, b, out=out) if out is not None else real_mm(a, b)
+
+    def addmm(acc, a, b, *dtype, out=None):
+        calls.append("addmm")
+        return out.copy_(real_addmm(acc, a.float(), b.float()))
+
+    monkeypatch.setattr(fused_ce, "mixed_gemm", lambda device_type: True)
+    monkeypatch.setattr(torch, "mm", mm)
+    monkeypatch.setattr(torch, "addmm", addmm)
+    mixed = _bf16_head_grad()
+    assert calls[:2] == ["mm", "addmm"], calls
+    torch.testing.assert_close(mixed, fallback, rtol=0, atol=0)
