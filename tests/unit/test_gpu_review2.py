@@ -63,3 +63,36 @@ def test_the_mixed_gemm_path_is_chosen_by_the_probe_and_equals_the_fallback(monk
     mixed = _bf16_head_grad()
     assert calls[:2] == ["mm", "addmm"], calls
     torch.testing.assert_close(mixed, fallback, rtol=0, atol=0)
+
+
+def test_plain_multi_node_srun_dials_the_first_node_not_the_loopback():
+    """#5: `srun python train.py` on two nodes without MASTER_ADDR: every node used to dial its own
+    127.0.0.1 until dist_timeout_s; now the first node of the step, or a one-line error."""
+    from megaframe.errors import ConfigError
+    from megaframe.training.distributed import master_addr
+
+    assert master_addr({"SLURM_NNODES": "2", "SLURM_PROCID": "9", "SLURM_JOB_NODELIST": "gpu[007-010,12],c1"}) == "gpu007"
+    step = {"SLURM_NNODES": "4", "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_NODELIST": "r[2-3]-n[05-06]",
+            "SLURM_JOB_NODELIST": "r[1-3]-n[01-08]"}
+    assert master_addr(step) == "r2-n05"  # task 0 runs on the step's first node
+    assert master_addr({"SLURM_NNODES": "1", "SLURM_JOB_NODELIST": "gpu1"}) == "127.0.0.1"
+    assert master_addr({}) == "127.0.0.1"
+    try:
+        master_addr({"SLURM_NNODES": "2", "SLURM_PROCID": "9"})
+        raise AssertionError("no error")
+    except ConfigError as e:
+        assert "MASTER_ADDR" in str(e) and "SLURM_NNODES=2" in str(e)
+
+
+def test_flight_recorder_dump_folder_exists_before_the_first_collective(tmp_path):
+    """#9: the dump prefix pointed at each rank's own, not yet agreed, run.dir/nccl_trace/ and nobody
+    created it before build_mesh: a hang there left no dump. Now rank 0's folder, created at init."""
+    from megaframe.training.distributed import early_dump_dir
+
+    store = torch.distributed.HashStore()
+    env0, env1 = {}, {}
+    assert early_dump_dir(store, 0, str(tmp_path / "run-a"), env0) == str(tmp_path / "run-a")
+    assert early_dump_dir(store, 1, str(tmp_path / "run-b"), env1) == str(tmp_path / "run-a")
+    for env in (env0, env1):
+        assert env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == f"{tmp_path}/run-a/nccl_trace/rank_"
+    assert (tmp_path / "run-a" / "nccl_trace").is_dir() and not (tmp_path / "run-b").exists()
