@@ -55,7 +55,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megaframe.parallel.p2p_semantics import NcclStream, P2PSemantics, group_timeout_s, semantics_from_env
+from megaframe.parallel.p2p_semantics import NcclStream, P2PSemantics, semantics_from_env, stream_for
 
 RECENT_COLLECTIVES = 64
 REUSABLE = ("dp", "cp", "dpcp", "ep", "edp", "dp_shard", "dp_rep")
@@ -303,8 +303,7 @@ def mesh_at(grid: RankGrid, position: int, device, ranks: Sequence[int], groups:
         real = tuple(ranks[i] for i in members)
         size = len(members)
         group = groups.get((name, members)) if groups is not None else None
-        stream = NcclStream(group, group_timeout_s(group)) if name == "pp" and group is not None and emulate_nccl \
-            else None
+        stream = stream_for(group, emulate_nccl) if name == "pp" else None
         return Axis(RankGrid.STATS.get(name, name), size, members.index(position), real, group, stats,
                     virtual=groups is None and size > 1, p2p=stream)
 

@@ -96,3 +96,34 @@ def test_flight_recorder_dump_folder_exists_before_the_first_collective(tmp_path
     for env in (env0, env1):
         assert env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == f"{tmp_path}/run-a/nccl_trace/rank_"
     assert (tmp_path / "run-a" / "nccl_trace").is_dir() and not (tmp_path / "run-b").exists()
+
+
+def test_the_suite_runs_its_commands_on_cpu_unless_a_test_asks_for_cuda(monkeypatch):
+    """#6a: e2e and Slurm commands left train.device=auto, so on a GPU host 2-4 torchrun ranks shared one
+    GPU (NCCL does not support that); now they see no GPU unless the test names train.device=cuda."""
+    import subprocess
+
+    from tests.e2e import helpers
+    from tests.slurm.helpers import job_env
+
+    assert helpers.env()["CUDA_VISIBLE_DEVICES"] == "" and job_env()["CUDA_VISIBLE_DEVICES"] == ""
+    seen = []
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: seen.append(k["env"]))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    helpers.train(["train.max_steps=1"], nproc=2)
+    helpers.train(["train.device=cuda"])
+    assert seen[0]["CUDA_VISIBLE_DEVICES"] == "" and seen[1]["CUDA_VISIBLE_DEVICES"] == "3"
+
+
+def test_nccl_semantics_are_emulated_on_gloo_only(monkeypatch):
+    """#6b: the conftest's MEGAFRAME_P2P_SEMANTICS=nccl reached GPU ranks, whose emulated pp stream sent a
+    CPU "ready" tensor over the NCCL group; an NCCL group keeps its own (real) semantics."""
+    from megaframe.parallel import p2p_semantics
+
+    group = object()
+    monkeypatch.setattr(p2p_semantics.dist, "get_backend", lambda g: "nccl")
+    assert p2p_semantics.stream_for(group, emulate=True) is None
+    monkeypatch.setattr(p2p_semantics.dist, "get_backend", lambda g: "gloo")
+    monkeypatch.setattr(p2p_semantics, "group_timeout_s", lambda g: 5.0)
+    assert isinstance(p2p_semantics.stream_for(group, emulate=True), p2p_semantics.NcclStream)
+    assert p2p_semantics.stream_for(group, emulate=False) is None
