@@ -66,6 +66,9 @@ def all_reduce(x: torch.Tensor, axis: Axis, op=dist.ReduceOp.SUM) -> torch.Tenso
     """In place all-reduce over `axis`; returns x."""
     if axis.size == 1:
         return x
+    if x.is_cuda and dist.get_backend(axis.group) == "gloo":  # the mesh's world group (host decisions)
+        host = all_reduce(x.cpu(), axis, op)
+        return x.copy_(host)
     entry = _enter(axis, "all_reduce", x, 2 * (axis.size - 1) / axis.size * _nbytes(x))
     if entry is not None:
         _done(axis, entry, x, dist.all_reduce(x, op=op, group=axis.group))

@@ -25,7 +25,7 @@ class StopFlag:
 
     def __init__(self):
         self.signum: int | None = None
-        self.group = None  # the gloo group the flag is reduced over (set at the first agreed())
+        self.group = None  # the world axis the flag is reduced over (set at the first agreed())
         self.previous = {s: signal.signal(s, self._handle) for s in SIGNALS}
 
     def _handle(self, signum, frame) -> None:
@@ -40,9 +40,8 @@ class StopFlag:
 
         `busy` rides along for free: the trainer passes whether this rank's async checkpoint writer
         is still running, so the commit needs no collective of its own. The flags are a CPU tensor
-        reduced over a gloo group (the mesh's own on CPU, a gloo twin of it on CUDA, made at the first
-        call, which every rank reaches at the same step): the host waits only for the other hosts,
-        never for the GPU's queue."""
+        reduced over the mesh's world group, gloo on every device (with its configured timeout): the host
+        waits only for the other hosts, never for the GPU's queue."""
         import torch  # not at import time: train.py installs the flag before torch is loaded
         import torch.distributed as dist
 
@@ -52,9 +51,7 @@ class StopFlag:
         if mesh.group is None:
             return self.signum is not None, busy
         if self.group is None:
-            # new_group is collective: made on the first check step, which every rank reaches at the same step
-            group = mesh.group if mesh.device.type == "cpu" else dist.new_group(backend="gloo")
-            self.group = Axis("world", mesh.world, mesh.rank, tuple(range(mesh.world)), group, mesh.stats)
+            self.group = Axis("world", mesh.world, mesh.rank, tuple(range(mesh.world)), mesh.group, mesh.stats)
         # both flags in one tensor: one all-reduce per check step, not two
         flags = torch.tensor([0.0 if self.signum is None else 1.0, 1.0 if busy else 0.0])
         comm.all_reduce(flags, self.group, op=dist.ReduceOp.MAX)  # MAX: any rank signalled / any still writing

@@ -26,3 +26,41 @@ def group_timeouts(mesh, timeout_s: float, world_timeout_s: float) -> dict | Non
 def test_mesh_groups_take_the_configured_timeouts(pool):
     got = pool.run(group_timeouts, 4, 37.0, 91.0)[0]
     assert got == {"tp": 37.0, "pp": 37.0, "pp_ends": 37.0, "world": 91.0}, got
+
+
+def stop_flag_group(mesh, world_timeout_s: float) -> dict | None:
+    """On a CUDA mesh (the device only decides the flag's group here), the stop flag's group and the
+    world group's backend; the mesh's groups are gloo on the pool."""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    from megaframe.parallel import mesh as mesh_mod
+    from megaframe.training.signals import StopFlag
+
+    backends, real = [], dist.new_group
+
+    def recording(*args, **kwargs):
+        backends.append(kwargs.get("backend"))
+        return real(*args, **kwargs)
+
+    mesh_mod.dist.new_group = recording
+    try:
+        m = mesh_mod.build_mesh(1, 1, torch.device("cpu"), world_timeout=datetime.timedelta(seconds=world_timeout_s))
+    finally:
+        mesh_mod.dist.new_group = real
+    stop = StopFlag()
+    try:
+        stop.decide(dataclasses.replace(m, device=torch.device("cuda")))
+    finally:
+        stop.restore()
+    timeout = stop.group.group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+    return {"flag": timeout, "world_backend": backends[-1]} if mesh.rank == 0 else None
+
+
+def test_stop_flag_and_world_group_are_gloo_with_the_configured_timeout(pool):
+    """#10: on CUDA the stop flag's gloo twin was made without a timeout (gloo's 30 minutes); #16: the
+    world group was a second NCCL communicator over every rank, for host-side decisions only. Now the
+    world group is gloo with checkpoint.save_timeout_s, and the flag is reduced over it."""
+    got = pool.run(stop_flag_group, 4, 91.0)[0]
+    assert got == {"flag": 91.0, "world_backend": "gloo"}, got
