@@ -316,11 +316,13 @@ def all_gather_world(out: torch.Tensor, x: torch.Tensor, group) -> None:
 
 
 class _BatchWork:
-    """One Work of a p2p batch, tracked: the batch's ring-buffer entry is done once all are waited for.
-    Waiting again returns at once."""
+    """One Work of a p2p batch, tracked: the batch's ring-buffer entry is done once all are waited for,
+    through CommStats.returned like every collective (on CUDA it records the event the watchdog queries:
+    a batch NCCL still runs reads "ENQUEUED, NOT COMPLETED", not "returned"). Waiting again returns at once."""
 
-    def __init__(self, work, entry: dict, pending: list):
+    def __init__(self, work, entry: dict, pending: list, stats, on_device: bool):
         self.work, self.entry, self.pending, self.waited = work, entry, pending, False
+        self.stats, self.on_device = stats, on_device
 
     def wait(self, *args, **kwargs):
         if self.waited:  # a gloo Work waited twice waits for a second transfer that never comes
@@ -328,7 +330,8 @@ class _BatchWork:
         out = self.work.wait(*args, **kwargs)
         self.waited = True
         self.pending[0] -= 1
-        self.entry["done"] = self.pending[0] == 0
+        if self.pending[0] == 0:
+            self.stats.returned(self.entry, self.on_device)
         return out
 
     def __getattr__(self, name):
@@ -364,7 +367,8 @@ def batch_isend_irecv(axis: Axis, sends: list[tuple[torch.Tensor, int]], recvs: 
         works = dist.batch_isend_irecv(ops)
     # Shared counter (a list, so every _BatchWork sees one cell): the entry is done when the last Work is.
     pending = [len(works)]
-    return [_BatchWork(w, entry, pending) for w in works]
+    on_device = first.is_cuda and axis.p2p is None  # the NCCL emulation is gloo (host) only
+    return [_BatchWork(w, entry, pending, axis.stats, on_device) for w in works]
 
 
 def gather_objects(obj, group) -> list:

@@ -127,3 +127,32 @@ def test_nccl_semantics_are_emulated_on_gloo_only(monkeypatch):
     monkeypatch.setattr(p2p_semantics, "group_timeout_s", lambda g: 5.0)
     assert isinstance(p2p_semantics.stream_for(group, emulate=True), p2p_semantics.NcclStream)
     assert p2p_semantics.stream_for(group, emulate=False) is None
+
+
+def test_a_p2p_batch_is_marked_done_through_stats_returned(monkeypatch):
+    """#8: p2p batches were marked done by hand, so no CUDA event was recorded and the watchdog called a
+    batch NCCL still ran "returned"; now the last wait goes through CommStats.returned like a collective."""
+    from megaframe.parallel import comm
+    from megaframe.parallel.mesh import Axis, CommStats
+
+    class Work:
+        def wait(self, *args, **kwargs):
+            return True
+
+    calls = []
+
+    class Stats(CommStats):
+        def returned(self, entry, on_device=False):
+            calls.append(on_device)
+            super().returned(entry, on_device)
+
+    stats = Stats()
+    axis = Axis("pp", 2, 0, (0, 1), object(), stats)
+    monkeypatch.setattr(comm.dist, "batch_isend_irecv", lambda ops: [Work(), Work()])
+    monkeypatch.setattr(comm.dist, "P2POp", lambda *a, **k: None)
+    works = comm.batch_isend_irecv(axis, [(torch.ones(2), 1)], [(torch.empty(2), 1)])
+    works[0].wait()
+    assert calls == [] and stats.last()[-1]["done"] is False
+    works[1].wait()
+    works[1].wait()  # a second wait changes nothing
+    assert calls == [False] and stats.last()[-1]["done"] is True
