@@ -156,3 +156,24 @@ def test_a_p2p_batch_is_marked_done_through_stats_returned(monkeypatch):
     works[1].wait()
     works[1].wait()  # a second wait changes nothing
     assert calls == [False] and stats.last()[-1]["done"] is True
+
+
+def test_async_save_staging_is_one_buffer_of_the_exact_total_reused_by_every_save():
+    """#12: each stored tensor got its own pinned block, which torch's host allocator rounds up to a power
+    of two and keeps for the run (up to ~2x the share held page-locked). Now one buffer, the sum of the
+    (64-byte aligned) sizes, registered once and reused by the next save."""
+    from megaframe.checkpoint.staging import PinnedStaging
+
+    registered, released = [], []
+    staging = PinnedStaging(register=lambda b: registered.append(b.numel()) or True, unregister=released.append)
+    ts = [torch.randn(3, 5), torch.arange(7, dtype=torch.int64), torch.ones(0, 2), torch.randn(129).bfloat16()]
+    views = staging.views(ts)
+    for v, t in zip(views, ts):
+        assert v.shape == t.shape and v.dtype == t.dtype
+        v.copy_(t)
+    assert all(torch.equal(v, t) for v, t in zip(views, ts))
+    assert staging.nbytes == 64 + 64 + 0 + 258 and registered == [staging.nbytes]  # not 128+64+0+512
+    first = [v.data_ptr() for v in views]
+    assert [v.data_ptr() for v in staging.views(ts)] == first and staging.allocations == 1  # the next save
+    staging.views(ts + [torch.randn(100)])  # a larger share: one new buffer, the old one released
+    assert staging.allocations == 2 and len(released) == 1
