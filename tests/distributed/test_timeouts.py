@@ -64,3 +64,28 @@ def test_stop_flag_and_world_group_are_gloo_with_the_configured_timeout(pool):
     world group is gloo with checkpoint.save_timeout_s, and the flag is reduced over it."""
     got = pool.run(stop_flag_group, 4, 91.0)[0]
     assert got == {"flag": 91.0, "world_backend": "gloo"}, got
+
+
+def first_step_timeouts(mesh) -> dict | None:
+    """tp2·pp2 with dist_timeout_s=37: the groups' and the watchdog's limits inside and after the
+    first-step context (compile_timeout_s=500)."""
+    from megaframe.parallel.mesh import CommStats, build_mesh
+    from megaframe.training.first_step import first_step_limits, step_groups
+    from megaframe.training.watchdog import Watchdog
+
+    m = build_mesh(2, 2, torch.device("cpu"), timeout=datetime.timedelta(seconds=37))
+    dog = Watchdog(0, mesh.rank, "/nonexistent", CommStats())
+
+    def seconds():
+        return sorted({g._get_backend(torch.device("cpu")).options._timeout.total_seconds() for g in step_groups(m)})
+
+    with first_step_limits(m, dog, 500.0, 37.0):
+        inside = (seconds(), dog.override)
+    return {"inside": inside, "after": (seconds(), dog.override), "groups": len(step_groups(m))} if mesh.rank == 0 else None
+
+
+def test_a_compiled_first_step_gets_the_compile_timeout_then_the_usual_one(pool):
+    """#15: at large pp, stage k's first receives wait while stages 0..k-1 compile in turn; NCCL counts
+    from enqueue, so step 1 could outlast train.dist_timeout_s and train.hang_timeout_s."""
+    got = pool.run(first_step_timeouts, 4)[0]
+    assert got == {"inside": ([500.0], 500.0), "after": ([37.0], None), "groups": 3}, got
