@@ -29,7 +29,7 @@ optim.lr_schedule optim.lr_decay_steps optim.wsd_decay_fraction
 parallel.cp parallel.cp_comm parallel.ep parallel.pp parallel.pp_layout parallel.pp_schedule parallel.sp parallel.tp parallel.vpp
 run.dir run.name
 train.device train.global_batch_size train.log_interval train.max_bad_steps train.max_steps train.micro_batch_size train.precision
-train.seed train.eval_interval train.eval_iters train.hang_timeout_s train.compile train.recompute
+train.seed train.eval_interval train.eval_iters train.hang_timeout_s train.compile train.compile_timeout_s train.recompute
 train.dist_timeout_s train.signal_check_interval
 train.sample_interval train.sample_prompts train.sample_tokens
 """.split())
