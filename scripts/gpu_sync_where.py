@@ -1,6 +1,7 @@
 """Where does a training step make the host wait for the GPU? One H100 run, about a minute.
 
     python scripts/gpu_sync_where.py [--steps 3] [overrides...]
+    python scripts/gpu_sync_where.py --dry      # CPU, tiny sizes, no sync mode: checks the script itself
 
 The review's probe (shared notes gpu-review-2-check.py, syncs_dense_real_tokens) counted syncs per step
 [1, 0] after a warm-up step on a llama-like model at 8192 tokens: step 2 synchronised once, step 3 not.
@@ -26,6 +27,19 @@ LLAMA_LIKE = ["model=llama3_8b", "data=synthetic", "model.num_layers=2", "model.
               "model.num_attention_heads=8", "model.num_query_groups=2", "model.ffn_hidden_size=3584",
               "model.vocab_size=128256", "model.seq_length=8192", "train.micro_batch_size=1",
               "train.global_batch_size=2", "train.device=cuda", "train.precision=bf16", "optim.warmup_steps=0"]
+DRY = ["model.hidden_size=64", "model.ffn_hidden_size=128", "model.vocab_size=512", "model.seq_length=256",
+       "train.device=cpu"]
+DEVICE = "cuda"
+
+
+def _sync_mode(mode: str) -> None:
+    if DEVICE == "cuda":
+        torch.cuda.set_sync_debug_mode(mode)
+
+
+def _synchronize() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
 
 
 def set_up(overrides: list[str], steps: int):
@@ -36,7 +50,7 @@ def set_up(overrides: list[str], steps: int):
     from megaframe.parallel.mesh import single_process_mesh
 
     cfg = load_config(LLAMA_LIKE + overrides, world_size=1, check_data=False)
-    mesh = single_process_mesh("cuda")
+    mesh = single_process_mesh(DEVICE)
     model = cast_model(build_model(cfg, mesh), cfg.train.precision)
     opt = build_optimizer(model, cfg.optim, mesh)
     t, data = cfg.train, build_data(cfg)
@@ -61,10 +75,10 @@ def run(overrides: list[str], steps: int, error_at: int | None = None) -> int | 
     for step in range(1, steps + 1):
         if step == 1:
             train_step(model, opt, batches[0], mesh, cfg, 1)
-            torch.cuda.synchronize()
+            _synchronize()
             continue
         if step == error_at:
-            torch.cuda.set_sync_debug_mode("error")
+            _sync_mode("error")
             try:
                 with torch.autograd.detect_anomaly(check_nan=False):
                     train_step(model, opt, batches[step - 1], mesh, cfg, step)
@@ -73,18 +87,18 @@ def run(overrides: list[str], steps: int, error_at: int | None = None) -> int | 
                 print(f"step {step}: the sync, under error mode with anomaly detection:")
                 traceback.print_exc()
             finally:
-                torch.cuda.set_sync_debug_mode("default")
+                _sync_mode("default")
             return first
         caught: list = []
         with warnings.catch_warnings():
             warnings.simplefilter("always")
             warnings.showwarning = _recorder(caught)
-            torch.cuda.set_sync_debug_mode("warn")
+            _sync_mode("warn")
             try:
                 train_step(model, opt, batches[step - 1], mesh, cfg, step)
             finally:
-                torch.cuda.set_sync_debug_mode("default")
-        torch.cuda.synchronize()
+                _sync_mode("default")
+        _synchronize()
         print(f"=== step {step}: {len(caught)} warning(s)")
         for category, message, where, stack in caught:
             print(f"--- {category}: {message[:200]} ({where})\n{''.join(stack)}")
@@ -96,7 +110,11 @@ def run(overrides: list[str], steps: int, error_at: int | None = None) -> int | 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--dry", action="store_true")
     args, overrides = ap.parse_known_args()
+    if args.dry:
+        global DEVICE
+        DEVICE, overrides = "cpu", DRY + overrides
     first = run(overrides, args.steps)
     if first is not None:
         run(overrides, first, error_at=first)
