@@ -35,12 +35,25 @@ def env_ranks() -> DistEnv:
 def pick_device(choice: str, local_rank: int) -> torch.device:
     if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
+    from megaframe.errors import ConfigError
     if not torch.cuda.is_available():
-        from megaframe.config import ConfigError
         raise ConfigError("train.device=cuda but CUDA is not available on this machine")
+    local, gpus = local_world_size(), torch.cuda.device_count()
+    if local > gpus:  # NCCL does not support one device for several ranks of a communicator: it may hang
+        raise ConfigError(f"train.device={choice}: {local} ranks on this node but {gpus} GPU(s); NCCL needs one GPU "
+                          "per rank: start at most one rank per GPU, or pass train.device=cpu")
     # before init_process_group: NCCL binds each rank to the current device
     torch.cuda.set_device(local_rank % torch.cuda.device_count())
     return torch.device("cuda", torch.cuda.current_device())
+
+
+def local_world_size(environ=os.environ) -> int:
+    """Ranks on this node: torchrun's LOCAL_WORLD_SIZE, else the srun step's tasks per node ("8(x2)": 8;
+    the step's, not the job's: one `python train.py` inside a many-task allocation is one rank), else 1."""
+    if environ.get("LOCAL_WORLD_SIZE"):
+        return int(environ["LOCAL_WORLD_SIZE"])
+    per_node = re.match(r"\d+", environ.get("SLURM_STEP_TASKS_PER_NODE", ""))
+    return int(per_node.group()) if per_node else 1
 
 
 NCCL_DEFAULTS = {

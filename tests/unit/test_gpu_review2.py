@@ -204,3 +204,22 @@ def test_fused_ring_chunk_pairs_make_causal_attention():
     """#7: one rank's two chunks through the fused ring's chunk pairs (causal diagonal, full below)
     equal SDPA causal attention on the whole sequence, forward and backward (GQA 2:1)."""
     assert fused_ring_vs_sdpa("cpu", torch.float32) <= 1e-5
+
+
+def test_more_ranks_than_gpus_on_a_node_is_refused(monkeypatch):
+    """#6a for users: `torchrun --nproc-per-node=2` on a one-GPU host put both ranks on cuda:0, which NCCL
+    does not support (a hang); now one line naming the counts."""
+    from megaframe.errors import ConfigError
+    from megaframe.training import distributed
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    try:
+        distributed.pick_device("auto", 1)
+        raise AssertionError("no error")
+    except ConfigError as e:
+        assert "2 ranks on this node but 1 GPU(s)" in str(e)
+    assert distributed.local_world_size({"SLURM_STEP_TASKS_PER_NODE": "8(x2)", "SLURM_NTASKS_PER_NODE": "8"}) == 8
+    assert distributed.local_world_size({"SLURM_NTASKS_PER_NODE": "8"}) == 1  # plain python in an allocation
+    assert distributed.local_world_size({}) == 1
