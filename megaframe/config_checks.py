@@ -72,6 +72,7 @@ FIELD_RULES: dict[str, Rule] = {
     "train.micro_batch_size": POS, "train.global_batch_size": POS, "train.max_steps": POS, "train.seed": SEED,
     "train.log_interval": POS, "train.max_bad_steps": NONNEG, "train.eval_interval": NONNEG,
     "train.eval_iters": POS, "train.hang_timeout_s": NONNEGF, "train.dist_timeout_s": POSF,
+    "train.compile_timeout_s": POSF,
     "train.signal_check_interval": POS, "train.sample_interval": NONNEG, "train.sample_tokens": POS,
     # optim
     "optim.lr": POSF, "optim.min_lr": NONNEGF, "optim.warmup_steps": NONNEG, "optim.weight_decay": NONNEGF,
@@ -134,6 +135,7 @@ def check_config(cfg: Config, world_size: int, check_data: bool = True) -> None:
     _req(t.log_interval >= 1, f"train.log_interval={t.log_interval} must be >= 1")
     _req(t.hang_timeout_s >= 0, f"train.hang_timeout_s={t.hang_timeout_s} must be >= 0 (0 = no watchdog)")
     _req(t.dist_timeout_s > 0, f"train.dist_timeout_s={t.dist_timeout_s} must be > 0")
+    _req(t.compile_timeout_s > 0, f"train.compile_timeout_s={t.compile_timeout_s} must be > 0")
     _req(cfg.checkpoint.save_timeout_s > 0, f"checkpoint.save_timeout_s={cfg.checkpoint.save_timeout_s} must be > 0")
     _req(t.signal_check_interval >= 1, f"train.signal_check_interval={t.signal_check_interval} must be >= 1")
     _check_optim(cfg, dp)

@@ -186,6 +186,10 @@ class TrainConfig:
     compile: bool = False
     """torch.compile each transformer block (the first steps pay the compile time; the losses stay equal
     up to float rounding). Works on CPU (inductor's C++ backend) and CUDA."""
+    compile_timeout_s: float = 1800.0
+    """Under train.compile=true, the first step's limit instead of train.dist_timeout_s (every mesh
+    group's collectives) and train.hang_timeout_s: with pp, stage k's first receives wait while stages
+    0..k-1 compile one after the other. Must be > 0."""
     recompute: Recompute = Recompute.none
     """Activation recompute: none | selective (recompute the attention core, SDPA, in backward: Megatron's
     selective mode, it saves the S x S-sized intermediates) | full (torch.utils.checkpoint per block: only

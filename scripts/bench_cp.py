@@ -1,8 +1,10 @@
 """Context parallelism on this machine (gloo, ranks as processes): tokens/s and peak activation memory
 per rank of one forward + backward at seq 2048 and 8192 for cp 1/2/4, for cp_comm=allgather and ring,
-and the ring with its K/V exchange not overlapped with the block attention (ring_attention's internal
+the ring with its K/V exchange not overlapped with the block attention (ring_attention's internal
 `overlap=False`: each exchange issued after the block's attention and waited for at once: the same bytes
-and results, the transfer on the critical path). Ratios are against cp1 measured in the same run.
+and results, the transfer on the critical path), and the ring on its fp32 math blocks instead of the fused
+flash kernels (ring_attention's `fused=False`, the path before ring_fused.py). Ratios are against cp1
+measured in the same run; a line per cp also gives the ring's math / fused step-time ratio.
 
     python scripts/bench_cp.py [seqs=2048,8192] [cps=1,2,4] [steps=3] [layers=2] [threads=1]
 
@@ -35,7 +37,8 @@ def overrides(seq: int, cp: int, kind: str, layers: int) -> list[str]:
                     f"parallel.cp_comm={kind}"]
 
 
-def _rank(rank: int, port: int, world: int, over: list[str], overlap: bool, steps: int, threads: int, q) -> None:
+def _rank(rank: int, port: int, world: int, over: list[str], overlap: bool, fused: bool, steps: int, threads: int,
+          q) -> None:
     from megaframe.config import load_config
     from megaframe.model.gpt import build_model
     from megaframe.parallel.context import cp_causal_bias, cp_keep
@@ -50,6 +53,7 @@ def _rank(rank: int, port: int, world: int, over: list[str], overlap: bool, step
     model = build_model(cfg, mesh)
     for block in model.layers.values():
         block.attn.ring_overlap = overlap
+        block.attn.ring_fused = fused
     ids_BS = torch.randint(0, cfg.model.vocab_size, (1, cfg.model.seq_length + 1),
                            generator=torch.Generator().manual_seed(0))
     x_BS, y_BS = cp_keep(ids_BS[:, :-1], mesh.cp.rank, world), cp_keep(ids_BS[:, 1:], mesh.cp.rank, world)
@@ -74,8 +78,9 @@ def _rank(rank: int, port: int, world: int, over: list[str], overlap: bool, step
     dist.destroy_process_group()
 
 
-def run(seq: int, cp: int, kind: str, overlap: bool, steps: int, layers: int, threads: int) -> tuple[float, int]:
-    return spawn_local(_rank, cp, cp, overrides(seq, cp, kind, layers), overlap, steps, threads)
+def run(seq: int, cp: int, kind: str, overlap: bool, steps: int, layers: int, threads: int,
+        fused: bool = True) -> tuple[float, int]:
+    return spawn_local(_rank, cp, cp, overrides(seq, cp, kind, layers), overlap, fused, steps, threads)
 
 
 def planned(seq: int, cp: int, kind: str, layers: int) -> int:
@@ -99,15 +104,23 @@ def main(argv: list[str]) -> int:
     for seq in seqs:
         base = None
         for cp in cps:
-            variants = [("allgather", True)] if cp == 1 else [("allgather", True), ("ring", True), ("ring", False)]
-            for kind, overlap in variants:
-                t, peak = run(seq, cp, kind, overlap, steps, layers, threads)
+            variants = [("allgather", True, True)] if cp == 1 else [
+                ("allgather", True, True), ("ring", True, True), ("ring", True, False), ("ring", False, True)]
+            times = {}
+            for kind, overlap, fused in variants:
+                t, peak = run(seq, cp, kind, overlap, steps, layers, threads, fused)
                 base = base or (t, peak)
                 name = kind if cp == 1 or overlap else "ring, no overlap"
+                name = name if fused else "ring, fp32 math"
                 name = "(no cp)" if cp == 1 else name
+                times[name] = t
                 print(f"{seq:>5} {cp:>3} {name:<18} {t:>8.3f} {seq / t:>8.0f} {base[0] / t:>6.2f} "
                       f"{peak / mib:>9.1f} {peak / base[1]:>6.2f} {planned(seq, cp, kind, layers) / mib:>11.1f}",
                       flush=True)
+            if "ring, fp32 math" in times:  # the same run, the same machine state: the fused kernels' gain
+                print(f"{seq:>5} {cp:>3} ring step time: fp32 math / fused = "
+                      f"{times['ring, fp32 math'] / times['ring']:.2f}, ring / allgather = "
+                      f"{times['ring'] / times['allgather']:.2f}", flush=True)
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     return 0
 

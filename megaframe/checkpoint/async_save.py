@@ -37,6 +37,8 @@ class AsyncSaver:
         self.mesh = mesh
         self.pending: _Pending | None = None
         self.last_io: dict = {}
+        # on CUDA, one page-locked buffer for every save's host copies (checkpoint/staging.py)
+        self.staging = sharded.PinnedStaging() if mesh.device.type == "cuda" else None
 
     def save(self, root, step: int, model, optimizer, meta: dict, keep_last: int, fail: str | None = None) -> None:
         # at most one save in flight: bounds host memory to one copy of the state, and commits stay in step order
@@ -45,7 +47,7 @@ class AsyncSaver:
         t0 = time.perf_counter()
         tmp, final = sharded.begin(root, step, mesh)
         # copy=True: training goes on and updates the params in place while the thread writes
-        stored = sharded.host_snapshot(model, optimizer, mesh, copy=True, pin=mesh.device.type == "cuda")
+        stored = sharded.host_snapshot(model, optimizer, mesh, copy=True, pin=self.staging or False)
         pending = _Pending(Path(root), tmp, final, step, meta, keep_last, None, t0)  # type: ignore[arg-type]
         # daemon: a crashed trainer must not hang on the writer at exit; its uncommitted .tmp is never taken for a checkpoint
         pending.thread = threading.Thread(target=self._write, args=(pending, stored, fail), daemon=True)

@@ -39,6 +39,7 @@ from megaframe.checkpoint.metadata import (
     confined,
 )
 from megaframe.checkpoint.metadata import read as read_metadata  # noqa: F401
+from megaframe.checkpoint.staging import PinnedStaging
 from megaframe.checkpoint.store import shard_name, verify_file, write_file
 from megaframe.parallel import comm
 from megaframe.parallel.mesh import Mesh
@@ -77,21 +78,25 @@ def begin(root: str | Path, step: int, mesh: Mesh) -> tuple[Path, Path]:
     return tmp, final
 
 
-def host_snapshot(model, optimizer, mesh: Mesh, copy: bool, pin: bool = False) -> list:
+def host_snapshot(model, optimizer, mesh: Mesh, copy: bool, pin: bool | PinnedStaging = False) -> list:
     """This rank's stored tensors (checkpoint/layout.py) with their data on the host; `copy` detaches
-    them from the live state so training may go on while they are written; `pin` stages them in
-    page-locked memory (an async save on CUDA: the device-to-host copies then run at full speed)."""
+    them from the live state so training may go on while they are written; `pin` stages the device
+    tensors in page-locked memory (an async save on CUDA: the device-to-host copies then run at full
+    speed), in the given PinnedStaging's one buffer (reused by every save) or, with True, a new one."""
     stored = my_writes(param_items(model, optimizer, mesh, with_sources=True))
+    staging = pin if isinstance(pin, PinnedStaging) else (PinnedStaging() if pin else None)
+    on_device = [s for s in stored if s.source.device.type == "cuda"]
+    staged = dict(zip(map(id, on_device), staging.views([s.source for s in on_device]))) if staging else {}
     for s in stored:
         t = s.source.detach()
         # a blocking save may write CPU params in place (training waits); a background one needs its own copy, the next step
         # updates them in place
-        if t.device.type != "cpu" or copy:
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin and t.device.type == "cuda")
-            host.copy_(t, non_blocking=pin)
-            t = host
+        if id(s) in staged:
+            t = staged[id(s)].copy_(t, non_blocking=True)
+        elif t.device.type != "cpu" or copy:
+            t = torch.empty(t.shape, dtype=t.dtype).copy_(t)
         s.source = t.contiguous()
-    if pin and torch.cuda.is_available():
+    if staged:
         torch.cuda.synchronize()  # the non_blocking copies must land before the writer thread reads them
     return stored
 

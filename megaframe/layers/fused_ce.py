@@ -12,6 +12,8 @@ grad arrives as an expanded scalar), otherwise it recomputes chunk by chunk with
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from megaframe.layers.vocab import log_softmax_nll, nll_grad_
@@ -30,6 +32,24 @@ def _chunk_grads(x_CD, w_VD, target_C, g_C=None):
     return loss_C, nll_grad_(logp_CV, target_C, g_C).to(w_VD.dtype)
 
 
+@functools.cache
+def mixed_gemm(device_type: str) -> bool:
+    """Whether this torch has mm/addmm(bf16, bf16, out_dtype=fp32) with an fp32 `self` on this device.
+
+    The overloads are CUDA-only, absent before torch 2.8 (TypeError), and 2.8/2.9 refuse an fp32 `self` with
+    bf16 mats (RuntimeError); torch>=2.6 is allowed and NGC containers ship their own torch, so probe
+    once per device type and fall back to upcasting instead of dying on step 1. Nothing is read back
+    from the device: the checks raise on the host, so the probe adds no sync."""
+    try:
+        a_22 = torch.zeros(2, 2, dtype=torch.bfloat16, device=device_type)
+        acc_22 = torch.zeros(2, 2, dtype=torch.float32, device=device_type)
+        torch.mm(a_22, a_22, torch.float32, out=acc_22)
+        torch.addmm(acc_22, a_22, a_22, torch.float32, out=acc_22)
+    except (TypeError, RuntimeError):  # NotImplementedError (no kernel for the device) is a RuntimeError
+        return False
+    return True
+
+
 def _accumulate(acc_VD: torch.Tensor, grad_CV: torch.Tensor, x_CD: torch.Tensor, first: bool) -> None:
     """acc_VD (fp32) = or += grad_CV^T @ x_CD, in place: no V x D temporary per chunk."""
     if acc_VD.dtype == grad_CV.dtype:  # an fp32 run
@@ -37,12 +57,12 @@ def _accumulate(acc_VD: torch.Tensor, grad_CV: torch.Tensor, x_CD: torch.Tensor,
             torch.mm(grad_CV.t(), x_CD, out=acc_VD)
         else:
             acc_VD.addmm_(grad_CV.t(), x_CD)
-    elif acc_VD.is_cuda:  # bf16 operands, the GEMM's own fp32 accumulator written out as fp32 (cuBLAS)
+    elif mixed_gemm(acc_VD.device.type):  # bf16 operands, the GEMM's own fp32 accumulator written out as fp32 (cuBLAS)
         if first:
             torch.mm(grad_CV.t(), x_CD, torch.float32, out=acc_VD)
         else:
             torch.addmm(acc_VD, grad_CV.t(), x_CD, torch.float32, out=acc_VD)
-    else:  # CPU has no mixed-dtype GEMM: upcast the chunk's operands (bf16 on CPU is for tests)
+    else:  # no mixed-dtype GEMM (CPU, torch < 2.10): upcast the chunk's operands
         _accumulate(acc_VD, grad_CV.float(), x_CD.float(), first)
 
 

@@ -55,6 +55,7 @@ class Attention(nn.Module):
         self.cp_gathered = self.cp is not None and not self.cp_ring
         self.ring_overlap = True  # scripts/bench_cp.py turns it off to time the exchange unhidden
         self.ring_tile_elems: int | None = None  # ring_attention's tile (None: the device's default)
+        self.ring_fused = True  # scripts/bench_cp.py turns it off to time the fp32 math ring
         self.recompute_core = recompute_core
         e = cfg.head_dim
         # Whole heads per rank (config_checks requires tp to divide both): attention never crosses ranks.
@@ -112,7 +113,7 @@ class Attention(nn.Module):
         if self.cp_ring:  # K/V blocks passed around the cp ring (parallel/ring_attention.py)
             # dropout drawn as the all-gather branch's SDPA draws it (ring_attention.py)
             return ring_attention(q_BHSE, k_BKSE, v_BKSE, self.cp, self.seq, self.ring_overlap, self.ring_tile_elems,
-                                  dropout_p=dropout)
+                                  dropout_p=dropout, fused=self.ring_fused)
         if self.cp_gathered and dropout == 0:  # per query chunk, no mask tensor
             return cp_chunked_attention(q_BHSE, k_BKSE, v_BKSE, self.seq, self.cp.size, self.cp.rank)
         if self.cp_gathered:

@@ -66,6 +66,9 @@ def all_reduce(x: torch.Tensor, axis: Axis, op=dist.ReduceOp.SUM) -> torch.Tenso
     """In place all-reduce over `axis`; returns x."""
     if axis.size == 1:
         return x
+    if x.is_cuda and dist.get_backend(axis.group) == "gloo":  # the mesh's world group (host decisions)
+        host = all_reduce(x.cpu(), axis, op)
+        return x.copy_(host)
     entry = _enter(axis, "all_reduce", x, 2 * (axis.size - 1) / axis.size * _nbytes(x))
     if entry is not None:
         _done(axis, entry, x, dist.all_reduce(x, op=op, group=axis.group))
@@ -313,11 +316,13 @@ def all_gather_world(out: torch.Tensor, x: torch.Tensor, group) -> None:
 
 
 class _BatchWork:
-    """One Work of a p2p batch, tracked: the batch's ring-buffer entry is done once all are waited for.
-    Waiting again returns at once."""
+    """One Work of a p2p batch, tracked: the batch's ring-buffer entry is done once all are waited for,
+    through CommStats.returned like every collective (on CUDA it records the event the watchdog queries:
+    a batch NCCL still runs reads "ENQUEUED, NOT COMPLETED", not "returned"). Waiting again returns at once."""
 
-    def __init__(self, work, entry: dict, pending: list):
+    def __init__(self, work, entry: dict, pending: list, stats, on_device: bool):
         self.work, self.entry, self.pending, self.waited = work, entry, pending, False
+        self.stats, self.on_device = stats, on_device
 
     def wait(self, *args, **kwargs):
         if self.waited:  # a gloo Work waited twice waits for a second transfer that never comes
@@ -325,7 +330,8 @@ class _BatchWork:
         out = self.work.wait(*args, **kwargs)
         self.waited = True
         self.pending[0] -= 1
-        self.entry["done"] = self.pending[0] == 0
+        if self.pending[0] == 0:
+            self.stats.returned(self.entry, self.on_device)
         return out
 
     def __getattr__(self, name):
@@ -361,7 +367,8 @@ def batch_isend_irecv(axis: Axis, sends: list[tuple[torch.Tensor, int]], recvs: 
         works = dist.batch_isend_irecv(ops)
     # Shared counter (a list, so every _BatchWork sees one cell): the entry is done when the last Work is.
     pending = [len(works)]
-    return [_BatchWork(w, entry, pending) for w in works]
+    on_device = first.is_cuda and axis.p2p is None  # the NCCL emulation is gloo (host) only
+    return [_BatchWork(w, entry, pending, axis.stats, on_device) for w in works]
 
 
 def gather_objects(obj, group) -> list:

@@ -55,7 +55,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megaframe.parallel.p2p_semantics import NcclStream, P2PSemantics, group_timeout_s, semantics_from_env
+from megaframe.parallel.p2p_semantics import NcclStream, P2PSemantics, semantics_from_env, stream_for
 
 RECENT_COLLECTIVES = 64
 REUSABLE = ("dp", "cp", "dpcp", "ep", "edp", "dp_shard", "dp_rep")
@@ -166,8 +166,10 @@ class Mesh:
     device: torch.device
     stats: CommStats
     group: Optional[dist.ProcessGroup] = None
-    """All ranks of this mesh (barriers, gathering checkpoint metadata); None for one process. Its
-    timeout is the checkpoint save's (build_mesh's world_timeout)."""
+    """All ranks of this mesh (barriers, gathering checkpoint metadata, the stop flag); None for one
+    process. Its timeout is the checkpoint save's (build_mesh's world_timeout). gloo on every device: its
+    few small exchanges are host-side decisions, and an NCCL communicator over the whole world would cost
+    GPU buffers (NVLS memory on H100) for nothing; comm.all_reduce stages a device tensor through the host."""
     ep: Optional[Axis] = None
     """Expert-parallel axis: a contiguous block of the dpcp group (all-to-all of tokens); bytes count as ep."""
     edp: Optional[Axis] = None
@@ -303,8 +305,7 @@ def mesh_at(grid: RankGrid, position: int, device, ranks: Sequence[int], groups:
         real = tuple(ranks[i] for i in members)
         size = len(members)
         group = groups.get((name, members)) if groups is not None else None
-        stream = NcclStream(group, group_timeout_s(group)) if name == "pp" and group is not None and emulate_nccl \
-            else None
+        stream = stream_for(group, emulate_nccl) if name == "pp" else None
         return Axis(RankGrid.STATS.get(name, name), size, members.index(position), real, group, stats,
                     virtual=groups is None and size > 1, p2p=stream)
 
@@ -359,7 +360,7 @@ def build_mesh(tp: int, pp: int, device: torch.device, ranks: Optional[Sequence[
             if name in REUSABLE:
                 made[members] = (name, groups[(name, members)])
     # Created before the `me not in ranks` exit: processes outside the job must still join the call.
-    everyone = dist.new_group(ranks, timeout=world_timeout) if (world > 1 and initialized) else None
+    everyone = dist.new_group(ranks, timeout=world_timeout, backend="gloo") if (world > 1 and initialized) else None
     if me not in ranks:
         return None  # type: ignore[return-value]
     emulate_nccl = semantics_from_env() is P2PSemantics.NCCL  # read once; the pp axis carries the mode

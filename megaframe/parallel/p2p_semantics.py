@@ -109,6 +109,15 @@ class CoalescedWork:
             w.wait(timeout)
 
 
+def stream_for(group, emulate: bool) -> "NcclStream | None":
+    """The pp group's emulated stream, or None (the backend's own semantics). Only gloo is emulated: on an
+    NCCL group the real rules already hold, and the emulation would send its CPU "ready" tensors over
+    NCCL, which takes CUDA tensors only (the CPU suite's MEGAFRAME_P2P_SEMANTICS=nccl reaching a GPU run)."""
+    if not emulate or group is None or dist.get_backend(group) != "gloo":
+        return None
+    return NcclStream(group, group_timeout_s(group))
+
+
 class NcclStream:
     """One group's in-order p2p stream: batches run one after another on a background thread."""
 

@@ -37,6 +37,7 @@ import torch
 from megaframe.parallel import comm
 from megaframe.parallel.context import cp_positions
 from megaframe.parallel.mesh import Axis
+from megaframe.parallel.ring_fused import FusedRing, fused_kernels
 
 
 def _exchange(axis: Axis, x: torch.Tensor) -> tuple[torch.Tensor, list]:
@@ -201,9 +202,14 @@ def dropout_keep(q_BHQE: torch.Tensor, gathered: int, p: float) -> torch.Tensor:
 @torch.compiler.disable  # p2p inside: eager between a compiled block's pieces (as comm.py's collectives)
 def ring_attention(q_BHQE: torch.Tensor, k_BKNE: torch.Tensor, v_BKNE: torch.Tensor, axis: Axis,
                    seq: int, overlap: bool = True, tile_elems: int | None = None,
-                   dropout_p: float = 0.0) -> torch.Tensor:
+                   dropout_p: float = 0.0, fused: bool = True) -> torch.Tensor:
     """Exact causal attention of this rank's queries against the whole cp group's K/V, by ring, with
     attention dropout when dropout_p > 0 (see the module docstring).
-    `tile_elems`: score elements per tile of query rows (None: TILE_ELEMS of the device; tests set a
-    small one to cross tile boundaries on tiny shapes)."""
+    Without dropout, where the device has them (ring_fused.fused_kernels), each block runs on fused
+    flash kernels merged by log-sum-exp (ring_fused.py); else, and with `fused=False` (an internal switch
+    for scripts/bench_cp.py and tests), on the fp32 math below.
+    `tile_elems`: the math's score elements per tile of query rows (None: TILE_ELEMS of the device; tests
+    set a small one to cross tile boundaries on tiny shapes)."""
+    if fused and dropout_p == 0 and fused_kernels(q_BHQE):
+        return FusedRing.apply(q_BHQE, k_BKNE, v_BKNE, axis, overlap, _exchange, _wait)
     return _RingAttention.apply(q_BHQE, k_BKNE, v_BKNE, axis, seq, overlap, tile_elems, dropout_p)

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -33,12 +35,25 @@ def env_ranks() -> DistEnv:
 def pick_device(choice: str, local_rank: int) -> torch.device:
     if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
+    from megaframe.errors import ConfigError
     if not torch.cuda.is_available():
-        from megaframe.config import ConfigError
         raise ConfigError("train.device=cuda but CUDA is not available on this machine")
+    local, gpus = local_world_size(), torch.cuda.device_count()
+    if local > gpus:  # NCCL does not support one device for several ranks of a communicator: it may hang
+        raise ConfigError(f"train.device={choice}: {local} ranks on this node but {gpus} GPU(s); NCCL needs one GPU "
+                          "per rank: start at most one rank per GPU, or pass train.device=cpu")
     # before init_process_group: NCCL binds each rank to the current device
     torch.cuda.set_device(local_rank % torch.cuda.device_count())
     return torch.device("cuda", torch.cuda.current_device())
+
+
+def local_world_size(environ=os.environ) -> int:
+    """Ranks on this node: torchrun's LOCAL_WORLD_SIZE, else the srun step's tasks per node ("8(x2)": 8;
+    the step's, not the job's: one `python train.py` inside a many-task allocation is one rank), else 1."""
+    if environ.get("LOCAL_WORLD_SIZE"):
+        return int(environ["LOCAL_WORLD_SIZE"])
+    per_node = re.match(r"\d+", environ.get("SLURM_STEP_TASKS_PER_NODE", ""))
+    return int(per_node.group()) if per_node else 1
 
 
 NCCL_DEFAULTS = {
@@ -71,17 +86,62 @@ def init_distributed(env: DistEnv, device: torch.device, timeout_s: float = 600.
     dumps under `run_dir` (see nccl_env)."""
     if env.world_size == 1 or dist.is_initialized():
         return
-    if device.type == "cuda" and run_dir is not None:
-        nccl_env(run_dir)
-    # one host without a launcher's address: rank 0 hosts the store locally
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_ADDR" not in os.environ:
+        os.environ["MASTER_ADDR"] = master_addr(os.environ)
     if "MASTER_PORT" not in os.environ:
         job = int(os.environ.get("SLURM_JOB_ID", "0"))
         os.environ["MASTER_PORT"] = str(20000 + job % 10000)  # per-job port: jobs may share a host
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
-    dist.init_process_group(backend, store=_store(env, timeout), rank=env.rank, world_size=env.world_size,
+    store = _store(env, timeout)
+    if device.type == "cuda" and run_dir is not None:
+        early_dump_dir(store, env.rank, run_dir)  # before init_process_group: NCCL reads its settings there
+    dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size,
                             timeout=timeout, **({"device_id": device} if device.type == "cuda" else {}))
+
+
+def early_dump_dir(store: dist.Store, rank: int, run_dir: str, environ=os.environ) -> str:
+    """Point the flight recorder at rank 0's run folder and create the dump folder, before the first
+    collective: a hang in build_mesh or the first broadcast (the typical wrong-NIC hang) must leave its
+    dumps, and torch only opens the file. The ranks may not agree on run.dir yet (timestamped names),
+    so rank 0's goes through the rendezvous store: no stray per-rank folders. Returns the agreed dir."""
+    if rank == 0:
+        store.set("nccl_dump_run_dir", run_dir)
+    agreed = store.get("nccl_dump_run_dir").decode()
+    nccl_env(agreed, environ)
+    Path(environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"]).parent.mkdir(parents=True, exist_ok=True)
+    return agreed
+
+
+_NODELIST_VARS = ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
+
+
+def master_addr(environ=os.environ) -> str:
+    """MASTER_ADDR when the launcher gave none: the loopback on one host; under a plain multi-node
+    `srun python train.py` the first node of the step (where Slurm puts task 0). The loopback there would
+    make every other node dial itself until dist_timeout_s."""
+    nodes = int(environ.get("SLURM_STEP_NUM_NODES", environ.get("SLURM_NNODES", "1")))
+    if nodes <= 1:
+        return "127.0.0.1"
+    for var in _NODELIST_VARS:
+        if environ.get(var):
+            return first_host(environ[var])
+    from megaframe.errors import ConfigError
+    raise ConfigError(f"SLURM_NNODES={nodes} but MASTER_ADDR is not set and no {'/'.join(_NODELIST_VARS)} "
+                      "names the nodes: export MASTER_ADDR=<first node> (scripts/slurm/pretrain.sbatch does)")
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a Slurm node list as `scontrol show hostnames` expands it:
+    "gpu[007-010,12],cpu1" -> "gpu007", "rack[1-2]-n[01-04]" -> "rack1-n01"."""
+    depth, first = 0, ""
+    for ch in nodelist:  # the first comma outside brackets ends the first entry
+        depth += (ch == "[") - (ch == "]")
+        if ch == "," and depth == 0:
+            break
+        first += ch
+    # each bracket's first range starts with the first value (zero padding kept)
+    return re.sub(r"\[([^\]\-,]+)[^\]]*\]", r"\1", first.strip())
 
 
 def _store(env: DistEnv, timeout: datetime.timedelta) -> dist.Store:

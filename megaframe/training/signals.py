@@ -27,7 +27,7 @@ class StopFlag:
 
     def __init__(self):
         self.signum: int | None = None
-        self.group = None  # the gloo group the flag is reduced over (set at the first agreed())
+        self.group = None  # the world axis the flag is reduced over (set at the first agreed())
         self.previous = {s: signal.signal(s, self._handle) for s in SIGNALS}
 
     def _handle(self, signum, frame) -> None:
@@ -45,9 +45,8 @@ class StopFlag:
         writer is still running, so the commit needs no collective of its own, and whether its clock says
         a timed save is due (checkpoint.interval_minutes): ranks' clocks differ slightly, so the save
         follows the agreed flag, never a rank's own clock (a save is collective). The flags are a CPU tensor
-        reduced over a gloo group (the mesh's own on CPU, a gloo twin of it on CUDA, made at the first
-        call, which every rank reaches at the same step): the host waits only for the other hosts,
-        never for the GPU's queue."""
+        reduced over the mesh's world group, gloo on every device (with its configured timeout): the host
+        waits only for the other hosts, never for the GPU's queue."""
         import torch  # not at import time: train.py installs the flag before torch is loaded
         import torch.distributed as dist
 
@@ -57,9 +56,7 @@ class StopFlag:
         if mesh.group is None:
             return self.signum is not None, busy, due
         if self.group is None:
-            # new_group is collective: made on the first check step, which every rank reaches at the same step
-            group = mesh.group if mesh.device.type == "cpu" else dist.new_group(backend="gloo")
-            self.group = Axis("world", mesh.world, mesh.rank, tuple(range(mesh.world)), group, mesh.stats)
+            self.group = Axis("world", mesh.world, mesh.rank, tuple(range(mesh.world)), mesh.group, mesh.stats)
         # every flag in one tensor: one all-reduce per check step, not three
         flags = torch.tensor([float(self.signum is not None), float(busy), float(due)])
         comm.all_reduce(flags, self.group, op=dist.ReduceOp.MAX)  # MAX: any rank signalled / still writing / due

@@ -45,15 +45,15 @@ class StragglerProbe:
         self._fold()
         mine = self.compute_s / max(1, self.steps)
         self.compute_s, self.steps = 0.0, 0
-        # on the mesh's device: the group may be NCCL, which gathers device tensors only
-        local = torch.tensor([mine], dtype=torch.float64, device=mesh.device)
+        # host tensors: the mesh's world group is gloo on every device (and the figure is a host float)
+        local = torch.tensor([mine], dtype=torch.float64)
         if mesh.group is None:
             every = local
         else:
-            every = torch.empty(mesh.world, dtype=torch.float64, device=mesh.device)
+            every = torch.empty(mesh.world, dtype=torch.float64)
             with mesh.stats.noting("all_gather(straggler)", "world", range(mesh.world), local.shape, local.dtype, 8):
                 comm.all_gather_world(every, local, mesh.group)
-        # a host sync, at log steps only (gather() is called from the log row)
+        # host values: no device sync
         values = every.tolist()
         slowest = max(range(len(values)), key=values.__getitem__)
         return {"straggler/compute_s_min": min(values), "straggler/compute_s_max": values[slowest],

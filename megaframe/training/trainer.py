@@ -2,6 +2,7 @@
 in meter.py, checkpoints in checkpointing.py). `run(cfg)` is all train.py calls."""
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import time
@@ -20,6 +21,7 @@ from megaframe.training.checkpointing import Checkpointer
 from megaframe.training.distributed import env_ranks, init_distributed, nccl_env, pick_device, shutdown
 from megaframe.training.errors import TrainingError  # also re-exported for train.py
 from megaframe.training.faults import Injector
+from megaframe.training.first_step import first_step_limits
 from megaframe.training.meter import BadSteps, Meter
 from megaframe.training.runlock import RunDirBusy, RunLock
 from megaframe.training.signals import StopFlag, continue_command
@@ -101,7 +103,9 @@ def train(cfg: Config, mesh: Mesh, stop: StopFlag, run_id: str = "") -> None:
             mesh.stats.pop()  # count only this step's bytes
             seed_step(t.seed, step, mesh)  # dropout RNG: equal on tp ranks, a function of the step (layers.rng)
             batches = next_batches(loader, step)  # read while the previous step computed
-            res = train_step(su.model, su.optimizer, batches, mesh, cfg, step, probe)
+            with first_step_limits(mesh, watchdog, t.compile_timeout_s, t.dist_timeout_s) \
+                    if t.compile and step == start + 1 else contextlib.nullcontext():  # compiles: slow, not hung
+                res = train_step(su.model, su.optimizer, batches, mesh, cfg, step, probe)
             meter.add(res)
             try:
                 bad.check(step, res.grad_norm, flush=step % t.log_interval == 0 or step == t.max_steps)

@@ -13,16 +13,20 @@ TINY = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads
         "train.micro_batch_size=2", "optim.warmup_steps=2", "optim.lr=3e-3"]
 
 
-def env(**extra) -> dict:
+def env(gpu: bool = False, **extra) -> dict:
+    """The command's environment. CPU only unless `gpu`: with train.device=auto on a GPU host, 2-4 torchrun
+    ranks would share one GPU (NCCL does not support that) and the suite would not be the CPU suite."""
     e = dict(os.environ)
     e.update(WANDB_MODE="disabled", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    if not gpu:
+        e["CUDA_VISIBLE_DEVICES"] = ""
     e.update(extra)
     e.pop("MEGAFRAME_RUN_NAME", None)
     return e
 
 
-def run(args: list[str], timeout: float = 300, **extra_env) -> subprocess.CompletedProcess:
-    return subprocess.run(args, cwd=ROOT, env=env(**extra_env), capture_output=True, text=True, timeout=timeout)
+def run(args: list[str], timeout: float = 300, gpu: bool = False, **extra_env) -> subprocess.CompletedProcess:
+    return subprocess.run(args, cwd=ROOT, env=env(gpu, **extra_env), capture_output=True, text=True, timeout=timeout)
 
 
 def train(overrides: list[str], nproc: int = 1, timeout: float = 300, **extra_env) -> subprocess.CompletedProcess:
@@ -31,7 +35,8 @@ def train(overrides: list[str], nproc: int = 1, timeout: float = 300, **extra_en
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                "train.py"]
-    return run(cmd + overrides, timeout=timeout, **extra_env)
+    gpu = "train.device=cuda" in overrides  # the GPU tests (tests/gpu) ask for it by name
+    return run(cmd + overrides, timeout=timeout, gpu=gpu, **extra_env)
 
 
 def metrics(run_dir: Path) -> list[dict]:

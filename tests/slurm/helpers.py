@@ -24,7 +24,8 @@ def job_env(**extra: str) -> dict:
               "MASTER_PORT", "WANDB_DIR", "WANDB_API_KEY"):
         env.pop(k, None)
     env.update(WANDB_MODE="offline", WANDB_SILENT="true", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-               HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", MEGAFRAME_ROOT=str(ROOT))
+               HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", MEGAFRAME_ROOT=str(ROOT),
+               CUDA_VISIBLE_DEVICES="")  # the CPU job on any host: train.device=auto must not pick a GPU
     env.update(extra)
     return env
 
