@@ -1,7 +1,7 @@
 """Benchmark megaframe.data.prepare: tokens/s of the whole prepare (reading, hashing, tokenizing in
 worker processes, writing shards) against the limit, sentencepiece's encode speed on one core.
 
-    python scripts/bench_prepare.py [--source DIR] [--repeat N] [--workers 2] [--vocab 4096]
+    python scripts/bench_prepare.py [--source DIR] [--repeat N] [--workers 2] [--vocab 4096] [--tasks 4]
 
 The corpus is the demo corpus (data/demo/corpus, 4.7 MB of books) copied `--repeat` times into a temp
 folder, so the run is long enough to time. The tokenizer is trained once (timed apart) and then reused
@@ -11,12 +11,16 @@ small fixed cost. Printed: the one-core encode limit, prepare's end-to-end token
 of `--trials` runs, which filters out other jobs sharing the machine. CPU seconds are printed too
 (prepare's main process plus its workers, for the tokenizing phase): they do not depend on other
 load, and limit CPU / prepare CPU is the share of the work that is tokenizing proper.
+With --tasks N: the same corpus prepared by 1 task and by N tasks (data.num_tasks, one worker each, N
+processes at once as a job array runs them), with units small enough that each task gets a share; prints
+tokens/s of each and the ratio N tasks / 1 task (ideal: min(N, cores)).
 """
 from __future__ import annotations
 
 import argparse
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -43,7 +47,7 @@ def make_corpus(source: Path, repeat: int, dst: Path) -> Path:
 def encode_limit(src: Path, tok_path: Path, cache: str) -> tuple[tuple[int, float], float]:
     """((tokens, cpu seconds), seconds) of sentencepiece encoding every document on one thread."""
     files = resolve_source(str(src))
-    docs = [d for g in units(files, 1 << 62) for b in iter_documents(g, "text", cache) for d in b]
+    docs = [d for g in units(files, 1 << 62) for b in iter_documents(g, "text", cache, "file") for d in b]  # data.split=file, as prepare
     tok = Tokenizer.load(tok_path)
     t0, c0 = time.perf_counter(), time.process_time()
     n = 0
@@ -71,6 +75,7 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--trials", type=int, default=3)
+    ap.add_argument("--tasks", type=int, default=0, help="also time 1 task against this many (data.num_tasks)")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-prepare-") as tmp:
         tmp = Path(tmp)
@@ -102,6 +107,38 @@ def main() -> None:
                   f"(ratio to the 1-core limit {n / wall / limit:.2f}); tokenizing phase {enc:,.0f} tokens/s "
                   f"(ratio {enc / limit:.2f}); tokenizing CPU {meta['stats']['encode_cpu_seconds']:.2f}s "
                   f"(limit CPU / this: {limit_cpu / meta['stats']['encode_cpu_seconds']:.2f})", flush=True)
+        if a.tasks > 1:
+            bench_tasks(src, tmp, tok, a.tasks, a.trials)
+
+
+def run_tasks(src: Path, out: Path, tok: Path, tasks: int, unit_bytes: int) -> float:
+    """Wall seconds of `tasks` prepare processes at once (one worker each) on units of unit_bytes."""
+    code = (f"import sys; from megaframe.data import prepare as p; p.UNIT_BYTES = {unit_bytes}; "
+            "sys.exit(p.main(sys.argv[1:]))")
+    over = [f"data.source={src}", f"data.path={out}", f"data.tokenizer={tok}", "data.num_workers=1",
+            f"data.num_tasks={tasks}"]
+    t0 = time.perf_counter()
+    procs = [subprocess.Popen([sys.executable, "-c", code, *over, f"data.task={i}"], cwd=ROOT,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for i in range(tasks)]
+    for p in procs:
+        _, err = p.communicate()
+        assert p.returncode == 0, err
+    return time.perf_counter() - t0
+
+
+def bench_tasks(src: Path, tmp: Path, tok: Path, tasks: int, trials: int) -> None:
+    unit = max(1 << 16, sum(f.stat().st_size for f in src.iterdir()) // (4 * tasks))  # ~4 units per task
+    walls = {}
+    for n in (1, tasks):
+        def once(n=n):
+            shutil.rmtree(tmp / f"t{n}", ignore_errors=True)
+            return None, run_tasks(src, tmp / f"t{n}", tok, n, unit)
+        walls[n] = best(trials, once)[1]
+    import json
+    tokens = json.loads((tmp / f"t{tasks}" / "meta.json").read_text())["num_tokens"]
+    print(f"prepare as tasks (units of {unit / 1e6:.1f} MB, one worker each): 1 task {tokens / walls[1]:,.0f} tokens/s, "
+          f"{tasks} tasks {tokens / walls[tasks]:,.0f} tokens/s; ratio {tasks} tasks / 1 task: {walls[1] / walls[tasks]:.2f}",
+          flush=True)
 
 
 if __name__ == "__main__":
