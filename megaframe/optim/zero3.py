@@ -42,8 +42,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megaframe.optim.buffer import Bucket, FlatBuffer
-from megaframe.optim.param_gather import blocks_of
+from megaframe.layers.shard import init_flat, materialize
+from megaframe.optim.buffer import Bucket, FlatBuffer, Segment
+from megaframe.optim.param_gather import gather_units, zero3_groups
 from megaframe.optim.zero import ZeroOptimizer
 from megaframe.parallel import comm
 
@@ -54,37 +55,80 @@ class Zero3Optimizer(ZeroOptimizer):
     always_master = True
 
     def __init__(self, model: nn.Module, cfg, mesh):
-        self.blocks = blocks_of(model)
+        self.units = gather_units(model)
+        self._names = {p: n for n, p in model.named_parameters()}
+        self._init = getattr(model, "init_spec", None)
+        self._from_init: set = set()  # params that were meta: their master segments are drawn from init
         super().__init__(model, cfg, mesh)
         self._syncing = False  # sync_params is gathering everything: not the training working set
+        self.gathered_high = 0  # the most gathered param bytes ever alive at once, saves included (tests)
         self.resident: list[tuple[FlatBuffer, Bucket]] = []
-        self.block_buckets: list[list[tuple[FlatBuffer, Bucket]]] = [[] for _ in self.blocks]
-        where = {id(p): i for i, blk in enumerate(self.blocks) for p in blk.parameters()}
+        self.block_buckets: list[list[tuple[FlatBuffer, Bucket]]] = [[] for _ in self.units]
+        where: dict = {}
+        for i, (_, params, _) in enumerate(self.units):
+            for p in params:
+                where.setdefault(id(p), []).append(i)
         for buf in self.buffers:
             for b in buf.buckets:
-                b.pfull = buf.param[b.start:b.end].clone()  # its own storage, freed and re-gathered
                 b.fresh, b.gwork = True, None
-                o = b.start
-                for p in b.params:
-                    p.data = b.pfull[o - b.start:o - b.start + p.numel()].view(p.shape)
-                    o += p.numel()
-                i = where.get(id(b.params[0]))
-                (self.resident if i is None else self.block_buckets[i]).append((buf, b))
-            buf.param = None  # the whole buffer is not kept
+                units = where.get(id(b.params[0]))
+                if units is None:
+                    self.resident.append((buf, b))
+                for i in units or []:
+                    self.block_buckets[i].append((buf, b))
         self._seen = {p: p._version for p in self._seen}
-        for i, blk in enumerate(self.blocks):
-            self._hooks += [blk.register_forward_pre_hook(self._on(i, "fwd_pre")),
-                            blk.register_forward_hook(self._on(i, "fwd_post")),
-                            blk.register_full_backward_pre_hook(self._on(i, "bwd_pre")),
-                            blk.register_full_backward_hook(self._on(i, "bwd_post"))]
-        # params stay gathered until the first forward frees them: a checkpoint loads into whole params.
-        # Bytes of block params gathered now (the resident bucket is counted in mem/params_bytes).
-        self.gathered_params = sum(b.numel * b.pfull.element_size() for bs in self.block_buckets for _, b in bs)
+        for i, (unit, _, backward_reads) in enumerate(self.units):
+            self._hooks += [unit.register_forward_pre_hook(self._on(i, "fwd_pre")),
+                            unit.register_forward_hook(self._on(i, "fwd_post"))]
+            if backward_reads:  # else (the input step) nothing to gather for its backward; freed at step()
+                self._hooks += [unit.register_full_backward_pre_hook(self._on(i, "bwd_pre")),
+                                unit.register_full_backward_hook(self._on(i, "bwd_post"))]
+        # Every bucket starts freed (params given by a checkpoint were folded into the master above); a
+        # forward gathers what it needs, sync_params() everything (readers outside a forward).
+        self.gathered_params = sum(b.numel * b.pfull.element_size() for bs in self.block_buckets for _, b in bs
+                                   if b.pfull.untyped_storage().nbytes())
+        self.launch(None)
 
     def _make_buffer(self, params, bucket_bytes, axis, late) -> FlatBuffer:
-        outside = [p for p in params if all(p is not q for blk in self.blocks for q in blk.parameters())]
-        groups = [outside] + [list(blk.parameters()) for blk in self.blocks]
-        return FlatBuffer(params, bucket_bytes, axis.rank, axis.size, late, sharded_grads=True, groups=groups)
+        buf = FlatBuffer(params, bucket_bytes, axis.rank, axis.size, late, sharded_grads=True,
+                         groups=zero3_groups(params, self.units),
+                         device=self.mesh.device, whole_param=False)
+        for b in buf.buckets:
+            self._bucket_storage(buf, b)
+        return buf
+
+    @torch.no_grad()
+    def _bucket_storage(self, buf: FlatBuffer, b: Bucket) -> None:
+        """The bucket's own gathered tensor, its params views of it. Params still on meta (build_model's)
+        get their storage here, freed at once: the master is drawn from init (`_segment_values`), and no
+        rank ever holds its whole local model. Params with values (a model built outside build_model) copy
+        them in and keep them until build_state has read its segments."""
+        b.pfull = torch.empty(b.numel, dtype=buf.dtype, device=buf.device)
+        o = 0
+        for p in b.params:
+            view = b.pfull[o:o + p.numel()].view(p.shape)
+            o += p.numel()
+            if p.is_meta:
+                self._from_init.add(p)
+                materialize(p, view.new_empty(0))  # off meta first: .data = refuses a meta param
+            else:
+                view.copy_(p.detach())
+            # .data =, not a Parameter made from the view: p keeps a version counter of its own, so the
+            # gathers writing into pfull do not look like in-place changes of the weights autograd saved
+            p.data = view
+        b.pfull[o:].zero_()  # the padding: zeros, as the master's
+        if all(p in self._from_init for p in b.params):
+            b.pfull.untyped_storage().resize_(0)
+
+    def _segment_values(self, seg: Segment) -> torch.Tensor:
+        """A segment's starting values in the params' dtype: drawn from init (seed, global name, position:
+        the values the whole param would get) or read from the param it was given."""
+        p = seg.param
+        if p in self._from_init:
+            assert self._init is not None, "a meta model without init_spec: build it with build_model"
+            vals = init_flat(self._names[p], p.placement.shard, self._init, seg.param_lo, seg.numel)
+            return vals.to(p.device, p.dtype)
+        return p.detach().reshape(-1)[seg.param_lo:seg.param_lo + seg.numel]
 
     def _make_param_gather(self, model):
         return self  # wait() / launch() / in_flight below
@@ -99,8 +143,10 @@ class Zero3Optimizer(ZeroOptimizer):
             recompute = when.startswith("fwd") and torch._C._current_graph_task_id() != -1
             if when in ("fwd_pre", "bwd_pre"):
                 self._ensure(i)
-                if not recompute:
-                    self._prefetch(i + 1 if when == "fwd_pre" else i - 1)
+                nxt = i + 1 if when == "fwd_pre" else i - 1
+                # backward prefetches only a unit whose backward reads its params (not the input step)
+                if not recompute and (when == "fwd_pre" or (nxt >= 0 and self.units[nxt][2])):
+                    self._prefetch(nxt)
             elif recompute:
                 pass
             elif self.cfg.reshard_after_forward or (when == "bwd_post" and self._last):
@@ -116,6 +162,7 @@ class Zero3Optimizer(ZeroOptimizer):
                 self.gathered_params += b.numel * b.pfull.element_size()
                 if not self._syncing:  # the training working set, not a checkpoint's gather-everything
                     self.gathered_peak = max(self.gathered_peak, self.gathered_params + self._acc_bytes)
+                self.gathered_high = max(self.gathered_high, self.gathered_params)
         n = b.shard_numel(buf.dp_size)
         mine = b.pfull[buf.dp_rank * n:(buf.dp_rank + 1) * n]
         # From the fp32 master, not a stale bf16 copy: the master is what the update wrote.
@@ -125,7 +172,7 @@ class Zero3Optimizer(ZeroOptimizer):
         b.fresh = True
 
     def _prefetch(self, i: int) -> None:
-        if 0 <= i < len(self.blocks):
+        if 0 <= i < len(self.units):
             for buf, b in self.block_buckets[i]:
                 if not b.fresh:
                     self._launch_gather(buf, b)
@@ -167,7 +214,7 @@ class Zero3Optimizer(ZeroOptimizer):
         """Gather every block (checkpoints and tests read whole params); the next forward frees them."""
         self._syncing = True
         try:
-            for i in range(len(self.blocks)):
+            for i in range(len(self.units)):
                 self._ensure(i)
         finally:
             self._syncing = False
@@ -187,7 +234,7 @@ class Zero3Optimizer(ZeroOptimizer):
 
     def launch(self, _gather_bucket) -> None:
         """After the update: the resident bucket is gathered now, blocks at their next use."""
-        for i in range(len(self.blocks)):
+        for i in range(len(self.units)):
             self._free(i)
         for buf, b in self.resident:
             self._launch_gather(buf, b)
@@ -205,3 +252,4 @@ class Zero3Optimizer(ZeroOptimizer):
         out["mem/optim_bytes"] -= shard
         out["mem/params_bytes"] = shard + resident
         return out
+
