@@ -288,6 +288,10 @@ class ZeroOptimizer:
         parameters outside a forward (saving, copying them out)."""
         self.param_gather.wait()
 
+    def settle(self) -> None:
+        """Before a save: as sync_params (zero=3 overrides it: a save there gathers nothing)."""
+        self.sync_params()
+
     # ------------------------------------------------------------------ checkpoints and figures
 
     def _gather_bucket(self, buf: FlatBuffer, b: Bucket, what: str) -> dict[str, torch.Tensor]:

@@ -1,41 +1,50 @@
-"""ZeRO-3 (optim.zero=3): parameters live as this rank's 1/dp shard too; each transformer block's params
+"""ZeRO-3 (optim.zero=3): parameters live as this rank's 1/dp shard too; each gather unit's params
 are all-gathered just before its forward and again before its backward, and freed after each.
 
+Gather units (GPT.gather_units, in forward order): the input step (embedding, learned positions), each
+transformer block, the output step (final norm and head, or the tied embedding). Every param is in
+one, so nothing is kept whole: a rank holds 1/dp of the model (mem/params_bytes).
 Built on the ZeRO-2 optimizer (zero.py: grads reduce-scattered into the owned shard every micro-batch)
-with two changes of layout (buffer.group_plan): one bucket per transformer block, and one for every
-param outside the blocks (embeddings, final norm, head); and the owned range of every param is kept in
-an fp32 tensor (`always_master`), which the update writes and the gathers read.
+with two changes of layout (buffer.group_plan, param_gather.zero3_groups): one bucket per unit (a
+param two units read, the tied embedding in one process, or one summed over the pipeline ends, in a
+bucket of its own); and the owned range of every param is kept in an fp32 tensor (`always_master`),
+which the update writes and the gathers read.
+
+Start-up: build_model leaves the params on the meta device; here each bucket gets its gathered tensor
+(freed at once) and the master of each owned segment is drawn from init (layers/shard.py init_flat:
+seed, global name, position: the values the whole param would get). So no rank ever holds its whole
+local model, in any dtype.
 
 Each bucket's parameters are views of one bucket-sized tensor of its own. Freeing resizes that tensor's
 storage to 0 bytes and gathering resizes it back and all-gathers into it, so the views (p.data, and the
 weights autograd saved for backward) stay the same tensors and see the gathered values again before
-the block's backward runs (the storage trick of PyTorch's FSDP1). Under pipeline parallelism the hooks
-act per block whatever the schedule (vpp included); the tied embedding's copy on each pipeline end sits
-in the bucket outside blocks, whose grads are summed over the ends before their reduce-scatter.
+the unit's backward runs (the storage trick of PyTorch's FSDP1). Under pipeline parallelism the hooks
+act per unit whatever the schedule (vpp included).
 
-    forward pre-hook of block i     wait for (or run) the gather of block i; launch block i+1's
-    forward hook of block i         free block i
-    backward pre-hook of block i    gather block i again; launch block i-1's
-    backward hook of block i        free block i (its input grad is computed: the weights are done)
+    forward pre-hook of unit i      wait for (or run) the gather of unit i; launch unit i+1's
+    forward hook of unit i          free unit i
+    backward pre-hook of unit i     gather unit i again; launch unit i-1's (if its backward reads it)
+    backward hook of unit i         free unit i (its input grad is computed: the weights are done)
+The input step's backward (an index-add, an add) reads no weights: it has no backward hooks, and is
+not gathered for backward.
 
 `optim.reshard_after_forward=false` (torchtitan's and Megatron's choice for pipelines, where a rank
-runs several micro-batches' forwards before their backwards) keeps a block gathered from its first
+runs several micro-batches' forwards before their backwards) keeps a unit gathered from its first
 forward of the step to its last backward (backward_context(is_last=True) of its chunk): one gather
-per block per step instead of two per micro-batch, for the memory of the whole chunk's params.
+per unit per step instead of two per micro-batch, for the memory of the whole chunk's params.
 
-The bucket outside the blocks stays gathered: the output head reads the embedding's or its own weight
-inside the model's forward, not through a module call. After step() every bucket is stale: the
-resident one is gathered again at once, the blocks at their next forward. sync_params() gathers all of
-them (readers outside a forward: checkpoints); the next forward frees them again.
+After step() every bucket is stale and freed; each is gathered at its next use. sync_params() gathers
+all of them (readers of whole params outside a forward: tests, a checkpoint load into whole params);
+the next forward frees them again. A save gathers nothing: each rank writes its owned segments
+(weight_segments, the master cast to the params' dtype), after settle().
 
-Per step, B the padded buffer of the blocks and R the resident bucket: gathers 2·M·(dp-1)/dp·B' (B' in
-the params' dtype, once for forward and once for backward per micro-batch), reduce-scatters
-M·(dp-1)/dp·4(B+R), the resident gather (dp-1)/dp·R', and the norm scalar (under HSDP dp is the shard
-group, plus the all-reduce of the grad shard over its replicas; under cp, dp is cp·dp). Composes with
-tp/sp, pp/vpp, ep (expert params in a buffer of their own, sharded over edp, one bucket per block too),
-cp (shards and gathers over cp·dp, both cp_comm kinds), HSDP and full recompute
-(the re-run forward inside backward neither frees nor prefetches); refused with compile (config_checks):
-hooks inside compiled blocks are not handled.
+Per step, B the padded buffer: gathers (dp-1)/dp·n' per use of each bucket (n' in the params' dtype;
+a block twice per micro-batch, forward and backward: optim/sizing.py gathers_per_step), reduce-scatters
+M·(dp-1)/dp·4B, and the norm scalar (under HSDP dp is the shard group, plus the all-reduce of the grad
+shard over its replicas; under cp, dp is cp·dp). Composes with tp/sp, pp/vpp, ep (expert params in a
+buffer of their own, sharded over edp, one bucket per block too), cp (shards and gathers over cp·dp,
+both cp_comm kinds), HSDP and full recompute (the re-run forward inside backward neither frees nor
+prefetches); refused with compile (config_checks): hooks inside compiled blocks are not handled.
 """
 from __future__ import annotations
 
@@ -219,6 +228,17 @@ class Zero3Optimizer(ZeroOptimizer):
         finally:
             self._syncing = False
         self.wait()
+
+    def settle(self) -> None:
+        """Before a save: gathers in flight landed, writes made from outside into gathered params folded
+        into the master; nothing is gathered (a save writes each rank's segments: weight_segments)."""
+        self.wait()
+        self._resync_master()
+
+    def weight_segments(self, p: nn.Parameter) -> list[tuple[int, int, torch.Tensor]]:
+        """This rank's segments of p's weights, no collective and no gather: (first element of the flat
+        local param, length, the values in p's dtype: the master cast as a gather would)."""
+        return [(lo, n, views["master"].to(p.dtype)) for lo, n, views in self.state_segments(p)]
 
     def _resync_master(self, params=None) -> None:
         """As ZeroOptimizer's, for params whose storage is gathered now (a freed block is re-read when

@@ -8,7 +8,7 @@ from megaframe.planning.estimate import plan_layout
 from tests.distributed.cases import tiny_config
 from tests.distributed.test_model_equivalence import assert_close_dicts
 from tests.distributed.test_zero import FAMILIES, STEPS, reference, rel_errors
-from tests.distributed.zero_cases import bf16_losses, run_steps
+from tests.distributed.zero_cases import bf16_losses, run_steps, save_gather_probe
 
 pytestmark = pytest.mark.distributed
 
@@ -96,6 +96,16 @@ def test_checkpoint_resumes_from_zero3(pool, tmp_path):
     resumed = mid["losses"] + end["losses"]
     assert max(rel_errors(resumed, full["losses"][2:])) <= 1e-5, (resumed, full["losses"])
     assert_close_dicts(end["weights"], full["weights"], rtol=1e-4, atol=1e-4, what="weight")
+
+
+def test_zero3_save_gathers_nothing(pool, tmp_path):
+    """A zero=3 save writes each rank's owned segments: no param is gathered for it (before, every block
+    was gathered at once: the whole local model) and nothing is sent on dp, while a step gathers block
+    by block; the checkpoint loads into one process with the weights the run had."""
+    got = pool.run(save_gather_probe, 4, ["optim.zero=3"], str(tmp_path))[0]
+    assert got["steps"] > 0 and got["save"] == 0 and got["save_dp_bytes"] == 0, got
+    back = pool.run(run_steps, 1, ["optim.zero=0"], STEPS, str(tmp_path / "step_00000002"), None, 2, 2)[0]
+    assert_close_dicts(back["weights"], got["weights"], rtol=0, atol=0, what="weight")
 
 
 def test_zero3_interleaved_pipeline(pool):

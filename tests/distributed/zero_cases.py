@@ -176,3 +176,19 @@ def param_gather_probe(mesh, overrides: list[str]) -> dict | None:
         model(ids, labels)
     seen["after_forward"] = optimizer.param_gather.in_flight
     return seen if mesh.rank == 0 else None
+
+
+def save_gather_probe(mesh, overrides: list[str], folder: str) -> dict | None:
+    """zero=3: two steps, then a save as the trainer makes it (settle, then save). Rank 0 returns the most
+    param bytes gathered at once in the steps and in the save, and the bytes sent on dp by the save."""
+    cfg, model, optimizer, data = _setup(mesh, overrides, 2)
+    for step in (1, 2):
+        _step(mesh, cfg, model, optimizer, data, step)
+    in_steps, optimizer.gathered_high = optimizer.gathered_high, 0
+    mesh.stats.pop()
+    optimizer.settle()
+    sharded.save(folder, 2, model, optimizer, mesh, {"layout": {"dp": mesh.dp.size}})
+    sent, saved = dict(mesh.stats.pop()), optimizer.gathered_high
+    weights = full_state(model, mesh, optimizer=optimizer)  # collective: every rank
+    return {"steps": in_steps, "save": saved, "save_dp_bytes": sent.get("dp", 0),
+            "weights": weights} if mesh.rank == 0 else None
