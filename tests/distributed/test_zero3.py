@@ -1,5 +1,6 @@
 """ZeRO-3 (params sharded too, gathered block by block): equal to one process at dp2, dp4, tp2·dp2·sp
-HSDP dp4/s2, pp2 and pp2 with tied embeddings (gpt2) without resharding after forward, pp2·vpp2; params,
+HSDP dp4/s2, pp2, pp2 with tied embeddings (gpt2) without resharding after forward, dp4 tied, pp2·vpp2, ep2; params
+(a quarter of one process on each of 4 ranks: every param sharded),
 grads and optimizer state per rank against the layout, dp bytes to theory to the byte, and a resume
 chain zero=3 dp4 -> zero=1 dp2 -> zero=0 one process."""
 import pytest
@@ -51,7 +52,9 @@ CASES = [("dp2", "gpt_tiny", 2, 1, 1, 0, []), ("dp4", "gpt_tiny", 4, 1, 1, 0, []
          ("tp2-dp2-sp", "gpt_tiny", 4, 2, 1, 0, ["parallel.tp=2", "parallel.sp=true"]),
          ("hsdp-dp4-s2", "gpt_tiny", 4, 1, 1, 2, ["optim.shard_group_size=2"]),
          ("pp2-dp2", "gpt_tiny", 4, 1, 2, 0, ["parallel.pp=2"]),
-         ("pp2-dp2-tied-keep", "gpt2_tiny", 4, 1, 2, 0, G2 + ["parallel.pp=2", NO_RESHARD])]
+         ("pp2-dp2-tied-keep", "gpt2_tiny", 4, 1, 2, 0, G2 + ["parallel.pp=2", NO_RESHARD]),
+         # one process's tied embedding: one bucket read by the input and the output step (3 gathers)
+         ("dp4-tied", "gpt2_tiny", 4, 1, 1, 0, G2)]
 
 
 @pytest.mark.parametrize("name,family,n,tp,pp,shard,extra", CASES, ids=[c[0] for c in CASES])
