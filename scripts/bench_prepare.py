@@ -47,7 +47,8 @@ def make_corpus(source: Path, repeat: int, dst: Path) -> Path:
 def encode_limit(src: Path, tok_path: Path, cache: str) -> tuple[tuple[int, float], float]:
     """((tokens, cpu seconds), seconds) of sentencepiece encoding every document on one thread."""
     files = resolve_source(str(src))
-    docs = [d for g in units(files, 1 << 62) for b in iter_documents(g, "text", cache, "file") for d in b]  # data.split=file, as prepare
+    # data.split=file, as prepare
+    docs = [d for g in units(files, 1 << 62) for b in iter_documents(g, "text", cache, "file") for d in b]
     tok = Tokenizer.load(tok_path)
     t0, c0 = time.perf_counter(), time.process_time()
     n = 0

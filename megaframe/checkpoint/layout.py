@@ -76,9 +76,16 @@ def param_items(model, optimizer, mesh, with_sources: bool) -> list[Item]:
         if p.placement.pp_duplicate:  # the tied embedding's copy: stage 0 holds the same tensor
             continue
         whole = [(0, p.numel())]
-        h, i = _replicas(p, mesh, segments=False)
-        items.append(Item(f"model/{name}", p.placement.shard, dtype_name(p.dtype), whole, h, i,
-                          [p.detach().reshape(-1)] if with_sources else []))
+        weights = optimizer.weight_segments(p) if hasattr(optimizer, "weight_segments") else None
+        if weights is not None:  # ZeRO-3: the params are sharded too; each rank writes its own segments
+            h, i = _replicas(p, mesh, segments=True)
+            items.append(Item(f"model/{name}", p.placement.shard, dtype_name(p.dtype),
+                              [(lo, lo + n) for lo, n, _ in weights], h, i,
+                              [t for *_, t in weights] if with_sources else []))
+        else:
+            h, i = _replicas(p, mesh, segments=False)
+            items.append(Item(f"model/{name}", p.placement.shard, dtype_name(p.dtype), whole, h, i,
+                              [p.detach().reshape(-1)] if with_sources else []))
         segs = optimizer.state_segments(p) if hasattr(optimizer, "state_segments") else None
         if segs is not None:  # ZeRO: this dp rank's segments, replicated over tp only
             h, i = _replicas(p, mesh, segments=True)

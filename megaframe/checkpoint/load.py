@@ -114,6 +114,8 @@ def load_into(path: str | Path, model, optimizer=None) -> dict:
     """Fill this rank's parameter (and optimizer state) slices from a checkpoint of any layout; returns
     its metadata, with this rank's read figures under "io_load"."""
     meta = check_complete(path)
+    if optimizer is not None:  # ZeRO-3 keeps params sharded: the copies below write whole params
+        optimizer.sync_params()
     items = load_items(model, optimizer, meta)
     got, figures = read_items(path, meta, items)
     for name, p in model.named_parameters():

@@ -188,25 +188,63 @@ def full_init_param(name: str, shard: Shard, seed: int, std: float, num_layers: 
     return local_init(name, whole, seed, std, num_layers)
 
 
-def local_init(name: str, shard: Shard, seed: int, std: float, num_layers: int) -> torch.Tensor:
-    """This rank's slice of the parameter's global initial tensor, drawing only the blocks it touches.
+def local_init(name: str, shard: Shard, seed: int, std: float, num_layers: int,
+               rows: tuple[int, int] | None = None) -> torch.Tensor:
+    """This rank's slice of the parameter's global initial tensor, drawing only the blocks it touches;
+    `rows` = (lo, hi): only those rows (dim 0) of the local slice (ZeRO-3 materialises its segments).
     Stacked experts ([E, ...] over ep) get one tensor per expert, each from (seed, the expert's own
     global name): the same experts whatever ep is."""
-    shape = shard.global_shape
-    out = torch.empty(shard.local_shape)
+    shape, local = shard.global_shape, shard.local_shape
+    r0, r1 = rows if rows is not None else (0, local[0])
+    out = torch.empty((r1 - r0, *local[1:]))
     if shard.expert:
-        experts = [e for g, _, n in _ranges(shard) for e in range(g, g + n)]
+        experts = [e for g, _, n in _ranges(shard) for e in range(g, g + n)][r0:r1]
         for i, e in enumerate(experts):
             out[i] = init_region(expert_name(name, e), shape[1:], [(0, n) for n in shape[1:]], seed, std,
                                  num_layers)
         return out
     for g, lo, n in _ranges(shard):
         region = [(0, size) for size in shape]
-        if shard.dim is not None:
+        region[0] = (r0, r1)  # dim 0 is not split (else the branch below): local rows are global rows
+        dst = out
+        if shard.dim == 0:  # this block's local rows [lo, lo + n), clipped to the rows asked for
+            a, b = max(lo, r0), min(lo + n, r1)
+            if a >= b:
+                continue
+            region[0] = (g + a - lo, g + b - lo)
+            dst = out.narrow(0, a - r0, b - a)
+        elif shard.dim is not None:
             region[shard.dim] = (g, g + n)
-        dst = out if shard.dim is None else out.narrow(shard.dim, lo, n)
+            dst = out.narrow(shard.dim, lo, n)
         dst.copy_(init_region(name, shape, region, seed, std, num_layers))
     return out
+
+
+def init_flat(name: str, shard: Shard, init: "InitSpec", lo: int, n: int) -> torch.Tensor:
+    """Elements [lo, lo + n) of the flattened local initial tensor (a ZeRO segment), in fp32: only the
+    rows the range touches are drawn, so a rank's segments cost about their own size."""
+    inner = math.prod(shard.local_shape[1:])
+    r0, r1 = lo // inner, -(-(lo + n) // inner)
+    rows = local_init(name, shard, init.seed, init.std, init.num_layers, (r0, r1)).reshape(-1)
+    return rows[lo - r0 * inner:lo - r0 * inner + n]
+
+
+@dataclass(frozen=True)
+class InitSpec:
+    """What a parameter's initial values depend on besides its name and shard (see init_region)."""
+
+    seed: int
+    std: float
+    num_layers: int
+
+
+def materialize(p: nn.Parameter, data: torch.Tensor) -> None:
+    """Give a storage-less (meta) parameter its tensor, in place: the Parameter object (held by its
+    module, tied uses and hooks) stays the same, and keeps its placement."""
+    new = nn.Parameter(data, requires_grad=p.requires_grad)
+    new.placement = p.placement
+    # swap, not .data =: set_data refuses to move a tensor off the meta device
+    torch.utils.swap_tensors(p, new)
 
 
 def _ranges(shard: Shard) -> list[tuple[int, int, int]]:
@@ -214,13 +252,19 @@ def _ranges(shard: Shard) -> list[tuple[int, int, int]]:
 
 
 @torch.no_grad()
-def init_model(model: nn.Module, seed: int, std: float, num_layers: int) -> None:
-    """Initialise every parameter from (seed, global name, position): each rank draws its slice only."""
+def init_model(model: nn.Module, seed: int, std: float, num_layers: int, device=None, dtype=None) -> None:
+    """Initialise every parameter from (seed, global name, position): each rank draws its slice only.
+    Meta parameters are skipped, unless `device` is given: then each gets its tensor there, in `dtype`
+    (the run's), drawn straight into it (no fp32 copy of the model first)."""
     for name, p in model.named_parameters():
-        if p.is_meta:  # a planning model: shapes only
+        if p.is_meta and device is None:  # a planning model: shapes only
             continue
         # Drawn in fp32 on the CPU and then cast: the values must not depend on the device's RNG or dtype.
-        p.copy_(local_init(name, p.placement.shard, seed, std, num_layers).to(p.device, p.dtype))
+        local = local_init(name, p.placement.shard, seed, std, num_layers)
+        if p.is_meta:
+            materialize(p, local.to(device, dtype or p.dtype))
+        else:
+            p.copy_(local.to(p.device, p.dtype))
 
 
 def gather_full(local: torch.Tensor, shard: Shard, axis) -> torch.Tensor:

@@ -20,11 +20,12 @@ from megaframe.layers.fused_ce import linear_cross_entropy
 from megaframe.layers.linear import ColumnParallelLinear, RowParallelLinear
 from megaframe.layers.norm import Norm
 from megaframe.layers.rng import tp_distinct
-from megaframe.layers.shard import Shard, init_model, sharded_param
+from megaframe.layers.shard import InitSpec, Shard, init_model, sharded_param
 from megaframe.layers.vocab import VocabParallelEmbedding, parallel_logits, vocab_parallel_cross_entropy
 from megaframe.model.attention import Attention, rope_tables
 from megaframe.model.documents import DocContext, document_context, rope_at
 from megaframe.model.moe import MoE
+from megaframe.optim.build import PARAM_DTYPES
 from megaframe.parallel.context import cp_positions
 from megaframe.parallel.mesh import Mesh
 from megaframe.parallel.tp_overlap import enable_tp_overlap
@@ -84,6 +85,18 @@ class Block(nn.Module):
         return x_SBD + self.dropout(self.mlp(self.mlp_norm(x_SBD)))
 
 
+class _Step(nn.Module):
+    """A parameterless module around one of the model's own methods: a module call for hooks to bracket
+    (the method's params keep their global names; the bound method is a plain attribute, not a child)."""
+
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args):
+        return self.fn(*args)
+
+
 class GPT(nn.Module):
     """The model, or one pipeline rank's part of it (`stage`: its chunks of global layer indices).
 
@@ -96,7 +109,8 @@ class GPT(nn.Module):
     """
 
     def __init__(self, cfg: ModelConfig, mesh: Mesh, sp: bool = False, device=None, stage: Stage | None = None,
-                 tokens_per_step: int | None = None, recompute: str = "none", cp_ring: bool = False):
+                 tokens_per_step: int | None = None, recompute: str = "none", cp_ring: bool = False,
+                 param_device=None):
         super().__init__()
         self.cfg, self.mesh = cfg, mesh
         self.recompute_blocks = recompute == "full"
@@ -104,20 +118,23 @@ class GPT(nn.Module):
         # sp means nothing at tp = 1; folding it here keeps every sp branch below from also testing tp.
         self.sp = sp and mesh.tp.size > 1
         device = device or mesh.device
+        # param_device="meta": parameters without storage (build_model materialises what the rank keeps);
+        # every other tensor (rope tables, positions, MoE statistics) on `device`
+        pdev = param_device or device
         tp = mesh.tp
         if stage.first or (stage.last and cfg.tie_embeddings):
             tied = cfg.tie_embeddings and mesh.pp_ends.size > 1  # a copy on each pipeline end
-            self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, self.sp, device,
+            self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, self.sp, pdev,
                                                 pp_tied=tied, pp_duplicate=tied and not stage.first)
         if stage.first and cfg.position_embedding == "learned":
             # replicated; under sp each rank adds the rows of its own sequence block
-            self.pos_embed = sharded_param(Shard((cfg.seq_length, cfg.hidden_size)), device, tp_partial_grad=self.sp)
-        self.layers = nn.ModuleDict({str(i): Block(cfg, mesh, self.sp, device, tokens_per_step, recompute, cp_ring)
+            self.pos_embed = sharded_param(Shard((cfg.seq_length, cfg.hidden_size)), pdev, tp_partial_grad=self.sp)
+        self.layers = nn.ModuleDict({str(i): Block(cfg, mesh, self.sp, pdev, tokens_per_step, recompute, cp_ring)
                                      for c in stage.chunks for i in c})
         if stage.last:
-            self.final_norm = Norm(cfg.norm, cfg.hidden_size, cfg.norm_eps, self.sp, device)
+            self.final_norm = Norm(cfg.norm, cfg.hidden_size, cfg.norm_eps, self.sp, pdev)
             if not cfg.tie_embeddings:
-                self.head = ColumnParallelLinear(cfg.hidden_size, [cfg.vocab_size], tp, self.sp, False, device)
+                self.head = ColumnParallelLinear(cfg.hidden_size, [cfg.vocab_size], tp, self.sp, False, pdev)
         # global positions of this cp rank's tokens (all of them when cp = 1)
         self.positions = cp_positions(cfg.seq_length, mesh.cp.size, mesh.cp.rank, device)
         self.rope = None
@@ -126,6 +143,9 @@ class GPT(nn.Module):
             self.rope = (cos[self.positions], sin[self.positions]) if mesh.cp.size > 1 else (cos, sin)
         self.drop = nn.Dropout(cfg.dropout)
         self.doc_eos: torch.Tensor | None = None  # end-of-document ids under data.document_mask (set_documents)
+        # module calls around the two steps outside the blocks, so ZeRO-3's module hooks bracket them
+        self.input_step = _Step(self._embed_tokens) if stage.first else None
+        self.output_step = _Step(self._head_output) if stage.last else None
 
     def set_documents(self, eos_ids: list[int]) -> None:
         """data.document_mask: attention within documents, positions restarting at each (model/documents.py)."""
@@ -134,7 +154,28 @@ class GPT(nn.Module):
     def init_weights(self, seed: int) -> None:
         init_model(self, seed, self.cfg.init_std, self.cfg.num_layers)
 
+    def gather_units(self) -> list[tuple[nn.Module, list[nn.Parameter], bool]]:
+        """What ZeRO-3 gathers around each use, in forward order: (module whose call brackets the use, the
+        params it reads, whether its backward reads them too). The input step (embedding, learned
+        positions; their backward is an index-add and an add: no weights read), each block, the output
+        step (final norm and head, or the tied embedding: in one process the same param as the input's)."""
+        units = []
+        if self.input_step is not None:
+            units.append((self.input_step, [p for p in (self.embed.weight, getattr(self, "pos_embed", None))
+                                            if p is not None], False))
+        units += [(b, list(b.parameters()), True) for b in self.layers.values()]
+        if self.output_step is not None:
+            head = self.embed.weight if self.cfg.tie_embeddings else self.head.weight
+            units.append((self.output_step, [*self.final_norm.parameters(), head], True))
+        return units
+
     def embed_tokens(self, ids_BS: torch.Tensor, doc: DocContext | None = None) -> torch.Tensor:
+        return self.input_step(ids_BS, doc)
+
+    def head_output(self, x_SBD: torch.Tensor, labels_BS: torch.Tensor | None) -> torch.Tensor:
+        return self.output_step(x_SBD, labels_BS)
+
+    def _embed_tokens(self, ids_BS: torch.Tensor, doc: DocContext | None = None) -> torch.Tensor:
         # Transposed to sequence-first: sp splits and gathers dim 0, contiguous (comm's convention).
         x_SBD = self.embed(ids_BS.t())
         if self.cfg.position_embedding == "learned":
@@ -152,7 +193,7 @@ class GPT(nn.Module):
                 return self.drop(x_SBD)
         return self.drop(x_SBD)
 
-    def head_output(self, x_SBD: torch.Tensor, labels_BS: torch.Tensor | None) -> torch.Tensor:
+    def _head_output(self, x_SBD: torch.Tensor, labels_BS: torch.Tensor | None) -> torch.Tensor:
         x_SBD = self.final_norm(x_SBD)
         if labels_BS is not None and self.mesh.tp.size == 1:  # head + loss fused, chunked: no full logits
             weight_VD = self.embed.weight if self.cfg.tie_embeddings else self.head.weight
@@ -191,14 +232,24 @@ class GPT(nn.Module):
 
 
 def build_model(cfg, mesh: Mesh) -> GPT:
-    """This rank's part of the model for the run config `cfg` (a megaframe.config.Config), initialised."""
+    """This rank's part of the model for the run config `cfg` (a megaframe.config.Config), initialised,
+    its parameters in the run's dtype (train.precision).
+
+    The parameters are created on the meta device (shapes only), then each gets only its tp/ep slice, in
+    the run's dtype, drawn straight into it: no fp32 copy of the local model is ever built. Under ZeRO-3
+    with dp > 1 they stay on meta: the optimizer materialises this rank's owned segments only
+    (optim/zero3.py, from `model.init_spec`), and the gathers give the rest when a forward needs it."""
     p = cfg.parallel
     # Every rank derives its stage from the same config: the pipeline neighbours agree on the cut.
     stage = stage_layout(cfg.model.num_layers, mesh.pp.size, p.vpp, mesh.pp.rank, p.pp_layout)
     model = GPT(cfg.model, mesh, p.sp, stage=stage,
                 tokens_per_step=cfg.train.global_batch_size * cfg.model.seq_length, recompute=cfg.train.recompute,
-                cp_ring=CPComm(p.cp_comm) is CPComm.ring)
-    model.init_weights(cfg.train.seed)
+                cp_ring=CPComm(p.cp_comm) is CPComm.ring, param_device=torch.device("meta"))
+    # a meta model casts for free; also casts buffers as cast_model did (the router keeps its bias fp32)
+    model.to(PARAM_DTYPES[cfg.train.precision])
+    model.init_spec = InitSpec(cfg.train.seed, cfg.model.init_std, cfg.model.num_layers)
+    if not deferred_init(cfg, mesh):
+        init_model(model, cfg.train.seed, cfg.model.init_std, cfg.model.num_layers, mesh.device)
     # the blocks' GEMMs as torchao float8 (parameters stay as they are); a planning (meta) model keeps the
     # bf16 GEMMs, whose saved tensors are the same size as the float8 path's high-precision ones
     if cfg.train.precision == "fp8" and torch.device(mesh.device).type != "meta":
@@ -208,6 +259,12 @@ def build_model(cfg, mesh: Mesh) -> GPT:
     if cfg.train.compile:
         compile_blocks(model)
     return model
+
+
+def deferred_init(cfg, mesh: Mesh) -> bool:
+    """Whether build_model leaves the parameters on meta for ZeRO-3 to materialise (build_optimizer's
+    choice of Zero3Optimizer), or materialises them itself. A meta mesh (planning) never materialises."""
+    return cfg.optim.zero == 3 and mesh.dp.size > 1 or mesh.device.type == "meta"
 
 
 def compile_blocks(model: GPT) -> None:

@@ -152,11 +152,14 @@ class FlatBuffer:
 
     def __init__(self, params: list[nn.Parameter], bucket_bytes: int, dp_rank: int, dp_size: int,
                  late: set[int], sharded_grads: bool = False, groups: list[list[nn.Parameter]] | None = None,
-                 grad_dtype: torch.dtype = torch.float32):
+                 grad_dtype: torch.dtype = torch.float32, device=None, whole_param: bool = True):
+        """`whole_param=False` (ZeRO-3): no param buffer and no re-pointing; the optimizer gives the
+        params their storage (bucket by bucket) and the master its values. `device`: where the buffers
+        live (default: the params', which may be meta before ZeRO-3 materialises them)."""
         self.dtype, self.grad_dtype = params[0].dtype, grad_dtype
         self.grad_elem = grad_dtype.itemsize
         self.dp_rank, self.dp_size = dp_rank, dp_size
-        self.device = device = params[0].device
+        self.device = device = device or params[0].device
         ordered, plan = bucket_plan(params, bucket_bytes, dp_size) if groups is None else group_plan(params, groups, dp_size)
         self.numel = plan[-1][2] if plan else 0
         self.state_numel = self.numel // dp_size
@@ -168,7 +171,7 @@ class FlatBuffer:
         self.grad32 = (None if grad_dtype == torch.float32 else
                        torch.zeros(self.state_numel, dtype=torch.float32, device=device))
         # Zeros, not empty: the padding belongs to no param; zeros keep it deterministic in the master and gathers.
-        self.param = torch.zeros(self.numel, dtype=self.dtype, device=device)
+        self.param = torch.zeros(self.numel, dtype=self.dtype, device=device) if whole_param else None
         self.offset: dict[nn.Parameter, int] = {}
         self.buckets: list[Bucket] = []
         self.bucket_of: dict[nn.Parameter, Bucket] = {}
@@ -186,7 +189,8 @@ class FlatBuffer:
                 self.offset[p] = off
                 self.bucket_of[p] = b
                 off += p.numel()
-        self._repoint(ordered)
+        if whole_param:
+            self._repoint(ordered)
         self.segments = self._segments()
 
     @torch.no_grad()

@@ -13,6 +13,8 @@ Every optimizer here offers:
     memory_bytes()                    mem/grads_bytes and mem/optim_bytes of this rank
     sync_params()                     wait for parameter updates still in flight (ZeRO's overlapped
                                       all-gather) before reading params outside a forward
+    settle()                          before a save: what sync_params does, except under ZeRO-3, whose
+                                      save writes each rank's segments and gathers nothing
 """
 from __future__ import annotations
 
@@ -55,6 +57,9 @@ class PlainOptimizer:
 
     def sync_params(self) -> None:
         """Nothing in flight: the update writes the params in place."""
+
+    def settle(self) -> None:
+        """Before a save: nothing to do (see sync_params)."""
 
     def logical_state(self, p: nn.Parameter) -> dict[str, torch.Tensor]:
         state = self.adam.state.get(p, {})

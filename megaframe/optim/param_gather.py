@@ -21,6 +21,50 @@ def blocks_of(model: nn.Module) -> list[nn.Module]:
     return list(layers.values()) if isinstance(layers, nn.ModuleDict) else []
 
 
+def gather_units(model: nn.Module) -> list[tuple[nn.Module, list, bool]]:
+    """The model's gather units (GPT.gather_units: input step, blocks, output step), or, for another
+    module, its transformer blocks (the rest then stays gathered: the resident bucket)."""
+    if hasattr(model, "gather_units"):
+        return [(m, ps, bwd) for m, ps, bwd in model.gather_units() if ps]
+    return [(b, list(b.parameters()), True) for b in blocks_of(model)]
+
+
+def unit_groups(units) -> list[list]:
+    """One bucket's params per group: each unit's own params together; a param read by two units (a tied
+    embedding in one process) or summed over the pipeline ends (pp_tied: its bucket is `late`, its grad
+    kept whole for the step) in a group of its own, so a unit gathers and a late bucket holds no more
+    than needed."""
+    uses: dict = {}
+    for _, ps, _ in units:
+        for p in ps:
+            uses[id(p)] = uses.get(id(p), 0) + 1
+    groups, alone = [], {}
+    for _, ps, _ in units:
+        own = []
+        for p in ps:
+            if uses[id(p)] > 1 or p.placement.pp_tied:
+                alone.setdefault(id(p), [p])
+            else:
+                own.append(p)
+        groups.append(own)
+    return [g for g in groups + list(alone.values()) if g]
+
+
+def zero3_groups(params: list, units) -> list[list]:
+    """zero=3's bucket groups of one buffer's params (buffer.group_plan): first the params no unit reads
+    (kept gathered: the resident bucket), then unit_groups."""
+    in_units = {id(p) for _, ps, _ in units for p in ps}
+    return [[p for p in params if id(p) not in in_units]] + unit_groups(units)
+
+
+def gathers_per_step(p, units, microbatches: int, reshard: bool) -> int:
+    """How often zero=3 all-gathers the bucket holding p in one step: once per use per micro-batch (a
+    forward, and a backward where the unit's backward reads it), once a step without resharding after
+    forward, and once (after the update) for a param no unit reads."""
+    uses = [1 + bwd for _, ps, bwd in units if any(q is p for q in ps)]
+    return sum(uses) * microbatches if uses and reshard else 1
+
+
 def _hook_sites(model: nn.Module) -> list[tuple[nn.Module, list]]:
     """(module, params its forward pre-hook waits for), in the order forwards run. A pipeline rank's
     forward is `forward_chunk`, not a call of the model, so the hooks sit on the modules it calls:

@@ -8,18 +8,16 @@ from torch import nn
 
 from megaframe.config import OptimConfig
 from megaframe.optim.buffer import bucket_plan, buffer_groups, grad_dtype, group_plan
-from megaframe.optim.param_gather import blocks_of
+from megaframe.optim.param_gather import gather_units, gathers_per_step, zero3_groups
 from megaframe.parallel.mesh import Mesh
 
 
 def _plans(params: list[nn.Parameter], cfg: OptimConfig, mesh: Mesh, model: nn.Module | None):
     """(shard axis, params, buffer order, bucket plan) per buffer, as the optimizer of cfg.zero lays them."""
-    blocks = blocks_of(model) if model is not None and cfg.zero == 3 else []
-    in_blocks = {id(p) for b in blocks for p in b.parameters()}
+    units = gather_units(model) if model is not None and cfg.zero == 3 else []
     for axis, ps in buffer_groups(params, mesh):
-        if blocks:
-            groups = [[p for p in ps if id(p) not in in_blocks]] + [list(b.parameters()) for b in blocks]
-            ordered, plan = group_plan(ps, groups, axis.size)
+        if units:
+            ordered, plan = group_plan(ps, zero3_groups(ps, units), axis.size)
         else:
             ordered, plan = bucket_plan(ps, int(cfg.bucket_size_mb * 2**20), axis.size)
         yield axis, ps, ordered, plan
@@ -28,11 +26,14 @@ def _plans(params: list[nn.Parameter], cfg: OptimConfig, mesh: Mesh, model: nn.M
 def planned_memory_bytes(params: list[nn.Parameter], cfg: OptimConfig, mesh: Mesh,
                          model: nn.Module | None = None) -> dict[str, int]:
     """memory_bytes() of the ZeRO optimizer of `params` on this rank of `mesh` (zero=3 needs the `model`
-    for its block buckets): the same buffers and bucket padding, and per owned element the state
+    for its gather units' buckets): the same buffers and bucket padding, and per owned element the state
     zero_state.build_state keeps (two fp32 moments, plus an fp32 master for low-precision params). zero=3 adds
-    mem/params_bytes: the fp32 owned range plus the bucket outside blocks, kept whole. Grads take g bytes
-    an element: 4, or 2 under optim.grad_reduce_dtype=bf16 for bf16 params (buffer.grad_dtype); then the
-    step's fp32 copy of the owned range is mem/grads_fp32_bytes, 4 bytes per owned element."""
+    mem/params_bytes: the fp32 owned range plus any bucket no gather unit reads (kept whole; none in a GPT).
+    Grads take g bytes an element: 4, or 2 under optim.grad_reduce_dtype=bf16 for bf16 params
+    (buffer.grad_dtype); then the step's fp32 copy of the owned range is mem/grads_fp32_bytes, 4 bytes per
+    owned element."""
+    units = gather_units(model) if model is not None and cfg.zero == 3 else []
+    in_units = {id(p) for _, us, _ in units for p in us}
     grads = optim = params_bytes = wide = 0
     for axis, ps, ordered, plan in _plans(params, cfg, mesh, model):
         numel = plan[-1][2] if plan else 0
@@ -40,10 +41,10 @@ def planned_memory_bytes(params: list[nn.Parameter], cfg: OptimConfig, mesh: Mes
         g = grad_dtype(cfg.grad_reduce_dtype, ps[0].dtype).itemsize
         wide += 4 * numel // axis.size if g != 4 else 0
         if cfg.zero == 3:
-            _, start, end = plan[-1]  # the params outside blocks (group_plan puts them last)
+            resident = sum(end - start for idx, start, end in plan if id(ordered[idx[0]]) not in in_units)
             grads += g * (numel // axis.size + late)  # a tied embedding's bucket: whole for the step
             optim += 8 * numel // axis.size
-            params_bytes += 4 * numel // axis.size + (end - start) * ps[0].element_size()
+            params_bytes += 4 * numel // axis.size + resident * ps[0].element_size()
             continue
         if cfg.zero >= 2:  # the shard, plus the whole of late buckets (a tied embedding's)
             grads += g * (numel // axis.size + late)
@@ -62,15 +63,17 @@ def planned_dp_bytes(params: list[nn.Parameter], cfg: OptimConfig, mesh: Mesh, m
     micro-batch (zero=2: exact with one pipeline chunk per rank; under vpp a bucket spanning two chunks is
     reduced once per chunk), the all-gather (s-1)·n/s params, under HSDP the all-reduce 2(r-1)/r·g·n/s of
     the shard over r replicas; plus the grad norm's scalar all-reduce over the dense shard axis. zero=3
-    gathers every block bucket twice per micro-batch (forward, backward; once per step without
-    reshard_after_forward) and the bucket outside blocks once per step."""
+    gathers each bucket around every use (param_gather.gathers_per_step: a block's twice per micro-batch,
+    forward and backward; once per step without reshard_after_forward)."""
+    units = gather_units(model) if model is not None and cfg.zero == 3 else []
     total = 0
     for axis, ps, ordered, plan in _plans(params, cfg, mesh, model):
         s, r = axis.size, (mesh.dp_rep.size if axis is mesh.dp_shard else 1)
         elem, g = ps[0].element_size(), grad_dtype(cfg.grad_reduce_dtype, ps[0].dtype).itemsize
-        for k, (idx, start, end) in enumerate(plan):
+        for idx, start, end in plan:
             n = end - start
-            gathers = 2 * microbatches if cfg.zero == 3 and k < len(plan) - 1 and cfg.reshard_after_forward else 1
+            gathers = gathers_per_step(ordered[idx[0]], units, microbatches, cfg.reshard_after_forward) \
+                if cfg.zero == 3 else 1
             late = any(ordered[i].placement.pp_tied for i in idx)  # reduced once, in step()
             reduces = microbatches if cfg.zero >= 2 and not late else 1
             total += (s - 1) * g * n // s * reduces + gathers * ((s - 1) * elem * n // s)

@@ -93,7 +93,7 @@ class ZeroOptimizer:
         self._acc_bytes = self.gathered_peak = 0  # zero=2: live bucket-sized grads now, and their peak
         self._gathered: tuple | None = None  # (key, {name: full bucket tensor}) of the last gathered bucket
         self.states, self._segs_of, self.adam, self._owned_grads = build_state(
-            self.buffers, cfg, mesh.device, self.always_master)
+            self.buffers, cfg, mesh.device, self.always_master, self._segment_values)
         self._seen = {p: p._version for p in self._segs_of if p.dtype != torch.float32 or self.always_master}
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self.params]
         self.param_gather = self._make_param_gather(model)
@@ -102,6 +102,9 @@ class ZeroOptimizer:
     always_master = False
     """Keep the owned range of fp32 params in a separate fp32 tensor too (zero=3: the param buffer is
     not kept whole, so the update cannot write it in place)."""
+
+    _segment_values = None
+    """zero=3: a segment's starting values (its buffers keep no whole param buffer to copy them from)."""
 
     def _make_buffer(self, params: list[nn.Parameter], bucket_bytes: int, axis: Axis, late: set) -> FlatBuffer:
         return FlatBuffer(params, bucket_bytes, axis.rank, axis.size, late, sharded_grads=self.stage == 2,
@@ -299,6 +302,10 @@ class ZeroOptimizer:
         """Wait for the parameter all-gathers still in flight (overlap_param_gather): call before reading
         parameters outside a forward (saving, copying them out)."""
         self.param_gather.wait()
+
+    def settle(self) -> None:
+        """Before a save: as sync_params (zero=3 overrides it: a save there gathers nothing)."""
+        self.sync_params()
 
     # ------------------------------------------------------------------ checkpoints and figures
 

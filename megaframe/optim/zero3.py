@@ -1,49 +1,60 @@
-"""ZeRO-3 (optim.zero=3): parameters live as this rank's 1/dp shard too; each transformer block's params
+"""ZeRO-3 (optim.zero=3): parameters live as this rank's 1/dp shard too; each gather unit's params
 are all-gathered just before its forward and again before its backward, and freed after each.
 
+Gather units (GPT.gather_units, in forward order): the input step (embedding, learned positions), each
+transformer block, the output step (final norm and head, or the tied embedding). Every param is in
+one, so nothing is kept whole: a rank holds 1/dp of the model (mem/params_bytes).
 Built on the ZeRO-2 optimizer (zero.py: grads reduce-scattered into the owned shard every micro-batch)
-with two changes of layout (buffer.group_plan): one bucket per transformer block, and one for every
-param outside the blocks (embeddings, final norm, head); and the owned range of every param is kept in
-an fp32 tensor (`always_master`), which the update writes and the gathers read.
+with two changes of layout (buffer.group_plan, param_gather.zero3_groups): one bucket per unit (a
+param two units read, the tied embedding in one process, or one summed over the pipeline ends, in a
+bucket of its own); and the owned range of every param is kept in an fp32 tensor (`always_master`),
+which the update writes and the gathers read.
+
+Start-up: build_model leaves the params on the meta device; here each bucket gets its gathered tensor
+(freed at once) and the master of each owned segment is drawn from init (layers/shard.py init_flat:
+seed, global name, position: the values the whole param would get). So no rank ever holds its whole
+local model, in any dtype.
 
 Each bucket's parameters are views of one bucket-sized tensor of its own. Freeing resizes that tensor's
 storage to 0 bytes and gathering resizes it back and all-gathers into it, so the views (p.data, and the
 weights autograd saved for backward) stay the same tensors and see the gathered values again before
-the block's backward runs (the storage trick of PyTorch's FSDP1). Under pipeline parallelism the hooks
-act per block whatever the schedule (vpp included); the tied embedding's copy on each pipeline end sits
-in the bucket outside blocks, whose grads are summed over the ends before their reduce-scatter.
+the unit's backward runs (the storage trick of PyTorch's FSDP1). Under pipeline parallelism the hooks
+act per unit whatever the schedule (vpp included).
 
-    forward pre-hook of block i     wait for (or run) the gather of block i; launch block i+1's
-    forward hook of block i         free block i
-    backward pre-hook of block i    gather block i again; launch block i-1's
-    backward hook of block i        free block i (its input grad is computed: the weights are done)
+    forward pre-hook of unit i      wait for (or run) the gather of unit i; launch unit i+1's
+    forward hook of unit i          free unit i
+    backward pre-hook of unit i     gather unit i again; launch unit i-1's (if its backward reads it)
+    backward hook of unit i         free unit i (its input grad is computed: the weights are done)
+The input step's backward (an index-add, an add) reads no weights: it has no backward hooks, and is
+not gathered for backward.
 
 `optim.reshard_after_forward=false` (torchtitan's and Megatron's choice for pipelines, where a rank
-runs several micro-batches' forwards before their backwards) keeps a block gathered from its first
+runs several micro-batches' forwards before their backwards) keeps a unit gathered from its first
 forward of the step to its last backward (backward_context(is_last=True) of its chunk): one gather
-per block per step instead of two per micro-batch, for the memory of the whole chunk's params.
+per unit per step instead of two per micro-batch, for the memory of the whole chunk's params.
 
-The bucket outside the blocks stays gathered: the output head reads the embedding's or its own weight
-inside the model's forward, not through a module call. After step() every bucket is stale: the
-resident one is gathered again at once, the blocks at their next forward. sync_params() gathers all of
-them (readers outside a forward: checkpoints); the next forward frees them again.
+After step() every bucket is stale and freed; each is gathered at its next use. sync_params() gathers
+all of them (readers of whole params outside a forward: tests, a checkpoint load into whole params);
+the next forward frees them again. A save gathers nothing: each rank writes its owned segments
+(weight_segments, the master cast to the params' dtype), after settle().
 
-Per step, B the padded buffer of the blocks, R the resident bucket, g the grad bytes (buffer.py): gathers 2·M·(dp-1)/dp·B' (B' in
-the params' dtype, once for forward and once for backward per micro-batch), reduce-scatters
-M·(dp-1)/dp·g(B+R), the resident gather (dp-1)/dp·R', and the norm scalar (under HSDP dp is the shard
-group, plus the all-reduce of the grad shard over its replicas; under cp, dp is cp·dp). Composes with
-tp/sp, pp/vpp, ep (expert params in a buffer of their own, sharded over edp, one bucket per block too),
-cp (shards and gathers over cp·dp, both cp_comm kinds), HSDP and full recompute
-(the re-run forward inside backward neither frees nor prefetches); refused with compile (config_checks):
-hooks inside compiled blocks are not handled.
+Per step, B the padded buffer, g the grad bytes (4, or 2 under optim.grad_reduce_dtype=bf16: buffer.py):
+gathers (dp-1)/dp·n' per use of each bucket (n' in the params' dtype; a block twice per micro-batch,
+forward and backward: optim/sizing.py gathers_per_step), reduce-scatters M·(dp-1)/dp·g·B, and the norm
+scalar (under HSDP dp is the shard group, plus the all-reduce of the grad shard over its replicas; under
+cp, dp is cp·dp). Composes with tp/sp, pp/vpp, ep (expert params in a buffer of their own, sharded over
+edp, one bucket per block too), cp (shards and gathers over cp·dp, both cp_comm kinds), HSDP and full
+recompute (the re-run forward inside backward neither frees nor prefetches); refused with compile
+(config_checks): hooks inside compiled blocks are not handled.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from megaframe.optim.buffer import Bucket, FlatBuffer
-from megaframe.optim.param_gather import blocks_of
+from megaframe.layers.shard import init_flat, materialize
+from megaframe.optim.buffer import Bucket, FlatBuffer, Segment
+from megaframe.optim.param_gather import gather_units, zero3_groups
 from megaframe.optim.zero import ZeroOptimizer
 from megaframe.parallel import comm
 
@@ -54,38 +65,80 @@ class Zero3Optimizer(ZeroOptimizer):
     always_master = True
 
     def __init__(self, model: nn.Module, cfg, mesh):
-        self.blocks = blocks_of(model)
+        self.units = gather_units(model)
+        self._names = {p: n for n, p in model.named_parameters()}
+        self._init = getattr(model, "init_spec", None)
+        self._from_init: set = set()  # params that were meta: their master segments are drawn from init
         super().__init__(model, cfg, mesh)
         self._syncing = False  # sync_params is gathering everything: not the training working set
+        self.gathered_high = 0  # the most gathered param bytes ever alive at once, saves included (tests)
         self.resident: list[tuple[FlatBuffer, Bucket]] = []
-        self.block_buckets: list[list[tuple[FlatBuffer, Bucket]]] = [[] for _ in self.blocks]
-        where = {id(p): i for i, blk in enumerate(self.blocks) for p in blk.parameters()}
+        self.block_buckets: list[list[tuple[FlatBuffer, Bucket]]] = [[] for _ in self.units]
+        where: dict = {}
+        for i, (_, params, _) in enumerate(self.units):
+            for p in params:
+                where.setdefault(id(p), []).append(i)
         for buf in self.buffers:
             for b in buf.buckets:
-                b.pfull = buf.param[b.start:b.end].clone()  # its own storage, freed and re-gathered
                 b.fresh, b.gwork = True, None
-                o = b.start
-                for p in b.params:
-                    p.data = b.pfull[o - b.start:o - b.start + p.numel()].view(p.shape)
-                    o += p.numel()
-                i = where.get(id(b.params[0]))
-                (self.resident if i is None else self.block_buckets[i]).append((buf, b))
-            buf.param = None  # the whole buffer is not kept
+                units = where.get(id(b.params[0]))
+                if units is None:
+                    self.resident.append((buf, b))
+                for i in units or []:
+                    self.block_buckets[i].append((buf, b))
         self._seen = {p: p._version for p in self._seen}
-        for i, blk in enumerate(self.blocks):
-            self._hooks += [blk.register_forward_pre_hook(self._on(i, "fwd_pre")),
-                            blk.register_forward_hook(self._on(i, "fwd_post")),
-                            blk.register_full_backward_pre_hook(self._on(i, "bwd_pre")),
-                            blk.register_full_backward_hook(self._on(i, "bwd_post"))]
-        # params stay gathered until the first forward frees them: a checkpoint loads into whole params.
-        # Bytes of block params gathered now (the resident bucket is counted in mem/params_bytes).
-        self.gathered_params = sum(b.numel * b.pfull.element_size() for bs in self.block_buckets for _, b in bs)
+        for i, (unit, _, backward_reads) in enumerate(self.units):
+            self._hooks += [unit.register_forward_pre_hook(self._on(i, "fwd_pre")),
+                            unit.register_forward_hook(self._on(i, "fwd_post"))]
+            if backward_reads:  # else (the input step) nothing to gather for its backward; freed at step()
+                self._hooks += [unit.register_full_backward_pre_hook(self._on(i, "bwd_pre")),
+                                unit.register_full_backward_hook(self._on(i, "bwd_post"))]
+        # Every bucket starts freed (params given by a checkpoint were folded into the master above); a
+        # forward gathers what it needs, sync_params() everything (readers outside a forward).
+        self.gathered_params = sum(b.numel * b.pfull.element_size() for bs in self.block_buckets for _, b in bs
+                                   if b.pfull.untyped_storage().nbytes())
+        self.launch(None)
 
     def _make_buffer(self, params, bucket_bytes, axis, late) -> FlatBuffer:
-        outside = [p for p in params if all(p is not q for blk in self.blocks for q in blk.parameters())]
-        groups = [outside] + [list(blk.parameters()) for blk in self.blocks]
-        return FlatBuffer(params, bucket_bytes, axis.rank, axis.size, late, sharded_grads=True, groups=groups,
-                          grad_dtype=self._grad_dtype(params))
+        buf = FlatBuffer(params, bucket_bytes, axis.rank, axis.size, late, sharded_grads=True,
+                         groups=zero3_groups(params, self.units), grad_dtype=self._grad_dtype(params),
+                         device=self.mesh.device, whole_param=False)
+        for b in buf.buckets:
+            self._bucket_storage(buf, b)
+        return buf
+
+    @torch.no_grad()
+    def _bucket_storage(self, buf: FlatBuffer, b: Bucket) -> None:
+        """The bucket's own gathered tensor, its params views of it. Params still on meta (build_model's)
+        get their storage here, freed at once: the master is drawn from init (`_segment_values`), and no
+        rank ever holds its whole local model. Params with values (a model built outside build_model) copy
+        them in and keep them until build_state has read its segments."""
+        b.pfull = torch.empty(b.numel, dtype=buf.dtype, device=buf.device)
+        o = 0
+        for p in b.params:
+            view = b.pfull[o:o + p.numel()].view(p.shape)
+            o += p.numel()
+            if p.is_meta:
+                self._from_init.add(p)
+                materialize(p, view.new_empty(0))  # off meta first: .data = refuses a meta param
+            else:
+                view.copy_(p.detach())
+            # .data =, not a Parameter made from the view: p keeps a version counter of its own, so the
+            # gathers writing into pfull do not look like in-place changes of the weights autograd saved
+            p.data = view
+        b.pfull[o:].zero_()  # the padding: zeros, as the master's
+        if all(p in self._from_init for p in b.params):
+            b.pfull.untyped_storage().resize_(0)
+
+    def _segment_values(self, seg: Segment) -> torch.Tensor:
+        """A segment's starting values in the params' dtype: drawn from init (seed, global name, position:
+        the values the whole param would get) or read from the param it was given."""
+        p = seg.param
+        if p in self._from_init:
+            assert self._init is not None, "a meta model without init_spec: build it with build_model"
+            vals = init_flat(self._names[p], p.placement.shard, self._init, seg.param_lo, seg.numel)
+            return vals.to(p.device, p.dtype)
+        return p.detach().reshape(-1)[seg.param_lo:seg.param_lo + seg.numel]
 
     def _make_param_gather(self, model):
         return self  # wait() / launch() / in_flight below
@@ -100,8 +153,10 @@ class Zero3Optimizer(ZeroOptimizer):
             recompute = when.startswith("fwd") and torch._C._current_graph_task_id() != -1
             if when in ("fwd_pre", "bwd_pre"):
                 self._ensure(i)
-                if not recompute:
-                    self._prefetch(i + 1 if when == "fwd_pre" else i - 1)
+                nxt = i + 1 if when == "fwd_pre" else i - 1
+                # backward prefetches only a unit whose backward reads its params (not the input step)
+                if not recompute and (when == "fwd_pre" or (nxt >= 0 and self.units[nxt][2])):
+                    self._prefetch(nxt)
             elif recompute:
                 pass
             elif self.cfg.reshard_after_forward or (when == "bwd_post" and self._last):
@@ -117,6 +172,7 @@ class Zero3Optimizer(ZeroOptimizer):
                 self.gathered_params += b.numel * b.pfull.element_size()
                 if not self._syncing:  # the training working set, not a checkpoint's gather-everything
                     self.gathered_peak = max(self.gathered_peak, self.gathered_params + self._acc_bytes)
+                self.gathered_high = max(self.gathered_high, self.gathered_params)
         n = b.shard_numel(buf.dp_size)
         mine = b.pfull[buf.dp_rank * n:(buf.dp_rank + 1) * n]
         # From the fp32 master, not a stale bf16 copy: the master is what the update wrote.
@@ -126,7 +182,7 @@ class Zero3Optimizer(ZeroOptimizer):
         b.fresh = True
 
     def _prefetch(self, i: int) -> None:
-        if 0 <= i < len(self.blocks):
+        if 0 <= i < len(self.units):
             for buf, b in self.block_buckets[i]:
                 if not b.fresh:
                     self._launch_gather(buf, b)
@@ -168,11 +224,22 @@ class Zero3Optimizer(ZeroOptimizer):
         """Gather every block (checkpoints and tests read whole params); the next forward frees them."""
         self._syncing = True
         try:
-            for i in range(len(self.blocks)):
+            for i in range(len(self.units)):
                 self._ensure(i)
         finally:
             self._syncing = False
         self.wait()
+
+    def settle(self) -> None:
+        """Before a save: gathers in flight landed, writes made from outside into gathered params folded
+        into the master; nothing is gathered (a save writes each rank's segments: weight_segments)."""
+        self.wait()
+        self._resync_master()
+
+    def weight_segments(self, p: nn.Parameter) -> list[tuple[int, int, torch.Tensor]]:
+        """This rank's segments of p's weights, no collective and no gather: (first element of the flat
+        local param, length, the values in p's dtype: the master cast as a gather would)."""
+        return [(lo, n, views["master"].to(p.dtype)) for lo, n, views in self.state_segments(p)]
 
     def _resync_master(self, params=None) -> None:
         """As ZeroOptimizer's, for params whose storage is gathered now (a freed block is re-read when
@@ -188,7 +255,7 @@ class Zero3Optimizer(ZeroOptimizer):
 
     def launch(self, _gather_bucket) -> None:
         """After the update: the resident bucket is gathered now, blocks at their next use."""
-        for i in range(len(self.blocks)):
+        for i in range(len(self.units)):
             self._free(i)
         for buf, b in self.resident:
             self._launch_gather(buf, b)
@@ -206,3 +273,4 @@ class Zero3Optimizer(ZeroOptimizer):
         out["mem/optim_bytes"] -= shard
         out["mem/params_bytes"] = shard + resident
         return out
+

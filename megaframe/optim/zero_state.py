@@ -61,17 +61,25 @@ def flat_buffers(params: list[nn.Parameter], cfg: OptimConfig, mesh: Mesh, make=
     return buffers
 
 
-def build_state(buffers: list[FlatBuffer], cfg: OptimConfig, device: torch.device, always_master: bool) -> OwnedState:
+def build_state(buffers: list[FlatBuffer], cfg: OptimConfig, device: torch.device, always_master: bool,
+                source=None) -> OwnedState:
     """Flat moments (and master) per buffer; torch AdamW over 1-D segment views of them. `always_master`:
-    an fp32 master for fp32 params too (zero=3, whose param buffer is not kept whole)."""
+    an fp32 master for fp32 params too (zero=3, whose param buffer is not kept whole). A buffer without a
+    param buffer (zero=3) takes each segment's starting values from `source(segment)` (in the params'
+    dtype, so the master holds what the params would)."""
     states, segs_of, groups, pre = [], {}, ([], []), []
     for buf in buffers:
         n = buf.state_numel
         master = None
         if buf.dtype != torch.float32 or always_master:
-            master = torch.empty(n, dtype=torch.float32, device=device)
-            for b in buf.buckets:
-                buf.state_shard(master, b).copy_(buf.shard(buf.param, b))
+            if buf.param is not None:
+                master = torch.empty(n, dtype=torch.float32, device=device)
+                for b in buf.buckets:
+                    buf.state_shard(master, b).copy_(buf.shard(buf.param, b))
+            else:  # zeros: the padding belongs to no param (as the param buffer's zeros)
+                master = torch.zeros(n, dtype=torch.float32, device=device)
+                for seg in buf.segments:
+                    master[seg.state_lo:seg.state_lo + seg.numel].copy_(source(seg))
         st = FlatState(torch.zeros(n, device=device), torch.zeros(n, device=device), master)
         states.append(st)
         for seg in buf.segments:

@@ -53,7 +53,9 @@ class Checkpointer:
         with self.watchdog.suspended(cfg.checkpoint.save_timeout_s):
             if self.saver is not None and last:
                 self._settle(self.saver.wait)  # commit the older one first, so `latest` ends on this step
-            optimizer.sync_params()  # ZeRO's overlapped all-gather may still be writing the params (zero=3: gathers them)
+            # ZeRO's overlapped all-gather may still be writing the params (zero=3: gathers nothing, each rank
+            # writes its own segments: the save never holds more than the step's gathered params)
+            optimizer.settle()
             # the finiteness vote is collective: every rank reaches it, also after a skipped step
             finite = state_is_finite(model, optimizer, mesh)
             # both are the same on every rank (the skip follows the all-reduced grad norm, the vote is collective), so all ranks

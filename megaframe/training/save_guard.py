@@ -19,7 +19,8 @@ from megaframe.training.resume import world_axis
 
 def held_tensors(model, optimizer) -> list[torch.Tensor]:
     """Every tensor of model and optimizer state this rank holds (no collective: the local shards)."""
-    out = [p.detach() for p in model.parameters()]
+    # a ZeRO-3 param not gathered now has no storage: its values are the master's, checked below
+    out = [p.detach() for p in model.parameters() if p.untyped_storage().nbytes()]
     for st in getattr(optimizer, "states", []):  # ZeRO: this rank's segment of moments and masters
         out += [t for t in (getattr(st, "exp_avg", None), getattr(st, "exp_avg_sq", None),
                             getattr(st, "master", None)) if isinstance(t, torch.Tensor)]

@@ -176,10 +176,10 @@ def test_zero_and_hsdp_under_cp_match_one_process(pool, name, cp, dp, shard, ext
     if "optim.zero=2" in extra:
         assert m["mem/grads_bytes"] == 4 * b // s
         return
-    assert m["mem/params_bytes"] == 4 * b // s + 4 * got["bucket_numels"][-1]
+    assert m["mem/params_bytes"] == 4 * b // s  # every param sharded, none kept whole
     keep = "optim.reshard_after_forward=false" in extra
-    assert got["comm"][-1]["dp"] == theory_dp_bytes(got["bucket_numels"], s, cp * dp // s, got["microbatches"],
-                                                    not keep)
+    assert got["comm"][-1]["dp"] == theory_dp_bytes(got["bucket_numels"], got["bucket_uses"], s, cp * dp // s,
+                                                    got["microbatches"], not keep)
 
 
 def test_zero3_under_cp_and_pp_matches_one_process(pool):

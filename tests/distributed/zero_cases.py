@@ -55,15 +55,28 @@ def run_steps(mesh, overrides: list[str], steps: int, load: str | None = None, s
     weights = full_state(model, mesh, optimizer=optimizer)
     if save:
         sharded.save(save, stop, model, optimizer, mesh, {"layout": {"dp": mesh.dp.size}})
+    mem = memory_figures(model, optimizer, mesh.device)
+    every = comm.gather_objects(mem["mem/params_bytes"], mesh.group)  # every rank's, for the share
     if mesh.rank != 0:
         return None
     buffers = getattr(optimizer, "buffers", [])
-    return {"losses": losses, "grads": grads, "weights": weights, "comm": sent,
-            "mem": memory_figures(model, optimizer, mesh.device),
+    return {"losses": losses, "grads": grads, "weights": weights, "comm": sent, "mem": mem,
+            "params_bytes_per_rank": every, "bucket_uses": bucket_uses(optimizer),
             "buffer_numel": sum(b.numel for b in buffers), "buckets": sum(len(b.buckets) for b in buffers),
             "bucket_numels": [b.numel for buf in buffers for b in buf.buckets],
+            "bucket_late": [b.late for buf in buffers for b in buf.buckets],
             "microbatches": cfg.train.global_batch_size // (cfg.train.micro_batch_size * mesh.dp.size),
             "params_numel": sum(p.numel() for p in model.parameters())}
+
+
+def bucket_uses(optimizer) -> list[list[bool]]:
+    """zero=3: per bucket (buffer order), whether each gather unit reading it reads it in backward too
+    (empty: a bucket no unit reads, kept gathered)."""
+    units = getattr(optimizer, "units", None)
+    if units is None:
+        return []
+    return [[units[i][2] for i, held in enumerate(optimizer.block_buckets) if any(x is b for _, x in held)]
+            for buf in optimizer.buffers for b in buf.buckets]
 
 
 def logical_moments(mesh, overrides: list[str], steps: int) -> dict | None:
@@ -163,3 +176,19 @@ def param_gather_probe(mesh, overrides: list[str]) -> dict | None:
         model(ids, labels)
     seen["after_forward"] = optimizer.param_gather.in_flight
     return seen if mesh.rank == 0 else None
+
+
+def save_gather_probe(mesh, overrides: list[str], folder: str) -> dict | None:
+    """zero=3: two steps, then a save as the trainer makes it (settle, then save). Rank 0 returns the most
+    param bytes gathered at once in the steps and in the save, and the bytes sent on dp by the save."""
+    cfg, model, optimizer, data = _setup(mesh, overrides, 2)
+    for step in (1, 2):
+        _step(mesh, cfg, model, optimizer, data, step)
+    in_steps, optimizer.gathered_high = optimizer.gathered_high, 0
+    mesh.stats.pop()
+    optimizer.settle()
+    sharded.save(folder, 2, model, optimizer, mesh, {"layout": {"dp": mesh.dp.size}})
+    sent, saved = dict(mesh.stats.pop()), optimizer.gathered_high
+    weights = full_state(model, mesh, optimizer=optimizer)  # collective: every rank
+    return {"steps": in_steps, "save": saved, "save_dp_bytes": sent.get("dp", 0),
+            "weights": weights} if mesh.rank == 0 else None

@@ -42,7 +42,7 @@ def test_torchrun_zero3_logs_sharded_memory_and_resumes(tmp_path):
     """The trainer at dp2 with optim.zero=3: mem/params_bytes below the whole model's, the gathered peak
     logged, and a run resumed from its step-2 checkpoint (saved from sharded params) continues the losses
     of the uninterrupted one."""
-    model = [*TINY, "model.vocab_size=256"]  # blocks, not the (kept whole) embedding, hold most params
+    model = [*TINY, "model.vocab_size=256"]
     over = ["data=synthetic", *model, "train.max_steps=4", "train.log_interval=1", "optim.zero=3",
             "checkpoint.interval=2"]
     full = train(over + [f"run.dir={tmp_path / 'full'}"], nproc=2)

@@ -100,11 +100,12 @@ class MoE(nn.Module):
         self.cfg, self.tp, self.ep, self.cp, self.sp = cfg, mesh.tp, mesh.ep, mesh.cp, sp
         self.tokens_per_step = tokens_per_step
         self._ahead: dict[int, torch.Tensor] = {}  # _batch_counts' run order masks, by sequence length
-        self.router = router.Router(cfg.hidden_size, cfg.num_experts, sp, device)
+        self.router = router.Router(cfg.hidden_size, cfg.num_experts, sp, device, mesh.device)
         self.experts = Experts(cfg, mesh.ep, sp, device)
         # this step's statistics, accumulated over micro-batches on the device (no host sync)
         # (a plain attribute, not a buffer: model.to(bf16) must not cast it)
-        self.step_stats = torch.zeros(cfg.num_experts + len(STAT_NAMES), dtype=torch.float64, device=device)
+        # on the mesh's device even when the params start on meta (build_model): not a parameter
+        self.step_stats = torch.zeros(cfg.num_experts + len(STAT_NAMES), dtype=torch.float64, device=mesh.device)
 
     def _batch_counts(self, experts_TK: torch.Tensor, counts_E: torch.Tensor, batch: int):
         """(routed counts of the whole micro-batch, plan's `runs` for capacity or None). The micro-batch's

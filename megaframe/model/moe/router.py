@@ -82,10 +82,11 @@ class Router(nn.Module):
     each tp rank routes its own sequence block, so W's grad is partial over tp (tp_partial_grad).
     `expert_bias` [E] is a buffer (saved in checkpoints, moved outside autograd by moe.stats)."""
 
-    def __init__(self, hidden: int, num_experts: int, sp: bool, device=None):
+    def __init__(self, hidden: int, num_experts: int, sp: bool, device=None, buffer_device=None):
         super().__init__()
         self.weight = sharded_param(Shard((num_experts, hidden)), device, tp_partial_grad=sp)
-        self.register_buffer("expert_bias", torch.zeros(num_experts, device=device))
+        # buffer_device: the run's device when the weight starts on meta (build_model materialises params only)
+        self.register_buffer("expert_bias", torch.zeros(num_experts, device=buffer_device or device))
         self.state_placements = {"expert_bias": Placement(Shard((num_experts,)))}
 
     def _apply(self, fn, recurse=True):
