@@ -23,6 +23,22 @@ from megaframe.checkpoint.plan import Index, plan_reads
 from megaframe.checkpoint.store import ReadStats, read_ranges
 from megaframe.parallel import comm
 
+# RuntimeErrors that stop a load without saying anything about the checkpoint (torch 2.13 has all three; an older
+# torch may lack AcceleratorError)
+_NOT_THE_CHECKPOINT = tuple(t for t in (getattr(torch, "OutOfMemoryError", None), getattr(torch, "AcceleratorError", None),
+                                        getattr(torch.distributed, "DistError", None)) if t is not None)
+
+
+def not_the_checkpoints_fault(e: BaseException) -> bool:
+    """Out of memory (host or device), an accelerator fault or a collective backend error: the machine stopped the
+    load, the checkpoint may be fine. Loaders must not skip the checkpoint for it (no fall-back to an older one)."""
+    return isinstance(e, (MemoryError, *_NOT_THE_CHECKPOINT))
+
+
+class LoadStopped(Exception):
+    """A load stopped by something other than the checkpoint (not_the_checkpoints_fault) on some rank: raised on every
+    rank by load_agreed, so load_newest does not fall back past a checkpoint that may be fine."""
+
 
 def file_crc32(path: Path) -> int:
     crc = 0
@@ -132,13 +148,18 @@ def load_into(path: str | Path, model, optimizer=None) -> dict:
 
 def load_agreed(path: Path, model, optimizer, mesh) -> tuple[dict | None, str | None]:
     """load_into on every rank; (meta, None) if all succeeded, else (None, the first failure) on all."""
-    meta, err = None, None
+    meta, err, stop = None, None, None
     try:
         meta = load_into(path, model, optimizer)
-    except (CheckpointError, OSError, KeyError, RuntimeError) as e:
-        err = f"rank {mesh.rank}: {str(e).splitlines()[0]}"
-    # every rank reaches the gather, failed or not, so all return the same verdict and fall back together
-    errors = [e for e in comm.gather_objects(err, mesh.group) if e]
+    except (CheckpointError, OSError, KeyError, RuntimeError, MemoryError) as e:
+        err = f"rank {mesh.rank}: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+        stop = not_the_checkpoints_fault(e)
+    # every rank reaches the gather, failed or not, so all return the same verdict and fall back (or stop) together
+    outcomes = comm.gather_objects((err, stop), mesh.group)
+    stopped = [e for e, s in outcomes if s]
+    if stopped:
+        raise LoadStopped(f"loading checkpoint {path} failed: {stopped[0]} (not a fault of the checkpoint)")
+    errors = [e for e, _ in outcomes if e]
     return (meta, None) if not errors else (None, errors[0])
 
 

@@ -36,8 +36,9 @@ class Setup:
     acct: Accounting
 
 
-def set_up(cfg: Config, mesh: Mesh) -> Setup:
-    """Model, optimizer and data; the resume (which may adopt the saved sample order and lr horizon)."""
+def set_up(cfg: Config, mesh: Mesh, faults=None) -> Setup:
+    """Model, optimizer and data; the resume (which may adopt the saved sample order and lr horizon).
+    `faults`: MEGAFRAME_INJECT's (training/faults.py), for a fault injected into the resume's load."""
     model = cast_model(build_model(cfg, mesh), cfg.train.precision)
     optimizer = build_optimizer(model, cfg.optim, mesh)
     try:
@@ -46,7 +47,7 @@ def set_up(cfg: Config, mesh: Mesh) -> Setup:
         sampler = Sampler.build(cfg, mesh)  # None unless train.sample_interval > 0
     except (OSError, ValueError, KeyError) as e:
         raise ConfigError(f"data.path={cfg.data.path}: unreadable prepared data ({e})") from e
-    resumed = resume(cfg, model, optimizer, mesh)
+    resumed = resume(cfg, model, optimizer, mesh, faults)
     if resumed.meta:
         data.order = resumed_order(resumed.meta)  # a resumed run keeps the sample order it began with
         adopt_lr_horizon(cfg, resumed.meta)
