@@ -179,13 +179,15 @@ def _span(head: Header, name: str, read: tuple, check: bool) -> tuple:
     dtype = _DTYPES[t["dtype"]]
     item = torch.empty((), dtype=dtype).element_size()
     a, b = first * item, last * item
+    nbytes = t["data_offsets"][1] - t["data_offsets"][0]
+    if b > nbytes:  # a header that disagrees with metadata.json: never a short read that leaves elements unread
+        raise CheckpointError(f"shard {name} is corrupt (tensor {key} holds {nbytes} bytes, the metadata needs {b})")
     crc = _parse_crcs(head.crcs[key]) if check and key in head.crcs else None
     if crc is None:
         return dtype, head.data_start + t["data_offsets"][0], None, a, b, item, item
     blk, crc = crc
     # widened to whole blocks so each one can be checked against its crc; a tensor's last block may be short
-    b0 = min(-(-b // blk) * blk, t["data_offsets"][1] - t["data_offsets"][0])
-    return dtype, head.data_start + t["data_offsets"][0], crc, a // blk * blk, max(b0, a), blk, item
+    return dtype, head.data_start + t["data_offsets"][0], crc, a // blk * blk, min(-(-b // blk) * blk, nbytes), blk, item
 
 
 def _pread(fd: int, into: torch.Tensor, offset: int, name: str, key: str) -> memoryview:

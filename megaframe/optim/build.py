@@ -67,7 +67,7 @@ class PlainOptimizer:
         (every rank holds all of it), as one segment; no master (a saved master goes into p itself)."""
         state = self.adam.state[p]
         for k in MOMENTS:
-            state[k] = torch.empty(p.shape, dtype=torch.float32, device=p.device)
+            state[k] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)  # defined, whatever is read
         return [(0, p.numel(), {k: state[k].view(-1) for k in MOMENTS})], False
 
     def loaded(self, p: nn.Parameter, kinds: set[str], step: int) -> None:
