@@ -8,7 +8,8 @@ up to 256 B, capped at 64 KiB, so small tensors get fine blocks and big ones ~16
 Reads go through one staging buffer per file opened, of at most `staging_bytes` (STAGING_BYTES = 64 MiB unless
 the caller says otherwise; never less than one block, 64 KiB, nor more than the file's largest read): a long range
 is read, checked and handed on in chunks of that size, so the host memory a load needs beyond its destinations is
-bounded by this buffer, whatever the size of the tensors.
+bounded by this buffer, whatever the size of the tensors (a copy into another device may stage one more piece of a
+chunk on its way: at most twice the bound).
 """
 from __future__ import annotations
 
