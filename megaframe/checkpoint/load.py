@@ -103,9 +103,15 @@ def load_targets(model, optimizer, meta: dict) -> tuple[list[Item], dict[str, Si
         segs, state_master = None, False
         if optimizer is not None and f"optim/exp_avg/{name}" in have:
             segs, state_master = optimizer.load_targets(p)
+        # ZeRO-3, a block not gathered now: p's value lives only in this rank's segments of its master
+        home = optimizer.param_home(p) if hasattr(optimizer, "param_home") else None
         # an optimizer without a master of p (fp32 params) takes the saved master, the more exact, as p itself
         master_is_p = segs is not None and not state_master and f"optim/master/{name}" in have
-        if not master_is_p:  # else the master below fills p
+        if home is not None:
+            if segs is None or f"optim/master/{name}" not in have:  # else the saved master fills the segments
+                want(f"model/{name}", p.placement.shard, [(lo, lo + n) for lo, n, _ in home],
+                     Sink(tuple(p.shape), [(lo, lo + n, t) for lo, n, t in home]))
+        elif not master_is_p:  # else the master below fills p
             want(f"model/{name}", p.placement.shard, whole, Sink.whole(p))
         if segs is None:
             continue

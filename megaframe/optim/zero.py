@@ -360,8 +360,10 @@ class ZeroOptimizer:
             return
         st = self.states[self.buffers.index(buf)]
         flat = p.detach().reshape(-1)
+        # a freed ZeRO-3 block's master got the saved weights directly (param_home): p holds nothing to copy
+        from_p = st.master is not None and "master" not in kinds and p.untyped_storage().nbytes() > 0
         for seg, weights in self._segs_of.get(p, []):
-            if st.master is not None and "master" not in kinds:
+            if from_p:
                 st.master[seg.state_lo:seg.state_lo + seg.numel].copy_(flat[seg.param_lo:seg.param_lo + seg.numel])
             self.adam.state[weights]["step"].fill_(float(step))
         if p in self._seen:

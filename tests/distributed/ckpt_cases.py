@@ -104,3 +104,14 @@ def load_host_bytes(mesh, overrides: list[str], path: str, staging_bytes: int) -
             if not torch.equal(t.reshape(-1), sharded.load_full(path, key, meta).reshape(-1)):
                 wrong.append(key)
     return {"peak": count.peak, "share": share_bytes(items), "made": made, "wrong": wrong}
+
+
+def zero3_freed_load_steps(mesh, overrides: list[str], steps: int, load: str, start: int) -> dict:
+    """ZeRO-3 with every block freed (as after a step, or a start-up that gathers nothing) loads `load` into its master
+    segments, then runs steps start+1..steps: the losses and this rank's read figures."""
+    cfg, model, optimizer, data = _setup(mesh, overrides, steps)
+    for i in range(len(optimizer.blocks)):
+        optimizer._free(i)
+    meta = sharded.load_into(Path(load), model, optimizer)
+    losses = [_step(mesh, cfg, model, optimizer, data, s)[0] for s in range(start + 1, steps + 1)]
+    return {"losses": losses, **meta["io_load"]}
