@@ -107,15 +107,24 @@ def test_metadata_with_a_gap_or_overlap_is_refused_at_load(pool, tp2pp2, tmp_pat
         assert all(e and "layers.0.attn.qkv.weight" in e and ("a gap" in e or "overlap" in e) for e in errors), errors
 
 
+@pytest.fixture
+def zero1_dp2(pool, tmp_path_factory):
+    """One zero=1 dp2 checkpoint after a step (so with Adam moments), shared by the loads below."""
+    if "zero1_dp2" not in _SOURCE:
+        folder = tmp_path_factory.mktemp("zero1_dp2")
+        pool.run(run_steps, 2, ["optim.zero=1"], 1, None, str(folder))
+        _SOURCE["zero1_dp2"] = str(folder / "step_00000001")
+    return _SOURCE["zero1_dp2"]
+
+
 @pytest.mark.parametrize("zero", [1, 3, 0])
-def test_load_allocates_the_share_and_one_staging_buffer(pool, tmp_path, zero):
-    """Host tensor bytes a dp2 rank allocates while loading a dp2 checkpoint (after a step: with moments), counted by a
-    TorchDispatchMode: ZeRO-1/-3 read into the params and the optimizer's own segments, so the load adds only the
-    staging buffer (64 KiB here); zero=0 adds its moments, made at their size. (Before: zero-filled tensors of the
-    full local shape for the weights and both moments, ~3x the parameter bytes, at ZeRO's dp2 ~2x the moments held.)"""
-    over = [f"optim.zero={zero}"]
-    pool.run(run_steps, 2, over, 1, None, str(tmp_path))
-    got = pool.run(load_host_bytes, 2, over, str(tmp_path / "step_00000001"), MAX_BLOCK)
+def test_load_allocates_the_share_and_one_staging_buffer(pool, zero1_dp2, zero):
+    """Host tensor bytes a dp2 rank allocates while loading a zero=1 dp2 checkpoint, counted by a TorchDispatchMode:
+    ZeRO-1/-3 read into the params and the optimizer's own segments, so the load adds only the staging buffer
+    (64 KiB here); zero=0 adds its moments, made at their size. Through the small buffer (tensors cut at its chunks)
+    everything loaded equals the checkpoint. (Before: zero-filled tensors of the full local shape for the weights and
+    both moments, 3x the parameter bytes; at ZeRO's dp2 the moments twice what the rank holds.)"""
+    got = pool.run(load_host_bytes, 2, [f"optim.zero={zero}"], zero1_dp2, MAX_BLOCK)
     print(f"\nzero={zero} dp2 load: host bytes allocated (peak) per rank {[r['peak'] for r in got]}, share "
           f"{[r['share'] for r in got]}, of it made by the load {[r['made'] for r in got]}, staging bound {MAX_BLOCK}")
     for r in got:
