@@ -1,18 +1,30 @@
 """Loading by read plans: each rank reads only the byte ranges its slices (and ZeRO segments) need,
 opening each file once, checking every block it reads against its crc32.
 
+Every piece read goes straight into its destination (a `Sink`): the parameter itself, on its device, and the
+optimizer's own state (a ZeRO rank: the flat owned segments of its moments and master; zero=0: its moments, made at
+their final size). No tensor of a parameter's full local shape is made on the way, so the host memory a load adds
+is the rank's share where it lives on the host, plus one staging buffer per file being read, of at most
+`staging_bytes` (checkpoint/store.py: STAGING_BYTES = 64 MiB by default): a ZeRO rank's moments are never held
+whole. `megaframe.load_model` (no optimizer) reads no optimizer state at all: its memory is the model's.
+
 `load_newest` is resume=auto's loader: newest complete checkpoint first; if any rank fails to load it
-(a corrupt block), every rank hears so and all fall back to the previous one together.
+(a corrupt block), every rank hears so and all fall back to the previous one together. An out-of-memory,
+accelerator or collective error is not the checkpoint's fault (`not_the_checkpoints_fault`): it stops the load on
+every rank (LoadStopped) instead.
 """
 from __future__ import annotations
 
+import bisect
 import math
 import time
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from megaframe.checkpoint.boxes import flat_boxes, intersect
 from megaframe.checkpoint.layout import Item, needs, state_buffers
 from megaframe.checkpoint.metadata import (
     CheckpointError,
@@ -20,8 +32,24 @@ from megaframe.checkpoint.metadata import (
     check_coverage,
 )
 from megaframe.checkpoint.plan import Index, plan_reads
-from megaframe.checkpoint.store import ReadStats, read_ranges
+from megaframe.checkpoint.store import STAGING_BYTES, ReadStats, read_ranges
 from megaframe.parallel import comm
+
+# RuntimeErrors that stop a load without saying anything about the checkpoint (torch 2.13 has all three; an older
+# torch may lack AcceleratorError)
+_NOT_THE_CHECKPOINT = tuple(t for t in (getattr(torch, "OutOfMemoryError", None), getattr(torch, "AcceleratorError", None),
+                                        getattr(torch.distributed, "DistError", None)) if t is not None)
+
+
+def not_the_checkpoints_fault(e: BaseException) -> bool:
+    """Out of memory (host or device), an accelerator fault or a collective backend error: the machine stopped the
+    load, the checkpoint may be fine. Loaders must not skip the checkpoint for it (no fall-back to an older one)."""
+    return isinstance(e, (MemoryError, *_NOT_THE_CHECKPOINT))
+
+
+class LoadStopped(Exception):
+    """A load stopped by something other than the checkpoint (not_the_checkpoints_fault) on some rank: raised on every
+    rank by load_agreed, so load_newest does not fall back past a checkpoint that may be fine."""
 
 
 def file_crc32(path: Path) -> int:
@@ -32,33 +60,80 @@ def file_crc32(path: Path) -> int:
     return crc
 
 
-def load_items(model, optimizer, meta: dict) -> list[Item]:
-    """What this rank needs: each parameter's local slice, and its optimizer state (ZeRO: its segments)."""
-    have, items = meta["tensors"], []
+@dataclass
+class Sink:
+    """Where one logical tensor's held elements land: `windows` of (lo, hi, 1-D tensor holding elements [lo, hi) of
+    the flat local tensor of `shape`), any dtype and device (each copy casts)."""
+
+    shape: tuple[int, ...]
+    windows: list[tuple[int, int, torch.Tensor]]
+
+    def __post_init__(self):
+        self.windows.sort(key=lambda w: w[0])
+        self._los = [lo for lo, _, _ in self.windows]
+        self._strides = [math.prod(self.shape[d + 1:]) for d in range(len(self.shape))]
+
+    @classmethod
+    def whole(cls, t: torch.Tensor) -> "Sink":
+        # detach keeps the version counter: an optimizer sees the param written (ZeRO's master resync relies on it)
+        return cls(tuple(t.shape), [(0, t.numel(), t.detach().view(-1))])  # view: a param is contiguous
+
+    def put(self, dst: list[int], size: list[int], src: torch.Tensor) -> None:
+        """Copy src (a box of `size`) to the box at dst of the local tensor (inside one window: the plan's boxes
+        are cut from the held ranges)."""
+        at = sum(lo * s for lo, s in zip(dst, self._strides))
+        lo, hi, t = self.windows[bisect.bisect_right(self._los, at) - 1]
+        end = at + sum((n - 1) * s for n, s in zip(size, self._strides)) + 1
+        if not (lo <= at and end <= hi):
+            raise CheckpointError(f"a piece of elements {at}..{end} falls outside the held range {lo}..{hi}")
+        t.as_strided(size, self._strides, t.storage_offset() + at - lo).copy_(src)
+
+
+def load_targets(model, optimizer, meta: dict) -> tuple[list[Item], dict[str, Sink], list]:
+    """What this rank needs and where each lands: each parameter's local slice (into the parameter) and its optimizer
+    state (into the optimizer's own: ZeRO, its segments); and the optimizer's calls to make once all is read."""
+    have, items, sinks, done = meta["tensors"], [], {}, []
+
+    def want(key: str, shard, held, sink: Sink) -> None:
+        items.append(Item(key, shard, have[key]["dtype"] if key in have else "float32", held))
+        sinks[key] = sink
+
     for name, p in model.named_parameters():
         whole = [(0, p.numel())]
-        items.append(Item(f"model/{name}", p.placement.shard, have[f"model/{name}"]["dtype"] if f"model/{name}" in have
-                          else "float32", whole))
-        if optimizer is None or f"optim/exp_avg/{name}" not in have:
+        segs, state_master = None, False
+        if optimizer is not None and f"optim/exp_avg/{name}" in have:
+            segs, state_master = optimizer.load_targets(p)
+        # ZeRO-3, a block not gathered now: p's value lives only in this rank's segments of its master
+        home = optimizer.param_home(p) if hasattr(optimizer, "param_home") else None
+        # an optimizer without a master of p (fp32 params) takes the saved master, the more exact, as p itself
+        master_is_p = segs is not None and not state_master and f"optim/master/{name}" in have
+        if home is not None:
+            if segs is None or f"optim/master/{name}" not in have:  # else the saved master fills the segments
+                want(f"model/{name}", p.placement.shard, [(lo, lo + n) for lo, n, _ in home],
+                     Sink(tuple(p.shape), [(lo, lo + n, t) for lo, n, t in home]))
+        elif not master_is_p:  # else the master below fills p
+            want(f"model/{name}", p.placement.shard, whole, Sink.whole(p))
+        if segs is None:
             continue
-        segs = optimizer.state_segments(p) if hasattr(optimizer, "state_segments") else None
         for kind in ("exp_avg", "exp_avg_sq", "master"):
             key = f"optim/{kind}/{name}"
-            if key not in have:
-                continue
-            # a ZeRO rank needs its segments only; the master of an fp32 target is copied into the whole param
-            mine = whole if segs is None or (kind == "master" and not any("master" in s for *_, s in segs)) \
-                else [(lo, lo + n) for lo, n, _ in segs]
-            items.append(Item(key, p.placement.shard, have[key]["dtype"], mine))
+            if kind == "master" and master_is_p:
+                want(key, p.placement.shard, whole, Sink.whole(p))
+            elif key in have and segs and kind in segs[0][2]:
+                want(key, p.placement.shard, [(lo, lo + n) for lo, n, _ in segs],
+                     Sink(tuple(p.shape), [(lo, lo + n, st[kind]) for lo, n, st in segs]))
+        loaded = {k for k in ("exp_avg", "exp_avg_sq", "master") if f"optim/{k}/{name}" in have}
+        done.append(lambda p=p, loaded=loaded: optimizer.loaded(p, loaded, int(meta["step"])))
     for name, b, pl in state_buffers(model):
-        shard = pl.shard
         if f"model/{name}" in have:  # absent in checkpoints of runs without it: keep the init value
-            items.append(Item(f"model/{name}", shard, have[f"model/{name}"]["dtype"], [(0, b.numel())]))
-    return items
+            want(f"model/{name}", pl.shard, [(0, b.numel())], Sink.whole(b))
+    return items, sinks, done
 
 
-def execute(path: Path, meta: dict, plan, index, out: dict[str, torch.Tensor], stats: ReadStats) -> None:
-    """Read the plan's ranges (each file opened once) and copy each piece into out[key]."""
+def execute(path: Path, meta: dict, plan, index, sinks: dict[str, Sink], stats: ReadStats,
+            staging_bytes: int = STAGING_BYTES) -> None:
+    """Read the plan's ranges (each file opened once, through one bounded staging buffer) and copy each piece into
+    its sink."""
     by_stored: dict[int, list] = {}
     for key, sid, src, dst, size in plan.copies:
         for i in range(len(sid)):
@@ -68,32 +143,53 @@ def execute(path: Path, meta: dict, plan, index, out: dict[str, torch.Tensor], s
     v1 = "v1_files" in meta
     for name, reads in plan.reads.items():
         want = None if v1 else files.get(name, {}).get("header_crc32")  # v1 recorded no header crc
-        for skey, first, data in read_ranges(path, name, reads, want, stats, check=not v1):
+        for skey, first, data in read_ranges(path, name, reads, want, stats, not v1, staging_bytes):
             sid = sid_of[(name, skey)]
-            shape = index.stored[sid][2]
-            strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
-            for key, src, dst, size in by_stored[sid]:
-                at = sum(lo * s for lo, s in zip(src, strides))
-                last = at + sum((n - 1) * s for n, s in zip(size, strides)) + 1
-                if at < first or last > first + data.numel():
-                    continue  # the piece lies in another merged range of this stored tensor
-                view = out[key]
-                for d, (lo, n) in enumerate(zip(dst, size)):
-                    view = view.narrow(d, lo, n)
-                view.copy_(data.as_strided(size, strides, at - first))
+            _scatter(data, first, index.stored[sid][2], by_stored[sid], sinks)
+        # drop the last chunk's view: it would keep this file's staging buffer alive while the next file's is made
+        data = None  # noqa: F841
 
 
-def read_items(path: str | Path, meta: dict, items: list[Item]) -> tuple[dict[str, torch.Tensor], dict]:
-    """{key: local tensor (only the needed ranges filled)} and this rank's read figures."""
+def _scatter(data: torch.Tensor, first: int, shape: tuple, pieces: list, sinks: dict[str, Sink]) -> None:
+    """Copy the parts of `pieces` ((key, src lo, dst lo, size) boxes of a stored tensor of `shape`) that lie in `data`
+    (its elements [first, first + n), a view of the staging buffer) into their sinks."""
+    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+    c1 = first + data.numel()
+    base = data.storage_offset()  # a view of the staging buffer: as_strided offsets are absolute
+    for key, src, dst, size in pieces:
+        at = sum(lo * s for lo, s in zip(src, strides))
+        last = at + sum((n - 1) * s for n, s in zip(size, strides)) + 1
+        if last <= first or at >= c1:
+            continue  # the piece lies in another chunk, or another merged range, of this stored tensor
+        if first <= at and last <= c1:
+            sinks[key].put(dst, size, data.as_strided(size, strides, base + at - first))
+            continue
+        # a piece cut by the chunk's ends: its part inside the chunk is a few boxes
+        piece = tuple((lo, lo + n) for lo, n in zip(src, size))
+        for box in flat_boxes(shape, max(at, first), min(last, c1)):
+            part = intersect(box, piece)
+            if part is None:
+                continue
+            part_size = [hi - lo for lo, hi in part]
+            off = base + sum(lo * s for (lo, _), s in zip(part, strides)) - first
+            to = [d + lo - s for d, (lo, _), s in zip(dst, part, src)]
+            sinks[key].put(to, part_size, data.as_strided(part_size, strides, off))
+
+
+def read_items(path: str | Path, meta: dict, items: list[Item], sinks: dict[str, Sink] | None = None,
+               staging_bytes: int = STAGING_BYTES) -> tuple[dict[str, torch.Tensor], dict]:
+    """Read every item's held ranges into its sink; without sinks, into new zero-filled local tensors, returned as
+    {key: tensor} (load_full: the whole tensor is what is asked for). Also this rank's read figures."""
     t0 = time.perf_counter()
     check_coverage({k: meta["tensors"][k] for k in {it.key for it in items}})
-    need = needs(items)
     index = Index(meta["tensors"])
-    plan = plan_reads(index, need)
-    # zeros, not empty: only the held ranges are read (a ZeRO rank's segments); the rest must hold a defined value
-    out = {it.key: torch.zeros(it.local_shape, dtype=getattr(torch, it.dtype)) for it in items}
+    plan = plan_reads(index, needs(items))
+    out = {}
+    if sinks is None:
+        out = {it.key: torch.zeros(it.local_shape, dtype=getattr(torch, it.dtype)) for it in items}
+        sinks = {k: Sink.whole(t) for k, t in out.items()}
     stats = ReadStats()
-    execute(Path(path), meta, plan, index, out, stats)
+    execute(Path(path), meta, plan, index, sinks, stats, staging_bytes)
     return out, {"read_bytes": stats.bytes, "read_data_bytes": stats.data_bytes, "needed_bytes": plan.needed_bytes,
                  "planned_bytes": plan.planned_bytes,
                  "files_opened": stats.files, "load_s": time.perf_counter() - t0}
@@ -110,37 +206,32 @@ def load_full(path: str | Path, key: str, meta: dict) -> torch.Tensor:
 
 
 @torch.no_grad()
-def load_into(path: str | Path, model, optimizer=None) -> dict:
-    """Fill this rank's parameter (and optimizer state) slices from a checkpoint of any layout; returns
-    its metadata, with this rank's read figures under "io_load"."""
+def load_into(path: str | Path, model, optimizer=None, staging_bytes: int = STAGING_BYTES) -> dict:
+    """Fill this rank's parameter (and optimizer state) slices from a checkpoint of any layout, in place (see the
+    module docstring); returns its metadata, with this rank's read figures under "io_load"."""
     meta = check_complete(path)
-    if optimizer is not None:  # ZeRO-3 keeps params sharded: the copies below write whole params
-        optimizer.sync_params()
-    items = load_items(model, optimizer, meta)
-    got, figures = read_items(path, meta, items)
-    for name, p in model.named_parameters():
-        # cast: the checkpoint may hold another dtype than this run's params (a bf16 run resumed in fp32)
-        p.copy_(got[f"model/{name}"].to(p.device, p.dtype))
-        moments = {k: got[f"optim/{k}/{name}"] for k in ("exp_avg", "exp_avg_sq", "master")
-                   if f"optim/{k}/{name}" in got}
-        if moments:
-            optimizer.load_logical_state(p, moments, int(meta["step"]))
-    for name, b, _ in state_buffers(model):
-        if f"model/{name}" in got:
-            b.copy_(got[f"model/{name}"].to(b.device, b.dtype))
+    items, sinks, done = load_targets(model, optimizer, meta)
+    _, figures = read_items(path, meta, items, sinks, staging_bytes)
+    for finish in done:  # after every read: the optimizer may derive state from the loaded params
+        finish()
     meta["io_load"] = figures
     return meta
 
 
 def load_agreed(path: Path, model, optimizer, mesh) -> tuple[dict | None, str | None]:
     """load_into on every rank; (meta, None) if all succeeded, else (None, the first failure) on all."""
-    meta, err = None, None
+    meta, err, stop = None, None, None
     try:
         meta = load_into(path, model, optimizer)
-    except (CheckpointError, OSError, KeyError, RuntimeError) as e:
-        err = f"rank {mesh.rank}: {str(e).splitlines()[0]}"
-    # every rank reaches the gather, failed or not, so all return the same verdict and fall back together
-    errors = [e for e in comm.gather_objects(err, mesh.group) if e]
+    except (CheckpointError, OSError, KeyError, RuntimeError, MemoryError) as e:
+        err = f"rank {mesh.rank}: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+        stop = not_the_checkpoints_fault(e)
+    # every rank reaches the gather, failed or not, so all return the same verdict and fall back (or stop) together
+    outcomes = comm.gather_objects((err, stop), mesh.group)
+    stopped = [e for e, s in outcomes if s]
+    if stopped:
+        raise LoadStopped(f"loading checkpoint {path} failed: {stopped[0]} (not a fault of the checkpoint)")
+    errors = [e for e, _ in outcomes if e]
     return (meta, None) if not errors else (None, errors[0])
 
 

@@ -4,6 +4,12 @@ and fsynced whole; read back by byte ranges, each block checked as it is read.
 The blocks let a rank check exactly what it reads: a read is widened to whole blocks (at most two
 partial blocks per range), never to whole tensors or files. Block size per tensor: nbytes / 64 rounded
 up to 256 B, capped at 64 KiB, so small tensors get fine blocks and big ones ~16 crcs per MiB.
+
+Reads go through one staging buffer per file opened, of at most `staging_bytes` (STAGING_BYTES = 64 MiB unless
+the caller says otherwise; never less than one block, 64 KiB, nor more than the file's largest read): a long range
+is read, checked and handed on in chunks of that size, so the host memory a load needs beyond its destinations is
+bounded by this buffer, whatever the size of the tensors (a copy into another device may stage one more piece of a
+chunk on its way: at most twice the bound).
 """
 from __future__ import annotations
 
@@ -23,6 +29,8 @@ from megaframe.checkpoint.metadata import CheckpointError, confined
 
 CRC_KEY = "megaframe/crc32"
 MAX_BLOCK = 64 << 10
+STAGING_BYTES = 64 << 20
+"""The default bound of a read's staging buffer (see the module docstring)."""
 
 
 def block_size(nbytes: int) -> int:
@@ -124,45 +132,75 @@ _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "
            "I32": torch.int32, "F64": torch.float64, "U8": torch.uint8, "BOOL": torch.bool}
 
 
-def read_ranges(folder: Path, name: str, reads: list, want_crc: int | None, stats: ReadStats, check: bool = True):
-    """Open `name` once and yield (stored key, first element, tensor of elements [first, last)) for each
-    (stored key, first, last) in `reads`, reading only the blocks those ranges touch, each block checked
-    against its crc32. CheckpointError names the file and tensor of a mismatch."""
+def read_ranges(folder: Path, name: str, reads: list, want_crc: int | None, stats: ReadStats, check: bool = True,
+                staging_bytes: int = STAGING_BYTES):
+    """Open `name` once and yield (stored key, first element, tensor of elements [first, first + n)) covering each
+    (stored key, first, last) in `reads` in order, in chunks of at most `staging_bytes`, reading only the blocks those
+    ranges touch, each block checked against its crc32. CheckpointError names the file and tensor of a mismatch.
+    The tensor yielded is a view of the staging buffer: valid until the next one is asked for (copy it out)."""
     path = confined(folder, name)
     with open(path, "rb") as f:
         stats.files += 1
         stats.opened.append(name)
         head = read_header(f, name, want_crc)
         stats.bytes += head.nbytes
-        fd = f.fileno()
-        for key, first, last in reads:
-            t = head.tensors.get(key)
-            if t is None:
-                raise CheckpointError(f"shard {name} has no tensor {key}")
-            dtype = _DTYPES[t["dtype"]]
-            item = torch.empty((), dtype=dtype).element_size()
-            begin = head.data_start + t["data_offsets"][0]
-            a, b = first * item, last * item
-            crc = _parse_crcs(head.crcs[key]) if check and key in head.crcs else None
-            if crc is not None:
-                blk, crc = crc
-                # widened to whole blocks so each one can be checked against its crc; a tensor's last block may be short
-                a0, b0 = a // blk * blk, min(-(-b // blk) * blk, t["data_offsets"][1] - t["data_offsets"][0])
-            else:
-                a0, b0 = a, b
-            buf = os.pread(fd, b0 - a0, begin + a0)
-            stats.bytes += len(buf)
-            stats.data_bytes += len(buf)
-            if len(buf) != b0 - a0:
-                raise CheckpointError(f"shard {name} is corrupt (tensor {key} is cut short)")
-            if crc is not None:
-                for at in range(a0, b0, blk):
-                    if zlib.crc32(buf[at - a0:at - a0 + blk]) != int(crc[at // blk]):
-                        raise CheckpointError(f"shard {name} is corrupt: tensor {key}, bytes "
-                                              f"{at}..{min(at + blk, b0)} fail their checksum")
-            arr = np.frombuffer(buf, dtype=np.uint8)[a - a0:b - a0]
-            # copy: pread's bytes are immutable and wider than the range; the tensor must own writable memory
-            yield key, first, torch.from_numpy(arr.copy()).view(dtype)
+        spans = [_span(head, name, r, check) for r in reads]
+        # one buffer for the whole file: the largest chunk any of its reads needs, never more than the bound
+        size = max([min(hi - lo, _step(unit, staging_bytes)) for _, _, _, lo, hi, unit, _ in spans] + [0])
+        stage = torch.empty(size, dtype=torch.uint8)
+        for (key, first, last), (dtype, begin, crc, a0, b0, unit, item) in zip(reads, spans):
+            step = _step(unit, staging_bytes)
+            for c0 in range(a0, b0, step):
+                c1 = min(c0 + step, b0)
+                buf = _pread(f.fileno(), stage[:c1 - c0], begin + c0, name, key)
+                stats.bytes += c1 - c0
+                stats.data_bytes += c1 - c0
+                if crc is not None:
+                    for at in range(c0, c1, unit):
+                        if zlib.crc32(buf[at - c0:at - c0 + unit]) != int(crc[at // unit]):
+                            raise CheckpointError(f"shard {name} is corrupt: tensor {key}, bytes "
+                                                  f"{at}..{min(at + unit, c1)} fail their checksum")
+                # the wanted part of this chunk: the range's ends may lie inside the first and last blocks
+                x, y = max(first * item, c0), min(last * item, c1)
+                yield key, x // item, stage[x - c0:y - c0].view(dtype)
+
+
+def _step(unit: int, staging_bytes: int) -> int:
+    """Chunk size: whole units (crc blocks, or elements), at most staging_bytes, at least one unit."""
+    return max(unit, staging_bytes // unit * unit)
+
+
+def _span(head: Header, name: str, read: tuple, check: bool) -> tuple:
+    """(dtype, first byte of the tensor in the file, crcs or None, [a0, b0) bytes of the tensor to read, chunk unit,
+    element size) of one (stored key, first, last) read: widened to whole crc blocks when checked."""
+    key, first, last = read
+    t = head.tensors.get(key)
+    if t is None:
+        raise CheckpointError(f"shard {name} has no tensor {key}")
+    dtype = _DTYPES[t["dtype"]]
+    item = torch.empty((), dtype=dtype).element_size()
+    a, b = first * item, last * item
+    nbytes = t["data_offsets"][1] - t["data_offsets"][0]
+    if b > nbytes:  # a header that disagrees with metadata.json: never a short read that leaves elements unread
+        raise CheckpointError(f"shard {name} is corrupt (tensor {key} holds {nbytes} bytes, the metadata needs {b})")
+    crc = _parse_crcs(head.crcs[key]) if check and key in head.crcs else None
+    if crc is None:
+        return dtype, head.data_start + t["data_offsets"][0], None, a, b, item, item
+    blk, crc = crc
+    # widened to whole blocks so each one can be checked against its crc; a tensor's last block may be short
+    return dtype, head.data_start + t["data_offsets"][0], crc, a // blk * blk, min(-(-b // blk) * blk, nbytes), blk, item
+
+
+def _pread(fd: int, into: torch.Tensor, offset: int, name: str, key: str) -> memoryview:
+    """Fill `into` (uint8) with the file's bytes at offset; CheckpointError when the file ends first."""
+    view = memoryview(into.numpy())
+    got = 0
+    while got < len(view):
+        n = os.preadv(fd, [view[got:]], offset + got)
+        if n <= 0:
+            raise CheckpointError(f"shard {name} is corrupt (tensor {key} is cut short)")
+        got += n
+    return view
 
 
 def verify_file(folder: Path, name: str, want: dict) -> None:

@@ -8,8 +8,10 @@ Every optimizer here offers:
     step(lr) -> grad_norm             finalize.py's one path (tied copies, dp, tp partials, norm,
                                       clip), then the update; a non-finite norm skips the update
                                       (the trainer counts such steps)
-    logical_state(p) / load_logical_state(p, state, step)
-                                      Adam moments shaped like p's local slice (checkpoints)
+    logical_state(p)                  Adam moments shaped like p's local slice (checkpoints)
+    load_targets(p) / loaded(p, kinds, step)
+                                      where a checkpoint's state of p is read to, in place, and
+                                      what to finish once it is (checkpoint/load.py)
     memory_bytes()                    mem/grads_bytes and mem/optim_bytes of this rank
     sync_params()                     wait for parameter updates still in flight (ZeRO's overlapped
                                       all-gather) before reading params outside a forward
@@ -65,15 +67,17 @@ class PlainOptimizer:
         state = self.adam.state.get(p, {})
         return {k: state[k] for k in MOMENTS if k in state}
 
-    def load_logical_state(self, p: nn.Parameter, moments: dict[str, torch.Tensor], step: int) -> None:
-        if "master" in moments:  # a bf16 run's fp32 master weights are more exact than its bf16 params
-            with torch.no_grad():
-                p.copy_(moments["master"].to(p.device, p.dtype))
+    def load_targets(self, p: nn.Parameter) -> tuple[list[tuple[int, int, dict[str, torch.Tensor]]], bool]:
+        """Where a checkpoint's moments of p are read to (checkpoint/load.py): p's state, made here at its size
+        (every rank holds all of it), as one segment; no master (a saved master goes into p itself)."""
         state = self.adam.state[p]
         for k in MOMENTS:
-            state[k] = moments[k].to(p.device, torch.float32)
+            state[k] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)  # defined, whatever is read
+        return [(0, p.numel(), {k: state[k].view(-1) for k in MOMENTS})], False
+
+    def loaded(self, p: nn.Parameter, kinds: set[str], step: int) -> None:
         # fused AdamW keeps its step counter on the parameter's device
-        state["step"] = torch.tensor(float(step), device=p.device)
+        self.adam.state[p]["step"] = torch.tensor(float(step), device=p.device)
 
     def memory_bytes(self) -> dict[str, int]:
         grads = sum(p.grad.numel() * p.grad.element_size() for p in self.model.parameters() if p.grad is not None)

@@ -75,7 +75,7 @@ from megaframe.schema import OptimConfig
 
 class ZeroOptimizer:
     """The optimizer interface of build.py (zero_grad, backward_context, step, logical_state,
-    load_logical_state, memory_bytes) with ZeRO-1 or -2 (cfg.zero) sharding over mesh.dp_shard (= dp
+    load_targets / loaded, memory_bytes) with ZeRO-1 or -2 (cfg.zero) sharding over mesh.dp_shard (= dp
     unless HSDP; expert params: over mesh.edp). Also the finalize.GradSource of its step: grads
     reduce-scattered, so `sharded`.
 
@@ -363,22 +363,30 @@ class ZeroOptimizer:
         """p's full-batch (dp-summed, clipped) fp32 grad after step(); collective over dp (tests, debugging)."""
         return self._slice(p, "grad")["grad"]
 
-    @torch.no_grad()
-    def load_logical_state(self, p: nn.Parameter, moments: dict[str, torch.Tensor], step: int) -> None:
-        """Cut this rank's segments of p out of p-shaped moments (any layout wrote them)."""
+    def load_targets(self, p: nn.Parameter) -> tuple[list[tuple[int, int, dict[str, torch.Tensor]]], bool]:
+        """Where a checkpoint's state of p is read to, in place (checkpoint/load.py): this rank's segments as
+        state_segments gives them, and whether this optimizer keeps a master of p (else the saved master goes into
+        p itself). Nothing of p's full local size is made: each rank reads its own segments only."""
         self._gathered = None
-        self.param_gather.wait()  # the gather would overwrite what we load
-        buf = self._buffer_of[p]
+        self.param_gather.wait()  # a gather in flight would overwrite what is loaded
+        buf = self._buffer_of.get(p)
+        keeps_master = buf is not None and self.states[self.buffers.index(buf)].master is not None
+        return self.state_segments(p), keeps_master
+
+    @torch.no_grad()
+    def loaded(self, p: nn.Parameter, kinds: set[str], step: int) -> None:
+        """After load_targets' segments (the `kinds` the checkpoint held) and p were read: a master the checkpoint
+        lacks is taken from the loaded p, the step counters set, and p's write is not mistaken for an outside one."""
+        buf = self._buffer_of.get(p)
+        if buf is None:
+            return
         st = self.states[self.buffers.index(buf)]
-        if "master" in moments and st.master is None:
-            p.copy_(moments["master"].to(p.device, p.dtype))  # fp32 params: the saved master is exact
-        src = {k: moments[k].to(p.device, torch.float32).reshape(-1) for k in MOMENTS}
-        if st.master is not None:
-            src["master"] = moments.get("master", p.detach()).to(p.device, torch.float32).reshape(-1)
+        flat = p.detach().reshape(-1)
+        # a freed ZeRO-3 block's master got the saved weights directly (param_home): p holds nothing to copy
+        from_p = st.master is not None and "master" not in kinds and p.untyped_storage().nbytes() > 0
         for seg, weights in self._segs_of.get(p, []):
-            lo, n = seg.state_lo, seg.numel
-            for k, full in src.items():
-                getattr(st, k)[lo:lo + n].copy_(full[seg.param_lo:seg.param_lo + n])
+            if from_p:
+                st.master[seg.state_lo:seg.state_lo + seg.numel].copy_(flat[seg.param_lo:seg.param_lo + seg.numel])
             self.adam.state[weights]["step"].fill_(float(step))
         if p in self._seen:
             self._seen[p] = p._version  # the master just loaded is exact: do not re-read it from p

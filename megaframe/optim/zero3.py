@@ -263,6 +263,16 @@ class Zero3Optimizer(ZeroOptimizer):
         # forward pre-hook would wait for it.
         self.wait()
 
+    def param_home(self, p: nn.Parameter) -> list[tuple[int, int, torch.Tensor]] | None:
+        """Where a checkpoint's value of p is read to (checkpoint/load.py): None while p is gathered (into p);
+        for a freed block, this rank's segments of p's fp32 master ((first element of p, length, 1-D view)), which
+        the block's next gather reads: each rank reads its own share of the weights, nothing whole."""
+        if p.untyped_storage().nbytes() > 0:
+            return None
+        st = self.states[self.buffers.index(self._buffer_of[p])]
+        return [(seg.param_lo, seg.numel, st.master[seg.state_lo:seg.state_lo + seg.numel])
+                for seg, _ in self._segs_of.get(p, [])]
+
     def memory_bytes(self) -> dict[str, int]:
         """Params: this rank's shards (the fp32 owned range) plus the resident bucket; grads and optimizer
         state as ZeRO-2 (the fp32 owned range is the params', not counted twice); the peak of gathered

@@ -9,6 +9,8 @@ Set once in the environment of every rank (read at start-up, then passed to the 
     MEGAFRAME_INJECT="slow_save:rank=0:seconds=8"      rank 0's checkpoint saves take 8 s longer (step=S: that save)
     MEGAFRAME_INJECT="savefail:rank=1:step=4"          rank 1's checkpoint write at step 4 fails (OSError)
     MEGAFRAME_INJECT="savekill:rank=1:step=4"          rank 1 is SIGKILLed in the middle of that write
+    MEGAFRAME_INJECT="loadoom:rank=1:step=6"           rank 1 runs out of memory (torch.OutOfMemoryError) while
+                                                       loading the checkpoint of step 6 at resume (no step: any)
 
 `rank` is the global rank (omitted: every rank); `step` the optimizer step (omitted: every step for
 sleep, step 1 for hang). The delay happens at the start of the step's compute window, so the straggler
@@ -29,7 +31,7 @@ ENV = "MEGAFRAME_INJECT"
 @dataclass(frozen=True)
 class Fault:
     kind: str
-    """sleep | hang | slow_save | savefail | savekill."""
+    """sleep | hang | slow_save | savefail | savekill | loadoom."""
     rank: int | None
     step: int | None
     seconds: float = 0.0
@@ -47,10 +49,10 @@ def parse(spec: str) -> list[Fault]:
             seconds = float(kv.pop("seconds", 0.0))
         except ValueError as e:
             raise ValueError(f"{ENV}={spec!r}: cannot parse {part!r} ({e})") from e
-        if kind not in ("sleep", "hang", "slow_save", "savefail", "savekill") or kv \
+        if kind not in ("sleep", "hang", "slow_save", "savefail", "savekill", "loadoom") or kv \
                 or (kind in ("sleep", "slow_save") and seconds <= 0):
             raise ValueError(f"{ENV}={spec!r}: {part!r} must be sleep|slow_save:[rank=R:][step=S:]seconds=X "
-                             f"or hang|savefail|savekill:[rank=R:][step=S]")
+                             f"or hang|savefail|savekill|loadoom:[rank=R:][step=S]")
         faults.append(Fault(kind, rank, step, seconds))
     return faults
 
@@ -77,6 +79,15 @@ class Injector:
             if f.kind in ("savefail", "savekill") and f.step in (None, step):
                 return "error" if f.kind == "savefail" else "kill"
         return None
+
+    def load_fault(self, step: int) -> None:
+        """Raise torch.OutOfMemoryError when a loadoom fault names this rank and the checkpoint's `step`: what a
+        resume that runs out of memory sees (it must stop the run, not skip the checkpoint)."""
+        import torch
+
+        for f in self.faults:
+            if f.kind == "loadoom" and f.step in (None, step):
+                raise torch.OutOfMemoryError(f"injected out of memory on rank {self.rank} ({ENV})")
 
     def apply(self, step: int) -> float:
         slept = 0.0

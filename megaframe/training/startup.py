@@ -38,8 +38,9 @@ class Setup:
     acct: Accounting
 
 
-def set_up(cfg: Config, mesh: Mesh) -> Setup:
-    """Model, optimizer and data; the resume (which may adopt the saved sample order and lr horizon)."""
+def set_up(cfg: Config, mesh: Mesh, faults=None) -> Setup:
+    """Model, optimizer and data; the resume (which may adopt the saved sample order and lr horizon).
+    `faults`: MEGAFRAME_INJECT's (training/faults.py), for a fault injected into the resume's load."""
     model = cast_model(build_model(cfg, mesh), cfg.train.precision)
     optimizer = build_optimizer(model, cfg.optim, mesh)
     try:
@@ -50,7 +51,7 @@ def set_up(cfg: Config, mesh: Mesh) -> Setup:
         raise ConfigError(f"data.path={cfg.data.path}: unreadable prepared data ({e})") from e
     if cfg.data.document_mask:
         set_documents(model, data, cfg)
-    resumed = resume(cfg, model, optimizer, mesh)
+    resumed = resume(cfg, model, optimizer, mesh, faults)
     if resumed.meta:
         data.order = resumed_order(resumed.meta)  # a resumed run keeps the sample order it began with
         adopt_lr_horizon(cfg, resumed.meta)

@@ -82,14 +82,14 @@ def take_run_dir(cfg: Config, mesh: Mesh) -> RunLock:
 
 def train(cfg: Config, mesh: Mesh, stop: StopFlag, run_id: str = "") -> None:
     """Start-up (startup.py), then the step loop to train.max_steps or a stop, on every rank."""
-    su = set_up(cfg, mesh)
+    faults = injector(mesh.rank)  # before the resume: a fault may be injected into its load
+    su = set_up(cfg, mesh, faults)
     start, t = su.resumed.step, cfg.train
     announce(cfg, mesh, su)
     tracker = Tracker(cfg, cfg.run.dir, mesh.is_logger, cfg.train.max_steps)
     meter = Meter(cfg, mesh, su.acct)
     # on CUDA the grad norms are read (a host sync) only at log steps; on CPU reading is free
     bad = BadSteps(cfg.train.max_bad_steps, mesh.rank == 0, defer=mesh.device.type == "cuda")
-    faults = injector(mesh.rank)
     probe = StragglerProbe(faults)
     # started after start-up: resume and shard checks may take longer than a step's hang limit
     watchdog = Watchdog(t.hang_timeout_s, mesh.rank, cfg.run.dir, mesh.stats).start()

@@ -9,11 +9,14 @@ import torch
 
 from megaframe.checkpoint import sharded
 from megaframe.checkpoint.metadata import CheckpointError
+from megaframe.checkpoint.store import MAX_BLOCK
 from tests.distributed.ckpt_cases import (
     load_agreed_report,
     load_and_report,
+    load_host_bytes,
     train_and_save,
 )
+from tests.distributed.zero_cases import run_steps
 
 pytestmark = pytest.mark.distributed
 
@@ -102,3 +105,28 @@ def test_metadata_with_a_gap_or_overlap_is_refused_at_load(pool, tp2pp2, tmp_pat
         errors = pool.run(load_agreed_report, 4, LAYERS4, str(bad), tp=2, pp=2)
         # pp stage 1 does not need layer 0, yet it hears of the failure: every rank refuses together
         assert all(e and "layers.0.attn.qkv.weight" in e and ("a gap" in e or "overlap" in e) for e in errors), errors
+
+
+@pytest.fixture
+def zero1_dp2(pool, tmp_path_factory):
+    """One zero=1 dp2 checkpoint after a step (so with Adam moments), shared by the loads below."""
+    if "zero1_dp2" not in _SOURCE:
+        folder = tmp_path_factory.mktemp("zero1_dp2")
+        pool.run(run_steps, 2, ["optim.zero=1"], 1, None, str(folder))
+        _SOURCE["zero1_dp2"] = str(folder / "step_00000001")
+    return _SOURCE["zero1_dp2"]
+
+
+@pytest.mark.parametrize("zero", [1, 3, 0])
+def test_load_allocates_the_share_and_one_staging_buffer(pool, zero1_dp2, zero):
+    """Host tensor bytes a dp2 rank allocates while loading a zero=1 dp2 checkpoint, counted by a TorchDispatchMode:
+    ZeRO-1/-3 read into the params and the optimizer's own segments, so the load adds only the staging buffer
+    (64 KiB here); zero=0 adds its moments, made at their size. Through the small buffer (tensors cut at its chunks)
+    everything loaded equals the checkpoint. (Before: zero-filled tensors of the full local shape for the weights and
+    both moments, 3x the parameter bytes; at ZeRO's dp2 the moments twice what the rank holds.)"""
+    got = pool.run(load_host_bytes, 2, [f"optim.zero={zero}"], zero1_dp2, MAX_BLOCK)
+    print(f"\nzero={zero} dp2 load: host bytes allocated (peak) per rank {[r['peak'] for r in got]}, share "
+          f"{[r['share'] for r in got]}, of it made by the load {[r['made'] for r in got]}, staging bound {MAX_BLOCK}")
+    for r in got:
+        assert r["made"] <= r["peak"] <= r["made"] + MAX_BLOCK + 4096, r
+        assert not r["wrong"], r["wrong"]

@@ -7,6 +7,7 @@ import pytest
 
 from megaframe.planning.estimate import plan_layout
 from tests.distributed.cases import tiny_config
+from tests.distributed.ckpt_cases import load_and_report, zero3_freed_load_steps
 from tests.distributed.test_model_equivalence import assert_close_dicts
 from tests.distributed.test_zero import FAMILIES, STEPS, reference, rel_errors
 from tests.distributed.zero_cases import bf16_losses, run_steps, save_gather_probe
@@ -142,6 +143,22 @@ def test_checkpoint_loads_into_zero3(pool, tmp_path):
                    None, 3, pp=2)[0]
     assert max(rel_errors(got["losses"], full["losses"][3:])) <= 1e-5, (got["losses"], full["losses"])
     assert_close_dicts(got["weights"], full["weights"], rtol=1e-4, atol=1e-4, what="weight")
+
+
+@pytest.mark.parametrize("source", [1, 3])
+def test_checkpoint_loads_into_freed_zero3_blocks(pool, tmp_path, source):
+    """Blocks not gathered at load (freed): each rank reads its own segments of the weights (a zero=1 checkpoint: no
+    master) or of the saved master (zero=3) straight into its master, and the next gathers carry them: the losses
+    continue, and a rank reads less than a load into gathered blocks, which reads every block whole."""
+    full = reference(pool, "gpt_tiny")
+    pool.run(run_steps, 2, [f"optim.zero={source}"], STEPS, None, str(tmp_path), 0, 3)
+    path = str(tmp_path / "step_00000003")
+    got = pool.run(zero3_freed_load_steps, 2, ["optim.zero=3"], STEPS, path, 3)
+    assert max(rel_errors(got[0]["losses"], full["losses"][3:])) <= 1e-5, (got[0]["losses"], full["losses"])
+    whole = pool.run(load_and_report, 2, ["optim.zero=3"], path)
+    print(f"\nzero={source} checkpoint into zero=3 dp2: bytes needed per rank, blocks freed "
+          f"{[r['needed_bytes'] for r in got]}, gathered {[r['needed_bytes'] for r in whole]}")
+    assert all(r["needed_bytes"] < w["needed_bytes"] for r, w in zip(got, whole))
 
 
 def test_zero3_bf16_equals_zero2(pool):

@@ -95,6 +95,26 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_previous(tmp_path):
     assert bad.returncode == 2 and "corrupt" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
 
 
+def test_out_of_memory_while_loading_stops_on_that_checkpoint(tmp_path):
+    """Rank 1 runs out of memory loading step 6 (MEGAFRAME_INJECT=loadoom, a torch.OutOfMemoryError inside the
+    resume's load): exit 1 with the phase and the checkpoint named, no fall-back to step 3, nothing pruned or
+    moved. (Before: a RuntimeError was "cannot be loaded" and the run went on from step 3.)"""
+    over = ["data=synthetic", *TINY, "train.max_steps=6", "checkpoint.interval=3",
+            f"run.dir={tmp_path}"]
+    assert train(over).returncode == 0
+    ck = tmp_path / "checkpoints"
+    before = sorted(p.name for p in ck.iterdir()), (ck / "latest").read_text()
+    lines = (tmp_path / "metrics.jsonl").read_text()
+    bad = train(over + ["train.max_steps=9"], nproc=2, timeout=180, MEGAFRAME_INJECT="loadoom:rank=1:step=6")
+    assert bad.returncode == 1, bad.stderr[-2000:]
+    errors = [x for x in bad.stderr.splitlines() if x.startswith("megaframe: error:")]
+    assert errors and all("loading checkpoint" in x and "step_00000006 failed: rank 1: OutOfMemoryError" in x
+                          for x in errors), bad.stderr[-2000:]
+    assert "skipping checkpoint" not in bad.stderr and "resumed from" not in bad.stdout
+    assert (sorted(p.name for p in ck.iterdir()), (ck / "latest").read_text()) == before
+    assert (tmp_path / "metrics.jsonl").read_text() == lines
+
+
 def test_keep_last_prunes_old_checkpoints(tmp_path):
     res = train(["data=synthetic", *TINY, "train.max_steps=6", "checkpoint.interval=1", "checkpoint.keep_last=2",
                  f"run.dir={tmp_path}"])

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from megaframe.checkpoint import sharded
+from megaframe.checkpoint.boxes import flat_boxes
 from megaframe.checkpoint.metadata import CheckpointError
 from megaframe.model.gpt import build_model
 from megaframe.optim.build import build_optimizer
@@ -122,3 +123,58 @@ def test_a_v1_checkpoint_still_loads(tmp_path, saved):
     sharded.load_into(old, model, opt)
     for name, p in model.named_parameters():
         assert torch.equal(p.detach(), tensors[f"model/{name}"]), name
+
+
+@pytest.fixture
+def trained(tmp_path):
+    """A one-process checkpoint after one step (so with Adam moments) and a real config (load_model builds from it)."""
+    from megaframe.schema import plain
+    from tests.distributed.zero_cases import _setup, _step
+
+    mesh = single_process_mesh()
+    cfg, model, opt, data = _setup(mesh, [], 1)
+    _step(mesh, cfg, model, opt, data, 1)
+    return sharded.save(tmp_path / "ck", 1, model, opt, mesh, {"config": plain(cfg)}), cfg, mesh
+
+
+def test_pieces_cut_by_the_staging_buffer_land_exactly(trained, monkeypatch):
+    """staging_bytes=1 (one crc block per chunk): every tensor longer than a block arrives in pieces cut at chunk
+    ends, and the load equals the checkpoint exactly, weights and moments."""
+    from megaframe.checkpoint import load
+
+    path, cfg, mesh = trained
+    cuts = []
+    monkeypatch.setattr(load, "flat_boxes", lambda *a: cuts.append(a) or flat_boxes(*a))
+    model = build_model(tiny_config(["train.seed=9"], 1), mesh)
+    opt = build_optimizer(model, cfg.optim, mesh)
+    meta = sharded.load_into(path, model, opt, staging_bytes=1)
+    assert cuts
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach(), sharded.load_full(path, f"model/{name}", meta)), name
+        for k, t in opt.logical_state(p).items():
+            assert torch.equal(t, sharded.load_full(path, f"optim/{k}/{name}", meta)), (k, name)
+
+
+def test_load_model_reads_the_weights_into_the_model(trained, monkeypatch):
+    """megaframe.load_model holds the model plus at most one tensor's staging: no copy of the weights, no moments
+    read (before: a zero-filled copy of every weight, so twice the model). Host bytes counted by a TorchDispatchMode."""
+    import megaframe
+    from megaframe.model.gpt import GPT
+    from tests.distributed.ckpt_cases import HostBytes
+
+    path, cfg, mesh = trained
+    build = HostBytes()
+    with build:
+        model = GPT(cfg.model, mesh, sp=False)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    largest = max(p.numel() * p.element_size() for p in model.parameters())
+    figures = {}
+    real = sharded.load_into
+    monkeypatch.setattr(sharded, "load_into", lambda *a, **k: figures.update(real(*a, **k)["io_load"]))
+    count = HostBytes()
+    with count:
+        megaframe.load_model(str(path))
+    print(f"\nload_model: host bytes {count.peak} (building the model alone {build.peak}, weights {weights}), "
+          f"read {figures['read_data_bytes']}")
+    assert count.peak <= build.peak + largest + 4096
+    assert figures["needed_bytes"] == weights  # the weights only: no optimizer state read
