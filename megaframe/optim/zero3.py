@@ -195,6 +195,10 @@ class Zero3Optimizer(ZeroOptimizer):
                 b.gwork = None
 
     def _free(self, i: int) -> None:
+        if not any(b.pfull.untyped_storage().nbytes() or b.gwork is not None for _, b in self.block_buckets[i]):
+            for _, b in self.block_buckets[i]:  # already freed (meta start-up, or freed twice): no storage to read
+                b.fresh = False
+            return
         # Last chance to see writes made from outside into the gathered params: after the resize they are gone.
         self._resync_master([p for _, b in self.block_buckets[i] for p in b.params])
         for _, b in self.block_buckets[i]:

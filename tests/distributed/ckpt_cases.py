@@ -46,6 +46,8 @@ def load_and_report(mesh, overrides: list[str], path: str) -> dict:
     """Load `path` into this layout; this rank's read figures, the files it opened, and (all ranks) the
     full weights."""
     cfg, model, optimizer, data = _setup(mesh, overrides, 1)
+    if cfg.optim.zero == 3:  # into gathered params (ZeRO-3 starts with all freed: the other path, zero3_freed_load_steps)
+        optimizer.sync_params()
     meta = sharded.load_into(Path(path), model, optimizer)
     return {**meta["io_load"], "weights": full_state(model, mesh)}
 
@@ -96,7 +98,9 @@ def load_host_bytes(mesh, overrides: list[str], path: str, staging_bytes: int) -
     with count:
         meta = sharded.load_into(Path(path), model, optimizer, staging_bytes=staging_bytes)
     # what was loaded through the small buffer (pieces cut across its chunks) is the checkpoint, exactly (dp only:
-    # local tensors are the global ones)
+    # local tensors are the global ones); ZeRO-3 starts with every param freed (meta start-up): gather them to read
+    if cfg.optim.zero == 3:
+        optimizer.sync_params()
     wrong = []
     for name, p in model.named_parameters():
         for key, t in {f"model/{name}": p.detach(),
@@ -111,7 +115,7 @@ def zero3_freed_load_steps(mesh, overrides: list[str], steps: int, load: str, st
     """ZeRO-3 with every block freed (as after a step, or a start-up that gathers nothing) loads `load` into its master
     segments, then runs steps start+1..steps: the losses and this rank's read figures."""
     cfg, model, optimizer, data = _setup(mesh, overrides, steps)
-    for i in range(len(optimizer.blocks)):
+    for i in range(len(optimizer.units)):  # meta start-up frees them already; a gathered one is freed here
         optimizer._free(i)
     meta = sharded.load_into(Path(load), model, optimizer)
     losses = [_step(mesh, cfg, model, optimizer, data, s)[0] for s in range(start + 1, steps + 1)]
