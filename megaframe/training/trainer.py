@@ -94,13 +94,15 @@ def train(cfg: Config, mesh: Mesh, stop: StopFlag, run_id: str = "") -> None:
     loader = batch_loader(cfg, mesh, su)
     marker = {"resumed_from": str(su.resumed.path), "resumed_step": start, "run_id": run_id} if su.resumed.path else {}
     step = start  # bound even when no step runs (a resume at max_steps): the summary is skipped then
+    row: dict = {}
     try:
         for step in range(start + 1, t.max_steps + 1):
             watchdog.beat(step)
             mesh.stats.pop()  # count only this step's bytes
             seed_step(t.seed, step, mesh)  # dropout RNG: equal on tp ranks, a function of the step (layers.rng)
             batches = next_batches(loader, step)  # read while the previous step computed
-            res = train_step(su.model, su.optimizer, batches, mesh, cfg, step, probe)
+            with su.phases.phase("step"):  # the first step's peak (grads and moments appear in it)
+                res = train_step(su.model, su.optimizer, batches, mesh, cfg, step, probe)
             meter.add(res)
             try:
                 bad.check(step, res.grad_norm, flush=step % t.log_interval == 0 or step == t.max_steps)
@@ -109,7 +111,8 @@ def train(cfg: Config, mesh: Mesh, stop: StopFlag, run_id: str = "") -> None:
             val = evaluate_and_sample(su, meter, tracker, step, cfg.run.dir)
             # on every rank, not only the logger: the row's dp loss all-reduce and MoE figures are collectives
             if step % t.log_interval == 0 or step == t.max_steps or val is not None:
-                row = {**meter.metrics(step, res, su.model, su.optimizer), **probe.gather(mesh), **ckpt.take_io()}
+                row = {**meter.metrics(step, res, su.model, su.optimizer), **probe.gather(mesh), **ckpt.take_io(),
+                       **su.phases.take()}
                 if val is not None:
                     row["val_loss"] = meter.last["val_loss"] = val
                 # the first row after a resume names the checkpoint (readers see where the run restarted)
@@ -122,11 +125,14 @@ def train(cfg: Config, mesh: Mesh, stop: StopFlag, run_id: str = "") -> None:
                 ckpt.poll(all_written=not writing)
             if save_due(cfg, step, stopping):
                 bad.flush()  # a deferred grad-norm read: the save must know whether this step was skipped
-                ckpt.save(su.model, su.optimizer, step, step == t.max_steps or stopping, bad.in_a_row)
+                with su.phases.phase("save"):
+                    ckpt.save(su.model, su.optimizer, step, step == t.max_steps or stopping, bad.in_a_row)
             if stopping:
                 stop.report(step)
                 break
         ckpt.finish()
+        if row and su.phases.pending:  # a first save after the last row: that row again, with its peak
+            tracker.log({**row, **su.phases.take()}, start, quiet=True)
         meter.report(start, step, ckpt.last_saved)
     finally:
         watchdog.stop()
