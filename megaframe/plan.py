@@ -72,7 +72,23 @@ def render(plan, cfg) -> str:
             f"{lay['micro_batch_size']} x {plan.microbatches} micro-batches per step, schedule {plan.schedule}")
     bubble = (f"pipeline bubble: {100 * plan.bubble:.1f}% of the step idle ({plan.schedule}, pp={lay['pp']}, "
               f"vpp={lay['vpp']}, {plan.microbatches} micro-batches)")
-    return "\n".join([head, *_table(plan), bubble, *_verdict(plan)])
+    return "\n".join([head, *_table(plan), bubble, *_phase_lines(plan), *_verdict(plan)])
+
+
+def _phase_lines(plan) -> list[str]:
+    """Each row's peak per phase (planning.phases), the largest named; and start-up and load as they were
+    before meta-device init and shard-wise reads, for comparison."""
+    from megaframe.planning.estimate import merged_rows
+
+    lines = ["memory per phase (peak of the rank; a layout fits only if every phase does):"]
+    for tps, r in merged_rows(plan):
+        if not r.phases:
+            continue
+        big = max(r.phases, key=r.phases.get)
+        cells = " | ".join(f"{k} {human(v)}{' (largest)' if k == big else ''}" for k, v in r.phases.items())
+        lines.append(f"  pp {r.pp_rank} tp {ranges(tps)}: {cells}; before meta init: start-up "
+                     f"{human(r.today_startup_bytes)}, load {human(r.today_load_bytes)}")
+    return lines
 
 
 def cp_label(lay: dict) -> str:
@@ -101,19 +117,21 @@ def _table(plan) -> list[str]:
 def _verdict(plan) -> list[str]:
     from megaframe.planning.estimate import merged_rows
 
-    worst = max(plan.ranks, key=lambda r: r.total_bytes)
+    worst = max(plan.ranks, key=lambda r: r.peak_bytes)
+    phase = max(worst.phases, key=worst.phases.get) if worst.phases else "step"
     lines = [f"largest rank: {worst.ranks[0]} (pp {worst.pp_rank}, tp {worst.tp_rank}) needs "
-             f"{human(worst.total_bytes)}"]
+             f"{human(worst.peak_bytes)} (its {phase})"]
     if plan.device_memory_bytes is None:
         return lines
     cap = human(plan.device_memory_bytes)
     over = [r for _, r in merged_rows(plan) if not r.fits]
     for r in over:
-        lines.append(f"DOES NOT FIT: ranks {ranges(r.ranks)} (pp {r.pp_rank}) need {human(r.total_bytes)} "
-                     f"> {cap} per device")
+        bad = [k for k, v in r.phases.items() if v > plan.device_memory_bytes] or ["step"]
+        lines.append(f"DOES NOT FIT: ranks {ranges(r.ranks)} (pp {r.pp_rank}) need {human(r.peak_bytes)} "
+                     f"> {cap} per device (in {', '.join(bad)})")
     if not over:
-        lines.append(f"fits: every rank within {cap} per device "
-                     f"({human(plan.device_memory_bytes - worst.total_bytes)} to spare on the largest)")
+        lines.append(f"fits: every rank within {cap} per device in every phase "
+                     f"({human(plan.device_memory_bytes - worst.peak_bytes)} to spare on the largest)")
     return lines
 
 
