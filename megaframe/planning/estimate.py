@@ -187,7 +187,7 @@ def rank_shape(model, cfg: Config, mesh) -> RankShape:
     logits = t.micro_batch_size * cfg.model.seq_length // mesh.cp.size * cfg.model.vocab_size // mesh.tp.size
     return RankShape(sum(p.numel() for p in ps), max(p.numel() for p in ps), max(blocks, default=0), elem,
                      mesh.dp_shard.size if cfg.optim.zero else 1, mesh.dpcp.size, cfg.optim.zero,
-                     logits if model.stage.last else 0)
+                     logits if model.stage.last else 0, sum(blocks))
 
 
 def cp_bias_bytes(model) -> int:

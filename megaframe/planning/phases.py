@@ -5,8 +5,8 @@ A layout fits only if every phase fits: the steady step is not the only moment a
 Modelled for how start-up, save and load work once parameters are built on the meta device (issue 24):
 
   resident  params + grads + optimizer state as the trainer holds them between steps (estimate.state_bytes)
-  startup   resident + INIT_FP32_TENSORS of the rank's largest local tensors in fp32 (a parameter's
-            initial values are drawn in fp32, then cast into its shard); nothing else is ever whole
+  startup   resident + (bf16 runs) INIT_FP32_TENSORS of the rank's largest local tensors in fp32 (a
+            parameter's initial values are drawn in fp32, then cast into its shard); nothing else is ever whole
   step      resident + the activations at the schedule's peak + ZeRO-3's gathered blocks in flight
             (STEP_GATHERED_BLOCKS: the running block and the prefetched one, in the run's dtype) + on the
             last stage the head's fp32 logits and their gradient for one chunk of tokens (HEAD_FP32_COPIES
@@ -29,7 +29,8 @@ from dataclasses import dataclass
 LOAD_STAGING_BYTES = 256 * 2**20
 """The resume's one bounded staging buffer (a range read from a file before it is copied into its shard)."""
 INIT_FP32_TENSORS = 1
-"""Whole local tensors start-up holds in fp32 at once while it initialises (one parameter at a time)."""
+"""Whole local tensors start-up holds in fp32 at once while it initialises a low-precision run (one
+parameter at a time: drawn in fp32, then cast); an fp32 run draws straight into the parameter."""
 STEP_GATHERED_BLOCKS = 2
 """ZeRO-3 blocks gathered at once in a step: the one running and the one prefetched."""
 SAVE_GATHERED_BLOCKS = 1
@@ -59,6 +60,8 @@ class RankShape:
     zero: int
     head_logits: int = 0
     """Elements of one micro-batch's logits on this rank ([mb·S/cp, V/tp]); 0 without the head."""
+    blocks_bytes: int = 0
+    """Bytes of all its blocks' params in the run's dtype (today's ZeRO-3 keeps them gathered after start-up)."""
 
 
 def written_bytes(s: RankShape, optim_bytes: int) -> int:
@@ -73,7 +76,8 @@ def phase_peaks(s: RankShape, params: int, grads: int, optim: int, activations: 
     resident = params + grads + optim
     gathered = s.block_bytes if s.zero == 3 else 0
     staging = min(LOAD_STAGING_BYTES, 4 * s.largest_numel)
-    return {"startup": resident + INIT_FP32_TENSORS * 4 * s.largest_numel,
+    init = INIT_FP32_TENSORS * 4 * s.largest_numel if s.param_elem != 4 else 0
+    return {"startup": resident + init,
             "step": resident + activations + STEP_GATHERED_BLOCKS * gathered
             + HEAD_FP32_COPIES * 4 * min(s.head_logits, HEAD_CHUNK_ELEMS),
             "save": resident + written_bytes(s, optim) + SAVE_GATHERED_BLOCKS * gathered,
@@ -93,8 +97,10 @@ def today_startup(s: RankShape, params: int, grads: int, optim: int) -> int:
 
 def today_load(s: RankShape, resident: int, master: bool) -> int:
     """A resume before shard-wise reads: full local-shape tensors of the weights (their checkpoint dtype,
-    taken as the run's), both fp32 moments and (bf16 or ZeRO-3) the fp32 master, beside the resident state."""
-    return resident + s.local_numel * (s.param_elem + 8 + (4 if master else 0))
+    taken as the run's), both fp32 moments and (bf16 or ZeRO-3) the fp32 master, beside the resident state
+    (ZeRO-3: with its blocks still gathered from start-up)."""
+    gathered = s.blocks_bytes if s.zero == 3 else 0
+    return resident + gathered + s.local_numel * (s.param_elem + 8 + (4 if master else 0))
 
 
 def largest_phase(peaks: dict[str, int]) -> str:

@@ -218,7 +218,7 @@ def _shape(cfg: Config, lay: Layout, first: bool, last: bool, a_bytes: int) -> R
     block = a_bytes * sum(layer_params(m, lay.tp, lay.ep))
     logits = lay.micro_batch * m.seq_length // lay.cp * m.vocab_size // lay.tp if last else 0
     return RankShape(dense + expert, max(mats), block, a_bytes, lay.shard_size or 1, lay.dp * lay.cp, lay.zero,
-                     logits)
+                     logits, block * (m.num_layers // lay.pp))
 
 
 def _cp_bias_bytes(cfg: Config, lay: Layout, a_bytes: int) -> int:

@@ -47,8 +47,10 @@ class PhaseMeter:
         """The rank's state the later phases start from (cpu's baseline): its params, grads and moments."""
         from megaframe.training.metrics import memory_figures
 
-        self._state = lambda: sum(v for k, v in memory_figures(model, optimizer, torch.device("cpu")).items()
-                                  if k in ("mem/params_bytes", "mem/grads_bytes", "mem/optim_bytes"))
+        # ZeRO-3: plus the block params gathered right now (start-up leaves them gathered for a load)
+        self._state = lambda: getattr(optimizer, "gathered_params", 0) + sum(
+            v for k, v in memory_figures(model, optimizer, torch.device("cpu")).items()
+            if k in ("mem/params_bytes", "mem/grads_bytes", "mem/optim_bytes"))
 
     def begin(self, name: str) -> None:
         if self._open is not None or name in self.figures:  # one phase at a time, each once
