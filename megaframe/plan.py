@@ -89,7 +89,9 @@ def _phase_lines(plan) -> list[str]:
             continue
         big = max(r.phases, key=r.phases.get)
         cells = " | ".join(f"{k} {human(v)}{' (largest)' if k == big else ''}" for k, v in r.phases.items())
-        lines.append(f"  pp {r.pp_rank} tp {ranges(tps)}: {cells}; before meta init: start-up "
+        host = f"; host memory: save +{human(r.host_bytes['save'])}, load +{human(r.host_bytes['load'])}" \
+            if r.host_bytes else ""
+        lines.append(f"  pp {r.pp_rank} tp {ranges(tps)}: {cells}{host}; before meta init: start-up "
                      f"{human(r.today_startup_bytes)}, load {human(r.today_load_bytes)}")
     return lines
 

@@ -37,7 +37,7 @@ from megaframe.parallel.virtual import virtual_mesh
 from megaframe.pipeline.schedule import F, compute_order, resolve_kind
 from megaframe.pipeline.simulate import simulate
 from megaframe.planning.activations import chunk_activation_bytes
-from megaframe.planning.phases import RankShape, phase_peaks, today_load, today_startup
+from megaframe.planning.phases import RankShape, host_peaks, phase_peaks, today_load, today_startup
 from megaframe.schema import Config
 
 
@@ -69,6 +69,8 @@ class RankFigures:
     """Start-up as it was before meta-device init (the whole local model in fp32), for comparison."""
     today_load_bytes: int = 0
     """A resume's load as it was before shard-wise reads (full local-shape tensors), for comparison."""
+    host_bytes: dict[str, int] = field(default_factory=dict)
+    """Host memory a save (its copy of what the rank writes) and a load (the staging buffer) add."""
 
     @property
     def peak_bytes(self) -> int:
@@ -165,7 +167,8 @@ def _rank_figures(cfg: Config, tp: int, pp: int, dp: int, pp_rank: int, tp_rank:
     out = RankFigures(pp_rank, tp_rank, list(mesh.dpcp.ranks), params, grads, optim, chunks, inflight,
                       act + cp_bias_bytes(model), cp_comm_bytes=cp_step_bytes(cfg, model, dp))
     shape = rank_shape(model, cfg, mesh)
-    out.phases = phase_peaks(shape, params, grads, optim, out.activation_bytes)
+    out.phases = phase_peaks(shape, params, grads, optim, out.activation_bytes, on_host=_on_host(cfg))
+    out.host_bytes = host_peaks(shape, optim)
     out.today_startup_bytes = today_startup(shape, params, grads, optim)
     out.today_load_bytes = today_load(shape, params + grads + optim,
                                       cfg.optim.zero == 3 or cfg.train.precision != "fp32")
@@ -174,6 +177,11 @@ def _rank_figures(cfg: Config, tp: int, pp: int, dp: int, pp_rank: int, tp_rank:
         out.dp_comm_bytes = planned_dp_bytes([p for p in model.parameters() if p.requires_grad], cfg.optim, mesh, m,
                                              model)
     return out
+
+
+def _on_host(cfg: Config) -> bool:
+    """A run on the cpu: host copies are in the memory being planned (planning.phases)."""
+    return str(getattr(cfg.train.device, "value", cfg.train.device)) == "cpu"
 
 
 def rank_shape(model, cfg: Config, mesh) -> RankShape:

@@ -11,11 +11,15 @@ Modelled for how start-up, save and load work once parameters are built on the m
             (STEP_GATHERED_BLOCKS: the running block and the prefetched one, in the run's dtype) + on the
             last stage the head's fp32 logits and their gradient for one chunk of tokens (HEAD_FP32_COPIES
             of [tokens, V/tp], at most layers.fused_ce's CHUNK_ELEMS on a GPU)
-  save      resident + the host copy of what this rank writes (its share of the params and its owned
-            optimizer state, taken before the write so training may go on) + ZeRO-3's gathered blocks
-            (SAVE_GATHERED_BLOCKS: the save gathers one block at a time)
-  load      resident + one staging buffer of at most LOAD_STAGING_BYTES (a range is read into it, then
-            copied into its destination: the parameter or the optimizer's flat segment)
+  save      resident + ZeRO-3's gathered blocks (SAVE_GATHERED_BLOCKS: the save gathers one block at a
+            time); in host memory the copy of what this rank writes (its share of the params and its owned
+            optimizer state, taken before the write so training may go on)
+  load      resident + one staging buffer of at most LOAD_STAGING_BYTES (a range is read into it on the
+            host, then cast and copied into its destination, the parameter or the optimizer's flat
+            segment, through a device copy of the same size)
+
+On a GPU the host copies are host memory (RankFigures' host figures); when the run's device is the cpu
+(`on_host`) they are the same memory and count in the phase's peak.
 
 and, for comparison, start-up and load as they were before (`today_startup`, `today_load`): every rank
 built its whole local (tp·pp) model in fp32 and cast it, ZeRO-3 copying the whole local params into its
@@ -71,17 +75,31 @@ def written_bytes(s: RankShape, optim_bytes: int) -> int:
     return params + (optim_bytes if s.zero else optim_bytes // s.writers)
 
 
-def phase_peaks(s: RankShape, params: int, grads: int, optim: int, activations: int) -> dict[str, int]:
-    """{startup, step, save, load} peak bytes of one rank (module doc)."""
+def staging_bytes(s: RankShape) -> int:
+    """The load's staging buffer: LOAD_STAGING_BYTES, or less where no tensor is that large (fp32 read)."""
+    return min(LOAD_STAGING_BYTES, 4 * s.largest_numel)
+
+
+def phase_peaks(s: RankShape, params: int, grads: int, optim: int, activations: int,
+                on_host: bool = False) -> dict[str, int]:
+    """{startup, step, save, load} peak bytes of one rank's device (module doc); `on_host`: the device is
+    the host (cpu runs), so the save's host copy and the load's host staging count too."""
     resident = params + grads + optim
     gathered = s.block_bytes if s.zero == 3 else 0
-    staging = min(LOAD_STAGING_BYTES, 4 * s.largest_numel)
     init = INIT_FP32_TENSORS * 4 * s.largest_numel if s.param_elem != 4 else 0
+    host = host_peaks(s, optim) if on_host else {"save": 0}
     return {"startup": resident + init,
             "step": resident + activations + STEP_GATHERED_BLOCKS * gathered
             + HEAD_FP32_COPIES * 4 * min(s.head_logits, HEAD_CHUNK_ELEMS),
-            "save": resident + written_bytes(s, optim) + SAVE_GATHERED_BLOCKS * gathered,
-            "load": resident + staging}
+            "save": resident + SAVE_GATHERED_BLOCKS * gathered + host["save"],
+            # on a GPU the staged range's device copy; on the cpu the staging buffer itself: one of either
+            "load": resident + staging_bytes(s)}
+
+
+def host_peaks(s: RankShape, optim: int) -> dict[str, int]:
+    """Host bytes a save and a load add (beyond the process itself): the save's copy of what the rank
+    writes, the load's staging buffer."""
+    return {"save": written_bytes(s, optim), "load": staging_bytes(s)}
 
 
 def today_startup(s: RankShape, params: int, grads: int, optim: int) -> int:

@@ -181,10 +181,16 @@ def phase_memory(cfg: Config, lay: Layout) -> dict[str, int]:
                                           + (head if c == lay.vpp - 1 and last else 0)) for c in range(lay.vpp))
         act = _peak_inflight(kind, lay.pp, lay.vpp, micro, rank, chunks) if lay.pp > 1 else chunks[0]
         peaks = phase_peaks(_shape(cfg, lay, first, last, a_bytes), params, grads, optim,
-                            act + _cp_bias_bytes(cfg, lay, a_bytes))
+                            act + _cp_bias_bytes(cfg, lay, a_bytes), on_host=_on_host(cfg))
         if max(peaks.values()) > max(worst.values(), default=-1):
             worst = peaks
     return worst
+
+
+def _on_host(cfg: Config) -> bool:
+    from megaframe.planning.estimate import _on_host as on_host
+
+    return on_host(cfg)
 
 
 def _state(cfg: Config, lay: Layout, first: bool, last: bool, a_bytes: int) -> tuple[int, int, int]:

@@ -13,7 +13,7 @@ from tests.distributed.phase_cases import measure_phases
 
 pytestmark = pytest.mark.distributed
 
-MODEL = ["model.hidden_size=256", "model.ffn_hidden_size=512", "model.vocab_size=2048", "model.seq_length=64",
+MODEL = ["train.device=cpu", "model.hidden_size=256", "model.ffn_hidden_size=512", "model.vocab_size=2048", "model.seq_length=64",
          "model.num_layers=2"]
 TOL = 0.10
 NEEDS = "needs h-metainit"
