@@ -220,8 +220,9 @@ def _dp(s: _Step) -> float:
 
     def ring(bytes_per_el: float, times: int) -> float:
         """`times` reduce-scatters (or all-gathers) of every element at bytes_per_el over the shard group."""
-        return times * (s.coll((sh - 1) / sh * bytes_per_el * dense, sh, (sh - 1) * buckets, span)
-                        + s.coll((edp - 1) / edp * bytes_per_el * expert, edp, (edp - 1) * buckets, span))
+        # a dense model has no expert collective: no latency either (it was charged one before)
+        moe = s.coll((edp - 1) / edp * bytes_per_el * expert, edp, (edp - 1) * buckets, span) if expert else 0.0
+        return times * (s.coll((sh - 1) / sh * bytes_per_el * dense, sh, (sh - 1) * buckets, span) + moe)
 
     compute = _compute(s)
     fwd, bwd, micro = compute / 3, 2 * compute / 3, s.micro

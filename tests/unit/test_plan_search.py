@@ -133,3 +133,12 @@ def test_a_tiny_memory_drops_every_layout(cfg):
     ests, n, dropped = search(cfg, 4, DEVICES["H100"], 1e3)
     assert not ests and n == dropped > 0
     assert get_device("h200").memory_gb == 141 and dataclasses.replace(get_device("B200"), efficiency=0.4).efficiency == 0.4
+
+
+def test_a_dense_model_pays_no_expert_collective(cfg):
+    """Only latency (links infinitely fast, compute free: nothing overlaps): ZeRO-1's reduce-scatter and
+    all-gather, 7 ring steps each over dp=8 and one bucket, plus the unhidden tail of as much again; a dense
+    model's absent expert collective adds nothing (it used to add its ring's latency)."""
+    dev = dataclasses.replace(DEVICES["H100"], latency_s=1.0, intra_bw=1e30, inter_bw=1e30, hbm_bw=0.0, efficiency=1e12)
+    lay = Layout(1, 1, 1, 8, 1, 1, 1, "none")  # 16 samples / (mb 1 x dp 8): 2 micro-batches, one bucket
+    assert step_time(cfg, lay, dev, 8)["dp"] == pytest.approx(14 + 14 / 2, rel=1e-6)
