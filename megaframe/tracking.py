@@ -36,17 +36,10 @@ class Tracker:
         if cfg.logging.wandb.mode != "disabled":
             self.wandb_run = _start_wandb(cfg, run_dir)
 
-    def log(self, metrics: dict, start_step: int, quiet: bool = False) -> None:
-        """One metrics row; `quiet`: a row logged again with more figures (readers keep a step's later
-        line), not printed twice."""
+    def log(self, metrics: dict, start_step: int) -> None:
         if not self.active:
             return
         self.file.write(json.dumps(metrics) + "\n")
-        if quiet:
-            if self.wandb_run is not None:
-                self._wandb(self.wandb_run.log, {k: v for k, v in metrics.items() if k.startswith("mem/")},
-                            step=metrics["step"])
-            return
         step = metrics["step"]
         # steps since this launch: a resumed run's earlier steps took no time here
         rate = (time.time() - self.t_start) / max(1, step - start_step)

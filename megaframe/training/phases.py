@@ -1,5 +1,7 @@
 """Peak memory of each phase of a run (start-up, the first step, the first save, the load of a resume),
-measured once and logged as `mem/phase/<name>_peak_bytes` on the next metrics row.
+measured once and logged as `mem/phase/<name>_peak_bytes` on the next metrics row (a save after the last
+row is in the run's closing `memory per phase` line only: a second row of one step would replace the
+first for readers that keep a step's later line).
 
 A phase's figure is the most this rank held at any moment of it, everything included (what it already
 held when the phase began and the phase's own transients), the quantity the planner predicts per phase
@@ -99,10 +101,20 @@ class PhaseMeter:
             if measuring:
                 self.end()
 
+    def summary(self) -> str:
+        """One line of every phase measured, for the end of the run (a first save at the last step follows
+        the last metrics row: it is only here)."""
+        parts = [f"{n} {_size(self.figures[n])}" for n in PHASES if n in self.figures]
+        return f"memory per phase (peak on this rank): {', '.join(parts)}"
+
     def take(self) -> dict[str, int]:
         """The figures measured since the last take (each logged once)."""
         out, self.pending = self.pending, {}
         return out
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def running_peak(prof) -> int:

@@ -94,7 +94,6 @@ def train(cfg: Config, mesh: Mesh, stop: StopFlag, run_id: str = "") -> None:
     loader = batch_loader(cfg, mesh, su)
     marker = {"resumed_from": str(su.resumed.path), "resumed_step": start, "run_id": run_id} if su.resumed.path else {}
     step = start  # bound even when no step runs (a resume at max_steps): the summary is skipped then
-    row: dict = {}
     try:
         for step in range(start + 1, t.max_steps + 1):
             watchdog.beat(step)
@@ -131,8 +130,8 @@ def train(cfg: Config, mesh: Mesh, stop: StopFlag, run_id: str = "") -> None:
                 stop.report(step)
                 break
         ckpt.finish()
-        if row and su.phases.pending:  # a first save after the last row: that row again, with its peak
-            tracker.log({**row, **su.phases.take()}, start, quiet=True)
+        if mesh.is_logger and su.phases.figures:  # every phase's peak, a save after the last row's included
+            print(su.phases.summary(), flush=True)
         meter.report(start, step, ckpt.last_saved)
     finally:
         watchdog.stop()
