@@ -210,8 +210,11 @@ def _dp(s: _Step) -> float:
     dense, expert = stage_params(cfg.model, lay, True, lay.pp == 1)
     n = dense + expert
     dpcp = lay.dp * lay.cp  # parameters are replicated over cp: grads reduce (and ZeRO shards) over cp·dp
-    # one collective per bucket: the ring latency is paid per bucket
+    # one collective per bucket: the ring latency is paid per bucket; ZeRO-3's buckets are its blocks (and
+    # the params outside them), whatever bucket_size_mb says (optim/sizing.py's group_plan)
     buckets = max(1, math.ceil(4 * n / (cfg.optim.bucket_size_mb * 2**20)))
+    if lay.zero == 3:
+        buckets = s.layers + 1
     if not lay.zero:  # an all-reduce of the fp32 grads after backward: nothing hides it
         return s.coll(2 * (dpcp - 1) / dpcp * 4 * n, dpcp, 2 * (dpcp - 1) * buckets, lay.tp * dpcp)
     g, a, sh = (2 if lay.grad_dtype == "bf16" else 4), s.elem, lay.shard_size

@@ -142,3 +142,14 @@ def test_a_dense_model_pays_no_expert_collective(cfg):
     dev = dataclasses.replace(DEVICES["H100"], latency_s=1.0, intra_bw=1e30, inter_bw=1e30, hbm_bw=0.0, efficiency=1e12)
     lay = Layout(1, 1, 1, 8, 1, 1, 1, "none")  # 16 samples / (mb 1 x dp 8): 2 micro-batches, one bucket
     assert step_time(cfg, lay, dev, 8)["dp"] == pytest.approx(14 + 14 / 2, rel=1e-6)
+
+
+def test_zero3_pays_latency_per_block_not_per_bucket(cfg):
+    """ZeRO-3's collectives go block by block (4 blocks + the params outside them here), whatever
+    optim.bucket_size_mb: a tiny bucket size changes nothing for zero=3 and multiplies zero=1's latency."""
+    dev = dataclasses.replace(DEVICES["H100"], latency_s=1.0, intra_bw=1e30, inter_bw=1e30, hbm_bw=0.0, efficiency=1e12)
+    tiny = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, bucket_size_mb=0.001))
+    z3 = Layout(1, 1, 1, 8, 1, 3, 1, "none")
+    assert step_time(tiny, z3, dev, 8)["dp"] == step_time(cfg, z3, dev, 8)["dp"]
+    z1 = Layout(1, 1, 1, 8, 1, 1, 1, "none")
+    assert step_time(tiny, z1, dev, 8)["dp"] > 10 * step_time(cfg, z1, dev, 8)["dp"]
