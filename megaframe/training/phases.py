@@ -69,6 +69,8 @@ class PhaseMeter:
         # kineto prints a line at each profiler start and stop unless told otherwise (read at its first start)
         os.environ.setdefault("KINETO_LOG_LEVEL", "99")
         base = self._state() if self._state is not None else 0
+        if torch._C._autograd._profiler_enabled():  # the user's own profiler: ours would end it; unmeasured
+            return
         prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
         prof.__enter__()
         self._open = (name, base, prof)
