@@ -12,10 +12,13 @@ A rank over the device memory prints a `DOES NOT FIT` line (exit code 0: the pla
     python -m megaframe.plan model=llama3_8b +world_size=64 +device_memory_gb=80 +search=true
                              [+device=H100|H200|A100|B200|cpu] [+top=5] [+efficiency=0.5]
 
-proposes a layout instead: every valid (tp, pp, vpp, dp, ep, ZeRO, micro-batch, recompute) is sized,
-those over the memory dropped, the rest ranked by the step-time model of megaframe.planning.search
-(device figures and their sources in megaframe.planning.devices); the top ones are printed with their
-memory and why each is slower than the first. The model, data and batch settings come from the config.
+proposes a layout instead: every valid (tp, cp, pp, vpp, dp, ep, ZeRO stage, HSDP shard group, grad reduce
+dtype, micro-batch, recompute) is sized in every phase (start-up, step, save, load), those with a phase over
+the memory dropped, the rest ranked by the step-time model of megaframe.planning.search (device figures and
+their sources in megaframe.planning.devices); the top ones are printed with their memory per phase and why
+each is slower than the first, and the layouts within the model's measured error of #1 are called ties.
+Progress goes to stderr; `+plan_json=PATH` writes every ranked layout. The model, data and batch settings
+come from the config.
 """
 from __future__ import annotations
 
@@ -73,7 +76,25 @@ def render(plan, cfg) -> str:
             f"{lay['micro_batch_size']} x {plan.microbatches} micro-batches per step, schedule {plan.schedule}")
     bubble = (f"pipeline bubble: {100 * plan.bubble:.1f}% of the step idle ({plan.schedule}, pp={lay['pp']}, "
               f"vpp={lay['vpp']}, {plan.microbatches} micro-batches)")
-    return "\n".join([head, *_table(plan), bubble, *_verdict(plan)])
+    return "\n".join([head, *_table(plan), bubble, *_phase_lines(plan), *_verdict(plan)])
+
+
+def _phase_lines(plan) -> list[str]:
+    """Each row's peak per phase (planning.phases), the largest named; and start-up and load as they were
+    before meta-device init and shard-wise reads, for comparison."""
+    from megaframe.planning.estimate import merged_rows
+
+    lines = ["memory per phase (peak of the rank; a layout fits only if every phase does):"]
+    for tps, r in merged_rows(plan):
+        if not r.phases:
+            continue
+        big = max(r.phases, key=r.phases.get)
+        cells = " | ".join(f"{k} {human(v)}{' (largest)' if k == big else ''}" for k, v in r.phases.items())
+        host = f"; host memory: save +{human(r.host_bytes['save'])}, load +{human(r.host_bytes['load'])}" \
+            if r.host_bytes else ""
+        lines.append(f"  pp {r.pp_rank} tp {ranges(tps)}: {cells}{host}; before meta init: start-up "
+                     f"{human(r.today_startup_bytes)}, load {human(r.today_load_bytes)}")
+    return lines
 
 
 def cp_label(lay: dict) -> str:
@@ -102,19 +123,21 @@ def _table(plan) -> list[str]:
 def _verdict(plan) -> list[str]:
     from megaframe.planning.estimate import merged_rows
 
-    worst = max(plan.ranks, key=lambda r: r.total_bytes)
+    worst = max(plan.ranks, key=lambda r: r.peak_bytes)
+    phase = max(worst.phases, key=worst.phases.get) if worst.phases else "step"
     lines = [f"largest rank: {worst.ranks[0]} (pp {worst.pp_rank}, tp {worst.tp_rank}) needs "
-             f"{human(worst.total_bytes)}"]
+             f"{human(worst.peak_bytes)} (its {phase})"]
     if plan.device_memory_bytes is None:
         return lines
     cap = human(plan.device_memory_bytes)
     over = [r for _, r in merged_rows(plan) if not r.fits]
     for r in over:
-        lines.append(f"DOES NOT FIT: ranks {ranges(r.ranks)} (pp {r.pp_rank}) need {human(r.total_bytes)} "
-                     f"> {cap} per device")
+        bad = [k for k, v in r.phases.items() if v > plan.device_memory_bytes] or ["step"]
+        lines.append(f"DOES NOT FIT: ranks {ranges(r.ranks)} (pp {r.pp_rank}) need {human(r.peak_bytes)} "
+                     f"> {cap} per device (in {', '.join(bad)})")
     if not over:
-        lines.append(f"fits: every rank within {cap} per device "
-                     f"({human(plan.device_memory_bytes - worst.total_bytes)} to spare on the largest)")
+        lines.append(f"fits: every rank within {cap} per device in every phase "
+                     f"({human(plan.device_memory_bytes - worst.peak_bytes)} to spare on the largest)")
     return lines
 
 
@@ -149,7 +172,7 @@ def main(argv: list[str]) -> int:
 
 def search_main(cfg, world: int, memory_gb: float | None, own: dict) -> int:
     from megaframe.planning.devices import get_device
-    from megaframe.planning.search import search
+    from megaframe.planning.search import MODEL_ERROR, search, ties
 
     try:
         eff = float(own["efficiency"]) if "efficiency" in own else None
@@ -158,13 +181,18 @@ def search_main(cfg, world: int, memory_gb: float | None, own: dict) -> int:
     except ValueError as e:
         return fail(f"plan settings: {e}")
     cap = memory_gb * 2**30 if memory_gb is not None else None
-    ests, n, dropped = search(cfg, world, dev, cap)
+    ests, n, dropped = search(cfg, world, dev, cap, progress=lambda text: print(text, file=sys.stderr, flush=True))
     print(search_report(cfg, world, dev, ests, n, dropped, top, cap))
+    if "plan_json" in own:  # every fitting layout, ranked, with its phases and parts
+        Path(own["plan_json"]).write_text(json.dumps(
+            {"world_size": world, "device": dev.name, "candidates": n, "dropped_for_memory": dropped,
+             "ties_with_first": ties(ests), "model_error": MODEL_ERROR, "ranked": [e.to_dict() for e in ests]},
+            indent=1))
     return 0
 
 
 def search_report(cfg, world, dev, ests, n, dropped, top, cap) -> str:
-    from megaframe.planning.search import why_slower
+    from megaframe.planning.search import MODEL_ERROR, ties, why_slower
 
     m, t = cfg.model, cfg.train
     tokens = t.global_batch_size * m.seq_length
@@ -174,11 +202,13 @@ def search_report(cfg, world, dev, ests, n, dropped, top, cap) -> str:
              f"{100 * dev.link_eff:.0f}% of {dev.intra_bw / 1e9:.0f} GB/s in a node of {dev.per_node} / "
              f"{dev.inter_bw / 1e9:.0f} GB/s across, {dev.latency_s * 1e6:.0f} us per hop; bubble from the "
              f"schedule simulator ({dev.source})",
-             f"{n} valid layouts, {dropped} dropped (over 90% of the memory), {len(ests)} ranked"]
+             f"{n} valid layouts (ZeRO 0-3, HSDP, grad reduce dtype, micro-batch, recompute), {dropped} dropped "
+             f"(a phase over 90% of the memory: start-up, step, save or load), {len(ests)} ranked"]
     if not ests:
         return "\n".join(lines + ["no layout fits: more devices, or a smaller batch / sequence"])
     best = ests[0]
-    head = f"{'#':>2}  {'layout':<58} {'step':>9} {'tok/s/dev':>10} {'MFU':>6} {'memory':>10}  parts (ms)"
+    head = (f"{'#':>2}  {'layout':<74} {'step':>9} {'tok/s/dev':>10} {'MFU':>6} {'memory':>10}  "
+            f"{'startup/step/save/load (GiB)':<28}  parts (ms)")
     lines.append(head)
     from megaframe.training.metrics import flops_per_token
 
@@ -186,10 +216,15 @@ def search_report(cfg, world, dev, ests, n, dropped, top, cap) -> str:
         tps = tokens / e.step_s / world
         mfu = tps * flops_per_token(m) / dev.peak(t.precision)
         parts = " ".join(f"{k} {v * 1e3:.0f}" for k, v in e.parts.items() if v > 0)
-        lines.append(f"{i:>2}  {e.layout.label():<58} {e.step_s:>8.3f}s {tps:>10.0f} {100 * mfu:>5.1f}% "
-                     f"{human(e.memory_bytes):>10}  {parts}")
+        phases = "/".join(f"{e.phases[k] / 2**30:.1f}" for k in ("startup", "step", "save", "load"))
+        lines.append(f"{i:>2}  {e.layout.label():<74} {e.step_s:>8.3f}s {tps:>10.0f} {100 * mfu:>5.1f}% "
+                     f"{human(e.memory_bytes):>10}  {phases:<28}  {parts}")
     for i, e in enumerate(ests[1:top], 2):
         lines.append(f"#{i} loses to #1 by {why_slower(e, best)}")
+    k = ties(ests)
+    if k > 1:
+        lines.append(f"#1-#{k} are ties: within {100 * MODEL_ERROR:.1f}% of #1, the step-time model's largest measured "
+                     f"error (scripts/validate_planner.py); measure the first few (e.g. 20 steps each) before choosing")
     lines.append("run #1 with: " + " ".join(best.layout.overrides()))
     return "\n".join(lines)
 

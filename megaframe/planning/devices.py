@@ -1,11 +1,13 @@
 """Device specs for the planner's step-time model: one table, each figure with its source.
 
 Peaks are dense (no sparsity) tensor-core FLOP/s; link bandwidths are per direction per device.
-`efficiency` is the fraction of peak the model assumes a training step's matmuls reach (stated, not
+`efficiency` is the fraction of peak the model assumes a training step's large matmuls reach (stated, not
 fitted: ~50 % is what well-tuned Megatron-LM / torchtitan bf16 runs of 8B-70B dense models report as
 MFU on H100/A100, e.g. Llama 3's 38-43 % at 16k GPUs, Megatron's 47 % at 1T params on A100); `link_eff`
 the fraction of the link rate NCCL's bus bandwidth reaches (nccl-tests all-reduce busbw, ~80 %).
-`latency_s` is the per-message cost of one ring step (NCCL's few-microsecond launch + hop).
+`latency_s` is the per-message cost of one ring step (NCCL's few-microsecond launch + hop). `hbm_bw` and
+`gemm_launch_s` make the efficiency a function of each GEMM's shape (planning.timing.gemm_efficiency): a
+thin GEMM (large tp, a small micro-batch) is bound by memory or launch, not by the tensor cores.
 
 "cpu" is measured when asked for (`measure_cpu`): the best fp32 matmul rate of one core, and the time
 of one gloo ring hop against its size between two local processes (planning.gloo_link).
@@ -35,6 +37,11 @@ class Device:
     efficiency: float = 0.5
     link_eff: float = 0.8
     latency_s: float = 10e-6
+    hbm_bw: float = 0.0
+    """Bytes/s of the device's own memory (the GEMM roofline's memory side, planning.timing.gemm_efficiency);
+    0: no per-shape model, every GEMM at `efficiency`."""
+    gemm_launch_s: float = 5e-6
+    """Fixed cost of one GEMM kernel (launch and tail wave), the roofline's third term."""
     hops: tuple = ()
     """Measured ((bytes, seconds of one ring hop), ...) (cpu: gloo, planning.gloo_link); when set it
     replaces latency_s + bytes / bandwidth."""
@@ -45,18 +52,19 @@ class Device:
 
 
 DEVICES = {
-    "H100": Device("H100 SXM5 80GB", 989e12, 494.7e12, 80, 450e9, 50e9, 8,
+    "H100": Device("H100 SXM5 80GB", 989e12, 494.7e12, 80, 450e9, 50e9, 8, hbm_bw=3.35e12,
                    source="NVIDIA H100 Tensor Core GPU datasheet (SXM5: 989 TF bf16 dense, 495 TF tf32 dense, "
-                          "NVLink 900 GB/s bidirectional); DGX H100: 8 GPUs, ConnectX-7 400 Gb/s per GPU"),
-    "H200": Device("H200 SXM 141GB", 989e12, 494.7e12, 141, 450e9, 50e9, 8,
+                          "NVLink 900 GB/s bidirectional, HBM3 3.35 TB/s); DGX H100: 8 GPUs, ConnectX-7 400 Gb/s per GPU"),
+    "H200": Device("H200 SXM 141GB", 989e12, 494.7e12, 141, 450e9, 50e9, 8, hbm_bw=4.8e12,
                    source="NVIDIA H200 Tensor Core GPU datasheet (same compute and NVLink as H100 SXM, 141 GB "
-                          "HBM3e); HGX H200 with 400 Gb/s NDR per GPU"),
-    "A100": Device("A100 SXM4 80GB", 312e12, 156e12, 80, 300e9, 25e9, 8,
+                          "HBM3e at 4.8 TB/s); HGX H200 with 400 Gb/s NDR per GPU"),
+    "A100": Device("A100 SXM4 80GB", 312e12, 156e12, 80, 300e9, 25e9, 8, hbm_bw=2.039e12,
                    source="NVIDIA A100 Tensor Core GPU datasheet (312 TF bf16 dense, 156 TF tf32, NVLink 600 GB/s "
-                          "bidirectional); DGX A100: ConnectX-6 200 Gb/s HDR per GPU"),
-    "B200": Device("B200 SXM 180GB", 2.25e15, 1.1e15, 180, 900e9, 50e9, 8,
+                          "bidirectional, HBM2e 2,039 GB/s); DGX A100: ConnectX-6 200 Gb/s HDR per GPU"),
+    "B200": Device("B200 SXM 180GB", 2.25e15, 1.1e15, 180, 900e9, 50e9, 8, hbm_bw=8e12,
                    source="NVIDIA DGX B200 datasheet (72 PF fp8 training / 8 GPUs = 9 PF fp8 sparse, i.e. 2.25 PF "
-                          "bf16 dense; 1,440 GB / 8; NVLink 5 1.8 TB/s bidirectional; ConnectX-7 400 Gb/s per GPU)"),
+                          "bf16 dense; 1,440 GB / 8; NVLink 5 1.8 TB/s bidirectional; HBM3e 64 TB/s / 8; "
+                          "ConnectX-7 400 Gb/s per GPU)"),
 }
 
 

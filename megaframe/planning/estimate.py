@@ -38,6 +38,7 @@ from megaframe.parallel.virtual import virtual_mesh
 from megaframe.pipeline.schedule import F, compute_order, resolve_kind
 from megaframe.pipeline.simulate import simulate
 from megaframe.planning.activations import chunk_activation_bytes
+from megaframe.planning.phases import RankShape, host_peaks, phase_peaks, today_load, today_startup
 from megaframe.schema import Config
 
 
@@ -67,6 +68,19 @@ class RankFigures:
     """optim.grad_reduce_dtype=bf16: the fp32 copy of the owned reduced grads the update reads
     (mem/grads_fp32_bytes). It lives from the reduction to the next step's zero_grad, after the last
     backward has freed the activations, so the peak holds the larger of the two, not both."""
+    phases: dict[str, int] = field(default_factory=dict)
+    """Peak bytes of start-up, the step, a save and a resume's load (planning.phases)."""
+    today_startup_bytes: int = 0
+    """Start-up as it was before meta-device init (the whole local model in fp32), for comparison."""
+    today_load_bytes: int = 0
+    """A resume's load as it was before shard-wise reads (full local-shape tensors), for comparison."""
+    host_bytes: dict[str, int] = field(default_factory=dict)
+    """Host memory a save (its copy of what the rank writes) and a load (the staging buffer) add."""
+
+    @property
+    def peak_bytes(self) -> int:
+        """The largest phase (the step's total when the phases were not modelled)."""
+        return max([self.total_bytes, *self.phases.values()])
 
     def __post_init__(self):
         self.total_bytes = (self.params_bytes + self.grads_bytes + self.optim_bytes
@@ -155,7 +169,7 @@ def plan_layout(cfg: Config, world_size: int, device_memory_gb: float | None = N
         for tp_rank in range(tp):
             plan.ranks.append(_rank_figures(cfg, tp, pp, dp, pp_rank, tp_rank, order))
     for r in plan.ranks:
-        r.fits = None if plan.device_memory_bytes is None else r.total_bytes <= plan.device_memory_bytes
+        r.fits = None if plan.device_memory_bytes is None else r.peak_bytes <= plan.device_memory_bytes
     return plan
 
 
@@ -171,11 +185,36 @@ def _rank_figures(cfg: Config, tp: int, pp: int, dp: int, pp_rank: int, tp_rank:
     out = RankFigures(pp_rank, tp_rank, list(mesh.dpcp.ranks), params, grads, optim, chunks, inflight,
                       act + cp_bias_bytes(model), cp_comm_bytes=cp_step_bytes(cfg, model, dp),
                       grads_fp32_bytes=grads_fp32_bytes(model, cfg, mesh))
+    shape = rank_shape(model, cfg, mesh)
+    out.phases = phase_peaks(shape, params, grads, optim, out.activation_bytes, on_host=_on_host(cfg))
+    out.host_bytes = host_peaks(shape, optim)
+    out.today_startup_bytes = today_startup(shape, params, grads, optim)
+    out.today_load_bytes = today_load(shape, params + grads + optim,
+                                      cfg.optim.zero == 3 or cfg.train.precision != "fp32")
     if cfg.optim.zero and not (mesh.dp_shard.size == 1 and cfg.train.precision == "fp32"):  # build_optimizer's choice
         m = cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)
         out.dp_comm_bytes = planned_dp_bytes([p for p in model.parameters() if p.requires_grad], cfg.optim, mesh, m,
                                              model)
     return out
+
+
+def _on_host(cfg: Config) -> bool:
+    """A run on the cpu: host copies are in the memory being planned (planning.phases)."""
+    return str(getattr(cfg.train.device, "value", cfg.train.device)) == "cpu"
+
+
+def rank_shape(model, cfg: Config, mesh) -> RankShape:
+    """What the phase model reads of this rank's (meta) model: its local sizes before ZeRO."""
+    from megaframe.optim.param_gather import blocks_of
+
+    ps = list(model.parameters())
+    elem = ps[0].element_size()
+    blocks = [sum(p.numel() for p in b.parameters()) * elem for b in blocks_of(model)]
+    t = cfg.train
+    logits = t.micro_batch_size * cfg.model.seq_length // mesh.cp.size * cfg.model.vocab_size // mesh.tp.size
+    return RankShape(sum(p.numel() for p in ps), max(p.numel() for p in ps), max(blocks, default=0), elem,
+                     mesh.dp_shard.size if cfg.optim.zero else 1, mesh.dpcp.size, cfg.optim.zero,
+                     logits if model.stage.last else 0, sum(blocks))
 
 
 def cp_bias_bytes(model) -> int:

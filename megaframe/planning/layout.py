@@ -20,24 +20,42 @@ class Layout:
     micro_batch: int
     recompute: str
     cp: int = 1
+    shard: int = 0
+    """optim.shard_group_size: HSDP's shard group (0: ZeRO shards over all of cp·dp)."""
+    grad_dtype: str = "fp32"
+    """optim.grad_reduce_dtype: the dtype of the grad buffers and their dp reduction."""
+
+    @property
+    def shard_size(self) -> int:
+        """Ranks the ZeRO state is sharded over (1 at zero=0)."""
+        return 0 if not self.zero else (self.shard or self.dp * self.cp)
 
     def label(self) -> str:
         ep = f" ep={self.ep}" if self.ep > 1 else ""
         cp = f" cp={self.cp}" if self.cp > 1 else ""
-        return (f"tp={self.tp}{cp} pp={self.pp} vpp={self.vpp} dp={self.dp}{ep} zero={self.zero} "
+        hsdp = f" hsdp={self.shard}" if self.shard else ""
+        grad = " grad=bf16" if self.grad_dtype == "bf16" else ""
+        return (f"tp={self.tp}{cp} pp={self.pp} vpp={self.vpp} dp={self.dp}{ep} zero={self.zero}{hsdp}{grad} "
                 f"mb={self.micro_batch} recompute={self.recompute}")
 
     def overrides(self) -> list[str]:
+        grad = [f"optim.grad_reduce_dtype={self.grad_dtype}"] if self.grad_dtype != "fp32" else []
         return [f"parallel.tp={self.tp}", f"parallel.pp={self.pp}", f"parallel.vpp={self.vpp}",
                 f"parallel.ep={self.ep}", f"parallel.cp={self.cp}", f"parallel.sp={str(self.tp > 1).lower()}",
-                f"optim.zero={self.zero}",
+                f"optim.zero={self.zero}", f"optim.shard_group_size={self.shard}", *grad,
                 f"train.micro_batch_size={self.micro_batch}", f"train.recompute={self.recompute}"]
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "label": self.label(), "overrides": self.overrides()}
 
 
 def layout_config(cfg: Config, lay: Layout) -> Config:
+    optim = {"zero": lay.zero, "shard_group_size": lay.shard}
+    if hasattr(cfg.optim, "grad_reduce_dtype"):  # the key of optim.grad_reduce_dtype (h-gradbf16)
+        optim["grad_reduce_dtype"] = lay.grad_dtype
     c = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, tp=lay.tp, pp=lay.pp, vpp=lay.vpp,
                                                               ep=lay.ep, sp=lay.tp > 1, pp_layout=None, cp=lay.cp),
-                            optim=dataclasses.replace(cfg.optim, zero=lay.zero),
+                            optim=dataclasses.replace(cfg.optim, **optim),
                             train=dataclasses.replace(cfg.train, micro_batch_size=lay.micro_batch,
                                                       recompute=lay.recompute))
     return c
@@ -48,7 +66,7 @@ def cp_ring(cfg: Config) -> bool:
     return CPComm(cfg.parallel.cp_comm) is CPComm.ring
 
 
-def _layer_params(m, tp: int, ep: int) -> tuple[int, int]:
+def layer_params(m, tp: int, ep: int) -> tuple[int, int]:
     """(dense, expert) parameters of one block on one rank."""
     d, e = m.hidden_size, m.head_dim
     attn = (d * (m.num_attention_heads + 2 * m.kv_heads) * e + m.num_attention_heads * e * d) // tp
@@ -62,7 +80,7 @@ def _layer_params(m, tp: int, ep: int) -> tuple[int, int]:
 def stage_params(m, lay: Layout, first: bool, last: bool) -> tuple[int, int]:
     """(dense, expert) parameters of the first or last pipeline rank."""
     layers = m.num_layers // lay.pp
-    dense, expert = (layers * x for x in _layer_params(m, lay.tp, lay.ep))
+    dense, expert = (layers * x for x in layer_params(m, lay.tp, lay.ep))
     table = m.vocab_size * m.hidden_size // lay.tp
     if first:
         dense += table + (m.seq_length * m.hidden_size if m.position_embedding == "learned" else 0)

@@ -1,12 +1,16 @@
-"""Layout search: every valid (tp, cp, pp, vpp, dp, ep, ZeRO, micro-batch, recompute) of a model on N devices,
-sized, timed by a stated model, ranked. cp is searched with the config's parallel.cp_comm.
+"""Layout search: every valid (tp, cp, pp, vpp, dp, ep, ZeRO stage 0-3, HSDP shard group, grad reduce dtype,
+micro-batch, recompute) of a model on N devices, sized in every phase, timed by a stated model, ranked. cp is
+searched with the config's parallel.cp_comm. ZeRO-0 only for fp32 (bf16 params need ZeRO's fp32 master);
+bf16 grad reduction only under bf16; HSDP shard groups of whole nodes (tp·cp·s a multiple of a node) smaller
+than cp·dp.
 
-Memory of the largest rank (first or last pipeline stage): parameters counted from the dims per stage;
-grads and optimizer state as the ZeRO optimizer lays them out (estimate.state_bytes' rules without the
-bucket padding); activations per micro-batch from meta-device forwards at this tp / sp / recompute
-(planning.activations: the bytes of a
-block, of the embedding and of the head + loss, on the rank's S/cp tokens), times the micro-batch size,
-walked through the rank's own schedule (peak in flight); ZeRO shards over cp·dp.
+Memory of the largest rank (first or last pipeline stage), the peak over its phases (planning.phases:
+start-up, step, save, load; a layout any phase of which is over the memory is dropped): parameters counted
+from the dims per stage; grads and optimizer state as the ZeRO optimizer lays them out (estimate.state_bytes'
+rules without the bucket padding; ZeRO-2/3 grads and all ZeRO state over the shard group, grads in the
+reduce dtype); activations per micro-batch from meta-device forwards at this tp / sp / recompute
+(planning.activations: the bytes of a block, of the embedding and of the head + loss, on the rank's S/cp
+tokens), times the micro-batch size, walked through the rank's own schedule (peak in flight).
 
 Step time: the stated model of planning.timing (compute, each axis's communication, the bubble).
 """
@@ -18,7 +22,8 @@ from dataclasses import dataclass, field
 
 from megaframe.config import Config, ConfigError, validate
 from megaframe.planning.devices import Device
-from megaframe.planning.layout import Layout, cp_ring, layout_config, stage_params
+from megaframe.planning.layout import Layout, cp_ring, layer_params, layout_config, stage_params
+from megaframe.planning.phases import RankShape, phase_peaks
 from megaframe.planning.timing import step_time
 
 __all__ = ["Estimate", "Layout", "candidates", "layout_config", "memory", "search", "stage_params", "step_time",
@@ -30,27 +35,53 @@ HEADROOM = 0.9
 """Fraction of the device memory a layout may fill."""
 
 
+ZERO3_WHOLE_OUTSIDE_BLOCKS = True
+"""ZeRO-3 keeps the params outside the blocks (embedding, head, final norm) whole, as optim/sizing.py counts
+them today; False once ZeRO-3 shards every parameter (issue 24 item 2, h-metainit)."""
+MODEL_ERROR = 0.113
+"""The step-time model's largest measured error (scripts/validate_planner.py against measured runs, README:
+8.5 % and 11.3 % on two runs): layouts closer than this to #1 are ties."""
+
+
 @dataclass
 class Estimate:
     layout: Layout
     memory_bytes: int
     parts: dict[str, float] = field(default_factory=dict)
     """Seconds per step: compute, tp, ep, pp, dp, bubble (the bubble's share of the stretched time)."""
+    phases: dict[str, int] = field(default_factory=dict)
+    """Peak bytes of the largest rank per phase (planning.phases); memory_bytes is their maximum."""
 
     @property
     def step_s(self) -> float:
         return sum(self.parts.values())
+
+    def to_dict(self) -> dict:
+        return {"layout": self.layout.to_dict(), "memory_bytes": self.memory_bytes, "phases": self.phases,
+                "step_s": self.step_s, "parts_s": self.parts}
 
 
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def _state_choices(cfg: Config, tp: int, cp: int, dp: int, ep: int, per_node: int) -> list[tuple[int, int, str]]:
+    """(zero, HSDP shard group, grad reduce dtype) of one (tp, cp, dp, ep)."""
+    bf16 = cfg.train.precision == "bf16"
+    grads = ("fp32", "bf16") if bf16 else ("fp32",)
+    dpcp, out = dp * cp, []
+    # HSDP: shard groups of whole nodes (the shard's all-gathers on NVLink or spread evenly over nodes), below cp·dp
+    shards = [s for s in divisors(dpcp) if 1 < s < dpcp and (tp * cp * s) % max(per_node, 1) == 0] if ep == 1 else []
+    zeros = (1, 2, 3) if dpcp > 1 else (1,)  # nothing to shard over one rank: ZeRO-2/3 build ZeRO-1's layout
+    for zero in (zeros if bf16 else (0, *zeros)):
+        for shard in ([0] + shards if zero else [0]):
+            out += [(zero, shard, g) for g in (grads if zero else ("fp32",))]
+    return out
+
+
 def candidates(cfg: Config, world: int, per_node: int) -> list[Layout]:
     """Every layout validate() accepts: tp within a node, pp dividing the layers, sp wherever tp > 1."""
     m, out = cfg.model, []
-    # bf16 params need ZeRO's fp32 master weights and grad buffer: zero=0 builds for fp32 only
-    zeros = (1,) if cfg.train.precision == "bf16" else (0, 1)
     # tp within a node: its per-block all-reduces need the intra-node links
     for tp, cp in [(t, c) for t in divisors(world) if t <= max(per_node, 1) for c in divisors(world // t)]:
         for pp in [p for p in divisors(world // (tp * cp)) if m.num_layers % p == 0]:
@@ -58,15 +89,26 @@ def candidates(cfg: Config, world: int, per_node: int) -> list[Layout]:
             for vpp in ([1] if pp == 1 else [v for v in (1, 2, 4) if m.num_layers % (pp * v) == 0]):
                 # ep borrows its ranks from cp·dp
                 for ep in ([e for e in divisors(dp * cp) if m.num_experts % e == 0] if m.num_experts else [1]):
-                    for zero in zeros:
-                        for mb in MICRO_BATCHES:
-                            for rc in RECOMPUTE:
-                                lay = Layout(tp, pp, vpp, dp, ep, zero, mb, rc, cp)
-                                try:
-                                    validate(layout_config(cfg, lay), world, check_data=False)
-                                except ConfigError:
-                                    continue
-                                out.append(lay)
+                    out += _valid(cfg, world, [Layout(tp, pp, vpp, dp, ep, zero, mb, rc, cp, shard, g)
+                                               for zero, shard, g in _state_choices(cfg, tp, cp, dp, ep, per_node)
+                                               for mb in MICRO_BATCHES for rc in RECOMPUTE])
+    return out
+
+
+def _valid(cfg: Config, world: int, lays: list[Layout]) -> list[Layout]:
+    """The layouts validate() accepts. The grad dtype and HSDP group change nothing validate() reads but
+    their own checks: one layout per (zero, shard, rest) is validated and its verdict shared."""
+    out, seen = [], {}
+    for lay in lays:
+        key = dataclasses.replace(lay, grad_dtype="fp32")
+        if key not in seen:
+            try:
+                validate(layout_config(cfg, key), world, check_data=False)
+                seen[key] = True
+            except ConfigError:
+                seen[key] = False
+        if seen[key]:
+            out.append(lay)
     return out
 
 
@@ -99,14 +141,26 @@ _CFGS: dict[int, Config] = {}
 
 @functools.lru_cache(maxsize=None)
 def _peak_inflight(kind: str, pp: int, vpp: int, m: int, rank: int, chunk_bytes: tuple) -> int:
-    from megaframe.pipeline.schedule import compute_order
     from megaframe.planning.estimate import peak_activations
 
-    return peak_activations(compute_order(kind, pp, vpp, m, rank), list(chunk_bytes))[0]
+    return peak_activations(_order(kind, pp, vpp, m, rank), list(chunk_bytes))[0]
+
+
+@functools.lru_cache(maxsize=None)
+def _order(kind: str, pp: int, vpp: int, m: int, rank: int) -> tuple:
+    """A rank's compute order, built once per schedule (every micro-batch size and recompute shares it)."""
+    from megaframe.pipeline.schedule import compute_order
+
+    return tuple(compute_order(kind, pp, vpp, m, rank))
 
 
 def memory(cfg: Config, lay: Layout) -> int:
-    """Bytes the largest rank holds (first or last pipeline stage)."""
+    """Bytes the largest rank holds at its largest phase (first or last pipeline stage)."""
+    return max(phase_memory(cfg, lay).values())
+
+
+def phase_memory(cfg: Config, lay: Layout) -> dict[str, int]:
+    """{phase: peak bytes} of the largest rank (the first or the last pipeline stage, whichever peaks higher)."""
     from megaframe.pipeline.schedule import resolve_kind
 
     m, t = cfg.model, cfg.train
@@ -118,22 +172,59 @@ def memory(cfg: Config, lay: Layout) -> int:
     micro = t.global_batch_size // (lay.micro_batch * lay.dp)
     kind = resolve_kind(cfg.parallel.pp_schedule, lay.vpp)
     chunk_layers = m.num_layers // (lay.pp * lay.vpp)
-    worst = 0
+    worst: dict[str, int] = {}
     # the first stage holds the embedding, the last the head: the largest rank is one of them
     for rank in {0, lay.pp - 1}:
         first, last = rank == 0, rank == lay.pp - 1
-        dense, expert = stage_params(m, lay, first, last)
-        n = dense + expert
-        # ZeRO reduces grads in an fp32 buffer; without it a grad has its param's dtype
-        grads = 4 * n if lay.zero else a_bytes * n
-        per_el = 8 if t.precision == "fp32" else 12  # 2 fp32 moments (+ an fp32 master for bf16)
-        # expert state is sharded over the expert-data-parallel group (cp·dp / ep ranks), dense over cp·dp
-        optim = (per_el * dense // (lay.dp * lay.cp) + per_el * expert // (lay.dp * lay.cp // lay.ep)) if lay.zero else 8 * n
+        params, grads, optim = _state(cfg, lay, first, last, a_bytes)
         chunks = tuple(lay.micro_batch * (chunk_layers * per_layer + (embed if c == 0 and first else 0)
                                           + (head if c == lay.vpp - 1 and last else 0)) for c in range(lay.vpp))
         act = _peak_inflight(kind, lay.pp, lay.vpp, micro, rank, chunks) if lay.pp > 1 else chunks[0]
-        worst = max(worst, a_bytes * n + grads + optim + act + _cp_bias_bytes(cfg, lay, a_bytes))
+        peaks = phase_peaks(_shape(cfg, lay, first, last, a_bytes), params, grads, optim,
+                            act + _cp_bias_bytes(cfg, lay, a_bytes), on_host=_on_host(cfg))
+        if max(peaks.values()) > max(worst.values(), default=-1):
+            worst = peaks
     return worst
+
+
+def _on_host(cfg: Config) -> bool:
+    from megaframe.planning.estimate import _on_host as on_host
+
+    return on_host(cfg)
+
+
+def _state(cfg: Config, lay: Layout, first: bool, last: bool, a_bytes: int) -> tuple[int, int, int]:
+    """(params, grads, optimizer state) bytes of a stage's rank as the optimizer of lay.zero lays them out."""
+    m = cfg.model
+    dense, expert = stage_params(m, lay, first, last)
+    n = dense + expert
+    if not lay.zero:  # a grad per param in its dtype, two fp32 moments
+        return a_bytes * n, a_bytes * n, 8 * n
+    s = lay.shard_size
+    # expert state is sharded over the expert-data-parallel group (cp·dp / ep ranks), dense over the shard group
+    owned = dense // s + expert // max(s // lay.ep, 1)
+    g = 2 if lay.grad_dtype == "bf16" else 4
+    grads = g * (owned if lay.zero >= 2 else n)
+    if lay.zero == 3:  # params: the fp32 owned range (the master), plus what stays whole; state: 2 moments
+        outside = n - (m.num_layers // lay.pp) * sum(layer_params(m, lay.tp, lay.ep))
+        whole = a_bytes * outside if ZERO3_WHOLE_OUTSIDE_BLOCKS else 0
+        return 4 * owned + whole, grads, 8 * owned
+    return a_bytes * n, grads, (8 if cfg.train.precision == "fp32" else 12) * owned
+
+
+def _shape(cfg: Config, lay: Layout, first: bool, last: bool, a_bytes: int) -> RankShape:
+    """planning.phases' view of a stage's rank, from the dims (estimate.rank_shape counts a built model)."""
+    m = cfg.model
+    dense, expert = stage_params(m, lay, first, last)
+    d, per = m.hidden_size, (2 if m.activation == "swiglu" else 1)
+    mats = [d * (m.num_attention_heads + 2 * m.kv_heads) * m.head_dim // lay.tp]
+    mats.append((m.num_experts // lay.ep) * per * m.expert_ffn * d if m.num_experts else per * m.ffn_hidden_size * d // lay.tp)
+    if first or last:
+        mats.append(m.vocab_size * d // lay.tp)
+    block = a_bytes * sum(layer_params(m, lay.tp, lay.ep))
+    logits = lay.micro_batch * m.seq_length // lay.cp * m.vocab_size // lay.tp if last else 0
+    return RankShape(dense + expert, max(mats), block, a_bytes, lay.shard_size or 1, lay.dp * lay.cp, lay.zero,
+                     logits, block * (m.num_layers // lay.pp))
 
 
 def _cp_bias_bytes(cfg: Config, lay: Layout, a_bytes: int) -> int:
@@ -144,20 +235,39 @@ def _cp_bias_bytes(cfg: Config, lay: Layout, a_bytes: int) -> int:
     return cfg.model.seq_length ** 2 // lay.cp * a_bytes
 
 
-def search(cfg: Config, world: int, dev: Device, memory_bytes: float | None) -> tuple[list[Estimate], int, int]:
-    """(fitting estimates, fastest first; candidates; dropped for memory)."""
+def search(cfg: Config, world: int, dev: Device, memory_bytes: float | None,
+           progress=None) -> tuple[list[Estimate], int, int]:
+    """(fitting estimates, fastest first; candidates; dropped for memory). `progress(text)` hears how far
+    it got every few seconds (the command prints it to stderr)."""
+    import time
+
     # 10 % of a device is kept back for the CUDA context, NCCL buffers and allocator fragmentation
     cap = HEADROOM * (memory_bytes if memory_bytes is not None else dev.memory_gb * 2**30)
-    out, dropped = [], 0
+    out, dropped, t0 = [], 0, time.perf_counter()
+    say = progress or (lambda text: None)
+    say("search: enumerating and validating layouts")
     cands = candidates(cfg, world, dev.per_node if not dev.name.startswith("cpu") else world)
-    for lay in cands:
-        mem = memory(cfg, lay)
+    last = time.perf_counter()
+    for i, lay in enumerate(cands, 1):
+        if time.perf_counter() - last > 3:
+            last = time.perf_counter()
+            say(f"search: {i}/{len(cands)} layouts sized and timed, {len(out)} fit ({last - t0:.0f}s)")
+        phases = phase_memory(cfg, lay)
+        mem = max(phases.values())
         if cap and mem > cap:
             dropped += 1
             continue
-        out.append(Estimate(lay, mem, step_time(cfg, lay, dev, world)))
-    out.sort(key=lambda e: e.step_s)
+        out.append(Estimate(lay, mem, step_time(cfg, lay, dev, world), phases))
+    out.sort(key=lambda e: (e.step_s, e.memory_bytes))  # equal times: the one with room to spare first
+    say(f"search: {len(cands)} layouts in {time.perf_counter() - t0:.0f}s")
     return out, len(cands), dropped
+
+
+def ties(ests: list[Estimate], error: float = MODEL_ERROR) -> int:
+    """How many of the first layouts are within the model's measured error of #1 (#1 included)."""
+    if not ests:
+        return 0
+    return sum(1 for e in ests if e.step_s <= ests[0].step_s * (1 + error))
 
 
 def why_slower(e: Estimate, best: Estimate) -> str:

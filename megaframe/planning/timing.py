@@ -4,7 +4,11 @@ Step time (seconds) =
     (compute + tp_comm + ep_comm + cp_comm) / (1 - bubble) + pp_comm + dp_comm
   compute  model FLOPs of the step (training.metrics.flops_per_token x tokens; + one forward of the
            blocks for full recompute, + the attention core's forward for selective) / world size
-           / (device peak x efficiency)
+           / (device peak x GEMM efficiency of this layout's shapes)
+  GEMM efficiency  per shape (gemm_efficiency): every GEMM of a block and the head at this tp, micro-batch
+           and cp ([mb·S/cp tokens] x [D] x [out/tp]) timed by a roofline, max(FLOPs / (peak x efficiency),
+           bytes moved / HBM bandwidth) + a kernel's fixed cost, their FLOPs over their summed time; the
+           device's `efficiency` is what the largest GEMMs reach. Without an HBM figure (cpu) it is that constant.
   comm     per axis: bytes a rank sends (ring all-reduce 2(n-1)/n, all-gather / reduce-scatter / all-to-all
            (n-1)/n of the tensor) / (link bandwidth x link_eff) + ring steps x latency (cpu: ring steps x
            the measured time of one gloo hop of bytes / steps, Device.hops). An axis is on NVLink
@@ -14,8 +18,14 @@ Step time (seconds) =
            micro-batch for the embedding and the head, and the vocab-parallel loss's two small
            all-reduces (fp32 per token: the max, then the target logit and the exp-sum); ep: 4
            all-to-alls of the routed tokens per MoE block; pp: one activation and one gradient per
-           micro-batch per virtual stage; dp: ZeRO-1 reduce-scatter of fp32 grads + all-gather of params,
-           or ZeRO-0's all-reduce, not overlapped with backward (conservative).
+           micro-batch per virtual stage; dp: see below.
+  dp       the reduce-scatter of grads in the reduce dtype (fp32 or bf16: optim.grad_reduce_dtype) over the
+           shard group and the all-gather of params, ZeRO-0's all-reduce, HSDP's all-reduce of the shard over
+           the replicas; charged as the trainer overlaps them (_dp_exposed): ZeRO-1 reduces during the last
+           micro-batch's backward, ZeRO-2 during every backward, ZeRO-3 gathers block by block ahead of forward
+           and backward; the param all-gather runs during the next forward. What the overlapped compute cannot
+           hide is paid, plus one bucket (the last reduce, the first gather) that nothing hides. ZeRO-0's
+           all-reduce and HSDP's replica all-reduce run after backward: paid in full.
   cp       the K/V exchange of every layer and micro-batch (context.cp_bytes_per_layer, the bytes the
            cp byte-count test checks) over tp·cp ranks' links; allgather is on the critical path (K/V are
            needed before attention), the ring overlaps its exchange with the block attention, so only
@@ -93,7 +103,9 @@ class _Step:
     def rate(self) -> float:
         """FLOP/s one rank reaches; ranks beyond the cores share them (cpu): each gets cores/world of one."""
         share = min(1.0, self.dev.per_node / self.world) if self.dev.name.startswith("cpu") else 1.0
-        return self.dev.peak(self.cfg.train.precision) * self.dev.efficiency * share
+        m, lay = self.cfg.model, self.lay
+        eff = gemm_efficiency(self.dev, self.elem, lay.micro_batch * m.seq_length // lay.cp, _gemm_dims(m, lay.tp))
+        return self.dev.peak(self.cfg.train.precision) * eff * share
 
     def coll(self, nbytes: float, n: int, steps: float, span: int) -> float:
         """A ring collective over n ranks whose group spans `span` consecutive ranks (NVLink within a node)."""
@@ -101,6 +113,33 @@ class _Step:
         on_node = d.name.startswith("cpu") or span <= d.per_node
         bw = (d.intra_bw if on_node else d.inter_bw) * d.link_eff
         return _ring(nbytes, n, steps, bw, d.latency_s, d.hops)
+
+
+def _gemm_dims(m, tp: int) -> tuple[tuple[int, int], ...]:
+    """(k, n) on one rank of a block's and the head's GEMMs: QKV, the attention output, the MLP's up (gate
+    fused) and down projections, the head; column-parallel ones split n over tp, row-parallel ones k."""
+    d, e, h = m.hidden_size, m.head_dim, m.num_attention_heads
+    ffn = m.expert_ffn if m.num_experts else m.ffn_hidden_size
+    up = (2 if m.activation == "swiglu" else 1) * ffn
+    return ((d, (h + 2 * m.kv_heads) * e // tp), (h * e // tp, d), (d, up // tp), (ffn // tp, d),
+            (d, m.vocab_size // tp))
+
+
+@functools.lru_cache(maxsize=None)
+def gemm_efficiency(dev: Device, elem: int, tokens: int, gemms: tuple) -> float:
+    """Fraction of peak the GEMMs (k, n) over `tokens` rows reach, FLOP-weighted: each timed by the
+    roofline max(2·t·k·n / (peak·efficiency), elem·(t·k + k·n + t·n) / hbm) + one launch, three times
+    (forward, and backward's two GEMMs of the same size)."""
+    if not dev.hbm_bw:
+        return dev.efficiency
+    peak = dev.peak("bf16" if elem == 2 else "fp32")
+    flops = spent = 0.0
+    for k, n in gemms:
+        f = 2.0 * tokens * k * n
+        spent += 3 * (max(f / (peak * dev.efficiency), elem * (tokens * k + k * n + tokens * n) / dev.hbm_bw)
+                      + dev.gemm_launch_s)
+        flops += 3 * f
+    return flops / (peak * spent)
 
 
 def _compute(s: _Step) -> float:
@@ -166,18 +205,43 @@ def _pp(s: _Step) -> float:
 
 
 def _dp(s: _Step) -> float:
-    lay, a = s.lay, s.elem
+    """The dp time the step pays (module doc): each collective's time less the compute it overlaps."""
+    lay, cfg = s.lay, s.cfg
+    dense, expert = stage_params(cfg.model, lay, True, lay.pp == 1)
+    n = dense + expert
     dpcp = lay.dp * lay.cp  # parameters are replicated over cp: grads reduce (and ZeRO shards) over cp·dp
-    dense, expert = stage_params(s.cfg.model, lay, True, lay.pp == 1)
-    # one collective per bucket: the ring latency is paid per bucket
-    buckets = max(1, math.ceil(4 * (dense + expert) / (s.cfg.optim.bucket_size_mb * 2**20)))
-    span = lay.tp * dpcp
-    if not lay.zero:
-        return s.coll(2 * (dpcp - 1) / dpcp * 4 * (dense + expert), dpcp, 2 * (dpcp - 1) * buckets, span)
-    edp = dpcp // lay.ep  # ep borrows its ranks from cp·dp
-    # reduce-scatter of fp32 grads (4 B) plus all-gather of params (a B) per element
-    return (s.coll((dpcp - 1) / dpcp * (4 + a) * dense, dpcp, 2 * (dpcp - 1) * buckets, span)
-            + s.coll((edp - 1) / max(edp, 1) * (4 + a) * expert, edp, 2 * (edp - 1) * buckets, span))
+    # one collective per bucket: the ring latency is paid per bucket; ZeRO-3's buckets are its blocks (and
+    # the params outside them), whatever bucket_size_mb says (optim/sizing.py's group_plan)
+    buckets = max(1, math.ceil(4 * n / (cfg.optim.bucket_size_mb * 2**20)))
+    if lay.zero == 3:
+        buckets = s.layers + 1
+    if not lay.zero:  # an all-reduce of the fp32 grads after backward: nothing hides it
+        return s.coll(2 * (dpcp - 1) / dpcp * 4 * n, dpcp, 2 * (dpcp - 1) * buckets, lay.tp * dpcp)
+    g, a, sh = (2 if lay.grad_dtype == "bf16" else 4), s.elem, lay.shard_size
+    edp = max(sh // lay.ep, 1)  # ep borrows its ranks from cp·dp: experts shard over cp·dp / ep
+    span = lay.tp * sh
+
+    def ring(bytes_per_el: float, times: int) -> float:
+        """`times` reduce-scatters (or all-gathers) of every element at bytes_per_el over the shard group."""
+        # a dense model has no expert collective: no latency either (it was charged one before)
+        moe = s.coll((edp - 1) / edp * bytes_per_el * expert, edp, (edp - 1) * buckets, span) if expert else 0.0
+        return times * (s.coll((sh - 1) / sh * bytes_per_el * dense, sh, (sh - 1) * buckets, span) + moe)
+
+    compute = _compute(s)
+    fwd, bwd, micro = compute / 3, 2 * compute / 3, s.micro
+    if lay.zero == 3:  # gathers before each block's forward and backward, a reduce-scatter per micro-batch
+        gathers = 2 if cfg.optim.reshard_after_forward else 1
+        hidden = [(ring(a, gathers * micro) + ring(g, micro), compute)]
+    elif lay.zero == 2:  # a reduce-scatter per micro-batch in its backward; the gather in the next forward
+        hidden = [(ring(g, micro), bwd), (ring(a, 1), fwd / micro)]
+    else:  # one reduce-scatter in the last micro-batch's backward; the gather in the next forward
+        hidden = [(ring(g, 1), bwd / micro), (ring(a, 1), fwd / micro)]
+    tail = sum(t for t, _ in hidden) / max(buckets * micro, 1)  # the last reduce / first gather: nothing hides it
+    paid = sum(max(t - window, 0.0) for t, window in hidden) + tail
+    rep = dpcp // sh
+    if rep > 1:  # HSDP: the owned shard all-reduced over the replicas, after backward
+        paid += s.coll(2 * (rep - 1) / rep * g * n / sh, rep, 2 * (rep - 1) * buckets, lay.tp * dpcp)
+    return paid
 
 
 def step_time(cfg: Config, lay: Layout, dev: Device, world: int) -> dict[str, float]:

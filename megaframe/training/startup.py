@@ -21,6 +21,7 @@ from megaframe.parallel import comm
 from megaframe.parallel.mesh import Mesh
 from megaframe.training.evaluate import Evaluator
 from megaframe.training.metrics import flops_per_token
+from megaframe.training.phases import PhaseMeter
 from megaframe.training.resume import Resumed, resume
 from megaframe.training.resume_checks import Accounting
 
@@ -36,13 +37,19 @@ class Setup:
     sampler: Sampler | None
     resumed: Resumed
     acct: Accounting
+    phases: PhaseMeter | None = None
+    """Peak memory per phase (training/phases.py): start-up and load measured here, step and save by the loop."""
 
 
 def set_up(cfg: Config, mesh: Mesh, faults=None) -> Setup:
     """Model, optimizer and data; the resume (which may adopt the saved sample order and lr horizon).
     `faults`: MEGAFRAME_INJECT's (training/faults.py), for a fault injected into the resume's load."""
+    phases = PhaseMeter(mesh.device)
+    phases.begin("startup")
     model = cast_model(build_model(cfg, mesh), cfg.train.precision)
     optimizer = build_optimizer(model, cfg.optim, mesh)
+    phases.end()
+    phases.track(model, optimizer)
     try:
         data = build_data(cfg)
         evaluator = Evaluator.build(cfg, mesh)  # None unless train.eval_interval > 0
@@ -51,14 +58,16 @@ def set_up(cfg: Config, mesh: Mesh, faults=None) -> Setup:
         raise ConfigError(f"data.path={cfg.data.path}: unreadable prepared data ({e})") from e
     if cfg.data.document_mask:
         set_documents(model, data, cfg)
+    phases.begin("load")
     resumed = resume(cfg, model, optimizer, mesh, faults)
+    phases.end(keep=resumed.path is not None)
     if resumed.meta:
         data.order = resumed_order(resumed.meta)  # a resumed run keeps the sample order it began with
         adopt_lr_horizon(cfg, resumed.meta)
     if cfg.optim.lr_decay_steps is None:  # a fresh start (or a pre-horizon checkpoint): this run's length
         cfg.optim.lr_decay_steps = cfg.train.max_steps
     acct = Accounting(resumed.step, resumed.consumed if resumed.path else 0, cfg.train.global_batch_size)
-    return Setup(model, optimizer, data, evaluator, sampler, resumed, acct)
+    return Setup(model, optimizer, data, evaluator, sampler, resumed, acct, phases)
 
 
 def announce(cfg: Config, mesh: Mesh, su: Setup) -> None:

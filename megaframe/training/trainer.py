@@ -103,8 +103,9 @@ def train(cfg: Config, mesh: Mesh, stop: StopFlag, run_id: str = "") -> None:
             mesh.stats.pop()  # count only this step's bytes
             seed_step(t.seed, step, mesh)  # dropout RNG: equal on tp ranks, a function of the step (layers.rng)
             batches = next_batches(loader, step)  # read while the previous step computed
-            with first_step_limits(mesh, watchdog, t.compile_timeout_s, t.dist_timeout_s) \
-                    if t.compile and step == start + 1 else contextlib.nullcontext():  # compiles: slow, not hung
+            limits = first_step_limits(mesh, watchdog, t.compile_timeout_s, t.dist_timeout_s) \
+                if t.compile and step == start + 1 else contextlib.nullcontext()  # compiles: slow, not hung
+            with limits, su.phases.phase("step"):  # the first step's peak (grads and moments appear in it)
                 res = train_step(su.model, su.optimizer, batches, mesh, cfg, step, probe)
             meter.add(res)
             try:
@@ -121,7 +122,7 @@ def train(cfg: Config, mesh: Mesh, stop: StopFlag, run_id: str = "") -> None:
             # stop step too (agreed on every rank), so the summary's final loss is the one the checkpoint holds
             if step % t.log_interval == 0 or step == t.max_steps or val is not None or stopping:
                 row = {**meter.metrics(step, res, su.model, su.optimizer), **probe.gather(mesh), **ckpt.take_io(),
-                       **stage_metric(su.data, su.acct.consumed(step))}
+                       **stage_metric(su.data, su.acct.consumed(step)), **su.phases.take()}
                 if val is not None:
                     row["val_loss"] = meter.last["val_loss"] = val
                 # the first row after a resume names the checkpoint (readers see where the run restarted)
@@ -129,11 +130,14 @@ def train(cfg: Config, mesh: Mesh, stop: StopFlag, run_id: str = "") -> None:
                 tracker.log(row, start)
             if save_due(cfg, step, stopping) or timed:
                 bad.flush()  # a deferred grad-norm read: the save must know whether this step was skipped
-                ckpt.save(su.model, su.optimizer, step, step == t.max_steps or stopping, bad.in_a_row)
+                with su.phases.phase("save"):
+                    ckpt.save(su.model, su.optimizer, step, step == t.max_steps or stopping, bad.in_a_row)
             if stopping:
                 stop.report(step, continue_command(cfg.run.name) if mesh.rank == 0 else "")
                 break
         ckpt.finish()
+        if mesh.is_logger and su.phases.figures:  # every phase's peak, a save after the last row's included
+            print(su.phases.summary(), flush=True)
         meter.report(start, step, ckpt.last_saved)
     finally:
         watchdog.stop()

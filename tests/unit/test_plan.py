@@ -64,3 +64,19 @@ def test_llama3_8b_plans_in_seconds_from_the_command_line():
     assert "fits: every rank" in res.stdout and elapsed < 60
     # params on the first stage: 8 of 32 layers + the embedding, split over tp=8, in bf16
     assert "541.38 MiB" in res.stdout
+
+
+def test_a_phase_over_the_memory_does_not_fit(capsys):
+    """Every phase is listed; a layout whose save needs more than the device has does not fit, even though
+    its step does (a cpu run: the save's copy of what the rank writes is in the same memory)."""
+    over = ["data=synthetic", "train.device=cpu", "optim.zero=0", "model.num_layers=2", "model.hidden_size=256",
+            "model.ffn_hidden_size=512", "model.vocab_size=2048", "model.seq_length=64"]
+    r = plan_layout(load_config(over, world_size=1, check_data=False), 1).ranks[0]
+    assert set(r.phases) == {"startup", "step", "save", "load"} and r.phases["save"] > r.phases["step"]
+    gib = (r.phases["step"] + r.phases["save"]) / 2 / 2**30  # room for the step, not for the save
+    assert main([*over, "+world_size=1", f"+device_memory_gb={gib}"]) == 0
+    out = capsys.readouterr().out
+    assert "memory per phase" in out and "save" in out and "(largest)" in out
+    assert "DOES NOT FIT" in out and "(in save)" in out
+    gpu = plan_layout(load_config([o for o in over if o != "train.device=cpu"], world_size=1, check_data=False), 1)
+    assert gpu.ranks[0].phases["save"] < r.phases["save"] and gpu.ranks[0].host_bytes["save"] > 0  # host memory on a GPU

@@ -14,7 +14,7 @@ from megaframe.parallel.context import cp_bytes_per_layer
 from megaframe.plan import main
 from megaframe.planning.devices import DEVICES
 from megaframe.planning.estimate import plan_layout
-from megaframe.planning.search import Layout, candidates, layout_config, memory, step_time
+from megaframe.planning.search import Layout, candidates, layout_config, memory, phase_memory, step_time
 from tests.unit.test_plan_search import SMALL
 
 LONG = ["data=synthetic", "model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4",
@@ -76,7 +76,8 @@ def test_search_enumerates_cp_and_prices_the_exchange():
     h100 = DEVICES["H100"]
     base = step_time(cfg, Layout(1, 1, 1, 8, 1, 1, 1, "none"), h100, 8)
     cp = step_time(cfg, Layout(1, 1, 1, 4, 1, 1, 1, "none", cp=2), h100, 8)
-    assert base["cp"] == 0 and cp["cp"] > 0 and cp["compute"] == pytest.approx(base["compute"])
+    # the same FLOPs; S/cp tokens per GEMM are no faster (planning.timing.gemm_efficiency)
+    assert base["cp"] == 0 and cp["cp"] > 0 and base["compute"] <= cp["compute"] <= 2.5 * base["compute"]
     ring_cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, cp_comm="ring"))
     ring = step_time(ring_cfg, Layout(1, 1, 1, 4, 1, 1, 1, "none", cp=2), h100, 8)
     # the ring sends more (the fp32 dK/dV travel too) but hides it behind the block attention, up to the
@@ -93,5 +94,8 @@ def test_search_enumerates_cp_and_prices_the_exchange():
 def test_search_memory_matches_the_exact_planner_under_cp(lay, dropout):
     cfg = load_config(SMALL + [f"model.dropout={dropout}"], world_size=1, check_data=False)
     exact = plan_layout(layout_config(cfg, lay), 4, None)
-    worst = max(r.total_bytes for r in exact.ranks)
-    assert abs(memory(cfg, lay) - worst) / worst < 0.05, (memory(cfg, lay), worst)
+    worst = max(exact.ranks, key=lambda r: r.peak_bytes)
+    got = phase_memory(cfg, lay)
+    for k, want in worst.phases.items():  # every phase of the largest rank
+        assert abs(got[k] - want) / want < 0.05, (k, got, worst.phases)
+    assert memory(cfg, lay) == max(got.values())
