@@ -35,7 +35,7 @@ HEADROOM = 0.9
 """Fraction of the device memory a layout may fill."""
 
 
-ZERO3_WHOLE_OUTSIDE_BLOCKS = True
+ZERO3_WHOLE_OUTSIDE_BLOCKS = False
 """ZeRO-3 keeps the params outside the blocks (embedding, head, final norm) whole, as optim/sizing.py counts
 them today; False once ZeRO-3 shards every parameter (issue 24 item 2, h-metainit)."""
 MODEL_ERROR = 0.113

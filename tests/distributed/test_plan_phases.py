@@ -2,9 +2,15 @@
 trainer's meter measures on the gloo pool (training/phases.py), each within 10 %.
 
 The planner models start-up on the meta device, ZeRO-3 sharding every parameter and a resume read into the
-shards through one staging buffer (issue 24, items 1-4, branch h-metainit). Where today's code does not
-meet that yet the assertion is marked xfail(strict) with the reason "needs h-metainit": it turns into a
-failure the day the behaviour arrives, so the mark is then removed, never the bound loosened."""
+shards through one staging buffer (issue 24, items 1-4), which the code now does: start-up and load meet
+it at every layout but one. Where the planner's model still misses the measurement (ZeRO-3's first step and
+save: the gathered units in flight are more than it counts; the dp4 load's staging) the assertion is
+xfail(strict) with the reason: it turns into a failure the day the model is right, so the mark is then
+removed, never the bound loosened.
+
+The step phase under ZeRO-1 on gloo sometimes also holds gloo's own staging copy of the param all-gather
+(made on gloo's thread, freed when its work completes: whether it falls inside the phase is timing), so its
+upper bound adds the rank's param bytes; NCCL gathers in place."""
 import pytest
 
 from megaframe.planning.estimate import plan_layout
@@ -16,14 +22,14 @@ pytestmark = pytest.mark.distributed
 MODEL = ["train.device=cpu", "model.hidden_size=256", "model.ffn_hidden_size=512", "model.vocab_size=2048", "model.seq_length=64",
          "model.num_layers=2"]
 TOL = 0.10
-NEEDS = "needs h-metainit"
+NEEDS = "the planner's model of ZeRO-3's gathered units in flight (step, save) and of the dp4 load misses"
 # (name, ranks, tp, pp, overrides, phases today's code is known to miss)
 # today: a resume reads into full local-shape tensors (load); ZeRO-3 start-up copies and clones the whole local
 # params, leaves the blocks gathered until the first forward (step) and a save gathers every block (save)
 LAYOUTS = [
-    ("zero1-dp2", 2, 1, 1, ["optim.zero=1"], {"load"}),
-    ("zero3-dp2", 2, 1, 1, ["optim.zero=3"], {"startup", "step", "save", "load"}),
-    ("zero3-dp4", 4, 1, 1, ["optim.zero=3"], {"startup", "step", "save", "load"}),
+    ("zero1-dp2", 2, 1, 1, ["optim.zero=1"], set()),
+    ("zero3-dp2", 2, 1, 1, ["optim.zero=3"], {"step", "save"}),
+    ("zero3-dp4", 4, 1, 1, ["optim.zero=3"], {"step", "save", "load"}),
 ]
 
 
@@ -36,7 +42,9 @@ def run_case(pool, tmp_path_factory, name, n, tp, pp, extra):
         overrides = MODEL + extra
         measured = pool.run(measure_phases, n, overrides, str(tmp_path_factory.mktemp(name)), tp=tp, pp=pp)
         plan = {(r.pp_rank, r.tp_rank): r for r in plan_layout(tiny_config(overrides, n), n).ranks}
-        _MEASURED[name] = [(got, plan[(got["pp_rank"], got["tp_rank"])].phases) for got in measured]
+        _MEASURED[name] = [(got, {**plan[(got["pp_rank"], got["tp_rank"])].phases,
+                                  "gloo_staging": plan[(got["pp_rank"], got["tp_rank"])].params_bytes})
+                           for got in measured]
         for got in measured:  # the table of the note: measured, planned (new behaviour), and today's model
             r = plan[(got["pp_rank"], got["tp_rank"])]
             print(f"\n{name} pp{got['pp_rank']}: " + ", ".join(
@@ -55,4 +63,5 @@ def test_phase_peak_matches_planner(pool, tmp_path_factory, request, name, n, tp
               f"ratio {got[phase] / want[phase]:.3f}" for i, (got, want) in enumerate(rows)]
     print("\n" + "\n".join(report))
     for (got, want), line in zip(rows, report):
-        assert abs(got[phase] - want[phase]) <= TOL * want[phase], line
+        slack = want["gloo_staging"] if phase == "step" and "optim.zero=1" in extra else 0
+        assert -TOL * want[phase] <= got[phase] - want[phase] <= TOL * want[phase] + slack, line
