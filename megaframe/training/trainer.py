@@ -19,8 +19,8 @@ from megaframe.training.checkpointing import Checkpointer
 from megaframe.training.distributed import env_ranks, init_distributed, nccl_env, pick_device, shutdown
 from megaframe.training.errors import TrainingError  # also re-exported for train.py
 from megaframe.training.faults import Injector
+from megaframe.training.folders import FolderLocks, claim
 from megaframe.training.meter import BadSteps, Meter
-from megaframe.training.runlock import RunDirBusy, RunLock
 from megaframe.training.signals import StopFlag
 from megaframe.training.startup import Setup, announce, batch_loader, set_up
 from megaframe.training.startup import data_label as data_label  # re-exported: its old path, tests import it here
@@ -59,22 +59,21 @@ def run(cfg: Config, stop: StopFlag | None = None) -> None:
         shutdown()
 
 
-def take_run_dir(cfg: Config, mesh: Mesh) -> RunLock:
-    """Rank 0 locks run.dir before anything is written there; every rank hears the outcome, so all of
-    them exit 2 when another live job owns the folder."""
-    lock, err = RunLock(cfg.run.dir), None
+def take_run_dir(cfg: Config, mesh: Mesh) -> FolderLocks:
+    """Rank 0 probes and locks every folder the run writes (run.dir, checkpoint.dir) before anything is
+    written there; every rank hears the outcome, so all of them exit 2 when a folder cannot be written or
+    another live job owns it."""
+    locks, err = FolderLocks(), None
     if mesh.rank == 0:
         try:
-            lock.acquire()
-        except RunDirBusy as e:
+            locks = claim(cfg)
+        except ConfigError as e:
             err = str(e)
-        except OSError as e:
-            err = f"run.dir={cfg.run.dir}: cannot take the run lock ({e})"
     # every rank reaches the broadcast whatever rank 0 found, so none goes on alone into the run folder
     err = comm.broadcast_object(err, mesh)
     if err:
         raise ConfigError(err)
-    return lock
+    return locks
 
 
 def train(cfg: Config, mesh: Mesh, stop: StopFlag, run_id: str = "") -> None:

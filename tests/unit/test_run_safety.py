@@ -92,7 +92,7 @@ def test_default_umask_gives_0644_shards(tmp_path):
 def test_run_lock_refuses_a_live_holder_and_takes_over_a_dead_one(tmp_path, monkeypatch):
     from megaframe.training.runlock import LOCK_NAME, RunDirBusy, RunLock
 
-    for var in ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID"):
+    for var in ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID", "SLURM_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT"):
         monkeypatch.delenv(var, raising=False)
     holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
@@ -100,8 +100,9 @@ def test_run_lock_refuses_a_live_holder_and_takes_over_a_dead_one(tmp_path, monk
                                                       "job": "SLURM_JOB_ID=7", "since": time.time()}))
         with pytest.raises(RunDirBusy, match=f"pid {holder.pid}, SLURM_JOB_ID=7"):
             RunLock(tmp_path).acquire()
-        monkeypatch.setenv("SLURM_JOB_ID", "7")  # the same job, requeued: its own lock
-        RunLock(tmp_path).acquire().release()
+        monkeypatch.setenv("SLURM_JOB_ID", "7")  # the same job id, but its holder here is alive (issue 26, L2)
+        with pytest.raises(RunDirBusy, match=f"pid {holder.pid}"):
+            RunLock(tmp_path).acquire()
     finally:
         holder.kill()
         holder.wait()
