@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from megaframe.checkpoint import sharded
 from tests.e2e.helpers import ROOT, TINY, env, metrics, run, train
 
 pytestmark = pytest.mark.e2e
@@ -65,7 +66,10 @@ def test_rollback_with_keep_last_keeps_the_new_branch_and_auto_continues_it(tmp_
     assert again.returncode == 0, again.stderr[-2000:]
     assert f"resumed from {ck / 'step_00000009'} at step 9" in again.stdout  # not the abandoned step 10
     assert _lineage(ck, 10)["parent"] == "step_00000009" and _lineage(ck, 11)["parent"] == "step_00000010"
-    assert sorted(p.name for p in ck.glob("step_*")) == ["step_00000010", "step_00000011"]
+    assert sorted(p.name for p in sharded.committed(ck)) == ["step_00000010", "step_00000011"]
+    # the abandoned branch's step 10 was renamed, not replaced, when the new branch reached step 10 (issue 26, F6)
+    kept = list(ck.glob("step_00000010.replaced-*"))
+    assert len(kept) == 1 and json.loads((kept[0] / "metadata.json").read_text())["lineage"]["parent"] == "step_00000008"
     marks = [r for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines()) if "resumed_from" in r]
     assert [(r["step"], Path(r["resumed_from"]).name) for r in marks] == [(9, "step_00000008"), (10, "step_00000009")]
 

@@ -40,8 +40,8 @@ def test_rollback_keeps_the_new_branch_and_auto_follows_it(tmp_path):
         d, i = fake_ckpt(tmp_path, s, "B", *parent)
         parent = (d, i)
     names = [p.name for p in lineage.candidates(tmp_path)]
-    assert names[:4] == ["step_00000006", "step_00000005", "step_00000004", "step_00000002"]
-    assert names[4:] == ["step_00000008"]  # last resort only
+    # A8 is another branch: never a resume candidate, not even as a last resort (issue 26, W2)
+    assert names == ["step_00000006", "step_00000005", "step_00000004", "step_00000002"]
     gone = lineage.prune(tmp_path, keep_last=2)
     assert sorted(p.name for p in gone) == ["step_00000002", "step_00000004"]
     left = sorted(p.name for p in sharded.committed(tmp_path))
