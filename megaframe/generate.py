@@ -92,9 +92,18 @@ def main(argv: list[str]) -> int:
         s.check()
         prompts = list(args.prompt)
         if args.prompts:
-            prompts += [line for line in open(args.prompts, encoding="utf-8").read().splitlines() if line.strip()]
+            try:
+                text = open(args.prompts, encoding="utf-8").read()
+            except UnicodeDecodeError as e:
+                raise ValueError(f"--prompts {args.prompts}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+            prompts += [line for line in text.splitlines() if line.strip()]
         if not prompts:
             raise ValueError("give --prompt TEXT or --prompts FILE")
+        for prompt in prompts:  # argv bytes that are not UTF-8 arrive surrogate-escaped: no tokenizer takes them
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError(f"--prompt {prompt!r} is not UTF-8 text") from None
         if args.max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens {args.max_new_tokens} must be >= 1")
         model, tok, tok_path, step = load(args.ckpt, args.device, args.dtype, args.tokenizer)

@@ -56,10 +56,16 @@ class FolderLocks:
 
     def __init__(self):
         self.locks: list[RunLock] = []
+        self.created: list[Path] = []  # checkpoint folders this run created (for its lock) before any save
 
     def release(self) -> None:
         for lock in reversed(self.locks):
             lock.release()
+        for folder in self.created:
+            try:  # a run that saved nothing leaves no empty checkpoint folder behind, as before the lock
+                folder.rmdir()
+            except OSError:
+                pass
 
 
 def claim(cfg) -> FolderLocks:
@@ -68,6 +74,8 @@ def claim(cfg) -> FolderLocks:
     held, seen = FolderLocks(), set()
     try:
         for key, folder in written(cfg):
+            if key == "checkpoint.dir" and not Path(folder).exists():
+                held.created.append(Path(folder))
             probe(key, folder)
             real = Path(folder).resolve()
             if real in seen:  # checkpoint.dir=run.dir: one lock
