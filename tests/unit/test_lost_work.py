@@ -11,8 +11,13 @@ from types import SimpleNamespace
 import pytest
 
 from megaframe.config import ConfigError, load_config
-from megaframe.training.folders import claim
 from megaframe.training.runlock import LOCK_NAME, RunDirBusy, RunLock
+
+
+def claim(cfg):
+    from megaframe.training.folders import claim as take
+
+    return take(cfg)
 
 
 def dirs(run_dir, ckpt_dir):
