@@ -68,6 +68,35 @@ class FolderLocks:
                 pass
 
 
+BAD_INPUT = "megaframe.bad_input"
+"""${run.dir}/megaframe.bad_input: the one line of the first rank that found bad input mid-run (a corrupt
+shard only the rank reading it sees). That rank exits 2; its peers then fail inside a collective, find
+this line and exit 2 with it too, so every rank says the same thing, with no per-step agreement."""
+
+
+def record_bad_input(run_dir: str, line: str) -> str:
+    """Write the line before this rank raises and its exit breaks the peers' collectives; returns the line
+    to end with: the first writer's (O_EXCL), so ranks that each found a corrupt shard still agree. An
+    unwritable run.dir only loses the peers' copy of the message."""
+    try:
+        fd = os.open(Path(run_dir) / BAD_INPUT, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        with os.fdopen(fd, "w") as f:
+            f.write(line + "\n")
+    except FileExistsError:
+        return peer_bad_input(run_dir) or line
+    except OSError:
+        pass
+    return line
+
+
+def peer_bad_input(run_dir: str) -> str | None:
+    """The line a peer recorded in this run, or None."""
+    try:
+        return (Path(run_dir) / BAD_INPUT).read_text().strip() or None
+    except OSError:
+        return None
+
+
 def claim(cfg) -> FolderLocks:
     """Probe and lock every folder the run writes (rank 0 only); ConfigError naming the first problem.
     run.dir first: a refused second job then creates nothing in a shared checkpoint folder."""
@@ -90,4 +119,6 @@ def claim(cfg) -> FolderLocks:
     except ConfigError:
         held.release()
         raise
+    # a line left by an earlier launch is not this run's (the lock makes us the only writer now)
+    (Path(cfg.run.dir) / BAD_INPUT).unlink(missing_ok=True)
     return held

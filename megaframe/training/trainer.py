@@ -19,7 +19,7 @@ from megaframe.training.checkpointing import Checkpointer
 from megaframe.training.distributed import env_ranks, init_distributed, nccl_env, pick_device, shutdown
 from megaframe.training.errors import TrainingError  # also re-exported for train.py
 from megaframe.training.faults import Injector
-from megaframe.training.folders import FolderLocks, claim
+from megaframe.training.folders import FolderLocks, claim, peer_bad_input, record_bad_input
 from megaframe.training.meter import BadSteps, Meter
 from megaframe.training.signals import StopFlag
 from megaframe.training.startup import Setup, announce, batch_loader, set_up
@@ -52,7 +52,15 @@ def run(cfg: Config, stop: StopFlag | None = None) -> None:
             if device.type == "cuda" and env.world_size > 1:
                 nccl_env(cfg.run.dir)  # the agreed run folder for the flight recorder's dumps
                 (Path(cfg.run.dir) / "nccl_trace").mkdir(parents=True, exist_ok=True)
-            train(cfg, mesh, stop or StopFlag(), run_id)
+            try:
+                train(cfg, mesh, stop or StopFlag(), run_id)
+            except (ConfigError, TrainingError):
+                raise
+            except Exception as e:  # a broken collective: a peer that found bad input mid-run left its line
+                line = peer_bad_input(cfg.run.dir)
+                if line is None:
+                    raise
+                raise ConfigError(line) from e
         finally:
             lock.release()
     finally:
@@ -98,7 +106,7 @@ def train(cfg: Config, mesh: Mesh, stop: StopFlag, run_id: str = "") -> None:
             watchdog.beat(step)
             mesh.stats.pop()  # count only this step's bytes
             seed_step(t.seed, step, mesh)  # dropout RNG: equal on tp ranks, a function of the step (layers.rng)
-            batches = next_batches(loader, step)  # read while the previous step computed
+            batches = next_batches(loader, step, cfg.run.dir)  # read while the previous step computed
             res = train_step(su.model, su.optimizer, batches, mesh, cfg, step, probe)
             meter.add(res)
             try:
@@ -134,12 +142,13 @@ def train(cfg: Config, mesh: Mesh, stop: StopFlag, run_id: str = "") -> None:
         tracker.finish()
 
 
-def next_batches(loader: Prefetcher, step: int) -> list:
-    """The step's micro-batches; a shard found corrupt mid-run is bad input too (exit 2)."""
+def next_batches(loader: Prefetcher, step: int, run_dir: str) -> list:
+    """The step's micro-batches; a shard found corrupt mid-run is bad input too (exit 2), recorded for the
+    peers, which did not read it (folders.BAD_INPUT)."""
     try:
         return loader.get(step)
     except CorruptShard as e:
-        raise ConfigError(str(e)) from e
+        raise ConfigError(record_bad_input(run_dir, str(e))) from e
 
 
 def evaluate_and_sample(su: Setup, meter: Meter, tracker: Tracker, step: int, run_dir: str) -> float | None:

@@ -333,3 +333,15 @@ def test_a_save_past_its_limit_is_a_failed_save_not_a_hang(tmp_path, capsys):
         wd.stop()
     assert capsys.readouterr().err.strip().splitlines()[-1] == \
         "megaframe: error: checkpoint step 4 not committed: ...; step_00000002 is intact"
+
+
+def test_ranks_that_find_bad_input_mid_run_end_with_the_first_ones_line(tmp_path):
+    """Open item: at dp>1 only the rank reading a corrupt shard exited 2; its peers died in a broken collective."""
+    from megaframe.training.folders import peer_bad_input, record_bad_input
+
+    assert peer_bad_input(str(tmp_path)) is None
+    assert record_bad_input(str(tmp_path), "data shard a is corrupt") == "data shard a is corrupt"
+    assert record_bad_input(str(tmp_path), "data shard b is corrupt") == "data shard a is corrupt"  # the first wins
+    assert peer_bad_input(str(tmp_path)) == "data shard a is corrupt"
+    claim(dirs(tmp_path, tmp_path / "ck")).release()  # a new launch starts without the old line
+    assert peer_bad_input(str(tmp_path)) is None
