@@ -227,7 +227,7 @@ def _check_lr_schedule(cfg: Config) -> None:
     _req(o.lr_decay_steps is None or o.lr_decay_steps >= 1,
          f"optim.lr_decay_steps={o.lr_decay_steps} must be >= 1 (or null: train.max_steps of the first start)")
     # each alone is in range, together they describe a curve nobody means (Megatron asserts both)
-    _req(o.min_lr <= o.lr, f"optim.min_lr={o.min_lr} must be <= optim.lr={o.lr} (the decay ends at min_lr)")
+    _req(o.min_lr <= o.lr, f"optim.min_lr={o.min_lr} must be <= optim.lr={o.lr} (the decay ends at min_lr: lower optim.min_lr)")
     _req(o.lr_decay_steps is None or o.lr_decay_steps > o.warmup_steps,
          f"optim.lr_decay_steps={o.lr_decay_steps} must be > optim.warmup_steps={o.warmup_steps} "
          "(the decay horizon counts from step 0, warmup included)")
