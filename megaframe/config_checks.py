@@ -129,6 +129,10 @@ def check_config(cfg: Config, world_size: int, check_data: bool = True) -> None:
     _req(t.max_steps >= 1, f"train.max_steps={t.max_steps} must be >= 1")
     _req(t.log_interval >= 1, f"train.log_interval={t.log_interval} must be >= 1")
     _req(t.hang_timeout_s >= 0, f"train.hang_timeout_s={t.hang_timeout_s} must be >= 0 (0 = no watchdog)")
+    # below a second the watchdog trips between any two heartbeats (a finished run exited 124, a "hang")
+    _req(t.hang_timeout_s == 0 or t.hang_timeout_s >= 1,
+         f"train.hang_timeout_s={t.hang_timeout_s} must be 0 (no watchdog) or >= 1 (seconds without a step)")
+    _check_allowed_changes(cfg)
     _req(t.dist_timeout_s > 0, f"train.dist_timeout_s={t.dist_timeout_s} must be > 0")
     _req(cfg.checkpoint.save_timeout_s > 0, f"checkpoint.save_timeout_s={cfg.checkpoint.save_timeout_s} must be > 0")
     _req(t.signal_check_interval >= 1, f"train.signal_check_interval={t.signal_check_interval} must be >= 1")
@@ -141,6 +145,16 @@ def check_config(cfg: Config, world_size: int, check_data: bool = True) -> None:
     if check_data and cfg.data.kind == "prepared":
         _check_prepared(cfg)
         _check_checkpoint_tokenizer(cfg)
+
+
+def _check_allowed_changes(cfg: Config) -> None:
+    """checkpoint.allow_config_change names config keys or groups: a typo would allow nothing, silently."""
+    from megaframe.config_keys import schema_keys
+
+    known = schema_keys()
+    for name in cfg.checkpoint.allow_config_change:
+        _req(isinstance(name, str) and name in known,
+             f"checkpoint.allow_config_change names {name!r}, which is not a config key (e.g. train.seed, model)")
 
 
 def _check_model_shapes(m: ModelConfig, p: ParallelConfig) -> None:

@@ -224,6 +224,8 @@ def test_valid_json_that_is_not_a_checkpoint_is_one_line_in_every_reader(tmp_pat
     (["data.blend=[{path: /a, weight: 1e308}, {path: /b, weight: 1e308}]"], "sum to infinity"),
     (["train.dist_timeout_s=1e30"], "train.dist_timeout_s=1e.30 must be <= 1e.09"),  # T7
     (["checkpoint.save_timeout_s=1e14"], "checkpoint.save_timeout_s=.* must be <= 1e.09"),
+    (["checkpoint.allow_config_change=[foo.bar]"], "names 'foo.bar', which is not a config key"),  # K4
+    (["train.hang_timeout_s=1e-9"], "train.hang_timeout_s=1e-09 must be 0 .no watchdog. or >= 1"),  # K6
     (["parallel.cp=2", "train.sample_interval=2", "model.seq_length=64"],  # C1
      "train.sample_interval=2 is not built with parallel.cp=2"),
 ])
