@@ -56,20 +56,32 @@ _SLURM_DONE = {"BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NOD
                "PREEMPTED", "TIMEOUT", "SPECIAL_EXIT", "REVOKED"}
 
 
-def slurm_job_gone(job: str) -> str | None:
-    """Why the Slurm job of a lock (`SLURM_JOB_ID=N`) is known to have ended, from squeue; None when it may
-    still run or Slurm cannot be asked (no squeue, no answer): unknown is never taken for dead."""
-    if not job.startswith("SLURM_JOB_ID=") or shutil.which("squeue") is None:
-        return None
-    jid = job.split("=", 1)[1]
+def _ask(cmd: list[str]) -> subprocess.CompletedProcess | None:
     try:
-        out = subprocess.run(["squeue", "-h", "-j", jid, "-o", "%T"], capture_output=True, text=True, timeout=30)
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.SubprocessError):
         return None
-    state = out.stdout.strip().split()
-    if out.returncode == 0 and state and state[0].split()[0].rstrip("+") in _SLURM_DONE:
+
+
+def slurm_job_gone(job: str) -> str | None:
+    """Why the Slurm job of a lock (`SLURM_JOB_ID=N`) is known to have ended, from squeue (else scontrol);
+    None when it may still run or Slurm cannot be asked (no command, no answer): unknown is never dead."""
+    if not job.startswith("SLURM_JOB_ID="):
+        return None
+    jid = job.split("=", 1)[1]
+    if shutil.which("squeue"):
+        out = _ask(["squeue", "-h", "-j", jid, "-o", "%T"])
+        state = out.stdout.split() if out is not None else []
+    elif shutil.which("scontrol"):
+        out = _ask(["scontrol", "show", "job", "-o", jid])
+        state = [w.split("=", 1)[1] for w in (out.stdout.split() if out is not None else []) if w.startswith("JobState=")]
+    else:
+        return None
+    if out is None:
+        return None
+    if out.returncode == 0 and state and state[0].rstrip("+") in _SLURM_DONE:
         return f"Slurm reports job {jid} {state[0]}"
-    # a job purged from the controller's memory: squeue names it invalid
+    # a job purged from the controller's memory: both commands call it invalid
     if out.returncode != 0 and "invalid job id" in out.stderr.lower():
         return f"Slurm no longer knows job {jid}"
     return None

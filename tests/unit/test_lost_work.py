@@ -1,7 +1,7 @@
 """Issue 26 (red team 2, newcomer 2 F6): nothing a run writes lands outside its folders or in another
 job's; each test is a reproduction of the note (S1, L1, L2, T2, ...) that failed on the code before."""
 import json
-import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -94,16 +94,20 @@ def test_an_earlier_run_of_the_same_job_on_another_host_is_taken_over(tmp_path, 
     RunLock(tmp_path).acquire().release()
 
 
-@pytest.fixture
-def fake_squeue(tmp_path, monkeypatch):
-    """A `squeue` on PATH answering like Slurm's for job 99 (state in $FAKE_SQUEUE; 'invalid' = purged)."""
+@pytest.fixture(params=["squeue", "scontrol"])
+def fake_squeue(tmp_path, monkeypatch, request):
+    """Only a `squeue` (or only a `scontrol`) on PATH, answering like Slurm's for job 99 (state in
+    $FAKE_SQUEUE; 'invalid' = purged from the controller)."""
     bin_ = tmp_path / "bin"
     bin_.mkdir()
-    (bin_ / "squeue").write_text('#!/bin/sh\nif [ "$FAKE_SQUEUE" = invalid ]; then\n'
-                                 '  echo "slurm_load_jobs error: Invalid job id specified" >&2; exit 1; fi\n'
-                                 'echo "$FAKE_SQUEUE"\n')
-    (bin_ / "squeue").chmod(0o755)
-    monkeypatch.setenv("PATH", f"{bin_}{os.pathsep}{os.environ['PATH']}")
+    say = 'echo "$FAKE_SQUEUE"' if request.param == "squeue" else 'echo "JobId=99 JobName=x JobState=$FAKE_SQUEUE Reason=None"'
+    (bin_ / request.param).write_text('#!/bin/sh\nif [ "$FAKE_SQUEUE" = invalid ]; then\n'
+                                      '  echo "slurm_load_jobs error: Invalid job id specified" >&2; exit 1; fi\n'
+                                      f'{say}\n')
+    (bin_ / request.param).chmod(0o755)
+    for tool in ("sh", "echo"):  # the fake's own needs; nothing else of the host's PATH (its real Slurm commands)
+        (bin_ / tool).symlink_to(shutil.which(tool))
+    monkeypatch.setenv("PATH", str(bin_))
     return monkeypatch
 
 
