@@ -113,8 +113,13 @@ def main(argv: list[str]) -> int:
     print(f"generate: {step} | {model.cfg.name} on {device.type} {args.dtype} | tokenizer {tok_path} | "
           f"temperature {s.temperature} top-k {s.top_k} top-p {s.top_p} seed {s.seed} | "
           f"kv cache {'off' if args.no_cache else 'on'}", file=sys.stderr, flush=True)
-    for prompt in prompts:
-        ids = tok.encode([prompt])[0]
+    encoded = [tok.encode([prompt])[0] for prompt in prompts]
+    limit = model.cfg.seq_length
+    for n, ids in enumerate(encoded, 1):  # all before any output (K10: a long 3rd prompt came after two outputs)
+        if not ids or len(ids) >= limit:
+            return fail(f"prompt {n} of {len(prompts)} has {len(ids)} tokens; each must have 1 to {limit - 1} "
+                        "(model.seq_length)")
+    for prompt, ids in zip(prompts, encoded):
         sys.stdout.write(prompt)
         sys.stdout.flush()
         try:

@@ -125,3 +125,12 @@ def test_a_save_past_its_time_limit_fails_that_save_and_keeps_the_previous(tmp_p
     assert last == (f"megaframe: error: checkpoint step 2 not committed: the save took longer than "
                     f"checkpoint.save_timeout_s=1s; the last committed checkpoint, {ck / 'step_00000001'}, is intact")
     assert (ck / "latest").read_text().strip() == "step_00000001" and not (ck / "step_00000002").exists()
+
+
+def test_generate_checks_every_prompt_before_writing_any(rolled_back):
+    """K10: a prompt over seq_length aborted the prompts after it, after the earlier ones' output."""
+    ck, _, _ = rolled_back
+    res = run([sys.executable, "-m", "megaframe.generate", str(ck), "--prompt", "The", "--prompt", "word " * 100,
+               "--max-new-tokens", "2"], timeout=300)
+    assert res.returncode == 2 and res.stdout == "", res.stderr[-2000:]
+    assert "prompt 2 of 2 has" in _error_line(res.stderr)
