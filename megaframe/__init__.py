@@ -10,20 +10,18 @@ def load_model(path: str):
     `path` is a step folder (step_XXXXXXXX) or a checkpoint dir holding `latest`.
     `model(input_ids_BS)` returns logits [batch, seq, vocab].
     """
-    from pathlib import Path
-
     from omegaconf import OmegaConf
 
-    from megaframe.checkpoint import lineage, sharded
+    from megaframe.checkpoint import resolve, sharded
+    from megaframe.checkpoint.metadata import CheckpointError
     from megaframe.config import Config
     from megaframe.model.gpt import GPT
     from megaframe.parallel.mesh import single_process_mesh
 
-    step = Path(path)
-    if not (step / "metadata.json").is_file():  # a checkpoint dir: what `latest` names (a rollback's branch)
-        step = lineage.pointed(path) or sharded.latest(path)
-        if step is None:
-            raise FileNotFoundError(f"{path}: no committed checkpoint")
+    try:  # a checkpoint dir: what `latest` names (a rollback's branch), checkpoint/resolve.py
+        step = resolve.step_folder(path)
+    except CheckpointError as e:
+        raise FileNotFoundError(str(e)) from None
     meta = sharded.read_metadata(step)
     cfg: Config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), meta["config"]))
     model = GPT(cfg.model, single_process_mesh("cpu"), sp=False)

@@ -55,6 +55,8 @@ POS, NONNEG = _r(1), _r(0)  # integer counts and sizes
 POSF, NONNEGF = _r(0, gt=True, int_=False), _r(0, int_=False)  # finite real numbers
 UNIT = _r(0, hi=1, int_=False)  # a fraction in [0, 1)
 SEED = _r(0, hi=2**63)  # numpy and torch take a non-negative int64 seed
+# a process-group timeout is a datetime.timedelta (at most ~8.6e13 s): a "switch it off" 1e30 overflowed at start
+TIMEOUT = _r(0, gt=True, hi=1e9, le=True, int_=False)
 
 FIELD_RULES: dict[str, Rule] = {
     # model
@@ -71,21 +73,21 @@ FIELD_RULES: dict[str, Rule] = {
     # train
     "train.micro_batch_size": POS, "train.global_batch_size": POS, "train.max_steps": POS, "train.seed": SEED,
     "train.log_interval": POS, "train.max_bad_steps": NONNEG, "train.eval_interval": NONNEG,
-    "train.eval_iters": POS, "train.hang_timeout_s": NONNEGF, "train.dist_timeout_s": POSF,
-    "train.compile_timeout_s": POSF,
+    "train.eval_iters": POS, "train.hang_timeout_s": NONNEGF, "train.dist_timeout_s": TIMEOUT,
+    "train.compile_timeout_s": TIMEOUT,
     "train.signal_check_interval": POS, "train.sample_interval": NONNEG, "train.sample_tokens": POS,
     # optim
     "optim.lr": POSF, "optim.min_lr": NONNEGF, "optim.warmup_steps": NONNEG, "optim.weight_decay": NONNEGF,
     "optim.clip_grad": NONNEGF, "optim.beta1": UNIT, "optim.beta2": UNIT, "optim.eps": POSF,
     "optim.zero": _r(0, hi=3, le=True), "optim.shard_group_size": NONNEG, "optim.bucket_size_mb": POSF,
-    "optim.lr_decay_steps": _r(1, opt=True), "optim.wsd_decay_fraction": UNIT,
+    "optim.lr_decay_steps": _r(1, opt=True), "optim.wsd_decay_fraction": _r(0, gt=True, hi=1, le=True, int_=False),
     # data
     "data.vocab_size": POS, "data.tokenizer_sample_bytes": NONNEG, "data.num_workers": NONNEG,
     "data.task": NONNEG, "data.num_tasks": POS,
     "data.valid_fraction": UNIT,
     # checkpoint
     "checkpoint.interval": NONNEG, "checkpoint.interval_minutes": NONNEGF, "checkpoint.keep_last": NONNEG,
-    "checkpoint.save_timeout_s": POSF,
+    "checkpoint.save_timeout_s": TIMEOUT,
 }
 """Every int/float field of the schema must appear here (tests/unit/test_config_fields.py checks it):
 a new numeric field gets its rule in the same change."""
@@ -134,16 +136,33 @@ def check_config(cfg: Config, world_size: int, check_data: bool = True) -> None:
     _req(t.max_steps >= 1, f"train.max_steps={t.max_steps} must be >= 1")
     _req(t.log_interval >= 1, f"train.log_interval={t.log_interval} must be >= 1")
     _req(t.hang_timeout_s >= 0, f"train.hang_timeout_s={t.hang_timeout_s} must be >= 0 (0 = no watchdog)")
+    # below a second the watchdog trips between any two heartbeats (a finished run exited 124, a "hang")
+    _req(t.hang_timeout_s == 0 or t.hang_timeout_s >= 1,
+         f"train.hang_timeout_s={t.hang_timeout_s} must be 0 (no watchdog) or >= 1 (seconds without a step)")
+    _check_allowed_changes(cfg)
     _req(t.dist_timeout_s > 0, f"train.dist_timeout_s={t.dist_timeout_s} must be > 0")
     _req(t.compile_timeout_s > 0, f"train.compile_timeout_s={t.compile_timeout_s} must be > 0")
     _req(cfg.checkpoint.save_timeout_s > 0, f"checkpoint.save_timeout_s={cfg.checkpoint.save_timeout_s} must be > 0")
     _req(t.signal_check_interval >= 1, f"train.signal_check_interval={t.signal_check_interval} must be >= 1")
     _check_optim(cfg, dp)
     _check_data_fields(cfg)
+    from megaframe.training.folders import check_names
+
+    check_names(cfg)
     _check_resume(cfg)
     if check_data and cfg.data.kind == "prepared":
         _check_prepared(cfg)
         _check_checkpoint_tokenizer(cfg)
+
+
+def _check_allowed_changes(cfg: Config) -> None:
+    """checkpoint.allow_config_change names config keys or groups: a typo would allow nothing, silently."""
+    from megaframe.config_keys import schema_keys
+
+    known = schema_keys()
+    for name in cfg.checkpoint.allow_config_change:
+        _req(isinstance(name, str) and name in known,
+             f"checkpoint.allow_config_change names {name!r}, which is not a config key (e.g. train.seed, model)")
 
 
 def _check_model_shapes(m: ModelConfig, p: ParallelConfig) -> None:
@@ -194,6 +213,13 @@ def _check_optim(cfg: Config, dp: int) -> None:
 def _check_resume(cfg: Config) -> None:
     """checkpoint.resume names a committed checkpoint whose metadata is whole."""
     r = cfg.checkpoint.resume
+    if r == "auto":  # a checkpoint dir whose live branch cannot be told is refused before any rank starts
+        from megaframe.checkpoint.resolve import Unresolved, head
+
+        try:
+            head(cfg.checkpoint.dir, warn=lambda msg: None)  # resume warns once, on rank 0
+        except Unresolved as e:
+            raise ConfigError(f"checkpoint.resume=auto: {e}") from None
     _req(r in ("auto", "none") or (Path(r) / "metadata.json").is_file(),
          f"checkpoint.resume={r}: not a committed checkpoint folder (no metadata.json)")
     if r not in ("auto", "none"):  # metadata only: shard bytes are checked where each rank reads them
@@ -216,12 +242,22 @@ def _check_context(cfg: Config, world_size: int) -> None:
          f"parallel.cp={p.cp} needs model.seq_length={m.seq_length} divisible by 2·cp (each rank keeps two chunks)")
     _req(not p.sp or (m.seq_length // p.cp) % p.tp == 0,
          f"parallel.sp with parallel.cp={p.cp} needs parallel.tp={p.tp} to divide seq_length/cp={m.seq_length // p.cp}")
+    # the sampler feeds whole sequences to a model whose positions are split over cp: it crashed every rank at
+    # the first sample step, after training; refused before any step until it runs under cp
+    _req(cfg.train.sample_interval == 0,
+         f"train.sample_interval={cfg.train.sample_interval} is not built with parallel.cp={p.cp}: set "
+         "train.sample_interval=0 (sample after training: python -m megaframe.generate CHECKPOINT_DIR)")
 
 
 def _check_lr_schedule(cfg: Config) -> None:
     o = cfg.optim
     _req(o.lr_decay_steps is None or o.lr_decay_steps >= 1,
          f"optim.lr_decay_steps={o.lr_decay_steps} must be >= 1 (or null: train.max_steps of the first start)")
+    # each alone is in range, together they describe a curve nobody means (Megatron asserts both)
+    _req(o.min_lr <= o.lr, f"optim.min_lr={o.min_lr} must be <= optim.lr={o.lr} (the decay ends at min_lr: lower optim.min_lr)")
+    _req(o.lr_decay_steps is None or o.lr_decay_steps > o.warmup_steps,
+         f"optim.lr_decay_steps={o.lr_decay_steps} must be > optim.warmup_steps={o.warmup_steps} "
+         "(the decay horizon counts from step 0, warmup included)")
     _req(0.0 < o.wsd_decay_fraction <= 1.0, f"optim.wsd_decay_fraction={o.wsd_decay_fraction} must be in (0, 1]")
 
 
@@ -268,6 +304,10 @@ def _check_data_fields(cfg: Config) -> None:
     _req(0.0 <= d.valid_fraction < 1.0, f"data.valid_fraction={d.valid_fraction} must be in [0, 1)")
     for i, b in enumerate(d.blend):
         _req(bool(b.path) and b.weight > 0, f"data.blend[{i}] needs a path and a weight > 0")
+        # inf (or a sum that overflows) normalises to nan/0: every sample silently from dataset 0
+        _req(math.isfinite(b.weight), f"data.blend[{i}].weight={b.weight} must be finite")
+    _req(math.isfinite(sum(b.weight for b in d.blend)),
+         f"data.blend weights {[b.weight for b in d.blend]} sum to infinity: scale them down")
     _check_stages(d, t, cfg.model.seq_length)
     _req(not d.document_mask or cfg.parallel.cp == 1,
          f"data.document_mask=true is not supported with parallel.cp={cfg.parallel.cp} yet: use cp=1")
@@ -313,16 +353,20 @@ def _check_checkpoint_tokenizer(cfg: Config) -> None:
     """The checkpoint a run continues (checkpoint.resume, or the newest in checkpoint.dir) was trained
     with the tokenizer the data was prepared with: token ids of another tokenizer train silently on
     garbage (an imported 8,192-token model fed the demo's 4,096-piece data)."""
-    from megaframe.checkpoint.sharded import committed, read_metadata
+    from megaframe.checkpoint.resolve import head
+    from megaframe.checkpoint.sharded import read_metadata
     from megaframe.data.shards import dataset_paths, same_tokenizer, tokenizer_identity
 
     r = cfg.checkpoint.resume
     if r == "none":
         return
-    # the newest committed folder stands in for resume=auto's pick: a cheap check, before any rank starts
-    found = committed(cfg.checkpoint.dir) if r == "auto" else [Path(r)]
-    if not found:
+    try:  # resume=auto's pick (the `latest` branch), or the named folder
+        pick = head(cfg.checkpoint.dir, warn=lambda msg: None) if r == "auto" else Path(r)
+    except ValueError:
+        return  # reported by _check_resume
+    if pick is None:
         return
+    found = [pick]
     try:
         meta = read_metadata(found[-1])
     except (OSError, ValueError):

@@ -92,9 +92,18 @@ def main(argv: list[str]) -> int:
         s.check()
         prompts = list(args.prompt)
         if args.prompts:
-            prompts += [line for line in open(args.prompts, encoding="utf-8").read().splitlines() if line.strip()]
+            try:
+                text = open(args.prompts, encoding="utf-8").read()
+            except UnicodeDecodeError as e:
+                raise ValueError(f"--prompts {args.prompts}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+            prompts += [line for line in text.splitlines() if line.strip()]
         if not prompts:
             raise ValueError("give --prompt TEXT or --prompts FILE")
+        for prompt in prompts:  # argv bytes that are not UTF-8 arrive surrogate-escaped: no tokenizer takes them
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError(f"--prompt {prompt!r} is not UTF-8 text") from None
         if args.max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens {args.max_new_tokens} must be >= 1")
         model, tok, tok_path, step = load(args.ckpt, args.device, args.dtype, args.tokenizer)
@@ -104,8 +113,13 @@ def main(argv: list[str]) -> int:
     print(f"generate: {step} | {model.cfg.name} on {device.type} {args.dtype} | tokenizer {tok_path} | "
           f"temperature {s.temperature} top-k {s.top_k} top-p {s.top_p} seed {s.seed} | "
           f"kv cache {'off' if args.no_cache else 'on'}", file=sys.stderr, flush=True)
-    for prompt in prompts:
-        ids = tok.encode([prompt])[0]
+    encoded = [tok.encode([prompt])[0] for prompt in prompts]
+    limit = model.cfg.seq_length
+    for n, ids in enumerate(encoded, 1):  # all before any output (K10: a long 3rd prompt came after two outputs)
+        if not ids or len(ids) >= limit:
+            return fail(f"prompt {n} of {len(prompts)} has {len(ids)} tokens; each must have 1 to {limit - 1} "
+                        "(model.seq_length)")
+    for prompt, ids in zip(prompts, encoded):
         sys.stdout.write(prompt)
         sys.stdout.flush()
         try:

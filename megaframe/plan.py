@@ -23,6 +23,7 @@ come from the config.
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -141,6 +142,33 @@ def _verdict(plan) -> list[str]:
     return lines
 
 
+def check_settings(own: dict[str, str]) -> None:
+    """The planner's own +key=value settings, each in its range before any work (a nan memory, an
+    efficiency of 0 or an unwritable +plan_json were tracebacks, the last after the whole plan);
+    ValueError names the setting and what was typed."""
+    def number(key: str, integer: bool, lo: float, hi: float = math.inf, lo_open: bool = False):
+        if key not in own:
+            return
+        try:
+            v = int(own[key]) if integer else float(own[key])
+        except ValueError:
+            raise ValueError(f"+{key}={own[key]} must be {'an integer' if integer else 'a number'}") from None
+        if not math.isfinite(v) or v < lo or (lo_open and v == lo) or v > hi:
+            span = f"{'>' if lo_open else '>='} {lo:g}" + (f" and <= {hi:g}" if hi < math.inf else "")
+            raise ValueError(f"+{key}={own[key]} must be finite and {span}")
+
+    number("world_size", True, 1)
+    number("device_memory_gb", False, 0, lo_open=True)
+    number("efficiency", False, 0, 1, lo_open=True)
+    number("top", True, 1)
+    if own.get("search", "false").lower() not in ("true", "1", "yes", "false", "0", "no"):
+        raise ValueError(f"+search={own['search']} must be true or false")
+    if "plan_json" in own:
+        out = Path(own["plan_json"])
+        if out.is_dir() or not out.parent.is_dir() or not os.access(out.parent, os.W_OK):
+            raise ValueError(f"+plan_json={own['plan_json']}: not a file in a writable folder")
+
+
 def main(argv: list[str]) -> int:
     from megaframe.config import ConfigError, load_config
 
@@ -149,6 +177,7 @@ def main(argv: list[str]) -> int:
         return 0
     overrides, own = split_args(argv)
     try:
+        check_settings(own)
         world = int(own["world_size"]) if "world_size" in own else None
         memory = float(own["device_memory_gb"]) if "device_memory_gb" in own else None
         world = world or int(os.environ.get("WORLD_SIZE", "0"))  # planning inside a launched job

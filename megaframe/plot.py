@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -30,7 +31,11 @@ def read_run(run_dir: str | Path) -> list[dict]:
     if not path.is_file():
         raise ValueError(f"{run_dir}: no metrics.jsonl (not a run folder)")
     rows = {}
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:  # K7: the message named no file
+        raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -99,6 +104,10 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--out", default="loss.png")
     ap.add_argument("--x", choices=["tokens", "step"], default="tokens", help="x axis")
     args = ap.parse_args(argv)
+    out = Path(args.out)
+    # before reading any run: a missing folder was a FileNotFoundError traceback from savefig
+    if out.is_dir() or not out.parent.is_dir() or not os.access(out.parent, os.W_OK):
+        return fail(f"--out {args.out}: not a file in a writable folder")
     try:
         path = plot(args.runs, args.out, args.x)
     except ValueError as e:

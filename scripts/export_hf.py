@@ -2,8 +2,8 @@
 
     python scripts/export_hf.py CKPT OUT [--dtype fp32|bf16] [--force]
 
-CKPT is a step folder (step_XXXXXXXX) or a checkpoint dir holding committed step folders (the newest
-one that verifies is used); it may have been saved under any parallel layout. OUT receives
+CKPT is a step folder (step_XXXXXXXX) or a checkpoint dir holding committed step folders (the one its
+`latest` names: the live branch after a rollback); it may have been saved under any parallel layout. OUT receives
 config.json, model.safetensors (LlamaForCausalLM for rmsnorm/swiglu/rope models, MixtralForCausalLM for
 their softmax top-k MoE variant, GPT2LMHeadModel for layernorm/gelu/learned-position models) and, when the run's
 prepared data (data.path or a blend
@@ -28,18 +28,10 @@ from megaframe.errors import fail  # noqa: E402  (after the path insert)
 
 def resolve_step(path: str) -> tuple[Path, dict]:
     """(step folder, verified metadata) for a step folder or a checkpoint dir; ValueError if none."""
-    from megaframe.checkpoint import sharded
+    from megaframe.checkpoint import resolve, sharded
 
-    p = Path(path)
-    if not p.exists():
-        raise ValueError(f"{path}: no such checkpoint")
-    if not (p / "metadata.json").is_file():
-        skipped = []
-        p = sharded.latest(p, on_skip=lambda s, why: skipped.append(why))
-        if p is None:
-            raise ValueError(f"{path}: no committed checkpoint" + (f" ({skipped[0]})" if skipped else ""))
-        for why in skipped:
-            print(f"megaframe: warning: skipping {why}", file=sys.stderr)
+    # a checkpoint dir: what its `latest` names (the live branch after a rollback), never the highest step
+    p = resolve.step_folder(path)
     return p, sharded.verify(p)
 
 
@@ -150,6 +142,24 @@ def export(ckpt: str, out: Path, dtype: str) -> Path:
     return out
 
 
+def overlaps_input(ckpt: str, out: Path) -> str | None:
+    """Why OUT may not be written: it is the checkpoint read (or its checkpoint dir), a folder holding
+    it (--force would delete it) or a folder inside it (the export would change a committed checkpoint)."""
+    from megaframe.checkpoint import resolve
+
+    given = Path(ckpt)
+    try:
+        inputs = {given.resolve(), resolve.step_folder(given, warn=lambda m: None).resolve()}
+    except ValueError:
+        inputs = {given.resolve()}  # reported by the export itself
+    o = out.resolve()
+    for src in inputs:
+        if o == src or o in src.parents or src in o.parents:
+            return (f"OUT={out} overlaps the checkpoint it exports ({src}): writing there would replace or change "
+                    "it; pick another OUT")
+    return None
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("ckpt", help="step folder or checkpoint dir")
@@ -158,6 +168,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--force", action="store_true", help="replace OUT if it exists and is not empty")
     args = ap.parse_args(argv)
     out = Path(args.out)
+    clash = overlaps_input(args.ckpt, out)
+    if clash:
+        return fail(clash)
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.force:
         return fail(f"{out} exists and is not empty (pass --force to replace it)")
     try:

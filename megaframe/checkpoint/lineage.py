@@ -20,7 +20,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from megaframe.checkpoint.metadata import check_complete, committed
+from megaframe.checkpoint.metadata import check_complete
 from megaframe.checkpoint.metadata import read as read_metadata
 
 
@@ -84,12 +84,11 @@ def pointed(root: str | Path) -> Path | None:
 
 
 def candidates(root: str | Path) -> list[Path]:
-    """What resume=auto tries, in order: `latest` and its lineage; then, only as a last resort (the whole
-    lineage is unreadable), the other committed folders newest first."""
-    head = pointed(root)
-    first = chain(head, root) if head is not None else []
-    rest = [p for p in committed(root)[::-1] if p not in first]
-    return first + rest
+    """What resume=auto tries, in order: `latest` and its lineage, never another branch
+    (checkpoint/resolve.py: an unusable `latest` over several branches raises Unresolved)."""
+    from megaframe.checkpoint.resolve import resume_order
+
+    return resume_order(root)
 
 
 def cheap_check(path: Path) -> str | None:

@@ -86,10 +86,39 @@ def read(path: str | Path) -> dict:
         meta = json.loads((Path(path) / "metadata.json").read_text())
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path}: unreadable metadata.json ({e})") from e
+    if not isinstance(meta, dict):  # valid JSON, but a list, a number or null: not a checkpoint's
+        raise CheckpointError(f"{path}: metadata.json is not a checkpoint's (a JSON {type(meta).__name__})")
     if meta.get("format") == FORMAT_V1:
-        return upgrade(meta)
+        try:
+            return upgrade(meta)
+        except (KeyError, TypeError, AttributeError, ValueError) as e:
+            raise CheckpointError(f"{path}: metadata.json is damaged ({type(e).__name__}: {e})") from e
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"{path}: not a megaframe checkpoint (format {meta.get('format')!r})")
+    return _well_formed(path, meta)
+
+
+def _well_formed(path, meta: dict) -> dict:
+    """The fields every reader indexes have their types: damaged metadata is one CheckpointError naming
+    the file, never a KeyError or AttributeError in a tool (resume, generate, verify) that reads it."""
+    def bad(what: str):
+        raise CheckpointError(f"{path}: metadata.json is damaged ({what})")
+
+    if not isinstance(meta.get("step"), int) or isinstance(meta.get("step"), bool):
+        bad(f"step {meta.get('step')!r}")
+    for key in ("files", "tensors"):
+        if not isinstance(meta.get(key), dict):
+            bad(f"{key!r} is {type(meta.get(key)).__name__}, not an object")
+    for name, f in meta["files"].items():
+        if not isinstance(f, dict) or not isinstance(f.get("bytes"), int):
+            bad(f"file entry {name!r}")
+    for key, info in meta["tensors"].items():
+        if not isinstance(info, dict) or not isinstance(info.get("shards"), list) \
+                or not all(isinstance(s, dict) and isinstance(s.get("file"), str) for s in info["shards"]):
+            bad(f"tensor entry {key!r}")
+    for key in ("config", "lineage"):
+        if meta.get(key) is not None and not isinstance(meta[key], dict):
+            bad(f"{key!r} is not an object")
     return meta
 
 
@@ -144,6 +173,6 @@ def committed(root: str | Path) -> list[Path]:
     if not Path(root).is_dir():
         return []
     return sorted(p for p in Path(root).glob("step_*")
-                  # a .tmp folder is a save in progress or a crashed one; metadata.json is written last, so its presence marks a
-                  # commit
-                  if p.is_dir() and not p.name.endswith(".tmp") and (p / "metadata.json").is_file())
+                  # only step_<digits>: a .tmp folder is a save in progress or a crashed one, a .replaced-... folder another
+                  # branch's checkpoint kept aside (sharded.commit); metadata.json is written last, so its presence marks a commit
+                  if p.name[5:].isdigit() and p.is_dir() and (p / "metadata.json").is_file())

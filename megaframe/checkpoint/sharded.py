@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -200,13 +201,31 @@ def commit(root, tmp: Path, final: Path, step: int, meta: dict, tensors: dict, f
     # last of the folder: check_complete treats a folder with metadata.json as whole, so the shards must be on disk first
     _fsync_write(tmp / "metadata.json", json.dumps({"format": FORMAT, "step": step, **meta, "files": files,
                                                     "coverage": "exact", "tensors": tensors}, indent=1))
-    # a re-save of the same step (after a rollback) replaces it; os.replace cannot rename over a non-empty folder
     if final.exists():
-        shutil.rmtree(final)
+        keep_aside(final)
     os.replace(tmp, final)
     # the pointer moves only once the folder is in place: a crash before leaves it naming the previous complete checkpoint
     _fsync_write(Path(root) / "latest.tmp", final.name + "\n")
     os.replace(Path(root) / "latest.tmp", Path(root) / "latest")
+
+
+def keep_aside(final: Path) -> Path | None:
+    """A step folder about to be written again (a rollback reaching a step number the abandoned branch
+    already has) is renamed, not deleted: other branches are never deleted. The new name is no step_<digits>,
+    so resume, the tools and keep_last pass it over; a person decides about it. A folder that holds no
+    committed checkpoint (no metadata.json) is removed. Returns the new name."""
+    if not (final / "metadata.json").is_file():
+        shutil.rmtree(final)
+        return None
+    aside = final.with_name(f"{final.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}")
+    n = 0
+    while aside.exists():  # two rollbacks to one step within a second
+        n += 1
+        aside = aside.with_name(f"{final.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}-{n}")
+    os.replace(final, aside)
+    print(f"megaframe: warning: {final.name} already held {lineage.describe(aside)}: kept as {aside.name}, "
+          "not replaced", file=sys.stderr, flush=True)
+    return aside
 
 
 def prune(root: str | Path, keep_last: int) -> None:

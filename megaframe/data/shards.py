@@ -96,6 +96,8 @@ def read_meta(path: Path) -> dict:
                           f"data.source=... data.path={path}") from e
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"meta.json is corrupt ({' '.join(str(e).split()) or type(e).__name__})") from e
+    except OSError as e:  # a file given for the folder, or an unreadable meta.json: bad input, not a traceback
+        raise ValueError(f"{path}: not a readable prepared data folder ({e.strerror or type(e).__name__})") from e
     return meta
 
 
@@ -188,9 +190,9 @@ def tokenizer_identity(data_cfg) -> dict | None:
     key, path = dataset_paths(data_cfg)[0]
     try:
         meta = read_meta(Path(path))
+        tok = inside(path, meta.get("tokenizer", "tokenizer.model"))  # a name from metadata stays in its folder
     except ValueError:
         return None
-    tok = Path(path) / meta.get("tokenizer", "tokenizer.model")
     return {"sha256": meta.get("tokenizer_sha256"), "vocab_size": int(meta["vocab_size"]),
             "kind": meta.get("tokenizer_kind", "sentencepiece"), "from": str(tok),
             "path": str(tok.resolve())}  # where generate / export find the run's tokenizer

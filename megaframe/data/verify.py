@@ -21,6 +21,7 @@ import numpy as np
 
 from megaframe.data.shards import read_meta
 from megaframe.errors import fail
+from megaframe.paths import inside
 
 BLOCK = 16 << 20
 MAX_STARTUP_SHARDS = 8
@@ -30,7 +31,8 @@ global_batch_size shards: the cost stays a few shard files at any scale)."""
 
 def check_shard(folder: Path, entry: dict, dtype: np.dtype, vocab: int) -> str | None:
     """Why a shard is bad (missing, other sha256, a token id >= vocab), or None."""
-    f = Path(folder) / entry["file"]
+    # a plain name inside the folder, as training reads it: verify must not hash ../../etc/x either (an oracle)
+    f = inside(folder, entry.get("file") if isinstance(entry, dict) else entry)
     if not f.is_file():
         return f"shard {entry['file']} is missing"
     h, off, where = hashlib.sha256(), 0, None
@@ -63,7 +65,7 @@ def verify(path: str | Path, files: set[str] | None = None) -> int:
         why = check_shard(path, entry, dtype, vocab)
         if why:
             raise ValueError(f"{path}: {why}")
-        nbytes += (path / entry["file"]).stat().st_size
+        nbytes += inside(path, entry["file"]).stat().st_size
     return nbytes
 
 

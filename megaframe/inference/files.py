@@ -4,20 +4,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from megaframe.paths import inside
+
 
 def resolve_step(path: str | Path) -> tuple[Path, dict]:
-    """(step folder, metadata) of a step folder or a checkpoint dir (its newest committed step).
+    """(step folder, metadata) of a step folder or a checkpoint dir (what its `latest` names).
     ValueError names what is missing."""
-    from megaframe.checkpoint import sharded
+    from megaframe.checkpoint import resolve, sharded
 
-    p = Path(path)
-    if not p.exists():
-        raise ValueError(f"{path}: no such checkpoint")
-    if not (p / "metadata.json").is_file():
-        # a checkpoint dir: its newest complete step (metadata and sizes checked, no shard bytes read)
-        p = sharded.latest(p)
-        if p is None:
-            raise ValueError(f"{path}: no committed checkpoint (no step folder with metadata.json)")
+    # a checkpoint dir: the checkpoint `latest` names (the live branch after a rollback), not the highest step
+    p = resolve.step_folder(path)
     try:
         return p, sharded.read_metadata(p)
     except (OSError, ValueError, KeyError) as e:
@@ -38,7 +34,8 @@ def tokenizer_candidates(step: Path, meta: dict) -> list[Path]:
             continue
         name = "tokenizer.model"
         try:
-            name = json.loads((Path(folder) / "meta.json").read_text()).get("tokenizer", name)
+            # a name from metadata stays inside its folder (OutsideFolder is a ValueError: the default name)
+            name = inside(folder, json.loads((Path(folder) / "meta.json").read_text()).get("tokenizer", name)).name
         except (OSError, ValueError, AttributeError):
             pass
         out.append(Path(folder) / name)
@@ -71,9 +68,9 @@ def tokenizer_record(data_cfg) -> dict | None:
             continue
         try:
             meta = json.loads((Path(folder) / "meta.json").read_text())
-        except (OSError, ValueError):
+            tok = inside(folder, meta.get("tokenizer", "tokenizer.model"))
+        except (OSError, ValueError, AttributeError):
             continue
-        tok = Path(folder) / meta.get("tokenizer", "tokenizer.model")
         if tok.exists():
             return {"path": str(tok.resolve()), "sha256": meta.get("tokenizer_sha256")}
     return None

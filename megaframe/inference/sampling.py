@@ -23,7 +23,8 @@ class SamplingConfig:
     """Seeds the sampling generator."""
 
     def check(self) -> None:
-        if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1:
+        # `not >=`: a nan temperature fails too (it reached torch.multinomial as nan probabilities)
+        if not self.temperature >= 0 or self.top_k < 0 or not 0 < self.top_p <= 1:
             raise ValueError(f"--temperature {self.temperature} must be >= 0, --top-k {self.top_k} >= 0 and "
                              f"--top-p {self.top_p} in (0, 1]")
 

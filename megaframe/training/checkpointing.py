@@ -50,7 +50,7 @@ class Checkpointer:
         """Checkpoint `step` (in the background unless `last`); False when refused as non-finite."""
         cfg, mesh = self.cfg, self.mesh
         self.clock = time.monotonic()  # also for a refused save: the next timed try waits a full interval
-        with self.watchdog.suspended(cfg.checkpoint.save_timeout_s):
+        with self.watchdog.suspended(cfg.checkpoint.save_timeout_s, lambda: self.overrun(step)):
             if self.saver is not None and last:
                 self._settle(self.saver.wait)  # commit the older one first, so `latest` ends on this step
             # ZeRO's overlapped all-gather may still be writing the params (zero=3: gathers nothing, each rank
@@ -125,7 +125,7 @@ class Checkpointer:
 
     def finish(self) -> None:
         if self.saver is not None:
-            with self.watchdog.suspended(self.cfg.checkpoint.save_timeout_s):
+            with self.watchdog.suspended(self.cfg.checkpoint.save_timeout_s, lambda: self.overrun(self.last_saved)):
                 self._settle(self.saver.wait)
 
     def _settle(self, finish) -> None:
@@ -136,6 +136,15 @@ class Checkpointer:
             self._failed(e)
         self.io.update(self.saver.last_io)
         self.saver.last_io = {}
+
+    def overrun(self, what: int | str | None) -> str:
+        """The line a save (of step `what`, or into folder `what`) past checkpoint.save_timeout_s ends the
+        run with (watchdog, exit 1)."""
+        path = lineage.pointed(self.cfg.checkpoint.dir)
+        kept = f"the last committed checkpoint, {path}, is intact" if path else "no checkpoint has been committed"
+        name = f"step {what}" if isinstance(what, int) else str(what)
+        return (f"checkpoint {name} not committed: the save took longer than checkpoint.save_timeout_s="
+                f"{self.cfg.checkpoint.save_timeout_s:g}s; {kept}")
 
     def resume_hint(self) -> str:
         """Which committed checkpoint to resume from (the one `latest` names), for the stop message."""

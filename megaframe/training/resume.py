@@ -1,6 +1,6 @@
 """Where a run starts: the checkpoint `checkpoint.resume` names, loaded only if its config fits.
 
-resume=auto walks `lineage.candidates` (the `latest` pointer, then its ancestors): a candidate whose
+resume=auto walks `resolve.resume_order` (the `latest` pointer, then its ancestors; never another branch): a candidate whose
 metadata or file sizes are wrong is skipped on rank 0's cheap check, and one whose load fails on ANY rank
 (a corrupt shard is caught by whoever reads it) is skipped by every rank: the ranks vote after each load
 (one scalar all-reduce), so they always agree on the checkpoint they continue from. An explicit path that
@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from safetensors import SafetensorError  # a bad header or truncated file: not an OSError
 
-from megaframe.checkpoint import lineage, sharded
+from megaframe.checkpoint import lineage, resolve, sharded
 from megaframe.checkpoint.load import not_the_checkpoints_fault
 from megaframe.config import Config, ConfigError
 from megaframe.parallel import comm
@@ -115,17 +115,12 @@ def resume(cfg: Config, model, optimizer, mesh: Mesh, faults=None) -> Resumed:
             raise ConfigError(f"checkpoint {r} cannot be loaded ({why or 'failed on another rank'})")
         return _done(mesh, Path(r), meta)
     # rank 0 decides the order (and the cheap checks), so every rank walks the same list
-    order = None
-    if mesh.rank == 0:
-        order = []
-        for p in lineage.candidates(cfg.checkpoint.dir):
-            why = lineage.cheap_check(p)  # metadata and file sizes only: the loads check the bytes
-            if why:
-                _warn(mesh, f"skipping checkpoint {p}: {why}")
-            else:
-                order.append(str(p))
+    order = _auto_order(cfg, mesh) if mesh.rank == 0 else None
+    order = comm.broadcast_object(order, mesh)
+    if isinstance(order, str):  # the lineage is unknown (checkpoint/resolve.py): every rank exits 2 alike
+        raise ConfigError(f"checkpoint.resume=auto: {order}")
     tried = None
-    for p in map(Path, comm.broadcast_object(order, mesh)):
+    for p in map(Path, order):
         meta, why, stop = _load(cfg, p, model, optimizer, mesh, faults)
         if why:
             _warn(mesh, f"skipping checkpoint {p}: cannot be loaded on rank {mesh.rank} ({why})", every_rank=True)
@@ -139,6 +134,23 @@ def resume(cfg: Config, model, optimizer, mesh: Mesh, faults=None) -> Resumed:
         raise ConfigError(f"checkpoint.resume=auto: no checkpoint under {cfg.checkpoint.dir} could be loaded "
                           f"(last tried {tried}); move them away or set checkpoint.resume=none to start fresh")
     return Resumed()
+
+
+def _auto_order(cfg: Config, mesh: Mesh) -> list[str] | str:
+    """Rank 0: the checkpoints resume=auto tries (checkpoint/resolve.py: `latest`'s branch only), those
+    failing the cheap check left out; or why none can be picked."""
+    try:
+        found = resolve.resume_order(cfg.checkpoint.dir, warn=lambda m: _warn(mesh, m))
+    except resolve.Unresolved as e:
+        return str(e)
+    order = []
+    for p in found:
+        why = lineage.cheap_check(p)  # metadata and file sizes only: the loads check the bytes
+        if why:
+            _warn(mesh, f"skipping checkpoint {p}: {why}")
+        else:
+            order.append(str(p))
+    return order
 
 
 def _done(mesh: Mesh, path: Path, meta: dict) -> Resumed:

@@ -22,8 +22,8 @@ from megaframe.training.distributed import env_ranks, init_distributed, nccl_env
 from megaframe.training.errors import TrainingError  # also re-exported for train.py
 from megaframe.training.faults import Injector
 from megaframe.training.first_step import first_step_limits
+from megaframe.training.folders import FolderLocks, claim, peer_bad_input, record_bad_input
 from megaframe.training.meter import BadSteps, Meter
-from megaframe.training.runlock import RunDirBusy, RunLock
 from megaframe.training.signals import StopFlag, continue_command
 from megaframe.training.startup import Setup, announce, batch_loader, set_up
 from megaframe.training.startup import data_label as data_label  # re-exported: its old path, tests import it here
@@ -55,29 +55,36 @@ def run(cfg: Config, stop: StopFlag | None = None) -> None:
             if device.type == "cuda" and env.world_size > 1:
                 nccl_env(cfg.run.dir)  # the agreed run folder for the flight recorder's dumps
                 (Path(cfg.run.dir) / "nccl_trace").mkdir(parents=True, exist_ok=True)
-            train(cfg, mesh, stop or StopFlag(), run_id)
+            try:
+                train(cfg, mesh, stop or StopFlag(), run_id)
+            except (ConfigError, TrainingError):
+                raise
+            except Exception as e:  # a broken collective: a peer that found bad input mid-run left its line
+                line = peer_bad_input(cfg.run.dir)
+                if line is None:
+                    raise
+                raise ConfigError(line) from e
         finally:
             lock.release()
     finally:
         shutdown()
 
 
-def take_run_dir(cfg: Config, mesh: Mesh) -> RunLock:
-    """Rank 0 locks run.dir before anything is written there; every rank hears the outcome, so all of
-    them exit 2 when another live job owns the folder."""
-    lock, err = RunLock(cfg.run.dir), None
+def take_run_dir(cfg: Config, mesh: Mesh) -> FolderLocks:
+    """Rank 0 probes and locks every folder the run writes (run.dir, checkpoint.dir) before anything is
+    written there; every rank hears the outcome, so all of them exit 2 when a folder cannot be written or
+    another live job owns it."""
+    locks, err = FolderLocks(), None
     if mesh.rank == 0:
         try:
-            lock.acquire()
-        except RunDirBusy as e:
+            locks = claim(cfg)
+        except ConfigError as e:
             err = str(e)
-        except OSError as e:
-            err = f"run.dir={cfg.run.dir}: cannot take the run lock ({e})"
     # every rank reaches the broadcast whatever rank 0 found, so none goes on alone into the run folder
     err = comm.broadcast_object(err, mesh)
     if err:
         raise ConfigError(err)
-    return lock
+    return locks
 
 
 def train(cfg: Config, mesh: Mesh, stop: StopFlag, run_id: str = "") -> None:
@@ -102,7 +109,7 @@ def train(cfg: Config, mesh: Mesh, stop: StopFlag, run_id: str = "") -> None:
             watchdog.beat(step)
             mesh.stats.pop()  # count only this step's bytes
             seed_step(t.seed, step, mesh)  # dropout RNG: equal on tp ranks, a function of the step (layers.rng)
-            batches = next_batches(loader, step)  # read while the previous step computed
+            batches = next_batches(loader, step, cfg.run.dir)  # read while the previous step computed
             limits = first_step_limits(mesh, watchdog, t.compile_timeout_s, t.dist_timeout_s) \
                 if t.compile and step == start + 1 else contextlib.nullcontext()  # compiles: slow, not hung
             with limits, su.phases.phase("step"):  # the first step's peak (grads and moments appear in it)
@@ -146,12 +153,13 @@ def train(cfg: Config, mesh: Mesh, stop: StopFlag, run_id: str = "") -> None:
         tracker.finish()
 
 
-def next_batches(loader: Prefetcher, step: int) -> list:
-    """The step's micro-batches; a shard found corrupt mid-run is bad input too (exit 2)."""
+def next_batches(loader: Prefetcher, step: int, run_dir: str) -> list:
+    """The step's micro-batches; a shard found corrupt mid-run is bad input too (exit 2), recorded for the
+    peers, which did not read it (folders.BAD_INPUT)."""
     try:
         return loader.get(step)
     except CorruptShard as e:
-        raise ConfigError(str(e)) from e
+        raise ConfigError(record_bad_input(run_dir, str(e))) from e
 
 
 def evaluate_and_sample(su: Setup, meter: Meter, tracker: Tracker, step: int, run_dir: str) -> float | None:

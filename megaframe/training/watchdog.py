@@ -30,6 +30,9 @@ from pathlib import Path
 from megaframe.parallel.mesh import CommStats
 
 HANG_EXIT_CODE = 124
+SAVE_TIMEOUT_EXIT_CODE = 1
+"""A save past checkpoint.save_timeout_s is a failed save (nothing committed, the previous checkpoint
+intact: a commit is atomic), not a hang: exit 1 with one line naming both, like any failed save."""
 SHOW_COLLECTIVES = 32
 
 
@@ -52,6 +55,7 @@ class Watchdog:
         self.grace_s = min(30.0, max(2.0, timeout_s / 10)) if grace_s is None else grace_s
         self.step, self.last = 0, time.monotonic()
         self.override: float | None = None  # the limit while suspended() (a save or load)
+        self.overrun = None  # while suspended(): the one line an overrun ends with (exit 1), else a hang (124)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -71,15 +75,16 @@ class Watchdog:
         self.last = time.monotonic()
 
     @contextmanager
-    def suspended(self, limit_s: float):
+    def suspended(self, limit_s: float, overrun=None):
         """A checkpoint save or load: slow is not hung, so it is judged by its own limit
-        (checkpoint.save_timeout_s) instead of train.hang_timeout_s."""
+        (checkpoint.save_timeout_s) instead of train.hang_timeout_s. `overrun()`, when given, returns the
+        error line of exceeding it: the process then ends with exit 1 (a failed save), not 124."""
         self.beat()
-        self.override = limit_s
+        self.override, self.overrun = limit_s, overrun
         try:
             yield
         finally:
-            self.override = None
+            self.override, self.overrun = None, None
             self.beat()
 
     def stop(self) -> None:
@@ -108,9 +113,12 @@ class Watchdog:
             path.write_text(text)
         except OSError as e:  # the report on stderr is what matters; a full disk must not hide it
             print(f"megaframe: rank {self.rank}: could not write the hang report: {e}", file=sys.stderr, flush=True)
+        overrun = self.overrun
+        if overrun is not None:  # the last line a reader sees: the failed save and what is intact
+            print(f"megaframe: error: {overrun()}", file=sys.stderr, flush=True)
         # let the peers, stuck at the same step, write their reports before this rank's exit breaks their connections
         time.sleep(self.grace_s)
-        self.exit_fn(HANG_EXIT_CODE)
+        self.exit_fn(HANG_EXIT_CODE if overrun is None else SAVE_TIMEOUT_EXIT_CODE)
 
     def report(self, idle: float) -> str:
         now = time.time()

@@ -40,8 +40,8 @@ def test_rollback_keeps_the_new_branch_and_auto_follows_it(tmp_path):
         d, i = fake_ckpt(tmp_path, s, "B", *parent)
         parent = (d, i)
     names = [p.name for p in lineage.candidates(tmp_path)]
-    assert names[:4] == ["step_00000006", "step_00000005", "step_00000004", "step_00000002"]
-    assert names[4:] == ["step_00000008"]  # last resort only
+    # A8 is another branch: never a resume candidate, not even as a last resort (issue 26, W2)
+    assert names == ["step_00000006", "step_00000005", "step_00000004", "step_00000002"]
     gone = lineage.prune(tmp_path, keep_last=2)
     assert sorted(p.name for p in gone) == ["step_00000002", "step_00000004"]
     left = sorted(p.name for p in sharded.committed(tmp_path))
@@ -92,7 +92,7 @@ def test_default_umask_gives_0644_shards(tmp_path):
 def test_run_lock_refuses_a_live_holder_and_takes_over_a_dead_one(tmp_path, monkeypatch):
     from megaframe.training.runlock import LOCK_NAME, RunDirBusy, RunLock
 
-    for var in ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID"):
+    for var in ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID", "SLURM_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT"):
         monkeypatch.delenv(var, raising=False)
     holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
@@ -100,8 +100,9 @@ def test_run_lock_refuses_a_live_holder_and_takes_over_a_dead_one(tmp_path, monk
                                                       "job": "SLURM_JOB_ID=7", "since": time.time()}))
         with pytest.raises(RunDirBusy, match=f"pid {holder.pid}, SLURM_JOB_ID=7"):
             RunLock(tmp_path).acquire()
-        monkeypatch.setenv("SLURM_JOB_ID", "7")  # the same job, requeued: its own lock
-        RunLock(tmp_path).acquire().release()
+        monkeypatch.setenv("SLURM_JOB_ID", "7")  # the same job id, but its holder here is alive (issue 26, L2)
+        with pytest.raises(RunDirBusy, match=f"pid {holder.pid}"):
+            RunLock(tmp_path).acquire()
     finally:
         holder.kill()
         holder.wait()

@@ -1,0 +1,94 @@
+"""The one answer to "which checkpoint does this path mean", for resume, load_model, generate, evaluate,
+export_hf and the config checks.
+
+A step folder means itself. A checkpoint dir means the checkpoint `latest` names (the live branch after a
+rollback: checkpoint/lineage.py), never the highest step number, which may belong to an abandoned branch.
+When `latest` cannot be trusted (missing, garbage, or naming a folder whose metadata is unreadable) the
+lineage is unknown: the checkpoints are then used only if they form one branch (exactly one of them is no
+other's ancestor), with a warning; several branches are refused, naming their newest checkpoints, so the
+user picks one (checkpoint.resume=PATH, or the step folder itself).
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from megaframe.checkpoint import lineage
+from megaframe.checkpoint.metadata import CheckpointError, committed
+
+
+class Unresolved(CheckpointError):
+    """A checkpoint dir whose live branch cannot be told (bad input: exit 2 naming the choices)."""
+
+
+def _warn(msg: str) -> None:
+    print(f"megaframe: warning: {msg}", file=sys.stderr, flush=True)
+
+
+def pointer_problem(root: str | Path) -> str | None:
+    """Why `${root}/latest` names no readable checkpoint, or None when it does."""
+    try:
+        name = (Path(root) / "latest").read_text(errors="replace").strip()
+    except FileNotFoundError:
+        return "is missing"
+    except OSError as e:
+        return f"cannot be read ({e.strerror or e})"
+    shown = name if len(name) <= 60 else name[:57] + "..."
+    head = lineage.pointed(root)
+    if head is None:
+        return f"names {shown!r}, which is not a step folder here"
+    if lineage._meta(head) is None:
+        return f"names {head.name}, whose metadata.json is unreadable"
+    return None
+
+
+def heads(root: str | Path) -> list[Path]:
+    """Committed checkpoints with readable metadata that are no other one's parent, newest step first:
+    the tips of the branches."""
+    found = {p: m for p in committed(root) if (m := lineage._meta(p)) is not None}
+    parents = {lineage.parent_of(p, m, root) for p, m in found.items()}
+    parents = {q.resolve() for q in parents if q is not None}
+    tips = [p for p in found if p.resolve() not in parents]
+    return sorted(tips, key=lambda p: (found[p].get("step", -1), p.name), reverse=True)
+
+
+def head(root: str | Path, warn=_warn) -> Path | None:
+    """The checkpoint a checkpoint dir continues: what `latest` names, else its only branch's tip; None
+    when it holds no committed checkpoint; Unresolved when `latest` is unusable and there are branches."""
+    why = pointer_problem(root)
+    if why is None:
+        return lineage.pointed(root)
+    tips = heads(root)
+    if not tips:
+        return None
+    if len(tips) == 1:
+        warn(f"{Path(root) / 'latest'} {why}; its checkpoints form one branch: using its newest, {tips[0]}")
+        return tips[0]
+    names = ", ".join(f"{p.name} (run {_run(p)})" for p in tips[:5]) + (", ..." if len(tips) > 5 else "")
+    raise Unresolved(f"{root}: `latest` {why}; its checkpoints form {len(tips)} branches (newest of each: "
+                     f"{names}) and the highest step may be an abandoned one, so none is picked: name the step "
+                     f"folder to use (checkpoint.resume={Path(root)}/step_XXXXXXXX, or that path to the tool)")
+
+
+def _run(path: Path) -> str:
+    return str(((lineage._meta(path) or {}).get("lineage") or {}).get("run_id", "?"))
+
+
+def step_folder(path: str | Path, warn=_warn) -> Path:
+    """A step folder for a step folder or checkpoint dir; CheckpointError (a ValueError) naming the path."""
+    p = Path(path)
+    if not p.exists():
+        raise CheckpointError(f"{path}: no such checkpoint")
+    if (p / "metadata.json").is_file():
+        return p
+    found = head(p, warn)
+    if found is None:
+        raise CheckpointError(f"{path}: no committed checkpoint (no step folder with metadata.json)")
+    return found
+
+
+def resume_order(root: str | Path, warn=_warn) -> list[Path]:
+    """What resume=auto tries, in order: the head and its ancestors (a load that fails moves to the
+    parent); never another branch. Empty when the dir holds no checkpoint; Unresolved as `head`."""
+    found = head(root, warn)
+    return lineage.chain(found, root) if found is not None else []
