@@ -83,14 +83,6 @@ def pointed(root: str | Path) -> Path | None:
     return path if name and "/" not in name and (path / "metadata.json").is_file() else None
 
 
-def candidates(root: str | Path) -> list[Path]:
-    """What resume=auto tries, in order: `latest` and its lineage, never another branch
-    (checkpoint/resolve.py: an unusable `latest` over several branches raises Unresolved)."""
-    from megaframe.checkpoint.resolve import resume_order
-
-    return resume_order(root)
-
-
 def cheap_check(path: Path) -> str | None:
     """Why `path` cannot be a resume point from its metadata and file sizes alone (no shard bytes read:
     the load checks every block it reads against its checksum), or None."""

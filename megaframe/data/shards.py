@@ -147,7 +147,7 @@ def check_token_range(tokens: np.ndarray, vocab: int, folder: Path, file: str, o
 
 def dataset_paths(data_cfg) -> list[tuple[str, str]]:
     """(config key, folder) of every prepared dataset a run reads: each data.blend path, else data.path."""
-    if data_cfg.stages:
+    if getattr(data_cfg, "stages", None):
         return [(f"data.stages[{k}].blend[{i}].path", b.path) for k, s in enumerate(data_cfg.stages)
                 for i, b in enumerate(s.blend)]
     if data_cfg.blend:

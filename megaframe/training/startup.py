@@ -45,10 +45,11 @@ def set_up(cfg: Config, mesh: Mesh, faults=None) -> Setup:
     """Model, optimizer and data; the resume (which may adopt the saved sample order and lr horizon).
     `faults`: MEGAFRAME_INJECT's (training/faults.py), for a fault injected into the resume's load."""
     phases = PhaseMeter(mesh.device)
-    phases.begin("startup")
-    model = cast_model(build_model(cfg, mesh), cfg.train.precision)
-    optimizer = build_optimizer(model, cfg.optim, mesh)
-    phases.end()
+    # a phase ends on every path: a CPU profiler left running when an error ends the run crashes the
+    # interpreter at exit (SIGSEGV instead of exit 2)
+    with phases.phase("startup"):
+        model = cast_model(build_model(cfg, mesh), cfg.train.precision)
+        optimizer = build_optimizer(model, cfg.optim, mesh)
     phases.track(model, optimizer)
     try:
         data = build_data(cfg)
@@ -59,7 +60,11 @@ def set_up(cfg: Config, mesh: Mesh, faults=None) -> Setup:
     if cfg.data.document_mask:
         set_documents(model, data, cfg)
     phases.begin("load")
-    resumed = resume(cfg, model, optimizer, mesh, faults)
+    try:
+        resumed = resume(cfg, model, optimizer, mesh, faults)
+    except BaseException:
+        phases.end(keep=False)
+        raise
     phases.end(keep=resumed.path is not None)
     if resumed.meta:
         data.order = resumed_order(resumed.meta)  # a resumed run keeps the sample order it began with

@@ -156,7 +156,7 @@ def test_tools_on_a_checkpoint_dir_use_the_live_branch_not_the_highest_step(tmp_
 @pytest.mark.parametrize("damage", ["garbage", "missing", "dotdot", "empty-meta", "list-meta"])
 def test_an_unusable_latest_over_branches_is_refused_never_the_highest_step(tmp_path, damage):
     """W2: a missing or garbage `latest`, or an unreadable head, sent resume=auto (and the tools) to step_8."""
-    from megaframe.checkpoint import lineage, resolve
+    from megaframe.checkpoint import resolve
 
     rollback_dir(tmp_path)
     latest = tmp_path / "latest"
@@ -170,7 +170,7 @@ def test_an_unusable_latest_over_branches_is_refused_never_the_highest_step(tmp_
         (tmp_path / "step_00000005" / "metadata.json").write_text("{}" if damage == "empty-meta" else "[]")
     tips = r"2 branches \(newest of each: step_00000008 \(run A\), step_0000000[35] \(run B\)\)"
     with pytest.raises(resolve.Unresolved, match=tips):
-        lineage.candidates(tmp_path)
+        resolve.resume_order(tmp_path)
     with pytest.raises(ValueError, match="form 2 branches"):
         resolve.step_folder(tmp_path)
     with pytest.raises(ConfigError, match="^checkpoint.resume=auto: .*latest"):

@@ -23,8 +23,10 @@ def two_saved(tmp_path):
     mesh = single_process_mesh()
     model = build_model(cfg, mesh)
     opt = build_optimizer(model, cfg.optim, mesh)
-    for step in (3, 6):
-        sharded.save(cfg.checkpoint.dir, step, model, opt, mesh, {"config": {}})
+    for step, lineage in ((3, {"id": "a3", "run_id": "r"}), (6, {"id": "a6", "run_id": "r", "parent": "step_00000003",
+                                                                  "parent_id": "a3"})):
+        # one branch: step 6 descends from step 3 (resume=auto walks `latest`'s ancestors, checkpoint/resolve.py)
+        sharded.save(cfg.checkpoint.dir, step, model, opt, mesh, {"config": {}, "lineage": lineage})
     return cfg, mesh, model, opt
 
 
