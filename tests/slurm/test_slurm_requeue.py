@@ -94,7 +94,8 @@ def test_torchrun_launcher_per_node_stop_requeue_resume(slurm_cluster, tmp_path)
     steps gets it); torchrun exits 1 after forwarding it, and the script still requeues from the checkpoint."""
     steps = 12
     over = ["data=synthetic", *TINY, f"train.max_steps={steps}", "train.log_interval=1"]
-    job = sbatch(["--job-name=mf-torchrun", "--nodes=2", "--ntasks-per-node=2", "--time=10"],
+    # --time above the script's USR1 lead (600 s): a shorter limit signals every requeued start at once
+    job = sbatch(["--job-name=mf-torchrun", "--nodes=2", "--ntasks-per-node=2", "--time=20"],
                  [*over, "parallel.tp=2", "logging.wandb.mode=offline"], cwd=tmp_path, MEGAFRAME_LAUNCHER="torchrun")
     name = f"mf-torchrun-{job}"
     run_dir, out = tmp_path / "outputs" / name, tmp_path / f"{name}.out"
