@@ -127,7 +127,7 @@ def test_scancel_checkpoints_without_requeue(slurm_cluster, tmp_path):
     """`scancel` (SIGTERM to every process of the job, wandb's service included) ends the job: the ranks
     still stop together with a checkpoint, and the script does not requeue."""
     over = ["data=synthetic", *TINY, "train.max_steps=100000", "train.log_interval=1", "logging.wandb.mode=offline"]
-    job = sbatch(["--job-name=mf-cancel", "--nodes=1", "--ntasks-per-node=2", "--time=10"], over, cwd=tmp_path)
+    job = sbatch(["--job-name=mf-cancel", "--nodes=1", "--ntasks-per-node=2", "--time=20"], over, cwd=tmp_path)
     run_dir, out = tmp_path / "outputs" / f"mf-cancel-{job}", tmp_path / f"mf-cancel-{job}.out"
     wait_until(lambda: count_lines(run_dir / "metrics.jsonl") >= 2, 180, "step 2", job, out)
     subprocess.run(["scancel", str(job)], check=True)
