@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from megaframe.checkpoint import lineage, sharded
+from megaframe.checkpoint import lineage, resolve, sharded
 
 
 def fake_ckpt(root, step, run_id, parent=None, parent_id=None):
@@ -39,7 +39,7 @@ def test_rollback_keeps_the_new_branch_and_auto_follows_it(tmp_path):
     for s in (5, 6):
         d, i = fake_ckpt(tmp_path, s, "B", *parent)
         parent = (d, i)
-    names = [p.name for p in lineage.candidates(tmp_path)]
+    names = [p.name for p in resolve.resume_order(tmp_path)]
     # A8 is another branch: never a resume candidate, not even as a last resort (issue 26, W2)
     assert names == ["step_00000006", "step_00000005", "step_00000004", "step_00000002"]
     gone = lineage.prune(tmp_path, keep_last=2)
