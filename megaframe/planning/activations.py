@@ -144,12 +144,8 @@ def allocator_peak(fn) -> int:
     running sum of the CPU allocator's own events (torch.profiler with profile_memory), in time order."""
     from torch.profiler import ProfilerActivity, profile
 
+    from megaframe.training.phases import running_peak
+
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
-    live = peak = 0
-    for e in events:
-        live += e.nbytes()
-        peak = max(peak, live)
-    return peak
+    return running_peak(prof)
