@@ -37,7 +37,7 @@ import torch
 from megaframe.parallel import comm
 from megaframe.parallel.context import cp_positions
 from megaframe.parallel.mesh import Axis
-from megaframe.parallel.ring_fused import FusedRing, fused_kernels
+from megaframe.parallel.ring_fused import FusedRing, fold_heads, fused_kernels
 
 
 def _exchange(axis: Axis, x: torch.Tensor) -> tuple[torch.Tensor, list]:
@@ -55,11 +55,6 @@ def _wait(works: list) -> None:
 def _expand(x_BKNE: torch.Tensor, heads: int) -> torch.Tensor:
     """GQA: kv head k serves query heads k·g .. k·g+g-1 (SDPA's enable_gqa order)."""
     return x_BKNE.repeat_interleave(heads // x_BKNE.shape[1], dim=1)
-
-
-def _fold(g_BHNE: torch.Tensor, groups: int) -> torch.Tensor:
-    b, h, n, e = g_BHNE.shape
-    return g_BHNE.view(b, groups, h // groups, n, e).sum(2)
 
 
 def _kept(keep_BHQT: torch.Tensor | None, t: slice, src: int, n: int, p: float) -> torch.Tensor | None:
@@ -158,7 +153,7 @@ class _RingAttention(torch.autograd.Function):
                 dq[:, :, t] += ds @ k
                 dk += ds.transpose(-1, -2) @ q[:, :, t]
                 dv += (p if drop is None else p * drop).transpose(-1, -2) @ do[:, :, t]
-            dkv = dkv + torch.stack([_fold(dk, groups), _fold(dv, groups)])
+            dkv = dkv + torch.stack([fold_heads(dk, groups), fold_heads(dv, groups)])
             if j < c - 1 and not ctx.overlap:
                 nxt, works = _exchange(axis, kv)
             _wait(works)

@@ -34,7 +34,8 @@ def _gqa(x_BKME: torch.Tensor, heads: int) -> torch.Tensor:
     return x_BKME if x_BKME.device.type == "cpu" else x_BKME.repeat_interleave(heads // x_BKME.shape[1], dim=1)
 
 
-def _fold(g_BHME: torch.Tensor, kv_heads: int) -> torch.Tensor:
+def fold_heads(g_BHME: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """GQA in backward: the grads of the query heads sharing a kv head summed onto it (also the math ring's)."""
     b, h, m, e = g_BHME.shape
     return g_BHME if h == kv_heads else g_BHME.view(b, kv_heads, h // kv_heads, m, e).sum(2)
 
@@ -56,7 +57,7 @@ def pair_backward(do, q, k, v, o, lse, causal: bool, scale: float, meta):
         h = q.shape[1]
         dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
             do, q, _gqa(k, h), _gqa(v, h), o, lse, cq, ck, mq, mk, 0.0, causal, seed, offset, scale=scale)
-        return dq, _fold(dk, k.shape[1]), _fold(dv, k.shape[1])
+        return dq, fold_heads(dk, k.shape[1]), fold_heads(dv, k.shape[1])
     return aten._scaled_dot_product_flash_attention_for_cpu_backward(do, q, k, v, o, lse, 0.0, causal, scale=scale)
 
 
