@@ -128,12 +128,8 @@ def train(cfg: Config, mesh: Mesh, stop: StopFlag, run_id: str = "") -> None:
             # on every rank, not only the logger: the row's dp loss all-reduce and MoE figures are collectives; the
             # stop step too (agreed on every rank), so the summary's final loss is the one the checkpoint holds
             if step % t.log_interval == 0 or step == t.max_steps or val is not None or stopping:
-                row = {**meter.metrics(step, res, su.model, su.optimizer), **probe.gather(mesh), **ckpt.take_io(),
-                       **stage_metric(su.data, su.acct.consumed(step)), **su.phases.take()}
-                if val is not None:
-                    row["val_loss"] = meter.last["val_loss"] = val
                 # the first row after a resume names the checkpoint (readers see where the run restarted)
-                row, marker = {**row, **marker}, {}
+                row, marker = {**log_row(su, meter, probe, ckpt, mesh, step, res, val), **marker}, {}
                 tracker.log(row, start)
             if save_due(cfg, step, stopping) or timed:
                 bad.flush()  # a deferred grad-norm read: the save must know whether this step was skipped
@@ -151,6 +147,16 @@ def train(cfg: Config, mesh: Mesh, stop: StopFlag, run_id: str = "") -> None:
         loader.close()
         stop.restore()
         tracker.finish()
+
+
+def log_row(su: Setup, meter: Meter, probe: StragglerProbe, ckpt: Checkpointer, mesh: Mesh, step: int, res,
+            val: float | None) -> dict:
+    """The step's metrics row, built on every rank: the dp loss all-reduce and MoE figures are collectives."""
+    row = {**meter.metrics(step, res, su.model, su.optimizer), **probe.gather(mesh), **ckpt.take_io(),
+           **stage_metric(su.data, su.acct.consumed(step)), **su.phases.take()}
+    if val is not None:
+        row["val_loss"] = meter.last["val_loss"] = val
+    return row
 
 
 def next_batches(loader: Prefetcher, step: int, run_dir: str) -> list:
