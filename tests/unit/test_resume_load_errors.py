@@ -30,6 +30,18 @@ def two_saved(tmp_path):
     return cfg, mesh, model, opt
 
 
+def _newest_load_raises(monkeypatch, error: BaseException) -> None:
+    """sharded.load_into raises `error` for step 6 (the newest) and loads any other checkpoint."""
+    real = sharded.load_into
+
+    def load_into(path, *args):
+        if path.name == "step_00000006":
+            raise error
+        return real(path, *args)
+
+    monkeypatch.setattr(sharded, "load_into", load_into)
+
+
 def _state(root):
     return sorted(p.name for p in root.iterdir()), (root / "latest").read_text()
 
@@ -43,14 +55,7 @@ def test_out_of_memory_while_loading_stops_instead_of_falling_back(two_saved, mo
     cfg, mesh, model, opt = two_saved
     root = Path(cfg.checkpoint.dir)
     before = _state(root)
-    real = sharded.load_into
-
-    def load_into(path, *args):
-        if path.name == "step_00000006":
-            raise error("out of memory (test)")
-        return real(path, *args)
-
-    monkeypatch.setattr(sharded, "load_into", load_into)
+    _newest_load_raises(monkeypatch, error("out of memory (test)"))
     with pytest.raises(TrainingError, match=r"loading checkpoint \S*step_00000006 failed: rank 0: \w+: out of memory"):
         resume(cfg, model, opt, mesh)
     assert _state(root) == before
@@ -59,14 +64,7 @@ def test_out_of_memory_while_loading_stops_instead_of_falling_back(two_saved, mo
 def test_a_corrupt_checkpoint_is_still_skipped(two_saved, monkeypatch):
     """The checkpoint's own fault (here a torch shape complaint, a RuntimeError) still falls back to step 3."""
     cfg, mesh, model, opt = two_saved
-    real = sharded.load_into
-
-    def load_into(path, *args):
-        if path.name == "step_00000006":
-            raise RuntimeError("The size of tensor a (3) must match the size of tensor b (4)")
-        return real(path, *args)
-
-    monkeypatch.setattr(sharded, "load_into", load_into)
+    _newest_load_raises(monkeypatch, RuntimeError("The size of tensor a (3) must match the size of tensor b (4)"))
     assert resume(cfg, model, opt, mesh).step == 3
 
 
