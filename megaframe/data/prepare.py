@@ -301,6 +301,19 @@ def _finish_unit(work: Path, k: int, record: dict) -> None:
     mf.write_json(mf.unit_record_path(work, k), record)
 
 
+def _split_units(work: Path, groups: list[list[SourceFile]], records: list[dict], mine: set[int]):
+    """({unit: record} finished by an earlier run or another task, [(unit, files, records)] of `mine` to do)."""
+    done, todo, i = {}, [], 0
+    for k, group in enumerate(groups):
+        recs, i = records[i:i + len(group)], i + len(group)
+        rec = mf.finished_unit(work, k, recs)
+        if rec is not None:
+            done[k] = rec
+        elif k in mine:
+            todo.append((k, group, recs))
+    return done, todo
+
+
 def _encode(cfg: Config, files: list[SourceFile], records: list[dict], tok_path: str, work: Path, pool,
             unit_bytes: int, chunk_chars: int, cache: str, show_progress: bool | None,
             merge: bool = False) -> tuple[list[dict] | dict, float]:
@@ -308,15 +321,10 @@ def _encode(cfg: Config, files: list[SourceFile], records: list[dict], tok_path:
     earlier run; returns all shards in stream order, or {"missing", "tasks"} while other tasks' units are
     not done, and the worker processes' CPU seconds."""
     (work / "units").mkdir(exist_ok=True)
-    groups, done, todo, i = units(files, unit_bytes), {}, [], 0
+    groups = units(files, unit_bytes)
     owner = unit_tasks([sum(f.size for f in g) for g in groups], cfg.data.num_tasks)
-    for k, group in enumerate(groups):
-        recs, i = records[i:i + len(group)], i + len(group)
-        rec = mf.finished_unit(work, k, recs)
-        if rec is not None:
-            done[k] = rec
-        elif owner[k] == cfg.data.task and not merge:
-            todo.append((k, group, recs))
+    done, todo = _split_units(work, groups, records, {k for k in range(len(groups))
+                                                      if owner[k] == cfg.data.task and not merge})
     progress = Progress(sum(text_size(f) for _, g, _ in todo for f in g), show_progress)
     pending: deque = deque()  # in stream order: ("chunk", k, result, chars) and ("unit", k, recs)
     limit = 2 * (pool._processes if pool is not None else 1)  # bounded memory: few chunks in flight
