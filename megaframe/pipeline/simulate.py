@@ -27,11 +27,16 @@ from megaframe.pipeline.schedule import (
     RECV_F,
     SEND_B,
     SEND_F,
+    ZERO_BUBBLE,
     Action,
+    B,
     F,
     Grouping,
     activation_bound,
     build_schedule,
+    is_v,
+    locate,
+    max_pending_w,
     stage_of,
 )
 
@@ -51,6 +56,9 @@ class SimResult:
     bubble: float
     """Idle fraction of the makespan, averaged over ranks (equal on every rank for 1F1B)."""
     peak_inflight: list[int]
+    """Per rank: most (micro-batch, chunk) activations held from F to B (the whole activation set)."""
+    peak_pending_w: list[int] = field(default_factory=list)
+    """Per rank, split schedules: most micro-batches (chunks) whose B ran and W not yet."""
     timeline: list[list[tuple[int, Action]]] = field(default_factory=list)
     """Per rank: (start time, compute action)."""
 
@@ -77,6 +85,7 @@ class _Channel:
 class _Sim:
     def __init__(self, kind, pp, vpp, m, model: SendModel, grouping: Grouping, backward_time: int = 1):
         self.pp, self.vpp, self.m, self.model, self.backward_time = pp, vpp, m, model, backward_time
+        self.v, self.split = is_v(kind), kind in ZERO_BUBBLE
         self.scheds = [build_schedule(kind, pp, vpp, m, r, grouping) for r in range(pp)]
         self.pos, self.clock = [0] * pp, [0] * pp
         self.pending: list[deque] = [deque() for _ in range(pp)]  # a rank's batches not yet done, in order
@@ -84,6 +93,7 @@ class _Sim:
         self.last_done = [0] * pp
         self.channels: dict = defaultdict(_Channel)
         self.done_f, self.inflight, self.peak = set(), [0] * pp, [0] * pp
+        self.pending_w, self.peak_w = [0] * pp, [0] * pp
         self.timeline: list[list] = [[] for _ in range(pp)]
 
     def run(self) -> None:
@@ -195,10 +205,9 @@ class _Sim:
 
     def _expects(self, r: int, a: Action) -> tuple:
         """(direction, micro-batch, chunk, rank) of the send this receive must match."""
-        s = stage_of(r, a.chunk, self.pp)
+        s = stage_of(r, a.chunk, self.pp, self.v)
         src = s - 1 if a.kind == RECV_F else s + 1
-        # The sender's chunk is its stage // pp (stage = chunk·pp + rank).
-        return (a.kind[-1], a.microbatch, src // self.pp, a.peer)
+        return (a.kind[-1], a.microbatch, locate(src, self.pp, self.v)[1], a.peer)
 
     def _compute(self, r: int, a: Action) -> None:
         key = (a.microbatch, a.chunk, r)
@@ -209,9 +218,15 @@ class _Sim:
         else:
             if key not in self.done_f:
                 raise ScheduleError(f"rank {r} runs {a} before its forward")
-            self.inflight[r] -= 1
+            # B frees the activations; a split one keeps what W needs (the weighted layers' inputs) until W.
+            if a.kind == B:
+                self.inflight[r] -= 1
+            if self.split:
+                self.pending_w[r] += 1 if a.kind == B else -1
+                self.peak_w[r] = max(self.peak_w[r], self.pending_w[r])
         self.timeline[r].append((self.clock[r], a))
-        self.clock[r] += 1 if a.kind == F else self.backward_time
+        # Unsplit, B is the whole backward (backward_time units); split, B and W take one unit each.
+        self.clock[r] += self.backward_time if (a.kind == B and not self.split) else 1
 
 
 def simulate(kind: str, pp: int, vpp: int, m: int, sends: SendModel = SendModel.BUFFERED,
@@ -220,18 +235,20 @@ def simulate(kind: str, pp: int, vpp: int, m: int, sends: SendModel = SendModel.
     ScheduleError on a mismatch, a deadlock, B before F, a missing F/B or activations over the bound."""
     sim = _Sim(kind, pp, vpp, m, sends, grouping, backward_time)
     sim.run()
-    _check_complete(sim.timeline, pp, vpp, m)
+    _check_complete(sim.timeline, pp, vpp, m, sim.split)
     for r in range(pp):
         if sim.peak[r] > activation_bound(kind, pp, vpp, m, r):
             raise ScheduleError(f"rank {r} holds {sim.peak[r]} activations, bound {activation_bound(kind, pp, vpp, m, r)}")
     makespan = max(sim.finish_time(r) for r in range(pp))
-    # Every rank does the same work, one F and one B per (micro-batch, chunk); the rest is bubble.
-    busy = (1 + backward_time) * m * vpp
-    return SimResult(makespan, (makespan - busy) / makespan, sim.peak, sim.timeline)
+    # Every rank does the same work, one F and one B (and W) per (micro-batch, chunk); the rest is bubble.
+    busy = (3 if sim.split else 1 + backward_time) * m * vpp
+    if sim.split and max(sim.peak_w) > max_pending_w(kind, pp):
+        raise ScheduleError(f"a rank holds {max(sim.peak_w)} pending W, bound {max_pending_w(kind, pp)}")
+    return SimResult(makespan, (makespan - busy) / makespan, sim.peak, sim.peak_w, sim.timeline)
 
 
-def _check_complete(timeline, pp: int, vpp: int, m: int) -> None:
-    want = {(k, mb, c) for k in COMPUTE for mb in range(m) for c in range(vpp)}
+def _check_complete(timeline, pp: int, vpp: int, m: int, split: bool) -> None:
+    want = {(k, mb, c) for k in (COMPUTE if split else (F, B)) for mb in range(m) for c in range(vpp)}
     for r in range(pp):
         got = [(a.kind, a.microbatch, a.chunk) for _, a in timeline[r]]
         if len(got) != len(set(got)) or set(got) != want:
