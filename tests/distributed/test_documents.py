@@ -37,3 +37,59 @@ def test_document_mask_layout_matches_one_process(pool, name, n, tp, pp, over):
         torch.testing.assert_close(got["grads"][k], ref["grads"][k], rtol=1e-4, atol=1e-6)
     for k in ref["weights"]:
         torch.testing.assert_close(got["weights"][k], ref["weights"][k], rtol=1e-4, atol=1e-4)
+
+
+def _edge_setup(model, extra_eos: list[int], fused: bool = True) -> None:
+    """Ends documents also at `extra_eos` (ids the test picked so that a document starts exactly at a cp
+    chunk edge); fused=False runs the fp32 math ring instead of the fused one (the CUDA ring's path)."""
+    set_documents = model.set_documents
+    model.set_documents = lambda ids: set_documents(list(ids) + extra_eos)
+    for m in model.modules():
+        if hasattr(m, "ring_fused"):
+            m.ring_fused = fused
+
+
+def edge_eos() -> list[int]:
+    """The id the first sample holds at index 7: as an end id it makes index 8 a document's first token,
+    the edge between cp chunks at cp2 (chunks of 8 at S = 32) and cp4 (chunks of 4)."""
+    from megaframe.data.dataset import build_data, microbatches
+    from tests.distributed.cases import tiny_config
+
+    cfg = tiny_config(MASK, 1)
+    x_BS = microbatches(build_data(cfg), 0, 8, 2, 0, 1, cfg.train.seed)[0][0]
+    assert int(x_BS[0, 7]) % 64 != 0 and int(x_BS[0, 8]) % 64 != 0  # not already an end; 8 does not end at once
+    return [int(x_BS[0, 7])]
+
+
+CP_LAYOUTS = [  # (name, ranks, tp, cp, pp, overrides, fused ring)
+    ("cp2-allgather", 2, 1, 2, 1, ["parallel.cp=2"], True),
+    ("cp2-ring-selective", 2, 1, 2, 1, ["parallel.cp=2", "parallel.cp_comm=ring", "train.recompute=selective"], True),
+    ("cp4-ring-math", 4, 1, 4, 1, ["parallel.cp=4", "parallel.cp_comm=ring"], False),
+    ("cp2-ring-pp2-full", 4, 1, 2, 2, ["parallel.cp=2", "parallel.cp_comm=ring", "parallel.pp=2",
+                                       "train.recompute=full"], True),
+    ("learned-cp2-tp2-sp", 4, 2, 2, 1, ["model=gpt2_tiny", "model.num_query_groups=null", "parallel.cp=2",
+                                        "parallel.tp=2", "parallel.sp=true"], True),
+]
+
+
+@pytest.mark.parametrize("name,n,tp,cp,pp,over,fused", CP_LAYOUTS, ids=[x[0] for x in CP_LAYOUTS])
+def test_document_mask_under_cp_matches_one_process(pool, name, n, tp, cp, pp, over, fused):
+    """Context parallelism, both cp_comm kinds and the load-balanced chunk order: a document starting
+    exactly at a cp chunk edge (edge_eos), documents running across chunks of other cp ranks (positions
+    from the whole sample's end tokens), query rows that see no key of a whole K/V block."""
+    from functools import partial
+
+    family = [o for o in over if o.startswith("model")]
+    key = ("edge", *family)
+    if key not in _ref:
+        _ref["eos"] = _ref.get("eos") or edge_eos()
+        _ref[key] = pool.run(train_and_report, 1, MASK + family, STEPS, partial(_edge_setup, extra_eos=_ref["eos"]))[0]
+    got = pool.run(train_and_report, n, MASK + over, STEPS, partial(_edge_setup, extra_eos=_ref["eos"], fused=fused),
+                   tp=tp, pp=pp, cp=cp)[0]
+    ref = _ref[key]
+    rel = [abs(a - b) / abs(b) for a, b in zip(got["losses"], ref["losses"])]
+    assert max(rel) <= 1e-5, (got["losses"], ref["losses"])
+    for k in ref["grads"]:
+        torch.testing.assert_close(got["grads"][k], ref["grads"][k], rtol=1e-4, atol=1e-6)
+    for k in ref["weights"]:
+        torch.testing.assert_close(got["weights"][k], ref["weights"][k], rtol=1e-4, atol=1e-4)
