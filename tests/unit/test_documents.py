@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megaframe.config import ConfigError, load_config
+from megaframe.config import load_config
 from megaframe.model.documents import FLEX_BLOCK, document_context
 from megaframe.model.gpt import build_model
 from megaframe.parallel.mesh import single_process_mesh
