@@ -104,8 +104,44 @@ def doc_block_mask(qpos_Q: torch.Tensor, kpos_T: torch.Tensor, qdoc_BQ: torch.Te
 
     b, q, t = qdoc_BQ.shape[0], qpos_Q.shape[0], kpos_T.shape[0]
     dev = qdoc_BQ.device
+    if dev.type == "meta":  # the planner: the mask's tensors by shape (create_block_mask reads values)
+        return MetaBlockMask(b, q, t, (qpos_Q, kpos_T, qdoc_BQ, kdoc_BT))
     return create_block_mask(same_doc_causal, b, None, q, t, device=dev, BLOCK_SIZE=FLEX_BLOCK,
                              _compile=dev.type == "cuda")
+
+
+def block_mask_bytes(b: int, q: int, t: int) -> int:
+    """Bytes of a BlockMask of b samples, q queries, t keys (one head row, FLEX_BLOCK tiles): int32 counts
+    and indices of the partial and the full tiles, per query block (kv_*) and per key block (q_*, for
+    backward): 4 · b · 2 · (QB + KB + 2·QB·KB). The [Q, T] mask itself is never built."""
+    qb, kb = -(-q // FLEX_BLOCK), -(-t // FLEX_BLOCK)
+    return 8 * b * (qb + kb + 2 * qb * kb)
+
+
+class MetaBlockMask:
+    """The planner's stand-in for a BlockMask on the meta device: its tensors' shapes, no values."""
+
+    def __init__(self, b: int, q: int, t: int, buffers: tuple[torch.Tensor, ...]):
+        qb, kb = -(-q // FLEX_BLOCK), -(-t // FLEX_BLOCK)
+        shapes = [(b, 1, qb), (b, 1, qb, kb), (b, 1, kb), (b, 1, kb, qb)] * 2
+        self.tensors = [torch.empty(sh, dtype=torch.int32, device="meta") for sh in shapes]
+        self.buffers = buffers  # what the mask function reads (flex saves them for backward too)
+
+
+class _FlexSizes(torch.autograd.Function):
+    """Shape-only flex_attention for the planner: saves what the kernel saves for backward (q, k, v, the
+    output, the fp32 row log-sum-exp, the block mask's tensors and the mask function's buffers)."""
+
+    @staticmethod
+    def forward(ctx, q_BHQE, k_BKTE, v_BKTE, *mask_tensors):
+        out_BHQE = torch.empty_like(q_BHQE)
+        lse_BHQ = torch.empty(q_BHQE.shape[:-1], dtype=torch.float32, device=q_BHQE.device)
+        ctx.save_for_backward(q_BHQE, k_BKTE, v_BKTE, out_BHQE, lse_BHQ, *mask_tensors)
+        return out_BHQE
+
+    @staticmethod
+    def backward(ctx, g):  # pragma: no cover - planning never runs backward
+        raise RuntimeError("the planner's flex stand-in has no backward")
 
 
 def doc_flex_attention(q_BHQE: torch.Tensor, k_BKTE: torch.Tensor, v_BKTE: torch.Tensor, block_mask) -> torch.Tensor:
@@ -113,6 +149,8 @@ def doc_flex_attention(q_BHQE: torch.Tensor, k_BKTE: torch.Tensor, v_BKTE: torch
     has its forward only, which the tests compare with the SDPA mask path)."""
     from torch.nn.attention.flex_attention import flex_attention
 
+    if isinstance(block_mask, MetaBlockMask):
+        return _FlexSizes.apply(q_BHQE, k_BKTE, v_BKTE, *block_mask.tensors, *block_mask.buffers)
     fn = _compiled_flex() if q_BHQE.is_cuda else flex_attention
     return fn(q_BHQE, k_BKTE, v_BKTE, block_mask=block_mask, enable_gqa=q_BHQE.shape[1] != k_BKTE.shape[1])
 

@@ -4,7 +4,8 @@ boundary, anywhere in the sequence (at tp/sp chunk edges too; tests/unit/test_do
 import pytest
 import torch
 
-from tests.distributed.cases import train_and_report
+from megaframe.planning.estimate import plan_layout
+from tests.distributed.cases import tiny_config, train_and_report
 
 pytestmark = pytest.mark.distributed
 
@@ -53,7 +54,6 @@ def edge_eos() -> list[int]:
     """The id the first sample holds at index 7: as an end id it makes index 8 a document's first token,
     the edge between cp chunks at cp2 (chunks of 8 at S = 32) and cp4 (chunks of 4)."""
     from megaframe.data.dataset import build_data, microbatches
-    from tests.distributed.cases import tiny_config
 
     cfg = tiny_config(MASK, 1)
     x_BS = microbatches(build_data(cfg), 0, 8, 2, 0, 1, cfg.train.seed)[0][0]
@@ -93,3 +93,6 @@ def test_document_mask_under_cp_matches_one_process(pool, name, n, tp, cp, pp, o
         torch.testing.assert_close(got["grads"][k], ref["grads"][k], rtol=1e-4, atol=1e-6)
     for k in ref["weights"]:
         torch.testing.assert_close(got["weights"][k], ref["weights"][k], rtol=1e-4, atol=1e-4)
+    # comm_bytes/cp: the K/V exchange plus the end-of-document flags, as the planner counts them
+    planned = plan_layout(tiny_config(MASK + over + [f"train.max_steps={STEPS}"], n), n).ranks[0]
+    assert got["comm"][0]["cp"] == planned.cp_comm_bytes, (got["comm"][0], planned.cp_comm_bytes)

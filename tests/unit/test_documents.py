@@ -87,3 +87,49 @@ def test_flex_attention_forward_matches_the_sdpa_mask_on_cpu():
             model.doc_kernel = kernel
             out[kernel] = model(ids)
     torch.testing.assert_close(out["flex"], out["sdpa"], rtol=1e-5, atol=1e-5)
+
+
+def _planned_activations(over: list[str]) -> int:
+    from megaframe.planning.estimate import plan_layout
+
+    cfg = load_config(PLAN + over, world_size=1, check_data=False)
+    return plan_layout(cfg, 1).ranks[0].chunk_activation_bytes[0]
+
+
+PLAN = ["data=synthetic", "model.vocab_size=256", "model.seq_length=256", "train.micro_batch_size=2",
+        "train.global_batch_size=2"]
+
+
+def test_planner_counts_the_document_mask_as_measured():
+    """What document masking adds to one micro-batch's activations: on CPU (SDPA under the boolean mask)
+    the planner's meta forward gives the bytes a real CPU forward saves, to the byte: the float copy of
+    the [B, 1, S, S] mask SDPA saves per layer, and the per-token RoPE rows. On an accelerator
+    (FlexAttention) the block mask's int32 tiles instead of the per-layer copies, counted."""
+    from megaframe.model.documents import block_mask_bytes
+    from megaframe.planning.activations import chunk_activation_bytes
+
+    b, s, layers, e = 2, 256, 4, 16  # gpt_tiny: 4 layers, head dim 16
+    plain, cpu = _planned_activations(["train.device=cpu"]), _planned_activations(["train.device=cpu",
+                                                                                    "data.document_mask=true"])
+    measured = {}
+    for mask in ("false", "true"):
+        model = build_model(load_config(PLAN + [f"data.document_mask={mask}"], world_size=1, check_data=False),
+                            single_process_mesh())
+        if mask == "true":
+            model.set_documents(EOS)
+        measured[mask] = chunk_activation_bytes(model, 0, b, fused_attention=False)  # the real CPU kernels
+    rope_rows = 2 * s * b * e * 4  # cos and sin gathered at each token's position, fp32 [S, B, 1, E]
+    assert cpu - plain == measured["true"] - measured["false"] == layers * b * s * s * 4 + rope_rows
+    flex = _planned_activations(["train.device=cuda", "data.document_mask=true"])
+    ids_and_positions = (s + s + b * s) * 8  # the mask function's query / key positions and document ids
+    assert flex - plain == rope_rows + block_mask_bytes(b, s, s) + ids_and_positions
+
+
+def test_block_mask_bytes_count_a_real_block_mask():
+    from megaframe.model.documents import block_mask_bytes
+
+    for s, lengths in ((256, [100, 156]), (300, [300])):  # 300: partial tiles round up
+        ids = torch.stack([doc_ids(lengths, s, 0)] * 3)
+        bm = document_context(ids, torch.tensor(EOS), kernel="flex").block_mask
+        real = sum(t.nbytes for t in vars(bm).values() if isinstance(t, torch.Tensor))
+        assert real == block_mask_bytes(3, s, s)
