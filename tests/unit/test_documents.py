@@ -133,3 +133,21 @@ def test_block_mask_bytes_count_a_real_block_mask():
         bm = document_context(ids, torch.tensor(EOS), kernel="flex").block_mask
         real = sum(t.nbytes for t in vars(bm).values() if isinstance(t, torch.Tensor))
         assert real == block_mask_bytes(3, s, s)
+
+
+def test_layout_search_counts_the_document_mask_like_the_exact_planner():
+    """The search's per-layer figures (planning/search.py) include the documents' mask as the exact planner
+    does (train.device=cpu: SDPA's per-layer float copy of the [S, S] mask, 22 % of the peak here; the
+    accelerator's block mask is too small to tell apart at this size)."""
+    from megaframe.planning.estimate import plan_layout
+    from megaframe.planning.search import Layout, layout_config, phase_memory
+    from tests.unit.test_plan_search import SMALL
+
+    small = [o for o in SMALL if not o.startswith("model.seq_length")]  # S = 512: the S x S mask matters
+    cfg = load_config(small + ["model.seq_length=512", "data.document_mask=true", "train.device=cpu"],
+                      world_size=1, check_data=False)
+    for lay in (Layout(1, 1, 1, 2, 1, 1, 1, "none", cp=2), Layout(2, 1, 1, 1, 1, 0, 2, "full", cp=2)):
+        worst = max(plan_layout(layout_config(cfg, lay), 4, None).ranks, key=lambda r: r.peak_bytes)
+        got = phase_memory(cfg, lay)
+        for k, want in worst.phases.items():
+            assert abs(got[k] - want) / want < 0.05, (k, got, worst.phases)
