@@ -76,7 +76,7 @@ def test_flex_block_mask_skips_the_blocks_no_query_sees():
 def test_flex_attention_forward_matches_the_sdpa_mask_on_cpu():
     """torch 2.13 runs FlexAttention's forward on CPU (eager; its backward is CUDA-only): the model's
     logits under the block mask equal the SDPA mask path's (the CPU reference), 1e-5."""
-    cfg = load_config(["data=synthetic", "model.vocab_size=256", "model.seq_length=256",
+    cfg = load_config(["data=synthetic", "model.vocab_size=256", "model.seq_length=256", "model.num_layers=2",
                        "data.document_mask=true"], world_size=1)
     model = build_model(cfg, single_process_mesh()).eval()
     model.set_documents(EOS)
@@ -96,8 +96,8 @@ def _planned_activations(over: list[str]) -> int:
     return plan_layout(cfg, 1).ranks[0].chunk_activation_bytes[0]
 
 
-PLAN = ["data=synthetic", "model.vocab_size=256", "model.seq_length=256", "train.micro_batch_size=2",
-        "train.global_batch_size=2"]
+PLAN = ["data=synthetic", "model.vocab_size=256", "model.seq_length=256", "model.num_layers=2",
+        "train.micro_batch_size=2", "train.global_batch_size=2"]
 
 
 def test_planner_counts_the_document_mask_as_measured():
@@ -108,7 +108,7 @@ def test_planner_counts_the_document_mask_as_measured():
     from megaframe.model.documents import block_mask_bytes
     from megaframe.planning.activations import chunk_activation_bytes
 
-    b, s, layers, e = 2, 256, 4, 16  # gpt_tiny: 4 layers, head dim 16
+    b, s, layers, e = 2, 256, 2, 16  # gpt_tiny's head dim 16
     plain, cpu = _planned_activations(["train.device=cpu"]), _planned_activations(["train.device=cpu",
                                                                                     "data.document_mask=true"])
     measured = {}
