@@ -151,3 +151,21 @@ def test_layout_search_counts_the_document_mask_like_the_exact_planner():
         got = phase_memory(cfg, lay)
         for k, want in worst.phases.items():
             assert abs(got[k] - want) / want < 0.05, (k, got, worst.phases)
+
+
+def test_a_block_a_query_cannot_see_merges_without_nan():
+    """The fused ring's pieces under document masking: a query row that sees no key of a chunk pair gets
+    lse -inf (the CPU kernel reports 0 for it), and merging it, before or after any visible block, leaves
+    the row's output and lse as if the pair were absent, never NaN."""
+    from megaframe.parallel.ring_fused import _merge_, pair_bias, pair_forward
+
+    q, k, v = (torch.randn(1, 2, 4, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    docq, dock = torch.tensor([[0, 0, 1, 1]]), torch.tensor([[0, 0, 0, 0]])  # rows 2, 3: a later document
+    out, lse, _ = pair_forward(q, k, v, False, 8 ** -0.5, pair_bias(docq, dock, False, q.dtype))
+    assert lse[0, :, 2:].isneginf().all() and lse[0, :, :2].isfinite().all()
+    o, acc = torch.zeros(1, 2, 4, 8), torch.full((1, 2, 4), float("-inf"))
+    _merge_(o, acc, out, lse)  # rows 2, 3: -inf merged into -inf
+    assert not o.isnan().any() and acc[0, :, 2:].isneginf().all()
+    own_out, own_lse, _ = pair_forward(q, k, v, True, 8 ** -0.5)  # each row's own (diagonal) block
+    _merge_(o, acc, own_out, own_lse)
+    assert torch.equal(acc[0, :, 2:], own_lse[0, :, 2:]) and torch.allclose(o[0, :, 2:], own_out[0, :, 2:])
