@@ -1,5 +1,7 @@
 """data.document_mask: a masked sample gives, for each of its documents, the logits of that document run
-alone through the model (positions from 0, nothing seen of the others); RoPE and learned positions."""
+alone through the model (positions from 0, nothing seen of the others); RoPE and learned positions. The
+FlexAttention block mask (CUDA's kernel) against the SDPA mask on CPU, what the planner counts, and the
+fused ring's merge of a block a query cannot see."""
 from __future__ import annotations
 
 import pytest
