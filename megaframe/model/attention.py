@@ -18,7 +18,7 @@ from megaframe.layers.rng import tp_distinct
 from megaframe.model.documents import DocContext, doc_flex_attention
 from megaframe.parallel import comm
 from megaframe.parallel.context import cp_causal_bias
-from megaframe.parallel.cp_attention import cp_chunked_attention
+from megaframe.parallel.cp_attention import cp_chunked_attention, cp_global_order
 from megaframe.parallel.mesh import Axis
 from megaframe.parallel.ring_attention import ring_attention
 from megaframe.schema import ModelConfig
@@ -133,6 +133,8 @@ class Attention(nn.Module):
             return ring_attention(q_BHQE, k_BKTE, v_BKTE, self.cp, self.seq, self.ring_overlap, self.ring_tile_elems,
                                   dropout_p=dropout, fused=self.ring_fused, doc_BS=doc.doc_BS)
         if doc.kernel == "flex":  # no [Q, T] mask; no dropout (the model picks sdpa then)
+            if self.cp_gathered:  # global order: the block mask's causal tiles are contiguous (skipped whole)
+                k_BKTE, v_BKTE = cp_global_order(k_BKTE, self.cp.size), cp_global_order(v_BKTE, self.cp.size)
             return doc_flex_attention(q_BHQE, k_BKTE, v_BKTE, doc.block_mask)
         return F.scaled_dot_product_attention(q_BHQE, k_BKTE, v_BKTE, attn_mask=doc.mask_B1QT, dropout_p=dropout,
                                               enable_gqa=q_BHQE.shape[1] != k_BKTE.shape[1])

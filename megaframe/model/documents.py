@@ -80,15 +80,12 @@ def document_context(ids_BQ: torch.Tensor, eos_ids: torch.Tensor, cp: Axis | Non
     ctx = DocContext(cp_keep(idx_S - first_BS, r, c), doc_BS, kernel)
     if kernel == "ring":
         return ctx
-    # keys in the order attention sees them: the cp group's chunks in cp-rank order (the all-gather's)
-    qpos_Q, kpos_T = cp_positions(s, c, r, ids_BQ.device), idx_S
-    qdoc_BQ, kdoc_BT = cp_keep(doc_BS, r, c), doc_BS
-    if c > 1:
-        kpos_T = torch.cat([cp_positions(s, c, j, ids_BQ.device) for j in range(c)])
-        kdoc_BT = torch.cat([cp_keep(doc_BS, j, c) for j in range(c)], dim=1)
-    if kernel == "flex":
-        ctx.block_mask = doc_block_mask(qpos_Q, kpos_T, qdoc_BQ, kdoc_BT)
-    else:
+    qpos_Q, qdoc_BQ = cp_positions(s, c, r, ids_BQ.device), cp_keep(doc_BS, r, c)
+    if kernel == "flex":  # keys in global order (attention reorders the gathered K/V): whole tiles skip
+        ctx.block_mask = doc_block_mask(qpos_Q, idx_S, qdoc_BQ, doc_BS)
+    else:  # keys in the order of the all-gather: the cp group's chunks in cp-rank order
+        kpos_T = torch.cat([cp_positions(s, c, j, ids_BQ.device) for j in range(c)]) if c > 1 else idx_S
+        kdoc_BT = torch.cat([cp_keep(doc_BS, j, c) for j in range(c)], dim=1) if c > 1 else doc_BS
         same_BQT = qdoc_BQ[:, :, None] == kdoc_BT[:, None, :]
         ctx.mask_B1QT = (same_BQT & (kpos_T[None, :] <= qpos_Q[:, None])).unsqueeze(1)
     return ctx

@@ -97,3 +97,30 @@ def test_document_mask_under_cp_matches_one_process(pool, name, n, tp, cp, pp, o
     # comm_bytes/cp: the K/V exchange plus the end-of-document flags, as the planner counts them
     planned = plan_layout(tiny_config(MASK + over + [f"train.max_steps={STEPS}"], n), n).ranks[0]
     assert got["comm"][0]["cp"] == planned.cp_comm_bytes, (got["comm"][0], planned.cp_comm_bytes)
+
+
+def flex_matches_sdpa(mesh, overrides: list[str]) -> float:
+    """Max |logits| difference of this rank's tokens between the FlexAttention block mask and the SDPA
+    mask, forward only (CPU has flex's forward alone); S = 256: cp2 chunks of 64, two to a flex tile."""
+    from megaframe.data.dataset import build_data, microbatches
+    from megaframe.model.gpt import build_model
+
+    cfg = tiny_config(MASK + overrides + ["model.seq_length=256", "model.num_layers=1"], mesh.world)
+    model = build_model(cfg, mesh).eval()
+    data = build_data(cfg)
+    model.set_documents(data.eos_ids)
+    x_BS = microbatches(data, 0, 8, 2, 0, 1, cfg.train.seed, cp_rank=mesh.cp.rank, cp_size=mesh.cp.size)[0][0]
+    out = {}
+    with torch.no_grad():
+        for kernel in ("sdpa", "flex"):
+            model.doc_kernel = kernel
+            out[kernel] = model(x_BS)
+    return (out["flex"] - out["sdpa"]).abs().max().item()
+
+
+@pytest.mark.filterwarnings("ignore:.*flex_attention called without torch.compile")
+def test_flex_block_mask_under_cp_allgather_matches_sdpa(pool):
+    """CUDA's kernel under cp_comm=allgather (the rank's two query chunks against the gathered K/V put in
+    global order, the block mask by global position and document) equals the SDPA mask path, every rank."""
+    errs = pool.run(flex_matches_sdpa, 2, ["parallel.cp=2"], cp=2)
+    assert max(errs) <= 1e-5, errs
