@@ -4,7 +4,8 @@ torchtitan's block masks).
 
 Legend: B batch, S the whole sample, Q this rank's query tokens (S, or S/c under context parallelism;
 under sp attention sees the gathered sequence), T the keys attention sees at once (S; under
-cp_comm=allgather the cp group's gathered K/V in cp-rank order), E head dim.
+cp_comm=allgather the cp group's gathered K/V: in cp-rank order for SDPA, put in global order for flex),
+E head dim.
 
 A sample is a window of the concatenated token stream; a document ends at its end-of-document token, which
 belongs to the document it ends. So doc_BS[t] = the number of end tokens before t, and the position of t
