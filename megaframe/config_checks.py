@@ -309,8 +309,6 @@ def _check_data_fields(cfg: Config) -> None:
     _req(math.isfinite(sum(b.weight for b in d.blend)),
          f"data.blend weights {[b.weight for b in d.blend]} sum to infinity: scale them down")
     _check_stages(d, t, cfg.model.seq_length)
-    _req(not d.document_mask or cfg.parallel.cp == 1,
-         f"data.document_mask=true is not supported with parallel.cp={cfg.parallel.cp} yet: use cp=1")
     _req(t.eval_interval >= 0 and t.eval_iters >= 1,
          f"train.eval_interval={t.eval_interval} must be >= 0 and train.eval_iters={t.eval_iters} >= 1")
     _req(t.sample_interval >= 0 and t.sample_tokens >= 1,

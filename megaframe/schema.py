@@ -345,7 +345,8 @@ class DataConfig:
     """Attention only within each sample's own documents (causal within each), positions (RoPE or learned)
     restarting at every document; a document ends at the tokenizer's end-of-document id (synthetic data:
     ids that are multiples of 64). The end token's loss (predicting the next document's first token) is
-    kept. Not with parallel.cp > 1 yet (megaframe.model.documents)."""
+    kept. Exact under every layout, cp included; CPU: SDPA under a boolean mask, CUDA: FlexAttention
+    block masks (megaframe.model.documents, docs/data.md)."""
     stages: list[DataStage] = field(default_factory=list)
     """Mixtures that change during the run, instead of data.blend: a list of {until_step or until_tokens,
     blend}, ends increasing, the last one open-ended; the sampler switches at each boundary, exactly, under

@@ -15,9 +15,10 @@ from torch.utils.checkpoint import checkpoint
 
 from megaframe.layers.linear import ColumnParallelLinear, RowParallelLinear
 from megaframe.layers.rng import tp_distinct
+from megaframe.model.documents import DocContext, doc_flex_attention
 from megaframe.parallel import comm
 from megaframe.parallel.context import cp_causal_bias
-from megaframe.parallel.cp_attention import cp_chunked_attention
+from megaframe.parallel.cp_attention import cp_chunked_attention, cp_global_order
 from megaframe.parallel.mesh import Axis
 from megaframe.parallel.ring_attention import ring_attention
 from megaframe.schema import ModelConfig
@@ -71,9 +72,9 @@ class Attention(nn.Module):
         h, k, e = self.heads, self.groups, self.head_dim
         q, kk, v = qkv_SBX.split([h * e, k * e, k * e], dim=-1)
         q_SBHE, k_SBKE = q.view(s, b, h, e), kk.view(s, b, k, e)
-        # rope: (cos_SE, sin_SE); under document masking (cos_SB1E, sin_SB1E, mask_B1SS), cos None for learned
+        # rope: (cos_SE, sin_SE); under document masking (cos_SB1E, sin_SB1E, DocContext), cos None for learned
         cos, sin = rope[:2] if rope is not None else (None, None)
-        mask_B1SS = rope[2] if rope is not None and len(rope) == 3 else None
+        doc = rope[2] if rope is not None and len(rope) == 3 else None
         if cos is not None:  # before the permute: rows of E stay contiguous, so the rotation streams
             cos_S11E, sin_S11E = (cos, sin) if cos.dim() == 4 else (cos[:s, None, None, :], sin[:s, None, None, :])
             q_SBHE, k_SBKE = apply_rope(q_SBHE, cos_S11E, sin_S11E), apply_rope(k_SBKE, cos_S11E, sin_S11E)
@@ -87,29 +88,28 @@ class Attention(nn.Module):
         if self.recompute_core and self.training and torch.is_grad_enabled():
             # selective recompute (Megatron): drop what SDPA saved for backward (probabilities, or the
             # flash/efficient kernels' logsumexp) and re-run it in backward; RNG state is restored
-            o_BHSE = checkpoint(self._core, q_BHSE, k_BKSE, v_BKSE, mask_B1SS, use_reentrant=False)
+            o_BHSE = checkpoint(self._core, q_BHSE, k_BKSE, v_BKSE, doc, use_reentrant=False)
         else:
-            o_BHSE = self._core(q_BHSE, k_BKSE, v_BKSE, mask_B1SS)
+            o_BHSE = self._core(q_BHSE, k_BKSE, v_BKSE, doc)
         o_SBX = o_BHSE.permute(2, 0, 1, 3).reshape(s, b, h * e)
         return self.out_proj(o_SBX)
 
     def _core(self, q_BHSE: torch.Tensor, k_BKSE: torch.Tensor, v_BKSE: torch.Tensor,
-              mask_B1SS: torch.Tensor | None = None) -> torch.Tensor:
+              doc: DocContext | None = None) -> torch.Tensor:
         """Causal SDPA: is_causal and no mask tensor, so flash / memory-efficient kernels apply (document
-        masking passes its causal same-document mask instead). The heads are split over tp: attention
-        dropout draws per tp rank (layers.rng)."""
+        masking: its kernel, _documents). The heads are split over tp: attention dropout draws per tp
+        rank (layers.rng)."""
         if self.training and self.dropout > 0 and self.tp.size > 1:
             with tp_distinct(self.tp, q_BHSE.device):
-                return self._sdpa(q_BHSE, k_BKSE, v_BKSE, mask_B1SS)
-        return self._sdpa(q_BHSE, k_BKSE, v_BKSE, mask_B1SS)
+                return self._sdpa(q_BHSE, k_BKSE, v_BKSE, doc)
+        return self._sdpa(q_BHSE, k_BKSE, v_BKSE, doc)
 
     def _sdpa(self, q_BHSE: torch.Tensor, k_BKSE: torch.Tensor, v_BKSE: torch.Tensor,
-              mask_B1SS: torch.Tensor | None = None) -> torch.Tensor:
+              doc: DocContext | None = None) -> torch.Tensor:
         dropout = self.dropout if self.training else 0.0
         gqa = q_BHSE.shape[1] != k_BKSE.shape[1]
-        if mask_B1SS is not None:  # document masking (cp refused): causal within each document
-            return F.scaled_dot_product_attention(q_BHSE, k_BKSE, v_BKSE, attn_mask=mask_B1SS, dropout_p=dropout,
-                                                  enable_gqa=gqa)
+        if doc is not None:
+            return self._documents(q_BHSE, k_BKSE, v_BKSE, doc, dropout)
         if self.cp_ring:  # K/V blocks passed around the cp ring (parallel/ring_attention.py)
             # dropout drawn as the all-gather branch's SDPA draws it (ring_attention.py)
             return ring_attention(q_BHSE, k_BKSE, v_BKSE, self.cp, self.seq, self.ring_overlap, self.ring_tile_elems,
@@ -124,3 +124,17 @@ class Attention(nn.Module):
                                                   enable_gqa=gqa)
         return F.scaled_dot_product_attention(q_BHSE, k_BKSE, v_BKSE, is_causal=True, dropout_p=dropout,
                                               enable_gqa=gqa)
+
+    def _documents(self, q_BHQE: torch.Tensor, k_BKTE: torch.Tensor, v_BKTE: torch.Tensor, doc: DocContext,
+                   dropout: float) -> torch.Tensor:
+        """Causal within each document (model/documents.py); K/V: the whole sample's (one process, sp), the
+        cp group's gathered in cp-rank order (allgather), or this rank's block (ring)."""
+        if doc.kernel == "ring":  # each K/V block masked by its own documents' ids (ring_attention.py)
+            return ring_attention(q_BHQE, k_BKTE, v_BKTE, self.cp, self.seq, self.ring_overlap, self.ring_tile_elems,
+                                  dropout_p=dropout, fused=self.ring_fused, doc_BS=doc.doc_BS)
+        if doc.kernel == "flex":  # no [Q, T] mask; no dropout (the model picks sdpa then)
+            if self.cp_gathered:  # global order: the block mask's causal tiles are contiguous (skipped whole)
+                k_BKTE, v_BKTE = cp_global_order(k_BKTE, self.cp.size), cp_global_order(v_BKTE, self.cp.size)
+            return doc_flex_attention(q_BHQE, k_BKTE, v_BKTE, doc.block_mask)
+        return F.scaled_dot_product_attention(q_BHQE, k_BKTE, v_BKTE, attn_mask=doc.mask_B1QT, dropout_p=dropout,
+                                              enable_gqa=q_BHQE.shape[1] != k_BKTE.shape[1])

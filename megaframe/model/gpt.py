@@ -141,8 +141,11 @@ class GPT(nn.Module):
         if cfg.position_embedding == "rope":
             cos, sin = rope_tables(cfg.seq_length, cfg.head_dim, cfg.rope_theta, device)
             self.rope = (cos[self.positions], sin[self.positions]) if mesh.cp.size > 1 else (cos, sin)
+            self.rope_whole = (cos, sin)  # document masking gathers rows at positions within documents
         self.drop = nn.Dropout(cfg.dropout)
         self.doc_eos: torch.Tensor | None = None  # end-of-document ids under data.document_mask (set_documents)
+        self.cp_ring = cp_ring and mesh.cp.size > 1
+        self.doc_kernel: str | None = None  # tests force "flex" or "sdpa" (None: _doc_kernel's choice)
         # module calls around the two steps outside the blocks, so ZeRO-3's module hooks bracket them
         self.input_step = _Step(self._embed_tokens) if stage.first else None
         self.output_step = _Step(self._head_output) if stage.last else None
@@ -182,8 +185,8 @@ class GPT(nn.Module):
             s = x_SBD.shape[0]
             # Under sp x_SBD is already this rank's sequence block: add the positions of that block.
             start = self.mesh.tp.rank * s if self.sp else 0
-            if doc is not None:  # positions within each document (cp is refused with document masking)
-                x_SBD = x_SBD + self.pos_embed[doc.pos_BS.t()[start:start + s]]
+            if doc is not None:  # positions within each document (of this cp rank's tokens)
+                x_SBD = x_SBD + self.pos_embed[doc.pos_BQ.t()[start:start + s]]
             elif self.mesh.cp.size > 1:  # this cp rank's chunks: their global rows
                 x_SBD = x_SBD + self.pos_embed[self.positions[start:start + s]].unsqueeze(1)
             else:
@@ -209,13 +212,15 @@ class GPT(nn.Module):
     def forward_chunk(self, chunk: int, x_SBD: torch.Tensor | None, input_ids_BS: torch.Tensor,
                       labels_BS: torch.Tensor | None) -> torch.Tensor:
         """One chunk: hidden states in, hidden states out (or loss_BS / logits on the last stage)."""
-        doc = document_context(input_ids_BS, self.doc_eos) if self.doc_eos is not None else None
+        doc = None
+        if self.doc_eos is not None:
+            doc = document_context(input_ids_BS, self.doc_eos, self.mesh.cp, self._doc_kernel())
         if chunk == 0 and self.stage.first:
             x_SBD = self.embed_tokens(input_ids_BS, doc)
-        # what attention needs: (cos, sin) tables, and under document masking per-token ones plus the mask
+        # what attention needs: (cos, sin) tables, and under document masking per-token ones plus the documents
         rope = self.rope
         if doc is not None:
-            rope = (*(rope_at(*self.rope, doc.pos_BS) if self.rope is not None else (None, None)), doc.mask_B1SS)
+            rope = (*(rope_at(*self.rope_whole, doc.pos_BQ) if self.rope is not None else (None, None)), doc)
         full = self.recompute_blocks and self.training and torch.is_grad_enabled()
         for i in self.stage.chunks[chunk]:
             if full:  # keep only the block's input; backward re-runs its forward (same RNG state: same dropout)
@@ -225,6 +230,16 @@ class GPT(nn.Module):
         if chunk == len(self.stage.chunks) - 1 and self.stage.last:
             return self.head_output(x_SBD, labels_BS)
         return x_SBD
+
+    def _doc_kernel(self) -> str:
+        """Document masking's attention kernel (model/documents.py): the ring masks its own blocks; CUDA runs
+        FlexAttention, except with attention dropout (flex has none): SDPA under the boolean mask, as on CPU."""
+        if self.doc_kernel is not None:
+            return self.doc_kernel
+        if self.cp_ring:
+            return "ring"
+        dropout = self.training and self.cfg.dropout > 0
+        return "flex" if self.positions.device.type == "cuda" and not dropout else "sdpa"
 
     def forward(self, input_ids_BS: torch.Tensor, labels_BS: torch.Tensor | None = None) -> torch.Tensor:
         assert self.stage.first and self.stage.last and len(self.stage.chunks) == 1, "use forward_chunk under pp"

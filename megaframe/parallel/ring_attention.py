@@ -35,7 +35,7 @@ import contextlib
 import torch
 
 from megaframe.parallel import comm
-from megaframe.parallel.context import cp_positions
+from megaframe.parallel.context import cp_keep, cp_positions
 from megaframe.parallel.mesh import Axis
 from megaframe.parallel.ring_fused import FusedRing, fold_heads, fused_kernels
 
@@ -64,6 +64,22 @@ def _kept(keep_BHQT: torch.Tensor | None, t: slice, src: int, n: int, p: float) 
     return keep_BHQT[:, :, t, src * n:(src + 1) * n].float().div_(1 - p)
 
 
+def _visible(pos_q: torch.Tensor, pos_k: torch.Tensor, t: slice, docq_BQ: torch.Tensor | None,
+             dock_BN: torch.Tensor | None) -> torch.Tensor:
+    """mask_QN (True = attend) of query rows t against one K/V block: causal by global position, and under
+    document masking also the same document (then mask_B1QN). A row may see no key of a block (a later
+    document's query against an earlier one's block): the merges below keep such rows at -inf, not NaN."""
+    mask_QN = pos_k[None, :] <= pos_q[t, None]
+    if docq_BQ is None:
+        return mask_QN
+    return (mask_QN & (docq_BQ[:, t, None] == dock_BN[:, None, :])).unsqueeze(1)
+
+
+def _docs(doc_BS: torch.Tensor | None, c: int, rank: int) -> torch.Tensor | None:
+    """The document ids of cp rank `rank`'s tokens (its two chunks); None without document masking."""
+    return None if doc_BS is None else cp_keep(doc_BS, rank, c)
+
+
 TILE_ELEMS = {"cpu": 1 << 20, "cuda": 1 << 26}
 """Score elements ([B, H, rows, N] fp32) one tile of query rows works on: the block attention is math, so
 its scores, probabilities and their grads are working memory; tiling the rows bounds it (4 MiB a tensor
@@ -79,8 +95,9 @@ def _tiles(q_BHQE: torch.Tensor, n: int, elems: int | None) -> list[slice]:
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_BHQE, k_BKNE, v_BKNE, axis: Axis, seq: int, overlap: bool, tile: int | None,
-                dropout_p: float):
+                dropout_p: float, doc_BS: torch.Tensor | None):
         c, r, h, n = axis.size, axis.rank, q_BHQE.shape[1], k_BKNE.shape[2]
+        docq_BQ = _docs(doc_BS, c, r)
         ctx.rng = _rng_state(q_BHQE.device) if dropout_p > 0 else None  # backward draws the mask again
         keep_BHQT = dropout_keep(q_BHQE, c * n, dropout_p) if dropout_p > 0 else None
         scale = q_BHQE.shape[-1] ** -0.5
@@ -94,10 +111,10 @@ class _RingAttention(torch.autograd.Function):
             works = []
             if j < c - 1 and overlap:  # the next block's transfer overlaps this block's attention
                 nxt, works = _exchange(axis, kv)
-            pos_k = cp_positions(seq, c, (r - j) % c, q.device)
+            pos_k, dock_BN = cp_positions(seq, c, (r - j) % c, q.device), _docs(doc_BS, c, (r - j) % c)
             k, v = _expand(kv[0].float(), h), _expand(kv[1].float(), h)
             for t in tiles:  # rows are independent: each tile merges its block into its own rows of o, lse
-                mask_QN = pos_k[None, :] <= pos_q[t, None]
+                mask_QN = _visible(pos_q, pos_k, t, docq_BQ, dock_BN)
                 s = ((q[:, :, t] @ k.transpose(-1, -2)) * scale).masked_fill(~mask_QN, float("-inf"))
                 new_lse = torch.logaddexp(lse[:, :, t], torch.logsumexp(s, dim=-1))
                 seen = torch.isfinite(new_lse)  # rows with no visible key yet keep 0
@@ -112,15 +129,16 @@ class _RingAttention(torch.autograd.Function):
             _wait(works)
             if j < c - 1:
                 kv = nxt
-        ctx.save_for_backward(q_BHQE, k_BKNE, v_BKNE, o, lse)
+        ctx.save_for_backward(q_BHQE, k_BKNE, v_BKNE, o, lse, doc_BS)
         ctx.axis, ctx.seq, ctx.overlap, ctx.tile, ctx.dropout_p = axis, seq, overlap, tile, dropout_p
         return o.to(q_BHQE.dtype)
 
     @staticmethod
     def backward(ctx, do_BHQE):
-        q_BHQE, k_BKNE, v_BKNE, o, lse = ctx.saved_tensors
+        q_BHQE, k_BKNE, v_BKNE, o, lse, doc_BS = ctx.saved_tensors
         axis, seq = ctx.axis, ctx.seq
         c, r, h, groups, n = axis.size, axis.rank, q_BHQE.shape[1], k_BKNE.shape[1], k_BKNE.shape[2]
+        docq_BQ = _docs(doc_BS, c, r)
         scale = q_BHQE.shape[-1] ** -0.5
         pos_q = cp_positions(seq, c, r, q_BHQE.device)
         keep_BHQT = None
@@ -138,11 +156,11 @@ class _RingAttention(torch.autograd.Function):
             works = []
             if j < c - 1 and ctx.overlap:  # the K/V block moves on while its grads are computed here
                 nxt, works = _exchange(axis, kv)
-            pos_k = cp_positions(seq, c, (r - j) % c, q.device)
+            pos_k, dock_BN = cp_positions(seq, c, (r - j) % c, q.device), _docs(doc_BS, c, (r - j) % c)
             k, v = _expand(kv[0].float(), h), _expand(kv[1].float(), h)
             dk, dv = torch.zeros_like(k), torch.zeros_like(v)
             for t in tiles:
-                mask_QN = pos_k[None, :] <= pos_q[t, None]
+                mask_QN = _visible(pos_q, pos_k, t, docq_BQ, dock_BN)
                 s = ((q[:, :, t] @ k.transpose(-1, -2)) * scale).masked_fill(~mask_QN, float("-inf"))
                 p = torch.exp(s - ref[:, :, t, None]).masked_fill(~mask_QN, 0.0)
                 dp = do[:, :, t] @ v.transpose(-1, -2)
@@ -164,7 +182,7 @@ class _RingAttention(torch.autograd.Function):
             dkv = moved
             if j < c - 1:
                 kv = nxt
-        return dq.to(q_BHQE.dtype), dkv[0].to(k_BKNE.dtype), dkv[1].to(v_BKNE.dtype), None, None, None, None, None
+        return dq.to(q_BHQE.dtype), dkv[0].to(k_BKNE.dtype), dkv[1].to(v_BKNE.dtype), *[None] * 6
 
 
 def _rng_state(device: torch.device) -> torch.Tensor:
@@ -197,14 +215,17 @@ def dropout_keep(q_BHQE: torch.Tensor, gathered: int, p: float) -> torch.Tensor:
 @torch.compiler.disable  # p2p inside: eager between a compiled block's pieces (as comm.py's collectives)
 def ring_attention(q_BHQE: torch.Tensor, k_BKNE: torch.Tensor, v_BKNE: torch.Tensor, axis: Axis,
                    seq: int, overlap: bool = True, tile_elems: int | None = None,
-                   dropout_p: float = 0.0, fused: bool = True) -> torch.Tensor:
+                   dropout_p: float = 0.0, fused: bool = True, doc_BS: torch.Tensor | None = None) -> torch.Tensor:
     """Exact causal attention of this rank's queries against the whole cp group's K/V, by ring, with
     attention dropout when dropout_p > 0 (see the module docstring).
     Without dropout, where the device has them (ring_fused.fused_kernels), each block runs on fused
     flash kernels merged by log-sum-exp (ring_fused.py); else, and with `fused=False` (an internal switch
     for scripts/bench_cp.py and tests), on the fp32 math below.
     `tile_elems`: the math's score elements per tile of query rows (None: TILE_ELEMS of the device; tests
-    set a small one to cross tile boundaries on tiny shapes)."""
-    if fused and dropout_p == 0 and fused_kernels(q_BHQE):
-        return FusedRing.apply(q_BHQE, k_BKNE, v_BKNE, axis, overlap, _exchange, _wait)
-    return _RingAttention.apply(q_BHQE, k_BKNE, v_BKNE, axis, seq, overlap, tile_elems, dropout_p)
+    set a small one to cross tile boundaries on tiny shapes).
+    `doc_BS` (document masking): the whole sample's document ids in global order; each block is masked by
+    its tokens' documents as well (the fused kernels take the mask on CPU; CUDA's flash takes none, so
+    there the math ring runs)."""
+    if fused and dropout_p == 0 and fused_kernels(q_BHQE) and (doc_BS is None or not q_BHQE.is_cuda):
+        return FusedRing.apply(q_BHQE, k_BKNE, v_BKNE, axis, overlap, _exchange, _wait, doc_BS)
+    return _RingAttention.apply(q_BHQE, k_BKNE, v_BKNE, axis, seq, overlap, tile_elems, dropout_p, doc_BS)

@@ -18,7 +18,7 @@ meta device with a virtual mesh (no process groups; megaframe.parallel.virtual),
                the rank's own action list (pipeline/schedule.py) walked forward by forward; under
                cp the forward runs on the rank's S/cp tokens with attention over a virtual cp axis
                (the gathered K/V, or the ring's own block), plus, with attention dropout, the cp causal bias
-               the layers share
+               the layers share; under data.document_mask what the documents add (plan_documents)
   cp bytes     the bytes a rank sends on cp per step (comm_bytes/cp): context.cp_bytes_per_layer, the
                theory the cp byte-count test checks, times the rank's layers and micro-batches
 
@@ -177,6 +177,8 @@ def _rank_figures(cfg: Config, tp: int, pp: int, dp: int, pp_rank: int, tp_rank:
     mesh = virtual_mesh(tp, pp, dp, tp_rank=tp_rank, pp_rank=pp_rank, device="meta", ep=cfg.parallel.ep,
                         shard=cfg.optim.shard_group_size, cp=cfg.parallel.cp)
     model = cast_model(build_model(cfg, mesh), cfg.train.precision)
+    if cfg.data.document_mask:
+        plan_documents(model, cfg)
     params, grads, optim = state_bytes(model, cfg, mesh)
     # fused: real devices run a fused attention kernel; meta's math path would count the S x S matrix
     chunks = [chunk_activation_bytes(model, c, cfg.train.micro_batch_size, fused_attention=True)
@@ -228,14 +230,28 @@ def cp_bias_bytes(model) -> int:
     return model.cfg.seq_length ** 2 // attn.cp.size * p.element_size()
 
 
+def plan_documents(model, cfg: Config) -> None:
+    """data.document_mask: the planning forward builds what training builds for its documents (ids,
+    positions, RoPE rows, and the mask of the kernel the planned device runs: the boolean [B, 1, Q, T]
+    SDPA turns into a float copy per layer on CPU or with attention dropout; FlexAttention's block mask on
+    an accelerator; nothing under the ring), so the measured activations include it (model/documents.py)."""
+    model.set_documents([0])  # which ids end documents changes no shape
+    if not model.cp_ring:
+        model.doc_kernel = "sdpa" if _on_host(cfg) or cfg.model.dropout > 0 else "flex"
+
+
 def cp_step_bytes(cfg: Config, model, dp: int) -> int:
-    """comm_bytes/cp of one step on this rank: every layer it holds, every micro-batch."""
+    """comm_bytes/cp of one step on this rank: every layer it holds, every micro-batch; under document
+    masking also the end-of-document flags, one byte a token, all-gathered per micro-batch and chunk."""
     mesh, m, t = model.mesh, cfg.model, cfg.train
     micro = t.global_batch_size // (t.micro_batch_size * dp)
     ring = str(getattr(cfg.parallel.cp_comm, "value", cfg.parallel.cp_comm)) == "ring"
     per = cp_bytes_per_layer(m.seq_length, mesh.cp.size, t.micro_batch_size, m.kv_heads // mesh.tp.size,
                              m.head_dim, next(model.parameters()).element_size(), ring, t.recompute)
-    return len(model.layers) * micro * per
+    flags = 0
+    if cfg.data.document_mask:
+        flags = len(model.stage.chunks) * (mesh.cp.size - 1) * t.micro_batch_size * m.seq_length // mesh.cp.size
+    return len(model.layers) * micro * per + micro * flags
 
 
 def merged_rows(plan: Plan) -> list[tuple[list[int], RankFigures]]:

@@ -120,6 +120,7 @@ def _act_per_layer(cfg_key, tp: int, recompute: str, cp: int = 1) -> tuple[int, 
     from megaframe.optim.build import cast_model
     from megaframe.parallel.virtual import virtual_mesh
     from megaframe.planning.activations import chunk_activation_bytes
+    from megaframe.planning.estimate import plan_documents
 
     cfg = _CFGS[cfg_key]
 
@@ -129,7 +130,10 @@ def _act_per_layer(cfg_key, tp: int, recompute: str, cp: int = 1) -> tuple[int, 
                                                              pp_layout=None, cp=cp),
                                 train=dataclasses.replace(cfg.train, recompute=recompute, compile=False))
         mesh = virtual_mesh(tp, pp, 1, pp_rank=pp_rank, device="meta", cp=cp)
-        return chunk_activation_bytes(cast_model(build_model(c, mesh), c.train.precision), 0, 1, fused_attention=True)
+        model = cast_model(build_model(c, mesh), c.train.precision)
+        if c.data.document_mask:  # the documents' mask and tensors, as the exact planner counts them
+            plan_documents(model, c)
+        return chunk_activation_bytes(model, 0, 1, fused_attention=True)
 
     # a 2-layer minus a 1-layer model: one block's bytes, the embedding and head cancel out
     per_layer = measure(2, 1, 0) - measure(1, 1, 0)

@@ -27,6 +27,8 @@ LAYOUTS = [
      MOE + ["parallel.tp=2", "parallel.sp=true", "parallel.ep=2", "model.moe_capacity_factor=1.0"], 2),
     # MoE under cp: the run counts gathered over cp, capacity's run-order mask built once (first step)
     ("moe-cp2-ep2-capacity", 2, 1, 1, 2, MOE + ["parallel.cp=2", "parallel.ep=2", "model.moe_capacity_factor=1.0"], 2),
+    # document masking under cp: the end flags' all-gather and the per-block masks read nothing back
+    ("dense-cp2-ring-document-mask", 2, 1, 1, 1, ["parallel.cp=2", "parallel.cp_comm=ring", "data.document_mask=true"], 0),
 ]
 
 
