@@ -107,7 +107,8 @@ def test_old_exchange_trains_on_nan_under_nccl_semantics(pool):
 
 
 EVAL_LAYOUTS = [("pp4-vpp2", 4, 1, 4, ["parallel.vpp=2", L8]),
-                ("tp2-sp-pp2-vpp2", 4, 2, 2, ["parallel.sp=true", "parallel.vpp=2", L4]), ("pp2-dp2", 4, 1, 2, [])]
+                ("tp2-sp-pp2-vpp2", 4, 2, 2, ["parallel.sp=true", "parallel.vpp=2", L4]), ("pp2-dp2", 4, 1, 2, []),
+                ("zbv-pp4", 4, 1, 4, [*ZBV, L8])]
 
 
 @pytest.mark.parametrize("name,n,tp,pp,extra", EVAL_LAYOUTS, ids=[x[0] for x in EVAL_LAYOUTS])
