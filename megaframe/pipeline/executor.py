@@ -24,8 +24,7 @@ import torch
 from torch.autograd import Variable
 
 from megaframe.parallel.mesh import Mesh
-from megaframe.pipeline import p2p
-from megaframe.pipeline import split
+from megaframe.pipeline import p2p, split
 from megaframe.pipeline.schedule import COMPUTE, RECV_B, RECV_F, SEND_B, SEND_F, Action, F, W, locate, stage_of
 
 

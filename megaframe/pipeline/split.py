@@ -141,6 +141,10 @@ def backward_input(root: torch.Tensor, grad: torch.Tensor | None, x: torch.Tenso
     return gx, pending
 
 
+def _replace_with(grads):
+    return lambda _incoming: grads
+
+
 def backward_weight(pending: PendingW) -> None:
     """W: every parameter grad of the micro-batch's chunk, accumulated through AccumulateGrad (hooks fire)."""
     for params, nodes, saved in pending.groups:
@@ -152,7 +156,7 @@ def backward_weight(pending: PendingW) -> None:
                     grads.append(g)
         # one node of the group may feed another (a param used twice on one path): each node then runs
         # with exactly the grad B saw there, not that plus what flows into it from the first
-        hs = [n.register_prehook(lambda _g, s=saved.get(n): s) for n in nodes] if len(nodes) > 1 else []
+        hs = [n.register_prehook(_replace_with(saved.get(n))) for n in nodes] if len(nodes) > 1 else []
         try:
             if edges:
                 torch.autograd.backward(edges, grads, inputs=params)
