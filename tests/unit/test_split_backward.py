@@ -5,6 +5,8 @@ tied head (last stage), MoE experts (grouped and loop) and router, under full an
 and B leaves every weight grad untouched."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -21,8 +23,13 @@ MODELS = {"gpt_tiny": ["model.num_query_groups=2"], "gpt2_tiny": ["model=gpt2_ti
 WHERE = {"first": (True, False), "middle": (False, False), "last": (False, True)}
 
 
+@functools.lru_cache(maxsize=None)
+def _cfg(name: str):
+    return load_config(MODELS[name] + SMALL, world_size=1, check_data=False).model  # a Hydra compose: once each
+
+
 def _model(name: str, where: str, recompute: str) -> GPT:
-    cfg = load_config(MODELS[name] + SMALL, world_size=1, check_data=False).model
+    cfg = _cfg(name)
     first, last = WHERE[where]
     model = GPT(cfg, single_process_mesh(), stage=Stage(((0, 1),), first, last), recompute=recompute)
     model.init_weights(seed=3)
