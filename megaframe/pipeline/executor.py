@@ -17,6 +17,7 @@ each chunk keeps its own graph) and that leaf's gradient the first chunk's outpu
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -72,7 +73,9 @@ def run_schedule(actions: list[Action], model, batches, mesh: Mesh, optimizer, t
             transfer.wait()
         t0 = time.perf_counter()
         if a.kind == F:
-            _forward(a, st, model, batches, tokens_global)
+            # a split chunk's saved tensors boxed: B releases those W will not read (split.py)
+            with split.saving() if splits else contextlib.nullcontext():
+                _forward(a, st, model, batches, tokens_global)
         else:
             with optimizer.backward_context(is_last=i == last_b.get(a.chunk)):
                 _backward(a, st, model, params)

@@ -20,9 +20,13 @@ every layer, present and future, with exact grads by construction (the same engi
 formulas), and keeps full and selective recompute working (checkpointed regions re-run inside B; W
 re-runs the checkpoint's forward once more when it reads a saved input, torch.utils.checkpoint's rule
 for a second graph task: extra forward FLOPs under recompute, never wrong grads).
-The price, stated: the chunk's autograd graph (its saved activations) stays alive from B to W, not just
-the (input, output grad) pairs W reads: a micro-batch's activations are freed at W, so a zero-bubble
-rank holds up to activation_bound + max_pending_w micro-batches' activations (schedule.py). torch.compile
+Memory: B keeps the graph (W runs in it), but not what it holds: under `saving()` (the executor's
+forward of a split chunk) every tensor autograd saves goes into a box; during B each box is matched to
+the node that reads it, and after B the boxes of every node W will not run (attention, activations,
+softmax: all but the weighted ops' inputs) are emptied. So from B to W a micro-batch holds only the
+weighted ops' saved inputs (and the output grads at those ops), as Megatron's per-op split does. A
+group where one parameter's node feeds another's (a weight used twice on one path) keeps everything:
+W runs the path between them. torch.compile
 is refused with the zero-bubble kinds (config_checks): a compiled block's backward is one node that
 computes every grad at once, which W would run a second time.
 
@@ -49,12 +53,38 @@ def wanted(t: torch.Tensor) -> bool:
     return node is None or torch._C._will_engine_execute_node(node)
 
 
+class _Box:
+    """One saved tensor, held for autograd by `saving()`: emptied once B knows no W reads it."""
+
+    __slots__ = ("t",)
+
+    def __init__(self, t: torch.Tensor):
+        self.t = t
+
+
+_running: list = []  # during B: [the node the engine is running]; its unpacks are matched to it
+_unpacked: list | None = None  # during B: (box, node) of every unpack
+
+
+def _unpack(box: _Box) -> torch.Tensor:
+    if _unpacked is not None:
+        _unpacked.append((box, _running[0] if _running else None))
+    assert box.t is not None, "split backward: W read a saved tensor that B released"
+    return box.t
+
+
+def saving():
+    """Around the forward of a chunk whose backward will be split: saved tensors boxed (see the module doc)."""
+    return torch.autograd.graph.saved_tensors_hooks(_Box, _unpack)
+
+
 @dataclass
 class PendingW:
     """What W needs of one (micro-batch, chunk): the saved output grads at each parameter group's nodes."""
 
     groups: list = field(default_factory=list)  # [(params, intermediates, {node: grads})]
     rest: tuple | None = None  # (root, grad, params): whole backward for params not reached through x
+    released: int = 0  # bytes of saved tensors B released (W does not read them)
 
 
 def _node(t: torch.Tensor) -> Node | None:
@@ -90,18 +120,19 @@ def _closure(starts, rev, stop: set) -> tuple[set, set]:
     return inside, hit
 
 
-def _groups(root: Node, x_node: Node, params: list[torch.Tensor]) -> tuple[list, list]:
-    """Parameter groups (params, intermediates) that share intermediates, and the params reached from
-    the root without passing through a node that depends on x."""
-    rev = _reverse_edges(root)
+def _groups(rev: dict, x_node: Node, params: list[torch.Tensor]) -> tuple[list, list, set]:
+    """Parameter groups (params, intermediates) that share intermediates, the params reached from the root
+    without passing through a node that depends on x, and every node W runs (intermediates, and the nodes
+    between them and the parameters)."""
     on_x, _ = _closure([x_node], rev, set())
     by_node: dict[Node, dict] = {}
-    rest = []
+    rest, w_nodes = [], set()
     for p in params:
         acc = _node(p)
         if acc not in rev:
             continue  # not used by this chunk's graph (another chunk's, or unused)
-        _, hit = _closure([acc], rev, on_x)
+        between, hit = _closure([acc], rev, on_x)
+        w_nodes |= between | hit
         if not hit:
             rest.append(p)
             continue
@@ -114,7 +145,7 @@ def _groups(root: Node, x_node: Node, params: list[torch.Tensor]) -> tuple[list,
         for n in group["nodes"]:
             by_node[n] = group
     unique = {id(g): g for g in by_node.values()}.values()
-    return [(g["params"], list(g["nodes"])) for g in unique], rest
+    return [(g["params"], list(g["nodes"])) for g in unique], rest, w_nodes
 
 
 def backward_input(root: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor | None,
@@ -124,7 +155,8 @@ def backward_input(root: torch.Tensor, grad: torch.Tensor | None, x: torch.Tenso
     grad = torch.ones_like(root) if grad is None else grad
     if x is None or root.grad_fn is None:
         return None, PendingW(rest=(root, grad, None))
-    groups, rest = _groups(root.grad_fn, _node(x), params)
+    rev = _reverse_edges(root.grad_fn)
+    groups, rest, w_nodes = _groups(rev, _node(x), params)
     pending = PendingW(rest=(root, grad, rest) if rest else None)
     handles = []
     for params_g, nodes in groups:
@@ -132,13 +164,34 @@ def backward_input(root: torch.Tensor, grad: torch.Tensor | None, x: torch.Tenso
         pending.groups.append((params_g, nodes, saved))
         for n in nodes:
             handles.append(n.register_prehook(lambda g, n=n, saved=saved: saved.__setitem__(n, g) and None))
+    # the node running now, for _unpack to match boxes to their readers
+    handles += [n.register_prehook(lambda g, n=n: _running.__setitem__(slice(None), [n]))
+                for n in (root.grad_fn, *rev) if type(n).__name__ != "AccumulateGrad"]
+    global _unpacked
+    _unpacked = []
     try:
         # the root's storage may be released already (executor): run the engine directly, no shape check
         (gx,) = Variable._execution_engine.run_backward((root,), (grad,), True, False, (x,), True, False)
+        unpacked = _unpacked
     finally:
+        _unpacked, _running[:] = None, []
         for h in handles:
             h.remove()
+    if all(len(nodes) == 1 for _, nodes in groups):  # else W runs paths between a group's nodes: keep all
+        pending.released = _release(unpacked, w_nodes)
     return gx, pending
+
+
+def _release(unpacked: list, w_nodes: set) -> int:
+    """Empty the boxes that only nodes W does not run read; returns the bytes freed (storage shared with a
+    kept tensor, e.g. a weight or another box's view, is not freed by this, only unreferenced)."""
+    keep = {id(box) for box, node in unpacked if node is None or node in w_nodes}
+    freed = 0
+    for box, _ in unpacked:
+        if id(box) not in keep and box.t is not None:
+            freed += 0 if box.t.is_leaf else box.t.nbytes  # a leaf (a weight) stays alive anyway
+            box.t = None
+    return freed
 
 
 def _replace_with(grads):

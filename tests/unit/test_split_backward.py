@@ -5,6 +5,7 @@ tied head (last stage), MoE experts (grouped and loop) and router, under full an
 and B leaves every weight grad untouched."""
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import pytest
@@ -14,7 +15,7 @@ from megaframe.config import load_config
 from megaframe.model.gpt import GPT
 from megaframe.parallel.mesh import single_process_mesh
 from megaframe.pipeline.partition import Stage
-from megaframe.pipeline.split import backward_input, backward_weight
+from megaframe.pipeline.split import backward_input, backward_weight, saving
 
 SMALL = ["data=synthetic", "model.num_layers=2", "model.hidden_size=32", "model.num_attention_heads=4",
          "model.ffn_hidden_size=48", "model.seq_length=16", "model.vocab_size=64"]
@@ -43,7 +44,8 @@ def _run(model: GPT, split: bool, seed: int = 0):
     x_SBD = None if model.stage.first else torch.randn(cfg.seq_length, 2, cfg.hidden_size, generator=g)
     if x_SBD is not None:
         x_SBD.requires_grad_()
-    out = model.forward_chunk(0, x_SBD, ids_BS, ids_BS.roll(-1, 1))
+    with saving() if split else contextlib.nullcontext():
+        out = model.forward_chunk(0, x_SBD, ids_BS, ids_BS.roll(-1, 1))
     root = out.float().sum() / 100 if model.stage.last else out
     grad = None if model.stage.last else torch.randn(out.shape, generator=g)
     params = list(model.parameters())
@@ -54,6 +56,8 @@ def _run(model: GPT, split: bool, seed: int = 0):
         return (None if x_SBD is None else x_SBD.grad), {n: p.grad for n, p in model.named_parameters()}
     gx, pending = backward_input(root, grad, x_SBD, params)
     assert all(p.grad is None for p in params), "B must not touch the weights' grads"
+    # B releases what W does not read (activations, attention): off the first stage, in every model
+    assert model.stage.first or model.recompute_blocks or pending.released > 0, pending.released
     del root, out
     backward_weight(pending)
     return gx, {n: p.grad for n, p in model.named_parameters()}
