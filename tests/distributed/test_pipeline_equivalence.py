@@ -45,6 +45,7 @@ LAYOUTS = [
     ("zb_h1-tp2-sp-pp2", 4, 2, 2, 1, [ZB1, "parallel.sp=true"]),
     ("zb_h1-pp2-dp2-zero1", 4, 1, 2, 1, [ZB1]),
     ("zb_h1-pp2-dp2-zero3", 4, 1, 2, 1, [ZB1, "optim.zero=3"]),
+    ("zbv-pp2-dp2-zero2", 4, 1, 2, 1, [*ZBV, L4, "optim.zero=2"]),
     ("zb_h1-pp2-uneven-recompute-full", 2, 1, 2, 1, [ZB1, L4, "parallel.pp_layout=[3,1]", "train.recompute=full"]),
     ("moe-zb_h1-pp2-ep2", 4, 1, 2, 2, MOE + [ZB1]),
     ("zbv-pp2-m4", 2, 1, 2, 1, [*ZBV, L4]),
