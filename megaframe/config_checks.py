@@ -293,9 +293,8 @@ def _check_pipeline(cfg: Config, dp: int) -> None:
     kind = resolve_kind(p.pp_schedule, p.vpp)
     if kind in ("zb_h1", "zbv"):
         # the split backward re-runs a weighted op's node for W (pipeline/split.py): a compiled block is one
-        # node computing every grad, and the overlap and FP8 GEMMs' Functions compute both grads at once
-        for bad, why in ((t.compile, "train.compile=true"), (p.tp_comm_overlap, "parallel.tp_comm_overlap=true"),
-                         (t.precision == "fp8", "train.precision=fp8")):
+        # node computing every grad, and torchao's float8 GEMM computes both grads at once
+        for bad, why in ((t.compile, "train.compile=true"), (t.precision == "fp8", "train.precision=fp8")):
             _req(not bad, f"parallel.pp_schedule={kind} splits each backward in two and does not compose with {why}")
     try:
         stage_counts(cfg.model.num_layers, p.pp, p.vpp, p.pp_layout)

@@ -43,6 +43,7 @@ LAYOUTS = [
     ("zb_h1-pp2-m2", 2, 1, 2, 1, [ZB1, "train.micro_batch_size=4"]),
     ("zb_h1-pp4-m8", 4, 1, 4, 1, [ZB1, L4, MB1]),
     ("zb_h1-tp2-sp-pp2", 4, 2, 2, 1, [ZB1, "parallel.sp=true"]),
+    ("zbv-tp2-sp-overlap-pp2", 4, 2, 2, 1, [*ZBV, L4, "parallel.sp=true", "parallel.tp_comm_overlap=true"]),
     ("zb_h1-pp2-dp2-zero1", 4, 1, 2, 1, [ZB1]),
     ("zb_h1-pp2-dp2-zero3", 4, 1, 2, 1, [ZB1, "optim.zero=3"]),
     ("zbv-pp2-dp2-zero2", 4, 1, 2, 1, [*ZBV, L4, "optim.zero=2"]),
