@@ -193,7 +193,11 @@ def test_an_unusable_latest_over_one_branch_continues_it_with_a_warning(tmp_path
 BAD_META = {"list": "[]", "null": "null", "no-tensors": '{"format": "%s", "step": 5, "coverage": "exact"}',
             "files-list": '{"format": "%s", "step": 5, "coverage": "exact", "files": [], "tensors": {}}',
             "shards-str": '{"format": "%s", "step": 5, "coverage": "exact", "files": {}, '
-                          '"tensors": {"model/w": {"shards": "x"}}}'}
+                          '"tensors": {"model/w": {"shards": "x"}}}',
+            # round 2 (scripts/redteam_rerun.py NL05, NL09): a TypeError in every lineage reader; "resumed at step 999"
+            "parent-int": '{"format": "%s", "step": 5, "coverage": "exact", "files": {}, "tensors": {}, '
+                          '"lineage": {"parent": 5}}',
+            "step-other": '{"format": "%s", "step": 999, "coverage": "exact", "files": {}, "tensors": {}}'}
 
 
 @pytest.mark.parametrize("form", sorted(BAD_META))
