@@ -70,6 +70,8 @@ def resume_point(cfg) -> None:
     the explicit way to continue a folder another run wrote (training/owner.py), e.g. a resubmitted job
     with a new run.dir. Replaced by that step folder here, so every later check and the resume see one path."""
     r = cfg.checkpoint.resume
+    if not str(r).strip():  # Path("") is the current folder: `checkpoint.resume=$CKPT` with the variable unset
+        raise ConfigError(f"checkpoint.resume={r!r} must be auto, none or a checkpoint path (an unset shell variable?)")
     if r in ("auto", "none") or not Path(r).is_dir() or (Path(r) / "metadata.json").is_file():
         return  # a missing path or a step folder: validate checks it as before
     from megaframe.checkpoint.metadata import CheckpointError

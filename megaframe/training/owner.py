@@ -74,7 +74,10 @@ def settle(cfg) -> str:
     if foreign is not None and not _continues(cfg.checkpoint.resume, root):
         raise ConfigError(refusal(cfg, foreign))
     if read_id(run_dir) != mine:
-        write_atomic(run_dir / ID_NAME, mine + "\n")
+        try:
+            write_atomic(run_dir / ID_NAME, mine + "\n")
+        except OSError as e:  # rank 0 alone is here: an exception would leave the peers waiting in the broadcast
+            raise ConfigError(f"run.dir={cfg.run.dir}: cannot record the run id ({e.strerror or e})") from None
     return mine
 
 

@@ -70,6 +70,8 @@ def test_a_checkpoint_dir_given_as_resume_means_its_latest(tmp_path, shared):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConfigError, match=f"^checkpoint.resume={tmp_path / 'empty'}: .*no committed checkpoint"):
         load_config(["data=synthetic", f"checkpoint.resume={tmp_path / 'empty'}"], world_size=1)
+    with pytest.raises(ConfigError, match="^checkpoint.resume='' must be auto, none or a checkpoint path"):
+        load_config(["data=synthetic", "checkpoint.resume=''"], world_size=1)  # not the current folder
 
 
 def test_the_same_run_and_its_own_folder_continue(tmp_path):
