@@ -35,7 +35,8 @@ def read_id(run_dir: str | Path) -> str | None:
         text = (Path(run_dir) / ID_NAME).read_text(errors="replace").strip()
     except OSError:
         return None
-    return text or None
+    # a damaged file (binary, huge) is no identity: the folder's own checkpoints then tell it (settle)
+    return text if text and text.isprintable() and len(text) <= 512 else None
 
 
 def new_id(name: str) -> str:

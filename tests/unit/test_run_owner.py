@@ -83,6 +83,8 @@ def test_the_same_run_and_its_own_folder_continue(tmp_path):
     assert owner.settle(cfg(run, run / "checkpoints", "none")) == first
     (run / owner.ID_NAME).unlink()
     assert owner.settle(cfg(run, run / "checkpoints")) == first  # adopted from the folder's own checkpoints
+    (run / owner.ID_NAME).write_bytes(b"\xff\x00junk")
+    assert owner.settle(cfg(run, run / "checkpoints")) == first  # a damaged id file is no identity either
     moved = tmp_path / "moved"
     run.rename(moved)
     assert owner.settle(cfg(moved, moved / "checkpoints")) == first
