@@ -153,7 +153,7 @@ def test_tools_on_a_checkpoint_dir_use_the_live_branch_not_the_highest_step(tmp_
     assert resolve_step(tmp_path)[0].name == "step_00000005"
 
 
-@pytest.mark.parametrize("damage", ["garbage", "missing", "dotdot", "empty-meta", "list-meta"])
+@pytest.mark.parametrize("damage", ["garbage", "missing", "dotdot", "empty-meta", "list-meta", "binary"])
 def test_an_unusable_latest_over_branches_is_refused_never_the_highest_step(tmp_path, damage):
     """W2: a missing or garbage `latest`, or an unreadable head, sent resume=auto (and the tools) to step_8."""
     from megaframe.checkpoint import resolve
@@ -164,6 +164,8 @@ def test_an_unusable_latest_over_branches_is_refused_never_the_highest_step(tmp_
         latest.write_text("garbage\n")
     elif damage == "missing":
         latest.unlink()
+    elif damage == "binary":  # round 2 (scripts/redteam_rerun.py NL10): a UnicodeDecodeError traceback
+        latest.write_bytes(bytes(range(256)))
     elif damage == "dotdot":
         latest.write_text("../elsewhere/step_00000009\n")
     else:
