@@ -259,6 +259,7 @@ def _one_error(capsys) -> str:
 @pytest.mark.parametrize("args,msg", [
     (["--prompt", "caf\udce9"], "is not UTF-8 text"),  # T3: argv bytes arrive surrogate-escaped
     (["--prompt", "The", "--temperature", "nan"], "--temperature nan must be >= 0"),
+    (["--prompt", "The", "--top-p", "1.5"], "error: --top-p 1.5 must be in (0, 1]"),  # rerun NT02: blamed all three
 ])
 def test_generate_bad_flags_are_one_line(tmp_path, args, msg, capsys):
     from megaframe.generate import main
