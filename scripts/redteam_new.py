@@ -106,7 +106,7 @@ def tool_inputs(s: Setup) -> list[Attempt]:
     return [
         a(1, [*GEN, str(ck), "--prompt", "The", "--max-new-tokens", "-1"]),
         a(2, [*GEN, str(ck), "--prompt", "The", "--top-p", "1.5"]),
-        a(3, [*GEN, str(ck), "--prompts", str(w / "missing.txt")]),
+        a(3, [*GEN, str(ck), "--prompts", str(w / "missing.txt")], has=("--prompts",)),
         a(4, ev),
         a(5, [*ev, str(ck), "train.eval_iters=-1"]),
         a(6, py("-m", "megaframe.plot", str(w / "emptydir"))),
