@@ -6,7 +6,7 @@ lineage corruption, tool inputs, field ranges), each a real command with its exp
 
 Prints one row per attempt (id, class, held/DEFECT, what was seen) and the counts; exits 1 when any
 attempt shows a defect. Every attempt is also "clean": no Python traceback, and an exit 2 prints exactly
-one `megaframe: error:` line (argparse's own usage error counts as one). Takes about 5-10 minutes on a
+one `megaframe: error:` line (argparse's own usage error counts as one). Takes about 20-25 minutes on a
 loaded 2-core box (it trains a few tiny runs); not part of `make test` (tests/e2e/test_lost_work_cli.py
 holds the representative cases). The attempts are in scripts/redteam_attempts.py.
 """
