@@ -100,8 +100,9 @@ def load_config(overrides: list[str], world_size: Optional[int] = None, check_da
         raise ConfigError(_composition_error(e)) from e
     # settings from outside the command line: the resumed checkpoint's model, WANDB_MODE (before validate,
     # so every check, the resume checks included, sees the values the run will use)
-    from megaframe.checkpoint.adopt import adopt_model, apply_environment
+    from megaframe.checkpoint.adopt import adopt_model, apply_environment, resume_point
 
+    resume_point(cfg)
     adopt_model(cfg, list(overrides))
     apply_environment(cfg, list(overrides))
     if world_size is None:  # torchrun's WORLD_SIZE, else srun's task count (one Slurm task = one rank)

@@ -8,6 +8,7 @@ import difflib
 import json
 import math
 from pathlib import Path
+from typing import get_type_hints
 
 from megaframe.errors import ConfigError
 from megaframe.errors import one_line as _one_line
@@ -47,9 +48,11 @@ def check_override_keys(overrides: list[str]) -> None:
         parsed = OverridesParser.create().parse_overrides(list(overrides))
     except HydraException as e:
         raise ConfigError(_one_line(e)) from e
-    known = schema_keys()
+    known, flags = schema_keys(), bool_keys()
     for o, text in zip(parsed, overrides):
         key = o.key_or_group
+        if key in flags:
+            _check_bool(o, text, key)
         if key in known or key.startswith("hydra.") or _under_container(key, known):  # hydra.* is Hydra's own
             continue
         tools = tool_keys()
@@ -59,6 +62,44 @@ def check_override_keys(overrides: list[str]) -> None:
         close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
         hint = f"; did you mean {close[0]}?" if close else " (python train.py --cfg lists the keys)"
         raise ConfigError(f"{text}: {key} is not a config key{hint}")
+    _check_one_source(parsed, overrides)
+
+
+def _check_one_source(parsed, overrides: list[str]) -> None:
+    """data.path and data.blend (or data.stages) typed together: the blend trains and data.path was silently
+    ignored. Refused naming both, so the user says which one they meant (a data.path from the data=
+    preset is not typed: data.blend replaces it, as documented)."""
+    typed = {o.key_or_group: (o, text) for o, text in zip(parsed, overrides) if not o.is_delete()}
+    path = typed.get("data.path")
+    if path is None or not path[0].value():
+        return
+    mix = next((text for key, (_, text) in typed.items() if key.split(".")[:2] in (["data", "blend"], ["data", "stages"])),
+               None)
+    if mix is not None:
+        raise ConfigError(f"{path[1]} and {mix} are both set: a blend (or stages) trains instead of data.path, "
+                          "which would be ignored; drop one of them")
+
+
+def bool_keys(node: type = None, prefix: str = "") -> set[str]:
+    """Every dotted key of a bool field of the schema (checkpoint.async included)."""
+    out: set[str] = set()
+    hints = get_type_hints(node or Config)
+    for f in dataclasses.fields(node or Config):
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        if dataclasses.is_dataclass(default):
+            out |= bool_keys(type(default), prefix + f.name + ".")
+        elif hints.get(f.name) is bool:
+            out.add(prefix + f.name)
+    return out
+
+
+def _check_bool(o, text: str, key: str) -> None:
+    """A bool field takes true or false only. OmegaConf also reads 2, 'yes', 'on', 'y' and '1' as true
+    (optim.overlap_param_gather=2 was accepted as true): a typo or a misplaced number is refused instead."""
+    value = o.value()
+    if o.is_delete() or isinstance(value, bool) or (isinstance(value, str) and value.startswith("${")):
+        return  # ~key, a real bool, or an interpolation (typed by OmegaConf when it resolves)
+    raise ConfigError(f"{text} must be true or false ({key} is a bool)")
 
 
 def _under_container(key: str, known: set[str]) -> bool:

@@ -31,7 +31,7 @@ def compose(ckpt, step, meta: dict, overrides: list[str]):
     keys = {o.split("=", 1)[0].lstrip("+") for o in overrides if "=" in o}
     data = (meta.get("config") or {}).get("data") or {}
     extra = []
-    if not keys & {"data", "data.path", "data.blend"} and data.get("path"):
+    if not keys & {"data", "data.path", "data.blend", "data.stages"} and data.get("path"):
         extra += [f"data.path={data['path']}", f"data.valid_fraction={data.get('valid_fraction', 0.0)}"]
     extra += [f"data.name={data.get('name', 'data')}"] if "data.name" not in keys and data else []
     return load_config(extra + list(overrides) + [f"checkpoint.resume={step}"], world_size=1)

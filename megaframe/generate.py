@@ -96,6 +96,8 @@ def main(argv: list[str]) -> int:
                 text = open(args.prompts, encoding="utf-8").read()
             except UnicodeDecodeError as e:
                 raise ValueError(f"--prompts {args.prompts}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+            except OSError as e:  # the flag and the file, not a bare errno line
+                raise ValueError(f"--prompts {args.prompts}: cannot be read ({e.strerror or e})") from None
             prompts += [line for line in text.splitlines() if line.strip()]
         if not prompts:
             raise ValueError("give --prompt TEXT or --prompts FILE")

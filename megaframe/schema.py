@@ -368,7 +368,8 @@ class CheckpointConfig:
     most that many steps late and no extra collective runs: a node that dies without a signal loses at
     most this much time. Use with checkpoint.interval for long jobs (scripts/slurm/pretrain.sbatch)."""
     resume: str = "auto"
-    """auto (newest committed in dir, if any) | none | a step folder path."""
+    """auto (this run's newest committed checkpoint in dir, if any: its `latest`) | none | a step folder path |
+    a checkpoint dir (the checkpoint its `latest` names; the way to continue a folder another run wrote)."""
     keep_last: int = 0
     """Keep only the newest this many checkpoints (0 keeps all)."""
     on_save_error: SaveErrorPolicy = SaveErrorPolicy.stop

@@ -65,6 +65,24 @@ def checkpoint_model(path: str) -> dict | None:
     return model if isinstance(model, dict) else None
 
 
+def resume_point(cfg) -> None:
+    """checkpoint.resume=<a checkpoint dir> means the checkpoint its `latest` names (checkpoint/resolve.py):
+    the explicit way to continue a folder another run wrote (training/owner.py), e.g. a resubmitted job
+    with a new run.dir. Replaced by that step folder here, so every later check and the resume see one path."""
+    r = cfg.checkpoint.resume
+    if not str(r).strip():  # Path("") is the current folder: `checkpoint.resume=$CKPT` with the variable unset
+        raise ConfigError(f"checkpoint.resume={r!r} must be auto, none or a checkpoint path (an unset shell variable?)")
+    if r in ("auto", "none") or not Path(r).is_dir() or (Path(r) / "metadata.json").is_file():
+        return  # a missing path or a step folder: validate checks it as before
+    from megaframe.checkpoint.metadata import CheckpointError
+    from megaframe.checkpoint.resolve import step_folder
+
+    try:
+        cfg.checkpoint.resume = str(step_folder(r, warn=lambda msg: None))
+    except CheckpointError as e:
+        raise ConfigError(f"checkpoint.resume={r}: {e}") from None
+
+
 def adopt_model(cfg, overrides: list[str]) -> list[str]:
     """Fill cfg.model from checkpoint.resume=PATH (see the module doc); returns the fields taken.
     A missing metadata.json is left to validate, which refuses it with its own message."""

@@ -24,16 +24,21 @@ from megaframe.checkpoint.metadata import check_complete
 from megaframe.checkpoint.metadata import read as read_metadata
 
 
-def lineage_meta(run_id: str, step: int, parent: Path | None, parent_id: str | None, root: str | Path) -> dict:
+def lineage_meta(run_id: str, step: int, parent: Path | None, parent_id: str | None, root: str | Path,
+                 owner: str = "", run_dir: str = "") -> dict:
     """The "lineage" entry of a checkpoint written by `run_id` at `step`, continuing `parent` (whose
-    lineage id is `parent_id`; None for checkpoints written before lineage existed)."""
+    lineage id is `parent_id`; None for checkpoints written before lineage existed). `owner`: the run's id
+    over all its launches and `run_dir` its folder (training/owner.py); recorded when known."""
     ref = None
     if parent is not None:
         parent = Path(parent).resolve()
         # inside root: a bare folder name, so the whole checkpoint dir can be moved or copied with its lineage
         ref = parent.name if parent.parent == Path(root).resolve() else str(parent)
     # run id and step: a rewritten step folder (another branch) gets a new id, which ends parent_of's chain there
-    return {"id": f"{run_id}:{step}", "run_id": run_id, "parent": ref, "parent_id": parent_id if ref else None}
+    out = {"id": f"{run_id}:{step}", "run_id": run_id, "parent": ref, "parent_id": parent_id if ref else None}
+    if owner:
+        out.update(owner=owner, run_dir=str(Path(run_dir).resolve()))
+    return out
 
 
 def _meta(path: Path) -> dict | None:
@@ -75,7 +80,7 @@ def chain(start: Path, root: str | Path, limit: int = 100_000) -> list[Path]:
 def pointed(root: str | Path) -> Path | None:
     """The committed checkpoint `${root}/latest` names, or None (no pointer, or it names nothing)."""
     try:
-        name = (Path(root) / "latest").read_text().strip()
+        name = (Path(root) / "latest").read_text(errors="replace").strip()  # binary garbage: no step folder's name
     except OSError:
         return None
     path = Path(root) / name
@@ -93,10 +98,12 @@ def cheap_check(path: Path) -> str | None:
     return None
 
 
-def prune(root: str | Path, keep_last: int) -> list[Path]:
+def prune(root: str | Path, keep_last: int, owner: str | None = None) -> list[Path]:
     """Delete the ancestors of the newest checkpoint (the one `latest` names) beyond the `keep_last`
     newest of its chain; returns what was deleted. Only folders directly inside `root` are deleted, the
-    newest is always kept, and nothing off the chain is touched. keep_last=0 keeps everything."""
+    newest is always kept, and nothing off the chain is touched. keep_last=0 keeps everything. With `owner`
+    (the saving run's id), an ancestor another run owns is kept: a run that continued another's checkpoint
+    on purpose never deletes that run's history."""
     head = pointed(root)
     if keep_last <= 0 or head is None:
         return []
@@ -105,7 +112,8 @@ def prune(root: str | Path, keep_last: int) -> list[Path]:
     # max(1, ..): the head itself is never deleted, whatever keep_last says
     for old in chain(head, root)[max(1, keep_last):]:
         # an ancestor outside root (an imported or copied checkpoint) belongs to someone else: never deleted
-        if old.resolve().parent == root_r and old.name.startswith("step_"):
+        theirs = ((_meta(old) or {}).get("lineage") or {}).get("owner")
+        if old.resolve().parent == root_r and old.name.startswith("step_") and (not owner or theirs in (None, owner)):
             shutil.rmtree(old, ignore_errors=True)
             gone.append(old)
     return gone

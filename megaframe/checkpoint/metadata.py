@@ -119,7 +119,18 @@ def _well_formed(path, meta: dict) -> dict:
     for key in ("config", "lineage"):
         if meta.get(key) is not None and not isinstance(meta[key], dict):
             bad(f"{key!r} is not an object")
+    for key, v in (meta.get("lineage") or {}).items():  # parent 5 was a TypeError in every lineage reader
+        if key in LINEAGE_TEXT and v is not None and not isinstance(v, str):
+            bad(f"lineage {key} {v!r}")
+    name = Path(path).name
+    # a step folder holds its own step: a hand-edited step 999 in step_00000006 resumed "at step 999"
+    if name.startswith("step_") and name[5:].isdigit() and int(name[5:]) != meta["step"]:
+        bad(f"step {meta['step']} in folder {name}")
     return meta
+
+
+LINEAGE_TEXT = ("id", "run_id", "parent", "parent_id", "owner", "run_dir")
+"""The lineage entry's fields (checkpoint/lineage.py, training/owner.py): each a string or null."""
 
 
 def upgrade(meta: dict) -> dict:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from megaframe.checkpoint import lineage
 from megaframe.checkpoint.metadata import CheckpointError, committed
+from megaframe.checkpoint.metadata import read as read_metadata
 
 
 class Unresolved(CheckpointError):
@@ -37,8 +38,11 @@ def pointer_problem(root: str | Path) -> str | None:
     head = lineage.pointed(root)
     if head is None:
         return f"names {shown!r}, which is not a step folder here"
-    if lineage._meta(head) is None:
-        return f"names {head.name}, whose metadata.json is unreadable"
+    try:
+        read_metadata(head)
+    except (OSError, ValueError) as e:  # the reason (damaged how) without the path the message already names
+        why = str(e).removeprefix(f"{head}: ")
+        return f"names {head.name}, whose metadata.json cannot be used ({why})"
     return None
 
 

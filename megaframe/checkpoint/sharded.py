@@ -177,7 +177,7 @@ def decide(root, tmp: Path, final: Path, step: int, meta: dict, reports: list[di
     files = {r["file"]: r["info"] for r in reports if r["file"]}
     commit(root, tmp, final, step, {**meta, "io": io_figures(reports)}, tensors, files)
     # only after the new checkpoint is committed: a crash in between never leaves fewer than keep_last good ones
-    prune(root, keep_last)
+    prune(root, keep_last, (meta.get("lineage") or {}).get("owner"))
     return None
 
 
@@ -228,10 +228,10 @@ def keep_aside(final: Path) -> Path | None:
     return aside
 
 
-def prune(root: str | Path, keep_last: int) -> None:
+def prune(root: str | Path, keep_last: int, owner: str | None = None) -> None:
     """Keep the newest `keep_last` checkpoints of the current lineage (0 keeps everything): by lineage,
-    not by step number, so a rollback's new branch is never pruned (checkpoint/lineage.py)."""
-    lineage.prune(root, keep_last)
+    not by step number, so a rollback's new branch is never pruned, nor another run's (checkpoint/lineage.py)."""
+    lineage.prune(root, keep_last, owner)
 
 
 def verify(path: str | Path) -> dict:

@@ -24,9 +24,12 @@ class SamplingConfig:
 
     def check(self) -> None:
         # `not >=`: a nan temperature fails too (it reached torch.multinomial as nan probabilities)
-        if not self.temperature >= 0 or self.top_k < 0 or not 0 < self.top_p <= 1:
-            raise ValueError(f"--temperature {self.temperature} must be >= 0, --top-k {self.top_k} >= 0 and "
-                             f"--top-p {self.top_p} in (0, 1]")
+        # the flag at fault only: naming all three blamed the good ones too
+        for flag, value, ok, rule in (("--temperature", self.temperature, self.temperature >= 0, ">= 0"),
+                                      ("--top-k", self.top_k, self.top_k >= 0, ">= 0 (0 = off)"),
+                                      ("--top-p", self.top_p, 0 < self.top_p <= 1, "in (0, 1]")):
+            if not ok:
+                raise ValueError(f"{flag} {value} must be {rule}")
 
 
 def next_token(logits_BV: torch.Tensor, s: SamplingConfig, vocab: int, gen: torch.Generator | None) -> torch.Tensor:

@@ -25,9 +25,11 @@ from megaframe.training.save_guard import state_is_finite
 
 
 class Checkpointer:
-    def __init__(self, cfg: Config, mesh: Mesh, run_id: str, resumed: Resumed, acct: Accounting,
+    def __init__(self, cfg: Config, mesh: Mesh, ids: tuple[str, str], resumed: Resumed, acct: Accounting,
                  watchdog, injector=None, data=None):
-        self.cfg, self.mesh, self.run_id, self.acct = cfg, mesh, run_id, acct
+        """`ids`: this launch's id and the run's (training/owner.py; "" where no run folder was claimed)."""
+        self.cfg, self.mesh, self.acct = cfg, mesh, acct
+        self.run_id, self.owner = ids
         self.watchdog, self.injector = watchdog, injector
         self.order = getattr(data, "order", ORDER)  # recorded, so a resume keeps the sample order
         load = (resumed.meta or {}).get("io_load") or {}
@@ -99,7 +101,7 @@ class Checkpointer:
                 "rng": "derived from (train.seed, step, pp and dp rank); no state to restore",
                 "data": data, "config": plain(cfg),
                 "tokenizer": tokenizer_identity(cfg.data),  # a resume checks its data against it
-                "lineage": lineage.lineage_meta(self.run_id, step, *self.parent, root)}
+                "lineage": lineage.lineage_meta(self.run_id, step, *self.parent, root, self.owner, cfg.run.dir)}
         if background:
             self.saver.save(root, step, model, optimizer, meta, cfg.checkpoint.keep_last, fail)
             if mesh.rank == 0:

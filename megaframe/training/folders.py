@@ -57,6 +57,7 @@ class FolderLocks:
     def __init__(self):
         self.locks: list[RunLock] = []
         self.created: list[Path] = []  # checkpoint folders this run created (for its lock) before any save
+        self.owner = ""  # this run's id (training/owner.py), recorded in every checkpoint it writes
 
     def release(self) -> None:
         for lock in reversed(self.locks):

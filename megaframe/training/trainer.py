@@ -24,6 +24,7 @@ from megaframe.training.faults import Injector
 from megaframe.training.first_step import first_step_limits
 from megaframe.training.folders import FolderLocks, claim, peer_bad_input, record_bad_input
 from megaframe.training.meter import BadSteps, Meter
+from megaframe.training.owner import settle
 from megaframe.training.signals import StopFlag, continue_command
 from megaframe.training.startup import Setup, announce, batch_loader, set_up
 from megaframe.training.startup import data_label as data_label  # re-exported: its old path, tests import it here
@@ -56,7 +57,7 @@ def run(cfg: Config, stop: StopFlag | None = None) -> None:
                 nccl_env(cfg.run.dir)  # the agreed run folder for the flight recorder's dumps
                 (Path(cfg.run.dir) / "nccl_trace").mkdir(parents=True, exist_ok=True)
             try:
-                train(cfg, mesh, stop or StopFlag(), run_id)
+                train(cfg, mesh, stop or StopFlag(), run_id, lock.owner)
             except (ConfigError, TrainingError):
                 raise
             except Exception as e:  # a broken collective: a peer that found bad input mid-run left its line
@@ -72,22 +73,25 @@ def run(cfg: Config, stop: StopFlag | None = None) -> None:
 
 def take_run_dir(cfg: Config, mesh: Mesh) -> FolderLocks:
     """Rank 0 probes and locks every folder the run writes (run.dir, checkpoint.dir) before anything is
-    written there; every rank hears the outcome, so all of them exit 2 when a folder cannot be written or
-    another live job owns it."""
+    written there, then settles the run's identity (training/owner.py); every rank hears the outcome and the
+    id, so all of them exit 2 when a folder cannot be written, another live job holds it or another run owns
+    checkpoint.dir's checkpoints."""
     locks, err = FolderLocks(), None
     if mesh.rank == 0:
         try:
             locks = claim(cfg)
+            locks.owner = settle(cfg)
         except ConfigError as e:
+            locks.release()
             err = str(e)
     # every rank reaches the broadcast whatever rank 0 found, so none goes on alone into the run folder
-    err = comm.broadcast_object(err, mesh)
+    err, locks.owner = comm.broadcast_object((err, locks.owner), mesh)
     if err:
         raise ConfigError(err)
     return locks
 
 
-def train(cfg: Config, mesh: Mesh, stop: StopFlag, run_id: str = "") -> None:
+def train(cfg: Config, mesh: Mesh, stop: StopFlag, run_id: str = "", owner: str = "") -> None:
     """Start-up (startup.py), then the step loop to train.max_steps or a stop, on every rank."""
     faults = injector(mesh.rank)  # before the resume: a fault may be injected into its load
     su = set_up(cfg, mesh, faults)
@@ -100,7 +104,7 @@ def train(cfg: Config, mesh: Mesh, stop: StopFlag, run_id: str = "") -> None:
     probe = StragglerProbe(faults)
     # started after start-up: resume and shard checks may take longer than a step's hang limit
     watchdog = Watchdog(t.hang_timeout_s, mesh.rank, cfg.run.dir, mesh.stats).start()
-    ckpt = Checkpointer(cfg, mesh, run_id, su.resumed, su.acct, watchdog, faults, su.data)
+    ckpt = Checkpointer(cfg, mesh, (run_id, owner), su.resumed, su.acct, watchdog, faults, su.data)
     loader = batch_loader(cfg, mesh, su)
     marker = {"resumed_from": str(su.resumed.path), "resumed_step": start, "run_id": run_id} if su.resumed.path else {}
     step = start  # bound even when no step runs (a resume at max_steps): the summary is skipped then

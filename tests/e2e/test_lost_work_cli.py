@@ -134,3 +134,25 @@ def test_generate_checks_every_prompt_before_writing_any(rolled_back):
                "--max-new-tokens", "2"], timeout=300)
     assert res.returncode == 2 and res.stdout == "", res.stderr[-2000:]
     assert "prompt 2 of 2 has" in _error_line(res.stderr)
+
+
+def test_another_runs_checkpoint_dir_is_continued_only_when_asked(rolled_back, tmp_path):
+    """L1, round 2: a second run with its own run.dir and the first's checkpoint.dir resumed the first's
+    checkpoints (resume=auto) without a word. (The same run's restarts: every resume=auto test in the suite.)"""
+    import shutil
+
+    src, _, _ = rolled_back
+    ck = tmp_path / "shared_ck"  # a copy: the fixture's folder stays as the other tests read it
+    shutil.copytree(src, ck, ignore=shutil.ignore_patterns("megaframe.lock"))
+    common = [*TINY, f"data.path={src.parent.parent / 'data'}", "logging.wandb.mode=disabled",
+              f"run.dir={tmp_path / 'b'}", f"checkpoint.dir={ck}", "train.max_steps=7"]
+    res = train(common, timeout=180)
+    assert res.returncode == 2, res.stderr[-2000:]
+    line = _error_line(res.stderr)
+    assert f"checkpoint.dir={ck}: its newest checkpoint step_00000006 belongs to another run" in line, line
+    assert f"checkpoint.resume={ck}" in line and "resumed from" not in res.stdout
+    assert (ck / "latest").read_text().strip() == "step_00000006"  # nothing written there
+    asked = train(common + [f"checkpoint.resume={ck}"], timeout=180)  # on purpose: the folder's `latest`
+    assert asked.returncode == 0, asked.stderr[-2000:]
+    assert f"resumed from {ck / 'step_00000006'} at step 6" in asked.stdout
+    assert _lineage(ck / "step_00000007")["run_dir"] == str(tmp_path / "b")

@@ -153,7 +153,7 @@ def test_tools_on_a_checkpoint_dir_use_the_live_branch_not_the_highest_step(tmp_
     assert resolve_step(tmp_path)[0].name == "step_00000005"
 
 
-@pytest.mark.parametrize("damage", ["garbage", "missing", "dotdot", "empty-meta", "list-meta"])
+@pytest.mark.parametrize("damage", ["garbage", "missing", "dotdot", "empty-meta", "list-meta", "binary"])
 def test_an_unusable_latest_over_branches_is_refused_never_the_highest_step(tmp_path, damage):
     """W2: a missing or garbage `latest`, or an unreadable head, sent resume=auto (and the tools) to step_8."""
     from megaframe.checkpoint import resolve
@@ -164,6 +164,8 @@ def test_an_unusable_latest_over_branches_is_refused_never_the_highest_step(tmp_
         latest.write_text("garbage\n")
     elif damage == "missing":
         latest.unlink()
+    elif damage == "binary":  # round 2 (scripts/redteam_rerun.py NL10): a UnicodeDecodeError traceback
+        latest.write_bytes(bytes(range(256)))
     elif damage == "dotdot":
         latest.write_text("../elsewhere/step_00000009\n")
     else:
@@ -193,7 +195,11 @@ def test_an_unusable_latest_over_one_branch_continues_it_with_a_warning(tmp_path
 BAD_META = {"list": "[]", "null": "null", "no-tensors": '{"format": "%s", "step": 5, "coverage": "exact"}',
             "files-list": '{"format": "%s", "step": 5, "coverage": "exact", "files": [], "tensors": {}}',
             "shards-str": '{"format": "%s", "step": 5, "coverage": "exact", "files": {}, '
-                          '"tensors": {"model/w": {"shards": "x"}}}'}
+                          '"tensors": {"model/w": {"shards": "x"}}}',
+            # round 2 (scripts/redteam_rerun.py NL05, NL09): a TypeError in every lineage reader; "resumed at step 999"
+            "parent-int": '{"format": "%s", "step": 5, "coverage": "exact", "files": {}, "tensors": {}, '
+                          '"lineage": {"parent": 5}}',
+            "step-other": '{"format": "%s", "step": 999, "coverage": "exact", "files": {}, "tensors": {}}'}
 
 
 @pytest.mark.parametrize("form", sorted(BAD_META))
@@ -253,6 +259,7 @@ def _one_error(capsys) -> str:
 @pytest.mark.parametrize("args,msg", [
     (["--prompt", "caf\udce9"], "is not UTF-8 text"),  # T3: argv bytes arrive surrogate-escaped
     (["--prompt", "The", "--temperature", "nan"], "--temperature nan must be >= 0"),
+    (["--prompt", "The", "--top-p", "1.5"], "error: --top-p 1.5 must be in (0, 1]"),  # rerun NT02: blamed all three
 ])
 def test_generate_bad_flags_are_one_line(tmp_path, args, msg, capsys):
     from megaframe.generate import main
