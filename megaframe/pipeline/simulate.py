@@ -95,8 +95,9 @@ class SimResult:
     idle: float = 0.0
     """Idle time of every rank: the makespan less its compute (all ranks do the same work)."""
     peak_memory: list[float] = field(default_factory=list)
-    """Per rank: most activation memory held at once, in chunk activations: F->B in flight plus
-    `w_fraction` of one for each pending W (a split B frees all but what W reads)."""
+    """Per rank: most activation memory held at once, in stage units (one micro-batch's activations of a
+    rank's layers; a chunk is 1/vpp): F->B in flight plus `w_fraction` of a chunk for each pending W (a
+    split B frees all but what W reads)."""
     vpp: int = 1
 
     @property
@@ -312,10 +313,15 @@ def simulate(kind: str, pp: int, vpp: int, m: int, sends: SendModel = SendModel.
              w_fraction: float = W_FRACTION) -> SimResult:
     """Replay `build_schedule(kind, pp, vpp, m, rank, grouping)` of every rank under a send model; raises
     ScheduleError on a mismatch, a deadlock, B before F, a missing F/B or activations over the bound.
-    costs=None: F = 1 and B = backward_time (zero-bubble kinds B = W = 1), as before costs existed."""
+    costs: F, B, W of one micro-batch through a rank's layers (a chunk takes 1/vpp); None: a chunk's F = 1
+    and B = backward_time (zero-bubble kinds B = W = 1), as before costs existed."""
     split = kind in ZERO_BUBBLE
+    # Costs are a whole rank's layers (a stage of 1F1B): a chunk takes 1/vpp of them, so kinds compare at
+    # equal work. Without costs a chunk's F takes one unit, as before costs existed.
     if costs is None:
         costs = Costs(1, 1, 1) if split else Costs(1, backward_time, 0)
+    else:
+        costs = Costs(costs.f / vpp, costs.b / vpp, costs.w / vpp)
     with _gc_paused():
         g = _graph(kind, pp, vpp, m, grouping, build_schedule)
         peak, peak_w, peak_mem = _memory(g, w_fraction)
@@ -330,7 +336,8 @@ def simulate(kind: str, pp: int, vpp: int, m: int, sends: SendModel = SendModel.
         raise ScheduleError(f"a rank holds {max(peak_w)} pending W, bound {max_pending_w(kind, pp)}")
     # Every rank does the same work, one F, B and W per (micro-batch, chunk) (B and W one B unsplit).
     busy = (costs.f + costs.b + costs.w) * m * vpp
-    return SimResult(makespan, (makespan - busy) / makespan, peak, peak_w, timeline, makespan - busy, peak_mem, vpp)
+    return SimResult(makespan, (makespan - busy) / makespan, peak, peak_w, timeline, makespan - busy,
+                     [p / vpp for p in peak_mem], vpp)
 
 
 def _check_complete(timeline, pp: int, vpp: int, m: int, split: bool) -> None:
