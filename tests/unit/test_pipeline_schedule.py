@@ -211,3 +211,25 @@ def test_costs_time_the_unit_orders():
     for kind, vpp in (("zb_h1", 1), ("zbv", 2), ("interleaved", 2)):
         res = simulate(kind, 4, vpp, 8, SendModel.RENDEZVOUS, costs=Costs(1.0, 1.3, 0.7))
         assert res.idle == pytest.approx(res.makespan - 3.0 * 8) and 0 < res.bubble < 0.3
+
+
+def test_plot_schedule_draws_f_b_w_and_prints_the_bubble(tmp_path, capsys):
+    """scripts/plot_schedule.py kind=zb_h1: F, B and W in three colours, `bubble=` printed; bad input exits 2."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("plot_schedule", Path(__file__).parents[2] / "scripts" / "plot_schedule.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    drawn = []
+    real = mod.plt.Axes.barh
+    mod.plt.Axes.barh = lambda self, *a, **k: drawn.append(k["color"]) or real(self, *a, **k)
+    try:
+        mod.main(["pp=2", "microbatches=4", "kind=zb_h1", f"out={tmp_path / 's.png'}"])
+    finally:
+        mod.plt.Axes.barh = real
+    assert {mod.COLOURS[k][0] for k in "FBW"} == set(drawn)
+    assert "zb_h1 pp=2 vpp=1 m=4 bubble=0.0769" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        mod.main(["kind=zbv", "vpp=1"])
+    assert e.value.code == 2 and "vpp=1" in capsys.readouterr().err
