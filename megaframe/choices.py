@@ -32,9 +32,10 @@ class RouterScore(StrEnum):
 
 
 # OmegaConf looks members up by name, and "1f1b" is no identifier: the functional form allows it
-ScheduleKind = StrEnum("ScheduleKind", [(k, k) for k in ("auto", "gpipe", "1f1b", "interleaved")],
+ScheduleKind = StrEnum("ScheduleKind", [(k, k) for k in ("auto", "gpipe", "1f1b", "interleaved", "zb_h1", "zbv")],
                        module=__name__)
-ScheduleKind.__doc__ = "parallel.pp_schedule (auto: interleaved when vpp > 1, else 1f1b)."
+ScheduleKind.__doc__ = ("parallel.pp_schedule (auto: interleaved when vpp > 1, else 1f1b; zb_h1 and zbv: zero-bubble, "
+                        "backward split into input and weight gradients, zbv in a V over vpp=2).")
 
 
 class Device(StrEnum):

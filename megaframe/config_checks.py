@@ -290,6 +290,12 @@ def _check_pipeline(cfg: Config, dp: int) -> None:
 
     p, t = cfg.parallel, cfg.train
     _req(p.vpp == 1 or p.pp > 1, f"parallel.vpp={p.vpp} needs parallel.pp > 1")
+    kind = resolve_kind(p.pp_schedule, p.vpp)
+    if kind in ("zb_h1", "zbv"):
+        # the split backward re-runs a weighted op's node for W (pipeline/split.py): a compiled block is one
+        # node computing every grad, and torchao's float8 GEMM computes both grads at once
+        for bad, why in ((t.compile, "train.compile=true"), (t.precision == "fp8", "train.precision=fp8")):
+            _req(not bad, f"parallel.pp_schedule={kind} splits each backward in two and does not compose with {why}")
     try:
         stage_counts(cfg.model.num_layers, p.pp, p.vpp, p.pp_layout)
         check_args(resolve_kind(p.pp_schedule, p.vpp), p.pp, p.vpp, t.global_batch_size // (t.micro_batch_size * dp))

@@ -132,7 +132,10 @@ class ParallelConfig:
     tp_comm_chunks: int = 4
     """Chunks of the local sequence block under tp_comm_overlap (the largest count <= this dividing it)."""
     pp_schedule: ScheduleKind = ScheduleKind.auto
-    """gpipe | 1f1b | interleaved | auto (interleaved when vpp > 1, else 1f1b)."""
+    """gpipe | 1f1b | interleaved | zb_h1 | zbv | auto (interleaved when vpp > 1, else 1f1b). zb_h1 (vpp=1) and
+    zbv (vpp=2, chunks in a V: rank 0 holds both ends) are the zero-bubble schedules: each backward is split
+    into B (input gradient) and W (weight gradients, deferred into the bubble); not with train.compile or
+    train.precision=fp8."""
     pp_layout: Optional[list[int]] = None
     """Layers per virtual stage (pp x vpp entries, stage s = chunk * pp + rank) for uneven splits."""
     # -- context parallelism (megaframe/parallel/context.py)

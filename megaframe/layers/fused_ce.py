@@ -17,6 +17,7 @@ import functools
 import torch
 
 from megaframe.layers.vocab import log_softmax_nll, nll_grad_
+from megaframe.pipeline.split import wanted
 
 CHUNK_ELEMS = {"cpu": 1 << 21, "cuda": 1 << 26}  # logits elements per chunk: 8 MiB on CPU, 256 MiB on GPU
 
@@ -86,15 +87,22 @@ class _LinearCrossEntropy(torch.autograd.Function):
             _accumulate(gw_VD, grad_CV, x_CD, first=lo == 0)
         if grads:
             gw_VD = gw_VD.to(w_VD.dtype)
-        ctx.save_for_backward(x_ND, w_VD, target_N, gx_ND, gw_VD)
+        ctx.save_for_backward(x_ND, w_VD, target_N)
+        # our own buffers (neither input nor output): kept on ctx, so scaling them in place in backward
+        # trips no saved-tensor version check when a split backward runs this node twice
+        ctx.grads = (gx_ND, gw_VD)
         return loss_N
 
     @staticmethod
     def backward(ctx, g_N):
-        x_ND, w_VD, target_N, gx_ND, gw_VD = ctx.saved_tensors
+        x_ND, w_VD, target_N = ctx.saved_tensors
+        gx_ND, gw_VD = ctx.grads
         if g_N.numel() == 1 or g_N.stride(0) == 0:  # one upstream grad for all tokens: scale, no sync
             scale = g_N.reshape(-1)[0]
-            return gx_ND.mul_(scale), gw_VD.mul_(scale), None
+            # in place, so each grad at most once: a split backward (pipeline/split.py) runs this node for
+            # B (the input grad) and again for W (the weight's)
+            gx = gx_ND.mul_(scale) if ctx.needs_input_grad[0] and wanted(x_ND) else None
+            return gx, gw_VD.mul_(scale) if ctx.needs_input_grad[1] and wanted(w_VD) else None, None
         c = _chunk_tokens(x_ND.shape[0], w_VD.shape[0], x_ND.device)  # per-token weights: recompute
         acc_VD = torch.empty_like(w_VD, dtype=torch.float32)
         for lo in range(0, x_ND.shape[0], c):

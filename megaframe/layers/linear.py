@@ -15,6 +15,7 @@ from torch import nn
 from megaframe.layers.shard import Shard, sharded_param
 from megaframe.parallel import comm, tp_overlap
 from megaframe.parallel.mesh import Axis
+from megaframe.pipeline.split import wanted
 
 
 class _GatheredLinear(torch.autograd.Function):
@@ -35,15 +36,18 @@ class _GatheredLinear(torch.autograd.Function):
     def backward(ctx, g_SBO):
         x_SBI, weight = ctx.saved_tensors
         g_SBO = g_SBO.contiguous()
+        # A split backward (zero-bubble, pipeline/split.py) asks twice: B for the input grad, W for the
+        # weight's; `wanted` keeps each from redoing the other's GEMM and collective.
+        want_x, want_w = ctx.needs_input_grad[0] and wanted(x_SBI), ctx.needs_input_grad[1] and wanted(weight)
         # The grad of the gathered input is partial per rank (each saw its own O/tp columns): summed over
         # tp and scattered back to this rank's sequence block in one reduce-scatter.
-        gx_SBI = comm.reduce_scatter_dim0(g_SBO @ weight, ctx.axis) if ctx.needs_input_grad[0] else None
+        gx_SBI = comm.reduce_scatter_dim0(g_SBO @ weight, ctx.axis) if want_x else None
         gw_OI = None
-        if ctx.needs_input_grad[1]:
+        if want_w:
             full_SBI = comm.all_gather_dim0(x_SBI, ctx.axis)  # the re-gather the saving costs
             # The weight grad needs every sequence position: this rank's O/tp rows see the whole sequence.
             gw_OI = g_SBO.flatten(0, -2).t() @ full_SBI.flatten(0, -2)
-        gb_O = g_SBO.flatten(0, -2).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        gb_O = g_SBO.flatten(0, -2).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] and want_w else None
         return gx_SBI, gw_OI, gb_O, None
 
 

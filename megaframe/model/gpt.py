@@ -30,6 +30,7 @@ from megaframe.parallel.context import cp_positions
 from megaframe.parallel.mesh import Mesh
 from megaframe.parallel.tp_overlap import enable_tp_overlap
 from megaframe.pipeline.partition import Stage, stage_layout
+from megaframe.pipeline.schedule import is_v, resolve_kind
 from megaframe.schema import ModelConfig
 
 
@@ -123,7 +124,8 @@ class GPT(nn.Module):
         pdev = param_device or device
         tp = mesh.tp
         if stage.first or (stage.last and cfg.tie_embeddings):
-            tied = cfg.tie_embeddings and mesh.pp_ends.size > 1  # a copy on each pipeline end
+            # a copy on each pipeline end; under zbv both ends are rank 0's: one tensor, nothing to sum
+            tied = cfg.tie_embeddings and mesh.pp_ends.size > 1 and not (stage.first and stage.last)
             self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, self.sp, pdev,
                                                 pp_tied=tied, pp_duplicate=tied and not stage.first)
         if stage.first and cfg.position_embedding == "learned":
@@ -241,7 +243,8 @@ def build_model(cfg, mesh: Mesh) -> GPT:
     (optim/zero3.py, from `model.init_spec`), and the gathers give the rest when a forward needs it."""
     p = cfg.parallel
     # Every rank derives its stage from the same config: the pipeline neighbours agree on the cut.
-    stage = stage_layout(cfg.model.num_layers, mesh.pp.size, p.vpp, mesh.pp.rank, p.pp_layout)
+    stage = stage_layout(cfg.model.num_layers, mesh.pp.size, p.vpp, mesh.pp.rank, p.pp_layout,
+                         v=is_v(resolve_kind(p.pp_schedule, p.vpp)))
     model = GPT(cfg.model, mesh, p.sp, stage=stage,
                 tokens_per_step=cfg.train.global_batch_size * cfg.model.seq_length, recompute=cfg.train.recompute,
                 cp_ring=CPComm(p.cp_comm) is CPComm.ring, param_device=torch.device("meta"))

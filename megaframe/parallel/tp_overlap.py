@@ -27,6 +27,7 @@ from torch import nn
 
 from megaframe.parallel import comm
 from megaframe.parallel.mesh import Axis
+from megaframe.pipeline.split import wanted
 
 
 def _chunks(s: int, k: int) -> int:
@@ -73,7 +74,9 @@ class _GatherMatmul(torch.autograd.Function):
         s, b = x_SBI.shape[:2]
         g_TKCBO = g_SBO.contiguous().view(axis.size, k, s // k, b, -1)
         gx_SBI = gw_OI = None
-        if ctx.needs_input_grad[0]:
+        # a split backward (zero-bubble) runs this twice, B for the input grad, W for the weight's: each once
+        want_x, want_w = ctx.needs_input_grad[0] and wanted(x_SBI), ctx.needs_input_grad[1] and wanted(weight)
+        if want_x:
             gx_SBI = torch.empty_like(x_SBI)
             works = []
             for i, gx_CBI in enumerate(gx_SBI.chunk(k)):  # each chunk's reduce-scatter under the next GEMM
@@ -81,12 +84,12 @@ class _GatherMatmul(torch.autograd.Function):
                 works.append((comm.reduce_scatter_flat(gx_CBI, part_TCBI.flatten(0, 1), axis, async_op=True), part_TCBI))
             for work, _part in works:  # the partial sums stay referenced until their collective is done
                 _wait(work)
-        if ctx.needs_input_grad[1]:
+        if want_w:
             gw_OI = torch.zeros_like(weight)
             for i, (buf_TCBI, work) in enumerate(_gather_chunks(x_SBI, axis, k)):
                 _wait(work)
                 gw_OI += g_TKCBO[:, i].reshape(-1, gw_OI.shape[0]).t() @ buf_TCBI.reshape(-1, gw_OI.shape[1])
-        gb_O = g_SBO.flatten(0, -2).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        gb_O = g_SBO.flatten(0, -2).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] and want_w else None
         return gx_SBI, gw_OI, gb_O, None, None
 
 
@@ -115,8 +118,9 @@ class _MatmulScatter(torch.autograd.Function):
         axis, k = ctx.axis, ctx.k
         s = g_SBO.shape[0]
         x_TKCBI = x_SBI.view(axis.size, k, s // k, *x_SBI.shape[1:])
-        gx_TKCBI = torch.empty_like(x_TKCBI) if ctx.needs_input_grad[0] else None
-        gw_OI = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
+        # under a split backward B and W each want one of the two; W gathers g again (not kept from B)
+        gx_TKCBI = torch.empty_like(x_TKCBI) if ctx.needs_input_grad[0] and wanted(x_SBI) else None
+        gw_OI = torch.zeros_like(weight) if ctx.needs_input_grad[1] and wanted(weight) else None
         for i, (g_TCBO, work) in enumerate(_gather_chunks(g_SBO.contiguous(), axis, k)):
             _wait(work)
             if gx_TKCBI is not None:

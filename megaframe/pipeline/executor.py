@@ -8,9 +8,16 @@ completes: Megatron's deallocate trick), so a rank holds only the activations th
 requires. Consecutive communication actions are one batch (`p2p.start`), as the schedule groups them;
 a batch is waited for right before the first compute that reads one of its receives, so receives the
 schedule posts early (to meet the peer's sends, schedule.py) do not hold this rank's compute back.
+
+Zero-bubble kinds (a schedule with W actions): B computes the chunk's input gradient only and W, later,
+its weight gradients (pipeline/split.py); the weights' grads become final at the last W of each chunk,
+so that is where ZeRO's reduce-scatters launch (`backward_context(is_last=True)`). Under zbv's V the
+last rank's chunk 0 feeds its own chunk 1: the output becomes the next chunk's input (a fresh leaf, so
+each chunk keeps its own graph) and that leaf's gradient the first chunk's output gradient, in memory.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -18,8 +25,8 @@ import torch
 from torch.autograd import Variable
 
 from megaframe.parallel.mesh import Mesh
-from megaframe.pipeline import p2p
-from megaframe.pipeline.schedule import COMPUTE, RECV_B, RECV_F, SEND_B, SEND_F, Action, F
+from megaframe.pipeline import p2p, split
+from megaframe.pipeline.schedule import COMPUTE, RECV_B, RECV_F, SEND_B, SEND_F, Action, F, W, locate, stage_of
 
 
 @dataclass
@@ -30,6 +37,7 @@ class _State:
     to_send: dict = field(default_factory=dict)  # (SEND_F | SEND_B, mb, chunk) -> tensor
     arriving: dict = field(default_factory=dict)  # (RECV_F | RECV_B, mb, chunk) -> its batch's Transfer
     in_flight: list = field(default_factory=list)  # every Transfer of the schedule, all waited at the end
+    pending_w: dict = field(default_factory=dict)  # (mb, chunk) -> split.PendingW, from its B to its W
     loss_sum: torch.Tensor | None = None
 
 
@@ -42,8 +50,11 @@ def run_schedule(actions: list[Action], model, batches, mesh: Mesh, optimizer, t
     """
     # A device scalar, summed without .item(): the loss is read on the host only at log steps.
     st = _State(loss_sum=torch.zeros((), device=batches[0][0].device))
-    # The last backward of each chunk is where its grads become final: ZeRO launches reduce-scatters there.
-    last_b = {a.chunk: i for i, a in enumerate(actions) if a.kind == "B"}
+    # The last backward (W when split) of each chunk is where its grads become final: ZeRO launches
+    # reduce-scatters there.
+    splits = any(a.kind == W for a in actions)
+    last_b = {a.chunk: i for i, a in enumerate(actions) if a.kind == (W if splits else "B")}
+    params = [p for p in model.parameters() if p.requires_grad] if splits else None
     # Receive buffers are sized from the config, not from a message: p2p carries no shape header, so
     # sender and receiver must agree on it (the same micro-batch shape on every rank).
     shape = _activation_shape(model, batches[0][0])
@@ -62,16 +73,19 @@ def run_schedule(actions: list[Action], model, batches, mesh: Mesh, optimizer, t
             transfer.wait()
         t0 = time.perf_counter()
         if a.kind == F:
-            _forward(a, st, model, batches, tokens_global)
+            # a split chunk's saved tensors boxed: B releases those W will not read (split.py)
+            with split.saving() if splits else contextlib.nullcontext():
+                _forward(a, st, model, batches, tokens_global)
         else:
-            with optimizer.backward_context(is_last=i == last_b[a.chunk]):
-                _backward(a, st)
+            with optimizer.backward_context(is_last=i == last_b.get(a.chunk)):
+                _backward(a, st, model, params)
         if timeline is not None:
             timeline.append((a, t0, time.perf_counter()))
     _communicate(comm, st, mesh, shape, dtype, batches[0][0].device)
     for transfer in st.in_flight:  # the sends must have left before the step's optimizer and the next step
         transfer.wait()
-    assert not (st.inputs or st.outputs or st.grads or st.to_send or st.arriving), "schedule left work undone"
+    assert not (st.inputs or st.outputs or st.grads or st.to_send or st.arriving or st.pending_w), \
+        "schedule left work undone"
     return st.loss_sum
 
 
@@ -85,6 +99,17 @@ def _is_loss_chunk(model, chunk: int) -> bool:
     return model.stage.last and chunk == len(model.stage.chunks) - 1
 
 
+def _neighbour_chunk(model, chunk: int, step: int) -> int | None:
+    """This rank's chunk holding the stage `step` (+1 or -1) away from `chunk`'s, or None when that stage
+    is another rank's (or there is none): only zbv's turn, where the last rank holds stages pp-1 and pp."""
+    pp, v = model.mesh.pp.size, model.stage.v
+    s = stage_of(model.mesh.pp.rank, chunk, pp, v) + step
+    if not 0 <= s < pp * len(model.stage.chunks):
+        return None
+    rank, c = locate(s, pp, v)
+    return c if rank == model.mesh.pp.rank else None
+
+
 def _forward(a: Action, st: _State, model, batches, tokens_global: int) -> None:
     key = (a.microbatch, a.chunk)
     input_ids_BS, labels_BS = batches[a.microbatch]
@@ -94,7 +119,7 @@ def _forward(a: Action, st: _State, model, batches, tokens_global: int) -> None:
         if _is_loss_chunk(model, a.chunk):
             st.loss_sum += out.float().sum()
         else:
-            st.to_send[(SEND_F, *key)] = out
+            _hand_on(a, st, model, out)
         return
     if _is_loss_chunk(model, a.chunk):
         # fp32 sum of per-token losses: a bf16 sum over B·S tokens would round away the small terms.
@@ -105,21 +130,47 @@ def _forward(a: Action, st: _State, model, batches, tokens_global: int) -> None:
         st.outputs[key] = (total / tokens_global, x_SBD)
     else:
         st.outputs[key] = (out, x_SBD)
-        st.to_send[(SEND_F, *key)] = out
+        _hand_on(a, st, model, out)
 
 
-def _backward(a: Action, st: _State) -> None:
+def _hand_on(a: Action, st: _State, model, out: torch.Tensor) -> None:
+    """The output goes to the next stage: a message, or at zbv's turn this rank's chunk 1."""
+    nxt = _neighbour_chunk(model, a.chunk, +1)
+    if nxt is None:
+        st.to_send[(SEND_F, a.microbatch, a.chunk)] = out
+    else:  # a leaf of its own (under no_grad one without grad), so each chunk keeps its own graph
+        st.inputs[(a.microbatch, nxt)] = out.detach().requires_grad_(torch.is_grad_enabled())
+
+
+def _backward(a: Action, st: _State, model, params) -> None:
     key = (a.microbatch, a.chunk)
+    if a.kind == W:
+        split.backward_weight(st.pending_w.pop(key))
+        return
     root, x_SBD = st.outputs.pop(key)
     grad = st.grads.pop(key, None)
-    if grad is None:
+    if params is not None:  # zero-bubble: B is the input gradient only; W comes later
+        gx, st.pending_w[key] = split.backward_input(root, grad, x_SBD, params)
+        _hand_back(a, st, model, gx)
+    elif grad is None:
         root.backward()
     else:
         # the root's storage may be released already: run the engine directly, skipping the shape
         # check torch.autograd.backward would do against it
         Variable._execution_engine.run_backward((root,), (grad,), False, False, (), True, True)
-    if x_SBD is not None:
-        st.to_send[(SEND_B, *key)] = x_SBD.grad
+    if params is None and x_SBD is not None:
+        _hand_back(a, st, model, x_SBD.grad)
+
+
+def _hand_back(a: Action, st: _State, model, gx) -> None:
+    """The input's gradient goes to the previous stage: a message, or at zbv's turn this rank's chunk 0."""
+    if gx is None:
+        return
+    prv = _neighbour_chunk(model, a.chunk, -1)
+    if prv is None:
+        st.to_send[(SEND_B, a.microbatch, a.chunk)] = gx
+    else:
+        st.grads[(a.microbatch, prv)] = gx
 
 
 def _communicate(comm: list[Action], st: _State, mesh: Mesh, shape, dtype, device) -> None:

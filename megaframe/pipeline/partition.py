@@ -2,12 +2,16 @@
 
 Virtual stage s = chunk·pp + rank holds a contiguous block of layers: an even split of num_layers
 over pp·vpp stages, or the explicit per-stage counts of `parallel.pp_layout`. Stage 0 also holds the
-embedding; the last stage the final norm, the output head and the loss.
+embedding; the last stage the final norm, the output head and the loss. Under zbv (`v`) the stages sit
+in a V instead (schedule.stage_of): rank r holds stage r as chunk 0 and stage 2·pp-1-r as chunk 1, so
+rank 0 holds both ends (embedding and head: a tied embedding is one tensor there, no copy to sum).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional, Sequence
+
+from megaframe.pipeline.schedule import stage_of
 
 
 @dataclass(frozen=True)
@@ -19,6 +23,8 @@ class Stage:
     """Holds stage 0 (chunk 0 starts with the embedding)."""
     last: bool
     """Holds the last stage (the last chunk ends with the head and loss)."""
+    v: bool = False
+    """Chunks placed in a V (zbv): chunk 1 of rank r is stage 2·pp-1-r."""
 
     @staticmethod
     def whole(num_layers: int) -> "Stage":
@@ -40,12 +46,14 @@ def stage_counts(num_layers: int, pp: int, vpp: int, layout: Optional[Sequence[i
     return [num_layers // stages] * stages
 
 
-def stage_layout(num_layers: int, pp: int, vpp: int, rank: int, layout: Optional[Sequence[int]] = None) -> Stage:
+def stage_layout(num_layers: int, pp: int, vpp: int, rank: int, layout: Optional[Sequence[int]] = None,
+                 v: bool = False) -> Stage:
     counts = stage_counts(num_layers, pp, vpp, layout)
     # Every rank computes the whole table from the same config, so neighbouring stages agree on where
     # one chunk ends and the next begins without exchanging anything.
     starts = [sum(counts[:s]) for s in range(len(counts))]
-    chunks = tuple(tuple(range(starts[c * pp + rank], starts[c * pp + rank] + counts[c * pp + rank]))
-                   for c in range(vpp))
-    # first/last go by rank, not chunk: under vpp rank 0 holds stage 0 and rank pp-1 the last stage.
-    return Stage(chunks, first=rank == 0, last=rank == pp - 1)
+    stages = [stage_of(rank, c, pp, v) for c in range(vpp)]
+    chunks = tuple(tuple(range(starts[s], starts[s] + counts[s])) for s in stages)
+    # first/last go by rank, not chunk: under vpp rank 0 holds stage 0 and rank pp-1 the last stage (in a
+    # V, rank 0 both).
+    return Stage(chunks, first=rank == 0, last=stage_of(rank, vpp - 1, pp, v) == pp * vpp - 1, v=v)

@@ -90,7 +90,10 @@ class Meter:
         mesh = self.mesh
         sent = mesh.stats.pop()
         # the log step's host sync: the interval's loss summed on the device, reduced over cp·dp and read once
-        loss = comm.all_reduce(self.loss_sum, mesh.dpcp).item() / (self.tokens_step * self.steps)
+        loss = comm.all_reduce(self.loss_sum, mesh.dpcp)
+        if model.stage.v:  # zbv: the loss is on rank 0 (both pipeline ends), the logger is the last rank
+            loss = comm.all_reduce(loss, mesh.pp)
+        loss = loss.item() / (self.tokens_step * self.steps)
         now = time.perf_counter()
         tps = self.tokens_step * self.steps / (now - self.t_last)
         step_time = (now - self.t_last) / self.steps

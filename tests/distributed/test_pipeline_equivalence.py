@@ -18,6 +18,7 @@ pytestmark = pytest.mark.distributed
 STEPS = 6
 FAMILY_OVERRIDES = {"gpt_tiny": [], "gpt2_tiny": ["model=gpt2_tiny", "model.num_query_groups=null"]}
 L4, L8, MB1 = "model.num_layers=4", "model.num_layers=8", "train.micro_batch_size=1"
+ZB1, ZBV = "parallel.pp_schedule=zb_h1", ["parallel.pp_schedule=zbv", "parallel.vpp=2"]
 # (name, ranks, tp, pp, ep, overrides); the tiny model has 2 layers and 4 micro-batches of 2 (8 at dp=1)
 # unless overridden; m = micro-batches per dp rank
 LAYOUTS = [
@@ -38,8 +39,22 @@ LAYOUTS = [
     ("interleaved-pp2-vpp2-dp2-zero1", 4, 1, 2, 1, ["parallel.vpp=2", L4]),
     ("pp2-uneven", 2, 1, 2, 1, [L4, "parallel.pp_layout=[3,1]"]),
     ("moe-interleaved-pp2-vpp2-ep2", 4, 1, 2, 2, MOE + ["parallel.vpp=2", L4]),
+    # zero-bubble (issue 28): B and W split, W at the schedule's place; zbv's V with rank 0 at both ends
+    ("zb_h1-pp2-m2", 2, 1, 2, 1, [ZB1, "train.micro_batch_size=4"]),
+    ("zb_h1-pp4-m8", 4, 1, 4, 1, [ZB1, L4, MB1]),
+    ("zb_h1-tp2-sp-pp2", 4, 2, 2, 1, [ZB1, "parallel.sp=true"]),
+    ("zbv-tp2-sp-overlap-pp2", 4, 2, 2, 1, [*ZBV, L4, "parallel.sp=true", "parallel.tp_comm_overlap=true"]),
+    ("zb_h1-pp2-dp2-zero1", 4, 1, 2, 1, [ZB1]),
+    ("zb_h1-pp2-dp2-zero3", 4, 1, 2, 1, [ZB1, "optim.zero=3"]),
+    ("zbv-pp2-dp2-zero2", 4, 1, 2, 1, [*ZBV, L4, "optim.zero=2"]),
+    ("zb_h1-pp2-uneven-recompute-full", 2, 1, 2, 1, [ZB1, L4, "parallel.pp_layout=[3,1]", "train.recompute=full"]),
+    ("moe-zb_h1-pp2-ep2", 4, 1, 2, 2, MOE + [ZB1]),
+    ("zbv-pp2-m4", 2, 1, 2, 1, [*ZBV, L4]),
+    ("zbv-pp4-m8-uneven-selective", 4, 1, 4, 1, [*ZBV, "model.num_layers=10", "parallel.pp_layout=[1,2,1,1,1,1,2,1]",
+                                                 MB1, "train.recompute=selective"]),
 ]
-GPT2 = {"1f1b-pp2-m8", "interleaved-pp4-vpp2-m4", "gpipe-pp2-vpp2-m8", "tp2-sp-pp2", "pp2-dp2-zero1-m2"}
+GPT2 = {"1f1b-pp2-m8", "interleaved-pp4-vpp2-m4", "gpipe-pp2-vpp2-m8", "tp2-sp-pp2", "pp2-dp2-zero1-m2",
+        "zb_h1-pp2-m2", "zbv-pp2-m4"}
 CASES = [pytest.param(family, *layout, id=f"{layout[0]}-{family}")
          for layout in LAYOUTS for family in FAMILY_OVERRIDES if family == "gpt_tiny" or layout[0] in GPT2]
 _reference: dict = {}
@@ -94,7 +109,8 @@ def test_old_exchange_trains_on_nan_under_nccl_semantics(pool):
 
 
 EVAL_LAYOUTS = [("pp4-vpp2", 4, 1, 4, ["parallel.vpp=2", L8]),
-                ("tp2-sp-pp2-vpp2", 4, 2, 2, ["parallel.sp=true", "parallel.vpp=2", L4]), ("pp2-dp2", 4, 1, 2, [])]
+                ("tp2-sp-pp2-vpp2", 4, 2, 2, ["parallel.sp=true", "parallel.vpp=2", L4]), ("pp2-dp2", 4, 1, 2, []),
+                ("zbv-pp4", 4, 1, 4, [*ZBV, L8])]
 
 
 @pytest.mark.parametrize("name,n,tp,pp,extra", EVAL_LAYOUTS, ids=[x[0] for x in EVAL_LAYOUTS])

@@ -91,14 +91,22 @@ def test_tp2_checkpoint_loads_as_one_process_model(tmp_path):
 
 
 def test_torchrun_pp4_vpp2_matches_one_process_and_checkpoint_loads(tmp_path):
+    """Also issue 28's CLI path: parallel.pp_schedule=zbv under torchrun, resumed from the pp4 interleaved run's
+    step-3 checkpoint (layout-free names; zbv's V at pp2 puts layers 0-1 and 6-7 on rank 0), continues with
+    the one-process losses; its logged loss (computed on rank 0 under the V, logged by the last rank) is real."""
     over = ["data=synthetic", *TINY, "model.num_layers=8", "train.max_steps=6", "train.log_interval=1",
             "train.global_batch_size=16", "train.micro_batch_size=2"]
     one = train(over + [f"run.dir={tmp_path / 'one'}"])
     assert one.returncode == 0, one.stderr[-3000:]
-    pp = train(over + ["parallel.pp=4", "parallel.vpp=2", f"run.dir={tmp_path / 'pp'}"], nproc=4)
+    pp = train(over + ["parallel.pp=4", "parallel.vpp=2", "checkpoint.interval=3", f"run.dir={tmp_path / 'pp'}"],
+               nproc=4)
     assert pp.returncode == 0, pp.stderr[-3000:]
-    ref, got = metrics(tmp_path / "one"), metrics(tmp_path / "pp")
-    for a, b in zip(got, ref):
+    zbv = train(over + ["parallel.pp=2", "parallel.vpp=2", "parallel.pp_schedule=zbv", f"run.dir={tmp_path / 'zbv'}",
+                        f"checkpoint.resume={tmp_path / 'pp' / 'checkpoints' / 'step_00000003'}"], nproc=2)
+    assert zbv.returncode == 0, zbv.stderr[-3000:]
+    ref, got, after = metrics(tmp_path / "one"), metrics(tmp_path / "pp"), metrics(tmp_path / "zbv")
+    assert [r["step"] for r in after] == [4, 5, 6]
+    for a, b in zip(got + after, ref + ref[3:]):
         assert _rel(a["loss"], b["loss"]) <= 1e-4, (a["loss"], b["loss"])
     assert got[0]["comm_bytes/pp"] > 0
     import megaframe
@@ -108,3 +116,4 @@ def test_torchrun_pp4_vpp2_matches_one_process_and_checkpoint_loads(tmp_path):
         a = megaframe.load_model(str(tmp_path / "pp" / "checkpoints"))(ids)
         b = megaframe.load_model(str(tmp_path / "one" / "checkpoints"))(ids)
     torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+

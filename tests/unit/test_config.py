@@ -298,3 +298,14 @@ def test_vocab_size_defaults_to_the_prepared_data_padded(tmp_path):
     assert load_config(["data=demo", f"data.path={path}", "parallel.tp=2"], world_size=2).model.vocab_size == 384
     assert load_config(["data=demo", f"data.path={path}", "model.vocab_size=512"], world_size=1).model.vocab_size == 512
     assert load_config(["data=synthetic", "data.vocab_size=1000"], world_size=1).model.vocab_size == 1024
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["parallel.pp_schedule=zbv"], "parallel.vpp=2"),
+    (["parallel.pp_schedule=zb_h1", "parallel.vpp=2", "model.num_layers=4"], "parallel.vpp=1"),
+    (["parallel.pp_schedule=zbv", "parallel.vpp=2", "model.num_layers=4", "train.compile=true"], "train.compile"),
+    (["parallel.pp_schedule=zb_h1", "train.precision=fp8"], "train.precision=fp8"),
+])
+def test_zero_bubble_kinds_refuse_what_they_cannot_run(extra, needle):
+    msg = one_line_error(["data=synthetic", "parallel.pp=2", *extra], world_size=2, check_data=False)
+    assert needle in msg and "pp_schedule" in msg, msg

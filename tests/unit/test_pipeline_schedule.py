@@ -233,3 +233,11 @@ def test_plot_schedule_draws_f_b_w_and_prints_the_bubble(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         mod.main(["kind=zbv", "vpp=1"])
     assert e.value.code == 2 and "vpp=1" in capsys.readouterr().err
+
+
+def test_stage_layout_v_places_both_ends_on_rank_0():
+    # zbv: rank r holds stage r (chunk 0) and stage 2pp-1-r (chunk 1); the uneven layout by stage
+    counts = [1, 2, 1, 1, 1, 1, 2, 1]  # stages 0..7 at pp=4
+    s0, s3 = (stage_layout(10, 4, 2, r, layout=counts, v=True) for r in (0, 3))
+    assert s0.chunks == ((0,), (9,)) and s0.first and s0.last and s0.v
+    assert s3.chunks == ((4,), (5,)) and not s3.first and not s3.last
