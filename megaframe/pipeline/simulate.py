@@ -113,7 +113,8 @@ class _Graph:
     passes: the messages are checked here and the replay only times them."""
 
     def __init__(self, kind, pp, vpp, m, grouping: Grouping, builder=build_schedule):
-        self.pp, self.v, self.split = pp, is_v(kind), kind in ZERO_BUBBLE
+        self.pp, self.vpp, self.v, self.split = pp, vpp, is_v(kind), kind in ZERO_BUBBLE
+        self.cache: dict = {}  # what the send models share (_static_checks)
         self.orders: list[list[Action]] = []
         self.steps: list[list[tuple[int, int]]] = []
         """Per rank: (0 F | 1 B | 2 W, the batch it waits for or -1), or (-1, the batch it issues)."""
@@ -142,6 +143,9 @@ class _Graph:
 
     def _compile(self, r: int, sched: list[Action], chans: dict) -> None:
         steps, order, arriving, mine, i = [], [], {}, [], 0
+        # per (receive kind, chunk): the sending stage's chunk (_expects without a call per message)
+        src = {(k, c): self._expects(r, Action(k, 0, c))[2] for k in (RECV_F, RECV_B) for c in range(self.vpp)
+               if 0 <= stage_of(r, c, self.pp, self.v) + (-1 if k == RECV_F else 1) < self.pp * self.vpp}
         while i < len(sched):
             a = sched[i]
             if a.kind in (F, B, W):
@@ -158,7 +162,8 @@ class _Graph:
                 # Keyed by (sender, receiver) only, no direction or tag: NCCL matches p2p ops in posting order.
                 key = (r, o.peer) if is_send else (o.peer, r)
                 side = chans[key][0 if is_send else 1]
-                side.append((b, _message(r, o) if is_send else self._expects(r, o)))
+                side.append((b, (o.kind[-1], o.microbatch, o.chunk if is_send else src[(o.kind, o.chunk)],
+                                 r if is_send else o.peer)))
                 ops.append((is_send, key, len(side) - 1))
                 if not is_send:
                     arriving[(o.kind, o.microbatch, o.chunk)] = b
@@ -324,11 +329,10 @@ def simulate(kind: str, pp: int, vpp: int, m: int, sends: SendModel = SendModel.
         costs = Costs(costs.f / vpp, costs.b / vpp, costs.w / vpp)
     with _gc_paused():
         g = _graph(kind, pp, vpp, m, grouping, build_schedule)
-        peak, peak_w, peak_mem = _memory(g, w_fraction)
+        peak, peak_w, peak_mem = _static_checks(g, w_fraction, vpp, m)
         replay = _Replay(g, sends, tuple(costs.of(k, split) for k in COMPUTE))
         makespan = replay.run()
     timeline = [list(zip(s, o)) for s, o in zip(replay.starts, g.orders)]
-    _check_complete(timeline, pp, vpp, m, split)
     for r in range(pp):
         if peak[r] > activation_bound(kind, pp, vpp, m, r):
             raise ScheduleError(f"rank {r} holds {peak[r]} activations, bound {activation_bound(kind, pp, vpp, m, r)}")
@@ -340,10 +344,20 @@ def simulate(kind: str, pp: int, vpp: int, m: int, sends: SendModel = SendModel.
                      [p / vpp for p in peak_mem], vpp)
 
 
-def _check_complete(timeline, pp: int, vpp: int, m: int, split: bool) -> None:
+def _static_checks(g: _Graph, w_fraction: float, vpp: int, m: int) -> tuple:
+    """What does not depend on the send model, done once per schedule: every F and B (and W) exactly once
+    on every rank, and _memory's figures."""
+    key = ("static", w_fraction)
+    if key not in g.cache:
+        _check_complete(g.orders, g.pp, vpp, m, g.split)
+        g.cache[key] = _memory(g, w_fraction)
+    return g.cache[key]
+
+
+def _check_complete(orders, pp: int, vpp: int, m: int, split: bool) -> None:
     want = {(k, mb, c) for k in ((F, B, W) if split else (F, B)) for mb in range(m) for c in range(vpp)}
     for r in range(pp):
-        got = [(a.kind, a.microbatch, a.chunk) for _, a in timeline[r]]
+        got = [(a.kind, a.microbatch, a.chunk) for a in orders[r]]
         if len(got) != len(set(got)) or set(got) != want:
             raise ScheduleError(f"rank {r} does not run every F and B exactly once")
 
