@@ -43,6 +43,7 @@ ready F within its activation limit and with fewer than pp W pending, else its o
 """
 from __future__ import annotations
 
+import collections
 import enum
 import functools
 from dataclasses import dataclass
@@ -162,6 +163,14 @@ def build_schedule(kind: str, pp: int, vpp: int, m: int, rank: int,
     """The full action list of `rank`: compute actions with the sends and receives between them."""
     if grouping is Grouping.ADJACENT:
         return _adjacent(kind, pp, vpp, m, rank)
+    return list(_paired(kind, pp, vpp, m, rank))
+
+
+# Cached: the simulator's checks replay one schedule under both send models, and the planner and the
+# executor ask for the same one again; a copy is handed out (callers may edit their list).
+@functools.lru_cache(maxsize=256)
+def _paired(kind: str, pp: int, vpp: int, m: int, rank: int) -> tuple[Action, ...]:
+    """build_schedule under Grouping.PAIRED."""
     # Every rank derives the same global timetable, so a send's tick on one rank and its receive's tick on
     # the peer agree without any exchange: that is what pairs the batches under NCCL.
     starts, sent_at = _unit_times(kind, pp, vpp, m)
@@ -169,12 +178,13 @@ def build_schedule(kind: str, pp: int, vpp: int, m: int, rank: int,
     # (time, 0 = comm | 1 = compute, order within a tick, action): at tick t a rank's sends and receives
     # come after its compute that ends at t and before the one that starts at t
     items = []
+    # per chunk: its stage and the ranks of the stages before and after it (itself at either end)
+    where = [(s, locate(s - 1, pp, v)[0] if s > 0 else rank, locate(s + 1, pp, v)[0] if s < last else rank)
+             for s in (stage_of(rank, c, pp, v) for c in range(vpp))]
     for i, (a, t) in enumerate(zip(compute_order(kind, pp, vpp, m, rank), starts[rank])):
-        s = stage_of(rank, a.chunk, pp, v)
+        s, prev, nxt = where[a.chunk]
         items.append((t, 1, i, a))
         # Neighbouring stages on this same rank (the turn of zbv's V) hand over in memory: no message.
-        prev = locate(s - 1, pp, v)[0] if s > 0 else rank
-        nxt = locate(s + 1, pp, v)[0] if s < last else rank
         if a.kind == F:
             if prev != rank:
                 items.append((sent_at[(F, a.microbatch, s - 1)], 0, 1, Action(RECV_F, a.microbatch, a.chunk, prev)))
@@ -186,7 +196,7 @@ def build_schedule(kind: str, pp: int, vpp: int, m: int, rank: int,
             if prev != rank:
                 items.append((t + 1, 0, 0, Action(SEND_B, a.microbatch, a.chunk, prev)))
     # The key stops before the Action (not orderable); full ties keep insertion order (sorted is stable).
-    return [a for *_, a in sorted(items, key=lambda x: x[:3])]
+    return tuple(a for *_, a in sorted(items, key=lambda x: x[:3]))
 
 
 def forward_schedule(pp: int, vpp: int, m: int, rank: int) -> list[Action]:
@@ -202,6 +212,18 @@ def forward_schedule(pp: int, vpp: int, m: int, rank: int) -> list[Action]:
 def _unit_times(kind: str, pp: int, vpp: int, m: int) -> tuple[list[list[int]], dict]:
     """Every rank's compute order run with F = B = W = 1 and instant transfers: (start times per rank, in
     compute order; {(F | B | W, microbatch, stage): time the stage's output is sent})."""
+    v = is_v(kind)
+    if kind in ZERO_BUBBLE:  # the greedy ran the unit-time timetable already (_zero_bubble_plan)
+        orders, starts = _zero_bubble_plan(kind, pp, m)
+        sent_at = {(a.kind, a.microbatch, stage_of(r, a.chunk, pp, v)): t + 1
+                   for r in range(pp) for a, t in zip(orders[r], starts[r])}
+        return starts, sent_at
+    return _replay_unit_times(kind, pp, vpp, m)
+
+
+def _replay_unit_times(kind: str, pp: int, vpp: int, m: int) -> tuple[list[list[int]], dict]:
+    """_unit_times by replaying the compute orders: every rank starts each action as soon as it is free and
+    the action's input has been sent."""
     orders = [compute_order(kind, pp, vpp, m, r) for r in range(pp)]
     v, last = is_v(kind), pp * vpp - 1
     sent_at: dict = {}
@@ -294,28 +316,37 @@ def _zero_bubble_orders(kind: str, pp: int, m: int) -> tuple[tuple[Action, ...],
     The W cap is what buys the bubble: the last rank defers its W so that B runs back up the pipe at one
     tick a stage, and the first ranks keep W for the cool-down, where they would otherwise wait for B.
     """
+    return _zero_bubble_plan(kind, pp, m)[0]
+
+
+@functools.lru_cache(maxsize=64)
+def _zero_bubble_plan(kind: str, pp: int, m: int) -> tuple[tuple[tuple[Action, ...], ...], list[list[int]]]:
+    """(_zero_bubble_orders' orders, the tick each action starts at). The greedy never idles a rank whose
+    next action is ready (a W always is; a B or F it skips stays unready while the rank idles), so these
+    ticks are the unit-time replay's (_unit_times): it reuses them instead of replaying (the grid test's time)."""
     v, vpp = is_v(kind), (2 if is_v(kind) else 1)
-    last = pp * vpp - 1
-    done: dict = {}  # (F | B, microbatch, stage) -> tick it finishes
-    next_f, next_b = [[0] * vpp for _ in range(pp)], [[0] * vpp for _ in range(pp)]
-    pending_w: list[list] = [[] for _ in range(pp)]
-    held, orders = [0] * pp, [[] for _ in range(pp)]
-    total, t = 3 * m * vpp, 0
-    while any(len(o) < total for o in orders):
+    last, never = pp * vpp - 1, 1 << 60
+    # done_f[s][mb] / done_b[s][mb]: the tick F / B of micro-batch mb at stage s finishes (never: not run)
+    done_f, done_b = [[never] * m for _ in range(last + 1)], [[never] * m for _ in range(last + 1)]
+    # each rank's chunks, higher stage first (the tie rule), as [chunk, stage, next F, next B]
+    lanes = [sorted(([c, stage_of(r, c, pp, v), 0, 0] for c in range(vpp)), key=lambda x: -x[1]) for r in range(pp)]
+    pending_w: list[collections.deque] = [collections.deque() for _ in range(pp)]
+    held, orders, starts = [0] * pp, [[] for _ in range(pp)], [[] for _ in range(pp)]
+    cap_w, total, t, busy = max_pending_w(kind, pp), 3 * m * vpp, 0, pp
+    limits = [_activation_limit(kind, pp, r) for r in range(pp)]
+    while busy:
         for r in range(pp):
-            room = len(pending_w[r]) < max_pending_w(kind, pp)  # else W first: it frees what B kept
-            a = _pick(r, t, pp, m, v, last, done, next_f, next_b, pending_w,
-                      room, room and held[r] < _activation_limit(kind, pp, r))
+            room = len(pending_w[r]) < cap_w  # else W first: it frees what B kept
+            a = _pick(lanes[r], t, m, last, done_f, done_b, pending_w[r], room, room and held[r] < limits[r])
             if a is None:
                 continue
             orders[r].append(a)
-            s = stage_of(r, a.chunk, pp, v)
+            starts[r].append(t)
+            if len(orders[r]) == total:
+                busy -= 1
             if a.kind == W:
-                pending_w[r].pop(0)
-                continue
-            done[(a.kind, a.microbatch, s)] = t + 1
-            (next_f if a.kind == F else next_b)[r][a.chunk] += 1
-            if a.kind == F:
+                pending_w[r].popleft()
+            elif a.kind == F:
                 held[r] += 1
             else:
                 held[r] -= 1
@@ -323,21 +354,25 @@ def _zero_bubble_orders(kind: str, pp: int, m: int) -> tuple[tuple[Action, ...],
         t += 1
         if t > 4 * total * pp:  # every tick some rank can move unless the limits wait on each other
             raise ValueError(f"{kind} pp={pp} m={m}: the greedy schedule does not finish")
-    return tuple(tuple(o) for o in orders)
+    return tuple(tuple(o) for o in orders), starts
 
 
-def _pick(r, t, pp, m, v, last, done, next_f, next_b, pending_w, may_back, may_forward) -> Action | None:
-    """The action rank r starts at tick t under _zero_bubble_orders' priorities (None: it idles)."""
-    chunks = sorted(range(len(next_f[r])), key=lambda c: -stage_of(r, c, pp, v))  # higher stage first
-    for c in chunks if may_back else ():
-        mb, s = next_b[r][c], stage_of(r, c, pp, v)
-        # a B needs its own F done and, off the last stage, the next stage's B
-        if mb < next_f[r][c] and done.get((F, mb, s), t + 1) <= t and (
-                s == last or done.get((B, mb, s + 1), t + 1) <= t):
-            return Action(B, mb, c)
+def _pick(lanes, t, m, last, done_f, done_b, pending_w, may_back, may_forward) -> Action | None:
+    """The action a rank starts at tick t under _zero_bubble_orders' priorities (None: it idles); marks
+    when a chosen F or B finishes and moves its lane on."""
+    if may_back:
+        for lane in lanes:
+            c, s, nf, mb = lane
+            # a B needs its own F done and, off the last stage, the next stage's B
+            if mb < nf and done_f[s][mb] <= t and (s == last or done_b[s + 1][mb] <= t):
+                lane[3] += 1
+                done_b[s][mb] = t + 1
+                return Action(B, mb, c)
     if may_forward:
-        for c in chunks:
-            mb, s = next_f[r][c], stage_of(r, c, pp, v)
-            if mb < m and (s == 0 or done.get((F, mb, s - 1), t + 1) <= t):
+        for lane in lanes:
+            c, s, mb, _ = lane
+            if mb < m and (s == 0 or done_f[s - 1][mb] <= t):
+                lane[2] += 1
+                done_f[s][mb] = t + 1
                 return Action(F, mb, c)
-    return pending_w[r][0] if pending_w[r] else None
+    return pending_w[0] if pending_w else None

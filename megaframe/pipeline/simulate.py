@@ -10,15 +10,24 @@ receives, and every batch by the end), under one of two send models:
   posted the matching receive and a receive once the matching send is posted.
 Messages between two ranks match in posting order, one FIFO per (sender, receiver) whatever the
 direction (NCCL has no tags): the n-th send from r to q is the n-th receive by q from r, and it must
-carry what that receive expects (direction, micro-batch, the neighbouring stage).
-Time model: F takes one unit, B `backward_time` units (default 1), transfers none. Checks: matching, no deadlock, each
-(microbatch, chunk) forwarded before it is backwarded, every F and B exactly once, in-flight
-activations within the schedule's bound. Reports the bubble: idle time / makespan per rank.
+carry what that receive expects (direction, micro-batch, the neighbouring stage). A rank posts in its
+program order under both models, so which op meets which is known before any time passes: the messages
+are checked up front and the replay only times them.
+
+Time model: F, B and W take their `Costs` (default: F = 1, B = `backward_time`, no W; the zero-bubble
+kinds B = W = 1), transfers none. The compute orders stay the unit-time ones that pair the batches
+(schedule.py); the replay times them with the costs. Checks: matching, no deadlock, each
+(microbatch, chunk) forwarded before it is backwarded, every F and B (and W) exactly once, in-flight
+activations within the schedule's bound. Reports the bubble two ways: idle time (the makespan less a
+rank's compute: equal on every rank, all do the same work) and idle / makespan.
 """
 from __future__ import annotations
 
+import contextlib
 import enum
-from collections import defaultdict, deque
+import functools
+import gc
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 from megaframe.pipeline.schedule import (
@@ -32,6 +41,7 @@ from megaframe.pipeline.schedule import (
     B,
     F,
     Grouping,
+    W,
     activation_bound,
     build_schedule,
     is_v,
@@ -39,6 +49,10 @@ from megaframe.pipeline.schedule import (
     max_pending_w,
     stage_of,
 )
+
+W_FRACTION = 0.5
+"""Default share of a micro-batch chunk's saved activations that a pending W keeps (the weighted layers'
+inputs and output grads); planning.activations.w_fraction measures it for a model."""
 
 
 class ScheduleError(AssertionError):
@@ -50,158 +64,115 @@ class SendModel(enum.Enum):
     RENDEZVOUS = "rendezvous"
 
 
+@dataclass(frozen=True)
+class Costs:
+    """Time of one chunk's F, B (input gradient) and W (weight gradients) of one micro-batch. A kind that
+    does not split its backward runs B + W as one B: the same work, so idle times compare at equal work."""
+
+    f: float = 1.0
+    b: float = 1.0
+    w: float = 1.0
+
+    def of(self, kind: str, split: bool) -> float:
+        if kind == F:
+            return self.f
+        if not split:
+            return self.b + self.w
+        return self.b if kind == B else self.w
+
+
 @dataclass
 class SimResult:
-    makespan: int
+    makespan: float
     bubble: float
     """Idle fraction of the makespan, averaged over ranks (equal on every rank for 1F1B)."""
     peak_inflight: list[int]
     """Per rank: most (micro-batch, chunk) activations held from F to B (the whole activation set)."""
     peak_pending_w: list[int] = field(default_factory=list)
     """Per rank, split schedules: most micro-batches (chunks) whose B ran and W not yet."""
-    timeline: list[list[tuple[int, Action]]] = field(default_factory=list)
+    timeline: list[list[tuple[float, Action]]] = field(default_factory=list)
     """Per rank: (start time, compute action)."""
+    idle: float = 0.0
+    """Idle time of every rank: the makespan less its compute (all ranks do the same work)."""
+    peak_memory: list[float] = field(default_factory=list)
+    """Per rank: most activation memory held at once, in stage units (one micro-batch's activations of a
+    rank's layers; a chunk is 1/vpp): F->B in flight plus `w_fraction` of a chunk for each pending W (a
+    split B frees all but what W reads)."""
+    vpp: int = 1
+
+    @property
+    def peak_inflight_stages(self) -> list[float]:
+        """peak_inflight in units of a whole rank's layers (a stage of 1F1B): a chunk is 1/vpp of it."""
+        return [p / self.vpp for p in self.peak_inflight]
 
 
-@dataclass
-class _Batch:
-    rank: int
-    ops: list[Action]
-    issued: int
-    posted: int | None = None
-    done: int | None = None
-    op_index: list = field(default_factory=list)
-    """Per op: (is a send, (sender, receiver), its index in that channel)."""
+class _Graph:
+    """One schedule compiled for the replay, once for both send models: per rank its host steps (a compute,
+    with the batch bringing its input, or the issue of a batch) and per batch its ops' counterpart batches.
+    A rank posts in program order under both models, so which op meets which is known before any time
+    passes: the messages are checked here and the replay only times them."""
 
+    def __init__(self, kind, pp, vpp, m, grouping: Grouping, builder=build_schedule):
+        self.pp, self.vpp, self.v, self.split = pp, vpp, is_v(kind), kind in ZERO_BUBBLE
+        self.cache: dict = {}  # what the send models share (_static_checks)
+        self.orders: list[list[Action]] = []
+        self.steps: list[list[tuple[int, int]]] = []
+        """Per rank: (0 F | 1 B | 2 W, the batch it waits for or -1), or (-1, the batch it issues)."""
+        self.rank_batches: list[list[int]] = []
+        self.ops: list[list] = []  # per batch: (is a send, channel key, index in that channel)
+        chans: dict = defaultdict(lambda: ([], []))  # (sender, receiver) -> ([(batch, message)], [(batch, expected)])
+        for r in range(pp):
+            self._compile(r, builder(kind, pp, vpp, m, r, grouping), chans)
+        for (src, dst), (sent, want) in chans.items():
+            for n, ((_, s), (_, w)) in enumerate(zip(sent, want)):
+                if s != w:
+                    raise ScheduleError(f"rank {dst}: message {n} from rank {src} to {dst} is {s}, "
+                                        f"the receive expects {w}")
+        self.unmatched = [k for k, (s, w) in chans.items() if len(s) != len(w)]
+        # per batch, the batches holding its ops' counterparts (-1: none, it never completes): every op's
+        # under RENDEZVOUS, the receives' only under BUFFERED (a send is delivered when posted)
+        self.peers: list[list[int]] = [[] for _ in self.ops]
+        self.recv_peers: list[list[int]] = [[] for _ in self.ops]
+        for b, ops in enumerate(self.ops):
+            for is_send, key, k in ops:
+                other = chans[key][1 if is_send else 0]
+                peer = other[k][0] if k < len(other) else -1
+                self.peers[b].append(peer)
+                if not is_send:
+                    self.recv_peers[b].append(peer)
 
-@dataclass
-class _Channel:
-    """One (sender, receiver) FIFO: (message, post time) of the sends and the receives, in order."""
-
-    sends: list = field(default_factory=list)
-    recvs: list = field(default_factory=list)
-
-
-class _Sim:
-    def __init__(self, kind, pp, vpp, m, model: SendModel, grouping: Grouping, backward_time: int = 1):
-        self.pp, self.vpp, self.m, self.model, self.backward_time = pp, vpp, m, model, backward_time
-        self.v, self.split = is_v(kind), kind in ZERO_BUBBLE
-        self.scheds = [build_schedule(kind, pp, vpp, m, r, grouping) for r in range(pp)]
-        self.pos, self.clock = [0] * pp, [0] * pp
-        self.pending: list[deque] = [deque() for _ in range(pp)]  # a rank's batches not yet done, in order
-        self.arriving: list[dict] = [{} for _ in range(pp)]  # (RECV_F | RECV_B, mb, chunk) -> its batch
-        self.last_done = [0] * pp
-        self.channels: dict = defaultdict(_Channel)
-        self.done_f, self.inflight, self.peak = set(), [0] * pp, [0] * pp
-        self.pending_w, self.peak_w = [0] * pp, [0] * pp
-        self.timeline: list[list] = [[] for _ in range(pp)]
-
-    def run(self) -> None:
-        # Round-robin until no rank can move: a fixed point with work left is exactly a deadlock.
-        progress = True
-        while progress:
-            progress = False
-            for r in range(self.pp):
-                progress |= self._advance_stream(r)
-                progress |= self._advance_host(r)
-        stuck = [r for r in range(self.pp) if self.pos[r] < len(self.scheds[r]) or self.pending[r]]
-        if stuck:
-            where = {r: [str(a) for a in self.pending[r][0].ops] if self.pending[r] else str(self.scheds[r][self.pos[r]])
-                     for r in stuck}
-            raise ScheduleError(f"deadlock ({self.model.value} sends): ranks wait at {where}")
-        unreceived = [k for k, ch in self.channels.items() if len(ch.sends) != len(ch.recvs)]
-        if unreceived:
-            raise ScheduleError(f"unreceived messages on channels {unreceived}")
-
-    def _advance_host(self, r: int) -> bool:
-        moved = False
-        while self.pos[r] < len(self.scheds[r]):
-            a = self.scheds[r][self.pos[r]]
-            if a.kind in COMPUTE:
-                batch = self.arriving[r].get((RECV_F if a.kind == F else RECV_B, a.microbatch, a.chunk))
-                if batch is not None:  # the executor waits for the batch that brings this compute's input
-                    if batch.done is None:
-                        return moved
-                    # The wait: compute cannot start before the batch bringing its input has completed.
-                    self.clock[r] = max(self.clock[r], batch.done)
-                self._compute(r, a)
-                self.pos[r] += 1
-            else:
-                ops = []
-                while self.pos[r] < len(self.scheds[r]) and self.scheds[r][self.pos[r]].kind not in COMPUTE:
-                    ops.append(self.scheds[r][self.pos[r]])
-                    self.pos[r] += 1
-                batch = _Batch(r, ops, self.clock[r])
-                self.pending[r].append(batch)
-                if self.model is SendModel.BUFFERED:
-                    self._post(batch, self.clock[r])
-                for o in ops:
-                    if o.kind in (RECV_F, RECV_B):
-                        self.arriving[r][(o.kind, o.microbatch, o.chunk)] = batch
-                self._advance_stream(r)
-            moved = True
-        return moved
-
-    def _advance_stream(self, r: int) -> bool:
-        """Complete what can complete; under RENDEZVOUS post the head batch once the one before is done."""
-        moved = False
-        if self.model is SendModel.BUFFERED:
-            for b in list(self.pending[r]):  # no order between batches: each op runs on its own
-                if self._try_complete(b):
-                    self.pending[r].remove(b)
-                    moved = True
-            return moved
-        while self.pending[r]:
-            head = self.pending[r][0]
-            # Only the head is posted: NCCL runs a communicator's batches in order on one stream.
-            if head.posted is None:
-                self._post(head, max(head.issued, self.last_done[r]))
-                moved = True
-            if not self._try_complete(head):
-                return moved
-            self.pending[r].popleft()
-            self.last_done[r] = head.done
-            moved = True
-        return moved
-
-    def finish_time(self, r: int) -> int:
-        """The rank's clock once it has waited for every batch (the executor's last step)."""
-        return max([self.clock[r]] + [b.done for b in self.arriving[r].values()] + [self.last_done[r]])
-
-    def _post(self, b: _Batch, t: int) -> None:
-        """Post every op of the batch at time t; note each op's place in its channel."""
-        b.posted, b.op_index = t, []
-        for a in b.ops:
-            is_send = a.kind in (SEND_F, SEND_B)
-            # Keyed by (sender, receiver) only, no direction or tag: NCCL matches p2p ops in posting order.
-            key = (b.rank, a.peer) if is_send else (a.peer, b.rank)
-            side = self.channels[key].sends if is_send else self.channels[key].recvs
-            side.append((self._message(b.rank, a) if is_send else self._expects(b.rank, a), t))
-            b.op_index.append((is_send, key, len(side) - 1))
-
-    def _try_complete(self, b: _Batch) -> bool:
-        if b.posted is None:
-            return False
-        times = [b.posted]
-        for is_send, key, n in b.op_index:
-            ch = self.channels[key]
-            other = ch.recvs if is_send else ch.sends
-            if is_send and self.model is SendModel.BUFFERED:
-                continue  # delivered when sent; the receive checks the message
-            if len(other) <= n:
-                return False  # the matching op is not posted yet
-            times.append(other[n][1])
-            sent, want = (ch.sends[n][0], other[n][0]) if is_send else (other[n][0], ch.recvs[n][0])
-            if sent != want:
-                raise ScheduleError(f"rank {b.rank}: message {n} from rank {key[0]} to {key[1]} is {sent}, "
-                                    f"the receive expects {want}")
-        # A batch completes when its last op does (one Work per batch on NCCL).
-        b.done = max(times)
-        return True
-
-    @staticmethod
-    def _message(r: int, a: Action) -> tuple:
-        return (a.kind[-1], a.microbatch, a.chunk, r)
+    def _compile(self, r: int, sched: list[Action], chans: dict) -> None:
+        steps, order, arriving, mine, i = [], [], {}, [], 0
+        # per (receive kind, chunk): the sending stage's chunk (_expects without a call per message)
+        src = {(k, c): self._expects(r, Action(k, 0, c))[2] for k in (RECV_F, RECV_B) for c in range(self.vpp)
+               if 0 <= stage_of(r, c, self.pp, self.v) + (-1 if k == RECV_F else 1) < self.pp * self.vpp}
+        while i < len(sched):
+            a = sched[i]
+            if a.kind in (F, B, W):
+                order.append(a)
+                # the executor waits for the batch that brings this compute's input (W's came with its B)
+                steps.append((COMPUTE.index(a.kind), -1 if a.kind == W else arriving.get(
+                    (RECV_F if a.kind == F else RECV_B, a.microbatch, a.chunk), -1)))
+                i += 1
+                continue
+            b, ops = len(self.ops), []
+            while i < len(sched) and sched[i].kind not in (F, B, W):
+                o, i = sched[i], i + 1
+                is_send = o.kind in (SEND_F, SEND_B)
+                # Keyed by (sender, receiver) only, no direction or tag: NCCL matches p2p ops in posting order.
+                key = (r, o.peer) if is_send else (o.peer, r)
+                side = chans[key][0 if is_send else 1]
+                side.append((b, (o.kind[-1], o.microbatch, o.chunk if is_send else src[(o.kind, o.chunk)],
+                                 r if is_send else o.peer)))
+                ops.append((is_send, key, len(side) - 1))
+                if not is_send:
+                    arriving[(o.kind, o.microbatch, o.chunk)] = b
+            steps.append((-1, b))
+            mine.append(b)
+            self.ops.append(ops)
+        self.steps.append(steps)
+        self.orders.append(order)
+        self.rank_batches.append(mine)
 
     def _expects(self, r: int, a: Action) -> tuple:
         """(direction, micro-batch, chunk, rank) of the send this receive must match."""
@@ -209,48 +180,184 @@ class _Sim:
         src = s - 1 if a.kind == RECV_F else s + 1
         return (a.kind[-1], a.microbatch, locate(src, self.pp, self.v)[1], a.peer)
 
-    def _compute(self, r: int, a: Action) -> None:
-        key = (a.microbatch, a.chunk, r)
-        if a.kind == F:
-            self.done_f.add(key)
-            self.inflight[r] += 1
-            self.peak[r] = max(self.peak[r], self.inflight[r])
-        else:
-            if key not in self.done_f:
+
+class _Replay:
+    """Every rank's steps run together under a send model (module doc): round-robin over the ranks, each
+    going as far as it can, until none moves; a fixed point with work left is exactly a deadlock."""
+
+    def __init__(self, g: _Graph, model: SendModel, dur: tuple):
+        self.g, self.model, self.rdv, self.dur = g, model, model is SendModel.RENDEZVOUS, dur
+        nb, pp = len(g.ops), g.pp
+        self.issue, self.post, self.done = [None] * nb, [None] * nb, [None] * nb
+        self.pos, self.clock, self.head, self.last = [0] * pp, [0] * pp, [0] * pp, [0] * pp
+        self.starts: list[list] = [[] for _ in range(pp)]
+
+    def run(self) -> float:
+        """The makespan: when the last rank has waited for its last batch (the executor's last step)."""
+        g, progress = self.g, True
+        while progress:
+            progress = False
+            for r in range(g.pp):
+                progress |= self._host(r)
+        stuck = {r: self._where(r) for r in range(g.pp)
+                 if self.pos[r] < len(g.steps[r]) or (self.rdv and self.head[r] < len(g.rank_batches[r]))}
+        ends = [self._complete(b) for b in range(len(g.ops))]
+        if stuck or None in ends:
+            raise ScheduleError(f"deadlock ({self.model.value} sends): ranks wait at {stuck or 'a batch'}")
+        if g.unmatched:
+            raise ScheduleError(f"unreceived messages on channels {g.unmatched}")
+        return max(self.clock + ends)
+
+    def _where(self, r: int) -> str:
+        if self.pos[r] < len(self.g.steps[r]) and self.g.steps[r][self.pos[r]][0] >= 0:
+            return str(self.g.orders[r][len(self.starts[r])])
+        return f"batch {self.g.rank_batches[r][self.head[r]]}" if self.rdv else f"step {self.pos[r]}"
+
+    def _host(self, r: int) -> bool:
+        steps, done, dur, start = self.g.steps[r], self.done, self.dur, self.starts[r]
+        i, c, n = self.pos[r], self.clock[r], len(steps)
+        moved = self.rdv and self._stream(r)
+        while i < n:
+            k, b = steps[i]
+            if k < 0:
+                self.issue[b] = c
+                if not self.rdv:
+                    self.post[b] = c
+            else:
+                if b >= 0:
+                    if done[b] is None:  # its stream (or, buffered, its messages) may have moved on
+                        self._stream(r) if self.rdv else self._complete(b)
+                    d = done[b]
+                    if d is None:
+                        break
+                    c = d if d > c else c  # compute cannot start before its input's batch completed
+                start.append(c)
+                c += dur[k]
+            i += 1
+        moved |= i != self.pos[r]
+        self.pos[r], self.clock[r] = i, c
+        return (self.rdv and self._stream(r)) or moved
+
+    def _complete(self, b: int):
+        """BUFFERED: when batch b completes, once its receives' messages are posted (None: not yet)."""
+        if self.done[b] is None and self.post[b] is not None:
+            t, post = self.post[b], self.post
+            for p in (self.g.peers if self.rdv else self.g.recv_peers)[b]:
+                if p < 0 or post[p] is None:
+                    return None
+                t = post[p] if post[p] > t else t
+            self.done[b] = t  # a batch completes when its last op does (one Work per batch on NCCL)
+        return self.done[b]
+
+    def _stream(self, r: int) -> bool:
+        """RENDEZVOUS: post the rank's head batch once issued and the batch before it completed (one stream
+        per communicator, batches in order); complete it once every counterpart is posted."""
+        mine, h, moved = self.g.rank_batches[r], self.head[r], False
+        while h < len(mine) and self.issue[mine[h]] is not None:
+            b = mine[h]
+            if self.post[b] is None:
+                self.post[b] = max(self.issue[b], self.last[r])
+                moved = True
+            if self._complete(b) is None:
+                break
+            self.last[r], h, moved = self.done[b], h + 1, True
+        self.head[r] = h
+        return moved
+
+
+def _memory(g: _Graph, w_fraction: float) -> tuple[list[int], list[int], list[float]]:
+    """Per rank: peak chunk activations from F to B, peak pending W, peak of both (a W at w_fraction);
+    raises where a B or W runs before its F. Only the order matters, not the times."""
+    peak, peak_w, peak_mem = [], [], []
+    for r, order in enumerate(g.orders):
+        seen, held, pend, p, pw, pm = set(), 0, 0, 0, 0, 0.0
+        for a in order:
+            if a.kind == F:
+                seen.add((a.microbatch, a.chunk))
+                held += 1
+            elif (a.microbatch, a.chunk) not in seen:
                 raise ScheduleError(f"rank {r} runs {a} before its forward")
-            # B frees the activations; a split one keeps what W needs (the weighted layers' inputs) until W.
-            if a.kind == B:
-                self.inflight[r] -= 1
-            if self.split:
-                self.pending_w[r] += 1 if a.kind == B else -1
-                self.peak_w[r] = max(self.peak_w[r], self.pending_w[r])
-        self.timeline[r].append((self.clock[r], a))
-        # Unsplit, B is the whole backward (backward_time units); split, B and W take one unit each.
-        self.clock[r] += self.backward_time if (a.kind == B and not self.split) else 1
+            else:
+                # B frees the activations; a split one keeps what W needs (the weighted layers' inputs) until W
+                held -= a.kind == B
+                pend += (1 if a.kind == B else -1) if g.split else 0
+            p, pw, pm = max(p, held), max(pw, pend), max(pm, held + w_fraction * pend)
+        peak.append(p)
+        peak_w.append(pw)
+        peak_mem.append(pm)
+    return peak, peak_w, peak_mem
+
+
+def _message(r: int, a: Action) -> tuple:
+    return (a.kind[-1], a.microbatch, a.chunk, r)
+
+
+@contextlib.contextmanager
+def _gc_paused():
+    """Python's cycle collector off while a schedule is built and replayed: they allocate hundreds of
+    thousands of small tuples and no cycles, and each collection walks every cached schedule (half the
+    grid test's time went there)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+@functools.lru_cache(maxsize=4)
+def _graph(kind: str, pp: int, vpp: int, m: int, grouping: Grouping, builder) -> _Graph:
+    """One schedule's graph, kept for the next send model (the grid test replays each schedule under both).
+    The builder is part of the key: tests swap build_schedule for a broken one."""
+    return _Graph(kind, pp, vpp, m, grouping, builder)
 
 
 def simulate(kind: str, pp: int, vpp: int, m: int, sends: SendModel = SendModel.BUFFERED,
-             grouping: Grouping = Grouping.PAIRED, backward_time: int = 1) -> SimResult:
+             grouping: Grouping = Grouping.PAIRED, backward_time: int = 1, costs: Costs | None = None,
+             w_fraction: float = W_FRACTION) -> SimResult:
     """Replay `build_schedule(kind, pp, vpp, m, rank, grouping)` of every rank under a send model; raises
-    ScheduleError on a mismatch, a deadlock, B before F, a missing F/B or activations over the bound."""
-    sim = _Sim(kind, pp, vpp, m, sends, grouping, backward_time)
-    sim.run()
-    _check_complete(sim.timeline, pp, vpp, m, sim.split)
+    ScheduleError on a mismatch, a deadlock, B before F, a missing F/B or activations over the bound.
+    costs: F, B, W of one micro-batch through a rank's layers (a chunk takes 1/vpp); None: a chunk's F = 1
+    and B = backward_time (zero-bubble kinds B = W = 1), as before costs existed."""
+    split = kind in ZERO_BUBBLE
+    # Costs are a whole rank's layers (a stage of 1F1B): a chunk takes 1/vpp of them, so kinds compare at
+    # equal work. Without costs a chunk's F takes one unit, as before costs existed.
+    if costs is None:
+        costs = Costs(1, 1, 1) if split else Costs(1, backward_time, 0)
+    else:
+        costs = Costs(costs.f / vpp, costs.b / vpp, costs.w / vpp)
+    with _gc_paused():
+        g = _graph(kind, pp, vpp, m, grouping, build_schedule)
+        peak, peak_w, peak_mem = _static_checks(g, w_fraction, vpp, m)
+        replay = _Replay(g, sends, tuple(costs.of(k, split) for k in COMPUTE))
+        makespan = replay.run()
+    timeline = [list(zip(s, o)) for s, o in zip(replay.starts, g.orders)]
     for r in range(pp):
-        if sim.peak[r] > activation_bound(kind, pp, vpp, m, r):
-            raise ScheduleError(f"rank {r} holds {sim.peak[r]} activations, bound {activation_bound(kind, pp, vpp, m, r)}")
-    makespan = max(sim.finish_time(r) for r in range(pp))
-    # Every rank does the same work, one F and one B (and W) per (micro-batch, chunk); the rest is bubble.
-    busy = (3 if sim.split else 1 + backward_time) * m * vpp
-    if sim.split and max(sim.peak_w) > max_pending_w(kind, pp):
-        raise ScheduleError(f"a rank holds {max(sim.peak_w)} pending W, bound {max_pending_w(kind, pp)}")
-    return SimResult(makespan, (makespan - busy) / makespan, sim.peak, sim.peak_w, sim.timeline)
+        if peak[r] > activation_bound(kind, pp, vpp, m, r):
+            raise ScheduleError(f"rank {r} holds {peak[r]} activations, bound {activation_bound(kind, pp, vpp, m, r)}")
+    if split and max(peak_w) > max_pending_w(kind, pp):
+        raise ScheduleError(f"a rank holds {max(peak_w)} pending W, bound {max_pending_w(kind, pp)}")
+    # Every rank does the same work, one F, B and W per (micro-batch, chunk) (B and W one B unsplit).
+    busy = (costs.f + costs.b + costs.w) * m * vpp
+    return SimResult(makespan, (makespan - busy) / makespan, peak, peak_w, timeline, makespan - busy,
+                     [p / vpp for p in peak_mem], vpp)
 
 
-def _check_complete(timeline, pp: int, vpp: int, m: int, split: bool) -> None:
-    want = {(k, mb, c) for k in (COMPUTE if split else (F, B)) for mb in range(m) for c in range(vpp)}
+def _static_checks(g: _Graph, w_fraction: float, vpp: int, m: int) -> tuple:
+    """What does not depend on the send model, done once per schedule: every F and B (and W) exactly once
+    on every rank, and _memory's figures."""
+    key = ("static", w_fraction)
+    if key not in g.cache:
+        _check_complete(g.orders, g.pp, vpp, m, g.split)
+        g.cache[key] = _memory(g, w_fraction)
+    return g.cache[key]
+
+
+def _check_complete(orders, pp: int, vpp: int, m: int, split: bool) -> None:
+    want = {(k, mb, c) for k in ((F, B, W) if split else (F, B)) for mb in range(m) for c in range(vpp)}
     for r in range(pp):
-        got = [(a.kind, a.microbatch, a.chunk) for _, a in timeline[r]]
+        got = [(a.kind, a.microbatch, a.chunk) for a in orders[r]]
         if len(got) != len(set(got)) or set(got) != want:
             raise ScheduleError(f"rank {r} does not run every F and B exactly once")
 

@@ -149,3 +149,51 @@ def allocator_peak(fn) -> int:
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     return running_peak(prof)
+
+
+class _WeightInputs(TorchFunctionMode):
+    """Records what a split backward's W keeps per micro-batch: for every op that takes a weight (a
+    parameter), the storages of its other tensor inputs (the layer's input, which W multiplies by the
+    output grad) and its output's bytes (the output grad W reads, the same size)."""
+
+    WEIGHTED = {"linear", "mm", "matmul", "addmm", "bmm", "embedding", "rms_norm", "layer_norm"}
+    """The ops that apply a weight (a transposed weight is a view of it: matched by storage)."""
+
+    def __init__(self, params: Iterable[torch.Tensor]):
+        super().__init__()
+        self.params = {_storage_key(p) for p in params}
+        self.inputs: dict[int, int] = {}
+        self.out_bytes = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if getattr(func, "__name__", "") not in self.WEIGHTED or not isinstance(out, torch.Tensor):
+            return out
+        flat = [a for a in list(args) + list((kwargs or {}).values()) if isinstance(a, torch.Tensor)]
+        if any(_storage_key(a) in self.params for a in flat):
+            for a in flat:
+                if _storage_key(a) not in self.params and a.dtype.is_floating_point:
+                    self.inputs.setdefault(_storage_key(a), a.untyped_storage().nbytes())
+            self.out_bytes += out.numel() * out.element_size()
+        return out
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.inputs.values()) + self.out_bytes
+
+
+def w_fraction(model, chunk: int, micro_batch: int) -> float:
+    """Share of a micro-batch chunk's saved activations that its pending W keeps once B has run (the
+    weighted ops' inputs and output grads; the simulator's and the planner's `w_fraction`), capped at 1."""
+    total = chunk_activation_bytes(model, chunk, micro_batch, fused_attention=True)
+    cfg, p = model.cfg, next(model.parameters())
+    seq = local_seq(model)
+    ids_BS = torch.zeros(micro_batch, seq, dtype=torch.long, device=p.device)
+    x_SBD = None
+    if not (chunk == 0 and model.stage.first):
+        s = seq // model.mesh.tp.size if model.sp else seq
+        x_SBD = torch.empty(s, micro_batch, cfg.hidden_size, dtype=p.dtype, device=p.device, requires_grad=True)
+    rec = _WeightInputs(model.parameters())
+    with FusedAttentionSizes(), rec:
+        model.forward_chunk(chunk, x_SBD, ids_BS, ids_BS)
+    return min(1.0, rec.bytes / total) if total else 0.0

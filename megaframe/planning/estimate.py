@@ -35,10 +35,10 @@ from megaframe.optim.build import cast_model
 from megaframe.optim.sizing import planned_dp_bytes, planned_memory_bytes
 from megaframe.parallel.context import cp_bytes_per_layer
 from megaframe.parallel.virtual import virtual_mesh
-from megaframe.pipeline.schedule import F, compute_order, resolve_kind
-from megaframe.pipeline.simulate import simulate
-from megaframe.planning.activations import chunk_activation_bytes
+from megaframe.pipeline.schedule import ZERO_BUBBLE, F, W, compute_order, resolve_kind
+from megaframe.planning.activations import chunk_activation_bytes, w_fraction
 from megaframe.planning.phases import RankShape, host_peaks, phase_peaks, today_load, today_startup
+from megaframe.planning.timing import _bubble, split_costs
 from megaframe.schema import Config
 
 
@@ -98,7 +98,8 @@ class Plan:
     microbatches: int
     schedule: str
     bubble: float
-    """Idle fraction of the step from the schedule simulation (equal F and B times)."""
+    """Idle / makespan of the step from the schedule simulation (equal F and B times; zero-bubble kinds
+    with F, B, W costs from the backward's split, planning.timing.split_costs)."""
     ranks: list[RankFigures] = field(default_factory=list)
     device_memory_bytes: int | None = None
 
@@ -137,13 +138,18 @@ def grads_fp32_bytes(model, cfg: Config, mesh) -> int:
     return planned_memory_bytes(params, cfg.optim, mesh, model)["mem/grads_fp32_bytes"]
 
 
-def peak_activations(order, chunk_bytes: list[int]) -> tuple[int, int]:
-    """(peak bytes, chunks held at that peak) walking a rank's compute order: F adds, B frees."""
+def peak_activations(order, chunk_bytes: list[int], w_bytes: list[int] | None = None) -> tuple[int, int]:
+    """(peak bytes, chunks held at that peak) walking a rank's compute order: F adds, B frees; under a
+    split backward (W in the order) B frees all but w_bytes (what W reads), which W frees."""
     held = count = peak = peak_count = 0
+    keep = w_bytes or [0] * len(chunk_bytes)
     for a in order:
-        sign = 1 if a.kind == F else -1
-        held += sign * chunk_bytes[a.chunk]
-        count += sign
+        if a.kind == W:
+            held -= keep[a.chunk]
+        else:
+            sign = 1 if a.kind == F else -1
+            held += sign * chunk_bytes[a.chunk] + (0 if a.kind == F else keep[a.chunk])
+            count += sign
         if held > peak:
             peak, peak_count = held, count
     return peak, peak_count
@@ -160,7 +166,7 @@ def plan_layout(cfg: Config, world_size: int, device_memory_gb: float | None = N
                              "precision": t.precision, "micro_batch_size": t.micro_batch_size, "cp": cp,
                              "grad_reduce_dtype": str(cfg.optim.grad_reduce_dtype),
                              "cp_comm": str(getattr(p.cp_comm, "value", p.cp_comm))},
-                m, kind, simulate(kind, pp, p.vpp, m).bubble)
+                m, kind, _bubble(kind, pp, p.vpp, m, split_costs(cfg, t.recompute) if kind in ZERO_BUBBLE else None))
     if device_memory_gb is not None:
         plan.device_memory_bytes = int(device_memory_gb * 2**30)  # GiB, as torch.cuda reports
     for pp_rank in range(pp):
@@ -183,7 +189,10 @@ def _rank_figures(cfg: Config, tp: int, pp: int, dp: int, pp_rank: int, tp_rank:
     # fused: real devices run a fused attention kernel; meta's math path would count the S x S matrix
     chunks = [chunk_activation_bytes(model, c, cfg.train.micro_batch_size, fused_attention=True)
               for c in range(len(model.stage.chunks))]
-    act, inflight = peak_activations(order, chunks)
+    # a split backward's pending W keeps the weighted ops' inputs and output grads (planning.activations)
+    keep = ([int(b * w_fraction(model, c, cfg.train.micro_batch_size)) for c, b in enumerate(chunks)]
+            if any(a.kind == W for a in order) else None)
+    act, inflight = peak_activations(order, chunks, keep)
     out = RankFigures(pp_rank, tp_rank, list(mesh.dpcp.ranks), params, grads, optim, chunks, inflight,
                       act + cp_bias_bytes(model), cp_comm_bytes=cp_step_bytes(cfg, model, dp),
                       grads_fp32_bytes=grads_fp32_bytes(model, cfg, mesh))

@@ -24,6 +24,8 @@ class Layout:
     """optim.shard_group_size: HSDP's shard group (0: ZeRO shards over all of cp·dp)."""
     grad_dtype: str = "fp32"
     """optim.grad_reduce_dtype: the dtype of the grad buffers and their dp reduction."""
+    schedule: str = ""
+    """parallel.pp_schedule ("": the config's, e.g. auto); the search also tries zb_h1 (vpp=1) and zbv (vpp=2)."""
 
     @property
     def shard_size(self) -> int:
@@ -35,11 +37,13 @@ class Layout:
         cp = f" cp={self.cp}" if self.cp > 1 else ""
         hsdp = f" hsdp={self.shard}" if self.shard else ""
         grad = " grad=bf16" if self.grad_dtype == "bf16" else ""
-        return (f"tp={self.tp}{cp} pp={self.pp} vpp={self.vpp} dp={self.dp}{ep} zero={self.zero}{hsdp}{grad} "
+        sched = f" {self.schedule}" if self.schedule else ""
+        return (f"tp={self.tp}{cp} pp={self.pp} vpp={self.vpp}{sched} dp={self.dp}{ep} zero={self.zero}{hsdp}{grad} "
                 f"mb={self.micro_batch} recompute={self.recompute}")
 
     def overrides(self) -> list[str]:
         grad = [f"optim.grad_reduce_dtype={self.grad_dtype}"] if self.grad_dtype != "fp32" else []
+        grad += [f"parallel.pp_schedule={self.schedule}"] if self.schedule else []
         return [f"parallel.tp={self.tp}", f"parallel.pp={self.pp}", f"parallel.vpp={self.vpp}",
                 f"parallel.ep={self.ep}", f"parallel.cp={self.cp}", f"parallel.sp={str(self.tp > 1).lower()}",
                 f"optim.zero={self.zero}", f"optim.shard_group_size={self.shard}", *grad,
@@ -53,8 +57,10 @@ def layout_config(cfg: Config, lay: Layout) -> Config:
     optim = {"zero": lay.zero, "shard_group_size": lay.shard}
     if hasattr(cfg.optim, "grad_reduce_dtype"):  # the key of optim.grad_reduce_dtype (h-gradbf16)
         optim["grad_reduce_dtype"] = lay.grad_dtype
+    sched = {"pp_schedule": lay.schedule} if lay.schedule else {}
     c = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, tp=lay.tp, pp=lay.pp, vpp=lay.vpp,
-                                                              ep=lay.ep, sp=lay.tp > 1, pp_layout=None, cp=lay.cp),
+                                                              ep=lay.ep, sp=lay.tp > 1, pp_layout=None, cp=lay.cp,
+                                                              **sched),
                             optim=dataclasses.replace(cfg.optim, **optim),
                             train=dataclasses.replace(cfg.train, micro_batch_size=lay.micro_batch,
                                                       recompute=lay.recompute))

@@ -88,11 +88,18 @@ def candidates(cfg: Config, world: int, per_node: int) -> list[Layout]:
             dp = world // (tp * cp * pp)
             for vpp in ([1] if pp == 1 else [v for v in (1, 2, 4) if m.num_layers % (pp * v) == 0]):
                 # ep borrows its ranks from cp·dp
-                for ep in ([e for e in divisors(dp * cp) if m.num_experts % e == 0] if m.num_experts else [1]):
-                    out += _valid(cfg, world, [Layout(tp, pp, vpp, dp, ep, zero, mb, rc, cp, shard, g)
+                for ep, sched in [(e, s) for e in ([e for e in divisors(dp * cp) if m.num_experts % e == 0]
+                                                   if m.num_experts else [1]) for s in _schedules(pp, vpp)]:
+                    out += _valid(cfg, world, [Layout(tp, pp, vpp, dp, ep, zero, mb, rc, cp, shard, g, sched)
                                                for zero, shard, g in _state_choices(cfg, tp, cp, dp, ep, per_node)
                                                for mb in MICRO_BATCHES for rc in RECOMPUTE])
     return out
+
+
+def _schedules(pp: int, vpp: int) -> list[str]:
+    """The schedules tried at (pp, vpp): the config's, and the zero-bubble kind of that vpp (zb_h1 at 1,
+    zbv at 2)."""
+    return [""] + ({1: ["zb_h1"], 2: ["zbv"]}.get(vpp, []) if pp > 1 else [])
 
 
 def _valid(cfg: Config, world: int, lays: list[Layout]) -> list[Layout]:
@@ -145,9 +152,14 @@ _CFGS: dict[int, Config] = {}
 
 @functools.lru_cache(maxsize=None)
 def _peak_inflight(kind: str, pp: int, vpp: int, m: int, rank: int, chunk_bytes: tuple) -> int:
+    """Peak activation bytes of the rank's order; a split backward's pending W keeps W_FRACTION of a chunk
+    (the weighted ops' inputs and output grads: planning.activations.w_fraction, ~0.49 for llama3_8b's blocks)."""
+    from megaframe.pipeline.schedule import ZERO_BUBBLE
+    from megaframe.pipeline.simulate import W_FRACTION
     from megaframe.planning.estimate import peak_activations
 
-    return peak_activations(_order(kind, pp, vpp, m, rank), list(chunk_bytes))[0]
+    keep = [int(W_FRACTION * b) for b in chunk_bytes] if kind in ZERO_BUBBLE else None
+    return peak_activations(_order(kind, pp, vpp, m, rank), list(chunk_bytes), keep)[0]
 
 
 @functools.lru_cache(maxsize=None)
@@ -174,7 +186,7 @@ def phase_memory(cfg: Config, lay: Layout) -> dict[str, int]:
     per_layer, embed, head = _act_per_layer(key, lay.tp, lay.recompute, lay.cp)
     a_bytes = 2 if t.precision == "bf16" else 4
     micro = t.global_batch_size // (lay.micro_batch * lay.dp)
-    kind = resolve_kind(cfg.parallel.pp_schedule, lay.vpp)
+    kind = lay.schedule or resolve_kind(cfg.parallel.pp_schedule, lay.vpp)
     chunk_layers = m.num_layers // (lay.pp * lay.vpp)
     worst: dict[str, int] = {}
     # the first stage holds the embedding, the last the head: the largest rank is one of them

@@ -31,7 +31,9 @@ Step time (seconds) =
            needed before attention), the ring overlaps its exchange with the block attention, so only
            what the attention core's compute does not hide is paid (plus the hops' latency). Under cp
            the tp / ep / pp activations are the rank's S/cp tokens; dp reduces over cp·dp.
-  bubble   the schedule simulator's idle fraction (pipeline.simulate) for (schedule, pp, vpp, micro-batches).
+  bubble   the schedule simulator's idle fraction (pipeline.simulate) for (schedule, pp, vpp, micro-batches);
+           the zero-bubble kinds (zb_h1, zbv) are timed with F, B, W costs from the backward's split
+           (split_costs: B the activation-grad GEMMs + attention backward, W the weight-grad GEMMs).
 
 Checked against measured runs on this machine by scripts/validate_planner.py (docs/planning.md: the
 six-layout table).
@@ -59,10 +61,25 @@ def _ring(nbytes: float, n: int, steps: float, bw: float, latency: float, hops: 
 
 
 @functools.lru_cache(maxsize=None)
-def _bubble(kind: str, pp: int, vpp: int, m: int) -> float:
-    from megaframe.pipeline.simulate import simulate
+def _bubble(kind: str, pp: int, vpp: int, m: int, costs: tuple | None = None) -> float:
+    """Idle / makespan of the schedule's simulated step; costs (F, B, W) matter only to the zero-bubble
+    kinds (the others' idle fraction does not depend on them, so they are not keyed on them)."""
+    from megaframe.pipeline.simulate import Costs, simulate
 
-    return simulate(kind, pp, vpp, m).bubble
+    return simulate(kind, pp, vpp, m, costs=Costs(*costs) if costs else None).bubble
+
+
+def split_costs(cfg: Config, recompute: str = "none") -> tuple[float, float, float]:
+    """(F, B, W) FLOPs per token of a micro-batch through the model, from the backward's split: F is the
+    GEMMs' forward (2 per weight) and the attention core's; B the activation-grad GEMMs (2 per weight) and
+    the attention core's backward (twice its forward), plus what recompute re-runs; W the weight-grad
+    GEMMs (2 per weight). Rounded to 3 digits: the bubble is simulated once per distinct ratio."""
+    m = cfg.model
+    attn = 4 * m.num_layers * m.seq_length * m.num_attention_heads * m.head_dim  # forward: QK^T and PV
+    gemm = (flops_per_token(m) - 3 * attn) / 6  # the weighted matmuls' forward, per 2 FLOPs
+    f, b, w = 2 * gemm + attn, 2 * gemm + 2 * attn, 2 * gemm
+    b += {"none": 0.0, "selective": attn, "full": f - 2 * m.vocab_size * m.hidden_size}[recompute]
+    return tuple(float(f"{x / f:.3g}") for x in (1.0 * f, b, w))
 
 
 @dataclass(frozen=True)
@@ -246,12 +263,13 @@ def _dp(s: _Step) -> float:
 
 def step_time(cfg: Config, lay: Layout, dev: Device, world: int) -> dict[str, float]:
     """The module docstring's model: seconds per step by part."""
-    from megaframe.pipeline.schedule import resolve_kind
+    from megaframe.pipeline.schedule import ZERO_BUBBLE, resolve_kind
 
     s = _Step(cfg, lay, dev, world)
     compute, tp, ep, cp = _compute(s), _tp(s), _ep(s), _cp(s)
-    kind = resolve_kind(cfg.parallel.pp_schedule, lay.vpp)
-    bubble = _bubble(kind, lay.pp, lay.vpp, s.micro) if lay.pp > 1 else 0.0
+    kind = lay.schedule or resolve_kind(cfg.parallel.pp_schedule, lay.vpp)
+    costs = split_costs(cfg, lay.recompute) if kind in ZERO_BUBBLE else None
+    bubble = _bubble(kind, lay.pp, lay.vpp, s.micro, costs) if lay.pp > 1 else 0.0
     inner = compute + tp + ep + cp
     # the bubble stretches the compute-bound part; reported as its own share so why_slower can name it
     return {"compute": compute, "tp": tp, "ep": ep, "cp": cp, "bubble": inner / (1 - bubble) - inner,

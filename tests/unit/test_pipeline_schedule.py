@@ -162,6 +162,79 @@ def test_forward_schedule_is_deadlock_free_under_rendezvous(pp, vpp, m):
         assert sends == recvs  # the same messages in the same order on each channel
 
 
+@pytest.mark.parametrize("pp,m", [(4, 8), (8, 16)])
+def test_zero_bubble_idle_time_and_memory_against_1f1b(pp, m, capsys):
+    """F:B:W = 1:1:1, compared as idle time at equal work (1F1B's B is B+W = 2 units; a zbv chunk is half
+    a stage): zb_h1 idles a third of 1F1B, zbv a sixth. As idle/makespan the ratios are larger (printed).
+    F->B activations: zb_h1 per rank as 1F1B's; zbv, in stage units, never above 1F1B's largest rank."""
+    from megaframe.pipeline.simulate import Costs
+
+    res = {k: simulate(k, pp, 2 if k == "zbv" else 1, m, SendModel.RENDEZVOUS, costs=Costs(1, 1, 1))
+           for k in ("1f1b", "zb_h1", "zbv")}
+    base = res["1f1b"]
+    assert res["zb_h1"].idle <= 0.40 * base.idle and res["zbv"].idle <= 0.20 * base.idle
+    assert res["zb_h1"].idle == pytest.approx(base.idle / 3) and res["zbv"].idle == pytest.approx(base.idle / 6)
+    assert all(z <= o for z, o in zip(res["zb_h1"].peak_inflight_stages, base.peak_inflight_stages))
+    assert max(res["zbv"].peak_inflight_stages) <= max(base.peak_inflight_stages)
+    assert max(res["zb_h1"].peak_pending_w) == pp and max(res["zbv"].peak_pending_w) == 2 * pp
+    with capsys.disabled():
+        print(f"\npp{pp} m{m} idle time (1f1b/zb_h1/zbv): {base.idle}/{res['zb_h1'].idle}/{res['zbv'].idle}; "
+              f"idle/makespan: {base.bubble:.3f}/{res['zb_h1'].bubble:.3f}/{res['zbv'].bubble:.3f}")
+
+
+def test_zero_bubble_grid_is_deadlock_free_under_both_send_models():
+    """Every pp <= 8, m <= 64 of zb_h1 and zbv: messages matched, no deadlock under rendezvous (NCCL) or
+    buffered (gloo) sends, every F, B and W once, memory within its bounds (simulate raises otherwise)."""
+    for kind, vpp in (("zb_h1", 1), ("zbv", 2)):
+        for pp in range(1, 9):
+            for m in range(1, 65):
+                for sends in SendModel:
+                    simulate(kind, pp, vpp, m, sends)
+
+
+@pytest.mark.parametrize("kind,pp,m", [("zb_h1", 4, 8), ("zbv", 4, 8), ("zbv", 3, 5), ("zb_h1", 8, 13)])
+def test_greedy_ticks_are_the_unit_time_replay(kind, pp, m):
+    """_unit_times reuses the greedy scheduler's ticks for the zero-bubble kinds: they are what replaying
+    its orders in unit time gives."""
+    from megaframe.pipeline.schedule import _replay_unit_times, _unit_times
+
+    assert _unit_times(kind, pp, 2 if kind == "zbv" else 1, m) == _replay_unit_times(kind, pp, 2 if kind == "zbv" else 1, m)
+
+
+def test_costs_time_the_unit_orders():
+    """Given costs time the same orders: unsplit kinds run B + W as one B (1f1b with F:B:W = 1:1:0 is the
+    old backward_time=1); measured-looking floats stay deadlock-free and every rank does the same work."""
+    from megaframe.pipeline.simulate import Costs
+
+    assert simulate("1f1b", 4, 1, 8, costs=Costs(1, 1, 0)).bubble == pytest.approx(bubble_formula(4, 1, 8))
+    assert simulate("1f1b", 4, 1, 8, costs=Costs(1, 1, 1)).makespan == simulate("1f1b", 4, 1, 8, backward_time=2).makespan
+    for kind, vpp in (("zb_h1", 1), ("zbv", 2), ("interleaved", 2)):
+        res = simulate(kind, 4, vpp, 8, SendModel.RENDEZVOUS, costs=Costs(1.0, 1.3, 0.7))
+        assert res.idle == pytest.approx(res.makespan - 3.0 * 8) and 0 < res.bubble < 0.3
+
+
+def test_plot_schedule_draws_f_b_w_and_prints_the_bubble(tmp_path, capsys):
+    """scripts/plot_schedule.py kind=zb_h1: F, B and W in three colours, `bubble=` printed; bad input exits 2."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("plot_schedule", Path(__file__).parents[2] / "scripts" / "plot_schedule.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    drawn = []
+    real = mod.plt.Axes.barh
+    mod.plt.Axes.barh = lambda self, *a, **k: drawn.append(k["color"]) or real(self, *a, **k)
+    try:
+        mod.main(["pp=2", "microbatches=4", "kind=zb_h1", f"out={tmp_path / 's.png'}"])
+    finally:
+        mod.plt.Axes.barh = real
+    assert {mod.COLOURS[k][0] for k in "FBW"} == set(drawn)
+    assert "zb_h1 pp=2 vpp=1 m=4 bubble=0.0769" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        mod.main(["kind=zbv", "vpp=1"])
+    assert e.value.code == 2 and "vpp=1" in capsys.readouterr().err
+
+
 def test_stage_layout_v_places_both_ends_on_rank_0():
     # zbv: rank r holds stage r (chunk 0) and stage 2pp-1-r (chunk 1); the uneven layout by stage
     counts = [1, 2, 1, 1, 1, 1, 2, 1]  # stages 0..7 at pp=4

@@ -153,3 +153,28 @@ def test_zero3_pays_latency_per_block_not_per_bucket(cfg):
     assert step_time(tiny, z3, dev, 8)["dp"] == step_time(cfg, z3, dev, 8)["dp"]
     z1 = Layout(1, 1, 1, 8, 1, 1, 1, "none")
     assert step_time(tiny, z1, dev, 8)["dp"] > 10 * step_time(cfg, z1, dev, 8)["dp"]
+
+
+def test_search_ranks_zero_bubble_schedules_and_prefers_zbv_at_pp8_small_m(capsys):
+    """pp8 with 8 micro-batches: the bubble is most of the cost, and the model (schedule simulated with F, B,
+    W from the backward's split) puts zbv ahead of 1f1b, zb_h1 between; the memory model counts the
+    pending W (zb_h1 holds more than 1f1b)."""
+    from megaframe.planning.timing import _bubble, split_costs
+
+    c = load_config([*SMALL, "model.num_layers=16", "train.global_batch_size=8"], world_size=1, check_data=False)
+    lays = candidates(c, 8, 8)
+    assert {x.schedule for x in lays if x.pp == 8} == {"", "zb_h1", "zbv"}
+    assert all(x.vpp == {"zb_h1": 1, "zbv": 2}[x.schedule] for x in lays if x.schedule)
+    h100, base = DEVICES["H100"], Layout(1, 8, 1, 1, 1, 1, 1, "none")
+    times = {s: step_time(c, dataclasses.replace(base, vpp=2 if s == "zbv" else 1, schedule=s), h100, 8)
+             for s in ("1f1b", "zb_h1", "zbv")}
+    total = {s: sum(t.values()) for s, t in times.items()}
+    assert total["zbv"] < total["zb_h1"] < total["1f1b"], total
+    costs = split_costs(c)
+    assert costs[0] == 1.0 and costs[2] < costs[1] < 1.5 * costs[2] + 1  # B = W + attention backward
+    bubbles = {s: _bubble(s, 8, 2 if s == "zbv" else 1, 8, costs if s != "1f1b" else None) for s in total}
+    with capsys.disabled():
+        print(f"\npp8 m8 F:B:W={costs}: idle/makespan {bubbles}; step s {total}")
+    assert bubbles["zbv"] < bubbles["zb_h1"] < bubbles["1f1b"]
+    mem = {s: memory(c, dataclasses.replace(base, vpp=2 if s == "zbv" else 1, schedule=s)) for s in total}
+    assert mem["zb_h1"] >= mem["1f1b"]  # pending W: the price of the bubble
