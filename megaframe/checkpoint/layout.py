@@ -90,6 +90,8 @@ def param_items(model, optimizer, mesh, with_sources: bool) -> list[Item]:
         if segs is not None:  # ZeRO: this dp rank's segments, replicated over tp only
             h, i = _replicas(p, mesh, segments=True)
             for kind in MOMENTS:
+                if kind == "master" and weights is not None and p.dtype == torch.float32:
+                    continue  # ZeRO-3's fp32 weights above are its master, bit for bit: not written twice
                 parts = [(lo, n, st[kind]) for lo, n, st in segs if kind in st]
                 if parts:
                     items.append(Item(f"optim/{kind}/{name}", p.placement.shard, "float32", [(lo, lo + n) for lo, n, _ in parts],

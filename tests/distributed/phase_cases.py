@@ -10,6 +10,7 @@ from megaframe.data.dataset import build_data, microbatches
 from megaframe.model.gpt import build_model
 from megaframe.optim.build import build_optimizer, cast_model
 from megaframe.training.phases import PhaseMeter
+from megaframe.training.save_guard import state_is_finite
 from megaframe.training.step import train_step
 from tests.distributed.cases import tiny_config
 
@@ -33,8 +34,9 @@ def measure_phases(mesh, overrides: list[str], folder: str) -> dict:
     with meter.phase("step"):
         train_step(model, optimizer, batches, mesh, cfg, 1)
     del batches
-    with meter.phase("save"):
-        optimizer.sync_params()
+    with meter.phase("save"):  # what the trainer's save does (training/checkpointing.py)
+        optimizer.settle()
+        state_is_finite(model, optimizer, mesh)
         path = sharded.save(folder, 1, model, optimizer, mesh, {"step_meta": 1})
     del model, optimizer
     gc.collect()

@@ -1,16 +1,14 @@
 """The planner's memory per phase (start-up, first step, save, load: planning/phases.py) against the peaks the
-trainer's meter measures on the gloo pool (training/phases.py), each within 10 %.
+trainer's meter measures on the gloo pool (training/phases.py), each within 10 %, at ZeRO-1 (dp2, pp2·dp2) and
+ZeRO-3 (dp2, dp4): what each phase holds is counted (ZeRO-3's gathered and prefetched blocks, its grad buckets in
+flight and gloo's copies of the collectives at the last block's backward; the save's host copy of the owned
+segments, nothing gathered; the load's one staging buffer of the largest range read into one destination).
 
-The planner models start-up on the meta device, ZeRO-3 sharding every parameter and a resume read into the
-shards through one staging buffer (issue 24, items 1-4), which the code now does: start-up and load meet
-it at every layout but one. Where the planner's model still misses the measurement (ZeRO-3's first step and
-save: the gathered units in flight are more than it counts; the dp4 load's staging) the assertion is
-xfail(strict) with the reason: it turns into a failure the day the model is right, so the mark is then
-removed, never the bound loosened.
-
-The step phase under ZeRO-1 on gloo sometimes also holds gloo's own staging copy of the param all-gather
-(made on gloo's thread, freed when its work completes: whether it falls inside the phase is timing), so its
-upper bound adds the rank's param bytes; NCCL gathers in place."""
+ZeRO-1's first step on gloo may also hold, after its update, gloo's own copies of the step's collectives: the
+all-gather of every param bucket stages its whole output on gloo's worker thread, and the reduce-scatters' clones
+of their grad bucket live until that thread lets go of the finished work. Whether these fall inside the phase (and
+overlap) is timing, so the upper bound is the larger of the plan + 10 % and that exact worst case: the rank's
+resident state plus one more copy of its params and of its grads. NCCL works in place (no such copies)."""
 import pytest
 
 from megaframe.planning.estimate import plan_layout
@@ -22,14 +20,12 @@ pytestmark = pytest.mark.distributed
 MODEL = ["train.device=cpu", "model.hidden_size=256", "model.ffn_hidden_size=512", "model.vocab_size=2048", "model.seq_length=64",
          "model.num_layers=2"]
 TOL = 0.10
-NEEDS = "the planner's model of ZeRO-3's gathered units in flight (step, save) and of the dp4 load misses"
-# (name, ranks, tp, pp, overrides, phases today's code is known to miss)
-# today: a resume reads into full local-shape tensors (load); ZeRO-3 start-up copies and clones the whole local
-# params, leaves the blocks gathered until the first forward (step) and a save gathers every block (save)
+# (name, ranks, tp, pp, overrides)
 LAYOUTS = [
-    ("zero1-dp2", 2, 1, 1, ["optim.zero=1"], set()),
-    ("zero3-dp2", 2, 1, 1, ["optim.zero=3"], {"step", "save"}),
-    ("zero3-dp4", 4, 1, 1, ["optim.zero=3"], {"step", "save", "load"}),
+    ("zero1-dp2", 2, 1, 1, ["optim.zero=1"]),
+    ("zero1-pp2-dp2", 4, 1, 2, ["optim.zero=1", "parallel.pp=2"]),
+    ("zero3-dp2", 2, 1, 1, ["optim.zero=3"]),
+    ("zero3-dp4", 4, 1, 1, ["optim.zero=3"]),
 ]
 
 
@@ -43,7 +39,7 @@ def run_case(pool, tmp_path_factory, name, n, tp, pp, extra):
         measured = pool.run(measure_phases, n, overrides, str(tmp_path_factory.mktemp(name)), tp=tp, pp=pp)
         plan = {(r.pp_rank, r.tp_rank): r for r in plan_layout(tiny_config(overrides, n), n).ranks}
         _MEASURED[name] = [(got, {**plan[(got["pp_rank"], got["tp_rank"])].phases,
-                                  "gloo_staging": plan[(got["pp_rank"], got["tp_rank"])].params_bytes})
+                                  "gloo_end": gloo_end(plan[(got["pp_rank"], got["tp_rank"])])})
                            for got in measured]
         for got in measured:  # the table of the note: measured, planned (new behaviour), and today's model
             r = plan[(got["pp_rank"], got["tp_rank"])]
@@ -53,15 +49,20 @@ def run_case(pool, tmp_path_factory, name, n, tp, pp, extra):
     return _MEASURED[name]
 
 
+def gloo_end(r) -> int:
+    """ZeRO-1's step on gloo at its worst (module doc): resident state, and a copy of the params and the grads."""
+    return 2 * r.params_bytes + 2 * r.grads_bytes + r.optim_bytes
+
+
 @pytest.mark.parametrize("phase", ["startup", "step", "save", "load"])
-@pytest.mark.parametrize("name,n,tp,pp,extra,misses", LAYOUTS, ids=[x[0] for x in LAYOUTS])
-def test_phase_peak_matches_planner(pool, tmp_path_factory, request, name, n, tp, pp, extra, misses, phase):
+@pytest.mark.parametrize("name,n,tp,pp,extra", LAYOUTS, ids=[x[0] for x in LAYOUTS])
+def test_phase_peak_matches_planner(pool, tmp_path_factory, name, n, tp, pp, extra, phase):
     rows = run_case(pool, tmp_path_factory, name, n, tp, pp, extra)
-    if phase in misses:
-        request.applymarker(pytest.mark.xfail(reason=NEEDS, strict=True))
     report = [f"{name} {phase} rank {i}: measured {got[phase]} planned {want[phase]} "
               f"ratio {got[phase] / want[phase]:.3f}" for i, (got, want) in enumerate(rows)]
     print("\n" + "\n".join(report))
     for (got, want), line in zip(rows, report):
-        slack = want["gloo_staging"] if phase == "step" and "optim.zero=1" in extra else 0
-        assert -TOL * want[phase] <= got[phase] - want[phase] <= TOL * want[phase] + slack, line
+        upper = (1 + TOL) * want[phase]
+        if phase == "step" and "optim.zero=1" in extra:
+            upper = max(upper, want["gloo_end"])
+        assert (1 - TOL) * want[phase] <= got[phase] <= upper, line
