@@ -6,29 +6,35 @@ Modelled for how start-up, save and load work once parameters are built on the m
 
   resident  params + grads + optimizer state as the trainer holds them between steps (estimate.state_bytes)
   startup   resident + (bf16 runs) INIT_FP32_TENSORS of the rank's largest local tensors in fp32 (a
-            parameter's initial values are drawn in fp32, then cast into its shard); nothing else is ever whole
-  step      resident + the activations at the schedule's peak + ZeRO-3's gathered blocks in flight
-            (STEP_GATHERED_BLOCKS: the running block and the prefetched one, in the run's dtype) + on the
-            last stage the head's fp32 logits and their gradient for one chunk of tokens (HEAD_FP32_COPIES
-            of [tokens, V/tp], at most layers.fused_ce's CHUNK_ELEMS on a GPU).
+            parameter's initial values are drawn in fp32, then cast into its shard); nothing else is ever
+            whole. ZeRO-3 draws each owned segment instead (its fp32 rows and their cast); ZeRO-1/2 build
+            their buffers and state after the model is drawn (the larger of the two moments); zero=0 holds
+            only the params and the init block being drawn (grads and moments come with the first step)
+  step      resident + the activations at the schedule's peak + on the last stage the head's fp32 logits
+            and their gradient for one chunk of tokens (HEAD_FP32_COPIES of [tokens, V/tp], at most
+            layers.fused_ce's CHUNK_ELEMS on a GPU).
             ZeRO-3 (zero3_step): the larger of the forward's end (the activations' peak, the output unit
             gathered, the head's workspace) and the backward of the stage's last block at its first weight
             grad, which holds the most transients at once: that block and the prefetched one before it
-            gathered, the output unit's grad bucket still reduce-scattering (zero.py _drain keeps the newest
-            in flight) beside the block's own bucket filling, the weight grad autograd hands the hook before
-            it is folded in, and every activation but the output step's (freed by its backward).
-            On gloo (the cpu) each collective also stages a copy: an all-gather its whole output (the
-            prefetched block, ProcessGroupGloo's flat output), a reduce-scatter its whole input (the clone
-            c10d makes of the output unit's bucket); NCCL works in place.
+            gathered (STEP_GATHERED_BLOCKS), the output unit's grad bucket still reduce-scattering (zero.py
+            _drain keeps the newest in flight) beside the block's own bucket filling, the weight grad
+            autograd hands the hook before it is folded in, and every activation but the output step's
+            (freed by its backward). On gloo (the cpu) each collective also stages a copy: an all-gather its
+            whole output (the prefetched block), a reduce-scatter its whole input (the clone c10d's
+            _reduce_scatter_base_ makes of the output unit's bucket); NCCL works in place.
+            ZeRO-1 on gloo: the reduce-scatters clone every grad bucket when launched in the last backward,
+            held to step()'s wait (resident + the grads, at the backward's end); after the update the param
+            all-gathers stage their whole output (resident + the params). A clone gloo's worker thread still
+            holds after the wait may overlap that staging: timing, not planned.
   save      resident + in host memory the copy of what this rank writes (its share of the params and its
             owned optimizer state, taken before the write so training may go on). ZeRO-3 gathers nothing
-            (each rank writes its owned segments, zero3.weight_segments), ZeRO-1/2 have their params whole.
-  load      resident + one staging buffer per file read, of the largest range this rank reads into one
-            destination (its whole local tensor, or under ZeRO its owned segment of the moments, and of
-            everything at zero=3), at most checkpoint/store.py's STAGING_BYTES; the range is read into it on
-            the host, then cast and copied into the parameter or the optimizer's flat segment. That is a
-            resume under the layout that saved it (a requeued run); a checkpoint of another tp layout may
-            stage longer ranges (rows of a tensor another layout split), never past STAGING_BYTES.
+            (each rank writes its owned segments, zero3.weight_segments).
+  load      resident (zero=0: no grads yet) + one staging buffer per file read, of the largest range this
+            rank reads into one destination (its whole local tensor; under ZeRO its owned segment of the
+            moments, and of everything at zero=3), at most checkpoint/store.py's STAGING_BYTES; the range is
+            read into it on the host, then cast and copied into the parameter or the optimizer's flat
+            segment. That is a resume under the layout that saved it (a requeued run); a checkpoint of
+            another tp layout may stage longer ranges (rows another layout split), never past STAGING_BYTES.
 
 On a GPU the host copies are host memory (RankFigures' host figures); when the run's device is the cpu
 (`on_host`) they are the same memory and count in the phase's peak.
@@ -43,9 +49,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megaframe.checkpoint.store import STAGING_BYTES as LOAD_STAGING_BYTES  # the loader's own bound
+from megaframe.layers.shard import BLOCK_EDGE
+
 INIT_FP32_TENSORS = 1
 """Whole local tensors start-up holds in fp32 at once while it initialises a low-precision run (one
 parameter at a time: drawn in fp32, then cast); an fp32 run draws straight into the parameter."""
+INIT_BLOCK_BYTES = 4 * BLOCK_EDGE ** 2
+"""The fp32 init block being drawn (layers/shard.py init_region), beside the params at zero=0's start-up (at
+zero>=1 the optimizer's state, made after the params, is larger)."""
 STEP_GATHERED_BLOCKS = 2
 """ZeRO-3 blocks gathered at once in a step: the one running and the one prefetched."""
 HEAD_FP32_COPIES = 2
@@ -112,12 +123,20 @@ def phase_peaks(s: RankShape, params: int, grads: int, optim: int, activations: 
     the host (cpu runs), so the save's host copy and the load's host staging count too."""
     resident = params + grads + optim
     init = INIT_FP32_TENSORS * 4 * s.largest_numel if s.param_elem != 4 else 0
+    if s.zero == 3 and init:  # drawn per owned segment (zero3.init_flat): its fp32 rows and their cast
+        init = (4 + s.param_elem) * (s.read_bytes // 4 or s.largest_numel // s.shard)
     host = host_peaks(s, optim) if on_host else {"save": 0}
     head = HEAD_FP32_COPIES * 4 * min(s.head_logits, HEAD_CHUNK_ELEMS)
     step = zero3_step(s, resident, activations, head) if s.zero == 3 else resident + activations + head
-    return {"startup": resident + init, "step": step, "save": resident + host["save"],
+    if s.zero == 1 and s.gloo:  # gloo's copies of ZeRO-1's collectives (module doc), one after the other
+        step = max(step, resident + grads, resident + params)
+    # zero=0 keeps no grads until a backward and makes its moments at the first update (or as a load reads them);
+    # ZeRO-1/2 build their buffers and state after the model is drawn, ZeRO-3 draws its segments into its state
+    startup = {0: params + max(init, INIT_BLOCK_BYTES), 3: resident + init}.get(s.zero, max(params + init, resident))
+    return {"startup": startup, "step": step,
+            "save": resident + host["save"],
             # on a GPU the staged range's device copy; on the cpu the staging buffer itself: one of either
-            "load": resident + staging_bytes(s)}
+            "load": resident - (0 if s.zero else grads) + staging_bytes(s)}
 
 
 def zero3_step(s: RankShape, resident: int, activations: int, head: int) -> int:

@@ -4,11 +4,12 @@ ZeRO-3 (dp2, dp4): what each phase holds is counted (ZeRO-3's gathered and prefe
 flight and gloo's copies of the collectives at the last block's backward; the save's host copy of the owned
 segments, nothing gathered; the load's one staging buffer of the largest range read into one destination).
 
-ZeRO-1's first step on gloo may also hold, after its update, gloo's own copies of the step's collectives: the
-all-gather of every param bucket stages its whole output on gloo's worker thread, and the reduce-scatters' clones
-of their grad bucket live until that thread lets go of the finished work. Whether these fall inside the phase (and
-overlap) is timing, so the upper bound is the larger of the plan + 10 % and that exact worst case: the rank's
-resident state plus one more copy of its params and of its grads. NCCL works in place (no such copies)."""
+ZeRO-1's first step on gloo may also hold gloo's own copies of its collectives: each reduce-scatter clones its grad
+bucket (made when launched in the last backward, freed when gloo's worker thread lets go of the finished work) and
+each param all-gather after the update stages its whole output on that thread. Whether and how far these overlap
+the backward's activations and each other is timing (measured up to 1.235 of the plan at pp2·dp2), so its upper
+bound adds one copy of the rank's params and grads to the plan's 10 %; the lower bound stays 10 %. NCCL works in
+place (no such copies)."""
 import pytest
 
 from megaframe.planning.estimate import plan_layout
@@ -26,7 +27,13 @@ LAYOUTS = [
     ("zero1-pp2-dp2", 4, 1, 2, ["optim.zero=1", "parallel.pp=2"]),
     ("zero3-dp2", 2, 1, 1, ["optim.zero=3"]),
     ("zero3-dp4", 4, 1, 1, ["optim.zero=3"]),
+    ("zero3-tp2-dp2", 4, 2, 1, ["optim.zero=3", "parallel.tp=2"]),
 ]
+ONE = ("zero0-one", 1, 1, 1, ["optim.zero=0"])
+"""One process at zero=0, the reference of the share test. Not in the 10 % test: its first step makes the moments
+after the activations are freed, the plan's step (every later one) holds both."""
+SHARE = 0.35
+"""Save and load at zero=3 dp4 against one process at zero=0 (issue 24; a quarter is the share)."""
 
 
 _MEASURED: dict[str, list] = {}
@@ -39,7 +46,7 @@ def run_case(pool, tmp_path_factory, name, n, tp, pp, extra):
         measured = pool.run(measure_phases, n, overrides, str(tmp_path_factory.mktemp(name)), tp=tp, pp=pp)
         plan = {(r.pp_rank, r.tp_rank): r for r in plan_layout(tiny_config(overrides, n), n).ranks}
         _MEASURED[name] = [(got, {**plan[(got["pp_rank"], got["tp_rank"])].phases,
-                                  "gloo_end": gloo_end(plan[(got["pp_rank"], got["tp_rank"])])})
+                                  "gloo_copies": gloo_copies(plan[(got["pp_rank"], got["tp_rank"])])})
                            for got in measured]
         for got in measured:  # the table of the note: measured, planned (new behaviour), and today's model
             r = plan[(got["pp_rank"], got["tp_rank"])]
@@ -49,9 +56,9 @@ def run_case(pool, tmp_path_factory, name, n, tp, pp, extra):
     return _MEASURED[name]
 
 
-def gloo_end(r) -> int:
-    """ZeRO-1's step on gloo at its worst (module doc): resident state, and a copy of the params and the grads."""
-    return 2 * r.params_bytes + 2 * r.grads_bytes + r.optim_bytes
+def gloo_copies(r) -> int:
+    """What gloo's copies of ZeRO-1's collectives may add to a step (module doc): the params and the grads once."""
+    return r.params_bytes + r.grads_bytes
 
 
 @pytest.mark.parametrize("phase", ["startup", "step", "save", "load"])
@@ -64,5 +71,15 @@ def test_phase_peak_matches_planner(pool, tmp_path_factory, name, n, tp, pp, ext
     for (got, want), line in zip(rows, report):
         upper = (1 + TOL) * want[phase]
         if phase == "step" and "optim.zero=1" in extra:
-            upper = max(upper, want["gloo_end"])
+            upper += want["gloo_copies"]
         assert (1 - TOL) * want[phase] <= got[phase] <= upper, line
+
+
+@pytest.mark.parametrize("phase", ["save", "load"])
+def test_zero3_dp4_holds_its_share(pool, tmp_path_factory, phase):
+    """Every rank of zero=3 dp4 peaks at <= 0.35 of one process at zero=0 in a save and a load. (Start-up is
+    not compared: zero=0 makes its grads and moments only in the first step, ZeRO makes its share of them at
+    start-up, so there the ratio is 4x the share: 16 bytes a param / dp against 4.)"""
+    one = run_case(pool, tmp_path_factory, *ONE)[0][0][phase]
+    for got, _ in run_case(pool, tmp_path_factory, *LAYOUTS[3]):
+        assert got[phase] <= SHARE * one, f"{phase}: zero3-dp4 {got[phase]} vs one process {one} ({got[phase] / one:.3f})"
