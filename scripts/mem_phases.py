@@ -1,11 +1,13 @@
 """Memory per phase at real size on the CPU: measured against the planner, per layout (issue 24's table).
 
     python scripts/mem_phases.py [--layers 8 --hidden 1024 --ffn 4096 --vocab 8192 --seq 256] [--layouts a,b]
+                                 [--json OUT.json] [--replan OUT.json]
 
 Each layout runs on gloo ranks spawned here (one thread each): start-up, one step, a blocking save and the load
 of that save into a fresh model, each measured by the trainer's own meter (megaframe/training/phase_run.py: the
 tensor bytes the rank allocated, from the CPU allocator's events). The planner (planning/phases.py) sizes the
-same config. Prints phase x layout: measured (the largest rank), planned (that rank's coordinate), ratio; then
+same config (`--json` keeps the measured figures, `--replan` plans them again without measuring). Prints
+phase x layout: measured (the largest rank), planned (that rank's coordinate), ratio; then
 zero=3 dp4 against one process at zero=0 for start-up, save and load. The default model (8 layers, hidden 1024,
 ffn 4096, vocab 8192, seq 256, GQA 16/4 heads) has 113M parameters.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import sys
 import tempfile
 from pathlib import Path
@@ -54,16 +57,20 @@ def _worker(rank: int, port: int, n: int, tp: int, pp: int, overrides: list[str]
     dist.destroy_process_group()
 
 
-def run_layout(name: str, base: list[str]) -> list[tuple[dict, dict]]:
-    """[(measured, planned phases)] per rank of one layout."""
+def measure(name: str, base: list[str]) -> list[dict]:
+    """Every rank's measured phases of one layout."""
+    n, tp, pp, extra = LAYOUTS[name]
+    with tempfile.TemporaryDirectory() as folder:
+        return spawn_local(_worker, n, n, tp, pp, base + extra, folder, timeout_s=3600)
+
+
+def planned(name: str, base: list[str], rows: list[dict]) -> list[tuple[dict, dict]]:
+    """[(measured, planned phases of its coordinate)] per rank of one layout."""
     from megaframe.config import load_config
     from megaframe.planning.estimate import plan_layout
 
-    n, tp, pp, extra = LAYOUTS[name]
-    overrides = base + extra
-    with tempfile.TemporaryDirectory() as folder:
-        rows = spawn_local(_worker, n, n, tp, pp, overrides, folder, timeout_s=3600)
-    plan = {(r.pp_rank, r.tp_rank): r.phases for r in plan_layout(load_config(overrides, world_size=n,
+    n, _, _, extra = LAYOUTS[name]
+    plan = {(r.pp_rank, r.tp_rank): r.phases for r in plan_layout(load_config(base + extra, world_size=n,
                                                                                  check_data=False), n).ranks}
     return [(got, plan[(got["pp_rank"], got["tp_rank"])]) for got in rows]
 
@@ -73,12 +80,20 @@ def main() -> None:
     for k, v in (("layers", 8), ("hidden", 1024), ("ffn", 4096), ("vocab", 8192), ("seq", 256)):
         ap.add_argument(f"--{k}", type=int, default=v)
     ap.add_argument("--layouts", default=",".join(LAYOUTS))
+    ap.add_argument("--json", help="write the measured figures here")
+    ap.add_argument("--replan", help="plan the figures of an earlier --json again, measuring nothing")
     a = ap.parse_args()
-    base = model_overrides(a)
-    results = {}
-    for name in a.layouts.split(","):
-        results[name] = run_layout(name, base)
-        print(f"{name}: measured", flush=True)
+    if a.replan:
+        saved = json.loads(Path(a.replan).read_text())
+        base, measured = saved["overrides"], saved["measured"]
+    else:
+        base, measured = model_overrides(a), {}
+        for name in a.layouts.split(","):
+            measured[name] = measure(name, base)
+            print(f"{name}: measured", flush=True)
+            if a.json:
+                Path(a.json).write_text(json.dumps({"overrides": base, "measured": measured}))
+    results = {name: planned(name, base, rows) for name, rows in measured.items()}
     mib = 2 ** 20
     print(f"\n{'phase':8} " + " ".join(f"{name:>34}" for name in results))
     print(f"{'':8} " + " ".join(f"{'measured / planned MiB (ratio)':>34}" for _ in results))
