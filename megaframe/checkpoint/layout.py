@@ -145,7 +145,6 @@ def my_writes(items: list[Item]) -> list[Stored]:
                 r0, r1 = split_rows(rows, it.holders, ordinal)[it.index]
                 a, b = r0 * inner, r1 * inner
             # a ZeRO segment is a flat range, not whole rows: cut it on element boundaries
-            # a ZeRO segment is a flat range, not whole rows: cut it on element boundaries
             else:
                 c0, c1 = split_rows(hi - lo, it.holders, ordinal)[it.index]
                 a, b = lo + c0, lo + c1
