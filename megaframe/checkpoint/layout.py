@@ -90,6 +90,8 @@ def param_items(model, optimizer, mesh, with_sources: bool) -> list[Item]:
         if segs is not None:  # ZeRO: this dp rank's segments, replicated over tp only
             h, i = _replicas(p, mesh, segments=True)
             for kind in MOMENTS:
+                if kind == "master" and weights is not None and p.dtype == torch.float32:
+                    continue  # ZeRO-3's fp32 weights above are its master, bit for bit: not written twice
                 parts = [(lo, n, st[kind]) for lo, n, st in segs if kind in st]
                 if parts:
                     items.append(Item(f"optim/{kind}/{name}", p.placement.shard, "float32", [(lo, lo + n) for lo, n, _ in parts],
@@ -142,7 +144,6 @@ def my_writes(items: list[Item]) -> list[Stored]:
             elif (lo, hi) == (0, math.prod(shape)):  # a whole tensor: cut on row boundaries
                 r0, r1 = split_rows(rows, it.holders, ordinal)[it.index]
                 a, b = r0 * inner, r1 * inner
-            # a ZeRO segment is a flat range, not whole rows: cut it on element boundaries
             # a ZeRO segment is a flat range, not whole rows: cut it on element boundaries
             else:
                 c0, c1 = split_rows(hi - lo, it.holders, ordinal)[it.index]

@@ -135,20 +135,21 @@ def block_seed(base: int, index: int) -> int:
 
 
 def init_region(name: str, shape: tuple[int, ...], region: list[tuple[int, int]], seed: int, std: float,
-                num_layers: int) -> torch.Tensor:
+                num_layers: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """The [lo, hi) box `region` (one pair per dim) of a parameter's global initial tensor.
 
     The tensor is cut into fixed blocks (block_edges), block b drawn from its own generator seeded by
     (seed, name, b): a value depends only on (seed, name, position), whatever box is asked for, so any
-    layout gets the same numbers while drawing only the blocks its slice touches."""
+    layout gets the same numbers while drawing only the blocks its slice touches. `out`: the tensor of the
+    region's size to draw into (a caller's slice: no region-sized copy on the way), else a new fp32 one."""
     kind, s = init_rule(name, std, num_layers)
     size = [hi - lo for lo, hi in region]
+    out = torch.empty(size) if out is None else out
     if kind != "normal":
         # Constant inits draw nothing: no generator to keep in step across layouts.
-        return torch.ones(size) if kind == "ones" else torch.zeros(size)
+        return out.fill_(1.0 if kind == "ones" else 0.0)
     edges, base = block_edges(shape), param_seed(seed, name)
     grid = [(n + e - 1) // e for n, e in zip(shape, edges)]
-    out = torch.empty(size)
     spans = [range(lo // e, (hi - 1) // e + 1) for (lo, hi), e in zip(region, edges)]
     for b in itertools.product(*spans):
         box = [(i * e, min((i + 1) * e, n)) for i, e, n in zip(b, edges, shape)]
@@ -216,7 +217,7 @@ def local_init(name: str, shard: Shard, seed: int, std: float, num_layers: int,
         elif shard.dim is not None:
             region[shard.dim] = (g, g + n)
             dst = out.narrow(shard.dim, lo, n)
-        dst.copy_(init_region(name, shape, region, seed, std, num_layers))
+        init_region(name, shape, region, seed, std, num_layers, out=dst)
     return out
 
 

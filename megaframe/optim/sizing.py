@@ -82,3 +82,23 @@ def planned_dp_bytes(params: list[nn.Parameter], cfg: OptimConfig, mesh: Mesh, m
     # The grad norm's one fp32 scalar all-reduce (finalize.global_norm), counted like comm.all_reduce does.
     s = mesh.dp_shard.size
     return total + int(2 * (s - 1) / s * 4)
+
+
+def largest_segment(params: list[nn.Parameter], cfg: OptimConfig, mesh: Mesh, model: nn.Module | None = None) -> int:
+    """Elements of the largest owned segment (one param's part of one rank's share of a bucket) over the shard
+    ranks of this coordinate: what a resume reads into one window of the moments (and, at zero=3, of the
+    master) at most (planning.phases' load)."""
+    best = 0
+    for axis, _, ordered, plan in _plans(params, cfg, mesh, model):
+        for idx, start, end in plan:
+            share = (end - start) // axis.size
+            at = start
+            for i in idx:
+                n = ordered[i].numel()
+                # the param's elements [at, at + n) against the shares [start + k·share, start + (k+1)·share)
+                k0, k1 = (at - start) // share, (at + n - 1 - start) // share
+                for k in range(k0, k1 + 1):
+                    lo, hi = max(at, start + k * share), min(at + n, start + (k + 1) * share)
+                    best = max(best, hi - lo)
+                at += n
+    return best

@@ -139,6 +139,17 @@ def block_activation_bytes(model, layer: int, micro_batch: int, fused_attention:
         return saved_bytes(lambda: model.layers[str(layer)](x_SBD, model.rope), list(model.parameters()))
 
 
+def head_activation_bytes(model, micro_batch: int, fused_attention: bool = True) -> int:
+    """Bytes the output step (final norm, head and loss) saves for backward for one micro-batch on the last
+    stage: its input is the last block's output [S (S/tp under sp), B, D] in the parameters' dtype."""
+    cfg, p = model.cfg, next(model.parameters())
+    s = local_seq(model) // model.mesh.tp.size if model.sp else local_seq(model)
+    x_SBD = torch.empty(s, micro_batch, cfg.hidden_size, dtype=p.dtype, device=p.device, requires_grad=True)
+    ids_BS = torch.zeros(micro_batch, local_seq(model), dtype=torch.long, device=p.device)
+    with (FusedAttentionSizes() if fused_attention else _nothing()):
+        return saved_bytes(lambda: model.head_output(x_SBD, ids_BS), list(model.parameters()))
+
+
 def allocator_peak(fn) -> int:
     """Peak of the bytes allocated and not yet freed while fn() runs, above what was live before: the
     running sum of the CPU allocator's own events (torch.profiler with profile_memory), in time order."""

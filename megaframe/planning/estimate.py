@@ -36,7 +36,7 @@ from megaframe.optim.sizing import planned_dp_bytes, planned_memory_bytes
 from megaframe.parallel.context import cp_bytes_per_layer
 from megaframe.parallel.virtual import virtual_mesh
 from megaframe.pipeline.schedule import ZERO_BUBBLE, F, W, compute_order, resolve_kind
-from megaframe.planning.activations import chunk_activation_bytes, w_fraction
+from megaframe.planning.activations import chunk_activation_bytes, head_activation_bytes, w_fraction
 from megaframe.planning.phases import RankShape, host_peaks, phase_peaks, today_load, today_startup
 from megaframe.planning.timing import _bubble, split_costs
 from megaframe.schema import Config
@@ -215,17 +215,44 @@ def _on_host(cfg: Config) -> bool:
 
 
 def rank_shape(model, cfg: Config, mesh) -> RankShape:
-    """What the phase model reads of this rank's (meta) model: its local sizes before ZeRO."""
+    """What the phase model reads of this rank's (meta) model: its local sizes before ZeRO, the ZeRO-3 units
+    its step gathers and reduces, and the largest range its load reads into one destination."""
+    from megaframe.optim.buffer import grad_dtype
     from megaframe.optim.param_gather import blocks_of
 
     ps = list(model.parameters())
     elem = ps[0].element_size()
     blocks = [sum(p.numel() for p in b.parameters()) * elem for b in blocks_of(model)]
-    t = cfg.train
+    t, o = cfg.train, cfg.optim
+    zero = 2 if o.zero == 3 and mesh.dp.size == 1 else o.zero  # build_optimizer: nothing to shard at dp 1
     logits = t.micro_batch_size * cfg.model.seq_length // mesh.cp.size * cfg.model.vocab_size // mesh.tp.size
+    out = [p for p in (getattr(model, "final_norm", None), getattr(model, "head", None)) if p is not None]
+    out_params = [q for m in out for q in m.parameters()]
+    if model.stage.last and cfg.model.tie_embeddings:
+        out_params.append(model.embed.weight)
     return RankShape(sum(p.numel() for p in ps), max(p.numel() for p in ps), max(blocks, default=0), elem,
-                     mesh.dp_shard.size if cfg.optim.zero else 1, mesh.dpcp.size, cfg.optim.zero,
-                     logits if model.stage.last else 0, sum(blocks))
+                     mesh.dp_shard.size if zero else 1, mesh.dpcp.size, zero,
+                     logits if model.stage.last else 0, sum(blocks),
+                     grad_elem=grad_dtype(o.grad_reduce_dtype, ps[0].dtype).itemsize,
+                     out_numel=sum(q.numel() for q in out_params),
+                     out_acc=not any(q.placement.pp_tied for q in out_params),
+                     block_param_numel=max((q.numel() for b in blocks_of(model) for q in b.parameters()), default=0),
+                     head_act=head_activation_bytes(model, t.micro_batch_size) if model.stage.last else 0,
+                     read_bytes=_read_bytes(model, cfg, mesh, zero, elem), gloo=_on_host(cfg))
+
+
+def _read_bytes(model, cfg: Config, mesh, zero: int, elem: int) -> int:
+    """The largest range this rank's resume reads into one destination (planning.phases' load): a whole local
+    param (zero 0-2, in its dtype), an fp32 moment (zero=0: whole; ZeRO: its owned segment), and at zero=3
+    everything in owned segments (the fp32 master too)."""
+    from megaframe.optim.sizing import largest_segment
+
+    ps = [p for p in model.parameters() if p.requires_grad]
+    whole = max(p.numel() for p in ps)
+    if not zero:
+        return 4 * whole
+    seg = 4 * largest_segment(ps, replace(cfg.optim, zero=zero), mesh, model)
+    return seg if zero == 3 else max(seg, elem * whole)
 
 
 def cp_bias_bytes(model) -> int:

@@ -6,17 +6,35 @@ Modelled for how start-up, save and load work once parameters are built on the m
 
   resident  params + grads + optimizer state as the trainer holds them between steps (estimate.state_bytes)
   startup   resident + (bf16 runs) INIT_FP32_TENSORS of the rank's largest local tensors in fp32 (a
-            parameter's initial values are drawn in fp32, then cast into its shard); nothing else is ever whole
-  step      resident + the activations at the schedule's peak + ZeRO-3's gathered blocks in flight
-            (STEP_GATHERED_BLOCKS: the running block and the prefetched one, in the run's dtype) + on the
-            last stage the head's fp32 logits and their gradient for one chunk of tokens (HEAD_FP32_COPIES
-            of [tokens, V/tp], at most layers.fused_ce's CHUNK_ELEMS on a GPU)
-  save      resident + ZeRO-3's gathered blocks (SAVE_GATHERED_BLOCKS: the save gathers one block at a
-            time); in host memory the copy of what this rank writes (its share of the params and its owned
-            optimizer state, taken before the write so training may go on)
-  load      resident + one staging buffer of at most LOAD_STAGING_BYTES (a range is read into it on the
-            host, then cast and copied into its destination, the parameter or the optimizer's flat
-            segment, through a device copy of the same size)
+            parameter's initial values are drawn in fp32, then cast into its shard); nothing else is ever
+            whole. ZeRO-3 draws each owned segment instead (its fp32 rows and their cast); ZeRO-1/2 build
+            their buffers and state after the model is drawn (the larger of the two moments); zero=0 holds
+            only the params and the init block being drawn (grads and moments come with the first step)
+  step      resident + the activations at the schedule's peak + on the last stage the head's fp32 logits
+            and their gradient for one chunk of tokens (HEAD_FP32_COPIES of [tokens, V/tp], at most
+            layers.fused_ce's CHUNK_ELEMS on a GPU).
+            ZeRO-3 (zero3_step): the larger of the forward's end (the activations' peak, the output unit
+            gathered, the head's workspace) and the backward of the stage's last block at its first weight
+            grad, which holds the most transients at once: that block and the prefetched one before it
+            gathered (STEP_GATHERED_BLOCKS), the output unit's grad bucket still reduce-scattering (zero.py
+            _drain keeps the newest in flight) beside the block's own bucket filling, the weight grad
+            autograd hands the hook before it is folded in, and every activation but the output step's
+            (freed by its backward). On gloo (the cpu) each collective also stages a copy: an all-gather its
+            whole output (the prefetched block), a reduce-scatter its whole input (the clone c10d's
+            _reduce_scatter_base_ makes of the output unit's bucket); NCCL works in place.
+            ZeRO-1 on gloo: the reduce-scatters clone every grad bucket when launched in the last backward,
+            held to step()'s wait (resident + the grads, at the backward's end); after the update the param
+            all-gathers stage their whole output (resident + the params). A clone gloo's worker thread still
+            holds after the wait may overlap that staging: timing, not planned.
+  save      resident + in host memory the copy of what this rank writes (its share of the params and its
+            owned optimizer state, taken before the write so training may go on). ZeRO-3 gathers nothing
+            (each rank writes its owned segments, zero3.weight_segments).
+  load      resident (zero=0: no grads yet) + one staging buffer per file read, of the largest range this
+            rank reads into one destination (its whole local tensor; under ZeRO its owned segment of the
+            moments, and of everything at zero=3), at most checkpoint/store.py's STAGING_BYTES; the range is
+            read into it on the host, then cast and copied into the parameter or the optimizer's flat
+            segment. That is a resume under the layout that saved it (a requeued run); a checkpoint of
+            another tp layout may stage longer ranges (rows another layout split), never past STAGING_BYTES.
 
 On a GPU the host copies are host memory (RankFigures' host figures); when the run's device is the cpu
 (`on_host`) they are the same memory and count in the phase's peak.
@@ -30,15 +48,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-LOAD_STAGING_BYTES = 256 * 2**20
-"""The resume's one bounded staging buffer (a range read from a file before it is copied into its shard)."""
+from megaframe.checkpoint.store import STAGING_BYTES as LOAD_STAGING_BYTES  # the loader's own bound
+from megaframe.layers.shard import BLOCK_EDGE
+
 INIT_FP32_TENSORS = 1
 """Whole local tensors start-up holds in fp32 at once while it initialises a low-precision run (one
 parameter at a time: drawn in fp32, then cast); an fp32 run draws straight into the parameter."""
+INIT_BLOCK_BYTES = 4 * BLOCK_EDGE ** 2
+"""The fp32 init block being drawn (layers/shard.py init_region), beside the params at zero=0's start-up (at
+zero>=1 the optimizer's state, made after the params, is larger)."""
 STEP_GATHERED_BLOCKS = 2
 """ZeRO-3 blocks gathered at once in a step: the one running and the one prefetched."""
-SAVE_GATHERED_BLOCKS = 1
-"""ZeRO-3 blocks a save gathers at once."""
 HEAD_FP32_COPIES = 2
 """fp32 [tokens, V/tp] tensors the head and loss hold at once: the logits and their gradient."""
 HEAD_CHUNK_ELEMS = 1 << 26
@@ -66,18 +86,35 @@ class RankShape:
     """Elements of one micro-batch's logits on this rank ([mb·S/cp, V/tp]); 0 without the head."""
     blocks_bytes: int = 0
     """Bytes of all its blocks' params in the run's dtype (today's ZeRO-3 keeps them gathered after start-up)."""
+    grad_elem: int = 4
+    """Bytes per element of the ZeRO grad buckets (2 under optim.grad_reduce_dtype=bf16)."""
+    out_numel: int = 0
+    """Elements of the output unit (final norm and head) on the last stage; 0 elsewhere."""
+    out_acc: bool = True
+    """The output unit's grad bucket is reduced in the backward (False: a tied embedding's, kept whole for
+    the step and counted in the grads)."""
+    block_param_numel: int = 0
+    """Elements of the largest parameter of a block (its weight grad, handed to the hook before folding)."""
+    head_act: int = 0
+    """Bytes the output step saves for backward per micro-batch (freed before the blocks' backward)."""
+    read_bytes: int = 0
+    """Bytes of the largest range the rank loads into one destination (0: its largest tensor in fp32)."""
+    gloo: bool = False
+    """Collectives run on gloo (the cpu), which stages a copy of each (module doc)."""
 
 
 def written_bytes(s: RankShape, optim_bytes: int) -> int:
     """Bytes this rank writes to a checkpoint: its share of the local params in their dtype, and its
     optimizer state (ZeRO: its owned segments; zero=0: its share of the replicated moments)."""
     params = s.local_numel * s.param_elem // s.writers
-    return params + (optim_bytes if s.zero else optim_bytes // s.writers)
+    # ZeRO-3 counts the fp32 master of its owned range as params; a low-precision run writes it as optim/master
+    master = 4 * s.local_numel // s.shard if s.zero == 3 and s.param_elem != 4 else 0
+    return params + master + (optim_bytes if s.zero else optim_bytes // s.writers)
 
 
 def staging_bytes(s: RankShape) -> int:
-    """The load's staging buffer: LOAD_STAGING_BYTES, or less where no tensor is that large (fp32 read)."""
-    return min(LOAD_STAGING_BYTES, 4 * s.largest_numel)
+    """The load's staging buffer: the largest range read into one destination, at most LOAD_STAGING_BYTES."""
+    return min(LOAD_STAGING_BYTES, s.read_bytes or 4 * s.largest_numel)
 
 
 def phase_peaks(s: RankShape, params: int, grads: int, optim: int, activations: int,
@@ -85,15 +122,33 @@ def phase_peaks(s: RankShape, params: int, grads: int, optim: int, activations: 
     """{startup, step, save, load} peak bytes of one rank's device (module doc); `on_host`: the device is
     the host (cpu runs), so the save's host copy and the load's host staging count too."""
     resident = params + grads + optim
-    gathered = s.block_bytes if s.zero == 3 else 0
     init = INIT_FP32_TENSORS * 4 * s.largest_numel if s.param_elem != 4 else 0
+    if s.zero == 3 and init:  # drawn per owned segment (zero3.init_flat): its fp32 rows and their cast
+        init = (4 + s.param_elem) * (s.read_bytes // 4 or s.largest_numel // s.shard)
     host = host_peaks(s, optim) if on_host else {"save": 0}
-    return {"startup": resident + init,
-            "step": resident + activations + STEP_GATHERED_BLOCKS * gathered
-            + HEAD_FP32_COPIES * 4 * min(s.head_logits, HEAD_CHUNK_ELEMS),
-            "save": resident + SAVE_GATHERED_BLOCKS * gathered + host["save"],
+    head = HEAD_FP32_COPIES * 4 * min(s.head_logits, HEAD_CHUNK_ELEMS)
+    step = zero3_step(s, resident, activations, head) if s.zero == 3 else resident + activations + head
+    if s.zero == 1 and s.gloo:  # gloo's copies of ZeRO-1's collectives (module doc), one after the other
+        step = max(step, resident + grads, resident + params)
+    # zero=0 keeps no grads until a backward and makes its moments at the first update (or as a load reads them);
+    # ZeRO-1/2 build their buffers and state after the model is drawn, ZeRO-3 draws its segments into its state
+    startup = {0: params + max(init, INIT_BLOCK_BYTES), 3: resident + init}.get(s.zero, max(params + init, resident))
+    return {"startup": startup, "step": step,
+            "save": resident + host["save"],
             # on a GPU the staged range's device copy; on the cpu the staging buffer itself: one of either
-            "load": resident + staging_bytes(s)}
+            "load": resident - (0 if s.zero else grads) + staging_bytes(s)}
+
+
+def zero3_step(s: RankShape, resident: int, activations: int, head: int) -> int:
+    """ZeRO-3's step peak (module doc): the forward's end or the last block's backward, whichever is higher."""
+    block_numel = s.block_bytes // s.param_elem
+    out_acc = s.grad_elem * s.out_numel if s.out_acc else 0
+    forward = resident + activations + s.param_elem * s.out_numel + head
+    backward = (resident + activations - s.head_act + STEP_GATHERED_BLOCKS * s.block_bytes
+                + out_acc + s.grad_elem * block_numel + s.param_elem * s.block_param_numel)
+    if s.gloo:  # the prefetched block's all-gather output and the output bucket's reduce-scatter input
+        backward += s.block_bytes + out_acc
+    return max(forward, backward)
 
 
 def host_peaks(s: RankShape, optim: int) -> dict[str, int]:

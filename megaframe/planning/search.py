@@ -196,7 +196,7 @@ def phase_memory(cfg: Config, lay: Layout) -> dict[str, int]:
         chunks = tuple(lay.micro_batch * (chunk_layers * per_layer + (embed if c == 0 and first else 0)
                                           + (head if c == lay.vpp - 1 and last else 0)) for c in range(lay.vpp))
         act = _peak_inflight(kind, lay.pp, lay.vpp, micro, rank, chunks) if lay.pp > 1 else chunks[0]
-        peaks = phase_peaks(_shape(cfg, lay, first, last, a_bytes), params, grads, optim,
+        peaks = phase_peaks(_shape(cfg, lay, first, last, a_bytes, lay.micro_batch * head), params, grads, optim,
                             act + _cp_bias_bytes(cfg, lay, a_bytes), on_host=_on_host(cfg))
         if max(peaks.values()) > max(worst.values(), default=-1):
             worst = peaks
@@ -228,19 +228,33 @@ def _state(cfg: Config, lay: Layout, first: bool, last: bool, a_bytes: int) -> t
     return a_bytes * n, grads, (8 if cfg.train.precision == "fp32" else 12) * owned
 
 
-def _shape(cfg: Config, lay: Layout, first: bool, last: bool, a_bytes: int) -> RankShape:
+def _shape(cfg: Config, lay: Layout, first: bool, last: bool, a_bytes: int, head_act: int = 0) -> RankShape:
     """planning.phases' view of a stage's rank, from the dims (estimate.rank_shape counts a built model)."""
     m = cfg.model
     dense, expert = stage_params(m, lay, first, last)
     d, per = m.hidden_size, (2 if m.activation == "swiglu" else 1)
     mats = [d * (m.num_attention_heads + 2 * m.kv_heads) * m.head_dim // lay.tp]
     mats.append((m.num_experts // lay.ep) * per * m.expert_ffn * d if m.num_experts else per * m.ffn_hidden_size * d // lay.tp)
+    block_mat = max(mats)
+    table = m.vocab_size * d // lay.tp
     if first or last:
-        mats.append(m.vocab_size * d // lay.tp)
-    block = a_bytes * sum(layer_params(m, lay.tp, lay.ep))
+        mats.append(table)
+    block_numel = sum(layer_params(m, lay.tp, lay.ep))
     logits = lay.micro_batch * m.seq_length // lay.cp * m.vocab_size // lay.tp if last else 0
-    return RankShape(dense + expert, max(mats), block, a_bytes, lay.shard_size or 1, lay.dp * lay.cp, lay.zero,
-                     logits, block * (m.num_layers // lay.pp))
+    s = lay.shard_size or 1
+    tied_across = m.tie_embeddings and lay.pp > 1
+    # the largest owned segment a resume reads into (estimate._read_bytes): ZeRO-3's units are buckets of their own
+    if lay.zero == 3:
+        read = 4 * min(max(mats), max(block_numel, table) // s)
+    elif lay.zero:
+        read = max(a_bytes * max(mats), 4 * min(max(mats), int(cfg.optim.bucket_size_mb * 2**20) // 4 // s))
+    else:
+        read = 4 * max(mats)
+    return RankShape(dense + expert, max(mats), a_bytes * block_numel, a_bytes, s, lay.dp * lay.cp, lay.zero,
+                     logits, a_bytes * block_numel * (m.num_layers // lay.pp),
+                     grad_elem=2 if lay.grad_dtype == "bf16" else 4, out_numel=(d + table) if last else 0,
+                     out_acc=not tied_across, block_param_numel=block_mat, head_act=head_act if last else 0,
+                     read_bytes=read, gloo=_on_host(cfg))
 
 
 def _cp_bias_bytes(cfg: Config, lay: Layout, a_bytes: int) -> int:

@@ -1,16 +1,15 @@
 """The planner's memory per phase (start-up, first step, save, load: planning/phases.py) against the peaks the
-trainer's meter measures on the gloo pool (training/phases.py), each within 10 %.
+trainer's meter measures on the gloo pool (training/phases.py), each within 10 %, at ZeRO-1 (dp2, pp2·dp2) and
+ZeRO-3 (dp2, dp4): what each phase holds is counted (ZeRO-3's gathered and prefetched blocks, its grad buckets in
+flight and gloo's copies of the collectives at the last block's backward; the save's host copy of the owned
+segments, nothing gathered; the load's one staging buffer of the largest range read into one destination).
 
-The planner models start-up on the meta device, ZeRO-3 sharding every parameter and a resume read into the
-shards through one staging buffer (issue 24, items 1-4), which the code now does: start-up and load meet
-it at every layout but one. Where the planner's model still misses the measurement (ZeRO-3's first step and
-save: the gathered units in flight are more than it counts; the dp4 load's staging) the assertion is
-xfail(strict) with the reason: it turns into a failure the day the model is right, so the mark is then
-removed, never the bound loosened.
-
-The step phase under ZeRO-1 on gloo sometimes also holds gloo's own staging copy of the param all-gather
-(made on gloo's thread, freed when its work completes: whether it falls inside the phase is timing), so its
-upper bound adds the rank's param bytes; NCCL gathers in place."""
+ZeRO-1's first step on gloo may also hold gloo's own copies of its collectives: each reduce-scatter clones its grad
+bucket (made when launched in the last backward, freed when gloo's worker thread lets go of the finished work) and
+each param all-gather after the update stages its whole output on that thread. Whether and how far these overlap
+the backward's activations and each other is timing (measured up to 1.235 of the plan at pp2·dp2), so its upper
+bound adds one copy of the rank's params and grads to the plan's 10 %; the lower bound stays 10 %. NCCL works in
+place (no such copies)."""
 import pytest
 
 from megaframe.planning.estimate import plan_layout
@@ -22,15 +21,19 @@ pytestmark = pytest.mark.distributed
 MODEL = ["train.device=cpu", "model.hidden_size=256", "model.ffn_hidden_size=512", "model.vocab_size=2048", "model.seq_length=64",
          "model.num_layers=2"]
 TOL = 0.10
-NEEDS = "the planner's model of ZeRO-3's gathered units in flight (step, save) and of the dp4 load misses"
-# (name, ranks, tp, pp, overrides, phases today's code is known to miss)
-# today: a resume reads into full local-shape tensors (load); ZeRO-3 start-up copies and clones the whole local
-# params, leaves the blocks gathered until the first forward (step) and a save gathers every block (save)
+# (name, ranks, tp, pp, overrides)
 LAYOUTS = [
-    ("zero1-dp2", 2, 1, 1, ["optim.zero=1"], set()),
-    ("zero3-dp2", 2, 1, 1, ["optim.zero=3"], {"step", "save"}),
-    ("zero3-dp4", 4, 1, 1, ["optim.zero=3"], {"step", "save", "load"}),
+    ("zero1-dp2", 2, 1, 1, ["optim.zero=1"]),
+    ("zero1-pp2-dp2", 4, 1, 2, ["optim.zero=1", "parallel.pp=2"]),
+    ("zero3-dp2", 2, 1, 1, ["optim.zero=3"]),
+    ("zero3-dp4", 4, 1, 1, ["optim.zero=3"]),
+    ("zero3-tp2-dp2", 4, 2, 1, ["optim.zero=3", "parallel.tp=2"]),
 ]
+ONE = ("zero0-one", 1, 1, 1, ["optim.zero=0"])
+"""One process at zero=0, the reference of the share test. Not in the 10 % test: its first step makes the moments
+after the activations are freed, the plan's step (every later one) holds both."""
+SHARE = 0.35
+"""Save and load at zero=3 dp4 against one process at zero=0 (issue 24; a quarter is the share)."""
 
 
 _MEASURED: dict[str, list] = {}
@@ -43,7 +46,7 @@ def run_case(pool, tmp_path_factory, name, n, tp, pp, extra):
         measured = pool.run(measure_phases, n, overrides, str(tmp_path_factory.mktemp(name)), tp=tp, pp=pp)
         plan = {(r.pp_rank, r.tp_rank): r for r in plan_layout(tiny_config(overrides, n), n).ranks}
         _MEASURED[name] = [(got, {**plan[(got["pp_rank"], got["tp_rank"])].phases,
-                                  "gloo_staging": plan[(got["pp_rank"], got["tp_rank"])].params_bytes})
+                                  "gloo_copies": gloo_copies(plan[(got["pp_rank"], got["tp_rank"])])})
                            for got in measured]
         for got in measured:  # the table of the note: measured, planned (new behaviour), and today's model
             r = plan[(got["pp_rank"], got["tp_rank"])]
@@ -53,15 +56,30 @@ def run_case(pool, tmp_path_factory, name, n, tp, pp, extra):
     return _MEASURED[name]
 
 
+def gloo_copies(r) -> int:
+    """What gloo's copies of ZeRO-1's collectives may add to a step (module doc): the params and the grads once."""
+    return r.params_bytes + r.grads_bytes
+
+
 @pytest.mark.parametrize("phase", ["startup", "step", "save", "load"])
-@pytest.mark.parametrize("name,n,tp,pp,extra,misses", LAYOUTS, ids=[x[0] for x in LAYOUTS])
-def test_phase_peak_matches_planner(pool, tmp_path_factory, request, name, n, tp, pp, extra, misses, phase):
+@pytest.mark.parametrize("name,n,tp,pp,extra", LAYOUTS, ids=[x[0] for x in LAYOUTS])
+def test_phase_peak_matches_planner(pool, tmp_path_factory, name, n, tp, pp, extra, phase):
     rows = run_case(pool, tmp_path_factory, name, n, tp, pp, extra)
-    if phase in misses:
-        request.applymarker(pytest.mark.xfail(reason=NEEDS, strict=True))
     report = [f"{name} {phase} rank {i}: measured {got[phase]} planned {want[phase]} "
               f"ratio {got[phase] / want[phase]:.3f}" for i, (got, want) in enumerate(rows)]
     print("\n" + "\n".join(report))
     for (got, want), line in zip(rows, report):
-        slack = want["gloo_staging"] if phase == "step" and "optim.zero=1" in extra else 0
-        assert -TOL * want[phase] <= got[phase] - want[phase] <= TOL * want[phase] + slack, line
+        upper = (1 + TOL) * want[phase]
+        if phase == "step" and "optim.zero=1" in extra:
+            upper += want["gloo_copies"]
+        assert (1 - TOL) * want[phase] <= got[phase] <= upper, line
+
+
+@pytest.mark.parametrize("phase", ["save", "load"])
+def test_zero3_dp4_holds_its_share(pool, tmp_path_factory, phase):
+    """Every rank of zero=3 dp4 peaks at <= 0.35 of one process at zero=0 in a save and a load. (Start-up is
+    not compared: zero=0 makes its grads and moments only in the first step, ZeRO makes its share of them at
+    start-up, so there the ratio is 4x the share: 16 bytes a param / dp against 4.)"""
+    one = run_case(pool, tmp_path_factory, *ONE)[0][0][phase]
+    for got, _ in run_case(pool, tmp_path_factory, *LAYOUTS[3]):
+        assert got[phase] <= SHARE * one, f"{phase}: zero3-dp4 {got[phase]} vs one process {one} ({got[phase] / one:.3f})"
