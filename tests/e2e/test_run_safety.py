@@ -26,16 +26,6 @@ def _one_error_line(stderr: str) -> str:
     return lines[0]
 
 
-@pytest.fixture(scope="module")
-def demo_prepared(tmp_path_factory) -> Path:
-    """The demo corpus prepared once for this module (a fresh clone has no data/demo/prepared: CI runs
-    `make test`, not `make data`), ~5 s."""
-    out = tmp_path_factory.mktemp("demo") / "prepared"
-    prep = run([sys.executable, "-m", "megaframe.data.prepare", f"data.path={out}"], timeout=300)
-    assert prep.returncode == 0, prep.stderr[-2000:]
-    return out
-
-
 def _copy_demo(src: Path, out: Path) -> Path:
     """A private copy of the prepared demo files (regular files only: the folder may hold links)."""
     out.mkdir(parents=True)
