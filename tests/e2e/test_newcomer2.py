@@ -42,6 +42,7 @@ def test_ctrl_c_prints_the_command_that_continues_the_run(tmp_path):
     assert [a for a in cmd if a.startswith("run.name=")] and f"run.dir={tmp_path}" in cmd and "optim.lr=3e-3" in cmd
     # F11: the stop step has its row (before: the last log_interval row), and the save line precedes the summary
     assert metrics(tmp_path)[-1]["step"] == step
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == f"step_{step:08d}"
     assert f"final loss {metrics(tmp_path)[-1]['loss']:.4f}" in out
     assert out.index(f"checkpoint: {tmp_path}/checkpoints/step_{step:08d}") < out.index("run summary:")
 
