@@ -73,15 +73,6 @@ def scratch_checkout(root: Path) -> Path:
     return work
 
 
-@pytest.fixture(scope="module")
-def demo_corpus():
-    """The demo corpus prepared in the checkout, as `make train` leaves it (~15 s once on a fresh clone)."""
-    if not (ROOT / "data" / "demo" / "prepared" / "meta.json").is_file():
-        res = subprocess.run([sys.executable, "-m", "megaframe.data.prepare"], cwd=ROOT, env=env(),
-                             capture_output=True, text=True, timeout=300)
-        assert res.returncode == 0, res.stderr[-2000:]
-
-
 def _children_cpu_s() -> float:
     use = resource.getrusage(resource.RUSAGE_CHILDREN)
     return use.ru_utime + use.ru_stime
@@ -128,7 +119,7 @@ class Journey:
 
 
 @pytest.fixture(scope="module")
-def journey(demo_corpus, tmp_path_factory):
+def journey(demo_prepared, tmp_path_factory):  # the checkout's demo corpus, as `make train` leaves it
     return Journey(tmp_path_factory.mktemp("docs"))
 
 

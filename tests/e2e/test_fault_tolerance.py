@@ -34,17 +34,8 @@ def _workers(proc: subprocess.Popen) -> list[int]:
     return [int(x) for x in out.split()]
 
 
-def test_sigterm_on_one_rank_stops_all_at_one_step_with_a_checkpoint(tmp_path):
-    over = ["data=synthetic", *TINY, "train.max_steps=100000", "train.log_interval=1", f"run.dir={tmp_path}"]
-    proc = _launch(over, nproc=2)
-    _wait_lines(tmp_path / "metrics.jsonl", 3, proc)
-    os.kill(_workers(proc)[-1], signal.SIGTERM)
-    t0 = time.time()
-    out, _ = proc.communicate(timeout=60)
-    assert time.time() - t0 < 30 and proc.returncode == 0, out[-3000:]
-    last = metrics(tmp_path)[-1]["step"]
-    ckpt = (tmp_path / "checkpoints" / "latest").read_text().strip()
-    assert ckpt == f"step_{last:08d}" and "stopping at step" in out
+# SIGTERM on one rank stops all at one step with a checkpoint: tests/e2e/test_signal_interval.py (the same
+# torchrun, stopped at a check step)
 
 
 def test_signal_during_start_up_stops_at_the_first_step_with_a_checkpoint(tmp_path):

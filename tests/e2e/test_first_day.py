@@ -10,13 +10,22 @@ SMALL = [*TINY, "model.num_layers=1", "model.hidden_size=32", "model.ffn_hidden_
          "data=synthetic", "optim.min_lr=1e-4", "train.log_interval=1"]
 
 
-def test_resume_with_more_steps_keeps_the_lr_horizon_and_logs_an_honest_row(tmp_path):
+@pytest.fixture(scope="module")
+def first(tmp_path_factory):
+    """SMALL (one layer) for 20 steps, every step logged: (its result, run dir, the metrics rows it wrote).
+    The resume test continues this run; the others read what it printed and logged."""
+    run_dir = tmp_path_factory.mktemp("first")
+    res = train(SMALL + ["train.max_steps=20", f"run.dir={run_dir}"], timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return res, run_dir, metrics(run_dir)
+
+
+def test_resume_with_more_steps_keeps_the_lr_horizon_and_logs_an_honest_row(first):
     # before the recorded horizon, resuming with max_steps=30 re-stretched the cosine over 30 steps:
     # lr rose again above min_lr after step 20
-    first = train(SMALL + ["train.max_steps=20", f"run.dir={tmp_path}"], timeout=120)
-    assert first.returncode == 0, first.stderr[-2000:]
-    assert "(cosine)" in first.stdout  # the step line names the schedule
-    summary = [ln for ln in first.stdout.splitlines() if ln.startswith("run summary:")]
+    res, tmp_path, _ = first
+    assert "(cosine)" in res.stdout  # the step line names the schedule
+    summary = [ln for ln in res.stdout.splitlines() if ln.startswith("run summary:")]
     assert len(summary) == 1 and "20 steps (1..20)" in summary[0] and "final loss" in summary[0]
     assert "step_00000020" in summary[0]
     more = train(SMALL + ["train.max_steps=30", f"run.dir={tmp_path}"], timeout=120)
@@ -33,14 +42,15 @@ def test_resume_with_more_steps_keeps_the_lr_horizon_and_logs_an_honest_row(tmp_
     assert "max_steps: 30" in resumed and "lr_decay_steps: 20" in resumed
 
 
-def test_logged_loss_is_the_mean_since_the_last_log_line(tmp_path):
-    every = train(SMALL + ["train.max_steps=6", f"run.dir={tmp_path / 'a'}"], timeout=120)
-    third = train(SMALL + ["train.max_steps=6", "train.log_interval=3", f"run.dir={tmp_path / 'b'}"], timeout=120)
-    assert every.returncode == 0 and third.returncode == 0, every.stderr[-2000:] + third.stderr[-2000:]
-    a, b = metrics(tmp_path / "a"), metrics(tmp_path / "b")
-    assert [r["step"] for r in b] == [3, 6]
-    for row, lo in zip(b, (0, 3)):
-        assert row["loss"] == pytest.approx(sum(r["loss"] for r in a[lo:lo + 3]) / 3, rel=1e-5)
+def test_logged_loss_is_the_mean_since_the_last_log_line(first, tmp_path):
+    # the same run as `first`, logged every 3rd step (and its last): the losses are first's every-step rows
+    third = train(SMALL + ["train.max_steps=20", "train.log_interval=3", f"run.dir={tmp_path / 'b'}"], timeout=120)
+    assert third.returncode == 0, third.stderr[-2000:]
+    a, b = first[2], metrics(tmp_path / "b")
+    assert [r["step"] for r in b] == [3, 6, 9, 12, 15, 18, 20]
+    for row, lo in zip(b, (0, 3, 6, 9, 12, 15, 18)):
+        hi = row["step"]
+        assert row["loss"] == pytest.approx(sum(r["loss"] for r in a[lo:hi]) / (hi - lo), rel=1e-5)
 
 
 def test_wandb_online_without_login_is_one_line_before_training(tmp_path):
@@ -52,13 +62,13 @@ def test_wandb_online_without_login_is_one_line_before_training(tmp_path):
     assert "megaframe |" not in res.stdout and not (tmp_path / "r").exists()  # nothing built, nothing written
 
 
-def test_pp2_header_counts_the_whole_model_and_ranks_print_no_warning(tmp_path):
+def test_pp2_header_counts_the_whole_model_and_ranks_print_no_warning(first, tmp_path):
     # before: params 0.14M at pp=2 (rank 0's stage) for a 0.28M model, and each rank printed torch's
-    # FutureWarning for all_gather_into_tensor
-    one = train(SMALL + ["train.max_steps=1", f"run.dir={tmp_path / 'a'}"], timeout=120)
+    # FutureWarning for all_gather_into_tensor. `one`: the one-layer model's header (first's run)
+    one = first[0]
     two = train(SMALL + ["train.max_steps=1", "model.num_layers=2", "parallel.pp=2", f"run.dir={tmp_path / 'b'}"],
                 nproc=2, timeout=180)
-    assert one.returncode == 0 and two.returncode == 0, one.stderr[-2000:] + two.stderr[-2000:]
+    assert two.returncode == 0, two.stderr[-2000:]
     one2 = train(SMALL + ["train.max_steps=1", "model.num_layers=2", f"run.dir={tmp_path / 'c'}"], timeout=120)
     params = lambda out: [w for w in out.split("|") if "params" in w][0].split()[1]  # noqa: E731
     assert params(two.stdout) == params(one2.stdout) != params(one.stdout)

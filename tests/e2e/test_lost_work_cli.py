@@ -43,13 +43,11 @@ def test_a_checkpoint_dir_owned_by_a_live_job_is_refused_before_any_step(tmp_pat
 
 
 @pytest.fixture(scope="module")
-def rolled_back(tmp_path_factory):
+def rolled_back(tmp_path_factory, demo_prepared):
     """Run A trains 8 steps saving 2,4,6,8; a rollback B resumes from 2 and saves 3 and 6 (a step number
     A's abandoned branch has). Returns (checkpoint dir, A's step-6 lineage, B's result)."""
     root = tmp_path_factory.mktemp("rb")
-    prep = run([sys.executable, "-m", "megaframe.data.prepare", f"data.path={root / 'data'}"], timeout=300)
-    assert prep.returncode == 0, prep.stderr[-2000:]
-    common = [*TINY, f"data.path={root / 'data'}", "logging.wandb.mode=disabled", f"run.dir={root / 'run'}"]
+    common = [*TINY, f"data.path={demo_prepared}", "logging.wandb.mode=disabled", f"run.dir={root / 'run'}"]
     a = train(common + ["train.max_steps=8", "checkpoint.interval=2"])
     assert a.returncode == 0, a.stderr[-2000:]
     ck = root / "run" / "checkpoints"

@@ -1,5 +1,6 @@
 """Nothing lost, nothing silently wrong (issue 20), end to end through train.py: rollback with keep_last,
-two jobs on one run.dir, a save slower than the hang limit, corrupt data, resume config checks, SIGINT."""
+two jobs on one run.dir, a save slower than the hang limit, corrupt data, resume config checks
+(SIGINT: tests/e2e/test_newcomer2.py)."""
 import hashlib
 import json
 import shutil
@@ -24,16 +25,6 @@ def _one_error_line(stderr: str) -> str:
     lines = [ln for ln in stderr.splitlines() if ln.startswith("megaframe: error:")]
     assert len(lines) >= 1, stderr[-3000:]
     return lines[0]
-
-
-@pytest.fixture(scope="module")
-def demo_prepared(tmp_path_factory) -> Path:
-    """The demo corpus prepared once for this module (a fresh clone has no data/demo/prepared: CI runs
-    `make test`, not `make data`), ~5 s."""
-    out = tmp_path_factory.mktemp("demo") / "prepared"
-    prep = run([sys.executable, "-m", "megaframe.data.prepare", f"data.path={out}"], timeout=300)
-    assert prep.returncode == 0, prep.stderr[-2000:]
-    return out
 
 
 def _copy_demo(src: Path, out: Path) -> Path:
@@ -107,17 +98,8 @@ def test_a_save_slower_than_the_hang_limit_commits(tmp_path):
     assert (tmp_path / "checkpoints" / "step_00000001" / "metadata.json").is_file()
 
 
-def test_sigint_stops_like_sigterm_with_a_checkpoint(tmp_path):
-    proc = subprocess.Popen([sys.executable, "train.py", *SYN, "train.max_steps=100000", f"run.dir={tmp_path}"],
-                            cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    t0 = time.time()
-    while not (tmp_path / "metrics.jsonl").is_file() or not (tmp_path / "metrics.jsonl").read_text():
-        assert proc.poll() is None and time.time() - t0 < 120, proc.stdout.read()
-        time.sleep(0.1)
-    proc.send_signal(signal.SIGINT)
-    out, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 0 and "after SIGINT; checkpoint saved" in out, out[-2000:]
-    assert (tmp_path / "checkpoints" / "latest").is_file()
+# SIGINT stops like SIGTERM, with a checkpoint: tests/e2e/test_newcomer2.py::test_ctrl_c_prints_the_command_that_
+# continues_the_run sends it to the same one-process run and checks that and more (was a run of its own here)
 
 
 @pytest.fixture(scope="module")
