@@ -49,8 +49,16 @@ class PeakBytes(TorchDispatchMode):
             if ref.expired():
                 del self.live[key]
                 continue
-            total += torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes()
+            total += held_bytes(torch.UntypedStorage._new_with_weak_ptr(ref.cdata))
         return total
+
+
+def held_bytes(s: torch.UntypedStorage) -> int:
+    """A storage's bytes, 0 for one with no memory yet (ZeRO's lazy grads and moments: buffer.lazy_zeros)."""
+    try:
+        return s.nbytes() if s.data_ptr() else 0
+    except RuntimeError:  # torch refuses to read a null data pointer
+        return 0
 
 
 def set_up(overrides: list[str], dp: int, dp_rank: int = 0):
