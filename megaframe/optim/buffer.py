@@ -34,8 +34,8 @@ Where the reduced grads live depends on the ZeRO stage (`sharded_grads`):
              micro-batch). A `late` bucket (tied embedding) keeps its acc for the whole step: its grads are
              summed over the pipeline ends before the data-parallel reduction.
 Lazy storage (as torch's AdamW and FSDP2): the optimizer's buffers are made with no storage (`lazy_zeros`)
-and given it, zeroed, on first use (`give_storage`): grads at the first backward or zero_grad, moments at the
-first step or load. Views taken before (p.main_grad, AdamW's segments and their .grad) stay valid, as
+and given it, zeroed, on first use (`give_storage`): grads and moments at the first zero_grad (or a backward,
+step, save or load before one). Views taken before (p.main_grad, AdamW's segments and their .grad) stay valid, as
 grad32's do across its resizes, so start-up holds the params only.
 Here "dp" is the axis ZeRO shards over: dp itself, edp for experts, or an HSDP shard group (dp_shard).
 """

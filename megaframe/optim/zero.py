@@ -97,8 +97,8 @@ class ZeroOptimizer:
         self._seen = {p: p._version for p in self._segs_of if p.dtype != torch.float32 or self.always_master}
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self.params]
         self.param_gather = self._make_param_gather(model)
-        # Grads get their storage at the first zero_grad or grad hook, moments at the first step or load
-        # (make_grads / make_state): start-up holds the params only, as with torch's AdamW (zero=0).
+        # Grads get their storage at the first zero_grad or grad hook, moments at the first zero_grad, step,
+        # save or load (make_grads / make_state): start-up holds the params only, as torch's AdamW (zero=0).
         self._grads_made = False
         self._clear_grads()
 
@@ -135,11 +135,15 @@ class ZeroOptimizer:
                         p.main_grad = buf.acc_view(p)
 
     def make_state(self) -> None:
-        """Give the moments (and a master copied from the params) their storage, once: the first step or load."""
+        """Give the moments (and a master copied from the params) their storage, once: the first zero_grad,
+        step, save or load."""
         make_state(self.buffers, self.states)
 
     def zero_grad(self) -> None:
+        # The moments too, not only at the first update (torch's AdamW's time): made before the first
+        # forward, the first step holds what every later one does, the step the planner sizes.
         self.make_grads()
+        self.make_state()
         self._clear_grads()
 
     def _clear_grads(self) -> None:
