@@ -162,6 +162,7 @@ def init_region(name: str, shape: tuple[int, ...], region: list[tuple[int, int]]
             lo, hi = max(blo, rlo), min(bhi, rhi)
             src, dst = src.narrow(d, lo - blo, hi - lo), dst.narrow(d, lo - rlo, hi - lo)
         dst.copy_(src)
+        del block, src  # freed before the next block is drawn: one block's scratch at a time, not two
     return out
 
 

@@ -33,6 +33,10 @@ Where the reduced grads live depends on the ZeRO stage (`sharded_grads`):
              arrives, reduce-scattered into grad_shard and freed once the bucket is complete (every
              micro-batch). A `late` bucket (tied embedding) keeps its acc for the whole step: its grads are
              summed over the pipeline ends before the data-parallel reduction.
+Lazy storage (as torch's AdamW and FSDP2): the optimizer's buffers are made with no storage (`lazy_zeros`)
+and given it, zeroed, on first use (`give_storage`): grads and moments at the first zero_grad (or a backward,
+step, save or load before one). Views taken before (p.main_grad, AdamW's segments and their .grad) stay valid, as
+grad32's do across its resizes, so start-up holds the params only.
 Here "dp" is the axis ZeRO shards over: dp itself, edp for experts, or an HSDP shard group (dp_shard).
 """
 from __future__ import annotations
@@ -85,6 +89,34 @@ class Bucket:
 
     def shard_numel(self, dp: int) -> int:
         return self.numel // dp
+
+
+def lazy_zeros(n: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """n elements whose memory is not allocated yet: the tensor sits on a storage of the right size with
+    no data (a null pointer), so views taken now see the memory `give_storage` swaps in later. Never read
+    or write it before (a resizable 0-byte storage would not do: making an n-element tensor on it
+    allocates it)."""
+    if torch.device(device).type == "meta":  # checkpoint planning's meta buffers hold nothing anyway
+        return torch.empty(n, dtype=dtype, device=device)
+    empty = torch._C._construct_storage_from_data_pointer(0, torch.device(device), n * dtype.itemsize)
+    return torch.empty(0, dtype=dtype, device=device).set_(empty, 0, (n,))
+
+
+def has_storage(t: torch.Tensor) -> bool:
+    """Whether t (a whole tensor, not a view into one) has its memory: False for lazy_zeros before give_storage."""
+    return t.is_meta or t.numel() == 0 or t.data_ptr() != 0
+
+
+def give_storage(t: torch.Tensor | None) -> bool:
+    """Allocate a lazy_zeros tensor's memory, zeroed (its views see it); False when it has it (or is None)."""
+    if t is None or has_storage(t):
+        return False
+    mem = torch.UntypedStorage(t.numel() * t.element_size(), device=t.device)
+    # The memory moves into the storage every view shares; `mem` is left with the null pointer.
+    t.untyped_storage()._swap_data_ptr_(mem)
+    with torch.no_grad():
+        t.zero_()
+    return True
 
 
 def grad_dtype(reduce_dtype: str, param_dtype: torch.dtype) -> torch.dtype:
@@ -152,10 +184,12 @@ class FlatBuffer:
 
     def __init__(self, params: list[nn.Parameter], bucket_bytes: int, dp_rank: int, dp_size: int,
                  late: set[int], sharded_grads: bool = False, groups: list[list[nn.Parameter]] | None = None,
-                 grad_dtype: torch.dtype = torch.float32, device=None, whole_param: bool = True):
+                 grad_dtype: torch.dtype = torch.float32, device=None, whole_param: bool = True,
+                 lazy_grads: bool = False):
         """`whole_param=False` (ZeRO-3): no param buffer and no re-pointing; the optimizer gives the
         params their storage (bucket by bucket) and the master its values. `device`: where the buffers
-        live (default: the params', which may be meta before ZeRO-3 materialises them)."""
+        live (default: the params', which may be meta before ZeRO-3 materialises them). `lazy_grads`: the
+        grad buffer (or shard) gets its storage only at alloc_grads (the optimizer's first backward)."""
         self.dtype, self.grad_dtype = params[0].dtype, grad_dtype
         self.grad_elem = grad_dtype.itemsize
         self.dp_rank, self.dp_size = dp_rank, dp_size
@@ -164,10 +198,12 @@ class FlatBuffer:
         self.numel = plan[-1][2] if plan else 0
         self.state_numel = self.numel // dp_size
         # zero=1: the whole grad buffer; zero=2: this rank's shard of it (see the module docstring)
-        self.grad = None if sharded_grads else torch.zeros(self.numel, dtype=grad_dtype, device=device)
-        self.grad_shard = torch.zeros(self.state_numel, dtype=grad_dtype, device=device) if sharded_grads else None
+        zeros = lazy_zeros if lazy_grads else (lambda n, dt, dev: torch.zeros(n, dtype=dt, device=dev))
+        self.grad = None if sharded_grads else zeros(self.numel, grad_dtype, device)
+        self.grad_shard = zeros(self.state_numel, grad_dtype, device) if sharded_grads else None
         # One tensor whose storage comes and goes (widen_owned / free_grad32): the AdamW segments' .grad
         # and the owned-grad list view it once, at construction, and stay valid across the resizes.
+        # (not lazy_zeros: its storage is resized, and the null one cannot be; freed by the first zero_grad)
         self.grad32 = (None if grad_dtype == torch.float32 else
                        torch.zeros(self.state_numel, dtype=torch.float32, device=device))
         # Zeros, not empty: the padding belongs to no param; zeros keep it deterministic in the master and gathers.
@@ -203,6 +239,11 @@ class FlatBuffer:
             p.data = view
             if self.grad is not None:
                 p.main_grad = self.grad_view(p)
+
+    def alloc_grads(self) -> None:
+        """Storage for lazy grads (zeroed); a no-op once they have it."""
+        give_storage(self.grad)
+        give_storage(self.grad_shard)
 
     def grad_view(self, p: nn.Parameter) -> torch.Tensor:
         o = self.offset[p]

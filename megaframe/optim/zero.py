@@ -63,10 +63,10 @@ import torch
 from torch import nn
 
 from megaframe.optim.adamw import MOMENTS
-from megaframe.optim.buffer import Bucket, FlatBuffer, grad_dtype
+from megaframe.optim.buffer import Bucket, FlatBuffer, grad_dtype, has_storage
 from megaframe.optim.finalize import all_reduce_tensors, finalize
 from megaframe.optim.param_gather import ParamGather
-from megaframe.optim.zero_state import build_state, flat_buffers
+from megaframe.optim.zero_state import build_state, flat_buffers, make_state
 from megaframe.parallel import comm
 from megaframe.parallel.mesh import Axis, Mesh
 from megaframe.parallel.placement import Placement
@@ -97,7 +97,10 @@ class ZeroOptimizer:
         self._seen = {p: p._version for p in self._segs_of if p.dtype != torch.float32 or self.always_master}
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self.params]
         self.param_gather = self._make_param_gather(model)
-        self.zero_grad()
+        # Grads get their storage at the first zero_grad or grad hook, moments at the first zero_grad, step,
+        # save or load (make_grads / make_state): start-up holds the params only, as torch's AdamW (zero=0).
+        self._grads_made = False
+        self._clear_grads()
 
     always_master = False
     """Keep the owned range of fp32 params in a separate fp32 tensor too (zero=3: the param buffer is
@@ -108,7 +111,7 @@ class ZeroOptimizer:
 
     def _make_buffer(self, params: list[nn.Parameter], bucket_bytes: int, axis: Axis, late: set) -> FlatBuffer:
         return FlatBuffer(params, bucket_bytes, axis.rank, axis.size, late, sharded_grads=self.stage == 2,
-                          grad_dtype=self._grad_dtype(params))
+                          grad_dtype=self._grad_dtype(params), lazy_grads=True)
 
     def _grad_dtype(self, params: list[nn.Parameter]) -> torch.dtype:
         return grad_dtype(self.cfg.grad_reduce_dtype, params[0].dtype)
@@ -118,25 +121,53 @@ class ZeroOptimizer:
 
     # ------------------------------------------------------------------ backward
 
+    def make_grads(self) -> None:
+        """Give the grads their storage (zeroed), once: at the first zero_grad, or the first grad hook of a
+        backward run without one. A late bucket's params get their acc views (zero_grad's job after)."""
+        if self._grads_made:
+            return
+        self._grads_made = True
+        for buf in self.buffers:
+            buf.alloc_grads()
+            for b in buf.buckets:
+                if self.stage == 2 and b.late and b.acc is None:
+                    for p in b.params:
+                        p.main_grad = buf.acc_view(p)
+
+    def make_state(self) -> None:
+        """Give the moments (and a master copied from the params) their storage, once: the first zero_grad,
+        step, save or load."""
+        make_state(self.buffers, self.states)
+
     def zero_grad(self) -> None:
+        # The moments too, not only at the first update (torch's AdamW's time): made before the first
+        # forward, the first step holds what every later one does, the step the planner sizes.
+        self.make_grads()
+        self.make_state()
+        self._clear_grads()
+
+    def _clear_grads(self) -> None:
+        """zero_grad without making the grads (construction: they have no storage yet, nothing to clear)."""
         self._wait_all()
         self._acc_bytes = 0
+        made = self._grads_made
         for buf in self.buffers:
             for t in (buf.grad, buf.grad_shard):
-                if t is not None:
+                if t is not None and made:
                     t.zero_()
             buf.free_grad32()
             for b in buf.buckets:
                 b.ready.clear()
                 b.launched = False
                 b.acc = None
-                if self.stage == 2 and b.late:  # kept for the step: summed over the pipeline ends first
+                if self.stage == 2 and b.late and made:  # kept for the step: summed over the pipeline ends first
                     for p in b.params:
                         p.main_grad = buf.acc_view(p)
         for p in self.params:
             # zero=1 with grads in the param's dtype (fp32, or bf16 reduction): autograd accumulates straight
             # into the buffer slice; else the hook moves it
-            p.grad = p.main_grad if self.stage == 1 and p.main_grad.dtype == p.dtype else None
+            # (before make_grads: None, the hook folds the first grad in)
+            p.grad = p.main_grad if made and self.stage == 1 and p.main_grad.dtype == p.dtype else None
 
     def backward_context(self, is_last: bool):
         @contextlib.contextmanager
@@ -156,6 +187,7 @@ class ZeroOptimizer:
         """Post-accumulate hook: fold a separate grad into the fp32 buffer (zero=2: the bucket's acc); on
         the last backward (zero=2: every backward), mark p ready and launch its bucket's reduce-scatter
         once every param of the bucket is ready."""
+        self.make_grads()  # a backward without a zero_grad since construction
         buf = self._buffer_of[p]
         b = buf.bucket_of[p]
         if self.stage == 2:
@@ -237,6 +269,7 @@ class ZeroOptimizer:
         return [p.main_grad for p in self.params if p.placement.pp_tied]
 
     def reduce_data_parallel(self) -> None:
+        self.make_grads()  # a step with no backward since construction reduces zeros
         if self.stage == 2:
             self._launch_rest(late=True)
         else:
@@ -261,6 +294,7 @@ class ZeroOptimizer:
     def step(self, lr: float) -> torch.Tensor:
         self._gathered = None
         self.param_gather.wait()  # a step with no forward since the last one (the master is re-read)
+        self.make_state()
         self._resync_master()
         norm = finalize(self, self.mesh, self.cfg.clip_grad)
         if self.adam is not None:
@@ -317,8 +351,10 @@ class ZeroOptimizer:
         if self._gathered is not None and self._gathered[0] == key:
             return self._gathered[1]
         if what == "grad":
+            self.make_grads()
             shards = {"grad": buf.final_grad(b)}
         else:
+            self.make_state()
             st = self.states[self.buffers.index(buf)]
             shards = {k: buf.state_shard(getattr(st, k), b) for k in MOMENTS}
             if st.master is not None:
@@ -344,6 +380,7 @@ class ZeroOptimizer:
         buf = self._buffer_of.get(p)
         if buf is None:
             return []
+        self.make_state()  # a save before any step writes the zero moments a step would start from
         st = self.states[self.buffers.index(buf)]
         out = []
         for seg, _ in self._segs_of.get(p, []):
@@ -369,6 +406,7 @@ class ZeroOptimizer:
         p itself). Nothing of p's full local size is made: each rank reads its own segments only."""
         self._gathered = None
         self.param_gather.wait()  # a gather in flight would overwrite what is loaded
+        self.make_state()  # the load writes into the moments (and master)
         buf = self._buffer_of.get(p)
         keeps_master = buf is not None and self.states[self.buffers.index(buf)].master is not None
         return self.state_segments(p), keeps_master
@@ -396,12 +434,18 @@ class ZeroOptimizer:
         of late buckets), optimizer state (moments + master for its range), and the peak of zero=2's
         transient bucket-sized grads. mem/grads_fp32_bytes: bf16 reduction's grad32, the fp32 copy of the
         owned range (4 bytes per owned element; 0 with fp32 grads), alive only from the reduction to the
-        next zero_grad, when the activations are already freed: not part of mem/grads_bytes."""
-        grads = sum(buf.grad_elem * (buf.numel if buf.grad is not None else
-                         buf.state_numel + sum(b.numel for b in buf.buckets if b.late)) for buf in self.buffers)
-        optim = sum(t.numel() * t.element_size() for st in self.states
-                    for t in (st.exp_avg, st.exp_avg_sq, st.master) if t is not None)
+        next zero_grad, when the activations are already freed: not part of mem/grads_bytes. Grads and state
+        count only once made (make_grads / make_state): before, the rank holds none (training/phases.py's
+        baseline of a phase is what is held then)."""
+        grads = sum(held(buf.grad) + held(buf.grad_shard) + sum(held(b.acc) for b in buf.buckets if b.late)
+                    for buf in self.buffers)
+        optim = sum(held(t) for st in self.states for t in (st.exp_avg, st.exp_avg_sq, st.master))
         wide = sum(4 * buf.state_numel for buf in self.buffers if buf.grad32 is not None)
         return {"mem/grads_bytes": grads, "mem/optim_bytes": optim, "mem/gathered_peak_bytes": self.gathered_peak,
                 "mem/grads_fp32_bytes": wide}
 
+
+
+def held(t: torch.Tensor | None) -> int:
+    """Bytes t holds now: 0 for None or a lazy tensor not made yet."""
+    return t.numel() * t.element_size() if t is not None and has_storage(t) else 0

@@ -102,7 +102,7 @@ class Zero3Optimizer(ZeroOptimizer):
     def _make_buffer(self, params, bucket_bytes, axis, late) -> FlatBuffer:
         buf = FlatBuffer(params, bucket_bytes, axis.rank, axis.size, late, sharded_grads=True,
                          groups=zero3_groups(params, self.units), grad_dtype=self._grad_dtype(params),
-                         device=self.mesh.device, whole_param=False)
+                         device=self.mesh.device, whole_param=False, lazy_grads=True)
         for b in buf.buckets:
             self._bucket_storage(buf, b)
         return buf

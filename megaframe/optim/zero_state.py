@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from megaframe.optim.adamw import adamw
-from megaframe.optim.buffer import FlatBuffer, Segment, buffer_groups
+from megaframe.optim.buffer import FlatBuffer, Segment, buffer_groups, give_storage, lazy_zeros
 from megaframe.parallel.mesh import Axis, Mesh
 from megaframe.parallel.placement import Placement
 from megaframe.schema import OptimConfig
@@ -63,7 +63,8 @@ def flat_buffers(params: list[nn.Parameter], cfg: OptimConfig, mesh: Mesh, make=
 
 def build_state(buffers: list[FlatBuffer], cfg: OptimConfig, device: torch.device, always_master: bool,
                 source=None) -> OwnedState:
-    """Flat moments (and master) per buffer; torch AdamW over 1-D segment views of them. `always_master`:
+    """Flat moments (and master) per buffer, without storage until make_state; torch AdamW over 1-D
+    segment views of them. `always_master`:
     an fp32 master for fp32 params too (zero=3, whose param buffer is not kept whole). A buffer without a
     param buffer (zero=3) takes each segment's starting values from `source(segment)` (in the params'
     dtype, so the master holds what the params would)."""
@@ -72,15 +73,16 @@ def build_state(buffers: list[FlatBuffer], cfg: OptimConfig, device: torch.devic
         n = buf.state_numel
         master = None
         if buf.dtype != torch.float32 or always_master:
-            if buf.param is not None:
-                master = torch.empty(n, dtype=torch.float32, device=device)
-                for b in buf.buckets:
-                    buf.state_shard(master, b).copy_(buf.shard(buf.param, b))
+            if buf.param is not None:  # made from the param buffer by make_state
+                master = lazy_zeros(n, torch.float32, device)
             else:  # zeros: the padding belongs to no param (as the param buffer's zeros)
+                # zero=3: the master IS the params' storage (their only copy): made now, not lazily
                 master = torch.zeros(n, dtype=torch.float32, device=device)
                 for seg in buf.segments:
                     master[seg.state_lo:seg.state_lo + seg.numel].copy_(source(seg))
-        st = FlatState(torch.zeros(n, device=device), torch.zeros(n, device=device), master)
+        # Moments (and a master copied from the param buffer) have no storage until make_state: torch's
+        # AdamW makes its moments at the first update too, so start-up holds the params only.
+        st = FlatState(lazy_zeros(n, torch.float32, device), lazy_zeros(n, torch.float32, device), master)
         states.append(st)
         for seg in buf.segments:
             lo, hi = seg.state_lo, seg.state_lo + seg.numel
@@ -96,3 +98,15 @@ def build_state(buffers: list[FlatBuffer], cfg: OptimConfig, device: torch.devic
         adam.state[weights] = s
     owned = [(s.param.placement, buf.owned_grad_at(s)) for buf in buffers for s in buf.segments]
     return OwnedState(states, segs_of, adam, owned)
+
+
+@torch.no_grad()
+def make_state(buffers: list[FlatBuffer], states: list[FlatState]) -> None:
+    """Give build_state's lazy state its storage: zero moments, and a master copied from the param buffer
+    (what it holds now: the params as the optimizer's first step or a load finds them). Idempotent."""
+    for buf, st in zip(buffers, states):
+        give_storage(st.exp_avg)
+        give_storage(st.exp_avg_sq)
+        if buf.param is not None and give_storage(st.master):
+            for b in buf.buckets:
+                buf.state_shard(st.master, b).copy_(buf.shard(buf.param, b))

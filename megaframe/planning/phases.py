@@ -5,11 +5,12 @@ A layout fits only if every phase fits: the steady step is not the only moment a
 Modelled for how start-up, save and load work once parameters are built on the meta device (issue 24):
 
   resident  params + grads + optimizer state as the trainer holds them between steps (estimate.state_bytes)
-  startup   resident + (bf16 runs) INIT_FP32_TENSORS of the rank's largest local tensors in fp32 (a
+  startup   params + (bf16 runs) INIT_FP32_TENSORS of the rank's largest local tensors in fp32 (a
             parameter's initial values are drawn in fp32, then cast into its shard); nothing else is ever
-            whole. ZeRO-3 draws each owned segment instead (its fp32 rows and their cast); ZeRO-1/2 build
-            their buffers and state after the model is drawn (the larger of the two moments); zero=0 holds
-            only the params and the init block being drawn (grads and moments come with the first step)
+            whole. ZeRO-3 draws each owned segment instead (its fp32 rows and their cast); ZeRO-1/2 copy the
+            drawn params into their param buffer (twice the params at once); zero=0 holds only the params and
+            the init block being drawn. No optimizer holds grads or moments yet: they come with the first
+            backward and update (torch's AdamW; ZeRO's lazy buffers, optim/buffer.py lazy_zeros)
   step      resident + the activations at the schedule's peak + on the last stage the head's fp32 logits
             and their gradient for one chunk of tokens (HEAD_FP32_COPIES of [tokens, V/tp], at most
             layers.fused_ce's CHUNK_ELEMS on a GPU).
@@ -29,7 +30,7 @@ Modelled for how start-up, save and load work once parameters are built on the m
   save      resident + in host memory the copy of what this rank writes (its share of the params and its
             owned optimizer state, taken before the write so training may go on). ZeRO-3 gathers nothing
             (each rank writes its owned segments, zero3.weight_segments).
-  load      resident (zero=0: no grads yet) + one staging buffer per file read, of the largest range this
+  load      resident less the grads (not made before a backward) + one staging buffer per file read, of the largest range this
             rank reads into one destination (its whole local tensor; under ZeRO its owned segment of the
             moments, and of everything at zero=3), at most checkpoint/store.py's STAGING_BYTES; the range is
             read into it on the host, then cast and copied into the parameter or the optimizer's flat
@@ -56,7 +57,7 @@ INIT_FP32_TENSORS = 1
 parameter at a time: drawn in fp32, then cast); an fp32 run draws straight into the parameter."""
 INIT_BLOCK_BYTES = 4 * BLOCK_EDGE ** 2
 """The fp32 init block being drawn (layers/shard.py init_region), beside the params at zero=0's start-up (at
-zero>=1 the optimizer's state, made after the params, is larger)."""
+zero=1/2 the param buffer the params are copied into is larger)."""
 STEP_GATHERED_BLOCKS = 2
 """ZeRO-3 blocks gathered at once in a step: the one running and the one prefetched."""
 HEAD_FP32_COPIES = 2
@@ -123,20 +124,23 @@ def phase_peaks(s: RankShape, params: int, grads: int, optim: int, activations: 
     the host (cpu runs), so the save's host copy and the load's host staging count too."""
     resident = params + grads + optim
     init = INIT_FP32_TENSORS * 4 * s.largest_numel if s.param_elem != 4 else 0
-    if s.zero == 3 and init:  # drawn per owned segment (zero3.init_flat): its fp32 rows and their cast
-        init = (4 + s.param_elem) * (s.read_bytes // 4 or s.largest_numel // s.shard)
+    if s.zero == 3:  # drawn per owned segment (zero3.init_flat): its fp32 rows (and their cast) and the init block
+        cast = s.param_elem if s.param_elem != 4 else 0
+        init = (4 + cast) * (s.read_bytes // 4 or s.largest_numel // s.shard) + INIT_BLOCK_BYTES
     host = host_peaks(s, optim) if on_host else {"save": 0}
     head = HEAD_FP32_COPIES * 4 * min(s.head_logits, HEAD_CHUNK_ELEMS)
     step = zero3_step(s, resident, activations, head) if s.zero == 3 else resident + activations + head
     if s.zero == 1 and s.gloo:  # gloo's copies of ZeRO-1's collectives (module doc), one after the other
         step = max(step, resident + grads, resident + params)
-    # zero=0 keeps no grads until a backward and makes its moments at the first update (or as a load reads them);
-    # ZeRO-1/2 build their buffers and state after the model is drawn, ZeRO-3 draws its segments into its state
-    startup = {0: params + max(init, INIT_BLOCK_BYTES), 3: resident + init}.get(s.zero, max(params + init, resident))
+    # No optimizer keeps grads until a backward nor moments until the first update (or a load reads them): zero=0
+    # is torch's AdamW, ZeRO makes its buffers lazily (optim/buffer.py lazy_zeros). ZeRO-1/2 copy the drawn
+    # params into their param buffer (both whole at once, the first copy freed per param); ZeRO-3 draws its
+    # segments straight into its master (its params).
+    startup = {0: params + max(init, INIT_BLOCK_BYTES), 3: params + init}.get(s.zero, max(params + init, 2 * params))
     return {"startup": startup, "step": step,
             "save": resident + host["save"],
             # on a GPU the staged range's device copy; on the cpu the staging buffer itself: one of either
-            "load": resident - (0 if s.zero else grads) + staging_bytes(s)}
+            "load": resident - grads + staging_bytes(s)}
 
 
 def zero3_step(s: RankShape, resident: int, activations: int, head: int) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megaframe.optim.buffer import has_storage
 from megaframe.parallel import comm
 from megaframe.parallel.mesh import Mesh
 from megaframe.training.resume import world_axis
@@ -22,8 +23,9 @@ def held_tensors(model, optimizer) -> list[torch.Tensor]:
     # a ZeRO-3 param not gathered now has no storage: its values are the master's, checked below
     out = [p.detach() for p in model.parameters() if p.untyped_storage().nbytes()]
     for st in getattr(optimizer, "states", []):  # ZeRO: this rank's segment of moments and masters
+        # moments not made yet (ZeRO makes them at the first step, as torch's AdamW): nothing held to check
         out += [t for t in (getattr(st, "exp_avg", None), getattr(st, "exp_avg_sq", None),
-                            getattr(st, "master", None)) if isinstance(t, torch.Tensor)]
+                            getattr(st, "master", None)) if isinstance(t, torch.Tensor) and has_storage(t)]
     adam = getattr(optimizer, "adam", None)  # the replicated optimizer: torch's AdamW state
     if adam is not None:
         out += [v for s in adam.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0]

@@ -49,8 +49,16 @@ class PeakBytes(TorchDispatchMode):
             if ref.expired():
                 del self.live[key]
                 continue
-            total += torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes()
+            total += held_bytes(torch.UntypedStorage._new_with_weak_ptr(ref.cdata))
         return total
+
+
+def held_bytes(s: torch.UntypedStorage) -> int:
+    """A storage's bytes, 0 for one with no memory yet (ZeRO's lazy grads and moments: buffer.lazy_zeros)."""
+    try:
+        return s.nbytes() if s.data_ptr() else 0
+    except RuntimeError:  # torch refuses to read a null data pointer
+        return 0
 
 
 def set_up(overrides: list[str], dp: int, dp_rank: int = 0):
@@ -91,9 +99,10 @@ def test_zero3_leaves_params_on_meta_and_materialises_the_owned_segments():
 
 def test_zero3_set_up_peak_follows_the_share():
     """Peak tensor bytes of one rank's build_model + build_optimizer at zero=3: the state the rank keeps
-    (1/dp of master, moments and grads) plus a bounded transient (one bucket, the init draws), so dp4
-    needs about half of dp2. Before, every rank built its whole local model first (fp32), then the
-    whole param buffer, then each bucket's copy: 3·4N bytes before any sharding."""
+    (1/dp of the fp32 master: grads and moments are made at the first zero_grad) plus a bounded transient
+    (one bucket, the init draws), so dp4 needs little more than half of dp2. Before, every rank built its
+    whole local model first (fp32), then the whole param buffer, then each bucket's copy: 3·4N bytes before
+    any sharding."""
     peaks = {}
     for dp in (2, 4):
         _, model, optimizer, peaks[dp] = set_up(["optim.zero=3"], dp)
@@ -101,6 +110,6 @@ def test_zero3_set_up_peak_follows_the_share():
         kept = mem["mem/params_bytes"] + mem["mem/grads_bytes"] + mem["mem/optim_bytes"]
         bucket = max(4 * b.numel for buf in optimizer.buffers for b in buf.buckets)
         assert kept <= peaks[dp] <= kept + bucket, (dp, peaks[dp], kept, bucket)
-    # one process keeps 16 bytes per param (fp32 param, grad, two moments): a dp4 rank a quarter of that
-    quarter = 16 * sum(p.numel() for p in model.parameters()) // 4
-    assert peaks[4] <= 0.55 * peaks[2] and peaks[4] <= 1.05 * quarter, (peaks, quarter)
+    # one process starts with its fp32 params only (4 bytes a param): a dp4 rank its share and the transient
+    one = 4 * sum(p.numel() for p in model.parameters())
+    assert peaks[4] <= 0.6 * peaks[2] and peaks[4] <= 0.35 * one, (peaks, one)

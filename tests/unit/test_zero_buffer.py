@@ -79,3 +79,45 @@ def test_bf16_master_follows_params_written_from_outside():
     (model.w.float().sum() + model.b.float().sum()).backward()
     opt.step(0.1)  # an Adam step moves every element by ~lr
     assert torch.allclose(model.w.detach().float(), torch.full((4, 3), 2.9), atol=0.02)
+
+
+@pytest.mark.parametrize("zero,dtype", [(1, torch.float32), (2, torch.bfloat16)])
+def test_grads_and_moments_are_made_lazily(zero, dtype):
+    """Start-up holds the params only (as torch's AdamW): the grads and moments are made at the first
+    zero_grad, or by a backward, save or step before one; every path gives the same update."""
+    from megaframe.config import OptimConfig
+    from megaframe.layers.shard import Shard, sharded_param
+    from megaframe.optim.zero import ZeroOptimizer
+    from megaframe.parallel.mesh import single_process_mesh
+
+    def make():
+        model = nn.Module()
+        model.w = sharded_param(Shard((4, 3)), "cpu")
+        model.b = sharded_param(Shard((3,)), "cpu")
+        with torch.no_grad():
+            model.w.copy_(torch.arange(12.0).reshape(4, 3))
+            model.b.fill_(2.0)
+        model.to(dtype)
+        return model, ZeroOptimizer(model, OptimConfig(zero=zero, bucket_size_mb=1e-5), single_process_mesh())
+
+    def loss(model):
+        return (model.w.float() ** 2).sum() + (model.b.float() * 3).sum()
+
+    results = []
+    for path in ("zero_grad", "backward", "save"):
+        model, opt = make()
+        mem = opt.memory_bytes()
+        assert mem["mem/grads_bytes"] == 0 and mem["mem/optim_bytes"] == 0, mem
+        if path == "zero_grad":
+            opt.zero_grad()
+            assert opt.memory_bytes()["mem/optim_bytes"] > 0
+        if path == "save":  # a save before any step writes zero moments
+            for p in (model.w, model.b):
+                for *_, views in opt.state_segments(p):
+                    assert not views["exp_avg"].any() and not views["exp_avg_sq"].any()
+        loss(model).backward()
+        assert opt.memory_bytes()["mem/grads_bytes"] > 0
+        opt.step(0.1)
+        results.append([p.detach().clone() for p in (model.w, model.b)])
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], other))
