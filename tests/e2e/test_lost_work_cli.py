@@ -134,7 +134,7 @@ def test_generate_checks_every_prompt_before_writing_any(rolled_back):
     assert "prompt 2 of 2 has" in _error_line(res.stderr)
 
 
-def test_another_runs_checkpoint_dir_is_continued_only_when_asked(rolled_back, tmp_path):
+def test_another_runs_checkpoint_dir_is_continued_only_when_asked(rolled_back, demo_prepared, tmp_path):
     """L1, round 2: a second run with its own run.dir and the first's checkpoint.dir resumed the first's
     checkpoints (resume=auto) without a word. (The same run's restarts: every resume=auto test in the suite.)"""
     import shutil
@@ -142,7 +142,7 @@ def test_another_runs_checkpoint_dir_is_continued_only_when_asked(rolled_back, t
     src, _, _ = rolled_back
     ck = tmp_path / "shared_ck"  # a copy: the fixture's folder stays as the other tests read it
     shutil.copytree(src, ck, ignore=shutil.ignore_patterns("megaframe.lock"))
-    common = [*TINY, f"data.path={src.parent.parent / 'data'}", "logging.wandb.mode=disabled",
+    common = [*TINY, f"data.path={demo_prepared}", "logging.wandb.mode=disabled",
               f"run.dir={tmp_path / 'b'}", f"checkpoint.dir={ck}", "train.max_steps=7"]
     res = train(common, timeout=180)
     assert res.returncode == 2, res.stderr[-2000:]

@@ -34,6 +34,12 @@ def test_candidates_are_valid_and_cover_the_axes(cfg):
     assert any(x.vpp == 2 for x in lays) and {x.recompute for x in lays} == {"none", "selective", "full"}
 
 
+def _search_read(cfg, lay) -> int:
+    from megaframe.planning.search import _shape
+
+    return max(_shape(cfg, lay, first, not first, 4).read_bytes for first in (True, False))
+
+
 @pytest.mark.parametrize("lay", [Layout(1, 1, 1, 4, 1, 1, 2, "none"), Layout(2, 2, 1, 1, 1, 1, 1, "none"),
                                  Layout(2, 2, 2, 1, 1, 0, 2, "full"), Layout(1, 4, 1, 1, 1, 1, 1, "selective"),
                                  Layout(1, 1, 1, 4, 1, 2, 2, "none"), Layout(1, 1, 1, 4, 1, 3, 1, "none"),
@@ -44,8 +50,14 @@ def test_search_memory_matches_the_exact_planner(cfg, lay):
     worst = max(exact.ranks, key=lambda r: r.peak_bytes)
     got = phase_memory(cfg, lay)
     assert set(got) == {"startup", "step", "save", "load"}
+    # The search knows no param order inside a ZeRO unit, so its read window (start-up's draw and the load's
+    # staging) is the unit's largest matrix or its share, where the exact planner cuts params at share edges
+    # (optim/sizing.largest_segment): it may read high by up to one such window (5 bytes an element: the fp32
+    # draw and a cast), never low. Since ZeRO's state is lazy that window is a visible part of start-up.
+    window = 5 * _search_read(cfg, lay) // 4
     for k, want in worst.phases.items():
-        assert abs(got[k] - want) / want < 0.05, (k, got, worst.phases)
+        slack = window if k in ("startup", "load") else 0
+        assert -0.05 * want < got[k] - want < 0.05 * want + slack, (k, got, worst.phases)
     assert memory(cfg, lay) == max(got.values())
 
 
