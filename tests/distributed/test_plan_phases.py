@@ -8,8 +8,10 @@ ZeRO-1's first step on gloo may also hold gloo's own copies of its collectives: 
 bucket (made when launched in the last backward, freed when gloo's worker thread lets go of the finished work) and
 each param all-gather after the update stages its whole output on that thread. Whether and how far these overlap
 the backward's activations and each other is timing (measured up to 1.235 of the plan at pp2·dp2), so its upper
-bound adds one copy of the rank's params and grads to the plan's 10 %; the lower bound stays 10 %. NCCL works in
-place (no such copies)."""
+bound adds one copy of the rank's params and grads to the plan's 10 %; the lower bound stays 10 %. ZeRO-3's step
+counts gloo's copies at the last block's backward, but a clone the worker thread has not yet let go of may still
+be held then (measured 0.93-1.07 of the plan, once 1.105 at zero3-dp2 on an idle machine): the same allowance.
+NCCL works in place (no such copies)."""
 import pytest
 
 from megaframe.planning.estimate import plan_layout
@@ -70,7 +72,7 @@ def test_phase_peak_matches_planner(pool, tmp_path_factory, name, n, tp, pp, ext
     print("\n" + "\n".join(report))
     for (got, want), line in zip(rows, report):
         upper = (1 + TOL) * want[phase]
-        if phase == "step" and "optim.zero=1" in extra:
+        if phase == "step":  # gloo's worker-thread copies (module doc), ZeRO-1 and ZeRO-3 alike
             upper += want["gloo_copies"]
         assert (1 - TOL) * want[phase] <= got[phase] <= upper, line
 
