@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.autograd import Variable
 
+from megaframe.parallel import comm
 from megaframe.parallel.mesh import Mesh
 from megaframe.pipeline import p2p, split
 from megaframe.pipeline.schedule import COMPUTE, RECV_B, RECV_F, SEND_B, SEND_F, Action, F, W, locate, stage_of
@@ -87,6 +88,13 @@ def run_schedule(actions: list[Action], model, batches, mesh: Mesh, optimizer, t
     assert not (st.inputs or st.outputs or st.grads or st.to_send or st.arriving or st.pending_w), \
         "schedule left work undone"
     return st.loss_sum
+
+
+def reduce_loss(loss_sum: torch.Tensor, model, mesh: Mesh) -> torch.Tensor:
+    """run_schedule's loss sums over cp·dp, whole on the logging rank (the last pipeline rank). Under zbv's
+    V the loss chunk is rank 0's (it holds both ends), so the sum also runs over pp (0 on the other ranks)."""
+    total = comm.all_reduce(loss_sum, mesh.dpcp)
+    return comm.all_reduce(total, mesh.pp) if model.stage.v else total
 
 
 def _activation_shape(model, input_ids_BS: torch.Tensor) -> tuple[int, int, int]:

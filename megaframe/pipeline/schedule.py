@@ -199,11 +199,14 @@ def _paired(kind: str, pp: int, vpp: int, m: int, rank: int) -> tuple[Action, ..
     return tuple(a for *_, a in sorted(items, key=lambda x: x[:3]))
 
 
-def forward_schedule(pp: int, vpp: int, m: int, rank: int) -> list[Action]:
+def forward_schedule(pp: int, vpp: int, m: int, rank: int, v: bool = False) -> list[Action]:
     """Forward-only (evaluation): GPipe's forward phase with its paired sends and receives. GPipe runs
     every forward before any backward, so dropping the backward actions leaves each forward batch meeting
-    the same peer batch as in training (deadlock-free under rendezvous sends, tests/unit)."""
-    return [a for a in build_schedule("gpipe", pp, vpp, m, rank) if a.kind in (F, SEND_F, RECV_F)]
+    the same peer batch as in training (deadlock-free under rendezvous sends, tests/unit). Chunks in a V
+    (`v`, zbv's placement, which GPipe has no order for): zbv's own forwards; every message is paired by
+    its tick, so the forward messages left still meet their peers' at the same ticks."""
+    kind = "zbv" if v else "gpipe"
+    return [a for a in build_schedule(kind, pp, vpp, m, rank) if a.kind in (F, SEND_F, RECV_F)]
 
 
 # Cached: build_schedule asks for the same timetable once per rank (pp times per layout, and the planner

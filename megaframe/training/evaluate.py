@@ -13,9 +13,8 @@ from __future__ import annotations
 import torch
 
 from megaframe.data.dataset import build_data, microbatches
-from megaframe.parallel import comm
-from megaframe.pipeline.executor import run_schedule
-from megaframe.pipeline.schedule import RECV_F, SEND_F, F, build_schedule, forward_schedule
+from megaframe.pipeline.executor import reduce_loss, run_schedule
+from megaframe.pipeline.schedule import forward_schedule
 
 
 class Evaluator:
@@ -52,10 +51,7 @@ class Evaluator:
                     total += loss_sum(model, batches, mesh)
             tokens = t.eval_iters * t.global_batch_size * self.cfg.model.seq_length
             # the evaluation's one host sync
-            total = comm.all_reduce(total, mesh.dpcp)
-            if model.stage.v:  # the loss is rank 0's (both ends), the logger the last rank: a sum, 0 elsewhere
-                total = comm.all_reduce(total, mesh.pp)
-            return total.item() / tokens  # meaningful on the last pipeline stage
+            return reduce_loss(total, model, mesh).item() / tokens  # meaningful on the last pipeline stage
         finally:
             model.train(was_training)
             mesh.stats.pop()
@@ -67,9 +63,5 @@ class Evaluator:
 def loss_sum(model, batches, mesh) -> torch.Tensor:
     """Sum of token losses of this rank's micro-batches (0 off the last pipeline stage): the training
     executor running a forward-only schedule (pp = 1 included), under the caller's no_grad."""
-    if model.stage.v:  # zbv's V: its own forwards with their paired messages (B and W dropped, as GPipe's)
-        actions = [a for a in build_schedule("zbv", mesh.pp.size, 2, len(batches), mesh.pp.rank)
-                   if a.kind in (F, SEND_F, RECV_F)]
-    else:
-        actions = forward_schedule(mesh.pp.size, len(model.stage.chunks), len(batches), mesh.pp.rank)
+    actions = forward_schedule(mesh.pp.size, len(model.stage.chunks), len(batches), mesh.pp.rank, model.stage.v)
     return run_schedule(actions, model, batches, mesh, None, tokens_global=1)

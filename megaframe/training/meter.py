@@ -10,8 +10,8 @@ import torch
 
 from megaframe.config import Config
 from megaframe.model.moe import stats as moe_stats
-from megaframe.parallel import comm
 from megaframe.parallel.mesh import Mesh
+from megaframe.pipeline.executor import reduce_loss
 from megaframe.training.errors import TrainingError
 from megaframe.training.metrics import flops_per_token, forget_cpu_peak, memory_figures, peak_flops, throughput_figures
 from megaframe.training.resume_checks import Accounting
@@ -90,10 +90,7 @@ class Meter:
         mesh = self.mesh
         sent = mesh.stats.pop()
         # the log step's host sync: the interval's loss summed on the device, reduced over cp·dp and read once
-        loss = comm.all_reduce(self.loss_sum, mesh.dpcp)
-        if model.stage.v:  # zbv: the loss is on rank 0 (both pipeline ends), the logger is the last rank
-            loss = comm.all_reduce(loss, mesh.pp)
-        loss = loss.item() / (self.tokens_step * self.steps)
+        loss = reduce_loss(self.loss_sum, model, mesh).item() / (self.tokens_step * self.steps)
         now = time.perf_counter()
         tps = self.tokens_step * self.steps / (now - self.t_last)
         step_time = (now - self.t_last) / self.steps
