@@ -101,7 +101,7 @@ def read_meta(path: Path) -> dict:
     except OSError as e:  # a file given for the folder, or an unreadable meta.json: bad input, not a traceback
         raise ValueError(f"{path}: not a readable prepared data folder ({e.strerror or type(e).__name__})") from e
     for i, s in enumerate(meta["shards"]):  # every reader indexes these fields: a wrong type is one line, here
-        if not (isinstance(s, dict) and isinstance(s.get("file"), str) and isinstance(s.get("num_tokens"), int)
+        if not (isinstance(s, dict) and isinstance(s.get("file"), str) and isinstance(s.get("num_tokens", 0), int)
                 and all(isinstance(s.get(k), (str, type(None))) for k in ("docs", "sha256", "docs_sha256"))):
             raise ValueError(f"meta.json is corrupt (shards[{i}] is {str(s)[:60]!r}, not an object with a file name "
                              "and num_tokens)")
@@ -161,7 +161,9 @@ def check_prepared(path: str | Path) -> dict:
         f = inside(path, s["file"])
         if not f.is_file():
             raise ValueError(f"shard {s['file']} missing")
-        size, want_size = f.stat().st_size, int(s["num_tokens"]) * itemsize
+        if "num_tokens" not in s:
+            raise ValueError(f"meta.json is corrupt (shard {s['file']} records no num_tokens)")
+        size, want_size = f.stat().st_size, s["num_tokens"] * itemsize
         if size != want_size:
             raise ValueError(f"shard {s['file']} has {size} bytes, meta.json says {want_size} (truncated or corrupt)")
         if s.get("docs") and not inside(path, s["docs"]).is_file():
