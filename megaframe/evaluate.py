@@ -4,8 +4,9 @@
                                  [--all] [hydra overrides]
 
 The model comes from the checkpoint (megaframe.load_model); the config is composed like train.py's with
-checkpoint.resume=CKPT, so model.* is the checkpoint's. Without data.path / data= the run's own
-prepared data is used. With data.valid_fraction > 0 the validation split is scored (the first
+checkpoint.resume=CKPT, so model.* is the checkpoint's. Without data.path / data= / data.blend the run's
+own prepared data is used, as its checkpoint records it: its blend, its last stage's blend (what its val_loss
+scored) or its data.path, with its data.valid_fraction. With data.valid_fraction > 0 the validation split is scored (the first
 train.eval_iters global batches of its seeded order: the samples the run's val_loss used), else the
 whole dataset; --all scores every sample of the split once. A bare integer is train.eval_iters.
 Prints one line: loss (mean token cross-entropy, nats), perplexity, tokens. Bad input exits 2.
