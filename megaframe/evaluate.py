@@ -6,8 +6,9 @@
 The model comes from the checkpoint (megaframe.load_model); the config is composed like train.py's with
 checkpoint.resume=CKPT, so model.* is the checkpoint's. Without data.path / data= / data.blend the run's
 own prepared data is used, as its checkpoint records it: its blend, its last stage's blend (what its val_loss
-scored) or its data.path, with its data.valid_fraction. With data.valid_fraction > 0 the validation split is scored (the first
-train.eval_iters global batches of its seeded order: the samples the run's val_loss used), else the
+scored) or its data.path, with its data.valid_fraction. With data.valid_fraction > 0 the validation split
+is scored (the first train.eval_iters global batches of its seeded order: the samples the run's val_loss
+used), else the
 whole dataset; --all scores every sample of the split once. A bare integer is train.eval_iters.
 Prints one line: loss (mean token cross-entropy, nats), perplexity, tokens. Bad input exits 2.
 """
@@ -36,7 +37,8 @@ def compose(ckpt, step, meta: dict, overrides: list[str]):
     data = (meta.get("config") or {}).get("data") or {}
     record = meta.get("data") or {}
     extra = []
-    if not keys & {"data", "data.path", "data.blend", "data.stages"} and data.get("kind", "prepared") == "prepared":
+    given = keys & {"data", "data.path", "data.blend", "data.stages"}
+    if not given and data.get("kind", "prepared") == "prepared":
         blend, folders = scored_blend(meta), run_folders(meta)
         if blend:
             extra.append("data.blend=[" + ", ".join(f"{{path: {_quoted(b['path'])}, weight: {b['weight']!r}}}"
@@ -125,7 +127,7 @@ def main(argv: list[str]) -> int:
     if seen:
         print(f"megaframe: warning: {seen}", file=sys.stderr, flush=True)
         split += ", trained on"
-    d = cfg.data  # a blend is what build_data reads; the data= preset's data.path stays in the config beside it
+    d = cfg.data  # a blend is what build_data reads; the data= preset's data.path stays beside it
     src = "+".join(b.path for b in (d.stages[-1].blend if d.stages else d.blend)) or d.path
     print(f"evaluate: {step} (step {meta.get('step')}) on {src} [{split}]: loss {loss:.4f} | "
           # exp overflows past ~709: a diverged model prints a huge but finite perplexity

@@ -65,8 +65,8 @@ def export_tokenizer(step: Path, meta: dict, out: Path, seq_length: int):
 
     path = tokenizer_path(step, meta)
     if path is None:
-        print(f"export: no tokenizer found for {step} (none recorded or beside its data); exporting the model only",
-              flush=True)
+        print(f"export: no tokenizer found for {step} (none recorded or beside its data); exporting the "
+              "model only", flush=True)
         return None
     if path.is_dir():  # already a transformers tokenizer (prepared with data.tokenizer=FOLDER)
         from transformers import AutoTokenizer

@@ -231,7 +231,7 @@ def build_data(cfg, split: str = "train"):
         from megaframe.data.record import resolved
         from megaframe.data.stages import StagedData
 
-        # the union in first-seen order, keyed by the resolved folder: `x` and `x/` are one dataset, one stream
+        # the union in first-seen order, keyed by the resolved folder: `x` and `x/` are one dataset
         paths = dict.fromkeys(resolved(b.path) for s in d.stages for b in s.blend)
         parts = {p: PreparedData(p, seq, split, d.valid_fraction) for p in paths}
         return StagedData(parts, d.stages, cfg.train.global_batch_size, cfg.train.seed)
@@ -248,13 +248,15 @@ def build_data(cfg, split: str = "train"):
 def data_state(cfg, step: int, order: str = ORDER) -> dict:
     """The data cursor and what the run trains on, for checkpoint metadata (megaframe.data.record: a resume
     compares it, evaluate/export/generate read it). The cursor is derived from the step (positions
-    [0, step·G) of the (seed, epoch) order are consumed), so resume needs no saved reader state, under any dp."""
+    [0, step·G) of the (seed, epoch) order are consumed), so resume needs no saved reader state, under any
+    dp."""
     from megaframe.data.record import mixture, resolved, schedule, sources
 
     d = cfg.data
     prepared = d.kind == "prepared"
     return {"kind": d.kind, "path": resolved(d.path) if prepared and not (d.blend or d.stages) else None,
-            "blend": mixture(d.blend), "valid_fraction": d.valid_fraction, "seed": cfg.train.seed, "order": order,
+            "blend": mixture(d.blend), "valid_fraction": d.valid_fraction, "seed": cfg.train.seed,
+            "order": order,
             "stages": schedule(d.stages), "sources": sources(d) if prepared else [],
             # the trainer replaces it with Accounting's exact count (a batch size changed at a resume)
             "consumed_samples": step * cfg.train.global_batch_size,

@@ -1,5 +1,6 @@
-"""What a run trained on: one record in every checkpoint, compared at a resume and read by evaluate, export
-and generate, so none of them falls back on the data= preset's data.path that a blend or stages run never read.
+"""What a run trained on: one record in every checkpoint, compared at a resume and read by evaluate,
+export and generate, so none of them falls back on the data= preset's data.path that a blend or stages run
+never read.
 
 The record is the checkpoint's `data` entry (dataset.data_state) with its `tokenizer` entry
 (shards.tokenizer_identity: the tokenizer's resolved path and sha256):
@@ -68,7 +69,8 @@ def schedule(stages) -> list[dict]:
     out = []
     for s in stages or []:
         tokens = _get(s, "until_tokens")
-        out.append({"until_step": _get(s, "until_step"), "until_tokens": None if tokens is None else float(tokens),
+        out.append({"until_step": _get(s, "until_step"),
+                    "until_tokens": None if tokens is None else float(tokens),
                     "blend": mixture(_get(s, "blend"))})
     return out
 
@@ -103,7 +105,8 @@ def scored_blend(meta: dict) -> list[dict]:
 def held_out_note(ran: float, f: float) -> str:
     """What a validation split of fraction f holds for a run that held out `ran` of the same data."""
     if f <= 0:
-        return "these are the run's training samples (the checkpoint trained on this data), not a held-out split"
+        return ("these are the run's training samples (the checkpoint trained on this data), not a held-out "
+                "split")
     return (f"the checkpoint trained on this data with data.valid_fraction={ran}: the [valid] split of "
             f"data.valid_fraction={f} holds documents it trained on; only a fraction <= {ran} is held out")
 
@@ -124,8 +127,8 @@ def _show_stages(stages: list[dict]) -> str:
 
 def data_changes(cfg, meta: dict) -> list[tuple[str, str, str, str]]:
     """(config key, recorded, this run's, what it does to the stream) of every change of what the run trains
-    on: its stages, its blend (paths or weights), a plain run's data.path, data.valid_fraction, and the content
-    of a dataset at the same path. Synthetic data on either side: nothing to compare."""
+    on: its stages, its blend (paths or weights), a plain run's data.path, data.valid_fraction, and the
+    content of a dataset at the same path. Synthetic data on either side: nothing to compare."""
     old, d = meta.get("data") or {}, cfg.data
     if old.get("kind", "prepared") != "prepared" or d.kind != "prepared":
         return []
@@ -135,14 +138,17 @@ def data_changes(cfg, meta: dict) -> list[tuple[str, str, str, str]]:
         if was != now:
             out.append(("data.stages", _show_stages(was), _show_stages(now), REMAP))
     elif mixture(old.get("blend")) != mixture(d.blend):
-        out.append(("data.blend", _show_blend(mixture(old.get("blend"))), _show_blend(mixture(d.blend)), REMAP))
+        out.append(("data.blend", _show_blend(mixture(old.get("blend"))), _show_blend(mixture(d.blend)),
+                    REMAP))
     elif not d.blend and old.get("path") and resolved(old["path"]) != resolved(d.path):
         recorded = {s.get("content_sha256") for s in old.get("sources") or []} - {None}
-        if not recorded or content_sha256(d.path) not in recorded:  # a moved copy of the same data is the same data
+        # a moved copy of the same data is the same data
+        if not recorded or content_sha256(d.path) not in recorded:
             out.append(("data.path", resolved(old["path"]), resolved(d.path), REMAP))
     if "valid_fraction" in old and float(old["valid_fraction"]) != d.valid_fraction:
         ran, f = float(old["valid_fraction"]), d.valid_fraction
-        why = (held_out_note(ran, f) + ", and the train split's positions map to other samples" if f > ran else
+        why = (held_out_note(ran, f) + ", and the train split's positions map to other samples"
+               if f > ran else
                f"documents held out at data.valid_fraction={ran} would be trained on, and the train split's "
                "positions map to other samples")
         out.append(("data.valid_fraction", str(ran), str(f), why))
@@ -150,8 +156,9 @@ def data_changes(cfg, meta: dict) -> list[tuple[str, str, str, str]]:
     for s in sources(d):
         want = recorded.get(s["path"])
         if want and s["content_sha256"] != want:
-            key = s["key"].split("[")[0]  # data.blend[1].path -> data.blend: the key allow_config_change names
-            out.append((key, f"{s['path']} (content {want[:12]}...)", f"content {str(s['content_sha256'])[:12]}...",
+            key = s["key"].split("[")[0]  # data.blend[1].path -> data.blend: allow_config_change's key
+            now = str(s["content_sha256"])[:12]
+            out.append((key, f"{s['path']} (content {want[:12]}...)", f"content {now}...",
                         "the folder was prepared again since (other tokens): positions already read now name "
                         "other samples"))
     return out

@@ -53,7 +53,8 @@ class StagedData:
     order = ORDER  # the datasets' order; a resumed run sets the one it began with
 
     def __init__(self, parts: dict, stages, global_batch: int, seed: int):
-        """parts: {path: PreparedData} over every stage's datasets (one per folder); stages: data.stages entries."""
+        """parts: {path: PreparedData} over every stage's datasets (one per folder); stages: data.stages
+        entries."""
         from megaframe.data.record import resolved
 
         self.paths = [resolved(p) for p in parts]  # one stream per folder, however a stage spells it

@@ -71,7 +71,8 @@ def verify(path: str | Path, files: set[str] | None = None, unchecked: list | No
             try:
                 read_index(path, entry)
             except OSError as e:
-                raise ValueError(f"{path}: document index {entry['docs']} is unreadable ({e.strerror})") from e
+                why = f"document index {entry['docs']} is unreadable ({e.strerror})"
+                raise ValueError(f"{path}: {why}") from e
             nbytes += inside(path, entry["docs"]).stat().st_size
             if not entry.get("docs_sha256") and unchecked is not None:
                 unchecked.append(entry["docs"])
@@ -110,8 +111,8 @@ def main(argv: list[str]) -> int:
             nbytes = verify(path, unchecked=unchecked)
         except ValueError as e:
             return fail(e)
-        index = (f"; {len(unchecked)} document index(es) have no sha256 in meta.json (prepared before it was recorded): "
-                 "only their order and range were checked" if unchecked else "")
+        index = (f"; {len(unchecked)} document index(es) have no sha256 in meta.json (prepared before it was "
+                 "recorded): only their order and range were checked" if unchecked else "")
         print(f"{path}: every shard matches its sha256 and vocabulary{index} ({nbytes / 1e6:.1f} MB read in "
               f"{time.perf_counter() - t0:.2f}s)", flush=True)
     return 0

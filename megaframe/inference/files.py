@@ -23,8 +23,8 @@ def resolve_step(path: str | Path) -> tuple[Path, dict]:
 def tokenizer_candidates(step: Path, meta: dict) -> list[Path]:
     """Where a run's tokenizer may be, best first: the path the checkpoint records (trainer: meta "tokenizer";
     an HF import: its "from"), the tokenizers of the datasets the run read (megaframe.data.record.run_folders:
-    its stages' or blend's sources, data.path only in a plain run), and the copy an HF import leaves beside its
-    checkpoint (hf_tokenizer/)."""
+    its stages' or blend's sources, data.path only in a plain run), and the copy an HF import leaves beside
+    its checkpoint (hf_tokenizer/)."""
     from megaframe.data.record import run_folders
 
     out = []
@@ -63,8 +63,10 @@ def tokenizer_path(step: Path, meta: dict, given: str | None = None) -> Path | N
             return p
         other.append(str(p))
     if other:
-        raise ValueError(f"no tokenizer of {step} has the sha256 its checkpoint records ({sorted(want)[0][:16]}...): "
-                         f"{', '.join(other)} differ (another tokenizer); pass the run's tokenizer with --tokenizer PATH")
+        sha = sorted(want)[0][:16]
+        raise ValueError(f"no tokenizer of {step} has the sha256 its checkpoint records ({sha}...): "
+                         f"{', '.join(other)} differ (another tokenizer); pass the run's tokenizer with "
+                         "--tokenizer PATH")
     return None
 
 
@@ -75,12 +77,12 @@ def find_tokenizer(step: Path, meta: dict, given: str | None = None):
     p = tokenizer_path(step, meta, given)
     if p is None or not p.exists():
         looked = [Path(given)] if given else tokenizer_candidates(step, meta)
-        raise ValueError(f"no tokenizer found for {step} (looked at {', '.join(map(str, looked)) or 'nothing'}); "
-                         "pass --tokenizer PATH")
+        where = ", ".join(map(str, looked)) or "nothing"
+        raise ValueError(f"no tokenizer found for {step} (looked at {where}); pass --tokenizer PATH")
     try:
         return load_tokenizer(p), p
     except TokenizerError as e:
-        # a tokenizer that exists but fails to load stops here: falling back could decode with another vocabulary
+        # a tokenizer that exists but fails to load stops here: a fallback could decode with other ids
         raise ValueError(str(e)) from e
 
 

@@ -51,7 +51,8 @@ def check_resume(cfg: Config, meta: dict, path, verbose: bool) -> None:
 
     allow = list(cfg.checkpoint.allow_config_change)
     consumed = consumed_samples(meta)
-    changes = [(name, repr(old), repr(new), None) for name, old, new in differences(cfg, meta.get("config") or {}, consumed)]
+    changes = [(name, repr(old), repr(new), None)
+               for name, old, new in differences(cfg, meta.get("config") or {}, consumed)]
     # before any sample is consumed (a step-0 import) the data decides nothing yet
     changes += data_changes(cfg, meta) if consumed > 0 else []
     for name, old, new, what in changes:
@@ -62,7 +63,8 @@ def check_resume(cfg: Config, meta: dict, path, verbose: bool) -> None:
                               f"set checkpoint.allow_config_change=[{name}] to resume anyway")
         if verbose:
             print(f"megaframe: warning: resuming with {name} changed from {old} to {new} "
-                  f"(checkpoint.allow_config_change){f': {what}' if what else ''}", file=sys.stderr, flush=True)
+                  f"(checkpoint.allow_config_change){f': {what}' if what else ''}", file=sys.stderr,
+                  flush=True)
 
 
 def consumed_samples(meta: dict) -> int:

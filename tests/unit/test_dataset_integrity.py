@@ -1,7 +1,8 @@
 """A dataset is one stream whatever its spelling, every file a reader trusts carries a checksum, and a stage's
 end is a real step: one folder under two spellings is one stream (and refused twice in one blend), a damaged
-document index is refused by `data verify` and by the reader, naming the file (folders prepared before the index
-had a checksum still load), non-object shard entries and stage ends <= 0, nan or inf are one-line errors."""
+document index is refused by `data verify` and by the reader, naming the file (folders prepared before the
+index had a checksum still load), non-object shard entries and stage ends <= 0, nan or inf are one-line
+errors."""
 from __future__ import annotations
 
 import json
@@ -24,8 +25,8 @@ TINY = ["model.seq_length=8", "train.global_batch_size=8", "train.micro_batch_si
 def prepared(tmp_path_factory):
     root = tmp_path_factory.mktemp("integrity")
     src = write_text_corpus(root / "src", paragraphs(40))
-    cfg = load_config([f"data.source={src}", f"data.path={root / 'a'}", "data.vocab_size=400", "data.num_workers=1",
-                       "data.split=paragraph"], world_size=1, check_data=False)
+    cfg = load_config([f"data.source={src}", f"data.path={root / 'a'}", "data.vocab_size=400",
+                       "data.num_workers=1", "data.split=paragraph"], world_size=1, check_data=False)
     prep.prepare(cfg, chunk_chars=500)  # several shards, each with a document index
     return root / "a"
 
@@ -82,7 +83,8 @@ def test_a_damaged_document_index_is_refused_by_verify_and_the_reader(prepared, 
 
 
 @pytest.mark.parametrize("value", [10**12, -5, 0])
-def test_an_index_without_a_checksum_still_loads_and_is_checked_for_order_and_range(prepared, tmp_path, capsys, value):
+def test_an_index_without_a_checksum_loads_and_is_checked_for_order_and_range(prepared, tmp_path, capsys,
+                                                                             value):
     path, docs = damaged_index(prepared, tmp_path, value, keep_sha=False)
     rc, _, err = verify_cli(path, capsys)
     assert rc == 2 and f"document index {path / docs} is corrupt:" in err and err.count("\n") == 1, err

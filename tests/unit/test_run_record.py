@@ -1,7 +1,8 @@
 """What a run trained on, recorded once in the checkpoint and used everywhere: export, generate and evaluate
 take the recorded tokenizer (sha256-checked) and the run's own blend or stages, never the data= preset's
 data.path; a resume refuses a changed mixture, split or dataset content unless allowed; the vocabulary of a
-stages run comes from its first dataset. Real prepared folders (sentencepiece), real checkpoints, one process."""
+stages run comes from its first dataset. Real prepared folders (sentencepiece), real checkpoints, one
+process."""
 from __future__ import annotations
 
 import importlib.util
@@ -28,7 +29,8 @@ TINY = ["model=gpt_tiny", "model.num_layers=2", "model.hidden_size=64", "model.n
 
 @pytest.fixture(scope="module")
 def corpora(tmp_path_factory) -> Path:
-    """a: 400 pieces; b: the same text under another tokenizer (380 pieces); c: other text under a's tokenizer."""
+    """a: 400 pieces; b: the same text under another tokenizer (380 pieces); c: other text under a's
+    tokenizer."""
     root = tmp_path_factory.mktemp("record")
     text = paragraphs(40)
     src, other = write_text_corpus(root / "src", text), write_text_corpus(root / "src2", text[::-1][:25])
@@ -60,7 +62,8 @@ class WeightsOnly:
 
 def checkpoint(tmp: Path, overrides: list[str], preset_path: Path) -> tuple[Path, dict]:
     """A committed step_00000002 with the metadata the trainer writes (data state, tokenizer record, config),
-    whose config's data.path is `preset_path`: the data= preset's folder, which a blend or stages run never reads."""
+    whose config's data.path is `preset_path`: the data= preset's folder, which a blend or stages run never
+    reads."""
     cfg = load_config(["data=demo", *TINY, f"run.dir={tmp / 'run'}", "checkpoint.resume=none", *overrides],
                       world_size=1)
     config = plain(cfg)
@@ -133,7 +136,8 @@ def test_stages_infer_the_vocabulary_from_their_first_dataset(corpora):
                          world_size=1, check_data=False)
     blended = load_config(["data=demo", *TINY, f"data.blend={blend((corpora / 'a', 1))}"], world_size=1,
                           check_data=False)
-    assert staged.model.vocab_size == blended.model.vocab_size == 512  # 400 pieces padded to 128s, not the demo's
+    # 400 pieces padded to a multiple of 128, not the preset's demo vocabulary
+    assert staged.model.vocab_size == blended.model.vocab_size == 512
 
 
 def meta_of(cfg, step: int = 4) -> dict:
@@ -154,7 +158,8 @@ def refused(cfg, meta, name: str) -> str:
     with pytest.raises(ConfigError) as info:
         check_resume(cfg, meta, "ckpt", verbose=True)
     msg = str(info.value)
-    assert f"was written with {name}=" in msg and f"allow_config_change=[{name}]" in msg and "\n" not in msg, msg
+    assert f"was written with {name}=" in msg and f"allow_config_change=[{name}]" in msg, msg
+    assert "\n" not in msg
     return msg
 
 
@@ -181,7 +186,8 @@ def test_resume_refuses_changed_stages_blend_weights_and_valid_fraction(corpora,
     check_resume(config(tmp_path, f"data.path={a}", "data.valid_fraction=0.1",
                         "checkpoint.allow_config_change=[data.valid_fraction]"), meta, "ckpt", verbose=True)
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "data.valid_fraction changed from 0.0 to 0.1" in err[0] and "trained on" in err[0]
+    assert len(err) == 1 and "data.valid_fraction changed from 0.0 to 0.1" in err[0], err
+    assert "trained on" in err[0]
     check_resume(config(tmp_path, moved, "checkpoint.allow_config_change=[data]"),
                  meta_of(config(tmp_path, two)), "ckpt", verbose=False)
 
