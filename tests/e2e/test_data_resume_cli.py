@@ -16,9 +16,6 @@ def test_resuming_a_blend_with_other_weights_is_refused(demo_prepared, tmp_path)
     halves = f"data.blend=[{{path: {demo_prepared}, weight: 0.5}}, {{path: {copy}, weight: 0.5}}]"
     first = train([*run, halves])
     assert first.returncode == 0, first.stderr[-2000:]
-    meta = json.loads((tmp_path / "run" / "checkpoints" / "step_00000002" / "metadata.json").read_text())
-    assert [s["path"] for s in meta["data"]["sources"]] == [str(demo_prepared.resolve()), str(copy.resolve())]
-    assert meta["data"]["path"] is None and meta["tokenizer"]["sha256"]  # the preset's data.path was not read
     res = train([*run, "train.max_steps=4",
                  f"data.blend=[{{path: {demo_prepared}, weight: 0.9}}, {{path: {copy}, weight: 0.1}}]"])
     lines = res.stderr.strip().splitlines()
@@ -26,3 +23,6 @@ def test_resuming_a_blend_with_other_weights_is_refused(demo_prepared, tmp_path)
     assert "was written with data.blend=" in lines[0], lines[0]
     assert "allow_config_change=[data.blend]" in lines[0], lines[0]
     assert not (tmp_path / "run" / "checkpoints" / "step_00000004").exists()
+    meta = json.loads((tmp_path / "run" / "checkpoints" / "step_00000002" / "metadata.json").read_text())
+    assert [s["path"] for s in meta["data"]["sources"]] == [str(demo_prepared.resolve()), str(copy.resolve())]
+    assert meta["data"]["path"] is None and meta["tokenizer"]["sha256"]  # the preset's data.path was not read
