@@ -304,6 +304,8 @@ def _check_pipeline(cfg: Config, dp: int) -> None:
 
 
 def _check_data_fields(cfg: Config) -> None:
+    from megaframe.data.record import twice
+
     d, t = cfg.data, cfg.train
     _req(d.num_workers >= 0, f"data.num_workers={d.num_workers} must be >= 0 (0 = every core)")
     _req(d.tokenizer_sample_bytes >= 0, f"data.tokenizer_sample_bytes={d.tokenizer_sample_bytes} must be >= 0")
@@ -314,6 +316,7 @@ def _check_data_fields(cfg: Config) -> None:
         _req(math.isfinite(b.weight), f"data.blend[{i}].weight={b.weight} must be finite")
     _req(math.isfinite(sum(b.weight for b in d.blend)),
          f"data.blend weights {[b.weight for b in d.blend]} sum to infinity: scale them down")
+    _req((why := twice(d.blend, "data.blend")) is None, str(why))
     _check_stages(d, t, cfg.model.seq_length)
     _req(t.eval_interval >= 0 and t.eval_iters >= 1,
          f"train.eval_interval={t.eval_interval} must be >= 0 and train.eval_iters={t.eval_iters} >= 1")
@@ -324,7 +327,9 @@ def _check_data_fields(cfg: Config) -> None:
 
 
 def _check_stages(d, t, seq_length: int) -> None:
-    """data.stages: each a non-empty blend and one end (the last may be open), ends increasing."""
+    """data.stages: each a non-empty blend of distinct folders and one end >= 1 (the last may be open), ends
+    increasing."""
+    from megaframe.data.record import twice
     from megaframe.data.stages import stage_ends
 
     _req(not (d.stages and d.blend), "data.stages and data.blend are both set: the stages carry their own blends")
@@ -333,6 +338,13 @@ def _check_stages(d, t, seq_length: int) -> None:
         for i, b in enumerate(s.blend):
             _req(bool(b.path) and 0 < b.weight < float("inf"),
                  f"data.stages[{k}].blend[{i}] needs a path and a finite weight > 0 (got weight={b.weight})")
+        _req((why := twice(s.blend, f"data.stages[{k}].blend")) is None, str(why))
+        # a stage ending at step <= 0 never trains and sends later stages' stream positions negative; nan/inf
+        # cannot be rounded to a step
+        for name in ("until_step", "until_tokens"):
+            end = getattr(s, name)
+            _req(end is None or (math.isfinite(end) and end >= 1),
+                 f"data.stages[{k}].{name}={end} must be >= 1 and finite")
         _req(s.until_step is None or s.until_tokens is None,
              f"data.stages[{k}] sets until_step={s.until_step} and until_tokens={s.until_tokens}: give one")
         _req(k == len(d.stages) - 1 or s.until_step is not None or s.until_tokens is not None,

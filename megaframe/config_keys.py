@@ -119,12 +119,15 @@ so the default does not change with the layout; the extra rows are never a targe
 
 
 def default_vocab_size(cfg: Config) -> int:
-    """model.vocab_size when left unset: the prepared data's tokenizer vocabulary (the first blend source:
-    blended data shares one tokenizer), else data.vocab_size (synthetic data, or data not prepared yet),
-    padded to a multiple of VOCAB_PAD and of parallel.tp."""
+    """model.vocab_size when left unset: the prepared data's tokenizer vocabulary (the first dataset the run
+    reads, as for the tokenizer it records: the first stage's first source, else the first blend source, else
+    data.path; blended data shares one tokenizer), else data.vocab_size (synthetic data, or data not prepared
+    yet), padded to a multiple of VOCAB_PAD and of parallel.tp."""
+    from megaframe.data.shards import dataset_paths
+
     d = cfg.data
     vocab = d.vocab_size
-    path = d.blend[0].path if d.blend else d.path
+    path = next((p for _, p in dataset_paths(d)), "")  # a stage without a blend: refused by the checks
     if d.kind == "prepared" and path:
         try:
             vocab = int(json.loads((Path(path) / "meta.json").read_text())["vocab_size"])

@@ -4,9 +4,11 @@
                                  [--all] [hydra overrides]
 
 The model comes from the checkpoint (megaframe.load_model); the config is composed like train.py's with
-checkpoint.resume=CKPT, so model.* is the checkpoint's. Without data.path / data= the run's own
-prepared data is used. With data.valid_fraction > 0 the validation split is scored (the first
-train.eval_iters global batches of its seeded order: the samples the run's val_loss used), else the
+checkpoint.resume=CKPT, so model.* is the checkpoint's. Without data.path / data= / data.blend the run's
+own prepared data is used, as its checkpoint records it: its blend, its last stage's blend (what its val_loss
+scored) or its data.path, with its data.valid_fraction. With data.valid_fraction > 0 the validation split
+is scored (the first train.eval_iters global batches of its seeded order: the samples the run's val_loss
+used), else the
 whole dataset; --all scores every sample of the split once. A bare integer is train.eval_iters.
 Prints one line: loss (mean token cross-entropy, nats), perplexity, tokens. Bad input exits 2.
 """
@@ -25,40 +27,55 @@ def split_args(argv: list[str]) -> tuple[str, list[str], bool]:
 
 
 def compose(ckpt, step, meta: dict, overrides: list[str]):
-    """The run config: overrides + the checkpoint's model and (unless given) its data."""
+    """The run config: overrides + the checkpoint's model and (unless given) the data it trained on, from its
+    record (megaframe.data.record): its blend, its last stage's blend (what its val_loss scored) or its
+    data.path, with its data.valid_fraction; never the data= preset's data.path of a blend or stages run."""
     from megaframe.config import load_config
+    from megaframe.data.record import run_folders, scored_blend
 
     keys = {o.split("=", 1)[0].lstrip("+") for o in overrides if "=" in o}
     data = (meta.get("config") or {}).get("data") or {}
+    record = meta.get("data") or {}
     extra = []
-    if not keys & {"data", "data.path", "data.blend", "data.stages"} and data.get("path"):
-        extra += [f"data.path={data['path']}", f"data.valid_fraction={data.get('valid_fraction', 0.0)}"]
+    given = keys & {"data", "data.path", "data.blend", "data.stages"}
+    if not given and data.get("kind", "prepared") == "prepared":
+        blend, folders = scored_blend(meta), run_folders(meta)
+        if blend:
+            extra.append("data.blend=[" + ", ".join(f"{{path: {_quoted(b['path'])}, weight: {b['weight']!r}}}"
+                                                    for b in blend) + "]")
+        elif folders:
+            extra.append(f"data.path={_quoted(folders[0])}")
+        if extra:
+            fraction = record.get("valid_fraction", data.get("valid_fraction", 0.0))
+            extra.append(f"data.valid_fraction={float(fraction or 0.0)!r}")
     extra += [f"data.name={data.get('name', 'data')}"] if "data.name" not in keys and data else []
     return load_config(extra + list(overrides) + [f"checkpoint.resume={step}"], world_size=1)
 
 
-def _data_paths(path, blend) -> set[str]:
-    """The prepared folders a data config reads (data.path, or the blend's), resolved."""
-    from pathlib import Path
+def _quoted(path: str) -> str:
+    """A path as a Hydra override value: quoted, so a comma, colon or space in it stays part of it."""
+    return "'" + str(path).replace("\\", "\\\\").replace("'", "\\'") + "'"
 
-    return {str(Path(p).resolve()) for p in ([b["path"] if isinstance(b, dict) else b.path for b in blend or []]
-                                             or [path]) if p}
+
+def _data_paths(data_cfg) -> set[str]:
+    """The prepared folders a data config reads, resolved."""
+    from megaframe.data.record import resolved
+    from megaframe.data.shards import dataset_paths
+
+    return {resolved(p) for _, p in dataset_paths(data_cfg) if p}
 
 
 def trained_on(meta: dict, cfg) -> str | None:
     """Whether the scored samples may be ones the checkpoint trained on: a warning naming why, else None.
     The held-out documents of fraction f are a prefix of one fixed order (VALID_SEED), so a split of
     f <= the run's data.valid_fraction on the run's data is held out; any other split of that data is not."""
-    run = (meta.get("config") or {}).get("data") or {}
-    if not _data_paths(run.get("path"), run.get("blend")) & _data_paths(cfg.data.path, cfg.data.blend):
+    from megaframe.data.record import held_out_note, run_folders
+
+    if not set(run_folders(meta)) & _data_paths(cfg.data):
         return None  # other data: nothing to say about what the run saw
+    run = meta.get("data") or (meta.get("config") or {}).get("data") or {}
     ran, f = float(run.get("valid_fraction") or 0.0), cfg.data.valid_fraction
-    if f <= 0:
-        return "these are the run's training samples (the checkpoint trained on this data), not a held-out split"
-    if f > ran:
-        return (f"the checkpoint trained on this data with data.valid_fraction={ran}: the [valid] split of "
-                f"data.valid_fraction={f} holds documents it trained on; only a fraction <= {ran} is held out")
-    return None
+    return held_out_note(ran, f) if f <= 0 or f > ran else None
 
 
 def evaluate(model, cfg, every: bool) -> tuple[float, int, str]:
@@ -110,7 +127,8 @@ def main(argv: list[str]) -> int:
     if seen:
         print(f"megaframe: warning: {seen}", file=sys.stderr, flush=True)
         split += ", trained on"
-    src = cfg.data.path or "+".join(b.path for b in cfg.data.blend)
+    d = cfg.data  # a blend is what build_data reads; the data= preset's data.path stays beside it
+    src = "+".join(b.path for b in (d.stages[-1].blend if d.stages else d.blend)) or d.path
     print(f"evaluate: {step} (step {meta.get('step')}) on {src} [{split}]: loss {loss:.4f} | "
           # exp overflows past ~709: a diverged model prints a huge but finite perplexity
           f"perplexity {math.exp(min(loss, 700)):.2f} | {tokens} tokens in {time.perf_counter() - t0:.1f}s", flush=True)

@@ -390,8 +390,10 @@ class CheckpointConfig:
     # --- safety (issue 20): resume checks and the save watchdog ---
     allow_config_change: list[str] = field(default_factory=list)
     """Fields a resume may change from the checkpoint's config, e.g. [train.global_batch_size] (the data
-    then continues from the saved consumed samples), [train.seed], [model.dropout] or [model] (all of
-    model.*). Anything else that differs is refused (exit 2): it would skip or repeat data or change the model."""
+    then continues from the saved consumed samples), [train.seed], [model.dropout], [model] (all of
+    model.*), [data.stages], [data.blend], [data.path], [data.valid_fraction] or [data] (what the run trains
+    on, from the checkpoint's data record). Anything else that differs is refused (exit 2): it would skip or
+    repeat data or change the model."""
     # --- end safety ---
 
     @property

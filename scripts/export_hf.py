@@ -6,11 +6,12 @@ CKPT is a step folder (step_XXXXXXXX) or a checkpoint dir holding committed step
 `latest` names: the live branch after a rollback); it may have been saved under any parallel layout. OUT receives
 config.json, model.safetensors (LlamaForCausalLM for rmsnorm/swiglu/rope models, MixtralForCausalLM for
 their softmax top-k MoE variant, GPT2LMHeadModel for layernorm/gelu/learned-position models) and, when the run's
-prepared data (data.path or a blend
-source) holds its tokenizer, a transformers tokenizer (a sentencepiece tokenizer.model is converted
-to tokenizer.json, encoding exactly alike) that AutoTokenizer.from_pretrained(OUT) loads offline. All model.vocab_size
+tokenizer is found (the one the checkpoint records, checked by its sha256, or one of that sha256 beside the
+run's datasets), a transformers tokenizer (a sentencepiece tokenizer.model is converted to tokenizer.json,
+encoding exactly alike) that AutoTokenizer.from_pretrained(OUT) loads offline. All model.vocab_size
 embedding rows are exported, even when the tokenizer has fewer.
-Bad input (missing or corrupt checkpoint, unsupported model, OUT not empty) exits 2 with one line.
+Bad input (missing or corrupt checkpoint, unsupported model, OUT not empty, only tokenizers of another sha256
+than the recorded one) exits 2 with one line.
 """
 from __future__ import annotations
 
@@ -54,31 +55,18 @@ def read_checkpoint(step: Path, meta: dict):
     return model_cfg, state, config.get("data") or {}
 
 
-def find_tokenizer(data: dict) -> Path | None:
-    """The tokenizer of the run's prepared data (data.path, else the first blend source that has one):
-    the name meta.json records (a sentencepiece file or a transformers tokenizer folder), else tokenizer.model."""
-    for folder in [data.get("path")] + [b.get("path") for b in data.get("blend") or []]:
-        if not folder:
-            continue
-        names = ["tokenizer.model"]
-        try:
-            names.insert(0, json.loads((Path(folder) / "meta.json").read_text())["tokenizer"])
-        except (OSError, ValueError, KeyError, TypeError):
-            pass
-        for name in names:
-            if (Path(folder) / name).exists():
-                return Path(folder) / name
-    return None
-
-
-def export_tokenizer(data: dict, out: Path, seq_length: int):
-    """Write the run's tokenizer into `out` as a transformers tokenizer; returns it, or None if there is none."""
+def export_tokenizer(step: Path, meta: dict, out: Path, seq_length: int):
+    """Write the run's tokenizer into `out` as a transformers tokenizer; returns it, or None if there is none.
+    The run's tokenizer is the one its checkpoint records, checked against the recorded sha256, else a
+    tokenizer with that sha256 among its datasets' (megaframe.inference.files.tokenizer_path): never the
+    data= preset's data.path in a blend or stages run, never another vocabulary (ValueError: exit 2)."""
     from megaframe.checkpoint.hf import save_tokenizer
+    from megaframe.inference.files import tokenizer_path
 
-    path = find_tokenizer(data)
+    path = tokenizer_path(step, meta)
     if path is None:
-        print(f"export: no tokenizer found (data.path={data.get('path')!r} has none); exporting the model only",
-              flush=True)
+        print(f"export: no tokenizer found for {step} (none recorded or beside its data); exporting the "
+              "model only", flush=True)
         return None
     if path.is_dir():  # already a transformers tokenizer (prepared with data.tokenizer=FOLDER)
         from transformers import AutoTokenizer
@@ -123,7 +111,7 @@ def export(ckpt: str, out: Path, dtype: str) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        tok = export_tokenizer(data, tmp, model_cfg.seq_length)
+        tok = export_tokenizer(step, meta, tmp, model_cfg.seq_length)
         ids = {"eos_token_id": tok.eos_token_id, "bos_token_id": tok.bos_token_id} if tok is not None else {}
         cfg, sd = to_hf(model_cfg, state, **ids)
         model = build_hf_model(cfg, sd)

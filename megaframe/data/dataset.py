@@ -17,14 +17,13 @@ global batch over ranks and micro-batches gives the same gradient.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from megaframe.data.order import ORDER, sample_index
-from megaframe.data.shards import check_token_range
+from megaframe.data.shards import check_token_range, read_index, read_meta
 from megaframe.parallel.context import cp_keep
 from megaframe.paths import inside
 
@@ -43,7 +42,10 @@ class PreparedData:
 
     def __init__(self, path: str | Path, seq_length: int, split: str = "all", valid_fraction: float = 0.0):
         path = Path(path)
-        meta = json.loads((path / "meta.json").read_text())
+        try:  # shard entries checked: a damaged meta.json is one line naming the folder, not a TypeError
+            meta = read_meta(path)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from e
         dtype = np.dtype(meta["dtype"])
         self.path, self.meta = path, meta
         self.shards = [np.memmap(inside(path, s["file"]), dtype=dtype, mode="r") for s in meta["shards"]]
@@ -72,7 +74,8 @@ class PreparedData:
         entries = self.meta["shards"]
         if not entries or not all(e.get("docs") for e in entries):
             return None
-        parts = [np.load(inside(self.path, e["docs"]), mmap_mode="r") + int(self.starts[k]) for k, e in enumerate(entries)]
+        # each index checked (sha256, order, range): a corrupt entry would silently move the train/valid split
+        parts = [read_index(self.path, e) + int(self.starts[k]) for k, e in enumerate(entries)]
         # 0 added: the stream's start is a document start even if an index omits it; unique also sorts
         return np.unique(np.concatenate([np.asarray(p, dtype=np.int64) for p in parts] + [np.zeros(1, np.int64)]))
 
@@ -225,9 +228,11 @@ def build_data(cfg, split: str = "train"):
         seed = cfg.train.seed if split == "train" else cfg.train.seed + 1_000_003
         return SyntheticData(cfg.model.vocab_size, seq, seed)
     if d.stages and split == "train":
+        from megaframe.data.record import resolved
         from megaframe.data.stages import StagedData
 
-        paths = dict.fromkeys(b.path for s in d.stages for b in s.blend)  # the union, in first-seen order
+        # the union in first-seen order, keyed by the resolved folder: `x` and `x/` are one dataset
+        paths = dict.fromkeys(resolved(b.path) for s in d.stages for b in s.blend)
         parts = {p: PreparedData(p, seq, split, d.valid_fraction) for p in paths}
         return StagedData(parts, d.stages, cfg.train.global_batch_size, cfg.train.seed)
     if d.stages:  # validation: the last stage's mixture (the data the run ends on)
@@ -241,13 +246,18 @@ def build_data(cfg, split: str = "train"):
 
 
 def data_state(cfg, step: int, order: str = ORDER) -> dict:
-    """The data cursor for checkpoint metadata. It is derived from the step (positions [0, step·G) of
-    the (seed, epoch) order are consumed), so resume needs no saved reader state, under any dp."""
+    """The data cursor and what the run trains on, for checkpoint metadata (megaframe.data.record: a resume
+    compares it, evaluate/export/generate read it). The cursor is derived from the step (positions
+    [0, step·G) of the (seed, epoch) order are consumed), so resume needs no saved reader state, under any
+    dp."""
+    from megaframe.data.record import mixture, resolved, schedule, sources
+
     d = cfg.data
-    return {"kind": d.kind, "path": d.path, "blend": [{"path": b.path, "weight": b.weight} for b in d.blend],
-            "valid_fraction": d.valid_fraction, "seed": cfg.train.seed, "order": order,
-            "stages": [{"until_step": s.until_step, "until_tokens": s.until_tokens,
-                        "blend": [{"path": b.path, "weight": b.weight} for b in s.blend]} for s in d.stages],
+    prepared = d.kind == "prepared"
+    return {"kind": d.kind, "path": resolved(d.path) if prepared and not (d.blend or d.stages) else None,
+            "blend": mixture(d.blend), "valid_fraction": d.valid_fraction, "seed": cfg.train.seed,
+            "order": order,
+            "stages": schedule(d.stages), "sources": sources(d) if prepared else [],
             # the trainer replaces it with Accounting's exact count (a batch size changed at a resume)
             "consumed_samples": step * cfg.train.global_batch_size,
             "cursor": "derived: global sample position = step * global_batch_size + index in the batch"}

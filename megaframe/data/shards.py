@@ -63,8 +63,11 @@ def encode_chunk(task: tuple) -> dict:
     np.save(starts_npy, starts)
     write_atomic(out / f"{name}.docs.npy", starts_npy.getvalue())
     return {"file": f"{name}.bin", "num_tokens": total, "num_docs": len(docs), "docs": f"{name}.docs.npy",
-            # hashed from the bytes in memory: verify checks the files against it later, prepare reads nothing twice
-            "sha256": hashlib.sha256(data).hexdigest(), "_cpu_s": time.process_time() - cpu0}
+            # hashed from the bytes in memory: verify checks the files against it later, prepare reads
+            # nothing twice; the document index too: it decides the train/valid split
+            "sha256": hashlib.sha256(data).hexdigest(),
+            "docs_sha256": hashlib.sha256(starts_npy.getvalue()).hexdigest(),
+            "_cpu_s": time.process_time() - cpu0}
 
 
 class NotPrepared(ValueError):
@@ -98,7 +101,48 @@ def read_meta(path: Path) -> dict:
         raise ValueError(f"meta.json is corrupt ({' '.join(str(e).split()) or type(e).__name__})") from e
     except OSError as e:  # a file given for the folder, or an unreadable meta.json: bad input, not a traceback
         raise ValueError(f"{path}: not a readable prepared data folder ({e.strerror or type(e).__name__})") from e
+    for i, s in enumerate(meta["shards"]):  # every reader indexes these fields: a wrong type is one line
+        if not (isinstance(s, dict) and isinstance(s.get("file"), str)
+                and isinstance(s.get("num_tokens", 0), int)
+                and all(isinstance(s.get(k), (str, type(None))) for k in ("docs", "sha256", "docs_sha256"))):
+            raise ValueError(f"meta.json is corrupt (shards[{i}] is {str(s)[:60]!r}, not an object with a "
+                             "file name and num_tokens)")
     return meta
+
+
+def index_problem(starts: np.ndarray, num_tokens: int) -> str | None:
+    """Why a shard's document index (token offsets where its documents start) is wrong, or None: it must be
+    whole offsets, strictly increasing, inside the shard's num_tokens (a wrong entry moves the train/valid
+    split)."""
+    if starts.ndim != 1 or starts.dtype.kind not in "iu":
+        return f"not a list of token offsets (shape {starts.shape}, dtype {starts.dtype})"
+    if starts.size and (int(starts[0]) < 0 or int(starts[-1]) >= num_tokens):
+        bad = int(starts[0]) if int(starts[0]) < 0 else int(starts[-1])
+        return f"offset {bad} lies outside the shard's {num_tokens} tokens"
+    if starts.size > 1 and not bool(np.all(np.diff(starts.astype(np.int64)) > 0)):
+        at = int(np.argmax(np.diff(starts.astype(np.int64)) <= 0)) + 1
+        return f"entry {at} ({int(starts[at])}) does not come after entry {at - 1} ({int(starts[at - 1])})"
+    return None
+
+
+def read_index(folder: Path, entry: dict) -> np.ndarray:
+    """A shard's document index, checked against meta.json's docs_sha256 (folders prepared before it was
+    recorded: order and range only); ValueError naming the file."""
+    f = inside(folder, entry["docs"])
+    raw = f.read_bytes()
+    want = entry.get("docs_sha256")
+    if want and hashlib.sha256(raw).hexdigest() != want:
+        got = hashlib.sha256(raw).hexdigest()
+        raise ValueError(f"document index {f} is corrupt (sha256 {got[:16]}..., meta.json says "
+                         f"{want[:16]}...)")
+    try:
+        starts = np.load(io.BytesIO(raw), allow_pickle=False)
+    except (ValueError, OSError, EOFError) as e:
+        raise ValueError(f"document index {f} is unreadable ({' '.join(str(e).split())[:80]})") from e
+    why = index_problem(starts, int(entry["num_tokens"]))
+    if why:
+        raise ValueError(f"document index {f} is corrupt: {why}")
+    return starts
 
 
 def check_prepared(path: str | Path) -> dict:
@@ -121,7 +165,9 @@ def check_prepared(path: str | Path) -> dict:
         f = inside(path, s["file"])
         if not f.is_file():
             raise ValueError(f"shard {s['file']} missing")
-        size, want_size = f.stat().st_size, int(s["num_tokens"]) * itemsize
+        if "num_tokens" not in s:
+            raise ValueError(f"meta.json is corrupt (shard {s['file']} records no num_tokens)")
+        size, want_size = f.stat().st_size, s["num_tokens"] * itemsize
         if size != want_size:
             raise ValueError(f"shard {s['file']} has {size} bytes, meta.json says {want_size} (truncated or corrupt)")
         if s.get("docs") and not inside(path, s["docs"]).is_file():

@@ -53,8 +53,11 @@ class StagedData:
     order = ORDER  # the datasets' order; a resumed run sets the one it began with
 
     def __init__(self, parts: dict, stages, global_batch: int, seed: int):
-        """parts: {path: PreparedData} over every stage's datasets; stages: data.stages entries."""
-        self.paths = list(parts)
+        """parts: {path: PreparedData} over every stage's datasets (one per folder); stages: data.stages
+        entries."""
+        from megaframe.data.record import resolved
+
+        self.paths = [resolved(p) for p in parts]  # one stream per folder, however a stage spells it
         self.parts = [parts[p] for p in self.paths]
         self.seed = seed
         self.ends = stage_ends(stages, global_batch, self.parts[0].seq_length)
@@ -65,7 +68,7 @@ class StagedData:
         self.stages = []  # per stage: (start, global dataset ids, pattern, start offset of each global dataset)
         offset, start = np.zeros(len(self.parts), dtype=np.int64), 0
         for k, s in enumerate(stages):
-            ids = np.array([self.paths.index(b.path) for b in s.blend], dtype=np.int64)
+            ids = np.array([self.paths.index(resolved(b.path)) for b in s.blend], dtype=np.int64)
             which, rank, counts = blend_pattern([b.weight for b in s.blend])
             self.stages.append((start, ids, (which, rank, counts), offset.copy()))
             if k + 1 < len(stages):  # the samples this stage gave each dataset carry into the next

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from megaframe.data.shards import read_meta
+from megaframe.data.shards import read_index, read_meta
 from megaframe.errors import fail
 from megaframe.paths import inside
 
@@ -53,9 +53,10 @@ def check_shard(folder: Path, entry: dict, dtype: np.dtype, vocab: int) -> str |
     return None
 
 
-def verify(path: str | Path, files: set[str] | None = None) -> int:
-    """Check the shards of a prepared folder (only those named in `files`, if given); returns the bytes
-    read. ValueError names the first bad shard."""
+def verify(path: str | Path, files: set[str] | None = None, unchecked: list | None = None) -> int:
+    """Check the shards of a prepared folder (only those named in `files`, if given) and their document
+    indexes; returns the bytes read. ValueError names the first bad file. `unchecked` collects the indexes
+    meta.json records no sha256 for (prepared before it was recorded: their order and range are checked)."""
     path = Path(path)
     meta = read_meta(path)
     dtype, vocab, nbytes = np.dtype(meta["dtype"]), int(meta["vocab_size"]), 0
@@ -66,6 +67,15 @@ def verify(path: str | Path, files: set[str] | None = None) -> int:
         if why:
             raise ValueError(f"{path}: {why}")
         nbytes += inside(path, entry["file"]).stat().st_size
+        if entry.get("docs"):  # the index decides the train/valid split: a bad one moves it silently
+            try:
+                read_index(path, entry)
+            except OSError as e:
+                why = f"document index {entry['docs']} is unreadable ({e.strerror})"
+                raise ValueError(f"{path}: {why}") from e
+            nbytes += inside(path, entry["docs"]).stat().st_size
+            if not entry.get("docs_sha256") and unchecked is not None:
+                unchecked.append(entry["docs"])
     return nbytes
 
 
@@ -96,11 +106,13 @@ def main(argv: list[str]) -> int:
         print("usage: python -m megaframe.data verify PATH [PATH ...]", file=sys.stderr)
         return 2
     for path in argv[1:]:
-        t0 = time.perf_counter()
+        t0, unchecked = time.perf_counter(), []
         try:
-            nbytes = verify(path)
+            nbytes = verify(path, unchecked=unchecked)
         except ValueError as e:
             return fail(e)
-        print(f"{path}: every shard matches its sha256 and vocabulary ({nbytes / 1e6:.1f} MB read in "
+        index = (f"; {len(unchecked)} document index(es) have no sha256 in meta.json (prepared before it was "
+                 "recorded): only their order and range were checked" if unchecked else "")
+        print(f"{path}: every shard matches its sha256 and vocabulary{index} ({nbytes / 1e6:.1f} MB read in "
               f"{time.perf_counter() - t0:.2f}s)", flush=True)
     return 0

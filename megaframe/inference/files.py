@@ -21,17 +21,18 @@ def resolve_step(path: str | Path) -> tuple[Path, dict]:
 
 
 def tokenizer_candidates(step: Path, meta: dict) -> list[Path]:
-    """Where a run's tokenizer may be, best first: the path the checkpoint records (trainer: meta
-    "tokenizer"), the prepared data's tokenizer (data.path, then blend sources), and the copy an HF
-    import leaves beside its checkpoint (hf_tokenizer/)."""
+    """Where a run's tokenizer may be, best first: the path the checkpoint records (trainer: meta "tokenizer";
+    an HF import: its "from"), the tokenizers of the datasets the run read (megaframe.data.record.run_folders:
+    its stages' or blend's sources, data.path only in a plain run), and the copy an HF import leaves beside
+    its checkpoint (hf_tokenizer/)."""
+    from megaframe.data.record import run_folders
+
     out = []
     rec = meta.get("tokenizer") or {}
-    if rec.get("path"):  # exactly the tokenizer the run trained with
-        out.append(Path(rec["path"]))
-    data = (meta.get("config") or {}).get("data") or {}
-    for folder in [data.get("path")] + [b.get("path") for b in data.get("blend") or []]:
-        if not folder:
-            continue
+    for key in ("path", "from"):  # exactly the tokenizer the run trained with
+        if isinstance(rec.get(key), str) and rec[key]:
+            out.append(Path(rec[key]))
+    for folder in run_folders(meta):
         name = "tokenizer.model"
         try:
             # a name from metadata stays inside its folder (OutsideFolder is a ValueError: the default name)
@@ -40,23 +41,49 @@ def tokenizer_candidates(step: Path, meta: dict) -> list[Path]:
             pass
         out.append(Path(folder) / name)
     out += [step.parent / "hf_tokenizer", step.parent.parent / "hf_tokenizer"]
-    return out
+    return list(dict.fromkeys(out))
+
+
+def tokenizer_path(step: Path, meta: dict, given: str | None = None) -> Path | None:
+    """The run's tokenizer file or folder (or `given`, taken as is): the first candidate that exists and, when
+    the checkpoint records its tokenizer's sha256, has that sha256 (or one it is an exact conversion of): a
+    fallback of another vocabulary would decode every id wrong. None when no candidate exists; ValueError
+    when some exist but none has the recorded sha256."""
+    from megaframe.data.tokenizer import tokenizer_sha256
+
+    if given:
+        return Path(given)
+    rec = meta.get("tokenizer") or {}
+    want = {rec.get("sha256"), *(rec.get("same_as") or [])} - {None}
+    other = []
+    for p in tokenizer_candidates(step, meta):
+        if not p.exists():
+            continue
+        if not want or tokenizer_sha256(p) in want:
+            return p
+        other.append(str(p))
+    if other:
+        sha = sorted(want)[0][:16]
+        raise ValueError(f"no tokenizer of {step} has the sha256 its checkpoint records ({sha}...): "
+                         f"{', '.join(other)} differ (another tokenizer); pass the run's tokenizer with "
+                         "--tokenizer PATH")
+    return None
 
 
 def find_tokenizer(step: Path, meta: dict, given: str | None = None):
-    """The loaded tokenizer of the run (or `given`); ValueError when none can be found."""
+    """The loaded tokenizer of the run (or `given`) and its path; ValueError when none can be found."""
     from megaframe.data.tokenizer import TokenizerError, load_tokenizer
 
-    paths = [Path(given)] if given else tokenizer_candidates(step, meta)
-    for p in paths:
-        if p.exists():
-            try:
-                return load_tokenizer(p), p
-            except TokenizerError as e:
-                # a tokenizer that exists but fails to load stops here: falling back could decode with another vocabulary
-                raise ValueError(str(e)) from e
-    raise ValueError(f"no tokenizer found for {step} (looked at {', '.join(map(str, paths)) or 'nothing'}); "
-                     "pass --tokenizer PATH")
+    p = tokenizer_path(step, meta, given)
+    if p is None or not p.exists():
+        looked = [Path(given)] if given else tokenizer_candidates(step, meta)
+        where = ", ".join(map(str, looked)) or "nothing"
+        raise ValueError(f"no tokenizer found for {step} (looked at {where}); pass --tokenizer PATH")
+    try:
+        return load_tokenizer(p), p
+    except TokenizerError as e:
+        # a tokenizer that exists but fails to load stops here: a fallback could decode with other ids
+        raise ValueError(str(e)) from e
 
 
 def tokenizer_record(data_cfg) -> dict | None:

@@ -8,6 +8,10 @@ A resumed run must continue the same experiment. These changes are refused (exit
 - train.seed: the sample order (and init) derive from it; a new seed repeats and skips data at random.
 - any model.* field (model.name, a label, excepted): the weights would be loaded into another model,
   e.g. a changed model.rope_theta loads without an error and trains a different function.
+- what the run trains on (megaframe.data.record): data.stages, data.blend (paths or weights), a plain run's
+  data.path, data.valid_fraction, and the content of a dataset at the same path; each re-maps the stream's
+  positions (samples repeat and others are skipped) or moves the validation split onto trained-on documents.
+  When allowed, the warning says what repeats or changes. The tokenizer is compared before (config_checks).
 The parallel layout may change freely (any layout loads any checkpoint).
 """
 from __future__ import annotations
@@ -43,16 +47,24 @@ def _allowed(name: str, allow: list[str]) -> bool:
 
 def check_resume(cfg: Config, meta: dict, path, verbose: bool) -> None:
     """ConfigError on the first change not allowed; the allowed ones are logged (by rank 0, `verbose`)."""
+    from megaframe.data.record import data_changes
+
     allow = list(cfg.checkpoint.allow_config_change)
-    for name, old, new in differences(cfg, meta.get("config") or {}, consumed_samples(meta)):
+    consumed = consumed_samples(meta)
+    changes = [(name, repr(old), repr(new), None)
+               for name, old, new in differences(cfg, meta.get("config") or {}, consumed)]
+    # before any sample is consumed (a step-0 import) the data decides nothing yet
+    changes += data_changes(cfg, meta) if consumed > 0 else []
+    for name, old, new, what in changes:
         if not _allowed(name, allow):
-            why = ("samples would be skipped or repeated" if name.startswith("train.")
-                   else "the weights belong to another model")
-            raise ConfigError(f"checkpoint {path} was written with {name}={old!r}, this run has {new!r}: {why}; "
+            why = what or ("samples would be skipped or repeated" if name.startswith("train.")
+                           else "the weights belong to another model")
+            raise ConfigError(f"checkpoint {path} was written with {name}={old}, this run has {new}: {why}; "
                               f"set checkpoint.allow_config_change=[{name}] to resume anyway")
         if verbose:
-            print(f"megaframe: warning: resuming with {name} changed from {old!r} to {new!r} "
-                  f"(checkpoint.allow_config_change)", file=sys.stderr, flush=True)
+            print(f"megaframe: warning: resuming with {name} changed from {old} to {new} "
+                  f"(checkpoint.allow_config_change){f': {what}' if what else ''}", file=sys.stderr,
+                  flush=True)
 
 
 def consumed_samples(meta: dict) -> int:

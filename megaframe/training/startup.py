@@ -56,7 +56,10 @@ def set_up(cfg: Config, mesh: Mesh, faults=None) -> Setup:
         evaluator = Evaluator.build(cfg, mesh)  # None unless train.eval_interval > 0
         sampler = Sampler.build(cfg, mesh)  # None unless train.sample_interval > 0
     except (OSError, ValueError, KeyError) as e:
-        raise ConfigError(f"data.path={cfg.data.path}: unreadable prepared data ({e})") from e
+        # the key the run reads: a blend or stages run never read the data= preset's data.path
+        d = cfg.data
+        key = "data.stages" if d.stages else "data.blend" if d.blend else f"data.path={d.path}"
+        raise ConfigError(f"{key}: unreadable prepared data ({e})") from e
     if cfg.data.document_mask:
         set_documents(model, data, cfg)
     phases.begin("load")
