@@ -186,10 +186,20 @@ def _gpt2_state(cfg, sd: dict) -> dict[str, torch.Tensor]:
 
 
 def model_overrides(fields: dict) -> list[str]:
-    """Hydra overrides (`model.num_layers=2`, ...) that make train.py build the model `fields` describe."""
+    """Hydra overrides (`model.num_layers=2`, `model.rope_scaling.factor=8.0`, ...) that make train.py build
+    the model `fields` describe (a nested group, a dataclass, becomes one override per field)."""
+    import dataclasses
+
     def fmt(v):
         return "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
-    return [f"model.{k}={fmt(v)}" for k, v in fields.items()]
+
+    out = []
+    for k, v in fields.items():
+        if dataclasses.is_dataclass(v):
+            out += [f"model.{k}.{f.name}={fmt(getattr(v, f.name))}" for f in dataclasses.fields(v)]
+        else:
+            out.append(f"model.{k}={fmt(v)}")
+    return out
 
 
 def save_tokenizer(spm_model: str | Path, out: str | Path, model_max_length: int | None = None):
