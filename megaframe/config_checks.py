@@ -67,6 +67,12 @@ FIELD_RULES: dict[str, Rule] = {
     "model.moe_z_loss_coeff": NONNEGF, "model.moe_bias_update_rate": NONNEGF,
     "model.moe_capacity_factor": _r(0, gt=True, opt=True, int_=False), "model.dropout": UNIT,
     "model.rope_theta": POSF, "model.norm_eps": POSF, "model.init_std": POSF,
+    "model.kv_channels": _r(1, opt=True),
+    "model.rope_scaling.factor": POSF, "model.rope_scaling.low_freq_factor": POSF,
+    "model.rope_scaling.high_freq_factor": POSF, "model.rope_scaling.original_max_position_embeddings": _r(1, opt=True),
+    "model.rope_scaling.beta_fast": POSF, "model.rope_scaling.beta_slow": POSF,
+    "model.rope_scaling.attention_factor": _r(0, gt=True, opt=True, int_=False),
+    "model.rope_scaling.mscale": _r(0, opt=True, int_=False), "model.rope_scaling.mscale_all_dim": _r(0, opt=True, int_=False),
     # parallel
     "parallel.tp": POS, "parallel.pp": POS, "parallel.vpp": POS, "parallel.ep": POS, "parallel.cp": POS,
     "parallel.tp_comm_chunks": POS,
@@ -179,7 +185,6 @@ def _check_model_shapes(m: ModelConfig, p: ParallelConfig) -> None:
     # vocab-parallel embedding and head: each tp rank holds an equal block of rows
     _req(m.vocab_size % p.tp == 0, f"parallel.tp={p.tp} does not divide model.vocab_size={m.vocab_size}")
     _req(m.head_dim % 2 == 0 or m.position_embedding != "rope", "model head dim must be even for RoPE")  # RoPE rotates dim pairs
-    _req(m.kv_channels is None or m.kv_channels > 0, f"model.kv_channels={m.kv_channels} must be positive")
     if m.position_embedding == "rope":
         from megaframe.model.rope import scaling_problem  # the formulas' own requirements, next to them
 
