@@ -10,7 +10,6 @@ import pytest
 
 from megaframe.config import load_config
 from megaframe.model.gpt import GPT, build_model
-from megaframe.models.registry import FAMILIES, family_of, preset_family
 from megaframe.parallel.mesh import single_process_mesh
 from megaframe.parallel.virtual import virtual_mesh
 from megaframe.planning.layout import Layout, stage_params
@@ -25,6 +24,8 @@ def preset_config(preset: str, *more: str, world: int = 1):
 
 
 def test_every_preset_has_one_family():
+    from megaframe.models.registry import FAMILIES
+
     owners = {p: [f.name for f in FAMILIES.values() if p in f.presets] for p in PRESETS}
     assert all(len(v) == 1 for v in owners.values()), owners
     listed = {p for f in FAMILIES.values() for p in f.presets}
@@ -33,6 +34,8 @@ def test_every_preset_has_one_family():
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_param_counter_equals_the_built_model(preset):
+    from megaframe.models.registry import family_of, preset_family
+
     m = preset_config(preset).model
     spec = preset_family(preset)
     assert family_of(m) is spec
@@ -64,6 +67,8 @@ def test_stage_counts_equal_each_rank(preset, tp, pp, ep):
 
 
 def test_unexportable_config_names_each_family():
+    from megaframe.models.registry import FAMILIES, family_of
+
     m = preset_config("gpt_tiny", "model.norm=layernorm").model  # rmsnorm-less RoPE model: nobody's
     with pytest.raises(ValueError) as e:
         family_of(m)

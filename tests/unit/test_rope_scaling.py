@@ -15,7 +15,6 @@ import torch
 import megaframe
 from megaframe.config import load_config
 from megaframe.errors import ConfigError
-from megaframe.models.hf_rope import rope_from_hf
 
 ROOT = Path(__file__).resolve().parents[2]
 ORIGINAL = 32  # the "pretraining context": every test sequence runs to 4x past it
@@ -82,6 +81,8 @@ def test_import_matches_transformers_beyond_original_context(tmp_path, case):
 
     back = AutoModelForCausalLM.from_pretrained(str(tmp_path / "back"), local_files_only=True).eval()
     # every key the source set comes back equal (the export may spell out yarn's beta defaults too)
+    from megaframe.models.hf_rope import rope_from_hf
+
     got_params = back.config.rope_parameters
     assert all(got_params.get(k) == v for k, v in ref.config.rope_parameters.items() if v is not None)
     assert rope_from_hf(back.config) == rope_from_hf(ref.config)
