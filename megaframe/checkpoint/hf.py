@@ -2,7 +2,7 @@
 
 The facades here (family, to_hf, from_hf) dispatch to the family adapters registered in
 megaframe/models/registry.py (Llama and Qwen3 in models/<family>/hf.py; GPT-2's below; Mixtral's
-experts in hf_mixtral.py).
+experts in models/mixtral/hf.py).
 
 megaframe names and layouts (full, unsharded tensors; D hidden, V vocab rows, S seq_length,
 H query heads, K kv heads (num_query_groups), E head dim = D/H, F ffn_hidden_size):

@@ -1,5 +1,5 @@
 """Mixtral (Llama attention, every block a softmax top-k dropless MoE of SwiGLU experts)."""
-from megaframe.checkpoint import hf_mixtral as hf
+from megaframe.models.mixtral import hf
 from megaframe.models.spec import FamilySpec
 
 SPEC = FamilySpec(name="mixtral", hf_model_type="mixtral", hf_architecture="MixtralForCausalLM",
