@@ -108,7 +108,8 @@ def adopt_model(cfg, overrides: list[str]) -> list[str]:
             except ValueError as e:
                 raise ConfigError(f"checkpoint.resume={path}: its model.{f.name}={theirs!r} is not one of "
                                   f"{', '.join(enums[f.name])}") from e
-        if _sets(mine, f.name) and current is not None:  # None is unset: the checkpoint's value is no contradiction
+        # None is unset: the checkpoint's value is no contradiction
+        if _sets(mine, f.name) and current is not None:
             if current != theirs and f.name not in SOFT:
                 raise ConfigError(contradiction(f.name, current, theirs, saved.get("name"), overrides, path))
         elif current != theirs:

@@ -27,7 +27,7 @@ from megaframe.schema import ModelConfig
 
 
 def rope_tables(seq: int, dim: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos_SE, sin_SE for the non-interleaved (rotate-half) RoPE used by Llama (plain: model/rope.py scales)."""
+    """cos_SE, sin_SE for the rotate-half RoPE used by Llama (plain; model/rope.py scales)."""
     return rope.rope_tables(seq, dim, theta, device)
 
 

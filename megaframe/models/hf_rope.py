@@ -36,17 +36,20 @@ def rope_from_hf(cfg) -> tuple[float, RopeScalingConfig]:
     reproduce exactly (dynamic NTK rescales per call length, longrope switches tables by length)."""
     params = dict(getattr(cfg, "rope_parameters", None) or {})
     if not params:  # transformers 4: rope_theta beside an optional rope_scaling dict
-        params = {"rope_theta": getattr(cfg, "rope_theta", 10000.0), **(getattr(cfg, "rope_scaling", None) or {})}
+        scaling = getattr(cfg, "rope_scaling", None) or {}
+        params = {"rope_theta": getattr(cfg, "rope_theta", 10000.0), **scaling}
     kind = params.get("rope_type", params.get("type", "default"))
     if kind not in FIELDS:
-        raise ValueError(f"RoPE scaling {kind!r} is not supported (supported: {', '.join(FIELDS)}): "
-                         f"its frequencies depend on each call's length, so no fixed table reproduces it"
-                         if kind == "dynamic" else f"RoPE scaling {kind!r} is not supported "
-                         f"(supported: {', '.join(FIELDS)})")
+        why = (": its frequencies follow each call's length, so no fixed table reproduces it"
+               if kind == "dynamic" else "")
+        raise ValueError(f"RoPE scaling {kind!r} is not supported (supported: {', '.join(FIELDS)}){why}")
+    if kind == "yarn" and params.get("factor") is None:  # DeepSeek-style: transformers derives it
+        params["factor"] = cfg.max_position_embeddings / params["original_max_position_embeddings"]
     if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError(f"partial_rotary_factor={params['partial_rotary_factor']} is not supported (full RoPE only)")
+        raise ValueError(f"partial_rotary_factor={params['partial_rotary_factor']} is not supported "
+                         "(megaframe rotates the whole head)")
     names = {f.name: f for f in dataclasses.fields(RopeScalingConfig)}
     fields = {k: params[k] for k in FIELDS[kind] if params.get(k) is not None}
-    fields = {k: (int(v) if k == "original_max_position_embeddings" else bool(v) if k == "truncate" else float(v))
-              for k, v in fields.items() if k in names}
+    cast = {"original_max_position_embeddings": int, "truncate": bool}
+    fields = {k: cast.get(k, float)(v) for k, v in fields.items() if k in names}
     return float(params.get("rope_theta", 10000.0)), RopeScalingConfig(rope_type=RopeType(kind), **fields)

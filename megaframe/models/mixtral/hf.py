@@ -1,4 +1,4 @@
-"""Mixtral's MoE tensors <-> megaframe's (the attention, norms and embeddings are Llama's: models/llama/hf.py).
+"""Mixtral's MoE tensors <-> megaframe's (attention, norms and embeddings are Llama's: models/llama/hf.py).
 
 megaframe, per layer i (E experts, F expert width, D hidden):
     layers.{i}.mlp.router.weight              [E, D]
