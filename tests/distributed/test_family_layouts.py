@@ -1,6 +1,6 @@
 """Qwen3 (per-head q/k norms, a head dim apart from hidden/heads, tied embeddings) and llama3-scaled RoPE
 train like one process under tp (with and without sp: the q/k norm weights see only their rank's heads),
-pp (the tied embedding on both pipeline ends), ZeRO-3 dp2 and cp2: losses, step-1 grads, final weights."""
+pp (the tied embedding on both pipeline ends), ZeRO-3 dp2, cp2 and tp2·dp2 under ZeRO-1: losses, step-1 grads, final weights."""
 import pytest
 
 from tests.distributed.cases import train_and_report
@@ -18,6 +18,8 @@ CASES = [("qwen3-tp2", QWEN3, 2, dict(tp=2), ["parallel.tp=2"]),
          ("qwen3-pp2", QWEN3, 2, dict(pp=2), ["parallel.pp=2"]),
          ("qwen3-zero3-dp2", QWEN3, 2, {}, ["optim.zero=3"]),
          ("qwen3-cp2", QWEN3, 2, dict(cp=2), ["parallel.cp=2"]),
+         # the q/k norms' tp-summed grads then reduced and sharded over dp by ZeRO-1
+         ("qwen3-tp2-dp2-sp-zero1", QWEN3, 4, dict(tp=2), ["parallel.tp=2", "parallel.sp=true", "optim.zero=1"]),
          ("llama3-rope-tp2-sp", LLAMA3, 2, dict(tp=2), ["parallel.tp=2", "parallel.sp=true"])]
 _reference: dict = {}
 
