@@ -25,6 +25,15 @@ class PositionEmbedding(StrEnum):
     learned = "learned"
 
 
+class RopeType(StrEnum):
+    """model.rope_scaling.rope_type: transformers' rope_type names (the ones a fixed table reproduces exactly;
+    `dynamic` rescales with each call's length, so no trained table equals it)."""
+    default = "default"
+    linear = "linear"
+    llama3 = "llama3"
+    yarn = "yarn"
+
+
 class RouterScore(StrEnum):
     """model.moe_router_score."""
     softmax = "softmax"

@@ -67,6 +67,14 @@ FIELD_RULES: dict[str, Rule] = {
     "model.moe_z_loss_coeff": NONNEGF, "model.moe_bias_update_rate": NONNEGF,
     "model.moe_capacity_factor": _r(0, gt=True, opt=True, int_=False), "model.dropout": UNIT,
     "model.rope_theta": POSF, "model.norm_eps": POSF, "model.init_std": POSF,
+    "model.kv_channels": _r(1, opt=True),
+    "model.rope_scaling.factor": POSF, "model.rope_scaling.low_freq_factor": POSF,
+    "model.rope_scaling.high_freq_factor": POSF,
+    "model.rope_scaling.original_max_position_embeddings": _r(1, opt=True),
+    "model.rope_scaling.beta_fast": POSF, "model.rope_scaling.beta_slow": POSF,
+    "model.rope_scaling.attention_factor": _r(0, gt=True, opt=True, int_=False),
+    "model.rope_scaling.mscale": _r(0, opt=True, int_=False),
+    "model.rope_scaling.mscale_all_dim": _r(0, opt=True, int_=False),
     # parallel
     "parallel.tp": POS, "parallel.pp": POS, "parallel.vpp": POS, "parallel.ep": POS, "parallel.cp": POS,
     "parallel.tp_comm_chunks": POS,
@@ -167,7 +175,7 @@ def _check_allowed_changes(cfg: Config) -> None:
 
 def _check_model_shapes(m: ModelConfig, p: ParallelConfig) -> None:
     """The model's shapes: heads and widths that split evenly over the tp ranks."""
-    _req(m.hidden_size % m.num_attention_heads == 0,
+    _req(m.kv_channels is not None or m.hidden_size % m.num_attention_heads == 0,
          f"model.hidden_size={m.hidden_size} is not divisible by model.num_attention_heads={m.num_attention_heads}")
     _req(m.num_attention_heads % m.kv_heads == 0,
          f"model.num_query_groups={m.kv_heads} does not divide model.num_attention_heads={m.num_attention_heads}")
@@ -179,6 +187,11 @@ def _check_model_shapes(m: ModelConfig, p: ParallelConfig) -> None:
     # vocab-parallel embedding and head: each tp rank holds an equal block of rows
     _req(m.vocab_size % p.tp == 0, f"parallel.tp={p.tp} does not divide model.vocab_size={m.vocab_size}")
     _req(m.head_dim % 2 == 0 or m.position_embedding != "rope", "model head dim must be even for RoPE")  # RoPE rotates dim pairs
+    if m.position_embedding == "rope":
+        from megaframe.model.rope import scaling_problem  # the formulas' own requirements, next to them
+
+        problem = scaling_problem(m.rope_scaling)
+        _req(problem is None, f"model.rope_scaling: {problem}")
     _req(0.0 <= m.dropout < 1.0, f"model.dropout={m.dropout} must be in [0, 1)")
     if p.sp:
         # sp splits the sequence evenly over the tp ranks

@@ -24,6 +24,7 @@ from megaframe.choices import (  # noqa: F401  (re-exported: the schema's public
     PositionEmbedding,
     Precision,
     Recompute,
+    RopeType,
     RouterScore,
     SaveErrorPolicy,
     ScheduleKind,
@@ -38,6 +39,35 @@ CONF_DIR = ROOT / "conf"
 def enum_fields(cls: type) -> dict[str, type[Enum]]:
     """The Enum-typed fields of a schema dataclass, name -> Enum (to type values set after composition)."""
     return {k: t for k, t in get_type_hints(cls).items() if isinstance(t, type) and issubclass(t, Enum)}
+
+
+@dataclass
+class RopeScalingConfig:
+    """RoPE frequency scaling as Hugging Face defines it (transformers' `rope_scaling` / `rope_parameters`):
+    the inverse frequencies change, positions stay integers. Imported from and exported to HF configs."""
+    rope_type: RopeType = RopeType.default
+    """default (plain RoPE) | linear (every frequency / factor) | llama3 (Llama 3.1: low frequencies / factor,
+    high kept, a smooth ramp between) | yarn (YaRN's ramp by rotations, cos/sin times attention_factor)."""
+    factor: float = 1.0
+    """Context extension factor (linear, llama3, yarn)."""
+    low_freq_factor: float = 1.0  # Llama 3.1's value
+    """llama3: wavelengths above original_max_position_embeddings / low_freq_factor are divided by factor."""
+    high_freq_factor: float = 4.0  # Llama 3.1's value
+    """llama3: wavelengths below original_max_position_embeddings / high_freq_factor are kept."""
+    original_max_position_embeddings: Optional[int] = None
+    """The context the model was pretrained with (llama3, yarn: required)."""
+    beta_fast: float = 32.0  # the YaRN paper's value
+    """yarn: rotations at which frequencies start being kept."""
+    beta_slow: float = 1.0  # the YaRN paper's value
+    """yarn: rotations below which frequencies are fully interpolated."""
+    attention_factor: Optional[float] = None
+    """yarn: cos/sin scale; None = 0.1 * ln(factor) + 1 (the paper's), or from mscale/mscale_all_dim."""
+    mscale: Optional[float] = None
+    """yarn (DeepSeek): attention_factor = get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)."""
+    mscale_all_dim: Optional[float] = None
+    """yarn (DeepSeek): see mscale."""
+    truncate: bool = True
+    """yarn: round the correction range to whole dims (transformers' default; gpt-oss sets false)."""
 
 
 @dataclass
@@ -94,6 +124,12 @@ class ModelConfig:
     """Biases on linear layers (GPT-2 style)."""
     rope_theta: float = 10000.0  # RoFormer's base, as in Llama 1/2
     """RoPE base."""
+    rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
+    """RoPE frequency scaling (Llama 3.1/3.2, YaRN, linear); rope_type=default is plain RoPE."""
+    kv_channels: Optional[int] = None
+    """Head dim E (Megatron's name); None = hidden_size / num_attention_heads. Qwen3 sets it (heads * E != D)."""
+    qk_norm: bool = False
+    """RMSNorm over each head's query and key (weights [E], shared by the heads) before RoPE (Qwen3)."""
     norm_eps: float = 1e-5
     """Epsilon of the norms."""
     init_std: float = 0.02  # GPT-2's and Megatron's default
@@ -105,7 +141,7 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
 
     @property
     def expert_ffn(self) -> int:

@@ -40,6 +40,8 @@ def read_checkpoint(step: Path, meta: dict):
     """(ModelConfig, {megaframe name: full tensor}, data config dict) of a verified step folder."""
     import dataclasses
 
+    from omegaconf import OmegaConf
+
     from megaframe.checkpoint import sharded
     from megaframe.config import ModelConfig
 
@@ -47,7 +49,10 @@ def read_checkpoint(step: Path, meta: dict):
     if "model" not in config:
         raise ValueError(f"{step}: metadata.json carries no model config")
     known = {f.name for f in dataclasses.fields(ModelConfig)}
-    model_cfg = ModelConfig(**{k: v for k, v in config["model"].items() if k in known})
+    # merged onto the schema: nested groups (rope_scaling) become dataclasses, keys a checkpoint predates
+    # keep their defaults
+    model_cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig),
+                                                    {k: v for k, v in config["model"].items() if k in known}))
     state = {k.removeprefix("model/"): sharded.load_full(step, k, meta)
              for k in meta["tensors"] if k.startswith("model/")}
     if not state:

@@ -100,13 +100,16 @@ def adopt_model(cfg, overrides: list[str]) -> list[str]:
         if f.name not in saved:
             continue
         theirs, current = saved[f.name], getattr(cfg.model, f.name)
+        if dataclasses.is_dataclass(current):  # a nested group (rope_scaling): typed as Hydra would type it
+            theirs = _group(type(current), theirs, path, f.name)
         if f.name in enums:  # typed as Hydra would have typed it: the checkpoint records plain strings
             try:
                 theirs = enums[f.name](theirs)
             except ValueError as e:
                 raise ConfigError(f"checkpoint.resume={path}: its model.{f.name}={theirs!r} is not one of "
                                   f"{', '.join(enums[f.name])}") from e
-        if f.name in mine and current is not None:  # None is unset: the checkpoint's value is no contradiction
+        # None is unset: the checkpoint's value is no contradiction
+        if _sets(mine, f.name) and current is not None:
             if current != theirs and f.name not in SOFT:
                 raise ConfigError(contradiction(f.name, current, theirs, saved.get("name"), overrides, path))
         elif current != theirs:
@@ -114,6 +117,23 @@ def adopt_model(cfg, overrides: list[str]) -> list[str]:
             taken.append(f.name)
     cfg.model = dataclasses.replace(cfg.model, **changes)
     return taken
+
+
+def _sets(mine: set[str], name: str) -> bool:
+    """Whether the command line sets model.NAME, or a field inside it (model.rope_scaling.factor=...)."""
+    return name in mine or any(k.startswith(name + ".") for k in mine)
+
+
+def _group(cls, theirs, path: str, name: str):
+    """A nested model group recorded as a dict, as its dataclass (keys it predates keep their defaults)."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls), theirs))
+    except (OmegaConfBaseException, ValueError, TypeError) as e:
+        raise ConfigError(f"checkpoint.resume={path}: its model.{name}={theirs!r} is not valid "
+                          f"({str(e).splitlines()[0]})") from None
 
 
 def contradiction(name: str, mine, theirs, saved_preset, overrides: list[str], path: str) -> str:

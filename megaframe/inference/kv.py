@@ -50,7 +50,7 @@ def _attend(attn, x_SBD: torch.Tensor, rope, cache: KVCache, layer: int) -> torc
     h, k, e = attn.heads, attn.groups, attn.head_dim
     pos = cache.length
     q, kk, v = qkv_SBX.split([h * e, k * e, k * e], dim=-1)
-    q_SBHE, k_SBKE = q.view(s, b, h, e), kk.view(s, b, k, e)
+    q_SBHE, k_SBKE = attn.norm_qk(q.view(s, b, h, e), kk.view(s, b, k, e))
     if rope is not None:
         # absolute positions: the new tokens continue at the cache's length
         cos_S11E, sin_S11E = rope[0][pos:pos + s, None, None, :], rope[1][pos:pos + s, None, None, :]

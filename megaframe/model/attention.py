@@ -14,7 +14,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from megaframe.layers.linear import ColumnParallelLinear, RowParallelLinear
+from megaframe.layers.norm import Norm
 from megaframe.layers.rng import tp_distinct
+from megaframe.model import rope
 from megaframe.model.documents import DocContext, doc_flex_attention
 from megaframe.parallel import comm
 from megaframe.parallel.context import cp_causal_bias
@@ -25,12 +27,8 @@ from megaframe.schema import ModelConfig
 
 
 def rope_tables(seq: int, dim: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos_SE, sin_SE for the non-interleaved (rotate-half) RoPE used by Llama."""
-    # fp32 tables: at long positions bf16 angles would be off by whole radians.
-    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
-    ang = torch.outer(torch.arange(seq, dtype=torch.float32, device=device), inv)
-    ang = torch.cat([ang, ang], dim=-1)
-    return ang.cos(), ang.sin()
+    """cos_SE, sin_SE for the rotate-half RoPE used by Llama (plain; model/rope.py scales)."""
+    return rope.rope_tables(seq, dim, theta, device)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -65,13 +63,24 @@ class Attention(nn.Module):
         self.qkv = ColumnParallelLinear(cfg.hidden_size, [cfg.num_attention_heads * e, cfg.kv_heads * e,
                                                           cfg.kv_heads * e], tp, sp, cfg.bias, device)
         self.out_proj = RowParallelLinear(cfg.num_attention_heads * e, cfg.hidden_size, tp, sp, cfg.bias, device)
+        if cfg.qk_norm:
+            # [E] weights shared by every head; each tp rank normalises only its own heads, so the grads are
+            # partial over tp (summed before the step) whenever tp > 1, sp or not
+            self.q_norm = Norm("rmsnorm", e, cfg.norm_eps, tp.size > 1, device)
+            self.k_norm = Norm("rmsnorm", e, cfg.norm_eps, tp.size > 1, device)
+
+    def norm_qk(self, q_SBHE: torch.Tensor, k_SBKE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Qwen3's per-head RMSNorm of queries and keys (model.qk_norm), before RoPE; else as they are."""
+        if not hasattr(self, "q_norm"):
+            return q_SBHE, k_SBKE
+        return self.q_norm(q_SBHE), self.k_norm(k_SBKE)
 
     def forward(self, x_SBD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         qkv_SBX = self.qkv(x_SBD)
         s, b = qkv_SBX.shape[:2]
         h, k, e = self.heads, self.groups, self.head_dim
         q, kk, v = qkv_SBX.split([h * e, k * e, k * e], dim=-1)
-        q_SBHE, k_SBKE = q.view(s, b, h, e), kk.view(s, b, k, e)
+        q_SBHE, k_SBKE = self.norm_qk(q.view(s, b, h, e), kk.view(s, b, k, e))
         # rope: (cos_SE, sin_SE); under document masking (cos_SB1E, sin_SB1E, DocContext), cos None for learned
         cos, sin = rope[:2] if rope is not None else (None, None)
         doc = rope[2] if rope is not None and len(rope) == 3 else None

@@ -22,9 +22,10 @@ from megaframe.layers.norm import Norm
 from megaframe.layers.rng import tp_distinct
 from megaframe.layers.shard import InitSpec, Shard, init_model, sharded_param
 from megaframe.layers.vocab import VocabParallelEmbedding, parallel_logits, vocab_parallel_cross_entropy
-from megaframe.model.attention import Attention, rope_tables
+from megaframe.model.attention import Attention
 from megaframe.model.documents import DocContext, document_context, rope_at
 from megaframe.model.moe import MoE
+from megaframe.model.rope import rope_tables
 from megaframe.optim.build import PARAM_DTYPES
 from megaframe.parallel.context import cp_positions
 from megaframe.parallel.mesh import Mesh
@@ -141,7 +142,7 @@ class GPT(nn.Module):
         self.positions = cp_positions(cfg.seq_length, mesh.cp.size, mesh.cp.rank, device)
         self.rope = None
         if cfg.position_embedding == "rope":
-            cos, sin = rope_tables(cfg.seq_length, cfg.head_dim, cfg.rope_theta, device)
+            cos, sin = rope_tables(cfg.seq_length, cfg.head_dim, cfg.rope_theta, device, cfg.rope_scaling)
             self.rope = (cos[self.positions], sin[self.positions]) if mesh.cp.size > 1 else (cos, sin)
             self.rope_whole = (cos, sin)  # document masking gathers rows at positions within documents
         self.drop = nn.Dropout(cfg.dropout)

@@ -73,23 +73,16 @@ def cp_ring(cfg: Config) -> bool:
 
 
 def layer_params(m, tp: int, ep: int) -> tuple[int, int]:
-    """(dense, expert) parameters of one block on one rank."""
-    d, e = m.hidden_size, m.head_dim
-    attn = (d * (m.num_attention_heads + 2 * m.kv_heads) * e + m.num_attention_heads * e * d) // tp
-    norms = 2 * d * (2 if m.norm == "layernorm" else 1)
-    if m.num_experts:
-        return attn + norms + m.num_experts * d, (m.num_experts // ep) * 3 * d * m.expert_ffn
-    per = 3 if m.activation == "swiglu" else 2
-    return attn + norms + per * d * m.ffn_hidden_size // tp, 0
+    """(dense, expert) parameters of one block on one rank: the model family's counter (models/counts.py)."""
+    from megaframe.models.registry import counting_family
+
+    return counting_family(m).layer_params(m, tp, ep)
 
 
 def stage_params(m, lay: Layout, first: bool, last: bool) -> tuple[int, int]:
-    """(dense, expert) parameters of the first or last pipeline rank."""
+    """(dense, expert) parameters of the first or last pipeline rank (the family's counters)."""
+    from megaframe.models.registry import counting_family
+
     layers = m.num_layers // lay.pp
     dense, expert = (layers * x for x in layer_params(m, lay.tp, lay.ep))
-    table = m.vocab_size * m.hidden_size // lay.tp
-    if first:
-        dense += table + (m.seq_length * m.hidden_size if m.position_embedding == "learned" else 0)
-    if last:
-        dense += m.hidden_size + (table if not (first and m.tie_embeddings) else 0)
-    return dense, expert
+    return dense + counting_family(m).outside_params(m, lay.tp, first, last), expert

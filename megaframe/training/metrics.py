@@ -57,21 +57,18 @@ def gpu_peak(name: str) -> float:
 
 
 def matmul_params(cfg: ModelConfig) -> int:
-    """N_matmul of the module docstring: matmul weights one token meets (MoE: only its top_k experts)."""
-    d, e = cfg.hidden_size, cfg.head_dim
-    attn = d * (cfg.num_attention_heads + 2 * cfg.kv_heads) * e + cfg.num_attention_heads * e * d
-    per_expert = 3 if cfg.activation == "swiglu" else 2
-    if cfg.num_experts > 0:
-        mlp = cfg.moe_top_k * per_expert * d * cfg.expert_ffn + d * cfg.num_experts  # active experts + router
-    else:
-        mlp = per_expert * d * cfg.ffn_hidden_size
-    return cfg.num_layers * (attn + mlp) + cfg.vocab_size * d
+    """N_matmul of the module docstring: matmul weights one token meets (MoE: only its top_k experts), as
+    the model family counts them (models/counts.py)."""
+    from megaframe.models.registry import counting_family
+
+    return counting_family(cfg).matmul_params(cfg)
 
 
 def flops_per_token(cfg: ModelConfig, causal: bool = False) -> float:
-    """Model FLOPs per trained token (forward + backward), the module docstring's formula."""
-    attn_core = 12 * cfg.num_layers * cfg.seq_length * cfg.num_attention_heads * cfg.head_dim
-    return 6 * matmul_params(cfg) + (attn_core / 2 if causal else attn_core)
+    """Model FLOPs per trained token (forward + backward), the module docstring's formula (the family's)."""
+    from megaframe.models.registry import counting_family
+
+    return counting_family(cfg).flops_per_token(cfg, causal)
 
 
 def throughput_figures(tokens_per_s: float, fpt: float, world: int, peak: float) -> dict[str, float]:

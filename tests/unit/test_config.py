@@ -22,7 +22,11 @@ model.moe_aux_loss_coeff model.moe_bias_update_rate model.moe_capacity_factor mo
 model.moe_ffn_hidden_size model.moe_router_score model.moe_top_k model.moe_z_loss_coeff model.name model.norm
 model.norm_eps model.num_attention_heads model.num_experts
 model.num_layers model.num_query_groups model.position_embedding model.rope_theta model.seq_length
-model.tie_embeddings model.vocab_size
+model.tie_embeddings model.vocab_size model.kv_channels model.qk_norm
+model.rope_scaling.rope_type model.rope_scaling.factor model.rope_scaling.low_freq_factor
+model.rope_scaling.high_freq_factor model.rope_scaling.original_max_position_embeddings
+model.rope_scaling.beta_fast model.rope_scaling.beta_slow model.rope_scaling.attention_factor
+model.rope_scaling.mscale model.rope_scaling.mscale_all_dim model.rope_scaling.truncate
 optim.beta1 optim.beta2 optim.bucket_size_mb optim.clip_grad optim.eps optim.lr optim.min_lr optim.warmup_steps
 optim.weight_decay optim.zero optim.shard_group_size optim.overlap_param_gather optim.reshard_after_forward
 optim.lr_schedule optim.lr_decay_steps optim.wsd_decay_fraction optim.grad_reduce_dtype
@@ -46,18 +50,10 @@ def flatten(d: dict, prefix: str = "") -> list[str]:
 
 
 def param_count(m: ModelConfig) -> int:
-    """Parameters computed from the dims alone: embeddings + layers + final norm + head."""
-    d, e, h, kv, f, v = m.hidden_size, m.head_dim, m.num_attention_heads, m.kv_heads, m.ffn_hidden_size, m.vocab_size
-    b = int(m.bias)
-    branches = 2 if m.activation == "swiglu" else 1
-    norm = d * (2 if m.norm == "layernorm" else 1)
-    attn = d * (h + 2 * kv) * e + b * (h + 2 * kv) * e + h * e * d + b * d
-    mlp = d * f * branches + b * f * branches + f * d + b * d
-    if m.num_experts:  # router + E stacked SwiGLU experts
-        mlp = m.num_experts * d + m.num_experts * 3 * d * m.expert_ffn
-    emb = v * d + (m.seq_length * d if m.position_embedding == "learned" else 0)
-    head = 0 if m.tie_embeddings else v * d
-    return emb + m.num_layers * (attn + mlp + 2 * norm) + norm + head
+    """Parameters computed from the dims alone: the model family's counter (megaframe/models/counts.py)."""
+    from megaframe.models.registry import counting_family
+
+    return counting_family(m).total_params(m)
 
 
 def one_line_error(overrides, world_size=1, **kw) -> str:

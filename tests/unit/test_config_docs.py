@@ -18,8 +18,9 @@ def test_config_md_is_generated_from_the_schema():
 
 def test_every_config_key_is_documented():
     text = gen.OUT.read_text()
-    leaves = {k for k in schema_keys() if k not in {"model", "parallel", "train", "optim", "data", "checkpoint",
-                                                     "logging", "logging.wandb", "run"}}
+    keys = schema_keys()
+    # a group (model, logging.wandb, model.rope_scaling) is documented through its fields
+    leaves = {k for k in keys if not any(other.startswith(k + ".") for other in keys)}
     assert {k for k in leaves if f"| `{k}` |" not in text} == set()
 
 

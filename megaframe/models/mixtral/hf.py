@@ -1,4 +1,4 @@
-"""Mixtral's MoE tensors <-> megaframe's (the attention, norms and embeddings are Llama's; hf.py).
+"""Mixtral's MoE tensors <-> megaframe's (attention, norms and embeddings are Llama's: models/llama/hf.py).
 
 megaframe, per layer i (E experts, F expert width, D hidden):
     layers.{i}.mlp.router.weight              [E, D]
@@ -89,3 +89,57 @@ def mixtral_state(cfg, sd: dict) -> dict[str, torch.Tensor]:
             [torch.cat([sd[f"{moe}experts.{k}.w1.weight"], sd[f"{moe}experts.{k}.w3.weight"]]) for k in e])
         out[f"{mine}mlp.experts.down_proj.weight"] = torch.stack([sd[f"{moe}experts.{k}.w2.weight"] for k in e])
     return out
+
+
+def mismatch(m) -> list[str]:
+    """Why the ModelConfig `m` is not a Mixtral ([] when MixtralForCausalLM computes what it computes)."""
+    why = []
+    style = (m.norm, m.activation, m.position_embedding)
+    if not m.num_experts:
+        why.append("model.num_experts=0 (Mixtral is a MoE)")
+    if style != ("rmsnorm", "swiglu", "rope"):
+        why.append(f"norm/activation/positions {'/'.join(map(str, style))} (Mixtral: rmsnorm/swiglu/rope)")
+    if m.moe_router_score != "softmax":
+        why.append(f"model.moe_router_score={m.moe_router_score} (Mixtral: softmax)")
+    if m.moe_expert_bias:
+        why.append("model.moe_expert_bias=true (Mixtral selects by the plain scores)")
+    if m.moe_capacity_factor is not None:
+        why.append(f"model.moe_capacity_factor={m.moe_capacity_factor} (Mixtral is dropless)")
+    if m.bias:
+        why.append("model.bias=true (Mixtral has no biases)")
+    if m.qk_norm:
+        why.append("model.qk_norm=true (Mixtral has no q/k norms)")
+    return why
+
+
+def to_hf(m, state: dict, eos=None, bos=None):
+    from transformers import MixtralConfig
+
+    from megaframe.models.hf_rope import rope_config
+    from megaframe.models.llama.hf import LLAMA_TOP, common_kw, layer_out, split_layer_key
+
+    kw = dict(common_kw(m, eos, bos), intermediate_size=m.expert_ffn, num_local_experts=m.num_experts,
+              num_experts_per_tok=m.moe_top_k,
+              # no jitter, no sliding window: the export must compute exactly what megaframe's router and attention compute
+              router_aux_loss_coef=m.moe_aux_loss_coeff, router_jitter_noise=0.0, sliding_window=None)
+    sd = {}
+    for name, t in state.items():
+        t, split = t.detach().cpu(), split_layer_key(name)
+        if split is None:
+            if name not in LLAMA_TOP:
+                raise ValueError(f"unexpected megaframe tensor {name!r} for a mixtral export")
+            sd[LLAMA_TOP[name]] = t
+        elif split[1] == "mlp.router.expert_bias":
+            continue  # a selection-only buffer, unused (zero) when model.moe_expert_bias is off
+        elif split[1] in MIXTRAL_MOE:
+            sd.update(experts_out(*split, t))
+        else:
+            sd.update(layer_out(m, *split, t))
+    return rope_config(MixtralConfig, kw, m.rope_theta, m.rope_scaling, "MixtralForCausalLM"), sd
+
+
+def from_hf(cfg, sd: dict):
+    from megaframe.models.hf_rope import rope_from_hf
+
+    theta, scaling = rope_from_hf(cfg)
+    return dict(mixtral_fields(cfg, theta), rope_scaling=scaling), mixtral_state(cfg, sd)
