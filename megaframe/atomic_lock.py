@@ -230,3 +230,74 @@ class OwnerLock:
             if (self.holder() or {}).get("token") == self.mine["token"]:
                 self.path.unlink(missing_ok=True)
             self.mine = None
+
+
+class Moved(Exception):
+    """The flocked file is no longer at its path: its folder was renamed away (published) or removed."""
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        return os.stat(path).st_ino == os.fstat(fd).st_ino
+    except FileNotFoundError:
+        return False
+
+
+class SharedFlock:
+    """A flock on a file inside a folder that may be renamed away (a partial folder being published): the
+    kernel drops it when its holder dies, so it is never stale. Exclusive: one owner; shared: any number,
+    until one of them asks for it exclusively (exclusive(): it waits for the others to leave). Holders note
+    their identity in the file, so a refused process names one. After every wait the file is checked to
+    still be the one at the path (else Moved): a process that waited while the folder was published must
+    not take the lock of a folder that no longer exists, nor create one in its place."""
+
+    def __init__(self, path: str | Path, shared: bool = False, wait: bool = False):
+        self.path, self.shared = Path(path), shared
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)  # FileNotFoundError: no folder
+        try:
+            fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | (0 if wait else fcntl.LOCK_NB))
+            if not _same_file(fd, self.path):
+                raise Moved(str(self.path))
+        except BlockingIOError:
+            os.close(fd)
+            raise LockBusy(live_holder(self.path)) from None
+        except BaseException:
+            os.close(fd)
+            raise
+        self.fd = fd
+        self._note()
+
+    def _note(self) -> None:
+        if not self.shared:
+            os.ftruncate(self.fd, 0)  # the sole owner: earlier holders' lines are history
+        os.write(self.fd, (json.dumps(identity()) + "\n").encode())  # O_APPEND: sharers' lines never mix
+
+    def exclusive(self, wait: bool = True) -> bool:
+        """Become the only holder (waiting for the sharers to leave unless not `wait`); False when another
+        still holds it; Moved when the folder went away meanwhile."""
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            return False
+        if not _same_file(self.fd, self.path):
+            raise Moved(str(self.path))
+        self.shared = False
+        self._note()
+        return True
+
+    def release(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def live_holder(path: Path) -> dict | None:
+    """The newest holder noted in a SharedFlock's file that is not known to be gone."""
+    try:
+        lines = Path(path).read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    for h in filter(None, map(lambda s: _parse(s.encode()), reversed(lines))):
+        if h.get("host") != socket.gethostname() or pid_gone(h) is None:
+            return h
+    return None
