@@ -22,7 +22,7 @@ from pathlib import Path
 
 from megaframe.atomic_lock import LockBusy, OwnerLock, describe, job_id, pid_gone, restart_count
 
-__all__ = ["LOCK_NAME", "RunDirBusy", "RunLock", "job_id", "restart_count", "slurm_job_gone"]
+__all__ = ["LOCK_NAME", "RunDirBusy", "RunLock", "holder_gone", "job_id", "restart_count", "slurm_job_gone"]
 
 LOCK_NAME = "megaframe.lock"
 
@@ -67,12 +67,35 @@ def slurm_job_gone(job: str) -> str | None:
     return None
 
 
+def holder_gone(holder: dict | None, age: float) -> str | None:
+    """Why a lock's holder is gone (the lock may be taken over), or None while it may be alive: the
+policy of every megaframe.lock (atomic_lock.OwnerLock), also of the tools' locks."""
+    if holder is None:
+        # half-written by a taker that died at once, or garbage: stale only once it is old
+        # 60 s: far longer than a taker needs from O_EXCL to its fsynced write: a live one is not robbed
+        return "unreadable lock file" if age > 60 else None
+    if holder.get("host") == socket.gethostname():
+        # this host: the pid decides, whatever job id the lock names (one allocation runs several steps)
+        return pid_gone(holder)
+    mine, job = job_id(), str(holder.get("job") or "")
+    restart = holder.get("restart")
+    if mine and job == mine and isinstance(restart, int) and restart < restart_count():
+        return f"an earlier run of this job {mine} (restart {restart}, now {restart_count()})"
+    if job and job != mine:
+        return slurm_job_gone(job)
+    return None
+
+
 class RunLock:
-    def __init__(self, run_dir: str | Path, key: str = "run.dir"):
-        self.path = Path(run_dir) / LOCK_NAME
+    """One writer of a folder. beside=True keeps the lock out of the folder (`.NAME.lock` next to it), for
+    a folder replaced whole at the end (export_hf's output)."""
+
+    def __init__(self, run_dir: str | Path, key: str = "run.dir", beside: bool = False):
+        self.folder = Path(run_dir)
+        self.path = self.folder.with_name(f".{self.folder.name}.lock") if beside else self.folder / LOCK_NAME
         self.key = key  # the config key the folder came from, for the messages
-        self.lock = OwnerLock(self.path, self._stale, warn=lambda why: print(
-            f"megaframe: warning: taking over the lock of {self.key}={self.path.parent} ({why})", flush=True))
+        self.lock = OwnerLock(self.path, holder_gone, warn=lambda why: print(
+            f"megaframe: warning: taking over the lock of {self.key}={self.folder} ({why})", flush=True))
 
     @property
     def held(self) -> bool:
@@ -85,30 +108,13 @@ class RunLock:
             self.lock.acquire()
         except LockBusy as e:
             raise RunDirBusy(self._busy(e.holder) if str(e) == describe(e.holder) else
-                             f"{self.key}={self.path.parent}: {e}") from None
+                             f"{self.key}={self.folder}: {e}") from None
         return self
-
-    def _stale(self, holder: dict | None, age: float) -> str | None:
-        """Why the holder is gone (the lock may be taken over), or None while it may be alive."""
-        if holder is None:
-            # half-written by a taker that died at once, or garbage: stale only once it is old
-            # 60 s: far longer than a taker needs from O_EXCL to its fsynced write: a live one is not robbed
-            return "unreadable lock file" if age > 60 else None
-        if holder.get("host") == socket.gethostname():
-            # this host: the pid decides, whatever job id the lock names (one allocation runs several steps)
-            return pid_gone(holder)
-        mine, job = job_id(), str(holder.get("job") or "")
-        restart = holder.get("restart")
-        if mine and job == mine and isinstance(restart, int) and restart < restart_count():
-            return f"an earlier run of this job {mine} (restart {restart}, now {restart_count()})"
-        if job and job != mine:
-            return slurm_job_gone(job)
-        return None
 
     def _busy(self, h: dict | None) -> str:
         if h is None:
-            return f"{self.key}={self.path.parent} is locked by another job ({self.path} is being written)"
-        return (f"{self.key}={self.path.parent} is in use by another run ({describe(h)}); pick another "
+            return f"{self.key}={self.folder} is locked by another job ({self.path} is being written)"
+        return (f"{self.key}={self.folder} is in use by another run ({describe(h)}); pick another "
                 f"{self.key}, or remove {self.path} if that run is gone")
 
     def release(self) -> None:
