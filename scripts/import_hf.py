@@ -194,7 +194,8 @@ def main(argv: list[str]) -> int:
         return fail(e)
     try:
         if sharded.committed(out) and not args.force:
-            return fail(f"{out} already holds checkpoints (pass --force to add step_00000000 and repoint latest)")
+            return fail(f"{out} already holds checkpoints (pass --force to add step_00000000 and repoint "
+                        "latest)")
         import_hf(args.hf_folder, out, args.overrides)
     except (ValueError, ConfigError) as e:
         return fail(" ".join(str(e).split()))

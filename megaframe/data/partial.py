@@ -58,8 +58,8 @@ def check_shards(work: Path, meta: dict) -> None:
             raise PrepareError(f"{work}: shard {Path(e.filename).name} named in meta.json is missing; "
                                "nothing was published (a re-run redoes its unit)") from None
         if size != s["num_tokens"] * width:
-            raise PrepareError(f"{work}: shard {s['file']} holds {size} bytes, not the {s['num_tokens'] * width} "
-                               "meta.json records; nothing was published")
+            raise PrepareError(f"{work}: shard {s['file']} holds {size} bytes, not the "
+                               f"{s['num_tokens'] * width} meta.json records; nothing was published")
 
 
 def publish(work: Path, out: Path, lock: SharedFlock, meta: dict) -> bool:

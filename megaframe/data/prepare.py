@@ -123,7 +123,8 @@ def _leave(work: Path, lock: SharedFlock, created: list[Path] | None) -> None:
     """Give the partial folder back; one this run created and left without shards is removed, unless
     another prepare is in it."""
     try:
-        if created is not None and lock.fd >= 0 and not any(work.glob("shard_*.bin")) and lock.exclusive(False):
+        empty = created is not None and lock.fd >= 0 and not any(work.glob("shard_*.bin"))
+        if empty and lock.exclusive(wait=False):
             shutil.rmtree(work, ignore_errors=True)
             for p in created:
                 with contextlib.suppress(OSError):
@@ -272,7 +273,8 @@ def _encode(cfg: Config, files: list[SourceFile], records: list[dict], tok_path:
             merge: bool = False) -> tuple[list[dict] | dict, float]:
     """Tokenize every unit (of this task's part, under data.num_tasks; none for a merge) not finished by an
     earlier run or another process, each under its lock (megaframe.data.partial); returns all shards in
-    stream order, or {"missing", "tasks"} while other tasks' units are not done, and the worker CPU seconds."""
+    stream order, or {"missing", "tasks"} while other tasks' units are not done; and the worker CPU
+    seconds."""
     (work / "units").mkdir(exist_ok=True)
     groups = units(files, unit_bytes)
     owner = unit_tasks([sum(f.size for f in g) for g in groups], cfg.data.num_tasks)
@@ -313,7 +315,7 @@ def _encode(cfg: Config, files: list[SourceFile], records: list[dict], tok_path:
                 # results are taken in submission order, so shards and the token stream keep file order
                 # whatever the workers finish first
                 drain(limit)
-            # the unit's record is written only after all its chunks: a record on disk means its shards are whole
+            # the unit's record is written only after all its chunks: a record on disk means whole shards
             pending.append(("unit", k, recs))
         drain(0)
     except OSError as e:

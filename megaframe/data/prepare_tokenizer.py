@@ -25,7 +25,7 @@ def put_tokenizer(cfg: Config, files: list[SourceFile], work: Path, cache: str) 
             tmp = work / f"{name}.tmp"
             shutil.rmtree(tmp, ignore_errors=True)
             shutil.copytree(src, tmp) if src.is_dir() else shutil.copyfile(src, tmp)
-            # copied under a temporary name: a crash mid-copy never leaves a partial tokenizer under the real name
+            # copied under a temporary name: a crash mid-copy never leaves a partial tokenizer under its name
             os.rename(tmp, work / name)
         try:
             load_tokenizer(work / name)

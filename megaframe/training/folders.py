@@ -57,8 +57,8 @@ def pointer_files(folder: str | Path) -> None:
     for name in ("latest", "latest.tmp"):
         path = Path(folder) / name
         if path.is_dir():  # also a link to a folder
-            raise ConfigError(f"checkpoint.dir={folder}: {path} is a folder, not the `{name}` pointer file a save "
-                              "writes; move it away (or pick another checkpoint.dir)")
+            raise ConfigError(f"checkpoint.dir={folder}: {path} is a folder, not the `{name}` pointer file a "
+                              "save writes; move it away (or pick another checkpoint.dir)")
 
 
 class FolderLocks:

@@ -48,7 +48,8 @@ def corpus(tmp_path_factory):
         (src / f"part{i}.txt").write_text("\n\n".join(paras[(i + k) % 40] for k in range(400)) + "\n")
     ref = root / "ref"
     res = subprocess.run([sys.executable, "-m", "megaframe.data.prepare", f"data.source={src}",
-                          f"data.path={ref}", "data.vocab_size=400", "data.num_workers=1", "data.split=paragraph"],
+                          f"data.path={ref}", "data.vocab_size=400", "data.num_workers=1",
+                          "data.split=paragraph"],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     return src, ref
@@ -120,7 +121,8 @@ def test_the_output_inside_the_source_is_not_read_as_input(tmp_path, capsys):
     src = tmp_path / "src"
     src.mkdir()
     (src / "a.txt").write_text("\n\n".join(paragraphs(30)) + "\n")
-    args = (f"data.source={src}", f"data.path={src / 'prepared'}", "data.vocab_size=400", "data.num_workers=1")
+    args = (f"data.source={src}", f"data.path={src / 'prepared'}", "data.vocab_size=400",
+            "data.num_workers=1")
     rc, _, err = run_main(capsys, *args)
     assert rc == 0, err
     before = (src / "prepared" / "meta.json").read_bytes()
@@ -131,8 +133,8 @@ def test_the_output_inside_the_source_is_not_read_as_input(tmp_path, capsys):
 
 
 def test_a_shard_missing_or_short_is_never_published(tmp_path):
-    meta = {"dtype": "uint16", "shards": [{"file": "shard_00000_00000.bin", "docs": "shard_00000_00000.docs.npy",
-                                           "num_tokens": 4}]}
+    shard = {"file": "shard_00000_00000.bin", "docs": "shard_00000_00000.docs.npy", "num_tokens": 4}
+    meta = {"dtype": "uint16", "shards": [shard]}
     (tmp_path / "shard_00000_00000.docs.npy").write_bytes(b"x")
     with pytest.raises(PrepareError, match="shard_00000_00000.bin named in meta.json is missing"):
         partial.check_shards(tmp_path, meta)

@@ -34,7 +34,8 @@ def test_import_into_a_checkpoint_dir_held_by_a_live_run_is_refused(tmp_path, ho
     lock_of(ck / LOCK_NAME, holder.pid)
     assert import_hf.main([str(tmp_path / "hf"), str(ck), "data=synthetic"]) == 2
     err = capsys.readouterr().err
-    assert f"checkpoint.dir={ck} is in use by another run (host {socket.gethostname()}, pid {holder.pid}" in err
+    who = f"(host {socket.gethostname()}, pid {holder.pid}"
+    assert f"checkpoint.dir={ck} is in use by another run {who}" in err
     assert sorted(p.name for p in ck.iterdir()) == [LOCK_NAME]
     holder.kill()
     holder.wait()
