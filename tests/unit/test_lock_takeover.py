@@ -60,7 +60,7 @@ def takers(tmp_path, request):
 
 
 def race(procs, folder) -> list[str]:
-    start = time.time() + 0.3  # every taker is waiting on its clock before the instant comes
+    start = time.time() + 0.2  # every taker is waiting on its clock before the instant comes
     for p in procs:
         p.stdin.write(f"{folder} {start}\n")
         p.stdin.flush()
@@ -88,8 +88,9 @@ def holders_per_trial(procs, base, holder: dict, trials: int) -> list[int]:
 
 def test_three_takers_of_a_dead_pids_lock_leave_exactly_one_holder(tmp_path, takers):
     holder = {"host": socket.gethostname(), "pid": dead_pid(), "job": ""}
-    counts = holders_per_trial(takers, tmp_path, holder, trials=25)
-    assert counts == [1] * 25, f"trials with two or more holders: {sum(c > 1 for c in counts)} of 25 {counts}"
+    # the window is short on this host's own check: many trials (on the code before: 0 to 6 of 25 failed)
+    counts = holders_per_trial(takers, tmp_path, holder, trials=40)
+    assert counts == [1] * 40, f"trials with two or more holders: {sum(c > 1 for c in counts)} of 40 {counts}"
 
 
 @pytest.mark.parametrize("takers", ["slow_squeue"], indirect=True)
