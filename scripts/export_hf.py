@@ -164,12 +164,22 @@ def main(argv: list[str]) -> int:
     clash = overlaps_input(args.ckpt, out)
     if clash:
         return fail(clash)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.force:
-        return fail(f"{out} exists and is not empty (pass --force to replace it)")
+    from megaframe.training.runlock import RunDirBusy, RunLock
+
+    # one export into OUT at a time: a second one would delete the first's OUT.tmp mid-write
+    lock = RunLock(out, "OUT", beside=True)
     try:
+        lock.acquire()
+    except RunDirBusy as e:
+        return fail(e)
+    try:
+        if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.force:
+            return fail(f"{out} exists and is not empty (pass --force to replace it)")
         export(args.ckpt, out, args.dtype)
     except ValueError as e:
         return fail(" ".join(str(e).split()))
+    finally:
+        lock.release()
     return 0
 
 

@@ -181,16 +181,28 @@ def main(argv: list[str]) -> int:
     args = ap.parse_args(argv)
     from megaframe.checkpoint import sharded
     from megaframe.config import ConfigError
+    from megaframe.training.runlock import RunDirBusy, RunLock
 
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         return fail(f"{out} exists and is not a folder")
-    if sharded.committed(out) and not args.force:
-        return fail(f"{out} already holds checkpoints (pass --force to add step_00000000 and repoint latest)")
+    # the trainer's lock of a checkpoint.dir: never write into one a live run (or another import) writes
+    lock, created = RunLock(out, "checkpoint.dir"), not out.exists()
     try:
+        lock.acquire()
+    except RunDirBusy as e:
+        return fail(e)
+    try:
+        if sharded.committed(out) and not args.force:
+            return fail(f"{out} already holds checkpoints (pass --force to add step_00000000 and repoint "
+                        "latest)")
         import_hf(args.hf_folder, out, args.overrides)
     except (ValueError, ConfigError) as e:
         return fail(" ".join(str(e).split()))
+    finally:
+        lock.release()
+        if created and out.is_dir() and not any(out.iterdir()):  # a refused import leaves no empty folder
+            out.rmdir()
     return 0
 
 

@@ -15,9 +15,7 @@ an interrupted run resumes there, redoing only units whose record is missing or 
 """
 from __future__ import annotations
 
-import fcntl
 import json
-import os
 from pathlib import Path
 
 from megaframe.atomic import write_atomic
@@ -100,28 +98,6 @@ def check_existing(out: Path, meta: dict, settings: dict, files: list[SourceFile
     if why:
         raise PrepareError(f"data.path={out} was prepared from other input: {why}; refusing to overwrite it "
                            "(pick another data.path, or delete it to rebuild)")
-
-
-class Lock:
-    """An exclusive, non-blocking flock on a file: two prepares never write the same partial folder."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            # flock, not a pid file: the kernel drops it when the holder dies, so a crashed prepare never blocks the next
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError as e:
-            os.close(self.fd)
-            raise PrepareError(f"{path.parent} is being prepared by another process (lock held)") from e
-
-    def release(self, unlink: bool = False) -> None:
-        if self.fd < 0:
-            return
-        if unlink:
-            self.path.unlink(missing_ok=True)
-        os.close(self.fd)
-        self.fd = -1
 
 
 def unit_record_path(work: Path, k: int) -> Path:

@@ -38,8 +38,11 @@ from collections import deque
 from pathlib import Path
 from typing import Iterator
 
+from megaframe.atomic_lock import Moved, SharedFlock
 from megaframe.config import Config, ConfigError, DocSplit, load_config
 from megaframe.data import manifest as mf
+from megaframe.data import partial
+from megaframe.data.prepare_tokenizer import put_tokenizer
 from megaframe.data.progress import Progress
 from megaframe.data.shards import encode_chunk, token_dtype
 from megaframe.data.sources import (
@@ -49,7 +52,6 @@ from megaframe.data.sources import (
     iter_documents,
     offline_hf,
     resolve_source,
-    sample_documents,
     screen_head,
     skip_line,
     skipped,
@@ -57,15 +59,13 @@ from megaframe.data.sources import (
     units,
 )
 from megaframe.data.tasks import missing_line, unit_tasks, waiting_lock
-from megaframe.data.tokenizer import TokenizerError, load_tokenizer, tokenizer_sha256, train_tokenizer
+from megaframe.data.tokenizer import load_tokenizer, tokenizer_sha256
 from megaframe.errors import fail
 
 __all__ = ["PrepareError", "prepare", "main"]
 
 UNIT_BYTES = 256 << 20  # the resume granularity: an interrupted run redoes only the units without a record
 MAX_CHUNK_CHARS, MIN_CHUNK_CHARS = 8 << 20, 256 << 10
-TOKENIZER_SEED = 1234
-"""Fixed (not train.seed): the tokenizer, hence the prepared data, must not change with a training seed."""
 
 
 def prepare(cfg: Config, *, unit_bytes: int = UNIT_BYTES, chunk_chars: int | None = None,
@@ -82,8 +82,10 @@ def prepare(cfg: Config, *, unit_bytes: int = UNIT_BYTES, chunk_chars: int | Non
     if not d.tokenizer and d.vocab_size < 260:  # 256 byte pieces + unk + eos + a few characters
         raise PrepareError(f"data.vocab_size={d.vocab_size} is too small (byte fallback alone needs 258)")
     out = Path(d.path)
-    files = resolve_source(d.source, list(d.extensions))
-    skips = skipped(d.source, files)
+    work = out.parent / f".{out.name}.partial"
+    # OUT (or its partial folder) inside the source folder is this tool's output, never its input
+    files = resolve_source(d.source, list(d.extensions), exclude=(out, work))
+    skips = skipped(d.source, files, exclude=(out, work))
     if skip_line(skips, len(files)):  # before: 70 of 399 files left out without a word (newcomer-2 F3)
         print(skip_line(skips, len(files)), flush=True)
     for f in files:
@@ -95,22 +97,18 @@ def prepare(cfg: Config, *, unit_bytes: int = UNIT_BYTES, chunk_chars: int | Non
         return None
     created = [p for p in [out.parent, *out.parent.parents] if not p.exists()]
     out.parent.mkdir(parents=True, exist_ok=True)
-    work = out.parent / f".{out.name}.partial"
     fresh = not work.exists()
-    work.mkdir(exist_ok=True)
-    # two prepares of one data.path share the partial folder: the lock lets only one build it (one per task)
-    tasked = d.num_tasks > 1 or merge
-    lock, done = mf.Lock(work / (f".lock.task{d.task}" if tasked and not merge else ".lock")), False
+    try:  # a plain run holds the partial folder alone, tasks and merges share it (megaframe.data.partial)
+        lock = partial.enter(work, tasked=d.num_tasks > 1 or merge)
+    except (FileNotFoundError, Moved):  # published (renamed away) by another prepare while we came in
+        if _already_prepared(out, settings, files):
+            return None
+        raise PrepareError(f"{work} was removed while this prepare started; run it again") from None
+    done = False
     try:
         if _already_prepared(out, settings, files):  # a concurrent run finished first: its data is as good
             return None
-        meta = _build(cfg, files, work, settings, unit_bytes, chunk_chars, show_progress, skips, merge)
-        if "part" in meta:  # this task's part is done, and not yet every task's: the folder is shared, keep it
-            done = True
-            return meta
-        if not tasked:
-            lock.release(unlink=True)
-            _publish(work, out)
+        meta = _build(cfg, files, work, settings, unit_bytes, chunk_chars, show_progress, skips, merge, lock)
         done = True
         return meta
     except PrepareError as e:
@@ -118,20 +116,23 @@ def prepare(cfg: Config, *, unit_bytes: int = UNIT_BYTES, chunk_chars: int | Non
             raise PrepareError(f"{e} (finished work kept in {work}; a re-run resumes it)") from e
         raise
     finally:
-        lock.release()
-        if not done and fresh and not any(work.glob("shard_*.bin")):  # nothing worth keeping
+        _leave(work, lock, created if not done and fresh else None)
+
+
+def _leave(work: Path, lock: SharedFlock, created: list[Path] | None) -> None:
+    """Give the partial folder back; one this run created and left without shards is removed, unless
+    another prepare is in it."""
+    try:
+        empty = created is not None and lock.fd >= 0 and not any(work.glob("shard_*.bin"))
+        if empty and lock.exclusive(wait=False):
             shutil.rmtree(work, ignore_errors=True)
             for p in created:
                 with contextlib.suppress(OSError):
                     p.rmdir()
-
-
-def _publish(work: Path, out: Path) -> None:
-    shutil.rmtree(work / "units")  # resume records: meta.json now says it all
-    (work / "settings.json").unlink()
-    for lock_file in work.glob(".*lock*"):  # the tasks' and the tokenizer's locks (flocks outlive an unlink)
-        lock_file.unlink(missing_ok=True)
-    os.rename(work, out)  # atomic; replaces only a missing or empty folder
+    except Moved:
+        pass
+    finally:
+        lock.release()
 
 
 def _already_prepared(out: Path, settings: dict, files: list[SourceFile]) -> bool:
@@ -151,7 +152,8 @@ def _already_prepared(out: Path, settings: dict, files: list[SourceFile]) -> boo
 
 
 def _build(cfg: Config, files: list[SourceFile], work: Path, settings: dict, unit_bytes: int,
-           chunk_chars: int | None, show_progress: bool | None, skips: dict | None = None, merge: bool = False) -> dict:
+           chunk_chars: int | None, show_progress: bool | None, skips: dict | None, merge: bool,
+           lock: SharedFlock) -> dict:
     """Tokenizer, shards and meta.json inside the partial folder `work`; returns the meta + stats, or
     {"part": ...} for a task whose units are done while others' are not (megaframe.data.tasks)."""
     t0 = time.perf_counter()
@@ -168,7 +170,7 @@ def _build(cfg: Config, files: list[SourceFile], work: Path, settings: dict, uni
         # hashed first: a re-run compares them to decide whether OUT is this very preparation
         records = [f.record(h) for f, h in zip(files, _map(pool, file_sha256, [f.path for f in files]))]
         with waiting_lock(work / ".tokenizer.lock"):  # under tasks: one trains it, the others wait and load it
-            tok_name = _tokenizer(cfg, files, work, cache)
+            tok_name = put_tokenizer(cfg, files, work, cache)
         tok = load_tokenizer(work / tok_name)
         t1, cpu1 = time.perf_counter(), time.process_time()
         print(f"megaframe: prepare: tokenizing {len(files):,} files ({sum(f.size for f in files) / 1e6:,.1f} MB) "
@@ -188,16 +190,9 @@ def _build(cfg: Config, files: list[SourceFile], work: Path, settings: dict, uni
             "num_documents": sum(s["num_docs"] for s in shards), "shards": shards,
             "tokenizer": tok_name, "tokenizer_kind": tok.kind, "tokenizer_sha256": tokenizer_sha256(work / tok_name),
             "source": cfg.data.source, "sources": records, "settings": settings, "skipped": skips or {}}
-    # after every shard: prepare() renames the folder into place only once meta.json exists
-    if cfg.data.num_tasks > 1 or merge:  # tasks finishing together: one writes and publishes, under a lock
-        out = Path(cfg.data.path)
-        with waiting_lock(work / ".merge.lock"):
-            if (out / "meta.json").is_file():
-                return {"part": {"task": cfg.data.task, "merged_by_another": True}, "stats": {}}
-            mf.write_json(work / "meta.json", meta)
-            _publish(work, out)
-    else:
-        mf.write_json(work / "meta.json", meta)
+    # after every shard: the folder is renamed into place only with meta.json, and only by one process
+    if not partial.publish(work, Path(cfg.data.path), lock, meta):
+        return {"part": {"task": cfg.data.task, "merged_by_another": True}, "stats": {}}
     return {**meta, "stats": {"workers": workers, "seconds": time.perf_counter() - t0,
                               "tokenizer_seconds": t1 - t0, "encode_seconds": t2 - t1,
                               "encode_cpu_seconds": cpu2 - cpu1 + worker_cpu}}
@@ -224,49 +219,6 @@ def _pool(workers: int):
 
 def _map(pool, fn, items: list) -> list:
     return pool.map(fn, items, chunksize=1) if pool is not None else [fn(x) for x in items]
-
-
-def _tokenizer(cfg: Config, files: list[SourceFile], work: Path, cache: str) -> str:
-    """Put the tokenizer into `work` (kept from an interrupted run, copied, or trained); returns its name."""
-    d = cfg.data
-    if d.tokenizer:
-        src = Path(d.tokenizer)
-        name = "tokenizer" if src.is_dir() else "tokenizer.model"
-        if not (work / name).exists():
-            tmp = work / f"{name}.tmp"
-            shutil.rmtree(tmp, ignore_errors=True)
-            shutil.copytree(src, tmp) if src.is_dir() else shutil.copyfile(src, tmp)
-            # copied under a temporary name: a crash mid-copy never leaves a partial tokenizer under the real name
-            os.rename(tmp, work / name)
-        try:
-            load_tokenizer(work / name)
-        except TokenizerError as e:
-            raise PrepareError(f"data.tokenizer={d.tokenizer}: {e}") from e
-        return name
-    if (work / "tokenizer.model").is_file():
-        return "tokenizer.model"
-    docs = sample_documents(files, d.text_key, cache, d.tokenizer_sample_bytes, DocSplit(d.split).value)
-    total = sum(f.size for f in files)
-    print(f"megaframe: prepare: training a tokenizer (vocab {d.vocab_size}) on "
-          f"{min(d.tokenizer_sample_bytes or total, total) / 1e6:,.1f} of {total / 1e6:,.1f} MB", flush=True)
-    first = next(docs, None)
-    if first is None:
-        raise PrepareError(f"data.source={d.source}: the files hold no text")
-    try:
-        # one thread: sentencepiece's result depends on its thread count (and threads barely speed it
-        # up), so the same corpus gives the same tokenizer on every machine
-        path = train_tokenizer(_chain(first, docs), d.vocab_size, work / "tokenizer.tmp",
-                               seed=TOKENIZER_SEED, num_threads=1)
-    except TokenizerError as e:
-        raise PrepareError(f"data.vocab_size={d.vocab_size}: {e}") from e
-    # renamed into place only when training finished: a resumed run reuses a whole tokenizer or trains anew
-    os.rename(path, work / "tokenizer.model")
-    return "tokenizer.model"
-
-
-def _chain(first: str, rest: Iterator[str]) -> Iterator[str]:
-    yield first
-    yield from rest
 
 
 def _chunk_size(files: list[SourceFile], workers: int) -> int:
@@ -302,33 +254,37 @@ def _finish_unit(work: Path, k: int, record: dict) -> None:
 
 
 def _split_units(work: Path, groups: list[list[SourceFile]], records: list[dict], mine: set[int]):
-    """({unit: record} finished by an earlier run or another task, [(unit, files, records)] of `mine` to do)."""
-    done, todo, i = {}, [], 0
+    """({unit: record} finished by an earlier run or another task, [(unit, files, records)] of `mine` to do,
+    [records of each unit's files])."""
+    done, todo, per_unit, i = {}, [], [], 0
     for k, group in enumerate(groups):
         recs, i = records[i:i + len(group)], i + len(group)
+        per_unit.append(recs)
         rec = mf.finished_unit(work, k, recs)
         if rec is not None:
             done[k] = rec
         elif k in mine:
             todo.append((k, group, recs))
-    return done, todo
+    return done, todo, per_unit
 
 
 def _encode(cfg: Config, files: list[SourceFile], records: list[dict], tok_path: str, work: Path, pool,
             unit_bytes: int, chunk_chars: int, cache: str, show_progress: bool | None,
             merge: bool = False) -> tuple[list[dict] | dict, float]:
     """Tokenize every unit (of this task's part, under data.num_tasks; none for a merge) not finished by an
-    earlier run; returns all shards in stream order, or {"missing", "tasks"} while other tasks' units are
-    not done, and the worker processes' CPU seconds."""
+    earlier run or another process, each under its lock (megaframe.data.partial); returns all shards in
+    stream order, or {"missing", "tasks"} while other tasks' units are not done; and the worker CPU
+    seconds."""
     (work / "units").mkdir(exist_ok=True)
     groups = units(files, unit_bytes)
     owner = unit_tasks([sum(f.size for f in g) for g in groups], cfg.data.num_tasks)
-    done, todo = _split_units(work, groups, records, {k for k in range(len(groups))
-                                                      if owner[k] == cfg.data.task and not merge})
+    done, todo, per_unit = _split_units(work, groups, records, {k for k in range(len(groups))
+                                                                if owner[k] == cfg.data.task and not merge})
     progress = Progress(sum(text_size(f) for _, g, _ in todo for f in g), show_progress)
     pending: deque = deque()  # in stream order: ("chunk", k, result, chars) and ("unit", k, recs)
     limit = 2 * (pool._processes if pool is not None else 1)  # bounded memory: few chunks in flight
     acc: dict[int, list[dict]] = {}
+    held: dict[int, SharedFlock] = {}  # the locks of the units being written, released with their records
 
     def drain(keep: int) -> None:
         while len(pending) > keep:
@@ -342,13 +298,13 @@ def _encode(cfg: Config, files: list[SourceFile], records: list[dict], tok_path:
                 rec = {"files": item[2], "shards": acc.pop(item[1])}
                 _finish_unit(work, item[1], rec)
                 done[item[1]] = rec
+                held.pop(item[1]).release()
                 progress.unit_done(item[1])
 
     try:
         for k, group, recs in todo:
-            # the unit is rewritten whole: its chunk count may differ from the interrupted run's (another chunk size)
-            for stale in work.glob(f"shard_{k:05d}_*"):  # from an interrupted run of this unit
-                stale.unlink()
+            if not _take_unit(work, k, recs, held, done, drain):
+                continue  # finished by the process we waited for
             acc[k] = []
             progress.start_unit(k, sum(text_size(f) for f in group))
             batches = iter_documents(group, cfg.data.text_key, cache, DocSplit(cfg.data.split).value)
@@ -356,21 +312,53 @@ def _encode(cfg: Config, files: list[SourceFile], records: list[dict], tok_path:
                 task = (tok_path, str(work), f"shard_{k:05d}_{c:05d}", docs)
                 res = pool.apply_async(encode_chunk, (task,)) if pool is not None else _Ready(encode_chunk(task))
                 pending.append(("chunk", k, res, chars))
-                # results are taken in submission order, so shards and the token stream keep file order whatever the workers
-                # finish first
+                # results are taken in submission order, so shards and the token stream keep file order
+                # whatever the workers finish first
                 drain(limit)
-            # the unit's record is written only after all its chunks: a record on disk means the unit's shards are whole
+            # the unit's record is written only after all its chunks: a record on disk means whole shards
             pending.append(("unit", k, recs))
         drain(0)
     except OSError as e:
         raise PrepareError(f"cannot write to {work}: {e}") from e
     finally:
+        for lock in held.values():
+            lock.release()
         progress.close()
     cpu = progress.worker_cpu if pool is not None else 0.0
-    missing = [k for k in range(len(groups)) if k not in done]
+    missing = _still_missing(work, done, per_unit)
     if missing:
         return {"task": cfg.data.task, "missing": missing, "tasks": owner, "units": len(groups)}, cpu
     return [s for k in sorted(done) for s in done[k]["shards"]], cpu
+
+
+def _take_unit(work: Path, k: int, recs: list[dict], held: dict, done: dict, drain) -> bool:
+    """Take unit k's lock (waiting, with none of ours held, while another process writes it); True when the
+    unit is ours to write, False when the process we waited for recorded it."""
+    lock = partial.unit_lock(work, k, wait=False)
+    if lock is None:  # another task of another split is writing it: wait our turn
+        drain(0)
+        lock = partial.unit_lock(work, k, wait=True)
+    rec = mf.finished_unit(work, k, recs)
+    if rec is not None:
+        lock.release()
+        done[k] = rec
+        return False
+    held[k] = lock
+    # under the unit's lock nobody else writes it: what is there comes from a run that stopped mid-unit. The
+    # unit is rewritten whole (its chunk count may differ from the interrupted run's: another chunk size)
+    for stale in work.glob(f"shard_{k:05d}_*"):
+        stale.unlink()
+    return True
+
+
+def _still_missing(work: Path, done: dict, per_unit: list[list[dict]]) -> list[int]:
+    """Units without a record, looked up again under the merge lock: of tasks finishing together, each
+    wrote its records before taking it, so the last one to take it sees every record and publishes."""
+    with waiting_lock(work / ".merge.lock"):
+        for k, recs in enumerate(per_unit):
+            if k not in done and (rec := mf.finished_unit(work, k, recs)) is not None:
+                done[k] = rec
+    return [k for k in range(len(per_unit)) if k not in done]
 
 
 def main(argv: list[str] | None = None) -> int:

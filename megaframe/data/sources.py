@@ -94,11 +94,13 @@ def looks_like_text(path: Path) -> bool:
     return bool(head) and b"\x00" not in head and bad_fraction(text) <= MAX_BAD_FRACTION
 
 
-def resolve_source(source: str, extensions: list[str] | tuple[str, ...] = (*RECORD_KINDS, ".txt")) -> list[SourceFile]:
-    """The input files of data.source, sorted; raises PrepareError when there are none."""
+def resolve_source(source: str, extensions: list[str] | tuple[str, ...] = (*RECORD_KINDS, ".txt"),
+                   exclude: tuple[Path, ...] = ()) -> list[SourceFile]:
+    """The input files of data.source, sorted, less those under `exclude` (prepare's own output folders);
+    raises PrepareError when there are none."""
     if not source:
         raise PrepareError("data.source is empty: set it to a folder or glob of text, code, .jsonl or .parquet files")
-    root, candidates = _candidates(source)
+    root, candidates = _candidates(source, exclude)
     # sorted: the token stream (file order) must not depend on the file system's listing order
     files = sorted((p, k) for p in candidates if p.is_file() and (k := kind_of(p, extensions)))
     if not files:
@@ -111,8 +113,18 @@ def resolve_source(source: str, extensions: list[str] | tuple[str, ...] = (*RECO
     return out
 
 
-def _candidates(source: str) -> tuple[Path, list[Path]]:
-    """The root of data.source and every path under it that could be an input (hidden entries left out)."""
+def _candidates(source: str, exclude: tuple[Path, ...] = ()) -> tuple[Path, list[Path]]:
+    """The root of data.source and every path under it that could be an input (hidden entries and those
+    under `exclude` left out)."""
+    root, found = _listed(source)
+    if not exclude:
+        return root, found
+    # compared resolved: the output may be named through a symlink or a relative path
+    skip = [os.path.realpath(e) + os.sep for e in exclude]
+    return root, [p for p in found if not any(os.path.realpath(p).startswith(e) for e in skip)]
+
+
+def _listed(source: str) -> tuple[Path, list[Path]]:
     path = Path(source)
     if any(c in source for c in "*?["):
         prefix = re.split(r"[*?\[]", source)[0]  # the glob's literal head: its folder is the root
@@ -125,10 +137,10 @@ def _candidates(source: str) -> tuple[Path, list[Path]]:
     raise PrepareError(f"data.source={source} does not exist")
 
 
-def skipped(source: str, files: list[SourceFile]) -> dict[str, list[str]]:
+def skipped(source: str, files: list[SourceFile], exclude: tuple[Path, ...] = ()) -> dict[str, list[str]]:
     """The files of data.source that give no document, by reason: an ending not in data.extensions (the
     ending, e.g. '.debian'), 'not text' (no extension, binary head) or 'empty'. Hidden entries are not listed."""
-    root, candidates = _candidates(source)
+    root, candidates = _candidates(source, exclude)
     taken = {f.path for f in files}
     out: dict[str, list[str]] = {}
     for p in sorted(c for c in candidates if c.is_file() and c not in taken):

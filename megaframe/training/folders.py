@@ -51,6 +51,16 @@ def probe(key: str, folder: str | Path) -> None:
                           f"{e.filename or path})") from None
 
 
+def pointer_files(folder: str | Path) -> None:
+    """`latest` and `latest.tmp` must be files (or absent): the first save replaces them, and a folder
+    there would end the run with a traceback after its first checkpoint was written (checked up front)."""
+    for name in ("latest", "latest.tmp"):
+        path = Path(folder) / name
+        if path.is_dir():  # also a link to a folder
+            raise ConfigError(f"checkpoint.dir={folder}: {path} is a folder, not the `{name}` pointer file a "
+                              "save writes; move it away (or pick another checkpoint.dir)")
+
+
 class FolderLocks:
     """The run's locks, released together."""
 
@@ -107,6 +117,8 @@ def claim(cfg) -> FolderLocks:
             if key == "checkpoint.dir" and not Path(folder).exists():
                 held.created.append(Path(folder))
             probe(key, folder)
+            if key == "checkpoint.dir":
+                pointer_files(folder)
             real = Path(folder).resolve()
             if real in seen:  # checkpoint.dir=run.dir: one lock
                 continue

@@ -13,8 +13,10 @@ there (it would train on another run's weights without a word), and so are resum
 elsewhere (they would add a branch beside the other run's checkpoints and move its `latest`): exit 2, naming
 the folder, the other run and both ways out.
 A checkpoint written before owners were recorded, or by import_hf, has no owner: anyone may continue it.
-A run folder without an id whose own checkpoint dir (inside it) holds owned checkpoints takes their owner:
-the id file was deleted, or the checkpoints were copied in on purpose; either way they are this folder's.
+A run folder without an id whose own checkpoint dir (inside it) holds owned checkpoints takes their owner
+when they all name one run: the id file was deleted, or the checkpoints were copied in on purpose; either
+way they are this folder's. Checkpoints of several owners there (another run continued the folder on
+purpose) name no owner for it: the run gets a new id and is refused as any other run would be.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from pathlib import Path
 
 from megaframe.atomic import write_atomic
 from megaframe.checkpoint import lineage, resolve
+from megaframe.checkpoint.metadata import committed
 from megaframe.errors import ConfigError
 
 ID_NAME = "megaframe.run_id"
@@ -69,7 +72,7 @@ def settle(cfg) -> str:
     run_dir, root = Path(cfg.run.dir), Path(cfg.checkpoint.dir)
     mine, heads = read_id(run_dir), _heads(root)
     if mine is None and heads and root.resolve().is_relative_to(run_dir.resolve()):
-        mine = owner(heads[0])[0]  # the folder's own checkpoints: their run is this folder's
+        mine = _sole_owner(root)  # the folder's own checkpoints: their run is this folder's
     mine = mine or new_id(cfg.run.name)
     foreign = next((h for h in heads if owner(h)[0] not in (None, mine)), None)
     if foreign is not None and not _continues(cfg.checkpoint.resume, root):
@@ -80,6 +83,14 @@ def settle(cfg) -> str:
         except OSError as e:  # rank 0 alone is here: an exception would leave the peers waiting in the broadcast
             raise ConfigError(f"run.dir={cfg.run.dir}: cannot record the run id ({e.strerror or e})") from None
     return mine
+
+
+def _sole_owner(root: Path) -> str | None:
+    """The one run every owned checkpoint in `root` names, or None when there are none or several: after
+    another run continued the folder on purpose, the newest head is that run's, and adopting it would let
+    this folder's run train on the other's branch without a word (a fresh id is then refused as usual)."""
+    owners = {owner(p)[0] for p in committed(root)} - {None}
+    return owners.pop() if len(owners) == 1 else None
 
 
 def _continues(resume: str, root: Path) -> bool:

@@ -8,8 +8,8 @@ import os
 import numpy as np
 import pytest
 
+from megaframe.atomic_lock import SharedFlock
 from megaframe.config import load_config
-from megaframe.data import manifest as mf
 from megaframe.data import prepare as prep
 from megaframe.data.sources import resolve_source, sample_documents
 from megaframe.data.tokenizer import load_tokenizer
@@ -24,7 +24,9 @@ def corpus(tmp_path):
 
 
 def snapshot(folder):
-    return {p.name: (p.stat().st_mtime_ns, p.stat().st_ino, p.read_bytes()) for p in folder.iterdir() if p.is_file()}
+    """The folder's data files (a lock file names whoever held it last: not data)."""
+    return {p.name: (p.stat().st_mtime_ns, p.stat().st_ino, p.read_bytes()) for p in folder.iterdir()
+            if p.is_file() and p.name != ".lock"}
 
 
 def cfg_for(src, out, *extra):
@@ -190,7 +192,7 @@ def test_sampled_tokenizer_settings_are_recorded(tmp_path, corpus, capsys):
 def test_a_second_prepare_of_the_same_path_is_refused_while_locked(tmp_path, corpus, capsys):
     work = tmp_path / ".out.partial"
     work.mkdir()
-    lock = mf.Lock(work / ".lock")
+    lock = SharedFlock(work / ".lock")
     try:
         rc, _, err = run_main(capsys, f"data.source={corpus}", f"data.path={tmp_path / 'out'}", "data.vocab_size=400")
     finally:

@@ -93,6 +93,22 @@ def test_the_same_run_and_its_own_folder_continue(tmp_path):
     assert owner.settle(cfg(tmp_path / "c", old)) not in (None, first)
 
 
+def test_a_run_folder_without_its_id_adopts_no_owner_when_its_checkpoints_have_two(tmp_path):
+    """Run B continued A's folder on purpose (its step 7 on A's step 4); A's id file then went. A restart of
+    A must be refused as it was with the id, not adopt the newest head's owner and train on B's branch."""
+    run, ck = tmp_path / "oa", tmp_path / "oa" / "checkpoints"
+    a = owner.settle(cfg(run, ck))
+    ckpt(ck, 4, a, ckpt(ck, 2, a, run_dir=str(run)), run_dir=str(run))
+    ckpt(ck, 7, "B", ck / "step_00000004", run_dir=str(tmp_path / "ob2"))
+    refused = r"step_00000007 belongs to another run \(B, run.dir " + str(tmp_path / "ob2")
+    with pytest.raises(ConfigError, match=refused):
+        owner.settle(cfg(run, ck))
+    (run / owner.ID_NAME).unlink()
+    with pytest.raises(ConfigError, match=refused):
+        owner.settle(cfg(run, ck))
+    assert not (run / owner.ID_NAME).exists()  # no identity recorded, least of all B's
+
+
 def test_a_bool_field_takes_only_true_or_false():
     """K5: optim.overlap_param_gather=2 was read as true (OmegaConf's lenient bools), and so for every bool field."""
     from megaframe.config_keys import bool_keys
