@@ -146,7 +146,7 @@ def check_config(cfg: Config, world_size: int, check_data: bool = True) -> None:
     _req(t.signal_check_interval >= 1, f"train.signal_check_interval={t.signal_check_interval} must be >= 1")
     _check_optim(cfg, dp)
     _check_data_fields(cfg)
-    from megaframe.training.folders import check_names
+    from megaframe.runops.access.folders import check_names
 
     check_names(cfg)
     _check_resume(cfg)

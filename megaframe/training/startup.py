@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from megaframe.checkpoint.resume import Resumed, resume
+from megaframe.checkpoint.resume_checks import Accounting
 from megaframe.config import Config, ConfigError
 from megaframe.data.dataset import Prefetcher, build_data, microbatches
 from megaframe.data.order import resumed_order
@@ -22,8 +24,6 @@ from megaframe.parallel.mesh import Mesh
 from megaframe.training.evaluate import Evaluator
 from megaframe.training.metrics import flops_per_token
 from megaframe.training.phases import PhaseMeter
-from megaframe.training.resume import Resumed, resume
-from megaframe.training.resume_checks import Accounting
 
 
 @dataclass
@@ -43,7 +43,7 @@ class Setup:
 
 def set_up(cfg: Config, mesh: Mesh, faults=None) -> Setup:
     """Model, optimizer and data; the resume (which may adopt the saved sample order and lr horizon).
-    `faults`: MEGAFRAME_INJECT's (training/faults.py), for a fault injected into the resume's load."""
+    `faults`: MEGAFRAME_INJECT's (runops/faults.py), for a fault injected into the resume's load."""
     phases = PhaseMeter(mesh.device)
     # a phase ends on every path: a CPU profiler left running when an error ends the run crashes the
     # interpreter at exit (SIGSEGV instead of exit 2)

@@ -168,8 +168,8 @@ def test_resume_refuses_a_changed_batch_seed_or_model_and_accounts_samples_with_
     name = "train.global_batch_size"
     assert f"was written with {name}=8, this run has 16" in line and f"allow_config_change=[{name}]" in line, line
     # the other guarded fields, against the same checkpoint's metadata in process (a run each costs ~8 s)
+    from megaframe.checkpoint.resume_checks import check_resume
     from megaframe.config import ConfigError, load_config
-    from megaframe.training.resume_checks import check_resume
 
     meta = json.loads((tmp_path / "checkpoints" / "step_00000004" / "metadata.json").read_text())
     for change in ["train.seed=7", "model.rope_theta=500000", "model.num_layers=3", "model.norm_eps=1e-6"]:

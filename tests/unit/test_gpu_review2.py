@@ -69,7 +69,7 @@ def test_plain_multi_node_srun_dials_the_first_node_not_the_loopback():
     """#5: `srun python train.py` on two nodes without MASTER_ADDR: every node used to dial its own
     127.0.0.1 until dist_timeout_s; now the first node of the step, or a one-line error."""
     from megaframe.errors import ConfigError
-    from megaframe.training.distributed import master_addr
+    from megaframe.parallel.launch import master_addr
 
     assert master_addr({"SLURM_NNODES": "2", "SLURM_PROCID": "9", "SLURM_JOB_NODELIST": "gpu[007-010,12],c1"}) == "gpu007"
     step = {"SLURM_NNODES": "4", "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_NODELIST": "r[2-3]-n[05-06]",
@@ -87,7 +87,7 @@ def test_plain_multi_node_srun_dials_the_first_node_not_the_loopback():
 def test_flight_recorder_dump_folder_exists_before_the_first_collective(tmp_path):
     """#9: the dump prefix pointed at each rank's own, not yet agreed, run.dir/nccl_trace/ and nobody
     created it before build_mesh: a hang there left no dump. Now rank 0's folder, created at init."""
-    from megaframe.training.distributed import early_dump_dir
+    from megaframe.parallel.launch import early_dump_dir
 
     store = torch.distributed.HashStore()
     env0, env1 = {}, {}
@@ -210,16 +210,16 @@ def test_more_ranks_than_gpus_on_a_node_is_refused(monkeypatch):
     """#6a for users: `torchrun --nproc-per-node=2` on a one-GPU host put both ranks on cuda:0, which NCCL
     does not support (a hang); now one line naming the counts."""
     from megaframe.errors import ConfigError
-    from megaframe.training import distributed
+    from megaframe.parallel import launch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     try:
-        distributed.pick_device("auto", 1)
+        launch.pick_device("auto", 1)
         raise AssertionError("no error")
     except ConfigError as e:
         assert "2 ranks on this node but 1 GPU(s)" in str(e)
-    assert distributed.local_world_size({"SLURM_STEP_TASKS_PER_NODE": "8(x2)", "SLURM_NTASKS_PER_NODE": "8"}) == 8
-    assert distributed.local_world_size({"SLURM_NTASKS_PER_NODE": "8"}) == 1  # plain python in an allocation
-    assert distributed.local_world_size({}) == 1
+    assert launch.local_world_size({"SLURM_STEP_TASKS_PER_NODE": "8(x2)", "SLURM_NTASKS_PER_NODE": "8"}) == 8
+    assert launch.local_world_size({"SLURM_NTASKS_PER_NODE": "8"}) == 1  # plain python in an allocation
+    assert launch.local_world_size({}) == 1

@@ -11,11 +11,11 @@ from types import SimpleNamespace
 import pytest
 
 from megaframe.config import ConfigError, load_config
-from megaframe.training.runlock import LOCK_NAME, RunDirBusy, RunLock
+from megaframe.runops.access.runlock import LOCK_NAME, RunDirBusy, RunLock
 
 
 def claim(cfg):
-    from megaframe.training.folders import claim as take
+    from megaframe.runops.access.folders import claim as take
 
     return take(cfg)
 
@@ -334,7 +334,7 @@ def test_a_tokenizer_name_in_meta_json_never_leaves_its_folder(tmp_path):
 def test_a_save_past_its_limit_is_a_failed_save_not_a_hang(tmp_path, capsys):
     """Open item: a save past checkpoint.save_timeout_s ended the run with the watchdog's exit 124."""
     from megaframe.parallel.mesh import CommStats
-    from megaframe.training.watchdog import Watchdog
+    from megaframe.runops.watchdog import Watchdog
 
     tripped = []
     wd = Watchdog(5, 0, str(tmp_path), CommStats(), exit_fn=tripped.append, grace_s=0).start()
@@ -350,7 +350,7 @@ def test_a_save_past_its_limit_is_a_failed_save_not_a_hang(tmp_path, capsys):
 
 def test_ranks_that_find_bad_input_mid_run_end_with_the_first_ones_line(tmp_path):
     """Open item: at dp>1 only the rank reading a corrupt shard exited 2; its peers died in a broken collective."""
-    from megaframe.training.folders import peer_bad_input, record_bad_input
+    from megaframe.runops.access.folders import peer_bad_input, record_bad_input
 
     assert peer_bad_input(str(tmp_path)) is None
     assert record_bad_input(str(tmp_path), "data shard a is corrupt") == "data shard a is corrupt"

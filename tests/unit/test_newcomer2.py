@@ -7,8 +7,8 @@ import pytest
 
 from megaframe.config import ConfigError, load_config
 from megaframe.optim.schedule import schedule_warnings
+from megaframe.runops.signals import continue_command
 from megaframe.schema import LRSchedule
-from megaframe.training.signals import continue_command
 
 
 def test_continue_command_under_python_make_torchrun_and_slurm():

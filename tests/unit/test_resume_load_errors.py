@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from megaframe.checkpoint import sharded
+from megaframe.checkpoint.resume import resume
 from megaframe.model.gpt import build_model
 from megaframe.optim.build import build_optimizer
 from megaframe.parallel.mesh import single_process_mesh
+from megaframe.runops.faults import Injector, parse
 from megaframe.training.errors import TrainingError
-from megaframe.training.faults import Injector, parse
-from megaframe.training.resume import resume
 from tests.distributed.cases import tiny_config
 
 

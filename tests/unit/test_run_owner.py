@@ -1,5 +1,5 @@
 """Issue 26, round 2: a checkpoint folder whose newest checkpoint belongs to another run is continued only when
-asked (training/owner.py), bool fields take true/false only (K5), and data.path typed with a blend is refused
+asked (runops/access/owner.py), bool fields take true/false only (K5), and data.path typed with a blend is refused
 (K8). One process, real files, fake checkpoints (lineage reads metadata only)."""
 import json
 from types import SimpleNamespace
@@ -8,7 +8,7 @@ import pytest
 
 from megaframe.checkpoint import lineage, sharded
 from megaframe.config import ConfigError, load_config
-from megaframe.training import owner
+from megaframe.runops.access import owner
 
 
 def ckpt(root, step, who, parent=None, run_dir="/elsewhere"):

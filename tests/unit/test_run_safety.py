@@ -90,7 +90,7 @@ def test_default_umask_gives_0644_shards(tmp_path):
 
 
 def test_run_lock_refuses_a_live_holder_and_takes_over_a_dead_one(tmp_path, monkeypatch):
-    from megaframe.training.runlock import LOCK_NAME, RunDirBusy, RunLock
+    from megaframe.runops.access.runlock import LOCK_NAME, RunDirBusy, RunLock
 
     for var in ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID", "SLURM_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT"):
         monkeypatch.delenv(var, raising=False)
@@ -119,7 +119,7 @@ def test_run_lock_refuses_a_live_holder_and_takes_over_a_dead_one(tmp_path, monk
 
 def test_watchdog_judges_a_save_by_the_save_limit(tmp_path):
     from megaframe.parallel.mesh import CommStats
-    from megaframe.training.watchdog import Watchdog
+    from megaframe.runops.watchdog import Watchdog
 
     tripped = []
     wd = Watchdog(0.5, 0, str(tmp_path), CommStats(), exit_fn=tripped.append, grace_s=0).start()

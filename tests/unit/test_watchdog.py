@@ -7,9 +7,9 @@ import torch
 from megaframe.parallel import comm
 from megaframe.parallel.mesh import CommStats, single_process_mesh
 from megaframe.parallel.virtual import virtual_mesh
-from megaframe.training.faults import Fault, Injector, parse
-from megaframe.training.straggler import StragglerProbe
-from megaframe.training.watchdog import HANG_EXIT_CODE, Watchdog
+from megaframe.runops.faults import Fault, Injector, parse
+from megaframe.runops.straggler import StragglerProbe
+from megaframe.runops.watchdog import HANG_EXIT_CODE, Watchdog
 
 
 def test_parse_faults():
@@ -105,7 +105,7 @@ def test_report_tells_enqueued_from_completed_device_collectives():
 
 
 def test_nccl_env_defaults_yield_to_the_user_and_follow_the_run_dir():
-    from megaframe.training.distributed import NCCL_DEFAULTS, nccl_env
+    from megaframe.parallel.launch import NCCL_DEFAULTS, nccl_env
 
     env = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "7"}
     set_now = nccl_env("/runs/a", env)

@@ -3,7 +3,7 @@
 Compute time is the sum of this rank's forward and backward actions as the pipeline executor times
 them (its `timeline`): tensor-parallel collectives inside a layer are included, pipeline receives
 and every data-parallel / optimizer collective are not, so a rank that waits for a slow peer does
-not look slow itself. An injected delay (megaframe.training.faults) counts as compute.
+not look slow itself. An injected delay (megaframe.runops.faults) counts as compute.
 
 At a log step every rank contributes its mean compute seconds per step since the last log to one
 small all-gather over the whole mesh (8 bytes per rank); the logged figures are
@@ -17,7 +17,7 @@ import torch
 
 from megaframe.parallel import comm
 from megaframe.parallel.mesh import Mesh
-from megaframe.training.faults import Injector
+from megaframe.runops.faults import Injector
 
 
 class StragglerProbe:

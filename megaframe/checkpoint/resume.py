@@ -23,11 +23,11 @@ from safetensors import SafetensorError  # a bad header or truncated file: not a
 
 from megaframe.checkpoint import lineage, resolve, sharded
 from megaframe.checkpoint.load import not_the_checkpoints_fault
+from megaframe.checkpoint.resume_checks import check_resume, consumed_samples
 from megaframe.config import Config, ConfigError
 from megaframe.parallel import comm
 from megaframe.parallel.mesh import Axis, Mesh
 from megaframe.training.errors import TrainingError
-from megaframe.training.resume_checks import check_resume, consumed_samples
 
 # what a missing, corrupt or mismatched checkpoint raises on load; anything else is a bug and propagates. RuntimeError
 # is here for torch's shape and dtype complaints about a mismatched file, but its out-of-memory, accelerator and
@@ -104,7 +104,7 @@ def _one(e: BaseException) -> str:
 
 def resume(cfg: Config, model, optimizer, mesh: Mesh, faults=None) -> Resumed:
     """Load the checkpoint checkpoint.resume names (auto: along the lineage); Resumed() when fresh. `faults`: the
-    run's injected faults (training/faults.py), None in a real run."""
+    run's injected faults (runops/faults.py), None in a real run."""
     r = cfg.checkpoint.resume
     if r == "none":
         return Resumed()

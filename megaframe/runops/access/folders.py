@@ -3,7 +3,7 @@ checkpoints), checked and owned before the first step.
 
 Each is created and probed with a real file at start (global rank 0): an uncreatable or read-only folder is
 bad input found in a second (exit 2, one line naming the key and the path), not a traceback at the first
-save hours in. Then each is locked (training/runlock.py): checkpoint.dir too when it is not run.dir, so two
+save hours in. Then each is locked (runops/access/runlock.py): checkpoint.dir too when it is not run.dir, so two
 jobs with their own run.dir and one checkpoint.dir cannot replace each other's checkpoints.
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 from megaframe.errors import ConfigError
-from megaframe.training.runlock import RunDirBusy, RunLock
+from megaframe.runops.access.runlock import RunDirBusy, RunLock
 
 
 def written(cfg) -> list[tuple[str, str]]:
@@ -57,7 +57,7 @@ class FolderLocks:
     def __init__(self):
         self.locks: list[RunLock] = []
         self.created: list[Path] = []  # checkpoint folders this run created (for its lock) before any save
-        self.owner = ""  # this run's id (training/owner.py), recorded in every checkpoint it writes
+        self.owner = ""  # this run's id (runops/access/owner.py), recorded in every checkpoint it writes
 
     def release(self) -> None:
         for lock in reversed(self.locks):
