@@ -155,7 +155,7 @@ def allocator_peak(fn) -> int:
     running sum of the CPU allocator's own events (torch.profiler with profile_memory), in time order."""
     from torch.profiler import ProfilerActivity, profile
 
-    from megaframe.training.phases import running_peak
+    from megaframe.training.phase_meter import running_peak
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()

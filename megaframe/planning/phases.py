@@ -1,5 +1,5 @@
 """The planner's memory per phase of a run: start-up, the first step, a save and the load of a resume, the
-peak of each on one rank (what training/phases.py measures and logs as mem/phase/<name>_peak_bytes).
+peak of each on one rank (what training/phase_meter.py measures and logs as mem/phase/<name>_peak_bytes).
 
 A layout fits only if every phase fits: the steady step is not the only moment a rank may run out.
 Modelled for how start-up, save and load work once parameters are built on the meta device (issue 24):

@@ -21,8 +21,8 @@ import functools
 from dataclasses import dataclass, field
 
 from megaframe.config import Config, ConfigError, validate
+from megaframe.planning.candidate import Layout, cp_ring, layer_params, layout_config, stage_params
 from megaframe.planning.devices import Device
-from megaframe.planning.layout import Layout, cp_ring, layer_params, layout_config, stage_params
 from megaframe.planning.phases import RankShape, phase_peaks
 from megaframe.planning.timing import step_time
 

@@ -45,9 +45,9 @@ import math
 from dataclasses import dataclass
 
 from megaframe.parallel.context import cp_bytes_per_layer
+from megaframe.planning.candidate import Layout, cp_ring, stage_params
 from megaframe.planning.devices import Device
 from megaframe.planning.gloo_link import hop_seconds
-from megaframe.planning.layout import Layout, cp_ring, stage_params
 from megaframe.schema import Config
 from megaframe.training.metrics import flops_per_token
 

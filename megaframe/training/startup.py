@@ -18,12 +18,12 @@ from megaframe.data.order import resumed_order
 from megaframe.inference.sampler import Sampler
 from megaframe.model.gpt import build_model
 from megaframe.optim.build import build_optimizer, cast_model
-from megaframe.optim.schedule import schedule_warnings
+from megaframe.optim.lr_schedule import schedule_warnings
 from megaframe.parallel import comm
 from megaframe.parallel.mesh import Mesh
-from megaframe.training.evaluate import Evaluator
 from megaframe.training.metrics import flops_per_token
-from megaframe.training.phases import PhaseMeter
+from megaframe.training.phase_meter import PhaseMeter
+from megaframe.training.validation import Evaluator
 
 
 @dataclass
@@ -38,7 +38,7 @@ class Setup:
     resumed: Resumed
     acct: Accounting
     phases: PhaseMeter | None = None
-    """Peak memory per phase (training/phases.py): start-up and load measured here, step and save by the loop."""
+    """Peak memory per phase (training/phase_meter.py): start-up and load measured here, step and save by the loop."""
 
 
 def set_up(cfg: Config, mesh: Mesh, faults=None) -> Setup:

@@ -1,5 +1,5 @@
 """The planner's memory per phase (start-up, first step, save, load: planning/phases.py) against the peaks the
-trainer's meter measures on the gloo pool (training/phases.py), each within 10 %, at ZeRO-1 (dp2, pp2·dp2) and
+trainer's meter measures on the gloo pool (training/phase_meter.py), each within 10 %, at ZeRO-1 (dp2, pp2·dp2) and
 ZeRO-3 (dp2, dp4): what each phase holds is counted (ZeRO-3's gathered and prefetched blocks, its grad buckets in
 flight and gloo's copies of the collectives at the last block's backward; the save's host copy of the owned
 segments, nothing gathered; the load's one staging buffer of the largest range read into one destination).

@@ -19,8 +19,8 @@ import pytest
 
 from megaframe.checkpoint.layout import needs
 from megaframe.checkpoint.metadata import _overlaps, check_coverage
-from megaframe.checkpoint.plan import Index, plan_reads
-from megaframe.checkpoint.simulate import Layout, load_needs, saved_metadata
+from megaframe.checkpoint.offline_plans import Layout, load_needs, saved_metadata
+from megaframe.checkpoint.read_plan import Index, plan_reads
 from megaframe.config import load_config
 
 CASES = {

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 from megaframe.config import ConfigError, load_config
-from megaframe.optim.schedule import schedule_warnings
+from megaframe.optim.lr_schedule import schedule_warnings
 from megaframe.runops.signals import continue_command
 from megaframe.schema import LRSchedule
 

@@ -1,10 +1,10 @@
-"""The trainer's per-phase memory meter on CPU (training/phases.py): a phase's peak is what the rank held
+"""The trainer's per-phase memory meter on CPU (training/phase_meter.py): a phase's peak is what the rank held
 when it began plus the most the allocator handed out during it; each phase measured once; a profiler the
 user runs is left alone."""
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from megaframe.training.phases import PhaseMeter, key
+from megaframe.training.phase_meter import PhaseMeter, key
 
 
 def test_peak_counts_transients_freed_inside_the_phase():

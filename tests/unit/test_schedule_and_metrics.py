@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megaframe.config import ModelConfig, load_config
-from megaframe.optim.schedule import lr_at
+from megaframe.optim.lr_schedule import lr_at
 from megaframe.training.metrics import flops_per_token, matmul_params
 
 LR, MIN_LR = 3e-3, 3e-4
