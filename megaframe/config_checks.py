@@ -89,7 +89,7 @@ FIELD_RULES: dict[str, Rule] = {
     "checkpoint.interval": NONNEG, "checkpoint.interval_minutes": NONNEGF, "checkpoint.keep_last": NONNEG,
     "checkpoint.save_timeout_s": TIMEOUT,
 }
-"""Every int/float field of the schema must appear here (tests/unit/test_config_fields.py checks it):
+"""Every int/float field of the schema must appear here (tests/unit/config/test_config_fields.py checks it):
 a new numeric field gets its rule in the same change."""
 
 

@@ -1,6 +1,6 @@
 """The read planner: a pure function of (checkpoint metadata, what this rank needs) giving the byte
 ranges of each file to read and where each piece goes. It reads no tensor data, so every rank of a
-1000-rank loading layout can be planned in one process (tests/unit/test_checkpoint_plan.py).
+1000-rank loading layout can be planned in one process (tests/unit/checkpoint/test_checkpoint_plan.py).
 
 Boxes are numpy rows ([n, ndim] lo and hi arrays): a needed box is intersected with all stored pieces
 of its tensor at once.

@@ -1,6 +1,6 @@
 """Nothing lost, nothing silently wrong (issue 20), end to end through train.py: rollback with keep_last,
 two jobs on one run.dir, a save slower than the hang limit, corrupt data, resume config checks
-(SIGINT: tests/e2e/test_newcomer2.py)."""
+(SIGINT: tests/e2e/test_user_guidance_cli.py)."""
 import hashlib
 import json
 import shutil
@@ -98,7 +98,7 @@ def test_a_save_slower_than_the_hang_limit_commits(tmp_path):
     assert (tmp_path / "checkpoints" / "step_00000001" / "metadata.json").is_file()
 
 
-# SIGINT stops like SIGTERM, with a checkpoint: tests/e2e/test_newcomer2.py::test_ctrl_c_prints_the_command_that_
+# SIGINT stops like SIGTERM, with a checkpoint: tests/e2e/test_user_guidance_cli.py::test_ctrl_c_prints_the_command_that_
 # continues_the_run sends it to the same one-process run and checks that and more (was a run of its own here)
 
 

@@ -51,7 +51,7 @@ def test_torchrun_refuses_tp_that_does_not_divide_world(tmp_path):
     out = res.stdout + res.stderr
     assert "megaframe: error: parallel.tp=3" in out and "exitcode" in out and ": 2" in out, out[-2000:]
     assert out.index("megaframe: error:") < out.index("exitcode")
-    # newcomer-2 F11 (was tests/e2e/test_newcomer2.py, the same torchrun): under torchrun the one-line error
+    # newcomer-2 F11 (was tests/e2e/test_user_guidance_cli.py, the same torchrun): under torchrun the one-line error
     # came first, then ~35 lines of ChildFailedError ending in a link; the summary now ends with it
     tail = [ln for ln in out.splitlines() if ln.strip()][-3:]
     assert any("traceback : megaframe: error: parallel.tp=3" in ln for ln in tail), tail

@@ -80,7 +80,7 @@ def test_file_names_stay_inside_the_folder(tmp_path, saved):
 
 def test_a_prepared_dataset_naming_a_file_outside_is_refused(tmp_path):
     from megaframe.data.dataset import PreparedData
-    from tests.unit.test_data_order import write_prepared
+    from tests.unit.data.test_data_order import write_prepared
 
     path = write_prepared(tmp_path / "prep", [np.arange(40)])
     meta = json.loads((path / "meta.json").read_text())

@@ -130,7 +130,7 @@ def test_a_stale_lock_on_another_host_is_taken_over_when_slurm_reports_its_job_g
 # --- one resolver of "the checkpoint to use": W1, W2, T1 ---
 def rollback_dir(root):
     """Run A saved 2,4,6,8; a rollback B resumed from 2 and saved 3 and 5; `latest` names B's 5."""
-    from tests.unit.test_run_safety import fake_ckpt
+    from tests.unit.runops.test_run_safety import fake_ckpt
 
     ids, parent = {}, (None, None)
     for s in (2, 4, 6, 8):
@@ -181,7 +181,7 @@ def test_an_unusable_latest_over_branches_is_refused_never_the_highest_step(tmp_
 
 def test_an_unusable_latest_over_one_branch_continues_it_with_a_warning(tmp_path):
     from megaframe.checkpoint import resolve
-    from tests.unit.test_run_safety import fake_ckpt
+    from tests.unit.runops.test_run_safety import fake_ckpt
 
     d2, i2 = fake_ckpt(tmp_path, 2, "A")
     fake_ckpt(tmp_path, 4, "A", d2, i2)

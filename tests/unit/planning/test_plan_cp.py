@@ -15,7 +15,7 @@ from megaframe.plan import main
 from megaframe.planning.devices import DEVICES
 from megaframe.planning.estimate import plan_layout
 from megaframe.planning.search import Layout, candidates, layout_config, memory, phase_memory, step_time
-from tests.unit.test_plan_search import SMALL
+from tests.unit.planning.test_plan_search import SMALL
 
 LONG = ["data=synthetic", "model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4",
         "model.num_query_groups=2", "model.ffn_hidden_size=256", "model.seq_length=1024", "model.vocab_size=256",

@@ -13,7 +13,7 @@ from megaframe.data import manifest as mf
 from megaframe.data import prepare as prep
 from megaframe.data.sources import resolve_source, sample_documents
 from megaframe.data.tokenizer import load_tokenizer
-from tests.unit.test_prepare import paragraphs, read_tokens, run_main, split_docs, write_text_corpus
+from tests.unit.data.test_prepare import paragraphs, read_tokens, run_main, split_docs, write_text_corpus
 
 
 @pytest.fixture()

@@ -143,7 +143,7 @@ def test_layout_search_counts_the_document_mask_like_the_exact_planner():
     accelerator's block mask is too small to tell apart at this size)."""
     from megaframe.planning.estimate import plan_layout
     from megaframe.planning.search import Layout, layout_config, phase_memory
-    from tests.unit.test_plan_search import SMALL
+    from tests.unit.planning.test_plan_search import SMALL
 
     small = [o for o in SMALL if not o.startswith("model.seq_length")]  # S = 512: the S x S mask matters
     cfg = load_config(small + ["model.seq_length=512", "data.document_mask=true", "train.device=cpu"],

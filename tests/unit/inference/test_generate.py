@@ -20,7 +20,7 @@ from megaframe.inference.sampling import SamplingConfig, next_token
 from megaframe.model.gpt import build_model
 from megaframe.parallel.mesh import single_process_mesh
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 TINY = ["data=synthetic", "model.num_layers=2", "model.hidden_size=64", "model.ffn_hidden_size=96",
         "model.seq_length=32", "model.vocab_size=384", "model.init_std=0.1"]
 MODELS = {"llama": ["model=gpt_tiny", "model.num_attention_heads=4", "model.num_query_groups=2"],

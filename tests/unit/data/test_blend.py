@@ -11,7 +11,7 @@ import torch
 from megaframe.config import load_config
 from megaframe.data.blend import BlendedData, blend_pattern
 from megaframe.data.dataset import PreparedData, build_data, data_state, microbatches
-from tests.unit.test_data_order import write_prepared
+from tests.unit.data.test_data_order import write_prepared
 
 SEQ = 8
 

@@ -218,7 +218,7 @@ def test_plot_schedule_draws_f_b_w_and_prints_the_bubble(tmp_path, capsys):
     import importlib.util
     from pathlib import Path
 
-    spec = importlib.util.spec_from_file_location("plot_schedule", Path(__file__).parents[2] / "scripts" / "plot_schedule.py")
+    spec = importlib.util.spec_from_file_location("plot_schedule", Path(__file__).parents[3] / "scripts" / "plot_schedule.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     drawn = []

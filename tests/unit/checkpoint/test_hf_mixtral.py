@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 import megaframe
-from tests.unit.test_hf_interop import export_hf, ids, import_hf, make_checkpoint, tokenizer_dir  # noqa: F401
+from tests.unit.checkpoint.test_hf_interop import export_hf, ids, import_hf, make_checkpoint, tokenizer_dir  # noqa: F401
 
 MOE = ["model=moe_tiny", "model.num_attention_heads=4", "model.num_query_groups=2", "model.moe_ffn_hidden_size=32",
        "model.num_experts=4"]

@@ -11,7 +11,7 @@ import pytest
 from megaframe.config import Config, ConfigError, default_run_name, load_config
 from megaframe.config_checks import FIELD_RULES, Rule
 
-ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[3]
 
 
 def numeric_fields(cls=Config, prefix="") -> list[str]:

@@ -9,7 +9,7 @@ import pytest
 
 from megaframe.config import ConfigError, load_config
 from megaframe.data import prepare as prep
-from tests.unit.test_prepare import paragraphs, write_text_corpus
+from tests.unit.data.test_prepare import paragraphs, write_text_corpus
 
 
 @pytest.fixture(scope="module")

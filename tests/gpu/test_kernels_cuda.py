@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.unit.test_gpu_review2 import fused_ring_vs_sdpa
+from tests.unit.test_gpu_launch_and_kernels import fused_ring_vs_sdpa
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
