@@ -1,6 +1,6 @@
 """Checkpoint layouts without hardware: the metadata every rank of a layout would write, and the read
 plan of every rank of another layout, from meta models (no tensor data). Used by the planner test and
-scripts/bench_checkpoint.py to show plans at 256 ranks in one process.
+benchmarks/bench_checkpoint.py to show plans at 256 ranks in one process.
 """
 from __future__ import annotations
 

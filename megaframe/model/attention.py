@@ -54,9 +54,9 @@ class Attention(nn.Module):
         # chunk without a mask (cp_attention.py); with attention dropout one SDPA call under the shared
         # [S/c, S] bias (context.cp_causal_bias, built on first use)
         self.cp_gathered = self.cp is not None and not self.cp_ring
-        self.ring_overlap = True  # scripts/bench_cp.py turns it off to time the exchange unhidden
+        self.ring_overlap = True  # benchmarks/bench_cp.py turns it off to time the exchange unhidden
         self.ring_tile_elems: int | None = None  # ring_attention's tile (None: the device's default)
-        self.ring_fused = True  # scripts/bench_cp.py turns it off to time the fp32 math ring
+        self.ring_fused = True  # benchmarks/bench_cp.py turns it off to time the fp32 math ring
         self.recompute_core = recompute_core
         e = cfg.head_dim
         # Whole heads per rank (config_checks requires tp to divide both): attention never crosses ranks.

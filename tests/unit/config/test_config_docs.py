@@ -1,11 +1,11 @@
-"""docs/config.md is generated from the schema's field docstrings (scripts/gen_config_docs.py): it must be
+"""docs/config.md is generated from the schema's field docstrings (scripts/dev/gen_config_docs.py): it must be
 what the generator writes today, so a key added, renamed or re-documented shows up in the docs."""
 import importlib.util
 
 from megaframe.config_keys import schema_keys
 from tests.e2e.helpers import ROOT
 
-spec = importlib.util.spec_from_file_location("gen_config_docs", ROOT / "scripts" / "gen_config_docs.py")
+spec = importlib.util.spec_from_file_location("gen_config_docs", ROOT / "scripts" / "dev" / "gen_config_docs.py")
 gen = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(gen)
 

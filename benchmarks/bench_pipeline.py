@@ -1,6 +1,6 @@
 """Measured step time and pipeline bubble on gloo (CPU) per schedule, against the simulator's.
 
-    python scripts/bench_pipeline.py [pp=2] [microbatches=8] [steps=3] [p2p=native|nccl]
+    python benchmarks/bench_pipeline.py [pp=2] [microbatches=8] [steps=3] [p2p=native|nccl]
                                      [kinds=1f1b,interleaved,zb_h1,zbv]
 
 Spawns pp ranks (1 thread each), trains a small GPT for a few steps under each schedule (one run, one

@@ -6,7 +6,7 @@ and results, the transfer on the critical path), and the ring on its fp32 math b
 flash kernels (ring_attention's `fused=False`, the path before ring_fused.py). Ratios are against cp1
 measured in the same run; a line per cp also gives the ring's math / fused step-time ratio.
 
-    python scripts/bench_cp.py [seqs=2048,8192] [cps=1,2,4] [steps=3] [layers=2] [threads=1]
+    python benchmarks/bench_cp.py [seqs=2048,8192] [cps=1,2,4] [steps=3] [layers=2] [threads=1]
 
 A small GPT (D=64, 4 heads, 2 kv groups, FFN 256, vocab 256), one sequence per step: tokens/s is
 seq / (fastest step time: on a shared machine the least disturbed one), the whole cp group working on one

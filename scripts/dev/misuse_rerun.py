@@ -2,13 +2,13 @@
 section 1 and the quick commands of section 2) and new attempts of the same classes (shared folders,
 lineage corruption, tool inputs, field ranges), each a real command with its expected outcome.
 
-    python scripts/redteam_rerun.py [--work DIR] [--only PREFIX] [--keep]
+    python scripts/dev/misuse_rerun.py [--work DIR] [--only PREFIX] [--keep]
 
 Prints one row per attempt (id, class, held/DEFECT, what was seen) and the counts; exits 1 when any
 attempt shows a defect. Every attempt is also "clean": no Python traceback, and an exit 2 prints exactly
 one `megaframe: error:` line (argparse's own usage error counts as one). Takes about 20-25 minutes on a
 loaded 2-core box (it trains a few tiny runs); not part of `make test` (tests/e2e/test_lost_work_cli.py
-holds the representative cases). The attempts are in scripts/redteam_attempts.py.
+holds the representative cases). The attempts are in scripts/dev/misuse_attempts.py.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=8", "model.num_query_groups=4",
         "model.ffn_hidden_size=128", "model.seq_length=32", "train.global_batch_size=8",
         "train.micro_batch_size=2", "optim.warmup_steps=2", "optim.lr=3e-3", "train.log_interval=1",
@@ -135,7 +135,7 @@ def main(argv: list[str]) -> int:
     work = Path(args.work or tempfile.mkdtemp(prefix="redteam-rerun-")).resolve()
     work.mkdir(parents=True, exist_ok=True)
     sys.path.insert(0, str(ROOT))
-    from scripts.redteam_attempts import attempts
+    from scripts.dev.misuse_attempts import attempts
 
     t0 = time.time()
     rows = []

@@ -1,8 +1,8 @@
 """Write docs/config.md from the schema: every config key with its type, default and the docstring under
 its field in megaframe/schema.py (the one place a key is documented), and the presets in conf/.
 
-    python scripts/gen_config_docs.py            # rewrite docs/config.md
-    python scripts/gen_config_docs.py --check    # exit 1 when docs/config.md is stale
+    python scripts/dev/gen_config_docs.py            # rewrite docs/config.md
+    python scripts/dev/gen_config_docs.py --check    # exit 1 when docs/config.md is stale
 
 tests/unit/config/test_config_docs.py fails while docs/config.md differs from what this writes.
 """
@@ -17,10 +17,10 @@ import typing
 from enum import Enum
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 OUT = ROOT / "docs" / "config.md"
-COMMAND = "python scripts/gen_config_docs.py"
+COMMAND = "python scripts/dev/gen_config_docs.py"
 
 INTRO = """\
 # Configuration keys

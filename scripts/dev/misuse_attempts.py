@@ -1,4 +1,4 @@
-"""The attempts of scripts/redteam_rerun.py: the red-team note's reproductions (ids as in the note: S1, L1, ...,
+"""The attempts of scripts/dev/misuse_rerun.py: the red-team note's reproductions (ids as in the note: S1, L1, ...,
 K10, and C2-* for its section 2 config cases) and new attempts of the same classes (NS: shared folders, NL:
 lineage corruption, NT: tool inputs, NF: field ranges). `attempts(work)` trains the shared set-up once:
 a run that saved 2,4,6,8 and a rollback from 2 that saved 3 and 6 (the abandoned branch's 6 kept aside)."""
@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from scripts.redteam_rerun import ROOT, TINY, Attempt, py, sh
+from scripts.dev.misuse_rerun import ROOT, TINY, Attempt, py, sh
 
 TRAIN = py(str(ROOT / "train.py"))
 GEN = py("-m", "megaframe.generate")
@@ -213,7 +213,7 @@ def section2(s: Setup) -> list[Attempt]:
 
 def attempts(work: Path) -> list[Attempt]:
     s = Setup(work)
-    from scripts.redteam_new import new_attempts
+    from scripts.dev.misuse_more import new_attempts
 
     return note_attempts(s) + section2(s) + new_attempts(s)
 

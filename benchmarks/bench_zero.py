@@ -3,7 +3,7 @@ with the reduce-scatter overlapped with backward, and without (every bucket redu
 ZeRO-1 and ZeRO-2 with the parameter all-gather overlapped with the next forward
 (optim.overlap_param_gather, the default) and without; ZeRO-3.
 
-    python scripts/bench_zero.py [steps=2] [rounds=8] [bucket_mb=4] [threads=1]
+    python benchmarks/bench_zero.py [steps=2] [rounds=8] [bucket_mb=4] [threads=1]
 
 Spawns 2 ranks (`threads` intra-op threads each), builds the three optimizers over three copies of a
 ~21M-parameter GPT (84 MB of fp32 grads: the dp traffic is a visible part of the step), and times

@@ -1,6 +1,6 @@
 """Check the planner's step-time model against measured runs on this machine (2 ranks, gloo, CPU).
 
-    python scripts/validate_planner.py [--steps 8] [--out FILE.json]
+    python benchmarks/validate_planner.py [--steps 8] [--out FILE.json]
 
 1. Measures the "cpu" device (planning.devices.measure_cpu: one core's fp32 matmul rate, the time of a
    gloo hop against its size between two processes, planning.gloo_link).

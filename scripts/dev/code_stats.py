@@ -1,7 +1,7 @@
 """Code-health figures for megaframe/: lines of code, comment density, import cycles, collectives
 called outside parallel/comm.py, and the longest functions.
 
-    python scripts/code_stats.py [--json]
+    python scripts/dev/code_stats.py [--json]
 
 Definitions (so the figures can be compared across commits):
 - code line: a non-blank line that holds a token other than a comment, excluding docstrings;
@@ -21,7 +21,7 @@ import sys
 import tokenize
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PKG = ROOT / "megaframe"
 COLLECTIVES = {
     "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",

@@ -1,7 +1,7 @@
 """Where does a training step make the host wait for the GPU? One H100 run, about a minute.
 
-    python scripts/gpu_sync_where.py [--steps 3] [overrides...]
-    python scripts/gpu_sync_where.py --dry      # CPU, tiny sizes, no sync mode: checks the script itself
+    python scripts/dev/gpu_sync_where.py [--steps 3] [overrides...]
+    python scripts/dev/gpu_sync_where.py --dry      # CPU, tiny sizes, no sync mode: checks the script itself
 
 The review's probe (shared notes gpu-review-2-check.py, syncs_dense_real_tokens) counted syncs per step
 [1, 0] after a warm-up step on a llama-like model at 8192 tokens: step 2 synchronised once, step 3 not.
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 LLAMA_LIKE = ["model=llama3_8b", "data=synthetic", "model.num_layers=2", "model.hidden_size=1024",
               "model.num_attention_heads=8", "model.num_query_groups=2", "model.ffn_hidden_size=3584",

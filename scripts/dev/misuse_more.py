@@ -1,4 +1,4 @@
-"""New attempts of the note's classes for scripts/redteam_rerun.py (not in the note): NS shared folders,
+"""New attempts of the note's classes for scripts/dev/misuse_rerun.py (not in the note): NS shared folders,
 NL lineage corruption, NT tool inputs, NF field ranges."""
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import os
 import shutil
 from pathlib import Path
 
-from scripts.redteam_attempts import GEN, PLAN, TRAIN, Setup, cfg, edit_meta, stale_lock, write
-from scripts.redteam_rerun import TINY, Attempt, py, sh
+from scripts.dev.misuse_attempts import GEN, PLAN, TRAIN, Setup, cfg, edit_meta, stale_lock, write
+from scripts.dev.misuse_rerun import TINY, Attempt, py, sh
 
 
 def shared_folders(s: Setup) -> list[Attempt]:

@@ -1,13 +1,13 @@
 """Checkpoint cost on one process: save and load times, and the step-time overhead of saving every
 few steps synchronously vs asynchronously (checkpoint.async), against not saving at all.
 
-    python scripts/bench_checkpoint.py [layers=8] [hidden=512] [steps=12] [interval=3]
+    python benchmarks/bench_checkpoint.py [layers=8] [hidden=512] [steps=12] [interval=3]
 
 With `layouts`, instead: per-rank bytes and seconds of saves and loads across layouts on 4 gloo ranks
 (the tiny test model, after one step so Adam moments exist): tp2·dp2 save, and a tp2·pp2 save loaded
 as tp2·pp2, dp4 and pp4.
 
-    PYTHONPATH=. python scripts/bench_checkpoint.py layouts
+    PYTHONPATH=. python benchmarks/bench_checkpoint.py layouts
 """
 from __future__ import annotations
 

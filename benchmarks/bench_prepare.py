@@ -1,7 +1,7 @@
 """Benchmark megaframe.data.prepare: tokens/s of the whole prepare (reading, hashing, tokenizing in
 worker processes, writing shards) against the limit, sentencepiece's encode speed on one core.
 
-    python scripts/bench_prepare.py [--source DIR] [--repeat N] [--workers 2] [--vocab 4096] [--tasks 4]
+    python benchmarks/bench_prepare.py [--source DIR] [--repeat N] [--workers 2] [--vocab 4096] [--tasks 4]
 
 The corpus is the demo corpus (data/demo/corpus, 4.7 MB of books) copied `--repeat` times into a temp
 folder, so the run is long enough to time. The tokenizer is trained once (timed apart) and then reused

@@ -1,6 +1,6 @@
 """Training tokens/s of megaframe against transformers' LlamaForCausalLM of the same dims, one process.
 
-    python scripts/bench_vs_hf.py [--device cpu|cuda] [--preset cpu|1b] [--steps 3] [--repeats 5]
+    python benchmarks/bench_vs_hf.py [--device cpu|cuda] [--preset cpu|1b] [--steps 3] [--repeats 5]
                                   [--warmup 2] [--threads 1] [--batch B] [--seq S] [--profile]
                                   [--fp8 [--fp8-recipe tensorwise|rowwise]] [--compile]
 

@@ -1,6 +1,6 @@
 """Seconds and peak host memory of building (and initialising) one rank of a model on CPU, real tensors.
 
-    PYTHONPATH=. python scripts/bench_init.py model=llama3_8b --tp 8 --pp 4 [--pp-rank 0] [--ep 1 --dp 1]
+    PYTHONPATH=. python benchmarks/bench_init.py model=llama3_8b --tp 8 --pp 4 [--pp-rank 0] [--ep 1 --dp 1]
 
 Each measurement runs in a fresh subprocess so ru_maxrss is that build's peak alone.
 """
