@@ -18,9 +18,9 @@ from megaframe.checkpoint.resume_checks import Accounting
 from megaframe.data.dataset import data_state
 from megaframe.data.order import ORDER
 from megaframe.data.shards import tokenizer_identity
+from megaframe.errors import TrainingError
 from megaframe.parallel.mesh import Mesh
 from megaframe.schema import Config, plain
-from megaframe.training.errors import TrainingError
 from megaframe.training.save_guard import state_is_finite
 
 

@@ -12,6 +12,7 @@ from megaframe.config import Config, ConfigError
 from megaframe.data.dataset import Prefetcher
 from megaframe.data.shards import CorruptShard
 from megaframe.data.stages import stage_metric
+from megaframe.errors import TrainingError  # also re-exported for train.py
 from megaframe.layers.rng import seed_step
 from megaframe.parallel import comm
 from megaframe.parallel.launch import env_ranks, init_distributed, nccl_env, pick_device, shutdown
@@ -25,7 +26,6 @@ from megaframe.runops.straggler import StragglerProbe
 from megaframe.runops.watchdog import Watchdog
 from megaframe.tracking import Tracker
 from megaframe.training.checkpointing import Checkpointer
-from megaframe.training.errors import TrainingError  # also re-exported for train.py
 from megaframe.training.first_step import first_step_limits
 from megaframe.training.meter import BadSteps, Meter
 from megaframe.training.startup import Setup, announce, batch_loader, set_up
