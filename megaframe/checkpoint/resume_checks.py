@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import sys
 
-from megaframe.config import Config, ConfigError
-from megaframe.schema import plain
+from megaframe.schema import Config, ConfigError, plain
 
 GUARDED_TRAIN = ("global_batch_size", "seed")
 UNCHECKED_MODEL = ("name",)
