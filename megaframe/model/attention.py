@@ -19,6 +19,7 @@ from megaframe.model.documents import DocContext, doc_flex_attention
 from megaframe.parallel import comm
 from megaframe.parallel.context import cp_causal_bias
 from megaframe.parallel.cp_attention import cp_chunked_attention, cp_global_order
+from megaframe.parallel.eager import eager
 from megaframe.parallel.mesh import Axis
 from megaframe.parallel.ring_attention import ring_attention
 from megaframe.schema import ModelConfig
@@ -41,7 +42,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 # eager under train.compile: dynamo would trace through the cache and rebuild the bias inside the graph
-_cp_bias = torch.compiler.disable(cp_causal_bias)
+_cp_bias = eager(cp_causal_bias)
 
 
 class Attention(nn.Module):

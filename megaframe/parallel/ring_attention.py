@@ -36,6 +36,7 @@ import torch
 
 from megaframe.parallel import comm
 from megaframe.parallel.context import cp_keep, cp_positions
+from megaframe.parallel.eager import eager
 from megaframe.parallel.mesh import Axis
 from megaframe.parallel.ring_fused import FusedRing, fold_heads, fused_kernels
 
@@ -212,7 +213,7 @@ def dropout_keep(q_BHQE: torch.Tensor, gathered: int, p: float) -> torch.Tensor:
 
 
 
-@torch.compiler.disable  # p2p inside: eager between a compiled block's pieces (as comm.py's collectives)
+@eager  # p2p inside: eager between a compiled block's pieces (as comm.py's collectives)
 def ring_attention(q_BHQE: torch.Tensor, k_BKNE: torch.Tensor, v_BKNE: torch.Tensor, axis: Axis,
                    seq: int, overlap: bool = True, tile_elems: int | None = None,
                    dropout_p: float = 0.0, fused: bool = True, doc_BS: torch.Tensor | None = None) -> torch.Tensor:

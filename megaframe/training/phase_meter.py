@@ -62,16 +62,10 @@ class PhaseMeter:
             torch.cuda.reset_peak_memory_stats(self.device)
             self._open = (name, 0, None)
             return
-        import os
-
-        from torch.profiler import ProfilerActivity, profile
-
-        # kineto prints a line at each profiler start and stop unless told otherwise (read at its first start)
-        os.environ.setdefault("KINETO_LOG_LEVEL", "99")
         base = self._state() if self._state is not None else 0
         if torch._C._autograd._profiler_enabled():  # the user's own profiler: ours would end it; unmeasured
             return
-        prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        prof = allocator_profile()
         prof.__enter__()
         self._open = (name, base, prof)
 
@@ -119,10 +113,25 @@ def _size(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
+def allocator_profile():
+    """A CPU profile recording the allocator's events. torch.autograd's profiler, not torch.profiler's
+    wrapper: the wrapper's start asks `hasattr(torch, "_inductor")`, which imports inductor and dynamo
+    (about a third of a one-step run's CPU time) into a run that never compiles."""
+    import os
+
+    from torch.autograd.profiler import profile
+
+    # kineto prints a line at each profiler start and stop unless told otherwise (read at its first start)
+    os.environ.setdefault("KINETO_LOG_LEVEL", "99")
+    return profile(use_cpu=True, use_kineto=True, profile_memory=True)
+
+
 def running_peak(prof) -> int:
     """Peak of the running sum of the allocator's [memory] events (bytes allocated minus freed, in time
-    order) over a finished profile: the most held above what was live when it began."""
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+    order) over a finished profile (allocator_profile's or torch.profiler's): the most held above what
+    was live when it began."""
+    results = getattr(prof, "profiler", prof).kineto_results
+    events = sorted((e for e in results.events() if e.name() == "[memory]"),
                     key=lambda e: e.start_ns())
     live = peak = 0
     for e in events:
