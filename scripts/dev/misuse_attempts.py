@@ -1,73 +1,26 @@
-"""The attempts of scripts/dev/misuse_rerun.py: the red-team note's reproductions (ids as in the note: S1, L1, ...,
-K10, and C2-* for its section 2 config cases) and new attempts of the same classes (NS: shared folders, NL:
-lineage corruption, NT: tool inputs, NF: field ranges). `attempts(work)` trains the shared set-up once:
-a run that saved 2,4,6,8 and a rollback from 2 that saved 3 and 6 (the abandoned branch's 6 kept aside)."""
+"""The first attempt lists of scripts/dev/misuse_rerun.py: lost work and shared folders (ids S*, L*), config
+checks (K*) and refused field values (C2-*). The set-up they share (misuse_base.Setup) is a run that saved
+2,4,6,8 and a rollback from 2 that saved 3 and 6 (the abandoned branch's 6 kept aside)."""
 from __future__ import annotations
 
 import json
 import shutil
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-from scripts.dev.misuse_rerun import ROOT, TINY, Attempt, py, sh
-
-TRAIN = py(str(ROOT / "train.py"))
-GEN = py("-m", "megaframe.generate")
-PLAN = py("-m", "megaframe.plan", "data=synthetic")
-META_FORMS = {"list": "[]", "null": "null", "no-tensors": '{"format": "megaframe-ckpt-v2", "coverage": "exact"}',
-              "files-list": '{"format": "megaframe-ckpt-v2", "coverage": "exact", "files": [], "tensors": {}}',
-              "empty": "{}"}
-
-
-def cfg(*over: str, rc=(0, 2), has=(), synthetic=True) -> list:
-    """A config-only attempt: train.py --cfg composes and validates (every check of a start) and trains nothing."""
-    return [[*TRAIN, *(["data=synthetic"] if synthetic else []), *over, "--cfg"], rc, has]
-
-
-class Setup:
-    def __init__(self, work: Path):
-        self.work = work
-        self.data = ROOT / "data" / "demo" / "prepared"
-        if not (self.data / "meta.json").is_file():
-            sh(py("-m", "megaframe.data.prepare"), timeout=1800)
-        self.rb = work / "rb"
-        self.ck = self.rb / "checkpoints"
-        if not (self.ck / "latest").is_file():
-            common = [*TRAIN, *TINY, f"data.path={self.data}", f"run.dir={self.rb}"]
-            sh(common + ["train.max_steps=8", "checkpoint.interval=2"])
-            sh(common + ["train.max_steps=6", "checkpoint.interval=3", f"checkpoint.resume={self.ck / 'step_00000002'}"])
-
-    def p(self, name: str) -> Path:
-        return self.work / name
-
-    def copy(self, name: str, what: str = "ck") -> Path:
-        """A fresh copy of the rollback's checkpoint dir (or its whole run folder: the same run)."""
-        src = self.ck if what == "ck" else self.rb
-        dst = self.p(name)
-        shutil.rmtree(dst, ignore_errors=True)
-        shutil.copytree(src, dst, ignore=shutil.ignore_patterns("megaframe.lock"), symlinks=True)
-        return dst if what == "ck" else dst / "checkpoints"
-
-    def run_tiny(self, run_dir: str, *over: str) -> list[str]:
-        return [*TRAIN, *TINY, f"data.path={self.data}", f"run.dir={self.p(run_dir)}", *over]
-
-    def syn(self, run_dir: str, *over: str) -> list[str]:
-        return [*TRAIN, *TINY, "data=synthetic", f"run.dir={self.p(run_dir)}", *over]
-
-
-def write(path: Path, text: str | bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(text if isinstance(text, bytes) else text.encode())
-
-
-def edit_meta(step: Path, fn) -> None:
-    """Change a checkpoint's metadata.json in place (the lineage corruption attempts)."""
-    meta = json.loads((step / "metadata.json").read_text())
-    fn(meta)
-    (step / "metadata.json").write_text(json.dumps(meta))
+from scripts.dev.misuse_base import (
+    GEN,
+    META_FORMS,
+    PLAN,
+    ROOT,
+    TINY,
+    TRAIN,
+    Attempt,
+    Setup,
+    cfg,
+    py,
+    sh,
+    write,
+)
 
 
 def note_attempts(s: Setup) -> list[Attempt]:
@@ -209,22 +162,3 @@ def section2(s: Setup) -> list[Attempt]:
     out = [Attempt(f"C2-{i:02d}", "field range", *cfg(c, "train.sample_interval=1")[:2]) for i, c in enumerate(cases)]
     out.append(Attempt(f"C2-{len(cases):02d}", "field range", *cfg("model=moe_tiny", "model.moe_top_k=9")[:2]))
     return out
-
-
-def attempts(work: Path) -> list[Attempt]:
-    s = Setup(work)
-    from scripts.dev.misuse_more import new_attempts
-
-    return note_attempts(s) + section2(s) + new_attempts(s)
-
-
-def dead_pid() -> int:
-    p = subprocess.Popen([sys.executable, "-c", "pass"])
-    p.wait()
-    return p.pid
-
-
-def stale_lock(folder: Path) -> None:
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "megaframe.lock").write_text(json.dumps({"host": socket.gethostname(), "pid": dead_pid(), "job": "",
-                                                       "since": time.time() - 60}))

@@ -1,5 +1,5 @@
-"""New attempts of the note's classes for scripts/dev/misuse_rerun.py (not in the note): NS shared folders,
-NL lineage corruption, NT tool inputs, NF field ranges."""
+"""More attempts for scripts/dev/misuse_rerun.py: NS shared folders, NL lineage corruption, NT tool inputs,
+NF field ranges."""
 from __future__ import annotations
 
 import json
@@ -7,8 +7,7 @@ import os
 import shutil
 from pathlib import Path
 
-from scripts.dev.misuse_attempts import GEN, PLAN, TRAIN, Setup, cfg, edit_meta, stale_lock, write
-from scripts.dev.misuse_rerun import TINY, Attempt, py, sh
+from scripts.dev.misuse_base import GEN, PLAN, TINY, TRAIN, Attempt, Setup, cfg, edit_meta, py, sh, stale_lock, write
 
 
 def shared_folders(s: Setup) -> list[Attempt]:

@@ -1,6 +1,5 @@
-"""Red team 2, re-run on the current code: the note's reproductions (../shared/notes/redteam-2.md, its
-section 1 and the quick commands of section 2) and new attempts of the same classes (shared folders,
-lineage corruption, tool inputs, field ranges), each a real command with its expected outcome.
+"""Bad input and lost work, re-run on the current code: every attempt a real command with its expected
+outcome (refused configs, shared folders, lineage corruption, tool inputs, field ranges).
 
     python scripts/dev/misuse_rerun.py [--work DIR] [--only PREFIX] [--keep]
 
@@ -8,69 +7,22 @@ Prints one row per attempt (id, class, held/DEFECT, what was seen) and the count
 attempt shows a defect. Every attempt is also "clean": no Python traceback, and an exit 2 prints exactly
 one `megaframe: error:` line (argparse's own usage error counts as one). Takes about 20-25 minutes on a
 loaded 2-core box (it trains a few tiny runs); not part of `make test` (tests/e2e/test_lost_work_cli.py
-holds the representative cases). The attempts are in scripts/dev/misuse_attempts.py.
+holds the representative cases). The attempts are in scripts/dev/misuse_attempts.py and misuse_more.py.
 """
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
-ROOT = Path(__file__).resolve().parents[2]
-TINY = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=8", "model.num_query_groups=4",
-        "model.ffn_hidden_size=128", "model.seq_length=32", "train.global_batch_size=8",
-        "train.micro_batch_size=2", "optim.warmup_steps=2", "optim.lr=3e-3", "train.log_interval=1",
-        "logging.wandb.mode=disabled"]
-
-
-@dataclass
-class Attempt:
-    id: str
-    klass: str
-    cmd: list[str]
-    rc: int | tuple[int, ...] = 2
-    has: tuple[str, ...] = ()
-    """Substrings the output (stdout + stderr) must hold."""
-    lacks: tuple[str, ...] = ()
-    prep: Callable[[], None] | None = None
-    check: Callable[[], str | None] | None = None
-    """After the command: None when the files are as expected, else what is wrong."""
-    env: dict = field(default_factory=dict)
-    bg: list[str] | None = None
-    """A command started first (a live job holding folders), stopped after the attempt."""
-    bg_wait: str = ""
-    """A file the background job must have written before the attempt starts."""
-    timeout: float = 240
-    cwd: Path | None = None
-
-
-def environ(extra: dict) -> dict:
-    e = dict(os.environ)
-    e.update(WANDB_MODE="disabled", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="",
-             PYTHONPATH=str(ROOT))
-    for var in ("MEGAFRAME_RUN_NAME", "SLURM_JOB_ID", "TORCHELASTIC_RUN_ID", "MEGAFRAME_INJECT"):
-        e.pop(var, None)
-    e.update(extra)
-    return e
-
-
-def py(*args: str) -> list[str]:
-    return [sys.executable, *args]
-
-
-def sh(cmd: list[str], timeout: float = 600, **env) -> subprocess.CompletedProcess:
-    """A set-up command that must succeed."""
-    res = subprocess.run(cmd, cwd=ROOT, env=environ(env), capture_output=True, text=True, timeout=timeout)
-    if res.returncode != 0:
-        raise SystemExit(f"set-up failed: {' '.join(cmd)}\n{res.stderr[-3000:]}")
-    return res
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a file: `scripts` importable
+from scripts.dev.misuse_attempts import note_attempts, section2  # noqa: E402
+from scripts.dev.misuse_base import ROOT, Attempt, Setup, environ  # noqa: E402
+from scripts.dev.misuse_more import new_attempts  # noqa: E402
 
 
 def _start_bg(a: Attempt) -> subprocess.Popen | None:
@@ -126,17 +78,20 @@ def attempt(a: Attempt) -> tuple[bool, str]:
     return why is None, why or seen
 
 
+def attempts(work: Path) -> list[Attempt]:
+    """Every attempt, after training the shared set-up once."""
+    s = Setup(work)
+    return note_attempts(s) + section2(s) + new_attempts(s)
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", help="folder for the runs (default: a new temporary folder)")
     ap.add_argument("--only", default="", help="run the attempts whose id starts with this")
     ap.add_argument("--keep", action="store_true", help="keep the work folder")
     args = ap.parse_args(argv)
-    work = Path(args.work or tempfile.mkdtemp(prefix="redteam-rerun-")).resolve()
+    work = Path(args.work or tempfile.mkdtemp(prefix="misuse-rerun-")).resolve()
     work.mkdir(parents=True, exist_ok=True)
-    sys.path.insert(0, str(ROOT))
-    from scripts.dev.misuse_attempts import attempts
-
     t0 = time.time()
     rows = []
     for a in attempts(work):
