@@ -21,7 +21,7 @@ def _req(ok: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
-# --- safety (issue 20): every numeric field's range, finiteness and type, from one table ---
+# --- safety: every numeric field's range, finiteness and type, from one table ---
 @dataclass(frozen=True)
 class Rule:
     """Allowed values of one numeric field: lo <= v (lo < v when lo_open), v < hi (v <= hi when not

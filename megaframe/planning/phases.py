@@ -2,7 +2,7 @@
 peak of each on one rank (what training/phase_meter.py measures and logs as mem/phase/<name>_peak_bytes).
 
 A layout fits only if every phase fits: the steady step is not the only moment a rank may run out.
-Modelled for how start-up, save and load work once parameters are built on the meta device (issue 24):
+Modelled for how start-up, save and load work once parameters are built on the meta device:
 
   resident  params + grads + optimizer state as the trainer holds them between steps (estimate.state_bytes)
   startup   params + (bf16 runs) INIT_FP32_TENSORS of the rank's largest local tensors in fp32 (a

@@ -37,7 +37,7 @@ HEADROOM = 0.9
 
 ZERO3_WHOLE_OUTSIDE_BLOCKS = False
 """ZeRO-3 keeps the params outside the blocks (embedding, head, final norm) whole, as optim/sizing.py counts
-them today; False once ZeRO-3 shards every parameter (issue 24 item 2, h-metainit)."""
+them today; False once ZeRO-3 shards every parameter (parameters built on the meta device)."""
 MODEL_ERROR = 0.113
 """The step-time model's largest measured error (benchmarks/validate_planner.py against measured runs, README:
 8.5 % and 11.3 % on two runs): layouts closer than this to #1 are ties."""

@@ -3,7 +3,7 @@
     python scripts/dev/gpu_sync_where.py [--steps 3] [overrides...]
     python scripts/dev/gpu_sync_where.py --dry      # CPU, tiny sizes, no sync mode: checks the script itself
 
-The review's probe (shared notes gpu-review-2-check.py, syncs_dense_real_tokens) counted syncs per step
+A probe counting sync-debug warnings per step (dense model, real tokens) counted syncs per step
 [1, 0] after a warm-up step on a llama-like model at 8192 tokens: step 2 synchronised once, step 3 not.
 CPU counting (tests/distributed/sync_count.py) sees nothing in those steps, so the sync is a CUDA-only
 one. This prints, for every counted step, each sync-debug warning with the Python stack that raised it

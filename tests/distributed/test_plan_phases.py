@@ -35,7 +35,7 @@ ONE = ("zero0-one", 1, 1, 1, ["optim.zero=0"])
 """One process at zero=0, the reference of the share test. Not in the 10 % test: its first step makes the moments
 after the activations are freed, the plan's step (every later one) holds both."""
 SHARE = 0.35
-"""Save and load at zero=3 dp4 against one process at zero=0 (issue 24; a quarter is the share)."""
+"""Save and load at zero=3 dp4 against one process at zero=0 (a quarter is the share)."""
 
 
 _MEASURED: dict[str, list] = {}

@@ -1,4 +1,4 @@
-"""Nothing lost, nothing silently wrong (issue 20), end to end through train.py: rollback with keep_last,
+"""Nothing lost, nothing silently wrong, end to end through train.py: rollback with keep_last,
 two jobs on one run.dir, a save slower than the hang limit, corrupt data, resume config checks
 (SIGINT: tests/e2e/test_user_guidance_cli.py)."""
 import hashlib
@@ -58,7 +58,7 @@ def test_rollback_with_keep_last_keeps_the_new_branch_and_auto_continues_it(tmp_
     assert f"resumed from {ck / 'step_00000009'} at step 9" in again.stdout  # not the abandoned step 10
     assert _lineage(ck, 10)["parent"] == "step_00000009" and _lineage(ck, 11)["parent"] == "step_00000010"
     assert sorted(p.name for p in sharded.committed(ck)) == ["step_00000010", "step_00000011"]
-    # the abandoned branch's step 10 was renamed, not replaced, when the new branch reached step 10 (issue 26, F6)
+    # the abandoned branch's step 10 was renamed, not replaced, when the new branch reached step 10
     kept = list(ck.glob("step_00000010.replaced-*"))
     assert len(kept) == 1 and json.loads((kept[0] / "metadata.json").read_text())["lineage"]["parent"] == "step_00000008"
     marks = [r for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines()) if "resumed_from" in r]
@@ -135,7 +135,7 @@ def test_token_ids_outside_the_vocabulary_exit_2_naming_shard_and_offset(corrupt
     assert "data: the first batch's shards match their sha256" in res.stdout  # caught later, as batches are read
     if nproc > 1:
         assert "exitcode: 2" in res.stderr  # torchrun's report of the worker
-        # every rank ends with the first reader's line, also at dp=2 where each rank reads its own shards (issue 26);
+        # every rank ends with the first reader's line, also at dp=2 where each rank reads its own shards;
         # torchrun SIGTERMs the peers of the first rank that exits, so some may end before they print it
         # (two ranks that each reach a corrupt shard of their own in the same step each name theirs)
         said = [ln for ln in res.stderr.splitlines() if ln.startswith("megaframe: error:")]

@@ -1,9 +1,9 @@
-"""The second newcomer trial's frictions (shared/notes/newcomer-2.md), through train.py as a user runs it.
+"""What a run tells its user, through train.py as a user runs it.
 
-F8: the Ctrl-C stop message prints the command that continues the run, and that command does continue it.
-F9: start-up warns about an lr curve the run will not follow to the end. F10: the header names the ZeRO stage.
-F11: the stop step is logged (the summary's final loss is the stopped step's), and the checkpoint line comes
-before the run summary. F11's torchrun failure summary is checked on the torchrun that
+The Ctrl-C stop message prints the command that continues the run, and that command does continue it.
+Start-up warns about an lr curve the run will not follow to the end. The header names the ZeRO stage.
+The stop step is logged (the summary's final loss is the stopped step's), and the checkpoint line comes
+before the run summary. The torchrun failure summary is checked on the torchrun that
 tests/e2e/test_train_cli.py::test_torchrun_refuses_tp_that_does_not_divide_world runs (the same command).
 """
 import re

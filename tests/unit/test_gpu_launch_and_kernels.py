@@ -1,4 +1,6 @@
-"""The second GPU review's defects (shared notes gpu-review-2.md), each checked on CPU."""
+"""GPU-path launch and kernel rules checked on CPU: the mixed-dtype GEMM probe and its fallback, multi-node
+srun addresses, the flight recorder's folder, NCCL emulated on gloo only, async-save staging, fused ring
+attention's causal pairs, more ranks than GPUs refused."""
 import torch
 
 from megaframe.layers import fused_ce

@@ -1,5 +1,6 @@
-"""The second newcomer trial's frictions (shared/notes/newcomer-2.md) that need no process: F8's continue
-command under each launcher, F9's lr-curve warnings with the note's own numbers."""
+"""What a run tells its user, checked without a process: the command that continues a run under each
+launcher, warnings about an lr curve the run will not follow, the files prepare skips, which samples
+evaluate scored, presets over another preset's checkpoint, an unknown preset's closest name."""
 import json
 from types import SimpleNamespace
 

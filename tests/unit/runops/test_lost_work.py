@@ -1,4 +1,4 @@
-"""Issue 26 (red team 2, newcomer 2 F6): nothing a run writes lands outside its folders or in another
+"""Nothing a run writes lands outside its folders or in another
 job's; each test is a reproduction of the note (S1, L1, L2, T2, ...) that failed on the code before."""
 import json
 import shutil
@@ -164,7 +164,7 @@ def test_an_unusable_latest_over_branches_is_refused_never_the_highest_step(tmp_
         latest.write_text("garbage\n")
     elif damage == "missing":
         latest.unlink()
-    elif damage == "binary":  # round 2 (scripts/dev/misuse_rerun.py NL10): a UnicodeDecodeError traceback
+    elif damage == "binary":  # a binary metadata file once gave a UnicodeDecodeError traceback
         latest.write_bytes(bytes(range(256)))
     elif damage == "dotdot":
         latest.write_text("../elsewhere/step_00000009\n")
@@ -196,7 +196,7 @@ BAD_META = {"list": "[]", "null": "null", "no-tensors": '{"format": "%s", "step"
             "files-list": '{"format": "%s", "step": 5, "coverage": "exact", "files": [], "tensors": {}}',
             "shards-str": '{"format": "%s", "step": 5, "coverage": "exact", "files": {}, '
                           '"tensors": {"model/w": {"shards": "x"}}}',
-            # round 2 (scripts/dev/misuse_rerun.py NL05, NL09): a TypeError in every lineage reader; "resumed at step 999"
+            # a lineage of the wrong type once gave a TypeError in every lineage reader; "resumed at step 999"
             "parent-int": '{"format": "%s", "step": 5, "coverage": "exact", "files": {}, "tensors": {}, '
                           '"lineage": {"parent": 5}}',
             "step-other": '{"format": "%s", "step": 999, "coverage": "exact", "files": {}, "tensors": {}}'}

@@ -1,4 +1,4 @@
-"""Issue 26, round 2: a checkpoint folder whose newest checkpoint belongs to another run is continued only when
+"""A checkpoint folder whose newest checkpoint belongs to another run is continued only when
 asked (runops/access/owner.py), bool fields take true/false only (K5), and data.path typed with a blend is refused
 (K8). One process, real files, fake checkpoints (lineage reads metadata only)."""
 import json
@@ -39,7 +39,7 @@ def shared(tmp_path):
 
 @pytest.mark.parametrize("resume", ["auto", "none", "elsewhere"])
 def test_another_runs_checkpoint_dir_is_refused_unless_asked(tmp_path, shared, resume):
-    """L1 round 2: a second run with its own run.dir silently resumed (auto) or wrote beside (none) the first's."""
+    """A second run with its own run.dir silently resumed (auto) or wrote beside (none) the first's."""
     if resume == "elsewhere":
         resume = ckpt(tmp_path / "other", 1, None)
     with pytest.raises(ConfigError) as e:

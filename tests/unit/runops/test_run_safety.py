@@ -40,7 +40,7 @@ def test_rollback_keeps_the_new_branch_and_auto_follows_it(tmp_path):
         d, i = fake_ckpt(tmp_path, s, "B", *parent)
         parent = (d, i)
     names = [p.name for p in resolve.resume_order(tmp_path)]
-    # A8 is another branch: never a resume candidate, not even as a last resort (issue 26, W2)
+    # A8 is another branch: never a resume candidate, not even as a last resort
     assert names == ["step_00000006", "step_00000005", "step_00000004", "step_00000002"]
     gone = lineage.prune(tmp_path, keep_last=2)
     assert sorted(p.name for p in gone) == ["step_00000002", "step_00000004"]
@@ -100,7 +100,7 @@ def test_run_lock_refuses_a_live_holder_and_takes_over_a_dead_one(tmp_path, monk
                                                       "job": "SLURM_JOB_ID=7", "since": time.time()}))
         with pytest.raises(RunDirBusy, match=f"pid {holder.pid}, SLURM_JOB_ID=7"):
             RunLock(tmp_path).acquire()
-        monkeypatch.setenv("SLURM_JOB_ID", "7")  # the same job id, but its holder here is alive (issue 26, L2)
+        monkeypatch.setenv("SLURM_JOB_ID", "7")  # the same job id, but its holder here is alive
         with pytest.raises(RunDirBusy, match=f"pid {holder.pid}"):
             RunLock(tmp_path).acquire()
     finally:
