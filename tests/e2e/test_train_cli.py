@@ -93,7 +93,8 @@ def test_resume_continues_with_uninterrupted_losses(tmp_path, nproc, layout):
 def test_torchrun_pp4_vpp2_matches_one_process_and_checkpoint_loads(tmp_path):
     """Also the zero-bubble CLI path: parallel.pp_schedule=zbv under torchrun, resumed from the pp4
     interleaved run's step-3 checkpoint (layout-free names; zbv's V at pp2 puts layers 0-1 and 6-7 on
-    rank 0), continues with the one-process losses; its logged loss (computed on rank 0 under the V, logged by the last rank) is real."""
+    rank 0), continues with the one-process losses; its logged loss (computed on rank 0 under the V,
+    logged by the last rank) is real."""
     over = ["data=synthetic", *TINY, "model.num_layers=8", "train.max_steps=6", "train.log_interval=1",
             "train.global_batch_size=16", "train.micro_batch_size=2"]
     one = train(over + [f"run.dir={tmp_path / 'one'}"])
