@@ -4,6 +4,7 @@
   entries of ALLOW (each carries the reason it is longer);
 - no import cycle between modules (imports inside functions count: they hide a cycle from the
   interpreter, not from a reader);
+- no two files share a name (`__init__.py` and `__main__.py` aside): a name says which file it is;
 - no upward import: the packages lie in the order of LAYERS (docs/architecture.md, "Layers"), and a
   module imports only from its own layer or the ones before it.
 
@@ -115,9 +116,17 @@ def upward(g: dict[str, set[str]], layers: list[list[str]],
     return out
 
 
+def shared_names(root: Path) -> list[str]:
+    by_name: dict[str, list[str]] = {}
+    for f in sorted((root / "megaframe").rglob("*.py")):
+        if f.name not in ("__init__.py", "__main__.py"):
+            by_name.setdefault(f.name, []).append(f.relative_to(root).as_posix())
+    return [f"{name} shared by {', '.join(paths)}" for name, paths in by_name.items() if len(paths) > 1]
+
+
 def check(root: Path = ROOT, layers=LAYERS, allow=ALLOW, upward_allow=UPWARD_ALLOW) -> list[str]:
     g = graph(root)
-    found = sizes(root, allow)
+    found = sizes(root, allow) + shared_names(root)
     found += [f"import cycle: {' <-> '.join(c)}" for c in _code_stats().cycles(g)]
     return found + upward(g, layers, upward_allow)
 
