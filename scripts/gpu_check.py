@@ -64,8 +64,8 @@ def benches(dry: bool) -> list[tuple[str, list[str], str]]:
                  "--steps", "3", "--warmup", "2"]
         experts = ["--device", "cuda", "--dtype", "bf16", "--experts", "8", "--rows", "32768", "--hidden", "2048",
                    "--ffn", "1024", "--repeats", "5"]
-    return [("bench_vs_hf (bf16, fp8, transformers)", py + [str(ROOT / "scripts/bench_vs_hf.py"), *vs_hf], r"ratio .*wall"),
-            ("bench_experts (grouped vs loop)", py + [str(ROOT / "scripts/bench_experts.py"), *experts], r"ratio|median")]
+    return [("bench_vs_hf (bf16, fp8, transformers)", py + [str(ROOT / "benchmarks/bench_vs_hf.py"), *vs_hf], r"ratio .*wall"),
+            ("bench_experts (grouped vs loop)", py + [str(ROOT / "benchmarks/bench_experts.py"), *experts], r"ratio|median")]
 
 
 def run_bench(name: str, cmd: list[str], pattern: str, timeout: float) -> tuple[str, str, float, str]:
