@@ -94,6 +94,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return y if bias is None else y + bias
 
 
+@torch.no_grad()
+def scale_into_main(main: torch.Tensor, grad: torch.Tensor, scale: torch.Tensor) -> None:
+    """main = or += grad * scale (the fused head's fp32 weight grad, scaled by the loss's upstream grad)."""
+    first = note_written(main)
+    pending.add(main.data_ptr())
+    if first:
+        torch.mul(grad, scale, out=main)
+    else:
+        main.addcmul_(grad, scale)
+
+
 def take_fused(main: torch.Tensor) -> bool:
     """For the param's hook: whether a fused GEMM wrote main since the hook last ran (then p.grad is the
     never-written dummy to drop)."""

@@ -63,6 +63,7 @@ import torch
 from torch import nn
 
 from megaframe.layers import wgrad
+from megaframe.layers.vocab import VocabParallelEmbedding
 from megaframe.optim.buffer import Bucket, FlatBuffer, grad_dtype
 from megaframe.optim.finalize import all_reduce_tensors, clip_divisor, finalize
 from megaframe.optim.param_gather import ParamGather
@@ -132,8 +133,11 @@ class ZeroOptimizer(ZeroStateIO):
             buf.alloc_grads()
         if self.stage == 1:
             # The grad buffer has its memory now: linears may write their weight grads into it (layers/wgrad.py)
+            # not the embedding: its weight may be the tied head's too, and two grads of one param are
+            # summed by autograd before its hook, where the never-written one would be added in
+            embeds = {id(m.weight) for m in self.model.modules() if isinstance(m, VocabParallelEmbedding)}
             for p in self.params:
-                p.fuse_wgrad = True
+                p.fuse_wgrad = id(p) not in embeds
         for buf in self.buffers:
             for b in buf.buckets:
                 if self.stage == 2 and b.late and b.acc is None:
