@@ -18,7 +18,9 @@ from torch.utils._pytree import tree_flatten
 
 aten = torch.ops.aten
 WRITE_ONLY_SELF = {"zero_", "fill_", "copy_"}
-NO_DATA = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "resize_", "set_"}
+NO_DATA = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "new_full", "new_zeros",
+           "new_ones", "resize_", "set_"}
+INDEXED = {"gather", "scatter", "scatter_", "scatter_add", "scatter_add_"}  # self: only the indexed elements
 
 
 def storage_ptr(t: torch.Tensor) -> int:
@@ -37,10 +39,10 @@ class ByteCount(TorchDispatchMode):
         self.tracked, self.phase, self.bytes = tracked, "", Counter()
         self.ops = Counter()  # (phase, op name) -> bytes: what to look at when a count moves
 
-    def _add(self, kind: str, ts, name: str) -> None:
+    def _add(self, kind: str, ts, name: str, numel: int | None = None) -> None:
         for t in ts:
             if t.numel() and self.tracked(t):
-                n = t.numel() * t.element_size()
+                n = (t.numel() if numel is None else numel) * t.element_size()
                 self.bytes[(self.phase, kind)] += n
                 self.ops[(self.phase, name)] += n
 
@@ -66,10 +68,12 @@ class ByteCount(TorchDispatchMode):
             if name.startswith("_fused_adam") and a.name == "grads":  # written back only to unscale them
                 write = kwargs.get("grad_scale") is not None
                 read = True
+            numel = kwargs.get("index", args[2] if len(args) > 2 else None)
+            numel = numel.numel() if name in INDEXED and a.name == "self" else None
             if read:
-                self._add("read", ts, name)
+                self._add("read", ts, name, numel)
             if write:
-                self._add("write", ts, name)
+                self._add("write", ts, name, numel)
                 written.update(id(t) for t in ts)
         if not any(r.alias_info is not None for r in schema.returns):
             self._add("write", [t for t in _tensors(out) if id(t) not in written], name)

@@ -103,3 +103,31 @@ def test_optimizer_step_and_micro_batch_bytes_per_parameter_follow_the_table():
         want = sum(p.numel() * MICROBATCH_BYTES[_kind(n)][which] for n, p in params.items()) / numel
         got = counter.per(f"mb{i}", numel)
         assert got == want, (i, got, want, {k: v for k, v in counter.ops.items() if k[0] == f"mb{i}"})
+
+
+def test_fused_head_runs_one_chunk_at_4k_tokens_and_its_softmax_chain_writes_one_bf16_buffer():
+    """The GPU path of layers/fused_ce.py: 4,096 tokens x a 128k vocab is one chunk (was 8 of 523: the 1 GB
+    fp32 dW re-read and re-written per chunk), and the chunk's loss + softmax - onehot compile to one kernel
+    whose only vocab-wide buffer is the bf16 grad (2 B per logit written, the bf16 logits read). The eager
+    chain, which the GPU ran before and CPU runs still, moves 28 B per logit over fp32 copies (counted)."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    from megaframe.layers import fused_ce
+
+    assert fused_ce._chunk_tokens(4096, 128256, torch.device("cuda")) == 4096
+    c, v = 48, 1000
+    gen = torch.Generator().manual_seed(0)
+    logits, target = torch.randn(c, v, generator=gen).bfloat16(), torch.randint(0, v, (c,), generator=gen)
+    counter = ByteCount(lambda x: x.dim() == 2 and x.shape[-1] == v)
+    with counter:
+        loss, grad = fused_ce._chain(logits, target)  # CPU: the eager chain
+    assert abs(counter.per("", c * v) - 28) < 0.1, counter.ops  # + the picked elements
+    torch._dynamo.reset()
+    (loss_c, grad_c), code = run_and_get_code(torch.compile(fused_ce._ce_math, dynamic=False), logits, target)
+    wide = re.findall(rf"empty_strided_cpu\(\({c}, {v}\), \([^)]*\), (torch\.\w+)\)", code[0])
+    assert wide == ["torch.bfloat16"], wide  # the grad, and no fp32 copy of the logits
+    assert len(set(re.findall(r"def (cpp_fused_\w+)|(cpp_fused_\w+)\(", code[0]))) >= 1
+    torch.testing.assert_close(loss_c, loss, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(grad_c, grad, rtol=0, atol=0.01)
