@@ -8,6 +8,9 @@ The checks:
 - tests/gpu (pytest): device syncs per step (none dense; one per MoE layer and micro-batch), flash
   attention on the model's call, the fused cross-entropy in bf16, the watchdog's CUDA events, checkpoint
   round trips, CPU vs CUDA losses, grouped experts against the loop, compiled FP8 against bf16;
+- bench_gpu A: the llama_1b shape (8 of 16 layers, 8 micro-batches of 2 x 2048 per step), megaframe against
+  compiled transformers and compiled torchtitan: tokens/s, MFU, peak memory, per-step vs per-micro-batch ms;
+- bench_gpu B: all 16 layers, megaframe fp8 against bf16;
 - bench_vs_hf: a llama_1b-shaped step (8 of its 16 layers, so three models share one 80 GB GPU) compiled,
   megaframe bf16 and FP8 against transformers in the same run: tokens/s, MFU, the ratios;
 - bench_experts: the MoE experts' grouped GEMM against the per-expert loop, bf16.
@@ -64,7 +67,16 @@ def benches(dry: bool) -> list[tuple[str, list[str], str]]:
                  "--steps", "3", "--warmup", "2"]
         experts = ["--device", "cuda", "--dtype", "bf16", "--experts", "8", "--rows", "32768", "--hidden", "2048",
                    "--ffn", "1024", "--repeats", "5"]
-    return [("bench_vs_hf (bf16, fp8, transformers)", py + [str(ROOT / "scripts/bench_vs_hf.py"), *vs_hf], r"ratio .*wall"),
+    gpu = ["--dry"] if dry else []
+    # the targets: llama_1b shape, 8 layers, 8 micro-batches: MFU >= 0.40, >= 1.0x compiled transformers and
+    # torchtitan; 16 layers: fp8 >= 1.15x bf16
+    peers = py + [str(ROOT / "scripts/bench_gpu.py"), "--layers", "8", "--micro-batches", "8", *gpu]
+    fp8 = py + [str(ROOT / "scripts/bench_gpu.py"), "--layers", "16", "--micro-batches", "8", "--fp8", "--sides",
+                "megaframe", *gpu]
+    return [("bench_gpu A (8 layers, 8 micro-batches: megaframe vs compiled transformers, torchtitan)", peers,
+             r"MFU [0-9]|SKIP|ratio"),
+            ("bench_gpu B (16 layers: fp8 vs bf16)", fp8, r"MFU [0-9]|ratio"),
+            ("bench_vs_hf (bf16, fp8, transformers)", py + [str(ROOT / "scripts/bench_vs_hf.py"), *vs_hf], r"ratio .*wall"),
             ("bench_experts (grouped vs loop)", py + [str(ROOT / "scripts/bench_experts.py"), *experts], r"ratio|median")]
 
 
