@@ -8,7 +8,8 @@ rank to the clipped full-batch grads the update reads, and the global norm.
     4. norm           each element once: `Placement.counts_in_norm` drops tp copies and pipeline
                       duplicates; squares are summed over the data-parallel axis where ranks hold
                       different elements (ZeRO's owned ranges; experts over ep)
-    5. clip           scale by min(1, max_norm / norm) on the device
+    5. clip           scale by min(1, max_norm / norm) on the device (the optimizers hand it to fused
+                      AdamW as grad_scale instead: clip_divisor, no separate pass over the grads)
 
 The stage supplies a `GradSource`: which grads are tied, how it reduces over data parallel, and this
 rank's final grads with their placements. Every step above reads only the placements, so zero=0 and

@@ -8,16 +8,19 @@ an fp32 master copy (fp32 params are their own master: the update writes the par
 So optimizer state per rank is 8 (fp32) or 12 (bf16) bytes per owned element, 1/dp of the whole.
 
 One step, zero=1:
-  backward     grads accumulate in place into the grad buffer (fp32 params: p.grad *is* the buffer
-               slice; bf16 params: a post-accumulate hook adds p.grad into the fp32 slice, p.main_grad,
-               and frees it). Inside backward_context(is_last=True) the same hook marks the param
+  backward     grads accumulate in place into the grad buffer: the linears' weight-grad GEMMs (and the
+               fused head's dW) write into the slice, p.main_grad, themselves (layers/wgrad.py); other
+               params' grads are copied (first micro-batch of the step) or added into it by a post-accumulate
+               hook, which frees a separate low-precision grad (fp32 params: p.grad then *is* the slice).
+               Inside backward_context(is_last=True) the same hook marks the param
                ready; the hook that completes a bucket launches its async reduce-scatter over dp, so
                communication of the last layers' grads runs while earlier layers still compute.
   step(lr)     optim/finalize.py's one path, with this optimizer as its GradSource: sum the tied
                embedding over the pipeline ends (its bucket is `late`: never launched from backward),
                launch what backward did not (buckets with an unused param, or late ones), wait for
                everything in flight, sum tp-partial grads over tp (sequence-parallel norms: on this
-               rank's range only), global grad norm, clip; then AdamW on the owned range, and the
+               rank's range only), global grad norm; then AdamW on the owned range, clipping as its
+               grad_scale, and the
                all-gather of the updated param buckets over dp.
 zero=2 keeps no grad buffer (buffer.py): in EVERY micro-batch's backward the hook adds p.grad into its
 bucket's `acc` (allocated on the bucket's first grad) and frees p.grad; the hook completing a bucket
