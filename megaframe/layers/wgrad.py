@@ -26,6 +26,8 @@ from megaframe.pipeline.split import wanted
 written: set[int] = set()
 """Addresses of main_grads holding this step's grads already (the next GEMM accumulates); zero_grad clears
 its params' entries."""
+calls = 0
+"""Weight-grad GEMMs run into a main_grad so far (tests check that compiled blocks take this path)."""
 pending: set[int] = set()
 """Addresses of main_grads a fused GEMM wrote since their param's hook last ran (the hook drops the dummy)."""
 
@@ -35,6 +37,8 @@ def wgrad_into_main(main: torch.Tensor, g_NO: torch.Tensor, x_NI: torch.Tensor) 
     """main (fp32, [O, I]) = or += g_NO^T @ x_NI: written by the step's first backward, accumulated after."""
     from megaframe.layers.fused_ce import mixed_gemm  # noqa: PLC0415 (fused_ce imports this module)
 
+    global calls
+    calls += 1
     ptr = main.data_ptr()
     first = ptr not in written
     written.add(ptr)

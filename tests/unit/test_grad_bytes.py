@@ -18,6 +18,7 @@ into the buffer (2 + 4) or added (2 + 8).
 """
 from __future__ import annotations
 
+import pytest
 import torch
 
 from megaframe.data.dataset import build_data, microbatches
@@ -131,3 +132,19 @@ def test_fused_head_runs_one_chunk_at_4k_tokens_and_its_softmax_chain_writes_one
     assert len(set(re.findall(r"def (cpp_fused_\w+)|(cpp_fused_\w+)\(", code[0]))) >= 1
     torch.testing.assert_close(loss_c, loss, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(grad_c, grad, rtol=0, atol=0.01)
+
+
+def test_compiled_blocks_write_weight_grads_into_main_grad_as_eager_does():
+    """train.compile keeps the weight-grad GEMM into main_grad (an opaque custom op in the compiled backward):
+    every block linear takes it in every micro-batch, and the grads are eager's to bf16 noise."""
+    from megaframe.layers import wgrad
+    from tests.distributed.cases import train_and_report
+
+    over = SHAPES + ["model.num_layers=1"]
+    eager = train_and_report(single_process_mesh(), over, 1)
+    before = wgrad.calls
+    compiled = train_and_report(single_process_mesh(), over + ["train.compile=true"], 1)
+    assert wgrad.calls - before == 4 * 4  # qkv, out_proj, up, down x 4 micro-batches
+    assert compiled["losses"] == pytest.approx(eager["losses"], rel=1e-4)
+    for name, g in eager["grads"].items():
+        torch.testing.assert_close(compiled["grads"][name].float(), g.float(), rtol=0.05, atol=2e-4)
