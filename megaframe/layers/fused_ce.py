@@ -12,12 +12,11 @@ grad arrives as an expanded scalar), otherwise it recomputes chunk by chunk with
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from megaframe.layers import wgrad
 from megaframe.layers.vocab import log_softmax_nll, nll_grad_
+from megaframe.layers.wgrad import mixed_gemm
 from megaframe.pipeline.split import wanted
 
 CHUNK_ELEMS = {"cpu": 1 << 21, "cuda": 1 << 30}
@@ -62,24 +61,6 @@ def _chunk_grads(x_CD, w_VD, target_C, g_C=None):
         return _chain(x_CD @ w_VD.t(), target_C)
     logp_CV, loss_C = log_softmax_nll(x_CD @ w_VD.t(), target_C)
     return loss_C, nll_grad_(logp_CV, target_C, g_C).to(w_VD.dtype)
-
-
-@functools.cache
-def mixed_gemm(device_type: str) -> bool:
-    """Whether this torch has mm/addmm(bf16, bf16, out_dtype=fp32) with an fp32 `self` on this device.
-
-    The overloads are CUDA-only, absent before torch 2.8 (TypeError), and 2.8/2.9 refuse an fp32 `self` with
-    bf16 mats (RuntimeError); torch>=2.6 is allowed and NGC containers ship their own torch, so probe
-    once per device type and fall back to upcasting instead of dying on step 1. Nothing is read back
-    from the device: the checks raise on the host, so the probe adds no sync."""
-    try:
-        a_22 = torch.zeros(2, 2, dtype=torch.bfloat16, device=device_type)
-        acc_22 = torch.zeros(2, 2, dtype=torch.float32, device=device_type)
-        torch.mm(a_22, a_22, torch.float32, out=acc_22)
-        torch.addmm(acc_22, a_22, a_22, torch.float32, out=acc_22)
-    except (TypeError, RuntimeError):  # NotImplementedError (no kernel for the device) is a RuntimeError
-        return False
-    return True
 
 
 def _accumulate(acc_VD: torch.Tensor, grad_CV: torch.Tensor, x_CD: torch.Tensor, first: bool) -> None:

@@ -18,6 +18,8 @@ from `written`, which the optimizer clears at zero_grad.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -32,11 +34,27 @@ pending: set[int] = set()
 """Addresses of main_grads a fused GEMM wrote since their param's hook last ran (the hook drops the dummy)."""
 
 
+@functools.cache
+def mixed_gemm(device_type: str) -> bool:
+    """Whether this torch has mm/addmm(bf16, bf16, out_dtype=fp32) with an fp32 `self` on this device.
+
+    The overloads are CUDA-only, absent before torch 2.8 (TypeError), and 2.8/2.9 refuse an fp32 `self` with
+    bf16 mats (RuntimeError); torch>=2.6 is allowed and NGC containers ship their own torch, so probe
+    once per device type and fall back to upcasting instead of dying on step 1. Nothing is read back
+    from the device: the checks raise on the host, so the probe adds no sync."""
+    try:
+        a_22 = torch.zeros(2, 2, dtype=torch.bfloat16, device=device_type)
+        acc_22 = torch.zeros(2, 2, dtype=torch.float32, device=device_type)
+        torch.mm(a_22, a_22, torch.float32, out=acc_22)
+        torch.addmm(acc_22, a_22, a_22, torch.float32, out=acc_22)
+    except (TypeError, RuntimeError):  # NotImplementedError (no kernel for the device) is a RuntimeError
+        return False
+    return True
+
+
 @torch.library.custom_op("megaframe::wgrad_into_main", mutates_args={"main"})
 def wgrad_into_main(main: torch.Tensor, g_NO: torch.Tensor, x_NI: torch.Tensor) -> None:
     """main (fp32, [O, I]) = or += g_NO^T @ x_NI: written by the step's first backward, accumulated after."""
-    from megaframe.layers.fused_ce import mixed_gemm  # noqa: PLC0415 (fused_ce imports this module)
-
     global calls
     calls += 1
     ptr = main.data_ptr()
