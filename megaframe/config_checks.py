@@ -205,8 +205,6 @@ def _check_optim(cfg: Config, dp: int) -> None:
     _req(cfg.optim.warmup_steps >= 0, f"optim.warmup_steps={cfg.optim.warmup_steps} must be >= 0")
     _check_lr_schedule(cfg)
     _req(cfg.optim.zero in (0, 1, 2, 3), f"optim.zero={cfg.optim.zero} must be 0, 1, 2 or 3")
-    _req(cfg.optim.zero != 3 or not t.compile,
-         "optim.zero=3 does not yet compose with train.compile: needs train.compile=false")
     # HSDP shards over blocks of the cp·dp ranks (params are replicated over cp too: mesh.py)
     s, dpcp = cfg.optim.shard_group_size, dp * p.cp
     ranks = f"cp·dp={dpcp}" if p.cp > 1 else f"dp={dp}"
