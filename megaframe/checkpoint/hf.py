@@ -32,7 +32,10 @@ from pathlib import Path
 
 import torch
 
+from megaframe.quiet import quiet_optional_imports
 from megaframe.schema import ModelConfig
+
+quiet_optional_imports()  # before this module's transformers imports: transformers loads torchao, which logs noise
 
 LLAMA_LAYER = {"attn_norm.weight": "input_layernorm.weight", "mlp_norm.weight": "post_attention_layernorm.weight",
                "attn.out_proj.weight": "self_attn.o_proj.weight", "attn.out_proj.bias": "self_attn.o_proj.bias",
