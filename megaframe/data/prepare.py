@@ -171,8 +171,6 @@ def _build(cfg: Config, files: list[SourceFile], work: Path, settings: dict, uni
             tok_name = _tokenizer(cfg, files, work, cache)
         tok = load_tokenizer(work / tok_name)
         t1, cpu1 = time.perf_counter(), time.process_time()
-        print(f"megaframe: prepare: tokenizing {len(files):,} files ({sum(f.size for f in files) / 1e6:,.1f} MB) "
-              f"with {workers} worker(s)", flush=True)
         shards, worker_cpu = _encode(cfg, files, records, str(work / tok_name), work, pool, unit_bytes,
                          chunk_chars or _chunk_size(files, workers), cache, show_progress, merge)
         t2, cpu2 = time.perf_counter(), time.process_time()
@@ -314,6 +312,19 @@ def _split_units(work: Path, groups: list[list[SourceFile]], records: list[dict]
     return done, todo
 
 
+def _announce(cfg: Config, todo: list, workers: int) -> None:
+    """What this run tokenizes: the files of its own units still to do (under data.num_tasks, this task's
+    share; after an interruption, what is left), empty files not counted (they are skipped)."""
+    live = [f for f in todo if f.size]
+    task = f"task {cfg.data.task} of {cfg.data.num_tasks}: " if cfg.data.num_tasks > 1 else ""
+    if not live:
+        print(f"megaframe: prepare: {task}nothing to tokenize (its units are done or belong to other tasks)",
+              flush=True)
+        return
+    print(f"megaframe: prepare: {task}tokenizing {len(live):,} files ({sum(f.size for f in live) / 1e6:,.1f} MB) "
+          f"with {workers} worker(s)", flush=True)
+
+
 def _encode(cfg: Config, files: list[SourceFile], records: list[dict], tok_path: str, work: Path, pool,
             unit_bytes: int, chunk_chars: int, cache: str, show_progress: bool | None,
             merge: bool = False) -> tuple[list[dict] | dict, float]:
@@ -325,6 +336,8 @@ def _encode(cfg: Config, files: list[SourceFile], records: list[dict], tok_path:
     owner = unit_tasks([sum(f.size for f in g) for g in groups], cfg.data.num_tasks)
     done, todo = _split_units(work, groups, records, {k for k in range(len(groups))
                                                       if owner[k] == cfg.data.task and not merge})
+    if not merge:  # a merge tokenizes nothing: it only checks and joins the tasks' units
+        _announce(cfg, [f for _, g, _ in todo for f in g], pool._processes if pool is not None else 1)
     progress = Progress(sum(text_size(f) for _, g, _ in todo for f in g), show_progress)
     pending: deque = deque()  # in stream order: ("chunk", k, result, chars) and ("unit", k, recs)
     limit = 2 * (pool._processes if pool is not None else 1)  # bounded memory: few chunks in flight

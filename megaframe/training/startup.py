@@ -206,10 +206,12 @@ def precision_label(cfg: Config) -> str:
 
 def pipeline_label(cfg: Config) -> str:
     """The pipeline schedule (kind and virtual stages); empty without a pipeline."""
+    from megaframe.pipeline.schedule import resolve_kind
+
     par = cfg.parallel
     if par.pp == 1:
         return ""
-    return f" schedule {par.pp_schedule}{f' vpp={par.vpp}' if par.vpp > 1 else ''}"
+    return f" schedule {resolve_kind(str(par.pp_schedule), par.vpp)}{f' vpp={par.vpp}' if par.vpp > 1 else ''}"
 
 
 def held_out_label(cfg: Config, su: Setup) -> str:
