@@ -90,7 +90,7 @@ def world_size(flags: list[str]) -> int | None:
             return int(flag_value(flags, "ntasks"))
         per_node = flag_value(flags, "ntasks-per-node") or script_default("ntasks-per-node")
         nodes = flag_value(flags, "nodes") or script_default("nodes") or "1"
-        return int(nodes.split("-")[0]) * int(per_node) if per_node else None
+        return int(nodes) * int(per_node) if per_node else None
     except ValueError:  # a range or an expression sbatch resolves itself: no world check then
         return None
 
