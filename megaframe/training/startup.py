@@ -220,10 +220,11 @@ def held_out_label(cfg: Config, su: Setup) -> str:
     if cfg.data.kind == "synthetic" or cfg.data.valid_fraction <= 0:
         return ""
     try:
-        valid = (su.evaluator.data if su.evaluator is not None else build_data(cfg, split="valid")).num_samples
+        held = su.evaluator.data if su.evaluator is not None else build_data(cfg, split="valid")
     except (OSError, ValueError, KeyError):  # the header is a courtesy: the evaluator reports a bad split
         return ""
-    return f" (+{valid} held out for validation, {100 * valid / max(1, valid + su.data.num_samples):.1f}%)"
+    valid, train = getattr(held, "num_samples", 0), getattr(su.data, "num_samples", 0)
+    return f" (+{valid} held out for validation, {100 * valid / max(1, valid + train):.1f}%)" if valid else ""
 
 
 def precision_warnings(cfg: Config, device: str) -> list[str]:
