@@ -56,7 +56,7 @@ from megaframe.data.sources import (
     text_size,
     units,
 )
-from megaframe.data.tasks import missing_line, unit_tasks, waiting_lock
+from megaframe.data.tasks import announce, missing_line, unit_tasks, waiting_lock
 from megaframe.data.tokenizer import TokenizerError, load_tokenizer, tokenizer_sha256, train_tokenizer
 from megaframe.errors import fail
 
@@ -312,19 +312,6 @@ def _split_units(work: Path, groups: list[list[SourceFile]], records: list[dict]
     return done, todo
 
 
-def _announce(cfg: Config, todo: list, workers: int) -> None:
-    """What this run tokenizes: the files of its own units still to do (under data.num_tasks, this task's
-    share; after an interruption, what is left), empty files not counted (they are skipped)."""
-    live = [f for f in todo if f.size]
-    task = f"task {cfg.data.task} of {cfg.data.num_tasks}: " if cfg.data.num_tasks > 1 else ""
-    if not live:
-        print(f"megaframe: prepare: {task}nothing to tokenize (its units are done or belong to other tasks)",
-              flush=True)
-        return
-    print(f"megaframe: prepare: {task}tokenizing {len(live):,} files ({sum(f.size for f in live) / 1e6:,.1f} MB) "
-          f"with {workers} worker(s)", flush=True)
-
-
 def _encode(cfg: Config, files: list[SourceFile], records: list[dict], tok_path: str, work: Path, pool,
             unit_bytes: int, chunk_chars: int, cache: str, show_progress: bool | None,
             merge: bool = False) -> tuple[list[dict] | dict, float]:
@@ -337,7 +324,7 @@ def _encode(cfg: Config, files: list[SourceFile], records: list[dict], tok_path:
     done, todo = _split_units(work, groups, records, {k for k in range(len(groups))
                                                       if owner[k] == cfg.data.task and not merge})
     if not merge:  # a merge tokenizes nothing: it only checks and joins the tasks' units
-        _announce(cfg, [f for _, g, _ in todo for f in g], pool._processes if pool is not None else 1)
+        announce(cfg.data, [f for _, g, _ in todo for f in g], pool._processes if pool is not None else 1)
     progress = Progress(sum(text_size(f) for _, g, _ in todo for f in g), show_progress)
     pending: deque = deque()  # in stream order: ("chunk", k, result, chars) and ("unit", k, recs)
     limit = 2 * (pool._processes if pool is not None else 1)  # bounded memory: few chunks in flight
