@@ -36,7 +36,10 @@ from pathlib import Path
 
 import torch
 
+from megaframe.quiet import quiet_optional_imports
 from megaframe.schema import ModelConfig
+
+quiet_optional_imports()  # before this module's transformers imports: transformers loads torchao, which logs noise
 
 
 def family(m: ModelConfig) -> str:

@@ -223,8 +223,8 @@ def keep_aside(final: Path) -> Path | None:
         n += 1
         aside = aside.with_name(f"{final.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}-{n}")
     os.replace(final, aside)
-    print(f"megaframe: warning: {final.name} already held {lineage.describe(aside)}: kept as {aside.name}, "
-          "not replaced", file=sys.stderr, flush=True)
+    print(f"megaframe: warning: {final} held another branch's checkpoint {lineage.origin(aside)}; renamed it "
+          f"{aside.name}", file=sys.stderr, flush=True)
     return aside
 
 

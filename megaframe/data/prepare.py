@@ -58,7 +58,7 @@ from megaframe.data.sources import (
     text_size,
     units,
 )
-from megaframe.data.tasks import missing_line, unit_tasks, waiting_lock
+from megaframe.data.tasks import announce, missing_line, unit_tasks, waiting_lock
 from megaframe.data.tokenizer import load_tokenizer, tokenizer_sha256
 from megaframe.errors import fail
 
@@ -173,8 +173,6 @@ def _build(cfg: Config, files: list[SourceFile], work: Path, settings: dict, uni
             tok_name = put_tokenizer(cfg, files, work, cache)
         tok = load_tokenizer(work / tok_name)
         t1, cpu1 = time.perf_counter(), time.process_time()
-        print(f"megaframe: prepare: tokenizing {len(files):,} files ({sum(f.size for f in files) / 1e6:,.1f} MB) "
-              f"with {workers} worker(s)", flush=True)
         shards, worker_cpu = _encode(cfg, files, records, str(work / tok_name), work, pool, unit_bytes,
                          chunk_chars or _chunk_size(files, workers), cache, show_progress, merge)
         t2, cpu2 = time.perf_counter(), time.process_time()
@@ -280,6 +278,8 @@ def _encode(cfg: Config, files: list[SourceFile], records: list[dict], tok_path:
     owner = unit_tasks([sum(f.size for f in g) for g in groups], cfg.data.num_tasks)
     done, todo, per_unit = _split_units(work, groups, records, {k for k in range(len(groups))
                                                                 if owner[k] == cfg.data.task and not merge})
+    if not merge:  # a merge tokenizes nothing: it only checks and joins the tasks' units
+        announce(cfg.data, [f for _, g, _ in todo for f in g], pool._processes if pool is not None else 1)
     progress = Progress(sum(text_size(f) for _, g, _ in todo for f in g), show_progress)
     pending: deque = deque()  # in stream order: ("chunk", k, result, chars) and ("unit", k, recs)
     limit = 2 * (pool._processes if pool is not None else 1)  # bounded memory: few chunks in flight
