@@ -33,7 +33,7 @@ test: $(VENV)/.installed lint
 
 # ruff (pyflakes, pycodestyle, import order, bugbear; pyproject.toml [tool.ruff]): seconds, before the tests
 lint: $(VENV)/.installed
-	$(PY) -m ruff check megaframe tests scripts train.py
+	$(PY) -m ruff check megaframe tests scripts benchmarks train.py
 
 test-fast: $(VENV)/.installed
 	$(PY) -m pytest -q -m "not e2e" $(ARGS)

@@ -10,7 +10,7 @@ import sys
 def main(argv: list[str]) -> int:
     # first, before the slow imports: a stop signal (Slurm's --signal, torchrun) during start-up is
     # remembered and honoured at the first step instead of killing the rank mid-rendezvous
-    from megaframe.training.signals import StopFlag
+    from megaframe.runops.signals import StopFlag
 
     stop = StopFlag()
     from megaframe.config import ConfigError, load_config

@@ -99,7 +99,7 @@ SaveErrorPolicy.__doc__ = "checkpoint.on_save_error."
 
 
 class LRSchedule(StrEnum):
-    """Shape of the learning rate after warmup (megaframe/optim/schedule.py has the formulas)."""
+    """Shape of the learning rate after warmup (megaframe/optim/lr_schedule.py has the formulas)."""
     cosine = "cosine"
     linear = "linear"
     wsd = "wsd"

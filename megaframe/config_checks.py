@@ -21,7 +21,7 @@ def _req(ok: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
-# --- safety (issue 20): every numeric field's range, finiteness and type, from one table ---
+# --- safety: every numeric field's range, finiteness and type, from one table ---
 @dataclass(frozen=True)
 class Rule:
     """Allowed values of one numeric field: lo <= v (lo < v when lo_open), v < hi (v <= hi when not
@@ -98,7 +98,7 @@ FIELD_RULES: dict[str, Rule] = {
     "checkpoint.interval": NONNEG, "checkpoint.interval_minutes": NONNEGF, "checkpoint.keep_last": NONNEG,
     "checkpoint.save_timeout_s": TIMEOUT,
 }
-"""Every int/float field of the schema must appear here (tests/unit/test_config_fields.py checks it):
+"""Every int/float field of the schema must appear here (tests/unit/config/test_config_fields.py checks it):
 a new numeric field gets its rule in the same change."""
 
 
@@ -155,7 +155,7 @@ def check_config(cfg: Config, world_size: int, check_data: bool = True) -> None:
     _req(t.signal_check_interval >= 1, f"train.signal_check_interval={t.signal_check_interval} must be >= 1")
     _check_optim(cfg, dp)
     _check_data_fields(cfg)
-    from megaframe.training.folders import check_names
+    from megaframe.runops.access.folders import check_names
 
     check_names(cfg)
     _check_resume(cfg)

@@ -11,6 +11,11 @@ class ConfigError(ValueError):
     """A bad setting; the message names the field. Entry points turn it into exit code 2."""
 
 
+class TrainingError(RuntimeError):
+    """The run cannot go on and it is not the user's input (that is ConfigError, exit 2): train.py prints
+    it on one line and exits 1. Here, not in training/, so checkpoint/ can raise it without importing up."""
+
+
 def one_line(e: BaseException) -> str:
     """The error and its cause (Hydra puts the reason, e.g. a failed type conversion, in __cause__)."""
     parts = [str(e)] + ([str(e.__cause__)] if e.__cause__ is not None and str(e.__cause__) not in str(e) else [])

@@ -84,7 +84,7 @@ def evaluate(model, cfg, every: bool) -> tuple[float, int, str]:
 
     from megaframe.data.dataset import build_data, microbatches
     from megaframe.parallel.mesh import single_process_mesh
-    from megaframe.training.evaluate import loss_sum
+    from megaframe.training.validation import loss_sum
 
     split = "valid" if cfg.data.valid_fraction > 0 else "all"
     data = build_data(cfg, split=split)

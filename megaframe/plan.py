@@ -253,7 +253,7 @@ def search_report(cfg, world, dev, ests, n, dropped, top, cap) -> str:
     k = ties(ests)
     if k > 1:
         lines.append(f"#1-#{k} are ties: within {100 * MODEL_ERROR:.1f}% of #1, the step-time model's largest measured "
-                     f"error (scripts/validate_planner.py); measure the first few (e.g. 20 steps each) before choosing")
+                     f"error (benchmarks/validate_planner.py); measure the first few (e.g. 20 steps each) before choosing")
     lines.append("run #1 with: " + " ".join(best.layout.overrides()))
     return "\n".join(lines)
 

@@ -429,7 +429,7 @@ class CheckpointConfig:
     whose barriers and metadata gathers wait for the slowest writer (a large synchronous save may
     outlast train.dist_timeout_s). Must be > 0."""
 
-    # --- safety (issue 20): resume checks and the save watchdog ---
+    # --- safety: resume checks and the save watchdog ---
     allow_config_change: list[str] = field(default_factory=list)
     """Fields a resume may change from the checkpoint's config, e.g. [train.global_batch_size] (the data
     then continues from the saved consumed samples), [train.seed], [model.dropout], [model] (all of

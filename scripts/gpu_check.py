@@ -71,14 +71,14 @@ def benches(dry: bool) -> list[tuple[str, list[str], str]]:
     # the targets: llama_1b shape, 8 layers, 8 micro-batches: MFU >= 0.40, >= 1.0x compiled transformers and
     # torchtitan; 16 layers: fp8 >= 1.15x bf16
     short = ["--repeats", "2", "--steps", "2", "--warmup", "2"]
-    peers = py + [str(ROOT / "scripts/bench_gpu.py"), "--layers", "8", "--micro-batches", "8", *short, *gpu]
-    fp8 = py + [str(ROOT / "scripts/bench_gpu.py"), "--layers", "16", "--micro-batches", "8", "--fp8", "--sides",
+    peers = py + [str(ROOT / "benchmarks/bench_gpu.py"), "--layers", "8", "--micro-batches", "8", *short, *gpu]
+    fp8 = py + [str(ROOT / "benchmarks/bench_gpu.py"), "--layers", "16", "--micro-batches", "8", "--fp8", "--sides",
                 "megaframe", *short, *gpu]
     return [("bench_gpu A (8 layers, 8 micro-batches: megaframe vs compiled transformers, torchtitan)", peers,
              r"MFU [0-9]|SKIP|ratio"),
             ("bench_gpu B (16 layers: fp8 vs bf16)", fp8, r"MFU [0-9]|ratio"),
-            ("bench_vs_hf (bf16, fp8, transformers)", py + [str(ROOT / "scripts/bench_vs_hf.py"), *vs_hf], r"ratio .*wall"),
-            ("bench_experts (grouped vs loop)", py + [str(ROOT / "scripts/bench_experts.py"), *experts], r"ratio|median")]
+            ("bench_vs_hf (bf16, fp8, transformers)", py + [str(ROOT / "benchmarks/bench_vs_hf.py"), *vs_hf], r"ratio .*wall"),
+            ("bench_experts (grouped vs loop)", py + [str(ROOT / "benchmarks/bench_experts.py"), *experts], r"ratio|median")]
 
 
 def run_bench(name: str, cmd: list[str], pattern: str, timeout: float) -> tuple[str, str, float, str]:

@@ -67,7 +67,7 @@ def checkpoint_model(path: str) -> dict | None:
 
 def resume_point(cfg) -> None:
     """checkpoint.resume=<a checkpoint dir> means the checkpoint its `latest` names (checkpoint/resolve.py):
-    the explicit way to continue a folder another run wrote (training/owner.py), e.g. a resubmitted job
+    the explicit way to continue a folder another run wrote (runops/access/owner.py), e.g. a resubmitted job
     with a new run.dir. Replaced by that step folder here, so every later check and the resume see one path."""
     r = cfg.checkpoint.resume
     if not str(r).strip():  # Path("") is the current folder: `checkpoint.resume=$CKPT` with the variable unset

@@ -28,7 +28,7 @@ def lineage_meta(run_id: str, step: int, parent: Path | None, parent_id: str | N
                  owner: str = "", run_dir: str = "") -> dict:
     """The "lineage" entry of a checkpoint written by `run_id` at `step`, continuing `parent` (whose
     lineage id is `parent_id`; None for checkpoints written before lineage existed). `owner`: the run's id
-    over all its launches and `run_dir` its folder (training/owner.py); recorded when known."""
+    over all its launches and `run_dir` its folder (runops/access/owner.py); recorded when known."""
     ref = None
     if parent is not None:
         parent = Path(parent).resolve()

@@ -31,7 +31,7 @@ from megaframe.checkpoint.metadata import (
     check_complete,
     check_coverage,
 )
-from megaframe.checkpoint.plan import Index, plan_reads
+from megaframe.checkpoint.read_plan import Index, plan_reads
 from megaframe.checkpoint.store import STAGING_BYTES, ReadStats, read_ranges
 from megaframe.parallel import comm
 

@@ -130,7 +130,7 @@ def _well_formed(path, meta: dict) -> dict:
 
 
 LINEAGE_TEXT = ("id", "run_id", "parent", "parent_id", "owner", "run_dir")
-"""The lineage entry's fields (checkpoint/lineage.py, training/owner.py): each a string or null."""
+"""The lineage entry's fields (checkpoint/lineage.py, runops/access/owner.py): each a string or null."""
 
 
 def upgrade(meta: dict) -> dict:

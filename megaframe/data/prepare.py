@@ -86,7 +86,7 @@ def prepare(cfg: Config, *, unit_bytes: int = UNIT_BYTES, chunk_chars: int | Non
     # OUT (or its partial folder) inside the source folder is this tool's output, never its input
     files = resolve_source(d.source, list(d.extensions), exclude=(out, work))
     skips = skipped(d.source, files, exclude=(out, work))
-    if skip_line(skips, len(files)):  # before: 70 of 399 files left out without a word (newcomer-2 F3)
+    if skip_line(skips, len(files)):  # a skipped file is named, never left out without a word
         print(skip_line(skips, len(files)), flush=True)
     for f in files:
         screen_head(f)

@@ -15,6 +15,7 @@ from torch import nn
 from megaframe.layers import wgrad
 from megaframe.layers.shard import Shard, sharded_param
 from megaframe.parallel import comm, tp_overlap
+from megaframe.parallel.eager import eager
 from megaframe.parallel.mesh import Axis
 from megaframe.pipeline.split import wanted
 
@@ -53,7 +54,7 @@ class _GatheredLinear(torch.autograd.Function):
 
 
 # eager inside a torch.compile'd block, like the collectives in comm (see comm._eager)
-_gathered_linear = torch.compiler.disable(_GatheredLinear.apply)
+_gathered_linear = eager(_GatheredLinear.apply)
 
 
 class ColumnParallelLinear(nn.Module):

@@ -22,6 +22,7 @@ from megaframe.model.documents import DocContext, doc_flex_attention
 from megaframe.parallel import comm
 from megaframe.parallel.context import cp_causal_bias
 from megaframe.parallel.cp_attention import cp_chunked_attention, cp_global_order
+from megaframe.parallel.eager import eager
 from megaframe.parallel.mesh import Axis
 from megaframe.parallel.ring_attention import ring_attention
 from megaframe.schema import ModelConfig
@@ -56,7 +57,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 # eager under train.compile: dynamo would trace through the cache and rebuild the bias inside the graph
-_cp_bias = torch.compiler.disable(cp_causal_bias)
+_cp_bias = eager(cp_causal_bias)
 
 
 class Attention(nn.Module):
@@ -69,9 +70,9 @@ class Attention(nn.Module):
         # chunk without a mask (cp_attention.py); with attention dropout one SDPA call under the shared
         # [S/c, S] bias (context.cp_causal_bias, built on first use)
         self.cp_gathered = self.cp is not None and not self.cp_ring
-        self.ring_overlap = True  # scripts/bench_cp.py turns it off to time the exchange unhidden
+        self.ring_overlap = True  # benchmarks/bench_cp.py turns it off to time the exchange unhidden
         self.ring_tile_elems: int | None = None  # ring_attention's tile (None: the device's default)
-        self.ring_fused = True  # scripts/bench_cp.py turns it off to time the fp32 math ring
+        self.ring_fused = True  # benchmarks/bench_cp.py turns it off to time the fp32 math ring
         self.recompute_core = recompute_core
         e = cfg.head_dim
         # Whole heads per rank (config_checks requires tp to divide both): attention never crosses ranks.

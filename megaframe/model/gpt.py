@@ -28,6 +28,7 @@ from megaframe.model.moe import MoE
 from megaframe.model.rope import rope_tables
 from megaframe.optim.build import PARAM_DTYPES
 from megaframe.parallel.context import cp_positions
+from megaframe.parallel.eager import arm
 from megaframe.parallel.mesh import Mesh
 from megaframe.parallel.tp_overlap import enable_tp_overlap
 from megaframe.pipeline.partition import Stage, stage_layout
@@ -291,5 +292,6 @@ def compile_blocks(model: GPT) -> None:
     checkpoints and the optimizer's buffers see the same parameters). Per block, not the whole model:
     the blocks are identical, so inductor compiles one graph and reuses it; the pipeline's cuts stay
     outside, and the tp/sp collectives inside a block run eagerly between its compiled pieces (comm.py)."""
+    arm()  # the eager collectives become graph breaks (and torch._dynamo is imported) only now
     for block in model.layers.values():
         block.compile(dynamic=False)

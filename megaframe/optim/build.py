@@ -102,7 +102,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, mesh: Mesh):
 
     With one data-parallel rank and fp32 params ZeRO has nothing to shard and no master copy to keep, so
     the replicated optimizer runs instead: same math and state, without the flat-buffer copies and
-    per-parameter hooks (~3% of a CPU step in scripts/bench_vs_hf.py)."""
+    per-parameter hooks (~3% of a CPU step in benchmarks/bench_vs_hf.py)."""
     fp32 = all(p.dtype == torch.float32 for p in model.parameters())
     if cfg.zero == 3 and mesh.dp.size > 1:
         from megaframe.optim.zero3 import Zero3Optimizer  # noqa: PLC0415 (zero3 imports zero)

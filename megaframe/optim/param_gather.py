@@ -11,8 +11,9 @@ step, backward) calls it first; it is a no-op when nothing is in flight.
 """
 from __future__ import annotations
 
-import torch
 from torch import nn
+
+from megaframe.parallel.eager import eager
 
 
 def blocks_of(model: nn.Module) -> list[nn.Module]:
@@ -120,7 +121,7 @@ class ParamGather:
                     self.hooks.append(module.register_forward_pre_hook(self._pre_hook(max(need))))
 
     def _pre_hook(self, upto: int):
-        @torch.compiler.disable  # a wait on a Work: never traced into a compiled graph
+        @eager  # a wait on a Work: never traced into a compiled graph
         def hook(module, args):
             self.wait(upto)
         return hook

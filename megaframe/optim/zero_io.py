@@ -107,7 +107,7 @@ class ZeroStateIO:
         transient bucket-sized grads. mem/grads_fp32_bytes: bf16 reduction's grad32, the fp32 copy of the
         owned range (4 bytes per owned element; 0 with fp32 grads), alive only from the reduction to the
         next zero_grad, when the activations are already freed: not part of mem/grads_bytes. Grads and state
-        count only once made (make_grads / make_state): before, the rank holds none (training/phases.py's
+        count only once made (make_grads / make_state): before, the rank holds none (training/phase_meter.py's
         baseline of a phase is what is held then)."""
         grads = sum(held(buf.grad) + held(buf.grad_shard) + sum(held(b.acc) for b in buf.buckets if b.late)
                     for buf in self.buffers)

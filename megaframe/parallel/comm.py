@@ -17,6 +17,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from megaframe.parallel.eager import eager
 from megaframe.parallel.mesh import Axis
 
 # torch 2.13 renamed the flat collectives; keep working on the older names (torch >= 2.6 on GPU hosts).
@@ -212,7 +213,7 @@ class _ReduceScatterToSP(torch.autograd.Function):
 
 # The collectives run eagerly even inside a torch.compile'd block (train.compile): dynamo would guard
 # on the byte counters and recompile every step. At size 1 they are the identity and compile away.
-_eager = {f: torch.compiler.disable(f.apply) for f in (_CopyToTP, _ReduceFromTP, _ScatterToSP, _GatherFromSP,
+_eager = {f: eager(f.apply) for f in (_CopyToTP, _ReduceFromTP, _ScatterToSP, _GatherFromSP,
                                                       _ReduceScatterToSP)}
 
 

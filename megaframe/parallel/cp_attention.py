@@ -25,6 +25,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from megaframe.parallel.eager import eager
+
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _FLASH_BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
@@ -93,7 +95,7 @@ class _CpuChunkedCausal(torch.autograd.Function):
         return dq_BHQE, dk_BKTE.to(k_BKTE.dtype), dv_BKTE.to(v_BKTE.dtype), None
 
 
-@torch.compiler.disable  # a custom kernel pair with a hand-written backward: eager between compiled pieces
+@eager  # a custom kernel pair with a hand-written backward: eager between compiled pieces
 def cp_chunked_attention(q_BHQE: torch.Tensor, k_BKTE: torch.Tensor, v_BKTE: torch.Tensor, seq: int, cp: int,
                          rank: int) -> torch.Tensor:
     """Exact causal attention (no dropout) of cp rank `rank`'s queries against the cp group's gathered

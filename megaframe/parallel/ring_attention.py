@@ -24,7 +24,7 @@ the gathered tokens, E head dim. Math in fp32 (the probabilities are recomputed 
 saved log-sum-exp).
 
 Query rows are processed in tiles (TILE_ELEMS) so the math's working memory stays bounded.
-`overlap=False` (an internal switch for scripts/bench_cp.py, not a config key) issues each exchange after
+`overlap=False` (an internal switch for benchmarks/bench_cp.py, not a config key) issues each exchange after
 the block's attention instead of before it and waits for it at once: the same bytes and results, with
 the transfer on the critical path, so the bench shows what the overlap saves.
 """
@@ -36,6 +36,7 @@ import torch
 
 from megaframe.parallel import comm
 from megaframe.parallel.context import cp_keep, cp_positions
+from megaframe.parallel.eager import eager
 from megaframe.parallel.mesh import Axis
 from megaframe.parallel.ring_fused import FusedRing, fold_heads, fused_kernels
 
@@ -212,7 +213,7 @@ def dropout_keep(q_BHQE: torch.Tensor, gathered: int, p: float) -> torch.Tensor:
 
 
 
-@torch.compiler.disable  # p2p inside: eager between a compiled block's pieces (as comm.py's collectives)
+@eager  # p2p inside: eager between a compiled block's pieces (as comm.py's collectives)
 def ring_attention(q_BHQE: torch.Tensor, k_BKNE: torch.Tensor, v_BKNE: torch.Tensor, axis: Axis,
                    seq: int, overlap: bool = True, tile_elems: int | None = None,
                    dropout_p: float = 0.0, fused: bool = True, doc_BS: torch.Tensor | None = None) -> torch.Tensor:
@@ -220,7 +221,7 @@ def ring_attention(q_BHQE: torch.Tensor, k_BKNE: torch.Tensor, v_BKNE: torch.Ten
     attention dropout when dropout_p > 0 (see the module docstring).
     Without dropout, where the device has them (ring_fused.fused_kernels), each block runs on fused
     flash kernels merged by log-sum-exp (ring_fused.py); else, and with `fused=False` (an internal switch
-    for scripts/bench_cp.py and tests), on the fp32 math below.
+    for benchmarks/bench_cp.py and tests), on the fp32 math below.
     `tile_elems`: the math's score elements per tile of query rows (None: TILE_ELEMS of the device; tests
     set a small one to cross tile boundaries on tiny shapes).
     `doc_BS` (document masking): the whole sample's document ids in global order; each block is masked by

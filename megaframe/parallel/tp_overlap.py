@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from megaframe.parallel import comm
+from megaframe.parallel.eager import eager
 from megaframe.parallel.mesh import Axis
 from megaframe.pipeline.split import wanted
 
@@ -132,8 +133,8 @@ class _MatmulScatter(torch.autograd.Function):
 
 
 # eager inside a torch.compile'd block, like the collectives in comm
-gather_matmul = torch.compiler.disable(_GatherMatmul.apply)
-matmul_scatter = torch.compiler.disable(_MatmulScatter.apply)
+gather_matmul = eager(_GatherMatmul.apply)
+matmul_scatter = eager(_MatmulScatter.apply)
 
 
 def enable_tp_overlap(model: nn.Module, chunks: int) -> int:

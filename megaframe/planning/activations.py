@@ -152,12 +152,10 @@ def head_activation_bytes(model, micro_batch: int, fused_attention: bool = True)
 
 def allocator_peak(fn) -> int:
     """Peak of the bytes allocated and not yet freed while fn() runs, above what was live before: the
-    running sum of the CPU allocator's own events (torch.profiler with profile_memory), in time order."""
-    from torch.profiler import ProfilerActivity, profile
+    running sum of the CPU allocator's own events (the profiler with profile_memory), in time order."""
+    from megaframe.training.phase_meter import allocator_profile, running_peak
 
-    from megaframe.training.phases import running_peak
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with allocator_profile() as prof:
         fn()
     return running_peak(prof)
 

@@ -1,8 +1,8 @@
 """The planner's memory per phase of a run: start-up, the first step, a save and the load of a resume, the
-peak of each on one rank (what training/phases.py measures and logs as mem/phase/<name>_peak_bytes).
+peak of each on one rank (what training/phase_meter.py measures and logs as mem/phase/<name>_peak_bytes).
 
 A layout fits only if every phase fits: the steady step is not the only moment a rank may run out.
-Modelled for how start-up, save and load work once parameters are built on the meta device (issue 24):
+Modelled for how start-up, save and load work once parameters are built on the meta device:
 
   resident  params + grads + optimizer state as the trainer holds them between steps (estimate.state_bytes)
   startup   params + (bf16 runs) INIT_FP32_TENSORS of the rank's largest local tensors in fp32 (a

@@ -21,8 +21,8 @@ import functools
 from dataclasses import dataclass, field
 
 from megaframe.config import Config, ConfigError, validate
+from megaframe.planning.candidate import Layout, cp_ring, layer_params, layout_config, stage_params
 from megaframe.planning.devices import Device
-from megaframe.planning.layout import Layout, cp_ring, layer_params, layout_config, stage_params
 from megaframe.planning.phases import RankShape, phase_peaks
 from megaframe.planning.timing import step_time
 
@@ -37,9 +37,9 @@ HEADROOM = 0.9
 
 ZERO3_WHOLE_OUTSIDE_BLOCKS = False
 """ZeRO-3 keeps the params outside the blocks (embedding, head, final norm) whole, as optim/sizing.py counts
-them today; False once ZeRO-3 shards every parameter (issue 24 item 2, h-metainit)."""
+them today; False once ZeRO-3 shards every parameter (parameters built on the meta device)."""
 MODEL_ERROR = 0.113
-"""The step-time model's largest measured error (scripts/validate_planner.py against measured runs, README:
+"""The step-time model's largest measured error (benchmarks/validate_planner.py against measured runs, README:
 8.5 % and 11.3 % on two runs): layouts closer than this to #1 are ties."""
 
 

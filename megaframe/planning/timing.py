@@ -35,7 +35,7 @@ Step time (seconds) =
            the zero-bubble kinds (zb_h1, zbv) are timed with F, B, W costs from the backward's split
            (split_costs: B the activation-grad GEMMs + attention backward, W the weight-grad GEMMs).
 
-Checked against measured runs on this machine by scripts/validate_planner.py (docs/planning.md: the
+Checked against measured runs on this machine by benchmarks/validate_planner.py (docs/planning.md: the
 six-layout table).
 """
 from __future__ import annotations
@@ -45,9 +45,9 @@ import math
 from dataclasses import dataclass
 
 from megaframe.parallel.context import cp_bytes_per_layer
+from megaframe.planning.candidate import Layout, cp_ring, stage_params
 from megaframe.planning.devices import Device
 from megaframe.planning.gloo_link import hop_seconds
-from megaframe.planning.layout import Layout, cp_ring, stage_params
 from megaframe.schema import Config
 from megaframe.training.metrics import flops_per_token
 

@@ -13,21 +13,21 @@ from pathlib import Path
 
 from megaframe.checkpoint import lineage, sharded
 from megaframe.checkpoint.async_save import AsyncSaver
+from megaframe.checkpoint.resume import Resumed
+from megaframe.checkpoint.resume_checks import Accounting
 from megaframe.data.dataset import data_state
 from megaframe.data.order import ORDER
 from megaframe.data.shards import tokenizer_identity
+from megaframe.errors import TrainingError
 from megaframe.parallel.mesh import Mesh
 from megaframe.schema import Config, plain
-from megaframe.training.errors import TrainingError
-from megaframe.training.resume import Resumed
-from megaframe.training.resume_checks import Accounting
 from megaframe.training.save_guard import state_is_finite
 
 
 class Checkpointer:
     def __init__(self, cfg: Config, mesh: Mesh, ids: tuple[str, str], resumed: Resumed, acct: Accounting,
                  watchdog, injector=None, data=None):
-        """`ids`: this launch's id and the run's (training/owner.py; "" where no run folder was claimed)."""
+        """`ids`: this launch's id and the run's (runops/access/owner.py; "" where no run folder was claimed)."""
         self.cfg, self.mesh, self.acct = cfg, mesh, acct
         self.run_id, self.owner = ids
         self.watchdog, self.injector = watchdog, injector

@@ -14,7 +14,7 @@ import datetime
 from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from megaframe.parallel.mesh import Mesh
-from megaframe.training.watchdog import Watchdog
+from megaframe.runops.watchdog import Watchdog
 
 AXES = ("tp", "pp", "dp", "pp_ends", "ep", "edp", "dp_shard", "dp_rep", "cp", "dpcp")
 

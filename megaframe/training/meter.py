@@ -8,13 +8,13 @@ import time
 
 import torch
 
+from megaframe.checkpoint.resume_checks import Accounting
 from megaframe.config import Config
+from megaframe.errors import TrainingError
 from megaframe.model.moe import stats as moe_stats
 from megaframe.parallel.mesh import Mesh
 from megaframe.pipeline.executor import reduce_loss
-from megaframe.training.errors import TrainingError
 from megaframe.training.metrics import flops_per_token, forget_cpu_peak, memory_figures, peak_flops, throughput_figures
-from megaframe.training.resume_checks import Accounting
 
 
 class BadSteps:

@@ -1,8 +1,8 @@
 """One rank's four phase peaks (start-up, the first step, a save, the load of that save), measured by the
-trainer's own meter (training/phases.py) around what the trainer does in each phase: build the model and
+trainer's own meter (training/phase_meter.py) around what the trainer does in each phase: build the model and
 optimizer; one train_step; settle, the finiteness vote and a blocking save (training/checkpointing.py);
 a fresh model and optimizer loaded from that save. The planner's per-phase figures (planning/phases.py) are
-checked against it (tests/distributed/test_plan_phases.py, scripts/mem_phases.py)."""
+checked against it (tests/distributed/test_plan_phases.py, benchmarks/mem_phases.py)."""
 from __future__ import annotations
 
 import gc
@@ -12,7 +12,7 @@ from megaframe.checkpoint import sharded
 from megaframe.data.dataset import build_data, microbatches
 from megaframe.model.gpt import build_model
 from megaframe.optim.build import build_optimizer, cast_model
-from megaframe.training.phases import PhaseMeter
+from megaframe.training.phase_meter import PhaseMeter
 from megaframe.training.save_guard import state_is_finite
 from megaframe.training.step import train_step
 

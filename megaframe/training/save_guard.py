@@ -12,10 +12,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megaframe.checkpoint.resume import world_axis
 from megaframe.optim.buffer import has_storage
 from megaframe.parallel import comm
 from megaframe.parallel.mesh import Mesh
-from megaframe.training.resume import world_axis
 
 
 def held_tensors(model, optimizer) -> list[torch.Tensor]:

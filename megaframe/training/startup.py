@@ -10,20 +10,22 @@ from pathlib import Path
 
 import torch
 
+from megaframe.checkpoint.resume import Resumed, resume
+from megaframe.checkpoint.resume_checks import Accounting
 from megaframe.config import Config, ConfigError
 from megaframe.data.dataset import Prefetcher, build_data, microbatches
 from megaframe.data.order import resumed_order
 from megaframe.inference.sampler import Sampler
 from megaframe.model.gpt import build_model
 from megaframe.optim.build import build_optimizer, cast_model
-from megaframe.optim.schedule import schedule_warnings
+from megaframe.optim.lr_schedule import schedule_warnings
 from megaframe.parallel import comm
 from megaframe.parallel.mesh import Mesh
-from megaframe.training.evaluate import Evaluator
 from megaframe.training.metrics import flops_per_token
-from megaframe.training.phases import PhaseMeter
-from megaframe.training.resume import Resumed, resume
-from megaframe.training.resume_checks import Accounting
+from megaframe.training.phase_meter import PhaseMeter
+from megaframe.training.validation import Evaluator
+from megaframe.checkpoint.resume import Resumed, resume
+from megaframe.checkpoint.resume_checks import Accounting
 from megaframe.training.threads import Threads, busy_machine_warning, pick_threads
 
 
@@ -39,12 +41,12 @@ class Setup:
     resumed: Resumed
     acct: Accounting
     phases: PhaseMeter | None = None
-    """Peak memory per phase (training/phases.py): start-up and load measured here, step and save by the loop."""
+    """Peak memory per phase (training/phase_meter.py): start-up and load measured here, step and save by the loop."""
 
 
 def set_up(cfg: Config, mesh: Mesh, faults=None) -> Setup:
     """Model, optimizer and data; the resume (which may adopt the saved sample order and lr horizon).
-    `faults`: MEGAFRAME_INJECT's (training/faults.py), for a fault injected into the resume's load."""
+    `faults`: MEGAFRAME_INJECT's (runops/faults.py), for a fault injected into the resume's load."""
     phases = PhaseMeter(mesh.device)
     # a phase ends on every path: a CPU profiler left running when an error ends the run crashes the
     # interpreter at exit (SIGSEGV instead of exit 2)

@@ -12,26 +12,28 @@ from megaframe.config import Config, ConfigError
 from megaframe.data.dataset import Prefetcher
 from megaframe.data.shards import CorruptShard
 from megaframe.data.stages import stage_metric
+from megaframe.errors import TrainingError  # also re-exported for train.py
 from megaframe.layers.rng import seed_step
 from megaframe.parallel import comm
+from megaframe.parallel.launch import env_ranks, init_distributed, nccl_env, pick_device, shutdown
 from megaframe.parallel.mesh import Mesh, build_mesh
 from megaframe.pipeline import p2p
+from megaframe.runops.access.folders import FolderLocks, claim, peer_bad_input, record_bad_input
+from megaframe.runops.access.owner import settle
+from megaframe.runops.faults import Injector
+from megaframe.runops.signals import StopFlag, continue_command
+from megaframe.runops.straggler import StragglerProbe
+from megaframe.runops.watchdog import Watchdog
 from megaframe.tracking import Tracker
 from megaframe.training.checkpointing import Checkpointer
-from megaframe.training.distributed import env_ranks, init_distributed, nccl_env, pick_device, shutdown
-from megaframe.training.errors import TrainingError  # also re-exported for train.py
-from megaframe.training.faults import Injector
 from megaframe.training.first_step import first_step_limits
-from megaframe.training.folders import FolderLocks, claim, peer_bad_input, record_bad_input
 from megaframe.training.meter import BadSteps, Meter
-from megaframe.training.owner import settle
-from megaframe.training.signals import StopFlag, continue_command
 from megaframe.training.startup import Setup, announce, batch_loader, set_up
 from megaframe.training.startup import data_label as data_label  # re-exported: its old path, tests import it here
 from megaframe.training.step import train_step
-from megaframe.training.straggler import StragglerProbe
+from megaframe.runops.straggler import StragglerProbe
 from megaframe.training.threads import apply_threads
-from megaframe.training.watchdog import Watchdog
+from megaframe.runops.watchdog import Watchdog
 
 
 def run(cfg: Config, stop: StopFlag | None = None) -> None:
@@ -75,7 +77,7 @@ def run(cfg: Config, stop: StopFlag | None = None) -> None:
 
 def take_run_dir(cfg: Config, mesh: Mesh) -> FolderLocks:
     """Rank 0 probes and locks every folder the run writes (run.dir, checkpoint.dir) before anything is
-    written there, then settles the run's identity (training/owner.py); every rank hears the outcome and the
+    written there, then settles the run's identity (runops/access/owner.py); every rank hears the outcome and the
     id, so all of them exit 2 when a folder cannot be written, another live job holds it or another run owns
     checkpoint.dir's checkpoints."""
     locks, err = FolderLocks(), None

@@ -13,7 +13,7 @@
 #   local_cluster.sh purge     stop + remove Slurm state, logs, the generated slurm.conf and /etc/hosts entries
 #
 # No systemd needed (daemons started directly; cgroup-free plugins). Verified with Debian's slurm-wlm
-# 22.05.8-4+deb12u3 and munge 0.5.15-2+deb12u1 (see ../shared/notes/slurm-wandb-hydra.md for the findings).
+# 22.05.8-4+deb12u3 and munge 0.5.15-2+deb12u1.
 # A requeued job may start again after SLURM_LOCAL_REQUEUE_DELAY+1 s and the next scheduler pass (~12 s).
 #
 # Knobs (environment):

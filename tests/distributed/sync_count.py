@@ -111,8 +111,8 @@ class SyncCounter:
 def syncs_per_step(mesh, overrides: list[str], steps: int, run_dir: str) -> dict | None:
     """Train `steps` steps with the real trainer loop; rank 0 returns, per step, the most sync events of
     any rank and the world collectives, with where they happened."""
+    from megaframe.runops.signals import StopFlag
     from megaframe.training import trainer
-    from megaframe.training.signals import StopFlag
     from tests.distributed.cases import tiny_config
 
     cfg = tiny_config(overrides + [f"train.max_steps={steps}", f"train.log_interval={steps}", "train.hang_timeout_s=0",

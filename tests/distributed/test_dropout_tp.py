@@ -15,8 +15,8 @@ DROPOUT = ["model.dropout=0.1"]
 def replica_spread(mesh, overrides: list[str], steps: int, run_dir: str) -> dict | None:
     """Train with the real trainer loop (its per-step seeding); rank 0 returns the largest difference
     between the tp ranks' block outputs and replicated (norm) weights."""
+    from megaframe.runops.signals import StopFlag
     from megaframe.training import trainer
-    from megaframe.training.signals import StopFlag
     from tests.distributed.cases import tiny_config
 
     cfg = tiny_config(overrides + [f"train.max_steps={steps}", f"train.log_interval={steps}", "train.hang_timeout_s=0",

@@ -39,7 +39,7 @@ LAYOUTS = [
     ("interleaved-pp2-vpp2-dp2-zero1", 4, 1, 2, 1, ["parallel.vpp=2", L4]),
     ("pp2-uneven", 2, 1, 2, 1, [L4, "parallel.pp_layout=[3,1]"]),
     ("moe-interleaved-pp2-vpp2-ep2", 4, 1, 2, 2, MOE + ["parallel.vpp=2", L4]),
-    # zero-bubble (issue 28): B and W split, W at the schedule's place; zbv's V with rank 0 at both ends
+    # zero-bubble: B and W split, W at the schedule's place; zbv's V with rank 0 at both ends
     ("zb_h1-pp2-m2", 2, 1, 2, 1, [ZB1, "train.micro_batch_size=4"]),
     ("zb_h1-pp4-m8", 4, 1, 4, 1, [ZB1, L4, MB1]),
     ("zb_h1-tp2-sp-pp2", 4, 2, 2, 1, [ZB1, "parallel.sp=true"]),
@@ -100,7 +100,7 @@ def test_interleaved_matches_one_process_on_plain_gloo(pool):
 
 
 def test_old_exchange_trains_on_nan_under_nccl_semantics(pool):
-    """Bug 1 of issue 14: waiting on works[len(sends):] waits on nothing when NCCL returns one Work for a
+    """Waiting on works[len(sends):] waits on nothing when NCCL returns one Work for a
     batch that sends and receives, so the next compute reads the receive buffer unfilled (NaN here)."""
     got = pool.run(train_with_old_exchange, 2, ["parallel.pp=2"], 2, pp=2, p2p="nccl")[0]
     assert not any(math.isfinite(x) for x in got["losses"]), got["losses"]

@@ -1,5 +1,5 @@
 """The planner's memory per phase (start-up, first step, save, load: planning/phases.py) against the peaks the
-trainer's meter measures on the gloo pool (training/phases.py), each within 10 %, at ZeRO-1 (dp2, pp2·dp2) and
+trainer's meter measures on the gloo pool (training/phase_meter.py), each within 10 %, at ZeRO-1 (dp2, pp2·dp2) and
 ZeRO-3 (dp2, dp4): what each phase holds is counted (ZeRO-3's gathered and prefetched blocks, its grad buckets in
 flight and gloo's copies of the collectives at the last block's backward; the save's host copy of the owned
 segments, nothing gathered; the load's one staging buffer of the largest range read into one destination).
@@ -35,7 +35,7 @@ ONE = ("zero0-one", 1, 1, 1, ["optim.zero=0"])
 """One process at zero=0, the reference of the share test. Not in the 10 % test: its first step makes the moments
 after the activations are freed, the plan's step (every later one) holds both."""
 SHARE = 0.35
-"""Save and load at zero=3 dp4 against one process at zero=0 (issue 24; a quarter is the share)."""
+"""Save and load at zero=3 dp4 against one process at zero=0 (a quarter is the share)."""
 
 
 _MEASURED: dict[str, list] = {}

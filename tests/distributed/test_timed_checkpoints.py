@@ -1,4 +1,4 @@
-"""checkpoint.interval_minutes (newcomer-2 F7): a timed save is decided together, at the stop-check steps only.
+"""checkpoint.interval_minutes: a timed save is decided together, at the stop-check steps only.
 
 Rank 1's clock alone says "due" (ranks' clocks differ): the flag rides on the stop check's one all-reduce,
 so every rank saves at the same check step (a save is collective: a rank going alone would hang) and the

@@ -36,7 +36,7 @@ def stop_flag_group(mesh, world_timeout_s: float) -> dict | None:
     import torch.distributed as dist
 
     from megaframe.parallel import mesh as mesh_mod
-    from megaframe.training.signals import StopFlag
+    from megaframe.runops.signals import StopFlag
 
     backends, real = [], dist.new_group
 
@@ -70,8 +70,8 @@ def first_step_timeouts(mesh) -> dict | None:
     """tp2·pp2 with dist_timeout_s=37: the groups' and the watchdog's limits inside and after the
     first-step context (compile_timeout_s=500)."""
     from megaframe.parallel.mesh import CommStats, build_mesh
+    from megaframe.runops.watchdog import Watchdog
     from megaframe.training.first_step import first_step_limits, step_groups
-    from megaframe.training.watchdog import Watchdog
 
     m = build_mesh(2, 2, torch.device("cpu"), timeout=datetime.timedelta(seconds=37))
     dog = Watchdog(0, mesh.rank, "/nonexistent", CommStats())

@@ -50,7 +50,7 @@ def test_bench_tp_overlap_prints_its_ratio():
 
     from megaframe.config import ROOT
 
-    res = subprocess.run([sys.executable, str(ROOT / "scripts/bench_tp_overlap.py"), "seq=64", "hidden=64", "layers=1",
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks/bench_tp_overlap.py"), "seq=64", "hidden=64", "layers=1",
                           "steps=1"], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "ratio unoverlapped / overlapped:" in res.stdout

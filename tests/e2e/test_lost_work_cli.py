@@ -1,4 +1,4 @@
-"""Issue 26 end to end: the red team's reproductions through train.py and the tools, each a one-line
+"""Lost work end to end: the attempts at losing work through train.py and the tools, each a one-line
 exit 2 (or the right checkpoint) where the code before lost work or used the wrong branch."""
 import json
 import socket
@@ -137,7 +137,7 @@ def test_generate_checks_every_prompt_before_writing_any(rolled_back):
 
 
 def test_another_runs_checkpoint_dir_is_continued_only_when_asked(rolled_back, demo_prepared, tmp_path):
-    """L1, round 2: a second run with its own run.dir and the first's checkpoint.dir resumed the first's
+    """A second run with its own run.dir and the first's checkpoint.dir resumed the first's
     checkpoints (resume=auto) without a word. (The same run's restarts: every resume=auto test in the suite.)"""
     import shutil
 

@@ -1,6 +1,6 @@
-"""Nothing lost, nothing silently wrong (issue 20), end to end through train.py: rollback with keep_last,
+"""Nothing lost, nothing silently wrong, end to end through train.py: rollback with keep_last,
 two jobs on one run.dir, a save slower than the hang limit, corrupt data, resume config checks
-(SIGINT: tests/e2e/test_newcomer2.py)."""
+(SIGINT: tests/e2e/test_user_guidance_cli.py)."""
 import hashlib
 import json
 import shutil
@@ -58,7 +58,7 @@ def test_rollback_with_keep_last_keeps_the_new_branch_and_auto_continues_it(tmp_
     assert f"resumed from {ck / 'step_00000009'} at step 9" in again.stdout  # not the abandoned step 10
     assert _lineage(ck, 10)["parent"] == "step_00000009" and _lineage(ck, 11)["parent"] == "step_00000010"
     assert sorted(p.name for p in sharded.committed(ck)) == ["step_00000010", "step_00000011"]
-    # the abandoned branch's step 10 was renamed, not replaced, when the new branch reached step 10 (issue 26, F6)
+    # the abandoned branch's step 10 was renamed, not replaced, when the new branch reached step 10
     kept = list(ck.glob("step_00000010.replaced-*"))
     assert len(kept) == 1 and json.loads((kept[0] / "metadata.json").read_text())["lineage"]["parent"] == "step_00000008"
     marks = [r for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines()) if "resumed_from" in r]
@@ -98,7 +98,7 @@ def test_a_save_slower_than_the_hang_limit_commits(tmp_path):
     assert (tmp_path / "checkpoints" / "step_00000001" / "metadata.json").is_file()
 
 
-# SIGINT stops like SIGTERM, with a checkpoint: tests/e2e/test_newcomer2.py::test_ctrl_c_prints_the_command_that_
+# SIGINT stops like SIGTERM, with a checkpoint: tests/e2e/test_user_guidance_cli.py::test_ctrl_c_prints_the_command_that_
 # continues_the_run sends it to the same one-process run and checks that and more (was a run of its own here)
 
 
@@ -135,7 +135,7 @@ def test_token_ids_outside_the_vocabulary_exit_2_naming_shard_and_offset(corrupt
     assert "data: the first batch's shards match their sha256" in res.stdout  # caught later, as batches are read
     if nproc > 1:
         assert "exitcode: 2" in res.stderr  # torchrun's report of the worker
-        # every rank ends with the first reader's line, also at dp=2 where each rank reads its own shards (issue 26);
+        # every rank ends with the first reader's line, also at dp=2 where each rank reads its own shards;
         # torchrun SIGTERMs the peers of the first rank that exits, so some may end before they print it
         # (two ranks that each reach a corrupt shard of their own in the same step each name theirs)
         said = [ln for ln in res.stderr.splitlines() if ln.startswith("megaframe: error:")]
@@ -168,8 +168,8 @@ def test_resume_refuses_a_changed_batch_seed_or_model_and_accounts_samples_with_
     name = "train.global_batch_size"
     assert f"was written with {name}=8, this run has 16" in line and f"allow_config_change=[{name}]" in line, line
     # the other guarded fields, against the same checkpoint's metadata in process (a run each costs ~8 s)
+    from megaframe.checkpoint.resume_checks import check_resume
     from megaframe.config import ConfigError, load_config
-    from megaframe.training.resume_checks import check_resume
 
     meta = json.loads((tmp_path / "checkpoints" / "step_00000004" / "metadata.json").read_text())
     for change in ["train.seed=7", "model.rope_theta=500000", "model.num_layers=3", "model.norm_eps=1e-6"]:

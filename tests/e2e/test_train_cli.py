@@ -51,7 +51,7 @@ def test_torchrun_refuses_tp_that_does_not_divide_world(tmp_path):
     out = res.stdout + res.stderr
     assert "megaframe: error: parallel.tp=3" in out and "exitcode" in out and ": 2" in out, out[-2000:]
     assert out.index("megaframe: error:") < out.index("exitcode")
-    # newcomer-2 F11 (was tests/e2e/test_newcomer2.py, the same torchrun): under torchrun the one-line error
+    # (the torchrun failure summary's check lives here, the same torchrun): under torchrun the one-line error
     # came first, then ~35 lines of ChildFailedError ending in a link; the summary now ends with it
     tail = [ln for ln in out.splitlines() if ln.strip()][-3:]
     assert any("traceback : megaframe: error: parallel.tp=3" in ln for ln in tail), tail
@@ -91,9 +91,10 @@ def test_resume_continues_with_uninterrupted_losses(tmp_path, nproc, layout):
 
 
 def test_torchrun_pp4_vpp2_matches_one_process_and_checkpoint_loads(tmp_path):
-    """Also issue 28's CLI path: parallel.pp_schedule=zbv under torchrun, resumed from the pp4 interleaved run's
-    step-3 checkpoint (layout-free names; zbv's V at pp2 puts layers 0-1 and 6-7 on rank 0), continues with
-    the one-process losses; its logged loss (computed on rank 0 under the V, logged by the last rank) is real."""
+    """Also the zero-bubble CLI path: parallel.pp_schedule=zbv under torchrun, resumed from the pp4
+    interleaved run's step-3 checkpoint (layout-free names; zbv's V at pp2 puts layers 0-1 and 6-7 on
+    rank 0), continues with the one-process losses; its logged loss (computed on rank 0 under the V,
+    logged by the last rank) is real."""
     over = ["data=synthetic", *TINY, "model.num_layers=8", "train.max_steps=6", "train.log_interval=1",
             "train.global_batch_size=16", "train.micro_batch_size=2"]
     one = train(over + [f"run.dir={tmp_path / 'one'}"])

@@ -1,7 +1,7 @@
 """Document masking on CUDA (skipped without CUDA; scripts/gpu_check.py runs tests/gpu): the model picks
 FlexAttention under a block mask (model/documents.py) and its forward and backward equal the SDPA
 boolean-mask path (the CPU reference) on the same weights and documents. CPU runs flex's forward only
-(tests/unit/test_documents.py compares it there); its backward exists on CUDA alone."""
+(tests/unit/model/test_documents.py compares it there); its backward exists on CUDA alone."""
 from __future__ import annotations
 
 import pytest
@@ -10,7 +10,7 @@ import torch
 from megaframe.config import load_config
 from megaframe.model.gpt import build_model
 from megaframe.parallel.mesh import single_process_mesh
-from tests.unit.test_documents import EOS, doc_ids
+from tests.unit.model.test_documents import EOS, doc_ids
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

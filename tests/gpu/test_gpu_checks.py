@@ -130,7 +130,7 @@ def test_fused_cross_entropy_bf16_matches_fp32():
 
 def test_ring_buffer_tells_enqueued_from_completed_on_the_gpu():
     from megaframe.parallel.mesh import CommStats
-    from megaframe.training.watchdog import collective_state
+    from megaframe.runops.watchdog import collective_state
 
     stats = CommStats()
     torch.cuda._sleep(2_000_000_000)  # keep the stream busy (~1 s) so the "collective" is only enqueued

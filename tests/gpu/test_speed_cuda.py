@@ -12,7 +12,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def test_bench_vs_hf_cuda_runs():
-    res = subprocess.run([sys.executable, str(ROOT / "scripts/bench_vs_hf.py"), "--device", "cuda", "--repeats", "1",
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks/bench_vs_hf.py"), "--device", "cuda", "--repeats", "1",
                           "--steps", "1", "--warmup", "1", "--batch", "1", "--seq", "512"],
                          capture_output=True, text=True, timeout=1200)
     assert res.returncode == 0, res.stderr[-2000:]

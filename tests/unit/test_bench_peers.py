@@ -1,4 +1,4 @@
-"""scripts/bench_gpu.py, the fair one-GPU comparison, runs its harness on CPU (--dry) and reports every peer."""
+"""benchmarks/bench_gpu.py, the fair one-GPU comparison, runs its harness on CPU (--dry) and reports every peer."""
 import re
 import subprocess
 import sys
@@ -7,7 +7,7 @@ from megaframe.config import ROOT
 
 
 def test_bench_gpu_dry_reports_megaframe_transformers_and_torchtitan():
-    res = subprocess.run([sys.executable, str(ROOT / "scripts/bench_gpu.py"), "--dry"], capture_output=True, text=True,
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks/bench_gpu.py"), "--dry"], capture_output=True, text=True,
                          timeout=600, cwd=ROOT)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     out = res.stdout

@@ -1,5 +1,5 @@
 """Code health: no import cycles in megaframe/, with imports inside functions counted (a function-level
-import hides a cycle from the interpreter, not from a reader). Uses scripts/code_stats.py's definitions."""
+import hides a cycle from the interpreter, not from a reader). Uses scripts/dev/code_stats.py's definitions."""
 from __future__ import annotations
 
 import ast
@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _code_stats():
-    spec = importlib.util.spec_from_file_location("code_stats", ROOT / "scripts" / "code_stats.py")
+    spec = importlib.util.spec_from_file_location("code_stats", ROOT / "scripts" / "dev" / "code_stats.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

@@ -23,7 +23,7 @@ def test_two_runs_one_png(tmp_path, capsys):
 
 
 def test_panels_on_a_grid_with_mfu_in_percent(tmp_path):
-    """newcomer-2 F11: one row of 5 panels (1600 x 272 px), MFU a raw fraction."""
+    """One row of 5 panels (1600 x 272 px), MFU a raw fraction."""
     import struct
 
     from megaframe.plot import PANELS, SCALE

@@ -1,0 +1,88 @@
+"""What a resume may change: the checkpoint's config against the run's, before any weight is loaded.
+
+A resumed run must continue the same experiment. These changes are refused (exit 2, one line), unless
+`checkpoint.allow_config_change` names the field (then logged):
+- train.global_batch_size: the sample position is step x batch, so a new batch would skip or repeat
+  samples. When allowed, the data continues from the checkpoint's consumed samples (exact accounting:
+  position = consumed at resume + (step - resume step) x new batch), not from step x new batch.
+- train.seed: the sample order (and init) derive from it; a new seed repeats and skips data at random.
+- any model.* field (model.name, a label, excepted): the weights would be loaded into another model,
+  e.g. a changed model.rope_theta loads without an error and trains a different function.
+- what the run trains on (megaframe.data.record): data.stages, data.blend (paths or weights), a plain run's
+  data.path, data.valid_fraction, and the content of a dataset at the same path; each re-maps the stream's
+  positions (samples repeat and others are skipped) or moves the validation split onto trained-on documents.
+  When allowed, the warning says what repeats or changes. The tokenizer is compared before (config_checks).
+The parallel layout may change freely (any layout loads any checkpoint).
+"""
+from __future__ import annotations
+
+import sys
+
+from megaframe.schema import Config, ConfigError, plain
+
+GUARDED_TRAIN = ("global_batch_size", "seed")
+UNCHECKED_MODEL = ("name",)
+
+
+def differences(cfg: Config, saved: dict, consumed: int = 1) -> list[tuple[str, object, object]]:
+    """(field, saved value, current value) of every guarded field that differs. Before any sample is
+    consumed (`consumed` = 0: a step-0 checkpoint, e.g. imported from Hugging Face) the data fields
+    decide nothing yet and may change."""
+    out = []
+    cur_train, old_train = plain(cfg.train), saved.get("train", {})
+    for k in GUARDED_TRAIN if consumed > 0 else ():
+        if k in old_train and old_train[k] != cur_train[k]:
+            out.append((f"train.{k}", old_train[k], cur_train[k]))
+    cur_model, old_model = plain(cfg.model), saved.get("model", {})
+    for k, v in cur_model.items():
+        if k not in UNCHECKED_MODEL and k in old_model and old_model[k] != v:
+            out.append((f"model.{k}", old_model[k], v))
+    return out
+
+
+def _allowed(name: str, allow: list[str]) -> bool:
+    return name in allow or name.split(".")[0] in allow
+
+
+def check_resume(cfg: Config, meta: dict, path, verbose: bool) -> None:
+    """ConfigError on the first change not allowed; the allowed ones are logged (by rank 0, `verbose`)."""
+    from megaframe.data.record import data_changes
+
+    allow = list(cfg.checkpoint.allow_config_change)
+    consumed = consumed_samples(meta)
+    changes = [(name, repr(old), repr(new), None)
+               for name, old, new in differences(cfg, meta.get("config") or {}, consumed)]
+    # before any sample is consumed (a step-0 import) the data decides nothing yet
+    changes += data_changes(cfg, meta) if consumed > 0 else []
+    for name, old, new, what in changes:
+        if not _allowed(name, allow):
+            why = what or ("samples would be skipped or repeated" if name.startswith("train.")
+                           else "the weights belong to another model")
+            raise ConfigError(f"checkpoint {path} was written with {name}={old}, this run has {new}: {why}; "
+                              f"set checkpoint.allow_config_change=[{name}] to resume anyway")
+        if verbose:
+            print(f"megaframe: warning: resuming with {name} changed from {old} to {new} "
+                  f"(checkpoint.allow_config_change){f': {what}' if what else ''}", file=sys.stderr,
+                  flush=True)
+
+
+def consumed_samples(meta: dict) -> int:
+    """Samples the checkpoint's run had consumed (older checkpoints: step x its global batch)."""
+    if "consumed_samples" in meta:
+        return int(meta["consumed_samples"])
+    gbs = int((meta.get("config") or {}).get("train", {}).get("global_batch_size", 0))
+    # no recorded count: exact as long as that run never changed its batch size
+    return int(meta["step"]) * gbs
+
+
+class Accounting:
+    """Global sample positions of a run that resumed at `start` with `base` samples consumed:
+    step s (1-based) reads positions [base + (s - 1 - start)·G, base + (s - start)·G)."""
+
+    def __init__(self, start: int, base: int, global_batch: int):
+        self.start, self.base, self.gbs = start, base, global_batch
+
+    def consumed(self, step: int) -> int:
+        """Samples consumed once step `step` is done."""
+        # from the resume's consumed count, not step x batch: exact when an allowed batch-size change was made
+        return self.base + (step - self.start) * self.gbs

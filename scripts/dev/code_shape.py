@@ -1,0 +1,142 @@
+"""The shape of megaframe/ a reader relies on, checked (tests/unit/test_code_shape.py):
+
+- every file at most MAX_FILE_LINES lines and every function at most MAX_FUNC_LINES lines, except the
+  entries of ALLOW (each carries the reason it is longer);
+- no import cycle between modules (imports inside functions count: they hide a cycle from the
+  interpreter, not from a reader);
+- no two files share a name (`__init__.py` and `__main__.py` aside): a name says which file it is;
+- no upward import: the packages lie in the order of LAYERS (docs/architecture.md, "Layers"), and a
+  module imports only from its own layer or the ones before it.
+
+    python scripts/dev/code_shape.py     # one line per breach, exit 1 when there is any
+"""
+from __future__ import annotations
+
+import ast
+import importlib.util
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+MAX_FILE_LINES = 450
+MAX_FUNC_LINES = 60
+
+# Bottom to top. A unit is megaframe/<name> (a package or a top-level module); "" is megaframe/__init__.py.
+LAYERS = [
+    ["errors", "atomic", "atomic_lock", "quiet", "paths", "choices", "schema"],  # leaves: error types, file write, the schema
+    ["parallel"],  # mesh, collectives, launch env: knows no model
+    ["pipeline"],  # stages, schedules as data, their executor: runs any chunk module
+    ["layers"],  # parallel linear/embedding/norm on the mesh
+    ["optim"],  # grads, ZeRO, LR: works on Placements, knows no model
+    ["model"],  # blocks built from layers
+    ["models"],  # one spec per family: presets, HF adapter, parameter and FLOP counters
+    ["data"],  # tokenizer, shards, sample order
+    ["checkpoint"],  # save, load, resume, HF conversion
+    ["runops"],  # who may write here, signals, watchdog, faults
+    ["config", "config_checks", "config_keys"],  # composes, adopts a checkpoint, asks each package's rule
+    ["inference", "tracking"],  # generation on a loaded model; metrics sinks
+    ["training"],  # the loop
+    ["planning"],  # memory and time models (reads the loop's meters and FLOPs)
+    ["plan", "generate", "evaluate", "plot", ""],  # command lines and the package's public surface
+]
+
+# "path" or "path:function" -> why it may be longer than the limit
+ALLOW: dict[str, str] = {}
+
+# (importer unit, imported unit) -> why the upward edge is allowed for now
+UPWARD_ALLOW: dict[tuple[str, str], str] = {
+    ("parallel", "pipeline"): "parallel/tp_overlap.py defers its weight grads through pipeline/split.py (the"
+                              " zero-bubble split backward: pure autograd, no megaframe import)",
+    ("data", "config"): "data/prepare.py is the `python -m megaframe.data.prepare` command line: it composes"
+                        " a config like train.py",
+}
+
+
+def _code_stats():
+    spec = importlib.util.spec_from_file_location("code_stats", Path(__file__).with_name("code_stats.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _module(root: Path, path: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def unit(mod: str) -> str:
+    parts = mod.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def layer_of(name: str, layers: list[list[str]]) -> int | None:
+    return next((i for i, group in enumerate(layers) if name in group), None)
+
+
+def sizes(root: Path, allow: dict[str, str], max_file: int = MAX_FILE_LINES,
+          max_func: int = MAX_FUNC_LINES) -> list[str]:
+    """Files and functions over their limit and not allowed."""
+    out = []
+    for f in sorted((root / "megaframe").rglob("*.py")):
+        rel = f.relative_to(root).as_posix()
+        text = f.read_text()
+        n = len(text.splitlines())
+        if n > max_file and rel not in allow:
+            out.append(f"{rel}: {n} lines > {max_file}")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > max_func and f"{rel}:{node.name}" not in allow:
+                    out.append(f"{rel}:{node.lineno} {node.name}: {length} lines > {max_func}")
+    return out
+
+
+def graph(root: Path) -> dict[str, set[str]]:
+    cs = _code_stats()
+    files = sorted((root / "megaframe").rglob("*.py"))
+    known = {_module(root, f) for f in files}
+    return {_module(root, f): cs.imports(ast.parse(f.read_text()), _module(root, f), f.name == "__init__.py",
+                                         known) for f in files}
+
+
+def upward(g: dict[str, set[str]], layers: list[list[str]],
+           allow: dict[tuple[str, str], str]) -> list[str]:
+    """Imports of a unit in a later layer, and units that no layer names."""
+    out = []
+    for mod, deps in sorted(g.items()):
+        src = unit(mod)
+        if layer_of(src, layers) is None:
+            out.append(f"{mod}: megaframe/{src} is in no layer (add it to LAYERS and docs/architecture.md)")
+            continue
+        for dep in sorted(deps):
+            dst = unit(dep)
+            if dst == src or (src, dst) in allow or layer_of(dst, layers) is None:
+                continue
+            if layer_of(dst, layers) > layer_of(src, layers):
+                out.append(f"{mod} imports {dep}: {dst or 'megaframe'} lies above {src or 'megaframe'}")
+    return out
+
+
+def shared_names(root: Path) -> list[str]:
+    by_name: dict[str, list[str]] = {}
+    for f in sorted((root / "megaframe").rglob("*.py")):
+        if f.name not in ("__init__.py", "__main__.py"):
+            by_name.setdefault(f.name, []).append(f.relative_to(root).as_posix())
+    return [f"{name} shared by {', '.join(paths)}" for name, paths in by_name.items() if len(paths) > 1]
+
+
+def check(root: Path = ROOT, layers=LAYERS, allow=ALLOW, upward_allow=UPWARD_ALLOW) -> list[str]:
+    g = graph(root)
+    found = sizes(root, allow) + shared_names(root)
+    found += [f"import cycle: {' <-> '.join(c)}" for c in _code_stats().cycles(g)]
+    return found + upward(g, layers, upward_allow)
+
+
+def main() -> int:
+    found = check()
+    print(*found, sep="\n")
+    return 1 if found else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""Every numeric config field is validated (range, finiteness, type) from one table, FIELD_RULES:
+a bad value of any of them is refused by load_config (exit 2 in train.py, before any process group)
+with one line naming the field."""
+import dataclasses
+import subprocess
+import sys
+import typing
+
+import pytest
+
+from megaframe.config import Config, ConfigError, default_run_name, load_config
+from megaframe.config_checks import FIELD_RULES, Rule
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[3]
+
+
+def numeric_fields(cls=Config, prefix="") -> list[str]:
+    """Dotted names of every int/float (or Optional of one) field of the schema."""
+    out = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        t = hints.get(f.name, f.type)
+        args = [a for a in typing.get_args(t) if a is not type(None)]
+        base = args[0] if typing.get_origin(t) is typing.Union and len(args) == 1 else t
+        if dataclasses.is_dataclass(base):
+            out += numeric_fields(base, f"{prefix}{f.name}.")
+        elif base in (int, float):
+            out.append(prefix + f.name)
+    return out
+
+
+def bad_values(rule: Rule) -> list[str]:
+    vals = []
+    if rule.lo is not None:
+        vals.append(str(rule.lo if rule.lo_open else (rule.lo - 1 if rule.integer else rule.lo - 0.5)))
+    if rule.hi is not None:
+        vals.append(str(int(rule.hi) if rule.integer and rule.hi_open else
+                        (rule.hi + 1 if rule.integer else rule.hi + (0 if rule.hi_open else 0.5))))
+    if not rule.integer:
+        vals += ["inf", "nan", "-inf"]
+    return vals
+
+
+def test_every_numeric_field_has_a_rule():
+    fields = set(numeric_fields())
+    assert fields - FIELD_RULES.keys() == set(), "add a rule to FIELD_RULES in megaframe/config_checks.py"
+    assert FIELD_RULES.keys() - fields == set(), "FIELD_RULES names a field the schema does not have"
+
+
+CASES = [(key, v) for key, rule in FIELD_RULES.items() for v in bad_values(rule)]
+
+
+@pytest.fixture(scope="module")
+def base_cfg():
+    return load_config(["data=synthetic"], world_size=1)
+
+
+@pytest.mark.parametrize("key,value", CASES, ids=[f"{k}={v}" for k, v in CASES])
+def test_bad_value_of_every_field_is_refused_naming_it(key, value, base_cfg):
+    """The composed config with one field set as a Hydra override would set it (Hydra's own parsing is
+    covered by the subprocess test below; composing 100+ times would cost half a minute)."""
+    import copy
+
+    from megaframe.config import validate
+
+    cfg = copy.deepcopy(base_cfg)
+    *path, name = key.split(".")
+    obj = cfg
+    for part in path:
+        obj = getattr(obj, part)
+    setattr(obj, name, float(value) if not FIELD_RULES[key].integer else int(float(value)))
+    with pytest.raises(ConfigError) as info:
+        validate(cfg, 1, check_data=False)
+    msg = str(info.value)
+    assert msg.startswith(f"{key}=") and "\n" not in msg, msg
+
+
+def test_table_covers_a_bad_value_per_field():
+    assert {k for k, _ in CASES} == FIELD_RULES.keys()
+    assert len(CASES) >= 2 * len(FIELD_RULES) - 20  # most fields get a low and a high/non-finite probe
+
+
+@pytest.mark.parametrize("override,needle", [("optim.lr=inf", "optim.lr=inf must be finite"),
+                                             ("model.rope_theta=0", "model.rope_theta=0.0 must be > 0"),
+                                             ("train.seed=0.5", "train.seed"),
+                                             ("optim.grad_reduce_dtype=bf16",
+                                              "optim.grad_reduce_dtype=bf16 needs train.precision=bf16 "
+                                              "(got train.precision=fp32)")])
+def test_train_exits_2_before_any_process_group(override, needle, tmp_path):
+    env = {"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "WORLD_SIZE": "2",
+           "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}  # a rendezvous would fail, not hang
+    res = subprocess.run([sys.executable, "train.py", override, "data=synthetic", f"run.dir={tmp_path}"], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and needle in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert not any(tmp_path.iterdir())  # nothing written
+
+
+def test_default_run_name_is_unique_within_a_millisecond(monkeypatch):
+    for var in ("MEGAFRAME_RUN_NAME", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):
+        monkeypatch.delenv(var, raising=False)
+    names = {default_run_name() for _ in range(50)}  # many fall in the same second and millisecond
+    assert len(names) == 50
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    assert default_run_name().endswith("-job4242")
