@@ -167,7 +167,7 @@ def main(argv: list[str]) -> int:
     clash = overlaps_input(args.ckpt, out)
     if clash:
         return fail(clash)
-    from megaframe.training.runlock import RunDirBusy, RunLock
+    from megaframe.runops.access.runlock import RunDirBusy, RunLock
 
     # one export into OUT at a time: a second one would delete the first's OUT.tmp mid-write
     lock = RunLock(out, "OUT", beside=True)

@@ -184,7 +184,7 @@ def main(argv: list[str]) -> int:
     args = ap.parse_args(argv)
     from megaframe.checkpoint import sharded
     from megaframe.config import ConfigError
-    from megaframe.training.runlock import RunDirBusy, RunLock
+    from megaframe.runops.access.runlock import RunDirBusy, RunLock
 
     out = Path(args.out)
     if out.exists() and not out.is_dir():

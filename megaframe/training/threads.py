@@ -32,7 +32,7 @@ def usable_cores() -> int:
 def pick_threads(setting: int | None, environ=os.environ) -> Threads:
     """train.threads when set; else OMP_NUM_THREADS when the environment sets it (the user's choice, or
     torchrun's 1 per worker); else the usable cores over the ranks on this node, at least 1."""
-    from megaframe.training.distributed import local_world_size
+    from megaframe.parallel.launch import local_world_size
 
     if setting:
         return Threads(int(setting), "train.threads")

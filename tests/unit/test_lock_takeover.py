@@ -14,13 +14,13 @@ import time
 import pytest
 
 from megaframe.config import ROOT
-from megaframe.training.runlock import LOCK_NAME, RunLock
+from megaframe.runops.access.runlock import LOCK_NAME, RunLock
 
 # A taker: for each "DIR START" line, wait for the instant START, try the lock, answer HOLDS or BUSY, and keep
 # a won lock (the process stays alive) until the trial is over.
 TAKER = """
 import sys, time
-from megaframe.training.runlock import RunDirBusy, RunLock
+from megaframe.runops.access.runlock import RunDirBusy, RunLock
 for line in sys.stdin:
     folder, start = line.split()
     while time.time() < float(start):

@@ -12,7 +12,7 @@ from megaframe.config import load_config
 from megaframe.model.gpt import GPT, build_model
 from megaframe.parallel.mesh import single_process_mesh
 from megaframe.parallel.virtual import virtual_mesh
-from megaframe.planning.layout import Layout, stage_params
+from megaframe.planning.candidate import Layout, stage_params
 from megaframe.training.metrics import flops_per_token
 
 ROOT = Path(__file__).resolve().parents[2]

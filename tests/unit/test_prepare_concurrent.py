@@ -16,7 +16,7 @@ import pytest
 from megaframe.config import ROOT
 from megaframe.data import partial
 from megaframe.data.sources import PrepareError
-from tests.unit.test_prepare import paragraphs, run_main
+from tests.unit.data.test_prepare import paragraphs, run_main
 
 # prepare with many small shards in one unit, each taking 0.25 s (a slow tokenizer, a large corpus): a
 # second process started once the first shard exists finds the first mid-unit. $START_AFTER delays main()

@@ -100,7 +100,7 @@ def test_twenty_training_steps_match_transformers(tmp_path):
 
     from megaframe.data.dataset import build_data, microbatches
     from megaframe.optim.build import build_optimizer
-    from megaframe.optim.schedule import lr_at
+    from megaframe.optim.lr_schedule import lr_at
     from megaframe.parallel.mesh import single_process_mesh
     from megaframe.training.step import train_step
 

@@ -19,7 +19,7 @@ from megaframe.data.shards import tokenizer_identity
 from megaframe.model.gpt import build_model
 from megaframe.parallel.mesh import single_process_mesh
 from megaframe.schema import plain
-from tests.unit.test_prepare import paragraphs, write_text_corpus
+from tests.unit.data.test_prepare import paragraphs, write_text_corpus
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["model=gpt_tiny", "model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4",
@@ -153,7 +153,7 @@ def config(tmp_path, *overrides: str):
 
 
 def refused(cfg, meta, name: str) -> str:
-    from megaframe.training.resume_checks import check_resume
+    from megaframe.checkpoint.resume_checks import check_resume
 
     with pytest.raises(ConfigError) as info:
         check_resume(cfg, meta, "ckpt", verbose=True)
@@ -164,7 +164,7 @@ def refused(cfg, meta, name: str) -> str:
 
 
 def test_resume_refuses_changed_stages_blend_weights_and_valid_fraction(corpora, tmp_path, capsys):
-    from megaframe.training.resume_checks import check_resume
+    from megaframe.checkpoint.resume_checks import check_resume
 
     a, c = corpora / "a", corpora / "c"
     two = stages([(a, 1)], [(a, 0.5), (c, 0.5)])
@@ -193,7 +193,7 @@ def test_resume_refuses_changed_stages_blend_weights_and_valid_fraction(corpora,
 
 
 def test_resume_refuses_a_dataset_prepared_again_but_not_a_moved_copy(corpora, tmp_path):
-    from megaframe.training.resume_checks import check_resume
+    from megaframe.checkpoint.resume_checks import check_resume
 
     x = copy(corpora, "a", tmp_path / "x")
     meta = meta_of(config(tmp_path, f"data.path={x}"))
@@ -207,7 +207,7 @@ def test_resume_refuses_a_dataset_prepared_again_but_not_a_moved_copy(corpora, t
 
 def test_a_checkpoint_recorded_before_sources_still_resumes_and_is_compared(corpora, tmp_path):
     """Today's checkpoints record the paths as typed and no content hash: compared resolved."""
-    from megaframe.training.resume_checks import check_resume
+    from megaframe.checkpoint.resume_checks import check_resume
 
     a, c = corpora / "a", corpora / "c"
     meta = meta_of(config(tmp_path, f"data.blend={blend((f'{a}/', 0.5), (c, 0.5))}"))

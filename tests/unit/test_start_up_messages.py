@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from megaframe.config import ConfigError, load_config
-from megaframe.training.signals import continue_command
+from megaframe.runops.signals import continue_command
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "data" / "demo" / "prepared"
@@ -87,7 +87,7 @@ def test_continue_hint_names_the_run_only_without_run_dir():
 def test_readme_day_one_commands_print_no_lr_warnings():
     """The README's own train commands, as a user types them (no test appendix), against the lr horizon
     their run will have (a resume keeps the horizon of the run it resumes)."""
-    from megaframe.optim.schedule import schedule_warnings
+    from megaframe.optim.lr_schedule import schedule_warnings
     from tests.e2e.docs_commands import commands, hydra_overrides, tokens
 
     horizons, checked = {}, 0

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from megaframe.training.runlock import LOCK_NAME
-from tests.unit.test_hf_interop import script
+from megaframe.runops.access.runlock import LOCK_NAME
+from tests.unit.checkpoint.test_hf_interop import script
 
 export_hf, import_hf = script("export_hf"), script("import_hf")
 
