@@ -23,10 +23,8 @@ from megaframe.parallel import comm
 from megaframe.parallel.mesh import Mesh
 from megaframe.training.metrics import flops_per_token
 from megaframe.training.phase_meter import PhaseMeter
-from megaframe.training.validation import Evaluator
-from megaframe.checkpoint.resume import Resumed, resume
-from megaframe.checkpoint.resume_checks import Accounting
 from megaframe.training.threads import Threads, busy_machine_warning, pick_threads
+from megaframe.training.validation import Evaluator
 
 
 @dataclass

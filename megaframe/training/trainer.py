@@ -31,9 +31,7 @@ from megaframe.training.meter import BadSteps, Meter
 from megaframe.training.startup import Setup, announce, batch_loader, set_up
 from megaframe.training.startup import data_label as data_label  # re-exported: its old path, tests import it here
 from megaframe.training.step import train_step
-from megaframe.runops.straggler import StragglerProbe
 from megaframe.training.threads import apply_threads
-from megaframe.runops.watchdog import Watchdog
 
 
 def run(cfg: Config, stop: StopFlag | None = None) -> None:

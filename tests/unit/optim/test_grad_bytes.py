@@ -27,7 +27,7 @@ from megaframe.optim.build import build_optimizer
 from megaframe.parallel.mesh import single_process_mesh
 from megaframe.training.step import train_step
 from tests.distributed.cases import tiny_config
-from tests.unit.byte_count import ByteCount, storage_ptr
+from tests.unit.optim.byte_count import ByteCount, storage_ptr
 
 # tokens per micro-batch (24 x 2 = 48) and every dim differ, so no activation has a parameter's shape
 SHAPES = ["train.precision=bf16", "model.seq_length=24", "model.ffn_hidden_size=96"]

@@ -13,7 +13,7 @@ import pytest
 from megaframe.config import ConfigError, load_config
 from megaframe.runops.signals import continue_command
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 DEMO = ROOT / "data" / "demo" / "prepared"
 
 
