@@ -266,6 +266,16 @@ def _split_units(work: Path, groups: list[list[SourceFile]], records: list[dict]
     return done, todo, per_unit
 
 
+def _plan_units(cfg: Config, files: list[SourceFile], records: list[dict], work: Path, unit_bytes: int,
+                merge: bool) -> tuple[list, list[int], tuple]:
+    """The units, each unit's task, and (done, todo, per_unit) for this task (nothing to do for a merge)."""
+    (work / "units").mkdir(exist_ok=True)
+    groups = units(files, unit_bytes)
+    owner = unit_tasks([sum(f.size for f in g) for g in groups], cfg.data.num_tasks)
+    mine = {k for k in range(len(groups)) if owner[k] == cfg.data.task and not merge}
+    return groups, owner, _split_units(work, groups, records, mine)
+
+
 def _encode(cfg: Config, files: list[SourceFile], records: list[dict], tok_path: str, work: Path, pool,
             unit_bytes: int, chunk_chars: int, cache: str, show_progress: bool | None,
             merge: bool = False) -> tuple[list[dict] | dict, float]:
@@ -273,11 +283,7 @@ def _encode(cfg: Config, files: list[SourceFile], records: list[dict], tok_path:
     earlier run or another process, each under its lock (megaframe.data.partial); returns all shards in
     stream order, or {"missing", "tasks"} while other tasks' units are not done; and the worker CPU
     seconds."""
-    (work / "units").mkdir(exist_ok=True)
-    groups = units(files, unit_bytes)
-    owner = unit_tasks([sum(f.size for f in g) for g in groups], cfg.data.num_tasks)
-    done, todo, per_unit = _split_units(work, groups, records, {k for k in range(len(groups))
-                                                                if owner[k] == cfg.data.task and not merge})
+    groups, owner, (done, todo, per_unit) = _plan_units(cfg, files, records, work, unit_bytes, merge)
     if not merge:  # a merge tokenizes nothing: it only checks and joins the tasks' units
         announce(cfg.data, [f for _, g, _ in todo for f in g], pool._processes if pool is not None else 1)
     progress = Progress(sum(text_size(f) for _, g, _ in todo for f in g), show_progress)

@@ -118,10 +118,14 @@ def upward(g: dict[str, set[str]], layers: list[list[str]],
 
 
 def shared_names(root: Path) -> list[str]:
+    """Two files of one name; a family folder's files (megaframe/models/<family>/spec.py, hf.py) are named
+    by their role in every family, as torchtitan's model folders are, so they count as '<family>/<name>'."""
     by_name: dict[str, list[str]] = {}
     for f in sorted((root / "megaframe").rglob("*.py")):
         if f.name not in ("__init__.py", "__main__.py"):
-            by_name.setdefault(f.name, []).append(f.relative_to(root).as_posix())
+            rel = f.relative_to(root)
+            key = f"{rel.parts[2]}/{f.name}" if rel.parts[1] == "models" and len(rel.parts) == 4 else f.name
+            by_name.setdefault(key, []).append(rel.as_posix())
     return [f"{name} shared by {', '.join(paths)}" for name, paths in by_name.items() if len(paths) > 1]
 
 
