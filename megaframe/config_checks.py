@@ -286,7 +286,7 @@ def _check_moe(m: ModelConfig, p: ParallelConfig, dpcp: int) -> None:
 
 def _check_pipeline(cfg: Config, dp: int) -> None:
     from megaframe.pipeline.partition import stage_counts
-    from megaframe.pipeline.schedule import check_args, resolve_kind
+    from megaframe.pipeline.schedule import check_runnable, resolve_kind
 
     p, t = cfg.parallel, cfg.train
     _req(p.vpp == 1 or p.pp > 1, f"parallel.vpp={p.vpp} needs parallel.pp > 1")
@@ -297,8 +297,12 @@ def _check_pipeline(cfg: Config, dp: int) -> None:
         for bad, why in ((t.compile, "train.compile=true"), (t.precision == "fp8", "train.precision=fp8")):
             _req(not bad, f"parallel.pp_schedule={kind} splits each backward in two and does not compose with {why}")
     try:
-        stage_counts(cfg.model.num_layers, p.pp, p.vpp, p.pp_layout)
-        check_args(resolve_kind(p.pp_schedule, p.vpp), p.pp, p.vpp, t.global_batch_size // (t.micro_batch_size * dp))
+        counts = stage_counts(cfg.model.num_layers, p.pp, p.vpp, p.pp_layout)
+        # every rank's schedule is built here, as the executor will build it: a layout it cannot run is refused
+        # now, not at step 1
+        check_runnable(kind, p.pp, p.vpp, t.global_batch_size // (t.micro_batch_size * dp),
+                       moe=cfg.model.num_experts > 0, recompute=getattr(t.recompute, "value", t.recompute),
+                       counts=counts)
     except ValueError as e:
         raise ConfigError(str(e)) from e
 
