@@ -161,6 +161,7 @@ def check_settings(own: dict[str, str]) -> None:
     number("device_memory_gb", False, 0, lo_open=True)
     number("efficiency", False, 0, 1, lo_open=True)
     number("top", True, 1)
+    number("link_timeout_s", False, 0, lo_open=True)
     if own.get("search", "false").lower() not in ("true", "1", "yes", "false", "0", "no"):
         raise ValueError(f"+search={own['search']} must be true or false")
     if "plan_json" in own:
@@ -194,9 +195,7 @@ def main(argv: list[str]) -> int:
 
     plan = plan_layout(cfg, world, memory)
     print(render(plan, cfg), flush=True)
-    if "plan_json" in own:
-        Path(own["plan_json"]).write_text(json.dumps(plan.to_dict(), indent=1))
-    return 0
+    return write_plan_json(own, plan.to_dict())
 
 
 def search_main(cfg, world: int, memory_gb: float | None, own: dict) -> int:
@@ -205,18 +204,27 @@ def search_main(cfg, world: int, memory_gb: float | None, own: dict) -> int:
 
     try:
         eff = float(own["efficiency"]) if "efficiency" in own else None
-        dev = get_device(own.get("device", "H100"), efficiency=eff)
+        dev = get_device(own.get("device", "H100"), float(own.get("link_timeout_s", 120)), efficiency=eff)
         top = int(own.get("top", 5))
     except ValueError as e:
         return fail(f"plan settings: {e}")
     cap = memory_gb * 2**30 if memory_gb is not None else None
     ests, n, dropped = search(cfg, world, dev, cap, progress=lambda text: print(text, file=sys.stderr, flush=True))
     print(search_report(cfg, world, dev, ests, n, dropped, top, cap))
-    if "plan_json" in own:  # every fitting layout, ranked, with its phases and parts
-        Path(own["plan_json"]).write_text(json.dumps(
-            {"world_size": world, "device": dev.name, "candidates": n, "dropped_for_memory": dropped,
-             "ties_with_first": ties(ests), "model_error": MODEL_ERROR, "ranked": [e.to_dict() for e in ests]},
-            indent=1))
+    # every fitting layout, ranked, with its phases and parts
+    return write_plan_json(own, {"world_size": world, "device": dev.name, "candidates": n, "dropped_for_memory": dropped,
+                                 "ties_with_first": ties(ests), "model_error": MODEL_ERROR,
+                                 "ranked": [e.to_dict() for e in ests]})
+
+
+def write_plan_json(own: dict, data: dict) -> int:
+    """+plan_json=P: the plan as JSON; a write that fails (a full disk, /dev/full) is one line, exit 2."""
+    if "plan_json" not in own:
+        return 0
+    try:
+        Path(own["plan_json"]).write_text(json.dumps(data, indent=1))
+    except OSError as e:
+        return fail(f"+plan_json={own['plan_json']}: cannot write the plan ({e})")
     return 0
 
 
