@@ -22,6 +22,7 @@ come from the config.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -193,7 +194,8 @@ def main(argv: list[str]) -> int:
         return search_main(cfg, world, memory, own)
     from megaframe.planning.estimate import plan_layout
 
-    plan = plan_layout(cfg, world, memory)
+    with still_planning(f"{cfg.model.name} on {world} rank(s)"):
+        plan = plan_layout(cfg, world, memory)
     print(render(plan, cfg), flush=True)
     return write_plan_json(own, plan.to_dict())
 
@@ -215,6 +217,31 @@ def search_main(cfg, world: int, memory_gb: float | None, own: dict) -> int:
     return write_plan_json(own, {"world_size": world, "device": dev.name, "candidates": n, "dropped_for_memory": dropped,
                                  "ties_with_first": ties(ests), "model_error": MODEL_ERROR,
                                  "ranked": [e.to_dict() for e in ests]})
+
+
+PROGRESS_EVERY_S = 15.0
+"""A plan that takes longer says so on stderr this often: a silent command looks hung."""
+
+
+@contextlib.contextmanager
+def still_planning(what: str, every_s: float = PROGRESS_EVERY_S):
+    """While the body runs, `plan: still sizing WHAT (N s)` on stderr every `every_s` seconds."""
+    import threading
+    import time
+
+    done, t0 = threading.Event(), time.monotonic()
+
+    def tell():
+        while not done.wait(every_s):
+            print(f"plan: still sizing {what} ({time.monotonic() - t0:.0f} s)", file=sys.stderr, flush=True)
+
+    thread = threading.Thread(target=tell, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 def write_plan_json(own: dict, data: dict) -> int:

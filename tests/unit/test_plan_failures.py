@@ -45,3 +45,21 @@ def test_spawn_local_without_answer_raises_timeout_and_ends_its_processes():
     with pytest.raises(TimeoutError, match="no answer from 2 local processes within 1 s"):
         spawn_local(_silent, 2, timeout_s=1)
     assert time.monotonic() - t0 < 60  # the silent ranks were killed at once, not after a grace minute
+
+
+def test_a_sequence_far_beyond_any_preset_is_planned_in_bounded_time():
+    """The fused cross-entropy is sized with one chunk on the meta device: seq_length 1e9 was a Python loop
+    of a million chunks that printed nothing and never returned; now it is the usual plan (it does not fit)."""
+    res = subprocess.run(PLAN[:-1] + ["model.seq_length=1000000000", "+world_size=1", "+device_memory_gb=80"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "DOES NOT FIT" in res.stdout, res.stdout[-2000:]
+
+
+def test_a_long_plan_says_it_is_still_working(capfd):
+    from megaframe.plan import still_planning
+
+    with still_planning("the model", every_s=0.2):
+        time.sleep(0.7)
+    lines = [ln for ln in capfd.readouterr().err.splitlines() if ln.startswith("plan: still sizing the model")]
+    assert 2 <= len(lines) <= 4, lines
