@@ -83,7 +83,11 @@ def announce(cfg: Config, mesh: Mesh, su: Setup) -> None:
     total_params = global_param_count(su.model, mesh)  # a collective over pp: every rank takes part
     if mesh.rank == 0:
         describe(cfg, mesh, su.model, su.data, start, total_params)
-        for line in schedule_warnings(cfg.optim, cfg.train.max_steps):
+        # a resume at or past the end trains nothing: say that, not an lr curve no step will follow
+        lines = [f"nothing to train: the run resumed at step {start}, at or past train.max_steps="
+                 f"{cfg.train.max_steps}; raise train.max_steps to train on"] if start >= cfg.train.max_steps \
+            else schedule_warnings(cfg.optim, cfg.train.max_steps)
+        for line in lines:
             print(f"megaframe: warning: {line}", file=sys.stderr, flush=True)
         # after the resume: the config written is the one the run goes on with (lr horizon adopted)
         write_run_config(cfg, start)
@@ -181,7 +185,7 @@ def describe(cfg: Config, mesh: Mesh, model, data, start: int, total: int) -> No
     print(f"batch {t.global_batch_size} x {m.seq_length} = {t.global_batch_size * m.seq_length} tokens/step, "
           f"micro {t.micro_batch_size}, accumulation {accum} | data {data_label(cfg)}: "
           f"{'endless' if cfg.data.kind == 'synthetic' else data.num_samples} samples | "
-          f"steps {start + 1}..{t.max_steps}", flush=True)
+          + (f"steps {start + 1}..{t.max_steps}" if start < t.max_steps else "no steps left"), flush=True)
 
 
 def zero_label(cfg: Config, mesh: Mesh) -> str:
