@@ -194,8 +194,8 @@ def _check_moe(m: ModelConfig, p: ParallelConfig, dpcp: int) -> None:
 
 
 def _check_pipeline(cfg: Config, dp: int) -> None:
-    from megaframe.pipeline.partition import stage_counts
-    from megaframe.pipeline.schedule import check_runnable, resolve_kind
+    from megaframe.pipeline.partition import check_runnable, stage_counts
+    from megaframe.pipeline.schedule import resolve_kind
 
     p, t = cfg.parallel, cfg.train
     _req(p.vpp == 1 or p.pp > 1, f"parallel.vpp={p.vpp} needs parallel.pp > 1")

@@ -115,30 +115,6 @@ def check_args(kind: str, pp: int, vpp: int, m: int) -> None:
         raise ValueError(f"interleaved 1F1B needs the micro-batch count ({m}) to be a multiple of parallel.pp={pp}")
 
 
-def check_runnable(kind: str, pp: int, vpp: int, m: int, moe: bool = False, recompute: str = "none",
-                   counts: list[int] | None = None) -> None:
-    """Raise ValueError (naming the settings) for what the executor cannot run: what check_args refuses, what
-    building every rank's schedule refuses (the same build_schedule the executor runs), a pipeline rank left
-    without any parameter by the layers per virtual stage `counts`, and the model settings the split backward
-    does not compose with. The config checks call it before any rank starts."""
-    check_args(kind, pp, vpp, m)
-    if counts is not None:
-        last = pp * vpp - 1
-        for rank in range(pp):
-            stages = [stage_of(rank, c, pp, is_v(kind)) for c in range(vpp)]
-            # the embedding lives on stage 0 and the head on the last one: any other rank needs a layer
-            if not any(counts[s] or s in (0, last) for s in stages):
-                raise ValueError(f"parallel.pp_layout={list(counts)} leaves pipeline rank {rank} (stages "
-                                 f"{stages} under {kind}) without any layer or parameter: give it a layer")
-    if kind in ZERO_BUBBLE and moe and recompute == "full":
-        # the recomputed MoE block's saved tensors are read again by W after B released them (pipeline/split.py)
-        raise ValueError(f"parallel.pp_schedule={kind} splits each backward in two and does not compose with an "
-                         "MoE model under train.recompute=full: use train.recompute=selective or none, or another "
-                         "parallel.pp_schedule")
-    for rank in range(pp):
-        build_schedule(kind, pp, vpp, m, rank)
-
-
 def _virtual(k: int, pp: int, vpp: int, m: int, forward: bool) -> tuple[int, int]:
     """(microbatch, chunk) of the k-th forward (or backward) on a rank.
 

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from megaframe.config import ConfigError, load_config
-from megaframe.pipeline.schedule import check_runnable
+from megaframe.pipeline.partition import check_runnable
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
 ZBV = ["data=synthetic", "parallel.pp=2", "parallel.vpp=2", "parallel.pp_schedule=zbv"]
