@@ -21,7 +21,7 @@ def _req(ok: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
-def check_config(cfg: Config, world_size: int, check_data: bool = True) -> None:
+def check_config(cfg: Config, world_size: int, check_data: bool = True, schedules: bool = True) -> None:
     """Cross-field checks that need no process group; the first problem raises ConfigError."""
     check_fields(cfg)
     m, p, t = cfg.model, cfg.parallel, cfg.train
@@ -41,7 +41,7 @@ def check_config(cfg: Config, world_size: int, check_data: bool = True) -> None:
     _req(t.global_batch_size % (t.micro_batch_size * dp) == 0,
          f"train.global_batch_size={t.global_batch_size} is not divisible by "
          f"train.micro_batch_size={t.micro_batch_size} x dp={dp}")
-    _check_pipeline(cfg, dp)
+    _check_pipeline(cfg, dp, schedules)
     _req(t.max_steps >= 1, f"train.max_steps={t.max_steps} must be >= 1")
     _req(t.log_interval >= 1, f"train.log_interval={t.log_interval} must be >= 1")
     _req(t.hang_timeout_s >= 0, f"train.hang_timeout_s={t.hang_timeout_s} must be >= 0 (0 = no watchdog)")
@@ -193,7 +193,7 @@ def _check_moe(m: ModelConfig, p: ParallelConfig, dpcp: int) -> None:
          "model.moe_aux_loss_coeff and model.moe_z_loss_coeff must be >= 0")
 
 
-def _check_pipeline(cfg: Config, dp: int) -> None:
+def _check_pipeline(cfg: Config, dp: int, schedules: bool = True) -> None:
     from megaframe.pipeline.partition import check_runnable, stage_counts
     from megaframe.pipeline.schedule import resolve_kind
 
@@ -211,7 +211,7 @@ def _check_pipeline(cfg: Config, dp: int) -> None:
         # now, not at step 1
         check_runnable(kind, p.pp, p.vpp, t.global_batch_size // (t.micro_batch_size * dp),
                        moe=cfg.model.num_experts > 0, recompute=getattr(t.recompute, "value", t.recompute),
-                       counts=counts)
+                       counts=counts, build=schedules)
     except ValueError as e:
         raise ConfigError(str(e)) from e
 

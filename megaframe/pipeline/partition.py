@@ -8,6 +8,7 @@ rank 0 holds both ends (embedding and head: a tied embedding is one tensor there
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -60,11 +61,12 @@ def stage_layout(num_layers: int, pp: int, vpp: int, rank: int, layout: Optional
 
 
 def check_runnable(kind: str, pp: int, vpp: int, m: int, moe: bool = False, recompute: str = "none",
-                   counts: list[int] | None = None) -> None:
+                   counts: list[int] | None = None, build: bool = True) -> None:
     """Raise ValueError (naming the settings) for what the executor cannot run: what check_args refuses, what
     building every rank's schedule refuses (the same build_schedule the executor runs), a pipeline rank left
     without any parameter by the layers per virtual stage `counts`, and the model settings the split backward
-    does not compose with. The config checks call it before any rank starts."""
+    does not compose with. The config checks call it before any rank starts; `build=False` leaves the
+    schedules unbuilt (the planner's search: train.py builds them in full for the layout a user runs)."""
     check_args(kind, pp, vpp, m)
     if counts is not None:
         last = pp * vpp - 1
@@ -79,5 +81,12 @@ def check_runnable(kind: str, pp: int, vpp: int, m: int, moe: bool = False, reco
         raise ValueError(f"parallel.pp_schedule={kind} splits each backward in two and does not compose with an "
                          "MoE model under train.recompute=full: use train.recompute=selective or none, or another "
                          "parallel.pp_schedule")
+    if build:
+        _buildable(kind, pp, vpp, m)
+
+
+# Cached: the planner's search validates tens of thousands of layouts that share a few hundred schedules
+@functools.lru_cache(maxsize=None)
+def _buildable(kind: str, pp: int, vpp: int, m: int) -> None:
     for rank in range(pp):
         build_schedule(kind, pp, vpp, m, rank)
