@@ -194,6 +194,11 @@ def main(argv: list[str]) -> int:
         return search_main(cfg, world, memory, own)
     from megaframe.planning.estimate import plan_layout
 
+    per_rank = -(-cfg.model.num_layers // cfg.parallel.pp)
+    if per_rank > MAX_LAYERS_PER_RANK:  # bounded: a plan that would run for minutes is refused in a second
+        return fail(f"model.num_layers={cfg.model.num_layers} is {per_rank} layers per pipeline rank: the planner "
+                    f"sizes each on the meta device and plans at most {MAX_LAYERS_PER_RANK} per rank (about a "
+                    "minute); plan with more parallel.pp, or +search=true (it sizes one layer and scales)")
     with still_planning(f"{cfg.model.name} on {world} rank(s)"):
         plan = plan_layout(cfg, world, memory)
     print(render(plan, cfg), flush=True)
@@ -219,6 +224,8 @@ def search_main(cfg, world: int, memory_gb: float | None, own: dict) -> int:
                                  "ranked": [e.to_dict() for e in ests]})
 
 
+MAX_LAYERS_PER_RANK = 1024
+"""The largest preset has 126 layers; the meta sizing costs ~30 ms per layer on a busy 2-core machine."""
 PROGRESS_EVERY_S = 15.0
 """A plan that takes longer says so on stderr this often: a silent command looks hung."""
 

@@ -63,3 +63,13 @@ def test_a_long_plan_says_it_is_still_working(capfd):
         time.sleep(0.7)
     lines = [ln for ln in capfd.readouterr().err.splitlines() if ln.startswith("plan: still sizing the model")]
     assert 2 <= len(lines) <= 4, lines
+
+
+def test_a_layer_count_it_cannot_plan_in_about_a_minute_is_refused_at_once():
+    """5000 layers on one pipeline rank took 147 s (each is built and run on the meta device): refused in
+    seconds, naming the field and the ways out."""
+    t0 = time.monotonic()
+    res = subprocess.run(PLAN[:-1] + ["model.num_layers=5000", "+world_size=1"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    one_line(res, 2, "model.num_layers=5000", "parallel.pp")
+    assert time.monotonic() - t0 < 60
