@@ -22,6 +22,7 @@ come from the config.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -161,6 +162,7 @@ def check_settings(own: dict[str, str]) -> None:
     number("device_memory_gb", False, 0, lo_open=True)
     number("efficiency", False, 0, 1, lo_open=True)
     number("top", True, 1)
+    number("link_timeout_s", False, 0, lo_open=True)
     if own.get("search", "false").lower() not in ("true", "1", "yes", "false", "0", "no"):
         raise ValueError(f"+search={own['search']} must be true or false")
     if "plan_json" in own:
@@ -192,11 +194,15 @@ def main(argv: list[str]) -> int:
         return search_main(cfg, world, memory, own)
     from megaframe.planning.estimate import plan_layout
 
-    plan = plan_layout(cfg, world, memory)
+    per_rank = -(-cfg.model.num_layers // cfg.parallel.pp)
+    if per_rank > MAX_LAYERS_PER_RANK:  # bounded: a plan that would run for minutes is refused in a second
+        return fail(f"model.num_layers={cfg.model.num_layers} is {per_rank} layers per pipeline rank: the planner "
+                    f"sizes each on the meta device and plans at most {MAX_LAYERS_PER_RANK} per rank (about a "
+                    "minute); plan with more parallel.pp, or +search=true (it sizes one layer and scales)")
+    with still_planning(f"{cfg.model.name} on {world} rank(s)"):
+        plan = plan_layout(cfg, world, memory)
     print(render(plan, cfg), flush=True)
-    if "plan_json" in own:
-        Path(own["plan_json"]).write_text(json.dumps(plan.to_dict(), indent=1))
-    return 0
+    return write_plan_json(own, plan.to_dict())
 
 
 def search_main(cfg, world: int, memory_gb: float | None, own: dict) -> int:
@@ -205,18 +211,54 @@ def search_main(cfg, world: int, memory_gb: float | None, own: dict) -> int:
 
     try:
         eff = float(own["efficiency"]) if "efficiency" in own else None
-        dev = get_device(own.get("device", "H100"), efficiency=eff)
+        dev = get_device(own.get("device", "H100"), float(own.get("link_timeout_s", 120)), efficiency=eff)
         top = int(own.get("top", 5))
     except ValueError as e:
         return fail(f"plan settings: {e}")
     cap = memory_gb * 2**30 if memory_gb is not None else None
     ests, n, dropped = search(cfg, world, dev, cap, progress=lambda text: print(text, file=sys.stderr, flush=True))
     print(search_report(cfg, world, dev, ests, n, dropped, top, cap))
-    if "plan_json" in own:  # every fitting layout, ranked, with its phases and parts
-        Path(own["plan_json"]).write_text(json.dumps(
-            {"world_size": world, "device": dev.name, "candidates": n, "dropped_for_memory": dropped,
-             "ties_with_first": ties(ests), "model_error": MODEL_ERROR, "ranked": [e.to_dict() for e in ests]},
-            indent=1))
+    # every fitting layout, ranked, with its phases and parts
+    return write_plan_json(own, {"world_size": world, "device": dev.name, "candidates": n, "dropped_for_memory": dropped,
+                                 "ties_with_first": ties(ests), "model_error": MODEL_ERROR,
+                                 "ranked": [e.to_dict() for e in ests]})
+
+
+MAX_LAYERS_PER_RANK = 1024
+"""The largest preset has 126 layers; the meta sizing costs ~30 ms per layer on a busy 2-core machine."""
+PROGRESS_EVERY_S = 15.0
+"""A plan that takes longer says so on stderr this often: a silent command looks hung."""
+
+
+@contextlib.contextmanager
+def still_planning(what: str, every_s: float = PROGRESS_EVERY_S):
+    """While the body runs, `plan: still sizing WHAT (N s)` on stderr every `every_s` seconds."""
+    import threading
+    import time
+
+    done, t0 = threading.Event(), time.monotonic()
+
+    def tell():
+        while not done.wait(every_s):
+            print(f"plan: still sizing {what} ({time.monotonic() - t0:.0f} s)", file=sys.stderr, flush=True)
+
+    thread = threading.Thread(target=tell, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+
+
+def write_plan_json(own: dict, data: dict) -> int:
+    """+plan_json=P: the plan as JSON; a write that fails (a full disk, /dev/full) is one line, exit 2."""
+    if "plan_json" not in own:
+        return 0
+    try:
+        Path(own["plan_json"]).write_text(json.dumps(data, indent=1))
+    except OSError as e:
+        return fail(f"+plan_json={own['plan_json']}: cannot write the plan ({e})")
     return 0
 
 

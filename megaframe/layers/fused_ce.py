@@ -55,6 +55,13 @@ def _chain(logits_CV: torch.Tensor, target_C: torch.Tensor) -> tuple[torch.Tenso
     return loss_C, nll_grad_(logp_CV, target_C).to(logits_CV.dtype)
 
 
+def _stop(n: int, c: int, x: torch.Tensor) -> int:
+    """Where the chunk loop ends: every token, except on the meta device (the planner's sizing), where one
+    chunk has the shapes and saved tensors of all (each is alike) and the loop would be the plan's cost:
+    a Python loop of N / C meta ops (a million at seq_length 1e9 never returned)."""
+    return min(n, c) if x.device.type == "meta" else n
+
+
 def _chunk_grads(x_CD, w_VD, target_C, g_C=None):
     """(loss_C, grad_logits_CV) of one chunk; grad_logits is softmax - onehot (times g_C if given)."""
     if g_C is None:
@@ -89,7 +96,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # the head grad sums over every chunk: accumulate it in fp32 (a bf16 sum would round once per
         # chunk), cast once at the end; the first chunk writes it: no zero fill
         gw_VD = torch.empty_like(w_VD, dtype=torch.float32) if grads else None
-        for lo in range(0, n, c):
+        for lo in range(0, _stop(n, c, x_ND), c):
             x_CD, t_C = x_ND[lo:lo + c], target_N[lo:lo + c]
             if not grads:
                 loss_N[lo:lo + c] = log_softmax_nll(x_CD @ w_VD.t(), t_C)[1]
@@ -125,7 +132,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             return gx, torch.empty_like(w_VD), None  # fires the param's hook, which drops it (wgrad.py)
         c = _chunk_tokens(x_ND.shape[0], w_VD.shape[0], x_ND.device)  # per-token weights: recompute
         acc_VD = torch.empty_like(w_VD, dtype=torch.float32)
-        for lo in range(0, x_ND.shape[0], c):
+        for lo in range(0, _stop(x_ND.shape[0], c, x_ND), c):
             _, grad_CV = _chunk_grads(x_ND[lo:lo + c], w_VD, target_N[lo:lo + c], g_N[lo:lo + c].float())
             torch.mm(grad_CV, w_VD, out=gx_ND[lo:lo + c])
             _accumulate(acc_VD, grad_CV, x_ND[lo:lo + c], first=lo == 0)  # (rare path: per-token weights)

@@ -90,14 +90,19 @@ def _matmul_rate(n: int = 512, seconds: float = 0.3) -> float:
         torch.set_num_threads(threads)
 
 
-def measure_cpu(cores: int | None = None) -> Device:
-    """The "cpu" device: one rank per core, gloo between local processes, measured now."""
+def measure_cpu(cores: int | None = None, link_timeout_s: float = 120.0) -> Device:
+    """The "cpu" device: one rank per core, gloo between local processes, measured now. ValueError (one
+    line) when the link measurement gets no answer within link_timeout_s."""
     import os
 
     from megaframe.planning.gloo_link import measure_hops
 
     rate = _matmul_rate()
-    hops = measure_hops()
+    try:
+        hops = measure_hops(link_timeout_s)
+    except TimeoutError as e:
+        raise ValueError(f"+device=cpu: the gloo link measurement failed: {e}; retry on a quieter machine, raise "
+                         "+link_timeout_s, or plan for a table device (+device=H100, ...)") from None
     (s0, t0), (s1, t1) = hops[-2], hops[-1]
     bw = (s1 - s0) / (t1 - t0)  # the largest sizes' bandwidth, for the printed summary
     cores = cores or os.cpu_count() or 1
@@ -109,11 +114,12 @@ def measure_cpu(cores: int | None = None) -> Device:
                   "reduce-scatter between two local processes, 4 B to 4 MiB per hop")
 
 
-def get_device(name: str, **overrides) -> Device:
-    """A table entry by name (case-insensitive), or the measured "cpu"; fields may be overridden."""
+def get_device(name: str, link_timeout_s: float = 120.0, **overrides) -> Device:
+    """A table entry by name (case-insensitive), or the measured "cpu" (its link measurement waits at most
+    link_timeout_s); fields may be overridden."""
     key = name.upper()
     if name.lower() == "cpu":
-        dev = measure_cpu()
+        dev = measure_cpu(link_timeout_s=link_timeout_s)
     elif key in DEVICES:
         dev = DEVICES[key]
     else:

@@ -110,7 +110,9 @@ def _valid(cfg: Config, world: int, lays: list[Layout]) -> list[Layout]:
         key = dataclasses.replace(lay, grad_dtype="fp32")
         if key not in seen:
             try:
-                validate(layout_config(cfg, key), world, check_data=False)
+                # schedules=False: building every candidate's schedules doubled the search; the layout a
+                # user then runs is validated in full (schedules built) by train.py
+                validate(layout_config(cfg, key), world, check_data=False, schedules=False)
                 seen[key] = True
             except ConfigError:
                 seen[key] = False

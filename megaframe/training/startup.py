@@ -142,7 +142,10 @@ def write_run_config(cfg: Config, start: int) -> None:
     first = run_dir / "config.yaml"
     # config.yaml is never overwritten: it records how the run began
     path = first if not first.exists() else run_dir / f"config.resume-{start}.yaml"
-    write_atomic(path, OmegaConf.to_yaml(OmegaConf.structured(cfg)))  # a crash leaves no half config
+    try:
+        write_atomic(path, OmegaConf.to_yaml(OmegaConf.structured(cfg)))  # a crash leaves no half config
+    except OSError as e:  # a full run.dir: a record of the settings is not worth the run (the checkpoint has them)
+        print(f"megaframe: warning: cannot write {path} ({e}); training goes on", file=sys.stderr, flush=True)
 
 
 def set_documents(model, data, cfg: Config) -> None:

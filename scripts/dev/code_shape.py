@@ -33,7 +33,7 @@ LAYERS = [
     ["data"],  # tokenizer, shards, sample order
     ["checkpoint"],  # save, load, resume, HF conversion
     ["runops"],  # who may write here, signals, watchdog, faults
-    ["config", "config_checks", "config_keys"],  # composes, adopts a checkpoint, asks each package's rule
+    ["config", "config_checks", "config_keys", "config_rules"],  # composes, adopts a checkpoint, asks each package's rule
     ["inference", "tracking"],  # generation on a loaded model; metrics sinks
     ["training"],  # the loop
     ["planning"],  # memory and time models (reads the loop's meters and FLOPs)
