@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 _spec = importlib.util.spec_from_file_location("import_hf", ROOT / "scripts" / "import_hf.py")
 import_hf = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(import_hf)

@@ -12,7 +12,7 @@ import pytest
 
 from megaframe.parallel.local import spawn_local
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 PLAN = [sys.executable, "-m", "megaframe.plan", "data=synthetic", "+world_size=2"]
 
 

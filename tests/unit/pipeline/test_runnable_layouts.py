@@ -12,7 +12,7 @@ import pytest
 from megaframe.config import ConfigError, load_config
 from megaframe.pipeline.partition import check_runnable
 
-ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[3]
 ZBV = ["data=synthetic", "parallel.pp=2", "parallel.vpp=2", "parallel.pp_schedule=zbv"]
 MOE_RECOMPUTE = ["model=moe_tiny", "train.global_batch_size=12", "train.recompute=full"]
 
