@@ -173,6 +173,8 @@ def load_profile(path: str, **overrides) -> Device:
     except (OSError, ValueError) as e:
         raise ValueError(f"+device_profile={path}: not a readable JSON profile ({e})") from None
     known = {f.name for f in fields(Device)}
+    if isinstance(raw, dict):
+        raw.pop("measured", None)  # calibrate's raw readings, kept beside the fields for the reader
     if not isinstance(raw, dict) or not {"name", "peak_bf16", "peak_fp32"} <= raw.keys() or raw.keys() - known:
         raise ValueError(f"+device_profile={path}: not a device profile (keys {sorted(known)})")
     raw["hops"] = tuple(tuple(h) for h in raw.get("hops", ()))
