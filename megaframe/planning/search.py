@@ -38,9 +38,10 @@ HEADROOM = 0.9
 ZERO3_WHOLE_OUTSIDE_BLOCKS = False
 """ZeRO-3 keeps the params outside the blocks (embedding, head, final norm) whole, as optim/sizing.py counts
 them today; False once ZeRO-3 shards every parameter (issue 24 item 2, h-metainit)."""
-MODEL_ERROR = 0.113
-"""The step-time model's largest measured error (scripts/validate_planner.py against measured runs, README:
-8.5 % and 11.3 % on two runs): layouts closer than this to #1 are ties."""
+MODEL_ERROR = 0.13
+"""The step-time model's median error against published training runs (planning.published; the table in
+docs/planning.md, scripts/validate_published.py, held by tests/unit/test_plan_published.py): layouts closer
+than this to the fastest are ties."""
 
 
 @dataclass
@@ -288,16 +289,32 @@ def search(cfg: Config, world: int, dev: Device, memory_bytes: float | None,
             dropped += 1
             continue
         out.append(Estimate(lay, mem, step_time(cfg, lay, dev, world), phases))
-    out.sort(key=lambda e: (e.step_s, e.memory_bytes))  # equal times: the one with room to spare first
+    out.sort(key=lambda e: (e.step_s, e.memory_bytes))
     say(f"search: {len(cands)} layouts in {time.perf_counter() - t0:.0f}s")
-    return out, len(cands), dropped
+    return break_ties(out), len(cands), dropped
+
+
+def axes_used(lay: Layout) -> int:
+    """Parallel axes a layout uses beyond plain data parallelism, and its optional features: fewer is
+    simpler to run and to debug."""
+    return (sum(x > 1 for x in (lay.tp, lay.cp, lay.pp, lay.vpp, lay.ep)) + (lay.zero >= 2) + bool(lay.shard)
+            + (lay.grad_dtype != "fp32") + bool(lay.schedule) + (lay.recompute != "none"))
+
+
+def break_ties(ests: list[Estimate], error: float = MODEL_ERROR) -> list[Estimate]:
+    """The layouts within the model's error of the fastest ordered by memory headroom (least peak memory
+    first), then simplicity (axes_used), then time; the rest stay by time."""
+    k = ties(ests, error)
+    head = sorted(ests[:k], key=lambda e: (e.memory_bytes, axes_used(e.layout), e.step_s))
+    return head + ests[k:]
 
 
 def ties(ests: list[Estimate], error: float = MODEL_ERROR) -> int:
-    """How many of the first layouts are within the model's measured error of #1 (#1 included)."""
+    """How many layouts are within the model's error of the fastest (the tie group, first in the ranking)."""
     if not ests:
         return 0
-    return sum(1 for e in ests if e.step_s <= ests[0].step_s * (1 + error))
+    best = min(e.step_s for e in ests)
+    return sum(1 for e in ests if e.step_s <= best * (1 + error))
 
 
 def why_slower(e: Estimate, best: Estimate) -> str:
