@@ -121,7 +121,7 @@ def step_compute(cfg, dev: Device, lay, layers: int, micro: int, head: bool,
                  fused_attention: bool = True) -> dict[str, float]:
     """Seconds of a rank's step by kind: `layers` blocks (its pipeline stage's) for `micro` micro-batches,
     the head when it holds it; recompute's re-run forward added to each kind it repeats."""
-    b = block_seconds(cfg, dev, lay.tp, lay.cp, lay.micro_batch, lay.tp > 1, fused_attention)
+    b = block_seconds(cfg, dev, lay.tp, lay.cp, lay.micro_batch, lay.tp > 1 and lay.sp, fused_attention)
     rerun = {"none": (0.0, 0.0, 0.0), "selective": (0.0, 1 / 3, 0.0), "full": (1 / 3, 1 / 3, 1 / 3)}[lay.recompute]
     out = {k: layers * micro * v * (1 + r) for (k, v), r in zip(b.items(), rerun)}
     out["head"] = micro * head_seconds(cfg, dev, lay.tp, lay.cp, lay.micro_batch) if head else 0.0

@@ -27,6 +27,9 @@ class Layout:
     schedule: str = ""
     """parallel.pp_schedule ("": the config's, e.g. auto); the search also tries zb_h1 (vpp=1) and zbv (vpp=2)."""
     pp_layout: tuple = ()
+    sp: bool = True
+    """parallel.sp wherever tp > 1 (the search always; False times a layout without it, e.g. published runs
+    before sequence parallelism existed)."""
     """parallel.pp_layout: layers per virtual stage (pp·vpp entries, stage = chunk·pp + rank); (): even."""
 
     @property
@@ -49,7 +52,7 @@ class Layout:
         grad += [f"parallel.pp_schedule={self.schedule}"] if self.schedule else []
         grad += [f"parallel.pp_layout=[{','.join(map(str, self.pp_layout))}]"] if self.pp_layout else []
         return [f"parallel.tp={self.tp}", f"parallel.pp={self.pp}", f"parallel.vpp={self.vpp}",
-                f"parallel.ep={self.ep}", f"parallel.cp={self.cp}", f"parallel.sp={str(self.tp > 1).lower()}",
+                f"parallel.ep={self.ep}", f"parallel.cp={self.cp}", f"parallel.sp={str(self.tp > 1 and self.sp).lower()}",
                 f"optim.zero={self.zero}", f"optim.shard_group_size={self.shard}", *grad,
                 f"train.micro_batch_size={self.micro_batch}", f"train.recompute={self.recompute}"]
 
@@ -63,7 +66,7 @@ def layout_config(cfg: Config, lay: Layout) -> Config:
         optim["grad_reduce_dtype"] = lay.grad_dtype
     sched = {"pp_schedule": lay.schedule} if lay.schedule else {}
     c = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, tp=lay.tp, pp=lay.pp, vpp=lay.vpp,
-                                                              ep=lay.ep, sp=lay.tp > 1,
+                                                              ep=lay.ep, sp=lay.tp > 1 and lay.sp,
                                                               pp_layout=list(lay.pp_layout) or None, cp=lay.cp,
                                                               **sched),
                             optim=dataclasses.replace(cfg.optim, **optim),
@@ -96,10 +99,15 @@ def stage_layers(num_layers: int, lay: Layout) -> list[int]:
     return [sum(lay.pp_layout[c * lay.pp + r] for c in range(lay.vpp)) for r in range(lay.pp)]
 
 
+def end_layers(m, lay: Layout, first: bool, last: bool) -> int:
+    """Blocks of the first or last pipeline rank (the larger of the two when both; the largest when neither)."""
+    per = stage_layers(m.num_layers, lay)
+    return max(per[0] if first else 0, per[-1] if last else 0) if (first or last) else max(per)
+
+
 def stage_params(m, lay: Layout, first: bool, last: bool) -> tuple[int, int]:
     """(dense, expert) parameters of the first or last pipeline rank (the larger of the two when both)."""
-    per = stage_layers(m.num_layers, lay)
-    layers = max(per[0] if first else 0, per[-1] if last else 0) if (first or last) else max(per)
+    layers = end_layers(m, lay, first, last)
     dense, expert = (layers * x for x in layer_params(m, lay.tp, lay.ep))
     table = m.vocab_size * m.hidden_size // lay.tp
     if first:

@@ -39,6 +39,9 @@ class Run:
     published_gib: float = 0.0
     """Published memory per GPU (GiB)."""
     zero: int = 1
+    shard: int = 0
+    """optim.shard_group_size: 1 for Megatron-LM 2021 (every rank holds the whole optimizer state of its
+    tp·pp shard and all-reduces grads after backward: no distributed optimizer, no overlap)."""
     recompute: str = "full"
     micro_batch: int = 0
     pp_layout: tuple = ()
@@ -46,7 +49,8 @@ class Run:
     fused_attention: bool = True
     """False for Megatron-LM 2021 (before fused attention kernels: planning.compute.block_seconds)."""
     table1: bool = False
-    """One of Narayanan's Table 1 runs: its layout must be within the search's tie band."""
+    """One of Narayanan's Table 1 runs the issue named: its layout must be within the search's tie band of
+    the search's fastest (search_gap; the held-out ones are not searched, to keep the check short)."""
 
 
 def _gpt(layers: int, hidden: int, heads: int, batch: int) -> tuple:
@@ -65,7 +69,7 @@ def _table1(name: str, layers: int, hidden: int, heads: int, tp: int, pp: int, g
             tflops: float, held_out: bool = False) -> Run:
     step = narayanan_flops(layers, hidden, batch) / (gpus * tflops * 1e12)
     return Run(name, f"{NARAYANAN} Table 1", _gpt(layers, hidden, heads, batch), tp, pp, gpus, "A100",
-               published_s=step, held_out=held_out, table1=True, fused_attention=False)
+               published_s=step, held_out=held_out, table1=not held_out, fused_attention=False, shard=1)
 
 
 _LLAMA8B = ("model=llama3_8b", "train.precision=bf16")
@@ -84,7 +88,7 @@ RUNS = (
     Run("GPT 175B ZeRO-3, 1536 x A100", f"{NARAYANAN} Table 2", _gpt(96, 12288, 96, 1536), 1, 1, 1536, "A100",
         published_s=narayanan_flops(96, 12288, 1536) / (1536 * 44e12), zero=3, fused_attention=False),
     Run("GPT 175B tp8 pp12, 384 x A100", f"{NARAYANAN} Table 2", _gpt(96, 12288, 96, 1536), 8, 12, 384, "A100",
-        published_s=narayanan_flops(96, 12288, 1536) / (384 * 153e12), fused_attention=False),
+        published_s=narayanan_flops(96, 12288, 1536) / (384 * 153e12), fused_attention=False, shard=1),
     Run("Llama 3.1 8B FSDP, 8 x H100", f"{TORCHTITAN} Table 1", (*_LLAMA8B, "train.global_batch_size=16"), 1, 1, 8,
         "H100_500W", published_tps=5762, published_gib=82.4, zero=3, recompute="selective", micro_batch=2),
     Run("Llama 3.1 8B FSDP, 128 x H100", f"{TORCHTITAN} Table 3", (*_LLAMA8B, "train.global_batch_size=256"), 1, 1,
@@ -107,7 +111,8 @@ def layout_of(run: Run, batch: int):
 
     dp = run.world // (run.tp * run.pp)
     mb = run.micro_batch or (1 if run.pp > 1 else min(batch // dp, 4))
-    return Layout(run.tp, run.pp, 1, dp, 1, run.zero, mb, run.recompute, pp_layout=run.pp_layout)
+    return Layout(run.tp, run.pp, 1, dp, 1, run.zero, mb, run.recompute, shard=run.shard, pp_layout=run.pp_layout,
+                  sp=run.fused_attention)  # Megatron-LM 2021 had neither fused attention nor sequence parallelism
 
 
 def evaluate(run: Run, memory: bool = True) -> dict:
@@ -134,3 +139,34 @@ def evaluate(run: Run, memory: bool = True) -> dict:
         peak = max(phase_memory(cfg, lay).values()) * (1 + dev.alloc_headroom)
         out.update(published_gib=run.published_gib, planned_gib=peak / 2**30, memory_ratio=peak / 2**30 / run.published_gib)
     return out
+
+
+def _paper_axes(lay) -> bool:
+    """Narayanan et al.'s Table 1 choices: tp, pp and the micro-batch; ZeRO-1-sized dp, full recompute,
+    1F1B, no cp, ep, HSDP or bf16 grads (what Megatron-LM 2021 had)."""
+    return (lay.zero == 1 and not lay.shard and lay.grad_dtype == "fp32" and lay.cp == 1 and lay.ep == 1
+            and lay.recompute == "full" and not lay.schedule and lay.vpp == 1 and not lay.pp_layout)
+
+
+def search_gap(run: Run) -> dict:
+    """The search over the paper's axes (_paper_axes) on the run's device and memory: the published
+    layout's step time over the search's fastest, and its place by time."""
+    import dataclasses
+
+    from megaframe.config import load_config
+    from megaframe.planning.devices import get_device
+    from megaframe.planning.search import HEADROOM, candidates, phase_memory
+    from megaframe.planning.timing import step_time
+
+    cfg = load_config(list(run.model), world_size=1, check_data=False)
+    dev = get_device(run.device)
+    cap = HEADROOM * dev.memory_gb * 2**30
+    # the paper's data parallelism: whole optimizer state per rank (shard group 1), as the run's own layout
+    lays = {dataclasses.replace(x, shard=run.shard) for x in candidates(cfg, run.world, dev.per_node, _paper_axes)}
+    timed = sorted((sum(step_time(cfg, x, dev, run.world, run.fused_attention).values()), x.label(), x)
+                   for x in lays if max(phase_memory(cfg, x).values()) <= cap)
+    lay = layout_of(run, cfg.train.global_batch_size)
+    mine = [i for i, (_, _, x) in enumerate(timed) if (x.tp, x.pp, x.micro_batch) == (lay.tp, lay.pp, lay.micro_batch)]
+    if not mine:
+        return {"place": None, "gap": None, "first": timed[0][1] if timed else None, "ranked": len(timed)}
+    return {"place": mine[0] + 1, "gap": timed[mine[0]][0] / timed[0][0] - 1, "first": timed[0][1], "ranked": len(timed)}

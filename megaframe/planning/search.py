@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from megaframe.config import Config, ConfigError, validate
 from megaframe.planning.devices import Device
-from megaframe.planning.layout import Layout, cp_ring, layer_params, layout_config, stage_params
+from megaframe.planning.layout import Layout, cp_ring, end_layers, layer_params, layout_config, stage_layers, stage_params
 from megaframe.planning.phases import RankShape, phase_peaks
 from megaframe.planning.timing import step_time
 
@@ -39,9 +39,10 @@ ZERO3_WHOLE_OUTSIDE_BLOCKS = False
 """ZeRO-3 keeps the params outside the blocks (embedding, head, final norm) whole, as optim/sizing.py counts
 them today; False once ZeRO-3 shards every parameter (issue 24 item 2, h-metainit)."""
 MODEL_ERROR = 0.13
-"""The step-time model's median error against published training runs (planning.published; the table in
-docs/planning.md, scripts/validate_published.py, held by tests/unit/test_plan_published.py): layouts closer
-than this to the fastest are ties."""
+"""The search's tie band: sqrt(2) x the step-time model's median error against published training runs
+(planning.published; docs/planning.md's table, scripts/validate_published.py, held by
+tests/unit/test_plan_published.py), the typical error of the ratio of two estimates. Layouts closer than this
+to the fastest are ties."""
 
 
 @dataclass
@@ -80,20 +81,40 @@ def _state_choices(cfg: Config, tp: int, cp: int, dp: int, ep: int, per_node: in
     return out
 
 
-def candidates(cfg: Config, world: int, per_node: int) -> list[Layout]:
-    """Every layout validate() accepts: tp within a node, pp dividing the layers, sp wherever tp > 1."""
+def candidates(cfg: Config, world: int, per_node: int, keep=None) -> list[Layout]:
+    """Every layout validate() accepts: tp within a node, pp dividing the layers (or, past two stages, the
+    first and last stage one block short: Llama 3's 126 layers on pp16), vpp up to 8, sp wherever tp > 1.
+    `keep(layout)`: only the layouts it accepts are validated (a narrower search)."""
     m, out = cfg.model, []
     # tp within a node: its per-block all-reduces need the intra-node links
     for tp, cp in [(t, c) for t in divisors(world) if t <= max(per_node, 1) for c in divisors(world // t)]:
-        for pp in [p for p in divisors(world // (tp * cp)) if m.num_layers % p == 0]:
+        for pp, split in _pipelines(m.num_layers, world // (tp * cp)):
             dp = world // (tp * cp * pp)
-            for vpp in ([1] if pp == 1 else [v for v in (1, 2, 4) if m.num_layers % (pp * v) == 0]):
+            for vpp in ([1] if pp == 1 or split else [v for v in VPP if m.num_layers % (pp * v) == 0]):
                 # ep borrows its ranks from cp·dp
                 for ep, sched in [(e, s) for e in ([e for e in divisors(dp * cp) if m.num_experts % e == 0]
                                                    if m.num_experts else [1]) for s in _schedules(pp, vpp)]:
-                    out += _valid(cfg, world, [Layout(tp, pp, vpp, dp, ep, zero, mb, rc, cp, shard, g, sched)
-                                               for zero, shard, g in _state_choices(cfg, tp, cp, dp, ep, per_node)
-                                               for mb in MICRO_BATCHES for rc in RECOMPUTE])
+                    lays = [Layout(tp, pp, vpp, dp, ep, zero, mb, rc, cp, shard, g, sched, split)
+                            for zero, shard, g in _state_choices(cfg, tp, cp, dp, ep, per_node)
+                            for mb in MICRO_BATCHES for rc in RECOMPUTE]
+                    out += _valid(cfg, world, [x for x in lays if keep is None or keep(x)])
+    return out
+
+
+VPP = (1, 2, 4, 8)
+"""Virtual stages per pipeline rank the search tries."""
+
+
+def _pipelines(layers: int, ranks: int) -> list[tuple[int, tuple]]:
+    """(pp, pp_layout) for each pp dividing `ranks`: an even split where pp divides the layers, and past
+    two stages the first and last one block short (they also hold the embedding and the head)."""
+    out = []
+    for pp in divisors(ranks):
+        if layers % pp == 0:
+            out.append((pp, ()))
+        if pp > 2 and (layers + 2) % pp == 0 and (layers + 2) // pp > 1:
+            n = (layers + 2) // pp
+            out.append((pp, (n - 1, *[n] * (pp - 2), n - 1)))
     return out
 
 
@@ -188,12 +209,13 @@ def phase_memory(cfg: Config, lay: Layout) -> dict[str, int]:
     a_bytes = 2 if t.precision == "bf16" else 4
     micro = t.global_batch_size // (lay.micro_batch * lay.dp)
     kind = lay.schedule or resolve_kind(cfg.parallel.pp_schedule, lay.vpp)
-    chunk_layers = m.num_layers // (lay.pp * lay.vpp)
+    per_rank = stage_layers(m.num_layers, lay)
     worst: dict[str, int] = {}
     # the first stage holds the embedding, the last the head: the largest rank is one of them
     for rank in {0, lay.pp - 1}:
         first, last = rank == 0, rank == lay.pp - 1
         params, grads, optim = _state(cfg, lay, first, last, a_bytes)
+        chunk_layers = per_rank[rank] // lay.vpp
         chunks = tuple(lay.micro_batch * (chunk_layers * per_layer + (embed if c == 0 and first else 0)
                                           + (head if c == lay.vpp - 1 and last else 0)) for c in range(lay.vpp))
         act = _peak_inflight(kind, lay.pp, lay.vpp, micro, rank, chunks) if lay.pp > 1 else chunks[0]
@@ -223,7 +245,7 @@ def _state(cfg: Config, lay: Layout, first: bool, last: bool, a_bytes: int) -> t
     g = 2 if lay.grad_dtype == "bf16" else 4
     grads = g * (owned if lay.zero >= 2 else n)
     if lay.zero == 3:  # params: the fp32 owned range (the master), plus what stays whole; state: 2 moments
-        outside = n - (m.num_layers // lay.pp) * sum(layer_params(m, lay.tp, lay.ep))
+        outside = n - end_layers(m, lay, first, last) * sum(layer_params(m, lay.tp, lay.ep))
         whole = a_bytes * outside if ZERO3_WHOLE_OUTSIDE_BLOCKS else 0
         return 4 * owned + whole, grads, 8 * owned
     return a_bytes * n, grads, (8 if cfg.train.precision == "fp32" else 12) * owned
@@ -252,7 +274,7 @@ def _shape(cfg: Config, lay: Layout, first: bool, last: bool, a_bytes: int, head
     else:
         read = 4 * max(mats)
     return RankShape(dense + expert, max(mats), a_bytes * block_numel, a_bytes, s, lay.dp * lay.cp, lay.zero,
-                     logits, a_bytes * block_numel * (m.num_layers // lay.pp),
+                     logits, a_bytes * block_numel * end_layers(m, lay, first, last),
                      grad_elem=2 if lay.grad_dtype == "bf16" else 4, out_numel=(d + table) if last else 0,
                      out_acc=not tied_across, block_param_numel=block_mat, head_act=head_act if last else 0,
                      read_bytes=read, gloo=_on_host(cfg))
@@ -267,9 +289,10 @@ def _cp_bias_bytes(cfg: Config, lay: Layout, a_bytes: int) -> int:
 
 
 def search(cfg: Config, world: int, dev: Device, memory_bytes: float | None,
-           progress=None) -> tuple[list[Estimate], int, int]:
-    """(fitting estimates, fastest first; candidates; dropped for memory). `progress(text)` hears how far
-    it got every few seconds (the command prints it to stderr)."""
+           progress=None, keep=None) -> tuple[list[Estimate], int, int]:
+    """(fitting estimates, the tie group first (break_ties), then by time; candidates; dropped for memory).
+    `progress(text)` hears how far it got every few seconds (the command prints it to stderr); `keep`
+    narrows the candidates (candidates())."""
     import time
 
     # 10 % of a device is kept back for the CUDA context, NCCL buffers and allocator fragmentation
@@ -277,7 +300,7 @@ def search(cfg: Config, world: int, dev: Device, memory_bytes: float | None,
     out, dropped, t0 = [], 0, time.perf_counter()
     say = progress or (lambda text: None)
     say("search: enumerating and validating layouts")
-    cands = candidates(cfg, world, dev.per_node if not dev.name.startswith("cpu") else world)
+    cands = candidates(cfg, world, dev.per_node if not dev.name.startswith("cpu") else world, keep)
     last = time.perf_counter()
     for i, lay in enumerate(cands, 1):
         if time.perf_counter() - last > 3:

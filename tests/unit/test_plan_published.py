@@ -36,14 +36,27 @@ def test_the_page_table_is_current():
 
 
 def test_step_time_ratios_stay_in_their_bands(rows):
-    """Every run within 0.80-1.25 of its published step time but torchtitan's eager 8B rows (0.76: the
-    eager elementwise model is short of what torchtitan's run spends), and the tie band is the median error."""
-    ratios = {e["name"]: e["ratio"] for e in rows}
-    narayanan = [v for k, v in ratios.items() if k.startswith("GPT")]
-    assert all(0.80 <= v <= 1.25 for v in narayanan), ratios
-    assert all(0.70 <= ratios[k] <= 1.25 for k in ratios), ratios
-    assert 0.80 <= statistics.median(narayanan) <= 1.07
-    assert MODEL_ERROR == pytest.approx(statistics.median(abs(v - 1) for v in ratios.values()), abs=0.01)
+    """The issue's runs: median ratio within 0.93-1.07; every run within 0.80-1.25 but torchtitan's eager 8B
+    rows (0.76: the model is short of what their eager run spends, docs/planning.md); the held-out runs
+    within the same bands; the tie band is sqrt(2) x the median error."""
+    given = {e["name"]: e["ratio"] for e in rows if not e["held_out"]}
+    held = {e["name"]: e["ratio"] for e in rows if e["held_out"]}
+    assert 0.93 <= statistics.median(given.values()) <= 1.07, given
+    assert all(0.80 <= v <= 1.25 for k, v in given.items() if "Llama 3.1 8B" not in k), given
+    assert all(0.70 <= v <= 1.25 for v in given.values()), given
+    assert 0.93 <= statistics.median(held.values()) <= 1.07 and all(0.80 <= v <= 1.25 for v in held.values()), held
+    errors = [abs(e["ratio"] - 1) for e in rows]
+    assert MODEL_ERROR == pytest.approx(2**0.5 * statistics.median(errors), abs=0.01)
+
+
+def test_the_published_layouts_are_within_the_tie_band_of_the_search():
+    """Narayanan's Table 1 layouts (the issue's five) are within the tie band of the search's fastest
+    over the paper's axes (tp, pp, micro-batch; planning.published.search_gap)."""
+    from megaframe.planning.published import search_gap
+
+    for run in [r for r in RUNS if r.table1 and r.world <= 256]:  # the two largest: in the page's table
+        g = search_gap(run)
+        assert g["place"] is not None and g["gap"] <= MODEL_ERROR, (run.name, g)
 
 
 def test_gemm_efficiency_rises_with_size_and_fp8_is_faster():
