@@ -284,10 +284,10 @@ def search_report(cfg, world, dev, ests, n, dropped, top, cap) -> str:
     tokens = t.global_batch_size * m.seq_length
     lines = [f"search: {m.name} on {world} x {dev.name} ({human(cap or dev.memory_gb * 2**30)} each) | "
              f"{t.precision}, global batch {t.global_batch_size} x {m.seq_length} = {tokens / 1e6:.2f}M tokens",
-             f"model: compute at {100 * dev.efficiency:.0f}% of {dev.peak(t.precision) / 1e12:.1f} TFLOP/s, links at "
-             f"{100 * dev.link_eff:.0f}% of {dev.intra_bw / 1e9:.0f} GB/s in a node of {dev.per_node} / "
-             f"{dev.inter_bw / 1e9:.0f} GB/s across, {dev.latency_s * 1e6:.0f} us per hop; bubble from the "
-             f"schedule simulator ({dev.source})",
+             f"model: GEMMs at up to {100 * dev.efficiency:.0f}% of {dev.peak(t.precision) / 1e12:.1f} TFLOP/s on a "
+             f"size curve, attention at {100 * dev.attn_eff:.0f}%, links at {100 * dev.link_eff:.0f}% of "
+             f"{dev.intra_bw / 1e9:.0f} GB/s in a node of {dev.per_node} / {dev.inter_bw / 1e9:.0f} GB/s across; "
+             f"bubble from the schedule simulator (sources: megaframe/planning/devices.py)",
              f"{n} valid layouts (ZeRO 0-3, HSDP, grad reduce dtype, micro-batch, recompute), {dropped} dropped "
              f"(a phase over 90% of the memory: start-up, step, save or load), {len(ests)} ranked"]
     if not ests:
