@@ -69,7 +69,7 @@ def divisors(n: int) -> list[int]:
 
 def _state_choices(cfg: Config, tp: int, cp: int, dp: int, ep: int, per_node: int) -> list[tuple[int, int, str]]:
     """(zero, HSDP shard group, grad reduce dtype) of one (tp, cp, dp, ep)."""
-    bf16 = cfg.train.precision == "bf16"
+    bf16 = cfg.train.precision in ("bf16", "fp8")  # fp8 keeps bf16 params with ZeRO's fp32 master
     grads = ("fp32", "bf16") if bf16 else ("fp32",)
     dpcp, out = dp * cp, []
     # HSDP: shard groups of whole nodes (the shard's all-gathers on NVLink or spread evenly over nodes), below cp·dp
@@ -206,7 +206,7 @@ def phase_memory(cfg: Config, lay: Layout) -> dict[str, int]:
     # a Config is not hashable for lru_cache: its id keys the cache, and keeping it here stops the id being reused
     _CFGS[key] = cfg
     per_layer, embed, head = _act_per_layer(key, lay.tp, lay.recompute, lay.cp)
-    a_bytes = 2 if t.precision == "bf16" else 4
+    a_bytes = 4 if t.precision == "fp32" else 2  # fp8 runs keep bf16 params and activations (layers/fp8.py)
     micro = t.global_batch_size // (lay.micro_batch * lay.dp)
     kind = lay.schedule or resolve_kind(cfg.parallel.pp_schedule, lay.vpp)
     per_rank = stage_layers(m.num_layers, lay)

@@ -121,3 +121,17 @@ def test_calibrate_writes_a_profile_the_planner_uses(tmp_path, capsys):
     bad = tmp_path / "bad.json"
     bad.write_text("{}")
     assert main(["data=synthetic", "model=gpt2_tiny", "+world_size=1", f"+device_profile={bad}"]) == 2
+
+
+def test_fp8_layouts_are_sized_as_bf16_and_timed_faster():
+    """fp8 keeps bf16 params and activations (2 bytes, ZeRO >= 1) and runs its block GEMMs faster."""
+    from megaframe.planning.search import _state_choices, phase_memory
+
+    base = ["model=llama3_8b", "model.num_layers=2"]
+    b16 = load_config([*base, "train.precision=bf16"], world_size=1, check_data=False)
+    f8 = dataclasses.replace(b16, train=dataclasses.replace(b16.train, precision="fp8"))
+    assert {z for z, _, _ in _state_choices(f8, 1, 1, 8, 1, 8)} == {1, 2, 3}
+    lay = Layout(1, 1, 1, 8, 1, 1, 1, "none")
+    assert phase_memory(f8, lay)["startup"] == phase_memory(b16, lay)["startup"]
+    h100 = DEVICES["H100"]
+    assert step_time(f8, lay, h100, 8)["compute"] < step_time(b16, lay, h100, 8)["compute"]
