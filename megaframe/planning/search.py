@@ -172,6 +172,15 @@ def _act_per_layer(cfg_key, tp: int, recompute: str, cp: int = 1) -> tuple[int, 
 _CFGS: dict[int, Config] = {}
 
 
+def working_set_bytes(cfg: Config, tp: int, cp: int, recompute: str, micro_batch: int) -> int:
+    """Under full recompute, the backward of a block first re-runs its forward: that block's whole saved
+    set (what recompute=none keeps for one block) is live beside the checkpoints, once per rank."""
+    if recompute != "full":
+        return 0
+    _CFGS[id(cfg)] = cfg
+    return micro_batch * _act_per_layer(id(cfg), tp, "none", cp)[0]
+
+
 @functools.lru_cache(maxsize=None)
 def _peak_inflight(kind: str, pp: int, vpp: int, m: int, rank: int, chunk_bytes: tuple) -> int:
     """Peak activation bytes of the rank's order; a split backward's pending W keeps W_FRACTION of a chunk
@@ -219,6 +228,7 @@ def phase_memory(cfg: Config, lay: Layout) -> dict[str, int]:
         chunks = tuple(lay.micro_batch * (chunk_layers * per_layer + (embed if c == 0 and first else 0)
                                           + (head if c == lay.vpp - 1 and last else 0)) for c in range(lay.vpp))
         act = _peak_inflight(kind, lay.pp, lay.vpp, micro, rank, chunks) if lay.pp > 1 else chunks[0]
+        act += working_set_bytes(cfg, lay.tp, lay.cp, lay.recompute, lay.micro_batch)
         peaks = phase_peaks(_shape(cfg, lay, first, last, a_bytes, lay.micro_batch * head), params, grads, optim,
                             act + _cp_bias_bytes(cfg, lay, a_bytes), on_host=_on_host(cfg))
         if max(peaks.values()) > max(worst.values(), default=-1):

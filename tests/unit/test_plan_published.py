@@ -135,3 +135,23 @@ def test_fp8_layouts_are_sized_as_bf16_and_timed_faster():
     assert phase_memory(f8, lay)["startup"] == phase_memory(b16, lay)["startup"]
     h100 = DEVICES["H100"]
     assert step_time(f8, lay, h100, 8)["compute"] < step_time(b16, lay, h100, 8)["compute"]
+
+
+def test_full_recompute_holds_the_recomputed_blocks_working_set():
+    """Under full recompute the step also holds one block's whole saved set while it is re-run: the block
+    recompute=none keeps (search.working_set_bytes), in both the exact planner and the search."""
+    from megaframe.planning.estimate import plan_layout
+    from megaframe.planning.search import working_set_bytes
+
+    over = ["data=synthetic", "model.num_layers=4", "model.hidden_size=256", "model.num_attention_heads=8",
+            "model.ffn_hidden_size=1024", "model.seq_length=512", "model.vocab_size=256", "train.micro_batch_size=2",
+            "train.global_batch_size=4"]
+    full = load_config([*over, "train.recompute=full"], world_size=1, check_data=False)
+    none = load_config(over, world_size=1, check_data=False)
+    ws = working_set_bytes(full, 1, 1, "full", 2)
+    per_block = (plan_layout(none, 1).ranks[0].activation_bytes - plan_layout(
+        load_config([*over, "model.num_layers=3"], world_size=1, check_data=False), 1).ranks[0].activation_bytes)
+    assert ws == per_block > 0 and working_set_bytes(none, 1, 1, "none", 2) == 0
+    r = plan_layout(full, 1).ranks[0]
+    state = r.params_bytes + r.grads_bytes + r.optim_bytes
+    assert r.phases["step"] >= state + r.activation_bytes + ws
