@@ -336,9 +336,10 @@ def axes_used(lay: Layout) -> int:
 
 def break_ties(ests: list[Estimate], error: float = MODEL_ERROR) -> list[Estimate]:
     """The layouts within the model's error of the fastest ordered by memory headroom (least peak memory
-    first), then simplicity (axes_used), then time; the rest stay by time."""
+    first, in whole GiB: a few MiB is no headroom anyone can use), then simplicity (axes_used), then time;
+    the rest stay by time."""
     k = ties(ests, error)
-    head = sorted(ests[:k], key=lambda e: (e.memory_bytes, axes_used(e.layout), e.step_s))
+    head = sorted(ests[:k], key=lambda e: (round(e.memory_bytes / 2**30), axes_used(e.layout), e.step_s))
     return head + ests[k:]
 
 

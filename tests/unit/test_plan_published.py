@@ -90,11 +90,13 @@ def test_uneven_stages_time_the_largest_and_overlap_hides_tp():
 
 
 def test_ties_ordered_by_memory_then_simplicity():
-    fast = Estimate(Layout(2, 2, 1, 2, 1, 1, 1, "none"), 70, {"compute": 1.0})
-    lean = Estimate(Layout(1, 1, 1, 8, 1, 1, 1, "none"), 40, {"compute": 1.05})
-    complex_ = Estimate(Layout(2, 1, 1, 4, 1, 2, 1, "full"), 40, {"compute": 1.04})
-    slow = Estimate(Layout(1, 1, 1, 8, 1, 1, 1, "none"), 10, {"compute": 2.0})
-    assert [e.memory_bytes for e in break_ties([fast, complex_, lean, slow], 0.1)] == [40, 40, 70, 10]
+    gib = 2**30
+    fast = Estimate(Layout(2, 2, 1, 2, 1, 1, 1, "none"), 70 * gib, {"compute": 1.0})
+    lean = Estimate(Layout(1, 1, 1, 8, 1, 1, 1, "none"), 40 * gib + 2**23, {"compute": 1.05})  # 8 MiB more: same
+    complex_ = Estimate(Layout(2, 1, 1, 4, 1, 2, 1, "full"), 40 * gib, {"compute": 1.04})
+    slow = Estimate(Layout(1, 1, 1, 8, 1, 1, 1, "none"), 10 * gib, {"compute": 2.0})
+    got = break_ties([fast, complex_, lean, slow], 0.1)
+    assert [e.memory_bytes // gib for e in got] == [40, 40, 70, 10]
     assert break_ties([fast, complex_, lean, slow], 0.1)[0] is lean
 
 
