@@ -2,15 +2,11 @@
 
 Step time (seconds) =
     (compute + tp_comm + ep_comm + cp_comm) / (1 - bubble) + pp_comm + dp_comm
-  compute  model FLOPs of the step (training.metrics.flops_per_token x tokens; + one forward of the
-           blocks for full recompute, + the attention core's forward for selective) / world size
-           / (device peak x GEMM efficiency of this layout's shapes)
-  GEMM efficiency  per shape (gemm_efficiency): every GEMM of a block and the head at this tp, micro-batch
-           and cp ([mb·S/cp tokens] x [D] x [out/tp]) timed by a roofline, max(FLOPs / (peak x efficiency),
-           bytes moved / HBM bandwidth) + a kernel's fixed cost, their FLOPs over their summed time; the
-           device's `efficiency` is what the largest GEMMs reach. Without an HBM figure (cpu) it is that constant.
+  compute  the slowest pipeline rank's compute seconds by kind of work (planning.compute: its blocks'
+           GEMMs on a roofline with a size curve, fp8 at its own peak, the causal attention core, the
+           elementwise work over HBM, the head and fused cross-entropy on the last rank, recompute's re-run)
   comm     per axis: bytes a rank sends (ring all-reduce 2(n-1)/n, all-gather / reduce-scatter / all-to-all
-           (n-1)/n of the tensor) / (link bandwidth x link_eff) + ring steps x latency (cpu: ring steps x
+           (n-1)/n of the tensor) / (link bandwidth x link_eff) + ring steps x that link's latency (cpu: ring steps x
            the measured time of one gloo hop of bytes / steps, Device.hops). An axis is on NVLink
            when its ranks fit in one node (tp innermost, then cp, dp (ep within cp·dp), then pp), else on IB.
            tp: 4 all-reduce-sized collectives of a micro-batch's activations per block (2 forward, 2
@@ -24,8 +20,12 @@ Step time (seconds) =
            the replicas; charged as the trainer overlaps them (_dp_exposed): ZeRO-1 reduces during the last
            micro-batch's backward, ZeRO-2 during every backward, ZeRO-3 gathers block by block ahead of forward
            and backward; the param all-gather runs during the next forward. What the overlapped compute cannot
-           hide is paid, plus one bucket (the last reduce, the first gather) that nothing hides. ZeRO-0's
+           hide is paid, plus one bucket (the last reduce, the first gather) that nothing hides; ZeRO-3's
+           unit hides only behind its own unit's compute (a unit's excess is paid, not absorbed elsewhere), and
+           a link that carries tp / cp traffic during the compute lends dp only the rest of it. ZeRO-0's
            all-reduce and HSDP's replica all-reduce run after backward: paid in full.
+  tp overlap  under parallel.tp_comm_overlap (not fp8) the blocks' tp collectives are paid only where the
+           blocks' GEMMs cannot cover them, plus one chunk (parallel.tp_comm_chunks) nothing hides.
   cp       the K/V exchange of every layer and micro-batch (context.cp_bytes_per_layer, the bytes the
            cp byte-count test checks) over tp·cp ranks' links; allgather is on the critical path (K/V are
            needed before attention), the ring overlaps its exchange with the block attention, so only
