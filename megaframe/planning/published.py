@@ -77,6 +77,10 @@ _LLAMA405B = ("model=llama3_8b", "train.compile=true",
               "model.num_layers=126", "model.hidden_size=16384", "model.num_attention_heads=128",
               "model.num_query_groups=8", "model.ffn_hidden_size=53248", "train.global_batch_size=2048")
 
+_LLAMA70B = ("model=llama3_8b", "model.num_layers=80", "model.hidden_size=8192", "model.num_attention_heads=64",
+             "model.num_query_groups=8", "model.ffn_hidden_size=28672", "train.compile=true", "train.precision=fp8",
+             "train.global_batch_size=512")
+
 RUNS = (
     _table1("GPT 1.7B, 32 x A100", 24, 2304, 24, 1, 1, 32, 512, 137),
     _table1("GPT 7.5B tp4, 128 x A100", 36, 4096, 32, 4, 1, 128, 512, 142),
@@ -101,6 +105,8 @@ RUNS = (
     _table1("GPT 529.6B tp8 pp35, 2520 x A100", 105, 20480, 128, 8, 35, 2520, 2520, 163, held_out=True),
     Run("Llama 3 405B tp8 pp16, 8192 x H100", LLAMA3, _LLAMA405B, 8, 16, 8192, "H100", published_s=-430e12,
         recompute="none", pp_layout=(7, *[8] * 14, 7), held_out=True),
+    Run("Llama 3.1 70B fp8 FSDP32 tp8, 256 x H100", f"{TORCHTITAN} Table 4 (torch.compile + Float8)", _LLAMA70B, 8,
+        1, 256, "H100_500W", published_tps=829, published_gib=71.9, zero=3, micro_batch=16, held_out=True),
 )
 """Llama 3's published_s < 0 is minus its TFLOP/s per GPU: the step time follows from the model's FLOPs."""
 
