@@ -309,13 +309,14 @@ def search_report(cfg, world, dev, ests, n, dropped, top, cap) -> str:
     for i, e in enumerate(ests[1:top], 2):
         if i <= k:  # in the tie group: ordered by memory, then simplicity (search.break_ties)
             lines.append(f"#{i} ties with #1 ({100 * (e.step_s / best.step_s - 1):+.1f}% time), "
-                         f"+{human(e.memory_bytes - best.memory_bytes)} peak memory")
+                         f"{'+' if e.memory_bytes >= best.memory_bytes else '-'}"
+                         f"{human(abs(e.memory_bytes - best.memory_bytes))} peak memory")
         else:
             lines.append(f"#{i} loses to #1 by {why_slower(e, best)}")
     if k > 1:
         lines.append(f"#1-#{k} are ties: within {100 * MODEL_ERROR:.0f}% of the fastest, the step-time model's median "
-                     f"error on published runs (docs/planning.md#published-runs); ordered by peak memory, then fewer "
-                     f"parallel axes; measure the first few (e.g. 20 steps each) before choosing")
+                     f"error on published runs (docs/planning.md#published-runs); ordered by peak memory (whole GiB), then "
+                     f"fewer parallel axes; measure the first few (e.g. 20 steps each) before choosing")
     lines.append("run #1 with: " + " ".join(best.layout.overrides()))
     return "\n".join(lines)
 
