@@ -19,7 +19,7 @@ measures GEMM, attention and collective throughput on the present device and wri
 (megaframe.planning.calibrate) that `+device_profile=PATH` uses in place of a `+device` table entry.
 
     python -m megaframe.plan model=llama3_8b +world_size=64 +device_memory_gb=80 +search=true
-                             [+device=H100|H200|A100|B200|cpu] [+top=5] [+efficiency=0.5]
+                             [+device=H100|H100_500W|H200|A100|B200|cpu] [+top=5] [+efficiency=0.5]
 
 proposes a layout instead: every valid (tp, cp, pp, vpp, dp, ep, ZeRO stage, HSDP shard group, grad reduce
 dtype, micro-batch, recompute) is sized in every phase (start-up, step, save, load), those with a phase over
