@@ -157,3 +157,18 @@ def test_full_recompute_holds_the_recomputed_blocks_working_set():
     r = plan_layout(full, 1).ranks[0]
     state = r.params_bytes + r.grads_bytes + r.optim_bytes
     assert r.phases["step"] >= state + r.activation_bytes + ws
+
+
+def test_search_tries_vpp_8_and_short_end_stages():
+    """vpp up to 8 where the layers allow it, and (past two stages) the first and last stage one block short
+    as a parallel.pp_layout that validate() accepts (Llama 3's 126 layers on pp16 is this shape)."""
+    from megaframe.planning.search import candidates
+
+    tiny = ["data=synthetic", "model.hidden_size=64", "model.num_attention_heads=4", "model.num_query_groups=2",
+            "model.ffn_hidden_size=128", "model.seq_length=64", "model.vocab_size=256", "train.global_batch_size=16"]
+    c16 = load_config([*tiny, "model.num_layers=16"], world_size=1, check_data=False)
+    assert any(x.pp == 2 and x.vpp == 8 for x in candidates(c16, 2, 8, keep=lambda x: x.zero == 1))
+    c14 = load_config([*tiny, "model.num_layers=14"], world_size=1, check_data=False)
+    short = [x for x in candidates(c14, 4, 8, keep=lambda x: x.zero == 1 and x.pp == 4)]
+    assert short and all(x.pp_layout == (3, 4, 4, 3) for x in short)  # 14 does not split evenly on 4
+    assert "parallel.pp_layout=[3,4,4,3]" in short[0].overrides()
