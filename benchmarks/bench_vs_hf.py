@@ -16,6 +16,8 @@ F.cross_entropy on the logits, torch.nn.utils.clip_grad_norm_ (foreach), torch.o
 megaframe trains with train.precision=bf16 (bf16 params, fp32 master weights in its ZeRO optimizer)
 and the peer with bf16 autocast over fp32 params (the usual transformers bf16 recipe).
 --preset 1b is the GPU goal (conf/model/llama_1b.yaml: ~1.2B params, seq 2048).
+The peer here is eager and each step is one micro-batch; benchmarks/bench_gpu.py is the fair comparison (compiled
+transformers and torchtitan, several micro-batches per step, per-step vs per-micro-batch time).
 """
 from __future__ import annotations
 

@@ -126,9 +126,10 @@ def _composition_error(e: BaseException) -> str:
     return line if not key or key in line else f"{key}: {line}"
 
 
-def validate(cfg: Config, world_size: int, check_data: bool = True) -> None:
+def validate(cfg: Config, world_size: int, check_data: bool = True, schedules: bool = True) -> None:
     """Cross-field checks that need no process group; the first problem raises ConfigError.
-    The checks themselves live in megaframe/config_checks.py. Fills model.vocab_size when unset."""
+    The checks themselves live in megaframe/config_checks.py. Fills model.vocab_size when unset.
+    `schedules=False` skips building every rank's pipeline schedule (the planner's search, over thousands)."""
     from megaframe.config_checks import check_config
 
     if cfg.model.vocab_size is None:
@@ -137,4 +138,4 @@ def validate(cfg: Config, world_size: int, check_data: bool = True) -> None:
         # before the checks: they test divisibility of the vocabulary by tp
         cfg.model.vocab_size = default_vocab_size(cfg)
 
-    check_config(cfg, world_size, check_data)
+    check_config(cfg, world_size, check_data, schedules)

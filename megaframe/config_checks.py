@@ -5,10 +5,10 @@ rank starts.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from megaframe.config_rules import FIELD_RULES, Rule, check_fields  # noqa: F401  (public API: the one table)
 from megaframe.errors import ConfigError
 from megaframe.errors import one_line as _one_line
 
@@ -21,106 +21,7 @@ def _req(ok: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
-# --- safety: every numeric field's range, finiteness and type, from one table ---
-@dataclass(frozen=True)
-class Rule:
-    """Allowed values of one numeric field: lo <= v (lo < v when lo_open), v < hi (v <= hi when not
-    hi_open), always finite; None only when `optional`; `integer` refuses a fraction (and a bool)."""
-    lo: float | None = None
-    lo_open: bool = False
-    hi: float | None = None
-    hi_open: bool = True
-    optional: bool = False
-    integer: bool = False
-
-    def why(self, v) -> str | None:
-        if v is None:
-            return None if self.optional else "must be set"
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or (self.integer and not float(v).is_integer()):
-            return f"must be {'an integer' if self.integer else 'a number'}"
-        if not math.isfinite(v):
-            return "must be finite"
-        if self.lo is not None and (v <= self.lo if self.lo_open else v < self.lo):
-            return f"must be {'>' if self.lo_open else '>='} {self.lo:g}"
-        if self.hi is not None and (v >= self.hi if self.hi_open else v > self.hi):
-            return f"must be {'<' if self.hi_open else '<='} {self.hi:g}"
-        return None
-
-
-def _r(lo=None, *, gt=False, hi=None, le=False, opt=False, int_=True) -> Rule:
-    return Rule(lo, gt, hi, not le, opt, int_)
-
-
-POS, NONNEG = _r(1), _r(0)  # integer counts and sizes
-POSF, NONNEGF = _r(0, gt=True, int_=False), _r(0, int_=False)  # finite real numbers
-UNIT = _r(0, hi=1, int_=False)  # a fraction in [0, 1)
-SEED = _r(0, hi=2**63)  # numpy and torch take a non-negative int64 seed
-# a process-group timeout is a datetime.timedelta (at most ~8.6e13 s): a "switch it off" 1e30 overflowed at start
-TIMEOUT = _r(0, gt=True, hi=1e9, le=True, int_=False)
-
-FIELD_RULES: dict[str, Rule] = {
-    # model
-    "model.num_layers": POS, "model.hidden_size": POS, "model.num_attention_heads": POS,
-    "model.num_query_groups": _r(1, opt=True), "model.ffn_hidden_size": POS, "model.seq_length": POS,
-    "model.vocab_size": POS, "model.num_experts": NONNEG, "model.moe_top_k": POS,
-    "model.moe_ffn_hidden_size": _r(1, opt=True), "model.moe_aux_loss_coeff": NONNEGF,
-    "model.moe_z_loss_coeff": NONNEGF, "model.moe_bias_update_rate": NONNEGF,
-    "model.moe_capacity_factor": _r(0, gt=True, opt=True, int_=False), "model.dropout": UNIT,
-    "model.rope_theta": POSF, "model.norm_eps": POSF, "model.init_std": POSF,
-    "model.kv_channels": _r(1, opt=True),
-    "model.rope_scaling.factor": POSF, "model.rope_scaling.low_freq_factor": POSF,
-    "model.rope_scaling.high_freq_factor": POSF,
-    "model.rope_scaling.original_max_position_embeddings": _r(1, opt=True),
-    "model.rope_scaling.beta_fast": POSF, "model.rope_scaling.beta_slow": POSF,
-    "model.rope_scaling.attention_factor": _r(0, gt=True, opt=True, int_=False),
-    "model.rope_scaling.mscale": _r(0, opt=True, int_=False),
-    "model.rope_scaling.mscale_all_dim": _r(0, opt=True, int_=False),
-    # parallel
-    "parallel.tp": POS, "parallel.pp": POS, "parallel.vpp": POS, "parallel.ep": POS, "parallel.cp": POS,
-    "parallel.tp_comm_chunks": POS,
-    # train
-    "train.micro_batch_size": POS, "train.global_batch_size": POS, "train.max_steps": POS, "train.seed": SEED,
-    "train.log_interval": POS, "train.max_bad_steps": NONNEG, "train.eval_interval": NONNEG,
-    "train.eval_iters": POS, "train.hang_timeout_s": NONNEGF, "train.dist_timeout_s": TIMEOUT,
-    "train.compile_timeout_s": TIMEOUT,
-    "train.signal_check_interval": POS, "train.sample_interval": NONNEG, "train.sample_tokens": POS,
-    # optim
-    "optim.lr": POSF, "optim.min_lr": NONNEGF, "optim.warmup_steps": NONNEG, "optim.weight_decay": NONNEGF,
-    "optim.clip_grad": NONNEGF, "optim.beta1": UNIT, "optim.beta2": UNIT, "optim.eps": POSF,
-    "optim.zero": _r(0, hi=3, le=True), "optim.shard_group_size": NONNEG, "optim.bucket_size_mb": POSF,
-    "optim.lr_decay_steps": _r(1, opt=True), "optim.wsd_decay_fraction": _r(0, gt=True, hi=1, le=True, int_=False),
-    # data
-    "data.vocab_size": POS, "data.tokenizer_sample_bytes": NONNEG, "data.num_workers": NONNEG,
-    "data.task": NONNEG, "data.num_tasks": POS,
-    "data.valid_fraction": UNIT,
-    # checkpoint
-    "checkpoint.interval": NONNEG, "checkpoint.interval_minutes": NONNEGF, "checkpoint.keep_last": NONNEG,
-    "checkpoint.save_timeout_s": TIMEOUT,
-}
-"""Every int/float field of the schema must appear here (tests/unit/config/test_config_fields.py checks it):
-a new numeric field gets its rule in the same change."""
-
-
-def field_value(cfg: Config, key: str):
-    obj = cfg
-    for part in key.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-def check_fields(cfg: Config) -> None:
-    """Each numeric field against its FIELD_RULES entry; ConfigError names the first bad one."""
-    for key, rule in FIELD_RULES.items():
-        try:
-            v = field_value(cfg, key)
-        except AttributeError:  # a field another branch renamed: the schema test reports it
-            continue
-        why = rule.why(v)
-        _req(why is None, f"{key}={v!r} {why}")
-# --- end safety ---
-
-
-def check_config(cfg: Config, world_size: int, check_data: bool = True) -> None:
+def check_config(cfg: Config, world_size: int, check_data: bool = True, schedules: bool = True) -> None:
     """Cross-field checks that need no process group; the first problem raises ConfigError."""
     check_fields(cfg)
     m, p, t = cfg.model, cfg.parallel, cfg.train
@@ -140,7 +41,7 @@ def check_config(cfg: Config, world_size: int, check_data: bool = True) -> None:
     _req(t.global_batch_size % (t.micro_batch_size * dp) == 0,
          f"train.global_batch_size={t.global_batch_size} is not divisible by "
          f"train.micro_batch_size={t.micro_batch_size} x dp={dp}")
-    _check_pipeline(cfg, dp)
+    _check_pipeline(cfg, dp, schedules)
     _req(t.max_steps >= 1, f"train.max_steps={t.max_steps} must be >= 1")
     _req(t.log_interval >= 1, f"train.log_interval={t.log_interval} must be >= 1")
     _req(t.hang_timeout_s >= 0, f"train.hang_timeout_s={t.hang_timeout_s} must be >= 0 (0 = no watchdog)")
@@ -205,8 +106,6 @@ def _check_optim(cfg: Config, dp: int) -> None:
     _req(cfg.optim.warmup_steps >= 0, f"optim.warmup_steps={cfg.optim.warmup_steps} must be >= 0")
     _check_lr_schedule(cfg)
     _req(cfg.optim.zero in (0, 1, 2, 3), f"optim.zero={cfg.optim.zero} must be 0, 1, 2 or 3")
-    _req(cfg.optim.zero != 3 or not t.compile,
-         "optim.zero=3 does not yet compose with train.compile: needs train.compile=false")
     # HSDP shards over blocks of the cp·dp ranks (params are replicated over cp too: mesh.py)
     s, dpcp = cfg.optim.shard_group_size, dp * p.cp
     ranks = f"cp·dp={dpcp}" if p.cp > 1 else f"dp={dp}"
@@ -297,9 +196,9 @@ def _check_moe(m: ModelConfig, p: ParallelConfig, dpcp: int) -> None:
          "model.moe_aux_loss_coeff and model.moe_z_loss_coeff must be >= 0")
 
 
-def _check_pipeline(cfg: Config, dp: int) -> None:
-    from megaframe.pipeline.partition import stage_counts
-    from megaframe.pipeline.schedule import check_args, resolve_kind
+def _check_pipeline(cfg: Config, dp: int, schedules: bool = True) -> None:
+    from megaframe.pipeline.partition import check_runnable, stage_counts
+    from megaframe.pipeline.schedule import resolve_kind
 
     p, t = cfg.parallel, cfg.train
     _req(p.vpp == 1 or p.pp > 1, f"parallel.vpp={p.vpp} needs parallel.pp > 1")
@@ -310,8 +209,12 @@ def _check_pipeline(cfg: Config, dp: int) -> None:
         for bad, why in ((t.compile, "train.compile=true"), (t.precision == "fp8", "train.precision=fp8")):
             _req(not bad, f"parallel.pp_schedule={kind} splits each backward in two and does not compose with {why}")
     try:
-        stage_counts(cfg.model.num_layers, p.pp, p.vpp, p.pp_layout)
-        check_args(resolve_kind(p.pp_schedule, p.vpp), p.pp, p.vpp, t.global_batch_size // (t.micro_batch_size * dp))
+        counts = stage_counts(cfg.model.num_layers, p.pp, p.vpp, p.pp_layout)
+        # every rank's schedule is built here, as the executor will build it: a layout it cannot run is refused
+        # now, not at step 1
+        check_runnable(kind, p.pp, p.vpp, t.global_batch_size // (t.micro_batch_size * dp),
+                       moe=cfg.model.num_experts > 0, recompute=getattr(t.recompute, "value", t.recompute),
+                       counts=counts, build=schedules)
     except ValueError as e:
         raise ConfigError(str(e)) from e
 

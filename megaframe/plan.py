@@ -1,6 +1,7 @@
 """Dry-run planner: per-rank memory and the pipeline bubble of a layout, without any process group.
 
     python -m megaframe.plan [hydra overrides] +world_size=N [+device_memory_gb=X] [+plan_json=PATH]
+                             [+device=H100|H100_500W|H200|A100|B200|cpu | +device_profile=PATH]
 
 The config is composed and validated as train.py does (megaframe.config.load_config; prepared data
 is not read, since planning happens before it exists), so a layout train.py would refuse exits 2 with
@@ -8,9 +9,17 @@ the same one-line message. `+world_size` (required unless $WORLD_SIZE is set), `
 (GiB per device) and `+plan_json` are the planner's own and are removed before composing. Every
 rank's model is then built on the meta device with a virtual mesh (megaframe.planning.estimate).
 A rank over the device memory prints a `DOES NOT FIT` line (exit code 0: the plan itself worked).
+The layout's step time, tokens/s per device and MFU on the device (the step-time model of
+megaframe.planning.timing) follow; `+plan_json` has them as step_time_s, tokens_per_s_per_device, mfu,
+peak_bytes and fits.
+
+    python -m megaframe.plan calibrate [--out PATH] [--quick]
+
+measures GEMM, attention and collective throughput on the present device and writes a device profile
+(megaframe.planning.calibrate) that `+device_profile=PATH` uses in place of a `+device` table entry.
 
     python -m megaframe.plan model=llama3_8b +world_size=64 +device_memory_gb=80 +search=true
-                             [+device=H100|H200|A100|B200|cpu] [+top=5] [+efficiency=0.5]
+                             [+device=H100|H100_500W|H200|A100|B200|cpu] [+top=5] [+efficiency=0.5]
 
 proposes a layout instead: every valid (tp, cp, pp, vpp, dp, ep, ZeRO stage, HSDP shard group, grad reduce
 dtype, micro-batch, recompute) is sized in every phase (start-up, step, save, load), those with a phase over
@@ -22,6 +31,7 @@ come from the config.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -75,14 +85,13 @@ def render(plan, cfg) -> str:
             f"{' shard_group_size=' + str(cfg.optim.shard_group_size) if cfg.optim.shard_group_size else ''}"
             f"{' grad_reduce_dtype=bf16' if lay.get('grad_reduce_dtype') == 'bf16' else ''} | micro-batch "
             f"{lay['micro_batch_size']} x {plan.microbatches} micro-batches per step, schedule {plan.schedule}")
-    bubble = (f"pipeline bubble: {100 * plan.bubble:.1f}% of the step idle ({plan.schedule}, pp={lay['pp']}, "
-              f"vpp={lay['vpp']}, {plan.microbatches} micro-batches)")
-    return "\n".join([head, *_table(plan), bubble, *_phase_lines(plan), *_verdict(plan)])
+    bubble = [f"pipeline bubble: {100 * plan.bubble:.1f}% of the step idle ({plan.schedule}, pp={lay['pp']}, "
+              f"vpp={lay['vpp']}, {plan.microbatches} micro-batches)"] if lay["pp"] > 1 else []
+    return "\n".join([head, *_table(plan), *bubble, *_phase_lines(plan), *_verdict(plan)])
 
 
 def _phase_lines(plan) -> list[str]:
-    """Each row's peak per phase (planning.phases), the largest named; and start-up and load as they were
-    before meta-device init and shard-wise reads, for comparison."""
+    """Each row's peak per phase (planning.phases), the largest named."""
     from megaframe.planning.estimate import merged_rows
 
     lines = ["memory per phase (peak of the rank; a layout fits only if every phase does):"]
@@ -93,8 +102,7 @@ def _phase_lines(plan) -> list[str]:
         cells = " | ".join(f"{k} {human(v)}{' (largest)' if k == big else ''}" for k, v in r.phases.items())
         host = f"; host memory: save +{human(r.host_bytes['save'])}, load +{human(r.host_bytes['load'])}" \
             if r.host_bytes else ""
-        lines.append(f"  pp {r.pp_rank} tp {ranges(tps)}: {cells}{host}; before meta init: start-up "
-                     f"{human(r.today_startup_bytes)}, load {human(r.today_load_bytes)}")
+        lines.append(f"  pp {r.pp_rank} tp {ranges(tps)}: {cells}{host}")
     return lines
 
 
@@ -105,15 +113,17 @@ def cp_label(lay: dict) -> str:
 def _table(plan) -> list[str]:
     from megaframe.planning.estimate import merged_rows
 
+    # "step": the step phase's peak (planning.phases), the one total a rank has; it adds what the state and
+    # activations alone miss (the head's logits, gloo's staging copies)
     head = ("pp", "tp ranks", "ranks", "params", "grads", "optim", "act/microbatch", "in flight", "activations",
-            "total", "dp bytes/step", "cp bytes/step")
+            "step", "dp bytes/step", "cp bytes/step")
     rows = [head]
     for tps, r in merged_rows(plan):
         # a long rank list would swamp the table: counted instead
         rows.append((str(r.pp_rank), ranges(tps), ranges(r.ranks) if len(r.ranks) <= 8 else f"{len(r.ranks)} ranks",
                      human(r.params_bytes), human(r.grads_bytes), human(r.optim_bytes),
                      " + ".join(human(b) for b in r.chunk_activation_bytes),  # one figure per pipeline chunk
-                     str(r.peak_inflight), human(r.activation_bytes), human(r.total_bytes),
+                     str(r.peak_inflight), human(r.activation_bytes), human(r.phases.get("step", r.total_bytes)),
                      "-" if r.dp_comm_bytes is None else human(r.dp_comm_bytes),
                      human(r.cp_comm_bytes) if r.cp_comm_bytes else "-"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
@@ -161,8 +171,11 @@ def check_settings(own: dict[str, str]) -> None:
     number("device_memory_gb", False, 0, lo_open=True)
     number("efficiency", False, 0, 1, lo_open=True)
     number("top", True, 1)
+    number("link_timeout_s", False, 0, lo_open=True)
     if own.get("search", "false").lower() not in ("true", "1", "yes", "false", "0", "no"):
         raise ValueError(f"+search={own['search']} must be true or false")
+    if "device_profile" in own and not Path(own["device_profile"]).is_file():
+        raise ValueError(f"+device_profile={own['device_profile']}: no such file")
     if "plan_json" in own:
         out = Path(own["plan_json"])
         if out.is_dir() or not out.parent.is_dir() or not os.access(out.parent, os.W_OK):
@@ -175,6 +188,10 @@ def main(argv: list[str]) -> int:
     if "--help" in argv or "-h" in argv:
         print(__doc__.strip())
         return 0
+    if argv[:1] == ["calibrate"]:
+        from megaframe.planning.calibrate import main as calibrate
+
+        return calibrate(argv[1:])
     overrides, own = split_args(argv)
     try:
         check_settings(own)
@@ -192,31 +209,113 @@ def main(argv: list[str]) -> int:
         return search_main(cfg, world, memory, own)
     from megaframe.planning.estimate import plan_layout
 
-    plan = plan_layout(cfg, world, memory)
+    per_rank = -(-cfg.model.num_layers // cfg.parallel.pp)
+    if per_rank > MAX_LAYERS_PER_RANK:  # bounded: a plan that would run for minutes is refused in a second
+        return fail(f"model.num_layers={cfg.model.num_layers} is {per_rank} layers per pipeline rank: the planner "
+                    f"sizes each on the meta device and plans at most {MAX_LAYERS_PER_RANK} per rank (about a "
+                    "minute); plan with more parallel.pp, or +search=true (it sizes one layer and scales)")
+    try:
+        dev = pick_device(own)
+    except ValueError as e:
+        return fail(f"plan settings: {e}")
+    with still_planning(f"{cfg.model.name} on {world} rank(s)"):
+        plan = plan_layout(cfg, world, memory)
+        timing = layout_timing(cfg, world, dev, plan)
     print(render(plan, cfg), flush=True)
-    if "plan_json" in own:
-        Path(own["plan_json"]).write_text(json.dumps(plan.to_dict(), indent=1))
-    return 0
+    print(timing_line(timing), flush=True)
+    return write_plan_json(own, {**plan.to_dict(), **timing})
+
+
+def pick_device(own: dict):
+    """+device_profile=PATH (a calibrated profile) or +device=NAME (default H100), +efficiency over it."""
+    from megaframe.planning.devices import get_device, load_profile
+
+    eff = float(own["efficiency"]) if "efficiency" in own else None
+    if "device_profile" in own:
+        return load_profile(own["device_profile"], efficiency=eff)
+    return get_device(own.get("device", "H100"), float(own.get("link_timeout_s", 120)), efficiency=eff)
+
+
+def layout_timing(cfg, world: int, dev, plan) -> dict:
+    """The step-time model (planning.timing) of the layout as given: step_time_s, tokens_per_s_per_device,
+    mfu (model FLOPs, training.metrics, over the device's peak at train.precision), the largest phase
+    peak (peak_bytes) and fits, with the step's parts."""
+    from megaframe.planning.candidate import Layout
+    from megaframe.planning.timing import step_time
+    from megaframe.training.metrics import flops_per_token
+
+    p, t, o = cfg.parallel, cfg.train, cfg.optim
+    lay = Layout(p.tp, p.pp, p.vpp, plan.layout["dp"], p.ep, o.zero, t.micro_batch_size,
+                 str(getattr(t.recompute, "value", t.recompute)), p.cp, o.shard_group_size,
+                 str(getattr(o.grad_reduce_dtype, "value", o.grad_reduce_dtype)), "", tuple(p.pp_layout or ()))
+    parts = step_time(cfg, lay, dev, world)
+    step = sum(parts.values())
+    tps = t.global_batch_size * cfg.model.seq_length / step / world
+    prec = str(getattr(t.precision, "value", t.precision))
+    return {"device": dev.name, "step_time_s": step, "tokens_per_s_per_device": tps,
+            "mfu": tps * flops_per_token(cfg.model) / dev.peak(prec), "step_parts_s": parts,
+            "peak_bytes": max(r.peak_bytes for r in plan.ranks), "fits": plan.fits}
+
+
+def timing_line(tm: dict) -> str:
+    parts = " ".join(f"{k} {v * 1e3:.0f}" for k, v in tm["step_parts_s"].items() if v > 0)
+    return (f"step time on {tm['device']}: {tm['step_time_s']:.3f} s, {tm['tokens_per_s_per_device']:.0f} "
+            f"tokens/s per device, MFU {100 * tm['mfu']:.1f}% (parts, ms: {parts}); "
+            f"planning/timing.py's model, docs/planning.md#published-runs for its error")
 
 
 def search_main(cfg, world: int, memory_gb: float | None, own: dict) -> int:
-    from megaframe.planning.devices import get_device
     from megaframe.planning.search import MODEL_ERROR, search, ties
 
     try:
-        eff = float(own["efficiency"]) if "efficiency" in own else None
-        dev = get_device(own.get("device", "H100"), efficiency=eff)
+        dev = pick_device(own)
         top = int(own.get("top", 5))
     except ValueError as e:
         return fail(f"plan settings: {e}")
     cap = memory_gb * 2**30 if memory_gb is not None else None
     ests, n, dropped = search(cfg, world, dev, cap, progress=lambda text: print(text, file=sys.stderr, flush=True))
     print(search_report(cfg, world, dev, ests, n, dropped, top, cap))
-    if "plan_json" in own:  # every fitting layout, ranked, with its phases and parts
-        Path(own["plan_json"]).write_text(json.dumps(
-            {"world_size": world, "device": dev.name, "candidates": n, "dropped_for_memory": dropped,
-             "ties_with_first": ties(ests), "model_error": MODEL_ERROR, "ranked": [e.to_dict() for e in ests]},
-            indent=1))
+    # every fitting layout, ranked, with its phases and parts
+    return write_plan_json(own, {"world_size": world, "device": dev.name, "candidates": n, "dropped_for_memory": dropped,
+                                 "ties_with_first": ties(ests), "model_error": MODEL_ERROR,
+                                 "ranked": [e.to_dict() for e in ests]})
+
+
+MAX_LAYERS_PER_RANK = 1024
+"""The largest preset has 126 layers; the meta sizing costs ~30 ms per layer on a busy 2-core machine."""
+PROGRESS_EVERY_S = 15.0
+"""A plan that takes longer says so on stderr this often: a silent command looks hung."""
+
+
+@contextlib.contextmanager
+def still_planning(what: str, every_s: float = PROGRESS_EVERY_S):
+    """While the body runs, `plan: still sizing WHAT (N s)` on stderr every `every_s` seconds."""
+    import threading
+    import time
+
+    done, t0 = threading.Event(), time.monotonic()
+
+    def tell():
+        while not done.wait(every_s):
+            print(f"plan: still sizing {what} ({time.monotonic() - t0:.0f} s)", file=sys.stderr, flush=True)
+
+    thread = threading.Thread(target=tell, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+
+
+def write_plan_json(own: dict, data: dict) -> int:
+    """+plan_json=P: the plan as JSON; a write that fails (a full disk, /dev/full) is one line, exit 2."""
+    if "plan_json" not in own:
+        return 0
+    try:
+        Path(own["plan_json"]).write_text(json.dumps(data, indent=1))
+    except OSError as e:
+        return fail(f"+plan_json={own['plan_json']}: cannot write the plan ({e})")
     return 0
 
 
@@ -227,10 +326,10 @@ def search_report(cfg, world, dev, ests, n, dropped, top, cap) -> str:
     tokens = t.global_batch_size * m.seq_length
     lines = [f"search: {m.name} on {world} x {dev.name} ({human(cap or dev.memory_gb * 2**30)} each) | "
              f"{t.precision}, global batch {t.global_batch_size} x {m.seq_length} = {tokens / 1e6:.2f}M tokens",
-             f"model: compute at {100 * dev.efficiency:.0f}% of {dev.peak(t.precision) / 1e12:.1f} TFLOP/s, links at "
-             f"{100 * dev.link_eff:.0f}% of {dev.intra_bw / 1e9:.0f} GB/s in a node of {dev.per_node} / "
-             f"{dev.inter_bw / 1e9:.0f} GB/s across, {dev.latency_s * 1e6:.0f} us per hop; bubble from the "
-             f"schedule simulator ({dev.source})",
+             f"model: GEMMs at up to {100 * dev.efficiency:.0f}% of {dev.peak(t.precision) / 1e12:.1f} TFLOP/s on a "
+             f"size curve, attention at {100 * dev.attn_eff:.0f}%, links at {100 * dev.link_eff:.0f}% of "
+             f"{dev.intra_bw / 1e9:.0f} GB/s in a node of {dev.per_node} / {dev.inter_bw / 1e9:.0f} GB/s across; "
+             f"bubble from the schedule simulator (sources: megaframe/planning/devices.py)",
              f"{n} valid layouts (ZeRO 0-3, HSDP, grad reduce dtype, micro-batch, recompute), {dropped} dropped "
              f"(a phase over 90% of the memory: start-up, step, save or load), {len(ests)} ranked"]
     if not ests:
@@ -248,12 +347,18 @@ def search_report(cfg, world, dev, ests, n, dropped, top, cap) -> str:
         phases = "/".join(f"{e.phases[k] / 2**30:.1f}" for k in ("startup", "step", "save", "load"))
         lines.append(f"{i:>2}  {e.layout.label():<74} {e.step_s:>8.3f}s {tps:>10.0f} {100 * mfu:>5.1f}% "
                      f"{human(e.memory_bytes):>10}  {phases:<28}  {parts}")
-    for i, e in enumerate(ests[1:top], 2):
-        lines.append(f"#{i} loses to #1 by {why_slower(e, best)}")
     k = ties(ests)
+    for i, e in enumerate(ests[1:top], 2):
+        if i <= k:  # in the tie group: ordered by memory, then simplicity (search.break_ties)
+            lines.append(f"#{i} ties with #1 ({100 * (e.step_s / best.step_s - 1):+.1f}% time), "
+                         f"{'+' if e.memory_bytes >= best.memory_bytes else '-'}"
+                         f"{human(abs(e.memory_bytes - best.memory_bytes))} peak memory")
+        else:
+            lines.append(f"#{i} loses to #1 by {why_slower(e, best)}")
     if k > 1:
-        lines.append(f"#1-#{k} are ties: within {100 * MODEL_ERROR:.1f}% of #1, the step-time model's largest measured "
-                     f"error (benchmarks/validate_planner.py); measure the first few (e.g. 20 steps each) before choosing")
+        lines.append(f"#1-#{k} are ties: within {100 * MODEL_ERROR:.0f}% of the fastest, the step-time model's median "
+                     f"error on published runs (docs/planning.md#published-runs); ordered by peak memory (whole GiB), then "
+                     f"fewer parallel axes; measure the first few (e.g. 20 steps each) before choosing")
     lines.append("run #1 with: " + " ".join(best.layout.overrides()))
     return "\n".join(lines)
 

@@ -194,7 +194,13 @@ class TrainConfig:
     seed: int = 1234
     """Seeds init (with each parameter's global name) and the sample order."""
     log_interval: int = 25
-    """Write metrics every this many steps (and at the last step)."""
+    """Write metrics every this many steps (and at the first and last steps: step 1 shows the run is alive
+    and gives the first ETA)."""
+    threads: Optional[int] = None
+    """CPU threads per rank (torch.set_num_threads at start-up, shown in the header). null: OMP_NUM_THREADS
+    where the environment sets it (torchrun sets 1 per worker), else the cores this process may use divided
+    by the ranks on this node (LOCAL_WORLD_SIZE), at least 1. On a shared machine fewer threads are often
+    faster: threads that wait on each other at every op lose to one that runs."""
     max_bad_steps: int = 10
     """Stop with an error after this many optimizer steps in a row with a non-finite grad norm (each is skipped)."""
     device: Device = Device.auto

@@ -1,6 +1,7 @@
 """Where metrics go: ${run.dir}/metrics.jsonl, a console line, and wandb; all from one logging rank."""
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -39,7 +40,7 @@ class Tracker:
     def log(self, metrics: dict, start_step: int) -> None:
         if not self.active:
             return
-        self.file.write(json.dumps(metrics) + "\n")
+        self._append(json.dumps(metrics) + "\n")
         step = metrics["step"]
         # steps since this launch: a resumed run's earlier steps took no time here
         rate = (time.time() - self.t_start) / max(1, step - start_step)
@@ -57,10 +58,31 @@ class Tracker:
         if self.wandb_run is not None:  # explicit step: a resumed run continues the same history
             self._wandb(self.wandb_run.log, {k: v for k, v in metrics.items() if k != "step"}, step=step)
 
+    def _append(self, line: str) -> None:
+        """metrics.jsonl is not worth a run: on a full disk (or any write error) one warning, then the console
+        line and wandb go on without the file, and the checkpoints (checkpoint.dir) are still written."""
+        if self.file is None:
+            return
+        try:
+            self.file.write(line)
+        except OSError as e:
+            print(f"megaframe: warning: cannot write {self.path} ({e}); training goes on, metrics on the console "
+                  "and wandb only", file=sys.stderr, flush=True)
+            self._drop_file()
+
+    def _drop_file(self) -> None:
+        file, self.file = self.file, None
+        with contextlib.suppress(OSError):  # close() flushes the line that did not fit again, and fails again
+            file.close()
+
     def finish(self) -> None:
         if not self.active:
             return
-        self.file.close()
+        if self.file is not None:
+            try:
+                self.file.close()
+            except OSError as e:
+                print(f"megaframe: warning: cannot write {self.path} ({e})", file=sys.stderr, flush=True)
         if self.wandb_run is not None:
             self._wandb(self.wandb_run.finish)
 

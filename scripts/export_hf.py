@@ -25,6 +25,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megaframe.errors import fail  # noqa: E402  (after the path insert)
+from megaframe.quiet import quiet_optional_imports  # noqa: E402
+
+quiet_optional_imports()  # transformers loads torchao, whose loader lines say nothing to act on
 
 
 def resolve_step(path: str) -> tuple[Path, dict]:

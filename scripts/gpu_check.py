@@ -8,6 +8,9 @@ The checks:
 - tests/gpu (pytest): device syncs per step (none dense; one per MoE layer and micro-batch), flash
   attention on the model's call, the fused cross-entropy in bf16, the watchdog's CUDA events, checkpoint
   round trips, CPU vs CUDA losses, grouped experts against the loop, compiled FP8 against bf16;
+- bench_gpu A: the llama_1b shape (8 of 16 layers, 8 micro-batches of 2 x 2048 per step), megaframe against
+  compiled transformers and compiled torchtitan: tokens/s, MFU, peak memory, per-step vs per-micro-batch ms;
+- bench_gpu B: all 16 layers, megaframe fp8 against bf16;
 - bench_vs_hf: a llama_1b-shaped step (8 of its 16 layers, so three models share one 80 GB GPU) compiled,
   megaframe bf16 and FP8 against transformers in the same run: tokens/s, MFU, the ratios;
 - bench_experts: the MoE experts' grouped GEMM against the per-expert loop, bf16.
@@ -64,7 +67,17 @@ def benches(dry: bool) -> list[tuple[str, list[str], str]]:
                  "--steps", "3", "--warmup", "2"]
         experts = ["--device", "cuda", "--dtype", "bf16", "--experts", "8", "--rows", "32768", "--hidden", "2048",
                    "--ffn", "1024", "--repeats", "5"]
-    return [("bench_vs_hf (bf16, fp8, transformers)", py + [str(ROOT / "benchmarks/bench_vs_hf.py"), *vs_hf], r"ratio .*wall"),
+    gpu = ["--dry"] if dry else []
+    # the targets: llama_1b shape, 8 layers, 8 micro-batches: MFU >= 0.40, >= 1.0x compiled transformers and
+    # torchtitan; 16 layers: fp8 >= 1.15x bf16
+    short = ["--repeats", "2", "--steps", "2", "--warmup", "2"]
+    peers = py + [str(ROOT / "benchmarks/bench_gpu.py"), "--layers", "8", "--micro-batches", "8", *short, *gpu]
+    fp8 = py + [str(ROOT / "benchmarks/bench_gpu.py"), "--layers", "16", "--micro-batches", "8", "--fp8", "--sides",
+                "megaframe", *short, *gpu]
+    return [("bench_gpu A (8 layers, 8 micro-batches: megaframe vs compiled transformers, torchtitan)", peers,
+             r"MFU [0-9]|SKIP|ratio"),
+            ("bench_gpu B (16 layers: fp8 vs bf16)", fp8, r"MFU [0-9]|ratio"),
+            ("bench_vs_hf (bf16, fp8, transformers)", py + [str(ROOT / "benchmarks/bench_vs_hf.py"), *vs_hf], r"ratio .*wall"),
             ("bench_experts (grouped vs loop)", py + [str(ROOT / "benchmarks/bench_experts.py"), *experts], r"ratio|median")]
 
 
@@ -82,6 +95,25 @@ def run_bench(name: str, cmd: list[str], pattern: str, timeout: float) -> tuple[
     return name, "passed", took, " | ".join(lines)
 
 
+TARGETS = [  # (what, regex over the bench lines, at least): issue "fast where users run it", one H100
+    ("A megaframe MFU (8 layers, 8 micro-batches, bf16 compiled)", r"megaframe +tokens/s .*? MFU ([0-9.]+)", 0.40),
+    ("A megaframe / compiled transformers", r"ratio megaframe / hf_llama: ([0-9.]+)", 1.0),
+    ("A megaframe / compiled torchtitan", r"ratio megaframe / torchtitan: ([0-9.]+)", 1.0),
+    ("B fp8 / bf16 (16 layers)", r"ratio megaframe_fp8 / megaframe: ([0-9.]+)", 1.15),
+]
+
+
+def targets(rows, judge: bool) -> None:
+    """One line per speed target with the measured figure (MISS or PASS on a GPU; --dry only shows the parsing)."""
+    text = " | ".join(r[3] for r in rows if r[0].startswith("bench_gpu"))
+    print("\nspeed targets:")
+    for what, pattern, least in TARGETS:
+        m = re.search(pattern, text)
+        got = float(m.group(1)) if m else None
+        verdict = "not measured" if got is None else ("PASS" if got >= least else "MISS") if judge else "(dry)"
+        print(f"  {verdict:<12} {what}: {'-' if got is None else f'{got:.3f}'} (target >= {least})")
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dry", action="store_true", help="CPU and tiny sizes (the harness only)")
@@ -96,6 +128,8 @@ def main(argv: list[str]) -> int:
     rows = run_tests(pytest_args) if args.only != "benches" else []
     if args.only != "tests" and (cuda or args.dry):
         rows += [run_bench(n, c, p, args.bench_timeout) for n, c, p in benches(args.dry)]
+    if args.only != "tests" and (cuda or args.dry):
+        targets(rows, judge=cuda)
     print(f"\nGPU checks on {device}:")
     for name, outcome, seconds, reason in rows:
         print(f"  {outcome:<8} {seconds:7.1f}s  {name}" + (f"  ({reason})" if reason else ""))

@@ -22,6 +22,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megaframe.errors import fail  # noqa: E402  (after the path insert)
+from megaframe.quiet import quiet_optional_imports  # noqa: E402
+
+quiet_optional_imports()  # transformers loads torchao, whose loader lines say nothing to act on
 
 
 class WeightsOnly:
@@ -153,10 +156,15 @@ def import_hf(folder: str, out: Path, overrides: list[str]) -> Path:
     src = Path(folder)
     if not (src / "config.json").is_file():
         raise ValueError(f"{folder}: not a transformers model folder (no config.json)")
+    from safetensors import SafetensorError
+
     try:
         fields, state = from_hf(src)
-    except (OSError, KeyError, RuntimeError) as e:
+    # SafetensorError: a truncated or corrupt model.safetensors (not an OSError)
+    except (OSError, KeyError, RuntimeError, SafetensorError) as e:
         raise ValueError(f"{folder}: cannot load the transformers model ({str(e).splitlines()[0]})") from e
+    except ValueError as e:  # a missing or non-finite weight, an unsupported architecture
+        raise ValueError(f"{folder}: {e}") from e
     cfg = run_config(fields, overrides)
     model, mesh = build_filled_model(cfg, state)
     tok = copy_tokenizer(src, out / "hf_tokenizer")

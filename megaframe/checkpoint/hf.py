@@ -36,7 +36,10 @@ from pathlib import Path
 
 import torch
 
+from megaframe.quiet import quiet_optional_imports
 from megaframe.schema import ModelConfig
+
+quiet_optional_imports()  # before this module's transformers imports: transformers loads torchao, which logs noise
 
 
 def family(m: ModelConfig) -> str:
@@ -86,13 +89,28 @@ def from_hf(source) -> tuple[dict, dict[str, torch.Tensor]]:
     if isinstance(source, (str, Path)):
         from transformers import AutoModelForCausalLM
 
-        source = AutoModelForCausalLM.from_pretrained(str(source), local_files_only=True, **_fp32())
+        source, info = AutoModelForCausalLM.from_pretrained(str(source), local_files_only=True,
+                                                            output_loading_info=True, **_fp32())
+        _refuse_missing(source, info)
     cfg = source.config
     # fp32 whatever the source's dtype: the import is the full-precision state a run starts from
     sd = {k: v.detach().to(torch.float32).cpu() for k, v in source.state_dict().items()}
+    bad = [k for k, v in sd.items() if v.is_floating_point() and not torch.isfinite(v).all()]
+    if bad:  # a NaN weight trains to nan (every step skipped) and a run "finishes" with nothing learnt
+        raise ValueError(f"HF weights hold NaN/inf in {len(bad)} tensor(s): {', '.join(bad[:4])}")
     from megaframe.models.registry import by_model_type
 
     return by_model_type(cfg.model_type).from_hf(cfg, sd)
+
+
+def _refuse_missing(model, info: dict) -> None:
+    """transformers initialises a weight the folder lacks at random and only reports it: an import must
+    not turn that into a checkpoint. Only a tied head may be absent (it is the embedding)."""
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    missing = [k for k in info.get("missing_keys", []) if not (tied and k.endswith("lm_head.weight"))]
+    if missing:
+        raise ValueError(f"the HF weights lack {len(missing)} tensor(s) the model needs: {', '.join(sorted(missing)[:4])}"
+                         + (" ..." if len(missing) > 4 else ""))
 
 
 def model_overrides(fields: dict) -> list[str]:

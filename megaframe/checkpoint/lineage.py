@@ -121,6 +121,10 @@ def prune(root: str | Path, keep_last: int, owner: str | None = None) -> list[Pa
 
 def describe(path: Path) -> str:
     """One line for logs: the checkpoint and where it came from."""
-    meta = _meta(path) or {}
-    lin = meta.get("lineage") or {}
-    return f"{path} (run {lin.get('run_id', '?')}, parent {lin.get('parent') or 'none'})"
+    return f"{path} {origin(path)}"
+
+
+def origin(path: Path) -> str:
+    """Where a checkpoint came from: `(run R, parent P)`."""
+    lin = (_meta(path) or {}).get("lineage") or {}
+    return f"(run {lin.get('run_id', '?')}, parent {lin.get('parent') or 'none'})"

@@ -116,6 +116,9 @@ def _well_formed(path, meta: dict) -> dict:
         if not isinstance(info, dict) or not isinstance(info.get("shards"), list) \
                 or not all(isinstance(s, dict) and isinstance(s.get("file"), str) for s in info["shards"]):
             bad(f"tensor entry {key!r}")
+        problem = _tensor_problem(info)
+        if problem:  # the file, the tensor and the field: a reader would trip on it with no name at all
+            bad(f"tensor {key!r}: {problem}")
     for key in ("config", "lineage"):
         if meta.get(key) is not None and not isinstance(meta[key], dict):
             bad(f"{key!r} is not an object")
@@ -127,6 +130,41 @@ def _well_formed(path, meta: dict) -> dict:
     if name.startswith("step_") and name[5:].isdigit() and int(name[5:]) != meta["step"]:
         bad(f"step {meta['step']} in folder {name}")
     return meta
+
+
+def _ints(v, n: int | None = None) -> bool:
+    """A list of non-negative ints (of length n when given)."""
+    return isinstance(v, list) and (n is None or len(v) == n) and \
+        all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v)
+
+
+def _box(v, ndim: int) -> bool:
+    """[[lo, hi], ...] per dimension, lo <= hi."""
+    return isinstance(v, list) and len(v) == ndim and all(_ints(r, 2) and r[0] <= r[1] for r in v)
+
+
+def _tensor_problem(info: dict) -> str | None:
+    """What is malformed in one tensor entry (dtype, global_shape, each shard's key, shape and pieces), else
+    None. Checked here so that resume=auto passes a damaged checkpoint over like any other damage, and the
+    tools say which field, instead of an AttributeError from getattr(torch, dtype) or a failed unpacking."""
+    import torch
+
+    for where, dtype in [("dtype", info.get("dtype"))] + [
+            (f"shard {i} dtype", s["dtype"]) for i, s in enumerate(info["shards"]) if "dtype" in s]:
+        if not isinstance(dtype, str) or not isinstance(getattr(torch, dtype, None), torch.dtype):
+            return f"{where} {dtype!r} is not a torch dtype"
+    shape = info.get("global_shape")
+    if not _ints(shape):
+        return f"global_shape {shape!r} is not a list of sizes"
+    for i, s in enumerate(info["shards"]):
+        if not isinstance(s.get("key"), str) or not _ints(s.get("shape")):
+            return f"shard {i} (in {s['file']}): key {s.get('key')!r} or shape {s.get('shape')!r}"
+        pieces = s.get("pieces")
+        if not isinstance(pieces, list) or not all(
+                isinstance(p, list) and len(p) == 2 and _box(p[0], len(s["shape"])) and _box(p[1], len(shape))
+                for p in pieces):
+            return f"shard {i} (in {s['file']}): pieces {json.dumps(pieces)[:80]} are not [stored box, global box] pairs"
+    return None
 
 
 LINEAGE_TEXT = ("id", "run_id", "parent", "parent_id", "owner", "run_dir")

@@ -61,21 +61,22 @@ def _fsync_write(path: Path, text: str) -> None:
         os.fsync(f.fileno())
 
 
-# an all-gather of nothing: a barrier that goes through comm (and its timeout) like every collective
-def _barrier(mesh: Mesh) -> None:
-    comm.gather_objects(None, mesh.group)
-
-
 def begin(root: str | Path, step: int, mesh: Mesh) -> tuple[Path, Path]:
     """Create the (empty) temporary folder of a checkpoint; collective. Returns (tmp, final)."""
     final = step_dir(root, step)
     tmp = final.with_name(final.name + ".tmp")  # only the commit's rename creates `final`: no reader sees half a save
+    error = None
     if mesh.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         # rank 0 alone: a .tmp left by a crashed save was wiped, so no stale shard joins this one
-        tmp.mkdir(parents=True)
-    # no rank may write its shard before rank 0 has (re)created the folder
-    _barrier(mesh)
+        try:
+            tmp.mkdir(parents=True)
+        except OSError as e:  # a full disk: every rank hears it below rather than waiting for rank 0
+            error = f"checkpoint step {step} not committed: cannot create {tmp}: {e}"
+    # no rank may write its shard before rank 0 has (re)created the folder (a barrier through comm)
+    error = comm.gather_objects(error, mesh.group)[0]
+    if error is not None:
+        raise SaveError(error)
     return tmp, final
 
 
@@ -108,9 +109,9 @@ def write_report(folder: Path, rank: int, stored: list, fail: str | None = None)
     name = shard_name(rank)
     try:
         info = write_file(folder, rank, {s.stored_key: s.source for s in stored}, fail) if stored else None
-    except OSError as e:
+    except Exception as e:  # noqa: BLE001  (OSError, safetensors' SafetensorError, whatever the write raises)
         # reported, not raised: a rank that raised here would miss the gather in finish() and hang its peers there
-        return {"rank": rank, "ok": False, "error": f"rank {rank}: {e}"}
+        return {"rank": rank, "ok": False, "error": f"rank {rank}: {' '.join(str(e).split()) or type(e).__name__}"}
     entries: dict[str, dict] = {}
     for s in stored:
         e = entries.setdefault(s.key, {"global_shape": list(s.global_shape), "dtype": s.dtype, "shards": []})
@@ -175,7 +176,11 @@ def decide(root, tmp: Path, final: Path, step: int, meta: dict, reports: list[di
         shutil.rmtree(tmp, ignore_errors=True)
         return f"checkpoint step {step} not committed: {reason}"
     files = {r["file"]: r["info"] for r in reports if r["file"]}
-    commit(root, tmp, final, step, {**meta, "io": io_figures(reports)}, tensors, files)
+    try:
+        commit(root, tmp, final, step, {**meta, "io": io_figures(reports)}, tensors, files)
+    except OSError as e:  # rank 0's metadata or pointer write on a full disk: a verdict, so no peer waits for one
+        shutil.rmtree(tmp, ignore_errors=True)
+        return f"checkpoint step {step} not committed: rank 0: {e}"
     # only after the new checkpoint is committed: a crash in between never leaves fewer than keep_last good ones
     prune(root, keep_last, (meta.get("lineage") or {}).get("owner"))
     return None
@@ -205,8 +210,15 @@ def commit(root, tmp: Path, final: Path, step: int, meta: dict, tensors: dict, f
         keep_aside(final)
     os.replace(tmp, final)
     # the pointer moves only once the folder is in place: a crash before leaves it naming the previous complete checkpoint
-    _fsync_write(Path(root) / "latest.tmp", final.name + "\n")
-    os.replace(Path(root) / "latest.tmp", Path(root) / "latest")
+    try:
+        _fsync_write(Path(root) / "latest.tmp", final.name + "\n")
+        os.replace(Path(root) / "latest.tmp", Path(root) / "latest")
+    except OSError:
+        # `latest` still names the previous checkpoint: put the folder back, so what is reported as not committed
+        # is not taken for the newest checkpoint by a later resume either
+        Path(root, "latest.tmp").unlink(missing_ok=True)
+        os.replace(final, tmp)
+        raise
 
 
 def keep_aside(final: Path) -> Path | None:
@@ -223,8 +235,8 @@ def keep_aside(final: Path) -> Path | None:
         n += 1
         aside = aside.with_name(f"{final.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}-{n}")
     os.replace(final, aside)
-    print(f"megaframe: warning: {final.name} already held {lineage.describe(aside)}: kept as {aside.name}, "
-          "not replaced", file=sys.stderr, flush=True)
+    print(f"megaframe: warning: {final} held another branch's checkpoint {lineage.origin(aside)}; renamed it "
+          f"{aside.name}", file=sys.stderr, flush=True)
     return aside
 
 

@@ -71,13 +71,13 @@ def write_file(folder: Path, rank: int, tensors: dict[str, torch.Tensor], fail: 
     in the middle of the write."""
     path = folder / shard_name(rank)
     crcs = {k: block_crcs(t) for k, t in tensors.items()}
-    if fail:
-        # leave a partial file behind, as a real failed write would: the commit must refuse it, not trip on it
+    if fail == "kill":
+        # leave a partial file behind, as a real killed write would: the commit must refuse it, not trip on it
         path.write_bytes(b"\0" * 1024)
-        if fail == "kill":
-            import signal
-            os.kill(os.getpid(), signal.SIGKILL)
-        raise OSError(f"injected write failure on rank {rank} ({path.name})")
+        import signal
+        os.kill(os.getpid(), signal.SIGKILL)
+    if fail:
+        _fail_like_a_full_disk(path, rank)
     save_file({k: t.contiguous() for k, t in tensors.items()}, str(path), metadata={CRC_KEY: json.dumps(crcs)})
     # safetensors creates 0600 files; a checkpoint is shared like any other output (the umask rules)
     os.chmod(path, 0o666 & ~_UMASK)
@@ -88,6 +88,17 @@ def write_file(folder: Path, rank: int, tensors: dict[str, torch.Tensor], fail: 
         header_crc = zlib.crc32(f.read(n))  # recorded in metadata.json: a torn header is caught before its offsets are trusted
     data = sum(t.numel() * t.element_size() for t in tensors.values())
     return {"bytes": path.stat().st_size, "header_crc32": header_crc, "data_bytes": data}
+
+
+def _fail_like_a_full_disk(path: Path, rank: int) -> None:
+    """The injected write failure is what safetensors raises on a full disk: its own SafetensorError (not
+    an OSError) with the OS error in the text, after a partial temporary file (safetensors writes a hidden
+    temporary file in the folder, then renames it), so the caller is tested against the real error type."""
+    from safetensors import SafetensorError
+
+    (path.parent / f".tmp{rank:05d}injected").write_bytes(b"\0" * 1024)
+    raise SafetensorError(f"Error while serializing: I/O error: No space left on device (os error 28) "
+                          f"[injected write failure on rank {rank} ({path.name})]")
 
 
 @dataclass

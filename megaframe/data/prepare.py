@@ -58,7 +58,7 @@ from megaframe.data.sources import (
     text_size,
     units,
 )
-from megaframe.data.tasks import missing_line, unit_tasks, waiting_lock
+from megaframe.data.tasks import announce, missing_line, unit_tasks, waiting_lock
 from megaframe.data.tokenizer import load_tokenizer, tokenizer_sha256
 from megaframe.errors import fail
 
@@ -173,8 +173,6 @@ def _build(cfg: Config, files: list[SourceFile], work: Path, settings: dict, uni
             tok_name = put_tokenizer(cfg, files, work, cache)
         tok = load_tokenizer(work / tok_name)
         t1, cpu1 = time.perf_counter(), time.process_time()
-        print(f"megaframe: prepare: tokenizing {len(files):,} files ({sum(f.size for f in files) / 1e6:,.1f} MB) "
-              f"with {workers} worker(s)", flush=True)
         shards, worker_cpu = _encode(cfg, files, records, str(work / tok_name), work, pool, unit_bytes,
                          chunk_chars or _chunk_size(files, workers), cache, show_progress, merge)
         t2, cpu2 = time.perf_counter(), time.process_time()
@@ -268,6 +266,16 @@ def _split_units(work: Path, groups: list[list[SourceFile]], records: list[dict]
     return done, todo, per_unit
 
 
+def _plan_units(cfg: Config, files: list[SourceFile], records: list[dict], work: Path, unit_bytes: int,
+                merge: bool) -> tuple[list, list[int], tuple]:
+    """The units, each unit's task, and (done, todo, per_unit) for this task (nothing to do for a merge)."""
+    (work / "units").mkdir(exist_ok=True)
+    groups = units(files, unit_bytes)
+    owner = unit_tasks([sum(f.size for f in g) for g in groups], cfg.data.num_tasks)
+    mine = {k for k in range(len(groups)) if owner[k] == cfg.data.task and not merge}
+    return groups, owner, _split_units(work, groups, records, mine)
+
+
 def _encode(cfg: Config, files: list[SourceFile], records: list[dict], tok_path: str, work: Path, pool,
             unit_bytes: int, chunk_chars: int, cache: str, show_progress: bool | None,
             merge: bool = False) -> tuple[list[dict] | dict, float]:
@@ -275,11 +283,9 @@ def _encode(cfg: Config, files: list[SourceFile], records: list[dict], tok_path:
     earlier run or another process, each under its lock (megaframe.data.partial); returns all shards in
     stream order, or {"missing", "tasks"} while other tasks' units are not done; and the worker CPU
     seconds."""
-    (work / "units").mkdir(exist_ok=True)
-    groups = units(files, unit_bytes)
-    owner = unit_tasks([sum(f.size for f in g) for g in groups], cfg.data.num_tasks)
-    done, todo, per_unit = _split_units(work, groups, records, {k for k in range(len(groups))
-                                                                if owner[k] == cfg.data.task and not merge})
+    groups, owner, (done, todo, per_unit) = _plan_units(cfg, files, records, work, unit_bytes, merge)
+    if not merge:  # a merge tokenizes nothing: it only checks and joins the tasks' units
+        announce(cfg.data, [f for _, g, _ in todo for f in g], pool._processes if pool is not None else 1)
     progress = Progress(sum(text_size(f) for _, g, _ in todo for f in g), show_progress)
     pending: deque = deque()  # in stream order: ("chunk", k, result, chars) and ("unit", k, recs)
     limit = 2 * (pool._processes if pool is not None else 1)  # bounded memory: few chunks in flight

@@ -75,10 +75,15 @@ class NotPrepared(ValueError):
 
 
 def prepare_command(data_cfg, path) -> str:
-    """The exact command that prepares `path`: plain `prepare` for the demo (its source and path are the
-    data=demo defaults), else the source and path of the run's config."""
+    """The exact command that prepares `path`: a folder already holding files (a raw corpus given as
+    data.path) as the source of a new folder beside it; plain `prepare` for the demo (its source and path are
+    the data=demo defaults); else the source and path of the run's config."""
     from megaframe.schema import ROOT
 
+    folder = Path(path)
+    if folder.is_dir() and any(folder.iterdir()):  # source files, most likely: prepare refuses to write into them
+        out = f"{str(path).rstrip('/')}-prepared"
+        return f"python -m megaframe.data.prepare data.source={path} data.path={out} (then data.path={out})"
     if data_cfg.name == "demo" and data_cfg.source == str(ROOT / "data/demo/corpus"):
         if Path(path).resolve() == (ROOT / "data/demo/prepared").resolve():
             return "python -m megaframe.data.prepare (or: make data)"

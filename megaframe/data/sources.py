@@ -159,8 +159,10 @@ def skip_line(groups: dict[str, list[str]], total: int) -> str | None:
         return None
     parts = [f"{len(v)} x {k}" for k, v in sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[0]))]
     shown = ", ".join(parts[:6]) + (f", {len(parts) - 6} more endings" if len(parts) > 6 else "")
+    # the endings hint only where an ending was skipped: empty files have nothing to read
+    hint = "add endings to data.extensions to read them; " if set(groups) - {"empty"} else ""
     return (f"megaframe: prepare: skipped {n} of {total + n - len(groups.get('empty', []))} files ({shown}); "
-            "add endings to data.extensions to read them; the names are in meta.json's `skipped`")
+            f"{hint}the names are in meta.json's `skipped`")
 
 
 def text_size(src: SourceFile) -> int:

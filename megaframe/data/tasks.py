@@ -46,3 +46,17 @@ def missing_line(missing: list[int], tasks: list[int], out: Path) -> str:
     return (f"data.path={out}: {len(missing)} of {len(tasks)} unit(s) not prepared yet (units "
             f"{', '.join(map(str, missing[:8]))}{' ...' if len(missing) > 8 else ''}; tasks "
             f"{', '.join(map(str, owners))}): run those tasks (data.task=I) before the merge")
+
+
+def announce(d, todo: list, workers: int) -> None:
+    """prepare's line on what this run tokenizes (d: the DataConfig): the files of its own units still to do
+    (under data.num_tasks, this task's share; after an interruption, what is left), empty files not counted
+    (they are skipped): a task with none of its own says so rather than the whole corpus's count."""
+    live = [f for f in todo if f.size]
+    task = f"task {d.task} of {d.num_tasks}: " if d.num_tasks > 1 else ""
+    if not live:
+        print(f"megaframe: prepare: {task}nothing to tokenize (its units are done or belong to other tasks)",
+              flush=True)
+        return
+    print(f"megaframe: prepare: {task}tokenizing {len(live):,} files ({sum(f.size for f in live) / 1e6:,.1f} MB) "
+          f"with {workers} worker(s)", flush=True)

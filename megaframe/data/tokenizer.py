@@ -73,6 +73,9 @@ class HFTokenizer:
 
     def __init__(self, path: str | Path):
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # we parallelize over processes
+        from megaframe.quiet import quiet_optional_imports
+
+        quiet_optional_imports()
         from transformers import AutoTokenizer
 
         self.tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)

@@ -97,6 +97,17 @@ class Sampler:
     def due(self, step: int) -> bool:
         return step % self.cfg.train.sample_interval == 0
 
+    def _append(self, path: Path, text: str) -> None:
+        """samples.jsonl is not worth a run: a full disk is one warning (the first time), then the console only."""
+        try:
+            with open(path, "a") as f:
+                f.write(text)
+        except OSError as e:
+            if not getattr(self, "_warned", False):
+                print(f"megaframe: warning: cannot write {path} ({e}); samples go to the console only",
+                      file=sys.stderr, flush=True)
+            self._warned = True
+
     def sample(self, step: int, model, run_dir: str, wandb_run=None) -> float:
         """Write the samples of this step; returns the seconds spent."""
         t0 = time.perf_counter()
@@ -113,10 +124,10 @@ class Sampler:
                 self.mesh.stats.add(group, nbytes)
         # one writer: every dp replica computed the same samples
         if self.mesh.is_logger:
-            with open(Path(run_dir) / "samples.jsonl", "a") as f:
-                for p, text in rows:
-                    print(f"sample step {step}: {p!r} -> {text!r}", flush=True)
-                    f.write(json.dumps({"step": step, "prompt": p, "text": text}) + "\n")
+            for p, text in rows:
+                print(f"sample step {step}: {p!r} -> {text!r}", flush=True)
+            self._append(Path(run_dir) / "samples.jsonl",
+                         "".join(json.dumps({"step": step, "prompt": p, "text": text}) + "\n" for p, text in rows))
             if wandb_run is not None:
                 import wandb
 

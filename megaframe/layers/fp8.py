@@ -19,6 +19,8 @@ output row and so layout-free for column-parallel layers.
 """
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import nn
 
@@ -57,20 +59,24 @@ class Fp8Gemm:
         return f"Fp8Gemm({self.recipe})"
 
 
-def enable_fp8(model: nn.Module, recipe: str) -> int:
+def enable_fp8(model: nn.Module, recipe: str, warn: bool = True) -> int:
     """Give every linear inside the transformer blocks an Fp8Gemm (the head, embedding and MoE stay bf16);
-    returns how many linears were switched. The GEMM dims must be multiples of 16 (float8 GEMM's rule)."""
+    returns how many linears were switched. A float8 GEMM needs both dims of the local weight a multiple of 16:
+    a linear that has not keeps its bf16 GEMM, named in one warning line (`warn`: this rank prints it)."""
     from megaframe.layers.linear import ColumnParallelLinear, RowParallelLinear
 
-    gemm, n = Fp8Gemm(recipe), 0
+    gemm, n, kept = Fp8Gemm(recipe), 0, []
     for chunk in _blocks(model):
         for name, mod in chunk.named_modules():
             if isinstance(mod, (ColumnParallelLinear, RowParallelLinear)):
                 o, i = mod.weight.shape
                 if o % 16 or i % 16:
-                    raise ConfigError(f"train.precision=fp8: {name} has a local weight of [{o}, {i}]; float8 GEMMs "
-                                      "need both dims a multiple of 16 (choose sizes or tp to match)")
+                    kept.append(f"{name} [{o}, {i}]")
+                    continue
                 mod.gemm, n = gemm, n + 1
+    if kept and warn:
+        print(f"megaframe: warning: train.precision=fp8: {len(kept)} linear(s) kept in bf16, a local weight dim not "
+              f"a multiple of 16 (float8 GEMM's rule): {', '.join(kept)}", file=sys.stderr, flush=True)
     return n
 
 

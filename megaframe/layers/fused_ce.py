@@ -12,43 +12,62 @@ grad arrives as an expanded scalar), otherwise it recomputes chunk by chunk with
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
+from megaframe.layers import wgrad
 from megaframe.layers.vocab import log_softmax_nll, nll_grad_
+from megaframe.layers.wgrad import mixed_gemm
 from megaframe.pipeline.split import wanted
 
-CHUNK_ELEMS = {"cpu": 1 << 21, "cuda": 1 << 26}  # logits elements per chunk: 8 MiB on CPU, 256 MiB on GPU
+CHUNK_ELEMS = {"cpu": 1 << 21, "cuda": 1 << 30}
+"""Logits elements per chunk. CPU: 8 MiB of fp32, cache-sized. GPU: a memory budget (2 GiB of bf16 logits, their
+grad written over them by the compiled chain): 4k tokens x a 128k vocab is one chunk, so the head's weight-grad
+GEMM runs once with K = all tokens and its fp32 result is written once, not re-read and re-written per chunk."""
 
 
 def _chunk_tokens(n: int, vocab: int, device: torch.device) -> int:
     return max(1, min(n, CHUNK_ELEMS.get(device.type, 1 << 22) // vocab))
 
 
+def _ce_math(logits_CV: torch.Tensor, target_C: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss_C fp32, grad_CV = softmax - onehot in the logits' dtype) as one elementwise chain: compiled, one
+    read of the logits (and one for their log-sum-exp) and one write of the grad; fp32 only in registers."""
+    z_CV = logits_CV.float()
+    lse_C = torch.logsumexp(z_CV, dim=-1)
+    loss_C = lse_C - z_CV.gather(-1, target_C.unsqueeze(-1)).squeeze(-1)
+    hot_CV = torch.arange(z_CV.shape[-1], device=z_CV.device) == target_C.unsqueeze(-1)
+    return loss_C, (torch.exp(z_CV - lse_C.unsqueeze(-1)) - hot_CV.float()).to(logits_CV.dtype)
+
+
+_compiled_math = None
+
+
+def _chain(logits_CV: torch.Tensor, target_C: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """_ce_math compiled on CUDA (the eager chain makes ~7 passes over fp32 copies: 28 B per logit against
+    4); eager elsewhere (CPU tests, no compiler wanted), in place over one fp32 copy."""
+    global _compiled_math
+    if logits_CV.device.type == "cuda":
+        if _compiled_math is None:
+            _compiled_math = torch.compile(_ce_math, dynamic=None)
+        return _compiled_math(logits_CV, target_C)
+    logp_CV, loss_C = log_softmax_nll(logits_CV, target_C)
+    # in place: the log-probabilities are not needed once the loss is picked
+    return loss_C, nll_grad_(logp_CV, target_C).to(logits_CV.dtype)
+
+
+def _stop(n: int, c: int, x: torch.Tensor) -> int:
+    """Where the chunk loop ends: every token, except on the meta device (the planner's sizing), where one
+    chunk has the shapes and saved tensors of all (each is alike) and the loop would be the plan's cost:
+    a Python loop of N / C meta ops (a million at seq_length 1e9 never returned)."""
+    return min(n, c) if x.device.type == "meta" else n
+
+
 def _chunk_grads(x_CD, w_VD, target_C, g_C=None):
     """(loss_C, grad_logits_CV) of one chunk; grad_logits is softmax - onehot (times g_C if given)."""
+    if g_C is None:
+        return _chain(x_CD @ w_VD.t(), target_C)
     logp_CV, loss_C = log_softmax_nll(x_CD @ w_VD.t(), target_C)
-    # in place: the log-probabilities are not needed once the loss is picked
     return loss_C, nll_grad_(logp_CV, target_C, g_C).to(w_VD.dtype)
-
-
-@functools.cache
-def mixed_gemm(device_type: str) -> bool:
-    """Whether this torch has mm/addmm(bf16, bf16, out_dtype=fp32) with an fp32 `self` on this device.
-
-    The overloads are CUDA-only, absent before torch 2.8 (TypeError), and 2.8/2.9 refuse an fp32 `self` with
-    bf16 mats (RuntimeError); torch>=2.6 is allowed and NGC containers ship their own torch, so probe
-    once per device type and fall back to upcasting instead of dying on step 1. Nothing is read back
-    from the device: the checks raise on the host, so the probe adds no sync."""
-    try:
-        a_22 = torch.zeros(2, 2, dtype=torch.bfloat16, device=device_type)
-        acc_22 = torch.zeros(2, 2, dtype=torch.float32, device=device_type)
-        torch.mm(a_22, a_22, torch.float32, out=acc_22)
-        torch.addmm(acc_22, a_22, a_22, torch.float32, out=acc_22)
-    except (TypeError, RuntimeError):  # NotImplementedError (no kernel for the device) is a RuntimeError
-        return False
-    return True
 
 
 def _accumulate(acc_VD: torch.Tensor, grad_CV: torch.Tensor, x_CD: torch.Tensor, first: bool) -> None:
@@ -77,7 +96,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # the head grad sums over every chunk: accumulate it in fp32 (a bf16 sum would round once per
         # chunk), cast once at the end; the first chunk writes it: no zero fill
         gw_VD = torch.empty_like(w_VD, dtype=torch.float32) if grads else None
-        for lo in range(0, n, c):
+        for lo in range(0, _stop(n, c, x_ND), c):
             x_CD, t_C = x_ND[lo:lo + c], target_N[lo:lo + c]
             if not grads:
                 loss_N[lo:lo + c] = log_softmax_nll(x_CD @ w_VD.t(), t_C)[1]
@@ -85,7 +104,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
             loss_N[lo:lo + c], grad_CV = _chunk_grads(x_CD, w_VD, t_C)
             torch.mm(grad_CV, w_VD, out=gx_ND[lo:lo + c])
             _accumulate(gw_VD, grad_CV, x_CD, first=lo == 0)
-        if grads:
+        # fp32 kept when the optimizer takes the grad into its fp32 main_grad (backward scales it in there):
+        # no round to bf16 and back; else cast once here
+        if grads and wgrad.fused_target(w_VD) is None:
             gw_VD = gw_VD.to(w_VD.dtype)
         ctx.save_for_backward(x_ND, w_VD, target_N)
         # our own buffers (neither input nor output): kept on ctx, so scaling them in place in backward
@@ -102,10 +123,16 @@ class _LinearCrossEntropy(torch.autograd.Function):
             # in place, so each grad at most once: a split backward (pipeline/split.py) runs this node for
             # B (the input grad) and again for W (the weight's)
             gx = gx_ND.mul_(scale) if ctx.needs_input_grad[0] and wanted(x_ND) else None
-            return gx, gw_VD.mul_(scale) if ctx.needs_input_grad[1] and wanted(w_VD) else None, None
+            if not (ctx.needs_input_grad[1] and wanted(w_VD)):
+                return gx, None, None
+            main = wgrad.fused_target(w_VD)
+            if main is None:
+                return gx, gw_VD.mul_(scale), None
+            wgrad.scale_into_main(main, gw_VD, scale)
+            return gx, torch.empty_like(w_VD), None  # fires the param's hook, which drops it (wgrad.py)
         c = _chunk_tokens(x_ND.shape[0], w_VD.shape[0], x_ND.device)  # per-token weights: recompute
         acc_VD = torch.empty_like(w_VD, dtype=torch.float32)
-        for lo in range(0, x_ND.shape[0], c):
+        for lo in range(0, _stop(x_ND.shape[0], c, x_ND), c):
             _, grad_CV = _chunk_grads(x_ND[lo:lo + c], w_VD, target_N[lo:lo + c], g_N[lo:lo + c].float())
             torch.mm(grad_CV, w_VD, out=gx_ND[lo:lo + c])
             _accumulate(acc_VD, grad_CV, x_ND[lo:lo + c], first=lo == 0)  # (rare path: per-token weights)

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megaframe.layers import wgrad
 from megaframe.layers.shard import Shard, sharded_param
 from megaframe.parallel import comm, tp_overlap
 from megaframe.parallel.eager import eager
@@ -79,7 +80,7 @@ class ColumnParallelLinear(nn.Module):
             return y_SBO if self.bias is None else y_SBO + self.bias
         if self.sp and self.tp.size > 1:
             return _gathered_linear(x_SBI, self.weight, self.bias, self.tp)
-        return F.linear(comm.copy_to_tp(x_SBI, self.tp), self.weight, self.bias)
+        return wgrad.linear(comm.copy_to_tp(x_SBI, self.tp), self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -100,6 +101,6 @@ class RowParallelLinear(nn.Module):
             y_SBO = tp_overlap.matmul_scatter(x_SBI, self.weight, self.tp, self.overlap_chunks)
             return y_SBO if self.bias is None else y_SBO + self.bias
         # No bias in the matmul: added before the reduction it would be summed tp times.
-        y_SBO = F.linear(x_SBI, self.weight) if self.gemm is None else self.gemm(x_SBI, self.weight)
+        y_SBO = wgrad.linear(x_SBI, self.weight) if self.gemm is None else self.gemm(x_SBI, self.weight)
         y_SBO = comm.reduce_scatter_to_sp(y_SBO, self.tp) if self.sp else comm.reduce_from_tp(y_SBO, self.tp)
         return y_SBO if self.bias is None else y_SBO + self.bias

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
 from megaframe.layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -25,6 +26,22 @@ from megaframe.parallel.eager import eager
 from megaframe.parallel.mesh import Axis
 from megaframe.parallel.ring_attention import ring_attention
 from megaframe.schema import ModelConfig
+
+SDPA_PRIORITY = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                 SDPBackend.MATH]
+"""CUDA SDPA backends, first usable wins. torch's default order puts FlashAttention-2 first; cuDNN's Hopper kernels
+are faster at head dim 64-128 (torchtitan sets this order too); its grads are checked against flash in tests/gpu."""
+
+
+def causal_sdpa(q_BHSE: torch.Tensor, k_BKSE: torch.Tensor, v_BKSE: torch.Tensor, dropout: float,
+                gqa: bool) -> torch.Tensor:
+    """Causal SDPA; on CUDA under SDPA_PRIORITY (a context torch.compile traces; the global order is restored)."""
+    if not q_BHSE.is_cuda:
+        return F.scaled_dot_product_attention(q_BHSE, k_BKSE, v_BKSE, is_causal=True, dropout_p=dropout,
+                                              enable_gqa=gqa)
+    with sdpa_kernel(SDPA_PRIORITY, set_priority=True):
+        return F.scaled_dot_product_attention(q_BHSE, k_BKSE, v_BKSE, is_causal=True, dropout_p=dropout,
+                                              enable_gqa=gqa)
 
 
 def rope_tables(seq: int, dim: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,8 +149,7 @@ class Attention(nn.Module):
             bias_QT = _cp_bias(self.seq, self.cp.size, self.cp.rank, q_BHSE.device, q_BHSE.dtype)
             return F.scaled_dot_product_attention(q_BHSE, k_BKSE, v_BKSE, attn_mask=bias_QT, dropout_p=dropout,
                                                   enable_gqa=gqa)
-        return F.scaled_dot_product_attention(q_BHSE, k_BKSE, v_BKSE, is_causal=True, dropout_p=dropout,
-                                              enable_gqa=gqa)
+        return causal_sdpa(q_BHSE, k_BKSE, v_BKSE, dropout, gqa)
 
     def _documents(self, q_BHQE: torch.Tensor, k_BKTE: torch.Tensor, v_BKTE: torch.Tensor, doc: DocContext,
                    dropout: float) -> torch.Tensor:

@@ -2,8 +2,8 @@
 
 Every family builds the same GPT module configured by ModelConfig, so one set of formulas, written against
 the modules' own parameters, serves them all; a family spec (models/spec.py) may substitute its own. The
-planner (planning/layout.py) and MFU (training/metrics.py) read them through the family spec;
-tests/unit/test_model_families.py checks the counts against `sum(p.numel())` of a meta model for every
+planner (planning/candidate.py) and MFU (training/metrics.py) read them through the family spec;
+tests/unit/models/test_model_families.py checks the counts against `sum(p.numel())` of a meta model for every
 preset in conf/model/ and for tp/pp cuts.
 
 Legend: D hidden, H query heads, K kv heads, E head dim, F ffn width, V vocab rows, S seq_length.

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from megaframe.optim.adamw import MOMENTS, adamw
-from megaframe.optim.finalize import finalize
+from megaframe.optim.finalize import clip_divisor, finalize
 from megaframe.optim.grads import ReplicatedGrads
 from megaframe.optim.zero import ZeroOptimizer
 from megaframe.parallel.mesh import Mesh
@@ -49,9 +49,10 @@ class PlainOptimizer:
         return contextlib.nullcontext()
 
     def step(self, lr: float) -> torch.Tensor:
-        norm = finalize(self.grads, self.mesh, self.cfg.clip_grad)
+        norm = finalize(self.grads, self.mesh, self.cfg.clip_grad, clip=False)
         for group in self.adam.param_groups:
             group["lr"] = lr
+        self.adam.grad_scale = clip_divisor(norm, self.cfg.clip_grad)  # clipped inside the fused kernel
         # Every rank computed the same global norm, so all ranks skip (or not) together and stay replicas.
         self.adam.found_inf = (~torch.isfinite(norm)).float()  # a NaN/Inf skips the update, no host sync
         self.adam.step()

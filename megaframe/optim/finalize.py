@@ -8,7 +8,8 @@ rank to the clipped full-batch grads the update reads, and the global norm.
     4. norm           each element once: `Placement.counts_in_norm` drops tp copies and pipeline
                       duplicates; squares are summed over the data-parallel axis where ranks hold
                       different elements (ZeRO's owned ranges; experts over ep)
-    5. clip           scale by min(1, max_norm / norm) on the device
+    5. clip           scale by min(1, max_norm / norm) on the device (the optimizers hand it to fused
+                      AdamW as grad_scale instead: clip_divisor, no separate pass over the grads)
 
 The stage supplies a `GradSource`: which grads are tied, how it reduces over data parallel, and this
 rank's final grads with their placements. Every step above reads only the placements, so zero=0 and
@@ -109,8 +110,18 @@ def clip_(grads: list[torch.Tensor], norm: torch.Tensor, max_norm: float) -> Non
     torch._foreach_mul_(grads, scale)
 
 
-def finalize(source: GradSource, mesh: Mesh, max_norm: float) -> torch.Tensor:
-    """Steps 1-5 of the module docstring; returns the global norm before clipping."""
+def clip_divisor(norm: torch.Tensor, max_norm: float) -> torch.Tensor | None:
+    """Step 5 for a fused AdamW: its `grad_scale`, max(1, norm / max_norm), which the kernel divides each grad
+    by as it reads it (and writes the clipped grad back) instead of a separate pass over the grads (clip_
+    reads and writes 8 B per fp32 grad). None when clipping is off. On the device, no host sync."""
+    if max_norm <= 0:
+        return None
+    return ((norm + 1e-6) / max_norm).clamp(min=1.0)
+
+
+def finalize(source: GradSource, mesh: Mesh, max_norm: float, clip: bool = True) -> torch.Tensor:
+    """Steps 1-5 of the module docstring (clip=False: step 5 is the caller's, clip_divisor); returns the
+    global norm before clipping."""
     # The tied sum must precede the data-parallel reduction: ZeRO's reduce-scatter leaves each rank only
     # its range, and both copies' ranges must hold the sum of the two stages' grads.
     all_reduce_tensors(source.tied_grads(), mesh.pp_ends)
@@ -119,5 +130,6 @@ def finalize(source: GradSource, mesh: Mesh, max_norm: float) -> torch.Tensor:
     # tp peers share the buffer layout, so under ZeRO their owned ranges hold the same elements
     all_reduce_tensors([g for pl, g in grads if pl.tp_partial_grad], mesh.tp)
     norm = global_norm(grads, mesh, source.sharded)
-    clip_([g for _, g in grads], norm, max_norm)
+    if clip:
+        clip_([g for _, g in grads], norm, max_norm)
     return norm

@@ -8,16 +8,19 @@ an fp32 master copy (fp32 params are their own master: the update writes the par
 So optimizer state per rank is 8 (fp32) or 12 (bf16) bytes per owned element, 1/dp of the whole.
 
 One step, zero=1:
-  backward     grads accumulate in place into the grad buffer (fp32 params: p.grad *is* the buffer
-               slice; bf16 params: a post-accumulate hook adds p.grad into the fp32 slice, p.main_grad,
-               and frees it). Inside backward_context(is_last=True) the same hook marks the param
+  backward     grads accumulate in place into the grad buffer: the linears' weight-grad GEMMs (and the
+               fused head's dW) write into the slice, p.main_grad, themselves (layers/wgrad.py); other
+               params' grads are copied (first micro-batch of the step) or added into it by a post-accumulate
+               hook, which frees a separate low-precision grad (fp32 params: p.grad then *is* the slice).
+               Inside backward_context(is_last=True) the same hook marks the param
                ready; the hook that completes a bucket launches its async reduce-scatter over dp, so
                communication of the last layers' grads runs while earlier layers still compute.
   step(lr)     optim/finalize.py's one path, with this optimizer as its GradSource: sum the tied
                embedding over the pipeline ends (its bucket is `late`: never launched from backward),
                launch what backward did not (buckets with an unused param, or late ones), wait for
                everything in flight, sum tp-partial grads over tp (sequence-parallel norms: on this
-               rank's range only), global grad norm, clip; then AdamW on the owned range, and the
+               rank's range only), global grad norm; then AdamW on the owned range, clipping as its
+               grad_scale, and the
                all-gather of the updated param buckets over dp.
 zero=2 keeps no grad buffer (buffer.py): in EVERY micro-batch's backward the hook adds p.grad into its
 bucket's `acc` (allocated on the bucket's first grad) and frees p.grad; the hook completing a bucket
@@ -62,8 +65,10 @@ import contextlib
 import torch
 from torch import nn
 
+from megaframe.layers import wgrad
+from megaframe.layers.vocab import VocabParallelEmbedding
 from megaframe.optim.buffer import Bucket, FlatBuffer, grad_dtype
-from megaframe.optim.finalize import all_reduce_tensors, finalize
+from megaframe.optim.finalize import all_reduce_tensors, clip_divisor, finalize
 from megaframe.optim.param_gather import ParamGather
 from megaframe.optim.zero_io import ZeroStateIO
 from megaframe.optim.zero_state import build_state, flat_buffers, make_state
@@ -129,6 +134,14 @@ class ZeroOptimizer(ZeroStateIO):
         self._grads_made = True
         for buf in self.buffers:
             buf.alloc_grads()
+        if self.stage == 1:
+            # The grad buffer has its memory now: linears may write their weight grads into it (layers/wgrad.py)
+            # not the embedding: its weight may be the tied head's too, and two grads of one param are
+            # summed by autograd before its hook, where the never-written one would be added in
+            embeds = {id(m.weight) for m in self.model.modules() if isinstance(m, VocabParallelEmbedding)}
+            for p in self.params:
+                p.fuse_wgrad = id(p) not in embeds
+        for buf in self.buffers:
             for b in buf.buckets:
                 if self.stage == 2 and b.late and b.acc is None:
                     for p in b.params:
@@ -151,10 +164,13 @@ class ZeroOptimizer(ZeroStateIO):
         self._wait_all()
         self._acc_bytes = 0
         made = self._grads_made
+        if self.stage == 1 and made:
+            # Nothing to zero: each param's first grad of the step is written, not added (wgrad.py's GEMM, or
+            # _grad_ready's copy); a param no backward reached is zeroed at step (_zero_unwritten).
+            wgrad.forget(p.main_grad for p in self.params)
         for buf in self.buffers:
-            for t in (buf.grad, buf.grad_shard):
-                if t is not None and made:
-                    t.zero_()
+            if buf.grad_shard is not None and made:  # zero=2: reduce-scattered ranges are added into it
+                buf.grad_shard.zero_()
             buf.free_grad32()
             for b in buf.buckets:
                 b.ready.clear()
@@ -164,10 +180,9 @@ class ZeroOptimizer(ZeroStateIO):
                     for p in b.params:
                         p.main_grad = buf.acc_view(p)
         for p in self.params:
-            # zero=1 with grads in the param's dtype (fp32, or bf16 reduction): autograd accumulates straight
-            # into the buffer slice; else the hook moves it
-            # (before make_grads: None, the hook folds the first grad in)
-            p.grad = p.main_grad if made and self.stage == 1 and p.main_grad.dtype == p.dtype else None
+            # the first backward's grad is separate; the hook writes it into the buffer (and for grads in the
+            # param's dtype then points p.grad at the buffer slice, so later micro-batches accumulate there)
+            p.grad = None
 
     def backward_context(self, is_last: bool):
         @contextlib.contextmanager
@@ -197,8 +212,15 @@ class ZeroOptimizer(ZeroStateIO):
                 self._note_acc(b.numel * buf.grad_elem)
         else:
             main = p.main_grad
-        if p.grad is not None and p.grad.data_ptr() != main.data_ptr():
-            main.add_(p.grad)  # bf16 params into fp32 grads, zero=2, or a grad someone replaced
+        if self.stage == 1 and wgrad.take_fused(main):
+            p.grad = None  # the GEMM wrote main itself; p.grad is the never-written tensor that fired this hook
+        elif p.grad is not None and p.grad.data_ptr() != main.data_ptr():
+            # bf16 params into fp32 grads, zero=2, or a grad someone replaced; zero=1's first grad of the
+            # step is copied (zero_grad zeroed nothing)
+            if self.stage == 1 and wgrad.note_written(main):
+                main.copy_(p.grad)
+            else:
+                main.add_(p.grad)
             p.grad = main if self.stage == 1 and main.dtype == p.dtype else None
         if not ((self._last or self.stage == 2) and self.overlap):
             return
@@ -296,10 +318,13 @@ class ZeroOptimizer(ZeroStateIO):
         self.param_gather.wait()  # a step with no forward since the last one (the master is re-read)
         self.make_state()
         self._resync_master()
-        norm = finalize(self, self.mesh, self.cfg.clip_grad)
+        self._zero_unwritten()
+        # clipping is the fused AdamW's grad_scale (one pass over the grads fewer: finalize.clip_divisor)
+        norm = finalize(self, self.mesh, self.cfg.clip_grad, clip=False)
         if self.adam is not None:
             for group in self.adam.param_groups:
                 group["lr"] = lr
+            self.adam.grad_scale = clip_divisor(norm, self.cfg.clip_grad)
             # A NaN/Inf norm skips the update on the device, without a host sync: the fused AdamW kernel
             # leaves params, moments and its step count untouched where found_inf is 1 (the flag the
             # AMP grad scaler uses). Every rank sees the same global norm, so all skip together.
@@ -307,6 +332,15 @@ class ZeroOptimizer(ZeroStateIO):
             self.adam.step()
         self.param_gather.launch(self._launch_param_gather)
         return norm
+
+    @torch.no_grad()
+    def _zero_unwritten(self) -> None:
+        """zero=1: zero the grads of params no backward of this step reached (zero_grad left them as they were)."""
+        if self.stage != 1 or not self._grads_made:
+            return
+        for p in self.params:
+            if wgrad.note_written(p.main_grad):
+                p.main_grad.zero_()
 
     @torch.no_grad()
     def _resync_master(self) -> None:

@@ -2,6 +2,7 @@
 processes on this host that form a gloo group on a free port, and the one answer a rank puts back."""
 from __future__ import annotations
 
+import queue
 import socket
 
 import torch.multiprocessing as mp
@@ -26,10 +27,17 @@ def spawn_local(target, nprocs: int, *args, timeout_s: float = 1800.0):
     procs = [ctx.Process(target=target, args=(r, port, *args, out), daemon=True) for r in range(nprocs)]
     for p in procs:
         p.start()
+    grace = 60.0  # after an answer, the ranks' own shutdown; after none, nothing is coming
     try:
         return out.get(timeout=timeout_s)
+    except queue.Empty:  # a slow or overloaded machine, or a rank that died: one line, not a queue traceback
+        grace = 0.0
+        dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+        raise TimeoutError(f"no answer from {nprocs} local processes within {timeout_s:g} s"
+                           + (f" (exit codes {dead})" if dead else " (a busy machine?)")) from None
     finally:
         for p in procs:
-            p.join(timeout=60)
+            p.join(timeout=grace)
             if p.is_alive():
                 p.kill()
+                p.join()

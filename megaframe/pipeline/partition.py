@@ -8,10 +8,11 @@ rank 0 holds both ends (embedding and head: a tied embedding is one tensor there
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from megaframe.pipeline.schedule import stage_of
+from megaframe.pipeline.schedule import ZERO_BUBBLE, build_schedule, check_args, is_v, stage_of
 
 
 @dataclass(frozen=True)
@@ -57,3 +58,35 @@ def stage_layout(num_layers: int, pp: int, vpp: int, rank: int, layout: Optional
     # first/last go by rank, not chunk: under vpp rank 0 holds stage 0 and rank pp-1 the last stage (in a
     # V, rank 0 both).
     return Stage(chunks, first=rank == 0, last=stage_of(rank, vpp - 1, pp, v) == pp * vpp - 1, v=v)
+
+
+def check_runnable(kind: str, pp: int, vpp: int, m: int, moe: bool = False, recompute: str = "none",
+                   counts: list[int] | None = None, build: bool = True) -> None:
+    """Raise ValueError (naming the settings) for what the executor cannot run: what check_args refuses, what
+    building every rank's schedule refuses (the same build_schedule the executor runs), a pipeline rank left
+    without any parameter by the layers per virtual stage `counts`, and the model settings the split backward
+    does not compose with. The config checks call it before any rank starts; `build=False` leaves the
+    schedules unbuilt (the planner's search: train.py builds them in full for the layout a user runs)."""
+    check_args(kind, pp, vpp, m)
+    if counts is not None:
+        last = pp * vpp - 1
+        for rank in range(pp):
+            stages = [stage_of(rank, c, pp, is_v(kind)) for c in range(vpp)]
+            # the embedding lives on stage 0 and the head on the last one: any other rank needs a layer
+            if not any(counts[s] or s in (0, last) for s in stages):
+                raise ValueError(f"parallel.pp_layout={list(counts)} leaves pipeline rank {rank} (stages "
+                                 f"{stages} under {kind}) without any layer or parameter: give it a layer")
+    if kind in ZERO_BUBBLE and moe and recompute == "full":
+        # the recomputed MoE block's saved tensors are read again by W after B released them (pipeline/split.py)
+        raise ValueError(f"parallel.pp_schedule={kind} splits each backward in two and does not compose with an "
+                         "MoE model under train.recompute=full: use train.recompute=selective or none, or another "
+                         "parallel.pp_schedule")
+    if build:
+        _buildable(kind, pp, vpp, m)
+
+
+# Cached: the planner's search validates tens of thousands of layouts that share a few hundred schedules
+@functools.lru_cache(maxsize=None)
+def _buildable(kind: str, pp: int, vpp: int, m: int) -> None:
+    for rank in range(pp):
+        build_schedule(kind, pp, vpp, m, rank)

@@ -153,6 +153,9 @@ def backward_input(root: torch.Tensor, grad: torch.Tensor | None, x: torch.Tenso
     """B: the gradient of the chunk input `x` (None on the first stage: then B computes nothing and W
     runs the whole backward), and what W needs."""
     grad = torch.ones_like(root) if grad is None else grad
+    if x is not None and root is x:
+        # a chunk of 0 layers hands its input on unchanged: its input gradient is the output's, and no W
+        return grad, PendingW()
     if x is None or root.grad_fn is None:
         return None, PendingW(rest=(root, grad, None))
     rev = _reverse_edges(root.grad_fn)

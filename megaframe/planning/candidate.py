@@ -26,6 +26,11 @@ class Layout:
     """optim.grad_reduce_dtype: the dtype of the grad buffers and their dp reduction."""
     schedule: str = ""
     """parallel.pp_schedule ("": the config's, e.g. auto); the search also tries zb_h1 (vpp=1) and zbv (vpp=2)."""
+    pp_layout: tuple = ()
+    sp: bool = True
+    """parallel.sp wherever tp > 1 (the search always; False times a layout without it, e.g. published runs
+    before sequence parallelism existed)."""
+    """parallel.pp_layout: layers per virtual stage (pp·vpp entries, stage = chunk·pp + rank); (): even."""
 
     @property
     def shard_size(self) -> int:
@@ -38,14 +43,16 @@ class Layout:
         hsdp = f" hsdp={self.shard}" if self.shard else ""
         grad = " grad=bf16" if self.grad_dtype == "bf16" else ""
         sched = f" {self.schedule}" if self.schedule else ""
+        sched += f" layers={'/'.join(map(str, self.pp_layout))}" if self.pp_layout else ""
         return (f"tp={self.tp}{cp} pp={self.pp} vpp={self.vpp}{sched} dp={self.dp}{ep} zero={self.zero}{hsdp}{grad} "
                 f"mb={self.micro_batch} recompute={self.recompute}")
 
     def overrides(self) -> list[str]:
         grad = [f"optim.grad_reduce_dtype={self.grad_dtype}"] if self.grad_dtype != "fp32" else []
         grad += [f"parallel.pp_schedule={self.schedule}"] if self.schedule else []
+        grad += [f"parallel.pp_layout=[{','.join(map(str, self.pp_layout))}]"] if self.pp_layout else []
         return [f"parallel.tp={self.tp}", f"parallel.pp={self.pp}", f"parallel.vpp={self.vpp}",
-                f"parallel.ep={self.ep}", f"parallel.cp={self.cp}", f"parallel.sp={str(self.tp > 1).lower()}",
+                f"parallel.ep={self.ep}", f"parallel.cp={self.cp}", f"parallel.sp={str(self.tp > 1 and self.sp).lower()}",
                 f"optim.zero={self.zero}", f"optim.shard_group_size={self.shard}", *grad,
                 f"train.micro_batch_size={self.micro_batch}", f"train.recompute={self.recompute}"]
 
@@ -59,7 +66,8 @@ def layout_config(cfg: Config, lay: Layout) -> Config:
         optim["grad_reduce_dtype"] = lay.grad_dtype
     sched = {"pp_schedule": lay.schedule} if lay.schedule else {}
     c = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, tp=lay.tp, pp=lay.pp, vpp=lay.vpp,
-                                                              ep=lay.ep, sp=lay.tp > 1, pp_layout=None, cp=lay.cp,
+                                                              ep=lay.ep, sp=lay.tp > 1 and lay.sp,
+                                                              pp_layout=list(lay.pp_layout) or None, cp=lay.cp,
                                                               **sched),
                             optim=dataclasses.replace(cfg.optim, **optim),
                             train=dataclasses.replace(cfg.train, micro_batch_size=lay.micro_batch,
@@ -79,10 +87,25 @@ def layer_params(m, tp: int, ep: int) -> tuple[int, int]:
     return counting_family(m).layer_params(m, tp, ep)
 
 
+def stage_layers(num_layers: int, lay: Layout) -> list[int]:
+    """Blocks on each pipeline rank: parallel.pp_layout's virtual stages summed per rank (stage = chunk·pp +
+    rank), or an even split."""
+    if not lay.pp_layout:
+        return [num_layers // lay.pp] * lay.pp
+    return [sum(lay.pp_layout[c * lay.pp + r] for c in range(lay.vpp)) for r in range(lay.pp)]
+
+
+def end_layers(m, lay: Layout, first: bool, last: bool) -> int:
+    """Blocks of the first or last pipeline rank (the larger of the two when both; the largest when neither)."""
+    per = stage_layers(m.num_layers, lay)
+    return max(per[0] if first else 0, per[-1] if last else 0) if (first or last) else max(per)
+
+
 def stage_params(m, lay: Layout, first: bool, last: bool) -> tuple[int, int]:
-    """(dense, expert) parameters of the first or last pipeline rank (the family's counters)."""
+    """(dense, expert) parameters of the first or last pipeline rank (the larger of the two when both; the
+    family's counters)."""
     from megaframe.models.registry import counting_family
 
-    layers = m.num_layers // lay.pp
+    layers = end_layers(m, lay, first, last)
     dense, expert = (layers * x for x in layer_params(m, lay.tp, lay.ep))
     return dense + counting_family(m).outside_params(m, lay.tp, first, last), expert

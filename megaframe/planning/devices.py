@@ -1,21 +1,36 @@
 """Device specs for the planner's step-time model: one table, each figure with its source.
 
-Peaks are dense (no sparsity) tensor-core FLOP/s; link bandwidths are per direction per device.
-`efficiency` is the fraction of peak the model assumes a training step's large matmuls reach (stated, not
-fitted: ~50 % is what well-tuned Megatron-LM / torchtitan bf16 runs of 8B-70B dense models report as
-MFU on H100/A100, e.g. Llama 3's 38-43 % at 16k GPUs, Megatron's 47 % at 1T params on A100); `link_eff`
-the fraction of the link rate NCCL's bus bandwidth reaches (nccl-tests all-reduce busbw, ~80 %).
-`latency_s` is the per-message cost of one ring step (NCCL's few-microsecond launch + hop). `hbm_bw` and
-`gemm_launch_s` make the efficiency a function of each GEMM's shape (planning.timing.gemm_efficiency): a
-thin GEMM (large tp, a small micro-batch) is bound by memory or launch, not by the tensor cores.
+Peaks are dense (no sparsity) tensor-core FLOP/s; link bandwidths are per direction per device. Datasheet
+figures are quoted; the rest are read off published microbenchmarks, named beside each, never fitted to
+the validation runs (docs/planning.md's published-run table is a held-out check of these figures):
+
+  efficiency     the fraction of peak a large bf16 GEMM reaches in cuBLAS (the top of the efficiency
+                 curve). A100: ~265 of 312 TF for 8192^3 (Anthony et al. 2024, arXiv 2401.14489, fig. 2;
+                 NVIDIA "Matrix Multiplication Background" user guide); H100 SXM: ~740 of 989 TF
+                 (the same paper's H100 sweep). FP8 GEMMs reach about the same fraction of the fp8 peak.
+  gemm_fixed_s   the time a GEMM costs beyond its FLOPs at that rate (launch, the partial last wave of
+                 tiles): the curve over size, efficiency x f / (f + efficiency x peak x fixed). ~8 us puts
+                 a 2048^3 bf16 GEMM at ~0.74 of peak on A100 and ~0.56 on H100, as the same sweeps show.
+  attn_eff       fused causal attention (forward + backward) as a fraction of peak: FlashAttention-2
+                 (Dao 2023, arXiv 2307.08691: 50-73 % of A100's peak; ~35 % of H100's, which FA2 under
+                 PyTorch SDPA runs at).
+  hbm_eff        the fraction of HBM bandwidth a streaming (elementwise) kernel reaches (~0.8 in STREAM-like
+                 tests of A100/H100, e.g. the same paper's memory-bound sweeps).
+  link_eff       NCCL bus bandwidth over the link rate (nccl-tests all-reduce busbw, ~80 %).
+  latency_s / inter_latency_s   per ring step on NVLink / across nodes on InfiniBand (nccl-tests small-message
+                 all-reduce: ~10 us on 8 NVLink GPUs over 14 steps, ~2-3 us a step; ~5 us a step over IB).
 
 "cpu" is measured when asked for (`measure_cpu`): the best fp32 matmul rate of one core, and the time
 of one gloo ring hop against its size between two local processes (planning.gloo_link).
+`python -m megaframe.plan calibrate` measures the present device and writes a profile (planning.calibrate)
+that `+device_profile=PATH` loads in place of a table entry.
 """
 from __future__ import annotations
 
+import json
 import time
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
 
 import torch
 
@@ -35,36 +50,65 @@ class Device:
     per_node: int
     """Devices per node (the NVLink domain)."""
     efficiency: float = 0.5
+    """Fraction of peak the largest GEMMs reach (the top of the curve; module doc)."""
     link_eff: float = 0.8
-    latency_s: float = 10e-6
+    latency_s: float = 3e-6
+    """Seconds per ring step within a node (NVLink)."""
     hbm_bw: float = 0.0
-    """Bytes/s of the device's own memory (the GEMM roofline's memory side, planning.timing.gemm_efficiency);
-    0: no per-shape model, every GEMM at `efficiency`."""
-    gemm_launch_s: float = 5e-6
-    """Fixed cost of one GEMM kernel (launch and tail wave), the roofline's third term."""
+    """Bytes/s of the device's own memory (the GEMM roofline's memory side and the elementwise work);
+    0: no per-shape model, every GEMM at `efficiency` (the cpu)."""
+    gemm_fixed_s: float = 8e-6
+    """A GEMM's cost beyond its FLOPs at `efficiency` (launch, tail wave): the curve over size."""
     hops: tuple = ()
     """Measured ((bytes, seconds of one ring hop), ...) (cpu: gloo, planning.gloo_link); when set it
     replaces latency_s + bytes / bandwidth."""
     source: str = ""
+    peak_fp8: float = 0.0
+    """Dense fp8 FLOP/s (0: no fp8 tensor cores; fp8 runs at the bf16 peak)."""
+    attn_eff: float = 0.4
+    """Fused causal attention's forward + backward as a fraction of the bf16 peak."""
+    hbm_eff: float = 0.8
+    inter_latency_s: float = 5e-6
+    """Seconds per ring step across nodes (InfiniBand)."""
+    alloc_headroom: float = 0.0
+    """Fraction of the allocated peak the caching allocator keeps reserved on top (fragmentation; module
+    planning.phases' peaks are allocated bytes, what torch.cuda.max_memory_allocated reads)."""
 
     def peak(self, precision: str) -> float:
+        if precision == "fp8":
+            return self.peak_fp8 or self.peak_bf16
         return self.peak_bf16 if precision == "bf16" else self.peak_fp32
 
+    def to_dict(self) -> dict:
+        return {**asdict(self), "hops": [list(h) for h in self.hops]}
 
+
+_H100 = ("NVIDIA H100 Tensor Core GPU datasheet (SXM5: 989 TF bf16 dense, 1,979 TF fp8 dense, 495 TF tf32 dense, "
+         "NVLink 900 GB/s bidirectional, HBM3 3.35 TB/s); DGX H100: 8 GPUs, ConnectX-7 400 Gb/s per GPU")
 DEVICES = {
-    "H100": Device("H100 SXM5 80GB", 989e12, 494.7e12, 80, 450e9, 50e9, 8, hbm_bw=3.35e12,
-                   source="NVIDIA H100 Tensor Core GPU datasheet (SXM5: 989 TF bf16 dense, 495 TF tf32 dense, "
-                          "NVLink 900 GB/s bidirectional, HBM3 3.35 TB/s); DGX H100: 8 GPUs, ConnectX-7 400 Gb/s per GPU"),
-    "H200": Device("H200 SXM 141GB", 989e12, 494.7e12, 141, 450e9, 50e9, 8, hbm_bw=4.8e12,
+    "H100": Device("H100 SXM5 80GB", 989e12, 494.7e12, 80, 450e9, 50e9, 8, efficiency=0.75, hbm_bw=3.35e12,
+                   peak_fp8=1979e12, attn_eff=0.35, source=_H100),
+    "H100_500W": Device("H100 SXM 96GB HBM2e at 500 W", 989e12, 494.7e12, 95, 450e9, 50e9, 8, efficiency=0.62,
+                        hbm_bw=2.4e12, peak_fp8=1979e12, attn_eff=0.3,
+                        source="torchtitan docs/performance.md's Grand Teton hosts (8 H100 with 96 GB HBM2e at "
+                               "2.4 TB/s, NVLink, 400 Gb/s RDMA per GPU, the default 500 W power limit); peaks "
+                               "from the H100 SXM datasheet. The 500 W cap lowers the sustained tensor-core "
+                               "clock: assumed 0.83 of the 700 W part's GEMM rate (clock ~ power^0.5), an "
+                               "assumption, not a measurement"),
+    "H200": Device("H200 SXM 141GB", 989e12, 494.7e12, 141, 450e9, 50e9, 8, efficiency=0.75, hbm_bw=4.8e12,
+                   peak_fp8=1979e12, attn_eff=0.35,
                    source="NVIDIA H200 Tensor Core GPU datasheet (same compute and NVLink as H100 SXM, 141 GB "
                           "HBM3e at 4.8 TB/s); HGX H200 with 400 Gb/s NDR per GPU"),
-    "A100": Device("A100 SXM4 80GB", 312e12, 156e12, 80, 300e9, 25e9, 8, hbm_bw=2.039e12,
-                   source="NVIDIA A100 Tensor Core GPU datasheet (312 TF bf16 dense, 156 TF tf32, NVLink 600 GB/s "
-                          "bidirectional, HBM2e 2,039 GB/s); DGX A100: ConnectX-6 200 Gb/s HDR per GPU"),
-    "B200": Device("B200 SXM 180GB", 2.25e15, 1.1e15, 180, 900e9, 50e9, 8, hbm_bw=8e12,
-                   source="NVIDIA DGX B200 datasheet (72 PF fp8 training / 8 GPUs = 9 PF fp8 sparse, i.e. 2.25 PF "
-                          "bf16 dense; 1,440 GB / 8; NVLink 5 1.8 TB/s bidirectional; HBM3e 64 TB/s / 8; "
-                          "ConnectX-7 400 Gb/s per GPU)"),
+    "A100": Device("A100 SXM4 80GB", 312e12, 156e12, 80, 300e9, 25e9, 8, efficiency=0.85, hbm_bw=2.039e12,
+                   attn_eff=0.55,
+                   source="NVIDIA A100 Tensor Core GPU datasheet (312 TF bf16 dense, 156 TF tf32, no fp8, NVLink "
+                          "600 GB/s bidirectional, HBM2e 2,039 GB/s); DGX A100: ConnectX-6 200 Gb/s HDR per GPU"),
+    "B200": Device("B200 SXM 180GB", 2.25e15, 1.1e15, 180, 900e9, 50e9, 8, efficiency=0.75, hbm_bw=8e12,
+                   peak_fp8=4.5e15, attn_eff=0.35,
+                   source="NVIDIA DGX B200 datasheet (72 PF fp8 training / 8 GPUs = 9 PF fp8 sparse, i.e. 4.5 PF "
+                          "fp8 and 2.25 PF bf16 dense; 1,440 GB / 8; NVLink 5 1.8 TB/s bidirectional; HBM3e "
+                          "64 TB/s / 8; ConnectX-7 400 Gb/s per GPU); GEMM and attention efficiencies assumed "
+                          "as H100's (no public sweep found)"),
 }
 
 
@@ -90,14 +134,19 @@ def _matmul_rate(n: int = 512, seconds: float = 0.3) -> float:
         torch.set_num_threads(threads)
 
 
-def measure_cpu(cores: int | None = None) -> Device:
-    """The "cpu" device: one rank per core, gloo between local processes, measured now."""
+def measure_cpu(cores: int | None = None, link_timeout_s: float = 120.0) -> Device:
+    """The "cpu" device: one rank per core, gloo between local processes, measured now. ValueError (one
+    line) when the link measurement gets no answer within link_timeout_s."""
     import os
 
     from megaframe.planning.gloo_link import measure_hops
 
     rate = _matmul_rate()
-    hops = measure_hops()
+    try:
+        hops = measure_hops(link_timeout_s)
+    except TimeoutError as e:
+        raise ValueError(f"+device=cpu: the gloo link measurement failed: {e}; retry on a quieter machine, raise "
+                         "+link_timeout_s, or plan for a table device (+device=H100, ...)") from None
     (s0, t0), (s1, t1) = hops[-2], hops[-1]
     bw = (s1 - s0) / (t1 - t0)  # the largest sizes' bandwidth, for the printed summary
     cores = cores or os.cpu_count() or 1
@@ -109,13 +158,34 @@ def measure_cpu(cores: int | None = None) -> Device:
                   "reduce-scatter between two local processes, 4 B to 4 MiB per hop")
 
 
-def get_device(name: str, **overrides) -> Device:
-    """A table entry by name (case-insensitive), or the measured "cpu"; fields may be overridden."""
-    key = name.upper()
+def get_device(name: str, link_timeout_s: float = 120.0, **overrides) -> Device:
+    """A table entry by name (case-insensitive), or the measured "cpu" (its link measurement waits at most
+    link_timeout_s); fields may be overridden."""
+    key = name.upper().replace(" ", "_")
     if name.lower() == "cpu":
-        dev = measure_cpu()
+        dev = measure_cpu(link_timeout_s=link_timeout_s)
     elif key in DEVICES:
         dev = DEVICES[key]
     else:
         raise ValueError(f"+device={name}: unknown (one of {', '.join(DEVICES)}, cpu)")
+    return replace(dev, **{k: v for k, v in overrides.items() if v is not None})
+
+
+def load_profile(path: str, **overrides) -> Device:
+    """A device profile written by `python -m megaframe.plan calibrate` (planning.calibrate); ValueError
+    names the file and what is wrong with it."""
+    try:
+        raw = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"+device_profile={path}: not a readable JSON profile ({e})") from None
+    known = {f.name for f in fields(Device)}
+    if isinstance(raw, dict):
+        raw.pop("measured", None)  # calibrate's raw readings, kept beside the fields for the reader
+    if not isinstance(raw, dict) or not {"name", "peak_bf16", "peak_fp32"} <= raw.keys() or raw.keys() - known:
+        raise ValueError(f"+device_profile={path}: not a device profile (keys {sorted(known)})")
+    raw["hops"] = tuple(tuple(h) for h in raw.get("hops", ()))
+    try:
+        dev = Device(**raw)
+    except TypeError as e:
+        raise ValueError(f"+device_profile={path}: {e}") from None
     return replace(dev, **{k: v for k, v in overrides.items() if v is not None})

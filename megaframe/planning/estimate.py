@@ -197,7 +197,11 @@ def _rank_figures(cfg: Config, tp: int, pp: int, dp: int, pp_rank: int, tp_rank:
                       act + cp_bias_bytes(model), cp_comm_bytes=cp_step_bytes(cfg, model, dp),
                       grads_fp32_bytes=grads_fp32_bytes(model, cfg, mesh))
     shape = rank_shape(model, cfg, mesh)
-    out.phases = phase_peaks(shape, params, grads, optim, out.activation_bytes, on_host=_on_host(cfg))
+    from megaframe.planning.search import working_set_bytes  # the search's cached meta forwards of one block
+
+    working = working_set_bytes(cfg, tp, cfg.parallel.cp, str(getattr(cfg.train.recompute, "value", cfg.train.recompute)),
+                                cfg.train.micro_batch_size)
+    out.phases = phase_peaks(shape, params, grads, optim, out.activation_bytes + working, on_host=_on_host(cfg))
     out.host_bytes = host_peaks(shape, optim)
     out.today_startup_bytes = today_startup(shape, params, grads, optim)
     out.today_load_bytes = today_load(shape, params + grads + optim,

@@ -12,8 +12,8 @@ Modelled for how start-up, save and load work once parameters are built on the m
             the init block being drawn. No optimizer holds grads or moments yet: they come with the first
             backward and update (torch's AdamW; ZeRO's lazy buffers, optim/buffer.py lazy_zeros)
   step      resident + the activations at the schedule's peak + on the last stage the head's fp32 logits
-            and their gradient for one chunk of tokens (HEAD_FP32_COPIES of [tokens, V/tp], at most
-            layers.fused_ce's CHUNK_ELEMS on a GPU).
+            and their gradient for one chunk of tokens (HEAD_FP32_COPIES of [tokens, V/tp], fp32 on the cpu;
+            in the params' dtype on a GPU, at most layers.fused_ce's CHUNK_ELEMS there).
             ZeRO-3 (zero3_step): the larger of the forward's end (the activations' peak, the output unit
             gathered, the head's workspace) and the backward of the stage's last block at its first weight
             grad, which holds the most transients at once: that block and the prefetched one before it
@@ -62,8 +62,11 @@ STEP_GATHERED_BLOCKS = 2
 """ZeRO-3 blocks gathered at once in a step: the one running and the one prefetched."""
 HEAD_FP32_COPIES = 2
 """fp32 [tokens, V/tp] tensors the head and loss hold at once: the logits and their gradient."""
-HEAD_CHUNK_ELEMS = 1 << 26
-"""layers.fused_ce's logits per chunk on a GPU: the head's workspace never exceeds it."""
+HEAD_CHUNK_ELEMS = {"cpu": 1 << 26, "cuda": 1 << 30}
+"""Logits per chunk of layers.fused_ce's head: on a GPU its memory budget (fused_ce.CHUNK_ELEMS, one chunk at 4k
+tokens x a 128k vocab), whose compiled softmax chain holds the logits and their grad in the params' dtype; on
+the cpu (gloo) the eager chain's two fp32 copies, capped at the old GPU figure (the cpu's own 2^21 chunk is
+smaller: the measured phases stay under this plan)."""
 
 
 @dataclass(frozen=True)
@@ -128,7 +131,8 @@ def phase_peaks(s: RankShape, params: int, grads: int, optim: int, activations: 
         cast = s.param_elem if s.param_elem != 4 else 0
         init = (4 + cast) * (s.read_bytes // 4 or s.largest_numel // s.shard) + INIT_BLOCK_BYTES
     host = host_peaks(s, optim) if on_host else {"save": 0}
-    head = HEAD_FP32_COPIES * 4 * min(s.head_logits, HEAD_CHUNK_ELEMS)
+    head = HEAD_FP32_COPIES * 4 * min(s.head_logits, HEAD_CHUNK_ELEMS["cpu"]) if s.gloo else \
+        HEAD_FP32_COPIES * s.param_elem * min(s.head_logits, HEAD_CHUNK_ELEMS["cuda"])
     step = zero3_step(s, resident, activations, head) if s.zero == 3 else resident + activations + head
     if s.zero == 1 and s.gloo:  # gloo's copies of ZeRO-1's collectives (module doc), one after the other
         step = max(step, resident + grads, resident + params)

@@ -21,7 +21,7 @@ import functools
 from dataclasses import dataclass, field
 
 from megaframe.config import Config, ConfigError, validate
-from megaframe.planning.candidate import Layout, cp_ring, layer_params, layout_config, stage_params
+from megaframe.planning.candidate import Layout, cp_ring, end_layers, layer_params, layout_config, stage_layers, stage_params
 from megaframe.planning.devices import Device
 from megaframe.planning.phases import RankShape, phase_peaks
 from megaframe.planning.timing import step_time
@@ -37,10 +37,12 @@ HEADROOM = 0.9
 
 ZERO3_WHOLE_OUTSIDE_BLOCKS = False
 """ZeRO-3 keeps the params outside the blocks (embedding, head, final norm) whole, as optim/sizing.py counts
-them today; False once ZeRO-3 shards every parameter (parameters built on the meta device)."""
-MODEL_ERROR = 0.113
-"""The step-time model's largest measured error (benchmarks/validate_planner.py against measured runs, README:
-8.5 % and 11.3 % on two runs): layouts closer than this to #1 are ties."""
+them today; False once ZeRO-3 shards every parameter."""
+MODEL_ERROR = 0.13
+"""The search's tie band: sqrt(2) x the step-time model's median error against published training runs
+(planning.published; docs/planning.md's table, benchmarks/validate_published.py, held by
+tests/unit/planning/test_plan_published.py), the typical error of the ratio of two estimates. Layouts closer than this
+to the fastest are ties."""
 
 
 @dataclass
@@ -67,7 +69,7 @@ def divisors(n: int) -> list[int]:
 
 def _state_choices(cfg: Config, tp: int, cp: int, dp: int, ep: int, per_node: int) -> list[tuple[int, int, str]]:
     """(zero, HSDP shard group, grad reduce dtype) of one (tp, cp, dp, ep)."""
-    bf16 = cfg.train.precision == "bf16"
+    bf16 = cfg.train.precision in ("bf16", "fp8")  # fp8 keeps bf16 params with ZeRO's fp32 master
     grads = ("fp32", "bf16") if bf16 else ("fp32",)
     dpcp, out = dp * cp, []
     # HSDP: shard groups of whole nodes (the shard's all-gathers on NVLink or spread evenly over nodes), below cp·dp
@@ -79,20 +81,40 @@ def _state_choices(cfg: Config, tp: int, cp: int, dp: int, ep: int, per_node: in
     return out
 
 
-def candidates(cfg: Config, world: int, per_node: int) -> list[Layout]:
-    """Every layout validate() accepts: tp within a node, pp dividing the layers, sp wherever tp > 1."""
+def candidates(cfg: Config, world: int, per_node: int, keep=None) -> list[Layout]:
+    """Every layout validate() accepts: tp within a node, pp dividing the layers (or, past two stages, the
+    first and last stage one block short: Llama 3's 126 layers on pp16), vpp up to 8, sp wherever tp > 1.
+    `keep(layout)`: only the layouts it accepts are validated (a narrower search)."""
     m, out = cfg.model, []
     # tp within a node: its per-block all-reduces need the intra-node links
     for tp, cp in [(t, c) for t in divisors(world) if t <= max(per_node, 1) for c in divisors(world // t)]:
-        for pp in [p for p in divisors(world // (tp * cp)) if m.num_layers % p == 0]:
+        for pp, split in _pipelines(m.num_layers, world // (tp * cp)):
             dp = world // (tp * cp * pp)
-            for vpp in ([1] if pp == 1 else [v for v in (1, 2, 4) if m.num_layers % (pp * v) == 0]):
+            for vpp in ([1] if pp == 1 or split else [v for v in VPP if m.num_layers % (pp * v) == 0]):
                 # ep borrows its ranks from cp·dp
                 for ep, sched in [(e, s) for e in ([e for e in divisors(dp * cp) if m.num_experts % e == 0]
                                                    if m.num_experts else [1]) for s in _schedules(pp, vpp)]:
-                    out += _valid(cfg, world, [Layout(tp, pp, vpp, dp, ep, zero, mb, rc, cp, shard, g, sched)
-                                               for zero, shard, g in _state_choices(cfg, tp, cp, dp, ep, per_node)
-                                               for mb in MICRO_BATCHES for rc in RECOMPUTE])
+                    lays = [Layout(tp, pp, vpp, dp, ep, zero, mb, rc, cp, shard, g, sched, split)
+                            for zero, shard, g in _state_choices(cfg, tp, cp, dp, ep, per_node)
+                            for mb in MICRO_BATCHES for rc in RECOMPUTE]
+                    out += _valid(cfg, world, [x for x in lays if keep is None or keep(x)])
+    return out
+
+
+VPP = (1, 2, 4, 8)
+"""Virtual stages per pipeline rank the search tries."""
+
+
+def _pipelines(layers: int, ranks: int) -> list[tuple[int, tuple]]:
+    """(pp, pp_layout) for each pp dividing `ranks`: an even split where pp divides the layers, and past
+    two stages the first and last one block short (they also hold the embedding and the head)."""
+    out = []
+    for pp in divisors(ranks):
+        if layers % pp == 0:
+            out.append((pp, ()))
+        if pp > 2 and (layers + 2) % pp == 0 and (layers + 2) // pp > 1:
+            n = (layers + 2) // pp
+            out.append((pp, (n - 1, *[n] * (pp - 2), n - 1)))
     return out
 
 
@@ -110,7 +132,9 @@ def _valid(cfg: Config, world: int, lays: list[Layout]) -> list[Layout]:
         key = dataclasses.replace(lay, grad_dtype="fp32")
         if key not in seen:
             try:
-                validate(layout_config(cfg, key), world, check_data=False)
+                # schedules=False: building every candidate's schedules doubled the search; the layout a
+                # user then runs is validated in full (schedules built) by train.py
+                validate(layout_config(cfg, key), world, check_data=False, schedules=False)
                 seen[key] = True
             except ConfigError:
                 seen[key] = False
@@ -150,6 +174,15 @@ def _act_per_layer(cfg_key, tp: int, recompute: str, cp: int = 1) -> tuple[int, 
 _CFGS: dict[int, Config] = {}
 
 
+def working_set_bytes(cfg: Config, tp: int, cp: int, recompute: str, micro_batch: int) -> int:
+    """Under full recompute, the backward of a block first re-runs its forward: that block's whole saved
+    set (what recompute=none keeps for one block) is live beside the checkpoints, once per rank."""
+    if recompute != "full":
+        return 0
+    _CFGS[id(cfg)] = cfg
+    return micro_batch * _act_per_layer(id(cfg), tp, "none", cp)[0]
+
+
 @functools.lru_cache(maxsize=None)
 def _peak_inflight(kind: str, pp: int, vpp: int, m: int, rank: int, chunk_bytes: tuple) -> int:
     """Peak activation bytes of the rank's order; a split backward's pending W keeps W_FRACTION of a chunk
@@ -184,18 +217,20 @@ def phase_memory(cfg: Config, lay: Layout) -> dict[str, int]:
     # a Config is not hashable for lru_cache: its id keys the cache, and keeping it here stops the id being reused
     _CFGS[key] = cfg
     per_layer, embed, head = _act_per_layer(key, lay.tp, lay.recompute, lay.cp)
-    a_bytes = 2 if t.precision == "bf16" else 4
+    a_bytes = 4 if t.precision == "fp32" else 2  # fp8 runs keep bf16 params and activations (layers/fp8.py)
     micro = t.global_batch_size // (lay.micro_batch * lay.dp)
     kind = lay.schedule or resolve_kind(cfg.parallel.pp_schedule, lay.vpp)
-    chunk_layers = m.num_layers // (lay.pp * lay.vpp)
+    per_rank = stage_layers(m.num_layers, lay)
     worst: dict[str, int] = {}
     # the first stage holds the embedding, the last the head: the largest rank is one of them
     for rank in {0, lay.pp - 1}:
         first, last = rank == 0, rank == lay.pp - 1
         params, grads, optim = _state(cfg, lay, first, last, a_bytes)
+        chunk_layers = per_rank[rank] // lay.vpp
         chunks = tuple(lay.micro_batch * (chunk_layers * per_layer + (embed if c == 0 and first else 0)
                                           + (head if c == lay.vpp - 1 and last else 0)) for c in range(lay.vpp))
         act = _peak_inflight(kind, lay.pp, lay.vpp, micro, rank, chunks) if lay.pp > 1 else chunks[0]
+        act += working_set_bytes(cfg, lay.tp, lay.cp, lay.recompute, lay.micro_batch)
         peaks = phase_peaks(_shape(cfg, lay, first, last, a_bytes, lay.micro_batch * head), params, grads, optim,
                             act + _cp_bias_bytes(cfg, lay, a_bytes), on_host=_on_host(cfg))
         if max(peaks.values()) > max(worst.values(), default=-1):
@@ -222,7 +257,7 @@ def _state(cfg: Config, lay: Layout, first: bool, last: bool, a_bytes: int) -> t
     g = 2 if lay.grad_dtype == "bf16" else 4
     grads = g * (owned if lay.zero >= 2 else n)
     if lay.zero == 3:  # params: the fp32 owned range (the master), plus what stays whole; state: 2 moments
-        outside = n - (m.num_layers // lay.pp) * sum(layer_params(m, lay.tp, lay.ep))
+        outside = n - end_layers(m, lay, first, last) * sum(layer_params(m, lay.tp, lay.ep))
         whole = a_bytes * outside if ZERO3_WHOLE_OUTSIDE_BLOCKS else 0
         return 4 * owned + whole, grads, 8 * owned
     return a_bytes * n, grads, (8 if cfg.train.precision == "fp32" else 12) * owned
@@ -251,7 +286,7 @@ def _shape(cfg: Config, lay: Layout, first: bool, last: bool, a_bytes: int, head
     else:
         read = 4 * max(mats)
     return RankShape(dense + expert, max(mats), a_bytes * block_numel, a_bytes, s, lay.dp * lay.cp, lay.zero,
-                     logits, a_bytes * block_numel * (m.num_layers // lay.pp),
+                     logits, a_bytes * block_numel * end_layers(m, lay, first, last),
                      grad_elem=2 if lay.grad_dtype == "bf16" else 4, out_numel=(d + table) if last else 0,
                      out_acc=not tied_across, block_param_numel=block_mat, head_act=head_act if last else 0,
                      read_bytes=read, gloo=_on_host(cfg))
@@ -266,9 +301,10 @@ def _cp_bias_bytes(cfg: Config, lay: Layout, a_bytes: int) -> int:
 
 
 def search(cfg: Config, world: int, dev: Device, memory_bytes: float | None,
-           progress=None) -> tuple[list[Estimate], int, int]:
-    """(fitting estimates, fastest first; candidates; dropped for memory). `progress(text)` hears how far
-    it got every few seconds (the command prints it to stderr)."""
+           progress=None, keep=None) -> tuple[list[Estimate], int, int]:
+    """(fitting estimates, the tie group first (break_ties), then by time; candidates; dropped for memory).
+    `progress(text)` hears how far it got every few seconds (the command prints it to stderr); `keep`
+    narrows the candidates (candidates())."""
     import time
 
     # 10 % of a device is kept back for the CUDA context, NCCL buffers and allocator fragmentation
@@ -276,7 +312,7 @@ def search(cfg: Config, world: int, dev: Device, memory_bytes: float | None,
     out, dropped, t0 = [], 0, time.perf_counter()
     say = progress or (lambda text: None)
     say("search: enumerating and validating layouts")
-    cands = candidates(cfg, world, dev.per_node if not dev.name.startswith("cpu") else world)
+    cands = candidates(cfg, world, dev.per_node if not dev.name.startswith("cpu") else world, keep)
     last = time.perf_counter()
     for i, lay in enumerate(cands, 1):
         if time.perf_counter() - last > 3:
@@ -288,16 +324,33 @@ def search(cfg: Config, world: int, dev: Device, memory_bytes: float | None,
             dropped += 1
             continue
         out.append(Estimate(lay, mem, step_time(cfg, lay, dev, world), phases))
-    out.sort(key=lambda e: (e.step_s, e.memory_bytes))  # equal times: the one with room to spare first
+    out.sort(key=lambda e: (e.step_s, e.memory_bytes))
     say(f"search: {len(cands)} layouts in {time.perf_counter() - t0:.0f}s")
-    return out, len(cands), dropped
+    return break_ties(out), len(cands), dropped
+
+
+def axes_used(lay: Layout) -> int:
+    """Parallel axes a layout uses beyond plain data parallelism, and its optional features: fewer is
+    simpler to run and to debug."""
+    return (sum(x > 1 for x in (lay.tp, lay.cp, lay.pp, lay.vpp, lay.ep)) + (lay.zero >= 2) + bool(lay.shard)
+            + (lay.grad_dtype != "fp32") + bool(lay.schedule) + (lay.recompute != "none"))
+
+
+def break_ties(ests: list[Estimate], error: float = MODEL_ERROR) -> list[Estimate]:
+    """The layouts within the model's error of the fastest ordered by memory headroom (least peak memory
+    first, in whole GiB: a few MiB is no headroom anyone can use), then simplicity (axes_used), then time;
+    the rest stay by time."""
+    k = ties(ests, error)
+    head = sorted(ests[:k], key=lambda e: (round(e.memory_bytes / 2**30), axes_used(e.layout), e.step_s))
+    return head + ests[k:]
 
 
 def ties(ests: list[Estimate], error: float = MODEL_ERROR) -> int:
-    """How many of the first layouts are within the model's measured error of #1 (#1 included)."""
+    """How many layouts are within the model's error of the fastest (the tie group, first in the ranking)."""
     if not ests:
         return 0
-    return sum(1 for e in ests if e.step_s <= ests[0].step_s * (1 + error))
+    best = min(e.step_s for e in ests)
+    return sum(1 for e in ests if e.step_s <= best * (1 + error))
 
 
 def why_slower(e: Estimate, best: Estimate) -> str:

@@ -2,15 +2,11 @@
 
 Step time (seconds) =
     (compute + tp_comm + ep_comm + cp_comm) / (1 - bubble) + pp_comm + dp_comm
-  compute  model FLOPs of the step (training.metrics.flops_per_token x tokens; + one forward of the
-           blocks for full recompute, + the attention core's forward for selective) / world size
-           / (device peak x GEMM efficiency of this layout's shapes)
-  GEMM efficiency  per shape (gemm_efficiency): every GEMM of a block and the head at this tp, micro-batch
-           and cp ([mb·S/cp tokens] x [D] x [out/tp]) timed by a roofline, max(FLOPs / (peak x efficiency),
-           bytes moved / HBM bandwidth) + a kernel's fixed cost, their FLOPs over their summed time; the
-           device's `efficiency` is what the largest GEMMs reach. Without an HBM figure (cpu) it is that constant.
+  compute  the slowest pipeline rank's compute seconds by kind of work (planning.compute: its blocks'
+           GEMMs on a roofline with a size curve, fp8 at its own peak, the causal attention core, the
+           elementwise work over HBM, the head and fused cross-entropy on the last rank, recompute's re-run)
   comm     per axis: bytes a rank sends (ring all-reduce 2(n-1)/n, all-gather / reduce-scatter / all-to-all
-           (n-1)/n of the tensor) / (link bandwidth x link_eff) + ring steps x latency (cpu: ring steps x
+           (n-1)/n of the tensor) / (link bandwidth x link_eff) + ring steps x that link's latency (cpu: ring steps x
            the measured time of one gloo hop of bytes / steps, Device.hops). An axis is on NVLink
            when its ranks fit in one node (tp innermost, then cp, dp (ep within cp·dp), then pp), else on IB.
            tp: 4 all-reduce-sized collectives of a micro-batch's activations per block (2 forward, 2
@@ -24,8 +20,12 @@ Step time (seconds) =
            the replicas; charged as the trainer overlaps them (_dp_exposed): ZeRO-1 reduces during the last
            micro-batch's backward, ZeRO-2 during every backward, ZeRO-3 gathers block by block ahead of forward
            and backward; the param all-gather runs during the next forward. What the overlapped compute cannot
-           hide is paid, plus one bucket (the last reduce, the first gather) that nothing hides. ZeRO-0's
+           hide is paid, plus one bucket (the last reduce, the first gather) that nothing hides; ZeRO-3's
+           unit hides only behind its own unit's compute (a unit's excess is paid, not absorbed elsewhere), and
+           a link that carries tp / cp traffic during the compute lends dp only the rest of it. ZeRO-0's
            all-reduce and HSDP's replica all-reduce run after backward: paid in full.
+  tp overlap  under parallel.tp_comm_overlap (not fp8) the blocks' tp collectives are paid only where the
+           blocks' GEMMs cannot cover them, plus one chunk (parallel.tp_comm_chunks) nothing hides.
   cp       the K/V exchange of every layer and micro-batch (context.cp_bytes_per_layer, the bytes the
            cp byte-count test checks) over tp·cp ranks' links; allgather is on the critical path (K/V are
            needed before attention), the ring overlaps its exchange with the block attention, so only
@@ -45,7 +45,8 @@ import math
 from dataclasses import dataclass
 
 from megaframe.parallel.context import cp_bytes_per_layer
-from megaframe.planning.candidate import Layout, cp_ring, stage_params
+from megaframe.planning.candidate import Layout, cp_ring, stage_layers, stage_params
+from megaframe.planning.compute import step_compute
 from megaframe.planning.devices import Device
 from megaframe.planning.gloo_link import hop_seconds
 from megaframe.schema import Config
@@ -90,10 +91,11 @@ class _Step:
     lay: Layout
     dev: Device
     world: int
+    fused_attention: bool = True
 
     @property
     def elem(self) -> int:
-        return 2 if self.cfg.train.precision == "bf16" else 4
+        return 4 if self.cfg.train.precision == "fp32" else 2  # fp8 runs keep bf16 activations
 
     @property
     def micro(self) -> int:
@@ -102,7 +104,17 @@ class _Step:
 
     @property
     def layers(self) -> int:
-        return self.cfg.model.num_layers // self.lay.pp
+        """Blocks of the largest pipeline stage (an uneven parallel.pp_layout: its largest rank)."""
+        return max(stage_layers(self.cfg.model.num_layers, self.lay))
+
+    @functools.cached_property
+    def work(self) -> dict[str, float]:
+        """Compute seconds of the slowest pipeline rank by kind (planning.compute): its blocks, the head
+        on the last rank."""
+        lays = stage_layers(self.cfg.model.num_layers, self.lay)
+        parts = [step_compute(self.cfg, self.dev, self.lay, n, self.micro, r == len(lays) - 1, self.fused_attention)
+                 for r, n in enumerate(lays)]
+        return max(parts, key=lambda p: sum(p.values()))
 
     @property
     def act(self) -> int:
@@ -117,55 +129,20 @@ class _Step:
         return 12 * m.num_layers * m.seq_length * m.num_attention_heads * m.head_dim
 
     @property
-    def rate(self) -> float:
-        """FLOP/s one rank reaches; ranks beyond the cores share them (cpu): each gets cores/world of one."""
-        share = min(1.0, self.dev.per_node / self.world) if self.dev.name.startswith("cpu") else 1.0
-        m, lay = self.cfg.model, self.lay
-        eff = gemm_efficiency(self.dev, self.elem, lay.micro_batch * m.seq_length // lay.cp, _gemm_dims(m, lay.tp))
-        return self.dev.peak(self.cfg.train.precision) * eff * share
+    def share(self) -> float:
+        """Ranks beyond the cores share them (cpu): each rank gets cores/world of one."""
+        return min(1.0, self.dev.per_node / self.world) if self.dev.name.startswith("cpu") else 1.0
 
     def coll(self, nbytes: float, n: int, steps: float, span: int) -> float:
         """A ring collective over n ranks whose group spans `span` consecutive ranks (NVLink within a node)."""
         d = self.dev
         on_node = d.name.startswith("cpu") or span <= d.per_node
         bw = (d.intra_bw if on_node else d.inter_bw) * d.link_eff
-        return _ring(nbytes, n, steps, bw, d.latency_s, d.hops)
-
-
-def _gemm_dims(m, tp: int) -> tuple[tuple[int, int], ...]:
-    """(k, n) on one rank of a block's and the head's GEMMs: QKV, the attention output, the MLP's up (gate
-    fused) and down projections, the head; column-parallel ones split n over tp, row-parallel ones k."""
-    d, e, h = m.hidden_size, m.head_dim, m.num_attention_heads
-    ffn = m.expert_ffn if m.num_experts else m.ffn_hidden_size
-    up = (2 if m.activation == "swiglu" else 1) * ffn
-    return ((d, (h + 2 * m.kv_heads) * e // tp), (h * e // tp, d), (d, up // tp), (ffn // tp, d),
-            (d, m.vocab_size // tp))
-
-
-@functools.lru_cache(maxsize=None)
-def gemm_efficiency(dev: Device, elem: int, tokens: int, gemms: tuple) -> float:
-    """Fraction of peak the GEMMs (k, n) over `tokens` rows reach, FLOP-weighted: each timed by the
-    roofline max(2·t·k·n / (peak·efficiency), elem·(t·k + k·n + t·n) / hbm) + one launch, three times
-    (forward, and backward's two GEMMs of the same size)."""
-    if not dev.hbm_bw:
-        return dev.efficiency
-    peak = dev.peak("bf16" if elem == 2 else "fp32")
-    flops = spent = 0.0
-    for k, n in gemms:
-        f = 2.0 * tokens * k * n
-        spent += 3 * (max(f / (peak * dev.efficiency), elem * (tokens * k + k * n + tokens * n) / dev.hbm_bw)
-                      + dev.gemm_launch_s)
-        flops += 3 * f
-    return flops / (peak * spent)
+        return _ring(nbytes, n, steps, bw, d.latency_s if on_node else d.inter_latency_s, d.hops)
 
 
 def _compute(s: _Step) -> float:
-    m, t = s.cfg.model, s.cfg.train
-    fpt = flops_per_token(m)
-    # recompute adds a forward (a third of fwd + bwd): the attention core's for selective, every
-    # block's (all but the head) for full
-    extra = {"none": 0.0, "selective": s.attn_core / 3, "full": (fpt - 6 * m.vocab_size * m.hidden_size) / 3}
-    return (fpt + extra[s.lay.recompute]) * t.global_batch_size * m.seq_length / s.world / s.rate
+    return sum(s.work.values()) / s.share
 
 
 def _tp(s: _Step) -> float:
@@ -176,7 +153,15 @@ def _tp(s: _Step) -> float:
     per_block = (6 if lay.recompute == "full" else 4) + (1 if tp > 1 else 0)
     colls = per_block * s.layers * s.micro + 2 * s.micro
     tokens_mb = lay.micro_batch * s.cfg.model.seq_length // lay.cp
-    blocks = colls * s.coll(2 * (tp - 1) / tp * s.act, tp, 2 * (tp - 1), tp)
+    one = s.coll(2 * (tp - 1) / tp * s.act, tp, 2 * (tp - 1), tp)
+    blocks = colls * one
+    p = s.cfg.parallel
+    if p.tp_comm_overlap and tp > 1 and s.cfg.train.precision != "fp8":
+        # collective matmul (parallel/tp_overlap.py): each block's gathers and reduce-scatters run chunk by
+        # chunk under its partial GEMMs; paid: what the GEMMs cannot cover, plus the first chunk's
+        in_blocks = per_block * s.layers * s.micro * one
+        gemm = s.work["gemm"] / s.share
+        blocks += max(in_blocks - gemm, 0.0) + in_blocks / max(p.tp_comm_chunks, 1) - in_blocks
     # the vocab-parallel loss: the logits' max, then the target logit and the exp-sum (fp32 per token)
     loss = s.micro * sum(s.coll(2 * (tp - 1) / tp * k * 4 * tokens_mb, tp, 2 * (tp - 1), tp) for k in (1, 2))
     return blocks + loss
@@ -208,9 +193,8 @@ def _cp(s: _Step) -> float:
     if not ring:
         return t
     hop_lat = hops * (hop_seconds(s.dev.hops, 0) if s.dev.hops else s.dev.latency_s)  # no overlap hides it
-    # the attention core's fwd + bwd (+ the re-run forward): the time the exchange can hide behind
-    core = s.attn_core * (4 / 3 if reruns else 1) * s.cfg.train.global_batch_size * m.seq_length / s.world
-    return max(t - hop_lat - core / s.rate, 0.0) + hop_lat
+    core = s.work["attention"] / s.share  # the attention core's fwd + bwd (+ a re-run forward)
+    return max(t - hop_lat - core, 0.0) + hop_lat
 
 
 def _pp(s: _Step) -> float:
@@ -245,27 +229,46 @@ def _dp(s: _Step) -> float:
         return times * (s.coll((sh - 1) / sh * bytes_per_el * dense, sh, (sh - 1) * buckets, span) + moe)
 
     compute = _compute(s)
-    fwd, bwd, micro = compute / 3, 2 * compute / 3, s.micro
-    if lay.zero == 3:  # gathers before each block's forward and backward, a reduce-scatter per micro-batch
-        gathers = 2 if cfg.optim.reshard_after_forward else 1
-        hidden = [(ring(a, gathers * micro) + ring(g, micro), compute)]
-    elif lay.zero == 2:  # a reduce-scatter per micro-batch in its backward; the gather in the next forward
+    # a link carrying the tp / cp exchanges during the compute lends dp only the rest of its time
+    d = s.dev
+    intra = d.name.startswith("cpu") or span <= d.per_node
+    busy = (_tp(s) if intra else 0.0) + (_cp(s) if (lay.tp * lay.cp <= d.per_node) == intra else 0.0)
+    compute_free = compute * max(1.0 - busy / max(compute, 1e-12), 0.1)
+    fwd, bwd, micro = compute_free / 3, 2 * compute_free / 3, s.micro
+    if lay.zero == 3:
+        # block by block: the next unit's gather hides behind one unit's forward (and backward, where
+        # reshard_after_forward gathers again), the reduce-scatter behind one unit's backward; a unit's
+        # traffic the unit's own compute cannot cover is paid, not absorbed by the rest of the step
+        units = buckets * micro
+        f_gather, b_coll = ring(a, micro) / units, ring(g, micro) / units
+        if cfg.optim.reshard_after_forward:
+            b_coll += f_gather
+        per = max(f_gather - fwd / units, 0.0) + max(b_coll - bwd / units, 0.0)
+        return units * per + (f_gather + b_coll) + _hsdp(s, n, g, sh, buckets)
+    if lay.zero == 2:  # a reduce-scatter per micro-batch in its backward; the gather in the next forward
         hidden = [(ring(g, micro), bwd), (ring(a, 1), fwd / micro)]
     else:  # one reduce-scatter in the last micro-batch's backward; the gather in the next forward
         hidden = [(ring(g, 1), bwd / micro), (ring(a, 1), fwd / micro)]
     tail = sum(t for t, _ in hidden) / max(buckets * micro, 1)  # the last reduce / first gather: nothing hides it
-    paid = sum(max(t - window, 0.0) for t, window in hidden) + tail
+    return sum(max(t - window, 0.0) for t, window in hidden) + tail + _hsdp(s, n, g, sh, buckets)
+
+
+def _hsdp(s: _Step, n: int, g: int, sh: int, buckets: int) -> float:
+    """HSDP: the owned shard all-reduced over the replicas after backward (paid in full)."""
+    lay = s.lay
+    dpcp = lay.dp * lay.cp
     rep = dpcp // sh
-    if rep > 1:  # HSDP: the owned shard all-reduced over the replicas, after backward
-        paid += s.coll(2 * (rep - 1) / rep * g * n / sh, rep, 2 * (rep - 1) * buckets, lay.tp * dpcp)
-    return paid
+    if rep <= 1:
+        return 0.0
+    return s.coll(2 * (rep - 1) / rep * g * n / sh, rep, 2 * (rep - 1) * buckets, lay.tp * dpcp)
 
 
-def step_time(cfg: Config, lay: Layout, dev: Device, world: int) -> dict[str, float]:
-    """The module docstring's model: seconds per step by part."""
+def step_time(cfg: Config, lay: Layout, dev: Device, world: int, fused_attention: bool = True) -> dict[str, float]:
+    """The module docstring's model: seconds per step by part (fused_attention: planning.compute's
+    block_seconds; False only to time software without fused attention kernels, as published runs of 2021)."""
     from megaframe.pipeline.schedule import ZERO_BUBBLE, resolve_kind
 
-    s = _Step(cfg, lay, dev, world)
+    s = _Step(cfg, lay, dev, world, fused_attention)
     compute, tp, ep, cp = _compute(s), _tp(s), _ep(s), _cp(s)
     kind = lay.schedule or resolve_kind(cfg.parallel.pp_schedule, lay.vpp)
     costs = split_costs(cfg, lay.recompute) if kind in ZERO_BUBBLE else None

@@ -7,7 +7,8 @@ Set once in the environment of every rank (read at start-up, then passed to the 
     MEGAFRAME_INJECT="hang:rank=1:step=3"              rank 1 blocks forever at the start of step 3
     MEGAFRAME_INJECT="sleep:rank=0:seconds=1;hang:rank=2:step=9"   several, separated by ';'
     MEGAFRAME_INJECT="slow_save:rank=0:seconds=8"      rank 0's checkpoint saves take 8 s longer (step=S: that save)
-    MEGAFRAME_INJECT="savefail:rank=1:step=4"          rank 1's checkpoint write at step 4 fails (OSError)
+    MEGAFRAME_INJECT="savefail:rank=1:step=4"          rank 1's checkpoint write at step 4 fails as on a full disk
+                                                       (safetensors' SafetensorError, ENOSPC)
     MEGAFRAME_INJECT="savekill:rank=1:step=4"          rank 1 is SIGKILLed in the middle of that write
     MEGAFRAME_INJECT="loadoom:rank=1:step=6"           rank 1 runs out of memory (torch.OutOfMemoryError) while
                                                        loading the checkpoint of step 6 at resume (no step: any)

@@ -74,12 +74,13 @@ class StopFlag:
 
 def continue_command(run_name: str, argv: list[str] | None = None, env=None) -> str:
     """How to continue this run from the checkpoint just saved: the same command with the run's name (a
-    default name is a new timestamp at every start) and without a checkpoint.resume path (the default,
-    auto, takes the newest checkpoint of the run)."""
+    default name is a new timestamp at every start; not needed where the command sets run.dir) and without a
+    checkpoint.resume path (the default, auto, takes the newest checkpoint of the run)."""
     env = os.environ if env is None else env
     argv = list(sys.argv[1:] if argv is None else argv)
     args = [a for a in argv if not a.lstrip("+~").startswith(("run.name=", "checkpoint.resume="))]
-    args.append(f"run.name={run_name}")
+    if not any(a.lstrip("+").startswith("run.dir=") for a in argv):  # run.dir names the run's folder itself
+        args.append(f"run.name={run_name}")
     if env.get("SLURM_JOB_ID"):  # pretrain.sbatch requeues by itself; a resubmission names the run
         return f"; continue with: MEGAFRAME_RUN_NAME={shlex.quote(run_name)} sbatch scripts/slurm/pretrain.sbatch " + \
             shlex.join(a for a in args if not a.startswith("run.name="))

@@ -118,7 +118,8 @@ class Meter:
         tokens = self.run_steps * self.tokens_step
         val = f", val_loss {self.last['val_loss']:.4f}" if "val_loss" in self.last else ""
         loss = f"final loss {self.last['loss']:.4f}{val}" if "loss" in self.last else "no step logged"
-        return (f"run summary: {self.run_steps} steps ({start + 1}..{step}), {tokens:,} tokens in {wall:.1f}s "
+        steps = f"{self.run_steps} step{'' if self.run_steps == 1 else 's'}"
+        return (f"run summary: {steps} ({start + 1}..{step}), {tokens:,} tokens in {wall:.1f}s "
                 f"({tokens / max(wall - self.eval_s, 1e-9):,.0f} tokens/s mean, evaluation excluded) | {loss} | "
                 f"checkpoint {checkpoint or 'none'}")
 

@@ -31,11 +31,13 @@ from megaframe.training.meter import BadSteps, Meter
 from megaframe.training.startup import Setup, announce, batch_loader, set_up
 from megaframe.training.startup import data_label as data_label  # re-exported: its old path, tests import it here
 from megaframe.training.step import train_step
+from megaframe.training.threads import apply_threads
 
 
 def run(cfg: Config, stop: StopFlag | None = None) -> None:
     """Train under the ranks of the environment; `stop` is the caller's flag if it installed one early."""
     env = env_ranks()
+    apply_threads(cfg.train.threads)  # before any tensor work: torch's default is one thread per core
     device = pick_device(cfg.train.device, env.local_rank)
     init_distributed(env, device, cfg.train.dist_timeout_s, cfg.run.dir)
     try:
@@ -96,6 +98,11 @@ def train(cfg: Config, mesh: Mesh, stop: StopFlag, run_id: str = "", owner: str 
     faults = injector(mesh.rank)  # before the resume: a fault may be injected into its load
     su = set_up(cfg, mesh, faults)
     start, t = su.resumed.step, cfg.train
+    if start >= t.max_steps:  # a resume with nothing left: one line, no header, no lr warnings, rc 0
+        if mesh.rank == 0:
+            print(f"megaframe: already at step {start} >= train.max_steps={t.max_steps}; nothing to train "
+                  "(raise train.max_steps)", flush=True)
+        return
     announce(cfg, mesh, su)
     tracker = Tracker(cfg, cfg.run.dir, mesh.is_logger, cfg.train.max_steps)
     meter = Meter(cfg, mesh, su.acct)
@@ -131,7 +138,8 @@ def train(cfg: Config, mesh: Mesh, stop: StopFlag, run_id: str = "", owner: str 
                 ckpt.poll(all_written=not writing)
             # on every rank, not only the logger: the row's dp loss all-reduce and MoE figures are collectives; the
             # stop step too (agreed on every rank), so the summary's final loss is the one the checkpoint holds
-            if step % t.log_interval == 0 or step == t.max_steps or val is not None or stopping:
+            # step 1 too, whatever log_interval: its line says the run is alive and gives the first ETA
+            if step % t.log_interval == 0 or step in (1, t.max_steps) or val is not None or stopping:
                 # the first row after a resume names the checkpoint (readers see where the run restarted)
                 row, marker = {**log_row(su, meter, probe, ckpt, mesh, step, res, val), **marker}, {}
                 tracker.log(row, start)
@@ -140,7 +148,8 @@ def train(cfg: Config, mesh: Mesh, stop: StopFlag, run_id: str = "", owner: str 
                 with su.phases.phase("save"):
                     ckpt.save(su.model, su.optimizer, step, step == t.max_steps or stopping, bad.in_a_row)
             if stopping:
-                stop.report(step, continue_command(cfg.run.name) if mesh.rank == 0 else "")
+                if mesh.is_logger:  # one line for the run, not one per rank
+                    stop.report(step, continue_command(cfg.run.name))
                 break
         ckpt.finish()
         if mesh.is_logger and su.phases.figures:  # every phase's peak, a save after the last row's included

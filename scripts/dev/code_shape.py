@@ -23,16 +23,17 @@ MAX_FUNC_LINES = 60
 
 # Bottom to top. A unit is megaframe/<name> (a package or a top-level module); "" is megaframe/__init__.py.
 LAYERS = [
-    ["errors", "atomic", "paths", "choices", "schema"],  # leaves: error types, file write, the schema
+    ["errors", "atomic", "atomic_lock", "quiet", "paths", "choices", "schema"],  # leaves: error types, file write, the schema
     ["parallel"],  # mesh, collectives, launch env: knows no model
     ["pipeline"],  # stages, schedules as data, their executor: runs any chunk module
     ["layers"],  # parallel linear/embedding/norm on the mesh
     ["optim"],  # grads, ZeRO, LR: works on Placements, knows no model
-    ["model"],  # blocks and families built from layers
+    ["model"],  # blocks built from layers
+    ["models"],  # one spec per family: presets, HF adapter, parameter and FLOP counters
     ["data"],  # tokenizer, shards, sample order
     ["checkpoint"],  # save, load, resume, HF conversion
     ["runops"],  # who may write here, signals, watchdog, faults
-    ["config", "config_checks", "config_keys"],  # composes, adopts a checkpoint, asks each package's rule
+    ["config", "config_checks", "config_keys", "config_rules"],  # composes, adopts a checkpoint, asks each package's rule
     ["inference", "tracking"],  # generation on a loaded model; metrics sinks
     ["training"],  # the loop
     ["planning"],  # memory and time models (reads the loop's meters and FLOPs)
@@ -117,10 +118,14 @@ def upward(g: dict[str, set[str]], layers: list[list[str]],
 
 
 def shared_names(root: Path) -> list[str]:
+    """Two files of one name; a family folder's files (megaframe/models/<family>/spec.py, hf.py) are named
+    by their role in every family, as torchtitan's model folders are, so they count as '<family>/<name>'."""
     by_name: dict[str, list[str]] = {}
     for f in sorted((root / "megaframe").rglob("*.py")):
         if f.name not in ("__init__.py", "__main__.py"):
-            by_name.setdefault(f.name, []).append(f.relative_to(root).as_posix())
+            rel = f.relative_to(root)
+            key = f"{rel.parts[2]}/{f.name}" if rel.parts[1] == "models" and len(rel.parts) == 4 else f.name
+            by_name.setdefault(key, []).append(rel.as_posix())
     return [f"{name} shared by {', '.join(paths)}" for name, paths in by_name.items() if len(paths) > 1]
 
 

@@ -34,7 +34,7 @@ in Hydra syntax (`python train.py optim.lr=3e-3 parallel.tp=2`). A key that is n
 without `+`), a wrong type, a value outside a closed choice or a layout that cannot work ends the run at
 once with exit code 2 and one line naming the field, before any process group is built. Only a tool's own
 `+` keys pass (`python -m megaframe.plan`'s `+world_size`, `+device_memory_gb`, `+plan_json`, `+search`,
-`+device`, `+top`). `python train.py --cfg` prints the composed config.
+`+device`, `+device_profile`, `+top`, `+efficiency`). `python train.py --cfg` prints the composed config.
 
 The real presets (`llama_1b`, `llama3_8b`, `mixtral_8x7b`) also set what a GPU run uses:
 `train.precision=bf16`, `parallel.sp=true` (acting wherever tp > 1), micro-batch 1 and their papers'

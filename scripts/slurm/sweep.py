@@ -24,6 +24,10 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # megaframe, for the points' config checks
+
+from megaframe.errors import fail  # noqa: E402  (after the path insert)
+
 SBATCH_SCRIPT = Path(os.environ.get("MEGAFRAME_SBATCH_SCRIPT") or Path(__file__).resolve().parent / "pretrain.sbatch")
 """The job script; MEGAFRAME_SBATCH_SCRIPT names another (a site's copy, or the tests' CPU-only one)."""
 
@@ -53,6 +57,90 @@ def expand(overrides: list[str]) -> list[list[str]]:
     return [list(point) for point in itertools.product(*choices)]
 
 
+ANY_WORLD = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 2048, 4096)
+"""World sizes tried when the sbatch flags do not give one: a point passes if a job of some size could run it."""
+
+
+def flag_value(flags: list[str], name: str) -> str | None:
+    """The value of an sbatch flag given as `--name=V` or `--name V` (the last one wins), else None."""
+    value = None
+    for i, f in enumerate(flags):
+        if f.startswith(f"--{name}="):
+            value = f.split("=", 1)[1]
+        elif f == f"--{name}" and i + 1 < len(flags):
+            value = flags[i + 1]
+    return value
+
+
+def script_default(name: str) -> str | None:
+    """The job script's own `#SBATCH --name=V` line (what a job gets when the command line does not say)."""
+    try:
+        lines = SBATCH_SCRIPT.read_text().splitlines()
+    except OSError:
+        return None
+    return flag_value([ln.split(None, 1)[1] for ln in lines if ln.startswith("#SBATCH ")], name)
+
+
+def world_size(flags: list[str]) -> int | None:
+    """Ranks of each job: --ntasks, else --nodes x --ntasks-per-node (the job script's #SBATCH line filling
+    a flag not given, nodes 1 by default); None when neither says (then every point is checked against
+    some world size that fits it)."""
+    try:
+        if flag_value(flags, "ntasks"):
+            return int(flag_value(flags, "ntasks"))
+        per_node = flag_value(flags, "ntasks-per-node") or script_default("ntasks-per-node")
+        nodes = flag_value(flags, "nodes") or script_default("nodes") or "1"
+        return int(nodes) * int(per_node) if per_node else None
+    except ValueError:  # a range or an expression sbatch resolves itself: no world check then
+        return None
+
+
+def check_point(point: list[str], world: int | None) -> None:
+    """Compose and validate the point as train.py will (keys, types, choices, the config checks) for `world`
+    ranks, or, without one, for the first size in ANY_WORLD that fits. Raises ConfigError."""
+    from megaframe.config import ConfigError, load_config
+
+    if world is not None:
+        load_config(point, world_size=world)
+        return
+    errors = []
+    for w in ANY_WORLD:
+        try:
+            load_config(point, world_size=w)
+            return
+        except ConfigError as e:
+            errors.append(str(e))
+    # a problem of the point itself rather than of one size's arithmetic, when there is one
+    raise ConfigError(next((e for e in errors if "world size" not in e), errors[0]))
+
+
+def check_points(points: list[list[str]], world: int | None) -> str | None:
+    """The first invalid point as one line naming it and the cause, else None; before anything is submitted."""
+    from megaframe.config import ConfigError
+    from megaframe.errors import one_line
+
+    for i, point in enumerate(points):
+        try:
+            check_point(point, world)
+        except ConfigError as e:
+            ranks = f" on {world} ranks" if world else ""
+            return f"point {i} ({' '.join(point)}){ranks}: {one_line(e)}; nothing submitted"
+    return None
+
+
+def satisfiable(flags: list[str], point: list[str], env: dict) -> str | None:
+    """One line when no partition can run the request (a GPU flag on a CPU cluster, more CPUs per task than a
+    node has, a partition's limits), else None: `sbatch --test-only` asks the controller and submits nothing,
+    so the sweep fails here instead of leaving jobs pending forever. The points share the flags: one asks."""
+    res = subprocess.run(["sbatch", "--test-only", *flags, str(SBATCH_SCRIPT), *point], capture_output=True,
+                         text=True, env=env)
+    if res.returncode == 0:
+        return None
+    why = " ".join((res.stderr or res.stdout).split()) or f"exit {res.returncode}"
+    return f"no partition can run these sbatch flags ({shlex.join(flags) or 'the script defaults'}): {why}; " \
+        "nothing submitted"
+
+
 def main(argv: list[str]) -> int:
     if "--" in argv:
         cut = argv.index("--")
@@ -71,10 +159,17 @@ def main(argv: list[str]) -> int:
     except SweepError as e:
         print(f"sweep.py: error: {e}", file=sys.stderr)
         return 2
+    problem = check_points(points, world_size(sbatch_flags))  # a bad point fails here, not in the queue
+    if problem:
+        return fail(problem)
     if not args.dry_run and shutil.which("sbatch") is None:
         print("sweep.py: error: sbatch not found on PATH", file=sys.stderr)
         return 2
     env = {k: v for k, v in os.environ.items() if k != "MEGAFRAME_RUN_NAME"}  # each job names its own run
+    if not args.dry_run:
+        problem = satisfiable(sbatch_flags, points[0], env)
+        if problem:
+            return fail(problem)
     for i, point in enumerate(points):
         cmd = ["sbatch", "--parsable", f"--job-name={args.name}-{i}", *sbatch_flags, str(SBATCH_SCRIPT), *point]
         if args.dry_run:

@@ -50,6 +50,8 @@ LAYOUTS = [
     ("zb_h1-pp2-uneven-recompute-full", 2, 1, 2, 1, [ZB1, L4, "parallel.pp_layout=[3,1]", "train.recompute=full"]),
     ("moe-zb_h1-pp2-ep2", 4, 1, 2, 2, MOE + [ZB1]),
     ("zbv-pp2-m4", 2, 1, 2, 1, [*ZBV, L4]),
+    # a 0-layer virtual stage in the middle of the V hands its input on: B returns the output's gradient
+    ("zbv-pp2-empty-middle-stage", 2, 1, 2, 1, [*ZBV, L4, "parallel.pp_layout=[2,0,1,1]"]),
     ("zbv-pp4-m8-uneven-selective", 4, 1, 4, 1, [*ZBV, "model.num_layers=10", "parallel.pp_layout=[1,2,1,1,1,1,2,1]",
                                                  MB1, "train.recompute=selective"]),
 ]

@@ -3,7 +3,8 @@
 Every line of a fenced ```bash block is a command (a trailing backslash continues it). Tags in its comment
 say how the suite checks it (docs/README.md explains them to writers):
   (none)                  run, in page order, with small overrides appended (tiny model, few steps)
-  [exit N]                run like that; it must exit with code N (a refusal the page shows)
+  [exit N]                run exactly as written, nothing appended (a user's outcome cannot hang on the
+                          appendix); it must exit with code N (a refusal the page shows)
   [tested-by: FILE::TEST] an existing test runs what it shows: the test must exist
   [gpu] [cluster] [slow]  not run (needs a GPU / a Slurm cluster or several nodes / minutes of benchmark):
                           bash -n, and its Hydra overrides parsed and checked against the schema
@@ -120,9 +121,13 @@ def hydra_overrides(cmd: Command) -> tuple[str, list[str]]:
 
 def small_overrides(cmd: Command) -> list[str]:
     """What a command gets appended to run in seconds: a train command the tiny model and batch of the e2e
-    tests for every key it does not set itself, and train.max_steps capped at MAX_STEPS; prepare one worker."""
+    tests for every key it does not set itself, and train.max_steps capped at MAX_STEPS; prepare one worker.
+    An [exit N] command gets nothing: the appended batch once made a refusal the page promised (a user,
+    without it, trained on)."""
     from tests.e2e.helpers import TINY
 
+    if cmd.expected_exit:
+        return []
     tool, over = hydra_overrides(cmd)
     keys = {o.split("=", 1)[0].lstrip("+~") for o in over}
     if tool == "megaframe.data.prepare":  # worker processes cost more than they save on a small corpus

@@ -1,6 +1,6 @@
 """A real resume of a blend run with other weights is refused (exit 2, one line naming data.blend), before any
 step: the weights re-map every position of the stream, so samples would repeat and others be skipped. The
-other data changes and the allowed path are checked in process (tests/unit/test_run_record.py)."""
+other data changes and the allowed path are checked in process (tests/unit/data/test_run_record.py)."""
 from __future__ import annotations
 
 import json

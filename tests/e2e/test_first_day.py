@@ -25,6 +25,16 @@ def test_resume_with_more_steps_keeps_the_lr_horizon_and_logs_an_honest_row(firs
     # lr rose again above min_lr after step 20
     res, tmp_path, _ = first
     assert "(cosine)" in res.stdout  # the step line names the schedule
+    # the header says the precision and the CPU threads (the harness sets OMP_NUM_THREADS=1)
+    header = res.stdout.splitlines()[:5]
+    assert any("| precision fp32 | threads 1 (OMP_NUM_THREADS)" in ln for ln in header), res.stdout[:1500]
+    # a resume with nothing left to train says so in one line and warns about no lr curve (before: "steps
+    # 21..15", an lr warning for steps it would never run, no summary)
+    done = train(SMALL + ["train.max_steps=15", f"run.dir={tmp_path}"], timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "megaframe: already at step 20 >= train.max_steps=15; nothing to train (raise train.max_steps)" \
+        in done.stdout, done.stdout
+    assert "warning" not in done.stderr and "run summary" not in done.stdout, done.stderr[-2000:]
     summary = [ln for ln in res.stdout.splitlines() if ln.startswith("run summary:")]
     assert len(summary) == 1 and "20 steps (1..20)" in summary[0] and "final loss" in summary[0]
     assert "step_00000020" in summary[0]
@@ -43,12 +53,14 @@ def test_resume_with_more_steps_keeps_the_lr_horizon_and_logs_an_honest_row(firs
 
 
 def test_logged_loss_is_the_mean_since_the_last_log_line(first, tmp_path):
-    # the same run as `first`, logged every 3rd step (and its last): the losses are first's every-step rows
+    # the same run as `first`, logged every 3rd step (and its first and last): the losses are first's every-step
+    # rows. Step 1 is logged whatever the interval: its line says the run is alive, with a first ETA
     third = train(SMALL + ["train.max_steps=20", "train.log_interval=3", f"run.dir={tmp_path / 'b'}"], timeout=120)
     assert third.returncode == 0, third.stderr[-2000:]
     a, b = first[2], metrics(tmp_path / "b")
-    assert [r["step"] for r in b] == [3, 6, 9, 12, 15, 18, 20]
-    for row, lo in zip(b, (0, 3, 6, 9, 12, 15, 18)):
+    assert [r["step"] for r in b] == [1, 3, 6, 9, 12, 15, 18, 20]
+    assert "step      1/20 |" in third.stdout and " eta " in third.stdout
+    for row, lo in zip(b, (0, 1, 3, 6, 9, 12, 15, 18)):
         hi = row["step"]
         assert row["loss"] == pytest.approx(sum(r["loss"] for r in a[lo:hi]) / (hi - lo), rel=1e-5)
 
@@ -72,6 +84,7 @@ def test_pp2_header_counts_the_whole_model_and_ranks_print_no_warning(first, tmp
     one2 = train(SMALL + ["train.max_steps=1", "model.num_layers=2", f"run.dir={tmp_path / 'c'}"], timeout=120)
     params = lambda out: [w for w in out.split("|") if "params" in w][0].split()[1]  # noqa: E731
     assert params(two.stdout) == params(one2.stdout) != params(one.stdout)
+    assert "sp=False schedule 1f1b zero=1" in two.stdout, two.stdout[:1500]  # the pipeline schedule, named
     assert "FutureWarning" not in two.stderr, two.stderr[-2000:]
 
 

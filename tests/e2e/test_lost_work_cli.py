@@ -66,7 +66,9 @@ def test_a_rollback_reaching_a_step_of_the_abandoned_branch_keeps_that_checkpoin
     ck, a6, b = rolled_back
     kept = sorted(ck.glob("step_00000006.replaced-*"))
     assert len(kept) == 1 and _lineage(kept[0]) == a6, sorted(p.name for p in ck.iterdir())
-    assert f"kept as {kept[0].name}" in b.stderr
+    # one readable sentence: which folder held whose checkpoint, and its new name
+    assert (f"warning: {ck / 'step_00000006'} held another branch's checkpoint (run {a6['run_id']}, parent "
+            in b.stderr and f"; renamed it {kept[0].name}" in b.stderr), b.stderr[-2000:]
     assert (ck / "latest").read_text().strip() == "step_00000006"
     assert _lineage(ck / "step_00000006")["run_id"] != a6["run_id"]
 

@@ -16,11 +16,11 @@ def test_injected_sleep_names_the_slow_rank(tmp_path):
                 timeout=180, MEGAFRAME_INJECT="sleep:rank=1:seconds=0.3")
     assert res.returncode == 0, res.stderr[-3000:]
     rows = metrics(tmp_path)
-    for row in rows:
+    assert [r["step"] for r in rows] == [1, 3, 6]  # step 1 is always logged
+    for row in rows[1:]:  # the first step's compute includes start-up work on every rank: not a fair race
         print({k: v for k, v in row.items() if k.startswith("straggler/")})
         assert row["straggler/slowest_rank"] == 1
         assert row["straggler/compute_s_max"] >= 0.3 > row["straggler/compute_s_min"]
-    assert [r["step"] for r in rows] == [3, 6]
 
 
 def test_injected_hang_trips_the_watchdog_on_every_rank(tmp_path):

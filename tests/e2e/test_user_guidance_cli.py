@@ -38,8 +38,9 @@ def test_ctrl_c_prints_the_command_that_continues_the_run(tmp_path):
     stop = re.search(r"stopping at step (\d+) after SIGINT; checkpoint saved; continue with: (python train\.py .*)", out)
     assert stop, out[-2000:]  # before: "...; checkpoint saved" and nothing on how to go on
     step, cmd = int(stop.group(1)), shlex.split(stop.group(2))
-    # the run's own name (a default one is a new timestamp at every start) and the user's arguments
-    assert [a for a in cmd if a.startswith("run.name=")] and f"run.dir={tmp_path}" in cmd and "optim.lr=3e-3" in cmd
+    # the user's arguments; run.dir names the run, so no run.name (it is needed only without run.dir: a
+    # default name is a new timestamp at every start)
+    assert not [a for a in cmd if a.startswith("run.name=")] and f"run.dir={tmp_path}" in cmd and "optim.lr=3e-3" in cmd
     # F11: the stop step has its row (before: the last log_interval row), and the save line precedes the summary
     assert metrics(tmp_path)[-1]["step"] == step
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == f"step_{step:08d}"
@@ -70,6 +71,7 @@ def small_run(tmp_path_factory):
     res = run([sys.executable, "train.py", *TINY, f"data.path={data}", "train.max_steps=1", "logging.wandb.mode=disabled",
                f"run.dir={tmp / 'run'}"], timeout=180)
     assert res.returncode == 0, res.stderr[-2000:]
+    assert "run summary: 1 step (1..1)," in res.stdout, res.stdout[-1500:]  # before: "1 steps"
     return data, tmp / "run"
 
 

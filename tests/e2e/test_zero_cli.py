@@ -1,6 +1,7 @@
 """ZeRO through the real entry points: torchrun dp=2 logs the dp bytes and memory the theory predicts;
 zero=3 logs sharded params and resumes from its own checkpoint."""
 import math
+import re
 
 import pytest
 
@@ -47,6 +48,10 @@ def test_torchrun_zero3_logs_sharded_memory_and_resumes(tmp_path):
             "checkpoint.interval=2"]
     full = train(over + [f"run.dir={tmp_path / 'full'}"], nproc=2)
     assert full.returncode == 0, full.stderr[-3000:]
+    # the header's per-rank share is the ZeRO-3 shard (before: the whole model, as if nothing were sharded)
+    total, mine = map(float, re.search(r"params ([\d.]+)M, ([\d.]+)M on this rank \(ZeRO-3 shard\)",
+                                        full.stdout).groups())
+    assert 0.4 * total <= mine <= 0.6 * total, full.stdout[:1500]
     rows = metrics(tmp_path / "full")
     # dp=2: grads are 1/2 of the fp32 buffer, so 2x grads is the whole model's fp32 params
     assert all(r["mem/params_bytes"] < 2 * r["mem/grads_bytes"] and r["mem/gathered_peak_bytes"] > 0

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import subprocess
 import sys
 
@@ -32,15 +33,63 @@ def test_expand_is_hydra_multirun_order():
 
 
 def test_dry_run_prints_one_sbatch_per_point_and_bad_syntax_exits_2():
-    res = subprocess.run([sys.executable, str(SWEEP), "--dry-run", "--name", "sw", "optim.lr=1e-3,3e-3",
-                          "--", "--nodes=1", "--time=5"], capture_output=True, text=True, timeout=60)
+    res = subprocess.run([sys.executable, str(SWEEP), "--dry-run", "--name", "sw", "optim.lr=1e-3,3e-3", "data=synthetic",
+                          "--", "--nodes=1", "--ntasks-per-node=2", "--time=5"], capture_output=True, text=True,
+                         timeout=60)
     assert res.returncode == 0, res.stderr
     lines = res.stdout.splitlines()
-    assert len(lines) == 2 and all("--job-name=sw-" in ln and "--nodes=1 --time=5" in ln for ln in lines)
-    assert lines[1].endswith("pretrain.sbatch optim.lr=0.003")
+    assert len(lines) == 2 and all("--job-name=sw-" in ln and "--nodes=1 --ntasks-per-node=2 --time=5" in ln
+                                   for ln in lines)
+    assert lines[1].endswith("pretrain.sbatch optim.lr=0.003 data=synthetic")
     bad = subprocess.run([sys.executable, str(SWEEP), "--dry-run", "optim.lr=interval(0,1)"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "interval" in bad.stderr
+
+
+@pytest.mark.parametrize("point,flags,needle", [
+    (["optim.lrr=1e-3,3e-3"], ["--ntasks=1"],
+     "point 0 (data=synthetic optim.lrr=0.001) on 1 ranks: optim.lrr=0.001: optim.lrr is not"),
+    (["optim.lr=1e-3", "parallel.tp=1,3"], ["--nodes=1", "--ntasks-per-node=2"],
+     "point 1 (data=synthetic optim.lr=1e-3 parallel.tp=3) on 2 ranks: parallel.tp=3 x parallel.pp=1 does not divide "
+     "the world size 2"),
+    # the job script's own #SBATCH --ntasks-per-node=8 on the default one node: 8 ranks, batch 16 of micro 4
+    (["optim.lr=1e-3"], ["--nodes=1"], "on 8 ranks: train.global_batch_size=16 is not divisible"),
+    (["optim.zero=5"], [], "optim.zero=5 must be <= 3"),
+], ids=["unknown-key", "tp-on-world", "script-default-tasks", "value"])
+def test_an_invalid_point_exits_2_before_any_submission(point, flags, needle, tmp_path):
+    """Before: each point was submitted, waited in the queue and failed at the job's pre-flight. The sbatch
+    here fails loudly if called: nothing may be submitted, not even the valid points before the bad one."""
+    fake = tmp_path / "sbatch"
+    fake.write_text(f"#!/bin/bash\ntouch {tmp_path / 'called'}\nexit 1\n")
+    fake.chmod(0o755)
+    env = {**os.environ, "PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}"}
+    res = subprocess.run([sys.executable, str(SWEEP), "data=synthetic", *point, "--", *flags], capture_output=True,
+                         text=True, timeout=120, env=env)
+    assert res.returncode == 2 and needle in res.stderr, res.stderr
+    assert res.stderr.strip().count("\n") == 0 and "nothing submitted" in res.stderr and not res.stdout
+    assert not (tmp_path / "called").exists()
+
+
+def test_the_world_size_of_a_point_comes_from_the_sbatch_flags():
+    mod = _sweep_module()
+    assert mod.world_size(["--ntasks=6"]) == 6
+    assert mod.world_size(["--nodes", "2", "--ntasks-per-node=4"]) == 8
+    assert mod.world_size(["--nodes=3"]) == 24  # the script's #SBATCH --ntasks-per-node=8
+    assert mod.world_size(["--nodes=2-4", "--ntasks-per-node=4"]) is None  # a range: sbatch decides
+
+
+@pytest.mark.slurm
+@pytest.mark.e2e
+def test_a_request_no_partition_can_hold_fails_at_submission(slurm_cluster, tmp_path):
+    """More CPUs per task than a node has (the local nodes have 4): refused by sbatch --test-only before any
+    job is queued, instead of a job pending for ever."""
+    res = subprocess.run([sys.executable, str(SWEEP), "--name", "mf-toobig", "data=synthetic", *TINY,
+                          "train.max_steps=2", "--", "--ntasks=1", "--cpus-per-task=64"],
+                         cwd=tmp_path, env=job_env(MEGAFRAME_SBATCH_SCRIPT=str(cpu_script(tmp_path))),
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "no partition can run" in res.stderr, res.stderr
+    queued = subprocess.run(["squeue", "-h", "-n", "mf-toobig-0"], capture_output=True, text=True).stdout
+    assert not queued.strip() and not res.stdout
 
 
 @pytest.mark.slurm

@@ -70,7 +70,8 @@ def test_prepare_names_the_files_it_skips_and_reads_dotted_extensionless_names(t
     assert "skipped 4 of 7 files (2 x .debian, 1 x .source, 1 x empty)" in stdout, stdout
     assert meta["skipped"] == {".debian": ["a__README.Debian", "b__README.Debian"], ".source": ["c__README.source"],
                                "empty": ["pkg__empty.txt"]}
-    assert "training a tokenizer (vocab 300)" in stdout and "tokenizing 4 files" in stdout  # the phases, as they start
+    # the phases, as they start; the empty file is skipped, not tokenized
+    assert "training a tokenizer (vocab 300)" in stdout and "tokenizing 3 files" in stdout
 
 
 def test_evaluate_trained_on_follows_the_runs_held_out_fraction(tmp_path):

@@ -35,7 +35,7 @@ parallel.tp_comm_overlap parallel.tp_comm_chunks train.fp8_recipe data.stages da
 run.dir run.name
 train.device train.global_batch_size train.log_interval train.max_bad_steps train.max_steps train.micro_batch_size train.precision
 train.seed train.eval_interval train.eval_iters train.hang_timeout_s train.compile train.compile_timeout_s train.recompute
-train.dist_timeout_s train.signal_check_interval
+train.dist_timeout_s train.signal_check_interval train.threads
 train.sample_interval train.sample_prompts train.sample_tokens
 """.split())
 
@@ -172,7 +172,6 @@ def test_unknown_preset_is_a_one_line_error():
     (["model=moe_tiny", "model.moe_router_score=relu"], 1, ["model.moe_router_score"]),
     (["model=moe_tiny", "model.moe_capacity_factor=0"], 1, ["model.moe_capacity_factor"]),
     (["optim.zero=4"], 2, ["optim.zero"]),
-    (["optim.zero=3", "train.compile=true"], 2, ["optim.zero=3"]),
     (["optim.shard_group_size=3"], 4, ["optim.shard_group_size", "dp=4"]),
     (["optim.shard_group_size=2", "optim.zero=0"], 4, ["optim.shard_group_size", "optim.zero"]),
     (["train.hang_timeout_s=-1"], 1, ["train.hang_timeout_s"]),

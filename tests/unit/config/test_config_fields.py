@@ -22,10 +22,13 @@ def numeric_fields(cls=Config, prefix="") -> list[str]:
         t = hints.get(f.name, f.type)
         args = [a for a in typing.get_args(t) if a is not type(None)]
         base = args[0] if typing.get_origin(t) is typing.Union and len(args) == 1 else t
+        name = f.name
+        if typing.get_origin(base) is list:  # the numbers inside a list: `[]` for every element
+            base, name = typing.get_args(base)[0], f"{f.name}[]"
         if dataclasses.is_dataclass(base):
-            out += numeric_fields(base, f"{prefix}{f.name}.")
+            out += numeric_fields(base, f"{prefix}{name}.")
         elif base in (int, float):
-            out.append(prefix + f.name)
+            out.append(prefix + name)
     return out
 
 
@@ -47,7 +50,7 @@ def test_every_numeric_field_has_a_rule():
     assert FIELD_RULES.keys() - fields == set(), "FIELD_RULES names a field the schema does not have"
 
 
-CASES = [(key, v) for key, rule in FIELD_RULES.items() for v in bad_values(rule)]
+CASES = [(key, v) for key, rule in FIELD_RULES.items() for v in bad_values(rule) if "[]" not in key]
 
 
 @pytest.fixture(scope="module")
@@ -75,8 +78,37 @@ def test_bad_value_of_every_field_is_refused_naming_it(key, value, base_cfg):
     assert msg.startswith(f"{key}=") and "\n" not in msg, msg
 
 
+STAGE = "{{until_step: {s}, until_tokens: {t}, blend: [{{path: /x, weight: {w}}}]}}"
+LIST_CASES = [
+    ("parallel.pp_layout[1]=-1", ["parallel.pp=2", "parallel.pp_layout=[3,-1]"]),
+    ("data.blend[0].weight=nan", ["data.blend=[{path: /x, weight: nan}]"]),
+    ("data.blend[1].weight=inf", ["data.blend=[{path: /x, weight: 1}, {path: /y, weight: inf}]"]),
+    ("data.blend[0].weight=0.0", ["data.blend=[{path: /x, weight: 0}]"]),
+    ("data.stages[0].until_step=-3", [f"data.stages=[{STAGE.format(s=-3, t='null', w=1)}, "
+                                      f"{STAGE.format(s='null', t='null', w=1)}]"]),
+    ("data.stages[0].until_tokens=nan", [f"data.stages=[{STAGE.format(s='null', t='nan', w=1)}, "
+                                         f"{STAGE.format(s='null', t='null', w=1)}]"]),
+    ("data.stages[0].until_tokens=inf", [f"data.stages=[{STAGE.format(s='null', t='inf', w=1)}, "
+                                         f"{STAGE.format(s='null', t='null', w=1)}]"]),
+    ("data.stages[1].blend[0].weight=-inf", [f"data.stages=[{STAGE.format(s=2, t='null', w=1)}, "
+                                             f"{STAGE.format(s='null', t='null', w='-inf')}]"]),
+]
+
+
+@pytest.mark.parametrize("named,over", LIST_CASES, ids=[n for n, _ in LIST_CASES])
+def test_a_bad_number_inside_a_list_is_refused_naming_its_element(named, over):
+    """Through Hydra, as a user types it: the element is named with its index, before any later check
+    computes with it (until_tokens=nan was a ValueError traceback from math.ceil)."""
+    with pytest.raises(ConfigError) as info:
+        load_config(["data=synthetic", *over], world_size=2)
+    msg = str(info.value)
+    assert msg.startswith(named + " ") and "\n" not in msg, msg
+
+
 def test_table_covers_a_bad_value_per_field():
-    assert {k for k, _ in CASES} == FIELD_RULES.keys()
+    assert {k for k, _ in CASES} == {k for k in FIELD_RULES if "[]" not in k}
+    assert {n.split("=")[0].replace("[0]", "[]").replace("[1]", "[]") for n, _ in LIST_CASES} == \
+        {k for k in FIELD_RULES if "[]" in k}
     assert len(CASES) >= 2 * len(FIELD_RULES) - 20  # most fields get a low and a high/non-finite probe
 
 

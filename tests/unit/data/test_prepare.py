@@ -240,3 +240,31 @@ def test_code_folder_is_one_document_per_file(tmp_path, capsys):
     rc, _, err = run_main(capsys, f"data.source={src}", f"data.path={out}", "data.vocab_size=300",
                           "data.split=paragraph")
     assert rc == 2 and "data.split=paragraph" in err
+
+
+def test_empty_files_are_counted_as_skipped_not_tokenized(tmp_path, capsys):
+    """Empty files only: the skip line gives no data.extensions hint (no ending was skipped), and the
+    tokenizing line counts the files that are tokenized, not the empty ones too."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for i, text in enumerate(paragraphs()[:3]):
+        (src / f"doc{i}.txt").write_text(text * 20)
+    for i in range(2):
+        (src / f"empty{i}.txt").write_text("")
+    rc, stdout, err = run_main(capsys, f"data.source={src}", f"data.path={tmp_path / 'out'}", "data.vocab_size=400",
+                               "data.num_workers=1")
+    assert rc == 0, err
+    skipped = [ln for ln in (stdout + err).splitlines() if "skipped" in ln]
+    assert skipped and "2 x empty" in skipped[0] and "data.extensions" not in skipped[0], skipped
+    assert "tokenizing 3 files" in stdout, stdout
+
+
+def test_raw_files_given_as_data_path_get_a_prepare_command_that_runs(tmp_path, text_corpus):
+    """data.path at a folder of source files: the hint prepares it into a new folder (the old hint named the
+    folder itself as data.path, which prepare refuses: a non-empty folder without meta.json)."""
+    from megaframe.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as e:
+        load_config(["data=demo", f"data.path={text_corpus}"], world_size=1)
+    msg = str(e.value)
+    assert f"data.source={text_corpus} data.path={text_corpus}-prepared" in msg, msg

@@ -65,8 +65,12 @@ def test_a_missing_part_is_named_and_a_rerun_completes_the_set(corpus, tmp_path)
     for i in (0, 2):  # task 1 never ran (killed before it started)
         res = prep(*common, f"data.task={i}")
         assert res.returncode == 0 and "done;" in res.stdout, res.stderr
+        # what this task itself tokenizes (before: every task printed the whole corpus's file count)
+        own = [ln for ln in res.stdout.splitlines() if ln.startswith(f"megaframe: prepare: task {i} of 3: ")]
+        assert len(own) == 1 and ("tokenizing" in own[0]) != ("nothing to tokenize" in own[0]), res.stdout
     merge = prep("merge", *common)
     assert merge.returncode == 2 and "tasks 1" in merge.stderr and "\n" not in merge.stderr.strip()
+    assert "tokenizing" not in merge.stdout, merge.stdout  # a merge tokenizes nothing
     assert not (out / "meta.json").exists()
     res = prep(*common, "data.task=1")
     assert res.returncode == 0, res.stderr

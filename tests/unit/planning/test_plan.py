@@ -80,3 +80,12 @@ def test_a_phase_over_the_memory_does_not_fit(capsys):
     assert "DOES NOT FIT" in out and "(in save)" in out
     gpu = plan_layout(load_config([o for o in over if o != "train.device=cpu"], world_size=1, check_data=False), 1)
     assert gpu.ranks[0].phases["save"] < r.phases["save"] and gpu.ranks[0].host_bytes["save"] > 0  # host memory on a GPU
+
+
+def test_the_planned_head_workspace_follows_the_fused_heads_gpu_chunk():
+    """The step phase plans the fused head's chunk of logits; on a GPU the head sizes its chunks by
+    layers.fused_ce.CHUNK_ELEMS, so the plan must use the same budget (it once kept an older, 16x smaller one)."""
+    from megaframe.layers.fused_ce import CHUNK_ELEMS
+    from megaframe.planning.phases import HEAD_CHUNK_ELEMS
+
+    assert HEAD_CHUNK_ELEMS["cuda"] == CHUNK_ELEMS["cuda"]

@@ -136,3 +136,5 @@ def test_gpu_check_dry_runs_every_check_on_cpu():
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     assert "ratio megaframe_fp8 / megaframe (wall)" in res.stdout and "ratio loop / grouped:" in res.stdout
     assert "summary:" in res.stdout and "FAILED" not in res.stdout
+    # the speed targets are parsed from bench_gpu's lines (judged only on a GPU)
+    assert "(dry)        A megaframe / compiled transformers:" in res.stdout, res.stdout[-3000:]

@@ -15,7 +15,7 @@ from megaframe.parallel.virtual import virtual_mesh
 from megaframe.planning.candidate import Layout, stage_params
 from megaframe.training.metrics import flops_per_token
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 PRESETS = sorted(p.stem for p in (ROOT / "conf" / "model").glob("*.yaml"))
 
 

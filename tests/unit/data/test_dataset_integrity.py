@@ -16,7 +16,7 @@ from megaframe.data import prepare as prep
 from megaframe.data import verify
 from megaframe.data.dataset import PreparedData, build_data
 from tests.unit.data.test_prepare import paragraphs, write_text_corpus
-from tests.unit.test_run_record import blend, stages
+from tests.unit.data.test_run_record import blend, stages
 
 TINY = ["model.seq_length=8", "train.global_batch_size=8", "train.micro_batch_size=2", "model.vocab_size=512"]
 

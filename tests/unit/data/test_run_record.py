@@ -21,7 +21,7 @@ from megaframe.parallel.mesh import single_process_mesh
 from megaframe.schema import plain
 from tests.unit.data.test_prepare import paragraphs, write_text_corpus
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 TINY = ["model=gpt_tiny", "model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4",
         "model.num_query_groups=2", "model.ffn_hidden_size=96", "model.seq_length=16",
         "train.global_batch_size=4", "train.micro_batch_size=2"]

@@ -13,7 +13,7 @@ import megaframe
 from megaframe.checkpoint import hf
 from megaframe.config import load_config
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def script(name: str):

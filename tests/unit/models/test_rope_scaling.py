@@ -16,7 +16,7 @@ import megaframe
 from megaframe.config import load_config
 from megaframe.errors import ConfigError
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 ORIGINAL = 32  # the "pretraining context": every test sequence runs to 4x past it
 SCALINGS = {
     # Llama 3.1 8B's rope_scaling (factor 8), untied; Llama 3.2 1B's (factor 32), tied

@@ -1,0 +1,134 @@
+"""The step-time model's compute: seconds a rank spends computing one step, by kind of work.
+
+Per micro-batch token of a rank (tokens = micro-batch x S / cp), for each of its blocks:
+  GEMMs       QKV, attention output, MLP up (gate fused) and down on this rank's [tokens, k] x [k, n / tp]
+              (`gemm_dims`); forward once, backward twice (input and weight grads, each the forward's
+              size). Each timed on a roofline with an efficiency curve over size (devices.py):
+              max(FLOPs / (peak x curve(FLOPs)), bytes moved / (HBM x hbm_eff)), curve(f) = efficiency x
+              f / (f + efficiency x peak x gemm_fixed_s) (the fixed time of a launch and the tail wave).
+              Under train.precision=fp8 the block GEMMs run at the fp8 peak with 1-byte operands, plus
+              their scaling work: an amax read and an fp8 cast write of each bf16 operand (the head, the
+              norms and the attention core stay bf16, as layers/fp8.py leaves them). MoE experts: the
+              rank's routed tokens (top_k of them) over its experts' GEMMs.
+  attention   the causal core (QK^T and PV, half the S x S square: flops_per_token(causal=True)) at
+              the device's fused-attention rate (attn_eff of the bf16 peak).
+  elementwise norms, residual adds, dropout, RoPE and the MLP's activation: bytes each reads and writes
+              over HBM x hbm_eff, forward + backward (about twice the forward). Under sp the [S, D] ones
+              run on S/tp tokens; without it every tp rank repeats them.
+  head        the head GEMM (bf16) and the fused cross-entropy's passes over the logits (per token V/tp:
+              bf16 logits written and read, fp32 softmax and its gradient).
+Recompute re-runs what it dropped: full, every block's forward (a third of GEMMs, attention and
+elementwise); selective, the attention core's forward.
+"""
+from __future__ import annotations
+
+import functools
+
+from megaframe.planning.devices import Device
+from megaframe.training.metrics import flops_per_token
+
+PASSES = 3
+"""Forward + backward as multiples of the forward (backward: input and weight grads)."""
+EAGER_TRAFFIC = 3.0
+"""HBM traffic of the elementwise work in eager mode (train.compile=false) over the fused kernels' one
+read and one write per op: eager RMSNorm alone upcasts to fp32 and makes four passes (pow, mean, rsqrt
+multiply, weight multiply: ~22 bytes an element against 4), SiLU-and-multiply three kernels, RoPE's
+complex fp32 rotation five; averaged over a block's ops, about 3x. torch.compile fuses them back to one."""
+
+
+def gemm_dims(m, tp: int) -> tuple[tuple[int, int], ...]:
+    """(k, n) on one rank of a block's GEMMs: QKV, the attention output, the MLP's up (gate fused) and
+    down projections; column-parallel ones split n over tp, row-parallel ones k."""
+    d, e, h = m.hidden_size, m.head_dim, m.num_attention_heads
+    ffn = m.expert_ffn if m.num_experts else m.ffn_hidden_size
+    up = (2 if str(getattr(m.activation, "value", m.activation)) == "swiglu" else 1) * ffn
+    return ((d, (h + 2 * m.kv_heads) * e // tp), (h * e // tp, d), (d, up // tp), (ffn // tp, d))
+
+
+@functools.lru_cache(maxsize=None)
+def gemm_seconds(dev: Device, precision: str, tokens: int, k: int, n: int) -> float:
+    """One forward GEMM [tokens, k] x [k, n] on the roofline with the size curve (module doc)."""
+    peak = dev.peak(precision)
+    elem = {"fp8": 1, "bf16": 2}.get(precision, 4)
+    flops = 2.0 * tokens * k * n
+    if not dev.hbm_bw:  # no per-shape model (the cpu): the measured rate at `efficiency`
+        return flops / (peak * dev.efficiency)
+    rate = peak * dev.efficiency * flops / (flops + dev.efficiency * peak * dev.gemm_fixed_s)
+    memory = elem * (tokens * k + k * n) + 2 * tokens * n  # fp8 GEMMs write bf16 outputs
+    return max(flops / rate, memory / (dev.hbm_bw * dev.hbm_eff))
+
+
+def gemm_efficiency(dev: Device, precision: str, tokens: int, gemms: tuple) -> float:
+    """Fraction of peak the GEMMs (k, n) over `tokens` rows reach together, FLOP-weighted."""
+    flops = sum(2.0 * tokens * k * n for k, n in gemms)
+    return flops / (dev.peak(precision) * sum(gemm_seconds(dev, precision, tokens, k, n) for k, n in gemms))
+
+
+def _stream(dev: Device, nbytes: float) -> float:
+    """Seconds to stream nbytes through HBM (0 on the cpu: its rate already folds them in)."""
+    return nbytes / (dev.hbm_bw * dev.hbm_eff) if dev.hbm_bw else 0.0
+
+
+def block_seconds(cfg, dev: Device, tp: int, cp: int, micro_batch: int, sp: bool,
+                  fused_attention: bool = True) -> dict[str, float]:
+    """Seconds of one block's forward + backward for one micro-batch on one rank, by kind (module doc).
+    fused_attention=False times attention as software before fused kernels ran it (Megatron-LM 2021):
+    the whole S x S square as two batched GEMMs, its scores, softmax and dropout through HBM."""
+    m, prec = cfg.model, cfg.train.precision
+    prec = str(getattr(prec, "value", prec))
+    tokens = micro_batch * m.seq_length // cp
+    gemm_prec = "fp8" if prec == "fp8" else prec
+    dims = gemm_dims(m, tp)
+    if m.num_experts:  # the rank's routed token-expert pairs through its experts' MLP GEMMs
+        dense, experts = dims[:2], dims[2:]
+        routed = tokens * m.moe_top_k
+        gemm = sum(gemm_seconds(dev, gemm_prec, tokens, k, n) for k, n in dense)
+        gemm += sum(gemm_seconds(dev, gemm_prec, routed, k, n) for k, n in experts)
+    else:
+        gemm = sum(gemm_seconds(dev, gemm_prec, tokens, k, n) for k, n in dims)
+    act = 4 if prec == "fp32" else 2
+    scale = 0.0
+    if prec == "fp8":  # amax read + fp8 write of each bf16 operand, forward and the backward's grad operand
+        scale = _stream(dev, sum(3 * act * (tokens * k + k * n) for k, n in dims))
+    d, ffn = m.hidden_size, (m.expert_ffn * m.moe_top_k if m.num_experts else m.ffn_hidden_size)
+    per_tok = (4 + 6 + (5 if m.dropout > 0 else 0)) * d / (tp if sp else 1)  # norms, residuals, dropout
+    per_tok += (3 if "swiglu" in str(m.activation) else 2) * ffn / tp
+    if "rope" in str(m.position_embedding):
+        per_tok += 2 * (m.num_attention_heads + m.kv_heads) * m.head_dim / tp
+    attn = tokens * 12 * m.seq_length * m.num_attention_heads * m.head_dim / 2 / tp / cp
+    attn_rate = dev.peak("bf16" if prec != "fp32" else prec) * (dev.attn_eff if dev.hbm_bw else dev.efficiency)
+    eager = 1.0 if cfg.train.compile else EAGER_TRAFFIC
+    elementwise = PASSES * eager * _stream(dev, tokens * per_tok * act)
+    if not fused_attention:  # the full square at the GEMM rate; scores, softmax, dropout mask and output in HBM
+        heads = m.num_attention_heads // tp
+        attn = 2 * PASSES * micro_batch * heads * gemm_seconds(dev, prec, m.seq_length, m.head_dim, m.seq_length)
+        elementwise += PASSES * _stream(dev, micro_batch * heads * m.seq_length ** 2 * (5 * act + 1))
+        return {"gemm": PASSES * gemm + scale, "attention": attn, "elementwise": elementwise}
+    return {"gemm": PASSES * gemm + scale, "attention": attn / attn_rate, "elementwise": elementwise}
+
+
+def head_seconds(cfg, dev: Device, tp: int, cp: int, micro_batch: int) -> float:
+    """The head GEMM (bf16 under fp8) and the fused cross-entropy over one micro-batch's logits."""
+    m, prec = cfg.model, str(getattr(cfg.train.precision, "value", cfg.train.precision))
+    tokens = micro_batch * m.seq_length // cp
+    hp = "bf16" if prec == "fp8" else prec
+    act = 4 if prec == "fp32" else 2
+    return PASSES * gemm_seconds(dev, hp, tokens, m.hidden_size, m.vocab_size // tp) + _stream(
+        dev, tokens * m.vocab_size / tp * (2 * act + 8))
+
+
+def step_compute(cfg, dev: Device, lay, layers: int, micro: int, head: bool,
+                 fused_attention: bool = True) -> dict[str, float]:
+    """Seconds of a rank's step by kind: `layers` blocks (its pipeline stage's) for `micro` micro-batches,
+    the head when it holds it; recompute's re-run forward added to each kind it repeats."""
+    b = block_seconds(cfg, dev, lay.tp, lay.cp, lay.micro_batch, lay.tp > 1 and lay.sp, fused_attention)
+    rerun = {"none": (0.0, 0.0, 0.0), "selective": (0.0, 1 / 3, 0.0), "full": (1 / 3, 1 / 3, 1 / 3)}[lay.recompute]
+    out = {k: layers * micro * v * (1 + r) for (k, v), r in zip(b.items(), rerun)}
+    out["head"] = micro * head_seconds(cfg, dev, lay.tp, lay.cp, lay.micro_batch) if head else 0.0
+    return out
+
+
+def model_flops(cfg) -> float:
+    """Model FLOPs per token the MFU is quoted in (training.metrics: non-causal attention, no recompute,
+    as Megatron and torchtitan count them)."""
+    return flops_per_token(cfg.model)

@@ -1,0 +1,160 @@
+"""Memory traffic of the per-parameter passes (bf16 params, ZeRO-1 fp32 grads and master, one process), counted
+op by op on CPU and held to a table in bytes per parameter element. These passes are memory-bound on a GPU
+(about 1 ms per GB on an H100), so bytes are their time.
+
+Per optimizer step (zero_grad + step): today's fused AdamW reads and writes each param's fp32 master and
+moments (8 + 8 + 8) and reads its grad (4); the norm reads the grad (4); the master is cast to the bf16
+params (4 + 2). Clipping is AdamW's grad_scale, whose only cost is the kernel writing the clipped grad back
+(4), and zero_grad zeroes nothing (each grad's first write of the step overwrites). Before: zero_() 4 and a
+separate clip pass 8 on top, 50 in all.
+
+Per micro-batch (grads into the fp32 buffer): a linear's weight-grad GEMM writes its fp32 result into the
+buffer in the step's first backward (4) and accumulates in the later ones (read 4, write 4); before, autograd
+wrote a bf16 grad that a hook added into the buffer (write 2, read 2, read 4, write 4). The fused head + CE
+writes its fp32 dW once per micro-batch (4) and scales it into the buffer (read 4, write 4, and read 4 more
+when accumulating); before, it also rounded dW to bf16 and back through the hook (24). The embedding and the
+norms keep the hook: a bf16 grad is written (the norms': cast from fp32, read 4 more), read and copied
+into the buffer (2 + 4) or added (2 + 8).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megaframe.data.dataset import build_data, microbatches
+from megaframe.model.gpt import build_model
+from megaframe.optim.build import build_optimizer
+from megaframe.parallel.mesh import single_process_mesh
+from megaframe.training.step import train_step
+from tests.distributed.cases import tiny_config
+from tests.unit.optim.byte_count import ByteCount, storage_ptr
+
+# tokens per micro-batch (24 x 2 = 48) and every dim differ, so no activation has a parameter's shape
+SHAPES = ["train.precision=bf16", "model.seq_length=24", "model.ffn_hidden_size=96"]
+
+STEP_BYTES = 42  # norm 4 + AdamW 28 + clipped grad written back 4 + master -> bf16 6 (zero_grad 0, clip 0)
+# bytes per element in the (first, each later) micro-batch of a step, by how the grad reaches the buffer
+MICROBATCH_BYTES = {
+    "linear": (4, 8),   # the weight-grad GEMM into the fp32 buffer
+    "head": (12, 16),   # fp32 dW written, then scaled into the buffer
+    "norm": (12, 16),   # fp32 grad cast to bf16 (6), then copied (6) / added (10) into the buffer
+    "embed": (8, 12),   # dense bf16 grad written (2), then copied (6) / added (10) into the buffer
+}
+
+
+def _kind(name: str) -> str:
+    if name.startswith("embed"):
+        return "embed"
+    if name.startswith("head"):
+        return "head"
+    return "norm" if "norm" in name else "linear"
+
+
+def _count(overrides: list[str], steps: int = 2):
+    """Train `steps` steps; count the last one: (ByteCount, params by kind, micro-batches)."""
+    cfg = tiny_config(SHAPES + overrides, 1)
+    mesh = single_process_mesh()
+    torch.manual_seed(0)
+    model = build_model(cfg, mesh)
+    opt = build_optimizer(model, cfg.optim, mesh)
+    t = cfg.train
+    data = build_data(cfg)
+    batches = [microbatches(data, s, t.global_batch_size, t.micro_batch_size, 0, 1, t.seed) for s in range(steps)]
+    for s in range(steps - 1):  # the first step makes the grads and moments
+        train_step(model, opt, batches[s], mesh, cfg, s + 1)
+    params = dict(model.named_parameters())
+    shapes = {tuple(p.shape) for p in params.values()}
+    grads = {storage_ptr(b.grad) for b in opt.buffers}
+    weights = {storage_ptr(b.param) for b in opt.buffers}
+    state = grads | weights | {storage_ptr(t) for st in opt.states for t in (st.master, st.exp_avg, st.exp_avg_sq)}
+
+    def tracked(x: torch.Tensor) -> bool:
+        ptr = storage_ptr(x)
+        if counter.phase == "step":
+            return ptr in state
+        # a micro-batch: the grad buffer, and parameter-shaped grads on their way there (not the params)
+        return ptr in grads or (tuple(x.shape) in shapes and ptr not in weights)
+
+    counter = ByteCount(tracked)
+    n_mb = [0]
+
+    def phase(name, fn):
+        def run(*a, **k):
+            if name == "mb":
+                n_mb[0] += 1
+            counter.phase = f"mb{n_mb[0]}" if name == "mb" else name
+            return fn(*a, **k)
+        return run
+
+    model.forward_chunk = phase("mb", model.forward_chunk)
+    opt.zero_grad = phase("zero_grad", opt.zero_grad)
+    opt.step = phase("step", opt.step)
+    with counter:
+        train_step(model, opt, batches[-1], mesh, cfg, steps)
+    return counter, params, n_mb[0]
+
+
+@pytest.fixture(scope="module")
+def counted():
+    return _count([])
+
+
+def test_optimizer_step_bytes_per_parameter_follow_the_table(counted):
+    counter, params, n_mb = counted
+    numel = sum(p.numel() for p in params.values())
+    step = counter.per("zero_grad", numel) + counter.per("step", numel)
+    assert step == STEP_BYTES, (step, counter.ops)
+
+
+def test_micro_batch_grad_bytes_per_parameter_follow_the_table(counted):
+    counter, params, n_mb = counted
+    numel = sum(p.numel() for p in params.values())
+    assert n_mb == 4
+    for i, which in ((1, 0), (2, 1), (n_mb, 1)):
+        want = sum(p.numel() * MICROBATCH_BYTES[_kind(n)][which] for n, p in params.items()) / numel
+        got = counter.per(f"mb{i}", numel)
+        assert got == want, (i, got, want, {k: v for k, v in counter.ops.items() if k[0] == f"mb{i}"})
+
+
+def test_fused_head_runs_one_chunk_at_4k_tokens_and_its_softmax_chain_writes_one_bf16_buffer():
+    """The GPU path of layers/fused_ce.py: 4,096 tokens x a 128k vocab is one chunk (was 8 of 523: the 1 GB
+    fp32 dW re-read and re-written per chunk), and the chunk's loss + softmax - onehot compile to one kernel
+    whose only vocab-wide buffer is the bf16 grad (2 B per logit written, the bf16 logits read). The eager
+    chain, which the GPU ran before and CPU runs still, moves 28 B per logit over fp32 copies (counted)."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    from megaframe.layers import fused_ce
+
+    assert fused_ce._chunk_tokens(4096, 128256, torch.device("cuda")) == 4096
+    c, v = 48, 1000
+    gen = torch.Generator().manual_seed(0)
+    logits, target = torch.randn(c, v, generator=gen).bfloat16(), torch.randint(0, v, (c,), generator=gen)
+    counter = ByteCount(lambda x: x.dim() == 2 and x.shape[-1] == v)
+    with counter:
+        loss, grad = fused_ce._chain(logits, target)  # CPU: the eager chain
+    assert abs(counter.per("", c * v) - 28) < 0.1, counter.ops  # + the picked elements
+    torch._dynamo.reset()
+    (loss_c, grad_c), code = run_and_get_code(torch.compile(fused_ce._ce_math, dynamic=False), logits, target)
+    wide = re.findall(rf"empty_strided_cpu\(\({c}, {v}\), \([^)]*\), (torch\.\w+)\)", code[0])
+    assert wide == ["torch.bfloat16"], wide  # the grad, and no fp32 copy of the logits
+    assert len(set(re.findall(r"def (cpp_fused_\w+)|(cpp_fused_\w+)\(", code[0]))) >= 1
+    torch.testing.assert_close(loss_c, loss, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(grad_c, grad, rtol=0, atol=0.01)
+
+
+def test_compiled_blocks_write_weight_grads_into_main_grad_as_eager_does():
+    """train.compile keeps the weight-grad GEMM into main_grad (an opaque custom op in the compiled backward):
+    every block linear takes it in every micro-batch, and the grads are eager's to bf16 noise."""
+    from megaframe.layers import wgrad
+    from tests.distributed.cases import train_and_report
+
+    over = SHAPES + ["model.num_layers=1"]
+    eager = train_and_report(single_process_mesh(), over, 1)
+    before = wgrad.calls
+    compiled = train_and_report(single_process_mesh(), over + ["train.compile=true"], 1)
+    assert wgrad.calls - before == 4 * 4  # qkv, out_proj, up, down x 4 micro-batches
+    assert compiled["losses"] == pytest.approx(eager["losses"], rel=1e-4)
+    for name, g in eager["grads"].items():
+        torch.testing.assert_close(compiled["grads"][name].float(), g.float(), rtol=0.05, atol=2e-4)
