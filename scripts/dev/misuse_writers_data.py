@@ -43,7 +43,7 @@ def _export_check(out, vocab: int):
 
 def lock_and_prepare_repros(s: Setup, d: Data) -> list[Attempt]:
     w = s.work
-    corpus, tok = s.data.parent.parent / "corpus", s.data / "tokenizer.model"
+    corpus, tok = s.data.parent / "corpus", s.data / "tokenizer.model"
     prep = [*PREPARE, f"data.source={corpus}", f"data.tokenizer={tok}"]
 
     def race_prep(name, first, cmds):
@@ -54,8 +54,9 @@ def lock_and_prepare_repros(s: Setup, d: Data) -> list[Attempt]:
             shutil.rmtree(out.parent / f".{name}.partial", ignore_errors=True)
             if first:
                 sh([*prep, f"data.path={out}", *first])
-            spec(spec_file, [[*prep, f"data.path={out}", *c] for c in cmds], None, [verify_if_published(out)])
-        return Attempt(name.upper(), "lost work", [*RACE, "cmds", str(spec_file)], rc=0, prep=prep_, timeout=600)
+            # between them the writers cover every unit: OUT must be published, and complete
+            spec(spec_file, [[*prep, f"data.path={out}", *c] for c in cmds], None, [[*VERIFY, str(out)]])
+        return Attempt(name[:2].upper() + name[2:], "lost work", [*RACE, "cmds", str(spec_file)], rc=0, prep=prep_, timeout=600)
 
     return [
         Attempt("L1-pid", "lost work", [*RACE, "locks", str(w / "l1pid"), "25"], rc=0, timeout=300,
@@ -295,7 +296,7 @@ def data_identity(s: Setup, d: Data) -> list[Attempt]:
         shutil.copy(d.prepared("docs512") / "tokenizer.model", d.copy("swaptok", s.data) / "tokenizer.model")
     blend3 = lambda *o: d.run("wd-blend", *o, steps=3)  # noqa: E731
     return [
-        a(1, blend3(d.blend(("docs512", 0.5), ("docsdemo", 0.5))), prep=d.blend_run, has=("data.blend",)),
+        a(1, blend3(d.blend(("docs512", 1))), prep=d.blend_run, has=("data.blend",)),
         a(2, blend3(d.blend(("scr512", 0.5), ("docs512", 0.5))), prep=d.blend_run, has=("data.blend",)),
         a(3, d.run("wd-stages", d.stages(extra=f"{{until_step: 5, blend: [{{path: {d.at('scr512')}}}]}}, "),
                    steps=4), prep=d.stages_run, has=("data.stages",)),
