@@ -129,7 +129,7 @@ def checkpoint_field_repros(s: Setup) -> list[Attempt]:
     return [
         # one branch (the shared set-up has two: there a head without usable metadata is refused, naming both)
         Attempt("T2-auto", "traceback", s.syn("t2a", "train.max_steps=6", "checkpoint.interval=2"), rc=0,
-                prep=single_branch_damaged, has=("skipping checkpoint", "step_00000002")),
+                prep=single_branch_damaged, has=("resumed from", "step_00000002")),
         Attempt("T2-export", "traceback", [*EXPORT, str(s.p("t2b") / "checkpoints" / six), str(w / "t2b-hf")],
                 prep=damaged("t2b", tensor("dtype", "complex999")), has=("dtype",)),
         Attempt("T5-dir", "traceback", s.run_tiny("t5a", "train.max_steps=7", "checkpoint.interval=1"),
