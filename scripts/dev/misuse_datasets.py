@@ -5,6 +5,7 @@ scripts/dev/misuse_rerun.py share, each made on first use (so `--only` works on 
   512-piece tokenizer; scr512: scripts/ with docs512's tokenizer; docsdemo: docs/ with the demo's tokenizer
   (a second data set of the demo's vocabulary);
 - runs on them (blend, stages), and an HF export of the shared set-up's checkpoint."""
+
 from __future__ import annotations
 
 import json
@@ -39,9 +40,13 @@ class Data:
         out = self.at(name)
         if not (out / "meta.json").is_file():
             src = "scripts" if name == "scr512" else "docs"
-            tok = ("data.vocab_size=512" if name == "docs512" else
-                   f"data.tokenizer={self.prepared('docs512') / 'tokenizer.model'}" if name == "scr512" else
-                   f"data.tokenizer={self.s.data / 'tokenizer.model'}")
+            tok = (
+                "data.vocab_size=512"
+                if name == "docs512"
+                else f"data.tokenizer={self.prepared('docs512') / 'tokenizer.model'}"
+                if name == "scr512"
+                else f"data.tokenizer={self.s.data / 'tokenizer.model'}"
+            )
             sh([*PREPARE, f"data.source={self.source(src)}", f"data.path={out}", "data.num_workers=1", tok])
         return out
 
@@ -63,13 +68,21 @@ class Data:
 
     def stages(self, first_until: int = 2, extra: str = "") -> str:
         d, c = self.at("docs512"), self.at("scr512")
-        return (f"data.stages=[{{until_step: {first_until}, blend: [{{path: {d}, weight: 1}}]}}, "
-                f"{extra}{{blend: [{{path: {d}, weight: 0.5}}, {{path: {c}, weight: 0.5}}]}}]")
+        return (
+            f"data.stages=[{{until_step: {first_until}, blend: [{{path: {d}, weight: 1}}]}}, "
+            f"{extra}{{blend: [{{path: {d}, weight: 0.5}}, {{path: {c}, weight: 0.5}}]}}]"
+        )
 
     def run(self, name: str, *over: str, steps: int = 2) -> list[str]:
-        """A tiny training command on prepared data of this set (no data.path: the blend/stages replace it)."""
-        return [*TRAIN, *TINY, f"run.dir={self.w / name}", f"train.max_steps={steps}",
-                f"checkpoint.interval={steps}", *over]
+        """A tiny training command on this set's data (no data.path: the blend or stages replace it)."""
+        return [
+            *TRAIN,
+            *TINY,
+            f"run.dir={self.w / name}",
+            f"train.max_steps={steps}",
+            f"checkpoint.interval={steps}",
+            *over,
+        ]
 
     def trained(self, name: str, *over: str, steps: int = 2) -> Path:
         """The checkpoint dir of a run made once."""
@@ -124,13 +137,22 @@ def edit_json(f: Path, fn) -> None:
 def spec(path: Path, cmds: list[list[str]], winners: int | None = 1, then: list[list[str]] = ()) -> None:
     """The command list scripts/dev/misuse_race.py starts at one instant."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"cmds": [list(map(str, c)) for c in cmds], "winners": winners,
-                                "then": [list(map(str, c)) for c in then]}))
+    path.write_text(
+        json.dumps(
+            {
+                "cmds": [list(map(str, c)) for c in cmds],
+                "winners": winners,
+                "then": [list(map(str, c)) for c in then],
+            }
+        )
+    )
 
 
 def verify_if_published(folder: Path) -> list[str]:
     """A prepared OUT is either absent or complete: verify it when it is there."""
-    code = (f"import pathlib, subprocess, sys; p = pathlib.Path({str(folder)!r}); "
-            f"sys.exit(subprocess.call([sys.executable, '-m', 'megaframe.data', 'verify', str(p)]) "
-            f"if p.exists() else 0)")
+    code = (
+        f"import pathlib, subprocess, sys; p = pathlib.Path({str(folder)!r}); "
+        f"sys.exit(subprocess.call([sys.executable, '-m', 'megaframe.data', 'verify', str(p)]) "
+        f"if p.exists() else 0)"
+    )
     return py("-c", code)

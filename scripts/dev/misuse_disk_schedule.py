@@ -61,11 +61,14 @@ def disk_repros(s: Setup) -> list[Attempt]:
                                                    f"checkpoint.dir={mnt('c1a') / 'ck'}"), rc=1,
                 prep=full_ck("c1a"), has=("checkpoint step 2 not committed", "No space left"),
                 check=_not_committed(mnt("c1a") / "ck", "step_00000001"), after=lambda: umount(mnt("c1a"))),
-        Attempt("C1-fsize", "crash mid-run", fsize_limited(s.syn("c1b", *SAVE, f"checkpoint.dir={w / 'c1b-ck'}"),
+        Attempt("C1-fsize", "crash mid-run", fsize_limited(s.syn("c1b", *SAVE,
+                                                                 f"checkpoint.dir={w / 'c1b-ck'}"),
                                                            _ckpt_bytes(s) // 2048), rc=1,
                 prep=lambda: shutil.rmtree(w / "c1b-ck", ignore_errors=True),
-                has=("checkpoint step 1 not committed", "File too large"), check=_not_committed(w / "c1b-ck", None)),
-        Attempt("C1-2ranks", "crash mid-run", [*TORCHRUN2, *TINY, "data=synthetic", *SAVE, f"run.dir={w / 'c1c'}",
+                has=("checkpoint step 1 not committed", "File too large"), check=_not_committed(w / "c1b-ck",
+                                                                                                None)),
+        Attempt("C1-2ranks", "crash mid-run", [*TORCHRUN2, *TINY, "data=synthetic", *SAVE,
+                                               f"run.dir={w / 'c1c'}",
                                                "checkpoint.on_save_error=continue", "checkpoint.keep_last=0",
                                                f"checkpoint.dir={mnt('c1c') / 'ck'}"], rc=0, timeout=400,
                 prep=full_ck("c1c"), has=("checkpoint step 2 not committed", "step      3/3"),
@@ -76,7 +79,7 @@ def disk_repros(s: Setup) -> list[Attempt]:
                 prep=lambda: (shutil.rmtree(w / "c2-ck", ignore_errors=True),
                               mount_tmpfs(mnt("c2"), "64k", fill=48 << 10)),
                 has=("No space left", "step     20/20"),
-                check=lambda: None if (w / "c2-ck" / "step_00000020").is_dir() else "no checkpoint at step 20",
+                check=lambda: None if (w / "c2-ck" / "step_00000020").is_dir() else "no step 20 checkpoint",
                 after=lambda: umount(mnt("c2"))),
     ]
 
@@ -93,7 +96,8 @@ def schedule_repros(s: Setup) -> list[Attempt]:
                                         "checkpoint.resume=none"], rc=0, timeout=400, has=("step      2/2",)),
         Attempt("C3-plan", "traceback", [*PLAN, *ZBV, "+world_size=2", "parallel.pp_layout=[4,0,0,0]"],
                 has=("leaves pipeline rank 1",)),
-        Attempt("C4", "crash mid-run", *cfg(*ZBV, *MOE_FULL, rc=2, has=("train.recompute=full",))[:2], env=two),
+        Attempt("C4", "crash mid-run", *cfg(*ZBV, *MOE_FULL, rc=2, has=("train.recompute=full",))[:2],
+                env=two),
         Attempt("H1", "hang", [*PLAN, "model.seq_length=1000000000", "+world_size=1", "+device_memory_gb=80"],
                 rc=(0, 2), timeout=300),
         Attempt("T1-nan", "traceback", *cfg(stage("nan"), rc=2, synthetic=False)[:2]),
@@ -124,7 +128,8 @@ def checkpoint_field_repros(s: Setup) -> list[Attempt]:
 
     def pieces(m):
         next(iter(m["tensors"].values()))["shards"][0]["pieces"] = [[1]]
-    folder = lambda name, pointer: lambda: (s.copy(name, "run"), (s.p(name) / "checkpoints" / pointer).unlink(  # noqa: E731
+    folder = lambda name, pointer: lambda: (s.copy(name, "run"),
+                                            (s.p(name) / "checkpoints" / pointer).unlink(  # noqa: E731
         missing_ok=True), (s.p(name) / "checkpoints" / pointer).mkdir())
     return [
         # one branch (the shared set-up has two: there a head without usable metadata is refused, naming both)
@@ -138,13 +143,14 @@ def checkpoint_field_repros(s: Setup) -> list[Attempt]:
                 prep=folder("t5b", "latest.tmp"), has=("latest.tmp",)),
         Attempt("K1-pieces", "message", [*CKPT_VERIFY, str(s.p("k1") / "checkpoints" / six)],
                 prep=damaged("k1", pieces), has=("pieces",)),
-        Attempt("K2-pastend", "message", s.run_tiny("k2", "train.max_steps=3"), rc=0, prep=lambda: s.copy("k2", "run"),
+        Attempt("K2-pastend", "message", s.run_tiny("k2", "train.max_steps=3"), rc=0,
+                prep=lambda: s.copy("k2", "run"),
                 has=("nothing to train",)),
     ]
 
 
 def disk_full(s: Setup) -> list[Attempt]:
-    """DF: every writer on a full or size-limited file system stops with one line and leaves no half output."""
+    """DF: every writer on a full or size-limited file system stops with one line, leaving no half output."""
     w = s.work
     a = lambda i, cmd, **k: Attempt(f"DF{i:02d}", "disk full", cmd, **k)  # noqa: E731
     mnt = lambda i: w / "mnt" / f"df{i}"  # noqa: E731
@@ -168,9 +174,11 @@ def disk_full(s: Setup) -> list[Attempt]:
         a(2, [*EXPORT, str(s.ck), str(mnt(2) / "hf")], rc=(1, 2), prep=small(2, "1m"), after=off(2),
           check=absent(mnt(2) / "hf", mnt(2) / "hf.tmp")),
         a(3, [*IMPORT, str(w / "hf"), str(mnt(3) / "ck"), f"data.path={s.data}"], rc=(1, 2),
-          prep=lambda: (d.hf(), small(3, "1m")()), after=off(3), check=absent(mnt(3) / "ck" / "step_00000000")),
+          prep=lambda: (d.hf(), small(3,
+                                      "1m")()), after=off(3), check=absent(mnt(3) / "ck" / "step_00000000")),
         a(4, fsize_limited(prep_cmd(w / "df4-out"), 32), rc=(1, 2),
-          prep=lambda: (d.source("docs"), shutil.rmtree(w / "df4-out", ignore_errors=True)), check=absent(w / "df4-out")),
+          prep=lambda: (d.source("docs"), shutil.rmtree(w / "df4-out",
+                                                        ignore_errors=True)), check=absent(w / "df4-out")),
         a(5, fsize_limited([*EXPORT, str(s.ck), str(w / "df5-hf"), "--force"], 1024), rc=(1, 2),
           check=absent(w / "df5-hf")),
         a(6, s.syn("df6", "train.max_steps=1", f"run.dir={mnt(6) / 'run'}", f"checkpoint.dir={w / 'df6-ck'}"),
@@ -180,12 +188,15 @@ def disk_full(s: Setup) -> list[Attempt]:
           check=_not_committed(mnt(7) / "ck", None)),
         a(8, s.syn("df8", *SAVE, "checkpoint.on_save_error=continue", "checkpoint.keep_last=1",
                    f"checkpoint.dir={mnt(8) / 'ck'}"), rc=0, prep=lambda: mount_tmpfs(mnt(8), f"{kib()}k"),
-          after=off(8), has=("not committed", "step      3/3"), check=_not_committed(mnt(8) / "ck", "step_00000001")),
+          after=off(8), has=("not committed", "step      3/3"), check=_not_committed(mnt(8) / "ck",
+                                                                                     "step_00000001")),
         a(9, py("-m", "megaframe.plot", str(s.rb), "--out", str(mnt(9) / "loss.png")), rc=(1, 2),
           prep=small(9, "64k", fill=64 << 10), after=off(9)),
-        a(10, [*PLAN, "+world_size=4", f"+plan_json={mnt(10) / 'plan.json'}"], prep=small(10, "64k", fill=64 << 10),
+        a(10, [*PLAN, "+world_size=4", f"+plan_json={mnt(10) / 'plan.json'}"], prep=small(10, "64k",
+                                                                                          fill=64 << 10),
           after=off(10)),
-        a(11, s.syn("df11", "train.max_steps=1", f"checkpoint.dir={mnt(11) / 'ck'}"), prep=ro(11), after=off(11)),
+        a(11, s.syn("df11", "train.max_steps=1", f"checkpoint.dir={mnt(11) / 'ck'}"), prep=ro(11),
+          after=off(11)),
     ]
 
 
@@ -195,8 +206,10 @@ def schedules(s: Setup) -> list[Attempt]:
     w = s.work
     a = lambda i, cmd, **k: Attempt(f"SV{i:02d}", "schedule validity", cmd, **k)  # noqa: E731
     two, four = {"WORLD_SIZE": "2"}, {"WORLD_SIZE": "4"}
-    conf = lambda *o, rc=2, env=two: dict(cmd=[*TRAIN, *TINY4, "data=synthetic", *o, "--cfg"], rc=rc, env=env)  # noqa: E731
-    real = lambda run, *o: [*TORCHRUN2, *TINY4, "data=synthetic", "train.max_steps=2", "checkpoint.resume=none",  # noqa: E731
+    conf = lambda *o, rc=2, env=two: dict(cmd=[*TRAIN, *TINY4, "data=synthetic", *o, "--cfg"], rc=rc,
+                                          env=env)  # noqa: E731
+    real = lambda run, *o: [*TORCHRUN2, *TINY4, "data=synthetic", "train.max_steps=2",
+                            "checkpoint.resume=none",  # noqa: E731
                             f"run.dir={w / run}", *o]
     inter = ["parallel.pp=2", "parallel.vpp=2"]
     return [
@@ -211,7 +224,8 @@ def schedules(s: Setup) -> list[Attempt]:
         a(8, **conf("parallel.pp=2", "parallel.pp_layout=[1,2]")),
         a(9, **conf("parallel.pp=2", "parallel.pp_layout=[-1,5]")),
         a(10, **conf("parallel.pp=2", "model.num_layers=1")),
-        a(11, **conf("parallel.pp=2", "parallel.pp_schedule=zb_h1", "model=moe_tiny", "train.global_batch_size=12",
+        a(11, **conf("parallel.pp=2", "parallel.pp_schedule=zb_h1", "model=moe_tiny",
+                     "train.global_batch_size=12",
                      "train.recompute=selective", rc=(0, 2))),
         a(12, [*PLAN, *ZBV, *MOE_FULL, "+world_size=2"], has=("train.recompute=full",)),
         a(13, **conf("parallel.pp=4", "model.num_layers=2", env=four)),

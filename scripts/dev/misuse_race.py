@@ -11,6 +11,7 @@ not held, with one line saying why).
         another host that a slow squeue reports COMPLETED), then three long-lived processes call the
         project's RunLock(folder).acquire() at one instant. Held when every trial has exactly one holder.
 """
+
 from __future__ import annotations
 
 import json
@@ -55,8 +56,12 @@ def _last(out: str) -> str:
 
 
 def race_cmds(spec: dict) -> tuple[bool, str]:
-    procs = [subprocess.Popen(c, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              errors="replace") for c in spec["cmds"]]
+    procs = [
+        subprocess.Popen(
+            c, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace"
+        )
+        for c in spec["cmds"]
+    ]
     outs = [p.communicate()[0] for p in procs]
     rcs = [p.returncode for p in procs]
     for i, (rc, out) in enumerate(zip(rcs, outs)):
@@ -69,7 +74,11 @@ def race_cmds(spec: dict) -> tuple[bool, str]:
     for c in spec.get("then") or []:
         res = subprocess.run(c, cwd=ROOT, capture_output=True, text=True, errors="replace")
         if res.returncode != 0:
-            return False, f"afterwards {' '.join(map(str, c[-3:]))} exited {res.returncode}: {_last(res.stdout + res.stderr)}"
+            return (
+                False,
+                f"afterwards {' '.join(map(str, c[-3:]))} exited {res.returncode}: "
+                f"{_last(res.stdout + res.stderr)}",
+            )
     return True, f"exits {rcs}"
 
 
@@ -81,12 +90,24 @@ def race_locks(base: Path, trials: int, squeue: bool) -> tuple[bool, str]:
         stub.write_text(f"#!{sys.executable}\nimport time; time.sleep(0.5); print('COMPLETED')\n")
         stub.chmod(0o755)
         env["PATH"] = f"{base / 'bin'}:{env.get('PATH', '')}"
-    procs = [subprocess.Popen([sys.executable, "-c", TAKER], cwd=ROOT, env=env, stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True) for _ in range(3)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", TAKER],
+            cwd=ROOT,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(3)
+    ]
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    holder = ({"host": "node-that-is-gone", "pid": 4242, "job": "SLURM_JOB_ID=999"} if squeue else
-              {"host": socket.gethostname(), "pid": dead.pid, "job": ""})
+    holder = (
+        {"host": "node-that-is-gone", "pid": 4242, "job": "SLURM_JOB_ID=999"}
+        if squeue
+        else {"host": socket.gethostname(), "pid": dead.pid, "job": ""}
+    )
     counts = []
     try:
         for t in range(trials):

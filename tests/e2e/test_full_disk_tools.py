@@ -1,6 +1,8 @@
-"""The tools that write files (export_hf, import_hf, prepare, plot) on a full disk or past the file-size limit,
-on real size-limited file systems (a tmpfs mount, RLIMIT_FSIZE): one `megaframe: error:` line naming what
-could not be written, exit 1, no traceback, and no half-written output left where a reader would take it."""
+"""The tools that write files (export_hf, import_hf, prepare, plot) on a full disk or past the file-size
+limit, on real size-limited file systems (a tmpfs mount, RLIMIT_FSIZE): one `megaframe: error:` line
+naming what could not be written, exit 1, no traceback, and no half-written output left where a reader
+would take it."""
+
 from __future__ import annotations
 
 import contextlib
@@ -19,8 +21,9 @@ pytestmark = pytest.mark.e2e
 @contextlib.contextmanager
 def tmpfs(where: Path, size: str, fill: int = 0):
     where.mkdir(parents=True, exist_ok=True)
-    got = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
-                         capture_output=True, text=True)
+    got = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True, text=True
+    )
     if got.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here ({got.stderr.strip() or got.returncode})")
     try:
@@ -35,8 +38,15 @@ def run(args: list[str], fsize: int | None = None) -> subprocess.CompletedProces
     def limit():  # in the child only
         resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
 
-    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env(), capture_output=True, text=True,
-                          timeout=300, preexec_fn=limit if fsize else None)
+    return subprocess.run(
+        [sys.executable, *args],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=limit if fsize else None,
+    )
 
 
 def assert_one_line(res, *words: str) -> None:
@@ -51,8 +61,16 @@ def assert_one_line(res, *words: str) -> None:
 def trained(tmp_path_factory):
     """A one-step run (its checkpoint and metrics) and its HF export."""
     base = tmp_path_factory.mktemp("full_disk_tools")
-    res = run(["train.py", "data=synthetic", *TINY, "train.max_steps=1", "checkpoint.interval=1",
-               f"run.dir={base / 'run'}"])
+    res = run(
+        [
+            "train.py",
+            "data=synthetic",
+            *TINY,
+            "train.max_steps=1",
+            "checkpoint.interval=1",
+            f"run.dir={base / 'run'}",
+        ]
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     res = run(["scripts/export_hf.py", str(base / "run" / "checkpoints"), str(base / "hf")])
     assert res.returncode == 0, res.stderr[-3000:]
@@ -88,7 +106,16 @@ def test_prepare_past_the_file_size_limit_is_one_line_and_publishes_nothing(tmp_
     if not tok.is_file():
         pytest.skip("the demo data is not prepared")
     # 32 KiB: less than the tokenizer model the prepare copies into its partial folder
-    res = run(["-m", "megaframe.data.prepare", f"data.source={src}", f"data.path={out}", f"data.tokenizer={tok}",
-               "data.num_workers=1"], fsize=32 << 10)
+    res = run(
+        [
+            "-m",
+            "megaframe.data.prepare",
+            f"data.source={src}",
+            f"data.path={out}",
+            f"data.tokenizer={tok}",
+            "data.num_workers=1",
+        ],
+        fsize=32 << 10,
+    )
     assert_one_line(res, str(out), "File too large")
     assert not out.exists()
