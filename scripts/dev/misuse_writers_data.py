@@ -386,8 +386,10 @@ def checksums(s: Setup, d: Data) -> list[Attempt]:
         a(7, train("cs07"), prep=damaged("cs07", truncate)),
         a(8, train("cs08"), prep=damaged("cs08", lambda f: truncate(f, 0.7), "docs")),
         a(9, train("cs09"), prep=lambda: truncate(d.copy("cs09", "docs512") / "tokenizer.model")),
+        # in the model's weights (the first 14 % of the shard): generate reads no optimizer state, whose
+        # bytes it rightly does not check
         a(10, [*GEN, str(head("cs10")), "--prompt", "The", "--max-new-tokens", "2"],
-          prep=ck_damage("cs10", flip_byte)),
+          prep=ck_damage("cs10", lambda f: flip_byte(f, 0.05))),
         a(11, [*EXPORT, str(head("cs11")), str(w / "cs11-hf")], prep=ck_damage("cs11", flip_byte)),
         a(12, [*CKPT_VERIFY, str(head("cs12"))], prep=meta_crc("cs12")),
         a(13, s.run_tiny("cs13", "train.max_steps=7"), rc=0, prep=meta_crc("cs13"),
