@@ -9,6 +9,12 @@ prepared data is used. With data.valid_fraction > 0 the validation split is scor
 train.eval_iters global batches of its seeded order: the samples the run's val_loss used), else the
 whole dataset; --all scores every sample of the split once. A bare integer is train.eval_iters.
 Prints one line: loss (mean token cross-entropy, nats), perplexity, tokens. Bad input exits 2.
+
+    python -m megaframe.evaluate checkpoint=CKPT +tasks=hellaswag,arc_easy [+include_path=DIR] [+limit=N]
+                                 [+num_fewshot=K] [+batch_size=B] [+tokenizer=PATH]
+
+scores lm-evaluation-harness tasks instead (the optional extra .[eval]; evaluation/lm_eval_adapter.py):
+one line per task with its metrics. `checkpoint=CKPT` may replace the leading CKPT in either form.
 """
 from __future__ import annotations
 
@@ -17,7 +23,13 @@ import sys
 import time
 
 
+TASK_KEYS = ("tasks", "include_path", "limit", "num_fewshot", "batch_size", "tokenizer")
+
+
 def split_args(argv: list[str]) -> tuple[str, list[str], bool]:
+    named = [a for a in argv if a.lstrip("+").startswith("checkpoint=")]
+    if named:  # checkpoint=CKPT anywhere: the same as a leading CKPT
+        argv = [named[0].split("=", 1)[1]] + [a for a in argv if a is not named[0]]
     if not argv or argv[0].startswith("-") or "=" in argv[0]:
         raise ValueError("usage: python -m megaframe.evaluate CKPT [overrides] (CKPT first)")
     over = [f"train.eval_iters={a}" if a.isdigit() else a for a in argv[1:] if a != "--all"]
@@ -89,12 +101,46 @@ def evaluate(model, cfg, every: bool) -> tuple[float, int, str]:
     return total.item() / tokens, tokens, f"{split}: {which}"
 
 
+def task_options(overrides: list[str]) -> tuple[dict, list[str]]:
+    """The lm-eval options (+tasks=..., +limit=...) and the remaining overrides."""
+    opts, rest = {}, []
+    for o in overrides:
+        key, _, value = o.lstrip("+").partition("=")
+        if key in TASK_KEYS and value:
+            opts[key] = value
+        else:
+            rest.append(o)
+    return opts, rest
+
+
+def run_tasks(ckpt: str, opts: dict) -> int:
+    """Score lm-eval tasks on the checkpoint; one line per task on stdout."""
+    try:
+        from megaframe.evaluation.lm_eval_adapter import MegaframeLM
+    except ImportError as e:
+        raise ValueError(f"+tasks needs lm-eval ({e}): pip install -e '.[eval]'") from None
+    from megaframe.evaluation.tasks import format_scores, run_tasks
+
+    t0 = time.perf_counter()
+    lm = MegaframeLM(checkpoint=ckpt, tokenizer=opts.get("tokenizer"), batch_size=opts.get("batch_size", 8))
+    limit = float(opts["limit"]) if "limit" in opts else None
+    shots = int(opts["num_fewshot"]) if "num_fewshot" in opts else None
+    scores = run_tasks(lm, opts["tasks"], opts.get("include_path"), limit, shots)
+    for task, row in sorted(scores.items()):
+        print(f"evaluate: {ckpt}: {format_scores({task: row})}", flush=True)
+    print(f"evaluate: {len(scores)} task(s) in {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
+    return 0
+
+
 def main(argv: list[str]) -> int:
     from megaframe.config import ConfigError
     from megaframe.errors import fail
 
     try:
         ckpt, overrides, every = split_args(argv)
+        opts, overrides = task_options(overrides)
+        if "tasks" in opts:
+            return run_tasks(ckpt, opts)
         from megaframe.inference.files import resolve_step
 
         step, meta = resolve_step(ckpt)
