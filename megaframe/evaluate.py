@@ -22,7 +22,6 @@ import math
 import sys
 import time
 
-
 TASK_KEYS = ("tasks", "include_path", "limit", "num_fewshot", "batch_size", "tokenizer")
 
 

@@ -97,8 +97,9 @@ def loglikelihoods(model, mesh, pairs: list[tuple[list[int], list[int]]], batch_
 def greedy_texts(model, mesh, prompts: list[list[int]], max_new: int, stop, vocab: int, batch_size: int = 8
                  ) -> list[list[int]]:
     """Greedy continuations (token ids) of each prompt, at most max_new tokens and never past
-    model.seq_length, among the tokenizer's `vocab` ids; `stop(ids)` says when a row is done (an `until` string, eos). The dp replicas step
-    together (a max over dp says whether any row anywhere still runs) so ZeRO-3's gathers stay paired."""
+    model.seq_length, among the tokenizer's `vocab` ids; `stop(ids)` says when a row is done (an `until`
+    string, eos). The dp replicas step together (a max over dp says whether any row anywhere still runs),
+    so ZeRO-3's gathers stay paired."""
     check_layout(mesh)
     seq, dev = model.cfg.seq_length, mesh.device
     mine, rounds = _share(len(prompts), mesh, batch_size)

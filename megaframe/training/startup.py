@@ -13,6 +13,7 @@ import torch
 from megaframe.config import Config, ConfigError
 from megaframe.data.dataset import Prefetcher, build_data, microbatches
 from megaframe.data.order import resumed_order
+from megaframe.evaluation.downstream import Downstream
 from megaframe.inference.sampler import Sampler
 from megaframe.model.gpt import build_model
 from megaframe.optim.build import build_optimizer, cast_model
@@ -38,6 +39,8 @@ class Setup:
     resumed: Resumed
     acct: Accounting
     phases: PhaseMeter | None = None
+    downstream: object = None
+    """evaluation/downstream.py's Downstream when train.downstream_interval > 0 (and lm-eval and a tokenizer exist)."""
     """Peak memory per phase (training/phases.py): start-up and load measured here, step and save by the loop."""
 
 
@@ -55,6 +58,7 @@ def set_up(cfg: Config, mesh: Mesh, faults=None) -> Setup:
         data = build_data(cfg)
         evaluator = Evaluator.build(cfg, mesh)  # None unless train.eval_interval > 0
         sampler = Sampler.build(cfg, mesh)  # None unless train.sample_interval > 0
+        downstream = Downstream.build(cfg, mesh)  # None unless train.downstream_interval > 0
     except (OSError, ValueError, KeyError) as e:
         raise ConfigError(f"data.path={cfg.data.path}: unreadable prepared data ({e})") from e
     if cfg.data.document_mask:
@@ -72,7 +76,7 @@ def set_up(cfg: Config, mesh: Mesh, faults=None) -> Setup:
     if cfg.optim.lr_decay_steps is None:  # a fresh start (or a pre-horizon checkpoint): this run's length
         cfg.optim.lr_decay_steps = cfg.train.max_steps
     acct = Accounting(resumed.step, resumed.consumed if resumed.path else 0, cfg.train.global_batch_size)
-    return Setup(model, optimizer, data, evaluator, sampler, resumed, acct, phases)
+    return Setup(model, optimizer, data, evaluator, sampler, resumed, acct, phases, downstream)
 
 
 def announce(cfg: Config, mesh: Mesh, su: Setup) -> None:

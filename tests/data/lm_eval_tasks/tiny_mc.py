@@ -7,3 +7,7 @@ def load(**_kwargs):
     import datasets
 
     return datasets.load_dataset("json", data_files={"test": str(Path(__file__).with_name("tiny_mc.jsonl"))})
+
+
+def broken(**_kwargs):
+    raise RuntimeError("tiny_broken: this task's documents are deliberately unreadable")
