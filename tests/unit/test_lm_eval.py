@@ -116,3 +116,16 @@ def test_evaluate_cli_runs_tasks_and_refuses_bad_input(run_dir):
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "no_such_task_here" in bad.stderr, bad.stderr
     gone = cli(f"checkpoint={run_dir / 'missing'}", f"+tasks={TASK}")
     assert gone.returncode == 2 and gone.stderr.count("\n") == 1, gone.stderr
+    # a hub task without the hub (HF_HUB_OFFLINE=1, its data never cached here): one line naming the task
+    hub = cli(str(run_dir / "ckpt"), "+tasks=arc_easy", "+limit=2")
+    assert hub.returncode == 2 and hub.stderr.count("\n") == 1 and "arc_easy" in hub.stderr, hub.stderr[-2000:]
+
+
+def test_lm_evals_own_command_line_runs_the_megaframe_model(run_dir):
+    """lm-eval's CLI (through megaframe's entry point, which registers the model) on a step folder."""
+    res = subprocess.run([sys.executable, "-m", "megaframe.evaluation", "--model", "megaframe", "--model_args",
+                          f"checkpoint={run_dir / 'ckpt' / 'step_00000003'}", "--batch_size", "4", "--tasks", TASK,
+                          "--include_path", TASKS], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert TASK in res.stdout and "acc" in res.stdout
