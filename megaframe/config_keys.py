@@ -14,7 +14,8 @@ from megaframe.errors import ConfigError
 from megaframe.errors import one_line as _one_line
 from megaframe.schema import Config
 
-PLANNER_KEYS = ("world_size", "device_memory_gb", "plan_json", "search", "device", "top", "efficiency")
+PLANNER_KEYS = ("world_size", "device_memory_gb", "plan_json", "search", "device", "top", "efficiency", "measure",
+                "measure_steps")
 """The planner's own `+key=value` settings (megaframe.plan removes them before load_config). Kept here,
 below the config loader, so the loader can name them without importing the planner."""
 
