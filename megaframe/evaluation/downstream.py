@@ -1,4 +1,5 @@
-"""Downstream tasks during training (train.downstream_interval): lm-eval on the live model, under the run's layout.
+"""Downstream tasks during training (train.downstream_interval): lm-eval on the live model, in the run's
+layout.
 
 Every rank scores (each dp replica its share of the requests, evaluation/scoring.py); the logging rank prints
 one line and the trainer adds downstream/<task>/<metric> to the step's metrics row (metrics.jsonl, wandb).
@@ -18,7 +19,7 @@ def _one_line(e: BaseException) -> str:
 
 
 class Downstream:
-    """Built once per run; `score(step, model)` returns {downstream/<task>/<metric>: value} and the seconds."""
+    """Built once per run; `score(step, model)`: {downstream/<task>/<metric>: value} and the seconds taken."""
 
     def __init__(self, cfg, mesh, tokenizer):
         from megaframe.evaluation.tasks import task_list
@@ -67,8 +68,8 @@ class Downstream:
                     got = run_tasks(lm, [task], t.downstream_include_path or None, t.downstream_limit or None)
                 except Exception as e:  # noqa: BLE001  never end the run for a report on it
                     if self.mesh.is_logger:
-                        print(f"megaframe: warning: downstream task {task} at step {step} failed ({_one_line(e)}); "
-                              "training goes on", file=sys.stderr, flush=True)
+                        print(f"megaframe: warning: downstream task {task} at step {step} failed "
+                              f"({_one_line(e)}); training goes on", file=sys.stderr, flush=True)
                     continue
                 scores.update(got)
         finally:

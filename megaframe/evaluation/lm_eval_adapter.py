@@ -49,7 +49,7 @@ class MegaframeLM(TemplateLM):
     def tok_encode(self, string: str, add_special_tokens=None, **kwargs) -> list[int]:
         return self.tok.encode([string])[0]
 
-    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple]:
         pairs = [(ctx, cont) for _, ctx, cont in requests]
         out = scoring.loglikelihoods(self.model, self.mesh, pairs, self.batch_size)
         for (key, _, _), answer in zip(requests, out):
@@ -58,7 +58,7 @@ class MegaframeLM(TemplateLM):
         return out
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
-        """The `hf` model's windows (disjoint, max_length tokens, one token of context), scored in one pass."""
+        """The `hf` model's windows (disjoint, max_length tokens, one of context), scored in one pass."""
         windows, owner = [], []
         for i, (string,) in enumerate(req.args for req in requests):
             for w in map(utils.make_disjoint_window, utils.get_rolling_token_windows(
@@ -80,7 +80,7 @@ class MegaframeLM(TemplateLM):
             groups.setdefault(repr(sorted((kw or {}).items())), (kw or {}, []))[1].append((i, ctx))
         for kw, items in groups.values():
             if kw.get("do_sample") or float(kw.get("temperature", 0.0) or 0.0) > 0:
-                raise ValueError("megaframe's lm-eval model decodes greedily: do_sample/temperature are not supported")
+                raise ValueError("megaframe's lm-eval model decodes greedily: no do_sample/temperature")
             until = kw.get("until") or []
             until = [until] if isinstance(until, str) else list(until)
             until.append(self.tok.decode([self.eot_token_id]))

@@ -140,6 +140,7 @@ def _next_tokens(model, mesh, rows: list[list[int]], batch_size: int, seq: int, 
         v = logits_BSV.shape[-1]
         padded = torch.arange(v, device=mesh.device) + mesh.tp.rank * v >= vocab
         logits_BSV = logits_BSV.float().masked_fill(padded, float("-inf"))
-        last = torch.tensor([max(len(r), 1) - 1 for r in rows] + [0] * (batch_size - len(rows)), device=mesh.device)
+        ends = [max(len(r), 1) - 1 for r in rows] + [0] * (batch_size - len(rows))
+        last = torch.tensor(ends, device=mesh.device)
         toks = global_argmax(logits_BSV, mesh.tp).gather(1, last.unsqueeze(1)).squeeze(1)
     return comm.all_reduce(toks, mesh.pp) if mesh.pp.size > 1 else toks

@@ -40,12 +40,13 @@ def run_tasks(lm, tasks, include_path: str | None = None, limit: int | float | N
         raise ValueError(f"unknown lm-eval task(s) {','.join(unknown)}{where}: `lm_eval ls tasks` lists them")
     try:
         # no seeding of python/numpy/torch: in the training loop that would reset the run's RNG streams
-        out = simple_evaluate(model=lm, tasks=names, task_manager=manager, limit=limit, num_fewshot=num_fewshot,
-                              log_samples=False, bootstrap_iters=0, random_seed=None, numpy_random_seed=None,
-                              torch_random_seed=None, verbosity="ERROR")
+        out = simple_evaluate(model=lm, tasks=names, task_manager=manager, limit=limit,
+                              num_fewshot=num_fewshot, log_samples=False, bootstrap_iters=0,
+                              random_seed=None, numpy_random_seed=None, torch_random_seed=None,
+                              verbosity="ERROR")
     except (OSError, ConnectionError) as e:  # requests/httpx/hub errors are OSErrors
-        raise ValueError(f"task(s) {','.join(names)}: cannot load the dataset ({_one_line(e)}); is the Hugging Face "
-                         "hub reachable (HF_HUB_OFFLINE, proxy)?") from None
+        raise ValueError(f"task(s) {','.join(names)}: cannot load the dataset ({_one_line(e)}); is the "
+                         "Hugging Face hub reachable (HF_HUB_OFFLINE, proxy)?") from None
     except Exception as e:  # datasets' own exceptions (DatasetNotFoundError ...) do not share a base
         if "datasets" in type(e).__module__ or "huggingface_hub" in type(e).__module__:
             raise ValueError(f"task(s) {','.join(names)}: cannot load the dataset ({_one_line(e)})") from None

@@ -42,7 +42,7 @@ def step_seconds(run_dir: Path, tokens_per_step: int) -> float:
 
 def run_layout(overrides: list[str], layout, world: int, steps: int, run_dir: Path, tokens: int,
                timeout_s: float = 600) -> float:
-    """Step time of the layout trained `steps` steps on this machine; RuntimeError with the run's last line."""
+    """Step time of the layout trained `steps` steps here; RuntimeError with the run's last error line."""
     env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONPATH": str(ROOT)}
     env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's workers share the cores
     env.pop("MEGAFRAME_RUN_NAME", None)
@@ -52,12 +52,14 @@ def run_layout(overrides: list[str], layout, world: int, steps: int, run_dir: Pa
            "checkpoint.resume=none", "logging.wandb.mode=disabled"]
     res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
     if res.returncode != 0:
-        lines = [ln for ln in res.stderr.splitlines() if "error" in ln.lower()] or res.stderr.splitlines() or ["?"]
+        lines = [ln for ln in res.stderr.splitlines() if "error" in ln.lower()]
+        lines = lines or res.stderr.splitlines() or ["?"]
         raise RuntimeError(f"exit {res.returncode}: {lines[-1].strip()[:200]}")
     return step_seconds(run_dir, tokens)
 
 
-def measure(cfg, overrides: list[str], ests: list, k: int, world: int, steps: int, progress=print) -> list[Measured]:
+def measure(cfg, overrides: list[str], ests: list, k: int, world: int, steps: int,
+            progress=print) -> list[Measured]:
     """The top k estimates, each measured; ordered by measured step time (failed runs last)."""
     tokens = cfg.train.global_batch_size * cfg.model.seq_length
     out = []
@@ -76,15 +78,16 @@ def report(rows: list[Measured], steps: int) -> str:
     """The measured ranking beside the predicted one."""
     lines = [f"measured ({steps} steps each on this machine, fastest step after the first {WARMUP_ROWS}; "
              "timings on a shared machine are noisy):",
-             f"{'measured':>8} {'predicted':>9}  {'layout':<74} {'measured':>10} {'predicted':>10} {'error':>7}"]
+             f"{'measured':>8} {'predicted':>9}  {'layout':<74} {'measured':>10} {'predicted':>10} "
+             f"{'error':>7}"]
     for n, m in enumerate(rows, 1):
         pred = m.estimate.step_s
         if m.step_s is None:
             lines.append(f"{'-':>8} {'#' + str(m.rank):>9}  {m.estimate.layout.label():<74} {'failed':>10} "
                          f"{pred:>9.3f}s  {m.error}")
             continue
-        lines.append(f"{'#' + str(n):>8} {'#' + str(m.rank):>9}  {m.estimate.layout.label():<74} {m.step_s:>9.3f}s "
-                     f"{pred:>9.3f}s {100 * (pred / m.step_s - 1):>+6.1f}%")
+        lines.append(f"{'#' + str(n):>8} {'#' + str(m.rank):>9}  {m.estimate.layout.label():<74} "
+                     f"{m.step_s:>9.3f}s {pred:>9.3f}s {100 * (pred / m.step_s - 1):>+6.1f}%")
     ok = [m for m in rows if m.step_s is not None]
     if ok:
         lines.append("run the measured #1 with: " + " ".join(ok[0].estimate.layout.overrides()))

@@ -40,7 +40,7 @@ class Setup:
     acct: Accounting
     phases: PhaseMeter | None = None
     downstream: object = None
-    """evaluation/downstream.py's Downstream when train.downstream_interval > 0 (and lm-eval and a tokenizer exist)."""
+    """evaluation/downstream.py's Downstream when train.downstream_interval > 0 (lm-eval and a tokenizer found)."""
     """Peak memory per phase (training/phases.py): start-up and load measured here, step and save by the loop."""
 
 

@@ -30,8 +30,8 @@ def test_local_task_scores_alike_under_tp_pp_dp(pool, tmp_path):
                         single_process_mesh(), {"config": dataclasses.asdict(cfg)})
     args = (str(step), str(tmp_path / "tokenizer.model"), TASKS, TASK)
     [one] = pool.run(score_local_task, 1, TINY, *args)
-    layouts = {"tp2": (["parallel.tp=2", "parallel.sp=true"], {"tp": 2}), "pp2": (["parallel.pp=2"], {"pp": 2}),
-               "dp2": ([], {})}
+    layouts = {"tp2": (["parallel.tp=2", "parallel.sp=true"], {"tp": 2}),
+               "pp2": (["parallel.pp=2"], {"pp": 2}), "dp2": ([], {})}
     for name, (over, axes) in layouts.items():
         for rank, got in enumerate(pool.run(score_local_task, 2, TINY + over, *args, **axes)):
             assert got["acc"] == one["acc"], (name, rank)
