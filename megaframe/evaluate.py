@@ -14,7 +14,9 @@ Prints one line: loss (mean token cross-entropy, nats), perplexity, tokens. Bad 
                                  [+num_fewshot=K] [+batch_size=B] [+tokenizer=PATH]
 
 scores lm-evaluation-harness tasks instead (the optional extra .[eval]; evaluation/lm_eval_adapter.py):
-one line per task with its metrics. `checkpoint=CKPT` may replace the leading CKPT in either form.
+one line per task with its metrics. Under torchrun the checkpoint is scored in the layout the overrides
+name (parallel.tp=2 parallel.pp=2 ..., dp the remaining ranks), with the one-process scores.
+`checkpoint=CKPT` may replace the leading CKPT in either form.
 """
 from __future__ import annotations
 
@@ -112,22 +114,24 @@ def task_options(overrides: list[str]) -> tuple[dict, list[str]]:
     return opts, rest
 
 
-def run_tasks(ckpt: str, opts: dict) -> int:
-    """Score lm-eval tasks on the checkpoint; one line per task on stdout."""
+def run_tasks(ckpt: str, opts: dict, overrides: list[str]) -> int:
+    """Score lm-eval tasks on the checkpoint (under torchrun in the layout the overrides name); one line per
+    task on stdout, from the first rank."""
     try:
-        from megaframe.evaluation.lm_eval_adapter import MegaframeLM
+        from megaframe.evaluation.launch import task_lm
     except ImportError as e:
         raise ValueError(f"+tasks needs lm-eval ({e}): pip install -e '.[eval]'") from None
     from megaframe.evaluation.tasks import format_scores, run_tasks
 
     t0 = time.perf_counter()
-    lm = MegaframeLM(checkpoint=ckpt, tokenizer=opts.get("tokenizer"), batch_size=opts.get("batch_size", 8))
     limit = float(opts["limit"]) if "limit" in opts else None
     shots = int(opts["num_fewshot"]) if "num_fewshot" in opts else None
-    scores = run_tasks(lm, opts["tasks"], opts.get("include_path"), limit, shots)
-    for task, row in sorted(scores.items()):
-        print(f"evaluate: {ckpt}: {format_scores({task: row})}", flush=True)
-    print(f"evaluate: {len(scores)} task(s) in {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
+    with task_lm(ckpt, overrides, opts) as (lm, prints):
+        scores = run_tasks(lm, opts["tasks"], opts.get("include_path"), limit, shots)
+    if prints:
+        for task, row in sorted(scores.items()):
+            print(f"evaluate: {ckpt}: {format_scores({task: row})}", flush=True)
+        print(f"evaluate: {len(scores)} task(s) in {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
     return 0
 
 
@@ -139,7 +143,7 @@ def main(argv: list[str]) -> int:
         ckpt, overrides, every = split_args(argv)
         opts, overrides = task_options(overrides)
         if "tasks" in opts:
-            return run_tasks(ckpt, opts)
+            return run_tasks(ckpt, opts, overrides)
         from megaframe.inference.files import resolve_step
 
         step, meta = resolve_step(ckpt)

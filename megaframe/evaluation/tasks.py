@@ -6,6 +6,8 @@ from `include_path` (a folder of task YAMLs, e.g. tests/data/lm_eval_tasks).
 """
 from __future__ import annotations
 
+import os
+
 STDERR = "_stderr"
 
 
@@ -38,6 +40,9 @@ def run_tasks(lm, tasks, include_path: str | None = None, limit: int | float | N
     if unknown:
         where = f" (include_path={include_path})" if include_path else ""
         raise ValueError(f"unknown lm-eval task(s) {','.join(unknown)}{where}: `lm_eval ls tasks` lists them")
+    # lm-eval returns the scores only where LOCAL_RANK is 0 (its own multi-GPU runs); the megaframe model
+    # hands every rank every result, and the rank that logs (the last pipeline stage's) may be any of them
+    local_rank = os.environ.pop("LOCAL_RANK", None)
     try:
         # no seeding of python/numpy/torch: in the training loop that would reset the run's RNG streams
         out = simple_evaluate(model=lm, tasks=names, task_manager=manager, limit=limit,
@@ -51,6 +56,9 @@ def run_tasks(lm, tasks, include_path: str | None = None, limit: int | float | N
         if "datasets" in type(e).__module__ or "huggingface_hub" in type(e).__module__:
             raise ValueError(f"task(s) {','.join(names)}: cannot load the dataset ({_one_line(e)})") from None
         raise
+    finally:
+        if local_rank is not None:
+            os.environ["LOCAL_RANK"] = local_rank
     return flatten(out["results"])
 
 
