@@ -159,6 +159,11 @@ def _check_context(cfg: Config, world_size: int) -> None:
     _req(cfg.train.sample_interval == 0,
          f"train.sample_interval={cfg.train.sample_interval} is not built with parallel.cp={p.cp}: set "
          "train.sample_interval=0 (sample after training: python -m megaframe.generate CHECKPOINT_DIR)")
+    # scoring reads whole sequences, as the sampler does
+    _req(cfg.train.downstream_interval == 0,
+         f"train.downstream_interval={cfg.train.downstream_interval} is not built with parallel.cp={p.cp}: set "
+         "train.downstream_interval=0 (score after training: python -m megaframe.evaluate "
+         "checkpoint=DIR +tasks=...)")
 
 
 def _check_lr_schedule(cfg: Config) -> None:
@@ -238,6 +243,9 @@ def _check_data_fields(cfg: Config) -> None:
          f"train.eval_interval={t.eval_interval} must be >= 0 and train.eval_iters={t.eval_iters} >= 1")
     _req(t.sample_interval >= 0 and t.sample_tokens >= 1,
          f"train.sample_interval={t.sample_interval} must be >= 0 and train.sample_tokens={t.sample_tokens} >= 1")
+    _req(t.downstream_interval == 0 or bool(t.downstream_tasks),
+         f"train.downstream_interval={t.downstream_interval} needs train.downstream_tasks=[task,...] "
+         "(lm-eval names)")
     _req(t.eval_interval == 0 or d.kind == "synthetic" or d.valid_fraction > 0,
          f"train.eval_interval={t.eval_interval} needs a validation split: set data.valid_fraction > 0")
 

@@ -15,7 +15,7 @@ from megaframe.errors import one_line as _one_line
 from megaframe.schema import Config
 
 PLANNER_KEYS = ("world_size", "device_memory_gb", "plan_json", "search", "device", "top", "efficiency",
-                "link_timeout_s", "device_profile")
+                "link_timeout_s", "device_profile", "measure", "measure_steps")
 """The planner's own `+key=value` settings (megaframe.plan removes them before load_config). Kept here,
 below the config loader, so the loader can name them without importing the planner."""
 

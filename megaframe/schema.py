@@ -247,6 +247,20 @@ class TrainConfig:
     """Prompts of the training-time samples."""
     sample_tokens: int = 24
     """New tokens per training-time sample."""
+    # -- downstream tasks during training (megaframe.evaluation.downstream; needs the extra .[eval])
+    downstream_interval: int = 0
+    """Every this many steps (and at the last), score train.downstream_tasks with lm-evaluation-harness on the
+    live model under the run's layout; logs downstream/<task>/<metric> to metrics.jsonl and wandb; 0 = never.
+    A task that fails logs one line and training goes on. Needs prepared data (its tokenizer); time excluded
+    from tokens_per_s."""
+    downstream_tasks: list[str] = field(default_factory=list)
+    """lm-eval task names (hellaswag, arc_easy, or a local task under train.downstream_include_path)."""
+    downstream_include_path: str = ""
+    """A folder of lm-eval task YAMLs (local tasks, no network); empty: lm-eval's own tasks only."""
+    downstream_limit: int = 0
+    """Score only the first N documents of each task (a quick in-loop signal); 0 = every document."""
+    downstream_batch_size: int = 8
+    """Sequences per forward while scoring (each padded to model.seq_length)."""
 
 
 @dataclass

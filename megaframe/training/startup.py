@@ -15,6 +15,7 @@ from megaframe.checkpoint.resume_checks import Accounting
 from megaframe.config import Config, ConfigError
 from megaframe.data.dataset import Prefetcher, build_data, microbatches
 from megaframe.data.order import resumed_order
+from megaframe.evaluation.downstream import Downstream
 from megaframe.inference.sampler import Sampler
 from megaframe.model.gpt import build_model
 from megaframe.optim.build import build_optimizer, cast_model
@@ -40,6 +41,8 @@ class Setup:
     acct: Accounting
     phases: PhaseMeter | None = None
     """Peak memory per phase (training/phase_meter.py): start-up and load measured here, step and save by the loop."""
+    downstream: object = None
+    """evaluation/downstream.py's Downstream when train.downstream_interval > 0 (lm-eval and a tokenizer found)."""
 
 
 def set_up(cfg: Config, mesh: Mesh, faults=None) -> Setup:
@@ -56,6 +59,7 @@ def set_up(cfg: Config, mesh: Mesh, faults=None) -> Setup:
         data = build_data(cfg)
         evaluator = Evaluator.build(cfg, mesh)  # None unless train.eval_interval > 0
         sampler = Sampler.build(cfg, mesh)  # None unless train.sample_interval > 0
+        downstream = Downstream.build(cfg, mesh)  # None unless train.downstream_interval > 0
     except (OSError, ValueError, KeyError) as e:
         # the key the run reads: a blend or stages run never read the data= preset's data.path
         d = cfg.data
@@ -76,7 +80,7 @@ def set_up(cfg: Config, mesh: Mesh, faults=None) -> Setup:
     if cfg.optim.lr_decay_steps is None:  # a fresh start (or a pre-horizon checkpoint): this run's length
         cfg.optim.lr_decay_steps = cfg.train.max_steps
     acct = Accounting(resumed.step, resumed.consumed if resumed.path else 0, cfg.train.global_batch_size)
-    return Setup(model, optimizer, data, evaluator, sampler, resumed, acct, phases)
+    return Setup(model, optimizer, data, evaluator, sampler, resumed, acct, phases, downstream)
 
 
 def announce(cfg: Config, mesh: Mesh, su: Setup) -> None:

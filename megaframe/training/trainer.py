@@ -131,6 +131,7 @@ def train(cfg: Config, mesh: Mesh, stop: StopFlag, run_id: str = "", owner: str 
             except TrainingError as e:
                 raise TrainingError(f"{e}; {ckpt.resume_hint()}") from e
             val = evaluate_and_sample(su, meter, tracker, step, cfg.run.dir)
+            scores = downstream_scores(su, meter, step)
             stopping = timed = False
             if checks_at(step, start, t):  # the same steps on every rank: they stop (and save on time) together
                 stopping, writing, timed = stop.decide(mesh, busy=ckpt.writing(), due=ckpt.overdue())
@@ -139,9 +140,9 @@ def train(cfg: Config, mesh: Mesh, stop: StopFlag, run_id: str = "", owner: str 
             # on every rank, not only the logger: the row's dp loss all-reduce and MoE figures are collectives; the
             # stop step too (agreed on every rank), so the summary's final loss is the one the checkpoint holds
             # step 1 too, whatever log_interval: its line says the run is alive and gives the first ETA
-            if step % t.log_interval == 0 or step in (1, t.max_steps) or val is not None or stopping:
+            if step % t.log_interval == 0 or step in (1, t.max_steps) or val is not None or scores or stopping:
                 # the first row after a resume names the checkpoint (readers see where the run restarted)
-                row, marker = {**log_row(su, meter, probe, ckpt, mesh, step, res, val), **marker}, {}
+                row, marker = {**log_row(su, meter, probe, ckpt, mesh, step, res, val), **scores, **marker}, {}
                 tracker.log(row, start)
             if save_due(cfg, step, stopping) or timed:
                 bad.flush()  # a deferred grad-norm read: the save must know whether this step was skipped
@@ -191,6 +192,15 @@ def evaluate_and_sample(su: Setup, meter: Meter, tracker: Tracker, step: int, ru
     if su.sampler is not None and su.sampler.due(step):  # sampling time is not training time either
         meter.paused(su.sampler.sample(step, su.model, run_dir, tracker.wandb_run))
     return val
+
+
+def downstream_scores(su: Setup, meter: Meter, step: int) -> dict:
+    """downstream/<task>/<metric> when downstream evaluation is due (else {}), off the clock."""
+    if su.downstream is None or not su.downstream.due(step):
+        return {}
+    row, seconds = su.downstream.score(step, su.model)
+    meter.paused(seconds)  # tokens_per_s counts training time only
+    return row
 
 
 def save_due(cfg: Config, step: int, stopping: bool) -> bool:
