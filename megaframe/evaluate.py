@@ -135,10 +135,10 @@ def run_tasks(ckpt: str, opts: dict, overrides: list[str]) -> int:
     """Score lm-eval tasks on the checkpoint (under torchrun in the layout the overrides name); one line per
     task on stdout, from the first rank."""
     try:
-        from megaframe.evaluation.launch import task_lm
+        from megaframe.evaluation.layout_lm import task_lm
     except ImportError as e:
         raise ValueError(f"+tasks needs lm-eval ({e}): pip install -e '.[eval]'") from None
-    from megaframe.evaluation.tasks import format_scores, run_tasks
+    from megaframe.evaluation.lm_tasks import format_scores, run_tasks
 
     t0 = time.perf_counter()
     limit = float(opts["limit"]) if "limit" in opts else None

@@ -22,7 +22,7 @@ class Downstream:
     """Built once per run; `score(step, model)`: {downstream/<task>/<metric>: value} and the seconds taken."""
 
     def __init__(self, cfg, mesh, tokenizer):
-        from megaframe.evaluation.tasks import task_list
+        from megaframe.evaluation.lm_tasks import task_list
 
         self.cfg, self.mesh, self.tok = cfg, mesh, tokenizer
         self.tasks = task_list(cfg.train.downstream_tasks)
@@ -54,7 +54,7 @@ class Downstream:
 
     def score(self, step: int, model) -> tuple[dict[str, float], float]:
         from megaframe.evaluation.lm_eval_adapter import MegaframeLM
-        from megaframe.evaluation.tasks import format_scores, run_tasks
+        from megaframe.evaluation.lm_tasks import format_scores, run_tasks
 
         t0, t = time.perf_counter(), self.cfg.train
         was_training = model.training

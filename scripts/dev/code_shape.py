@@ -34,7 +34,8 @@ LAYERS = [
     ["checkpoint"],  # save, load, resume, HF conversion
     ["runops"],  # who may write here, signals, watchdog, faults
     ["config", "config_checks", "config_keys", "config_rules"],  # composes, adopts a checkpoint, asks each package's rule
-    ["inference", "tracking"],  # generation on a loaded model; metrics sinks
+    ["inference", "tracking"],
+    ["evaluation"],  # lm-evaluation-harness on a loaded or live model, any layout  # generation on a loaded model; metrics sinks
     ["training"],  # the loop
     ["planning"],  # memory and time models (reads the loop's meters and FLOPs)
     ["plan", "generate", "evaluate", "plot", ""],  # command lines and the package's public surface
@@ -45,6 +46,8 @@ ALLOW: dict[str, str] = {}
 
 # (importer unit, imported unit) -> why the upward edge is allowed for now
 UPWARD_ALLOW: dict[tuple[str, str], str] = {
+    ("evaluation", ""): "the lm-eval adapter loads a checkpoint through the public megaframe.load_model, whose"
+    " body lives in megaframe/__init__.py until one model builder serves every entry point",
     ("parallel", "pipeline"): "parallel/tp_overlap.py defers its weight grads through pipeline/split.py (the"
                               " zero-bubble split backward: pure autograd, no megaframe import)",
     ("data", "config"): "data/prepare.py is the `python -m megaframe.data.prepare` command line: it composes"

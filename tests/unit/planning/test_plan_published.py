@@ -142,8 +142,8 @@ def test_fp8_layouts_are_sized_as_bf16_and_timed_faster():
 def test_full_recompute_holds_the_recomputed_blocks_working_set():
     """Under full recompute the step also holds one block's whole saved set while it is re-run: the block
     recompute=none keeps (search.working_set_bytes), in both the exact planner and the search."""
+    from megaframe.planning.block_memory import working_set_bytes
     from megaframe.planning.estimate import plan_layout
-    from megaframe.planning.search import working_set_bytes
 
     over = ["data=synthetic", "model.num_layers=4", "model.hidden_size=256", "model.num_attention_heads=8",
             "model.ffn_hidden_size=1024", "model.seq_length=512", "model.vocab_size=256", "train.micro_batch_size=2",

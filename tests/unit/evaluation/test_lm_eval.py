@@ -19,7 +19,7 @@ from megaframe.config import load_config  # noqa: E402
 from megaframe.model.gpt import build_model  # noqa: E402
 from megaframe.parallel.mesh import single_process_mesh  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 TASKS = str(ROOT / "tests" / "data" / "lm_eval_tasks")
 TASK = "megaframe_tiny_mc"
 TINY = ["data=synthetic", "model=gpt_tiny", "model.num_attention_heads=4", "model.num_query_groups=2",
