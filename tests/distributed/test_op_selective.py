@@ -1,5 +1,5 @@
 """train.recompute=op_selective (torch's selective activation checkpointing per block, op-level policy):
-the same losses and grads as one process without recompute at tp2·sp, pp2 and ZeRO-3 dp2; fewer saved
+the same losses and grads as one process without recompute at tp2·sp, pp2, ZeRO-3 dp2 and cp2; fewer saved
 bytes than recompute=none and more than full on real CPU tensors; and the planner's meta count of a block
 equal to what the trainer's block keeps on CPU."""
 import pytest
@@ -35,13 +35,15 @@ def _assert_matches(got, ref):
 LAYOUTS = [("one-process", 1, 1, 1, [], train_and_report),
            ("tp2-sp", 2, 2, 1, ["parallel.tp=2", "parallel.sp=true"], train_and_report),
            ("pp2", 2, 1, 2, ["parallel.pp=2"], train_and_report),
-           ("zero3-dp2", 2, 1, 1, ["optim.zero=3"], run_steps)]
+           ("zero3-dp2", 2, 1, 1, ["optim.zero=3"], run_steps),
+           ("cp2", 2, 1, 1, ["parallel.cp=2"], train_and_report)]
 
 
 @pytest.mark.parametrize("name,n,tp,pp,extra,fn", LAYOUTS, ids=[c[0] for c in LAYOUTS])
 def test_op_selective_matches_one_process_without_recompute(pool, name, n, tp, pp, extra, fn):
     ref = _reference_run(pool, fn)
-    got = pool.run(fn, n, extra + [OP], STEPS, tp=tp, pp=pp)[0]
+    cp = 2 if "parallel.cp=2" in extra else 1
+    got = pool.run(fn, n, extra + [OP], STEPS, tp=tp, pp=pp, cp=cp)[0]
     _assert_matches(got, ref)
 
 
