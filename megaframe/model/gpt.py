@@ -228,7 +228,8 @@ class GPT(nn.Module):
             rope = (*(rope_at(*self.rope_whole, doc.pos_BQ) if self.rope is not None else (None, None)), doc)
         blocks = self.recompute_blocks if self.training and torch.is_grad_enabled() else None
         for i in self.stage.chunks[chunk]:
-            if blocks == "full":  # keep only the block's input; backward re-runs its forward (same RNG: same dropout)
+            # full keeps only the block's input; backward re-runs its forward (same RNG: same dropout)
+            if blocks == "full":
                 x_SBD = checkpoint(self.layers[str(i)], x_SBD, rope, use_reentrant=False)
             elif blocks == "op_selective":  # also the kept ops' outputs (model/recompute.py)
                 x_SBD = op_selective_checkpoint(self.layers[str(i)], x_SBD, rope)

@@ -34,7 +34,7 @@ def _ops(*names: str) -> set:
 
 
 MATMULS = _ops("mm", "addmm", "_scaled_mm")
-"""Counted for the every-second rule: a linear without bias is mm, with one addmm, a float8 GEMM _scaled_mm."""
+"""Counted for the every-second rule: a linear is mm (addmm with a bias), a float8 GEMM _scaled_mm."""
 KEPT = _ops("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
             "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
             "_scaled_dot_product_fused_attention_overrideable", "max")

@@ -72,7 +72,8 @@ def test_op_selective_keeps_fewer_bytes_than_none_and_more_than_full():
     s, b, d, f, e = cfg.seq_length, 2, cfg.hidden_size, cfg.ffn_hidden_size, cfg.head_dim
     kv = cfg.num_query_groups * e
     # per block, fp32: input, qkv output, attention output and its lse [B, H, S], the [gate | up] output
-    want = 4 * (s * b * d + s * b * (d + 2 * kv) + s * b * d + b * cfg.num_attention_heads * s + s * b * 2 * f)
+    lse = b * cfg.num_attention_heads * s
+    want = 4 * (s * b * d + s * b * (d + 2 * kv) + s * b * d + lse + s * b * 2 * f)
     assert got["op_selective"] == want, (got, want)
     assert got["full"] < got["op_selective"] < got["none"], got
 
