@@ -74,10 +74,12 @@ class GradReduceDtype(StrEnum):
 
 
 class Recompute(StrEnum):
-    """train.recompute."""
+    """train.recompute (op_selective: torch's selective activation checkpointing per block with torchtitan's
+    op-level policy, model/recompute.py)."""
     none = "none"
     selective = "selective"
     full = "full"
+    op_selective = "op_selective"
 
 
 class DataKind(StrEnum):

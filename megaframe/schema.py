@@ -238,7 +238,10 @@ class TrainConfig:
     recompute: Recompute = Recompute.none
     """Activation recompute: none | selective (recompute the attention core, SDPA, in backward: Megatron's
     selective mode, it saves the S x S-sized intermediates) | full (torch.utils.checkpoint per block: only
-    each block's input is kept). Trades compute for activation memory; losses are unchanged."""
+    each block's input is kept) | op_selective (torch's selective activation checkpointing per block,
+    torchtitan's op-level policy: keeps the attention kernels' outputs and every other matmul's, re-runs
+    the rest; not with the zb_h1 / zbv schedules). Trades compute for activation memory; losses are
+    unchanged."""
     # -- samples during training (megaframe.inference.sampler)
     sample_interval: int = 0
     """Every this many steps, write greedy continuations of sample_prompts to the console, ${run.dir}/samples.jsonl

@@ -25,6 +25,7 @@ from megaframe.layers.vocab import VocabParallelEmbedding, parallel_logits, voca
 from megaframe.model.attention import Attention
 from megaframe.model.documents import DocContext, document_context, rope_at
 from megaframe.model.moe import MoE
+from megaframe.model.recompute import op_selective_checkpoint
 from megaframe.model.rope import rope_tables
 from megaframe.optim.build import PARAM_DTYPES
 from megaframe.parallel.context import cp_positions
@@ -116,7 +117,7 @@ class GPT(nn.Module):
                  param_device=None):
         super().__init__()
         self.cfg, self.mesh = cfg, mesh
-        self.recompute_blocks = recompute == "full"
+        self.recompute_blocks = recompute if recompute in ("full", "op_selective") else None
         self.stage = stage = stage or Stage.whole(cfg.num_layers)
         # sp means nothing at tp = 1; folding it here keeps every sp branch below from also testing tp.
         self.sp = sp and mesh.tp.size > 1
@@ -225,10 +226,13 @@ class GPT(nn.Module):
         rope = self.rope
         if doc is not None:
             rope = (*(rope_at(*self.rope_whole, doc.pos_BQ) if self.rope is not None else (None, None)), doc)
-        full = self.recompute_blocks and self.training and torch.is_grad_enabled()
+        blocks = self.recompute_blocks if self.training and torch.is_grad_enabled() else None
         for i in self.stage.chunks[chunk]:
-            if full:  # keep only the block's input; backward re-runs its forward (same RNG state: same dropout)
+            # full keeps only the block's input; backward re-runs its forward (same RNG: same dropout)
+            if blocks == "full":
                 x_SBD = checkpoint(self.layers[str(i)], x_SBD, rope, use_reentrant=False)
+            elif blocks == "op_selective":  # also the kept ops' outputs (model/recompute.py)
+                x_SBD = op_selective_checkpoint(self.layers[str(i)], x_SBD, rope)
             else:
                 x_SBD = self.layers[str(i)](x_SBD, rope)
         if chunk == len(self.stage.chunks) - 1 and self.stage.last:

@@ -57,8 +57,11 @@ _CFGS: dict[int, Config] = {}
 
 def working_set_bytes(cfg: Config, tp: int, cp: int, recompute: str, micro_batch: int) -> int:
     """Under full recompute, the backward of a block first re-runs its forward: that block's whole saved
-    set (what recompute=none keeps for one block) is live beside the checkpoints, once per rank."""
-    if recompute != "full":
+    set (what recompute=none keeps for one block) is live beside the checkpoints, once per rank. Under
+    op_selective the same re-run rebuilds what the block did not keep: the rest of that set."""
+    if recompute not in ("full", "op_selective"):
         return 0
     _CFGS[id(cfg)] = cfg
-    return micro_batch * act_per_layer(id(cfg), tp, "none", cp)[0]
+    whole = act_per_layer(id(cfg), tp, "none", cp)[0]
+    kept = act_per_layer(id(cfg), tp, recompute, cp)[0] if recompute == "op_selective" else 0
+    return micro_batch * (whole - kept)

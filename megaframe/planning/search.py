@@ -31,7 +31,7 @@ from megaframe.planning.timing import step_time
 __all__ = ["Estimate", "Layout", "candidates", "layout_config", "memory", "search", "stage_params", "step_time",
            "why_slower"]
 
-RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE = ("none", "selective", "full", "op_selective")
 MICRO_BATCHES = (1, 2, 4, 8)
 HEADROOM = 0.9
 """Fraction of the device memory a layout may fill."""

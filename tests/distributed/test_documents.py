@@ -18,6 +18,7 @@ LAYOUTS = [  # (name, ranks, tp, pp, overrides)
     ("tp2-sp", 2, 2, 1, ["parallel.tp=2", "parallel.sp=true"]),
     ("tp2-dp2-sp-selective", 4, 2, 1, ["parallel.tp=2", "parallel.sp=true", "train.recompute=selective"]),
     ("pp2-full", 2, 1, 2, ["parallel.pp=2", "train.recompute=full"]),
+    ("tp2-sp-op_selective", 2, 2, 1, ["parallel.tp=2", "parallel.sp=true", "train.recompute=op_selective"]),
     ("learned-tp2-sp-pp2", 4, 2, 2, ["model=gpt2_tiny", "model.num_query_groups=null", "parallel.tp=2", "parallel.sp=true",
                                      "parallel.pp=2"]),
 ]

@@ -36,14 +36,13 @@ def test_the_page_table_is_current():
 
 
 def test_step_time_ratios_stay_in_their_bands(rows):
-    """The issue's runs: median ratio within 0.93-1.07; every run within 0.80-1.25 but torchtitan's eager 8B
-    rows (0.76: the model is short of what their eager run spends, docs/planning.md); the held-out runs
-    within the same bands; the tie band is sqrt(2) x the median error."""
+    """The issue's runs: median ratio within 0.93-1.07; every run within 0.80-1.25 (torchtitan's eager 8B
+    rows at 0.81-0.82 since they are planned with the op-level selective checkpointing they ran, its re-run
+    matmuls included); the held-out runs within the same bands; the tie band is sqrt(2) x the median error."""
     given = {e["name"]: e["ratio"] for e in rows if not e["held_out"]}
     held = {e["name"]: e["ratio"] for e in rows if e["held_out"]}
     assert 0.93 <= statistics.median(given.values()) <= 1.07, given
-    assert all(0.80 <= v <= 1.25 for k, v in given.items() if "Llama 3.1 8B" not in k), given
-    assert all(0.70 <= v <= 1.25 for v in given.values()), given
+    assert all(0.80 <= v <= 1.25 for v in given.values()), given
     assert 0.93 <= statistics.median(held.values()) <= 1.07 and all(0.80 <= v <= 1.25 for v in held.values()), held
     errors = [abs(e["ratio"] - 1) for e in rows]
     assert MODEL_ERROR == pytest.approx(2**0.5 * statistics.median(errors), abs=0.01)

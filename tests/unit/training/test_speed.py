@@ -17,7 +17,7 @@ def plain():
     return train_and_report(single_process_mesh(), DROPOUT, 2)
 
 
-@pytest.mark.parametrize("mode", ["selective", "full"])
+@pytest.mark.parametrize("mode", ["selective", "full", "op_selective"])
 def test_recompute_is_bit_equal_to_the_plain_path(plain, mode):
     torch.manual_seed(0)
     got = train_and_report(single_process_mesh(), DROPOUT + [f"train.recompute={mode}"], 2)
