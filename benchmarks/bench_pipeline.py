@@ -35,7 +35,7 @@ MODEL = ["data=synthetic", "model.num_layers=8", "model.hidden_size=256", "model
 def _worker(rank: int, port: int, pp: int, m: int, steps: int, schedules: list, out) -> None:
     from megaframe.config import load_config
     from megaframe.data.dataset import build_data, microbatches
-    from megaframe.model.gpt import build_model
+    from megaframe.model.parallelize import build_model
     from megaframe.optim.build import build_optimizer
     from megaframe.parallel.mesh import build_mesh
     from megaframe.pipeline import p2p

@@ -70,15 +70,6 @@ class PlainOptimizer(Optimizer):
         return {"mem/grads_bytes": grads, "mem/optim_bytes": optim}
 
 
-PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.bfloat16}  # fp8: bf16 params, fp8 GEMMs
-
-
-def cast_model(model: nn.Module, precision: str) -> nn.Module:
-    """Parameters (and so compute) in the dtype of train.precision; call before build_optimizer, whose
-    fp32 master weights then start from the cast values. Parameter objects and tags are kept."""
-    return model.to(PARAM_DTYPES[precision])
-
-
 def build_optimizer(model: nn.Module, cfg: OptimConfig, mesh: Mesh) -> Optimizer:
     """optim.zero=1, 2: the ZeRO-1/-2 distributed optimizer (zero.py); 3: ZeRO-3 (zero3.py); 0: replicated
     AdamW (fp32 params only).

@@ -6,8 +6,8 @@ import inspect
 
 import pytest
 
-from megaframe.model.gpt import build_model
-from megaframe.optim.build import PlainOptimizer, build_optimizer, cast_model
+from megaframe.model.parallelize import build_model
+from megaframe.optim.build import PlainOptimizer, build_optimizer
 from megaframe.optim.protocol import Optimizer
 from megaframe.optim.zero import ZeroOptimizer
 from megaframe.optim.zero3 import Zero3Optimizer
@@ -39,6 +39,6 @@ def test_a_class_missing_a_method_cannot_be_built():
 def test_build_optimizer_returns_an_optimizer(precision, zero, cls):
     cfg = tiny_config([f"train.precision={precision}", f"optim.zero={zero}"], 1)
     mesh = single_process_mesh("cpu")
-    model = cast_model(build_model(cfg, mesh), precision)
+    model = build_model(cfg, mesh)
     opt = build_optimizer(model, cfg.optim, mesh)
     assert isinstance(opt, Optimizer) and type(opt) is cls
