@@ -21,7 +21,8 @@ from megaframe.pipeline.partition import Stage, stage_layout
 from megaframe.pipeline.schedule import ScheduleSpec, schedule_spec
 from megaframe.schema import ModelConfig
 
-PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.bfloat16}  # fp8: bf16 params, fp8 GEMMs
+# fp8: bf16 params, float8 GEMMs
+PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.bfloat16}
 
 
 def build(cfg, mesh: Mesh) -> tuple[GPT, Optimizer]:

@@ -31,7 +31,8 @@ class Optimizer(abc.ABC):
     @abc.abstractmethod
     def step(self, lr: float) -> torch.Tensor:
         """finalize.py's one path (tied copies, dp, tp partials, norm, clip), then the update; returns the
-        global grad norm before clipping. A non-finite norm skips the update (the trainer counts such steps)."""
+        global grad norm before clipping. A non-finite norm skips the update (the trainer counts such
+        steps)."""
 
     @abc.abstractmethod
     def logical_state(self, p: nn.Parameter) -> dict[str, torch.Tensor]:

@@ -39,7 +39,8 @@ def zero_bubble_orders(kind: str, pp: int, m: int) -> tuple[tuple[Action, ...], 
 def zero_bubble_plan(kind: str, pp: int, m: int) -> tuple[tuple[tuple[Action, ...], ...], list[list[int]]]:
     """(zero_bubble_orders' orders, the tick each action starts at). The greedy never idles a rank whose
     next action is ready (a W always is; a B or F it skips stays unready while the rank idles), so these
-    ticks are the unit-time replay's (_unit_times): it reuses them instead of replaying (the grid test's time)."""
+    ticks are the unit-time replay's (schedule.py's _unit_times): it reuses them instead of replaying
+    (the grid test's time)."""
     v = kind == "zbv"  # two chunks per rank in a V
     vpp = 2 if v else 1
     last, never = pp * vpp - 1, 1 << 60

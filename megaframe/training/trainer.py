@@ -142,14 +142,16 @@ class Loop:
     def batches(self, step: int) -> list:
         """The step's micro-batches (read while the previous step computed); the guard hears the step begin."""
         self.guard.beat(step)
-        seed_step(self.cfg.train.seed, step, self.mesh)  # dropout RNG: equal on tp ranks, a function of the step
+        # dropout RNG: equal on tp ranks, a function of the step
+        seed_step(self.cfg.train.seed, step, self.mesh)
         return next_batches(self.loader, step, self.cfg.run.dir)
 
     def step(self, step: int, batches: list) -> StepResult:
         """One optimizer step, counted, its grad norm checked (too many bad steps in a row end the run)."""
         t, su = self.cfg.train, self.su
+        # the first step compiles: slow, not hung
         limits = (first_step_limits(self.mesh, self.guard.watchdog, t.compile_timeout_s, t.dist_timeout_s)
-                  if t.compile and step == self.start + 1 else contextlib.nullcontext())  # compiles: slow, not hung
+                  if t.compile and step == self.start + 1 else contextlib.nullcontext())
         with limits, su.phases.phase("step"):  # the first step's peak (grads and moments appear in it)
             res = train_step(su.model, su.optimizer, batches, self.mesh, self.cfg, step, self.guard.probe)
         self.meters.add(res)

@@ -37,7 +37,8 @@ def test_the_model_code_imports_no_optimizer_and_no_schedule():
 
 
 def test_only_the_builder_assembles_a_model():
-    """A GPT made elsewhere in the package would skip the stage, the cast or the schedule the builder applies."""
+    """A GPT made elsewhere in the package would skip the stage, the cast or the schedule the builder
+    applies."""
     makers = [str(f.relative_to(PACKAGE)) for f in PACKAGE.rglob("*.py")
               if f.name != "parallelize.py" and re.search(r"(?<![\w.])GPT\((?!nn\.Module)", f.read_text())]
     assert makers == []

@@ -1,5 +1,6 @@
-"""The run guard owns what watches a run besides its steps: stop signals and timed saves are agreed at check
-steps only, the watchdog starts after start-up and stops at the end, and a malformed fault spec is bad input."""
+"""The run guard owns what watches a run besides its steps: stop signals and timed saves are agreed at
+check steps only, the watchdog starts after start-up and stops at the end, and a malformed fault spec is
+bad input."""
 from __future__ import annotations
 
 import os
