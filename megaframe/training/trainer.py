@@ -104,9 +104,10 @@ def train(cfg: Config, mesh: Mesh, stop: StopFlag, run_id: str = "", owner: str 
                   "train (raise train.max_steps)", flush=True)
         return
     announce(cfg, mesh, su)
-    loop = Loop(cfg, mesh, su, guard, (run_id, owner))
-    step = start
-    try:
+    loop = None
+    try:  # the guard closes (watchdog stopped, handlers restored) however the loop ends or fails to start
+        loop = Loop(cfg, mesh, su, guard, (run_id, owner))
+        step = start
         for step in range(start + 1, cfg.train.max_steps + 1):
             res = loop.step(step, loop.batches(step))
             val = loop.evaluate(step)
@@ -118,7 +119,8 @@ def train(cfg: Config, mesh: Mesh, stop: StopFlag, run_id: str = "", owner: str 
                 break
         loop.finish(start, step)
     finally:
-        loop.close()
+        if loop is not None:
+            loop.close()
         guard.close()
 
 
