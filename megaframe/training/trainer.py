@@ -142,7 +142,7 @@ class Loop:
                        if su.resumed.path else {})
 
     def batches(self, step: int) -> list:
-        """The step's micro-batches (read while the previous step computed); the guard hears the step begin."""
+        """The step's micro-batches (read while the previous step computed); the guard hears the step."""
         self.guard.beat(step)
         # dropout RNG: equal on tp ranks, a function of the step
         seed_step(self.cfg.train.seed, step, self.mesh)
