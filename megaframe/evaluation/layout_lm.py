@@ -34,7 +34,7 @@ def _layout_model(ckpt: str, overrides: list[str], tokenizer: str | None, env):
     from megaframe.checkpoint import sharded
     from megaframe.config import load_config
     from megaframe.inference.files import find_tokenizer, resolve_step
-    from megaframe.model.gpt import build_model
+    from megaframe.model.parallelize import build_model
     from megaframe.parallel.launch import init_distributed, pick_device
     from megaframe.parallel.mesh import build_mesh
     from megaframe.pipeline import p2p

@@ -30,8 +30,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 
-from megaframe.model.gpt import build_model
-from megaframe.optim.build import cast_model
+from megaframe.model.parallelize import build_model
 from megaframe.optim.sizing import planned_dp_bytes, planned_memory_bytes
 from megaframe.parallel.context import cp_bytes_per_layer
 from megaframe.parallel.virtual import virtual_mesh
@@ -184,7 +183,7 @@ def plan_layout(cfg: Config, world_size: int, device_memory_gb: float | None = N
 def _rank_figures(cfg: Config, tp: int, pp: int, dp: int, pp_rank: int, tp_rank: int, order) -> RankFigures:
     mesh = virtual_mesh(tp, pp, dp, tp_rank=tp_rank, pp_rank=pp_rank, device="meta", ep=cfg.parallel.ep,
                         shard=cfg.optim.shard_group_size, cp=cfg.parallel.cp)
-    model = cast_model(build_model(cfg, mesh), cfg.train.precision)
+    model = build_model(cfg, mesh)
     if cfg.data.document_mask:
         plan_documents(model, cfg)
     params, grads, optim = state_bytes(model, cfg, mesh)

@@ -146,6 +146,7 @@ def _valid(cfg: Config, world: int, lays: list[Layout]) -> list[Layout]:
 
 
 @functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=None)
 def _peak_inflight(kind: str, pp: int, vpp: int, m: int, rank: int, chunk_bytes: tuple) -> int:
     """Peak activation bytes of the rank's order; a split backward's pending W keeps W_FRACTION of a chunk
     (the weighted ops' inputs and output grads: planning.activations.w_fraction, ~0.49 for llama3_8b's blocks)."""

@@ -13,13 +13,16 @@ import torch
 from megaframe.checkpoint.resume import Resumed, resume
 from megaframe.checkpoint.resume_checks import Accounting
 from megaframe.config import Config, ConfigError
-from megaframe.data.dataset import Prefetcher, build_data, microbatches
+from megaframe.data.blend import BlendedData
+from megaframe.data.dataset import Prefetcher, PreparedData, SyntheticData, build_data, microbatches
 from megaframe.data.order import resumed_order
+from megaframe.data.stages import StagedData
 from megaframe.evaluation.downstream import Downstream
 from megaframe.inference.sampler import Sampler
-from megaframe.model.gpt import build_model
-from megaframe.optim.build import build_optimizer, cast_model
+from megaframe.model.gpt import GPT
+from megaframe.model.parallelize import build
 from megaframe.optim.lr_schedule import schedule_warnings
+from megaframe.optim.protocol import Optimizer
 from megaframe.parallel import comm
 from megaframe.parallel.mesh import Mesh
 from megaframe.training.metrics import flops_per_token
@@ -27,14 +30,17 @@ from megaframe.training.phase_meter import PhaseMeter
 from megaframe.training.threads import Threads, busy_machine_warning, pick_threads
 from megaframe.training.validation import Evaluator
 
+TrainingData = PreparedData | SyntheticData | BlendedData | StagedData
+"""What data/dataset.py's build_data returns: synthetic, one prepared dataset, a blend or stages."""
+
 
 @dataclass
 class Setup:
     """What start-up hands the step loop: the model and optimizer, the data, and where the run resumes."""
 
-    model: object
-    optimizer: object
-    data: object
+    model: GPT
+    optimizer: Optimizer
+    data: TrainingData
     evaluator: Evaluator | None
     sampler: Sampler | None
     resumed: Resumed
@@ -52,8 +58,7 @@ def set_up(cfg: Config, mesh: Mesh, faults=None) -> Setup:
     # a phase ends on every path: a CPU profiler left running when an error ends the run crashes the
     # interpreter at exit (SIGSEGV instead of exit 2)
     with phases.phase("startup"):
-        model = cast_model(build_model(cfg, mesh), cfg.train.precision)
-        optimizer = build_optimizer(model, cfg.optim, mesh)
+        model, optimizer = build(cfg, mesh)
     phases.track(model, optimizer)
     try:
         data = build_data(cfg)

@@ -16,7 +16,7 @@ from megaframe.model.moe import stats as moe_stats
 from megaframe.optim.lr_schedule import lr_at
 from megaframe.parallel.mesh import Mesh
 from megaframe.pipeline.executor import run_schedule
-from megaframe.pipeline.schedule import Action, build_schedule, resolve_kind
+from megaframe.pipeline.schedule import Action, ScheduleSpec, build_schedule, schedule_spec
 from megaframe.schema import Config
 
 
@@ -29,10 +29,12 @@ class StepResult:
     lr: float
 
 
-def rank_schedule(cfg: Config, mesh: Mesh, num_microbatches: int) -> list[Action]:
-    """This rank's pipeline schedule (with pp = 1: forward, backward, forward, backward, ...)."""
-    kind = resolve_kind(cfg.parallel.pp_schedule, cfg.parallel.vpp)
-    return build_schedule(kind, mesh.pp.size, cfg.parallel.vpp, num_microbatches, mesh.pp.rank)
+def rank_schedule(cfg: Config, mesh: Mesh, num_microbatches: int,
+                  spec: ScheduleSpec | None = None) -> list[Action]:
+    """This rank's pipeline schedule (with pp = 1: forward, backward, forward, backward, ...). `spec`: the
+    one the model was built for (model/parallelize.py resolves parallel.pp_schedule once, at build)."""
+    spec = spec or schedule_spec(cfg.parallel.pp_schedule, cfg.parallel.vpp)
+    return build_schedule(spec.name, mesh.pp.size, cfg.parallel.vpp, num_microbatches, mesh.pp.rank)
 
 
 def train_step(model, optimizer, batches, mesh: Mesh, cfg: Config, step: int, probe=None) -> StepResult:
@@ -46,7 +48,8 @@ def train_step(model, optimizer, batches, mesh: Mesh, cfg: Config, step: int, pr
     moe_stats.begin_step(model)
     if probe is not None:
         probe.begin(step)
-    loss_sum = run_schedule(rank_schedule(cfg, mesh, len(batches)), model, batches, mesh, optimizer, tokens_global,
+    schedule = rank_schedule(cfg, mesh, len(batches), getattr(model, "schedule", None))
+    loss_sum = run_schedule(schedule, model, batches, mesh, optimizer, tokens_global,
                             timeline=probe.spans if probe is not None else None)
     o = cfg.optim
     # a Python float from the step alone: no device tensor, no sync, the same on every rank

@@ -4,7 +4,7 @@ from __future__ import annotations
 from megaframe.checkpoint import sharded
 from megaframe.config import load_config
 from megaframe.data.tokenizer import load_tokenizer
-from megaframe.model.gpt import build_model
+from megaframe.model.parallelize import build_model
 
 
 def score_local_task(mesh, overrides: list[str], step: str, tokenizer: str, tasks: str, task: str) -> dict:

@@ -104,7 +104,7 @@ def flex_matches_sdpa(mesh, overrides: list[str]) -> float:
     """Max |logits| difference of this rank's tokens between the FlexAttention block mask and the SDPA
     mask, forward only (CPU has flex's forward alone); S = 256: cp2 chunks of 64, two to a flex tile."""
     from megaframe.data.dataset import build_data, microbatches
-    from megaframe.model.gpt import build_model
+    from megaframe.model.parallelize import build_model
 
     cfg = tiny_config(MASK + overrides + ["model.seq_length=256", "model.num_layers=1"], mesh.world)
     model = build_model(cfg, mesh).eval()

@@ -5,7 +5,7 @@ equal to what the trainer's block keeps on CPU."""
 import pytest
 import torch
 
-from megaframe.model.gpt import build_model
+from megaframe.model.parallelize import build_model
 from megaframe.parallel.virtual import virtual_mesh
 from megaframe.planning.activations import chunk_activation_bytes
 from tests.distributed.cases import tiny_config, train_and_report

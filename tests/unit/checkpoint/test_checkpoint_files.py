@@ -14,7 +14,7 @@ import torch
 from megaframe.checkpoint import sharded
 from megaframe.checkpoint.boxes import flat_boxes
 from megaframe.checkpoint.metadata import CheckpointError
-from megaframe.model.gpt import build_model
+from megaframe.model.parallelize import build_model
 from megaframe.optim.build import build_optimizer
 from megaframe.parallel.mesh import single_process_mesh
 from megaframe.paths import OutsideFolder, inside

@@ -18,7 +18,7 @@ import megaframe
 from megaframe.checkpoint import hf, sharded
 from megaframe.config import load_config
 from megaframe.data.order import ORDER
-from megaframe.model.gpt import build_model
+from megaframe.model.parallelize import build_model
 from megaframe.parallel.mesh import single_process_mesh
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -17,7 +17,7 @@ from megaframe.config import load_config
 from megaframe.inference.decode import generate
 from megaframe.inference.kv import KVCache, forward_cached
 from megaframe.inference.sampling import SamplingConfig, next_token
-from megaframe.model.gpt import build_model
+from megaframe.model.parallelize import build_model
 from megaframe.parallel.mesh import single_process_mesh
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -7,7 +7,7 @@ import torch
 
 from megaframe.layers import shard as shard_mod
 from megaframe.layers.shard import Shard, full_init, local_init
-from megaframe.model.gpt import build_model
+from megaframe.model.parallelize import build_model
 from megaframe.parallel.virtual import virtual_mesh
 from tests.distributed.cases import tiny_config
 

@@ -54,7 +54,7 @@ class _NoSync:
 
 def test_train_step_and_skip_do_not_sync_the_host(monkeypatch):
     from megaframe.data.dataset import build_data, microbatches
-    from megaframe.model.gpt import build_model
+    from megaframe.model.parallelize import build_model
     from megaframe.optim.build import build_optimizer
     from megaframe.training.step import train_step
     from megaframe.training.trainer import BadSteps, TrainingError
