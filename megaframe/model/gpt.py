@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from megaframe.choices import CPComm
+from megaframe.config.choices import CPComm
+from megaframe.config.schema import ModelConfig
 from megaframe.layers.fp8 import enable_fp8
 from megaframe.layers.fused_ce import linear_cross_entropy
 from megaframe.layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -33,7 +34,6 @@ from megaframe.parallel.mesh import Mesh
 from megaframe.parallel.tp_overlap import enable_tp_overlap
 from megaframe.pipeline.partition import Stage, stage_layout
 from megaframe.pipeline.schedule import is_v, resolve_kind
-from megaframe.schema import ModelConfig
 
 
 class MLP(nn.Module):

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 
+from megaframe.config.schema import Config
 from megaframe.model.gpt import build_model
 from megaframe.optim.build import cast_model
 from megaframe.optim.sizing import planned_dp_bytes, planned_memory_bytes
@@ -39,7 +40,6 @@ from megaframe.pipeline.schedule import ZERO_BUBBLE, F, W, compute_order, resolv
 from megaframe.planning.activations import chunk_activation_bytes, head_activation_bytes, w_fraction
 from megaframe.planning.phases import RankShape, host_peaks, phase_peaks, today_load, today_startup
 from megaframe.planning.timing import _bubble, split_costs
-from megaframe.schema import Config
 
 
 @dataclass

@@ -12,12 +12,12 @@ from dataclasses import dataclass
 
 import torch
 
+from megaframe.config.schema import Config
 from megaframe.model.moe import stats as moe_stats
 from megaframe.optim.lr_schedule import lr_at
 from megaframe.parallel.mesh import Mesh
 from megaframe.pipeline.executor import run_schedule
 from megaframe.pipeline.schedule import Action, build_schedule, resolve_kind
-from megaframe.schema import Config
 
 
 @dataclass

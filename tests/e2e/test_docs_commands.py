@@ -20,7 +20,7 @@ from tests.e2e.helpers import env
 
 pytestmark = pytest.mark.e2e
 TIMEOUT_S = 240
-from megaframe.config_keys import PLANNER_KEYS  # noqa: E402  (the planner's own +keys, one list)
+from megaframe.config.keys import PLANNER_KEYS  # noqa: E402  (the planner's own +keys, one list)
 
 
 def test_every_page_has_commands_and_the_readme_is_short():
@@ -34,7 +34,7 @@ def test_every_page_has_commands_and_the_readme_is_short():
 def test_syntax_and_config_keys(page):
     """bash -n over every block, each tested-by names a test that exists, and each command's Hydra
     overrides are keys of the schema (a renamed or deleted key fails here even where nothing runs)."""
-    from megaframe.config_keys import check_override_keys
+    from megaframe.config.keys import check_override_keys
     from megaframe.errors import ConfigError
 
     cmds = commands(page)

@@ -1,7 +1,7 @@
 """The config schema: one dataclass per config group (a docstring per field); its closed string choices
-are the Enums of megaframe/choices.py. Hydra merges conf/*.yaml onto these, so a typo'd key, a wrong type
+are the Enums of megaframe/config/choices.py. Hydra merges conf/*.yaml onto these, so a typo'd key, a wrong type
 or a value outside an Enum is an error at composition time. A leaf module (of megaframe it imports only
-choices.py and errors.py):
+config/choices.py and errors.py):
 model, optim, checkpoint and the checks all read it; loading and validation (megaframe.config) sit above.
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Optional, get_type_hints
 
-from megaframe.choices import (  # noqa: F401  (re-exported: the schema's public names)
+from megaframe.config.choices import (  # noqa: F401  (re-exported: the schema's public names)
     Activation,
     CPComm,
     DataKind,
@@ -32,7 +32,7 @@ from megaframe.choices import (  # noqa: F401  (re-exported: the schema's public
 )
 from megaframe.errors import ConfigError  # noqa: F401  (re-exported: the schema's error type)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONF_DIR = ROOT / "conf"
 
 
@@ -89,7 +89,7 @@ class ModelConfig:
     vocab_size: Optional[int] = None
     """Rows of the embedding table; >= the tokenizer's vocabulary, divisible by parallel.tp. None = the
     prepared data's vocabulary (data.path's meta.json, else data.vocab_size), padded up to a multiple of
-    megaframe.config_keys.VOCAB_PAD (the same for every layout, so layouts stay comparable)."""
+    megaframe.config.keys.VOCAB_PAD (the same for every layout, so layouts stay comparable)."""
     num_experts: int = 0
     """Experts per MoE layer; 0 means a dense MLP."""
     moe_top_k: int = 2

@@ -18,8 +18,8 @@ import json
 import os
 from pathlib import Path
 
+from megaframe.config.schema import CONF_DIR, ModelConfig, WandbMode, enum_fields
 from megaframe.errors import ConfigError
-from megaframe.schema import CONF_DIR, ModelConfig, WandbMode, enum_fields
 
 SOFT = frozenset({"name", "dropout", "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_bias_update_rate",
                   "moe_capacity_factor", "init_std"})

@@ -8,12 +8,12 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from megaframe.config_rules import FIELD_RULES, Rule, check_fields  # noqa: F401  (public API: the one table)
+from megaframe.config.rules import FIELD_RULES, Rule, check_fields  # noqa: F401  (public API: the one table)
 from megaframe.errors import ConfigError
 from megaframe.errors import one_line as _one_line
 
 if TYPE_CHECKING:
-    from megaframe.schema import Config, ModelConfig, ParallelConfig
+    from megaframe.config.schema import Config, ModelConfig, ParallelConfig
 
 
 def _req(ok: bool, msg: str) -> None:
@@ -66,7 +66,7 @@ def check_config(cfg: Config, world_size: int, check_data: bool = True, schedule
 
 def _check_allowed_changes(cfg: Config) -> None:
     """checkpoint.allow_config_change names config keys or groups: a typo would allow nothing, silently."""
-    from megaframe.config_keys import schema_keys
+    from megaframe.config.keys import schema_keys
 
     known = schema_keys()
     for name in cfg.checkpoint.allow_config_change:
