@@ -53,7 +53,7 @@ def run_config(fields: dict, overrides: list[str]):
         if f"model.{k}" in given and getattr(cfg.model, k) != v:
             print(f"import: warning: model.{k}={getattr(cfg.model, k)} replaced by the HF config's {v}", file=sys.stderr)
         chosen[k] = v
-    cfg.model = dataclasses.replace(cfg.model, **chosen)
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **chosen))  # loaded configs are frozen
     try:
         validate(cfg, 1, check_data=False)
     except ConfigError as e:

@@ -13,6 +13,7 @@ import os
 import re
 from typing import Optional
 
+from megaframe.config.frozen import freeze
 from megaframe.config.schema import (  # noqa: F401  (the public path of the schema's names)
     CONF_DIR,
     DEFAULT_EXTENSIONS,
@@ -107,9 +108,8 @@ def load_config(overrides: list[str], world_size: Optional[int] = None, check_da
     apply_environment(cfg, list(overrides))
     if world_size is None:  # torchrun's WORLD_SIZE, else srun's task count (one Slurm task = one rank)
         world_size = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
-    validate(cfg, world_size,
-             check_data=check_data)
-    return cfg
+    validate(cfg, world_size, check_data=check_data)
+    return freeze(cfg)  # every component reads these values as loaded (config/frozen.py)
 
 
 def _composition_error(e: BaseException) -> str:

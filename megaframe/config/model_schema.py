@@ -14,10 +14,11 @@ from megaframe.config.choices import (
     RopeType,
     RouterScore,
 )
+from megaframe.config.frozen import Frozen
 
 
 @dataclass
-class RopeScalingConfig:
+class RopeScalingConfig(Frozen):
     """RoPE frequency scaling as Hugging Face defines it (transformers' `rope_scaling` / `rope_parameters`):
     the inverse frequencies change, positions stay integers. Imported from and exported to HF configs."""
     rope_type: RopeType = RopeType.default
@@ -46,7 +47,7 @@ class RopeScalingConfig:
 
 
 @dataclass
-class ModelConfig:
+class ModelConfig(Frozen):
     name: str = "gpt_tiny"
     """Preset name, for logs only."""
     num_layers: int = 4

@@ -31,6 +31,7 @@ from megaframe.config.choices import (  # noqa: F401  (re-exported: the schema's
     ScheduleKind,
     WandbMode,
 )
+from megaframe.config.frozen import Frozen
 from megaframe.config.model_schema import ModelConfig, RopeScalingConfig  # noqa: F401  (the model group)
 from megaframe.errors import ConfigError  # noqa: F401  (re-exported: the schema's error type)
 
@@ -44,7 +45,7 @@ def enum_fields(cls: type) -> dict[str, type[Enum]]:
 
 
 @dataclass
-class ParallelConfig:
+class ParallelConfig(Frozen):
     tp: int = 1
     """Tensor-parallel size (innermost, fastest-varying rank axis)."""
     pp: int = 1
@@ -78,7 +79,7 @@ class ParallelConfig:
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(Frozen):
     micro_batch_size: int = 4
     """Samples per micro-batch per data-parallel rank."""
     global_batch_size: int = 16
@@ -144,7 +145,7 @@ class TrainConfig:
 
 
 @dataclass
-class OptimConfig:
+class OptimConfig(Frozen):
     lr: float = 2e-3
     """Peak learning rate."""
     min_lr: float = 1e-4
@@ -210,7 +211,7 @@ class OptimConfig:
 
 
 @dataclass
-class BlendSource:
+class BlendSource(Frozen):
     path: str = ""
     """A folder written by megaframe.data.prepare."""
     weight: float = 1.0
@@ -218,7 +219,7 @@ class BlendSource:
 
 
 @dataclass
-class DataStage:
+class DataStage(Frozen):
     until_step: Optional[int] = None
     """This stage ends after this many steps of the run (counted from step 0)."""
     until_tokens: Optional[float] = None
@@ -243,7 +244,7 @@ DEFAULT_EXTENSIONS = [
 
 
 @dataclass
-class DataConfig:
+class DataConfig(Frozen):
     name: str = "demo"
     """Dataset label for logs."""
     kind: DataKind = DataKind.prepared
@@ -293,7 +294,7 @@ class DataConfig:
 
 
 @dataclass
-class CheckpointConfig:
+class CheckpointConfig(Frozen):
     dir: str = "${run.dir}/checkpoints"
     """Where step_XXXXXXXX/ folders and the `latest` pointer live."""
     interval: int = 0
@@ -338,7 +339,7 @@ class CheckpointConfig:
 
 
 @dataclass
-class WandbConfig:
+class WandbConfig(Frozen):
     mode: WandbMode = WandbMode.offline
     """online | offline | disabled."""
     project: str = "megaframe"
@@ -348,12 +349,12 @@ class WandbConfig:
 
 
 @dataclass
-class LoggingConfig:
+class LoggingConfig(Frozen):
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
 @dataclass
-class RunConfig:
+class RunConfig(Frozen):
     name: str = "dev"
     """Run name; the wandb id and default run dir derive from it."""
     dir: str = "outputs/${run.name}"
@@ -361,7 +362,7 @@ class RunConfig:
 
 
 @dataclass
-class Config:
+class Config(Frozen):
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)

@@ -13,6 +13,7 @@ import torch
 from megaframe.checkpoint.resume import Resumed, resume
 from megaframe.checkpoint.resume_checks import Accounting
 from megaframe.config import Config, ConfigError
+from megaframe.config.derived import Derived, derive, lr_horizon, schedule_kind, settled
 from megaframe.data.dataset import Prefetcher, build_data, microbatches
 from megaframe.data.order import resumed_order
 from megaframe.inference.sampler import Sampler
@@ -40,9 +41,13 @@ class Setup:
     acct: Accounting
     phases: PhaseMeter | None = None
     """Peak memory per phase (training/phase_meter.py): start-up and load measured here, step and save by the loop."""
+    cfg: Config | None = None
+    """The config the run goes on with: the loaded one, the LR horizon a resume adopts settled into it."""
+    derived: Derived | None = None
+    """Values worked out from `cfg` once (config/derived.py): schedule kind, micro-batches, LR horizon, ..."""
 
 
-def set_up(cfg: Config, mesh: Mesh, faults=None) -> Setup:
+def set_up(cfg: Config, mesh: Mesh, faults=None, run_id: str = "") -> Setup:
     """Model, optimizer and data; the resume (which may adopt the saved sample order and lr horizon).
     `faults`: MEGAFRAME_INJECT's (runops/faults.py), for a fault injected into the resume's load."""
     phases = PhaseMeter(mesh.device)
@@ -72,11 +77,11 @@ def set_up(cfg: Config, mesh: Mesh, faults=None) -> Setup:
     phases.end(keep=resumed.path is not None)
     if resumed.meta:
         data.order = resumed_order(resumed.meta)  # a resumed run keeps the sample order it began with
-        adopt_lr_horizon(cfg, resumed.meta)
-    if cfg.optim.lr_decay_steps is None:  # a fresh start (or a pre-horizon checkpoint): this run's length
-        cfg.optim.lr_decay_steps = cfg.train.max_steps
+    # recorded in config.yaml and every checkpoint: a later resume keeps the first start's LR curve
+    cfg = settled(cfg, optim={"lr_decay_steps": lr_horizon(cfg.optim, cfg.train, resumed.meta)})
     acct = Accounting(resumed.step, resumed.consumed if resumed.path else 0, cfg.train.global_batch_size)
-    return Setup(model, optimizer, data, evaluator, sampler, resumed, acct, phases)
+    return Setup(model, optimizer, data, evaluator, sampler, resumed, acct, phases, cfg,
+                 derive(cfg, mesh.world, resumed.meta, run_id))
 
 
 def announce(cfg: Config, mesh: Mesh, su: Setup) -> None:
@@ -104,18 +109,6 @@ def batch_loader(cfg: Config, mesh: Mesh, su: Setup) -> Prefetcher:
                                              mesh.dp.rank, mesh.dp.size, t.seed, mesh.device, base=su.acct.base,
                                              cp_rank=mesh.cp.rank, cp_size=mesh.cp.size),
                       start + 1, t.max_steps)
-
-
-def adopt_lr_horizon(cfg: Config, meta: dict) -> None:
-    """The decay horizon of the run being resumed, unless optim.lr_decay_steps is set: the one its
-    checkpoint recorded, else (older checkpoints) the train.max_steps it ran with. A step-0 checkpoint
-    (an import) has no curve yet, so this run's own length stands."""
-    if cfg.optim.lr_decay_steps is not None or int(meta["step"]) == 0:
-        return
-    saved = meta.get("config", {})
-    horizon = saved.get("optim", {}).get("lr_decay_steps") or saved.get("train", {}).get("max_steps")
-    if horizon:
-        cfg.optim.lr_decay_steps = int(horizon)
 
 
 def global_param_count(model, mesh: Mesh) -> int:
@@ -212,12 +205,10 @@ def precision_label(cfg: Config) -> str:
 
 def pipeline_label(cfg: Config) -> str:
     """The pipeline schedule (kind and virtual stages); empty without a pipeline."""
-    from megaframe.pipeline.schedule import resolve_kind
-
     par = cfg.parallel
     if par.pp == 1:
         return ""
-    return f" schedule {resolve_kind(str(par.pp_schedule), par.vpp)}{f' vpp={par.vpp}' if par.vpp > 1 else ''}"
+    return f" schedule {schedule_kind(par)}{f' vpp={par.vpp}' if par.vpp > 1 else ''}"
 
 
 def held_out_label(cfg: Config, su: Setup) -> str:

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from megaframe.config import Config, ConfigError
+from megaframe.config.derived import settled
 from megaframe.data.dataset import Prefetcher
 from megaframe.data.shards import CorruptShard
 from megaframe.data.stages import stage_metric
@@ -51,8 +52,9 @@ def run(cfg: Config, stop: StopFlag | None = None) -> None:
         # ranks may have resolved a timestamped run name a second apart: rank 0's wins; the run id
         # (this launch of the run, recorded in each checkpoint's lineage) is rank 0's too
         run_id = f"{cfg.run.name}@{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(3).hex()}"
-        cfg.run.name, cfg.run.dir, cfg.checkpoint.dir, run_id = comm.broadcast_object(
+        name, run_dir, ckpt_dir, run_id = comm.broadcast_object(
             (cfg.run.name, cfg.run.dir, cfg.checkpoint.dir, run_id), mesh)
+        cfg = settled(cfg, run={"name": name, "dir": run_dir}, checkpoint={"dir": ckpt_dir})
         lock = take_run_dir(cfg, mesh)
         try:
             if device.type == "cuda" and env.world_size > 1:
@@ -96,7 +98,8 @@ def take_run_dir(cfg: Config, mesh: Mesh) -> FolderLocks:
 def train(cfg: Config, mesh: Mesh, stop: StopFlag, run_id: str = "", owner: str = "") -> None:
     """Start-up (startup.py), then the step loop to train.max_steps or a stop, on every rank."""
     faults = injector(mesh.rank)  # before the resume: a fault may be injected into its load
-    su = set_up(cfg, mesh, faults)
+    su = set_up(cfg, mesh, faults, run_id)
+    cfg = su.cfg  # the LR horizon settled: what the loop, the saves and config.yaml use
     start, t = su.resumed.step, cfg.train
     if start >= t.max_steps:  # a resume with nothing left: one line, no header, no lr warnings, rc 0
         if mesh.rank == 0:
@@ -124,7 +127,7 @@ def train(cfg: Config, mesh: Mesh, stop: StopFlag, run_id: str = "", owner: str 
             limits = first_step_limits(mesh, watchdog, t.compile_timeout_s, t.dist_timeout_s) \
                 if t.compile and step == start + 1 else contextlib.nullcontext()  # compiles: slow, not hung
             with limits, su.phases.phase("step"):  # the first step's peak (grads and moments appear in it)
-                res = train_step(su.model, su.optimizer, batches, mesh, cfg, step, probe)
+                res = train_step(su.model, su.optimizer, batches, mesh, cfg, step, probe, su.derived)
             meter.add(res)
             try:
                 bad.check(step, res.grad_norm, flush=step % t.log_interval == 0 or step == t.max_steps)

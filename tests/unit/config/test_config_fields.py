@@ -62,11 +62,10 @@ def base_cfg():
 def test_bad_value_of_every_field_is_refused_naming_it(key, value, base_cfg):
     """The composed config with one field set as a Hydra override would set it (Hydra's own parsing is
     covered by the subprocess test below; composing 100+ times would cost half a minute)."""
-    import copy
-
     from megaframe.config import validate
+    from megaframe.config.frozen import thawed
 
-    cfg = copy.deepcopy(base_cfg)
+    cfg = thawed(base_cfg)  # a loaded config is frozen: a mutable copy to set one bad value on
     *path, name = key.split(".")
     obj = cfg
     for part in path:
