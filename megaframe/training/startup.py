@@ -172,7 +172,7 @@ def describe(cfg: Config, mesh: Mesh, su: Setup, total: int, threads: Threads) -
     user checks first (precision, pipeline schedule, ZeRO stage, the validation split) included."""
     m, t = cfg.model, cfg.train
     local, share = params_on_rank(su.model, su.optimizer, cfg.optim.zero)
-    accum = t.global_batch_size // (t.micro_batch_size * mesh.dp.size)
+    accum = su.derived.micro_batches
     print(f"megaframe | run {cfg.run.dir} | {mesh.describe()} sp={cfg.parallel.sp}{pipeline_label(cfg)} "
           f"{zero_label(cfg, mesh)} | {precision_label(cfg)} | {threads.label}", flush=True)
     print(f"model {m.name}: {m.num_layers} layers, D={m.hidden_size}, heads {m.num_attention_heads} "
@@ -181,7 +181,7 @@ def describe(cfg: Config, mesh: Mesh, su: Setup, total: int, threads: Threads) -
           f"params {total / 1e6:.2f}M, {local / 1e6:.2f}M on this rank{share} | "
           f"{flops_per_token(m) / 1e6:.1f} MFLOP/token", flush=True)
     samples = "endless" if cfg.data.kind == "synthetic" else f"{su.data.num_samples}"
-    print(f"batch {t.global_batch_size} x {m.seq_length} = {t.global_batch_size * m.seq_length} tokens/step, "
+    print(f"batch {t.global_batch_size} x {m.seq_length} = {su.derived.tokens_per_step} tokens/step, "
           f"micro {t.micro_batch_size}, accumulation {accum} | data {data_label(cfg)}: "
           f"{samples} samples{held_out_label(cfg, su)} | steps {su.resumed.step + 1}..{t.max_steps}", flush=True)
 
