@@ -8,6 +8,7 @@ megaframe.config.schema instead, so nothing the loader imports imports it back.
 """
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import os
 import re
@@ -103,11 +104,13 @@ def load_config(overrides: list[str], world_size: Optional[int] = None, check_da
     # so every check, the resume checks included, sees the values the run will use)
     from megaframe.config.adopt import adopt_model, apply_environment, resume_point
 
-    resume_point(cfg)
-    adopt_model(cfg, list(overrides))
-    apply_environment(cfg, list(overrides))
+    cfg = apply_environment(adopt_model(resume_point(cfg), list(overrides)), list(overrides))
     if world_size is None:  # torchrun's WORLD_SIZE, else srun's task count (one Slurm task = one rank)
         world_size = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
+    if cfg.model.vocab_size is None:  # before the checks: they test divisibility of the vocabulary by tp
+        from megaframe.config.keys import default_vocab_size
+
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=default_vocab_size(cfg)))
     validate(cfg, world_size, check_data=check_data)
     return freeze(cfg)  # every component reads these values as loaded (config/frozen.py)
 
@@ -128,7 +131,8 @@ def _composition_error(e: BaseException) -> str:
 
 def validate(cfg: Config, world_size: int, check_data: bool = True, schedules: bool = True) -> None:
     """Cross-field checks that need no process group; the first problem raises ConfigError.
-    The checks themselves live in megaframe/config/checks.py. Fills model.vocab_size when unset.
+    The checks themselves live in megaframe/config/checks.py. Fills model.vocab_size when unset (a config
+    built by hand; load_config fills it on the copy it returns).
     `schedules=False` skips building every rank's pipeline schedule (the planner's search, over thousands)."""
     from megaframe.config.checks import check_config
 
