@@ -41,7 +41,7 @@ import os
 import sys
 from pathlib import Path
 
-from megaframe.config_keys import PLANNER_KEYS as OWN_KEYS
+from megaframe.config.keys import PLANNER_KEYS as OWN_KEYS
 from megaframe.errors import fail
 from megaframe.planning.measure import WARMUP_ROWS
 

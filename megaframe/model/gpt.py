@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from megaframe.config.schema import ModelConfig
 from megaframe.layers.fused_ce import linear_cross_entropy
 from megaframe.layers.linear import ColumnParallelLinear, RowParallelLinear
 from megaframe.layers.norm import Norm
@@ -28,7 +29,6 @@ from megaframe.model.rope import rope_tables
 from megaframe.parallel.context import cp_positions
 from megaframe.parallel.mesh import Mesh
 from megaframe.pipeline.partition import Stage
-from megaframe.schema import ModelConfig
 
 
 class MLP(nn.Module):

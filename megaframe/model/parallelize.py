@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from megaframe.choices import CPComm
+from megaframe.config.choices import CPComm
+from megaframe.config.schema import ModelConfig
 from megaframe.layers.fp8 import enable_fp8
 from megaframe.layers.shard import InitSpec, init_model
 from megaframe.model.gpt import GPT
@@ -19,7 +20,6 @@ from megaframe.parallel.mesh import Mesh, single_process_mesh
 from megaframe.parallel.tp_overlap import enable_tp_overlap
 from megaframe.pipeline.partition import Stage, stage_layout
 from megaframe.pipeline.schedule import ScheduleSpec, schedule_spec
-from megaframe.schema import ModelConfig
 
 # fp8: bf16 params, float8 GEMMs
 PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.bfloat16}

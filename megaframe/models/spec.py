@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from megaframe.config.schema import ModelConfig
 from megaframe.models import counts
-from megaframe.schema import ModelConfig
 
 
 @dataclass(frozen=True)

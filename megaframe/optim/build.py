@@ -7,13 +7,13 @@ import contextlib
 import torch
 from torch import nn
 
+from megaframe.config.schema import OptimConfig
 from megaframe.optim.adamw import MOMENTS, adamw
 from megaframe.optim.finalize import clip_divisor, finalize
 from megaframe.optim.grads import ReplicatedGrads
 from megaframe.optim.protocol import Optimizer
 from megaframe.optim.zero import ZeroOptimizer
 from megaframe.parallel.mesh import Mesh
-from megaframe.schema import OptimConfig
 
 
 class PlainOptimizer(Optimizer):

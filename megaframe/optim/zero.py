@@ -65,6 +65,7 @@ import contextlib
 import torch
 from torch import nn
 
+from megaframe.config.schema import OptimConfig
 from megaframe.layers import wgrad
 from megaframe.layers.vocab import VocabParallelEmbedding
 from megaframe.optim.buffer import Bucket, FlatBuffer, grad_dtype
@@ -76,7 +77,6 @@ from megaframe.optim.zero_state import build_state, flat_buffers, make_state
 from megaframe.parallel import comm
 from megaframe.parallel.mesh import Axis, Mesh
 from megaframe.parallel.placement import Placement
-from megaframe.schema import OptimConfig
 
 
 class ZeroOptimizer(ZeroStateIO, Optimizer):

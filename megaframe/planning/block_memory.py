@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from megaframe.schema import Config
+from megaframe.config.schema import Config
 
 
 def on_host(cfg: Config) -> bool:

@@ -30,17 +30,18 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 
+from megaframe.config.derived import derive
+from megaframe.config.schema import Config
 from megaframe.model.parallelize import build_model
 from megaframe.optim.sizing import planned_dp_bytes, planned_memory_bytes
 from megaframe.parallel.context import cp_bytes_per_layer
 from megaframe.parallel.virtual import virtual_mesh
-from megaframe.pipeline.schedule import ZERO_BUBBLE, F, W, compute_order, resolve_kind
+from megaframe.pipeline.schedule import ZERO_BUBBLE, F, W, compute_order
 from megaframe.planning.activations import chunk_activation_bytes, head_activation_bytes, w_fraction
 from megaframe.planning.block_memory import on_host as _on_host
 from megaframe.planning.block_memory import plan_documents, working_set_bytes
 from megaframe.planning.phases import RankShape, host_peaks, phase_peaks, today_load, today_startup
 from megaframe.planning.timing import _bubble, split_costs
-from megaframe.schema import Config
 
 
 @dataclass
@@ -160,9 +161,8 @@ def plan_layout(cfg: Config, world_size: int, device_memory_gb: float | None = N
     """Size every rank of the (validated) config on `world_size` ranks."""
     p, t = cfg.parallel, cfg.train
     tp, pp, cp = p.tp, p.pp, p.cp
-    dp = world_size // (tp * pp * cp)
-    m = t.global_batch_size // (t.micro_batch_size * dp)  # cp ranks read the same samples: dp alone divides
-    kind = resolve_kind(p.pp_schedule, p.vpp)
+    derived = derive(cfg, world_size)  # cp ranks read the same samples: dp alone divides the micro-batches
+    dp, m, kind = derived.dp, derived.micro_batches, derived.pp_schedule
     plan = Plan(world_size, {"tp": tp, "pp": pp, "dp": dp, "vpp": p.vpp, "sp": p.sp, "zero": cfg.optim.zero,
                              "precision": t.precision, "micro_batch_size": t.micro_batch_size, "cp": cp,
                              "grad_reduce_dtype": str(cfg.optim.grad_reduce_dtype),

@@ -44,12 +44,12 @@ import functools
 import math
 from dataclasses import dataclass
 
+from megaframe.config.schema import Config
 from megaframe.parallel.context import cp_bytes_per_layer
 from megaframe.planning.candidate import Layout, cp_ring, stage_layers, stage_params
 from megaframe.planning.compute import rerun_gemm_share, step_compute
 from megaframe.planning.devices import Device
 from megaframe.planning.gloo_link import hop_seconds
-from megaframe.schema import Config
 from megaframe.training.metrics import flops_per_token
 
 

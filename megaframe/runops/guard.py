@@ -3,13 +3,13 @@
 asks it three things: `beat` at a step's start, `decide` after the step, `close` at the end."""
 from __future__ import annotations
 
+from megaframe.config.schema import TrainConfig
 from megaframe.errors import ConfigError
 from megaframe.parallel.mesh import Mesh
 from megaframe.runops.faults import Injector
 from megaframe.runops.signals import StopFlag, continue_command
 from megaframe.runops.straggler import StragglerProbe
 from megaframe.runops.watchdog import Watchdog
-from megaframe.schema import TrainConfig
 
 
 class RunGuard:

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from megaframe.config import Config, ConfigError
+from megaframe.config.derived import settled
 from megaframe.data.dataset import Prefetcher
 from megaframe.data.shards import CorruptShard
 from megaframe.data.stages import stage_metric
@@ -50,8 +51,9 @@ def run(cfg: Config, stop: StopFlag | None = None) -> None:
         # ranks may have resolved a timestamped run name a second apart: rank 0's wins; the run id
         # (this launch of the run, recorded in each checkpoint's lineage) is rank 0's too
         run_id = f"{cfg.run.name}@{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(3).hex()}"
-        cfg.run.name, cfg.run.dir, cfg.checkpoint.dir, run_id = comm.broadcast_object(
+        name, run_dir, ckpt_dir, run_id = comm.broadcast_object(
             (cfg.run.name, cfg.run.dir, cfg.checkpoint.dir, run_id), mesh)
+        cfg = settled(cfg, run={"name": name, "dir": run_dir}, checkpoint={"dir": ckpt_dir})
         lock = take_run_dir(cfg, mesh)
         try:
             if device.type == "cuda" and env.world_size > 1:
@@ -96,7 +98,8 @@ def train(cfg: Config, mesh: Mesh, stop: StopFlag, run_id: str = "", owner: str 
     """Start-up (startup.py), then the step loop to train.max_steps or a stop, on every rank:
     batches -> step -> evaluate -> meter -> save -> stop."""
     guard = RunGuard(cfg.train, mesh, stop, cfg.run.dir, cfg.run.name)
-    su = set_up(cfg, mesh, guard.faults)
+    su = set_up(cfg, mesh, guard.faults, run_id)
+    cfg = su.cfg  # the LR horizon settled: what the loop, the saves and config.yaml use
     start = su.resumed.step
     if start >= cfg.train.max_steps:  # a resume with nothing left: one line, no header, no lr warnings, rc 0
         if mesh.rank == 0:
@@ -156,7 +159,7 @@ class Loop:
         limits = (first_step_limits(self.mesh, self.guard.watchdog, t.compile_timeout_s, t.dist_timeout_s)
                   if t.compile and step == self.start + 1 else contextlib.nullcontext())
         with limits, su.phases.phase("step"):  # the first step's peak (grads and moments appear in it)
-            res = train_step(su.model, su.optimizer, batches, self.mesh, self.cfg, step, self.guard.probe)
+            res = train_step(su.model, su.optimizer, batches, self.mesh, self.cfg, step, self.guard.probe, su.derived)
         self.meters.add(res)
         try:
             self.bad.check(step, res.grad_norm, flush=step % t.log_interval == 0 or step == t.max_steps)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from megaframe.config_keys import PLANNER_KEYS
+from megaframe.config.keys import PLANNER_KEYS
 from megaframe.evaluate import TASK_KEYS
 from tests.e2e.docs_commands import PAGES, ROOT, commands, hydra_overrides, small_overrides
 from tests.e2e.helpers import env
@@ -37,7 +37,7 @@ def test_every_page_has_commands_and_the_readme_is_short():
 def test_syntax_and_config_keys(page):
     """bash -n over every block, each tested-by names a test that exists, and each command's Hydra
     overrides are keys of the schema (a renamed or deleted key fails here even where nothing runs)."""
-    from megaframe.config_keys import check_override_keys
+    from megaframe.config.keys import check_override_keys
     from megaframe.errors import ConfigError
 
     cmds = commands(page)

@@ -58,7 +58,7 @@ def make_checkpoint(root: Path, overrides: list[str], data_path: str = ""):
     """A committed step_00000003 of a tiny model whose norms and biases are perturbed too (so a swapped
     norm or bias mapping shows up in the logits). Returns (cfg, model)."""
     cfg = load_config(overrides + TINY, world_size=1, check_data=False)
-    cfg.data.path = data_path
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=data_path))
     mesh = single_process_mesh()
     model = build_model(cfg, mesh).eval()
     gen = torch.Generator().manual_seed(7)

@@ -48,7 +48,7 @@ def run_dir(tmp_path_factory) -> Path:
     (d / "data").mkdir()
     train_tokenizer(text, 360, d / "data" / "tokenizer", num_threads=1)
     cfg, model = tiny_model("llama")
-    cfg.data.path = str(d / "data")
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=str(d / "data")))
     sharded.save(d / "ckpt", 3, model, WeightsOnly(), single_process_mesh(), {"config": dataclasses.asdict(cfg)})
     return d
 

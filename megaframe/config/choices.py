@@ -1,6 +1,6 @@
 """The closed string choices of the config, as StrEnums: Hydra refuses any other value at composition,
 naming the field. A StrEnum member is a str (== its value; str() and format() give the value), so
-comparisons with literals, dict keys and JSON keep working. megaframe.schema (and megaframe.config)
+comparisons with literals, dict keys and JSON keep working. megaframe.config.schema (and megaframe.config)
 re-export them."""
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from megaframe.errors import ConfigError
 
 if TYPE_CHECKING:
-    from megaframe.schema import Config
+    from megaframe.config.schema import Config
 
 
 def _req(ok: bool, msg: str) -> None:
