@@ -4,7 +4,6 @@ imported checkpoint; bad input exits 2. Tiny models, offline, well under a minut
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import os
 import subprocess
@@ -20,6 +19,7 @@ from megaframe.config import load_config
 from megaframe.data.order import ORDER
 from megaframe.model.parallelize import build_model
 from megaframe.parallel.mesh import single_process_mesh
+from tests.unit.hf_scripts import export_hf, import_hf
 
 ROOT = Path(__file__).resolve().parents[3]
 TINY = ["data=synthetic", "model.num_layers=2", "model.hidden_size=64", "model.ffn_hidden_size=96",
@@ -33,14 +33,6 @@ CASES = {  # name -> overrides
 }
 
 
-def script(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-export_hf, import_hf = script("export_hf"), script("import_hf")
 
 
 @pytest.fixture(scope="module")
