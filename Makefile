@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv >/dev/null; }
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q -c constraints.txt "torch==2.13.0"
-	$(PIP) install -q -c constraints.txt -e ".[test]"
+	$(PIP) install -q -c constraints.txt -e ".[test,eval]"
 	touch $@
 
 data: $(VENV)/.installed data/demo/prepared/meta.json

@@ -21,8 +21,7 @@ from megaframe.checkpoint import sharded
 from megaframe.checkpoint.async_save import AsyncSaver
 from megaframe.config import load_config
 from megaframe.data.dataset import build_data, microbatches
-from megaframe.model.gpt import build_model
-from megaframe.optim.build import build_optimizer
+from megaframe.model.parallelize import build
 from megaframe.parallel.mesh import single_process_mesh
 from megaframe.training.step import train_step
 
@@ -30,8 +29,7 @@ from megaframe.training.step import train_step
 def run(cfg, mode: str, steps: int, interval: int, root: str) -> float:
     """Mean step time (s) including checkpoint work, for mode none | sync | async."""
     mesh = single_process_mesh()
-    model, data = build_model(cfg, mesh), build_data(cfg)
-    opt = build_optimizer(model, cfg.optim, mesh)
+    (model, opt), data = build(cfg, mesh), build_data(cfg)
     saver = AsyncSaver(mesh)
     t = cfg.train
     t0 = None
@@ -89,8 +87,7 @@ def main(argv: list[str]) -> None:
             times[mode] = run(cfg, mode, steps, interval, f"{root}/{mode}")
         path = sharded.latest(f"{root}/sync")
         mesh = single_process_mesh()
-        model = build_model(cfg, mesh)
-        opt = build_optimizer(model, cfg.optim, mesh)
+        model, opt = build(cfg, mesh)
         t0 = time.perf_counter()
         sharded.load_into(path, model, opt)
         load_s = time.perf_counter() - t0

@@ -40,7 +40,7 @@ def overrides(seq: int, cp: int, kind: str, layers: int) -> list[str]:
 def _rank(rank: int, port: int, world: int, over: list[str], overlap: bool, fused: bool, steps: int, threads: int,
           q) -> None:
     from megaframe.config import load_config
-    from megaframe.model.gpt import build_model
+    from megaframe.model.parallelize import build_model
     from megaframe.parallel.context import cp_causal_bias, cp_keep
     from megaframe.parallel.mesh import build_mesh
     from megaframe.planning.activations import allocator_peak

@@ -61,8 +61,7 @@ class Clock:
 
 def megaframe_side(args, device, clock: Clock, precision: str = "bf16"):
     from megaframe.config import load_config
-    from megaframe.model.gpt import build_model
-    from megaframe.optim.build import build_optimizer, cast_model
+    from megaframe.model.parallelize import build
     from megaframe.parallel.mesh import single_process_mesh
     from megaframe.training.step import train_step
 
@@ -75,8 +74,7 @@ def megaframe_side(args, device, clock: Clock, precision: str = "bf16"):
     over += [f"model.{k}={v}" for k, v in DRY_DIMS.items()] if args.dry else [f"model.num_layers={args.layers}"]
     cfg = load_config(over, world_size=1, check_data=False)
     mesh = single_process_mesh(device)
-    model = cast_model(build_model(cfg, mesh), cfg.train.precision)
-    opt = build_optimizer(model, cfg.optim, mesh)
+    model, opt = build(cfg, mesh)
     opt.zero_grad, opt.step = clock.wrap(opt.zero_grad), clock.wrap(opt.step)
     n = [0]
 

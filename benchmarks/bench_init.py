@@ -18,7 +18,7 @@ def child(args) -> None:
     import torch
 
     from megaframe.config import load_config
-    from megaframe.model.gpt import build_model
+    from megaframe.model.parallelize import build_model
     from megaframe.parallel.virtual import virtual_mesh
 
     torch.set_num_threads(1)

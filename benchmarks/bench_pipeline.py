@@ -35,8 +35,7 @@ MODEL = ["data=synthetic", "model.num_layers=8", "model.hidden_size=256", "model
 def _worker(rank: int, port: int, pp: int, m: int, steps: int, schedules: list, out) -> None:
     from megaframe.config import load_config
     from megaframe.data.dataset import build_data, microbatches
-    from megaframe.model.gpt import build_model
-    from megaframe.optim.build import build_optimizer
+    from megaframe.model.parallelize import build
     from megaframe.parallel.mesh import build_mesh
     from megaframe.pipeline import p2p
     from megaframe.pipeline.executor import run_schedule
@@ -51,8 +50,7 @@ def _worker(rank: int, port: int, pp: int, m: int, steps: int, schedules: list, 
     for name, vpp in schedules:
         cfg = load_config(MODEL + [f"parallel.pp={pp}", f"parallel.vpp={vpp}", f"train.global_batch_size={2 * m}",
                                    f"parallel.pp_schedule={name}"], world_size=pp, check_data=False)
-        model, data = build_model(cfg, mesh), build_data(cfg)
-        opt = build_optimizer(model, cfg.optim, mesh)
+        (model, opt), data = build(cfg, mesh), build_data(cfg)
         idle, step_s, costs = [], [], []
         for step in range(steps + 1):  # step 0 warms up
             batches = microbatches(data, step, 2 * m, 2, 0, 1, cfg.train.seed)

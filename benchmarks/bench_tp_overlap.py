@@ -22,7 +22,7 @@ from megaframe.parallel.local import spawn_local
 
 def _rank(rank: int, port: int, world: int, over: list[str], chunks: int, steps: int, threads: int, q) -> None:
     from megaframe.config import load_config
-    from megaframe.model.gpt import build_model
+    from megaframe.model.parallelize import build_model
     from megaframe.parallel.mesh import build_mesh
 
     torch.set_num_threads(threads)

@@ -37,8 +37,7 @@ LR, BETAS, EPS, WD, CLIP = 3e-4, (0.9, 0.95), 1e-8, 0.1, 1.0
 def megaframe_side(args, device: torch.device, precision: str | None = None):
     """(cfg, step function) for megaframe: the trainer's own train_step over one micro-batch."""
     from megaframe.config import load_config
-    from megaframe.model.gpt import build_model
-    from megaframe.optim.build import build_optimizer, cast_model
+    from megaframe.model.parallelize import build
     from megaframe.parallel.mesh import single_process_mesh
     from megaframe.training.step import train_step
 
@@ -56,8 +55,7 @@ def megaframe_side(args, device: torch.device, precision: str | None = None):
     over += ["optim.zero=1"] if precision != "fp32" else []
     cfg = load_config(over, world_size=1, check_data=False)
     mesh = single_process_mesh(device)
-    model = cast_model(build_model(cfg, mesh), cfg.train.precision)
-    opt = build_optimizer(model, cfg.optim, mesh)
+    model, opt = build(cfg, mesh)
     counter = [0]
 
     def step(ids_BS, labels_BS):

@@ -44,7 +44,7 @@ MODES = [("zero1 overlap", ["optim.zero=1"], True), ("zero1 no overlap", ["optim
 
 def _build(mesh, overrides: list[str], overlap):
     from megaframe.config import load_config
-    from megaframe.model.gpt import build_model
+    from megaframe.model.parallelize import build_model
     from megaframe.optim.build import PlainOptimizer
     from megaframe.optim.zero import ZeroOptimizer
     from megaframe.optim.zero3 import Zero3Optimizer

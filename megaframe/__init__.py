@@ -15,8 +15,7 @@ def load_model(path: str):
     from megaframe.checkpoint import resolve, sharded
     from megaframe.checkpoint.metadata import CheckpointError
     from megaframe.config import Config
-    from megaframe.model.gpt import GPT
-    from megaframe.parallel.mesh import single_process_mesh
+    from megaframe.model.parallelize import whole_model
 
     try:  # a checkpoint dir: what `latest` names (a rollback's branch), checkpoint/resolve.py
         step = resolve.step_folder(path)
@@ -24,6 +23,6 @@ def load_model(path: str):
         raise FileNotFoundError(str(e)) from None
     meta = sharded.read_metadata(step)
     cfg: Config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), meta["config"]))
-    model = GPT(cfg.model, single_process_mesh("cpu"), sp=False)
+    model = whole_model(cfg.model)
     sharded.load_into(step, model)
     return model.eval()

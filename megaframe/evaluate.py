@@ -11,6 +11,14 @@ is scored (the first train.eval_iters global batches of its seeded order: the sa
 used), else the
 whole dataset; --all scores every sample of the split once. A bare integer is train.eval_iters.
 Prints one line: loss (mean token cross-entropy, nats), perplexity, tokens. Bad input exits 2.
+
+    python -m megaframe.evaluate checkpoint=CKPT +tasks=hellaswag,arc_easy [+include_path=DIR] [+limit=N]
+                                 [+num_fewshot=K] [+batch_size=B] [+tokenizer=PATH]
+
+scores lm-evaluation-harness tasks instead (the optional extra .[eval]; evaluation/lm_eval_adapter.py):
+one line per task with its metrics. Under torchrun the checkpoint is scored in the layout the overrides
+name (parallel.tp=2 parallel.pp=2 ..., dp the remaining ranks), with the one-process scores.
+`checkpoint=CKPT` may replace the leading CKPT in either form.
 """
 from __future__ import annotations
 
@@ -18,8 +26,13 @@ import math
 import sys
 import time
 
+TASK_KEYS = ("tasks", "include_path", "limit", "num_fewshot", "batch_size", "tokenizer")
+
 
 def split_args(argv: list[str]) -> tuple[str, list[str], bool]:
+    named = [a for a in argv if a.lstrip("+").startswith("checkpoint=")]
+    if named:  # checkpoint=CKPT anywhere: the same as a leading CKPT
+        argv = [named[0].split("=", 1)[1]] + [a for a in argv if a is not named[0]]
     if not argv or argv[0].startswith("-") or "=" in argv[0]:
         raise ValueError("usage: python -m megaframe.evaluate CKPT [overrides] (CKPT first)")
     over = [f"train.eval_iters={a}" if a.isdigit() else a for a in argv[1:] if a != "--all"]
@@ -106,12 +119,48 @@ def evaluate(model, cfg, every: bool) -> tuple[float, int, str]:
     return total.item() / tokens, tokens, f"{split}: {which}"
 
 
+def task_options(overrides: list[str]) -> tuple[dict, list[str]]:
+    """The lm-eval options (+tasks=..., +limit=...) and the remaining overrides."""
+    opts, rest = {}, []
+    for o in overrides:
+        key, _, value = o.lstrip("+").partition("=")
+        if key in TASK_KEYS and value:
+            opts[key] = value
+        else:
+            rest.append(o)
+    return opts, rest
+
+
+def run_tasks(ckpt: str, opts: dict, overrides: list[str]) -> int:
+    """Score lm-eval tasks on the checkpoint (under torchrun in the layout the overrides name); one line per
+    task on stdout, from the first rank."""
+    try:
+        from megaframe.evaluation.layout_lm import task_lm
+    except ImportError as e:
+        raise ValueError(f"+tasks needs lm-eval ({e}): pip install -e '.[eval]'") from None
+    from megaframe.evaluation.lm_tasks import format_scores, run_tasks
+
+    t0 = time.perf_counter()
+    limit = float(opts["limit"]) if "limit" in opts else None
+    shots = int(opts["num_fewshot"]) if "num_fewshot" in opts else None
+    with task_lm(ckpt, overrides, opts) as (lm, prints):
+        scores = run_tasks(lm, opts["tasks"], opts.get("include_path"), limit, shots)
+    if prints:
+        for task, row in sorted(scores.items()):
+            print(f"evaluate: {ckpt}: {format_scores({task: row})}", flush=True)
+        print(f"evaluate: {len(scores)} task(s) in {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
+    return 0
+
+
 def main(argv: list[str]) -> int:
     from megaframe.config import ConfigError
     from megaframe.errors import fail
 
     try:
         ckpt, overrides, every = split_args(argv)
+        opts, overrides = task_options(overrides)
+        if "tasks" in opts:
+            return run_tasks(ckpt, opts, overrides)
         from megaframe.inference.files import resolve_step
 
         step, meta = resolve_step(ckpt)

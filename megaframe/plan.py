@@ -20,6 +20,7 @@ measures GEMM, attention and collective throughput on the present device and wri
 
     python -m megaframe.plan model=llama3_8b +world_size=64 +device_memory_gb=80 +search=true
                              [+device=H100|H100_500W|H200|A100|B200|cpu] [+top=5] [+efficiency=0.5]
+                             [+measure=K [+measure_steps=6]]
 
 proposes a layout instead: every valid (tp, cp, pp, vpp, dp, ep, ZeRO stage, HSDP shard group, grad reduce
 dtype, micro-batch, recompute) is sized in every phase (start-up, step, save, load), those with a phase over
@@ -27,7 +28,9 @@ the memory dropped, the rest ranked by the step-time model of megaframe.planning
 their sources in megaframe.planning.devices); the top ones are printed with their memory per phase and why
 each is slower than the first, and the layouts within the model's measured error of #1 are called ties.
 Progress goes to stderr; `+plan_json=PATH` writes every ranked layout. The model, data and batch settings
-come from the config.
+come from the config. `+measure=K` then trains each of the top K layouts for +measure_steps steps on this
+machine (torchrun, world_size local processes, a temporary run folder: planning/measure.py) and prints the
+measured ranking beside the predicted one.
 """
 from __future__ import annotations
 
@@ -38,8 +41,9 @@ import os
 import sys
 from pathlib import Path
 
-from megaframe.config_keys import PLANNER_KEYS as OWN_KEYS
+from megaframe.config.keys import PLANNER_KEYS as OWN_KEYS
 from megaframe.errors import fail
+from megaframe.planning.measure import WARMUP_ROWS
 
 
 def split_args(argv: list[str]) -> tuple[list[str], dict[str, str]]:
@@ -176,6 +180,10 @@ def check_settings(own: dict[str, str]) -> None:
         raise ValueError(f"+search={own['search']} must be true or false")
     if "device_profile" in own and not Path(own["device_profile"]).is_file():
         raise ValueError(f"+device_profile={own['device_profile']}: no such file")
+    number("measure", True, 0)
+    number("measure_steps", True, WARMUP_ROWS + 1)  # a timed step after the warm-up ones
+    if int(own.get("measure", 0)) and own.get("search", "false").lower() not in ("true", "1", "yes"):
+        raise ValueError(f"+measure={own['measure']} measures the search's top layouts: add +search=true")
     if "plan_json" in own:
         out = Path(own["plan_json"])
         if out.is_dir() or not out.parent.is_dir() or not os.access(out.parent, os.W_OK):
@@ -206,7 +214,7 @@ def main(argv: list[str]) -> int:
     except ValueError as e:  # ConfigError is a ValueError; so is a bad +world_size
         return fail(e if isinstance(e, ConfigError) else f"plan settings: {e}")
     if searching:
-        return search_main(cfg, world, memory, own)
+        return search_main(cfg, world, memory, own, overrides)
     from megaframe.planning.estimate import plan_layout
 
     per_rank = -(-cfg.model.num_layers // cfg.parallel.pp)
@@ -264,7 +272,7 @@ def timing_line(tm: dict) -> str:
             f"planning/timing.py's model, docs/planning.md#published-runs for its error")
 
 
-def search_main(cfg, world: int, memory_gb: float | None, own: dict) -> int:
+def search_main(cfg, world: int, memory_gb: float | None, own: dict, overrides: list[str] = ()) -> int:
     from megaframe.planning.search import MODEL_ERROR, search, ties
 
     try:
@@ -276,9 +284,21 @@ def search_main(cfg, world: int, memory_gb: float | None, own: dict) -> int:
     ests, n, dropped = search(cfg, world, dev, cap, progress=lambda text: print(text, file=sys.stderr, flush=True))
     print(search_report(cfg, world, dev, ests, n, dropped, top, cap))
     # every fitting layout, ranked, with its phases and parts
-    return write_plan_json(own, {"world_size": world, "device": dev.name, "candidates": n, "dropped_for_memory": dropped,
+    written = write_plan_json(own, {"world_size": world, "device": dev.name, "candidates": n, "dropped_for_memory": dropped,
                                  "ties_with_first": ties(ests), "model_error": MODEL_ERROR,
                                  "ranked": [e.to_dict() for e in ests]})
+
+    if written:
+        return written
+    k = int(own.get("measure", 0))
+    if k and ests:
+        from megaframe.planning import measure
+
+        steps = int(own.get("measure_steps", 6))
+        rows = measure.measure(cfg, list(overrides), ests, k, world, steps,
+                               progress=lambda text: print(text, file=sys.stderr, flush=True))
+        print(measure.report(rows, steps), flush=True)
+    return 0
 
 
 MAX_LAYERS_PER_RANK = 1024

@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from megaframe.schema import plain
+from megaframe.config.schema import plain
 
 
 def _fmt_duration(s: float) -> str:

@@ -53,7 +53,7 @@ def run_config(fields: dict, overrides: list[str]):
         if f"model.{k}" in given and getattr(cfg.model, k) != v:
             print(f"import: warning: model.{k}={getattr(cfg.model, k)} replaced by the HF config's {v}", file=sys.stderr)
         chosen[k] = v
-    cfg.model = dataclasses.replace(cfg.model, **chosen)
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **chosen))  # loaded configs are frozen
     try:
         validate(cfg, 1, check_data=False)
     except ConfigError as e:
@@ -134,7 +134,7 @@ def continue_lines(path: Path, cfg, tok: dict | None, overrides: list[str]) -> l
     data the check then refused)."""
     from megaframe.data.shards import same_tokenizer, tokenizer_identity
 
-    rest = [o for o in overrides if not o.startswith("model.")]  # the model comes from the checkpoint (adopt.py)
+    rest = [o for o in overrides if not o.startswith("model.")]  # the model comes from the checkpoint (config/adopt.py)
     data = tokenizer_identity(cfg.data)
     if tok is None or cfg.data.kind != "prepared" or (data is not None and same_tokenizer(tok, data)):
         return ["continue pretraining with:", f"  python train.py checkpoint.resume={path} {' '.join(rest)}".rstrip()]
@@ -150,8 +150,8 @@ def continue_lines(path: Path, cfg, tok: dict | None, overrides: list[str]) -> l
 def import_hf(folder: str, out: Path, overrides: list[str]) -> Path:
     from megaframe.checkpoint import sharded
     from megaframe.checkpoint.hf import from_hf
+    from megaframe.config.schema import plain
     from megaframe.data.order import ORDER
-    from megaframe.schema import plain
 
     src = Path(folder)
     if not (src / "config.json").is_file():

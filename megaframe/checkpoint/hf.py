@@ -36,8 +36,8 @@ from pathlib import Path
 
 import torch
 
+from megaframe.config.schema import ModelConfig
 from megaframe.quiet import quiet_optional_imports
-from megaframe.schema import ModelConfig
 
 quiet_optional_imports()  # before this module's transformers imports: transformers loads torchao, which logs noise
 

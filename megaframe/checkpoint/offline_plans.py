@@ -48,7 +48,7 @@ class Layout:
 def rank_items(cfg, layout: Layout, models: dict, p: int, d: int, t: int) -> list[Item]:
     """The items of rank (p, d, t): its model (built once per (pp, tp, ep rank), on meta) and its ZeRO
     segments (zero=1) or whole moments (zero=0)."""
-    from megaframe.model.gpt import build_model
+    from megaframe.model.parallelize import build_model
 
     mesh = virtual_mesh(layout.tp, layout.pp, layout.dp, t, p, d, device="meta", ep=layout.ep)
     # dp replicas hold the same shapes: one meta model per (pp, tp, ep) rank keeps a 256-rank plan cheap

@@ -24,10 +24,10 @@ from safetensors import SafetensorError  # a bad header or truncated file: not a
 from megaframe.checkpoint import lineage, resolve, sharded
 from megaframe.checkpoint.load import not_the_checkpoints_fault
 from megaframe.checkpoint.resume_checks import check_resume, consumed_samples
+from megaframe.config.schema import Config, ConfigError
 from megaframe.errors import TrainingError
 from megaframe.parallel import comm
 from megaframe.parallel.mesh import Axis, Mesh
-from megaframe.schema import Config, ConfigError
 
 # what a missing, corrupt or mismatched checkpoint raises on load; anything else is a bug and propagates. RuntimeError
 # is here for torch's shape and dtype complaints about a mismatched file, but its out-of-memory, accelerator and

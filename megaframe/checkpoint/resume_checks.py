@@ -11,14 +11,14 @@ A resumed run must continue the same experiment. These changes are refused (exit
 - what the run trains on (megaframe.data.record): data.stages, data.blend (paths or weights), a plain run's
   data.path, data.valid_fraction, and the content of a dataset at the same path; each re-maps the stream's
   positions (samples repeat and others are skipped) or moves the validation split onto trained-on documents.
-  When allowed, the warning says what repeats or changes. The tokenizer is compared before (config_checks).
+  When allowed, the warning says what repeats or changes. The tokenizer is compared before (config/checks.py).
 The parallel layout may change freely (any layout loads any checkpoint).
 """
 from __future__ import annotations
 
 import sys
 
-from megaframe.schema import Config, ConfigError, plain
+from megaframe.config.schema import Config, ConfigError, plain
 
 GUARDED_TRAIN = ("global_batch_size", "seed")
 UNCHECKED_MODEL = ("name",)

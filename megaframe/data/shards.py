@@ -78,7 +78,7 @@ def prepare_command(data_cfg, path) -> str:
     """The exact command that prepares `path`: a folder already holding files (a raw corpus given as
     data.path) as the source of a new folder beside it; plain `prepare` for the demo (its source and path are
     the data=demo defaults); else the source and path of the run's config."""
-    from megaframe.schema import ROOT
+    from megaframe.config.schema import ROOT
 
     folder = Path(path)
     if folder.is_dir() and any(folder.iterdir()):  # source files, most likely: prepare refuses to write into them

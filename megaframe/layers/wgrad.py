@@ -91,7 +91,7 @@ class _FusedWgradLinear(torch.autograd.Function):
     def backward(ctx, g_NO):
         x_NI, w_OI = ctx.saved_tensors
         main_OI = ctx.main
-        # a split backward (zero-bubble, never compiled: config_checks) asks for the input grad (B) and the
+        # a split backward (zero-bubble, never compiled: config/checks.py) asks for the input grad (B) and the
         # weight's (W) in two passes; a compiled backward is traced once and wants both
         whole = torch.compiler.is_compiling()
         gx = g_NO @ w_OI if ctx.needs_input_grad[0] and (whole or wanted(x_NI)) else None

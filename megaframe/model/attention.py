@@ -14,6 +14,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
+from megaframe.config.schema import ModelConfig
 from megaframe.layers.linear import ColumnParallelLinear, RowParallelLinear
 from megaframe.layers.norm import Norm
 from megaframe.layers.rng import tp_distinct
@@ -25,7 +26,6 @@ from megaframe.parallel.cp_attention import cp_chunked_attention, cp_global_orde
 from megaframe.parallel.eager import eager
 from megaframe.parallel.mesh import Axis
 from megaframe.parallel.ring_attention import ring_attention
-from megaframe.schema import ModelConfig
 
 SDPA_PRIORITY = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
                  SDPBackend.MATH]
@@ -75,7 +75,7 @@ class Attention(nn.Module):
         self.ring_fused = True  # benchmarks/bench_cp.py turns it off to time the fp32 math ring
         self.recompute_core = recompute_core
         e = cfg.head_dim
-        # Whole heads per rank (config_checks requires tp to divide both): attention never crosses ranks.
+        # Whole heads per rank (config/checks.py requires tp to divide both): attention never crosses ranks.
         self.heads, self.groups, self.head_dim = cfg.num_attention_heads // tp.size, cfg.kv_heads // tp.size, e
         self.dropout, self.tp = cfg.dropout, tp
         self.qkv = ColumnParallelLinear(cfg.hidden_size, [cfg.num_attention_heads * e, cfg.kv_heads * e,

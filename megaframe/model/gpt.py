@@ -14,26 +14,21 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from megaframe.choices import CPComm
-from megaframe.layers.fp8 import enable_fp8
+from megaframe.config.schema import ModelConfig
 from megaframe.layers.fused_ce import linear_cross_entropy
 from megaframe.layers.linear import ColumnParallelLinear, RowParallelLinear
 from megaframe.layers.norm import Norm
 from megaframe.layers.rng import tp_distinct
-from megaframe.layers.shard import InitSpec, Shard, init_model, sharded_param
+from megaframe.layers.shard import Shard, init_model, sharded_param
 from megaframe.layers.vocab import VocabParallelEmbedding, parallel_logits, vocab_parallel_cross_entropy
 from megaframe.model.attention import Attention
 from megaframe.model.documents import DocContext, document_context, rope_at
 from megaframe.model.moe import MoE
+from megaframe.model.recompute import op_selective_checkpoint
 from megaframe.model.rope import rope_tables
-from megaframe.optim.build import PARAM_DTYPES
 from megaframe.parallel.context import cp_positions
-from megaframe.parallel.eager import arm
 from megaframe.parallel.mesh import Mesh
-from megaframe.parallel.tp_overlap import enable_tp_overlap
-from megaframe.pipeline.partition import Stage, stage_layout
-from megaframe.pipeline.schedule import is_v, resolve_kind
-from megaframe.schema import ModelConfig
+from megaframe.pipeline.partition import Stage
 
 
 class MLP(nn.Module):
@@ -116,7 +111,7 @@ class GPT(nn.Module):
                  param_device=None):
         super().__init__()
         self.cfg, self.mesh = cfg, mesh
-        self.recompute_blocks = recompute == "full"
+        self.recompute_blocks = recompute if recompute in ("full", "op_selective") else None
         self.stage = stage = stage or Stage.whole(cfg.num_layers)
         # sp means nothing at tp = 1; folding it here keeps every sp branch below from also testing tp.
         self.sp = sp and mesh.tp.size > 1
@@ -225,10 +220,13 @@ class GPT(nn.Module):
         rope = self.rope
         if doc is not None:
             rope = (*(rope_at(*self.rope_whole, doc.pos_BQ) if self.rope is not None else (None, None)), doc)
-        full = self.recompute_blocks and self.training and torch.is_grad_enabled()
+        blocks = self.recompute_blocks if self.training and torch.is_grad_enabled() else None
         for i in self.stage.chunks[chunk]:
-            if full:  # keep only the block's input; backward re-runs its forward (same RNG state: same dropout)
+            # full keeps only the block's input; backward re-runs its forward (same RNG: same dropout)
+            if blocks == "full":
                 x_SBD = checkpoint(self.layers[str(i)], x_SBD, rope, use_reentrant=False)
+            elif blocks == "op_selective":  # also the kept ops' outputs (model/recompute.py)
+                x_SBD = op_selective_checkpoint(self.layers[str(i)], x_SBD, rope)
             else:
                 x_SBD = self.layers[str(i)](x_SBD, rope)
         if chunk == len(self.stage.chunks) - 1 and self.stage.last:
@@ -248,50 +246,3 @@ class GPT(nn.Module):
     def forward(self, input_ids_BS: torch.Tensor, labels_BS: torch.Tensor | None = None) -> torch.Tensor:
         assert self.stage.first and self.stage.last and len(self.stage.chunks) == 1, "use forward_chunk under pp"
         return self.forward_chunk(0, None, input_ids_BS, labels_BS)
-
-
-def build_model(cfg, mesh: Mesh) -> GPT:
-    """This rank's part of the model for the run config `cfg` (a megaframe.config.Config), initialised,
-    its parameters in the run's dtype (train.precision).
-
-    The parameters are created on the meta device (shapes only), then each gets only its tp/ep slice, in
-    the run's dtype, drawn straight into it: no fp32 copy of the local model is ever built. Under ZeRO-3
-    with dp > 1 they stay on meta: the optimizer materialises this rank's owned segments only
-    (optim/zero3.py, from `model.init_spec`), and the gathers give the rest when a forward needs it."""
-    p = cfg.parallel
-    # Every rank derives its stage from the same config: the pipeline neighbours agree on the cut.
-    stage = stage_layout(cfg.model.num_layers, mesh.pp.size, p.vpp, mesh.pp.rank, p.pp_layout,
-                         v=is_v(resolve_kind(p.pp_schedule, p.vpp)))
-    model = GPT(cfg.model, mesh, p.sp, stage=stage,
-                tokens_per_step=cfg.train.global_batch_size * cfg.model.seq_length, recompute=cfg.train.recompute,
-                cp_ring=CPComm(p.cp_comm) is CPComm.ring, param_device=torch.device("meta"))
-    # a meta model casts for free; also casts buffers as cast_model did (the router keeps its bias fp32)
-    model.to(PARAM_DTYPES[cfg.train.precision])
-    model.init_spec = InitSpec(cfg.train.seed, cfg.model.init_std, cfg.model.num_layers)
-    if not deferred_init(cfg, mesh):
-        init_model(model, cfg.train.seed, cfg.model.init_std, cfg.model.num_layers, mesh.device)
-    # the blocks' GEMMs as torchao float8 (parameters stay as they are); a planning (meta) model keeps the
-    # bf16 GEMMs, whose saved tensors are the same size as the float8 path's high-precision ones
-    if cfg.train.precision == "fp8" and torch.device(mesh.device).type != "meta":
-        enable_fp8(model, cfg.train.fp8_recipe, warn=mesh.rank == 0)
-    if p.tp_comm_overlap:
-        enable_tp_overlap(model, p.tp_comm_chunks)
-    if cfg.train.compile:
-        compile_blocks(model)
-    return model
-
-
-def deferred_init(cfg, mesh: Mesh) -> bool:
-    """Whether build_model leaves the parameters on meta for ZeRO-3 to materialise (build_optimizer's
-    choice of Zero3Optimizer), or materialises them itself. A meta mesh (planning) never materialises."""
-    return cfg.optim.zero == 3 and mesh.dp.size > 1 or mesh.device.type == "meta"
-
-
-def compile_blocks(model: GPT) -> None:
-    """torch.compile every transformer block in place (Module.compile keeps parameter names, so init,
-    checkpoints and the optimizer's buffers see the same parameters). Per block, not the whole model:
-    the blocks are identical, so inductor compiles one graph and reuses it; the pipeline's cuts stay
-    outside, and the tp/sp collectives inside a block run eagerly between its compiled pieces (comm.py)."""
-    arm()  # the eager collectives become graph breaks (and torch._dynamo is imported) only now
-    for block in model.layers.values():
-        block.compile(dynamic=False)

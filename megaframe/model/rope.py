@@ -5,7 +5,7 @@ stay integers, so one fixed table per run reproduces transformers' rotary embedd
 are transformers' modeling_rope_utils ones (`_compute_{linear_scaling,llama3,yarn}_parameters`), restated
 over megaframe's config so the model needs no transformers config to build; tests/unit/models/test_rope_scaling.py
 checks them against LlamaForCausalLM's logits. `dynamic` (NTK rescaled per call length) and `longrope`
-(two tables switched by length) have no fixed table and are refused (config_checks, import).
+(two tables switched by length) have no fixed table and are refused (config/checks.py, import).
 """
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ import math
 
 import torch
 
-from megaframe.schema import RopeScalingConfig
+from megaframe.config.schema import RopeScalingConfig
 
 
 def scaling_problem(rs: RopeScalingConfig) -> str | None:
-    """Why `rs` cannot be computed, or None (config_checks turns it into a ConfigError)."""
+    """Why `rs` cannot be computed, or None (config/checks.py turns it into a ConfigError)."""
     kind = str(rs.rope_type)
     if kind == "default":
         return None

@@ -10,7 +10,7 @@ Legend: D hidden, H query heads, K kv heads, E head dim, F ffn width, V vocab ro
 """
 from __future__ import annotations
 
-from megaframe.schema import ModelConfig
+from megaframe.config.schema import ModelConfig
 
 
 def _norm(m: ModelConfig, dim: int) -> int:

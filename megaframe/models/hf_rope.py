@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from megaframe.schema import RopeScalingConfig, RopeType
+from megaframe.config.schema import RopeScalingConfig, RopeType
 
 # the fields each rope_type reads (model/rope.py); the rest keep their defaults
 FIELDS = {"default": (), "linear": ("factor",),

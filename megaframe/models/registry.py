@@ -4,12 +4,12 @@ Order matters only for `family_of`: the first family whose spec claims a config 
 `mismatch` is written so at most one claims any config)."""
 from __future__ import annotations
 
+from megaframe.config.schema import ModelConfig
 from megaframe.models.gpt2.spec import SPEC as GPT2
 from megaframe.models.llama.spec import SPEC as LLAMA
 from megaframe.models.mixtral.spec import SPEC as MIXTRAL
 from megaframe.models.qwen3.spec import SPEC as QWEN3
 from megaframe.models.spec import FamilySpec
-from megaframe.schema import ModelConfig
 
 FAMILIES: dict[str, FamilySpec] = {s.name: s for s in (LLAMA, GPT2, MIXTRAL, QWEN3)}
 

@@ -3,15 +3,16 @@ Hugging Face adapter both ways, its parameter and FLOP counters and its presets.
 
 Each family lives in its own folder (models/<family>/spec.py, and hf.py where its adapter is its own) and
 is registered by name in models/registry.py; adding one is a new folder plus one registry line. Families
-configure the shared transformer (model/gpt.py): `build` is gpt.build_model unless a family needs more.
+configure the shared transformer (model/gpt.py): `build` is model/parallelize.build_model unless a family
+needs more.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable
 
+from megaframe.config.schema import ModelConfig
 from megaframe.models import counts
-from megaframe.schema import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -31,7 +32,7 @@ class FamilySpec:
     from_hf: Callable
     """(transformers config, fp32 HF state_dict) -> (ModelConfig fields, full megaframe state)."""
     build: Callable | None = None
-    """(run Config, Mesh) -> this rank's module; None = model/gpt.build_model."""
+    """(run Config, Mesh) -> this rank's module; None = model/parallelize.build_model."""
     layer_params: Callable = counts.layer_params
     """(ModelConfig, tp, ep) -> (dense, expert) parameters of one block on one rank."""
     outside_params: Callable = counts.outside_params
@@ -47,6 +48,6 @@ class FamilySpec:
     def build_model(self, cfg, mesh):
         if self.build is not None:
             return self.build(cfg, mesh)
-        from megaframe.model.gpt import build_model
+        from megaframe.model.parallelize import build_model
 
         return build_model(cfg, mesh)

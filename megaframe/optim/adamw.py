@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from megaframe.schema import OptimConfig
+from megaframe.config.schema import OptimConfig
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 

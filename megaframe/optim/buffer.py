@@ -121,7 +121,7 @@ def give_storage(t: torch.Tensor | None) -> bool:
 
 def grad_dtype(reduce_dtype: str, param_dtype: torch.dtype) -> torch.dtype:
     """The dtype a buffer's grads accumulate and are reduced in (optim.grad_reduce_dtype): bf16 only for
-    bf16 params (config_checks refuses bf16 reduction of fp32 training); fp32 otherwise."""
+    bf16 params (config/checks.py refuses bf16 reduction of fp32 training); fp32 otherwise."""
     return torch.bfloat16 if reduce_dtype == "bf16" and param_dtype == torch.bfloat16 else torch.float32
 
 

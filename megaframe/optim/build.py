@@ -1,23 +1,5 @@
-"""The optimizer interface the trainer drives, and the plain data-parallel implementation.
-
-Adam is elementwise, so running it on each rank's parameter slices never changes the math.
-Every optimizer here offers:
-    zero_grad()                       before a step's first micro-batch
-    backward_context(is_last)         around each micro-batch's backward; is_last marks the final
-                                      backward of a parameter set (where reductions may start early)
-    step(lr) -> grad_norm             finalize.py's one path (tied copies, dp, tp partials, norm,
-                                      clip), then the update; a non-finite norm skips the update
-                                      (the trainer counts such steps)
-    logical_state(p)                  Adam moments shaped like p's local slice (checkpoints)
-    load_targets(p) / loaded(p, kinds, step)
-                                      where a checkpoint's state of p is read to, in place, and
-                                      what to finish once it is (checkpoint/load.py)
-    memory_bytes()                    mem/grads_bytes and mem/optim_bytes of this rank
-    sync_params()                     wait for parameter updates still in flight (ZeRO's overlapped
-                                      all-gather) before reading params outside a forward
-    settle()                          before a save: what sync_params does, except under ZeRO-3, whose
-                                      save writes each rank's segments and gathers nothing
-"""
+"""The plain data-parallel optimizer (optim.zero=0) and the choice among the three implementations of
+optim/protocol.py's Optimizer."""
 from __future__ import annotations
 
 import contextlib
@@ -25,15 +7,16 @@ import contextlib
 import torch
 from torch import nn
 
+from megaframe.config.schema import OptimConfig
 from megaframe.optim.adamw import MOMENTS, adamw
 from megaframe.optim.finalize import clip_divisor, finalize
 from megaframe.optim.grads import ReplicatedGrads
+from megaframe.optim.protocol import Optimizer
 from megaframe.optim.zero import ZeroOptimizer
 from megaframe.parallel.mesh import Mesh
-from megaframe.schema import OptimConfig
 
 
-class PlainOptimizer:
+class PlainOptimizer(Optimizer):
     """Replicated AdamW; grads all-reduced over dp in flat buckets after the last micro-batch."""
 
     def __init__(self, model: nn.Module, cfg: OptimConfig, mesh: Mesh):
@@ -87,16 +70,7 @@ class PlainOptimizer:
         return {"mem/grads_bytes": grads, "mem/optim_bytes": optim}
 
 
-PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.bfloat16}  # fp8: bf16 params, fp8 GEMMs
-
-
-def cast_model(model: nn.Module, precision: str) -> nn.Module:
-    """Parameters (and so compute) in the dtype of train.precision; call before build_optimizer, whose
-    fp32 master weights then start from the cast values. Parameter objects and tags are kept."""
-    return model.to(PARAM_DTYPES[precision])
-
-
-def build_optimizer(model: nn.Module, cfg: OptimConfig, mesh: Mesh):
+def build_optimizer(model: nn.Module, cfg: OptimConfig, mesh: Mesh) -> Optimizer:
     """optim.zero=1, 2: the ZeRO-1/-2 distributed optimizer (zero.py); 3: ZeRO-3 (zero3.py); 0: replicated
     AdamW (fp32 params only).
 

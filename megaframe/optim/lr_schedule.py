@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 
-from megaframe.schema import LRSchedule
+from megaframe.config.schema import LRSchedule
 
 
 def lr_at(step: int, lr: float, min_lr: float, warmup_steps: int, decay_steps: int,

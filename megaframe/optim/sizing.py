@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from megaframe.config.schema import OptimConfig
 from megaframe.optim.buffer import bucket_plan, buffer_groups, grad_dtype, group_plan
 from megaframe.optim.param_gather import gather_units, gathers_per_step, zero3_groups
 from megaframe.parallel.mesh import Mesh
-from megaframe.schema import OptimConfig
 
 
 def _plans(params: list[nn.Parameter], cfg: OptimConfig, mesh: Mesh, model: nn.Module | None):

@@ -65,22 +65,22 @@ import contextlib
 import torch
 from torch import nn
 
+from megaframe.config.schema import OptimConfig
 from megaframe.layers import wgrad
 from megaframe.layers.vocab import VocabParallelEmbedding
 from megaframe.optim.buffer import Bucket, FlatBuffer, grad_dtype
 from megaframe.optim.finalize import all_reduce_tensors, clip_divisor, finalize
 from megaframe.optim.param_gather import ParamGather
+from megaframe.optim.protocol import Optimizer
 from megaframe.optim.zero_io import ZeroStateIO
 from megaframe.optim.zero_state import build_state, flat_buffers, make_state
 from megaframe.parallel import comm
 from megaframe.parallel.mesh import Axis, Mesh
 from megaframe.parallel.placement import Placement
-from megaframe.schema import OptimConfig
 
 
-class ZeroOptimizer(ZeroStateIO):
-    """The optimizer interface of build.py (zero_grad, backward_context, step, logical_state,
-    load_targets / loaded, memory_bytes) with ZeRO-1 or -2 (cfg.zero) sharding over mesh.dp_shard (= dp
+class ZeroOptimizer(ZeroStateIO, Optimizer):
+    """optim/protocol.py's Optimizer with ZeRO-1 or -2 (cfg.zero) sharding over mesh.dp_shard (= dp
     unless HSDP; expert params: over mesh.edp). Also the finalize.GradSource of its step: grads
     reduce-scattered, so `sharded`.
 

@@ -45,7 +45,7 @@ scalar (under HSDP dp is the shard group, plus the all-reduce of the grad shard 
 cp, dp is cp·dp). Composes with tp/sp, pp/vpp, ep (expert params in a buffer of their own, sharded over
 edp, one bucket per block too), cp (shards and gathers over cp·dp, both cp_comm kinds), HSDP and full
 recompute (the re-run forward inside backward neither frees nor prefetches); refused with compile
-(config_checks): hooks inside compiled blocks are not handled.
+(config/checks.py): hooks inside compiled blocks are not handled.
 """
 from __future__ import annotations
 

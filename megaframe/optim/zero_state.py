@@ -13,11 +13,11 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from megaframe.config.schema import OptimConfig
 from megaframe.optim.adamw import adamw
 from megaframe.optim.buffer import FlatBuffer, Segment, buffer_groups, give_storage, lazy_zeros
 from megaframe.parallel.mesh import Axis, Mesh
 from megaframe.parallel.placement import Placement
-from megaframe.schema import OptimConfig
 
 
 @dataclass

@@ -87,11 +87,12 @@ def cp_bytes_per_layer(seq: int, cp: int, micro_batch: int, kv_heads: int, head_
       ring:      forward passes the K/V pair c-1 times; backward passes it c-1 times again, plus the
                  travelling fp32 dK/dV pair c times (the last move brings it home).
     Recompute re-runs the forward exchange in backward: full recompute re-runs the block (both kinds);
-    selective re-runs the attention core, which holds the ring but not the all-gather."""
+    selective re-runs the attention core, which holds the ring but not the all-gather; op_selective re-runs
+    every op of the block but the kept ones, the exchange included (both kinds)."""
     if cp == 1:
         return 0
     block = seq // cp * micro_batch * kv_heads * head_dim
     fwd = 2 * (cp - 1) * block * elem_bytes
     bwd = fwd + (2 * cp * block * 4 if ring else 0)
-    reruns = recompute == "full" or (ring and recompute == "selective")
+    reruns = recompute in ("full", "op_selective") or (ring and recompute == "selective")
     return fwd * (2 if reruns else 1) + bwd

@@ -81,6 +81,12 @@ def check_runnable(kind: str, pp: int, vpp: int, m: int, moe: bool = False, reco
         raise ValueError(f"parallel.pp_schedule={kind} splits each backward in two and does not compose with an "
                          "MoE model under train.recompute=full: use train.recompute=selective or none, or another "
                          "parallel.pp_schedule")
+    if kind in ZERO_BUBBLE and recompute == "op_selective":
+        # W re-runs the checkpointed block in a second graph task, and torch hands the selective
+        # checkpoint's kept outputs out once (to B's re-run): W's re-run would fail at step 1
+        raise ValueError(f"parallel.pp_schedule={kind} splits each backward in two and does not compose with "
+                         "train.recompute=op_selective: use train.recompute=full, selective or none, or another "
+                         "parallel.pp_schedule")
     if build:
         _buildable(kind, pp, vpp, m)
 

@@ -34,9 +34,9 @@ from megaframe.pipeline.schedule import (
     COMPUTE,
     RECV_B,
     RECV_F,
+    SCHEDULES,
     SEND_B,
     SEND_F,
-    ZERO_BUBBLE,
     Action,
     B,
     F,
@@ -113,7 +113,7 @@ class _Graph:
     passes: the messages are checked here and the replay only times them."""
 
     def __init__(self, kind, pp, vpp, m, grouping: Grouping, builder=build_schedule):
-        self.pp, self.vpp, self.v, self.split = pp, vpp, is_v(kind), kind in ZERO_BUBBLE
+        self.pp, self.vpp, self.v, self.split = pp, vpp, is_v(kind), SCHEDULES[kind].split_backward
         self.cache: dict = {}  # what the send models share (_static_checks)
         self.orders: list[list[Action]] = []
         self.steps: list[list[tuple[int, int]]] = []
@@ -320,7 +320,7 @@ def simulate(kind: str, pp: int, vpp: int, m: int, sends: SendModel = SendModel.
     ScheduleError on a mismatch, a deadlock, B before F, a missing F/B or activations over the bound.
     costs: F, B, W of one micro-batch through a rank's layers (a chunk takes 1/vpp); None: a chunk's F = 1
     and B = backward_time (zero-bubble kinds B = W = 1), as before costs existed."""
-    split = kind in ZERO_BUBBLE
+    split = SCHEDULES[kind].split_backward
     # Costs are a whole rank's layers (a stage of 1F1B): a chunk takes 1/vpp of them, so kinds compare at
     # equal work. Without costs a chunk's F takes one unit, as before costs existed.
     if costs is None:

@@ -27,7 +27,7 @@ softmax: all but the weighted ops' inputs) are emptied. So from B to W a micro-b
 weighted ops' saved inputs (and the output grads at those ops), as Megatron's per-op split does. A
 group where one parameter's node feeds another's (a weight used twice on one path) keeps everything:
 W runs the path between them. torch.compile
-is refused with the zero-bubble kinds (config_checks): a compiled block's backward is one node that
+is refused with the zero-bubble kinds (config/checks.py): a compiled block's backward is one node that
 computes every grad at once, which W would run a second time.
 
 The first stage has no input gradient to compute (token ids): its B does nothing and its W runs the

@@ -13,6 +13,10 @@ exactly those, so meta figures are what a real device keeps. The cp all-gather p
 (parallel/cp_attention.py) calls the CPU flash kernel itself, which has meta shapes: it runs as is on
 meta and saves what it saves on CPU (the same five tensors, no mask).
 
+Under train.recompute=op_selective a block keeps what its policy keeps (model/recompute.py) besides its
+input: `count_saved` counts those tensors too, and the stand-in reports its output and log-sum-exp as a
+fused kernel's kept outputs.
+
 `allocator_peak(fn)` is the measured counterpart on CPU: the peak of what the allocator hands out while
 fn runs (saved tensors and transients alike), from the profiler's allocation events.
 """
@@ -24,6 +28,8 @@ from typing import Callable, Iterable
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
+
+from megaframe.model.recompute import keep_in_region, saved_by_policy
 
 
 def _storage_key(t: torch.Tensor) -> int:
@@ -54,8 +60,9 @@ class SavedBytes:
 def count_saved(params: Iterable[torch.Tensor] = ()):
     """with count_saved(model.parameters()) as c: forward ...; then c.bytes."""
     counter = SavedBytes(params)
-    with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):  # only packing is measured
-        yield counter
+    # op_selective's kept outputs live in its policy's cache, not in autograd's saved tensors: counted too
+    with saved_by_policy(counter), torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
+        yield counter  # only packing is measured
 
 
 def saved_bytes(fn: Callable[[], object], params: Iterable[torch.Tensor] = ()) -> int:
@@ -75,6 +82,7 @@ class _FusedAttention(torch.autograd.Function):
     def forward(ctx, q_BHSE, k_BKSE, v_BKSE, mask):
         out_BHSE = torch.empty_like(q_BHSE)
         lse_BHS = torch.empty(q_BHSE.shape[:-1], dtype=torch.float32, device=q_BHSE.device)
+        keep_in_region(out_BHSE, lse_BHS)  # under op_selective a fused kernel's outputs are what is kept
         saved = [q_BHSE, k_BKSE, v_BKSE, out_BHSE, lse_BHS]
         if mask is not None and mask.dtype == torch.bool:
             saved.append(torch.empty(mask.shape, dtype=q_BHSE.dtype, device=mask.device))

@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from megaframe.choices import CPComm
-from megaframe.schema import Config
+from megaframe.config.choices import CPComm
+from megaframe.config.schema import Config
 
 
 @dataclass(frozen=True)

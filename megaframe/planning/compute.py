@@ -18,7 +18,8 @@ Per micro-batch token of a rank (tokens = micro-batch x S / cp), for each of its
   head        the head GEMM (bf16) and the fused cross-entropy's passes over the logits (per token V/tp:
               bf16 logits written and read, fp32 softmax and its gradient).
 Recompute re-runs what it dropped: full, every block's forward (a third of GEMMs, attention and
-elementwise); selective, the attention core's forward.
+elementwise); selective, the attention core's forward; op_selective, the elementwise ops and every
+second matmul of a block (rerun_gemm_share), not the attention core.
 """
 from __future__ import annotations
 
@@ -122,7 +123,8 @@ def step_compute(cfg, dev: Device, lay, layers: int, micro: int, head: bool,
     """Seconds of a rank's step by kind: `layers` blocks (its pipeline stage's) for `micro` micro-batches,
     the head when it holds it; recompute's re-run forward added to each kind it repeats."""
     b = block_seconds(cfg, dev, lay.tp, lay.cp, lay.micro_batch, lay.tp > 1 and lay.sp, fused_attention)
-    rerun = {"none": (0.0, 0.0, 0.0), "selective": (0.0, 1 / 3, 0.0), "full": (1 / 3, 1 / 3, 1 / 3)}[lay.recompute]
+    rerun = {"none": (0.0, 0.0, 0.0), "selective": (0.0, 1 / 3, 0.0), "full": (1 / 3, 1 / 3, 1 / 3),
+             "op_selective": (rerun_gemm_share(cfg.model) / 3, 0.0, 1 / 3)}[lay.recompute]
     out = {k: layers * micro * v * (1 + r) for (k, v), r in zip(b.items(), rerun)}
     out["head"] = micro * head_seconds(cfg, dev, lay.tp, lay.cp, lay.micro_batch) if head else 0.0
     return out
@@ -132,3 +134,14 @@ def model_flops(cfg) -> float:
     """Model FLOPs per token the MFU is quoted in (training.metrics: non-causal attention, no recompute,
     as Megatron and torchtitan count them)."""
     return flops_per_token(cfg.model)
+
+
+def rerun_gemm_share(m) -> float:
+    """Share of a block's forward matmul FLOPs op_selective re-runs in backward (model/recompute.py: every
+    second matmul in forward order). A dense block runs [q|k|v], out, [gate|up] (or up), down: the 2nd
+    and 4th, out and down, are re-run. An MoE block's matmuls alternate over its experts' calls: half."""
+    if m.num_experts:
+        return 0.5
+    d, f, kv = m.hidden_size, m.ffn_hidden_size, m.kv_heads * m.head_dim
+    up = 2 * f if m.activation == "swiglu" else f
+    return (d * d + f * d) / (d * (d + 2 * kv) + d * d + d * up + f * d)

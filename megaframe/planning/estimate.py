@@ -30,16 +30,18 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 
-from megaframe.model.gpt import build_model
-from megaframe.optim.build import cast_model
+from megaframe.config.derived import derive
+from megaframe.config.schema import Config
+from megaframe.model.parallelize import build_model
 from megaframe.optim.sizing import planned_dp_bytes, planned_memory_bytes
 from megaframe.parallel.context import cp_bytes_per_layer
 from megaframe.parallel.virtual import virtual_mesh
-from megaframe.pipeline.schedule import ZERO_BUBBLE, F, W, compute_order, resolve_kind
+from megaframe.pipeline.schedule import ZERO_BUBBLE, F, W, compute_order
 from megaframe.planning.activations import chunk_activation_bytes, head_activation_bytes, w_fraction
+from megaframe.planning.block_memory import on_host as _on_host
+from megaframe.planning.block_memory import plan_documents, working_set_bytes
 from megaframe.planning.phases import RankShape, host_peaks, phase_peaks, today_load, today_startup
 from megaframe.planning.timing import _bubble, split_costs
-from megaframe.schema import Config
 
 
 @dataclass
@@ -159,9 +161,8 @@ def plan_layout(cfg: Config, world_size: int, device_memory_gb: float | None = N
     """Size every rank of the (validated) config on `world_size` ranks."""
     p, t = cfg.parallel, cfg.train
     tp, pp, cp = p.tp, p.pp, p.cp
-    dp = world_size // (tp * pp * cp)
-    m = t.global_batch_size // (t.micro_batch_size * dp)  # cp ranks read the same samples: dp alone divides
-    kind = resolve_kind(p.pp_schedule, p.vpp)
+    derived = derive(cfg, world_size)  # cp ranks read the same samples: dp alone divides the micro-batches
+    dp, m, kind = derived.dp, derived.micro_batches, derived.pp_schedule
     plan = Plan(world_size, {"tp": tp, "pp": pp, "dp": dp, "vpp": p.vpp, "sp": p.sp, "zero": cfg.optim.zero,
                              "precision": t.precision, "micro_batch_size": t.micro_batch_size, "cp": cp,
                              "grad_reduce_dtype": str(cfg.optim.grad_reduce_dtype),
@@ -182,7 +183,7 @@ def plan_layout(cfg: Config, world_size: int, device_memory_gb: float | None = N
 def _rank_figures(cfg: Config, tp: int, pp: int, dp: int, pp_rank: int, tp_rank: int, order) -> RankFigures:
     mesh = virtual_mesh(tp, pp, dp, tp_rank=tp_rank, pp_rank=pp_rank, device="meta", ep=cfg.parallel.ep,
                         shard=cfg.optim.shard_group_size, cp=cfg.parallel.cp)
-    model = cast_model(build_model(cfg, mesh), cfg.train.precision)
+    model = build_model(cfg, mesh)
     if cfg.data.document_mask:
         plan_documents(model, cfg)
     params, grads, optim = state_bytes(model, cfg, mesh)
@@ -197,8 +198,6 @@ def _rank_figures(cfg: Config, tp: int, pp: int, dp: int, pp_rank: int, tp_rank:
                       act + cp_bias_bytes(model), cp_comm_bytes=cp_step_bytes(cfg, model, dp),
                       grads_fp32_bytes=grads_fp32_bytes(model, cfg, mesh))
     shape = rank_shape(model, cfg, mesh)
-    from megaframe.planning.search import working_set_bytes  # the search's cached meta forwards of one block
-
     working = working_set_bytes(cfg, tp, cfg.parallel.cp, str(getattr(cfg.train.recompute, "value", cfg.train.recompute)),
                                 cfg.train.micro_batch_size)
     out.phases = phase_peaks(shape, params, grads, optim, out.activation_bytes + working, on_host=_on_host(cfg))
@@ -211,11 +210,6 @@ def _rank_figures(cfg: Config, tp: int, pp: int, dp: int, pp_rank: int, tp_rank:
         out.dp_comm_bytes = planned_dp_bytes([p for p in model.parameters() if p.requires_grad], cfg.optim, mesh, m,
                                              model)
     return out
-
-
-def _on_host(cfg: Config) -> bool:
-    """A run on the cpu: host copies are in the memory being planned (planning.phases)."""
-    return str(getattr(cfg.train.device, "value", cfg.train.device)) == "cpu"
 
 
 def rank_shape(model, cfg: Config, mesh) -> RankShape:
@@ -268,16 +262,6 @@ def cp_bias_bytes(model) -> int:
         return 0
     p = next(model.parameters())
     return model.cfg.seq_length ** 2 // attn.cp.size * p.element_size()
-
-
-def plan_documents(model, cfg: Config) -> None:
-    """data.document_mask: the planning forward builds what training builds for its documents (ids,
-    positions, RoPE rows, and the mask of the kernel the planned device runs: the boolean [B, 1, Q, T]
-    SDPA turns into a float copy per layer on CPU or with attention dropout; FlexAttention's block mask on
-    an accelerator; nothing under the ring), so the measured activations include it (model/documents.py)."""
-    model.set_documents([0])  # which ids end documents changes no shape
-    if not model.cp_ring:
-        model.doc_kernel = "sdpa" if _on_host(cfg) or cfg.model.dropout > 0 else "flex"
 
 
 def cp_step_bytes(cfg: Config, model, dp: int) -> int:

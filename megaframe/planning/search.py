@@ -21,6 +21,8 @@ import functools
 from dataclasses import dataclass, field
 
 from megaframe.config import Config, ConfigError, validate
+from megaframe.planning.block_memory import _CFGS, act_per_layer, working_set_bytes
+from megaframe.planning.block_memory import on_host as _on_host
 from megaframe.planning.candidate import Layout, cp_ring, end_layers, layer_params, layout_config, stage_layers, stage_params
 from megaframe.planning.devices import Device
 from megaframe.planning.phases import RankShape, phase_peaks
@@ -29,7 +31,7 @@ from megaframe.planning.timing import step_time
 __all__ = ["Estimate", "Layout", "candidates", "layout_config", "memory", "search", "stage_params", "step_time",
            "why_slower"]
 
-RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE = ("none", "selective", "full", "op_selective")
 MICRO_BATCHES = (1, 2, 4, 8)
 HEADROOM = 0.9
 """Fraction of the device memory a layout may fill."""
@@ -144,45 +146,6 @@ def _valid(cfg: Config, world: int, lays: list[Layout]) -> list[Layout]:
 
 
 @functools.lru_cache(maxsize=None)
-def _act_per_layer(cfg_key, tp: int, recompute: str, cp: int = 1) -> tuple[int, int, int]:
-    """(bytes per block, embedding extra, head + loss extra) a micro-batch of 1 saves, from meta forwards of
-    a 1- and a 2-layer model and of the two stages of a 2-layer, pp=2 model."""
-    from megaframe.model.gpt import build_model
-    from megaframe.optim.build import cast_model
-    from megaframe.parallel.virtual import virtual_mesh
-    from megaframe.planning.activations import chunk_activation_bytes
-    from megaframe.planning.estimate import plan_documents
-
-    cfg = _CFGS[cfg_key]
-
-    def measure(layers: int, pp: int, pp_rank: int) -> int:
-        c = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_layers=layers),
-                                parallel=dataclasses.replace(cfg.parallel, tp=tp, pp=pp, vpp=1, ep=1, sp=tp > 1,
-                                                             pp_layout=None, cp=cp),
-                                train=dataclasses.replace(cfg.train, recompute=recompute, compile=False))
-        mesh = virtual_mesh(tp, pp, 1, pp_rank=pp_rank, device="meta", cp=cp)
-        model = cast_model(build_model(c, mesh), c.train.precision)
-        if c.data.document_mask:  # the documents' mask and tensors, as the exact planner counts them
-            plan_documents(model, c)
-        return chunk_activation_bytes(model, 0, 1, fused_attention=True)
-
-    # a 2-layer minus a 1-layer model: one block's bytes, the embedding and head cancel out
-    per_layer = measure(2, 1, 0) - measure(1, 1, 0)
-    return per_layer, measure(2, 2, 0) - per_layer, measure(2, 2, 1) - per_layer
-
-
-_CFGS: dict[int, Config] = {}
-
-
-def working_set_bytes(cfg: Config, tp: int, cp: int, recompute: str, micro_batch: int) -> int:
-    """Under full recompute, the backward of a block first re-runs its forward: that block's whole saved
-    set (what recompute=none keeps for one block) is live beside the checkpoints, once per rank."""
-    if recompute != "full":
-        return 0
-    _CFGS[id(cfg)] = cfg
-    return micro_batch * _act_per_layer(id(cfg), tp, "none", cp)[0]
-
-
 @functools.lru_cache(maxsize=None)
 def _peak_inflight(kind: str, pp: int, vpp: int, m: int, rank: int, chunk_bytes: tuple) -> int:
     """Peak activation bytes of the rank's order; a split backward's pending W keeps W_FRACTION of a chunk
@@ -216,7 +179,7 @@ def phase_memory(cfg: Config, lay: Layout) -> dict[str, int]:
     key = id(cfg)
     # a Config is not hashable for lru_cache: its id keys the cache, and keeping it here stops the id being reused
     _CFGS[key] = cfg
-    per_layer, embed, head = _act_per_layer(key, lay.tp, lay.recompute, lay.cp)
+    per_layer, embed, head = act_per_layer(key, lay.tp, lay.recompute, lay.cp)
     a_bytes = 4 if t.precision == "fp32" else 2  # fp8 runs keep bf16 params and activations (layers/fp8.py)
     micro = t.global_batch_size // (lay.micro_batch * lay.dp)
     kind = lay.schedule or resolve_kind(cfg.parallel.pp_schedule, lay.vpp)
@@ -236,12 +199,6 @@ def phase_memory(cfg: Config, lay: Layout) -> dict[str, int]:
         if max(peaks.values()) > max(worst.values(), default=-1):
             worst = peaks
     return worst
-
-
-def _on_host(cfg: Config) -> bool:
-    from megaframe.planning.estimate import _on_host as on_host
-
-    return on_host(cfg)
 
 
 def _state(cfg: Config, lay: Layout, first: bool, last: bool, a_bytes: int) -> tuple[int, int, int]:

@@ -44,12 +44,12 @@ import functools
 import math
 from dataclasses import dataclass
 
+from megaframe.config.schema import Config
 from megaframe.parallel.context import cp_bytes_per_layer
 from megaframe.planning.candidate import Layout, cp_ring, stage_layers, stage_params
-from megaframe.planning.compute import step_compute
+from megaframe.planning.compute import rerun_gemm_share, step_compute
 from megaframe.planning.devices import Device
 from megaframe.planning.gloo_link import hop_seconds
-from megaframe.schema import Config
 from megaframe.training.metrics import flops_per_token
 
 
@@ -79,7 +79,9 @@ def split_costs(cfg: Config, recompute: str = "none") -> tuple[float, float, flo
     attn = 4 * m.num_layers * m.seq_length * m.num_attention_heads * m.head_dim  # forward: QK^T and PV
     gemm = (flops_per_token(m) - 3 * attn) / 6  # the weighted matmuls' forward, per 2 FLOPs
     f, b, w = 2 * gemm + attn, 2 * gemm + 2 * attn, 2 * gemm
-    b += {"none": 0.0, "selective": attn, "full": f - 2 * m.vocab_size * m.hidden_size}[recompute]
+    blocks = 2 * (gemm - m.vocab_size * m.hidden_size)  # the blocks' weighted matmuls' forward
+    b += {"none": 0.0, "selective": attn, "full": blocks + attn,
+          "op_selective": rerun_gemm_share(m) * blocks}[recompute]
     return tuple(float(f"{x / f:.3g}") for x in (1.0 * f, b, w))
 
 
@@ -150,7 +152,8 @@ def _tp(s: _Step) -> float:
     # under sp the two column-parallel linears re-gather their saved sequence block in backward for the
     # weight grad (layers.linear._GatheredLinear): two more all-gathers, one all-reduce's worth, per block;
     # + 2 per micro-batch outside the blocks: the embedding's output and the head's input
-    per_block = (6 if lay.recompute == "full" else 4) + (1 if tp > 1 else 0)
+    # full and op_selective re-run the block's forward collectives in backward (model/recompute.py)
+    per_block = (6 if lay.recompute in ("full", "op_selective") else 4) + (1 if tp > 1 else 0)
     colls = per_block * s.layers * s.micro + 2 * s.micro
     tokens_mb = lay.micro_batch * s.cfg.model.seq_length // lay.cp
     one = s.coll(2 * (tp - 1) / tp * s.act, tp, 2 * (tp - 1), tp)
@@ -184,7 +187,7 @@ def _cp(s: _Step) -> float:
     ring = cp_ring(s.cfg)
     sent = s.layers * s.micro * cp_bytes_per_layer(m.seq_length, c, lay.micro_batch, m.kv_heads // lay.tp,
                                                    m.head_dim, s.elem, ring, lay.recompute)
-    reruns = lay.recompute == "full" or (ring and lay.recompute == "selective")
+    reruns = lay.recompute in ("full", "op_selective") or (ring and lay.recompute == "selective")
     # ring steps per layer and micro-batch: all-gather K, V and reduce-scatter dK, dV (c-1 each); the
     # ring's c-1 forward moves, c-1 + c backward ones; a re-run forward repeats its own
     hops = s.layers * s.micro * ((4 if not ring else 3) * (c - 1) + (1 if ring else 0)

@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from megaframe.atomic import write_atomic
-from megaframe.schema import ModelConfig
+from megaframe.config.schema import ModelConfig
 
 # dense bf16 tensor-core peaks (no sparsity), FLOP/s
 GPU_PEAK = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H200 NVL": 835e12,

@@ -10,16 +10,10 @@ from pathlib import Path
 
 from megaframe.checkpoint import sharded
 from megaframe.data.dataset import build_data, microbatches
-from megaframe.model.gpt import build_model
-from megaframe.optim.build import build_optimizer, cast_model
+from megaframe.model.parallelize import build
 from megaframe.training.phase_meter import PhaseMeter
 from megaframe.training.save_guard import state_is_finite
 from megaframe.training.step import train_step
-
-
-def _build(cfg, mesh):
-    model = cast_model(build_model(cfg, mesh), cfg.train.precision)
-    return model, build_optimizer(model, cfg.optim, mesh)
 
 
 def measure_phases(mesh, cfg, folder: str) -> dict:
@@ -27,7 +21,7 @@ def measure_phases(mesh, cfg, folder: str) -> dict:
     t = cfg.train
     meter = PhaseMeter(mesh.device)
     meter.begin("startup")
-    model, optimizer = _build(cfg, mesh)
+    model, optimizer = build(cfg, mesh)
     meter.end()
     meter.track(model, optimizer)
     batches = microbatches(build_data(cfg), 0, t.global_batch_size, t.micro_batch_size, mesh.dp.rank, mesh.dp.size,
@@ -41,7 +35,7 @@ def measure_phases(mesh, cfg, folder: str) -> dict:
         path = sharded.save(folder, 1, model, optimizer, mesh, {"step_meta": 1})
     del model, optimizer
     gc.collect()
-    model, optimizer = _build(cfg, mesh)
+    model, optimizer = build(cfg, mesh)
     meter.track(model, optimizer)
     with meter.phase("load"):
         sharded.load_into(Path(path), model, optimizer)

@@ -13,12 +13,17 @@ import torch
 from megaframe.checkpoint.resume import Resumed, resume
 from megaframe.checkpoint.resume_checks import Accounting
 from megaframe.config import Config, ConfigError
-from megaframe.data.dataset import Prefetcher, build_data, microbatches
+from megaframe.config.derived import Derived, derive, lr_horizon, schedule_kind, settled
+from megaframe.data.blend import BlendedData
+from megaframe.data.dataset import Prefetcher, PreparedData, SyntheticData, build_data, microbatches
 from megaframe.data.order import resumed_order
+from megaframe.data.stages import StagedData
+from megaframe.evaluation.downstream import Downstream
 from megaframe.inference.sampler import Sampler
-from megaframe.model.gpt import build_model
-from megaframe.optim.build import build_optimizer, cast_model
+from megaframe.model.gpt import GPT
+from megaframe.model.parallelize import build
 from megaframe.optim.lr_schedule import schedule_warnings
+from megaframe.optim.protocol import Optimizer
 from megaframe.parallel import comm
 from megaframe.parallel.mesh import Mesh
 from megaframe.training.metrics import flops_per_token
@@ -26,36 +31,45 @@ from megaframe.training.phase_meter import PhaseMeter
 from megaframe.training.threads import Threads, busy_machine_warning, pick_threads
 from megaframe.training.validation import Evaluator
 
+TrainingData = PreparedData | SyntheticData | BlendedData | StagedData
+"""What data/dataset.py's build_data returns: synthetic, one prepared dataset, a blend or stages."""
+
 
 @dataclass
 class Setup:
     """What start-up hands the step loop: the model and optimizer, the data, and where the run resumes."""
 
-    model: object
-    optimizer: object
-    data: object
+    model: GPT
+    optimizer: Optimizer
+    data: TrainingData
     evaluator: Evaluator | None
     sampler: Sampler | None
     resumed: Resumed
     acct: Accounting
     phases: PhaseMeter | None = None
     """Peak memory per phase (training/phase_meter.py): start-up and load measured here, step and save by the loop."""
+    downstream: object = None
+    """evaluation/downstream.py's Downstream when train.downstream_interval > 0 (lm-eval and a tokenizer found)."""
+    cfg: Config | None = None
+    """The config the run goes on with: the loaded one, the LR horizon a resume adopts settled into it."""
+    derived: Derived | None = None
+    """Values worked out from `cfg` once (config/derived.py): schedule kind, micro-batches, LR horizon, ..."""
 
 
-def set_up(cfg: Config, mesh: Mesh, faults=None) -> Setup:
+def set_up(cfg: Config, mesh: Mesh, faults=None, run_id: str = "") -> Setup:
     """Model, optimizer and data; the resume (which may adopt the saved sample order and lr horizon).
     `faults`: MEGAFRAME_INJECT's (runops/faults.py), for a fault injected into the resume's load."""
     phases = PhaseMeter(mesh.device)
     # a phase ends on every path: a CPU profiler left running when an error ends the run crashes the
     # interpreter at exit (SIGSEGV instead of exit 2)
     with phases.phase("startup"):
-        model = cast_model(build_model(cfg, mesh), cfg.train.precision)
-        optimizer = build_optimizer(model, cfg.optim, mesh)
+        model, optimizer = build(cfg, mesh)
     phases.track(model, optimizer)
     try:
         data = build_data(cfg)
         evaluator = Evaluator.build(cfg, mesh)  # None unless train.eval_interval > 0
         sampler = Sampler.build(cfg, mesh)  # None unless train.sample_interval > 0
+        downstream = Downstream.build(cfg, mesh)  # None unless train.downstream_interval > 0
     except (OSError, ValueError, KeyError) as e:
         # the key the run reads: a blend or stages run never read the data= preset's data.path
         d = cfg.data
@@ -72,11 +86,11 @@ def set_up(cfg: Config, mesh: Mesh, faults=None) -> Setup:
     phases.end(keep=resumed.path is not None)
     if resumed.meta:
         data.order = resumed_order(resumed.meta)  # a resumed run keeps the sample order it began with
-        adopt_lr_horizon(cfg, resumed.meta)
-    if cfg.optim.lr_decay_steps is None:  # a fresh start (or a pre-horizon checkpoint): this run's length
-        cfg.optim.lr_decay_steps = cfg.train.max_steps
+    # recorded in config.yaml and every checkpoint: a later resume keeps the first start's LR curve
+    cfg = settled(cfg, optim={"lr_decay_steps": lr_horizon(cfg.optim, cfg.train, resumed.meta)})
     acct = Accounting(resumed.step, resumed.consumed if resumed.path else 0, cfg.train.global_batch_size)
-    return Setup(model, optimizer, data, evaluator, sampler, resumed, acct, phases)
+    return Setup(model, optimizer, data, evaluator, sampler, resumed, acct, phases, downstream=downstream, cfg=cfg,
+                 derived=derive(cfg, mesh.world, resumed.meta, run_id))
 
 
 def announce(cfg: Config, mesh: Mesh, su: Setup) -> None:
@@ -104,18 +118,6 @@ def batch_loader(cfg: Config, mesh: Mesh, su: Setup) -> Prefetcher:
                                              mesh.dp.rank, mesh.dp.size, t.seed, mesh.device, base=su.acct.base,
                                              cp_rank=mesh.cp.rank, cp_size=mesh.cp.size),
                       start + 1, t.max_steps)
-
-
-def adopt_lr_horizon(cfg: Config, meta: dict) -> None:
-    """The decay horizon of the run being resumed, unless optim.lr_decay_steps is set: the one its
-    checkpoint recorded, else (older checkpoints) the train.max_steps it ran with. A step-0 checkpoint
-    (an import) has no curve yet, so this run's own length stands."""
-    if cfg.optim.lr_decay_steps is not None or int(meta["step"]) == 0:
-        return
-    saved = meta.get("config", {})
-    horizon = saved.get("optim", {}).get("lr_decay_steps") or saved.get("train", {}).get("max_steps")
-    if horizon:
-        cfg.optim.lr_decay_steps = int(horizon)
 
 
 def global_param_count(model, mesh: Mesh) -> int:
@@ -179,7 +181,7 @@ def describe(cfg: Config, mesh: Mesh, su: Setup, total: int, threads: Threads) -
     user checks first (precision, pipeline schedule, ZeRO stage, the validation split) included."""
     m, t = cfg.model, cfg.train
     local, share = params_on_rank(su.model, su.optimizer, cfg.optim.zero)
-    accum = t.global_batch_size // (t.micro_batch_size * mesh.dp.size)
+    accum = su.derived.micro_batches
     print(f"megaframe | run {cfg.run.dir} | {mesh.describe()} sp={cfg.parallel.sp}{pipeline_label(cfg)} "
           f"{zero_label(cfg, mesh)} | {precision_label(cfg)} | {threads.label}", flush=True)
     print(f"model {m.name}: {m.num_layers} layers, D={m.hidden_size}, heads {m.num_attention_heads} "
@@ -188,7 +190,7 @@ def describe(cfg: Config, mesh: Mesh, su: Setup, total: int, threads: Threads) -
           f"params {total / 1e6:.2f}M, {local / 1e6:.2f}M on this rank{share} | "
           f"{flops_per_token(m) / 1e6:.1f} MFLOP/token", flush=True)
     samples = "endless" if cfg.data.kind == "synthetic" else f"{su.data.num_samples}"
-    print(f"batch {t.global_batch_size} x {m.seq_length} = {t.global_batch_size * m.seq_length} tokens/step, "
+    print(f"batch {t.global_batch_size} x {m.seq_length} = {su.derived.tokens_per_step} tokens/step, "
           f"micro {t.micro_batch_size}, accumulation {accum} | data {data_label(cfg)}: "
           f"{samples} samples{held_out_label(cfg, su)} | steps {su.resumed.step + 1}..{t.max_steps}", flush=True)
 
@@ -212,12 +214,10 @@ def precision_label(cfg: Config) -> str:
 
 def pipeline_label(cfg: Config) -> str:
     """The pipeline schedule (kind and virtual stages); empty without a pipeline."""
-    from megaframe.pipeline.schedule import resolve_kind
-
     par = cfg.parallel
     if par.pp == 1:
         return ""
-    return f" schedule {resolve_kind(str(par.pp_schedule), par.vpp)}{f' vpp={par.vpp}' if par.vpp > 1 else ''}"
+    return f" schedule {schedule_kind(par)}{f' vpp={par.vpp}' if par.vpp > 1 else ''}"
 
 
 def held_out_label(cfg: Config, su: Setup) -> str:

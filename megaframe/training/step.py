@@ -12,12 +12,13 @@ from dataclasses import dataclass
 
 import torch
 
+from megaframe.config.derived import Derived, derive
+from megaframe.config.schema import Config
 from megaframe.model.moe import stats as moe_stats
 from megaframe.optim.lr_schedule import lr_at
 from megaframe.parallel.mesh import Mesh
 from megaframe.pipeline.executor import run_schedule
-from megaframe.pipeline.schedule import Action, build_schedule, resolve_kind
-from megaframe.schema import Config
+from megaframe.pipeline.schedule import Action, ScheduleSpec, build_schedule
 
 
 @dataclass
@@ -29,29 +30,35 @@ class StepResult:
     lr: float
 
 
-def rank_schedule(cfg: Config, mesh: Mesh, num_microbatches: int) -> list[Action]:
-    """This rank's pipeline schedule (with pp = 1: forward, backward, forward, backward, ...)."""
-    kind = resolve_kind(cfg.parallel.pp_schedule, cfg.parallel.vpp)
+def rank_schedule(cfg: Config, mesh: Mesh, num_microbatches: int,
+                  spec: ScheduleSpec | None = None, derived: Derived | None = None) -> list[Action]:
+    """This rank's pipeline schedule (with pp = 1: forward, backward, forward, backward, ...). `spec`: the
+    one the model was built for (model/parallelize.py resolves parallel.pp_schedule once, at build); without
+    one, the run's derived record's kind (config/derived.py)."""
+    kind = spec.name if spec is not None else (derived or derive(cfg, mesh.world)).pp_schedule
     return build_schedule(kind, mesh.pp.size, cfg.parallel.vpp, num_microbatches, mesh.pp.rank)
 
 
-def train_step(model, optimizer, batches, mesh: Mesh, cfg: Config, step: int, probe=None) -> StepResult:
+def train_step(model, optimizer, batches, mesh: Mesh, cfg: Config, step: int, probe=None,
+               derived: Derived | None = None) -> StepResult:
     """Run optimizer step number `step` (1-based) on `batches`, this rank's micro-batches.
 
     `probe` (a training.straggler.StragglerProbe) opens the compute window and collects the
-    executor's forward/backward timings, before any data-parallel or optimizer collective."""
+    executor's forward/backward timings, before any data-parallel or optimizer collective. `derived`:
+    the run's record (the trainer's, made once); a caller outside the loop may leave it to this step."""
+    d = derived or derive(cfg, mesh.world)
     # the loss divisor is the global token count on every rank: dp and micro-batch sums then give the mean's gradient
-    tokens_global = cfg.train.global_batch_size * cfg.model.seq_length
+    tokens_global = d.tokens_per_step
     optimizer.zero_grad()
     moe_stats.begin_step(model)
     if probe is not None:
         probe.begin(step)
-    loss_sum = run_schedule(rank_schedule(cfg, mesh, len(batches)), model, batches, mesh, optimizer, tokens_global,
+    schedule = rank_schedule(cfg, mesh, len(batches), getattr(model, "schedule", None), d)
+    loss_sum = run_schedule(schedule, model, batches, mesh, optimizer, tokens_global,
                             timeline=probe.spans if probe is not None else None)
     o = cfg.optim
     # a Python float from the step alone: no device tensor, no sync, the same on every rank
-    lr = lr_at(step, o.lr, o.min_lr, o.warmup_steps, o.lr_decay_steps or cfg.train.max_steps, o.lr_schedule,
-               o.wsd_decay_fraction)
+    lr = lr_at(step, o.lr, o.min_lr, o.warmup_steps, d.lr_horizon, o.lr_schedule, o.wsd_decay_fraction)
     norm = optimizer.step(lr)
     # once per optimizer step, from the expert loads this step's micro-batches recorded (begin_step reset them)
     moe_stats.update_expert_bias(model, mesh)  # no-op unless model.moe_expert_bias

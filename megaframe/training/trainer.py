@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from megaframe.config import Config, ConfigError
+from megaframe.config.derived import settled
 from megaframe.data.dataset import Prefetcher
 from megaframe.data.shards import CorruptShard
 from megaframe.data.stages import stage_metric
@@ -20,17 +21,16 @@ from megaframe.parallel.mesh import Mesh, build_mesh
 from megaframe.pipeline import p2p
 from megaframe.runops.access.folders import FolderLocks, claim, peer_bad_input, record_bad_input
 from megaframe.runops.access.owner import settle
-from megaframe.runops.faults import Injector
-from megaframe.runops.signals import StopFlag, continue_command
+from megaframe.runops.guard import RunGuard
+from megaframe.runops.signals import StopFlag
 from megaframe.runops.straggler import StragglerProbe
-from megaframe.runops.watchdog import Watchdog
 from megaframe.tracking import Tracker
 from megaframe.training.checkpointing import Checkpointer
 from megaframe.training.first_step import first_step_limits
 from megaframe.training.meter import BadSteps, Meter
 from megaframe.training.startup import Setup, announce, batch_loader, set_up
 from megaframe.training.startup import data_label as data_label  # re-exported: its old path, tests import it here
-from megaframe.training.step import train_step
+from megaframe.training.step import StepResult, train_step
 from megaframe.training.threads import apply_threads
 
 
@@ -51,8 +51,9 @@ def run(cfg: Config, stop: StopFlag | None = None) -> None:
         # ranks may have resolved a timestamped run name a second apart: rank 0's wins; the run id
         # (this launch of the run, recorded in each checkpoint's lineage) is rank 0's too
         run_id = f"{cfg.run.name}@{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(3).hex()}"
-        cfg.run.name, cfg.run.dir, cfg.checkpoint.dir, run_id = comm.broadcast_object(
+        name, run_dir, ckpt_dir, run_id = comm.broadcast_object(
             (cfg.run.name, cfg.run.dir, cfg.checkpoint.dir, run_id), mesh)
+        cfg = settled(cfg, run={"name": name, "dir": run_dir}, checkpoint={"dir": ckpt_dir})
         lock = take_run_dir(cfg, mesh)
         try:
             if device.type == "cuda" and env.world_size > 1:
@@ -94,72 +95,110 @@ def take_run_dir(cfg: Config, mesh: Mesh) -> FolderLocks:
 
 
 def train(cfg: Config, mesh: Mesh, stop: StopFlag, run_id: str = "", owner: str = "") -> None:
-    """Start-up (startup.py), then the step loop to train.max_steps or a stop, on every rank."""
-    faults = injector(mesh.rank)  # before the resume: a fault may be injected into its load
-    su = set_up(cfg, mesh, faults)
-    start, t = su.resumed.step, cfg.train
-    if start >= t.max_steps:  # a resume with nothing left: one line, no header, no lr warnings, rc 0
+    """Start-up (startup.py), then the step loop to train.max_steps or a stop, on every rank:
+    batches -> step -> evaluate -> meter -> save -> stop."""
+    guard = RunGuard(cfg.train, mesh, stop, cfg.run.dir, cfg.run.name)
+    su = set_up(cfg, mesh, guard.faults, run_id)
+    cfg = su.cfg  # the LR horizon settled: what the loop, the saves and config.yaml use
+    start = su.resumed.step
+    if start >= cfg.train.max_steps:  # a resume with nothing left: one line, no header, no lr warnings, rc 0
         if mesh.rank == 0:
-            print(f"megaframe: already at step {start} >= train.max_steps={t.max_steps}; nothing to train "
-                  "(raise train.max_steps)", flush=True)
+            print(f"megaframe: already at step {start} >= train.max_steps={cfg.train.max_steps}; nothing to "
+                  "train (raise train.max_steps)", flush=True)
         return
     announce(cfg, mesh, su)
-    tracker = Tracker(cfg, cfg.run.dir, mesh.is_logger, cfg.train.max_steps)
-    meter = Meter(cfg, mesh, su.acct)
-    # on CUDA the grad norms are read (a host sync) only at log steps; on CPU reading is free
-    bad = BadSteps(cfg.train.max_bad_steps, mesh.rank == 0, defer=mesh.device.type == "cuda")
-    probe = StragglerProbe(faults)
-    # started after start-up: resume and shard checks may take longer than a step's hang limit
-    watchdog = Watchdog(t.hang_timeout_s, mesh.rank, cfg.run.dir, mesh.stats).start()
-    ckpt = Checkpointer(cfg, mesh, (run_id, owner), su.resumed, su.acct, watchdog, faults, su.data)
-    loader = batch_loader(cfg, mesh, su)
-    marker = {"resumed_from": str(su.resumed.path), "resumed_step": start, "run_id": run_id} if su.resumed.path else {}
-    step = start  # bound even when no step runs (a resume at max_steps): the summary is skipped then
-    try:
-        for step in range(start + 1, t.max_steps + 1):
-            watchdog.beat(step)
-            mesh.stats.pop()  # count only this step's bytes
-            seed_step(t.seed, step, mesh)  # dropout RNG: equal on tp ranks, a function of the step (layers.rng)
-            batches = next_batches(loader, step, cfg.run.dir)  # read while the previous step computed
-            limits = first_step_limits(mesh, watchdog, t.compile_timeout_s, t.dist_timeout_s) \
-                if t.compile and step == start + 1 else contextlib.nullcontext()  # compiles: slow, not hung
-            with limits, su.phases.phase("step"):  # the first step's peak (grads and moments appear in it)
-                res = train_step(su.model, su.optimizer, batches, mesh, cfg, step, probe)
-            meter.add(res)
-            try:
-                bad.check(step, res.grad_norm, flush=step % t.log_interval == 0 or step == t.max_steps)
-            except TrainingError as e:
-                raise TrainingError(f"{e}; {ckpt.resume_hint()}") from e
-            val = evaluate_and_sample(su, meter, tracker, step, cfg.run.dir)
-            stopping = timed = False
-            if checks_at(step, start, t):  # the same steps on every rank: they stop (and save on time) together
-                stopping, writing, timed = stop.decide(mesh, busy=ckpt.writing(), due=ckpt.overdue())
-                # `writing` is the all-reduced flag, the same on every rank: all commit the background save or none does
-                ckpt.poll(all_written=not writing)
-            # on every rank, not only the logger: the row's dp loss all-reduce and MoE figures are collectives; the
-            # stop step too (agreed on every rank), so the summary's final loss is the one the checkpoint holds
-            # step 1 too, whatever log_interval: its line says the run is alive and gives the first ETA
-            if step % t.log_interval == 0 or step in (1, t.max_steps) or val is not None or stopping:
-                # the first row after a resume names the checkpoint (readers see where the run restarted)
-                row, marker = {**log_row(su, meter, probe, ckpt, mesh, step, res, val), **marker}, {}
-                tracker.log(row, start)
-            if save_due(cfg, step, stopping) or timed:
-                bad.flush()  # a deferred grad-norm read: the save must know whether this step was skipped
-                with su.phases.phase("save"):
-                    ckpt.save(su.model, su.optimizer, step, step == t.max_steps or stopping, bad.in_a_row)
+    loop = None
+    try:  # the guard closes (watchdog stopped, handlers restored) however the loop ends or fails to start
+        loop = Loop(cfg, mesh, su, guard, (run_id, owner))
+        step = start
+        for step in range(start + 1, cfg.train.max_steps + 1):
+            res = loop.step(step, loop.batches(step))
+            val = loop.evaluate(step)
+            stopping, timed = guard.decide(step, start, loop.ckpt)  # the same steps on every rank
+            loop.meter(step, res, val, stopping)
+            loop.save(step, stopping, timed)
             if stopping:
-                if mesh.is_logger:  # one line for the run, not one per rank
-                    stop.report(step, continue_command(cfg.run.name))
+                guard.report_stop(step)
                 break
-        ckpt.finish()
-        if mesh.is_logger and su.phases.figures:  # every phase's peak, a save after the last row's included
-            print(su.phases.summary(), flush=True)
-        meter.report(start, step, ckpt.last_saved)
+        loop.finish(start, step)
     finally:
-        watchdog.stop()
-        loader.close()
-        stop.restore()
-        tracker.finish()
+        if loop is not None:
+            loop.close()
+        guard.close()
+
+
+class Loop:
+    """The step loop's parts, built after start-up: tracker, meter, bad-step counter, checkpointer and
+    the batch loader; one method per verb of train()."""
+
+    def __init__(self, cfg: Config, mesh: Mesh, su: Setup, guard: RunGuard, ids: tuple[str, str]):
+        self.cfg, self.mesh, self.su, self.guard, self.start = cfg, mesh, su, guard, su.resumed.step
+        self.tracker = Tracker(cfg, cfg.run.dir, mesh.is_logger, cfg.train.max_steps)
+        self.meters = Meter(cfg, mesh, su.acct)
+        # on CUDA the grad norms are read (a host sync) only at log steps; on CPU reading is free
+        self.bad = BadSteps(cfg.train.max_bad_steps, mesh.rank == 0, defer=mesh.device.type == "cuda")
+        watchdog = guard.watch()
+        self.ckpt = Checkpointer(cfg, mesh, ids, su.resumed, su.acct, watchdog, guard.faults, su.data)
+        self.loader = batch_loader(cfg, mesh, su)
+        self.scores: dict = {}  # downstream/<task>/<metric> of this step (evaluation/downstream.py)
+        # the first row after a resume names the checkpoint (readers see where the run restarted)
+        self.marker = ({"resumed_from": str(su.resumed.path), "resumed_step": self.start, "run_id": ids[0]}
+                       if su.resumed.path else {})
+
+    def batches(self, step: int) -> list:
+        """The step's micro-batches (read while the previous step computed); the guard hears the step."""
+        self.guard.beat(step)
+        # dropout RNG: equal on tp ranks, a function of the step
+        seed_step(self.cfg.train.seed, step, self.mesh)
+        return next_batches(self.loader, step, self.cfg.run.dir)
+
+    def step(self, step: int, batches: list) -> StepResult:
+        """One optimizer step, counted, its grad norm checked (too many bad steps in a row end the run)."""
+        t, su = self.cfg.train, self.su
+        # the first step compiles: slow, not hung
+        limits = (first_step_limits(self.mesh, self.guard.watchdog, t.compile_timeout_s, t.dist_timeout_s)
+                  if t.compile and step == self.start + 1 else contextlib.nullcontext())
+        with limits, su.phases.phase("step"):  # the first step's peak (grads and moments appear in it)
+            res = train_step(su.model, su.optimizer, batches, self.mesh, self.cfg, step, self.guard.probe, su.derived)
+        self.meters.add(res)
+        try:
+            self.bad.check(step, res.grad_norm, flush=step % t.log_interval == 0 or step == t.max_steps)
+        except TrainingError as e:
+            raise TrainingError(f"{e}; {self.ckpt.resume_hint()}") from e
+        return res
+
+    def evaluate(self, step: int) -> float | None:
+        """The validation loss when due (else None); downstream task scores, when due, join the step's row."""
+        val = evaluate_and_sample(self.su, self.meters, self.tracker, step, self.cfg.run.dir)
+        self.scores = downstream_scores(self.su, self.meters, step)
+        return val
+
+    def meter(self, step: int, res: StepResult, val: float | None, stopping: bool) -> None:
+        """The metrics row at log steps, built on every rank (the dp loss all-reduce and MoE figures are
+        collectives); step 1 says the run is alive; the stop step's loss is the one the checkpoint holds."""
+        t = self.cfg.train
+        if step % t.log_interval == 0 or step in (1, t.max_steps) or val is not None or self.scores or stopping:
+            row = log_row(self.su, self.meters, self.guard.probe, self.ckpt, self.mesh, step, res, val)
+            self.tracker.log({**row, **self.scores, **self.marker}, self.start)
+            self.marker = {}
+
+    def save(self, step: int, stopping: bool, timed: bool) -> None:
+        if save_due(self.cfg, step, stopping) or timed:
+            self.bad.flush()  # a deferred grad-norm read: the save must know whether this step was skipped
+            with self.su.phases.phase("save"):
+                last = step == self.cfg.train.max_steps or stopping
+                self.ckpt.save(self.su.model, self.su.optimizer, step, last, self.bad.in_a_row)
+
+    def finish(self, start: int, step: int) -> None:
+        """The background save committed, the memory phases and the run's summary printed."""
+        self.ckpt.finish()
+        if self.mesh.is_logger and self.su.phases.figures:  # every phase's peak, a save after the last row's
+            print(self.su.phases.summary(), flush=True)
+        self.meters.report(start, step, self.ckpt.last_saved)
+
+    def close(self) -> None:
+        self.loader.close()
+        self.tracker.finish()
 
 
 def log_row(su: Setup, meter: Meter, probe: StragglerProbe, ckpt: Checkpointer, mesh: Mesh, step: int, res,
@@ -193,23 +232,17 @@ def evaluate_and_sample(su: Setup, meter: Meter, tracker: Tracker, step: int, ru
     return val
 
 
+def downstream_scores(su: Setup, meter: Meter, step: int) -> dict:
+    """downstream/<task>/<metric> when downstream evaluation is due (else {}), off the clock."""
+    if su.downstream is None or not su.downstream.due(step):
+        return {}
+    row, seconds = su.downstream.score(step, su.model)
+    meter.paused(seconds)  # tokens_per_s counts training time only
+    return row
+
+
 def save_due(cfg: Config, step: int, stopping: bool) -> bool:
     """Every checkpoint.interval steps, and at the run's last step (the end, or a stop); the timed saves
     (checkpoint.interval_minutes) are decided at the check steps, together (StopFlag.decide)."""
     interval = cfg.checkpoint.interval
     return bool(interval and step % interval == 0) or step == cfg.train.max_steps or stopping
-
-
-def checks_at(step: int, start: int, t) -> bool:
-    """Steps at which the ranks agree on stop signals and async-save completion (one host-side
-    all-reduce over every rank): the first step, every train.signal_check_interval, log and last steps."""
-    return (step == start + 1 or step % t.signal_check_interval == 0 or step % t.log_interval == 0
-            or step == t.max_steps)
-
-
-def injector(rank: int) -> Injector | None:
-    """MEGAFRAME_INJECT's faults for this rank (read once, at start); a malformed value is bad input."""
-    try:
-        return Injector.from_env(rank)
-    except ValueError as e:
-        raise ConfigError(str(e)) from e

@@ -45,14 +45,12 @@ def _synchronize() -> None:
 def set_up(overrides: list[str], steps: int):
     from megaframe.config import load_config
     from megaframe.data.dataset import build_data, microbatches
-    from megaframe.model.gpt import build_model
-    from megaframe.optim.build import build_optimizer, cast_model
+    from megaframe.model.parallelize import build
     from megaframe.parallel.mesh import single_process_mesh
 
     cfg = load_config(LLAMA_LIKE + overrides, world_size=1, check_data=False)
     mesh = single_process_mesh(DEVICE)
-    model = cast_model(build_model(cfg, mesh), cfg.train.precision)
-    opt = build_optimizer(model, cfg.optim, mesh)
+    model, opt = build(cfg, mesh)
     t, data = cfg.train, build_data(cfg)
     batches = [microbatches(data, s, t.global_batch_size, t.micro_batch_size, 0, 1, t.seed, mesh.device)
                for s in range(steps)]

@@ -6,8 +6,8 @@ import torch
 from megaframe.config import load_config
 from megaframe.data.dataset import build_data, microbatches
 from megaframe.layers.shard import gather_full
-from megaframe.model.gpt import build_model
 from megaframe.model.moe import stats as moe_stats
+from megaframe.model.parallelize import build_model
 from megaframe.optim.build import build_optimizer
 from megaframe.parallel import comm
 from megaframe.training.step import train_step

@@ -6,7 +6,7 @@ import dataclasses
 from megaframe.checkpoint import sharded
 from megaframe.data.dataset import build_data, microbatches
 from megaframe.inference.sampler import greedy
-from megaframe.model.gpt import build_model
+from megaframe.model.parallelize import build_model
 from megaframe.optim.build import build_optimizer
 from megaframe.training.step import train_step
 from tests.distributed.cases import tiny_config

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from megaframe.data.dataset import build_data, microbatches
-from megaframe.model.gpt import build_model
+from megaframe.model.parallelize import build_model
 from megaframe.parallel import comm
 from megaframe.pipeline import p2p
 from tests.distributed.cases import tiny_config, train_and_report

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from megaframe.config import load_config
 from megaframe.data.dataset import build_data, microbatches
-from megaframe.model.gpt import build_model
-from megaframe.optim.build import build_optimizer, cast_model
+from megaframe.model.parallelize import build_model
+from megaframe.optim.build import build_optimizer
 from megaframe.planning.activations import allocator_peak, chunk_activation_bytes
 from megaframe.training.metrics import memory_figures
 from megaframe.training.step import train_step
@@ -65,7 +65,7 @@ def measure_memory(mesh, overrides: list[str]) -> dict:
     import torch
 
     cfg = tiny_config(overrides + ["train.max_steps=2"], mesh.world)
-    model = cast_model(build_model(cfg, mesh), cfg.train.precision)
+    model = build_model(cfg, mesh)
     optimizer = build_optimizer(model, cfg.optim, mesh)
     data, t = build_data(cfg), cfg.train
     live = LiveSaved(model.parameters())

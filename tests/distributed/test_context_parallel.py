@@ -53,10 +53,12 @@ def test_cp_bytes_match_theory(pool, cp, tp, kind, recompute):
 
 
 @pytest.mark.parametrize("kind,recompute", [("allgather", "full"), ("allgather", "selective"), ("ring", "full"),
-                                            ("ring", "selective")])
+                                            ("ring", "selective"), ("allgather", "op_selective"),
+                                            ("ring", "op_selective")])
 def test_cp_bytes_with_recompute_match_theory(pool, kind, recompute):
     """Recompute re-runs the forward exchange in backward where the re-run holds it: full recompute
-    (the block) for both kinds, selective (the attention core) for the ring only."""
+    (the block) and op_selective (every op but the kept ones) for both kinds, selective (the attention
+    core) for the ring only."""
     check_cp_bytes(pool, 2, 1, kind, recompute)
 
 
@@ -69,7 +71,7 @@ def check_cp_bytes(pool, cp, tp, kind, recompute):
     block = S // cp * B * kv // tp * E * f32  # this rank's K (or V) for one micro-batch
     fwd = 2 * (cp - 1) * block
     per = 2 * fwd if kind == "allgather" else 2 * fwd + 2 * cp * block
-    if recompute == "full" or (kind == "ring" and recompute == "selective"):
+    if recompute in ("full", "op_selective") or (kind == "ring" and recompute == "selective"):
         per += fwd
     assert cp_bytes_per_layer(S, cp, B, kv // tp, E, f32, kind == "ring", recompute) == per
     over = [f"parallel.cp={cp}", f"parallel.tp={tp}", f"parallel.cp_comm={kind}", f"train.recompute={recompute}"]

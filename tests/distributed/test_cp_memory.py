@@ -29,7 +29,7 @@ def measured(pool, cp: int, kind: str) -> dict:
 def planned(cp: int, kind: str):
     cfg = load_config(SEQ4K + [f"parallel.cp={cp}", f"parallel.cp_comm={kind}"], world_size=cp, check_data=False)
     plan = plan_layout(cfg, cp)
-    from megaframe.model.gpt import build_model
+    from megaframe.model.parallelize import build_model
     from megaframe.parallel.virtual import virtual_mesh
 
     bias = cp_bias_bytes(build_model(cfg, virtual_mesh(1, 1, 1, device="meta", cp=cp)))

@@ -18,6 +18,7 @@ LAYOUTS = [  # (name, ranks, tp, pp, overrides)
     ("tp2-sp", 2, 2, 1, ["parallel.tp=2", "parallel.sp=true"]),
     ("tp2-dp2-sp-selective", 4, 2, 1, ["parallel.tp=2", "parallel.sp=true", "train.recompute=selective"]),
     ("pp2-full", 2, 1, 2, ["parallel.pp=2", "train.recompute=full"]),
+    ("tp2-sp-op_selective", 2, 2, 1, ["parallel.tp=2", "parallel.sp=true", "train.recompute=op_selective"]),
     ("learned-tp2-sp-pp2", 4, 2, 2, ["model=gpt2_tiny", "model.num_query_groups=null", "parallel.tp=2", "parallel.sp=true",
                                      "parallel.pp=2"]),
 ]
@@ -103,7 +104,7 @@ def flex_matches_sdpa(mesh, overrides: list[str]) -> float:
     """Max |logits| difference of this rank's tokens between the FlexAttention block mask and the SDPA
     mask, forward only (CPU has flex's forward alone); S = 256: cp2 chunks of 64, two to a flex tile."""
     from megaframe.data.dataset import build_data, microbatches
-    from megaframe.model.gpt import build_model
+    from megaframe.model.parallelize import build_model
 
     cfg = tiny_config(MASK + overrides + ["model.seq_length=256", "model.num_layers=1"], mesh.world)
     model = build_model(cfg, mesh).eval()

@@ -48,7 +48,7 @@ def recompute_losses(mesh, overrides: list[str], steps: int) -> list[float] | No
     """Losses of `steps` steps seeded as the trainer seeds them."""
     from megaframe.data.dataset import build_data, microbatches
     from megaframe.layers.rng import seed_step
-    from megaframe.model.gpt import build_model
+    from megaframe.model.parallelize import build_model
     from megaframe.optim.build import build_optimizer
     from megaframe.parallel import comm
     from megaframe.training.step import train_step

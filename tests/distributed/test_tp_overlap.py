@@ -32,7 +32,7 @@ def test_build_model_sets_every_sp_linear_to_overlap():
     """Every tp linear of a tp2·sp model takes the overlapped path (4 per block), and a bad setting is one line."""
     from megaframe.config import ConfigError
     from megaframe.layers.linear import ColumnParallelLinear, RowParallelLinear
-    from megaframe.model.gpt import build_model
+    from megaframe.model.parallelize import build_model
     from megaframe.parallel.virtual import virtual_mesh
     from tests.distributed.cases import tiny_config
 

@@ -7,8 +7,8 @@ import torch
 
 from megaframe.checkpoint import sharded
 from megaframe.data.dataset import build_data, microbatches
-from megaframe.model.gpt import build_model
-from megaframe.optim.build import build_optimizer, cast_model
+from megaframe.model.parallelize import build_model
+from megaframe.optim.build import build_optimizer
 from megaframe.parallel import comm
 from megaframe.training.metrics import memory_figures
 from megaframe.training.step import train_step
@@ -17,7 +17,7 @@ from tests.distributed.cases import full_state, tiny_config
 
 def _setup(mesh, overrides: list[str], steps: int):
     cfg = tiny_config(overrides + [f"train.max_steps={steps}"], mesh.world)
-    model = cast_model(build_model(cfg, mesh), cfg.train.precision)
+    model = build_model(cfg, mesh)
     return cfg, model, build_optimizer(model, cfg.optim, mesh), build_data(cfg)
 
 

@@ -15,12 +15,15 @@ from pathlib import Path
 
 import pytest
 
+from megaframe.config.keys import PLANNER_KEYS
+from megaframe.evaluate import TASK_KEYS
 from tests.e2e.docs_commands import PAGES, ROOT, commands, hydra_overrides, small_overrides
 from tests.e2e.helpers import env
 
 pytestmark = pytest.mark.e2e
 TIMEOUT_S = 240
-from megaframe.config_keys import PLANNER_KEYS  # noqa: E402  (the planner's own +keys, one list)
+# evaluate's own settings (lm-eval tasks, checkpoint=CKPT), removed before the schema check like the planner's
+EVALUATE_KEYS = (*TASK_KEYS, "checkpoint")
 
 
 def test_every_page_has_commands_and_the_readme_is_short():
@@ -34,7 +37,7 @@ def test_every_page_has_commands_and_the_readme_is_short():
 def test_syntax_and_config_keys(page):
     """bash -n over every block, each tested-by names a test that exists, and each command's Hydra
     overrides are keys of the schema (a renamed or deleted key fails here even where nothing runs)."""
-    from megaframe.config_keys import check_override_keys
+    from megaframe.config.keys import check_override_keys
     from megaframe.errors import ConfigError
 
     cmds = commands(page)
@@ -52,7 +55,8 @@ def test_syntax_and_config_keys(page):
         if c.expected_exit:  # a refusal the page shows on purpose: the run checks it
             continue
         tool, over = hydra_overrides(c)
-        over = [o for o in over if o.lstrip("+").split("=", 1)[0] not in PLANNER_KEYS]
+        own = PLANNER_KEYS + (EVALUATE_KEYS if tool == "megaframe.evaluate" else ())
+        over = [o for o in over if o.lstrip("+").split("=", 1)[0] not in own]
         try:
             check_override_keys(over)
         except ConfigError as e:

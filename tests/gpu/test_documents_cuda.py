@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megaframe.config import load_config
-from megaframe.model.gpt import build_model
+from megaframe.model.parallelize import build_model
 from megaframe.parallel.mesh import single_process_mesh
 from tests.unit.model.test_documents import EOS, doc_ids
 

@@ -26,15 +26,15 @@ MOE_LAYERS, MICRO = 2, 4  # tiny_config: 2 layers, global batch 8 in micro-batch
 def _sync_counts(overrides: list[str], steps: int) -> tuple[list[int], list[float]]:
     """Device syncs per step after a warm-up step (compile, lazy optimizer state), and the losses."""
     from megaframe.data.dataset import build_data, microbatches
-    from megaframe.model.gpt import build_model
-    from megaframe.optim.build import build_optimizer, cast_model
+    from megaframe.model.parallelize import build_model
+    from megaframe.optim.build import build_optimizer
     from megaframe.parallel.mesh import single_process_mesh
     from megaframe.training.step import train_step
     from tests.distributed.cases import tiny_config
 
     cfg = tiny_config(["train.device=cuda", *overrides], 1)
     mesh = single_process_mesh("cuda")
-    model = cast_model(build_model(cfg, mesh), cfg.train.precision)
+    model = build_model(cfg, mesh)
     opt = build_optimizer(model, cfg.optim, mesh)
     t, data = cfg.train, build_data(cfg)
     batches = [microbatches(data, s, t.global_batch_size, t.micro_batch_size, 0, 1, t.seed, mesh.device)

@@ -34,9 +34,9 @@ def test_function_level_import_counts_as_an_edge():
 
 
 def test_config_public_path_unchanged():
-    """The schema moved to megaframe.schema (a leaf); megaframe.config still exports the same names."""
+    """The schema moved to megaframe.config.schema (a leaf); megaframe.config still exports the same names."""
     import megaframe.config as config
-    import megaframe.schema as schema
+    import megaframe.config.schema as schema
 
     for name in ("Config", "ModelConfig", "ParallelConfig", "TrainConfig", "OptimConfig", "DataConfig",
                  "CheckpointConfig", "LoggingConfig", "WandbConfig", "RunConfig", "BlendSource", "LRSchedule",
@@ -56,12 +56,12 @@ def test_closed_string_choices_are_enums():
     from omegaconf import OmegaConf
 
     from megaframe.config import load_config
-    from megaframe.schema import Config, enum_fields, plain
+    from megaframe.config.schema import Config, enum_fields, plain
 
     closed = {"ModelConfig": {"norm", "activation", "position_embedding", "moe_router_score"},
               "ParallelConfig": {"pp_schedule"}, "TrainConfig": {"precision", "recompute", "device"},
               "OptimConfig": {"lr_schedule", "grad_reduce_dtype"}, "DataConfig": {"kind", "split"}, "WandbConfig": {"mode"}}
-    import megaframe.schema as schema
+    import megaframe.config.schema as schema
     for cls, names in closed.items():
         assert names <= enum_fields(getattr(schema, cls)).keys(), cls
     cfg = load_config(["parallel.pp=2", "parallel.pp_schedule=1f1b", "train.recompute=full"], world_size=2,
@@ -113,8 +113,8 @@ def test_a_bad_choice_from_a_file_names_its_field():
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    from megaframe.config import _composition_error
-    from megaframe.schema import Config
+    from megaframe.config.loading import _composition_error
+    from megaframe.config.schema import Config
 
     with pytest.raises(OmegaConfBaseException) as e:
         OmegaConf.merge(OmegaConf.structured(Config), {"train": {"precision": "fp16"}})

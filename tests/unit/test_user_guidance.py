@@ -7,9 +7,9 @@ from types import SimpleNamespace
 import pytest
 
 from megaframe.config import ConfigError, load_config
+from megaframe.config.schema import LRSchedule
 from megaframe.optim.lr_schedule import schedule_warnings
 from megaframe.runops.signals import continue_command
-from megaframe.schema import LRSchedule
 
 
 def test_continue_command_under_python_make_torchrun_and_slurm():
@@ -94,7 +94,7 @@ def test_evaluate_trained_on_follows_the_runs_held_out_fraction(tmp_path):
 def test_a_preset_over_another_presets_checkpoint_names_both(tmp_path):
     """F1 (cosmetic): `model=gpt_tiny` over a gpt2_tiny checkpoint blamed `model.num_query_groups=2`, an
     override the user never typed."""
-    from megaframe.schema import plain
+    from megaframe.config.schema import plain
 
     ck = tmp_path / "step_00000005"
     ck.mkdir()

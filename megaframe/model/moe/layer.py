@@ -32,11 +32,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megaframe.config.schema import ModelConfig
 from megaframe.layers.shard import Shard, sharded_param
 from megaframe.model.moe import dispatcher, grouped, router
 from megaframe.parallel import comm, context
 from megaframe.parallel.mesh import Mesh
-from megaframe.schema import ModelConfig
 
 STAT_NAMES = ("dropped", "assigned", "entropy_sum", "tokens", "aux", "z")
 """Per-step scalars each MoE layer accumulates after its E per-expert routed counts (see moe.stats)."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from megaframe.schema import ModelConfig
+from megaframe.config.schema import ModelConfig
 
 GPT2_LAYER = {"attn_norm.weight": "ln_1.weight", "attn_norm.bias": "ln_1.bias",
               "mlp_norm.weight": "ln_2.weight", "mlp_norm.bias": "ln_2.bias",

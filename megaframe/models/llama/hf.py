@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from megaframe.config.schema import ModelConfig
 from megaframe.models.hf_rope import rope_config, rope_from_hf
-from megaframe.schema import ModelConfig
 
 LLAMA_LAYER = {"attn_norm.weight": "input_layernorm.weight", "mlp_norm.weight": "post_attention_layernorm.weight",
                "attn.out_proj.weight": "self_attn.o_proj.weight", "attn.out_proj.bias": "self_attn.o_proj.bias",

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import torch
 
+from megaframe.config.schema import ModelConfig
 from megaframe.models.hf_rope import rope_config
 from megaframe.models.llama import hf as llama
-from megaframe.schema import ModelConfig
 
 QK_NORMS = {"attn.q_norm.weight": "self_attn.q_norm.weight", "attn.k_norm.weight": "self_attn.k_norm.weight"}
 

@@ -14,7 +14,7 @@ import torch
 from megaframe.checkpoint import sharded
 from megaframe.checkpoint.boxes import flat_boxes
 from megaframe.checkpoint.metadata import CheckpointError
-from megaframe.model.gpt import build_model
+from megaframe.model.parallelize import build_model
 from megaframe.optim.build import build_optimizer
 from megaframe.parallel.mesh import single_process_mesh
 from megaframe.paths import OutsideFolder, inside
@@ -128,7 +128,7 @@ def test_a_v1_checkpoint_still_loads(tmp_path, saved):
 @pytest.fixture
 def trained(tmp_path):
     """A one-process checkpoint after one step (so with Adam moments) and a real config (load_model builds from it)."""
-    from megaframe.schema import plain
+    from megaframe.config.schema import plain
     from tests.distributed.zero_cases import _setup, _step
 
     mesh = single_process_mesh()

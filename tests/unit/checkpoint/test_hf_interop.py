@@ -4,7 +4,6 @@ imported checkpoint; bad input exits 2. Tiny models, offline, well under a minut
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import os
 import subprocess
@@ -18,8 +17,9 @@ import megaframe
 from megaframe.checkpoint import hf, sharded
 from megaframe.config import load_config
 from megaframe.data.order import ORDER
-from megaframe.model.gpt import build_model
+from megaframe.model.parallelize import build_model
 from megaframe.parallel.mesh import single_process_mesh
+from tests.unit.hf_scripts import export_hf, import_hf
 
 ROOT = Path(__file__).resolve().parents[3]
 TINY = ["data=synthetic", "model.num_layers=2", "model.hidden_size=64", "model.ffn_hidden_size=96",
@@ -33,14 +33,6 @@ CASES = {  # name -> overrides
 }
 
 
-def script(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-export_hf, import_hf = script("export_hf"), script("import_hf")
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +50,7 @@ def make_checkpoint(root: Path, overrides: list[str], data_path: str = ""):
     """A committed step_00000003 of a tiny model whose norms and biases are perturbed too (so a swapped
     norm or bias mapping shows up in the logits). Returns (cfg, model)."""
     cfg = load_config(overrides + TINY, world_size=1, check_data=False)
-    cfg.data.path = data_path
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=data_path))
     mesh = single_process_mesh()
     model = build_model(cfg, mesh).eval()
     gen = torch.Generator().manual_seed(7)

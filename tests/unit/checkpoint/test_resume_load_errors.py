@@ -10,7 +10,7 @@ import torch
 from megaframe.checkpoint import sharded
 from megaframe.checkpoint.resume import resume
 from megaframe.errors import TrainingError
-from megaframe.model.gpt import build_model
+from megaframe.model.parallelize import build_model
 from megaframe.optim.build import build_optimizer
 from megaframe.parallel.mesh import single_process_mesh
 from megaframe.runops.faults import Injector, parse

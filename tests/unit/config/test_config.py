@@ -37,6 +37,8 @@ train.device train.global_batch_size train.log_interval train.max_bad_steps trai
 train.seed train.eval_interval train.eval_iters train.hang_timeout_s train.compile train.compile_timeout_s train.recompute
 train.dist_timeout_s train.signal_check_interval train.threads
 train.sample_interval train.sample_prompts train.sample_tokens
+train.downstream_interval train.downstream_tasks train.downstream_include_path train.downstream_limit
+train.downstream_batch_size
 """.split())
 
 PRESETS = sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml"))

@@ -2,7 +2,7 @@
 what the generator writes today, so a key added, renamed or re-documented shows up in the docs."""
 import importlib.util
 
-from megaframe.config_keys import schema_keys
+from megaframe.config.keys import schema_keys
 from tests.e2e.helpers import ROOT
 
 spec = importlib.util.spec_from_file_location("gen_config_docs", ROOT / "scripts" / "dev" / "gen_config_docs.py")

@@ -9,7 +9,7 @@ import typing
 import pytest
 
 from megaframe.config import Config, ConfigError, default_run_name, load_config
-from megaframe.config_checks import FIELD_RULES, Rule
+from megaframe.config.checks import FIELD_RULES, Rule
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[3]
 
@@ -46,7 +46,7 @@ def bad_values(rule: Rule) -> list[str]:
 
 def test_every_numeric_field_has_a_rule():
     fields = set(numeric_fields())
-    assert fields - FIELD_RULES.keys() == set(), "add a rule to FIELD_RULES in megaframe/config_checks.py"
+    assert fields - FIELD_RULES.keys() == set(), "add a rule to FIELD_RULES in megaframe/config/checks.py"
     assert FIELD_RULES.keys() - fields == set(), "FIELD_RULES names a field the schema does not have"
 
 
@@ -62,11 +62,10 @@ def base_cfg():
 def test_bad_value_of_every_field_is_refused_naming_it(key, value, base_cfg):
     """The composed config with one field set as a Hydra override would set it (Hydra's own parsing is
     covered by the subprocess test below; composing 100+ times would cost half a minute)."""
-    import copy
-
     from megaframe.config import validate
+    from megaframe.config.frozen import thawed
 
-    cfg = copy.deepcopy(base_cfg)
+    cfg = thawed(base_cfg)  # a loaded config is frozen: a mutable copy to set one bad value on
     *path, name = key.split(".")
     obj = cfg
     for part in path:

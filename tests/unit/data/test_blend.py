@@ -114,7 +114,7 @@ def test_build_data_from_a_command_line_blend(two):
 
 
 def _staged(paths, until=(3, 6)):
-    from megaframe.schema import BlendSource, DataStage
+    from megaframe.config.schema import BlendSource, DataStage
 
     a, b, c = (str(p) for p in paths)
     return [DataStage(until_step=until[0], blend=[BlendSource(a, 1.0)]),

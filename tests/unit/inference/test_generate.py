@@ -17,7 +17,7 @@ from megaframe.config import load_config
 from megaframe.inference.decode import generate
 from megaframe.inference.kv import KVCache, forward_cached
 from megaframe.inference.sampling import SamplingConfig, next_token
-from megaframe.model.gpt import build_model
+from megaframe.model.parallelize import build_model
 from megaframe.parallel.mesh import single_process_mesh
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -48,7 +48,7 @@ def run_dir(tmp_path_factory) -> Path:
     (d / "data").mkdir()
     train_tokenizer(text, 360, d / "data" / "tokenizer", num_threads=1)
     cfg, model = tiny_model("llama")
-    cfg.data.path = str(d / "data")
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=str(d / "data")))
     sharded.save(d / "ckpt", 3, model, WeightsOnly(), single_process_mesh(), {"config": dataclasses.asdict(cfg)})
     return d
 

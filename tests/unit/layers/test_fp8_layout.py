@@ -3,7 +3,7 @@ that linear keeps its bf16 GEMM, named in one warning line, and the run trains (
 import torch
 
 from megaframe.layers.linear import ColumnParallelLinear, RowParallelLinear
-from megaframe.model.gpt import build_model
+from megaframe.model.parallelize import build_model
 from megaframe.parallel.mesh import single_process_mesh
 from tests.distributed.cases import tiny_config
 

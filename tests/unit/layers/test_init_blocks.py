@@ -7,7 +7,7 @@ import torch
 
 from megaframe.layers import shard as shard_mod
 from megaframe.layers.shard import Shard, full_init, local_init
-from megaframe.model.gpt import build_model
+from megaframe.model.parallelize import build_model
 from megaframe.parallel.virtual import virtual_mesh
 from tests.distributed.cases import tiny_config
 
@@ -21,7 +21,7 @@ def small_blocks(monkeypatch):
 
 def assembled(overrides: list[str], tp: int, pp: int, dp: int = 1, ep: int = 1) -> dict[str, torch.Tensor]:
     """The global initial tensors, put together from every rank's own build."""
-    sp = [f"parallel.sp={tp > 1}"]  # MoE with tp > 1 needs sp (config_checks)
+    sp = [f"parallel.sp={tp > 1}"]  # MoE with tp > 1 needs sp (config/checks.py)
     cfg = tiny_config(overrides + sp + [f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.ep={ep}"], tp * pp * dp)
     out: dict[str, torch.Tensor] = {}
     for p_rank in range(pp):

@@ -10,7 +10,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megaframe.layers.shard import full_init_param
-from megaframe.model.gpt import build_model
+from megaframe.model.parallelize import build_model
 from megaframe.optim.build import build_optimizer
 from megaframe.optim.zero3 import Zero3Optimizer
 from megaframe.parallel.virtual import virtual_mesh

@@ -9,8 +9,8 @@ import torch
 
 from megaframe.config import load_config
 from megaframe.layers.shard import full_init
-from megaframe.model.gpt import build_model
 from megaframe.model.moe import dispatcher, router, stats
+from megaframe.model.parallelize import build_model
 from megaframe.optim.build import build_optimizer
 from megaframe.parallel.mesh import single_process_mesh
 from megaframe.training.step import train_step

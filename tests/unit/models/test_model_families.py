@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from megaframe.config import load_config
-from megaframe.model.gpt import GPT, build_model
+from megaframe.model.gpt import GPT
+from megaframe.model.parallelize import build_model
 from megaframe.parallel.mesh import single_process_mesh
 from megaframe.parallel.virtual import virtual_mesh
 from megaframe.planning.candidate import Layout, stage_params

@@ -3,7 +3,6 @@ a random tiny Qwen3ForCausalLM imports with logits equal to transformers' (fp32,
 to the same tensors and logits; the presets build. Tiny models made here, offline."""
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -12,18 +11,11 @@ import torch
 import megaframe
 from megaframe.checkpoint import hf
 from megaframe.config import load_config
+from tests.unit.hf_scripts import export_hf, import_hf
 
 ROOT = Path(__file__).resolve().parents[3]
 
 
-def script(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-export_hf, import_hf = script("export_hf"), script("import_hf")
 
 
 def hf_qwen3(folder: Path, tied: bool):

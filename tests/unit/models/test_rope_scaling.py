@@ -4,7 +4,6 @@ beyond original_max_position_embeddings; export gives back the same config and t
 table reproduces (dynamic) exits 2 naming it. Tiny random models made here, offline."""
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +14,7 @@ import torch
 import megaframe
 from megaframe.config import load_config
 from megaframe.errors import ConfigError
+from tests.unit.hf_scripts import export_hf, import_hf
 
 ROOT = Path(__file__).resolve().parents[3]
 ORIGINAL = 32  # the "pretraining context": every test sequence runs to 4x past it
@@ -31,14 +31,6 @@ SCALINGS = {
 }
 
 
-def script(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-export_hf, import_hf = script("export_hf"), script("import_hf")
 
 
 def hf_llama(folder: Path, scaling: dict, tied: bool):

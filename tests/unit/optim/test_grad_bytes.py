@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from megaframe.data.dataset import build_data, microbatches
-from megaframe.model.gpt import build_model
+from megaframe.model.parallelize import build_model
 from megaframe.optim.build import build_optimizer
 from megaframe.parallel.mesh import single_process_mesh
 from megaframe.training.step import train_step

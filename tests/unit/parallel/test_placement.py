@@ -4,7 +4,7 @@ once per data-parallel replica; the tied embedding's copies are marked on the pi
 import pytest
 import torch
 
-from megaframe.model.gpt import build_model
+from megaframe.model.parallelize import build_model
 from megaframe.parallel.virtual import virtual_mesh
 from tests.distributed.cases import tiny_config
 

@@ -23,8 +23,10 @@ MOE_RECOMPUTE = ["model=moe_tiny", "train.global_batch_size=12", "train.recomput
       "train.global_batch_size=12"], "leaves pipeline rank 1"),
     (ZBV + MOE_RECOMPUTE, "train.recompute=full"),
     (["data=synthetic", "parallel.pp=2", "parallel.pp_schedule=zb_h1"] + MOE_RECOMPUTE, "train.recompute=full"),
+    (["data=synthetic", "parallel.pp=2", "parallel.pp_schedule=zb_h1", "train.recompute=op_selective"],
+     "train.recompute=op_selective"),
 ], ids=["zbv-rank-without-layers", "1f1b-middle-rank-without-layers", "zbv-moe-recompute-full",
-        "zb_h1-moe-recompute-full"])
+        "zb_h1-moe-recompute-full", "zb_h1-recompute-op_selective"])
 def test_a_layout_the_executor_cannot_run_is_refused_at_load(over, words):
     world = 3 if "parallel.pp=3" in over else 2
     with pytest.raises(ConfigError) as info:

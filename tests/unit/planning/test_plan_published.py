@@ -36,14 +36,13 @@ def test_the_page_table_is_current():
 
 
 def test_step_time_ratios_stay_in_their_bands(rows):
-    """The issue's runs: median ratio within 0.93-1.07; every run within 0.80-1.25 but torchtitan's eager 8B
-    rows (0.76: the model is short of what their eager run spends, docs/planning.md); the held-out runs
-    within the same bands; the tie band is sqrt(2) x the median error."""
+    """The issue's runs: median ratio within 0.93-1.07; every run within 0.80-1.25 (torchtitan's eager 8B
+    rows at 0.81-0.82 since they are planned with the op-level selective checkpointing they ran, its re-run
+    matmuls included); the held-out runs within the same bands; the tie band is sqrt(2) x the median error."""
     given = {e["name"]: e["ratio"] for e in rows if not e["held_out"]}
     held = {e["name"]: e["ratio"] for e in rows if e["held_out"]}
     assert 0.93 <= statistics.median(given.values()) <= 1.07, given
-    assert all(0.80 <= v <= 1.25 for k, v in given.items() if "Llama 3.1 8B" not in k), given
-    assert all(0.70 <= v <= 1.25 for v in given.values()), given
+    assert all(0.80 <= v <= 1.25 for v in given.values()), given
     assert 0.93 <= statistics.median(held.values()) <= 1.07 and all(0.80 <= v <= 1.25 for v in held.values()), held
     errors = [abs(e["ratio"] - 1) for e in rows]
     assert MODEL_ERROR == pytest.approx(2**0.5 * statistics.median(errors), abs=0.01)
@@ -142,8 +141,8 @@ def test_fp8_layouts_are_sized_as_bf16_and_timed_faster():
 def test_full_recompute_holds_the_recomputed_blocks_working_set():
     """Under full recompute the step also holds one block's whole saved set while it is re-run: the block
     recompute=none keeps (search.working_set_bytes), in both the exact planner and the search."""
+    from megaframe.planning.block_memory import working_set_bytes
     from megaframe.planning.estimate import plan_layout
-    from megaframe.planning.search import working_set_bytes
 
     over = ["data=synthetic", "model.num_layers=4", "model.hidden_size=256", "model.num_attention_heads=8",
             "model.ffn_hidden_size=1024", "model.seq_length=512", "model.vocab_size=256", "train.micro_batch_size=2",

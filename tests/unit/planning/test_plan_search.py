@@ -32,7 +32,8 @@ def test_candidates_are_valid_and_cover_the_axes(cfg):
     assert {(x.tp, x.pp) for x in lays} >= {(1, 1), (2, 2), (4, 2), (2, 4), (1, 4)}
     assert not any(x.tp == 8 for x in lays)  # 4 kv heads do not split 8 ways
     assert all(x.tp * x.cp * x.pp * x.dp == 8 for x in lays)
-    assert any(x.vpp == 2 for x in lays) and {x.recompute for x in lays} == {"none", "selective", "full"}
+    assert any(x.vpp == 2 for x in lays) and {x.recompute for x in lays} == {"none", "selective", "full",
+                                                                                "op_selective"}
 
 
 def _search_read(cfg, lay) -> int:

@@ -111,7 +111,7 @@ def test_a_run_folder_without_its_id_adopts_no_owner_when_its_checkpoints_have_t
 
 def test_a_bool_field_takes_only_true_or_false():
     """K5: optim.overlap_param_gather=2 was read as true (OmegaConf's lenient bools), and so for every bool field."""
-    from megaframe.config_keys import bool_keys
+    from megaframe.config.keys import bool_keys
 
     assert {"optim.overlap_param_gather", "checkpoint.async", "parallel.sp", "train.compile"} <= bool_keys()
     for key, value in [("optim.overlap_param_gather", "2"), ("checkpoint.async", "yes"), ("parallel.sp", "'true'"),

@@ -17,7 +17,7 @@ def plain():
     return train_and_report(single_process_mesh(), DROPOUT, 2)
 
 
-@pytest.mark.parametrize("mode", ["selective", "full"])
+@pytest.mark.parametrize("mode", ["selective", "full", "op_selective"])
 def test_recompute_is_bit_equal_to_the_plain_path(plain, mode):
     torch.manual_seed(0)
     got = train_and_report(single_process_mesh(), DROPOUT + [f"train.recompute={mode}"], 2)
@@ -54,7 +54,7 @@ class _NoSync:
 
 def test_train_step_and_skip_do_not_sync_the_host(monkeypatch):
     from megaframe.data.dataset import build_data, microbatches
-    from megaframe.model.gpt import build_model
+    from megaframe.model.parallelize import build_model
     from megaframe.optim.build import build_optimizer
     from megaframe.training.step import train_step
     from megaframe.training.trainer import BadSteps, TrainingError

@@ -1,4 +1,5 @@
-"""Settings a run takes from outside its command line, applied by load_config before validation.
+"""Settings a run takes from outside its command line, applied by load_config before validation. Each step
+returns a new config (dataclasses.replace) rather than writing into the one it is given.
 
 - `checkpoint.resume=PATH`: every model.* field the command line does not set comes from the
   checkpoint's recorded config (metadata.json), so resuming, or continuing an imported model, needs no
@@ -18,8 +19,8 @@ import json
 import os
 from pathlib import Path
 
+from megaframe.config.schema import CONF_DIR, ModelConfig, WandbMode, enum_fields
 from megaframe.errors import ConfigError
-from megaframe.schema import CONF_DIR, ModelConfig, WandbMode, enum_fields
 
 SOFT = frozenset({"name", "dropout", "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_bias_update_rate",
                   "moe_capacity_factor", "init_std"})
@@ -65,36 +66,38 @@ def checkpoint_model(path: str) -> dict | None:
     return model if isinstance(model, dict) else None
 
 
-def resume_point(cfg) -> None:
+def resume_point(cfg):
     """checkpoint.resume=<a checkpoint dir> means the checkpoint its `latest` names (checkpoint/resolve.py):
     the explicit way to continue a folder another run wrote (runops/access/owner.py), e.g. a resubmitted job
-    with a new run.dir. Replaced by that step folder here, so every later check and the resume see one path."""
+    with a new run.dir. Returns the config with that step folder, so every later check and the resume see one
+    path."""
     r = cfg.checkpoint.resume
     if not str(r).strip():  # Path("") is the current folder: `checkpoint.resume=$CKPT` with the variable unset
         raise ConfigError(f"checkpoint.resume={r!r} must be auto, none or a checkpoint path (an unset shell variable?)")
     if r in ("auto", "none") or not Path(r).is_dir() or (Path(r) / "metadata.json").is_file():
-        return  # a missing path or a step folder: validate checks it as before
+        return cfg  # a missing path or a step folder: validate checks it as before
     from megaframe.checkpoint.metadata import CheckpointError
     from megaframe.checkpoint.resolve import step_folder
 
     try:
-        cfg.checkpoint.resume = str(step_folder(r, warn=lambda msg: None))
+        step = str(step_folder(r, warn=lambda msg: None))
     except CheckpointError as e:
         raise ConfigError(f"checkpoint.resume={r}: {e}") from None
+    return dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, resume=step))
 
 
-def adopt_model(cfg, overrides: list[str]) -> list[str]:
-    """Fill cfg.model from checkpoint.resume=PATH (see the module doc); returns the fields taken.
+def adopt_model(cfg, overrides: list[str]):
+    """cfg with its model filled from checkpoint.resume=PATH (see the module doc).
     A missing metadata.json is left to validate, which refuses it with its own message."""
     path = cfg.checkpoint.resume
     # resume=auto's checkpoint is chosen later, by the ranks together: only an explicit path can shape the config now
     if path in ("auto", "none") or not (Path(path) / "metadata.json").is_file():
-        return []
+        return cfg
     saved = checkpoint_model(path)
     if not saved:
-        return []
+        return cfg
     mine = set_on_command_line(overrides)
-    taken, changes = [], {}
+    changes = {}
     enums = enum_fields(ModelConfig)
     for f in dataclasses.fields(ModelConfig):
         if f.name not in saved:
@@ -114,9 +117,7 @@ def adopt_model(cfg, overrides: list[str]) -> list[str]:
                 raise ConfigError(contradiction(f.name, current, theirs, saved.get("name"), overrides, path))
         elif current != theirs:
             changes[f.name] = theirs
-            taken.append(f.name)
-    cfg.model = dataclasses.replace(cfg.model, **changes)
-    return taken
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **changes))
 
 
 def _sets(mine: set[str], name: str) -> bool:
@@ -147,11 +148,12 @@ def contradiction(name: str, mine, theirs, saved_preset, overrides: list[str], p
             f"(model.{name}={theirs}) (checkpoint.resume={path}); drop model={keys['model']} to use the checkpoint's")
 
 
-def apply_environment(cfg, overrides: list[str]) -> None:
-    """WANDB_MODE sets logging.wandb.mode unless the command line does."""
+def apply_environment(cfg, overrides: list[str]):
+    """cfg with WANDB_MODE's logging.wandb.mode, unless the command line sets it."""
     env = os.environ.get("WANDB_MODE")
     if not env or "logging.wandb.mode" in _keys(overrides):
-        return
+        return cfg
     if env.lower() not in WANDB_MODES:
         raise ConfigError(f"WANDB_MODE={env!r} in the environment must be one of {', '.join(WANDB_MODES)}")
-    cfg.logging.wandb.mode = WandbMode(WANDB_MODES[env.lower()])
+    wandb = dataclasses.replace(cfg.logging.wandb, mode=WandbMode(WANDB_MODES[env.lower()]))
+    return dataclasses.replace(cfg, logging=dataclasses.replace(cfg.logging, wandb=wandb))

@@ -1,4 +1,4 @@
-"""The config's loading rules beside the schema (megaframe/config.py): every overridden key must be a
+"""The config's loading rules beside the schema (megaframe/config/loading.py): every overridden key must be a
 schema key (Hydra's `+key=value` would otherwise add a key no dataclass reads: the setting silently
 vanished), and model.vocab_size, when unset, comes from the prepared data."""
 from __future__ import annotations
@@ -10,12 +10,12 @@ import math
 from pathlib import Path
 from typing import get_type_hints
 
+from megaframe.config.schema import Config
 from megaframe.errors import ConfigError
 from megaframe.errors import one_line as _one_line
-from megaframe.schema import Config
 
 PLANNER_KEYS = ("world_size", "device_memory_gb", "plan_json", "search", "device", "top", "efficiency",
-                "link_timeout_s", "device_profile")
+                "link_timeout_s", "device_profile", "measure", "measure_steps")
 """The planner's own `+key=value` settings (megaframe.plan removes them before load_config). Kept here,
 below the config loader, so the loader can name them without importing the planner."""
 

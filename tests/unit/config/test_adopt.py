@@ -8,7 +8,7 @@ import pytest
 
 from megaframe.checkpoint import sharded
 from megaframe.config import ConfigError, load_config
-from megaframe.model.gpt import build_model
+from megaframe.model.parallelize import build_model
 from megaframe.parallel.mesh import single_process_mesh
 
 SMALL = ["data=synthetic", "model.num_layers=3", "model.hidden_size=48", "model.num_attention_heads=6",

@@ -1,6 +1,6 @@
 """The closed string choices of the config, as StrEnums: Hydra refuses any other value at composition,
 naming the field. A StrEnum member is a str (== its value; str() and format() give the value), so
-comparisons with literals, dict keys and JSON keep working. megaframe.schema (and megaframe.config)
+comparisons with literals, dict keys and JSON keep working. megaframe.config.schema (and megaframe.config)
 re-export them."""
 from __future__ import annotations
 
@@ -74,10 +74,12 @@ class GradReduceDtype(StrEnum):
 
 
 class Recompute(StrEnum):
-    """train.recompute."""
+    """train.recompute (op_selective: torch's selective activation checkpointing per block with torchtitan's
+    op-level policy, model/recompute.py)."""
     none = "none"
     selective = "selective"
     full = "full"
+    op_selective = "op_selective"
 
 
 class DataKind(StrEnum):

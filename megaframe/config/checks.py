@@ -8,12 +8,12 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from megaframe.config_rules import FIELD_RULES, Rule, check_fields  # noqa: F401  (public API: the one table)
+from megaframe.config.rules import FIELD_RULES, Rule, check_fields  # noqa: F401  (public API: the one table)
 from megaframe.errors import ConfigError
 from megaframe.errors import one_line as _one_line
 
 if TYPE_CHECKING:
-    from megaframe.schema import Config, ModelConfig, ParallelConfig
+    from megaframe.config.schema import Config, ModelConfig, ParallelConfig
 
 
 def _req(ok: bool, msg: str) -> None:
@@ -66,7 +66,7 @@ def check_config(cfg: Config, world_size: int, check_data: bool = True, schedule
 
 def _check_allowed_changes(cfg: Config) -> None:
     """checkpoint.allow_config_change names config keys or groups: a typo would allow nothing, silently."""
-    from megaframe.config_keys import schema_keys
+    from megaframe.config.keys import schema_keys
 
     known = schema_keys()
     for name in cfg.checkpoint.allow_config_change:
@@ -159,6 +159,11 @@ def _check_context(cfg: Config, world_size: int) -> None:
     _req(cfg.train.sample_interval == 0,
          f"train.sample_interval={cfg.train.sample_interval} is not built with parallel.cp={p.cp}: set "
          "train.sample_interval=0 (sample after training: python -m megaframe.generate CHECKPOINT_DIR)")
+    # scoring reads whole sequences, as the sampler does
+    _req(cfg.train.downstream_interval == 0,
+         f"train.downstream_interval={cfg.train.downstream_interval} is not built with parallel.cp={p.cp}: set "
+         "train.downstream_interval=0 (score after training: python -m megaframe.evaluate "
+         "checkpoint=DIR +tasks=...)")
 
 
 def _check_lr_schedule(cfg: Config) -> None:
@@ -197,12 +202,12 @@ def _check_moe(m: ModelConfig, p: ParallelConfig, dpcp: int) -> None:
 
 
 def _check_pipeline(cfg: Config, dp: int, schedules: bool = True) -> None:
+    from megaframe.config.derived import schedule_kind
     from megaframe.pipeline.partition import check_runnable, stage_counts
-    from megaframe.pipeline.schedule import resolve_kind
 
     p, t = cfg.parallel, cfg.train
     _req(p.vpp == 1 or p.pp > 1, f"parallel.vpp={p.vpp} needs parallel.pp > 1")
-    kind = resolve_kind(p.pp_schedule, p.vpp)
+    kind = schedule_kind(p)
     if kind in ("zb_h1", "zbv"):
         # the split backward re-runs a weighted op's node for W (pipeline/split.py): a compiled block is one
         # node computing every grad, and torchao's float8 GEMM computes both grads at once
@@ -238,6 +243,9 @@ def _check_data_fields(cfg: Config) -> None:
          f"train.eval_interval={t.eval_interval} must be >= 0 and train.eval_iters={t.eval_iters} >= 1")
     _req(t.sample_interval >= 0 and t.sample_tokens >= 1,
          f"train.sample_interval={t.sample_interval} must be >= 0 and train.sample_tokens={t.sample_tokens} >= 1")
+    _req(t.downstream_interval == 0 or bool(t.downstream_tasks),
+         f"train.downstream_interval={t.downstream_interval} needs train.downstream_tasks=[task,...] "
+         "(lm-eval names)")
     _req(t.eval_interval == 0 or d.kind == "synthetic" or d.valid_fraction > 0,
          f"train.eval_interval={t.eval_interval} needs a validation split: set data.valid_fraction > 0")
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from megaframe.errors import ConfigError
 
 if TYPE_CHECKING:
-    from megaframe.schema import Config
+    from megaframe.config.schema import Config
 
 
 def _req(ok: bool, msg: str) -> None:
@@ -81,6 +81,7 @@ FIELD_RULES: dict[str, Rule] = {
     "train.eval_iters": POS, "train.hang_timeout_s": NONNEGF, "train.threads": _r(1, opt=True), "train.dist_timeout_s": TIMEOUT,
     "train.compile_timeout_s": TIMEOUT,
     "train.signal_check_interval": POS, "train.sample_interval": NONNEG, "train.sample_tokens": POS,
+    "train.downstream_interval": NONNEG, "train.downstream_limit": NONNEG, "train.downstream_batch_size": POS,
     # optim
     "optim.lr": POSF, "optim.min_lr": NONNEGF, "optim.warmup_steps": NONNEG, "optim.weight_decay": NONNEGF,
     "optim.clip_grad": NONNEGF, "optim.beta1": UNIT, "optim.beta2": UNIT, "optim.eps": POSF,

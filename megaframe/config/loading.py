@@ -1,21 +1,21 @@
-"""Typed configuration: compose conf/config.yaml with Hydra onto the schema (megaframe/schema.py), adopt
-settings from outside the command line, and validate (the cross-field checks are in config_checks.py).
+"""Typed configuration: compose conf/config.yaml with Hydra onto the schema (megaframe/config/schema.py), adopt
+settings from outside the command line, and validate (the cross-field checks are in config/checks.py).
 
 `load_config` knows the world size and refuses a layout before any process group exists. The schema's
 names (Config, ModelConfig, ConfigError, ...) are re-exported here: `from megaframe.config import Config`
 is the public path. Modules below the config loader (model, optim, checkpoint, checks) import
-megaframe.schema instead, so nothing the loader imports imports it back.
+megaframe.config.schema instead, so nothing the loader imports imports it back.
 """
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import os
 import re
 from typing import Optional
 
-from megaframe.errors import ConfigError  # noqa: F401  (re-exported)
-from megaframe.errors import one_line as _one_line
-from megaframe.schema import (  # noqa: F401  (the public path of the schema's names)
+from megaframe.config.frozen import freeze
+from megaframe.config.schema import (  # noqa: F401  (the public path of the schema's names)
     CONF_DIR,
     DEFAULT_EXTENSIONS,
     ROOT,
@@ -46,6 +46,8 @@ from megaframe.schema import (  # noqa: F401  (the public path of the schema's n
     WandbMode,
     plain,
 )
+from megaframe.errors import ConfigError  # noqa: F401  (re-exported)
+from megaframe.errors import one_line as _one_line
 
 
 def _register() -> None:
@@ -86,7 +88,7 @@ def load_config(overrides: list[str], world_size: Optional[int] = None, check_da
     from omegaconf.errors import OmegaConfBaseException
 
     _register()
-    from megaframe.config_keys import check_override_keys
+    from megaframe.config.keys import check_override_keys
 
     check_override_keys(overrides)
     # Hydra keeps one global instance: a second load_config in a process (tests, tools) must start afresh
@@ -100,16 +102,17 @@ def load_config(overrides: list[str], world_size: Optional[int] = None, check_da
         raise ConfigError(_composition_error(e)) from e
     # settings from outside the command line: the resumed checkpoint's model, WANDB_MODE (before validate,
     # so every check, the resume checks included, sees the values the run will use)
-    from megaframe.checkpoint.adopt import adopt_model, apply_environment, resume_point
+    from megaframe.config.adopt import adopt_model, apply_environment, resume_point
 
-    resume_point(cfg)
-    adopt_model(cfg, list(overrides))
-    apply_environment(cfg, list(overrides))
+    cfg = apply_environment(adopt_model(resume_point(cfg), list(overrides)), list(overrides))
     if world_size is None:  # torchrun's WORLD_SIZE, else srun's task count (one Slurm task = one rank)
         world_size = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
-    validate(cfg, world_size,
-             check_data=check_data)
-    return cfg
+    if cfg.model.vocab_size is None:  # before the checks: they test divisibility of the vocabulary by tp
+        from megaframe.config.keys import default_vocab_size
+
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=default_vocab_size(cfg)))
+    validate(cfg, world_size, check_data=check_data)
+    return freeze(cfg)  # every component reads these values as loaded (config/frozen.py)
 
 
 def _composition_error(e: BaseException) -> str:
@@ -128,12 +131,13 @@ def _composition_error(e: BaseException) -> str:
 
 def validate(cfg: Config, world_size: int, check_data: bool = True, schedules: bool = True) -> None:
     """Cross-field checks that need no process group; the first problem raises ConfigError.
-    The checks themselves live in megaframe/config_checks.py. Fills model.vocab_size when unset.
+    The checks themselves live in megaframe/config/checks.py. Fills model.vocab_size when unset (a config
+    built by hand; load_config fills it on the copy it returns).
     `schedules=False` skips building every rank's pipeline schedule (the planner's search, over thousands)."""
-    from megaframe.config_checks import check_config
+    from megaframe.config.checks import check_config
 
     if cfg.model.vocab_size is None:
-        from megaframe.config_keys import default_vocab_size
+        from megaframe.config.keys import default_vocab_size
 
         # before the checks: they test divisibility of the vocabulary by tp
         cfg.model.vocab_size = default_vocab_size(cfg)

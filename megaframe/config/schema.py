@@ -1,7 +1,8 @@
-"""The config schema: one dataclass per config group (a docstring per field); its closed string choices
-are the Enums of megaframe/choices.py. Hydra merges conf/*.yaml onto these, so a typo'd key, a wrong type
+"""The config schema: one dataclass per config group (a docstring per field; the model group is in
+model_schema.py, re-exported here); its closed string choices
+are the Enums of megaframe/config/choices.py. Hydra merges conf/*.yaml onto these, so a typo'd key, a wrong type
 or a value outside an Enum is an error at composition time. A leaf module (of megaframe it imports only
-choices.py and errors.py):
+config/choices.py and errors.py):
 model, optim, checkpoint and the checks all read it; loading and validation (megaframe.config) sit above.
 """
 from __future__ import annotations
@@ -11,7 +12,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Optional, get_type_hints
 
-from megaframe.choices import (  # noqa: F401  (re-exported: the schema's public names)
+from megaframe.config.choices import (  # noqa: F401  (re-exported: the schema's public names)
     Activation,
     CPComm,
     DataKind,
@@ -30,9 +31,11 @@ from megaframe.choices import (  # noqa: F401  (re-exported: the schema's public
     ScheduleKind,
     WandbMode,
 )
+from megaframe.config.frozen import Frozen
+from megaframe.config.model_schema import ModelConfig, RopeScalingConfig  # noqa: F401  (the model group)
 from megaframe.errors import ConfigError  # noqa: F401  (re-exported: the schema's error type)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONF_DIR = ROOT / "conf"
 
 
@@ -42,115 +45,7 @@ def enum_fields(cls: type) -> dict[str, type[Enum]]:
 
 
 @dataclass
-class RopeScalingConfig:
-    """RoPE frequency scaling as Hugging Face defines it (transformers' `rope_scaling` / `rope_parameters`):
-    the inverse frequencies change, positions stay integers. Imported from and exported to HF configs."""
-    rope_type: RopeType = RopeType.default
-    """default (plain RoPE) | linear (every frequency / factor) | llama3 (Llama 3.1: low frequencies / factor,
-    high kept, a smooth ramp between) | yarn (YaRN's ramp by rotations, cos/sin times attention_factor)."""
-    factor: float = 1.0
-    """Context extension factor (linear, llama3, yarn)."""
-    low_freq_factor: float = 1.0  # Llama 3.1's value
-    """llama3: wavelengths above original_max_position_embeddings / low_freq_factor are divided by factor."""
-    high_freq_factor: float = 4.0  # Llama 3.1's value
-    """llama3: wavelengths below original_max_position_embeddings / high_freq_factor are kept."""
-    original_max_position_embeddings: Optional[int] = None
-    """The context the model was pretrained with (llama3, yarn: required)."""
-    beta_fast: float = 32.0  # the YaRN paper's value
-    """yarn: rotations at which frequencies start being kept."""
-    beta_slow: float = 1.0  # the YaRN paper's value
-    """yarn: rotations below which frequencies are fully interpolated."""
-    attention_factor: Optional[float] = None
-    """yarn: cos/sin scale; None = 0.1 * ln(factor) + 1 (the paper's), or from mscale/mscale_all_dim."""
-    mscale: Optional[float] = None
-    """yarn (DeepSeek): attention_factor = get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)."""
-    mscale_all_dim: Optional[float] = None
-    """yarn (DeepSeek): see mscale."""
-    truncate: bool = True
-    """yarn: round the correction range to whole dims (transformers' default; gpt-oss sets false)."""
-
-
-@dataclass
-class ModelConfig:
-    name: str = "gpt_tiny"
-    """Preset name, for logs only."""
-    num_layers: int = 4
-    """Transformer blocks."""
-    hidden_size: int = 128
-    """Model width D."""
-    num_attention_heads: int = 4
-    """Query heads; must divide by parallel.tp."""
-    num_query_groups: Optional[int] = None
-    """Key/value heads for GQA; None means num_attention_heads (plain multi-head attention)."""
-    ffn_hidden_size: int = 512
-    """MLP inner width F (per branch for SwiGLU)."""
-    seq_length: int = 128
-    """Tokens per sample."""
-    vocab_size: Optional[int] = None
-    """Rows of the embedding table; >= the tokenizer's vocabulary, divisible by parallel.tp. None = the
-    prepared data's vocabulary (data.path's meta.json, else data.vocab_size), padded up to a multiple of
-    megaframe.config_keys.VOCAB_PAD (the same for every layout, so layouts stay comparable)."""
-    num_experts: int = 0
-    """Experts per MoE layer; 0 means a dense MLP."""
-    moe_top_k: int = 2
-    """Experts each token is routed to."""
-    moe_ffn_hidden_size: Optional[int] = None
-    """Inner width of each expert's SwiGLU (per branch); None means ffn_hidden_size."""
-    moe_router_score: RouterScore = RouterScore.softmax
-    """softmax | sigmoid: how router logits become scores (top-k weights are renormalised to sum 1)."""
-    moe_aux_loss_coeff: float = 0.01  # Switch Transformer's value
-    """Load-balancing loss (Switch/GShard: E * sum_e f_e * P_e) weight; logged as aux_loss."""
-    moe_z_loss_coeff: float = 0.0
-    """Router z-loss (mean squared logsumexp of the logits) weight; logged as z_loss."""
-    moe_expert_bias: bool = False
-    """Aux-loss-free balancing (DeepSeek-V3): a per-expert bias added to the scores for selection only,
-    moved after each step by moe_bias_update_rate towards under-loaded experts (a checkpointed buffer)."""
-    moe_bias_update_rate: float = 1e-3  # DeepSeek-V3's update speed
-    """Step of the expert-bias update: bias_e += rate * sign(mean load - load_e), then recentred."""
-    moe_capacity_factor: Optional[float] = None
-    """None = dropless. Else each expert takes at most ceil(factor * tokens * top_k / experts) assignments
-    of a micro-batch (first come, in token order); the rest are dropped (moe/layer{i}/dropped_frac)."""
-    dropout: float = 0.0
-    """Dropout on attention probabilities and residual branches (0 keeps layouts bit-comparable)."""
-    norm: Norm = Norm.rmsnorm
-    """rmsnorm | layernorm."""
-    activation: Activation = Activation.swiglu
-    """swiglu | gelu."""
-    position_embedding: PositionEmbedding = PositionEmbedding.rope
-    """rope | learned."""
-    tie_embeddings: bool = False
-    """Share the input embedding with the output head."""
-    bias: bool = False
-    """Biases on linear layers (GPT-2 style)."""
-    rope_theta: float = 10000.0  # RoFormer's base, as in Llama 1/2
-    """RoPE base."""
-    rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
-    """RoPE frequency scaling (Llama 3.1/3.2, YaRN, linear); rope_type=default is plain RoPE."""
-    kv_channels: Optional[int] = None
-    """Head dim E (Megatron's name); None = hidden_size / num_attention_heads. Qwen3 sets it (heads * E != D)."""
-    qk_norm: bool = False
-    """RMSNorm over each head's query and key (weights [E], shared by the heads) before RoPE (Qwen3)."""
-    norm_eps: float = 1e-5
-    """Epsilon of the norms."""
-    init_std: float = 0.02  # GPT-2's and Megatron's default
-    """Std of the normal init; output projections use init_std / sqrt(2 * num_layers)."""
-
-    @property
-    def kv_heads(self) -> int:
-        return self.num_query_groups or self.num_attention_heads
-
-    @property
-    def head_dim(self) -> int:
-        return self.kv_channels or self.hidden_size // self.num_attention_heads
-
-    @property
-    def expert_ffn(self) -> int:
-        """Inner width of one expert (moe_ffn_hidden_size, else ffn_hidden_size)."""
-        return self.moe_ffn_hidden_size or self.ffn_hidden_size
-
-
-@dataclass
-class ParallelConfig:
+class ParallelConfig(Frozen):
     tp: int = 1
     """Tensor-parallel size (innermost, fastest-varying rank axis)."""
     pp: int = 1
@@ -184,7 +79,7 @@ class ParallelConfig:
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(Frozen):
     micro_batch_size: int = 4
     """Samples per micro-batch per data-parallel rank."""
     global_batch_size: int = 16
@@ -238,7 +133,10 @@ class TrainConfig:
     recompute: Recompute = Recompute.none
     """Activation recompute: none | selective (recompute the attention core, SDPA, in backward: Megatron's
     selective mode, it saves the S x S-sized intermediates) | full (torch.utils.checkpoint per block: only
-    each block's input is kept). Trades compute for activation memory; losses are unchanged."""
+    each block's input is kept) | op_selective (torch's selective activation checkpointing per block,
+    torchtitan's op-level policy: keeps the attention kernels' outputs and every other matmul's, re-runs
+    the rest; not with the zb_h1 / zbv schedules). Trades compute for activation memory; losses are
+    unchanged."""
     # -- samples during training (megaframe.inference.sampler)
     sample_interval: int = 0
     """Every this many steps, write greedy continuations of sample_prompts to the console, ${run.dir}/samples.jsonl
@@ -247,10 +145,24 @@ class TrainConfig:
     """Prompts of the training-time samples."""
     sample_tokens: int = 24
     """New tokens per training-time sample."""
+    # -- downstream tasks during training (megaframe.evaluation.downstream; needs the extra .[eval])
+    downstream_interval: int = 0
+    """Every this many steps (and at the last), score train.downstream_tasks with lm-evaluation-harness on the
+    live model under the run's layout; logs downstream/<task>/<metric> to metrics.jsonl and wandb; 0 = never.
+    A task that fails logs one line and training goes on. Needs prepared data (its tokenizer); time excluded
+    from tokens_per_s."""
+    downstream_tasks: list[str] = field(default_factory=list)
+    """lm-eval task names (hellaswag, arc_easy, or a local task under train.downstream_include_path)."""
+    downstream_include_path: str = ""
+    """A folder of lm-eval task YAMLs (local tasks, no network); empty: lm-eval's own tasks only."""
+    downstream_limit: int = 0
+    """Score only the first N documents of each task (a quick in-loop signal); 0 = every document."""
+    downstream_batch_size: int = 8
+    """Sequences per forward while scoring (each padded to model.seq_length)."""
 
 
 @dataclass
-class OptimConfig:
+class OptimConfig(Frozen):
     lr: float = 2e-3
     """Peak learning rate."""
     min_lr: float = 1e-4
@@ -316,7 +228,7 @@ class OptimConfig:
 
 
 @dataclass
-class BlendSource:
+class BlendSource(Frozen):
     path: str = ""
     """A folder written by megaframe.data.prepare."""
     weight: float = 1.0
@@ -324,7 +236,7 @@ class BlendSource:
 
 
 @dataclass
-class DataStage:
+class DataStage(Frozen):
     until_step: Optional[int] = None
     """This stage ends after this many steps of the run (counted from step 0)."""
     until_tokens: Optional[float] = None
@@ -349,7 +261,7 @@ DEFAULT_EXTENSIONS = [
 
 
 @dataclass
-class DataConfig:
+class DataConfig(Frozen):
     name: str = "demo"
     """Dataset label for logs."""
     kind: DataKind = DataKind.prepared
@@ -399,7 +311,7 @@ class DataConfig:
 
 
 @dataclass
-class CheckpointConfig:
+class CheckpointConfig(Frozen):
     dir: str = "${run.dir}/checkpoints"
     """Where step_XXXXXXXX/ folders and the `latest` pointer live."""
     interval: int = 0
@@ -444,7 +356,7 @@ class CheckpointConfig:
 
 
 @dataclass
-class WandbConfig:
+class WandbConfig(Frozen):
     mode: WandbMode = WandbMode.offline
     """online | offline | disabled."""
     project: str = "megaframe"
@@ -454,12 +366,12 @@ class WandbConfig:
 
 
 @dataclass
-class LoggingConfig:
+class LoggingConfig(Frozen):
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
 @dataclass
-class RunConfig:
+class RunConfig(Frozen):
     name: str = "dev"
     """Run name; the wandb id and default run dir derive from it."""
     dir: str = "outputs/${run.name}"
@@ -467,7 +379,7 @@ class RunConfig:
 
 
 @dataclass
-class Config:
+class Config(Frozen):
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)

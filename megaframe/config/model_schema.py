@@ -1,0 +1,125 @@
+"""The model group of the config schema (model.*): the block's shape, its attention and MoE, RoPE scaling.
+Split from megaframe/config/schema.py (which re-exports it) so each file stays a readable size; a leaf
+module like it (of megaframe it imports only config/choices.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from megaframe.config.choices import (
+    Activation,
+    Norm,
+    PositionEmbedding,
+    RopeType,
+    RouterScore,
+)
+from megaframe.config.frozen import Frozen
+
+
+@dataclass
+class RopeScalingConfig(Frozen):
+    """RoPE frequency scaling as Hugging Face defines it (transformers' `rope_scaling` / `rope_parameters`):
+    the inverse frequencies change, positions stay integers. Imported from and exported to HF configs."""
+    rope_type: RopeType = RopeType.default
+    """default (plain RoPE) | linear (every frequency / factor) | llama3 (Llama 3.1: low frequencies / factor,
+    high kept, a smooth ramp between) | yarn (YaRN's ramp by rotations, cos/sin times attention_factor)."""
+    factor: float = 1.0
+    """Context extension factor (linear, llama3, yarn)."""
+    low_freq_factor: float = 1.0  # Llama 3.1's value
+    """llama3: wavelengths above original_max_position_embeddings / low_freq_factor are divided by factor."""
+    high_freq_factor: float = 4.0  # Llama 3.1's value
+    """llama3: wavelengths below original_max_position_embeddings / high_freq_factor are kept."""
+    original_max_position_embeddings: Optional[int] = None
+    """The context the model was pretrained with (llama3, yarn: required)."""
+    beta_fast: float = 32.0  # the YaRN paper's value
+    """yarn: rotations at which frequencies start being kept."""
+    beta_slow: float = 1.0  # the YaRN paper's value
+    """yarn: rotations below which frequencies are fully interpolated."""
+    attention_factor: Optional[float] = None
+    """yarn: cos/sin scale; None = 0.1 * ln(factor) + 1 (the paper's), or from mscale/mscale_all_dim."""
+    mscale: Optional[float] = None
+    """yarn (DeepSeek): attention_factor = get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)."""
+    mscale_all_dim: Optional[float] = None
+    """yarn (DeepSeek): see mscale."""
+    truncate: bool = True
+    """yarn: round the correction range to whole dims (transformers' default; gpt-oss sets false)."""
+
+
+@dataclass
+class ModelConfig(Frozen):
+    name: str = "gpt_tiny"
+    """Preset name, for logs only."""
+    num_layers: int = 4
+    """Transformer blocks."""
+    hidden_size: int = 128
+    """Model width D."""
+    num_attention_heads: int = 4
+    """Query heads; must divide by parallel.tp."""
+    num_query_groups: Optional[int] = None
+    """Key/value heads for GQA; None means num_attention_heads (plain multi-head attention)."""
+    ffn_hidden_size: int = 512
+    """MLP inner width F (per branch for SwiGLU)."""
+    seq_length: int = 128
+    """Tokens per sample."""
+    vocab_size: Optional[int] = None
+    """Rows of the embedding table; >= the tokenizer's vocabulary, divisible by parallel.tp. None = the
+    prepared data's vocabulary (data.path's meta.json, else data.vocab_size), padded up to a multiple of
+    megaframe.config.keys.VOCAB_PAD (the same for every layout, so layouts stay comparable)."""
+    num_experts: int = 0
+    """Experts per MoE layer; 0 means a dense MLP."""
+    moe_top_k: int = 2
+    """Experts each token is routed to."""
+    moe_ffn_hidden_size: Optional[int] = None
+    """Inner width of each expert's SwiGLU (per branch); None means ffn_hidden_size."""
+    moe_router_score: RouterScore = RouterScore.softmax
+    """softmax | sigmoid: how router logits become scores (top-k weights are renormalised to sum 1)."""
+    moe_aux_loss_coeff: float = 0.01  # Switch Transformer's value
+    """Load-balancing loss (Switch/GShard: E * sum_e f_e * P_e) weight; logged as aux_loss."""
+    moe_z_loss_coeff: float = 0.0
+    """Router z-loss (mean squared logsumexp of the logits) weight; logged as z_loss."""
+    moe_expert_bias: bool = False
+    """Aux-loss-free balancing (DeepSeek-V3): a per-expert bias added to the scores for selection only,
+    moved after each step by moe_bias_update_rate towards under-loaded experts (a checkpointed buffer)."""
+    moe_bias_update_rate: float = 1e-3  # DeepSeek-V3's update speed
+    """Step of the expert-bias update: bias_e += rate * sign(mean load - load_e), then recentred."""
+    moe_capacity_factor: Optional[float] = None
+    """None = dropless. Else each expert takes at most ceil(factor * tokens * top_k / experts) assignments
+    of a micro-batch (first come, in token order); the rest are dropped (moe/layer{i}/dropped_frac)."""
+    dropout: float = 0.0
+    """Dropout on attention probabilities and residual branches (0 keeps layouts bit-comparable)."""
+    norm: Norm = Norm.rmsnorm
+    """rmsnorm | layernorm."""
+    activation: Activation = Activation.swiglu
+    """swiglu | gelu."""
+    position_embedding: PositionEmbedding = PositionEmbedding.rope
+    """rope | learned."""
+    tie_embeddings: bool = False
+    """Share the input embedding with the output head."""
+    bias: bool = False
+    """Biases on linear layers (GPT-2 style)."""
+    rope_theta: float = 10000.0  # RoFormer's base, as in Llama 1/2
+    """RoPE base."""
+    rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
+    """RoPE frequency scaling (Llama 3.1/3.2, YaRN, linear); rope_type=default is plain RoPE."""
+    kv_channels: Optional[int] = None
+    """Head dim E (Megatron's name); None = hidden_size / num_attention_heads. Qwen3 sets it (heads * E != D)."""
+    qk_norm: bool = False
+    """RMSNorm over each head's query and key (weights [E], shared by the heads) before RoPE (Qwen3)."""
+    norm_eps: float = 1e-5
+    """Epsilon of the norms."""
+    init_std: float = 0.02  # GPT-2's and Megatron's default
+    """Std of the normal init; output projections use init_std / sqrt(2 * num_layers)."""
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def expert_ffn(self) -> int:
+        """Inner width of one expert (moe_ffn_hidden_size, else ffn_hidden_size)."""
+        return self.moe_ffn_hidden_size or self.ffn_hidden_size

@@ -1,0 +1,1 @@
+"""Downstream evaluation: lm-evaluation-harness over megaframe checkpoints and live models."""

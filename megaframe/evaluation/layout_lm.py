@@ -1,0 +1,55 @@
+"""The `megaframe` lm-eval model for `python -m megaframe.evaluate ... +tasks=...`: one process, or under
+torchrun the checkpoint loaded into a training layout (parallel.tp / pp of the overrides, dp the rest of
+the ranks) on every rank, the scores the same (evaluation/scoring.py splits the requests over dp).
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+
+
+@contextlib.contextmanager
+def task_lm(ckpt: str, overrides: list[str], opts: dict):
+    """(lm, whether this rank prints); the process group, when one was started, is ended afterwards."""
+    from megaframe.evaluation.lm_eval_adapter import MegaframeLM
+    from megaframe.parallel.launch import env_ranks
+
+    batch = opts.get("batch_size", 8)
+    env = env_ranks()
+    if env.world_size == 1:
+        yield MegaframeLM(checkpoint=ckpt, tokenizer=opts.get("tokenizer"), batch_size=batch), True
+        return
+    from megaframe.parallel.launch import shutdown
+
+    try:
+        model, mesh, tok = _layout_model(ckpt, overrides, opts.get("tokenizer"), env)
+        yield MegaframeLM.live(model, mesh, tok, int(batch)), mesh.rank == 0
+    finally:
+        shutdown()
+
+
+def _layout_model(ckpt: str, overrides: list[str], tokenizer: str | None, env):
+    """This rank's part of the checkpoint's model in the layout the overrides name (fp32), its mesh and the
+    run's tokenizer; ValueError/ConfigError on bad input (before any process group exists)."""
+    from megaframe.checkpoint import sharded
+    from megaframe.config import load_config
+    from megaframe.inference.files import find_tokenizer, resolve_step
+    from megaframe.model.parallelize import build_model
+    from megaframe.parallel.launch import init_distributed, pick_device
+    from megaframe.parallel.mesh import build_mesh
+    from megaframe.pipeline import p2p
+
+    step, meta = resolve_step(ckpt)
+    tok, _ = find_tokenizer(step, meta, tokenizer)
+    # checkpoint.resume=STEP: model.* is the checkpoint's; the layout is checked against this world size
+    cfg = load_config(list(overrides) + [f"checkpoint.resume={step}", "train.precision=fp32"],
+                      world_size=env.world_size, check_data=False)
+    device = pick_device(cfg.train.device, env.local_rank)
+    init_distributed(env, device, cfg.train.dist_timeout_s)
+    p = cfg.parallel
+    mesh = build_mesh(p.tp, p.pp, device, ep=p.ep, cp=p.cp, shard=cfg.optim.shard_group_size,
+                      timeout=datetime.timedelta(seconds=cfg.train.dist_timeout_s))
+    p2p.warm_up(mesh.pp, device)  # before the first forward's transfers, as the trainer does
+    model = build_model(cfg, mesh)
+    sharded.load_into(step, model)
+    return model.eval(), mesh, tok

@@ -1,0 +1,82 @@
+"""Run lm-eval tasks on a megaframe LM and flatten the scores to {task: {metric: value}}.
+
+Hub tasks download their datasets; a hub that cannot be reached is one ValueError line naming the task
+(exit 2 at the command line, one logged line in the training loop), not a traceback. Local tasks come
+from `include_path` (a folder of task YAMLs, e.g. tests/data/lm_eval_tasks).
+"""
+from __future__ import annotations
+
+import os
+
+STDERR = "_stderr"
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
+
+
+def task_list(tasks) -> list[str]:
+    """hellaswag,arc_easy | [hellaswag, arc_easy] -> names."""
+    if isinstance(tasks, str):
+        tasks = tasks.split(",")
+    return [t.strip() for t in tasks or [] if str(t).strip()]
+
+
+def run_tasks(lm, tasks, include_path: str | None = None, limit: int | float | None = None,
+              num_fewshot: int | None = None) -> dict[str, dict[str, float]]:
+    """Scores of each task (ValueError on an unknown task or one whose data cannot be loaded)."""
+    import logging
+
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    logging.getLogger("lm_eval").setLevel(logging.ERROR)  # its per-task notices would bury the scores
+    names = task_list(tasks)
+    if not names:
+        raise ValueError("no lm-eval tasks given (+tasks=hellaswag,arc_easy)")
+    manager = TaskManager(include_path=include_path) if include_path else TaskManager()
+    unknown = [t for t in names if t not in manager.all_tasks]
+    if unknown:
+        where = f" (include_path={include_path})" if include_path else ""
+        raise ValueError(f"unknown lm-eval task(s) {','.join(unknown)}{where}: `lm_eval ls tasks` lists them")
+    # lm-eval returns the scores only where LOCAL_RANK is 0 (its own multi-GPU runs); the megaframe model
+    # hands every rank every result, and the rank that logs (the last pipeline stage's) may be any of them
+    local_rank = os.environ.pop("LOCAL_RANK", None)
+    try:
+        # no seeding of python/numpy/torch: in the training loop that would reset the run's RNG streams
+        out = simple_evaluate(model=lm, tasks=names, task_manager=manager, limit=limit,
+                              num_fewshot=num_fewshot, log_samples=False, bootstrap_iters=0,
+                              random_seed=None, numpy_random_seed=None, torch_random_seed=None,
+                              verbosity="ERROR")
+    except (OSError, ConnectionError) as e:  # requests/httpx/hub errors are OSErrors
+        raise ValueError(f"task(s) {','.join(names)}: cannot load the dataset ({_one_line(e)}); is the "
+                         "Hugging Face hub reachable (HF_HUB_OFFLINE, proxy)?") from None
+    except Exception as e:  # datasets' own exceptions (DatasetNotFoundError ...) do not share a base
+        if "datasets" in type(e).__module__ or "huggingface_hub" in type(e).__module__:
+            raise ValueError(f"task(s) {','.join(names)}: cannot load the dataset ({_one_line(e)})") from None
+        raise
+    finally:
+        if local_rank is not None:
+            os.environ["LOCAL_RANK"] = local_rank
+    return flatten(out["results"])
+
+
+def flatten(results: dict) -> dict[str, dict[str, float]]:
+    """{"acc,none": 0.5, "acc_stderr,none": 0.1, "alias": ...} -> {"acc": 0.5} per task; a filter other
+    than `none` stays in the name (exact_match_strict-match)."""
+    scores = {}
+    for task, row in results.items():
+        mine = {}
+        for key, value in row.items():
+            if "," not in key or STDERR in key or not isinstance(value, (int, float)):
+                continue
+            metric, filt = key.split(",", 1)
+            mine[metric if filt == "none" else f"{metric}_{filt}"] = float(value)
+        scores[task] = mine
+    return scores
+
+
+def format_scores(scores: dict[str, dict[str, float]]) -> str:
+    return " | ".join(f"{task} " + " ".join(f"{m} {v:.4f}" for m, v in sorted(row.items()))
+                      for task, row in sorted(scores.items()))
