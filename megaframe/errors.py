@@ -4,6 +4,7 @@ seconds). Entry points catch only the exceptions that mean bad input and `return
 keeps its traceback. A leaf module: the schema and every entry point import it, it imports nothing of megaframe."""
 from __future__ import annotations
 
+import errno
 import sys
 
 
@@ -22,6 +23,20 @@ def one_line(e: BaseException) -> str:
     words = " ".join(" ".join(p.split()) for p in parts)
     words = words.split(" full_key:")[0]  # OmegaConf appends a multi-field context block
     return words or type(e).__name__
+
+
+# A write the file system refused for want of room or of a writable disk: a full disk, the file-size limit
+# (ulimit -f), a quota, a read-only mount. Not bad input (exit 2) and not a bug (a traceback): the tools say
+# it in one line and exit 1, like a checkpoint save that could not be committed.
+WRITE_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EROFS)
+
+
+def write_refused(e: BaseException) -> bool:
+    """Whether `e` is such a refused write: an OSError with one of WRITE_ERRNOS, or safetensors' own
+    SafetensorError (not an OSError), which carries the errno only in its text, `(os error 28)`."""
+    if isinstance(e, OSError):
+        return e.errno in WRITE_ERRNOS
+    return type(e).__name__ == "SafetensorError" and any(f"(os error {n})" in str(e) for n in WRITE_ERRNOS)
 
 
 def fail(msg: object, code: int = 2, prefix: str = "") -> int:

@@ -15,7 +15,7 @@ import os
 import sys
 from pathlib import Path
 
-from megaframe.errors import fail
+from megaframe.errors import fail, write_refused
 
 PANELS = [("loss", "loss (val dashed)"), ("lr", "learning rate"), ("grad_norm", "grad norm"),
           ("tokens_per_s", "tokens/s"), ("mfu", "MFU (%)")]
@@ -112,6 +112,10 @@ def main(argv: list[str]) -> int:
         path = plot(args.runs, args.out, args.x)
     except ValueError as e:
         return fail(e)
+    except OSError as e:  # a full disk or the file-size limit at savefig
+        if not write_refused(e):
+            raise
+        return fail(f"--out {args.out}: cannot write the plot ({e})", code=1)
     print(f"plot: {len(args.runs)} run(s) -> {path}", flush=True)
     return 0
 

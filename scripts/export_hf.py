@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megaframe.errors import fail  # noqa: E402  (after the path insert)
+from megaframe.errors import fail, one_line, write_refused  # noqa: E402  (after the path insert)
 from megaframe.quiet import quiet_optional_imports  # noqa: E402
 
 quiet_optional_imports()  # transformers loads torchao, whose loader lines say nothing to act on
@@ -181,6 +181,10 @@ def main(argv: list[str]) -> int:
         export(args.ckpt, out, args.dtype)
     except ValueError as e:
         return fail(" ".join(str(e).split()))
+    except Exception as e:  # a full disk or the file-size limit mid-write: OUT.tmp is gone, OUT untouched
+        if not write_refused(e):
+            raise
+        return fail(f"OUT={out}: cannot write the export ({one_line(e)}); nothing was written", code=1)
     finally:
         lock.release()
     return 0

@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megaframe.errors import fail  # noqa: E402  (after the path insert)
+from megaframe.errors import fail, one_line, write_refused  # noqa: E402  (after the path insert)
 from megaframe.quiet import quiet_optional_imports  # noqa: E402
 
 quiet_optional_imports()  # transformers loads torchao, whose loader lines say nothing to act on
@@ -207,6 +207,12 @@ def main(argv: list[str]) -> int:
         import_hf(args.hf_folder, out, args.overrides)
     except (ValueError, ConfigError) as e:
         return fail(" ".join(str(e).split()))
+    except sharded.SaveError as e:  # a full disk at the save: its own one line, nothing committed
+        return fail(e, code=1)
+    except Exception as e:  # a full disk before the save (the tokenizer copy)
+        if not write_refused(e):
+            raise
+        return fail(f"{out}: cannot write the import ({one_line(e)}); nothing was committed", code=1)
     finally:
         lock.release()
         if created and out.is_dir() and not any(out.iterdir()):  # a refused import leaves no empty folder

@@ -60,7 +60,7 @@ from megaframe.data.sources import (
 )
 from megaframe.data.tasks import announce, missing_line, unit_tasks, waiting_lock
 from megaframe.data.tokenizer import load_tokenizer, tokenizer_sha256
-from megaframe.errors import fail
+from megaframe.errors import fail, write_refused
 
 __all__ = ["PrepareError", "prepare", "main"]
 
@@ -375,6 +375,10 @@ def main(argv: list[str] | None = None) -> int:
         meta = prepare(cfg, merge=merge)
     except (ConfigError, PrepareError) as e:
         return fail(e)
+    except OSError as e:  # a full disk or the file-size limit outside the tokenizing loop (which says it too)
+        if not write_refused(e):
+            raise
+        return fail(f"cannot write to {cfg.data.path} or its partial folder: {e}", code=1)
     if meta is not None and "part" in meta:
         part = meta["part"]
         left = f"{len(part['missing'])} unit(s) of other tasks still to do" if "missing" in part else "merged by another task"

@@ -40,6 +40,8 @@ class Attempt:
     """A file the background job must have written before the attempt starts."""
     timeout: float = 240
     cwd: Path | None = None
+    after: Callable[[], None] | None = None
+    """Run whatever the attempt showed (a tmpfs unmounted, a background job's files read)."""
 
 
 def environ(extra: dict) -> dict:
@@ -65,6 +67,8 @@ def sh(cmd: list[str], timeout: float = 600, **env) -> subprocess.CompletedProce
 
 
 TRAIN = py(str(ROOT / "train.py"))
+TORCHRUN2 = py("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(ROOT / "train.py"))
+RACE = py(str(ROOT / "scripts" / "dev" / "misuse_race.py"))
 GEN = py("-m", "megaframe.generate")
 PLAN = py("-m", "megaframe.plan", "data=synthetic")
 META_FORMS = {"list": "[]", "null": "null", "no-tensors": '{"format": "megaframe-ckpt-v2", "coverage": "exact"}',
@@ -130,3 +134,23 @@ def stale_lock(folder: Path) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "megaframe.lock").write_text(json.dumps({"host": socket.gethostname(), "pid": dead_pid(), "job": "",
                                                        "since": time.time() - 60}))
+
+
+def mount_tmpfs(where: Path, size: str, fill: int = 0) -> None:
+    """A real size-limited file system (we are root); `fill` bytes of it taken by a filler file."""
+    umount(where)
+    shutil.rmtree(where, ignore_errors=True)
+    where.mkdir(parents=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], check=True)
+    if fill:
+        (where / "filler").write_bytes(b"\0" * fill)
+
+
+def umount(where: Path) -> None:
+    if where.is_dir() and os.path.ismount(where):
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def fsize_limited(cmd: list[str], kib: int) -> list[str]:
+    """The command under `ulimit -f` (a file-size limit: writes past it fail with EFBIG)."""
+    return ["bash", "-c", f"ulimit -f {kib}; exec \"$@\"", "fsize", *map(str, cmd)]

@@ -22,7 +22,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a file: `scripts` importable
 from scripts.dev.misuse_attempts import note_attempts, section2  # noqa: E402
 from scripts.dev.misuse_base import ROOT, Attempt, Setup, environ  # noqa: E402
+from scripts.dev.misuse_disk_schedule import disk_schedule_attempts  # noqa: E402
 from scripts.dev.misuse_more import new_attempts  # noqa: E402
+from scripts.dev.misuse_writers_data import writers_data_attempts  # noqa: E402
 
 
 def _start_bg(a: Attempt) -> subprocess.Popen | None:
@@ -39,7 +41,8 @@ def verdict(a: Attempt, rc: int, out: str) -> str | None:
     """None when the attempt held, else what went wrong."""
     want = a.rc if isinstance(a.rc, tuple) else (a.rc,)
     if rc not in want:
-        return f"exit {rc}, expected {'/'.join(map(str, want))}"
+        last = (out.strip().splitlines() or [""])[-1]
+        return f"exit {rc}, expected {'/'.join(map(str, want))}: {last}"
     if "Traceback (most recent call last)" in out:
         return "a traceback"
     errors = [ln for ln in out.splitlines() if ln.startswith("megaframe: error:") or ": error: " in ln[:80]]
@@ -55,33 +58,46 @@ def verdict(a: Attempt, rc: int, out: str) -> str | None:
 
 
 def attempt(a: Attempt) -> tuple[bool, str]:
-    if a.prep is not None:
-        a.prep()
-    bg = _start_bg(a)
     try:
-        res = subprocess.run(a.cmd, cwd=a.cwd or ROOT, env=environ(a.env), capture_output=True, text=True,
-                             errors="replace", timeout=a.timeout)
-        rc, out = res.returncode, res.stdout + res.stderr
-    except subprocess.TimeoutExpired:
-        rc, out = -1, "timed out (a hang?)"
-    finally:
-        if bg is not None:
-            bg.terminate()
-            try:
-                bg.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                bg.kill()
-                bg.wait()
-    why = verdict(a, rc, out) if rc != -1 else out
+        if a.prep is not None:
+            a.prep()
+        bg = _start_bg(a)
+        try:
+            res = subprocess.run(a.cmd, cwd=a.cwd or ROOT, env=environ(a.env), capture_output=True, text=True,
+                                 errors="replace", timeout=a.timeout)
+            rc, out = res.returncode, res.stdout + res.stderr
+        except subprocess.TimeoutExpired:
+            rc, out = -1, "timed out (a hang?)"
+        finally:
+            _stop(bg)
+        why = verdict(a, rc, out) if rc != -1 else out
+    finally:  # a tmpfs is unmounted however the attempt went
+        if a.after is not None:
+            a.after()
     errs = [ln for ln in out.splitlines() if "error" in ln.lower()]
     seen = errs[-1] if errs else (out.strip().splitlines() or [""])[-1]
     return why is None, why or seen
 
 
-def attempts(work: Path) -> list[Attempt]:
-    """Every attempt, after training the shared set-up once."""
+def _stop(bg: subprocess.Popen | None) -> None:
+    if bg is None:
+        return
+    bg.terminate()
+    try:
+        bg.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        bg.kill()
+        bg.wait()
+
+
+GROUPS = {"earlier": lambda s: note_attempts(s) + section2(s) + new_attempts(s),
+          "writers-data": writers_data_attempts, "disk-schedule": disk_schedule_attempts}
+
+
+def attempts(work: Path, group: str = "all") -> list[Attempt]:
+    """Every attempt of the group (all: every group), after training the shared set-up once."""
     s = Setup(work)
-    return note_attempts(s) + section2(s) + new_attempts(s)
+    return [a for name, make in GROUPS.items() if group in ("all", name) for a in make(s)]
 
 
 def main(argv: list[str]) -> int:
@@ -89,15 +105,20 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--work", help="folder for the runs (default: a new temporary folder)")
     ap.add_argument("--only", default="", help="run the attempts whose id starts with this")
     ap.add_argument("--keep", action="store_true", help="keep the work folder")
+    ap.add_argument("--group", default="all", choices=["all", *GROUPS],
+                    help="one list of attempts (two groups may run at once, each with its own --work)")
     args = ap.parse_args(argv)
     work = Path(args.work or tempfile.mkdtemp(prefix="misuse-rerun-")).resolve()
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     rows = []
-    for a in attempts(work):
+    for a in attempts(work, args.group):
         if not a.id.startswith(args.only):
             continue
-        held, what = attempt(a)
+        try:
+            held, what = attempt(a)
+        except (Exception, SystemExit) as e:  # its set-up failed: the code under test did not do its part
+            held, what = False, f"set-up failed: {' '.join(str(e).split())[:300]}"
         rows.append((a, held))
         print(f"{a.id:<8} {a.klass:<16} {'held' if held else 'DEFECT':<6} {what[:150]}", flush=True)
     bad = [a.id for a, held in rows if not held]
