@@ -44,7 +44,7 @@ def run_dir(tmp_path_factory) -> Path:
     train_tokenizer(text, 360, d / "data" / "tokenizer", num_threads=1)
     cfg = load_config(TINY, world_size=1, check_data=False)
     model = build_model(cfg, single_process_mesh()).eval()
-    cfg.data.path = str(d / "data")
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=str(d / "data")))  # frozen config
     sharded.save(d / "ckpt", 3, model, WeightsOnly(), single_process_mesh(), {"config": dataclasses.asdict(cfg)})
     res = subprocess.run([sys.executable, "scripts/export_hf.py", str(d / "ckpt"), str(d / "hf")], cwd=ROOT,
                          capture_output=True, text=True, timeout=300)
