@@ -10,7 +10,7 @@ import time
 import pytest
 
 from megaframe.runops.access.runlock import LOCK_NAME
-from tests.unit.checkpoint.test_hf_interop import script
+from tests.unit.hf_scripts import script
 
 export_hf, import_hf = script("export_hf"), script("import_hf")
 
