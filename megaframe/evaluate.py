@@ -121,14 +121,9 @@ def evaluate(model, cfg, every: bool) -> tuple[float, int, str]:
 
 def task_options(overrides: list[str]) -> tuple[dict, list[str]]:
     """The lm-eval options (+tasks=..., +limit=...) and the remaining overrides."""
-    opts, rest = {}, []
-    for o in overrides:
-        key, _, value = o.lstrip("+").partition("=")
-        if key in TASK_KEYS and value:
-            opts[key] = value
-        else:
-            rest.append(o)
-    return opts, rest
+    from megaframe.config.keys import take_tool_keys
+
+    return take_tool_keys(overrides, TASK_KEYS)
 
 
 def run_tasks(ckpt: str, opts: dict, overrides: list[str]) -> int:

@@ -42,20 +42,14 @@ import sys
 from pathlib import Path
 
 from megaframe.config.keys import PLANNER_KEYS as OWN_KEYS
+from megaframe.config.keys import take_tool_keys
 from megaframe.errors import fail
 from megaframe.planning.measure import WARMUP_ROWS
 
 
 def split_args(argv: list[str]) -> tuple[list[str], dict[str, str]]:
     """Hydra overrides and the planner's own `+key=value` settings (also accepted without the +)."""
-    overrides, own = [], {}
-    for a in argv:
-        key, _, value = a.lstrip("+").partition("=")
-        # the planner's keys are taken out before composing: the config schema has no such fields and Hydra would refuse them
-        if key in OWN_KEYS and value:
-            own[key] = value
-        else:
-            overrides.append(a)
+    own, overrides = take_tool_keys(argv, OWN_KEYS)
     return overrides, own
 
 

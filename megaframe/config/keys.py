@@ -20,6 +20,20 @@ PLANNER_KEYS = ("world_size", "device_memory_gb", "plan_json", "search", "device
 below the config loader, so the loader can name them without importing the planner."""
 
 
+def take_tool_keys(argv: list[str], keys) -> tuple[dict[str, str], list[str]]:
+    """A tool's own `+key=value` settings (`keys`; accepted without the + too) and the remaining Hydra
+    overrides, in order. Taken out before composing: the schema has no such fields and Hydra would refuse
+    them. `key=` with no value stays an override (so the loader names it)."""
+    own, rest = {}, []
+    for a in argv:
+        key, _, value = a.lstrip("+").partition("=")
+        if key in keys and value:
+            own[key] = value
+        else:
+            rest.append(a)
+    return own, rest
+
+
 def tool_keys() -> dict[str, str]:
     """`+key=value` settings that belong to a tool, not to the config (PLANNER_KEYS); anywhere else they
     are refused with the tool's name."""
