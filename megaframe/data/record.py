@@ -128,9 +128,16 @@ def _show_stages(stages: list[dict]) -> str:
 def data_changes(cfg, meta: dict) -> list[tuple[str, str, str, str]]:
     """(config key, recorded, this run's, what it does to the stream) of every change of what the run trains
     on: its stages, its blend (paths or weights), a plain run's data.path, data.valid_fraction, and the
-    content of a dataset at the same path. Synthetic data on either side: nothing to compare."""
+    content of a dataset at the same path; a switch between prepared and synthetic data (data.kind).
+    Synthetic data on both sides: nothing to compare."""
     old, d = meta.get("data") or {}, cfg.data
-    if old.get("kind", "prepared") != "prepared" or d.kind != "prepared":
+    was_kind = str(((meta.get("config") or {}).get("data") or {}).get("kind") or "prepared")
+    now_kind = str(getattr(d.kind, "value", d.kind))
+    if was_kind != now_kind:
+        # the data stream changes entirely: the step's positions name other samples (or none at all)
+        return [("data.kind", was_kind, now_kind, f"the run trained on {was_kind} data; this run would train "
+                 f"on {now_kind} data from the same step")]
+    if now_kind != "prepared":
         return []
     out = []
     was, now = schedule(old.get("stages")), schedule(d.stages)

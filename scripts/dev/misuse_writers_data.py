@@ -337,7 +337,7 @@ def data_identity(s: Setup, d: Data) -> list[Attempt]:
         a(11, base("di11", f"data.path={d.at('docsdemo')}"), prep=lambda: (d.ready(), s.copy("di11", "run")),
           has=("data.path",)),
         a(12, base("di12", f"data.path={w / 'data' / 'swaptok'}"), prep=swapped),
-        a(13, base("di13", "data=synthetic"), prep=rb("di13")),
+        a(13, base("di13", "data=synthetic"), prep=rb("di13"), has=("data.kind",)),
         a(14, base("di14", "train.seed=5"), prep=rb("di14"), has=("train.seed",)),
     ]
 

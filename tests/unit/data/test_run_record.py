@@ -205,6 +205,20 @@ def test_resume_refuses_a_dataset_prepared_again_but_not_a_moved_copy(corpora, t
     assert "prepared again" in refused(config(tmp_path, f"data.path={x}"), meta, "data.path")
 
 
+def test_resume_refuses_a_switch_between_prepared_and_synthetic_data(corpora, tmp_path):
+    """Either way the stream the step's positions name is another one: refused unless allowed."""
+    from megaframe.checkpoint.resume_checks import check_resume
+
+    synth = ["data=synthetic", "model.vocab_size=512"]  # the prepared folders' model, other data
+    prepared = meta_of(config(tmp_path, f"data.path={corpora / 'a'}"))
+    assert "synthetic data from the same step" in refused(config(tmp_path, *synth), prepared, "data.kind")
+    synthetic = meta_of(config(tmp_path, *synth))
+    refused(config(tmp_path, f"data.path={corpora / 'a'}"), synthetic, "data.kind")
+    check_resume(config(tmp_path, *synth), synthetic, "ckpt", verbose=False)  # nothing to compare
+    allow = "checkpoint.allow_config_change=[data.kind]"
+    check_resume(config(tmp_path, *synth, allow), prepared, "ckpt", verbose=False)
+
+
 def test_a_checkpoint_recorded_before_sources_still_resumes_and_is_compared(corpora, tmp_path):
     """Today's checkpoints record the paths as typed and no content hash: compared resolved."""
     from megaframe.checkpoint.resume_checks import check_resume
