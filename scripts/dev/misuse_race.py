@@ -23,19 +23,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-TAKER = """
-import sys, time
-from megaframe.runops.access.runlock import RunDirBusy, RunLock
-for line in sys.stdin:
-    folder, start = line.split()
-    while time.time() < float(start):
-        pass
-    try:
-        RunLock(folder).acquire()
-        print("HOLDS", flush=True)
-    except RunDirBusy:
-        print("BUSY", flush=True)
-"""
+sys.path.insert(0, str(ROOT))  # run as a file: `tests` importable
+# the program each racing process runs: the one the lock takeover test races
+from tests.unit.runops.test_lock_takeover import TAKER  # noqa: E402
 
 
 def _judge(i: int, rc: int, out: str) -> str | None:
