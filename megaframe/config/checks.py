@@ -284,7 +284,7 @@ def _check_prepared(cfg: Config) -> None:
     from megaframe.data.shards import check_datasets
 
     try:
-        check_datasets(cfg)
+        check_datasets(cfg.data, cfg.model.vocab_size)
     except ValueError as e:
         raise ConfigError(_one_line(e)) from e
 
