@@ -22,7 +22,7 @@ from megaframe.data.stages import StagedData
 from megaframe.evaluation.downstream import Downstream
 from megaframe.inference.sampler import Sampler
 from megaframe.model.gpt import GPT
-from megaframe.model.parallelize import build
+from megaframe.model.parallelize import build_for
 from megaframe.optim.lr_schedule import schedule_warnings
 from megaframe.optim.protocol import Optimizer
 from megaframe.parallel import comm
@@ -64,7 +64,7 @@ def set_up(cfg: Config, mesh: Mesh, faults=None, run_id: str = "") -> Setup:
     # a phase ends on every path: a CPU profiler left running when an error ends the run crashes the
     # interpreter at exit (SIGSEGV instead of exit 2)
     with phases.phase("startup"):
-        model, optimizer = build(cfg, mesh)
+        model, optimizer = build_for(cfg.model, cfg.parallel, cfg.train, cfg.optim, mesh)
     phases.track(model, optimizer)
     try:
         data = build_data(cfg)
