@@ -52,6 +52,15 @@ ROOT_CONFIG_READERS: dict[str, str] = {
                                             " kept for tests and benchmarks",
     "megaframe/data/dataset.py:build_data": "the run config's form of build_samples, kept for tests,"
                                             " scripts/dev and the command lines",
+    "megaframe/training/step.py:train_step": "the run config's form of optimizer_step, kept for the tests"
+                                             " and benchmarks that run one step by hand",
+    "megaframe/training/step.py:rank_schedule": "a rank's schedule for a run config, kept for the pipeline"
+                                                " and ZeRO benchmarks",
+    "megaframe/training/phase_run.py": "runs the trainer's start-up, step, save and load for a whole run"
+                                       " config: the planner's phase figures are checked against it",
+    "megaframe/checkpoint/offline_plans.py:rank_items": "checkpoint layouts planned without hardware for a"
+                                                        " whole run config, each rank's model built as"
+                                                        " the trainer builds it",
 }
 
 
