@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megaframe.checkpoint.layout import Item, my_writes, param_items, share_bytes
+from megaframe.config.schema import OptimConfig
 from megaframe.optim.zero_state import flat_buffers
 from megaframe.parallel.virtual import virtual_mesh
 
@@ -15,10 +16,10 @@ class PlannedZero:
     """The optimizer interface checkpoints use (state_segments), with ZeRO's real segment layout and no
     state: what a rank's ZeroOptimizer would hold, computed on a meta model."""
 
-    def __init__(self, model, cfg, mesh):
+    def __init__(self, model, o: OptimConfig, mesh):
         params = [p for p in model.parameters() if p.requires_grad]
         self.segs = {}
-        for buf in flat_buffers(params, cfg.optim, mesh):
+        for buf in flat_buffers(params, o, mesh):
             # a master copy only for sub-fp32 params (bf16), as the real ZeroOptimizer keeps
             kinds = ("exp_avg", "exp_avg_sq") + (("master",) if buf.dtype.is_floating_point and
                                                  buf.dtype.itemsize < 4 else ())
@@ -56,7 +57,7 @@ def rank_items(cfg, layout: Layout, models: dict, p: int, d: int, t: int) -> lis
     if key not in models:
         models[key] = build_model(cfg, mesh)
     model = models[key]
-    opt = PlannedZero(model, cfg, mesh) if cfg.optim.zero else _PlainMeta()
+    opt = PlannedZero(model, cfg.optim, mesh) if cfg.optim.zero else _PlainMeta()
     return param_items(model, opt, mesh, with_sources=False)
 
 

@@ -53,7 +53,7 @@ def check_resume(cfg: Config, meta: dict, path, verbose: bool) -> None:
     changes = [(name, repr(old), repr(new), None)
                for name, old, new in differences(cfg, meta.get("config") or {}, consumed)]
     # before any sample is consumed (a step-0 import) the data decides nothing yet
-    changes += data_changes(cfg, meta) if consumed > 0 else []
+    changes += data_changes(cfg.data, meta) if consumed > 0 else []
     for name, old, new, what in changes:
         if not _allowed(name, allow):
             why = what or ("samples would be skipped or repeated" if name.startswith("train.")

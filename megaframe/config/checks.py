@@ -57,7 +57,7 @@ def check_config(cfg: Config, world_size: int, check_data: bool = True, schedule
     _check_data_fields(cfg)
     from megaframe.runops.access.folders import check_names
 
-    check_names(cfg)
+    check_names(cfg.run, cfg.checkpoint)
     _check_resume(cfg)
     if check_data and cfg.data.kind == "prepared":
         _check_prepared(cfg)
@@ -284,7 +284,7 @@ def _check_prepared(cfg: Config) -> None:
     from megaframe.data.shards import check_datasets
 
     try:
-        check_datasets(cfg)
+        check_datasets(cfg.data, cfg.model.vocab_size)
     except ValueError as e:
         raise ConfigError(_one_line(e)) from e
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from megaframe.config.schema import DataConfig
 from megaframe.data.order import ORDER, sample_index
 from megaframe.data.shards import check_token_range, read_index, read_meta
 from megaframe.parallel.context import cp_keep
@@ -219,14 +220,21 @@ class Prefetcher:
 
 
 def build_data(cfg, split: str = "train"):
-    """The training (or, with split="valid", validation) samples of the run: synthetic, one prepared
-    dataset, or a blend. Raises OSError/ValueError on unreadable data (callers make it a ConfigError)."""
+    """build_samples for the run config `cfg` (tests, scripts/dev and the command lines hold a whole one)."""
+    m, t = cfg.model, cfg.train
+    return build_samples(cfg.data, m.seq_length, m.vocab_size, t.seed, t.global_batch_size, split)
+
+
+def build_samples(d: DataConfig, seq: int, vocab_size: int, seed: int, global_batch: int, split: str = "train"):
+    """The training (or, with split="valid", validation) samples of the data group `d`: synthetic, one
+    prepared dataset, or a blend, cut into samples of `seq` tokens. `vocab_size` (model.vocab_size) bounds
+    synthetic ids; `seed` (train.seed) orders blends and stages and seeds synthetic data; `global_batch`
+    (train.global_batch_size) rounds stage ends to whole steps. Raises OSError/ValueError on unreadable data
+    (callers make it a ConfigError)."""
     from megaframe.data.blend import BlendedData
 
-    d, seq = cfg.data, cfg.model.seq_length
     if d.kind == "synthetic":  # validation: the same generator under another seed, never seen in training
-        seed = cfg.train.seed if split == "train" else cfg.train.seed + 1_000_003
-        return SyntheticData(cfg.model.vocab_size, seq, seed)
+        return SyntheticData(vocab_size, seq, seed if split == "train" else seed + 1_000_003)
     if d.stages and split == "train":
         from megaframe.data.record import resolved
         from megaframe.data.stages import StagedData
@@ -234,30 +242,29 @@ def build_data(cfg, split: str = "train"):
         # the union in first-seen order, keyed by the resolved folder: `x` and `x/` are one dataset
         paths = dict.fromkeys(resolved(b.path) for s in d.stages for b in s.blend)
         parts = {p: PreparedData(p, seq, split, d.valid_fraction) for p in paths}
-        return StagedData(parts, d.stages, cfg.train.global_batch_size, cfg.train.seed)
+        return StagedData(parts, d.stages, global_batch, seed)
     if d.stages:  # validation: the last stage's mixture (the data the run ends on)
         last = d.stages[-1].blend
         parts = [PreparedData(b.path, seq, split, d.valid_fraction) for b in last]
-        return BlendedData(parts, [b.weight for b in last], cfg.train.seed)
+        return BlendedData(parts, [b.weight for b in last], seed)
     if not d.blend:
         return PreparedData(d.path, seq, split, d.valid_fraction)
     parts = [PreparedData(b.path, seq, split, d.valid_fraction) for b in d.blend]
-    return BlendedData(parts, [b.weight for b in d.blend], cfg.train.seed)
+    return BlendedData(parts, [b.weight for b in d.blend], seed)
 
 
-def data_state(cfg, step: int, order: str = ORDER) -> dict:
+def data_state(d: DataConfig, step: int, seed: int, global_batch: int, order: str = ORDER) -> dict:
     """The data cursor and what the run trains on, for checkpoint metadata (megaframe.data.record: a resume
     compares it, evaluate/export/generate read it). The cursor is derived from the step (positions
     [0, step·G) of the (seed, epoch) order are consumed), so resume needs no saved reader state, under any
-    dp."""
+    dp. `seed`, `global_batch`: train.seed and train.global_batch_size."""
     from megaframe.data.record import mixture, resolved, schedule, sources
 
-    d = cfg.data
     prepared = d.kind == "prepared"
     return {"kind": d.kind, "path": resolved(d.path) if prepared and not (d.blend or d.stages) else None,
-            "blend": mixture(d.blend), "valid_fraction": d.valid_fraction, "seed": cfg.train.seed,
+            "blend": mixture(d.blend), "valid_fraction": d.valid_fraction, "seed": seed,
             "order": order,
             "stages": schedule(d.stages), "sources": sources(d) if prepared else [],
             # the trainer replaces it with Accounting's exact count (a batch size changed at a resume)
-            "consumed_samples": step * cfg.train.global_batch_size,
+            "consumed_samples": step * global_batch,
             "cursor": "derived: global sample position = step * global_batch_size + index in the batch"}

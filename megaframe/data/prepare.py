@@ -170,7 +170,7 @@ def _build(cfg: Config, files: list[SourceFile], work: Path, settings: dict, uni
         # hashed first: a re-run compares them to decide whether OUT is this very preparation
         records = [f.record(h) for f, h in zip(files, _map(pool, file_sha256, [f.path for f in files]))]
         with waiting_lock(work / ".tokenizer.lock"):  # under tasks: one trains it, the others wait and load it
-            tok_name = put_tokenizer(cfg, files, work, cache)
+            tok_name = put_tokenizer(cfg.data, files, work, cache)
         tok = load_tokenizer(work / tok_name)
         t1, cpu1 = time.perf_counter(), time.process_time()
         shards, worker_cpu = _encode(cfg, files, records, str(work / tok_name), work, pool, unit_bytes,

@@ -7,7 +7,7 @@ import shutil
 from pathlib import Path
 from typing import Iterator
 
-from megaframe.config import Config, DocSplit
+from megaframe.config.schema import DataConfig, DocSplit
 from megaframe.data.sources import PrepareError, SourceFile, sample_documents
 from megaframe.data.tokenizer import TokenizerError, load_tokenizer, train_tokenizer
 
@@ -15,9 +15,8 @@ TOKENIZER_SEED = 1234
 """Fixed (not train.seed): the tokenizer, hence the prepared data, must not change with a training seed."""
 
 
-def put_tokenizer(cfg: Config, files: list[SourceFile], work: Path, cache: str) -> str:
+def put_tokenizer(d: DataConfig, files: list[SourceFile], work: Path, cache: str) -> str:
     """Put the tokenizer into `work` (kept from an interrupted run, copied, or trained); returns its name."""
-    d = cfg.data
     if d.tokenizer:
         src = Path(d.tokenizer)
         name = "tokenizer" if src.is_dir() else "tokenizer.model"

@@ -18,6 +18,8 @@ import hashlib
 import json
 from pathlib import Path
 
+from megaframe.config.schema import DataConfig
+
 CONTENT_KEYS = ("vocab_size", "dtype", "eos_id", "tokenizer_sha256", "num_tokens", "shards")
 """The parts of a prepared meta.json that decide its token stream (not the source files' mtimes or the
 source folder's name, which a re-prepare of the same text changes)."""
@@ -125,12 +127,12 @@ def _show_stages(stages: list[dict]) -> str:
     return "[" + "; ".join(f"{end(s)}: {_show_blend(s['blend'])}" for s in stages) + "]"
 
 
-def data_changes(cfg, meta: dict) -> list[tuple[str, str, str, str]]:
+def data_changes(d: DataConfig, meta: dict) -> list[tuple[str, str, str, str]]:
     """(config key, recorded, this run's, what it does to the stream) of every change of what the run trains
     on: its stages, its blend (paths or weights), a plain run's data.path, data.valid_fraction, and the
     content of a dataset at the same path; a switch between prepared and synthetic data (data.kind).
     Synthetic data on both sides: nothing to compare."""
-    old, d = meta.get("data") or {}, cfg.data
+    old = meta.get("data") or {}
     was_kind = str(((meta.get("config") or {}).get("data") or {}).get("kind") or "prepared")
     now_kind = str(getattr(d.kind, "value", d.kind))
     if was_kind != now_kind:

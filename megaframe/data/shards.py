@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from megaframe.atomic import write_atomic
+from megaframe.config.schema import DataConfig
 from megaframe.paths import inside
 
 _TOKENIZERS: dict = {}  # per worker process: tokenizer path -> loaded tokenizer
@@ -206,23 +207,23 @@ def dataset_paths(data_cfg) -> list[tuple[str, str]]:
     return [("data.path", data_cfg.path)]
 
 
-def check_datasets(cfg) -> list[dict]:
+def check_datasets(d: DataConfig, vocab_size: int) -> list[dict]:
     """check_prepared on every dataset of the run, plus: the vocabulary fits model.vocab_size, and blended
     datasets share one tokenizer (mixed token ids would be garbage). ValueError names the config key."""
     metas, first = [], None
-    for key, path in dataset_paths(cfg.data):
+    for key, path in dataset_paths(d):
         if not path:
             raise ValueError(f"{key} is empty: point it at a folder written by megaframe.data.prepare")
         try:
             meta = check_prepared(path)
         except NotPrepared:
             raise NotPrepared(f"{key}={path}: no prepared data (meta.json missing); prepare it with: "
-                              f"{prepare_command(cfg.data, path)}") from None  # the cause says less
+                              f"{prepare_command(d, path)}") from None  # the cause says less
         except ValueError as e:
             raise ValueError(f"{key}={path}: {e}") from e
         vocab = int(meta["vocab_size"])
-        if vocab > cfg.model.vocab_size:
-            raise ValueError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer "
+        if vocab > vocab_size:
+            raise ValueError(f"model.vocab_size={vocab_size} is smaller than the tokenizer "
                              f"vocabulary {vocab} of {key}={path}")
         sha = meta.get("tokenizer_sha256")
         if first is None:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import sys
 import time
 
+from megaframe.config.schema import DataConfig, TrainConfig
+
 
 def _one_line(e: BaseException) -> str:
     text = " ".join(str(e).split())
@@ -21,25 +23,27 @@ def _one_line(e: BaseException) -> str:
 class Downstream:
     """Built once per run; `score(step, model)`: {downstream/<task>/<metric>: value} and the seconds taken."""
 
-    def __init__(self, cfg, mesh, tokenizer):
+    def __init__(self, t: TrainConfig, mesh, tokenizer):
         from megaframe.evaluation.lm_tasks import task_list
 
-        self.cfg, self.mesh, self.tok = cfg, mesh, tokenizer
-        self.tasks = task_list(cfg.train.downstream_tasks)
+        self.t, self.mesh, self.tok = t, mesh, tokenizer
+        self.tasks = task_list(t.downstream_tasks)
 
     @classmethod
-    def build(cls, cfg, mesh) -> "Downstream | None":
+    def build(cls, t: TrainConfig, d: DataConfig, mesh) -> "Downstream | None":
+        """None unless train.downstream_interval > 0, lm-eval is installed and the data group `d` names a
+        tokenizer (each missing piece is one warning)."""
         from megaframe.data.tokenizer import load_tokenizer
         from megaframe.inference.files import tokenizer_record
 
-        if cfg.train.downstream_interval <= 0:
+        if t.downstream_interval <= 0:
             return None
         why = None
         try:
             import lm_eval  # noqa: F401  the optional extra
         except ImportError:
             why = "lm-eval is not installed (pip install -e '.[eval]')"
-        rec = tokenizer_record(cfg.data)
+        rec = tokenizer_record(d)
         if why is None and rec is None:
             why = "no tokenizer (synthetic data?)"
         if why is not None:
@@ -47,16 +51,16 @@ class Downstream:
                 print(f"megaframe: warning: train.downstream_interval: {why}; no downstream scores",
                       file=sys.stderr, flush=True)
             return None
-        return cls(cfg, mesh, load_tokenizer(rec["path"]))
+        return cls(t, mesh, load_tokenizer(rec["path"]))
 
     def due(self, step: int) -> bool:
-        return step % self.cfg.train.downstream_interval == 0 or step == self.cfg.train.max_steps
+        return step % self.t.downstream_interval == 0 or step == self.t.max_steps
 
     def score(self, step: int, model) -> tuple[dict[str, float], float]:
         from megaframe.evaluation.lm_eval_adapter import MegaframeLM
         from megaframe.evaluation.lm_tasks import format_scores, run_tasks
 
-        t0, t = time.perf_counter(), self.cfg.train
+        t0, t = time.perf_counter(), self.t
         was_training = model.training
         model.eval()
         counted = self.mesh.stats.pop()  # keep scoring traffic out of the step's comm_bytes

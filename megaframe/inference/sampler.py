@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from megaframe.config.schema import DataConfig, TrainConfig
 from megaframe.parallel import comm
 from megaframe.pipeline import p2p
 
@@ -71,31 +72,32 @@ def greedy(model, mesh, prompt: list[int], new_tokens: int, vocab: int) -> list[
 class Sampler:
     """Built once per run when train.sample_interval > 0; `sample(step, model, tracker)` at due steps."""
 
-    def __init__(self, cfg, mesh, tokenizer):
-        self.cfg, self.mesh, self.tok = cfg, mesh, tokenizer
-        self.prompts = [(p, tokenizer.encode([p])[0]) for p in cfg.train.sample_prompts]
+    def __init__(self, t: TrainConfig, mesh, tokenizer):
+        self.t, self.mesh, self.tok = t, mesh, tokenizer
+        self.prompts = [(p, tokenizer.encode([p])[0]) for p in t.sample_prompts]
 
     @classmethod
-    def build(cls, cfg, mesh) -> "Sampler | None":
+    def build(cls, t: TrainConfig, d: DataConfig, mesh) -> "Sampler | None":
+        """None unless train.sample_interval > 0 and the data group `d` names a tokenizer."""
         from megaframe.data.tokenizer import load_tokenizer
         from megaframe.inference.files import tokenizer_record
 
-        if cfg.train.sample_interval <= 0:
+        if t.sample_interval <= 0:
             return None
-        rec = tokenizer_record(cfg.data)
+        rec = tokenizer_record(d)
         if rec is None:
             if mesh.is_logger:
                 print("megaframe: warning: train.sample_interval: no tokenizer (synthetic data?); no samples",
                       file=sys.stderr, flush=True)
             return None
-        return cls(cfg, mesh, load_tokenizer(rec["path"]))
+        return cls(t, mesh, load_tokenizer(rec["path"]))
 
     def _text(self, prompt: list[int], new: list[int]) -> str:
         """The continuation's text (decoded after the prompt: sentencepiece drops a text's leading space)."""
         return self.tok.decode(prompt + new)[len(self.tok.decode(prompt)):]
 
     def due(self, step: int) -> bool:
-        return step % self.cfg.train.sample_interval == 0
+        return step % self.t.sample_interval == 0
 
     def _append(self, path: Path, text: str) -> None:
         """samples.jsonl is not worth a run: a full disk is one warning (the first time), then the console only."""
@@ -115,7 +117,7 @@ class Sampler:
         model.eval()
         counted = self.mesh.stats.pop()  # keep sampling traffic out of the step's comm_bytes
         try:
-            rows = [(p, self._text(ids, greedy(model, self.mesh, ids, self.cfg.train.sample_tokens,
+            rows = [(p, self._text(ids, greedy(model, self.mesh, ids, self.t.sample_tokens,
                                                self.tok.vocab_size))) for p, ids in self.prompts]
         finally:
             model.train(was_training)

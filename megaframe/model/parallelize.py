@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from megaframe.config.choices import CPComm
-from megaframe.config.schema import ModelConfig
+from megaframe.config.schema import ModelConfig, OptimConfig, ParallelConfig, TrainConfig
 from megaframe.layers.fp8 import enable_fp8
 from megaframe.layers.shard import InitSpec, init_model
 from megaframe.model.gpt import GPT
@@ -26,38 +26,47 @@ PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.bflo
 
 
 def build(cfg, mesh: Mesh) -> tuple[GPT, Optimizer]:
-    """This rank's model and its optimizer for the run config `cfg` (a megaframe.config.Config)."""
-    model = build_model(cfg, mesh)
-    return model, build_optimizer(model, cfg.optim, mesh)
+    """build_for with the groups of the run config `cfg` (a megaframe.config.Config)."""
+    return build_for(cfg.model, cfg.parallel, cfg.train, cfg.optim, mesh)
 
 
-def rank_stage(cfg, mesh: Mesh, schedule: ScheduleSpec) -> Stage:
+def build_for(m: ModelConfig, p: ParallelConfig, t: TrainConfig, o: OptimConfig,
+              mesh: Mesh) -> tuple[GPT, Optimizer]:
+    """This rank's model and its optimizer, from the model, parallel, train and optim groups."""
+    model = build_model_for(m, p, t, o, mesh)
+    return model, build_optimizer(model, o, mesh)
+
+
+def rank_stage(m: ModelConfig, p: ParallelConfig, mesh: Mesh, schedule: ScheduleSpec) -> Stage:
     """This rank's chunks of layers, placed as `schedule` places them (a loop or a V); every rank derives
     its stage from the same config, so the pipeline neighbours agree on the cut."""
-    p = cfg.parallel
-    return stage_layout(cfg.model.num_layers, mesh.pp.size, p.vpp, mesh.pp.rank, p.pp_layout, v=schedule.v)
+    return stage_layout(m.num_layers, mesh.pp.size, p.vpp, mesh.pp.rank, p.pp_layout, v=schedule.v)
 
 
 def build_model(cfg, mesh: Mesh) -> GPT:
+    """build_model_for with the groups of the run config `cfg` (a megaframe.config.Config)."""
+    return build_model_for(cfg.model, cfg.parallel, cfg.train, cfg.optim, mesh)
+
+
+def build_model_for(m: ModelConfig, p: ParallelConfig, t: TrainConfig, o: OptimConfig, mesh: Mesh) -> GPT:
     """This rank's part of the model, initialised, its parameters in the run's dtype (train.precision).
 
     The parameters are created on the meta device (shapes only), then each gets only its tp/ep slice, in
     the run's dtype, drawn straight into it: no fp32 copy of the local model is ever built. Under ZeRO-3
     with dp > 1 they stay on meta: the optimizer materialises this rank's owned segments only
     (optim/zero3.py, from `model.init_spec`), and the gathers give the rest when a forward needs it."""
-    p, t = cfg.parallel, cfg.train
     # parallel.pp_schedule (auto included) resolved once: the stage's placement and the step's schedule
     # (training/step.py reads model.schedule) come from the same spec
     schedule = schedule_spec(p.pp_schedule, p.vpp)
-    model = GPT(cfg.model, mesh, p.sp, stage=rank_stage(cfg, mesh, schedule),
-                tokens_per_step=t.global_batch_size * cfg.model.seq_length, recompute=t.recompute,
+    model = GPT(m, mesh, p.sp, stage=rank_stage(m, p, mesh, schedule),
+                tokens_per_step=t.global_batch_size * m.seq_length, recompute=t.recompute,
                 cp_ring=CPComm(p.cp_comm) is CPComm.ring, param_device=torch.device("meta"))
     # the one cast: free on a meta model; buffers too (the router keeps its bias fp32)
     model.to(PARAM_DTYPES[t.precision])
     model.schedule = schedule
-    model.init_spec = InitSpec(t.seed, cfg.model.init_std, cfg.model.num_layers)
-    if not deferred_init(cfg, mesh):
-        init_model(model, t.seed, cfg.model.init_std, cfg.model.num_layers, mesh.device)
+    model.init_spec = InitSpec(t.seed, m.init_std, m.num_layers)
+    if not deferred_init(o, mesh):
+        init_model(model, t.seed, m.init_std, m.num_layers, mesh.device)
     # the blocks' GEMMs as torchao float8 (parameters stay as they are); a planning (meta) model keeps the
     # bf16 GEMMs, whose saved tensors are the same size as the float8 path's high-precision ones
     if t.precision == "fp8" and torch.device(mesh.device).type != "meta":
@@ -75,10 +84,10 @@ def whole_model(cfg: ModelConfig, device: str = "cpu") -> GPT:
     return GPT(cfg, single_process_mesh(device), sp=False)
 
 
-def deferred_init(cfg, mesh: Mesh) -> bool:
+def deferred_init(o: OptimConfig, mesh: Mesh) -> bool:
     """Whether build_model leaves the parameters on meta for ZeRO-3 to materialise (build_optimizer's
     choice of Zero3Optimizer), or materialises them itself. A meta mesh (planning) never materialises."""
-    return cfg.optim.zero == 3 and mesh.dp.size > 1 or mesh.device.type == "meta"
+    return o.zero == 3 and mesh.dp.size > 1 or mesh.device.type == "meta"
 
 
 def compile_blocks(model: GPT) -> None:

@@ -21,7 +21,7 @@ from megaframe.runops.faults import Injector
 
 
 class StragglerProbe:
-    """Passed to train_step: begin(step) opens the step's compute window; `spans` is the executor's
+    """Passed to optimizer_step: begin(step) opens the step's compute window; `spans` is the executor's
     timeline of (action, start, end)."""
 
     def __init__(self, injector: Injector | None = None):
@@ -30,7 +30,7 @@ class StragglerProbe:
         self.compute_s, self.steps = 0.0, 0
 
     def begin(self, step: int) -> None:
-        # the previous step's spans: the executor fills them during train_step, after begin()
+        # the previous step's spans: the executor fills them during optimizer_step, after begin()
         self._fold()
         self.steps += 1
         if self.injector is not None:

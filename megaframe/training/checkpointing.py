@@ -94,7 +94,8 @@ class Checkpointer:
         cfg, mesh, t0 = self.cfg, self.mesh, time.perf_counter()
         root = cfg.checkpoint.dir
         consumed = self.acct.consumed(step)
-        data = {**data_state(cfg, step, self.order), "consumed_samples": consumed}
+        t = cfg.train
+        data = {**data_state(cfg.data, step, t.seed, t.global_batch_size, self.order), "consumed_samples": consumed}
         meta = {"consumed_samples": consumed,
                 "layout": {"tp": mesh.tp.size, "cp": mesh.cp.size, "pp": mesh.pp.size, "dp": mesh.dp.size,
                            "ep": mesh.ep.size, "sp": cfg.parallel.sp},

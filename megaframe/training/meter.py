@@ -9,7 +9,8 @@ import time
 import torch
 
 from megaframe.checkpoint.resume_checks import Accounting
-from megaframe.config import Config
+from megaframe.config.derived import Derived
+from megaframe.config.schema import ModelConfig
 from megaframe.errors import TrainingError
 from megaframe.model.moe import stats as moe_stats
 from megaframe.parallel.mesh import Mesh
@@ -65,10 +66,11 @@ class Meter:
     step's own. `time` is unix seconds at the log line; `step_time_s` the mean wall time of those
     steps, evaluation excluded."""
 
-    def __init__(self, cfg: Config, mesh: Mesh, acct: Accounting):
-        self.cfg, self.mesh, self.acct = cfg, mesh, acct
-        self.tokens_step = cfg.train.global_batch_size * cfg.model.seq_length
-        self.fpt = flops_per_token(cfg.model)
+    def __init__(self, m: ModelConfig, derived: Derived, mesh: Mesh, acct: Accounting):
+        """`m`: the model group (FLOPs per token, layers); `derived`: the run's record (tokens per step)."""
+        self.model_cfg, self.mesh, self.acct = m, mesh, acct
+        self.tokens_step = derived.tokens_per_step
+        self.fpt = flops_per_token(m)
         # only the logger reports MFU; the other ranks skip the peak measurement
         self.peak = peak_flops(mesh.device) if mesh.is_logger else 0.0
         self.t_last, self.steps, self.loss_sum = time.perf_counter(), 0, None
@@ -127,6 +129,6 @@ class Meter:
         """aux_loss, z_loss and the per-layer expert-load figures (MoE models); warns on imbalance."""
         row = moe_stats.metrics(model, self.mesh)
         if row and self.mesh.is_logger:
-            for line in moe_stats.imbalance_warnings({"step": step, **row}, self.cfg.model.num_layers):
+            for line in moe_stats.imbalance_warnings({"step": step, **row}, self.model_cfg.num_layers):
                 print(line, file=sys.stderr, flush=True)
         return row

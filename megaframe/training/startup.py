@@ -6,6 +6,7 @@ import math
 import sys
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -21,7 +22,7 @@ from megaframe.data.stages import StagedData
 from megaframe.evaluation.downstream import Downstream
 from megaframe.inference.sampler import Sampler
 from megaframe.model.gpt import GPT
-from megaframe.model.parallelize import build
+from megaframe.model.parallelize import build_for
 from megaframe.optim.lr_schedule import schedule_warnings
 from megaframe.optim.protocol import Optimizer
 from megaframe.parallel import comm
@@ -63,13 +64,15 @@ def set_up(cfg: Config, mesh: Mesh, faults=None, run_id: str = "") -> Setup:
     # a phase ends on every path: a CPU profiler left running when an error ends the run crashes the
     # interpreter at exit (SIGSEGV instead of exit 2)
     with phases.phase("startup"):
-        model, optimizer = build(cfg, mesh)
+        model, optimizer = build_for(cfg.model, cfg.parallel, cfg.train, cfg.optim, mesh)
     phases.track(model, optimizer)
     try:
         data = build_data(cfg)
-        evaluator = Evaluator.build(cfg, mesh)  # None unless train.eval_interval > 0
-        sampler = Sampler.build(cfg, mesh)  # None unless train.sample_interval > 0
-        downstream = Downstream.build(cfg, mesh)  # None unless train.downstream_interval > 0
+        valid = partial(build_data, cfg, split="valid")
+        # each None unless its train.*_interval > 0
+        evaluator = Evaluator.build(cfg.train, mesh, valid, cfg.model.seq_length)
+        sampler = Sampler.build(cfg.train, cfg.data, mesh)
+        downstream = Downstream.build(cfg.train, cfg.data, mesh)
     except (OSError, ValueError, KeyError) as e:
         # the key the run reads: a blend or stages run never read the data= preset's data.path
         d = cfg.data

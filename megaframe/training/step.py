@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from megaframe.config.derived import Derived, derive
-from megaframe.config.schema import Config
+from megaframe.config.schema import OptimConfig
 from megaframe.model.moe import stats as moe_stats
 from megaframe.optim.lr_schedule import lr_at
 from megaframe.parallel.mesh import Mesh
@@ -30,33 +30,42 @@ class StepResult:
     lr: float
 
 
-def rank_schedule(cfg: Config, mesh: Mesh, num_microbatches: int,
+def rank_schedule(cfg, mesh: Mesh, num_microbatches: int,
                   spec: ScheduleSpec | None = None, derived: Derived | None = None) -> list[Action]:
-    """This rank's pipeline schedule (with pp = 1: forward, backward, forward, backward, ...). `spec`: the
-    one the model was built for (model/parallelize.py resolves parallel.pp_schedule once, at build); without
-    one, the run's derived record's kind (config/derived.py)."""
+    """This rank's pipeline schedule (with pp = 1: forward, backward, forward, backward, ...) for the run
+    config `cfg`. `spec`: the one the model was built for (model/parallelize.py resolves
+    parallel.pp_schedule once, at build); without one, the run's derived record's kind (config/derived.py)."""
     kind = spec.name if spec is not None else (derived or derive(cfg, mesh.world)).pp_schedule
     return build_schedule(kind, mesh.pp.size, cfg.parallel.vpp, num_microbatches, mesh.pp.rank)
 
 
-def train_step(model, optimizer, batches, mesh: Mesh, cfg: Config, step: int, probe=None,
+def train_step(model, optimizer, batches, mesh: Mesh, cfg, step: int, probe=None,
                derived: Derived | None = None) -> StepResult:
-    """Run optimizer step number `step` (1-based) on `batches`, this rank's micro-batches.
+    """optimizer_step for the run config `cfg`; `derived`: the run's record (the trainer's, made once),
+    else derived here for a caller outside the loop."""
+    return optimizer_step(model, optimizer, batches, mesh, cfg.optim, derived or derive(cfg, mesh.world), step,
+                          probe)
+
+
+def optimizer_step(model, optimizer, batches, mesh: Mesh, o: OptimConfig, derived: Derived, step: int,
+                   probe=None) -> StepResult:
+    """Run optimizer step number `step` (1-based) on `batches`, this rank's micro-batches, with the optim
+    group `o` and the run's derived record (the loss divisor, the schedule, the LR horizon).
 
     `probe` (a training.straggler.StragglerProbe) opens the compute window and collects the
-    executor's forward/backward timings, before any data-parallel or optimizer collective. `derived`:
-    the run's record (the trainer's, made once); a caller outside the loop may leave it to this step."""
-    d = derived or derive(cfg, mesh.world)
+    executor's forward/backward timings, before any data-parallel or optimizer collective."""
+    d = derived
     # the loss divisor is the global token count on every rank: dp and micro-batch sums then give the mean's gradient
     tokens_global = d.tokens_per_step
     optimizer.zero_grad()
     moe_stats.begin_step(model)
     if probe is not None:
         probe.begin(step)
-    schedule = rank_schedule(cfg, mesh, len(batches), getattr(model, "schedule", None), d)
+    # the schedule the model was built for (its stage holds vpp chunks, placed in a loop or a V)
+    kind = model.schedule.name if getattr(model, "schedule", None) is not None else d.pp_schedule
+    schedule = build_schedule(kind, mesh.pp.size, len(model.stage.chunks), len(batches), mesh.pp.rank)
     loss_sum = run_schedule(schedule, model, batches, mesh, optimizer, tokens_global,
                             timeline=probe.spans if probe is not None else None)
-    o = cfg.optim
     # a Python float from the step alone: no device tensor, no sync, the same on every rank
     lr = lr_at(step, o.lr, o.min_lr, o.warmup_steps, d.lr_horizon, o.lr_schedule, o.wsd_decay_fraction)
     norm = optimizer.step(lr)

@@ -30,7 +30,7 @@ from megaframe.training.first_step import first_step_limits
 from megaframe.training.meter import BadSteps, Meter
 from megaframe.training.startup import Setup, announce, batch_loader, set_up
 from megaframe.training.startup import data_label as data_label  # re-exported: its old path, tests import it here
-from megaframe.training.step import StepResult, train_step
+from megaframe.training.step import StepResult, optimizer_step
 from megaframe.training.threads import apply_threads
 
 
@@ -82,8 +82,8 @@ def take_run_dir(cfg: Config, mesh: Mesh) -> FolderLocks:
     locks, err = FolderLocks(), None
     if mesh.rank == 0:
         try:
-            locks = claim(cfg)
-            locks.owner = settle(cfg)
+            locks = claim(cfg.run, cfg.checkpoint)
+            locks.owner = settle(cfg.run, cfg.checkpoint)
         except ConfigError as e:
             locks.release()
             err = str(e)
@@ -134,7 +134,7 @@ class Loop:
     def __init__(self, cfg: Config, mesh: Mesh, su: Setup, guard: RunGuard, ids: tuple[str, str]):
         self.cfg, self.mesh, self.su, self.guard, self.start = cfg, mesh, su, guard, su.resumed.step
         self.tracker = Tracker(cfg, cfg.run.dir, mesh.is_logger, cfg.train.max_steps)
-        self.meters = Meter(cfg, mesh, su.acct)
+        self.meters = Meter(cfg.model, su.derived, mesh, su.acct)
         # on CUDA the grad norms are read (a host sync) only at log steps; on CPU reading is free
         self.bad = BadSteps(cfg.train.max_bad_steps, mesh.rank == 0, defer=mesh.device.type == "cuda")
         watchdog = guard.watch()
@@ -159,7 +159,8 @@ class Loop:
         limits = (first_step_limits(self.mesh, self.guard.watchdog, t.compile_timeout_s, t.dist_timeout_s)
                   if t.compile and step == self.start + 1 else contextlib.nullcontext())
         with limits, su.phases.phase("step"):  # the first step's peak (grads and moments appear in it)
-            res = train_step(su.model, su.optimizer, batches, self.mesh, self.cfg, step, self.guard.probe, su.derived)
+            res = optimizer_step(su.model, su.optimizer, batches, self.mesh, self.cfg.optim, su.derived, step,
+                                 self.guard.probe)
         self.meters.add(res)
         try:
             self.bad.check(step, res.grad_norm, flush=step % t.log_interval == 0 or step == t.max_steps)

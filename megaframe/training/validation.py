@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from megaframe.data.dataset import build_data, microbatches
+from megaframe.config.schema import TrainConfig
+from megaframe.data.dataset import microbatches
 from megaframe.pipeline.executor import reduce_loss, run_schedule
 from megaframe.pipeline.schedule import forward_schedule
 
@@ -20,22 +21,25 @@ from megaframe.pipeline.schedule import forward_schedule
 class Evaluator:
     """Built once per run; `maybe(step, model)` returns val_loss at evaluation steps, else None."""
 
-    def __init__(self, cfg, mesh):
-        self.cfg, self.mesh = cfg, mesh
-        self.data = build_data(cfg, split="valid")  # OSError/ValueError: the caller's ConfigError
+    def __init__(self, t: TrainConfig, mesh, data, seq_length: int):
+        """`data`: the validation split's samples; `seq_length`: model.seq_length (tokens per sample)."""
+        self.t, self.mesh, self.data = t, mesh, data
+        self.tokens = t.eval_iters * t.global_batch_size * seq_length
 
     @classmethod
-    def build(cls, cfg, mesh) -> "Evaluator | None":
-        return cls(cfg, mesh) if cfg.train.eval_interval > 0 else None
+    def build(cls, t: TrainConfig, mesh, valid, seq_length: int) -> "Evaluator | None":
+        """None unless train.eval_interval > 0; `valid()` reads the validation samples only then (its
+        OSError/ValueError is the caller's ConfigError)."""
+        return cls(t, mesh, valid(), seq_length) if t.eval_interval > 0 else None
 
     def due(self, step: int) -> bool:
-        return step % self.cfg.train.eval_interval == 0 or step == self.cfg.train.max_steps
+        return step % self.t.eval_interval == 0 or step == self.t.max_steps
 
     def maybe(self, step: int, model) -> float | None:
         return self.evaluate(model) if self.due(step) else None
 
     def evaluate(self, model) -> float:
-        t, mesh = self.cfg.train, self.mesh
+        t, mesh = self.t, self.mesh
         was_training = model.training
         model.eval()  # no dropout
         total = torch.zeros((), device=mesh.device)
@@ -49,9 +53,8 @@ class Evaluator:
                                            mesh.dp.size, t.seed, mesh.device, cp_rank=mesh.cp.rank,
                                            cp_size=mesh.cp.size)
                     total += loss_sum(model, batches, mesh)
-            tokens = t.eval_iters * t.global_batch_size * self.cfg.model.seq_length
-            # the evaluation's one host sync
-            return reduce_loss(total, model, mesh).item() / tokens  # meaningful on the last pipeline stage
+            # the evaluation's one host sync; meaningful on the last pipeline stage
+            return reduce_loss(total, model, mesh).item() / self.tokens
         finally:
             model.train(was_training)
             mesh.stats.pop()

@@ -1,5 +1,5 @@
 """The files a reader opens to follow one training step: every megaframe file whose code runs in one
-steady-state iteration of the loop (from the second call of `train_step` to the third: the batch, the
+steady-state iteration of the loop (from the second call of `optimizer_step` to the third: the batch, the
 step, the optimizer, the meter, the stop and save checks), plus train.py and the loop's own file.
 
     PYTHONPATH=. python scripts/dev/step_files.py [hydra overrides ...]
@@ -25,7 +25,7 @@ def main() -> int:
         if event != "call":
             return
         code = frame.f_code
-        if code.co_name == "train_step" and "megaframe" in code.co_filename:
+        if code.co_name == "optimizer_step" and "megaframe" in code.co_filename:
             calls[0] += 1
         if calls[0] == 2 and code.co_filename.startswith(str(ROOT / "megaframe")):
             seen.setdefault(str(Path(code.co_filename).relative_to(ROOT)), None)

@@ -12,7 +12,7 @@ a barrier over every rank of the job, which the step loop must not take every st
 
 `syncs_per_step` runs the real trainer loop (`training.trainer.train`: stop flag, async checkpoint
 commit, bad-step checks, logging) in the rank pool and attributes each event to the step whose
-`train_step` call it follows.
+`optimizer_step` call it follows.
 """
 from __future__ import annotations
 
@@ -118,7 +118,7 @@ def syncs_per_step(mesh, overrides: list[str], steps: int, run_dir: str) -> dict
     cfg = tiny_config(overrides + [f"train.max_steps={steps}", f"train.log_interval={steps}", "train.hang_timeout_s=0",
                                    f"run.dir={run_dir}", f"checkpoint.dir={run_dir}/checkpoints"], mesh.world)
     counter = SyncCounter(mesh)
-    real_step, real_bad = trainer.train_step, trainer.BadSteps
+    real_step, real_bad = trainer.optimizer_step, trainer.BadSteps
 
     def bad_steps(limit, verbose, defer=False):
         """On CPU the trainer reads grad norms every step (free there), on CUDA at log steps only:
@@ -129,7 +129,7 @@ def syncs_per_step(mesh, overrides: list[str], steps: int, run_dir: str) -> dict
         counter.mark()
         return real_step(*args, **kwargs)
 
-    with mock.patch.object(trainer, "train_step", marked), mock.patch.object(trainer, "BadSteps", bad_steps):
+    with mock.patch.object(trainer, "optimizer_step", marked), mock.patch.object(trainer, "BadSteps", bad_steps):
         with counter:
             trainer.train(cfg, mesh, StopFlag())
     mine = counter.steps[1:]  # [0] is start-up

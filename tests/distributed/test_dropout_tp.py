@@ -22,7 +22,7 @@ def replica_spread(mesh, overrides: list[str], steps: int, run_dir: str) -> dict
     cfg = tiny_config(overrides + [f"train.max_steps={steps}", f"train.log_interval={steps}", "train.hang_timeout_s=0",
                                    f"run.dir={run_dir}", f"checkpoint.dir={run_dir}/checkpoints"], mesh.world)
     outs, seen = [], {}
-    real = trainer.train_step
+    real = trainer.optimizer_step
 
     def hooked(model, *args, **kwargs):
         if not seen:
@@ -31,7 +31,7 @@ def replica_spread(mesh, overrides: list[str], steps: int, run_dir: str) -> dict
                 block.register_forward_hook(lambda m, i, o: outs.append(o.detach().clone()))
         return real(model, *args, **kwargs)
 
-    with mock.patch.object(trainer, "train_step", hooked):
+    with mock.patch.object(trainer, "optimizer_step", hooked):
         trainer.train(cfg, mesh, StopFlag())
     norms = {n: p.detach() for n, p in seen["model"].named_parameters() if "norm" in n}
     mine = (torch.stack([o.flatten() for o in outs]), norms)

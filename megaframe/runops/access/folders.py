@@ -11,25 +11,26 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from megaframe.config.schema import CheckpointConfig, RunConfig
 from megaframe.errors import ConfigError
 from megaframe.runops.access.runlock import RunDirBusy, RunLock
 
 
-def written(cfg) -> list[tuple[str, str]]:
+def written(run: RunConfig, ckpt: CheckpointConfig) -> list[tuple[str, str]]:
     """(config key, folder) of everything a run writes; the subfolders of run.dir (samples, hang/,
     nccl_trace/) are probed through it."""
-    return [("run.dir", cfg.run.dir), ("checkpoint.dir", cfg.checkpoint.dir)]
+    return [("run.dir", run.dir), ("checkpoint.dir", ckpt.dir)]
 
 
-def check_names(cfg) -> None:
+def check_names(run: RunConfig, ckpt: CheckpointConfig) -> None:
     """No process group, no file system writes: an empty folder name (`run.dir=$RUN_DIR` with the
     variable unset) would put checkpoints at /checkpoints and the lock in the current directory."""
-    for key, value in written(cfg):
+    for key, value in written(run, ckpt):
         if not str(value).strip():
             raise ConfigError(f"{key}={value!r} must not be empty (an unset shell variable?)")
-    if not str(cfg.run.dir).strip("/"):
-        raise ConfigError(f"run.dir={cfg.run.dir!r} is the file system root; name a run folder")
-    for key, value in written(cfg):
+    if not str(run.dir).strip("/"):
+        raise ConfigError(f"run.dir={run.dir!r} is the file system root; name a run folder")
+    for key, value in written(run, ckpt):
         # a folder below an existing plain file can never be created: refused before any rank starts
         for parent in [Path(value), *Path(value).parents]:
             if parent.exists():
@@ -108,12 +109,12 @@ def peer_bad_input(run_dir: str) -> str | None:
         return None
 
 
-def claim(cfg) -> FolderLocks:
+def claim(run: RunConfig, ckpt: CheckpointConfig) -> FolderLocks:
     """Probe and lock every folder the run writes (rank 0 only); ConfigError naming the first problem.
     run.dir first: a refused second job then creates nothing in a shared checkpoint folder."""
     held, seen = FolderLocks(), set()
     try:
-        for key, folder in written(cfg):
+        for key, folder in written(run, ckpt):
             if key == "checkpoint.dir" and not Path(folder).exists():
                 held.created.append(Path(folder))
             probe(key, folder)
@@ -133,5 +134,5 @@ def claim(cfg) -> FolderLocks:
         held.release()
         raise
     # a line left by an earlier launch is not this run's (the lock makes us the only writer now)
-    (Path(cfg.run.dir) / BAD_INPUT).unlink(missing_ok=True)
+    (Path(run.dir) / BAD_INPUT).unlink(missing_ok=True)
     return held

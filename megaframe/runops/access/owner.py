@@ -27,6 +27,7 @@ from pathlib import Path
 from megaframe.atomic import write_atomic
 from megaframe.checkpoint import lineage, resolve
 from megaframe.checkpoint.metadata import committed
+from megaframe.config.schema import CheckpointConfig, RunConfig
 from megaframe.errors import ConfigError
 
 ID_NAME = "megaframe.run_id"
@@ -66,22 +67,22 @@ def _heads(root: Path) -> list[Path]:
     return [found] if found is not None else []
 
 
-def settle(cfg) -> str:
+def settle(run: RunConfig, ckpt: CheckpointConfig) -> str:
     """Rank 0, under the run lock: this run's id (read, adopted or new; written to run.dir), or ConfigError
     when checkpoint.dir belongs to another run and checkpoint.resume does not continue one of its checkpoints."""
-    run_dir, root = Path(cfg.run.dir), Path(cfg.checkpoint.dir)
+    run_dir, root = Path(run.dir), Path(ckpt.dir)
     mine, heads = read_id(run_dir), _heads(root)
     if mine is None and heads and root.resolve().is_relative_to(run_dir.resolve()):
         mine = _sole_owner(root)  # the folder's own checkpoints: their run is this folder's
-    mine = mine or new_id(cfg.run.name)
+    mine = mine or new_id(run.name)
     foreign = next((h for h in heads if owner(h)[0] not in (None, mine)), None)
-    if foreign is not None and not _continues(cfg.checkpoint.resume, root):
-        raise ConfigError(refusal(cfg, foreign))
+    if foreign is not None and not _continues(ckpt.resume, root):
+        raise ConfigError(refusal(run, ckpt, foreign))
     if read_id(run_dir) != mine:
         try:
             write_atomic(run_dir / ID_NAME, mine + "\n")
         except OSError as e:  # rank 0 alone is here: an exception would leave the peers waiting in the broadcast
-            raise ConfigError(f"run.dir={cfg.run.dir}: cannot record the run id ({e.strerror or e})") from None
+            raise ConfigError(f"run.dir={run.dir}: cannot record the run id ({e.strerror or e})") from None
     return mine
 
 
@@ -98,13 +99,13 @@ def _continues(resume: str, root: Path) -> bool:
     return resume not in ("auto", "none") and Path(resume).resolve().parent == root.resolve()
 
 
-def refusal(cfg, head: Path) -> str:
+def refusal(run: RunConfig, ckpt: CheckpointConfig, head: Path) -> str:
     who, where = owner(head)
-    root, r = cfg.checkpoint.dir, cfg.checkpoint.resume
+    root, r = ckpt.dir, ckpt.resume
     what = {"auto": "checkpoint.resume=auto continues only this run's own checkpoints",
             "none": "checkpoint.resume=none would start a second run beside them and move their `latest`"}.get(
         r, f"checkpoint.resume={r} is not one of its checkpoints: this run would move their `latest`")
     return (f"checkpoint.dir={root}: its newest checkpoint {head.name} belongs to another run ({who}, run.dir "
-            f"{where}), not to this run.dir={cfg.run.dir}; {what}. To continue that run's checkpoint on purpose, "
+            f"{where}), not to this run.dir={run.dir}; {what}. To continue that run's checkpoint on purpose, "
             f"pass checkpoint.resume={head} (or checkpoint.resume={root}); to start anew, give this run its own "
             "checkpoint.dir")

@@ -109,7 +109,7 @@ def test_build_data_from_a_command_line_blend(two):
     train, valid = build_data(cfg), build_data(cfg, split="valid")
     assert isinstance(train, BlendedData) and train.weights == pytest.approx([0.7, 0.3])
     assert [p.num_tokens for p in valid.parts] == [PreparedData(x, 8, "valid", 0.1).num_tokens for x in two]
-    state = data_state(cfg, 10)
+    state = data_state(cfg.data, 10, cfg.train.seed, cfg.train.global_batch_size)
     assert state["consumed_samples"] == 10 * cfg.train.global_batch_size and len(state["blend"]) == 2
 
 
@@ -154,7 +154,8 @@ def test_stages_from_the_command_line_and_their_checks(tmp_path):
                       world_size=1, check_data=False)
     data = build_data(cfg)  # 640 tokens = 80 samples: rounded up to whole global batches of 16
     assert isinstance(data, StagedData) and data.ends[0] == 80
-    assert [s["until_tokens"] for s in data_state(cfg, 1)["stages"]] == [640, None]
+    state = data_state(cfg.data, 1, cfg.train.seed, cfg.train.global_batch_size)
+    assert [s["until_tokens"] for s in state["stages"]] == [640, None]
     for bad, needle in [(f"[{{blend: [{{path: {a}, weight: 1}}]}}, {{blend: [{{path: {b}, weight: 1}}]}}]", "no end"),
                         (f"[{{until_step: 5, blend: [{{path: {a}, weight: 1}}]}}, {{until_step: 5, blend: "
                          f"[{{path: {b}, weight: 1}}]}}]", "ends at or before"),

@@ -68,7 +68,8 @@ def checkpoint(tmp: Path, overrides: list[str], preset_path: Path) -> tuple[Path
                       world_size=1)
     config = plain(cfg)
     config["data"]["path"] = str(preset_path)
-    meta = {"consumed_samples": 8, "data": data_state(cfg, 2), "tokenizer": tokenizer_identity(cfg.data),
+    data = data_state(cfg.data, 2, cfg.train.seed, cfg.train.global_batch_size)
+    meta = {"consumed_samples": 8, "data": data, "tokenizer": tokenizer_identity(cfg.data),
             "config": config}
     mesh = single_process_mesh()
     step = sharded.save(tmp / "ckpt", 2, build_model(cfg, mesh), WeightsOnly(), mesh, meta)
@@ -144,7 +145,8 @@ def meta_of(cfg, step: int = 4) -> dict:
     """What the trainer records at `step` (the fields check_resume reads)."""
     consumed = step * cfg.train.global_batch_size
     return {"step": step, "consumed_samples": consumed, "config": plain(cfg),
-            "data": data_state(cfg, step), "tokenizer": tokenizer_identity(cfg.data)}
+            "data": data_state(cfg.data, step, cfg.train.seed, cfg.train.global_batch_size),
+            "tokenizer": tokenizer_identity(cfg.data)}
 
 
 def config(tmp_path, *overrides: str):

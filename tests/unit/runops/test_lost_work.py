@@ -17,7 +17,7 @@ from megaframe.runops.access.runlock import LOCK_NAME, RunDirBusy, RunLock
 def claim(cfg):
     from megaframe.runops.access.folders import claim as take
 
-    return take(cfg)
+    return take(cfg.run, cfg.checkpoint)
 
 
 def dirs(run_dir, ckpt_dir):

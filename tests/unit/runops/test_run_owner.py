@@ -25,8 +25,7 @@ def ckpt(root, step, who, parent=None, run_dir="/elsewhere"):
 
 def cfg(run_dir, ckpt_dir, resume="auto"):
     run_dir.mkdir(parents=True, exist_ok=True)  # folders.claim made it
-    return SimpleNamespace(run=SimpleNamespace(dir=str(run_dir), name="b"),
-                           checkpoint=SimpleNamespace(dir=str(ckpt_dir), resume=str(resume)))
+    return SimpleNamespace(dir=str(run_dir), name="b"), SimpleNamespace(dir=str(ckpt_dir), resume=str(resume))
 
 
 @pytest.fixture
@@ -43,7 +42,7 @@ def test_another_runs_checkpoint_dir_is_refused_unless_asked(tmp_path, shared, r
     if resume == "elsewhere":
         resume = ckpt(tmp_path / "other", 1, None)
     with pytest.raises(ConfigError) as e:
-        owner.settle(cfg(tmp_path / "b", shared, resume))
+        owner.settle(*cfg(tmp_path / "b", shared, resume))
     line = str(e.value)
     assert line.startswith(f"checkpoint.dir={shared}: its newest checkpoint step_00000004 belongs to another run "
                            f"(A, run.dir {tmp_path / 'a'})")
@@ -52,13 +51,13 @@ def test_another_runs_checkpoint_dir_is_refused_unless_asked(tmp_path, shared, r
 
 
 def test_asked_on_purpose_it_continues_and_then_the_folder_is_this_runs(tmp_path, shared):
-    mine = owner.settle(cfg(tmp_path / "b", shared, shared / "step_00000002"))  # a step of that folder
+    mine = owner.settle(*cfg(tmp_path / "b", shared, shared / "step_00000002"))  # a step of that folder
     assert mine != "A" and (tmp_path / "b" / owner.ID_NAME).read_text().strip() == mine
-    assert owner.settle(cfg(tmp_path / "b", shared, shared / "step_00000004")) == mine  # a restart: same id
+    assert owner.settle(*cfg(tmp_path / "b", shared, shared / "step_00000004")) == mine  # a restart: same id
     ckpt(shared, 5, mine, shared / "step_00000004", run_dir=str(tmp_path / "b"))
-    assert owner.settle(cfg(tmp_path / "b", shared)) == mine  # its own `latest` now: auto continues
+    assert owner.settle(*cfg(tmp_path / "b", shared)) == mine  # its own `latest` now: auto continues
     with pytest.raises(ConfigError, match=r"step_00000005 belongs to another run \(" + mine):
-        owner.settle(cfg(tmp_path / "a", shared))  # and A is told, naming B
+        owner.settle(*cfg(tmp_path / "a", shared))  # and A is told, naming B
     # B continued A's history on purpose: B's keep_last never deletes A's checkpoints
     assert lineage.prune(shared, keep_last=1, owner=mine) == []
     assert [p.name for p in lineage.prune(shared, keep_last=1, owner="A")] == ["step_00000004", "step_00000002"]
@@ -78,34 +77,34 @@ def test_the_same_run_and_its_own_folder_continue(tmp_path):
     """Restarts (Slurm requeue, torchrun, the same command) read the id back; a run folder whose id file is
     gone, or into whose checkpoints/ a step was copied, continues its own checkpoints; unowned ones are anyone's."""
     run = tmp_path / "run"
-    first = owner.settle(cfg(run, run / "checkpoints"))
+    first = owner.settle(*cfg(run, run / "checkpoints"))
     ckpt(run / "checkpoints", 3, first, run_dir=str(run))
-    assert owner.settle(cfg(run, run / "checkpoints", "none")) == first
+    assert owner.settle(*cfg(run, run / "checkpoints", "none")) == first
     (run / owner.ID_NAME).unlink()
-    assert owner.settle(cfg(run, run / "checkpoints")) == first  # adopted from the folder's own checkpoints
+    assert owner.settle(*cfg(run, run / "checkpoints")) == first  # adopted from the folder's own checkpoints
     (run / owner.ID_NAME).write_bytes(b"\xff\x00junk")
-    assert owner.settle(cfg(run, run / "checkpoints")) == first  # a damaged id file is no identity either
+    assert owner.settle(*cfg(run, run / "checkpoints")) == first  # a damaged id file is no identity either
     moved = tmp_path / "moved"
     run.rename(moved)
-    assert owner.settle(cfg(moved, moved / "checkpoints")) == first
+    assert owner.settle(*cfg(moved, moved / "checkpoints")) == first
     old = tmp_path / "old"
     ckpt(old, 7, None)  # before owners were recorded, or an import
-    assert owner.settle(cfg(tmp_path / "c", old)) not in (None, first)
+    assert owner.settle(*cfg(tmp_path / "c", old)) not in (None, first)
 
 
 def test_a_run_folder_without_its_id_adopts_no_owner_when_its_checkpoints_have_two(tmp_path):
     """Run B continued A's folder on purpose (its step 7 on A's step 4); A's id file then went. A restart of
     A must be refused as it was with the id, not adopt the newest head's owner and train on B's branch."""
     run, ck = tmp_path / "oa", tmp_path / "oa" / "checkpoints"
-    a = owner.settle(cfg(run, ck))
+    a = owner.settle(*cfg(run, ck))
     ckpt(ck, 4, a, ckpt(ck, 2, a, run_dir=str(run)), run_dir=str(run))
     ckpt(ck, 7, "B", ck / "step_00000004", run_dir=str(tmp_path / "ob2"))
     refused = r"step_00000007 belongs to another run \(B, run.dir " + str(tmp_path / "ob2")
     with pytest.raises(ConfigError, match=refused):
-        owner.settle(cfg(run, ck))
+        owner.settle(*cfg(run, ck))
     (run / owner.ID_NAME).unlink()
     with pytest.raises(ConfigError, match=refused):
-        owner.settle(cfg(run, ck))
+        owner.settle(*cfg(run, ck))
     assert not (run / owner.ID_NAME).exists()  # no identity recorded, least of all B's
 
 
