@@ -55,6 +55,7 @@ def build_model(cfg, mesh: Mesh) -> GPT:
     # the one cast: free on a meta model; buffers too (the router keeps its bias fp32)
     model.to(PARAM_DTYPES[t.precision])
     model.schedule = schedule
+    model.fused_head_loss = t.fused_head_loss  # tp=1: head + loss fused, or the whole logits
     model.init_spec = InitSpec(t.seed, cfg.model.init_std, cfg.model.num_layers)
     if not deferred_init(cfg, mesh):
         init_model(model, t.seed, cfg.model.init_std, cfg.model.num_layers, mesh.device)

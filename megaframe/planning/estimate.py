@@ -40,7 +40,8 @@ from megaframe.pipeline.schedule import ZERO_BUBBLE, F, W, compute_order
 from megaframe.planning.activations import chunk_activation_bytes, head_activation_bytes, w_fraction
 from megaframe.planning.block_memory import on_host as _on_host
 from megaframe.planning.block_memory import plan_documents, working_set_bytes
-from megaframe.planning.phases import RankShape, host_peaks, phase_peaks, today_load, today_startup
+from megaframe.planning.phases import (RankShape, head_kind, host_peaks, phase_peaks, today_load,
+                                       today_startup)
 from megaframe.planning.timing import _bubble, split_costs
 
 
@@ -236,7 +237,8 @@ def rank_shape(model, cfg: Config, mesh) -> RankShape:
                      out_acc=not any(q.placement.pp_tied for q in out_params),
                      block_param_numel=max((q.numel() for b in blocks_of(model) for q in b.parameters()), default=0),
                      head_act=head_activation_bytes(model, t.micro_batch_size) if model.stage.last else 0,
-                     read_bytes=_read_bytes(model, cfg, mesh, zero, elem), gloo=_on_host(cfg))
+                     read_bytes=_read_bytes(model, cfg, mesh, zero, elem), gloo=_on_host(cfg),
+                     head_kind=head_kind(mesh.tp.size, cfg.train.fused_head_loss))
 
 
 def _read_bytes(model, cfg: Config, mesh, zero: int, elem: int) -> int:

@@ -105,6 +105,8 @@ class RankShape:
     """Bytes of the largest range the rank loads into one destination (0: its largest tensor in fp32)."""
     gloo: bool = False
     """Collectives run on gloo (the cpu), which stages a copy of each (module doc)."""
+    head_kind: str = "fused"
+    """How the loss meets the logits (head_kind()): fused | whole | vocab_parallel."""
 
 
 def written_bytes(s: RankShape, optim_bytes: int) -> int:
@@ -131,8 +133,7 @@ def phase_peaks(s: RankShape, params: int, grads: int, optim: int, activations: 
         cast = s.param_elem if s.param_elem != 4 else 0
         init = (4 + cast) * (s.read_bytes // 4 or s.largest_numel // s.shard) + INIT_BLOCK_BYTES
     host = host_peaks(s, optim) if on_host else {"save": 0}
-    head = HEAD_FP32_COPIES * 4 * min(s.head_logits, HEAD_CHUNK_ELEMS["cpu"]) if s.gloo else \
-        HEAD_FP32_COPIES * s.param_elem * min(s.head_logits, HEAD_CHUNK_ELEMS["cuda"])
+    head = head_transient_bytes(s)
     step = zero3_step(s, resident, activations, head) if s.zero == 3 else resident + activations + head
     if s.zero == 1 and s.gloo:  # gloo's copies of ZeRO-1's collectives (module doc), one after the other
         step = max(step, resident + grads, resident + params)
@@ -145,6 +146,35 @@ def phase_peaks(s: RankShape, params: int, grads: int, optim: int, activations: 
             "save": resident + host["save"],
             # on a GPU the staged range's device copy; on the cpu the staging buffer itself: one of either
             "load": resident - grads + staging_bytes(s)}
+
+
+def head_kind(tp: int, fused_head_loss: bool) -> str:
+    """The loss path the model runs (model/gpt.py _head_output): the fused head + loss at tp=1 unless
+    train.fused_head_loss=false (the whole logits), the vocab-parallel loss under tp > 1."""
+    if tp > 1:
+        return "vocab_parallel"
+    return "fused" if fused_head_loss else "whole"
+
+
+def head_transient_bytes(s: RankShape) -> int:
+    """The head and loss's bytes beyond what the loss saves for backward (that is in the activations: the
+    meta forward counts it), at the forward's moment that holds the most (module doc's step):
+      fused           one chunk's fp32 logits and grad (HEAD_CHUNK_ELEMS; on a GPU in the params' dtype)
+      whole           the logits in the params' dtype and their fp32 copy, beside the fp32 log-softmax
+                      being written (saved); an fp32 run's copy is the logits themselves
+      vocab_parallel  the logits and their max-shifted copy in the params' dtype, beside the exp being
+                      written (saved, then divided in place into the softmax)
+    The backward of either unfused path works in place over the saved tensor, then casts it to the
+    params' dtype: one copy of the logits, never more than the forward's."""
+    if not s.head_logits:
+        return 0
+    if s.head_kind == "whole":
+        return s.head_logits * (s.param_elem + (4 if s.param_elem != 4 else 0))
+    if s.head_kind == "vocab_parallel":
+        return 2 * s.param_elem * s.head_logits
+    if s.gloo:
+        return HEAD_FP32_COPIES * 4 * min(s.head_logits, HEAD_CHUNK_ELEMS["cpu"])
+    return HEAD_FP32_COPIES * s.param_elem * min(s.head_logits, HEAD_CHUNK_ELEMS["cuda"])
 
 
 def zero3_step(s: RankShape, resident: int, activations: int, head: int) -> int:

@@ -74,7 +74,7 @@ def _table1(name: str, layers: int, hidden: int, heads: int, tp: int, pp: int, g
                published_s=step, held_out=held_out, table1=not held_out, fused_attention=False, shard=1)
 
 
-_LLAMA8B = ("model=llama3_8b", "train.precision=bf16")
+_LLAMA8B = ("model=llama3_8b", "train.precision=bf16", "train.fused_head_loss=false")
 _LLAMA405B = ("model=llama3_8b", "train.compile=true",
               "model.num_layers=126", "model.hidden_size=16384", "model.num_attention_heads=128",
               "model.num_query_groups=8", "model.ffn_hidden_size=53248", "train.global_batch_size=2048")
