@@ -13,7 +13,9 @@ the rank's batch in micro-batches of at most 4; 1F1B; ZeRO-1 (Megatron 2021's da
 same bytes); Megatron's GPT with dropout 0.1. Megatron's and Llama 3's own fused kernels are timed as
 train.compile=true (fused elementwise work); torchtitan's rows without torch.compile as eager. torchtitan's
 Llama 3.1 8B rows ran "selective activation checkpointing" with its llama3_8b preset's
-`selective_ac_option = 'op'`: train.recompute=op_selective (model/recompute.py).
+`selective_ac_option = 'op'`: train.recompute=op_selective (model/recompute.py); their loss takes the fp32
+log-softmax of the whole logits: train.fused_head_loss=false. Memory is compared as torchtitan reports it,
+the caching allocator's reserved peak: the planned peak times 1 + the device's alloc_headroom (devices.py).
 """
 from __future__ import annotations
 
