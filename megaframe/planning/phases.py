@@ -196,7 +196,8 @@ def zero3_forward(s: RankShape, resident: int, activations: int, head: int) -> d
     optim.reshard_after_forward every unit the forward gathered is still gathered."""
     kept = s.blocks_bytes if not s.reshard else 0
     return {"resident state": resident, "activations": activations,
-            "zero3 gathered: output unit": s.param_elem * s.out_numel, "zero3 kept gathered (no reshard)": kept,
+            "zero3 gathered: output unit": s.param_elem * s.out_numel,
+            "zero3 kept gathered (no reshard)": kept,
             "logits/loss transient": head}
 
 

@@ -246,7 +246,8 @@ def _shape(cfg: Config, lay: Layout, first: bool, last: bool, a_bytes: int, head
                      logits, a_bytes * block_numel * end_layers(m, lay, first, last),
                      grad_elem=2 if lay.grad_dtype == "bf16" else 4, out_numel=(d + table) if last else 0,
                      out_acc=not tied_across, block_param_numel=block_mat, head_act=head_act if last else 0,
-                     read_bytes=read, gloo=_on_host(cfg), head_kind=head_kind(lay.tp, cfg.train.fused_head_loss),
+                     read_bytes=read, gloo=_on_host(cfg),
+                     head_kind=head_kind(lay.tp, cfg.train.fused_head_loss),
                      reshard=cfg.optim.reshard_after_forward)
 
 

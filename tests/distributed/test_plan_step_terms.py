@@ -50,7 +50,8 @@ def test_without_reshard_every_block_stays_gathered(pool):
     """ZeRO-3's own count of the param bytes gathered at once (Zero3Optimizer.gathered_high): with
     optim.reshard_after_forward=false it reaches every block of the rank (the plan's kept-gathered
     term), where resharding holds less than that (the running and the prefetched block and the ends)."""
-    dims = ["model.hidden_size=256", "model.ffn_hidden_size=512", "model.vocab_size=2048", "model.seq_length=64"]
+    dims = ["model.hidden_size=256", "model.ffn_hidden_size=512", "model.vocab_size=2048",
+            "model.seq_length=64"]
     base = MODEL + dims + ["optim.zero=3"]
     kept = pool.run(gathered_high, 2, base + ["optim.reshard_after_forward=false"])
     resharded = pool.run(gathered_high, 2, base)

@@ -18,8 +18,8 @@ from megaframe.planning.phases import head_transient_bytes
 # a vocabulary much wider than the hidden size: the [tokens, V] tensors are the head's whole peak
 TINY = ["model=llama3_8b", "data=synthetic", "model.num_layers=1", "model.hidden_size=64",
         "model.num_attention_heads=4", "model.num_query_groups=2", "model.ffn_hidden_size=128",
-        "model.seq_length=256", "model.vocab_size=8192", "train.micro_batch_size=2", "train.global_batch_size=2",
-        "train.device=cpu"]
+        "model.seq_length=256", "model.vocab_size=8192", "train.micro_batch_size=2",
+        "train.global_batch_size=2", "train.device=cpu"]
 
 
 def _cfg(*extra: str):
@@ -49,7 +49,8 @@ def test_the_whole_logits_loss_gives_the_fused_losses_and_grads():
 def test_the_whole_logits_transient_is_the_measured_peak(precision):
     """The head and loss's allocator peak over a forward and backward is what the loss saves plus the
     planned transient (logits in the params' dtype and their fp32 copy beside the fp32 log-softmax), within
-    5 %; the fused path's chunked figure would be 12 bytes a logit against the measured 8 (fp32) / 10 (bf16)."""
+    5 %; the fused path's chunked figure would be 12 bytes a logit against the measured 8 (fp32) / 10
+    (bf16)."""
     cfg = _cfg("train.fused_head_loss=false", f"train.precision={precision}")
     mesh = single_process_mesh()
     model = build_model(cfg, mesh)
