@@ -101,7 +101,10 @@ def _phase_lines(plan) -> list[str]:
         host = f"; host memory: save +{human(r.host_bytes['save'])}, load +{human(r.host_bytes['load'])}" \
             if r.host_bytes else ""
         lines.append(f"  pp {r.pp_rank} tp {ranges(tps)}: {cells}{host}")
-    return lines
+        # the step's peak by what holds it (planning.phases.step_terms), each term named
+        terms = " + ".join(f"{k} {human(v)}" for k, v in r.step_terms.items() if v)
+        lines.append(f"    step = {terms}" if terms else "")
+    return [x for x in lines if x]
 
 
 def cp_label(lay: dict) -> str:
@@ -225,6 +228,10 @@ def main(argv: list[str]) -> int:
         timing = layout_timing(cfg, world, dev, plan)
     print(render(plan, cfg), flush=True)
     print(timing_line(timing), flush=True)
+    if dev.alloc_headroom:  # what torch.cuda.max_memory_reserved would read (torchtitan's memory figure)
+        print(f"reserved on {dev.name}: {human(timing['reserved_bytes'])} (the largest phase "
+              f"{human(timing['peak_bytes'])} + allocator headroom {100 * dev.alloc_headroom:.0f} %: "
+              "planning/devices.py)", flush=True)
     return write_plan_json(own, {**plan.to_dict(), **timing})
 
 
@@ -256,7 +263,8 @@ def layout_timing(cfg, world: int, dev, plan) -> dict:
     prec = str(getattr(t.precision, "value", t.precision))
     return {"device": dev.name, "step_time_s": step, "tokens_per_s_per_device": tps,
             "mfu": tps * flops_per_token(cfg.model) / dev.peak(prec), "step_parts_s": parts,
-            "peak_bytes": max(r.peak_bytes for r in plan.ranks), "fits": plan.fits}
+            "peak_bytes": max(r.peak_bytes for r in plan.ranks), "fits": plan.fits,
+            "reserved_bytes": int(max(r.peak_bytes for r in plan.ranks) * (1 + dev.alloc_headroom))}
 
 
 def timing_line(tm: dict) -> str:

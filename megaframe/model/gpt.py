@@ -106,6 +106,9 @@ class GPT(nn.Module):
     `tokens_per_step` (global batch x seq) scales MoE router losses like the LM loss (see moe/layer.py).
     """
 
+    fused_head_loss = True
+    """tp=1: the head and loss run fused (layers/fused_ce.py); build_model sets train.fused_head_loss."""
+
     def __init__(self, cfg: ModelConfig, mesh: Mesh, sp: bool = False, device=None, stage: Stage | None = None,
                  tokens_per_step: int | None = None, recompute: str = "none", cp_ring: bool = False,
                  param_device=None):
@@ -197,7 +200,8 @@ class GPT(nn.Module):
 
     def _head_output(self, x_SBD: torch.Tensor, labels_BS: torch.Tensor | None) -> torch.Tensor:
         x_SBD = self.final_norm(x_SBD)
-        if labels_BS is not None and self.mesh.tp.size == 1:  # head + loss fused, chunked: no full logits
+        # head + loss fused, chunked: no full logits (train.fused_head_loss=false: the whole logits)
+        if labels_BS is not None and self.mesh.tp.size == 1 and self.fused_head_loss:
             weight_VD = self.embed.weight if self.cfg.tie_embeddings else self.head.weight
             return linear_cross_entropy(x_SBD, weight_VD, labels_BS.t()).t()
         if self.cfg.tie_embeddings:

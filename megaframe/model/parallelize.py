@@ -64,6 +64,7 @@ def build_model_for(m: ModelConfig, p: ParallelConfig, t: TrainConfig, o: OptimC
     # the one cast: free on a meta model; buffers too (the router keeps its bias fp32)
     model.to(PARAM_DTYPES[t.precision])
     model.schedule = schedule
+    model.fused_head_loss = t.fused_head_loss  # tp=1: head + loss fused, or the whole logits
     model.init_spec = InitSpec(t.seed, m.init_std, m.num_layers)
     if not deferred_init(o, mesh):
         init_model(model, t.seed, m.init_std, m.num_layers, mesh.device)

@@ -17,6 +17,15 @@ the validation runs (docs/planning.md's published-run table is a held-out check 
   hbm_eff        the fraction of HBM bandwidth a streaming (elementwise) kernel reaches (~0.8 in STREAM-like
                  tests of A100/H100, e.g. the same paper's memory-bound sweeps).
   link_eff       NCCL bus bandwidth over the link rate (nccl-tests all-reduce busbw, ~80 %).
+  alloc_headroom the caching allocator's reserved bytes over the allocated peak the phases plan (what
+                 torch.cuda.max_memory_reserved reads over max_memory_allocated; torchtitan reports the
+                 reserved figure). ALLOC_HEADROOM on every GPU, an assumption, not a measurement: torchtitan
+                 runs with PYTORCH_ALLOC_CONF=expandable_segments:True (its run_train.sh), whose segments
+                 map physical memory in 2 MiB pages as they grow (pytorch/pytorch#96995), so what stays
+                 reserved beyond the live peak is the free holes between live blocks. Without expandable
+                 segments per-parameter FSDP on LLaMA-7B measured 1.27-1.35 x (meta-llama/llama-recipes
+                 #41 and #165: peak reserved over peak active), an upper bound not used here. The cpu: 0
+                 (no caching allocator; the phases are what the host allocator hands out).
   latency_s / inter_latency_s   per ring step on NVLink / across nodes on InfiniBand (nccl-tests small-message
                  all-reduce: ~10 us on 8 NVLink GPUs over 14 steps, ~2-3 us a step; ~5 us a step over IB).
 
@@ -33,6 +42,9 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import torch
+
+ALLOC_HEADROOM = 0.03
+"""Reserved over allocated on a GPU under expandable segments (module doc: an assumption, one for all)."""
 
 
 @dataclass(frozen=True)
@@ -72,7 +84,8 @@ class Device:
     """Seconds per ring step across nodes (InfiniBand)."""
     alloc_headroom: float = 0.0
     """Fraction of the allocated peak the caching allocator keeps reserved on top (fragmentation; module
-    planning.phases' peaks are allocated bytes, what torch.cuda.max_memory_allocated reads)."""
+    doc). planning.phases' peaks are allocated bytes, what torch.cuda.max_memory_allocated reads; the
+    published comparison and the plan's `reserved` line add this."""
 
     def peak(self, precision: str) -> float:
         if precision == "fp8":
@@ -87,24 +100,24 @@ _H100 = ("NVIDIA H100 Tensor Core GPU datasheet (SXM5: 989 TF bf16 dense, 1,979 
          "NVLink 900 GB/s bidirectional, HBM3 3.35 TB/s); DGX H100: 8 GPUs, ConnectX-7 400 Gb/s per GPU")
 DEVICES = {
     "H100": Device("H100 SXM5 80GB", 989e12, 494.7e12, 80, 450e9, 50e9, 8, efficiency=0.75, hbm_bw=3.35e12,
-                   peak_fp8=1979e12, attn_eff=0.35, source=_H100),
+                   peak_fp8=1979e12, attn_eff=0.35, alloc_headroom=ALLOC_HEADROOM, source=_H100),
     "H100_500W": Device("H100 SXM 96GB HBM2e at 500 W", 989e12, 494.7e12, 95, 450e9, 50e9, 8, efficiency=0.62,
-                        hbm_bw=2.4e12, peak_fp8=1979e12, attn_eff=0.3,
+                        hbm_bw=2.4e12, peak_fp8=1979e12, attn_eff=0.3, alloc_headroom=ALLOC_HEADROOM,
                         source="torchtitan docs/performance.md's Grand Teton hosts (8 H100 with 96 GB HBM2e at "
                                "2.4 TB/s, NVLink, 400 Gb/s RDMA per GPU, the default 500 W power limit); peaks "
                                "from the H100 SXM datasheet. The 500 W cap lowers the sustained tensor-core "
                                "clock: assumed 0.83 of the 700 W part's GEMM rate (clock ~ power^0.5), an "
                                "assumption, not a measurement"),
     "H200": Device("H200 SXM 141GB", 989e12, 494.7e12, 141, 450e9, 50e9, 8, efficiency=0.75, hbm_bw=4.8e12,
-                   peak_fp8=1979e12, attn_eff=0.35,
+                   peak_fp8=1979e12, attn_eff=0.35, alloc_headroom=ALLOC_HEADROOM,
                    source="NVIDIA H200 Tensor Core GPU datasheet (same compute and NVLink as H100 SXM, 141 GB "
                           "HBM3e at 4.8 TB/s); HGX H200 with 400 Gb/s NDR per GPU"),
     "A100": Device("A100 SXM4 80GB", 312e12, 156e12, 80, 300e9, 25e9, 8, efficiency=0.85, hbm_bw=2.039e12,
-                   attn_eff=0.55,
+                   attn_eff=0.55, alloc_headroom=ALLOC_HEADROOM,
                    source="NVIDIA A100 Tensor Core GPU datasheet (312 TF bf16 dense, 156 TF tf32, no fp8, NVLink "
                           "600 GB/s bidirectional, HBM2e 2,039 GB/s); DGX A100: ConnectX-6 200 Gb/s HDR per GPU"),
     "B200": Device("B200 SXM 180GB", 2.25e15, 1.1e15, 180, 900e9, 50e9, 8, efficiency=0.75, hbm_bw=8e12,
-                   peak_fp8=4.5e15, attn_eff=0.35,
+                   peak_fp8=4.5e15, attn_eff=0.35, alloc_headroom=ALLOC_HEADROOM,
                    source="NVIDIA DGX B200 datasheet (72 PF fp8 training / 8 GPUs = 9 PF fp8 sparse, i.e. 4.5 PF "
                           "fp8 and 2.25 PF bf16 dense; 1,440 GB / 8; NVLink 5 1.8 TB/s bidirectional; HBM3e "
                           "64 TB/s / 8; ConnectX-7 400 Gb/s per GPU); GEMM and attention efficiencies assumed "

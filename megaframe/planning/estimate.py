@@ -40,7 +40,7 @@ from megaframe.pipeline.schedule import ZERO_BUBBLE, F, W, compute_order
 from megaframe.planning.activations import chunk_activation_bytes, head_activation_bytes, w_fraction
 from megaframe.planning.block_memory import on_host as _on_host
 from megaframe.planning.block_memory import plan_documents, working_set_bytes
-from megaframe.planning.phases import RankShape, host_peaks, phase_peaks, today_load, today_startup
+from megaframe.planning.phases import RankShape, head_kind, host_peaks, phase_peaks, step_terms, today_load, today_startup
 from megaframe.planning.timing import _bubble, split_costs
 
 
@@ -76,6 +76,8 @@ class RankFigures:
     """Start-up as it was before meta-device init (the whole local model in fp32), for comparison."""
     today_load_bytes: int = 0
     """A resume's load as it was before shard-wise reads (full local-shape tensors), for comparison."""
+    step_terms: dict[str, int] = field(default_factory=dict)
+    """The step phase's peak as named terms (planning.phases.step_terms; they sum to phases["step"])."""
     host_bytes: dict[str, int] = field(default_factory=dict)
     """Host memory a save (its copy of what the rank writes) and a load (the staging buffer) add."""
 
@@ -201,6 +203,7 @@ def _rank_figures(cfg: Config, tp: int, pp: int, dp: int, pp_rank: int, tp_rank:
     working = working_set_bytes(cfg, tp, cfg.parallel.cp, str(getattr(cfg.train.recompute, "value", cfg.train.recompute)),
                                 cfg.train.micro_batch_size)
     out.phases = phase_peaks(shape, params, grads, optim, out.activation_bytes + working, on_host=_on_host(cfg))
+    out.step_terms = step_terms(shape, params, grads, optim, out.activation_bytes + working)
     out.host_bytes = host_peaks(shape, optim)
     out.today_startup_bytes = today_startup(shape, params, grads, optim)
     out.today_load_bytes = today_load(shape, params + grads + optim,
@@ -236,7 +239,9 @@ def rank_shape(model, cfg: Config, mesh) -> RankShape:
                      out_acc=not any(q.placement.pp_tied for q in out_params),
                      block_param_numel=max((q.numel() for b in blocks_of(model) for q in b.parameters()), default=0),
                      head_act=head_activation_bytes(model, t.micro_batch_size) if model.stage.last else 0,
-                     read_bytes=_read_bytes(model, cfg, mesh, zero, elem), gloo=_on_host(cfg))
+                     read_bytes=_read_bytes(model, cfg, mesh, zero, elem), gloo=_on_host(cfg),
+                     head_kind=head_kind(mesh.tp.size, cfg.train.fused_head_loss),
+                     reshard=cfg.optim.reshard_after_forward)
 
 
 def _read_bytes(model, cfg: Config, mesh, zero: int, elem: int) -> int:

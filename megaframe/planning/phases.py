@@ -14,7 +14,7 @@ Modelled for how start-up, save and load work once parameters are built on the m
   step      resident + the activations at the schedule's peak + on the last stage the head's fp32 logits
             and their gradient for one chunk of tokens (HEAD_FP32_COPIES of [tokens, V/tp], fp32 on the cpu;
             in the params' dtype on a GPU, at most layers.fused_ce's CHUNK_ELEMS there).
-            ZeRO-3 (zero3_step): the larger of the forward's end (the activations' peak, the output unit
+            ZeRO-3 (step_terms): the larger of the forward's end (the activations' peak, the output unit
             gathered, the head's workspace) and the backward of the stage's last block at its first weight
             grad, which holds the most transients at once: that block and the prefetched one before it
             gathered (STEP_GATHERED_BLOCKS), the output unit's grad bucket still reduce-scattering (zero.py
@@ -105,6 +105,10 @@ class RankShape:
     """Bytes of the largest range the rank loads into one destination (0: its largest tensor in fp32)."""
     gloo: bool = False
     """Collectives run on gloo (the cpu), which stages a copy of each (module doc)."""
+    reshard: bool = True
+    """ZeRO-3 frees a unit's gathered params after its forward (optim.reshard_after_forward)."""
+    head_kind: str = "fused"
+    """How the loss meets the logits (head_kind()): fused | whole | vocab_parallel."""
 
 
 def written_bytes(s: RankShape, optim_bytes: int) -> int:
@@ -131,11 +135,7 @@ def phase_peaks(s: RankShape, params: int, grads: int, optim: int, activations: 
         cast = s.param_elem if s.param_elem != 4 else 0
         init = (4 + cast) * (s.read_bytes // 4 or s.largest_numel // s.shard) + INIT_BLOCK_BYTES
     host = host_peaks(s, optim) if on_host else {"save": 0}
-    head = HEAD_FP32_COPIES * 4 * min(s.head_logits, HEAD_CHUNK_ELEMS["cpu"]) if s.gloo else \
-        HEAD_FP32_COPIES * s.param_elem * min(s.head_logits, HEAD_CHUNK_ELEMS["cuda"])
-    step = zero3_step(s, resident, activations, head) if s.zero == 3 else resident + activations + head
-    if s.zero == 1 and s.gloo:  # gloo's copies of ZeRO-1's collectives (module doc), one after the other
-        step = max(step, resident + grads, resident + params)
+    step = sum(step_terms(s, params, grads, optim, activations).values())
     # No optimizer keeps grads until a backward nor moments until the first update (or a load reads them): zero=0
     # is torch's AdamW, ZeRO makes its buffers lazily (optim/buffer.py lazy_zeros). ZeRO-1/2 copy the drawn
     # params into their param buffer (both whole at once, the first copy freed per param); ZeRO-3 draws its
@@ -147,16 +147,75 @@ def phase_peaks(s: RankShape, params: int, grads: int, optim: int, activations: 
             "load": resident - grads + staging_bytes(s)}
 
 
-def zero3_step(s: RankShape, resident: int, activations: int, head: int) -> int:
-    """ZeRO-3's step peak (module doc): the forward's end or the last block's backward, whichever is higher."""
+def head_kind(tp: int, fused_head_loss: bool) -> str:
+    """The loss path the model runs (model/gpt.py _head_output): the fused head + loss at tp=1 unless
+    train.fused_head_loss=false (the whole logits), the vocab-parallel loss under tp > 1."""
+    if tp > 1:
+        return "vocab_parallel"
+    return "fused" if fused_head_loss else "whole"
+
+
+def head_transient_bytes(s: RankShape) -> int:
+    """The head and loss's bytes beyond what the loss saves for backward (that is in the activations: the
+    meta forward counts it), at the forward's moment that holds the most (module doc's step):
+      fused           one chunk's fp32 logits and grad (HEAD_CHUNK_ELEMS; on a GPU in the params' dtype)
+      whole           the logits in the params' dtype and their fp32 copy, beside the fp32 log-softmax
+                      being written (saved); an fp32 run's copy is the logits themselves
+      vocab_parallel  the logits and their max-shifted copy in the params' dtype, beside the exp being
+                      written (saved, then divided in place into the softmax)
+    The backward of either unfused path works in place over the saved tensor, then casts it to the
+    params' dtype: one copy of the logits, never more than the forward's."""
+    if not s.head_logits:
+        return 0
+    if s.head_kind == "whole":
+        return s.head_logits * (s.param_elem + (4 if s.param_elem != 4 else 0))
+    if s.head_kind == "vocab_parallel":
+        return 2 * s.param_elem * s.head_logits
+    if s.gloo:
+        return HEAD_FP32_COPIES * 4 * min(s.head_logits, HEAD_CHUNK_ELEMS["cpu"])
+    return HEAD_FP32_COPIES * s.param_elem * min(s.head_logits, HEAD_CHUNK_ELEMS["cuda"])
+
+
+def step_terms(s: RankShape, params: int, grads: int, optim: int, activations: int) -> dict[str, int]:
+    """The step's peak as named terms (their sum is the step phase; `python -m megaframe.plan` prints them):
+    at zero < 3 the state, the activations and the head's transient; ZeRO-3 (module doc) the larger of the
+    forward's end and the last block's backward, each with what it holds gathered or in flight."""
+    resident = params + grads + optim
+    head = head_transient_bytes(s)
+    if s.zero != 3:
+        terms = {"resident state": resident, "activations": activations, "logits/loss transient": head}
+        if s.zero == 1 and s.gloo:  # gloo's copies of ZeRO-1's collectives (module doc), one after the other
+            terms["gloo collective copies"] = max(0, max(grads, params) - activations - head)
+        return terms
+    return max(zero3_forward(s, resident, activations, head), zero3_backward(s, resident, activations),
+               key=lambda t: sum(t.values()))
+
+
+def zero3_forward(s: RankShape, resident: int, activations: int, head: int) -> dict[str, int]:
+    """ZeRO-3 at the forward's end: the output unit gathered beside the head's transient; without
+    optim.reshard_after_forward every unit the forward gathered is still gathered."""
+    kept = s.blocks_bytes if not s.reshard else 0
+    return {"resident state": resident, "activations": activations,
+            "zero3 gathered: output unit": s.param_elem * s.out_numel,
+            "zero3 kept gathered (no reshard)": kept,
+            "logits/loss transient": head}
+
+
+def zero3_backward(s: RankShape, resident: int, activations: int) -> dict[str, int]:
+    """ZeRO-3 at the last block's first weight grad: that block and the prefetched one gathered (all blocks
+    without reshard_after_forward), the output unit's bucket still reduce-scattering, the block's own bucket
+    filling, and the weight grad before it is folded in; the output step's activations are freed."""
     block_numel = s.block_bytes // s.param_elem
     out_acc = s.grad_elem * s.out_numel if s.out_acc else 0
-    forward = resident + activations + s.param_elem * s.out_numel + head
-    backward = (resident + activations - s.head_act + STEP_GATHERED_BLOCKS * s.block_bytes
-                + out_acc + s.grad_elem * block_numel + s.param_elem * s.block_param_numel)
+    gathered = STEP_GATHERED_BLOCKS * s.block_bytes if s.reshard else max(s.blocks_bytes, s.block_bytes)
+    terms = {"resident state": resident, "activations": activations - s.head_act,
+             "zero3 gathered: running + prefetched blocks": gathered,
+             "zero3 reduce-scatter in flight (output unit)": out_acc,
+             "zero3 grad bucket filling (block)": s.grad_elem * block_numel,
+             "weight grad before folding": s.param_elem * s.block_param_numel}
     if s.gloo:  # the prefetched block's all-gather output and the output bucket's reduce-scatter input
-        backward += s.block_bytes + out_acc
-    return max(forward, backward)
+        terms["gloo collective copies"] = s.block_bytes + out_acc
+    return terms
 
 
 def host_peaks(s: RankShape, optim: int) -> dict[str, int]:

@@ -13,7 +13,9 @@ the rank's batch in micro-batches of at most 4; 1F1B; ZeRO-1 (Megatron 2021's da
 same bytes); Megatron's GPT with dropout 0.1. Megatron's and Llama 3's own fused kernels are timed as
 train.compile=true (fused elementwise work); torchtitan's rows without torch.compile as eager. torchtitan's
 Llama 3.1 8B rows ran "selective activation checkpointing" with its llama3_8b preset's
-`selective_ac_option = 'op'`: train.recompute=op_selective (model/recompute.py).
+`selective_ac_option = 'op'`: train.recompute=op_selective (model/recompute.py); their loss takes the fp32
+log-softmax of the whole logits: train.fused_head_loss=false. Memory is compared as torchtitan reports it,
+the caching allocator's reserved peak: the planned peak times 1 + the device's alloc_headroom (devices.py).
 """
 from __future__ import annotations
 
@@ -74,7 +76,7 @@ def _table1(name: str, layers: int, hidden: int, heads: int, tp: int, pp: int, g
                published_s=step, held_out=held_out, table1=not held_out, fused_attention=False, shard=1)
 
 
-_LLAMA8B = ("model=llama3_8b", "train.precision=bf16")
+_LLAMA8B = ("model=llama3_8b", "train.precision=bf16", "train.fused_head_loss=false")
 _LLAMA405B = ("model=llama3_8b", "train.compile=true",
               "model.num_layers=126", "model.hidden_size=16384", "model.num_attention_heads=128",
               "model.num_query_groups=8", "model.ffn_hidden_size=53248", "train.global_batch_size=2048")

@@ -25,7 +25,7 @@ from megaframe.planning.block_memory import _CFGS, act_per_layer, working_set_by
 from megaframe.planning.block_memory import on_host as _on_host
 from megaframe.planning.candidate import Layout, cp_ring, end_layers, layer_params, layout_config, stage_layers, stage_params
 from megaframe.planning.devices import Device
-from megaframe.planning.phases import RankShape, phase_peaks
+from megaframe.planning.phases import RankShape, head_kind, phase_peaks
 from megaframe.planning.timing import step_time
 
 __all__ = ["Estimate", "Layout", "candidates", "layout_config", "memory", "search", "stage_params", "step_time",
@@ -246,7 +246,9 @@ def _shape(cfg: Config, lay: Layout, first: bool, last: bool, a_bytes: int, head
                      logits, a_bytes * block_numel * end_layers(m, lay, first, last),
                      grad_elem=2 if lay.grad_dtype == "bf16" else 4, out_numel=(d + table) if last else 0,
                      out_acc=not tied_across, block_param_numel=block_mat, head_act=head_act if last else 0,
-                     read_bytes=read, gloo=_on_host(cfg))
+                     read_bytes=read, gloo=_on_host(cfg),
+                     head_kind=head_kind(lay.tp, cfg.train.fused_head_loss),
+                     reshard=cfg.optim.reshard_after_forward)
 
 
 def _cp_bias_bytes(cfg: Config, lay: Layout, a_bytes: int) -> int:
