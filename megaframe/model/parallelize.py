@@ -61,7 +61,7 @@ def build_model(cfg, mesh: Mesh) -> GPT:
     # the blocks' GEMMs as torchao float8 (parameters stay as they are); a planning (meta) model keeps the
     # bf16 GEMMs, whose saved tensors are the same size as the float8 path's high-precision ones
     if t.precision == "fp8" and torch.device(mesh.device).type != "meta":
-        enable_fp8(model, t.fp8_recipe, warn=mesh.rank == 0)
+        enable_fp8(model, t.fp8_recipe, warn=mesh.rank == 0, head=t.fp8_head)
     if p.tp_comm_overlap:
         enable_tp_overlap(model, p.tp_comm_chunks)
     if t.compile:
