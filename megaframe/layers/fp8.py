@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from megaframe.errors import ConfigError
+from megaframe.optim.float8_gather import gathered_weight_t
 
 
 def _torchao():
@@ -59,7 +60,9 @@ class Fp8Gemm:
     def __call__(self, x: torch.Tensor, w_OI: torch.Tensor) -> torch.Tensor:
         # torchao's matmul takes 2-d operands; the scaled GEMM wants dims that are multiples of 16
         x_NI = x.reshape(-1, x.shape[-1])
-        y_NO = self._mm.apply(x_NI, w_OI.t(), self.mm_config, self.config)
+        w_IO = gathered_weight_t(w_OI, self.mm_config)  # ZeRO-3 gathered it as float8 (optim/float8_gather.py)
+        w_IO = w_OI.t() if w_IO is None else w_IO
+        y_NO = self._mm.apply(x_NI, w_IO, self.mm_config, self.config)
         return y_NO.reshape(*x.shape[:-1], w_OI.shape[0])
 
     def cast(self, t: torch.Tensor, cast_config, role: str, dim: int) -> torch.Tensor:
@@ -93,9 +96,12 @@ class HeadGemms:
 
     def __init__(self, gemm: Fp8Gemm, w_VD: torch.Tensor):
         self.gemm, c = gemm, gemm.config
-        # w^T as torchao's matmul gets it (Float8Linear passes weight.t()): forward and grad-input casts
-        self.w_DV = gemm.cast(w_VD.t(), c.cast_config_weight, "WEIGHT", 0)
-        self.w_gi_DV = gemm.cast(w_VD.t(), c.cast_config_weight_for_grad_input, "WEIGHT", -1)
+        # w^T as torchao's matmul gets it (Float8Linear passes weight.t()): forward and grad-input casts; one
+        # tensorwise float8 weight where ZeRO-3 gathered it so (optim/float8_gather.py)
+        self.w_DV = self.w_gi_DV = gathered_weight_t(w_VD, gemm.mm_config)
+        if self.w_DV is None:
+            self.w_DV = gemm.cast(w_VD.t(), c.cast_config_weight, "WEIGHT", 0)
+            self.w_gi_DV = gemm.cast(w_VD.t(), c.cast_config_weight_for_grad_input, "WEIGHT", -1)
 
     def logits(self, x_CD: torch.Tensor) -> torch.Tensor:
         return torch.mm(self.gemm.cast(x_CD, self.gemm.config.cast_config_input, "INPUT", -1), self.w_DV)
