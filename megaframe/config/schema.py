@@ -105,7 +105,7 @@ class TrainConfig(Frozen):
     reduction in the optimizer (needs optim.zero=1). No loss scaling: bf16 has fp32's range. fp8 is bf16
     with the transformer blocks' linears and the output head as float8 GEMMs through torchao (needs torchao;
     fast only with train.compile=true on an H100-class GPU); the embedding lookup, router and experts stay
-    bf16, and an fp8 checkpoint is a bf16 one. Under optim.zero=3 with the tensorwise recipe the block
+    bf16, and an fp8 checkpoint is a bf16 one. Under optim.zero=3 with the tensorwise recipe the float8
     linears' weights are all-gathered as float8 (1 byte per element instead of 2)."""
     fp8_recipe: Fp8Recipe = Fp8Recipe.tensorwise
     """tensorwise | rowwise: torchao's float8 scaling under train.precision=fp8 (one scale per tensor, or

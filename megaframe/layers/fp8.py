@@ -13,6 +13,8 @@ inside the fused head + CE's chunks (layers/fused_ce.py, tp = 1) through `HeadGe
 casts as torchao's matmul (the weight's cast once per call, hoisted out of the chunk loop; padded inner dims,
 so a chunk of any token count is a valid float8 GEMM), and under tp through the head's `Fp8Gemm` (its own
 ColumnParallelLinear, or the tied embedding's logits in layers/vocab.py:parallel_logits).
+Under optim.zero=3 (tensorwise) a float8 linear's weight arrives already float8, gathered at 1 byte per
+element with its scale (optim/float8_gather.py), and the GEMMs take it as is (`gathered_weight_t`).
 What stays bf16 (as in torchtitan and Megatron): the embedding lookup, the MoE router and experts, norms
 and attention's softmax. Parameters stay bf16 with fp32 master weights in
 the optimizer, so an FP8 checkpoint is a bf16 checkpoint: either precision resumes the other.
