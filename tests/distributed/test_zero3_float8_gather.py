@@ -4,6 +4,7 @@ the bf16 one (loss within 2 %) and like the fp8 one-process run (to fp32 noise: 
 import pytest
 
 from tests.distributed.float8_gather_cases import gather_probe
+from tests.distributed.zero_cases import run_steps
 
 pytestmark = pytest.mark.distributed
 
@@ -66,3 +67,12 @@ def test_float8_gather_trains_like_bf16_and_one_process(runs):
     for a, b in zip(fp8["losses"], one["losses"]):
         assert abs(a - b) / b < 1e-5, (fp8["losses"], one["losses"])
     assert fp8["losses"] != bf16["losses"]  # float8 GEMMs ran
+
+
+def test_float8_gather_resumes_exactly(pool, tmp_path, runs):
+    """A checkpoint load writes the master: the float8 weights' scales are recomputed before the next gather,
+    so steps 3-4 after a resume from step 2 are the unbroken run's."""
+    over = BASE + ["train.precision=fp8"]
+    pool.run(run_steps, 2, over, STEPS, None, str(tmp_path), 0, 2)
+    resumed = pool.run(run_steps, 2, over, STEPS, str(tmp_path / "step_00000002"), None, 2)[0]
+    assert resumed["losses"] == runs[0]["losses"][2:], (resumed["losses"], runs[0]["losses"])
