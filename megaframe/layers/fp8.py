@@ -68,8 +68,8 @@ class Fp8Gemm:
         return y_NO.reshape(*x.shape[:-1], w_OI.shape[0])
 
     def cast(self, t: torch.Tensor, cast_config, role: str, dim: int) -> torch.Tensor:
-        """t as torchao's matmul casts a GEMM operand (`cast_config`: one of the config's cast_config_*; `dim`:
-        the axis a rowwise scale reduces over); t itself where the recipe keeps that operand high-precision."""
+        """t as torchao's matmul casts a GEMM operand (`cast_config`: one of the config's cast_config_*;
+        `dim`: the axis a rowwise scale reduces over); t itself where the recipe keeps it high-precision."""
         from torchao.float8.config import ScalingType
         from torchao.float8.float8_scaling_utils import get_maybe_axiswise_dim, hp_tensor_to_float8_dynamic
         from torchao.float8.float8_training_tensor import GemmInputRole
@@ -91,10 +91,10 @@ class Fp8Gemm:
 
 
 class HeadGemms:
-    """The fused head + CE's three GEMMs per token chunk (layers/fused_ce.py) as float8 ones, cast as torchao's
-    matmul casts them (float8_linear.py: matmul_with_hp_or_float8_args), with the weight cast once per call:
+    """The fused head + CE's three GEMMs per token chunk (layers/fused_ce.py) as float8 ones, cast as
+    torchao's matmul casts them (float8_linear.py: matmul_with_hp_or_float8_args), the weight once per call:
         logits_CV = x_CD @ w_VD^T     grad_x_CD = g_CV @ w_VD     grad_w_VD = g_CV^T @ x_CD
-    Inner dims are padded (ScaledMMConfig.pad_inner_dim): the grad-weight GEMM's is the chunk's token count."""
+    Inner dims are padded (ScaledMMConfig.pad_inner_dim): the grad-weight GEMM's is the chunk's tokens."""
 
     def __init__(self, gemm: Fp8Gemm, w_VD: torch.Tensor):
         self.gemm, c = gemm, gemm.config
@@ -143,8 +143,8 @@ def enable_fp8(model: nn.Module, recipe: str, warn: bool = True, head: bool = Tr
         if isinstance(getattr(gpt, "head", None), ColumnParallelLinear):  # tp > 1 or logits: the linear's GEMM
             gpt.head.gemm = gpt.head_gemm
     if kept and warn:
-        print(f"megaframe: warning: train.precision=fp8: {len(kept)} linear(s) kept in bf16, a local weight dim not "
-              f"a multiple of 16 (float8 GEMM's rule): {', '.join(kept)}", file=sys.stderr, flush=True)
+        print(f"megaframe: warning: train.precision=fp8: {len(kept)} linear(s) kept in bf16, a local weight "
+              f"dim not a multiple of 16 (float8 GEMM's rule): {', '.join(kept)}", file=sys.stderr, flush=True)
     return n
 
 

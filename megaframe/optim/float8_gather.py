@@ -65,8 +65,8 @@ def split_groups(groups: list[list], float8: set[int]) -> list[list]:
 
 
 class _GatheredWeight(torch.autograd.Function):
-    """The gathered float8 weight (data_OI, scale) as the Float8TrainingTensor w^T that torchao's matmul takes;
-    its grad goes to the bf16 parameter w_OI (whose storage may be freed: only its shape is used)."""
+    """The gathered float8 weight (data_OI, scale) as the Float8TrainingTensor w^T torchao's matmul takes; its
+    grad goes to the bf16 parameter w_OI (whose storage may be freed: only its shape is used)."""
 
     @staticmethod
     def forward(ctx, w_OI, data_OI, scale, mm_config):
@@ -98,6 +98,7 @@ class Float8Gather:
         # written in place: the gathered weights' Float8TrainingTensors hold views of it
         self.scale = torch.ones(len(params), dtype=torch.float32, device=device)
         self.stale = True
+        self._segs: dict[int, tuple[list, torch.Tensor]] = {}
 
     def holds(self, b) -> bool:
         return bool(b.params) and id(b.params[0]) in self.index
@@ -120,17 +121,25 @@ class Float8Gather:
 
         amax = torch.zeros(len(self.params), dtype=torch.float32, device=self.scale.device)
         for buf, st in zip(buffers, states):
-            segs = [s for s in buf.segments if id(s.param) in self.index]
             if not any(self.holds(b) for b in buf.buckets):
                 continue
+            segs, idx = self._segments(buf)
             if segs:
                 views = [st.master[s.state_lo:s.state_lo + s.numel] for s in segs]
                 norms = torch.stack(torch._foreach_norm(views, ord=math.inf)).to(buf.dtype).float()
-                idx = torch.tensor([self.index[id(s.param)] for s in segs], device=amax.device)
                 amax.scatter_reduce_(0, idx, norms, "amax")
             comm.all_reduce(amax, buf.axis, op=torch.distributed.ReduceOp.MAX)
         self.scale.copy_(amax_to_scale(amax, self.dtype, self.round_pow2))
         self.stale = False
+
+    def _segments(self, buf) -> tuple[list, torch.Tensor]:
+        """buf's segments of float8 weights on this rank, and their params' indices as a device tensor: made
+        once (the layout is fixed), not copied to the device at every step."""
+        if id(buf) not in self._segs:
+            segs = [s for s in buf.segments if id(s.param) in self.index]
+            idx = torch.tensor([self.index[id(s.param)] for s in segs], dtype=torch.long)
+            self._segs[id(buf)] = (segs, idx.to(self.scale.device))
+        return self._segs[id(buf)]
 
     @torch.no_grad()
     def cast_shard(self, buf, b, master_shard: torch.Tensor, mine8: torch.Tensor) -> None:

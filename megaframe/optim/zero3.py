@@ -68,7 +68,7 @@ class Zero3Optimizer(ZeroOptimizer):
     def __init__(self, model: nn.Module, cfg, mesh):
         self.units = gather_units(model)
         f8, f8_config = float8_weights(model)
-        # train.precision=fp8 (tensorwise): the float8 linears' weights are gathered as float8 (float8_gather.py)
+        # train.precision=fp8 (tensorwise): the float8 linears' weights gathered as float8 (float8_gather.py)
         self.float8 = Float8Gather(f8, f8_config, mesh.device) if f8 else None
         self._names = {p: n for n, p in model.named_parameters()}
         self._init = getattr(model, "init_spec", None)

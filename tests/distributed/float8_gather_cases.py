@@ -1,5 +1,5 @@
-"""What the rank pool runs for the float8 parameter all-gather tests: fn(mesh, *args), module-level for spawned
-workers."""
+"""What the rank pool runs for the float8 parameter all-gather tests: fn(mesh, *args), module-level for
+spawned workers."""
 from __future__ import annotations
 
 from tests.distributed.zero_cases import _setup, _step
