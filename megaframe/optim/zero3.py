@@ -28,6 +28,10 @@ act per unit whatever the schedule (vpp included).
 The input step's backward (an index-add, an add) reads no weights: it has no backward hooks, and is
 not gathered for backward.
 
+Under train.precision=fp8 (tensorwise) each unit's float8 linears' weights are a bucket of their own,
+gathered as float8 (1 byte an element; its own uint8 storage, freed and regathered the same way) for
+forwards and backwards, and as bf16 only by sync_params: optim/float8_gather.py.
+
 `optim.reshard_after_forward=false` (torchtitan's and Megatron's choice for pipelines, where a rank
 runs several micro-batches' forwards before their backwards) keeps a unit gathered from its first
 forward of the step to its last backward (backward_context(is_last=True) of its chunk): one gather
