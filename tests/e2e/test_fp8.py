@@ -1,6 +1,7 @@
-"""train.precision=fp8 (torchao float8 GEMMs in the blocks' linears) trains like bf16: 50 steps of a tiny
-model within 2 % of bf16's final loss, tensorwise and rowwise, at one process and at tp2·sp, pp2 and zero=3
-dp2; an fp8 checkpoint resumes at bf16 and a bf16 one at fp8 (parameters are bf16 in both)."""
+"""train.precision=fp8 (torchao float8 GEMMs in the blocks' linears and the head) trains like bf16: 50 steps
+of a tiny model within 2 % of bf16's final loss, tensorwise and rowwise, at one process and at tp2·sp, pp2
+and zero=3 dp2 (its float8 weights gathered as float8); an fp8 checkpoint resumes at bf16 and a bf16 one
+at fp8 (parameters are bf16 in both)."""
 import pytest
 
 from tests.e2e.helpers import TINY, metrics, train
