@@ -148,6 +148,21 @@ def enable_fp8(model: nn.Module, recipe: str, warn: bool = True, head: bool = Tr
     return n
 
 
+def float8_gathered_weights(model: nn.Module, precision: str, recipe: str, head: bool) -> list[nn.Parameter]:
+    """The weights ZeRO-3 gathers as float8 in such a run (optim/float8_gather.py): those enable_fp8 gives a
+    tensorwise Fp8Gemm (block linears whose local dims are multiples of 16, an untied head that fits).
+    From shapes alone, so the planner's meta model (which keeps bf16 GEMMs) is sized like the run."""
+    from megaframe.layers.linear import ColumnParallelLinear, RowParallelLinear
+
+    if str(getattr(precision, "value", precision)) != "fp8" or str(getattr(recipe, "value", recipe)) != "tensorwise":
+        return []
+    linears = [m for chunk in _blocks(model) for m in chunk.modules()
+               if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+    heads = [m.head for m in model.modules() if head and getattr(m, "output_step", None) is not None
+             and isinstance(getattr(m, "head", None), ColumnParallelLinear)]
+    return [m.weight for m in linears + heads if not (m.weight.shape[0] % 16 or m.weight.shape[1] % 16)]
+
+
 def _blocks(model: nn.Module):
     # a pipeline stage's model chunks (vpp) or one model: each keeps its blocks in .layers
     for mod in model.modules():

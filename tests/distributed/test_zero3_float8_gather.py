@@ -3,6 +3,8 @@ element on the wire where bf16 moves 2, their scales from one all-reduce(max) pe
 the bf16 one (loss within 2 %) and like the fp8 one-process run (to fp32 noise: the same float8 weights)."""
 import pytest
 
+from megaframe.planning.estimate import plan_layout
+from tests.distributed.cases import tiny_config
 from tests.distributed.float8_gather_cases import gather_probe
 from tests.distributed.zero_cases import run_steps
 
@@ -76,3 +78,15 @@ def test_float8_gather_resumes_exactly(pool, tmp_path, runs):
     pool.run(run_steps, 2, over, STEPS, None, str(tmp_path), 0, 2)
     resumed = pool.run(run_steps, 2, over, STEPS, str(tmp_path / "step_00000002"), None, 2)[0]
     assert resumed["losses"] == runs[0]["losses"][2:], (resumed["losses"], runs[0]["losses"])
+
+
+def test_planner_counts_the_float8_gather(pool):
+    """The planner, from the config alone, counts the run's dp bytes (float8 buckets at 1 byte an element, the
+    scales' all-reduce) and its grad and optimizer bytes (the split buckets' layout)."""
+    over = BASE + ["train.precision=fp8"]
+    run = pool.run(run_steps, 2, over, 2)[0]
+    planned = plan_layout(tiny_config(over, 2), 2).ranks[0]
+    # step 1's: run_steps gathers every param (bf16) after it to read the grads, so step 2 finds the bf16
+    # buckets already gathered
+    assert (planned.dp_comm_bytes, planned.grads_bytes, planned.optim_bytes) == \
+        (run["comm"][0]["dp"], run["mem"]["mem/grads_bytes"], run["mem"]["mem/optim_bytes"])
