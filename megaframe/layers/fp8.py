@@ -8,8 +8,15 @@ scaled GEMMs in forward and both backward products are torchao's `matmul_with_hp
 communication, so the swap is of the GEMM, not of the module: `enable_fp8` gives each block linear an
 `Fp8Gemm`, and the linear calls it instead of `F.linear` on its local shards.
 
-What stays bf16 (as in torchtitan and Megatron): the embedding, the output head (and the fused head + CE),
-the MoE router and experts, norms and attention's softmax. Parameters stay bf16 with fp32 master weights in
+The output head's logits GEMM and its two backward GEMMs run float8 too (`train.fp8_head`, on by default):
+inside the fused head + CE's chunks (layers/fused_ce.py, tp = 1) through `HeadGemms`, which makes the same
+casts as torchao's matmul (the weight's cast once per call, hoisted out of the chunk loop; padded inner dims,
+so a chunk of any token count is a valid float8 GEMM), and under tp through the head's `Fp8Gemm` (its own
+ColumnParallelLinear, or the tied embedding's logits in layers/vocab.py:parallel_logits).
+Under optim.zero=3 (tensorwise) a float8 linear's weight arrives already float8, gathered at 1 byte per
+element with its scale (optim/float8_gather.py), and the GEMMs take it as is (`gathered_weight_t`).
+What stays bf16 (as in torchtitan and Megatron): the embedding lookup, the MoE router and experts, norms
+and attention's softmax. Parameters stay bf16 with fp32 master weights in
 the optimizer, so an FP8 checkpoint is a bf16 checkpoint: either precision resumes the other.
 
 Scales are per local shard: under tp a tensorwise scale is the amax of this rank's slice, not of the whole
@@ -25,6 +32,7 @@ import torch
 from torch import nn
 
 from megaframe.errors import ConfigError
+from megaframe.optim.float8_gather import gathered_weight_t
 
 
 def _torchao():
@@ -40,29 +48,81 @@ def _torchao():
 class Fp8Gemm:
     """y_NO = x_NI @ w_OI^T with torchao's float8 scaled GEMMs (forward, grad input, grad weight)."""
 
-    def __init__(self, recipe: str):
+    def __init__(self, recipe: str, pad_inner_dim: bool = False):
         config_cls, self._mm, mm_config, scaled = _torchao()
         self.recipe = str(getattr(recipe, "value", recipe))  # torchao tests type(name) == str: no StrEnum
         self.config = config_cls.from_recipe_name(self.recipe)
         c = self.config
-        # The three GEMMs' settings as Float8Linear builds them (fast accumulation where the recipe says).
-        self.mm_config = mm_config(*(scaled(c.emulate, g.use_fast_accum, False, c.pad_inner_dim) for g in (
+        # The three GEMMs' settings as Float8Linear builds them (fast accumulation where the recipe says);
+        # `pad_inner_dim`: the head's, whose grad-weight GEMM has the token count (any) as inner dim
+        pad = c.pad_inner_dim or pad_inner_dim
+        self.mm_config = mm_config(*(scaled(c.emulate, g.use_fast_accum, False, pad) for g in (
             c.gemm_config_output, c.gemm_config_grad_input, c.gemm_config_grad_weight)))
 
     def __call__(self, x: torch.Tensor, w_OI: torch.Tensor) -> torch.Tensor:
         # torchao's matmul takes 2-d operands; the scaled GEMM wants dims that are multiples of 16
         x_NI = x.reshape(-1, x.shape[-1])
-        y_NO = self._mm.apply(x_NI, w_OI.t(), self.mm_config, self.config)
+        w_IO = gathered_weight_t(w_OI, self.mm_config)  # ZeRO-3 gathered it as float8 (optim/float8_gather.py)
+        w_IO = w_OI.t() if w_IO is None else w_IO
+        y_NO = self._mm.apply(x_NI, w_IO, self.mm_config, self.config)
         return y_NO.reshape(*x.shape[:-1], w_OI.shape[0])
+
+    def cast(self, t: torch.Tensor, cast_config, role: str, dim: int) -> torch.Tensor:
+        """t as torchao's matmul casts a GEMM operand (`cast_config`: one of the config's cast_config_*;
+        `dim`: the axis a rowwise scale reduces over); t itself where the recipe keeps it high-precision."""
+        from torchao.float8.config import ScalingType
+        from torchao.float8.float8_scaling_utils import get_maybe_axiswise_dim, hp_tensor_to_float8_dynamic
+        from torchao.float8.float8_training_tensor import GemmInputRole
+
+        if cast_config.scaling_type is ScalingType.DISABLED:
+            return t
+        return hp_tensor_to_float8_dynamic(
+            t,
+            cast_config.target_dtype,
+            self.mm_config,
+            gemm_input_role=GemmInputRole[role],
+            scaling_granularity=cast_config.scaling_granularity,
+            axiswise_dim=get_maybe_axiswise_dim(dim, cast_config.scaling_granularity),
+            round_scales_to_power_of_2=self.config.round_scales_to_power_of_2,
+        )
 
     def __repr__(self) -> str:
         return f"Fp8Gemm({self.recipe})"
 
 
-def enable_fp8(model: nn.Module, recipe: str, warn: bool = True) -> int:
-    """Give every linear inside the transformer blocks an Fp8Gemm (the head, embedding and MoE stay bf16);
-    returns how many linears were switched. A float8 GEMM needs both dims of the local weight a multiple of 16:
-    a linear that has not keeps its bf16 GEMM, named in one warning line (`warn`: this rank prints it)."""
+class HeadGemms:
+    """The fused head + CE's three GEMMs per token chunk (layers/fused_ce.py) as float8 ones, cast as
+    torchao's matmul casts them (float8_linear.py: matmul_with_hp_or_float8_args), the weight once per call:
+        logits_CV = x_CD @ w_VD^T     grad_x_CD = g_CV @ w_VD     grad_w_VD = g_CV^T @ x_CD
+    Inner dims are padded (ScaledMMConfig.pad_inner_dim): the grad-weight GEMM's is the chunk's tokens."""
+
+    def __init__(self, gemm: Fp8Gemm, w_VD: torch.Tensor):
+        self.gemm, c = gemm, gemm.config
+        # w^T as torchao's matmul gets it (Float8Linear passes weight.t()): forward and grad-input casts; one
+        # tensorwise float8 weight where ZeRO-3 gathered it so (optim/float8_gather.py)
+        self.w_DV = self.w_gi_DV = gathered_weight_t(w_VD, gemm.mm_config)
+        if self.w_DV is None:
+            self.w_DV = gemm.cast(w_VD.t(), c.cast_config_weight, "WEIGHT", 0)
+            self.w_gi_DV = gemm.cast(w_VD.t(), c.cast_config_weight_for_grad_input, "WEIGHT", -1)
+
+    def logits(self, x_CD: torch.Tensor) -> torch.Tensor:
+        return torch.mm(self.gemm.cast(x_CD, self.gemm.config.cast_config_input, "INPUT", -1), self.w_DV)
+
+    def grad_input(self, g_CV: torch.Tensor) -> torch.Tensor:
+        g8_CV = self.gemm.cast(g_CV, self.gemm.config.cast_config_grad_output, "GRAD_OUTPUT", -1)
+        return torch.mm(g8_CV, self.w_gi_DV.t())
+
+    def grad_weight(self, g_CV: torch.Tensor, x_CD: torch.Tensor) -> torch.Tensor:
+        c = self.gemm.config
+        g8_CV = self.gemm.cast(g_CV, c.cast_config_grad_output_for_grad_weight, "GRAD_OUTPUT", 0)
+        return torch.mm(g8_CV.t(), self.gemm.cast(x_CD, c.cast_config_input_for_grad_weight, "INPUT", 0))
+
+
+def enable_fp8(model: nn.Module, recipe: str, warn: bool = True, head: bool = True) -> int:
+    """Give every linear inside the transformer blocks an Fp8Gemm, and the output head one (`head`: the
+    fused head + CE's chunks, or the tp head's GEMM); the embedding lookup and MoE stay bf16. Returns how
+    many linears were switched. A float8 GEMM needs both dims of the local weight a multiple of 16: a
+    linear that has not keeps its bf16 GEMM, named in one warning line (`warn`: this rank prints it)."""
     from megaframe.layers.linear import ColumnParallelLinear, RowParallelLinear
 
     gemm, n, kept = Fp8Gemm(recipe), 0, []
@@ -74,10 +134,33 @@ def enable_fp8(model: nn.Module, recipe: str, warn: bool = True) -> int:
                     kept.append(f"{name} [{o}, {i}]")
                     continue
                 mod.gemm, n = gemm, n + 1
+    for gpt in (m for m in model.modules() if head and getattr(m, "output_step", None) is not None):
+        v, d = gpt.head_weight().shape
+        if v % 16 or d % 16:
+            kept.append(f"head [{v}, {d}]")
+            continue
+        gpt.head_gemm, n = Fp8Gemm(recipe, pad_inner_dim=True), n + 1
+        if isinstance(getattr(gpt, "head", None), ColumnParallelLinear):  # tp > 1 or logits: the linear's GEMM
+            gpt.head.gemm = gpt.head_gemm
     if kept and warn:
-        print(f"megaframe: warning: train.precision=fp8: {len(kept)} linear(s) kept in bf16, a local weight dim not "
-              f"a multiple of 16 (float8 GEMM's rule): {', '.join(kept)}", file=sys.stderr, flush=True)
+        print(f"megaframe: warning: train.precision=fp8: {len(kept)} linear(s) kept in bf16, a local weight "
+              f"dim not a multiple of 16 (float8 GEMM's rule): {', '.join(kept)}", file=sys.stderr, flush=True)
     return n
+
+
+def float8_gathered_weights(model: nn.Module, precision: str, recipe: str, head: bool) -> list[nn.Parameter]:
+    """The weights ZeRO-3 gathers as float8 in such a run (optim/float8_gather.py): those enable_fp8 gives a
+    tensorwise Fp8Gemm (block linears whose local dims are multiples of 16, an untied head that fits).
+    From shapes alone, so the planner's meta model (which keeps bf16 GEMMs) is sized like the run."""
+    from megaframe.layers.linear import ColumnParallelLinear, RowParallelLinear
+
+    if str(getattr(precision, "value", precision)) != "fp8" or str(getattr(recipe, "value", recipe)) != "tensorwise":
+        return []
+    linears = [m for chunk in _blocks(model) for m in chunk.modules()
+               if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+    heads = [m.head for m in model.modules() if head and getattr(m, "output_step", None) is not None
+             and isinstance(getattr(m, "head", None), ColumnParallelLinear)]
+    return [m.weight for m in linears + heads if not (m.weight.shape[0] % 16 or m.weight.shape[1] % 16)]
 
 
 def _blocks(model: nn.Module):

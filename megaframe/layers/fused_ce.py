@@ -9,6 +9,8 @@ Same FLOPs as head + cross-entropy, no recompute. The head-weight grad sums over
 (under bf16 a bf16 sum would round once per chunk). Backward only scales the saved grads by the loss's
 upstream grad: exact when that is one value for every token (the trainer's loss is a plain sum, whose
 grad arrives as an expanded scalar), otherwise it recomputes chunk by chunk with the per-token weights.
+Under train.precision=fp8 the three GEMMs are float8 ones (`gemm`: layers/fp8.py HeadGemms, the weight cast
+once per call); the float8 weight-grad GEMM gives a bf16 chunk, summed into the fp32 grad as the others.
 """
 from __future__ import annotations
 
@@ -62,12 +64,38 @@ def _stop(n: int, c: int, x: torch.Tensor) -> int:
     return min(n, c) if x.device.type == "meta" else n
 
 
-def _chunk_grads(x_CD, w_VD, target_C, g_C=None):
+class _Gemms:
+    """The chunks' three GEMMs with w_VD: plain ones, or float8 ones (an Fp8Gemm given: HeadGemms)."""
+
+    def __init__(self, w_VD: torch.Tensor, gemm=None):
+        from megaframe.layers.fp8 import HeadGemms
+
+        self.w_VD, self.f8 = w_VD, None if gemm is None else HeadGemms(gemm, w_VD)
+
+    def logits(self, x_CD: torch.Tensor) -> torch.Tensor:
+        return x_CD @ self.w_VD.t() if self.f8 is None else self.f8.logits(x_CD)
+
+    def grad_input(self, grad_CV: torch.Tensor, out_CD: torch.Tensor) -> None:
+        if self.f8 is None:
+            torch.mm(grad_CV, self.w_VD, out=out_CD)
+        else:
+            out_CD.copy_(self.f8.grad_input(grad_CV))
+
+    def accumulate(self, acc_VD: torch.Tensor, grad_CV: torch.Tensor, x_CD: torch.Tensor, first: bool) -> None:
+        if self.f8 is None:
+            _accumulate(acc_VD, grad_CV, x_CD, first)
+        elif first:
+            acc_VD.copy_(self.f8.grad_weight(grad_CV, x_CD))
+        else:
+            acc_VD.add_(self.f8.grad_weight(grad_CV, x_CD))
+
+
+def _chunk_grads(x_CD, gemms: _Gemms, target_C, g_C=None):
     """(loss_C, grad_logits_CV) of one chunk; grad_logits is softmax - onehot (times g_C if given)."""
     if g_C is None:
-        return _chain(x_CD @ w_VD.t(), target_C)
-    logp_CV, loss_C = log_softmax_nll(x_CD @ w_VD.t(), target_C)
-    return loss_C, nll_grad_(logp_CV, target_C, g_C).to(w_VD.dtype)
+        return _chain(gemms.logits(x_CD), target_C)
+    logp_CV, loss_C = log_softmax_nll(gemms.logits(x_CD), target_C)
+    return loss_C, nll_grad_(logp_CV, target_C, g_C).to(gemms.w_VD.dtype)
 
 
 def _accumulate(acc_VD: torch.Tensor, grad_CV: torch.Tensor, x_CD: torch.Tensor, first: bool) -> None:
@@ -88,8 +116,9 @@ def _accumulate(acc_VD: torch.Tensor, grad_CV: torch.Tensor, x_CD: torch.Tensor,
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_ND, w_VD, target_N):
+    def forward(ctx, x_ND, w_VD, target_N, gemm):
         n, c = x_ND.shape[0], _chunk_tokens(x_ND.shape[0], w_VD.shape[0], x_ND.device)
+        ctx.gemm, gemms = gemm, _Gemms(w_VD, gemm)
         loss_N = torch.empty(n, dtype=torch.float32, device=x_ND.device)
         grads = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         gx_ND = torch.empty_like(x_ND) if grads else None
@@ -99,11 +128,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
         for lo in range(0, _stop(n, c, x_ND), c):
             x_CD, t_C = x_ND[lo:lo + c], target_N[lo:lo + c]
             if not grads:
-                loss_N[lo:lo + c] = log_softmax_nll(x_CD @ w_VD.t(), t_C)[1]
+                loss_N[lo:lo + c] = log_softmax_nll(gemms.logits(x_CD), t_C)[1]
                 continue
-            loss_N[lo:lo + c], grad_CV = _chunk_grads(x_CD, w_VD, t_C)
-            torch.mm(grad_CV, w_VD, out=gx_ND[lo:lo + c])
-            _accumulate(gw_VD, grad_CV, x_CD, first=lo == 0)
+            loss_N[lo:lo + c], grad_CV = _chunk_grads(x_CD, gemms, t_C)
+            gemms.grad_input(grad_CV, gx_ND[lo:lo + c])
+            gemms.accumulate(gw_VD, grad_CV, x_CD, first=lo == 0)
         # fp32 kept when the optimizer takes the grad into its fp32 main_grad (backward scales it in there):
         # no round to bf16 and back; else cast once here
         if grads and wgrad.fused_target(w_VD) is None:
@@ -124,23 +153,25 @@ class _LinearCrossEntropy(torch.autograd.Function):
             # B (the input grad) and again for W (the weight's)
             gx = gx_ND.mul_(scale) if ctx.needs_input_grad[0] and wanted(x_ND) else None
             if not (ctx.needs_input_grad[1] and wanted(w_VD)):
-                return gx, None, None
+                return gx, None, None, None
             main = wgrad.fused_target(w_VD)
             if main is None:
-                return gx, gw_VD.mul_(scale), None
+                return gx, gw_VD.mul_(scale), None, None
             wgrad.scale_into_main(main, gw_VD, scale)
-            return gx, torch.empty_like(w_VD), None  # fires the param's hook, which drops it (wgrad.py)
+            return gx, torch.empty_like(w_VD), None, None  # fires the param's hook, which drops it (wgrad.py)
         c = _chunk_tokens(x_ND.shape[0], w_VD.shape[0], x_ND.device)  # per-token weights: recompute
-        acc_VD = torch.empty_like(w_VD, dtype=torch.float32)
+        acc_VD, gemms = torch.empty_like(w_VD, dtype=torch.float32), _Gemms(w_VD, ctx.gemm)
         for lo in range(0, _stop(x_ND.shape[0], c, x_ND), c):
-            _, grad_CV = _chunk_grads(x_ND[lo:lo + c], w_VD, target_N[lo:lo + c], g_N[lo:lo + c].float())
-            torch.mm(grad_CV, w_VD, out=gx_ND[lo:lo + c])
-            _accumulate(acc_VD, grad_CV, x_ND[lo:lo + c], first=lo == 0)  # (rare path: per-token weights)
-        return gx_ND, acc_VD.to(w_VD.dtype), None
+            _, grad_CV = _chunk_grads(x_ND[lo:lo + c], gemms, target_N[lo:lo + c], g_N[lo:lo + c].float())
+            gemms.grad_input(grad_CV, gx_ND[lo:lo + c])
+            gemms.accumulate(acc_VD, grad_CV, x_ND[lo:lo + c], first=lo == 0)  # (rare path: per-token weights)
+        return gx_ND, acc_VD.to(w_VD.dtype), None, None
 
 
-def linear_cross_entropy(x_SBD: torch.Tensor, weight_VD: torch.Tensor, target_SB: torch.Tensor) -> torch.Tensor:
-    """Per-token loss_SB of logits x @ W^T against target (tp = 1); equals F.cross_entropy on the logits."""
+def linear_cross_entropy(x_SBD: torch.Tensor, weight_VD: torch.Tensor, target_SB: torch.Tensor,
+                         gemm=None) -> torch.Tensor:
+    """Per-token loss_SB of logits x @ W^T against target (tp = 1); equals F.cross_entropy on the logits.
+    `gemm`: an Fp8Gemm (train.precision=fp8): the three GEMMs run float8 (layers/fp8.py HeadGemms)."""
     s, b, d = x_SBD.shape
-    loss_N = _LinearCrossEntropy.apply(x_SBD.reshape(s * b, d), weight_VD, target_SB.reshape(s * b))
+    loss_N = _LinearCrossEntropy.apply(x_SBD.reshape(s * b, d), weight_VD, target_SB.reshape(s * b), gemm)
     return loss_N.view(s, b)

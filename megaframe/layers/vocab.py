@@ -38,10 +38,11 @@ class VocabParallelEmbedding(nn.Module):
         return comm.reduce_scatter_to_sp(x_SBD, self.tp) if self.sp else comm.reduce_from_tp(x_SBD, self.tp)
 
 
-def parallel_logits(x_SBD: torch.Tensor, weight_VD: torch.Tensor, tp: Axis, sp: bool) -> torch.Tensor:
-    """logits_SBV for this rank's vocab rows; x all-gathered over seq under sp, else copied to tp."""
+def parallel_logits(x_SBD: torch.Tensor, weight_VD: torch.Tensor, tp: Axis, sp: bool, gemm=None) -> torch.Tensor:
+    """logits_SBV for this rank's vocab rows; x all-gathered over seq under sp, else copied to tp. `gemm`: an
+    Fp8Gemm (train.precision=fp8, layers/fp8.py) instead of the bf16 GEMM."""
     x_SBD = comm.gather_from_sp(x_SBD, tp) if sp else comm.copy_to_tp(x_SBD, tp)
-    return F.linear(x_SBD, weight_VD)
+    return F.linear(x_SBD, weight_VD) if gemm is None else gemm(x_SBD, weight_VD)
 
 
 class _VocabParallelCE(torch.autograd.Function):

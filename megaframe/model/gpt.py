@@ -151,6 +151,7 @@ class GPT(nn.Module):
         # module calls around the two steps outside the blocks, so ZeRO-3's module hooks bracket them
         self.input_step = _Step(self._embed_tokens) if stage.first else None
         self.output_step = _Step(self._head_output) if stage.last else None
+        self.head_gemm = None  # the head's Fp8Gemm under train.precision=fp8 (layers/fp8.py:enable_fp8)
 
     def set_documents(self, eos_ids: list[int]) -> None:
         """data.document_mask: attention within documents, positions restarting at each (model/documents.py)."""
@@ -198,14 +199,17 @@ class GPT(nn.Module):
                 return self.drop(x_SBD)
         return self.drop(x_SBD)
 
+    def head_weight(self) -> nn.Parameter:
+        """The output head's weight_VD (this rank's vocab rows): the head's, or the tied embedding's."""
+        return self.embed.weight if self.cfg.tie_embeddings else self.head.weight
+
     def _head_output(self, x_SBD: torch.Tensor, labels_BS: torch.Tensor | None) -> torch.Tensor:
         x_SBD = self.final_norm(x_SBD)
         # head + loss fused, chunked: no full logits (train.fused_head_loss=false: the whole logits)
         if labels_BS is not None and self.mesh.tp.size == 1 and self.fused_head_loss:
-            weight_VD = self.embed.weight if self.cfg.tie_embeddings else self.head.weight
-            return linear_cross_entropy(x_SBD, weight_VD, labels_BS.t()).t()
+            return linear_cross_entropy(x_SBD, self.head_weight(), labels_BS.t(), self.head_gemm).t()
         if self.cfg.tie_embeddings:
-            logits_SBV = parallel_logits(x_SBD, self.embed.weight, self.mesh.tp, self.sp)
+            logits_SBV = parallel_logits(x_SBD, self.embed.weight, self.mesh.tp, self.sp, self.head_gemm)
         else:
             logits_SBV = self.head(x_SBD)
         if labels_BS is None:

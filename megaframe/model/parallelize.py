@@ -10,7 +10,7 @@ import torch
 
 from megaframe.config.choices import CPComm
 from megaframe.config.schema import ModelConfig, OptimConfig, ParallelConfig, TrainConfig
-from megaframe.layers.fp8 import enable_fp8
+from megaframe.layers.fp8 import enable_fp8, float8_gathered_weights
 from megaframe.layers.shard import InitSpec, init_model
 from megaframe.model.gpt import GPT
 from megaframe.optim.build import build_optimizer
@@ -71,7 +71,9 @@ def build_model_for(m: ModelConfig, p: ParallelConfig, t: TrainConfig, o: OptimC
     # the blocks' GEMMs as torchao float8 (parameters stay as they are); a planning (meta) model keeps the
     # bf16 GEMMs, whose saved tensors are the same size as the float8 path's high-precision ones
     if t.precision == "fp8" and torch.device(mesh.device).type != "meta":
-        enable_fp8(model, t.fp8_recipe, warn=mesh.rank == 0)
+        enable_fp8(model, t.fp8_recipe, warn=mesh.rank == 0, head=t.fp8_head)
+    # what ZeRO-3 gathers as float8 (optim/float8_gather.py), known from shapes: the planner sizes it too
+    model.float8_gathered = float8_gathered_weights(model, t.precision, t.fp8_recipe, t.fp8_head)
     if p.tp_comm_overlap:
         enable_tp_overlap(model, p.tp_comm_chunks)
     if t.compile:

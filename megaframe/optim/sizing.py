@@ -8,16 +8,24 @@ from torch import nn
 
 from megaframe.config.schema import OptimConfig
 from megaframe.optim.buffer import bucket_plan, buffer_groups, grad_dtype, group_plan
+from megaframe.optim.float8_gather import split_groups
 from megaframe.optim.param_gather import gather_units, gathers_per_step, zero3_groups
 from megaframe.parallel.mesh import Mesh
 
 
+def _float8(model: nn.Module | None, cfg: OptimConfig) -> set[int]:
+    """ids of the weights zero=3 gathers as float8 (build_model's `float8_gathered`: an fp8 tensorwise run)."""
+    return {id(p) for p in getattr(model, "float8_gathered", ())} if cfg.zero == 3 else set()
+
+
 def _plans(params: list[nn.Parameter], cfg: OptimConfig, mesh: Mesh, model: nn.Module | None):
-    """(shard axis, params, buffer order, bucket plan) per buffer, as the optimizer of cfg.zero lays them."""
+    """(shard axis, params, buffer order, bucket plan) per buffer, as the optimizer of cfg.zero lays them
+    (zero=3 under fp8: a unit's float8 weights in a bucket of their own, float8_gather.split_groups)."""
     units = gather_units(model) if model is not None and cfg.zero == 3 else []
+    f8 = _float8(model, cfg)
     for axis, ps in buffer_groups(params, mesh):
         if units:
-            ordered, plan = group_plan(ps, zero3_groups(ps, units), axis.size)
+            ordered, plan = group_plan(ps, split_groups(zero3_groups(ps, units), f8), axis.size)
         else:
             ordered, plan = bucket_plan(ps, int(cfg.bucket_size_mb * 2**20), axis.size)
         yield axis, ps, ordered, plan
@@ -64,14 +72,18 @@ def planned_dp_bytes(params: list[nn.Parameter], cfg: OptimConfig, mesh: Mesh, m
     reduced once per chunk), the all-gather (s-1)·n/s params, under HSDP the all-reduce 2(r-1)/r·g·n/s of
     the shard over r replicas; plus the grad norm's scalar all-reduce over the dense shard axis. zero=3
     gathers each bucket around every use (param_gather.gathers_per_step: a block's twice per micro-batch,
-    forward and backward; once per step without reshard_after_forward)."""
+    forward and backward; once per step without reshard_after_forward), the float8 weights' buckets at 1
+    byte an element (fp8 tensorwise) plus their scales' all-reduce."""
     units = gather_units(model) if model is not None and cfg.zero == 3 else []
-    total = 0
+    total, f8 = 0, _float8(model, cfg)
     for axis, ps, ordered, plan in _plans(params, cfg, mesh, model):
         s, r = axis.size, (mesh.dp_rep.size if axis is mesh.dp_shard else 1)
-        elem, g = ps[0].element_size(), grad_dtype(cfg.grad_reduce_dtype, ps[0].dtype).itemsize
+        g = grad_dtype(cfg.grad_reduce_dtype, ps[0].dtype).itemsize
+        if any(id(p) in f8 for p in ps):  # the float8 weights' scales: one all-reduce(max) of fp32 a step
+            total += int(2 * (s - 1) / s * 4 * sum(id(p) in f8 for p in params))
         for idx, start, end in plan:
             n = end - start
+            elem = 1 if id(ordered[idx[0]]) in f8 else ps[0].element_size()  # gathered as float8
             gathers = gathers_per_step(ordered[idx[0]], units, microbatches, cfg.reshard_after_forward) \
                 if cfg.zero == 3 else 1
             late = any(ordered[i].placement.pp_tied for i in idx)  # reduced once, in step()

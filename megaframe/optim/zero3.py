@@ -28,6 +28,10 @@ act per unit whatever the schedule (vpp included).
 The input step's backward (an index-add, an add) reads no weights: it has no backward hooks, and is
 not gathered for backward.
 
+Under train.precision=fp8 (tensorwise) each unit's float8 linears' weights are a bucket of their own,
+gathered as float8 (1 byte an element; its own uint8 storage, freed and regathered the same way) for
+forwards and backwards, and as bf16 only by sync_params: optim/float8_gather.py.
+
 `optim.reshard_after_forward=false` (torchtitan's and Megatron's choice for pipelines, where a rank
 runs several micro-batches' forwards before their backwards) keeps a unit gathered from its first
 forward of the step to its last backward (backward_context(is_last=True) of its chunk): one gather
@@ -54,6 +58,7 @@ from torch import nn
 
 from megaframe.layers.shard import init_flat, materialize
 from megaframe.optim.buffer import Bucket, FlatBuffer, Segment
+from megaframe.optim.float8_gather import Float8Gather, float8_weights, split_groups
 from megaframe.optim.param_gather import gather_units, zero3_groups
 from megaframe.optim.zero import ZeroOptimizer
 from megaframe.parallel import comm
@@ -66,6 +71,9 @@ class Zero3Optimizer(ZeroOptimizer):
 
     def __init__(self, model: nn.Module, cfg, mesh):
         self.units = gather_units(model)
+        f8, f8_config = float8_weights(model)
+        # train.precision=fp8 (tensorwise): the float8 linears' weights gathered as float8 (float8_gather.py)
+        self.float8 = Float8Gather(f8, f8_config, mesh.device) if f8 else None
         self._names = {p: n for n, p in model.named_parameters()}
         self._init = getattr(model, "init_spec", None)
         self._from_init: set = set()  # params that were meta: their master segments are drawn from init
@@ -80,7 +88,7 @@ class Zero3Optimizer(ZeroOptimizer):
                 where.setdefault(id(p), []).append(i)
         for buf in self.buffers:
             for b in buf.buckets:
-                b.fresh, b.gwork = True, None
+                b.fresh, b.fresh8, b.gwork = True, False, None
                 units = where.get(id(b.params[0]))
                 if units is None:
                     self.resident.append((buf, b))
@@ -100,8 +108,11 @@ class Zero3Optimizer(ZeroOptimizer):
         self.launch(None)
 
     def _make_buffer(self, params, bucket_bytes, axis, late) -> FlatBuffer:
+        groups = zero3_groups(params, self.units)
+        if self.float8 is not None:
+            groups = split_groups(groups, set(self.float8.index))
         buf = FlatBuffer(params, bucket_bytes, axis.rank, axis.size, late, sharded_grads=True,
-                         groups=zero3_groups(params, self.units), grad_dtype=self._grad_dtype(params),
+                         groups=groups, grad_dtype=self._grad_dtype(params),
                          device=self.mesh.device, whole_param=False, lazy_grads=True)
         for b in buf.buckets:
             self._bucket_storage(buf, b)
@@ -127,6 +138,9 @@ class Zero3Optimizer(ZeroOptimizer):
             # gathers writing into pfull do not look like in-place changes of the weights autograd saved
             p.data = view
         b.pfull[o:].zero_()  # the padding: zeros, as the master's
+        b.f8 = None
+        if self.float8 is not None and self.float8.holds(b):  # after materialize: it swaps p's attributes
+            self.float8.attach(b)
         if all(p in self._from_init for p in b.params):
             b.pfull.untyped_storage().resize_(0)
 
@@ -165,6 +179,9 @@ class Zero3Optimizer(ZeroOptimizer):
 
     def _launch_gather(self, buf: FlatBuffer, b: Bucket) -> None:
         st = self.states[self.buffers.index(buf)]
+        if b.f8 is not None and not self._syncing:  # a forward's or backward's use: the float8 weights
+            self._launch_float8_gather(buf, b, st)
+            return
         if b.pfull.untyped_storage().nbytes() == 0:
             # Resize the storage, not a new tensor: p.data views and autograd's saved weights point at it.
             b.pfull.untyped_storage().resize_(b.numel * b.pfull.element_size())
@@ -181,10 +198,26 @@ class Zero3Optimizer(ZeroOptimizer):
         b.gwork = comm.all_gather_flat(b.pfull, mine, buf.axis, async_op=True)
         b.fresh = True
 
+    def _launch_float8_gather(self, buf: FlatBuffer, b: Bucket, st) -> None:
+        """b's float8 weights: this rank's range cast to float8 (1 byte per element) and all-gathered."""
+        if self.float8.stale:  # the master changed (a step, a load, writes after sync_params): new scales
+            self._resync_master()  # writes into gathered bf16 params land in the master first
+            self.float8.update_scales(self.buffers, self.states)
+        if b.f8.untyped_storage().nbytes() == 0:
+            b.f8.untyped_storage().resize_(b.numel)
+            self.gathered_params += b.numel
+            self.gathered_peak = max(self.gathered_peak, self.gathered_params + self._acc_bytes)
+            self.gathered_high = max(self.gathered_high, self.gathered_params)
+        n = b.shard_numel(buf.dp_size)
+        mine8 = b.f8[buf.dp_rank * n:(buf.dp_rank + 1) * n]
+        self.float8.cast_shard(buf, b, buf.state_shard(st.master, b), mine8)
+        b.gwork = comm.all_gather_flat(b.f8, mine8, buf.axis, async_op=True)
+        b.fresh8 = True
+
     def _prefetch(self, i: int) -> None:
         if 0 <= i < len(self.units):
             for buf, b in self.block_buckets[i]:
-                if not b.fresh:
+                if not (b.fresh8 if b.f8 is not None and not self._syncing else b.fresh):
                     self._launch_gather(buf, b)
 
     def _ensure(self, i: int) -> None:
@@ -195,9 +228,9 @@ class Zero3Optimizer(ZeroOptimizer):
                 b.gwork = None
 
     def _free(self, i: int) -> None:
-        if not any(b.pfull.untyped_storage().nbytes() or b.gwork is not None for _, b in self.block_buckets[i]):
+        if not any(_held(b) or b.gwork is not None for _, b in self.block_buckets[i]):
             for _, b in self.block_buckets[i]:  # already freed (meta start-up, or freed twice): no storage to read
-                b.fresh = False
+                b.fresh = b.fresh8 = False
             return
         # Last chance to see writes made from outside into the gathered params: after the resize they are gone.
         self._resync_master([p for _, b in self.block_buckets[i] for p in b.params])
@@ -209,7 +242,10 @@ class Zero3Optimizer(ZeroOptimizer):
                 self.gathered_params -= b.numel * b.pfull.element_size()
                 # Safe only after the wait above: NCCL could still be writing into this storage.
                 b.pfull.untyped_storage().resize_(0)
-            b.fresh = False
+            if b.f8 is not None and b.f8.untyped_storage().nbytes():
+                self.gathered_params -= b.numel
+                b.f8.untyped_storage().resize_(0)
+            b.fresh = b.fresh8 = False
 
     # ------------------------------------------------------------------ the ParamGather interface
 
@@ -226,6 +262,7 @@ class Zero3Optimizer(ZeroOptimizer):
 
     def sync_params(self) -> None:
         """Gather every block (checkpoints and tests read whole params); the next forward frees them."""
+        self._master_may_change()  # the reader may write into the gathered params
         self._syncing = True
         try:
             for i in range(len(self.units)):
@@ -259,6 +296,7 @@ class Zero3Optimizer(ZeroOptimizer):
 
     def launch(self, _gather_bucket) -> None:
         """After the update: the resident bucket is gathered now, blocks at their next use."""
+        self._master_may_change()
         for i in range(len(self.units)):
             self._free(i)
         for buf, b in self.resident:
@@ -266,6 +304,15 @@ class Zero3Optimizer(ZeroOptimizer):
         # Waited at once: the resident bucket is read outside any hooked module (the head), so no
         # forward pre-hook would wait for it.
         self.wait()
+
+    def _master_may_change(self) -> None:
+        """The float8 weights' scales are recomputed at their next gather (every rank calls this alike)."""
+        if self.float8 is not None:
+            self.float8.stale = True
+
+    def load_targets(self, p: nn.Parameter):
+        self._master_may_change()  # a checkpoint load writes into the master
+        return super().load_targets(p)
 
     def param_home(self, p: nn.Parameter) -> list[tuple[int, int, torch.Tensor]] | None:
         """Where a checkpoint's value of p is read to (checkpoint/load.py): None while p is gathered (into p);
@@ -288,3 +335,7 @@ class Zero3Optimizer(ZeroOptimizer):
         out["mem/params_bytes"] = shard + resident
         return out
 
+
+def _held(b: Bucket) -> bool:
+    """Whether b's gathered storage (bf16, or its float8 one) holds memory now."""
+    return bool(b.pfull.untyped_storage().nbytes() or (b.f8 is not None and b.f8.untyped_storage().nbytes()))

@@ -7,8 +7,9 @@ Per micro-batch token of a rank (tokens = micro-batch x S / cp), for each of its
               max(FLOPs / (peak x curve(FLOPs)), bytes moved / (HBM x hbm_eff)), curve(f) = efficiency x
               f / (f + efficiency x peak x gemm_fixed_s) (the fixed time of a launch and the tail wave).
               Under train.precision=fp8 the block GEMMs run at the fp8 peak with 1-byte operands, plus
-              their scaling work: an amax read and an fp8 cast write of each bf16 operand (the head, the
-              norms and the attention core stay bf16, as layers/fp8.py leaves them). MoE experts: the
+              their scaling work: an amax read and an fp8 cast write of each bf16 operand (the head's GEMM
+              is float8 too under train.fp8_head where its dims allow; the norms and the attention core stay
+              bf16, as layers/fp8.py leaves them). MoE experts: the
               rank's routed tokens (top_k of them) over its experts' GEMMs.
   attention   the causal core (QK^T and PV, half the S x S square: flops_per_token(causal=True)) at
               the device's fused-attention rate (attn_eff of the bf16 peak).
@@ -109,10 +110,12 @@ def block_seconds(cfg, dev: Device, tp: int, cp: int, micro_batch: int, sp: bool
 
 
 def head_seconds(cfg, dev: Device, tp: int, cp: int, micro_batch: int) -> float:
-    """The head GEMM (bf16 under fp8) and the fused cross-entropy over one micro-batch's logits."""
+    """The head GEMM (float8 under fp8 with train.fp8_head where its local dims are multiples of 16, as
+    layers/fp8.py enables it; else bf16) and the fused cross-entropy over one micro-batch's logits."""
     m, prec = cfg.model, str(getattr(cfg.train.precision, "value", cfg.train.precision))
     tokens = micro_batch * m.seq_length // cp
-    hp = "bf16" if prec == "fp8" else prec
+    fits = cfg.train.fp8_head and (m.vocab_size // tp) % 16 == 0 and m.hidden_size % 16 == 0
+    hp = "bf16" if prec == "fp8" and not fits else prec
     act = 4 if prec == "fp32" else 2
     return PASSES * gemm_seconds(dev, hp, tokens, m.hidden_size, m.vocab_size // tp) + _stream(
         dev, tokens * m.vocab_size / tp * (2 * act + 8))

@@ -211,7 +211,8 @@ def precision_label(cfg: Config) -> str:
     p = str(cfg.train.precision)
     if p == "fp32":
         return "precision fp32"
-    extra = f", float8 {cfg.train.fp8_recipe} GEMMs in the blocks" if p == "fp8" else ""
+    where = "the blocks and the head" if cfg.train.fp8_head else "the blocks"
+    extra = f", float8 {cfg.train.fp8_recipe} GEMMs in {where}" if p == "fp8" else ""
     return f"precision {p} (fp32 master weights{extra})"
 
 

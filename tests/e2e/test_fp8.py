@@ -1,6 +1,7 @@
-"""train.precision=fp8 (torchao float8 GEMMs in the blocks' linears) trains like bf16: 50 steps of a tiny
-model within 2 % of bf16's final loss, tensorwise and rowwise, at one process and at tp2·sp, pp2 and zero=3
-dp2; an fp8 checkpoint resumes at bf16 and a bf16 one at fp8 (parameters are bf16 in both)."""
+"""train.precision=fp8 (torchao float8 GEMMs in the blocks' linears and the head) trains like bf16: 50 steps
+of a tiny model within 2 % of bf16's final loss, tensorwise and rowwise, at one process and at tp2·sp, pp2
+and zero=3 dp2 (its float8 weights gathered as float8); an fp8 checkpoint resumes at bf16 and a bf16 one
+at fp8 (parameters are bf16 in both)."""
 import pytest
 
 from tests.e2e.helpers import TINY, metrics, train
@@ -31,7 +32,7 @@ def fp8_one(tmp_path_factory):
     assert res.returncode == 0, res.stderr[-2000:]
     # FP8 on CPU is emulated and slow: said once, at start (before: nothing, at a quarter of fp32's speed)
     assert res.stderr.count("train.precision=fp8 on cpu: float8 is emulated") == 1, res.stderr[-2000:]
-    assert "| precision fp8 (fp32 master weights, float8 tensorwise GEMMs in the blocks) |" in res.stdout
+    assert "| precision fp8 (fp32 master weights, float8 tensorwise GEMMs in the blocks and the head) |" in res.stdout
     return out
 
 

@@ -35,7 +35,7 @@ parallel.tp_comm_overlap parallel.tp_comm_chunks train.fp8_recipe data.stages da
 run.dir run.name
 train.device train.global_batch_size train.log_interval train.max_bad_steps train.max_steps train.micro_batch_size train.precision
 train.seed train.eval_interval train.eval_iters train.hang_timeout_s train.compile train.compile_timeout_s train.recompute
-train.dist_timeout_s train.signal_check_interval train.threads
+train.dist_timeout_s train.signal_check_interval train.threads train.fp8_head
 train.sample_interval train.sample_prompts train.sample_tokens
 train.downstream_interval train.downstream_tasks train.downstream_include_path train.downstream_limit
 train.downstream_batch_size
