@@ -64,29 +64,6 @@ def split_groups(groups: list[list], float8: set[int]) -> list[list]:
     return out
 
 
-class _GatheredWeight(torch.autograd.Function):
-    """The gathered float8 weight (data_OI, scale) as the Float8TrainingTensor w^T torchao's matmul takes; its
-    grad goes to the bf16 parameter w_OI (whose storage may be freed: only its shape is used)."""
-
-    @staticmethod
-    def forward(ctx, w_OI, data_OI, scale, mm_config):
-        from torchao.float8.float8_training_tensor import Float8TrainingTensor, GemmInputRole
-
-        return Float8TrainingTensor(data_OI.t(), scale, w_OI.dtype, mm_config, GemmInputRole.WEIGHT)
-
-    @staticmethod
-    def backward(ctx, g_IO):
-        return g_IO.t(), None, None, None
-
-
-def gathered_weight_t(w_OI: torch.Tensor, mm_config) -> torch.Tensor | None:
-    """w_OI^T as a float8 tensor when ZeRO-3 gathered it as float8 (`float8_gathered`), else None."""
-    pre = getattr(w_OI, "float8_gathered", None)
-    if pre is None:
-        return None
-    return _GatheredWeight.apply(w_OI, pre[0], pre[1], mm_config)
-
-
 class Float8Gather:
     """The float8 weights of one ZeRO-3 optimizer: their scales, their buckets' float8 storage and casts."""
 
