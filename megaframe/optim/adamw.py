@@ -1,6 +1,8 @@
 """The AdamW both optimizer stages run (zero=0 on whole params, zero=1 on owned flat ranges)."""
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from megaframe.config.schema import OptimConfig
@@ -9,8 +11,9 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def _undecorated(fn):
-    """fn without torch's lazy `torch._disable_dynamo` / graph-break wrapper (functools.wraps keeps it)."""
-    return getattr(fn, "__wrapped__", fn)
+    """fn without torch's lazy `torch._disable_dynamo` / graph-break wrappers, nor the profiler wrapper that
+    Optimizer puts on torch's own class once one is built (functools.wraps keeps each `__wrapped__`)."""
+    return inspect.unwrap(fn)
 
 
 class AdamW(torch.optim.AdamW):
@@ -28,7 +31,10 @@ class AdamW(torch.optim.AdamW):
 
     def step(self, closure=None):
         with torch.set_grad_enabled(self.defaults["differentiable"]):
-            return _undecorated(torch.optim.AdamW.step)(self, closure)
+            return _STEP(self, closure)
+
+
+_STEP = _undecorated(torch.optim.AdamW.step)
 
 
 def adamw(params_decay, params_no_decay, cfg: OptimConfig, device: torch.device) -> torch.optim.AdamW:
