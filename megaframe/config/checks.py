@@ -89,7 +89,7 @@ def _check_model_shapes(m: ModelConfig, p: ParallelConfig) -> None:
     _req(m.vocab_size % p.tp == 0, f"parallel.tp={p.tp} does not divide model.vocab_size={m.vocab_size}")
     _req(m.head_dim % 2 == 0 or m.position_embedding != "rope", "model head dim must be even for RoPE")  # RoPE rotates dim pairs
     if m.position_embedding == "rope":
-        from megaframe.model.rope import scaling_problem  # the formulas' own requirements, next to them
+        from megaframe.model.rope_checks import scaling_problem  # beside the formulas, without torch
 
         problem = scaling_problem(m.rope_scaling)
         _req(problem is None, f"model.rope_scaling: {problem}")

@@ -6,6 +6,7 @@ from `include_path` (a folder of task YAMLs, e.g. tests/data/lm_eval_tasks).
 """
 from __future__ import annotations
 
+import functools
 import os
 
 STDERR = "_stderr"
@@ -23,19 +24,37 @@ def task_list(tasks) -> list[str]:
     return [t.strip() for t in tasks or [] if str(t).strip()]
 
 
+def task_manager(names: list[str], include_path: str | None = None):
+    """lm-eval's TaskManager that knows `names`. Indexing lm-eval's own ~14,000 task YAMLs takes 10 s to
+    over a minute of CPU, per process and (uncached) per call: the training loop scores each task at each
+    due step. So a folder that holds every named task is indexed alone, and the built-in index is built
+    only for a name the folder lacks (a hub task), once per process."""
+    if include_path:
+        local = _indexed(str(include_path), False)
+        if all(n in local.all_tasks for n in names):
+            return local
+    return _indexed(str(include_path) if include_path else None, True)
+
+
+@functools.lru_cache(maxsize=8)
+def _indexed(include_path: str | None, defaults: bool):
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=include_path, include_defaults=defaults)
+
+
 def run_tasks(lm, tasks, include_path: str | None = None, limit: int | float | None = None,
               num_fewshot: int | None = None) -> dict[str, dict[str, float]]:
     """Scores of each task (ValueError on an unknown task or one whose data cannot be loaded)."""
     import logging
 
     from lm_eval import simple_evaluate
-    from lm_eval.tasks import TaskManager
 
     logging.getLogger("lm_eval").setLevel(logging.ERROR)  # its per-task notices would bury the scores
     names = task_list(tasks)
     if not names:
         raise ValueError("no lm-eval tasks given (+tasks=hellaswag,arc_easy)")
-    manager = TaskManager(include_path=include_path) if include_path else TaskManager()
+    manager = task_manager(names, include_path)
     unknown = [t for t in names if t not in manager.all_tasks]
     if unknown:
         where = f" (include_path={include_path})" if include_path else ""

@@ -52,8 +52,18 @@ def mixed_gemm(device_type: str) -> bool:
     return True
 
 
-@torch.library.custom_op("megaframe::wgrad_into_main", mutates_args={"main"})
-def wgrad_into_main(main: torch.Tensor, g_NO: torch.Tensor, x_NI: torch.Tensor) -> None:
+# Defined and implemented through torch.library's define/impl rather than @custom_op: custom_op wraps every
+# kernel call in torch._disable_dynamo, whose first call imports torch._dynamo (~1.4 s of CPU) in each rank
+# of an eager run. The schema's (a!) marks `main` mutated, which is all compile needs to keep it opaque.
+torch.library.define("megaframe::wgrad_into_main", "(Tensor(a!) main, Tensor g_NO, Tensor x_NI) -> ()")
+
+
+@torch.library.register_fake("megaframe::wgrad_into_main")
+def _wgrad_into_main_fake(main: torch.Tensor, g_NO: torch.Tensor, x_NI: torch.Tensor) -> None:
+    return None
+
+
+def wgrad_body(main: torch.Tensor, g_NO: torch.Tensor, x_NI: torch.Tensor) -> None:
     """main (fp32, [O, I]) = or += g_NO^T @ x_NI: written by the step's first backward, accumulated after."""
     global calls
     calls += 1
@@ -74,6 +84,10 @@ def wgrad_into_main(main: torch.Tensor, g_NO: torch.Tensor, x_NI: torch.Tensor) 
         torch.mm(g_ON, x_NI, torch.float32, out=main)
     else:
         torch.addmm(main, g_ON, x_NI, torch.float32, out=main)
+
+
+torch.library.impl("megaframe::wgrad_into_main", "CompositeExplicitAutograd", wgrad_body)
+wgrad_into_main = torch.ops.megaframe.wgrad_into_main
 
 
 class _FusedWgradLinear(torch.autograd.Function):

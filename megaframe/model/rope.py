@@ -14,21 +14,7 @@ import math
 import torch
 
 from megaframe.config.schema import RopeScalingConfig
-
-
-def scaling_problem(rs: RopeScalingConfig) -> str | None:
-    """Why `rs` cannot be computed, or None (config/checks.py turns it into a ConfigError)."""
-    kind = str(rs.rope_type)
-    if kind == "default":
-        return None
-    if not rs.factor > 0:
-        return f"rope_type={kind} needs factor > 0 (got {rs.factor})"
-    if kind in ("llama3", "yarn") and not (rs.original_max_position_embeddings or 0) > 0:
-        return f"rope_type={kind} needs original_max_position_embeddings (the pretraining context)"
-    if kind == "llama3" and not rs.high_freq_factor > rs.low_freq_factor > 0:
-        return (f"rope_type=llama3 needs high_freq_factor > low_freq_factor > 0 "
-                f"(got {rs.high_freq_factor}, {rs.low_freq_factor})")
-    return None
+from megaframe.model.rope_checks import scaling_problem  # noqa: F401  (its home before; the checks need no torch)
 
 
 def inv_freq(dim: int, theta: float, rs: RopeScalingConfig | None = None,

@@ -55,9 +55,10 @@ def run_dir(tmp_path_factory) -> Path:
 def per_choice(lm, limit=None) -> tuple[list[list[float]], float]:
     """Every choice's log-likelihood of the local task, in document order, and the accuracy."""
     from lm_eval import simple_evaluate
-    from lm_eval.tasks import TaskManager
 
-    out = simple_evaluate(model=lm, tasks=[TASK], task_manager=TaskManager(include_path=TASKS), limit=limit,
+    from megaframe.evaluation.lm_tasks import task_manager
+
+    out = simple_evaluate(model=lm, tasks=[TASK], task_manager=task_manager([TASK], TASKS), limit=limit,
                           log_samples=True, bootstrap_iters=0)
     samples = sorted(out["samples"][TASK], key=lambda s: s["doc_id"])
     return [[float(r[0]) for r in s["filtered_resps"]] for s in samples], out["results"][TASK]["acc,none"]

@@ -5,18 +5,20 @@ An op reads every tensor argument it takes and writes the ones its schema marks 
 the self of zero_/fill_/copy_ are written only; fresh results are written. View ops and empty allocations move
 no data and are skipped. Only tensors `tracked(t)` selects count (e.g. those on the optimizer's storages).
 Fused AdamW writes its grads back only when it is given a grad_scale (torch's CPU and CUDA kernels both).
-A Python custom op is opaque to the mode: its body's ops are counted instead.
+megaframe's own ops (layers/wgrad.py's) are opaque to the mode: their Python bodies' ops are counted instead.
 """
 from __future__ import annotations
 
 from collections import Counter
 
 import torch
-from torch._library.custom_ops import _maybe_get_opdef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from megaframe.layers import wgrad
+
 aten = torch.ops.aten
+BODIES = {"megaframe::wgrad_into_main": wgrad.wgrad_body}
 WRITE_ONLY_SELF = {"zero_", "fill_", "copy_"}
 NO_DATA = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "new_full", "new_zeros",
            "new_ones", "resize_", "set_"}
@@ -48,10 +50,10 @@ class ByteCount(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        opdef = _maybe_get_opdef(func._schema.name)
-        if opdef is not None:  # a Python custom op (megaframe's): count the ops its body runs
+        body = BODIES.get(func._schema.name)
+        if body is not None:  # a megaframe op: count the ops its Python body runs
             with self:
-                return opdef._init_fn(*args, **kwargs)
+                return body(*args, **kwargs)
         out = func(*args, **kwargs)
         schema, name = func._schema, func.__name__.split(".")[0]
         if name in NO_DATA or (schema.returns and schema.returns[0].alias_info is not None
