@@ -84,7 +84,8 @@ def train_and_report(mesh, overrides: list[str], steps: int, setup=None, seed_dr
 
 
 def vocab_layers(mesh, sp: bool) -> dict | None:
-    """Tied vocab-parallel embedding -> logits -> cross-entropy vs dense torch ops: rank 0 returns max errors."""
+    """Tied vocab-parallel embedding -> logits -> cross-entropy vs dense torch ops: rank 0 returns max
+    errors."""
     import torch.nn.functional as F
 
     from megaframe.layers.shard import full_init

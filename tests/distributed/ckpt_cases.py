@@ -59,9 +59,9 @@ def load_agreed_report(mesh, overrides: list[str], path: str) -> str | None:
 
 
 class HostBytes(TorchDispatchMode):
-    """The peak of host tensor storage alive that torch ops inside the mode created (each new storage counted once,
-    from the op that made it until it is freed, views included). A dispatch mode rather than RSS: it sees exactly the
-    tensors a load makes, whatever the allocator keeps or the pool's other tests left."""
+    """The peak of host tensor storage alive that torch ops inside the mode created (each new storage counted
+    once, from the op that made it until it is freed, views included). A dispatch mode rather than RSS: it
+    sees exactly the tensors a load makes, whatever the allocator keeps or the pool's other tests left."""
 
     def __init__(self):
         super().__init__()
@@ -89,16 +89,18 @@ class HostBytes(TorchDispatchMode):
 
 
 def load_host_bytes(mesh, overrides: list[str], path: str, staging_bytes: int) -> dict:
-    """Load `path` into this layout under HostBytes: the peak of host tensor bytes the load made, this rank's share
-    (bytes of the ranges it holds) and of them the optimizer state the load creates (zero=0: its moments)."""
+    """Load `path` into this layout under HostBytes: the peak of host tensor bytes the load made, this rank's
+    share (bytes of the ranges it holds) and of them the optimizer state the load creates (zero=0: its
+    moments)."""
     cfg, model, optimizer, data = _setup(mesh, overrides, 1)
     items, _, _ = load_targets(model, optimizer, check_complete(path))
     made = 0 if hasattr(optimizer, "state_segments") else 8 * sum(p.numel() for p in model.parameters())
     count = HostBytes()
     with count:
         meta = sharded.load_into(Path(path), model, optimizer, staging_bytes=staging_bytes)
-    # what was loaded through the small buffer (pieces cut across its chunks) is the checkpoint, exactly (dp only:
-    # local tensors are the global ones); ZeRO-3 starts with every param freed (meta start-up): gather them to read
+    # what was loaded through the small buffer (pieces cut across its chunks) is the checkpoint, exactly (dp
+    # only: local tensors are the global ones); ZeRO-3 starts with every param freed (meta start-up): gather
+    # them to read
     if cfg.optim.zero == 3:
         optimizer.sync_params()
     wrong = []
@@ -112,8 +114,8 @@ def load_host_bytes(mesh, overrides: list[str], path: str, staging_bytes: int) -
 
 
 def zero3_freed_load_steps(mesh, overrides: list[str], steps: int, load: str, start: int) -> dict:
-    """ZeRO-3 with every block freed (as after a step, or a start-up that gathers nothing) loads `load` into its master
-    segments, then runs steps start+1..steps: the losses and this rank's read figures."""
+    """ZeRO-3 with every block freed (as after a step, or a start-up that gathers nothing) loads `load` into
+    its master segments, then runs steps start+1..steps: the losses and this rank's read figures."""
     cfg, model, optimizer, data = _setup(mesh, overrides, steps)
     for i in range(len(optimizer.units)):  # meta start-up frees them already; a gathered one is freed here
         optimizer._free(i)

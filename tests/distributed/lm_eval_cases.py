@@ -8,8 +8,8 @@ from megaframe.model.parallelize import build_model
 
 
 def score_local_task(mesh, overrides: list[str], step: str, tokenizer: str, tasks: str, task: str) -> dict:
-    """Every choice's log-likelihood of `task` and its accuracy, scored by the `megaframe` lm-eval model on the
-    live model of this layout (every rank calls; each returns what lm-eval reported to it)."""
+    """Every choice's log-likelihood of `task` and its accuracy, scored by the `megaframe` lm-eval model on
+    the live model of this layout (every rank calls; each returns what lm-eval reported to it)."""
     from lm_eval import simple_evaluate
 
     from megaframe.evaluation.lm_eval_adapter import MegaframeLM

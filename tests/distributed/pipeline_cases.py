@@ -16,8 +16,8 @@ def emulates_nccl(mesh) -> bool:
 
 
 def val_loss(mesh, overrides: list[str]) -> float | None:
-    """evaluate.loss_sum (a forward-only schedule through the executor) of step 0's batches on the fresh model,
-    as the mean token loss; rank 0 returns it."""
+    """evaluate.loss_sum (a forward-only schedule through the executor) of step 0's batches on the fresh
+    model, as the mean token loss; rank 0 returns it."""
     from megaframe.training.validation import loss_sum
 
     cfg = tiny_config(overrides, mesh.world)

@@ -1,10 +1,11 @@
 """A pool of gloo ranks reused across tests: spawned once per session, each job runs on the first n.
 
-Every worker joins one 4-rank gloo world (1 thread each, 2 cores). A job is (fn, tp, pp, n, args, ep, p2p, shard):
-all workers build (or reuse) the mesh over ranks [0, n) — group creation is collective over the whole
-world — then ranks < n call fn(mesh, *args). Point-to-point semantics follow MEGAFRAME_P2P_SEMANTICS
-(the suite sets nccl, tests/conftest.py) unless a job names its own `p2p`. Results come back through pipes. Every collective has
-the process-group timeout and every wait here has its own, so a broken test fails instead of hanging.
+Every worker joins one 4-rank gloo world (1 thread each, 2 cores). A job is (fn, tp, pp, n, args, ep, p2p,
+shard): all workers build (or reuse) the mesh over ranks [0, n) — group creation is collective over the whole
+world — then ranks < n call fn(mesh, *args). Point-to-point semantics follow MEGAFRAME_P2P_SEMANTICS (the
+suite sets nccl, tests/conftest.py) unless a job names its own `p2p`. Results come back through pipes. Every
+collective has the process-group timeout and every wait here has its own, so a broken test fails instead of
+hanging.
 """
 from __future__ import annotations
 

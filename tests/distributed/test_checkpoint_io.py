@@ -53,7 +53,8 @@ def test_writes_spread_over_dp_replicas(pool, tmp_path):
     meta = sharded.verify(tmp_path / "step_00000001")
     payload = [f["data_bytes"] for f in meta["files"].values()]
     total = sum(payload)
-    print(f"\ntp2·dp2 save: file bytes per rank {data}; tensor bytes per rank {payload}, total/world {total / 4:.0f}")
+    print(f"\ntp2·dp2 save: file bytes per rank {data}; tensor bytes per rank {payload}, "
+          f"total/world {total / 4:.0f}")
     assert len(payload) == 4
     for b in payload:
         assert abs(b - total / 4) <= 0.10 * total / 4
@@ -119,14 +120,16 @@ def zero1_dp2(pool, tmp_path_factory):
 
 @pytest.mark.parametrize("zero", [1, 3, 0])
 def test_load_allocates_the_share_and_one_staging_buffer(pool, zero1_dp2, zero):
-    """Host tensor bytes a dp2 rank allocates while loading a zero=1 dp2 checkpoint, counted by a TorchDispatchMode:
-    ZeRO-1/-3 read into the params and the optimizer's own segments, so the load adds only the staging buffer
-    (64 KiB here); zero=0 adds its moments, made at their size. Through the small buffer (tensors cut at its chunks)
-    everything loaded equals the checkpoint. (Before: zero-filled tensors of the full local shape for the weights and
-    both moments, 3x the parameter bytes; at ZeRO's dp2 the moments twice what the rank holds.)"""
+    """Host tensor bytes a dp2 rank allocates while loading a zero=1 dp2 checkpoint, counted by a
+    TorchDispatchMode: ZeRO-1/-3 read into the params and the optimizer's own segments, so the load adds only
+    the staging buffer (64 KiB here); zero=0 adds its moments, made at their size. Through the small buffer
+    (tensors cut at its chunks) everything loaded equals the checkpoint. (Before: zero-filled tensors of the
+    full local shape for the weights and both moments, 3x the parameter bytes; at ZeRO's dp2 the moments twice
+    what the rank holds.)"""
     got = pool.run(load_host_bytes, 2, [f"optim.zero={zero}"], zero1_dp2, MAX_BLOCK)
     print(f"\nzero={zero} dp2 load: host bytes allocated (peak) per rank {[r['peak'] for r in got]}, share "
-          f"{[r['share'] for r in got]}, of it made by the load {[r['made'] for r in got]}, staging bound {MAX_BLOCK}")
+          f"{[r['share'] for r in got]}, of it made by the load {[r['made'] for r in got]}, "
+          f"staging bound {MAX_BLOCK}")
     for r in got:
         assert r["made"] <= r["peak"] <= r["made"] + MAX_BLOCK + 4096, r
         assert not r["wrong"], r["wrong"]

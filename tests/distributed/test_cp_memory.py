@@ -43,7 +43,8 @@ def test_cp_activation_peak_matches_planner_and_falls_1_over_c(pool, cp):
     plan_c, bias = planned(cp, "allgather")
     assert bias == 0  # dropout 0: no mask is built, and the planner counts none
     peaks = [r["peak"] for r in measured(pool, cp, "allgather")]
-    print(f"\nseq 4096, allgather: cp1 measured {base / MIB:.1f} MiB planned {plan1 / MIB:.1f} MiB | cp{cp} per rank "
+    print(f"\nseq 4096, allgather: cp1 measured {base / MIB:.1f} MiB planned {plan1 / MIB:.1f} MiB | "
+          f"cp{cp} per rank "
           f"measured {', '.join(f'{p / MIB:.1f}' for p in peaks)} MiB planned {plan_c / MIB:.1f} MiB "
           f"| ratio {max(peaks) / base:.3f} (1/c = {1 / cp:.3f})")
     assert abs(base - plan1) / base <= 0.10, (base, plan1)

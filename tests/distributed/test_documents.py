@@ -1,7 +1,8 @@
 """data.document_mask under tp·sp, pp, dp, cp (both cp_comm) and recompute: the one-process losses (1e-5),
-grads and weights. Synthetic data ends documents at ids that are multiples of 64: at seq 32 about 40 % of
-the samples hold a boundary, anywhere in the sequence (at tp/sp chunk edges too; tests/unit/model/test_documents.py
-pins one at S/2); the cp cases add an end id that starts a document exactly at a cp chunk edge."""
+grads and weights. Synthetic data ends documents at ids that are multiples of 64: at seq 32 about 40 % of the
+samples hold a boundary, anywhere in the sequence (at tp/sp chunk edges too;
+tests/unit/model/test_documents.py pins one at S/2); the cp cases add an end id that starts a document exactly
+at a cp chunk edge."""
 import pytest
 import torch
 

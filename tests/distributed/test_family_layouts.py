@@ -1,6 +1,7 @@
 """Qwen3 (per-head q/k norms, a head dim apart from hidden/heads, tied embeddings) and llama3-scaled RoPE
-train like one process under tp (with and without sp: the q/k norm weights see only their rank's heads),
-pp (the tied embedding on both pipeline ends), ZeRO-3 dp2, cp2 and tp2·dp2 under ZeRO-1: losses, step-1 grads, final weights."""
+train like one process under tp (with and without sp: the q/k norm weights see only their rank's heads), pp
+(the tied embedding on both pipeline ends), ZeRO-3 dp2, cp2 and tp2·dp2 under ZeRO-1: losses, step-1 grads,
+final weights."""
 import pytest
 
 from tests.distributed.cases import train_and_report

@@ -1,6 +1,7 @@
 """No host sync in a training step outside log steps, except the MoE split sizes (one per MoE layer and
-micro-batch; under cp too), and no collective over the whole job every step: counted on CPU by tests/distributed/
-sync_count.py over the real trainer loop (stop flag, async checkpoint commit, bad-step checks).
+micro-batch; under cp too), and no collective over the whole job every step: counted on CPU by
+tests/distributed/ sync_count.py over the real trainer loop (stop flag, async checkpoint commit, bad-step
+checks).
 
 Steps 1 (first), 2 and 4 (checkpoint saves) and 6 (log, last) may sync; steps 3 and 5 are plain
 steps, with an async save pending since step 2 or 4 (checkpoint.interval=2, checkpoint.async=true).

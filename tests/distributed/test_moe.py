@@ -1,7 +1,6 @@
-"""MoE under expert parallelism equals one process: the dispatcher's all-to-all autograd, training
-(losses, step-1 grads, weights after 4 steps) for ep2 (ZeRO-1 and zero=0), ep4, tp2·sp·ep2 (dropless and with capacity)
-and pp2·ep2, and a
-checkpoint written at ep2 resumed at ep1."""
+"""MoE under expert parallelism equals one process: the dispatcher's all-to-all autograd, training (losses,
+step-1 grads, weights after 4 steps) for ep2 (ZeRO-1 and zero=0), ep4, tp2·sp·ep2 (dropless and with capacity)
+and pp2·ep2, and a checkpoint written at ep2 resumed at ep1."""
 import pytest
 
 from tests.distributed.cases import train_and_report

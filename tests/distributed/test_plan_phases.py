@@ -1,17 +1,18 @@
 """The planner's memory per phase (start-up, first step, save, load: planning/phases.py) against the peaks the
-trainer's meter measures on the gloo pool (training/phase_meter.py), each within 10 %, at ZeRO-1 (dp2, pp2·dp2) and
-ZeRO-3 (dp2, dp4): what each phase holds is counted (ZeRO-3's gathered and prefetched blocks, its grad buckets in
-flight and gloo's copies of the collectives at the last block's backward; the save's host copy of the owned
-segments, nothing gathered; the load's one staging buffer of the largest range read into one destination).
+trainer's meter measures on the gloo pool (training/phase_meter.py), each within 10 %, at ZeRO-1 (dp2,
+pp2·dp2) and ZeRO-3 (dp2, dp4): what each phase holds is counted (ZeRO-3's gathered and prefetched blocks, its
+grad buckets in flight and gloo's copies of the collectives at the last block's backward; the save's host copy
+of the owned segments, nothing gathered; the load's one staging buffer of the largest range read into one
+destination).
 
-ZeRO-1's first step on gloo may also hold gloo's own copies of its collectives: each reduce-scatter clones its grad
-bucket (made when launched in the last backward, freed when gloo's worker thread lets go of the finished work) and
-each param all-gather after the update stages its whole output on that thread. Whether and how far these overlap
-the backward's activations and each other is timing (measured up to 1.235 of the plan at pp2·dp2), so its upper
-bound adds one copy of the rank's params and grads to the plan's 10 %; the lower bound stays 10 %. ZeRO-3's step
-counts gloo's copies at the last block's backward, but a clone the worker thread has not yet let go of may still
-be held then (measured 0.93-1.07 of the plan, once 1.105 at zero3-dp2 on an idle machine): the same allowance.
-NCCL works in place (no such copies)."""
+ZeRO-1's first step on gloo may also hold gloo's own copies of its collectives: each reduce-scatter clones its
+grad bucket (made when launched in the last backward, freed when gloo's worker thread lets go of the finished
+work) and each param all-gather after the update stages its whole output on that thread. Whether and how far
+these overlap the backward's activations and each other is timing (measured up to 1.235 of the plan at
+pp2·dp2), so its upper bound adds one copy of the rank's params and grads to the plan's 10 %; the lower bound
+stays 10 %. ZeRO-3's step counts gloo's copies at the last block's backward, but a clone the worker thread has
+not yet let go of may still be held then (measured 0.93-1.07 of the plan, once 1.105 at zero3-dp2 on an idle
+machine): the same allowance. NCCL works in place (no such copies)."""
 import pytest
 
 from megaframe.planning.estimate import plan_layout
@@ -32,8 +33,8 @@ LAYOUTS = [
     ("zero3-tp2-dp2", 4, 2, 1, ["optim.zero=3", "parallel.tp=2"]),
 ]
 ONE = ("zero0-one", 1, 1, 1, ["optim.zero=0"])
-"""One process at zero=0, the reference of the share test. Not in the 10 % test: its first step makes the moments
-after the activations are freed, the plan's step (every later one) holds both."""
+"""One process at zero=0, the reference of the share test. Not in the 10 % test: its first step makes the
+moments after the activations are freed, the plan's step (every later one) holds both."""
 SHARE = 0.35
 """Save and load at zero=3 dp4 against one process at zero=0 (a quarter is the share)."""
 
@@ -54,12 +55,14 @@ def run_case(pool, tmp_path_factory, name, n, tp, pp, extra):
             r = plan[(got["pp_rank"], got["tp_rank"])]
             print(f"\n{name} pp{got['pp_rank']}: " + ", ".join(
                 f"{k} {got[k] / 2**20:.2f}/{r.phases[k] / 2**20:.2f} MiB ({got[k] / r.phases[k]:.3f})" for k in r.phases)
-                + f"; today's model: startup {r.today_startup_bytes / 2**20:.2f}, load {r.today_load_bytes / 2**20:.2f}")
+                + f"; today's model: startup {r.today_startup_bytes / 2**20:.2f}, "
+                f"load {r.today_load_bytes / 2**20:.2f}")
     return _MEASURED[name]
 
 
 def gloo_copies(r) -> int:
-    """What gloo's copies of ZeRO-1's collectives may add to a step (module doc): the params and the grads once."""
+    """What gloo's copies of ZeRO-1's collectives may add to a step (module doc): the params and the grads
+    once."""
     return r.params_bytes + r.grads_bytes
 
 

@@ -29,7 +29,8 @@ def test_overlap_equals_the_unoverlapped_path(pool, tp, chunks):
 
 
 def test_build_model_sets_every_sp_linear_to_overlap():
-    """Every tp linear of a tp2·sp model takes the overlapped path (4 per block), and a bad setting is one line."""
+    """Every tp linear of a tp2·sp model takes the overlapped path (4 per block), and a bad setting is one
+    line."""
     from megaframe.config import ConfigError
     from megaframe.layers.linear import ColumnParallelLinear, RowParallelLinear
     from megaframe.model.parallelize import build_model

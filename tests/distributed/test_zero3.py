@@ -1,8 +1,8 @@
-"""ZeRO-3 (params sharded too, gathered block by block): equal to one process at dp2, dp4, tp2·dp2·sp
-HSDP dp4/s2, pp2, pp2 with tied embeddings (gpt2) without resharding after forward, dp4 tied, pp2·vpp2, ep2; params
-(a quarter of one process on each of 4 ranks: every param sharded),
-grads and optimizer state per rank against the layout, dp bytes to theory to the byte, and a resume
-chain zero=3 dp4 -> zero=1 dp2 -> zero=0 one process."""
+"""ZeRO-3 (params sharded too, gathered block by block): equal to one process at dp2, dp4, tp2·dp2·sp HSDP
+dp4/s2, pp2, pp2 with tied embeddings (gpt2) without resharding after forward, dp4 tied, pp2·vpp2, ep2; params
+(a quarter of one process on each of 4 ranks: every param sharded), grads and optimizer state per rank against
+the layout, dp bytes to theory to the byte, and a resume chain zero=3 dp4 -> zero=1 dp2 -> zero=0 one process.
+"""
 import pytest
 
 from megaframe.checkpoint import sharded
@@ -151,9 +151,10 @@ def test_checkpoint_loads_into_zero3(pool, tmp_path):
 
 @pytest.mark.parametrize("source", [1, 3])
 def test_checkpoint_loads_into_freed_zero3_blocks(pool, tmp_path, source):
-    """Blocks not gathered at load (freed): each rank reads its own segments of the weights (a zero=1 checkpoint: no
-    master) or of the saved master (zero=3) straight into its master, and the next gathers carry them: the losses
-    continue, and a rank reads less than a load into gathered blocks, which reads every block whole."""
+    """Blocks not gathered at load (freed): each rank reads its own segments of the weights (a zero=1
+    checkpoint: no master) or of the saved master (zero=3) straight into its master, and the next gathers
+    carry them: the losses continue, and a rank reads less than a load into gathered blocks, which reads every
+    block whole."""
     full = reference(pool, "gpt_tiny")
     pool.run(run_steps, 2, [f"optim.zero={source}"], STEPS, None, str(tmp_path), 0, 3)
     path = str(tmp_path / "step_00000003")

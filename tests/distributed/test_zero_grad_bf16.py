@@ -63,7 +63,8 @@ def test_bf16_grad_reduction(pool, name):
     # memory: every persistent grad byte (buffer, shard, a tied embedding's kept bucket) halves
     assert 2 * got["mem"]["mem/grads_bytes"] == ref["mem"]["mem/grads_bytes"], (got["mem"], ref["mem"])
     assert got["mem"]["mem/optim_bytes"] == ref["mem"]["mem/optim_bytes"]
-    # the update's fp32 copy of the owned range (transient: reduction to next zero_grad), 4 B per owned element
+    # the update's fp32 copy of the owned range (transient: reduction to next zero_grad), 4 B per owned
+    # element
     assert ref["mem"]["mem/grads_fp32_bytes"] == 0
     assert got["mem"]["mem/grads_fp32_bytes"] == 4 * got["buffer_numel"] // (shard or dp)
     # dp bytes: the grads' share halves to the byte; the param all-gathers (bf16 already) and the norm's

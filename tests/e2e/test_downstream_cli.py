@@ -14,7 +14,8 @@ TASKS = ROOT / "tests" / "data" / "lm_eval_tasks"
 
 @pytest.mark.parametrize("nproc, layout", [(1, []), (2, ["parallel.pp=2"])])
 def test_downstream_scores_logged_and_a_failing_task_does_not_stop_the_run(tmp_path, nproc, layout):
-    """pp2: the rank that logs is the last stage's (LOCAL_RANK 1), where lm-eval itself would return nothing."""
+    """pp2: the rank that logs is the last stage's (LOCAL_RANK 1), where lm-eval itself would return
+    nothing."""
     res = train(TINY + layout + ["model.seq_length=64", "train.max_steps=4", "train.downstream_interval=2",
                         "train.downstream_tasks=[megaframe_tiny_mc,megaframe_tiny_broken]",
                         f"train.downstream_include_path={TASKS}", "train.downstream_limit=6",

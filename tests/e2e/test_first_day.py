@@ -53,8 +53,9 @@ def test_resume_with_more_steps_keeps_the_lr_horizon_and_logs_an_honest_row(firs
 
 
 def test_logged_loss_is_the_mean_since_the_last_log_line(first, tmp_path):
-    # the same run as `first`, logged every 3rd step (and its first and last): the losses are first's every-step
-    # rows. Step 1 is logged whatever the interval: its line says the run is alive, with a first ETA
+    # the same run as `first`, logged every 3rd step (and its first and last): the losses are first's
+    # every-step rows. Step 1 is logged whatever the interval: its line says the run is alive, with a first
+    # ETA
     third = train(SMALL + ["train.max_steps=20", "train.log_interval=3", f"run.dir={tmp_path / 'b'}"], timeout=120)
     assert third.returncode == 0, third.stderr[-2000:]
     a, b = first[2], metrics(tmp_path / "b")

@@ -137,8 +137,8 @@ def test_generate_checks_every_prompt_before_writing_any(rolled_back):
 
 
 def test_another_runs_checkpoint_dir_is_continued_only_when_asked(rolled_back, demo_prepared, tmp_path):
-    """A second run with its own run.dir and the first's checkpoint.dir resumed the first's
-    checkpoints (resume=auto) without a word. (The same run's restarts: every resume=auto test in the suite.)"""
+    """A second run with its own run.dir and the first's checkpoint.dir resumed the first's checkpoints
+    (resume=auto) without a word. (The same run's restarts: every resume=auto test in the suite.)"""
     import shutil
 
     src, _, _ = rolled_back

@@ -103,8 +103,8 @@ def test_prepare_refuses_binary_garbage_and_keeps_good_data(prepared, tmp_path):
 
 
 def test_val_loss_is_layout_free_and_leaves_comm_bytes_alone(prepared, tmp_path):
-    """val_loss under pp=2 (a forward-only schedule through the executor) equals one process's; evaluation traffic
-    is not counted in the step's comm_bytes."""
+    """val_loss under pp=2 (a forward-only schedule through the executor) equals one process's; evaluation
+    traffic is not counted in the step's comm_bytes."""
     over = [f"data.path={prepared}", f"model.vocab_size={VOCAB}", "model.num_layers=2", "model.hidden_size=64",
             "model.num_attention_heads=4", "model.ffn_hidden_size=128", "model.seq_length=32",
             "train.global_batch_size=8", "train.micro_batch_size=2", "train.max_steps=2", "train.log_interval=1",
@@ -124,7 +124,8 @@ def test_data_stages_resume_inside_a_stage_continues_identically(prepared, tmp_p
     a, b = tmp_path / "a", tmp_path / "b"
     shutil.copytree(prepared, a)
     shutil.copytree(prepared, b)
-    stages = (f"[{{until_step: 2, blend: [{{path: {a}, weight: 1}}]}}, {{until_step: 4, blend: [{{path: {a}, weight: 0.5}}, "
+    stages = (f"[{{until_step: 2, blend: [{{path: {a}, weight: 1}}]}}, "
+              f"{{until_step: 4, blend: [{{path: {a}, weight: 0.5}}, "
               f"{{path: {b}, weight: 0.5}}]}}, {{blend: [{{path: {b}, weight: 1}}]}}]")
     over = [f"data.stages={stages}", "data.name=stdlib", f"model.vocab_size={VOCAB}", "model.num_layers=1",
             "model.hidden_size=32", "model.num_attention_heads=2", "model.num_query_groups=1",

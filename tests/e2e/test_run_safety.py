@@ -98,8 +98,9 @@ def test_a_save_slower_than_the_hang_limit_commits(tmp_path):
     assert (tmp_path / "checkpoints" / "step_00000001" / "metadata.json").is_file()
 
 
-# SIGINT stops like SIGTERM, with a checkpoint: tests/e2e/test_user_guidance_cli.py::test_ctrl_c_prints_the_command_that_
-# continues_the_run sends it to the same one-process run and checks that and more (was a run of its own here)
+# SIGINT stops like SIGTERM, with a checkpoint:
+# tests/e2e/test_user_guidance_cli.py::test_ctrl_c_prints_the_command_that_ continues_the_run sends it to the
+# same one-process run and checks that and more (was a run of its own here)
 
 
 @pytest.fixture(scope="module")

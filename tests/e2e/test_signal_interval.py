@@ -34,7 +34,8 @@ def test_sigterm_stops_every_rank_at_the_next_check_step(tmp_path):
     # test_sigterm_on_one_rank_stops_all_at_one_step_with_a_checkpoint, the same torchrun)
     assert time.time() - t0 < 30 and proc.returncode == 0, out[-3000:]
     stop = int(re.search(r"stopping at step (\d+)", out).group(1))
-    # one stop line for the run, from the logging rank; run.dir names the run, so no run.name=<torchrun's uuid>
+    # one stop line for the run, from the logging rank; run.dir names the run, so no run.name=<torchrun's
+    # uuid>
     lines = [ln for ln in out.splitlines() if "megaframe: stopping at step" in ln]
     assert len(lines) == 1 and f"run.dir={tmp_path}" in lines[0] and "run.name=" not in lines[0], lines
     # signalled after step 1's row (always logged), so after step 1's check: the next check step is 3, 5, 6...

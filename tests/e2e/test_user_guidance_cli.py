@@ -41,7 +41,8 @@ def test_ctrl_c_prints_the_command_that_continues_the_run(tmp_path):
     # the user's arguments; run.dir names the run, so no run.name (it is needed only without run.dir: a
     # default name is a new timestamp at every start)
     assert not [a for a in cmd if a.startswith("run.name=")] and f"run.dir={tmp_path}" in cmd and "optim.lr=3e-3" in cmd
-    # F11: the stop step has its row (before: the last log_interval row), and the save line precedes the summary
+    # F11: the stop step has its row (before: the last log_interval row), and the save line precedes the
+    # summary
     assert metrics(tmp_path)[-1]["step"] == step
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == f"step_{step:08d}"
     assert f"final loss {metrics(tmp_path)[-1]['loss']:.4f}" in out
@@ -76,8 +77,8 @@ def small_run(tmp_path_factory):
 
 
 def test_evaluate_says_which_samples_and_whether_the_run_trained_on_them(small_run, capsys):
-    """F4: `evaluate` called 8,192 training tokens "[all]", and with the README's data.valid_fraction=0.05 on a run
-    trained without a split called documents it trained on "[valid]"."""
+    """F4: `evaluate` called 8,192 training tokens "[all]", and with the README's data.valid_fraction=0.05 on
+    a run trained without a split called documents it trained on "[valid]"."""
     from megaframe import evaluate
 
     capsys.readouterr()

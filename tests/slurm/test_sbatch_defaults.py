@@ -1,5 +1,5 @@
-"""pretrain.sbatch's defaults are safe for a long multi-node job, checked without Slurm: the
-script runs as far as its launch under a fake `srun`/`scontrol`, and the container recipe has every dependency."""
+"""pretrain.sbatch's defaults are safe for a long multi-node job, checked without Slurm: the script runs as
+far as its launch under a fake `srun`/`scontrol`, and the container recipe has every dependency."""
 from __future__ import annotations
 
 import os

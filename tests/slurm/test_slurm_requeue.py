@@ -89,9 +89,9 @@ def test_two_nodes_signal_checkpoint_requeue_resume_continuous_history(slurm_clu
 
 
 def test_torchrun_launcher_per_node_stop_requeue_resume(slurm_cluster, tmp_path):
-    """MEGAFRAME_LAUNCHER=torchrun: one agent per node (static rendezvous, --node-rank), 2 workers each.
-    The stop comes from `scancel --signal=USR1` (what --signal=USR1@T does: every process of the job's
-    steps gets it); torchrun exits 1 after forwarding it, and the script still requeues from the checkpoint."""
+    """MEGAFRAME_LAUNCHER=torchrun: one agent per node (static rendezvous, --node-rank), 2 workers each. The
+    stop comes from `scancel --signal=USR1` (what --signal=USR1@T does: every process of the job's steps gets
+    it); torchrun exits 1 after forwarding it, and the script still requeues from the checkpoint."""
     steps = 12
     over = ["data=synthetic", *TINY, f"train.max_steps={steps}", "train.log_interval=1"]
     # --time above the script's USR1 lead (600 s): a shorter limit signals every requeued start at once

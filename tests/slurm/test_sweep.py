@@ -50,9 +50,11 @@ def test_dry_run_prints_one_sbatch_per_point_and_bad_syntax_exits_2():
     (["optim.lrr=1e-3,3e-3"], ["--ntasks=1"],
      "point 0 (data=synthetic optim.lrr=0.001) on 1 ranks: optim.lrr=0.001: optim.lrr is not"),
     (["optim.lr=1e-3", "parallel.tp=1,3"], ["--nodes=1", "--ntasks-per-node=2"],
-     "point 1 (data=synthetic optim.lr=1e-3 parallel.tp=3) on 2 ranks: parallel.tp=3 x parallel.pp=1 does not divide "
+     "point 1 (data=synthetic optim.lr=1e-3 parallel.tp=3) on 2 ranks: "
+         "parallel.tp=3 x parallel.pp=1 does not divide "
      "the world size 2"),
-    # the job script's own #SBATCH --ntasks-per-node=8 on the default one node: 8 ranks, batch 16 of micro 4
+    # the job script's own #SBATCH --ntasks-per-node=8 on the default one node: 8 ranks, batch 16 of
+    # micro 4
     (["optim.lr=1e-3"], ["--nodes=1"], "on 8 ranks: train.global_batch_size=16 is not divisible"),
     (["optim.zero=5"], [], "optim.zero=5 must be <= 3"),
 ], ids=["unknown-key", "tp-on-world", "script-default-tasks", "value"])

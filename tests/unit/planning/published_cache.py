@@ -7,7 +7,6 @@ import functools
 
 from megaframe.planning import published
 
-
 # the planner's own functions, bound now: a test may put the cached ones in their place in the module
 evaluate = functools.cache(published.evaluate)
 search_gap = functools.cache(published.search_gap)
