@@ -10,10 +10,10 @@ measured in the same run; a line per cp also gives the ring's math / fused step-
 
 A small GPT (D=64, 4 heads, 2 kv groups, FFN 256, vocab 256), one sequence per step: tokens/s is
 seq / (fastest step time: on a shared machine the least disturbed one), the whole cp group working on one
-sequence, every rank starting each step together (a barrier) and the slowest rank's time counted. Peak: the CPU allocator's own
-events during one forward + backward (planning.activations.allocator_peak), max over the cp ranks, next
-to the planner's activation figure for the same layout. With more ranks than cores, cp ranks share
-cores: tokens/s then shows the communication and split-attention overhead, not a speed-up.
+sequence, every rank starting each step together (a barrier) and the slowest rank's time counted. Peak: the
+CPU allocator's own events during one forward + backward (planning.activations.allocator_peak), max over the
+cp ranks, next to the planner's activation figure for the same layout. With more ranks than cores, cp ranks
+share cores: tokens/s then shows the communication and split-attention overhead, not a speed-up.
 """
 from __future__ import annotations
 
