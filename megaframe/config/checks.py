@@ -215,8 +215,8 @@ def _check_pipeline(cfg: Config, dp: int, schedules: bool = True) -> None:
             _req(not bad, f"parallel.pp_schedule={kind} splits each backward in two and does not compose with {why}")
     try:
         counts = stage_counts(cfg.model.num_layers, p.pp, p.vpp, p.pp_layout)
-        # every rank's schedule is built here, as the executor will build it: a layout it cannot run is refused
-        # now, not at step 1
+        # every rank's schedule is built here, as the executor will build it: a layout it cannot run is
+        # refused now, not at step 1
         check_runnable(kind, p.pp, p.vpp, t.global_batch_size // (t.micro_batch_size * dp),
                        moe=cfg.model.num_experts > 0, recompute=getattr(t.recompute, "value", t.recompute),
                        counts=counts, build=schedules)

@@ -1,7 +1,7 @@
 """The config schema: one dataclass per config group (a docstring per field; the model group is in
 model_schema.py, re-exported here); its closed string choices
-are the Enums of megaframe/config/choices.py. Hydra merges conf/*.yaml onto these, so a typo'd key, a wrong type
-or a value outside an Enum is an error at composition time. A leaf module (of megaframe it imports only
+are the Enums of megaframe/config/choices.py. Hydra merges conf/*.yaml onto these, so a typo'd key, a wrong
+type or a value outside an Enum is an error at composition time. A leaf module (of megaframe it imports only
 config/choices.py and errors.py):
 model, optim, checkpoint and the checks all read it; loading and validation (megaframe.config) sit above.
 """
@@ -63,10 +63,10 @@ class ParallelConfig(Frozen):
     tp_comm_chunks: int = 4
     """Chunks of the local sequence block under tp_comm_overlap (the largest count <= this dividing it)."""
     pp_schedule: ScheduleKind = ScheduleKind.auto
-    """gpipe | 1f1b | interleaved | zb_h1 | zbv | auto (interleaved when vpp > 1, else 1f1b). zb_h1 (vpp=1) and
-    zbv (vpp=2, chunks in a V: rank 0 holds both ends) are the zero-bubble schedules: each backward is split
-    into B (input gradient) and W (weight gradients, deferred into the bubble); not with train.compile or
-    train.precision=fp8."""
+    """gpipe | 1f1b | interleaved | zb_h1 | zbv | auto (interleaved when vpp > 1, else 1f1b). zb_h1 (vpp=1)
+    and zbv (vpp=2, chunks in a V: rank 0 holds both ends) are the zero-bubble schedules: each backward is
+    split into B (input gradient) and W (weight gradients, deferred into the bubble); not with train.compile
+    or train.precision=fp8."""
     pp_layout: Optional[list[int]] = None
     """Layers per virtual stage (pp x vpp entries, stage s = chunk * pp + rank) for uneven splits."""
     # -- context parallelism (megaframe/parallel/context.py)
@@ -97,7 +97,8 @@ class TrainConfig(Frozen):
     by the ranks on this node (LOCAL_WORLD_SIZE), at least 1. On a shared machine fewer threads are often
     faster: threads that wait on each other at every op lose to one that runs."""
     max_bad_steps: int = 10
-    """Stop with an error after this many optimizer steps in a row with a non-finite grad norm (each is skipped)."""
+    """Stop with an error after this many optimizer steps in a row with a non-finite grad norm (each is
+    skipped)."""
     device: Device = Device.auto
     """auto | cpu | cuda."""
     precision: Precision = Precision.fp32
@@ -139,8 +140,9 @@ class TrainConfig(Frozen):
     unchanged."""
     # -- samples during training (megaframe.inference.sampler)
     sample_interval: int = 0
-    """Every this many steps, write greedy continuations of sample_prompts to the console, ${run.dir}/samples.jsonl
-    and wandb (a table); 0 = never. Needs prepared data (its tokenizer). Time excluded from tokens_per_s."""
+    """Every this many steps, write greedy continuations of sample_prompts to the console,
+    ${run.dir}/samples.jsonl and wandb (a table); 0 = never. Needs prepared data (its tokenizer). Time
+    excluded from tokens_per_s."""
     sample_prompts: list[str] = field(default_factory=lambda: ["The", "Once upon a time"])
     """Prompts of the training-time samples."""
     sample_tokens: int = 24
@@ -189,8 +191,8 @@ class OptimConfig(Frozen):
     """Adam epsilon."""
     zero: int = 1
     """1: ZeRO-1 distributed optimizer (AdamW state sharded over dp, grads reduce-scattered in buckets
-    during backward, params all-gathered after the step; with one dp rank and fp32 params there is nothing to shard,
-    so the replicated optimizer runs instead).
+    during backward, params all-gathered after the step; with one dp rank and fp32 params there is nothing to
+    shard, so the replicated optimizer runs instead).
     2: ZeRO-2: as 1, and grads live only as this rank's 1/dp shard: each bucket is reduce-scattered into
     it as soon as backward completes it, in every micro-batch; no full-size grad buffer is kept.
     3: ZeRO-3: as 2, and params live as 1/dp shards too, each transformer block's gathered before its
@@ -283,7 +285,8 @@ class DataConfig(Frozen):
     """For prepare: tokenizer processes; 0 = one per CPU core."""
     valid_fraction: float = 0.0
     """Hold out about this fraction of each dataset's tokens for validation (train.eval_interval): whole
-    documents in a fixed seeded random order (megaframe.data.dataset.VALID_SEED); training never reads them."""
+    documents in a fixed seeded random order (megaframe.data.dataset.VALID_SEED); training never reads
+    them."""
     extensions: list[str] = field(default_factory=lambda: list(DEFAULT_EXTENSIONS))
     """For prepare: the file name endings read from a data.source folder or glob (.jsonl/.json/.parquet as
     records, the rest as plain text); files without any extension are read when their head is text."""
@@ -322,8 +325,8 @@ class CheckpointConfig(Frozen):
     most that many steps late and no extra collective runs: a node that dies without a signal loses at
     most this much time. Use with checkpoint.interval for long jobs (scripts/slurm/pretrain.sbatch)."""
     resume: str = "auto"
-    """auto (this run's newest committed checkpoint in dir, if any: its `latest`) | none | a step folder path |
-    a checkpoint dir (the checkpoint its `latest` names; the way to continue a folder another run wrote)."""
+    """auto (this run's newest committed checkpoint in dir, if any: its `latest`) | none | a step folder path
+    | a checkpoint dir (the checkpoint its `latest` names; the way to continue a folder another run wrote)."""
     keep_last: int = 0
     """Keep only the newest this many checkpoints (0 keeps all)."""
     on_save_error: SaveErrorPolicy = SaveErrorPolicy.stop

@@ -61,8 +61,8 @@ class Fp8Gemm:
 
 def enable_fp8(model: nn.Module, recipe: str, warn: bool = True) -> int:
     """Give every linear inside the transformer blocks an Fp8Gemm (the head, embedding and MoE stay bf16);
-    returns how many linears were switched. A float8 GEMM needs both dims of the local weight a multiple of 16:
-    a linear that has not keeps its bf16 GEMM, named in one warning line (`warn`: this rank prints it)."""
+    returns how many linears were switched. A float8 GEMM needs both dims of the local weight a multiple of
+    16: a linear that has not keeps its bf16 GEMM, named in one warning line (`warn`: this rank prints it)."""
     from megaframe.layers.linear import ColumnParallelLinear, RowParallelLinear
 
     gemm, n, kept = Fp8Gemm(recipe), 0, []

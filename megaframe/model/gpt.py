@@ -150,7 +150,8 @@ class GPT(nn.Module):
         self.output_step = _Step(self._head_output) if stage.last else None
 
     def set_documents(self, eos_ids: list[int]) -> None:
-        """data.document_mask: attention within documents, positions restarting at each (model/documents.py)."""
+        """data.document_mask: attention within documents, positions restarting at each
+        (model/documents.py)."""
         self.doc_eos = torch.tensor(eos_ids, dtype=torch.long, device=self.positions.device)
 
     def init_weights(self, seed: int) -> None:
@@ -216,7 +217,8 @@ class GPT(nn.Module):
             doc = document_context(input_ids_BS, self.doc_eos, self.mesh.cp, self._doc_kernel())
         if chunk == 0 and self.stage.first:
             x_SBD = self.embed_tokens(input_ids_BS, doc)
-        # what attention needs: (cos, sin) tables, and under document masking per-token ones plus the documents
+        # what attention needs: (cos, sin) tables, and under document masking per-token ones plus the
+        # documents
         rope = self.rope
         if doc is not None:
             rope = (*(rope_at(*self.rope_whole, doc.pos_BQ) if self.rope is not None else (None, None)), doc)
@@ -235,7 +237,8 @@ class GPT(nn.Module):
 
     def _doc_kernel(self) -> str:
         """Document masking's attention kernel (model/documents.py): the ring masks its own blocks; CUDA runs
-        FlexAttention, except with attention dropout (flex has none): SDPA under the boolean mask, as on CPU."""
+        FlexAttention, except with attention dropout (flex has none): SDPA under the boolean mask, as on
+        CPU."""
         if self.doc_kernel is not None:
             return self.doc_kernel
         if self.cp_ring:

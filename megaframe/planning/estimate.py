@@ -11,7 +11,8 @@ meta device with a virtual mesh (no process groups; megaframe.parallel.virtual),
                optim.grad_reduce_dtype=bf16 (and half the reduce-scatter / all-reduce bytes in dp bytes)
   optim        optim.zero>=1: the owned 1/dp (HSDP: 1/s) of every bucket x (two fp32 Adam moments, plus
                an fp32 master copy for bf16 params); zero=0: two fp32 moments per element
-  dp bytes     ZeRO: the bytes a rank sends on dp per step (optim/sizing.py planned_dp_bytes, the same buckets);
+  dp bytes     ZeRO: the bytes a rank sends on dp per step (optim/sizing.py planned_dp_bytes, the same
+  buckets);
                zero=3: params are the owned 1/dp (fp32 master), every param sharded
   activations  the bytes one micro-batch of each pipeline chunk saves for backward (a meta-device
                forward, planning.activations), times the chunks in flight at the schedule's peak:
@@ -172,7 +173,8 @@ def plan_layout(cfg: Config, world_size: int, device_memory_gb: float | None = N
         plan.device_memory_bytes = int(device_memory_gb * 2**30)  # GiB, as torch.cuda reports
     for pp_rank in range(pp):
         order = compute_order(kind, pp, p.vpp, m, pp_rank)
-        # each tp rank is sized from its own model; the dp ranks of a coordinate hold the same (module doc): sized once
+        # each tp rank is sized from its own model; the dp ranks of a coordinate hold the same (module doc):
+        # sized once
         for tp_rank in range(tp):
             plan.ranks.append(_rank_figures(cfg, tp, pp, dp, pp_rank, tp_rank, order))
     for r in plan.ranks:

@@ -68,7 +68,8 @@ def _heads(root: Path) -> list[Path]:
 
 def settle(cfg) -> str:
     """Rank 0, under the run lock: this run's id (read, adopted or new; written to run.dir), or ConfigError
-    when checkpoint.dir belongs to another run and checkpoint.resume does not continue one of its checkpoints."""
+    when checkpoint.dir belongs to another run and checkpoint.resume does not continue one of its
+    checkpoints."""
     run_dir, root = Path(cfg.run.dir), Path(cfg.checkpoint.dir)
     mine, heads = read_id(run_dir), _heads(root)
     if mine is None and heads and root.resolve().is_relative_to(run_dir.resolve()):
@@ -94,7 +95,8 @@ def _sole_owner(root: Path) -> str | None:
 
 
 def _continues(resume: str, root: Path) -> bool:
-    """checkpoint.resume names a checkpoint of `root` (load_config turned a checkpoint dir into its step folder)."""
+    """checkpoint.resume names a checkpoint of `root` (load_config turned a checkpoint dir into its step
+    folder)."""
     return resume not in ("auto", "none") and Path(resume).resolve().parent == root.resolve()
 
 
