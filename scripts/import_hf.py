@@ -1,11 +1,13 @@
-"""Import a Hugging Face transformers Llama, Qwen3, GPT-2 or Mixtral folder as a megaframe checkpoint at step 0.
+"""Import a Hugging Face transformers Llama, Qwen3, GPT-2 or Mixtral folder as a megaframe checkpoint at step
+0.
 
     python scripts/import_hf.py HF_FOLDER OUT_CKPT_DIR [hydra overrides ...] [--force]
 
 HF_FOLDER is a local folder (config.json + weights) of a model family megaframe/models/registry.py
 registers (LlamaForCausalLM, Qwen3ForCausalLM, GPT2LMHeadModel, MixtralForCausalLM); it is loaded
 offline. The model fields come from its config.json (RoPE scaling too: llama3, linear, yarn); the
-overrides set the rest of the run config recorded in the checkpoint (data=..., optim.lr=..., train.*). The result is a committed
+overrides set the rest of the run config recorded in the checkpoint (data=..., optim.lr=..., train.*). The
+result is a committed
 checkpoint OUT_CKPT_DIR/step_00000000 with `latest`, holding the weights only (no optimizer moments:
 training from it starts with fresh AdamW state at step 1). `megaframe.load_model(OUT_CKPT_DIR)` loads
 it, and the printed `python train.py checkpoint.resume=...` command continues pretraining it under any
