@@ -96,7 +96,7 @@ def main(argv: list[str]) -> int:
     seqs = [int(x) for x in opts.get("seqs", "2048,8192").split(",")]
     cps = [int(x) for x in opts.get("cps", "1,2,4").split(",")]
     steps, layers, threads = int(opts.get("steps", 3)), int(opts.get("layers", 2)), int(opts.get("threads", 1))
-    print(f"bench_cp: {layers} layers D=64, one sequence per step, fastest of {steps} timed steps, {threads} thread(s) "
+    print(f"bench_cp: {layers} layers D=64, one sequence per step, fastest of {steps} timed steps, " f"{threads} thread(s) "
           f"per rank, {os.cpu_count()} cores, load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
     mib = 2**20
     print(f"{'seq':>5} {'cp':>3} {'variant':<18} {'step s':>8} {'tok/s':>8} {'x cp1':>6} {'peak MiB':>9} "
@@ -115,7 +115,7 @@ def main(argv: list[str]) -> int:
                 name = "(no cp)" if cp == 1 else name
                 times[name] = t
                 print(f"{seq:>5} {cp:>3} {name:<18} {t:>8.3f} {seq / t:>8.0f} {base[0] / t:>6.2f} "
-                      f"{peak / mib:>9.1f} {peak / base[1]:>6.2f} {planned(seq, cp, kind, layers) / mib:>11.1f}",
+                      f"{peak / mib:>9.1f} {peak / base[1]:>6.2f} " f"{planned(seq, cp, kind, layers) / mib:>11.1f}",
                       flush=True)
             if "ring, fp32 math" in times:  # the same run, the same machine state: the fused kernels' gain
                 print(f"{seq:>5} {cp:>3} ring step time: fp32 math / fused = "
