@@ -131,7 +131,7 @@ def main(argv: list[str]) -> int:
             return fail(e, prefix="\n")  # after the partial continuation on stdout
         sys.stdout.write("\n")
         sys.stdout.flush()
-        print(f"generate: {len(ids)} prompt tokens, {len(g.tokens)} new ({g.stopped}) | prefill {g.prefill_s * 1e3:.1f} ms"
+        print(f"generate: {len(ids)} prompt tokens, {len(g.tokens)} new ({g.stopped}) | prefill " f"{g.prefill_s * 1e3:.1f} ms"
               f" | decode {g.tokens_per_s:.1f} tokens/s", file=sys.stderr, flush=True)
     return 0
 

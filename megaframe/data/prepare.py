@@ -390,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     st = meta["stats"]
     print(f"megaframe: prepared {meta['num_documents']:,} documents, {meta['num_tokens']:,} tokens "
           f"(vocab {meta['vocab_size']}, {len(meta['shards'])} shard(s)) in {st['seconds']:.1f}s; "
-          f"tokenizing with {st['workers']} worker(s): {meta['num_tokens'] / max(st['encode_seconds'], 1e-9):,.0f} "
+          f"tokenizing with {st['workers']} worker(s): " f"{meta['num_tokens'] / max(st['encode_seconds'], 1e-9):,.0f} "
           f"tokens/s -> {cfg.data.path}")
     return 0
 

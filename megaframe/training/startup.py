@@ -170,7 +170,7 @@ def data_label(cfg: Config) -> str:
     if d.blend:
         return f"blend of {len(d.blend)} ({', '.join(Path(b.path).name for b in d.blend)})"
     if d.stages:
-        return f"{len(d.stages)} stages ({' -> '.join('+'.join(Path(b.path).name for b in s.blend) for s in d.stages)})"
+        return (f"{len(d.stages)} stages " f"({' -> '.join('+'.join(Path(b.path).name for b in s.blend) for s in d.stages)})")
     from megaframe.config import CONF_DIR
 
     demo = (CONF_DIR.parent / "data" / "demo" / "prepared").resolve()
