@@ -39,7 +39,8 @@ import torch
 from megaframe.config.schema import ModelConfig
 from megaframe.quiet import quiet_optional_imports
 
-quiet_optional_imports()  # before this module's transformers imports: transformers loads torchao, which logs noise
+# before this module's transformers imports: transformers loads torchao, which logs noise
+quiet_optional_imports()
 
 
 def family(m: ModelConfig) -> str:

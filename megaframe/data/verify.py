@@ -47,7 +47,8 @@ def check_shard(folder: Path, entry: dict, dtype: np.dtype, vocab: int) -> str |
                 where = (off + at, int(ids[at]))
             off += ids.size
     if entry.get("sha256") and h.hexdigest() != entry["sha256"]:
-        return (f"shard {entry['file']} is corrupt (sha256 {h.hexdigest()[:16]}..., meta.json says " f"{entry['sha256'][:16]}...)")
+        return (f"shard {entry['file']} is corrupt (sha256 {h.hexdigest()[:16]}..., meta.json says "
+                f"{entry['sha256'][:16]}...)")
     if where is not None:
         return (f"shard {entry['file']} is corrupt: token id {where[1]} at token offset {where[0]} is outside "
                 f"the vocabulary ({vocab})")

@@ -87,6 +87,8 @@ def continue_command(run_name: str, argv: list[str] | None = None, env=None) -> 
     world = int(env.get("WORLD_SIZE", "1"))
     nodes = world // max(int(env.get("LOCAL_WORLD_SIZE", world)), 1)
     launch = "python train.py" if world == 1 else \
-        ("torchrun " f"{f'--nnodes={nodes} ... ' if nodes > 1 else ''}--nproc-per-node={env.get('LOCAL_WORLD_SIZE', world)} train.py")
+        ("torchrun "
+         f"{f'--nnodes={nodes} ... ' if nodes > 1 else ''}"
+         f"--nproc-per-node={env.get('LOCAL_WORLD_SIZE', world)} train.py")
     make = f" (or: make train RUN={shlex.quote(run_name)})" if world == 1 and not argv and env.get("MEGAFRAME_RUN_NAME") else ""
     return f"; continue with: {launch} {shlex.join(args)}{make}"
