@@ -120,6 +120,25 @@ class GPT(nn.Module):
         # every other tensor (rope tables, positions, MoE statistics) on `device`
         pdev = param_device or device
         tp = mesh.tp
+        self._make_embeddings(cfg, mesh, stage, pdev)
+        self.layers = nn.ModuleDict({str(i): Block(cfg, mesh, self.sp, pdev, tokens_per_step, recompute, cp_ring)
+                                     for c in stage.chunks for i in c})
+        if stage.last:
+            self.final_norm = Norm(cfg.norm, cfg.hidden_size, cfg.norm_eps, self.sp, pdev)
+            if not cfg.tie_embeddings:
+                self.head = ColumnParallelLinear(cfg.hidden_size, [cfg.vocab_size], tp, self.sp, False, pdev)
+        self._make_positions(cfg, mesh, device)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.doc_eos: torch.Tensor | None = None  # end-of-document ids under data.document_mask (set_documents)
+        self.cp_ring = cp_ring and mesh.cp.size > 1
+        self.doc_kernel: str | None = None  # tests force "flex" or "sdpa" (None: _doc_kernel's choice)
+        # module calls around the two steps outside the blocks, so ZeRO-3's module hooks bracket them
+        self.input_step = _Step(self._embed_tokens) if stage.first else None
+        self.output_step = _Step(self._head_output) if stage.last else None
+
+    def _make_embeddings(self, cfg: ModelConfig, mesh: Mesh, stage: Stage, pdev) -> None:
+        """The token embedding on the pipeline ends that use it, the learned positions on the first."""
+        tp = mesh.tp
         if stage.first or (stage.last and cfg.tie_embeddings):
             # a copy on each pipeline end; under zbv both ends are rank 0's: one tensor, nothing to sum
             tied = cfg.tie_embeddings and mesh.pp_ends.size > 1 and not (stage.first and stage.last)
@@ -128,12 +147,9 @@ class GPT(nn.Module):
         if stage.first and cfg.position_embedding == "learned":
             # replicated; under sp each rank adds the rows of its own sequence block
             self.pos_embed = sharded_param(Shard((cfg.seq_length, cfg.hidden_size)), pdev, tp_partial_grad=self.sp)
-        self.layers = nn.ModuleDict({str(i): Block(cfg, mesh, self.sp, pdev, tokens_per_step, recompute, cp_ring)
-                                     for c in stage.chunks for i in c})
-        if stage.last:
-            self.final_norm = Norm(cfg.norm, cfg.hidden_size, cfg.norm_eps, self.sp, pdev)
-            if not cfg.tie_embeddings:
-                self.head = ColumnParallelLinear(cfg.hidden_size, [cfg.vocab_size], tp, self.sp, False, pdev)
+
+    def _make_positions(self, cfg: ModelConfig, mesh: Mesh, device) -> None:
+        """This cp rank's token positions and, under rope, its cos/sin tables."""
         # global positions of this cp rank's tokens (all of them when cp = 1)
         self.positions = cp_positions(cfg.seq_length, mesh.cp.size, mesh.cp.rank, device)
         self.rope = None
@@ -141,13 +157,6 @@ class GPT(nn.Module):
             cos, sin = rope_tables(cfg.seq_length, cfg.head_dim, cfg.rope_theta, device, cfg.rope_scaling)
             self.rope = (cos[self.positions], sin[self.positions]) if mesh.cp.size > 1 else (cos, sin)
             self.rope_whole = (cos, sin)  # document masking gathers rows at positions within documents
-        self.drop = nn.Dropout(cfg.dropout)
-        self.doc_eos: torch.Tensor | None = None  # end-of-document ids under data.document_mask (set_documents)
-        self.cp_ring = cp_ring and mesh.cp.size > 1
-        self.doc_kernel: str | None = None  # tests force "flex" or "sdpa" (None: _doc_kernel's choice)
-        # module calls around the two steps outside the blocks, so ZeRO-3's module hooks bracket them
-        self.input_step = _Step(self._embed_tokens) if stage.first else None
-        self.output_step = _Step(self._head_output) if stage.last else None
 
     def set_documents(self, eos_ids: list[int]) -> None:
         """data.document_mask: attention within documents, positions restarting at each
