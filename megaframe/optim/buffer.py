@@ -212,6 +212,14 @@ class FlatBuffer:
         # Zeros, not empty: the padding belongs to no param; zeros keep it deterministic in the master and
         # gathers.
         self.param = torch.zeros(self.numel, dtype=self.dtype, device=device) if whole_param else None
+        self._lay_out(ordered, plan, late)
+        if whole_param:
+            self._repoint(ordered)
+        self.segments = self._segments()
+
+    def _lay_out(self, ordered: list[nn.Parameter], plan, late: set[int]) -> None:
+        """The buckets of `plan`, this rank's shard of each, and every param's offset and bucket."""
+        dp_rank, dp_size = self.dp_rank, self.dp_size
         self.offset: dict[nn.Parameter, int] = {}
         self.buckets: list[Bucket] = []
         self.bucket_of: dict[nn.Parameter, Bucket] = {}
@@ -229,9 +237,6 @@ class FlatBuffer:
                 self.offset[p] = off
                 self.bucket_of[p] = b
                 off += p.numel()
-        if whole_param:
-            self._repoint(ordered)
-        self.segments = self._segments()
 
     @torch.no_grad()
     def _repoint(self, params: list[nn.Parameter]) -> None:
