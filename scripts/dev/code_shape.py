@@ -27,7 +27,7 @@ LAYERS = [
     # leaves: error types, file write, the config schema (a module of megaframe/config named here is its own
     # unit)
     ["errors", "atomic", "atomic_lock", "quiet", "paths", "config.choices", "config.frozen",
-     "config.model_schema", "config.schema"],
+     "config.data_schema", "config.model_schema", "config.schema"],
     ["parallel"],  # mesh, collectives, launch env: knows no model
     ["pipeline"],  # stages, schedules as data, their executor: runs any chunk module
     ["layers"],  # parallel linear/embedding/norm on the mesh
