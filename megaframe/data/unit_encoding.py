@@ -23,7 +23,7 @@ MAX_CHUNK_CHARS, MIN_CHUNK_CHARS = 8 << 20, 256 << 10
 
 
 @contextlib.contextmanager
-def workerworker_pool(workers: int):
+def worker_pool(workers: int):
     """`workers` tokenizer processes, or None for in-process work. forkserver: the workers start from a
     clean process (no inherited torch/pyarrow threads), with numpy and the shard writer preloaded."""
     if workers <= 1:
@@ -35,7 +35,7 @@ def workerworker_pool(workers: int):
         yield pool
 
 
-def poolpool_map(pool, fn, items: list) -> list:
+def pool_map(pool, fn, items: list) -> list:
     return pool.map(fn, items, chunksize=1) if pool is not None else [fn(x) for x in items]
 
 
