@@ -96,7 +96,7 @@ def main(argv: list[str]) -> int:
     seqs = [int(x) for x in opts.get("seqs", "2048,8192").split(",")]
     cps = [int(x) for x in opts.get("cps", "1,2,4").split(",")]
     steps, layers, threads = int(opts.get("steps", 3)), int(opts.get("layers", 2)), int(opts.get("threads", 1))
-    print(f"bench_cp: {layers} layers D=64, one sequence per step, fastest of {steps} timed steps, " f"{threads} thread(s) "
+    print(f"bench_cp: {layers} layers D=64, one sequence per step, " f"fastest of {steps} timed steps, {threads} thread(s) "
           f"per rank, {os.cpu_count()} cores, load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
     mib = 2**20
     print(f"{'seq':>5} {'cp':>3} {'variant':<18} {'step s':>8} {'tok/s':>8} {'x cp1':>6} {'peak MiB':>9} "

@@ -63,7 +63,7 @@ def main() -> None:
         for name, fn in (sides.items() if r % 2 == 0 else reversed(list(sides.items()))):
             times[name].append(timed(lambda fn=fn: step(fn), device))
     med = {k: statistics.median(v) for k, v in times.items()}
-    print(f"bench_experts | {device.type} {args.dtype}, {torch.get_num_threads()} thread(s) | " f"{args.experts} experts, "
+    print(f"bench_experts | {device.type} {args.dtype}, " f"{torch.get_num_threads()} thread(s) | {args.experts} experts, "
           f"{args.rows} rows (largest {max(sizes)}), D={args.hidden}, F={args.ffn} | {args.repeats} repeats")
     for k, v in med.items():
         print(f"  {k:8s} fwd+bwd median {v * 1e3:8.2f} ms")

@@ -248,9 +248,9 @@ def main(argv=None) -> int:
     m = cfg.model
     print(f"bench_gpu | {device.type} {torch.cuda.get_device_name(0) if device.type == 'cuda' else ''}, torch "
           f"{torch.__version__} | {m.num_layers} layers, D={m.hidden_size}, heads {m.num_attention_heads} "
-          f"(kv {m.kv_heads}), F={m.ffn_hidden_size}, vocab {m.vocab_size} | {args.micro_batches} " "micro-batches x "
+          f"(kv {m.kv_heads}), F={m.ffn_hidden_size}, vocab " f"{m.vocab_size} | {args.micro_batches} micro-batches x "
           f"{args.batch} x {args.seq} tokens per step | compile {args.compile}")
-    print(f"  MFU = tokens/s x {fpt / 1e9:.4f} GFLOP/token (6 N_matmul + 12 L S H E) / peak " f"{peak / 1e12:.1f} TFLOP/s")
+    print(f"  MFU = tokens/s x {fpt / 1e9:.4f} GFLOP/token (6 " f"N_matmul + 12 L S H E) / peak {peak / 1e12:.1f} TFLOP/s")
     sides = {"megaframe": lambda c: megaframe_side(args, device, c)[1:],
              "hf_llama": lambda c: hf_side(cfg, args, device, c),
              "torchtitan": lambda c: torchtitan_side(cfg, args, device, c)}
