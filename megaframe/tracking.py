@@ -67,7 +67,7 @@ class Tracker:
         try:
             self.file.write(line)
         except OSError as e:
-            print(f"megaframe: warning: cannot write {self.path} ({e}); training goes on, metrics on the " "console "
+            print(f"megaframe: warning: cannot write {self.path} " f"({e}); training goes on, metrics on the console "
                   "and wandb only", file=sys.stderr, flush=True)
             self._drop_file()
 

@@ -164,7 +164,7 @@ def _tensor_problem(info: dict) -> str | None:
         if not isinstance(pieces, list) or not all(
                 isinstance(p, list) and len(p) == 2 and _box(p[0], len(s["shape"])) and _box(p[1], len(shape))
                 for p in pieces):
-            return (f"shard {i} (in {s['file']}): pieces {json.dumps(pieces)[:80]} are not [stored box, global " "box] pairs")
+            return (f"shard {i} (in {s['file']}): pieces {json.dumps(pieces)[:80]} " "are not [stored box, global box] pairs")
     return None
 
 

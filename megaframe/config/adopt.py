@@ -146,7 +146,7 @@ def contradiction(name: str, mine, theirs, saved_preset, overrides: list[str], p
         return (f"model.{name}={mine} contradicts the checkpoint's model.{name}={theirs} "
                 f"(checkpoint.resume={path}); drop the override to use the checkpoint's")
     return (f"model={keys['model']} (model.{name}={mine}) contradicts the checkpoint's model, a {saved_preset} "
-            f"(model.{name}={theirs}) (checkpoint.resume={path}); drop model={keys['model']} to use the " "checkpoint's")
+            f"(model.{name}={theirs}) (checkpoint.resume={path}); " f"drop model={keys['model']} to use the checkpoint's")
 
 
 def apply_environment(cfg, overrides: list[str]):

@@ -75,7 +75,7 @@ def enable_fp8(model: nn.Module, recipe: str, warn: bool = True) -> int:
                     continue
                 mod.gemm, n = gemm, n + 1
     if kept and warn:
-        print(f"megaframe: warning: train.precision=fp8: {len(kept)} linear(s) kept in bf16, a local weight " "dim not "
+        print(f"megaframe: warning: train.precision=fp8: {len(kept)} " "linear(s) kept in bf16, a local weight dim not "
               f"a multiple of 16 (float8 GEMM's rule): {', '.join(kept)}", file=sys.stderr, flush=True)
     return n
 

@@ -45,7 +45,7 @@ class Layout:
         grad = " grad=bf16" if self.grad_dtype == "bf16" else ""
         sched = f" {self.schedule}" if self.schedule else ""
         sched += f" layers={'/'.join(map(str, self.pp_layout))}" if self.pp_layout else ""
-        return (f"tp={self.tp}{cp} pp={self.pp} vpp={self.vpp}{sched} dp={self.dp}{ep} " f"zero={self.zero}{hsdp}{grad} "
+        return (f"tp={self.tp}{cp} pp={self.pp} vpp={self.vpp}{sched} " f"dp={self.dp}{ep} zero={self.zero}{hsdp}{grad} "
                 f"mb={self.micro_batch} recompute={self.recompute}")
 
     def overrides(self) -> list[str]:

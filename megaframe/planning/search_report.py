@@ -24,7 +24,7 @@ def search_report(cfg, world, dev, ests, n, dropped, top, cap) -> str:
     top layouts with their memory per phase and step-time parts, the ties with #1 and why the rest lose."""
     lines = [f"search: {m.name} on {world} x {dev.name} ({human(cap or dev.memory_gb * 2**30)} each) | "
              f"{t.precision}, global batch {t.global_batch_size} x {m.seq_length} = {tokens / 1e6:.2f}M tokens",
-             f"model: GEMMs at up to {100 * dev.efficiency:.0f}% of {dev.peak(t.precision) / 1e12:.1f} TFLOP/s " "on a "
+             f"model: GEMMs at up to {100 * dev.efficiency:.0f}% " f"of {dev.peak(t.precision) / 1e12:.1f} TFLOP/s on a "
              f"size curve, attention at {100 * dev.attn_eff:.0f}%, links at {100 * dev.link_eff:.0f}% of "
              f"{dev.intra_bw / 1e9:.0f} GB/s in a node of {dev.per_node} / {dev.inter_bw / 1e9:.0f} GB/s across; "
              f"bubble from the schedule simulator (sources: megaframe/planning/devices.py)",
@@ -55,7 +55,7 @@ def search_report(cfg, world, dev, ests, n, dropped, top, cap) -> str:
             lines.append(f"#{i} loses to #1 by {why_slower(e, best)}")
     if k > 1:
         lines.append(f"#1-#{k} are ties: within {100 * MODEL_ERROR:.0f}% of the fastest, the step-time model's median "
-                     "error on published runs (docs/planning.md#published-runs); ordered by peak memory (whole " "GiB), then "
+                     "error on published runs (docs/planning.md#published-runs); " "ordered by peak memory (whole GiB), then "
                      f"fewer parallel axes; measure the first few (e.g. 20 steps each) before choosing")
     lines.append("run #1 with: " + " ".join(best.layout.overrides()))
     return "\n".join(lines)

@@ -82,7 +82,7 @@ def continue_command(run_name: str, argv: list[str] | None = None, env=None) -> 
     if not any(a.lstrip("+").startswith("run.dir=") for a in argv):  # run.dir names the run's folder itself
         args.append(f"run.name={run_name}")
     if env.get("SLURM_JOB_ID"):  # pretrain.sbatch requeues by itself; a resubmission names the run
-        return (f"; continue with: MEGAFRAME_RUN_NAME={shlex.quote(run_name)} sbatch " "scripts/slurm/pretrain.sbatch ") + \
+        return (f"; continue with: MEGAFRAME_RUN_NAME={shlex.quote(run_name)} " "sbatch scripts/slurm/pretrain.sbatch ") + \
             shlex.join(a for a in args if not a.startswith("run.name="))
     world = int(env.get("WORLD_SIZE", "1"))
     nodes = world // max(int(env.get("LOCAL_WORLD_SIZE", world)), 1)

@@ -156,4 +156,4 @@ class Checkpointer:
         path = lineage.pointed(self.cfg.checkpoint.dir)
         if path is None:
             return "no checkpoint has been committed: restart from scratch (e.g. with a lower optim.lr)"
-        return (f"the last good checkpoint is {path}: resume with checkpoint.resume={path} (e.g. with a lower " "optim.lr)")
+        return (f"the last good checkpoint is {path}: resume with " f"checkpoint.resume={path} (e.g. with a lower optim.lr)")
