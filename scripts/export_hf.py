@@ -151,7 +151,7 @@ def overlaps_input(ckpt: str, out: Path) -> str | None:
     o = out.resolve()
     for src in inputs:
         if o == src or o in src.parents or src in o.parents:
-            return (f"OUT={out} overlaps the checkpoint it exports ({src}): writing there would replace or " "change "
+            return (f"OUT={out} overlaps the checkpoint it exports " f"({src}): writing there would replace or change "
                     "it; pick another OUT")
     return None
 

@@ -143,7 +143,7 @@ def continue_lines(path: Path, cfg, tok: dict | None, overrides: list[str]) -> l
     keys = ("data=", "data.path=", "data.blend=", "+data.blend=")
     rest = [o for o in rest if not o.startswith(keys)]
     why = "was prepared with another tokenizer" if data is not None else "is not prepared"
-    return [f"the data ({cfg.data.path or 'data.blend'}) {why}: prepare your corpus with the model's " "tokenizer, then "
+    return [f"the data ({cfg.data.path or 'data.blend'}) {why}: " "prepare your corpus with the model's tokenizer, then "
             "continue pretraining:",
             f"  python -m megaframe.data.prepare data.tokenizer={tok['from']} data.source=CORPUS data.path=DATA",
             f"  python train.py checkpoint.resume={path} data.path=DATA {' '.join(rest)}".rstrip()]
