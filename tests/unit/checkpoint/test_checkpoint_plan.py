@@ -67,7 +67,7 @@ def test_every_rank_of_another_layout_reads_its_share_once(model):
             for key, _sid, _src, dst, size in plan.copies:
                 assert not _overlaps(dst, dst + size), (rank, key)
     print(f"\n{model}: saved at {save} ({total / 1e9:.2f} GB, {save.world} files, per rank "
-          f"{min(written.values()) / 1e9:.3f}-{max(written.values()) / 1e9:.3f} GB); planned every rank of " f"{load} "
+          f"{min(written.values()) / 1e9:.3f}-{max(written.values()) / 1e9:.3f} " f"GB); planned every rank of {load} "
           f"({load.world} ranks) in {planning:.1f}s; share {min(shares) / 1e9:.3f}-{max(shares) / 1e9:.3f} GB "
           f"per rank; planned bytes at most {worst:.2%} over the share")
     assert worst <= 0.10
