@@ -1,7 +1,7 @@
 """MoE experts: one grouped GEMM per projection against the per-expert loop it replaced, one process.
 
-    python benchmarks/bench_experts.py [--experts 8] [--rows 4096] [--hidden 256] [--ffn 512] [--device
-    cpu|cuda]
+    python benchmarks/bench_experts.py [--experts 8] [--rows 4096] [--hidden 256] [--ffn 512]
+                                       [--device cpu|cuda]
                                     [--dtype fp32|bf16] [--repeats 5]
 
 Forward + backward of the local experts (SwiGLU, fused [gate | up]) on the same rows, split over the

@@ -2,7 +2,7 @@
 torchtitan's Llama3, same dims, same tokens per optimizer step, same micro-batches per step.
 
     python benchmarks/bench_gpu.py [--layers 8] [--batch 2] [--seq 2048] [--micro-batches 8] [--steps 3]
-    [--warmup 2]
+                                   [--warmup 2]
                                 [--fp8] [--no-compile] [--dry]
 
 Each side trains the llama_1b shape (conf/model/llama_1b.yaml; --layers of its 16) on one device:

@@ -1,7 +1,7 @@
 """Memory per phase at real size on the CPU: measured against the planner, per layout.
 
-    python benchmarks/mem_phases.py [--layers 8 --hidden 1024 --ffn 4096 --vocab 8192 --seq 256] [--layouts
-    a,b]
+    python benchmarks/mem_phases.py [--layers 8 --hidden 1024 --ffn 4096 --vocab 8192 --seq 256]
+                                    [--layouts a,b]
                                  [--json OUT.json] [--replan OUT.json]
 
 Each layout runs on gloo ranks spawned here (one thread each): start-up, one step, a blocking save and the

@@ -2,7 +2,7 @@
 
     python scripts/gpu_check.py                 # on a GPU host: everything (about 6 minutes on one H100)
     python scripts/gpu_check.py --dry           # CPU, tiny sizes: the same checks, to prove the harness (the
-    suite runs it)
+                                                  suite runs it)
     python scripts/gpu_check.py --only tests    # or: benches; extra arguments after -- go to pytest
 
 The checks:

@@ -12,7 +12,7 @@ meta device with a virtual mesh (no process groups; megaframe.parallel.virtual),
   optim        optim.zero>=1: the owned 1/dp (HSDP: 1/s) of every bucket x (two fp32 Adam moments, plus
                an fp32 master copy for bf16 params); zero=0: two fp32 moments per element
   dp bytes     ZeRO: the bytes a rank sends on dp per step (optim/sizing.py planned_dp_bytes, the same
-  buckets);
+               buckets);
                zero=3: params are the owned 1/dp (fp32 master), every param sharded
   activations  the bytes one micro-batch of each pipeline chunk saves for backward (a meta-device
                forward, planning.activations), times the chunks in flight at the schedule's peak:
