@@ -93,8 +93,8 @@ def _ce_sum(logits_BSV, labels_BS):
 
 
 def _peer_step(model, forward, device, clock: Clock, tokens_per_step: int):
-    """The usual recipe: bf16 autocast over fp32 params, grads accumulated over the micro-batches, clip, fused
-    AdamW."""
+    """The usual recipe: bf16 autocast over fp32 params, grads
+    accumulated over the micro-batches, clip, fused AdamW."""
     params = list(model.parameters())
     opt = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": WD},
                              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
