@@ -52,8 +52,8 @@ def split_args(argv: list[str]) -> tuple[list[str], dict[str, str]]:
     overrides, own = [], {}
     for a in argv:
         key, _, value = a.lstrip("+").partition("=")
-        # the planner's keys are taken out before composing: the config schema has no such fields and Hydra
-        # would refuse them
+        # the planner's keys are taken out before composing: the
+        # config schema has no such fields and Hydra would refuse them
         if key in OWN_KEYS and value:
             own[key] = value
         else:

@@ -78,8 +78,8 @@ def build_hf_model(cfg, sd: dict[str, torch.Tensor]):
 
 
 def _fp32() -> dict:
-    """The fp32 dtype keyword of from_config / from_pretrained (renamed torch_dtype -> dtype in transformers
-    5)."""
+    """The fp32 dtype keyword of from_config / from_pretrained
+    (renamed torch_dtype -> dtype in transformers 5)."""
     import transformers
 
     return {"torch_dtype" if int(transformers.__version__.split(".")[0]) < 5 else "dtype": torch.float32}

@@ -76,8 +76,8 @@ class Sink:
 
     @classmethod
     def whole(cls, t: torch.Tensor) -> "Sink":
-        # detach keeps the version counter: an optimizer sees the param written (ZeRO's master resync relies
-        # on it)
+        # detach keeps the version counter: an optimizer sees
+        # the param written (ZeRO's master resync relies on it)
         return cls(tuple(t.shape), [(0, t.numel(), t.detach().view(-1))])  # view: a param is contiguous
 
     def put(self, dst: list[int], size: list[int], src: torch.Tensor) -> None:
@@ -149,8 +149,8 @@ def execute(path: Path, meta: dict, plan, index, sinks: dict[str, Sink], stats: 
         for skey, first, data in read_ranges(path, name, reads, want, stats, not v1, staging_bytes):
             sid = sid_of[(name, skey)]
             _scatter(data, first, index.stored[sid][2], by_stored[sid], sinks)
-        # drop the last chunk's view: it would keep this file's staging buffer alive while the next file's is
-        # made
+        # drop the last chunk's view: it would keep this file's
+        # staging buffer alive while the next file's is made
         data = None  # noqa: F841
 
 
@@ -231,8 +231,8 @@ def load_agreed(path: Path, model, optimizer, mesh) -> tuple[dict | None, str | 
     except (CheckpointError, OSError, KeyError, RuntimeError, MemoryError) as e:
         err = f"rank {mesh.rank}: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
         stop = not_the_checkpoints_fault(e)
-    # every rank reaches the gather, failed or not, so all return the same verdict and fall back (or stop)
-    # together
+    # every rank reaches the gather, failed or not, so all
+    # return the same verdict and fall back (or stop) together
     outcomes = comm.gather_objects((err, stop), mesh.group)
     stopped = [e for e, s in outcomes if s]
     if stopped:

@@ -128,8 +128,8 @@ def resume(cfg: Config, model, optimizer, mesh: Mesh, faults=None) -> Resumed:
         meta, why, stop = _load(cfg, p, model, optimizer, mesh, faults)
         if why:
             _warn(mesh, f"skipping checkpoint {p}: cannot be loaded on rank {mesh.rank} ({why})", every_rank=True)
-        # loaded on some ranks but not on others: all move on together; the next candidate's load overwrites
-        # what this one left
+        # loaded on some ranks but not on others: all move on together;
+        # the next candidate's load overwrites what this one left
         if _agree(p, meta, stop, mesh):
             return _done(mesh, p, meta)
         tried = p

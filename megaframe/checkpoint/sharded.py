@@ -110,8 +110,8 @@ def write_report(folder: Path, rank: int, stored: list, fail: str | None = None)
     try:
         info = write_file(folder, rank, {s.stored_key: s.source for s in stored}, fail) if stored else None
     except Exception as e:  # noqa: BLE001  (OSError, safetensors' SafetensorError, whatever the write raises)
-        # reported, not raised: a rank that raised here would miss the gather in finish() and hang its peers
-        # there
+        # reported, not raised: a rank that raised here would
+        # miss the gather in finish() and hang its peers there
         return {"rank": rank, "ok": False, "error": f"rank {rank}: {' '.join(str(e).split()) or type(e).__name__}"}
     entries: dict[str, dict] = {}
     for s in stored:
@@ -182,8 +182,8 @@ def decide(root, tmp: Path, final: Path, step: int, meta: dict, reports: list[di
     except OSError as e:  # rank 0's metadata or pointer write on a full disk: a verdict, so no peer waits for one
         shutil.rmtree(tmp, ignore_errors=True)
         return f"checkpoint step {step} not committed: rank 0: {e}"
-    # only after the new checkpoint is committed: a crash in between never leaves fewer than keep_last good
-    # ones
+    # only after the new checkpoint is committed: a crash in
+    # between never leaves fewer than keep_last good ones
     prune(root, keep_last, (meta.get("lineage") or {}).get("owner"))
     return None
 
@@ -205,15 +205,15 @@ def merge_entries(reports: list[dict]) -> dict:
 
 def commit(root, tmp: Path, final: Path, step: int, meta: dict, tensors: dict, files: dict) -> None:
     """metadata.json last (fsynced), atomic rename of the folder, then the `latest` pointer."""
-    # last of the folder: check_complete treats a folder with metadata.json as whole, so the shards must be on
-    # disk first
+    # last of the folder: check_complete treats a folder with
+    # metadata.json as whole, so the shards must be on disk first
     _fsync_write(tmp / "metadata.json", json.dumps({"format": FORMAT, "step": step, **meta, "files": files,
                                                     "coverage": "exact", "tensors": tensors}, indent=1))
     if final.exists():
         keep_aside(final)
     os.replace(tmp, final)
-    # the pointer moves only once the folder is in place: a crash before leaves it naming the previous
-    # complete checkpoint
+    # the pointer moves only once the folder is in place: a crash
+    # before leaves it naming the previous complete checkpoint
     try:
         _fsync_write(Path(root) / "latest.tmp", final.name + "\n")
         os.replace(Path(root) / "latest.tmp", Path(root) / "latest")

@@ -82,8 +82,8 @@ def write_file(folder: Path, rank: int, tensors: dict[str, torch.Tensor], fail: 
     # safetensors creates 0600 files; a checkpoint is shared like any other output (the umask rules)
     os.chmod(path, 0o666 & ~_UMASK)
     with open(path, "rb") as f:
-        # fsync before reporting ok: rank 0 commits on this report, and a crash must not leave a commit
-        # without its data
+        # fsync before reporting ok: rank 0 commits on this report,
+        # and a crash must not leave a commit without its data
         os.fsync(f.fileno())
         n = struct.unpack("<Q", f.read(8))[0]
         header_crc = zlib.crc32(f.read(n))  # recorded in metadata.json: a torn header is caught before its offsets are trusted
@@ -115,8 +115,8 @@ def read_header(f, name: str, want_crc: int | None) -> Header:
     if len(raw) < 8:
         raise CheckpointError(f"shard {name} is corrupt (no safetensors header)")
     n = struct.unpack("<Q", raw)[0]
-    # a garbage length (a torn or overwritten file) must be a corrupt shard, not a huge read or an
-    # OverflowError
+    # a garbage length (a torn or overwritten file) must be
+    # a corrupt shard, not a huge read or an OverflowError
     size = os.fstat(f.fileno()).st_size
     if n > size - 8:
         raise CheckpointError(f"shard {name} is corrupt (header length {n} exceeds the file's {size} bytes)")

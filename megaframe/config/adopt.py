@@ -90,8 +90,8 @@ def adopt_model(cfg, overrides: list[str]):
     """cfg with its model filled from checkpoint.resume=PATH (see the module doc).
     A missing metadata.json is left to validate, which refuses it with its own message."""
     path = cfg.checkpoint.resume
-    # resume=auto's checkpoint is chosen later, by the ranks together: only an explicit path can shape the
-    # config now
+    # resume=auto's checkpoint is chosen later, by the ranks
+    # together: only an explicit path can shape the config now
     if path in ("auto", "none") or not (Path(path) / "metadata.json").is_file():
         return cfg
     saved = checkpoint_model(path)

@@ -103,8 +103,8 @@ class TrainConfig(Frozen):
     by the ranks on this node (LOCAL_WORLD_SIZE), at least 1. On a shared machine fewer threads are often
     faster: threads that wait on each other at every op lose to one that runs."""
     max_bad_steps: int = 10
-    """Stop with an error after this many optimizer steps in a row with a non-finite grad norm (each is
-    skipped)."""
+    """Stop with an error after this many optimizer steps in
+    a row with a non-finite grad norm (each is skipped)."""
     device: Device = Device.auto
     """auto | cpu | cuda."""
     precision: Precision = Precision.fp32

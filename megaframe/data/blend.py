@@ -16,8 +16,8 @@ import numpy as np
 
 from megaframe.data.order import ORDER, sample_index
 
-# the greedy loop runs once at start-up (milliseconds), and one block's rounding stays under 1e-4 of the
-# weights
+# the greedy loop runs once at start-up (milliseconds),
+# and one block's rounding stays under 1e-4 of the weights
 BLOCK = 1 << 14
 
 

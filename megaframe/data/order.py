@@ -32,8 +32,8 @@ def _mix(x: int) -> int:
 
 @lru_cache(maxsize=64)
 def _keys(seed: int, epoch: int) -> tuple[int, ...]:
-    # sha256, not hash(): Python salts hash() per process, and every rank and every resume must get the same
-    # keys
+    # sha256, not hash(): Python salts hash() per process,
+    # and every rank and every resume must get the same keys
     digest = hashlib.sha256(f"megaframe-order/{seed}/{epoch}".encode()).digest()
     # overlapping 8-byte windows: six 64-bit keys from one 32-byte digest
     return tuple(int.from_bytes(digest[4 * r:4 * r + 8], "little") for r in range(ROUNDS))

@@ -31,8 +31,8 @@ global_batch_size shards: the cost stays a few shard files at any scale)."""
 
 def check_shard(folder: Path, entry: dict, dtype: np.dtype, vocab: int) -> str | None:
     """Why a shard is bad (missing, other sha256, a token id >= vocab), or None."""
-    # a plain name inside the folder, as training reads it: verify must not hash ../../etc/x either (an
-    # oracle)
+    # a plain name inside the folder, as training reads it:
+    # verify must not hash ../../etc/x either (an oracle)
     f = inside(folder, entry.get("file") if isinstance(entry, dict) else entry)
     if not f.is_file():
         return f"shard {entry['file']} is missing"

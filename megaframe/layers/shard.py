@@ -40,8 +40,8 @@ class Shard:
         if self.dim is not None:
             parts = self.parts or (self.global_shape[self.dim],)
             assert sum(parts) == self.global_shape[self.dim], (self, parts)
-            # Each fused block is split separately, so each must divide: rank r's q, k and v heads must line
-            # up.
+            # Each fused block is split separately, so each must
+            # divide: rank r's q, k and v heads must line up.
             assert all(p % self.size == 0 for p in parts), f"{parts} not divisible by {self.size}"
             object.__setattr__(self, "parts", tuple(parts))
 

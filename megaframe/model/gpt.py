@@ -159,8 +159,8 @@ class GPT(nn.Module):
             self.rope_whole = (cos, sin)  # document masking gathers rows at positions within documents
 
     def set_documents(self, eos_ids: list[int]) -> None:
-        """data.document_mask: attention within documents, positions restarting at each
-        (model/documents.py)."""
+        """data.document_mask: attention within documents,
+        positions restarting at each (model/documents.py)."""
         self.doc_eos = torch.tensor(eos_ids, dtype=torch.long, device=self.positions.device)
 
     def init_weights(self, seed: int) -> None:
@@ -226,8 +226,8 @@ class GPT(nn.Module):
             doc = document_context(input_ids_BS, self.doc_eos, self.mesh.cp, self._doc_kernel())
         if chunk == 0 and self.stage.first:
             x_SBD = self.embed_tokens(input_ids_BS, doc)
-        # what attention needs: (cos, sin) tables, and under document masking per-token ones plus the
-        # documents
+        # what attention needs: (cos, sin) tables, and under
+        # document masking per-token ones plus the documents
         rope = self.rope
         if doc is not None:
             rope = (*(rope_at(*self.rope_whole, doc.pos_BQ) if self.rope is not None else (None, None)), doc)

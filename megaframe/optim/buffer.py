@@ -81,8 +81,8 @@ class Bucket:
     work: object = None
     launched: bool = False
     acc: object = None
-    """zero=2: the bucket-sized tensor (the buffer's grad dtype) this micro-batch's grads accumulate in (None
-    when freed)."""
+    """zero=2: the bucket-sized tensor (the buffer's grad dtype)
+    this micro-batch's grads accumulate in (None when freed)."""
 
     @property
     def numel(self) -> int:
@@ -104,8 +104,8 @@ def lazy_zeros(n: int, dtype: torch.dtype, device) -> torch.Tensor:
 
 
 def has_storage(t: torch.Tensor) -> bool:
-    """Whether t (a whole tensor, not a view into one) has its memory: False for lazy_zeros before
-    give_storage."""
+    """Whether t (a whole tensor, not a view into one) has
+    its memory: False for lazy_zeros before give_storage."""
     return t.is_meta or t.numel() == 0 or t.data_ptr() != 0
 
 
@@ -209,8 +209,8 @@ class FlatBuffer:
         # (not lazy_zeros: its storage is resized, and the null one cannot be; freed by the first zero_grad)
         self.grad32 = (None if grad_dtype == torch.float32 else
                        torch.zeros(self.state_numel, dtype=torch.float32, device=device))
-        # Zeros, not empty: the padding belongs to no param; zeros keep it deterministic in the master and
-        # gathers.
+        # Zeros, not empty: the padding belongs to no param;
+        # zeros keep it deterministic in the master and gathers.
         self.param = torch.zeros(self.numel, dtype=self.dtype, device=device) if whole_param else None
         self._lay_out(ordered, plan, late)
         if whole_param:
@@ -259,8 +259,8 @@ class FlatBuffer:
         return self.grad[o:o + p.numel()].view(p.shape)
 
     def acc_view(self, p: nn.Parameter) -> torch.Tensor:
-        """zero=2: p's slice of its bucket's accumulation tensor, allocated (zeroed) if the bucket has
-        none."""
+        """zero=2: p's slice of its bucket's accumulation
+        tensor, allocated (zeroed) if the bucket has none."""
         b = self.bucket_of[p]
         if b.acc is None:
             # Allocated lazily and freed after the bucket's reduce-scatter: at most the buckets in
@@ -276,8 +276,8 @@ class FlatBuffer:
         return self.state_shard(self.grad_shard, b)
 
     def final_grad(self, b: Bucket) -> torch.Tensor:
-        """This rank's reduced grads of bucket b as the update reads them: fp32 (grad32 under bf16
-        reduction)."""
+        """This rank's reduced grads of bucket b as the update
+        reads them: fp32 (grad32 under bf16 reduction)."""
         return self.owned_grad(b) if self.grad32 is None else self.state_shard(self.grad32, b)
 
     def owned_grad_at(self, seg: Segment) -> torch.Tensor:

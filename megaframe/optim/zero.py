@@ -261,8 +261,8 @@ class ZeroOptimizer(ZeroStateIO, Optimizer):
         """zero=2: wait for all but the newest `keep` reduce-scatters; add their range into grad_shard and
         free the bucket's acc (a late bucket's acc is kept: p.main_grad views it until zero_grad)."""
         while len(self._pending) > keep:
-            # Oldest first: collectives on one group complete in launch order, so no wait is longer than
-            # needed.
+            # Oldest first: collectives on one group complete in
+            # launch order, so no wait is longer than needed.
             buf, b = self._pending.pop(0)
             if b.work is not None:
                 b.work.wait()
@@ -336,8 +336,8 @@ class ZeroOptimizer(ZeroStateIO, Optimizer):
 
     @torch.no_grad()
     def _zero_unwritten(self) -> None:
-        """zero=1: zero the grads of params no backward of this step reached (zero_grad left them as they
-        were)."""
+        """zero=1: zero the grads of params no backward of this
+        step reached (zero_grad left them as they were)."""
         if self.stage != 1 or not self._grads_made:
             return
         for p in self.params:

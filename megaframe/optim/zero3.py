@@ -199,8 +199,8 @@ class Zero3Optimizer(ZeroOptimizer):
             for _, b in self.block_buckets[i]:  # already freed (meta start-up, or freed twice): no storage to read
                 b.fresh = False
             return
-        # Last chance to see writes made from outside into the gathered params: after the resize they are
-        # gone.
+        # Last chance to see writes made from outside into
+        # the gathered params: after the resize they are gone.
         self._resync_master([p for _, b in self.block_buckets[i] for p in b.params])
         for _, b in self.block_buckets[i]:
             if b.gwork is not None:  # a prefetch never used (eval without backward): let it land first

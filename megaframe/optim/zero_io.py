@@ -69,8 +69,8 @@ class ZeroStateIO:
         return self._slice(p, "state")
 
     def reduced_grad(self, p: nn.Parameter) -> torch.Tensor:
-        """p's full-batch (dp-summed, clipped) fp32 grad after step(); collective over dp (tests,
-        debugging)."""
+        """p's full-batch (dp-summed, clipped) fp32 grad after
+        step(); collective over dp (tests, debugging)."""
         return self._slice(p, "grad")["grad"]
 
     def load_targets(self, p: nn.Parameter) -> tuple[list[tuple[int, int, dict[str, torch.Tensor]]], bool]:

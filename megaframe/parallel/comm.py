@@ -30,8 +30,8 @@ def _nbytes(x: torch.Tensor) -> int:
 
 
 def _enter(axis: Axis, op: str, x: torch.Tensor, sent: float) -> dict | None:
-    """Count the bytes sent, note the collective in the ring buffer; None on a virtual axis (skip the
-    call)."""
+    """Count the bytes sent, note the collective in the
+    ring buffer; None on a virtual axis (skip the call)."""
     # Counted before the call, so a rank stuck inside the collective still shows it as its last entry.
     axis.stats.add(axis.name, sent)
     entry = axis.stats.record(op, axis.name, axis.ranks, x.shape, x.dtype, _nbytes(x))
@@ -200,8 +200,8 @@ class _GatherFromSP(torch.autograd.Function):
 
 
 class _ReduceScatterToSP(torch.autograd.Function):
-    """forward: reduce-scatter partial sums over the seq dim (after a row-parallel layer); backward:
-    all-gather."""
+    """forward: reduce-scatter partial sums over the seq dim
+    (after a row-parallel layer); backward: all-gather."""
 
     @staticmethod
     def forward(ctx, x, axis):

@@ -155,8 +155,8 @@ class Axis:
 
 @dataclass(frozen=True)
 class Mesh:
-    """Frozen layout of this rank: the tp, pp, dp (and ep, edp) axes, the device, and the shared byte
-    counter."""
+    """Frozen layout of this rank: the tp, pp, dp (and ep, edp)
+    axes, the device, and the shared byte counter."""
 
     tp: Axis
     pp: Axis
@@ -173,8 +173,8 @@ class Mesh:
     few small exchanges are host-side decisions, and an NCCL communicator over the whole world would cost
     GPU buffers (NVLS memory on H100) for nothing; comm.all_reduce stages a device tensor through the host."""
     ep: Optional[Axis] = None
-    """Expert-parallel axis: a contiguous block of the dpcp group (all-to-all of tokens); bytes count as
-    ep."""
+    """Expert-parallel axis: a contiguous block of the dpcp
+    group (all-to-all of tokens); bytes count as ep."""
     edp: Optional[Axis] = None
     """Expert-data-parallel axis: cp·dp ranks holding the same experts (expert grads, ZeRO shards of expert
     params); its bytes count as dp traffic. It is the dpcp axis itself when ep = 1."""
@@ -291,8 +291,8 @@ class RankGrid:
         raise KeyError(name)
 
     def group_of(self, name: str, position: int) -> tuple[int, ...]:
-        """The group of axis `name` holding `position` (just itself where it has none: off the pipeline
-        ends)."""
+        """The group of axis `name` holding `position`
+        (just itself where it has none: off the pipeline ends)."""
         # A linear scan over every group: called once per axis at start-up, never in a step.
         return next((g for g in self.groups(name) if position in g), (position,))
 

@@ -173,8 +173,8 @@ def plan_layout(cfg: Config, world_size: int, device_memory_gb: float | None = N
         plan.device_memory_bytes = int(device_memory_gb * 2**30)  # GiB, as torch.cuda reports
     for pp_rank in range(pp):
         order = compute_order(kind, pp, p.vpp, m, pp_rank)
-        # each tp rank is sized from its own model; the dp ranks of a coordinate hold the same (module doc):
-        # sized once
+        # each tp rank is sized from its own model; the dp ranks
+        # of a coordinate hold the same (module doc): sized once
         for tp_rank in range(tp):
             plan.ranks.append(_rank_figures(cfg, tp, pp, dp, pp_rank, tp_rank, order))
     for r in plan.ranks:

@@ -89,8 +89,8 @@ class RankShape:
     head_logits: int = 0
     """Elements of one micro-batch's logits on this rank ([mb·S/cp, V/tp]); 0 without the head."""
     blocks_bytes: int = 0
-    """Bytes of all its blocks' params in the run's dtype (today's ZeRO-3 keeps them gathered after
-    start-up)."""
+    """Bytes of all its blocks' params in the run's dtype
+    (today's ZeRO-3 keeps them gathered after start-up)."""
     grad_elem: int = 4
     """Bytes per element of the ZeRO grad buckets (2 under optim.grad_reduce_dtype=bf16)."""
     out_numel: int = 0
@@ -112,8 +112,8 @@ def written_bytes(s: RankShape, optim_bytes: int) -> int:
     """Bytes this rank writes to a checkpoint: its share of the local params in their dtype, and its
     optimizer state (ZeRO: its owned segments; zero=0: its share of the replicated moments)."""
     params = s.local_numel * s.param_elem // s.writers
-    # ZeRO-3 counts the fp32 master of its owned range as params; a low-precision run writes it as
-    # optim/master
+    # ZeRO-3 counts the fp32 master of its owned range as
+    # params; a low-precision run writes it as optim/master
     master = 4 * s.local_numel // s.shard if s.zero == 3 and s.param_elem != 4 else 0
     return params + master + (optim_bytes if s.zero else optim_bytes // s.writers)
 
@@ -150,8 +150,8 @@ def phase_peaks(s: RankShape, params: int, grads: int, optim: int, activations: 
 
 
 def zero3_step(s: RankShape, resident: int, activations: int, head: int) -> int:
-    """ZeRO-3's step peak (module doc): the forward's end or the last block's backward, whichever is
-    higher."""
+    """ZeRO-3's step peak (module doc): the forward's end
+    or the last block's backward, whichever is higher."""
     block_numel = s.block_bytes // s.param_elem
     out_acc = s.grad_elem * s.out_numel if s.out_acc else 0
     forward = resident + activations + s.param_elem * s.out_numel + head

@@ -74,8 +74,8 @@ def _state_choices(cfg: Config, tp: int, cp: int, dp: int, ep: int, per_node: in
     bf16 = cfg.train.precision in ("bf16", "fp8")  # fp8 keeps bf16 params with ZeRO's fp32 master
     grads = ("fp32", "bf16") if bf16 else ("fp32",)
     dpcp, out = dp * cp, []
-    # HSDP: shard groups of whole nodes (the shard's all-gathers on NVLink or spread evenly over nodes), below
-    # cp·dp
+    # HSDP: shard groups of whole nodes
+    # (the shard's all-gathers on NVLink or spread evenly over nodes), below cp·dp
     shards = [s for s in divisors(dpcp) if 1 < s < dpcp and (tp * cp * s) % max(per_node, 1) == 0] if ep == 1 else []
     zeros = (1, 2, 3) if dpcp > 1 else (1,)  # nothing to shard over one rank: ZeRO-2/3 build ZeRO-1's layout
     for zero in (zeros if bf16 else (0, *zeros)):
@@ -174,14 +174,14 @@ def memory(cfg: Config, lay: Layout) -> int:
 
 
 def phase_memory(cfg: Config, lay: Layout) -> dict[str, int]:
-    """{phase: peak bytes} of the largest rank (the first or the last pipeline stage, whichever peaks
-    higher)."""
+    """{phase: peak bytes} of the largest rank
+    (the first or the last pipeline stage, whichever peaks higher)."""
     from megaframe.pipeline.schedule import resolve_kind
 
     m, t = cfg.model, cfg.train
     key = id(cfg)
-    # a Config is not hashable for lru_cache: its id keys the cache, and keeping it here stops the id being
-    # reused
+    # a Config is not hashable for lru_cache: its id keys the
+    # cache, and keeping it here stops the id being reused
     _CFGS[key] = cfg
     per_layer, embed, head = act_per_layer(key, lay.tp, lay.recompute, lay.cp)
     a_bytes = 4 if t.precision == "fp32" else 2  # fp8 runs keep bf16 params and activations (layers/fp8.py)
@@ -213,8 +213,8 @@ def _state(cfg: Config, lay: Layout, first: bool, last: bool, a_bytes: int) -> t
     if not lay.zero:  # a grad per param in its dtype, two fp32 moments
         return a_bytes * n, a_bytes * n, 8 * n
     s = lay.shard_size
-    # expert state is sharded over the expert-data-parallel group (cp·dp / ep ranks), dense over the shard
-    # group
+    # expert state is sharded over the expert-data-parallel
+    # group (cp·dp / ep ranks), dense over the shard group
     owned = dense // s + expert // max(s // lay.ep, 1)
     g = 2 if lay.grad_dtype == "bf16" else 4
     grads = g * (owned if lay.zero >= 2 else n)
@@ -240,8 +240,8 @@ def _shape(cfg: Config, lay: Layout, first: bool, last: bool, a_bytes: int, head
     logits = lay.micro_batch * m.seq_length // lay.cp * m.vocab_size // lay.tp if last else 0
     s = lay.shard_size or 1
     tied_across = m.tie_embeddings and lay.pp > 1
-    # the largest owned segment a resume reads into (estimate._read_bytes): ZeRO-3's units are buckets of
-    # their own
+    # the largest owned segment a resume reads into
+    # (estimate._read_bytes): ZeRO-3's units are buckets of their own
     if lay.zero == 3:
         read = 4 * min(max(mats), max(block_numel, table) // s)
     elif lay.zero:

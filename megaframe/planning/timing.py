@@ -136,8 +136,8 @@ class _Step:
         return min(1.0, self.dev.per_node / self.world) if self.dev.name.startswith("cpu") else 1.0
 
     def coll(self, nbytes: float, n: int, steps: float, span: int) -> float:
-        """A ring collective over n ranks whose group spans `span` consecutive ranks (NVLink within a
-        node)."""
+        """A ring collective over n ranks whose group spans
+        `span` consecutive ranks (NVLink within a node)."""
         d = self.dev
         on_node = d.name.startswith("cpu") or span <= d.per_node
         bw = (d.intra_bw if on_node else d.inter_bw) * d.link_eff

@@ -108,8 +108,8 @@ class Injector:
         return slept
 
     def save_delay(self, step: int) -> float:
-        """Sleep as a slow_save fault says, inside the save of `step` (watchdog drills); returns the
-        seconds."""
+        """Sleep as a slow_save fault says, inside the save
+        of `step` (watchdog drills); returns the seconds."""
         slept = sum(f.seconds for f in self.faults if f.kind == "slow_save" and f.step in (None, step))
         time.sleep(slept)
         return slept

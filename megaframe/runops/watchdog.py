@@ -116,8 +116,8 @@ class Watchdog:
         overrun = self.overrun
         if overrun is not None:  # the last line a reader sees: the failed save and what is intact
             print(f"megaframe: error: {overrun()}", file=sys.stderr, flush=True)
-        # let the peers, stuck at the same step, write their reports before this rank's exit breaks their
-        # connections
+        # let the peers, stuck at the same step, write their
+        # reports before this rank's exit breaks their connections
         time.sleep(self.grace_s)
         self.exit_fn(HANG_EXIT_CODE if overrun is None else SAVE_TIMEOUT_EXIT_CODE)
 

@@ -47,8 +47,8 @@ def train_step(model, optimizer, batches, mesh: Mesh, cfg: Config, step: int, pr
     executor's forward/backward timings, before any data-parallel or optimizer collective. `derived`:
     the run's record (the trainer's, made once); a caller outside the loop may leave it to this step."""
     d = derived or derive(cfg, mesh.world)
-    # the loss divisor is the global token count on every rank: dp and micro-batch sums then give the mean's
-    # gradient
+    # the loss divisor is the global token count on every rank:
+    # dp and micro-batch sums then give the mean's gradient
     tokens_global = d.tokens_per_step
     optimizer.zero_grad()
     moe_stats.begin_step(model)
@@ -61,7 +61,7 @@ def train_step(model, optimizer, batches, mesh: Mesh, cfg: Config, step: int, pr
     # a Python float from the step alone: no device tensor, no sync, the same on every rank
     lr = lr_at(step, o.lr, o.min_lr, o.warmup_steps, d.lr_horizon, o.lr_schedule, o.wsd_decay_fraction)
     norm = optimizer.step(lr)
-    # once per optimizer step, from the expert loads this step's micro-batches recorded (begin_step reset
-    # them)
+    # once per optimizer step, from the expert loads this
+    # step's micro-batches recorded (begin_step reset them)
     moe_stats.update_expert_bias(model, mesh)  # no-op unless model.moe_expert_bias
     return StepResult(loss_sum, norm, lr)

@@ -121,8 +121,8 @@ def to_hf(m, state: dict, eos=None, bos=None):
 
     kw = dict(common_kw(m, eos, bos), intermediate_size=m.expert_ffn, num_local_experts=m.num_experts,
               num_experts_per_tok=m.moe_top_k,
-              # no jitter, no sliding window: the export must compute exactly what megaframe's router and
-              # attention compute
+              # no jitter, no sliding window: the export must compute
+              # exactly what megaframe's router and attention compute
               router_aux_loss_coef=m.moe_aux_loss_coeff, router_jitter_noise=0.0, sliding_window=None)
     sd = {}
     for name, t in state.items():
