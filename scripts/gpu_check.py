@@ -105,8 +105,8 @@ TARGETS = [  # (what, regex over the bench lines, at least): issue "fast where u
 
 
 def targets(rows, judge: bool) -> None:
-    """One line per speed target with the measured figure (MISS or PASS on a GPU; --dry only shows the
-    parsing)."""
+    """One line per speed target with the measured figure
+    (MISS or PASS on a GPU; --dry only shows the parsing)."""
     text = " | ".join(r[3] for r in rows if r[0].startswith("bench_gpu"))
     print("\nspeed targets:")
     for what, pattern, least in TARGETS:

@@ -1,5 +1,5 @@
-"""Import a Hugging Face transformers Llama, Qwen3, GPT-2 or Mixtral folder as a megaframe checkpoint at step
-0.
+"""Import a Hugging Face transformers Llama, Qwen3, GPT-2
+or Mixtral folder as a megaframe checkpoint at step 0.
 
     python scripts/import_hf.py HF_FOLDER OUT_CKPT_DIR [hydra overrides ...] [--force]
 
