@@ -1,5 +1,5 @@
-"""benchmarks/bench_gpu.py, the fair one-GPU comparison, runs its harness on CPU (--dry) and reports every
-peer."""
+"""benchmarks/bench_gpu.py, the fair one-GPU comparison,
+runs its harness on CPU (--dry) and reports every peer."""
 import re
 import subprocess
 import sys

@@ -127,8 +127,8 @@ def test_a_v1_checkpoint_still_loads(tmp_path, saved):
 
 @pytest.fixture
 def trained(tmp_path):
-    """A one-process checkpoint after one step (so with Adam moments) and a real config (load_model builds
-    from it)."""
+    """A one-process checkpoint after one step (so with Adam moments)
+    and a real config (load_model builds from it)."""
     from megaframe.config.schema import plain
     from tests.distributed.zero_cases import _setup, _step
 

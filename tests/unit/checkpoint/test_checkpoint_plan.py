@@ -49,8 +49,8 @@ def test_every_rank_of_another_layout_reads_its_share_once(model):
         planning += time.perf_counter() - t0
         assert plan.needed_bytes == share
         worst = max(worst, plan.planned_bytes / share - 1)
-        # theory: the local slice of every weight, and 1/dp (1/edp for experts) of its fp32 moments (and
-        # master)
+        # theory: the local slice of every weight, and 1/dp
+        # (1/edp for experts) of its fp32 moments (and master)
         theory = 0
         for it in items:
             n = math.prod(it.local_shape) * it.itemsize

@@ -1,5 +1,5 @@
-"""The config contract: the frozen key set, every model preset, and the one-line ConfigError of each bad
-setting."""
+"""The config contract: the frozen key set, every model
+preset, and the one-line ConfigError of each bad setting."""
 from __future__ import annotations
 
 import dataclasses

@@ -111,8 +111,8 @@ def test_a_run_folder_without_its_id_adopts_no_owner_when_its_checkpoints_have_t
 
 
 def test_a_bool_field_takes_only_true_or_false():
-    """K5: optim.overlap_param_gather=2 was read as true (OmegaConf's lenient bools), and so for every bool
-    field."""
+    """K5: optim.overlap_param_gather=2 was read as true
+    (OmegaConf's lenient bools), and so for every bool field."""
     from megaframe.config.keys import bool_keys
 
     assert {"optim.overlap_param_gather", "checkpoint.async", "parallel.sp", "train.compile"} <= bool_keys()
@@ -125,8 +125,8 @@ def test_a_bool_field_takes_only_true_or_false():
 
 
 def test_data_path_typed_with_a_blend_is_refused_naming_both(tmp_path):
-    """K8: the blend silently won over a typed data.path (the preset's data.path is not typed: the blend
-    replaces it)."""
+    """K8: the blend silently won over a typed data.path
+    (the preset's data.path is not typed: the blend replaces it)."""
     blend = f"data.blend=[{{path: {tmp_path}, weight: 1}}]"
     for mix in (blend, f"data.stages=[{{blend: [{{path: {tmp_path}}}]}}]"):
         with pytest.raises(ConfigError, match=f"^data.path=/a and {mix.split('=')[0]}=.* are both set"):
