@@ -63,9 +63,9 @@ def layouts() -> None:
                       f"(total/world {total / 4:.0f}), save_s {[round(r['ckpt/save_s'], 3) for r in rows]}")
             for name, tp, pp in (("tp2·pp2", 2, 2), ("dp4", 1, 1), ("pp4", 1, 4)):
                 got = pool.run(load_and_report, 4, over, f"{root}/tp2·pp2/step_00000001", tp=tp, pp=pp)
-                print(f"load tp2·pp2 -> {name}: per rank read_bytes {[r['read_bytes'] for r in got]}, of them data "
+                print(f"load tp2·pp2 -> {name}: per rank read_bytes " f"{[r['read_bytes'] for r in got]}, of them data "
                       f"{[r['read_data_bytes'] for r in got]}, share {[r['needed_bytes'] for r in got]}, "
-                      f"files opened {[r['files_opened'] for r in got]}, load_s {[round(r['load_s'], 3) for r in got]}")
+                      f"files opened {[r['files_opened'] for r in got]}, " f"load_s {[round(r['load_s'], 3) for r in got]}")
     finally:
         pool.close()
 

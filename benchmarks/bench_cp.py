@@ -10,10 +10,10 @@ measured in the same run; a line per cp also gives the ring's math / fused step-
 
 A small GPT (D=64, 4 heads, 2 kv groups, FFN 256, vocab 256), one sequence per step: tokens/s is
 seq / (fastest step time: on a shared machine the least disturbed one), the whole cp group working on one
-sequence, every rank starting each step together (a barrier) and the slowest rank's time counted. Peak: the CPU allocator's own
-events during one forward + backward (planning.activations.allocator_peak), max over the cp ranks, next
-to the planner's activation figure for the same layout. With more ranks than cores, cp ranks share
-cores: tokens/s then shows the communication and split-attention overhead, not a speed-up.
+sequence, every rank starting each step together (a barrier) and the slowest rank's time counted. Peak: the
+CPU allocator's own events during one forward + backward (planning.activations.allocator_peak), max over the
+cp ranks, next to the planner's activation figure for the same layout. With more ranks than cores, cp ranks
+share cores: tokens/s then shows the communication and split-attention overhead, not a speed-up.
 """
 from __future__ import annotations
 
@@ -96,7 +96,7 @@ def main(argv: list[str]) -> int:
     seqs = [int(x) for x in opts.get("seqs", "2048,8192").split(",")]
     cps = [int(x) for x in opts.get("cps", "1,2,4").split(",")]
     steps, layers, threads = int(opts.get("steps", 3)), int(opts.get("layers", 2)), int(opts.get("threads", 1))
-    print(f"bench_cp: {layers} layers D=64, one sequence per step, fastest of {steps} timed steps, {threads} thread(s) "
+    print(f"bench_cp: {layers} layers D=64, one sequence per step, " f"fastest of {steps} timed steps, {threads} thread(s) "
           f"per rank, {os.cpu_count()} cores, load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
     mib = 2**20
     print(f"{'seq':>5} {'cp':>3} {'variant':<18} {'step s':>8} {'tok/s':>8} {'x cp1':>6} {'peak MiB':>9} "
@@ -115,7 +115,7 @@ def main(argv: list[str]) -> int:
                 name = "(no cp)" if cp == 1 else name
                 times[name] = t
                 print(f"{seq:>5} {cp:>3} {name:<18} {t:>8.3f} {seq / t:>8.0f} {base[0] / t:>6.2f} "
-                      f"{peak / mib:>9.1f} {peak / base[1]:>6.2f} {planned(seq, cp, kind, layers) / mib:>11.1f}",
+                      f"{peak / mib:>9.1f} {peak / base[1]:>6.2f} " f"{planned(seq, cp, kind, layers) / mib:>11.1f}",
                       flush=True)
             if "ring, fp32 math" in times:  # the same run, the same machine state: the fused kernels' gain
                 print(f"{seq:>5} {cp:>3} ring step time: fp32 math / fused = "

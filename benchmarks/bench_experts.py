@@ -1,6 +1,7 @@
 """MoE experts: one grouped GEMM per projection against the per-expert loop it replaced, one process.
 
-    python benchmarks/bench_experts.py [--experts 8] [--rows 4096] [--hidden 256] [--ffn 512] [--device cpu|cuda]
+    python benchmarks/bench_experts.py [--experts 8] [--rows 4096] [--hidden 256] [--ffn 512]
+                                       [--device cpu|cuda]
                                     [--dtype fp32|bf16] [--repeats 5]
 
 Forward + backward of the local experts (SwiGLU, fused [gate | up]) on the same rows, split over the
@@ -62,7 +63,7 @@ def main() -> None:
         for name, fn in (sides.items() if r % 2 == 0 else reversed(list(sides.items()))):
             times[name].append(timed(lambda fn=fn: step(fn), device))
     med = {k: statistics.median(v) for k, v in times.items()}
-    print(f"bench_experts | {device.type} {args.dtype}, {torch.get_num_threads()} thread(s) | {args.experts} experts, "
+    print(f"bench_experts | {device.type} {args.dtype}, " f"{torch.get_num_threads()} thread(s) | {args.experts} experts, "
           f"{args.rows} rows (largest {max(sizes)}), D={args.hidden}, F={args.ffn} | {args.repeats} repeats")
     for k, v in med.items():
         print(f"  {k:8s} fwd+bwd median {v * 1e3:8.2f} ms")

@@ -1,24 +1,27 @@
-"""One-GPU training throughput of megaframe against compiled peers: transformers' LlamaForCausalLM and torchtitan's
-Llama3, same dims, same tokens per optimizer step, same micro-batches per step.
+"""One-GPU training throughput of megaframe against compiled peers: transformers' LlamaForCausalLM and
+torchtitan's Llama3, same dims, same tokens per optimizer step, same micro-batches per step.
 
-    python benchmarks/bench_gpu.py [--layers 8] [--batch 2] [--seq 2048] [--micro-batches 8] [--steps 3] [--warmup 2]
+    python benchmarks/bench_gpu.py [--layers 8] [--batch 2] [--seq 2048] [--micro-batches 8] [--steps 3]
+                                   [--warmup 2]
                                 [--fp8] [--no-compile] [--dry]
 
 Each side trains the llama_1b shape (conf/model/llama_1b.yaml; --layers of its 16) on one device:
 - megaframe: its own train_step, train.precision=bf16 (bf16 params, fp32 master and grads in ZeRO-1), blocks
   compiled (train.compile), fused head + cross-entropy;
-- hf_llama: LlamaForCausalLM (attn_implementation sdpa, the best transformers has built in), bf16 autocast over
-  fp32 params, every decoder layer compiled and the loss compiled, AdamW(fused=True), clip_grad_norm_ (foreach);
-- torchtitan: its Llama3 model code (0.3 config API) with SDPA inner attention (cuDNN first, its own priority),
-  blocks compiled with fullgraph, loss compiled, the same optimizer recipe; skipped with one line when
-  `import torchtitan` fails (pip install torchtitan).
+- hf_llama: LlamaForCausalLM (attn_implementation sdpa, the best transformers has built in), bf16 autocast
+  over fp32 params, every decoder layer compiled and the loss compiled, AdamW(fused=True), clip_grad_norm_
+  (foreach);
+- torchtitan: its Llama3 model code (0.3 config API) with SDPA inner attention (cuDNN first, its own
+  priority), blocks compiled with fullgraph, loss compiled, the same optimizer recipe; skipped with one line
+  when `import torchtitan` fails (pip install torchtitan).
 Every side runs --micro-batches forward/backward passes of --batch x --seq tokens per optimizer step.
 
-Figures per side: tokens/s (median of --repeats), MFU = tokens/s x F / peak with ONE formula for all, megaframe's
-flops_per_token: F = 6 N_matmul + 12 L S H E (head counted, embedding not, no causal discount: torchtitan's and
-MosaicML's count), peak = the device's dense bf16 rate; peak memory (torch.cuda.max_memory_allocated); and the
-step split into its per-micro-batch part (forward + backward) and its per-step part (zero_grad, clip, update),
-each timed between device syncs. --dry: CPU, tiny dims, no compile: the harness only (the suite runs it).
+Figures per side: tokens/s (median of --repeats), MFU = tokens/s x F / peak with ONE formula for all,
+megaframe's flops_per_token: F = 6 N_matmul + 12 L S H E (head counted, embedding not, no causal discount:
+torchtitan's and MosaicML's count), peak = the device's dense bf16 rate; peak memory
+(torch.cuda.max_memory_allocated); and the step split into its per-micro-batch part (forward + backward) and
+its per-step part (zero_grad, clip, update), each timed between device syncs. --dry: CPU, tiny dims, no
+compile: the harness only (the suite runs it).
 """
 from __future__ import annotations
 
@@ -90,7 +93,8 @@ def _ce_sum(logits_BSV, labels_BS):
 
 
 def _peer_step(model, forward, device, clock: Clock, tokens_per_step: int):
-    """The usual recipe: bf16 autocast over fp32 params, grads accumulated over the micro-batches, clip, fused AdamW."""
+    """The usual recipe: bf16 autocast over fp32 params, grads
+    accumulated over the micro-batches, clip, fused AdamW."""
     params = list(model.parameters())
     opt = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": WD},
                              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
@@ -244,9 +248,9 @@ def main(argv=None) -> int:
     m = cfg.model
     print(f"bench_gpu | {device.type} {torch.cuda.get_device_name(0) if device.type == 'cuda' else ''}, torch "
           f"{torch.__version__} | {m.num_layers} layers, D={m.hidden_size}, heads {m.num_attention_heads} "
-          f"(kv {m.kv_heads}), F={m.ffn_hidden_size}, vocab {m.vocab_size} | {args.micro_batches} micro-batches x "
+          f"(kv {m.kv_heads}), F={m.ffn_hidden_size}, vocab " f"{m.vocab_size} | {args.micro_batches} micro-batches x "
           f"{args.batch} x {args.seq} tokens per step | compile {args.compile}")
-    print(f"  MFU = tokens/s x {fpt / 1e9:.4f} GFLOP/token (6 N_matmul + 12 L S H E) / peak {peak / 1e12:.1f} TFLOP/s")
+    print(f"  MFU = tokens/s x {fpt / 1e9:.4f} GFLOP/token (6 " f"N_matmul + 12 L S H E) / peak {peak / 1e12:.1f} TFLOP/s")
     sides = {"megaframe": lambda c: megaframe_side(args, device, c)[1:],
              "hf_llama": lambda c: hf_side(cfg, args, device, c),
              "torchtitan": lambda c: torchtitan_side(cfg, args, device, c)}

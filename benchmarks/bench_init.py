@@ -49,7 +49,7 @@ def main() -> None:
     out = subprocess.run([sys.executable, __file__, "--child", *sys.argv[1:]], capture_output=True, text=True)
     if out.returncode:
         sys.exit(out.stderr)
-    print(f"{' '.join(args.overrides)} tp{args.tp} pp{args.pp} ep{args.ep} rank (pp {args.pp_rank}, tp {args.tp_rank}): "
+    print(f"{' '.join(args.overrides)} tp{args.tp} pp{args.pp} " f"ep{args.ep} rank (pp {args.pp_rank}, tp {args.tp_rank}): "
           f"{out.stdout.strip()}")
 
 

@@ -85,14 +85,14 @@ def main(argv: list[str]) -> None:
     schedules = [(k, 2 if k in ("interleaved", "zbv") else 1) for k in kinds]
     per_rank = spawn_local(_worker, pp, pp, m, steps, schedules, timeout_s=900)
     print(f"pp={pp} microbatches={m} cores={os.cpu_count()} p2p={os.environ[ENV_VAR]} (gloo, CPU, small GPT)")
-    print(f"  {'schedule':<12} {'vpp':>3} {'step s':>8} {'bubble':>7} {'sim':>7} {'meas/sim':>8} {'formula':>7}  "
+    print(f"  {'schedule':<12} {'vpp':>3} {'step s':>8} " f"{'bubble':>7} {'sim':>7} {'meas/sim':>8} {'formula':>7}  "
           f"F:B:W measured (ms per stage)")
     for name, vpp in schedules:
         measured = _mean([r[name][0] for r in per_rank])
         step = max(r[name][1] for r in per_rank)
         f, b, w = (_mean([r[name][2][i] for r in per_rank]) for i in range(3))
         sim = simulate(name, pp, vpp, m, SendModel.RENDEZVOUS, costs=Costs(f, b, w)).bubble
-        print(f"  {name:<12} {vpp:>3} {step:>8.3f} {measured:>7.3f} {sim:>7.3f} {measured / sim if sim else 0:>8.2f} "
+        print(f"  {name:<12} {vpp:>3} {step:>8.3f} {measured:>7.3f} " f"{sim:>7.3f} {measured / sim if sim else 0:>8.2f} "
               f"{(pp - 1) / (vpp * m + pp - 1):>7.3f}  {1e3 * f:.1f}:{1e3 * b:.1f}:{1e3 * w:.1f}")
 
 

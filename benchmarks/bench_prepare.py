@@ -137,8 +137,8 @@ def bench_tasks(src: Path, tmp: Path, tok: Path, tasks: int, trials: int) -> Non
         walls[n] = best(trials, once)[1]
     import json
     tokens = json.loads((tmp / f"t{tasks}" / "meta.json").read_text())["num_tokens"]
-    print(f"prepare as tasks (units of {unit / 1e6:.1f} MB, one worker each): 1 task {tokens / walls[1]:,.0f} tokens/s, "
-          f"{tasks} tasks {tokens / walls[tasks]:,.0f} tokens/s; ratio {tasks} tasks / 1 task: {walls[1] / walls[tasks]:.2f}",
+    print(f"prepare as tasks (units of {unit / 1e6:.1f} MB, one " f"worker each): 1 task {tokens / walls[1]:,.0f} tokens/s, "
+          f"{tasks} tasks {tokens / walls[tasks]:,.0f} tokens/s; " f"ratio {tasks} tasks / 1 task: {walls[1] / walls[tasks]:.2f}",
           flush=True)
 
 

@@ -2,7 +2,8 @@
 backward at tp2·sp with `parallel.tp_comm_overlap=true` against the unoverlapped path, measured in the
 same run (the two models built side by side, timed in alternation so the machine's load hits both alike).
 
-    python benchmarks/bench_tp_overlap.py [tp=2] [seq=2048] [hidden=512] [layers=2] [chunks=4] [steps=5] [threads=1]
+    python benchmarks/bench_tp_overlap.py [tp=2] [seq=2048] [hidden=512] [layers=2] [chunks=4] [steps=5]
+                                          [threads=1]
 
 Prints each path's fastest step (the least disturbed one on a shared machine; the slowest rank's time)
 and the ratio unoverlapped / overlapped (above 1: overlap is faster). On CPU gloo's collectives run on

@@ -12,12 +12,12 @@ Repeats are interleaved (megaframe, peer, megaframe, peer, ...) so load drift hi
 median tokens/s of each and their ratio are printed, with megaframe's MFU.
 
 The peer runs the way a transformers user trains: attn_implementation="sdpa", loss from
-F.cross_entropy on the logits, torch.nn.utils.clip_grad_norm_ (foreach), torch.optim.AdamW(fused=True). On CUDA
-megaframe trains with train.precision=bf16 (bf16 params, fp32 master weights in its ZeRO optimizer)
+F.cross_entropy on the logits, torch.nn.utils.clip_grad_norm_ (foreach), torch.optim.AdamW(fused=True). On
+CUDA megaframe trains with train.precision=bf16 (bf16 params, fp32 master weights in its ZeRO optimizer)
 and the peer with bf16 autocast over fp32 params (the usual transformers bf16 recipe).
 --preset 1b is the GPU goal (conf/model/llama_1b.yaml: ~1.2B params, seq 2048).
-The peer here is eager and each step is one micro-batch; benchmarks/bench_gpu.py is the fair comparison (compiled
-transformers and torchtitan, several micro-batches per step, per-step vs per-micro-batch time).
+The peer here is eager and each step is one micro-batch; benchmarks/bench_gpu.py is the fair comparison
+(compiled transformers and torchtitan, several micro-batches per step, per-step vs per-micro-batch time).
 """
 from __future__ import annotations
 

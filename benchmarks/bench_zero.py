@@ -119,9 +119,9 @@ def main(steps: int = 2, rounds: int = 8, bucket_mb: float = 4.0, threads: int =
         fb, st = statistics.median(a for a, _ in ts), statistics.median(b for _, b in ts)
         print(f"  {name:18s} step median {med[name] * 1e3:7.1f} ms (min {min(total) * 1e3:7.1f}, max "
               f"{max(total) * 1e3:7.1f}) = fwd/bwd {fb * 1e3:7.1f} + optimizer step {st * 1e3:6.1f} | "
-              f"dp bytes/step {sent[name] / 2**20:5.1f} MiB | params {mem[name]['mem/params_bytes'] / 2**20:5.1f} MiB, "
+              f"dp bytes/step {sent[name] / 2**20:5.1f} MiB | params " f"{mem[name]['mem/params_bytes'] / 2**20:5.1f} MiB, "
               f"grads {mem[name]['mem/grads_bytes'] / 2**20:5.1f} "
-              f"MiB, optim {mem[name]['mem/optim_bytes'] / 2**20:5.1f} MiB, transient (grads, zero=3 params) peak "
+              f"MiB, optim {mem[name]['mem/optim_bytes'] / 2**20:5.1f} " "MiB, transient (grads, zero=3 params) peak "
               f"{mem[name].get('mem/gathered_peak_bytes', 0) / 2**20:4.1f} MiB")
     print(f"ratio overlap / no overlap: {med['zero1 overlap'] / med['zero1 no overlap']:.3f}")
     print(f"ratio overlap / zero0 all-reduce: {med['zero1 overlap'] / med['zero0 all-reduce']:.3f}")

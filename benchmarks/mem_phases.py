@@ -1,15 +1,16 @@
 """Memory per phase at real size on the CPU: measured against the planner, per layout.
 
-    python benchmarks/mem_phases.py [--layers 8 --hidden 1024 --ffn 4096 --vocab 8192 --seq 256] [--layouts a,b]
+    python benchmarks/mem_phases.py [--layers 8 --hidden 1024 --ffn 4096 --vocab 8192 --seq 256]
+                                    [--layouts a,b]
                                  [--json OUT.json] [--replan OUT.json]
 
-Each layout runs on gloo ranks spawned here (one thread each): start-up, one step, a blocking save and the load
-of that save into a fresh model, each measured by the trainer's own meter (megaframe/training/phase_run.py: the
-tensor bytes the rank allocated, from the CPU allocator's events). The planner (planning/phases.py) sizes the
-same config (`--json` keeps the measured figures, `--replan` plans them again without measuring). Prints
-phase x layout: measured (the largest rank), planned (that rank's coordinate), ratio; then
-zero=3 dp4 against one process at zero=0 for start-up, save and load. The default model (8 layers, hidden 1024,
-ffn 4096, vocab 8192, seq 256, GQA 16/4 heads) has 113M parameters.
+Each layout runs on gloo ranks spawned here (one thread each): start-up, one step, a blocking save and the
+load of that save into a fresh model, each measured by the trainer's own meter
+(megaframe/training/phase_run.py: the tensor bytes the rank allocated, from the CPU allocator's events). The
+planner (planning/phases.py) sizes the same config (`--json` keeps the measured figures, `--replan` plans them
+again without measuring). Prints phase x layout: measured (the largest rank), planned (that rank's
+coordinate), ratio; then zero=3 dp4 against one process at zero=0 for start-up, save and load. The default
+model (8 layers, hidden 1024, ffn 4096, vocab 8192, seq 256, GQA 16/4 heads) has 113M parameters.
 """
 from __future__ import annotations
 

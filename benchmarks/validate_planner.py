@@ -161,8 +161,8 @@ def main(argv: list[str]) -> int:
         rows.append({"layout": name, "estimated_s": est, "measured_s": got, "runs_s": measured[name],
                      "calibration_s": calib[name], "efficiency": eff, "error": est / got - 1,
                      "parts_ms": {k: round(v * 1e3, 1) for k, v in parts.items()}})
-        print(f"{name:<20} estimated {est:7.3f} s  measured {got:7.3f} s  error {100 * (est / got - 1):+6.1f}%  "
-              f"(efficiency {100 * eff:.0f}%; {', '.join(f'{k} {v * 1e3:.0f} ms' for k, v in parts.items() if v)})",
+        print(f"{name:<20} estimated {est:7.3f} s  measured " f"{got:7.3f} s  error {100 * (est / got - 1):+6.1f}%  "
+              f"(efficiency {100 * eff:.0f}%; " f"{', '.join(f'{k} {v * 1e3:.0f} ms' for k, v in parts.items() if v)})",
               flush=True)
     est_rank = [r["layout"] for r in sorted(rows, key=lambda r: r["estimated_s"])]
     got_rank = [r["layout"] for r in sorted(rows, key=lambda r: r["measured_s"])]

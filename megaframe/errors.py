@@ -1,7 +1,8 @@
 """Bad input ends a command the same way everywhere: one `megaframe: error: <cause>` line on stderr and
 exit code 2 (the contract: a bad config, data, checkpoint or tokenizer is named in one line, within
 seconds). Entry points catch only the exceptions that mean bad input and `return fail(e)`; anything else
-keeps its traceback. A leaf module: the schema and every entry point import it, it imports nothing of megaframe."""
+keeps its traceback. A leaf module: the schema and every entry point import it, it imports nothing of
+megaframe."""
 from __future__ import annotations
 
 import errno

@@ -83,6 +83,27 @@ class Stream:
         self.written = text
 
 
+def _prompts(args) -> list[str]:
+    """--prompt and the lines of --prompts, each UTF-8 text; ValueError naming the flag otherwise."""
+    prompts = list(args.prompt)
+    if args.prompts:
+        try:
+            text = open(args.prompts, encoding="utf-8").read()
+        except UnicodeDecodeError as e:
+            raise ValueError(f"--prompts {args.prompts}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        except OSError as e:  # the flag and the file, not a bare errno line
+            raise ValueError(f"--prompts {args.prompts}: cannot be read ({e.strerror or e})") from None
+        prompts += [line for line in text.splitlines() if line.strip()]
+    if not prompts:
+        raise ValueError("give --prompt TEXT or --prompts FILE")
+    for prompt in prompts:  # argv bytes that are not UTF-8 arrive surrogate-escaped: no tokenizer takes them
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"--prompt {prompt!r} is not UTF-8 text") from None
+    return prompts
+
+
 def main(argv: list[str]) -> int:
     from megaframe.inference.decode import generate
 
@@ -90,22 +111,7 @@ def main(argv: list[str]) -> int:
     s = SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed)
     try:
         s.check()
-        prompts = list(args.prompt)
-        if args.prompts:
-            try:
-                text = open(args.prompts, encoding="utf-8").read()
-            except UnicodeDecodeError as e:
-                raise ValueError(f"--prompts {args.prompts}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-            except OSError as e:  # the flag and the file, not a bare errno line
-                raise ValueError(f"--prompts {args.prompts}: cannot be read ({e.strerror or e})") from None
-            prompts += [line for line in text.splitlines() if line.strip()]
-        if not prompts:
-            raise ValueError("give --prompt TEXT or --prompts FILE")
-        for prompt in prompts:  # argv bytes that are not UTF-8 arrive surrogate-escaped: no tokenizer takes them
-            try:
-                prompt.encode("utf-8")
-            except UnicodeEncodeError:
-                raise ValueError(f"--prompt {prompt!r} is not UTF-8 text") from None
+        prompts = _prompts(args)
         if args.max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens {args.max_new_tokens} must be >= 1")
         model, tok, tok_path, step = load(args.ckpt, args.device, args.dtype, args.tokenizer)
@@ -131,7 +137,8 @@ def main(argv: list[str]) -> int:
             return fail(e, prefix="\n")  # after the partial continuation on stdout
         sys.stdout.write("\n")
         sys.stdout.flush()
-        print(f"generate: {len(ids)} prompt tokens, {len(g.tokens)} new ({g.stopped}) | prefill {g.prefill_s * 1e3:.1f} ms"
+        print(f"generate: {len(ids)} prompt tokens, {len(g.tokens)} new ({g.stopped}) | prefill "
+              f"{g.prefill_s * 1e3:.1f} ms"
               f" | decode {g.tokens_per_s:.1f} tokens/s", file=sys.stderr, flush=True)
     return 0
 

@@ -14,7 +14,8 @@ NOISY = ("torchao", "torch.utils._pytree")
 
 
 def quiet_optional_imports() -> None:
-    """Raise the noisy loggers to ERROR unless torchao is already loaded (an fp8 run's own import keeps them)."""
+    """Raise the noisy loggers to ERROR unless torchao is
+    already loaded (an fp8 run's own import keeps them)."""
     if "torchao" in sys.modules:
         return
     for name in NOISY:

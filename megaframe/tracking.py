@@ -32,7 +32,8 @@ class Tracker:
             return
         Path(run_dir).mkdir(parents=True, exist_ok=True)
         self.path = Path(run_dir) / "metrics.jsonl"
-        # append: a resumed run extends the same file; line-buffered: every row reaches the file as it is logged
+        # append: a resumed run extends the same file;
+        # line-buffered: every row reaches the file as it is logged
         self.file = open(self.path, "a", buffering=1)
         if cfg.logging.wandb.mode != "disabled":
             self.wandb_run = _start_wandb(cfg, run_dir)
@@ -66,7 +67,7 @@ class Tracker:
         try:
             self.file.write(line)
         except OSError as e:
-            print(f"megaframe: warning: cannot write {self.path} ({e}); training goes on, metrics on the console "
+            print(f"megaframe: warning: cannot write {self.path} " f"({e}); training goes on, metrics on the console "
                   "and wandb only", file=sys.stderr, flush=True)
             self._drop_file()
 

@@ -3,11 +3,11 @@
     python scripts/export_hf.py CKPT OUT [--dtype fp32|bf16] [--force]
 
 CKPT is a step folder (step_XXXXXXXX) or a checkpoint dir holding committed step folders (the one its
-`latest` names: the live branch after a rollback); it may have been saved under any parallel layout. OUT receives
-config.json, model.safetensors (LlamaForCausalLM for rmsnorm/swiglu/rope models, MixtralForCausalLM for
-their softmax top-k MoE variant, GPT2LMHeadModel for layernorm/gelu/learned-position models) and, when the run's
-tokenizer is found (the one the checkpoint records, checked by its sha256, or one of that sha256 beside the
-run's datasets), a transformers tokenizer (a sentencepiece tokenizer.model is converted to tokenizer.json,
+`latest` names: the live branch after a rollback); it may have been saved under any parallel layout. OUT
+receives config.json, model.safetensors (LlamaForCausalLM for rmsnorm/swiglu/rope models, MixtralForCausalLM
+for their softmax top-k MoE variant, GPT2LMHeadModel for layernorm/gelu/learned-position models) and, when the
+run's tokenizer is found (the one the checkpoint records, checked by its sha256, or one of that sha256 beside
+the run's datasets), a transformers tokenizer (a sentencepiece tokenizer.model is converted to tokenizer.json,
 encoding exactly alike) that AutoTokenizer.from_pretrained(OUT) loads offline. All model.vocab_size
 embedding rows are exported, even when the tokenizer has fewer.
 Bad input (missing or corrupt checkpoint, unsupported model, OUT not empty, only tokenizers of another sha256
@@ -151,7 +151,7 @@ def overlaps_input(ckpt: str, out: Path) -> str | None:
     o = out.resolve()
     for src in inputs:
         if o == src or o in src.parents or src in o.parents:
-            return (f"OUT={out} overlaps the checkpoint it exports ({src}): writing there would replace or change "
+            return (f"OUT={out} overlaps the checkpoint it exports " f"({src}): writing there would replace or change "
                     "it; pick another OUT")
     return None
 

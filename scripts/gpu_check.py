@@ -1,7 +1,8 @@
 """The one prepared GPU check: tests/gpu, then the speed figures, one line per check and a summary.
 
     python scripts/gpu_check.py                 # on a GPU host: everything (about 6 minutes on one H100)
-    python scripts/gpu_check.py --dry           # CPU, tiny sizes: the same checks, to prove the harness (the suite runs it)
+    python scripts/gpu_check.py --dry           # CPU, tiny sizes: the same checks, to prove the harness (the
+                                                  suite runs it)
     python scripts/gpu_check.py --only tests    # or: benches; extra arguments after -- go to pytest
 
 The checks:
@@ -104,7 +105,8 @@ TARGETS = [  # (what, regex over the bench lines, at least): issue "fast where u
 
 
 def targets(rows, judge: bool) -> None:
-    """One line per speed target with the measured figure (MISS or PASS on a GPU; --dry only shows the parsing)."""
+    """One line per speed target with the measured figure
+    (MISS or PASS on a GPU; --dry only shows the parsing)."""
     text = " | ".join(r[3] for r in rows if r[0].startswith("bench_gpu"))
     print("\nspeed targets:")
     for what, pattern, least in TARGETS:

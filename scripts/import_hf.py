@@ -1,11 +1,13 @@
-"""Import a Hugging Face transformers Llama, Qwen3, GPT-2 or Mixtral folder as a megaframe checkpoint at step 0.
+"""Import a Hugging Face transformers Llama, Qwen3, GPT-2
+or Mixtral folder as a megaframe checkpoint at step 0.
 
     python scripts/import_hf.py HF_FOLDER OUT_CKPT_DIR [hydra overrides ...] [--force]
 
 HF_FOLDER is a local folder (config.json + weights) of a model family megaframe/models/registry.py
 registers (LlamaForCausalLM, Qwen3ForCausalLM, GPT2LMHeadModel, MixtralForCausalLM); it is loaded
 offline. The model fields come from its config.json (RoPE scaling too: llama3, linear, yarn); the
-overrides set the rest of the run config recorded in the checkpoint (data=..., optim.lr=..., train.*). The result is a committed
+overrides set the rest of the run config recorded in the checkpoint (data=..., optim.lr=..., train.*). The
+result is a committed
 checkpoint OUT_CKPT_DIR/step_00000000 with `latest`, holding the weights only (no optimizer moments:
 training from it starts with fresh AdamW state at step 1). `megaframe.load_model(OUT_CKPT_DIR)` loads
 it, and the printed `python train.py checkpoint.resume=...` command continues pretraining it under any
@@ -96,7 +98,7 @@ def copy_tokenizer(src: Path, dest: Path) -> dict | None:
     try:
         tok = AutoTokenizer.from_pretrained(str(src), local_files_only=True)
     except (OSError, ValueError, KeyError) as e:  # no tokenizer files, or a kind transformers cannot load offline
-        print(f"import: no tokenizer copied ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})")
+        print(f"import: no tokenizer copied ({type(e).__name__}: " f"{str(e).splitlines()[0][:120] if str(e) else ''})")
         return None
     shutil.rmtree(dest, ignore_errors=True)
     tok.save_pretrained(str(dest))
@@ -141,7 +143,7 @@ def continue_lines(path: Path, cfg, tok: dict | None, overrides: list[str]) -> l
     keys = ("data=", "data.path=", "data.blend=", "+data.blend=")
     rest = [o for o in rest if not o.startswith(keys)]
     why = "was prepared with another tokenizer" if data is not None else "is not prepared"
-    return [f"the data ({cfg.data.path or 'data.blend'}) {why}: prepare your corpus with the model's tokenizer, then "
+    return [f"the data ({cfg.data.path or 'data.blend'}) {why}: " "prepare your corpus with the model's tokenizer, then "
             "continue pretraining:",
             f"  python -m megaframe.data.prepare data.tokenizer={tok['from']} data.source=CORPUS data.path=DATA",
             f"  python train.py checkpoint.resume={path} data.path=DATA {' '.join(rest)}".rstrip()]

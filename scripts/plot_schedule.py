@@ -1,7 +1,8 @@
 """Draw pipeline schedules as timeline PNGs: ranks x time, F / B / W per chunk, bubble visible.
 
     python scripts/plot_schedule.py pp=4 vpp=2 microbatches=8 [kind=interleaved] [out=schedule.png]
-    python scripts/plot_schedule.py pp=4 microbatches=8 kind=1f1b,zb_h1,zbv costs=1:1:1 out=docs/zero_bubble.png
+    python scripts/plot_schedule.py pp=4 microbatches=8 kind=1f1b,zb_h1,zbv costs=1:1:1
+                                    out=docs/zero_bubble.png
 
 The picture comes from the same data the trainer executes (megaframe.pipeline.schedule) run through
 the process-free simulator. Without `costs` one time unit is one chunk's F or B (zero-bubble kinds: B and

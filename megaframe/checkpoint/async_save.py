@@ -41,7 +41,8 @@ class AsyncSaver:
         self.staging = sharded.PinnedStaging() if mesh.device.type == "cuda" else None
 
     def save(self, root, step: int, model, optimizer, meta: dict, keep_last: int, fail: str | None = None) -> None:
-        # at most one save in flight: bounds host memory to one copy of the state, and commits stay in step order
+        # at most one save in flight: bounds host memory to
+        # one copy of the state, and commits stay in step order
         self.wait()
         mesh = self.mesh
         t0 = time.perf_counter()
@@ -49,7 +50,8 @@ class AsyncSaver:
         # copy=True: training goes on and updates the params in place while the thread writes
         stored = sharded.host_snapshot(model, optimizer, mesh, copy=True, pin=self.staging or False)
         pending = _Pending(Path(root), tmp, final, step, meta, keep_last, None, t0)  # type: ignore[arg-type]
-        # daemon: a crashed trainer must not hang on the writer at exit; its uncommitted .tmp is never taken for a checkpoint
+        # daemon: a crashed trainer must not hang on the writer at
+        # exit; its uncommitted .tmp is never taken for a checkpoint
         pending.thread = threading.Thread(target=self._write, args=(pending, stored, fail), daemon=True)
         pending.thread.start()
         self.pending = pending
@@ -64,7 +66,8 @@ class AsyncSaver:
         """Whether this rank's writer thread is still running (host state; no collective)."""
         return self.pending is not None and self.pending.thread.is_alive()
 
-    # never decided from this rank's writing() alone: ranks that disagreed would not all enter finish()'s gathers
+    # never decided from this rank's writing() alone: ranks
+    # that disagreed would not all enter finish()'s gathers
     def poll(self, all_written: bool) -> None:
         """Commit the pending checkpoint if `all_written`: the ranks' agreement that none is `writing()`
         (every rank must pass the same value; the report exchange below is then collective)."""

@@ -39,7 +39,8 @@ import torch
 from megaframe.config.schema import ModelConfig
 from megaframe.quiet import quiet_optional_imports
 
-quiet_optional_imports()  # before this module's transformers imports: transformers loads torchao, which logs noise
+# before this module's transformers imports: transformers loads torchao, which logs noise
+quiet_optional_imports()
 
 
 def family(m: ModelConfig) -> str:
@@ -77,7 +78,8 @@ def build_hf_model(cfg, sd: dict[str, torch.Tensor]):
 
 
 def _fp32() -> dict:
-    """The fp32 dtype keyword of from_config / from_pretrained (renamed torch_dtype -> dtype in transformers 5)."""
+    """The fp32 dtype keyword of from_config / from_pretrained
+    (renamed torch_dtype -> dtype in transformers 5)."""
     import transformers
 
     return {"torch_dtype" if int(transformers.__version__.split(".")[0]) < 5 else "dtype": torch.float32}

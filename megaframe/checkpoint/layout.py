@@ -69,45 +69,62 @@ def state_buffers(model) -> list[tuple[str, torch.Tensor, object]]:
             for n, pl in getattr(m, "state_placements", {}).items()]
 
 
+def _weight_item(name, p, optimizer, mesh, with_sources: bool) -> tuple[Item, list | None]:
+    """The model/ item of parameter p, and its ZeRO-3 weight segments (None when p is held whole)."""
+    weights = optimizer.weight_segments(p) if hasattr(optimizer, "weight_segments") else None
+    if weights is not None:  # ZeRO-3: the params are sharded too; each rank writes its own segments
+        h, i = _replicas(p, mesh, segments=True)
+        return Item(f"model/{name}", p.placement.shard, dtype_name(p.dtype),
+                    [(lo, lo + n) for lo, n, _ in weights], h, i,
+                    [t for *_, t in weights] if with_sources else []), weights
+    h, i = _replicas(p, mesh, segments=False)
+    return Item(f"model/{name}", p.placement.shard, dtype_name(p.dtype), [(0, p.numel())], h, i,
+                [p.detach().reshape(-1)] if with_sources else []), None
+
+
+def _optimizer_items(name, p, optimizer, mesh, with_sources: bool, weights) -> list[Item]:
+    """The optim/<kind>/ items of parameter p: its ZeRO segments of each moment, or its whole state."""
+    items = []
+    segs = optimizer.state_segments(p) if hasattr(optimizer, "state_segments") else None
+    if segs is not None:  # ZeRO: this dp rank's segments, replicated over tp only
+        h, i = _replicas(p, mesh, segments=True)
+        for kind in MOMENTS:
+            if kind == "master" and weights is not None and p.dtype == torch.float32:
+                continue  # ZeRO-3's fp32 weights above are its master, bit for bit: not written twice
+            parts = [(lo, n, st[kind]) for lo, n, st in segs if kind in st]
+            if parts:
+                items.append(Item(f"optim/{kind}/{name}", p.placement.shard, "float32",
+                                  [(lo, lo + n) for lo, n, _ in parts],
+                                  h, i, [t for _, _, t in parts] if with_sources else []))
+        return items
+    h, i = _replicas(p, mesh, segments=False)
+    for kind, t in optimizer.logical_state(p).items():
+        items.append(Item(f"optim/{kind}/{name}", p.placement.shard, dtype_name(t.dtype), [(0, p.numel())],
+                          h, i, [t.detach().reshape(-1)] if with_sources else []))
+    return items
+
+
+def _buffer_items(model, mesh, with_sources: bool) -> list[Item]:
+    """The model/ items of the state buffers (state_buffers)."""
+    items = []
+    for name, b, pl in state_buffers(model):
+        # a state buffer is replicated over tp and cp·dp: that stage's tp x cp·dp ranks share its write
+        h, i = mesh.tp.size * mesh.dpcp.size, mesh.dpcp.rank * mesh.tp.size + mesh.tp.rank
+        items.append(Item(f"model/{name}", pl.shard, dtype_name(b.dtype), [(0, b.numel())], h, i,
+                          [b.detach().reshape(-1)] if with_sources else []))
+    return items
+
+
 def param_items(model, optimizer, mesh, with_sources: bool) -> list[Item]:
     """Every logical tensor of this rank's model and optimizer state, with its holders."""
     items = []
     for name, p in model.named_parameters():
         if p.placement.pp_duplicate:  # the tied embedding's copy: stage 0 holds the same tensor
             continue
-        whole = [(0, p.numel())]
-        weights = optimizer.weight_segments(p) if hasattr(optimizer, "weight_segments") else None
-        if weights is not None:  # ZeRO-3: the params are sharded too; each rank writes its own segments
-            h, i = _replicas(p, mesh, segments=True)
-            items.append(Item(f"model/{name}", p.placement.shard, dtype_name(p.dtype),
-                              [(lo, lo + n) for lo, n, _ in weights], h, i,
-                              [t for *_, t in weights] if with_sources else []))
-        else:
-            h, i = _replicas(p, mesh, segments=False)
-            items.append(Item(f"model/{name}", p.placement.shard, dtype_name(p.dtype), whole, h, i,
-                              [p.detach().reshape(-1)] if with_sources else []))
-        segs = optimizer.state_segments(p) if hasattr(optimizer, "state_segments") else None
-        if segs is not None:  # ZeRO: this dp rank's segments, replicated over tp only
-            h, i = _replicas(p, mesh, segments=True)
-            for kind in MOMENTS:
-                if kind == "master" and weights is not None and p.dtype == torch.float32:
-                    continue  # ZeRO-3's fp32 weights above are its master, bit for bit: not written twice
-                parts = [(lo, n, st[kind]) for lo, n, st in segs if kind in st]
-                if parts:
-                    items.append(Item(f"optim/{kind}/{name}", p.placement.shard, "float32", [(lo, lo + n) for lo, n, _ in parts],
-                                      h, i, [t for _, _, t in parts] if with_sources else []))
-            continue
-        h, i = _replicas(p, mesh, segments=False)
-        for kind, t in optimizer.logical_state(p).items():
-            items.append(Item(f"optim/{kind}/{name}", p.placement.shard, dtype_name(t.dtype), whole, h, i,
-                              [t.detach().reshape(-1)] if with_sources else []))
-    for name, b, pl in state_buffers(model):
-        shard = pl.shard
-        # a state buffer is replicated over tp and cp·dp: that stage's tp x cp·dp ranks share its write
-        h, i = mesh.tp.size * mesh.dpcp.size, mesh.dpcp.rank * mesh.tp.size + mesh.tp.rank
-        items.append(Item(f"model/{name}", shard, dtype_name(b.dtype), [(0, b.numel())], h, i,
-                          [b.detach().reshape(-1)] if with_sources else []))
-    return items
+        weight, weights = _weight_item(name, p, optimizer, mesh, with_sources)
+        items.append(weight)
+        items += _optimizer_items(name, p, optimizer, mesh, with_sources, weights)
+    return items + _buffer_items(model, mesh, with_sources)
 
 
 @dataclass

@@ -34,7 +34,8 @@ def lineage_meta(run_id: str, step: int, parent: Path | None, parent_id: str | N
         parent = Path(parent).resolve()
         # inside root: a bare folder name, so the whole checkpoint dir can be moved or copied with its lineage
         ref = parent.name if parent.parent == Path(root).resolve() else str(parent)
-    # run id and step: a rewritten step folder (another branch) gets a new id, which ends parent_of's chain there
+    # run id and step: a rewritten step folder (another branch)
+    # gets a new id, which ends parent_of's chain there
     out = {"id": f"{run_id}:{step}", "run_id": run_id, "parent": ref, "parent_id": parent_id if ref else None}
     if owner:
         out.update(owner=owner, run_dir=str(Path(run_dir).resolve()))

@@ -2,16 +2,16 @@
 opening each file once, checking every block it reads against its crc32.
 
 Every piece read goes straight into its destination (a `Sink`): the parameter itself, on its device, and the
-optimizer's own state (a ZeRO rank: the flat owned segments of its moments and master; zero=0: its moments, made at
-their final size). No tensor of a parameter's full local shape is made on the way, so the host memory a load adds
-is the rank's share where it lives on the host, plus one staging buffer per file being read, of at most
-`staging_bytes` (checkpoint/store.py: STAGING_BYTES = 64 MiB by default): a ZeRO rank's moments are never held
-whole. `megaframe.load_model` (no optimizer) reads no optimizer state at all: its memory is the model's.
+optimizer's own state (a ZeRO rank: the flat owned segments of its moments and master; zero=0: its moments,
+made at their final size). No tensor of a parameter's full local shape is made on the way, so the host memory
+a load adds is the rank's share where it lives on the host, plus one staging buffer per file being read, of at
+most `staging_bytes` (checkpoint/store.py: STAGING_BYTES = 64 MiB by default): a ZeRO rank's moments are never
+held whole. `megaframe.load_model` (no optimizer) reads no optimizer state at all: its memory is the model's.
 
 `load_newest` is resume=auto's loader: newest complete checkpoint first; if any rank fails to load it
 (a corrupt block), every rank hears so and all fall back to the previous one together. An out-of-memory,
-accelerator or collective error is not the checkpoint's fault (`not_the_checkpoints_fault`): it stops the load on
-every rank (LoadStopped) instead.
+accelerator or collective error is not the checkpoint's fault (`not_the_checkpoints_fault`): it stops the load
+on every rank (LoadStopped) instead.
 """
 from __future__ import annotations
 
@@ -35,21 +35,22 @@ from megaframe.checkpoint.read_plan import Index, plan_reads
 from megaframe.checkpoint.store import STAGING_BYTES, ReadStats, read_ranges
 from megaframe.parallel import comm
 
-# RuntimeErrors that stop a load without saying anything about the checkpoint (torch 2.13 has all three; an older
-# torch may lack AcceleratorError)
+# RuntimeErrors that stop a load without saying anything about the checkpoint (torch 2.13 has all three; an
+# older torch may lack AcceleratorError)
 _NOT_THE_CHECKPOINT = tuple(t for t in (getattr(torch, "OutOfMemoryError", None), getattr(torch, "AcceleratorError", None),
                                         getattr(torch.distributed, "DistError", None)) if t is not None)
 
 
 def not_the_checkpoints_fault(e: BaseException) -> bool:
-    """Out of memory (host or device), an accelerator fault or a collective backend error: the machine stopped the
-    load, the checkpoint may be fine. Loaders must not skip the checkpoint for it (no fall-back to an older one)."""
+    """Out of memory (host or device), an accelerator fault or a collective backend error: the machine stopped
+    the load, the checkpoint may be fine. Loaders must not skip the checkpoint for it (no fall-back to an
+    older one)."""
     return isinstance(e, (MemoryError, *_NOT_THE_CHECKPOINT))
 
 
 class LoadStopped(Exception):
-    """A load stopped by something other than the checkpoint (not_the_checkpoints_fault) on some rank: raised on every
-    rank by load_agreed, so load_newest does not fall back past a checkpoint that may be fine."""
+    """A load stopped by something other than the checkpoint (not_the_checkpoints_fault) on some rank: raised
+    on every rank by load_agreed, so load_newest does not fall back past a checkpoint that may be fine."""
 
 
 def file_crc32(path: Path) -> int:
@@ -62,8 +63,8 @@ def file_crc32(path: Path) -> int:
 
 @dataclass
 class Sink:
-    """Where one logical tensor's held elements land: `windows` of (lo, hi, 1-D tensor holding elements [lo, hi) of
-    the flat local tensor of `shape`), any dtype and device (each copy casts)."""
+    """Where one logical tensor's held elements land: `windows` of (lo, hi, 1-D tensor holding elements [lo,
+    hi) of the flat local tensor of `shape`), any dtype and device (each copy casts)."""
 
     shape: tuple[int, ...]
     windows: list[tuple[int, int, torch.Tensor]]
@@ -75,12 +76,13 @@ class Sink:
 
     @classmethod
     def whole(cls, t: torch.Tensor) -> "Sink":
-        # detach keeps the version counter: an optimizer sees the param written (ZeRO's master resync relies on it)
+        # detach keeps the version counter: an optimizer sees
+        # the param written (ZeRO's master resync relies on it)
         return cls(tuple(t.shape), [(0, t.numel(), t.detach().view(-1))])  # view: a param is contiguous
 
     def put(self, dst: list[int], size: list[int], src: torch.Tensor) -> None:
-        """Copy src (a box of `size`) to the box at dst of the local tensor (inside one window: the plan's boxes
-        are cut from the held ranges)."""
+        """Copy src (a box of `size`) to the box at dst of the local tensor (inside one window: the plan's
+        boxes are cut from the held ranges)."""
         at = sum(lo * s for lo, s in zip(dst, self._strides))
         lo, hi, t = self.windows[bisect.bisect_right(self._los, at) - 1]
         end = at + sum((n - 1) * s for n, s in zip(size, self._strides)) + 1
@@ -90,8 +92,9 @@ class Sink:
 
 
 def load_targets(model, optimizer, meta: dict) -> tuple[list[Item], dict[str, Sink], list]:
-    """What this rank needs and where each lands: each parameter's local slice (into the parameter) and its optimizer
-    state (into the optimizer's own: ZeRO, its segments); and the optimizer's calls to make once all is read."""
+    """What this rank needs and where each lands: each parameter's local slice (into the parameter) and its
+    optimizer state (into the optimizer's own: ZeRO, its segments); and the optimizer's calls to make once all
+    is read."""
     have, items, sinks, done = meta["tensors"], [], {}, []
 
     def want(key: str, shard, held, sink: Sink) -> None:
@@ -132,8 +135,8 @@ def load_targets(model, optimizer, meta: dict) -> tuple[list[Item], dict[str, Si
 
 def execute(path: Path, meta: dict, plan, index, sinks: dict[str, Sink], stats: ReadStats,
             staging_bytes: int = STAGING_BYTES) -> None:
-    """Read the plan's ranges (each file opened once, through one bounded staging buffer) and copy each piece into
-    its sink."""
+    """Read the plan's ranges (each file opened once, through one bounded staging buffer) and copy each piece
+    into its sink."""
     by_stored: dict[int, list] = {}
     for key, sid, src, dst, size in plan.copies:
         for i in range(len(sid)):
@@ -146,13 +149,14 @@ def execute(path: Path, meta: dict, plan, index, sinks: dict[str, Sink], stats: 
         for skey, first, data in read_ranges(path, name, reads, want, stats, not v1, staging_bytes):
             sid = sid_of[(name, skey)]
             _scatter(data, first, index.stored[sid][2], by_stored[sid], sinks)
-        # drop the last chunk's view: it would keep this file's staging buffer alive while the next file's is made
+        # drop the last chunk's view: it would keep this file's
+        # staging buffer alive while the next file's is made
         data = None  # noqa: F841
 
 
 def _scatter(data: torch.Tensor, first: int, shape: tuple, pieces: list, sinks: dict[str, Sink]) -> None:
-    """Copy the parts of `pieces` ((key, src lo, dst lo, size) boxes of a stored tensor of `shape`) that lie in `data`
-    (its elements [first, first + n), a view of the staging buffer) into their sinks."""
+    """Copy the parts of `pieces` ((key, src lo, dst lo, size) boxes of a stored tensor of `shape`) that lie
+    in `data` (its elements [first, first + n), a view of the staging buffer) into their sinks."""
     strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
     c1 = first + data.numel()
     base = data.storage_offset()  # a view of the staging buffer: as_strided offsets are absolute
@@ -178,8 +182,9 @@ def _scatter(data: torch.Tensor, first: int, shape: tuple, pieces: list, sinks: 
 
 def read_items(path: str | Path, meta: dict, items: list[Item], sinks: dict[str, Sink] | None = None,
                staging_bytes: int = STAGING_BYTES) -> tuple[dict[str, torch.Tensor], dict]:
-    """Read every item's held ranges into its sink; without sinks, into new zero-filled local tensors, returned as
-    {key: tensor} (load_full: the whole tensor is what is asked for). Also this rank's read figures."""
+    """Read every item's held ranges into its sink; without sinks, into new zero-filled local tensors,
+    returned as {key: tensor} (load_full: the whole tensor is what is asked for). Also this rank's read
+    figures."""
     t0 = time.perf_counter()
     check_coverage({k: meta["tensors"][k] for k in {it.key for it in items}})
     index = Index(meta["tensors"])
@@ -207,8 +212,8 @@ def load_full(path: str | Path, key: str, meta: dict) -> torch.Tensor:
 
 @torch.no_grad()
 def load_into(path: str | Path, model, optimizer=None, staging_bytes: int = STAGING_BYTES) -> dict:
-    """Fill this rank's parameter (and optimizer state) slices from a checkpoint of any layout, in place (see the
-    module docstring); returns its metadata, with this rank's read figures under "io_load"."""
+    """Fill this rank's parameter (and optimizer state) slices from a checkpoint of any layout, in place (see
+    the module docstring); returns its metadata, with this rank's read figures under "io_load"."""
     meta = check_complete(path)
     items, sinks, done = load_targets(model, optimizer, meta)
     _, figures = read_items(path, meta, items, sinks, staging_bytes)
@@ -226,7 +231,8 @@ def load_agreed(path: Path, model, optimizer, mesh) -> tuple[dict | None, str | 
     except (CheckpointError, OSError, KeyError, RuntimeError, MemoryError) as e:
         err = f"rank {mesh.rank}: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
         stop = not_the_checkpoints_fault(e)
-    # every rank reaches the gather, failed or not, so all return the same verdict and fall back (or stop) together
+    # every rank reaches the gather, failed or not, so all
+    # return the same verdict and fall back (or stop) together
     outcomes = comm.gather_objects((err, stop), mesh.group)
     stopped = [e for e, s in outcomes if s]
     if stopped:

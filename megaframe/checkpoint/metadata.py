@@ -60,7 +60,8 @@ def check_coverage(tensors: dict) -> None:
             if stored != math.prod(s["shape"]):
                 raise CheckpointError(f"tensor {key}: pieces of {s['key']} in {s['file']} do not fill it")
         lo, hi = np.array(los, dtype=np.int64).reshape(-1, nd), np.array(his, dtype=np.int64).reshape(-1, nd)
-        # the volume check first (cheap): pieces in bounds whose volumes sum to the shape tile it iff none overlap
+        # the volume check first (cheap): pieces in bounds whose
+        # volumes sum to the shape tile it iff none overlap
         total = int(np.prod(hi - lo, axis=1).sum()) if len(lo) else 0
         if total != math.prod(shape):
             raise CheckpointError(f"tensor {key}: pieces hold {total} elements of {math.prod(shape)} "
@@ -163,7 +164,7 @@ def _tensor_problem(info: dict) -> str | None:
         if not isinstance(pieces, list) or not all(
                 isinstance(p, list) and len(p) == 2 and _box(p[0], len(s["shape"])) and _box(p[1], len(shape))
                 for p in pieces):
-            return f"shard {i} (in {s['file']}): pieces {json.dumps(pieces)[:80]} are not [stored box, global box] pairs"
+            return (f"shard {i} (in {s['file']}): pieces {json.dumps(pieces)[:80]} " "are not [stored box, global box] pairs")
     return None
 
 
@@ -198,7 +199,8 @@ def check_complete(path: str | Path) -> dict:
     """Metadata of a checkpoint that is committed with its coverage recorded and whose files are all
     present with their recorded sizes, decided without reading shard bytes; CheckpointError otherwise."""
     meta = read(path)
-    # only a commit writes "exact", after check_coverage passed: a metadata.json without it was not written by a commit
+    # only a commit writes "exact", after check_coverage passed:
+    # a metadata.json without it was not written by a commit
     if meta.get("format") == FORMAT and meta.get("coverage") != "exact":
         raise CheckpointError(f"{path}: metadata.json records no coverage check")
     files = meta.get("files", {})
@@ -207,7 +209,8 @@ def check_complete(path: str | Path) -> dict:
         if not f.is_file():
             raise CheckpointError(f"{path}: shard {name} is missing")
         size = f.stat().st_size
-        # a size check catches a truncated or missing write without reading the data; the loads check the bytes
+        # a size check catches a truncated or missing write
+        # without reading the data; the loads check the bytes
         if size != want["bytes"]:
             raise CheckpointError(f"{path}: shard {name} is corrupt ({size} bytes, expected {want['bytes']})")
     for key, info in meta["tensors"].items():
@@ -222,6 +225,7 @@ def committed(root: str | Path) -> list[Path]:
     if not Path(root).is_dir():
         return []
     return sorted(p for p in Path(root).glob("step_*")
-                  # only step_<digits>: a .tmp folder is a save in progress or a crashed one, a .replaced-... folder another
-                  # branch's checkpoint kept aside (sharded.commit); metadata.json is written last, so its presence marks a commit
+                  # only step_<digits>: a .tmp folder is a save in progress or a crashed one, a .replaced-...
+                  # folder another branch's checkpoint kept aside (sharded.commit); metadata.json is written
+                  # last, so its presence marks a commit
                   if p.name[5:].isdigit() and p.is_dir() and (p / "metadata.json").is_file())

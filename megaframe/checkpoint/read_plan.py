@@ -93,10 +93,10 @@ def plan_reads(index: Index, need: dict[str, list[tuple[Box, Box]]]) -> Plan:
         i, j = np.nonzero(hit)
         p_lo, p_hi = np.maximum(pc.lo[j], g_lo[i]), np.minimum(pc.hi[j], g_hi[i])
         size = p_hi - p_lo
-        # elements covered per needed box; a gap and an overlap of the same size would cancel, but read_items' check_coverage
-        # has already refused overlaps
-        # elements covered per needed box; a gap and an overlap of the same size would cancel, but read_items' check_coverage
-        # has already refused overlaps
+        # elements covered per needed box; a gap and an overlap of the same size would cancel, but read_items'
+        # check_coverage has already refused overlaps
+        # elements covered per needed box; a gap and an overlap of the same size would cancel, but read_items'
+        # check_coverage has already refused overlaps
         got = np.bincount(i, weights=np.prod(size, axis=1), minlength=len(boxes))
         want = np.prod(g_hi - g_lo, axis=1)
         bad = np.nonzero(got != want)[0]
@@ -127,8 +127,9 @@ def _merge_into(plan: Plan, index: Index, sid, first, last, itemsize) -> None:
     a, b = sid * big + first, sid * big + last
     reach = np.maximum.accumulate(b)
     start = np.ones(len(a), dtype=bool)
-    # a read starts where a range begins past the furthest end before it; touching ranges (a == reach) merge into one read
-    # a read starts where a range begins past the furthest end before it; touching ranges (a == reach) merge into one read
+    # a read starts where a range begins past the furthest end before it; touching ranges (a == reach) merge
+    # into one read a read starts where a range begins past the furthest end before it; touching ranges (a ==
+    # reach) merge into one read
     start[1:] = a[1:] > reach[:-1]
     idx = np.nonzero(start)[0]
     ends = np.append(idx[1:], len(a)) - 1

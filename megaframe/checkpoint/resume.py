@@ -1,15 +1,16 @@
 """Where a run starts: the checkpoint `checkpoint.resume` names, loaded only if its config fits.
 
-resume=auto walks `resolve.resume_order` (the `latest` pointer, then its ancestors; never another branch): a candidate whose
-metadata or file sizes are wrong is skipped on rank 0's cheap check, and one whose load fails on ANY rank
-(a corrupt shard is caught by whoever reads it) is skipped by every rank: the ranks vote after each load
-(one scalar all-reduce), so they always agree on the checkpoint they continue from. An explicit path that
-fails to load is bad input (exit 2, one line).
+resume=auto walks `resolve.resume_order` (the `latest` pointer, then its ancestors; never another branch): a
+candidate whose metadata or file sizes are wrong is skipped on rank 0's cheap check, and one whose load fails
+on ANY rank (a corrupt shard is caught by whoever reads it) is skipped by every rank: the ranks vote after
+each load (one scalar all-reduce), so they always agree on the checkpoint they continue from. An explicit path
+that fails to load is bad input (exit 2, one line).
 
-Only the checkpoint's own faults (a missing, corrupt or mismatched file: LOAD_ERRORS) make a load "fail". Running out of
-memory, an accelerator fault or a broken collective backend while loading says nothing about the checkpoint: skipping to
-an older one would silently throw work away. Such an error stops the run on every rank (TrainingError, exit 1, one line
-naming the phase and the checkpoint); nothing is skipped or pruned, `latest` and every checkpoint stay as they are.
+Only the checkpoint's own faults (a missing, corrupt or mismatched file: LOAD_ERRORS) make a load "fail".
+Running out of memory, an accelerator fault or a broken collective backend while loading says nothing about
+the checkpoint: skipping to an older one would silently throw work away. Such an error stops the run on every
+rank (TrainingError, exit 1, one line naming the phase and the checkpoint); nothing is skipped or pruned,
+`latest` and every checkpoint stay as they are.
 """
 from __future__ import annotations
 
@@ -29,9 +30,10 @@ from megaframe.errors import TrainingError
 from megaframe.parallel import comm
 from megaframe.parallel.mesh import Axis, Mesh
 
-# what a missing, corrupt or mismatched checkpoint raises on load; anything else is a bug and propagates. RuntimeError
-# is here for torch's shape and dtype complaints about a mismatched file, but its out-of-memory, accelerator and
-# collective subclasses are not the checkpoint's fault (not_the_checkpoints_fault): they stop the run instead
+# what a missing, corrupt or mismatched checkpoint raises on load; anything else is a bug and propagates.
+# RuntimeError is here for torch's shape and dtype complaints about a mismatched file, but its out-of-memory,
+# accelerator and collective subclasses are not the checkpoint's fault (not_the_checkpoints_fault): they stop
+# the run instead
 LOAD_ERRORS = (OSError, ValueError, KeyError, RuntimeError, SafetensorError)
 # the vote of each rank after a load: the MIN over ranks is the outcome
 _STOPPED, _FAILED, _LOADED = -1.0, 0.0, 1.0
@@ -62,7 +64,8 @@ def _vote(mine: float, mesh: Mesh) -> float:
 
 def _agree(path: Path, meta: dict | None, stop: str | None, mesh: Mesh) -> bool:
     """Every rank's load outcome of `path`: True when all loaded, False when some rank hit a fault of the
-    checkpoint; TrainingError on every rank when some rank was stopped by something else (out of memory...)."""
+    checkpoint; TrainingError on every rank when some rank was stopped by something else (out of
+    memory...)."""
     verdict = _vote(_STOPPED if stop else _LOADED if meta is not None else _FAILED, mesh)
     if verdict == _STOPPED:
         # every rank names the first stopped rank's error (one extra collective, on this failure path only)
@@ -79,8 +82,9 @@ def _warn(mesh: Mesh, msg: str, every_rank: bool = False) -> None:
 
 
 def _load(cfg: Config, path: Path, model, optimizer, mesh: Mesh, faults=None) -> tuple[dict | None, str, str | None]:
-    """Check the config against the checkpoint's, then load: (meta, "", None), (None, why the checkpoint cannot
-    be loaded, None), or (None, "", what stopped the load) for an error that is not the checkpoint's fault."""
+    """Check the config against the checkpoint's, then load: (meta, "", None), (None, why the checkpoint
+    cannot be loaded, None), or (None, "", what stopped the load) for an error that is not the checkpoint's
+    fault."""
     try:
         meta = sharded.read_metadata(path)
     except LOAD_ERRORS as e:
@@ -103,8 +107,8 @@ def _one(e: BaseException) -> str:
 
 
 def resume(cfg: Config, model, optimizer, mesh: Mesh, faults=None) -> Resumed:
-    """Load the checkpoint checkpoint.resume names (auto: along the lineage); Resumed() when fresh. `faults`: the
-    run's injected faults (runops/faults.py), None in a real run."""
+    """Load the checkpoint checkpoint.resume names (auto: along the lineage); Resumed() when fresh. `faults`:
+    the run's injected faults (runops/faults.py), None in a real run."""
     r = cfg.checkpoint.resume
     if r == "none":
         return Resumed()
@@ -124,7 +128,8 @@ def resume(cfg: Config, model, optimizer, mesh: Mesh, faults=None) -> Resumed:
         meta, why, stop = _load(cfg, p, model, optimizer, mesh, faults)
         if why:
             _warn(mesh, f"skipping checkpoint {p}: cannot be loaded on rank {mesh.rank} ({why})", every_rank=True)
-        # loaded on some ranks but not on others: all move on together; the next candidate's load overwrites what this one left
+        # loaded on some ranks but not on others: all move on together;
+        # the next candidate's load overwrites what this one left
         if _agree(p, meta, stop, mesh):
             return _done(mesh, p, meta)
         tried = p

@@ -91,8 +91,8 @@ def host_snapshot(model, optimizer, mesh: Mesh, copy: bool, pin: bool | PinnedSt
     staged = dict(zip(map(id, on_device), staging.views([s.source for s in on_device]))) if staging else {}
     for s in stored:
         t = s.source.detach()
-        # a blocking save may write CPU params in place (training waits); a background one needs its own copy, the next step
-        # updates them in place
+        # a blocking save may write CPU params in place (training waits); a background one needs its own copy,
+        # the next step updates them in place
         if id(s) in staged:
             t = staged[id(s)].copy_(t, non_blocking=True)
         elif t.device.type != "cpu" or copy:
@@ -110,7 +110,8 @@ def write_report(folder: Path, rank: int, stored: list, fail: str | None = None)
     try:
         info = write_file(folder, rank, {s.stored_key: s.source for s in stored}, fail) if stored else None
     except Exception as e:  # noqa: BLE001  (OSError, safetensors' SafetensorError, whatever the write raises)
-        # reported, not raised: a rank that raised here would miss the gather in finish() and hang its peers there
+        # reported, not raised: a rank that raised here would
+        # miss the gather in finish() and hang its peers there
         return {"rank": rank, "ok": False, "error": f"rank {rank}: {' '.join(str(e).split()) or type(e).__name__}"}
     entries: dict[str, dict] = {}
     for s in stored:
@@ -145,8 +146,8 @@ def finish(root, tmp: Path, final: Path, step: int, meta: dict, report: dict, me
     outcome = None
     if mesh.rank == 0:
         outcome = decide(root, tmp, final, step, meta, reports, keep_last)
-    # rank 0's verdict goes to all, so every rank raises SaveError or none does (a lone raise would desynchronise the next
-    # collective)
+    # rank 0's verdict goes to all, so every rank raises SaveError or none does (a lone raise would
+    # desynchronise the next collective)
     outcome = comm.gather_objects(outcome, mesh.group)[0]
     if outcome is not None:
         raise SaveError(outcome)
@@ -181,7 +182,8 @@ def decide(root, tmp: Path, final: Path, step: int, meta: dict, reports: list[di
     except OSError as e:  # rank 0's metadata or pointer write on a full disk: a verdict, so no peer waits for one
         shutil.rmtree(tmp, ignore_errors=True)
         return f"checkpoint step {step} not committed: rank 0: {e}"
-    # only after the new checkpoint is committed: a crash in between never leaves fewer than keep_last good ones
+    # only after the new checkpoint is committed: a crash in
+    # between never leaves fewer than keep_last good ones
     prune(root, keep_last, (meta.get("lineage") or {}).get("owner"))
     return None
 
@@ -203,19 +205,21 @@ def merge_entries(reports: list[dict]) -> dict:
 
 def commit(root, tmp: Path, final: Path, step: int, meta: dict, tensors: dict, files: dict) -> None:
     """metadata.json last (fsynced), atomic rename of the folder, then the `latest` pointer."""
-    # last of the folder: check_complete treats a folder with metadata.json as whole, so the shards must be on disk first
+    # last of the folder: check_complete treats a folder with
+    # metadata.json as whole, so the shards must be on disk first
     _fsync_write(tmp / "metadata.json", json.dumps({"format": FORMAT, "step": step, **meta, "files": files,
                                                     "coverage": "exact", "tensors": tensors}, indent=1))
     if final.exists():
         keep_aside(final)
     os.replace(tmp, final)
-    # the pointer moves only once the folder is in place: a crash before leaves it naming the previous complete checkpoint
+    # the pointer moves only once the folder is in place: a crash
+    # before leaves it naming the previous complete checkpoint
     try:
         _fsync_write(Path(root) / "latest.tmp", final.name + "\n")
         os.replace(Path(root) / "latest.tmp", Path(root) / "latest")
     except OSError:
-        # `latest` still names the previous checkpoint: put the folder back, so what is reported as not committed
-        # is not taken for the newest checkpoint by a later resume either
+        # `latest` still names the previous checkpoint: put the folder back, so what is reported as not
+        # committed is not taken for the newest checkpoint by a later resume either
         Path(root, "latest.tmp").unlink(missing_ok=True)
         os.replace(final, tmp)
         raise
@@ -242,7 +246,8 @@ def keep_aside(final: Path) -> Path | None:
 
 def prune(root: str | Path, keep_last: int, owner: str | None = None) -> None:
     """Keep the newest `keep_last` checkpoints of the current lineage (0 keeps everything): by lineage,
-    not by step number, so a rollback's new branch is never pruned, nor another run's (checkpoint/lineage.py)."""
+    not by step number, so a rollback's new branch is never pruned, nor another run's
+    (checkpoint/lineage.py)."""
     lineage.prune(root, keep_last, owner)
 
 

@@ -6,10 +6,10 @@ partial blocks per range), never to whole tensors or files. Block size per tenso
 up to 256 B, capped at 64 KiB, so small tensors get fine blocks and big ones ~16 crcs per MiB.
 
 Reads go through one staging buffer per file opened, of at most `staging_bytes` (STAGING_BYTES = 64 MiB unless
-the caller says otherwise; never less than one block, 64 KiB, nor more than the file's largest read): a long range
-is read, checked and handed on in chunks of that size, so the host memory a load needs beyond its destinations is
-bounded by this buffer, whatever the size of the tensors (a copy into another device may stage one more piece of a
-chunk on its way: at most twice the bound).
+the caller says otherwise; never less than one block, 64 KiB, nor more than the file's largest read): a long
+range is read, checked and handed on in chunks of that size, so the host memory a load needs beyond its
+destinations is bounded by this buffer, whatever the size of the tensors (a copy into another device may stage
+one more piece of a chunk on its way: at most twice the bound).
 """
 from __future__ import annotations
 
@@ -82,7 +82,8 @@ def write_file(folder: Path, rank: int, tensors: dict[str, torch.Tensor], fail: 
     # safetensors creates 0600 files; a checkpoint is shared like any other output (the umask rules)
     os.chmod(path, 0o666 & ~_UMASK)
     with open(path, "rb") as f:
-        # fsync before reporting ok: rank 0 commits on this report, and a crash must not leave a commit without its data
+        # fsync before reporting ok: rank 0 commits on this report,
+        # and a crash must not leave a commit without its data
         os.fsync(f.fileno())
         n = struct.unpack("<Q", f.read(8))[0]
         header_crc = zlib.crc32(f.read(n))  # recorded in metadata.json: a torn header is caught before its offsets are trusted
@@ -114,7 +115,8 @@ def read_header(f, name: str, want_crc: int | None) -> Header:
     if len(raw) < 8:
         raise CheckpointError(f"shard {name} is corrupt (no safetensors header)")
     n = struct.unpack("<Q", raw)[0]
-    # a garbage length (a torn or overwritten file) must be a corrupt shard, not a huge read or an OverflowError
+    # a garbage length (a torn or overwritten file) must be
+    # a corrupt shard, not a huge read or an OverflowError
     size = os.fstat(f.fileno()).st_size
     if n > size - 8:
         raise CheckpointError(f"shard {name} is corrupt (header length {n} exceeds the file's {size} bytes)")
@@ -145,10 +147,11 @@ _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "
 
 def read_ranges(folder: Path, name: str, reads: list, want_crc: int | None, stats: ReadStats, check: bool = True,
                 staging_bytes: int = STAGING_BYTES):
-    """Open `name` once and yield (stored key, first element, tensor of elements [first, first + n)) covering each
-    (stored key, first, last) in `reads` in order, in chunks of at most `staging_bytes`, reading only the blocks those
-    ranges touch, each block checked against its crc32. CheckpointError names the file and tensor of a mismatch.
-    The tensor yielded is a view of the staging buffer: valid until the next one is asked for (copy it out)."""
+    """Open `name` once and yield (stored key, first element, tensor of elements [first, first + n)) covering
+    each (stored key, first, last) in `reads` in order, in chunks of at most `staging_bytes`, reading only the
+    blocks those ranges touch, each block checked against its crc32. CheckpointError names the file and tensor
+    of a mismatch. The tensor yielded is a view of the staging buffer: valid until the next one is asked for
+    (copy it out)."""
     path = confined(folder, name)
     with open(path, "rb") as f:
         stats.files += 1
@@ -182,8 +185,8 @@ def _step(unit: int, staging_bytes: int) -> int:
 
 
 def _span(head: Header, name: str, read: tuple, check: bool) -> tuple:
-    """(dtype, first byte of the tensor in the file, crcs or None, [a0, b0) bytes of the tensor to read, chunk unit,
-    element size) of one (stored key, first, last) read: widened to whole crc blocks when checked."""
+    """(dtype, first byte of the tensor in the file, crcs or None, [a0, b0) bytes of the tensor to read, chunk
+    unit, element size) of one (stored key, first, last) read: widened to whole crc blocks when checked."""
     key, first, last = read
     t = head.tensors.get(key)
     if t is None:

@@ -90,7 +90,8 @@ def adopt_model(cfg, overrides: list[str]):
     """cfg with its model filled from checkpoint.resume=PATH (see the module doc).
     A missing metadata.json is left to validate, which refuses it with its own message."""
     path = cfg.checkpoint.resume
-    # resume=auto's checkpoint is chosen later, by the ranks together: only an explicit path can shape the config now
+    # resume=auto's checkpoint is chosen later, by the ranks
+    # together: only an explicit path can shape the config now
     if path in ("auto", "none") or not (Path(path) / "metadata.json").is_file():
         return cfg
     saved = checkpoint_model(path)
@@ -145,7 +146,7 @@ def contradiction(name: str, mine, theirs, saved_preset, overrides: list[str], p
         return (f"model.{name}={mine} contradicts the checkpoint's model.{name}={theirs} "
                 f"(checkpoint.resume={path}); drop the override to use the checkpoint's")
     return (f"model={keys['model']} (model.{name}={mine}) contradicts the checkpoint's model, a {saved_preset} "
-            f"(model.{name}={theirs}) (checkpoint.resume={path}); drop model={keys['model']} to use the checkpoint's")
+            f"(model.{name}={theirs}) (checkpoint.resume={path}); " f"drop model={keys['model']} to use the checkpoint's")
 
 
 def apply_environment(cfg, overrides: list[str]):

@@ -71,15 +71,15 @@ def _check_allowed_changes(cfg: Config) -> None:
     known = schema_keys()
     for name in cfg.checkpoint.allow_config_change:
         _req(isinstance(name, str) and name in known,
-             f"checkpoint.allow_config_change names {name!r}, which is not a config key (e.g. train.seed, model)")
+             f"checkpoint.allow_config_change names {name!r}, " "which is not a config key (e.g. train.seed, model)")
 
 
 def _check_model_shapes(m: ModelConfig, p: ParallelConfig) -> None:
     """The model's shapes: heads and widths that split evenly over the tp ranks."""
     _req(m.kv_channels is not None or m.hidden_size % m.num_attention_heads == 0,
-         f"model.hidden_size={m.hidden_size} is not divisible by model.num_attention_heads={m.num_attention_heads}")
+         f"model.hidden_size={m.hidden_size} is not divisible " f"by model.num_attention_heads={m.num_attention_heads}")
     _req(m.num_attention_heads % m.kv_heads == 0,
-         f"model.num_query_groups={m.kv_heads} does not divide model.num_attention_heads={m.num_attention_heads}")
+         f"model.num_query_groups={m.kv_heads} does not divide " f"model.num_attention_heads={m.num_attention_heads}")
     _req(m.num_attention_heads % p.tp == 0,
          f"parallel.tp={p.tp} does not divide model.num_attention_heads={m.num_attention_heads}")
     # whole kv heads per tp rank: a rank's query heads must find their kv group locally
@@ -114,7 +114,7 @@ def _check_optim(cfg: Config, dp: int) -> None:
          f"optim.shard_group_size={s} (HSDP) needs optim.zero >= 1 and parallel.ep=1")
     _req(cfg.optim.bucket_size_mb > 0, f"optim.bucket_size_mb={cfg.optim.bucket_size_mb} must be > 0")
     _req(t.precision == "fp32" or cfg.optim.zero >= 1,
-         f"train.precision={t.precision} needs optim.zero >= 1 (its fp32 master weights live in the ZeRO optimizer)")
+         f"train.precision={t.precision} needs optim.zero >= 1 " "(its fp32 master weights live in the ZeRO optimizer)")
     # Megatron allows --grad-reduce-in-bf16 only with bf16 params: with fp32 params the bf16 grads would be
     # rounded below the precision of the weights they update, for no memory the user asked to save.
     _req(cfg.optim.grad_reduce_dtype == "fp32" or t.precision in ("bf16", "fp8"),
@@ -151,9 +151,9 @@ def _check_context(cfg: Config, world_size: int) -> None:
     _req(world_size % (p.tp * p.pp * p.cp) == 0, f"parallel.tp={p.tp} x parallel.cp={p.cp} x parallel.pp={p.pp} "
                                                  f"does not divide the world size {world_size}")
     _req(m.seq_length % (2 * p.cp) == 0,
-         f"parallel.cp={p.cp} needs model.seq_length={m.seq_length} divisible by 2·cp (each rank keeps two chunks)")
+         f"parallel.cp={p.cp} needs model.seq_length={m.seq_length} " "divisible by 2·cp (each rank keeps two chunks)")
     _req(not p.sp or (m.seq_length // p.cp) % p.tp == 0,
-         f"parallel.sp with parallel.cp={p.cp} needs parallel.tp={p.tp} to divide seq_length/cp={m.seq_length // p.cp}")
+         f"parallel.sp with parallel.cp={p.cp} needs parallel.tp={p.tp} " f"to divide seq_length/cp={m.seq_length // p.cp}")
     # the sampler feeds whole sequences to a model whose positions are split over cp: it crashed every rank at
     # the first sample step, after training; refused before any step until it runs under cp
     _req(cfg.train.sample_interval == 0,
@@ -161,7 +161,7 @@ def _check_context(cfg: Config, world_size: int) -> None:
          "train.sample_interval=0 (sample after training: python -m megaframe.generate CHECKPOINT_DIR)")
     # scoring reads whole sequences, as the sampler does
     _req(cfg.train.downstream_interval == 0,
-         f"train.downstream_interval={cfg.train.downstream_interval} is not built with parallel.cp={p.cp}: set "
+         f"train.downstream_interval={cfg.train.downstream_interval} " f"is not built with parallel.cp={p.cp}: set "
          "train.downstream_interval=0 (score after training: python -m megaframe.evaluate "
          "checkpoint=DIR +tasks=...)")
 
@@ -215,8 +215,8 @@ def _check_pipeline(cfg: Config, dp: int, schedules: bool = True) -> None:
             _req(not bad, f"parallel.pp_schedule={kind} splits each backward in two and does not compose with {why}")
     try:
         counts = stage_counts(cfg.model.num_layers, p.pp, p.vpp, p.pp_layout)
-        # every rank's schedule is built here, as the executor will build it: a layout it cannot run is refused
-        # now, not at step 1
+        # every rank's schedule is built here, as the executor will build it: a layout it cannot run is
+        # refused now, not at step 1
         check_runnable(kind, p.pp, p.vpp, t.global_batch_size // (t.micro_batch_size * dp),
                        moe=cfg.model.num_experts > 0, recompute=getattr(t.recompute, "value", t.recompute),
                        counts=counts, build=schedules)
@@ -242,7 +242,7 @@ def _check_data_fields(cfg: Config) -> None:
     _req(t.eval_interval >= 0 and t.eval_iters >= 1,
          f"train.eval_interval={t.eval_interval} must be >= 0 and train.eval_iters={t.eval_iters} >= 1")
     _req(t.sample_interval >= 0 and t.sample_tokens >= 1,
-         f"train.sample_interval={t.sample_interval} must be >= 0 and train.sample_tokens={t.sample_tokens} >= 1")
+         f"train.sample_interval={t.sample_interval} must be " f">= 0 and train.sample_tokens={t.sample_tokens} >= 1")
     _req(t.downstream_interval == 0 or bool(t.downstream_tasks),
          f"train.downstream_interval={t.downstream_interval} needs train.downstream_tasks=[task,...] "
          "(lm-eval names)")

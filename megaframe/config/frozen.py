@@ -22,8 +22,8 @@ class Frozen:
         at = self.__dict__.get("_frozen_at")
         if at is not None:
             raise FrozenConfigError(
-                f"{at}{name}={value!r}: the config is frozen after load_config; pass the value as an override "
-                f"(load_config([..., '{at}{name}=...'])), build a new config with dataclasses.replace, or keep "
+                f"{at}{name}={value!r}: the config is frozen " "after load_config; pass the value as an override "
+                f"(load_config([..., '{at}{name}=...'])), build " "a new config with dataclasses.replace, or keep "
                 "a value worked out from the config in megaframe.config.derived.Derived")
         object.__setattr__(self, name, value)
 

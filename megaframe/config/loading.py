@@ -1,5 +1,5 @@
-"""Typed configuration: compose conf/config.yaml with Hydra onto the schema (megaframe/config/schema.py), adopt
-settings from outside the command line, and validate (the cross-field checks are in config/checks.py).
+"""Typed configuration: compose conf/config.yaml with Hydra onto the schema (megaframe/config/schema.py),
+adopt settings from outside the command line, and validate (the cross-field checks are in config/checks.py).
 
 `load_config` knows the world size and refuses a layout before any process group exists. The schema's
 names (Config, ModelConfig, ConfigError, ...) are re-exported here: `from megaframe.config import Config`

@@ -103,7 +103,8 @@ class ModelConfig(Frozen):
     rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
     """RoPE frequency scaling (Llama 3.1/3.2, YaRN, linear); rope_type=default is plain RoPE."""
     kv_channels: Optional[int] = None
-    """Head dim E (Megatron's name); None = hidden_size / num_attention_heads. Qwen3 sets it (heads * E != D)."""
+    """Head dim E (Megatron's name); None = hidden_size /
+    num_attention_heads. Qwen3 sets it (heads * E != D)."""
     qk_norm: bool = False
     """RMSNorm over each head's query and key (weights [E], shared by the heads) before RoPE (Qwen3)."""
     norm_eps: float = 1e-5

@@ -52,7 +52,8 @@ POS, NONNEG = _r(1), _r(0)  # integer counts and sizes
 POSF, NONNEGF = _r(0, gt=True, int_=False), _r(0, int_=False)  # finite real numbers
 UNIT = _r(0, hi=1, int_=False)  # a fraction in [0, 1)
 SEED = _r(0, hi=2**63)  # numpy and torch take a non-negative int64 seed
-# a process-group timeout is a datetime.timedelta (at most ~8.6e13 s): a "switch it off" 1e30 overflowed at start
+# a process-group timeout is a datetime.timedelta
+# (at most ~8.6e13 s): a "switch it off" 1e30 overflowed at start
 TIMEOUT = _r(0, gt=True, hi=1e9, le=True, int_=False)
 
 FIELD_RULES: dict[str, Rule] = {
@@ -99,8 +100,8 @@ FIELD_RULES: dict[str, Rule] = {
     "data.stages[].until_step": _r(1, opt=True), "data.stages[].until_tokens": _r(1, opt=True, int_=False),
     "data.stages[].blend[].weight": POSF,
 }
-"""Every int/float field of the schema must appear here (tests/unit/config/test_config_fields.py checks it), also
-one inside a list (`[]`): a new numeric field gets its rule in the same change."""
+"""Every int/float field of the schema must appear here (tests/unit/config/test_config_fields.py checks it),
+also one inside a list (`[]`): a new numeric field gets its rule in the same change."""
 
 
 def field_values(cfg: Config, key: str) -> list[tuple[str, object]]:

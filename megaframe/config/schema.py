@@ -1,7 +1,7 @@
 """The config schema: one dataclass per config group (a docstring per field; the model group is in
-model_schema.py, re-exported here); its closed string choices
-are the Enums of megaframe/config/choices.py. Hydra merges conf/*.yaml onto these, so a typo'd key, a wrong type
-or a value outside an Enum is an error at composition time. A leaf module (of megaframe it imports only
+model_schema.py and the data group in data_schema.py, both re-exported here); its closed string choices
+are the Enums of megaframe/config/choices.py. Hydra merges conf/*.yaml onto these, so a typo'd key, a wrong
+type or a value outside an Enum is an error at composition time. A leaf module (of megaframe it imports only
 config/choices.py and errors.py):
 model, optim, checkpoint and the checks all read it; loading and validation (megaframe.config) sit above.
 """
@@ -30,6 +30,12 @@ from megaframe.config.choices import (  # noqa: F401  (re-exported: the schema's
     SaveErrorPolicy,
     ScheduleKind,
     WandbMode,
+)
+from megaframe.config.data_schema import (  # noqa: F401  (the data group)
+    DEFAULT_EXTENSIONS,
+    BlendSource,
+    DataConfig,
+    DataStage,
 )
 from megaframe.config.frozen import Frozen
 from megaframe.config.model_schema import ModelConfig, RopeScalingConfig  # noqa: F401  (the model group)
@@ -63,10 +69,10 @@ class ParallelConfig(Frozen):
     tp_comm_chunks: int = 4
     """Chunks of the local sequence block under tp_comm_overlap (the largest count <= this dividing it)."""
     pp_schedule: ScheduleKind = ScheduleKind.auto
-    """gpipe | 1f1b | interleaved | zb_h1 | zbv | auto (interleaved when vpp > 1, else 1f1b). zb_h1 (vpp=1) and
-    zbv (vpp=2, chunks in a V: rank 0 holds both ends) are the zero-bubble schedules: each backward is split
-    into B (input gradient) and W (weight gradients, deferred into the bubble); not with train.compile or
-    train.precision=fp8."""
+    """gpipe | 1f1b | interleaved | zb_h1 | zbv | auto (interleaved when vpp > 1, else 1f1b). zb_h1 (vpp=1)
+    and zbv (vpp=2, chunks in a V: rank 0 holds both ends) are the zero-bubble schedules: each backward is
+    split into B (input gradient) and W (weight gradients, deferred into the bubble); not with train.compile
+    or train.precision=fp8."""
     pp_layout: Optional[list[int]] = None
     """Layers per virtual stage (pp x vpp entries, stage s = chunk * pp + rank) for uneven splits."""
     # -- context parallelism (megaframe/parallel/context.py)
@@ -97,7 +103,8 @@ class TrainConfig(Frozen):
     by the ranks on this node (LOCAL_WORLD_SIZE), at least 1. On a shared machine fewer threads are often
     faster: threads that wait on each other at every op lose to one that runs."""
     max_bad_steps: int = 10
-    """Stop with an error after this many optimizer steps in a row with a non-finite grad norm (each is skipped)."""
+    """Stop with an error after this many optimizer steps in
+    a row with a non-finite grad norm (each is skipped)."""
     device: Device = Device.auto
     """auto | cpu | cuda."""
     precision: Precision = Precision.fp32
@@ -149,8 +156,9 @@ class TrainConfig(Frozen):
     unchanged."""
     # -- samples during training (megaframe.inference.sampler)
     sample_interval: int = 0
-    """Every this many steps, write greedy continuations of sample_prompts to the console, ${run.dir}/samples.jsonl
-    and wandb (a table); 0 = never. Needs prepared data (its tokenizer). Time excluded from tokens_per_s."""
+    """Every this many steps, write greedy continuations of sample_prompts to the console,
+    ${run.dir}/samples.jsonl and wandb (a table); 0 = never. Needs prepared data (its tokenizer). Time
+    excluded from tokens_per_s."""
     sample_prompts: list[str] = field(default_factory=lambda: ["The", "Once upon a time"])
     """Prompts of the training-time samples."""
     sample_tokens: int = 24
@@ -199,8 +207,8 @@ class OptimConfig(Frozen):
     """Adam epsilon."""
     zero: int = 1
     """1: ZeRO-1 distributed optimizer (AdamW state sharded over dp, grads reduce-scattered in buckets
-    during backward, params all-gathered after the step; with one dp rank and fp32 params there is nothing to shard,
-    so the replicated optimizer runs instead).
+    during backward, params all-gathered after the step; with one dp rank and fp32 params there is nothing to
+    shard, so the replicated optimizer runs instead).
     2: ZeRO-2: as 1, and grads live only as this rank's 1/dp shard: each bucket is reduce-scattered into
     it as soon as backward completes it, in every micro-batch; no full-size grad buffer is kept.
     3: ZeRO-3: as 2, and params live as 1/dp shards too, each transformer block's gathered before its
@@ -238,89 +246,6 @@ class OptimConfig(Frozen):
 
 
 @dataclass
-class BlendSource(Frozen):
-    path: str = ""
-    """A folder written by megaframe.data.prepare."""
-    weight: float = 1.0
-    """Relative share of the training samples (weights are normalized)."""
-
-
-@dataclass
-class DataStage(Frozen):
-    until_step: Optional[int] = None
-    """This stage ends after this many steps of the run (counted from step 0)."""
-    until_tokens: Optional[float] = None
-    """Or: it ends once this many training tokens were consumed, rounded up to a whole global batch."""
-    blend: list[BlendSource] = field(default_factory=list)
-    """The stage's mixture, as data.blend (the stages' datasets must share a tokenizer)."""
-
-
-DEFAULT_EXTENSIONS = [
-    # records
-    ".jsonl", ".json", ".parquet",
-    # prose and markup
-    ".txt", ".md", ".markdown", ".rst", ".tex", ".org", ".adoc", ".html", ".htm", ".xml", ".csv", ".tsv",
-    # source code and its configuration
-    ".py", ".pyi", ".ipynb", ".c", ".h", ".cc", ".cpp", ".cxx", ".hpp", ".hh", ".cu", ".cuh", ".java", ".kt",
-    ".scala", ".go", ".rs", ".rb", ".php", ".js", ".jsx", ".mjs", ".ts", ".tsx", ".swift", ".m", ".mm", ".cs",
-    ".fs", ".hs", ".ml", ".lua", ".pl", ".r", ".jl", ".dart", ".zig", ".nim", ".ex", ".exs", ".erl", ".clj",
-    ".el", ".vim", ".sh", ".bash", ".zsh", ".ps1", ".sql", ".css", ".scss", ".yaml", ".yml", ".toml", ".ini",
-    ".cfg", ".proto", ".cmake", ".mk", ".gradle", ".bzl",
-]
-"""data.extensions' default. Any of them may also be gzipped (name.ext.gz)."""
-
-
-@dataclass
-class DataConfig(Frozen):
-    name: str = "demo"
-    """Dataset label for logs."""
-    kind: DataKind = DataKind.prepared
-    """prepared (token shards under data.path) | synthetic (deterministic random tokens)."""
-    path: str = ""
-    """Folder written by megaframe.data.prepare: tokenizer.model, meta.json and token shards."""
-    source: str = ""
-    """For prepare: a folder or glob of .txt, .jsonl(.gz) or .parquet files."""
-    vocab_size: int = 4096
-    """For prepare: sentencepiece vocabulary size to train."""
-    text_key: str = "text"
-    """For prepare: the text field of jsonl / parquet records."""
-    tokenizer: str = ""
-    """For prepare: reuse this tokenizer (a sentencepiece .model or a transformers tokenizer folder)
-    instead of training one; empty = train a sentencepiece BPE of data.vocab_size pieces."""
-    tokenizer_sample_bytes: int = 1 << 30
-    """For prepare: train the tokenizer on about this many bytes of text spread over the corpus (0 = all)."""
-    num_workers: int = 0
-    """For prepare: tokenizer processes; 0 = one per CPU core."""
-    valid_fraction: float = 0.0
-    """Hold out about this fraction of each dataset's tokens for validation (train.eval_interval): whole
-    documents in a fixed seeded random order (megaframe.data.dataset.VALID_SEED); training never reads them."""
-    extensions: list[str] = field(default_factory=lambda: list(DEFAULT_EXTENSIONS))
-    """For prepare: the file name endings read from a data.source folder or glob (.jsonl/.json/.parquet as
-    records, the rest as plain text); files without any extension are read when their head is text."""
-    task: int = 0
-    """For prepare: this task's index under data.num_tasks (a Slurm array's SLURM_ARRAY_TASK_ID)."""
-    num_tasks: int = 1
-    """For prepare: split the work into this many tasks over disjoint parts of the sources, balanced by bytes
-    (megaframe.data.tasks); the last to finish, or `prepare merge`, writes meta.json."""
-    split: DocSplit = DocSplit.file
-    """For prepare: file = one document per text file (code, web pages); paragraph = one document per
-    blank-line separated paragraph (books). jsonl / json / parquet are always one document per record."""
-    blend: list[BlendSource] = field(default_factory=list)
-    """Train on several prepared datasets mixed by weight, instead of data.path, e.g.
-    data.blend='[{path: /data/a, weight: 0.7}, {path: /data/b, weight: 0.3}]'. They must share a tokenizer."""
-    document_mask: bool = False
-    """Attention only within each sample's own documents (causal within each), positions (RoPE or learned)
-    restarting at every document; a document ends at the tokenizer's end-of-document id (synthetic data:
-    ids that are multiples of 64). The end token's loss (predicting the next document's first token) is
-    kept. Exact under every layout, cp included; CPU: SDPA under a boolean mask, CUDA: FlexAttention
-    block masks (megaframe.model.documents, docs/data.md)."""
-    stages: list[DataStage] = field(default_factory=list)
-    """Mixtures that change during the run, instead of data.blend: a list of {until_step or until_tokens,
-    blend}, ends increasing, the last one open-ended; the sampler switches at each boundary, exactly, under
-    any dp, and a resume inside a stage continues its stream (megaframe.data.stages)."""
-
-
-@dataclass
 class CheckpointConfig(Frozen):
     dir: str = "${run.dir}/checkpoints"
     """Where step_XXXXXXXX/ folders and the `latest` pointer live."""
@@ -332,8 +257,8 @@ class CheckpointConfig(Frozen):
     most that many steps late and no extra collective runs: a node that dies without a signal loses at
     most this much time. Use with checkpoint.interval for long jobs (scripts/slurm/pretrain.sbatch)."""
     resume: str = "auto"
-    """auto (this run's newest committed checkpoint in dir, if any: its `latest`) | none | a step folder path |
-    a checkpoint dir (the checkpoint its `latest` names; the way to continue a folder another run wrote)."""
+    """auto (this run's newest committed checkpoint in dir, if any: its `latest`) | none | a step folder path
+    | a checkpoint dir (the checkpoint its `latest` names; the way to continue a folder another run wrote)."""
     keep_last: int = 0
     """Keep only the newest this many checkpoints (0 keeps all)."""
     on_save_error: SaveErrorPolicy = SaveErrorPolicy.stop

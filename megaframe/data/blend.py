@@ -16,12 +16,14 @@ import numpy as np
 
 from megaframe.data.order import ORDER, sample_index
 
-# the greedy loop runs once at start-up (milliseconds), and one block's rounding stays under 1e-4 of the weights
+# the greedy loop runs once at start-up (milliseconds),
+# and one block's rounding stays under 1e-4 of the weights
 BLOCK = 1 << 14
 
 
 def blend_pattern(weights: list[float], block: int = BLOCK) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(dataset of each position in a block, its rank within that dataset in the block, per-dataset counts)."""
+    """(dataset of each position in a block, its rank within that dataset in the block, per-dataset
+    counts)."""
     w = np.asarray(weights, dtype=np.float64)
     w = w / w.sum()
     counts = np.zeros(len(w), dtype=np.int64)

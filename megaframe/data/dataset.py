@@ -64,7 +64,8 @@ class PreparedData:
         self.seq_length = seq_length
         self.vocab_size = int(meta["vocab_size"])
         self.eos_ids = [int(meta["eos_id"])] if meta.get("eos_id") is not None else []  # data.document_mask
-        # samples overlap by one token (a sample's last label is the next one's first input): - 1 keeps the last sample whole
+        # samples overlap by one token (a sample's last label is the next one's first input):
+        # - 1 keeps the last sample whole
         self.num_samples = (self.num_tokens - 1) // seq_length
         if self.num_samples < 1:
             what = "the validation split" if split == "valid" else "data"
@@ -93,7 +94,8 @@ class PreparedData:
         # VALID_SEED, not train.seed: every run on this data holds out the same documents
         order = np.random.default_rng(VALID_SEED).permutation(len(starts))
         held = np.cumsum((ends - starts)[order])
-        # + 1 takes the document crossing f·T, so valid holds at least f of the tokens; clamped so both splits keep a document
+        # + 1 takes the document crossing f·T, so valid holds at least
+        # f of the tokens; clamped so both splits keep a document
         k = min(max(1, int(np.searchsorted(held, fraction * total)) + 1), len(starts) - 1)
         chosen = np.zeros(len(starts), dtype=bool)
         chosen[order[:k]] = True

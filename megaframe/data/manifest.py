@@ -58,7 +58,7 @@ def describe_settings_change(old: dict, new: dict) -> str:
     if "given_sha256" in n or "given_sha256" in o:
         return "data.tokenizer is not the tokenizer it was made with"
     if o.get("train_vocab_size") != n["train_vocab_size"]:
-        return f"data.vocab_size={n['train_vocab_size']} (its tokenizer was trained with {o.get('train_vocab_size')})"
+        return (f"data.vocab_size={n['train_vocab_size']} (its " f"tokenizer was trained with {o.get('train_vocab_size')})")
     return (f"data.tokenizer_sample_bytes={n['train_sample_bytes']} "
             f"(its tokenizer was trained with {o.get('train_sample_bytes')})")
 

@@ -32,7 +32,8 @@ def _mix(x: int) -> int:
 
 @lru_cache(maxsize=64)
 def _keys(seed: int, epoch: int) -> tuple[int, ...]:
-    # sha256, not hash(): Python salts hash() per process, and every rank and every resume must get the same keys
+    # sha256, not hash(): Python salts hash() per process,
+    # and every rank and every resume must get the same keys
     digest = hashlib.sha256(f"megaframe-order/{seed}/{epoch}".encode()).digest()
     # overlapping 8-byte windows: six 64-bit keys from one 32-byte digest
     return tuple(int.from_bytes(digest[4 * r:4 * r + 8], "little") for r in range(ROUNDS))
@@ -77,7 +78,8 @@ def sample_index(position: int, num_samples: int, seed: int, order: str = ORDER)
 
 def resumed_order(meta: dict) -> str:
     """The order a checkpointed run was using: the recorded one, else LEGACY for a run begun before ORDER
-    existed, else ORDER for a checkpoint that never drew a sample (an HF import, old or new: nothing to keep)."""
+    existed, else ORDER for a checkpoint that never drew a sample (an HF import, old or new: nothing to
+    keep)."""
     data = meta.get("data") or {}
     if "order" in data:
         return data["order"]

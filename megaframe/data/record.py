@@ -158,7 +158,8 @@ def data_changes(d: DataConfig, meta: dict) -> list[tuple[str, str, str, str]]:
         ran, f = float(old["valid_fraction"]), d.valid_fraction
         why = (held_out_note(ran, f) + ", and the train split's positions map to other samples"
                if f > ran else
-               f"documents held out at data.valid_fraction={ran} would be trained on, and the train split's "
+               f"documents held out at data.valid_fraction={ran} would be trained on, "
+               "and the train split's "
                "positions map to other samples")
         out.append(("data.valid_fraction", str(ran), str(f), why))
     recorded = {s["path"]: s.get("content_sha256") for s in old.get("sources") or [] if isinstance(s, dict)}

@@ -58,7 +58,8 @@ def encode_chunk(task: tuple) -> dict:
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
     out = Path(out_dir)
     data = flat.tobytes()
-    # a crash may leave a shard without its index, but never a half file; prepare writes meta.json, which names them, last
+    # a crash may leave a shard without its index, but never a
+    # half file; prepare writes meta.json, which names them, last
     write_atomic(out / f"{name}.bin", data)
     starts_npy = io.BytesIO()
     np.save(starts_npy, starts)

@@ -35,7 +35,8 @@ SNIFF_BYTES = 8 * 1024
 MAX_BAD_FRACTION = 0.05
 """More than this fraction of undecodable or control characters means binary data, not text; real text
 in a wrong encoding (latin-1 read as UTF-8) stays well under it."""
-# C0 controls except tab, newline, vertical tab, form feed and carriage return (\x09-\x0d, common in text), DEL and U+FFFD
+# C0 controls except tab, newline, vertical tab, form feed and
+# carriage return (\x09-\x0d, common in text), DEL and U+FFFD
 _BAD_CHARS = re.compile("[\x00-\x08\x0e-\x1f\x7f\ufffd]")
 
 
@@ -139,7 +140,8 @@ def _listed(source: str) -> tuple[Path, list[Path]]:
 
 def skipped(source: str, files: list[SourceFile], exclude: tuple[Path, ...] = ()) -> dict[str, list[str]]:
     """The files of data.source that give no document, by reason: an ending not in data.extensions (the
-    ending, e.g. '.debian'), 'not text' (no extension, binary head) or 'empty'. Hidden entries are not listed."""
+    ending, e.g. '.debian'), 'not text' (no extension, binary head) or 'empty'. Hidden entries are not
+    listed."""
     root, candidates = _candidates(source, exclude)
     taken = {f.path for f in files}
     out: dict[str, list[str]] = {}
@@ -301,7 +303,8 @@ def sample_documents(files: list[SourceFile], text_key: str, cache_dir: str, bud
 
 @contextlib.contextmanager
 def offline_hf(cache_dir: str):
-    """No network and no ~/.cache for `datasets`; the environment is restored afterwards (tests run in-process)."""
+    """No network and no ~/.cache for `datasets`; the
+    environment is restored afterwards (tests run in-process)."""
     env = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_HOME": cache_dir,
            "HF_DATASETS_CACHE": cache_dir}
     saved = {k: os.environ.get(k) for k in env}

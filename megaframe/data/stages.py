@@ -65,7 +65,8 @@ class StagedData:
         self.vocab_size = max(p.vocab_size for p in self.parts)
         self.eos_ids = self.parts[0].eos_ids  # one tokenizer (check_datasets): one end-of-document id
         self.num_samples = sum(p.num_samples for p in self.parts)  # for display: one epoch of every dataset
-        self.stages = []  # per stage: (start, global dataset ids, pattern, start offset of each global dataset)
+        # per stage: (start, global dataset ids, pattern, start offset of each global dataset)
+        self.stages = []
         offset, start = np.zeros(len(self.parts), dtype=np.int64), 0
         for k, s in enumerate(stages):
             ids = np.array([self.paths.index(resolved(b.path)) for b in s.blend], dtype=np.int64)

@@ -58,5 +58,5 @@ def announce(d, todo: list, workers: int) -> None:
         print(f"megaframe: prepare: {task}nothing to tokenize (its units are done or belong to other tasks)",
               flush=True)
         return
-    print(f"megaframe: prepare: {task}tokenizing {len(live):,} files ({sum(f.size for f in live) / 1e6:,.1f} MB) "
+    print(f"megaframe: prepare: {task}tokenizing {len(live):,} " f"files ({sum(f.size for f in live) / 1e6:,.1f} MB) "
           f"with {workers} worker(s)", flush=True)

@@ -161,8 +161,8 @@ def train_tokenizer(text_iterator: Iterable[str], vocab_size: int, model_prefix:
             model_type="bpe", vocab_size=int(vocab_size), hard_vocab_limit=False,
             byte_fallback=True, character_coverage=character_coverage,
             normalization_rule_name="identity", remove_extra_whitespaces=False,
-            # dummy prefix: a text's first word gets the same piece as mid-text; split digits: numbers tokenize digit by digit,
-            # consistently
+            # dummy prefix: a text's first word gets the same piece as mid-text; split digits: numbers
+            # tokenize digit by digit, consistently
             add_dummy_prefix=True, split_digits=True, allow_whitespace_only_pieces=True,
             unk_id=UNK_ID, eos_id=EOS_ID, bos_id=-1, pad_id=-1, eos_piece="</s>",
             input_sentence_size=max_sentences, shuffle_input_sentence=True,

@@ -6,8 +6,8 @@ reads every byte once (sha256 and the largest token id of each shard, streamed i
 A training run cannot afford that over a whole corpus on every rank, so at start ONE rank (global rank 0)
 hashes only the shards the run's first global batch touches (`first_batch_shards`), at most
 MAX_STARTUP_SHARDS of them: the cost is at most 8 shard files (the demo's are ~130 KB, 1 MB in all,
-<0.01 s; a prepared shard is about one work unit of data.prepare), independent of the corpus size. Every other read is
-guarded by the token-id range check that the
+<0.01 s; a prepared shard is about one work unit of data.prepare), independent of the corpus size. Every other
+read is guarded by the token-id range check that the
 reader applies to each sample as it is read (megaframe.data.shards.check_token_range).
 """
 from __future__ import annotations
@@ -31,7 +31,8 @@ global_batch_size shards: the cost stays a few shard files at any scale)."""
 
 def check_shard(folder: Path, entry: dict, dtype: np.dtype, vocab: int) -> str | None:
     """Why a shard is bad (missing, other sha256, a token id >= vocab), or None."""
-    # a plain name inside the folder, as training reads it: verify must not hash ../../etc/x either (an oracle)
+    # a plain name inside the folder, as training reads it:
+    # verify must not hash ../../etc/x either (an oracle)
     f = inside(folder, entry.get("file") if isinstance(entry, dict) else entry)
     if not f.is_file():
         return f"shard {entry['file']} is missing"
@@ -46,7 +47,8 @@ def check_shard(folder: Path, entry: dict, dtype: np.dtype, vocab: int) -> str |
                 where = (off + at, int(ids[at]))
             off += ids.size
     if entry.get("sha256") and h.hexdigest() != entry["sha256"]:
-        return f"shard {entry['file']} is corrupt (sha256 {h.hexdigest()[:16]}..., meta.json says {entry['sha256'][:16]}...)"
+        return (f"shard {entry['file']} is corrupt (sha256 {h.hexdigest()[:16]}..., meta.json says "
+                f"{entry['sha256'][:16]}...)")
     if where is not None:
         return (f"shard {entry['file']} is corrupt: token id {where[1]} at token offset {where[0]} is outside "
                 f"the vocabulary ({vocab})")

@@ -100,7 +100,8 @@ class Sampler:
         return step % self.t.sample_interval == 0
 
     def _append(self, path: Path, text: str) -> None:
-        """samples.jsonl is not worth a run: a full disk is one warning (the first time), then the console only."""
+        """samples.jsonl is not worth a run: a full disk is
+        one warning (the first time), then the console only."""
         try:
             with open(path, "a") as f:
                 f.write(text)

@@ -22,9 +22,10 @@ from megaframe.layers.wgrad import mixed_gemm
 from megaframe.pipeline.split import wanted
 
 CHUNK_ELEMS = {"cpu": 1 << 21, "cuda": 1 << 30}
-"""Logits elements per chunk. CPU: 8 MiB of fp32, cache-sized. GPU: a memory budget (2 GiB of bf16 logits, their
-grad written over them by the compiled chain): 4k tokens x a 128k vocab is one chunk, so the head's weight-grad
-GEMM runs once with K = all tokens and its fp32 result is written once, not re-read and re-written per chunk."""
+"""Logits elements per chunk. CPU: 8 MiB of fp32, cache-sized. GPU: a memory budget (2 GiB of bf16 logits,
+their grad written over them by the compiled chain): 4k tokens x a 128k vocab is one chunk, so the head's
+weight-grad GEMM runs once with K = all tokens and its fp32 result is written once, not re-read and re-written
+per chunk."""
 
 
 def _chunk_tokens(n: int, vocab: int, device: torch.device) -> int:

@@ -84,7 +84,8 @@ class ColumnParallelLinear(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
-    """y_SBO = sum over tp of x_SBI/tp @ W[O, I/tp]^T; reduced over tp (or reduce-scattered over seq under sp)."""
+    """y_SBO = sum over tp of x_SBI/tp @ W[O, I/tp]^T; reduced
+    over tp (or reduce-scattered over seq under sp)."""
 
     def __init__(self, in_features: int, out_features: int, tp: Axis, sp: bool, bias: bool, device=None):
         super().__init__()

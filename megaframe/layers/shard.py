@@ -1,8 +1,8 @@
 """How each local parameter is cut from its global tensor, and layout-free initialisation.
 
 Every parameter carries a `Placement` (parallel/placement.py, as `param.placement`) whose `shard` is a
-`Shard`: the global shape, the split dim, and the fused sub-blocks along it. A fused QKV weight of a GQA model is [q |
-k | v] along dim 0 with unequal sizes;
+`Shard`: the global shape, the split dim, and the fused sub-blocks along it. A fused QKV weight of a GQA model
+is [q | k | v] along dim 0 with unequal sizes;
 each block is split over tp separately, so rank r holds [q_r | k_r | v_r] and its heads line up.
 The same description drives init (each rank draws only the fixed blocks of the global tensor its slice
 touches, each block from a seed of (seed, name, block)), checkpoint metadata (global shape and every
@@ -40,7 +40,8 @@ class Shard:
         if self.dim is not None:
             parts = self.parts or (self.global_shape[self.dim],)
             assert sum(parts) == self.global_shape[self.dim], (self, parts)
-            # Each fused block is split separately, so each must divide: rank r's q, k and v heads must line up.
+            # Each fused block is split separately, so each must
+            # divide: rank r's q, k and v heads must line up.
             assert all(p % self.size == 0 for p in parts), f"{parts} not divisible by {self.size}"
             object.__setattr__(self, "parts", tuple(parts))
 

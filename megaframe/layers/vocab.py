@@ -16,7 +16,8 @@ from megaframe.parallel.mesh import Axis
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Lookup in this rank's vocab rows, zero elsewhere, then sum over tp (reduce-scatter over seq under sp)."""
+    """Lookup in this rank's vocab rows, zero elsewhere,
+    then sum over tp (reduce-scatter over seq under sp)."""
 
     def __init__(self, vocab: int, dim: int, tp: Axis, sp: bool, device=None, pp_tied: bool = False,
                  pp_duplicate: bool = False):

@@ -29,13 +29,15 @@ from megaframe.parallel.ring_attention import ring_attention
 
 SDPA_PRIORITY = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
                  SDPBackend.MATH]
-"""CUDA SDPA backends, first usable wins. torch's default order puts FlashAttention-2 first; cuDNN's Hopper kernels
-are faster at head dim 64-128 (torchtitan sets this order too); its grads are checked against flash in tests/gpu."""
+"""CUDA SDPA backends, first usable wins. torch's default order puts FlashAttention-2 first; cuDNN's Hopper
+kernels are faster at head dim 64-128 (torchtitan sets this order too); its grads are checked against flash in
+tests/gpu."""
 
 
 def causal_sdpa(q_BHSE: torch.Tensor, k_BKSE: torch.Tensor, v_BKSE: torch.Tensor, dropout: float,
                 gqa: bool) -> torch.Tensor:
-    """Causal SDPA; on CUDA under SDPA_PRIORITY (a context torch.compile traces; the global order is restored)."""
+    """Causal SDPA; on CUDA under SDPA_PRIORITY
+    (a context torch.compile traces; the global order is restored)."""
     if not q_BHSE.is_cuda:
         return F.scaled_dot_product_attention(q_BHSE, k_BKSE, v_BKSE, is_causal=True, dropout_p=dropout,
                                               enable_gqa=gqa)
@@ -99,7 +101,8 @@ class Attention(nn.Module):
         h, k, e = self.heads, self.groups, self.head_dim
         q, kk, v = qkv_SBX.split([h * e, k * e, k * e], dim=-1)
         q_SBHE, k_SBKE = self.norm_qk(q.view(s, b, h, e), kk.view(s, b, k, e))
-        # rope: (cos_SE, sin_SE); under document masking (cos_SB1E, sin_SB1E, DocContext), cos None for learned
+        # rope: (cos_SE, sin_SE); under document masking
+        # (cos_SB1E, sin_SB1E, DocContext), cos None for learned
         cos, sin = rope[:2] if rope is not None else (None, None)
         doc = rope[2] if rope is not None and len(rope) == 3 else None
         if cos is not None:  # before the permute: rows of E stay contiguous, so the rotation streams

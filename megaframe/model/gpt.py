@@ -123,27 +123,14 @@ class GPT(nn.Module):
         # every other tensor (rope tables, positions, MoE statistics) on `device`
         pdev = param_device or device
         tp = mesh.tp
-        if stage.first or (stage.last and cfg.tie_embeddings):
-            # a copy on each pipeline end; under zbv both ends are rank 0's: one tensor, nothing to sum
-            tied = cfg.tie_embeddings and mesh.pp_ends.size > 1 and not (stage.first and stage.last)
-            self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, self.sp, pdev,
-                                                pp_tied=tied, pp_duplicate=tied and not stage.first)
-        if stage.first and cfg.position_embedding == "learned":
-            # replicated; under sp each rank adds the rows of its own sequence block
-            self.pos_embed = sharded_param(Shard((cfg.seq_length, cfg.hidden_size)), pdev, tp_partial_grad=self.sp)
+        self._make_embeddings(cfg, mesh, stage, pdev)
         self.layers = nn.ModuleDict({str(i): Block(cfg, mesh, self.sp, pdev, tokens_per_step, recompute, cp_ring)
                                      for c in stage.chunks for i in c})
         if stage.last:
             self.final_norm = Norm(cfg.norm, cfg.hidden_size, cfg.norm_eps, self.sp, pdev)
             if not cfg.tie_embeddings:
                 self.head = ColumnParallelLinear(cfg.hidden_size, [cfg.vocab_size], tp, self.sp, False, pdev)
-        # global positions of this cp rank's tokens (all of them when cp = 1)
-        self.positions = cp_positions(cfg.seq_length, mesh.cp.size, mesh.cp.rank, device)
-        self.rope = None
-        if cfg.position_embedding == "rope":
-            cos, sin = rope_tables(cfg.seq_length, cfg.head_dim, cfg.rope_theta, device, cfg.rope_scaling)
-            self.rope = (cos[self.positions], sin[self.positions]) if mesh.cp.size > 1 else (cos, sin)
-            self.rope_whole = (cos, sin)  # document masking gathers rows at positions within documents
+        self._make_positions(cfg, mesh, device)
         self.drop = nn.Dropout(cfg.dropout)
         self.doc_eos: torch.Tensor | None = None  # end-of-document ids under data.document_mask (set_documents)
         self.cp_ring = cp_ring and mesh.cp.size > 1
@@ -153,8 +140,31 @@ class GPT(nn.Module):
         self.output_step = _Step(self._head_output) if stage.last else None
         self.head_gemm = None  # the head's Fp8Gemm under train.precision=fp8 (layers/fp8.py:enable_fp8)
 
+    def _make_embeddings(self, cfg: ModelConfig, mesh: Mesh, stage: Stage, pdev) -> None:
+        """The token embedding on the pipeline ends that use it, the learned positions on the first."""
+        tp = mesh.tp
+        if stage.first or (stage.last and cfg.tie_embeddings):
+            # a copy on each pipeline end; under zbv both ends are rank 0's: one tensor, nothing to sum
+            tied = cfg.tie_embeddings and mesh.pp_ends.size > 1 and not (stage.first and stage.last)
+            self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, self.sp, pdev,
+                                                pp_tied=tied, pp_duplicate=tied and not stage.first)
+        if stage.first and cfg.position_embedding == "learned":
+            # replicated; under sp each rank adds the rows of its own sequence block
+            self.pos_embed = sharded_param(Shard((cfg.seq_length, cfg.hidden_size)), pdev, tp_partial_grad=self.sp)
+
+    def _make_positions(self, cfg: ModelConfig, mesh: Mesh, device) -> None:
+        """This cp rank's token positions and, under rope, its cos/sin tables."""
+        # global positions of this cp rank's tokens (all of them when cp = 1)
+        self.positions = cp_positions(cfg.seq_length, mesh.cp.size, mesh.cp.rank, device)
+        self.rope = None
+        if cfg.position_embedding == "rope":
+            cos, sin = rope_tables(cfg.seq_length, cfg.head_dim, cfg.rope_theta, device, cfg.rope_scaling)
+            self.rope = (cos[self.positions], sin[self.positions]) if mesh.cp.size > 1 else (cos, sin)
+            self.rope_whole = (cos, sin)  # document masking gathers rows at positions within documents
+
     def set_documents(self, eos_ids: list[int]) -> None:
-        """data.document_mask: attention within documents, positions restarting at each (model/documents.py)."""
+        """data.document_mask: attention within documents,
+        positions restarting at each (model/documents.py)."""
         self.doc_eos = torch.tensor(eos_ids, dtype=torch.long, device=self.positions.device)
 
     def init_weights(self, seed: int) -> None:
@@ -224,7 +234,8 @@ class GPT(nn.Module):
             doc = document_context(input_ids_BS, self.doc_eos, self.mesh.cp, self._doc_kernel())
         if chunk == 0 and self.stage.first:
             x_SBD = self.embed_tokens(input_ids_BS, doc)
-        # what attention needs: (cos, sin) tables, and under document masking per-token ones plus the documents
+        # what attention needs: (cos, sin) tables, and under
+        # document masking per-token ones plus the documents
         rope = self.rope
         if doc is not None:
             rope = (*(rope_at(*self.rope_whole, doc.pos_BQ) if self.rope is not None else (None, None)), doc)
@@ -243,7 +254,8 @@ class GPT(nn.Module):
 
     def _doc_kernel(self) -> str:
         """Document masking's attention kernel (model/documents.py): the ring masks its own blocks; CUDA runs
-        FlexAttention, except with attention dropout (flex has none): SDPA under the boolean mask, as on CPU."""
+        FlexAttention, except with attention dropout (flex has none): SDPA under the boolean mask, as on
+        CPU."""
         if self.doc_kernel is not None:
             return self.doc_kernel
         if self.cp_ring:

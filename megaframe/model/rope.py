@@ -3,9 +3,10 @@
 A scaling changes only the inverse frequencies (and, for YaRN, multiplies cos/sin by one factor); positions
 stay integers, so one fixed table per run reproduces transformers' rotary embedding exactly. The formulas
 are transformers' modeling_rope_utils ones (`_compute_{linear_scaling,llama3,yarn}_parameters`), restated
-over megaframe's config so the model needs no transformers config to build; tests/unit/models/test_rope_scaling.py
-checks them against LlamaForCausalLM's logits. `dynamic` (NTK rescaled per call length) and `longrope`
-(two tables switched by length) have no fixed table and are refused (config/checks.py, import).
+over megaframe's config so the model needs no transformers config to build;
+tests/unit/models/test_rope_scaling.py checks them against LlamaForCausalLM's logits. `dynamic` (NTK rescaled
+per call length) and `longrope` (two tables switched by length) have no fixed table and are refused
+(config/checks.py, import).
 """
 from __future__ import annotations
 

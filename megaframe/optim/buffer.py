@@ -9,8 +9,8 @@ Layout of one buffer (there is one per parameter dtype and data-parallel axis, `
         buffer   | bucket 0 (n_0 elements, padded)      | bucket 1 (n_1)        | ...
         rank r   |   [r·n_0/dp, (r+1)·n_0/dp) of bucket 0 | [r·n_1/dp, ...) of 1 | ...
 
-    Element i of the grad buffer (fp32, or bf16: see below) and of the param buffer (the params' dtype) is the same
-    parameter element: every parameter's `.data` is re-pointed at its slice of the param buffer, and
+    Element i of the grad buffer (fp32, or bf16: see below) and of the param buffer (the params' dtype) is the
+    same parameter element: every parameter's `.data` is re-pointed at its slice of the param buffer, and
     its gradient (`p.main_grad`, also `p.grad` where the dtypes agree) is its slice of the grad buffer.
 
 Each dp rank owns one contiguous range of every bucket (with one bucket: one range of the whole
@@ -35,8 +35,8 @@ Where the reduced grads live depends on the ZeRO stage (`sharded_grads`):
              summed over the pipeline ends before the data-parallel reduction.
 Lazy storage (as torch's AdamW and FSDP2): the optimizer's buffers are made with no storage (`lazy_zeros`)
 and given it, zeroed, on first use (`give_storage`): grads and moments at the first zero_grad (or a backward,
-step, save or load before one). Views taken before (p.main_grad, AdamW's segments and their .grad) stay valid, as
-grad32's do across its resizes, so start-up holds the params only.
+step, save or load before one). Views taken before (p.main_grad, AdamW's segments and their .grad) stay valid,
+as grad32's do across its resizes, so start-up holds the params only.
 Here "dp" is the axis ZeRO shards over: dp itself, edp for experts, or an HSDP shard group (dp_shard).
 """
 from __future__ import annotations
@@ -81,7 +81,8 @@ class Bucket:
     work: object = None
     launched: bool = False
     acc: object = None
-    """zero=2: the bucket-sized tensor (the buffer's grad dtype) this micro-batch's grads accumulate in (None when freed)."""
+    """zero=2: the bucket-sized tensor (the buffer's grad dtype)
+    this micro-batch's grads accumulate in (None when freed)."""
 
     @property
     def numel(self) -> int:
@@ -103,7 +104,8 @@ def lazy_zeros(n: int, dtype: torch.dtype, device) -> torch.Tensor:
 
 
 def has_storage(t: torch.Tensor) -> bool:
-    """Whether t (a whole tensor, not a view into one) has its memory: False for lazy_zeros before give_storage."""
+    """Whether t (a whole tensor, not a view into one) has
+    its memory: False for lazy_zeros before give_storage."""
     return t.is_meta or t.numel() == 0 or t.data_ptr() != 0
 
 
@@ -179,8 +181,9 @@ def group_plan(params: list[nn.Parameter], groups: list[list[nn.Parameter]], dp:
 
 
 class FlatBuffer:
-    """The grad buffer (`grad_dtype`, fp32 by default) and param buffer (params' dtype) of params sharing one dtype, bucketed
-    and split over dp as described above. Re-points every param's storage into the param buffer."""
+    """The grad buffer (`grad_dtype`, fp32 by default) and param buffer (params' dtype) of params sharing one
+    dtype, bucketed and split over dp as described above. Re-points every param's storage into the param
+    buffer."""
 
     def __init__(self, params: list[nn.Parameter], bucket_bytes: int, dp_rank: int, dp_size: int,
                  late: set[int], sharded_grads: bool = False, groups: list[list[nn.Parameter]] | None = None,
@@ -206,8 +209,17 @@ class FlatBuffer:
         # (not lazy_zeros: its storage is resized, and the null one cannot be; freed by the first zero_grad)
         self.grad32 = (None if grad_dtype == torch.float32 else
                        torch.zeros(self.state_numel, dtype=torch.float32, device=device))
-        # Zeros, not empty: the padding belongs to no param; zeros keep it deterministic in the master and gathers.
+        # Zeros, not empty: the padding belongs to no param;
+        # zeros keep it deterministic in the master and gathers.
         self.param = torch.zeros(self.numel, dtype=self.dtype, device=device) if whole_param else None
+        self._lay_out(ordered, plan, late)
+        if whole_param:
+            self._repoint(ordered)
+        self.segments = self._segments()
+
+    def _lay_out(self, ordered: list[nn.Parameter], plan, late: set[int]) -> None:
+        """The buckets of `plan`, this rank's shard of each, and every param's offset and bucket."""
+        dp_rank, dp_size = self.dp_rank, self.dp_size
         self.offset: dict[nn.Parameter, int] = {}
         self.buckets: list[Bucket] = []
         self.bucket_of: dict[nn.Parameter, Bucket] = {}
@@ -225,9 +237,6 @@ class FlatBuffer:
                 self.offset[p] = off
                 self.bucket_of[p] = b
                 off += p.numel()
-        if whole_param:
-            self._repoint(ordered)
-        self.segments = self._segments()
 
     @torch.no_grad()
     def _repoint(self, params: list[nn.Parameter]) -> None:
@@ -250,7 +259,8 @@ class FlatBuffer:
         return self.grad[o:o + p.numel()].view(p.shape)
 
     def acc_view(self, p: nn.Parameter) -> torch.Tensor:
-        """zero=2: p's slice of its bucket's accumulation tensor, allocated (zeroed) if the bucket has none."""
+        """zero=2: p's slice of its bucket's accumulation
+        tensor, allocated (zeroed) if the bucket has none."""
         b = self.bucket_of[p]
         if b.acc is None:
             # Allocated lazily and freed after the bucket's reduce-scatter: at most the buckets in
@@ -266,7 +276,8 @@ class FlatBuffer:
         return self.state_shard(self.grad_shard, b)
 
     def final_grad(self, b: Bucket) -> torch.Tensor:
-        """This rank's reduced grads of bucket b as the update reads them: fp32 (grad32 under bf16 reduction)."""
+        """This rank's reduced grads of bucket b as the update
+        reads them: fp32 (grad32 under bf16 reduction)."""
         return self.owned_grad(b) if self.grad32 is None else self.state_shard(self.grad32, b)
 
     def owned_grad_at(self, seg: Segment) -> torch.Tensor:

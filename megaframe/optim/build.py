@@ -52,8 +52,8 @@ class PlainOptimizer(Optimizer):
         return {k: state[k] for k in MOMENTS if k in state}
 
     def load_targets(self, p: nn.Parameter) -> tuple[list[tuple[int, int, dict[str, torch.Tensor]]], bool]:
-        """Where a checkpoint's moments of p are read to (checkpoint/load.py): p's state, made here at its size
-        (every rank holds all of it), as one segment; no master (a saved master goes into p itself)."""
+        """Where a checkpoint's moments of p are read to (checkpoint/load.py): p's state, made here at its
+        size (every rank holds all of it), as one segment; no master (a saved master goes into p itself)."""
         state = self.adam.state[p]
         for k in MOMENTS:
             state[k] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)  # defined, whatever is read

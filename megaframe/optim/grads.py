@@ -25,7 +25,8 @@ class ReplicatedGrads:
         self.model, self.mesh = model, mesh
 
     def tied_grads(self) -> list[torch.Tensor]:
-        # Both pipeline ends list their copy in the same (parameter) order, so the pp_ends all-reduce pairs them.
+        # Both pipeline ends list their copy in the same
+        # (parameter) order, so the pp_ends all-reduce pairs them.
         return [g for pl, g in local_grads(self.model) if pl.pp_tied]
 
     def reduce_data_parallel(self) -> None:

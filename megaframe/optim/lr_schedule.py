@@ -54,7 +54,7 @@ def schedule_warnings(o, max_steps: int) -> list[str]:
     decays = LRSchedule(o.lr_schedule) is not LRSchedule.constant
     if decays and warm >= horizon:
         out.append(f"optim.warmup_steps={warm} >= the decay horizon {horizon} (optim.lr_decay_steps): the lr falls "
-                   f"from its peak to optim.min_lr={o.min_lr:.2e} at step {warm + 1} (also in a resume with more steps)")
+                   f"from its peak to optim.min_lr={o.min_lr:.2e} at " f"step {warm + 1} (also in a resume with more steps)")
     if decays and warm < max_steps < horizon:
         out.append(f"train.max_steps={max_steps} < the decay horizon {horizon} (optim.lr_decay_steps): the run ends "
                    f"at lr {at:.2e}, before the decay reaches optim.min_lr={o.min_lr:.2e} "

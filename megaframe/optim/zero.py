@@ -135,9 +135,9 @@ class ZeroOptimizer(ZeroStateIO, Optimizer):
         for buf in self.buffers:
             buf.alloc_grads()
         if self.stage == 1:
-            # The grad buffer has its memory now: linears may write their weight grads into it (layers/wgrad.py)
-            # not the embedding: its weight may be the tied head's too, and two grads of one param are
-            # summed by autograd before its hook, where the never-written one would be added in
+            # The grad buffer has its memory now: linears may write their weight grads into it
+            # (layers/wgrad.py) not the embedding: its weight may be the tied head's too, and two grads of one
+            # param are summed by autograd before its hook, where the never-written one would be added in
             embeds = {id(m.weight) for m in self.model.modules() if isinstance(m, VocabParallelEmbedding)}
             for p in self.params:
                 p.fuse_wgrad = id(p) not in embeds
@@ -261,7 +261,8 @@ class ZeroOptimizer(ZeroStateIO, Optimizer):
         """zero=2: wait for all but the newest `keep` reduce-scatters; add their range into grad_shard and
         free the bucket's acc (a late bucket's acc is kept: p.main_grad views it until zero_grad)."""
         while len(self._pending) > keep:
-            # Oldest first: collectives on one group complete in launch order, so no wait is longer than needed.
+            # Oldest first: collectives on one group complete in
+            # launch order, so no wait is longer than needed.
             buf, b = self._pending.pop(0)
             if b.work is not None:
                 b.work.wait()
@@ -335,7 +336,8 @@ class ZeroOptimizer(ZeroStateIO, Optimizer):
 
     @torch.no_grad()
     def _zero_unwritten(self) -> None:
-        """zero=1: zero the grads of params no backward of this step reached (zero_grad left them as they were)."""
+        """zero=1: zero the grads of params no backward of this
+        step reached (zero_grad left them as they were)."""
         if self.stage != 1 or not self._grads_made:
             return
         for p in self.params:

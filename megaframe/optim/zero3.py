@@ -232,7 +232,8 @@ class Zero3Optimizer(ZeroOptimizer):
             for _, b in self.block_buckets[i]:  # already freed (meta start-up, or freed twice): no storage to read
                 b.fresh = b.fresh8 = False
             return
-        # Last chance to see writes made from outside into the gathered params: after the resize they are gone.
+        # Last chance to see writes made from outside into
+        # the gathered params: after the resize they are gone.
         self._resync_master([p for _, b in self.block_buckets[i] for p in b.params])
         for _, b in self.block_buckets[i]:
             if b.gwork is not None:  # a prefetch never used (eval without backward): let it land first
@@ -316,8 +317,8 @@ class Zero3Optimizer(ZeroOptimizer):
 
     def param_home(self, p: nn.Parameter) -> list[tuple[int, int, torch.Tensor]] | None:
         """Where a checkpoint's value of p is read to (checkpoint/load.py): None while p is gathered (into p);
-        for a freed block, this rank's segments of p's fp32 master ((first element of p, length, 1-D view)), which
-        the block's next gather reads: each rank reads its own share of the weights, nothing whole."""
+        for a freed block, this rank's segments of p's fp32 master ((first element of p, length, 1-D view)),
+        which the block's next gather reads: each rank reads its own share of the weights, nothing whole."""
         if p.untyped_storage().nbytes() > 0:
             return None
         st = self.states[self.buffers.index(self._buffer_of[p])]

@@ -69,13 +69,14 @@ class ZeroStateIO:
         return self._slice(p, "state")
 
     def reduced_grad(self, p: nn.Parameter) -> torch.Tensor:
-        """p's full-batch (dp-summed, clipped) fp32 grad after step(); collective over dp (tests, debugging)."""
+        """p's full-batch (dp-summed, clipped) fp32 grad after
+        step(); collective over dp (tests, debugging)."""
         return self._slice(p, "grad")["grad"]
 
     def load_targets(self, p: nn.Parameter) -> tuple[list[tuple[int, int, dict[str, torch.Tensor]]], bool]:
         """Where a checkpoint's state of p is read to, in place (checkpoint/load.py): this rank's segments as
-        state_segments gives them, and whether this optimizer keeps a master of p (else the saved master goes into
-        p itself). Nothing of p's full local size is made: each rank reads its own segments only."""
+        state_segments gives them, and whether this optimizer keeps a master of p (else the saved master goes
+        into p itself). Nothing of p's full local size is made: each rank reads its own segments only."""
         self._gathered = None
         self.param_gather.wait()  # a gather in flight would overwrite what is loaded
         self.make_state()  # the load writes into the moments (and master)
@@ -85,8 +86,9 @@ class ZeroStateIO:
 
     @torch.no_grad()
     def loaded(self, p: nn.Parameter, kinds: set[str], step: int) -> None:
-        """After load_targets' segments (the `kinds` the checkpoint held) and p were read: a master the checkpoint
-        lacks is taken from the loaded p, the step counters set, and p's write is not mistaken for an outside one."""
+        """After load_targets' segments (the `kinds` the checkpoint held) and p were read: a master the
+        checkpoint lacks is taken from the loaded p, the step counters set, and p's write is not mistaken for
+        an outside one."""
         buf = self._buffer_of.get(p)
         if buf is None:
             return

@@ -90,7 +90,8 @@ def build_state(buffers: list[FlatBuffer], cfg: OptimConfig, device: torch.devic
             weights.grad = buf.owned_grad_at(seg)
             groups[0 if seg.param.ndim >= 2 else 1].append(weights)
             step = torch.zeros((), dtype=torch.float32, device=device)
-            # fused AdamW requires its step counter as an fp32 tensor on the params' device, never a Python int.
+            # fused AdamW requires its step counter as an fp32
+            # tensor on the params' device, never a Python int.
             pre.append((weights, {"step": step, "exp_avg": st.exp_avg[lo:hi], "exp_avg_sq": st.exp_avg_sq[lo:hi]}))
             segs_of.setdefault(seg.param, []).append((seg, weights))
     adam = adamw(*groups, cfg, device) if any(groups) else None

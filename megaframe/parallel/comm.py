@@ -30,7 +30,8 @@ def _nbytes(x: torch.Tensor) -> int:
 
 
 def _enter(axis: Axis, op: str, x: torch.Tensor, sent: float) -> dict | None:
-    """Count the bytes sent, note the collective in the ring buffer; None on a virtual axis (skip the call)."""
+    """Count the bytes sent, note the collective in the
+    ring buffer; None on a virtual axis (skip the call)."""
     # Counted before the call, so a rank stuck inside the collective still shows it as its last entry.
     axis.stats.add(axis.name, sent)
     entry = axis.stats.record(op, axis.name, axis.ranks, x.shape, x.dtype, _nbytes(x))
@@ -199,7 +200,8 @@ class _GatherFromSP(torch.autograd.Function):
 
 
 class _ReduceScatterToSP(torch.autograd.Function):
-    """forward: reduce-scatter partial sums over the seq dim (after a row-parallel layer); backward: all-gather."""
+    """forward: reduce-scatter partial sums over the seq dim
+    (after a row-parallel layer); backward: all-gather."""
 
     @staticmethod
     def forward(ctx, x, axis):
@@ -319,7 +321,8 @@ def all_gather_world(out: torch.Tensor, x: torch.Tensor, group) -> None:
 class _BatchWork:
     """One Work of a p2p batch, tracked: the batch's ring-buffer entry is done once all are waited for,
     through CommStats.returned like every collective (on CUDA it records the event the watchdog queries:
-    a batch NCCL still runs reads "ENQUEUED, NOT COMPLETED", not "returned"). Waiting again returns at once."""
+    a batch NCCL still runs reads "ENQUEUED, NOT COMPLETED", not "returned"). Waiting again returns at
+    once."""
 
     def __init__(self, work, entry: dict, pending: list, stats, on_device: bool):
         self.work, self.entry, self.pending, self.waited = work, entry, pending, False

@@ -5,8 +5,9 @@ never compiles.
 CPU time of a one-step run, paid by every process whether it compiles or not. `eager(fn)` instead returns
 a thin callable that calls fn; `arm()`, called by whatever compiles before its first trace
 (model/parallelize.py's compile_blocks), swaps each one's target for `torch.compiler.disable(fn)`. Dynamo,
-inlining the callable, then meets a disabled function and runs it eagerly between the compiled pieces: the same
-graph break the module-level `torch.compiler.disable` gave. Callables made after `arm()` are armed at once.
+inlining the callable, then meets a disabled function and runs it eagerly between the compiled pieces: the
+same graph break the module-level `torch.compiler.disable` gave. Callables made after `arm()` are armed at
+once.
 """
 from __future__ import annotations
 

@@ -86,7 +86,8 @@ class CommStats:
         entry["done"] = True
         if on_device:
             # A fixed pool, not an event per collective: thousands of calls a step would each allocate one;
-            # an event is only overwritten after RECENT_COLLECTIVES newer entries, when its entry left the ring.
+            # an event is only overwritten after RECENT_COLLECTIVES newer entries, when its entry left the
+            # ring.
             if len(self.events) < RECENT_COLLECTIVES:
                 self.events.append(torch.cuda.Event())
             event = self.events[self._next_event % RECENT_COLLECTIVES]
@@ -154,7 +155,8 @@ class Axis:
 
 @dataclass(frozen=True)
 class Mesh:
-    """Frozen layout of this rank: the tp, pp, dp (and ep, edp) axes, the device, and the shared byte counter."""
+    """Frozen layout of this rank: the tp, pp, dp (and ep, edp)
+    axes, the device, and the shared byte counter."""
 
     tp: Axis
     pp: Axis
@@ -171,7 +173,8 @@ class Mesh:
     few small exchanges are host-side decisions, and an NCCL communicator over the whole world would cost
     GPU buffers (NVLS memory on H100) for nothing; comm.all_reduce stages a device tensor through the host."""
     ep: Optional[Axis] = None
-    """Expert-parallel axis: a contiguous block of the dpcp group (all-to-all of tokens); bytes count as ep."""
+    """Expert-parallel axis: a contiguous block of the dpcp
+    group (all-to-all of tokens); bytes count as ep."""
     edp: Optional[Axis] = None
     """Expert-data-parallel axis: cp·dp ranks holding the same experts (expert grads, ZeRO shards of expert
     params); its bytes count as dp traffic. It is the dpcp axis itself when ep = 1."""
@@ -184,8 +187,8 @@ class Mesh:
     cp: Optional[Axis] = None
     """Context-parallel axis: ranks holding different chunks of the same sequences (K/V all-gathered)."""
     dpcp: Optional[Axis] = None
-    """cp·dp ranks of one (tp, pp) coordinate: the grad reduction and ZeRO axis of dense params (bytes count as
-    dp). The dp axis itself when cp = 1."""
+    """cp·dp ranks of one (tp, pp) coordinate: the grad reduction and ZeRO axis of dense params (bytes count
+    as dp). The dp axis itself when cp = 1."""
 
     def __post_init__(self):
         if self.cp is None:
@@ -288,7 +291,8 @@ class RankGrid:
         raise KeyError(name)
 
     def group_of(self, name: str, position: int) -> tuple[int, ...]:
-        """The group of axis `name` holding `position` (just itself where it has none: off the pipeline ends)."""
+        """The group of axis `name` holding `position`
+        (just itself where it has none: off the pipeline ends)."""
         # A linear scan over every group: called once per axis at start-up, never in a step.
         return next((g for g in self.groups(name) if position in g), (position,))
 

@@ -59,7 +59,8 @@ def _expand(x_BKNE: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def _kept(keep_BHQT: torch.Tensor | None, t: slice, src: int, n: int, p: float) -> torch.Tensor | None:
-    """Block src's dropout factors for query rows t (0 or 1/(1-p), fp32, as SDPA scales); None without dropout."""
+    """Block src's dropout factors for query rows t
+    (0 or 1/(1-p), fp32, as SDPA scales); None without dropout."""
     if keep_BHQT is None:
         return None
     return keep_BHQT[:, :, t, src * n:(src + 1) * n].float().div_(1 - p)

@@ -40,7 +40,8 @@ def _gqa(x_BKME: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def fold_heads(g_BHME: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """GQA in backward: the grads of the query heads sharing a kv head summed onto it (also the math ring's)."""
+    """GQA in backward: the grads of the query heads sharing
+    a kv head summed onto it (also the math ring's)."""
     b, h, m, e = g_BHME.shape
     return g_BHME if h == kv_heads else g_BHME.view(b, kv_heads, h // kv_heads, m, e).sum(2)
 
@@ -100,7 +101,8 @@ def _merge_(o_BHME: torch.Tensor, lse_BHM: torch.Tensor, out_BHME: torch.Tensor,
 
 
 def _pair_bias(doc_BS, c: int, r: int, src: int, a: int, b: int, causal: bool, m: int, dtype):
-    """pair_bias of rank r's query chunk slot a against rank src's key chunk slot b; None without documents."""
+    """pair_bias of rank r's query chunk slot a against
+    rank src's key chunk slot b; None without documents."""
     if doc_BS is None:
         return None
     chunk = (r, 2 * c - 1 - r)[a], (src, 2 * c - 1 - src)[b]

@@ -9,7 +9,8 @@ local sequence; each chunk's collective is launched asynchronously and the GEMM 
 arrived runs while the next ones are in flight.
 
 Column-parallel (`_GatherMatmul`):
-    forward:  per chunk i, all-gather x[iC:(i+1)C] -> [T, C, B, I]; y[:, i] = that @ W^T (y viewed [T, k, C, B, O])
+    forward:  per chunk i, all-gather x[iC:(i+1)C] -> [T, C, B, I]; y[:, i] = that @ W^T (y viewed [T, k, C,
+              B, O])
     backward: per chunk, dx's reduce-scatter of g[:, i] @ W (launched as soon as it is computed), and dW from
               the chunks gathered again (only the local block is saved, as _GatheredLinear does)
 Row-parallel (`_MatmulScatter`):

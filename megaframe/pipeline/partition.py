@@ -77,7 +77,8 @@ def check_runnable(kind: str, pp: int, vpp: int, m: int, moe: bool = False, reco
                 raise ValueError(f"parallel.pp_layout={list(counts)} leaves pipeline rank {rank} (stages "
                                  f"{stages} under {kind}) without any layer or parameter: give it a layer")
     if kind in ZERO_BUBBLE and moe and recompute == "full":
-        # the recomputed MoE block's saved tensors are read again by W after B released them (pipeline/split.py)
+        # the recomputed MoE block's saved tensors are read
+        # again by W after B released them (pipeline/split.py)
         raise ValueError(f"parallel.pp_schedule={kind} splits each backward in two and does not compose with an "
                          "MoE model under train.recompute=full: use train.recompute=selective or none, or another "
                          "parallel.pp_schedule")

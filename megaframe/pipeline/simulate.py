@@ -159,7 +159,8 @@ class _Graph:
             while i < len(sched) and sched[i].kind not in (F, B, W):
                 o, i = sched[i], i + 1
                 is_send = o.kind in (SEND_F, SEND_B)
-                # Keyed by (sender, receiver) only, no direction or tag: NCCL matches p2p ops in posting order.
+                # Keyed by (sender, receiver) only, no direction
+                # or tag: NCCL matches p2p ops in posting order.
                 key = (r, o.peer) if is_send else (o.peer, r)
                 side = chans[key][0 if is_send else 1]
                 side.append((b, (o.kind[-1], o.microbatch, o.chunk if is_send else src[(o.kind, o.chunk)],
@@ -278,7 +279,8 @@ def _memory(g: _Graph, w_fraction: float) -> tuple[list[int], list[int], list[fl
             elif (a.microbatch, a.chunk) not in seen:
                 raise ScheduleError(f"rank {r} runs {a} before its forward")
             else:
-                # B frees the activations; a split one keeps what W needs (the weighted layers' inputs) until W
+                # B frees the activations; a split one keeps what
+                # W needs (the weighted layers' inputs) until W
                 held -= a.kind == B
                 pend += (1 if a.kind == B else -1) if g.split else 0
             p, pw, pm = max(p, held), max(pw, pend), max(pm, held + w_fraction * pend)

@@ -74,7 +74,8 @@ def _unpack(box: _Box) -> torch.Tensor:
 
 
 def saving():
-    """Around the forward of a chunk whose backward will be split: saved tensors boxed (see the module doc)."""
+    """Around the forward of a chunk whose backward will
+    be split: saved tensors boxed (see the module doc)."""
     return torch.autograd.graph.saved_tensors_hooks(_Box, _unpack)
 
 

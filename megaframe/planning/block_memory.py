@@ -1,5 +1,5 @@
-"""One block's memory as the planners size it: the meta-device forwards of a 1- and a 2-layer model (cached per
-config and layout), the block re-run under full recompute, and what document masking adds to a planning
+"""One block's memory as the planners size it: the meta-device forwards of a 1- and a 2-layer model (cached
+per config and layout), the block re-run under full recompute, and what document masking adds to a planning
 forward. The exact planner (estimate.py) and the search (search.py) both read it: a module below the two,
 so neither imports the other back."""
 from __future__ import annotations

@@ -25,7 +25,8 @@ class Layout:
     grad_dtype: str = "fp32"
     """optim.grad_reduce_dtype: the dtype of the grad buffers and their dp reduction."""
     schedule: str = ""
-    """parallel.pp_schedule ("": the config's, e.g. auto); the search also tries zb_h1 (vpp=1) and zbv (vpp=2)."""
+    """parallel.pp_schedule ("": the config's, e.g. auto);
+    the search also tries zb_h1 (vpp=1) and zbv (vpp=2)."""
     pp_layout: tuple = ()
     sp: bool = True
     """parallel.sp wherever tp > 1 (the search always; False times a layout without it, e.g. published runs
@@ -44,7 +45,7 @@ class Layout:
         grad = " grad=bf16" if self.grad_dtype == "bf16" else ""
         sched = f" {self.schedule}" if self.schedule else ""
         sched += f" layers={'/'.join(map(str, self.pp_layout))}" if self.pp_layout else ""
-        return (f"tp={self.tp}{cp} pp={self.pp} vpp={self.vpp}{sched} dp={self.dp}{ep} zero={self.zero}{hsdp}{grad} "
+        return (f"tp={self.tp}{cp} pp={self.pp} vpp={self.vpp}{sched} " f"dp={self.dp}{ep} zero={self.zero}{hsdp}{grad} "
                 f"mb={self.micro_batch} recompute={self.recompute}")
 
     def overrides(self) -> list[str]:
@@ -96,7 +97,8 @@ def stage_layers(num_layers: int, lay: Layout) -> list[int]:
 
 
 def end_layers(m, lay: Layout, first: bool, last: bool) -> int:
-    """Blocks of the first or last pipeline rank (the larger of the two when both; the largest when neither)."""
+    """Blocks of the first or last pipeline rank
+    (the larger of the two when both; the largest when neither)."""
     per = stage_layers(m.num_layers, lay)
     return max(per[0] if first else 0, per[-1] if last else 0) if (first or last) else max(per)
 

@@ -11,7 +11,8 @@ meta device with a virtual mesh (no process groups; megaframe.parallel.virtual),
                optim.grad_reduce_dtype=bf16 (and half the reduce-scatter / all-reduce bytes in dp bytes)
   optim        optim.zero>=1: the owned 1/dp (HSDP: 1/s) of every bucket x (two fp32 Adam moments, plus
                an fp32 master copy for bf16 params); zero=0: two fp32 moments per element
-  dp bytes     ZeRO: the bytes a rank sends on dp per step (optim/sizing.py planned_dp_bytes, the same buckets);
+  dp bytes     ZeRO: the bytes a rank sends on dp per step (optim/sizing.py planned_dp_bytes, the same
+               buckets);
                zero=3: params are the owned 1/dp (fp32 master), every param sharded
   activations  the bytes one micro-batch of each pipeline chunk saves for backward (a meta-device
                forward, planning.activations), times the chunks in flight at the schedule's peak:
@@ -174,7 +175,8 @@ def plan_layout(cfg: Config, world_size: int, device_memory_gb: float | None = N
         plan.device_memory_bytes = int(device_memory_gb * 2**30)  # GiB, as torch.cuda reports
     for pp_rank in range(pp):
         order = compute_order(kind, pp, p.vpp, m, pp_rank)
-        # each tp rank is sized from its own model; the dp ranks of a coordinate hold the same (module doc): sized once
+        # each tp rank is sized from its own model; the dp ranks
+        # of a coordinate hold the same (module doc): sized once
         for tp_rank in range(tp):
             plan.ranks.append(_rank_figures(cfg, tp, pp, dp, pp_rank, tp_rank, order))
     for r in plan.ranks:
@@ -189,13 +191,7 @@ def _rank_figures(cfg: Config, tp: int, pp: int, dp: int, pp_rank: int, tp_rank:
     if cfg.data.document_mask:
         plan_documents(model, cfg)
     params, grads, optim = state_bytes(model, cfg, mesh)
-    # fused: real devices run a fused attention kernel; meta's math path would count the S x S matrix
-    chunks = [chunk_activation_bytes(model, c, cfg.train.micro_batch_size, fused_attention=True)
-              for c in range(len(model.stage.chunks))]
-    # a split backward's pending W keeps the weighted ops' inputs and output grads (planning.activations)
-    keep = ([int(b * w_fraction(model, c, cfg.train.micro_batch_size)) for c, b in enumerate(chunks)]
-            if any(a.kind == W for a in order) else None)
-    act, inflight = peak_activations(order, chunks, keep)
+    chunks, act, inflight = _activations(model, cfg, order)
     out = RankFigures(pp_rank, tp_rank, list(mesh.dpcp.ranks), params, grads, optim, chunks, inflight,
                       act + cp_bias_bytes(model), cp_comm_bytes=cp_step_bytes(cfg, model, dp),
                       grads_fp32_bytes=grads_fp32_bytes(model, cfg, mesh))
@@ -208,11 +204,28 @@ def _rank_figures(cfg: Config, tp: int, pp: int, dp: int, pp_rank: int, tp_rank:
     out.today_startup_bytes = today_startup(shape, params, grads, optim)
     out.today_load_bytes = today_load(shape, params + grads + optim,
                                       cfg.optim.zero == 3 or cfg.train.precision != "fp32")
+    out.dp_comm_bytes = _dp_comm_bytes(model, cfg, mesh, dp)
+    return out
+
+
+def _activations(model, cfg: Config, order) -> tuple[list[int], int, int]:
+    """(activation bytes per chunk, peak activation bytes, micro-batches in flight at it) under `order`."""
+    # fused: real devices run a fused attention kernel; meta's math path would count the S x S matrix
+    chunks = [chunk_activation_bytes(model, c, cfg.train.micro_batch_size, fused_attention=True)
+              for c in range(len(model.stage.chunks))]
+    # a split backward's pending W keeps the weighted ops' inputs and output grads (planning.activations)
+    keep = ([int(b * w_fraction(model, c, cfg.train.micro_batch_size)) for c, b in enumerate(chunks)]
+            if any(a.kind == W for a in order) else None)
+    act, inflight = peak_activations(order, chunks, keep)
+    return chunks, act, inflight
+
+
+def _dp_comm_bytes(model, cfg: Config, mesh, dp: int) -> int | None:
+    """The bytes this rank sends on dp per step under ZeRO; None where the optimizer is not ZeRO."""
     if cfg.optim.zero and not (mesh.dp_shard.size == 1 and cfg.train.precision == "fp32"):  # build_optimizer's choice
         m = cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)
-        out.dp_comm_bytes = planned_dp_bytes([p for p in model.parameters() if p.requires_grad], cfg.optim, mesh, m,
-                                             model)
-    return out
+        return planned_dp_bytes([p for p in model.parameters() if p.requires_grad], cfg.optim, mesh, m, model)
+    return None
 
 
 def rank_shape(model, cfg: Config, mesh) -> RankShape:

@@ -30,11 +30,11 @@ Modelled for how start-up, save and load work once parameters are built on the m
   save      resident + in host memory the copy of what this rank writes (its share of the params and its
             owned optimizer state, taken before the write so training may go on). ZeRO-3 gathers nothing
             (each rank writes its owned segments, zero3.weight_segments).
-  load      resident less the grads (not made before a backward) + one staging buffer per file read, of the largest range this
-            rank reads into one destination (its whole local tensor; under ZeRO its owned segment of the
-            moments, and of everything at zero=3), at most checkpoint/store.py's STAGING_BYTES; the range is
-            read into it on the host, then cast and copied into the parameter or the optimizer's flat
-            segment. That is a resume under the layout that saved it (a requeued run); a checkpoint of
+  load      resident less the grads (not made before a backward) + one staging buffer per file read, of the
+            largest range this rank reads into one destination (its whole local tensor; under ZeRO its owned
+            segment of the moments, and of everything at zero=3), at most checkpoint/store.py's STAGING_BYTES;
+            the range is read into it on the host, then cast and copied into the parameter or the optimizer's
+            flat segment. That is a resume under the layout that saved it (a requeued run); a checkpoint of
             another tp layout may stage longer ranges (rows another layout split), never past STAGING_BYTES.
 
 On a GPU the host copies are host memory (RankFigures' host figures); when the run's device is the cpu
@@ -63,9 +63,9 @@ STEP_GATHERED_BLOCKS = 2
 HEAD_FP32_COPIES = 2
 """fp32 [tokens, V/tp] tensors the head and loss hold at once: the logits and their gradient."""
 HEAD_CHUNK_ELEMS = {"cpu": 1 << 26, "cuda": 1 << 30}
-"""Logits per chunk of layers.fused_ce's head: on a GPU its memory budget (fused_ce.CHUNK_ELEMS, one chunk at 4k
-tokens x a 128k vocab), whose compiled softmax chain holds the logits and their grad in the params' dtype; on
-the cpu (gloo) the eager chain's two fp32 copies, capped at the old GPU figure (the cpu's own 2^21 chunk is
+"""Logits per chunk of layers.fused_ce's head: on a GPU its memory budget (fused_ce.CHUNK_ELEMS, one chunk at
+4k tokens x a 128k vocab), whose compiled softmax chain holds the logits and their grad in the params' dtype;
+on the cpu (gloo) the eager chain's two fp32 copies, capped at the old GPU figure (the cpu's own 2^21 chunk is
 smaller: the measured phases stay under this plan)."""
 
 
@@ -89,7 +89,8 @@ class RankShape:
     head_logits: int = 0
     """Elements of one micro-batch's logits on this rank ([mb·S/cp, V/tp]); 0 without the head."""
     blocks_bytes: int = 0
-    """Bytes of all its blocks' params in the run's dtype (today's ZeRO-3 keeps them gathered after start-up)."""
+    """Bytes of all its blocks' params in the run's dtype
+    (today's ZeRO-3 keeps them gathered after start-up)."""
     grad_elem: int = 4
     """Bytes per element of the ZeRO grad buckets (2 under optim.grad_reduce_dtype=bf16)."""
     out_numel: int = 0
@@ -115,7 +116,8 @@ def written_bytes(s: RankShape, optim_bytes: int) -> int:
     """Bytes this rank writes to a checkpoint: its share of the local params in their dtype, and its
     optimizer state (ZeRO: its owned segments; zero=0: its share of the replicated moments)."""
     params = s.local_numel * s.param_elem // s.writers
-    # ZeRO-3 counts the fp32 master of its owned range as params; a low-precision run writes it as optim/master
+    # ZeRO-3 counts the fp32 master of its owned range as
+    # params; a low-precision run writes it as optim/master
     master = 4 * s.local_numel // s.shard if s.zero == 3 and s.param_elem != 4 else 0
     return params + master + (optim_bytes if s.zero else optim_bytes // s.writers)
 

@@ -43,8 +43,8 @@ them today; False once ZeRO-3 shards every parameter."""
 MODEL_ERROR = 0.13
 """The search's tie band: sqrt(2) x the step-time model's median error against published training runs
 (planning.published; docs/planning.md's table, benchmarks/validate_published.py, held by
-tests/unit/planning/test_plan_published.py), the typical error of the ratio of two estimates. Layouts closer than this
-to the fastest are ties."""
+tests/unit/planning/test_plan_published.py), the typical error of the ratio of two estimates. Layouts closer
+than this to the fastest are ties."""
 
 
 @dataclass
@@ -74,7 +74,8 @@ def _state_choices(cfg: Config, tp: int, cp: int, dp: int, ep: int, per_node: in
     bf16 = cfg.train.precision in ("bf16", "fp8")  # fp8 keeps bf16 params with ZeRO's fp32 master
     grads = ("fp32", "bf16") if bf16 else ("fp32",)
     dpcp, out = dp * cp, []
-    # HSDP: shard groups of whole nodes (the shard's all-gathers on NVLink or spread evenly over nodes), below cp·dp
+    # HSDP: shard groups of whole nodes
+    # (the shard's all-gathers on NVLink or spread evenly over nodes), below cp·dp
     shards = [s for s in divisors(dpcp) if 1 < s < dpcp and (tp * cp * s) % max(per_node, 1) == 0] if ep == 1 else []
     zeros = (1, 2, 3) if dpcp > 1 else (1,)  # nothing to shard over one rank: ZeRO-2/3 build ZeRO-1's layout
     for zero in (zeros if bf16 else (0, *zeros)):
@@ -149,7 +150,8 @@ def _valid(cfg: Config, world: int, lays: list[Layout]) -> list[Layout]:
 @functools.lru_cache(maxsize=None)
 def _peak_inflight(kind: str, pp: int, vpp: int, m: int, rank: int, chunk_bytes: tuple) -> int:
     """Peak activation bytes of the rank's order; a split backward's pending W keeps W_FRACTION of a chunk
-    (the weighted ops' inputs and output grads: planning.activations.w_fraction, ~0.49 for llama3_8b's blocks)."""
+    (the weighted ops' inputs and output grads: planning.activations.w_fraction, ~0.49 for llama3_8b's
+    blocks)."""
     from megaframe.pipeline.schedule import ZERO_BUBBLE
     from megaframe.pipeline.simulate import W_FRACTION
     from megaframe.planning.estimate import peak_activations
@@ -172,12 +174,14 @@ def memory(cfg: Config, lay: Layout) -> int:
 
 
 def phase_memory(cfg: Config, lay: Layout) -> dict[str, int]:
-    """{phase: peak bytes} of the largest rank (the first or the last pipeline stage, whichever peaks higher)."""
+    """{phase: peak bytes} of the largest rank
+    (the first or the last pipeline stage, whichever peaks higher)."""
     from megaframe.pipeline.schedule import resolve_kind
 
     m, t = cfg.model, cfg.train
     key = id(cfg)
-    # a Config is not hashable for lru_cache: its id keys the cache, and keeping it here stops the id being reused
+    # a Config is not hashable for lru_cache: its id keys the
+    # cache, and keeping it here stops the id being reused
     _CFGS[key] = cfg
     per_layer, embed, head = act_per_layer(key, lay.tp, lay.recompute, lay.cp)
     a_bytes = 4 if t.precision == "fp32" else 2  # fp8 runs keep bf16 params and activations (layers/fp8.py)
@@ -209,7 +213,8 @@ def _state(cfg: Config, lay: Layout, first: bool, last: bool, a_bytes: int) -> t
     if not lay.zero:  # a grad per param in its dtype, two fp32 moments
         return a_bytes * n, a_bytes * n, 8 * n
     s = lay.shard_size
-    # expert state is sharded over the expert-data-parallel group (cp·dp / ep ranks), dense over the shard group
+    # expert state is sharded over the expert-data-parallel
+    # group (cp·dp / ep ranks), dense over the shard group
     owned = dense // s + expert // max(s // lay.ep, 1)
     g = 2 if lay.grad_dtype == "bf16" else 4
     grads = g * (owned if lay.zero >= 2 else n)
@@ -235,7 +240,8 @@ def _shape(cfg: Config, lay: Layout, first: bool, last: bool, a_bytes: int, head
     logits = lay.micro_batch * m.seq_length // lay.cp * m.vocab_size // lay.tp if last else 0
     s = lay.shard_size or 1
     tied_across = m.tie_embeddings and lay.pp > 1
-    # the largest owned segment a resume reads into (estimate._read_bytes): ZeRO-3's units are buckets of their own
+    # the largest owned segment a resume reads into
+    # (estimate._read_bytes): ZeRO-3's units are buckets of their own
     if lay.zero == 3:
         read = 4 * min(max(mats), max(block_numel, table) // s)
     elif lay.zero:

@@ -6,8 +6,8 @@ Step time (seconds) =
            GEMMs on a roofline with a size curve, fp8 at its own peak, the causal attention core, the
            elementwise work over HBM, the head and fused cross-entropy on the last rank, recompute's re-run)
   comm     per axis: bytes a rank sends (ring all-reduce 2(n-1)/n, all-gather / reduce-scatter / all-to-all
-           (n-1)/n of the tensor) / (link bandwidth x link_eff) + ring steps x that link's latency (cpu: ring steps x
-           the measured time of one gloo hop of bytes / steps, Device.hops). An axis is on NVLink
+           (n-1)/n of the tensor) / (link bandwidth x link_eff) + ring steps x that link's latency (cpu: ring
+           steps x the measured time of one gloo hop of bytes / steps, Device.hops). An axis is on NVLink
            when its ranks fit in one node (tp innermost, then cp, dp (ep within cp·dp), then pp), else on IB.
            tp: 4 all-reduce-sized collectives of a micro-batch's activations per block (2 forward, 2
            backward; 6 with full recompute; +1 under sp for the backward's re-gathers), 2 more per
@@ -18,12 +18,12 @@ Step time (seconds) =
   dp       the reduce-scatter of grads in the reduce dtype (fp32 or bf16: optim.grad_reduce_dtype) over the
            shard group and the all-gather of params, ZeRO-0's all-reduce, HSDP's all-reduce of the shard over
            the replicas; charged as the trainer overlaps them (_dp_exposed): ZeRO-1 reduces during the last
-           micro-batch's backward, ZeRO-2 during every backward, ZeRO-3 gathers block by block ahead of forward
-           and backward; the param all-gather runs during the next forward. What the overlapped compute cannot
-           hide is paid, plus one bucket (the last reduce, the first gather) that nothing hides; ZeRO-3's
-           unit hides only behind its own unit's compute (a unit's excess is paid, not absorbed elsewhere), and
-           a link that carries tp / cp traffic during the compute lends dp only the rest of it. ZeRO-0's
-           all-reduce and HSDP's replica all-reduce run after backward: paid in full.
+           micro-batch's backward, ZeRO-2 during every backward, ZeRO-3 gathers block by block ahead of
+           forward and backward; the param all-gather runs during the next forward. What the overlapped
+           compute cannot hide is paid, plus one bucket (the last reduce, the first gather) that nothing
+           hides; ZeRO-3's unit hides only behind its own unit's compute (a unit's excess is paid, not
+           absorbed elsewhere), and a link that carries tp / cp traffic during the compute lends dp only the
+           rest of it. ZeRO-0's all-reduce and HSDP's replica all-reduce run after backward: paid in full.
   tp overlap  under parallel.tp_comm_overlap (not fp8) the blocks' tp collectives are paid only where the
            blocks' GEMMs cannot cover them, plus one chunk (parallel.tp_comm_chunks) nothing hides.
   cp       the K/V exchange of every layer and micro-batch (context.cp_bytes_per_layer, the bytes the
@@ -136,7 +136,8 @@ class _Step:
         return min(1.0, self.dev.per_node / self.world) if self.dev.name.startswith("cpu") else 1.0
 
     def coll(self, nbytes: float, n: int, steps: float, span: int) -> float:
-        """A ring collective over n ranks whose group spans `span` consecutive ranks (NVLink within a node)."""
+        """A ring collective over n ranks whose group spans
+        `span` consecutive ranks (NVLink within a node)."""
         d = self.dev
         on_node = d.name.startswith("cpu") or span <= d.per_node
         bw = (d.intra_bw if on_node else d.inter_bw) * d.link_eff

@@ -6,12 +6,14 @@ Set once in the environment of every rank (read at start-up, then passed to the 
     MEGAFRAME_INJECT="sleep:rank=1:seconds=0.3:step=5" ... at step 5 only
     MEGAFRAME_INJECT="hang:rank=1:step=3"              rank 1 blocks forever at the start of step 3
     MEGAFRAME_INJECT="sleep:rank=0:seconds=1;hang:rank=2:step=9"   several, separated by ';'
-    MEGAFRAME_INJECT="slow_save:rank=0:seconds=8"      rank 0's checkpoint saves take 8 s longer (step=S: that save)
-    MEGAFRAME_INJECT="savefail:rank=1:step=4"          rank 1's checkpoint write at step 4 fails as on a full disk
-                                                       (safetensors' SafetensorError, ENOSPC)
+    MEGAFRAME_INJECT="slow_save:rank=0:seconds=8"      rank 0's checkpoint saves take 8 s longer (step=S: that
+                                                       save)
+    MEGAFRAME_INJECT="savefail:rank=1:step=4"          rank 1's checkpoint write at step 4 fails as on a full
+                                                       disk (safetensors' SafetensorError, ENOSPC)
     MEGAFRAME_INJECT="savekill:rank=1:step=4"          rank 1 is SIGKILLed in the middle of that write
-    MEGAFRAME_INJECT="loadoom:rank=1:step=6"           rank 1 runs out of memory (torch.OutOfMemoryError) while
-                                                       loading the checkpoint of step 6 at resume (no step: any)
+    MEGAFRAME_INJECT="loadoom:rank=1:step=6"           rank 1 runs out of memory (torch.OutOfMemoryError)
+                                                       while loading the checkpoint of step 6 at resume (no
+                                                       step: any)
 
 `rank` is the global rank (omitted: every rank); `step` the optimizer step (omitted: every step for
 sleep, step 1 for hang). The delay happens at the start of the step's compute window, so the straggler
@@ -82,8 +84,8 @@ class Injector:
         return None
 
     def load_fault(self, step: int) -> None:
-        """Raise torch.OutOfMemoryError when a loadoom fault names this rank and the checkpoint's `step`: what a
-        resume that runs out of memory sees (it must stop the run, not skip the checkpoint)."""
+        """Raise torch.OutOfMemoryError when a loadoom fault names this rank and the checkpoint's `step`: what
+        a resume that runs out of memory sees (it must stop the run, not skip the checkpoint)."""
         import torch
 
         for f in self.faults:
@@ -106,7 +108,8 @@ class Injector:
         return slept
 
     def save_delay(self, step: int) -> float:
-        """Sleep as a slow_save fault says, inside the save of `step` (watchdog drills); returns the seconds."""
+        """Sleep as a slow_save fault says, inside the save
+        of `step` (watchdog drills); returns the seconds."""
         slept = sum(f.seconds for f in self.faults if f.kind == "slow_save" and f.step in (None, step))
         time.sleep(slept)
         return slept

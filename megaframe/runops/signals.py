@@ -82,11 +82,13 @@ def continue_command(run_name: str, argv: list[str] | None = None, env=None) -> 
     if not any(a.lstrip("+").startswith("run.dir=") for a in argv):  # run.dir names the run's folder itself
         args.append(f"run.name={run_name}")
     if env.get("SLURM_JOB_ID"):  # pretrain.sbatch requeues by itself; a resubmission names the run
-        return f"; continue with: MEGAFRAME_RUN_NAME={shlex.quote(run_name)} sbatch scripts/slurm/pretrain.sbatch " + \
+        return (f"; continue with: MEGAFRAME_RUN_NAME={shlex.quote(run_name)} " "sbatch scripts/slurm/pretrain.sbatch ") + \
             shlex.join(a for a in args if not a.startswith("run.name="))
     world = int(env.get("WORLD_SIZE", "1"))
     nodes = world // max(int(env.get("LOCAL_WORLD_SIZE", world)), 1)
     launch = "python train.py" if world == 1 else \
-        f"torchrun {f'--nnodes={nodes} ... ' if nodes > 1 else ''}--nproc-per-node={env.get('LOCAL_WORLD_SIZE', world)} train.py"
+        ("torchrun "
+         f"{f'--nnodes={nodes} ... ' if nodes > 1 else ''}"
+         f"--nproc-per-node={env.get('LOCAL_WORLD_SIZE', world)} train.py")
     make = f" (or: make train RUN={shlex.quote(run_name)})" if world == 1 and not argv and env.get("MEGAFRAME_RUN_NAME") else ""
     return f"; continue with: {launch} {shlex.join(args)}{make}"

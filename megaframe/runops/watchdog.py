@@ -93,8 +93,8 @@ class Watchdog:
             self._thread.join(timeout=5)
 
     def _watch(self) -> None:
-        # a tenth of the limit (at most 1 s): a trip comes within 10% of the timeout, and ranks tripping at the same step report
-        # close together
+        # a tenth of the limit (at most 1 s): a trip comes within 10% of the timeout, and ranks tripping at
+        # the same step report close together
         poll = min(1.0, self.timeout_s / 10)
         while not self._stop.wait(poll):
             idle, limit = time.monotonic() - self.last, self.override  # monotonic: a clock change is no hang
@@ -116,7 +116,8 @@ class Watchdog:
         overrun = self.overrun
         if overrun is not None:  # the last line a reader sees: the failed save and what is intact
             print(f"megaframe: error: {overrun()}", file=sys.stderr, flush=True)
-        # let the peers, stuck at the same step, write their reports before this rank's exit breaks their connections
+        # let the peers, stuck at the same step, write their
+        # reports before this rank's exit breaks their connections
         time.sleep(self.grace_s)
         self.exit_fn(HANG_EXIT_CODE if overrun is None else SAVE_TIMEOUT_EXIT_CODE)
 

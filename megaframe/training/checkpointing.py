@@ -27,7 +27,8 @@ from megaframe.training.save_guard import state_is_finite
 class Checkpointer:
     def __init__(self, cfg: Config, mesh: Mesh, ids: tuple[str, str], resumed: Resumed, acct: Accounting,
                  watchdog, injector=None, data=None):
-        """`ids`: this launch's id and the run's (runops/access/owner.py; "" where no run folder was claimed)."""
+        """`ids`: this launch's id and the run's
+        (runops/access/owner.py; "" where no run folder was claimed)."""
         self.cfg, self.mesh, self.acct = cfg, mesh, acct
         self.run_id, self.owner = ids
         self.watchdog, self.injector = watchdog, injector
@@ -60,8 +61,8 @@ class Checkpointer:
             optimizer.settle()
             # the finiteness vote is collective: every rank reaches it, also after a skipped step
             finite = state_is_finite(model, optimizer, mesh)
-            # both are the same on every rank (the skip follows the all-reduced grad norm, the vote is collective), so all ranks
-            # return here together
+            # both are the same on every rank (the skip follows the all-reduced grad norm, the vote is
+            # collective), so all ranks return here together
             if bad_in_a_row or not finite:
                 if mesh.rank == 0:
                     why = "the last step was skipped (non-finite grad norm)" if bad_in_a_row else \
@@ -87,7 +88,8 @@ class Checkpointer:
             print(f"megaframe: warning: {e}; going on (checkpoint.on_save_error=continue)", file=sys.stderr, flush=True)
 
     def take_io(self) -> dict:
-        """This rank's newest save and load figures (they stay on the rows until a newer save replaces them)."""
+        """This rank's newest save and load figures
+        (they stay on the rows until a newer save replaces them)."""
         return dict(self.io)
 
     def _write(self, model, optimizer, step: int, background: bool, fail: str | None) -> None:
@@ -111,7 +113,8 @@ class Checkpointer:
             path = sharded.save(root, step, model, optimizer, mesh, meta, cfg.checkpoint.keep_last, fail, self.io)
             if mesh.is_logger:  # the rank that prints the run summary: under torchrun this line comes before it
                 print(f"checkpoint: {path} ({time.perf_counter() - t0:.2f}s)", flush=True)
-        # set even for a save still writing in the background: the next save's lineage follows the order of saves
+        # set even for a save still writing in the background:
+        # the next save's lineage follows the order of saves
         self.parent = (sharded.step_dir(root, step), meta["lineage"]["id"])
         self.last_saved = str(self.parent[0])
 
@@ -154,4 +157,4 @@ class Checkpointer:
         path = lineage.pointed(self.cfg.checkpoint.dir)
         if path is None:
             return "no checkpoint has been committed: restart from scratch (e.g. with a lower optim.lr)"
-        return f"the last good checkpoint is {path}: resume with checkpoint.resume={path} (e.g. with a lower optim.lr)"
+        return (f"the last good checkpoint is {path}: resume with " f"checkpoint.resume={path} (e.g. with a lower optim.lr)")

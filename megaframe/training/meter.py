@@ -61,8 +61,8 @@ class Meter:
     """Turns the device results of the steps since the last log line into the logged figures (the
     .item() calls sync the host, at log steps only).
 
-    `loss` is the mean LM loss over every step since the previous log line or this start (each step's loss is the
-    mean over its global batch's tokens), as Megatron and torchtitan log it; `grad_norm` is the log
+    `loss` is the mean LM loss over every step since the previous log line or this start (each step's loss is
+    the mean over its global batch's tokens), as Megatron and torchtitan log it; `grad_norm` is the log
     step's own. `time` is unix seconds at the log line; `step_time_s` the mean wall time of those
     steps, evaluation excluded."""
 

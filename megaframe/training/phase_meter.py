@@ -70,7 +70,8 @@ class PhaseMeter:
         self._open = (name, base, prof)
 
     def end(self, keep: bool = True) -> int | None:
-        """Close the open phase; its peak is recorded unless `keep` is False (a resume that loaded nothing)."""
+        """Close the open phase; its peak is recorded unless
+        `keep` is False (a resume that loaded nothing)."""
         if self._open is None:
             return None
         name, base, prof = self._open

@@ -48,9 +48,11 @@ class Setup:
     resumed: Resumed
     acct: Accounting
     phases: PhaseMeter | None = None
-    """Peak memory per phase (training/phase_meter.py): start-up and load measured here, step and save by the loop."""
+    """Peak memory per phase (training/phase_meter.py): start-up
+    and load measured here, step and save by the loop."""
     downstream: object = None
-    """evaluation/downstream.py's Downstream when train.downstream_interval > 0 (lm-eval and a tokenizer found)."""
+    """evaluation/downstream.py's Downstream when
+    train.downstream_interval > 0 (lm-eval and a tokenizer found)."""
     cfg: Config | None = None
     """The config the run goes on with: the loaded one, the LR horizon a resume adopts settled into it."""
     derived: Derived | None = None
@@ -97,7 +99,8 @@ def set_up(cfg: Config, mesh: Mesh, faults=None, run_id: str = "") -> Setup:
 
 
 def announce(cfg: Config, mesh: Mesh, su: Setup) -> None:
-    """What precedes the first step: the first batch's shards checked, the header printed, the config written."""
+    """What precedes the first step: the first batch's shards
+    checked, the header printed, the config written."""
     start = su.resumed.step
     # before the first step: a corrupt shard is bad input (exit 2 in seconds), not a crash mid-run
     check_first_shards(cfg, mesh, su.data, start, su.acct)
@@ -170,7 +173,7 @@ def data_label(cfg: Config) -> str:
     if d.blend:
         return f"blend of {len(d.blend)} ({', '.join(Path(b.path).name for b in d.blend)})"
     if d.stages:
-        return f"{len(d.stages)} stages ({' -> '.join('+'.join(Path(b.path).name for b in s.blend) for s in d.stages)})"
+        return (f"{len(d.stages)} stages " f"({' -> '.join('+'.join(Path(b.path).name for b in s.blend) for s in d.stages)})")
     from megaframe.config import CONF_DIR
 
     demo = (CONF_DIR.parent / "data" / "demo" / "prepared").resolve()

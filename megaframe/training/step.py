@@ -69,6 +69,7 @@ def optimizer_step(model, optimizer, batches, mesh: Mesh, o: OptimConfig, derive
     # a Python float from the step alone: no device tensor, no sync, the same on every rank
     lr = lr_at(step, o.lr, o.min_lr, o.warmup_steps, d.lr_horizon, o.lr_schedule, o.wsd_decay_fraction)
     norm = optimizer.step(lr)
-    # once per optimizer step, from the expert loads this step's micro-batches recorded (begin_step reset them)
+    # once per optimizer step, from the expert loads this
+    # step's micro-batches recorded (begin_step reset them)
     moe_stats.update_expert_bias(model, mesh)  # no-op unless model.moe_expert_bias
     return StepResult(loss_sum, norm, lr)

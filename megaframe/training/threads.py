@@ -14,7 +14,8 @@ from dataclasses import dataclass
 class Threads:
     count: int
     source: str
-    """Where the count comes from, for the header: `train.threads`, `OMP_NUM_THREADS` or `2 cores / 1 rank`."""
+    """Where the count comes from, for the header:
+    `train.threads`, `OMP_NUM_THREADS` or `2 cores / 1 rank`."""
 
     @property
     def label(self) -> str:

@@ -45,8 +45,8 @@ def run(cfg: Config, stop: StopFlag | None = None) -> None:
                           timeout=datetime.timedelta(seconds=cfg.train.dist_timeout_s),
                           world_timeout=datetime.timedelta(seconds=cfg.checkpoint.save_timeout_s),
                           shard=cfg.optim.shard_group_size)
-        # before anything else talks over pp: NCCL builds a pair's channel at its first transfer, and ranks first meeting in
-        # different schedule phases can deadlock
+        # before anything else talks over pp: NCCL builds a pair's channel at its first transfer, and ranks
+        # first meeting in different schedule phases can deadlock
         p2p.warm_up(mesh.pp, device)
         # ranks may have resolved a timestamped run name a second apart: rank 0's wins; the run id
         # (this launch of the run, recorded in each checkpoint's lineage) is rank 0's too
@@ -76,9 +76,9 @@ def run(cfg: Config, stop: StopFlag | None = None) -> None:
 
 def take_run_dir(cfg: Config, mesh: Mesh) -> FolderLocks:
     """Rank 0 probes and locks every folder the run writes (run.dir, checkpoint.dir) before anything is
-    written there, then settles the run's identity (runops/access/owner.py); every rank hears the outcome and the
-    id, so all of them exit 2 when a folder cannot be written, another live job holds it or another run owns
-    checkpoint.dir's checkpoints."""
+    written there, then settles the run's identity (runops/access/owner.py); every rank hears the outcome and
+    the id, so all of them exit 2 when a folder cannot be written, another live job holds it or another run
+    owns checkpoint.dir's checkpoints."""
     locks, err = FolderLocks(), None
     if mesh.rank == 0:
         try:

@@ -47,8 +47,8 @@ class Evaluator:
         try:
             with torch.no_grad():
                 for k in range(t.eval_iters):
-                    # batch k of the validation split's own order: the same samples at every evaluation, split over dp like
-                    # training
+                    # batch k of the validation split's own order: the same samples at every evaluation, split
+                    # over dp like training
                     batches = microbatches(self.data, k, t.global_batch_size, t.micro_batch_size, mesh.dp.rank,
                                            mesh.dp.size, t.seed, mesh.device, cp_rank=mesh.cp.rank,
                                            cp_size=mesh.cp.size)

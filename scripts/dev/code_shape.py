@@ -24,9 +24,10 @@ MAX_FUNC_LINES = 60
 # Bottom to top. A unit is megaframe/<name> (a package or a top-level module) or a dotted module inside one
 # (config.schema); "" is megaframe/__init__.py.
 LAYERS = [
-    # leaves: error types, file write, the config schema (a module of megaframe/config named here is its own unit)
+    # leaves: error types, file write, the config schema
+    # (a module of megaframe/config named here is its own unit)
     ["errors", "atomic", "atomic_lock", "quiet", "paths", "config.choices", "config.frozen",
-     "config.model_schema", "config.schema"],
+     "config.data_schema", "config.model_schema", "config.schema"],
     ["parallel"],  # mesh, collectives, launch env: knows no model
     ["pipeline"],  # stages, schedules as data, their executor: runs any chunk module
     ["layers"],  # parallel linear/embedding/norm on the mesh

@@ -77,7 +77,8 @@ META_FORMS = {"list": "[]", "null": "null", "no-tensors": '{"format": "megaframe
 
 
 def cfg(*over: str, rc=(0, 2), has=(), synthetic=True) -> list:
-    """A config-only attempt: train.py --cfg composes and validates (every check of a start) and trains nothing."""
+    """A config-only attempt: train.py --cfg composes and
+    validates (every check of a start) and trains nothing."""
     return [[*TRAIN, *(["data=synthetic"] if synthetic else []), *over, "--cfg"], rc, has]
 
 

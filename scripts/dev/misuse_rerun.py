@@ -122,7 +122,7 @@ def main(argv: list[str]) -> int:
         rows.append((a, held))
         print(f"{a.id:<8} {a.klass:<16} {'held' if held else 'DEFECT':<6} {what[:150]}", flush=True)
     bad = [a.id for a, held in rows if not held]
-    print(f"\n{len(rows)} attempts, {len(rows) - len(bad)} held, {len(bad)} defect{'s' if len(bad) != 1 else ''}"
+    print(f"\n{len(rows)} attempts, {len(rows) - len(bad)} " f"held, {len(bad)} defect{'s' if len(bad) != 1 else ''}"
           f"{': ' + ', '.join(bad) if bad else ''} ({time.time() - t0:.0f} s; work folder {work})")
     if not args.keep and not args.work:
         shutil.rmtree(work, ignore_errors=True)

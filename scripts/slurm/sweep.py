@@ -58,7 +58,8 @@ def expand(overrides: list[str]) -> list[list[str]]:
 
 
 ANY_WORLD = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 2048, 4096)
-"""World sizes tried when the sbatch flags do not give one: a point passes if a job of some size could run it."""
+"""World sizes tried when the sbatch flags do not give
+one: a point passes if a job of some size could run it."""
 
 
 def flag_value(flags: list[str], name: str) -> str | None:
@@ -115,7 +116,8 @@ def check_point(point: list[str], world: int | None) -> None:
 
 
 def check_points(points: list[list[str]], world: int | None) -> str | None:
-    """The first invalid point as one line naming it and the cause, else None; before anything is submitted."""
+    """The first invalid point as one line naming it and
+    the cause, else None; before anything is submitted."""
     from megaframe.config import ConfigError
     from megaframe.errors import one_line
 

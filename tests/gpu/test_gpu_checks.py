@@ -183,7 +183,8 @@ def test_grouped_experts_match_the_loop_on_cuda():
 
 
 def test_fp8_compiled_trains_like_bf16(tmp_path):
-    """train.precision=fp8 (torchao float8 GEMMs, torch.compile) on the GPU: 30 tiny steps within 2 % of bf16."""
+    """train.precision=fp8 (torchao float8 GEMMs, torch.compile)
+    on the GPU: 30 tiny steps within 2 % of bf16."""
     pytest.importorskip("torchao")
     over = ["data=synthetic", *TINY, "train.max_steps=30", "train.log_interval=30", "train.device=cuda",
             "optim.zero=1", "train.compile=true"]

@@ -1,5 +1,6 @@
 """Code health: no import cycles in megaframe/, with imports inside functions counted (a function-level
-import hides a cycle from the interpreter, not from a reader). Uses scripts/dev/code_stats.py's definitions."""
+import hides a cycle from the interpreter, not from a reader). Uses scripts/dev/code_stats.py's
+definitions."""
 from __future__ import annotations
 
 import ast
@@ -124,7 +125,8 @@ def test_a_bad_choice_from_a_file_names_its_field():
 
 def test_no_collective_outside_comm():
     """Every collective and p2p transfer goes through megaframe/parallel/comm.py (bytes counted, the
-    watchdog's ring buffer fed, virtual axes honoured); the NCCL emulation below comm is the one other file."""
+    watchdog's ring buffer fed, virtual axes honoured); the NCCL emulation below comm is the one other
+    file."""
     assert _code_stats().stats()["collectives_outside_comm"] == []
 
 

@@ -66,7 +66,8 @@ def test_fused_head_accumulates_its_weight_grad_in_fp32_under_bf16():
     F.cross_entropy((x.to(torch.bfloat16).double() @ w_ref.t()).flatten(0, 1), t.flatten(), reduction="sum").backward()
     ref = w_ref.grad.float()
     rel = ((got - ref).norm() / ref.norm()).item()
-    # one bf16 rounding of the result is ~2^-9 relative; per-chunk rounding of a running sum is several times that
+    # one bf16 rounding of the result is ~2^-9 relative;
+    # per-chunk rounding of a running sum is several times that
     assert rel < 4e-3, rel
 
 

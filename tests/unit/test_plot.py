@@ -1,4 +1,5 @@
-"""megaframe.plot: several runs on one PNG; a step logged twice counts once (the later line); bad input exits 2."""
+"""megaframe.plot: several runs on one PNG; a step logged
+twice counts once (the later line); bad input exits 2."""
 import json
 
 from megaframe.plot import main, read_run

@@ -47,8 +47,8 @@ def test_schedule_warnings_for_the_notes_three_cases():
 
 
 def test_prepare_names_the_files_it_skips_and_reads_dotted_extensionless_names(tmp_path, capsys):
-    """F3: Debian's doc folder lost 70 of 399 files without a word; `libglib2.0-0__copyright` (a version's dot,
-    not an extension) was one of them. Now it is sniffed in like any extension-less text file, and the
+    """F3: Debian's doc folder lost 70 of 399 files without a word; `libglib2.0-0__copyright` (a version's
+    dot, not an extension) was one of them. Now it is sniffed in like any extension-less text file, and the
     rest is one line by reason, the names in meta.json."""
     from megaframe.data import prepare as prep
 

@@ -150,7 +150,8 @@ class MoE(nn.Module):
         batch_E, runs = self._batch_counts(r.experts_TK, counts_E, b)
         capacity = None
         if c.moe_capacity_factor is not None:
-            # From n, the whole micro-batch's tokens (not this rank's block): the same capacity in every layout.
+            # From n, the whole micro-batch's tokens
+            # (not this rank's block): the same capacity in every layout.
             capacity = math.ceil(c.moe_capacity_factor * n * c.moe_top_k / c.num_experts)
         plan = dispatcher.plan(r.experts_TK, r.weights_TK, c.num_experts, capacity, counts_E=counts_E, runs=runs)
         y_TD = dispatcher.dispatch_combine(x_TD, plan, self.ep, self.experts)

@@ -5,7 +5,8 @@ megaframe, per layer i (E experts, F expert width, D hidden):
     layers.{i}.mlp.experts.up_proj.weight     [E, 2F, D]   rows [gate | up] per expert
     layers.{i}.mlp.experts.down_proj.weight   [E, D, F]
 transformers >= 5 (MixtralExperts, fused): model.layers.{i}.mlp.gate.weight [E, D],
-    mlp.experts.gate_up_proj [E, 2F, D] (gate first: `gate, up = linear(x, W).chunk(2)`), mlp.experts.down_proj [E, D, F]
+    mlp.experts.gate_up_proj [E, 2F, D] (gate first: `gate, up = linear(x, W).chunk(2)`),
+    mlp.experts.down_proj [E, D, F]
 transformers 4: model.layers.{i}.block_sparse_moe.gate.weight, block_sparse_moe.experts.{e}.w1 [F, D] (gate),
     w3 [F, D] (up), w2 [D, F] (down).
 Routing is the same function on both sides: softmax over E, top-k, the k scores renormalised to sum 1.
@@ -120,7 +121,8 @@ def to_hf(m, state: dict, eos=None, bos=None):
 
     kw = dict(common_kw(m, eos, bos), intermediate_size=m.expert_ffn, num_local_experts=m.num_experts,
               num_experts_per_tok=m.moe_top_k,
-              # no jitter, no sliding window: the export must compute exactly what megaframe's router and attention compute
+              # no jitter, no sliding window: the export must compute
+              # exactly what megaframe's router and attention compute
               router_aux_loss_coef=m.moe_aux_loss_coeff, router_jitter_noise=0.0, sliding_window=None)
     sd = {}
     for name, t in state.items():

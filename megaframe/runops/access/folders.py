@@ -3,8 +3,8 @@ checkpoints), checked and owned before the first step.
 
 Each is created and probed with a real file at start (global rank 0): an uncreatable or read-only folder is
 bad input found in a second (exit 2, one line naming the key and the path), not a traceback at the first
-save hours in. Then each is locked (runops/access/runlock.py): checkpoint.dir too when it is not run.dir, so two
-jobs with their own run.dir and one checkpoint.dir cannot replace each other's checkpoints.
+save hours in. Then each is locked (runops/access/runlock.py): checkpoint.dir too when it is not run.dir, so
+two jobs with their own run.dir and one checkpoint.dir cannot replace each other's checkpoints.
 """
 from __future__ import annotations
 

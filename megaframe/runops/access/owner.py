@@ -95,7 +95,8 @@ def _sole_owner(root: Path) -> str | None:
 
 
 def _continues(resume: str, root: Path) -> bool:
-    """checkpoint.resume names a checkpoint of `root` (load_config turned a checkpoint dir into its step folder)."""
+    """checkpoint.resume names a checkpoint of `root`
+    (load_config turned a checkpoint dir into its step folder)."""
     return resume not in ("auto", "none") and Path(resume).resolve().parent == root.resolve()
 
 

@@ -31,7 +31,8 @@ class RunDirBusy(Exception):
     """Another live job owns the run folder; the message names it."""
 
 
-# squeue's states of a job that will not run again (anything else, PENDING or RUNNING included, may still write)
+# squeue's states of a job that will not run again
+# (anything else, PENDING or RUNNING included, may still write)
 _SLURM_DONE = {"BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL", "OUT_OF_MEMORY",
                "PREEMPTED", "TIMEOUT", "SPECIAL_EXIT", "REVOKED"}
 

@@ -127,7 +127,8 @@ def test_a_v1_checkpoint_still_loads(tmp_path, saved):
 
 @pytest.fixture
 def trained(tmp_path):
-    """A one-process checkpoint after one step (so with Adam moments) and a real config (load_model builds from it)."""
+    """A one-process checkpoint after one step (so with Adam moments)
+    and a real config (load_model builds from it)."""
     from megaframe.config.schema import plain
     from tests.distributed.zero_cases import _setup, _step
 
@@ -138,8 +139,8 @@ def trained(tmp_path):
 
 
 def test_pieces_cut_by_the_staging_buffer_land_exactly(trained, monkeypatch):
-    """staging_bytes=1 (one crc block per chunk): every tensor longer than a block arrives in pieces cut at chunk
-    ends, and the load equals the checkpoint exactly, weights and moments."""
+    """staging_bytes=1 (one crc block per chunk): every tensor longer than a block arrives in pieces cut at
+    chunk ends, and the load equals the checkpoint exactly, weights and moments."""
     from megaframe.checkpoint import load
 
     path, cfg, mesh = trained
@@ -156,8 +157,9 @@ def test_pieces_cut_by_the_staging_buffer_land_exactly(trained, monkeypatch):
 
 
 def test_load_model_reads_the_weights_into_the_model(trained, monkeypatch):
-    """megaframe.load_model holds the model plus at most one tensor's staging: no copy of the weights, no moments
-    read (before: a zero-filled copy of every weight, so twice the model). Host bytes counted by a TorchDispatchMode."""
+    """megaframe.load_model holds the model plus at most one tensor's staging: no copy of the weights, no
+    moments read (before: a zero-filled copy of every weight, so twice the model). Host bytes counted by a
+    TorchDispatchMode."""
     import megaframe
     from megaframe.model.gpt import GPT
     from tests.distributed.ckpt_cases import HostBytes

@@ -49,7 +49,8 @@ def test_every_rank_of_another_layout_reads_its_share_once(model):
         planning += time.perf_counter() - t0
         assert plan.needed_bytes == share
         worst = max(worst, plan.planned_bytes / share - 1)
-        # theory: the local slice of every weight, and 1/dp (1/edp for experts) of its fp32 moments (and master)
+        # theory: the local slice of every weight, and 1/dp
+        # (1/edp for experts) of its fp32 moments (and master)
         theory = 0
         for it in items:
             n = math.prod(it.local_shape) * it.itemsize
@@ -66,7 +67,7 @@ def test_every_rank_of_another_layout_reads_its_share_once(model):
             for key, _sid, _src, dst, size in plan.copies:
                 assert not _overlaps(dst, dst + size), (rank, key)
     print(f"\n{model}: saved at {save} ({total / 1e9:.2f} GB, {save.world} files, per rank "
-          f"{min(written.values()) / 1e9:.3f}-{max(written.values()) / 1e9:.3f} GB); planned every rank of {load} "
+          f"{min(written.values()) / 1e9:.3f}-{max(written.values()) / 1e9:.3f} " f"GB); planned every rank of {load} "
           f"({load.world} ranks) in {planning:.1f}s; share {min(shares) / 1e9:.3f}-{max(shares) / 1e9:.3f} GB "
           f"per rank; planned bytes at most {worst:.2%} over the share")
     assert worst <= 0.10

@@ -30,7 +30,8 @@ def hf_folder(path: Path, tied: bool) -> Path:
 
 
 def edit(folder: Path, change) -> None:
-    """Rewrite model.safetensors with `change(tensors)` applied (a real file, as a broken upload leaves it)."""
+    """Rewrite model.safetensors with `change(tensors)`
+    applied (a real file, as a broken upload leaves it)."""
     f = folder / "model.safetensors"
     tensors = load_file(str(f))
     change(tensors)

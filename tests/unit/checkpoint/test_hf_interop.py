@@ -123,7 +123,8 @@ def test_tokenizer_exported_and_bf16(tmp_path, tokenizer_dir):
 
 
 def test_train_continues_from_imported(tmp_path):
-    """train.py resumes the imported step-0 checkpoint: its step-1 loss is the HF model's loss on step 1's batch."""
+    """train.py resumes the imported step-0 checkpoint: its
+    step-1 loss is the HF model's loss on step 1's batch."""
     import torch.nn.functional as F
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -25,7 +25,8 @@ def two_saved(tmp_path):
     opt = build_optimizer(model, cfg.optim, mesh)
     for step, lineage in ((3, {"id": "a3", "run_id": "r"}), (6, {"id": "a6", "run_id": "r", "parent": "step_00000003",
                                                                   "parent_id": "a3"})):
-        # one branch: step 6 descends from step 3 (resume=auto walks `latest`'s ancestors, checkpoint/resolve.py)
+        # one branch: step 6 descends from step 3
+        # (resume=auto walks `latest`'s ancestors, checkpoint/resolve.py)
         sharded.save(cfg.checkpoint.dir, step, model, opt, mesh, {"config": {}, "lineage": lineage})
     return cfg, mesh, model, opt
 
@@ -62,7 +63,8 @@ def test_out_of_memory_while_loading_stops_instead_of_falling_back(two_saved, mo
 
 
 def test_a_corrupt_checkpoint_is_still_skipped(two_saved, monkeypatch):
-    """The checkpoint's own fault (here a torch shape complaint, a RuntimeError) still falls back to step 3."""
+    """The checkpoint's own fault (here a torch shape complaint, a RuntimeError)
+    still falls back to step 3."""
     cfg, mesh, model, opt = two_saved
     _newest_load_raises(monkeypatch, RuntimeError("The size of tensor a (3) must match the size of tensor b (4)"))
     assert resume(cfg, model, opt, mesh).step == 3

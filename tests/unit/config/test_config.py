@@ -1,4 +1,5 @@
-"""The config contract: the frozen key set, every model preset, and the one-line ConfigError of each bad setting."""
+"""The config contract: the frozen key set, every model
+preset, and the one-line ConfigError of each bad setting."""
 from __future__ import annotations
 
 import dataclasses
@@ -27,14 +28,19 @@ model.rope_scaling.rope_type model.rope_scaling.factor model.rope_scaling.low_fr
 model.rope_scaling.high_freq_factor model.rope_scaling.original_max_position_embeddings
 model.rope_scaling.beta_fast model.rope_scaling.beta_slow model.rope_scaling.attention_factor
 model.rope_scaling.mscale model.rope_scaling.mscale_all_dim model.rope_scaling.truncate
-optim.beta1 optim.beta2 optim.bucket_size_mb optim.clip_grad optim.eps optim.lr optim.min_lr optim.warmup_steps
+optim.beta1 optim.beta2 optim.bucket_size_mb optim.clip_grad optim.eps optim.lr optim.min_lr
+optim.warmup_steps
 optim.weight_decay optim.zero optim.shard_group_size optim.overlap_param_gather optim.reshard_after_forward
 optim.lr_schedule optim.lr_decay_steps optim.wsd_decay_fraction optim.grad_reduce_dtype
-parallel.cp parallel.cp_comm parallel.ep parallel.pp parallel.pp_layout parallel.pp_schedule parallel.sp parallel.tp parallel.vpp
-parallel.tp_comm_overlap parallel.tp_comm_chunks train.fp8_recipe data.stages data.document_mask data.task data.num_tasks
+parallel.cp parallel.cp_comm parallel.ep parallel.pp parallel.pp_layout parallel.pp_schedule parallel.sp
+parallel.tp parallel.vpp
+parallel.tp_comm_overlap parallel.tp_comm_chunks train.fp8_recipe data.stages data.document_mask data.task
+data.num_tasks
 run.dir run.name
-train.device train.global_batch_size train.log_interval train.max_bad_steps train.max_steps train.micro_batch_size train.precision
-train.seed train.eval_interval train.eval_iters train.hang_timeout_s train.compile train.compile_timeout_s train.recompute
+train.device train.global_batch_size train.log_interval train.max_bad_steps train.max_steps
+train.micro_batch_size train.precision
+train.seed train.eval_interval train.eval_iters train.hang_timeout_s train.compile train.compile_timeout_s
+train.recompute
 train.dist_timeout_s train.signal_check_interval train.threads train.fp8_head
 train.sample_interval train.sample_prompts train.sample_tokens
 train.downstream_interval train.downstream_tasks train.downstream_include_path train.downstream_limit

@@ -24,12 +24,13 @@ from tests.unit.data.test_prepare import paragraphs, run_main
 DRIVER = """
 import os, sys, time
 from megaframe.data import prepare as p
-p.MAX_CHUNK_CHARS = p.MIN_CHUNK_CHARS = 8 << 10
-real = p.encode_chunk
+from megaframe.data import unit_encoding as u
+u.MAX_CHUNK_CHARS = u.MIN_CHUNK_CHARS = 8 << 10
+real = u.encode_chunk
 def slow(task):
     time.sleep(0.25)
     return real(task)
-p.encode_chunk = slow
+u.encode_chunk = slow
 wait = os.environ.get("START_AFTER")
 while wait and not os.path.exists(wait):
     time.sleep(0.02)

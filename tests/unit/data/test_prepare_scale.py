@@ -11,6 +11,7 @@ import pytest
 from megaframe.atomic_lock import SharedFlock
 from megaframe.config import load_config
 from megaframe.data import prepare as prep
+from megaframe.data import unit_encoding
 from megaframe.data.sources import resolve_source, sample_documents
 from megaframe.data.tokenizer import load_tokenizer
 from tests.unit.data.test_prepare import paragraphs, read_tokens, run_main, split_docs, write_text_corpus
@@ -37,7 +38,7 @@ def cfg_for(src, out, *extra):
 
 def test_interrupted_run_resumes_skipping_finished_units(tmp_path, corpus, monkeypatch):
     out = tmp_path / "out"
-    real = prep._finish_unit
+    real = unit_encoding._finish_unit
     calls = []
 
     def finish_then_die(work, k, record):
@@ -46,14 +47,14 @@ def test_interrupted_run_resumes_skipping_finished_units(tmp_path, corpus, monke
         if len(calls) == 2:
             raise KeyboardInterrupt  # killed after two of three units
 
-    monkeypatch.setattr(prep, "_finish_unit", finish_then_die)
+    monkeypatch.setattr(unit_encoding, "_finish_unit", finish_then_die)
     with pytest.raises(KeyboardInterrupt):
         prep.prepare(cfg_for(corpus, out), unit_bytes=1)  # one unit per file
     work = tmp_path / ".out.partial"
     assert not out.exists() and (work / "units" / "unit_00001.json").is_file()
     done = {n: v for n, v in snapshot(work).items() if n.startswith(("shard_00000_", "shard_00001_"))}
     assert done
-    monkeypatch.setattr(prep, "_finish_unit", lambda work, k, record: (calls.append(k), real(work, k, record)))
+    monkeypatch.setattr(unit_encoding, "_finish_unit", lambda work, k, record: (calls.append(k), real(work, k, record)))
     meta = prep.prepare(cfg_for(corpus, out), unit_bytes=1)
     assert calls[2:] == [2], "only the unfinished unit is redone"
     after = snapshot(out)
@@ -69,7 +70,7 @@ def test_partial_work_from_other_settings_is_refused(tmp_path, corpus, monkeypat
     def die(*a):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(prep, "_finish_unit", die)
+    monkeypatch.setattr(unit_encoding, "_finish_unit", die)
     with pytest.raises(KeyboardInterrupt):
         prep.prepare(cfg_for(corpus, tmp_path / "out"))
     monkeypatch.undo()

@@ -14,7 +14,7 @@ from megaframe.data.tasks import unit_tasks
 from tests.e2e.stdlib_corpus import write_corpus
 
 ARGS = ["data.vocab_size=512", "data.num_workers=1"]
-UNIT = "import sys; from megaframe.data import prepare as p; p.UNIT_BYTES = 64 << 10; sys.exit(p.main(sys.argv[1:]))"
+UNIT = ("import sys; from megaframe.data import prepare as p; " "p.UNIT_BYTES = 64 << 10; sys.exit(p.main(sys.argv[1:]))")
 
 
 def prep(*args, timeout=300):

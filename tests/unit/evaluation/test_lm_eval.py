@@ -34,7 +34,8 @@ class WeightsOnly:
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory) -> Path:
-    """A committed tiny Llama checkpoint whose data.path holds its sentencepiece tokenizer, and its HF export."""
+    """A committed tiny Llama checkpoint whose data.path
+    holds its sentencepiece tokenizer, and its HF export."""
     from megaframe.data.tokenizer import train_tokenizer
 
     d = tmp_path_factory.mktemp("lmeval")

@@ -1,4 +1,5 @@
-"""Single-process layers: Shard slicing, layout-free init, the GPT at tp=1, and attention vs a hand reference."""
+"""Single-process layers: Shard slicing, layout-free init,
+the GPT at tp=1, and attention vs a hand reference."""
 from __future__ import annotations
 
 import math

@@ -45,7 +45,8 @@ def test_param_counter_equals_the_built_model(preset):
     assert flops_per_token(m) == spec.flops_per_token(m)
 
 
-# per-rank counts under cuts: (preset, tp, pp, ep); the biased and tied presets catch what the planner left out
+# per-rank counts under cuts: (preset, tp, pp, ep); the
+# biased and tied presets catch what the planner left out
 CUTS = [("gpt2_tiny", 2, 2, 1), ("gpt_tiny", 2, 2, 1), ("qwen3_tiny", 2, 2, 1), ("moe_tiny", 2, 1, 2),
         ("gpt2_tiny", 1, 2, 1), ("qwen3_tiny", 1, 4, 1)]
 

@@ -1,6 +1,6 @@
-"""Memory traffic of the per-parameter passes (bf16 params, ZeRO-1 fp32 grads and master, one process), counted
-op by op on CPU and held to a table in bytes per parameter element. These passes are memory-bound on a GPU
-(about 1 ms per GB on an H100), so bytes are their time.
+"""Memory traffic of the per-parameter passes (bf16 params, ZeRO-1 fp32 grads and master, one process),
+counted op by op on CPU and held to a table in bytes per parameter element. These passes are memory-bound on a
+GPU (about 1 ms per GB on an H100), so bytes are their time.
 
 Per optimizer step (zero_grad + step): today's fused AdamW reads and writes each param's fp32 master and
 moments (8 + 8 + 8) and reads its grad (4); the norm reads the grad (4); the master is cast to the bf16

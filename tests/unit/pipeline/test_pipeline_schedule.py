@@ -214,7 +214,8 @@ def test_costs_time_the_unit_orders():
 
 
 def test_plot_schedule_draws_f_b_w_and_prints_the_bubble(tmp_path, capsys):
-    """scripts/plot_schedule.py kind=zb_h1: F, B and W in three colours, `bubble=` printed; bad input exits 2."""
+    """scripts/plot_schedule.py kind=zb_h1: F, B and W in
+    three colours, `bubble=` printed; bad input exits 2."""
     import importlib.util
     from pathlib import Path
 

@@ -84,7 +84,8 @@ def test_a_phase_over_the_memory_does_not_fit(capsys):
 
 def test_the_planned_head_workspace_follows_the_fused_heads_gpu_chunk():
     """The step phase plans the fused head's chunk of logits; on a GPU the head sizes its chunks by
-    layers.fused_ce.CHUNK_ELEMS, so the plan must use the same budget (it once kept an older, 16x smaller one)."""
+    layers.fused_ce.CHUNK_ELEMS, so the plan must use the same budget (it once kept an older, 16x smaller
+    one)."""
     from megaframe.layers.fused_ce import CHUNK_ELEMS
     from megaframe.planning.phases import HEAD_CHUNK_ELEMS
 

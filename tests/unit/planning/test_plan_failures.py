@@ -49,7 +49,8 @@ def test_spawn_local_without_answer_raises_timeout_and_ends_its_processes():
 
 def test_a_sequence_far_beyond_any_preset_is_planned_in_bounded_time():
     """The fused cross-entropy is sized with one chunk on the meta device: seq_length 1e9 was a Python loop
-    of a million chunks that printed nothing and never returned; now it is the usual plan (it does not fit)."""
+    of a million chunks that printed nothing and never returned; now it is the usual plan (it does not
+    fit)."""
     res = subprocess.run(PLAN[:-1] + ["model.seq_length=1000000000", "+world_size=1", "+device_memory_gb=80"],
                          cwd=ROOT, capture_output=True, text=True, timeout=180)
     assert res.returncode == 0, res.stderr[-2000:]

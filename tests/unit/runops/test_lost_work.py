@@ -50,7 +50,8 @@ def test_an_uncreatable_checkpoint_dir_is_refused_at_start(tmp_path, no_job):
 
 
 def test_two_runs_sharing_a_checkpoint_dir_the_second_is_refused(tmp_path, no_job):
-    """L1: jobs with their own run.dir and one checkpoint.dir both exited 0, one replacing the other's checkpoints."""
+    """L1: jobs with their own run.dir and one checkpoint.dir
+    both exited 0, one replacing the other's checkpoints."""
     shared = tmp_path / "shared_ck"
     first = claim(dirs(tmp_path / "a", shared))
     try:
@@ -155,7 +156,8 @@ def test_tools_on_a_checkpoint_dir_use_the_live_branch_not_the_highest_step(tmp_
 
 @pytest.mark.parametrize("damage", ["garbage", "missing", "dotdot", "empty-meta", "list-meta", "binary"])
 def test_an_unusable_latest_over_branches_is_refused_never_the_highest_step(tmp_path, damage):
-    """W2: a missing or garbage `latest`, or an unreadable head, sent resume=auto (and the tools) to step_8."""
+    """W2: a missing or garbage `latest`, or an unreadable
+    head, sent resume=auto (and the tools) to step_8."""
     from megaframe.checkpoint import resolve
 
     rollback_dir(tmp_path)
@@ -349,7 +351,8 @@ def test_a_save_past_its_limit_is_a_failed_save_not_a_hang(tmp_path, capsys):
 
 
 def test_ranks_that_find_bad_input_mid_run_end_with_the_first_ones_line(tmp_path):
-    """Open item: at dp>1 only the rank reading a corrupt shard exited 2; its peers died in a broken collective."""
+    """Open item: at dp>1 only the rank reading a corrupt
+    shard exited 2; its peers died in a broken collective."""
     from megaframe.runops.access.folders import peer_bad_input, record_bad_input
 
     assert peer_bad_input(str(tmp_path)) is None

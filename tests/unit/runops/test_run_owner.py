@@ -1,6 +1,6 @@
 """A checkpoint folder whose newest checkpoint belongs to another run is continued only when
-asked (runops/access/owner.py), bool fields take true/false only (K5), and data.path typed with a blend is refused
-(K8). One process, real files, fake checkpoints (lineage reads metadata only)."""
+asked (runops/access/owner.py), bool fields take true/false only (K5), and data.path typed with a blend is
+refused (K8). One process, real files, fake checkpoints (lineage reads metadata only)."""
 import json
 from types import SimpleNamespace
 
@@ -75,7 +75,8 @@ def test_a_checkpoint_dir_given_as_resume_means_its_latest(tmp_path, shared):
 
 def test_the_same_run_and_its_own_folder_continue(tmp_path):
     """Restarts (Slurm requeue, torchrun, the same command) read the id back; a run folder whose id file is
-    gone, or into whose checkpoints/ a step was copied, continues its own checkpoints; unowned ones are anyone's."""
+    gone, or into whose checkpoints/ a step was copied, continues its own checkpoints; unowned ones are
+    anyone's."""
     run = tmp_path / "run"
     first = owner.settle(*cfg(run, run / "checkpoints"))
     ckpt(run / "checkpoints", 3, first, run_dir=str(run))
@@ -109,7 +110,8 @@ def test_a_run_folder_without_its_id_adopts_no_owner_when_its_checkpoints_have_t
 
 
 def test_a_bool_field_takes_only_true_or_false():
-    """K5: optim.overlap_param_gather=2 was read as true (OmegaConf's lenient bools), and so for every bool field."""
+    """K5: optim.overlap_param_gather=2 was read as true
+    (OmegaConf's lenient bools), and so for every bool field."""
     from megaframe.config.keys import bool_keys
 
     assert {"optim.overlap_param_gather", "checkpoint.async", "parallel.sp", "train.compile"} <= bool_keys()
@@ -122,7 +124,8 @@ def test_a_bool_field_takes_only_true_or_false():
 
 
 def test_data_path_typed_with_a_blend_is_refused_naming_both(tmp_path):
-    """K8: the blend silently won over a typed data.path (the preset's data.path is not typed: the blend replaces it)."""
+    """K8: the blend silently won over a typed data.path
+    (the preset's data.path is not typed: the blend replaces it)."""
     blend = f"data.blend=[{{path: {tmp_path}, weight: 1}}]"
     for mix in (blend, f"data.stages=[{{blend: [{{path: {tmp_path}}}]}}]"):
         with pytest.raises(ConfigError, match=f"^data.path=/a and {mix.split('=')[0]}=.* are both set"):

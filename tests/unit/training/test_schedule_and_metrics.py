@@ -78,7 +78,8 @@ def test_gpt2_small_flops_by_hand():
 
 def test_llama3_8b_flops_by_hand():
     m = load_config(["model=llama3_8b", "data=synthetic"], world_size=1).model
-    # per layer: qkv 4096 x (32 + 2*8) x 128, out 4096^2, SwiGLU 3 x 4096 x 14336; plus untied head 128256 x 4096
+    # per layer: qkv 4096 x (32 + 2*8) x 128, out 4096^2,
+    # SwiGLU 3 x 4096 x 14336; plus untied head 128256 x 4096
     n = 32 * (4096 * 6144 + 4096 * 4096 + 3 * 4096 * 14336) + 128256 * 4096
     assert matmul_params(m) == n == 7_504_658_432  # Llama-3-8B's 8.03B minus the 0.525B input embedding
     assert flops_per_token(m) == 6 * n + 12 * 32 * 4096 * 8192
@@ -115,7 +116,8 @@ def test_matmul_params_equal_the_models_matmul_weights(name):
 
     m = load_config([f"model={name}", "data=synthetic"], world_size=1).model
     model = GPT(m, single_process_mesh(), device=torch.device("meta"))
-    # every 2-D weight a token multiplies by: not the position table, and the input embedding only as a tied head
+    # every 2-D weight a token multiplies by: not the position
+    # table, and the input embedding only as a tied head
     n = sum(p.numel() for k, p in model.named_parameters()
             if p.dim() == 2 and k != "pos_embed" and (k != "embed.weight" or m.tie_embeddings))
     assert matmul_params(m) == n
@@ -133,7 +135,8 @@ def test_megatron_gpt3_175b_model_flops():
     assert matmul_params(m) / 1e9 == pytest.approx(174.6, abs=0.05)  # the paper's "175B" (biases, norms aside)
     per_token = 72 * L * h**2 * (1 + s / (6 * h) + V / (12 * L * h))
     assert flops_per_token(m) == pytest.approx(per_token, rel=1e-12)
-    # the 96 * B*s*L*h^2 * (1 + s/6h + V/16Lh) form counts a 4th (recompute) forward of the layers, not the head
+    # the 96 * B*s*L*h^2 * (1 + s/6h + V/16Lh) form counts
+    # a 4th (recompute) forward of the layers, not the head
     hardware = 96 * L * h**2 * (1 + s / (6 * h) + V / (16 * L * h))
     assert hardware == pytest.approx(4 / 3 * (flops_per_token(m) - 6 * V * h) + 6 * V * h, rel=1e-12)
 
@@ -141,7 +144,8 @@ def test_megatron_gpt3_175b_model_flops():
 @pytest.mark.parametrize("L,d,H,billions", [(32, 4096, 16, 8.63), (64, 8192, 32, 62.50)])
 def test_palm_params_and_flops(L, d, H, billions):
     """PaLM 8B and 62B (Chowdhery et al. 2022, table 1: SwiGLU, multi-query, head dim Q=256, shared
-    256k embedding): their parameter counts, and appendix B's model FLOPs per token 6N + 12 * L * H * Q * T."""
+    256k embedding): their parameter counts, and appendix B's model FLOPs per token 6N + 12 * L * H * Q *
+    T."""
     Q, T = 256, 2048
     m = ModelConfig(num_layers=L, hidden_size=d, num_attention_heads=H, num_query_groups=1, ffn_hidden_size=4 * d,
                     seq_length=T, vocab_size=256_000, tie_embeddings=True)
