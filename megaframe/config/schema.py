@@ -144,9 +144,9 @@ class TrainConfig(Frozen):
     0..k-1 compile one after the other. Must be > 0."""
     fused_head_loss: bool = True
     """At tp=1, the head and the cross-entropy run fused in chunks of tokens (layers/fused_ce.py): the
-    [tokens, V] logits never exist whole. false: the head writes the whole logits and the loss takes their fp32
-    log-softmax (as torchtitan and most trainers run it): more memory, the same losses up to float rounding.
-    Under tp > 1 the vocab-parallel loss always holds the logits of this rank's vocabulary slice."""
+    [tokens, V] logits never exist whole. false: the head writes the whole logits and the loss takes their
+    fp32 log-softmax (as torchtitan and most trainers run it): more memory, the same losses up to float
+    rounding. Under tp > 1 the vocab-parallel loss always holds the logits of this rank's vocabulary slice."""
     recompute: Recompute = Recompute.none
     """Activation recompute: none | selective (recompute the attention core, SDPA, in backward: Megatron's
     selective mode, it saves the S x S-sized intermediates) | full (torch.utils.checkpoint per block: only

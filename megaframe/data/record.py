@@ -127,20 +127,26 @@ def _show_stages(stages: list[dict]) -> str:
     return "[" + "; ".join(f"{end(s)}: {_show_blend(s['blend'])}" for s in stages) + "]"
 
 
+def kind_change(d: DataConfig, meta: dict) -> list[tuple[str, str, str, str]]:
+    """A switch between prepared and synthetic data (data.kind, recorded in the checkpoint's config)."""
+    was = str(((meta.get("config") or {}).get("data") or {}).get("kind") or "prepared")
+    now = str(getattr(d.kind, "value", d.kind))
+    if was == now:
+        return []
+    # the data stream changes entirely: the step's positions name other samples (or none at all)
+    return [("data.kind", was, now, f"the run trained on {was} data; this run would train on {now} data "
+             "from the same step")]
+
+
 def data_changes(d: DataConfig, meta: dict) -> list[tuple[str, str, str, str]]:
     """(config key, recorded, this run's, what it does to the stream) of every change of what the run trains
     on: its stages, its blend (paths or weights), a plain run's data.path, data.valid_fraction, and the
     content of a dataset at the same path; a switch between prepared and synthetic data (data.kind).
     Synthetic data on both sides: nothing to compare."""
     old = meta.get("data") or {}
-    was_kind = str(((meta.get("config") or {}).get("data") or {}).get("kind") or "prepared")
-    now_kind = str(getattr(d.kind, "value", d.kind))
-    if was_kind != now_kind:
-        # the data stream changes entirely: the step's positions name other samples (or none at all)
-        return [("data.kind", was_kind, now_kind, f"the run trained on {was_kind} data; this run would train "
-                 f"on {now_kind} data from the same step")]
-    if now_kind != "prepared":
-        return []
+    kind = kind_change(d, meta)
+    if kind or str(getattr(d.kind, "value", d.kind)) != "prepared":
+        return kind
     out = []
     was, now = schedule(old.get("stages")), schedule(d.stages)
     if was or now:

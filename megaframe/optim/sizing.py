@@ -14,7 +14,8 @@ from megaframe.parallel.mesh import Mesh
 
 
 def _float8(model: nn.Module | None, cfg: OptimConfig) -> set[int]:
-    """ids of the weights zero=3 gathers as float8 (build_model's `float8_gathered`: an fp8 tensorwise run)."""
+    """ids of the weights zero=3 gathers as float8 (build_model's `float8_gathered`: an fp8 tensorwise
+    run)."""
     return {id(p) for p in getattr(model, "float8_gathered", ())} if cfg.zero == 3 else set()
 
 

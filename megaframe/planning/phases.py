@@ -138,10 +138,10 @@ def phase_peaks(s: RankShape, params: int, grads: int, optim: int, activations: 
         init = (4 + cast) * (s.read_bytes // 4 or s.largest_numel // s.shard) + INIT_BLOCK_BYTES
     host = host_peaks(s, optim) if on_host else {"save": 0}
     step = sum(step_terms(s, params, grads, optim, activations).values())
-    # No optimizer keeps grads until a backward nor moments until the first update (or a load reads them): zero=0
-    # is torch's AdamW, ZeRO makes its buffers lazily (optim/buffer.py lazy_zeros). ZeRO-1/2 copy the drawn
-    # params into their param buffer (both whole at once, the first copy freed per param); ZeRO-3 draws its
-    # segments straight into its master (its params).
+    # No optimizer keeps grads until a backward nor moments until the first update (or a load reads them):
+    # zero=0 is torch's AdamW, ZeRO makes its buffers lazily (optim/buffer.py lazy_zeros). ZeRO-1/2 copy the
+    # drawn params into their param buffer (both whole at once, the first copy freed per param); ZeRO-3 draws
+    # its segments straight into its master (its params).
     startup = {0: params + max(init, INIT_BLOCK_BYTES), 3: params + init}.get(s.zero, max(params + init, 2 * params))
     return {"startup": startup, "step": step,
             "save": resident + host["save"],

@@ -55,7 +55,8 @@ def optimizer_step(model, optimizer, batches, mesh: Mesh, o: OptimConfig, derive
     `probe` (a training.straggler.StragglerProbe) opens the compute window and collects the
     executor's forward/backward timings, before any data-parallel or optimizer collective."""
     d = derived
-    # the loss divisor is the global token count on every rank: dp and micro-batch sums then give the mean's gradient
+    # the loss divisor is the global token count on every rank: dp and micro-batch sums then give the mean's
+    # gradient
     tokens_global = d.tokens_per_step
     optimizer.zero_grad()
     moe_stats.begin_step(model)

@@ -69,7 +69,8 @@ def _heads(root: Path) -> list[Path]:
 
 def settle(run: RunConfig, ckpt: CheckpointConfig) -> str:
     """Rank 0, under the run lock: this run's id (read, adopted or new; written to run.dir), or ConfigError
-    when checkpoint.dir belongs to another run and checkpoint.resume does not continue one of its checkpoints."""
+    when checkpoint.dir belongs to another run and checkpoint.resume does not continue one of its
+    checkpoints."""
     run_dir, root = Path(run.dir), Path(ckpt.dir)
     mine, heads = read_id(run_dir), _heads(root)
     if mine is None and heads and root.resolve().is_relative_to(run_dir.resolve()):

@@ -25,7 +25,8 @@ HOLDERS = frozenset({"cfg", "config"})
 ROOT_CONFIG_READERS: dict[str, str] = {
     "megaframe/config/": "the config itself: composes it, checks fields against each other, adopts a"
                          " checkpoint's settings and derives the record the components receive",
-    "megaframe/training/trainer.py": "the loop's wiring: hands each component its group and the derived record",
+    "megaframe/training/trainer.py": "the loop's wiring: hands each component its group and the derived"
+    " record",
     "megaframe/training/startup.py": "the wiring: builds the model, data, evaluator, sampler and meter from"
                                      " the run config, and prints the header that names every group",
     "megaframe/training/checkpointing.py": "checkpoint metadata records the whole config (config.yaml's"
