@@ -3,6 +3,7 @@
 Bad input (config, data, checkpoint) ends the run with exit code 2 and one line naming the cause,
 checked before any process group is built. `--cfg` prints the composed config; `--help` the usage.
 """
+
 import os
 import sys
 
@@ -18,8 +19,11 @@ def main(argv: list[str]) -> int:
 
     quiet = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) != "0"  # one rank speaks for all
     if "--help" in argv or "-h" in argv:
-        print(__doc__.strip() + "\nEvery config key, its type, default and meaning: docs/config.md (composed from "
-              "conf/config.yaml); e.g. python train.py model=gpt2_tiny parallel.tp=2")
+        print(
+            __doc__.strip()
+            + "\nEvery config key, its type, default and meaning: docs/config.md (composed from "
+            "conf/config.yaml); e.g. python train.py model=gpt2_tiny parallel.tp=2"
+        )
         return 0
     show = "--cfg" in argv
     argv = [a for a in argv if a != "--cfg"]
@@ -31,10 +35,12 @@ def main(argv: list[str]) -> int:
             return fail(e)
         else:  # let rank 0 print before torchrun sees a failed rank and stops everyone
             import time
+
             time.sleep(3)
         return 2
     if show:
         from omegaconf import OmegaConf
+
         print(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
         return 0
     from megaframe.training.trainer import TrainingError, run

@@ -9,6 +9,7 @@ as tp2·pp2, dp4 and pp4.
 
     PYTHONPATH=. python benchmarks/bench_checkpoint.py layouts
 """
+
 from __future__ import annotations
 
 import sys
@@ -59,13 +60,19 @@ def layouts() -> None:
                 got = pool.run(train_and_save, 4, over, f"{root}/{name}", 1, tp=tp, pp=pp)
                 rows = [r["saves"][1] for r in got]
                 total = sum(r["ckpt/write_bytes"] for r in rows)
-                print(f"save {name}: per rank write_bytes {[r['ckpt/write_bytes'] for r in rows]} "
-                      f"(total/world {total / 4:.0f}), save_s {[round(r['ckpt/save_s'], 3) for r in rows]}")
+                print(
+                    f"save {name}: per rank write_bytes {[r['ckpt/write_bytes'] for r in rows]} "
+                    f"(total/world {total / 4:.0f}), save_s {[round(r['ckpt/save_s'], 3) for r in rows]}"
+                )
             for name, tp, pp in (("tp2·pp2", 2, 2), ("dp4", 1, 1), ("pp4", 1, 4)):
                 got = pool.run(load_and_report, 4, over, f"{root}/tp2·pp2/step_00000001", tp=tp, pp=pp)
-                print(f"load tp2·pp2 -> {name}: per rank read_bytes " f"{[r['read_bytes'] for r in got]}, of them data "
-                      f"{[r['read_data_bytes'] for r in got]}, share {[r['needed_bytes'] for r in got]}, "
-                      f"files opened {[r['files_opened'] for r in got]}, " f"load_s {[round(r['load_s'], 3) for r in got]}")
+                print(
+                    f"load tp2·pp2 -> {name}: per rank read_bytes "
+                    f"{[r['read_bytes'] for r in got]}, of them data "
+                    f"{[r['read_data_bytes'] for r in got]}, share {[r['needed_bytes'] for r in got]}, "
+                    f"files opened {[r['files_opened'] for r in got]}, "
+                    f"load_s {[round(r['load_s'], 3) for r in got]}"
+                )
     finally:
         pool.close()
 
@@ -73,12 +80,30 @@ def layouts() -> None:
 def main(argv: list[str]) -> None:
     if argv == ["layouts"]:
         return layouts()
-    a = {"layers": "8", "hidden": "512", "steps": "12", "interval": "3", **dict(x.split("=", 1) for x in argv)}
+    a = {
+        "layers": "8",
+        "hidden": "512",
+        "steps": "12",
+        "interval": "3",
+        **dict(x.split("=", 1) for x in argv),
+    }
     h = int(a["hidden"])
-    cfg = load_config(["data=synthetic", f"model.num_layers={a['layers']}", f"model.hidden_size={h}",
-                       "model.num_attention_heads=8", "model.num_query_groups=4", f"model.ffn_hidden_size={4 * h}",
-                       "model.seq_length=128", "train.global_batch_size=8", "train.micro_batch_size=4",
-                       "logging.wandb.mode=disabled"], world_size=1, check_data=False)
+    cfg = load_config(
+        [
+            "data=synthetic",
+            f"model.num_layers={a['layers']}",
+            f"model.hidden_size={h}",
+            "model.num_attention_heads=8",
+            "model.num_query_groups=4",
+            f"model.ffn_hidden_size={4 * h}",
+            "model.seq_length=128",
+            "train.global_batch_size=8",
+            "train.micro_batch_size=4",
+            "logging.wandb.mode=disabled",
+        ],
+        world_size=1,
+        check_data=False,
+    )
     torch.set_num_threads(torch.get_num_threads())
     steps, interval = int(a["steps"]), int(a["interval"])
     times = {}
@@ -98,9 +123,11 @@ def main(argv: list[str]) -> None:
     params = sum(p.numel() for p in model.parameters())
     print(f"model {params / 1e6:.1f}M params, checkpoint {size / 2**20:.0f} MiB (weights + Adam moments)")
     print(f"save {save_s:.2f}s, load {load_s:.2f}s (planned byte ranges, each block checked as read)")
-    print(f"step time, a checkpoint every {interval} steps: none {times['none']:.3f}s | "
-          f"sync {times['sync']:.3f}s (+{100 * (times['sync'] / times['none'] - 1):.0f}%) | "
-          f"async {times['async']:.3f}s (+{100 * (times['async'] / times['none'] - 1):.0f}%)")
+    print(
+        f"step time, a checkpoint every {interval} steps: none {times['none']:.3f}s | "
+        f"sync {times['sync']:.3f}s (+{100 * (times['sync'] / times['none'] - 1):.0f}%) | "
+        f"async {times['async']:.3f}s (+{100 * (times['async'] / times['none'] - 1):.0f}%)"
+    )
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ CPU allocator's own events during one forward + backward (planning.activations.a
 cp ranks, next to the planner's activation figure for the same layout. With more ranks than cores, cp ranks
 share cores: tokens/s then shows the communication and split-attention overhead, not a speed-up.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -27,18 +28,32 @@ import torch.distributed as dist
 
 from megaframe.parallel.local import spawn_local
 
-MODEL = ["data=synthetic", "model.hidden_size=64", "model.num_attention_heads=4", "model.num_query_groups=2",
-         "model.ffn_hidden_size=256", "model.vocab_size=256", "model.dropout=0.0", "train.micro_batch_size=1",
-         "train.global_batch_size=1", "logging.wandb.mode=disabled"]
+MODEL = [
+    "data=synthetic",
+    "model.hidden_size=64",
+    "model.num_attention_heads=4",
+    "model.num_query_groups=2",
+    "model.ffn_hidden_size=256",
+    "model.vocab_size=256",
+    "model.dropout=0.0",
+    "train.micro_batch_size=1",
+    "train.global_batch_size=1",
+    "logging.wandb.mode=disabled",
+]
 
 
 def overrides(seq: int, cp: int, kind: str, layers: int) -> list[str]:
-    return MODEL + [f"model.seq_length={seq}", f"model.num_layers={layers}", f"parallel.cp={cp}",
-                    f"parallel.cp_comm={kind}"]
+    return MODEL + [
+        f"model.seq_length={seq}",
+        f"model.num_layers={layers}",
+        f"parallel.cp={cp}",
+        f"parallel.cp_comm={kind}",
+    ]
 
 
-def _rank(rank: int, port: int, world: int, over: list[str], overlap: bool, fused: bool, steps: int, threads: int,
-          q) -> None:
+def _rank(
+    rank: int, port: int, world: int, over: list[str], overlap: bool, fused: bool, steps: int, threads: int, q
+) -> None:
     from megaframe.config import load_config
     from megaframe.model.parallelize import build_model
     from megaframe.parallel.context import cp_causal_bias, cp_keep
@@ -46,16 +61,22 @@ def _rank(rank: int, port: int, world: int, over: list[str], overlap: bool, fuse
     from megaframe.planning.activations import allocator_peak
 
     torch.set_num_threads(threads)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=600))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=600),
+    )
     mesh = build_mesh(1, 1, torch.device("cpu"), cp=world, timeout=datetime.timedelta(seconds=600))
     cfg = load_config(over, world_size=world, check_data=False)
     model = build_model(cfg, mesh)
     for block in model.layers.values():
         block.attn.ring_overlap = overlap
         block.attn.ring_fused = fused
-    ids_BS = torch.randint(0, cfg.model.vocab_size, (1, cfg.model.seq_length + 1),
-                           generator=torch.Generator().manual_seed(0))
+    ids_BS = torch.randint(
+        0, cfg.model.vocab_size, (1, cfg.model.seq_length + 1), generator=torch.Generator().manual_seed(0)
+    )
     x_BS, y_BS = cp_keep(ids_BS[:, :-1], mesh.cp.rank, world), cp_keep(ids_BS[:, 1:], mesh.cp.rank, world)
 
     def step():
@@ -78,8 +99,9 @@ def _rank(rank: int, port: int, world: int, over: list[str], overlap: bool, fuse
     dist.destroy_process_group()
 
 
-def run(seq: int, cp: int, kind: str, overlap: bool, steps: int, layers: int, threads: int,
-        fused: bool = True) -> tuple[float, int]:
+def run(
+    seq: int, cp: int, kind: str, overlap: bool, steps: int, layers: int, threads: int, fused: bool = True
+) -> tuple[float, int]:
     return spawn_local(_rank, cp, cp, overrides(seq, cp, kind, layers), overlap, fused, steps, threads)
 
 
@@ -95,17 +117,36 @@ def main(argv: list[str]) -> int:
     opts = dict(a.split("=", 1) for a in argv)
     seqs = [int(x) for x in opts.get("seqs", "2048,8192").split(",")]
     cps = [int(x) for x in opts.get("cps", "1,2,4").split(",")]
-    steps, layers, threads = int(opts.get("steps", 3)), int(opts.get("layers", 2)), int(opts.get("threads", 1))
-    print(f"bench_cp: {layers} layers D=64, one sequence per step, " f"fastest of {steps} timed steps, {threads} thread(s) "
-          f"per rank, {os.cpu_count()} cores, load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
+    steps, layers, threads = (
+        int(opts.get("steps", 3)),
+        int(opts.get("layers", 2)),
+        int(opts.get("threads", 1)),
+    )
+    print(
+        f"bench_cp: {layers} layers D=64, one sequence per step, "
+        f"fastest of {steps} timed steps, {threads} thread(s) "
+        f"per rank, {os.cpu_count()} cores, load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}",
+        flush=True,
+    )
     mib = 2**20
-    print(f"{'seq':>5} {'cp':>3} {'variant':<18} {'step s':>8} {'tok/s':>8} {'x cp1':>6} {'peak MiB':>9} "
-          f"{'x cp1':>6} {'planned MiB':>11}", flush=True)
+    print(
+        f"{'seq':>5} {'cp':>3} {'variant':<18} {'step s':>8} {'tok/s':>8} {'x cp1':>6} {'peak MiB':>9} "
+        f"{'x cp1':>6} {'planned MiB':>11}",
+        flush=True,
+    )
     for seq in seqs:
         base = None
         for cp in cps:
-            variants = [("allgather", True, True)] if cp == 1 else [
-                ("allgather", True, True), ("ring", True, True), ("ring", True, False), ("ring", False, True)]
+            variants = (
+                [("allgather", True, True)]
+                if cp == 1
+                else [
+                    ("allgather", True, True),
+                    ("ring", True, True),
+                    ("ring", True, False),
+                    ("ring", False, True),
+                ]
+            )
             times = {}
             for kind, overlap, fused in variants:
                 t, peak = run(seq, cp, kind, overlap, steps, layers, threads, fused)
@@ -114,13 +155,19 @@ def main(argv: list[str]) -> int:
                 name = name if fused else "ring, fp32 math"
                 name = "(no cp)" if cp == 1 else name
                 times[name] = t
-                print(f"{seq:>5} {cp:>3} {name:<18} {t:>8.3f} {seq / t:>8.0f} {base[0] / t:>6.2f} "
-                      f"{peak / mib:>9.1f} {peak / base[1]:>6.2f} " f"{planned(seq, cp, kind, layers) / mib:>11.1f}",
-                      flush=True)
+                print(
+                    f"{seq:>5} {cp:>3} {name:<18} {t:>8.3f} {seq / t:>8.0f} {base[0] / t:>6.2f} "
+                    f"{peak / mib:>9.1f} {peak / base[1]:>6.2f} "
+                    f"{planned(seq, cp, kind, layers) / mib:>11.1f}",
+                    flush=True,
+                )
             if "ring, fp32 math" in times:  # the same run, the same machine state: the fused kernels' gain
-                print(f"{seq:>5} {cp:>3} ring step time: fp32 math / fused = "
-                      f"{times['ring, fp32 math'] / times['ring']:.2f}, ring / allgather = "
-                      f"{times['ring'] / times['allgather']:.2f}", flush=True)
+                print(
+                    f"{seq:>5} {cp:>3} ring step time: fp32 math / fused = "
+                    f"{times['ring, fp32 math'] / times['ring']:.2f}, ring / allgather = "
+                    f"{times['ring'] / times['allgather']:.2f}",
+                    flush=True,
+                )
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     return 0
 

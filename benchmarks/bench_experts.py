@@ -8,6 +8,7 @@ Forward + backward of the local experts (SwiGLU, fused [gate | up]) on the same 
 experts by a skewed routing (as real routers are), interleaved repeats; prints the median time of each
 and the ratio loop / grouped (above 1: the grouped GEMM is faster).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,8 +43,17 @@ def main() -> None:
     from megaframe.parallel.mesh import single_process_mesh
 
     device, dtype = torch.device(args.device), {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
-    cfg = load_config(["data=synthetic", "model=moe_tiny", "model.vocab_size=64", f"model.num_experts={args.experts}",
-                       f"model.hidden_size={args.hidden}", f"model.moe_ffn_hidden_size={args.ffn}"], world_size=1)
+    cfg = load_config(
+        [
+            "data=synthetic",
+            "model=moe_tiny",
+            "model.vocab_size=64",
+            f"model.num_experts={args.experts}",
+            f"model.hidden_size={args.hidden}",
+            f"model.moe_ffn_hidden_size={args.ffn}",
+        ],
+        world_size=1,
+    )
     experts = Experts(cfg.model, single_process_mesh(device).ep, False, device).to(dtype)
     for p in experts.parameters():
         torch.nn.init.normal_(p, std=0.02)
@@ -60,11 +70,14 @@ def main() -> None:
     for _name, fn in sides.items():
         step(fn)  # warm-up
     for r in range(args.repeats):
-        for name, fn in (sides.items() if r % 2 == 0 else reversed(list(sides.items()))):
+        for name, fn in sides.items() if r % 2 == 0 else reversed(list(sides.items())):
             times[name].append(timed(lambda fn=fn: step(fn), device))
     med = {k: statistics.median(v) for k, v in times.items()}
-    print(f"bench_experts | {device.type} {args.dtype}, " f"{torch.get_num_threads()} thread(s) | {args.experts} experts, "
-          f"{args.rows} rows (largest {max(sizes)}), D={args.hidden}, F={args.ffn} | {args.repeats} repeats")
+    print(
+        f"bench_experts | {device.type} {args.dtype}, "
+        f"{torch.get_num_threads()} thread(s) | {args.experts} experts, "
+        f"{args.rows} rows (largest {max(sizes)}), D={args.hidden}, F={args.ffn} | {args.repeats} repeats"
+    )
     for k, v in med.items():
         print(f"  {k:8s} fwd+bwd median {v * 1e3:8.2f} ms")
     print(f"ratio loop / grouped: {med['loop'] / med['grouped']:.2f}")

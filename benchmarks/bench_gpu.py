@@ -23,6 +23,7 @@ torchtitan's and MosaicML's count), peak = the device's dense bf16 rate; peak me
 its per-step part (zero_grad, clip, update), each timed between device syncs. --dry: CPU, tiny dims, no
 compile: the harness only (the suite runs it).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,8 +38,14 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_vs_hf import BETAS, CLIP, EPS, LR, WD, make_batches  # noqa: E402
 
-DRY_DIMS = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128,
-                vocab_size=512)
+DRY_DIMS = dict(
+    num_layers=2,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_query_groups=2,
+    ffn_hidden_size=128,
+    vocab_size=512,
+)
 
 
 class Clock:
@@ -59,6 +66,7 @@ class Clock:
             self.sync()
             self.per_step += time.perf_counter() - t
             return out
+
         return timed
 
 
@@ -68,13 +76,29 @@ def megaframe_side(args, device, clock: Clock, precision: str = "bf16"):
     from megaframe.parallel.mesh import single_process_mesh
     from megaframe.training.step import train_step
 
-    over = ["data=synthetic", f"train.micro_batch_size={args.batch}",
-            f"train.global_batch_size={args.batch * args.micro_batches}", f"optim.lr={LR}", f"optim.beta1={BETAS[0]}",
-            f"optim.beta2={BETAS[1]}", f"optim.eps={EPS}", f"optim.weight_decay={WD}", f"optim.clip_grad={CLIP}",
-            "optim.warmup_steps=0", f"optim.min_lr={LR}", "train.max_steps=1000000", f"train.device={device.type}",
-            f"model.seq_length={args.seq}", f"train.compile={str(args.compile).lower()}", "model=llama_1b",
-            f"train.precision={precision}", "optim.zero=1"]
-    over += [f"model.{k}={v}" for k, v in DRY_DIMS.items()] if args.dry else [f"model.num_layers={args.layers}"]
+    over = [
+        "data=synthetic",
+        f"train.micro_batch_size={args.batch}",
+        f"train.global_batch_size={args.batch * args.micro_batches}",
+        f"optim.lr={LR}",
+        f"optim.beta1={BETAS[0]}",
+        f"optim.beta2={BETAS[1]}",
+        f"optim.eps={EPS}",
+        f"optim.weight_decay={WD}",
+        f"optim.clip_grad={CLIP}",
+        "optim.warmup_steps=0",
+        f"optim.min_lr={LR}",
+        "train.max_steps=1000000",
+        f"train.device={device.type}",
+        f"model.seq_length={args.seq}",
+        f"train.compile={str(args.compile).lower()}",
+        "model=llama_1b",
+        f"train.precision={precision}",
+        "optim.zero=1",
+    ]
+    over += (
+        [f"model.{k}={v}" for k, v in DRY_DIMS.items()] if args.dry else [f"model.num_layers={args.layers}"]
+    )
     cfg = load_config(over, world_size=1, check_data=False)
     mesh = single_process_mesh(device)
     model, opt = build(cfg, mesh)
@@ -96,9 +120,16 @@ def _peer_step(model, forward, device, clock: Clock, tokens_per_step: int):
     """The usual recipe: bf16 autocast over fp32 params, grads
     accumulated over the micro-batches, clip, fused AdamW."""
     params = list(model.parameters())
-    opt = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": WD},
-                             {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
-                            lr=LR, betas=BETAS, eps=EPS, fused=True)
+    opt = torch.optim.AdamW(
+        [
+            {"params": [p for p in params if p.ndim >= 2], "weight_decay": WD},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+        ],
+        lr=LR,
+        betas=BETAS,
+        eps=EPS,
+        fused=True,
+    )
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
 
     @clock.wrap
@@ -125,11 +156,23 @@ def hf_side(cfg, args, device, clock: Clock):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     m = cfg.model
-    hc = LlamaConfig(vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.ffn_hidden_size,
-                     num_hidden_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
-                     num_key_value_heads=m.kv_heads, max_position_embeddings=m.seq_length, rms_norm_eps=m.norm_eps,
-                     rope_theta=m.rope_theta, tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
-                     attention_dropout=0.0, initializer_range=m.init_std, use_cache=False)
+    hc = LlamaConfig(
+        vocab_size=m.vocab_size,
+        hidden_size=m.hidden_size,
+        intermediate_size=m.ffn_hidden_size,
+        num_hidden_layers=m.num_layers,
+        num_attention_heads=m.num_attention_heads,
+        num_key_value_heads=m.kv_heads,
+        max_position_embeddings=m.seq_length,
+        rms_norm_eps=m.norm_eps,
+        rope_theta=m.rope_theta,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        mlp_bias=False,
+        attention_dropout=0.0,
+        initializer_range=m.init_std,
+        use_cache=False,
+    )
     hc._attn_implementation = "sdpa"
     with torch.device(device):
         model = LlamaForCausalLM(hc).train()
@@ -138,8 +181,13 @@ def hf_side(cfg, args, device, clock: Clock):
         for layer in model.model.layers:
             layer.compile(dynamic=False)
         loss = torch.compile(_ce_sum, dynamic=False)
-    step = _peer_step(model, lambda ids, labels: loss(model(input_ids=ids).logits, labels), device, clock,
-                      args.batch * args.seq * args.micro_batches)
+    step = _peer_step(
+        model,
+        lambda ids, labels: loss(model(input_ids=ids).logits, labels),
+        device,
+        clock,
+        args.batch * args.seq * args.micro_batches,
+    )
     return step, f"transformers {transformers.__version__}"
 
 
@@ -155,19 +203,33 @@ def torchtitan_side(cfg, args, device, clock: Clock):
 
     m = cfg.model
     lin = {"weight": partial(nn.init.trunc_normal_, std=0.02), "bias": nn.init.zeros_}
-    blocks = build_layers(n_layers=m.num_layers, dim=m.hidden_size, n_heads=m.num_attention_heads,
-                          n_kv_heads=m.kv_heads, hidden_dim=m.ffn_hidden_size,
-                          rope=ComplexRoPE.Config(dim=m.head_dim, max_seq_len=m.seq_length, theta=m.rope_theta,
-                                                  scaling="llama"),
-                          attn_backend="flex", fuse_qkv=True)
+    blocks = build_layers(
+        n_layers=m.num_layers,
+        dim=m.hidden_size,
+        n_heads=m.num_attention_heads,
+        n_kv_heads=m.kv_heads,
+        hidden_dim=m.ffn_hidden_size,
+        rope=ComplexRoPE.Config(
+            dim=m.head_dim, max_seq_len=m.seq_length, theta=m.rope_theta, scaling="llama"
+        ),
+        attn_backend="flex",
+        fuse_qkv=True,
+    )
     for b in blocks:  # causal SDPA, as megaframe and transformers run, not flex's block mask
         b.attention.inner_attention = ScaledDotProductAttention.Config()
     tcfg = Llama3Model.Config(
-        dim=m.hidden_size, vocab_size=m.vocab_size, enable_weight_tying=False,
-        tok_embeddings=Embedding.Config(num_embeddings=m.vocab_size, embedding_dim=m.hidden_size,
-                                        param_init={"weight": partial(nn.init.normal_, std=1.0)}),
+        dim=m.hidden_size,
+        vocab_size=m.vocab_size,
+        enable_weight_tying=False,
+        tok_embeddings=Embedding.Config(
+            num_embeddings=m.vocab_size,
+            embedding_dim=m.hidden_size,
+            param_init={"weight": partial(nn.init.normal_, std=1.0)},
+        ),
         norm=RMSNorm.Config(normalized_shape=m.hidden_size, param_init={"weight": nn.init.ones_}),
-        lm_head=Linear.Config(in_features=m.hidden_size, out_features=m.vocab_size, param_init=lin), layers=blocks)
+        lm_head=Linear.Config(in_features=m.hidden_size, out_features=m.vocab_size, param_init=lin),
+        layers=blocks,
+    )
     with torch.device(device):
         model = tcfg.build()
     if hasattr(model, "init_states"):
@@ -178,8 +240,13 @@ def torchtitan_side(cfg, args, device, clock: Clock):
         for block in model.layers.values():
             block.compile(fullgraph=True)
         loss = torch.compile(_ce_sum, dynamic=False)
-    step = _peer_step(model, lambda ids, labels: loss(model(ids), labels), device, clock,
-                      args.batch * args.seq * args.micro_batches)
+    step = _peer_step(
+        model,
+        lambda ids, labels: loss(model(ids), labels),
+        device,
+        clock,
+        args.batch * args.seq * args.micro_batches,
+    )
     return step, f"torchtitan {getattr(torchtitan, '__version__', '0.3')}"
 
 
@@ -187,7 +254,7 @@ def measure(build, args, device, batches) -> dict:
     """Build a side, run --warmup steps (compiles happen there), then --repeats x --steps timed steps."""
     clock = Clock(device)
     step, label = build(clock)
-    for mbs in batches[:args.warmup]:
+    for mbs in batches[: args.warmup]:
         step(mbs)
     clock.sync()
     if device.type == "cuda":
@@ -196,7 +263,7 @@ def measure(build, args, device, batches) -> dict:
     for _ in range(args.repeats):
         clock.per_step = 0.0
         t = time.perf_counter()
-        for mbs in batches[args.warmup:]:
+        for mbs in batches[args.warmup :]:
             loss = step(mbs)
         float(loss)  # waits for the device
         wall = time.perf_counter() - t
@@ -205,8 +272,13 @@ def measure(build, args, device, batches) -> dict:
         per_step.append(clock.per_step / n)
         per_mb.append((wall - clock.per_step) / n / args.micro_batches)
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
-    return {"label": label, "tps": statistics.median(tps), "step_ms": 1e3 * statistics.median(per_step),
-            "mb_ms": 1e3 * statistics.median(per_mb), "peak_gib": peak}
+    return {
+        "label": label,
+        "tps": statistics.median(tps),
+        "step_ms": 1e3 * statistics.median(per_step),
+        "mb_ms": 1e3 * statistics.median(per_mb),
+        "peak_gib": peak,
+    }
 
 
 def free(device) -> None:
@@ -230,8 +302,11 @@ def main(argv=None) -> int:
     ap.add_argument("--fp8", action="store_true", help="also megaframe at train.precision=fp8")
     ap.add_argument("--no-compile", dest="compile", action="store_false")
     ap.add_argument("--dry", action="store_true", help="CPU, tiny dims, no compile: the harness only")
-    ap.add_argument("--sides", default="megaframe,hf_llama,torchtitan",
-                    help="comma list of megaframe, hf_llama, torchtitan (megaframe_fp8 comes with --fp8)")
+    ap.add_argument(
+        "--sides",
+        default="megaframe,hf_llama,torchtitan",
+        help="comma list of megaframe, hf_llama, torchtitan (megaframe_fp8 comes with --fp8)",
+    )
     args = ap.parse_args(argv)
     if args.dry:
         args.seq, args.batch, args.micro_batches, args.steps, args.repeats, args.warmup = 32, 1, 2, 1, 1, 1
@@ -242,18 +317,28 @@ def main(argv=None) -> int:
 
     cfg = megaframe_side(args, device, Clock(device))[0]  # the dims every side builds from
     free(device)
-    batches = [make_batches(args.micro_batches, args.batch, args.seq, cfg.model.vocab_size, device, seed=s)
-               for s in range(args.warmup + args.steps)]
+    batches = [
+        make_batches(args.micro_batches, args.batch, args.seq, cfg.model.vocab_size, device, seed=s)
+        for s in range(args.warmup + args.steps)
+    ]
     fpt, peak = flops_per_token(cfg.model), peak_flops(device)
     m = cfg.model
-    print(f"bench_gpu | {device.type} {torch.cuda.get_device_name(0) if device.type == 'cuda' else ''}, torch "
-          f"{torch.__version__} | {m.num_layers} layers, D={m.hidden_size}, heads {m.num_attention_heads} "
-          f"(kv {m.kv_heads}), F={m.ffn_hidden_size}, vocab " f"{m.vocab_size} | {args.micro_batches} micro-batches x "
-          f"{args.batch} x {args.seq} tokens per step | compile {args.compile}")
-    print(f"  MFU = tokens/s x {fpt / 1e9:.4f} GFLOP/token (6 " f"N_matmul + 12 L S H E) / peak {peak / 1e12:.1f} TFLOP/s")
-    sides = {"megaframe": lambda c: megaframe_side(args, device, c)[1:],
-             "hf_llama": lambda c: hf_side(cfg, args, device, c),
-             "torchtitan": lambda c: torchtitan_side(cfg, args, device, c)}
+    print(
+        f"bench_gpu | {device.type} {torch.cuda.get_device_name(0) if device.type == 'cuda' else ''}, torch "
+        f"{torch.__version__} | {m.num_layers} layers, D={m.hidden_size}, heads {m.num_attention_heads} "
+        f"(kv {m.kv_heads}), F={m.ffn_hidden_size}, vocab "
+        f"{m.vocab_size} | {args.micro_batches} micro-batches x "
+        f"{args.batch} x {args.seq} tokens per step | compile {args.compile}"
+    )
+    print(
+        f"  MFU = tokens/s x {fpt / 1e9:.4f} GFLOP/token (6 "
+        f"N_matmul + 12 L S H E) / peak {peak / 1e12:.1f} TFLOP/s"
+    )
+    sides = {
+        "megaframe": lambda c: megaframe_side(args, device, c)[1:],
+        "hf_llama": lambda c: hf_side(cfg, args, device, c),
+        "torchtitan": lambda c: torchtitan_side(cfg, args, device, c),
+    }
     sides = {k: v for k, v in sides.items() if k in args.sides.split(",")}
     if args.fp8:
         sides["megaframe_fp8"] = lambda c: megaframe_side(args, device, c, "fp8")[1:]
@@ -271,8 +356,10 @@ def main(argv=None) -> int:
         finally:
             free(device)
         mfu = r["tps"] * fpt / peak if peak else float("nan")
-        print(f"  {name:13s} tokens/s {r['tps']:10.1f} | MFU {mfu:.3f} | peak {r['peak_gib']:.1f} GiB | "
-              f"per step {r['step_ms']:.1f} ms + per micro-batch {r['mb_ms']:.1f} ms | {r['label']}")
+        print(
+            f"  {name:13s} tokens/s {r['tps']:10.1f} | MFU {mfu:.3f} | peak {r['peak_gib']:.1f} GiB | "
+            f"per step {r['step_ms']:.1f} ms + per micro-batch {r['mb_ms']:.1f} ms | {r['label']}"
+        )
     for a, b in (("megaframe", "hf_llama"), ("megaframe", "torchtitan"), ("megaframe_fp8", "megaframe")):
         if a in res and b in res:
             print(f"ratio {a} / {b}: {res[a]['tps'] / res[b]['tps']:.3f}")

@@ -13,6 +13,7 @@ executor's split backward (W actions). `p2p=nccl` runs the transfers under NCCL'
 (MEGAFRAME_P2P_SEMANTICS, parallel/p2p_semantics.py). On a machine with fewer cores than ranks the ranks
 share cores and the measurement mixes bubble with contention: use pp <= cores.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -27,9 +28,18 @@ from megaframe.parallel.local import spawn_local
 from megaframe.parallel.p2p_semantics import ENV_VAR, P2PSemantics
 from megaframe.pipeline.simulate import Costs, SendModel, simulate
 
-MODEL = ["data=synthetic", "model.num_layers=8", "model.hidden_size=256", "model.num_attention_heads=8",
-         "model.num_query_groups=4", "model.ffn_hidden_size=704", "model.seq_length=128",
-         "model.vocab_size=1024", "train.micro_batch_size=2", "logging.wandb.mode=disabled"]
+MODEL = [
+    "data=synthetic",
+    "model.num_layers=8",
+    "model.hidden_size=256",
+    "model.num_attention_heads=8",
+    "model.num_query_groups=4",
+    "model.ffn_hidden_size=704",
+    "model.seq_length=128",
+    "model.vocab_size=1024",
+    "train.micro_batch_size=2",
+    "logging.wandb.mode=disabled",
+]
 
 
 def _worker(rank: int, port: int, pp: int, m: int, steps: int, schedules: list, out) -> None:
@@ -42,14 +52,28 @@ def _worker(rank: int, port: int, pp: int, m: int, steps: int, schedules: list, 
     from megaframe.training.step import rank_schedule
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=pp,
-                            timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=pp,
+        timeout=datetime.timedelta(seconds=120),
+    )
     mesh = build_mesh(1, pp, torch.device("cpu"))
     p2p.warm_up(mesh.pp, mesh.device)
     results = {}
     for name, vpp in schedules:
-        cfg = load_config(MODEL + [f"parallel.pp={pp}", f"parallel.vpp={vpp}", f"train.global_batch_size={2 * m}",
-                                   f"parallel.pp_schedule={name}"], world_size=pp, check_data=False)
+        cfg = load_config(
+            MODEL
+            + [
+                f"parallel.pp={pp}",
+                f"parallel.vpp={vpp}",
+                f"train.global_batch_size={2 * m}",
+                f"parallel.pp_schedule={name}",
+            ],
+            world_size=pp,
+            check_data=False,
+        )
         (model, opt), data = build(cfg, mesh), build_data(cfg)
         idle, step_s, costs = [], [], []
         for step in range(steps + 1):  # step 0 warms up
@@ -85,15 +109,21 @@ def main(argv: list[str]) -> None:
     schedules = [(k, 2 if k in ("interleaved", "zbv") else 1) for k in kinds]
     per_rank = spawn_local(_worker, pp, pp, m, steps, schedules, timeout_s=900)
     print(f"pp={pp} microbatches={m} cores={os.cpu_count()} p2p={os.environ[ENV_VAR]} (gloo, CPU, small GPT)")
-    print(f"  {'schedule':<12} {'vpp':>3} {'step s':>8} " f"{'bubble':>7} {'sim':>7} {'meas/sim':>8} {'formula':>7}  "
-          f"F:B:W measured (ms per stage)")
+    print(
+        f"  {'schedule':<12} {'vpp':>3} {'step s':>8} "
+        f"{'bubble':>7} {'sim':>7} {'meas/sim':>8} {'formula':>7}  "
+        f"F:B:W measured (ms per stage)"
+    )
     for name, vpp in schedules:
         measured = _mean([r[name][0] for r in per_rank])
         step = max(r[name][1] for r in per_rank)
         f, b, w = (_mean([r[name][2][i] for r in per_rank]) for i in range(3))
         sim = simulate(name, pp, vpp, m, SendModel.RENDEZVOUS, costs=Costs(f, b, w)).bubble
-        print(f"  {name:<12} {vpp:>3} {step:>8.3f} {measured:>7.3f} " f"{sim:>7.3f} {measured / sim if sim else 0:>8.2f} "
-              f"{(pp - 1) / (vpp * m + pp - 1):>7.3f}  {1e3 * f:.1f}:{1e3 * b:.1f}:{1e3 * w:.1f}")
+        print(
+            f"  {name:<12} {vpp:>3} {step:>8.3f} {measured:>7.3f} "
+            f"{sim:>7.3f} {measured / sim if sim else 0:>8.2f} "
+            f"{(pp - 1) / (vpp * m + pp - 1):>7.3f}  {1e3 * f:.1f}:{1e3 * b:.1f}:{1e3 * w:.1f}"
+        )
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ With --tasks N: the same corpus prepared by 1 task and by N tasks (data.num_task
 processes at once as a job array runs them), with units small enough that each task gets a share; prints
 tokens/s of each and the ratio N tasks / 1 task (ideal: min(N, cores)).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,7 +54,7 @@ def encode_limit(src: Path, tok_path: Path, cache: str) -> tuple[tuple[int, floa
     t0, c0 = time.perf_counter(), time.process_time()
     n = 0
     for i in range(0, len(docs), 1024):
-        n += sum(len(x) + 1 for x in tok.encode(docs[i:i + 1024], num_threads=1))  # + eos, as prepare
+        n += sum(len(x) + 1 for x in tok.encode(docs[i : i + 1024], num_threads=1))  # + eos, as prepare
     return (n, time.process_time() - c0), time.perf_counter() - t0
 
 
@@ -63,7 +64,12 @@ def best(trials: int, fn):
 
 
 def run_prepare(src: Path, out: Path, workers: int, tokenizer: Path | None, vocab: int) -> dict:
-    over = [f"data.source={src}", f"data.path={out}", f"data.num_workers={workers}", f"data.vocab_size={vocab}"]
+    over = [
+        f"data.source={src}",
+        f"data.path={out}",
+        f"data.num_workers={workers}",
+        f"data.vocab_size={vocab}",
+    ]
     if tokenizer is not None:
         over.append(f"data.tokenizer={tokenizer}")
     return prepare(load_config(over, world_size=1, check_data=False), show_progress=False)
@@ -76,51 +82,82 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--trials", type=int, default=3)
-    ap.add_argument("--tasks", type=int, default=0, help="also time 1 task against this many (data.num_tasks)")
+    ap.add_argument(
+        "--tasks", type=int, default=0, help="also time 1 task against this many (data.num_tasks)"
+    )
     a = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-prepare-") as tmp:
         tmp = Path(tmp)
         src = make_corpus(Path(a.source), a.repeat, tmp / "corpus")
         mb = sum(f.stat().st_size for f in src.iterdir()) / 1e6
-        print(f"corpus: {a.source} x{a.repeat} = {mb:.1f} MB on disk, {len(list(src.iterdir()))} files; "
-              f"{os.cpu_count()} cores", flush=True)
+        print(
+            f"corpus: {a.source} x{a.repeat} = {mb:.1f} MB on disk, {len(list(src.iterdir()))} files; "
+            f"{os.cpu_count()} cores",
+            flush=True,
+        )
         t0 = time.perf_counter()
         trained = run_prepare(src, tmp / "trained", a.workers, None, a.vocab)
-        print(f"with tokenizer training (vocab {a.vocab}): {time.perf_counter() - t0:.1f}s "
-              f"(training {trained['stats']['tokenizer_seconds']:.1f}s)", flush=True)
+        print(
+            f"with tokenizer training (vocab {a.vocab}): {time.perf_counter() - t0:.1f}s "
+            f"(training {trained['stats']['tokenizer_seconds']:.1f}s)",
+            flush=True,
+        )
         tok = tmp / "tokenizer.model"
         shutil.copyfile(tmp / "trained" / "tokenizer.model", tok)
         with tempfile.TemporaryDirectory() as cache, offline_hf(cache):
             (n, limit_cpu), secs = best(a.trials, lambda: encode_limit(src, tok, cache))
         limit = n / secs
-        print(f"limit: sentencepiece encode, 1 core: {n:,} tokens in {secs:.2f}s = {limit:,.0f} tokens/s "
-              f"({limit_cpu:.2f} CPU s)", flush=True)
+        print(
+            f"limit: sentencepiece encode, 1 core: {n:,} tokens in {secs:.2f}s = {limit:,.0f} tokens/s "
+            f"({limit_cpu:.2f} CPU s)",
+            flush=True,
+        )
         for w in sorted({1, a.workers}):
+
             def once(w=w):
                 shutil.rmtree(tmp / f"w{w}", ignore_errors=True)
                 t0 = time.perf_counter()
                 meta = run_prepare(src, tmp / f"w{w}", w, tok, a.vocab)
                 return meta, time.perf_counter() - t0
+
             meta, wall = best(a.trials, once)
             assert meta["num_tokens"] == n, (meta["num_tokens"], n)
             enc = meta["num_tokens"] / meta["stats"]["encode_seconds"]
-            print(f"prepare, {w} worker(s): {wall:.2f}s end to end = {n / wall:,.0f} tokens/s "
-                  f"(ratio to the 1-core limit {n / wall / limit:.2f}); tokenizing phase {enc:,.0f} tokens/s "
-                  f"(ratio {enc / limit:.2f}); tokenizing CPU {meta['stats']['encode_cpu_seconds']:.2f}s "
-                  f"(limit CPU / this: {limit_cpu / meta['stats']['encode_cpu_seconds']:.2f})", flush=True)
+            print(
+                f"prepare, {w} worker(s): {wall:.2f}s end to end = {n / wall:,.0f} tokens/s "
+                f"(ratio to the 1-core limit {n / wall / limit:.2f}); tokenizing phase {enc:,.0f} tokens/s "
+                f"(ratio {enc / limit:.2f}); tokenizing CPU {meta['stats']['encode_cpu_seconds']:.2f}s "
+                f"(limit CPU / this: {limit_cpu / meta['stats']['encode_cpu_seconds']:.2f})",
+                flush=True,
+            )
         if a.tasks > 1:
             bench_tasks(src, tmp, tok, a.tasks, a.trials)
 
 
 def run_tasks(src: Path, out: Path, tok: Path, tasks: int, unit_bytes: int) -> float:
     """Wall seconds of `tasks` prepare processes at once (one worker each) on units of unit_bytes."""
-    code = (f"import sys; from megaframe.data import prepare as p; p.UNIT_BYTES = {unit_bytes}; "
-            "sys.exit(p.main(sys.argv[1:]))")
-    over = [f"data.source={src}", f"data.path={out}", f"data.tokenizer={tok}", "data.num_workers=1",
-            f"data.num_tasks={tasks}"]
+    code = (
+        f"import sys; from megaframe.data import prepare as p; p.UNIT_BYTES = {unit_bytes}; "
+        "sys.exit(p.main(sys.argv[1:]))"
+    )
+    over = [
+        f"data.source={src}",
+        f"data.path={out}",
+        f"data.tokenizer={tok}",
+        "data.num_workers=1",
+        f"data.num_tasks={tasks}",
+    ]
     t0 = time.perf_counter()
-    procs = [subprocess.Popen([sys.executable, "-c", code, *over, f"data.task={i}"], cwd=ROOT,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for i in range(tasks)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, *over, f"data.task={i}"],
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(tasks)
+    ]
     for p in procs:
         _, err = p.communicate()
         assert p.returncode == 0, err
@@ -131,15 +168,22 @@ def bench_tasks(src: Path, tmp: Path, tok: Path, tasks: int, trials: int) -> Non
     unit = max(1 << 16, sum(f.stat().st_size for f in src.iterdir()) // (4 * tasks))  # ~4 units per task
     walls = {}
     for n in (1, tasks):
+
         def once(n=n):
             shutil.rmtree(tmp / f"t{n}", ignore_errors=True)
             return None, run_tasks(src, tmp / f"t{n}", tok, n, unit)
+
         walls[n] = best(trials, once)[1]
     import json
+
     tokens = json.loads((tmp / f"t{tasks}" / "meta.json").read_text())["num_tokens"]
-    print(f"prepare as tasks (units of {unit / 1e6:.1f} MB, one " f"worker each): 1 task {tokens / walls[1]:,.0f} tokens/s, "
-          f"{tasks} tasks {tokens / walls[tasks]:,.0f} tokens/s; " f"ratio {tasks} tasks / 1 task: {walls[1] / walls[tasks]:.2f}",
-          flush=True)
+    print(
+        f"prepare as tasks (units of {unit / 1e6:.1f} MB, one "
+        f"worker each): 1 task {tokens / walls[1]:,.0f} tokens/s, "
+        f"{tasks} tasks {tokens / walls[tasks]:,.0f} tokens/s; "
+        f"ratio {tasks} tasks / 1 task: {walls[1] / walls[tasks]:.2f}",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ Prints each path's fastest step (the least disturbed one on a shared machine; th
 and the ratio unoverlapped / overlapped (above 1: overlap is faster). On CPU gloo's collectives run on
 their own threads, so the overlap can hide transfers only where a core is free for them.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -21,23 +22,35 @@ import torch.distributed as dist
 from megaframe.parallel.local import spawn_local
 
 
-def _rank(rank: int, port: int, world: int, over: list[str], chunks: int, steps: int, threads: int, q) -> None:
+def _rank(
+    rank: int, port: int, world: int, over: list[str], chunks: int, steps: int, threads: int, q
+) -> None:
     from megaframe.config import load_config
     from megaframe.model.parallelize import build_model
     from megaframe.parallel.mesh import build_mesh
 
     torch.set_num_threads(threads)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=600))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=600),
+    )
     mesh = build_mesh(world, 1, torch.device("cpu"), timeout=datetime.timedelta(seconds=600))
     models = {}
-    for name, extra in (("plain", []), ("overlap", ["parallel.tp_comm_overlap=true", f"parallel.tp_comm_chunks={chunks}"])):
+    for name, extra in (
+        ("plain", []),
+        ("overlap", ["parallel.tp_comm_overlap=true", f"parallel.tp_comm_chunks={chunks}"]),
+    ):
         models[name] = build_model(load_config(over + extra, world_size=world, check_data=False), mesh)
     cfg = load_config(over, world_size=world, check_data=False)
-    ids_BS = torch.randint(0, cfg.model.vocab_size, (1, cfg.model.seq_length + 1), generator=torch.Generator().manual_seed(0))
+    ids_BS = torch.randint(
+        0, cfg.model.vocab_size, (1, cfg.model.seq_length + 1), generator=torch.Generator().manual_seed(0)
+    )
     times = {k: [] for k in models}
     for r in range(steps + 1):
-        for name in (models if r % 2 == 0 else reversed(list(models))):
+        for name in models if r % 2 == 0 else reversed(list(models)):
             dist.barrier()  # every rank starts together: the slowest rank's time is the group's
             t0 = time.perf_counter()
             models[name](ids_BS[:, :-1], ids_BS[:, 1:]).sum().backward()
@@ -58,13 +71,27 @@ def main(argv: list[str]) -> int:
             print(f"bench_tp_overlap: unknown argument {k!r} (known: {', '.join(a)})", file=sys.stderr)
             return 2
         a[k] = int(v)
-    over = ["data=synthetic", f"model.hidden_size={a['hidden']}", "model.num_attention_heads=8", "model.num_query_groups=4",
-            f"model.ffn_hidden_size={4 * a['hidden']}", "model.vocab_size=256", f"model.num_layers={a['layers']}",
-            f"model.seq_length={a['seq']}", "model.dropout=0.0", "train.micro_batch_size=1", "train.global_batch_size=1",
-            f"parallel.tp={a['tp']}", "parallel.sp=true", "logging.wandb.mode=disabled"]
+    over = [
+        "data=synthetic",
+        f"model.hidden_size={a['hidden']}",
+        "model.num_attention_heads=8",
+        "model.num_query_groups=4",
+        f"model.ffn_hidden_size={4 * a['hidden']}",
+        "model.vocab_size=256",
+        f"model.num_layers={a['layers']}",
+        f"model.seq_length={a['seq']}",
+        "model.dropout=0.0",
+        "train.micro_batch_size=1",
+        "train.global_batch_size=1",
+        f"parallel.tp={a['tp']}",
+        "parallel.sp=true",
+        "logging.wandb.mode=disabled",
+    ]
     plain, overlap = spawn_local(_rank, a["tp"], a["tp"], over, a["chunks"], a["steps"], a["threads"])
-    print(f"bench_tp_overlap | tp{a['tp']}·sp, seq {a['seq']}, D={a['hidden']}, {a['layers']} layers, "
-          f"{a['chunks']} chunks, {a['threads']} thread(s) per rank | fastest of {a['steps']} steps")
+    print(
+        f"bench_tp_overlap | tp{a['tp']}·sp, seq {a['seq']}, D={a['hidden']}, {a['layers']} layers, "
+        f"{a['chunks']} chunks, {a['threads']} thread(s) per rank | fastest of {a['steps']} steps"
+    )
     print(f"  unoverlapped {plain * 1e3:9.1f} ms | overlapped {overlap * 1e3:9.1f} ms")
     print(f"ratio unoverlapped / overlapped: {plain / overlap:.3f}")
     return 0

@@ -19,6 +19,7 @@ and the peer with bf16 autocast over fp32 params (the usual transformers bf16 re
 The peer here is eager and each step is one micro-batch; benchmarks/bench_gpu.py is the fair comparison
 (compiled transformers and torchtitan, several micro-batches per step, per-step vs per-micro-batch time).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,8 +30,15 @@ import torch
 import torch.nn.functional as F
 
 # CPU size: big enough that matmuls dominate like on a real model, small enough for 2 shared cores
-CPU_DIMS = dict(num_layers=4, hidden_size=256, num_attention_heads=8, num_query_groups=4, ffn_hidden_size=704,
-                vocab_size=8192, seq_length=256)
+CPU_DIMS = dict(
+    num_layers=4,
+    hidden_size=256,
+    num_attention_heads=8,
+    num_query_groups=4,
+    ffn_hidden_size=704,
+    vocab_size=8192,
+    seq_length=256,
+)
 LR, BETAS, EPS, WD, CLIP = 3e-4, (0.9, 0.95), 1e-8, 0.1, 1.0
 
 
@@ -41,11 +49,24 @@ def megaframe_side(args, device: torch.device, precision: str | None = None):
     from megaframe.parallel.mesh import single_process_mesh
     from megaframe.training.step import train_step
 
-    over = ["data=synthetic", f"train.micro_batch_size={args.batch}", f"train.global_batch_size={args.batch}",
-            f"optim.lr={LR}", f"optim.beta1={BETAS[0]}", f"optim.beta2={BETAS[1]}", f"optim.eps={EPS}",
-            f"optim.weight_decay={WD}", f"optim.clip_grad={CLIP}", "optim.warmup_steps=0", f"optim.min_lr={LR}",
-            "train.max_steps=1000000", f"train.device={device.type}", f"model.seq_length={args.seq}",
-            f"train.compile={str(args.compile).lower()}", f"train.recompute={args.recompute}"]
+    over = [
+        "data=synthetic",
+        f"train.micro_batch_size={args.batch}",
+        f"train.global_batch_size={args.batch}",
+        f"optim.lr={LR}",
+        f"optim.beta1={BETAS[0]}",
+        f"optim.beta2={BETAS[1]}",
+        f"optim.eps={EPS}",
+        f"optim.weight_decay={WD}",
+        f"optim.clip_grad={CLIP}",
+        "optim.warmup_steps=0",
+        f"optim.min_lr={LR}",
+        "train.max_steps=1000000",
+        f"train.device={device.type}",
+        f"model.seq_length={args.seq}",
+        f"train.compile={str(args.compile).lower()}",
+        f"train.recompute={args.recompute}",
+    ]
     if args.preset == "1b":
         over += ["model=llama_1b"] + ([f"model.num_layers={args.layers}"] if args.layers else [])
     else:
@@ -70,18 +91,39 @@ def hf_side(cfg, device: torch.device):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     m = cfg.model
-    hc = LlamaConfig(vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.ffn_hidden_size,
-                     num_hidden_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
-                     num_key_value_heads=m.kv_heads, max_position_embeddings=m.seq_length, rms_norm_eps=m.norm_eps,
-                     rope_theta=m.rope_theta, tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
-                     attention_dropout=0.0, initializer_range=m.init_std, use_cache=False)
+    hc = LlamaConfig(
+        vocab_size=m.vocab_size,
+        hidden_size=m.hidden_size,
+        intermediate_size=m.ffn_hidden_size,
+        num_hidden_layers=m.num_layers,
+        num_attention_heads=m.num_attention_heads,
+        num_key_value_heads=m.kv_heads,
+        max_position_embeddings=m.seq_length,
+        rms_norm_eps=m.norm_eps,
+        rope_theta=m.rope_theta,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        mlp_bias=False,
+        attention_dropout=0.0,
+        initializer_range=m.init_std,
+        use_cache=False,
+    )
     hc._attn_implementation = "sdpa"
     model = LlamaForCausalLM(hc).to(device).train()
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": WD}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=LR, betas=BETAS, eps=EPS, fused=True)  # the kernel megaframe uses, CPU and CUDA
-    autocast = torch.autocast("cuda", torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": WD}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=LR,
+        betas=BETAS,
+        eps=EPS,
+        fused=True,
+    )  # the kernel megaframe uses, CPU and CUDA
+    autocast = (
+        torch.autocast("cuda", torch.bfloat16)
+        if device.type == "cuda"
+        else torch.autocast("cpu", enabled=False)
+    )
 
     def step(ids_BS, labels_BS):
         opt.zero_grad(set_to_none=True)
@@ -144,9 +186,15 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="megaframe with train.compile=true")
     ap.add_argument("--recompute", default="none", choices=["none", "selective", "full"])
     ap.add_argument("--profile", action="store_true", help="print torch.profiler tables of both and exit")
-    ap.add_argument("--fp8", action="store_true", help="also megaframe at train.precision=fp8 (torchao float8 GEMMs), "
-                    "timed in the same run: prints fp8 / bf16")
-    ap.add_argument("--layers", type=int, default=None, help="--preset 1b with fewer layers (three models share a GPU)")
+    ap.add_argument(
+        "--fp8",
+        action="store_true",
+        help="also megaframe at train.precision=fp8 (torchao float8 GEMMs), "
+        "timed in the same run: prints fp8 / bf16",
+    )
+    ap.add_argument(
+        "--layers", type=int, default=None, help="--preset 1b with fewer layers (three models share a GPU)"
+    )
     ap.add_argument("--fp8-recipe", default="tensorwise", choices=["tensorwise", "rowwise"])
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -167,12 +215,12 @@ def main() -> None:
             cfg, sides["megaframe"] = megaframe_side(args, device, "bf16")
         sides["megaframe_fp8"] = megaframe_side(args, device, "fp8")[1]
     for _name, step in sides.items():
-        timed(step, batches[:args.warmup], device)
+        timed(step, batches[: args.warmup], device)
     if args.profile:
         for name, step in sides.items():
-            profile(name, step, batches[args.warmup:])
+            profile(name, step, batches[args.warmup :])
         return
-    report(args, cfg, sides, batches[args.warmup:], device)
+    report(args, cfg, sides, batches[args.warmup :], device)
 
 
 def report(args, cfg, sides, batches, device) -> None:
@@ -182,28 +230,34 @@ def report(args, cfg, sides, batches, device) -> None:
     tps = {name: [] for name in sides}
     cpu = {name: [] for name in sides}
     for r in range(args.repeats):  # interleaved: both see the same drift of the machine's load
-        for name, step in (sides.items() if r % 2 == 0 else reversed(list(sides.items()))):
+        for name, step in sides.items() if r % 2 == 0 else reversed(list(sides.items())):
             wall_s, cpu_s = timed(step, batches, device)
             tps[name].append(tokens / wall_s)
             cpu[name].append(tokens / cpu_s)
     m = cfg.model
     fpt, peak = flops_per_token(m), peak_flops(device)
-    print(f"bench_vs_hf | {device.type}, {torch.get_num_threads()} thread(s), torch {torch.__version__} | "
-          f"{m.num_layers} layers, D={m.hidden_size}, heads {m.num_attention_heads} (kv {m.kv_heads}), "
-          f"F={m.ffn_hidden_size}, vocab {m.vocab_size}, batch {args.batch} x seq {args.seq} | "
-          f"{args.repeats} repeats x {len(batches)} steps after {args.warmup} warm-up | "
-          f"{fpt / 1e6:.1f} MFLOP/token, peak {peak / 1e12:.3f} TFLOP/s")
+    print(
+        f"bench_vs_hf | {device.type}, {torch.get_num_threads()} thread(s), torch {torch.__version__} | "
+        f"{m.num_layers} layers, D={m.hidden_size}, heads {m.num_attention_heads} (kv {m.kv_heads}), "
+        f"F={m.ffn_hidden_size}, vocab {m.vocab_size}, batch {args.batch} x seq {args.seq} | "
+        f"{args.repeats} repeats x {len(batches)} steps after {args.warmup} warm-up | "
+        f"{fpt / 1e6:.1f} MFLOP/token, peak {peak / 1e12:.3f} TFLOP/s"
+    )
     for name, xs in tps.items():
         med = statistics.median(xs)
-        print(f"  {name:10s} tokens/s median {med:10.1f} (min {min(xs):.1f}, max {max(xs):.1f}) | "
-              f"{med * fpt / 1e12:.3f} TFLOP/s, MFU {med * fpt / peak if peak else 0:.3f} | "
-              f"tokens per CPU-second median {statistics.median(cpu[name]):.1f}")
+        print(
+            f"  {name:10s} tokens/s median {med:10.1f} (min {min(xs):.1f}, max {max(xs):.1f}) | "
+            f"{med * fpt / 1e12:.3f} TFLOP/s, MFU {med * fpt / peak if peak else 0:.3f} | "
+            f"tokens per CPU-second median {statistics.median(cpu[name]):.1f}"
+        )
     pairs = [("megaframe", "hf_llama")] + ([("megaframe_fp8", "megaframe")] if "megaframe_fp8" in tps else [])
     for a_name, b_name in pairs:
         for what, d in (("wall", tps), ("CPU time", cpu)):
             ratios = [a / b for a, b in zip(d[a_name], d[b_name])]
-            print(f"ratio {a_name} / {b_name} ({what}): median {statistics.median(ratios):.3f} "
-                  f"(per repeat: {', '.join(f'{x:.3f}' for x in ratios)})")
+            print(
+                f"ratio {a_name} / {b_name} ({what}): median {statistics.median(ratios):.3f} "
+                f"(per repeat: {', '.join(f'{x:.3f}' for x in ratios)})"
+            )
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ optimizer-state bytes and the peak of ZeRO-2's transient bucket grads (mem/gathe
 the ratios. On a machine with few cores, gloo's communication threads compete with compute for
 them, which caps what overlap can win.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -29,17 +30,31 @@ import torch.distributed as dist
 
 from megaframe.parallel.local import spawn_local
 
-MODEL = ["data=synthetic", "model.num_layers=4", "model.hidden_size=512", "model.num_attention_heads=8",
-         "model.num_query_groups=8", "model.ffn_hidden_size=1408", "model.seq_length=128",
-         "model.vocab_size=8192", "train.micro_batch_size=2", "train.global_batch_size=4",
-         "logging.wandb.mode=disabled", "train.max_steps=1000"]
+MODEL = [
+    "data=synthetic",
+    "model.num_layers=4",
+    "model.hidden_size=512",
+    "model.num_attention_heads=8",
+    "model.num_query_groups=8",
+    "model.ffn_hidden_size=1408",
+    "model.seq_length=128",
+    "model.vocab_size=8192",
+    "train.micro_batch_size=2",
+    "train.global_batch_size=4",
+    "logging.wandb.mode=disabled",
+    "train.max_steps=1000",
+]
 NO_GATHER_OVERLAP = ["optim.overlap_param_gather=false"]
 # (name, overrides, reduce-scatter overlapped with backward; None: zero=0)
-MODES = [("zero1 overlap", ["optim.zero=1"], True), ("zero1 no overlap", ["optim.zero=1"] + NO_GATHER_OVERLAP, False),
-         ("zero0 all-reduce", ["optim.zero=0"], None),
-         ("zero1 no gather ovl", ["optim.zero=1"] + NO_GATHER_OVERLAP, True),
-         ("zero2", ["optim.zero=2"], True), ("zero2 no gather ovl", ["optim.zero=2"] + NO_GATHER_OVERLAP, True),
-         ("zero3", ["optim.zero=3"], True)]
+MODES = [
+    ("zero1 overlap", ["optim.zero=1"], True),
+    ("zero1 no overlap", ["optim.zero=1"] + NO_GATHER_OVERLAP, False),
+    ("zero0 all-reduce", ["optim.zero=0"], None),
+    ("zero1 no gather ovl", ["optim.zero=1"] + NO_GATHER_OVERLAP, True),
+    ("zero2", ["optim.zero=2"], True),
+    ("zero2 no gather ovl", ["optim.zero=2"] + NO_GATHER_OVERLAP, True),
+    ("zero3", ["optim.zero=3"], True),
+]
 
 
 def _build(mesh, overrides: list[str], overlap):
@@ -54,7 +69,11 @@ def _build(mesh, overrides: list[str], overlap):
     if cfg.optim.zero == 3:
         opt = Zero3Optimizer(model, cfg.optim, mesh)
     else:
-        opt = ZeroOptimizer(model, cfg.optim, mesh, overlap=overlap) if cfg.optim.zero else PlainOptimizer(model, cfg.optim, mesh)
+        opt = (
+            ZeroOptimizer(model, cfg.optim, mesh, overlap=overlap)
+            if cfg.optim.zero
+            else PlainOptimizer(model, cfg.optim, mesh)
+        )
     return cfg, model, opt
 
 
@@ -65,8 +84,14 @@ def _timed_step(model, opt, batches, mesh, cfg, step: int) -> tuple[float, float
 
     t0 = time.perf_counter()
     opt.zero_grad()
-    run_schedule(rank_schedule(cfg, mesh, len(batches)), model, batches, mesh, opt,
-                 cfg.train.global_batch_size * cfg.model.seq_length)
+    run_schedule(
+        rank_schedule(cfg, mesh, len(batches)),
+        model,
+        batches,
+        mesh,
+        opt,
+        cfg.train.global_batch_size * cfg.model.seq_length,
+    )
     t1 = time.perf_counter()
     opt.step(cfg.optim.lr)
     return t1 - t0, time.perf_counter() - t1
@@ -77,10 +102,18 @@ def _worker(rank: int, port: int, steps: int, rounds: int, bucket_mb: float, thr
     from megaframe.parallel.mesh import build_mesh
 
     torch.set_num_threads(threads)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=300))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=2,
+        timeout=datetime.timedelta(seconds=300),
+    )
     mesh = build_mesh(1, 1, torch.device("cpu"))
-    runs = {name: _build(mesh, over + [f"optim.bucket_size_mb={bucket_mb}"], overlap) for name, over, overlap in MODES}
+    runs = {
+        name: _build(mesh, over + [f"optim.bucket_size_mb={bucket_mb}"], overlap)
+        for name, over, overlap in MODES
+    }
     cfg = next(iter(runs.values()))[0]
     data, t = build_data(cfg), cfg.train
     times = {name: [] for name in runs}
@@ -90,7 +123,9 @@ def _worker(rank: int, port: int, steps: int, rounds: int, bucket_mb: float, thr
         for name, (c, model, opt) in runs.items():
             for _ in range(steps):
                 step += 1
-                batches = microbatches(data, step, t.global_batch_size, t.micro_batch_size, mesh.dp.rank, 2, t.seed)
+                batches = microbatches(
+                    data, step, t.global_batch_size, t.micro_batch_size, mesh.dp.rank, 2, t.seed
+                )
                 dist.barrier()
                 mesh.stats.pop()
                 phases = _timed_step(model, opt, batches, mesh, c, step)
@@ -100,6 +135,7 @@ def _worker(rank: int, port: int, steps: int, rounds: int, bucket_mb: float, thr
             opt.sync_params()  # this mode's overlapped gather must not run into the next mode's step
     n_params = sum(p.numel() for p in runs[MODES[0][0]][1].parameters())
     from megaframe.training.metrics import memory_figures
+
     mem = {name: memory_figures(model, opt, mesh.device) for name, (_, model, opt) in runs.items()}
     if rank == 0:
         out.put((times, sent, n_params, len(runs[MODES[0][0]][2].buffers[0].buckets), mem))
@@ -108,21 +144,29 @@ def _worker(rank: int, port: int, steps: int, rounds: int, bucket_mb: float, thr
 
 
 def main(steps: int = 2, rounds: int = 8, bucket_mb: float = 4.0, threads: int = 1) -> None:
-    times, sent, n_params, buckets, mem = spawn_local(_worker, 2, steps, rounds, bucket_mb, threads, timeout_s=3600)
-    print(f"dp=2 on gloo, {os.cpu_count()} cores, {threads} thread(s)/rank | {n_params / 1e6:.1f}M params "
-          f"({4 * n_params / 2**20:.0f} MiB fp32 grads), {buckets} buckets of {bucket_mb} MiB | "
-          f"{rounds} rounds x {steps} steps per mode")
+    times, sent, n_params, buckets, mem = spawn_local(
+        _worker, 2, steps, rounds, bucket_mb, threads, timeout_s=3600
+    )
+    print(
+        f"dp=2 on gloo, {os.cpu_count()} cores, {threads} thread(s)/rank | {n_params / 1e6:.1f}M params "
+        f"({4 * n_params / 2**20:.0f} MiB fp32 grads), {buckets} buckets of {bucket_mb} MiB | "
+        f"{rounds} rounds x {steps} steps per mode"
+    )
     med = {}
     for name, ts in times.items():
         total = [a + b for a, b in ts]
         med[name] = statistics.median(total)
         fb, st = statistics.median(a for a, _ in ts), statistics.median(b for _, b in ts)
-        print(f"  {name:18s} step median {med[name] * 1e3:7.1f} ms (min {min(total) * 1e3:7.1f}, max "
-              f"{max(total) * 1e3:7.1f}) = fwd/bwd {fb * 1e3:7.1f} + optimizer step {st * 1e3:6.1f} | "
-              f"dp bytes/step {sent[name] / 2**20:5.1f} MiB | params " f"{mem[name]['mem/params_bytes'] / 2**20:5.1f} MiB, "
-              f"grads {mem[name]['mem/grads_bytes'] / 2**20:5.1f} "
-              f"MiB, optim {mem[name]['mem/optim_bytes'] / 2**20:5.1f} " "MiB, transient (grads, zero=3 params) peak "
-              f"{mem[name].get('mem/gathered_peak_bytes', 0) / 2**20:4.1f} MiB")
+        print(
+            f"  {name:18s} step median {med[name] * 1e3:7.1f} ms (min {min(total) * 1e3:7.1f}, max "
+            f"{max(total) * 1e3:7.1f}) = fwd/bwd {fb * 1e3:7.1f} + optimizer step {st * 1e3:6.1f} | "
+            f"dp bytes/step {sent[name] / 2**20:5.1f} MiB | params "
+            f"{mem[name]['mem/params_bytes'] / 2**20:5.1f} MiB, "
+            f"grads {mem[name]['mem/grads_bytes'] / 2**20:5.1f} "
+            f"MiB, optim {mem[name]['mem/optim_bytes'] / 2**20:5.1f} "
+            "MiB, transient (grads, zero=3 params) peak "
+            f"{mem[name].get('mem/gathered_peak_bytes', 0) / 2**20:4.1f} MiB"
+        )
     print(f"ratio overlap / no overlap: {med['zero1 overlap'] / med['zero1 no overlap']:.3f}")
     print(f"ratio overlap / zero0 all-reduce: {med['zero1 overlap'] / med['zero0 all-reduce']:.3f}")
     print(f"ratio no overlap / zero0 all-reduce: {med['zero1 no overlap'] / med['zero0 all-reduce']:.3f}")
@@ -133,4 +177,9 @@ def main(steps: int = 2, rounds: int = 8, bucket_mb: float = 4.0, threads: int =
 
 if __name__ == "__main__":
     kw = dict(a.split("=", 1) for a in sys.argv[1:])
-    main(int(kw.get("steps", 2)), int(kw.get("rounds", 8)), float(kw.get("bucket_mb", 4.0)), int(kw.get("threads", 1)))
+    main(
+        int(kw.get("steps", 2)),
+        int(kw.get("rounds", 8)),
+        float(kw.get("bucket_mb", 4.0)),
+        int(kw.get("threads", 1)),
+    )

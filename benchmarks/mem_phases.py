@@ -12,6 +12,7 @@ again without measuring). Prints phase x layout: measured (the largest rank), pl
 coordinate), ratio; then zero=3 dp4 against one process at zero=0 for start-up, save and load. The default
 model (8 layers, hidden 1024, ffn 4096, vocab 8192, seq 256, GQA 16/4 heads) has 113M parameters.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,16 +30,31 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megaframe.parallel.local import spawn_local  # noqa: E402
 
 # name -> (ranks, tp, pp, overrides)
-LAYOUTS = {"zero3-dp4": (4, 1, 1, ["optim.zero=3"]), "zero3-tp2-dp2": (4, 2, 1, ["optim.zero=3", "parallel.tp=2"]),
-           "zero1-pp2-dp2": (4, 1, 2, ["optim.zero=1", "parallel.pp=2"]), "zero0-one": (1, 1, 1, ["optim.zero=0"])}
+LAYOUTS = {
+    "zero3-dp4": (4, 1, 1, ["optim.zero=3"]),
+    "zero3-tp2-dp2": (4, 2, 1, ["optim.zero=3", "parallel.tp=2"]),
+    "zero1-pp2-dp2": (4, 1, 2, ["optim.zero=1", "parallel.pp=2"]),
+    "zero0-one": (1, 1, 1, ["optim.zero=0"]),
+}
 PHASES = ("startup", "step", "save", "load")
 
 
 def model_overrides(a) -> list[str]:
-    return ["data=synthetic", "train.device=cpu", f"model.num_layers={a.layers}", f"model.hidden_size={a.hidden}",
-            f"model.ffn_hidden_size={a.ffn}", f"model.vocab_size={a.vocab}", f"model.seq_length={a.seq}",
-            "model.num_attention_heads=16", "model.num_query_groups=4", "train.micro_batch_size=1",
-            "train.global_batch_size=4", "train.max_steps=1", "logging.wandb.mode=disabled"]
+    return [
+        "data=synthetic",
+        "train.device=cpu",
+        f"model.num_layers={a.layers}",
+        f"model.hidden_size={a.hidden}",
+        f"model.ffn_hidden_size={a.ffn}",
+        f"model.vocab_size={a.vocab}",
+        f"model.seq_length={a.seq}",
+        "model.num_attention_heads=16",
+        "model.num_query_groups=4",
+        "train.micro_batch_size=1",
+        "train.global_batch_size=4",
+        "train.max_steps=1",
+        "logging.wandb.mode=disabled",
+    ]
 
 
 def _worker(rank: int, port: int, n: int, tp: int, pp: int, overrides: list[str], folder: str, out) -> None:
@@ -47,8 +63,13 @@ def _worker(rank: int, port: int, n: int, tp: int, pp: int, overrides: list[str]
     from megaframe.training.phase_run import measure_phases
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n,
-                            timeout=datetime.timedelta(seconds=1800))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=n,
+        timeout=datetime.timedelta(seconds=1800),
+    )
     mesh = build_mesh(tp, pp, torch.device("cpu"))
     got = measure_phases(mesh, load_config(overrides, world_size=n, check_data=False), folder)
     rows = [None] * n
@@ -71,8 +92,10 @@ def planned(name: str, base: list[str], rows: list[dict]) -> list[tuple[dict, di
     from megaframe.planning.estimate import plan_layout
 
     n, _, _, extra = LAYOUTS[name]
-    plan = {(r.pp_rank, r.tp_rank): r.phases for r in plan_layout(load_config(base + extra, world_size=n,
-                                                                                 check_data=False), n).ranks}
+    plan = {
+        (r.pp_rank, r.tp_rank): r.phases
+        for r in plan_layout(load_config(base + extra, world_size=n, check_data=False), n).ranks
+    }
     return [(got, plan[(got["pp_rank"], got["tp_rank"])]) for got in rows]
 
 
@@ -95,7 +118,7 @@ def main() -> None:
             if a.json:
                 Path(a.json).write_text(json.dumps({"overrides": base, "measured": measured}))
     results = {name: planned(name, base, rows) for name, rows in measured.items()}
-    mib = 2 ** 20
+    mib = 2**20
     print(f"\n{'phase':8} " + " ".join(f"{name:>34}" for name in results))
     print(f"{'':8} " + " ".join(f"{'measured / planned MiB (ratio)':>34}" for _ in results))
     for ph in PHASES:

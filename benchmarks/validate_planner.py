@@ -17,6 +17,7 @@
 4. Prints estimated vs measured step time per layout, the error, both rankings and Spearman's rho.
 The machine's load average is printed before and after: other processes share the cores.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,10 +37,20 @@ PRIORITY: int | None = None
 """--priority: the autogroup nice of the measured runs (None: leave them at the default)."""
 sys.path.insert(0, str(ROOT))
 
-MODEL = ["data=synthetic", "model.num_layers=4", "model.hidden_size=192", "model.num_attention_heads=6",
-         "model.num_query_groups=2", "model.ffn_hidden_size=512", "model.seq_length=128", "model.vocab_size=2048",
-         "train.global_batch_size=16", "logging.wandb.mode=disabled", "checkpoint.resume=none",
-         "train.hang_timeout_s=0"]
+MODEL = [
+    "data=synthetic",
+    "model.num_layers=4",
+    "model.hidden_size=192",
+    "model.num_attention_heads=6",
+    "model.num_query_groups=2",
+    "model.ffn_hidden_size=512",
+    "model.seq_length=128",
+    "model.vocab_size=2048",
+    "train.global_batch_size=16",
+    "logging.wandb.mode=disabled",
+    "checkpoint.resume=none",
+    "train.hang_timeout_s=0",
+]
 LAYOUTS = {  # name -> (search.Layout fields, extra overrides)
     "dp2": dict(tp=1, pp=1, vpp=1, dp=2, ep=1, zero=1, micro_batch=2, recompute="none"),
     "dp2-full-recompute": dict(tp=1, pp=1, vpp=1, dp=2, ep=1, zero=1, micro_batch=2, recompute="full"),
@@ -62,6 +73,7 @@ def hold_priority(proc: subprocess.Popen, nice: int) -> None:
     With the kernel's autogroup scheduling a process's nice only ranks it inside its own session, and
     torchrun starts each worker in a new session: so the session's nice is set on every descendant as
     it appears. Measurements on a shared machine then see (nearly) whole cores."""
+
     def loop():
         done: set[int] = set()
         while proc.poll() is None:
@@ -80,9 +92,22 @@ def hold_priority(proc: subprocess.Popen, nice: int) -> None:
 def start(overrides: list[str], nproc: int, steps: int, run_dir: Path) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "PYTHONPATH": str(ROOT)}
     env.pop("MEGAFRAME_RUN_NAME", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "train.py",
-           *MODEL, *overrides, f"train.max_steps={steps}", "train.log_interval=1", f"run.dir={run_dir}"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "train.py",
+        *MODEL,
+        *overrides,
+        f"train.max_steps={steps}",
+        "train.log_interval=1",
+        f"run.dir={run_dir}",
+    ]
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
     if PRIORITY is not None:
         hold_priority(proc, PRIORITY)
     return proc
@@ -106,8 +131,10 @@ def measured_step_s(overrides: list[str], nproc: int, steps: int, run_dir: Path)
 def calibrate(steps: int, tmp: Path, micro_batch: int) -> float:
     """Step time of one process while another identical one runs: the per-core rate two of our ranks
     get on this (shared) machine at this micro-batch size, with no communication at all."""
-    procs = [(start([f"train.micro_batch_size={micro_batch}"], 1, steps, tmp / f"one{i}"), tmp / f"one{i}")
-             for i in range(2)]
+    procs = [
+        (start([f"train.micro_batch_size={micro_batch}"], 1, steps, tmp / f"one{i}"), tmp / f"one{i}")
+        for i in range(2)
+    ]
     times = [finish(p, d) for p, d in procs]
     return sum(times) / len(times)
 
@@ -126,10 +153,15 @@ def main(argv: list[str]) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--rounds", type=int, default=2, help="runs per layout (alternating order); medians are used")
+    ap.add_argument(
+        "--rounds", type=int, default=2, help="runs per layout (alternating order); medians are used"
+    )
     ap.add_argument("--out")
-    ap.add_argument("--priority", type=int, help="autogroup nice for the measured runs, e.g. -20 on a shared "
-                    "machine (root)")
+    ap.add_argument(
+        "--priority",
+        type=int,
+        help="autogroup nice for the measured runs, e.g. -20 on a shared machine (root)",
+    )
     ap.add_argument("--only", nargs="*", default=list(LAYOUTS), help="layouts to run (default: all six)")
     args = ap.parse_args(argv)
     global PRIORITY
@@ -143,12 +175,15 @@ def main(argv: list[str]) -> int:
     measured: dict[str, list[float]] = {name: [] for name in names}
     calib: dict[str, list[float]] = {name: [] for name in names}
     for r in range(args.rounds):  # layouts in alternating order; each right after its own calibration
-        for name in (names if r % 2 == 0 else names[::-1]):
+        for name in names if r % 2 == 0 else names[::-1]:
             lay = Layout(**LAYOUTS[name])
             calib[name].append(calibrate(args.steps, tmp / f"cal-{name}-{r}", lay.micro_batch))
             measured[name].append(measured_step_s(lay.overrides(), 2, args.steps, tmp / f"{name}-{r}"))
-            print(f"  round {r + 1} {name:<20} calibration {calib[name][-1]:.3f} s/step, layout "
-                  f"{measured[name][-1]:.3f} s/step (load {os.getloadavg()[0]:.1f})", flush=True)
+            print(
+                f"  round {r + 1} {name:<20} calibration {calib[name][-1]:.3f} s/step, layout "
+                f"{measured[name][-1]:.3f} s/step (load {os.getloadavg()[0]:.1f})",
+                flush=True,
+            )
     rows = []
     for name in names:
         lay = Layout(**LAYOUTS[name])
@@ -158,22 +193,48 @@ def main(argv: list[str]) -> int:
         cfg = load_config(MODEL + lay.overrides(), world_size=2, check_data=False)
         parts = step_time(cfg, lay, replace(dev, efficiency=eff), 2)
         est, got = sum(parts.values()), statistics.median(measured[name])
-        rows.append({"layout": name, "estimated_s": est, "measured_s": got, "runs_s": measured[name],
-                     "calibration_s": calib[name], "efficiency": eff, "error": est / got - 1,
-                     "parts_ms": {k: round(v * 1e3, 1) for k, v in parts.items()}})
-        print(f"{name:<20} estimated {est:7.3f} s  measured " f"{got:7.3f} s  error {100 * (est / got - 1):+6.1f}%  "
-              f"(efficiency {100 * eff:.0f}%; " f"{', '.join(f'{k} {v * 1e3:.0f} ms' for k, v in parts.items() if v)})",
-              flush=True)
+        rows.append(
+            {
+                "layout": name,
+                "estimated_s": est,
+                "measured_s": got,
+                "runs_s": measured[name],
+                "calibration_s": calib[name],
+                "efficiency": eff,
+                "error": est / got - 1,
+                "parts_ms": {k: round(v * 1e3, 1) for k, v in parts.items()},
+            }
+        )
+        print(
+            f"{name:<20} estimated {est:7.3f} s  measured "
+            f"{got:7.3f} s  error {100 * (est / got - 1):+6.1f}%  "
+            f"(efficiency {100 * eff:.0f}%; "
+            f"{', '.join(f'{k} {v * 1e3:.0f} ms' for k, v in parts.items() if v)})",
+            flush=True,
+        )
     est_rank = [r["layout"] for r in sorted(rows, key=lambda r: r["estimated_s"])]
     got_rank = [r["layout"] for r in sorted(rows, key=lambda r: r["measured_s"])]
     rho = spearman([r["estimated_s"] for r in rows], [r["measured_s"] for r in rows])
     worst = max(abs(r["error"]) for r in rows)
-    print(f"estimated ranking: {' < '.join(est_rank)}\nmeasured ranking:  {' < '.join(got_rank)}\n"
-          f"Spearman rho {rho:.3f} | largest step-time error {100 * worst:.1f}%", flush=True)
+    print(
+        f"estimated ranking: {' < '.join(est_rank)}\nmeasured ranking:  {' < '.join(got_rank)}\n"
+        f"Spearman rho {rho:.3f} | largest step-time error {100 * worst:.1f}%",
+        flush=True,
+    )
     print(f"load average after: {os.getloadavg()}", flush=True)
     if args.out:
-        Path(args.out).write_text(json.dumps({"device": dev.name, "rows": rows, "rho": rho, "estimated_rank": est_rank,
-                                              "measured_rank": got_rank}, indent=1))
+        Path(args.out).write_text(
+            json.dumps(
+                {
+                    "device": dev.name,
+                    "rows": rows,
+                    "rho": rho,
+                    "estimated_rank": est_rank,
+                    "measured_rank": got_rank,
+                },
+                indent=1,
+            )
+        )
     return 0
 
 

@@ -1,4 +1,5 @@
 """megaframe: Megatron-style LLM pretraining, every parallel layout proven equal to one process."""
+
 from __future__ import annotations
 
 __version__ = "0.1.0"

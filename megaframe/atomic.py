@@ -1,6 +1,7 @@
 """Whole-file writes a reader or a crash can never see half done: write a temporary file in the same
 folder (os.replace is atomic only within one file system), fsync it, then rename it over the target.
 A leaf module: data preparation, metrics caches, the run's config.yaml and the tools share it."""
+
 from __future__ import annotations
 
 import os

@@ -15,6 +15,7 @@ judges again. Check-then-unlink without it let a slow taker delete the lock a fa
 and both wrote into one folder. After creating, the taker reads the file back and checks its token.
 A file system without flock gets no takeover at all: the message says which file to remove by hand.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -75,8 +76,15 @@ def pid_start(pid: int) -> int | None:
 
 
 def identity() -> dict:
-    return {"host": socket.gethostname(), "pid": os.getpid(), "pid_start": pid_start(os.getpid()),
-            "job": job_id(), "restart": restart_count(), "since": time.time(), "token": os.urandom(8).hex()}
+    return {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "pid_start": pid_start(os.getpid()),
+        "job": job_id(),
+        "restart": restart_count(),
+        "since": time.time(),
+        "token": os.urandom(8).hex(),
+    }
 
 
 def pid_gone(holder: dict) -> str | None:
@@ -197,8 +205,11 @@ class OwnerLock:
                 won = self._create()
         except _NoFlock:
             holder = _parse(seen[0])
-            raise LockBusy(holder, f"{describe(holder)}, which looks gone ({why}), but this file system "
-                           f"cannot lock a takeover; remove {self.path} by hand") from None
+            raise LockBusy(
+                holder,
+                f"{describe(holder)}, which looks gone ({why}), but this file system "
+                f"cannot lock a takeover; remove {self.path} by hand",
+            ) from None
         if won:
             self.warn(why)
         return won

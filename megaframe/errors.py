@@ -3,6 +3,7 @@ exit code 2 (the contract: a bad config, data, checkpoint or tokenizer is named 
 seconds). Entry points catch only the exceptions that mean bad input and `return fail(e)`; anything else
 keeps its traceback. A leaf module: the schema and every entry point import it, it imports nothing of
 megaframe."""
+
 from __future__ import annotations
 
 import errno
@@ -20,7 +21,9 @@ class TrainingError(RuntimeError):
 
 def one_line(e: BaseException) -> str:
     """The error and its cause (Hydra puts the reason, e.g. a failed type conversion, in __cause__)."""
-    parts = [str(e)] + ([str(e.__cause__)] if e.__cause__ is not None and str(e.__cause__) not in str(e) else [])
+    parts = [str(e)] + (
+        [str(e.__cause__)] if e.__cause__ is not None and str(e.__cause__) not in str(e) else []
+    )
     words = " ".join(" ".join(p.split()) for p in parts)
     words = words.split(" full_key:")[0]  # OmegaConf appends a multi-field context block
     return words or type(e).__name__

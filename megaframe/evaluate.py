@@ -20,6 +20,7 @@ one line per task with its metrics. Under torchrun the checkpoint is scored in t
 name (parallel.tp=2 parallel.pp=2 ..., dp the remaining ranks), with the one-process scores.
 `checkpoint=CKPT` may replace the leading CKPT in either form.
 """
+
 from __future__ import annotations
 
 import math
@@ -54,8 +55,11 @@ def compose(ckpt, step, meta: dict, overrides: list[str]):
     if not given and data.get("kind", "prepared") == "prepared":
         blend, folders = scored_blend(meta), run_folders(meta)
         if blend:
-            extra.append("data.blend=[" + ", ".join(f"{{path: {_quoted(b['path'])}, weight: {b['weight']!r}}}"
-                                                    for b in blend) + "]")
+            extra.append(
+                "data.blend=["
+                + ", ".join(f"{{path: {_quoted(b['path'])}, weight: {b['weight']!r}}}" for b in blend)
+                + "]"
+            )
         elif folders:
             extra.append(f"data.path={_quoted(folders[0])}")
         if extra:
@@ -105,17 +109,25 @@ def evaluate(model, cfg, every: bool) -> tuple[float, int, str]:
     # whole micro-batches, at most the split's size: a small validation split is still scored
     g = min(t.global_batch_size, data.num_samples) // t.micro_batch_size * t.micro_batch_size
     if g < 1:
-        raise ValueError(f"the {split} split has {data.num_samples} samples < train.micro_batch_size={t.micro_batch_size}")
+        raise ValueError(
+            f"the {split} split has {data.num_samples} samples < train.micro_batch_size={t.micro_batch_size}"
+        )
     iters = data.num_samples // g if every else min(t.eval_iters, data.num_samples // g)
     mesh = single_process_mesh("cpu")
     total = torch.zeros((), dtype=torch.float64)  # many batches of fp32 sums: keep the digits
     with torch.no_grad():
         for k in range(iters):
-            total += loss_sum(model, microbatches(data, k, g, t.micro_batch_size, 0, 1, t.seed), mesh).double()
+            total += loss_sum(
+                model, microbatches(data, k, g, t.micro_batch_size, 0, 1, t.seed), mesh
+            ).double()
     tokens = iters * g * cfg.model.seq_length
     # "all" scored 8 KiB of a 1.2M-token corpus: say which samples, not just the split's name
     n = iters * g
-    which = f"every sample, {n:,}" if n == data.num_samples else f"the first {n:,} of {data.num_samples:,} samples"
+    which = (
+        f"every sample, {n:,}"
+        if n == data.num_samples
+        else f"the first {n:,} of {data.num_samples:,} samples"
+    )
     return total.item() / tokens, tokens, f"{split}: {which}"
 
 
@@ -143,7 +155,9 @@ def run_tasks(ckpt: str, opts: dict, overrides: list[str]) -> int:
     if prints:
         for task, row in sorted(scores.items()):
             print(f"evaluate: {ckpt}: {format_scores({task: row})}", flush=True)
-        print(f"evaluate: {len(scores)} task(s) in {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
+        print(
+            f"evaluate: {len(scores)} task(s) in {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True
+        )
     return 0
 
 
@@ -173,9 +187,12 @@ def main(argv: list[str]) -> int:
         split += ", trained on"
     d = cfg.data  # a blend is what build_data reads; the data= preset's data.path stays beside it
     src = "+".join(b.path for b in (d.stages[-1].blend if d.stages else d.blend)) or d.path
-    print(f"evaluate: {step} (step {meta.get('step')}) on {src} [{split}]: loss {loss:.4f} | "
-          # exp overflows past ~709: a diverged model prints a huge but finite perplexity
-          f"perplexity {math.exp(min(loss, 700)):.2f} | {tokens} tokens in {time.perf_counter() - t0:.1f}s", flush=True)
+    print(
+        f"evaluate: {step} (step {meta.get('step')}) on {src} [{split}]: loss {loss:.4f} | "
+        # exp overflows past ~709: a diverged model prints a huge but finite perplexity
+        f"perplexity {math.exp(min(loss, 700)):.2f} | {tokens} tokens in {time.perf_counter() - t0:.1f}s",
+        flush=True,
+    )
     return 0
 
 

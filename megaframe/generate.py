@@ -10,6 +10,7 @@ stdout carries the prompt and the generated text only, streamed as tokens are ch
 settings and timings go to stderr. --temperature 0 is greedy. --prompts FILE generates for each line.
 Bad input (no checkpoint, no tokenizer, bad setting) exits 2 with one line.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -58,7 +59,9 @@ def load(ckpt: str, device: str, dtype: str, tokenizer: str | None = None):
     if model.rope is not None:  # plain tensors, not buffers: .to() does not move them
         model.rope = tuple(t.to(device) for t in model.rope)
     if tok.vocab_size > model.cfg.vocab_size:
-        raise ValueError(f"tokenizer {tok_path} has {tok.vocab_size} tokens > model.vocab_size={model.cfg.vocab_size}")
+        raise ValueError(
+            f"tokenizer {tok_path} has {tok.vocab_size} tokens > model.vocab_size={model.cfg.vocab_size}"
+        )
     return model, tok, tok_path, step
 
 
@@ -78,7 +81,7 @@ class Stream:
         text = self.tok.decode(self.ids)
         if text.endswith("\ufffd"):  # an incomplete UTF-8 character: wait for its next byte
             return
-        self.out.write(text[len(self.written):])
+        self.out.write(text[len(self.written) :])
         self.out.flush()
         self.written = text
 
@@ -90,7 +93,9 @@ def _prompts(args) -> list[str]:
         try:
             text = open(args.prompts, encoding="utf-8").read()
         except UnicodeDecodeError as e:
-            raise ValueError(f"--prompts {args.prompts}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+            raise ValueError(
+                f"--prompts {args.prompts}: not UTF-8 text ({e.reason} at byte {e.start})"
+            ) from None
         except OSError as e:  # the flag and the file, not a bare errno line
             raise ValueError(f"--prompts {args.prompts}: cannot be read ({e.strerror or e})") from None
         prompts += [line for line in text.splitlines() if line.strip()]
@@ -118,28 +123,48 @@ def main(argv: list[str]) -> int:
     except (ValueError, OSError) as e:
         return fail(e)
     device = next(model.parameters()).device
-    print(f"generate: {step} | {model.cfg.name} on {device.type} {args.dtype} | tokenizer {tok_path} | "
-          f"temperature {s.temperature} top-k {s.top_k} top-p {s.top_p} seed {s.seed} | "
-          f"kv cache {'off' if args.no_cache else 'on'}", file=sys.stderr, flush=True)
+    print(
+        f"generate: {step} | {model.cfg.name} on {device.type} {args.dtype} | tokenizer {tok_path} | "
+        f"temperature {s.temperature} top-k {s.top_k} top-p {s.top_p} seed {s.seed} | "
+        f"kv cache {'off' if args.no_cache else 'on'}",
+        file=sys.stderr,
+        flush=True,
+    )
     encoded = [tok.encode([prompt])[0] for prompt in prompts]
     limit = model.cfg.seq_length
-    for n, ids in enumerate(encoded, 1):  # all before any output (K10: a long 3rd prompt came after two outputs)
+    for n, ids in enumerate(
+        encoded, 1
+    ):  # all before any output (K10: a long 3rd prompt came after two outputs)
         if not ids or len(ids) >= limit:
-            return fail(f"prompt {n} of {len(prompts)} has {len(ids)} tokens; each must have 1 to {limit - 1} "
-                        "(model.seq_length)")
+            return fail(
+                f"prompt {n} of {len(prompts)} has {len(ids)} tokens; each must have 1 to {limit - 1} "
+                "(model.seq_length)"
+            )
     for prompt, ids in zip(prompts, encoded):
         sys.stdout.write(prompt)
         sys.stdout.flush()
         try:
-            g = generate(model, ids, args.max_new_tokens, s, tok.vocab_size, tok.eos_id, not args.no_cache,
-                         Stream(tok, ids))
+            g = generate(
+                model,
+                ids,
+                args.max_new_tokens,
+                s,
+                tok.vocab_size,
+                tok.eos_id,
+                not args.no_cache,
+                Stream(tok, ids),
+            )
         except ValueError as e:
             return fail(e, prefix="\n")  # after the partial continuation on stdout
         sys.stdout.write("\n")
         sys.stdout.flush()
-        print(f"generate: {len(ids)} prompt tokens, {len(g.tokens)} new ({g.stopped}) | prefill "
-              f"{g.prefill_s * 1e3:.1f} ms"
-              f" | decode {g.tokens_per_s:.1f} tokens/s", file=sys.stderr, flush=True)
+        print(
+            f"generate: {len(ids)} prompt tokens, {len(g.tokens)} new ({g.stopped}) | prefill "
+            f"{g.prefill_s * 1e3:.1f} ms"
+            f" | decode {g.tokens_per_s:.1f} tokens/s",
+            file=sys.stderr,
+            flush=True,
+        )
     return 0
 
 

@@ -32,6 +32,7 @@ come from the config. `+measure=K` then trains each of the top K layouts for +me
 machine (torchrun, world_size local processes, a temporary run folder: planning/measure.py) and prints the
 measured ranking beside the predicted one.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -70,14 +71,22 @@ def ranges(xs: list[int]) -> str:
 def render(plan, cfg) -> str:
     """The printed plan: header, per-rank table, bubble, and the fit verdict."""
     m, lay = cfg.model, plan.layout
-    head = (f"plan: {m.name} ({m.num_layers} layers, D={m.hidden_size}, seq {m.seq_length}) on "
-            f"{plan.world_size} ranks | tp={lay['tp']} pp={lay['pp']} vpp={lay['vpp']} dp={lay['dp']} "
-            f"sp={lay['sp']}{cp_label(lay)} | {lay['precision']}, optim.zero={lay['zero']}"
-            f"{' shard_group_size=' + str(cfg.optim.shard_group_size) if cfg.optim.shard_group_size else ''}"
-            f"{' grad_reduce_dtype=bf16' if lay.get('grad_reduce_dtype') == 'bf16' else ''} | micro-batch "
-            f"{lay['micro_batch_size']} x {plan.microbatches} micro-batches per step, schedule {plan.schedule}")
-    bubble = [f"pipeline bubble: {100 * plan.bubble:.1f}% of the step idle ({plan.schedule}, pp={lay['pp']}, "
-              f"vpp={lay['vpp']}, {plan.microbatches} micro-batches)"] if lay["pp"] > 1 else []
+    head = (
+        f"plan: {m.name} ({m.num_layers} layers, D={m.hidden_size}, seq {m.seq_length}) on "
+        f"{plan.world_size} ranks | tp={lay['tp']} pp={lay['pp']} vpp={lay['vpp']} dp={lay['dp']} "
+        f"sp={lay['sp']}{cp_label(lay)} | {lay['precision']}, optim.zero={lay['zero']}"
+        f"{' shard_group_size=' + str(cfg.optim.shard_group_size) if cfg.optim.shard_group_size else ''}"
+        f"{' grad_reduce_dtype=bf16' if lay.get('grad_reduce_dtype') == 'bf16' else ''} | micro-batch "
+        f"{lay['micro_batch_size']} x {plan.microbatches} micro-batches per step, schedule {plan.schedule}"
+    )
+    bubble = (
+        [
+            f"pipeline bubble: {100 * plan.bubble:.1f}% of the step idle ({plan.schedule}, pp={lay['pp']}, "
+            f"vpp={lay['vpp']}, {plan.microbatches} micro-batches)"
+        ]
+        if lay["pp"] > 1
+        else []
+    )
     return "\n".join([head, *_table(plan), *bubble, *_phase_lines(plan), *_verdict(plan)])
 
 
@@ -91,8 +100,11 @@ def _phase_lines(plan) -> list[str]:
             continue
         big = max(r.phases, key=r.phases.get)
         cells = " | ".join(f"{k} {human(v)}{' (largest)' if k == big else ''}" for k, v in r.phases.items())
-        host = f"; host memory: save +{human(r.host_bytes['save'])}, load +{human(r.host_bytes['load'])}" \
-            if r.host_bytes else ""
+        host = (
+            f"; host memory: save +{human(r.host_bytes['save'])}, load +{human(r.host_bytes['load'])}"
+            if r.host_bytes
+            else ""
+        )
         lines.append(f"  pp {r.pp_rank} tp {ranges(tps)}: {cells}{host}")
         # the step's peak by what holds it (planning.phases.step_terms), each term named
         terms = " + ".join(f"{k} {human(v)}" for k, v in r.step_terms.items() if v)
@@ -109,20 +121,44 @@ def _table(plan) -> list[str]:
 
     # "step": the step phase's peak (planning.phases), the one total a rank has; it adds what the state and
     # activations alone miss (the head's logits, gloo's staging copies)
-    head = ("pp", "tp ranks", "ranks", "params", "grads", "optim", "act/microbatch", "in flight", "activations",
-            "step", "dp bytes/step", "cp bytes/step")
+    head = (
+        "pp",
+        "tp ranks",
+        "ranks",
+        "params",
+        "grads",
+        "optim",
+        "act/microbatch",
+        "in flight",
+        "activations",
+        "step",
+        "dp bytes/step",
+        "cp bytes/step",
+    )
     rows = [head]
     for tps, r in merged_rows(plan):
         # a long rank list would swamp the table: counted instead
-        rows.append((str(r.pp_rank), ranges(tps), ranges(r.ranks) if len(r.ranks) <= 8 else f"{len(r.ranks)} ranks",
-                     human(r.params_bytes), human(r.grads_bytes), human(r.optim_bytes),
-                     " + ".join(human(b) for b in r.chunk_activation_bytes),  # one figure per pipeline chunk
-                     str(r.peak_inflight), human(r.activation_bytes), human(r.phases.get("step", r.total_bytes)),
-                     "-" if r.dp_comm_bytes is None else human(r.dp_comm_bytes),
-                     human(r.cp_comm_bytes) if r.cp_comm_bytes else "-"))
+        rows.append(
+            (
+                str(r.pp_rank),
+                ranges(tps),
+                ranges(r.ranks) if len(r.ranks) <= 8 else f"{len(r.ranks)} ranks",
+                human(r.params_bytes),
+                human(r.grads_bytes),
+                human(r.optim_bytes),
+                " + ".join(human(b) for b in r.chunk_activation_bytes),  # one figure per pipeline chunk
+                str(r.peak_inflight),
+                human(r.activation_bytes),
+                human(r.phases.get("step", r.total_bytes)),
+                "-" if r.dp_comm_bytes is None else human(r.dp_comm_bytes),
+                human(r.cp_comm_bytes) if r.cp_comm_bytes else "-",
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
-    return ["  ".join(c.rjust(w) if i >= 3 else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
-            for row in rows]
+    return [
+        "  ".join(c.rjust(w) if i >= 3 else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
+        for row in rows
+    ]
 
 
 def _verdict(plan) -> list[str]:
@@ -130,19 +166,25 @@ def _verdict(plan) -> list[str]:
 
     worst = max(plan.ranks, key=lambda r: r.peak_bytes)
     phase = max(worst.phases, key=worst.phases.get) if worst.phases else "step"
-    lines = [f"largest rank: {worst.ranks[0]} (pp {worst.pp_rank}, tp {worst.tp_rank}) needs "
-             f"{human(worst.peak_bytes)} (its {phase})"]
+    lines = [
+        f"largest rank: {worst.ranks[0]} (pp {worst.pp_rank}, tp {worst.tp_rank}) needs "
+        f"{human(worst.peak_bytes)} (its {phase})"
+    ]
     if plan.device_memory_bytes is None:
         return lines
     cap = human(plan.device_memory_bytes)
     over = [r for _, r in merged_rows(plan) if not r.fits]
     for r in over:
         bad = [k for k, v in r.phases.items() if v > plan.device_memory_bytes] or ["step"]
-        lines.append(f"DOES NOT FIT: ranks {ranges(r.ranks)} (pp {r.pp_rank}) need {human(r.peak_bytes)} "
-                     f"> {cap} per device (in {', '.join(bad)})")
+        lines.append(
+            f"DOES NOT FIT: ranks {ranges(r.ranks)} (pp {r.pp_rank}) need {human(r.peak_bytes)} "
+            f"> {cap} per device (in {', '.join(bad)})"
+        )
     if not over:
-        lines.append(f"fits: every rank within {cap} per device in every phase "
-                     f"({human(plan.device_memory_bytes - worst.peak_bytes)} to spare on the largest)")
+        lines.append(
+            f"fits: every rank within {cap} per device in every phase "
+            f"({human(plan.device_memory_bytes - worst.peak_bytes)} to spare on the largest)"
+        )
     return lines
 
 
@@ -150,6 +192,7 @@ def check_settings(own: dict[str, str]) -> None:
     """The planner's own +key=value settings, each in its range before any work (a nan memory, an
     efficiency of 0 or an unwritable +plan_json were tracebacks, the last after the whole plan);
     ValueError names the setting and what was typed."""
+
     def number(key: str, integer: bool, lo: float, hi: float = math.inf, lo_open: bool = False):
         if key not in own:
             return
@@ -209,9 +252,11 @@ def main(argv: list[str]) -> int:
 
     per_rank = -(-cfg.model.num_layers // cfg.parallel.pp)
     if per_rank > MAX_LAYERS_PER_RANK:  # bounded: a plan that would run for minutes is refused in a second
-        return fail(f"model.num_layers={cfg.model.num_layers} is {per_rank} layers per pipeline rank: the planner "
-                    f"sizes each on the meta device and plans at most {MAX_LAYERS_PER_RANK} per rank (about a "
-                    "minute); plan with more parallel.pp, or +search=true (it sizes one layer and scales)")
+        return fail(
+            f"model.num_layers={cfg.model.num_layers} is {per_rank} layers per pipeline rank: the planner "
+            f"sizes each on the meta device and plans at most {MAX_LAYERS_PER_RANK} per rank (about a "
+            "minute); plan with more parallel.pp, or +search=true (it sizes one layer and scales)"
+        )
     try:
         dev = pick_device(own)
     except ValueError as e:
@@ -222,9 +267,12 @@ def main(argv: list[str]) -> int:
     print(render(plan, cfg), flush=True)
     print(timing_line(timing), flush=True)
     if dev.alloc_headroom:  # what torch.cuda.max_memory_reserved would read (torchtitan's memory figure)
-        print(f"reserved on {dev.name}: {human(timing['reserved_bytes'])} (the largest phase "
-              f"{human(timing['peak_bytes'])} + allocator headroom {100 * dev.alloc_headroom:.0f} %: "
-              "planning/devices.py)", flush=True)
+        print(
+            f"reserved on {dev.name}: {human(timing['reserved_bytes'])} (the largest phase "
+            f"{human(timing['peak_bytes'])} + allocator headroom {100 * dev.alloc_headroom:.0f} %: "
+            "planning/devices.py)",
+            flush=True,
+        )
     return write_plan_json(own, {**plan.to_dict(), **timing})
 
 
@@ -247,24 +295,44 @@ def layout_timing(cfg, world: int, dev, plan) -> dict:
     from megaframe.training.metrics import flops_per_token
 
     p, t, o = cfg.parallel, cfg.train, cfg.optim
-    lay = Layout(p.tp, p.pp, p.vpp, plan.layout["dp"], p.ep, o.zero, t.micro_batch_size,
-                 str(getattr(t.recompute, "value", t.recompute)), p.cp, o.shard_group_size,
-                 str(getattr(o.grad_reduce_dtype, "value", o.grad_reduce_dtype)), "", tuple(p.pp_layout or ()))
+    lay = Layout(
+        p.tp,
+        p.pp,
+        p.vpp,
+        plan.layout["dp"],
+        p.ep,
+        o.zero,
+        t.micro_batch_size,
+        str(getattr(t.recompute, "value", t.recompute)),
+        p.cp,
+        o.shard_group_size,
+        str(getattr(o.grad_reduce_dtype, "value", o.grad_reduce_dtype)),
+        "",
+        tuple(p.pp_layout or ()),
+    )
     parts = step_time(cfg, lay, dev, world)
     step = sum(parts.values())
     tps = t.global_batch_size * cfg.model.seq_length / step / world
     prec = str(getattr(t.precision, "value", t.precision))
-    return {"device": dev.name, "step_time_s": step, "tokens_per_s_per_device": tps,
-            "mfu": tps * flops_per_token(cfg.model) / dev.peak(prec), "step_parts_s": parts,
-            "peak_bytes": max(r.peak_bytes for r in plan.ranks), "fits": plan.fits,
-            "reserved_bytes": int(max(r.peak_bytes for r in plan.ranks) * (1 + dev.alloc_headroom))}
+    return {
+        "device": dev.name,
+        "step_time_s": step,
+        "tokens_per_s_per_device": tps,
+        "mfu": tps * flops_per_token(cfg.model) / dev.peak(prec),
+        "step_parts_s": parts,
+        "peak_bytes": max(r.peak_bytes for r in plan.ranks),
+        "fits": plan.fits,
+        "reserved_bytes": int(max(r.peak_bytes for r in plan.ranks) * (1 + dev.alloc_headroom)),
+    }
 
 
 def timing_line(tm: dict) -> str:
     parts = " ".join(f"{k} {v * 1e3:.0f}" for k, v in tm["step_parts_s"].items() if v > 0)
-    return (f"step time on {tm['device']}: {tm['step_time_s']:.3f} s, {tm['tokens_per_s_per_device']:.0f} "
-            f"tokens/s per device, MFU {100 * tm['mfu']:.1f}% (parts, ms: {parts}); "
-            f"planning/timing.py's model, docs/planning.md#published-runs for its error")
+    return (
+        f"step time on {tm['device']}: {tm['step_time_s']:.3f} s, {tm['tokens_per_s_per_device']:.0f} "
+        f"tokens/s per device, MFU {100 * tm['mfu']:.1f}% (parts, ms: {parts}); "
+        f"planning/timing.py's model, docs/planning.md#published-runs for its error"
+    )
 
 
 def search_main(cfg, world: int, memory_gb: float | None, own: dict, overrides: list[str] = ()) -> int:
@@ -276,12 +344,23 @@ def search_main(cfg, world: int, memory_gb: float | None, own: dict, overrides: 
     except ValueError as e:
         return fail(f"plan settings: {e}")
     cap = memory_gb * 2**30 if memory_gb is not None else None
-    ests, n, dropped = search(cfg, world, dev, cap, progress=lambda text: print(text, file=sys.stderr, flush=True))
+    ests, n, dropped = search(
+        cfg, world, dev, cap, progress=lambda text: print(text, file=sys.stderr, flush=True)
+    )
     print(search_report(cfg, world, dev, ests, n, dropped, top, cap))
     # every fitting layout, ranked, with its phases and parts
-    written = write_plan_json(own, {"world_size": world, "device": dev.name, "candidates": n, "dropped_for_memory": dropped,
-                                 "ties_with_first": ties(ests), "model_error": MODEL_ERROR,
-                                 "ranked": [e.to_dict() for e in ests]})
+    written = write_plan_json(
+        own,
+        {
+            "world_size": world,
+            "device": dev.name,
+            "candidates": n,
+            "dropped_for_memory": dropped,
+            "ties_with_first": ties(ests),
+            "model_error": MODEL_ERROR,
+            "ranked": [e.to_dict() for e in ests],
+        },
+    )
 
     if written:
         return written
@@ -290,8 +369,15 @@ def search_main(cfg, world: int, memory_gb: float | None, own: dict, overrides: 
         from megaframe.planning import measure
 
         steps = int(own.get("measure_steps", 6))
-        rows = measure.measure(cfg, list(overrides), ests, k, world, steps,
-                               progress=lambda text: print(text, file=sys.stderr, flush=True))
+        rows = measure.measure(
+            cfg,
+            list(overrides),
+            ests,
+            k,
+            world,
+            steps,
+            progress=lambda text: print(text, file=sys.stderr, flush=True),
+        )
         print(measure.report(rows, steps), flush=True)
     return 0
 

@@ -7,6 +7,7 @@ rate, grad norm, tokens/s and MFU. Each run is one colour, labelled by its folde
 twice (after a restart) counts once, the later line winning. Writes FILE.png (default loss.png) with
 matplotlib's Agg backend (no display needed). A folder without metrics.jsonl exits 2.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,8 +18,13 @@ from pathlib import Path
 
 from megaframe.errors import fail, write_refused
 
-PANELS = [("loss", "loss (val dashed)"), ("lr", "learning rate"), ("grad_norm", "grad norm"),
-          ("tokens_per_s", "tokens/s"), ("mfu", "MFU (%)")]
+PANELS = [
+    ("loss", "loss (val dashed)"),
+    ("lr", "learning rate"),
+    ("grad_norm", "grad norm"),
+    ("tokens_per_s", "tokens/s"),
+    ("mfu", "MFU (%)"),
+]
 SCALE = {"mfu": 100.0}
 """metrics.jsonl holds MFU as a fraction; the panel shows percent."""
 GRID = [(0, slice(0, 2)), (0, 2), (1, 0), (1, 1), (1, 2)]

@@ -5,6 +5,7 @@ library its wheel cannot load here (`Failed to load .../_C_mxfp8...so`), and tor
 deprecation for torchao's enums. A user exporting a checkpoint, or training in fp32, is told nothing they can
 act on, and cannot tell whether to worry. An fp8 run imports torchao itself (layers/fp8.py), first.
 """
+
 from __future__ import annotations
 
 import logging

@@ -1,4 +1,5 @@
 """Where metrics go: ${run.dir}/metrics.jsonl, a console line, and wandb; all from one logging rank."""
+
 from __future__ import annotations
 
 import contextlib
@@ -46,8 +47,13 @@ class Tracker:
         # steps since this launch: a resumed run's earlier steps took no time here
         rate = (time.time() - self.t_start) / max(1, step - start_step)
         eta = rate * (self.max_steps - step)
-        parts = [f"step {step:>6}/{self.max_steps}", f"loss {metrics['loss']:.4f}", f"lr {metrics['lr']:.2e} ({self.schedule})",
-                 f"grad {metrics['grad_norm']:.3f}", f"{metrics['tokens_per_s'] / 1e3:.1f}k tok/s"]
+        parts = [
+            f"step {step:>6}/{self.max_steps}",
+            f"loss {metrics['loss']:.4f}",
+            f"lr {metrics['lr']:.2e} ({self.schedule})",
+            f"grad {metrics['grad_norm']:.3f}",
+            f"{metrics['tokens_per_s'] / 1e3:.1f}k tok/s",
+        ]
         if "val_loss" in metrics:
             parts.insert(2, f"val {metrics['val_loss']:.4f}")
         if "aux_loss" in metrics:  # MoE: the router losses added to the objective
@@ -67,8 +73,13 @@ class Tracker:
         try:
             self.file.write(line)
         except OSError as e:
-            print(f"megaframe: warning: cannot write {self.path} " f"({e}); training goes on, metrics on the console "
-                  "and wandb only", file=sys.stderr, flush=True)
+            print(
+                f"megaframe: warning: cannot write {self.path} "
+                f"({e}); training goes on, metrics on the console "
+                "and wandb only",
+                file=sys.stderr,
+                flush=True,
+            )
             self._drop_file()
 
     def _drop_file(self) -> None:
@@ -96,8 +107,11 @@ class Tracker:
             fn(*args, **kwargs)
         # wandb's own errors, and the broken pipe / refused connection of a dead service (OSError)
         except (wandb.Error, OSError, RuntimeError) as e:
-            print(f"megaframe: warning: wandb failed ({type(e).__name__}: {e}); "
-                  f"logging to metrics.jsonl only", file=sys.stderr, flush=True)
+            print(
+                f"megaframe: warning: wandb failed ({type(e).__name__}: {e}); logging to metrics.jsonl only",
+                file=sys.stderr,
+                flush=True,
+            )
             self.wandb_run = None
 
 
@@ -111,9 +125,16 @@ def _start_wandb(cfg, run_dir: str):
     # only characters wandb accepts in an id, at most 64: the same run name gives the same id after a restart
     run_id = re.sub(r"[^A-Za-z0-9_-]", "-", cfg.run.name)[:64]
     os.environ.setdefault("WANDB_SILENT", "true")  # its banner would break up the step lines
-    return wandb.init(project=cfg.logging.wandb.project, entity=cfg.logging.wandb.entity,
-                      mode=cfg.logging.wandb.mode, dir=run_dir, id=run_id, name=cfg.run.name,
-                      resume="allow", config=plain(cfg))
+    return wandb.init(
+        project=cfg.logging.wandb.project,
+        entity=cfg.logging.wandb.entity,
+        mode=cfg.logging.wandb.mode,
+        dir=run_dir,
+        id=run_id,
+        name=cfg.run.name,
+        resume="allow",
+        config=plain(cfg),
+    )
 
 
 def wandb_login_problem(cfg) -> str | None:
@@ -138,5 +159,7 @@ def wandb_login_problem(cfg) -> str | None:
                 return None
         except (OSError, netrc.NetrcParseError):
             pass
-    return (f"logging.wandb.mode=online but wandb is not logged in to {host}: run `wandb login` "
-            "(or set WANDB_API_KEY), or use logging.wandb.mode=offline")
+    return (
+        f"logging.wandb.mode=online but wandb is not logged in to {host}: run `wandb login` "
+        "(or set WANDB_API_KEY), or use logging.wandb.mode=offline"
+    )

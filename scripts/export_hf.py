@@ -13,6 +13,7 @@ embedding rows are exported, even when the tokenizer has fewer.
 Bad input (missing or corrupt checkpoint, unsupported model, OUT not empty, only tokenizers of another sha256
 than the recorded one) exits 2 with one line.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,10 +55,16 @@ def read_checkpoint(step: Path, meta: dict):
     known = {f.name for f in dataclasses.fields(ModelConfig)}
     # merged onto the schema: nested groups (rope_scaling) become dataclasses, keys a checkpoint predates
     # keep their defaults
-    model_cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig),
-                                                    {k: v for k, v in config["model"].items() if k in known}))
-    state = {k.removeprefix("model/"): sharded.load_full(step, k, meta)
-             for k in meta["tensors"] if k.startswith("model/")}
+    model_cfg = OmegaConf.to_object(
+        OmegaConf.merge(
+            OmegaConf.structured(ModelConfig), {k: v for k, v in config["model"].items() if k in known}
+        )
+    )
+    state = {
+        k.removeprefix("model/"): sharded.load_full(step, k, meta)
+        for k in meta["tensors"]
+        if k.startswith("model/")
+    }
     if not state:
         raise ValueError(f"{step}: no model tensors in the checkpoint")
     return model_cfg, state, config.get("data") or {}
@@ -73,8 +80,11 @@ def export_tokenizer(step: Path, meta: dict, out: Path, seq_length: int):
 
     path = tokenizer_path(step, meta)
     if path is None:
-        print(f"export: no tokenizer found for {step} (none recorded or beside its data); exporting the "
-              "model only", flush=True)
+        print(
+            f"export: no tokenizer found for {step} (none recorded or beside its data); exporting the "
+            "model only",
+            flush=True,
+        )
         return None
     if path.is_dir():  # already a transformers tokenizer (prepared with data.tokenizer=FOLDER)
         from transformers import AutoTokenizer
@@ -99,8 +109,10 @@ def write_provenance(src: Path, out: Path) -> None:
 
     if not (out / "tokenizer.json").is_file():  # a slow tokenizer saved as is: nothing to vouch for
         return
-    record = {"converted_from": {"sha256": tokenizer_sha256(src), "kind": load_tokenizer(src).kind},
-              "tokenizer_json_sha256": tokenizer_sha256(out / "tokenizer.json")}
+    record = {
+        "converted_from": {"sha256": tokenizer_sha256(src), "kind": load_tokenizer(src).kind},
+        "tokenizer_json_sha256": tokenizer_sha256(out / "tokenizer.json"),
+    }
     (out / PROVENANCE).write_text(json.dumps(record, indent=1) + "\n")
 
 
@@ -133,8 +145,11 @@ def export(ckpt: str, out: Path, dtype: str) -> Path:
         shutil.rmtree(out) if out.is_dir() else out.unlink()
     os.replace(tmp, out)
     n = sum(t.numel() for t in state.values())
-    print(f"export: {step} (step {meta['step']}, {n / 1e6:.2f}M params) -> {out} as "
-          f"{cfg.architectures[0]} ({dtype})", flush=True)
+    print(
+        f"export: {step} (step {meta['step']}, {n / 1e6:.2f}M params) -> {out} as "
+        f"{cfg.architectures[0]} ({dtype})",
+        flush=True,
+    )
     return out
 
 
@@ -151,8 +166,11 @@ def overlaps_input(ckpt: str, out: Path) -> str | None:
     o = out.resolve()
     for src in inputs:
         if o == src or o in src.parents or src in o.parents:
-            return (f"OUT={out} overlaps the checkpoint it exports " f"({src}): writing there would replace or change "
-                    "it; pick another OUT")
+            return (
+                f"OUT={out} overlaps the checkpoint it exports "
+                f"({src}): writing there would replace or change "
+                "it; pick another OUT"
+            )
     return None
 
 

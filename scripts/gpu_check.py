@@ -17,6 +17,7 @@ The checks:
 - bench_experts: the MoE experts' grouped GEMM against the per-expert loop, bf16.
 NCCL refuses two ranks on one GPU, so every check is one process. Exit code: 0 when every check passed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,35 +52,134 @@ def summarize(junit: Path) -> list[tuple[str, str, float, str]]:
 def run_tests(pytest_args: list[str]) -> list[tuple[str, str, float, str]]:
     with tempfile.TemporaryDirectory() as tmp:
         junit = Path(tmp) / "gpu.xml"
-        subprocess.call([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "tests/gpu"),
-                         f"--junitxml={junit}", *pytest_args], cwd=ROOT)
-        return summarize(junit) if junit.is_file() else [("tests/gpu", "ERROR", 0.0, "pytest wrote no report")]
+        subprocess.call(
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                str(ROOT / "tests/gpu"),
+                f"--junitxml={junit}",
+                *pytest_args,
+            ],
+            cwd=ROOT,
+        )
+        return (
+            summarize(junit) if junit.is_file() else [("tests/gpu", "ERROR", 0.0, "pytest wrote no report")]
+        )
 
 
 def benches(dry: bool) -> list[tuple[str, list[str], str]]:
     """(name, command, the line of its output to report) per speed check; --dry: CPU and tiny sizes."""
     py = [sys.executable]
     if dry:
-        vs_hf = ["--device", "cpu", "--fp8", "--seq", "32", "--batch", "1", "--repeats", "1", "--steps", "1",
-                 "--warmup", "1"]
-        experts = ["--device", "cpu", "--experts", "4", "--rows", "64", "--hidden", "32", "--ffn", "32", "--repeats", "1"]
+        vs_hf = [
+            "--device",
+            "cpu",
+            "--fp8",
+            "--seq",
+            "32",
+            "--batch",
+            "1",
+            "--repeats",
+            "1",
+            "--steps",
+            "1",
+            "--warmup",
+            "1",
+        ]
+        experts = [
+            "--device",
+            "cpu",
+            "--experts",
+            "4",
+            "--rows",
+            "64",
+            "--hidden",
+            "32",
+            "--ffn",
+            "32",
+            "--repeats",
+            "1",
+        ]
     else:
-        vs_hf = ["--device", "cuda", "--preset", "1b", "--layers", "8", "--fp8", "--compile", "--repeats", "3",
-                 "--steps", "3", "--warmup", "2"]
-        experts = ["--device", "cuda", "--dtype", "bf16", "--experts", "8", "--rows", "32768", "--hidden", "2048",
-                   "--ffn", "1024", "--repeats", "5"]
+        vs_hf = [
+            "--device",
+            "cuda",
+            "--preset",
+            "1b",
+            "--layers",
+            "8",
+            "--fp8",
+            "--compile",
+            "--repeats",
+            "3",
+            "--steps",
+            "3",
+            "--warmup",
+            "2",
+        ]
+        experts = [
+            "--device",
+            "cuda",
+            "--dtype",
+            "bf16",
+            "--experts",
+            "8",
+            "--rows",
+            "32768",
+            "--hidden",
+            "2048",
+            "--ffn",
+            "1024",
+            "--repeats",
+            "5",
+        ]
     gpu = ["--dry"] if dry else []
     # the targets: llama_1b shape, 8 layers, 8 micro-batches: MFU >= 0.40, >= 1.0x compiled transformers and
     # torchtitan; 16 layers: fp8 >= 1.15x bf16
     short = ["--repeats", "2", "--steps", "2", "--warmup", "2"]
-    peers = py + [str(ROOT / "benchmarks/bench_gpu.py"), "--layers", "8", "--micro-batches", "8", *short, *gpu]
-    fp8 = py + [str(ROOT / "benchmarks/bench_gpu.py"), "--layers", "16", "--micro-batches", "8", "--fp8", "--sides",
-                "megaframe", *short, *gpu]
-    return [("bench_gpu A (8 layers, 8 micro-batches: megaframe vs compiled transformers, torchtitan)", peers,
-             r"MFU [0-9]|SKIP|ratio"),
-            ("bench_gpu B (16 layers: fp8 vs bf16)", fp8, r"MFU [0-9]|ratio"),
-            ("bench_vs_hf (bf16, fp8, transformers)", py + [str(ROOT / "benchmarks/bench_vs_hf.py"), *vs_hf], r"ratio .*wall"),
-            ("bench_experts (grouped vs loop)", py + [str(ROOT / "benchmarks/bench_experts.py"), *experts], r"ratio|median")]
+    peers = py + [
+        str(ROOT / "benchmarks/bench_gpu.py"),
+        "--layers",
+        "8",
+        "--micro-batches",
+        "8",
+        *short,
+        *gpu,
+    ]
+    fp8 = py + [
+        str(ROOT / "benchmarks/bench_gpu.py"),
+        "--layers",
+        "16",
+        "--micro-batches",
+        "8",
+        "--fp8",
+        "--sides",
+        "megaframe",
+        *short,
+        *gpu,
+    ]
+    return [
+        (
+            "bench_gpu A (8 layers, 8 micro-batches: megaframe vs compiled transformers, torchtitan)",
+            peers,
+            r"MFU [0-9]|SKIP|ratio",
+        ),
+        ("bench_gpu B (16 layers: fp8 vs bf16)", fp8, r"MFU [0-9]|ratio"),
+        (
+            "bench_vs_hf (bf16, fp8, transformers)",
+            py + [str(ROOT / "benchmarks/bench_vs_hf.py"), *vs_hf],
+            r"ratio .*wall",
+        ),
+        (
+            "bench_experts (grouped vs loop)",
+            py + [str(ROOT / "benchmarks/bench_experts.py"), *experts],
+            r"ratio|median",
+        ),
+    ]
 
 
 def run_bench(name: str, cmd: list[str], pattern: str, timeout: float) -> tuple[str, str, float, str]:
@@ -97,7 +197,11 @@ def run_bench(name: str, cmd: list[str], pattern: str, timeout: float) -> tuple[
 
 
 TARGETS = [  # (what, regex over the bench lines, at least): issue "fast where users run it", one H100
-    ("A megaframe MFU (8 layers, 8 micro-batches, bf16 compiled)", r"megaframe +tokens/s .*? MFU ([0-9.]+)", 0.40),
+    (
+        "A megaframe MFU (8 layers, 8 micro-batches, bf16 compiled)",
+        r"megaframe +tokens/s .*? MFU ([0-9.]+)",
+        0.40,
+    ),
     ("A megaframe / compiled transformers", r"ratio megaframe / hf_llama: ([0-9.]+)", 1.0),
     ("A megaframe / compiled torchtitan", r"ratio megaframe / torchtitan: ([0-9.]+)", 1.0),
     ("B fp8 / bf16 (16 layers)", r"ratio megaframe_fp8 / megaframe: ([0-9.]+)", 1.15),
@@ -112,7 +216,9 @@ def targets(rows, judge: bool) -> None:
     for what, pattern, least in TARGETS:
         m = re.search(pattern, text)
         got = float(m.group(1)) if m else None
-        verdict = "not measured" if got is None else ("PASS" if got >= least else "MISS") if judge else "(dry)"
+        verdict = (
+            "not measured" if got is None else ("PASS" if got >= least else "MISS") if judge else "(dry)"
+        )
         print(f"  {verdict:<12} {what}: {'-' if got is None else f'{got:.3f}'} (target >= {least})")
 
 
@@ -136,8 +242,11 @@ def main(argv: list[str]) -> int:
     for name, outcome, seconds, reason in rows:
         print(f"  {outcome:<8} {seconds:7.1f}s  {name}" + (f"  ({reason})" if reason else ""))
     counts = {o: sum(r[1] == o for r in rows) for o in ("passed", "FAILED", "ERROR", "skipped")}
-    print("summary: " + ", ".join(f"{n} {o.lower()}" for o, n in counts.items() if n) +
-          ("" if cuda else " (no CUDA: tests/gpu skipped)"))
+    print(
+        "summary: "
+        + ", ".join(f"{n} {o.lower()}" for o, n in counts.items() if n)
+        + ("" if cuda else " (no CUDA: tests/gpu skipped)")
+    )
     return 1 if counts["FAILED"] or counts["ERROR"] else 0
 
 

@@ -13,6 +13,7 @@ training from it starts with fresh AdamW state at step 1). `megaframe.load_model
 it, and the printed `python train.py checkpoint.resume=...` command continues pretraining it under any
 parallel layout (the model sizes come from the checkpoint). Bad input exits 2 with one line.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,8 +37,6 @@ class WeightsOnly:
         return {}
 
 
-
-
 def run_config(fields: dict, overrides: list[str]):
     """The full run Config: `overrides` composed as train.py would, with the HF model fields on top.
 
@@ -53,9 +52,14 @@ def run_config(fields: dict, overrides: list[str]):
         if f"model.{k}" in given and k in soft:
             continue
         if f"model.{k}" in given and getattr(cfg.model, k) != v:
-            print(f"import: warning: model.{k}={getattr(cfg.model, k)} replaced by the HF config's {v}", file=sys.stderr)
+            print(
+                f"import: warning: model.{k}={getattr(cfg.model, k)} replaced by the HF config's {v}",
+                file=sys.stderr,
+            )
         chosen[k] = v
-    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **chosen))  # loaded configs are frozen
+    cfg = dataclasses.replace(
+        cfg, model=dataclasses.replace(cfg.model, **chosen)
+    )  # loaded configs are frozen
     try:
         validate(cfg, 1, check_data=False)
     except ConfigError as e:
@@ -74,8 +78,10 @@ def build_filled_model(cfg, state: dict):
     model = GPT(cfg.model, mesh, sp=False)
     names = dict(model.named_parameters())
     if set(names) != set(state):
-        raise ValueError(f"HF weights do not map onto the megaframe model: missing {sorted(set(names) - set(state))[:4]}"
-                         f", extra {sorted(set(state) - set(names))[:4]}")
+        raise ValueError(
+            f"HF weights do not map onto the megaframe model: missing {sorted(set(names) - set(state))[:4]}"
+            f", extra {sorted(set(state) - set(names))[:4]}"
+        )
     with torch.no_grad():
         for name, p in names.items():
             if tuple(p.shape) != tuple(state[name].shape):
@@ -92,25 +98,45 @@ def copy_tokenizer(src: Path, dest: Path) -> dict | None:
 
     from megaframe.data.tokenizer import load_tokenizer, tokenizer_sha256
 
-    if not any((src / n).is_file() for n in ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")):
+    if not any(
+        (src / n).is_file()
+        for n in ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+    ):
         print(f"import: {src} has no tokenizer files; none copied", flush=True)
         return None
     try:
         tok = AutoTokenizer.from_pretrained(str(src), local_files_only=True)
-    except (OSError, ValueError, KeyError) as e:  # no tokenizer files, or a kind transformers cannot load offline
-        print(f"import: no tokenizer copied ({type(e).__name__}: " f"{str(e).splitlines()[0][:120] if str(e) else ''})")
+    except (
+        OSError,
+        ValueError,
+        KeyError,
+    ) as e:  # no tokenizer files, or a kind transformers cannot load offline
+        print(
+            f"import: no tokenizer copied ({type(e).__name__}: "
+            f"{str(e).splitlines()[0][:120] if str(e) else ''})"
+        )
         return None
     shutil.rmtree(dest, ignore_errors=True)
     tok.save_pretrained(str(dest))
     loaded = load_tokenizer(dest)  # the vocabulary as prepare will record it in meta.json
-    identity = {"sha256": tokenizer_sha256(dest), "vocab_size": loaded.vocab_size, "kind": loaded.kind,
-                "from": str(dest.resolve())}
+    identity = {
+        "sha256": tokenizer_sha256(dest),
+        "vocab_size": loaded.vocab_size,
+        "kind": loaded.kind,
+        "from": str(dest.resolve()),
+    }
     origin = converted_from(src)
     if origin:  # a megaframe export: data prepared with the run's own tokenizer gives the same ids
         identity["same_as"] = [origin["sha256"]]
-    print(f"import: tokenizer ({len(tok)} tokens) -> {dest}"
-          + (f", an exact conversion of a {origin['kind']} tokenizer (data prepared with it is used as is)"
-             if origin else ""), flush=True)
+    print(
+        f"import: tokenizer ({len(tok)} tokens) -> {dest}"
+        + (
+            f", an exact conversion of a {origin['kind']} tokenizer (data prepared with it is used as is)"
+            if origin
+            else ""
+        ),
+        flush=True,
+    )
     return identity
 
 
@@ -136,17 +162,25 @@ def continue_lines(path: Path, cfg, tok: dict | None, overrides: list[str]) -> l
     data the check then refused)."""
     from megaframe.data.shards import same_tokenizer, tokenizer_identity
 
-    rest = [o for o in overrides if not o.startswith("model.")]  # the model comes from the checkpoint (config/adopt.py)
+    rest = [
+        o for o in overrides if not o.startswith("model.")
+    ]  # the model comes from the checkpoint (config/adopt.py)
     data = tokenizer_identity(cfg.data)
     if tok is None or cfg.data.kind != "prepared" or (data is not None and same_tokenizer(tok, data)):
-        return ["continue pretraining with:", f"  python train.py checkpoint.resume={path} {' '.join(rest)}".rstrip()]
+        return [
+            "continue pretraining with:",
+            f"  python train.py checkpoint.resume={path} {' '.join(rest)}".rstrip(),
+        ]
     keys = ("data=", "data.path=", "data.blend=", "+data.blend=")
     rest = [o for o in rest if not o.startswith(keys)]
     why = "was prepared with another tokenizer" if data is not None else "is not prepared"
-    return [f"the data ({cfg.data.path or 'data.blend'}) {why}: " "prepare your corpus with the model's tokenizer, then "
-            "continue pretraining:",
-            f"  python -m megaframe.data.prepare data.tokenizer={tok['from']} data.source=CORPUS data.path=DATA",
-            f"  python train.py checkpoint.resume={path} data.path=DATA {' '.join(rest)}".rstrip()]
+    return [
+        f"the data ({cfg.data.path or 'data.blend'}) {why}: "
+        "prepare your corpus with the model's tokenizer, then "
+        "continue pretraining:",
+        f"  python -m megaframe.data.prepare data.tokenizer={tok['from']} data.source=CORPUS data.path=DATA",
+        f"  python train.py checkpoint.resume={path} data.path=DATA {' '.join(rest)}".rstrip(),
+    ]
 
 
 def import_hf(folder: str, out: Path, overrides: list[str]) -> Path:
@@ -170,11 +204,15 @@ def import_hf(folder: str, out: Path, overrides: list[str]) -> Path:
     cfg = run_config(fields, overrides)
     model, mesh = build_filled_model(cfg, state)
     tok = copy_tokenizer(src, out / "hf_tokenizer")
-    meta = {"consumed_samples": 0, "layout": {"tp": 1, "pp": 1, "dp": 1, "sp": False},
-            "rng": "derived from (train.seed, step, rank); no state to restore",
-            "data": {"kind": cfg.data.kind, "path": cfg.data.path, "consumed_samples": 0, "order": ORDER},
-            "tokenizer": tok,  # train.py refuses data prepared with another tokenizer
-            "config": plain(cfg), "imported_from": str(src.resolve())}
+    meta = {
+        "consumed_samples": 0,
+        "layout": {"tp": 1, "pp": 1, "dp": 1, "sp": False},
+        "rng": "derived from (train.seed, step, rank); no state to restore",
+        "data": {"kind": cfg.data.kind, "path": cfg.data.path, "consumed_samples": 0, "order": ORDER},
+        "tokenizer": tok,  # train.py refuses data prepared with another tokenizer
+        "config": plain(cfg),
+        "imported_from": str(src.resolve()),
+    }
     path = sharded.save(out, 0, model, WeightsOnly(), mesh, meta)
     n = sum(t.numel() for t in state.values())
     print(f"import: {folder} ({n / 1e6:.2f}M params, {fields['name']}) -> {path}", flush=True)
@@ -204,8 +242,9 @@ def main(argv: list[str]) -> int:
         return fail(e)
     try:
         if sharded.committed(out) and not args.force:
-            return fail(f"{out} already holds checkpoints (pass --force to add step_00000000 and repoint "
-                        "latest)")
+            return fail(
+                f"{out} already holds checkpoints (pass --force to add step_00000000 and repoint latest)"
+            )
         import_hf(args.hf_folder, out, args.overrides)
     except (ValueError, ConfigError) as e:
         return fail(" ".join(str(e).split()))

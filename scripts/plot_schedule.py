@@ -11,6 +11,7 @@ the backward run B + W as one B), so several kinds compare at equal work. Severa
 are drawn one above the other; each prints its `bubble=` (idle / makespan) and `idle=` (idle time) line.
 A kind that fixes vpp (1f1b, zb_h1: 1; zbv: 2) uses it unless vpp= is given.
 """
+
 from __future__ import annotations
 
 import sys
@@ -65,12 +66,16 @@ def _draw(ax, kind: str, pp: int, vpp: int, m: int, costs: Costs | None):
             width = unit.of(a.kind, split) * scale
             ax.barh(r, width, left=t, color=COLOURS[a.kind][a.chunk % 2], edgecolor="white", linewidth=0.6)
             if width >= 0.4:
-                ax.text(t + width / 2, r, str(a.microbatch), ha="center", va="center", fontsize=6, color="black")
+                ax.text(
+                    t + width / 2, r, str(a.microbatch), ha="center", va="center", fontsize=6, color="black"
+                )
     ax.set_yticks(range(pp), [f"rank {r}" for r in range(pp)])
     ax.invert_yaxis()
     ax.set_xlim(0, res.makespan)
-    ax.set_title(f"{kind}: pp={pp} vpp={vpp} m={m} | idle time {res.idle:g}, idle/makespan {res.bubble:.3f}",
-                 fontsize=9)
+    ax.set_title(
+        f"{kind}: pp={pp} vpp={vpp} m={m} | idle time {res.idle:g}, idle/makespan {res.bubble:.3f}",
+        fontsize=9,
+    )
     return res
 
 
@@ -83,8 +88,9 @@ def plot(kinds: list[str], pp: int, vpps: list[int], m: int, out: str, costs: Co
     unit = "one chunk's F or B" if costs is None else f"F:B:W = {costs.f:g}:{costs.b:g}:{costs.w:g} per stage"
     axes[-1, 0].set_xlabel(f"time ({unit})")
     legend = [Patch(color=COLOURS[k][c], label=f"{k} chunk {c}") for k in (F, B, W) for c in range(max(vpps))]
-    axes[-1, 0].legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.3),
-                       ncol=3 * max(vpps), fontsize=8)
+    axes[-1, 0].legend(
+        handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=3 * max(vpps), fontsize=8
+    )
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
@@ -97,8 +103,10 @@ def main(argv: list[str]) -> None:
         pp, m = int(a["pp"]), int(a["microbatches"])
         given = None if a["vpp"] is None else int(a["vpp"])
     except ValueError:
-        _bad(f"pp, vpp and microbatches must be integers (got pp={a['pp']} vpp={a['vpp']} "
-             f"microbatches={a['microbatches']})")
+        _bad(
+            f"pp, vpp and microbatches must be integers (got pp={a['pp']} vpp={a['vpp']} "
+            f"microbatches={a['microbatches']})"
+        )
     kinds, vpps = [], []
     for name in a["kind"].split(","):
         vpp = given if given is not None else (FIXED_VPP.get(name) or 2)
@@ -111,8 +119,10 @@ def main(argv: list[str]) -> None:
         vpps.append(vpp)
     costs = _costs(a["costs"])
     for kind, vpp, res in zip(kinds, vpps, plot(kinds, pp, vpps, m, a["out"], costs)):
-        print(f"{a['out']}: {kind} pp={pp} vpp={vpp} m={m} bubble={res.bubble:.4f} idle={res.idle:g} "
-              f"formula={bubble_formula(pp, vpp, m):.4f}")
+        print(
+            f"{a['out']}: {kind} pp={pp} vpp={vpp} m={m} bubble={res.bubble:.4f} idle={res.idle:g} "
+            f"formula={bubble_formula(pp, vpp, m):.4f}"
+        )
 
 
 if __name__ == "__main__":

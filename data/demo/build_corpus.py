@@ -297,10 +297,18 @@ def find_one(root: Path, name: str) -> Path:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--janeaustenr", type=Path, required=True,
-                    help="extracted r-cran-janeaustenr .deb (any dir containing data/Rdata.rdx)")
-    ap.add_argument("--brotli", type=Path, required=True,
-                    help="extracted brotli sdist (any dir containing tests/testdata/alice29.txt)")
+    ap.add_argument(
+        "--janeaustenr",
+        type=Path,
+        required=True,
+        help="extracted r-cran-janeaustenr .deb (any dir containing data/Rdata.rdx)",
+    )
+    ap.add_argument(
+        "--brotli",
+        type=Path,
+        required=True,
+        help="extracted brotli sdist (any dir containing tests/testdata/alice29.txt)",
+    )
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "corpus")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)

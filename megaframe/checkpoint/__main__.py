@@ -4,6 +4,7 @@ PATH is a step folder, or a checkpoint dir (then every committed step in it). Ev
 is read and checked against its block checksums, the metadata's coverage is recomputed and the file
 names must stay inside the folder. Exit 0 when all verify, 2 (one line naming the cause) otherwise.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,8 +30,10 @@ def main(argv: list[str]) -> int:
         except ValueError as e:  # CheckpointError, and v1 metadata that does not parse
             return fail(e)
         size = sum(f["bytes"] for f in meta.get("files", {}).values())
-        print(f"ok: {step} (step {meta['step']}, {len(meta['files'])} files, {size} bytes, "
-              f"{len(meta['tensors'])} tensors)")
+        print(
+            f"ok: {step} (step {meta['step']}, {len(meta['files'])} files, {size} bytes, "
+            f"{len(meta['tensors'])} tensors)"
+        )
     return 0
 
 

@@ -8,6 +8,7 @@ then they exchange reports and rank 0 commits exactly as a synchronous save does
 succeeded and the coverage check passes. Otherwise nothing is committed and every rank raises SaveError.
 Host memory is bounded: at most one checkpoint is in flight, and a new save first finishes the previous one.
 """
+
 from __future__ import annotations
 
 import threading
@@ -40,7 +41,9 @@ class AsyncSaver:
         # on CUDA, one page-locked buffer for every save's host copies (checkpoint/staging.py)
         self.staging = sharded.PinnedStaging() if mesh.device.type == "cuda" else None
 
-    def save(self, root, step: int, model, optimizer, meta: dict, keep_last: int, fail: str | None = None) -> None:
+    def save(
+        self, root, step: int, model, optimizer, meta: dict, keep_last: int, fail: str | None = None
+    ) -> None:
         # at most one save in flight: bounds host memory to
         # one copy of the state, and commits stay in step order
         self.wait()

@@ -6,6 +6,7 @@ dp chunk of its rows, or a ZeRO segment). A flat range of a row-major tensor is 
 fused block along the split dim). Pure integer arithmetic: no tensors, so plans of a 1000-rank
 layout are computed in one process.
 """
+
 from __future__ import annotations
 
 import math
@@ -50,8 +51,8 @@ def to_global(box: Box, dim: int | None, ranges: list[tuple[int, int, int]]) -> 
     for g, l, n in ranges:
         a, b = max(lo, l), min(hi, l + n)
         if a < b:
-            local = box[:dim] + ((a, b),) + box[dim + 1:]
-            out.append((local, box[:dim] + ((g + a - l, g + b - l),) + box[dim + 1:]))
+            local = box[:dim] + ((a, b),) + box[dim + 1 :]
+            out.append((local, box[:dim] + ((g + a - l, g + b - l),) + box[dim + 1 :]))
     return out
 
 

@@ -30,6 +30,7 @@ names them block_sparse_moe.experts.{e}.w1 (gate) / w3 (up) / w2 (down): convert
 Qwen3: Llama's layout plus layers.{i}.attn.q_norm/k_norm.weight [E] = self_attn.q_norm/k_norm.weight.
 Vocabulary: all V embedding rows are exported (the tokenizer may have fewer pieces).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -51,8 +52,12 @@ def family(m: ModelConfig) -> str:
     return family_of(m).name
 
 
-def to_hf(m: ModelConfig, state: dict[str, torch.Tensor], eos_token_id: int | None = None,
-          bos_token_id: int | None = None):
+def to_hf(
+    m: ModelConfig,
+    state: dict[str, torch.Tensor],
+    eos_token_id: int | None = None,
+    bos_token_id: int | None = None,
+):
     """(transformers config, HF state_dict) for megaframe full tensors `state` (names as in the module doc),
     by `m`'s family adapter. The state_dict omits lm_head.weight when the embeddings are tied (transformers
     ties it itself)."""
@@ -69,7 +74,9 @@ def build_hf_model(cfg, sd: dict[str, torch.Tensor]):
     missing, unexpected = model.load_state_dict(sd, strict=False)
     tied = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
     # GPT-2's causal-mask buffers (attn.bias, masked_bias) are no weights: from_config builds them
-    missing = [k for k in missing if k not in tied and not k.endswith(".attn.bias") and "masked_bias" not in k]
+    missing = [
+        k for k in missing if k not in tied and not k.endswith(".attn.bias") and "masked_bias" not in k
+    ]
     if missing or unexpected:
         raise ValueError(f"HF state mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
     if cfg.tie_word_embeddings:
@@ -91,8 +98,9 @@ def from_hf(source) -> tuple[dict, dict[str, torch.Tensor]]:
     if isinstance(source, (str, Path)):
         from transformers import AutoModelForCausalLM
 
-        source, info = AutoModelForCausalLM.from_pretrained(str(source), local_files_only=True,
-                                                            output_loading_info=True, **_fp32())
+        source, info = AutoModelForCausalLM.from_pretrained(
+            str(source), local_files_only=True, output_loading_info=True, **_fp32()
+        )
         _refuse_missing(source, info)
     cfg = source.config
     # fp32 whatever the source's dtype: the import is the full-precision state a run starts from
@@ -111,8 +119,10 @@ def _refuse_missing(model, info: dict) -> None:
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     missing = [k for k in info.get("missing_keys", []) if not (tied and k.endswith("lm_head.weight"))]
     if missing:
-        raise ValueError(f"the HF weights lack {len(missing)} tensor(s) the model needs: {', '.join(sorted(missing)[:4])}"
-                         + (" ..." if len(missing) > 4 else ""))
+        raise ValueError(
+            f"the HF weights lack {len(missing)} tensor(s) the model needs: {', '.join(sorted(missing)[:4])}"
+            + (" ..." if len(missing) > 4 else "")
+        )
 
 
 def model_overrides(fields: dict) -> list[str]:
@@ -150,22 +160,30 @@ def save_tokenizer(spm_model: str | Path, out: str | Path, model_max_length: int
     plain = {p for p, i in vocab.items() if not (sp.is_control(i) or sp.is_unknown(i) or sp.is_byte(i))}
     merges = []  # every split of a piece into two pieces, ranked by the merged piece's id (= BPE merge order)
     for piece in sorted(plain, key=vocab.get):
-        pairs = [(piece[:k], piece[k:]) for k in range(1, len(piece)) if piece[:k] in plain and piece[k:] in plain]
+        pairs = [
+            (piece[:k], piece[k:]) for k in range(1, len(piece)) if piece[:k] in plain and piece[k:] in plain
+        ]
         merges += sorted(pairs, key=lambda lr: (vocab[lr[0]], vocab[lr[1]]))
     unk = sp.id_to_piece(sp.unk_id())
     # byte_fallback as trained: a character outside the vocabulary becomes <0xNN> pieces, not unk
     tok = Tokenizer(BPE(vocab, merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
     tok.normalizer = _spm_normalizer(proto.normalizer_spec)
-    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                     decoders.Strip(" ", 1, 0)])  # the dummy prefix's space
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )  # the dummy prefix's space
     special = {"unk_token": unk}
     if sp.eos_id() >= 0:
         special["eos_token"] = sp.id_to_piece(sp.eos_id())
     if sp.bos_id() >= 0:
         special["bos_token"] = sp.id_to_piece(sp.bos_id())
     # split_special_tokens: a literal "</s>" in text is encoded as text, as sentencepiece does
-    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, split_special_tokens=True, clean_up_tokenization_spaces=False,
-                                     **special, **({"model_max_length": model_max_length} if model_max_length else {}))
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        split_special_tokens=True,
+        clean_up_tokenization_spaces=False,
+        **special,
+        **({"model_max_length": model_max_length} if model_max_length else {}),
+    )
     hf_tok.save_pretrained(str(out))
     return hf_tok
 

@@ -8,6 +8,7 @@ parts and replica i writes part i (rows of a whole tensor, rotated by a hash of 
 tensors spread round-robin), so every rank writes about total/world bytes and no rank gathers state
 it does not write.
 """
+
 from __future__ import annotations
 
 import math
@@ -65,8 +66,11 @@ def state_buffers(model) -> list[tuple[str, torch.Tensor, object]]:
     """(global name, tensor, Placement) of buffers that are model state, saved and loaded like parameters.
     A module declares them in `state_placements` ({buffer name: Placement}): a tag on the tensor itself
     would be lost when model.to() replaces buffers."""
-    return [(f"{prefix}.{n}" if prefix else n, getattr(m, n), pl) for prefix, m in model.named_modules()
-            for n, pl in getattr(m, "state_placements", {}).items()]
+    return [
+        (f"{prefix}.{n}" if prefix else n, getattr(m, n), pl)
+        for prefix, m in model.named_modules()
+        for n, pl in getattr(m, "state_placements", {}).items()
+    ]
 
 
 def _weight_item(name, p, optimizer, mesh, with_sources: bool) -> tuple[Item, list | None]:
@@ -74,12 +78,25 @@ def _weight_item(name, p, optimizer, mesh, with_sources: bool) -> tuple[Item, li
     weights = optimizer.weight_segments(p) if hasattr(optimizer, "weight_segments") else None
     if weights is not None:  # ZeRO-3: the params are sharded too; each rank writes its own segments
         h, i = _replicas(p, mesh, segments=True)
-        return Item(f"model/{name}", p.placement.shard, dtype_name(p.dtype),
-                    [(lo, lo + n) for lo, n, _ in weights], h, i,
-                    [t for *_, t in weights] if with_sources else []), weights
+        return Item(
+            f"model/{name}",
+            p.placement.shard,
+            dtype_name(p.dtype),
+            [(lo, lo + n) for lo, n, _ in weights],
+            h,
+            i,
+            [t for *_, t in weights] if with_sources else [],
+        ), weights
     h, i = _replicas(p, mesh, segments=False)
-    return Item(f"model/{name}", p.placement.shard, dtype_name(p.dtype), [(0, p.numel())], h, i,
-                [p.detach().reshape(-1)] if with_sources else []), None
+    return Item(
+        f"model/{name}",
+        p.placement.shard,
+        dtype_name(p.dtype),
+        [(0, p.numel())],
+        h,
+        i,
+        [p.detach().reshape(-1)] if with_sources else [],
+    ), None
 
 
 def _optimizer_items(name, p, optimizer, mesh, with_sources: bool, weights) -> list[Item]:
@@ -93,14 +110,31 @@ def _optimizer_items(name, p, optimizer, mesh, with_sources: bool, weights) -> l
                 continue  # ZeRO-3's fp32 weights above are its master, bit for bit: not written twice
             parts = [(lo, n, st[kind]) for lo, n, st in segs if kind in st]
             if parts:
-                items.append(Item(f"optim/{kind}/{name}", p.placement.shard, "float32",
-                                  [(lo, lo + n) for lo, n, _ in parts],
-                                  h, i, [t for _, _, t in parts] if with_sources else []))
+                items.append(
+                    Item(
+                        f"optim/{kind}/{name}",
+                        p.placement.shard,
+                        "float32",
+                        [(lo, lo + n) for lo, n, _ in parts],
+                        h,
+                        i,
+                        [t for _, _, t in parts] if with_sources else [],
+                    )
+                )
         return items
     h, i = _replicas(p, mesh, segments=False)
     for kind, t in optimizer.logical_state(p).items():
-        items.append(Item(f"optim/{kind}/{name}", p.placement.shard, dtype_name(t.dtype), [(0, p.numel())],
-                          h, i, [t.detach().reshape(-1)] if with_sources else []))
+        items.append(
+            Item(
+                f"optim/{kind}/{name}",
+                p.placement.shard,
+                dtype_name(t.dtype),
+                [(0, p.numel())],
+                h,
+                i,
+                [t.detach().reshape(-1)] if with_sources else [],
+            )
+        )
     return items
 
 
@@ -110,8 +144,17 @@ def _buffer_items(model, mesh, with_sources: bool) -> list[Item]:
     for name, b, pl in state_buffers(model):
         # a state buffer is replicated over tp and cp·dp: that stage's tp x cp·dp ranks share its write
         h, i = mesh.tp.size * mesh.dpcp.size, mesh.dpcp.rank * mesh.tp.size + mesh.tp.rank
-        items.append(Item(f"model/{name}", pl.shard, dtype_name(b.dtype), [(0, b.numel())], h, i,
-                          [b.detach().reshape(-1)] if with_sources else []))
+        items.append(
+            Item(
+                f"model/{name}",
+                pl.shard,
+                dtype_name(b.dtype),
+                [(0, b.numel())],
+                h,
+                i,
+                [b.detach().reshape(-1)] if with_sources else [],
+            )
+        )
     return items
 
 
@@ -130,6 +173,7 @@ def param_items(model, optimizer, mesh, with_sources: bool) -> list[Item]:
 @dataclass
 class Stored:
     """One tensor of this rank's file: elements [lo, hi) of an item's local tensor, a box of it."""
+
     key: str
     stored_key: str
     shape: tuple[int, ...]
@@ -168,12 +212,25 @@ def my_writes(items: list[Item]) -> list[Stored]:
             for box in flat_boxes(shape, a, b):
                 first, _ = flat_span(shape, box)
                 size = tuple(h - l for l, h in box)
-                pieces = [(tuple((pl - bl, ph - bl) for (pl, ph), (bl, _) in zip(local, box)), glob)
-                          for local, glob in to_global(box, it.shard.dim, _ranges(it.shard))]
+                pieces = [
+                    (tuple((pl - bl, ph - bl) for (pl, ph), (bl, _) in zip(local, box)), glob)
+                    for local, glob in to_global(box, it.shard.dim, _ranges(it.shard))
+                ]
                 n = math.prod(size)
-                data = None if src is None else src[first - lo:first - lo + n].view(size)
-                out.append(Stored(it.key, f"{it.key}#{count}", size, first, first + n, pieces, it.dtype,
-                                  tuple(it.shard.global_shape), data))
+                data = None if src is None else src[first - lo : first - lo + n].view(size)
+                out.append(
+                    Stored(
+                        it.key,
+                        f"{it.key}#{count}",
+                        size,
+                        first,
+                        first + n,
+                        pieces,
+                        it.dtype,
+                        tuple(it.shard.global_shape),
+                        data,
+                    )
+                )
                 count += 1
     return out
 

@@ -15,6 +15,7 @@ from the new ones. Hence:
 A parent link whose folder now holds another checkpoint (a branch rewrote that step) has a different id:
 the chain stops there, so nothing of another branch is taken for ours.
 """
+
 from __future__ import annotations
 
 import shutil
@@ -24,8 +25,15 @@ from megaframe.checkpoint.metadata import check_complete
 from megaframe.checkpoint.metadata import read as read_metadata
 
 
-def lineage_meta(run_id: str, step: int, parent: Path | None, parent_id: str | None, root: str | Path,
-                 owner: str = "", run_dir: str = "") -> dict:
+def lineage_meta(
+    run_id: str,
+    step: int,
+    parent: Path | None,
+    parent_id: str | None,
+    root: str | Path,
+    owner: str = "",
+    run_dir: str = "",
+) -> dict:
     """The "lineage" entry of a checkpoint written by `run_id` at `step`, continuing `parent` (whose
     lineage id is `parent_id`; None for checkpoints written before lineage existed). `owner`: the run's id
     over all its launches and `run_dir` its folder (runops/access/owner.py); recorded when known."""
@@ -81,7 +89,9 @@ def chain(start: Path, root: str | Path, limit: int = 100_000) -> list[Path]:
 def pointed(root: str | Path) -> Path | None:
     """The committed checkpoint `${root}/latest` names, or None (no pointer, or it names nothing)."""
     try:
-        name = (Path(root) / "latest").read_text(errors="replace").strip()  # binary garbage: no step folder's name
+        name = (
+            (Path(root) / "latest").read_text(errors="replace").strip()
+        )  # binary garbage: no step folder's name
     except OSError:
         return None
     path = Path(root) / name
@@ -111,10 +121,14 @@ def prune(root: str | Path, keep_last: int, owner: str | None = None) -> list[Pa
     root_r = Path(root).resolve()
     gone = []
     # max(1, ..): the head itself is never deleted, whatever keep_last says
-    for old in chain(head, root)[max(1, keep_last):]:
+    for old in chain(head, root)[max(1, keep_last) :]:
         # an ancestor outside root (an imported or copied checkpoint) belongs to someone else: never deleted
         theirs = ((_meta(old) or {}).get("lineage") or {}).get("owner")
-        if old.resolve().parent == root_r and old.name.startswith("step_") and (not owner or theirs in (None, owner)):
+        if (
+            old.resolve().parent == root_r
+            and old.name.startswith("step_")
+            and (not owner or theirs in (None, owner))
+        ):
             shutil.rmtree(old, ignore_errors=True)
             gone.append(old)
     return gone

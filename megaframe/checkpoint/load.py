@@ -13,6 +13,7 @@ held whole. `megaframe.load_model` (no optimizer) reads no optimizer state at al
 accelerator or collective error is not the checkpoint's fault (`not_the_checkpoints_fault`): it stops the load
 on every rank (LoadStopped) instead.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -37,8 +38,15 @@ from megaframe.parallel import comm
 
 # RuntimeErrors that stop a load without saying anything about the checkpoint (torch 2.13 has all three; an
 # older torch may lack AcceleratorError)
-_NOT_THE_CHECKPOINT = tuple(t for t in (getattr(torch, "OutOfMemoryError", None), getattr(torch, "AcceleratorError", None),
-                                        getattr(torch.distributed, "DistError", None)) if t is not None)
+_NOT_THE_CHECKPOINT = tuple(
+    t
+    for t in (
+        getattr(torch, "OutOfMemoryError", None),
+        getattr(torch, "AcceleratorError", None),
+        getattr(torch.distributed, "DistError", None),
+    )
+    if t is not None
+)
 
 
 def not_the_checkpoints_fault(e: BaseException) -> bool:
@@ -72,7 +80,7 @@ class Sink:
     def __post_init__(self):
         self.windows.sort(key=lambda w: w[0])
         self._los = [lo for lo, _, _ in self.windows]
-        self._strides = [math.prod(self.shape[d + 1:]) for d in range(len(self.shape))]
+        self._strides = [math.prod(self.shape[d + 1 :]) for d in range(len(self.shape))]
 
     @classmethod
     def whole(cls, t: torch.Tensor) -> "Sink":
@@ -112,8 +120,12 @@ def load_targets(model, optimizer, meta: dict) -> tuple[list[Item], dict[str, Si
         master_is_p = segs is not None and not state_master and f"optim/master/{name}" in have
         if home is not None:
             if segs is None or f"optim/master/{name}" not in have:  # else the saved master fills the segments
-                want(f"model/{name}", p.placement.shard, [(lo, lo + n) for lo, n, _ in home],
-                     Sink(tuple(p.shape), [(lo, lo + n, t) for lo, n, t in home]))
+                want(
+                    f"model/{name}",
+                    p.placement.shard,
+                    [(lo, lo + n) for lo, n, _ in home],
+                    Sink(tuple(p.shape), [(lo, lo + n, t) for lo, n, t in home]),
+                )
         elif not master_is_p:  # else the master below fills p
             want(f"model/{name}", p.placement.shard, whole, Sink.whole(p))
         if segs is None:
@@ -123,8 +135,12 @@ def load_targets(model, optimizer, meta: dict) -> tuple[list[Item], dict[str, Si
             if kind == "master" and master_is_p:
                 want(key, p.placement.shard, whole, Sink.whole(p))
             elif key in have and segs and kind in segs[0][2]:
-                want(key, p.placement.shard, [(lo, lo + n) for lo, n, _ in segs],
-                     Sink(tuple(p.shape), [(lo, lo + n, st[kind]) for lo, n, st in segs]))
+                want(
+                    key,
+                    p.placement.shard,
+                    [(lo, lo + n) for lo, n, _ in segs],
+                    Sink(tuple(p.shape), [(lo, lo + n, st[kind]) for lo, n, st in segs]),
+                )
         loaded = {k for k in ("exp_avg", "exp_avg_sq", "master") if f"optim/{k}/{name}" in have}
         done.append(lambda p=p, loaded=loaded: optimizer.loaded(p, loaded, int(meta["step"])))
     for name, b, pl in state_buffers(model):
@@ -133,14 +149,23 @@ def load_targets(model, optimizer, meta: dict) -> tuple[list[Item], dict[str, Si
     return items, sinks, done
 
 
-def execute(path: Path, meta: dict, plan, index, sinks: dict[str, Sink], stats: ReadStats,
-            staging_bytes: int = STAGING_BYTES) -> None:
+def execute(
+    path: Path,
+    meta: dict,
+    plan,
+    index,
+    sinks: dict[str, Sink],
+    stats: ReadStats,
+    staging_bytes: int = STAGING_BYTES,
+) -> None:
     """Read the plan's ranges (each file opened once, through one bounded staging buffer) and copy each piece
     into its sink."""
     by_stored: dict[int, list] = {}
     for key, sid, src, dst, size in plan.copies:
         for i in range(len(sid)):
-            by_stored.setdefault(int(sid[i]), []).append((key, src[i].tolist(), dst[i].tolist(), size[i].tolist()))
+            by_stored.setdefault(int(sid[i]), []).append(
+                (key, src[i].tolist(), dst[i].tolist(), size[i].tolist())
+            )
     sid_of = {(f, k): i for i, (f, k, _) in enumerate(index.stored)}
     files = meta.get("files", {})
     v1 = "v1_files" in meta
@@ -157,7 +182,7 @@ def execute(path: Path, meta: dict, plan, index, sinks: dict[str, Sink], stats: 
 def _scatter(data: torch.Tensor, first: int, shape: tuple, pieces: list, sinks: dict[str, Sink]) -> None:
     """Copy the parts of `pieces` ((key, src lo, dst lo, size) boxes of a stored tensor of `shape`) that lie
     in `data` (its elements [first, first + n), a view of the staging buffer) into their sinks."""
-    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+    strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
     c1 = first + data.numel()
     base = data.storage_offset()  # a view of the staging buffer: as_strided offsets are absolute
     for key, src, dst, size in pieces:
@@ -180,8 +205,13 @@ def _scatter(data: torch.Tensor, first: int, shape: tuple, pieces: list, sinks: 
             sinks[key].put(to, part_size, data.as_strided(part_size, strides, off))
 
 
-def read_items(path: str | Path, meta: dict, items: list[Item], sinks: dict[str, Sink] | None = None,
-               staging_bytes: int = STAGING_BYTES) -> tuple[dict[str, torch.Tensor], dict]:
+def read_items(
+    path: str | Path,
+    meta: dict,
+    items: list[Item],
+    sinks: dict[str, Sink] | None = None,
+    staging_bytes: int = STAGING_BYTES,
+) -> tuple[dict[str, torch.Tensor], dict]:
     """Read every item's held ranges into its sink; without sinks, into new zero-filled local tensors,
     returned as {key: tensor} (load_full: the whole tensor is what is asked for). Also this rank's read
     figures."""
@@ -195,9 +225,14 @@ def read_items(path: str | Path, meta: dict, items: list[Item], sinks: dict[str,
         sinks = {k: Sink.whole(t) for k, t in out.items()}
     stats = ReadStats()
     execute(Path(path), meta, plan, index, sinks, stats, staging_bytes)
-    return out, {"read_bytes": stats.bytes, "read_data_bytes": stats.data_bytes, "needed_bytes": plan.needed_bytes,
-                 "planned_bytes": plan.planned_bytes,
-                 "files_opened": stats.files, "load_s": time.perf_counter() - t0}
+    return out, {
+        "read_bytes": stats.bytes,
+        "read_data_bytes": stats.data_bytes,
+        "needed_bytes": plan.needed_bytes,
+        "planned_bytes": plan.planned_bytes,
+        "files_opened": stats.files,
+        "load_s": time.perf_counter() - t0,
+    }
 
 
 def load_full(path: str | Path, key: str, meta: dict) -> torch.Tensor:

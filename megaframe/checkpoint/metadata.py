@@ -9,6 +9,7 @@ metadata.json (format v2):
     coverage: "exact" (set by the commit after check_coverage passed)
 v1 checkpoints ({"dim", "ranges"} per shard, a crc32 per whole file) are read through `upgrade`.
 """
+
 from __future__ import annotations
 
 import json
@@ -44,13 +45,16 @@ def check_coverage(tensors: dict) -> None:
         los, his = [], []
         for s in info["shards"]:
             if s.get("dtype", info["dtype"]) != info["dtype"]:
-                raise CheckpointError(f"tensor {key}: dtype {s['dtype']} in {s['file']}, {info['dtype']} elsewhere")
+                raise CheckpointError(
+                    f"tensor {key}: dtype {s['dtype']} in {s['file']}, {info['dtype']} elsewhere"
+                )
             stored = 0
             for local, glob in s["pieces"]:
                 if len(glob) != nd or len(local) != len(s["shape"]):
                     raise CheckpointError(f"tensor {key}: a piece in {s['file']} has the wrong rank")
-                if any(not (0 <= lo < hi <= n) for (lo, hi), n in zip(glob, shape)) or \
-                        any(not (0 <= lo < hi <= n) for (lo, hi), n in zip(local, s["shape"])):
+                if any(not (0 <= lo < hi <= n) for (lo, hi), n in zip(glob, shape)) or any(
+                    not (0 <= lo < hi <= n) for (lo, hi), n in zip(local, s["shape"])
+                ):
                     raise CheckpointError(f"tensor {key}: a piece in {s['file']} lies outside its tensor")
                 if [hi - lo for lo, hi in local] != [hi - lo for lo, hi in glob]:
                     raise CheckpointError(f"tensor {key}: a piece in {s['file']} changes shape")
@@ -64,8 +68,10 @@ def check_coverage(tensors: dict) -> None:
         # volumes sum to the shape tile it iff none overlap
         total = int(np.prod(hi - lo, axis=1).sum()) if len(lo) else 0
         if total != math.prod(shape):
-            raise CheckpointError(f"tensor {key}: pieces hold {total} elements of {math.prod(shape)} "
-                                  f"({'a gap' if total < math.prod(shape) else 'an overlap'})")
+            raise CheckpointError(
+                f"tensor {key}: pieces hold {total} elements of {math.prod(shape)} "
+                f"({'a gap' if total < math.prod(shape) else 'an overlap'})"
+            )
         if _overlaps(lo, hi):  # equal volume and no overlap: an exact tiling
             raise CheckpointError(f"tensor {key}: pieces overlap (and leave a gap)")
 
@@ -75,8 +81,8 @@ def _overlaps(lo: np.ndarray, hi: np.ndarray) -> bool:
     order = np.argsort(lo[:, 0], kind="stable") if len(lo) else []
     lo, hi = lo[order], hi[order]
     for i in range(len(lo)):  # against the later pieces starting before this one ends along dim 0
-        j = np.searchsorted(lo[i + 1:, 0], hi[i, 0], side="left")
-        if j and np.any(np.all((lo[i + 1:i + 1 + j] < hi[i]) & (hi[i + 1:i + 1 + j] > lo[i]), axis=1)):
+        j = np.searchsorted(lo[i + 1 :, 0], hi[i, 0], side="left")
+        if j and np.any(np.all((lo[i + 1 : i + 1 + j] < hi[i]) & (hi[i + 1 : i + 1 + j] > lo[i]), axis=1)):
             return True
     return False
 
@@ -102,6 +108,7 @@ def read(path: str | Path) -> dict:
 def _well_formed(path, meta: dict) -> dict:
     """The fields every reader indexes have their types: damaged metadata is one CheckpointError naming
     the file, never a KeyError or AttributeError in a tool (resume, generate, verify) that reads it."""
+
     def bad(what: str):
         raise CheckpointError(f"{path}: metadata.json is damaged ({what})")
 
@@ -114,8 +121,11 @@ def _well_formed(path, meta: dict) -> dict:
         if not isinstance(f, dict) or not isinstance(f.get("bytes"), int):
             bad(f"file entry {name!r}")
     for key, info in meta["tensors"].items():
-        if not isinstance(info, dict) or not isinstance(info.get("shards"), list) \
-                or not all(isinstance(s, dict) and isinstance(s.get("file"), str) for s in info["shards"]):
+        if (
+            not isinstance(info, dict)
+            or not isinstance(info.get("shards"), list)
+            or not all(isinstance(s, dict) and isinstance(s.get("file"), str) for s in info["shards"])
+        ):
             bad(f"tensor entry {key!r}")
         problem = _tensor_problem(info)
         if problem:  # the file, the tensor and the field: a reader would trip on it with no name at all
@@ -135,8 +145,11 @@ def _well_formed(path, meta: dict) -> dict:
 
 def _ints(v, n: int | None = None) -> bool:
     """A list of non-negative ints (of length n when given)."""
-    return isinstance(v, list) and (n is None or len(v) == n) and \
-        all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v)
+    return (
+        isinstance(v, list)
+        and (n is None or len(v) == n)
+        and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v)
+    )
 
 
 def _box(v, ndim: int) -> bool:
@@ -151,7 +164,8 @@ def _tensor_problem(info: dict) -> str | None:
     import torch
 
     for where, dtype in [("dtype", info.get("dtype"))] + [
-            (f"shard {i} dtype", s["dtype"]) for i, s in enumerate(info["shards"]) if "dtype" in s]:
+        (f"shard {i} dtype", s["dtype"]) for i, s in enumerate(info["shards"]) if "dtype" in s
+    ]:
         if not isinstance(dtype, str) or not isinstance(getattr(torch, dtype, None), torch.dtype):
             return f"{where} {dtype!r} is not a torch dtype"
     shape = info.get("global_shape")
@@ -162,9 +176,13 @@ def _tensor_problem(info: dict) -> str | None:
             return f"shard {i} (in {s['file']}): key {s.get('key')!r} or shape {s.get('shape')!r}"
         pieces = s.get("pieces")
         if not isinstance(pieces, list) or not all(
-                isinstance(p, list) and len(p) == 2 and _box(p[0], len(s["shape"])) and _box(p[1], len(shape))
-                for p in pieces):
-            return (f"shard {i} (in {s['file']}): pieces {json.dumps(pieces)[:80]} " "are not [stored box, global box] pairs")
+            isinstance(p, list) and len(p) == 2 and _box(p[0], len(s["shape"])) and _box(p[1], len(shape))
+            for p in pieces
+        ):
+            return (
+                f"shard {i} (in {s['file']}): pieces {json.dumps(pieces)[:80]} "
+                "are not [stored box, global box] pairs"
+            )
     return None
 
 
@@ -216,7 +234,9 @@ def check_complete(path: str | Path) -> dict:
     for key, info in meta["tensors"].items():
         for s in info["shards"]:
             if s["file"] not in files:
-                raise CheckpointError(f"{path}: tensor {key} names file {s['file']!r}, which the checkpoint does not list")
+                raise CheckpointError(
+                    f"{path}: tensor {key} names file {s['file']!r}, which the checkpoint does not list"
+                )
     return meta
 
 
@@ -224,8 +244,11 @@ def committed(root: str | Path) -> list[Path]:
     """Committed step folders under root, oldest first."""
     if not Path(root).is_dir():
         return []
-    return sorted(p for p in Path(root).glob("step_*")
-                  # only step_<digits>: a .tmp folder is a save in progress or a crashed one, a .replaced-...
-                  # folder another branch's checkpoint kept aside (sharded.commit); metadata.json is written
-                  # last, so its presence marks a commit
-                  if p.name[5:].isdigit() and p.is_dir() and (p / "metadata.json").is_file())
+    return sorted(
+        p
+        for p in Path(root).glob("step_*")
+        # only step_<digits>: a .tmp folder is a save in progress or a crashed one, a .replaced-...
+        # folder another branch's checkpoint kept aside (sharded.commit); metadata.json is written
+        # last, so its presence marks a commit
+        if p.name[5:].isdigit() and p.is_dir() and (p / "metadata.json").is_file()
+    )

@@ -2,6 +2,7 @@
 plan of every rank of another layout, from meta models (no tensor data). Used by the planner test and
 benchmarks/bench_checkpoint.py to show plans at 256 ranks in one process.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -21,8 +22,9 @@ class PlannedZero:
         self.segs = {}
         for buf in flat_buffers(params, o, mesh):
             # a master copy only for sub-fp32 params (bf16), as the real ZeroOptimizer keeps
-            kinds = ("exp_avg", "exp_avg_sq") + (("master",) if buf.dtype.is_floating_point and
-                                                 buf.dtype.itemsize < 4 else ())
+            kinds = ("exp_avg", "exp_avg_sq") + (
+                ("master",) if buf.dtype.is_floating_point and buf.dtype.itemsize < 4 else ()
+            )
             for s in buf.segments:
                 self.segs.setdefault(s.param, []).append((s.param_lo, s.numel, {k: None for k in kinds}))
 
@@ -66,6 +68,7 @@ class _PlainMeta:
 
     def logical_state(self, p):
         import torch
+
         return {k: torch.empty(p.shape, device="meta") for k in ("exp_avg", "exp_avg_sq")}
 
 
@@ -80,9 +83,17 @@ def saved_metadata(cfg, layout: Layout) -> tuple[dict, dict[int, int]]:
         size = {it.key: it.itemsize for it in items}
         written[rank] = 0
         for s in my_writes(items):
-            e = tensors.setdefault(s.key, {"global_shape": list(s.global_shape), "dtype": s.dtype, "shards": []})
-            e["shards"].append({"file": name, "key": s.stored_key, "shape": list(s.shape),
-                                "pieces": [[list(map(list, a)), list(map(list, b))] for a, b in s.pieces]})
+            e = tensors.setdefault(
+                s.key, {"global_shape": list(s.global_shape), "dtype": s.dtype, "shards": []}
+            )
+            e["shards"].append(
+                {
+                    "file": name,
+                    "key": s.stored_key,
+                    "shape": list(s.shape),
+                    "pieces": [[list(map(list, a)), list(map(list, b))] for a, b in s.pieces],
+                }
+            )
             written[rank] += (s.hi - s.lo) * size[s.key]
     return tensors, written
 

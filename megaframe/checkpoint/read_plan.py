@@ -5,6 +5,7 @@ ranges of each file to read and where each piece goes. It reads no tensor data, 
 Boxes are numpy rows ([n, ndim] lo and hi arrays): a needed box is intersected with all stored pieces
 of its tensor at once.
 """
+
 from __future__ import annotations
 
 import math
@@ -21,6 +22,7 @@ from megaframe.checkpoint.metadata import CheckpointError
 class Pieces:
     """The stored pieces of one logical tensor: global box (lo, hi), stored-box origin (llo), the stored
     tensor's row-major strides, and which stored tensor (sid, an index into Index.stored)."""
+
     lo: np.ndarray
     hi: np.ndarray
     llo: np.ndarray
@@ -51,7 +53,7 @@ class Index:
                     self._sid[ident] = len(self.stored)
                     self.stored.append((s["file"], s["key"], tuple(s["shape"])))
                 shape = s["shape"]
-                st = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+                st = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
                 for local, glob in s["pieces"]:
                     lo.append([a for a, _ in glob])
                     hi.append([b for _, b in glob])
@@ -61,8 +63,9 @@ class Index:
             # reshape: a tensor with no pieces still gives [0, nd] arrays, so the coverage check reports it
             arr = lambda x: np.array(x, dtype=np.int64).reshape(-1, nd)  # an empty list still gives [0, nd]
             size = torch.empty((), dtype=getattr(torch, info["dtype"])).element_size()
-            self._by_key[key] = Pieces(arr(lo), arr(hi), arr(llo), arr(stride),
-                                       np.array(sid, dtype=np.int64), size)
+            self._by_key[key] = Pieces(
+                arr(lo), arr(hi), arr(llo), arr(stride), np.array(sid, dtype=np.int64), size
+            )
         return self._by_key[key]
 
 
@@ -102,9 +105,11 @@ def plan_reads(index: Index, need: dict[str, list[tuple[Box, Box]]]) -> Plan:
         bad = np.nonzero(got != want)[0]
         if len(bad):
             k = int(bad[0])
-            raise CheckpointError(f"tensor {key}: the checkpoint holds {int(got[k])} of the {int(want[k])} "
-                                  f"elements of {boxes[k, 1].tolist()} this rank needs "
-                                  f"({'a gap' if got[k] < want[k] else 'overlapping shards'})")
+            raise CheckpointError(
+                f"tensor {key}: the checkpoint holds {int(got[k])} of the {int(want[k])} "
+                f"elements of {boxes[k, 1].tolist()} this rank needs "
+                f"({'a gap' if got[k] < want[k] else 'overlapping shards'})"
+            )
         src = p_lo - pc.lo[j] + pc.llo[j]
         dst = p_lo - g_lo[i] + l_lo[i]
         plan.copies.append((key, pc.sid[j], src, dst, size))

@@ -8,6 +8,7 @@ lineage is unknown: the checkpoints are then used only if they form one branch (
 other's ancestor), with a warning; several branches are refused, naming their newest checkpoints, so the
 user picks one (checkpoint.resume=PATH, or the step folder itself).
 """
+
 from __future__ import annotations
 
 import sys
@@ -69,9 +70,11 @@ def head(root: str | Path, warn=_warn) -> Path | None:
         warn(f"{Path(root) / 'latest'} {why}; its checkpoints form one branch: using its newest, {tips[0]}")
         return tips[0]
     names = ", ".join(f"{p.name} (run {_run(p)})" for p in tips[:5]) + (", ..." if len(tips) > 5 else "")
-    raise Unresolved(f"{root}: `latest` {why}; its checkpoints form {len(tips)} branches (newest of each: "
-                     f"{names}) and the highest step may be an abandoned one, so none is picked: name the step "
-                     f"folder to use (checkpoint.resume={Path(root)}/step_XXXXXXXX, or that path to the tool)")
+    raise Unresolved(
+        f"{root}: `latest` {why}; its checkpoints form {len(tips)} branches (newest of each: "
+        f"{names}) and the highest step may be an abandoned one, so none is picked: name the step "
+        f"folder to use (checkpoint.resume={Path(root)}/step_XXXXXXXX, or that path to the tool)"
+    )
 
 
 def _run(path: Path) -> str:

@@ -12,6 +12,7 @@ the checkpoint: skipping to an older one would silently throw work away. Such an
 rank (TrainingError, exit 1, one line naming the phase and the checkpoint); nothing is skipped or pruned,
 `latest` and every checkpoint stay as they are.
 """
+
 from __future__ import annotations
 
 import sys
@@ -70,9 +71,11 @@ def _agree(path: Path, meta: dict | None, stop: str | None, mesh: Mesh) -> bool:
     if verdict == _STOPPED:
         # every rank names the first stopped rank's error (one extra collective, on this failure path only)
         first = next(s for s in comm.gather_objects(stop, mesh.group) if s)
-        raise TrainingError(f"loading checkpoint {path} failed: {first}; not a fault of the checkpoint, so it was not "
-                            f"skipped (it, older checkpoints and `latest` are untouched): free memory or fix the "
-                            f"machine and rerun")
+        raise TrainingError(
+            f"loading checkpoint {path} failed: {first}; not a fault of the checkpoint, so it was not "
+            f"skipped (it, older checkpoints and `latest` are untouched): free memory or fix the "
+            f"machine and rerun"
+        )
     return verdict == _LOADED
 
 
@@ -81,7 +84,9 @@ def _warn(mesh: Mesh, msg: str, every_rank: bool = False) -> None:
         print(f"megaframe: warning: {msg}", file=sys.stderr, flush=True)
 
 
-def _load(cfg: Config, path: Path, model, optimizer, mesh: Mesh, faults=None) -> tuple[dict | None, str, str | None]:
+def _load(
+    cfg: Config, path: Path, model, optimizer, mesh: Mesh, faults=None
+) -> tuple[dict | None, str, str | None]:
     """Check the config against the checkpoint's, then load: (meta, "", None), (None, why the checkpoint
     cannot be loaded, None), or (None, "", what stopped the load) for an error that is not the checkpoint's
     fault."""
@@ -93,7 +98,9 @@ def _load(cfg: Config, path: Path, model, optimizer, mesh: Mesh, faults=None) ->
     try:
         if faults is not None:
             faults.load_fault(int(meta["step"]))  # MEGAFRAME_INJECT=loadoom: a drill of the branch below
-        meta = sharded.load_into(path, model, optimizer)  # reads this rank's plan, checks every block it reads
+        meta = sharded.load_into(
+            path, model, optimizer
+        )  # reads this rank's plan, checks every block it reads
     except (*LOAD_ERRORS, MemoryError) as e:
         if not_the_checkpoints_fault(e):
             return None, "", f"rank {mesh.rank}: {_one(e)}"
@@ -127,7 +134,11 @@ def resume(cfg: Config, model, optimizer, mesh: Mesh, faults=None) -> Resumed:
     for p in map(Path, order):
         meta, why, stop = _load(cfg, p, model, optimizer, mesh, faults)
         if why:
-            _warn(mesh, f"skipping checkpoint {p}: cannot be loaded on rank {mesh.rank} ({why})", every_rank=True)
+            _warn(
+                mesh,
+                f"skipping checkpoint {p}: cannot be loaded on rank {mesh.rank} ({why})",
+                every_rank=True,
+            )
         # loaded on some ranks but not on others: all move on together;
         # the next candidate's load overwrites what this one left
         if _agree(p, meta, stop, mesh):
@@ -136,8 +147,10 @@ def resume(cfg: Config, model, optimizer, mesh: Mesh, faults=None) -> Resumed:
     if tried is not None:
         # a failed load may have overwritten part of the state on some ranks: a "fresh" start from here
         # would train on mixed, rank-dependent weights, so it is refused rather than silently begun
-        raise ConfigError(f"checkpoint.resume=auto: no checkpoint under {cfg.checkpoint.dir} could be loaded "
-                          f"(last tried {tried}); move them away or set checkpoint.resume=none to start fresh")
+        raise ConfigError(
+            f"checkpoint.resume=auto: no checkpoint under {cfg.checkpoint.dir} could be loaded "
+            f"(last tried {tried}); move them away or set checkpoint.resume=none to start fresh"
+        )
     return Resumed()
 
 

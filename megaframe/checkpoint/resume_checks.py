@@ -14,6 +14,7 @@ A resumed run must continue the same experiment. These changes are refused (exit
   When allowed, the warning says what repeats or changes. The tokenizer is compared before (config/checks.py).
 The parallel layout may change freely (any layout loads any checkpoint).
 """
+
 from __future__ import annotations
 
 import sys
@@ -50,20 +51,30 @@ def check_resume(cfg: Config, meta: dict, path, verbose: bool) -> None:
 
     allow = list(cfg.checkpoint.allow_config_change)
     consumed = consumed_samples(meta)
-    changes = [(name, repr(old), repr(new), None)
-               for name, old, new in differences(cfg, meta.get("config") or {}, consumed)]
+    changes = [
+        (name, repr(old), repr(new), None)
+        for name, old, new in differences(cfg, meta.get("config") or {}, consumed)
+    ]
     # before any sample is consumed (a step-0 import) the data decides nothing yet
     changes += data_changes(cfg.data, meta) if consumed > 0 else []
     for name, old, new, what in changes:
         if not _allowed(name, allow):
-            why = what or ("samples would be skipped or repeated" if name.startswith("train.")
-                           else "the weights belong to another model")
-            raise ConfigError(f"checkpoint {path} was written with {name}={old}, this run has {new}: {why}; "
-                              f"set checkpoint.allow_config_change=[{name}] to resume anyway")
+            why = what or (
+                "samples would be skipped or repeated"
+                if name.startswith("train.")
+                else "the weights belong to another model"
+            )
+            raise ConfigError(
+                f"checkpoint {path} was written with {name}={old}, this run has {new}: {why}; "
+                f"set checkpoint.allow_config_change=[{name}] to resume anyway"
+            )
         if verbose:
-            print(f"megaframe: warning: resuming with {name} changed from {old} to {new} "
-                  f"(checkpoint.allow_config_change){f': {what}' if what else ''}", file=sys.stderr,
-                  flush=True)
+            print(
+                f"megaframe: warning: resuming with {name} changed from {old} to {new} "
+                f"(checkpoint.allow_config_change){f': {what}' if what else ''}",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 def consumed_samples(meta: dict) -> int:

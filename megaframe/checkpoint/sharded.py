@@ -17,6 +17,7 @@ all and the coverage, writes metadata.json last (fsynced), renames the folder, t
 atomically; on any failure nothing is committed, the temporary folder is removed and every rank raises
 SaveError. Loading (checkpoint/load.py) reads per-rank plans of byte ranges.
 """
+
 from __future__ import annotations
 
 import json
@@ -64,7 +65,9 @@ def _fsync_write(path: Path, text: str) -> None:
 def begin(root: str | Path, step: int, mesh: Mesh) -> tuple[Path, Path]:
     """Create the (empty) temporary folder of a checkpoint; collective. Returns (tmp, final)."""
     final = step_dir(root, step)
-    tmp = final.with_name(final.name + ".tmp")  # only the commit's rename creates `final`: no reader sees half a save
+    tmp = final.with_name(
+        final.name + ".tmp"
+    )  # only the commit's rename creates `final`: no reader sees half a save
     error = None
     if mesh.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -112,19 +115,46 @@ def write_report(folder: Path, rank: int, stored: list, fail: str | None = None)
     except Exception as e:  # noqa: BLE001  (OSError, safetensors' SafetensorError, whatever the write raises)
         # reported, not raised: a rank that raised here would
         # miss the gather in finish() and hang its peers there
-        return {"rank": rank, "ok": False, "error": f"rank {rank}: {' '.join(str(e).split()) or type(e).__name__}"}
+        return {
+            "rank": rank,
+            "ok": False,
+            "error": f"rank {rank}: {' '.join(str(e).split()) or type(e).__name__}",
+        }
     entries: dict[str, dict] = {}
     for s in stored:
         e = entries.setdefault(s.key, {"global_shape": list(s.global_shape), "dtype": s.dtype, "shards": []})
-        e["shards"].append({"file": name, "key": s.stored_key, "shape": list(s.shape), "dtype": s.dtype,
-                            "pieces": [[list(map(list, a)), list(map(list, b))] for a, b in s.pieces]})
-    return {"rank": rank, "ok": True, "file": name if info else None, "info": info, "entries": entries,
-            "write_bytes": info["bytes"] if info else 0, "data_bytes": info["data_bytes"] if info else 0,
-            "save_s": time.perf_counter() - t0}
+        e["shards"].append(
+            {
+                "file": name,
+                "key": s.stored_key,
+                "shape": list(s.shape),
+                "dtype": s.dtype,
+                "pieces": [[list(map(list, a)), list(map(list, b))] for a, b in s.pieces],
+            }
+        )
+    return {
+        "rank": rank,
+        "ok": True,
+        "file": name if info else None,
+        "info": info,
+        "entries": entries,
+        "write_bytes": info["bytes"] if info else 0,
+        "data_bytes": info["data_bytes"] if info else 0,
+        "save_s": time.perf_counter() - t0,
+    }
 
 
-def save(root: str | Path, step: int, model, optimizer, mesh: Mesh, meta: dict, keep_last: int = 0,
-         fail: str | None = None, io: dict | None = None) -> Path:
+def save(
+    root: str | Path,
+    step: int,
+    model,
+    optimizer,
+    mesh: Mesh,
+    meta: dict,
+    keep_last: int = 0,
+    fail: str | None = None,
+    io: dict | None = None,
+) -> Path:
     """Write and commit step_XXXXXXXX under root; collective over the mesh. Returns the final folder;
     SaveError (on every rank) when it was not committed. `io` receives this rank's figures."""
     t0 = time.perf_counter()
@@ -139,7 +169,9 @@ def save(root: str | Path, step: int, model, optimizer, mesh: Mesh, meta: dict, 
     return final
 
 
-def finish(root, tmp: Path, final: Path, step: int, meta: dict, report: dict, mesh: Mesh, keep_last: int) -> Path:
+def finish(
+    root, tmp: Path, final: Path, step: int, meta: dict, report: dict, mesh: Mesh, keep_last: int
+) -> Path:
     """Gather every rank's report, commit on rank 0 if all agree, and tell every rank; collective."""
     # every rank reaches this gather, failed or not; only rank 0 acts on the reports
     reports = comm.gather_objects(report, mesh.group)
@@ -156,11 +188,15 @@ def finish(root, tmp: Path, final: Path, step: int, meta: dict, report: dict, me
 
 def io_figures(reports: list[dict]) -> dict:
     """Per-rank bytes and seconds of a save, for metadata.json and the metrics."""
-    return {str(r["rank"]): {"write_bytes": r.get("write_bytes", 0), "save_s": round(r.get("save_s", 0.0), 4)}
-            for r in reports}
+    return {
+        str(r["rank"]): {"write_bytes": r.get("write_bytes", 0), "save_s": round(r.get("save_s", 0.0), 4)}
+        for r in reports
+    }
 
 
-def decide(root, tmp: Path, final: Path, step: int, meta: dict, reports: list[dict], keep_last: int) -> str | None:
+def decide(
+    root, tmp: Path, final: Path, step: int, meta: dict, reports: list[dict], keep_last: int
+) -> str | None:
     """Commit if every rank wrote its file and the pieces tile every tensor; else remove the temporary
     folder, leave `latest` and every older checkpoint as they are, and return the reason."""
     failed = [r["error"] for r in reports if not r["ok"]]
@@ -179,7 +215,9 @@ def decide(root, tmp: Path, final: Path, step: int, meta: dict, reports: list[di
     files = {r["file"]: r["info"] for r in reports if r["file"]}
     try:
         commit(root, tmp, final, step, {**meta, "io": io_figures(reports)}, tensors, files)
-    except OSError as e:  # rank 0's metadata or pointer write on a full disk: a verdict, so no peer waits for one
+    except (
+        OSError
+    ) as e:  # rank 0's metadata or pointer write on a full disk: a verdict, so no peer waits for one
         shutil.rmtree(tmp, ignore_errors=True)
         return f"checkpoint step {step} not committed: rank 0: {e}"
     # only after the new checkpoint is committed: a crash in
@@ -198,8 +236,10 @@ def merge_entries(reports: list[dict]) -> dict:
             t["shards"] += e["shards"]
     for k, t in tensors.items():
         if "shape_conflict" in t:
-            raise CheckpointError(f"tensor {k}: ranks disagree on its global shape "
-                                  f"({t['global_shape']} vs {t['shape_conflict']})")
+            raise CheckpointError(
+                f"tensor {k}: ranks disagree on its global shape "
+                f"({t['global_shape']} vs {t['shape_conflict']})"
+            )
     return tensors
 
 
@@ -207,8 +247,13 @@ def commit(root, tmp: Path, final: Path, step: int, meta: dict, tensors: dict, f
     """metadata.json last (fsynced), atomic rename of the folder, then the `latest` pointer."""
     # last of the folder: check_complete treats a folder with
     # metadata.json as whole, so the shards must be on disk first
-    _fsync_write(tmp / "metadata.json", json.dumps({"format": FORMAT, "step": step, **meta, "files": files,
-                                                    "coverage": "exact", "tensors": tensors}, indent=1))
+    _fsync_write(
+        tmp / "metadata.json",
+        json.dumps(
+            {"format": FORMAT, "step": step, **meta, "files": files, "coverage": "exact", "tensors": tensors},
+            indent=1,
+        ),
+    )
     if final.exists():
         keep_aside(final)
     os.replace(tmp, final)
@@ -239,8 +284,12 @@ def keep_aside(final: Path) -> Path | None:
         n += 1
         aside = aside.with_name(f"{final.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}-{n}")
     os.replace(final, aside)
-    print(f"megaframe: warning: {final} held another branch's checkpoint {lineage.origin(aside)}; renamed it "
-          f"{aside.name}", file=sys.stderr, flush=True)
+    print(
+        f"megaframe: warning: {final} held another branch's checkpoint {lineage.origin(aside)}; renamed it "
+        f"{aside.name}",
+        file=sys.stderr,
+        flush=True,
+    )
     return aside
 
 
@@ -258,6 +307,7 @@ def verify(path: str | Path) -> dict:
     check_coverage(meta["tensors"])
     if "v1_files" in meta:  # a v1 checkpoint: one crc32 per whole file
         from megaframe.checkpoint.load import file_crc32
+
         for name, want in meta["v1_files"].items():
             if file_crc32(confined(path, name)) != want["crc32"]:
                 raise CheckpointError(f"{path}: shard {name} is corrupt (crc32 mismatch)")

@@ -8,6 +8,7 @@ into one buffer; on CUDA it is ordinary host memory registered with cudaHostRegi
 rounding), else (registration refused) one pinned allocation. At most one async save is in flight
 (async_save.AsyncSaver waits for the previous writer first), so reusing the buffer is safe.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Optional
@@ -46,8 +47,11 @@ def layout(tensors: list[torch.Tensor]) -> tuple[list[int], int]:
 class PinnedStaging:
     """The host buffer an async save copies into; grows (once, to the new total) if the share grows."""
 
-    def __init__(self, register: Optional[Callable[[torch.Tensor], bool]] = None,
-                 unregister: Optional[Callable[[torch.Tensor], None]] = None):
+    def __init__(
+        self,
+        register: Optional[Callable[[torch.Tensor], bool]] = None,
+        unregister: Optional[Callable[[torch.Tensor], None]] = None,
+    ):
         self.register, self.unregister = register or _cuda_register, unregister or _cuda_unregister
         self.buf: Optional[torch.Tensor] = None
         self.registered = False
@@ -62,8 +66,10 @@ class PinnedStaging:
         offsets, total = layout(tensors)
         if self.buf is None or self.buf.numel() < total:
             self._grow(total)
-        return [self.buf[o:o + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-                for o, t in zip(offsets, tensors)]
+        return [
+            self.buf[o : o + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+            for o, t in zip(offsets, tensors)
+        ]
 
     def _grow(self, total: int) -> None:
         self.release()

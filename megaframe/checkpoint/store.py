@@ -11,6 +11,7 @@ range is read, checked and handed on in chunks of that size, so the host memory 
 destinations is bounded by this buffer, whatever the size of the tensors (a copy into another device may stage
 one more piece of a chunk on its way: at most twice the bound).
 """
+
 from __future__ import annotations
 
 import base64
@@ -43,12 +44,12 @@ def _bytes(t: torch.Tensor) -> memoryview:
 
 
 def block_crcs(t: torch.Tensor) -> str:
-    """"<block size>:<base64 of the little-endian uint32 crc32 of each block>" (compact: the header is
+    """ "<block size>:<base64 of the little-endian uint32 crc32 of each block>" (compact: the header is
     metadata every reader of the file reads)."""
     data = _bytes(t)
     b = block_size(len(data))
     # max(len, 1): an empty tensor still gets one crc (of no bytes), so every key has an entry
-    crcs = np.array([zlib.crc32(data[i:i + b]) for i in range(0, max(len(data), 1), b)], dtype="<u4")
+    crcs = np.array([zlib.crc32(data[i : i + b]) for i in range(0, max(len(data), 1), b)], dtype="<u4")
     return f"{b}:{base64.b64encode(crcs.tobytes()).decode()}"
 
 
@@ -75,10 +76,13 @@ def write_file(folder: Path, rank: int, tensors: dict[str, torch.Tensor], fail: 
         # leave a partial file behind, as a real killed write would: the commit must refuse it, not trip on it
         path.write_bytes(b"\0" * 1024)
         import signal
+
         os.kill(os.getpid(), signal.SIGKILL)
     if fail:
         _fail_like_a_full_disk(path, rank)
-    save_file({k: t.contiguous() for k, t in tensors.items()}, str(path), metadata={CRC_KEY: json.dumps(crcs)})
+    save_file(
+        {k: t.contiguous() for k, t in tensors.items()}, str(path), metadata={CRC_KEY: json.dumps(crcs)}
+    )
     # safetensors creates 0600 files; a checkpoint is shared like any other output (the umask rules)
     os.chmod(path, 0o666 & ~_UMASK)
     with open(path, "rb") as f:
@@ -86,7 +90,9 @@ def write_file(folder: Path, rank: int, tensors: dict[str, torch.Tensor], fail: 
         # and a crash must not leave a commit without its data
         os.fsync(f.fileno())
         n = struct.unpack("<Q", f.read(8))[0]
-        header_crc = zlib.crc32(f.read(n))  # recorded in metadata.json: a torn header is caught before its offsets are trusted
+        header_crc = zlib.crc32(
+            f.read(n)
+        )  # recorded in metadata.json: a torn header is caught before its offsets are trusted
     data = sum(t.numel() * t.element_size() for t in tensors.values())
     return {"bytes": path.stat().st_size, "header_crc32": header_crc, "data_bytes": data}
 
@@ -98,8 +104,10 @@ def _fail_like_a_full_disk(path: Path, rank: int) -> None:
     from safetensors import SafetensorError
 
     (path.parent / f".tmp{rank:05d}injected").write_bytes(b"\0" * 1024)
-    raise SafetensorError(f"Error while serializing: I/O error: No space left on device (os error 28) "
-                          f"[injected write failure on rank {rank} ({path.name})]")
+    raise SafetensorError(
+        f"Error while serializing: I/O error: No space left on device (os error 28) "
+        f"[injected write failure on rank {rank} ({path.name})]"
+    )
 
 
 @dataclass
@@ -141,12 +149,27 @@ class ReadStats:
     opened: list = field(default_factory=list)
 
 
-_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I64": torch.int64,
-           "I32": torch.int32, "F64": torch.float64, "U8": torch.uint8, "BOOL": torch.bool}
+_DTYPES = {
+    "F32": torch.float32,
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "F64": torch.float64,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 
 
-def read_ranges(folder: Path, name: str, reads: list, want_crc: int | None, stats: ReadStats, check: bool = True,
-                staging_bytes: int = STAGING_BYTES):
+def read_ranges(
+    folder: Path,
+    name: str,
+    reads: list,
+    want_crc: int | None,
+    stats: ReadStats,
+    check: bool = True,
+    staging_bytes: int = STAGING_BYTES,
+):
     """Open `name` once and yield (stored key, first element, tensor of elements [first, first + n)) covering
     each (stored key, first, last) in `reads` in order, in chunks of at most `staging_bytes`, reading only the
     blocks those ranges touch, each block checked against its crc32. CheckpointError names the file and tensor
@@ -166,17 +189,19 @@ def read_ranges(folder: Path, name: str, reads: list, want_crc: int | None, stat
             step = _step(unit, staging_bytes)
             for c0 in range(a0, b0, step):
                 c1 = min(c0 + step, b0)
-                buf = _pread(f.fileno(), stage[:c1 - c0], begin + c0, name, key)
+                buf = _pread(f.fileno(), stage[: c1 - c0], begin + c0, name, key)
                 stats.bytes += c1 - c0
                 stats.data_bytes += c1 - c0
                 if crc is not None:
                     for at in range(c0, c1, unit):
-                        if zlib.crc32(buf[at - c0:at - c0 + unit]) != int(crc[at // unit]):
-                            raise CheckpointError(f"shard {name} is corrupt: tensor {key}, bytes "
-                                                  f"{at}..{min(at + unit, c1)} fail their checksum")
+                        if zlib.crc32(buf[at - c0 : at - c0 + unit]) != int(crc[at // unit]):
+                            raise CheckpointError(
+                                f"shard {name} is corrupt: tensor {key}, bytes "
+                                f"{at}..{min(at + unit, c1)} fail their checksum"
+                            )
                 # the wanted part of this chunk: the range's ends may lie inside the first and last blocks
                 x, y = max(first * item, c0), min(last * item, c1)
-                yield key, x // item, stage[x - c0:y - c0].view(dtype)
+                yield key, x // item, stage[x - c0 : y - c0].view(dtype)
 
 
 def _step(unit: int, staging_bytes: int) -> int:
@@ -195,14 +220,26 @@ def _span(head: Header, name: str, read: tuple, check: bool) -> tuple:
     item = torch.empty((), dtype=dtype).element_size()
     a, b = first * item, last * item
     nbytes = t["data_offsets"][1] - t["data_offsets"][0]
-    if b > nbytes:  # a header that disagrees with metadata.json: never a short read that leaves elements unread
-        raise CheckpointError(f"shard {name} is corrupt (tensor {key} holds {nbytes} bytes, the metadata needs {b})")
+    if (
+        b > nbytes
+    ):  # a header that disagrees with metadata.json: never a short read that leaves elements unread
+        raise CheckpointError(
+            f"shard {name} is corrupt (tensor {key} holds {nbytes} bytes, the metadata needs {b})"
+        )
     crc = _parse_crcs(head.crcs[key]) if check and key in head.crcs else None
     if crc is None:
         return dtype, head.data_start + t["data_offsets"][0], None, a, b, item, item
     blk, crc = crc
     # widened to whole blocks so each one can be checked against its crc; a tensor's last block may be short
-    return dtype, head.data_start + t["data_offsets"][0], crc, a // blk * blk, min(-(-b // blk) * blk, nbytes), blk, item
+    return (
+        dtype,
+        head.data_start + t["data_offsets"][0],
+        crc,
+        a // blk * blk,
+        min(-(-b // blk) * blk, nbytes),
+        blk,
+        item,
+    )
 
 
 def _pread(fd: int, into: torch.Tensor, offset: int, name: str, key: str) -> memoryview:

@@ -5,6 +5,7 @@ the cross-field checks (checks.py, the per-field table in rules.py) and the over
 `from megaframe.config import Config, load_config` is the public path. The schema modules are leaves every
 package reads (megaframe.config.schema); loading sits above the packages whose rules it asks.
 """
+
 from megaframe.config.loading import (  # noqa: F401  (the package's public names)
     CONF_DIR,
     DEFAULT_EXTENSIONS,

@@ -12,6 +12,7 @@ returns a new config (dataclasses.replace) rather than writing into the one it i
 - `WANDB_MODE` in the environment sets logging.wandb.mode unless the command line sets it (wandb's own
   rule: the variable wins over a program default).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -22,18 +23,34 @@ from pathlib import Path
 from megaframe.config.schema import CONF_DIR, ModelConfig, WandbMode, enum_fields
 from megaframe.errors import ConfigError
 
-SOFT = frozenset({"name", "dropout", "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_bias_update_rate",
-                  "moe_capacity_factor", "init_std"})
+SOFT = frozenset(
+    {
+        "name",
+        "dropout",
+        "moe_aux_loss_coeff",
+        "moe_z_loss_coeff",
+        "moe_bias_update_rate",
+        "moe_capacity_factor",
+        "init_std",
+    }
+)
 """model.* fields a resume may change without a refusal: none shapes a weight or the function computed
 at inference (the init std only matters for a fresh start)."""
 
-WANDB_MODES = {"online": "online", "offline": "offline", "disabled": "disabled", "dryrun": "offline",
-               "run": "online"}
+WANDB_MODES = {
+    "online": "online",
+    "offline": "offline",
+    "disabled": "disabled",
+    "dryrun": "offline",
+    "run": "online",
+}
 """WANDB_MODE values wandb accepts, and the logging.wandb.mode each means."""
 
 
 def _keys(overrides: list[str]) -> set[str]:
-    return {o.split("=", 1)[0].lstrip("+~") for o in overrides if "=" in o}  # +key adds, ~key deletes: both name it
+    return {
+        o.split("=", 1)[0].lstrip("+~") for o in overrides if "=" in o
+    }  # +key adds, ~key deletes: both name it
 
 
 def preset_fields(name: str) -> set[str]:
@@ -72,8 +89,12 @@ def resume_point(cfg):
     with a new run.dir. Returns the config with that step folder, so every later check and the resume see one
     path."""
     r = cfg.checkpoint.resume
-    if not str(r).strip():  # Path("") is the current folder: `checkpoint.resume=$CKPT` with the variable unset
-        raise ConfigError(f"checkpoint.resume={r!r} must be auto, none or a checkpoint path (an unset shell variable?)")
+    if not str(
+        r
+    ).strip():  # Path("") is the current folder: `checkpoint.resume=$CKPT` with the variable unset
+        raise ConfigError(
+            f"checkpoint.resume={r!r} must be auto, none or a checkpoint path (an unset shell variable?)"
+        )
     if r in ("auto", "none") or not Path(r).is_dir() or (Path(r) / "metadata.json").is_file():
         return cfg  # a missing path or a step folder: validate checks it as before
     from megaframe.checkpoint.metadata import CheckpointError
@@ -110,8 +131,10 @@ def adopt_model(cfg, overrides: list[str]):
             try:
                 theirs = enums[f.name](theirs)
             except ValueError as e:
-                raise ConfigError(f"checkpoint.resume={path}: its model.{f.name}={theirs!r} is not one of "
-                                  f"{', '.join(enums[f.name])}") from e
+                raise ConfigError(
+                    f"checkpoint.resume={path}: its model.{f.name}={theirs!r} is not one of "
+                    f"{', '.join(enums[f.name])}"
+                ) from e
         # None is unset: the checkpoint's value is no contradiction
         if _sets(mine, f.name) and current is not None:
             if current != theirs and f.name not in SOFT:
@@ -134,8 +157,9 @@ def _group(cls, theirs, path: str, name: str):
     try:
         return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls), theirs))
     except (OmegaConfBaseException, ValueError, TypeError) as e:
-        raise ConfigError(f"checkpoint.resume={path}: its model.{name}={theirs!r} is not valid "
-                          f"({str(e).splitlines()[0]})") from None
+        raise ConfigError(
+            f"checkpoint.resume={path}: its model.{name}={theirs!r} is not valid ({str(e).splitlines()[0]})"
+        ) from None
 
 
 def contradiction(name: str, mine, theirs, saved_preset, overrides: list[str], path: str) -> str:
@@ -143,10 +167,15 @@ def contradiction(name: str, mine, theirs, saved_preset, overrides: list[str], p
     model.NAME=... or, when it came from a preset, model=PRESET and the checkpoint's own preset."""
     keys = {o.split("=", 1)[0].lstrip("+~"): o.split("=", 1)[1] for o in overrides if "=" in o}
     if f"model.{name}" in keys or "model" not in keys:
-        return (f"model.{name}={mine} contradicts the checkpoint's model.{name}={theirs} "
-                f"(checkpoint.resume={path}); drop the override to use the checkpoint's")
-    return (f"model={keys['model']} (model.{name}={mine}) contradicts the checkpoint's model, a {saved_preset} "
-            f"(model.{name}={theirs}) (checkpoint.resume={path}); " f"drop model={keys['model']} to use the checkpoint's")
+        return (
+            f"model.{name}={mine} contradicts the checkpoint's model.{name}={theirs} "
+            f"(checkpoint.resume={path}); drop the override to use the checkpoint's"
+        )
+    return (
+        f"model={keys['model']} (model.{name}={mine}) contradicts the checkpoint's model, a {saved_preset} "
+        f"(model.{name}={theirs}) (checkpoint.resume={path}); "
+        f"drop model={keys['model']} to use the checkpoint's"
+    )
 
 
 def apply_environment(cfg, overrides: list[str]):

@@ -2,6 +2,7 @@
 field at fault in one line, and none needs a process group, so a bad layout is refused before any
 rank starts.
 """
+
 from __future__ import annotations
 
 import math
@@ -27,31 +28,42 @@ def check_config(cfg: Config, world_size: int, check_data: bool = True, schedule
     m, p, t = cfg.model, cfg.parallel, cfg.train
     for name in ("tp", "pp", "vpp", "ep"):
         _req(getattr(p, name) >= 1, f"parallel.{name}={getattr(p, name)} must be >= 1")
-    _req(not p.tp_comm_overlap or (p.sp and p.tp > 1),
-         f"parallel.tp_comm_overlap=true overlaps sp's collectives: it needs parallel.sp=true and tp > 1 "
-         f"(got parallel.sp={p.sp}, parallel.tp={p.tp})")
-    _req(world_size % (p.tp * p.pp) == 0,
-         f"parallel.tp={p.tp} x parallel.pp={p.pp} does not divide the world size {world_size}")
+    _req(
+        not p.tp_comm_overlap or (p.sp and p.tp > 1),
+        f"parallel.tp_comm_overlap=true overlaps sp's collectives: it needs parallel.sp=true and tp > 1 "
+        f"(got parallel.sp={p.sp}, parallel.tp={p.tp})",
+    )
+    _req(
+        world_size % (p.tp * p.pp) == 0,
+        f"parallel.tp={p.tp} x parallel.pp={p.pp} does not divide the world size {world_size}",
+    )
     _check_context(cfg, world_size)
     dp = world_size // (p.tp * p.pp * p.cp)
     _check_model_shapes(m, p)
     _check_moe(m, p, dp * p.cp)
     _req(t.micro_batch_size >= 1, f"train.micro_batch_size={t.micro_batch_size} must be >= 1")
     # every dp rank runs the same number of whole micro-batches: ranks must agree on the schedule's length
-    _req(t.global_batch_size % (t.micro_batch_size * dp) == 0,
-         f"train.global_batch_size={t.global_batch_size} is not divisible by "
-         f"train.micro_batch_size={t.micro_batch_size} x dp={dp}")
+    _req(
+        t.global_batch_size % (t.micro_batch_size * dp) == 0,
+        f"train.global_batch_size={t.global_batch_size} is not divisible by "
+        f"train.micro_batch_size={t.micro_batch_size} x dp={dp}",
+    )
     _check_pipeline(cfg, dp, schedules)
     _req(t.max_steps >= 1, f"train.max_steps={t.max_steps} must be >= 1")
     _req(t.log_interval >= 1, f"train.log_interval={t.log_interval} must be >= 1")
     _req(t.hang_timeout_s >= 0, f"train.hang_timeout_s={t.hang_timeout_s} must be >= 0 (0 = no watchdog)")
     # below a second the watchdog trips between any two heartbeats (a finished run exited 124, a "hang")
-    _req(t.hang_timeout_s == 0 or t.hang_timeout_s >= 1,
-         f"train.hang_timeout_s={t.hang_timeout_s} must be 0 (no watchdog) or >= 1 (seconds without a step)")
+    _req(
+        t.hang_timeout_s == 0 or t.hang_timeout_s >= 1,
+        f"train.hang_timeout_s={t.hang_timeout_s} must be 0 (no watchdog) or >= 1 (seconds without a step)",
+    )
     _check_allowed_changes(cfg)
     _req(t.dist_timeout_s > 0, f"train.dist_timeout_s={t.dist_timeout_s} must be > 0")
     _req(t.compile_timeout_s > 0, f"train.compile_timeout_s={t.compile_timeout_s} must be > 0")
-    _req(cfg.checkpoint.save_timeout_s > 0, f"checkpoint.save_timeout_s={cfg.checkpoint.save_timeout_s} must be > 0")
+    _req(
+        cfg.checkpoint.save_timeout_s > 0,
+        f"checkpoint.save_timeout_s={cfg.checkpoint.save_timeout_s} must be > 0",
+    )
     _req(t.signal_check_interval >= 1, f"train.signal_check_interval={t.signal_check_interval} must be >= 1")
     _check_optim(cfg, dp)
     _check_data_fields(cfg)
@@ -70,24 +82,40 @@ def _check_allowed_changes(cfg: Config) -> None:
 
     known = schema_keys()
     for name in cfg.checkpoint.allow_config_change:
-        _req(isinstance(name, str) and name in known,
-             f"checkpoint.allow_config_change names {name!r}, " "which is not a config key (e.g. train.seed, model)")
+        _req(
+            isinstance(name, str) and name in known,
+            f"checkpoint.allow_config_change names {name!r}, "
+            "which is not a config key (e.g. train.seed, model)",
+        )
 
 
 def _check_model_shapes(m: ModelConfig, p: ParallelConfig) -> None:
     """The model's shapes: heads and widths that split evenly over the tp ranks."""
-    _req(m.kv_channels is not None or m.hidden_size % m.num_attention_heads == 0,
-         f"model.hidden_size={m.hidden_size} is not divisible " f"by model.num_attention_heads={m.num_attention_heads}")
-    _req(m.num_attention_heads % m.kv_heads == 0,
-         f"model.num_query_groups={m.kv_heads} does not divide " f"model.num_attention_heads={m.num_attention_heads}")
-    _req(m.num_attention_heads % p.tp == 0,
-         f"parallel.tp={p.tp} does not divide model.num_attention_heads={m.num_attention_heads}")
+    _req(
+        m.kv_channels is not None or m.hidden_size % m.num_attention_heads == 0,
+        f"model.hidden_size={m.hidden_size} is not divisible "
+        f"by model.num_attention_heads={m.num_attention_heads}",
+    )
+    _req(
+        m.num_attention_heads % m.kv_heads == 0,
+        f"model.num_query_groups={m.kv_heads} does not divide "
+        f"model.num_attention_heads={m.num_attention_heads}",
+    )
+    _req(
+        m.num_attention_heads % p.tp == 0,
+        f"parallel.tp={p.tp} does not divide model.num_attention_heads={m.num_attention_heads}",
+    )
     # whole kv heads per tp rank: a rank's query heads must find their kv group locally
     _req(m.kv_heads % p.tp == 0, f"parallel.tp={p.tp} does not divide model.num_query_groups={m.kv_heads}")
-    _req(m.ffn_hidden_size % p.tp == 0, f"parallel.tp={p.tp} does not divide model.ffn_hidden_size={m.ffn_hidden_size}")
+    _req(
+        m.ffn_hidden_size % p.tp == 0,
+        f"parallel.tp={p.tp} does not divide model.ffn_hidden_size={m.ffn_hidden_size}",
+    )
     # vocab-parallel embedding and head: each tp rank holds an equal block of rows
     _req(m.vocab_size % p.tp == 0, f"parallel.tp={p.tp} does not divide model.vocab_size={m.vocab_size}")
-    _req(m.head_dim % 2 == 0 or m.position_embedding != "rope", "model head dim must be even for RoPE")  # RoPE rotates dim pairs
+    _req(
+        m.head_dim % 2 == 0 or m.position_embedding != "rope", "model head dim must be even for RoPE"
+    )  # RoPE rotates dim pairs
     if m.position_embedding == "rope":
         from megaframe.model.rope_checks import scaling_problem  # beside the formulas, without torch
 
@@ -96,7 +124,10 @@ def _check_model_shapes(m: ModelConfig, p: ParallelConfig) -> None:
     _req(0.0 <= m.dropout < 1.0, f"model.dropout={m.dropout} must be in [0, 1)")
     if p.sp:
         # sp splits the sequence evenly over the tp ranks
-        _req(m.seq_length % p.tp == 0, f"parallel.sp needs parallel.tp={p.tp} to divide model.seq_length={m.seq_length}")
+        _req(
+            m.seq_length % p.tp == 0,
+            f"parallel.sp needs parallel.tp={p.tp} to divide model.seq_length={m.seq_length}",
+        )
 
 
 def _check_optim(cfg: Config, dp: int) -> None:
@@ -109,17 +140,27 @@ def _check_optim(cfg: Config, dp: int) -> None:
     # HSDP shards over blocks of the cp·dp ranks (params are replicated over cp too: mesh.py)
     s, dpcp = cfg.optim.shard_group_size, dp * p.cp
     ranks = f"cp·dp={dpcp}" if p.cp > 1 else f"dp={dp}"
-    _req(s >= 0 and (s == 0 or dpcp % s == 0), f"optim.shard_group_size={s} must divide {ranks} (0 = all of them)")
-    _req(s in (0, dpcp) or (cfg.optim.zero >= 1 and p.ep == 1),
-         f"optim.shard_group_size={s} (HSDP) needs optim.zero >= 1 and parallel.ep=1")
+    _req(
+        s >= 0 and (s == 0 or dpcp % s == 0),
+        f"optim.shard_group_size={s} must divide {ranks} (0 = all of them)",
+    )
+    _req(
+        s in (0, dpcp) or (cfg.optim.zero >= 1 and p.ep == 1),
+        f"optim.shard_group_size={s} (HSDP) needs optim.zero >= 1 and parallel.ep=1",
+    )
     _req(cfg.optim.bucket_size_mb > 0, f"optim.bucket_size_mb={cfg.optim.bucket_size_mb} must be > 0")
-    _req(t.precision == "fp32" or cfg.optim.zero >= 1,
-         f"train.precision={t.precision} needs optim.zero >= 1 " "(its fp32 master weights live in the ZeRO optimizer)")
+    _req(
+        t.precision == "fp32" or cfg.optim.zero >= 1,
+        f"train.precision={t.precision} needs optim.zero >= 1 "
+        "(its fp32 master weights live in the ZeRO optimizer)",
+    )
     # Megatron allows --grad-reduce-in-bf16 only with bf16 params: with fp32 params the bf16 grads would be
     # rounded below the precision of the weights they update, for no memory the user asked to save.
-    _req(cfg.optim.grad_reduce_dtype == "fp32" or t.precision in ("bf16", "fp8"),
-         f"optim.grad_reduce_dtype={cfg.optim.grad_reduce_dtype} needs train.precision=bf16 "
-         f"(got train.precision={t.precision})")
+    _req(
+        cfg.optim.grad_reduce_dtype == "fp32" or t.precision in ("bf16", "fp8"),
+        f"optim.grad_reduce_dtype={cfg.optim.grad_reduce_dtype} needs train.precision=bf16 "
+        f"(got train.precision={t.precision})",
+    )
 
 
 def _check_resume(cfg: Config) -> None:
@@ -132,10 +173,13 @@ def _check_resume(cfg: Config) -> None:
             head(cfg.checkpoint.dir, warn=lambda msg: None)  # resume warns once, on rank 0
         except Unresolved as e:
             raise ConfigError(f"checkpoint.resume=auto: {e}") from None
-    _req(r in ("auto", "none") or (Path(r) / "metadata.json").is_file(),
-         f"checkpoint.resume={r}: not a committed checkpoint folder (no metadata.json)")
+    _req(
+        r in ("auto", "none") or (Path(r) / "metadata.json").is_file(),
+        f"checkpoint.resume={r}: not a committed checkpoint folder (no metadata.json)",
+    )
     if r not in ("auto", "none"):  # metadata only: shard bytes are checked where each rank reads them
         from megaframe.checkpoint.metadata import check_complete
+
         try:
             check_complete(r)
         except ValueError as e:
@@ -148,34 +192,58 @@ def _check_context(cfg: Config, world_size: int) -> None:
     _req(p.cp >= 1, f"parallel.cp={p.cp} must be >= 1")
     if p.cp == 1:
         return
-    _req(world_size % (p.tp * p.pp * p.cp) == 0, f"parallel.tp={p.tp} x parallel.cp={p.cp} x parallel.pp={p.pp} "
-                                                 f"does not divide the world size {world_size}")
-    _req(m.seq_length % (2 * p.cp) == 0,
-         f"parallel.cp={p.cp} needs model.seq_length={m.seq_length} " "divisible by 2·cp (each rank keeps two chunks)")
-    _req(not p.sp or (m.seq_length // p.cp) % p.tp == 0,
-         f"parallel.sp with parallel.cp={p.cp} needs parallel.tp={p.tp} " f"to divide seq_length/cp={m.seq_length // p.cp}")
+    _req(
+        world_size % (p.tp * p.pp * p.cp) == 0,
+        f"parallel.tp={p.tp} x parallel.cp={p.cp} x parallel.pp={p.pp} "
+        f"does not divide the world size {world_size}",
+    )
+    _req(
+        m.seq_length % (2 * p.cp) == 0,
+        f"parallel.cp={p.cp} needs model.seq_length={m.seq_length} "
+        "divisible by 2·cp (each rank keeps two chunks)",
+    )
+    _req(
+        not p.sp or (m.seq_length // p.cp) % p.tp == 0,
+        f"parallel.sp with parallel.cp={p.cp} needs parallel.tp={p.tp} "
+        f"to divide seq_length/cp={m.seq_length // p.cp}",
+    )
     # the sampler feeds whole sequences to a model whose positions are split over cp: it crashed every rank at
     # the first sample step, after training; refused before any step until it runs under cp
-    _req(cfg.train.sample_interval == 0,
-         f"train.sample_interval={cfg.train.sample_interval} is not built with parallel.cp={p.cp}: set "
-         "train.sample_interval=0 (sample after training: python -m megaframe.generate CHECKPOINT_DIR)")
+    _req(
+        cfg.train.sample_interval == 0,
+        f"train.sample_interval={cfg.train.sample_interval} is not built with parallel.cp={p.cp}: set "
+        "train.sample_interval=0 (sample after training: python -m megaframe.generate CHECKPOINT_DIR)",
+    )
     # scoring reads whole sequences, as the sampler does
-    _req(cfg.train.downstream_interval == 0,
-         f"train.downstream_interval={cfg.train.downstream_interval} " f"is not built with parallel.cp={p.cp}: set "
-         "train.downstream_interval=0 (score after training: python -m megaframe.evaluate "
-         "checkpoint=DIR +tasks=...)")
+    _req(
+        cfg.train.downstream_interval == 0,
+        f"train.downstream_interval={cfg.train.downstream_interval} "
+        f"is not built with parallel.cp={p.cp}: set "
+        "train.downstream_interval=0 (score after training: python -m megaframe.evaluate "
+        "checkpoint=DIR +tasks=...)",
+    )
 
 
 def _check_lr_schedule(cfg: Config) -> None:
     o = cfg.optim
-    _req(o.lr_decay_steps is None or o.lr_decay_steps >= 1,
-         f"optim.lr_decay_steps={o.lr_decay_steps} must be >= 1 (or null: train.max_steps of the first start)")
+    _req(
+        o.lr_decay_steps is None or o.lr_decay_steps >= 1,
+        f"optim.lr_decay_steps={o.lr_decay_steps} must be >= 1 (or null: train.max_steps of the first start)",
+    )
     # each alone is in range, together they describe a curve nobody means (Megatron asserts both)
-    _req(o.min_lr <= o.lr, f"optim.min_lr={o.min_lr} must be <= optim.lr={o.lr} (the decay ends at min_lr: lower optim.min_lr)")
-    _req(o.lr_decay_steps is None or o.lr_decay_steps > o.warmup_steps,
-         f"optim.lr_decay_steps={o.lr_decay_steps} must be > optim.warmup_steps={o.warmup_steps} "
-         "(the decay horizon counts from step 0, warmup included)")
-    _req(0.0 < o.wsd_decay_fraction <= 1.0, f"optim.wsd_decay_fraction={o.wsd_decay_fraction} must be in (0, 1]")
+    _req(
+        o.min_lr <= o.lr,
+        f"optim.min_lr={o.min_lr} must be <= optim.lr={o.lr} (the decay ends at min_lr: lower optim.min_lr)",
+    )
+    _req(
+        o.lr_decay_steps is None or o.lr_decay_steps > o.warmup_steps,
+        f"optim.lr_decay_steps={o.lr_decay_steps} must be > optim.warmup_steps={o.warmup_steps} "
+        "(the decay horizon counts from step 0, warmup included)",
+    )
+    _req(
+        0.0 < o.wsd_decay_fraction <= 1.0,
+        f"optim.wsd_decay_fraction={o.wsd_decay_fraction} must be in (0, 1]",
+    )
 
 
 def _check_moe(m: ModelConfig, p: ParallelConfig, dpcp: int) -> None:
@@ -188,17 +256,28 @@ def _check_moe(m: ModelConfig, p: ParallelConfig, dpcp: int) -> None:
     _req(m.num_experts % p.ep == 0, f"parallel.ep={p.ep} does not divide model.num_experts={m.num_experts}")
     # experts are split over ep only: without sp every tp rank would route the same tokens through the
     # same experts, tp-fold redundant expert FLOPs
-    _req(p.tp == 1 or p.sp, f"model.num_experts={m.num_experts} with parallel.tp={p.tp} needs parallel.sp=true "
-                            "(experts are not split over tp: every tp rank would compute the same experts)")
-    _req(1 <= m.moe_top_k <= m.num_experts,
-         f"model.moe_top_k={m.moe_top_k} must be in [1, model.num_experts={m.num_experts}]")
+    _req(
+        p.tp == 1 or p.sp,
+        f"model.num_experts={m.num_experts} with parallel.tp={p.tp} needs parallel.sp=true "
+        "(experts are not split over tp: every tp rank would compute the same experts)",
+    )
+    _req(
+        1 <= m.moe_top_k <= m.num_experts,
+        f"model.moe_top_k={m.moe_top_k} must be in [1, model.num_experts={m.num_experts}]",
+    )
     _req(m.activation == "swiglu", f"model.activation={m.activation!r}: MoE experts are SwiGLU only")
-    _req(m.moe_ffn_hidden_size is None or m.moe_ffn_hidden_size >= 1,
-         f"model.moe_ffn_hidden_size={m.moe_ffn_hidden_size} must be >= 1 (or null)")
-    _req(m.moe_capacity_factor is None or m.moe_capacity_factor > 0,
-         f"model.moe_capacity_factor={m.moe_capacity_factor} must be > 0 (or null for dropless)")
-    _req(m.moe_aux_loss_coeff >= 0 and m.moe_z_loss_coeff >= 0,
-         "model.moe_aux_loss_coeff and model.moe_z_loss_coeff must be >= 0")
+    _req(
+        m.moe_ffn_hidden_size is None or m.moe_ffn_hidden_size >= 1,
+        f"model.moe_ffn_hidden_size={m.moe_ffn_hidden_size} must be >= 1 (or null)",
+    )
+    _req(
+        m.moe_capacity_factor is None or m.moe_capacity_factor > 0,
+        f"model.moe_capacity_factor={m.moe_capacity_factor} must be > 0 (or null for dropless)",
+    )
+    _req(
+        m.moe_aux_loss_coeff >= 0 and m.moe_z_loss_coeff >= 0,
+        "model.moe_aux_loss_coeff and model.moe_z_loss_coeff must be >= 0",
+    )
 
 
 def _check_pipeline(cfg: Config, dp: int, schedules: bool = True) -> None:
@@ -212,14 +291,24 @@ def _check_pipeline(cfg: Config, dp: int, schedules: bool = True) -> None:
         # the split backward re-runs a weighted op's node for W (pipeline/split.py): a compiled block is one
         # node computing every grad, and torchao's float8 GEMM computes both grads at once
         for bad, why in ((t.compile, "train.compile=true"), (t.precision == "fp8", "train.precision=fp8")):
-            _req(not bad, f"parallel.pp_schedule={kind} splits each backward in two and does not compose with {why}")
+            _req(
+                not bad,
+                f"parallel.pp_schedule={kind} splits each backward in two and does not compose with {why}",
+            )
     try:
         counts = stage_counts(cfg.model.num_layers, p.pp, p.vpp, p.pp_layout)
         # every rank's schedule is built here, as the executor will build it: a layout it cannot run is
         # refused now, not at step 1
-        check_runnable(kind, p.pp, p.vpp, t.global_batch_size // (t.micro_batch_size * dp),
-                       moe=cfg.model.num_experts > 0, recompute=getattr(t.recompute, "value", t.recompute),
-                       counts=counts, build=schedules)
+        check_runnable(
+            kind,
+            p.pp,
+            p.vpp,
+            t.global_batch_size // (t.micro_batch_size * dp),
+            moe=cfg.model.num_experts > 0,
+            recompute=getattr(t.recompute, "value", t.recompute),
+            counts=counts,
+            build=schedules,
+        )
     except ValueError as e:
         raise ConfigError(str(e)) from e
 
@@ -229,25 +318,38 @@ def _check_data_fields(cfg: Config) -> None:
 
     d, t = cfg.data, cfg.train
     _req(d.num_workers >= 0, f"data.num_workers={d.num_workers} must be >= 0 (0 = every core)")
-    _req(d.tokenizer_sample_bytes >= 0, f"data.tokenizer_sample_bytes={d.tokenizer_sample_bytes} must be >= 0")
+    _req(
+        d.tokenizer_sample_bytes >= 0, f"data.tokenizer_sample_bytes={d.tokenizer_sample_bytes} must be >= 0"
+    )
     _req(0.0 <= d.valid_fraction < 1.0, f"data.valid_fraction={d.valid_fraction} must be in [0, 1)")
     for i, b in enumerate(d.blend):
         _req(bool(b.path) and b.weight > 0, f"data.blend[{i}] needs a path and a weight > 0")
         # inf (or a sum that overflows) normalises to nan/0: every sample silently from dataset 0
         _req(math.isfinite(b.weight), f"data.blend[{i}].weight={b.weight} must be finite")
-    _req(math.isfinite(sum(b.weight for b in d.blend)),
-         f"data.blend weights {[b.weight for b in d.blend]} sum to infinity: scale them down")
+    _req(
+        math.isfinite(sum(b.weight for b in d.blend)),
+        f"data.blend weights {[b.weight for b in d.blend]} sum to infinity: scale them down",
+    )
     _req((why := twice(d.blend, "data.blend")) is None, str(why))
     _check_stages(d, t, cfg.model.seq_length)
-    _req(t.eval_interval >= 0 and t.eval_iters >= 1,
-         f"train.eval_interval={t.eval_interval} must be >= 0 and train.eval_iters={t.eval_iters} >= 1")
-    _req(t.sample_interval >= 0 and t.sample_tokens >= 1,
-         f"train.sample_interval={t.sample_interval} must be " f">= 0 and train.sample_tokens={t.sample_tokens} >= 1")
-    _req(t.downstream_interval == 0 or bool(t.downstream_tasks),
-         f"train.downstream_interval={t.downstream_interval} needs train.downstream_tasks=[task,...] "
-         "(lm-eval names)")
-    _req(t.eval_interval == 0 or d.kind == "synthetic" or d.valid_fraction > 0,
-         f"train.eval_interval={t.eval_interval} needs a validation split: set data.valid_fraction > 0")
+    _req(
+        t.eval_interval >= 0 and t.eval_iters >= 1,
+        f"train.eval_interval={t.eval_interval} must be >= 0 and train.eval_iters={t.eval_iters} >= 1",
+    )
+    _req(
+        t.sample_interval >= 0 and t.sample_tokens >= 1,
+        f"train.sample_interval={t.sample_interval} must be "
+        f">= 0 and train.sample_tokens={t.sample_tokens} >= 1",
+    )
+    _req(
+        t.downstream_interval == 0 or bool(t.downstream_tasks),
+        f"train.downstream_interval={t.downstream_interval} needs train.downstream_tasks=[task,...] "
+        "(lm-eval names)",
+    )
+    _req(
+        t.eval_interval == 0 or d.kind == "synthetic" or d.valid_fraction > 0,
+        f"train.eval_interval={t.eval_interval} needs a validation split: set data.valid_fraction > 0",
+    )
 
 
 def _check_stages(d, t, seq_length: int) -> None:
@@ -256,27 +358,41 @@ def _check_stages(d, t, seq_length: int) -> None:
     from megaframe.data.record import twice
     from megaframe.data.stages import stage_ends
 
-    _req(not (d.stages and d.blend), "data.stages and data.blend are both set: the stages carry their own blends")
+    _req(
+        not (d.stages and d.blend),
+        "data.stages and data.blend are both set: the stages carry their own blends",
+    )
     for k, s in enumerate(d.stages):
         _req(bool(s.blend), f"data.stages[{k}] needs a blend")
         for i, b in enumerate(s.blend):
-            _req(bool(b.path) and 0 < b.weight < float("inf"),
-                 f"data.stages[{k}].blend[{i}] needs a path and a finite weight > 0 (got weight={b.weight})")
+            _req(
+                bool(b.path) and 0 < b.weight < float("inf"),
+                f"data.stages[{k}].blend[{i}] needs a path and a finite weight > 0 (got weight={b.weight})",
+            )
         _req((why := twice(s.blend, f"data.stages[{k}].blend")) is None, str(why))
         # a stage ending at step <= 0 never trains and sends later stages' stream positions negative; nan/inf
         # cannot be rounded to a step
         for name in ("until_step", "until_tokens"):
             end = getattr(s, name)
-            _req(end is None or (math.isfinite(end) and end >= 1),
-                 f"data.stages[{k}].{name}={end} must be >= 1 and finite")
-        _req(s.until_step is None or s.until_tokens is None,
-             f"data.stages[{k}] sets until_step={s.until_step} and until_tokens={s.until_tokens}: give one")
-        _req(k == len(d.stages) - 1 or s.until_step is not None or s.until_tokens is not None,
-             f"data.stages[{k}] has no end (until_step or until_tokens): only the last stage may be open")
+            _req(
+                end is None or (math.isfinite(end) and end >= 1),
+                f"data.stages[{k}].{name}={end} must be >= 1 and finite",
+            )
+        _req(
+            s.until_step is None or s.until_tokens is None,
+            f"data.stages[{k}] sets until_step={s.until_step} and until_tokens={s.until_tokens}: give one",
+        )
+        _req(
+            k == len(d.stages) - 1 or s.until_step is not None or s.until_tokens is not None,
+            f"data.stages[{k}] has no end (until_step or until_tokens): only the last stage may be open",
+        )
     ends = stage_ends(d.stages, t.global_batch_size, seq_length) if d.stages else []
     for k in range(1, len(ends)):
-        _req(ends[k] > ends[k - 1], f"data.stages[{k}] ends at or before data.stages[{k - 1}] "
-                                    "(compare them in samples: until_tokens is rounded up to a global batch)")
+        _req(
+            ends[k] > ends[k - 1],
+            f"data.stages[{k}] ends at or before data.stages[{k - 1}] "
+            "(compare them in samples: until_tokens is rounded up to a global batch)",
+        )
 
 
 def _check_prepared(cfg: Config) -> None:
@@ -323,6 +439,8 @@ def _check_checkpoint_tokenizer(cfg: Config) -> None:
         return
     key, path = dataset_paths(cfg.data)[0]
     fix = f"; prepare the data with data.tokenizer={tok['from']}" if tok.get("from") else ""
-    raise ConfigError(f"checkpoint {found[-1]} was trained with a {tok['kind']} tokenizer of {tok['vocab_size']} "
-                      f"tokens, but {key}={path} was prepared with a {data['kind']} tokenizer of "
-                      f"{data['vocab_size']} tokens{fix}")
+    raise ConfigError(
+        f"checkpoint {found[-1]} was trained with a {tok['kind']} tokenizer of {tok['vocab_size']} "
+        f"tokens, but {key}={path} was prepared with a {data['kind']} tokenizer of "
+        f"{data['vocab_size']} tokens{fix}"
+    )

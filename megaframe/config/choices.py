@@ -2,6 +2,7 @@
 naming the field. A StrEnum member is a str (== its value; str() and format() give the value), so
 comparisons with literals, dict keys and JSON keep working. megaframe.config.schema (and megaframe.config)
 re-export them."""
+
 from __future__ import annotations
 
 from enum import StrEnum
@@ -9,18 +10,21 @@ from enum import StrEnum
 
 class Norm(StrEnum):
     """model.norm."""
+
     rmsnorm = "rmsnorm"
     layernorm = "layernorm"
 
 
 class Activation(StrEnum):
     """model.activation (MoE experts are SwiGLU only)."""
+
     swiglu = "swiglu"
     gelu = "gelu"
 
 
 class PositionEmbedding(StrEnum):
     """model.position_embedding."""
+
     rope = "rope"
     learned = "learned"
 
@@ -28,6 +32,7 @@ class PositionEmbedding(StrEnum):
 class RopeType(StrEnum):
     """model.rope_scaling.rope_type: transformers' rope_type names (the ones a fixed table reproduces exactly;
     `dynamic` rescales with each call's length, so no trained table equals it)."""
+
     default = "default"
     linear = "linear"
     llama3 = "llama3"
@@ -36,19 +41,26 @@ class RopeType(StrEnum):
 
 class RouterScore(StrEnum):
     """model.moe_router_score."""
+
     softmax = "softmax"
     sigmoid = "sigmoid"
 
 
 # OmegaConf looks members up by name, and "1f1b" is no identifier: the functional form allows it
-ScheduleKind = StrEnum("ScheduleKind", [(k, k) for k in ("auto", "gpipe", "1f1b", "interleaved", "zb_h1", "zbv")],
-                       module=__name__)
-ScheduleKind.__doc__ = ("parallel.pp_schedule (auto: interleaved when vpp > 1, else 1f1b; zb_h1 and zbv: zero-bubble, "
-                        "backward split into input and weight gradients, zbv in a V over vpp=2).")
+ScheduleKind = StrEnum(
+    "ScheduleKind",
+    [(k, k) for k in ("auto", "gpipe", "1f1b", "interleaved", "zb_h1", "zbv")],
+    module=__name__,
+)
+ScheduleKind.__doc__ = (
+    "parallel.pp_schedule (auto: interleaved when vpp > 1, else 1f1b; zb_h1 and zbv: zero-bubble, "
+    "backward split into input and weight gradients, zbv in a V over vpp=2)."
+)
 
 
 class Device(StrEnum):
     """train.device."""
+
     auto = "auto"
     cpu = "cpu"
     cuda = "cuda"
@@ -56,6 +68,7 @@ class Device(StrEnum):
 
 class Precision(StrEnum):
     """train.precision."""
+
     fp32 = "fp32"
     bf16 = "bf16"
     fp8 = "fp8"
@@ -63,12 +76,14 @@ class Precision(StrEnum):
 
 class Fp8Recipe(StrEnum):
     """train.fp8_recipe: torchao's float8 scaling recipes."""
+
     tensorwise = "tensorwise"
     rowwise = "rowwise"
 
 
 class GradReduceDtype(StrEnum):
     """optim.grad_reduce_dtype: the dtype gradients accumulate and are reduced over data parallel in."""
+
     fp32 = "fp32"
     bf16 = "bf16"
 
@@ -76,6 +91,7 @@ class GradReduceDtype(StrEnum):
 class Recompute(StrEnum):
     """train.recompute (op_selective: torch's selective activation checkpointing per block with torchtitan's
     op-level policy, model/recompute.py)."""
+
     none = "none"
     selective = "selective"
     full = "full"
@@ -84,12 +100,14 @@ class Recompute(StrEnum):
 
 class DataKind(StrEnum):
     """data.kind."""
+
     prepared = "prepared"
     synthetic = "synthetic"
 
 
 class WandbMode(StrEnum):
     """logging.wandb.mode."""
+
     online = "online"
     offline = "offline"
     disabled = "disabled"
@@ -102,6 +120,7 @@ SaveErrorPolicy.__doc__ = "checkpoint.on_save_error."
 
 class LRSchedule(StrEnum):
     """Shape of the learning rate after warmup (megaframe/optim/lr_schedule.py has the formulas)."""
+
     cosine = "cosine"
     linear = "linear"
     wsd = "wsd"
@@ -110,6 +129,7 @@ class LRSchedule(StrEnum):
 
 class DocSplit(StrEnum):
     """How a plain-text file becomes documents (jsonl / json / parquet: one document per record)."""
+
     file = "file"
     paragraph = "paragraph"
 

@@ -7,6 +7,7 @@ A config that must carry a settled value on to what it records (the run names ra
 horizon a resume adopts: both are written into config.yaml and checkpoint metadata, and a later resume
 reads them there) is a new config made by `settled`, frozen like the loaded one.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -63,9 +64,15 @@ def derive(cfg: Config, world_size: int, meta: dict | None = None, run_id: str =
     # at least one: a step run by hand on fewer processes than the layout names (a test's single process)
     dp = max(1, world_size // (p.tp * p.pp * p.cp))
     kind = schedule_kind(p)
-    return Derived(dp=dp, micro_batches=t.global_batch_size // (t.micro_batch_size * dp),
-                   tokens_per_step=t.global_batch_size * cfg.model.seq_length, pp_schedule=kind,
-                   v_placement=is_v(kind), lr_horizon=lr_horizon(cfg.optim, t, meta), run_id=run_id)
+    return Derived(
+        dp=dp,
+        micro_batches=t.global_batch_size // (t.micro_batch_size * dp),
+        tokens_per_step=t.global_batch_size * cfg.model.seq_length,
+        pp_schedule=kind,
+        v_placement=is_v(kind),
+        lr_horizon=lr_horizon(cfg.optim, t, meta),
+        run_id=run_id,
+    )
 
 
 def settled(cfg: Config, **groups: dict) -> Config:

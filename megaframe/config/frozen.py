@@ -6,6 +6,7 @@ Every schema dataclass derives from `Frozen`. `freeze` marks a loaded tree; an a
 then raises `FrozenConfigError` naming the key. A config built directly (`Config()`, `dataclasses.replace`)
 is not frozen: tests and tools compose one by hand before handing it over. A leaf module.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -22,14 +23,19 @@ class Frozen:
         at = self.__dict__.get("_frozen_at")
         if at is not None:
             raise FrozenConfigError(
-                f"{at}{name}={value!r}: the config is frozen " "after load_config; pass the value as an override "
-                f"(load_config([..., '{at}{name}=...'])), build " "a new config with dataclasses.replace, or keep "
-                "a value worked out from the config in megaframe.config.derived.Derived")
+                f"{at}{name}={value!r}: the config is frozen "
+                "after load_config; pass the value as an override "
+                f"(load_config([..., '{at}{name}=...'])), build "
+                "a new config with dataclasses.replace, or keep "
+                "a value worked out from the config in megaframe.config.derived.Derived"
+            )
         object.__setattr__(self, name, value)
 
     def __delattr__(self, name: str) -> None:
         if self.__dict__.get("_frozen_at") is not None:
-            raise FrozenConfigError(f"{self.__dict__['_frozen_at']}{name}: the config is frozen after load_config")
+            raise FrozenConfigError(
+                f"{self.__dict__['_frozen_at']}{name}: the config is frozen after load_config"
+            )
         object.__delattr__(self, name)
 
 

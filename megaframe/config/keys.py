@@ -1,6 +1,7 @@
 """The config's loading rules beside the schema (megaframe/config/loading.py): every overridden key must be a
 schema key (Hydra's `+key=value` would otherwise add a key no dataclass reads: the setting silently
 vanished), and model.vocab_size, when unset, comes from the prepared data."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -14,8 +15,19 @@ from megaframe.config.schema import Config
 from megaframe.errors import ConfigError
 from megaframe.errors import one_line as _one_line
 
-PLANNER_KEYS = ("world_size", "device_memory_gb", "plan_json", "search", "device", "top", "efficiency",
-                "link_timeout_s", "device_profile", "measure", "measure_steps")
+PLANNER_KEYS = (
+    "world_size",
+    "device_memory_gb",
+    "plan_json",
+    "search",
+    "device",
+    "top",
+    "efficiency",
+    "link_timeout_s",
+    "device_profile",
+    "measure",
+    "measure_steps",
+)
 """The planner's own `+key=value` settings (megaframe.plan removes them before load_config). Kept here,
 below the config loader, so the loader can name them without importing the planner."""
 
@@ -88,11 +100,19 @@ def _check_one_source(parsed, overrides: list[str]) -> None:
     path = typed.get("data.path")
     if path is None or not path[0].value():
         return
-    mix = next((text for key, (_, text) in typed.items() if key.split(".")[:2] in (["data", "blend"], ["data", "stages"])),
-               None)
+    mix = next(
+        (
+            text
+            for key, (_, text) in typed.items()
+            if key.split(".")[:2] in (["data", "blend"], ["data", "stages"])
+        ),
+        None,
+    )
     if mix is not None:
-        raise ConfigError(f"{path[1]} and {mix} are both set: a blend (or stages) trains instead of data.path, "
-                          "which would be ignored; drop one of them")
+        raise ConfigError(
+            f"{path[1]} and {mix} are both set: a blend (or stages) trains instead of data.path, "
+            "which would be ignored; drop one of them"
+        )
 
 
 def bool_keys(node: type = None, prefix: str = "") -> set[str]:

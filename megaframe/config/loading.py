@@ -6,6 +6,7 @@ names (Config, ModelConfig, ConfigError, ...) are re-exported here: `from megafr
 is the public path. Modules below the config loader (model, optim, checkpoint, checks) import
 megaframe.config.schema instead, so nothing the loader imports imports it back.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -110,7 +111,9 @@ def load_config(overrides: list[str], world_size: Optional[int] = None, check_da
     if cfg.model.vocab_size is None:  # before the checks: they test divisibility of the vocabulary by tp
         from megaframe.config.keys import default_vocab_size
 
-        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=default_vocab_size(cfg)))
+        cfg = dataclasses.replace(
+            cfg, model=dataclasses.replace(cfg.model, vocab_size=default_vocab_size(cfg))
+        )
     validate(cfg, world_size, check_data=check_data)
     return freeze(cfg)  # every component reads these values as loaded (config/frozen.py)
 
@@ -123,8 +126,10 @@ def _composition_error(e: BaseException) -> str:
     if missing:  # an unknown preset (model=gpt2_tinyy): what was typed, the closest name, the choices
         group, typed, options = missing.group(1), missing.group(2), missing.group(3).split()
         close = difflib.get_close_matches(typed, options, n=1)
-        return (f"{group}={typed}: no such {group} preset{f'; did you mean {close[0]}?' if close else ''} "
-                f"(conf/{group}/: {', '.join(options)})")
+        return (
+            f"{group}={typed}: no such {group} preset{f'; did you mean {close[0]}?' if close else ''} "
+            f"(conf/{group}/: {', '.join(options)})"
+        )
     key = next((getattr(x, "full_key", None) for x in (e, e.__cause__) if getattr(x, "full_key", None)), None)
     return line if not key or key in line else f"{key}: {line}"
 

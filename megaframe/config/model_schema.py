@@ -2,6 +2,7 @@
 Split from megaframe/config/schema.py (which re-exports it) so each file stays a readable size; a leaf
 module like it (of megaframe it imports only config/choices.py).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from megaframe.config.frozen import Frozen
 class RopeScalingConfig(Frozen):
     """RoPE frequency scaling as Hugging Face defines it (transformers' `rope_scaling` / `rope_parameters`):
     the inverse frequencies change, positions stay integers. Imported from and exported to HF configs."""
+
     rope_type: RopeType = RopeType.default
     """default (plain RoPE) | linear (every frequency / factor) | llama3 (Llama 3.1: low frequencies / factor,
     high kept, a smooth ramp between) | yarn (YaRN's ramp by rotations, cos/sin times attention_factor)."""

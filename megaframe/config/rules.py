@@ -2,6 +2,7 @@
 finiteness (nan and inf refused everywhere) and type, also for the numbers inside lists. check_config
 runs check_fields first, so no later check (or computation) ever sees a nan, an inf or a negative count.
 """
+
 from __future__ import annotations
 
 import math
@@ -23,6 +24,7 @@ def _req(ok: bool, msg: str) -> None:
 class Rule:
     """Allowed values of one numeric field: lo <= v (lo < v when lo_open), v < hi (v <= hi when not
     hi_open), always finite; None only when `optional`; `integer` refuses a fraction (and a bool)."""
+
     lo: float | None = None
     lo_open: bool = False
     hi: float | None = None
@@ -33,7 +35,11 @@ class Rule:
     def why(self, v) -> str | None:
         if v is None:
             return None if self.optional else "must be set"
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or (self.integer and not float(v).is_integer()):
+        if (
+            isinstance(v, bool)
+            or not isinstance(v, (int, float))
+            or (self.integer and not float(v).is_integer())
+        ):
             return f"must be {'an integer' if self.integer else 'a number'}"
         if not math.isfinite(v):
             return "must be finite"
@@ -58,46 +64,91 @@ TIMEOUT = _r(0, gt=True, hi=1e9, le=True, int_=False)
 
 FIELD_RULES: dict[str, Rule] = {
     # model
-    "model.num_layers": POS, "model.hidden_size": POS, "model.num_attention_heads": POS,
-    "model.num_query_groups": _r(1, opt=True), "model.ffn_hidden_size": POS, "model.seq_length": POS,
-    "model.vocab_size": POS, "model.num_experts": NONNEG, "model.moe_top_k": POS,
-    "model.moe_ffn_hidden_size": _r(1, opt=True), "model.moe_aux_loss_coeff": NONNEGF,
-    "model.moe_z_loss_coeff": NONNEGF, "model.moe_bias_update_rate": NONNEGF,
-    "model.moe_capacity_factor": _r(0, gt=True, opt=True, int_=False), "model.dropout": UNIT,
-    "model.rope_theta": POSF, "model.norm_eps": POSF, "model.init_std": POSF,
+    "model.num_layers": POS,
+    "model.hidden_size": POS,
+    "model.num_attention_heads": POS,
+    "model.num_query_groups": _r(1, opt=True),
+    "model.ffn_hidden_size": POS,
+    "model.seq_length": POS,
+    "model.vocab_size": POS,
+    "model.num_experts": NONNEG,
+    "model.moe_top_k": POS,
+    "model.moe_ffn_hidden_size": _r(1, opt=True),
+    "model.moe_aux_loss_coeff": NONNEGF,
+    "model.moe_z_loss_coeff": NONNEGF,
+    "model.moe_bias_update_rate": NONNEGF,
+    "model.moe_capacity_factor": _r(0, gt=True, opt=True, int_=False),
+    "model.dropout": UNIT,
+    "model.rope_theta": POSF,
+    "model.norm_eps": POSF,
+    "model.init_std": POSF,
     "model.kv_channels": _r(1, opt=True),
-    "model.rope_scaling.factor": POSF, "model.rope_scaling.low_freq_factor": POSF,
+    "model.rope_scaling.factor": POSF,
+    "model.rope_scaling.low_freq_factor": POSF,
     "model.rope_scaling.high_freq_factor": POSF,
     "model.rope_scaling.original_max_position_embeddings": _r(1, opt=True),
-    "model.rope_scaling.beta_fast": POSF, "model.rope_scaling.beta_slow": POSF,
+    "model.rope_scaling.beta_fast": POSF,
+    "model.rope_scaling.beta_slow": POSF,
     "model.rope_scaling.attention_factor": _r(0, gt=True, opt=True, int_=False),
     "model.rope_scaling.mscale": _r(0, opt=True, int_=False),
     "model.rope_scaling.mscale_all_dim": _r(0, opt=True, int_=False),
     # parallel
-    "parallel.tp": POS, "parallel.pp": POS, "parallel.vpp": POS, "parallel.ep": POS, "parallel.cp": POS,
+    "parallel.tp": POS,
+    "parallel.pp": POS,
+    "parallel.vpp": POS,
+    "parallel.ep": POS,
+    "parallel.cp": POS,
     "parallel.tp_comm_chunks": POS,
     # train
-    "train.micro_batch_size": POS, "train.global_batch_size": POS, "train.max_steps": POS, "train.seed": SEED,
-    "train.log_interval": POS, "train.max_bad_steps": NONNEG, "train.eval_interval": NONNEG,
-    "train.eval_iters": POS, "train.hang_timeout_s": NONNEGF, "train.threads": _r(1, opt=True), "train.dist_timeout_s": TIMEOUT,
+    "train.micro_batch_size": POS,
+    "train.global_batch_size": POS,
+    "train.max_steps": POS,
+    "train.seed": SEED,
+    "train.log_interval": POS,
+    "train.max_bad_steps": NONNEG,
+    "train.eval_interval": NONNEG,
+    "train.eval_iters": POS,
+    "train.hang_timeout_s": NONNEGF,
+    "train.threads": _r(1, opt=True),
+    "train.dist_timeout_s": TIMEOUT,
     "train.compile_timeout_s": TIMEOUT,
-    "train.signal_check_interval": POS, "train.sample_interval": NONNEG, "train.sample_tokens": POS,
-    "train.downstream_interval": NONNEG, "train.downstream_limit": NONNEG, "train.downstream_batch_size": POS,
+    "train.signal_check_interval": POS,
+    "train.sample_interval": NONNEG,
+    "train.sample_tokens": POS,
+    "train.downstream_interval": NONNEG,
+    "train.downstream_limit": NONNEG,
+    "train.downstream_batch_size": POS,
     # optim
-    "optim.lr": POSF, "optim.min_lr": NONNEGF, "optim.warmup_steps": NONNEG, "optim.weight_decay": NONNEGF,
-    "optim.clip_grad": NONNEGF, "optim.beta1": UNIT, "optim.beta2": UNIT, "optim.eps": POSF,
-    "optim.zero": _r(0, hi=3, le=True), "optim.shard_group_size": NONNEG, "optim.bucket_size_mb": POSF,
-    "optim.lr_decay_steps": _r(1, opt=True), "optim.wsd_decay_fraction": _r(0, gt=True, hi=1, le=True, int_=False),
+    "optim.lr": POSF,
+    "optim.min_lr": NONNEGF,
+    "optim.warmup_steps": NONNEG,
+    "optim.weight_decay": NONNEGF,
+    "optim.clip_grad": NONNEGF,
+    "optim.beta1": UNIT,
+    "optim.beta2": UNIT,
+    "optim.eps": POSF,
+    "optim.zero": _r(0, hi=3, le=True),
+    "optim.shard_group_size": NONNEG,
+    "optim.bucket_size_mb": POSF,
+    "optim.lr_decay_steps": _r(1, opt=True),
+    "optim.wsd_decay_fraction": _r(0, gt=True, hi=1, le=True, int_=False),
     # data
-    "data.vocab_size": POS, "data.tokenizer_sample_bytes": NONNEG, "data.num_workers": NONNEG,
-    "data.task": NONNEG, "data.num_tasks": POS,
+    "data.vocab_size": POS,
+    "data.tokenizer_sample_bytes": NONNEG,
+    "data.num_workers": NONNEG,
+    "data.task": NONNEG,
+    "data.num_tasks": POS,
     "data.valid_fraction": UNIT,
     # checkpoint
-    "checkpoint.interval": NONNEG, "checkpoint.interval_minutes": NONNEGF, "checkpoint.keep_last": NONNEG,
+    "checkpoint.interval": NONNEG,
+    "checkpoint.interval_minutes": NONNEGF,
+    "checkpoint.keep_last": NONNEG,
     "checkpoint.save_timeout_s": TIMEOUT,
     # the numbers inside lists: `[]` stands for every element
-    "parallel.pp_layout[]": NONNEG, "data.blend[].weight": POSF,
-    "data.stages[].until_step": _r(1, opt=True), "data.stages[].until_tokens": _r(1, opt=True, int_=False),
+    "parallel.pp_layout[]": NONNEG,
+    "data.blend[].weight": POSF,
+    "data.stages[].until_step": _r(1, opt=True),
+    "data.stages[].until_tokens": _r(1, opt=True, int_=False),
     "data.stages[].blend[].weight": POSF,
 }
 """Every int/float field of the schema must appear here (tests/unit/config/test_config_fields.py checks it),

@@ -5,6 +5,7 @@ type or a value outside an Enum is an error at composition time. A leaf module (
 config/choices.py and errors.py):
 model, optim, checkpoint and the checks all read it; loading and validation (megaframe.config) sit above.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -268,7 +269,9 @@ class CheckpointConfig(Frozen):
     # `checkpoint.async` is the user-facing name, but `async` is a Python keyword: declare the field
     # through the class namespace; code reads it as `cfg.checkpoint.async_save`.
     __annotations__["async"] = bool
-    locals()["async"] = field(default=False, init=False, repr=False, compare=False)  # kept out of generated code
+    locals()["async"] = field(
+        default=False, init=False, repr=False, compare=False
+    )  # kept out of generated code
     """Copy to host, write in a background thread and commit at a later step boundary."""
     save_timeout_s: float = 1800.0
     """The allowance of a checkpoint save or load, used twice: the hang watchdog's limit while one runs
@@ -330,4 +333,6 @@ def plain(cfg) -> dict:
     metadata JSON record (they must read back without this module)."""
     import dataclasses
 
-    return dataclasses.asdict(cfg, dict_factory=lambda kv: {k: v.value if isinstance(v, Enum) else v for k, v in kv})
+    return dataclasses.asdict(
+        cfg, dict_factory=lambda kv: {k: v.value if isinstance(v, Enum) else v for k, v in kv}
+    )

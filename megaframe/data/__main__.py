@@ -1,4 +1,5 @@
 """`python -m megaframe.data verify PATH`: see megaframe.data.verify."""
+
 import sys
 
 from megaframe.data.verify import main

@@ -10,6 +10,7 @@ position of g are then O(1), with no state, whatever g is (resume at any step, u
 Each dataset walks its own positions 0, 1, 2, ... through its own seeded per-epoch permutation, so a
 small dataset that the weights oversample simply starts new epochs sooner.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -65,5 +66,9 @@ class BlendedData:
         d, local = self.locate(position)
         part = self.parts[d]
         # a per-dataset seed: two datasets of equal size must not share one permutation
-        idx = sample_index(local, part.num_samples, self.seed * 257 + d + 1, self.order) if part.shuffle else local
+        idx = (
+            sample_index(local, part.num_samples, self.seed * 257 + d + 1, self.order)
+            if part.shuffle
+            else local
+        )
         return part[idx]

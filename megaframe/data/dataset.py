@@ -15,6 +15,7 @@ Step t owns positions [t·G, (t+1)·G); dp rank d reads the block [d·G/dp, (d+1
 micro-batches. The loss is a sum over tokens divided by the global token count, so any split of the
 global batch over ranks and micro-batches gives the same gradient.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -52,7 +53,9 @@ class PreparedData:
         self.shards = [np.memmap(inside(path, s["file"]), dtype=dtype, mode="r") for s in meta["shards"]]
         for s, arr in zip(meta["shards"], self.shards):
             if arr.shape[0] != s["num_tokens"]:
-                raise ValueError(f"data shard {s['file']} has {arr.shape[0]} tokens, meta.json says {s['num_tokens']}")
+                raise ValueError(
+                    f"data shard {s['file']} has {arr.shape[0]} tokens, meta.json says {s['num_tokens']}"
+                )
         self.starts = np.cumsum([0] + [a.shape[0] for a in self.shards])
         total = int(self.starts[-1])
         if split == "all" or valid_fraction <= 0:
@@ -69,7 +72,9 @@ class PreparedData:
         self.num_samples = (self.num_tokens - 1) // seq_length
         if self.num_samples < 1:
             what = "the validation split" if split == "valid" else "data"
-            raise ValueError(f"{path}: {what} has {self.num_tokens} tokens, fewer than one sample of {seq_length + 1}")
+            raise ValueError(
+                f"{path}: {what} has {self.num_tokens} tokens, fewer than one sample of {seq_length + 1}"
+            )
 
     def document_starts(self) -> np.ndarray | None:
         """Global token offset of every document (shards hold whole documents), or None without an index."""
@@ -79,7 +84,9 @@ class PreparedData:
         # each index checked (sha256, order, range): a corrupt entry would silently move the train/valid split
         parts = [read_index(self.path, e) + int(self.starts[k]) for k, e in enumerate(entries)]
         # 0 added: the stream's start is a document start even if an index omits it; unique also sorts
-        return np.unique(np.concatenate([np.asarray(p, dtype=np.int64) for p in parts] + [np.zeros(1, np.int64)]))
+        return np.unique(
+            np.concatenate([np.asarray(p, dtype=np.int64) for p in parts] + [np.zeros(1, np.int64)])
+        )
 
     def split_segments(self, fraction: float, valid: bool) -> np.ndarray:
         """Token ranges of the train or valid split. Valid: whole documents drawn in a VALID_SEED-seeded
@@ -118,9 +125,10 @@ class PreparedData:
         pieces, k = [], int(np.searchsorted(self.starts, lo, side="right") - 1)
         while lo < hi:
             end = min(hi, int(self.starts[k + 1]))
-            piece = self.shards[k][lo - self.starts[k]:end - self.starts[k]]
-            check_token_range(piece, self.vocab_size, self.path, self.meta["shards"][k]["file"],
-                              int(lo - self.starts[k]))  # every layout checks every read
+            piece = self.shards[k][lo - self.starts[k] : end - self.starts[k]]
+            check_token_range(
+                piece, self.vocab_size, self.path, self.meta["shards"][k]["file"], int(lo - self.starts[k])
+            )  # every layout checks every read
             if self.touched is not None:  # start-up verification records which shards a batch reads
                 self.touched.add(k)
             pieces.append(piece)
@@ -168,9 +176,19 @@ class SyntheticData:
         return out
 
 
-def microbatches(data, step: int, global_batch: int, micro_batch: int, dp_rank: int, dp_size: int,
-                 seed: int, device: torch.device | str = "cpu", base: int = 0, cp_rank: int = 0,
-                 cp_size: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def microbatches(
+    data,
+    step: int,
+    global_batch: int,
+    micro_batch: int,
+    dp_rank: int,
+    dp_size: int,
+    seed: int,
+    device: torch.device | str = "cpu",
+    base: int = 0,
+    cp_rank: int = 0,
+    cp_size: int = 1,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """This dp rank's micro-batches of step `step` (0-based, counted from sample position `base`: a run
     resumed with another global batch continues from its consumed samples): [(input_ids_BS, labels_BS), ...].
     Under cp every cp rank reads the same samples and keeps its two chunks of each (parallel.context)."""
@@ -227,7 +245,9 @@ def build_data(cfg, split: str = "train"):
     return build_samples(cfg.data, m.seq_length, m.vocab_size, t.seed, t.global_batch_size, split)
 
 
-def build_samples(d: DataConfig, seq: int, vocab_size: int, seed: int, global_batch: int, split: str = "train"):
+def build_samples(
+    d: DataConfig, seq: int, vocab_size: int, seed: int, global_batch: int, split: str = "train"
+):
     """The training (or, with split="valid", validation) samples of the data group `d`: synthetic, one
     prepared dataset, or a blend, cut into samples of `seq` tokens. `vocab_size` (model.vocab_size) bounds
     synthetic ids; `seed` (train.seed) orders blends and stages and seeds synthetic data; `global_batch`
@@ -263,10 +283,16 @@ def data_state(d: DataConfig, step: int, seed: int, global_batch: int, order: st
     from megaframe.data.record import mixture, resolved, schedule, sources
 
     prepared = d.kind == "prepared"
-    return {"kind": d.kind, "path": resolved(d.path) if prepared and not (d.blend or d.stages) else None,
-            "blend": mixture(d.blend), "valid_fraction": d.valid_fraction, "seed": seed,
-            "order": order,
-            "stages": schedule(d.stages), "sources": sources(d) if prepared else [],
-            # the trainer replaces it with Accounting's exact count (a batch size changed at a resume)
-            "consumed_samples": step * global_batch,
-            "cursor": "derived: global sample position = step * global_batch_size + index in the batch"}
+    return {
+        "kind": d.kind,
+        "path": resolved(d.path) if prepared and not (d.blend or d.stages) else None,
+        "blend": mixture(d.blend),
+        "valid_fraction": d.valid_fraction,
+        "seed": seed,
+        "order": order,
+        "stages": schedule(d.stages),
+        "sources": sources(d) if prepared else [],
+        # the trainer replaces it with Accounting's exact count (a batch size changed at a resume)
+        "consumed_samples": step * global_batch,
+        "cursor": "derived: global sample position = step * global_batch_size + index in the batch",
+    }

@@ -13,6 +13,7 @@ While preparing, the same facts live in the hidden partial folder beside data.pa
 the tokenizer, and one units/unit_NNNNN.json per finished work unit (its files' records and shards);
 an interrupted run resumes there, redoing only units whose record is missing or whose files changed.
 """
+
 from __future__ import annotations
 
 import json
@@ -33,9 +34,16 @@ def settings_of(data_cfg, given_sha256: str | None) -> dict:
     if given_sha256 is not None:
         tok = {"given_sha256": given_sha256}
     else:
-        tok = {"train_vocab_size": int(data_cfg.vocab_size),
-               "train_sample_bytes": int(data_cfg.tokenizer_sample_bytes)}
-    return {"format": FORMAT, "text_key": data_cfg.text_key, "split": _split_name(data_cfg.split), "tokenizer": tok}
+        tok = {
+            "train_vocab_size": int(data_cfg.vocab_size),
+            "train_sample_bytes": int(data_cfg.tokenizer_sample_bytes),
+        }
+    return {
+        "format": FORMAT,
+        "text_key": data_cfg.text_key,
+        "split": _split_name(data_cfg.split),
+        "tokenizer": tok,
+    }
 
 
 def _split_name(split) -> str:
@@ -58,9 +66,14 @@ def describe_settings_change(old: dict, new: dict) -> str:
     if "given_sha256" in n or "given_sha256" in o:
         return "data.tokenizer is not the tokenizer it was made with"
     if o.get("train_vocab_size") != n["train_vocab_size"]:
-        return (f"data.vocab_size={n['train_vocab_size']} (its " f"tokenizer was trained with {o.get('train_vocab_size')})")
-    return (f"data.tokenizer_sample_bytes={n['train_sample_bytes']} "
-            f"(its tokenizer was trained with {o.get('train_sample_bytes')})")
+        return (
+            f"data.vocab_size={n['train_vocab_size']} (its "
+            f"tokenizer was trained with {o.get('train_vocab_size')})"
+        )
+    return (
+        f"data.tokenizer_sample_bytes={n['train_sample_bytes']} "
+        f"(its tokenizer was trained with {o.get('train_sample_bytes')})"
+    )
 
 
 def same_file(old: dict, f: SourceFile) -> bool:
@@ -96,8 +109,10 @@ def check_existing(out: Path, meta: dict, settings: dict, files: list[SourceFile
     else:
         why = source_change(meta.get("sources", []), files)
     if why:
-        raise PrepareError(f"data.path={out} was prepared from other input: {why}; refusing to overwrite it "
-                           "(pick another data.path, or delete it to rebuild)")
+        raise PrepareError(
+            f"data.path={out} was prepared from other input: {why}; refusing to overwrite it "
+            "(pick another data.path, or delete it to rebuild)"
+        )
 
 
 def unit_record_path(work: Path, k: int) -> Path:
@@ -111,6 +126,7 @@ def finished_unit(work: Path, k: int, records: list[dict]) -> dict | None:
         rec = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
+
     def content(rs):  # a touched but unchanged file (new mtime, same hash) keeps its unit
         return [{k: v for k, v in r.items() if k != "mtime_ns"} for r in rs]
 

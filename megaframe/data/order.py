@@ -10,6 +10,7 @@ ORDER names this order in checkpoints; LEGACY is the order of runs begun before 
 numpy permutation per epoch), still produced for a run resumed from such a checkpoint so it keeps the
 order it started with.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -36,7 +37,7 @@ def _keys(seed: int, epoch: int) -> tuple[int, ...]:
     # and every rank and every resume must get the same keys
     digest = hashlib.sha256(f"megaframe-order/{seed}/{epoch}".encode()).digest()
     # overlapping 8-byte windows: six 64-bit keys from one 32-byte digest
-    return tuple(int.from_bytes(digest[4 * r:4 * r + 8], "little") for r in range(ROUNDS))
+    return tuple(int.from_bytes(digest[4 * r : 4 * r + 8], "little") for r in range(ROUNDS))
 
 
 def _half_bits(n: int) -> int:

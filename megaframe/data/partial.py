@@ -11,6 +11,7 @@ another recorded. Publishing takes `.lock` exclusively (the other tasks leave fi
 shard meta.json names is there with its size, and renames the folder into place. A process that waited
 while another published finds the lock file gone from its path (Moved) and reports the work as done.
 """
+
 from __future__ import annotations
 
 import os
@@ -34,8 +35,10 @@ def enter(work: Path, tasked: bool) -> SharedFlock:
         return SharedFlock(work / LOCK, shared=tasked)
     except LockBusy as e:
         how = "a plain prepare" if tasked else "another prepare"
-        raise PrepareError(f"{work} is being prepared by another process ({how}: {describe(e.holder)}); "
-                           "wait for it to finish, or stop it") from None
+        raise PrepareError(
+            f"{work} is being prepared by another process ({how}: {describe(e.holder)}); "
+            "wait for it to finish, or stop it"
+        ) from None
 
 
 def unit_lock(work: Path, k: int, wait: bool) -> SharedFlock | None:
@@ -55,11 +58,15 @@ def check_shards(work: Path, meta: dict) -> None:
             size = (work / s["file"]).stat().st_size
             (work / s["docs"]).stat()
         except FileNotFoundError as e:
-            raise PrepareError(f"{work}: shard {Path(e.filename).name} named in meta.json is missing; "
-                               "nothing was published (a re-run redoes its unit)") from None
+            raise PrepareError(
+                f"{work}: shard {Path(e.filename).name} named in meta.json is missing; "
+                "nothing was published (a re-run redoes its unit)"
+            ) from None
         if size != s["num_tokens"] * width:
-            raise PrepareError(f"{work}: shard {s['file']} holds {size} bytes, not the "
-                               f"{s['num_tokens'] * width} meta.json records; nothing was published")
+            raise PrepareError(
+                f"{work}: shard {s['file']} holds {size} bytes, not the "
+                f"{s['num_tokens'] * width} meta.json records; nothing was published"
+            )
 
 
 def publish(work: Path, out: Path, lock: SharedFlock, meta: dict) -> bool:

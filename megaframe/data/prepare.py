@@ -24,6 +24,7 @@ sources and settings are the same, and refuses (exit 2) when they differ: good d
 
 Bad input prints one `megaframe: error: ...` line to stderr and exits 2.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -61,8 +62,14 @@ __all__ = ["PrepareError", "prepare", "main"]
 UNIT_BYTES = 256 << 20  # the resume granularity: an interrupted run redoes only the units without a record
 
 
-def prepare(cfg: Config, *, unit_bytes: int = UNIT_BYTES, chunk_chars: int | None = None,
-            show_progress: bool | None = None, merge: bool = False) -> dict | None:
+def prepare(
+    cfg: Config,
+    *,
+    unit_bytes: int = UNIT_BYTES,
+    chunk_chars: int | None = None,
+    show_progress: bool | None = None,
+    merge: bool = False,
+) -> dict | None:
     """Prepare cfg.data.source into cfg.data.path. Returns meta.json's content plus 'stats' (timings),
     or None when data.path already holds exactly this preparation; under data.num_tasks, {"part": ...}
     when this task's units are done but not every task's. merge: tokenize nothing, write meta.json if
@@ -140,26 +147,52 @@ def _already_prepared(out: Path, settings: dict, files: list[SourceFile]) -> boo
     if out.exists() and not out.is_dir():
         raise PrepareError(f"data.path={out} exists and is not a folder")
     if out.is_dir() and any(out.iterdir()):
-        raise PrepareError(f"data.path={out} is a non-empty folder without meta.json; remove it or pick another")
+        raise PrepareError(
+            f"data.path={out} is a non-empty folder without meta.json; remove it or pick another"
+        )
     return False
 
 
-def _build(cfg: Config, files: list[SourceFile], work: Path, settings: dict, unit_bytes: int,
-           chunk_chars: int | None, show_progress: bool | None, skips: dict | None, merge: bool,
-           lock: SharedFlock) -> dict:
+def _build(
+    cfg: Config,
+    files: list[SourceFile],
+    work: Path,
+    settings: dict,
+    unit_bytes: int,
+    chunk_chars: int | None,
+    show_progress: bool | None,
+    skips: dict | None,
+    merge: bool,
+    lock: SharedFlock,
+) -> dict:
     """Tokenizer, shards and meta.json inside the partial folder `work`; returns the meta + stats, or
     {"part": ...} for a task whose units are done while others' are not (megaframe.data.tasks)."""
     t0 = time.perf_counter()
     _claim_settings(work, settings)
     os.chmod(work, 0o777 & ~_umask())  # other users' jobs must read the data
     workers = cfg.data.num_workers or os.cpu_count() or 1
-    with tempfile.TemporaryDirectory(prefix="megaframe-hf-") as cache, offline_hf(cache), worker_pool(workers) as pool:
+    with (
+        tempfile.TemporaryDirectory(prefix="megaframe-hf-") as cache,
+        offline_hf(cache),
+        worker_pool(workers) as pool,
+    ):
         # hashed first: a re-run compares them to decide whether OUT is this very preparation
         records = [f.record(h) for f, h in zip(files, pool_map(pool, file_sha256, [f.path for f in files]))]
         tok_name, tok = _tokenizer(cfg, files, work, cache)
         t1, cpu1 = time.perf_counter(), time.process_time()
-        shards, worker_cpu = encode_units(cfg, files, records, str(work / tok_name), work, pool, unit_bytes,
-                         chunk_chars or chunk_size(files, workers), cache, show_progress, merge)
+        shards, worker_cpu = encode_units(
+            cfg,
+            files,
+            records,
+            str(work / tok_name),
+            work,
+            pool,
+            unit_bytes,
+            chunk_chars or chunk_size(files, workers),
+            cache,
+            show_progress,
+            merge,
+        )
         t2, cpu2 = time.perf_counter(), time.process_time()
     if isinstance(shards, dict):  # units missing: a task's part, or a refused merge
         if merge:
@@ -169,9 +202,16 @@ def _build(cfg: Config, files: list[SourceFile], work: Path, settings: dict, uni
     # after every shard: the folder is renamed into place only with meta.json, and only by one process
     if not partial.publish(work, Path(cfg.data.path), lock, meta):
         return {"part": {"task": cfg.data.task, "merged_by_another": True}, "stats": {}}
-    return {**meta, "stats": {"workers": workers, "seconds": time.perf_counter() - t0,
-                              "tokenizer_seconds": t1 - t0, "encode_seconds": t2 - t1,
-                              "encode_cpu_seconds": cpu2 - cpu1 + worker_cpu}}
+    return {
+        **meta,
+        "stats": {
+            "workers": workers,
+            "seconds": time.perf_counter() - t0,
+            "tokenizer_seconds": t1 - t0,
+            "encode_seconds": t2 - t1,
+            "encode_cpu_seconds": cpu2 - cpu1 + worker_cpu,
+        },
+    }
 
 
 def _tokenizer(cfg: Config, files: list[SourceFile], work: Path, cache: str):
@@ -186,25 +226,46 @@ def _claim_settings(work: Path, settings: dict) -> None:
     """Record `settings` in the partial folder, or refuse one an unfinished run with other settings left."""
     old = work / "settings.json"
     if old.is_file() and json.loads(old.read_text()) != settings:
-        raise PrepareError(f"{work} holds an unfinished preparation made with other settings "
-                           f"({mf.describe_settings_change(json.loads(old.read_text()), settings)}); "
-                           "delete it or restore them")
+        raise PrepareError(
+            f"{work} holds an unfinished preparation made with other settings "
+            f"({mf.describe_settings_change(json.loads(old.read_text()), settings)}); "
+            "delete it or restore them"
+        )
     # recorded before any work: a resumed run must be this preparation, not one with other settings
     mf.write_json(old, settings)
 
 
-def _meta(cfg: Config, work: Path, tok, tok_name: str, shards: list[dict], records: list[dict],
-          settings: dict, skips: dict | None) -> dict:
+def _meta(
+    cfg: Config,
+    work: Path,
+    tok,
+    tok_name: str,
+    shards: list[dict],
+    records: list[dict],
+    settings: dict,
+    skips: dict | None,
+) -> dict:
     """meta.json's content (megaframe.data.manifest) for the shards written in `work` with `tok`;
     PrepareError when they hold no token."""
     num_tokens = sum(s["num_tokens"] for s in shards)
     if num_tokens == 0:
         raise PrepareError(f"data.source={cfg.data.source}: the files hold no text")
-    meta = {"format": mf.FORMAT, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id,
-            "dtype": token_dtype(tok.vocab_size).name, "num_tokens": num_tokens,
-            "num_documents": sum(s["num_docs"] for s in shards), "shards": shards,
-            "tokenizer": tok_name, "tokenizer_kind": tok.kind, "tokenizer_sha256": tokenizer_sha256(work / tok_name),
-            "source": cfg.data.source, "sources": records, "settings": settings, "skipped": skips or {}}
+    meta = {
+        "format": mf.FORMAT,
+        "vocab_size": tok.vocab_size,
+        "eos_id": tok.eos_id,
+        "dtype": token_dtype(tok.vocab_size).name,
+        "num_tokens": num_tokens,
+        "num_documents": sum(s["num_docs"] for s in shards),
+        "shards": shards,
+        "tokenizer": tok_name,
+        "tokenizer_kind": tok.kind,
+        "tokenizer_sha256": tokenizer_sha256(work / tok_name),
+        "source": cfg.data.source,
+        "sources": records,
+        "settings": settings,
+        "skipped": skips or {},
+    }
     return meta
 
 
@@ -216,7 +277,9 @@ def _umask() -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    merge = bool(argv) and argv[0] == "merge"  # python -m megaframe.data.prepare merge data.path=... (same args)
+    merge = (
+        bool(argv) and argv[0] == "merge"
+    )  # python -m megaframe.data.prepare merge data.path=... (same args)
     try:
         cfg = load_config(argv[1:] if merge else argv, world_size=1, check_data=False)
         meta = prepare(cfg, merge=merge)
@@ -228,17 +291,26 @@ def main(argv: list[str] | None = None) -> int:
         return fail(f"cannot write to {cfg.data.path} or its partial folder: {e}", code=1)
     if meta is not None and "part" in meta:
         part = meta["part"]
-        left = f"{len(part['missing'])} unit(s) of other tasks still to do" if "missing" in part else "merged by another task"
+        left = (
+            f"{len(part['missing'])} unit(s) of other tasks still to do"
+            if "missing" in part
+            else "merged by another task"
+        )
         print(f"megaframe: prepare: task {cfg.data.task} of {cfg.data.num_tasks} done; {left}")
         return 0
     if meta is None:
-        print(f"megaframe: {cfg.data.path} is already prepared from these sources and settings; nothing to do")
+        print(
+            f"megaframe: {cfg.data.path} is already prepared from these sources and settings; nothing to do"
+        )
         return 0
     st = meta["stats"]
-    print(f"megaframe: prepared {meta['num_documents']:,} documents, {meta['num_tokens']:,} tokens "
-          f"(vocab {meta['vocab_size']}, {len(meta['shards'])} shard(s)) in {st['seconds']:.1f}s; "
-          f"tokenizing with {st['workers']} worker(s): " f"{meta['num_tokens'] / max(st['encode_seconds'], 1e-9):,.0f} "
-          f"tokens/s -> {cfg.data.path}")
+    print(
+        f"megaframe: prepared {meta['num_documents']:,} documents, {meta['num_tokens']:,} tokens "
+        f"(vocab {meta['vocab_size']}, {len(meta['shards'])} shard(s)) in {st['seconds']:.1f}s; "
+        f"tokenizing with {st['workers']} worker(s): "
+        f"{meta['num_tokens'] / max(st['encode_seconds'], 1e-9):,.0f} "
+        f"tokens/s -> {cfg.data.path}"
+    )
     return 0
 
 

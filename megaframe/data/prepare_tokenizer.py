@@ -1,5 +1,6 @@
 """prepare's tokenizer: put it into the partial folder, kept from an interrupted run, copied from
 data.tokenizer, or trained with sentencepiece on a sample of the corpus (megaframe.data.prepare)."""
+
 from __future__ import annotations
 
 import os
@@ -35,16 +36,20 @@ def put_tokenizer(d: DataConfig, files: list[SourceFile], work: Path, cache: str
         return "tokenizer.model"
     docs = sample_documents(files, d.text_key, cache, d.tokenizer_sample_bytes, DocSplit(d.split).value)
     total = sum(f.size for f in files)
-    print(f"megaframe: prepare: training a tokenizer (vocab {d.vocab_size}) on "
-          f"{min(d.tokenizer_sample_bytes or total, total) / 1e6:,.1f} of {total / 1e6:,.1f} MB", flush=True)
+    print(
+        f"megaframe: prepare: training a tokenizer (vocab {d.vocab_size}) on "
+        f"{min(d.tokenizer_sample_bytes or total, total) / 1e6:,.1f} of {total / 1e6:,.1f} MB",
+        flush=True,
+    )
     first = next(docs, None)
     if first is None:
         raise PrepareError(f"data.source={d.source}: the files hold no text")
     try:
         # one thread: sentencepiece's result depends on its thread count (and threads barely speed it
         # up), so the same corpus gives the same tokenizer on every machine
-        path = train_tokenizer(_chain(first, docs), d.vocab_size, work / "tokenizer.tmp",
-                               seed=TOKENIZER_SEED, num_threads=1)
+        path = train_tokenizer(
+            _chain(first, docs), d.vocab_size, work / "tokenizer.tmp", seed=TOKENIZER_SEED, num_threads=1
+        )
     except TokenizerError as e:
         raise PrepareError(f"data.vocab_size={d.vocab_size}: {e}") from e
     # renamed into place only when training finished: a resumed run reuses a whole tokenizer or trains anew

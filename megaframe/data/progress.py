@@ -1,4 +1,5 @@
 """prepare's progress: a tqdm bar over the source bytes on a terminal, a line every 10 s in a log."""
+
 from __future__ import annotations
 
 import sys
@@ -12,8 +13,16 @@ class Progress:
         from tqdm import tqdm
 
         show = sys.stderr.isatty() if show is None else show
-        self.bar = tqdm(total=total, unit="B", unit_scale=True, desc="tokenizing", disable=not show,
-                        leave=False, dynamic_ncols=True, smoothing=0.05)
+        self.bar = tqdm(
+            total=total,
+            unit="B",
+            unit_scale=True,
+            desc="tokenizing",
+            disable=not show,
+            leave=False,
+            dynamic_ncols=True,
+            smoothing=0.05,
+        )
         self.lines, self.total, self.tokens, self.counted = not show, total, 0, 0
         self.t0 = self.t_line = time.perf_counter()
         self.worker_cpu = 0.0
@@ -37,10 +46,15 @@ class Progress:
         rate = self.tokens / max(now - self.t0, 1e-9)
         self.bar.set_postfix_str(f"{rate / 1e3:,.0f}k tok/s", refresh=False)
         self.bar.update(nbytes)
-        if self.lines and now - self.t_line > 10 and self.counted:  # a log file, not a terminal: a line every 10 s
+        if (
+            self.lines and now - self.t_line > 10 and self.counted
+        ):  # a log file, not a terminal: a line every 10 s
             eta = (now - self.t0) * (self.total - self.counted) / self.counted
-            print(f"megaframe: prepare: {self.counted / max(self.total, 1):.0%} of the source, "
-                  f"{self.tokens:,} tokens, {rate:,.0f} tokens/s, eta {eta:.0f}s", flush=True)
+            print(
+                f"megaframe: prepare: {self.counted / max(self.total, 1):.0%} of the source, "
+                f"{self.tokens:,} tokens, {rate:,.0f} tokens/s, eta {eta:.0f}s",
+                flush=True,
+            )
             self.t_line = now
 
     def close(self) -> None:

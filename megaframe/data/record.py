@@ -12,6 +12,7 @@ Every path is resolved (`Path(p).resolve()`): `x`, `x/`, `./x` and a symlink to 
 Checkpoints written before `sources` existed hold the paths as typed and no content hash: their paths are
 resolved when compared, their content is not compared.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -71,9 +72,13 @@ def schedule(stages) -> list[dict]:
     out = []
     for s in stages or []:
         tokens = _get(s, "until_tokens")
-        out.append({"until_step": _get(s, "until_step"),
-                    "until_tokens": None if tokens is None else float(tokens),
-                    "blend": mixture(_get(s, "blend"))})
+        out.append(
+            {
+                "until_step": _get(s, "until_step"),
+                "until_tokens": None if tokens is None else float(tokens),
+                "blend": mixture(_get(s, "blend")),
+            }
+        )
     return out
 
 
@@ -107,10 +112,13 @@ def scored_blend(meta: dict) -> list[dict]:
 def held_out_note(ran: float, f: float) -> str:
     """What a validation split of fraction f holds for a run that held out `ran` of the same data."""
     if f <= 0:
-        return ("these are the run's training samples (the checkpoint trained on this data), not a held-out "
-                "split")
-    return (f"the checkpoint trained on this data with data.valid_fraction={ran}: the [valid] split of "
-            f"data.valid_fraction={f} holds documents it trained on; only a fraction <= {ran} is held out")
+        return (
+            "these are the run's training samples (the checkpoint trained on this data), not a held-out split"
+        )
+    return (
+        f"the checkpoint trained on this data with data.valid_fraction={ran}: the [valid] split of "
+        f"data.valid_fraction={f} holds documents it trained on; only a fraction <= {ran} is held out"
+    )
 
 
 REMAP = "every later position maps to other samples: samples already read would repeat and others be skipped"
@@ -122,8 +130,14 @@ def _show_blend(blend: list[dict]) -> str:
 
 def _show_stages(stages: list[dict]) -> str:
     def end(s):
-        return (f"until_step {s['until_step']}" if s["until_step"] is not None else
-                f"until_tokens {s['until_tokens']:g}" if s["until_tokens"] is not None else "open")
+        return (
+            f"until_step {s['until_step']}"
+            if s["until_step"] is not None
+            else f"until_tokens {s['until_tokens']:g}"
+            if s["until_tokens"] is not None
+            else "open"
+        )
+
     return "[" + "; ".join(f"{end(s)}: {_show_blend(s['blend'])}" for s in stages) + "]"
 
 
@@ -134,8 +148,14 @@ def kind_change(d: DataConfig, meta: dict) -> list[tuple[str, str, str, str]]:
     if was == now:
         return []
     # the data stream changes entirely: the step's positions name other samples (or none at all)
-    return [("data.kind", was, now, f"the run trained on {was} data; this run would train on {now} data "
-             "from the same step")]
+    return [
+        (
+            "data.kind",
+            was,
+            now,
+            f"the run trained on {was} data; this run would train on {now} data from the same step",
+        )
+    ]
 
 
 def data_changes(d: DataConfig, meta: dict) -> list[tuple[str, str, str, str]]:
@@ -153,8 +173,9 @@ def data_changes(d: DataConfig, meta: dict) -> list[tuple[str, str, str, str]]:
         if was != now:
             out.append(("data.stages", _show_stages(was), _show_stages(now), REMAP))
     elif mixture(old.get("blend")) != mixture(d.blend):
-        out.append(("data.blend", _show_blend(mixture(old.get("blend"))), _show_blend(mixture(d.blend)),
-                    REMAP))
+        out.append(
+            ("data.blend", _show_blend(mixture(old.get("blend"))), _show_blend(mixture(d.blend)), REMAP)
+        )
     elif not d.blend and old.get("path") and resolved(old["path"]) != resolved(d.path):
         recorded = {s.get("content_sha256") for s in old.get("sources") or []} - {None}
         # a moved copy of the same data is the same data
@@ -162,11 +183,13 @@ def data_changes(d: DataConfig, meta: dict) -> list[tuple[str, str, str, str]]:
             out.append(("data.path", resolved(old["path"]), resolved(d.path), REMAP))
     if "valid_fraction" in old and float(old["valid_fraction"]) != d.valid_fraction:
         ran, f = float(old["valid_fraction"]), d.valid_fraction
-        why = (held_out_note(ran, f) + ", and the train split's positions map to other samples"
-               if f > ran else
-               f"documents held out at data.valid_fraction={ran} would be trained on, "
-               "and the train split's "
-               "positions map to other samples")
+        why = (
+            held_out_note(ran, f) + ", and the train split's positions map to other samples"
+            if f > ran
+            else f"documents held out at data.valid_fraction={ran} would be trained on, "
+            "and the train split's "
+            "positions map to other samples"
+        )
         out.append(("data.valid_fraction", str(ran), str(f), why))
     recorded = {s["path"]: s.get("content_sha256") for s in old.get("sources") or [] if isinstance(s, dict)}
     for s in sources(d):
@@ -174,9 +197,15 @@ def data_changes(d: DataConfig, meta: dict) -> list[tuple[str, str, str, str]]:
         if want and s["content_sha256"] != want:
             key = s["key"].split("[")[0]  # data.blend[1].path -> data.blend: allow_config_change's key
             now = str(s["content_sha256"])[:12]
-            out.append((key, f"{s['path']} (content {want[:12]}...)", f"content {now}...",
-                        "the folder was prepared again since (other tokens): positions already read now name "
-                        "other samples"))
+            out.append(
+                (
+                    key,
+                    f"{s['path']} (content {want[:12]}...)",
+                    f"content {now}...",
+                    "the folder was prepared again since (other tokens): positions already read now name "
+                    "other samples",
+                )
+            )
     return out
 
 
@@ -188,7 +217,9 @@ def twice(blend, key: str) -> str | None:
         where = resolved(b.path)
         if where in first:
             j = first[where]
-            return (f"{key}[{i}].path={b.path} is the folder of {key}[{j}].path={blend[j].path} ({where}): "
-                    "list it once, with the summed weight")
+            return (
+                f"{key}[{i}].path={b.path} is the folder of {key}[{j}].path={blend[j].path} ({where}): "
+                "list it once, with the summed weight"
+            )
         first[where] = i
     return None

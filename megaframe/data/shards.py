@@ -9,6 +9,7 @@ A shard is a chunk of consecutive documents of one work unit, written by one wor
 Both are written under a temp name and renamed, so a crash never leaves a half shard under a real name.
 Shards hold whole documents; the reader concatenates them in meta.json order into one token stream.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -49,7 +50,9 @@ def encode_chunk(task: tuple) -> dict:
     cpu0 = time.process_time()
     tok_path, out_dir, name, docs = task
     tok = _tokenizer(tok_path)
-    ids = tok.encode(docs, num_threads=1)  # one thread: parallelism comes from the processes  # processes give the parallelism
+    ids = tok.encode(
+        docs, num_threads=1
+    )  # one thread: parallelism comes from the processes  # processes give the parallelism
     eos = tok.eos_id
     lengths = np.fromiter((len(x) + 1 for x in ids), np.int64, len(ids))
     total = int(lengths.sum())
@@ -64,12 +67,17 @@ def encode_chunk(task: tuple) -> dict:
     starts_npy = io.BytesIO()
     np.save(starts_npy, starts)
     write_atomic(out / f"{name}.docs.npy", starts_npy.getvalue())
-    return {"file": f"{name}.bin", "num_tokens": total, "num_docs": len(docs), "docs": f"{name}.docs.npy",
-            # hashed from the bytes in memory: verify checks the files against it later, prepare reads
-            # nothing twice; the document index too: it decides the train/valid split
-            "sha256": hashlib.sha256(data).hexdigest(),
-            "docs_sha256": hashlib.sha256(starts_npy.getvalue()).hexdigest(),
-            "_cpu_s": time.process_time() - cpu0}
+    return {
+        "file": f"{name}.bin",
+        "num_tokens": total,
+        "num_docs": len(docs),
+        "docs": f"{name}.docs.npy",
+        # hashed from the bytes in memory: verify checks the files against it later, prepare reads
+        # nothing twice; the document index too: it decides the train/valid split
+        "sha256": hashlib.sha256(data).hexdigest(),
+        "docs_sha256": hashlib.sha256(starts_npy.getvalue()).hexdigest(),
+        "_cpu_s": time.process_time() - cpu0,
+    }
 
 
 class NotPrepared(ValueError):
@@ -83,7 +91,9 @@ def prepare_command(data_cfg, path) -> str:
     from megaframe.config.schema import ROOT
 
     folder = Path(path)
-    if folder.is_dir() and any(folder.iterdir()):  # source files, most likely: prepare refuses to write into them
+    if folder.is_dir() and any(
+        folder.iterdir()
+    ):  # source files, most likely: prepare refuses to write into them
         out = f"{str(path).rstrip('/')}-prepared"
         return f"python -m megaframe.data.prepare data.source={path} data.path={out} (then data.path={out})"
     if data_cfg.name == "demo" and data_cfg.source == str(ROOT / "data/demo/corpus"):
@@ -102,18 +112,29 @@ def read_meta(path: Path) -> dict:
         np.dtype(meta["dtype"])
         list(meta["shards"])
     except FileNotFoundError as e:
-        raise NotPrepared("no prepared data (meta.json missing); run python -m megaframe.data.prepare "
-                          f"data.source=... data.path={path}") from e
+        raise NotPrepared(
+            "no prepared data (meta.json missing); run python -m megaframe.data.prepare "
+            f"data.source=... data.path={path}"
+        ) from e
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"meta.json is corrupt ({' '.join(str(e).split()) or type(e).__name__})") from e
-    except OSError as e:  # a file given for the folder, or an unreadable meta.json: bad input, not a traceback
-        raise ValueError(f"{path}: not a readable prepared data folder ({e.strerror or type(e).__name__})") from e
+    except (
+        OSError
+    ) as e:  # a file given for the folder, or an unreadable meta.json: bad input, not a traceback
+        raise ValueError(
+            f"{path}: not a readable prepared data folder ({e.strerror or type(e).__name__})"
+        ) from e
     for i, s in enumerate(meta["shards"]):  # every reader indexes these fields: a wrong type is one line
-        if not (isinstance(s, dict) and isinstance(s.get("file"), str)
-                and isinstance(s.get("num_tokens", 0), int)
-                and all(isinstance(s.get(k), (str, type(None))) for k in ("docs", "sha256", "docs_sha256"))):
-            raise ValueError(f"meta.json is corrupt (shards[{i}] is {str(s)[:60]!r}, not an object with a "
-                             "file name and num_tokens)")
+        if not (
+            isinstance(s, dict)
+            and isinstance(s.get("file"), str)
+            and isinstance(s.get("num_tokens", 0), int)
+            and all(isinstance(s.get(k), (str, type(None))) for k in ("docs", "sha256", "docs_sha256"))
+        ):
+            raise ValueError(
+                f"meta.json is corrupt (shards[{i}] is {str(s)[:60]!r}, not an object with a "
+                "file name and num_tokens)"
+            )
     return meta
 
 
@@ -140,8 +161,9 @@ def read_index(folder: Path, entry: dict) -> np.ndarray:
     want = entry.get("docs_sha256")
     if want and hashlib.sha256(raw).hexdigest() != want:
         got = hashlib.sha256(raw).hexdigest()
-        raise ValueError(f"document index {f} is corrupt (sha256 {got[:16]}..., meta.json says "
-                         f"{want[:16]}...)")
+        raise ValueError(
+            f"document index {f} is corrupt (sha256 {got[:16]}..., meta.json says {want[:16]}...)"
+        )
     try:
         starts = np.load(io.BytesIO(raw), allow_pickle=False)
     except (ValueError, OSError, EOFError) as e:
@@ -165,8 +187,10 @@ def check_prepared(path: str | Path) -> dict:
         raise ValueError(f"{tok.name} missing (the tokenizer the shards were made with)")
     want = meta.get("tokenizer_sha256")
     if want and tokenizer_sha256(tok) != want:
-        raise ValueError(f"{tok.name} does not match the tokenizer the shards were made with "
-                         "(tokenizer_sha256 in meta.json differs)")
+        raise ValueError(
+            f"{tok.name} does not match the tokenizer the shards were made with "
+            "(tokenizer_sha256 in meta.json differs)"
+        )
     itemsize = np.dtype(meta["dtype"]).itemsize
     for s in meta["shards"]:
         f = inside(path, s["file"])
@@ -176,7 +200,9 @@ def check_prepared(path: str | Path) -> dict:
             raise ValueError(f"meta.json is corrupt (shard {s['file']} records no num_tokens)")
         size, want_size = f.stat().st_size, s["num_tokens"] * itemsize
         if size != want_size:
-            raise ValueError(f"shard {s['file']} has {size} bytes, meta.json says {want_size} (truncated or corrupt)")
+            raise ValueError(
+                f"shard {s['file']} has {size} bytes, meta.json says {want_size} (truncated or corrupt)"
+            )
         if s.get("docs") and not inside(path, s["docs"]).is_file():
             raise ValueError(f"document index {s['docs']} missing")
     return meta
@@ -193,16 +219,21 @@ def check_token_range(tokens: np.ndarray, vocab: int, folder: Path, file: str, o
     run on every layout, not be masked by a vocab-parallel embedding (tp > 1) or crash an index (tp = 1)."""
     if tokens.size and int(tokens.max()) >= vocab:
         at = offset + int(np.argmax(tokens >= vocab))
-        raise CorruptShard(f"data shard {Path(folder) / file} is corrupt: token id {int(tokens[at - offset])} at "
-                           f"token offset {at} is outside the vocabulary ({vocab}); check it with "
-                           f"python -m megaframe.data verify {folder}")
+        raise CorruptShard(
+            f"data shard {Path(folder) / file} is corrupt: token id {int(tokens[at - offset])} at "
+            f"token offset {at} is outside the vocabulary ({vocab}); check it with "
+            f"python -m megaframe.data verify {folder}"
+        )
 
 
 def dataset_paths(data_cfg) -> list[tuple[str, str]]:
     """(config key, folder) of every prepared dataset a run reads: each data.blend path, else data.path."""
     if getattr(data_cfg, "stages", None):
-        return [(f"data.stages[{k}].blend[{i}].path", b.path) for k, s in enumerate(data_cfg.stages)
-                for i, b in enumerate(s.blend)]
+        return [
+            (f"data.stages[{k}].blend[{i}].path", b.path)
+            for k, s in enumerate(data_cfg.stages)
+            for i, b in enumerate(s.blend)
+        ]
     if data_cfg.blend:
         return [(f"data.blend[{i}].path", b.path) for i, b in enumerate(data_cfg.blend)]
     return [("data.path", data_cfg.path)]
@@ -218,14 +249,18 @@ def check_datasets(d: DataConfig, vocab_size: int) -> list[dict]:
         try:
             meta = check_prepared(path)
         except NotPrepared:
-            raise NotPrepared(f"{key}={path}: no prepared data (meta.json missing); prepare it with: "
-                              f"{prepare_command(d, path)}") from None  # the cause says less
+            raise NotPrepared(
+                f"{key}={path}: no prepared data (meta.json missing); prepare it with: "
+                f"{prepare_command(d, path)}"
+            ) from None  # the cause says less
         except ValueError as e:
             raise ValueError(f"{key}={path}: {e}") from e
         vocab = int(meta["vocab_size"])
         if vocab > vocab_size:
-            raise ValueError(f"model.vocab_size={vocab_size} is smaller than the tokenizer "
-                             f"vocabulary {vocab} of {key}={path}")
+            raise ValueError(
+                f"model.vocab_size={vocab_size} is smaller than the tokenizer "
+                f"vocabulary {vocab} of {key}={path}"
+            )
         sha = meta.get("tokenizer_sha256")
         if first is None:
             first = (key, sha)
@@ -243,12 +278,18 @@ def tokenizer_identity(data_cfg) -> dict | None:
     key, path = dataset_paths(data_cfg)[0]
     try:
         meta = read_meta(Path(path))
-        tok = inside(path, meta.get("tokenizer", "tokenizer.model"))  # a name from metadata stays in its folder
+        tok = inside(
+            path, meta.get("tokenizer", "tokenizer.model")
+        )  # a name from metadata stays in its folder
     except ValueError:
         return None
-    return {"sha256": meta.get("tokenizer_sha256"), "vocab_size": int(meta["vocab_size"]),
-            "kind": meta.get("tokenizer_kind", "sentencepiece"), "from": str(tok),
-            "path": str(tok.resolve())}  # where generate / export find the run's tokenizer
+    return {
+        "sha256": meta.get("tokenizer_sha256"),
+        "vocab_size": int(meta["vocab_size"]),
+        "kind": meta.get("tokenizer_kind", "sentencepiece"),
+        "from": str(tok),
+        "path": str(tok.resolve()),
+    }  # where generate / export find the run's tokenizer
 
 
 def same_tokenizer(tok: dict, data: dict) -> bool:

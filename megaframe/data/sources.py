@@ -15,6 +15,7 @@ Binary garbage (a renamed image, a corrupt download) is refused twice over: the 
 file is screened before anything is written (naming the exact file), and every streamed batch is
 screened again (undecodable bytes become U+FFFD, which is then counted).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -67,7 +68,9 @@ def kind_of(path: Path, extensions: list[str] | tuple[str, ...]) -> str | None:
     name = path.name.lower()
     base = name[:-3] if name.endswith(".gz") else name
     # longest first: of several endings a name matches, the most specific decides how it is read
-    endings = sorted((e.lower() if e.startswith(".") else "." + e.lower() for e in extensions), key=len, reverse=True)
+    endings = sorted(
+        (e.lower() if e.startswith(".") else "." + e.lower() for e in extensions), key=len, reverse=True
+    )
     for ext in endings:
         if base.endswith(ext) and not (ext == ".parquet" and base != name):
             return RECORD_KINDS.get(ext, "text")
@@ -95,18 +98,25 @@ def looks_like_text(path: Path) -> bool:
     return bool(head) and b"\x00" not in head and bad_fraction(text) <= MAX_BAD_FRACTION
 
 
-def resolve_source(source: str, extensions: list[str] | tuple[str, ...] = (*RECORD_KINDS, ".txt"),
-                   exclude: tuple[Path, ...] = ()) -> list[SourceFile]:
+def resolve_source(
+    source: str,
+    extensions: list[str] | tuple[str, ...] = (*RECORD_KINDS, ".txt"),
+    exclude: tuple[Path, ...] = (),
+) -> list[SourceFile]:
     """The input files of data.source, sorted, less those under `exclude` (prepare's own output folders);
     raises PrepareError when there are none."""
     if not source:
-        raise PrepareError("data.source is empty: set it to a folder or glob of text, code, .jsonl or .parquet files")
+        raise PrepareError(
+            "data.source is empty: set it to a folder or glob of text, code, .jsonl or .parquet files"
+        )
     root, candidates = _candidates(source, exclude)
     # sorted: the token stream (file order) must not depend on the file system's listing order
     files = sorted((p, k) for p in candidates if p.is_file() and (k := kind_of(p, extensions)))
     if not files:
-        raise PrepareError(f"data.source={source}: no files ending in data.extensions "
-                           f"({', '.join(extensions[:8])}, ...) and no extension-less text files found")
+        raise PrepareError(
+            f"data.source={source}: no files ending in data.extensions "
+            f"({', '.join(extensions[:8])}, ...) and no extension-less text files found"
+        )
     out = []
     for f, kind in files:
         st = f.stat()
@@ -132,7 +142,9 @@ def _listed(source: str) -> tuple[Path, list[Path]]:
         root = Path(prefix) if prefix.endswith(os.sep) else Path(prefix).parent
         return root, [Path(p) for p in glob.glob(source, recursive=True)]
     if path.is_dir():
-        return path, [p for p in path.rglob("*") if not any(part.startswith(".") for part in p.relative_to(path).parts)]
+        return path, [
+            p for p in path.rglob("*") if not any(part.startswith(".") for part in p.relative_to(path).parts)
+        ]
     if path.exists():
         return path.parent, [path]
     raise PrepareError(f"data.source={source} does not exist")
@@ -163,8 +175,10 @@ def skip_line(groups: dict[str, list[str]], total: int) -> str | None:
     shown = ", ".join(parts[:6]) + (f", {len(parts) - 6} more endings" if len(parts) > 6 else "")
     # the endings hint only where an ending was skipped: empty files have nothing to read
     hint = "add endings to data.extensions to read them; " if set(groups) - {"empty"} else ""
-    return (f"megaframe: prepare: skipped {n} of {total + n - len(groups.get('empty', []))} files ({shown}); "
-            f"{hint}the names are in meta.json's `skipped`")
+    return (
+        f"megaframe: prepare: skipped {n} of {total + n - len(groups.get('empty', []))} files ({shown}); "
+        f"{hint}the names are in meta.json's `skipped`"
+    )
 
 
 def text_size(src: SourceFile) -> int:
@@ -235,8 +249,9 @@ def _where(group: list[SourceFile]) -> str:
     return str(group[0].path) if len(group) == 1 else f"{group[0].path} (+{len(group) - 1} more)"
 
 
-def iter_documents(group: list[SourceFile], text_key: str, cache_dir: str,
-                   split: str = "paragraph") -> Iterator[list[str]]:
+def iter_documents(
+    group: list[SourceFile], text_key: str, cache_dir: str, split: str = "paragraph"
+) -> Iterator[list[str]]:
     """Batches of non-empty, stripped documents of files of ONE kind, in file order.
 
     Read errors, a missing text field and binary content become PrepareError naming the files.
@@ -252,8 +267,14 @@ def iter_documents(group: list[SourceFile], text_key: str, cache_dir: str,
     extra = {"sample_by": by, "encoding_errors": "replace"} if kind == "text" else {}
     key = "text" if kind == "text" else text_key
     try:
-        ds = datasets.load_dataset(kind, data_files=[str(f.path) for f in group], split="train",
-                                   streaming=True, cache_dir=cache_dir, **extra)
+        ds = datasets.load_dataset(
+            kind,
+            data_files=[str(f.path) for f in group],
+            split="train",
+            streaming=True,
+            cache_dir=cache_dir,
+            **extra,
+        )
         for batch in ds.iter(batch_size=BATCH_DOCS):
             if key not in batch:
                 raise PrepareError(f"{_where(group)}: records have no field {key!r} (set data.text_key)")
@@ -264,12 +285,20 @@ def iter_documents(group: list[SourceFile], text_key: str, cache_dir: str,
             yield docs
     except PrepareError:
         raise
-    except (OSError, ValueError, DatasetsError, ArrowException) as e:  # unreadable input: name the files, one line
-        raise PrepareError(f"cannot read {_where(group)}: {' '.join(str(e).split()) or type(e).__name__}") from e
+    except (
+        OSError,
+        ValueError,
+        DatasetsError,
+        ArrowException,
+    ) as e:  # unreadable input: name the files, one line
+        raise PrepareError(
+            f"cannot read {_where(group)}: {' '.join(str(e).split()) or type(e).__name__}"
+        ) from e
 
 
-def sample_documents(files: list[SourceFile], text_key: str, cache_dir: str, budget: int,
-                     split: str = "paragraph") -> Iterator[str]:
+def sample_documents(
+    files: list[SourceFile], text_key: str, cache_dir: str, budget: int, split: str = "paragraph"
+) -> Iterator[str]:
     """Documents for tokenizer training: all of them, or ~`budget` characters spread over the corpus.
 
     With a budget smaller than the corpus, evenly spaced files are read, each up to an equal share of
@@ -305,8 +334,12 @@ def sample_documents(files: list[SourceFile], text_key: str, cache_dir: str, bud
 def offline_hf(cache_dir: str):
     """No network and no ~/.cache for `datasets`; the
     environment is restored afterwards (tests run in-process)."""
-    env = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_HOME": cache_dir,
-           "HF_DATASETS_CACHE": cache_dir}
+    env = {
+        "HF_DATASETS_OFFLINE": "1",
+        "HF_HUB_OFFLINE": "1",
+        "HF_HOME": cache_dir,
+        "HF_DATASETS_CACHE": cache_dir,
+    }
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:

@@ -17,6 +17,7 @@ So a dataset in two stages never repeats a sample between them before its epoch 
 is a function of the position alone: a resume anywhere (inside a stage too) continues the same stream
 under any dp, with nothing saved but the step. The checkpoint's data state records the stages.
 """
+
 from __future__ import annotations
 
 import math
@@ -91,7 +92,11 @@ class StagedData:
         d, local = self.locate(position)
         part = self.parts[d]
         # seeded by the dataset's index in the union: one permutation per dataset over the whole run
-        idx = sample_index(local, part.num_samples, self.seed * 257 + d + 1, self.order) if part.shuffle else local
+        idx = (
+            sample_index(local, part.num_samples, self.seed * 257 + d + 1, self.order)
+            if part.shuffle
+            else local
+        )
         return part[idx]
 
 

@@ -12,6 +12,7 @@ missing. The shards, their order and the token stream are those of one task with
 data.num_workers (chunk sizes come from the whole file list), so the output equals the one-task output
 shard for shard.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -43,9 +44,11 @@ def waiting_lock(path: Path):
 def missing_line(missing: list[int], tasks: list[int], out: Path) -> str:
     """One line naming the units not done and the tasks that own them."""
     owners = sorted({tasks[k] for k in missing})
-    return (f"data.path={out}: {len(missing)} of {len(tasks)} unit(s) not prepared yet (units "
-            f"{', '.join(map(str, missing[:8]))}{' ...' if len(missing) > 8 else ''}; tasks "
-            f"{', '.join(map(str, owners))}): run those tasks (data.task=I) before the merge")
+    return (
+        f"data.path={out}: {len(missing)} of {len(tasks)} unit(s) not prepared yet (units "
+        f"{', '.join(map(str, missing[:8]))}{' ...' if len(missing) > 8 else ''}; tasks "
+        f"{', '.join(map(str, owners))}): run those tasks (data.task=I) before the merge"
+    )
 
 
 def announce(d, todo: list, workers: int) -> None:
@@ -55,8 +58,14 @@ def announce(d, todo: list, workers: int) -> None:
     live = [f for f in todo if f.size]
     task = f"task {d.task} of {d.num_tasks}: " if d.num_tasks > 1 else ""
     if not live:
-        print(f"megaframe: prepare: {task}nothing to tokenize (its units are done or belong to other tasks)",
-              flush=True)
+        print(
+            f"megaframe: prepare: {task}nothing to tokenize (its units are done or belong to other tasks)",
+            flush=True,
+        )
         return
-    print(f"megaframe: prepare: {task}tokenizing {len(live):,} " f"files ({sum(f.size for f in live) / 1e6:,.1f} MB) "
-          f"with {workers} worker(s)", flush=True)
+    print(
+        f"megaframe: prepare: {task}tokenizing {len(live):,} "
+        f"files ({sum(f.size for f in live) / 1e6:,.1f} MB) "
+        f"with {workers} worker(s)",
+        flush=True,
+    )

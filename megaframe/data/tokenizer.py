@@ -12,6 +12,7 @@ Choices, and why:
 - hard_vocab_limit off: a tiny corpus that cannot fill vocab_size gives a smaller vocabulary instead
   of an error; callers must read `Tokenizer.vocab_size`, not assume the requested size.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -95,8 +96,9 @@ class HFTokenizer:
 
     def encode(self, texts: Sequence[str], num_threads: int | None = None) -> list[list[int]]:
         # split_special_tokens: a literal "</s>" in a document is text, not a document boundary
-        return self.tok(list(texts), add_special_tokens=False, split_special_tokens=True,
-                        return_attention_mask=False)["input_ids"]
+        return self.tok(
+            list(texts), add_special_tokens=False, split_special_tokens=True, return_attention_mask=False
+        )["input_ids"]
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.tok.decode([int(i) for i in ids])
@@ -135,7 +137,7 @@ def tokenizer_sha256(path: str | Path) -> str:
 def _sentences(texts: Iterable[str]) -> Iterator[str]:
     for text in texts:
         for start in range(0, len(text), MAX_SENTENCE_CHARS):
-            yield text[start:start + MAX_SENTENCE_CHARS]
+            yield text[start : start + MAX_SENTENCE_CHARS]
 
 
 def _one_line(e: BaseException) -> str:
@@ -144,9 +146,16 @@ def _one_line(e: BaseException) -> str:
     return re.sub(r"^[A-Z_]+: \S+\(\d+\) \[[^\]]*\]\s*", "", msg) or type(e).__name__
 
 
-def train_tokenizer(text_iterator: Iterable[str], vocab_size: int, model_prefix: str | Path, *,
-                    seed: int = 1234, max_sentences: int = 1_000_000,
-                    character_coverage: float = 0.9995, num_threads: int | None = None) -> Path:
+def train_tokenizer(
+    text_iterator: Iterable[str],
+    vocab_size: int,
+    model_prefix: str | Path,
+    *,
+    seed: int = 1234,
+    max_sentences: int = 1_000_000,
+    character_coverage: float = 0.9995,
+    num_threads: int | None = None,
+) -> Path:
     """Train a byte-fallback BPE model on the texts; writes `{model_prefix}.model` and returns its path.
 
     At most `max_sentences` training sentences are kept (a seeded reservoir sample when there are more),
@@ -157,17 +166,31 @@ def train_tokenizer(text_iterator: Iterable[str], vocab_size: int, model_prefix:
     try:
         spm.SentencePieceTrainer.train(
             # trained into memory: the .model file is written only on success, never half
-            sentence_iterator=_sentences(text_iterator), model_writer=model,
-            model_type="bpe", vocab_size=int(vocab_size), hard_vocab_limit=False,
-            byte_fallback=True, character_coverage=character_coverage,
-            normalization_rule_name="identity", remove_extra_whitespaces=False,
+            sentence_iterator=_sentences(text_iterator),
+            model_writer=model,
+            model_type="bpe",
+            vocab_size=int(vocab_size),
+            hard_vocab_limit=False,
+            byte_fallback=True,
+            character_coverage=character_coverage,
+            normalization_rule_name="identity",
+            remove_extra_whitespaces=False,
             # dummy prefix: a text's first word gets the same piece as mid-text; split digits: numbers
             # tokenize digit by digit, consistently
-            add_dummy_prefix=True, split_digits=True, allow_whitespace_only_pieces=True,
-            unk_id=UNK_ID, eos_id=EOS_ID, bos_id=-1, pad_id=-1, eos_piece="</s>",
-            input_sentence_size=max_sentences, shuffle_input_sentence=True,
-            max_sentence_length=MAX_SENTENCE_BYTES, num_threads=num_threads or os.cpu_count() or 1,
-            minloglevel=2)
+            add_dummy_prefix=True,
+            split_digits=True,
+            allow_whitespace_only_pieces=True,
+            unk_id=UNK_ID,
+            eos_id=EOS_ID,
+            bos_id=-1,
+            pad_id=-1,
+            eos_piece="</s>",
+            input_sentence_size=max_sentences,
+            shuffle_input_sentence=True,
+            max_sentence_length=MAX_SENTENCE_BYTES,
+            num_threads=num_threads or os.cpu_count() or 1,
+            minloglevel=2,
+        )
     except RuntimeError as e:
         raise TokenizerError(f"tokenizer training failed: {_one_line(e)}") from e
     if not model.getvalue():

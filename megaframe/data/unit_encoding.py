@@ -1,6 +1,7 @@
 """Tokenizing the units of a preparation (megaframe.data.prepare): the worker pool, the chunks of each
 unit's documents handed to it, each unit under its lock with its record written once its shards are whole,
 and the units other tasks or earlier runs finished (megaframe.data.tasks, megaframe.data.partial)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -76,7 +77,7 @@ def _split_units(work: Path, groups: list[list[SourceFile]], records: list[dict]
     [records of each unit's files])."""
     done, todo, per_unit, i = {}, [], [], 0
     for k, group in enumerate(groups):
-        recs, i = records[i:i + len(group)], i + len(group)
+        recs, i = records[i : i + len(group)], i + len(group)
         per_unit.append(recs)
         rec = mf.finished_unit(work, k, recs)
         if rec is not None:
@@ -86,8 +87,9 @@ def _split_units(work: Path, groups: list[list[SourceFile]], records: list[dict]
     return done, todo, per_unit
 
 
-def _plan_units(cfg: Config, files: list[SourceFile], records: list[dict], work: Path, unit_bytes: int,
-                merge: bool) -> tuple[list, list[int], tuple]:
+def _plan_units(
+    cfg: Config, files: list[SourceFile], records: list[dict], work: Path, unit_bytes: int, merge: bool
+) -> tuple[list, list[int], tuple]:
     """The units, each unit's task, and (done, todo, per_unit) for this task (nothing to do for a merge)."""
     (work / "units").mkdir(exist_ok=True)
     groups = units(files, unit_bytes)
@@ -123,9 +125,19 @@ class _InOrder:
                 progress.unit_done(item[1])
 
 
-def encode_units(cfg: Config, files: list[SourceFile], records: list[dict], tok_path: str, work: Path, pool,
-            unit_bytes: int, chunk_chars: int, cache: str, show_progress: bool | None,
-            merge: bool = False) -> tuple[list[dict] | dict, float]:
+def encode_units(
+    cfg: Config,
+    files: list[SourceFile],
+    records: list[dict],
+    tok_path: str,
+    work: Path,
+    pool,
+    unit_bytes: int,
+    chunk_chars: int,
+    cache: str,
+    show_progress: bool | None,
+    merge: bool = False,
+) -> tuple[list[dict] | dict, float]:
     """Tokenize every unit (of this task's part, under data.num_tasks; none for a merge) not finished by an
     earlier run or another process, each under its lock (megaframe.data.partial); returns all shards in
     stream order, or {"missing", "tasks"} while other tasks' units are not done; and the worker CPU
@@ -146,7 +158,11 @@ def encode_units(cfg: Config, files: list[SourceFile], records: list[dict], tok_
             batches = iter_documents(group, cfg.data.text_key, cache, DocSplit(cfg.data.split).value)
             for c, (docs, chars) in enumerate(_chunks(batches, chunk_chars)):
                 task = (tok_path, str(work), f"shard_{k:05d}_{c:05d}", docs)
-                res = pool.apply_async(encode_chunk, (task,)) if pool is not None else _Ready(encode_chunk(task))
+                res = (
+                    pool.apply_async(encode_chunk, (task,))
+                    if pool is not None
+                    else _Ready(encode_chunk(task))
+                )
                 stream.pending.append(("chunk", k, res, chars))
                 stream.drain(limit)
             # the unit's record is written only after all its chunks: a record on disk means whole shards

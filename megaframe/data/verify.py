@@ -10,6 +10,7 @@ MAX_STARTUP_SHARDS of them: the cost is at most 8 shard files (the demo's are ~1
 read is guarded by the token-id range check that the
 reader applies to each sample as it is read (megaframe.data.shards.check_token_range).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -47,11 +48,15 @@ def check_shard(folder: Path, entry: dict, dtype: np.dtype, vocab: int) -> str |
                 where = (off + at, int(ids[at]))
             off += ids.size
     if entry.get("sha256") and h.hexdigest() != entry["sha256"]:
-        return (f"shard {entry['file']} is corrupt (sha256 {h.hexdigest()[:16]}..., meta.json says "
-                f"{entry['sha256'][:16]}...)")
+        return (
+            f"shard {entry['file']} is corrupt (sha256 {h.hexdigest()[:16]}..., meta.json says "
+            f"{entry['sha256'][:16]}...)"
+        )
     if where is not None:
-        return (f"shard {entry['file']} is corrupt: token id {where[1]} at token offset {where[0]} is outside "
-                f"the vocabulary ({vocab})")
+        return (
+            f"shard {entry['file']} is corrupt: token id {where[1]} at token offset {where[0]} is outside "
+            f"the vocabulary ({vocab})"
+        )
     return None
 
 
@@ -92,7 +97,12 @@ def first_batch_shards(data, step: int, global_batch: int, base: int, seed: int)
     try:
         # the whole global batch as dp=1 in one micro-batch: the samples of that step under any layout
         microbatches(data, step, global_batch, global_batch, 0, 1, seed, "cpu", base=base)
-        touched = [(p.path, p.meta["shards"][k]["file"]) for p in parts if hasattr(p, "path") for k in sorted(p.touched)]
+        touched = [
+            (p.path, p.meta["shards"][k]["file"])
+            for p in parts
+            if hasattr(p, "path")
+            for k in sorted(p.touched)
+        ]
         out: dict[Path, set[str]] = {}
         for folder, name in touched[:MAX_STARTUP_SHARDS]:
             out.setdefault(folder, set()).add(name)
@@ -113,8 +123,15 @@ def main(argv: list[str]) -> int:
             nbytes = verify(path, unchecked=unchecked)
         except ValueError as e:
             return fail(e)
-        index = (f"; {len(unchecked)} document index(es) have no sha256 in meta.json (prepared before it was "
-                 "recorded): only their order and range were checked" if unchecked else "")
-        print(f"{path}: every shard matches its sha256 and vocabulary{index} ({nbytes / 1e6:.1f} MB read in "
-              f"{time.perf_counter() - t0:.2f}s)", flush=True)
+        index = (
+            f"; {len(unchecked)} document index(es) have no sha256 in meta.json (prepared before it was "
+            "recorded): only their order and range were checked"
+            if unchecked
+            else ""
+        )
+        print(
+            f"{path}: every shard matches its sha256 and vocabulary{index} ({nbytes / 1e6:.1f} MB read in "
+            f"{time.perf_counter() - t0:.2f}s)",
+            flush=True,
+        )
     return 0

@@ -7,6 +7,7 @@ lm-eval 0.4 finds models only in its own registry (no plugin discovery), so a ba
 megaframe` knows the name only in a process that imported megaframe.evaluation.lm_eval_adapter; this entry
 point imports it and hands every argument to lm-eval's CLI unchanged.
 """
+
 from __future__ import annotations
 
 

@@ -7,6 +7,7 @@ A task that fails (its data unreachable, a broken task file, anything it raises)
 goes on: a downstream score is a report on the run, never a reason to end it. The tasks fail alike on
 every rank (the same files, the same requests), so no rank is left alone in a collective.
 """
+
 from __future__ import annotations
 
 import sys
@@ -48,8 +49,11 @@ class Downstream:
             why = "no tokenizer (synthetic data?)"
         if why is not None:
             if mesh.is_logger:
-                print(f"megaframe: warning: train.downstream_interval: {why}; no downstream scores",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"megaframe: warning: train.downstream_interval: {why}; no downstream scores",
+                    file=sys.stderr,
+                    flush=True,
+                )
             return None
         return cls(t, mesh, load_tokenizer(rec["path"]))
 
@@ -72,8 +76,12 @@ class Downstream:
                     got = run_tasks(lm, [task], t.downstream_include_path or None, t.downstream_limit or None)
                 except Exception as e:  # noqa: BLE001  never end the run for a report on it
                     if self.mesh.is_logger:
-                        print(f"megaframe: warning: downstream task {task} at step {step} failed "
-                              f"({_one_line(e)}); training goes on", file=sys.stderr, flush=True)
+                        print(
+                            f"megaframe: warning: downstream task {task} at step {step} failed "
+                            f"({_one_line(e)}); training goes on",
+                            file=sys.stderr,
+                            flush=True,
+                        )
                     continue
                 scores.update(got)
         finally:

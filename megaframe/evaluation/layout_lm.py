@@ -2,6 +2,7 @@
 torchrun the checkpoint loaded into a training layout (parallel.tp / pp of the overrides, dp the rest of
 the ranks) on every rank, the scores the same (evaluation/scoring.py splits the requests over dp).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -42,13 +43,23 @@ def _layout_model(ckpt: str, overrides: list[str], tokenizer: str | None, env):
     step, meta = resolve_step(ckpt)
     tok, _ = find_tokenizer(step, meta, tokenizer)
     # checkpoint.resume=STEP: model.* is the checkpoint's; the layout is checked against this world size
-    cfg = load_config(list(overrides) + [f"checkpoint.resume={step}", "train.precision=fp32"],
-                      world_size=env.world_size, check_data=False)
+    cfg = load_config(
+        list(overrides) + [f"checkpoint.resume={step}", "train.precision=fp32"],
+        world_size=env.world_size,
+        check_data=False,
+    )
     device = pick_device(cfg.train.device, env.local_rank)
     init_distributed(env, device, cfg.train.dist_timeout_s)
     p = cfg.parallel
-    mesh = build_mesh(p.tp, p.pp, device, ep=p.ep, cp=p.cp, shard=cfg.optim.shard_group_size,
-                      timeout=datetime.timedelta(seconds=cfg.train.dist_timeout_s))
+    mesh = build_mesh(
+        p.tp,
+        p.pp,
+        device,
+        ep=p.ep,
+        cp=p.cp,
+        shard=cfg.optim.shard_group_size,
+        timeout=datetime.timedelta(seconds=cfg.train.dist_timeout_s),
+    )
     p2p.warm_up(mesh.pp, device)  # before the first forward's transfers, as the trainer does
     model = build_model(cfg, mesh)
     sharded.load_into(step, model)

@@ -9,6 +9,7 @@ rolling windows are lm-eval's own (TemplateLM and the `hf` model's), so an expor
 `hf` model with the same tokenizer gives the same numbers. Under a training layout (`MegaframeLM.live`)
 every rank gets every request and scoring/scoring.py splits them over dp.
 """
+
 from __future__ import annotations
 
 from lm_eval import utils
@@ -20,8 +21,17 @@ from megaframe.evaluation import scoring
 
 @register_model("megaframe")
 class MegaframeLM(TemplateLM):
-    def __init__(self, checkpoint: str | None = None, tokenizer: str | None = None, batch_size: int | str = 8,
-                 model=None, mesh=None, tok=None, max_length: int | None = None, **_ignored):
+    def __init__(
+        self,
+        checkpoint: str | None = None,
+        tokenizer: str | None = None,
+        batch_size: int | str = 8,
+        model=None,
+        mesh=None,
+        tok=None,
+        max_length: int | None = None,
+        **_ignored,
+    ):
         super().__init__()
         if model is None:
             model, mesh, tok = _load(checkpoint, tokenizer)
@@ -61,9 +71,15 @@ class MegaframeLM(TemplateLM):
         """The `hf` model's windows (disjoint, max_length tokens, one of context), scored in one pass."""
         windows, owner = [], []
         for i, (string,) in enumerate(req.args for req in requests):
-            for w in map(utils.make_disjoint_window, utils.get_rolling_token_windows(
-                    token_list=self.tok_encode(string), prefix_token=self.prefix_token_id,
-                    max_seq_len=self.max_length, context_len=1)):
+            for w in map(
+                utils.make_disjoint_window,
+                utils.get_rolling_token_windows(
+                    token_list=self.tok_encode(string),
+                    prefix_token=self.prefix_token_id,
+                    max_seq_len=self.max_length,
+                    context_len=1,
+                ),
+            ):
                 windows.append((None, *w))
                 owner.append(i)
         totals = [0.0] * len(requests)
@@ -90,8 +106,9 @@ class MegaframeLM(TemplateLM):
                 return ids[-1] == self.eot_token_id or any(u and u in self.tok.decode(ids) for u in until)
 
             prompts = [self.tok_encode(ctx) for _, ctx in items]
-            texts = scoring.greedy_texts(self.model, self.mesh, prompts, max_new, stop, self.tok.vocab_size,
-                                         self.batch_size)
+            texts = scoring.greedy_texts(
+                self.model, self.mesh, prompts, max_new, stop, self.tok.vocab_size, self.batch_size
+            )
             for (i, ctx), ids in zip(items, texts):
                 text = self.tok.decode([t for t in ids if t != self.eot_token_id])
                 for u in until:

@@ -4,6 +4,7 @@ Hub tasks download their datasets; a hub that cannot be reached is one ValueErro
 (exit 2 at the command line, one logged line in the training loop), not a traceback. Local tasks come
 from `include_path` (a folder of task YAMLs, e.g. tests/data/lm_eval_tasks).
 """
+
 from __future__ import annotations
 
 import functools
@@ -43,8 +44,13 @@ def _indexed(include_path: str | None, defaults: bool):
     return TaskManager(include_path=include_path, include_defaults=defaults)
 
 
-def run_tasks(lm, tasks, include_path: str | None = None, limit: int | float | None = None,
-              num_fewshot: int | None = None) -> dict[str, dict[str, float]]:
+def run_tasks(
+    lm,
+    tasks,
+    include_path: str | None = None,
+    limit: int | float | None = None,
+    num_fewshot: int | None = None,
+) -> dict[str, dict[str, float]]:
     """Scores of each task (ValueError on an unknown task or one whose data cannot be loaded)."""
     import logging
 
@@ -64,13 +70,24 @@ def run_tasks(lm, tasks, include_path: str | None = None, limit: int | float | N
     local_rank = os.environ.pop("LOCAL_RANK", None)
     try:
         # no seeding of python/numpy/torch: in the training loop that would reset the run's RNG streams
-        out = simple_evaluate(model=lm, tasks=names, task_manager=manager, limit=limit,
-                              num_fewshot=num_fewshot, log_samples=False, bootstrap_iters=0,
-                              random_seed=None, numpy_random_seed=None, torch_random_seed=None,
-                              verbosity="ERROR")
+        out = simple_evaluate(
+            model=lm,
+            tasks=names,
+            task_manager=manager,
+            limit=limit,
+            num_fewshot=num_fewshot,
+            log_samples=False,
+            bootstrap_iters=0,
+            random_seed=None,
+            numpy_random_seed=None,
+            torch_random_seed=None,
+            verbosity="ERROR",
+        )
     except (OSError, ConnectionError) as e:  # requests/httpx/hub errors are OSErrors
-        raise ValueError(f"task(s) {','.join(names)}: cannot load the dataset ({_one_line(e)}); is the "
-                         "Hugging Face hub reachable (HF_HUB_OFFLINE, proxy)?") from None
+        raise ValueError(
+            f"task(s) {','.join(names)}: cannot load the dataset ({_one_line(e)}); is the "
+            "Hugging Face hub reachable (HF_HUB_OFFLINE, proxy)?"
+        ) from None
     except Exception as e:  # datasets' own exceptions (DatasetNotFoundError ...) do not share a base
         if "datasets" in type(e).__module__ or "huggingface_hub" in type(e).__module__:
             raise ValueError(f"task(s) {','.join(names)}: cannot load the dataset ({_one_line(e)})") from None
@@ -97,5 +114,7 @@ def flatten(results: dict) -> dict[str, dict[str, float]]:
 
 
 def format_scores(scores: dict[str, dict[str, float]]) -> str:
-    return " | ".join(f"{task} " + " ".join(f"{m} {v:.4f}" for m, v in sorted(row.items()))
-                      for task, row in sorted(scores.items()))
+    return " | ".join(
+        f"{task} " + " ".join(f"{m} {v:.4f}" for m, v in sorted(row.items()))
+        for task, row in sorted(scores.items())
+    )

@@ -13,6 +13,7 @@ gathers parameters over dp inside the forward, so a replica with one batch fewer
 Truncation and the context/continuation split follow lm-eval's `hf` model, so the numbers are the ones
 an exported checkpoint gets there.
 """
+
 from __future__ import annotations
 
 import math
@@ -59,17 +60,18 @@ def _rows(pairs, seq: int):
     tgt = torch.full((b, seq), PAD, dtype=torch.long)
     mask = torch.zeros((b, seq), dtype=torch.bool)
     for r, (ctx, cont) in enumerate(pairs):
-        whole = (list(ctx) + list(cont))[-(seq + 1):]
+        whole = (list(ctx) + list(cont))[-(seq + 1) :]
         n = len(whole) - 1
         ids[r, :n] = torch.tensor(whole[:-1])
         tgt[r, :n] = torch.tensor(whole[1:])
-        mask[r, n - min(len(cont), n):n] = True
+        mask[r, n - min(len(cont), n) : n] = True
     return ids, tgt, mask
 
 
 @torch.no_grad()
-def loglikelihoods(model, mesh, pairs: list[tuple[list[int], list[int]]], batch_size: int = 8
-                   ) -> list[tuple[float, bool]]:
+def loglikelihoods(
+    model, mesh, pairs: list[tuple[list[int], list[int]]], batch_size: int = 8
+) -> list[tuple[float, bool]]:
     """(sum of log p(continuation | context), whether greedy decoding gives the continuation) per pair."""
     check_layout(mesh)
     seq, dev = model.cfg.seq_length, mesh.device
@@ -77,7 +79,7 @@ def loglikelihoods(model, mesh, pairs: list[tuple[list[int], list[int]]], batch_
     per = math.ceil(len(pairs) / mesh.dp.size) if pairs else 0
     out = torch.zeros((per, 2), dtype=torch.float64, device=dev)
     for k in range(rounds):
-        part = [pairs[i] for i in mine[k * batch_size:(k + 1) * batch_size]]
+        part = [pairs[i] for i in mine[k * batch_size : (k + 1) * batch_size]]
         ids, tgt, mask = (t.to(dev) for t in _rows(part + [([PAD], [PAD])] * (batch_size - len(part)), seq))
         logits_BSV = forward_logits(model, mesh, ids)
         if logits_BSV is None:
@@ -94,8 +96,9 @@ def loglikelihoods(model, mesh, pairs: list[tuple[list[int], list[int]]], batch_
 
 
 @torch.no_grad()
-def greedy_texts(model, mesh, prompts: list[list[int]], max_new: int, stop, vocab: int, batch_size: int = 8
-                 ) -> list[list[int]]:
+def greedy_texts(
+    model, mesh, prompts: list[list[int]], max_new: int, stop, vocab: int, batch_size: int = 8
+) -> list[list[int]]:
     """Greedy continuations (token ids) of each prompt, at most max_new tokens and never past
     model.seq_length, among the tokenizer's `vocab` ids; `stop(ids)` says when a row is done (an `until`
     string, eos). The dp replicas step together (a max over dp says whether any row anywhere still runs),
@@ -107,7 +110,9 @@ def greedy_texts(model, mesh, prompts: list[list[int]], max_new: int, stop, voca
     width = max(1, min(max_new, seq - 1))
     out = torch.full((per, width + 1), -1, dtype=torch.long, device=dev)  # col 0: the count
     for k in range(rounds):
-        rows = [list(prompts[i])[-(seq - width):] or [PAD] for i in mine[k * batch_size:(k + 1) * batch_size]]
+        rows = [
+            list(prompts[i])[-(seq - width) :] or [PAD] for i in mine[k * batch_size : (k + 1) * batch_size]
+        ]
         new: list[list[int]] = [[] for _ in rows]
         done = [False] * len(rows)
         for _ in range(width):
@@ -123,9 +128,9 @@ def greedy_texts(model, mesh, prompts: list[list[int]], max_new: int, stop, voca
                     done[r] = stop(new[r]) or len(rows[r]) + len(new[r]) >= seq
         for r, ids in enumerate(new):
             out[k * batch_size + r, 0] = len(ids)
-            out[k * batch_size + r, 1:1 + len(ids)] = torch.tensor(ids, dtype=torch.long)
+            out[k * batch_size + r, 1 : 1 + len(ids)] = torch.tensor(ids, dtype=torch.long)
     every = comm.all_gather_dim0(out, mesh.dp)
-    return [every[i, 1:1 + int(every[i, 0])].tolist() for i in range(len(prompts))]
+    return [every[i, 1 : 1 + int(every[i, 0])].tolist() for i in range(len(prompts))]
 
 
 def _next_tokens(model, mesh, rows: list[list[int]], batch_size: int, seq: int, vocab: int) -> torch.Tensor:
@@ -133,7 +138,7 @@ def _next_tokens(model, mesh, rows: list[list[int]], batch_size: int, seq: int, 
     rows past the tokenizer's vocabulary are never chosen (no text decodes them)."""
     ids = torch.full((batch_size, seq), PAD, dtype=torch.long, device=mesh.device)
     for r, row in enumerate(rows):
-        ids[r, :len(row)] = torch.tensor(row)
+        ids[r, : len(row)] = torch.tensor(row)
     logits_BSV = forward_logits(model, mesh, ids)
     toks = torch.zeros(batch_size, dtype=torch.long, device=mesh.device)
     if logits_BSV is not None:

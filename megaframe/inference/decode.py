@@ -4,6 +4,7 @@ Without the cache every new token re-runs the whole sequence through the trainin
 work; the baseline the cache is measured against). Generation stops at max_new tokens, at the eos
 token, or at the model's seq_length (RoPE tables and learned positions end there).
 """
+
 from __future__ import annotations
 
 import time
@@ -31,14 +32,24 @@ class Generation:
         return (len(self.tokens) - 1) / self.decode_s if len(self.tokens) > 1 and self.decode_s > 0 else 0.0
 
 
-def generate(model, prompt: list[int], max_new: int, sampling: SamplingConfig, vocab: int, eos: int | None = None,
-             use_cache: bool = True, on_token: Callable[[int], None] | None = None) -> Generation:
+def generate(
+    model,
+    prompt: list[int],
+    max_new: int,
+    sampling: SamplingConfig,
+    vocab: int,
+    eos: int | None = None,
+    use_cache: bool = True,
+    on_token: Callable[[int], None] | None = None,
+) -> Generation:
     """Continue `prompt` (token ids) by up to max_new tokens; on_token(id) is called as each one is chosen."""
     check_one_process(model)
     device = next(model.parameters()).device
     limit = model.cfg.seq_length
     if not prompt or len(prompt) >= limit:
-        raise ValueError(f"the prompt has {len(prompt)} tokens; it must have 1 to {limit - 1} (model.seq_length)")
+        raise ValueError(
+            f"the prompt has {len(prompt)} tokens; it must have 1 to {limit - 1} (model.seq_length)"
+        )
     # a CPU generator: multinomial draws on the host, so a seed gives the same text on CPU and CUDA
     gen = torch.Generator().manual_seed(sampling.seed)
     ids_BS = torch.tensor([prompt], dtype=torch.long, device=device)
@@ -50,7 +61,9 @@ def generate(model, prompt: list[int], max_new: int, sampling: SamplingConfig, v
     logits_BSV = forward_cached(model, ids_BS, cache) if use_cache else forward_full(model, ids_BS)
     t_prefill = time.perf_counter()
     for n in range(max_new):
-        tok = int(next_token(logits_BSV[:, -1], sampling, vocab, gen)[0])  # a host read: the loop needs the id
+        tok = int(
+            next_token(logits_BSV[:, -1], sampling, vocab, gen)[0]
+        )  # a host read: the loop needs the id
         out.append(tok)
         if on_token is not None:
             on_token(tok)

@@ -1,4 +1,5 @@
 """What generation and evaluation read from a run: the checkpoint folder and the run's tokenizer."""
+
 from __future__ import annotations
 
 import json
@@ -36,7 +37,9 @@ def tokenizer_candidates(step: Path, meta: dict) -> list[Path]:
         name = "tokenizer.model"
         try:
             # a name from metadata stays inside its folder (OutsideFolder is a ValueError: the default name)
-            name = inside(folder, json.loads((Path(folder) / "meta.json").read_text()).get("tokenizer", name)).name
+            name = inside(
+                folder, json.loads((Path(folder) / "meta.json").read_text()).get("tokenizer", name)
+            ).name
         except (OSError, ValueError, AttributeError):
             pass
         out.append(Path(folder) / name)
@@ -64,9 +67,11 @@ def tokenizer_path(step: Path, meta: dict, given: str | None = None) -> Path | N
         other.append(str(p))
     if other:
         sha = sorted(want)[0][:16]
-        raise ValueError(f"no tokenizer of {step} has the sha256 its checkpoint records ({sha}...): "
-                         f"{', '.join(other)} differ (another tokenizer); pass the run's tokenizer with "
-                         "--tokenizer PATH")
+        raise ValueError(
+            f"no tokenizer of {step} has the sha256 its checkpoint records ({sha}...): "
+            f"{', '.join(other)} differ (another tokenizer); pass the run's tokenizer with "
+            "--tokenizer PATH"
+        )
     return None
 
 

@@ -8,6 +8,7 @@ baseline of the tokens/s comparison.
 Legend: B batch, S new positions this call, T cached + new positions, D hidden, H query heads,
 K kv heads, E head dim, V vocab rows.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -34,8 +35,10 @@ class KVCache:
         shape = (batch, cfg.kv_heads, max_len, cfg.head_dim)
         layers = [int(i) for i in model.layers]
         # zeros: positions past `length` are never read (the slices stop at pos + s) but stay defined
-        return cls({i: torch.zeros(shape, dtype=p.dtype, device=p.device) for i in layers},
-                   {i: torch.zeros(shape, dtype=p.dtype, device=p.device) for i in layers})
+        return cls(
+            {i: torch.zeros(shape, dtype=p.dtype, device=p.device) for i in layers},
+            {i: torch.zeros(shape, dtype=p.dtype, device=p.device) for i in layers},
+        )
 
 
 def check_one_process(model) -> None:
@@ -53,18 +56,21 @@ def _attend(attn, x_SBD: torch.Tensor, rope, cache: KVCache, layer: int) -> torc
     q_SBHE, k_SBKE = attn.norm_qk(q.view(s, b, h, e), kk.view(s, b, k, e))
     if rope is not None:
         # absolute positions: the new tokens continue at the cache's length
-        cos_S11E, sin_S11E = rope[0][pos:pos + s, None, None, :], rope[1][pos:pos + s, None, None, :]
+        cos_S11E, sin_S11E = rope[0][pos : pos + s, None, None, :], rope[1][pos : pos + s, None, None, :]
         q_SBHE, k_SBKE = apply_rope(q_SBHE, cos_S11E, sin_S11E), apply_rope(k_SBKE, cos_S11E, sin_S11E)
     # written before attending: each new position attends to itself too
-    cache.k[layer][:, :, pos:pos + s] = k_SBKE.permute(1, 2, 0, 3)
-    cache.v[layer][:, :, pos:pos + s] = v.view(s, b, k, e).permute(1, 2, 0, 3)
-    k_BKTE, v_BKTE = cache.k[layer][:, :, :pos + s], cache.v[layer][:, :, :pos + s]
+    cache.k[layer][:, :, pos : pos + s] = k_SBKE.permute(1, 2, 0, 3)
+    cache.v[layer][:, :, pos : pos + s] = v.view(s, b, k, e).permute(1, 2, 0, 3)
+    k_BKTE, v_BKTE = cache.k[layer][:, :, : pos + s], cache.v[layer][:, :, : pos + s]
     q_BHSE = q_SBHE.permute(1, 2, 0, 3)
     if pos == 0:  # prefill: plain causal attention (the training kernel)
         o_BHSE = F.scaled_dot_product_attention(q_BHSE, k_BKTE, v_BKTE, is_causal=True, enable_gqa=h != k)
     else:  # new position i (absolute pos + i) sees every cached position and the new ones up to itself
         # boolean mask: True = may attend (SDPA's convention)
-        mask_ST = torch.arange(pos + s, device=x_SBD.device)[None, :] <= (pos + torch.arange(s, device=x_SBD.device))[:, None]
+        mask_ST = (
+            torch.arange(pos + s, device=x_SBD.device)[None, :]
+            <= (pos + torch.arange(s, device=x_SBD.device))[:, None]
+        )
         o_BHSE = F.scaled_dot_product_attention(q_BHSE, k_BKTE, v_BKTE, attn_mask=mask_ST, enable_gqa=h != k)
     return attn.out_proj(o_BHSE.permute(2, 0, 1, 3).reshape(s, b, h * e))
 
@@ -72,7 +78,7 @@ def _attend(attn, x_SBD: torch.Tensor, rope, cache: KVCache, layer: int) -> torc
 def _embed(model, ids_BS: torch.Tensor, pos: int) -> torch.Tensor:
     x_SBD = model.embed(ids_BS.t())
     if model.cfg.position_embedding == "learned":
-        x_SBD = x_SBD + model.pos_embed[pos:pos + ids_BS.shape[1]].unsqueeze(1)
+        x_SBD = x_SBD + model.pos_embed[pos : pos + ids_BS.shape[1]].unsqueeze(1)
     return x_SBD
 
 

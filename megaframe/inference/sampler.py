@@ -8,6 +8,7 @@ keeps the padding out of the positions read). Samples are short and rare, so thi
 
 Legend: B batch (1), S seq_length, D hidden, V vocab rows on this rank.
 """
+
 from __future__ import annotations
 
 import json
@@ -35,8 +36,11 @@ def forward_logits(model, mesh, ids_BS: torch.Tensor) -> torch.Tensor | None:
         stage = chunk * pp + rank
         x_SBD = None
         if stage > 0:
-            x_SBD = torch.empty((s // mesh.tp.size if model.sp else s, b, model.cfg.hidden_size), dtype=dtype,
-                                device=mesh.device)
+            x_SBD = torch.empty(
+                (s // mesh.tp.size if model.sp else s, b, model.cfg.hidden_size),
+                dtype=dtype,
+                device=mesh.device,
+            )
             p2p.start(mesh.pp, [], [(x_SBD, (rank - 1) % pp)]).wait()
         y = model.forward_chunk(chunk, x_SBD, ids_BS, None)
         if stage == last:
@@ -51,7 +55,7 @@ def greedy(model, mesh, prompt: list[int], new_tokens: int, vocab: int) -> list[
     """Greedy continuation of `prompt` under the model's layout (collective over tp and pp)."""
     seq = model.cfg.seq_length
     # the prompt's tail, so at least one new position fits; an empty prompt starts from token 0
-    ids = list(prompt)[-(seq - 1):] or [0]
+    ids = list(prompt)[-(seq - 1) :] or [0]
     out = []
     for _ in range(min(new_tokens, seq - len(ids))):
         # padded to seq_length: sp splits the sequence evenly, and causal attention never reads the padding
@@ -87,14 +91,17 @@ class Sampler:
         rec = tokenizer_record(d)
         if rec is None:
             if mesh.is_logger:
-                print("megaframe: warning: train.sample_interval: no tokenizer (synthetic data?); no samples",
-                      file=sys.stderr, flush=True)
+                print(
+                    "megaframe: warning: train.sample_interval: no tokenizer (synthetic data?); no samples",
+                    file=sys.stderr,
+                    flush=True,
+                )
             return None
         return cls(t, mesh, load_tokenizer(rec["path"]))
 
     def _text(self, prompt: list[int], new: list[int]) -> str:
         """The continuation's text (decoded after the prompt: sentencepiece drops a text's leading space)."""
-        return self.tok.decode(prompt + new)[len(self.tok.decode(prompt)):]
+        return self.tok.decode(prompt + new)[len(self.tok.decode(prompt)) :]
 
     def due(self, step: int) -> bool:
         return step % self.t.sample_interval == 0
@@ -107,8 +114,11 @@ class Sampler:
                 f.write(text)
         except OSError as e:
             if not getattr(self, "_warned", False):
-                print(f"megaframe: warning: cannot write {path} ({e}); samples go to the console only",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"megaframe: warning: cannot write {path} ({e}); samples go to the console only",
+                    file=sys.stderr,
+                    flush=True,
+                )
             self._warned = True
 
     def sample(self, step: int, model, run_dir: str, wandb_run=None) -> float:
@@ -118,8 +128,10 @@ class Sampler:
         model.eval()
         counted = self.mesh.stats.pop()  # keep sampling traffic out of the step's comm_bytes
         try:
-            rows = [(p, self._text(ids, greedy(model, self.mesh, ids, self.t.sample_tokens,
-                                               self.tok.vocab_size))) for p, ids in self.prompts]
+            rows = [
+                (p, self._text(ids, greedy(model, self.mesh, ids, self.t.sample_tokens, self.tok.vocab_size)))
+                for p, ids in self.prompts
+            ]
         finally:
             model.train(was_training)
             self.mesh.stats.pop()
@@ -129,11 +141,19 @@ class Sampler:
         if self.mesh.is_logger:
             for p, text in rows:
                 print(f"sample step {step}: {p!r} -> {text!r}", flush=True)
-            self._append(Path(run_dir) / "samples.jsonl",
-                         "".join(json.dumps({"step": step, "prompt": p, "text": text}) + "\n" for p, text in rows))
+            self._append(
+                Path(run_dir) / "samples.jsonl",
+                "".join(json.dumps({"step": step, "prompt": p, "text": text}) + "\n" for p, text in rows),
+            )
             if wandb_run is not None:
                 import wandb
 
-                wandb_run.log({"samples": wandb.Table(columns=["step", "prompt", "text"],
-                                                      data=[[step, p, t] for p, t in rows])}, step=step)
+                wandb_run.log(
+                    {
+                        "samples": wandb.Table(
+                            columns=["step", "prompt", "text"], data=[[step, p, t] for p, t in rows]
+                        )
+                    },
+                    step=step,
+                )
         return time.perf_counter() - t0

@@ -4,6 +4,7 @@ Sampling draws from a torch.Generator seeded once per generation, so a seed give
 machine every time. Logit rows beyond the tokenizer's vocabulary (the embedding is padded to a
 multiple of the layout's needs) are never chosen.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -25,14 +26,18 @@ class SamplingConfig:
     def check(self) -> None:
         # `not >=`: a nan temperature fails too (it reached torch.multinomial as nan probabilities)
         # the flag at fault only: naming all three blamed the good ones too
-        for flag, value, ok, rule in (("--temperature", self.temperature, self.temperature >= 0, ">= 0"),
-                                      ("--top-k", self.top_k, self.top_k >= 0, ">= 0 (0 = off)"),
-                                      ("--top-p", self.top_p, 0 < self.top_p <= 1, "in (0, 1]")):
+        for flag, value, ok, rule in (
+            ("--temperature", self.temperature, self.temperature >= 0, ">= 0"),
+            ("--top-k", self.top_k, self.top_k >= 0, ">= 0 (0 = off)"),
+            ("--top-p", self.top_p, 0 < self.top_p <= 1, "in (0, 1]"),
+        ):
             if not ok:
                 raise ValueError(f"{flag} {value} must be {rule}")
 
 
-def next_token(logits_BV: torch.Tensor, s: SamplingConfig, vocab: int, gen: torch.Generator | None) -> torch.Tensor:
+def next_token(
+    logits_BV: torch.Tensor, s: SamplingConfig, vocab: int, gen: torch.Generator | None
+) -> torch.Tensor:
     """[B] token ids from the last position's logits."""
     # fp32: softmax and cumulative sums over a large vocabulary lose precision in bf16
     logits_BV = logits_BV.float()[:, :vocab]

@@ -24,6 +24,7 @@ matrix (torchao's DTensor path would all-reduce the amax; without it a tp layout
 fp8 rounding, within the loss bound the tests hold, not bit-exactly). Rowwise scales of the weight are per
 output row and so layout-free for column-parallel layers.
 """
+
 from __future__ import annotations
 
 import sys
@@ -78,13 +79,19 @@ class Fp8Gemm:
         # The three GEMMs' settings as Float8Linear builds them (fast accumulation where the recipe says);
         # `pad_inner_dim`: the head's, whose grad-weight GEMM has the token count (any) as inner dim
         pad = c.pad_inner_dim or pad_inner_dim
-        self.mm_config = mm_config(*(scaled(c.emulate, g.use_fast_accum, False, pad) for g in (
-            c.gemm_config_output, c.gemm_config_grad_input, c.gemm_config_grad_weight)))
+        self.mm_config = mm_config(
+            *(
+                scaled(c.emulate, g.use_fast_accum, False, pad)
+                for g in (c.gemm_config_output, c.gemm_config_grad_input, c.gemm_config_grad_weight)
+            )
+        )
 
     def __call__(self, x: torch.Tensor, w_OI: torch.Tensor) -> torch.Tensor:
         # torchao's matmul takes 2-d operands; the scaled GEMM wants dims that are multiples of 16
         x_NI = x.reshape(-1, x.shape[-1])
-        w_IO = gathered_weight_t(w_OI, self.mm_config)  # ZeRO-3 gathered it as float8 (optim/float8_gather.py)
+        w_IO = gathered_weight_t(
+            w_OI, self.mm_config
+        )  # ZeRO-3 gathered it as float8 (optim/float8_gather.py)
         w_IO = w_OI.t() if w_IO is None else w_IO
         y_NO = self._mm.apply(x_NI, w_IO, self.mm_config, self.config)
         return y_NO.reshape(*x.shape[:-1], w_OI.shape[0])
@@ -162,11 +169,17 @@ def enable_fp8(model: nn.Module, recipe: str, warn: bool = True, head: bool = Tr
             kept.append(f"head [{v}, {d}]")
             continue
         gpt.head_gemm, n = Fp8Gemm(recipe, pad_inner_dim=True), n + 1
-        if isinstance(getattr(gpt, "head", None), ColumnParallelLinear):  # tp > 1 or logits: the linear's GEMM
+        if isinstance(
+            getattr(gpt, "head", None), ColumnParallelLinear
+        ):  # tp > 1 or logits: the linear's GEMM
             gpt.head.gemm = gpt.head_gemm
     if kept and warn:
-        print(f"megaframe: warning: train.precision=fp8: {len(kept)} linear(s) kept in bf16, a local weight "
-              f"dim not a multiple of 16 (float8 GEMM's rule): {', '.join(kept)}", file=sys.stderr, flush=True)
+        print(
+            f"megaframe: warning: train.precision=fp8: {len(kept)} linear(s) kept in bf16, a local weight "
+            f"dim not a multiple of 16 (float8 GEMM's rule): {', '.join(kept)}",
+            file=sys.stderr,
+            flush=True,
+        )
     return n
 
 
@@ -176,12 +189,24 @@ def float8_gathered_weights(model: nn.Module, precision: str, recipe: str, head:
     From shapes alone, so the planner's meta model (which keeps bf16 GEMMs) is sized like the run."""
     from megaframe.layers.linear import ColumnParallelLinear, RowParallelLinear
 
-    if str(getattr(precision, "value", precision)) != "fp8" or str(getattr(recipe, "value", recipe)) != "tensorwise":
+    if (
+        str(getattr(precision, "value", precision)) != "fp8"
+        or str(getattr(recipe, "value", recipe)) != "tensorwise"
+    ):
         return []
-    linears = [m for chunk in _blocks(model) for m in chunk.modules()
-               if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
-    heads = [m.head for m in model.modules() if head and getattr(m, "output_step", None) is not None
-             and isinstance(getattr(m, "head", None), ColumnParallelLinear)]
+    linears = [
+        m
+        for chunk in _blocks(model)
+        for m in chunk.modules()
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear))
+    ]
+    heads = [
+        m.head
+        for m in model.modules()
+        if head
+        and getattr(m, "output_step", None) is not None
+        and isinstance(getattr(m, "head", None), ColumnParallelLinear)
+    ]
     return [m.weight for m in linears + heads if not (m.weight.shape[0] % 16 or m.weight.shape[1] % 16)]
 
 

@@ -12,6 +12,7 @@ grad arrives as an expanded scalar), otherwise it recomputes chunk by chunk with
 Under train.precision=fp8 the three GEMMs are float8 ones (`gemm`: layers/fp8.py HeadGemms, the weight cast
 once per call); the float8 weight-grad GEMM gives a bf16 chunk, summed into the fp32 grad as the others.
 """
+
 from __future__ import annotations
 
 import torch
@@ -82,7 +83,9 @@ class _Gemms:
         else:
             out_CD.copy_(self.f8.grad_input(grad_CV))
 
-    def accumulate(self, acc_VD: torch.Tensor, grad_CV: torch.Tensor, x_CD: torch.Tensor, first: bool) -> None:
+    def accumulate(
+        self, acc_VD: torch.Tensor, grad_CV: torch.Tensor, x_CD: torch.Tensor, first: bool
+    ) -> None:
         if self.f8 is None:
             _accumulate(acc_VD, grad_CV, x_CD, first)
         elif first:
@@ -106,7 +109,9 @@ def _accumulate(acc_VD: torch.Tensor, grad_CV: torch.Tensor, x_CD: torch.Tensor,
             torch.mm(grad_CV.t(), x_CD, out=acc_VD)
         else:
             acc_VD.addmm_(grad_CV.t(), x_CD)
-    elif mixed_gemm(acc_VD.device.type):  # bf16 operands, the GEMM's own fp32 accumulator written out as fp32 (cuBLAS)
+    elif mixed_gemm(
+        acc_VD.device.type
+    ):  # bf16 operands, the GEMM's own fp32 accumulator written out as fp32 (cuBLAS)
         if first:
             torch.mm(grad_CV.t(), x_CD, torch.float32, out=acc_VD)
         else:
@@ -127,12 +132,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # chunk), cast once at the end; the first chunk writes it: no zero fill
         gw_VD = torch.empty_like(w_VD, dtype=torch.float32) if grads else None
         for lo in range(0, _stop(n, c, x_ND), c):
-            x_CD, t_C = x_ND[lo:lo + c], target_N[lo:lo + c]
+            x_CD, t_C = x_ND[lo : lo + c], target_N[lo : lo + c]
             if not grads:
-                loss_N[lo:lo + c] = log_softmax_nll(gemms.logits(x_CD), t_C)[1]
+                loss_N[lo : lo + c] = log_softmax_nll(gemms.logits(x_CD), t_C)[1]
                 continue
-            loss_N[lo:lo + c], grad_CV = _chunk_grads(x_CD, gemms, t_C)
-            gemms.grad_input(grad_CV, gx_ND[lo:lo + c])
+            loss_N[lo : lo + c], grad_CV = _chunk_grads(x_CD, gemms, t_C)
+            gemms.grad_input(grad_CV, gx_ND[lo : lo + c])
             gemms.accumulate(gw_VD, grad_CV, x_CD, first=lo == 0)
         # fp32 kept when the optimizer takes the grad into its fp32 main_grad (backward scales it in there):
         # no round to bf16 and back; else cast once here
@@ -163,14 +168,19 @@ class _LinearCrossEntropy(torch.autograd.Function):
         c = _chunk_tokens(x_ND.shape[0], w_VD.shape[0], x_ND.device)  # per-token weights: recompute
         acc_VD, gemms = torch.empty_like(w_VD, dtype=torch.float32), _Gemms(w_VD, ctx.gemm)
         for lo in range(0, _stop(x_ND.shape[0], c, x_ND), c):
-            _, grad_CV = _chunk_grads(x_ND[lo:lo + c], gemms, target_N[lo:lo + c], g_N[lo:lo + c].float())
-            gemms.grad_input(grad_CV, gx_ND[lo:lo + c])
-            gemms.accumulate(acc_VD, grad_CV, x_ND[lo:lo + c], first=lo == 0)  # (rare path: per-token weights)
+            _, grad_CV = _chunk_grads(
+                x_ND[lo : lo + c], gemms, target_N[lo : lo + c], g_N[lo : lo + c].float()
+            )
+            gemms.grad_input(grad_CV, gx_ND[lo : lo + c])
+            gemms.accumulate(
+                acc_VD, grad_CV, x_ND[lo : lo + c], first=lo == 0
+            )  # (rare path: per-token weights)
         return gx_ND, acc_VD.to(w_VD.dtype), None, None
 
 
-def linear_cross_entropy(x_SBD: torch.Tensor, weight_VD: torch.Tensor, target_SB: torch.Tensor,
-                         gemm=None) -> torch.Tensor:
+def linear_cross_entropy(
+    x_SBD: torch.Tensor, weight_VD: torch.Tensor, target_SB: torch.Tensor, gemm=None
+) -> torch.Tensor:
     """Per-token loss_SB of logits x @ W^T against target (tp = 1); equals F.cross_entropy on the logits.
     `gemm`: an Fp8Gemm (train.precision=fp8): the three GEMMs run float8 (layers/fp8.py HeadGemms)."""
     s, b, d = x_SBD.shape

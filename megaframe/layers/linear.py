@@ -4,6 +4,7 @@ Legend: S sequence (S/tp when sequence-parallel), B batch, I input features, O o
 ColumnParallelLinear: weight [O/tp, I] (each fused block split separately), output stays split on tp.
 RowParallelLinear:    weight [O, I/tp], input split on tp, output summed over tp.
 """
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -61,13 +62,16 @@ class ColumnParallelLinear(nn.Module):
     """y_SBO/tp = x_SBI @ W[O/tp, I]^T; input copied to tp (or all-gathered over seq under sp, saving
     only the local block for backward: _GatheredLinear)."""
 
-    def __init__(self, in_features: int, out_parts: Sequence[int], tp: Axis, sp: bool, bias: bool,
-                 device=None):
+    def __init__(
+        self, in_features: int, out_parts: Sequence[int], tp: Axis, sp: bool, bias: bool, device=None
+    ):
         super().__init__()
         self.tp, self.sp = tp, sp
         out = sum(out_parts)
         self.weight = sharded_param(Shard((out, in_features), 0, tuple(out_parts), tp.rank, tp.size), device)
-        self.bias = sharded_param(Shard((out,), 0, tuple(out_parts), tp.rank, tp.size), device) if bias else None
+        self.bias = (
+            sharded_param(Shard((out,), 0, tuple(out_parts), tp.rank, tp.size), device) if bias else None
+        )
         self.gemm = None  # an Fp8Gemm under train.precision=fp8 (layers/fp8.py:enable_fp8)
         self.overlap_chunks = 0  # > 0: the sp all-gather chunked under the GEMM (parallel/tp_overlap.py)
 
@@ -90,7 +94,9 @@ class RowParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, tp: Axis, sp: bool, bias: bool, device=None):
         super().__init__()
         self.tp, self.sp = tp, sp
-        self.weight = sharded_param(Shard((out_features, in_features), 1, (in_features,), tp.rank, tp.size), device)
+        self.weight = sharded_param(
+            Shard((out_features, in_features), 1, (in_features,), tp.rank, tp.size), device
+        )
         # The bias is added after the reduction, once; under sp each rank adds it to its own sequence block,
         # so its gradient is partial over tp.
         self.bias = sharded_param(Shard((out_features,)), device, tp_partial_grad=sp) if bias else None

@@ -4,6 +4,7 @@ The weights are replicated over tp. Without sp every tp rank normalises the same
 gets identical gradients. Under sp each rank normalises its own sequence block, so the weight
 gradients are partial: they are tagged `tp_partial_grad` and summed over tp before the step.
 """
+
 from __future__ import annotations
 
 import torch

@@ -9,6 +9,7 @@ rank, then restores the default stream. Deriving it from the default stream, ins
 second one, lets activation recompute (torch.utils.checkpoint restores the default CPU and CUDA states)
 replay the same masks.
 """
+
 from __future__ import annotations
 
 from contextlib import contextmanager

@@ -8,6 +8,7 @@ The same description drives init (each rank draws only the fixed blocks of the g
 touches, each block from a seed of (seed, name, block)), checkpoint metadata (global shape and every
 slice's offset) and reassembly of full tensors.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -84,8 +85,14 @@ class Shard:
             full.narrow(self.dim, g, n).copy_(local.narrow(self.dim, l, n))
 
 
-def sharded_param(shard: Shard, device, dtype=torch.float32, tp_partial_grad: bool = False,
-                  pp_tied: bool = False, pp_duplicate: bool = False) -> nn.Parameter:
+def sharded_param(
+    shard: Shard,
+    device,
+    dtype=torch.float32,
+    tp_partial_grad: bool = False,
+    pp_tied: bool = False,
+    pp_duplicate: bool = False,
+) -> nn.Parameter:
     """An uninitialised parameter of the shard's local shape, with its `Placement` (the flags are its
     fields: tp_partial_grad for a tp-replicated parameter whose grad is partial on each tp rank under sp,
     pp_tied / pp_duplicate for a tied embedding's copies on the pipeline ends)."""
@@ -135,8 +142,15 @@ def block_seed(base: int, index: int) -> int:
     return (x ^ (x >> 31)) & ((1 << 63) - 1)
 
 
-def init_region(name: str, shape: tuple[int, ...], region: list[tuple[int, int]], seed: int, std: float,
-                num_layers: int, out: torch.Tensor | None = None) -> torch.Tensor:
+def init_region(
+    name: str,
+    shape: tuple[int, ...],
+    region: list[tuple[int, int]],
+    seed: int,
+    std: float,
+    num_layers: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The [lo, hi) box `region` (one pair per dim) of a parameter's global initial tensor.
 
     The tensor is cut into fixed blocks (block_edges), block b drawn from its own generator seeded by
@@ -191,8 +205,9 @@ def full_init_param(name: str, shard: Shard, seed: int, std: float, num_layers: 
     return local_init(name, whole, seed, std, num_layers)
 
 
-def local_init(name: str, shard: Shard, seed: int, std: float, num_layers: int,
-               rows: tuple[int, int] | None = None) -> torch.Tensor:
+def local_init(
+    name: str, shard: Shard, seed: int, std: float, num_layers: int, rows: tuple[int, int] | None = None
+) -> torch.Tensor:
     """This rank's slice of the parameter's global initial tensor, drawing only the blocks it touches;
     `rows` = (lo, hi): only those rows (dim 0) of the local slice (ZeRO-3 materialises its segments).
     Stacked experts ([E, ...] over ep) get one tensor per expert, each from (seed, the expert's own
@@ -203,8 +218,9 @@ def local_init(name: str, shard: Shard, seed: int, std: float, num_layers: int,
     if shard.expert:
         experts = [e for g, _, n in _ranges(shard) for e in range(g, g + n)][r0:r1]
         for i, e in enumerate(experts):
-            out[i] = init_region(expert_name(name, e), shape[1:], [(0, n) for n in shape[1:]], seed, std,
-                                 num_layers)
+            out[i] = init_region(
+                expert_name(name, e), shape[1:], [(0, n) for n in shape[1:]], seed, std, num_layers
+            )
         return out
     for g, lo, n in _ranges(shard):
         region = [(0, size) for size in shape]
@@ -229,7 +245,7 @@ def init_flat(name: str, shard: Shard, init: "InitSpec", lo: int, n: int) -> tor
     inner = math.prod(shard.local_shape[1:])
     r0, r1 = lo // inner, -(-(lo + n) // inner)
     rows = local_init(name, shard, init.seed, init.std, init.num_layers, (r0, r1)).reshape(-1)
-    return rows[lo - r0 * inner:lo - r0 * inner + n]
+    return rows[lo - r0 * inner : lo - r0 * inner + n]
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@
 Legend: S sequence (S/tp when sequence-parallel), B batch, D hidden, V vocab rows held by this rank (V/tp).
 VocabParallelEmbedding: weight [V/tp, D], rows [r·V/tp, (r+1)·V/tp) on tp rank r.
 """
+
 from __future__ import annotations
 
 import torch
@@ -19,12 +20,24 @@ class VocabParallelEmbedding(nn.Module):
     """Lookup in this rank's vocab rows, zero elsewhere,
     then sum over tp (reduce-scatter over seq under sp)."""
 
-    def __init__(self, vocab: int, dim: int, tp: Axis, sp: bool, device=None, pp_tied: bool = False,
-                 pp_duplicate: bool = False):
+    def __init__(
+        self,
+        vocab: int,
+        dim: int,
+        tp: Axis,
+        sp: bool,
+        device=None,
+        pp_tied: bool = False,
+        pp_duplicate: bool = False,
+    ):
         super().__init__()
         self.tp, self.sp = tp, sp
-        self.weight = sharded_param(Shard((vocab, dim), 0, (vocab,), tp.rank, tp.size), device,
-                                    pp_tied=pp_tied, pp_duplicate=pp_duplicate)
+        self.weight = sharded_param(
+            Shard((vocab, dim), 0, (vocab,), tp.rank, tp.size),
+            device,
+            pp_tied=pp_tied,
+            pp_duplicate=pp_duplicate,
+        )
         self.start = tp.rank * (vocab // tp.size)
         self.end = self.start + vocab // tp.size
 
@@ -39,7 +52,9 @@ class VocabParallelEmbedding(nn.Module):
         return comm.reduce_scatter_to_sp(x_SBD, self.tp) if self.sp else comm.reduce_from_tp(x_SBD, self.tp)
 
 
-def parallel_logits(x_SBD: torch.Tensor, weight_VD: torch.Tensor, tp: Axis, sp: bool, gemm=None) -> torch.Tensor:
+def parallel_logits(
+    x_SBD: torch.Tensor, weight_VD: torch.Tensor, tp: Axis, sp: bool, gemm=None
+) -> torch.Tensor:
     """logits_SBV for this rank's vocab rows; x all-gathered over seq under sp, else copied to tp. `gemm`: an
     Fp8Gemm (train.precision=fp8, layers/fp8.py) instead of the bf16 GEMM."""
     x_SBD = comm.gather_from_sp(x_SBD, tp) if sp else comm.copy_to_tp(x_SBD, tp)

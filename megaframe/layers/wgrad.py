@@ -16,6 +16,7 @@ The GEMM is a custom op mutating main_grad, so torch.compile'd blocks keep it as
 hands it the real buffer, no copy): whether this backward writes or accumulates is decided when it runs,
 from `written`, which the optimizer clears at zero_grad.
 """
+
 from __future__ import annotations
 
 import functools

@@ -6,6 +6,7 @@ K kv heads on this rank (groups/tp), E head dim.
 qkv: ColumnParallelLinear with blocks [q | k | v] = [heads·E | groups·E | groups·E], each split over tp.
 out_proj: RowParallelLinear [D, heads·E], input split by head.
 """
+
 from __future__ import annotations
 
 import torch
@@ -27,23 +28,30 @@ from megaframe.parallel.eager import eager
 from megaframe.parallel.mesh import Axis
 from megaframe.parallel.ring_attention import ring_attention
 
-SDPA_PRIORITY = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-                 SDPBackend.MATH]
+SDPA_PRIORITY = [
+    SDPBackend.CUDNN_ATTENTION,
+    SDPBackend.FLASH_ATTENTION,
+    SDPBackend.EFFICIENT_ATTENTION,
+    SDPBackend.MATH,
+]
 """CUDA SDPA backends, first usable wins. torch's default order puts FlashAttention-2 first; cuDNN's Hopper
 kernels are faster at head dim 64-128 (torchtitan sets this order too); its grads are checked against flash in
 tests/gpu."""
 
 
-def causal_sdpa(q_BHSE: torch.Tensor, k_BKSE: torch.Tensor, v_BKSE: torch.Tensor, dropout: float,
-                gqa: bool) -> torch.Tensor:
+def causal_sdpa(
+    q_BHSE: torch.Tensor, k_BKSE: torch.Tensor, v_BKSE: torch.Tensor, dropout: float, gqa: bool
+) -> torch.Tensor:
     """Causal SDPA; on CUDA under SDPA_PRIORITY
     (a context torch.compile traces; the global order is restored)."""
     if not q_BHSE.is_cuda:
-        return F.scaled_dot_product_attention(q_BHSE, k_BKSE, v_BKSE, is_causal=True, dropout_p=dropout,
-                                              enable_gqa=gqa)
+        return F.scaled_dot_product_attention(
+            q_BHSE, k_BKSE, v_BKSE, is_causal=True, dropout_p=dropout, enable_gqa=gqa
+        )
     with sdpa_kernel(SDPA_PRIORITY, set_priority=True):
-        return F.scaled_dot_product_attention(q_BHSE, k_BKSE, v_BKSE, is_causal=True, dropout_p=dropout,
-                                              enable_gqa=gqa)
+        return F.scaled_dot_product_attention(
+            q_BHSE, k_BKSE, v_BKSE, is_causal=True, dropout_p=dropout, enable_gqa=gqa
+        )
 
 
 def rope_tables(seq: int, dim: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,8 +71,16 @@ _cp_bias = eager(cp_causal_bias)
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: Axis, sp: bool, device=None, recompute_core: bool = False,
-                 cp: Axis | None = None, cp_ring: bool = False):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        tp: Axis,
+        sp: bool,
+        device=None,
+        recompute_core: bool = False,
+        cp: Axis | None = None,
+        cp_ring: bool = False,
+    ):
         super().__init__()
         self.cp = cp if cp is not None and cp.size > 1 else None
         self.cp_ring, self.seq = cp_ring and self.cp is not None, cfg.seq_length
@@ -78,11 +94,23 @@ class Attention(nn.Module):
         self.recompute_core = recompute_core
         e = cfg.head_dim
         # Whole heads per rank (config/checks.py requires tp to divide both): attention never crosses ranks.
-        self.heads, self.groups, self.head_dim = cfg.num_attention_heads // tp.size, cfg.kv_heads // tp.size, e
+        self.heads, self.groups, self.head_dim = (
+            cfg.num_attention_heads // tp.size,
+            cfg.kv_heads // tp.size,
+            e,
+        )
         self.dropout, self.tp = cfg.dropout, tp
-        self.qkv = ColumnParallelLinear(cfg.hidden_size, [cfg.num_attention_heads * e, cfg.kv_heads * e,
-                                                          cfg.kv_heads * e], tp, sp, cfg.bias, device)
-        self.out_proj = RowParallelLinear(cfg.num_attention_heads * e, cfg.hidden_size, tp, sp, cfg.bias, device)
+        self.qkv = ColumnParallelLinear(
+            cfg.hidden_size,
+            [cfg.num_attention_heads * e, cfg.kv_heads * e, cfg.kv_heads * e],
+            tp,
+            sp,
+            cfg.bias,
+            device,
+        )
+        self.out_proj = RowParallelLinear(
+            cfg.num_attention_heads * e, cfg.hidden_size, tp, sp, cfg.bias, device
+        )
         if cfg.qk_norm:
             # [E] weights shared by every head; each tp rank normalises only its own heads, so the grads are
             # partial over tp (summed before the step) whenever tp > 1, sp or not
@@ -106,7 +134,9 @@ class Attention(nn.Module):
         cos, sin = rope[:2] if rope is not None else (None, None)
         doc = rope[2] if rope is not None and len(rope) == 3 else None
         if cos is not None:  # before the permute: rows of E stay contiguous, so the rotation streams
-            cos_S11E, sin_S11E = (cos, sin) if cos.dim() == 4 else (cos[:s, None, None, :], sin[:s, None, None, :])
+            cos_S11E, sin_S11E = (
+                (cos, sin) if cos.dim() == 4 else (cos[:s, None, None, :], sin[:s, None, None, :])
+            )
             q_SBHE, k_SBKE = apply_rope(q_SBHE, cos_S11E, sin_S11E), apply_rope(k_SBKE, cos_S11E, sin_S11E)
         v_SBKE = v.view(s, b, k, e)
         if self.cp is not None and not self.cp_ring:
@@ -124,8 +154,9 @@ class Attention(nn.Module):
         o_SBX = o_BHSE.permute(2, 0, 1, 3).reshape(s, b, h * e)
         return self.out_proj(o_SBX)
 
-    def _core(self, q_BHSE: torch.Tensor, k_BKSE: torch.Tensor, v_BKSE: torch.Tensor,
-              doc: DocContext | None = None) -> torch.Tensor:
+    def _core(
+        self, q_BHSE: torch.Tensor, k_BKSE: torch.Tensor, v_BKSE: torch.Tensor, doc: DocContext | None = None
+    ) -> torch.Tensor:
         """Causal SDPA: is_causal and no mask tensor, so flash / memory-efficient kernels apply (document
         masking: its kernel, _documents). The heads are split over tp: attention dropout draws per tp
         rank (layers.rng)."""
@@ -134,36 +165,69 @@ class Attention(nn.Module):
                 return self._sdpa(q_BHSE, k_BKSE, v_BKSE, doc)
         return self._sdpa(q_BHSE, k_BKSE, v_BKSE, doc)
 
-    def _sdpa(self, q_BHSE: torch.Tensor, k_BKSE: torch.Tensor, v_BKSE: torch.Tensor,
-              doc: DocContext | None = None) -> torch.Tensor:
+    def _sdpa(
+        self, q_BHSE: torch.Tensor, k_BKSE: torch.Tensor, v_BKSE: torch.Tensor, doc: DocContext | None = None
+    ) -> torch.Tensor:
         dropout = self.dropout if self.training else 0.0
         gqa = q_BHSE.shape[1] != k_BKSE.shape[1]
         if doc is not None:
             return self._documents(q_BHSE, k_BKSE, v_BKSE, doc, dropout)
         if self.cp_ring:  # K/V blocks passed around the cp ring (parallel/ring_attention.py)
             # dropout drawn as the all-gather branch's SDPA draws it (ring_attention.py)
-            return ring_attention(q_BHSE, k_BKSE, v_BKSE, self.cp, self.seq, self.ring_overlap, self.ring_tile_elems,
-                                  dropout_p=dropout, fused=self.ring_fused)
+            return ring_attention(
+                q_BHSE,
+                k_BKSE,
+                v_BKSE,
+                self.cp,
+                self.seq,
+                self.ring_overlap,
+                self.ring_tile_elems,
+                dropout_p=dropout,
+                fused=self.ring_fused,
+            )
         if self.cp_gathered and dropout == 0:  # per query chunk, no mask tensor
             return cp_chunked_attention(q_BHSE, k_BKSE, v_BKSE, self.seq, self.cp.size, self.cp.rank)
         if self.cp_gathered:
             # dropout: one SDPA call draws one [B, H, Q, T] mask, the draw the ring reproduces
             # (ring_attention.py); queries and keys are not aligned: an explicit global-position mask
             bias_QT = _cp_bias(self.seq, self.cp.size, self.cp.rank, q_BHSE.device, q_BHSE.dtype)
-            return F.scaled_dot_product_attention(q_BHSE, k_BKSE, v_BKSE, attn_mask=bias_QT, dropout_p=dropout,
-                                                  enable_gqa=gqa)
+            return F.scaled_dot_product_attention(
+                q_BHSE, k_BKSE, v_BKSE, attn_mask=bias_QT, dropout_p=dropout, enable_gqa=gqa
+            )
         return causal_sdpa(q_BHSE, k_BKSE, v_BKSE, dropout, gqa)
 
-    def _documents(self, q_BHQE: torch.Tensor, k_BKTE: torch.Tensor, v_BKTE: torch.Tensor, doc: DocContext,
-                   dropout: float) -> torch.Tensor:
+    def _documents(
+        self,
+        q_BHQE: torch.Tensor,
+        k_BKTE: torch.Tensor,
+        v_BKTE: torch.Tensor,
+        doc: DocContext,
+        dropout: float,
+    ) -> torch.Tensor:
         """Causal within each document (model/documents.py); K/V: the whole sample's (one process, sp), the
         cp group's gathered in cp-rank order (allgather), or this rank's block (ring)."""
         if doc.kernel == "ring":  # each K/V block masked by its own documents' ids (ring_attention.py)
-            return ring_attention(q_BHQE, k_BKTE, v_BKTE, self.cp, self.seq, self.ring_overlap, self.ring_tile_elems,
-                                  dropout_p=dropout, fused=self.ring_fused, doc_BS=doc.doc_BS)
+            return ring_attention(
+                q_BHQE,
+                k_BKTE,
+                v_BKTE,
+                self.cp,
+                self.seq,
+                self.ring_overlap,
+                self.ring_tile_elems,
+                dropout_p=dropout,
+                fused=self.ring_fused,
+                doc_BS=doc.doc_BS,
+            )
         if doc.kernel == "flex":  # no [Q, T] mask; no dropout (the model picks sdpa then)
             if self.cp_gathered:  # global order: the block mask's causal tiles are contiguous (skipped whole)
                 k_BKTE, v_BKTE = cp_global_order(k_BKTE, self.cp.size), cp_global_order(v_BKTE, self.cp.size)
             return doc_flex_attention(q_BHQE, k_BKTE, v_BKTE, doc.block_mask)
-        return F.scaled_dot_product_attention(q_BHQE, k_BKTE, v_BKTE, attn_mask=doc.mask_B1QT, dropout_p=dropout,
-                                              enable_gqa=q_BHQE.shape[1] != k_BKTE.shape[1])
+        return F.scaled_dot_product_attention(
+            q_BHQE,
+            k_BKTE,
+            v_BKTE,
+            attn_mask=doc.mask_B1QT,
+            dropout_p=dropout,
+            enable_gqa=q_BHQE.shape[1] != k_BKTE.shape[1],
+        )

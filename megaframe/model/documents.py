@@ -29,6 +29,7 @@ Kernels (DocContext.kernel, chosen by the model):
     blocks a query block cannot see (other documents, the future) are skipped (docs/data.md says why).
   "ring" (cp_comm=ring): no mask tensor; ring_attention masks each K/V block by its documents.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -46,6 +47,7 @@ FLEX_BLOCK = 128
 @dataclass
 class DocContext:
     """What attention and the position embeddings need of a micro-batch's documents."""
+
     pos_BQ: torch.Tensor
     """Each of this rank's tokens' position within its own document."""
     doc_BS: torch.Tensor
@@ -66,8 +68,9 @@ def _whole_sample_ends(ends_BQ: torch.Tensor, cp: Axis | None) -> torch.Tensor:
     return cp_merge(list(gathered_XB.t().bool().chunk(cp.size, dim=1)))
 
 
-def document_context(ids_BQ: torch.Tensor, eos_ids: torch.Tensor, cp: Axis | None = None,
-                     kernel: str = "sdpa") -> DocContext:
+def document_context(
+    ids_BQ: torch.Tensor, eos_ids: torch.Tensor, cp: Axis | None = None, kernel: str = "sdpa"
+) -> DocContext:
     """Document ids from the end tokens (any id in eos_ids ends a document), positions and the mask of
     the kernel. ids_BQ: this rank's tokens (its two cp chunks under cp, context.cp_keep)."""
     c, r = (cp.size, cp.rank) if cp is not None else (1, 0)
@@ -104,8 +107,9 @@ def doc_block_mask(qpos_Q: torch.Tensor, kpos_T: torch.Tensor, qdoc_BQ: torch.Te
     dev = qdoc_BQ.device
     if dev.type == "meta":  # the planner: the mask's tensors by shape (create_block_mask reads values)
         return MetaBlockMask(b, q, t, (qpos_Q, kpos_T, qdoc_BQ, kdoc_BT))
-    return create_block_mask(same_doc_causal, b, None, q, t, device=dev, BLOCK_SIZE=FLEX_BLOCK,
-                             _compile=dev.type == "cuda")
+    return create_block_mask(
+        same_doc_causal, b, None, q, t, device=dev, BLOCK_SIZE=FLEX_BLOCK, _compile=dev.type == "cuda"
+    )
 
 
 def block_mask_bytes(b: int, q: int, t: int) -> int:
@@ -142,7 +146,9 @@ class _FlexSizes(torch.autograd.Function):
         raise RuntimeError("the planner's flex stand-in has no backward")
 
 
-def doc_flex_attention(q_BHQE: torch.Tensor, k_BKTE: torch.Tensor, v_BKTE: torch.Tensor, block_mask) -> torch.Tensor:
+def doc_flex_attention(
+    q_BHQE: torch.Tensor, k_BKTE: torch.Tensor, v_BKTE: torch.Tensor, block_mask
+) -> torch.Tensor:
     """FlexAttention under the document block mask (compiled on CUDA, where it runs in training; CPU
     has its forward only, which the tests compare with the SDPA mask path)."""
     from torch.nn.attention.flex_attention import flex_attention
@@ -159,10 +165,13 @@ _FLEX = []
 def _compiled_flex():
     if not _FLEX:  # one compiled kernel for every layer (torchtitan's pattern)
         from torch.nn.attention.flex_attention import flex_attention
+
         _FLEX.append(torch.compile(flex_attention, dynamic=False))
     return _FLEX[0]
 
 
-def rope_at(cos_SE: torch.Tensor, sin_SE: torch.Tensor, pos_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_at(
+    cos_SE: torch.Tensor, sin_SE: torch.Tensor, pos_BS: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The RoPE tables gathered at per-token positions, shaped [S, B, 1, E] for x_SBHE."""
     return cos_SE[pos_BS.t()].unsqueeze(2), sin_SE[pos_BS.t()].unsqueeze(2)

@@ -7,6 +7,7 @@ V vocab rows on this rank (V/tp).
 Parameter names are global (`layers.{i}....` with the global layer index) so init and checkpoints do
 not depend on the layout.
 """
+
 from __future__ import annotations
 
 import torch
@@ -48,19 +49,30 @@ class MLP(nn.Module):
             gate_SBF, up_SBF = h_SBX.chunk(2, dim=-1)
             h_SBF = F.silu(gate_SBF) * up_SBF
         else:
-            h_SBF = F.gelu(h_SBX, approximate="tanh")  # tanh form: HF GPT-2's gelu_new, so imported weights match
+            h_SBF = F.gelu(
+                h_SBX, approximate="tanh"
+            )  # tanh form: HF GPT-2's gelu_new, so imported weights match
         return self.down_proj(h_SBF)
 
 
 class Block(nn.Module):
     """Attention and MLP with pre-norms; the MLP is a mixture of experts when cfg.num_experts > 0."""
 
-    def __init__(self, cfg: ModelConfig, mesh: Mesh, sp: bool, device=None, tokens_per_step: int | None = None,
-                 recompute: str = "none", cp_ring: bool = False):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        mesh: Mesh,
+        sp: bool,
+        device=None,
+        tokens_per_step: int | None = None,
+        recompute: str = "none",
+        cp_ring: bool = False,
+    ):
         super().__init__()
         self.attn_norm = Norm(cfg.norm, cfg.hidden_size, cfg.norm_eps, sp, device)
-        self.attn = Attention(cfg, mesh.tp, sp, device, recompute_core=recompute == "selective", cp=mesh.cp,
-                              cp_ring=cp_ring)
+        self.attn = Attention(
+            cfg, mesh.tp, sp, device, recompute_core=recompute == "selective", cp=mesh.cp, cp_ring=cp_ring
+        )
         self.mlp_norm = Norm(cfg.norm, cfg.hidden_size, cfg.norm_eps, sp, device)
         if cfg.num_experts:
             self.mlp = MoE(cfg, mesh, sp, device, tokens_per_step)
@@ -109,9 +121,18 @@ class GPT(nn.Module):
     fused_head_loss = True
     """tp=1: the head and loss run fused (layers/fused_ce.py); build_model sets train.fused_head_loss."""
 
-    def __init__(self, cfg: ModelConfig, mesh: Mesh, sp: bool = False, device=None, stage: Stage | None = None,
-                 tokens_per_step: int | None = None, recompute: str = "none", cp_ring: bool = False,
-                 param_device=None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        mesh: Mesh,
+        sp: bool = False,
+        device=None,
+        stage: Stage | None = None,
+        tokens_per_step: int | None = None,
+        recompute: str = "none",
+        cp_ring: bool = False,
+        param_device=None,
+    ):
         super().__init__()
         self.cfg, self.mesh = cfg, mesh
         self.recompute_blocks = recompute if recompute in ("full", "op_selective") else None
@@ -124,15 +145,22 @@ class GPT(nn.Module):
         pdev = param_device or device
         tp = mesh.tp
         self._make_embeddings(cfg, mesh, stage, pdev)
-        self.layers = nn.ModuleDict({str(i): Block(cfg, mesh, self.sp, pdev, tokens_per_step, recompute, cp_ring)
-                                     for c in stage.chunks for i in c})
+        self.layers = nn.ModuleDict(
+            {
+                str(i): Block(cfg, mesh, self.sp, pdev, tokens_per_step, recompute, cp_ring)
+                for c in stage.chunks
+                for i in c
+            }
+        )
         if stage.last:
             self.final_norm = Norm(cfg.norm, cfg.hidden_size, cfg.norm_eps, self.sp, pdev)
             if not cfg.tie_embeddings:
                 self.head = ColumnParallelLinear(cfg.hidden_size, [cfg.vocab_size], tp, self.sp, False, pdev)
         self._make_positions(cfg, mesh, device)
         self.drop = nn.Dropout(cfg.dropout)
-        self.doc_eos: torch.Tensor | None = None  # end-of-document ids under data.document_mask (set_documents)
+        self.doc_eos: torch.Tensor | None = (
+            None  # end-of-document ids under data.document_mask (set_documents)
+        )
         self.cp_ring = cp_ring and mesh.cp.size > 1
         self.doc_kernel: str | None = None  # tests force "flex" or "sdpa" (None: _doc_kernel's choice)
         # module calls around the two steps outside the blocks, so ZeRO-3's module hooks bracket them
@@ -146,11 +174,20 @@ class GPT(nn.Module):
         if stage.first or (stage.last and cfg.tie_embeddings):
             # a copy on each pipeline end; under zbv both ends are rank 0's: one tensor, nothing to sum
             tied = cfg.tie_embeddings and mesh.pp_ends.size > 1 and not (stage.first and stage.last)
-            self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, self.sp, pdev,
-                                                pp_tied=tied, pp_duplicate=tied and not stage.first)
+            self.embed = VocabParallelEmbedding(
+                cfg.vocab_size,
+                cfg.hidden_size,
+                tp,
+                self.sp,
+                pdev,
+                pp_tied=tied,
+                pp_duplicate=tied and not stage.first,
+            )
         if stage.first and cfg.position_embedding == "learned":
             # replicated; under sp each rank adds the rows of its own sequence block
-            self.pos_embed = sharded_param(Shard((cfg.seq_length, cfg.hidden_size)), pdev, tp_partial_grad=self.sp)
+            self.pos_embed = sharded_param(
+                Shard((cfg.seq_length, cfg.hidden_size)), pdev, tp_partial_grad=self.sp
+            )
 
     def _make_positions(self, cfg: ModelConfig, mesh: Mesh, device) -> None:
         """This cp rank's token positions and, under rope, its cos/sin tables."""
@@ -177,8 +214,13 @@ class GPT(nn.Module):
         step (final norm and head, or the tied embedding: in one process the same param as the input's)."""
         units = []
         if self.input_step is not None:
-            units.append((self.input_step, [p for p in (self.embed.weight, getattr(self, "pos_embed", None))
-                                            if p is not None], False))
+            units.append(
+                (
+                    self.input_step,
+                    [p for p in (self.embed.weight, getattr(self, "pos_embed", None)) if p is not None],
+                    False,
+                )
+            )
         units += [(b, list(b.parameters()), True) for b in self.layers.values()]
         if self.output_step is not None:
             head = self.embed.weight if self.cfg.tie_embeddings else self.head.weight
@@ -199,11 +241,11 @@ class GPT(nn.Module):
             # Under sp x_SBD is already this rank's sequence block: add the positions of that block.
             start = self.mesh.tp.rank * s if self.sp else 0
             if doc is not None:  # positions within each document (of this cp rank's tokens)
-                x_SBD = x_SBD + self.pos_embed[doc.pos_BQ.t()[start:start + s]]
+                x_SBD = x_SBD + self.pos_embed[doc.pos_BQ.t()[start : start + s]]
             elif self.mesh.cp.size > 1:  # this cp rank's chunks: their global rows
-                x_SBD = x_SBD + self.pos_embed[self.positions[start:start + s]].unsqueeze(1)
+                x_SBD = x_SBD + self.pos_embed[self.positions[start : start + s]].unsqueeze(1)
             else:
-                x_SBD = x_SBD + self.pos_embed[start:start + s].unsqueeze(1)
+                x_SBD = x_SBD + self.pos_embed[start : start + s].unsqueeze(1)
         if self.sp and self.mesh.tp.size > 1 and self.training and self.drop.p > 0:
             with tp_distinct(self.mesh.tp, x_SBD.device):  # each tp rank's own sequence block
                 return self.drop(x_SBD)
@@ -226,8 +268,13 @@ class GPT(nn.Module):
             return logits_SBV.transpose(0, 1)
         return vocab_parallel_cross_entropy(logits_SBV, labels_BS.t(), self.mesh.tp).t()
 
-    def forward_chunk(self, chunk: int, x_SBD: torch.Tensor | None, input_ids_BS: torch.Tensor,
-                      labels_BS: torch.Tensor | None) -> torch.Tensor:
+    def forward_chunk(
+        self,
+        chunk: int,
+        x_SBD: torch.Tensor | None,
+        input_ids_BS: torch.Tensor,
+        labels_BS: torch.Tensor | None,
+    ) -> torch.Tensor:
         """One chunk: hidden states in, hidden states out (or loss_BS / logits on the last stage)."""
         doc = None
         if self.doc_eos is not None:
@@ -264,5 +311,7 @@ class GPT(nn.Module):
         return "flex" if self.positions.device.type == "cuda" and not dropout else "sdpa"
 
     def forward(self, input_ids_BS: torch.Tensor, labels_BS: torch.Tensor | None = None) -> torch.Tensor:
-        assert self.stage.first and self.stage.last and len(self.stage.chunks) == 1, "use forward_chunk under pp"
+        assert self.stage.first and self.stage.last and len(self.stage.chunks) == 1, (
+            "use forward_chunk under pp"
+        )
         return self.forward_chunk(0, None, input_ids_BS, labels_BS)

@@ -4,6 +4,7 @@ this rank's pipeline stage (the run's schedule places chunks in a loop or a V), 
 meta device, the cast to train.precision, the init drawn straight into the slices (deferred to ZeRO-3),
 fp8 GEMMs, tp comm overlap, compile; then the optimizer. Train, plan, the memory phases, generate,
 evaluate and megaframe.load_model all build here, so a model is never assembled (or cast) twice."""
+
 from __future__ import annotations
 
 import torch
@@ -30,8 +31,9 @@ def build(cfg, mesh: Mesh) -> tuple[GPT, Optimizer]:
     return build_for(cfg.model, cfg.parallel, cfg.train, cfg.optim, mesh)
 
 
-def build_for(m: ModelConfig, p: ParallelConfig, t: TrainConfig, o: OptimConfig,
-              mesh: Mesh) -> tuple[GPT, Optimizer]:
+def build_for(
+    m: ModelConfig, p: ParallelConfig, t: TrainConfig, o: OptimConfig, mesh: Mesh
+) -> tuple[GPT, Optimizer]:
     """This rank's model and its optimizer, from the model, parallel, train and optim groups."""
     model = build_model_for(m, p, t, o, mesh)
     return model, build_optimizer(model, o, mesh)
@@ -58,9 +60,16 @@ def build_model_for(m: ModelConfig, p: ParallelConfig, t: TrainConfig, o: OptimC
     # parallel.pp_schedule (auto included) resolved once: the stage's placement and the step's schedule
     # (training/step.py reads model.schedule) come from the same spec
     schedule = schedule_spec(p.pp_schedule, p.vpp)
-    model = GPT(m, mesh, p.sp, stage=rank_stage(m, p, mesh, schedule),
-                tokens_per_step=t.global_batch_size * m.seq_length, recompute=t.recompute,
-                cp_ring=CPComm(p.cp_comm) is CPComm.ring, param_device=torch.device("meta"))
+    model = GPT(
+        m,
+        mesh,
+        p.sp,
+        stage=rank_stage(m, p, mesh, schedule),
+        tokens_per_step=t.global_batch_size * m.seq_length,
+        recompute=t.recompute,
+        cp_ring=CPComm(p.cp_comm) is CPComm.ring,
+        param_device=torch.device("meta"),
+    )
     # the one cast: free on a meta model; buffers too (the router keeps its bias fp32)
     model.to(PARAM_DTYPES[t.precision])
     model.schedule = schedule

@@ -17,6 +17,7 @@ projection (the 2nd and 4th).
 and `keep_in_region` lets the planner's attention stand-in report the tensors a fused kernel's outputs
 would be (planning/activations.FusedAttentionSizes: on meta no real kernel runs).
 """
+
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -35,9 +36,14 @@ def _ops(*names: str) -> set:
 
 MATMULS = _ops("mm", "addmm", "_scaled_mm")
 """Counted for the every-second rule: a linear is mm (addmm with a bias), a float8 GEMM _scaled_mm."""
-KEPT = _ops("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-            "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
-            "_scaled_dot_product_fused_attention_overrideable", "max")
+KEPT = _ops(
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_fused_attention_overrideable",
+    "max",
+)
 """Always kept: the attention kernels (their outputs are what their backward reads: recomputing them is the
 cost the mode avoids), and `max` (float8's amax, a scalar that would otherwise cost a reduction again)."""
 

@@ -8,6 +8,7 @@ tests/unit/models/test_rope_scaling.py checks them against LlamaForCausalLM's lo
 per call length) and `longrope` (two tables switched by length) have no fixed table and are refused
 (config/checks.py, import).
 """
+
 from __future__ import annotations
 
 import math
@@ -18,8 +19,9 @@ from megaframe.config.schema import RopeScalingConfig
 from megaframe.model.rope_checks import scaling_problem  # noqa: F401  (its home before; the checks need no torch)
 
 
-def inv_freq(dim: int, theta: float, rs: RopeScalingConfig | None = None,
-             device=None) -> tuple[torch.Tensor, float]:
+def inv_freq(
+    dim: int, theta: float, rs: RopeScalingConfig | None = None, device=None
+) -> tuple[torch.Tensor, float]:
     """(inverse frequencies [dim/2] fp32, cos/sin scale) for head dim `dim`."""
     base = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
     kind = "default" if rs is None else str(rs.rope_type)
@@ -51,14 +53,18 @@ def _yarn(dim: int, theta: float, rs: RopeScalingConfig, device) -> tuple[torch.
     """YaRN (Peng et al. 2023): per dim pair, interpolate (/ factor) the frequencies that turn fewer than
     beta_slow times over the pretraining context, keep those turning more than beta_fast times, ramp
     between; cos/sin are scaled by attention_factor (the paper's 0.1 ln(factor) + 1 unless given)."""
+
     def mscale(scale: float, m: float = 1.0) -> float:
         return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
 
     factor, old = rs.factor, rs.original_max_position_embeddings
     attention = rs.attention_factor
     if attention is None:
-        attention = (float(mscale(factor, rs.mscale) / mscale(factor, rs.mscale_all_dim))
-                     if rs.mscale and rs.mscale_all_dim else mscale(factor))
+        attention = (
+            float(mscale(factor, rs.mscale) / mscale(factor, rs.mscale_all_dim))
+            if rs.mscale and rs.mscale_all_dim
+            else mscale(factor)
+        )
 
     def correction_dim(rotations: float) -> float:
         return (dim * math.log(old / (rotations * 2 * math.pi))) / (2 * math.log(theta))
@@ -76,8 +82,9 @@ def _yarn(dim: int, theta: float, rs: RopeScalingConfig, device) -> tuple[torch.
     return inv, attention
 
 
-def rope_tables(seq: int, dim: int, theta: float, device=None,
-                rs: RopeScalingConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(
+    seq: int, dim: int, theta: float, device=None, rs: RopeScalingConfig | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos_SE, sin_SE for the non-interleaved (rotate-half) RoPE used by Llama, with `rs`'s scaling."""
     # fp32 tables: at long positions bf16 angles would be off by whole radians.
     inv, scale = inv_freq(dim, theta, rs, device)

@@ -1,6 +1,7 @@
 """What a RoPE scaling (model.rope_scaling) needs before model/rope.py can compute its table, in a module
 without torch: config/checks.py asks it in every process that loads a config, and a process that never
 builds a model (data preparation and its workers) would otherwise import torch for it (~1.6 s of CPU)."""
+
 from __future__ import annotations
 
 from megaframe.config.schema import RopeScalingConfig
@@ -16,6 +17,8 @@ def scaling_problem(rs: RopeScalingConfig) -> str | None:
     if kind in ("llama3", "yarn") and not (rs.original_max_position_embeddings or 0) > 0:
         return f"rope_type={kind} needs original_max_position_embeddings (the pretraining context)"
     if kind == "llama3" and not rs.high_freq_factor > rs.low_freq_factor > 0:
-        return (f"rope_type=llama3 needs high_freq_factor > low_freq_factor > 0 "
-                f"(got {rs.high_freq_factor}, {rs.low_freq_factor})")
+        return (
+            f"rope_type=llama3 needs high_freq_factor > low_freq_factor > 0 "
+            f"(got {rs.high_freq_factor}, {rs.low_freq_factor})"
+        )
     return None

@@ -8,6 +8,7 @@ preset in conf/model/ and for tp/pp cuts.
 
 Legend: D hidden, H query heads, K kv heads, E head dim, F ffn width, V vocab rows, S seq_length.
 """
+
 from __future__ import annotations
 
 from megaframe.config.schema import ModelConfig

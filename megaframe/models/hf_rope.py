@@ -1,6 +1,7 @@
 """RoPE settings between megaframe (model.rope_theta, model.rope_scaling) and transformers configs, for
 every RoPE family: transformers >= 5 keeps them in `rope_parameters` (rope_type, rope_theta and the
 scaling's fields), 4.x in `rope_theta` plus a `rope_scaling` dict (`type` in old configs)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -8,10 +9,21 @@ import dataclasses
 from megaframe.config.schema import RopeScalingConfig, RopeType
 
 # the fields each rope_type reads (model/rope.py); the rest keep their defaults
-FIELDS = {"default": (), "linear": ("factor",),
-          "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-          "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor",
-                   "mscale", "mscale_all_dim", "truncate")}
+FIELDS = {
+    "default": (),
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": (
+        "factor",
+        "original_max_position_embeddings",
+        "beta_fast",
+        "beta_slow",
+        "attention_factor",
+        "mscale",
+        "mscale_all_dim",
+        "truncate",
+    ),
+}
 
 
 def rope_config(cls, kw: dict, theta: float, rs: RopeScalingConfig, arch: str):
@@ -40,14 +52,19 @@ def rope_from_hf(cfg) -> tuple[float, RopeScalingConfig]:
         params = {"rope_theta": getattr(cfg, "rope_theta", 10000.0), **scaling}
     kind = params.get("rope_type", params.get("type", "default"))
     if kind not in FIELDS:
-        why = (": its frequencies follow each call's length, so no fixed table reproduces it"
-               if kind == "dynamic" else "")
+        why = (
+            ": its frequencies follow each call's length, so no fixed table reproduces it"
+            if kind == "dynamic"
+            else ""
+        )
         raise ValueError(f"RoPE scaling {kind!r} is not supported (supported: {', '.join(FIELDS)}){why}")
     if kind == "yarn" and params.get("factor") is None:  # DeepSeek-style: transformers derives it
         params["factor"] = cfg.max_position_embeddings / params["original_max_position_embeddings"]
     if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError(f"partial_rotary_factor={params['partial_rotary_factor']} is not supported "
-                         "(megaframe rotates the whole head)")
+        raise ValueError(
+            f"partial_rotary_factor={params['partial_rotary_factor']} is not supported "
+            "(megaframe rotates the whole head)"
+        )
     names = {f.name: f for f in dataclasses.fields(RopeScalingConfig)}
     fields = {k: params[k] for k in FIELDS[kind] if params.get(k) is not None}
     cast = {"original_max_position_embeddings": int, "truncate": bool}

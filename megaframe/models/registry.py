@@ -2,6 +2,7 @@
 
 Order matters only for `family_of`: the first family whose spec claims a config exports it (each spec's
 `mismatch` is written so at most one claims any config)."""
+
 from __future__ import annotations
 
 from megaframe.config.schema import ModelConfig
@@ -29,8 +30,10 @@ def family_of(m: ModelConfig) -> FamilySpec:
         if not why:
             return spec
         reasons[spec.name] = "; ".join(why)
-    raise ValueError("no transformers architecture matches this model: "
-                     + " | ".join(f"not {k}: {v}" for k, v in reasons.items()))
+    raise ValueError(
+        "no transformers architecture matches this model: "
+        + " | ".join(f"not {k}: {v}" for k, v in reasons.items())
+    )
 
 
 def counting_family(m: ModelConfig) -> FamilySpec:
@@ -47,8 +50,10 @@ def by_model_type(model_type: str) -> FamilySpec:
     for spec in FAMILIES.values():
         if spec.hf_model_type == model_type:
             return spec
-    raise ValueError(f"unsupported transformers model_type {model_type!r} "
-                     f"(supported: {', '.join(s.hf_model_type for s in FAMILIES.values())})")
+    raise ValueError(
+        f"unsupported transformers model_type {model_type!r} "
+        f"(supported: {', '.join(s.hf_model_type for s in FAMILIES.values())})"
+    )
 
 
 def preset_family(preset: str) -> FamilySpec:

@@ -6,6 +6,7 @@ is registered by name in models/registry.py; adding one is a new folder plus one
 configure the shared transformer (model/gpt.py): `build` is model/parallelize.build_model unless a family
 needs more.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

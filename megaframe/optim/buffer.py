@@ -39,6 +39,7 @@ step, save or load before one). Views taken before (p.main_grad, AdamW's segment
 as grad32's do across its resizes, so start-up holds the params only.
 Here "dp" is the axis ZeRO shards over: dp itself, edp for experts, or an HSDP shard group (dp_shard).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -173,7 +174,9 @@ def group_plan(params: list[nn.Parameter], groups: list[list[nn.Parameter]], dp:
         if not members:
             continue
         size = sum(p.numel() for p in members)
-        plan.append((list(range(len(ordered), len(ordered) + len(members))), start, start + -(-size // dp) * dp))
+        plan.append(
+            (list(range(len(ordered), len(ordered) + len(members))), start, start + -(-size // dp) * dp)
+        )
         ordered += members
         start = plan[-1][2]
     assert len(ordered) == len(params), "every param in exactly one group"
@@ -185,10 +188,20 @@ class FlatBuffer:
     dtype, bucketed and split over dp as described above. Re-points every param's storage into the param
     buffer."""
 
-    def __init__(self, params: list[nn.Parameter], bucket_bytes: int, dp_rank: int, dp_size: int,
-                 late: set[int], sharded_grads: bool = False, groups: list[list[nn.Parameter]] | None = None,
-                 grad_dtype: torch.dtype = torch.float32, device=None, whole_param: bool = True,
-                 lazy_grads: bool = False):
+    def __init__(
+        self,
+        params: list[nn.Parameter],
+        bucket_bytes: int,
+        dp_rank: int,
+        dp_size: int,
+        late: set[int],
+        sharded_grads: bool = False,
+        groups: list[list[nn.Parameter]] | None = None,
+        grad_dtype: torch.dtype = torch.float32,
+        device=None,
+        whole_param: bool = True,
+        lazy_grads: bool = False,
+    ):
         """`whole_param=False` (ZeRO-3): no param buffer and no re-pointing; the optimizer gives the
         params their storage (bucket by bucket) and the master its values. `device`: where the buffers
         live (default: the params', which may be meta before ZeRO-3 materialises them). `lazy_grads`: the
@@ -197,7 +210,11 @@ class FlatBuffer:
         self.grad_elem = grad_dtype.itemsize
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.device = device = device or params[0].device
-        ordered, plan = bucket_plan(params, bucket_bytes, dp_size) if groups is None else group_plan(params, groups, dp_size)
+        ordered, plan = (
+            bucket_plan(params, bucket_bytes, dp_size)
+            if groups is None
+            else group_plan(params, groups, dp_size)
+        )
         self.numel = plan[-1][2] if plan else 0
         self.state_numel = self.numel // dp_size
         # zero=1: the whole grad buffer; zero=2: this rank's shard of it (see the module docstring)
@@ -207,8 +224,11 @@ class FlatBuffer:
         # One tensor whose storage comes and goes (widen_owned / free_grad32): the AdamW segments' .grad
         # and the owned-grad list view it once, at construction, and stay valid across the resizes.
         # (not lazy_zeros: its storage is resized, and the null one cannot be; freed by the first zero_grad)
-        self.grad32 = (None if grad_dtype == torch.float32 else
-                       torch.zeros(self.state_numel, dtype=torch.float32, device=device))
+        self.grad32 = (
+            None
+            if grad_dtype == torch.float32
+            else torch.zeros(self.state_numel, dtype=torch.float32, device=device)
+        )
         # Zeros, not empty: the padding belongs to no param;
         # zeros keep it deterministic in the master and gathers.
         self.param = torch.zeros(self.numel, dtype=self.dtype, device=device) if whole_param else None
@@ -229,7 +249,9 @@ class FlatBuffer:
             # The same arithmetic on every rank of the axis: rank r's range is block r of the bucket's
             # reduce-scatter, so the collective's block order and the ranges must agree.
             shard_lo = start + dp_rank * (end - start) // dp_size
-            b = Bucket(index, members, start, end, shard_lo, state_lo, late=any(id(p) in late for p in members))
+            b = Bucket(
+                index, members, start, end, shard_lo, state_lo, late=any(id(p) in late for p in members)
+            )
             self.buckets.append(b)
             state_lo += b.shard_numel(dp_size)
             off = start
@@ -256,7 +278,7 @@ class FlatBuffer:
 
     def grad_view(self, p: nn.Parameter) -> torch.Tensor:
         o = self.offset[p]
-        return self.grad[o:o + p.numel()].view(p.shape)
+        return self.grad[o : o + p.numel()].view(p.shape)
 
     def acc_view(self, p: nn.Parameter) -> torch.Tensor:
         """zero=2: p's slice of its bucket's accumulation
@@ -267,7 +289,7 @@ class FlatBuffer:
             # flight hold a full-size fp32 copy, which is zero=2's memory saving.
             b.acc = torch.zeros(b.numel, dtype=self.grad_dtype, device=self.device)
         o = self.offset[p] - b.start
-        return b.acc[o:o + p.numel()].view(p.shape)
+        return b.acc[o : o + p.numel()].view(p.shape)
 
     def owned_grad(self, b: Bucket) -> torch.Tensor:
         """This rank's reduced grads of bucket b: its range of the grad buffer, or of grad_shard."""
@@ -283,10 +305,10 @@ class FlatBuffer:
     def owned_grad_at(self, seg: Segment) -> torch.Tensor:
         """The reduced fp32 grad of one segment (what the update reads; grad32's under bf16 reduction)."""
         if self.grad32 is not None:
-            return self.grad32[seg.state_lo:seg.state_lo + seg.numel]
+            return self.grad32[seg.state_lo : seg.state_lo + seg.numel]
         if self.grad is not None:
-            return self.grad[seg.buf_lo:seg.buf_lo + seg.numel]
-        return self.grad_shard[seg.state_lo:seg.state_lo + seg.numel]
+            return self.grad[seg.buf_lo : seg.buf_lo + seg.numel]
+        return self.grad_shard[seg.state_lo : seg.state_lo + seg.numel]
 
     @torch.no_grad()
     def widen_owned(self) -> None:
@@ -307,19 +329,19 @@ class FlatBuffer:
 
     def param_view(self, p: nn.Parameter) -> torch.Tensor:
         o = self.offset[p]
-        return self.param[o:o + p.numel()].view(p.shape)
+        return self.param[o : o + p.numel()].view(p.shape)
 
     def bucket_range(self, flat: torch.Tensor, b: Bucket) -> torch.Tensor:
         """b's elements of a buffer-shaped flat tensor (grad or param buffer)."""
-        return flat[b.start:b.end]
+        return flat[b.start : b.end]
 
     def shard(self, flat: torch.Tensor, b: Bucket) -> torch.Tensor:
         """This rank's range of bucket b in a buffer-shaped flat tensor."""
-        return flat[b.shard_lo:b.shard_lo + b.shard_numel(self.dp_size)]
+        return flat[b.shard_lo : b.shard_lo + b.shard_numel(self.dp_size)]
 
     def state_shard(self, state: torch.Tensor, b: Bucket) -> torch.Tensor:
         """Bucket b's part of a flat rank-state tensor (state_numel elements)."""
-        return state[b.state_lo:b.state_lo + b.shard_numel(self.dp_size)]
+        return state[b.state_lo : b.state_lo + b.shard_numel(self.dp_size)]
 
     def _segments(self) -> list[Segment]:
         out = []

@@ -1,5 +1,6 @@
 """The plain data-parallel optimizer (optim.zero=0) and the choice among the three implementations of
 optim/protocol.py's Optimizer."""
+
 from __future__ import annotations
 
 import contextlib
@@ -22,7 +23,9 @@ class PlainOptimizer(Optimizer):
     def __init__(self, model: nn.Module, cfg: OptimConfig, mesh: Mesh):
         self.model, self.cfg, self.mesh = model, cfg, mesh
         params = list(model.parameters())
-        self.adam = adamw([p for p in params if p.ndim >= 2], [p for p in params if p.ndim < 2], cfg, mesh.device)
+        self.adam = adamw(
+            [p for p in params if p.ndim >= 2], [p for p in params if p.ndim < 2], cfg, mesh.device
+        )
         self.grads = ReplicatedGrads(model, mesh)
 
     def zero_grad(self) -> None:
@@ -64,9 +67,15 @@ class PlainOptimizer(Optimizer):
         self.adam.state[p]["step"] = torch.tensor(float(step), device=p.device)
 
     def memory_bytes(self) -> dict[str, int]:
-        grads = sum(p.grad.numel() * p.grad.element_size() for p in self.model.parameters() if p.grad is not None)
-        optim = sum(v.numel() * v.element_size() for s in self.adam.state.values() for v in s.values()
-                    if isinstance(v, torch.Tensor) and v.dim() > 0)
+        grads = sum(
+            p.grad.numel() * p.grad.element_size() for p in self.model.parameters() if p.grad is not None
+        )
+        optim = sum(
+            v.numel() * v.element_size()
+            for s in self.adam.state.values()
+            for v in s.values()
+            if isinstance(v, torch.Tensor) and v.dim() > 0
+        )
         return {"mem/grads_bytes": grads, "mem/optim_bytes": optim}
 
 
@@ -80,6 +89,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, mesh: Mesh) -> Optimizer
     fp32 = all(p.dtype == torch.float32 for p in model.parameters())
     if cfg.zero == 3 and mesh.dp.size > 1:
         from megaframe.optim.zero3 import Zero3Optimizer  # noqa: PLC0415 (zero3 imports zero)
+
         return Zero3Optimizer(model, cfg, mesh)
     if cfg.zero and not (mesh.dp_shard.size == 1 and fp32):
         return ZeroOptimizer(model, cfg, mesh)

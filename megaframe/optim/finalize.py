@@ -16,6 +16,7 @@ rank's final grads with their placements. Every step above reads only the placem
 zero=1 (and later stages) agree on what is summed where. The loss is already divided by the global
 token count, so every reduction is a sum.
 """
+
 from __future__ import annotations
 
 from typing import Protocol
@@ -85,7 +86,8 @@ def global_norm(grads: list[tuple[Placement, torch.Tensor]], mesh: Mesh, sharded
     hold equal shards); replicated grads differ only between ep ranks, for experts. Every group is
     reduced even when empty on this rank, so all ranks enter the same collectives."""
     groups: dict[str, tuple[Axis | None, list[torch.Tensor]]] = (
-        {"dp": (mesh.dp_shard, [])} if sharded else {"dense": (None, []), "expert": (mesh.ep, [])})
+        {"dp": (mesh.dp_shard, [])} if sharded else {"dense": (None, []), "expert": (mesh.ep, [])}
+    )
     for pl, g in grads:
         if pl.counts_in_norm(mesh):
             groups["dp" if sharded else "expert" if pl.expert else "dense"][1].append(g)

@@ -29,6 +29,7 @@ the next float8 gather, on every rank alike: one all-reduce per step, no host sy
 The rowwise recipe casts the weight per row and differently for the grad-input GEMM: its weights are
 gathered bf16 as before.
 """
+
 from __future__ import annotations
 
 import math
@@ -85,7 +86,7 @@ class Float8Gather:
         b.f8 = torch.empty(b.numel, dtype=torch.uint8, device=b.pfull.device)
         o = 0
         for p in b.params:
-            data = b.f8[o:o + p.numel()].view(self.dtype).view(p.shape)
+            data = b.f8[o : o + p.numel()].view(self.dtype).view(p.shape)
             p.float8_gathered = (data, self.scale[self.index[id(p)]])
             o += p.numel()
         b.f8.untyped_storage().resize_(0)
@@ -102,7 +103,7 @@ class Float8Gather:
                 continue
             segs, idx = self._segments(buf)
             if segs:
-                views = [st.master[s.state_lo:s.state_lo + s.numel] for s in segs]
+                views = [st.master[s.state_lo : s.state_lo + s.numel] for s in segs]
                 norms = torch.stack(torch._foreach_norm(views, ord=math.inf)).to(buf.dtype).float()
                 amax.scatter_reduce_(0, idx, norms, "amax")
             comm.all_reduce(amax, buf.axis, op=torch.distributed.ReduceOp.MAX)
@@ -131,6 +132,7 @@ class Float8Gather:
             p_lo = buf.offset[p]
             s_lo, s_hi = max(lo, p_lo), min(lo + n, p_lo + p.numel())
             if s_lo < s_hi:
-                hp = master_shard[s_lo - lo:s_hi - lo].to(buf.dtype)
-                out[s_lo - lo:s_hi - lo] = hp_tensor_and_scale_to_float8(
-                    hp, self.scale[self.index[id(p)]], self.dtype)._data
+                hp = master_shard[s_lo - lo : s_hi - lo].to(buf.dtype)
+                out[s_lo - lo : s_hi - lo] = hp_tensor_and_scale_to_float8(
+                    hp, self.scale[self.index[id(p)]], self.dtype
+                )._data

@@ -1,6 +1,7 @@
 """Gradients of the replicated optimizer (optim.zero=0): every rank holds whole grads in `p.grad`,
 all-reduced over the data-parallel axis in flat buckets. The steps around it are optim/finalize.py's.
 """
+
 from __future__ import annotations
 
 import torch

@@ -11,6 +11,7 @@ curve; past the horizon the rate stays at min_lr.
             to min_lr at the horizon (the decay phase can be re-run from a stable-phase checkpoint)
   constant  lr after warmup
 """
+
 from __future__ import annotations
 
 import math
@@ -18,8 +19,15 @@ import math
 from megaframe.config.schema import LRSchedule
 
 
-def lr_at(step: int, lr: float, min_lr: float, warmup_steps: int, decay_steps: int,
-          schedule: LRSchedule = LRSchedule.cosine, wsd_decay_fraction: float = 0.2) -> float:
+def lr_at(
+    step: int,
+    lr: float,
+    min_lr: float,
+    warmup_steps: int,
+    decay_steps: int,
+    schedule: LRSchedule = LRSchedule.cosine,
+    wsd_decay_fraction: float = 0.2,
+) -> float:
     """Learning rate of optimizer step `step` (1-based: the first update is step 1); `decay_steps` is
     the horizon (counted from step 0, warmup included) at which the rate reaches min_lr."""
     if warmup_steps > 0 and step <= warmup_steps:
@@ -49,14 +57,21 @@ def schedule_warnings(o, max_steps: int) -> list[str]:
     horizon, warm, out = o.lr_decay_steps or max_steps, o.warmup_steps, []
     at = lr_at(max_steps, o.lr, o.min_lr, warm, horizon, o.lr_schedule, o.wsd_decay_fraction)
     if max_steps < warm:
-        out.append(f"optim.warmup_steps={warm} > train.max_steps={max_steps}: the run ends inside the warmup, "
-                   f"at lr {at:.2e} of optim.lr={o.lr:.2e}")
+        out.append(
+            f"optim.warmup_steps={warm} > train.max_steps={max_steps}: the run ends inside the warmup, "
+            f"at lr {at:.2e} of optim.lr={o.lr:.2e}"
+        )
     decays = LRSchedule(o.lr_schedule) is not LRSchedule.constant
     if decays and warm >= horizon:
-        out.append(f"optim.warmup_steps={warm} >= the decay horizon {horizon} (optim.lr_decay_steps): the lr falls "
-                   f"from its peak to optim.min_lr={o.min_lr:.2e} at " f"step {warm + 1} (also in a resume with more steps)")
+        out.append(
+            f"optim.warmup_steps={warm} >= the decay horizon {horizon} (optim.lr_decay_steps): the lr falls "
+            f"from its peak to optim.min_lr={o.min_lr:.2e} at "
+            f"step {warm + 1} (also in a resume with more steps)"
+        )
     if decays and warm < max_steps < horizon:
-        out.append(f"train.max_steps={max_steps} < the decay horizon {horizon} (optim.lr_decay_steps): the run ends "
-                   f"at lr {at:.2e}, before the decay reaches optim.min_lr={o.min_lr:.2e} "
-                   f"(optim.lr_decay_steps={max_steps} ends it there)")
+        out.append(
+            f"train.max_steps={max_steps} < the decay horizon {horizon} (optim.lr_decay_steps): the run ends "
+            f"at lr {at:.2e}, before the decay reaches optim.min_lr={o.min_lr:.2e} "
+            f"(optim.lr_decay_steps={max_steps} ends it there)"
+        )
     return out

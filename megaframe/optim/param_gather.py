@@ -9,6 +9,7 @@ order, so waiting "up to k" is what the wire does anyway.
 `wait()` finishes everything: whoever reads parameters outside a forward (checkpoints, tests, the next
 step, backward) calls it first; it is a no-op when nothing is in flight.
 """
+
 from __future__ import annotations
 
 from torch import nn
@@ -82,8 +83,12 @@ def _hook_sites(model: nn.Module) -> list[tuple[nn.Module, list]]:
     if not isinstance(embed, nn.Module) and not isinstance(final_norm, nn.Module):
         sites = [(model, outside)] + [(b, list(b.parameters())) for b in blocks]
     else:
-        head = {id(p) for m in (final_norm, getattr(model, "head", None)) if isinstance(m, nn.Module)
-                for p in m.parameters()}
+        head = {
+            id(p)
+            for m in (final_norm, getattr(model, "head", None))
+            if isinstance(m, nn.Module)
+            for p in m.parameters()
+        }
         sites = [(embed, [p for p in outside if id(p) not in head])] if isinstance(embed, nn.Module) else []
         sites += [(b, list(b.parameters())) for b in blocks]
         sites += [(final_norm, outside)] if isinstance(final_norm, nn.Module) else []
@@ -124,6 +129,7 @@ class ParamGather:
         @eager  # a wait on a Work: never traced into a compiled graph
         def hook(module, args):
             self.wait(upto)
+
         return hook
 
     def launch(self, gather_bucket) -> None:
@@ -134,6 +140,7 @@ class ParamGather:
         self.waited = 0
         if not self.overlap:
             self.wait()
+
     def wait(self, upto: int | None = None) -> None:
         """Wait for the gathers of launch index <= upto (all by default)."""
         end = len(self.works) if upto is None else min(upto + 1, len(self.works))

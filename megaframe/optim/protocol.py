@@ -3,6 +3,7 @@ implement it: PlainOptimizer (optim.zero=0, build.py), ZeroOptimizer (ZeRO-1/-2,
 Zero3Optimizer (zero3.py). An ABC rather than a docstring: a class missing a method cannot be built.
 
 Adam is elementwise, so running it on each rank's parameter slices never changes the math."""
+
 from __future__ import annotations
 
 import abc

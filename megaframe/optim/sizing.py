@@ -1,6 +1,7 @@
 """What the ZeRO optimizers allocate and send, computed without allocating: the planner sizes every rank
 of a layout with these on a virtual mesh, from the same `buffer_groups` and bucket plans the optimizers
 (zero.py, zero3.py) build their buffers from."""
+
 from __future__ import annotations
 
 import torch
@@ -32,8 +33,9 @@ def _plans(params: list[nn.Parameter], cfg: OptimConfig, mesh: Mesh, model: nn.M
         yield axis, ps, ordered, plan
 
 
-def planned_memory_bytes(params: list[nn.Parameter], cfg: OptimConfig, mesh: Mesh,
-                         model: nn.Module | None = None) -> dict[str, int]:
+def planned_memory_bytes(
+    params: list[nn.Parameter], cfg: OptimConfig, mesh: Mesh, model: nn.Module | None = None
+) -> dict[str, int]:
     """memory_bytes() of the ZeRO optimizer of `params` on this rank of `mesh` (zero=3 needs the `model`
     for its gather units' buckets): the same buffers and bucket padding, and per owned element the state
     zero_state.build_state keeps (two fp32 moments, plus an fp32 master for low-precision params). zero=3 adds
@@ -64,8 +66,13 @@ def planned_memory_bytes(params: list[nn.Parameter], cfg: OptimConfig, mesh: Mes
     return {**out, "mem/params_bytes": params_bytes} if cfg.zero == 3 else out
 
 
-def planned_dp_bytes(params: list[nn.Parameter], cfg: OptimConfig, mesh: Mesh, microbatches: int,
-                     model: nn.Module | None = None) -> int:
+def planned_dp_bytes(
+    params: list[nn.Parameter],
+    cfg: OptimConfig,
+    mesh: Mesh,
+    microbatches: int,
+    model: nn.Module | None = None,
+) -> int:
     """Bytes this rank sends on dp in one step of the ZeroOptimizer of `params` (the planner; what
     comm_bytes/dp logs), from the same buffers: per bucket of n elements over a shard axis of s ranks, a
     reduce-scatter (s-1)/s·g·n (g: the grad bytes, 4 or 2 under bf16 reduction) once a step (zero=1) or per
@@ -85,8 +92,11 @@ def planned_dp_bytes(params: list[nn.Parameter], cfg: OptimConfig, mesh: Mesh, m
         for idx, start, end in plan:
             n = end - start
             elem = 1 if id(ordered[idx[0]]) in f8 else ps[0].element_size()  # gathered as float8
-            gathers = gathers_per_step(ordered[idx[0]], units, microbatches, cfg.reshard_after_forward) \
-                if cfg.zero == 3 else 1
+            gathers = (
+                gathers_per_step(ordered[idx[0]], units, microbatches, cfg.reshard_after_forward)
+                if cfg.zero == 3
+                else 1
+            )
             late = any(ordered[i].placement.pp_tied for i in idx)  # reduced once, in step()
             reduces = microbatches if cfg.zero >= 2 and not late else 1
             total += (s - 1) * g * n // s * reduces + gathers * ((s - 1) * elem * n // s)
@@ -97,7 +107,9 @@ def planned_dp_bytes(params: list[nn.Parameter], cfg: OptimConfig, mesh: Mesh, m
     return total + int(2 * (s - 1) / s * 4)
 
 
-def largest_segment(params: list[nn.Parameter], cfg: OptimConfig, mesh: Mesh, model: nn.Module | None = None) -> int:
+def largest_segment(
+    params: list[nn.Parameter], cfg: OptimConfig, mesh: Mesh, model: nn.Module | None = None
+) -> int:
     """Elements of the largest owned segment (one param's part of one rank's share of a bucket) over the shard
     ranks of this coordinate: what a resume reads into one window of the moments (and, at zero=3, of the
     master) at most (planning.phases' load)."""

@@ -58,6 +58,7 @@ clip and AdamW read that. No extra scaling is needed: the loss is divided by the
 what is summed is already each rank's share of the mean (Megatron scales by 1/dp before its bf16 reduce
 for the same reason: a sum of already-averaged values keeps the magnitude of one).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -98,7 +99,8 @@ class ZeroOptimizer(ZeroStateIO, Optimizer):
         self._acc_bytes = self.gathered_peak = 0  # zero=2: live bucket-sized grads now, and their peak
         self._gathered: tuple | None = None  # (key, {name: full bucket tensor}) of the last gathered bucket
         self.states, self._segs_of, self.adam, self._owned_grads = build_state(
-            self.buffers, cfg, mesh.device, self.always_master, self._segment_values)
+            self.buffers, cfg, mesh.device, self.always_master, self._segment_values
+        )
         self._seen = {p: p._version for p in self._segs_of if p.dtype != torch.float32 or self.always_master}
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self.params]
         self.param_gather = self._make_param_gather(model)
@@ -114,9 +116,19 @@ class ZeroOptimizer(ZeroStateIO, Optimizer):
     _segment_values = None
     """zero=3: a segment's starting values (its buffers keep no whole param buffer to copy them from)."""
 
-    def _make_buffer(self, params: list[nn.Parameter], bucket_bytes: int, axis: Axis, late: set) -> FlatBuffer:
-        return FlatBuffer(params, bucket_bytes, axis.rank, axis.size, late, sharded_grads=self.stage == 2,
-                          grad_dtype=self._grad_dtype(params), lazy_grads=True)
+    def _make_buffer(
+        self, params: list[nn.Parameter], bucket_bytes: int, axis: Axis, late: set
+    ) -> FlatBuffer:
+        return FlatBuffer(
+            params,
+            bucket_bytes,
+            axis.rank,
+            axis.size,
+            late,
+            sharded_grads=self.stage == 2,
+            grad_dtype=self._grad_dtype(params),
+            lazy_grads=True,
+        )
 
     def _grad_dtype(self, params: list[nn.Parameter]) -> torch.dtype:
         return grad_dtype(self.cfg.grad_reduce_dtype, params[0].dtype)
@@ -176,7 +188,9 @@ class ZeroOptimizer(ZeroStateIO, Optimizer):
                 b.ready.clear()
                 b.launched = False
                 b.acc = None
-                if self.stage == 2 and b.late and made:  # kept for the step: summed over the pipeline ends first
+                if (
+                    self.stage == 2 and b.late and made
+                ):  # kept for the step: summed over the pipeline ends first
                     for p in b.params:
                         p.main_grad = buf.acc_view(p)
         for p in self.params:
@@ -196,6 +210,7 @@ class ZeroOptimizer(ZeroStateIO, Optimizer):
                     self._drain(keep=0)
             finally:
                 self._last = False
+
         return ctx()
 
     def _grad_ready(self, p: nn.Parameter) -> None:
@@ -213,7 +228,9 @@ class ZeroOptimizer(ZeroStateIO, Optimizer):
         else:
             main = p.main_grad
         if self.stage == 1 and wgrad.take_fused(main):
-            p.grad = None  # the GEMM wrote main itself; p.grad is the never-written tensor that fired this hook
+            p.grad = (
+                None  # the GEMM wrote main itself; p.grad is the never-written tensor that fired this hook
+            )
         elif p.grad is not None and p.grad.data_ptr() != main.data_ptr():
             # bf16 params into fp32 grads, zero=2, or a grad someone replaced; zero=1's first grad of the
             # step is copied (zero_grad zeroed nothing)
@@ -239,13 +256,15 @@ class ZeroOptimizer(ZeroStateIO, Optimizer):
         (zero=2: in acc's range, added into grad_shard by _drain)."""
         b.launched = True
         if self.stage == 1:
-            b.work = comm.reduce_scatter_flat(buf.shard(buf.grad, b), buf.bucket_range(buf.grad, b), buf.axis,
-                                              async_op=True)
+            b.work = comm.reduce_scatter_flat(
+                buf.shard(buf.grad, b), buf.bucket_range(buf.grad, b), buf.axis, async_op=True
+            )
             return
         n = b.shard_numel(buf.dp_size)
         # Output is block dp_rank of acc itself: no extra shard-sized buffer while the bucket flies.
-        b.work = comm.reduce_scatter_flat(b.acc[buf.dp_rank * n:(buf.dp_rank + 1) * n], b.acc, buf.axis,
-                                          async_op=True)
+        b.work = comm.reduce_scatter_flat(
+            b.acc[buf.dp_rank * n : (buf.dp_rank + 1) * n], b.acc, buf.axis, async_op=True
+        )
         self._pending.append((buf, b))
         self._drain(keep=1)  # the one just launched may fly on; older ones land and free their acc
 
@@ -268,7 +287,7 @@ class ZeroOptimizer(ZeroStateIO, Optimizer):
                 b.work.wait()
                 b.work = None
             n = b.shard_numel(buf.dp_size)
-            buf.owned_grad(b).add_(b.acc[buf.dp_rank * n:(buf.dp_rank + 1) * n])
+            buf.owned_grad(b).add_(b.acc[buf.dp_rank * n : (buf.dp_rank + 1) * n])
             b.ready.clear()
             b.launched = False
             if not b.late:
@@ -305,7 +324,11 @@ class ZeroOptimizer(ZeroStateIO, Optimizer):
         # per buffer: zero=2's grad_shard is contiguous, zero=1's ranges are flattened by all_reduce_tensors)
         for buf in self.buffers:
             if buf.rep.size > 1:
-                shards = [buf.grad_shard] if buf.grad_shard is not None else [buf.owned_grad(b) for b in buf.buckets]
+                shards = (
+                    [buf.grad_shard]
+                    if buf.grad_shard is not None
+                    else [buf.owned_grad(b) for b in buf.buckets]
+                )
                 all_reduce_tensors(shards, buf.rep)
             buf.widen_owned()  # bf16 reduction: the norm, clip and update read fp32 (no-op for fp32 grads)
 
@@ -354,7 +377,7 @@ class ZeroOptimizer(ZeroStateIO, Optimizer):
             if p._version != seen:
                 flat = p.detach().reshape(-1)
                 for seg, weights in self._segs_of[p]:
-                    weights.copy_(flat[seg.param_lo:seg.param_lo + seg.numel])
+                    weights.copy_(flat[seg.param_lo : seg.param_lo + seg.numel])
                 self._seen[p] = p._version
 
     @torch.no_grad()

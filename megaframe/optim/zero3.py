@@ -51,6 +51,7 @@ edp, one bucket per block too), cp (shards and gathers over cp·dp, both cp_comm
 recompute (the re-run forward inside backward neither frees nor prefetches); refused with compile
 (config/checks.py): hooks inside compiled blocks are not handled.
 """
+
 from __future__ import annotations
 
 import torch
@@ -96,24 +97,42 @@ class Zero3Optimizer(ZeroOptimizer):
                     self.block_buckets[i].append((buf, b))
         self._seen = {p: p._version for p in self._seen}
         for i, (unit, _, backward_reads) in enumerate(self.units):
-            self._hooks += [unit.register_forward_pre_hook(self._on(i, "fwd_pre")),
-                            unit.register_forward_hook(self._on(i, "fwd_post"))]
+            self._hooks += [
+                unit.register_forward_pre_hook(self._on(i, "fwd_pre")),
+                unit.register_forward_hook(self._on(i, "fwd_post")),
+            ]
             if backward_reads:  # else (the input step) nothing to gather for its backward; freed at step()
-                self._hooks += [unit.register_full_backward_pre_hook(self._on(i, "bwd_pre")),
-                                unit.register_full_backward_hook(self._on(i, "bwd_post"))]
+                self._hooks += [
+                    unit.register_full_backward_pre_hook(self._on(i, "bwd_pre")),
+                    unit.register_full_backward_hook(self._on(i, "bwd_post")),
+                ]
         # Every bucket starts freed (params given by a checkpoint were folded into the master above); a
         # forward gathers what it needs, sync_params() everything (readers outside a forward).
-        self.gathered_params = sum(b.numel * b.pfull.element_size() for bs in self.block_buckets for _, b in bs
-                                   if b.pfull.untyped_storage().nbytes())
+        self.gathered_params = sum(
+            b.numel * b.pfull.element_size()
+            for bs in self.block_buckets
+            for _, b in bs
+            if b.pfull.untyped_storage().nbytes()
+        )
         self.launch(None)
 
     def _make_buffer(self, params, bucket_bytes, axis, late) -> FlatBuffer:
         groups = zero3_groups(params, self.units)
         if self.float8 is not None:
             groups = split_groups(groups, set(self.float8.index))
-        buf = FlatBuffer(params, bucket_bytes, axis.rank, axis.size, late, sharded_grads=True,
-                         groups=groups, grad_dtype=self._grad_dtype(params),
-                         device=self.mesh.device, whole_param=False, lazy_grads=True)
+        buf = FlatBuffer(
+            params,
+            bucket_bytes,
+            axis.rank,
+            axis.size,
+            late,
+            sharded_grads=True,
+            groups=groups,
+            grad_dtype=self._grad_dtype(params),
+            device=self.mesh.device,
+            whole_param=False,
+            lazy_grads=True,
+        )
         for b in buf.buckets:
             self._bucket_storage(buf, b)
         return buf
@@ -127,7 +146,7 @@ class Zero3Optimizer(ZeroOptimizer):
         b.pfull = torch.empty(b.numel, dtype=buf.dtype, device=buf.device)
         o = 0
         for p in b.params:
-            view = b.pfull[o:o + p.numel()].view(p.shape)
+            view = b.pfull[o : o + p.numel()].view(p.shape)
             o += p.numel()
             if p.is_meta:
                 self._from_init.add(p)
@@ -152,7 +171,7 @@ class Zero3Optimizer(ZeroOptimizer):
             assert self._init is not None, "a meta model without init_spec: build it with build_model"
             vals = init_flat(self._names[p], p.placement.shard, self._init, seg.param_lo, seg.numel)
             return vals.to(p.device, p.dtype)
-        return p.detach().reshape(-1)[seg.param_lo:seg.param_lo + seg.numel]
+        return p.detach().reshape(-1)[seg.param_lo : seg.param_lo + seg.numel]
 
     def _make_param_gather(self, model):
         return self  # wait() / launch() / in_flight below
@@ -175,6 +194,7 @@ class Zero3Optimizer(ZeroOptimizer):
                 pass
             elif self.cfg.reshard_after_forward or (when == "bwd_post" and self._last):
                 self._free(i)  # else kept from the first forward to the last backward of the step
+
         return hook
 
     def _launch_gather(self, buf: FlatBuffer, b: Bucket) -> None:
@@ -191,7 +211,7 @@ class Zero3Optimizer(ZeroOptimizer):
                     self.gathered_peak = max(self.gathered_peak, self.gathered_params + self._acc_bytes)
                 self.gathered_high = max(self.gathered_high, self.gathered_params)
         n = b.shard_numel(buf.dp_size)
-        mine = b.pfull[buf.dp_rank * n:(buf.dp_rank + 1) * n]
+        mine = b.pfull[buf.dp_rank * n : (buf.dp_rank + 1) * n]
         # From the fp32 master, not a stale bf16 copy: the master is what the update wrote.
         with torch.no_grad():
             mine.copy_(buf.state_shard(st.master, b))
@@ -209,7 +229,7 @@ class Zero3Optimizer(ZeroOptimizer):
             self.gathered_peak = max(self.gathered_peak, self.gathered_params + self._acc_bytes)
             self.gathered_high = max(self.gathered_high, self.gathered_params)
         n = b.shard_numel(buf.dp_size)
-        mine8 = b.f8[buf.dp_rank * n:(buf.dp_rank + 1) * n]
+        mine8 = b.f8[buf.dp_rank * n : (buf.dp_rank + 1) * n]
         self.float8.cast_shard(buf, b, buf.state_shard(st.master, b), mine8)
         b.gwork = comm.all_gather_flat(b.f8, mine8, buf.axis, async_op=True)
         b.fresh8 = True
@@ -229,7 +249,9 @@ class Zero3Optimizer(ZeroOptimizer):
 
     def _free(self, i: int) -> None:
         if not any(_held(b) or b.gwork is not None for _, b in self.block_buckets[i]):
-            for _, b in self.block_buckets[i]:  # already freed (meta start-up, or freed twice): no storage to read
+            for _, b in self.block_buckets[
+                i
+            ]:  # already freed (meta start-up, or freed twice): no storage to read
                 b.fresh = b.fresh8 = False
             return
         # Last chance to see writes made from outside into
@@ -287,8 +309,11 @@ class Zero3Optimizer(ZeroOptimizer):
         """As ZeroOptimizer's, for params whose storage is gathered now (a freed block is re-read when
         the params written from outside were gathered: just before it is freed)."""
         keep, ids = self._seen, None if params is None else {id(p) for p in params}
-        self._seen = {p: v for p, v in keep.items() if (ids is None or id(p) in ids)
-                      and p.untyped_storage().nbytes() > 0}
+        self._seen = {
+            p: v
+            for p, v in keep.items()
+            if (ids is None or id(p) in ids) and p.untyped_storage().nbytes() > 0
+        }
         try:
             super()._resync_master()
         finally:
@@ -322,8 +347,10 @@ class Zero3Optimizer(ZeroOptimizer):
         if p.untyped_storage().nbytes() > 0:
             return None
         st = self.states[self.buffers.index(self._buffer_of[p])]
-        return [(seg.param_lo, seg.numel, st.master[seg.state_lo:seg.state_lo + seg.numel])
-                for seg, _ in self._segs_of.get(p, [])]
+        return [
+            (seg.param_lo, seg.numel, st.master[seg.state_lo : seg.state_lo + seg.numel])
+            for seg, _ in self._segs_of.get(p, [])
+        ]
 
     def memory_bytes(self) -> dict[str, int]:
         """Params: this rank's shards (the fp32 owned range) plus the resident bucket; grads and optimizer

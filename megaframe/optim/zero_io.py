@@ -2,6 +2,7 @@
 reads into, the dp-gathered logical state and grads (tests, debugging), and the memory figures. A mixin of
 zero.py's ZeroOptimizer (and so of zero3.py's), split off to keep the step path readable; it reads the
 optimizer's buffers, states, `_buffer_of`/`_segs_of` maps, param gather and adam step counters."""
+
 from __future__ import annotations
 
 import torch
@@ -44,7 +45,7 @@ class ZeroStateIO:
             return {}
         b = buf.bucket_of[p]
         o = buf.offset[p] - b.start
-        return {k: v[o:o + p.numel()].view(p.shape) for k, v in self._gather_bucket(buf, b, what).items()}
+        return {k: v[o : o + p.numel()].view(p.shape) for k, v in self._gather_bucket(buf, b, what).items()}
 
     def state_segments(self, p: nn.Parameter) -> list[tuple[int, int, dict[str, torch.Tensor]]]:
         """This rank's segments of p's state, no collective: (first element of the flat local param,
@@ -57,9 +58,9 @@ class ZeroStateIO:
         out = []
         for seg, _ in self._segs_of.get(p, []):
             lo, n = seg.state_lo, seg.numel
-            views = {"exp_avg": st.exp_avg[lo:lo + n], "exp_avg_sq": st.exp_avg_sq[lo:lo + n]}
+            views = {"exp_avg": st.exp_avg[lo : lo + n], "exp_avg_sq": st.exp_avg_sq[lo : lo + n]}
             if st.master is not None:
-                views["master"] = st.master[lo:lo + n]
+                views["master"] = st.master[lo : lo + n]
             out.append((seg.param_lo, n, views))
         return out
 
@@ -98,7 +99,9 @@ class ZeroStateIO:
         from_p = st.master is not None and "master" not in kinds and p.untyped_storage().nbytes() > 0
         for seg, weights in self._segs_of.get(p, []):
             if from_p:
-                st.master[seg.state_lo:seg.state_lo + seg.numel].copy_(flat[seg.param_lo:seg.param_lo + seg.numel])
+                st.master[seg.state_lo : seg.state_lo + seg.numel].copy_(
+                    flat[seg.param_lo : seg.param_lo + seg.numel]
+                )
             self.adam.state[weights]["step"].fill_(float(step))
         if p in self._seen:
             self._seen[p] = p._version  # the master just loaded is exact: do not re-read it from p
@@ -111,13 +114,18 @@ class ZeroStateIO:
         next zero_grad, when the activations are already freed: not part of mem/grads_bytes. Grads and state
         count only once made (make_grads / make_state): before, the rank holds none (training/phase_meter.py's
         baseline of a phase is what is held then)."""
-        grads = sum(held(buf.grad) + held(buf.grad_shard) + sum(held(b.acc) for b in buf.buckets if b.late)
-                    for buf in self.buffers)
+        grads = sum(
+            held(buf.grad) + held(buf.grad_shard) + sum(held(b.acc) for b in buf.buckets if b.late)
+            for buf in self.buffers
+        )
         optim = sum(held(t) for st in self.states for t in (st.exp_avg, st.exp_avg_sq, st.master))
         wide = sum(4 * buf.state_numel for buf in self.buffers if buf.grad32 is not None)
-        return {"mem/grads_bytes": grads, "mem/optim_bytes": optim, "mem/gathered_peak_bytes": self.gathered_peak,
-                "mem/grads_fp32_bytes": wide}
-
+        return {
+            "mem/grads_bytes": grads,
+            "mem/optim_bytes": optim,
+            "mem/gathered_peak_bytes": self.gathered_peak,
+            "mem/grads_fp32_bytes": wide,
+        }
 
 
 def held(t: torch.Tensor | None) -> int:

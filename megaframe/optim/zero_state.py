@@ -5,6 +5,7 @@ Weight decay applies to matrices only (p.ndim >= 2). The update itself is torch.
 1-D views of the owned range (segments), so the math is exactly torch's (decoupled decay, bias
 correction) and zero=1 equals zero=0 elementwise.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -61,8 +62,9 @@ def flat_buffers(params: list[nn.Parameter], cfg: OptimConfig, mesh: Mesh, make=
     return buffers
 
 
-def build_state(buffers: list[FlatBuffer], cfg: OptimConfig, device: torch.device, always_master: bool,
-                source=None) -> OwnedState:
+def build_state(
+    buffers: list[FlatBuffer], cfg: OptimConfig, device: torch.device, always_master: bool, source=None
+) -> OwnedState:
     """Flat moments (and master) per buffer, without storage until make_state; torch AdamW over 1-D
     segment views of them. `always_master`:
     an fp32 master for fp32 params too (zero=3, whose param buffer is not kept whole). A buffer without a
@@ -79,20 +81,22 @@ def build_state(buffers: list[FlatBuffer], cfg: OptimConfig, device: torch.devic
                 # zero=3: the master IS the params' storage (their only copy): made now, not lazily
                 master = torch.zeros(n, dtype=torch.float32, device=device)
                 for seg in buf.segments:
-                    master[seg.state_lo:seg.state_lo + seg.numel].copy_(source(seg))
+                    master[seg.state_lo : seg.state_lo + seg.numel].copy_(source(seg))
         # Moments (and a master copied from the param buffer) have no storage until make_state: torch's
         # AdamW makes its moments at the first update too, so start-up holds the params only.
         st = FlatState(lazy_zeros(n, torch.float32, device), lazy_zeros(n, torch.float32, device), master)
         states.append(st)
         for seg in buf.segments:
             lo, hi = seg.state_lo, seg.state_lo + seg.numel
-            weights = buf.param[seg.buf_lo:seg.buf_lo + seg.numel] if master is None else master[lo:hi]
+            weights = buf.param[seg.buf_lo : seg.buf_lo + seg.numel] if master is None else master[lo:hi]
             weights.grad = buf.owned_grad_at(seg)
             groups[0 if seg.param.ndim >= 2 else 1].append(weights)
             step = torch.zeros((), dtype=torch.float32, device=device)
             # fused AdamW requires its step counter as an fp32
             # tensor on the params' device, never a Python int.
-            pre.append((weights, {"step": step, "exp_avg": st.exp_avg[lo:hi], "exp_avg_sq": st.exp_avg_sq[lo:hi]}))
+            pre.append(
+                (weights, {"step": step, "exp_avg": st.exp_avg[lo:hi], "exp_avg_sq": st.exp_avg_sq[lo:hi]})
+            )
             segs_of.setdefault(seg.param, []).append((seg, weights))
     adam = adamw(*groups, cfg, device) if any(groups) else None
     for weights, s in pre:  # torch AdamW keeps state it finds: point it at our flat moments

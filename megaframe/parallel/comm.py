@@ -10,6 +10,7 @@ shape, bytes), which the hang watchdog dumps: the last entries name the collecti
 Activations are sequence-first ([S, B, D]), so sequence-parallel splits and gathers are along dim 0,
 which is contiguous and maps straight onto all_gather / reduce_scatter of flat tensors.
 """
+
 from __future__ import annotations
 
 import math
@@ -115,7 +116,9 @@ def reduce_scatter_flat(out: torch.Tensor, x: torch.Tensor, axis: Axis, async_op
         if out.data_ptr() != x.data_ptr():
             out.copy_(x)
         return None
-    assert x.numel() == out.numel() * axis.size, f"{x.numel()} elements do not split into {axis.size} x {out.numel()}"
+    assert x.numel() == out.numel() * axis.size, (
+        f"{x.numel()} elements do not split into {axis.size} x {out.numel()}"
+    )
     entry = _enter(axis, "reduce_scatter_flat", x, (axis.size - 1) / axis.size * _nbytes(x))
     if entry is None:
         return None
@@ -215,8 +218,9 @@ class _ReduceScatterToSP(torch.autograd.Function):
 
 # The collectives run eagerly even inside a torch.compile'd block (train.compile): dynamo would guard
 # on the byte counters and recompile every step. At size 1 they are the identity and compile away.
-_eager = {f: eager(f.apply) for f in (_CopyToTP, _ReduceFromTP, _ScatterToSP, _GatherFromSP,
-                                                      _ReduceScatterToSP)}
+_eager = {
+    f: eager(f.apply) for f in (_CopyToTP, _ReduceFromTP, _ScatterToSP, _GatherFromSP, _ReduceScatterToSP)
+}
 
 
 def gather_from_cp(x: torch.Tensor, axis: Axis) -> torch.Tensor:
@@ -269,8 +273,18 @@ def all_to_all_rows(x: torch.Tensor, axis: Axis, out_splits: list[int], in_split
     # The rows this rank keeps for itself never leave it, so they are not counted as traffic.
     entry = _enter(axis, "all_to_all", x, (sum(in_splits) - in_splits[axis.rank]) * row)
     if entry is not None:
-        _done(axis, entry, x, dist.all_to_all_single(out, x, output_split_sizes=list(out_splits),
-                                            input_split_sizes=list(in_splits), group=axis.group))
+        _done(
+            axis,
+            entry,
+            x,
+            dist.all_to_all_single(
+                out,
+                x,
+                output_split_sizes=list(out_splits),
+                input_split_sizes=list(in_splits),
+                group=axis.group,
+            ),
+        )
     return out
 
 
@@ -342,7 +356,9 @@ class _BatchWork:
         return getattr(self.work, name)
 
 
-def batch_isend_irecv(axis: Axis, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]) -> list:
+def batch_isend_irecv(
+    axis: Axis, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]
+) -> list:
     """Send and receive (tensor, peer rank on `axis`) pairs as one batch; returns what the backend returns.
 
     That is one Work per op on gloo but ONE coalesced Work for the whole batch on NCCL (and under the
@@ -357,8 +373,14 @@ def batch_isend_irecv(axis: Axis, sends: list[tuple[torch.Tensor, int]], recvs: 
     if not sends and not recvs:
         return []
     first = (sends or recvs)[0][0]
-    entry = axis.stats.record(f"p2p send{[p for _, p in sends]} recv{[p for _, p in recvs]}", axis.name, axis.ranks,
-                              first.shape, first.dtype, sum(_nbytes(t) for t, _ in sends + recvs))
+    entry = axis.stats.record(
+        f"p2p send{[p for _, p in sends]} recv{[p for _, p in recvs]}",
+        axis.name,
+        axis.ranks,
+        first.shape,
+        first.dtype,
+        sum(_nbytes(t) for t, _ in sends + recvs),
+    )
     entry["async"] = True
     # P2POp takes global ranks even with a group; axis ranks are positions within the axis.
     sends_g = [(t, axis.ranks[p]) for t, p in sends]

@@ -10,6 +10,7 @@ positions: exact, whatever the order.
 
 Legend: B batch, S sequence (S/c on a cp rank), Q this rank's query tokens, T the gathered K/V tokens.
 """
+
 from __future__ import annotations
 
 import functools
@@ -31,7 +32,9 @@ def cp_keep(x_BS: torch.Tensor, rank: int, cp: int) -> torch.Tensor:
     if cp == 1:
         return x_BS
     n = x_BS.shape[1] // (2 * cp)
-    return torch.cat([x_BS[:, rank * n:(rank + 1) * n], x_BS[:, (2 * cp - 1 - rank) * n:(2 * cp - rank) * n]], dim=1)
+    return torch.cat(
+        [x_BS[:, rank * n : (rank + 1) * n], x_BS[:, (2 * cp - 1 - rank) * n : (2 * cp - rank) * n]], dim=1
+    )
 
 
 def cp_merge(parts_BS: list[torch.Tensor]) -> torch.Tensor:
@@ -77,8 +80,16 @@ def cp_causal_bias(seq: int, cp: int, rank: int, device: torch.device, dtype: to
     return torch.zeros(mask_QT.shape, dtype=dtype, device=device).masked_fill_(~mask_QT, float("-inf"))
 
 
-def cp_bytes_per_layer(seq: int, cp: int, micro_batch: int, kv_heads: int, head_dim: int, elem_bytes: int,
-                       ring: bool, recompute: str = "none") -> int:
+def cp_bytes_per_layer(
+    seq: int,
+    cp: int,
+    micro_batch: int,
+    kv_heads: int,
+    head_dim: int,
+    elem_bytes: int,
+    ring: bool,
+    recompute: str = "none",
+) -> int:
     """Bytes one cp rank sends on the cp axis for one transformer layer and one micro-batch, forward and
     backward (the theory comm_bytes/cp is checked against, and the planner's figure). kv_heads: this tp
     rank's. A rank's K (or V) block is S/c x B x K x E elements.

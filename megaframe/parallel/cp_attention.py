@@ -20,6 +20,7 @@ fused SDPA call saves, and no [Q, T] tensor. The work is the causal triangle's, 
 Legend: B batch, H query heads, K kv heads (GQA: H a multiple of K), Q this rank's 2n query tokens,
 T = S the gathered tokens, E head dim.
 """
+
 from __future__ import annotations
 
 import torch
@@ -35,7 +36,9 @@ def cp_global_order(x_BKTE: torch.Tensor, cp: int) -> torch.Tensor:
     """The gathered K (or V) in cp-rank order (rank 0's two chunks, rank 1's, ...) put in global order
     along dim 2: global chunk j is gathered chunk 2j (j < c) or 2(2c-1-j)+1 (j >= c)."""
     parts = x_BKTE.chunk(2 * cp, dim=2)
-    return torch.cat([parts[2 * j] if j < cp else parts[2 * (2 * cp - 1 - j) + 1] for j in range(2 * cp)], dim=2)
+    return torch.cat(
+        [parts[2 * j] if j < cp else parts[2 * (2 * cp - 1 - j) + 1] for j in range(2 * cp)], dim=2
+    )
 
 
 def cp_query_segments(seq: int, cp: int, rank: int) -> list[tuple[int, int, int]]:
@@ -55,7 +58,7 @@ class _CpuChunkedCausal(torch.autograd.Function):
         n = segments[0][1] - segments[0][0]
         for lo, hi, d in segments:
             q = q_BHQE[:, :, lo:hi]
-            o_diag, lse_diag = _FLASH(q, k_BKTE[:, :, d:d + n], v_BKTE[:, :, d:d + n], 0.0, True)
+            o_diag, lse_diag = _FLASH(q, k_BKTE[:, :, d : d + n], v_BKTE[:, :, d : d + n], 0.0, True)
             if d == 0:  # the sequence's first chunk: nothing earlier to merge
                 o_BHQE[:, :, lo:hi], lse_BHQ[:, :, lo:hi] = o_diag, lse_diag
                 continue
@@ -83,9 +86,11 @@ class _CpuChunkedCausal(torch.autograd.Function):
             q, do, o = q_BHQE[:, :, lo:hi], do_BHQE[:, :, lo:hi], o_BHQE[:, :, lo:hi]
             lse = lse_BHQ[:, :, lo:hi].contiguous()
             # each part with the merged o and lse: its probabilities and delta are the whole softmax's
-            dq, dk, dv = _FLASH_BWD(do, q, k_BKTE[:, :, d:d + n], v_BKTE[:, :, d:d + n], o, lse, 0.0, True)
-            dk_BKTE[:, :, d:d + n] += dk
-            dv_BKTE[:, :, d:d + n] += dv
+            dq, dk, dv = _FLASH_BWD(
+                do, q, k_BKTE[:, :, d : d + n], v_BKTE[:, :, d : d + n], o, lse, 0.0, True
+            )
+            dk_BKTE[:, :, d : d + n] += dk
+            dv_BKTE[:, :, d : d + n] += dv
             if d > 0:
                 dq_full, dk, dv = _FLASH_BWD(do, q, k_BKTE[:, :, :d], v_BKTE[:, :, :d], o, lse, 0.0, False)
                 dq = dq.to(acc) + dq_full.to(acc)
@@ -96,8 +101,9 @@ class _CpuChunkedCausal(torch.autograd.Function):
 
 
 @eager  # a custom kernel pair with a hand-written backward: eager between compiled pieces
-def cp_chunked_attention(q_BHQE: torch.Tensor, k_BKTE: torch.Tensor, v_BKTE: torch.Tensor, seq: int, cp: int,
-                         rank: int) -> torch.Tensor:
+def cp_chunked_attention(
+    q_BHQE: torch.Tensor, k_BKTE: torch.Tensor, v_BKTE: torch.Tensor, seq: int, cp: int, rank: int
+) -> torch.Tensor:
     """Exact causal attention (no dropout) of cp rank `rank`'s queries against the cp group's gathered
     K/V in cp-rank order (comm.gather_from_cp), without a mask tensor (module docstring)."""
     k_BKTE, v_BKTE = cp_global_order(k_BKTE, cp), cp_global_order(v_BKTE, cp)
@@ -107,7 +113,9 @@ def cp_chunked_attention(q_BHQE: torch.Tensor, k_BKTE: torch.Tensor, v_BKTE: tor
     return lower_right_sdpa(q_BHQE, k_BKTE, v_BKTE, segments)
 
 
-def lower_right_sdpa(q_BHQE: torch.Tensor, k_BKTE: torch.Tensor, v_BKTE: torch.Tensor, segments) -> torch.Tensor:
+def lower_right_sdpa(
+    q_BHQE: torch.Tensor, k_BKTE: torch.Tensor, v_BKTE: torch.Tensor, segments
+) -> torch.Tensor:
     """The per-chunk calls for devices with a bottom-right causal kernel (K/V in global order). Exact on
     any device (CPU materialises the mask; the unit test runs it there)."""
     from torch.backends.cuda import SDPAParams, can_use_flash_attention
@@ -121,7 +129,14 @@ def lower_right_sdpa(q_BHQE: torch.Tensor, k_BKTE: torch.Tensor, v_BKTE: torch.T
         if gqa and not can_use_flash_attention(SDPAParams(q, k, v, None, 0.0, False, True)):
             # the memory-efficient kernel (fp32) takes no GQA: without whole heads torch would fall back
             # to a materialised [n, end] mask per call; expanded K/V cost O(S) instead
-            k, v = k.repeat_interleave(q.shape[1] // k.shape[1], 1), v.repeat_interleave(q.shape[1] // v.shape[1], 1)
+            k, v = (
+                k.repeat_interleave(q.shape[1] // k.shape[1], 1),
+                v.repeat_interleave(q.shape[1] // v.shape[1], 1),
+            )
             gqa = False
-        outs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(hi - lo, end), enable_gqa=gqa))
+        outs.append(
+            F.scaled_dot_product_attention(
+                q, k, v, attn_mask=causal_lower_right(hi - lo, end), enable_gqa=gqa
+            )
+        )
     return torch.cat(outs, dim=2)

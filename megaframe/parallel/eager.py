@@ -9,6 +9,7 @@ inlining the callable, then meets a disabled function and runs it eagerly betwee
 same graph break the module-level `torch.compiler.disable` gave. Callables made after `arm()` are armed at
 once.
 """
+
 from __future__ import annotations
 
 import functools

@@ -4,6 +4,7 @@ torchrun sets RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT. Under 
 the SLURM_* variables describe the rank; torchrun's names win when both exist (inside torchrun workers
 the SLURM_* variables describe the agent). One process needs no process group at all.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -36,12 +37,15 @@ def pick_device(choice: str, local_rank: int) -> torch.device:
     if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     from megaframe.errors import ConfigError
+
     if not torch.cuda.is_available():
         raise ConfigError("train.device=cuda but CUDA is not available on this machine")
     local, gpus = local_world_size(), torch.cuda.device_count()
     if local > gpus:  # NCCL does not support one device for several ranks of a communicator: it may hang
-        raise ConfigError(f"train.device={choice}: {local} ranks on this node but {gpus} GPU(s); NCCL needs one GPU "
-                          "per rank: start at most one rank per GPU, or pass train.device=cpu")
+        raise ConfigError(
+            f"train.device={choice}: {local} ranks on this node but {gpus} GPU(s); NCCL needs one GPU "
+            "per rank: start at most one rank per GPU, or pass train.device=cpu"
+        )
     # before init_process_group: NCCL binds each rank to the current device
     torch.cuda.set_device(local_rank % torch.cuda.device_count())
     return torch.device("cuda", torch.cuda.current_device())
@@ -58,7 +62,7 @@ def local_world_size(environ=os.environ) -> int:
 
 NCCL_DEFAULTS = {
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",  # a failed or timed-out collective aborts the communicator and
-                                             # ends the process, instead of leaving the others hanging
+    # ends the process, instead of leaving the others hanging
     "TORCH_NCCL_TRACE_BUFFER_SIZE": "20000",  # flight recorder: each rank's last 20000 collectives
     "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",  # written out when NCCL's watchdog sees a timeout
 }
@@ -80,7 +84,9 @@ def nccl_env(run_dir: str, environ=os.environ) -> dict[str, str]:
     return done
 
 
-def init_distributed(env: DistEnv, device: torch.device, timeout_s: float = 600.0, run_dir: str | None = None) -> None:
+def init_distributed(
+    env: DistEnv, device: torch.device, timeout_s: float = 600.0, run_dir: str | None = None
+) -> None:
     """NCCL on CUDA, gloo on CPU; every collective times out after `timeout_s` (train.dist_timeout_s)
     instead of hanging. On CUDA, NCCL's async error handling and flight recorder are switched on, with
     dumps under `run_dir` (see nccl_env)."""
@@ -96,8 +102,14 @@ def init_distributed(env: DistEnv, device: torch.device, timeout_s: float = 600.
     store = _store(env, timeout)
     if device.type == "cuda" and run_dir is not None:
         early_dump_dir(store, env.rank, run_dir)  # before init_process_group: NCCL reads its settings there
-    dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size,
-                            timeout=timeout, **({"device_id": device} if device.type == "cuda" else {}))
+    dist.init_process_group(
+        backend,
+        store=store,
+        rank=env.rank,
+        world_size=env.world_size,
+        timeout=timeout,
+        **({"device_id": device} if device.type == "cuda" else {}),
+    )
 
 
 def early_dump_dir(store: dist.Store, rank: int, run_dir: str, environ=os.environ) -> str:
@@ -127,8 +139,11 @@ def master_addr(environ=os.environ) -> str:
         if environ.get(var):
             return first_host(environ[var])
     from megaframe.errors import ConfigError
-    raise ConfigError(f"SLURM_NNODES={nodes} but MASTER_ADDR is not set and no {'/'.join(_NODELIST_VARS)} "
-                      "names the nodes: export MASTER_ADDR=<first node> (scripts/slurm/pretrain.sbatch does)")
+
+    raise ConfigError(
+        f"SLURM_NNODES={nodes} but MASTER_ADDR is not set and no {'/'.join(_NODELIST_VARS)} "
+        "names the nodes: export MASTER_ADDR=<first node> (scripts/slurm/pretrain.sbatch does)"
+    )
 
 
 def first_host(nodelist: str) -> str:

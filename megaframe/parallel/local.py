@@ -1,5 +1,6 @@
 """Local process groups for measurements (the planner's gloo link, the benchmark scripts): n spawned
 processes on this host that form a gloo group on a free port, and the one answer a rank puts back."""
+
 from __future__ import annotations
 
 import queue
@@ -33,8 +34,10 @@ def spawn_local(target, nprocs: int, *args, timeout_s: float = 1800.0):
     except queue.Empty:  # a slow or overloaded machine, or a rank that died: one line, not a queue traceback
         grace = 0.0
         dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-        raise TimeoutError(f"no answer from {nprocs} local processes within {timeout_s:g} s"
-                           + (f" (exit codes {dead})" if dead else " (a busy machine?)")) from None
+        raise TimeoutError(
+            f"no answer from {nprocs} local processes within {timeout_s:g} s"
+            + (f" (exit codes {dead})" if dead else " (a busy machine?)")
+        ) from None
     finally:
         for p in procs:
             p.join(timeout=grace)

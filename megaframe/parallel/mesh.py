@@ -43,6 +43,7 @@ The mesh is built once from the config and passed to every layer, the optimizer 
 Axes of size 1 carry no process group: the collectives in `comm` never communicate over them, which is
 also why one process needs no torch.distributed at all.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -103,8 +104,17 @@ class CommStats:
     def record(self, op: str, group: str, ranks, shape, dtype, nbytes: int) -> dict:
         """Note a collective as it is entered; entry['done'] is set once a blocking call returns (see
         `noting`) or an async one's Work is waited for (comm._done)."""
-        entry = {"op": op, "group": group, "ranks": tuple(ranks), "shape": tuple(shape), "dtype": str(dtype),
-                 "bytes": int(nbytes), "t": time.time(), "done": False, "async": False}
+        entry = {
+            "op": op,
+            "group": group,
+            "ranks": tuple(ranks),
+            "shape": tuple(shape),
+            "dtype": str(dtype),
+            "bytes": int(nbytes),
+            "t": time.time(),
+            "done": False,
+            "async": False,
+        }
         self.recent.append(entry)
         return entry
 
@@ -149,8 +159,9 @@ class Axis:
     None: point-to-point transfers use the backend's own semantics."""
 
     def __post_init__(self):
-        assert self.size == 1 or self.group is not None or self.virtual, \
+        assert self.size == 1 or self.group is not None or self.virtual, (
             f"axis {self.name} of size {self.size} needs a group"
+        )
 
 
 @dataclass(frozen=True)
@@ -202,19 +213,25 @@ class Mesh:
         if self.dp_shard is None:
             object.__setattr__(self, "dp_shard", self.dpcp)  # no HSDP: ZeRO shards over all of cp·dp
         if self.dp_rep is None:
-            object.__setattr__(self, "dp_rep", Axis("dp", 1, 0, (self.dp.ranks[self.dp.rank],), None, self.stats))
+            object.__setattr__(
+                self, "dp_rep", Axis("dp", 1, 0, (self.dp.ranks[self.dp.rank],), None, self.stats)
+            )
 
     @property
     def is_logger(self) -> bool:
         """The one rank that writes metrics and talks to wandb: first rank of the last pipeline stage."""
-        return self.tp.rank == 0 and self.cp.rank == 0 and self.dp.rank == 0 and self.pp.rank == self.pp.size - 1
+        return (
+            self.tp.rank == 0 and self.cp.rank == 0 and self.dp.rank == 0 and self.pp.rank == self.pp.size - 1
+        )
 
     def describe(self) -> str:
         ep = f" ep={self.ep.size}" if self.ep.size > 1 else ""
         p2p = " p2p=nccl-emulated" if self.pp.p2p is not None else ""
         cp = f" cp={self.cp.size}" if self.cp.size > 1 else ""
-        return (f"world={self.world} tp={self.tp.size}{cp} pp={self.pp.size} dp={self.dp.size}{ep} "
-                f"device={self.device.type}{p2p}")
+        return (
+            f"world={self.world} tp={self.tp.size}{cp} pp={self.pp.size} dp={self.dp.size}{ep} "
+            f"device={self.device.type}{p2p}"
+        )
 
 
 @dataclass(frozen=True)
@@ -246,8 +263,9 @@ class RankGrid:
         assert self.cp * self.dp % self.ep == 0, f"ep={self.ep} does not divide cp·dp={self.cp * self.dp}"
         if not self.shard:
             object.__setattr__(self, "shard", self.cp * self.dp)
-        assert self.cp * self.dp % self.shard == 0, \
+        assert self.cp * self.dp % self.shard == 0, (
             f"shard group size {self.shard} does not divide cp·dp={self.cp * self.dp}"
+        )
 
     @property
     def hybrid(self) -> bool:
@@ -267,27 +285,41 @@ class RankGrid:
         ctp = [(c, t) for c in range(cp) for t in range(tp)]
         dp_groups = [tuple(at(p, d, t, c) for d in range(dp)) for p in range(pp) for c, t in ctp]
         # ordered by position: dpcp_rank = cp_rank + cp * dp_rank (with cp = 1 the dp groups, in their order)
-        dpcp_groups = [tuple(at(p, d, t, c) for d in range(dp) for c in range(cp)) for p in range(pp) for t in range(tp)]
+        dpcp_groups = [
+            tuple(at(p, d, t, c) for d in range(dp) for c in range(cp)) for p in range(pp) for t in range(tp)
+        ]
         if name == "tp":
-            return [tuple(at(p, d, t, c) for t in range(tp)) for p in range(pp) for d in range(dp) for c in range(cp)]
+            return [
+                tuple(at(p, d, t, c) for t in range(tp))
+                for p in range(pp)
+                for d in range(dp)
+                for c in range(cp)
+            ]
         if name == "dp":
             return dp_groups
         if name == "cp":
-            return [tuple(at(p, d, t, c) for c in range(cp)) for p in range(pp) for d in range(dp) for t in range(tp)]
+            return [
+                tuple(at(p, d, t, c) for c in range(cp))
+                for p in range(pp)
+                for d in range(dp)
+                for t in range(tp)
+            ]
         if name == "dpcp":
             return dpcp_groups
         if name == "pp":
             return [tuple(at(p, d, t, c) for p in range(pp)) for d in range(dp) for c, t in ctp]
         if name == "pp_ends":  # first and last pipeline rank: the tied embedding's two copies
-            return [(at(0, d, t, c), at(pp - 1, d, t, c)) for d in range(dp) for c, t in ctp] if pp > 1 else []
+            return (
+                [(at(0, d, t, c), at(pp - 1, d, t, c)) for d in range(dp) for c, t in ctp] if pp > 1 else []
+            )
         if name == "ep":  # contiguous blocks of ep cp·dp ranks, each holding all experts between them
-            return [g[j:j + ep] for g in dpcp_groups for j in range(0, cp * dp, ep)]
+            return [g[j : j + ep] for g in dpcp_groups for j in range(0, cp * dp, ep)]
         if name == "edp":  # the cp·dp ranks holding the same experts: same position in their ep block
             return [g[e::ep] for g in dpcp_groups for e in range(ep)]
         if name == "dp_shard":  # HSDP: blocks of `shard` consecutive cp·dp ranks
-            return [g[j:j + self.shard] for g in dpcp_groups for j in range(0, cp * dp, self.shard)]
+            return [g[j : j + self.shard] for g in dpcp_groups for j in range(0, cp * dp, self.shard)]
         if name == "dp_rep":  # HSDP: the cp·dp ranks at the same position of their shard block
-            return [g[e::self.shard] for g in dpcp_groups for e in range(self.shard)]
+            return [g[e :: self.shard] for g in dpcp_groups for e in range(self.shard)]
         raise KeyError(name)
 
     def group_of(self, name: str, position: int) -> tuple[int, ...]:
@@ -297,8 +329,15 @@ class RankGrid:
         return next((g for g in self.groups(name) if position in g), (position,))
 
 
-def mesh_at(grid: RankGrid, position: int, device, ranks: Sequence[int], groups: Optional[dict] = None,
-            everyone=None, emulate_nccl: bool = False) -> Mesh:
+def mesh_at(
+    grid: RankGrid,
+    position: int,
+    device,
+    ranks: Sequence[int],
+    groups: Optional[dict] = None,
+    everyone=None,
+    emulate_nccl: bool = False,
+) -> Mesh:
     """The Mesh of `position` in the grid; `ranks` maps positions to process ranks. `groups` maps (axis,
     members) to its process group; None builds a virtual mesh (planning: sizes and coordinates only).
     `emulate_nccl`: the pp axis sends and receives through an emulated NCCL stream (p2p_semantics.py)."""
@@ -310,22 +349,50 @@ def mesh_at(grid: RankGrid, position: int, device, ranks: Sequence[int], groups:
         size = len(members)
         group = groups.get((name, members)) if groups is not None else None
         stream = stream_for(group, emulate_nccl) if name == "pp" else None
-        return Axis(RankGrid.STATS.get(name, name), size, members.index(position), real, group, stats,
-                    virtual=groups is None and size > 1, p2p=stream)
+        return Axis(
+            RankGrid.STATS.get(name, name),
+            size,
+            members.index(position),
+            real,
+            group,
+            stats,
+            virtual=groups is None and size > 1,
+            p2p=stream,
+        )
 
     experts = grid.ep > 1  # else ep is of size 1 and edp is dp (the Mesh defaults)
     hybrid = grid.hybrid  # else dp_shard is dp (or dpcp under cp) and dp_rep of size 1 (the Mesh defaults)
     context = grid.cp > 1  # else cp is of size 1 and dpcp is dp (the Mesh defaults)
-    return Mesh(tp=axis("tp"), pp=axis("pp"), dp=axis("dp"), pp_ends=axis("pp_ends"), rank=position,
-                world=grid.world, device=torch.device(device), stats=stats, group=everyone,
-                ep=axis("ep") if experts else None, edp=axis("edp") if experts else None,
-                dp_shard=axis("dp_shard") if hybrid else None, dp_rep=axis("dp_rep") if hybrid else None,
-                cp=axis("cp") if context else None, dpcp=axis("dpcp") if context else None)
+    return Mesh(
+        tp=axis("tp"),
+        pp=axis("pp"),
+        dp=axis("dp"),
+        pp_ends=axis("pp_ends"),
+        rank=position,
+        world=grid.world,
+        device=torch.device(device),
+        stats=stats,
+        group=everyone,
+        ep=axis("ep") if experts else None,
+        edp=axis("edp") if experts else None,
+        dp_shard=axis("dp_shard") if hybrid else None,
+        dp_rep=axis("dp_rep") if hybrid else None,
+        cp=axis("cp") if context else None,
+        dpcp=axis("dpcp") if context else None,
+    )
 
 
-def build_mesh(tp: int, pp: int, device: torch.device, ranks: Optional[Sequence[int]] = None, ep: int = 1,
-               timeout: Optional[datetime.timedelta] = None,
-               world_timeout: Optional[datetime.timedelta] = None, shard: int = 0, cp: int = 1) -> Mesh:
+def build_mesh(
+    tp: int,
+    pp: int,
+    device: torch.device,
+    ranks: Optional[Sequence[int]] = None,
+    ep: int = 1,
+    timeout: Optional[datetime.timedelta] = None,
+    world_timeout: Optional[datetime.timedelta] = None,
+    shard: int = 0,
+    cp: int = 1,
+) -> Mesh:
     """Create every tp/pp/dp (and ep/edp, HSDP's dp_shard/dp_rep, cp/dpcp) group over `ranks` (default:
     all). Collective: every process must call it. `shard`: optim.shard_group_size (0 or dp: no HSDP).
 
@@ -345,8 +412,12 @@ def build_mesh(tp: int, pp: int, device: torch.device, ranks: Optional[Sequence[
     grid = RankGrid(tp, world // (tp * pp * cp), pp, ep=ep, shard=shard, cp=cp)
     groups: dict = {}
     # cp and dpcp before ep and edp: an ep group may be a whole cp or dpcp group, and then reuses it
-    names = RankGrid.AXES[:4] + (("cp", "dpcp") if cp > 1 else ()) + (("ep", "edp") if ep > 1 else ()) \
+    names = (
+        RankGrid.AXES[:4]
+        + (("cp", "dpcp") if cp > 1 else ())
+        + (("ep", "edp") if ep > 1 else ())
         + (("dp_shard", "dp_rep") if grid.hybrid else ())
+    )
     made: dict = {}  # members -> (axis, group) of the data-parallel family's group already created over them
     for name in names:
         for members in grid.groups(name):
@@ -364,7 +435,9 @@ def build_mesh(tp: int, pp: int, device: torch.device, ranks: Optional[Sequence[
             if name in REUSABLE:
                 made[members] = (name, groups[(name, members)])
     # Created before the `me not in ranks` exit: processes outside the job must still join the call.
-    everyone = dist.new_group(ranks, timeout=world_timeout, backend="gloo") if (world > 1 and initialized) else None
+    everyone = (
+        dist.new_group(ranks, timeout=world_timeout, backend="gloo") if (world > 1 and initialized) else None
+    )
     if me not in ranks:
         return None  # type: ignore[return-value]
     emulate_nccl = semantics_from_env() is P2PSemantics.NCCL  # read once; the pp axis carries the mode

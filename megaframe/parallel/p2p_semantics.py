@@ -19,6 +19,7 @@ its own, and a receive buffer is written as soon as the data arrives. With
 Messages between two ranks match in posting order (one FIFO per pair, whatever the direction, as on
 NCCL, which has no tags); the ready messages use their own tag.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -68,7 +69,7 @@ class CoalescedWork:
     the received data into the caller's tensors (before that they hold NaN)."""
 
     def __init__(self, sends, recvs, timeout_s: float):
-        self.sends = sends                      # (tensor, global peer rank)
+        self.sends = sends  # (tensor, global peer rank)
         self.recvs = [(t, peer, torch.empty_like(t)) for t, peer in recvs]  # (caller's, peer, private)
         self.timeout_s = timeout_s
         self.done = threading.Event()
@@ -128,7 +129,9 @@ class NcclStream:
         self._failed: BaseException | None = None
         self._ready = torch.ones(1)
 
-    def submit(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]) -> CoalescedWork:
+    def submit(
+        self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]
+    ) -> CoalescedWork:
         """Queue one batch ((tensor, global peer rank) pairs); returns its single Work at once."""
         work = CoalescedWork(sends, recvs, self.timeout_s)
         if self._thread is None:

@@ -16,6 +16,7 @@ Init (the shard of the full tensor), the gradient finalisation of every optimize
 over which axis, what counts in the norm), checkpoints (who writes, which slice) and the planner all
 read this record; nothing re-derives it from names or ad-hoc attributes.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

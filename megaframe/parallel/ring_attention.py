@@ -28,6 +28,7 @@ Query rows are processed in tiles (TILE_ELEMS) so the math's working memory stay
 the block's attention instead of before it and waits for it at once: the same bytes and results, with
 the transfer on the critical path, so the bench shows what the overlap saves.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -63,11 +64,16 @@ def _kept(keep_BHQT: torch.Tensor | None, t: slice, src: int, n: int, p: float) 
     (0 or 1/(1-p), fp32, as SDPA scales); None without dropout."""
     if keep_BHQT is None:
         return None
-    return keep_BHQT[:, :, t, src * n:(src + 1) * n].float().div_(1 - p)
+    return keep_BHQT[:, :, t, src * n : (src + 1) * n].float().div_(1 - p)
 
 
-def _visible(pos_q: torch.Tensor, pos_k: torch.Tensor, t: slice, docq_BQ: torch.Tensor | None,
-             dock_BN: torch.Tensor | None) -> torch.Tensor:
+def _visible(
+    pos_q: torch.Tensor,
+    pos_k: torch.Tensor,
+    t: slice,
+    docq_BQ: torch.Tensor | None,
+    dock_BN: torch.Tensor | None,
+) -> torch.Tensor:
     """mask_QN (True = attend) of query rows t against one K/V block: causal by global position, and under
     document masking also the same document (then mask_B1QN). A row may see no key of a block (a later
     document's query against an earlier one's block): the merges below keep such rows at -inf, not NaN."""
@@ -96,8 +102,18 @@ def _tiles(q_BHQE: torch.Tensor, n: int, elems: int | None) -> list[slice]:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q_BHQE, k_BKNE, v_BKNE, axis: Axis, seq: int, overlap: bool, tile: int | None,
-                dropout_p: float, doc_BS: torch.Tensor | None):
+    def forward(
+        ctx,
+        q_BHQE,
+        k_BKNE,
+        v_BKNE,
+        axis: Axis,
+        seq: int,
+        overlap: bool,
+        tile: int | None,
+        dropout_p: float,
+        doc_BS: torch.Tensor | None,
+    ):
         c, r, h, n = axis.size, axis.rank, q_BHQE.shape[1], k_BKNE.shape[2]
         docq_BQ = _docs(doc_BS, c, r)
         ctx.rng = _rng_state(q_BHQE.device) if dropout_p > 0 else None  # backward draws the mask again
@@ -213,11 +229,19 @@ def dropout_keep(q_BHQE: torch.Tensor, gathered: int, p: float) -> torch.Tensor:
     return torch.empty(b, h, q, gathered, dtype=q_BHQE.dtype, device=q_BHQE.device).bernoulli_(1 - p).bool()
 
 
-
 @eager  # p2p inside: eager between a compiled block's pieces (as comm.py's collectives)
-def ring_attention(q_BHQE: torch.Tensor, k_BKNE: torch.Tensor, v_BKNE: torch.Tensor, axis: Axis,
-                   seq: int, overlap: bool = True, tile_elems: int | None = None,
-                   dropout_p: float = 0.0, fused: bool = True, doc_BS: torch.Tensor | None = None) -> torch.Tensor:
+def ring_attention(
+    q_BHQE: torch.Tensor,
+    k_BKNE: torch.Tensor,
+    v_BKNE: torch.Tensor,
+    axis: Axis,
+    seq: int,
+    overlap: bool = True,
+    tile_elems: int | None = None,
+    dropout_p: float = 0.0,
+    fused: bool = True,
+    doc_BS: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Exact causal attention of this rank's queries against the whole cp group's K/V, by ring, with
     attention dropout when dropout_p > 0 (see the module docstring).
     Without dropout, where the device has them (ring_fused.fused_kernels), each block runs on fused

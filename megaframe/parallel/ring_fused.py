@@ -19,6 +19,7 @@ gets lse -inf (the kernel reports 0 for it) and the merge keeps -inf rows at zer
 Legend: B batch, H query heads, K kv heads, Q this rank's tokens (two chunks of M), N = Q tokens of a
 K/V block, E head dim.
 """
+
 from __future__ import annotations
 
 import torch
@@ -36,7 +37,9 @@ def fused_kernels(q_BHQE: torch.Tensor) -> bool:
 
 def _gqa(x_BKME: torch.Tensor, heads: int) -> torch.Tensor:
     # the CPU flash pair takes GQA as is; CUDA's gets K/V expanded (query head h reads kv head h // g)
-    return x_BKME if x_BKME.device.type == "cpu" else x_BKME.repeat_interleave(heads // x_BKME.shape[1], dim=1)
+    return (
+        x_BKME if x_BKME.device.type == "cpu" else x_BKME.repeat_interleave(heads // x_BKME.shape[1], dim=1)
+    )
 
 
 def fold_heads(g_BHME: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -46,7 +49,9 @@ def fold_heads(g_BHME: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return g_BHME if h == kv_heads else g_BHME.view(b, kv_heads, h // kv_heads, m, e).sum(2)
 
 
-def pair_bias(docq_BM: torch.Tensor, dock_BM: torch.Tensor, causal: bool, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def pair_bias(
+    docq_BM: torch.Tensor, dock_BM: torch.Tensor, causal: bool, dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(bias_B1MM, seen_B1M) of one chunk pair under document masking: 0 where the query may attend the
     key (same document, and on the diagonal not after it), -inf elsewhere; seen: rows with a visible key."""
     vis = docq_BM[:, :, None] == dock_BM[:, None, :]
@@ -60,11 +65,14 @@ def pair_forward(q, k, v, causal: bool, scale: float, bias=None):
     """(out, lse_fp32, meta) of one chunk pair; meta: what the CUDA backward needs besides the tensors.
     bias: (bias_B1MM, seen_B1M) of document masking (CPU), causal already folded in."""
     if bias is not None:
-        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=bias[0], scale=scale)
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, False, attn_mask=bias[0], scale=scale
+        )
         return out, lse.masked_fill(~bias[1], float("-inf")), None
     if q.is_cuda:
         out, lse, cq, ck, mq, mk, seed, offset, _ = aten._scaled_dot_product_flash_attention(
-            q, _gqa(k, q.shape[1]), _gqa(v, q.shape[1]), 0.0, causal, False, scale=scale)
+            q, _gqa(k, q.shape[1]), _gqa(v, q.shape[1]), 0.0, causal, False, scale=scale
+        )
         return out, lse, (cq, ck, mq, mk, seed, offset)
     out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
     return out, lse, None
@@ -73,15 +81,19 @@ def pair_forward(q, k, v, causal: bool, scale: float, bias=None):
 def pair_backward(do, q, k, v, o, lse, causal: bool, scale: float, meta, bias=None):
     """(dq, dk, dv) of one chunk pair against the final o and lse (dk, dv with K heads)."""
     if bias is not None:
-        return aten._scaled_dot_product_flash_attention_for_cpu_backward(do, q, k, v, o, lse, 0.0, False,
-                                                                          attn_mask=bias[0], scale=scale)
+        return aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            do, q, k, v, o, lse, 0.0, False, attn_mask=bias[0], scale=scale
+        )
     if q.is_cuda:
         cq, ck, mq, mk, seed, offset = meta
         h = q.shape[1]
         dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
-            do, q, _gqa(k, h), _gqa(v, h), o, lse, cq, ck, mq, mk, 0.0, causal, seed, offset, scale=scale)
+            do, q, _gqa(k, h), _gqa(v, h), o, lse, cq, ck, mq, mk, 0.0, causal, seed, offset, scale=scale
+        )
         return dq, fold_heads(dk, k.shape[1]), fold_heads(dv, k.shape[1])
-    return aten._scaled_dot_product_flash_attention_for_cpu_backward(do, q, k, v, o, lse, 0.0, causal, scale=scale)
+    return aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        do, q, k, v, o, lse, 0.0, causal, scale=scale
+    )
 
 
 def pairs(c: int, r: int, src: int) -> list[tuple[int, int, bool]]:
@@ -91,12 +103,16 @@ def pairs(c: int, r: int, src: int) -> list[tuple[int, int, bool]]:
     return [(a, b, mine[a] == theirs[b]) for a in range(2) for b in range(2) if theirs[b] <= mine[a]]
 
 
-def _merge_(o_BHME: torch.Tensor, lse_BHM: torch.Tensor, out_BHME: torch.Tensor, lse2_BHM: torch.Tensor) -> None:
+def _merge_(
+    o_BHME: torch.Tensor, lse_BHM: torch.Tensor, out_BHME: torch.Tensor, lse2_BHM: torch.Tensor
+) -> None:
     """o, lse (fp32 views) absorb one more block's (out, lse): the exact softmax merge."""
     new = torch.logaddexp(lse_BHM, lse2_BHM)
     # -inf where neither part saw a key yet (document masking): weigh both by 0, not exp(-inf + inf) = NaN
     ref = new.masked_fill(new.isneginf(), 0)
-    o_BHME.mul_(torch.exp(lse_BHM - ref).unsqueeze(-1)).add_(out_BHME.float() * torch.exp(lse2_BHM - ref).unsqueeze(-1))
+    o_BHME.mul_(torch.exp(lse_BHM - ref).unsqueeze(-1)).add_(
+        out_BHME.float() * torch.exp(lse2_BHM - ref).unsqueeze(-1)
+    )
     lse_BHM.copy_(new)
 
 
@@ -106,8 +122,12 @@ def _pair_bias(doc_BS, c: int, r: int, src: int, a: int, b: int, causal: bool, m
     if doc_BS is None:
         return None
     chunk = (r, 2 * c - 1 - r)[a], (src, 2 * c - 1 - src)[b]
-    return pair_bias(doc_BS[:, chunk[0] * m:(chunk[0] + 1) * m], doc_BS[:, chunk[1] * m:(chunk[1] + 1) * m], causal,
-                     dtype)
+    return pair_bias(
+        doc_BS[:, chunk[0] * m : (chunk[0] + 1) * m],
+        doc_BS[:, chunk[1] * m : (chunk[1] + 1) * m],
+        causal,
+        dtype,
+    )
 
 
 class FusedRing(torch.autograd.Function):
@@ -126,8 +146,13 @@ class FusedRing(torch.autograd.Function):
                 rows, cols = slice(a * m, (a + 1) * m), slice(b * m, (b + 1) * m)
                 bias = _pair_bias(doc_BS, c, r, (r - j) % c, a, b, causal, m, q_BHQE.dtype)
                 out, blk_lse, metas[(j, a, b)] = pair_forward(
-                    q_BHQE[:, :, rows].contiguous(), kv[0][:, :, cols].contiguous(), kv[1][:, :, cols].contiguous(),
-                    causal, scale, bias)
+                    q_BHQE[:, :, rows].contiguous(),
+                    kv[0][:, :, cols].contiguous(),
+                    kv[1][:, :, cols].contiguous(),
+                    causal,
+                    scale,
+                    bias,
+                )
                 _merge_(o[:, :, rows], lse[:, :, rows], out, blk_lse)
             if j < c - 1 and not overlap:
                 nxt, works = exchange(axis, kv)
@@ -159,8 +184,18 @@ class FusedRing(torch.autograd.Function):
             for a, b, causal in pairs(c, r, (r - j) % c):
                 cols = slice(b * m, (b + 1) * m)
                 bias = _pair_bias(doc_BS, c, r, (r - j) % c, a, b, causal, m, q_BHQE.dtype)
-                gq, gk, gv = pair_backward(do_[a], q_[a], kv[0][:, :, cols].contiguous(), kv[1][:, :, cols].contiguous(),
-                                           o_[a], lse_[a], causal, scale, ctx.metas[(j, a, b)], bias)
+                gq, gk, gv = pair_backward(
+                    do_[a],
+                    q_[a],
+                    kv[0][:, :, cols].contiguous(),
+                    kv[1][:, :, cols].contiguous(),
+                    o_[a],
+                    lse_[a],
+                    causal,
+                    scale,
+                    ctx.metas[(j, a, b)],
+                    bias,
+                )
                 dq[:, :, rows_of[a]] += gq
                 dkv[0][:, :, cols] += gk
                 dkv[1][:, :, cols] += gv

@@ -21,6 +21,7 @@ The chunked GEMMs add up the same products as the whole ones, in another blockin
 unoverlapped path up to float rounding (the tests hold it to 1e-6). Chunks come from one flat collective
 each, through parallel/comm.py, so the byte counts and the watchdog's ring buffer see them.
 """
+
 from __future__ import annotations
 
 import torch
@@ -83,7 +84,12 @@ class _GatherMatmul(torch.autograd.Function):
             works = []
             for i, gx_CBI in enumerate(gx_SBI.chunk(k)):  # each chunk's reduce-scatter under the next GEMM
                 part_TCBI = torch.matmul(g_TKCBO[:, i], weight)
-                works.append((comm.reduce_scatter_flat(gx_CBI, part_TCBI.flatten(0, 1), axis, async_op=True), part_TCBI))
+                works.append(
+                    (
+                        comm.reduce_scatter_flat(gx_CBI, part_TCBI.flatten(0, 1), axis, async_op=True),
+                        part_TCBI,
+                    )
+                )
             for work, _part in works:  # the partial sums stay referenced until their collective is done
                 _wait(work)
         if want_w:
@@ -109,7 +115,9 @@ class _MatmulScatter(torch.autograd.Function):
         works = []
         for i, y_CBO in enumerate(y_SBO.chunk(k)):
             part_TCBO = torch.matmul(x_TKCBI[:, i], weight.t())
-            works.append((comm.reduce_scatter_flat(y_CBO, part_TCBO.flatten(0, 1), axis, async_op=True), part_TCBO))
+            works.append(
+                (comm.reduce_scatter_flat(y_CBO, part_TCBO.flatten(0, 1), axis, async_op=True), part_TCBO)
+            )
         for work, _part in works:
             _wait(work)
         return y_SBO
@@ -142,7 +150,9 @@ def enable_tp_overlap(model: nn.Module, chunks: int) -> int:
     """Set every tp linear (sequence-parallel, tp > 1, not an FP8 one) to the overlapped path with `chunks`
     chunks; returns how many were set."""
     n = 0
-    for mod in model.modules():  # the tp linears are the modules with an overlap_chunks slot (layers/linear.py)
+    for (
+        mod
+    ) in model.modules():  # the tp linears are the modules with an overlap_chunks slot (layers/linear.py)
         if hasattr(mod, "overlap_chunks") and mod.sp and mod.tp.size > 1:
             mod.overlap_chunks, n = chunks, n + 1
     return n

@@ -5,6 +5,7 @@ which layers, which shards) on the meta device, so the planner sizes every rank 
 from one process in seconds. Collectives over a virtual axis return tensors of the right shape
 without communicating (see comm._enter), so a meta forward also runs under tp and sp.
 """
+
 from __future__ import annotations
 
 import torch
@@ -12,9 +13,19 @@ import torch
 from megaframe.parallel.mesh import Mesh, RankGrid, mesh_at
 
 
-def virtual_mesh(tp: int, pp: int, dp: int, tp_rank: int = 0, pp_rank: int = 0, dp_rank: int = 0,
-                 device: torch.device | str = "meta", ep: int = 1, shard: int = 0, cp: int = 1,
-                 cp_rank: int = 0) -> Mesh:
+def virtual_mesh(
+    tp: int,
+    pp: int,
+    dp: int,
+    tp_rank: int = 0,
+    pp_rank: int = 0,
+    dp_rank: int = 0,
+    device: torch.device | str = "meta",
+    ep: int = 1,
+    shard: int = 0,
+    cp: int = 1,
+    cp_rank: int = 0,
+) -> Mesh:
     """The mesh rank (pp_rank, dp_rank, tp_rank, cp_rank) would build: build_mesh's own RankGrid and
     mesh_at, with no process groups."""
     grid = RankGrid(tp, dp, pp, ep=ep, shard=shard, cp=cp)

@@ -1,5 +1,6 @@
 """The vocabulary of pipeline schedules: compute and transfer action kinds, one `Action`, how receives
 are grouped, and where a rank's chunk sits among the virtual stages (a loop or a V)."""
+
 from __future__ import annotations
 
 import enum
@@ -27,7 +28,9 @@ class Action:
     peer: int = -1
 
     def __str__(self) -> str:
-        tail = f"->{self.peer}" if self.kind.startswith("SEND") else (f"<-{self.peer}" if self.peer >= 0 else "")
+        tail = (
+            f"->{self.peer}" if self.kind.startswith("SEND") else (f"<-{self.peer}" if self.peer >= 0 else "")
+        )
         return f"{self.kind}{self.microbatch}.{self.chunk}{tail}"
 
 

@@ -15,6 +15,7 @@ so that is where ZeRO's reduce-scatters launch (`backward_context(is_last=True)`
 last rank's chunk 0 feeds its own chunk 1: the output becomes the next chunk's input (a fresh leaf, so
 each chunk keeps its own graph) and that leaf's gradient the first chunk's output gradient, in memory.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -27,14 +28,25 @@ from torch.autograd import Variable
 from megaframe.parallel import comm
 from megaframe.parallel.mesh import Mesh
 from megaframe.pipeline import p2p, split
-from megaframe.pipeline.schedule import COMPUTE, RECV_B, RECV_F, SEND_B, SEND_F, Action, F, W, locate, stage_of
+from megaframe.pipeline.schedule import (
+    COMPUTE,
+    RECV_B,
+    RECV_F,
+    SEND_B,
+    SEND_F,
+    Action,
+    F,
+    W,
+    locate,
+    stage_of,
+)
 
 
 @dataclass
 class _State:
-    inputs: dict = field(default_factory=dict)   # (mb, chunk) -> received activation (leaf)
+    inputs: dict = field(default_factory=dict)  # (mb, chunk) -> received activation (leaf)
     outputs: dict = field(default_factory=dict)  # (mb, chunk) -> backward root: activation or scaled loss
-    grads: dict = field(default_factory=dict)    # (mb, chunk) -> received grad of the output
+    grads: dict = field(default_factory=dict)  # (mb, chunk) -> received grad of the output
     to_send: dict = field(default_factory=dict)  # (SEND_F | SEND_B, mb, chunk) -> tensor
     arriving: dict = field(default_factory=dict)  # (RECV_F | RECV_B, mb, chunk) -> its batch's Transfer
     in_flight: list = field(default_factory=list)  # every Transfer of the schedule, all waited at the end
@@ -42,8 +54,15 @@ class _State:
     loss_sum: torch.Tensor | None = None
 
 
-def run_schedule(actions: list[Action], model, batches, mesh: Mesh, optimizer, tokens_global: int,
-                 timeline: list | None = None) -> torch.Tensor:
+def run_schedule(
+    actions: list[Action],
+    model,
+    batches,
+    mesh: Mesh,
+    optimizer,
+    tokens_global: int,
+    timeline: list | None = None,
+) -> torch.Tensor:
     """Run every action; returns the sum of token losses of this rank's micro-batches (0 off the last stage).
 
     With `timeline`, appends (action, start, end) in perf_counter seconds for each compute action. A
@@ -85,8 +104,9 @@ def run_schedule(actions: list[Action], model, batches, mesh: Mesh, optimizer, t
     _communicate(comm, st, mesh, shape, dtype, batches[0][0].device)
     for transfer in st.in_flight:  # the sends must have left before the step's optimizer and the next step
         transfer.wait()
-    assert not (st.inputs or st.outputs or st.grads or st.to_send or st.arriving or st.pending_w), \
+    assert not (st.inputs or st.outputs or st.grads or st.to_send or st.arriving or st.pending_w), (
         "schedule left work undone"
+    )
     return st.loss_sum
 
 

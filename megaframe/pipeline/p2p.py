@@ -7,6 +7,7 @@ for right before the first compute that reads one of its receives (on NCCL a wai
 compute stream after the transfer), and what is waited on is every Work the backend returned: one
 per op on gloo, ONE for the whole batch on NCCL, which then also covers the batch's sends.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -41,7 +42,11 @@ def warm_up(pp: Axis, device: torch.device) -> None:
     nxt, prv = (pp.rank + 1) % pp.size, (pp.rank - 1) % pp.size
     # One send buffer for both peers: it is never written, and distinct receive buffers keep the two
     # arrivals from landing on each other when pp = 2 (both neighbours are the same rank).
-    send, recv_n, recv_p = torch.zeros(1, device=device), torch.empty(1, device=device), torch.empty(1, device=device)
+    send, recv_n, recv_p = (
+        torch.zeros(1, device=device),
+        torch.empty(1, device=device),
+        torch.empty(1, device=device),
+    )
     start(pp, [(send, nxt), (send, prv)], [(recv_p, prv), (recv_n, nxt)]).wait()
     pp.stats.pop()  # the warm-up is no step's traffic
 

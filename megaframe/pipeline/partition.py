@@ -6,6 +6,7 @@ embedding; the last stage the final norm, the output head and the loss. Under zb
 in a V instead (schedule.stage_of): rank r holds stage r as chunk 0 and stage 2·pp-1-r as chunk 1, so
 rank 0 holds both ends (embedding and head: a tied embedding is one tensor there, no copy to sum).
 """
+
 from __future__ import annotations
 
 import functools
@@ -38,17 +39,22 @@ def stage_counts(num_layers: int, pp: int, vpp: int, layout: Optional[Sequence[i
     if layout:
         counts = list(layout)
         if len(counts) != stages or sum(counts) != num_layers or min(counts) < 0:
-            raise ValueError(f"parallel.pp_layout={counts} must give {stages} non-negative layer counts "
-                             f"(pp x vpp) summing to model.num_layers={num_layers}")
+            raise ValueError(
+                f"parallel.pp_layout={counts} must give {stages} non-negative layer counts "
+                f"(pp x vpp) summing to model.num_layers={num_layers}"
+            )
         return counts
     if num_layers % stages:
-        raise ValueError(f"model.num_layers={num_layers} is not divisible by parallel.pp x parallel.vpp={stages}; "
-                         "set parallel.pp_layout for an uneven split")
+        raise ValueError(
+            f"model.num_layers={num_layers} is not divisible by parallel.pp x parallel.vpp={stages}; "
+            "set parallel.pp_layout for an uneven split"
+        )
     return [num_layers // stages] * stages
 
 
-def stage_layout(num_layers: int, pp: int, vpp: int, rank: int, layout: Optional[Sequence[int]] = None,
-                 v: bool = False) -> Stage:
+def stage_layout(
+    num_layers: int, pp: int, vpp: int, rank: int, layout: Optional[Sequence[int]] = None, v: bool = False
+) -> Stage:
     counts = stage_counts(num_layers, pp, vpp, layout)
     # Every rank computes the whole table from the same config, so neighbouring stages agree on where
     # one chunk ends and the next begins without exchanging anything.
@@ -60,8 +66,16 @@ def stage_layout(num_layers: int, pp: int, vpp: int, rank: int, layout: Optional
     return Stage(chunks, first=rank == 0, last=stage_of(rank, vpp - 1, pp, v) == pp * vpp - 1, v=v)
 
 
-def check_runnable(kind: str, pp: int, vpp: int, m: int, moe: bool = False, recompute: str = "none",
-                   counts: list[int] | None = None, build: bool = True) -> None:
+def check_runnable(
+    kind: str,
+    pp: int,
+    vpp: int,
+    m: int,
+    moe: bool = False,
+    recompute: str = "none",
+    counts: list[int] | None = None,
+    build: bool = True,
+) -> None:
     """Raise ValueError (naming the settings) for what the executor cannot run: what check_args refuses, what
     building every rank's schedule refuses (the same build_schedule the executor runs), a pipeline rank left
     without any parameter by the layers per virtual stage `counts`, and the model settings the split backward
@@ -74,20 +88,26 @@ def check_runnable(kind: str, pp: int, vpp: int, m: int, moe: bool = False, reco
             stages = [stage_of(rank, c, pp, is_v(kind)) for c in range(vpp)]
             # the embedding lives on stage 0 and the head on the last one: any other rank needs a layer
             if not any(counts[s] or s in (0, last) for s in stages):
-                raise ValueError(f"parallel.pp_layout={list(counts)} leaves pipeline rank {rank} (stages "
-                                 f"{stages} under {kind}) without any layer or parameter: give it a layer")
+                raise ValueError(
+                    f"parallel.pp_layout={list(counts)} leaves pipeline rank {rank} (stages "
+                    f"{stages} under {kind}) without any layer or parameter: give it a layer"
+                )
     if kind in ZERO_BUBBLE and moe and recompute == "full":
         # the recomputed MoE block's saved tensors are read
         # again by W after B released them (pipeline/split.py)
-        raise ValueError(f"parallel.pp_schedule={kind} splits each backward in two and does not compose with an "
-                         "MoE model under train.recompute=full: use train.recompute=selective or none, or another "
-                         "parallel.pp_schedule")
+        raise ValueError(
+            f"parallel.pp_schedule={kind} splits each backward in two and does not compose with an "
+            "MoE model under train.recompute=full: use train.recompute=selective or none, or another "
+            "parallel.pp_schedule"
+        )
     if kind in ZERO_BUBBLE and recompute == "op_selective":
         # W re-runs the checkpointed block in a second graph task, and torch hands the selective
         # checkpoint's kept outputs out once (to B's re-run): W's re-run would fail at step 1
-        raise ValueError(f"parallel.pp_schedule={kind} splits each backward in two and does not compose with "
-                         "train.recompute=op_selective: use train.recompute=full, selective or none, or another "
-                         "parallel.pp_schedule")
+        raise ValueError(
+            f"parallel.pp_schedule={kind} splits each backward in two and does not compose with "
+            "train.recompute=op_selective: use train.recompute=full, selective or none, or another "
+            "parallel.pp_schedule"
+        )
     if build:
         _buildable(kind, pp, vpp, m)
 

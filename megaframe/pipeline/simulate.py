@@ -21,6 +21,7 @@ kinds B = W = 1), transfers none. The compute orders stay the unit-time ones tha
 activations within the schedule's bound. Reports the bubble two ways: idle time (the makespan less a
 rank's compute: equal on every rank, all do the same work) and idle / makespan.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -120,14 +121,17 @@ class _Graph:
         """Per rank: (0 F | 1 B | 2 W, the batch it waits for or -1), or (-1, the batch it issues)."""
         self.rank_batches: list[list[int]] = []
         self.ops: list[list] = []  # per batch: (is a send, channel key, index in that channel)
-        chans: dict = defaultdict(lambda: ([], []))  # (sender, receiver) -> ([(batch, message)], [(batch, expected)])
+        chans: dict = defaultdict(
+            lambda: ([], [])
+        )  # (sender, receiver) -> ([(batch, message)], [(batch, expected)])
         for r in range(pp):
             self._compile(r, builder(kind, pp, vpp, m, r, grouping), chans)
         for (src, dst), (sent, want) in chans.items():
             for n, ((_, s), (_, w)) in enumerate(zip(sent, want)):
                 if s != w:
-                    raise ScheduleError(f"rank {dst}: message {n} from rank {src} to {dst} is {s}, "
-                                        f"the receive expects {w}")
+                    raise ScheduleError(
+                        f"rank {dst}: message {n} from rank {src} to {dst} is {s}, the receive expects {w}"
+                    )
         self.unmatched = [k for k, (s, w) in chans.items() if len(s) != len(w)]
         # per batch, the batches holding its ops' counterparts (-1: none, it never completes): every op's
         # under RENDEZVOUS, the receives' only under BUFFERED (a send is delivered when posted)
@@ -144,15 +148,25 @@ class _Graph:
     def _compile(self, r: int, sched: list[Action], chans: dict) -> None:
         steps, order, arriving, mine, i = [], [], {}, [], 0
         # per (receive kind, chunk): the sending stage's chunk (_expects without a call per message)
-        src = {(k, c): self._expects(r, Action(k, 0, c))[2] for k in (RECV_F, RECV_B) for c in range(self.vpp)
-               if 0 <= stage_of(r, c, self.pp, self.v) + (-1 if k == RECV_F else 1) < self.pp * self.vpp}
+        src = {
+            (k, c): self._expects(r, Action(k, 0, c))[2]
+            for k in (RECV_F, RECV_B)
+            for c in range(self.vpp)
+            if 0 <= stage_of(r, c, self.pp, self.v) + (-1 if k == RECV_F else 1) < self.pp * self.vpp
+        }
         while i < len(sched):
             a = sched[i]
             if a.kind in (F, B, W):
                 order.append(a)
                 # the executor waits for the batch that brings this compute's input (W's came with its B)
-                steps.append((COMPUTE.index(a.kind), -1 if a.kind == W else arriving.get(
-                    (RECV_F if a.kind == F else RECV_B, a.microbatch, a.chunk), -1)))
+                steps.append(
+                    (
+                        COMPUTE.index(a.kind),
+                        -1
+                        if a.kind == W
+                        else arriving.get((RECV_F if a.kind == F else RECV_B, a.microbatch, a.chunk), -1),
+                    )
+                )
                 i += 1
                 continue
             b, ops = len(self.ops), []
@@ -163,8 +177,17 @@ class _Graph:
                 # or tag: NCCL matches p2p ops in posting order.
                 key = (r, o.peer) if is_send else (o.peer, r)
                 side = chans[key][0 if is_send else 1]
-                side.append((b, (o.kind[-1], o.microbatch, o.chunk if is_send else src[(o.kind, o.chunk)],
-                                 r if is_send else o.peer)))
+                side.append(
+                    (
+                        b,
+                        (
+                            o.kind[-1],
+                            o.microbatch,
+                            o.chunk if is_send else src[(o.kind, o.chunk)],
+                            r if is_send else o.peer,
+                        ),
+                    )
+                )
                 ops.append((is_send, key, len(side) - 1))
                 if not is_send:
                     arriving[(o.kind, o.microbatch, o.chunk)] = b
@@ -200,8 +223,11 @@ class _Replay:
             progress = False
             for r in range(g.pp):
                 progress |= self._host(r)
-        stuck = {r: self._where(r) for r in range(g.pp)
-                 if self.pos[r] < len(g.steps[r]) or (self.rdv and self.head[r] < len(g.rank_batches[r]))}
+        stuck = {
+            r: self._where(r)
+            for r in range(g.pp)
+            if self.pos[r] < len(g.steps[r]) or (self.rdv and self.head[r] < len(g.rank_batches[r]))
+        }
         ends = [self._complete(b) for b in range(len(g.ops))]
         if stuck or None in ends:
             raise ScheduleError(f"deadlock ({self.model.value} sends): ranks wait at {stuck or 'a batch'}")
@@ -315,9 +341,17 @@ def _graph(kind: str, pp: int, vpp: int, m: int, grouping: Grouping, builder) ->
     return _Graph(kind, pp, vpp, m, grouping, builder)
 
 
-def simulate(kind: str, pp: int, vpp: int, m: int, sends: SendModel = SendModel.BUFFERED,
-             grouping: Grouping = Grouping.PAIRED, backward_time: int = 1, costs: Costs | None = None,
-             w_fraction: float = W_FRACTION) -> SimResult:
+def simulate(
+    kind: str,
+    pp: int,
+    vpp: int,
+    m: int,
+    sends: SendModel = SendModel.BUFFERED,
+    grouping: Grouping = Grouping.PAIRED,
+    backward_time: int = 1,
+    costs: Costs | None = None,
+    w_fraction: float = W_FRACTION,
+) -> SimResult:
     """Replay `build_schedule(kind, pp, vpp, m, rank, grouping)` of every rank under a send model; raises
     ScheduleError on a mismatch, a deadlock, B before F, a missing F/B or activations over the bound.
     costs: F, B, W of one micro-batch through a rank's layers (a chunk takes 1/vpp); None: a chunk's F = 1
@@ -337,13 +371,23 @@ def simulate(kind: str, pp: int, vpp: int, m: int, sends: SendModel = SendModel.
     timeline = [list(zip(s, o)) for s, o in zip(replay.starts, g.orders)]
     for r in range(pp):
         if peak[r] > activation_bound(kind, pp, vpp, m, r):
-            raise ScheduleError(f"rank {r} holds {peak[r]} activations, bound {activation_bound(kind, pp, vpp, m, r)}")
+            raise ScheduleError(
+                f"rank {r} holds {peak[r]} activations, bound {activation_bound(kind, pp, vpp, m, r)}"
+            )
     if split and max(peak_w) > max_pending_w(kind, pp):
         raise ScheduleError(f"a rank holds {max(peak_w)} pending W, bound {max_pending_w(kind, pp)}")
     # Every rank does the same work, one F, B and W per (micro-batch, chunk) (B and W one B unsplit).
     busy = (costs.f + costs.b + costs.w) * m * vpp
-    return SimResult(makespan, (makespan - busy) / makespan, peak, peak_w, timeline, makespan - busy,
-                     [p / vpp for p in peak_mem], vpp)
+    return SimResult(
+        makespan,
+        (makespan - busy) / makespan,
+        peak,
+        peak_w,
+        timeline,
+        makespan - busy,
+        [p / vpp for p in peak_mem],
+        vpp,
+    )
 
 
 def _static_checks(g: _Graph, w_fraction: float, vpp: int, m: int) -> tuple:

@@ -33,6 +33,7 @@ computes every grad at once, which W would run a second time.
 The first stage has no input gradient to compute (token ids): its B does nothing and its W runs the
 whole backward, so the weights' accumulation still happens at W.
 """
+
 from __future__ import annotations
 
 import collections
@@ -149,8 +150,9 @@ def _groups(rev: dict, x_node: Node, params: list[torch.Tensor]) -> tuple[list, 
     return [(g["params"], list(g["nodes"])) for g in unique], rest, w_nodes
 
 
-def backward_input(root: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor | None,
-                   params: list[torch.Tensor]) -> tuple[torch.Tensor | None, PendingW]:
+def backward_input(
+    root: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor | None, params: list[torch.Tensor]
+) -> tuple[torch.Tensor | None, PendingW]:
     """B: the gradient of the chunk input `x` (None on the first stage: then B computes nothing and W
     runs the whole backward), and what W needs."""
     grad = torch.ones_like(root) if grad is None else grad
@@ -169,8 +171,11 @@ def backward_input(root: torch.Tensor, grad: torch.Tensor | None, x: torch.Tenso
         for n in nodes:
             handles.append(n.register_prehook(lambda g, n=n, saved=saved: saved.__setitem__(n, g) and None))
     # the node running now, for _unpack to match boxes to their readers
-    handles += [n.register_prehook(lambda g, n=n: _running.__setitem__(slice(None), [n]))
-                for n in (root.grad_fn, *rev) if type(n).__name__ != "AccumulateGrad"]
+    handles += [
+        n.register_prehook(lambda g, n=n: _running.__setitem__(slice(None), [n]))
+        for n in (root.grad_fn, *rev)
+        if type(n).__name__ != "AccumulateGrad"
+    ]
     global _unpacked
     _unpacked = []
     try:
@@ -223,4 +228,6 @@ def backward_weight(pending: PendingW) -> None:
     if pending.rest is not None:
         root, grad, params = pending.rest
         # the first stage (params=None): the whole backward; else only the params B could not reach
-        Variable._execution_engine.run_backward((root,), (grad,), False, False, tuple(params or ()), True, True)
+        Variable._execution_engine.run_backward(
+            (root,), (grad,), False, False, tuple(params or ()), True, True
+        )

@@ -1,6 +1,7 @@
 """The zero-bubble schedules' compute orders (zb_h1, zbv; Qi et al. 2024): one greedy list scheduler run
 in unit time on every rank together. At each tick an idle rank runs a ready B if any (the critical path),
 else a ready F within its activation limit and with fewer than pp W pending, else its oldest pending W."""
+
 from __future__ import annotations
 
 import collections
@@ -47,7 +48,9 @@ def zero_bubble_plan(kind: str, pp: int, m: int) -> tuple[tuple[tuple[Action, ..
     # done_f[s][mb] / done_b[s][mb]: the tick F / B of micro-batch mb at stage s finishes (never: not run)
     done_f, done_b = [[never] * m for _ in range(last + 1)], [[never] * m for _ in range(last + 1)]
     # each rank's chunks, higher stage first (the tie rule), as [chunk, stage, next F, next B]
-    lanes = [sorted(([c, stage_of(r, c, pp, v), 0, 0] for c in range(vpp)), key=lambda x: -x[1]) for r in range(pp)]
+    lanes = [
+        sorted(([c, stage_of(r, c, pp, v), 0, 0] for c in range(vpp)), key=lambda x: -x[1]) for r in range(pp)
+    ]
     pending_w: list[collections.deque] = [collections.deque() for _ in range(pp)]
     held, orders, starts = [0] * pp, [[] for _ in range(pp)], [[] for _ in range(pp)]
     cap_w, total, t, busy = max_pending_w(kind, pp), 3 * m * vpp, 0, pp

@@ -20,6 +20,7 @@ fused kernel's kept outputs.
 `allocator_peak(fn)` is the measured counterpart on CPU: the peak of what the allocator hands out while
 fn runs (saved tensors and transients alike), from the profiler's allocation events.
 """
+
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -122,7 +123,7 @@ def chunk_activation_bytes(model, chunk: int, micro_batch: int, fused_attention:
         # requires grad like a received activation, so the first layer saves what it saves in training
         x_SBD = torch.empty(s, micro_batch, cfg.hidden_size, dtype=dtype, device=device, requires_grad=True)
     params = list(model.parameters())
-    with (FusedAttentionSizes() if fused_attention else _nothing()):
+    with FusedAttentionSizes() if fused_attention else _nothing():
         # the ids double as labels: the loss saves its tensors with the real shapes
         return saved_bytes(lambda: model.forward_chunk(chunk, x_SBD, ids_BS, ids_BS), params)
 
@@ -143,7 +144,7 @@ def block_activation_bytes(model, layer: int, micro_batch: int, fused_attention:
     cfg, p = model.cfg, next(model.parameters())
     s = local_seq(model) // model.mesh.tp.size if model.sp else local_seq(model)
     x_SBD = torch.empty(s, micro_batch, cfg.hidden_size, dtype=p.dtype, device=p.device, requires_grad=True)
-    with (FusedAttentionSizes() if fused_attention else _nothing()):
+    with FusedAttentionSizes() if fused_attention else _nothing():
         return saved_bytes(lambda: model.layers[str(layer)](x_SBD, model.rope), list(model.parameters()))
 
 
@@ -154,7 +155,7 @@ def head_activation_bytes(model, micro_batch: int, fused_attention: bool = True)
     s = local_seq(model) // model.mesh.tp.size if model.sp else local_seq(model)
     x_SBD = torch.empty(s, micro_batch, cfg.hidden_size, dtype=p.dtype, device=p.device, requires_grad=True)
     ids_BS = torch.zeros(micro_batch, local_seq(model), dtype=torch.long, device=p.device)
-    with (FusedAttentionSizes() if fused_attention else _nothing()):
+    with FusedAttentionSizes() if fused_attention else _nothing():
         return saved_bytes(lambda: model.head_output(x_SBD, ids_BS), list(model.parameters()))
 
 
@@ -209,7 +210,9 @@ def w_fraction(model, chunk: int, micro_batch: int) -> float:
     x_SBD = None
     if not (chunk == 0 and model.stage.first):
         s = seq // model.mesh.tp.size if model.sp else seq
-        x_SBD = torch.empty(s, micro_batch, cfg.hidden_size, dtype=p.dtype, device=p.device, requires_grad=True)
+        x_SBD = torch.empty(
+            s, micro_batch, cfg.hidden_size, dtype=p.dtype, device=p.device, requires_grad=True
+        )
     rec = _WeightInputs(model.parameters())
     with FusedAttentionSizes(), rec:
         model.forward_chunk(chunk, x_SBD, ids_BS, ids_BS)

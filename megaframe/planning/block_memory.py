@@ -2,6 +2,7 @@
 per config and layout), the block re-run under full recompute, and what document masking adds to a planning
 forward. The exact planner (estimate.py) and the search (search.py) both read it: a module below the two,
 so neither imports the other back."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -36,10 +37,14 @@ def act_per_layer(cfg_key, tp: int, recompute: str, cp: int = 1) -> tuple[int, i
     cfg = _CFGS[cfg_key]
 
     def measure(layers: int, pp: int, pp_rank: int) -> int:
-        c = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_layers=layers),
-                                parallel=dataclasses.replace(cfg.parallel, tp=tp, pp=pp, vpp=1, ep=1, sp=tp > 1,
-                                                             pp_layout=None, cp=cp),
-                                train=dataclasses.replace(cfg.train, recompute=recompute, compile=False))
+        c = dataclasses.replace(
+            cfg,
+            model=dataclasses.replace(cfg.model, num_layers=layers),
+            parallel=dataclasses.replace(
+                cfg.parallel, tp=tp, pp=pp, vpp=1, ep=1, sp=tp > 1, pp_layout=None, cp=cp
+            ),
+            train=dataclasses.replace(cfg.train, recompute=recompute, compile=False),
+        )
         mesh = virtual_mesh(tp, pp, 1, pp_rank=pp_rank, device="meta", cp=cp)
         model = build_model(c, mesh)
         if c.data.document_mask:  # the documents' mask and tensors, as the exact planner counts them

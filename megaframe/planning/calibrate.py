@@ -9,6 +9,7 @@ peak is the measured matmul rate itself (torch's kernels are the device) and the
 local processes (planning.gloo_link); on a GPU the rated peak comes from training.metrics.GPU_PEAK and the
 links, which one GPU cannot measure, from the nearest table entry (named in the profile's source).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,7 +49,9 @@ def gemm_sweep(device: str, dtype, sizes: list[int], seconds: float) -> list[tup
 
 def attention_rate(device: str, dtype, seq: int, heads: int, dim: int, seconds: float) -> float:
     """Causal SDPA forward + backward in model FLOPs/s (half the square: 4·S²·H·d forward x 3 / 2)."""
-    q, k, v = (torch.randn(1, heads, seq, dim, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    q, k, v = (
+        torch.randn(1, heads, seq, dim, device=device, dtype=dtype, requires_grad=True) for _ in range(3)
+    )
 
     def step():
         torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
@@ -72,14 +75,20 @@ def calibrate(quick: bool) -> dict:
     secs = 0.05 if quick else 0.5
     sizes = [256, 512] if quick else ([1024, 2048, 4096, 8192] if cuda else [256, 512, 1024])
     sweep = gemm_sweep(device, dtype, sizes, secs)
-    attn = attention_rate(device, dtype, 256 if quick else (4096 if cuda else 512), 4 if quick else 16, 64, secs)
+    attn = attention_rate(
+        device, dtype, 256 if quick else (4096 if cuda else 512), 4 if quick else 16, 64, secs
+    )
     if cuda:
         name = torch.cuda.get_device_name(0)
         peak = gpu_peak(name) or max(r for _, r in sweep)
         base = next((d for k, d in DEVICES.items() if k.split("_")[0] in name), DEVICES["H100"])
-        base = replace(base, name=f"{name} (calibrated)", peak_bf16=peak,
-                       memory_gb=torch.cuda.get_device_properties(0).total_memory / 2**30,
-                       source=f"calibrated here; links from the {base.name} table entry")
+        base = replace(
+            base,
+            name=f"{name} (calibrated)",
+            peak_bf16=peak,
+            memory_gb=torch.cuda.get_device_properties(0).total_memory / 2**30,
+            source=f"calibrated here; links from the {base.name} table entry",
+        )
     else:
         base = measure_cpu()
         peak = max(r for _, r in sweep)
@@ -89,15 +98,23 @@ def calibrate(quick: bool) -> dict:
     f0 = 2 * n0**3
     fixed = max(f0 / r0 - f0 / (peak * eff), 0.0)  # the small GEMM's time beyond the large ones' rate
     hbm = copy_bandwidth(device, (1 << 24) if quick else (1 << 28 if cuda else 1 << 26), secs)
-    dev = replace(base, efficiency=min(eff, 1.0), gemm_fixed_s=fixed, attn_eff=min(attn / peak, 1.0),
-                  hbm_bw=hbm if cuda else 0.0, hbm_eff=1.0)
+    dev = replace(
+        base,
+        efficiency=min(eff, 1.0),
+        gemm_fixed_s=fixed,
+        attn_eff=min(attn / peak, 1.0),
+        hbm_bw=hbm if cuda else 0.0,
+        hbm_eff=1.0,
+    )
     prof = dev.to_dict()
     prof["measured"] = {"gemm_flops": sweep, "attention_flops": attn, "copy_bytes_per_s": hbm}
     return prof
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="python -m megaframe.plan calibrate", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m megaframe.plan calibrate", description=__doc__.split("\n\n")[0]
+    )
     ap.add_argument("--out", default="device_profile.json", help="where the profile is written")
     ap.add_argument("--quick", action="store_true", help="small sizes and short windows (a smoke test)")
     args = ap.parse_args(argv)
@@ -109,7 +126,9 @@ def main(argv: list[str]) -> int:
     prof = calibrate(args.quick)
     measured = prof.pop("measured")
     out.write_text(json.dumps({**prof, "measured": measured}, indent=1))
-    print(f"calibrated {prof['name']}: GEMM {max(r for _, r in measured['gemm_flops']) / 1e12:.2f} TFLOP/s "
-          f"(efficiency {prof['efficiency']:.2f}, fixed {prof['gemm_fixed_s'] * 1e6:.1f} us), attention "
-          f"{measured['attention_flops'] / 1e12:.3f} TFLOP/s; wrote {out} (use +device_profile={out})")
+    print(
+        f"calibrated {prof['name']}: GEMM {max(r for _, r in measured['gemm_flops']) / 1e12:.2f} TFLOP/s "
+        f"(efficiency {prof['efficiency']:.2f}, fixed {prof['gemm_fixed_s'] * 1e6:.1f} us), attention "
+        f"{measured['attention_flops'] / 1e12:.3f} TFLOP/s; wrote {out} (use +device_profile={out})"
+    )
     return 0

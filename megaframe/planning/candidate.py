@@ -1,5 +1,6 @@
 """A candidate layout of the search (planning.search) and the parameter counts the memory and
 step-time models (planning.timing) share: one record, read by both."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -45,17 +46,29 @@ class Layout:
         grad = " grad=bf16" if self.grad_dtype == "bf16" else ""
         sched = f" {self.schedule}" if self.schedule else ""
         sched += f" layers={'/'.join(map(str, self.pp_layout))}" if self.pp_layout else ""
-        return (f"tp={self.tp}{cp} pp={self.pp} vpp={self.vpp}{sched} " f"dp={self.dp}{ep} zero={self.zero}{hsdp}{grad} "
-                f"mb={self.micro_batch} recompute={self.recompute}")
+        return (
+            f"tp={self.tp}{cp} pp={self.pp} vpp={self.vpp}{sched} "
+            f"dp={self.dp}{ep} zero={self.zero}{hsdp}{grad} "
+            f"mb={self.micro_batch} recompute={self.recompute}"
+        )
 
     def overrides(self) -> list[str]:
         grad = [f"optim.grad_reduce_dtype={self.grad_dtype}"] if self.grad_dtype != "fp32" else []
         grad += [f"parallel.pp_schedule={self.schedule}"] if self.schedule else []
         grad += [f"parallel.pp_layout=[{','.join(map(str, self.pp_layout))}]"] if self.pp_layout else []
-        return [f"parallel.tp={self.tp}", f"parallel.pp={self.pp}", f"parallel.vpp={self.vpp}",
-                f"parallel.ep={self.ep}", f"parallel.cp={self.cp}", f"parallel.sp={str(self.tp > 1 and self.sp).lower()}",
-                f"optim.zero={self.zero}", f"optim.shard_group_size={self.shard}", *grad,
-                f"train.micro_batch_size={self.micro_batch}", f"train.recompute={self.recompute}"]
+        return [
+            f"parallel.tp={self.tp}",
+            f"parallel.pp={self.pp}",
+            f"parallel.vpp={self.vpp}",
+            f"parallel.ep={self.ep}",
+            f"parallel.cp={self.cp}",
+            f"parallel.sp={str(self.tp > 1 and self.sp).lower()}",
+            f"optim.zero={self.zero}",
+            f"optim.shard_group_size={self.shard}",
+            *grad,
+            f"train.micro_batch_size={self.micro_batch}",
+            f"train.recompute={self.recompute}",
+        ]
 
     def to_dict(self) -> dict:
         return {**dataclasses.asdict(self), "label": self.label(), "overrides": self.overrides()}
@@ -66,13 +79,22 @@ def layout_config(cfg: Config, lay: Layout) -> Config:
     if hasattr(cfg.optim, "grad_reduce_dtype"):  # the key of optim.grad_reduce_dtype (h-gradbf16)
         optim["grad_reduce_dtype"] = lay.grad_dtype
     sched = {"pp_schedule": lay.schedule} if lay.schedule else {}
-    c = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, tp=lay.tp, pp=lay.pp, vpp=lay.vpp,
-                                                              ep=lay.ep, sp=lay.tp > 1 and lay.sp,
-                                                              pp_layout=list(lay.pp_layout) or None, cp=lay.cp,
-                                                              **sched),
-                            optim=dataclasses.replace(cfg.optim, **optim),
-                            train=dataclasses.replace(cfg.train, micro_batch_size=lay.micro_batch,
-                                                      recompute=lay.recompute))
+    c = dataclasses.replace(
+        cfg,
+        parallel=dataclasses.replace(
+            cfg.parallel,
+            tp=lay.tp,
+            pp=lay.pp,
+            vpp=lay.vpp,
+            ep=lay.ep,
+            sp=lay.tp > 1 and lay.sp,
+            pp_layout=list(lay.pp_layout) or None,
+            cp=lay.cp,
+            **sched,
+        ),
+        optim=dataclasses.replace(cfg.optim, **optim),
+        train=dataclasses.replace(cfg.train, micro_batch_size=lay.micro_batch, recompute=lay.recompute),
+    )
     return c
 
 

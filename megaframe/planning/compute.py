@@ -22,6 +22,7 @@ Recompute re-runs what it dropped: full, every block's forward (a third of GEMMs
 elementwise); selective, the attention core's forward; op_selective, the elementwise ops and every
 second matmul of a block (rerun_gemm_share), not the attention core.
 """
+
 from __future__ import annotations
 
 import functools
@@ -71,8 +72,9 @@ def _stream(dev: Device, nbytes: float) -> float:
     return nbytes / (dev.hbm_bw * dev.hbm_eff) if dev.hbm_bw else 0.0
 
 
-def block_seconds(cfg, dev: Device, tp: int, cp: int, micro_batch: int, sp: bool,
-                  fused_attention: bool = True) -> dict[str, float]:
+def block_seconds(
+    cfg, dev: Device, tp: int, cp: int, micro_batch: int, sp: bool, fused_attention: bool = True
+) -> dict[str, float]:
     """Seconds of one block's forward + backward for one micro-batch on one rank, by kind (module doc).
     fused_attention=False times attention as software before fused kernels ran it (Megatron-LM 2021):
     the whole S x S square as two batched GEMMs, its scores, softmax and dropout through HBM."""
@@ -98,13 +100,19 @@ def block_seconds(cfg, dev: Device, tp: int, cp: int, micro_batch: int, sp: bool
     if "rope" in str(m.position_embedding):
         per_tok += 2 * (m.num_attention_heads + m.kv_heads) * m.head_dim / tp
     attn = tokens * 12 * m.seq_length * m.num_attention_heads * m.head_dim / 2 / tp / cp
-    attn_rate = dev.peak("bf16" if prec != "fp32" else prec) * (dev.attn_eff if dev.hbm_bw else dev.efficiency)
+    attn_rate = dev.peak("bf16" if prec != "fp32" else prec) * (
+        dev.attn_eff if dev.hbm_bw else dev.efficiency
+    )
     eager = 1.0 if cfg.train.compile else EAGER_TRAFFIC
     elementwise = PASSES * eager * _stream(dev, tokens * per_tok * act)
-    if not fused_attention:  # the full square at the GEMM rate; scores, softmax, dropout mask and output in HBM
+    if (
+        not fused_attention
+    ):  # the full square at the GEMM rate; scores, softmax, dropout mask and output in HBM
         heads = m.num_attention_heads // tp
-        attn = 2 * PASSES * micro_batch * heads * gemm_seconds(dev, prec, m.seq_length, m.head_dim, m.seq_length)
-        elementwise += PASSES * _stream(dev, micro_batch * heads * m.seq_length ** 2 * (5 * act + 1))
+        attn = (
+            2 * PASSES * micro_batch * heads * gemm_seconds(dev, prec, m.seq_length, m.head_dim, m.seq_length)
+        )
+        elementwise += PASSES * _stream(dev, micro_batch * heads * m.seq_length**2 * (5 * act + 1))
         return {"gemm": PASSES * gemm + scale, "attention": attn, "elementwise": elementwise}
     return {"gemm": PASSES * gemm + scale, "attention": attn / attn_rate, "elementwise": elementwise}
 
@@ -118,16 +126,22 @@ def head_seconds(cfg, dev: Device, tp: int, cp: int, micro_batch: int) -> float:
     hp = "bf16" if prec == "fp8" and not fits else prec
     act = 4 if prec == "fp32" else 2
     return PASSES * gemm_seconds(dev, hp, tokens, m.hidden_size, m.vocab_size // tp) + _stream(
-        dev, tokens * m.vocab_size / tp * (2 * act + 8))
+        dev, tokens * m.vocab_size / tp * (2 * act + 8)
+    )
 
 
-def step_compute(cfg, dev: Device, lay, layers: int, micro: int, head: bool,
-                 fused_attention: bool = True) -> dict[str, float]:
+def step_compute(
+    cfg, dev: Device, lay, layers: int, micro: int, head: bool, fused_attention: bool = True
+) -> dict[str, float]:
     """Seconds of a rank's step by kind: `layers` blocks (its pipeline stage's) for `micro` micro-batches,
     the head when it holds it; recompute's re-run forward added to each kind it repeats."""
     b = block_seconds(cfg, dev, lay.tp, lay.cp, lay.micro_batch, lay.tp > 1 and lay.sp, fused_attention)
-    rerun = {"none": (0.0, 0.0, 0.0), "selective": (0.0, 1 / 3, 0.0), "full": (1 / 3, 1 / 3, 1 / 3),
-             "op_selective": (rerun_gemm_share(cfg.model) / 3, 0.0, 1 / 3)}[lay.recompute]
+    rerun = {
+        "none": (0.0, 0.0, 0.0),
+        "selective": (0.0, 1 / 3, 0.0),
+        "full": (1 / 3, 1 / 3, 1 / 3),
+        "op_selective": (rerun_gemm_share(cfg.model) / 3, 0.0, 1 / 3),
+    }[lay.recompute]
     out = {k: layers * micro * v * (1 + r) for (k, v), r in zip(b.items(), rerun)}
     out["head"] = micro * head_seconds(cfg, dev, lay.tp, lay.cp, lay.micro_batch) if head else 0.0
     return out

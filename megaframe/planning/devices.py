@@ -34,6 +34,7 @@ of one gloo ring hop against its size between two local processes (planning.gloo
 `python -m megaframe.plan calibrate` measures the present device and writes a profile (planning.calibrate)
 that `+device_profile=PATH` loads in place of a table entry.
 """
+
 from __future__ import annotations
 
 import json
@@ -96,32 +97,94 @@ class Device:
         return {**asdict(self), "hops": [list(h) for h in self.hops]}
 
 
-_H100 = ("NVIDIA H100 Tensor Core GPU datasheet (SXM5: 989 TF bf16 dense, 1,979 TF fp8 dense, 495 TF tf32 dense, "
-         "NVLink 900 GB/s bidirectional, HBM3 3.35 TB/s); DGX H100: 8 GPUs, ConnectX-7 400 Gb/s per GPU")
+_H100 = (
+    "NVIDIA H100 Tensor Core GPU datasheet (SXM5: 989 TF bf16 dense, 1,979 TF fp8 dense, 495 TF tf32 dense, "
+    "NVLink 900 GB/s bidirectional, HBM3 3.35 TB/s); DGX H100: 8 GPUs, ConnectX-7 400 Gb/s per GPU"
+)
 DEVICES = {
-    "H100": Device("H100 SXM5 80GB", 989e12, 494.7e12, 80, 450e9, 50e9, 8, efficiency=0.75, hbm_bw=3.35e12,
-                   peak_fp8=1979e12, attn_eff=0.35, alloc_headroom=ALLOC_HEADROOM, source=_H100),
-    "H100_500W": Device("H100 SXM 96GB HBM2e at 500 W", 989e12, 494.7e12, 95, 450e9, 50e9, 8, efficiency=0.62,
-                        hbm_bw=2.4e12, peak_fp8=1979e12, attn_eff=0.3, alloc_headroom=ALLOC_HEADROOM,
-                        source="torchtitan docs/performance.md's Grand Teton hosts (8 H100 with 96 GB HBM2e at "
-                               "2.4 TB/s, NVLink, 400 Gb/s RDMA per GPU, the default 500 W power limit); peaks "
-                               "from the H100 SXM datasheet. The 500 W cap lowers the sustained tensor-core "
-                               "clock: assumed 0.83 of the 700 W part's GEMM rate (clock ~ power^0.5), an "
-                               "assumption, not a measurement"),
-    "H200": Device("H200 SXM 141GB", 989e12, 494.7e12, 141, 450e9, 50e9, 8, efficiency=0.75, hbm_bw=4.8e12,
-                   peak_fp8=1979e12, attn_eff=0.35, alloc_headroom=ALLOC_HEADROOM,
-                   source="NVIDIA H200 Tensor Core GPU datasheet (same compute and NVLink as H100 SXM, 141 GB "
-                          "HBM3e at 4.8 TB/s); HGX H200 with 400 Gb/s NDR per GPU"),
-    "A100": Device("A100 SXM4 80GB", 312e12, 156e12, 80, 300e9, 25e9, 8, efficiency=0.85, hbm_bw=2.039e12,
-                   attn_eff=0.55, alloc_headroom=ALLOC_HEADROOM,
-                   source="NVIDIA A100 Tensor Core GPU datasheet (312 TF bf16 dense, 156 TF tf32, no fp8, NVLink "
-                          "600 GB/s bidirectional, HBM2e 2,039 GB/s); DGX A100: ConnectX-6 200 Gb/s HDR per GPU"),
-    "B200": Device("B200 SXM 180GB", 2.25e15, 1.1e15, 180, 900e9, 50e9, 8, efficiency=0.75, hbm_bw=8e12,
-                   peak_fp8=4.5e15, attn_eff=0.35, alloc_headroom=ALLOC_HEADROOM,
-                   source="NVIDIA DGX B200 datasheet (72 PF fp8 training / 8 GPUs = 9 PF fp8 sparse, i.e. 4.5 PF "
-                          "fp8 and 2.25 PF bf16 dense; 1,440 GB / 8; NVLink 5 1.8 TB/s bidirectional; HBM3e "
-                          "64 TB/s / 8; ConnectX-7 400 Gb/s per GPU); GEMM and attention efficiencies assumed "
-                          "as H100's (no public sweep found)"),
+    "H100": Device(
+        "H100 SXM5 80GB",
+        989e12,
+        494.7e12,
+        80,
+        450e9,
+        50e9,
+        8,
+        efficiency=0.75,
+        hbm_bw=3.35e12,
+        peak_fp8=1979e12,
+        attn_eff=0.35,
+        alloc_headroom=ALLOC_HEADROOM,
+        source=_H100,
+    ),
+    "H100_500W": Device(
+        "H100 SXM 96GB HBM2e at 500 W",
+        989e12,
+        494.7e12,
+        95,
+        450e9,
+        50e9,
+        8,
+        efficiency=0.62,
+        hbm_bw=2.4e12,
+        peak_fp8=1979e12,
+        attn_eff=0.3,
+        alloc_headroom=ALLOC_HEADROOM,
+        source="torchtitan docs/performance.md's Grand Teton hosts (8 H100 with 96 GB HBM2e at "
+        "2.4 TB/s, NVLink, 400 Gb/s RDMA per GPU, the default 500 W power limit); peaks "
+        "from the H100 SXM datasheet. The 500 W cap lowers the sustained tensor-core "
+        "clock: assumed 0.83 of the 700 W part's GEMM rate (clock ~ power^0.5), an "
+        "assumption, not a measurement",
+    ),
+    "H200": Device(
+        "H200 SXM 141GB",
+        989e12,
+        494.7e12,
+        141,
+        450e9,
+        50e9,
+        8,
+        efficiency=0.75,
+        hbm_bw=4.8e12,
+        peak_fp8=1979e12,
+        attn_eff=0.35,
+        alloc_headroom=ALLOC_HEADROOM,
+        source="NVIDIA H200 Tensor Core GPU datasheet (same compute and NVLink as H100 SXM, 141 GB "
+        "HBM3e at 4.8 TB/s); HGX H200 with 400 Gb/s NDR per GPU",
+    ),
+    "A100": Device(
+        "A100 SXM4 80GB",
+        312e12,
+        156e12,
+        80,
+        300e9,
+        25e9,
+        8,
+        efficiency=0.85,
+        hbm_bw=2.039e12,
+        attn_eff=0.55,
+        alloc_headroom=ALLOC_HEADROOM,
+        source="NVIDIA A100 Tensor Core GPU datasheet (312 TF bf16 dense, 156 TF tf32, no fp8, NVLink "
+        "600 GB/s bidirectional, HBM2e 2,039 GB/s); DGX A100: ConnectX-6 200 Gb/s HDR per GPU",
+    ),
+    "B200": Device(
+        "B200 SXM 180GB",
+        2.25e15,
+        1.1e15,
+        180,
+        900e9,
+        50e9,
+        8,
+        efficiency=0.75,
+        hbm_bw=8e12,
+        peak_fp8=4.5e15,
+        attn_eff=0.35,
+        alloc_headroom=ALLOC_HEADROOM,
+        source="NVIDIA DGX B200 datasheet (72 PF fp8 training / 8 GPUs = 9 PF fp8 sparse, i.e. 4.5 PF "
+        "fp8 and 2.25 PF bf16 dense; 1,440 GB / 8; NVLink 5 1.8 TB/s bidirectional; HBM3e "
+        "64 TB/s / 8; ConnectX-7 400 Gb/s per GPU); GEMM and attention efficiencies assumed "
+        "as H100's (no public sweep found)",
+    ),
 }
 
 
@@ -158,17 +221,30 @@ def measure_cpu(cores: int | None = None, link_timeout_s: float = 120.0) -> Devi
     try:
         hops = measure_hops(link_timeout_s)
     except TimeoutError as e:
-        raise ValueError(f"+device=cpu: the gloo link measurement failed: {e}; retry on a quieter machine, raise "
-                         "+link_timeout_s, or plan for a table device (+device=H100, ...)") from None
+        raise ValueError(
+            f"+device=cpu: the gloo link measurement failed: {e}; retry on a quieter machine, raise "
+            "+link_timeout_s, or plan for a table device (+device=H100, ...)"
+        ) from None
     (s0, t0), (s1, t1) = hops[-2], hops[-1]
     bw = (s1 - s0) / (t1 - t0)  # the largest sizes' bandwidth, for the printed summary
     cores = cores or os.cpu_count() or 1
-    return Device(f"cpu (measured: {rate / 1e9:.1f} GFLOP/s fp32 per core; gloo hop {hops[0][1] * 1e6:.0f} us "
-                  f"for {hops[0][0]} B, {hops[-1][1] * 1e3:.1f} ms for {hops[-1][0] >> 20} MiB)", rate, rate, 0, bw, bw,
-                  # link_eff 1: the link was measured, not taken from a datasheet peak
-                  cores, efficiency=0.5, link_eff=1.0, latency_s=hops[0][1], hops=hops,
-                  source="measured at start: best fp32 512x512 matmul rate on one thread; gloo all-gather and "
-                  "reduce-scatter between two local processes, 4 B to 4 MiB per hop")
+    return Device(
+        f"cpu (measured: {rate / 1e9:.1f} GFLOP/s fp32 per core; gloo hop {hops[0][1] * 1e6:.0f} us "
+        f"for {hops[0][0]} B, {hops[-1][1] * 1e3:.1f} ms for {hops[-1][0] >> 20} MiB)",
+        rate,
+        rate,
+        0,
+        bw,
+        bw,
+        # link_eff 1: the link was measured, not taken from a datasheet peak
+        cores,
+        efficiency=0.5,
+        link_eff=1.0,
+        latency_s=hops[0][1],
+        hops=hops,
+        source="measured at start: best fp32 512x512 matmul rate on one thread; gloo all-gather and "
+        "reduce-scatter between two local processes, 4 B to 4 MiB per hop",
+    )
 
 
 def get_device(name: str, link_timeout_s: float = 120.0, **overrides) -> Device:
@@ -194,7 +270,11 @@ def load_profile(path: str, **overrides) -> Device:
     known = {f.name for f in fields(Device)}
     if isinstance(raw, dict):
         raw.pop("measured", None)  # calibrate's raw readings, kept beside the fields for the reader
-    if not isinstance(raw, dict) or not {"name", "peak_bf16", "peak_fp32"} <= raw.keys() or raw.keys() - known:
+    if (
+        not isinstance(raw, dict)
+        or not {"name", "peak_bf16", "peak_fp32"} <= raw.keys()
+        or raw.keys() - known
+    ):
         raise ValueError(f"+device_profile={path}: not a device profile (keys {sorted(known)})")
     raw["hops"] = tuple(tuple(h) for h in raw.get("hops", ()))
     try:

@@ -27,6 +27,7 @@ dp and cp ranks of one coordinate hold the same amounts (ZeRO pads every bucket 
 every cp rank holds two equal chunks), so each coordinate is sized once (at cp rank 0); rows with equal
 figures are merged when printed.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
@@ -41,7 +42,15 @@ from megaframe.pipeline.schedule import ZERO_BUBBLE, F, W, compute_order
 from megaframe.planning.activations import chunk_activation_bytes, head_activation_bytes, w_fraction
 from megaframe.planning.block_memory import on_host as _on_host
 from megaframe.planning.block_memory import plan_documents, working_set_bytes
-from megaframe.planning.phases import RankShape, head_kind, host_peaks, phase_peaks, step_terms, today_load, today_startup
+from megaframe.planning.phases import (
+    RankShape,
+    head_kind,
+    host_peaks,
+    phase_peaks,
+    step_terms,
+    today_load,
+    today_startup,
+)
 from megaframe.planning.timing import _bubble, split_costs
 
 
@@ -88,12 +97,25 @@ class RankFigures:
         return max([self.total_bytes, *self.phases.values()])
 
     def __post_init__(self):
-        self.total_bytes = (self.params_bytes + self.grads_bytes + self.optim_bytes
-                            + max(self.activation_bytes, self.grads_fp32_bytes))
+        self.total_bytes = (
+            self.params_bytes
+            + self.grads_bytes
+            + self.optim_bytes
+            + max(self.activation_bytes, self.grads_fp32_bytes)
+        )
 
     def key(self) -> tuple:
-        return (self.pp_rank, self.params_bytes, self.grads_bytes, self.optim_bytes, self.activation_bytes,
-                tuple(self.chunk_activation_bytes), self.peak_inflight, self.dp_comm_bytes, self.cp_comm_bytes)
+        return (
+            self.pp_rank,
+            self.params_bytes,
+            self.grads_bytes,
+            self.optim_bytes,
+            self.activation_bytes,
+            tuple(self.chunk_activation_bytes),
+            self.peak_inflight,
+            self.dp_comm_bytes,
+            self.cp_comm_bytes,
+        )
 
 
 @dataclass
@@ -166,11 +188,25 @@ def plan_layout(cfg: Config, world_size: int, device_memory_gb: float | None = N
     tp, pp, cp = p.tp, p.pp, p.cp
     derived = derive(cfg, world_size)  # cp ranks read the same samples: dp alone divides the micro-batches
     dp, m, kind = derived.dp, derived.micro_batches, derived.pp_schedule
-    plan = Plan(world_size, {"tp": tp, "pp": pp, "dp": dp, "vpp": p.vpp, "sp": p.sp, "zero": cfg.optim.zero,
-                             "precision": t.precision, "micro_batch_size": t.micro_batch_size, "cp": cp,
-                             "grad_reduce_dtype": str(cfg.optim.grad_reduce_dtype),
-                             "cp_comm": str(getattr(p.cp_comm, "value", p.cp_comm))},
-                m, kind, _bubble(kind, pp, p.vpp, m, split_costs(cfg, t.recompute) if kind in ZERO_BUBBLE else None))
+    plan = Plan(
+        world_size,
+        {
+            "tp": tp,
+            "pp": pp,
+            "dp": dp,
+            "vpp": p.vpp,
+            "sp": p.sp,
+            "zero": cfg.optim.zero,
+            "precision": t.precision,
+            "micro_batch_size": t.micro_batch_size,
+            "cp": cp,
+            "grad_reduce_dtype": str(cfg.optim.grad_reduce_dtype),
+            "cp_comm": str(getattr(p.cp_comm, "value", p.cp_comm)),
+        },
+        m,
+        kind,
+        _bubble(kind, pp, p.vpp, m, split_costs(cfg, t.recompute) if kind in ZERO_BUBBLE else None),
+    )
     if device_memory_gb is not None:
         plan.device_memory_bytes = int(device_memory_gb * 2**30)  # GiB, as torch.cuda reports
     for pp_rank in range(pp):
@@ -185,25 +221,52 @@ def plan_layout(cfg: Config, world_size: int, device_memory_gb: float | None = N
 
 
 def _rank_figures(cfg: Config, tp: int, pp: int, dp: int, pp_rank: int, tp_rank: int, order) -> RankFigures:
-    mesh = virtual_mesh(tp, pp, dp, tp_rank=tp_rank, pp_rank=pp_rank, device="meta", ep=cfg.parallel.ep,
-                        shard=cfg.optim.shard_group_size, cp=cfg.parallel.cp)
+    mesh = virtual_mesh(
+        tp,
+        pp,
+        dp,
+        tp_rank=tp_rank,
+        pp_rank=pp_rank,
+        device="meta",
+        ep=cfg.parallel.ep,
+        shard=cfg.optim.shard_group_size,
+        cp=cfg.parallel.cp,
+    )
     model = build_model(cfg, mesh)
     if cfg.data.document_mask:
         plan_documents(model, cfg)
     params, grads, optim = state_bytes(model, cfg, mesh)
     chunks, act, inflight = _activations(model, cfg, order)
-    out = RankFigures(pp_rank, tp_rank, list(mesh.dpcp.ranks), params, grads, optim, chunks, inflight,
-                      act + cp_bias_bytes(model), cp_comm_bytes=cp_step_bytes(cfg, model, dp),
-                      grads_fp32_bytes=grads_fp32_bytes(model, cfg, mesh))
+    out = RankFigures(
+        pp_rank,
+        tp_rank,
+        list(mesh.dpcp.ranks),
+        params,
+        grads,
+        optim,
+        chunks,
+        inflight,
+        act + cp_bias_bytes(model),
+        cp_comm_bytes=cp_step_bytes(cfg, model, dp),
+        grads_fp32_bytes=grads_fp32_bytes(model, cfg, mesh),
+    )
     shape = rank_shape(model, cfg, mesh)
-    working = working_set_bytes(cfg, tp, cfg.parallel.cp, str(getattr(cfg.train.recompute, "value", cfg.train.recompute)),
-                                cfg.train.micro_batch_size)
-    out.phases = phase_peaks(shape, params, grads, optim, out.activation_bytes + working, on_host=_on_host(cfg))
+    working = working_set_bytes(
+        cfg,
+        tp,
+        cfg.parallel.cp,
+        str(getattr(cfg.train.recompute, "value", cfg.train.recompute)),
+        cfg.train.micro_batch_size,
+    )
+    out.phases = phase_peaks(
+        shape, params, grads, optim, out.activation_bytes + working, on_host=_on_host(cfg)
+    )
     out.step_terms = step_terms(shape, params, grads, optim, out.activation_bytes + working)
     out.host_bytes = host_peaks(shape, optim)
     out.today_startup_bytes = today_startup(shape, params, grads, optim)
-    out.today_load_bytes = today_load(shape, params + grads + optim,
-                                      cfg.optim.zero == 3 or cfg.train.precision != "fp32")
+    out.today_load_bytes = today_load(
+        shape, params + grads + optim, cfg.optim.zero == 3 or cfg.train.precision != "fp32"
+    )
     out.dp_comm_bytes = _dp_comm_bytes(model, cfg, mesh, dp)
     return out
 
@@ -211,18 +274,25 @@ def _rank_figures(cfg: Config, tp: int, pp: int, dp: int, pp_rank: int, tp_rank:
 def _activations(model, cfg: Config, order) -> tuple[list[int], int, int]:
     """(activation bytes per chunk, peak activation bytes, micro-batches in flight at it) under `order`."""
     # fused: real devices run a fused attention kernel; meta's math path would count the S x S matrix
-    chunks = [chunk_activation_bytes(model, c, cfg.train.micro_batch_size, fused_attention=True)
-              for c in range(len(model.stage.chunks))]
+    chunks = [
+        chunk_activation_bytes(model, c, cfg.train.micro_batch_size, fused_attention=True)
+        for c in range(len(model.stage.chunks))
+    ]
     # a split backward's pending W keeps the weighted ops' inputs and output grads (planning.activations)
-    keep = ([int(b * w_fraction(model, c, cfg.train.micro_batch_size)) for c, b in enumerate(chunks)]
-            if any(a.kind == W for a in order) else None)
+    keep = (
+        [int(b * w_fraction(model, c, cfg.train.micro_batch_size)) for c, b in enumerate(chunks)]
+        if any(a.kind == W for a in order)
+        else None
+    )
     act, inflight = peak_activations(order, chunks, keep)
     return chunks, act, inflight
 
 
 def _dp_comm_bytes(model, cfg: Config, mesh, dp: int) -> int | None:
     """The bytes this rank sends on dp per step under ZeRO; None where the optimizer is not ZeRO."""
-    if cfg.optim.zero and not (mesh.dp_shard.size == 1 and cfg.train.precision == "fp32"):  # build_optimizer's choice
+    if cfg.optim.zero and not (
+        mesh.dp_shard.size == 1 and cfg.train.precision == "fp32"
+    ):  # build_optimizer's choice
         m = cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)
         return planned_dp_bytes([p for p in model.parameters() if p.requires_grad], cfg.optim, mesh, m, model)
     return None
@@ -244,17 +314,26 @@ def rank_shape(model, cfg: Config, mesh) -> RankShape:
     out_params = [q for m in out for q in m.parameters()]
     if model.stage.last and cfg.model.tie_embeddings:
         out_params.append(model.embed.weight)
-    return RankShape(sum(p.numel() for p in ps), max(p.numel() for p in ps), max(blocks, default=0), elem,
-                     mesh.dp_shard.size if zero else 1, mesh.dpcp.size, zero,
-                     logits if model.stage.last else 0, sum(blocks),
-                     grad_elem=grad_dtype(o.grad_reduce_dtype, ps[0].dtype).itemsize,
-                     out_numel=sum(q.numel() for q in out_params),
-                     out_acc=not any(q.placement.pp_tied for q in out_params),
-                     block_param_numel=max((q.numel() for b in blocks_of(model) for q in b.parameters()), default=0),
-                     head_act=head_activation_bytes(model, t.micro_batch_size) if model.stage.last else 0,
-                     read_bytes=_read_bytes(model, cfg, mesh, zero, elem), gloo=_on_host(cfg),
-                     head_kind=head_kind(mesh.tp.size, cfg.train.fused_head_loss),
-                     reshard=cfg.optim.reshard_after_forward)
+    return RankShape(
+        sum(p.numel() for p in ps),
+        max(p.numel() for p in ps),
+        max(blocks, default=0),
+        elem,
+        mesh.dp_shard.size if zero else 1,
+        mesh.dpcp.size,
+        zero,
+        logits if model.stage.last else 0,
+        sum(blocks),
+        grad_elem=grad_dtype(o.grad_reduce_dtype, ps[0].dtype).itemsize,
+        out_numel=sum(q.numel() for q in out_params),
+        out_acc=not any(q.placement.pp_tied for q in out_params),
+        block_param_numel=max((q.numel() for b in blocks_of(model) for q in b.parameters()), default=0),
+        head_act=head_activation_bytes(model, t.micro_batch_size) if model.stage.last else 0,
+        read_bytes=_read_bytes(model, cfg, mesh, zero, elem),
+        gloo=_on_host(cfg),
+        head_kind=head_kind(mesh.tp.size, cfg.train.fused_head_loss),
+        reshard=cfg.optim.reshard_after_forward,
+    )
 
 
 def _read_bytes(model, cfg: Config, mesh, zero: int, elem: int) -> int:
@@ -279,7 +358,7 @@ def cp_bias_bytes(model) -> int:
     if attn is None or not attn.cp_gathered or not attn.dropout > 0:
         return 0
     p = next(model.parameters())
-    return model.cfg.seq_length ** 2 // attn.cp.size * p.element_size()
+    return model.cfg.seq_length**2 // attn.cp.size * p.element_size()
 
 
 def cp_step_bytes(cfg: Config, model, dp: int) -> int:
@@ -288,11 +367,21 @@ def cp_step_bytes(cfg: Config, model, dp: int) -> int:
     mesh, m, t = model.mesh, cfg.model, cfg.train
     micro = t.global_batch_size // (t.micro_batch_size * dp)
     ring = str(getattr(cfg.parallel.cp_comm, "value", cfg.parallel.cp_comm)) == "ring"
-    per = cp_bytes_per_layer(m.seq_length, mesh.cp.size, t.micro_batch_size, m.kv_heads // mesh.tp.size,
-                             m.head_dim, next(model.parameters()).element_size(), ring, t.recompute)
+    per = cp_bytes_per_layer(
+        m.seq_length,
+        mesh.cp.size,
+        t.micro_batch_size,
+        m.kv_heads // mesh.tp.size,
+        m.head_dim,
+        next(model.parameters()).element_size(),
+        ring,
+        t.recompute,
+    )
     flags = 0
     if cfg.data.document_mask:
-        flags = len(model.stage.chunks) * (mesh.cp.size - 1) * t.micro_batch_size * m.seq_length // mesh.cp.size
+        flags = (
+            len(model.stage.chunks) * (mesh.cp.size - 1) * t.micro_batch_size * m.seq_length // mesh.cp.size
+        )
     return len(model.layers) * micro * per + micro * flags
 
 

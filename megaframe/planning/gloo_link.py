@@ -10,6 +10,7 @@ collective inside a step costs a computing rank more than one in a tight loop (t
 skew, gloo's threads waking), 2-5x at these sizes. (A median of 15 moved 2x between runs at 16-256 KiB;
 this moves ~15 %.)
 """
+
 from __future__ import annotations
 
 import math
@@ -38,7 +39,7 @@ def _in_step(fn, reps: int, work: torch.Tensor) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     times.sort()
-    mid = times[len(times) // 4:len(times) - len(times) // 4]  # the interquartile mean: stable across runs
+    mid = times[len(times) // 4 : len(times) - len(times) // 4]  # the interquartile mean: stable across runs
     return sum(mid) / len(mid)
 
 

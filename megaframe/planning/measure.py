@@ -8,6 +8,7 @@ tokens_per_s of each metrics.jsonl row after the first two (start-up, compilatio
 least disturbed by other processes). A layout that fails to run is reported with its first error line and
 ranked last: the search's memory model, not this machine, decides what fits.
 """
+
 from __future__ import annotations
 
 import json
@@ -40,16 +41,29 @@ def step_seconds(run_dir: Path, tokens_per_step: int) -> float:
     return min(tokens_per_step / r["tokens_per_s"] for r in timed)
 
 
-def run_layout(overrides: list[str], layout, world: int, steps: int, run_dir: Path, tokens: int,
-               timeout_s: float = 600) -> float:
+def run_layout(
+    overrides: list[str], layout, world: int, steps: int, run_dir: Path, tokens: int, timeout_s: float = 600
+) -> float:
     """Step time of the layout trained `steps` steps here; RuntimeError with the run's last error line."""
     env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONPATH": str(ROOT)}
     env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's workers share the cores
     env.pop("MEGAFRAME_RUN_NAME", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-           str(ROOT / "train.py"), *overrides, *layout.overrides(), f"train.max_steps={steps}",
-           "train.log_interval=1", f"run.dir={run_dir}", f"checkpoint.dir={run_dir}/checkpoints",
-           "checkpoint.resume=none", "logging.wandb.mode=disabled"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={world}",
+        str(ROOT / "train.py"),
+        *overrides,
+        *layout.overrides(),
+        f"train.max_steps={steps}",
+        "train.log_interval=1",
+        f"run.dir={run_dir}",
+        f"checkpoint.dir={run_dir}/checkpoints",
+        "checkpoint.resume=none",
+        "logging.wandb.mode=disabled",
+    ]
     res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
     if res.returncode != 0:
         lines = [ln for ln in res.stderr.splitlines() if "error" in ln.lower()]
@@ -58,8 +72,9 @@ def run_layout(overrides: list[str], layout, world: int, steps: int, run_dir: Pa
     return step_seconds(run_dir, tokens)
 
 
-def measure(cfg, overrides: list[str], ests: list, k: int, world: int, steps: int,
-            progress=print) -> list[Measured]:
+def measure(
+    cfg, overrides: list[str], ests: list, k: int, world: int, steps: int, progress=print
+) -> list[Measured]:
     """The top k estimates, each measured; ordered by measured step time (failed runs last)."""
     tokens = cfg.train.global_batch_size * cfg.model.seq_length
     out = []
@@ -76,18 +91,23 @@ def measure(cfg, overrides: list[str], ests: list, k: int, world: int, steps: in
 
 def report(rows: list[Measured], steps: int) -> str:
     """The measured ranking beside the predicted one."""
-    lines = [f"measured ({steps} steps each on this machine, fastest step after the first {WARMUP_ROWS}; "
-             "timings on a shared machine are noisy):",
-             f"{'measured':>8} {'predicted':>9}  {'layout':<74} {'measured':>10} {'predicted':>10} "
-             f"{'error':>7}"]
+    lines = [
+        f"measured ({steps} steps each on this machine, fastest step after the first {WARMUP_ROWS}; "
+        "timings on a shared machine are noisy):",
+        f"{'measured':>8} {'predicted':>9}  {'layout':<74} {'measured':>10} {'predicted':>10} {'error':>7}",
+    ]
     for n, m in enumerate(rows, 1):
         pred = m.estimate.step_s
         if m.step_s is None:
-            lines.append(f"{'-':>8} {'#' + str(m.rank):>9}  {m.estimate.layout.label():<74} {'failed':>10} "
-                         f"{pred:>9.3f}s  {m.error}")
+            lines.append(
+                f"{'-':>8} {'#' + str(m.rank):>9}  {m.estimate.layout.label():<74} {'failed':>10} "
+                f"{pred:>9.3f}s  {m.error}"
+            )
             continue
-        lines.append(f"{'#' + str(n):>8} {'#' + str(m.rank):>9}  {m.estimate.layout.label():<74} "
-                     f"{m.step_s:>9.3f}s {pred:>9.3f}s {100 * (pred / m.step_s - 1):>+6.1f}%")
+        lines.append(
+            f"{'#' + str(n):>8} {'#' + str(m.rank):>9}  {m.estimate.layout.label():<74} "
+            f"{m.step_s:>9.3f}s {pred:>9.3f}s {100 * (pred / m.step_s - 1):>+6.1f}%"
+        )
     ok = [m for m in rows if m.step_s is not None]
     if ok:
         lines.append("run the measured #1 with: " + " ".join(ok[0].estimate.layout.overrides()))

@@ -45,6 +45,7 @@ built its whole local (tp·pp) model in fp32 and cast it, ZeRO-3 copying the who
 flat buffer and cloning them per bucket before sharding; a resume allocated full local-shape tensors of
 the weights and every optimizer state. Every constant is one number to adjust.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -55,7 +56,7 @@ from megaframe.layers.shard import BLOCK_EDGE
 INIT_FP32_TENSORS = 1
 """Whole local tensors start-up holds in fp32 at once while it initialises a low-precision run (one
 parameter at a time: drawn in fp32, then cast); an fp32 run draws straight into the parameter."""
-INIT_BLOCK_BYTES = 4 * BLOCK_EDGE ** 2
+INIT_BLOCK_BYTES = 4 * BLOCK_EDGE**2
 """The fp32 init block being drawn (layers/shard.py init_region), beside the params at zero=0's start-up (at
 zero=1/2 the param buffer the params are copied into is larger)."""
 STEP_GATHERED_BLOCKS = 2
@@ -127,13 +128,16 @@ def staging_bytes(s: RankShape) -> int:
     return min(LOAD_STAGING_BYTES, s.read_bytes or 4 * s.largest_numel)
 
 
-def phase_peaks(s: RankShape, params: int, grads: int, optim: int, activations: int,
-                on_host: bool = False) -> dict[str, int]:
+def phase_peaks(
+    s: RankShape, params: int, grads: int, optim: int, activations: int, on_host: bool = False
+) -> dict[str, int]:
     """{startup, step, save, load} peak bytes of one rank's device (module doc); `on_host`: the device is
     the host (cpu runs), so the save's host copy and the load's host staging count too."""
     resident = params + grads + optim
     init = INIT_FP32_TENSORS * 4 * s.largest_numel if s.param_elem != 4 else 0
-    if s.zero == 3:  # drawn per owned segment (zero3.init_flat): its fp32 rows (and their cast) and the init block
+    if (
+        s.zero == 3
+    ):  # drawn per owned segment (zero3.init_flat): its fp32 rows (and their cast) and the init block
         cast = s.param_elem if s.param_elem != 4 else 0
         init = (4 + cast) * (s.read_bytes // 4 or s.largest_numel // s.shard) + INIT_BLOCK_BYTES
     host = host_peaks(s, optim) if on_host else {"save": 0}
@@ -142,11 +146,16 @@ def phase_peaks(s: RankShape, params: int, grads: int, optim: int, activations: 
     # zero=0 is torch's AdamW, ZeRO makes its buffers lazily (optim/buffer.py lazy_zeros). ZeRO-1/2 copy the
     # drawn params into their param buffer (both whole at once, the first copy freed per param); ZeRO-3 draws
     # its segments straight into its master (its params).
-    startup = {0: params + max(init, INIT_BLOCK_BYTES), 3: params + init}.get(s.zero, max(params + init, 2 * params))
-    return {"startup": startup, "step": step,
-            "save": resident + host["save"],
-            # on a GPU the staged range's device copy; on the cpu the staging buffer itself: one of either
-            "load": resident - grads + staging_bytes(s)}
+    startup = {0: params + max(init, INIT_BLOCK_BYTES), 3: params + init}.get(
+        s.zero, max(params + init, 2 * params)
+    )
+    return {
+        "startup": startup,
+        "step": step,
+        "save": resident + host["save"],
+        # on a GPU the staged range's device copy; on the cpu the staging buffer itself: one of either
+        "load": resident - grads + staging_bytes(s),
+    }
 
 
 def head_kind(tp: int, fused_head_loss: bool) -> str:
@@ -189,18 +198,24 @@ def step_terms(s: RankShape, params: int, grads: int, optim: int, activations: i
         if s.zero == 1 and s.gloo:  # gloo's copies of ZeRO-1's collectives (module doc), one after the other
             terms["gloo collective copies"] = max(0, max(grads, params) - activations - head)
         return terms
-    return max(zero3_forward(s, resident, activations, head), zero3_backward(s, resident, activations),
-               key=lambda t: sum(t.values()))
+    return max(
+        zero3_forward(s, resident, activations, head),
+        zero3_backward(s, resident, activations),
+        key=lambda t: sum(t.values()),
+    )
 
 
 def zero3_forward(s: RankShape, resident: int, activations: int, head: int) -> dict[str, int]:
     """ZeRO-3 at the forward's end: the output unit gathered beside the head's transient; without
     optim.reshard_after_forward every unit the forward gathered is still gathered."""
     kept = s.blocks_bytes if not s.reshard else 0
-    return {"resident state": resident, "activations": activations,
-            "zero3 gathered: output unit": s.param_elem * s.out_numel,
-            "zero3 kept gathered (no reshard)": kept,
-            "logits/loss transient": head}
+    return {
+        "resident state": resident,
+        "activations": activations,
+        "zero3 gathered: output unit": s.param_elem * s.out_numel,
+        "zero3 kept gathered (no reshard)": kept,
+        "logits/loss transient": head,
+    }
 
 
 def zero3_backward(s: RankShape, resident: int, activations: int) -> dict[str, int]:
@@ -210,11 +225,14 @@ def zero3_backward(s: RankShape, resident: int, activations: int) -> dict[str, i
     block_numel = s.block_bytes // s.param_elem
     out_acc = s.grad_elem * s.out_numel if s.out_acc else 0
     gathered = STEP_GATHERED_BLOCKS * s.block_bytes if s.reshard else max(s.blocks_bytes, s.block_bytes)
-    terms = {"resident state": resident, "activations": activations - s.head_act,
-             "zero3 gathered: running + prefetched blocks": gathered,
-             "zero3 reduce-scatter in flight (output unit)": out_acc,
-             "zero3 grad bucket filling (block)": s.grad_elem * block_numel,
-             "weight grad before folding": s.param_elem * s.block_param_numel}
+    terms = {
+        "resident state": resident,
+        "activations": activations - s.head_act,
+        "zero3 gathered: running + prefetched blocks": gathered,
+        "zero3 reduce-scatter in flight (output unit)": out_acc,
+        "zero3 grad bucket filling (block)": s.grad_elem * block_numel,
+        "weight grad before folding": s.param_elem * s.block_param_numel,
+    }
     if s.gloo:  # the prefetched block's all-gather output and the output bucket's reduce-scatter input
         terms["gloo collective copies"] = s.block_bytes + out_acc
     return terms

@@ -17,6 +17,7 @@ Llama 3.1 8B rows ran "selective activation checkpointing" with its llama3_8b pr
 log-softmax of the whole logits: train.fused_head_loss=false. Memory is compared as torchtitan reports it,
 the caching allocator's reserved peak: the planned peak times 1 + the device's alloc_headroom (devices.py).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -58,10 +59,19 @@ class Run:
 
 
 def _gpt(layers: int, hidden: int, heads: int, batch: int) -> tuple:
-    return ("model=gpt2_small", f"model.num_layers={layers}", f"model.hidden_size={hidden}",
-            f"model.num_attention_heads={heads}", f"model.ffn_hidden_size={4 * hidden}", "model.seq_length=2048",
-            "model.vocab_size=51200", "model.dropout=0.1", "train.precision=bf16",
-            "train.compile=true", f"train.global_batch_size={batch}")
+    return (
+        "model=gpt2_small",
+        f"model.num_layers={layers}",
+        f"model.hidden_size={hidden}",
+        f"model.num_attention_heads={heads}",
+        f"model.ffn_hidden_size={4 * hidden}",
+        "model.seq_length=2048",
+        "model.vocab_size=51200",
+        "model.dropout=0.1",
+        "train.precision=bf16",
+        "train.compile=true",
+        f"train.global_batch_size={batch}",
+    )
 
 
 def narayanan_flops(layers: int, hidden: int, batch: int, seq: int = 2048, vocab: int = 51200) -> float:
@@ -69,21 +79,59 @@ def narayanan_flops(layers: int, hidden: int, batch: int, seq: int = 2048, vocab
     return 96 * batch * seq * layers * hidden**2 * (1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
 
 
-def _table1(name: str, layers: int, hidden: int, heads: int, tp: int, pp: int, gpus: int, batch: int,
-            tflops: float, held_out: bool = False) -> Run:
+def _table1(
+    name: str,
+    layers: int,
+    hidden: int,
+    heads: int,
+    tp: int,
+    pp: int,
+    gpus: int,
+    batch: int,
+    tflops: float,
+    held_out: bool = False,
+) -> Run:
     step = narayanan_flops(layers, hidden, batch) / (gpus * tflops * 1e12)
-    return Run(name, f"{NARAYANAN} Table 1", _gpt(layers, hidden, heads, batch), tp, pp, gpus, "A100",
-               published_s=step, held_out=held_out, table1=not held_out, fused_attention=False, shard=1)
+    return Run(
+        name,
+        f"{NARAYANAN} Table 1",
+        _gpt(layers, hidden, heads, batch),
+        tp,
+        pp,
+        gpus,
+        "A100",
+        published_s=step,
+        held_out=held_out,
+        table1=not held_out,
+        fused_attention=False,
+        shard=1,
+    )
 
 
 _LLAMA8B = ("model=llama3_8b", "train.precision=bf16", "train.fused_head_loss=false")
-_LLAMA405B = ("model=llama3_8b", "train.compile=true",
-              "model.num_layers=126", "model.hidden_size=16384", "model.num_attention_heads=128",
-              "model.num_query_groups=8", "model.ffn_hidden_size=53248", "train.global_batch_size=2048")
+_LLAMA405B = (
+    "model=llama3_8b",
+    "train.compile=true",
+    "model.num_layers=126",
+    "model.hidden_size=16384",
+    "model.num_attention_heads=128",
+    "model.num_query_groups=8",
+    "model.ffn_hidden_size=53248",
+    "train.global_batch_size=2048",
+)
 
-_LLAMA70B = ("model=llama3_8b", "model.num_layers=80", "model.hidden_size=8192", "model.num_attention_heads=64",
-             "model.num_query_groups=8", "model.ffn_hidden_size=28672", "train.compile=true", "train.precision=fp8",
-             "train.fp8_head=false", "train.global_batch_size=512")  # torchtitan's Float8 keeps the head bf16
+_LLAMA70B = (
+    "model=llama3_8b",
+    "model.num_layers=80",
+    "model.hidden_size=8192",
+    "model.num_attention_heads=64",
+    "model.num_query_groups=8",
+    "model.ffn_hidden_size=28672",
+    "train.compile=true",
+    "train.precision=fp8",
+    "train.fp8_head=false",
+    "train.global_batch_size=512",
+)  # torchtitan's Float8 keeps the head bf16
 
 RUNS = (
     _table1("GPT 1.7B, 32 x A100", 24, 2304, 24, 1, 1, 32, 512, 137),
@@ -91,26 +139,103 @@ RUNS = (
     _table1("GPT 18.4B tp8, 256 x A100", 40, 6144, 48, 8, 1, 256, 1024, 135),
     _table1("GPT 145.6B tp8 pp8, 1536 x A100", 80, 12288, 96, 8, 8, 1536, 2304, 148),
     _table1("GPT 1T tp8 pp64, 3072 x A100", 128, 25600, 160, 8, 64, 3072, 3072, 163),
-    Run("GPT 175B ZeRO-3, 384 x A100", f"{NARAYANAN} Table 2", _gpt(96, 12288, 96, 1536), 1, 1, 384, "A100",
-        published_s=narayanan_flops(96, 12288, 1536) / (384 * 144e12), zero=3, fused_attention=False),
-    Run("GPT 175B ZeRO-3, 1536 x A100", f"{NARAYANAN} Table 2", _gpt(96, 12288, 96, 1536), 1, 1, 1536, "A100",
-        published_s=narayanan_flops(96, 12288, 1536) / (1536 * 44e12), zero=3, fused_attention=False),
-    Run("GPT 175B tp8 pp12, 384 x A100", f"{NARAYANAN} Table 2", _gpt(96, 12288, 96, 1536), 8, 12, 384, "A100",
-        published_s=narayanan_flops(96, 12288, 1536) / (384 * 153e12), fused_attention=False, shard=1),
-    Run("Llama 3.1 8B FSDP, 8 x H100", f"{TORCHTITAN} Table 1", (*_LLAMA8B, "train.global_batch_size=16"), 1, 1, 8,
-        "H100_500W", published_tps=5762, published_gib=82.4, zero=3, recompute="op_selective", micro_batch=2),
-    Run("Llama 3.1 8B FSDP, 128 x H100", f"{TORCHTITAN} Table 3", (*_LLAMA8B, "train.global_batch_size=256"), 1, 1,
-        128, "H100_500W", published_tps=5605, published_gib=67.0, zero=3, recompute="op_selective", micro_batch=2),
+    Run(
+        "GPT 175B ZeRO-3, 384 x A100",
+        f"{NARAYANAN} Table 2",
+        _gpt(96, 12288, 96, 1536),
+        1,
+        1,
+        384,
+        "A100",
+        published_s=narayanan_flops(96, 12288, 1536) / (384 * 144e12),
+        zero=3,
+        fused_attention=False,
+    ),
+    Run(
+        "GPT 175B ZeRO-3, 1536 x A100",
+        f"{NARAYANAN} Table 2",
+        _gpt(96, 12288, 96, 1536),
+        1,
+        1,
+        1536,
+        "A100",
+        published_s=narayanan_flops(96, 12288, 1536) / (1536 * 44e12),
+        zero=3,
+        fused_attention=False,
+    ),
+    Run(
+        "GPT 175B tp8 pp12, 384 x A100",
+        f"{NARAYANAN} Table 2",
+        _gpt(96, 12288, 96, 1536),
+        8,
+        12,
+        384,
+        "A100",
+        published_s=narayanan_flops(96, 12288, 1536) / (384 * 153e12),
+        fused_attention=False,
+        shard=1,
+    ),
+    Run(
+        "Llama 3.1 8B FSDP, 8 x H100",
+        f"{TORCHTITAN} Table 1",
+        (*_LLAMA8B, "train.global_batch_size=16"),
+        1,
+        1,
+        8,
+        "H100_500W",
+        published_tps=5762,
+        published_gib=82.4,
+        zero=3,
+        recompute="op_selective",
+        micro_batch=2,
+    ),
+    Run(
+        "Llama 3.1 8B FSDP, 128 x H100",
+        f"{TORCHTITAN} Table 3",
+        (*_LLAMA8B, "train.global_batch_size=256"),
+        1,
+        1,
+        128,
+        "H100_500W",
+        published_tps=5605,
+        published_gib=67.0,
+        zero=3,
+        recompute="op_selective",
+        micro_batch=2,
+    ),
     # held out: added after the model was written
     _table1("GPT 3.6B tp2, 64 x A100", 30, 3072, 32, 2, 1, 64, 512, 138, held_out=True),
     _table1("GPT 39.1B tp8 pp2, 512 x A100", 48, 8192, 64, 8, 2, 512, 1536, 138, held_out=True),
     _table1("GPT 76.1B tp8 pp4, 1024 x A100", 60, 10240, 80, 8, 4, 1024, 1792, 140, held_out=True),
     _table1("GPT 310.1B tp8 pp16, 1920 x A100", 96, 16384, 128, 8, 16, 1920, 2160, 155, held_out=True),
     _table1("GPT 529.6B tp8 pp35, 2520 x A100", 105, 20480, 128, 8, 35, 2520, 2520, 163, held_out=True),
-    Run("Llama 3 405B tp8 pp16, 8192 x H100", LLAMA3, _LLAMA405B, 8, 16, 8192, "H100", published_s=-430e12,
-        recompute="none", pp_layout=(7, *[8] * 14, 7), held_out=True),
-    Run("Llama 3.1 70B fp8 FSDP32 tp8, 256 x H100", f"{TORCHTITAN} Table 4 (torch.compile + Float8)", _LLAMA70B, 8,
-        1, 256, "H100_500W", published_tps=829, published_gib=71.9, zero=3, micro_batch=16, held_out=True),
+    Run(
+        "Llama 3 405B tp8 pp16, 8192 x H100",
+        LLAMA3,
+        _LLAMA405B,
+        8,
+        16,
+        8192,
+        "H100",
+        published_s=-430e12,
+        recompute="none",
+        pp_layout=(7, *[8] * 14, 7),
+        held_out=True,
+    ),
+    Run(
+        "Llama 3.1 70B fp8 FSDP32 tp8, 256 x H100",
+        f"{TORCHTITAN} Table 4 (torch.compile + Float8)",
+        _LLAMA70B,
+        8,
+        1,
+        256,
+        "H100_500W",
+        published_tps=829,
+        published_gib=71.9,
+        zero=3,
+        micro_batch=16,
+        held_out=True,
+    ),
 )
 """Llama 3's published_s < 0 is minus its TFLOP/s per GPU: the step time follows from the model's FLOPs."""
 
@@ -121,8 +246,19 @@ def layout_of(run: Run, batch: int):
 
     dp = run.world // (run.tp * run.pp)
     mb = run.micro_batch or (1 if run.pp > 1 else min(batch // dp, 4))
-    return Layout(run.tp, run.pp, 1, dp, 1, run.zero, mb, run.recompute, shard=run.shard, pp_layout=run.pp_layout,
-                  sp=run.fused_attention)  # Megatron-LM 2021 had neither fused attention nor sequence parallelism
+    return Layout(
+        run.tp,
+        run.pp,
+        1,
+        dp,
+        1,
+        run.zero,
+        mb,
+        run.recompute,
+        shard=run.shard,
+        pp_layout=run.pp_layout,
+        sp=run.fused_attention,
+    )  # Megatron-LM 2021 had neither fused attention nor sequence parallelism
 
 
 def evaluate(run: Run, memory: bool = True) -> dict:
@@ -143,19 +279,40 @@ def evaluate(run: Run, memory: bool = True) -> dict:
         published = tokens * flops_per_token(cfg.model) / (run.world * -published)
     if run.published_tps:
         published = tokens / (run.world * run.published_tps)
-    out = {"name": run.name, "source": run.source, "held_out": run.held_out, "layout": lay.label(),
-           "device": dev.name, "published_s": published, "planned_s": step, "ratio": step / published}
+    out = {
+        "name": run.name,
+        "source": run.source,
+        "held_out": run.held_out,
+        "layout": lay.label(),
+        "device": dev.name,
+        "published_s": published,
+        "planned_s": step,
+        "ratio": step / published,
+    }
     if memory and run.published_gib:
         peak = max(phase_memory(cfg, lay).values()) * (1 + dev.alloc_headroom)
-        out.update(published_gib=run.published_gib, planned_gib=peak / 2**30, memory_ratio=peak / 2**30 / run.published_gib)
+        out.update(
+            published_gib=run.published_gib,
+            planned_gib=peak / 2**30,
+            memory_ratio=peak / 2**30 / run.published_gib,
+        )
     return out
 
 
 def _paper_axes(lay) -> bool:
     """Narayanan et al.'s Table 1 choices: tp, pp and the micro-batch; ZeRO-1-sized dp, full recompute,
     1F1B, no cp, ep, HSDP or bf16 grads (what Megatron-LM 2021 had)."""
-    return (lay.zero == 1 and not lay.shard and lay.grad_dtype == "fp32" and lay.cp == 1 and lay.ep == 1
-            and lay.recompute == "full" and not lay.schedule and lay.vpp == 1 and not lay.pp_layout)
+    return (
+        lay.zero == 1
+        and not lay.shard
+        and lay.grad_dtype == "fp32"
+        and lay.cp == 1
+        and lay.ep == 1
+        and lay.recompute == "full"
+        and not lay.schedule
+        and lay.vpp == 1
+        and not lay.pp_layout
+    )
 
 
 def search_gap(run: Run) -> dict:
@@ -172,11 +329,25 @@ def search_gap(run: Run) -> dict:
     dev = get_device(run.device)
     cap = HEADROOM * dev.memory_gb * 2**30
     # the paper's data parallelism: whole optimizer state per rank (shard group 1), as the run's own layout
-    lays = {dataclasses.replace(x, shard=run.shard) for x in candidates(cfg, run.world, dev.per_node, _paper_axes)}
-    timed = sorted((sum(step_time(cfg, x, dev, run.world, run.fused_attention).values()), x.label(), x)
-                   for x in lays if max(phase_memory(cfg, x).values()) <= cap)
+    lays = {
+        dataclasses.replace(x, shard=run.shard) for x in candidates(cfg, run.world, dev.per_node, _paper_axes)
+    }
+    timed = sorted(
+        (sum(step_time(cfg, x, dev, run.world, run.fused_attention).values()), x.label(), x)
+        for x in lays
+        if max(phase_memory(cfg, x).values()) <= cap
+    )
     lay = layout_of(run, cfg.train.global_batch_size)
-    mine = [i for i, (_, _, x) in enumerate(timed) if (x.tp, x.pp, x.micro_batch) == (lay.tp, lay.pp, lay.micro_batch)]
+    mine = [
+        i
+        for i, (_, _, x) in enumerate(timed)
+        if (x.tp, x.pp, x.micro_batch) == (lay.tp, lay.pp, lay.micro_batch)
+    ]
     if not mine:
         return {"place": None, "gap": None, "first": timed[0][1] if timed else None, "ranked": len(timed)}
-    return {"place": mine[0] + 1, "gap": timed[mine[0]][0] / timed[0][0] - 1, "first": timed[0][1], "ranked": len(timed)}
+    return {
+        "place": mine[0] + 1,
+        "gap": timed[mine[0]][0] / timed[0][0] - 1,
+        "first": timed[0][1],
+        "ranked": len(timed),
+    }

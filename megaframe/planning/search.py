@@ -14,6 +14,7 @@ tokens), times the micro-batch size, walked through the rank's own schedule (pea
 
 Step time: the stated model of planning.timing (compute, each axis's communication, the bubble).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -23,13 +24,30 @@ from dataclasses import dataclass, field
 from megaframe.config import Config, ConfigError, validate
 from megaframe.planning.block_memory import _CFGS, act_per_layer, working_set_bytes
 from megaframe.planning.block_memory import on_host as _on_host
-from megaframe.planning.candidate import Layout, cp_ring, end_layers, layer_params, layout_config, stage_layers, stage_params
+from megaframe.planning.candidate import (
+    Layout,
+    cp_ring,
+    end_layers,
+    layer_params,
+    layout_config,
+    stage_layers,
+    stage_params,
+)
 from megaframe.planning.devices import Device
 from megaframe.planning.phases import RankShape, head_kind, phase_peaks
 from megaframe.planning.timing import step_time
 
-__all__ = ["Estimate", "Layout", "candidates", "layout_config", "memory", "search", "stage_params", "step_time",
-           "why_slower"]
+__all__ = [
+    "Estimate",
+    "Layout",
+    "candidates",
+    "layout_config",
+    "memory",
+    "search",
+    "stage_params",
+    "step_time",
+    "why_slower",
+]
 
 RECOMPUTE = ("none", "selective", "full", "op_selective")
 MICRO_BATCHES = (1, 2, 4, 8)
@@ -61,25 +79,36 @@ class Estimate:
         return sum(self.parts.values())
 
     def to_dict(self) -> dict:
-        return {"layout": self.layout.to_dict(), "memory_bytes": self.memory_bytes, "phases": self.phases,
-                "step_s": self.step_s, "parts_s": self.parts}
+        return {
+            "layout": self.layout.to_dict(),
+            "memory_bytes": self.memory_bytes,
+            "phases": self.phases,
+            "step_s": self.step_s,
+            "parts_s": self.parts,
+        }
 
 
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _state_choices(cfg: Config, tp: int, cp: int, dp: int, ep: int, per_node: int) -> list[tuple[int, int, str]]:
+def _state_choices(
+    cfg: Config, tp: int, cp: int, dp: int, ep: int, per_node: int
+) -> list[tuple[int, int, str]]:
     """(zero, HSDP shard group, grad reduce dtype) of one (tp, cp, dp, ep)."""
     bf16 = cfg.train.precision in ("bf16", "fp8")  # fp8 keeps bf16 params with ZeRO's fp32 master
     grads = ("fp32", "bf16") if bf16 else ("fp32",)
     dpcp, out = dp * cp, []
     # HSDP: shard groups of whole nodes
     # (the shard's all-gathers on NVLink or spread evenly over nodes), below cp·dp
-    shards = [s for s in divisors(dpcp) if 1 < s < dpcp and (tp * cp * s) % max(per_node, 1) == 0] if ep == 1 else []
+    shards = (
+        [s for s in divisors(dpcp) if 1 < s < dpcp and (tp * cp * s) % max(per_node, 1) == 0]
+        if ep == 1
+        else []
+    )
     zeros = (1, 2, 3) if dpcp > 1 else (1,)  # nothing to shard over one rank: ZeRO-2/3 build ZeRO-1's layout
-    for zero in (zeros if bf16 else (0, *zeros)):
-        for shard in ([0] + shards if zero else [0]):
+    for zero in zeros if bf16 else (0, *zeros):
+        for shard in [0] + shards if zero else [0]:
             out += [(zero, shard, g) for g in (grads if zero else ("fp32",))]
     return out
 
@@ -93,13 +122,21 @@ def candidates(cfg: Config, world: int, per_node: int, keep=None) -> list[Layout
     for tp, cp in [(t, c) for t in divisors(world) if t <= max(per_node, 1) for c in divisors(world // t)]:
         for pp, split in _pipelines(m.num_layers, world // (tp * cp)):
             dp = world // (tp * cp * pp)
-            for vpp in ([1] if pp == 1 or split else [v for v in VPP if m.num_layers % (pp * v) == 0]):
+            for vpp in [1] if pp == 1 or split else [v for v in VPP if m.num_layers % (pp * v) == 0]:
                 # ep borrows its ranks from cp·dp
-                for ep, sched in [(e, s) for e in ([e for e in divisors(dp * cp) if m.num_experts % e == 0]
-                                                   if m.num_experts else [1]) for s in _schedules(pp, vpp)]:
-                    lays = [Layout(tp, pp, vpp, dp, ep, zero, mb, rc, cp, shard, g, sched, split)
-                            for zero, shard, g in _state_choices(cfg, tp, cp, dp, ep, per_node)
-                            for mb in MICRO_BATCHES for rc in RECOMPUTE]
+                for ep, sched in [
+                    (e, s)
+                    for e in (
+                        [e for e in divisors(dp * cp) if m.num_experts % e == 0] if m.num_experts else [1]
+                    )
+                    for s in _schedules(pp, vpp)
+                ]:
+                    lays = [
+                        Layout(tp, pp, vpp, dp, ep, zero, mb, rc, cp, shard, g, sched, split)
+                        for zero, shard, g in _state_choices(cfg, tp, cp, dp, ep, per_node)
+                        for mb in MICRO_BATCHES
+                        for rc in RECOMPUTE
+                    ]
                     out += _valid(cfg, world, [x for x in lays if keep is None or keep(x)])
     return out
 
@@ -194,12 +231,25 @@ def phase_memory(cfg: Config, lay: Layout) -> dict[str, int]:
         first, last = rank == 0, rank == lay.pp - 1
         params, grads, optim = _state(cfg, lay, first, last, a_bytes)
         chunk_layers = per_rank[rank] // lay.vpp
-        chunks = tuple(lay.micro_batch * (chunk_layers * per_layer + (embed if c == 0 and first else 0)
-                                          + (head if c == lay.vpp - 1 and last else 0)) for c in range(lay.vpp))
+        chunks = tuple(
+            lay.micro_batch
+            * (
+                chunk_layers * per_layer
+                + (embed if c == 0 and first else 0)
+                + (head if c == lay.vpp - 1 and last else 0)
+            )
+            for c in range(lay.vpp)
+        )
         act = _peak_inflight(kind, lay.pp, lay.vpp, micro, rank, chunks) if lay.pp > 1 else chunks[0]
         act += working_set_bytes(cfg, lay.tp, lay.cp, lay.recompute, lay.micro_batch)
-        peaks = phase_peaks(_shape(cfg, lay, first, last, a_bytes, lay.micro_batch * head), params, grads, optim,
-                            act + _cp_bias_bytes(cfg, lay, a_bytes), on_host=_on_host(cfg))
+        peaks = phase_peaks(
+            _shape(cfg, lay, first, last, a_bytes, lay.micro_batch * head),
+            params,
+            grads,
+            optim,
+            act + _cp_bias_bytes(cfg, lay, a_bytes),
+            on_host=_on_host(cfg),
+        )
         if max(peaks.values()) > max(worst.values(), default=-1):
             worst = peaks
     return worst
@@ -231,7 +281,11 @@ def _shape(cfg: Config, lay: Layout, first: bool, last: bool, a_bytes: int, head
     dense, expert = stage_params(m, lay, first, last)
     d, per = m.hidden_size, (2 if m.activation == "swiglu" else 1)
     mats = [d * (m.num_attention_heads + 2 * m.kv_heads) * m.head_dim // lay.tp]
-    mats.append((m.num_experts // lay.ep) * per * m.expert_ffn * d if m.num_experts else per * m.ffn_hidden_size * d // lay.tp)
+    mats.append(
+        (m.num_experts // lay.ep) * per * m.expert_ffn * d
+        if m.num_experts
+        else per * m.ffn_hidden_size * d // lay.tp
+    )
     block_mat = max(mats)
     table = m.vocab_size * d // lay.tp
     if first or last:
@@ -248,13 +302,26 @@ def _shape(cfg: Config, lay: Layout, first: bool, last: bool, a_bytes: int, head
         read = max(a_bytes * max(mats), 4 * min(max(mats), int(cfg.optim.bucket_size_mb * 2**20) // 4 // s))
     else:
         read = 4 * max(mats)
-    return RankShape(dense + expert, max(mats), a_bytes * block_numel, a_bytes, s, lay.dp * lay.cp, lay.zero,
-                     logits, a_bytes * block_numel * end_layers(m, lay, first, last),
-                     grad_elem=2 if lay.grad_dtype == "bf16" else 4, out_numel=(d + table) if last else 0,
-                     out_acc=not tied_across, block_param_numel=block_mat, head_act=head_act if last else 0,
-                     read_bytes=read, gloo=_on_host(cfg),
-                     head_kind=head_kind(lay.tp, cfg.train.fused_head_loss),
-                     reshard=cfg.optim.reshard_after_forward)
+    return RankShape(
+        dense + expert,
+        max(mats),
+        a_bytes * block_numel,
+        a_bytes,
+        s,
+        lay.dp * lay.cp,
+        lay.zero,
+        logits,
+        a_bytes * block_numel * end_layers(m, lay, first, last),
+        grad_elem=2 if lay.grad_dtype == "bf16" else 4,
+        out_numel=(d + table) if last else 0,
+        out_acc=not tied_across,
+        block_param_numel=block_mat,
+        head_act=head_act if last else 0,
+        read_bytes=read,
+        gloo=_on_host(cfg),
+        head_kind=head_kind(lay.tp, cfg.train.fused_head_loss),
+        reshard=cfg.optim.reshard_after_forward,
+    )
 
 
 def _cp_bias_bytes(cfg: Config, lay: Layout, a_bytes: int) -> int:
@@ -262,11 +329,12 @@ def _cp_bias_bytes(cfg: Config, lay: Layout, a_bytes: int) -> int:
     (estimate.cp_bias_bytes)."""
     if lay.cp == 1 or cp_ring(cfg) or not cfg.model.dropout > 0:
         return 0
-    return cfg.model.seq_length ** 2 // lay.cp * a_bytes
+    return cfg.model.seq_length**2 // lay.cp * a_bytes
 
 
-def search(cfg: Config, world: int, dev: Device, memory_bytes: float | None,
-           progress=None, keep=None) -> tuple[list[Estimate], int, int]:
+def search(
+    cfg: Config, world: int, dev: Device, memory_bytes: float | None, progress=None, keep=None
+) -> tuple[list[Estimate], int, int]:
     """(fitting estimates, the tie group first (break_ties), then by time; candidates; dropped for memory).
     `progress(text)` hears how far it got every few seconds (the command prints it to stderr); `keep`
     narrows the candidates (candidates())."""
@@ -297,8 +365,14 @@ def search(cfg: Config, world: int, dev: Device, memory_bytes: float | None,
 def axes_used(lay: Layout) -> int:
     """Parallel axes a layout uses beyond plain data parallelism, and its optional features: fewer is
     simpler to run and to debug."""
-    return (sum(x > 1 for x in (lay.tp, lay.cp, lay.pp, lay.vpp, lay.ep)) + (lay.zero >= 2) + bool(lay.shard)
-            + (lay.grad_dtype != "fp32") + bool(lay.schedule) + (lay.recompute != "none"))
+    return (
+        sum(x > 1 for x in (lay.tp, lay.cp, lay.pp, lay.vpp, lay.ep))
+        + (lay.zero >= 2)
+        + bool(lay.shard)
+        + (lay.grad_dtype != "fp32")
+        + bool(lay.schedule)
+        + (lay.recompute != "none")
+    )
 
 
 def break_ties(ests: list[Estimate], error: float = MODEL_ERROR) -> list[Estimate]:
@@ -322,7 +396,13 @@ def why_slower(e: Estimate, best: Estimate) -> str:
     """The part that costs this layout the most against the first, in words."""
     diffs = {k: e.parts[k] - best.parts.get(k, 0.0) for k in e.parts}
     k = max(diffs, key=diffs.get)
-    what = {"compute": "more compute (recompute)", "tp": "tp communication", "ep": "expert all-to-all",
-            "cp": "context-parallel K/V exchange",
-            "bubble": "pipeline bubble", "pp": "pipeline p2p", "dp": "data-parallel grad/param traffic"}[k]
+    what = {
+        "compute": "more compute (recompute)",
+        "tp": "tp communication",
+        "ep": "expert all-to-all",
+        "cp": "context-parallel K/V exchange",
+        "bubble": "pipeline bubble",
+        "pp": "pipeline p2p",
+        "dp": "data-parallel grad/param traffic",
+    }[k]
     return f"+{100 * (e.step_s / best.step_s - 1):.1f}%: {what} +{diffs[k] * 1e3:.1f} ms"

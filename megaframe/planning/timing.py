@@ -38,6 +38,7 @@ Step time (seconds) =
 Checked against measured runs on this machine by benchmarks/validate_planner.py (docs/planning.md: the
 six-layout table).
 """
+
 from __future__ import annotations
 
 import functools
@@ -80,8 +81,12 @@ def split_costs(cfg: Config, recompute: str = "none") -> tuple[float, float, flo
     gemm = (flops_per_token(m) - 3 * attn) / 6  # the weighted matmuls' forward, per 2 FLOPs
     f, b, w = 2 * gemm + attn, 2 * gemm + 2 * attn, 2 * gemm
     blocks = 2 * (gemm - m.vocab_size * m.hidden_size)  # the blocks' weighted matmuls' forward
-    b += {"none": 0.0, "selective": attn, "full": blocks + attn,
-          "op_selective": rerun_gemm_share(m) * blocks}[recompute]
+    b += {
+        "none": 0.0,
+        "selective": attn,
+        "full": blocks + attn,
+        "op_selective": rerun_gemm_share(m) * blocks,
+    }[recompute]
     return tuple(float(f"{x / f:.3g}") for x in (1.0 * f, b, w))
 
 
@@ -114,8 +119,12 @@ class _Step:
         """Compute seconds of the slowest pipeline rank by kind (planning.compute): its blocks, the head
         on the last rank."""
         lays = stage_layers(self.cfg.model.num_layers, self.lay)
-        parts = [step_compute(self.cfg, self.dev, self.lay, n, self.micro, r == len(lays) - 1, self.fused_attention)
-                 for r, n in enumerate(lays)]
+        parts = [
+            step_compute(
+                self.cfg, self.dev, self.lay, n, self.micro, r == len(lays) - 1, self.fused_attention
+            )
+            for r, n in enumerate(lays)
+        ]
         return max(parts, key=lambda p: sum(p.values()))
 
     @property
@@ -177,7 +186,9 @@ def _ep(s: _Step) -> float:
         return 0.0
     # each token goes to top_k experts; under sp a tp rank routes its 1/tp of the sequence
     routed = s.act * m.moe_top_k / lay.tp
-    return 4 * s.layers * s.micro * s.coll((lay.ep - 1) / lay.ep * routed, lay.ep, lay.ep - 1, lay.tp * lay.ep)
+    return (
+        4 * s.layers * s.micro * s.coll((lay.ep - 1) / lay.ep * routed, lay.ep, lay.ep - 1, lay.tp * lay.ep)
+    )
 
 
 def _cp(s: _Step) -> float:
@@ -186,13 +197,21 @@ def _cp(s: _Step) -> float:
     if c == 1:
         return 0.0
     ring = cp_ring(s.cfg)
-    sent = s.layers * s.micro * cp_bytes_per_layer(m.seq_length, c, lay.micro_batch, m.kv_heads // lay.tp,
-                                                   m.head_dim, s.elem, ring, lay.recompute)
+    sent = (
+        s.layers
+        * s.micro
+        * cp_bytes_per_layer(
+            m.seq_length, c, lay.micro_batch, m.kv_heads // lay.tp, m.head_dim, s.elem, ring, lay.recompute
+        )
+    )
     reruns = lay.recompute in ("full", "op_selective") or (ring and lay.recompute == "selective")
     # ring steps per layer and micro-batch: all-gather K, V and reduce-scatter dK, dV (c-1 each); the
     # ring's c-1 forward moves, c-1 + c backward ones; a re-run forward repeats its own
-    hops = s.layers * s.micro * ((4 if not ring else 3) * (c - 1) + (1 if ring else 0)
-                                 + (2 if not ring else 1) * (c - 1) * reruns)
+    hops = (
+        s.layers
+        * s.micro
+        * ((4 if not ring else 3) * (c - 1) + (1 if ring else 0) + (2 if not ring else 1) * (c - 1) * reruns)
+    )
     t = s.coll(sent, c, hops, lay.tp * c)
     if not ring:
         return t
@@ -229,7 +248,9 @@ def _dp(s: _Step) -> float:
     def ring(bytes_per_el: float, times: int) -> float:
         """`times` reduce-scatters (or all-gathers) of every element at bytes_per_el over the shard group."""
         # a dense model has no expert collective: no latency either (it was charged one before)
-        moe = s.coll((edp - 1) / edp * bytes_per_el * expert, edp, (edp - 1) * buckets, span) if expert else 0.0
+        moe = (
+            s.coll((edp - 1) / edp * bytes_per_el * expert, edp, (edp - 1) * buckets, span) if expert else 0.0
+        )
         return times * (s.coll((sh - 1) / sh * bytes_per_el * dense, sh, (sh - 1) * buckets, span) + moe)
 
     compute = _compute(s)
@@ -253,7 +274,9 @@ def _dp(s: _Step) -> float:
         hidden = [(ring(g, micro), bwd), (ring(a, 1), fwd / micro)]
     else:  # one reduce-scatter in the last micro-batch's backward; the gather in the next forward
         hidden = [(ring(g, 1), bwd / micro), (ring(a, 1), fwd / micro)]
-    tail = sum(t for t, _ in hidden) / max(buckets * micro, 1)  # the last reduce / first gather: nothing hides it
+    tail = sum(t for t, _ in hidden) / max(
+        buckets * micro, 1
+    )  # the last reduce / first gather: nothing hides it
     return sum(max(t - window, 0.0) for t, window in hidden) + tail + _hsdp(s, n, g, sh, buckets)
 
 
@@ -267,7 +290,9 @@ def _hsdp(s: _Step, n: int, g: int, sh: int, buckets: int) -> float:
     return s.coll(2 * (rep - 1) / rep * g * n / sh, rep, 2 * (rep - 1) * buckets, lay.tp * dpcp)
 
 
-def step_time(cfg: Config, lay: Layout, dev: Device, world: int, fused_attention: bool = True) -> dict[str, float]:
+def step_time(
+    cfg: Config, lay: Layout, dev: Device, world: int, fused_attention: bool = True
+) -> dict[str, float]:
     """The module docstring's model: seconds per step by part (fused_attention: planning.compute's
     block_seconds; False only to time software without fused attention kernels, as published runs of 2021)."""
     from megaframe.pipeline.schedule import ZERO_BUBBLE, resolve_kind
@@ -279,5 +304,12 @@ def step_time(cfg: Config, lay: Layout, dev: Device, world: int, fused_attention
     bubble = _bubble(kind, lay.pp, lay.vpp, s.micro, costs) if lay.pp > 1 else 0.0
     inner = compute + tp + ep + cp
     # the bubble stretches the compute-bound part; reported as its own share so why_slower can name it
-    return {"compute": compute, "tp": tp, "ep": ep, "cp": cp, "bubble": inner / (1 - bubble) - inner,
-            "pp": _pp(s), "dp": _dp(s)}
+    return {
+        "compute": compute,
+        "tp": tp,
+        "ep": ep,
+        "cp": cp,
+        "bubble": inner / (1 - bubble) - inner,
+        "pp": _pp(s),
+        "dp": _dp(s),
+    }

@@ -20,6 +20,7 @@ sleep, step 1 for hang). The delay happens at the start of the step's compute wi
 figures count it as compute; a hang never returns, so only the watchdog (train.hang_timeout_s) ends it.
 An unparsable value is a bad input (exit 2).
 """
+
 from __future__ import annotations
 
 import os
@@ -52,10 +53,15 @@ def parse(spec: str) -> list[Fault]:
             seconds = float(kv.pop("seconds", 0.0))
         except ValueError as e:
             raise ValueError(f"{ENV}={spec!r}: cannot parse {part!r} ({e})") from e
-        if kind not in ("sleep", "hang", "slow_save", "savefail", "savekill", "loadoom") or kv \
-                or (kind in ("sleep", "slow_save") and seconds <= 0):
-            raise ValueError(f"{ENV}={spec!r}: {part!r} must be sleep|slow_save:[rank=R:][step=S:]seconds=X "
-                             f"or hang|savefail|savekill|loadoom:[rank=R:][step=S]")
+        if (
+            kind not in ("sleep", "hang", "slow_save", "savefail", "savekill", "loadoom")
+            or kv
+            or (kind in ("sleep", "slow_save") and seconds <= 0)
+        ):
+            raise ValueError(
+                f"{ENV}={spec!r}: {part!r} must be sleep|slow_save:[rank=R:][step=S:]seconds=X "
+                f"or hang|savefail|savekill|loadoom:[rank=R:][step=S]"
+            )
         faults.append(Fault(kind, rank, step, seconds))
     return faults
 
@@ -73,7 +79,7 @@ class Injector:
         return cls(parse(spec), rank) if spec else None
 
     def save_fault(self, step: int) -> str | None:
-        """"error" | "kill" when this rank's checkpoint write at `step` is to fail, else None. Only in a
+        """ "error" | "kill" when this rank's checkpoint write at `step` is to fail, else None. Only in a
         group's first attempt: a worker group torchrun restarted must not be killed again."""
         # a restart would hit the same fault at the same step forever: the drill is one failure
         if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
@@ -100,7 +106,11 @@ class Injector:
             if f.step is not None and f.step != step:
                 continue
             if f.kind == "hang":
-                print(f"megaframe: rank {self.rank}: injected hang at step {step} ({ENV})", file=sys.stderr, flush=True)
+                print(
+                    f"megaframe: rank {self.rank}: injected hang at step {step} ({ENV})",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 threading.Event().wait()  # forever; the watchdog ends the process
             # inside the compute window (probe.begin): the straggler figures must see it as compute
             time.sleep(f.seconds)

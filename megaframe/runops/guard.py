@@ -1,6 +1,7 @@
 """What watches a training run besides its steps, in one place: the hang watchdog, the stop flag
 (signals and timed saves, agreed at check steps), the straggler probe and injected faults. The loop
 asks it three things: `beat` at a step's start, `decide` after the step, `close` at the end."""
+
 from __future__ import annotations
 
 from megaframe.config.schema import TrainConfig
@@ -55,8 +56,12 @@ class RunGuard:
 def checks_at(step: int, start: int, t: TrainConfig) -> bool:
     """Steps at which the ranks agree on stop signals and async-save completion (one host-side
     all-reduce over every rank): the first step, every train.signal_check_interval, log and last steps."""
-    return (step == start + 1 or step % t.signal_check_interval == 0 or step % t.log_interval == 0
-            or step == t.max_steps)
+    return (
+        step == start + 1
+        or step % t.signal_check_interval == 0
+        or step % t.log_interval == 0
+        or step == t.max_steps
+    )
 
 
 def injector(rank: int) -> Injector | None:

@@ -8,6 +8,7 @@ whole job runs: at hundreds of ranks that gloo round costs milliseconds and is a
 Slurm's `--signal`, torchrun (which forwards SIGTERM, and SIGUSR1 with --signals-to-handle) and
 `kill` all reach it.
 """
+
 from __future__ import annotations
 
 import os
@@ -19,7 +20,11 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from megaframe.parallel.mesh import Mesh
 
-SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)  # Ctrl-C too: stop with a checkpoint, not a traceback
+SIGNALS = (
+    signal.SIGTERM,
+    signal.SIGUSR1,
+    signal.SIGINT,
+)  # Ctrl-C too: stop with a checkpoint, not a traceback
 
 
 class StopFlag:
@@ -56,10 +61,14 @@ class StopFlag:
         if mesh.group is None:
             return self.signum is not None, busy, due
         if self.group is None:
-            self.group = Axis("world", mesh.world, mesh.rank, tuple(range(mesh.world)), mesh.group, mesh.stats)
+            self.group = Axis(
+                "world", mesh.world, mesh.rank, tuple(range(mesh.world)), mesh.group, mesh.stats
+            )
         # every flag in one tensor: one all-reduce per check step, not three
         flags = torch.tensor([float(self.signum is not None), float(busy), float(due)])
-        comm.all_reduce(flags, self.group, op=dist.ReduceOp.MAX)  # MAX: any rank signalled / still writing / due
+        comm.all_reduce(
+            flags, self.group, op=dist.ReduceOp.MAX
+        )  # MAX: any rank signalled / still writing / due
         signalled, writing, timed = flags.tolist()  # a CPU tensor: no device sync
         return signalled > 0, writing > 0, timed > 0
 
@@ -69,7 +78,11 @@ class StopFlag:
 
     def report(self, step: int, hint: str = "") -> None:
         name = signal.Signals(self.signum).name if self.signum else "a signal on another rank"
-        print(f"megaframe: stopping at step {step} after {name}; checkpoint saved{hint}", file=sys.stderr, flush=True)
+        print(
+            f"megaframe: stopping at step {step} after {name}; checkpoint saved{hint}",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def continue_command(run_name: str, argv: list[str] | None = None, env=None) -> str:
@@ -82,13 +95,24 @@ def continue_command(run_name: str, argv: list[str] | None = None, env=None) -> 
     if not any(a.lstrip("+").startswith("run.dir=") for a in argv):  # run.dir names the run's folder itself
         args.append(f"run.name={run_name}")
     if env.get("SLURM_JOB_ID"):  # pretrain.sbatch requeues by itself; a resubmission names the run
-        return (f"; continue with: MEGAFRAME_RUN_NAME={shlex.quote(run_name)} " "sbatch scripts/slurm/pretrain.sbatch ") + \
-            shlex.join(a for a in args if not a.startswith("run.name="))
+        return (
+            f"; continue with: MEGAFRAME_RUN_NAME={shlex.quote(run_name)} "
+            "sbatch scripts/slurm/pretrain.sbatch "
+        ) + shlex.join(a for a in args if not a.startswith("run.name="))
     world = int(env.get("WORLD_SIZE", "1"))
     nodes = world // max(int(env.get("LOCAL_WORLD_SIZE", world)), 1)
-    launch = "python train.py" if world == 1 else \
-        ("torchrun "
-         f"{f'--nnodes={nodes} ... ' if nodes > 1 else ''}"
-         f"--nproc-per-node={env.get('LOCAL_WORLD_SIZE', world)} train.py")
-    make = f" (or: make train RUN={shlex.quote(run_name)})" if world == 1 and not argv and env.get("MEGAFRAME_RUN_NAME") else ""
+    launch = (
+        "python train.py"
+        if world == 1
+        else (
+            "torchrun "
+            f"{f'--nnodes={nodes} ... ' if nodes > 1 else ''}"
+            f"--nproc-per-node={env.get('LOCAL_WORLD_SIZE', world)} train.py"
+        )
+    )
+    make = (
+        f" (or: make train RUN={shlex.quote(run_name)})"
+        if world == 1 and not argv and env.get("MEGAFRAME_RUN_NAME")
+        else ""
+    )
     return f"; continue with: {launch} {shlex.join(args)}{make}"

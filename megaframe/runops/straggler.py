@@ -11,6 +11,7 @@ straggler/compute_s_min, straggler/compute_s_max and straggler/slowest_rank (the
 On CUDA the spans are host times of asynchronous kernels: they show launch-bound stalls, not a slow
 GPU, unless the step synchronises.
 """
+
 from __future__ import annotations
 
 import torch
@@ -51,10 +52,15 @@ class StragglerProbe:
             every = local
         else:
             every = torch.empty(mesh.world, dtype=torch.float64)
-            with mesh.stats.noting("all_gather(straggler)", "world", range(mesh.world), local.shape, local.dtype, 8):
+            with mesh.stats.noting(
+                "all_gather(straggler)", "world", range(mesh.world), local.shape, local.dtype, 8
+            ):
                 comm.all_gather_world(every, local, mesh.group)
         # host values: no device sync
         values = every.tolist()
         slowest = max(range(len(values)), key=values.__getitem__)
-        return {"straggler/compute_s_min": min(values), "straggler/compute_s_max": values[slowest],
-                "straggler/slowest_rank": slowest}
+        return {
+            "straggler/compute_s_min": min(values),
+            "straggler/compute_s_max": values[slowest],
+            "straggler/slowest_rank": slowest,
+        }

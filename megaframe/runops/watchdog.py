@@ -17,6 +17,7 @@ and 30 s) before exiting: its peers stopped at the same step and trip within a p
 they must write their reports before this rank's closed connections turn their waits into errors.
 0 disables the watchdog.
 """
+
 from __future__ import annotations
 
 import os
@@ -48,14 +49,23 @@ def collective_state(e: dict) -> str:
 
 
 class Watchdog:
-    def __init__(self, timeout_s: float, rank: int, run_dir: str, stats: CommStats,
-                 exit_fn=os._exit, grace_s: float | None = None):
+    def __init__(
+        self,
+        timeout_s: float,
+        rank: int,
+        run_dir: str,
+        stats: CommStats,
+        exit_fn=os._exit,
+        grace_s: float | None = None,
+    ):
         self.timeout_s, self.rank, self.run_dir, self.stats = timeout_s, rank, run_dir, stats
         self.exit_fn = exit_fn  # tests pass a recorder instead of ending the process
         self.grace_s = min(30.0, max(2.0, timeout_s / 10)) if grace_s is None else grace_s
         self.step, self.last = 0, time.monotonic()
         self.override: float | None = None  # the limit while suspended() (a save or load)
-        self.overrun = None  # while suspended(): the one line an overrun ends with (exit 1), else a hang (124)
+        self.overrun = (
+            None  # while suspended(): the one line an overrun ends with (exit 1), else a hang (124)
+        )
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -63,7 +73,9 @@ class Watchdog:
         if self.timeout_s > 0:
             self.last = time.monotonic()
             # daemon: a run that ends normally never waits for the watcher
-            self._thread = threading.Thread(target=self._watch, name=f"megaframe-watchdog-rank{self.rank}", daemon=True)
+            self._thread = threading.Thread(
+                target=self._watch, name=f"megaframe-watchdog-rank{self.rank}", daemon=True
+            )
             self._thread.start()
         return self
 
@@ -112,7 +124,11 @@ class Watchdog:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(text)
         except OSError as e:  # the report on stderr is what matters; a full disk must not hide it
-            print(f"megaframe: rank {self.rank}: could not write the hang report: {e}", file=sys.stderr, flush=True)
+            print(
+                f"megaframe: rank {self.rank}: could not write the hang report: {e}",
+                file=sys.stderr,
+                flush=True,
+            )
         overrun = self.overrun
         if overrun is not None:  # the last line a reader sees: the failed save and what is intact
             print(f"megaframe: error: {overrun()}", file=sys.stderr, flush=True)
@@ -123,18 +139,24 @@ class Watchdog:
 
     def report(self, idle: float) -> str:
         now = time.time()
-        lines = [f"megaframe: rank {self.rank}: HANG: no progress for {idle:.1f}s (train.hang_timeout_s="
-                 f"{self.timeout_s:g}) after step {self.step}; exiting with code {HANG_EXIT_CODE}",
-                 f"last {SHOW_COLLECTIVES} collectives entered by rank {self.rank} (oldest first):"]
+        lines = [
+            f"megaframe: rank {self.rank}: HANG: no progress for {idle:.1f}s (train.hang_timeout_s="
+            f"{self.timeout_s:g}) after step {self.step}; exiting with code {HANG_EXIT_CODE}",
+            f"last {SHOW_COLLECTIVES} collectives entered by rank {self.rank} (oldest first):",
+        ]
         for e in self.stats.last(SHOW_COLLECTIVES):
             state = collective_state(e)
-            lines.append(f"  {now - e['t']:8.2f}s ago  {e['op']:<24} group {e['group']} ranks {list(e['ranks'])}  "
-                         f"shape {list(e['shape'])} {e['dtype']} {e['bytes']} B  {state}")
+            lines.append(
+                f"  {now - e['t']:8.2f}s ago  {e['op']:<24} group {e['group']} ranks {list(e['ranks'])}  "
+                f"shape {list(e['shape'])} {e['dtype']} {e['bytes']} B  {state}"
+            )
         lines.append(f"python stacks of rank {self.rank}:")
         names = {t.ident: t.name for t in threading.enumerate()}
         main = threading.main_thread().ident
         frames = sorted(sys._current_frames().items(), key=lambda kv: kv[0] != main)  # the main thread first
         for ident, frame in frames:
             lines.append(f"  thread {names.get(ident, ident)}:")
-            lines += ["    " + ln for chunk in traceback.format_stack(frame) for ln in chunk.rstrip().splitlines()]
+            lines += [
+                "    " + ln for chunk in traceback.format_stack(frame) for ln in chunk.rstrip().splitlines()
+            ]
         return "\n".join(lines) + "\n"

@@ -5,6 +5,7 @@ first save, then this run's previous save), the exact consumed samples, and runs
 save limit (a slow save is not a hang). A save is refused, keeping every committed checkpoint and
 `latest` as they are, while the state is not finite (save_guard).
 """
+
 from __future__ import annotations
 
 import sys
@@ -25,8 +26,17 @@ from megaframe.training.save_guard import state_is_finite
 
 
 class Checkpointer:
-    def __init__(self, cfg: Config, mesh: Mesh, ids: tuple[str, str], resumed: Resumed, acct: Accounting,
-                 watchdog, injector=None, data=None):
+    def __init__(
+        self,
+        cfg: Config,
+        mesh: Mesh,
+        ids: tuple[str, str],
+        resumed: Resumed,
+        acct: Accounting,
+        watchdog,
+        injector=None,
+        data=None,
+    ):
         """`ids`: this launch's id and the run's
         (runops/access/owner.py; "" where no run folder was claimed)."""
         self.cfg, self.mesh, self.acct = cfg, mesh, acct
@@ -65,10 +75,16 @@ class Checkpointer:
             # collective), so all ranks return here together
             if bad_in_a_row or not finite:
                 if mesh.rank == 0:
-                    why = "the last step was skipped (non-finite grad norm)" if bad_in_a_row else \
-                        "the weights or optimizer state hold NaN/inf"
-                    print(f"megaframe: warning: not saving step {step}: {why}; {self.resume_hint()}",
-                          file=sys.stderr, flush=True)
+                    why = (
+                        "the last step was skipped (non-finite grad norm)"
+                        if bad_in_a_row
+                        else "the weights or optimizer state hold NaN/inf"
+                    )
+                    print(
+                        f"megaframe: warning: not saving step {step}: {why}; {self.resume_hint()}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                 return False
             if self.injector is not None:
                 self.injector.save_delay(step)
@@ -85,7 +101,11 @@ class Checkpointer:
         if self.cfg.checkpoint.on_save_error == "stop":
             raise TrainingError(f"{e} (checkpoint.on_save_error=stop)") from e
         if self.mesh.rank == 0:
-            print(f"megaframe: warning: {e}; going on (checkpoint.on_save_error=continue)", file=sys.stderr, flush=True)
+            print(
+                f"megaframe: warning: {e}; going on (checkpoint.on_save_error=continue)",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def take_io(self) -> dict:
         """This rank's newest save and load figures
@@ -97,21 +117,40 @@ class Checkpointer:
         root = cfg.checkpoint.dir
         consumed = self.acct.consumed(step)
         t = cfg.train
-        data = {**data_state(cfg.data, step, t.seed, t.global_batch_size, self.order), "consumed_samples": consumed}
-        meta = {"consumed_samples": consumed,
-                "layout": {"tp": mesh.tp.size, "cp": mesh.cp.size, "pp": mesh.pp.size, "dp": mesh.dp.size,
-                           "ep": mesh.ep.size, "sp": cfg.parallel.sp},
-                "rng": "derived from (train.seed, step, pp and dp rank); no state to restore",
-                "data": data, "config": plain(cfg),
-                "tokenizer": tokenizer_identity(cfg.data),  # a resume checks its data against it
-                "lineage": lineage.lineage_meta(self.run_id, step, *self.parent, root, self.owner, cfg.run.dir)}
+        data = {
+            **data_state(cfg.data, step, t.seed, t.global_batch_size, self.order),
+            "consumed_samples": consumed,
+        }
+        meta = {
+            "consumed_samples": consumed,
+            "layout": {
+                "tp": mesh.tp.size,
+                "cp": mesh.cp.size,
+                "pp": mesh.pp.size,
+                "dp": mesh.dp.size,
+                "ep": mesh.ep.size,
+                "sp": cfg.parallel.sp,
+            },
+            "rng": "derived from (train.seed, step, pp and dp rank); no state to restore",
+            "data": data,
+            "config": plain(cfg),
+            "tokenizer": tokenizer_identity(cfg.data),  # a resume checks its data against it
+            "lineage": lineage.lineage_meta(self.run_id, step, *self.parent, root, self.owner, cfg.run.dir),
+        }
         if background:
             self.saver.save(root, step, model, optimizer, meta, cfg.checkpoint.keep_last, fail)
             if mesh.rank == 0:
-                print(f"checkpoint: step {step} copied to host in {time.perf_counter() - t0:.2f}s, writing", flush=True)
+                print(
+                    f"checkpoint: step {step} copied to host in {time.perf_counter() - t0:.2f}s, writing",
+                    flush=True,
+                )
         else:
-            path = sharded.save(root, step, model, optimizer, mesh, meta, cfg.checkpoint.keep_last, fail, self.io)
-            if mesh.is_logger:  # the rank that prints the run summary: under torchrun this line comes before it
+            path = sharded.save(
+                root, step, model, optimizer, mesh, meta, cfg.checkpoint.keep_last, fail, self.io
+            )
+            if (
+                mesh.is_logger
+            ):  # the rank that prints the run summary: under torchrun this line comes before it
                 print(f"checkpoint: {path} ({time.perf_counter() - t0:.2f}s)", flush=True)
         # set even for a save still writing in the background:
         # the next save's lineage follows the order of saves
@@ -131,7 +170,9 @@ class Checkpointer:
 
     def finish(self) -> None:
         if self.saver is not None:
-            with self.watchdog.suspended(self.cfg.checkpoint.save_timeout_s, lambda: self.overrun(self.last_saved)):
+            with self.watchdog.suspended(
+                self.cfg.checkpoint.save_timeout_s, lambda: self.overrun(self.last_saved)
+            ):
                 self._settle(self.saver.wait)
 
     def _settle(self, finish) -> None:
@@ -147,14 +188,23 @@ class Checkpointer:
         """The line a save (of step `what`, or into folder `what`) past checkpoint.save_timeout_s ends the
         run with (watchdog, exit 1)."""
         path = lineage.pointed(self.cfg.checkpoint.dir)
-        kept = f"the last committed checkpoint, {path}, is intact" if path else "no checkpoint has been committed"
+        kept = (
+            f"the last committed checkpoint, {path}, is intact"
+            if path
+            else "no checkpoint has been committed"
+        )
         name = f"step {what}" if isinstance(what, int) else str(what)
-        return (f"checkpoint {name} not committed: the save took longer than checkpoint.save_timeout_s="
-                f"{self.cfg.checkpoint.save_timeout_s:g}s; {kept}")
+        return (
+            f"checkpoint {name} not committed: the save took longer than checkpoint.save_timeout_s="
+            f"{self.cfg.checkpoint.save_timeout_s:g}s; {kept}"
+        )
 
     def resume_hint(self) -> str:
         """Which committed checkpoint to resume from (the one `latest` names), for the stop message."""
         path = lineage.pointed(self.cfg.checkpoint.dir)
         if path is None:
             return "no checkpoint has been committed: restart from scratch (e.g. with a lower optim.lr)"
-        return (f"the last good checkpoint is {path}: resume with " f"checkpoint.resume={path} (e.g. with a lower optim.lr)")
+        return (
+            f"the last good checkpoint is {path}: resume with "
+            f"checkpoint.resume={path} (e.g. with a lower optim.lr)"
+        )

@@ -6,6 +6,7 @@ with minutes of compile per stage, the wait outlasts train.dist_timeout_s (NCCL'
 enqueue) and train.hang_timeout_s, and a healthy run is killed. For that step only, every mesh group's
 collectives and the hang watchdog get train.compile_timeout_s; both limits go back afterwards.
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -1,5 +1,6 @@
 """What the step loop reads back from the device: the logged figures of each log step and the run's
 closing line (Meter), and the count of steps skipped for a non-finite grad norm (BadSteps)."""
+
 from __future__ import annotations
 
 import math
@@ -15,7 +16,13 @@ from megaframe.errors import TrainingError
 from megaframe.model.moe import stats as moe_stats
 from megaframe.parallel.mesh import Mesh
 from megaframe.pipeline.executor import reduce_loss
-from megaframe.training.metrics import flops_per_token, forget_cpu_peak, memory_figures, peak_flops, throughput_figures
+from megaframe.training.metrics import (
+    flops_per_token,
+    forget_cpu_peak,
+    memory_figures,
+    peak_flops,
+    throughput_figures,
+)
 
 
 class BadSteps:
@@ -50,11 +57,17 @@ class BadSteps:
             return
         self.in_a_row, self.total = self.in_a_row + 1, self.total + 1
         if self.verbose:
-            print(f"megaframe: warning: step {step} skipped: non-finite grad norm "
-                  f"({self.in_a_row} in a row, {self.total} in all)", file=sys.stderr, flush=True)
+            print(
+                f"megaframe: warning: step {step} skipped: non-finite grad norm "
+                f"({self.in_a_row} in a row, {self.total} in all)",
+                file=sys.stderr,
+                flush=True,
+            )
         if self.in_a_row > self.limit:
-            raise TrainingError(f"{self.in_a_row} steps in a row had a non-finite loss or grad norm "
-                                f"(train.max_bad_steps={self.limit}); stopping at step {step}")
+            raise TrainingError(
+                f"{self.in_a_row} steps in a row had a non-finite loss or grad norm "
+                f"(train.max_bad_steps={self.limit}); stopping at step {step}"
+            )
 
 
 class Meter:
@@ -100,11 +113,20 @@ class Meter:
         speed = throughput_figures(tps, self.fpt, mesh.world, self.peak)
         if self.peak and speed["mfu"] is None and mesh.device.type == "cpu":
             forget_cpu_peak()  # a step beat the cached peak: it was measured on a busy machine
-        row = {"step": step, "loss": loss, "lr": res.lr, "grad_norm": res.grad_norm.item(),
-               "tokens_per_s": tps, "consumed_samples": self.acct.consumed(step),
-               "time": time.time(), "step_time_s": step_time, **speed,
-               **{f"comm_bytes/{g}": sent.get(g, 0) for g in ("tp", "pp", "dp", "ep", "cp")},
-               **memory_figures(model, optimizer, mesh.device), **self.moe(step, model)}
+        row = {
+            "step": step,
+            "loss": loss,
+            "lr": res.lr,
+            "grad_norm": res.grad_norm.item(),
+            "tokens_per_s": tps,
+            "consumed_samples": self.acct.consumed(step),
+            "time": time.time(),
+            "step_time_s": step_time,
+            **speed,
+            **{f"comm_bytes/{g}": sent.get(g, 0) for g in ("tp", "pp", "dp", "ep", "cp")},
+            **memory_figures(model, optimizer, mesh.device),
+            **self.moe(step, model),
+        }
         self.last.update(row)
         return row
 
@@ -121,9 +143,11 @@ class Meter:
         val = f", val_loss {self.last['val_loss']:.4f}" if "val_loss" in self.last else ""
         loss = f"final loss {self.last['loss']:.4f}{val}" if "loss" in self.last else "no step logged"
         steps = f"{self.run_steps} step{'' if self.run_steps == 1 else 's'}"
-        return (f"run summary: {steps} ({start + 1}..{step}), {tokens:,} tokens in {wall:.1f}s "
-                f"({tokens / max(wall - self.eval_s, 1e-9):,.0f} tokens/s mean, evaluation excluded) | {loss} | "
-                f"checkpoint {checkpoint or 'none'}")
+        return (
+            f"run summary: {steps} ({start + 1}..{step}), {tokens:,} tokens in {wall:.1f}s "
+            f"({tokens / max(wall - self.eval_s, 1e-9):,.0f} tokens/s mean, evaluation excluded) | {loss} | "
+            f"checkpoint {checkpoint or 'none'}"
+        )
 
     def moe(self, step: int, model) -> dict:
         """aux_loss, z_loss and the per-layer expert-load figures (MoE models); warns on imbalance."""

@@ -28,6 +28,7 @@ For a dense GPT-3-style model (F = 4D, H * E = D) this is Megatron-LM's 72 * B *
 (1 + S / (6 D) + V / (12 L D)) per B*S tokens (Korthikanti et al. 2022, eq. for model FLOPs), and
 PaLM's 6N + 12 * L * H * Q * T (Chowdhery et al. 2022, appendix B); tests/unit check both.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -45,8 +46,17 @@ from megaframe.atomic import write_atomic
 from megaframe.config.schema import ModelConfig
 
 # dense bf16 tensor-core peaks (no sparsity), FLOP/s
-GPU_PEAK = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H200 NVL": 835e12,
-            "H200": 989e12, "H100": 989e12, "GH200": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}
+GPU_PEAK = {
+    "H100 PCIe": 756e12,
+    "H100 NVL": 835e12,
+    "H200 NVL": 835e12,
+    "H200": 989e12,
+    "H100": 989e12,
+    "GH200": 989e12,
+    "A100": 312e12,
+    "L40S": 362e12,
+    "A10": 125e12,
+}
 """Dense bf16 FLOP/s by device-name substring, the first match wins: the PCIe and NVL cards come before
 the SXM/HBM3 parts ("NVIDIA H100 80GB HBM3"), whose 989 TF would overstate their MFU by 1.31x / 1.18x."""
 
@@ -75,7 +85,10 @@ def throughput_figures(tokens_per_s: float, fpt: float, world: int, peak: float)
     """`tflops_per_device` (model TFLOP/s per rank) and `mfu`: None (not reported) when the peak is
     unknown, or when the rate exceeds it (then the peak, not the run, is wrong)."""
     per_device = tokens_per_s * fpt / world
-    return {"tflops_per_device": per_device / 1e12, "mfu": per_device / peak if 0 < per_device <= peak else None}
+    return {
+        "tflops_per_device": per_device / 1e12,
+        "mfu": per_device / peak if 0 < per_device <= peak else None,
+    }
 
 
 def peak_flops(device: torch.device) -> float:
@@ -105,7 +118,9 @@ def _cpu_key() -> str:
     """What the peak depends on: the machine, its CPU, the rank's thread count and torch's kernels."""
     cpu = platform.processor() or platform.machine()
     with contextlib.suppress(OSError):
-        cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), cpu)
+        cpu = next(
+            (ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), cpu
+        )
     return f"{platform.node()}|{cpu}|threads={torch.get_num_threads()}|torch={torch.__version__}|fp32"
 
 
@@ -150,13 +165,17 @@ def forget_cpu_peak() -> None:
         cache = json.loads(path.read_text())
         cache.pop(_cpu_key(), None)
         write_atomic(path, json.dumps(cache, indent=1))
+
+
 # --- end CPU peak --------------------------------------------------------------------------------------
 
 
 def memory_figures(model: nn.Module, optimizer, device: torch.device) -> dict[str, int]:
     """This rank's bytes of parameters, gradients and optimizer state (and the CUDA peak)."""
-    out = {"mem/params_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
-           **optimizer.memory_bytes()}
+    out = {
+        "mem/params_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        **optimizer.memory_bytes(),
+    }
     if device.type == "cuda":
         out["mem/peak_bytes"] = torch.cuda.max_memory_allocated(device)
     return out

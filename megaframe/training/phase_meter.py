@@ -20,6 +20,7 @@ held when the phase began and the phase's own transients), the quantity the plan
 
 Not measured: memory outside tensors (the CUDA context, NCCL's buffers, Python objects, mmap'd data).
 """
+
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -50,9 +51,14 @@ class PhaseMeter:
         from megaframe.training.metrics import memory_figures
 
         # ZeRO-3: plus the block params gathered right now (start-up leaves them gathered for a load)
-        self._state = lambda: getattr(optimizer, "gathered_params", 0) + sum(
-            v for k, v in memory_figures(model, optimizer, torch.device("cpu")).items()
-            if k in ("mem/params_bytes", "mem/grads_bytes", "mem/optim_bytes"))
+        self._state = lambda: (
+            getattr(optimizer, "gathered_params", 0)
+            + sum(
+                v
+                for k, v in memory_figures(model, optimizer, torch.device("cpu")).items()
+                if k in ("mem/params_bytes", "mem/grads_bytes", "mem/optim_bytes")
+            )
+        )
 
     def begin(self, name: str) -> None:
         if self._open is not None or name in self.figures:  # one phase at a time, each once
@@ -132,8 +138,7 @@ def running_peak(prof) -> int:
     order) over a finished profile (allocator_profile's or torch.profiler's): the most held above what
     was live when it began."""
     results = getattr(prof, "profiler", prof).kineto_results
-    events = sorted((e for e in results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
+    events = sorted((e for e in results.events() if e.name() == "[memory]"), key=lambda e: e.start_ns())
     live = peak = 0
     for e in events:
         live += e.nbytes()

@@ -3,6 +3,7 @@ trainer's own meter (training/phase_meter.py) around what the trainer does in ea
 optimizer; one train_step; settle, the finiteness vote and a blocking save (training/checkpointing.py);
 a fresh model and optimizer loaded from that save. The planner's per-phase figures (planning/phases.py) are
 checked against it (tests/distributed/test_plan_phases.py, benchmarks/mem_phases.py)."""
+
 from __future__ import annotations
 
 import gc
@@ -24,8 +25,17 @@ def measure_phases(mesh, cfg, folder: str) -> dict:
     model, optimizer = build(cfg, mesh)
     meter.end()
     meter.track(model, optimizer)
-    batches = microbatches(build_data(cfg), 0, t.global_batch_size, t.micro_batch_size, mesh.dp.rank, mesh.dp.size,
-                           t.seed, cp_rank=mesh.cp.rank, cp_size=mesh.cp.size)
+    batches = microbatches(
+        build_data(cfg),
+        0,
+        t.global_batch_size,
+        t.micro_batch_size,
+        mesh.dp.rank,
+        mesh.dp.size,
+        t.seed,
+        cp_rank=mesh.cp.rank,
+        cp_size=mesh.cp.size,
+    )
     with meter.phase("step"):
         train_step(model, optimizer, batches, mesh, cfg, 1)
     del batches

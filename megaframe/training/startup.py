@@ -1,5 +1,6 @@
 """Start-up of a training run, before the first step: model, optimizer, data and resume (set_up), the
 checks and header that precede the loop (announce), and the batch loader the loop reads."""
+
 from __future__ import annotations
 
 import math
@@ -94,8 +95,19 @@ def set_up(cfg: Config, mesh: Mesh, faults=None, run_id: str = "") -> Setup:
     # recorded in config.yaml and every checkpoint: a later resume keeps the first start's LR curve
     cfg = settled(cfg, optim={"lr_decay_steps": lr_horizon(cfg.optim, cfg.train, resumed.meta)})
     acct = Accounting(resumed.step, resumed.consumed if resumed.path else 0, cfg.train.global_batch_size)
-    return Setup(model, optimizer, data, evaluator, sampler, resumed, acct, phases, downstream=downstream, cfg=cfg,
-                 derived=derive(cfg, mesh.world, resumed.meta, run_id))
+    return Setup(
+        model,
+        optimizer,
+        data,
+        evaluator,
+        sampler,
+        resumed,
+        acct,
+        phases,
+        downstream=downstream,
+        cfg=cfg,
+        derived=derive(cfg, mesh.world, resumed.meta, run_id),
+    )
 
 
 def announce(cfg: Config, mesh: Mesh, su: Setup) -> None:
@@ -106,11 +118,16 @@ def announce(cfg: Config, mesh: Mesh, su: Setup) -> None:
     check_first_shards(cfg, mesh, su.data, start, su.acct)
     total_params = global_param_count(su.model, mesh)  # a collective over pp: every rank takes part
     if mesh.rank == 0:
-        threads = pick_threads(cfg.train.threads)  # what trainer.run applied (the same rule, the same environment)
+        threads = pick_threads(
+            cfg.train.threads
+        )  # what trainer.run applied (the same rule, the same environment)
         describe(cfg, mesh, su, total_params, threads)
         busy = busy_machine_warning(threads.count)
-        for line in [*schedule_warnings(cfg.optim, cfg.train.max_steps), *precision_warnings(cfg, mesh.device.type),
-                     *([busy] if busy else [])]:
+        for line in [
+            *schedule_warnings(cfg.optim, cfg.train.max_steps),
+            *precision_warnings(cfg, mesh.device.type),
+            *([busy] if busy else []),
+        ]:
             print(f"megaframe: warning: {line}", file=sys.stderr, flush=True)
         # after the resume: the config written is the one the run goes on with (lr horizon adopted)
         write_run_config(cfg, start)
@@ -120,18 +137,32 @@ def batch_loader(cfg: Config, mesh: Mesh, su: Setup) -> Prefetcher:
     """This rank's micro-batches of each step, read one step ahead."""
     t, start, data = cfg.train, su.resumed.step, su.data
     # positions continue from the consumed samples at the resume (exact even if the batch size changed)
-    return Prefetcher(lambda s: microbatches(data, s - 1 - start, t.global_batch_size, t.micro_batch_size,
-                                             mesh.dp.rank, mesh.dp.size, t.seed, mesh.device, base=su.acct.base,
-                                             cp_rank=mesh.cp.rank, cp_size=mesh.cp.size),
-                      start + 1, t.max_steps)
+    return Prefetcher(
+        lambda s: microbatches(
+            data,
+            s - 1 - start,
+            t.global_batch_size,
+            t.micro_batch_size,
+            mesh.dp.rank,
+            mesh.dp.size,
+            t.seed,
+            mesh.device,
+            base=su.acct.base,
+            cp_rank=mesh.cp.rank,
+            cp_size=mesh.cp.size,
+        ),
+        start + 1,
+        t.max_steps,
+    )
 
 
 def global_param_count(model, mesh: Mesh) -> int:
     """Parameters of the whole model: this stage's global tensors summed over the pipeline stages (the
     header used to count rank 0's stage only, half the model at pp=2). A tied embedding repeated on the
     last stage (pp_duplicate) counts once."""
-    mine = sum(math.prod(p.placement.shard.global_shape) for p in model.parameters()
-               if not p.placement.pp_duplicate)
+    mine = sum(
+        math.prod(p.placement.shard.global_shape) for p in model.parameters() if not p.placement.pp_duplicate
+    )
     if mesh.pp.size == 1:
         return mine
     # float64 holds any parameter count exactly (below 2^53); read once, at start-up
@@ -152,15 +183,19 @@ def write_run_config(cfg: Config, start: int) -> None:
     path = first if not first.exists() else run_dir / f"config.resume-{start}.yaml"
     try:
         write_atomic(path, OmegaConf.to_yaml(OmegaConf.structured(cfg)))  # a crash leaves no half config
-    except OSError as e:  # a full run.dir: a record of the settings is not worth the run (the checkpoint has them)
+    except (
+        OSError
+    ) as e:  # a full run.dir: a record of the settings is not worth the run (the checkpoint has them)
         print(f"megaframe: warning: cannot write {path} ({e}); training goes on", file=sys.stderr, flush=True)
 
 
 def set_documents(model, data, cfg: Config) -> None:
     """data.document_mask: the model masks attention at the data's end-of-document ids."""
     if not getattr(data, "eos_ids", None):
-        raise ConfigError(f"data.document_mask=true needs an end-of-document id, and data.path={cfg.data.path} "
-                          "records none (meta.json eos_id): prepare it again")
+        raise ConfigError(
+            f"data.document_mask=true needs an end-of-document id, and data.path={cfg.data.path} "
+            "records none (meta.json eos_id): prepare it again"
+        )
     model.set_documents(data.eos_ids)
 
 
@@ -173,7 +208,10 @@ def data_label(cfg: Config) -> str:
     if d.blend:
         return f"blend of {len(d.blend)} ({', '.join(Path(b.path).name for b in d.blend)})"
     if d.stages:
-        return (f"{len(d.stages)} stages " f"({' -> '.join('+'.join(Path(b.path).name for b in s.blend) for s in d.stages)})")
+        return (
+            f"{len(d.stages)} stages "
+            f"({' -> '.join('+'.join(Path(b.path).name for b in s.blend) for s in d.stages)})"
+        )
     from megaframe.config import CONF_DIR
 
     demo = (CONF_DIR.parent / "data" / "demo" / "prepared").resolve()
@@ -188,24 +226,35 @@ def describe(cfg: Config, mesh: Mesh, su: Setup, total: int, threads: Threads) -
     m, t = cfg.model, cfg.train
     local, share = params_on_rank(su.model, su.optimizer, cfg.optim.zero)
     accum = su.derived.micro_batches
-    print(f"megaframe | run {cfg.run.dir} | {mesh.describe()} sp={cfg.parallel.sp}{pipeline_label(cfg)} "
-          f"{zero_label(cfg, mesh)} | {precision_label(cfg)} | {threads.label}", flush=True)
-    print(f"model {m.name}: {m.num_layers} layers, D={m.hidden_size}, heads {m.num_attention_heads} "
-          f"(kv {m.kv_heads}), F={m.ffn_hidden_size}, vocab {m.vocab_size}, seq {m.seq_length}"
-          f"{f', {m.num_experts} experts (top-{m.moe_top_k}, F={m.expert_ffn})' if m.num_experts else ''} | "
-          f"params {total / 1e6:.2f}M, {local / 1e6:.2f}M on this rank{share} | "
-          f"{flops_per_token(m) / 1e6:.1f} MFLOP/token", flush=True)
+    print(
+        f"megaframe | run {cfg.run.dir} | {mesh.describe()} sp={cfg.parallel.sp}{pipeline_label(cfg)} "
+        f"{zero_label(cfg, mesh)} | {precision_label(cfg)} | {threads.label}",
+        flush=True,
+    )
+    print(
+        f"model {m.name}: {m.num_layers} layers, D={m.hidden_size}, heads {m.num_attention_heads} "
+        f"(kv {m.kv_heads}), F={m.ffn_hidden_size}, vocab {m.vocab_size}, seq {m.seq_length}"
+        f"{f', {m.num_experts} experts (top-{m.moe_top_k}, F={m.expert_ffn})' if m.num_experts else ''} | "
+        f"params {total / 1e6:.2f}M, {local / 1e6:.2f}M on this rank{share} | "
+        f"{flops_per_token(m) / 1e6:.1f} MFLOP/token",
+        flush=True,
+    )
     samples = "endless" if cfg.data.kind == "synthetic" else f"{su.data.num_samples}"
-    print(f"batch {t.global_batch_size} x {m.seq_length} = {su.derived.tokens_per_step} tokens/step, "
-          f"micro {t.micro_batch_size}, accumulation {accum} | data {data_label(cfg)}: "
-          f"{samples} samples{held_out_label(cfg, su)} | steps {su.resumed.step + 1}..{t.max_steps}", flush=True)
+    print(
+        f"batch {t.global_batch_size} x {m.seq_length} = {su.derived.tokens_per_step} tokens/step, "
+        f"micro {t.micro_batch_size}, accumulation {accum} | data {data_label(cfg)}: "
+        f"{samples} samples{held_out_label(cfg, su)} | steps {su.resumed.step + 1}..{t.max_steps}",
+        flush=True,
+    )
 
 
 def params_on_rank(model, optimizer, zero: int) -> tuple[int, str]:
     """(parameters this rank holds, a note): under ZeRO-3 its shard of the flat buffers plus any bucket kept
     whole, not the gathered modules' full count (which read as if nothing were sharded)."""
     if zero == 3 and hasattr(optimizer, "resident"):
-        shard = sum(buf.state_numel for buf in optimizer.buffers) + sum(b.numel for _, b in optimizer.resident)
+        shard = sum(buf.state_numel for buf in optimizer.buffers) + sum(
+            b.numel for _, b in optimizer.resident
+        )
         return shard, " (ZeRO-3 shard)"
     return sum(p.numel() for p in model.parameters()), ""
 
@@ -246,20 +295,32 @@ def precision_warnings(cfg: Config, device: str) -> list[str]:
     if str(cfg.train.precision) != "fp8":
         return []
     if device == "cpu":
-        return ["train.precision=fp8 on cpu: float8 is emulated, slower than fp32; it is meant for an "
-                "H100-class GPU with train.compile=true"]
+        return [
+            "train.precision=fp8 on cpu: float8 is emulated, slower than fp32; it is meant for an "
+            "H100-class GPU with train.compile=true"
+        ]
     if not cfg.train.compile:
-        return ["train.precision=fp8 without train.compile=true: the float8 scaling runs unfused, measured "
-                "at 0.40x bf16's speed on an H100 (docs/gpu-first-run.md); add train.compile=true"]
+        return [
+            "train.precision=fp8 without train.compile=true: the float8 scaling runs unfused, measured "
+            "at 0.40x bf16's speed on an H100 (docs/gpu-first-run.md); add train.compile=true"
+        ]
     return []
 
 
 def zero_label(cfg: Config, mesh: Mesh) -> str:
     """The ZeRO stage and what it shards over dp (the params count of a ZeRO-3 run reads as if replicated)."""
     o, dp = cfg.optim, mesh.dp.size
-    what = {0: "nothing sharded", 1: "optimizer state sharded", 2: "optimizer state and grads sharded",
-            3: "optimizer state, grads and params sharded"}[o.zero]
-    over = f"groups of {o.shard_group_size} (HSDP)" if o.shard_group_size and o.shard_group_size != dp else f"dp={dp}"
+    what = {
+        0: "nothing sharded",
+        1: "optimizer state sharded",
+        2: "optimizer state and grads sharded",
+        3: "optimizer state, grads and params sharded",
+    }[o.zero]
+    over = (
+        f"groups of {o.shard_group_size} (HSDP)"
+        if o.shard_group_size and o.shard_group_size != dp
+        else f"dp={dp}"
+    )
     return f"zero={o.zero} ({what}{'' if o.zero == 0 else f' over {over}'})"
 
 
@@ -274,11 +335,15 @@ def check_first_shards(cfg: Config, mesh: Mesh, data, start: int, acct: Accounti
 
         t0, nbytes = time.perf_counter(), 0
         try:
-            for folder, files in first_batch_shards(data, 0, cfg.train.global_batch_size, acct.base,
-                                                    cfg.train.seed).items():
+            for folder, files in first_batch_shards(
+                data, 0, cfg.train.global_batch_size, acct.base, cfg.train.seed
+            ).items():
                 nbytes += verify(folder, files)
-            print(f"data: the first batch's shards match their sha256 ({nbytes / 1e6:.1f} MB hashed in "
-                  f"{time.perf_counter() - t0:.2f}s)", flush=True)
+            print(
+                f"data: the first batch's shards match their sha256 ({nbytes / 1e6:.1f} MB hashed in "
+                f"{time.perf_counter() - t0:.2f}s)",
+                flush=True,
+            )
         except ValueError as e:  # CorruptShard included
             err = f"data: {e}"
     # rank 0 hashed, every rank hears the verdict: all exit 2 together, none starts the first step alone

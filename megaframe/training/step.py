@@ -6,6 +6,7 @@ Each micro-batch's loss is its token-loss sum divided by the global batch's toke
 gradients summed over micro-batches and dp ranks are exactly those of the mean loss of the global
 batch, whatever the layout.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -30,8 +31,9 @@ class StepResult:
     lr: float
 
 
-def rank_schedule(cfg, mesh: Mesh, num_microbatches: int,
-                  spec: ScheduleSpec | None = None, derived: Derived | None = None) -> list[Action]:
+def rank_schedule(
+    cfg, mesh: Mesh, num_microbatches: int, spec: ScheduleSpec | None = None, derived: Derived | None = None
+) -> list[Action]:
     """This rank's pipeline schedule (with pp = 1: forward, backward, forward, backward, ...) for the run
     config `cfg`. `spec`: the one the model was built for (model/parallelize.py resolves
     parallel.pp_schedule once, at build); without one, the run's derived record's kind (config/derived.py)."""
@@ -39,16 +41,19 @@ def rank_schedule(cfg, mesh: Mesh, num_microbatches: int,
     return build_schedule(kind, mesh.pp.size, cfg.parallel.vpp, num_microbatches, mesh.pp.rank)
 
 
-def train_step(model, optimizer, batches, mesh: Mesh, cfg, step: int, probe=None,
-               derived: Derived | None = None) -> StepResult:
+def train_step(
+    model, optimizer, batches, mesh: Mesh, cfg, step: int, probe=None, derived: Derived | None = None
+) -> StepResult:
     """optimizer_step for the run config `cfg`; `derived`: the run's record (the trainer's, made once),
     else derived here for a caller outside the loop."""
-    return optimizer_step(model, optimizer, batches, mesh, cfg.optim, derived or derive(cfg, mesh.world), step,
-                          probe)
+    return optimizer_step(
+        model, optimizer, batches, mesh, cfg.optim, derived or derive(cfg, mesh.world), step, probe
+    )
 
 
-def optimizer_step(model, optimizer, batches, mesh: Mesh, o: OptimConfig, derived: Derived, step: int,
-                   probe=None) -> StepResult:
+def optimizer_step(
+    model, optimizer, batches, mesh: Mesh, o: OptimConfig, derived: Derived, step: int, probe=None
+) -> StepResult:
     """Run optimizer step number `step` (1-based) on `batches`, this rank's micro-batches, with the optim
     group `o` and the run's derived record (the loss divisor, the schedule, the LR horizon).
 
@@ -65,8 +70,15 @@ def optimizer_step(model, optimizer, batches, mesh: Mesh, o: OptimConfig, derive
     # the schedule the model was built for (its stage holds vpp chunks, placed in a loop or a V)
     kind = model.schedule.name if getattr(model, "schedule", None) is not None else d.pp_schedule
     schedule = build_schedule(kind, mesh.pp.size, len(model.stage.chunks), len(batches), mesh.pp.rank)
-    loss_sum = run_schedule(schedule, model, batches, mesh, optimizer, tokens_global,
-                            timeline=probe.spans if probe is not None else None)
+    loss_sum = run_schedule(
+        schedule,
+        model,
+        batches,
+        mesh,
+        optimizer,
+        tokens_global,
+        timeline=probe.spans if probe is not None else None,
+    )
     # a Python float from the step alone: no device tensor, no sync, the same on every rank
     lr = lr_at(step, o.lr, o.min_lr, o.warmup_steps, d.lr_horizon, o.lr_schedule, o.wsd_decay_fraction)
     norm = optimizer.step(lr)

@@ -4,6 +4,7 @@ torch starts one OpenMP thread per core. On a machine other jobs share, those th
 every op, and a one-process run measured 3-10x slower than with one thread; nothing said why. So the count
 is chosen (and shown in the header) instead of inherited, and a load average above the core count is named.
 """
+
 from __future__ import annotations
 
 import os
@@ -59,8 +60,10 @@ def load_warning(load: float, cores: int, threads: int) -> str | None:
     if load <= cores:
         return None
     hint = "; fewer threads often run faster there (train.threads=1)" if threads > 1 else ""
-    return (f"the machine is busy (load average {load:.1f} on {cores} cores): steps will be slower than on an "
-            f"idle machine{hint}")
+    return (
+        f"the machine is busy (load average {load:.1f} on {cores} cores): steps will be slower than on an "
+        f"idle machine{hint}"
+    )
 
 
 def busy_machine_warning(threads: int) -> str | None:

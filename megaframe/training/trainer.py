@@ -1,5 +1,6 @@
 """The training run: process group, run lock and the step loop (start-up in startup.py, the logged figures
 in meter.py, checkpoints in checkpointing.py). `run(cfg)` is all train.py calls."""
+
 from __future__ import annotations
 
 import contextlib
@@ -29,7 +30,9 @@ from megaframe.training.checkpointing import Checkpointer
 from megaframe.training.first_step import first_step_limits
 from megaframe.training.meter import BadSteps, Meter
 from megaframe.training.startup import Setup, announce, batch_loader, set_up
-from megaframe.training.startup import data_label as data_label  # re-exported: its old path, tests import it here
+from megaframe.training.startup import (
+    data_label as data_label,
+)  # re-exported: its old path, tests import it here
 from megaframe.training.step import StepResult, optimizer_step
 from megaframe.training.threads import apply_threads
 
@@ -41,10 +44,16 @@ def run(cfg: Config, stop: StopFlag | None = None) -> None:
     device = pick_device(cfg.train.device, env.local_rank)
     init_distributed(env, device, cfg.train.dist_timeout_s, cfg.run.dir)
     try:
-        mesh = build_mesh(cfg.parallel.tp, cfg.parallel.pp, device, ep=cfg.parallel.ep, cp=cfg.parallel.cp,
-                          timeout=datetime.timedelta(seconds=cfg.train.dist_timeout_s),
-                          world_timeout=datetime.timedelta(seconds=cfg.checkpoint.save_timeout_s),
-                          shard=cfg.optim.shard_group_size)
+        mesh = build_mesh(
+            cfg.parallel.tp,
+            cfg.parallel.pp,
+            device,
+            ep=cfg.parallel.ep,
+            cp=cfg.parallel.cp,
+            timeout=datetime.timedelta(seconds=cfg.train.dist_timeout_s),
+            world_timeout=datetime.timedelta(seconds=cfg.checkpoint.save_timeout_s),
+            shard=cfg.optim.shard_group_size,
+        )
         # before anything else talks over pp: NCCL builds a pair's channel at its first transfer, and ranks
         # first meeting in different schedule phases can deadlock
         p2p.warm_up(mesh.pp, device)
@@ -52,7 +61,8 @@ def run(cfg: Config, stop: StopFlag | None = None) -> None:
         # (this launch of the run, recorded in each checkpoint's lineage) is rank 0's too
         run_id = f"{cfg.run.name}@{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(3).hex()}"
         name, run_dir, ckpt_dir, run_id = comm.broadcast_object(
-            (cfg.run.name, cfg.run.dir, cfg.checkpoint.dir, run_id), mesh)
+            (cfg.run.name, cfg.run.dir, cfg.checkpoint.dir, run_id), mesh
+        )
         cfg = settled(cfg, run={"name": name, "dir": run_dir}, checkpoint={"dir": ckpt_dir})
         lock = take_run_dir(cfg, mesh)
         try:
@@ -103,8 +113,11 @@ def train(cfg: Config, mesh: Mesh, stop: StopFlag, run_id: str = "", owner: str 
     start = su.resumed.step
     if start >= cfg.train.max_steps:  # a resume with nothing left: one line, no header, no lr warnings, rc 0
         if mesh.rank == 0:
-            print(f"megaframe: already at step {start} >= train.max_steps={cfg.train.max_steps}; nothing to "
-                  "train (raise train.max_steps)", flush=True)
+            print(
+                f"megaframe: already at step {start} >= train.max_steps={cfg.train.max_steps}; nothing to "
+                "train (raise train.max_steps)",
+                flush=True,
+            )
         return
     announce(cfg, mesh, su)
     loop = None
@@ -142,8 +155,11 @@ class Loop:
         self.loader = batch_loader(cfg, mesh, su)
         self.scores: dict = {}  # downstream/<task>/<metric> of this step (evaluation/downstream.py)
         # the first row after a resume names the checkpoint (readers see where the run restarted)
-        self.marker = ({"resumed_from": str(su.resumed.path), "resumed_step": self.start, "run_id": ids[0]}
-                       if su.resumed.path else {})
+        self.marker = (
+            {"resumed_from": str(su.resumed.path), "resumed_step": self.start, "run_id": ids[0]}
+            if su.resumed.path
+            else {}
+        )
 
     def batches(self, step: int) -> list:
         """The step's micro-batches (read while the previous step computed); the guard hears the step."""
@@ -156,11 +172,15 @@ class Loop:
         """One optimizer step, counted, its grad norm checked (too many bad steps in a row end the run)."""
         t, su = self.cfg.train, self.su
         # the first step compiles: slow, not hung
-        limits = (first_step_limits(self.mesh, self.guard.watchdog, t.compile_timeout_s, t.dist_timeout_s)
-                  if t.compile and step == self.start + 1 else contextlib.nullcontext())
+        limits = (
+            first_step_limits(self.mesh, self.guard.watchdog, t.compile_timeout_s, t.dist_timeout_s)
+            if t.compile and step == self.start + 1
+            else contextlib.nullcontext()
+        )
         with limits, su.phases.phase("step"):  # the first step's peak (grads and moments appear in it)
-            res = optimizer_step(su.model, su.optimizer, batches, self.mesh, self.cfg.optim, su.derived, step,
-                                 self.guard.probe)
+            res = optimizer_step(
+                su.model, su.optimizer, batches, self.mesh, self.cfg.optim, su.derived, step, self.guard.probe
+            )
         self.meters.add(res)
         try:
             self.bad.check(step, res.grad_norm, flush=step % t.log_interval == 0 or step == t.max_steps)
@@ -178,7 +198,13 @@ class Loop:
         """The metrics row at log steps, built on every rank (the dp loss all-reduce and MoE figures are
         collectives); step 1 says the run is alive; the stop step's loss is the one the checkpoint holds."""
         t = self.cfg.train
-        if step % t.log_interval == 0 or step in (1, t.max_steps) or val is not None or self.scores or stopping:
+        if (
+            step % t.log_interval == 0
+            or step in (1, t.max_steps)
+            or val is not None
+            or self.scores
+            or stopping
+        ):
             row = log_row(self.su, self.meters, self.guard.probe, self.ckpt, self.mesh, step, res, val)
             self.tracker.log({**row, **self.scores, **self.marker}, self.start)
             self.marker = {}
@@ -202,11 +228,24 @@ class Loop:
         self.tracker.finish()
 
 
-def log_row(su: Setup, meter: Meter, probe: StragglerProbe, ckpt: Checkpointer, mesh: Mesh, step: int, res,
-            val: float | None) -> dict:
+def log_row(
+    su: Setup,
+    meter: Meter,
+    probe: StragglerProbe,
+    ckpt: Checkpointer,
+    mesh: Mesh,
+    step: int,
+    res,
+    val: float | None,
+) -> dict:
     """The step's metrics row, built on every rank: the dp loss all-reduce and MoE figures are collectives."""
-    row = {**meter.metrics(step, res, su.model, su.optimizer), **probe.gather(mesh), **ckpt.take_io(),
-           **stage_metric(su.data, su.acct.consumed(step)), **su.phases.take()}
+    row = {
+        **meter.metrics(step, res, su.model, su.optimizer),
+        **probe.gather(mesh),
+        **ckpt.take_io(),
+        **stage_metric(su.data, su.acct.consumed(step)),
+        **su.phases.take(),
+    }
     if val is not None:
         row["val_loss"] = meter.last["val_loss"] = val
     return row

@@ -8,6 +8,7 @@ How a loss comes out of the model is in one function, `loss_sum`: the training e
 forward-only schedule (GPipe's forward phase, pp = 1 included), so evaluation moves activations through
 the same paired p2p batches as training.
 """
+
 from __future__ import annotations
 
 import torch
@@ -49,9 +50,18 @@ class Evaluator:
                 for k in range(t.eval_iters):
                     # batch k of the validation split's own order: the same samples at every evaluation, split
                     # over dp like training
-                    batches = microbatches(self.data, k, t.global_batch_size, t.micro_batch_size, mesh.dp.rank,
-                                           mesh.dp.size, t.seed, mesh.device, cp_rank=mesh.cp.rank,
-                                           cp_size=mesh.cp.size)
+                    batches = microbatches(
+                        self.data,
+                        k,
+                        t.global_batch_size,
+                        t.micro_batch_size,
+                        mesh.dp.rank,
+                        mesh.dp.size,
+                        t.seed,
+                        mesh.device,
+                        cp_rank=mesh.cp.rank,
+                        cp_size=mesh.cp.size,
+                    )
                     total += loss_sum(model, batches, mesh)
             # the evaluation's one host sync; meaningful on the last pipeline stage
             return reduce_loss(total, model, mesh).item() / self.tokens
@@ -66,5 +76,7 @@ class Evaluator:
 def loss_sum(model, batches, mesh) -> torch.Tensor:
     """Sum of token losses of this rank's micro-batches (0 off the last pipeline stage): the training
     executor running a forward-only schedule (pp = 1 included), under the caller's no_grad."""
-    actions = forward_schedule(mesh.pp.size, len(model.stage.chunks), len(batches), mesh.pp.rank, model.stage.v)
+    actions = forward_schedule(
+        mesh.pp.size, len(model.stage.chunks), len(batches), mesh.pp.rank, model.stage.v
+    )
     return run_schedule(actions, model, batches, mesh, None, tokens_global=1)

@@ -10,6 +10,7 @@
 
     python scripts/dev/code_shape.py     # one line per breach, exit 1 when there is any
 """
+
 from __future__ import annotations
 
 import ast
@@ -26,8 +27,18 @@ MAX_FUNC_LINES = 60
 LAYERS = [
     # leaves: error types, file write, the config schema
     # (a module of megaframe/config named here is its own unit)
-    ["errors", "atomic", "atomic_lock", "quiet", "paths", "config.choices", "config.frozen",
-     "config.data_schema", "config.model_schema", "config.schema"],
+    [
+        "errors",
+        "atomic",
+        "atomic_lock",
+        "quiet",
+        "paths",
+        "config.choices",
+        "config.frozen",
+        "config.data_schema",
+        "config.model_schema",
+        "config.schema",
+    ],
     ["parallel"],  # mesh, collectives, launch env: knows no model
     ["pipeline"],  # stages, schedules as data, their executor: runs any chunk module
     ["layers"],  # parallel linear/embedding/norm on the mesh
@@ -50,12 +61,15 @@ ALLOW: dict[str, str] = {}
 
 # (importer unit, imported unit) -> why the upward edge is allowed for now
 UPWARD_ALLOW: dict[tuple[str, str], str] = {
-    ("evaluation", ""): "the lm-eval adapter loads a checkpoint through the public megaframe.load_model, whose"
+    (
+        "evaluation",
+        "",
+    ): "the lm-eval adapter loads a checkpoint through the public megaframe.load_model, whose"
     " body lives in megaframe/__init__.py until one model builder serves every entry point",
     ("parallel", "pipeline"): "parallel/tp_overlap.py defers its weight grads through pipeline/split.py (the"
-                              " zero-bubble split backward: pure autograd, no megaframe import)",
+    " zero-bubble split backward: pure autograd, no megaframe import)",
     ("data", "config"): "data/prepare.py is the `python -m megaframe.data.prepare` command line: it composes"
-                        " a config like train.py",
+    " a config like train.py",
 }
 
 
@@ -75,16 +89,19 @@ def unit(mod: str, layers: list[list[str]] | None = None) -> str:
     """megaframe/<name>, or the longest dotted sub-unit LAYERS names (config.schema: a leaf inside config)."""
     parts = mod.split(".")[1:]
     named = {u for layer in layers or [] for u in layer}
-    return next((".".join(parts[:k]) for k in range(len(parts), 1, -1) if ".".join(parts[:k]) in named),
-                parts[0] if parts else "")
+    return next(
+        (".".join(parts[:k]) for k in range(len(parts), 1, -1) if ".".join(parts[:k]) in named),
+        parts[0] if parts else "",
+    )
 
 
 def layer_of(name: str, layers: list[list[str]]) -> int | None:
     return next((i for i, group in enumerate(layers) if name in group), None)
 
 
-def sizes(root: Path, allow: dict[str, str], max_file: int = MAX_FILE_LINES,
-          max_func: int = MAX_FUNC_LINES) -> list[str]:
+def sizes(
+    root: Path, allow: dict[str, str], max_file: int = MAX_FILE_LINES, max_func: int = MAX_FUNC_LINES
+) -> list[str]:
     """Files and functions over their limit and not allowed."""
     out = []
     for f in sorted((root / "megaframe").rglob("*.py")):
@@ -105,12 +122,15 @@ def graph(root: Path) -> dict[str, set[str]]:
     cs = _code_stats()
     files = sorted((root / "megaframe").rglob("*.py"))
     known = {_module(root, f) for f in files}
-    return {_module(root, f): cs.imports(ast.parse(f.read_text()), _module(root, f), f.name == "__init__.py",
-                                         known) for f in files}
+    return {
+        _module(root, f): cs.imports(
+            ast.parse(f.read_text()), _module(root, f), f.name == "__init__.py", known
+        )
+        for f in files
+    }
 
 
-def upward(g: dict[str, set[str]], layers: list[list[str]],
-           allow: dict[tuple[str, str], str]) -> list[str]:
+def upward(g: dict[str, set[str]], layers: list[list[str]], allow: dict[tuple[str, str], str]) -> list[str]:
     """Imports of a unit in a later layer, and units that no layer names."""
     out = []
     for mod, deps in sorted(g.items()):

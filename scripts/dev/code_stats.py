@@ -12,6 +12,7 @@ Definitions (so the figures can be compared across commits):
   communication primitive in any file other than megaframe/parallel/comm.py and the backend emulation it
   delegates to (megaframe/parallel/p2p_semantics.py: NCCL's p2p rules on gloo, below comm).
 """
+
 from __future__ import annotations
 
 import ast
@@ -24,10 +25,28 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PKG = ROOT / "megaframe"
 COLLECTIVES = {
-    "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
-    "broadcast", "all_to_all", "all_to_all_single", "send", "recv", "isend", "irecv", "batch_isend_irecv",
-    "barrier", "monitored_barrier", "broadcast_object_list", "all_gather_object", "gather_object",
-    "scatter_object_list", "gather", "scatter", "reduce",
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "broadcast",
+    "all_to_all",
+    "all_to_all_single",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "batch_isend_irecv",
+    "barrier",
+    "monitored_barrier",
+    "broadcast_object_list",
+    "all_gather_object",
+    "gather_object",
+    "scatter_object_list",
+    "gather",
+    "scatter",
+    "reduce",
 }
 
 
@@ -39,8 +58,12 @@ def _docstring_lines(tree: ast.AST) -> set[int]:
     for node in ast.walk(tree):
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
             body = getattr(node, "body", [])
-            if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant) \
-                    and isinstance(body[0].value.value, str):
+            if (
+                body
+                and isinstance(body[0], ast.Expr)
+                and isinstance(getattr(body[0], "value", None), ast.Constant)
+                and isinstance(body[0].value.value, str)
+            ):
                 lines.update(range(body[0].lineno, body[0].end_lineno + 1))
     return lines
 
@@ -52,8 +75,14 @@ def line_counts(src: str, tree: ast.AST) -> tuple[int, int]:
     for tok in tokenize.generate_tokens(io.StringIO(src).readline):
         if tok.type == tokenize.COMMENT:
             comment.add(tok.start[0])
-        elif tok.type not in (tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,
-                              tokenize.ENDMARKER, tokenize.ENCODING):
+        elif tok.type not in (
+            tokenize.NL,
+            tokenize.NEWLINE,
+            tokenize.INDENT,
+            tokenize.DEDENT,
+            tokenize.ENDMARKER,
+            tokenize.ENCODING,
+        ):
             for ln in range(tok.start[0], tok.end[0] + 1):
                 if ln not in doc:
                     code.add(ln)
@@ -76,7 +105,7 @@ def imports(tree: ast.AST, mod: str, is_pkg: bool, known: set[str]) -> set[str]:
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
-            parent = ".".join(base[:len(base) - node.level + 1]) if node.level else ""
+            parent = ".".join(base[: len(base) - node.level + 1]) if node.level else ""
             src = ".".join(p for p in (parent, node.module or "") if p)
             subs = [f"{src}.{a.name}" for a in node.names]
             # `from pkg import submodule` only needs the submodule; any other name needs pkg itself
@@ -129,7 +158,11 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def collectives_outside_comm(tree: ast.AST) -> list[tuple[int, str]]:
     hits = []
     for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in COLLECTIVES:
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in COLLECTIVES
+        ):
             owner = ast.unparse(node.func.value)
             if owner in ("dist", "torch.distributed", "c10d"):
                 hits.append((node.lineno, f"{owner}.{node.func.attr}"))
@@ -137,8 +170,11 @@ def collectives_outside_comm(tree: ast.AST) -> list[tuple[int, str]]:
 
 
 def functions(tree: ast.AST) -> list[tuple[int, str, int]]:
-    return [(n.end_lineno - n.lineno + 1, n.name, n.lineno) for n in ast.walk(tree)
-            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    return [
+        (n.end_lineno - n.lineno + 1, n.name, n.lineno)
+        for n in ast.walk(tree)
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+    ]
 
 
 def stats() -> dict:
@@ -160,12 +196,18 @@ def stats() -> dict:
         funcs += [(n, f"{rel}:{ln} {name}") for n, name, ln in functions(tree)]
     funcs.sort(reverse=True)
     return {
-        "files": len(files), "code_lines": code, "comment_lines": comment,
+        "files": len(files),
+        "code_lines": code,
+        "comment_lines": comment,
         "comments_per_100": round(100 * comment / max(code, 1), 1),
-        "import_cycles": cycles(graph), "collectives_outside_comm": outside,
+        "import_cycles": cycles(graph),
+        "collectives_outside_comm": outside,
         "longest_functions": [f"{n} lines {where}" for n, where in funcs[:5]],
-        "files_over_400": [f"{len(f.read_text().splitlines())} {f.relative_to(ROOT)}" for f in files
-                           if len(f.read_text().splitlines()) > 400],
+        "files_over_400": [
+            f"{len(f.read_text().splitlines())} {f.relative_to(ROOT)}"
+            for f in files
+            if len(f.read_text().splitlines()) > 400
+        ],
     }
 
 
@@ -174,11 +216,20 @@ def main() -> None:
     if "--json" in sys.argv:
         print(json.dumps(s, indent=1))
         return
-    print(f"files {s['files']}, code lines {s['code_lines']}, comment lines {s['comment_lines']} "
-          f"({s['comments_per_100']} per 100 code lines)")
-    print(f"import cycles: {len(s['import_cycles'])}", *(" <-> ".join(c) for c in s["import_cycles"]), sep="\n  ")
-    print(f"collectives outside parallel/comm.py: {len(s['collectives_outside_comm'])}",
-          *s["collectives_outside_comm"], sep="\n  ")
+    print(
+        f"files {s['files']}, code lines {s['code_lines']}, comment lines {s['comment_lines']} "
+        f"({s['comments_per_100']} per 100 code lines)"
+    )
+    print(
+        f"import cycles: {len(s['import_cycles'])}",
+        *(" <-> ".join(c) for c in s["import_cycles"]),
+        sep="\n  ",
+    )
+    print(
+        f"collectives outside parallel/comm.py: {len(s['collectives_outside_comm'])}",
+        *s["collectives_outside_comm"],
+        sep="\n  ",
+    )
     print("longest functions:", *s["longest_functions"], sep="\n  ")
     print(f"files over 400 lines: {len(s['files_over_400'])}", *s["files_over_400"], sep="\n  ")
 

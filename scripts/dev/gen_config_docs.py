@@ -6,6 +6,7 @@ its field in megaframe/config/schema.py (the one place a key is documented), and
 
 tests/unit/config/test_config_docs.py fails while docs/config.md differs from what this writes.
 """
+
 from __future__ import annotations
 
 import ast
@@ -60,8 +61,12 @@ def field_docs(cls: type) -> dict[str, str]:
         elif isinstance(stmt, ast.Assign) and isinstance(stmt.targets[0], ast.Subscript):
             key = stmt.targets[0].slice
             last = key.value if isinstance(key, ast.Constant) else None
-        elif (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant)
-              and isinstance(stmt.value.value, str) and last):
+        elif (
+            isinstance(stmt, ast.Expr)
+            and isinstance(stmt.value, ast.Constant)
+            and isinstance(stmt.value.value, str)
+            and last
+        ):
             docs[last] = " ".join(stmt.value.value.split())
             last = None
         else:
@@ -105,6 +110,7 @@ def composed_defaults() -> dict:
                 walk(v, f"{prefix}{k}.")
             else:
                 flat[prefix + k] = v.replace("${mf_root:}", "<checkout>") if isinstance(v, str) else v
+
     walk(raw, "")
     return flat
 
@@ -188,7 +194,14 @@ def render() -> str:
         raise SystemExit(f"config keys without a docstring in their dataclass: {', '.join(missing)}")
     out = [INTRO.format(command=COMMAND), *presets()]
     for group, lines in tables:
-        out += [f"## `{group}`", "", "| key | type | default | meaning |", "| --- | --- | --- | --- |", *lines, ""]
+        out += [
+            f"## `{group}`",
+            "",
+            "| key | type | default | meaning |",
+            "| --- | --- | --- | --- |",
+            *lines,
+            "",
+        ]
     return "\n".join(out).rstrip() + "\n"
 
 

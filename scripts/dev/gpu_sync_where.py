@@ -11,6 +11,7 @@ one. This prints, for every counted step, each sync-debug warning with the Pytho
 inside backward then shows the backward call, so a second pass re-runs the first syncing step under
 sync_debug_mode("error") with anomaly detection, whose error names the forward op of the node.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,12 +24,29 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-LLAMA_LIKE = ["model=llama3_8b", "data=synthetic", "model.num_layers=2", "model.hidden_size=1024",
-              "model.num_attention_heads=8", "model.num_query_groups=2", "model.ffn_hidden_size=3584",
-              "model.vocab_size=128256", "model.seq_length=8192", "train.micro_batch_size=1",
-              "train.global_batch_size=2", "train.device=cuda", "train.precision=bf16", "optim.warmup_steps=0"]
-DRY = ["model.hidden_size=64", "model.ffn_hidden_size=128", "model.vocab_size=512", "model.seq_length=256",
-       "train.device=cpu"]
+LLAMA_LIKE = [
+    "model=llama3_8b",
+    "data=synthetic",
+    "model.num_layers=2",
+    "model.hidden_size=1024",
+    "model.num_attention_heads=8",
+    "model.num_query_groups=2",
+    "model.ffn_hidden_size=3584",
+    "model.vocab_size=128256",
+    "model.seq_length=8192",
+    "train.micro_batch_size=1",
+    "train.global_batch_size=2",
+    "train.device=cuda",
+    "train.precision=bf16",
+    "optim.warmup_steps=0",
+]
+DRY = [
+    "model.hidden_size=64",
+    "model.ffn_hidden_size=128",
+    "model.vocab_size=512",
+    "model.seq_length=256",
+    "train.device=cpu",
+]
 DEVICE = "cuda"
 
 
@@ -52,15 +70,20 @@ def set_up(overrides: list[str], steps: int):
     mesh = single_process_mesh(DEVICE)
     model, opt = build(cfg, mesh)
     t, data = cfg.train, build_data(cfg)
-    batches = [microbatches(data, s, t.global_batch_size, t.micro_batch_size, 0, 1, t.seed, mesh.device)
-               for s in range(steps)]
+    batches = [
+        microbatches(data, s, t.global_batch_size, t.micro_batch_size, 0, 1, t.seed, mesh.device)
+        for s in range(steps)
+    ]
     return cfg, mesh, model, opt, batches
 
 
 def _recorder(caught: list):
     def hook(message, category, filename, lineno, file=None, line=None):
         # the stack of the Python frame that made the sync (forward, optimizer), or backward()
-        caught.append((category.__name__, str(message), f"{filename}:{lineno}", traceback.format_stack(limit=14)[:-1]))
+        caught.append(
+            (category.__name__, str(message), f"{filename}:{lineno}", traceback.format_stack(limit=14)[:-1])
+        )
+
     return hook
 
 

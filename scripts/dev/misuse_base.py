@@ -1,6 +1,7 @@
 """What the bad-input re-run (scripts/dev/misuse_rerun.py) and its attempt lists share: an attempt record,
 the commands, the tiny model, and the trained set-up every attempt starts from. Imports no other script, so
 the runner and the lists import it and not each other."""
+
 from __future__ import annotations
 
 import json
@@ -15,10 +16,20 @@ from pathlib import Path
 from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=8", "model.num_query_groups=4",
-        "model.ffn_hidden_size=128", "model.seq_length=32", "train.global_batch_size=8",
-        "train.micro_batch_size=2", "optim.warmup_steps=2", "optim.lr=3e-3", "train.log_interval=1",
-        "logging.wandb.mode=disabled"]
+TINY = [
+    "model.num_layers=2",
+    "model.hidden_size=64",
+    "model.num_attention_heads=8",
+    "model.num_query_groups=4",
+    "model.ffn_hidden_size=128",
+    "model.seq_length=32",
+    "train.global_batch_size=8",
+    "train.micro_batch_size=2",
+    "optim.warmup_steps=2",
+    "optim.lr=3e-3",
+    "train.log_interval=1",
+    "logging.wandb.mode=disabled",
+]
 
 
 @dataclass
@@ -46,8 +57,13 @@ class Attempt:
 
 def environ(extra: dict) -> dict:
     e = dict(os.environ)
-    e.update(WANDB_MODE="disabled", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="",
-             PYTHONPATH=str(ROOT))
+    e.update(
+        WANDB_MODE="disabled",
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+        CUDA_VISIBLE_DEVICES="",
+        PYTHONPATH=str(ROOT),
+    )
     for var in ("MEGAFRAME_RUN_NAME", "SLURM_JOB_ID", "TORCHELASTIC_RUN_ID", "MEGAFRAME_INJECT"):
         e.pop(var, None)
     e.update(extra)
@@ -71,9 +87,13 @@ TORCHRUN2 = py("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=
 RACE = py(str(ROOT / "scripts" / "dev" / "misuse_race.py"))
 GEN = py("-m", "megaframe.generate")
 PLAN = py("-m", "megaframe.plan", "data=synthetic")
-META_FORMS = {"list": "[]", "null": "null", "no-tensors": '{"format": "megaframe-ckpt-v2", "coverage": "exact"}',
-              "files-list": '{"format": "megaframe-ckpt-v2", "coverage": "exact", "files": [], "tensors": {}}',
-              "empty": "{}"}
+META_FORMS = {
+    "list": "[]",
+    "null": "null",
+    "no-tensors": '{"format": "megaframe-ckpt-v2", "coverage": "exact"}',
+    "files-list": '{"format": "megaframe-ckpt-v2", "coverage": "exact", "files": [], "tensors": {}}',
+    "empty": "{}",
+}
 
 
 def cfg(*over: str, rc=(0, 2), has=(), synthetic=True) -> list:
@@ -93,7 +113,14 @@ class Setup:
         if not (self.ck / "latest").is_file():
             common = [*TRAIN, *TINY, f"data.path={self.data}", f"run.dir={self.rb}"]
             sh(common + ["train.max_steps=8", "checkpoint.interval=2"])
-            sh(common + ["train.max_steps=6", "checkpoint.interval=3", f"checkpoint.resume={self.ck / 'step_00000002'}"])
+            sh(
+                common
+                + [
+                    "train.max_steps=6",
+                    "checkpoint.interval=3",
+                    f"checkpoint.resume={self.ck / 'step_00000002'}",
+                ]
+            )
 
     def p(self, name: str) -> Path:
         return self.work / name
@@ -133,8 +160,9 @@ def dead_pid() -> int:
 
 def stale_lock(folder: Path) -> None:
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "megaframe.lock").write_text(json.dumps({"host": socket.gethostname(), "pid": dead_pid(), "job": "",
-                                                       "since": time.time() - 60}))
+    (folder / "megaframe.lock").write_text(
+        json.dumps({"host": socket.gethostname(), "pid": dead_pid(), "job": "", "since": time.time() - 60})
+    )
 
 
 def mount_tmpfs(where: Path, size: str, fill: int = 0) -> None:
@@ -154,4 +182,4 @@ def umount(where: Path) -> None:
 
 def fsize_limited(cmd: list[str], kib: int) -> list[str]:
     """The command under `ulimit -f` (a file-size limit: writes past it fail with EFBIG)."""
-    return ["bash", "-c", f"ulimit -f {kib}; exec \"$@\"", "fsize", *map(str, cmd)]
+    return ["bash", "-c", f'ulimit -f {kib}; exec "$@"', "fsize", *map(str, cmd)]

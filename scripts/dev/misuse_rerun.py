@@ -9,6 +9,7 @@ one `megaframe: error:` line (argparse's own usage error counts as one). Takes a
 loaded 2-core box (it trains a few tiny runs); not part of `make test` (tests/e2e/test_lost_work_cli.py
 holds the representative cases). The attempts are in scripts/dev/misuse_attempts.py and misuse_more.py.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,7 +31,9 @@ from scripts.dev.misuse_writers_data import writers_data_attempts  # noqa: E402
 def _start_bg(a: Attempt) -> subprocess.Popen | None:
     if a.bg is None:
         return None
-    proc = subprocess.Popen(a.bg, cwd=ROOT, env=environ(a.env), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        a.bg, cwd=ROOT, env=environ(a.env), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     deadline = time.time() + 120
     while a.bg_wait and not Path(a.bg_wait).exists() and time.time() < deadline and proc.poll() is None:
         time.sleep(0.2)
@@ -63,8 +66,15 @@ def attempt(a: Attempt) -> tuple[bool, str]:
             a.prep()
         bg = _start_bg(a)
         try:
-            res = subprocess.run(a.cmd, cwd=a.cwd or ROOT, env=environ(a.env), capture_output=True, text=True,
-                                 errors="replace", timeout=a.timeout)
+            res = subprocess.run(
+                a.cmd,
+                cwd=a.cwd or ROOT,
+                env=environ(a.env),
+                capture_output=True,
+                text=True,
+                errors="replace",
+                timeout=a.timeout,
+            )
             rc, out = res.returncode, res.stdout + res.stderr
         except subprocess.TimeoutExpired:
             rc, out = -1, "timed out (a hang?)"
@@ -90,8 +100,11 @@ def _stop(bg: subprocess.Popen | None) -> None:
         bg.wait()
 
 
-GROUPS = {"earlier": lambda s: note_attempts(s) + section2(s) + new_attempts(s),
-          "writers-data": writers_data_attempts, "disk-schedule": disk_schedule_attempts}
+GROUPS = {
+    "earlier": lambda s: note_attempts(s) + section2(s) + new_attempts(s),
+    "writers-data": writers_data_attempts,
+    "disk-schedule": disk_schedule_attempts,
+}
 
 
 def attempts(work: Path, group: str = "all") -> list[Attempt]:
@@ -105,8 +118,12 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--work", help="folder for the runs (default: a new temporary folder)")
     ap.add_argument("--only", default="", help="run the attempts whose id starts with this")
     ap.add_argument("--keep", action="store_true", help="keep the work folder")
-    ap.add_argument("--group", default="all", choices=["all", *GROUPS],
-                    help="one list of attempts (two groups may run at once, each with its own --work)")
+    ap.add_argument(
+        "--group",
+        default="all",
+        choices=["all", *GROUPS],
+        help="one list of attempts (two groups may run at once, each with its own --work)",
+    )
     args = ap.parse_args(argv)
     work = Path(args.work or tempfile.mkdtemp(prefix="misuse-rerun-")).resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -122,8 +139,11 @@ def main(argv: list[str]) -> int:
         rows.append((a, held))
         print(f"{a.id:<8} {a.klass:<16} {'held' if held else 'DEFECT':<6} {what[:150]}", flush=True)
     bad = [a.id for a, held in rows if not held]
-    print(f"\n{len(rows)} attempts, {len(rows) - len(bad)} " f"held, {len(bad)} defect{'s' if len(bad) != 1 else ''}"
-          f"{': ' + ', '.join(bad) if bad else ''} ({time.time() - t0:.0f} s; work folder {work})")
+    print(
+        f"\n{len(rows)} attempts, {len(rows) - len(bad)} "
+        f"held, {len(bad)} defect{'s' if len(bad) != 1 else ''}"
+        f"{': ' + ', '.join(bad) if bad else ''} ({time.time() - t0:.0f} s; work folder {work})"
+    )
     if not args.keep and not args.work:
         shutil.rmtree(work, ignore_errors=True)
     return 1 if bad else 0

@@ -7,6 +7,7 @@ step, the optimizer, the meter, the stop and save checks), plus train.py and the
 Runs train.py in this process for 3 steps on the demo data (or what the overrides say) into a temporary
 folder, then prints the files in the order they were first entered and their count.
 """
+
 from __future__ import annotations
 
 import runpy
@@ -31,8 +32,15 @@ def main() -> int:
             seen.setdefault(str(Path(code.co_filename).relative_to(ROOT)), None)
 
     work = tempfile.mkdtemp(prefix="step-files-")
-    sys.argv = ["train.py", "train.max_steps=3", f"run.dir={work}/run", f"checkpoint.dir={work}/ckpt",
-                "checkpoint.interval=0", "logging.wandb.mode=disabled", *sys.argv[1:]]
+    sys.argv = [
+        "train.py",
+        "train.max_steps=3",
+        f"run.dir={work}/run",
+        f"checkpoint.dir={work}/ckpt",
+        "checkpoint.interval=0",
+        "logging.wandb.mode=disabled",
+        *sys.argv[1:],
+    ]
     sys.setprofile(profile)
     try:
         runpy.run_path(str(ROOT / "train.py"), run_name="__main__")

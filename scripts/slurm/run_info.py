@@ -7,6 +7,7 @@ for N ranks, and prints RUN_DIR, CKPT_DIR (absolute), MAX_STEPS and LATEST_STEP 
 newest committed checkpoint named by ${checkpoint.dir}/latest, 0 when there is none). A bad config
 prints `megaframe: error: ...` and exits 2, so the job script stops before starting any rank.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,8 +41,12 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         return fail(e)
     ckpt = Path(cfg.checkpoint.dir).absolute()
-    for key, value in (("RUN_DIR", Path(cfg.run.dir).absolute()), ("CKPT_DIR", ckpt),
-                       ("MAX_STEPS", cfg.train.max_steps), ("LATEST_STEP", latest_step(ckpt))):
+    for key, value in (
+        ("RUN_DIR", Path(cfg.run.dir).absolute()),
+        ("CKPT_DIR", ckpt),
+        ("MAX_STEPS", cfg.train.max_steps),
+        ("LATEST_STEP", latest_step(ckpt)),
+    ):
         print(f"{key}={shlex.quote(str(value))}")
     return 0
 

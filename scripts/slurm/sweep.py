@@ -12,6 +12,7 @@ so every point has its own run dir (outputs/NAME-i-<job id>), checkpoints and wa
 job is requeued and resumed on its own. Prints one line per point: index, job id, overrides.
 Run it with the megaframe venv active: the jobs run the `python` on PATH at submission.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,7 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # megaframe, for t
 
 from megaframe.errors import fail  # noqa: E402  (after the path insert)
 
-SBATCH_SCRIPT = Path(os.environ.get("MEGAFRAME_SBATCH_SCRIPT") or Path(__file__).resolve().parent / "pretrain.sbatch")
+SBATCH_SCRIPT = Path(
+    os.environ.get("MEGAFRAME_SBATCH_SCRIPT") or Path(__file__).resolve().parent / "pretrain.sbatch"
+)
 """The job script; MEGAFRAME_SBATCH_SCRIPT names another (a site's copy, or the tests' CPU-only one)."""
 
 
@@ -53,7 +56,9 @@ def expand(overrides: list[str]) -> list[list[str]]:
             key = o.get_key_element()
             choices.append([f"{key}={v}" for v in o.sweep_string_iterator()])
         else:
-            raise SweepError(f"{o.input_line}: interval sweeps need an optimizer sweeper; use a list or range()")
+            raise SweepError(
+                f"{o.input_line}: interval sweeps need an optimizer sweeper; use a list or range()"
+            )
     return [list(point) for point in itertools.product(*choices)]
 
 
@@ -134,25 +139,35 @@ def satisfiable(flags: list[str], point: list[str], env: dict) -> str | None:
     """One line when no partition can run the request (a GPU flag on a CPU cluster, more CPUs per task than a
     node has, a partition's limits), else None: `sbatch --test-only` asks the controller and submits nothing,
     so the sweep fails here instead of leaving jobs pending forever. The points share the flags: one asks."""
-    res = subprocess.run(["sbatch", "--test-only", *flags, str(SBATCH_SCRIPT), *point], capture_output=True,
-                         text=True, env=env)
+    res = subprocess.run(
+        ["sbatch", "--test-only", *flags, str(SBATCH_SCRIPT), *point], capture_output=True, text=True, env=env
+    )
     if res.returncode == 0:
         return None
     why = " ".join((res.stderr or res.stdout).split()) or f"exit {res.returncode}"
-    return f"no partition can run these sbatch flags ({shlex.join(flags) or 'the script defaults'}): {why}; " \
+    return (
+        f"no partition can run these sbatch flags ({shlex.join(flags) or 'the script defaults'}): {why}; "
         "nothing submitted"
+    )
 
 
 def main(argv: list[str]) -> int:
     if "--" in argv:
         cut = argv.index("--")
-        argv, sbatch_flags = argv[:cut], argv[cut + 1:]
+        argv, sbatch_flags = argv[:cut], argv[cut + 1 :]
     else:
         sbatch_flags = []
-    ap = argparse.ArgumentParser(prog="sweep.py", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("--name", default=time.strftime("sweep-%Y%m%d-%H%M%S"),
-                    help="job name prefix; point i runs as job NAME-i (default: sweep-<date>-<time>)")
+    ap = argparse.ArgumentParser(
+        prog="sweep.py",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__,
+    )
+    ap.add_argument(
+        "--name",
+        default=time.strftime("sweep-%Y%m%d-%H%M%S"),
+        help="job name prefix; point i runs as job NAME-i (default: sweep-<date>-<time>)",
+    )
     ap.add_argument("--dry-run", action="store_true", help="print the sbatch commands, submit nothing")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
@@ -173,7 +188,14 @@ def main(argv: list[str]) -> int:
         if problem:
             return fail(problem)
     for i, point in enumerate(points):
-        cmd = ["sbatch", "--parsable", f"--job-name={args.name}-{i}", *sbatch_flags, str(SBATCH_SCRIPT), *point]
+        cmd = [
+            "sbatch",
+            "--parsable",
+            f"--job-name={args.name}-{i}",
+            *sbatch_flags,
+            str(SBATCH_SCRIPT),
+            *point,
+        ]
         if args.dry_run:
             print(shlex.join(cmd), flush=True)
             continue

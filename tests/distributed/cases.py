@@ -1,4 +1,5 @@
 """Functions the rank pool runs: fn(mesh, *args). Module-level so spawned workers can import them."""
+
 from __future__ import annotations
 
 import torch
@@ -12,10 +13,21 @@ from megaframe.optim.build import build_optimizer
 from megaframe.parallel import comm
 from megaframe.training.step import train_step
 
-TINY = ["data=synthetic", "model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=8",
-        "model.num_query_groups=4", "model.ffn_hidden_size=128", "model.seq_length=32", "model.vocab_size=256",
-        "train.global_batch_size=8", "train.micro_batch_size=2", "optim.warmup_steps=2", "optim.lr=3e-3",
-        "logging.wandb.mode=disabled"]
+TINY = [
+    "data=synthetic",
+    "model.num_layers=2",
+    "model.hidden_size=64",
+    "model.num_attention_heads=8",
+    "model.num_query_groups=4",
+    "model.ffn_hidden_size=128",
+    "model.seq_length=32",
+    "model.vocab_size=256",
+    "train.global_batch_size=8",
+    "train.micro_batch_size=2",
+    "optim.warmup_steps=2",
+    "optim.lr=3e-3",
+    "logging.wandb.mode=disabled",
+]
 
 
 def tiny_config(overrides: list[str], world: int):
@@ -35,9 +47,13 @@ def full_state(model, mesh, grads: bool = False, optimizer=None) -> dict[str, to
     def grad(p):
         return optimizer.reduced_grad(p) if hasattr(optimizer, "reduced_grad") else p.grad
 
-    mine = {n: gather_full(grad(p) if grads else p.data, p.placement.shard,
-                           mesh.ep if p.placement.expert else mesh.tp)
-            for n, p in model.named_parameters() if not p.placement.pp_duplicate}
+    mine = {
+        n: gather_full(
+            grad(p) if grads else p.data, p.placement.shard, mesh.ep if p.placement.expert else mesh.tp
+        )
+        for n, p in model.named_parameters()
+        if not p.placement.pp_duplicate
+    }
     if mesh.pp.size == 1:
         return mine
     parts = [None] * mesh.world
@@ -45,7 +61,9 @@ def full_state(model, mesh, grads: bool = False, optimizer=None) -> dict[str, to
     return {k: v for part in parts for k, v in part.items()}
 
 
-def train_and_report(mesh, overrides: list[str], steps: int, setup=None, seed_dropout: bool = False) -> dict | None:
+def train_and_report(
+    mesh, overrides: list[str], steps: int, setup=None, seed_dropout: bool = False
+) -> dict | None:
     """Run `steps` optimizer steps; rank 0 returns losses, step-1 grads, final weights (full tensors).
     `setup(model)`, a module-level function, may change the fresh model first (same on every rank).
     `seed_dropout`: seed the dropout RNG before each step as the trainer does (layers.rng.seed_step), so
@@ -63,8 +81,17 @@ def train_and_report(mesh, overrides: list[str], steps: int, setup=None, seed_dr
     t = cfg.train
     losses, grads, comm_tp, norms = [], None, [], []
     for step in range(1, steps + 1):
-        batches = microbatches(data, step - 1, t.global_batch_size, t.micro_batch_size, mesh.dp.rank,
-                               mesh.dp.size, t.seed, cp_rank=mesh.cp.rank, cp_size=mesh.cp.size)
+        batches = microbatches(
+            data,
+            step - 1,
+            t.global_batch_size,
+            t.micro_batch_size,
+            mesh.dp.rank,
+            mesh.dp.size,
+            t.seed,
+            cp_rank=mesh.cp.rank,
+            cp_size=mesh.cp.size,
+        )
         mesh.stats.pop()
         if seed_dropout:
             seed_step(t.seed, step, mesh)
@@ -100,11 +127,14 @@ def vocab_layers(mesh, sp: bool) -> dict | None:
     loss_SB = vocab_parallel_cross_entropy(parallel_logits(emb(ids_SB), emb.weight, tp, sp), target_SB, tp)
     loss_SB.sum().backward()
     w_ref = full_w.clone().requires_grad_(True)
-    ref_SB = F.cross_entropy((F.embedding(ids_SB, w_ref) @ w_ref.t()).flatten(0, 1), target_SB.flatten(),
-                             reduction="none").view(s, b)
+    ref_SB = F.cross_entropy(
+        (F.embedding(ids_SB, w_ref) @ w_ref.t()).flatten(0, 1), target_SB.flatten(), reduction="none"
+    ).view(s, b)
     ref_SB.sum().backward()
-    errs = {"loss": (loss_SB - ref_SB).abs().max().item(),
-            "grad": (emb.weight.grad - emb.weight.placement.shard.local(w_ref.grad)).abs().max().item()}
+    errs = {
+        "loss": (loss_SB - ref_SB).abs().max().item(),
+        "grad": (emb.weight.grad - emb.weight.placement.shard.local(w_ref.grad)).abs().max().item(),
+    }
     return errs if mesh.rank == 0 else None
 
 

@@ -1,4 +1,5 @@
 """Functions the rank pool runs for the checkpoint I/O tests: fn(mesh, *args)."""
+
 from __future__ import annotations
 
 import weakref
@@ -17,8 +18,16 @@ from tests.distributed.cases import full_state
 from tests.distributed.zero_cases import _setup, _step
 
 
-def train_and_save(mesh, overrides: list[str], folder: str, steps: int, fail_rank: int | None = None,
-                   fail_step: int | None = None, use_async: bool = False, keep_last: int = 0) -> dict:
+def train_and_save(
+    mesh,
+    overrides: list[str],
+    folder: str,
+    steps: int,
+    fail_rank: int | None = None,
+    fail_step: int | None = None,
+    use_async: bool = False,
+    keep_last: int = 0,
+) -> dict:
     """Steps 1..steps, saving after each; the save at fail_step fails on fail_rank. Returns this rank's
     figures of each save (or the SaveError text) and, on rank 0, the final full weights."""
     cfg, model, optimizer, data = _setup(mesh, overrides, steps)
@@ -46,7 +55,9 @@ def load_and_report(mesh, overrides: list[str], path: str) -> dict:
     """Load `path` into this layout; this rank's read figures, the files it opened, and (all ranks) the
     full weights."""
     cfg, model, optimizer, data = _setup(mesh, overrides, 1)
-    if cfg.optim.zero == 3:  # into gathered params (ZeRO-3 starts with all freed: the other path, zero3_freed_load_steps)
+    if (
+        cfg.optim.zero == 3
+    ):  # into gathered params (ZeRO-3 starts with all freed: the other path, zero3_freed_load_steps)
         optimizer.sync_params()
     meta = sharded.load_into(Path(path), model, optimizer)
     return {**meta["io_load"], "weights": full_state(model, mesh)}
@@ -74,13 +85,19 @@ class HostBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage().data_ptr() for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        inputs = {
+            t.untyped_storage().data_ptr()
+            for t in pytree.tree_leaves((args, kwargs))
+            if isinstance(t, torch.Tensor)
+        }
         for t in pytree.tree_leaves(out):
             if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
                 continue
             st = t.untyped_storage()
             ptr, n = st.data_ptr(), st.nbytes()
-            if n == 0 or ptr in inputs or ptr in self._refs:  # a view, an in-place op's result, or counted already
+            if (
+                n == 0 or ptr in inputs or ptr in self._refs
+            ):  # a view, an in-place op's result, or counted already
                 continue
             self.live += n
             self.peak = max(self.peak, self.live)
@@ -105,9 +122,13 @@ def load_host_bytes(mesh, overrides: list[str], path: str, staging_bytes: int) -
         optimizer.sync_params()
     wrong = []
     for name, p in model.named_parameters():
-        for key, t in {f"model/{name}": p.detach(),
-                       **{f"optim/{k}/{name}": t for k, t in optimizer.logical_state(p).items()}}.items():
-            key = key if key in meta["tensors"] else f"model/{name}"  # a master the checkpoint lacks: the weights'
+        for key, t in {
+            f"model/{name}": p.detach(),
+            **{f"optim/{k}/{name}": t for k, t in optimizer.logical_state(p).items()},
+        }.items():
+            key = (
+                key if key in meta["tensors"] else f"model/{name}"
+            )  # a master the checkpoint lacks: the weights'
             if not torch.equal(t.reshape(-1), sharded.load_full(path, key, meta).reshape(-1)):
                 wrong.append(key)
     return {"peak": count.peak, "share": share_bytes(items), "made": made, "wrong": wrong}

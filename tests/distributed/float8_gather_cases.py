@@ -1,5 +1,6 @@
 """What the rank pool runs for the float8 parameter all-gather tests: fn(mesh, *args), module-level for
 spawned workers."""
+
 from __future__ import annotations
 
 from tests.distributed.zero_cases import _setup, _step
@@ -18,7 +19,14 @@ def gather_probe(mesh, overrides: list[str], steps: int) -> dict | None:
     f8 = getattr(optimizer, "float8", None)
     if mesh.rank != 0:
         return None
-    return {"losses": losses, "step1": step1,
-            "float8_numel": sum(p.numel() for p in f8.params) if f8 else 0, "float8_params": len(f8.params) if f8 else 0,
-            "float8_buckets": [b.numel for buf in optimizer.buffers for b in buf.buckets
-                               if getattr(b, "f8", None) is not None] if f8 else []}
+    return {
+        "losses": losses,
+        "step1": step1,
+        "float8_numel": sum(p.numel() for p in f8.params) if f8 else 0,
+        "float8_params": len(f8.params) if f8 else 0,
+        "float8_buckets": [
+            b.numel for buf in optimizer.buffers for b in buf.buckets if getattr(b, "f8", None) is not None
+        ]
+        if f8
+        else [],
+    }

@@ -1,4 +1,5 @@
 """Pool functions for the lm-eval layout test: a checkpoint loaded into a layout scores the local task."""
+
 from __future__ import annotations
 
 from megaframe.checkpoint import sharded
@@ -19,8 +20,11 @@ def score_local_task(mesh, overrides: list[str], step: str, tokenizer: str, task
     model = build_model(cfg, mesh)
     sharded.load_into(step, model)
     lm = MegaframeLM.live(model.eval(), mesh, load_tokenizer(tokenizer), batch_size=3)
-    out = simple_evaluate(model=lm, tasks=[task], task_manager=task_manager([task], tasks),
-                          log_samples=True, bootstrap_iters=0)
+    out = simple_evaluate(
+        model=lm, tasks=[task], task_manager=task_manager([task], tasks), log_samples=True, bootstrap_iters=0
+    )
     samples = sorted(out["samples"][task], key=lambda s: s["doc_id"])
-    return {"ll": [[float(r[0]) for r in s["filtered_resps"]] for s in samples],
-            "acc": out["results"][task]["acc,none"]}
+    return {
+        "ll": [[float(r[0]) for r in s["filtered_resps"]] for s in samples],
+        "acc": out["results"][task]["acc,none"],
+    }

@@ -2,6 +2,7 @@
 
 Legend: T tokens per rank, D hidden, E experts.
 """
+
 from __future__ import annotations
 
 import torch
@@ -11,7 +12,12 @@ from megaframe.model.moe.layer import MoE
 from megaframe.parallel.mesh import single_process_mesh
 from tests.distributed.cases import tiny_config
 
-MOE = ["model.num_experts=4", "model.moe_top_k=2", "model.moe_ffn_hidden_size=64", "model.moe_z_loss_coeff=1e-3"]
+MOE = [
+    "model.num_experts=4",
+    "model.moe_top_k=2",
+    "model.moe_ffn_hidden_size=64",
+    "model.moe_z_loss_coeff=1e-3",
+]
 
 
 def _layer(cfg, mesh, seed: int = 5) -> MoE:
@@ -48,8 +54,10 @@ def dispatcher_vs_one_process(mesh, overrides: list[str]) -> dict | None:
     y, gx, grads = _run(_layer(cfg, mesh), _tokens(mesh.rank, t, d))
     layer = _layer(cfg, mesh)
     sent = _ep_bytes_vs_theory(cfg, mesh, layer, _tokens(mesh.rank, t, d))
-    full = {n: gather_full(g, p.placement.shard, mesh.ep if p.placement.expert else mesh.tp)
-            for (n, p), g in zip(layer.named_parameters(), grads.values())}
+    full = {
+        n: gather_full(g, p.placement.shard, mesh.ep if p.placement.expert else mesh.tp)
+        for (n, p), g in zip(layer.named_parameters(), grads.values())
+    }
     for n, p in layer.named_parameters():  # the router is replicated: its grads add up over the ranks
         if not p.placement.expert:
             dist.all_reduce(full[n], group=mesh.group)

@@ -1,5 +1,6 @@
 """What the rank pool runs for the per-phase memory test: the trainer's phases on this rank, measured by its
 own meter (megaframe/training/phase_run.py)."""
+
 from __future__ import annotations
 
 from megaframe.training.phase_run import measure_phases as _measure

@@ -1,4 +1,5 @@
 """Functions the rank pool runs for the pipeline tests: fn(mesh, *args), module-level for spawned workers."""
+
 from __future__ import annotations
 
 import torch
@@ -23,7 +24,9 @@ def val_loss(mesh, overrides: list[str]) -> float | None:
     cfg = tiny_config(overrides, mesh.world)
     model, data, t = build_model(cfg, mesh), build_data(cfg), cfg.train
     model.eval()
-    batches = microbatches(data, 0, t.global_batch_size, t.micro_batch_size, mesh.dp.rank, mesh.dp.size, t.seed)
+    batches = microbatches(
+        data, 0, t.global_batch_size, t.micro_batch_size, mesh.dp.rank, mesh.dp.size, t.seed
+    )
     with torch.no_grad():
         total = comm.all_reduce(loss_sum(model, batches, mesh), mesh.dp)
     comm.all_reduce(total, mesh.pp)  # only the last stage has a loss
@@ -39,7 +42,7 @@ class _OldTransfer(p2p.Transfer):
         self.sends = sends
 
     def wait(self) -> None:
-        for w in self.works[self.sends:]:
+        for w in self.works[self.sends :]:
             w.wait()
 
 

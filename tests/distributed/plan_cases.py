@@ -5,6 +5,7 @@ steps, so lazily created optimizer state exists), the bytes one micro-batch of e
 backward (saved_tensors_hooks on real CPU tensors, with CPU's own attention kernel), and the peak of
 the activations held at once while the real pipeline executor runs a step (`LiveSaved`).
 """
+
 from __future__ import annotations
 
 from megaframe.config import load_config
@@ -70,20 +71,32 @@ def measure_memory(mesh, overrides: list[str]) -> dict:
     data, t = build_data(cfg), cfg.train
     live = LiveSaved(model.parameters())
     for step in (1, 2):
-        batches = microbatches(data, step - 1, t.global_batch_size, t.micro_batch_size, mesh.dp.rank,
-                               mesh.dp.size, t.seed)
+        batches = microbatches(
+            data, step - 1, t.global_batch_size, t.micro_batch_size, mesh.dp.rank, mesh.dp.size, t.seed
+        )
         with torch.autograd.graph.saved_tensors_hooks(live.pack, live.unpack):
             train_step(model, optimizer, batches, mesh, cfg, step)
-    chunks = [chunk_activation_bytes(model, c, t.micro_batch_size, fused_attention=False)
-              for c in range(len(model.stage.chunks))]
-    return {"pp_rank": mesh.pp.rank, "tp_rank": mesh.tp.rank, **memory_figures(model, optimizer, mesh.device),
-            "chunk_activation_bytes": chunks, "activation_peak_bytes": live.peak, "live_after": live.live}
+    chunks = [
+        chunk_activation_bytes(model, c, t.micro_batch_size, fused_attention=False)
+        for c in range(len(model.stage.chunks))
+    ]
+    return {
+        "pp_rank": mesh.pp.rank,
+        "tp_rank": mesh.tp.rank,
+        **memory_figures(model, optimizer, mesh.device),
+        "chunk_activation_bytes": chunks,
+        "activation_peak_bytes": live.peak,
+        "live_after": live.live,
+    }
 
 
 def mesh_coordinates(mesh) -> dict:
     """This rank's axes as (size, rank, member ranks), and its (pp, dp, tp) coordinate."""
-    axes = {n: (a.size, a.rank, a.ranks, a.name) for n in ("tp", "dp", "pp", "pp_ends", "ep", "edp")
-            for a in [getattr(mesh, n)]}
+    axes = {
+        n: (a.size, a.rank, a.ranks, a.name)
+        for n in ("tp", "dp", "pp", "pp_ends", "ep", "edp")
+        for a in [getattr(mesh, n)]
+    }
     return {"coord": (mesh.pp.rank, mesh.dp.rank, mesh.tp.rank), "axes": axes, "rank": mesh.rank}
 
 
@@ -99,8 +112,13 @@ def measure_cp_peak(mesh, overrides: list[str]) -> dict:
     cfg = load_config(overrides, world_size=mesh.world, check_data=False)
     model = build_model(cfg, mesh)
     g = torch.Generator().manual_seed(0)
-    ids_BS = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch_size, cfg.model.seq_length + 1), generator=g)
-    x_BS, y_BS = cp_keep(ids_BS[:, :-1], mesh.cp.rank, mesh.cp.size), cp_keep(ids_BS[:, 1:], mesh.cp.rank, mesh.cp.size)
+    ids_BS = torch.randint(
+        0, cfg.model.vocab_size, (cfg.train.micro_batch_size, cfg.model.seq_length + 1), generator=g
+    )
+    x_BS, y_BS = (
+        cp_keep(ids_BS[:, :-1], mesh.cp.rank, mesh.cp.size),
+        cp_keep(ids_BS[:, 1:], mesh.cp.rank, mesh.cp.size),
+    )
 
     def step():
         model(x_BS, y_BS).sum().backward()

@@ -7,6 +7,7 @@ suite sets nccl, tests/conftest.py) unless a job names its own `p2p`. Results co
 collective has the process-group timeout and every wait here has its own, so a broken test fails instead of
 hanging.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -30,8 +31,13 @@ def _worker(rank: int, size: int, port: int, conn) -> None:
     from megaframe.pipeline import p2p
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
-                            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=size,
+        timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+    )
     meshes = {}
     while True:
         job = conn.recv()
@@ -45,7 +51,9 @@ def _worker(rank: int, size: int, port: int, conn) -> None:
                 if semantics is not None:
                     os.environ[ENV_VAR] = semantics  # build_mesh reads it once
                 try:
-                    meshes[key] = build_mesh(tp, pp, torch.device("cpu"), ranks=range(n), ep=ep, shard=shard, cp=cp)
+                    meshes[key] = build_mesh(
+                        tp, pp, torch.device("cpu"), ranks=range(n), ep=ep, shard=shard, cp=cp
+                    )
                 finally:
                     os.environ.pop(ENV_VAR, None)
                     if suite is not None:
@@ -74,8 +82,19 @@ class RankPool:
             self.procs.append(p)
         self.broken = False
 
-    def run(self, fn, n: int, *args, tp: int = 1, pp: int = 1, ep: int = 1, p2p: str | None = None, shard: int = 0,
-            timeout: float = JOB_TIMEOUT_S, cp: int = 1) -> list:
+    def run(
+        self,
+        fn,
+        n: int,
+        *args,
+        tp: int = 1,
+        pp: int = 1,
+        ep: int = 1,
+        p2p: str | None = None,
+        shard: int = 0,
+        timeout: float = JOB_TIMEOUT_S,
+        cp: int = 1,
+    ) -> list:
         """Run fn(mesh, *args) on ranks [0, n) with the given layout; returns their results in rank order.
         `p2p` (native | nccl) overrides the suite's point-to-point semantics for this job's mesh; `shard`:
         HSDP shard group size (0 = dp)."""

@@ -1,4 +1,5 @@
 """What the rank pool runs for the step-term test: ZeRO-3's most param bytes gathered at once in a step."""
+
 from __future__ import annotations
 
 from tests.distributed.zero_cases import _setup, _step

@@ -14,6 +14,7 @@ a barrier over every rank of the job, which the step loop must not take every st
 commit, bad-step checks, logging) in the rank pool and attributes each event to the step whose
 `optimizer_step` call it follows.
 """
+
 from __future__ import annotations
 
 import traceback
@@ -27,10 +28,27 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 aten = torch.ops.aten
 READS = {aten._local_scalar_dense.default}
-DATA_DEPENDENT = {aten.nonzero.default, aten.bincount.default, aten.masked_select.default, aten._unique2.default,
-                  aten.unique_dim.default, aten.unique_consecutive.default, aten.nonzero_static.default}
-COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "barrier", "broadcast",
-               "broadcast_object_list", "all_to_all_single", "reduce_scatter_tensor", "gather_object")
+DATA_DEPENDENT = {
+    aten.nonzero.default,
+    aten.bincount.default,
+    aten.masked_select.default,
+    aten._unique2.default,
+    aten.unique_dim.default,
+    aten.unique_consecutive.default,
+    aten.nonzero_static.default,
+}
+COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "barrier",
+    "broadcast",
+    "broadcast_object_list",
+    "all_to_all_single",
+    "reduce_scatter_tensor",
+    "gather_object",
+)
 
 
 def _where() -> str:
@@ -52,7 +70,9 @@ class _Dispatch(TorchDispatchMode):
             self.note(str(func.overloadpacket.__name__))
         elif func is aten.repeat_interleave.Tensor and kwargs.get("output_size") is None:
             self.note("repeat_interleave without output_size")
-        elif func is aten.index.Tensor and any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in args[1]):
+        elif func is aten.index.Tensor and any(
+            i is not None and i.dtype in (torch.bool, torch.uint8) for i in args[1]
+        ):
             self.note("boolean-mask index")
         return func(*args, **kwargs)
 
@@ -76,8 +96,11 @@ class SyncCounter:
     """`with SyncCounter(mesh) as c:` ... c.mark() at each step start; c.steps: per step, the events."""
 
     def __init__(self, mesh):
-        self.axis_groups = {id(a.group) for a in (mesh.tp, mesh.pp, mesh.dp, mesh.pp_ends, mesh.ep, mesh.edp)
-                            if a.group is not None}
+        self.axis_groups = {
+            id(a.group)
+            for a in (mesh.tp, mesh.pp, mesh.dp, mesh.pp_ends, mesh.ep, mesh.edp)
+            if a.group is not None
+        }
         self.steps: list[dict[str, list[str]]] = [{"syncs": [], "world": []}]
         self._stack = ExitStack()
 
@@ -95,6 +118,7 @@ class SyncCounter:
             if id(group) not in self.axis_groups:
                 self.steps[-1]["world"].append(f"{name} @ {_where()}")
             return real(*args, **kwargs)
+
         return counted
 
     def __enter__(self):
@@ -115,8 +139,17 @@ def syncs_per_step(mesh, overrides: list[str], steps: int, run_dir: str) -> dict
     from megaframe.training import trainer
     from tests.distributed.cases import tiny_config
 
-    cfg = tiny_config(overrides + [f"train.max_steps={steps}", f"train.log_interval={steps}", "train.hang_timeout_s=0",
-                                   f"run.dir={run_dir}", f"checkpoint.dir={run_dir}/checkpoints"], mesh.world)
+    cfg = tiny_config(
+        overrides
+        + [
+            f"train.max_steps={steps}",
+            f"train.log_interval={steps}",
+            "train.hang_timeout_s=0",
+            f"run.dir={run_dir}",
+            f"checkpoint.dir={run_dir}/checkpoints",
+        ],
+        mesh.world,
+    )
     counter = SyncCounter(mesh)
     real_step, real_bad = trainer.optimizer_step, trainer.BadSteps
 
@@ -129,7 +162,10 @@ def syncs_per_step(mesh, overrides: list[str], steps: int, run_dir: str) -> dict
         counter.mark()
         return real_step(*args, **kwargs)
 
-    with mock.patch.object(trainer, "optimizer_step", marked), mock.patch.object(trainer, "BadSteps", bad_steps):
+    with (
+        mock.patch.object(trainer, "optimizer_step", marked),
+        mock.patch.object(trainer, "BadSteps", bad_steps),
+    ):
         with counter:
             trainer.train(cfg, mesh, StopFlag())
     mine = counter.steps[1:]  # [0] is start-up

@@ -1,5 +1,6 @@
 """Checkpoint mechanics on real gloo ranks: commit only on agreement, writes spread over replicas,
 each rank reads its share (measured bytes, against the share the planner counts)."""
+
 from __future__ import annotations
 
 import json
@@ -53,8 +54,10 @@ def test_writes_spread_over_dp_replicas(pool, tmp_path):
     meta = sharded.verify(tmp_path / "step_00000001")
     payload = [f["data_bytes"] for f in meta["files"].values()]
     total = sum(payload)
-    print(f"\ntp2·dp2 save: file bytes per rank {data}; tensor bytes per rank {payload}, "
-          f"total/world {total / 4:.0f}")
+    print(
+        f"\ntp2·dp2 save: file bytes per rank {data}; tensor bytes per rank {payload}, "
+        f"total/world {total / 4:.0f}"
+    )
     assert len(payload) == 4
     for b in payload:
         assert abs(b - total / 4) <= 0.10 * total / 4
@@ -80,8 +83,10 @@ def test_each_rank_reads_its_share(pool, tp2pp2, name, tp, pp):
     path, weights = tp2pp2
     got = pool.run(load_and_report, 4, LAYERS4, str(path), tp=tp, pp=pp)
     rows = [(r["read_bytes"], r["read_data_bytes"], r["needed_bytes"], r["files_opened"]) for r in got]
-    print(f"\ntp2·pp2 checkpoint loaded as {name}: (bytes read, of them tensor data, share, files opened) "
-          f"per rank {rows}")
+    print(
+        f"\ntp2·pp2 checkpoint loaded as {name}: (bytes read, of them tensor data, share, files opened) "
+        f"per rank {rows}"
+    )
     for r in got:  # tensor data read: the share within 10 %; the rest is the headers of the files opened
         assert r["needed_bytes"] <= r["read_data_bytes"] <= 1.10 * r["needed_bytes"], r
         assert r["read_bytes"] <= 1.15 * r["needed_bytes"], r
@@ -105,7 +110,9 @@ def test_metadata_with_a_gap_or_overlap_is_refused_at_load(pool, tp2pp2, tmp_pat
             sharded.verify(bad)
         errors = pool.run(load_agreed_report, 4, LAYERS4, str(bad), tp=2, pp=2)
         # pp stage 1 does not need layer 0, yet it hears of the failure: every rank refuses together
-        assert all(e and "layers.0.attn.qkv.weight" in e and ("a gap" in e or "overlap" in e) for e in errors), errors
+        assert all(
+            e and "layers.0.attn.qkv.weight" in e and ("a gap" in e or "overlap" in e) for e in errors
+        ), errors
 
 
 @pytest.fixture
@@ -127,9 +134,11 @@ def test_load_allocates_the_share_and_one_staging_buffer(pool, zero1_dp2, zero):
     full local shape for the weights and both moments, 3x the parameter bytes; at ZeRO's dp2 the moments twice
     what the rank holds.)"""
     got = pool.run(load_host_bytes, 2, [f"optim.zero={zero}"], zero1_dp2, MAX_BLOCK)
-    print(f"\nzero={zero} dp2 load: host bytes allocated (peak) per rank {[r['peak'] for r in got]}, share "
-          f"{[r['share'] for r in got]}, of it made by the load {[r['made'] for r in got]}, "
-          f"staging bound {MAX_BLOCK}")
+    print(
+        f"\nzero={zero} dp2 load: host bytes allocated (peak) per rank {[r['peak'] for r in got]}, share "
+        f"{[r['share'] for r in got]}, of it made by the load {[r['made'] for r in got]}, "
+        f"staging bound {MAX_BLOCK}"
+    )
     for r in got:
         assert r["made"] <= r["peak"] <= r["made"] + MAX_BLOCK + 4096, r
         assert not r["wrong"], r["wrong"]

@@ -4,6 +4,7 @@ small model (4 layers, D=64) on real gloo cp ranks, its peak taken from the CPU 
 10 % of the planner's activation figure (its meta-device forward), and falling as 1/c: without attention
 dropout the allgather path attends per query chunk and holds no [S/c, S] causal bias
 (parallel/cp_attention.py), so nothing of O(S²/c) is left on top."""
+
 import pytest
 
 from megaframe.config import load_config
@@ -12,9 +13,20 @@ from tests.distributed.plan_cases import measure_cp_peak
 
 pytestmark = pytest.mark.distributed
 
-SEQ4K = ["data=synthetic", "model.num_layers=4", "model.hidden_size=64", "model.num_attention_heads=4",
-         "model.num_query_groups=2", "model.ffn_hidden_size=256", "model.seq_length=4096", "model.vocab_size=256",
-         "model.dropout=0.0", "train.micro_batch_size=1", "train.global_batch_size=1", "logging.wandb.mode=disabled"]
+SEQ4K = [
+    "data=synthetic",
+    "model.num_layers=4",
+    "model.hidden_size=64",
+    "model.num_attention_heads=4",
+    "model.num_query_groups=2",
+    "model.ffn_hidden_size=256",
+    "model.seq_length=4096",
+    "model.vocab_size=256",
+    "model.dropout=0.0",
+    "train.micro_batch_size=1",
+    "train.global_batch_size=1",
+    "logging.wandb.mode=disabled",
+]
 MIB = 2**20
 _measured: dict = {}
 
@@ -27,7 +39,9 @@ def measured(pool, cp: int, kind: str) -> dict:
 
 
 def planned(cp: int, kind: str):
-    cfg = load_config(SEQ4K + [f"parallel.cp={cp}", f"parallel.cp_comm={kind}"], world_size=cp, check_data=False)
+    cfg = load_config(
+        SEQ4K + [f"parallel.cp={cp}", f"parallel.cp_comm={kind}"], world_size=cp, check_data=False
+    )
     plan = plan_layout(cfg, cp)
     from megaframe.model.parallelize import build_model
     from megaframe.parallel.virtual import virtual_mesh
@@ -43,10 +57,12 @@ def test_cp_activation_peak_matches_planner_and_falls_1_over_c(pool, cp):
     plan_c, bias = planned(cp, "allgather")
     assert bias == 0  # dropout 0: no mask is built, and the planner counts none
     peaks = [r["peak"] for r in measured(pool, cp, "allgather")]
-    print(f"\nseq 4096, allgather: cp1 measured {base / MIB:.1f} MiB planned {plan1 / MIB:.1f} MiB | "
-          f"cp{cp} per rank "
-          f"measured {', '.join(f'{p / MIB:.1f}' for p in peaks)} MiB planned {plan_c / MIB:.1f} MiB "
-          f"| ratio {max(peaks) / base:.3f} (1/c = {1 / cp:.3f})")
+    print(
+        f"\nseq 4096, allgather: cp1 measured {base / MIB:.1f} MiB planned {plan1 / MIB:.1f} MiB | "
+        f"cp{cp} per rank "
+        f"measured {', '.join(f'{p / MIB:.1f}' for p in peaks)} MiB planned {plan_c / MIB:.1f} MiB "
+        f"| ratio {max(peaks) / base:.3f} (1/c = {1 / cp:.3f})"
+    )
     assert abs(base - plan1) / base <= 0.10, (base, plan1)
     for p in peaks:
         assert abs(p - plan_c) / p <= 0.10, (p, plan_c)
@@ -63,6 +79,8 @@ def test_ring_activation_peak_is_reported(pool):
     for cp in (2, 4):
         plan_c, _ = planned(cp, "ring")
         peaks = [r["peak"] for r in measured(pool, cp, "ring")]
-        print(f"\nseq 4096, ring cp{cp}: per rank measured {', '.join(f'{p / MIB:.1f}' for p in peaks)} MiB, "
-              f"planned (saved for backward) {plan_c / MIB:.1f} MiB, cp1 {base / MIB:.1f} MiB")
+        print(
+            f"\nseq 4096, ring cp{cp}: per rank measured {', '.join(f'{p / MIB:.1f}' for p in peaks)} MiB, "
+            f"planned (saved for backward) {plan_c / MIB:.1f} MiB, cp1 {base / MIB:.1f} MiB"
+        )
         assert all(plan_c <= p < base for p in peaks), (peaks, plan_c, base)

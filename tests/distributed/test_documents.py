@@ -3,6 +3,7 @@ grads and weights. Synthetic data ends documents at ids that are multiples of 64
 samples hold a boundary, anywhere in the sequence (at tp/sp chunk edges too;
 tests/unit/model/test_documents.py pins one at S/2); the cp cases add an end id that starts a document exactly
 at a cp chunk edge."""
+
 import pytest
 import torch
 
@@ -20,8 +21,19 @@ LAYOUTS = [  # (name, ranks, tp, pp, overrides)
     ("tp2-dp2-sp-selective", 4, 2, 1, ["parallel.tp=2", "parallel.sp=true", "train.recompute=selective"]),
     ("pp2-full", 2, 1, 2, ["parallel.pp=2", "train.recompute=full"]),
     ("tp2-sp-op_selective", 2, 2, 1, ["parallel.tp=2", "parallel.sp=true", "train.recompute=op_selective"]),
-    ("learned-tp2-sp-pp2", 4, 2, 2, ["model=gpt2_tiny", "model.num_query_groups=null", "parallel.tp=2", "parallel.sp=true",
-                                     "parallel.pp=2"]),
+    (
+        "learned-tp2-sp-pp2",
+        4,
+        2,
+        2,
+        [
+            "model=gpt2_tiny",
+            "model.num_query_groups=null",
+            "parallel.tp=2",
+            "parallel.sp=true",
+            "parallel.pp=2",
+        ],
+    ),
 ]
 
 
@@ -65,18 +77,48 @@ def edge_eos() -> list[int]:
 
     cfg = tiny_config(MASK, 1)
     x_BS = microbatches(build_data(cfg), 0, 8, 2, 0, 1, cfg.train.seed)[0][0]
-    assert int(x_BS[0, 7]) % 64 != 0 and int(x_BS[0, 8]) % 64 != 0  # not already an end; 8 does not end at once
+    assert (
+        int(x_BS[0, 7]) % 64 != 0 and int(x_BS[0, 8]) % 64 != 0
+    )  # not already an end; 8 does not end at once
     return [int(x_BS[0, 7])]
 
 
 CP_LAYOUTS = [  # (name, ranks, tp, cp, pp, overrides, fused ring)
     ("cp2-allgather", 2, 1, 2, 1, ["parallel.cp=2"], True),
-    ("cp2-ring-selective", 2, 1, 2, 1, ["parallel.cp=2", "parallel.cp_comm=ring", "train.recompute=selective"], True),
+    (
+        "cp2-ring-selective",
+        2,
+        1,
+        2,
+        1,
+        ["parallel.cp=2", "parallel.cp_comm=ring", "train.recompute=selective"],
+        True,
+    ),
     ("cp4-ring-math", 4, 1, 4, 1, ["parallel.cp=4", "parallel.cp_comm=ring"], False),
-    ("cp2-ring-pp2-full", 4, 1, 2, 2, ["parallel.cp=2", "parallel.cp_comm=ring", "parallel.pp=2",
-                                       "train.recompute=full"], True),
-    ("learned-cp2-tp2-sp", 4, 2, 2, 1, ["model=gpt2_tiny", "model.num_query_groups=null", "parallel.cp=2",
-                                        "parallel.tp=2", "parallel.sp=true"], True),
+    (
+        "cp2-ring-pp2-full",
+        4,
+        1,
+        2,
+        2,
+        ["parallel.cp=2", "parallel.cp_comm=ring", "parallel.pp=2", "train.recompute=full"],
+        True,
+    ),
+    (
+        "learned-cp2-tp2-sp",
+        4,
+        2,
+        2,
+        1,
+        [
+            "model=gpt2_tiny",
+            "model.num_query_groups=null",
+            "parallel.cp=2",
+            "parallel.tp=2",
+            "parallel.sp=true",
+        ],
+        True,
+    ),
 ]
 
 
@@ -91,9 +133,19 @@ def test_document_mask_under_cp_matches_one_process(pool, name, n, tp, cp, pp, o
     key = ("edge", *family)
     if key not in _ref:
         _ref["eos"] = _ref.get("eos") or edge_eos()
-        _ref[key] = pool.run(train_and_report, 1, MASK + family, STEPS, partial(_edge_setup, extra_eos=_ref["eos"]))[0]
-    got = pool.run(train_and_report, n, MASK + over, STEPS, partial(_edge_setup, extra_eos=_ref["eos"], fused=fused),
-                   tp=tp, pp=pp, cp=cp)[0]
+        _ref[key] = pool.run(
+            train_and_report, 1, MASK + family, STEPS, partial(_edge_setup, extra_eos=_ref["eos"])
+        )[0]
+    got = pool.run(
+        train_and_report,
+        n,
+        MASK + over,
+        STEPS,
+        partial(_edge_setup, extra_eos=_ref["eos"], fused=fused),
+        tp=tp,
+        pp=pp,
+        cp=cp,
+    )[0]
     ref = _ref[key]
     _assert_matches(got, ref)
     # comm_bytes/cp: the K/V exchange plus the end-of-document flags, as the planner counts them

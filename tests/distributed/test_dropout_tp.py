@@ -1,6 +1,7 @@
 """Dropout under tensor parallelism (layers/rng.py): without sp the residual stream is a replica on
 every tp rank, and with dropout > 0 the replicas must stay identical (the masks agree); activation
 recompute must replay the tp-distinct masks (attention heads, sp sequence blocks) exactly."""
+
 from unittest import mock
 
 import pytest
@@ -19,8 +20,17 @@ def replica_spread(mesh, overrides: list[str], steps: int, run_dir: str) -> dict
     from megaframe.training import trainer
     from tests.distributed.cases import tiny_config
 
-    cfg = tiny_config(overrides + [f"train.max_steps={steps}", f"train.log_interval={steps}", "train.hang_timeout_s=0",
-                                   f"run.dir={run_dir}", f"checkpoint.dir={run_dir}/checkpoints"], mesh.world)
+    cfg = tiny_config(
+        overrides
+        + [
+            f"train.max_steps={steps}",
+            f"train.log_interval={steps}",
+            "train.hang_timeout_s=0",
+            f"run.dir={run_dir}",
+            f"checkpoint.dir={run_dir}/checkpoints",
+        ],
+        mesh.world,
+    )
     outs, seen = [], {}
     real = trainer.optimizer_step
 
@@ -40,8 +50,11 @@ def replica_spread(mesh, overrides: list[str], steps: int, run_dir: str) -> dict
     if mesh.rank != 0:
         return None
     (a_out, a_norm), (b_out, b_norm) = both
-    return {"outputs": (a_out - b_out).abs().max().item(), "outputs_scale": a_out.abs().max().item(),
-            "norms": max((a_norm[n] - b_norm[n]).abs().max().item() for n in a_norm)}
+    return {
+        "outputs": (a_out - b_out).abs().max().item(),
+        "outputs_scale": a_out.abs().max().item(),
+        "norms": max((a_norm[n] - b_norm[n]).abs().max().item() for n in a_norm),
+    }
 
 
 def recompute_losses(mesh, overrides: list[str], steps: int) -> list[float] | None:
@@ -60,8 +73,9 @@ def recompute_losses(mesh, overrides: list[str], steps: int) -> list[float] | No
     losses = []
     for step in range(1, steps + 1):
         seed_step(t.seed, step, mesh)
-        batches = microbatches(data, step - 1, t.global_batch_size, t.micro_batch_size, mesh.dp.rank, mesh.dp.size,
-                               t.seed)
+        batches = microbatches(
+            data, step - 1, t.global_batch_size, t.micro_batch_size, mesh.dp.rank, mesh.dp.size, t.seed
+        )
         res = train_step(model, optimizer, batches, mesh, cfg, step)
         losses.append(comm.all_reduce(res.loss_sum.clone(), mesh.dp).item())
     return losses if mesh.rank == 0 else None

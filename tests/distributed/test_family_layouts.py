@@ -2,6 +2,7 @@
 train like one process under tp (with and without sp: the q/k norm weights see only their rank's heads), pp
 (the tied embedding on both pipeline ends), ZeRO-3 dp2, cp2 and tp2·dp2 under ZeRO-1: losses, step-1 grads,
 final weights."""
+
 import pytest
 
 from tests.distributed.cases import train_and_report
@@ -11,17 +12,22 @@ pytestmark = pytest.mark.distributed
 
 STEPS = 3
 QWEN3 = ["model=qwen3_tiny"]  # cases.TINY's dims (8 heads of kv_channels 48 over hidden 64) on top
-LLAMA3 = ["model.rope_scaling.rope_type=llama3", "model.rope_scaling.factor=8",
-          "model.rope_scaling.original_max_position_embeddings=8"]  # seq 32: 4x past the "pretraining" context
+LLAMA3 = [
+    "model.rope_scaling.rope_type=llama3",
+    "model.rope_scaling.factor=8",
+    "model.rope_scaling.original_max_position_embeddings=8",
+]  # seq 32: 4x past the "pretraining" context
 # (name, base, ranks, pool layout, overrides)
-CASES = [("qwen3-tp2", QWEN3, 2, dict(tp=2), ["parallel.tp=2"]),
-         ("qwen3-tp2-sp", QWEN3, 2, dict(tp=2), ["parallel.tp=2", "parallel.sp=true"]),
-         ("qwen3-pp2", QWEN3, 2, dict(pp=2), ["parallel.pp=2"]),
-         ("qwen3-zero3-dp2", QWEN3, 2, {}, ["optim.zero=3"]),
-         ("qwen3-cp2", QWEN3, 2, dict(cp=2), ["parallel.cp=2"]),
-         # the q/k norms' tp-summed grads then reduced and sharded over dp by ZeRO-1
-         ("qwen3-tp2-dp2-sp-zero1", QWEN3, 4, dict(tp=2), ["parallel.tp=2", "parallel.sp=true", "optim.zero=1"]),
-         ("llama3-rope-tp2-sp", LLAMA3, 2, dict(tp=2), ["parallel.tp=2", "parallel.sp=true"])]
+CASES = [
+    ("qwen3-tp2", QWEN3, 2, dict(tp=2), ["parallel.tp=2"]),
+    ("qwen3-tp2-sp", QWEN3, 2, dict(tp=2), ["parallel.tp=2", "parallel.sp=true"]),
+    ("qwen3-pp2", QWEN3, 2, dict(pp=2), ["parallel.pp=2"]),
+    ("qwen3-zero3-dp2", QWEN3, 2, {}, ["optim.zero=3"]),
+    ("qwen3-cp2", QWEN3, 2, dict(cp=2), ["parallel.cp=2"]),
+    # the q/k norms' tp-summed grads then reduced and sharded over dp by ZeRO-1
+    ("qwen3-tp2-dp2-sp-zero1", QWEN3, 4, dict(tp=2), ["parallel.tp=2", "parallel.sp=true", "optim.zero=1"]),
+    ("llama3-rope-tp2-sp", LLAMA3, 2, dict(tp=2), ["parallel.tp=2", "parallel.sp=true"]),
+]
 _reference: dict = {}
 
 

@@ -6,6 +6,7 @@ checks).
 Steps 1 (first), 2 and 4 (checkpoint saves) and 6 (log, last) may sync; steps 3 and 5 are plain
 steps, with an async save pending since step 2 or 4 (checkpoint.interval=2, checkpoint.async=true).
 """
+
 import pytest
 
 from tests.distributed.moe_cases import MOE
@@ -22,14 +23,45 @@ LAYOUTS = [
     ("moe-1proc", 1, 1, 1, 1, MOE, 2),
     ("dense-tp2-pp2", 4, 2, 2, 1, ["parallel.tp=2", "parallel.pp=2", "parallel.sp=true"], 0),
     # bf16 grad reduction: grad32's storage is resized and filled on the device every step, no sync
-    ("dense-dp2-zero2-bf16-reduce", 2, 1, 1, 1, ["train.precision=bf16", "optim.zero=2", "optim.grad_reduce_dtype=bf16"], 0),
+    (
+        "dense-dp2-zero2-bf16-reduce",
+        2,
+        1,
+        1,
+        1,
+        ["train.precision=bf16", "optim.zero=2", "optim.grad_reduce_dtype=bf16"],
+        0,
+    ),
     ("moe-ep2", 2, 1, 1, 2, MOE + ["parallel.ep=2"], 2),
-    ("moe-tp2-sp-ep2-capacity", 4, 2, 1, 2,
-     MOE + ["parallel.tp=2", "parallel.sp=true", "parallel.ep=2", "model.moe_capacity_factor=1.0"], 2),
+    (
+        "moe-tp2-sp-ep2-capacity",
+        4,
+        2,
+        1,
+        2,
+        MOE + ["parallel.tp=2", "parallel.sp=true", "parallel.ep=2", "model.moe_capacity_factor=1.0"],
+        2,
+    ),
     # MoE under cp: the run counts gathered over cp, capacity's run-order mask built once (first step)
-    ("moe-cp2-ep2-capacity", 2, 1, 1, 2, MOE + ["parallel.cp=2", "parallel.ep=2", "model.moe_capacity_factor=1.0"], 2),
+    (
+        "moe-cp2-ep2-capacity",
+        2,
+        1,
+        1,
+        2,
+        MOE + ["parallel.cp=2", "parallel.ep=2", "model.moe_capacity_factor=1.0"],
+        2,
+    ),
     # document masking under cp: the end flags' all-gather and the per-block masks read nothing back
-    ("dense-cp2-ring-document-mask", 2, 1, 1, 1, ["parallel.cp=2", "parallel.cp_comm=ring", "data.document_mask=true"], 0),
+    (
+        "dense-cp2-ring-document-mask",
+        2,
+        1,
+        1,
+        1,
+        ["parallel.cp=2", "parallel.cp_comm=ring", "data.document_mask=true"],
+        0,
+    ),
 ]
 
 

@@ -1,4 +1,5 @@
 """Parallel layers against dense torch, and the byte counters against the ring-algorithm volumes."""
+
 import pytest
 
 from tests.distributed.cases import comm_volume, vocab_layers
@@ -12,7 +13,9 @@ def test_vocab_parallel_embedding_and_cross_entropy(pool, tp, sp):
     assert errs["loss"] < 1e-5 and errs["grad"] < 1e-5, errs
 
 
-@pytest.mark.parametrize("tp,dp,sp", [(2, 1, False), (2, 1, True), (4, 1, False), (2, 2, False), (1, 2, False)])
+@pytest.mark.parametrize(
+    "tp,dp,sp", [(2, 1, False), (2, 1, True), (4, 1, False), (2, 2, False), (1, 2, False)]
+)
 def test_comm_bytes_match_theory(pool, tp, dp, sp):
     """Tiny model (L=2, D=64, S=32, micro-batch 2, 8 samples/step, vocab 256, 8 heads / 4 groups, F=128).
 

@@ -1,4 +1,5 @@
 """Every tp x sp x dp layout trains the tiny models exactly like one process: losses, grads, weights."""
+
 import pytest
 import torch
 
@@ -9,7 +10,15 @@ pytestmark = pytest.mark.distributed
 STEPS = 4
 FAMILIES = {"gpt_tiny": [], "gpt2_tiny": ["model=gpt2_tiny", "model.num_query_groups=null"]}
 # (tp, dp, sp): every layout of tp in {1,2,4} x sp x dp in {1,2} that fits 4 ranks
-LAYOUTS = [(1, 2, False), (2, 1, False), (2, 1, True), (2, 2, False), (2, 2, True), (4, 1, False), (4, 1, True)]
+LAYOUTS = [
+    (1, 2, False),
+    (2, 1, False),
+    (2, 1, True),
+    (2, 2, False),
+    (2, 2, True),
+    (4, 1, False),
+    (4, 1, True),
+]
 _reference: dict = {}
 
 
@@ -26,7 +35,9 @@ def reference(pool, family):
 def assert_close_dicts(got, want, rtol, atol, what):
     assert got.keys() == want.keys()
     for k in want:
-        torch.testing.assert_close(got[k], want[k], rtol=rtol, atol=atol, msg=lambda m, k=k: f"{what} {k}: {m}")
+        torch.testing.assert_close(
+            got[k], want[k], rtol=rtol, atol=atol, msg=lambda m, k=k: f"{what} {k}: {m}"
+        )
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

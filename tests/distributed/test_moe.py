@@ -1,6 +1,7 @@
 """MoE under expert parallelism equals one process: the dispatcher's all-to-all autograd, training (losses,
 step-1 grads, weights after 4 steps) for ep2 (ZeRO-1 and zero=0), ep4, tp2·sp·ep2 (dropless and with capacity)
 and pp2·ep2, and a checkpoint written at ep2 resumed at ep1."""
+
 import pytest
 
 from tests.distributed.cases import train_and_report
@@ -17,7 +18,14 @@ LAYOUTS = [
     ("ep2-zero0", 2, 1, 1, 2, ["optim.zero=0"]),
     ("ep4-expert-bias", 4, 1, 1, 4, ["model.moe_expert_bias=true", "model.moe_bias_update_rate=0.01"]),
     ("tp2-sp-ep2", 4, 2, 1, 2, ["parallel.tp=2", "parallel.sp=true"]),
-    ("tp2-sp-ep2-capacity", 4, 2, 1, 2, ["parallel.tp=2", "parallel.sp=true", "model.moe_capacity_factor=1.0"]),
+    (
+        "tp2-sp-ep2-capacity",
+        4,
+        2,
+        1,
+        2,
+        ["parallel.tp=2", "parallel.sp=true", "model.moe_capacity_factor=1.0"],
+    ),
     ("pp2-ep2-sigmoid", 4, 1, 2, 2, ["parallel.pp=2", "model.moe_router_score=sigmoid"]),
 ]
 LAYOUT_ONLY = ("parallel.tp", "parallel.sp", "parallel.pp", "parallel.ep")

@@ -3,6 +3,7 @@ router losses and capacity see the whole micro-batch (counts gathered over cp), 
 from cp·dp (expert grads over edp, dense ones over cp·dp). Losses (6 steps), step-1 grads and the final
 weights against one process, and the logged router figures (aux/z loss, per-expert loads) of the last step,
 for cp_comm allgather and ring."""
+
 import pytest
 
 from tests.distributed.cases import train_and_report
@@ -31,8 +32,14 @@ LAYOUTS = [
     ("ring-cp2-dp2-ep4", 2, 2, 4, 1, ["parallel.cp_comm=ring"]),
     ("cp2-tp2-sp-ep2-capacity", 2, 1, 2, 2, ["parallel.sp=true", "model.moe_capacity_factor=1.0"]),
     ("cp2-pp2-ep2-sigmoid", 2, 1, 2, 1, ["parallel.pp=2", "model.moe_router_score=sigmoid"]),
-    ("cp2-ep2-capacity-expert-bias", 2, 1, 2, 1, ["model.moe_capacity_factor=1.0", "model.moe_expert_bias=true",
-                                                  "model.moe_bias_update_rate=0.01"]),
+    (
+        "cp2-ep2-capacity-expert-bias",
+        2,
+        1,
+        2,
+        1,
+        ["model.moe_capacity_factor=1.0", "model.moe_expert_bias=true", "model.moe_bias_update_rate=0.01"],
+    ),
 ]
 LAYOUT_ONLY = ("parallel.",)
 
@@ -62,8 +69,16 @@ def test_cp_ep_checkpoint_resumes_in_one_process(pool, tmp_path):
 
     over = MOE + ["optim.zero=1", "model.moe_expert_bias=true", "model.moe_bias_update_rate=0.01"]
     whole = pool.run(checkpoint_across_ep, 1, over, str(tmp_path / "whole"), 4, 4)[0]
-    pool.run(checkpoint_across_ep, 4, over + ["parallel.cp=2", "parallel.ep=4"], str(tmp_path / "ck"), 4, 2,
-             cp=2, ep=4)
+    pool.run(
+        checkpoint_across_ep,
+        4,
+        over + ["parallel.cp=2", "parallel.ep=4"],
+        str(tmp_path / "ck"),
+        4,
+        2,
+        cp=2,
+        ep=4,
+    )
     resumed = pool.run(checkpoint_across_ep, 1, over, str(tmp_path / "ck"), 4, 2)[0]
     rel = [abs(a - b) / abs(b) for a, b in zip(resumed["losses"], whole["losses"][2:])]
     assert max(rel) <= 1e-5, (resumed["losses"], whole["losses"])

@@ -2,6 +2,7 @@
 the same losses and grads as one process without recompute at tp2·sp, pp2, ZeRO-3 dp2 and cp2; fewer saved
 bytes than recompute=none and more than full on real CPU tensors; and the planner's meta count of a block
 equal to what the trainer's block keeps on CPU."""
+
 import pytest
 import torch
 
@@ -32,11 +33,13 @@ def _assert_matches(got, ref):
 
 
 # (name, ranks, tp, pp, overrides, runner): the runner is the one its layout's other tests use
-LAYOUTS = [("one-process", 1, 1, 1, [], train_and_report),
-           ("tp2-sp", 2, 2, 1, ["parallel.tp=2", "parallel.sp=true"], train_and_report),
-           ("pp2", 2, 1, 2, ["parallel.pp=2"], train_and_report),
-           ("zero3-dp2", 2, 1, 1, ["optim.zero=3"], run_steps),
-           ("cp2", 2, 1, 1, ["parallel.cp=2"], train_and_report)]
+LAYOUTS = [
+    ("one-process", 1, 1, 1, [], train_and_report),
+    ("tp2-sp", 2, 2, 1, ["parallel.tp=2", "parallel.sp=true"], train_and_report),
+    ("pp2", 2, 1, 2, ["parallel.pp=2"], train_and_report),
+    ("zero3-dp2", 2, 1, 1, ["optim.zero=3"], run_steps),
+    ("cp2", 2, 1, 1, ["parallel.cp=2"], train_and_report),
+]
 
 
 @pytest.mark.parametrize("name,n,tp,pp,extra,fn", LAYOUTS, ids=[c[0] for c in LAYOUTS])

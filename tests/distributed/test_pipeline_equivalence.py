@@ -2,6 +2,7 @@
 MEGAFRAME_P2P_SEMANTICS=nccl, tests/conftest.py): 1F1B, interleaved and GPipe, pp 2 and 4, vpp 1-3,
 micro-batch counts from pp to 4·pp, with tp/sp, dp (ZeRO-1), ep, both model families; evaluation's
 forward-only walk too. And the mode bites: the exchange before the fix trains on NaN under it."""
+
 import math
 import os
 
@@ -47,18 +48,48 @@ LAYOUTS = [
     ("zb_h1-pp2-dp2-zero1", 4, 1, 2, 1, [ZB1]),
     ("zb_h1-pp2-dp2-zero3", 4, 1, 2, 1, [ZB1, "optim.zero=3"]),
     ("zbv-pp2-dp2-zero2", 4, 1, 2, 1, [*ZBV, L4, "optim.zero=2"]),
-    ("zb_h1-pp2-uneven-recompute-full", 2, 1, 2, 1, [ZB1, L4, "parallel.pp_layout=[3,1]", "train.recompute=full"]),
+    (
+        "zb_h1-pp2-uneven-recompute-full",
+        2,
+        1,
+        2,
+        1,
+        [ZB1, L4, "parallel.pp_layout=[3,1]", "train.recompute=full"],
+    ),
     ("moe-zb_h1-pp2-ep2", 4, 1, 2, 2, MOE + [ZB1]),
     ("zbv-pp2-m4", 2, 1, 2, 1, [*ZBV, L4]),
     # a 0-layer virtual stage in the middle of the V hands its input on: B returns the output's gradient
     ("zbv-pp2-empty-middle-stage", 2, 1, 2, 1, [*ZBV, L4, "parallel.pp_layout=[2,0,1,1]"]),
-    ("zbv-pp4-m8-uneven-selective", 4, 1, 4, 1, [*ZBV, "model.num_layers=10", "parallel.pp_layout=[1,2,1,1,1,1,2,1]",
-                                                 MB1, "train.recompute=selective"]),
+    (
+        "zbv-pp4-m8-uneven-selective",
+        4,
+        1,
+        4,
+        1,
+        [
+            *ZBV,
+            "model.num_layers=10",
+            "parallel.pp_layout=[1,2,1,1,1,1,2,1]",
+            MB1,
+            "train.recompute=selective",
+        ],
+    ),
 ]
-GPT2 = {"1f1b-pp2-m8", "interleaved-pp4-vpp2-m4", "gpipe-pp2-vpp2-m8", "tp2-sp-pp2", "pp2-dp2-zero1-m2",
-        "zb_h1-pp2-m2", "zbv-pp2-m4"}
-CASES = [pytest.param(family, *layout, id=f"{layout[0]}-{family}")
-         for layout in LAYOUTS for family in FAMILY_OVERRIDES if family == "gpt_tiny" or layout[0] in GPT2]
+GPT2 = {
+    "1f1b-pp2-m8",
+    "interleaved-pp4-vpp2-m4",
+    "gpipe-pp2-vpp2-m8",
+    "tp2-sp-pp2",
+    "pp2-dp2-zero1-m2",
+    "zb_h1-pp2-m2",
+    "zbv-pp2-m4",
+}
+CASES = [
+    pytest.param(family, *layout, id=f"{layout[0]}-{family}")
+    for layout in LAYOUTS
+    for family in FAMILY_OVERRIDES
+    if family == "gpt_tiny" or layout[0] in GPT2
+]
 _reference: dict = {}
 
 
@@ -110,9 +141,12 @@ def test_old_exchange_trains_on_nan_under_nccl_semantics(pool):
     assert all(math.isfinite(x) for x in fixed["losses"]), fixed["losses"]
 
 
-EVAL_LAYOUTS = [("pp4-vpp2", 4, 1, 4, ["parallel.vpp=2", L8]),
-                ("tp2-sp-pp2-vpp2", 4, 2, 2, ["parallel.sp=true", "parallel.vpp=2", L4]), ("pp2-dp2", 4, 1, 2, []),
-                ("zbv-pp4", 4, 1, 4, [*ZBV, L8])]
+EVAL_LAYOUTS = [
+    ("pp4-vpp2", 4, 1, 4, ["parallel.vpp=2", L8]),
+    ("tp2-sp-pp2-vpp2", 4, 2, 2, ["parallel.sp=true", "parallel.vpp=2", L4]),
+    ("pp2-dp2", 4, 1, 2, []),
+    ("zbv-pp4", 4, 1, 4, [*ZBV, L8]),
+]
 
 
 @pytest.mark.parametrize("name,n,tp,pp,extra", EVAL_LAYOUTS, ids=[x[0] for x in EVAL_LAYOUTS])

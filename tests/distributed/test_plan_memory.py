@@ -1,6 +1,7 @@
 """The dry-run planner against the real per-rank memory of small runs on the gloo pool: params, grads
 and optimizer state as the trainer logs them, and activations saved for backward (per micro-batch and
 at the peak of the real pipeline schedule), each within 10 %."""
+
 import pytest
 
 from megaframe.planning.estimate import plan_layout
@@ -12,14 +13,30 @@ pytestmark = pytest.mark.distributed
 # (name, ranks, tp, pp, overrides)
 LAYOUTS = [
     ("tp2-dp2-zero0", 4, 2, 1, ["parallel.tp=2", "optim.zero=0"]),
-    ("pp2-dp2-zero1-bf16", 4, 1, 2, ["parallel.pp=2", "train.precision=bf16", "optim.bucket_size_mb=0.01",
-                                      "train.global_batch_size=16"]),
+    (
+        "pp2-dp2-zero1-bf16",
+        4,
+        1,
+        2,
+        ["parallel.pp=2", "train.precision=bf16", "optim.bucket_size_mb=0.01", "train.global_batch_size=16"],
+    ),
     ("tp2-dp2-sp", 4, 2, 1, ["parallel.tp=2", "parallel.sp=true"]),
     ("pp2-vpp2-tp2", 4, 2, 2, ["parallel.tp=2", "parallel.pp=2", "parallel.vpp=2", "model.num_layers=4"]),
     ("moe-ep2-dp4", 4, 1, 1, ["model.num_experts=4", "parallel.ep=2"]),
     ("dp4-hsdp2-zero2", 4, 1, 1, ["optim.zero=2", "optim.shard_group_size=2", "optim.bucket_size_mb=0.01"]),
-    ("pp2-dp2-zero2-tied", 4, 1, 2, ["model=gpt2_tiny", "model.num_query_groups=null", "parallel.pp=2",
-                                     "optim.zero=2", "optim.bucket_size_mb=0.01"]),
+    (
+        "pp2-dp2-zero2-tied",
+        4,
+        1,
+        2,
+        [
+            "model=gpt2_tiny",
+            "model.num_query_groups=null",
+            "parallel.pp=2",
+            "optim.zero=2",
+            "optim.bucket_size_mb=0.01",
+        ],
+    ),
 ]
 TOL = 0.10
 
@@ -40,18 +57,24 @@ def test_planner_matches_measured_memory(pool, name, n, tp, pp, extra):
         want = planned[(got["pp_rank"], got["tp_rank"])]
         assert rank in want.ranks
         assert got["live_after"] == 0, "activations left over after the step"
-        pairs = {"params": (want.params_bytes, got["mem/params_bytes"]),
-                 "grads": (want.grads_bytes, got["mem/grads_bytes"]),
-                 "optim": (want.optim_bytes, got["mem/optim_bytes"]),
-                 "act/microbatch": (sum(want.chunk_activation_bytes), sum(got["chunk_activation_bytes"])),
-                 "activations": (want.activation_bytes, got["activation_peak_bytes"])}
+        pairs = {
+            "params": (want.params_bytes, got["mem/params_bytes"]),
+            "grads": (want.grads_bytes, got["mem/grads_bytes"]),
+            "optim": (want.optim_bytes, got["mem/optim_bytes"]),
+            "act/microbatch": (sum(want.chunk_activation_bytes), sum(got["chunk_activation_bytes"])),
+            "activations": (want.activation_bytes, got["activation_peak_bytes"]),
+        }
         total_got = sum(v[1] for k, v in pairs.items() if k != "act/microbatch")
         pairs["total"] = (want.total_bytes, total_got)
         errors = {k: rel(p, m) for k, (p, m) in pairs.items()}
-        report.append(f"{name} rank {rank}: " + ", ".join(f"{k} {p}/{m} ({100 * errors[k]:.1f}%)"
-                                                          for k, (p, m) in pairs.items()))
+        report.append(
+            f"{name} rank {rank}: "
+            + ", ".join(f"{k} {p}/{m} ({100 * errors[k]:.1f}%)" for k, (p, m) in pairs.items())
+        )
         if ep > 1:  # the per-micro-batch probe feeds all-zero ids: every token picks the same experts, the
-            errors.pop("act/microbatch")  # worst imbalance, while the planner assumes balance (the peak, on real
+            errors.pop(
+                "act/microbatch"
+            )  # worst imbalance, while the planner assumes balance (the peak, on real
         assert max(errors.values()) <= TOL, report[-1]  # data, is still compared)
     print("\n" + "\n".join(report))
 

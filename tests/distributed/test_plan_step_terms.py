@@ -6,6 +6,7 @@ whole-logits loss (train.fused_head_loss=false: the logits, their fp32 copy and 
 once). Four blocks, so keeping all of them gathered is two blocks more than resharding holds, and a wide
 vocabulary, so the logits outweigh one block's activations: each term moves the plan past the band if it
 were left out."""
+
 import pytest
 
 from megaframe.planning.estimate import plan_layout
@@ -18,12 +19,30 @@ pytestmark = pytest.mark.distributed
 MODEL = ["train.device=cpu", "model.num_layers=4"]
 TOL = 0.10
 CASES = [
-    ("zero3-dp2-no-reshard", ["optim.zero=3", "optim.reshard_after_forward=false", "model.hidden_size=256",
-                              "model.ffn_hidden_size=512", "model.vocab_size=2048", "model.seq_length=64"],
-     "zero3 gathered: running + prefetched blocks"),
-    ("zero1-dp2-whole-logits", ["optim.zero=1", "train.fused_head_loss=false", "model.hidden_size=128",
-                                "model.ffn_hidden_size=256", "model.vocab_size=8192", "model.seq_length=256"],
-     "logits/loss transient"),
+    (
+        "zero3-dp2-no-reshard",
+        [
+            "optim.zero=3",
+            "optim.reshard_after_forward=false",
+            "model.hidden_size=256",
+            "model.ffn_hidden_size=512",
+            "model.vocab_size=2048",
+            "model.seq_length=64",
+        ],
+        "zero3 gathered: running + prefetched blocks",
+    ),
+    (
+        "zero1-dp2-whole-logits",
+        [
+            "optim.zero=1",
+            "train.fused_head_loss=false",
+            "model.hidden_size=128",
+            "model.ffn_hidden_size=256",
+            "model.vocab_size=8192",
+            "model.seq_length=256",
+        ],
+        "logits/loss transient",
+    ),
 ]
 
 
@@ -35,8 +54,9 @@ def test_step_term_holds_the_measured_step(pool, tmp_path, name, extra, term):
     for got in measured:
         r = ranks[(got["pp_rank"], got["tp_rank"])]
         want, terms = r.phases["step"], r.step_terms
-        line = (f"{name}: measured {got['step']} planned {want} ({got['step'] / want:.3f}); "
-                + ", ".join(f"{k} {v}" for k, v in terms.items()))
+        line = f"{name}: measured {got['step']} planned {want} ({got['step'] / want:.3f}); " + ", ".join(
+            f"{k} {v}" for k, v in terms.items()
+        )
         print("\n" + line)
         assert sum(terms.values()) == want and terms.get(term, 0) > 0, line
         # gloo's worker-thread copies of the collectives may still be held (test_plan_phases.py's allowance)
@@ -50,8 +70,12 @@ def test_without_reshard_every_block_stays_gathered(pool):
     """ZeRO-3's own count of the param bytes gathered at once (Zero3Optimizer.gathered_high): with
     optim.reshard_after_forward=false it reaches every block of the rank (the plan's kept-gathered
     term), where resharding holds less than that (the running and the prefetched block and the ends)."""
-    dims = ["model.hidden_size=256", "model.ffn_hidden_size=512", "model.vocab_size=2048",
-            "model.seq_length=64"]
+    dims = [
+        "model.hidden_size=256",
+        "model.ffn_hidden_size=512",
+        "model.vocab_size=2048",
+        "model.seq_length=64",
+    ]
     base = MODEL + dims + ["optim.zero=3"]
     kept = pool.run(gathered_high, 2, base + ["optim.reshard_after_forward=false"])
     resharded = pool.run(gathered_high, 2, base)

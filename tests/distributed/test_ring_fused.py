@@ -1,5 +1,6 @@
 """Ring attention on fused flash kernels (parallel/ring_fused.py) against the fp32 math ring it replaces
 where the device has the kernels: outputs and the grads of q, k, v, on real gloo cp groups."""
+
 import pytest
 import torch
 

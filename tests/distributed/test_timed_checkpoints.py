@@ -4,6 +4,7 @@ Rank 1's clock alone says "due" (ranks' clocks differ): the flag rides on the st
 so every rank saves at the same check step (a save is collective: a rank going alone would hang) and the
 steps between check steps gain no host sync and no collective over the whole job.
 """
+
 from unittest import mock
 
 import pytest

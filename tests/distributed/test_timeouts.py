@@ -1,5 +1,6 @@
 """train.dist_timeout_s reaches every group of the mesh (new_group does not inherit init_process_group's
 timeout), and checkpoint.save_timeout_s the world group that checkpoint barriers use."""
+
 import datetime
 
 import pytest
@@ -12,8 +13,13 @@ def group_timeouts(mesh, timeout_s: float, world_timeout_s: float) -> dict | Non
     """Build a tp2·pp2 mesh over all 4 pool ranks with the given timeouts; rank 0 returns each group's."""
     from megaframe.parallel.mesh import build_mesh
 
-    m = build_mesh(2, 2, torch.device("cpu"), timeout=datetime.timedelta(seconds=timeout_s),
-                   world_timeout=datetime.timedelta(seconds=world_timeout_s))
+    m = build_mesh(
+        2,
+        2,
+        torch.device("cpu"),
+        timeout=datetime.timedelta(seconds=timeout_s),
+        world_timeout=datetime.timedelta(seconds=world_timeout_s),
+    )
 
     def seconds(group):
         return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
@@ -46,7 +52,9 @@ def stop_flag_group(mesh, world_timeout_s: float) -> dict | None:
 
     mesh_mod.dist.new_group = recording
     try:
-        m = mesh_mod.build_mesh(1, 1, torch.device("cpu"), world_timeout=datetime.timedelta(seconds=world_timeout_s))
+        m = mesh_mod.build_mesh(
+            1, 1, torch.device("cpu"), world_timeout=datetime.timedelta(seconds=world_timeout_s)
+        )
     finally:
         mesh_mod.dist.new_group = real
     stop = StopFlag()
@@ -77,11 +85,17 @@ def first_step_timeouts(mesh) -> dict | None:
     dog = Watchdog(0, mesh.rank, "/nonexistent", CommStats())
 
     def seconds():
-        return sorted({g._get_backend(torch.device("cpu")).options._timeout.total_seconds() for g in step_groups(m)})
+        return sorted(
+            {g._get_backend(torch.device("cpu")).options._timeout.total_seconds() for g in step_groups(m)}
+        )
 
     with first_step_limits(m, dog, 500.0, 37.0):
         inside = (seconds(), dog.override)
-    return {"inside": inside, "after": (seconds(), dog.override), "groups": len(step_groups(m))} if mesh.rank == 0 else None
+    return (
+        {"inside": inside, "after": (seconds(), dog.override), "groups": len(step_groups(m))}
+        if mesh.rank == 0
+        else None
+    )
 
 
 def test_a_compiled_first_step_gets_the_compile_timeout_then_the_usual_one(pool):

@@ -1,5 +1,6 @@
 """ZeRO-1 distributed optimizer: equal to one process, equal to zero=0, the dp byte count and the
 optimizer memory against theory, overlap, layout-free checkpoints, and a bf16 smoke run."""
+
 import importlib.util
 import math
 
@@ -26,8 +27,9 @@ LAYOUTS = [
     ("dp2", 2, 1, 1, []),
     ("dp4", 4, 1, 1, []),
     ("tp2-dp2-sp", 4, 2, 1, ["parallel.tp=2", "parallel.sp=true"]),
-    pytest.param("pp2-dp2", 4, 1, 2, ["parallel.pp=2"],
-                 marks=pytest.mark.skipif(not HAS_PP, reason="needs pipeline")),
+    pytest.param(
+        "pp2-dp2", 4, 1, 2, ["parallel.pp=2"], marks=pytest.mark.skipif(not HAS_PP, reason="needs pipeline")
+    ),
 ]
 _reference: dict = {}
 
@@ -131,14 +133,20 @@ def test_checkpoint_moments_are_layout_free(pool):
     assert_close_dicts(zero, plain, rtol=1e-4, atol=1e-8, what="moment")
 
 
-@pytest.mark.parametrize("save_with,load_with", [
-    ((2, ["optim.zero=1"] + SMALL_BUCKETS), (1, ["optim.zero=0"])),
-    ((2, ["optim.zero=0"]), (4, ["optim.zero=1"] + SMALL_BUCKETS)),
-], ids=["zero1-dp2-to-zero0-dp1", "zero0-dp2-to-zero1-dp4"])
+@pytest.mark.parametrize(
+    "save_with,load_with",
+    [
+        ((2, ["optim.zero=1"] + SMALL_BUCKETS), (1, ["optim.zero=0"])),
+        ((2, ["optim.zero=0"]), (4, ["optim.zero=1"] + SMALL_BUCKETS)),
+    ],
+    ids=["zero1-dp2-to-zero0-dp1", "zero0-dp2-to-zero1-dp4"],
+)
 def test_checkpoint_resumes_across_zero_and_dp(pool, tmp_path, save_with, load_with):
     full = pool.run(run_steps, 2, ["optim.zero=1"], STEPS)[0]
     pool.run(run_steps, save_with[0], save_with[1], STEPS, None, str(tmp_path), 0, 3)
-    resumed = pool.run(run_steps, load_with[0], load_with[1], STEPS, str(tmp_path / "step_00000003"), None, 3)[0]
+    resumed = pool.run(
+        run_steps, load_with[0], load_with[1], STEPS, str(tmp_path / "step_00000003"), None, 3
+    )[0]
     assert max(rel_errors(resumed["losses"], full["losses"][3:])) <= 1e-5, (resumed["losses"], full["losses"])
     assert_close_dicts(resumed["weights"], full["weights"], rtol=1e-4, atol=1e-4, what="weight")
 

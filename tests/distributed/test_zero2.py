@@ -1,6 +1,7 @@
 """ZeRO-2 (grads kept only as this rank's shard) and HSDP (shard groups, replicated across them): equal to
 one process, grads memory 1/dp (HSDP: 1/s) of ZeRO-1's, and the dp bytes of every step equal to theory
 to the byte (and to the planner's figures); overlapped parameter all-gather; checkpoints across stages."""
+
 import pytest
 
 from megaframe.planning.estimate import plan_layout
@@ -55,8 +56,11 @@ def test_zero2_and_hsdp_match_one_process(pool, name, n, shard, pp, extra):
         assert sent["dp"] == want, (sent, want)
     # the planner sizes and counts the same, from the config alone
     planned = plan_layout(tiny_config(SMALL_BUCKETS + extra, n), n).ranks[0]
-    assert (planned.grads_bytes, planned.optim_bytes, planned.dp_comm_bytes) == \
-        (m["mem/grads_bytes"], m["mem/optim_bytes"], want)
+    assert (planned.grads_bytes, planned.optim_bytes, planned.dp_comm_bytes) == (
+        m["mem/grads_bytes"],
+        m["mem/optim_bytes"],
+        want,
+    )
 
 
 @pytest.mark.skipif(not HAS_PP, reason="needs pipeline")
@@ -64,8 +68,9 @@ def test_zero2_tied_embedding_under_pp(pool):
     """pp2-dp2 on gpt2_tiny (tied embeddings): the embedding's bucket keeps its full grad for the step
     (summed over the pipeline ends before its reduce-scatter); every other bucket is sharded."""
     ref = reference(pool, "gpt2_tiny")
-    got = pool.run(run_steps, 4, FAMILIES["gpt2_tiny"] + SMALL_BUCKETS + ["optim.zero=2", "parallel.pp=2"],
-                   STEPS, pp=2)[0]
+    got = pool.run(
+        run_steps, 4, FAMILIES["gpt2_tiny"] + SMALL_BUCKETS + ["optim.zero=2", "parallel.pp=2"], STEPS, pp=2
+    )[0]
     assert max(rel_errors(got["losses"], ref["losses"])) <= 1e-5, (got["losses"], ref["losses"])
     assert_close_dicts(got["grads"], ref["grads"], rtol=1e-4, atol=1e-6, what="grad")
     assert_close_dicts(got["weights"], ref["weights"], rtol=1e-4, atol=1e-4, what="weight")
@@ -94,7 +99,17 @@ def test_checkpoint_resumes_across_stages(pool, tmp_path):
     uninterrupted run (<= 1e-5), and so do the final weights."""
     full = reference(pool, "gpt_tiny")
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
-    pool.run(run_steps, 4, SMALL_BUCKETS + ["optim.zero=2", "optim.shard_group_size=2"], STEPS, None, a, 0, 2, shard=2)
+    pool.run(
+        run_steps,
+        4,
+        SMALL_BUCKETS + ["optim.zero=2", "optim.shard_group_size=2"],
+        STEPS,
+        None,
+        a,
+        0,
+        2,
+        shard=2,
+    )
     mid = pool.run(run_steps, 2, SMALL_BUCKETS + ["optim.zero=1"], STEPS, f"{a}/step_00000002", b, 2, 4)[0]
     end = pool.run(run_steps, 1, ["optim.zero=0"], STEPS, f"{b}/step_00000004", None, 4)[0]
     resumed = mid["losses"] + end["losses"]

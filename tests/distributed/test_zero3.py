@@ -3,6 +3,7 @@ dp4/s2, pp2, pp2 with tied embeddings (gpt2) without resharding after forward, d
 (a quarter of one process on each of 4 ranks: every param sharded), grads and optimizer state per rank against
 the layout, dp bytes to theory to the byte, and a resume chain zero=3 dp4 -> zero=1 dp2 -> zero=0 one process.
 """
+
 import pytest
 
 from megaframe.checkpoint import sharded
@@ -16,8 +17,15 @@ from tests.distributed.zero_cases import bf16_losses, run_steps, save_gather_pro
 pytestmark = pytest.mark.distributed
 
 
-def theory_dp_bytes(bucket_numels: list[int], uses: list[list[bool]], s: int, r: int, microbatches: int,
-                    reshard: bool = True, late: list[bool] | None = None) -> int:
+def theory_dp_bytes(
+    bucket_numels: list[int],
+    uses: list[list[bool]],
+    s: int,
+    r: int,
+    microbatches: int,
+    reshard: bool = True,
+    late: list[bool] | None = None,
+) -> int:
     """One step's bytes on dp, over shard groups of s ranks and r replicas of them (HSDP; r = 1 without),
     with one bucket per gather unit (input step, block, output step; a tied embedding's own):
         gathers          per micro-batch, one per forward use and one per backward use (the input step's
@@ -49,14 +57,17 @@ def assert_quarter_share(got: dict, ref: dict, tied_pp: bool = False) -> None:
 G2 = FAMILIES["gpt2_tiny"]
 NO_RESHARD = "optim.reshard_after_forward=false"
 # (name, family, ranks, tp, pp, HSDP shard group size (0: dp), overrides)
-CASES = [("dp2", "gpt_tiny", 2, 1, 1, 0, []), ("dp4", "gpt_tiny", 4, 1, 1, 0, []),
-         ("dp2-recompute-full", "gpt_tiny", 2, 1, 1, 0, ["train.recompute=full"]),
-         ("tp2-dp2-sp", "gpt_tiny", 4, 2, 1, 0, ["parallel.tp=2", "parallel.sp=true"]),
-         ("hsdp-dp4-s2", "gpt_tiny", 4, 1, 1, 2, ["optim.shard_group_size=2"]),
-         ("pp2-dp2", "gpt_tiny", 4, 1, 2, 0, ["parallel.pp=2"]),
-         ("pp2-dp2-tied-keep", "gpt2_tiny", 4, 1, 2, 0, G2 + ["parallel.pp=2", NO_RESHARD]),
-         # one process's tied embedding: one bucket read by the input and the output step (3 gathers)
-         ("dp4-tied", "gpt2_tiny", 4, 1, 1, 0, G2)]
+CASES = [
+    ("dp2", "gpt_tiny", 2, 1, 1, 0, []),
+    ("dp4", "gpt_tiny", 4, 1, 1, 0, []),
+    ("dp2-recompute-full", "gpt_tiny", 2, 1, 1, 0, ["train.recompute=full"]),
+    ("tp2-dp2-sp", "gpt_tiny", 4, 2, 1, 0, ["parallel.tp=2", "parallel.sp=true"]),
+    ("hsdp-dp4-s2", "gpt_tiny", 4, 1, 1, 2, ["optim.shard_group_size=2"]),
+    ("pp2-dp2", "gpt_tiny", 4, 1, 2, 0, ["parallel.pp=2"]),
+    ("pp2-dp2-tied-keep", "gpt2_tiny", 4, 1, 2, 0, G2 + ["parallel.pp=2", NO_RESHARD]),
+    # one process's tied embedding: one bucket read by the input and the output step (3 gathers)
+    ("dp4-tied", "gpt2_tiny", 4, 1, 1, 0, G2),
+]
 
 
 @pytest.mark.parametrize("name,family,n,tp,pp,shard,extra", CASES, ids=[c[0] for c in CASES])
@@ -81,13 +92,19 @@ def test_zero3_matches_one_process(pool, name, family, n, tp, pp, shard, extra):
     block = max(numels)
     assert 4 * block <= m["mem/gathered_peak_bytes"] <= 4 * (2 * block + b), m  # <= 2 units + transient grads
     # the last step: steps 1-2 differ only by gathers the test's own full-state reads made unnecessary
-    want = theory_dp_bytes(numels, got["bucket_uses"], s, dp // s, got["microbatches"], NO_RESHARD not in extra, late)
+    want = theory_dp_bytes(
+        numels, got["bucket_uses"], s, dp // s, got["microbatches"], NO_RESHARD not in extra, late
+    )
     assert got["comm"][-1]["dp"] == want
     if n == 4 and not shard:  # (HSDP shards over its group of 2: a half)
         assert_quarter_share(got, ref, tied_pp=sum(late) > 0)
     planned = plan_layout(tiny_config(over, n), n).ranks[0]  # the planner, from the config alone
-    assert (planned.params_bytes, planned.grads_bytes, planned.optim_bytes, planned.dp_comm_bytes) == \
-        (m["mem/params_bytes"], m["mem/grads_bytes"], m["mem/optim_bytes"], want)
+    assert (planned.params_bytes, planned.grads_bytes, planned.optim_bytes, planned.dp_comm_bytes) == (
+        m["mem/params_bytes"],
+        m["mem/grads_bytes"],
+        m["mem/optim_bytes"],
+        want,
+    )
 
 
 def test_checkpoint_resumes_from_zero3(pool, tmp_path):
@@ -98,8 +115,12 @@ def test_checkpoint_resumes_from_zero3(pool, tmp_path):
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     pool.run(run_steps, 4, ["optim.zero=3"], STEPS, None, a, 0, 2)
     # an fp32 run's ZeRO-3 weights are its master, bit for bit: written once (before, also as optim/master)
-    assert not [k for k in sharded.read_metadata(f"{a}/step_00000002")["tensors"] if k.startswith("optim/master/")]
-    mid = pool.run(run_steps, 2, ["optim.zero=1", "optim.bucket_size_mb=0.01"], STEPS, f"{a}/step_00000002", b, 2, 4)[0]
+    assert not [
+        k for k in sharded.read_metadata(f"{a}/step_00000002")["tensors"] if k.startswith("optim/master/")
+    ]
+    mid = pool.run(
+        run_steps, 2, ["optim.zero=1", "optim.bucket_size_mb=0.01"], STEPS, f"{a}/step_00000002", b, 2, 4
+    )[0]
     end = pool.run(run_steps, 1, ["optim.zero=0"], STEPS, f"{b}/step_00000004", None, 4)[0]
     resumed = mid["losses"] + end["losses"]
     assert max(rel_errors(resumed, full["losses"][2:])) <= 1e-5, (resumed, full["losses"])
@@ -143,8 +164,9 @@ def test_checkpoint_loads_into_zero3(pool, tmp_path):
     """The other way: zero=1 at dp2 for steps 1-3, then zero=3 at dp4 (pp2) for 4-6, losses continuing."""
     full = reference(pool, "gpt_tiny")
     pool.run(run_steps, 2, ["optim.zero=1"], STEPS, None, str(tmp_path), 0, 3)
-    got = pool.run(run_steps, 4, ["optim.zero=3", "parallel.pp=2"], STEPS, str(tmp_path / "step_00000003"),
-                   None, 3, pp=2)[0]
+    got = pool.run(
+        run_steps, 4, ["optim.zero=3", "parallel.pp=2"], STEPS, str(tmp_path / "step_00000003"), None, 3, pp=2
+    )[0]
     assert max(rel_errors(got["losses"], full["losses"][3:])) <= 1e-5, (got["losses"], full["losses"])
     assert_close_dicts(got["weights"], full["weights"], rtol=1e-4, atol=1e-4, what="weight")
 
@@ -161,8 +183,10 @@ def test_checkpoint_loads_into_freed_zero3_blocks(pool, tmp_path, source):
     got = pool.run(zero3_freed_load_steps, 2, ["optim.zero=3"], STEPS, path, 3)
     assert max(rel_errors(got[0]["losses"], full["losses"][3:])) <= 1e-5, (got[0]["losses"], full["losses"])
     whole = pool.run(load_and_report, 2, ["optim.zero=3"], path)
-    print(f"\nzero={source} checkpoint into zero=3 dp2: bytes needed per rank, blocks freed "
-          f"{[r['needed_bytes'] for r in got]}, gathered {[r['needed_bytes'] for r in whole]}")
+    print(
+        f"\nzero={source} checkpoint into zero=3 dp2: bytes needed per rank, blocks freed "
+        f"{[r['needed_bytes'] for r in got]}, gathered {[r['needed_bytes'] for r in whole]}"
+    )
     assert all(r["needed_bytes"] < w["needed_bytes"] for r, w in zip(got, whole))
 
 

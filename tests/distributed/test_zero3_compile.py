@@ -1,6 +1,7 @@
 """ZeRO-3 with compiled blocks (torchtitan's default for 8B): the per-block gathers and frees run in the
 blocks' hooks around the compiled forward, and two steps give the eager run's losses and grads to float noise.
 """
+
 import pytest
 
 from tests.distributed.test_model_equivalence import assert_close_dicts

@@ -1,6 +1,7 @@
 """ZeRO-3 under train.precision=fp8 (tensorwise) all-gathers the float8 linears' weights as float8: 1 byte per
 element on the wire where bf16 moves 2, their scales from one all-reduce(max) per step; the run trains like
 the bf16 one (loss within 2 %) and like the fp8 one-process run (to fp32 noise: the same float8 weights)."""
+
 import pytest
 
 from megaframe.planning.estimate import plan_layout
@@ -88,5 +89,8 @@ def test_planner_counts_the_float8_gather(pool):
     planned = plan_layout(tiny_config(over, 2), 2).ranks[0]
     # step 1's: run_steps gathers every param (bf16) after it to read the grads, so step 2 finds the bf16
     # buckets already gathered
-    assert (planned.dp_comm_bytes, planned.grads_bytes, planned.optim_bytes) == \
-        (run["comm"][0]["dp"], run["mem"]["mem/grads_bytes"], run["mem"]["mem/optim_bytes"])
+    assert (planned.dp_comm_bytes, planned.grads_bytes, planned.optim_bytes) == (
+        run["comm"][0]["dp"],
+        run["mem"]["mem/grads_bytes"],
+        run["mem"]["mem/optim_bytes"],
+    )

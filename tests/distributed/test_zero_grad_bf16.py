@@ -17,6 +17,7 @@ The bounds, with u = 2^-8 the unit roundoff of bf16 (8 significand bits):
 A dropped or doubled contribution (a rank, a micro-batch, a stale widen to fp32) moves a grad by ~1/k of
 its norm, and even one bucket's grads scaled by 0.99 exceeds the bound: the grad bound is the sharp check
 (Adam's update is nearly scale-invariant, so the losses alone would miss it)."""
+
 import pytest
 
 from megaframe.planning.estimate import plan_layout
@@ -26,7 +27,7 @@ from tests.distributed.zero_cases import run_steps
 
 pytestmark = pytest.mark.distributed
 
-U = 2.0 ** -8
+U = 2.0**-8
 STEPS = 6
 BF16 = ["train.precision=bf16"] + SMALL_BUCKETS
 # (ranks, pp, HSDP shard group size (0: dp), zero, overrides)
@@ -55,7 +56,7 @@ def test_bf16_grad_reduction(pool, name):
     worst = 0.0
     for key, g in ref["grads"].items():
         err = (got["grads"][key].float() - g.float()).norm() / g.float().norm()
-        assert err <= k ** 0.5 * U, (key, err.item(), k ** 0.5 * U)
+        assert err <= k**0.5 * U, (key, err.item(), k**0.5 * U)
         worst = max(worst, err.item())
     assert worst > 0  # the bf16 path ran: its rounding shows (fp32 reduction of equal inputs would not)
     for a, b in zip(got["losses"], ref["losses"]):
@@ -73,9 +74,16 @@ def test_bf16_grad_reduction(pool, name):
         s = shard or dp
         full = grad_reduce_bytes(got["bucket_numels"], s, dp // s, got["microbatches"], zero, 4)
         assert full == 2 * grad_reduce_bytes(got["bucket_numels"], s, dp // s, got["microbatches"], zero, 2)
-        assert ref["comm"][-1]["dp"] - got["comm"][-1]["dp"] == full // 2, (ref["comm"][-1], got["comm"][-1], full)
+        assert ref["comm"][-1]["dp"] - got["comm"][-1]["dp"] == full // 2, (
+            ref["comm"][-1],
+            got["comm"][-1],
+            full,
+        )
     # the planner, from the config alone, sizes and counts both the same as the run
     for run, cfg in ((ref, over), (got, over + ["optim.grad_reduce_dtype=bf16"])):
         planned = plan_layout(tiny_config(cfg, n), n).ranks[0]
-        assert (planned.grads_bytes, planned.grads_fp32_bytes, planned.dp_comm_bytes) == \
-            (run["mem"]["mem/grads_bytes"], run["mem"]["mem/grads_fp32_bytes"], run["comm"][-1]["dp"])
+        assert (planned.grads_bytes, planned.grads_fp32_bytes, planned.dp_comm_bytes) == (
+            run["mem"]["mem/grads_bytes"],
+            run["mem"]["mem/grads_fp32_bytes"],
+            run["comm"][-1]["dp"],
+        )

@@ -1,4 +1,5 @@
 """Functions the rank pool runs for the ZeRO-1 tests: fn(mesh, *args), module-level for spawned workers."""
+
 from __future__ import annotations
 
 import math
@@ -24,8 +25,17 @@ def _setup(mesh, overrides: list[str], steps: int):
 def _step(mesh, cfg, model, optimizer, data, step: int) -> tuple[float, dict]:
     """One optimizer step; returns the global mean loss and the bytes sent per group during the step."""
     t = cfg.train
-    batches = microbatches(data, step - 1, t.global_batch_size, t.micro_batch_size, mesh.dp.rank, mesh.dp.size, t.seed,
-                           cp_rank=mesh.cp.rank, cp_size=mesh.cp.size)
+    batches = microbatches(
+        data,
+        step - 1,
+        t.global_batch_size,
+        t.micro_batch_size,
+        mesh.dp.rank,
+        mesh.dp.size,
+        t.seed,
+        cp_rank=mesh.cp.rank,
+        cp_size=mesh.cp.size,
+    )
     mesh.stats.pop()
     res = train_step(model, optimizer, batches, mesh, cfg, step)
     sent = dict(mesh.stats.pop())
@@ -34,8 +44,15 @@ def _step(mesh, cfg, model, optimizer, data, step: int) -> tuple[float, dict]:
     return loss.item(), sent
 
 
-def run_steps(mesh, overrides: list[str], steps: int, load: str | None = None, save: str | None = None,
-              start: int = 0, stop: int | None = None) -> dict | None:
+def run_steps(
+    mesh,
+    overrides: list[str],
+    steps: int,
+    load: str | None = None,
+    save: str | None = None,
+    start: int = 0,
+    stop: int | None = None,
+) -> dict | None:
     """Steps start+1..stop of a `steps`-step run (after loading checkpoint `load`), saving at the end
     when `save` names a folder.
 
@@ -60,13 +77,21 @@ def run_steps(mesh, overrides: list[str], steps: int, load: str | None = None, s
     if mesh.rank != 0:
         return None
     buffers = getattr(optimizer, "buffers", [])
-    return {"losses": losses, "grads": grads, "weights": weights, "comm": sent, "mem": mem,
-            "params_bytes_per_rank": every, "bucket_uses": bucket_uses(optimizer),
-            "buffer_numel": sum(b.numel for b in buffers), "buckets": sum(len(b.buckets) for b in buffers),
-            "bucket_numels": [b.numel for buf in buffers for b in buf.buckets],
-            "bucket_late": [b.late for buf in buffers for b in buf.buckets],
-            "microbatches": cfg.train.global_batch_size // (cfg.train.micro_batch_size * mesh.dp.size),
-            "params_numel": sum(p.numel() for p in model.parameters())}
+    return {
+        "losses": losses,
+        "grads": grads,
+        "weights": weights,
+        "comm": sent,
+        "mem": mem,
+        "params_bytes_per_rank": every,
+        "bucket_uses": bucket_uses(optimizer),
+        "buffer_numel": sum(b.numel for b in buffers),
+        "buckets": sum(len(b.buckets) for b in buffers),
+        "bucket_numels": [b.numel for buf in buffers for b in buf.buckets],
+        "bucket_late": [b.late for buf in buffers for b in buf.buckets],
+        "microbatches": cfg.train.global_batch_size // (cfg.train.micro_batch_size * mesh.dp.size),
+        "params_numel": sum(p.numel() for p in model.parameters()),
+    }
 
 
 def bucket_uses(optimizer) -> list[list[bool]]:
@@ -75,8 +100,11 @@ def bucket_uses(optimizer) -> list[list[bool]]:
     units = getattr(optimizer, "units", None)
     if units is None:
         return []
-    return [[units[i][2] for i, held in enumerate(optimizer.block_buckets) if any(x is b for _, x in held)]
-            for buf in optimizer.buffers for b in buf.buckets]
+    return [
+        [units[i][2] for i, held in enumerate(optimizer.block_buckets) if any(x is b for _, x in held)]
+        for buf in optimizer.buffers
+        for b in buf.buckets
+    ]
 
 
 def logical_moments(mesh, overrides: list[str], steps: int) -> dict | None:
@@ -101,7 +129,9 @@ def overlap_probe(mesh, overrides: list[str], overlap: bool) -> dict | None:
     cfg, model, _, data = _setup(mesh, overrides, 1)
     optimizer = ZeroOptimizer(model, cfg.optim, mesh, overlap=overlap)
     t = cfg.train
-    batches = microbatches(data, 0, t.global_batch_size, t.micro_batch_size, mesh.dp.rank, mesh.dp.size, t.seed)
+    batches = microbatches(
+        data, 0, t.global_batch_size, t.micro_batch_size, mesh.dp.rank, mesh.dp.size, t.seed
+    )
     optimizer.zero_grad()
     launched = []
     tokens = t.global_batch_size * cfg.model.seq_length
@@ -122,8 +152,13 @@ def bf16_losses(mesh, overrides: list[str], steps: int) -> dict | None:
     state = optimizer.logical_state(p)
     if mesh.rank != 0:
         return None
-    return {"losses": losses, "param_dtype": str(p.dtype), "state_dtypes": {k: str(v.dtype) for k, v in state.items()},
-            "finite": all(math.isfinite(x) for x in losses), "mem": memory_figures(model, optimizer, mesh.device)}
+    return {
+        "losses": losses,
+        "param_dtype": str(p.dtype),
+        "state_dtypes": {k: str(v.dtype) for k, v in state.items()},
+        "finite": all(math.isfinite(x) for x in losses),
+        "mem": memory_figures(model, optimizer, mesh.device),
+    }
 
 
 def bf16_checkpoint_roundtrip(mesh, load_overrides: list[str], folder: str) -> dict | None:
@@ -136,9 +171,14 @@ def bf16_checkpoint_roundtrip(mesh, load_overrides: list[str], folder: str) -> d
     meta = sharded.read_metadata(path)
     name, p = next((n, q) for n, q in model.named_parameters() if q.ndim >= 2)
     master = sharded.load_full(path, f"optim/master/{name}", meta)
-    return {"err": (p.detach().float() - p.placement.shard.local(master)).abs().max().item(),
-            "has_master": f"optim/master/{name}" in meta["tensors"]} if mesh.rank == 0 else None
-
+    return (
+        {
+            "err": (p.detach().float() - p.placement.shard.local(master)).abs().max().item(),
+            "has_master": f"optim/master/{name}" in meta["tensors"],
+        }
+        if mesh.rank == 0
+        else None
+    )
 
 
 def pipeline_ends_probe(mesh, overrides: list[str]) -> dict:
@@ -153,11 +193,17 @@ def pipeline_ends_probe(mesh, overrides: list[str]) -> dict:
         def probed_step(lr):
             launched.extend(b.launched for buf in optimizer.buffers for b in buf.buckets)
             return step(lr)
+
         optimizer.step = probed_step
     loss, sent = _step(mesh, cfg, model, optimizer, data, 1)
     grads = full_state(model, mesh, grads=True, optimizer=optimizer)
-    return {"pp_rank": mesh.pp.rank, "sent": sent, "launched": launched, "loss": loss,
-            "grads": grads if mesh.rank == 0 else None}
+    return {
+        "pp_rank": mesh.pp.rank,
+        "sent": sent,
+        "launched": launched,
+        "loss": loss,
+        "grads": grads if mesh.rank == 0 else None,
+    }
 
 
 def param_gather_probe(mesh, overrides: list[str]) -> dict | None:
@@ -169,9 +215,12 @@ def param_gather_probe(mesh, overrides: list[str]) -> dict | None:
 
     def probe(module, args):
         seen.setdefault("first_block", optimizer.param_gather.in_flight)
+
     model.layers["0"].register_forward_pre_hook(probe)
     t = cfg.train
-    ids, labels = microbatches(data, 1, t.global_batch_size, t.micro_batch_size, mesh.dp.rank, mesh.dp.size, t.seed)[0]
+    ids, labels = microbatches(
+        data, 1, t.global_batch_size, t.micro_batch_size, mesh.dp.rank, mesh.dp.size, t.seed
+    )[0]
     with torch.no_grad():
         model(ids, labels)
     seen["after_forward"] = optimizer.param_gather.in_flight
@@ -190,5 +239,8 @@ def save_gather_probe(mesh, overrides: list[str], folder: str) -> dict | None:
     sharded.save(folder, 2, model, optimizer, mesh, {"layout": {"dp": mesh.dp.size}})
     sent, saved = dict(mesh.stats.pop()), optimizer.gathered_high
     weights = full_state(model, mesh, optimizer=optimizer)  # collective: every rank
-    return {"steps": in_steps, "save": saved, "save_dp_bytes": sent.get("dp", 0),
-            "weights": weights} if mesh.rank == 0 else None
+    return (
+        {"steps": in_steps, "save": saved, "save_dp_bytes": sent.get("dp", 0), "weights": weights}
+        if mesh.rank == 0
+        else None
+    )

@@ -1,4 +1,5 @@
 """Fixtures shared by the e2e modules."""
+
 from __future__ import annotations
 
 import sys

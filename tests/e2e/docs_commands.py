@@ -9,6 +9,7 @@ say how the suite checks it (docs/README.md explains them to writers):
   [gpu] [cluster] [slow]  not run (needs a GPU / a Slurm cluster or several nodes / minutes of benchmark):
                           bash -n, and its Hydra overrides parsed and checked against the schema
 """
+
 from __future__ import annotations
 
 import re
@@ -59,7 +60,7 @@ def split_comment(line: str) -> tuple[str, str]:
         elif ch in "'\"":
             quote = ch
         elif ch == "#" and (i == 0 or line[i - 1].isspace()):
-            return line[:i], line[i + 1:]
+            return line[:i], line[i + 1 :]
     return line, ""
 
 
@@ -109,12 +110,19 @@ def tokens(cmd: Command) -> list[str]:
 def hydra_overrides(cmd: Command) -> tuple[str, list[str]]:
     """(tool, its key=value words) for the commands that take Hydra overrides; ("", []) for others."""
     words = tokens(cmd)
-    for tool in ("train.py", "pretrain.sbatch", "megaframe.plan", "megaframe.evaluate", "megaframe.data.prepare",
-                 "import_hf.py", "sweep.py"):
+    for tool in (
+        "train.py",
+        "pretrain.sbatch",
+        "megaframe.plan",
+        "megaframe.evaluate",
+        "megaframe.data.prepare",
+        "import_hf.py",
+        "sweep.py",
+    ):
         idx = next((i for i, w in enumerate(words) if w.endswith(tool)), None)
         if idx is not None:
-            rest = words[idx + 1:]
-            rest = rest[:rest.index("--")] if "--" in rest else rest  # sweep.py: what follows goes to sbatch
+            rest = words[idx + 1 :]
+            rest = rest[: rest.index("--")] if "--" in rest else rest  # sweep.py: what follows goes to sbatch
             return tool, [w for w in rest if "=" in w and not w.startswith("-")]
     return "", []
 

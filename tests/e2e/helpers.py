@@ -1,4 +1,5 @@
 """Run train.py / torchrun / prepare as a user would, in subprocesses with a hard timeout."""
+
 from __future__ import annotations
 
 import json
@@ -8,9 +9,18 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=8", "model.num_query_groups=4",
-        "model.ffn_hidden_size=128", "model.seq_length=32", "train.global_batch_size=8",
-        "train.micro_batch_size=2", "optim.warmup_steps=2", "optim.lr=3e-3"]
+TINY = [
+    "model.num_layers=2",
+    "model.hidden_size=64",
+    "model.num_attention_heads=8",
+    "model.num_query_groups=4",
+    "model.ffn_hidden_size=128",
+    "model.seq_length=32",
+    "train.global_batch_size=8",
+    "train.micro_batch_size=2",
+    "optim.warmup_steps=2",
+    "optim.lr=3e-3",
+]
 
 
 def env(gpu: bool = False, **extra) -> dict:
@@ -26,15 +36,25 @@ def env(gpu: bool = False, **extra) -> dict:
 
 
 def run(args: list[str], timeout: float = 300, gpu: bool = False, **extra_env) -> subprocess.CompletedProcess:
-    return subprocess.run(args, cwd=ROOT, env=env(gpu, **extra_env), capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        args, cwd=ROOT, env=env(gpu, **extra_env), capture_output=True, text=True, timeout=timeout
+    )
 
 
-def train(overrides: list[str], nproc: int = 1, timeout: float = 300, **extra_env) -> subprocess.CompletedProcess:
+def train(
+    overrides: list[str], nproc: int = 1, timeout: float = 300, **extra_env
+) -> subprocess.CompletedProcess:
     if nproc == 1:
         cmd = [sys.executable, "train.py"]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               "train.py"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            "train.py",
+        ]
     gpu = "train.device=cuda" in overrides  # the GPU tests (tests/gpu) ask for it by name
     return run(cmd + overrides, timeout=timeout, gpu=gpu, **extra_env)
 

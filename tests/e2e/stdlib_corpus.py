@@ -6,6 +6,7 @@ One plain-text file per top-level stdlib module or package, docstrings separated
 about 1.9 MB of English prose and code examples on CPython 3.11. The text depends on the exact Python
 build (it is the same on every run of one machine), which is all the tests need.
 """
+
 from __future__ import annotations
 
 import ast

@@ -1,6 +1,7 @@
 """A checkpoint is committed only when every rank wrote its part: a failed or killed writer leaves the
 previous checkpoint and `latest` as they were, and resume=auto continues from there with the losses of
 an uninterrupted run."""
+
 from __future__ import annotations
 
 import subprocess
@@ -33,11 +34,19 @@ def assert_same_losses(got: list[dict], want: list[dict]) -> None:
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_a_failed_write_on_one_rank_stops_without_commit_then_resume_continues(tmp_path, tmp_path_factory, mode):
-    over = OVER + [f"run.dir={tmp_path}", "checkpoint.keep_last=1", f"checkpoint.async={str(mode == 'async').lower()}"]
+def test_a_failed_write_on_one_rank_stops_without_commit_then_resume_continues(
+    tmp_path, tmp_path_factory, mode
+):
+    over = OVER + [
+        f"run.dir={tmp_path}",
+        "checkpoint.keep_last=1",
+        f"checkpoint.async={str(mode == 'async').lower()}",
+    ]
     bad = train(over, nproc=2, MEGAFRAME_INJECT="savefail:rank=1:step=4")
     assert bad.returncode == 1, bad.stderr[-3000:]
-    assert "checkpoint step 4 not committed" in bad.stderr and "injected write failure on rank 1" in bad.stderr
+    assert (
+        "checkpoint step 4 not committed" in bad.stderr and "injected write failure on rank 1" in bad.stderr
+    )
     ck = tmp_path / "checkpoints"
     assert [p.name for p in sharded.committed(ck)] == ["step_00000002"]  # keep_last=1 pruned nothing good
     assert (ck / "latest").read_text().strip() == "step_00000002" and not list(ck.glob("*.tmp"))
@@ -56,10 +65,26 @@ def test_a_failed_write_on_one_rank_stops_without_commit_then_resume_continues(t
 def test_sigkill_during_an_async_write_restarts_from_the_previous_checkpoint(tmp_path, tmp_path_factory):
     """Rank 1 is SIGKILLed in the middle of writing step 4 (its background thread): torchrun restarts the
     group, which resumes from step 2 (step 4 was never committed) and ends with the reference losses."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
-           "train.py", *OVER, "checkpoint.async=true", f"run.dir={tmp_path}"]
-    res = subprocess.run(cmd, cwd=ROOT, env=env(MEGAFRAME_INJECT="savekill:rank=1:step=4"), capture_output=True,
-                         text=True, timeout=400)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "--max-restarts=1",
+        "train.py",
+        *OVER,
+        "checkpoint.async=true",
+        f"run.dir={tmp_path}",
+    ]
+    res = subprocess.run(
+        cmd,
+        cwd=ROOT,
+        env=env(MEGAFRAME_INJECT="savekill:rank=1:step=4"),
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-3000:]
     assert "resumed from" in out and "step_00000002" in out

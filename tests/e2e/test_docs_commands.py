@@ -4,6 +4,7 @@ train commands), and the ones a CPU box cannot run (tagged [gpu], [cluster], [sl
 already runs ([tested-by: ...]) are checked for syntax: bash -n, and their Hydra overrides parsed and
 checked against the schema. See tests/e2e/docs_commands.py for how a command is read, docs/README.md
 for the tags."""
+
 from __future__ import annotations
 
 import os
@@ -49,9 +50,13 @@ def test_syntax_and_config_keys(page):
             path, _, name = c.tested_by.partition("::")
             assert (ROOT / path).is_file(), f"{c.where}: tested-by names a missing file {path}"
             if path.endswith(".md"):  # the same command runs on that page (README.md's tour runs first)
-                assert c.code in [o.code for o in commands(path) if o.runs], f"{c.where}: {path} does not run it"
+                assert c.code in [o.code for o in commands(path) if o.runs], (
+                    f"{c.where}: {path} does not run it"
+                )
                 continue
-            assert not name or f"def {name}(" in (ROOT / path).read_text(), f"{c.where}: no test {c.tested_by}"
+            assert not name or f"def {name}(" in (ROOT / path).read_text(), (
+                f"{c.where}: no test {c.tested_by}"
+            )
         if c.expected_exit:  # a refusal the page shows on purpose: the run checks it
             continue
         tool, over = hydra_overrides(c)
@@ -89,8 +94,11 @@ class Journey:
     def __init__(self, root: Path):
         self.work = scratch_checkout(root)
         bin_dir = str(Path(sys.executable).parent)
-        self.env = env(PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", PET_STANDALONE="1",
-                       VIRTUAL_ENV=sys.prefix)
+        self.env = env(
+            PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
+            PET_STANDALONE="1",
+            VIRTUAL_ENV=sys.prefix,
+        )
         self.done: dict[str, str] = {}  # page -> "" when its commands passed, else the failure
 
     def run(self, page: str) -> str:
@@ -108,12 +116,20 @@ class Journey:
                     continue
                 line = " ".join([c.code, *small_overrides(c)])
                 t0, cpu0 = time.perf_counter(), _children_cpu_s()
-                res = subprocess.run(["bash", "-c", f"set -o pipefail; {line}"], cwd=self.work, env=self.env,
-                                     capture_output=True, text=True, timeout=TIMEOUT_S)
+                res = subprocess.run(
+                    ["bash", "-c", f"set -o pipefail; {line}"],
+                    cwd=self.work,
+                    env=self.env,
+                    capture_output=True,
+                    text=True,
+                    timeout=TIMEOUT_S,
+                )
                 timings.append((c.where, time.perf_counter() - t0, _children_cpu_s() - cpu0))
                 if res.returncode != c.expected_exit:
-                    return (f"{c.where}: exit {res.returncode} (expected {c.expected_exit}) from\n  {line}\n"
-                            f"stdout: {res.stdout[-1500:]}\nstderr: {res.stderr[-2500:]}")
+                    return (
+                        f"{c.where}: exit {res.returncode} (expected {c.expected_exit}) from\n  {line}\n"
+                        f"stdout: {res.stdout[-1500:]}\nstderr: {res.stderr[-2500:]}"
+                    )
                 if c.expected_exit == 2 and "megaframe: error:" not in res.stdout + res.stderr:
                     return f"{c.where}: exit 2 without a one-line `megaframe: error:`: {res.stderr[-1000:]}"
             return ""

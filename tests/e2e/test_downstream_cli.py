@@ -1,5 +1,6 @@
 """In-loop downstream evaluation: train.py with train.downstream_interval logs downstream/<task>/<metric> to
 metrics.jsonl at the due steps, and a task that raises costs one stderr line while training goes on."""
+
 from __future__ import annotations
 
 import pytest
@@ -16,10 +17,22 @@ TASKS = ROOT / "tests" / "data" / "lm_eval_tasks"
 def test_downstream_scores_logged_and_a_failing_task_does_not_stop_the_run(tmp_path, nproc, layout):
     """pp2: the rank that logs is the last stage's (LOCAL_RANK 1), where lm-eval itself would return
     nothing."""
-    res = train(TINY + layout + ["model.seq_length=64", "train.max_steps=4", "train.downstream_interval=2",
-                        "train.downstream_tasks=[megaframe_tiny_mc,megaframe_tiny_broken]",
-                        f"train.downstream_include_path={TASKS}", "train.downstream_limit=6",
-                        "train.downstream_batch_size=4", f"run.dir={tmp_path}"], nproc=nproc, timeout=600)
+    res = train(
+        TINY
+        + layout
+        + [
+            "model.seq_length=64",
+            "train.max_steps=4",
+            "train.downstream_interval=2",
+            "train.downstream_tasks=[megaframe_tiny_mc,megaframe_tiny_broken]",
+            f"train.downstream_include_path={TASKS}",
+            "train.downstream_limit=6",
+            "train.downstream_batch_size=4",
+            f"run.dir={tmp_path}",
+        ],
+        nproc=nproc,
+        timeout=600,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     rows = {r["step"]: r for r in metrics(tmp_path)}
     for step in (2, 4):

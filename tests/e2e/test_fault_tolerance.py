@@ -1,4 +1,5 @@
 """Stop signals, SIGKILL under torchrun restarts, and corrupt checkpoints: the run always comes back."""
+
 import os
 import signal
 import subprocess
@@ -14,9 +15,19 @@ pytestmark = pytest.mark.e2e
 
 
 def _launch(overrides: list[str], nproc: int, restarts: int = 0) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           f"--max-restarts={restarts}", "train.py", *overrides]
-    return subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        f"--max-restarts={restarts}",
+        "train.py",
+        *overrides,
+    ]
+    return subprocess.Popen(
+        cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
 
 
 def _wait_lines(path: Path, n: int, proc: subprocess.Popen, timeout: float = 120) -> None:
@@ -41,8 +52,14 @@ def _workers(proc: subprocess.Popen) -> list[int]:
 def test_signal_during_start_up_stops_at_the_first_step_with_a_checkpoint(tmp_path):
     """Slurm may signal a rank while it still imports torch: the flag is set before those imports."""
     over = ["data=synthetic", *TINY, "train.max_steps=100000", f"run.dir={tmp_path}"]
-    proc = subprocess.Popen([sys.executable, "train.py", *over], cwd=ROOT, env=env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "train.py", *over],
+        cwd=ROOT,
+        env=env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     time.sleep(0.5)  # python is up, torch is not imported yet (it takes seconds)
     proc.send_signal(signal.SIGUSR1)
     out, _ = proc.communicate(timeout=120)
@@ -67,8 +84,14 @@ def test_sigkill_under_torchrun_restarts_resume_with_identical_losses(tmp_path):
 
 
 def test_corrupt_newest_checkpoint_falls_back_to_the_previous(tmp_path):
-    over = ["data=synthetic", *TINY, "train.max_steps=6", "train.log_interval=1", "checkpoint.interval=3",
-            f"run.dir={tmp_path}"]
+    over = [
+        "data=synthetic",
+        *TINY,
+        "train.max_steps=6",
+        "train.log_interval=1",
+        "checkpoint.interval=3",
+        f"run.dir={tmp_path}",
+    ]
     first = train(over)
     assert first.returncode == 0, first.stderr[-2000:]
     before = metrics(tmp_path)
@@ -90,8 +113,7 @@ def test_out_of_memory_while_loading_stops_on_that_checkpoint(tmp_path):
     """Rank 1 runs out of memory loading step 6 (MEGAFRAME_INJECT=loadoom, a torch.OutOfMemoryError inside the
     resume's load): exit 1 with the phase and the checkpoint named, no fall-back to step 3, nothing pruned or
     moved. (Before: a RuntimeError was "cannot be loaded" and the run went on from step 3.)"""
-    over = ["data=synthetic", *TINY, "train.max_steps=6", "checkpoint.interval=3",
-            f"run.dir={tmp_path}"]
+    over = ["data=synthetic", *TINY, "train.max_steps=6", "checkpoint.interval=3", f"run.dir={tmp_path}"]
     assert train(over).returncode == 0
     ck = tmp_path / "checkpoints"
     before = sorted(p.name for p in ck.iterdir()), (ck / "latest").read_text()
@@ -99,28 +121,49 @@ def test_out_of_memory_while_loading_stops_on_that_checkpoint(tmp_path):
     bad = train(over + ["train.max_steps=9"], nproc=2, timeout=180, MEGAFRAME_INJECT="loadoom:rank=1:step=6")
     assert bad.returncode == 1, bad.stderr[-2000:]
     errors = [x for x in bad.stderr.splitlines() if x.startswith("megaframe: error:")]
-    assert errors and all("loading checkpoint" in x and "step_00000006 failed: rank 1: OutOfMemoryError" in x
-                          for x in errors), bad.stderr[-2000:]
+    assert errors and all(
+        "loading checkpoint" in x and "step_00000006 failed: rank 1: OutOfMemoryError" in x for x in errors
+    ), bad.stderr[-2000:]
     assert "skipping checkpoint" not in bad.stderr and "resumed from" not in bad.stdout
     assert (sorted(p.name for p in ck.iterdir()), (ck / "latest").read_text()) == before
     assert (tmp_path / "metrics.jsonl").read_text() == lines
 
 
 def test_keep_last_prunes_old_checkpoints(tmp_path):
-    res = train(["data=synthetic", *TINY, "train.max_steps=6", "checkpoint.interval=1", "checkpoint.keep_last=2",
-                 f"run.dir={tmp_path}"])
+    res = train(
+        [
+            "data=synthetic",
+            *TINY,
+            "train.max_steps=6",
+            "checkpoint.interval=1",
+            "checkpoint.keep_last=2",
+            f"run.dir={tmp_path}",
+        ]
+    )
     assert res.returncode == 0, res.stderr[-2000:]
-    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*")) == ["step_00000005", "step_00000006"]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*")) == [
+        "step_00000005",
+        "step_00000006",
+    ]
 
 
-@pytest.mark.parametrize("name,nproc,layout", [
-    ("dp2", 2, []), ("pp4", 4, ["parallel.pp=4"]), ("tp4-sp", 4, ["parallel.tp=4", "parallel.sp=true"])])
+@pytest.mark.parametrize(
+    "name,nproc,layout",
+    [("dp2", 2, []), ("pp4", 4, ["parallel.pp=4"]), ("tp4-sp", 4, ["parallel.tp=4", "parallel.sp=true"])],
+)
 def test_tp2_pp2_checkpoint_resumes_under_another_layout(tmp_path_factory, name, nproc, layout):
     import shutil
 
     base = tmp_path_factory.getbasetemp() / "tp2pp2-source"
-    over = ["data=synthetic", *TINY, "model.num_layers=4", "train.max_steps=6", "train.log_interval=1",
-            "checkpoint.interval=3", "train.micro_batch_size=1"]
+    over = [
+        "data=synthetic",
+        *TINY,
+        "model.num_layers=4",
+        "train.max_steps=6",
+        "train.log_interval=1",
+        "checkpoint.interval=3",
+        "train.micro_batch_size=1",
+    ]
     if not (base / "checkpoints" / "step_00000003").is_dir():  # one source run shared by the parameters
         src = train(over + ["parallel.tp=2", "parallel.pp=2", f"run.dir={base}"], nproc=4)
         assert src.returncode == 0, src.stderr[-3000:]
@@ -137,8 +180,14 @@ def test_tp2_pp2_checkpoint_resumes_under_another_layout(tmp_path_factory, name,
 def test_async_save_commits_every_checkpoint_and_resumes(tmp_path):
     from megaframe.checkpoint import sharded
 
-    over = ["data=synthetic", *TINY, "train.max_steps=6", "train.log_interval=1", "checkpoint.interval=2",
-            "checkpoint.async=true"]
+    over = [
+        "data=synthetic",
+        *TINY,
+        "train.max_steps=6",
+        "train.log_interval=1",
+        "checkpoint.interval=2",
+        "checkpoint.async=true",
+    ]
     res = train(over + [f"run.dir={tmp_path / 'a'}"], nproc=2)
     assert res.returncode == 0, res.stderr[-3000:]
     ck = tmp_path / "a" / "checkpoints"
@@ -163,13 +212,27 @@ def test_non_finite_steps_are_skipped_then_the_run_stops(tmp_path, zero):
     is skipped; no checkpoint is committed while the last step was non-finite (a poisoned commit would be
     loaded again by every auto-resume), and after train.max_bad_steps in a row the run ends with one line
     naming the checkpoint to resume from."""
-    res = train(["data=synthetic", *TINY, "optim.lr=1e30", "optim.warmup_steps=0", "optim.clip_grad=0",
-                 f"optim.zero={zero}", "train.max_bad_steps=3", "train.max_steps=20", "train.log_interval=1",
-                 "checkpoint.interval=1", f"run.dir={tmp_path}"])
+    res = train(
+        [
+            "data=synthetic",
+            *TINY,
+            "optim.lr=1e30",
+            "optim.warmup_steps=0",
+            "optim.clip_grad=0",
+            f"optim.zero={zero}",
+            "train.max_bad_steps=3",
+            "train.max_steps=20",
+            "train.log_interval=1",
+            "checkpoint.interval=1",
+            f"run.dir={tmp_path}",
+        ]
+    )
     assert res.returncode == 1, res.stderr[-2000:]
     ck = tmp_path / "checkpoints"
     err = [ln for ln in res.stderr.splitlines() if ln.startswith("megaframe: error:")]
-    assert len(err) == 1 and "4 steps in a row" in err[0] and "train.max_bad_steps=3" in err[0], res.stderr[-2000:]
+    assert len(err) == 1 and "4 steps in a row" in err[0] and "train.max_bad_steps=3" in err[0], res.stderr[
+        -2000:
+    ]
     assert f"resume with checkpoint.resume={ck / 'step_00000001'}" in err[0]
     assert res.stderr.count("skipped: non-finite grad norm") == 4
     assert res.stderr.count("not saving step") == 3  # steps 2-4 (step 5 stops the run first)

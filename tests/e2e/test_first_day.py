@@ -1,4 +1,5 @@
 """A new user's first day: the lr curve survives a longer resume, the log rows and the closing summary."""
+
 from __future__ import annotations
 
 import pytest
@@ -6,8 +7,16 @@ import pytest
 from tests.e2e.helpers import TINY, metrics, train
 
 pytestmark = pytest.mark.e2e
-SMALL = [*TINY, "model.num_layers=1", "model.hidden_size=32", "model.ffn_hidden_size=64", "model.seq_length=16",
-         "data=synthetic", "optim.min_lr=1e-4", "train.log_interval=1"]
+SMALL = [
+    *TINY,
+    "model.num_layers=1",
+    "model.hidden_size=32",
+    "model.ffn_hidden_size=64",
+    "model.seq_length=16",
+    "data=synthetic",
+    "optim.min_lr=1e-4",
+    "train.log_interval=1",
+]
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +41,10 @@ def test_resume_with_more_steps_keeps_the_lr_horizon_and_logs_an_honest_row(firs
     # 21..15", an lr warning for steps it would never run, no summary)
     done = train(SMALL + ["train.max_steps=15", f"run.dir={tmp_path}"], timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "megaframe: already at step 20 >= train.max_steps=15; nothing to train (raise train.max_steps)" \
-        in done.stdout, done.stdout
+    assert (
+        "megaframe: already at step 20 >= train.max_steps=15; nothing to train (raise train.max_steps)"
+        in done.stdout
+    ), done.stdout
     assert "warning" not in done.stderr and "run summary" not in done.stdout, done.stderr[-2000:]
     summary = [ln for ln in res.stdout.splitlines() if ln.startswith("run summary:")]
     assert len(summary) == 1 and "20 steps (1..20)" in summary[0] and "final loss" in summary[0]
@@ -56,7 +67,9 @@ def test_logged_loss_is_the_mean_since_the_last_log_line(first, tmp_path):
     # the same run as `first`, logged every 3rd step (and its first and last): the losses are first's
     # every-step rows. Step 1 is logged whatever the interval: its line says the run is alive, with a first
     # ETA
-    third = train(SMALL + ["train.max_steps=20", "train.log_interval=3", f"run.dir={tmp_path / 'b'}"], timeout=120)
+    third = train(
+        SMALL + ["train.max_steps=20", "train.log_interval=3", f"run.dir={tmp_path / 'b'}"], timeout=120
+    )
     assert third.returncode == 0, third.stderr[-2000:]
     a, b = first[2], metrics(tmp_path / "b")
     assert [r["step"] for r in b] == [1, 3, 6, 9, 12, 15, 18, 20]
@@ -67,8 +80,14 @@ def test_logged_loss_is_the_mean_since_the_last_log_line(first, tmp_path):
 
 
 def test_wandb_online_without_login_is_one_line_before_training(tmp_path):
-    res = train(["data=synthetic", "logging.wandb.mode=online", f"run.dir={tmp_path / 'r'}"], timeout=60,
-                WANDB_MODE="", HOME=str(tmp_path), WANDB_API_KEY="", NETRC=str(tmp_path / "none"))
+    res = train(
+        ["data=synthetic", "logging.wandb.mode=online", f"run.dir={tmp_path / 'r'}"],
+        timeout=60,
+        WANDB_MODE="",
+        HOME=str(tmp_path),
+        WANDB_API_KEY="",
+        NETRC=str(tmp_path / "none"),
+    )
     assert res.returncode == 2, res.stderr[-2000:]
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and "wandb login" in lines[0] and "logging.wandb.mode=offline" in lines[0]
@@ -79,10 +98,15 @@ def test_pp2_header_counts_the_whole_model_and_ranks_print_no_warning(first, tmp
     # before: params 0.14M at pp=2 (rank 0's stage) for a 0.28M model, and each rank printed torch's
     # FutureWarning for all_gather_into_tensor. `one`: the one-layer model's header (first's run)
     one = first[0]
-    two = train(SMALL + ["train.max_steps=1", "model.num_layers=2", "parallel.pp=2", f"run.dir={tmp_path / 'b'}"],
-                nproc=2, timeout=180)
+    two = train(
+        SMALL + ["train.max_steps=1", "model.num_layers=2", "parallel.pp=2", f"run.dir={tmp_path / 'b'}"],
+        nproc=2,
+        timeout=180,
+    )
     assert two.returncode == 0, two.stderr[-2000:]
-    one2 = train(SMALL + ["train.max_steps=1", "model.num_layers=2", f"run.dir={tmp_path / 'c'}"], timeout=120)
+    one2 = train(
+        SMALL + ["train.max_steps=1", "model.num_layers=2", f"run.dir={tmp_path / 'c'}"], timeout=120
+    )
     params = lambda out: [w for w in out.split("|") if "params" in w][0].split()[1]  # noqa: E731
     assert params(two.stdout) == params(one2.stdout) != params(one.stdout)
     assert "sp=False schedule 1f1b zero=1" in two.stdout, two.stdout[:1500]  # the pipeline schedule, named

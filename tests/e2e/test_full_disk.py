@@ -1,6 +1,7 @@
 """A full disk mid-run, on real size-limited file systems (a tmpfs mount, RLIMIT_FSIZE): a save that does
 not fit is the documented one line `checkpoint step N not committed: ...` with its temporary folder removed,
 and checkpoint.on_save_error=continue goes on; a full run.dir (metrics) costs a warning, never the run."""
+
 from __future__ import annotations
 
 import contextlib
@@ -17,15 +18,22 @@ from tests.e2e.helpers import ROOT, TINY, env
 pytestmark = pytest.mark.e2e
 
 # TINY's checkpoint is one ~7 MB shard (the vocabulary's rows): it never fits in 4 MiB, the metrics always do
-OVER = ["data=synthetic", *TINY, "train.max_steps=3", "train.log_interval=1", "checkpoint.interval=1",
-        "checkpoint.resume=none"]
+OVER = [
+    "data=synthetic",
+    *TINY,
+    "train.max_steps=3",
+    "train.log_interval=1",
+    "checkpoint.interval=1",
+    "checkpoint.resume=none",
+]
 
 
 @contextlib.contextmanager
 def tmpfs(where: Path, size: str):
     where.mkdir(parents=True, exist_ok=True)
-    got = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
-                         capture_output=True, text=True)
+    got = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True, text=True
+    )
     if got.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here ({got.stderr.strip() or got.returncode})")
     try:
@@ -38,8 +46,15 @@ def train(over: list[str], fsize: int | None = None) -> subprocess.CompletedProc
     def limit():  # in the child only: the test process keeps its own limit
         resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
 
-    return subprocess.run([sys.executable, "train.py", *over], cwd=ROOT, env=env(), capture_output=True,
-                          text=True, timeout=300, preexec_fn=limit if fsize else None)
+    return subprocess.run(
+        [sys.executable, "train.py", *over],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=limit if fsize else None,
+    )
 
 
 def assert_one_line_not_committed(res, ck: Path, step: int) -> None:
@@ -52,8 +67,10 @@ def assert_one_line_not_committed(res, ck: Path, step: int) -> None:
 def test_a_save_on_a_full_tmpfs_is_one_line_and_continue_goes_on(tmp_path, policy):
     with tmpfs(tmp_path / "mnt", "4m") as mnt:
         ck = mnt / "ck"
-        res = train(OVER + [f"run.dir={tmp_path / 'run'}", f"checkpoint.dir={ck}",
-                            f"checkpoint.on_save_error={policy}"])
+        res = train(
+            OVER
+            + [f"run.dir={tmp_path / 'run'}", f"checkpoint.dir={ck}", f"checkpoint.on_save_error={policy}"]
+        )
         assert_one_line_not_committed(res, ck, 1)
         assert "No space left on device" in res.stderr, res.stderr[-3000:]
         assert sharded.committed(ck) == [] and not (ck / "latest").exists()
@@ -78,8 +95,15 @@ def test_a_full_run_dir_warns_once_and_the_run_trains_and_saves(tmp_path):
         # first page; its ~11th row needs a fifth page, in the middle of the run
         (mnt / "filler").write_bytes(b"\0" * (48 << 10))
         ck = tmp_path / "ck"
-        res = train(OVER + [f"run.dir={mnt / 'run'}", f"checkpoint.dir={ck}", "checkpoint.interval=0",
-                            "train.max_steps=20"])
+        res = train(
+            OVER
+            + [
+                f"run.dir={mnt / 'run'}",
+                f"checkpoint.dir={ck}",
+                "checkpoint.interval=0",
+                "train.max_steps=20",
+            ]
+        )
         assert res.returncode == 0, res.stderr[-3000:]
         assert "Traceback" not in res.stderr, res.stderr[-3000:]
         assert res.stderr.count("metrics.jsonl") <= 1, res.stderr[-3000:]

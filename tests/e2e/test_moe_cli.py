@@ -1,5 +1,6 @@
 """MoE end to end: torchrun with 4 expert-parallel ranks equals one process; load_model reads the
 ep-sharded checkpoint; a bad expert layout exits 2 with one line."""
+
 import pytest
 import torch
 
@@ -7,8 +8,14 @@ from tests.e2e.helpers import TINY, metrics, train
 
 pytestmark = pytest.mark.e2e
 
-MOE = ["model=moe_tiny", "data=synthetic", *TINY, "model.moe_ffn_hidden_size=64", "train.max_steps=6",
-       "train.log_interval=1"]
+MOE = [
+    "model=moe_tiny",
+    "data=synthetic",
+    *TINY,
+    "model.moe_ffn_hidden_size=64",
+    "train.max_steps=6",
+    "train.log_interval=1",
+]
 
 
 def test_torchrun_ep4_matches_one_process_and_loads(tmp_path):
@@ -25,7 +32,9 @@ def test_torchrun_ep4_matches_one_process_and_loads(tmp_path):
         assert abs(a["aux_loss"] - b["aux_loss"]) / b["aux_loss"] <= 1e-4, (a["aux_loss"], b["aux_loss"])
         assert a["moe/layer1/tokens_max"] == b["moe/layer1/tokens_max"]
     assert got[0]["comm_bytes/ep"] > 0 and ref[0]["comm_bytes/ep"] == 0
-    assert {"z_loss", "moe/layer0/tokens_cv", "moe/layer0/dropped_frac", "moe/layer0/router_entropy"} <= set(got[0])
+    assert {"z_loss", "moe/layer0/tokens_cv", "moe/layer0/dropped_frac", "moe/layer0/router_entropy"} <= set(
+        got[0]
+    )
     # each rank holds 2 of the 8 experts (2 layers x 8 experts x [gate|up|down] 3 x D 64 x F 64, fp32)
     expert_bytes = 2 * 8 * 3 * 64 * 64 * 4
     assert ref[0]["mem/params_bytes"] - got[0]["mem/params_bytes"] == expert_bytes * 3 // 4

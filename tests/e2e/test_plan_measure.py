@@ -1,5 +1,6 @@
 """Measured search: `+search=true +measure=K` trains the top K layouts a few steps on this machine (torchrun,
 gloo, CPU) and prints the measured ranking beside the predicted one; bad measure settings exit 2."""
+
 from __future__ import annotations
 
 import re
@@ -11,9 +12,21 @@ from tests.e2e.helpers import run
 
 pytestmark = pytest.mark.e2e
 
-SMALL = ["data=synthetic", "model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=8",
-         "model.num_query_groups=4", "model.ffn_hidden_size=128", "model.seq_length=64", "model.vocab_size=256",
-         "train.global_batch_size=8", "+world_size=2", "+device=cpu", "+search=true", "+top=3"]
+SMALL = [
+    "data=synthetic",
+    "model.num_layers=2",
+    "model.hidden_size=64",
+    "model.num_attention_heads=8",
+    "model.num_query_groups=4",
+    "model.ffn_hidden_size=128",
+    "model.seq_length=64",
+    "model.vocab_size=256",
+    "train.global_batch_size=8",
+    "+world_size=2",
+    "+device=cpu",
+    "+search=true",
+    "+top=3",
+]
 ROW = re.compile(r"^\s+#(\d)\s+#(\d)\s+(tp=.*?)\s+([\d.]+)s\s+([\d.]+)s\s+[+-][\d.]+%$")
 
 
@@ -30,14 +43,18 @@ def test_measured_ranking_printed_beside_the_predicted(tmp_path):
     assert "run the measured #1 with: parallel.tp=" in out
 
 
-@pytest.mark.parametrize("args, needle", [(["+measure=2", "+measure_steps=2"], "+measure_steps=2"),
-                                          (["+measure=-1"], "+measure=-1")])
+@pytest.mark.parametrize(
+    "args, needle",
+    [(["+measure=2", "+measure_steps=2"], "+measure_steps=2"), (["+measure=-1"], "+measure=-1")],
+)
 def test_bad_measure_settings_exit_2(args, needle):
     res = run([sys.executable, "-m", "megaframe.plan", *SMALL, *args], timeout=120)
     assert res.returncode == 2 and res.stderr.count("\n") == 1 and needle in res.stderr, res.stderr
 
 
 def test_measure_needs_search():
-    res = run([sys.executable, "-m", "megaframe.plan", *[a for a in SMALL if a != "+search=true"], "+measure=2"],
-              timeout=120)
+    res = run(
+        [sys.executable, "-m", "megaframe.plan", *[a for a in SMALL if a != "+search=true"], "+measure=2"],
+        timeout=120,
+    )
     assert res.returncode == 2 and "+search=true" in res.stderr, res.stderr

@@ -1,6 +1,7 @@
 """Nothing lost, nothing silently wrong, end to end through train.py: rollback with keep_last,
 two jobs on one run.dir, a save slower than the hang limit, corrupt data, resume config checks
 (SIGINT: tests/e2e/test_user_guidance_cli.py)."""
+
 import hashlib
 import json
 import shutil
@@ -47,7 +48,9 @@ def test_rollback_with_keep_last_keeps_the_new_branch_and_auto_continues_it(tmp_
     assert first.returncode == 0, first.stderr[-2000:]
     assert sorted(p.name for p in ck.glob("step_*")) == ["step_00000008", "step_00000010"]
     # a loss spike: roll back to step 8 and go another way (here: stop at 9)
-    back = train(over + ["train.max_steps=9", "checkpoint.interval=1", f"checkpoint.resume={ck / 'step_00000008'}"])
+    back = train(
+        over + ["train.max_steps=9", "checkpoint.interval=1", f"checkpoint.resume={ck / 'step_00000008'}"]
+    )
     assert back.returncode == 0, back.stderr[-2000:]
     assert (ck / "latest").read_text().strip() == "step_00000009"
     # the new branch (9) and its parent (8) are kept; the abandoned 10 is not deleted either
@@ -60,15 +63,31 @@ def test_rollback_with_keep_last_keeps_the_new_branch_and_auto_continues_it(tmp_
     assert sorted(p.name for p in sharded.committed(ck)) == ["step_00000010", "step_00000011"]
     # the abandoned branch's step 10 was renamed, not replaced, when the new branch reached step 10
     kept = list(ck.glob("step_00000010.replaced-*"))
-    assert len(kept) == 1 and json.loads((kept[0] / "metadata.json").read_text())["lineage"]["parent"] == "step_00000008"
-    marks = [r for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines()) if "resumed_from" in r]
-    assert [(r["step"], Path(r["resumed_from"]).name) for r in marks] == [(9, "step_00000008"), (10, "step_00000009")]
+    assert (
+        len(kept) == 1
+        and json.loads((kept[0] / "metadata.json").read_text())["lineage"]["parent"] == "step_00000008"
+    )
+    marks = [
+        r
+        for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
+        if "resumed_from" in r
+    ]
+    assert [(r["step"], Path(r["resumed_from"]).name) for r in marks] == [
+        (9, "step_00000008"),
+        (10, "step_00000009"),
+    ]
 
 
 def test_second_run_on_a_busy_run_dir_exits_2_and_touches_nothing(tmp_path):
     over = SYN + ["train.max_steps=100000", "checkpoint.interval=2", f"run.dir={tmp_path}"]
-    first = subprocess.Popen([sys.executable, "train.py", *over], cwd=ROOT, env=env(), stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True)
+    first = subprocess.Popen(
+        [sys.executable, "train.py", *over],
+        cwd=ROOT,
+        env=env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         t0 = time.time()
         while not (tmp_path / "checkpoints" / "latest").is_file():
@@ -91,8 +110,11 @@ def test_second_run_on_a_busy_run_dir_exits_2_and_touches_nothing(tmp_path):
 
 
 def test_a_save_slower_than_the_hang_limit_commits(tmp_path):
-    res = train(SYN + ["train.max_steps=2", "checkpoint.interval=1", "train.hang_timeout_s=2",
-                       f"run.dir={tmp_path}"], timeout=120, MEGAFRAME_INJECT="slow_save:step=1:seconds=5")
+    res = train(
+        SYN + ["train.max_steps=2", "checkpoint.interval=1", "train.hang_timeout_s=2", f"run.dir={tmp_path}"],
+        timeout=120,
+        MEGAFRAME_INJECT="slow_save:step=1:seconds=5",
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_00000002"
     assert (tmp_path / "checkpoints" / "step_00000001" / "metadata.json").is_file()
@@ -127,20 +149,36 @@ def corrupt_data(tmp_path_factory, demo_prepared):
 
 
 @pytest.mark.parametrize("nproc,layout", [(1, []), (2, ["parallel.tp=2"]), (2, [])])
-def test_token_ids_outside_the_vocabulary_exit_2_naming_shard_and_offset(corrupt_data, tmp_path, nproc, layout):
-    res = train([*TINY, f"data.path={corrupt_data}", "train.max_steps=50", "checkpoint.interval=0",
-                 f"run.dir={tmp_path}", *layout], nproc=nproc, timeout=180)
+def test_token_ids_outside_the_vocabulary_exit_2_naming_shard_and_offset(
+    corrupt_data, tmp_path, nproc, layout
+):
+    res = train(
+        [
+            *TINY,
+            f"data.path={corrupt_data}",
+            "train.max_steps=50",
+            "checkpoint.interval=0",
+            f"run.dir={tmp_path}",
+            *layout,
+        ],
+        nproc=nproc,
+        timeout=180,
+    )
     assert res.returncode == (2 if nproc == 1 else 1), res.stderr[-3000:]
     line = _one_error_line(res.stderr)
     assert "is corrupt: token id 65535 at token offset" in line and "shard_000" in line, line
-    assert "data: the first batch's shards match their sha256" in res.stdout  # caught later, as batches are read
+    assert (
+        "data: the first batch's shards match their sha256" in res.stdout
+    )  # caught later, as batches are read
     if nproc > 1:
         assert "exitcode: 2" in res.stderr  # torchrun's report of the worker
         # every rank ends with the first reader's line, also at dp=2 where each rank reads its own shards;
         # torchrun SIGTERMs the peers of the first rank that exits, so some may end before they print it
         # (two ranks that each reach a corrupt shard of their own in the same step each name theirs)
         said = [ln for ln in res.stderr.splitlines() if ln.startswith("megaframe: error:")]
-        assert said and all("is corrupt: token id 65535 at token offset" in ln for ln in said), res.stderr[-3000:]
+        assert said and all("is corrupt: token id 65535 at token offset" in ln for ln in said), res.stderr[
+            -3000:
+        ]
         assert "exitcode  : 1 " not in res.stderr, res.stderr[-3000:]
     assert not (tmp_path / "checkpoints").exists()
 
@@ -154,7 +192,9 @@ def test_data_verify_checks_sha256_and_start_up_refuses_a_corrupt_first_shard(tm
         b[10] ^= 1
         f.write_bytes(bytes(b))
     bad = run([sys.executable, "-m", "megaframe.data", "verify", str(data)], timeout=120)
-    assert bad.returncode == 2 and "sha256" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+    assert bad.returncode == 2 and "sha256" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1, (
+        bad.stderr
+    )
     res = train([*TINY, f"data.path={data}", "train.max_steps=2", f"run.dir={tmp_path / 'run'}"], timeout=120)
     assert res.returncode == 2 and "is corrupt (sha256" in _one_error_line(res.stderr), res.stderr[-2000:]
 
@@ -167,7 +207,9 @@ def test_resume_refuses_a_changed_batch_seed_or_model_and_accounts_samples_with_
     assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1, res.stderr[-2000:]
     line = _one_error_line(res.stderr)
     name = "train.global_batch_size"
-    assert f"was written with {name}=8, this run has 16" in line and f"allow_config_change=[{name}]" in line, line
+    assert (
+        f"was written with {name}=8, this run has 16" in line and f"allow_config_change=[{name}]" in line
+    ), line
     # the other guarded fields, against the same checkpoint's metadata in process (a run each costs ~8 s)
     from megaframe.checkpoint.resume_checks import check_resume
     from megaframe.config import ConfigError, load_config
@@ -176,10 +218,19 @@ def test_resume_refuses_a_changed_batch_seed_or_model_and_accounts_samples_with_
     for change in ["train.seed=7", "model.rope_theta=500000", "model.num_layers=3", "model.norm_eps=1e-6"]:
         with pytest.raises(ConfigError, match=f"was written with {change.split('=')[0]}="):
             check_resume(load_config(over + [change], world_size=1), meta, "ckpt", verbose=False)
-    check_resume(load_config(over + ["parallel.tp=2"], world_size=2), meta, "ckpt", verbose=False)  # layouts may change
+    check_resume(
+        load_config(over + ["parallel.tp=2"], world_size=2), meta, "ckpt", verbose=False
+    )  # layouts may change
     assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*")) == ["step_00000004"]
-    ok = train(over + ["train.max_steps=6", "train.global_batch_size=16", "train.micro_batch_size=4",
-                       "checkpoint.allow_config_change=[train.global_batch_size]"])
+    ok = train(
+        over
+        + [
+            "train.max_steps=6",
+            "train.global_batch_size=16",
+            "train.micro_batch_size=4",
+            "checkpoint.allow_config_change=[train.global_batch_size]",
+        ]
+    )
     assert ok.returncode == 0, ok.stderr[-2000:]
     assert "train.global_batch_size changed from 8 to 16" in ok.stderr
     rows = metrics(tmp_path)

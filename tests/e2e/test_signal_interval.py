@@ -1,5 +1,6 @@
 """Stop signals are agreed only at check steps (train.signal_check_interval, the first, log and last
 steps), and every rank still stops at the same one, with one committed checkpoint."""
+
 import json
 import os
 import re
@@ -16,11 +17,30 @@ pytestmark = pytest.mark.e2e
 
 
 def test_sigterm_stops_every_rank_at_the_next_check_step(tmp_path):
-    over = ["data=synthetic", *TINY, "train.max_steps=100000", "train.log_interval=5",
-            "train.signal_check_interval=3", f"run.dir={tmp_path}"]
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                             "train.py", *over], cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    over = [
+        "data=synthetic",
+        *TINY,
+        "train.max_steps=100000",
+        "train.log_interval=5",
+        "train.signal_check_interval=3",
+        f"run.dir={tmp_path}",
+    ]
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            "train.py",
+            *over,
+        ],
+        cwd=ROOT,
+        env=env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     metrics = tmp_path / "metrics.jsonl"
     t0 = time.time()
     while not (metrics.is_file() and metrics.read_text().strip()):

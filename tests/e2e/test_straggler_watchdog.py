@@ -1,5 +1,6 @@
 """Straggler figures and the hang watchdog, end to end under torchrun with 2 ranks (dp=2) and
 injected faults (MEGAFRAME_INJECT). Every subprocess has a hard timeout."""
+
 import time
 
 import pytest
@@ -12,8 +13,12 @@ BASE = ["data=synthetic", *TINY, "checkpoint.resume=none", "checkpoint.interval=
 
 
 def test_injected_sleep_names_the_slow_rank(tmp_path):
-    res = train(BASE + ["train.max_steps=6", "train.log_interval=3", f"run.dir={tmp_path}"], nproc=2,
-                timeout=180, MEGAFRAME_INJECT="sleep:rank=1:seconds=0.3")
+    res = train(
+        BASE + ["train.max_steps=6", "train.log_interval=3", f"run.dir={tmp_path}"],
+        nproc=2,
+        timeout=180,
+        MEGAFRAME_INJECT="sleep:rank=1:seconds=0.3",
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     rows = metrics(tmp_path)
     assert [r["step"] for r in rows] == [1, 3, 6]  # step 1 is always logged
@@ -25,8 +30,13 @@ def test_injected_sleep_names_the_slow_rank(tmp_path):
 
 def test_injected_hang_trips_the_watchdog_on_every_rank(tmp_path):
     t0 = time.perf_counter()
-    res = train(BASE + ["train.max_steps=20", "train.log_interval=1", "train.hang_timeout_s=4",
-                        f"run.dir={tmp_path}"], nproc=2, timeout=120, MEGAFRAME_INJECT="hang:rank=1:step=3")
+    res = train(
+        BASE
+        + ["train.max_steps=20", "train.log_interval=1", "train.hang_timeout_s=4", f"run.dir={tmp_path}"],
+        nproc=2,
+        timeout=120,
+        MEGAFRAME_INJECT="hang:rank=1:step=3",
+    )
     elapsed = time.perf_counter() - t0
     print(f"exit {res.returncode} after {elapsed:.1f}s")
     assert res.returncode != 0

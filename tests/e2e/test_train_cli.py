@@ -1,4 +1,5 @@
 """The user-facing commands end to end: one process, torchrun, bad input, resume, load_model."""
+
 import json
 import time
 
@@ -29,12 +30,15 @@ def test_torchrun_tp4_sp_matches_one_process(tmp_path):
     assert got[0]["comm_bytes/tp"] > 0 and ref[0]["comm_bytes/tp"] == 0
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["parallel.tp=3"], "parallel.tp"),
-    (["model.hiden_size=3"], "hiden_size"),
-    (["data.path=/nonexistent/prepared"], "data.path"),
-    (["train.global_batch_size=7"], "train.global_batch_size"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["parallel.tp=3"], "parallel.tp"),
+        (["model.hiden_size=3"], "hiden_size"),
+        (["data.path=/nonexistent/prepared"], "data.path"),
+        (["train.global_batch_size=7"], "train.global_batch_size"),
+    ],
+)
 def test_bad_input_exits_2_with_one_line(args, needle, tmp_path):
     t0 = time.time()
     res = train(args + [f"run.dir={tmp_path}/r"], timeout=60)
@@ -57,7 +61,9 @@ def test_torchrun_refuses_tp_that_does_not_divide_world(tmp_path):
     assert any("traceback : megaframe: error: parallel.tp=3" in ln for ln in tail), tail
 
 
-@pytest.mark.parametrize("nproc,layout", [(1, []), (2, ["parallel.tp=2", "parallel.sp=true"])], ids=["one", "tp2"])
+@pytest.mark.parametrize(
+    "nproc,layout", [(1, []), (2, ["parallel.tp=2", "parallel.sp=true"])], ids=["one", "tp2"]
+)
 def test_resume_continues_with_uninterrupted_losses(tmp_path, nproc, layout):
     """The README's resume, same command line plus checkpoint.resume=STEP_FOLDER into a new run.dir, with a
     preset that leaves vocab_size to the data (it was refused: 'model.vocab_size=None contradicts ...')."""
@@ -70,7 +76,9 @@ def test_resume_continues_with_uninterrupted_losses(tmp_path, nproc, layout):
     assert meta["step"] == 3 and meta["consumed_samples"] == 24
     assert meta["tensors"]["model/embed.weight"]["global_shape"] == [4096, 64]
     # a second run pointed at the step-3 checkpoint resumes there and continues identically
-    resumed = train(over + [f"run.dir={tmp_path / 'b'}", f"checkpoint.resume={ck / 'step_00000003'}"], nproc=nproc)
+    resumed = train(
+        over + [f"run.dir={tmp_path / 'b'}", f"checkpoint.resume={ck / 'step_00000003'}"], nproc=nproc
+    )
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "resumed from" in resumed.stdout
     a, b = metrics(tmp_path / "a"), metrics(tmp_path / "b")
@@ -95,15 +103,33 @@ def test_torchrun_pp4_vpp2_matches_one_process_and_checkpoint_loads(tmp_path):
     interleaved run's step-3 checkpoint (layout-free names; zbv's V at pp2 puts layers 0-1 and 6-7 on
     rank 0), continues with the one-process losses; its logged loss (computed on rank 0 under the V,
     logged by the last rank) is real."""
-    over = ["data=synthetic", *TINY, "model.num_layers=8", "train.max_steps=6", "train.log_interval=1",
-            "train.global_batch_size=16", "train.micro_batch_size=2"]
+    over = [
+        "data=synthetic",
+        *TINY,
+        "model.num_layers=8",
+        "train.max_steps=6",
+        "train.log_interval=1",
+        "train.global_batch_size=16",
+        "train.micro_batch_size=2",
+    ]
     one = train(over + [f"run.dir={tmp_path / 'one'}"])
     assert one.returncode == 0, one.stderr[-3000:]
-    pp = train(over + ["parallel.pp=4", "parallel.vpp=2", "checkpoint.interval=3", f"run.dir={tmp_path / 'pp'}"],
-               nproc=4)
+    pp = train(
+        over + ["parallel.pp=4", "parallel.vpp=2", "checkpoint.interval=3", f"run.dir={tmp_path / 'pp'}"],
+        nproc=4,
+    )
     assert pp.returncode == 0, pp.stderr[-3000:]
-    zbv = train(over + ["parallel.pp=2", "parallel.vpp=2", "parallel.pp_schedule=zbv", f"run.dir={tmp_path / 'zbv'}",
-                        f"checkpoint.resume={tmp_path / 'pp' / 'checkpoints' / 'step_00000003'}"], nproc=2)
+    zbv = train(
+        over
+        + [
+            "parallel.pp=2",
+            "parallel.vpp=2",
+            "parallel.pp_schedule=zbv",
+            f"run.dir={tmp_path / 'zbv'}",
+            f"checkpoint.resume={tmp_path / 'pp' / 'checkpoints' / 'step_00000003'}",
+        ],
+        nproc=2,
+    )
     assert zbv.returncode == 0, zbv.stderr[-3000:]
     ref, got, after = metrics(tmp_path / "one"), metrics(tmp_path / "pp"), metrics(tmp_path / "zbv")
     assert [r["step"] for r in after] == [4, 5, 6]
@@ -117,4 +143,3 @@ def test_torchrun_pp4_vpp2_matches_one_process_and_checkpoint_loads(tmp_path):
         a = megaframe.load_model(str(tmp_path / "pp" / "checkpoints"))(ids)
         b = megaframe.load_model(str(tmp_path / "one" / "checkpoints"))(ids)
     torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
-

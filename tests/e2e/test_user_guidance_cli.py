@@ -6,6 +6,7 @@ The stop step is logged (the summary's final loss is the stopped step's), and th
 before the run summary. The torchrun failure summary is checked on the torchrun that
 tests/e2e/test_train_cli.py::test_torchrun_refuses_tp_that_does_not_divide_world runs (the same command).
 """
+
 import re
 import shlex
 import signal
@@ -19,14 +20,24 @@ from tests.e2e.helpers import ROOT, TINY, env, metrics, run
 
 pytestmark = pytest.mark.e2e
 
-SYN = ["data=synthetic", *TINY, "train.log_interval=1000", "train.signal_check_interval=1",
-       "logging.wandb.mode=disabled"]
+SYN = [
+    "data=synthetic",
+    *TINY,
+    "train.log_interval=1000",
+    "train.signal_check_interval=1",
+    "logging.wandb.mode=disabled",
+]
 
 
 def test_ctrl_c_prints_the_command_that_continues_the_run(tmp_path):
-    proc = subprocess.Popen([sys.executable, "train.py", *SYN, "train.max_steps=100000", f"run.dir={tmp_path}"],
-                            cwd=ROOT, env=env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "train.py", *SYN, "train.max_steps=100000", f"run.dir={tmp_path}"],
+        cwd=ROOT,
+        env=env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     t0 = time.time()
     while not list(tmp_path.glob("config.yaml")) or time.time() - t0 < 1:
         assert proc.poll() is None and time.time() - t0 < 120, proc.stdout.read()
@@ -35,12 +46,18 @@ def test_ctrl_c_prints_the_command_that_continues_the_run(tmp_path):
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, out[-2000:]
     assert "zero=1 (optimizer state sharded over dp=1)" in out, out[:2000]  # F10: before, no ZeRO stage
-    stop = re.search(r"stopping at step (\d+) after SIGINT; checkpoint saved; continue with: (python train\.py .*)", out)
+    stop = re.search(
+        r"stopping at step (\d+) after SIGINT; checkpoint saved; continue with: (python train\.py .*)", out
+    )
     assert stop, out[-2000:]  # before: "...; checkpoint saved" and nothing on how to go on
     step, cmd = int(stop.group(1)), shlex.split(stop.group(2))
     # the user's arguments; run.dir names the run, so no run.name (it is needed only without run.dir: a
     # default name is a new timestamp at every start)
-    assert not [a for a in cmd if a.startswith("run.name=")] and f"run.dir={tmp_path}" in cmd and "optim.lr=3e-3" in cmd
+    assert (
+        not [a for a in cmd if a.startswith("run.name=")]
+        and f"run.dir={tmp_path}" in cmd
+        and "optim.lr=3e-3" in cmd
+    )
     # F11: the stop step has its row (before: the last log_interval row), and the save line precedes the
     # summary
     assert metrics(tmp_path)[-1]["step"] == step
@@ -66,11 +83,23 @@ def small_run(tmp_path_factory):
     src = tmp / "corpus"
     src.mkdir()
     for i in range(12):
-        (src / f"doc{i}.txt").write_text(f"Document {i}. " + "The quick brown fox jumps over the lazy dog. " * 40)
+        (src / f"doc{i}.txt").write_text(
+            f"Document {i}. " + "The quick brown fox jumps over the lazy dog. " * 40
+        )
     data = tmp / "data"
     assert prep.main([f"data.source={src}", f"data.path={data}", "data.vocab_size=300"]) == 0
-    res = run([sys.executable, "train.py", *TINY, f"data.path={data}", "train.max_steps=1", "logging.wandb.mode=disabled",
-               f"run.dir={tmp / 'run'}"], timeout=180)
+    res = run(
+        [
+            sys.executable,
+            "train.py",
+            *TINY,
+            f"data.path={data}",
+            "train.max_steps=1",
+            "logging.wandb.mode=disabled",
+            f"run.dir={tmp / 'run'}",
+        ],
+        timeout=180,
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     assert "run summary: 1 step (1..1)," in res.stdout, res.stdout[-1500:]  # before: "1 steps"
     return data, tmp / "run"
@@ -94,7 +123,9 @@ def test_evaluate_says_which_samples_and_whether_the_run_trained_on_them(small_r
     assert "trained on this data with data.valid_fraction=0.0" in cap.err
 
 
-def test_hf_round_trip_continues_on_the_original_data_and_prints_a_command_that_runs(small_run, tmp_path, capsys):
+def test_hf_round_trip_continues_on_the_original_data_and_prints_a_command_that_runs(
+    small_run, tmp_path, capsys
+):
     """F5: export -> import could not reuse the run's own prepared data (refused: "transformers ... vs
     sentencepiece"), and the import printed a train command on data=demo that the tokenizer check refused."""
     sys.path.insert(0, str(ROOT / "scripts"))
@@ -120,5 +151,6 @@ def test_hf_round_trip_continues_on_the_original_data_and_prints_a_command_that_
     prep_line = next(ln.split() for ln in lines if "megaframe.data.prepare" in ln)
     assert f"data.tokenizer={(tmp_path / 'demo' / 'hf_tokenizer').resolve()}" in prep_line
     train_line = next(ln for ln in lines if "python train.py" in ln)
-    assert "data=demo" not in train_line and "data.path=DATA" in train_line  # before: "... data=demo", refused
-
+    assert (
+        "data=demo" not in train_line and "data.path=DATA" in train_line
+    )  # before: "... data=demo", refused

@@ -1,5 +1,6 @@
 """ZeRO through the real entry points: torchrun dp=2 logs the dp bytes and memory the theory predicts;
 zero=3 logs sharded params and resumes from its own checkpoint."""
+
 import math
 import re
 
@@ -44,20 +45,35 @@ def test_torchrun_zero3_logs_sharded_memory_and_resumes(tmp_path):
     logged, and a run resumed from its step-2 checkpoint (saved from sharded params) continues the losses
     of the uninterrupted one."""
     model = [*TINY, "model.vocab_size=256"]
-    over = ["data=synthetic", *model, "train.max_steps=4", "train.log_interval=1", "optim.zero=3",
-            "checkpoint.interval=2"]
+    over = [
+        "data=synthetic",
+        *model,
+        "train.max_steps=4",
+        "train.log_interval=1",
+        "optim.zero=3",
+        "checkpoint.interval=2",
+    ]
     full = train(over + [f"run.dir={tmp_path / 'full'}"], nproc=2)
     assert full.returncode == 0, full.stderr[-3000:]
     # the header's per-rank share is the ZeRO-3 shard (before: the whole model, as if nothing were sharded)
-    total, mine = map(float, re.search(r"params ([\d.]+)M, ([\d.]+)M on this rank \(ZeRO-3 shard\)",
-                                        full.stdout).groups())
+    total, mine = map(
+        float, re.search(r"params ([\d.]+)M, ([\d.]+)M on this rank \(ZeRO-3 shard\)", full.stdout).groups()
+    )
     assert 0.4 * total <= mine <= 0.6 * total, full.stdout[:1500]
     rows = metrics(tmp_path / "full")
     # dp=2: grads are 1/2 of the fp32 buffer, so 2x grads is the whole model's fp32 params
-    assert all(r["mem/params_bytes"] < 2 * r["mem/grads_bytes"] and r["mem/gathered_peak_bytes"] > 0
-               for r in rows), rows
-    resumed = train(over + [f"run.dir={tmp_path / 'res'}", "train.max_steps=4",
-                            f"checkpoint.resume={tmp_path / 'full' / 'checkpoints' / 'step_00000002'}"], nproc=2)
+    assert all(
+        r["mem/params_bytes"] < 2 * r["mem/grads_bytes"] and r["mem/gathered_peak_bytes"] > 0 for r in rows
+    ), rows
+    resumed = train(
+        over
+        + [
+            f"run.dir={tmp_path / 'res'}",
+            "train.max_steps=4",
+            f"checkpoint.resume={tmp_path / 'full' / 'checkpoints' / 'step_00000002'}",
+        ],
+        nproc=2,
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     got = {r["step"]: r["loss"] for r in metrics(tmp_path / "res")}
     for r in rows[2:]:

@@ -1,4 +1,5 @@
 """CUDA path (runs where a GPU exists): the same tiny run on cuda matches the CPU run."""
+
 import pytest
 import torch
 

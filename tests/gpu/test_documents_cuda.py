@@ -2,6 +2,7 @@
 FlexAttention under a block mask (model/documents.py) and its forward and backward equal the SDPA
 boolean-mask path (the CPU reference) on the same weights and documents. CPU runs flex's forward only
 (tests/unit/model/test_documents.py compares it there); its backward exists on CUDA alone."""
+
 from __future__ import annotations
 
 import pytest
@@ -24,8 +25,10 @@ def _run(model, ids, labels, kernel):
 
 
 def test_flex_block_mask_training_matches_the_sdpa_mask_on_cuda():
-    cfg = load_config(["data=synthetic", "model.vocab_size=256", "model.seq_length=512", "data.document_mask=true"],
-                      world_size=1)
+    cfg = load_config(
+        ["data=synthetic", "model.vocab_size=256", "model.seq_length=512", "data.document_mask=true"],
+        world_size=1,
+    )
     model = build_model(cfg, single_process_mesh("cuda")).train()
     model.set_documents(EOS)
     assert model._doc_kernel() == "flex"

@@ -8,6 +8,7 @@ and prints a summary):
 - the watchdog's ring buffer tells an enqueued device collective from a completed one (CUDA events);
 - a one-process checkpoint round trip on CUDA, sync and async, resumes with the same losses.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -37,8 +38,10 @@ def _sync_counts(overrides: list[str], steps: int) -> tuple[list[int], list[floa
     model = build_model(cfg, mesh)
     opt = build_optimizer(model, cfg.optim, mesh)
     t, data = cfg.train, build_data(cfg)
-    batches = [microbatches(data, s, t.global_batch_size, t.micro_batch_size, 0, 1, t.seed, mesh.device)
-               for s in range(steps + 1)]
+    batches = [
+        microbatches(data, s, t.global_batch_size, t.micro_batch_size, 0, 1, t.seed, mesh.device)
+        for s in range(steps + 1)
+    ]
     train_step(model, opt, batches[0], mesh, cfg, 1)
     torch.cuda.synchronize()
     counts, results = [], []
@@ -54,8 +57,11 @@ def _sync_counts(overrides: list[str], steps: int) -> tuple[list[int], list[floa
     return counts, [r.loss_sum.item() for r in results]
 
 
-DENSE = [[], ["train.precision=bf16", "train.recompute=selective"],
-         ["train.precision=bf16", "train.compile=true", "train.recompute=full"]]
+DENSE = [
+    [],
+    ["train.precision=bf16", "train.recompute=selective"],
+    ["train.precision=bf16", "train.compile=true", "train.recompute=full"],
+]
 
 
 @pytest.mark.parametrize("over", DENSE, ids=["fp32", "bf16-selective", "bf16-compile-full"])
@@ -65,9 +71,15 @@ def test_dense_steps_do_not_sync(over):
     assert all(x == x for x in losses)
 
 
-@pytest.mark.parametrize("over,per_layer", [([], 1), (["train.precision=bf16", "train.recompute=selective"], 1),
-                                            (["train.precision=bf16", "train.recompute=full"], 2)],
-                         ids=["fp32", "bf16-selective", "bf16-full"])
+@pytest.mark.parametrize(
+    "over,per_layer",
+    [
+        ([], 1),
+        (["train.precision=bf16", "train.recompute=selective"], 1),
+        (["train.precision=bf16", "train.recompute=full"], 2),
+    ],
+    ids=["fp32", "bf16-selective", "bf16-full"],
+)
 def test_moe_steps_sync_once_per_layer_and_micro_batch(over, per_layer):
     counts, losses = _sync_counts(MOE + over, 3)
     assert all(c <= MOE_LAYERS * MICRO * per_layer for c in counts), counts
@@ -77,7 +89,9 @@ def test_moe_steps_sync_once_per_layer_and_micro_batch(over, per_layer):
 def test_moe_bf16_compile_trains():
     """MoE blocks graph-break at the split sizes; compiled, they must still train (syncs not counted:
     new token counts per expert may recompile)."""
-    _, losses = _sync_counts(MOE + ["train.precision=bf16", "train.compile=true", "train.recompute=selective"], 2)
+    _, losses = _sync_counts(
+        MOE + ["train.precision=bf16", "train.compile=true", "train.recompute=selective"], 2
+    )
     assert all(x == x for x in losses)
 
 
@@ -91,15 +105,27 @@ def test_flash_attention_runs_the_models_attention():
     from megaframe.model.attention import Attention, rope_tables
     from megaframe.parallel.mesh import single_process_mesh
 
-    cfg = load_config(["model=llama3_8b", "data=synthetic", "model.num_attention_heads=4", "model.num_query_groups=1",
-                       "model.hidden_size=512", "model.seq_length=2048"], world_size=1, check_data=False)
+    cfg = load_config(
+        [
+            "model=llama3_8b",
+            "data=synthetic",
+            "model.num_attention_heads=4",
+            "model.num_query_groups=1",
+            "model.hidden_size=512",
+            "model.seq_length=2048",
+        ],
+        world_size=1,
+        check_data=False,
+    )
     assert cfg.model.head_dim == 128
     m = cfg.model
     attn = Attention(m, single_process_mesh("cuda").tp, sp=False, device="cuda").to(torch.bfloat16)
     for p in attn.parameters():  # sharded_param leaves them uninitialised
         torch.nn.init.normal_(p, std=0.02)
     rope = rope_tables(m.seq_length, m.head_dim, m.rope_theta, "cuda")
-    x_SBD = torch.randn(m.seq_length, 1, m.hidden_size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    x_SBD = torch.randn(
+        m.seq_length, 1, m.hidden_size, device="cuda", dtype=torch.bfloat16, requires_grad=True
+    )
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):  # raises "No available kernel" if flash cannot take it
         attn(x_SBD, rope).float().sum().backward()
     assert x_SBD.grad is not None and torch.isfinite(x_SBD.grad).all()
@@ -116,7 +142,10 @@ def test_fused_cross_entropy_bf16_matches_fp32():
     t = torch.randint(0, v, (n, 1), device="cuda", generator=g)
     out = {}
     for dtype in (torch.bfloat16, torch.float32):
-        x_, w_ = x.detach().to(dtype).clone().requires_grad_(True), w.detach().to(dtype).clone().requires_grad_(True)
+        x_, w_ = (
+            x.detach().to(dtype).clone().requires_grad_(True),
+            w.detach().to(dtype).clone().requires_grad_(True),
+        )
         loss = linear_cross_entropy(x_, w_, t).sum()
         loss.backward()
         out[dtype] = (loss.float(), x_.grad.float(), w_.grad.float())
@@ -125,7 +154,11 @@ def test_fused_cross_entropy_bf16_matches_fp32():
         return ((a - b).norm() / b.norm()).item()
 
     (lb, xb, wb), (lf, xf, wf) = out[torch.bfloat16], out[torch.float32]
-    assert rel(lb, lf) < 2e-3 and rel(wb, wf) < 1e-2 and rel(xb, xf) < 2e-2, (rel(lb, lf), rel(wb, wf), rel(xb, xf))
+    assert rel(lb, lf) < 2e-3 and rel(wb, wf) < 1e-2 and rel(xb, xf) < 2e-2, (
+        rel(lb, lf),
+        rel(wb, wf),
+        rel(xb, xf),
+    )
 
 
 def test_ring_buffer_tells_enqueued_from_completed_on_the_gpu():
@@ -144,8 +177,15 @@ def test_ring_buffer_tells_enqueued_from_completed_on_the_gpu():
 @pytest.mark.parametrize("save", ["sync", "async"])
 def test_checkpoint_round_trip_on_cuda(tmp_path, save):
     """Save at step 2 of 4, resume from it in a fresh run: steps 3-4 repeat the unbroken run's losses."""
-    over = ["data=synthetic", *TINY, "train.device=cuda", "train.max_steps=4", "train.log_interval=1",
-            "checkpoint.interval=2", f"checkpoint.async={str(save == 'async').lower()}"]
+    over = [
+        "data=synthetic",
+        *TINY,
+        "train.device=cuda",
+        "train.max_steps=4",
+        "train.log_interval=1",
+        "checkpoint.interval=2",
+        f"checkpoint.async={str(save == 'async').lower()}",
+    ]
     whole = train(over + [f"run.dir={tmp_path / 'whole'}"])
     assert whole.returncode == 0, whole.stderr[-2000:]
     step2 = tmp_path / "whole" / "checkpoints" / "step_00000002"
@@ -166,8 +206,17 @@ def test_grouped_experts_match_the_loop_on_cuda():
     from megaframe.model.moe.layer import Experts
     from megaframe.parallel.mesh import single_process_mesh
 
-    cfg = load_config(["data=synthetic", "model=moe_tiny", "model.vocab_size=64", "model.num_experts=6",
-                       "model.hidden_size=256", "model.moe_ffn_hidden_size=512"], world_size=1).model
+    cfg = load_config(
+        [
+            "data=synthetic",
+            "model=moe_tiny",
+            "model.vocab_size=64",
+            "model.num_experts=6",
+            "model.hidden_size=256",
+            "model.moe_ffn_hidden_size=512",
+        ],
+        world_size=1,
+    ).model
     experts = Experts(cfg, single_process_mesh("cuda").ep, False, "cuda").to(torch.bfloat16)
     for p in experts.parameters():
         torch.nn.init.normal_(p, std=0.05)
@@ -186,8 +235,15 @@ def test_fp8_compiled_trains_like_bf16(tmp_path):
     """train.precision=fp8 (torchao float8 GEMMs, torch.compile)
     on the GPU: 30 tiny steps within 2 % of bf16."""
     pytest.importorskip("torchao")
-    over = ["data=synthetic", *TINY, "train.max_steps=30", "train.log_interval=30", "train.device=cuda",
-            "optim.zero=1", "train.compile=true"]
+    over = [
+        "data=synthetic",
+        *TINY,
+        "train.max_steps=30",
+        "train.log_interval=30",
+        "train.device=cuda",
+        "optim.zero=1",
+        "train.compile=true",
+    ]
     losses = {}
     for precision in ("bf16", "fp8"):
         res = train(over + [f"train.precision={precision}", f"run.dir={tmp_path / precision}"])

@@ -1,5 +1,6 @@
 """GPU checks (skipped without CUDA; scripts/gpu_check.py runs them): the mm/addmm out_dtype probe, the
 fused ring's CUDA flash pair, and the pinned staging buffer."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,5 +1,6 @@
 """The model's causal SDPA on CUDA prefers cuDNN (attention.SDPA_PRIORITY): its outputs and grads match
 FlashAttention-2's at the llama_1b head dim, bf16, GQA, and the global backend order is left as it was."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -20,8 +21,10 @@ def _run(fn, q, k, v):
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_cudnn_first_sdpa_matches_flash_forward_and_backward(head_dim):
     gen = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(2, h, 1024, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
-               for h in (16, 4, 4))
+    q, k, v = (
+        torch.randn(2, h, 1024, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+        for h in (16, 4, 4)
+    )
     before = torch._C._get_sdp_priority_order()
 
     def flash(q, k, v):

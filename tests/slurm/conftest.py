@@ -6,6 +6,7 @@ that is impossible here (not root, or apt cannot install the packages); CI runs 
 A cluster that was already up is used as is; one started by a test session is stopped by the last
 session that uses it (a shared lock lets concurrent sessions share it).
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -30,7 +31,9 @@ def _cluster(cmd: str, timeout: float) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="session")
 def slurm_cluster():
     if os.geteuid() != 0:
-        pytest.skip("the local Slurm cluster needs root (scripts/slurm/local_cluster.sh installs and starts daemons)")
+        pytest.skip(
+            "the local Slurm cluster needs root (scripts/slurm/local_cluster.sh installs and starts daemons)"
+        )
     if shutil.which("sbatch") is None and shutil.which("apt-get") is None:
         pytest.skip("no Slurm installed and no apt-get to install it")
     STATE.mkdir(parents=True, exist_ok=True)

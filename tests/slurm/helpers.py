@@ -1,4 +1,5 @@
 """Submit pretrain.sbatch to the local cluster and watch the job (scontrol; no sacct without slurmdbd)."""
+
 from __future__ import annotations
 
 import os
@@ -10,8 +11,17 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 SBATCH_SCRIPT = ROOT / "scripts" / "slurm" / "pretrain.sbatch"
-FINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
-         "PREEMPTED"}
+FINAL = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "BOOT_FAIL",
+    "DEADLINE",
+    "PREEMPTED",
+}
 
 
 def job_env(**extra: str) -> dict:
@@ -20,12 +30,28 @@ def job_env(**extra: str) -> dict:
     venv = ROOT / ".venv" / "bin"
     bindir = venv if (venv / "python").exists() else Path(sys.executable).parent
     env["PATH"] = f"{bindir}{os.pathsep}{env.get('PATH', '/usr/bin:/bin')}"
-    for k in ("MEGAFRAME_RUN_NAME", "MEGAFRAME_LAUNCHER", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-              "MASTER_PORT", "WANDB_DIR", "WANDB_API_KEY"):
+    for k in (
+        "MEGAFRAME_RUN_NAME",
+        "MEGAFRAME_LAUNCHER",
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "WANDB_DIR",
+        "WANDB_API_KEY",
+    ):
         env.pop(k, None)
-    env.update(WANDB_MODE="offline", WANDB_SILENT="true", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-               HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", MEGAFRAME_ROOT=str(ROOT),
-               CUDA_VISIBLE_DEVICES="")  # the CPU job on any host: train.device=auto must not pick a GPU
+    env.update(
+        WANDB_MODE="offline",
+        WANDB_SILENT="true",
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        MEGAFRAME_ROOT=str(ROOT),
+        CUDA_VISIBLE_DEVICES="",
+    )  # the CPU job on any host: train.device=auto must not pick a GPU
     env.update(extra)
     return env
 
@@ -45,8 +71,14 @@ def cpu_script(folder: Path) -> Path:
 
 
 def sbatch(flags: list[str], overrides: list[str], cwd: Path, **extra_env: str) -> int:
-    res = subprocess.run(["sbatch", "--parsable", *flags, str(cpu_script(cwd)), *overrides], cwd=cwd,
-                         env=job_env(**extra_env), capture_output=True, text=True, timeout=60)
+    res = subprocess.run(
+        ["sbatch", "--parsable", *flags, str(cpu_script(cwd)), *overrides],
+        cwd=cwd,
+        env=job_env(**extra_env),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert res.returncode == 0, f"sbatch failed: {res.stderr}"
     return int(res.stdout.strip().split(";")[0])
 
@@ -80,12 +112,19 @@ def wait_until(cond, timeout: float, what: str, job: int, out: Path, poll: float
             return got
         time.sleep(poll)
     subprocess.run(["scancel", str(job)], capture_output=True)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}; job {job}: {show(job)}\n{tail(out)}")
+    raise AssertionError(
+        f"timed out after {timeout:.0f}s waiting for {what}; job {job}: {show(job)}\n{tail(out)}"
+    )
 
 
 def wait_done(job: int, timeout: float, out: Path) -> dict:
-    return wait_until(lambda: (info := show(job)).get("JobState") in FINAL and info, timeout,
-                      f"job {job} to finish", job, out)
+    return wait_until(
+        lambda: (info := show(job)).get("JobState") in FINAL and info,
+        timeout,
+        f"job {job} to finish",
+        job,
+        out,
+    )
 
 
 def count_lines(path: Path) -> int:

@@ -1,5 +1,6 @@
 """pretrain.sbatch's defaults are safe for a long multi-node job, checked without Slurm: the script runs as
 far as its launch under a fake `srun`/`scontrol`, and the container recipe has every dependency."""
+
 from __future__ import annotations
 
 import os
@@ -27,12 +28,26 @@ def _launch_args(tmp_path: Path, overrides: list[str]) -> list[str]:
         (bindir / name).write_text(f"#!/bin/bash\n{body}\n")
         (bindir / name).chmod(0o755)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MEGAFRAME_", "SRUN_"))}
-    env.update(PATH=f"{bindir}:{Path(sys.executable).parent}:{env.get('PATH', '/usr/bin:/bin')}",
-               SLURM_JOB_ID="4242", SLURM_JOB_NAME="mf", SLURM_NTASKS="1", SLURM_JOB_NODELIST="localhost",
-               SLURM_SUBMIT_DIR=str(tmp_path), SLURM_CPUS_PER_TASK="8", MEGAFRAME_ROOT=str(ROOT),
-               SRUN_ARGS=str(tmp_path / "srun.args"), WANDB_MODE="disabled")
-    res = subprocess.run(["bash", str(SBATCH_SCRIPT), *overrides], cwd=tmp_path, env=env, capture_output=True,
-                         text=True, timeout=120)
+    env.update(
+        PATH=f"{bindir}:{Path(sys.executable).parent}:{env.get('PATH', '/usr/bin:/bin')}",
+        SLURM_JOB_ID="4242",
+        SLURM_JOB_NAME="mf",
+        SLURM_NTASKS="1",
+        SLURM_JOB_NODELIST="localhost",
+        SLURM_SUBMIT_DIR=str(tmp_path),
+        SLURM_CPUS_PER_TASK="8",
+        MEGAFRAME_ROOT=str(ROOT),
+        SRUN_ARGS=str(tmp_path / "srun.args"),
+        WANDB_MODE="disabled",
+    )
+    res = subprocess.run(
+        ["bash", str(SBATCH_SCRIPT), *overrides],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert (tmp_path / "srun.args").is_file(), res.stdout + res.stderr
     return (tmp_path / "srun.args").read_text().splitlines()
 
@@ -50,7 +65,9 @@ def test_sbatch_saves_by_step_and_by_time_keeps_a_bounded_number_and_the_user_ov
     from megaframe.config import load_config
 
     cfg = load_config([a for a in args if "=" in a and not a.startswith("-")], world_size=1)
-    assert cfg.checkpoint.interval > 0 and cfg.checkpoint.interval_minutes > 0 and cfg.checkpoint.keep_last == 5
+    assert (
+        cfg.checkpoint.interval > 0 and cfg.checkpoint.interval_minutes > 0 and cfg.checkpoint.keep_last == 5
+    )
 
 
 def test_sbatch_asks_for_cpus_per_rank_and_a_signal_lead_for_a_save():
@@ -69,7 +86,9 @@ def test_container_recipe_installs_every_dependency_on_an_ngc_pytorch_image():
     assert re.search(r"^ARG BASE_IMAGE=\S*nvidia/pytorch:\S+$", text, re.M) and "FROM ${BASE_IMAGE}" in text
     pip = re.search(r"^RUN pip install --no-cache-dir (.*?)(?<!\\)$", text, re.M | re.S).group(1)
     names = {re.split(r"[<>=\[ ]", w.strip('"'))[0].lower() for w in pip.replace("\\\n", " ").split()}
-    block = re.search(r"^dependencies = \[(.*?)^\]", (ROOT / "pyproject.toml").read_text(), re.M | re.S).group(1)
+    block = re.search(
+        r"^dependencies = \[(.*?)^\]", (ROOT / "pyproject.toml").read_text(), re.M | re.S
+    ).group(1)
     deps = re.findall(r'"([^"]+)"', block)  # (tomllib is Python >= 3.11; the project supports 3.10)
     wanted = {re.split(r"[<>=\[ ]", d)[0].lower() for d in deps} - {"torch"}  # the image's CUDA torch stays
     assert wanted | {"torchao"} <= names, sorted(wanted | {"torchao"} - names)

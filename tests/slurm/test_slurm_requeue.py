@@ -5,6 +5,7 @@ limit (`scontrol update TimeLimit=`) so that slurmctld's own pre-timeout warning
 periodic check (every 30 s), exactly as for a job reaching its limit on a cluster. After the requeue
 the limit is set long again (a requeued job on a cluster starts with its full limit) so it finishes.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,8 +26,15 @@ pytestmark = [pytest.mark.slurm, pytest.mark.e2e]
 # ~60 s of training on 4 ranks / 2 idle cores: still training when the warning comes (<= 30 s after asking);
 # a larger batch than TINY's keeps float32 reduction-order noise far below 1e-5 over all the steps
 STEPS = 300
-OVER = ["data=synthetic", *TINY, "train.global_batch_size=32", "train.micro_batch_size=4", f"train.max_steps={STEPS}",
-        "train.log_interval=1", "checkpoint.interval=100"]
+OVER = [
+    "data=synthetic",
+    *TINY,
+    "train.global_batch_size=32",
+    "train.micro_batch_size=4",
+    f"train.max_steps={STEPS}",
+    "train.log_interval=1",
+    "checkpoint.interval=100",
+]
 
 
 def _raw_metrics(run_dir: Path) -> list[dict]:
@@ -35,15 +43,29 @@ def _raw_metrics(run_dir: Path) -> list[dict]:
 
 def _reference(tmp_path: Path) -> subprocess.Popen:
     """The same run uninterrupted in one process (the losses are layout-invariant)."""
-    return subprocess.Popen([sys.executable, str(ROOT / "train.py"), *OVER, f"run.dir={tmp_path / 'ref'}",
-                             "logging.wandb.mode=disabled"], cwd=tmp_path, env=job_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            str(ROOT / "train.py"),
+            *OVER,
+            f"run.dir={tmp_path / 'ref'}",
+            "logging.wandb.mode=disabled",
+        ],
+        cwd=tmp_path,
+        env=job_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def test_two_nodes_signal_checkpoint_requeue_resume_continuous_history(slurm_cluster, tmp_path):
     t0 = time.time()
-    job = sbatch(["--job-name=mf-requeue", "--nodes=2", "--ntasks-per-node=2", "--time=10", "--signal=USR1@90"],
-                 [*OVER, "parallel.tp=2", "logging.wandb.mode=offline"], cwd=tmp_path)
+    job = sbatch(
+        ["--job-name=mf-requeue", "--nodes=2", "--ntasks-per-node=2", "--time=10", "--signal=USR1@90"],
+        [*OVER, "parallel.tp=2", "logging.wandb.mode=offline"],
+        cwd=tmp_path,
+    )
     name = f"mf-requeue-{job}"
     run_dir, out = tmp_path / "outputs" / name, tmp_path / f"mf-requeue-{job}.out"
     ref = _reference(tmp_path)
@@ -68,8 +90,10 @@ def test_two_nodes_signal_checkpoint_requeue_resume_continuous_history(slurm_clu
     assert restarts >= 1 and log.count("requeueing job") == restarts, tail(out)
     assert "after SIGUSR1" in log and "resumed from" in log and "training finished" in log, tail(out)
     assert ref.returncode == 0, ref_out[-3000:]
-    print(f"\njob {job}: training from {t_train:.0f}s, requeued ({restarts}x) at {t_requeue:.0f}s, "
-          f"done at {t_done:.0f}s")
+    print(
+        f"\njob {job}: training from {t_train:.0f}s, requeued ({restarts}x) at {t_requeue:.0f}s, "
+        f"done at {t_done:.0f}s"
+    )
 
     # metrics.jsonl: every step exactly once (the stop step is checkpointed, so nothing is redone)
     rows = _raw_metrics(run_dir)
@@ -95,13 +119,28 @@ def test_torchrun_launcher_per_node_stop_requeue_resume(slurm_cluster, tmp_path)
     steps = 12
     over = ["data=synthetic", *TINY, f"train.max_steps={steps}", "train.log_interval=1"]
     # --time above the script's USR1 lead (600 s): a shorter limit signals every requeued start at once
-    job = sbatch(["--job-name=mf-torchrun", "--nodes=2", "--ntasks-per-node=2", "--time=20"],
-                 [*over, "parallel.tp=2", "logging.wandb.mode=offline"], cwd=tmp_path, MEGAFRAME_LAUNCHER="torchrun")
+    job = sbatch(
+        ["--job-name=mf-torchrun", "--nodes=2", "--ntasks-per-node=2", "--time=20"],
+        [*over, "parallel.tp=2", "logging.wandb.mode=offline"],
+        cwd=tmp_path,
+        MEGAFRAME_LAUNCHER="torchrun",
+    )
     name = f"mf-torchrun-{job}"
     run_dir, out = tmp_path / "outputs" / name, tmp_path / f"{name}.out"
-    ref = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *over, f"run.dir={tmp_path / 'ref'}",
-                            "logging.wandb.mode=disabled"], cwd=tmp_path, env=job_env(),
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    ref = subprocess.Popen(
+        [
+            sys.executable,
+            str(ROOT / "train.py"),
+            *over,
+            f"run.dir={tmp_path / 'ref'}",
+            "logging.wandb.mode=disabled",
+        ],
+        cwd=tmp_path,
+        env=job_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         wait_until(lambda: count_lines(run_dir / "metrics.jsonl") >= 3, 180, "step 3", job, out)
         subprocess.run(["scancel", "--signal=USR1", str(job)], check=True)
@@ -113,7 +152,9 @@ def test_torchrun_launcher_per_node_stop_requeue_resume(slurm_cluster, tmp_path)
         ref.kill()
     log = out.read_text()
     assert info["JobState"] == "COMPLETED" and int(info["Restarts"]) == 1, f"{info}\n{tail(out)}"
-    assert "torchrun, 2 node(s), world 4" in log and "after SIGUSR1" in log and "resumed from" in log, tail(out)
+    assert "torchrun, 2 node(s), world 4" in log and "after SIGUSR1" in log and "resumed from" in log, tail(
+        out
+    )
     assert ref.returncode == 0, ref_out[-3000:]
     rows = _raw_metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
@@ -126,8 +167,16 @@ def test_torchrun_launcher_per_node_stop_requeue_resume(slurm_cluster, tmp_path)
 def test_scancel_checkpoints_without_requeue(slurm_cluster, tmp_path):
     """`scancel` (SIGTERM to every process of the job, wandb's service included) ends the job: the ranks
     still stop together with a checkpoint, and the script does not requeue."""
-    over = ["data=synthetic", *TINY, "train.max_steps=100000", "train.log_interval=1", "logging.wandb.mode=offline"]
-    job = sbatch(["--job-name=mf-cancel", "--nodes=1", "--ntasks-per-node=2", "--time=20"], over, cwd=tmp_path)
+    over = [
+        "data=synthetic",
+        *TINY,
+        "train.max_steps=100000",
+        "train.log_interval=1",
+        "logging.wandb.mode=offline",
+    ]
+    job = sbatch(
+        ["--job-name=mf-cancel", "--nodes=1", "--ntasks-per-node=2", "--time=20"], over, cwd=tmp_path
+    )
     run_dir, out = tmp_path / "outputs" / f"mf-cancel-{job}", tmp_path / f"mf-cancel-{job}.out"
     wait_until(lambda: count_lines(run_dir / "metrics.jsonl") >= 2, 180, "step 2", job, out)
     subprocess.run(["scancel", str(job)], check=True)

@@ -1,4 +1,5 @@
 """scripts/slurm/sweep.py: Hydra sweep overrides -> one pretrain.sbatch job per point."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -24,7 +25,9 @@ def _sweep_module():
 
 def test_expand_is_hydra_multirun_order():
     expand = _sweep_module().expand
-    points = expand(["optim.lr=1e-3,3e-3", "model=gpt_tiny,gpt2_tiny", "train.max_steps=5", "train.seed=range(1,3)"])
+    points = expand(
+        ["optim.lr=1e-3,3e-3", "model=gpt_tiny,gpt2_tiny", "train.max_steps=5", "train.seed=range(1,3)"]
+    )
     assert len(points) == 8
     assert points[0] == ["optim.lr=0.001", "model=gpt_tiny", "train.max_steps=5", "train.seed=1"]
     assert points[1] == ["optim.lr=0.001", "model=gpt_tiny", "train.max_steps=5", "train.seed=2"]
@@ -33,31 +36,61 @@ def test_expand_is_hydra_multirun_order():
 
 
 def test_dry_run_prints_one_sbatch_per_point_and_bad_syntax_exits_2():
-    res = subprocess.run([sys.executable, str(SWEEP), "--dry-run", "--name", "sw", "optim.lr=1e-3,3e-3", "data=synthetic",
-                          "--", "--nodes=1", "--ntasks-per-node=2", "--time=5"], capture_output=True, text=True,
-                         timeout=60)
+    res = subprocess.run(
+        [
+            sys.executable,
+            str(SWEEP),
+            "--dry-run",
+            "--name",
+            "sw",
+            "optim.lr=1e-3,3e-3",
+            "data=synthetic",
+            "--",
+            "--nodes=1",
+            "--ntasks-per-node=2",
+            "--time=5",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert res.returncode == 0, res.stderr
     lines = res.stdout.splitlines()
-    assert len(lines) == 2 and all("--job-name=sw-" in ln and "--nodes=1 --ntasks-per-node=2 --time=5" in ln
-                                   for ln in lines)
+    assert len(lines) == 2 and all(
+        "--job-name=sw-" in ln and "--nodes=1 --ntasks-per-node=2 --time=5" in ln for ln in lines
+    )
     assert lines[1].endswith("pretrain.sbatch optim.lr=0.003 data=synthetic")
-    bad = subprocess.run([sys.executable, str(SWEEP), "--dry-run", "optim.lr=interval(0,1)"],
-                         capture_output=True, text=True, timeout=60)
+    bad = subprocess.run(
+        [sys.executable, str(SWEEP), "--dry-run", "optim.lr=interval(0,1)"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert bad.returncode == 2 and "interval" in bad.stderr
 
 
-@pytest.mark.parametrize("point,flags,needle", [
-    (["optim.lrr=1e-3,3e-3"], ["--ntasks=1"],
-     "point 0 (data=synthetic optim.lrr=0.001) on 1 ranks: optim.lrr=0.001: optim.lrr is not"),
-    (["optim.lr=1e-3", "parallel.tp=1,3"], ["--nodes=1", "--ntasks-per-node=2"],
-     "point 1 (data=synthetic optim.lr=1e-3 parallel.tp=3) on 2 ranks: "
-         "parallel.tp=3 x parallel.pp=1 does not divide "
-     "the world size 2"),
-    # the job script's own #SBATCH --ntasks-per-node=8 on the default one node: 8 ranks, batch 16 of
-    # micro 4
-    (["optim.lr=1e-3"], ["--nodes=1"], "on 8 ranks: train.global_batch_size=16 is not divisible"),
-    (["optim.zero=5"], [], "optim.zero=5 must be <= 3"),
-], ids=["unknown-key", "tp-on-world", "script-default-tasks", "value"])
+@pytest.mark.parametrize(
+    "point,flags,needle",
+    [
+        (
+            ["optim.lrr=1e-3,3e-3"],
+            ["--ntasks=1"],
+            "point 0 (data=synthetic optim.lrr=0.001) on 1 ranks: optim.lrr=0.001: optim.lrr is not",
+        ),
+        (
+            ["optim.lr=1e-3", "parallel.tp=1,3"],
+            ["--nodes=1", "--ntasks-per-node=2"],
+            "point 1 (data=synthetic optim.lr=1e-3 parallel.tp=3) on 2 ranks: "
+            "parallel.tp=3 x parallel.pp=1 does not divide "
+            "the world size 2",
+        ),
+        # the job script's own #SBATCH --ntasks-per-node=8 on the default one node: 8 ranks, batch 16 of
+        # micro 4
+        (["optim.lr=1e-3"], ["--nodes=1"], "on 8 ranks: train.global_batch_size=16 is not divisible"),
+        (["optim.zero=5"], [], "optim.zero=5 must be <= 3"),
+    ],
+    ids=["unknown-key", "tp-on-world", "script-default-tasks", "value"],
+)
 def test_an_invalid_point_exits_2_before_any_submission(point, flags, needle, tmp_path):
     """Before: each point was submitted, waited in the queue and failed at the job's pre-flight. The sbatch
     here fails loudly if called: nothing may be submitted, not even the valid points before the bad one."""
@@ -65,8 +98,13 @@ def test_an_invalid_point_exits_2_before_any_submission(point, flags, needle, tm
     fake.write_text(f"#!/bin/bash\ntouch {tmp_path / 'called'}\nexit 1\n")
     fake.chmod(0o755)
     env = {**os.environ, "PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}"}
-    res = subprocess.run([sys.executable, str(SWEEP), "data=synthetic", *point, "--", *flags], capture_output=True,
-                         text=True, timeout=120, env=env)
+    res = subprocess.run(
+        [sys.executable, str(SWEEP), "data=synthetic", *point, "--", *flags],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert res.returncode == 2 and needle in res.stderr, res.stderr
     assert res.stderr.strip().count("\n") == 0 and "nothing submitted" in res.stderr and not res.stdout
     assert not (tmp_path / "called").exists()
@@ -85,10 +123,25 @@ def test_the_world_size_of_a_point_comes_from_the_sbatch_flags():
 def test_a_request_no_partition_can_hold_fails_at_submission(slurm_cluster, tmp_path):
     """More CPUs per task than a node has (the local nodes have 4): refused by sbatch --test-only before any
     job is queued, instead of a job pending for ever."""
-    res = subprocess.run([sys.executable, str(SWEEP), "--name", "mf-toobig", "data=synthetic", *TINY,
-                          "train.max_steps=2", "--", "--ntasks=1", "--cpus-per-task=64"],
-                         cwd=tmp_path, env=job_env(MEGAFRAME_SBATCH_SCRIPT=str(cpu_script(tmp_path))),
-                         capture_output=True, text=True, timeout=60)
+    res = subprocess.run(
+        [
+            sys.executable,
+            str(SWEEP),
+            "--name",
+            "mf-toobig",
+            "data=synthetic",
+            *TINY,
+            "train.max_steps=2",
+            "--",
+            "--ntasks=1",
+            "--cpus-per-task=64",
+        ],
+        cwd=tmp_path,
+        env=job_env(MEGAFRAME_SBATCH_SCRIPT=str(cpu_script(tmp_path))),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert res.returncode == 2 and "no partition can run" in res.stderr, res.stderr
     queued = subprocess.run(["squeue", "-h", "-n", "mf-toobig-0"], capture_output=True, text=True).stdout
     assert not queued.strip() and not res.stdout
@@ -98,10 +151,27 @@ def test_a_request_no_partition_can_hold_fails_at_submission(slurm_cluster, tmp_
 @pytest.mark.e2e
 def test_sweep_submits_one_job_per_point_with_its_own_run(slurm_cluster, tmp_path):
     tiny = [o for o in TINY if not o.startswith("optim.lr=")]
-    res = subprocess.run([sys.executable, str(SWEEP), "--name", "mf-sweep", "optim.lr=1e-3,3e-3", "data=synthetic",
-                          *tiny, "train.max_steps=2", "logging.wandb.mode=disabled", "--", "--ntasks=1", "--time=15"],
-                         cwd=tmp_path, env=job_env(MEGAFRAME_SBATCH_SCRIPT=str(cpu_script(tmp_path))),
-                         capture_output=True, text=True, timeout=60)
+    res = subprocess.run(
+        [
+            sys.executable,
+            str(SWEEP),
+            "--name",
+            "mf-sweep",
+            "optim.lr=1e-3,3e-3",
+            "data=synthetic",
+            *tiny,
+            "train.max_steps=2",
+            "logging.wandb.mode=disabled",
+            "--",
+            "--ntasks=1",
+            "--time=15",
+        ],
+        cwd=tmp_path,
+        env=job_env(MEGAFRAME_SBATCH_SCRIPT=str(cpu_script(tmp_path))),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert res.returncode == 0, res.stderr
     jobs = [line.split("\t") for line in res.stdout.splitlines()]
     assert [j[0] for j in jobs] == ["0", "1"] and jobs[0][2] != jobs[1][2]
@@ -121,10 +191,19 @@ def test_pretrain_sbatch_is_gpu_cluster_ready(tmp_path):
 
     text = SBATCH_SCRIPT.read_text()
     assert subprocess.run(["bash", "-n", str(SBATCH_SCRIPT)]).returncode == 0
-    for needle in ("#SBATCH --gpus-per-node=", "#SBATCH --exclusive", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME",
-                   "NCCL_IB_HCA", "PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}",
-                   "--container-image=", "MEGAFRAME_SETUP"):
+    for needle in (
+        "#SBATCH --gpus-per-node=",
+        "#SBATCH --exclusive",
+        "GLOO_SOCKET_IFNAME",
+        "NCCL_SOCKET_IFNAME",
+        "NCCL_IB_HCA",
+        "PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}",
+        "--container-image=",
+        "MEGAFRAME_SETUP",
+    ):
         assert needle in text, needle
     cpu = cpu_script(tmp_path).read_text().splitlines()
     assert len(text.splitlines()) - len(cpu) == 4
-    assert not [ln for ln in cpu if ln.startswith(("#SBATCH --gpus", "#SBATCH --exclusive", "#SBATCH --cpus"))]
+    assert not [
+        ln for ln in cpu if ln.startswith(("#SBATCH --gpus", "#SBATCH --exclusive", "#SBATCH --cpus"))
+    ]

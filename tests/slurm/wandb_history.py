@@ -8,6 +8,7 @@ their concatenation in that order.
 
     python -m tests.slurm.wandb_history outputs/<run>     # prints the segments and their steps
 """
+
 from __future__ import annotations
 
 import json
@@ -33,14 +34,16 @@ def records(path: Path) -> Iterator:
         if left < HEADER:  # block trailer: zero padding
             pos += left
             continue
-        _crc, length, rtype = struct.unpack("<IHB", data[pos:pos + HEADER])
-        chunk = data[pos + HEADER:pos + HEADER + length]
+        _crc, length, rtype = struct.unpack("<IHB", data[pos : pos + HEADER])
+        chunk = data[pos + HEADER : pos + HEADER + length]
         pos += HEADER + length
         if rtype == 0 and length == 0:  # padding record
             continue
         if len(chunk) < length:  # torn write at the end of a killed run
             break
-        buf = chunk if rtype in (1, 2) else buf + chunk  # FULL / FIRST start a record; MIDDLE / LAST extend it
+        buf = (
+            chunk if rtype in (1, 2) else buf + chunk
+        )  # FULL / FIRST start a record; MIDDLE / LAST extend it
         if rtype in (2, 3):
             continue
         rec = pb.Record()
@@ -71,12 +74,12 @@ def read_run(path: Path) -> dict:
 
 def _segment_key(d: Path, run_id: str):
     """(timestamp, restart suffix) of `offline-run-<YYYYmmdd_HHMMSS>-<id>[-N]`, None for another id."""
-    rest = d.name[len("offline-run-"):]
+    rest = d.name[len("offline-run-") :]
     stamp, _, tail = rest.partition("-")
     if tail == run_id:
         return stamp, 0
-    if tail.startswith(run_id + "-") and tail[len(run_id) + 1:].isdigit():
-        return stamp, int(tail[len(run_id) + 1:])  # a restart within the same second
+    if tail.startswith(run_id + "-") and tail[len(run_id) + 1 :].isdigit():
+        return stamp, int(tail[len(run_id) + 1 :])  # a restart within the same second
     return None
 
 

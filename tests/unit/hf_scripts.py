@@ -1,5 +1,6 @@
 """The user-facing HF scripts (scripts/export_hf.py, scripts/import_hf.py) loaded as modules, for the tests
 that call their functions directly (the scripts are files, not a package)."""
+
 from __future__ import annotations
 
 import importlib.util

@@ -1,6 +1,7 @@
 """Code health: no import cycles in megaframe/, with imports inside functions counted (a function-level
 import hides a cycle from the interpreter, not from a reader). Uses scripts/dev/code_stats.py's
 definitions."""
+
 from __future__ import annotations
 
 import ast
@@ -29,8 +30,10 @@ def test_function_level_import_counts_as_an_edge():
     known = {"megaframe.a", "megaframe.b"}
     a = ast.parse("from megaframe.b import x\n")
     b = ast.parse("def f():\n    from megaframe.a import y\n")
-    graph = {"megaframe.a": cs.imports(a, "megaframe.a", False, known),
-             "megaframe.b": cs.imports(b, "megaframe.b", False, known)}
+    graph = {
+        "megaframe.a": cs.imports(a, "megaframe.a", False, known),
+        "megaframe.b": cs.imports(b, "megaframe.b", False, known),
+    }
     assert cs.cycles(graph) == [["megaframe.a", "megaframe.b"]]
 
 
@@ -39,11 +42,35 @@ def test_config_public_path_unchanged():
     import megaframe.config as config
     import megaframe.config.schema as schema
 
-    for name in ("Config", "ModelConfig", "ParallelConfig", "TrainConfig", "OptimConfig", "DataConfig",
-                 "CheckpointConfig", "LoggingConfig", "WandbConfig", "RunConfig", "BlendSource", "LRSchedule",
-                 "DocSplit", "ConfigError", "ROOT", "CONF_DIR", "DEFAULT_EXTENSIONS", "Norm", "Activation",
-                 "PositionEmbedding", "RouterScore", "ScheduleKind", "Device", "Precision", "Recompute", "DataKind",
-                 "WandbMode"):
+    for name in (
+        "Config",
+        "ModelConfig",
+        "ParallelConfig",
+        "TrainConfig",
+        "OptimConfig",
+        "DataConfig",
+        "CheckpointConfig",
+        "LoggingConfig",
+        "WandbConfig",
+        "RunConfig",
+        "BlendSource",
+        "LRSchedule",
+        "DocSplit",
+        "ConfigError",
+        "ROOT",
+        "CONF_DIR",
+        "DEFAULT_EXTENSIONS",
+        "Norm",
+        "Activation",
+        "PositionEmbedding",
+        "RouterScore",
+        "ScheduleKind",
+        "Device",
+        "Precision",
+        "Recompute",
+        "DataKind",
+        "WandbMode",
+    ):
         assert getattr(config, name) is getattr(schema, name), name
     assert callable(config.load_config) and callable(config.validate) and callable(config.default_run_name)
 
@@ -59,14 +86,21 @@ def test_closed_string_choices_are_enums():
     from megaframe.config import load_config
     from megaframe.config.schema import Config, enum_fields, plain
 
-    closed = {"ModelConfig": {"norm", "activation", "position_embedding", "moe_router_score"},
-              "ParallelConfig": {"pp_schedule"}, "TrainConfig": {"precision", "recompute", "device"},
-              "OptimConfig": {"lr_schedule", "grad_reduce_dtype"}, "DataConfig": {"kind", "split"}, "WandbConfig": {"mode"}}
+    closed = {
+        "ModelConfig": {"norm", "activation", "position_embedding", "moe_router_score"},
+        "ParallelConfig": {"pp_schedule"},
+        "TrainConfig": {"precision", "recompute", "device"},
+        "OptimConfig": {"lr_schedule", "grad_reduce_dtype"},
+        "DataConfig": {"kind", "split"},
+        "WandbConfig": {"mode"},
+    }
     import megaframe.config.schema as schema
+
     for cls, names in closed.items():
         assert names <= enum_fields(getattr(schema, cls)).keys(), cls
-    cfg = load_config(["parallel.pp=2", "parallel.pp_schedule=1f1b", "train.recompute=full"], world_size=2,
-                      check_data=False)
+    cfg = load_config(
+        ["parallel.pp=2", "parallel.pp_schedule=1f1b", "train.recompute=full"], world_size=2, check_data=False
+    )
     assert cfg.parallel.pp_schedule == "1f1b" and f"{cfg.train.recompute}" == "full"
     text = json.dumps(plain(cfg))
     assert '"pp_schedule": "1f1b"' in text and "ScheduleKind" not in text

@@ -1,6 +1,7 @@
 """The shape of megaframe/ holds (scripts/dev/code_shape.py): files <= 450 lines and functions <= 60 unless
 allowed with a reason, no two files of one name, no import cycle, no import from a later layer; and
 the checker finds each kind of breach in a small bad tree, so a pass means something."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -55,8 +56,12 @@ def test_the_checker_finds_each_breach_in_a_bad_tree(tmp_path):
     _write(tmp_path, "parallel/comm.py", f"def long():\n{body}")  # 61 lines
     _write(tmp_path, "parallel/mesh.py", "def f():\n    from megaframe.parallel.comm import long\n")
     _write(tmp_path, "model/__init__.py", "")
-    _write(tmp_path, "model/gpt.py", "from megaframe.model.block import b\n" + "\n" * 451)  # 452 lines, a cycle
-    _write(tmp_path, "model/block.py", "from megaframe.model.gpt import g\nfrom megaframe.parallel import mesh\n")
+    _write(
+        tmp_path, "model/gpt.py", "from megaframe.model.block import b\n" + "\n" * 451
+    )  # 452 lines, a cycle
+    _write(
+        tmp_path, "model/block.py", "from megaframe.model.gpt import g\nfrom megaframe.parallel import mesh\n"
+    )
     _write(tmp_path, "stray/__init__.py", "")  # a package no layer names
     _write(tmp_path, "stray/mesh.py", "")  # a second mesh.py
     found = shape.check(tmp_path, layers, {}, {})
@@ -68,6 +73,10 @@ def test_the_checker_finds_each_breach_in_a_bad_tree(tmp_path):
     assert "megaframe.stray: megaframe/stray is in no layer" in text
     assert "mesh.py shared by megaframe/parallel/mesh.py, megaframe/stray/mesh.py" in text
     assert len(found) == 7, text  # model -> parallel and the function-level import inside parallel are fine
-    allowed = shape.check(tmp_path, layers, {"megaframe/parallel/comm.py:long": "a reason", "megaframe/model/gpt.py":
-                                             "a reason"}, {("errors", "parallel"): "a reason"})
+    allowed = shape.check(
+        tmp_path,
+        layers,
+        {"megaframe/parallel/comm.py:long": "a reason", "megaframe/model/gpt.py": "a reason"},
+        {("errors", "parallel"): "a reason"},
+    )
     assert len(allowed) == 4, allowed  # what an allowance covers goes; the cycle, the stray, the name stay

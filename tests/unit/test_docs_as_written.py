@@ -1,6 +1,7 @@
 """The docs harness (tests/e2e/docs_commands.py) runs a refusal the page shows ([exit N]) exactly as a user
 types it: an appended setting once made a refusal true in the suite that a user never saw. And the folders
 the docs' commands prepare under data/ are ignored by git, like runs/ and outputs/."""
+
 from __future__ import annotations
 
 import re
@@ -35,8 +36,15 @@ def test_the_batch_refusal_differs_from_the_default_batch():
 
 @pytest.mark.skipif(shutil.which("git") is None or not (ROOT / ".git").exists(), reason="not a git checkout")
 def test_folders_the_docs_prepare_are_ignored():
-    folders = sorted({m for p in PAGES for c in commands(p) if c.runs
-                      for m in re.findall(r"data\.path=(data/[\w.-]+)", c.code)})
+    folders = sorted(
+        {
+            m
+            for p in PAGES
+            for c in commands(p)
+            if c.runs
+            for m in re.findall(r"data\.path=(data/[\w.-]+)", c.code)
+        }
+    )
     assert "data/code" in folders and "data/alice" in folders
     res = subprocess.run(["git", "check-ignore", *folders], cwd=ROOT, capture_output=True, text=True)
     assert sorted(res.stdout.split()) == folders, res.stdout

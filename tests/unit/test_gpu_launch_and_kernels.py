@@ -1,6 +1,7 @@
 """GPU-path launch and kernel rules checked on CPU: the mixed-dtype GEMM probe and its fallback, multi-node
 srun addresses, the flight recorder's folder, NCCL emulated on gloo only, async-save staging, fused ring
 attention's causal pairs, more ranks than GPUs refused."""
+
 import torch
 
 from megaframe.layers import fused_ce
@@ -73,9 +74,16 @@ def test_plain_multi_node_srun_dials_the_first_node_not_the_loopback():
     from megaframe.errors import ConfigError
     from megaframe.parallel.launch import master_addr
 
-    assert master_addr({"SLURM_NNODES": "2", "SLURM_PROCID": "9", "SLURM_JOB_NODELIST": "gpu[007-010,12],c1"}) == "gpu007"
-    step = {"SLURM_NNODES": "4", "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_NODELIST": "r[2-3]-n[05-06]",
-            "SLURM_JOB_NODELIST": "r[1-3]-n[01-08]"}
+    assert (
+        master_addr({"SLURM_NNODES": "2", "SLURM_PROCID": "9", "SLURM_JOB_NODELIST": "gpu[007-010,12],c1"})
+        == "gpu007"
+    )
+    step = {
+        "SLURM_NNODES": "4",
+        "SLURM_STEP_NUM_NODES": "2",
+        "SLURM_STEP_NODELIST": "r[2-3]-n[05-06]",
+        "SLURM_JOB_NODELIST": "r[1-3]-n[01-08]",
+    }
     assert master_addr(step) == "r2-n05"  # task 0 runs on the step's first node
     assert master_addr({"SLURM_NNODES": "1", "SLURM_JOB_NODELIST": "gpu1"}) == "127.0.0.1"
     assert master_addr({}) == "127.0.0.1"
@@ -167,8 +175,15 @@ def test_async_save_staging_is_one_buffer_of_the_exact_total_reused_by_every_sav
     from megaframe.checkpoint.staging import PinnedStaging
 
     registered, released = [], []
-    staging = PinnedStaging(register=lambda b: registered.append(b.numel()) or True, unregister=released.append)
-    ts = [torch.randn(3, 5), torch.arange(7, dtype=torch.int64), torch.ones(0, 2), torch.randn(129).bfloat16()]
+    staging = PinnedStaging(
+        register=lambda b: registered.append(b.numel()) or True, unregister=released.append
+    )
+    ts = [
+        torch.randn(3, 5),
+        torch.arange(7, dtype=torch.int64),
+        torch.ones(0, 2),
+        torch.randn(129).bfloat16(),
+    ]
     views = staging.views(ts)
     for v, t in zip(views, ts):
         assert v.shape == t.shape and v.dtype == t.dtype
@@ -190,8 +205,9 @@ def fused_ring_vs_sdpa(device: str, dtype, b=2, h=4, k=2, s=64, e=16) -> float:
     from megaframe.parallel.ring_fused import FusedRing
 
     g = torch.Generator(device=device).manual_seed(0)
-    q, kk, vv = (torch.randn(b, n, s, e, generator=g, device=device).to(dtype).requires_grad_(True)
-                 for n in (h, k, k))
+    q, kk, vv = (
+        torch.randn(b, n, s, e, generator=g, device=device).to(dtype).requires_grad_(True) for n in (h, k, k)
+    )
     go = torch.randn(b, h, s, e, generator=g, device=device).to(dtype)
     axis = Axis("cp", 1, 0, (0,), None, CommStats())
     out = FusedRing.apply(q, kk, vv, axis, True, lambda a, x: (x.clone(), []), lambda works: None)

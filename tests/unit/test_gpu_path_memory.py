@@ -1,5 +1,6 @@
 """Small GPU-path defects, checked on CPU: sp saves the local sequence block for backward, the fused
 head accumulates its weight grad in fp32 under bf16, and H100 PCIe/NVL get their own peaks."""
+
 import math
 
 import torch
@@ -29,15 +30,25 @@ def test_sp_block_saves_no_full_sequence_hidden_state():
     saved, qkv and up_proj each kept one [S, B, D] (the planner's llama3_8b tp8 s=8192 figure per
     layer falls from 342.1 to 230.1 MiB, 2 x (64 - 8) MiB)."""
     s, b, d, tp = 32, 2, 64, 4
-    over = ["data=synthetic", "model.num_layers=1", f"model.hidden_size={d}", "model.num_attention_heads=8",
-            "model.num_query_groups=4", "model.ffn_hidden_size=192", f"model.seq_length={s}",
-            f"parallel.tp={tp}", "parallel.sp=true"]
+    over = [
+        "data=synthetic",
+        "model.num_layers=1",
+        f"model.hidden_size={d}",
+        "model.num_attention_heads=8",
+        "model.num_query_groups=4",
+        "model.ffn_hidden_size=192",
+        f"model.seq_length={s}",
+        f"parallel.tp={tp}",
+        "parallel.sp=true",
+    ]
     cfg = load_config(over, world_size=tp, check_data=False)
     model = build_model(cfg, virtual_mesh(tp, 1, 1, device="meta"))
     shapes, params = [], {p.untyped_storage()._cdata for p in model.parameters()}
 
     def pack(t):
-        if t.untyped_storage()._cdata not in params:  # weights (and their transposed views) are not activations
+        if (
+            t.untyped_storage()._cdata not in params
+        ):  # weights (and their transposed views) are not activations
             shapes.append(tuple(t.shape))
         return t
 
@@ -63,7 +74,9 @@ def test_fused_head_accumulates_its_weight_grad_in_fp32_under_bf16():
     """16 chunks of 512 tokens (CPU chunking): a bf16 running sum rounds 16 times; fp32 once."""
     got, x, w, t = _head_grads(torch.bfloat16)
     w_ref = w.to(torch.bfloat16).double().requires_grad_(True)
-    F.cross_entropy((x.to(torch.bfloat16).double() @ w_ref.t()).flatten(0, 1), t.flatten(), reduction="sum").backward()
+    F.cross_entropy(
+        (x.to(torch.bfloat16).double() @ w_ref.t()).flatten(0, 1), t.flatten(), reduction="sum"
+    ).backward()
     ref = w_ref.grad.float()
     rel = ((got - ref).norm() / ref.norm()).item()
     # one bf16 rounding of the result is ~2^-9 relative;

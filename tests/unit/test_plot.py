@@ -1,5 +1,6 @@
 """megaframe.plot: several runs on one PNG; a step logged
 twice counts once (the later line); bad input exits 2."""
+
 import json
 
 from megaframe.plot import main, read_run
@@ -12,7 +13,14 @@ def write_run(d, rows):
 
 
 def test_two_runs_one_png(tmp_path, capsys):
-    row = lambda s, loss: {"step": s, "loss": loss, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 100.0, "mfu": 0.1}
+    row = lambda s, loss: {
+        "step": s,
+        "loss": loss,
+        "lr": 1e-3,
+        "grad_norm": 1.0,
+        "tokens_per_s": 100.0,
+        "mfu": 0.1,
+    }
     write_run(tmp_path / "a", [row(1, 5.0), row(2, 4.0), row(2, 3.5), {**row(3, 3.0), "val_loss": 3.2}])
     write_run(tmp_path / "b", [row(1, 6.0), row(2, 5.0)])
     assert [r["loss"] for r in read_run(tmp_path / "a")] == [5.0, 3.5, 3.0]
@@ -29,8 +37,10 @@ def test_panels_on_a_grid_with_mfu_in_percent(tmp_path):
 
     from megaframe.plot import PANELS, SCALE
 
-    rows = [{"step": s, "loss": 5.0 - s / 10, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 100.0, "mfu": 0.1}
-            for s in range(1, 11)]
+    rows = [
+        {"step": s, "loss": 5.0 - s / 10, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 100.0, "mfu": 0.1}
+        for s in range(1, 11)
+    ]
     write_run(tmp_path / "a", rows)
     out = tmp_path / "c.png"
     assert main([str(tmp_path / "a"), "--out", str(out)]) == 0

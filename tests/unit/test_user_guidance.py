@@ -1,6 +1,7 @@
 """What a run tells its user, checked without a process: the command that continues a run under each
 launcher, warnings about an lr curve the run will not follow, the files prepare skips, which samples
 evaluate scored, presets over another preset's checkpoint, an unknown preset's closest name."""
+
 import json
 from types import SimpleNamespace
 
@@ -14,7 +15,10 @@ from megaframe.runops.signals import continue_command
 
 def test_continue_command_under_python_make_torchrun_and_slurm():
     argv = ["model=gpt2_tiny", "checkpoint.resume=outputs/a/checkpoints/step_00000005", "run.name=old"]
-    assert continue_command("scale", argv, env={}) == "; continue with: python train.py model=gpt2_tiny run.name=scale"
+    assert (
+        continue_command("scale", argv, env={})
+        == "; continue with: python train.py model=gpt2_tiny run.name=scale"
+    )
     make = continue_command("demo-1", [], env={"MEGAFRAME_RUN_NAME": "demo-1"})
     assert make == "; continue with: python train.py run.name=demo-1 (or: make train RUN=demo-1)"
     tr = continue_command("scale", ["parallel.tp=2"], env={"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4"})
@@ -22,12 +26,21 @@ def test_continue_command_under_python_make_torchrun_and_slurm():
     blend = continue_command("b", ["data.blend=[{path: a, weight: 1}]"], env={})
     assert "'data.blend=[{path: a, weight: 1}]'" in blend  # quoted: pasted into a shell it stays one argument
     slurm = continue_command("mf-42", ["model=llama_1b"], env={"SLURM_JOB_ID": "42", "WORLD_SIZE": "64"})
-    assert slurm == "; continue with: MEGAFRAME_RUN_NAME=mf-42 sbatch scripts/slurm/pretrain.sbatch model=llama_1b"
+    assert (
+        slurm
+        == "; continue with: MEGAFRAME_RUN_NAME=mf-42 sbatch scripts/slurm/pretrain.sbatch model=llama_1b"
+    )
 
 
 def _optim(**kw):
-    base = dict(lr=2e-3, min_lr=2e-4, warmup_steps=20, lr_decay_steps=None, lr_schedule=LRSchedule.cosine,
-                wsd_decay_fraction=0.2)
+    base = dict(
+        lr=2e-3,
+        min_lr=2e-4,
+        warmup_steps=20,
+        lr_decay_steps=None,
+        lr_schedule=LRSchedule.cosine,
+        wsd_decay_fraction=0.2,
+    )
     return SimpleNamespace(**{**base, **kw})
 
 
@@ -36,8 +49,10 @@ def test_schedule_warnings_for_the_notes_three_cases():
     ten = schedule_warnings(_optim(lr_decay_steps=10), 10)
     assert any("ends inside the warmup, at lr 1.00e-03" in w for w in ten), ten
     # resumed to 20 with that horizon: the lr falls from 2e-3 to min_lr at step 21
-    assert any("falls from its peak to optim.min_lr=2.00e-04 at step 21" in w for w in schedule_warnings(
-        _optim(lr_decay_steps=10), 20))
+    assert any(
+        "falls from its peak to optim.min_lr=2.00e-04 at step 21" in w
+        for w in schedule_warnings(_optim(lr_decay_steps=10), 20)
+    )
     # a 300-step horizon cut to 200 (the note: lr 6.4e-4 with the demo's lr): it ends above min_lr
     short = schedule_warnings(_optim(lr_decay_steps=300), 200)
     assert short and "ends at lr 7.10e-04" in short[0] and "optim.lr_decay_steps=200" in short[0], short
@@ -65,11 +80,18 @@ def test_prepare_names_the_files_it_skips_and_reads_dotted_extensionless_names(t
     stdout = capsys.readouterr().out
     assert rc == 0
     meta = json.loads((out / "meta.json").read_text())
-    assert sorted(r["rel"] for r in meta["sources"]) == ["libboost-filesystem1.74.0__copyright",
-                                                         "libglib2.0-0__copyright", "pkg__empty.txt", "zlib__README.md"]
+    assert sorted(r["rel"] for r in meta["sources"]) == [
+        "libboost-filesystem1.74.0__copyright",
+        "libglib2.0-0__copyright",
+        "pkg__empty.txt",
+        "zlib__README.md",
+    ]
     assert "skipped 4 of 7 files (2 x .debian, 1 x .source, 1 x empty)" in stdout, stdout
-    assert meta["skipped"] == {".debian": ["a__README.Debian", "b__README.Debian"], ".source": ["c__README.source"],
-                               "empty": ["pkg__empty.txt"]}
+    assert meta["skipped"] == {
+        ".debian": ["a__README.Debian", "b__README.Debian"],
+        ".source": ["c__README.source"],
+        "empty": ["pkg__empty.txt"],
+    }
     # the phases, as they start; the empty file is skipped, not tokenized
     assert "training a tokenizer (vocab 300)" in stdout and "tokenizing 3 files" in stdout
 
@@ -103,7 +125,9 @@ def test_a_preset_over_another_presets_checkpoint_names_both(tmp_path):
     with pytest.raises(ConfigError) as e:
         load_config(["model=gpt_tiny", f"checkpoint.resume={ck}"], world_size=1, check_data=False)
     msg = str(e.value)
-    assert msg.startswith("model=gpt_tiny (model.") and "a gpt2_tiny" in msg and "drop model=gpt_tiny" in msg, msg
+    assert (
+        msg.startswith("model=gpt_tiny (model.") and "a gpt2_tiny" in msg and "drop model=gpt_tiny" in msg
+    ), msg
     with pytest.raises(ConfigError) as e:  # a field typed out is still named as typed
         load_config(["model.num_layers=2", f"checkpoint.resume={ck}"], world_size=1, check_data=False)
     assert str(e.value).startswith("model.num_layers=2 contradicts the checkpoint's model.num_layers=4")

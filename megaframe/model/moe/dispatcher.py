@@ -16,6 +16,7 @@ Megatron's dropless dispatcher does), and only there: counts are one-hot sums, t
 slice after that sync, the regrouping's sizes come from the host lists (tests/distributed/
 test_host_syncs.py counts them).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -51,9 +52,15 @@ def expert_counts(experts_A: torch.Tensor, num_experts: int) -> torch.Tensor:
     return experts_A.new_zeros(num_experts).scatter_add_(0, experts_A, torch.ones_like(experts_A))
 
 
-def plan(experts_TK: torch.Tensor, weights_TK: torch.Tensor, num_experts: int, capacity: int | None = None,
-         offset_E: torch.Tensor | None = None, counts_E: torch.Tensor | None = None,
-         runs: tuple[torch.Tensor, torch.Tensor] | None = None) -> Plan:
+def plan(
+    experts_TK: torch.Tensor,
+    weights_TK: torch.Tensor,
+    num_experts: int,
+    capacity: int | None = None,
+    offset_E: torch.Tensor | None = None,
+    counts_E: torch.Tensor | None = None,
+    runs: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> Plan:
     """Sort assignments by expert; with a capacity, keep each expert's first `capacity` assignments in
     token order. `offset_E`: assignments per expert on earlier sequence blocks of the micro-batch (the
     tp ranks before this one under sp), so the cut is the one a single process would make. `runs`, in
@@ -90,8 +97,9 @@ def _regroup(recv_E: torch.Tensor, recv_RL: list[list[int]]) -> tuple[torch.Tens
     (so nothing here syncs: repeat_interleave gets its output size)."""
     ranks, local = len(recv_RL), len(recv_RL[0])
     sizes = [sum(col) for col in zip(*recv_RL)]
-    expert_R = torch.repeat_interleave(torch.arange(local, device=recv_E.device).repeat(ranks), recv_E,
-                                       output_size=sum(sizes))
+    expert_R = torch.repeat_interleave(
+        torch.arange(local, device=recv_E.device).repeat(ranks), recv_E, output_size=sum(sizes)
+    )
     return torch.argsort(expert_R, stable=True), sizes
 
 
@@ -108,8 +116,8 @@ def dispatch_combine(x_TD: torch.Tensor, p: Plan, ep: Axis, experts) -> torch.Te
     n = sum(kept)  # the kept assignments lead token_A; the dropped ones are cut here
     token_A, weight_A = p.token_A[:n], p.weight_A[:n]
     x_AD = x_TD[token_A]
-    send_splits = [sum(kept[r * local:(r + 1) * local]) for r in range(ep.size)]
-    recv_RL = [recv[r * local:(r + 1) * local] for r in range(ep.size)]
+    send_splits = [sum(kept[r * local : (r + 1) * local]) for r in range(ep.size)]
+    recv_RL = [recv[r * local : (r + 1) * local] for r in range(ep.size)]
     recv_splits = [sum(row) for row in recv_RL]
     x_RD = comm.all_to_all(x_AD, ep, recv_splits, send_splits)
     # each local expert's rows on the device too: the grouped GEMM's group ends, with no host-to-device copy

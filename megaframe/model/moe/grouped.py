@@ -9,6 +9,7 @@ backend has none (CUDA before sm90, fp32 on CUDA), the rows are scattered into a
 batch and multiplied by one bmm. Both paths are exact against the per-expert loop (the tests hold them to
 it bit for bit on CPU); both take the group ends on the device, so neither adds a host sync.
 """
+
 from __future__ import annotations
 
 import torch
@@ -43,8 +44,13 @@ def _rows_where(offs_L: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tenso
     return l_N, rows_N - start_L[l_N]
 
 
-def swiglu_experts(x_ND: torch.Tensor, up_LOD: torch.Tensor, down_LDF: torch.Tensor, sizes: list[int],
-                   ends_L: torch.Tensor | None = None) -> torch.Tensor:
+def swiglu_experts(
+    x_ND: torch.Tensor,
+    up_LOD: torch.Tensor,
+    down_LDF: torch.Tensor,
+    sizes: list[int],
+    ends_L: torch.Tensor | None = None,
+) -> torch.Tensor:
     """SwiGLU of each row block through its expert: up_LOD [L, 2F, D] (fused [gate | up]), down [L, D, F].
     sizes: rows per expert (host); ends_L: their cumulative sums on the device (built here when absent,
     which on CUDA is a host-to-device copy: pass them where they already live on the device)."""

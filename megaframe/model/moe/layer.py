@@ -24,6 +24,7 @@ graph with d(objective)/d(loss) = N / tokens_per_step, the micro-batch's share o
 The LM loss is a token sum over tokens_per_step, so the objective is loss + mean router losses
 over the global batch, in every layout. The logged `aux_loss`/`z_loss` are those mean terms.
 """
+
 from __future__ import annotations
 
 import math
@@ -76,7 +77,9 @@ class Experts(nn.Module):
         self.up_proj = _Stacked(Shard((e, 2 * f, d), 0, (e,), ep.rank, ep.size, "ep"), device, sp)
         self.down_proj = _Stacked(Shard((e, d, f), 0, (e,), ep.rank, ep.size, "ep"), device, sp)
 
-    def forward(self, x_ND: torch.Tensor, sizes: list[int], ends_L: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x_ND: torch.Tensor, sizes: list[int], ends_L: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Rows grouped by local expert (sizes[l] rows for expert l; ends_L their cumulative sums on the
         device), all experts in one grouped GEMM per projection (moe/grouped.py). Every expert's weight
         takes part, even with no rows, so each gets a (zero) grad like in one process."""
@@ -85,8 +88,9 @@ class Experts(nn.Module):
     def forward_loop(self, x_ND: torch.Tensor, sizes: list[int]) -> torch.Tensor:
         """The per-expert loop the grouped GEMM replaced: the reference its tests and bench compare to."""
         outs = []
-        for w_up, w_down, rows_ND in zip(self.up_proj.weight.unbind(0), self.down_proj.weight.unbind(0),
-                                         x_ND.split(sizes)):
+        for w_up, w_down, rows_ND in zip(
+            self.up_proj.weight.unbind(0), self.down_proj.weight.unbind(0), x_ND.split(sizes)
+        ):
             gate_NF, up_NF = F.linear(rows_ND, w_up).chunk(2, dim=-1)
             outs.append(F.linear(F.silu(gate_NF) * up_NF, w_down))
         return torch.cat(outs)
@@ -95,7 +99,9 @@ class Experts(nn.Module):
 class MoE(nn.Module):
     """Top-k mixture of SwiGLU experts, experts split over mesh.ep. See the module docstring."""
 
-    def __init__(self, cfg: ModelConfig, mesh: Mesh, sp: bool, device=None, tokens_per_step: int | None = None):
+    def __init__(
+        self, cfg: ModelConfig, mesh: Mesh, sp: bool, device=None, tokens_per_step: int | None = None
+    ):
         super().__init__()
         self.cfg, self.tp, self.ep, self.cp, self.sp = cfg, mesh.tp, mesh.ep, mesh.cp, sp
         self.tokens_per_step = tokens_per_step
@@ -105,7 +111,9 @@ class MoE(nn.Module):
         # this step's statistics, accumulated over micro-batches on the device (no host sync)
         # (a plain attribute, not a buffer: model.to(bf16) must not cast it)
         # on the mesh's device even when the params start on meta (build_model): not a parameter
-        self.step_stats = torch.zeros(cfg.num_experts + len(STAT_NAMES), dtype=torch.float64, device=mesh.device)
+        self.step_stats = torch.zeros(
+            cfg.num_experts + len(STAT_NAMES), dtype=torch.float64, device=mesh.device
+        )
 
     def _batch_counts(self, experts_TK: torch.Tensor, counts_E: torch.Tensor, batch: int):
         """(routed counts of the whole micro-batch, plan's `runs` for capacity or None). The micro-batch's
@@ -117,11 +125,16 @@ class MoE(nn.Module):
             return counts_E, None
         rows = experts_TK.shape[0] // batch  # tokens are sequence-major: row s holds tokens s·B .. s·B+B-1
         seq = rows * blocks * self.cp.size
-        runs = [context.cp_runs(seq, self.cp.size, r, blocks, t) for r in range(self.cp.size) for t in range(blocks)]
+        runs = [
+            context.cp_runs(seq, self.cp.size, r, blocks, t)
+            for r in range(self.cp.size)
+            for t in range(blocks)
+        ]
         me = runs[self.cp.rank * blocks + (self.tp.rank if blocks > 1 else 0)]
         e = self.cfg.num_experts
-        run_JE = torch.stack([dispatcher.expert_counts(experts_TK[lo * batch:hi * batch].reshape(-1), e)
-                              for lo, hi, _ in me])
+        run_JE = torch.stack(
+            [dispatcher.expert_counts(experts_TK[lo * batch : hi * batch].reshape(-1), e) for lo, hi, _ in me]
+        )
         # Gathered, not all-reduced: besides the total, capacity needs the counts of the runs before ours to
         # drop the same assignments as one process would. Order (cp rank, tp rank), as `runs` lists them.
         all_GJE = run_JE.unsqueeze(0)
@@ -130,7 +143,9 @@ class MoE(nn.Module):
         all_GJE = comm.all_gather_dim0(all_GJE, self.cp)
         if seq not in self._ahead:  # static per sequence length: built once, not a host copy per layer call
             start_G = [g for rank_runs in runs for _, _, g in rank_runs]
-            self._ahead[seq] = torch.tensor([[s < g for s in start_G] for _, _, g in me], device=counts_E.device)
+            self._ahead[seq] = torch.tensor(
+                [[s < g for s in start_G] for _, _, g in me], device=counts_E.device
+            )
         # the runs of the whole group that come before each of ours in the micro-batch's token order
         before_JE = (self._ahead[seq][:, :, None] * all_GJE.reshape(-1, e)[None]).sum(1)
         return all_GJE.sum((0, 1)), (run_JE, before_JE)
@@ -153,7 +168,9 @@ class MoE(nn.Module):
             # From n, the whole micro-batch's tokens
             # (not this rank's block): the same capacity in every layout.
             capacity = math.ceil(c.moe_capacity_factor * n * c.moe_top_k / c.num_experts)
-        plan = dispatcher.plan(r.experts_TK, r.weights_TK, c.num_experts, capacity, counts_E=counts_E, runs=runs)
+        plan = dispatcher.plan(
+            r.experts_TK, r.weights_TK, c.num_experts, capacity, counts_E=counts_E, runs=runs
+        )
         y_TD = dispatcher.dispatch_combine(x_TD, plan, self.ep, self.experts)
         # Skipped under no_grad (eval): no backward to inject into, and eval batches stay out of step_stats.
         if torch.is_grad_enabled():
@@ -174,7 +191,9 @@ class MoE(nn.Module):
         y_AD = y_AD * r.weights_TK.reshape(-1)[perm_A].unsqueeze(-1).to(y_AD.dtype)
         return torch.zeros_like(x_TD).index_add(0, token_A, y_AD)
 
-    def _add_losses(self, y_TD, r: router.Routing, logits_TE, batch_E, counts_E, plan, n: int) -> torch.Tensor:
+    def _add_losses(
+        self, y_TD, r: router.Routing, logits_TE, batch_E, counts_E, plan, n: int
+    ) -> torch.Tensor:
         """Attach the router losses to y's backward and add this micro-batch to the step statistics."""
         c = self.cfg
         # The micro-batch's share of the step's tokens: summed over micro-batches and dp ranks the router
@@ -186,9 +205,15 @@ class MoE(nn.Module):
             y_TD = _InjectLoss.apply(y_TD, aux + z, share)
         # Kept on the device in fp64 and read only by moe.stats at log steps: no host sync per micro-batch.
         with torch.no_grad():
-            row = torch.stack([plan.dropped.to(torch.float64), counts_E.sum().to(torch.float64),
-                               router.entropy_sum(r.probs_TE).to(torch.float64),
-                               torch.full((), float(r.probs_TE.shape[0]), dtype=torch.float64, device=y_TD.device),
-                               (aux.detach() * share).to(torch.float64), (z.detach() * share).to(torch.float64)])
+            row = torch.stack(
+                [
+                    plan.dropped.to(torch.float64),
+                    counts_E.sum().to(torch.float64),
+                    router.entropy_sum(r.probs_TE).to(torch.float64),
+                    torch.full((), float(r.probs_TE.shape[0]), dtype=torch.float64, device=y_TD.device),
+                    (aux.detach() * share).to(torch.float64),
+                    (z.detach() * share).to(torch.float64),
+                ]
+            )
             self.step_stats += torch.cat([counts_E.to(torch.float64), row])
         return y_TD

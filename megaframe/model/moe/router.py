@@ -12,6 +12,7 @@ Losses (both layout-invariant: statistics are over the whole micro-batch, see Mo
                          P_e = mean over tokens of the normalised scores; 1 when perfectly balanced
     z-loss               mean over tokens of logsumexp(logits)^2
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -34,8 +35,9 @@ class Routing:
     """fp32 score distribution over experts (sums to 1 per token): aux loss and entropy."""
 
 
-def route(logits_TE: torch.Tensor, top_k: int, score: str = "softmax",
-          bias_E: torch.Tensor | None = None) -> Routing:
+def route(
+    logits_TE: torch.Tensor, top_k: int, score: str = "softmax", bias_E: torch.Tensor | None = None
+) -> Routing:
     """Top-k routing of fp32 logits (pure function; the reference the tests check by hand)."""
     # fp32: in bf16 many scores round to ties, and top-k choices would flip on rounding noise.
     logits_TE = logits_TE.float()
@@ -54,7 +56,9 @@ def route(logits_TE: torch.Tensor, top_k: int, score: str = "softmax",
     return Routing(experts_TK, weights_TK, probs_TE)
 
 
-def load_balancing_loss(probs_TE: torch.Tensor, counts_E: torch.Tensor, num_tokens: int, top_k: int) -> torch.Tensor:
+def load_balancing_loss(
+    probs_TE: torch.Tensor, counts_E: torch.Tensor, num_tokens: int, top_k: int
+) -> torch.Tensor:
     """E · sum_e (counts_e / (N·K)) · (sum_t probs_te / N) over a micro-batch of N tokens.
 
     counts_E are the whole micro-batch's assignment counts (constants); probs_TE may be only this rank's

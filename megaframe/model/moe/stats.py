@@ -9,6 +9,7 @@ stage: a sum over pp of the [layers, E + 6] table (zero rows for other stages' l
 them to the logging rank.
 Nothing here syncs the host except `metrics`, which the trainer calls at log steps only.
 """
+
 from __future__ import annotations
 
 import torch
@@ -39,7 +40,9 @@ def reduced_table(model, mesh: Mesh, over_pp: bool) -> torch.Tensor | None:
         return None
     # fp64: token counts summed over a large global batch and many steps must stay exact integers.
     # Every rank builds the full [num_layers, ...] table, zero rows included, so the shapes agree.
-    table = torch.zeros(cfg.num_layers, cfg.num_experts + len(STAT_NAMES), dtype=torch.float64, device=mesh.device)
+    table = torch.zeros(
+        cfg.num_layers, cfg.num_experts + len(STAT_NAMES), dtype=torch.float64, device=mesh.device
+    )
     for i, layer in moe_layers(model):
         table[i] = layer.step_stats
     # Fixed order cp·dp, tp, pp on every rank; the `if`s depend only on config, so all ranks take them alike.
@@ -62,7 +65,7 @@ def update_expert_bias(model, mesh: Mesh) -> None:
     # No pp reduction: each stage updates only its own layers' biases, from rows its own ranks summed.
     table = reduced_table(model, mesh, over_pp=False)
     for i, layer in moe_layers(model):
-        counts_E = table[i, :cfg.num_experts]
+        counts_E = table[i, : cfg.num_experts]
         bias_E = layer.router.expert_bias
         bias_E += (cfg.moe_bias_update_rate * torch.sign(counts_E.mean() - counts_E)).to(bias_E.dtype)
         # Recentred: only differences between experts matter for top-k, and this stops a common drift.
@@ -97,6 +100,8 @@ def imbalance_warnings(row: dict, num_layers: int) -> list[str]:
     for i in range(num_layers):
         lo, hi, mean, cv = (row.get(f"moe/layer{i}/tokens_{k}") for k in ("min", "max", "mean", "cv"))
         if mean and (hi > IMBALANCE_WARN * mean or lo == 0):
-            out.append(f"megaframe: warning: step {row['step']} moe layer {i}: expert load imbalanced "
-                       f"(tokens per expert min {lo:.0f}, max {hi:.0f} = {hi / mean:.1f}x the mean, cv {cv:.2f})")
+            out.append(
+                f"megaframe: warning: step {row['step']} moe layer {i}: expert load imbalanced "
+                f"(tokens per expert min {lo:.0f}, max {hi:.0f} = {hi / mean:.1f}x the mean, cv {cv:.2f})"
+            )
     return out

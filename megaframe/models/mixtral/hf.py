@@ -11,6 +11,7 @@ transformers 4: model.layers.{i}.block_sparse_moe.gate.weight, block_sparse_moe.
     w3 [F, D] (up), w2 [D, F] (down).
 Routing is the same function on both sides: softmax over E, top-k, the k scores renormalised to sum 1.
 """
+
 from __future__ import annotations
 
 import torch
@@ -30,8 +31,11 @@ def experts_out(i: int, rest: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
     pre = f"model.layers.{i}."
     # transformers 5 stacks the experts in 3-D tensors, as megaframe stores them: renamed, never split
     if fused():
-        name = {"mlp.router.weight": "mlp.gate.weight", "mlp.experts.up_proj.weight": "mlp.experts.gate_up_proj",
-                "mlp.experts.down_proj.weight": "mlp.experts.down_proj"}[rest]
+        name = {
+            "mlp.router.weight": "mlp.gate.weight",
+            "mlp.experts.up_proj.weight": "mlp.experts.gate_up_proj",
+            "mlp.experts.down_proj.weight": "mlp.experts.down_proj",
+        }[rest]
         return {pre + name: t.contiguous()}
     moe = pre + "block_sparse_moe."
     if rest == "mlp.router.weight":
@@ -40,7 +44,10 @@ def experts_out(i: int, rest: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
     for e, w in enumerate(t.unbind(0)):
         if rest == "mlp.experts.up_proj.weight":
             gate, up = w.chunk(2, dim=0)  # [gate | up] rows: w1 is the gate, w3 the up
-            out[f"{moe}experts.{e}.w1.weight"], out[f"{moe}experts.{e}.w3.weight"] = gate.contiguous(), up.contiguous()
+            out[f"{moe}experts.{e}.w1.weight"], out[f"{moe}experts.{e}.w3.weight"] = (
+                gate.contiguous(),
+                up.contiguous(),
+            )
         else:
             out[f"{moe}experts.{e}.w2.weight"] = w.contiguous()
     return out
@@ -49,23 +56,43 @@ def experts_out(i: int, rest: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
 def mixtral_fields(cfg, rope_theta: float) -> dict:
     """megaframe ModelConfig fields of a transformers MixtralConfig; ValueError for what megaframe lacks."""
     if cfg.hidden_act != "silu":
-        raise ValueError(f"Mixtral hidden_act={cfg.hidden_act!r} is not supported (megaframe SwiGLU uses silu)")
+        raise ValueError(
+            f"Mixtral hidden_act={cfg.hidden_act!r} is not supported (megaframe SwiGLU uses silu)"
+        )
     window = getattr(cfg, "sliding_window", None)
     if window is not None and window < cfg.max_position_embeddings:
-        raise ValueError(f"Mixtral sliding_window={window} < max_position_embeddings: megaframe attends to the whole "
-                         "sequence")
+        raise ValueError(
+            f"Mixtral sliding_window={window} < max_position_embeddings: megaframe attends to the whole "
+            "sequence"
+        )
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     if head_dim * cfg.num_attention_heads != cfg.hidden_size:
         raise ValueError(f"head_dim={head_dim} x heads != hidden_size={cfg.hidden_size}: not supported")
-    return dict(name="hf_mixtral", num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size,
-                num_attention_heads=cfg.num_attention_heads, num_query_groups=cfg.num_key_value_heads,
-                ffn_hidden_size=cfg.intermediate_size, moe_ffn_hidden_size=cfg.intermediate_size,
-                num_experts=cfg.num_local_experts, moe_top_k=cfg.num_experts_per_tok, moe_router_score="softmax",
-                moe_expert_bias=False, moe_capacity_factor=None,
-                moe_aux_loss_coeff=float(getattr(cfg, "router_aux_loss_coef", 0.0) or 0.0),
-                seq_length=cfg.max_position_embeddings, vocab_size=cfg.vocab_size, norm="rmsnorm",
-                activation="swiglu", position_embedding="rope", tie_embeddings=bool(cfg.tie_word_embeddings),
-                bias=False, rope_theta=rope_theta, norm_eps=float(cfg.rms_norm_eps), dropout=0.0)
+    return dict(
+        name="hf_mixtral",
+        num_layers=cfg.num_hidden_layers,
+        hidden_size=cfg.hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        num_query_groups=cfg.num_key_value_heads,
+        ffn_hidden_size=cfg.intermediate_size,
+        moe_ffn_hidden_size=cfg.intermediate_size,
+        num_experts=cfg.num_local_experts,
+        moe_top_k=cfg.num_experts_per_tok,
+        moe_router_score="softmax",
+        moe_expert_bias=False,
+        moe_capacity_factor=None,
+        moe_aux_loss_coeff=float(getattr(cfg, "router_aux_loss_coef", 0.0) or 0.0),
+        seq_length=cfg.max_position_embeddings,
+        vocab_size=cfg.vocab_size,
+        norm="rmsnorm",
+        activation="swiglu",
+        position_embedding="rope",
+        tie_embeddings=bool(cfg.tie_word_embeddings),
+        bias=False,
+        rope_theta=rope_theta,
+        norm_eps=float(cfg.rms_norm_eps),
+        dropout=0.0,
+    )
 
 
 def mixtral_state(cfg, sd: dict) -> dict[str, torch.Tensor]:
@@ -87,8 +114,11 @@ def mixtral_state(cfg, sd: dict) -> dict[str, torch.Tensor]:
         moe, e = pre + "block_sparse_moe.", range(cfg.num_local_experts)
         out[f"{mine}mlp.router.weight"] = sd[moe + "gate.weight"]
         out[f"{mine}mlp.experts.up_proj.weight"] = torch.stack(
-            [torch.cat([sd[f"{moe}experts.{k}.w1.weight"], sd[f"{moe}experts.{k}.w3.weight"]]) for k in e])
-        out[f"{mine}mlp.experts.down_proj.weight"] = torch.stack([sd[f"{moe}experts.{k}.w2.weight"] for k in e])
+            [torch.cat([sd[f"{moe}experts.{k}.w1.weight"], sd[f"{moe}experts.{k}.w3.weight"]]) for k in e]
+        )
+        out[f"{mine}mlp.experts.down_proj.weight"] = torch.stack(
+            [sd[f"{moe}experts.{k}.w2.weight"] for k in e]
+        )
     return out
 
 
@@ -119,11 +149,17 @@ def to_hf(m, state: dict, eos=None, bos=None):
     from megaframe.models.hf_rope import rope_config
     from megaframe.models.llama.hf import LLAMA_TOP, common_kw, layer_out, split_layer_key
 
-    kw = dict(common_kw(m, eos, bos), intermediate_size=m.expert_ffn, num_local_experts=m.num_experts,
-              num_experts_per_tok=m.moe_top_k,
-              # no jitter, no sliding window: the export must compute
-              # exactly what megaframe's router and attention compute
-              router_aux_loss_coef=m.moe_aux_loss_coeff, router_jitter_noise=0.0, sliding_window=None)
+    kw = dict(
+        common_kw(m, eos, bos),
+        intermediate_size=m.expert_ffn,
+        num_local_experts=m.num_experts,
+        num_experts_per_tok=m.moe_top_k,
+        # no jitter, no sliding window: the export must compute
+        # exactly what megaframe's router and attention compute
+        router_aux_loss_coef=m.moe_aux_loss_coeff,
+        router_jitter_noise=0.0,
+        sliding_window=None,
+    )
     sd = {}
     for name, t in state.items():
         t, split = t.detach().cpu(), split_layer_key(name)

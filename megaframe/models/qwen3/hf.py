@@ -3,6 +3,7 @@ layers.{i}.attn.q_norm/k_norm.weight [E] = model.layers.{i}.self_attn.q_norm/k_n
 (Qwen3's attention_bias, off in every released model, would bias attention only: megaframe's one `bias`
 flag covers the MLP too, so it is refused); sliding-window layers are refused (megaframe attends to the
 whole sequence)."""
+
 from __future__ import annotations
 
 import torch
@@ -27,8 +28,13 @@ def mismatch(m: ModelConfig) -> list[str]:
 def to_hf(m: ModelConfig, state: dict, eos=None, bos=None):
     from transformers import Qwen3Config
 
-    kw = dict(llama.common_kw(m, eos, bos), attention_bias=False, use_sliding_window=False, sliding_window=None,
-              max_window_layers=m.num_layers)
+    kw = dict(
+        llama.common_kw(m, eos, bos),
+        attention_bias=False,
+        use_sliding_window=False,
+        sliding_window=None,
+        max_window_layers=m.num_layers,
+    )
     cfg = rope_config(Qwen3Config, kw, m.rope_theta, m.rope_scaling, "Qwen3ForCausalLM")
     return cfg, llama.state_out(m, state, QK_NORMS)
 
@@ -37,6 +43,8 @@ def from_hf(cfg, sd: dict) -> tuple[dict, dict[str, torch.Tensor]]:
     if getattr(cfg, "attention_bias", False):
         raise ValueError("Qwen3 attention_bias=true is not supported (megaframe's `bias` covers the MLP too)")
     if getattr(cfg, "use_sliding_window", False) and getattr(cfg, "sliding_window", None):
-        raise ValueError(f"Qwen3 sliding_window={cfg.sliding_window}: megaframe attends to the whole sequence")
+        raise ValueError(
+            f"Qwen3 sliding_window={cfg.sliding_window}: megaframe attends to the whole sequence"
+        )
     fields = dict(llama.shape_fields(cfg, "hf_qwen3"), bias=False, qk_norm=True)
     return fields, llama.state_in(cfg, sd, False, QK_NORMS)

@@ -6,6 +6,7 @@ bad input found in a second (exit 2, one line naming the key and the path), not 
 save hours in. Then each is locked (runops/access/runlock.py): checkpoint.dir too when it is not run.dir, so
 two jobs with their own run.dir and one checkpoint.dir cannot replace each other's checkpoints.
 """
+
 from __future__ import annotations
 
 import os
@@ -48,8 +49,9 @@ def probe(key: str, folder: str | Path) -> None:
         test.write_bytes(b"")
         test.unlink()
     except OSError as e:
-        raise ConfigError(f"{key}={folder}: cannot write there ({e.strerror or type(e).__name__}: "
-                          f"{e.filename or path})") from None
+        raise ConfigError(
+            f"{key}={folder}: cannot write there ({e.strerror or type(e).__name__}: {e.filename or path})"
+        ) from None
 
 
 def pointer_files(folder: str | Path) -> None:
@@ -58,8 +60,10 @@ def pointer_files(folder: str | Path) -> None:
     for name in ("latest", "latest.tmp"):
         path = Path(folder) / name
         if path.is_dir():  # also a link to a folder
-            raise ConfigError(f"checkpoint.dir={folder}: {path} is a folder, not the `{name}` pointer file a "
-                              "save writes; move it away (or pick another checkpoint.dir)")
+            raise ConfigError(
+                f"checkpoint.dir={folder}: {path} is a folder, not the `{name}` pointer file a "
+                "save writes; move it away (or pick another checkpoint.dir)"
+            )
 
 
 class FolderLocks:

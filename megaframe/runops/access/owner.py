@@ -18,6 +18,7 @@ when they all name one run: the id file was deleted, or the checkpoints were cop
 way they are this folder's. Checkpoints of several owners there (another run continued the folder on
 purpose) name no owner for it: the run gets a new id and is refused as any other run would be.
 """
+
 from __future__ import annotations
 
 import os
@@ -82,7 +83,9 @@ def settle(run: RunConfig, ckpt: CheckpointConfig) -> str:
     if read_id(run_dir) != mine:
         try:
             write_atomic(run_dir / ID_NAME, mine + "\n")
-        except OSError as e:  # rank 0 alone is here: an exception would leave the peers waiting in the broadcast
+        except (
+            OSError
+        ) as e:  # rank 0 alone is here: an exception would leave the peers waiting in the broadcast
             raise ConfigError(f"run.dir={run.dir}: cannot record the run id ({e.strerror or e})") from None
     return mine
 
@@ -104,10 +107,13 @@ def _continues(resume: str, root: Path) -> bool:
 def refusal(run: RunConfig, ckpt: CheckpointConfig, head: Path) -> str:
     who, where = owner(head)
     root, r = ckpt.dir, ckpt.resume
-    what = {"auto": "checkpoint.resume=auto continues only this run's own checkpoints",
-            "none": "checkpoint.resume=none would start a second run beside them and move their `latest`"}.get(
-        r, f"checkpoint.resume={r} is not one of its checkpoints: this run would move their `latest`")
-    return (f"checkpoint.dir={root}: its newest checkpoint {head.name} belongs to another run ({who}, run.dir "
-            f"{where}), not to this run.dir={run.dir}; {what}. To continue that run's checkpoint on purpose, "
-            f"pass checkpoint.resume={head} (or checkpoint.resume={root}); to start anew, give this run its own "
-            "checkpoint.dir")
+    what = {
+        "auto": "checkpoint.resume=auto continues only this run's own checkpoints",
+        "none": "checkpoint.resume=none would start a second run beside them and move their `latest`",
+    }.get(r, f"checkpoint.resume={r} is not one of its checkpoints: this run would move their `latest`")
+    return (
+        f"checkpoint.dir={root}: its newest checkpoint {head.name} belongs to another run ({who}, run.dir "
+        f"{where}), not to this run.dir={run.dir}; {what}. To continue that run's checkpoint on purpose, "
+        f"pass checkpoint.resume={head} (or checkpoint.resume={root}); to start anew, give this run its own "
+        "checkpoint.dir"
+    )

@@ -13,6 +13,7 @@ replace each other's checkpoints. A lock is taken over only from a holder proven
 - on another host, a Slurm job that squeue reports finished or unknown (taken over with a warning).
 Any other holder is refused, and the message says which file to remove if that job is known to be gone.
 """
+
 from __future__ import annotations
 
 import shutil
@@ -33,8 +34,19 @@ class RunDirBusy(Exception):
 
 # squeue's states of a job that will not run again
 # (anything else, PENDING or RUNNING included, may still write)
-_SLURM_DONE = {"BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL", "OUT_OF_MEMORY",
-               "PREEMPTED", "TIMEOUT", "SPECIAL_EXIT", "REVOKED"}
+_SLURM_DONE = {
+    "BOOT_FAIL",
+    "CANCELLED",
+    "COMPLETED",
+    "DEADLINE",
+    "FAILED",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "PREEMPTED",
+    "TIMEOUT",
+    "SPECIAL_EXIT",
+    "REVOKED",
+}
 
 
 def _ask(cmd: list[str]) -> subprocess.CompletedProcess | None:
@@ -55,7 +67,11 @@ def slurm_job_gone(job: str) -> str | None:
         state = out.stdout.split() if out is not None else []
     elif shutil.which("scontrol"):
         out = _ask(["scontrol", "show", "job", "-o", jid])
-        state = [w.split("=", 1)[1] for w in (out.stdout.split() if out is not None else []) if w.startswith("JobState=")]
+        state = [
+            w.split("=", 1)[1]
+            for w in (out.stdout.split() if out is not None else [])
+            if w.startswith("JobState=")
+        ]
     else:
         return None
     if out is None:
@@ -70,7 +86,7 @@ def slurm_job_gone(job: str) -> str | None:
 
 def holder_gone(holder: dict | None, age: float) -> str | None:
     """Why a lock's holder is gone (the lock may be taken over), or None while it may be alive: the
-policy of every megaframe.lock (atomic_lock.OwnerLock), also of the tools' locks."""
+    policy of every megaframe.lock (atomic_lock.OwnerLock), also of the tools' locks."""
     if holder is None:
         # half-written by a taker that died at once, or garbage: stale only once it is old
         # 60 s: far longer than a taker needs from O_EXCL to its fsynced write: a live one is not robbed
@@ -95,8 +111,13 @@ class RunLock:
         self.folder = Path(run_dir)
         self.path = self.folder.with_name(f".{self.folder.name}.lock") if beside else self.folder / LOCK_NAME
         self.key = key  # the config key the folder came from, for the messages
-        self.lock = OwnerLock(self.path, holder_gone, warn=lambda why: print(
-            f"megaframe: warning: taking over the lock of {self.key}={self.folder} ({why})", flush=True))
+        self.lock = OwnerLock(
+            self.path,
+            holder_gone,
+            warn=lambda why: print(
+                f"megaframe: warning: taking over the lock of {self.key}={self.folder} ({why})", flush=True
+            ),
+        )
 
     @property
     def held(self) -> bool:
@@ -108,15 +129,18 @@ class RunLock:
         try:
             self.lock.acquire()
         except LockBusy as e:
-            raise RunDirBusy(self._busy(e.holder) if str(e) == describe(e.holder) else
-                             f"{self.key}={self.folder}: {e}") from None
+            raise RunDirBusy(
+                self._busy(e.holder) if str(e) == describe(e.holder) else f"{self.key}={self.folder}: {e}"
+            ) from None
         return self
 
     def _busy(self, h: dict | None) -> str:
         if h is None:
             return f"{self.key}={self.folder} is locked by another job ({self.path} is being written)"
-        return (f"{self.key}={self.folder} is in use by another run ({describe(h)}); pick another "
-                f"{self.key}, or remove {self.path} if that run is gone")
+        return (
+            f"{self.key}={self.folder} is in use by another run ({describe(h)}); pick another "
+            f"{self.key}, or remove {self.path} if that run is gone"
+        )
 
     def release(self) -> None:
         self.lock.release()  # only our own file (by token): a job that took over a stale lock keeps it

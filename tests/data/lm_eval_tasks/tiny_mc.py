@@ -1,5 +1,6 @@
 """The tiny_mc task's documents: tiny_mc.jsonl beside this file (a path lm-eval's json loader would
 otherwise resolve against the working directory)."""
+
 from pathlib import Path
 
 

@@ -8,6 +8,7 @@ written by commit 1276b81 (before the package's files moved to runops/, checkpoi
 and expected_logits.safetensors holds that version's load_model logits for fixed ids. Nothing in a
 checkpoint may name a Python module or file of the package (safetensors and JSON only), so moves and
 renames inside the package never break one."""
+
 from __future__ import annotations
 
 import json
@@ -22,9 +23,19 @@ from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[3]
 FIXTURE = ROOT / "tests" / "fixtures" / "ckpt_v2_tiny"
-MODEL = ["data=synthetic", "model.num_layers=2", "model.hidden_size=32", "model.num_attention_heads=4",
-         "model.num_query_groups=2", "model.ffn_hidden_size=64", "model.seq_length=16", "model.vocab_size=128",
-         "train.global_batch_size=4", "train.micro_batch_size=2", "logging.wandb.mode=disabled"]
+MODEL = [
+    "data=synthetic",
+    "model.num_layers=2",
+    "model.hidden_size=32",
+    "model.num_attention_heads=4",
+    "model.num_query_groups=2",
+    "model.ffn_hidden_size=64",
+    "model.seq_length=16",
+    "model.vocab_size=128",
+    "train.global_batch_size=4",
+    "train.micro_batch_size=2",
+    "logging.wandb.mode=disabled",
+]
 
 
 def test_an_earlier_versions_checkpoint_gives_its_logits():
@@ -39,13 +50,31 @@ def test_an_earlier_versions_checkpoint_gives_its_logits():
 def test_an_earlier_versions_checkpoint_verifies_and_resumes(tmp_path):
     ck = tmp_path / "checkpoints"
     shutil.copytree(FIXTURE, ck)  # the run writes beside what it resumes: never into the fixture
-    verify = subprocess.run([sys.executable, "-m", "megaframe.checkpoint", "verify", str(ck / "step_00000002")],
-                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    verify = subprocess.run(
+        [sys.executable, "-m", "megaframe.checkpoint", "verify", str(ck / "step_00000002")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert verify.returncode == 0, verify.stderr
-    res = subprocess.run([sys.executable, "train.py", *MODEL, "train.max_steps=3", "train.log_interval=1",
-                          f"run.dir={tmp_path / 'run'}", f"checkpoint.dir={ck}", "checkpoint.interval=0",
-                          f"checkpoint.resume={ck / 'step_00000002'}"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "train.py",
+            *MODEL,
+            "train.max_steps=3",
+            "train.log_interval=1",
+            f"run.dir={tmp_path / 'run'}",
+            f"checkpoint.dir={ck}",
+            "checkpoint.interval=0",
+            f"checkpoint.resume={ck / 'step_00000002'}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [3] and math.isfinite(rows[0]["loss"])

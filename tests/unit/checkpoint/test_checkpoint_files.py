@@ -1,5 +1,6 @@
 """Checkpoint files on one process: per-block checksums found where read, the offline verifier's exit
 codes, a corrupt block failing a load by name, and file names confined to their folder."""
+
 from __future__ import annotations
 
 import json
@@ -71,9 +72,20 @@ def test_file_names_stay_inside_the_folder(tmp_path, saved):
     (path / "metadata.json").write_text(json.dumps(meta))
     with pytest.raises(CheckpointError, match="not a plain name"):
         sharded.check_complete(path)
-    res = subprocess.run([sys.executable, "train.py", "data=synthetic", f"checkpoint.resume={path}",
-                          f"run.dir={tmp_path / 'run'}"], cwd=ROOT, env=env(), capture_output=True, text=True,
-                         timeout=120)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "train.py",
+            "data=synthetic",
+            f"checkpoint.resume={path}",
+            f"run.dir={tmp_path / 'run'}",
+        ],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 2 and "not a plain name" in res.stderr, res.stderr[-2000:]
     assert len(res.stderr.strip().splitlines()) == 1
 
@@ -111,11 +123,24 @@ def test_a_v1_checkpoint_still_loads(tmp_path, saved):
     old.mkdir(parents=True)
     save_file(tensors, str(old / "shard_00000.safetensors"))
     crc = zlib.crc32((old / "shard_00000.safetensors").read_bytes())
-    v1 = {"format": "megaframe-ckpt-v1", "step": 1, "files": {"shard_00000.safetensors": {
-        "bytes": (old / "shard_00000.safetensors").stat().st_size, "crc32": crc}},
-        "tensors": {k: {"global_shape": list(t.shape), "dtype": "float32",
-                        "shards": [{"file": "shard_00000.safetensors", "dim": None, "ranges": []}]}
-                    for k, t in tensors.items()}}
+    v1 = {
+        "format": "megaframe-ckpt-v1",
+        "step": 1,
+        "files": {
+            "shard_00000.safetensors": {
+                "bytes": (old / "shard_00000.safetensors").stat().st_size,
+                "crc32": crc,
+            }
+        },
+        "tensors": {
+            k: {
+                "global_shape": list(t.shape),
+                "dtype": "float32",
+                "shards": [{"file": "shard_00000.safetensors", "dim": None, "ranges": []}],
+            }
+            for k, t in tensors.items()
+        },
+    }
     (old / "metadata.json").write_text(json.dumps(v1))
     sharded.verify(old)
     model = build_model(tiny_config(["train.seed=9"], 1), mesh)
@@ -176,7 +201,9 @@ def test_load_model_reads_the_weights_into_the_model(trained, monkeypatch):
     count = HostBytes()
     with count:
         megaframe.load_model(str(path))
-    print(f"\nload_model: host bytes {count.peak} (building the model alone {build.peak}, weights {weights}), "
-          f"read {figures['read_data_bytes']}")
+    print(
+        f"\nload_model: host bytes {count.peak} (building the model alone {build.peak}, weights {weights}), "
+        f"read {figures['read_data_bytes']}"
+    )
     assert count.peak <= build.peak + largest + 4096
     assert figures["needed_bytes"] == weights  # the weights only: no optimizer state read

@@ -9,6 +9,7 @@ Claims (each a count asserted against theory, for every rank, computed in one pr
   its moments (ZeRO-1), and the share itself matches that count;
 - planning every rank takes under a minute on this machine (2 shared cores).
 """
+
 from __future__ import annotations
 
 import math
@@ -30,9 +31,19 @@ CASES = {
 
 
 def config(model: str, layout: Layout):
-    return load_config([f"model={model}", "data=synthetic", "train.global_batch_size=1024", "train.micro_batch_size=1",
-                        f"parallel.tp={layout.tp}", f"parallel.pp={layout.pp}", f"parallel.ep={layout.ep}"],
-                       world_size=layout.world, check_data=False)
+    return load_config(
+        [
+            f"model={model}",
+            "data=synthetic",
+            "train.global_batch_size=1024",
+            "train.micro_batch_size=1",
+            f"parallel.tp={layout.tp}",
+            f"parallel.pp={layout.pp}",
+            f"parallel.ep={layout.ep}",
+        ],
+        world_size=layout.world,
+        check_data=False,
+    )
 
 
 @pytest.mark.parametrize("model", list(CASES))
@@ -60,16 +71,25 @@ def test_every_rank_of_another_layout_reads_its_share_once(model):
         dp = load.dp // load.ep if any(".experts." in it.key for it in items) and load.ep > 1 else load.dp
         # two fp32 moments, and an fp32 master where the params are bf16 (build_model: train.precision)
         kinds = 3 if any(it.key.startswith("optim/master/") for it in items) else 2
-        assert kinds * weights_fp32 / load.dp * 0.5 <= moments <= kinds * weights_fp32 / min(dp, load.dp // load.ep) * 1.01
+        assert (
+            kinds * weights_fp32 / load.dp * 0.5
+            <= moments
+            <= kinds * weights_fp32 / min(dp, load.dp // load.ep) * 1.01
+        )
         assert share == theory + moments
         shares.append(share)
-        if rank % 37 == 0:  # the destination boxes of a plan never overlap (exactly once, checked in full here)
+        if (
+            rank % 37 == 0
+        ):  # the destination boxes of a plan never overlap (exactly once, checked in full here)
             for key, _sid, _src, dst, size in plan.copies:
                 assert not _overlaps(dst, dst + size), (rank, key)
-    print(f"\n{model}: saved at {save} ({total / 1e9:.2f} GB, {save.world} files, per rank "
-          f"{min(written.values()) / 1e9:.3f}-{max(written.values()) / 1e9:.3f} " f"GB); planned every rank of {load} "
-          f"({load.world} ranks) in {planning:.1f}s; share {min(shares) / 1e9:.3f}-{max(shares) / 1e9:.3f} GB "
-          f"per rank; planned bytes at most {worst:.2%} over the share")
+    print(
+        f"\n{model}: saved at {save} ({total / 1e9:.2f} GB, {save.world} files, per rank "
+        f"{min(written.values()) / 1e9:.3f}-{max(written.values()) / 1e9:.3f} "
+        f"GB); planned every rank of {load} "
+        f"({load.world} ranks) in {planning:.1f}s; share {min(shares) / 1e9:.3f}-{max(shares) / 1e9:.3f} GB "
+        f"per rank; planned bytes at most {worst:.2%} over the share"
+    )
     assert worst <= 0.10
     assert planning < 60
 
@@ -78,10 +98,22 @@ def test_a_gap_or_an_overlap_in_the_metadata_is_refused_at_plan_time():
     from megaframe.checkpoint.metadata import CheckpointError
 
     save = Layout(tp=2, pp=1, dp=2)
-    cfg = load_config(["data=synthetic", "model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=8",
-                       "model.num_query_groups=4", "model.ffn_hidden_size=128", "model.vocab_size=256",
-                       "train.global_batch_size=8", "train.micro_batch_size=2", "parallel.tp=2"], world_size=4,
-                      check_data=False)
+    cfg = load_config(
+        [
+            "data=synthetic",
+            "model.num_layers=2",
+            "model.hidden_size=64",
+            "model.num_attention_heads=8",
+            "model.num_query_groups=4",
+            "model.ffn_hidden_size=128",
+            "model.vocab_size=256",
+            "train.global_batch_size=8",
+            "train.micro_batch_size=2",
+            "parallel.tp=2",
+        ],
+        world_size=4,
+        check_data=False,
+    )
     tensors, _ = saved_metadata(cfg, save)
     items = next(iter(load_needs(cfg, save)))[1]
     key = "model/layers.0.attn.qkv.weight"

@@ -1,6 +1,7 @@
 """scripts/import_hf.py refuses an HF folder it cannot import faithfully (exit 2, one line naming the tensor):
 a truncated model.safetensors, a weight the folder lacks (transformers would initialise it at random; only a
 tied head may be absent) and a NaN/inf weight. Real transformers folders and safetensors files, offline."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -22,10 +23,20 @@ def hf_folder(path: Path, tied: bool) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                                 tie_word_embeddings=tied, bos_token_id=None, eos_token_id=None)
-                     ).save_pretrained(str(path))
+    LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=320,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=32,
+            tie_word_embeddings=tied,
+            bos_token_id=None,
+            eos_token_id=None,
+        )
+    ).save_pretrained(str(path))
     return path
 
 
@@ -63,8 +74,13 @@ def test_a_truncated_safetensors_is_one_line(untied, tmp_path):
     folder = copy(untied, tmp_path / "hf")
     f = folder / "model.safetensors"
     f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
-    res = subprocess.run([sys.executable, "scripts/import_hf.py", str(folder), str(tmp_path / "ck"), "data=synthetic"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "scripts/import_hf.py", str(folder), str(tmp_path / "ck"), "data=synthetic"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 2, res.stderr[-2000:]
     assert "Traceback" not in res.stderr and "megaframe: error:" in res.stderr, res.stderr[-2000:]
     assert not (tmp_path / "ck" / "latest").exists()

@@ -1,6 +1,7 @@
 """HF interop: megaframe checkpoint -> transformers folder -> megaframe checkpoint, logits equal both ways
 (fp32, max abs diff < 1e-4); the exported tokenizer encodes like sentencepiece; train.py continues from an
 imported checkpoint; bad input exits 2. Tiny models, offline, well under a minute."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -22,8 +23,15 @@ from megaframe.parallel.mesh import single_process_mesh
 from tests.unit.hf_scripts import export_hf, import_hf
 
 ROOT = Path(__file__).resolve().parents[3]
-TINY = ["data=synthetic", "model.num_layers=2", "model.hidden_size=64", "model.ffn_hidden_size=96",
-        "model.seq_length=32", "model.vocab_size=384", "model.init_std=0.1"]
+TINY = [
+    "data=synthetic",
+    "model.num_layers=2",
+    "model.hidden_size=64",
+    "model.ffn_hidden_size=96",
+    "model.seq_length=32",
+    "model.vocab_size=384",
+    "model.init_std=0.1",
+]
 CASES = {  # name -> overrides
     "llama_gqa_untied": ["model=gpt_tiny", "model.num_attention_heads=4", "model.num_query_groups=2"],
     "llama_mha_tied": ["model=gpt_tiny", "model.num_query_groups=null", "model.tie_embeddings=true"],
@@ -33,15 +41,16 @@ CASES = {  # name -> overrides
 }
 
 
-
-
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory) -> Path:
     """A data.path holding a sentencepiece tokenizer.model smaller than the model's 384 rows."""
     from megaframe.data.tokenizer import train_tokenizer
 
     d = tmp_path_factory.mktemp("data")
-    text = [f"Line {i}: the quick brown fox jumps over {i * 7} lazy dogs.\n  Ünïcode ☃ and tabs\tend." for i in range(300)]
+    text = [
+        f"Line {i}: the quick brown fox jumps over {i * 7} lazy dogs.\n  Ünïcode ☃ and tabs\tend."
+        for i in range(300)
+    ]
     train_tokenizer(text, 360, d / "tokenizer", num_threads=1)
     return d
 
@@ -64,7 +73,9 @@ def make_checkpoint(root: Path, overrides: list[str], data_path: str = ""):
 
 
 def ids(cfg, batch: int = 2) -> torch.Tensor:
-    return torch.randint(0, cfg.model.vocab_size, (batch, cfg.model.seq_length), generator=torch.Generator().manual_seed(3))
+    return torch.randint(
+        0, cfg.model.vocab_size, (batch, cfg.model.seq_length), generator=torch.Generator().manual_seed(3)
+    )
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -91,8 +102,19 @@ def test_round_trip_logits(tmp_path, case):
     assert (tmp_path / "back" / "latest").read_text().strip() == "step_00000000"
     meta = sharded.read_metadata(tmp_path / "back" / "step_00000000")
     assert meta["step"] == 0 and not any(k.startswith("optim/") for k in meta["tensors"])
-    for k in ("num_layers", "hidden_size", "num_attention_heads", "kv_heads", "ffn_hidden_size", "vocab_size",
-              "tie_embeddings", "bias", "rope_theta", "norm_eps", "seq_length"):
+    for k in (
+        "num_layers",
+        "hidden_size",
+        "num_attention_heads",
+        "kv_heads",
+        "ffn_hidden_size",
+        "vocab_size",
+        "tie_embeddings",
+        "bias",
+        "rope_theta",
+        "norm_eps",
+        "seq_length",
+    ):
         assert getattr(back.cfg, k) == getattr(cfg.model, k), k
 
 
@@ -114,7 +136,9 @@ def test_tokenizer_exported_and_bf16(tmp_path, tokenizer_dir):
     assert hf_model.model.embed_tokens.weight.dtype == torch.bfloat16
     assert hf_model.model.embed_tokens.weight.shape[0] == cfg.model.vocab_size  # all rows kept
 
-    assert import_hf.main([str(out), str(tmp_path / "back"), "data=synthetic"]) == 0  # bf16 weights come back fp32
+    assert (
+        import_hf.main([str(out), str(tmp_path / "back"), "data=synthetic"]) == 0
+    )  # bf16 weights come back fp32
     back_tok = AutoTokenizer.from_pretrained(str(tmp_path / "back" / "hf_tokenizer"), local_files_only=True)
     assert back_tok("Line 12: the quick ☃")["input_ids"] == sp.encode("Line 12: the quick ☃")
     back = megaframe.load_model(str(tmp_path / "back"))
@@ -131,26 +155,47 @@ def test_train_continues_from_imported(tmp_path):
     from megaframe.data.dataset import build_data, microbatches
 
     torch.manual_seed(0)
-    src = LlamaForCausalLM(LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                                       bos_token_id=None, eos_token_id=None)).eval()
+    src = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=320,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=32,
+            bos_token_id=None,
+            eos_token_id=None,
+        )
+    ).eval()
     src.save_pretrained(str(tmp_path / "src"))
     assert import_hf.main([str(tmp_path / "src"), str(tmp_path / "ck"), "data=synthetic"]) == 0
     fields, _ = hf.from_hf(tmp_path / "src")
-    args = [f"checkpoint.resume={tmp_path / 'ck' / 'step_00000000'}", *hf.model_overrides(fields), "data=synthetic",
-            "train.max_steps=2", "train.global_batch_size=4", "train.micro_batch_size=2", "train.log_interval=1",
-            "logging.wandb.mode=disabled", f"run.dir={tmp_path / 'run'}"]
+    args = [
+        f"checkpoint.resume={tmp_path / 'ck' / 'step_00000000'}",
+        *hf.model_overrides(fields),
+        "data=synthetic",
+        "train.max_steps=2",
+        "train.global_batch_size=4",
+        "train.micro_batch_size=2",
+        "train.log_interval=1",
+        "logging.wandb.mode=disabled",
+        f"run.dir={tmp_path / 'run'}",
+    ]
     env = dict(os.environ, WANDB_MODE="disabled", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    res = subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=120)
+    res = subprocess.run(
+        [sys.executable, "train.py", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     assert "resumed from" in res.stdout and "at step 0" in res.stdout
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     cfg = load_config(args[1:], world_size=1, check_data=False)
     with torch.no_grad():
-        losses = [F.cross_entropy(src(x).logits.flatten(0, 1), y.flatten()) for x, y in
-                  microbatches(build_data(cfg), 0, 4, 2, 0, 1, cfg.train.seed)]
+        losses = [
+            F.cross_entropy(src(x).logits.flatten(0, 1), y.flatten())
+            for x, y in microbatches(build_data(cfg), 0, 4, 2, 0, 1, cfg.train.seed)
+        ]
     assert abs(rows[0]["loss"] - torch.stack(losses).mean().item()) < 1e-4
     assert megaframe.load_model(str(tmp_path / "run" / "checkpoints")).cfg.num_layers == 2
     # the import and the run continued from it use the documented order (they fell back to the legacy one)
@@ -159,8 +204,13 @@ def test_train_continues_from_imported(tmp_path):
 
 
 def test_bad_input_exits_2(tmp_path, capsys):
-    res = subprocess.run([sys.executable, "scripts/export_hf.py", str(tmp_path / "missing"), str(tmp_path / "o")],
-                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    res = subprocess.run(
+        [sys.executable, "scripts/export_hf.py", str(tmp_path / "missing"), str(tmp_path / "o")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert res.returncode == 2 and res.stderr.strip().startswith("megaframe: error:"), res.stderr
     assert len(res.stderr.strip().splitlines()) == 1
 
@@ -168,14 +218,18 @@ def test_bad_input_exits_2(tmp_path, capsys):
     shard = next((tmp_path / "ckpt" / "step_00000003").glob("shard_*.safetensors"))
     shard.write_bytes(shard.read_bytes()[:100])  # truncated
     capsys.readouterr()
-    for argv in ([str(tmp_path / "ckpt" / "step_00000003"), str(tmp_path / "o1")],
-                 [str(tmp_path / "ckpt"), str(tmp_path / "o2")],
-                 [str(tmp_path), str(tmp_path / "o3")]):
+    for argv in (
+        [str(tmp_path / "ckpt" / "step_00000003"), str(tmp_path / "o1")],
+        [str(tmp_path / "ckpt"), str(tmp_path / "o2")],
+        [str(tmp_path), str(tmp_path / "o3")],
+    ):
         assert export_hf.main(argv) == 2, argv
         assert "megaframe: error:" in capsys.readouterr().err
         assert not Path(argv[1]).exists()  # nothing half-written
 
-    make_checkpoint(tmp_path / "odd", ["model=gpt_tiny", "model.activation=gelu"])  # no HF architecture matches
+    make_checkpoint(
+        tmp_path / "odd", ["model=gpt_tiny", "model.activation=gelu"]
+    )  # no HF architecture matches
     assert export_hf.main([str(tmp_path / "odd"), str(tmp_path / "o4")]) == 2
     assert "no transformers architecture" in capsys.readouterr().err
     assert import_hf.main([str(tmp_path), str(tmp_path / "imp")]) == 2  # not an HF folder
@@ -192,9 +246,16 @@ def test_imported_model_refuses_data_of_another_tokenizer(tmp_path, tokenizer_di
     assert export_hf.main([str(tmp_path / "ckpt" / "step_00000003"), str(tmp_path / "hf")]) == 0
     assert import_hf.main([str(tmp_path / "hf"), str(tmp_path / "ck"), "data=synthetic"]) == 0
     (tmp_path / "corpus").mkdir()
-    (tmp_path / "corpus" / "a.txt").write_text("\n\n".join(f"Line {i}: the quick brown fox {i * 3}." for i in range(400)))
+    (tmp_path / "corpus" / "a.txt").write_text(
+        "\n\n".join(f"Line {i}: the quick brown fox {i * 3}." for i in range(400))
+    )
     common = [f"data.source={tmp_path / 'corpus'}", "data.num_workers=1"]
-    assert prepare.main(common + [f"data.path={tmp_path / 'own'}", f"data.tokenizer={tmp_path / 'ck' / 'hf_tokenizer'}"]) == 0
+    assert (
+        prepare.main(
+            common + [f"data.path={tmp_path / 'own'}", f"data.tokenizer={tmp_path / 'ck' / 'hf_tokenizer'}"]
+        )
+        == 0
+    )
     assert prepare.main(common + [f"data.path={tmp_path / 'other'}", "data.vocab_size=300"]) == 0
     fields, _ = hf.from_hf(tmp_path / "hf")
     run = [f"checkpoint.resume={tmp_path / 'ck' / 'step_00000000'}", *hf.model_overrides(fields)]

@@ -1,6 +1,7 @@
 """Mixtral interop: a megaframe MoE checkpoint -> MixtralForCausalLM -> megaframe, logits equal both ways
 (fp32, max abs diff <= 1e-5); the exported folder (with its tokenizer) generates with transformers.pipeline;
 an MoE model transformers cannot express is refused in one line."""
+
 from __future__ import annotations
 
 import torch
@@ -8,8 +9,13 @@ import torch
 import megaframe
 from tests.unit.checkpoint.test_hf_interop import export_hf, ids, import_hf, make_checkpoint, tokenizer_dir  # noqa: F401
 
-MOE = ["model=moe_tiny", "model.num_attention_heads=4", "model.num_query_groups=2", "model.moe_ffn_hidden_size=32",
-       "model.num_experts=4"]
+MOE = [
+    "model=moe_tiny",
+    "model.num_attention_heads=4",
+    "model.num_query_groups=2",
+    "model.moe_ffn_hidden_size=32",
+    "model.num_experts=4",
+]
 
 
 def test_mixtral_round_trip_and_pipeline(tmp_path, tokenizer_dir):  # noqa: F811

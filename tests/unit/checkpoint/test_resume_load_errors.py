@@ -1,5 +1,6 @@
 """What stops a resume: the checkpoint's own faults make resume=auto skip it; running out of memory (or an
 accelerator or collective error) while loading stops the run on the checkpoint it was loading."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -23,8 +24,10 @@ def two_saved(tmp_path):
     mesh = single_process_mesh()
     model = build_model(cfg, mesh)
     opt = build_optimizer(model, cfg.optim, mesh)
-    for step, lineage in ((3, {"id": "a3", "run_id": "r"}), (6, {"id": "a6", "run_id": "r", "parent": "step_00000003",
-                                                                  "parent_id": "a3"})):
+    for step, lineage in (
+        (3, {"id": "a3", "run_id": "r"}),
+        (6, {"id": "a6", "run_id": "r", "parent": "step_00000003", "parent_id": "a3"}),
+    ):
         # one branch: step 6 descends from step 3
         # (resume=auto walks `latest`'s ancestors, checkpoint/resolve.py)
         sharded.save(cfg.checkpoint.dir, step, model, opt, mesh, {"config": {}, "lineage": lineage})
@@ -47,8 +50,9 @@ def _state(root):
     return sorted(p.name for p in root.iterdir()), (root / "latest").read_text()
 
 
-@pytest.mark.parametrize("error", [torch.OutOfMemoryError, torch.AcceleratorError, torch.distributed.DistBackendError,
-                                   MemoryError])
+@pytest.mark.parametrize(
+    "error", [torch.OutOfMemoryError, torch.AcceleratorError, torch.distributed.DistBackendError, MemoryError]
+)
 def test_out_of_memory_while_loading_stops_instead_of_falling_back(two_saved, monkeypatch, error):
     """The newest checkpoint's load raises error: TrainingError (train.py: exit 1) naming the phase and that
     checkpoint; nothing skipped or removed, `latest` unchanged. (Before: RuntimeError was "cannot be loaded",
@@ -57,7 +61,9 @@ def test_out_of_memory_while_loading_stops_instead_of_falling_back(two_saved, mo
     root = Path(cfg.checkpoint.dir)
     before = _state(root)
     _newest_load_raises(monkeypatch, error("out of memory (test)"))
-    with pytest.raises(TrainingError, match=r"loading checkpoint \S*step_00000006 failed: rank 0: \w+: out of memory"):
+    with pytest.raises(
+        TrainingError, match=r"loading checkpoint \S*step_00000006 failed: rank 0: \w+: out of memory"
+    ):
         resume(cfg, model, opt, mesh)
     assert _state(root) == before
 
@@ -66,7 +72,9 @@ def test_a_corrupt_checkpoint_is_still_skipped(two_saved, monkeypatch):
     """The checkpoint's own fault (here a torch shape complaint, a RuntimeError)
     still falls back to step 3."""
     cfg, mesh, model, opt = two_saved
-    _newest_load_raises(monkeypatch, RuntimeError("The size of tensor a (3) must match the size of tensor b (4)"))
+    _newest_load_raises(
+        monkeypatch, RuntimeError("The size of tensor a (3) must match the size of tensor b (4)")
+    )
     assert resume(cfg, model, opt, mesh).step == 3
 
 
@@ -76,4 +84,6 @@ def test_injected_load_oom(two_saved):
     faults = Injector(parse("loadoom:rank=0:step=6"), 0)
     with pytest.raises(TrainingError, match="step_00000006 failed: rank 0: OutOfMemoryError: injected"):
         resume(cfg, model, opt, mesh, faults)
-    assert resume(cfg, model, opt, mesh, Injector(parse("loadoom:rank=1"), 0)).step == 6  # another rank's fault
+    assert (
+        resume(cfg, model, opt, mesh, Injector(parse("loadoom:rank=1"), 0)).step == 6
+    )  # another rank's fault

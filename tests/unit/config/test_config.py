@@ -1,5 +1,6 @@
 """The config contract: the frozen key set, every model
 preset, and the one-line ConfigError of each bad setting."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -12,7 +13,8 @@ import torch
 from megaframe.config import CONF_DIR, Config, ConfigError, ModelConfig, load_config, validate
 
 # Adding, renaming or removing a config key is a deliberate edit of this list (and of the docs that cite it).
-EXPECTED_KEYS = sorted("""
+EXPECTED_KEYS = sorted(
+    """
 checkpoint.allow_config_change checkpoint.async checkpoint.dir checkpoint.interval checkpoint.interval_minutes
 checkpoint.keep_last checkpoint.on_save_error checkpoint.resume checkpoint.save_timeout_s
 data.blend data.kind data.name data.num_workers data.path data.source data.text_key data.tokenizer
@@ -45,7 +47,8 @@ train.dist_timeout_s train.signal_check_interval train.threads train.fp8_head
 train.sample_interval train.sample_prompts train.sample_tokens
 train.downstream_interval train.downstream_tasks train.downstream_include_path train.downstream_limit
 train.downstream_batch_size
-""".split())
+""".split()
+)
 
 PRESETS = sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml"))
 
@@ -83,7 +86,15 @@ def test_composed_config_has_exactly_the_schema_keys():
 
 
 def test_presets_exist():
-    assert {"gpt_tiny", "gpt2_tiny", "gpt2_small", "llama3_8b", "llama_1b", "moe_tiny", "mixtral_8x7b"} <= set(PRESETS)
+    assert {
+        "gpt_tiny",
+        "gpt2_tiny",
+        "gpt2_small",
+        "llama3_8b",
+        "llama_1b",
+        "moe_tiny",
+        "mixtral_8x7b",
+    } <= set(PRESETS)
 
 
 @pytest.mark.parametrize("name", PRESETS)
@@ -99,12 +110,15 @@ def test_preset_composes_validates_and_counts_match_the_model(name):
     assert sum(p.numel() for p in model.parameters()) == param_count(cfg.model)
 
 
-@pytest.mark.parametrize("name,lo,hi", [
-    ("llama3_8b", 7.5e9, 8.5e9),        # 8.03B
-    ("llama_1b", 1.1e9, 1.6e9),         # 1.2B untied body + 0.26B head
-    ("gpt2_small", 123.5e6, 125.5e6),   # 124.4M with tied embeddings (124.48M with vocab padded to 50304)
-    ("mixtral_8x7b", 46.6e9, 46.8e9),   # 46.7B
-])
+@pytest.mark.parametrize(
+    "name,lo,hi",
+    [
+        ("llama3_8b", 7.5e9, 8.5e9),  # 8.03B
+        ("llama_1b", 1.1e9, 1.6e9),  # 1.2B untied body + 0.26B head
+        ("gpt2_small", 123.5e6, 125.5e6),  # 124.4M with tied embeddings (124.48M with vocab padded to 50304)
+        ("mixtral_8x7b", 46.6e9, 46.8e9),  # 46.7B
+    ],
+)
 def test_preset_sizes_are_plausible(name, lo, hi):
     cfg = load_config([f"model={name}", "data=synthetic"], world_size=1)
     n = param_count(cfg.model)
@@ -124,8 +138,17 @@ def test_llama3_8b_exact_count():
 
 
 def test_overrides_reach_the_dataclasses():
-    cfg = load_config(["model=gpt2_tiny", "data=synthetic", "parallel.tp=2", "parallel.sp=true",
-                       "train.max_steps=7", "optim.lr=0.5"], world_size=4)
+    cfg = load_config(
+        [
+            "model=gpt2_tiny",
+            "data=synthetic",
+            "parallel.tp=2",
+            "parallel.sp=true",
+            "train.max_steps=7",
+            "optim.lr=0.5",
+        ],
+        world_size=4,
+    )
     assert (cfg.parallel.tp, cfg.parallel.sp, cfg.train.max_steps, cfg.optim.lr) == (2, True, 7, 0.5)
     assert cfg.model.norm == "layernorm" and cfg.model.tie_embeddings
 
@@ -142,7 +165,9 @@ def test_plus_keys_outside_the_schema_are_refused_with_the_closest_key():
     assert "did you mean train.max_steps?" in msg and "+train" not in msg.split(":", 1)[1]
     assert "not a config key" in one_line_error(["++optim.lrr=1", "data=synthetic"])
     assert "megaframe.plan" in one_line_error(["+world_size=8", "data=synthetic"])  # a tool's own key
-    assert load_config(["data=synthetic", "data.blend=[{path: /x, weight: 1}]"], world_size=1, check_data=False)
+    assert load_config(
+        ["data=synthetic", "data.blend=[{path: /x, weight: 1}]"], world_size=1, check_data=False
+    )
 
 
 def test_wrong_type_is_a_one_line_error():
@@ -153,93 +178,127 @@ def test_unknown_preset_is_a_one_line_error():
     assert "no_such_model" in one_line_error(["model=no_such_model", "data=synthetic"])
 
 
-@pytest.mark.parametrize("overrides,world,names", [
-    (["parallel.tp=3"], 2, ["parallel.tp"]),
-    (["model.num_attention_heads=6", "model.hidden_size=192", "parallel.tp=4"], 4,
-     ["parallel.tp", "model.num_attention_heads"]),
-    (["parallel.tp=4"], 4, ["parallel.tp", "model.num_query_groups"]),  # gpt_tiny: 4 heads, 2 kv groups
-    (["model.num_query_groups=3"], 1, ["model.num_query_groups"]),
-    (["model.hidden_size=130"], 1, ["model.hidden_size"]),
-    (["model.ffn_hidden_size=351", "parallel.tp=2"], 2, ["model.ffn_hidden_size"]),
-    (["model.vocab_size=4095", "parallel.tp=2"], 2, ["model.vocab_size"]),
-    (["train.global_batch_size=8", "train.micro_batch_size=4"], 4, ["train.global_batch_size"]),
-    (["train.global_batch_size=12", "train.micro_batch_size=4", "parallel.tp=2"], 4, ["train.global_batch_size"]),
-    (["parallel.sp=true", "parallel.tp=2", "model.seq_length=127"], 2, ["parallel.sp", "model.seq_length"]),
-    (["parallel.pp=2", "model.num_layers=3"], 2, ["model.num_layers", "parallel.pp_layout"]),
-    (["parallel.vpp=2"], 1, ["parallel.vpp"]),
-    (["parallel.pp=2", "parallel.pp_layout=[1,2]"], 2, ["parallel.pp_layout"]),
-    (["parallel.pp=2", "parallel.vpp=2", "train.global_batch_size=12"], 2, ["parallel.pp"]),
-    (["parallel.pp=2", "parallel.pp_schedule=1f1b", "parallel.vpp=2"], 2, ["parallel.vpp"]),
-    (["parallel.pp=2", "parallel.pp_schedule=zigzag"], 2, ["parallel.pp_schedule"]),
-    (["model=moe_tiny", "model.moe_top_k=9"], 1, ["model.moe_top_k", "model.num_experts"]),
-    (["model=moe_tiny", "parallel.ep=3"], 3, ["parallel.ep", "model.num_experts"]),
-    (["model=moe_tiny", "parallel.ep=4"], 2, ["parallel.ep", "cp x dp"]),
-    (["model=moe_tiny", "parallel.ep=2", "parallel.tp=2"], 2, ["parallel.ep", "cp x dp"]),
-    (["model=moe_tiny", "parallel.ep=4", "parallel.cp=2"], 2, ["parallel.ep=4", "cp x dp = 2"]),
-    (["parallel.ep=2"], 2, ["parallel.ep", "model.num_experts"]),
-    (["model=moe_tiny", "model.moe_router_score=relu"], 1, ["model.moe_router_score"]),
-    (["model=moe_tiny", "model.moe_capacity_factor=0"], 1, ["model.moe_capacity_factor"]),
-    (["optim.zero=4"], 2, ["optim.zero"]),
-    (["optim.shard_group_size=3"], 4, ["optim.shard_group_size", "dp=4"]),
-    (["optim.shard_group_size=2", "optim.zero=0"], 4, ["optim.shard_group_size", "optim.zero"]),
-    (["train.hang_timeout_s=-1"], 1, ["train.hang_timeout_s"]),
-    (["train.dist_timeout_s=0"], 1, ["train.dist_timeout_s"]),
-    (["checkpoint.save_timeout_s=-5"], 1, ["checkpoint.save_timeout_s"]),
-    (["train.signal_check_interval=0"], 1, ["train.signal_check_interval"]),
-    (["model=moe_tiny", "parallel.tp=2"], 2, ["parallel.tp=2", "parallel.sp=true"]),
-    (["optim.bucket_size_mb=0"], 2, ["optim.bucket_size_mb"]),
-    (["train.precision=fp16"], 1, ["train.precision"]),
-    (["train.precision=bf16", "optim.zero=0"], 2, ["train.precision", "optim.zero"]),
-    (["model.norm=batchnorm"], 1, ["model.norm"]),
-    (["model.dropout=1.0"], 1, ["model.dropout"]),
-    (["logging.wandb.mode=loud"], 1, ["logging.wandb.mode"]),
-    (["checkpoint.resume=/nonexistent/step_00000010"], 1, ["checkpoint.resume"]),
-    (["parallel.cp=3"], 2, ["parallel.cp=3", "world size"]),
-    (["parallel.cp=0"], 1, ["parallel.cp"]),
-    (["parallel.cp=2", "model.seq_length=30"], 2, ["parallel.cp", "model.seq_length"]),
-    (["parallel.cp=2", "parallel.cp_comm=zigzag"], 2, ["parallel.cp_comm"]),
-    (["parallel.cp=2", "train.global_batch_size=12", "train.micro_batch_size=4"], 4, ["train.global_batch_size"]),
-    (["parallel.cp=2", "optim.shard_group_size=3"], 4, ["optim.shard_group_size", "cp·dp=4"]),
-    (["parallel.cp=2", "optim.shard_group_size=2", "optim.zero=0"], 4, ["optim.shard_group_size", "optim.zero"]),
-])
+@pytest.mark.parametrize(
+    "overrides,world,names",
+    [
+        (["parallel.tp=3"], 2, ["parallel.tp"]),
+        (
+            ["model.num_attention_heads=6", "model.hidden_size=192", "parallel.tp=4"],
+            4,
+            ["parallel.tp", "model.num_attention_heads"],
+        ),
+        (["parallel.tp=4"], 4, ["parallel.tp", "model.num_query_groups"]),  # gpt_tiny: 4 heads, 2 kv groups
+        (["model.num_query_groups=3"], 1, ["model.num_query_groups"]),
+        (["model.hidden_size=130"], 1, ["model.hidden_size"]),
+        (["model.ffn_hidden_size=351", "parallel.tp=2"], 2, ["model.ffn_hidden_size"]),
+        (["model.vocab_size=4095", "parallel.tp=2"], 2, ["model.vocab_size"]),
+        (["train.global_batch_size=8", "train.micro_batch_size=4"], 4, ["train.global_batch_size"]),
+        (
+            ["train.global_batch_size=12", "train.micro_batch_size=4", "parallel.tp=2"],
+            4,
+            ["train.global_batch_size"],
+        ),
+        (
+            ["parallel.sp=true", "parallel.tp=2", "model.seq_length=127"],
+            2,
+            ["parallel.sp", "model.seq_length"],
+        ),
+        (["parallel.pp=2", "model.num_layers=3"], 2, ["model.num_layers", "parallel.pp_layout"]),
+        (["parallel.vpp=2"], 1, ["parallel.vpp"]),
+        (["parallel.pp=2", "parallel.pp_layout=[1,2]"], 2, ["parallel.pp_layout"]),
+        (["parallel.pp=2", "parallel.vpp=2", "train.global_batch_size=12"], 2, ["parallel.pp"]),
+        (["parallel.pp=2", "parallel.pp_schedule=1f1b", "parallel.vpp=2"], 2, ["parallel.vpp"]),
+        (["parallel.pp=2", "parallel.pp_schedule=zigzag"], 2, ["parallel.pp_schedule"]),
+        (["model=moe_tiny", "model.moe_top_k=9"], 1, ["model.moe_top_k", "model.num_experts"]),
+        (["model=moe_tiny", "parallel.ep=3"], 3, ["parallel.ep", "model.num_experts"]),
+        (["model=moe_tiny", "parallel.ep=4"], 2, ["parallel.ep", "cp x dp"]),
+        (["model=moe_tiny", "parallel.ep=2", "parallel.tp=2"], 2, ["parallel.ep", "cp x dp"]),
+        (["model=moe_tiny", "parallel.ep=4", "parallel.cp=2"], 2, ["parallel.ep=4", "cp x dp = 2"]),
+        (["parallel.ep=2"], 2, ["parallel.ep", "model.num_experts"]),
+        (["model=moe_tiny", "model.moe_router_score=relu"], 1, ["model.moe_router_score"]),
+        (["model=moe_tiny", "model.moe_capacity_factor=0"], 1, ["model.moe_capacity_factor"]),
+        (["optim.zero=4"], 2, ["optim.zero"]),
+        (["optim.shard_group_size=3"], 4, ["optim.shard_group_size", "dp=4"]),
+        (["optim.shard_group_size=2", "optim.zero=0"], 4, ["optim.shard_group_size", "optim.zero"]),
+        (["train.hang_timeout_s=-1"], 1, ["train.hang_timeout_s"]),
+        (["train.dist_timeout_s=0"], 1, ["train.dist_timeout_s"]),
+        (["checkpoint.save_timeout_s=-5"], 1, ["checkpoint.save_timeout_s"]),
+        (["train.signal_check_interval=0"], 1, ["train.signal_check_interval"]),
+        (["model=moe_tiny", "parallel.tp=2"], 2, ["parallel.tp=2", "parallel.sp=true"]),
+        (["optim.bucket_size_mb=0"], 2, ["optim.bucket_size_mb"]),
+        (["train.precision=fp16"], 1, ["train.precision"]),
+        (["train.precision=bf16", "optim.zero=0"], 2, ["train.precision", "optim.zero"]),
+        (["model.norm=batchnorm"], 1, ["model.norm"]),
+        (["model.dropout=1.0"], 1, ["model.dropout"]),
+        (["logging.wandb.mode=loud"], 1, ["logging.wandb.mode"]),
+        (["checkpoint.resume=/nonexistent/step_00000010"], 1, ["checkpoint.resume"]),
+        (["parallel.cp=3"], 2, ["parallel.cp=3", "world size"]),
+        (["parallel.cp=0"], 1, ["parallel.cp"]),
+        (["parallel.cp=2", "model.seq_length=30"], 2, ["parallel.cp", "model.seq_length"]),
+        (["parallel.cp=2", "parallel.cp_comm=zigzag"], 2, ["parallel.cp_comm"]),
+        (
+            ["parallel.cp=2", "train.global_batch_size=12", "train.micro_batch_size=4"],
+            4,
+            ["train.global_batch_size"],
+        ),
+        (["parallel.cp=2", "optim.shard_group_size=3"], 4, ["optim.shard_group_size", "cp·dp=4"]),
+        (
+            ["parallel.cp=2", "optim.shard_group_size=2", "optim.zero=0"],
+            4,
+            ["optim.shard_group_size", "optim.zero"],
+        ),
+    ],
+)
 def test_layout_errors_name_the_field(overrides, world, names):
     msg = one_line_error(["model=gpt_tiny", "data=synthetic", *overrides], world_size=world)
     for n in names:
         assert n in msg, msg
 
 
-@pytest.mark.parametrize("overrides,world", [
-    (["parallel.tp=2"], 2),
-    (["parallel.tp=2", "parallel.sp=true"], 8),
-    (["parallel.cp=2", "parallel.tp=2", "parallel.sp=true"], 8),
-    (["parallel.cp=2", "optim.zero=2"], 4),
-    (["parallel.cp=2", "optim.zero=3"], 4),
-    (["parallel.cp=2", "optim.zero=2", "optim.shard_group_size=2"], 4),  # HSDP over cp·dp = 4
-    (["parallel.cp=4", "optim.zero=1", "optim.shard_group_size=2"], 4),  # shard groups inside a cp group
-    (["parallel.cp=2", "parallel.cp_comm=ring", "model.dropout=0.1"], 2),  # dropout in the ring
-    (["train.global_batch_size=16", "train.micro_batch_size=2"], 8),
-    (["checkpoint.resume=none"], 1),
-    (["parallel.pp=2", "parallel.vpp=2"], 2),
-    (["parallel.pp=2", "parallel.pp_layout=[3,1]"], 4),
-    (["model=moe_tiny", "parallel.ep=4"], 4),
-    (["model=moe_tiny", "parallel.ep=2", "parallel.tp=2", "parallel.sp=true"], 4),
-    (["model=moe_tiny", "parallel.ep=8", "parallel.pp=2", "train.global_batch_size=64"], 16),
-    (["model=moe_tiny", "parallel.cp=2"], 2),  # MoE under cp: ep borrows from cp·dp
-    (["model=moe_tiny", "parallel.cp=2", "parallel.ep=2"], 2),
-    (["model=moe_tiny", "parallel.cp=2", "parallel.ep=4", "model.moe_capacity_factor=1.0"], 4),
-])
+@pytest.mark.parametrize(
+    "overrides,world",
+    [
+        (["parallel.tp=2"], 2),
+        (["parallel.tp=2", "parallel.sp=true"], 8),
+        (["parallel.cp=2", "parallel.tp=2", "parallel.sp=true"], 8),
+        (["parallel.cp=2", "optim.zero=2"], 4),
+        (["parallel.cp=2", "optim.zero=3"], 4),
+        (["parallel.cp=2", "optim.zero=2", "optim.shard_group_size=2"], 4),  # HSDP over cp·dp = 4
+        (["parallel.cp=4", "optim.zero=1", "optim.shard_group_size=2"], 4),  # shard groups inside a cp group
+        (["parallel.cp=2", "parallel.cp_comm=ring", "model.dropout=0.1"], 2),  # dropout in the ring
+        (["train.global_batch_size=16", "train.micro_batch_size=2"], 8),
+        (["checkpoint.resume=none"], 1),
+        (["parallel.pp=2", "parallel.vpp=2"], 2),
+        (["parallel.pp=2", "parallel.pp_layout=[3,1]"], 4),
+        (["model=moe_tiny", "parallel.ep=4"], 4),
+        (["model=moe_tiny", "parallel.ep=2", "parallel.tp=2", "parallel.sp=true"], 4),
+        (["model=moe_tiny", "parallel.ep=8", "parallel.pp=2", "train.global_batch_size=64"], 16),
+        (["model=moe_tiny", "parallel.cp=2"], 2),  # MoE under cp: ep borrows from cp·dp
+        (["model=moe_tiny", "parallel.cp=2", "parallel.ep=2"], 2),
+        (["model=moe_tiny", "parallel.cp=2", "parallel.ep=4", "model.moe_capacity_factor=1.0"], 4),
+    ],
+)
 def test_good_layouts_pass(overrides, world):
     load_config(["model=gpt_tiny", "data=synthetic", *overrides], world_size=world)
 
 
 def test_resume_accepts_a_committed_checkpoint_folder(tmp_path):
-    (tmp_path / "metadata.json").write_text(json.dumps({"format": "megaframe-ckpt-v1", "step": 0, "files": {},
-                                                        "tensors": {}}))
+    (tmp_path / "metadata.json").write_text(
+        json.dumps({"format": "megaframe-ckpt-v1", "step": 0, "files": {}, "tensors": {}})
+    )
     cfg = load_config(["data=synthetic", f"checkpoint.resume={tmp_path}"], world_size=1)
     assert cfg.checkpoint.resume == str(tmp_path)
     (tmp_path / "shard_00000.safetensors").write_bytes(b"x" * 10)
-    (tmp_path / "metadata.json").write_text(json.dumps({"format": "megaframe-ckpt-v1", "step": 0, "tensors": {},
-                                                        "files": {"shard_00000.safetensors": {"bytes": 11, "crc32": 0}}}))
+    (tmp_path / "metadata.json").write_text(
+        json.dumps(
+            {
+                "format": "megaframe-ckpt-v1",
+                "step": 0,
+                "tensors": {},
+                "files": {"shard_00000.safetensors": {"bytes": 11, "crc32": 0}},
+            }
+        )
+    )
     assert "corrupt" in one_line_error(["data=synthetic", f"checkpoint.resume={tmp_path}"])
 
 
@@ -298,17 +357,28 @@ def test_vocab_size_defaults_to_the_prepared_data_padded(tmp_path):
     # before: every preset said 4096, whatever the data's tokenizer (prepare's vocabulary given twice)
     path = fake_prepared(tmp_path / "d", vocab=300)
     assert load_config(["data=demo", f"data.path={path}"], world_size=1).model.vocab_size == 384
-    assert load_config(["data=demo", f"data.path={path}", "parallel.tp=2"], world_size=2).model.vocab_size == 384
-    assert load_config(["data=demo", f"data.path={path}", "model.vocab_size=512"], world_size=1).model.vocab_size == 512
+    assert (
+        load_config(["data=demo", f"data.path={path}", "parallel.tp=2"], world_size=2).model.vocab_size == 384
+    )
+    assert (
+        load_config(["data=demo", f"data.path={path}", "model.vocab_size=512"], world_size=1).model.vocab_size
+        == 512
+    )
     assert load_config(["data=synthetic", "data.vocab_size=1000"], world_size=1).model.vocab_size == 1024
 
 
-@pytest.mark.parametrize("extra,needle", [
-    (["parallel.pp_schedule=zbv"], "parallel.vpp=2"),
-    (["parallel.pp_schedule=zb_h1", "parallel.vpp=2", "model.num_layers=4"], "parallel.vpp=1"),
-    (["parallel.pp_schedule=zbv", "parallel.vpp=2", "model.num_layers=4", "train.compile=true"], "train.compile"),
-    (["parallel.pp_schedule=zb_h1", "train.precision=fp8"], "train.precision=fp8"),
-])
+@pytest.mark.parametrize(
+    "extra,needle",
+    [
+        (["parallel.pp_schedule=zbv"], "parallel.vpp=2"),
+        (["parallel.pp_schedule=zb_h1", "parallel.vpp=2", "model.num_layers=4"], "parallel.vpp=1"),
+        (
+            ["parallel.pp_schedule=zbv", "parallel.vpp=2", "model.num_layers=4", "train.compile=true"],
+            "train.compile",
+        ),
+        (["parallel.pp_schedule=zb_h1", "train.precision=fp8"], "train.precision=fp8"),
+    ],
+)
 def test_zero_bubble_kinds_refuse_what_they_cannot_run(extra, needle):
     msg = one_line_error(["data=synthetic", "parallel.pp=2", *extra], world_size=2, check_data=False)
     assert needle in msg and "pp_schedule" in msg, msg

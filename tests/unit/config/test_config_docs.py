@@ -1,11 +1,14 @@
 """docs/config.md is generated from the schema's field docstrings (scripts/dev/gen_config_docs.py): it must be
 what the generator writes today, so a key added, renamed or re-documented shows up in the docs."""
+
 import importlib.util
 
 from megaframe.config.keys import schema_keys
 from tests.e2e.helpers import ROOT
 
-spec = importlib.util.spec_from_file_location("gen_config_docs", ROOT / "scripts" / "dev" / "gen_config_docs.py")
+spec = importlib.util.spec_from_file_location(
+    "gen_config_docs", ROOT / "scripts" / "dev" / "gen_config_docs.py"
+)
 gen = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(gen)
 
@@ -13,7 +16,8 @@ spec.loader.exec_module(gen)
 def test_config_md_is_generated_from_the_schema():
     text = gen.render()
     assert gen.OUT.read_text() == text, (
-        f"docs/config.md is stale (the schema or conf/ changed): regenerate it with `{gen.COMMAND}`")
+        f"docs/config.md is stale (the schema or conf/ changed): regenerate it with `{gen.COMMAND}`"
+    )
 
 
 def test_every_config_key_is_documented():

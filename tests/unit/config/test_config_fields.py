@@ -1,6 +1,7 @@
 """Every numeric config field is validated (range, finiteness, type) from one table, FIELD_RULES:
 a bad value of any of them is refused by load_config (exit 2 in train.py, before any process group)
 with one line naming the field."""
+
 import dataclasses
 import subprocess
 import sys
@@ -37,8 +38,13 @@ def bad_values(rule: Rule) -> list[str]:
     if rule.lo is not None:
         vals.append(str(rule.lo if rule.lo_open else (rule.lo - 1 if rule.integer else rule.lo - 0.5)))
     if rule.hi is not None:
-        vals.append(str(int(rule.hi) if rule.integer and rule.hi_open else
-                        (rule.hi + 1 if rule.integer else rule.hi + (0 if rule.hi_open else 0.5))))
+        vals.append(
+            str(
+                int(rule.hi)
+                if rule.integer and rule.hi_open
+                else (rule.hi + 1 if rule.integer else rule.hi + (0 if rule.hi_open else 0.5))
+            )
+        )
     if not rule.integer:
         vals += ["inf", "nan", "-inf"]
     return vals
@@ -83,14 +89,22 @@ LIST_CASES = [
     ("data.blend[0].weight=nan", ["data.blend=[{path: /x, weight: nan}]"]),
     ("data.blend[1].weight=inf", ["data.blend=[{path: /x, weight: 1}, {path: /y, weight: inf}]"]),
     ("data.blend[0].weight=0.0", ["data.blend=[{path: /x, weight: 0}]"]),
-    ("data.stages[0].until_step=-3", [f"data.stages=[{STAGE.format(s=-3, t='null', w=1)}, "
-                                      f"{STAGE.format(s='null', t='null', w=1)}]"]),
-    ("data.stages[0].until_tokens=nan", [f"data.stages=[{STAGE.format(s='null', t='nan', w=1)}, "
-                                         f"{STAGE.format(s='null', t='null', w=1)}]"]),
-    ("data.stages[0].until_tokens=inf", [f"data.stages=[{STAGE.format(s='null', t='inf', w=1)}, "
-                                         f"{STAGE.format(s='null', t='null', w=1)}]"]),
-    ("data.stages[1].blend[0].weight=-inf", [f"data.stages=[{STAGE.format(s=2, t='null', w=1)}, "
-                                             f"{STAGE.format(s='null', t='null', w='-inf')}]"]),
+    (
+        "data.stages[0].until_step=-3",
+        [f"data.stages=[{STAGE.format(s=-3, t='null', w=1)}, {STAGE.format(s='null', t='null', w=1)}]"],
+    ),
+    (
+        "data.stages[0].until_tokens=nan",
+        [f"data.stages=[{STAGE.format(s='null', t='nan', w=1)}, {STAGE.format(s='null', t='null', w=1)}]"],
+    ),
+    (
+        "data.stages[0].until_tokens=inf",
+        [f"data.stages=[{STAGE.format(s='null', t='inf', w=1)}, {STAGE.format(s='null', t='null', w=1)}]"],
+    ),
+    (
+        "data.stages[1].blend[0].weight=-inf",
+        [f"data.stages=[{STAGE.format(s=2, t='null', w=1)}, {STAGE.format(s='null', t='null', w='-inf')}]"],
+    ),
 ]
 
 
@@ -106,23 +120,45 @@ def test_a_bad_number_inside_a_list_is_refused_naming_its_element(named, over):
 
 def test_table_covers_a_bad_value_per_field():
     assert {k for k, _ in CASES} == {k for k in FIELD_RULES if "[]" not in k}
-    assert {n.split("=")[0].replace("[0]", "[]").replace("[1]", "[]") for n, _ in LIST_CASES} == \
-        {k for k in FIELD_RULES if "[]" in k}
+    assert {n.split("=")[0].replace("[0]", "[]").replace("[1]", "[]") for n, _ in LIST_CASES} == {
+        k for k in FIELD_RULES if "[]" in k
+    }
     assert len(CASES) >= 2 * len(FIELD_RULES) - 20  # most fields get a low and a high/non-finite probe
 
 
-@pytest.mark.parametrize("override,needle", [("optim.lr=inf", "optim.lr=inf must be finite"),
-                                             ("model.rope_theta=0", "model.rope_theta=0.0 must be > 0"),
-                                             ("train.seed=0.5", "train.seed"),
-                                             ("optim.grad_reduce_dtype=bf16",
-                                              "optim.grad_reduce_dtype=bf16 needs train.precision=bf16 "
-                                              "(got train.precision=fp32)")])
+@pytest.mark.parametrize(
+    "override,needle",
+    [
+        ("optim.lr=inf", "optim.lr=inf must be finite"),
+        ("model.rope_theta=0", "model.rope_theta=0.0 must be > 0"),
+        ("train.seed=0.5", "train.seed"),
+        (
+            "optim.grad_reduce_dtype=bf16",
+            "optim.grad_reduce_dtype=bf16 needs train.precision=bf16 (got train.precision=fp32)",
+        ),
+    ],
+)
 def test_train_exits_2_before_any_process_group(override, needle, tmp_path):
-    env = {"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "WORLD_SIZE": "2",
-           "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}  # a rendezvous would fail, not hang
-    res = subprocess.run([sys.executable, "train.py", override, "data=synthetic", f"run.dir={tmp_path}"], cwd=ROOT,
-                         env=env, capture_output=True, text=True, timeout=120)
-    assert res.returncode == 2 and needle in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "OMP_NUM_THREADS": "1",
+        "WANDB_MODE": "disabled",
+        "WORLD_SIZE": "2",
+        "RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "1",
+    }  # a rendezvous would fail, not hang
+    res = subprocess.run(
+        [sys.executable, "train.py", override, "data=synthetic", f"run.dir={tmp_path}"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == 2 and needle in res.stderr and len(res.stderr.strip().splitlines()) == 1, (
+        res.stderr
+    )
     assert not any(tmp_path.iterdir())  # nothing written
 
 

@@ -9,6 +9,7 @@ an attribute `<group>` (a field of `Config`: model, parallel, train, ...) read o
 called `cfg` or `config`. No group has a field named like a root group, so `cfg.data` is the root config's
 data group wherever it appears.
 """
+
 from __future__ import annotations
 
 import ast
@@ -24,50 +25,52 @@ HOLDERS = frozenset({"cfg", "config"})
 # "path" (a module), "path/" (a package) or "path:function" -> why it may read the whole run config
 ROOT_CONFIG_READERS: dict[str, str] = {
     "megaframe/config/": "the config itself: composes it, checks fields against each other, adopts a"
-                         " checkpoint's settings and derives the record the components receive",
+    " checkpoint's settings and derives the record the components receive",
     "megaframe/training/trainer.py": "the loop's wiring: hands each component its group and the derived"
     " record",
     "megaframe/training/startup.py": "the wiring: builds the model, data, evaluator, sampler and meter from"
-                                     " the run config, and prints the header that names every group",
+    " the run config, and prints the header that names every group",
     "megaframe/training/checkpointing.py": "checkpoint metadata records the whole config (config.yaml's"
-                                           " copy a resume compares against and load_model rebuilds)",
+    " copy a resume compares against and load_model rebuilds)",
     "megaframe/checkpoint/resume.py": "a resume compares the whole saved config to this run's and may"
-                                      " continue another run's checkpoint folder",
+    " continue another run's checkpoint folder",
     "megaframe/checkpoint/resume_checks.py": "the field-by-field comparison of the saved config and this"
-                                             " run's, over every group",
+    " run's, over every group",
     "megaframe/tracking.py": "logs the whole config to wandb with the run's id and name",
     "megaframe/planning/": "plans whole runs: every candidate layout is a whole config (parallel, train,"
-                           " optim and model together)",
+    " optim and model together)",
     "megaframe/plan.py": "command line: composes the run config and plans it",
     "megaframe/generate.py": "command line: composes a config around a checkpoint and generates",
     "megaframe/evaluate.py": "command line: composes a config around a checkpoint and scores it",
     "megaframe/plot.py": "command line: reads a run folder's config.yaml (plain YAML, not the schema)",
     "megaframe/evaluation/layout_lm.py": "the lm-eval command line in a parallel layout: composes a config"
-                                         " around a checkpoint like evaluate.py",
+    " around a checkpoint like evaluate.py",
     "megaframe/data/prepare.py": "the `python -m megaframe.data.prepare` command line composes a config",
     "megaframe/__init__.py": "megaframe.load_model rebuilds the whole config a checkpoint recorded",
     "megaframe/model/parallelize.py:build_model": "the run config's form of build_model_for, kept for the"
-                                                  " callers outside the package (tests, benchmarks,"
-                                                  " scripts/dev, the family specs' builder hook)",
+    " callers outside the package (tests, benchmarks,"
+    " scripts/dev, the family specs' builder hook)",
     "megaframe/model/parallelize.py:build": "the run config's form of build_for (model and optimizer),"
-                                            " kept for tests and benchmarks",
+    " kept for tests and benchmarks",
     "megaframe/data/dataset.py:build_data": "the run config's form of build_samples, kept for tests,"
-                                            " scripts/dev and the command lines",
+    " scripts/dev and the command lines",
     "megaframe/training/step.py:train_step": "the run config's form of optimizer_step, kept for the tests"
-                                             " and benchmarks that run one step by hand",
+    " and benchmarks that run one step by hand",
     "megaframe/training/step.py:rank_schedule": "a rank's schedule for a run config, kept for the pipeline"
-                                                " and ZeRO benchmarks",
+    " and ZeRO benchmarks",
     "megaframe/training/phase_run.py": "runs the trainer's start-up, step, save and load for a whole run"
-                                       " config: the planner's phase figures are checked against it",
+    " config: the planner's phase figures are checked against it",
     "megaframe/checkpoint/offline_plans.py:rank_items": "checkpoint layouts planned without hardware for a"
-                                                        " whole run config, each rank's model built as"
-                                                        " the trainer builds it",
+    " whole run config, each rank's model built as"
+    " the trainer builds it",
 }
 
 
 def _allowed(rel: str, func: str | None, allow: dict[str, str]) -> bool:
-    return any(rel == key or (key.endswith("/") and rel.startswith(key)) or (func and key == f"{rel}:{func}")
-               for key in allow)
+    return any(
+        rel == key or (key.endswith("/") and rel.startswith(key)) or (func and key == f"{rel}:{func}")
+        for key in allow
+    )
 
 
 def _reads(tree: ast.AST) -> list[tuple[int, str, str | None]]:
@@ -125,7 +128,8 @@ def test_the_rule_finds_each_kind_of_read_in_a_small_tree(tmp_path):
         "def samples(cfg):\n    return cfg.data.path, cfg.model.seq_length\n"
         "class Eval:\n    def due(self, step):\n        return step % self.cfg.train.eval_interval\n"
         "def narrow(cfg: DataConfig, seq: int):\n    return cfg.path, seq\n"
-        "def wrapper(cfg):\n    return narrow(cfg.data, cfg.model.seq_length)\n")
+        "def wrapper(cfg):\n    return narrow(cfg.data, cfg.model.seq_length)\n"
+    )
     found = breaches(tmp_path, {})
     text = "\n".join(found)
     assert "megaframe/data/reader.py:1 imports Config" in text

@@ -1,5 +1,6 @@
 """data.blend: the Megatron-style blended index is deterministic, layout-free and hits its weights; the
 validation split is a seeded random sample of whole documents."""
+
 from __future__ import annotations
 
 import json
@@ -89,7 +90,9 @@ def test_validation_split_is_a_seeded_random_sample_of_whole_documents(tmp_path)
     assert sum(b - a for a, b in held) == valid.num_tokens  # whole documents only
     assert len(valid.segments) > 1  # documents from all over the corpus, not one tail
     tokens = lambda d: {int(t) for i in range(d.num_samples) for t in d[i]}  # noqa: E731 (tokens = positions)
-    assert not tokens(train) & {t for a, b in held for t in range(a, b)}  # training never reads held-out tokens
+    assert not tokens(train) & {
+        t for a, b in held for t in range(a, b)
+    }  # training never reads held-out tokens
     again = PreparedData(path, SEQ, "valid", 0.1)
     assert np.array_equal(again.segments, valid.segments)  # seeded: the same documents every time
     full = PreparedData(path, SEQ)
@@ -103,8 +106,16 @@ def test_validation_split_is_a_seeded_random_sample_of_whole_documents(tmp_path)
 
 def test_build_data_from_a_command_line_blend(two):
     a, b = two
-    cfg = load_config(["data=demo", f"data.blend=[{{path: {a}, weight: 0.7}}, {{path: {b}, weight: 0.3}}]",
-                       "data.valid_fraction=0.1", "model.seq_length=8"], world_size=1, check_data=False)
+    cfg = load_config(
+        [
+            "data=demo",
+            f"data.blend=[{{path: {a}, weight: 0.7}}, {{path: {b}, weight: 0.3}}]",
+            "data.valid_fraction=0.1",
+            "model.seq_length=8",
+        ],
+        world_size=1,
+        check_data=False,
+    )
     assert [(x.path, x.weight) for x in cfg.data.blend] == [(str(a), 0.7), (str(b), 0.3)]
     train, valid = build_data(cfg), build_data(cfg, split="valid")
     assert isinstance(train, BlendedData) and train.weights == pytest.approx([0.7, 0.3])
@@ -117,9 +128,11 @@ def _staged(paths, until=(3, 6)):
     from megaframe.config.schema import BlendSource, DataStage
 
     a, b, c = (str(p) for p in paths)
-    return [DataStage(until_step=until[0], blend=[BlendSource(a, 1.0)]),
-            DataStage(until_step=until[1], blend=[BlendSource(a, 0.5), BlendSource(c, 0.5)]),
-            DataStage(blend=[BlendSource(b, 0.7), BlendSource(c, 0.3)])]
+    return [
+        DataStage(until_step=until[0], blend=[BlendSource(a, 1.0)]),
+        DataStage(until_step=until[1], blend=[BlendSource(a, 0.5), BlendSource(c, 0.5)]),
+        DataStage(blend=[BlendSource(b, 0.7), BlendSource(c, 0.3)]),
+    ]
 
 
 def test_stages_switch_exactly_at_their_steps_under_any_dp(tmp_path):
@@ -127,7 +140,11 @@ def test_stages_switch_exactly_at_their_steps_under_any_dp(tmp_path):
     batches come only from its datasets; a dataset in two stages continues its own stream (no repeats)."""
     from megaframe.data.stages import StagedData
 
-    paths = [dataset(tmp_path / "a", 0, 4000), dataset(tmp_path / "b", 30000, 1500), dataset(tmp_path / "c", 50000, 2000)]
+    paths = [
+        dataset(tmp_path / "a", 0, 4000),
+        dataset(tmp_path / "b", 30000, 1500),
+        dataset(tmp_path / "c", 50000, 2000),
+    ]
     data = StagedData({str(p): PreparedData(p, SEQ) for p in paths}, _staged(paths), 8, seed=3)
     source = {0: "a", 30000: "b", 50000: "c"}
 
@@ -149,16 +166,28 @@ def test_stages_from_the_command_line_and_their_checks(tmp_path):
     from megaframe.data.stages import StagedData
 
     a, b = dataset(tmp_path / "a", 0, 4000), dataset(tmp_path / "b", 30000, 1500)
-    stages = f"[{{until_tokens: 640, blend: [{{path: {a}, weight: 1}}]}}, {{blend: [{{path: {b}, weight: 1}}]}}]"
-    cfg = load_config(["data=demo", f"data.stages={stages}", "model.seq_length=8", "train.global_batch_size=16"],
-                      world_size=1, check_data=False)
+    stages = (
+        f"[{{until_tokens: 640, blend: [{{path: {a}, weight: 1}}]}}, {{blend: [{{path: {b}, weight: 1}}]}}]"
+    )
+    cfg = load_config(
+        ["data=demo", f"data.stages={stages}", "model.seq_length=8", "train.global_batch_size=16"],
+        world_size=1,
+        check_data=False,
+    )
     data = build_data(cfg)  # 640 tokens = 80 samples: rounded up to whole global batches of 16
     assert isinstance(data, StagedData) and data.ends[0] == 80
     state = data_state(cfg.data, 1, cfg.train.seed, cfg.train.global_batch_size)
     assert [s["until_tokens"] for s in state["stages"]] == [640, None]
-    for bad, needle in [(f"[{{blend: [{{path: {a}, weight: 1}}]}}, {{blend: [{{path: {b}, weight: 1}}]}}]", "no end"),
-                        (f"[{{until_step: 5, blend: [{{path: {a}, weight: 1}}]}}, {{until_step: 5, blend: "
-                         f"[{{path: {b}, weight: 1}}]}}]", "ends at or before"),
-                        ("[{until_step: 5, blend: []}]", "needs a blend")]:
+    for bad, needle in [
+        (f"[{{blend: [{{path: {a}, weight: 1}}]}}, {{blend: [{{path: {b}, weight: 1}}]}}]", "no end"),
+        (
+            f"[{{until_step: 5, blend: [{{path: {a}, weight: 1}}]}}, {{until_step: 5, blend: "
+            f"[{{path: {b}, weight: 1}}]}}]",
+            "ends at or before",
+        ),
+        ("[{until_step: 5, blend: []}]", "needs a blend"),
+    ]:
         with pytest.raises(ConfigError, match=needle):
-            load_config(["data=demo", f"data.stages={bad}", "model.seq_length=8"], world_size=1, check_data=False)
+            load_config(
+                ["data=demo", f"data.stages={bad}", "model.seq_length=8"], world_size=1, check_data=False
+            )

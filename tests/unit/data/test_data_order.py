@@ -1,4 +1,5 @@
 """Sample order is layout-free: a step's global batch depends on (seed, step) only, however it is split."""
+
 from __future__ import annotations
 
 import json
@@ -41,7 +42,9 @@ def global_batch(data, step, g, micro, dp, seed=11):
 LAYOUTS = [(dp, micro) for dp in (1, 2, 4) for micro in (1, 2, 4) if 8 % (dp * micro) == 0]
 
 
-@pytest.mark.parametrize("make", [lambda: Labelled(37), lambda: SyntheticData(97, SEQ, 5)], ids=["shuffled", "synthetic"])
+@pytest.mark.parametrize(
+    "make", [lambda: Labelled(37), lambda: SyntheticData(97, SEQ, 5)], ids=["shuffled", "synthetic"]
+)
 @pytest.mark.parametrize("step", [0, 3, 9])
 @pytest.mark.parametrize("dp,micro", LAYOUTS)
 def test_union_over_dp_ranks_is_the_dp1_global_batch(make, step, dp, micro):
@@ -67,7 +70,9 @@ def test_steps_read_different_samples_within_an_epoch():
 
 def test_batch_is_the_run_order_at_positions_step_times_global_batch():
     data = Labelled(37)
-    assert ids_of_step(data, 6) == [sample_index(p, 37, 11) for p in range(48, 56)]  # straddles epochs 1 and 2
+    assert ids_of_step(data, 6) == [
+        sample_index(p, 37, 11) for p in range(48, 56)
+    ]  # straddles epochs 1 and 2
 
 
 def test_synthetic_steps_are_consecutive_samples():
@@ -112,8 +117,15 @@ def write_prepared(folder: Path, shards: list[np.ndarray], vocab: int = 60000) -
         name = f"tokens_{k:05d}.bin"
         arr.astype(np.uint16).tofile(folder / name)
         entries.append({"file": name, "num_tokens": int(arr.size)})
-    meta = {"format": "megaframe-tokens-v1", "vocab_size": vocab, "eos_id": 1, "dtype": "uint16",
-            "num_tokens": int(sum(a.size for a in shards)), "shards": entries, "tokenizer": "tokenizer.model"}
+    meta = {
+        "format": "megaframe-tokens-v1",
+        "vocab_size": vocab,
+        "eos_id": 1,
+        "dtype": "uint16",
+        "num_tokens": int(sum(a.size for a in shards)),
+        "shards": entries,
+        "tokenizer": "tokenizer.model",
+    }
     (folder / "meta.json").write_text(json.dumps(meta))
     return folder
 
@@ -128,7 +140,7 @@ def test_prepared_data_reads_samples_across_shards(tmp_path, sizes):
     for i in range(data.num_samples):
         s = data[i]
         assert s.dtype == np.int64
-        assert np.array_equal(s, tokens[i * 4:i * 4 + 5]), (i, s)
+        assert np.array_equal(s, tokens[i * 4 : i * 4 + 5]), (i, s)
 
 
 def test_prepared_microbatches_straddle(tmp_path):
@@ -175,8 +187,10 @@ def test_order_of_a_1_8g_sample_corpus_takes_constant_memory():
     each = (time.perf_counter() - t0) / len(more)
     assert len(set(ids + more)) == len(ids) + len(more)
     assert each < 2e-3, each  # tens of microseconds on an idle core; generous for a shared machine
-    print(f"order of {n} samples: peak {peak / 1024:.1f} KiB traced for 2000 lookups "
-          f"({each * 1e6:.1f} us per lookup untraced); old permutation {n * 8 / 1e9:.1f} GB per process")
+    print(
+        f"order of {n} samples: peak {peak / 1024:.1f} KiB traced for 2000 lookups "
+        f"({each * 1e6:.1f} us per lookup untraced); old permutation {n * 8 / 1e9:.1f} GB per process"
+    )
     # a spread-out order: consecutive positions land all over [0, n)
     assert np.std(np.array(ids[:2000], dtype=np.float64) / n) > 0.25
 
@@ -188,7 +202,11 @@ def test_resumed_run_keeps_the_order_it_began_with():
     old = {"consumed_samples": 64, "data": {"kind": "prepared", "consumed_samples": 64}}
     assert order.resumed_order(old) == order.LEGACY  # written before orders had names
     # a checkpoint that never drew a sample has no order to keep: an import from before imports recorded one
-    imported = {"consumed_samples": 0, "imported_from": "/hf/llama", "data": {"kind": "prepared", "consumed_samples": 0}}
+    imported = {
+        "consumed_samples": 0,
+        "imported_from": "/hf/llama",
+        "data": {"kind": "prepared", "consumed_samples": 0},
+    }
     assert order.resumed_order(imported) == order.ORDER
     legacy = [order.sample_index(p, 37, 11, order.LEGACY) for p in range(37)]
     assert legacy == np.random.default_rng([11, 0, 0x5EED]).permutation(37).tolist()

@@ -3,6 +3,7 @@ end is a real step: one folder under two spellings is one stream (and refused tw
 document index is refused by `data verify` and by the reader, naming the file (folders prepared before the
 index had a checksum still load), non-object shard entries and stage ends <= 0, nan or inf are one-line
 errors."""
+
 from __future__ import annotations
 
 import json
@@ -25,8 +26,17 @@ TINY = ["model.seq_length=8", "train.global_batch_size=8", "train.micro_batch_si
 def prepared(tmp_path_factory):
     root = tmp_path_factory.mktemp("integrity")
     src = write_text_corpus(root / "src", paragraphs(40))
-    cfg = load_config([f"data.source={src}", f"data.path={root / 'a'}", "data.vocab_size=400",
-                       "data.num_workers=1", "data.split=paragraph"], world_size=1, check_data=False)
+    cfg = load_config(
+        [
+            f"data.source={src}",
+            f"data.path={root / 'a'}",
+            "data.vocab_size=400",
+            "data.num_workers=1",
+            "data.split=paragraph",
+        ],
+        world_size=1,
+        check_data=False,
+    )
     prep.prepare(cfg, chunk_chars=500)  # several shards, each with a document index
     return root / "a"
 
@@ -83,8 +93,9 @@ def test_a_damaged_document_index_is_refused_by_verify_and_the_reader(prepared, 
 
 
 @pytest.mark.parametrize("value", [10**12, -5, 0])
-def test_an_index_without_a_checksum_loads_and_is_checked_for_order_and_range(prepared, tmp_path, capsys,
-                                                                             value):
+def test_an_index_without_a_checksum_loads_and_is_checked_for_order_and_range(
+    prepared, tmp_path, capsys, value
+):
     path, docs = damaged_index(prepared, tmp_path, value, keep_sha=False)
     rc, _, err = verify_cli(path, capsys)
     assert rc == 2 and f"document index {path / docs} is corrupt:" in err and err.count("\n") == 1, err
@@ -110,8 +121,17 @@ def test_shard_entries_that_are_not_objects_are_one_line(prepared, tmp_path, cap
         run_cfg(f"data.path={path}", check_data=True)  # training's start-up check
 
 
-@pytest.mark.parametrize("end", ["until_step: -3", "until_step: 0", "until_tokens: 0", "until_tokens: nan",
-                                 "until_tokens: inf", "until_tokens: -inf"])
+@pytest.mark.parametrize(
+    "end",
+    [
+        "until_step: -3",
+        "until_step: 0",
+        "until_tokens: 0",
+        "until_tokens: nan",
+        "until_tokens: inf",
+        "until_tokens: -inf",
+    ],
+)
 def test_a_stage_end_must_be_at_least_one_and_finite(prepared, end):
     with pytest.raises(ConfigError, match=r"data.stages\[0\].until_(step|tokens)=\S+ must be (>= 1|finite)$"):
         run_cfg(stages([(prepared, 1)], [(prepared, 1)]).replace("until_step: 2", end))

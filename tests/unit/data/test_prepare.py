@@ -4,6 +4,7 @@ the same stream whatever the worker count and chunking, and its failure modes.
 Most cases call main() in-process (fast); the CLI contract (exit code 2, one stderr line) is checked
 in a subprocess, as a user would run it.
 """
+
 from __future__ import annotations
 
 import gzip
@@ -29,7 +30,7 @@ SENTENCES = [
     "All the world's a stage, and all the men and women merely players.",
     "How vexingly quick daft zebras jump; the five boxing wizards jump quickly?",
     "In 1815 there were 3 carriages, 12 horses and 250 acres (or so they said).",
-    "\"Nonsense,\" said she, \"you must not talk of such things\" -- and then she laughed.",
+    '"Nonsense," said she, "you must not talk of such things" -- and then she laughed.',
     "Pack my box with five dozen liquor jugs: naïve café owners rarely agree.",
 ]
 
@@ -66,7 +67,9 @@ def run_main(capsys, *overrides: str) -> tuple[int, str, str]:
 
 def read_tokens(out: Path) -> tuple[dict, np.ndarray]:
     meta = json.loads((out / "meta.json").read_text())
-    arrays = [np.fromfile(out / s["file"], dtype="<" + np.dtype(meta["dtype"]).str[1:]) for s in meta["shards"]]
+    arrays = [
+        np.fromfile(out / s["file"], dtype="<" + np.dtype(meta["dtype"]).str[1:]) for s in meta["shards"]
+    ]
     return meta, np.concatenate(arrays)
 
 
@@ -83,7 +86,9 @@ def text_corpus(tmp_path_factory) -> Path:
 
 def test_prepare_text_corpus(tmp_path, text_corpus, capsys):
     out = tmp_path / "nested" / "prepared"
-    rc, stdout, err = run_main(capsys, f"data.source={text_corpus}", f"data.path={out}", "data.vocab_size=400")
+    rc, stdout, err = run_main(
+        capsys, f"data.source={text_corpus}", f"data.path={out}", "data.vocab_size=400"
+    )
     assert rc == 0, err
     assert "prepared 24 documents" in stdout and str(out) in stdout
     meta, tokens = read_tokens(out)
@@ -99,8 +104,12 @@ def test_prepare_text_corpus(tmp_path, text_corpus, capsys):
     assert meta["sources"][0]["sha256"] == hashlib.sha256((text_corpus / "a.txt").read_bytes()).hexdigest()
     assert meta["settings"]["tokenizer"] == {"train_vocab_size": 400, "train_sample_bytes": 1 << 30}
     # the document index: each shard's document starts, and eos right before every one but the first
-    starts = np.concatenate([np.load(out / s["docs"]) + off for s, off in
-                             zip(meta["shards"], np.cumsum([0] + [s["num_tokens"] for s in meta["shards"]]))])
+    starts = np.concatenate(
+        [
+            np.load(out / s["docs"]) + off
+            for s, off in zip(meta["shards"], np.cumsum([0] + [s["num_tokens"] for s in meta["shards"]]))
+        ]
+    )
     assert len(starts) == 24 and starts[0] == 0 and (tokens[starts[1:] - 1] == tok.eos_id).all()
     # eos separates documents: one per paragraph, each decoding back to its text exactly
     docs = split_docs(tokens, tok.eos_id)
@@ -114,7 +123,9 @@ def test_deterministic_whatever_the_workers_and_chunks(tmp_path, text_corpus, ca
     """One worker or two, one shard or many small ones (one unit per file): the same tokenizer and stream."""
     args = [f"data.source={text_corpus}", "data.vocab_size=400", "data.split=paragraph"]
     assert run_main(capsys, *args, "data.num_workers=1", f"data.path={tmp_path / 'a'}")[0] == 0
-    cfg = load_config([*args, "data.num_workers=2", f"data.path={tmp_path / 'b'}"], world_size=1, check_data=False)
+    cfg = load_config(
+        [*args, "data.num_workers=2", f"data.path={tmp_path / 'b'}"], world_size=1, check_data=False
+    )
     meta_b = prep.prepare(cfg, unit_bytes=1, chunk_chars=300)
     meta_a, tokens_a = read_tokens(tmp_path / "a")
     _, tokens_b = read_tokens(tmp_path / "b")
@@ -141,8 +152,9 @@ def test_jsonl_and_parquet_source(tmp_path, capsys):
     pq.write_table(pa.table({"body": paras[10:], "id": list(range(6))}), src / "sub" / "c.parquet")
     (src / "image.png").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(100))  # not a listed extension: skipped
     out = tmp_path / "out"
-    rc, _, err = run_main(capsys, f"data.source={src}", f"data.path={out}", "data.vocab_size=400",
-                          "data.text_key=body")
+    rc, _, err = run_main(
+        capsys, f"data.source={src}", f"data.path={out}", "data.vocab_size=400", "data.text_key=body"
+    )
     assert rc == 0, err
     meta, tokens = read_tokens(out)
     tok = Tokenizer.load(out / "tokenizer.model")
@@ -152,33 +164,80 @@ def test_jsonl_and_parquet_source(tmp_path, capsys):
 
 def test_missing_source_cli(tmp_path):
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "megaframe.data.prepare", f"data.source={tmp_path / 'nope'}",
-                           f"data.path={out}"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megaframe.data.prepare",
+            f"data.source={tmp_path / 'nope'}",
+            f"data.path={out}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("megaframe: error: ") and "does not exist" in lines[0]
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("setup, overrides, needle", [
-    (lambda d: (d / "x.png").write_bytes(bytes(64)), ["data.vocab_size=400"], "no files ending in data.extensions"),
-    (lambda d: (d / "x.txt").write_text("\n\n   \n\n"), ["data.vocab_size=400"], "no text"),
-    (lambda d: (d / "x.txt").write_text("hello"), ["data.vocab_size=100"], "too small"),
-    (lambda d: (d / "x.txt").write_text("hello"), ["data.vocab_size=abc"], "data.vocab_size"),
-    (lambda d: (d / "x.jsonl").write_text('{"text": "hi"}\n{"text": oops\n'), ["data.vocab_size=400"], "cannot read"),
-    (lambda d: (d / "x.jsonl").write_text('{"body": "hi"}\n'), ["data.vocab_size=400"], "no field 'text'"),
-    (lambda d: (d / "x.jsonl").write_text('{"text": ""}\n{"text": 3}\n'), ["data.vocab_size=400"], "no text"),
-    (lambda d: (d / "x.txt").write_bytes(np.random.default_rng(0).bytes(5000)), ["data.vocab_size=400"], "x.txt: binary"),
-    (lambda d: (d / "x.txt").write_text("ok text " * 50 + "\x01\x02\x03" * 30), ["data.vocab_size=400"], "binary"),
-    (lambda d: (d / "x.txt").write_text("hello"), ["data.tokenizer=/nonexistent/tok.model"], "data.tokenizer"),
-    (lambda d: (d / "x.txt").write_text("hello") and (d / "t.model").write_text("junk"),
-     ["data.tokenizer=${data.source}/t.model"], "cannot load the tokenizer"),
-])
+@pytest.mark.parametrize(
+    "setup, overrides, needle",
+    [
+        (
+            lambda d: (d / "x.png").write_bytes(bytes(64)),
+            ["data.vocab_size=400"],
+            "no files ending in data.extensions",
+        ),
+        (lambda d: (d / "x.txt").write_text("\n\n   \n\n"), ["data.vocab_size=400"], "no text"),
+        (lambda d: (d / "x.txt").write_text("hello"), ["data.vocab_size=100"], "too small"),
+        (lambda d: (d / "x.txt").write_text("hello"), ["data.vocab_size=abc"], "data.vocab_size"),
+        (
+            lambda d: (d / "x.jsonl").write_text('{"text": "hi"}\n{"text": oops\n'),
+            ["data.vocab_size=400"],
+            "cannot read",
+        ),
+        (
+            lambda d: (d / "x.jsonl").write_text('{"body": "hi"}\n'),
+            ["data.vocab_size=400"],
+            "no field 'text'",
+        ),
+        (
+            lambda d: (d / "x.jsonl").write_text('{"text": ""}\n{"text": 3}\n'),
+            ["data.vocab_size=400"],
+            "no text",
+        ),
+        (
+            lambda d: (d / "x.txt").write_bytes(np.random.default_rng(0).bytes(5000)),
+            ["data.vocab_size=400"],
+            "x.txt: binary",
+        ),
+        (
+            lambda d: (d / "x.txt").write_text("ok text " * 50 + "\x01\x02\x03" * 30),
+            ["data.vocab_size=400"],
+            "binary",
+        ),
+        (
+            lambda d: (d / "x.txt").write_text("hello"),
+            ["data.tokenizer=/nonexistent/tok.model"],
+            "data.tokenizer",
+        ),
+        (
+            lambda d: (d / "x.txt").write_text("hello") and (d / "t.model").write_text("junk"),
+            ["data.tokenizer=${data.source}/t.model"],
+            "cannot load the tokenizer",
+        ),
+    ],
+)
 def test_bad_input_exits_2(tmp_path, capsys, setup, overrides, needle):
     src = tmp_path / "src"
     src.mkdir()
     setup(src)
-    rc, stdout, err = run_main(capsys, f"data.source={src}", f"data.path={tmp_path / 'a' / 'out'}", *overrides)
+    rc, stdout, err = run_main(
+        capsys, f"data.source={src}", f"data.path={tmp_path / 'a' / 'out'}", *overrides
+    )
     # stdout: at most the progress lines printed as each phase starts (skipped files, tokenizer training)
     assert rc == 2 and all(ln.startswith("megaframe: prepare: ") for ln in stdout.splitlines()), stdout
     assert len(err.strip().splitlines()) == 1 and err.startswith("megaframe: error: ") and needle in err, err
@@ -192,9 +251,11 @@ def test_existing_prepared_folder_untouched(tmp_path, text_corpus, capsys):
     rc, stdout, _ = run_main(capsys, f"data.source={text_corpus}", f"data.path={out}", "data.vocab_size=400")
     assert rc == 0 and "already prepared" in stdout  # an identical re-run does nothing
     # a different source or vocabulary never rebuilds over existing data: exit 2, one line
-    for args, needle in [([f"data.source={tmp_path / 'nope'}"], "does not exist"),
-                         (["data.vocab_size=500"], "data.vocab_size=500"),
-                         (["data.text_key=body"], "data.text_key")]:
+    for args, needle in [
+        ([f"data.source={tmp_path / 'nope'}"], "does not exist"),
+        (["data.vocab_size=500"], "data.vocab_size=500"),
+        (["data.text_key=body"], "data.text_key"),
+    ]:
         over = [f"data.source={text_corpus}", f"data.path={out}", "data.vocab_size=400", *args]
         rc, stdout, err = run_main(capsys, *over)
         assert rc == 2 and needle in err and len(err.strip().splitlines()) == 1, err
@@ -218,17 +279,20 @@ def test_code_folder_is_one_document_per_file(tmp_path, capsys):
     blank-line paragraph of a .txt became its own document."""
     src = tmp_path / "repo"
     (src / "pkg").mkdir(parents=True)
-    files = {"pkg/__init__.py": '"""A package."""\n\nVERSION = "1.0"\n',
-             "pkg/core.py": "import os\n\n\ndef f(x):\n    return x + 1\n\n\nclass A:\n    pass\n",
-             "setup.py": "from setuptools import setup\n\nsetup(name='pkg')\n",
-             "Makefile": "all:\n\tpython setup.py build\n\ntest:\n\tpytest\n"}
+    files = {
+        "pkg/__init__.py": '"""A package."""\n\nVERSION = "1.0"\n',
+        "pkg/core.py": "import os\n\n\ndef f(x):\n    return x + 1\n\n\nclass A:\n    pass\n",
+        "setup.py": "from setuptools import setup\n\nsetup(name='pkg')\n",
+        "Makefile": "all:\n\tpython setup.py build\n\ntest:\n\tpytest\n",
+    }
     for rel, text in files.items():
         (src / rel).write_text(text)
     (src / "blob").write_bytes(bytes(range(256)) * 4)  # extension-less, binary: skipped
     (src / "logo.png").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(100))
     out = tmp_path / "out"
-    rc, stdout, err = run_main(capsys, f"data.source={src}", f"data.path={out}", "data.vocab_size=300",
-                               "data.split=file")
+    rc, stdout, err = run_main(
+        capsys, f"data.source={src}", f"data.path={out}", "data.vocab_size=300", "data.split=file"
+    )
     assert rc == 0, err
     meta, tokens = read_tokens(out)
     assert sorted(r["rel"] for r in meta["sources"]) == sorted(files)
@@ -237,8 +301,9 @@ def test_code_folder_is_one_document_per_file(tmp_path, capsys):
     order = sorted(files, key=lambda rel: str(src / rel))
     assert [tok.decode(d[:-1]) for d in split_docs(tokens, tok.eos_id)] == [files[r].strip() for r in order]
     # the same folder read as paragraphs is another preparation: refused over the first, never overwritten
-    rc, _, err = run_main(capsys, f"data.source={src}", f"data.path={out}", "data.vocab_size=300",
-                          "data.split=paragraph")
+    rc, _, err = run_main(
+        capsys, f"data.source={src}", f"data.path={out}", "data.vocab_size=300", "data.split=paragraph"
+    )
     assert rc == 2 and "data.split=paragraph" in err
 
 
@@ -251,8 +316,13 @@ def test_empty_files_are_counted_as_skipped_not_tokenized(tmp_path, capsys):
         (src / f"doc{i}.txt").write_text(text * 20)
     for i in range(2):
         (src / f"empty{i}.txt").write_text("")
-    rc, stdout, err = run_main(capsys, f"data.source={src}", f"data.path={tmp_path / 'out'}", "data.vocab_size=400",
-                               "data.num_workers=1")
+    rc, stdout, err = run_main(
+        capsys,
+        f"data.source={src}",
+        f"data.path={tmp_path / 'out'}",
+        "data.vocab_size=400",
+        "data.num_workers=1",
+    )
     assert rc == 0, err
     skipped = [ln for ln in (stdout + err).splitlines() if "skipped" in ln]
     assert skipped and "2 x empty" in skipped[0] and "data.extensions" not in skipped[0], skipped

@@ -4,6 +4,7 @@ of different splits that own the same unit (task 1 of 2 and task 2 of 4) take tu
 on a real corpus; the published folder must pass `python -m megaframe.data verify` and hold every token a
 lone run writes. Also: the output inside the source folder is not read back as input, and a folder whose
 meta.json names a missing or short shard is not published."""
+
 from __future__ import annotations
 
 import json
@@ -48,18 +49,35 @@ def corpus(tmp_path_factory):
     for i in range(3):
         (src / f"part{i}.txt").write_text("\n\n".join(paras[(i + k) % 40] for k in range(400)) + "\n")
     ref = root / "ref"
-    res = subprocess.run([sys.executable, "-m", "megaframe.data.prepare", f"data.source={src}",
-                          f"data.path={ref}", "data.vocab_size=400", "data.num_workers=1",
-                          "data.split=paragraph"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megaframe.data.prepare",
+            f"data.source={src}",
+            f"data.path={ref}",
+            "data.vocab_size=400",
+            "data.num_workers=1",
+            "data.split=paragraph",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stderr
     return src, ref
 
 
 def start(corpus, out, mode: str, after=None) -> subprocess.Popen:
     src, ref = corpus
-    args = [f"data.source={src}", f"data.path={out}", f"data.tokenizer={ref / 'tokenizer.model'}",
-            "data.num_workers=1", "data.split=paragraph"]
+    args = [
+        f"data.source={src}",
+        f"data.path={out}",
+        f"data.tokenizer={ref / 'tokenizer.model'}",
+        "data.num_workers=1",
+        "data.split=paragraph",
+    ]
     if mode != "plain":
         task, n = mode.split("/")
         args += [f"data.task={task}", f"data.num_tasks={n}"]
@@ -68,8 +86,14 @@ def start(corpus, out, mode: str, after=None) -> subprocess.Popen:
         import os
 
         env = {**os.environ, "START_AFTER": str(after)}
-    return subprocess.Popen([sys.executable, "-c", DRIVER, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", DRIVER, *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def race(corpus, out, first: str, second: str):
@@ -85,8 +109,13 @@ def race(corpus, out, first: str, second: str):
 
 
 def assert_complete(corpus, out):
-    res = subprocess.run([sys.executable, "-m", "megaframe.data", "verify", str(out)], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-m", "megaframe.data", "verify", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     got, ref = (json.loads((d / "meta.json").read_text()) for d in (out, corpus[1]))
     assert (got["num_tokens"], got["num_documents"]) == (ref["num_tokens"], ref["num_documents"])
@@ -122,8 +151,12 @@ def test_the_output_inside_the_source_is_not_read_as_input(tmp_path, capsys):
     src = tmp_path / "src"
     src.mkdir()
     (src / "a.txt").write_text("\n\n".join(paragraphs(30)) + "\n")
-    args = (f"data.source={src}", f"data.path={src / 'prepared'}", "data.vocab_size=400",
-            "data.num_workers=1")
+    args = (
+        f"data.source={src}",
+        f"data.path={src / 'prepared'}",
+        "data.vocab_size=400",
+        "data.num_workers=1",
+    )
     rc, _, err = run_main(capsys, *args)
     assert rc == 0, err
     before = (src / "prepared" / "meta.json").read_bytes()

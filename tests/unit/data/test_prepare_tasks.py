@@ -1,6 +1,7 @@
 """prepare as N tasks (data.task / data.num_tasks): 4 tasks as 4 plain processes give the one-task output
 (same num_documents, num_tokens, shard files byte for byte); a merge with a missing part exits 2 naming it;
 a killed task re-run completes the set; a re-run of a finished part does nothing."""
+
 from __future__ import annotations
 
 import json
@@ -14,13 +15,17 @@ from megaframe.data.tasks import unit_tasks
 from tests.e2e.stdlib_corpus import write_corpus
 
 ARGS = ["data.vocab_size=512", "data.num_workers=1"]
-UNIT = ("import sys; from megaframe.data import prepare as p; " "p.UNIT_BYTES = 64 << 10; sys.exit(p.main(sys.argv[1:]))")
+UNIT = (
+    "import sys; from megaframe.data import prepare as p; "
+    "p.UNIT_BYTES = 64 << 10; sys.exit(p.main(sys.argv[1:]))"
+)
 
 
 def prep(*args, timeout=300):
     """prepare in a subprocess, with small units (64 KB) so a small corpus has several per task."""
-    return subprocess.run([sys.executable, "-c", UNIT, *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-c", UNIT, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +48,16 @@ def test_four_tasks_equal_one_task(corpus, tmp_path):
     src, one = corpus
     out = tmp_path / "four"
     common = [f"data.source={src}", f"data.path={out}", *ARGS, "data.num_tasks=4"]
-    procs = [subprocess.Popen([sys.executable, "-c", UNIT, *common, f"data.task={i}"], cwd=ROOT,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(4)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", UNIT, *common, f"data.task={i}"],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(4)
+    ]
     for p in procs:
         _, err = p.communicate(timeout=300)
         assert p.returncode == 0, err
@@ -74,4 +87,7 @@ def test_a_missing_part_is_named_and_a_rerun_completes_the_set(corpus, tmp_path)
     assert not (out / "meta.json").exists()
     res = prep(*common, "data.task=1")
     assert res.returncode == 0, res.stderr
-    assert json.loads((out / "meta.json").read_text())["num_tokens"] == json.loads((one / "meta.json").read_text())["num_tokens"]
+    assert (
+        json.loads((out / "meta.json").read_text())["num_tokens"]
+        == json.loads((one / "meta.json").read_text())["num_tokens"]
+    )

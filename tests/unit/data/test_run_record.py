@@ -3,6 +3,7 @@ take the recorded tokenizer (sha256-checked) and the run's own blend or stages, 
 data.path; a resume refuses a changed mixture, split or dataset content unless allowed; the vocabulary of a
 stages run comes from its first dataset. Real prepared folders (sentencepiece), real checkpoints, one
 process."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -22,9 +23,17 @@ from megaframe.parallel.mesh import single_process_mesh
 from tests.unit.data.test_prepare import paragraphs, write_text_corpus
 
 ROOT = Path(__file__).resolve().parents[3]
-TINY = ["model=gpt_tiny", "model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4",
-        "model.num_query_groups=2", "model.ffn_hidden_size=96", "model.seq_length=16",
-        "train.global_batch_size=4", "train.micro_batch_size=2"]
+TINY = [
+    "model=gpt_tiny",
+    "model.num_layers=2",
+    "model.hidden_size=64",
+    "model.num_attention_heads=4",
+    "model.num_query_groups=2",
+    "model.ffn_hidden_size=96",
+    "model.seq_length=16",
+    "train.global_batch_size=4",
+    "train.micro_batch_size=2",
+]
 
 
 @pytest.fixture(scope="module")
@@ -34,10 +43,16 @@ def corpora(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("record")
     text = paragraphs(40)
     src, other = write_text_corpus(root / "src", text), write_text_corpus(root / "src2", text[::-1][:25])
-    for name, source, extra in (("a", src, ["data.vocab_size=400"]), ("b", src, ["data.vocab_size=380"]),
-                                ("c", other, [f"data.tokenizer={root / 'a' / 'tokenizer.model'}"])):
-        cfg = load_config([f"data.source={source}", f"data.path={root / name}", "data.num_workers=1", *extra],
-                          world_size=1, check_data=False)
+    for name, source, extra in (
+        ("a", src, ["data.vocab_size=400"]),
+        ("b", src, ["data.vocab_size=380"]),
+        ("c", other, [f"data.tokenizer={root / 'a' / 'tokenizer.model'}"]),
+    ):
+        cfg = load_config(
+            [f"data.source={source}", f"data.path={root / name}", "data.num_workers=1", *extra],
+            world_size=1,
+            check_data=False,
+        )
         prep.prepare(cfg, chunk_chars=500)
     return root
 
@@ -64,13 +79,13 @@ def checkpoint(tmp: Path, overrides: list[str], preset_path: Path) -> tuple[Path
     """A committed step_00000002 with the metadata the trainer writes (data state, tokenizer record, config),
     whose config's data.path is `preset_path`: the data= preset's folder, which a blend or stages run never
     reads."""
-    cfg = load_config(["data=demo", *TINY, f"run.dir={tmp / 'run'}", "checkpoint.resume=none", *overrides],
-                      world_size=1)
+    cfg = load_config(
+        ["data=demo", *TINY, f"run.dir={tmp / 'run'}", "checkpoint.resume=none", *overrides], world_size=1
+    )
     config = plain(cfg)
     config["data"]["path"] = str(preset_path)
     data = data_state(cfg.data, 2, cfg.train.seed, cfg.train.global_batch_size)
-    meta = {"consumed_samples": 8, "data": data, "tokenizer": tokenizer_identity(cfg.data),
-            "config": config}
+    meta = {"consumed_samples": 8, "data": data, "tokenizer": tokenizer_identity(cfg.data), "config": config}
     mesh = single_process_mesh()
     step = sharded.save(tmp / "ckpt", 2, build_model(cfg, mesh), WeightsOnly(), mesh, meta)
     return step, sharded.read_metadata(step)
@@ -117,8 +132,9 @@ def test_evaluate_scores_the_runs_own_data_never_the_presets_path(corpora, tmp_p
     from megaframe import evaluate
 
     a, c = corpora / "a", corpora / "c"
-    step, meta = checkpoint(tmp_path, [stages([(a, 1)], [(a, 0.5), (c, 0.5)]), "data.valid_fraction=0.2"],
-                            corpora / "b")
+    step, meta = checkpoint(
+        tmp_path, [stages([(a, 1)], [(a, 0.5), (c, 0.5)]), "data.valid_fraction=0.2"], corpora / "b"
+    )
     cfg = evaluate.compose(str(step), step, meta, [])  # the preset's b (another tokenizer) was refused here
     assert [(b.path, b.weight) for b in cfg.data.blend] == [(str(a), 0.5), (str(c), 0.5)]
     assert cfg.data.valid_fraction == 0.2 and evaluate.trained_on(meta, cfg) is None
@@ -133,10 +149,14 @@ def test_evaluate_scores_the_runs_own_data_never_the_presets_path(corpora, tmp_p
 
 
 def test_stages_infer_the_vocabulary_from_their_first_dataset(corpora):
-    staged = load_config(["data=demo", *TINY, stages([(corpora / "a", 1)], [(corpora / "c", 1)])],
-                         world_size=1, check_data=False)
-    blended = load_config(["data=demo", *TINY, f"data.blend={blend((corpora / 'a', 1))}"], world_size=1,
-                          check_data=False)
+    staged = load_config(
+        ["data=demo", *TINY, stages([(corpora / "a", 1)], [(corpora / "c", 1)])],
+        world_size=1,
+        check_data=False,
+    )
+    blended = load_config(
+        ["data=demo", *TINY, f"data.blend={blend((corpora / 'a', 1))}"], world_size=1, check_data=False
+    )
     # 400 pieces padded to a multiple of 128, not the preset's demo vocabulary
     assert staged.model.vocab_size == blended.model.vocab_size == 512
 
@@ -144,14 +164,19 @@ def test_stages_infer_the_vocabulary_from_their_first_dataset(corpora):
 def meta_of(cfg, step: int = 4) -> dict:
     """What the trainer records at `step` (the fields check_resume reads)."""
     consumed = step * cfg.train.global_batch_size
-    return {"step": step, "consumed_samples": consumed, "config": plain(cfg),
-            "data": data_state(cfg.data, step, cfg.train.seed, cfg.train.global_batch_size),
-            "tokenizer": tokenizer_identity(cfg.data)}
+    return {
+        "step": step,
+        "consumed_samples": consumed,
+        "config": plain(cfg),
+        "data": data_state(cfg.data, step, cfg.train.seed, cfg.train.global_batch_size),
+        "tokenizer": tokenizer_identity(cfg.data),
+    }
 
 
 def config(tmp_path, *overrides: str):
-    return load_config(["data=demo", *TINY, f"run.dir={tmp_path / 'run'}", *overrides], world_size=1,
-                       check_data=False)
+    return load_config(
+        ["data=demo", *TINY, f"run.dir={tmp_path / 'run'}", *overrides], world_size=1, check_data=False
+    )
 
 
 def refused(cfg, meta, name: str) -> str:
@@ -185,13 +210,26 @@ def test_resume_refuses_changed_stages_blend_weights_and_valid_fraction(corpora,
     assert "holds documents it trained on" in msg  # evaluate's wording
     # allowed: one warning line that says what changes, and the resume goes on
     capsys.readouterr()
-    check_resume(config(tmp_path, f"data.path={a}", "data.valid_fraction=0.1",
-                        "checkpoint.allow_config_change=[data.valid_fraction]"), meta, "ckpt", verbose=True)
+    check_resume(
+        config(
+            tmp_path,
+            f"data.path={a}",
+            "data.valid_fraction=0.1",
+            "checkpoint.allow_config_change=[data.valid_fraction]",
+        ),
+        meta,
+        "ckpt",
+        verbose=True,
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "data.valid_fraction changed from 0.0 to 0.1" in err[0], err
     assert "trained on" in err[0]
-    check_resume(config(tmp_path, moved, "checkpoint.allow_config_change=[data]"),
-                 meta_of(config(tmp_path, two)), "ckpt", verbose=False)
+    check_resume(
+        config(tmp_path, moved, "checkpoint.allow_config_change=[data]"),
+        meta_of(config(tmp_path, two)),
+        "ckpt",
+        verbose=False,
+    )
 
 
 def test_resume_refuses_a_dataset_prepared_again_but_not_a_moved_copy(corpora, tmp_path):

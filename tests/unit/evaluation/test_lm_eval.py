@@ -2,6 +2,7 @@
 (tests/data/lm_eval_tasks, no network) exactly as lm-eval's own `hf` model scores the exported folder with
 the same tokenizer; rolling log-likelihoods and greedy generation run; unknown tasks and bad checkpoints
 exit 2 with one line. One process; the training layouts are tests/distributed/test_lm_eval_layouts.py."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -22,9 +23,18 @@ from megaframe.parallel.mesh import single_process_mesh  # noqa: E402
 ROOT = Path(__file__).resolve().parents[3]
 TASKS = str(ROOT / "tests" / "data" / "lm_eval_tasks")
 TASK = "megaframe_tiny_mc"
-TINY = ["data=synthetic", "model=gpt_tiny", "model.num_attention_heads=4", "model.num_query_groups=2",
-        "model.num_layers=2", "model.hidden_size=64", "model.ffn_hidden_size=96", "model.seq_length=64",
-        "model.vocab_size=384", "model.init_std=0.1"]
+TINY = [
+    "data=synthetic",
+    "model=gpt_tiny",
+    "model.num_attention_heads=4",
+    "model.num_query_groups=2",
+    "model.num_layers=2",
+    "model.hidden_size=64",
+    "model.ffn_hidden_size=96",
+    "model.seq_length=64",
+    "model.vocab_size=384",
+    "model.init_std=0.1",
+]
 
 
 class WeightsOnly:
@@ -46,9 +56,16 @@ def run_dir(tmp_path_factory) -> Path:
     cfg = load_config(TINY, world_size=1, check_data=False)
     model = build_model(cfg, single_process_mesh()).eval()
     cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=str(d / "data")))  # frozen config
-    sharded.save(d / "ckpt", 3, model, WeightsOnly(), single_process_mesh(), {"config": dataclasses.asdict(cfg)})
-    res = subprocess.run([sys.executable, "scripts/export_hf.py", str(d / "ckpt"), str(d / "hf")], cwd=ROOT,
-                         capture_output=True, text=True, timeout=300)
+    sharded.save(
+        d / "ckpt", 3, model, WeightsOnly(), single_process_mesh(), {"config": dataclasses.asdict(cfg)}
+    )
+    res = subprocess.run(
+        [sys.executable, "scripts/export_hf.py", str(d / "ckpt"), str(d / "hf")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stderr
     return d
 
@@ -59,8 +76,14 @@ def per_choice(lm, limit=None) -> tuple[list[list[float]], float]:
 
     from megaframe.evaluation.lm_tasks import task_manager
 
-    out = simple_evaluate(model=lm, tasks=[TASK], task_manager=task_manager([TASK], TASKS), limit=limit,
-                          log_samples=True, bootstrap_iters=0)
+    out = simple_evaluate(
+        model=lm,
+        tasks=[TASK],
+        task_manager=task_manager([TASK], TASKS),
+        limit=limit,
+        log_samples=True,
+        bootstrap_iters=0,
+    )
     samples = sorted(out["samples"][TASK], key=lambda s: s["doc_id"])
     return [[float(r[0]) for r in s["filtered_resps"]] for s in samples], out["results"][TASK]["acc,none"]
 
@@ -78,7 +101,9 @@ def test_local_task_scores_like_lm_evals_hf_model(run_dir):
 
     hf = str(run_dir / "hf")
     ours, acc = per_choice(MegaframeLM(checkpoint=str(run_dir / "ckpt"), tokenizer=hf, batch_size=4))
-    theirs, acc_hf = per_choice(HFLM(pretrained=hf, tokenizer=hf, dtype="float32", device="cpu", batch_size=4))
+    theirs, acc_hf = per_choice(
+        HFLM(pretrained=hf, tokenizer=hf, dtype="float32", device="cpu", batch_size=4)
+    )
     assert len(ours) == 12 and all(len(row) == 4 for row in ours)
     assert acc == acc_hf
     assert worst_gap(ours, theirs) <= 1e-6, (ours[:2], theirs[:2])
@@ -97,17 +122,25 @@ def test_rolling_and_generate_until(run_dir):
     [rolling] = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (text,), 0)])
     ctx = lm.tok_encode(text)
     # the same windows scored one by one through loglikelihood: the sum of their parts
-    windows = [(None, lm.tok_encode(text)[:0] + [lm.eot_token_id], ctx[:lm.max_length])]
+    windows = [(None, lm.tok_encode(text)[:0] + [lm.eot_token_id], ctx[: lm.max_length])]
     assert rolling < 0 and rolling < lm._loglikelihood_tokens(windows)[0][0]
-    reqs = [Instance("generate_until", {}, (p, {"until": ["\n"], "max_gen_toks": 6}), i)
-            for i, p in enumerate(["def f(a, b):", "The capital of France is", "x"])]
+    reqs = [
+        Instance("generate_until", {}, (p, {"until": ["\n"], "max_gen_toks": 6}), i)
+        for i, p in enumerate(["def f(a, b):", "The capital of France is", "x"])
+    ]
     texts = lm.generate_until(reqs)
     assert len(texts) == 3 and all("\n" not in t for t in texts)
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "megaframe.evaluate", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
+    return subprocess.run(
+        [sys.executable, "-m", "megaframe.evaluate", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
+    )
 
 
 def test_evaluate_cli_runs_tasks_and_refuses_bad_input(run_dir):
@@ -115,19 +148,41 @@ def test_evaluate_cli_runs_tasks_and_refuses_bad_input(run_dir):
     assert res.returncode == 0, res.stderr
     assert f"{TASK} acc " in res.stdout and "acc_norm" in res.stdout
     bad = cli(f"checkpoint={run_dir / 'ckpt'}", "+tasks=no_such_task_here", f"+include_path={TASKS}")
-    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "no_such_task_here" in bad.stderr, bad.stderr
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "no_such_task_here" in bad.stderr, (
+        bad.stderr
+    )
     gone = cli(f"checkpoint={run_dir / 'missing'}", f"+tasks={TASK}")
     assert gone.returncode == 2 and gone.stderr.count("\n") == 1, gone.stderr
     # a hub task without the hub (HF_HUB_OFFLINE=1, its data never cached here): one line naming the task
     hub = cli(str(run_dir / "ckpt"), "+tasks=arc_easy", "+limit=2")
-    assert hub.returncode == 2 and hub.stderr.count("\n") == 1 and "arc_easy" in hub.stderr, hub.stderr[-2000:]
+    assert hub.returncode == 2 and hub.stderr.count("\n") == 1 and "arc_easy" in hub.stderr, hub.stderr[
+        -2000:
+    ]
 
 
 def test_lm_evals_own_command_line_runs_the_megaframe_model(run_dir):
     """lm-eval's CLI (through megaframe's entry point, which registers the model) on a step folder."""
-    res = subprocess.run([sys.executable, "-m", "megaframe.evaluation", "--model", "megaframe", "--model_args",
-                          f"checkpoint={run_dir / 'ckpt' / 'step_00000003'}", "--batch_size", "4", "--tasks", TASK,
-                          "--include_path", TASKS], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megaframe.evaluation",
+            "--model",
+            "megaframe",
+            "--model_args",
+            f"checkpoint={run_dir / 'ckpt' / 'step_00000003'}",
+            "--batch_size",
+            "4",
+            "--tasks",
+            TASK,
+            "--include_path",
+            TASKS,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     assert TASK in res.stdout and "acc" in res.stdout

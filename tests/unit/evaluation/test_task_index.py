@@ -1,5 +1,6 @@
 """Which lm-eval task index a scoring call builds: a folder holding every named task is indexed alone
 (lm-eval's own ~14,000 task YAMLs take 10 s to over a minute to index on 2 cores), once per process."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,6 +1,7 @@
 """Generation: the KV-cache forward gives the training forward's logits (dense, GPT-2 style, MoE),
 greedy with and without the cache agree, seeded sampling repeats, the CLI's stdout is prompt + text only,
 and evaluate prints loss and perplexity. Tiny models in one process."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -21,11 +22,20 @@ from megaframe.model.parallelize import build_model
 from megaframe.parallel.mesh import single_process_mesh
 
 ROOT = Path(__file__).resolve().parents[3]
-TINY = ["data=synthetic", "model.num_layers=2", "model.hidden_size=64", "model.ffn_hidden_size=96",
-        "model.seq_length=32", "model.vocab_size=384", "model.init_std=0.1"]
-MODELS = {"llama": ["model=gpt_tiny", "model.num_attention_heads=4", "model.num_query_groups=2"],
-          "gpt2": ["model=gpt2_tiny"],
-          "moe": ["model=moe_tiny", "model.moe_ffn_hidden_size=32"]}
+TINY = [
+    "data=synthetic",
+    "model.num_layers=2",
+    "model.hidden_size=64",
+    "model.ffn_hidden_size=96",
+    "model.seq_length=32",
+    "model.vocab_size=384",
+    "model.init_std=0.1",
+]
+MODELS = {
+    "llama": ["model=gpt_tiny", "model.num_attention_heads=4", "model.num_query_groups=2"],
+    "gpt2": ["model=gpt2_tiny"],
+    "moe": ["model=moe_tiny", "model.moe_ffn_hidden_size=32"],
+}
 
 
 class WeightsOnly:
@@ -49,7 +59,9 @@ def run_dir(tmp_path_factory) -> Path:
     train_tokenizer(text, 360, d / "data" / "tokenizer", num_threads=1)
     cfg, model = tiny_model("llama")
     cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=str(d / "data")))
-    sharded.save(d / "ckpt", 3, model, WeightsOnly(), single_process_mesh(), {"config": dataclasses.asdict(cfg)})
+    sharded.save(
+        d / "ckpt", 3, model, WeightsOnly(), single_process_mesh(), {"config": dataclasses.asdict(cfg)}
+    )
     return d
 
 
@@ -62,7 +74,7 @@ def test_cached_logits_equal_the_full_forward(name):
     cache = KVCache.empty(model, 2, cfg.model.seq_length)
     parts = [forward_cached(model, ids_BS[:, :7], cache)]  # prefill 7, then 3, then one at a time
     parts.append(forward_cached(model, ids_BS[:, 7:10], cache))
-    parts += [forward_cached(model, ids_BS[:, i:i + 1], cache) for i in range(10, 20)]
+    parts += [forward_cached(model, ids_BS[:, i : i + 1], cache) for i in range(10, 20)]
     err = (torch.cat(parts, dim=1) - ref_BSV).abs().max().item()
     assert err < 1e-5, err
 
@@ -94,13 +106,28 @@ def test_top_k_and_top_p_keep_only_the_likely_tokens():
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    return subprocess.run(
+        [sys.executable, *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**__import__("os").environ, "OMP_NUM_THREADS": "1"},
+    )
 
 
 def test_cli_streams_prompt_and_text_only(run_dir):
-    res = cli("-m", "megaframe.generate", str(run_dir / "ckpt"), "--prompt", "the quick", "--max-new-tokens", "8",
-              "--temperature", "0")
+    res = cli(
+        "-m",
+        "megaframe.generate",
+        str(run_dir / "ckpt"),
+        "--prompt",
+        "the quick",
+        "--max-new-tokens",
+        "8",
+        "--temperature",
+        "0",
+    )
     assert res.returncode == 0, res.stderr
     assert res.stdout.startswith("the quick") and res.stdout.count("\n") == 1
     assert "tokens/s" in res.stderr and "temperature 0.0" in res.stderr
@@ -109,8 +136,15 @@ def test_cli_streams_prompt_and_text_only(run_dir):
 
 
 def test_evaluate_prints_loss_and_perplexity(run_dir):
-    res = cli("-m", "megaframe.evaluate", str(run_dir / "ckpt"), "data=synthetic", "train.global_batch_size=4",
-              "train.micro_batch_size=2", "2")
+    res = cli(
+        "-m",
+        "megaframe.evaluate",
+        str(run_dir / "ckpt"),
+        "data=synthetic",
+        "train.global_batch_size=4",
+        "train.micro_batch_size=2",
+        "2",
+    )
     assert res.returncode == 0, res.stderr
     line = res.stdout.strip()
     loss = float(line.split("loss ")[1].split()[0])

@@ -1,6 +1,7 @@
 """train.precision=fp8 runs the output head's GEMMs float8 where its local weight dims allow: the fused head +
 cross-entropy's logits, grad-input and grad-weight GEMMs (three float8 matmuls per token chunk), close to
 the bf16 head; a head whose vocab is not a multiple of 16 keeps bf16 GEMMs, named in the one warning line."""
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torchao.float8.float8_training_tensor import Float8TrainingTensor

@@ -1,6 +1,7 @@
 """train.precision=fp8 with a linear whose local weight does not fit float8 GEMMs (a dim not a multiple of
 16): that linear keeps its bf16 GEMM, named in one warning line, and the run trains (it was refused
 before)."""
+
 import torch
 
 from megaframe.layers.linear import ColumnParallelLinear, RowParallelLinear

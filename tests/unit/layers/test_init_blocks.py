@@ -1,5 +1,6 @@
 """Init per block: every rank draws only the blocks of the global tensor its slice touches, and every
 layout (tp, pp, ep) gets the numbers of the one-process model, built here rank by rank on CPU."""
+
 from __future__ import annotations
 
 import pytest
@@ -22,7 +23,9 @@ def small_blocks(monkeypatch):
 def assembled(overrides: list[str], tp: int, pp: int, dp: int = 1, ep: int = 1) -> dict[str, torch.Tensor]:
     """The global initial tensors, put together from every rank's own build."""
     sp = [f"parallel.sp={tp > 1}"]  # MoE with tp > 1 needs sp (config/checks.py)
-    cfg = tiny_config(overrides + sp + [f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.ep={ep}"], tp * pp * dp)
+    cfg = tiny_config(
+        overrides + sp + [f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.ep={ep}"], tp * pp * dp
+    )
     out: dict[str, torch.Tensor] = {}
     for p_rank in range(pp):
         for d_rank in range(dp):
@@ -31,7 +34,9 @@ def assembled(overrides: list[str], tp: int, pp: int, dp: int = 1, ep: int = 1) 
                 for name, p in build_model(cfg, mesh).named_parameters():
                     full = out.setdefault(name, torch.full(p.placement.shard.global_shape, float("nan")))
                     rank = mesh.ep.rank if p.placement.shard.expert and ep > 1 else t_rank
-                    p.placement.shard.place(full, p.detach(), rank if p.placement.shard.dim is not None else 0)
+                    p.placement.shard.place(
+                        full, p.detach(), rank if p.placement.shard.dim is not None else 0
+                    )
     return out
 
 

@@ -1,5 +1,6 @@
 """Single-process layers: Shard slicing, layout-free init,
 the GPT at tp=1, and attention vs a hand reference."""
+
 from __future__ import annotations
 
 import math
@@ -17,14 +18,30 @@ from megaframe.model.gpt import GPT
 from megaframe.optim.grads import clip_grads, grad_norm
 from megaframe.parallel.mesh import single_process_mesh
 
-LLAMA = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=48,
-             seq_length=16, vocab_size=64, init_std=0.2)
-GPT2 = dict(LLAMA, num_query_groups=None, norm="layernorm", activation="gelu", position_embedding="learned",
-            tie_embeddings=True, bias=True)
+LLAMA = dict(
+    num_layers=2,
+    hidden_size=32,
+    num_attention_heads=4,
+    num_query_groups=2,
+    ffn_hidden_size=48,
+    seq_length=16,
+    vocab_size=64,
+    init_std=0.2,
+)
+GPT2 = dict(
+    LLAMA,
+    num_query_groups=None,
+    norm="layernorm",
+    activation="gelu",
+    position_embedding="learned",
+    tie_embeddings=True,
+    bias=True,
+)
 FAMILIES = {"llama": LLAMA, "gpt2": GPT2}
 
 
 # ---------------------------------------------------------------- Shard
+
 
 @pytest.mark.parametrize("size", [1, 2, 4])
 @pytest.mark.parametrize("dim", [0, 1])
@@ -68,6 +85,7 @@ def test_shard_defaults_and_errors():
 
 # ---------------------------------------------------------------- init
 
+
 def test_init_rule():
     std, layers = 0.02, 8
     assert init_rule("layers.0.attn_norm.weight", std, layers) == ("ones", 0.0)
@@ -78,7 +96,13 @@ def test_init_rule():
     for name in ("layers.3.attn.out_proj.weight", "layers.3.mlp.down_proj.weight"):
         kind, s = init_rule(name, std, layers)
         assert kind == "normal" and s == pytest.approx(0.02 / 4.0)
-    for name in ("embed.weight", "head.weight", "pos_embed", "layers.0.attn.qkv.weight", "layers.0.mlp.up_proj.weight"):
+    for name in (
+        "embed.weight",
+        "head.weight",
+        "pos_embed",
+        "layers.0.attn.qkv.weight",
+        "layers.0.mlp.up_proj.weight",
+    ):
         assert init_rule(name, std, layers) == ("normal", std)
 
 
@@ -108,6 +132,7 @@ def test_init_model_keeps_each_ranks_slice_of_the_same_full_tensor(size):
 
 
 # ---------------------------------------------------------------- GPT at tp=1
+
 
 def make_gpt(family: str, seed: int = 0, **kw) -> GPT:
     model = GPT(ModelConfig(**{**FAMILIES[family], **kw}), single_process_mesh())
@@ -187,13 +212,14 @@ def test_grad_norm_and_clip_at_tp1():
 
 # ---------------------------------------------------------------- attention vs a hand reference
 
+
 def reference_attention(attn: Attention, x_SBD: torch.Tensor, rope_theta: float | None) -> torch.Tensor:
     s, b, _ = x_SBD.shape
     h, k, e = attn.heads, attn.groups, attn.head_dim
     qkv = x_SBD @ attn.qkv.weight.T + (attn.qkv.bias if attn.qkv.bias is not None else 0)
-    q = qkv[..., :h * e].reshape(s, b, h, e)
-    kk = qkv[..., h * e:(h + k) * e].reshape(s, b, k, e)
-    v = qkv[..., (h + k) * e:].reshape(s, b, k, e)
+    q = qkv[..., : h * e].reshape(s, b, h, e)
+    kk = qkv[..., h * e : (h + k) * e].reshape(s, b, k, e)
+    v = qkv[..., (h + k) * e :].reshape(s, b, k, e)
 
     def rope(t):  # rotate-half: pair dim i with i + e/2, angle p * theta^(-2i/e)
         if rope_theta is None:
@@ -222,10 +248,18 @@ def reference_attention(attn: Attention, x_SBD: torch.Tensor, rope_theta: float 
     return o @ attn.out_proj.weight.T + (attn.out_proj.bias if attn.out_proj.bias is not None else 0)
 
 
-@pytest.mark.parametrize("groups,bias,use_rope", [(2, False, True), (1, False, True), (4, True, True), (4, True, False)])
+@pytest.mark.parametrize(
+    "groups,bias,use_rope", [(2, False, True), (1, False, True), (4, True, True), (4, True, False)]
+)
 def test_attention_matches_reference(groups, bias, use_rope):
-    cfg = ModelConfig(hidden_size=32, num_attention_heads=4, num_query_groups=groups, seq_length=12, bias=bias,
-                      rope_theta=100.0)
+    cfg = ModelConfig(
+        hidden_size=32,
+        num_attention_heads=4,
+        num_query_groups=groups,
+        seq_length=12,
+        bias=bias,
+        rope_theta=100.0,
+    )
     attn = Attention(cfg, single_process_mesh().tp, sp=False)
     g = torch.Generator().manual_seed(groups + 10 * bias)
     with torch.no_grad():

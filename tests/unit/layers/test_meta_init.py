@@ -2,6 +2,7 @@
 slice in train.precision (ZeRO-3 at dp > 1: not at all; the optimizer materialises the owned segments),
 with the init values of before, and the set-up's peak tensor bytes per rank follow the rank's share.
 A rank of a dp4 layout is built here in one process on a virtual mesh (nothing in set-up communicates)."""
+
 from __future__ import annotations
 
 import pytest
@@ -79,8 +80,12 @@ def test_build_model_materialises_in_the_runs_dtype(precision, zero):
     for name, p in model.named_parameters():
         assert p.device.type == "cpu" and p.dtype == want, (name, p.device, p.dtype)
         # the values of before: fp32 init (seed, global name, position), then cast
-        assert torch.equal(p.detach(), full_init_param(name, p.placement.shard, cfg.train.seed,
-                                                       cfg.model.init_std, cfg.model.num_layers).to(want))
+        assert torch.equal(
+            p.detach(),
+            full_init_param(
+                name, p.placement.shard, cfg.train.seed, cfg.model.init_std, cfg.model.num_layers
+            ).to(want),
+        )
 
 
 def test_zero3_leaves_params_on_meta_and_materialises_the_owned_segments():
@@ -92,9 +97,11 @@ def test_zero3_leaves_params_on_meta_and_materialises_the_owned_segments():
     optimizer = Zero3Optimizer(model, cfg.optim, virtual_mesh(1, 1, 4, dp_rank=1, device="cpu"))
     for name, p in model.named_parameters():
         assert not p.is_meta and p.untyped_storage().nbytes() == 0, name  # gathered at its first use
-        full = full_init_param(name, p.placement.shard, cfg.train.seed, cfg.model.init_std, cfg.model.num_layers)
+        full = full_init_param(
+            name, p.placement.shard, cfg.train.seed, cfg.model.init_std, cfg.model.num_layers
+        )
         for lo, n, views in optimizer.state_segments(p):
-            assert torch.equal(views["master"], full.reshape(-1)[lo:lo + n].bfloat16().float()), name
+            assert torch.equal(views["master"], full.reshape(-1)[lo : lo + n].bfloat16().float()), name
 
 
 def test_zero3_set_up_peak_follows_the_share():

@@ -2,6 +2,7 @@
 alone through the model (positions from 0, nothing seen of the others); RoPE and learned positions. The
 FlexAttention block mask (CUDA's kernel) against the SDPA mask on CPU, what the planner counts, and the
 fused ring's merge of a block a query cannot see."""
+
 from __future__ import annotations
 
 import pytest
@@ -24,10 +25,14 @@ def doc_ids(lengths: list[int], seq: int, seed: int = 0) -> torch.Tensor:
     return ids
 
 
-@pytest.mark.parametrize("family", [[], ["model=gpt2_tiny", "model.num_query_groups=null"]], ids=["rope", "learned"])
+@pytest.mark.parametrize(
+    "family", [[], ["model=gpt2_tiny", "model.num_query_groups=null"]], ids=["rope", "learned"]
+)
 def test_each_document_gets_the_logits_it_would_get_alone(family):
-    cfg = load_config(["data=synthetic", *family, "model.vocab_size=256", "model.seq_length=32",
-                       "data.document_mask=true"], world_size=1)
+    cfg = load_config(
+        ["data=synthetic", *family, "model.vocab_size=256", "model.seq_length=32", "data.document_mask=true"],
+        world_size=1,
+    )
     model = build_model(cfg, single_process_mesh()).eval()
     lengths = [10, 6, 16]  # boundaries at 10 and 16 = S/2 (a tp2·sp chunk edge)
     ids = torch.stack([doc_ids(lengths, 32, 0), doc_ids([16, 16], 32, 1)])
@@ -38,8 +43,8 @@ def test_each_document_gets_the_logits_it_would_get_alone(family):
         for b, lens in enumerate([lengths, [16, 16]]):
             start = 0
             for n in lens:
-                alone = model(ids[b:b + 1, start:start + n])[0]
-                torch.testing.assert_close(masked[b, start:start + n], alone, rtol=1e-5, atol=1e-5)
+                alone = model(ids[b : b + 1, start : start + n])[0]
+                torch.testing.assert_close(masked[b, start : start + n], alone, rtol=1e-5, atol=1e-5)
                 start += n
         plain = model(ids)
     assert not torch.allclose(masked, plain, atol=1e-3)  # the mask changed what later documents saw
@@ -50,13 +55,19 @@ def test_document_context_positions_and_mask():
     doc = document_context(ids, torch.tensor(EOS))
     assert doc.pos_BQ.tolist() == [[0, 1, 0, 1, 2, 0]]
     allowed = doc.mask_B1QT[0, 0].int().tolist()
-    assert allowed[3] == [0, 0, 1, 1, 0, 0] and allowed[5] == [0, 0, 0, 0, 0, 1] and allowed[1] == [1, 1, 0, 0, 0, 0]
+    assert (
+        allowed[3] == [0, 0, 1, 1, 0, 0]
+        and allowed[5] == [0, 0, 0, 0, 0, 1]
+        and allowed[1] == [1, 1, 0, 0, 0, 0]
+    )
 
 
 def test_document_mask_is_accepted_with_context_parallelism():
     for comm_kind in ("allgather", "ring"):  # was refused before cp supported it (model/documents.py)
-        load_config(["data=synthetic", "data.document_mask=true", "parallel.cp=2", f"parallel.cp_comm={comm_kind}"],
-                    world_size=2)
+        load_config(
+            ["data=synthetic", "data.document_mask=true", "parallel.cp=2", f"parallel.cp_comm={comm_kind}"],
+            world_size=2,
+        )
 
 
 def test_flex_block_mask_skips_the_blocks_no_query_sees():
@@ -78,8 +89,16 @@ def test_flex_block_mask_skips_the_blocks_no_query_sees():
 def test_flex_attention_forward_matches_the_sdpa_mask_on_cpu():
     """torch 2.13 runs FlexAttention's forward on CPU (eager; its backward is CUDA-only): the model's
     logits under the block mask equal the SDPA mask path's (the CPU reference), 1e-5."""
-    cfg = load_config(["data=synthetic", "model.vocab_size=256", "model.seq_length=256", "model.num_layers=2",
-                       "data.document_mask=true"], world_size=1)
+    cfg = load_config(
+        [
+            "data=synthetic",
+            "model.vocab_size=256",
+            "model.seq_length=256",
+            "model.num_layers=2",
+            "data.document_mask=true",
+        ],
+        world_size=1,
+    )
     model = build_model(cfg, single_process_mesh()).eval()
     model.set_documents(EOS)
     ids = torch.stack([doc_ids([100, 28, 128], 256, 0), doc_ids([3, 253], 256, 1)])  # one ends at a tile edge
@@ -98,8 +117,14 @@ def _planned_activations(over: list[str]) -> int:
     return plan_layout(cfg, 1).ranks[0].chunk_activation_bytes[0]
 
 
-PLAN = ["data=synthetic", "model.vocab_size=256", "model.seq_length=256", "model.num_layers=2",
-        "train.micro_batch_size=2", "train.global_batch_size=2"]
+PLAN = [
+    "data=synthetic",
+    "model.vocab_size=256",
+    "model.seq_length=256",
+    "model.num_layers=2",
+    "train.micro_batch_size=2",
+    "train.global_batch_size=2",
+]
 
 
 def test_planner_counts_the_document_mask_as_measured():
@@ -111,12 +136,16 @@ def test_planner_counts_the_document_mask_as_measured():
     from megaframe.planning.activations import chunk_activation_bytes
 
     b, s, layers, e = 2, 256, 2, 16  # gpt_tiny's head dim 16
-    plain, cpu = _planned_activations(["train.device=cpu"]), _planned_activations(["train.device=cpu",
-                                                                                    "data.document_mask=true"])
+    plain, cpu = (
+        _planned_activations(["train.device=cpu"]),
+        _planned_activations(["train.device=cpu", "data.document_mask=true"]),
+    )
     measured = {}
     for mask in ("false", "true"):
-        model = build_model(load_config(PLAN + [f"data.document_mask={mask}"], world_size=1, check_data=False),
-                            single_process_mesh())
+        model = build_model(
+            load_config(PLAN + [f"data.document_mask={mask}"], world_size=1, check_data=False),
+            single_process_mesh(),
+        )
         if mask == "true":
             model.set_documents(EOS)
         measured[mask] = chunk_activation_bytes(model, 0, b, fused_attention=False)  # the real CPU kernels
@@ -146,8 +175,11 @@ def test_layout_search_counts_the_document_mask_like_the_exact_planner():
     from tests.unit.planning.test_plan_search import SMALL
 
     small = [o for o in SMALL if not o.startswith("model.seq_length")]  # S = 512: the S x S mask matters
-    cfg = load_config(small + ["model.seq_length=512", "data.document_mask=true", "train.device=cpu"],
-                      world_size=1, check_data=False)
+    cfg = load_config(
+        small + ["model.seq_length=512", "data.document_mask=true", "train.device=cpu"],
+        world_size=1,
+        check_data=False,
+    )
     for lay in (Layout(1, 1, 1, 2, 1, 1, 1, "none", cp=2), Layout(2, 1, 1, 1, 1, 0, 2, "full", cp=2)):
         worst = max(plan_layout(layout_config(cfg, lay), 4, None).ranks, key=lambda r: r.peak_bytes)
         got = phase_memory(cfg, lay)
@@ -163,11 +195,11 @@ def test_a_block_a_query_cannot_see_merges_without_nan():
 
     q, k, v = (torch.randn(1, 2, 4, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
     docq, dock = torch.tensor([[0, 0, 1, 1]]), torch.tensor([[0, 0, 0, 0]])  # rows 2, 3: a later document
-    out, lse, _ = pair_forward(q, k, v, False, 8 ** -0.5, pair_bias(docq, dock, False, q.dtype))
+    out, lse, _ = pair_forward(q, k, v, False, 8**-0.5, pair_bias(docq, dock, False, q.dtype))
     assert lse[0, :, 2:].isneginf().all() and lse[0, :, :2].isfinite().all()
     o, acc = torch.zeros(1, 2, 4, 8), torch.full((1, 2, 4), float("-inf"))
     _merge_(o, acc, out, lse)  # rows 2, 3: -inf merged into -inf
     assert not o.isnan().any() and acc[0, :, 2:].isneginf().all()
-    own_out, own_lse, _ = pair_forward(q, k, v, True, 8 ** -0.5)  # each row's own (diagonal) block
+    own_out, own_lse, _ = pair_forward(q, k, v, True, 8**-0.5)  # each row's own (diagonal) block
     _merge_(o, acc, own_out, own_lse)
     assert torch.equal(acc[0, :, 2:], own_lse[0, :, 2:]) and torch.allclose(o[0, :, 2:], own_out[0, :, 2:])

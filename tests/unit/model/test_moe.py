@@ -1,5 +1,6 @@
 """MoE pieces in one process: routing and router losses against hand-computed values, capacity and
 dropping, the layer against a per-token loop, per-expert init, and the imbalance figures."""
+
 from __future__ import annotations
 
 import math
@@ -43,7 +44,9 @@ def test_sigmoid_scores_and_bias_selects_only():
     # the bias moves the choice off expert 0; the weights are still the unbiased scores
     biased = router.route(logits, 2, "sigmoid", torch.tensor([-10.0, 0.0, 0.0, 0.0]))
     assert biased.experts_TK.tolist() == [[1, 2]]
-    torch.testing.assert_close(biased.weights_TK, torch.tensor([[s[1] / (s[1] + s[2]), s[2] / (s[1] + s[2])]]))
+    torch.testing.assert_close(
+        biased.weights_TK, torch.tensor([[s[1] / (s[1] + s[2]), s[2] / (s[1] + s[2])]])
+    )
 
 
 def test_aux_and_z_loss_by_hand():
@@ -113,8 +116,13 @@ def test_each_expert_is_initialised_from_its_own_name():
     cfg = cfg_of()
     model = build_model(cfg, single_process_mesh())
     w = model.layers["1"].mlp.experts.down_proj.weight
-    want = full_init("layers.1.mlp.experts.3.down_proj.weight", tuple(w.shape[1:]), cfg.train.seed,
-                     cfg.model.init_std, cfg.model.num_layers)
+    want = full_init(
+        "layers.1.mlp.experts.3.down_proj.weight",
+        tuple(w.shape[1:]),
+        cfg.train.seed,
+        cfg.model.init_std,
+        cfg.model.num_layers,
+    )
     assert torch.equal(w[3].detach(), want)
 
 
@@ -130,8 +138,14 @@ def test_forced_imbalance_is_flagged_and_the_bias_pushes_back():
             layer.router.expert_bias.copy_(torch.tensor([2.0, 1.0, 0.0, 0.0]))
     opt = build_optimizer(model, cfg.optim, mesh)
     t = cfg.train
-    train_step(model, opt, microbatches(build_data(cfg), 0, t.global_batch_size, t.micro_batch_size, 0, 1, t.seed),
-               mesh, cfg, 1)
+    train_step(
+        model,
+        opt,
+        microbatches(build_data(cfg), 0, t.global_batch_size, t.micro_batch_size, 0, 1, t.seed),
+        mesh,
+        cfg,
+        1,
+    )
     row = {"step": 1, **stats.metrics(model, mesh)}
     tokens = t.global_batch_size * cfg.model.seq_length
     assert row["moe/layer0/tokens_min"] == 0 and row["moe/layer0/tokens_max"] == tokens

@@ -1,6 +1,7 @@
 """One builder: every model a command runs is assembled by model/parallelize.py (the stage from the run's
 schedule, one cast to train.precision, then the optimizer), and the model code itself knows no optimizer
 and no schedule."""
+
 from __future__ import annotations
 
 import ast
@@ -33,14 +34,19 @@ def imported(path: Path) -> set[str]:
 
 def test_the_model_code_imports_no_optimizer_and_no_schedule():
     mods = imported(PACKAGE / "model" / "gpt.py")
-    assert not {m for m in mods if m.startswith("megaframe.optim") or m == "megaframe.pipeline.schedule"}, mods
+    assert not {m for m in mods if m.startswith("megaframe.optim") or m == "megaframe.pipeline.schedule"}, (
+        mods
+    )
 
 
 def test_only_the_builder_assembles_a_model():
     """A GPT made elsewhere in the package would skip the stage, the cast or the schedule the builder
     applies."""
-    makers = [str(f.relative_to(PACKAGE)) for f in PACKAGE.rglob("*.py")
-              if f.name != "parallelize.py" and re.search(r"(?<![\w.])GPT\((?!nn\.Module)", f.read_text())]
+    makers = [
+        str(f.relative_to(PACKAGE))
+        for f in PACKAGE.rglob("*.py")
+        if f.name != "parallelize.py" and re.search(r"(?<![\w.])GPT\((?!nn\.Module)", f.read_text())
+    ]
     assert makers == []
 
 
@@ -52,11 +58,22 @@ def test_build_gives_the_runs_dtype_and_an_optimizer(precision, dtype):
     assert isinstance(optimizer, Optimizer)
 
 
-@pytest.mark.parametrize("kind,vpp,name,v", [("auto", 1, "1f1b", False), ("auto", 2, "interleaved", False),
-                                             ("zbv", 2, "zbv", True)])
+@pytest.mark.parametrize(
+    "kind,vpp,name,v",
+    [("auto", 1, "1f1b", False), ("auto", 2, "interleaved", False), ("zbv", 2, "zbv", True)],
+)
 def test_the_schedule_is_resolved_once_and_places_the_stage(kind, vpp, name, v):
-    cfg = tiny_config(["model.num_layers=4", "parallel.pp=2", f"parallel.pp_schedule={kind}",
-                       f"parallel.vpp={vpp}", "train.global_batch_size=8", "train.micro_batch_size=2"], 2)
+    cfg = tiny_config(
+        [
+            "model.num_layers=4",
+            "parallel.pp=2",
+            f"parallel.pp_schedule={kind}",
+            f"parallel.vpp={vpp}",
+            "train.global_batch_size=8",
+            "train.micro_batch_size=2",
+        ],
+        2,
+    )
     model = build_model(cfg, virtual_mesh(1, 2, 1, pp_rank=0, device="meta"))
     assert model.schedule.name == name and model.schedule.v is v
     # rank 0 of a V holds both ends (stages 0 and 3); of a loop, stages 0 and 2

@@ -2,6 +2,7 @@
 which claims its config; the family's parameter counter equals `sum(p.numel())` of the built (meta) model
 for every preset, on one process and on each rank of tp / pp / ep cuts (what the planner reads); MFU's FLOP
 counter is the family's; the HF facades dispatch by family."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -47,15 +48,28 @@ def test_param_counter_equals_the_built_model(preset):
 
 # per-rank counts under cuts: (preset, tp, pp, ep); the
 # biased and tied presets catch what the planner left out
-CUTS = [("gpt2_tiny", 2, 2, 1), ("gpt_tiny", 2, 2, 1), ("qwen3_tiny", 2, 2, 1), ("moe_tiny", 2, 1, 2),
-        ("gpt2_tiny", 1, 2, 1), ("qwen3_tiny", 1, 4, 1)]
+CUTS = [
+    ("gpt2_tiny", 2, 2, 1),
+    ("gpt_tiny", 2, 2, 1),
+    ("qwen3_tiny", 2, 2, 1),
+    ("moe_tiny", 2, 1, 2),
+    ("gpt2_tiny", 1, 2, 1),
+    ("qwen3_tiny", 1, 4, 1),
+]
 
 
 @pytest.mark.parametrize("preset,tp,pp,ep", CUTS)
 def test_stage_counts_equal_each_rank(preset, tp, pp, ep):
     world = tp * pp * ep
-    cfg = preset_config(preset, f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.ep={ep}", f"parallel.sp={tp > 1}",
-                        f"train.global_batch_size={8 * ep}", world=world)
+    cfg = preset_config(
+        preset,
+        f"parallel.tp={tp}",
+        f"parallel.pp={pp}",
+        f"parallel.ep={ep}",
+        f"parallel.sp={tp > 1}",
+        f"train.global_batch_size={8 * ep}",
+        world=world,
+    )
     lay = Layout(tp=tp, pp=pp, vpp=1, dp=ep, ep=ep, zero=0, micro_batch=1, recompute="none")
     assert world == tp * pp * lay.dp
     for pp_rank in range(pp):

@@ -1,6 +1,7 @@
 """Qwen3 (per-head q/k RMSNorm, GQA, head dim apart from hidden/heads, RoPE theta 1e6, tied or untied):
 a random tiny Qwen3ForCausalLM imports with logits equal to transformers' (fp32, <= 1e-4) and exports back
 to the same tensors and logits; the presets build. Tiny models made here, offline."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -16,17 +17,25 @@ from tests.unit.hf_scripts import export_hf, import_hf
 ROOT = Path(__file__).resolve().parents[3]
 
 
-
-
 def hf_qwen3(folder: Path, tied: bool):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
     # head_dim 24: 4 heads x 24 = 96 != hidden 64, as Qwen3-0.6B's 16 x 128 != 1024
-    cfg = Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=24, max_position_embeddings=64,
-                      rms_norm_eps=1e-6, tie_word_embeddings=tied, initializer_range=0.1,
-                      rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+    cfg = Qwen3Config(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=tied,
+        initializer_range=0.1,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    )
     model = Qwen3ForCausalLM(cfg).eval()
     with torch.no_grad():  # every norm (the q/k ones too) off 1.0, so one mapped wrong shows
         for p in model.parameters():
@@ -99,18 +108,35 @@ def test_twenty_training_steps_match_transformers(tmp_path):
     ref = hf_qwen3(tmp_path / "hf", True).train()
     assert import_hf.main([str(tmp_path / "hf"), str(tmp_path / "ck"), "data=synthetic"]) == 0
     steps, gbs = 20, 4
-    cfg = load_config([f"checkpoint.resume={tmp_path / 'ck' / 'step_00000000'}", "data=synthetic",
-                       f"train.max_steps={steps}", f"train.global_batch_size={gbs}", "train.micro_batch_size=2",
-                       "optim.lr=3e-3", "optim.warmup_steps=3", "optim.clip_grad=0.5", "optim.weight_decay=0.1"],
-                      world_size=1, check_data=False)
+    cfg = load_config(
+        [
+            f"checkpoint.resume={tmp_path / 'ck' / 'step_00000000'}",
+            "data=synthetic",
+            f"train.max_steps={steps}",
+            f"train.global_batch_size={gbs}",
+            "train.micro_batch_size=2",
+            "optim.lr=3e-3",
+            "optim.warmup_steps=3",
+            "optim.clip_grad=0.5",
+            "optim.weight_decay=0.1",
+        ],
+        world_size=1,
+        check_data=False,
+    )
     mesh = single_process_mesh()
     model = megaframe.load_model(str(tmp_path / "ck")).train()
     optimizer = build_optimizer(model, cfg.optim, mesh)
     o = cfg.optim
     params = list(ref.parameters())  # the tied embedding once
-    adam = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": o.weight_decay},
-                              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
-                             lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+    adam = torch.optim.AdamW(
+        [
+            {"params": [p for p in params if p.ndim >= 2], "weight_decay": o.weight_decay},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+        ],
+        lr=o.lr,
+        betas=(o.beta1, o.beta2),
+        eps=o.eps,
+    )
     data = build_data(cfg)
     ours, theirs = [], []
     for step in range(1, steps + 1):

@@ -2,6 +2,7 @@
 (llama3 scaling), and linear / yarn ones, import with logits equal to LlamaForCausalLM's at positions far
 beyond original_max_position_embeddings; export gives back the same config and tensors; a type no fixed
 table reproduces (dynamic) exits 2 naming it. Tiny random models made here, offline."""
+
 from __future__ import annotations
 
 import subprocess
@@ -20,17 +21,41 @@ ROOT = Path(__file__).resolve().parents[3]
 ORIGINAL = 32  # the "pretraining context": every test sequence runs to 4x past it
 SCALINGS = {
     # Llama 3.1 8B's rope_scaling (factor 8), untied; Llama 3.2 1B's (factor 32), tied
-    "llama3.1": ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                  "original_max_position_embeddings": ORIGINAL}, False),
-    "llama3.2": ({"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                  "original_max_position_embeddings": ORIGINAL}, True),
+    "llama3.1": (
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": ORIGINAL,
+        },
+        False,
+    ),
+    "llama3.2": (
+        {
+            "rope_type": "llama3",
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": ORIGINAL,
+        },
+        True,
+    ),
     "linear": ({"rope_type": "linear", "factor": 4.0}, False),
     "yarn": ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": ORIGINAL}, False),
-    "yarn_mscale": ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": ORIGINAL,
-                     "mscale": 0.707, "mscale_all_dim": 0.5, "beta_fast": 16.0, "beta_slow": 2.0}, True),
+    "yarn_mscale": (
+        {
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": ORIGINAL,
+            "mscale": 0.707,
+            "mscale_all_dim": 0.5,
+            "beta_fast": 16.0,
+            "beta_slow": 2.0,
+        },
+        True,
+    ),
 }
-
-
 
 
 def hf_llama(folder: Path, scaling: dict, tied: bool):
@@ -38,10 +63,19 @@ def hf_llama(folder: Path, scaling: dict, tied: bool):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4 * ORIGINAL,
-                      rms_norm_eps=1e-5, tie_word_embeddings=tied, initializer_range=0.1,
-                      rope_parameters={"rope_theta": 500000.0, **scaling})
+    cfg = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4 * ORIGINAL,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=tied,
+        initializer_range=0.1,
+        rope_parameters={"rope_theta": 500000.0, **scaling},
+    )
     model = LlamaForCausalLM(cfg).eval()
     with torch.no_grad():  # norms off 1.0, so a norm mapped wrong shows
         for _name, p in model.named_parameters():
@@ -92,8 +126,18 @@ def _plain_cos(model):
 
 def test_dynamic_scaling_exits_2_naming_it(tmp_path):
     hf_llama(tmp_path / "hf", {"rope_type": "dynamic", "factor": 2.0}, False)
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "import_hf.py"), str(tmp_path / "hf"),
-                        str(tmp_path / "ck"), "data=synthetic"], capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "import_hf.py"),
+            str(tmp_path / "hf"),
+            str(tmp_path / "ck"),
+            "data=synthetic",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2, r.stderr
     assert "'dynamic'" in r.stderr and "not supported" in r.stderr
     assert not (tmp_path / "ck" / "latest").exists()
@@ -101,10 +145,15 @@ def test_dynamic_scaling_exits_2_naming_it(tmp_path):
 
 def test_config_refuses_scaling_without_its_fields():
     with pytest.raises(ConfigError, match="original_max_position_embeddings"):
-        load_config(["data=synthetic", "model.rope_scaling.rope_type=llama3", "model.rope_scaling.factor=8"],
-                    world_size=1, check_data=False)
+        load_config(
+            ["data=synthetic", "model.rope_scaling.rope_type=llama3", "model.rope_scaling.factor=8"],
+            world_size=1,
+            check_data=False,
+        )
     with pytest.raises(ConfigError, match="rope_type"):
-        load_config(["data=synthetic", "model.rope_scaling.rope_type=dynamic"], world_size=1, check_data=False)
+        load_config(
+            ["data=synthetic", "model.rope_scaling.rope_type=dynamic"], world_size=1, check_data=False
+        )
 
 
 def test_config_scaling_reaches_the_model():
@@ -113,8 +162,16 @@ def test_config_scaling_reaches_the_model():
     from megaframe.model.gpt import GPT
     from megaframe.parallel.mesh import single_process_mesh
 
-    cfg = load_config(["data=synthetic", "model.rope_scaling.rope_type=llama3", "model.rope_scaling.factor=8",
-                       "model.rope_scaling.original_max_position_embeddings=32"], world_size=1, check_data=False)
+    cfg = load_config(
+        [
+            "data=synthetic",
+            "model.rope_scaling.rope_type=llama3",
+            "model.rope_scaling.factor=8",
+            "model.rope_scaling.original_max_position_embeddings=32",
+        ],
+        world_size=1,
+        check_data=False,
+    )
     model = GPT(cfg.model, single_process_mesh("cpu"))
     plain = _plain_cos(model)
     assert torch.equal(model.rope[0][:, 0], plain[:, 0])  # wavelength 2 pi < 32 / 4: kept
@@ -129,10 +186,24 @@ def test_train_continues_an_imported_llama3_checkpoint(tmp_path):
     hf_llama(tmp_path / "hf", SCALINGS["llama3.2"][0], True)
     assert import_hf.main([str(tmp_path / "hf"), str(tmp_path / "ck"), "data=synthetic"]) == 0
     env = dict(os.environ, WANDB_MODE="disabled", OMP_NUM_THREADS="1")
-    r = subprocess.run([sys.executable, "train.py", f"checkpoint.resume={tmp_path / 'ck'}", "data=synthetic",
-                        "train.max_steps=1", "train.global_batch_size=2", "train.micro_batch_size=2",
-                        f"run.dir={tmp_path / 'run'}", f"checkpoint.dir={tmp_path / 'run' / 'ck'}"],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "train.py",
+            f"checkpoint.resume={tmp_path / 'ck'}",
+            "data=synthetic",
+            "train.max_steps=1",
+            "train.global_batch_size=2",
+            "train.micro_batch_size=2",
+            f"run.dir={tmp_path / 'run'}",
+            f"checkpoint.dir={tmp_path / 'run' / 'ck'}",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     meta = json.loads((tmp_path / "run" / "ck" / "step_00000001" / "metadata.json").read_text())
     assert meta["config"]["model"]["rope_scaling"]["rope_type"] == "llama3"
@@ -154,6 +225,9 @@ def test_checkpoints_without_the_new_keys_still_load(tmp_path):
     model = megaframe.load_model(str(tmp_path / "ck"))
     assert model.cfg.rope_scaling.rope_type == "default" and model.cfg.kv_channels is None
     assert export_hf.main([str(tmp_path / "ck"), str(tmp_path / "back")]) == 0
-    cfg = load_config([f"checkpoint.resume={tmp_path / 'ck' / 'step_00000000'}", "data=synthetic"], world_size=1,
-                      check_data=False)
+    cfg = load_config(
+        [f"checkpoint.resume={tmp_path / 'ck' / 'step_00000000'}", "data=synthetic"],
+        world_size=1,
+        check_data=False,
+    )
     assert cfg.model.rope_scaling.rope_type == "default" and cfg.model.hidden_size == 64

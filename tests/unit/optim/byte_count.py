@@ -7,6 +7,7 @@ no data and are skipped. Only tensors `tracked(t)` selects count (e.g. those on 
 Fused AdamW writes its grads back only when it is given a grad_scale (torch's CPU and CUDA kernels both).
 megaframe's own ops (layers/wgrad.py's) are opaque to the mode: their Python bodies' ops are counted instead.
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -20,8 +21,18 @@ from megaframe.layers import wgrad
 aten = torch.ops.aten
 BODIES = {"megaframe::wgrad_into_main": wgrad.wgrad_body}
 WRITE_ONLY_SELF = {"zero_", "fill_", "copy_"}
-NO_DATA = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "new_full", "new_zeros",
-           "new_ones", "resize_", "set_"}
+NO_DATA = {
+    "empty",
+    "empty_like",
+    "empty_strided",
+    "new_empty",
+    "new_empty_strided",
+    "new_full",
+    "new_zeros",
+    "new_ones",
+    "resize_",
+    "set_",
+}
 INDEXED = {"gather", "scatter", "scatter_", "scatter_add", "scatter_add_"}  # self: only the indexed elements
 
 
@@ -56,8 +67,11 @@ class ByteCount(TorchDispatchMode):
                 return body(*args, **kwargs)
         out = func(*args, **kwargs)
         schema, name = func._schema, func.__name__.split(".")[0]
-        if name in NO_DATA or (schema.returns and schema.returns[0].alias_info is not None
-                               and not schema.returns[0].alias_info.is_write):
+        if name in NO_DATA or (
+            schema.returns
+            and schema.returns[0].alias_info is not None
+            and not schema.returns[0].alias_info.is_write
+        ):
             return out  # a view or an allocation: no data moves
         written = set()
         for i, a in enumerate(schema.arguments):

@@ -1,4 +1,5 @@
 """optim/adamw.py's AdamW is torch's fused AdamW, bit for bit, without importing the compiler."""
+
 from __future__ import annotations
 
 import subprocess
@@ -11,12 +12,20 @@ from megaframe.optim.adamw import AdamW
 
 def _params(seed: int) -> list[torch.nn.Parameter]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(torch.randn(8, 4, generator=g)), torch.nn.Parameter(torch.randn(4, generator=g))]
+    return [
+        torch.nn.Parameter(torch.randn(8, 4, generator=g)),
+        torch.nn.Parameter(torch.randn(4, generator=g)),
+    ]
 
 
 def _steps(cls, params, n: int = 3) -> None:
-    opt = cls([{"params": params[:1], "weight_decay": 0.1}, {"params": params[1:], "weight_decay": 0.0}],
-              lr=1e-2, betas=(0.9, 0.95), eps=1e-8, fused=True)
+    opt = cls(
+        [{"params": params[:1], "weight_decay": 0.1}, {"params": params[1:], "weight_decay": 0.0}],
+        lr=1e-2,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        fused=True,
+    )
     for i in range(n):
         opt.zero_grad(set_to_none=True)
         (sum((p * p).sum() for p in params) * (i + 1)).backward()
@@ -44,10 +53,12 @@ def test_same_update_and_state_as_torch_adamw():
 def test_building_and_stepping_leaves_the_compiler_unimported():
     """torch.optim's own methods import torch._dynamo (~1.4 s of CPU) on first call; a run that does not
     compile must not pay it (checked in a fresh interpreter: this one may have imported it already)."""
-    code = ("import sys, torch; from megaframe.optim.adamw import AdamW\n"
-            "p = torch.nn.Parameter(torch.ones(3)); o = AdamW([p], lr=0.1, fused=True)\n"
-            "p.sum().backward(); o.step(); o.zero_grad(); o.load_state_dict(o.state_dict())\n"
-            "print(sorted(m for m in ('torch._dynamo', 'torch._inductor') if m in sys.modules))")
+    code = (
+        "import sys, torch; from megaframe.optim.adamw import AdamW\n"
+        "p = torch.nn.Parameter(torch.ones(3)); o = AdamW([p], lr=0.1, fused=True)\n"
+        "p.sum().backward(); o.step(); o.zero_grad(); o.load_state_dict(o.state_dict())\n"
+        "print(sorted(m for m in ('torch._dynamo', 'torch._inductor') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]", out.stdout

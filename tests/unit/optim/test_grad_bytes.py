@@ -16,6 +16,7 @@ when accumulating); before, it also rounded dW to bf16 and back through the hook
 norms keep the hook: a bf16 grad is written (the norms': cast from fp32, read 4 more), read and copied
 into the buffer (2 + 4) or added (2 + 8).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -35,10 +36,10 @@ SHAPES = ["train.precision=bf16", "model.seq_length=24", "model.ffn_hidden_size=
 STEP_BYTES = 42  # norm 4 + AdamW 28 + clipped grad written back 4 + master -> bf16 6 (zero_grad 0, clip 0)
 # bytes per element in the (first, each later) micro-batch of a step, by how the grad reaches the buffer
 MICROBATCH_BYTES = {
-    "linear": (4, 8),   # the weight-grad GEMM into the fp32 buffer
-    "head": (12, 16),   # fp32 dW written, then scaled into the buffer
-    "norm": (12, 16),   # fp32 grad cast to bf16 (6), then copied (6) / added (10) into the buffer
-    "embed": (8, 12),   # dense bf16 grad written (2), then copied (6) / added (10) into the buffer
+    "linear": (4, 8),  # the weight-grad GEMM into the fp32 buffer
+    "head": (12, 16),  # fp32 dW written, then scaled into the buffer
+    "norm": (12, 16),  # fp32 grad cast to bf16 (6), then copied (6) / added (10) into the buffer
+    "embed": (8, 12),  # dense bf16 grad written (2), then copied (6) / added (10) into the buffer
 }
 
 
@@ -59,14 +60,20 @@ def _count(overrides: list[str], steps: int = 2):
     opt = build_optimizer(model, cfg.optim, mesh)
     t = cfg.train
     data = build_data(cfg)
-    batches = [microbatches(data, s, t.global_batch_size, t.micro_batch_size, 0, 1, t.seed) for s in range(steps)]
+    batches = [
+        microbatches(data, s, t.global_batch_size, t.micro_batch_size, 0, 1, t.seed) for s in range(steps)
+    ]
     for s in range(steps - 1):  # the first step makes the grads and moments
         train_step(model, opt, batches[s], mesh, cfg, s + 1)
     params = dict(model.named_parameters())
     shapes = {tuple(p.shape) for p in params.values()}
     grads = {storage_ptr(b.grad) for b in opt.buffers}
     weights = {storage_ptr(b.param) for b in opt.buffers}
-    state = grads | weights | {storage_ptr(t) for st in opt.states for t in (st.master, st.exp_avg, st.exp_avg_sq)}
+    state = (
+        grads
+        | weights
+        | {storage_ptr(t) for st in opt.states for t in (st.master, st.exp_avg, st.exp_avg_sq)}
+    )
 
     def tracked(x: torch.Tensor) -> bool:
         ptr = storage_ptr(x)
@@ -84,6 +91,7 @@ def _count(overrides: list[str], steps: int = 2):
                 n_mb[0] += 1
             counter.phase = f"mb{n_mb[0]}" if name == "mb" else name
             return fn(*a, **k)
+
         return run
 
     model.forward_chunk = phase("mb", model.forward_chunk)

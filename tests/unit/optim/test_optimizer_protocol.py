@@ -1,5 +1,6 @@
 """Every optimizer implements optim/protocol.py's Optimizer, checked by the ABC: a class missing one of the
 contract's methods cannot be built, and build_optimizer returns an Optimizer for each zero setting."""
+
 from __future__ import annotations
 
 import inspect
@@ -14,8 +15,17 @@ from megaframe.optim.zero3 import Zero3Optimizer
 from megaframe.parallel.mesh import single_process_mesh
 from tests.distributed.cases import tiny_config
 
-CONTRACT = {"zero_grad", "backward_context", "step", "logical_state", "load_targets", "loaded", "memory_bytes",
-            "sync_params", "settle"}
+CONTRACT = {
+    "zero_grad",
+    "backward_context",
+    "step",
+    "logical_state",
+    "load_targets",
+    "loaded",
+    "memory_bytes",
+    "sync_params",
+    "settle",
+}
 
 
 def test_the_contract_is_the_nine_methods_the_loop_and_checkpoints_call():
@@ -34,8 +44,10 @@ def test_a_class_missing_a_method_cannot_be_built():
         no_settle()
 
 
-@pytest.mark.parametrize("precision,zero,cls", [("fp32", 0, PlainOptimizer), ("bf16", 1, ZeroOptimizer),
-                                                ("bf16", 2, ZeroOptimizer)])
+@pytest.mark.parametrize(
+    "precision,zero,cls",
+    [("fp32", 0, PlainOptimizer), ("bf16", 1, ZeroOptimizer), ("bf16", 2, ZeroOptimizer)],
+)
 def test_build_optimizer_returns_an_optimizer(precision, zero, cls):
     cfg = tiny_config([f"train.precision={precision}", f"optim.zero={zero}"], 1)
     mesh = single_process_mesh("cpu")

@@ -1,4 +1,5 @@
 """The ZeRO buffer layout: bucket packing and padding, and dp ranges that cover every element once."""
+
 import pytest
 import torch
 from torch import nn
@@ -31,11 +32,13 @@ def test_ranges_cover_every_element_exactly_once(dp, bucket_bytes):
         state = torch.zeros(buf.state_numel, dtype=torch.int32)
         for seg in buf.segments:
             i = next(k for k, p in enumerate(params) if p is seg.param)
-            covered[i][seg.param_lo:seg.param_lo + seg.numel] += 1
-            state[seg.state_lo:seg.state_lo + seg.numel] += 1
+            covered[i][seg.param_lo : seg.param_lo + seg.numel] += 1
+            state[seg.state_lo : seg.state_lo + seg.numel] += 1
             # the segment's buffer elements are the param's elements
-            assert torch.equal(buf.param[seg.buf_lo:seg.buf_lo + seg.numel],
-                               seg.param.detach().reshape(-1)[seg.param_lo:seg.param_lo + seg.numel])
+            assert torch.equal(
+                buf.param[seg.buf_lo : seg.buf_lo + seg.numel],
+                seg.param.detach().reshape(-1)[seg.param_lo : seg.param_lo + seg.numel],
+            )
         assert state.max() <= 1  # segments never share rank state
         for p, v in zip(params, values):  # params now live in the buffer, values kept
             assert torch.equal(p.detach(), v)

@@ -1,5 +1,6 @@
 """Context-parallel chunking: cp rank i keeps chunks i and 2c-1-i; merge inverts it; positions and the
 causal mask are the global ones."""
+
 import pytest
 import torch
 
@@ -68,17 +69,26 @@ def test_rank_grid_ep_borrows_from_cp_dp():
     assert g.groups("ep") == g.groups("cp") == [(0, 1), (2, 3)]
     assert g.groups("edp") == g.groups("dp") == [(0, 2), (1, 3)]
     g4 = RankGrid(tp=2, dp=2, pp=1, cp=2, ep=4)
-    assert g4.groups("ep") == g4.groups("dpcp") == [(0, 2, 4, 6), (1, 3, 5, 7)] and g4.groups("edp")[0] == (0,)
+    assert g4.groups("ep") == g4.groups("dpcp") == [(0, 2, 4, 6), (1, 3, 5, 7)] and g4.groups("edp")[0] == (
+        0,
+    )
     assert RankGrid(tp=1, dp=1, pp=1, cp=2, ep=2).groups("ep") == [(0, 1)]
-    assert RankGrid(tp=2, dp=4, pp=1, ep=2).groups("ep") == [(0, 2), (4, 6), (1, 3), (5, 7)]  # cp = 1: as before
+    assert RankGrid(tp=2, dp=4, pp=1, ep=2).groups("ep") == [
+        (0, 2),
+        (4, 6),
+        (1, 3),
+        (5, 7),
+    ]  # cp = 1: as before
     m = virtual_mesh(1, 1, 2, dp_rank=1, cp=2, cp_rank=0, ep=2)
     assert (m.ep.rank, m.edp.size, m.edp.rank) == (0, 2, 1)
     plain = virtual_mesh(1, 1, 1, cp=2, cp_rank=1)  # ep = 1: experts reduced over all of cp·dp
     assert plain.edp is plain.dpcp and plain.edp.size == 2
 
 
-@pytest.mark.parametrize("seq,cp,blocks", [(32, 2, 1), (32, 2, 2), (32, 2, 4), (48, 3, 2), (32, 1, 2), (24, 2, 3),
-                                            (9, 1, 3), (5, 1, 1)])
+@pytest.mark.parametrize(
+    "seq,cp,blocks",
+    [(32, 2, 1), (32, 2, 2), (32, 2, 4), (48, 3, 2), (32, 1, 2), (24, 2, 3), (9, 1, 3), (5, 1, 1)],
+)
 def test_cp_runs_are_the_held_positions(seq, cp, blocks):
     """Each rank's rows (two cp chunks, cut into sp blocks) as runs of consecutive global positions."""
     from megaframe.parallel.context import cp_positions, cp_runs
@@ -91,7 +101,7 @@ def test_cp_runs_are_the_held_positions(seq, cp, blocks):
             runs = cp_runs(seq, cp, r, blocks, t)
             assert len(runs) == 2 and runs[0][0] == 0 and runs[0][1] == runs[1][0] and runs[1][1] == m
             for lo, hi, start in runs:
-                assert torch.equal(pos[t * m:(t + 1) * m][lo:hi], torch.arange(start, start + hi - lo))
+                assert torch.equal(pos[t * m : (t + 1) * m][lo:hi], torch.arange(start, start + hi - lo))
                 held += range(start, start + hi - lo)
     assert sorted(held) == list(range(seq))
 
@@ -119,7 +129,9 @@ def test_hsdp_under_cp_cuts_the_cp_dp_ranks():
         for shard in grid.groups("dp_shard"):
             reps = [r for r in grid.groups("dp_rep") if set(r) & set(shard)]
             assert sorted(x for r in reps for x in r) == sorted(grid.group_of("dpcp", shard[0]))
-    assert not RankGrid(tp=1, dp=2, pp=1, cp=2, shard=4).hybrid and not RankGrid(tp=1, dp=2, pp=1, cp=2).hybrid
+    assert (
+        not RankGrid(tp=1, dp=2, pp=1, cp=2, shard=4).hybrid and not RankGrid(tp=1, dp=2, pp=1, cp=2).hybrid
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -134,10 +146,14 @@ def test_ring_dropout_mask_is_sdpa_s_draw(dtype):
 
     b, h, k, q, t, e, p = 2, 4, 2, 8, 16, 8, 0.3
     g = torch.Generator().manual_seed(0)
-    q_BHQE, k_BKTE, v_BKTE = (torch.randn(b, n, s, e, generator=g).to(dtype) for n, s in ((h, q), (k, t), (k, t)))
+    q_BHQE, k_BKTE, v_BKTE = (
+        torch.randn(b, n, s, e, generator=g).to(dtype) for n, s in ((h, q), (k, t), (k, t))
+    )
     mask_QT = cp_causal_mask(t, 2, 1)  # a cp rank's queries against the gathered sequence
     torch.manual_seed(5)
-    ref = F.scaled_dot_product_attention(q_BHQE, k_BKTE, v_BKTE, attn_mask=mask_QT, dropout_p=p, enable_gqa=True)
+    ref = F.scaled_dot_product_attention(
+        q_BHQE, k_BKTE, v_BKTE, attn_mask=mask_QT, dropout_p=p, enable_gqa=True
+    )
     after_ref = torch.rand(4)
     torch.manual_seed(5)
     keep = dropout_keep(q_BHQE, t, p)
@@ -145,7 +161,7 @@ def test_ring_dropout_mask_is_sdpa_s_draw(dtype):
     assert torch.equal(after, after_ref)
     assert 0.5 < keep.float().mean() < 0.9
     kk, vv = (x.float().repeat_interleave(h // k, 1) for x in (k_BKTE, v_BKTE))
-    s = (q_BHQE.float() @ kk.transpose(-1, -2) * e ** -0.5).masked_fill(~mask_QT, float("-inf"))
+    s = (q_BHQE.float() @ kk.transpose(-1, -2) * e**-0.5).masked_fill(~mask_QT, float("-inf"))
     out = (torch.softmax(s, -1) * keep.float() / (1 - p)) @ vv
     tol = 1e-5 if dtype == torch.float32 else 2e-2  # SDPA computes in bf16 there
     assert (out - ref.float()).abs().max() < tol

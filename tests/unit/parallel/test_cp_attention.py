@@ -1,6 +1,7 @@
 """The cp all-gather path's per-chunk attention (parallel/cp_attention.py) against one masked SDPA call
 under context.cp_causal_bias: the same values and grads for every cp rank of c = 1..4 with GQA, and no
 [S/c, S] tensor saved for backward."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -33,8 +34,13 @@ def test_chunked_attention_equals_masked_sdpa(cp, dtype, tol):
     for rank, q in enumerate(qs):
         bias_QT = cp_causal_bias(seq, cp, rank, torch.device("cpu"), dtype)
         do = torch.randn_like(q)
-        ref = grads(lambda q, k, v, b=bias_QT: F.scaled_dot_product_attention(q, k, v, attn_mask=b, enable_gqa=True),
-                    q, k, v, do)
+        ref = grads(
+            lambda q, k, v, b=bias_QT: F.scaled_dot_product_attention(q, k, v, attn_mask=b, enable_gqa=True),
+            q,
+            k,
+            v,
+            do,
+        )
         got = grads(lambda q, k, v, r=rank: cp_chunked_attention(q, k, v, seq, cp, r), q, k, v, do)
         for name, a, b in zip(["out", "dq", "dk", "dv"], got, ref):
             assert a.dtype == b.dtype and a.shape == b.shape, name
@@ -44,8 +50,12 @@ def test_chunked_attention_equals_masked_sdpa(cp, dtype, tol):
 def test_global_order_inverts_the_gather():
     cp, n = 3, 2
     pos = torch.arange(2 * cp * n)
-    rank_order = torch.cat([torch.cat([pos[r * n:(r + 1) * n], pos[(2 * cp - 1 - r) * n:(2 * cp - r) * n]])
-                            for r in range(cp)])
+    rank_order = torch.cat(
+        [
+            torch.cat([pos[r * n : (r + 1) * n], pos[(2 * cp - 1 - r) * n : (2 * cp - r) * n]])
+            for r in range(cp)
+        ]
+    )
     assert torch.equal(cp_global_order(rank_order.view(1, 1, -1, 1), cp).flatten(), pos)
 
 
@@ -97,10 +107,20 @@ def test_lower_right_calls_equal_masked_sdpa(cp):
     for rank, q in enumerate(qs):
         bias_QT = cp_causal_bias(seq, cp, rank, torch.device("cpu"), torch.float32)
         do = torch.randn_like(q)
-        ref = grads(lambda q, k, v, b=bias_QT: F.scaled_dot_product_attention(q, k, v, attn_mask=b, enable_gqa=True),
-                    q, k, v, do)
+        ref = grads(
+            lambda q, k, v, b=bias_QT: F.scaled_dot_product_attention(q, k, v, attn_mask=b, enable_gqa=True),
+            q,
+            k,
+            v,
+            do,
+        )
         segs = cp_query_segments(seq, cp, rank)
-        got = grads(lambda q, k, v, sg=segs: lower_right_sdpa(q, cp_global_order(k, cp), cp_global_order(v, cp), sg),
-                    q, k, v, do)
+        got = grads(
+            lambda q, k, v, sg=segs: lower_right_sdpa(q, cp_global_order(k, cp), cp_global_order(v, cp), sg),
+            q,
+            k,
+            v,
+            do,
+        )
         for a, b in zip(got, ref):
             assert (a - b).abs().max() <= 2e-6 * max(1.0, b.abs().max())

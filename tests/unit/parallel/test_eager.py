@@ -4,6 +4,7 @@ and torch._inductor unimported (they cost about a third of a one-step run's CPU 
 own step imports dynamo (torch's `_use_grad_for_differentiable`), so a training step still pays it; the
 commands that never step (plan, generate, evaluate, a refused config) do not. `arm()` then turns every
 eager callable into a graph break, those made later included."""
+
 from __future__ import annotations
 
 import subprocess

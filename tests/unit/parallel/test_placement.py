@@ -1,6 +1,7 @@
 """The Placement record over every rank of a layout, computed in one process on virtual meshes: each
 element of every parameter is written to a checkpoint exactly once and counted in the grad norm exactly
 once per data-parallel replica; the tied embedding's copies are marked on the pipeline ends only."""
+
 import pytest
 import torch
 
@@ -49,8 +50,9 @@ def test_each_element_written_once_and_counted_once_per_replica(overrides, tp, p
             if pl.pp_tied:
                 tied.append((mesh.pp.rank, name, pl.pp_duplicate))
             assert pl.tp_partial_grad == (mesh.tp.size > 1 and cfg.parallel.sp and not pl.tp_split)
-    assert written and all(bool((c == 1).all()) for c in written.values()), \
-        {k: c.unique().tolist() for k, c in written.items()}
+    assert written and all(bool((c == 1).all()) for c in written.values()), {
+        k: c.unique().tolist() for k, c in written.items()
+    }
     assert all(bool((c == 1).all()) for c in normed.values())
     if cfg.model.tie_embeddings and pp > 1:  # both ends, the last one the duplicate, on every (dp, tp)
         assert sorted(set(tied)) == [(0, "embed.weight", False), (pp - 1, "embed.weight", True)]

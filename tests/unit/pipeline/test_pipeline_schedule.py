@@ -1,4 +1,5 @@
 """Schedules as data, checked without processes: ordering, matching, deadlock freedom, memory, bubble."""
+
 import itertools
 
 import pytest
@@ -20,11 +21,14 @@ from megaframe.pipeline.schedule import (
 )
 from megaframe.pipeline.simulate import ScheduleError, SendModel, bubble_formula, simulate
 
-GRID = [(kind, pp, vpp, m)
-        for pp, vpp, m in itertools.product([1, 2, 3, 4], [1, 2, 3], [1, 2, 3, 4, 6, 8, 12])
-        for kind in ("gpipe", "1f1b", "interleaved")
-        if not (kind == "1f1b" and vpp > 1) and not (kind == "interleaved" and (vpp < 2 or m % pp))
-        and not (vpp > 1 and pp == 1)]
+GRID = [
+    (kind, pp, vpp, m)
+    for pp, vpp, m in itertools.product([1, 2, 3, 4], [1, 2, 3], [1, 2, 3, 4, 6, 8, 12])
+    for kind in ("gpipe", "1f1b", "interleaved")
+    if not (kind == "1f1b" and vpp > 1)
+    and not (kind == "interleaved" and (vpp < 2 or m % pp))
+    and not (vpp > 1 and pp == 1)
+]
 
 
 @pytest.mark.parametrize("sends", list(SendModel), ids=[s.value for s in SendModel])
@@ -128,9 +132,15 @@ def test_simulator_catches_a_broken_schedule(monkeypatch):
         sim.simulate("1f1b", 1, 1, 2)
 
 
-@pytest.mark.parametrize("kind,pp,vpp,m,needle", [
-    ("interleaved", 4, 2, 6, "multiple"), ("1f1b", 2, 2, 4, "vpp"), ("interleaved", 2, 1, 4, "vpp"),
-    ("zigzag", 2, 1, 4, "pp_schedule")])
+@pytest.mark.parametrize(
+    "kind,pp,vpp,m,needle",
+    [
+        ("interleaved", 4, 2, 6, "multiple"),
+        ("1f1b", 2, 2, 4, "vpp"),
+        ("interleaved", 2, 1, 4, "vpp"),
+        ("zigzag", 2, 1, 4, "pp_schedule"),
+    ],
+)
 def test_impossible_schedules_are_refused(kind, pp, vpp, m, needle):
     with pytest.raises(ValueError, match=needle):
         check_args(kind, pp, vpp, m)
@@ -155,10 +165,15 @@ def test_forward_schedule_is_deadlock_free_under_rendezvous(pp, vpp, m):
 
     scheds = [forward_schedule(pp, vpp, m, r) for r in range(pp)]
     for r, s in enumerate(scheds):
-        assert sorted((a.microbatch, a.chunk) for a in s if a.kind == F) == [(mb, c) for mb in range(m) for c in range(vpp)]
+        assert sorted((a.microbatch, a.chunk) for a in s if a.kind == F) == [
+            (mb, c) for mb in range(m) for c in range(vpp)
+        ]
         sends = [(a.microbatch, stage_of(r, a.chunk, pp)) for a in s if a.kind == SEND_F]
-        recvs = [(a.microbatch, stage_of((r + 1) % pp, a.chunk, pp) - 1) for a in scheds[(r + 1) % pp]
-                 if a.kind == RECV_F]
+        recvs = [
+            (a.microbatch, stage_of((r + 1) % pp, a.chunk, pp) - 1)
+            for a in scheds[(r + 1) % pp]
+            if a.kind == RECV_F
+        ]
         assert sends == recvs  # the same messages in the same order on each channel
 
 
@@ -169,17 +184,23 @@ def test_zero_bubble_idle_time_and_memory_against_1f1b(pp, m, capsys):
     F->B activations: zb_h1 per rank as 1F1B's; zbv, in stage units, never above 1F1B's largest rank."""
     from megaframe.pipeline.simulate import Costs
 
-    res = {k: simulate(k, pp, 2 if k == "zbv" else 1, m, SendModel.RENDEZVOUS, costs=Costs(1, 1, 1))
-           for k in ("1f1b", "zb_h1", "zbv")}
+    res = {
+        k: simulate(k, pp, 2 if k == "zbv" else 1, m, SendModel.RENDEZVOUS, costs=Costs(1, 1, 1))
+        for k in ("1f1b", "zb_h1", "zbv")
+    }
     base = res["1f1b"]
     assert res["zb_h1"].idle <= 0.40 * base.idle and res["zbv"].idle <= 0.20 * base.idle
-    assert res["zb_h1"].idle == pytest.approx(base.idle / 3) and res["zbv"].idle == pytest.approx(base.idle / 6)
+    assert res["zb_h1"].idle == pytest.approx(base.idle / 3) and res["zbv"].idle == pytest.approx(
+        base.idle / 6
+    )
     assert all(z <= o for z, o in zip(res["zb_h1"].peak_inflight_stages, base.peak_inflight_stages))
     assert max(res["zbv"].peak_inflight_stages) <= max(base.peak_inflight_stages)
     assert max(res["zb_h1"].peak_pending_w) == pp and max(res["zbv"].peak_pending_w) == 2 * pp
     with capsys.disabled():
-        print(f"\npp{pp} m{m} idle time (1f1b/zb_h1/zbv): {base.idle}/{res['zb_h1'].idle}/{res['zbv'].idle}; "
-              f"idle/makespan: {base.bubble:.3f}/{res['zb_h1'].bubble:.3f}/{res['zbv'].bubble:.3f}")
+        print(
+            f"\npp{pp} m{m} idle time (1f1b/zb_h1/zbv): {base.idle}/{res['zb_h1'].idle}/{res['zbv'].idle}; "
+            f"idle/makespan: {base.bubble:.3f}/{res['zb_h1'].bubble:.3f}/{res['zbv'].bubble:.3f}"
+        )
 
 
 def test_zero_bubble_grid_is_deadlock_free_under_both_send_models():
@@ -198,7 +219,9 @@ def test_greedy_ticks_are_the_unit_time_replay(kind, pp, m):
     its orders in unit time gives."""
     from megaframe.pipeline.schedule import _replay_unit_times, _unit_times
 
-    assert _unit_times(kind, pp, 2 if kind == "zbv" else 1, m) == _replay_unit_times(kind, pp, 2 if kind == "zbv" else 1, m)
+    assert _unit_times(kind, pp, 2 if kind == "zbv" else 1, m) == _replay_unit_times(
+        kind, pp, 2 if kind == "zbv" else 1, m
+    )
 
 
 def test_costs_time_the_unit_orders():
@@ -207,7 +230,10 @@ def test_costs_time_the_unit_orders():
     from megaframe.pipeline.simulate import Costs
 
     assert simulate("1f1b", 4, 1, 8, costs=Costs(1, 1, 0)).bubble == pytest.approx(bubble_formula(4, 1, 8))
-    assert simulate("1f1b", 4, 1, 8, costs=Costs(1, 1, 1)).makespan == simulate("1f1b", 4, 1, 8, backward_time=2).makespan
+    assert (
+        simulate("1f1b", 4, 1, 8, costs=Costs(1, 1, 1)).makespan
+        == simulate("1f1b", 4, 1, 8, backward_time=2).makespan
+    )
     for kind, vpp in (("zb_h1", 1), ("zbv", 2), ("interleaved", 2)):
         res = simulate(kind, 4, vpp, 8, SendModel.RENDEZVOUS, costs=Costs(1.0, 1.3, 0.7))
         assert res.idle == pytest.approx(res.makespan - 3.0 * 8) and 0 < res.bubble < 0.3
@@ -219,7 +245,9 @@ def test_plot_schedule_draws_f_b_w_and_prints_the_bubble(tmp_path, capsys):
     import importlib.util
     from pathlib import Path
 
-    spec = importlib.util.spec_from_file_location("plot_schedule", Path(__file__).parents[3] / "scripts" / "plot_schedule.py")
+    spec = importlib.util.spec_from_file_location(
+        "plot_schedule", Path(__file__).parents[3] / "scripts" / "plot_schedule.py"
+    )
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     drawn = []

@@ -1,5 +1,6 @@
 """Pipeline schedules are registered specs chosen by name: each kind carries its chunk rule, placement,
 split backward, order, warm-up and memory bound, and a new kind runs through the same paths by name."""
+
 from __future__ import annotations
 
 import pytest
@@ -25,7 +26,9 @@ def test_every_kind_is_a_registered_spec():
     assert schedule.ZERO_BUBBLE == ("zb_h1", "zbv") and [k for k, s in SCHEDULES.items() if s.v] == ["zbv"]
 
 
-@pytest.mark.parametrize("kind,vpp,name", [("auto", 1, "1f1b"), ("auto", 3, "interleaved"), ("zb_h1", 1, "zb_h1")])
+@pytest.mark.parametrize(
+    "kind,vpp,name", [("auto", 1, "1f1b"), ("auto", 3, "interleaved"), ("zb_h1", 1, "zb_h1")]
+)
 def test_auto_resolves_by_vpp(kind, vpp, name):
     assert schedule_spec(kind, vpp).name == name
 
@@ -35,9 +38,14 @@ def test_an_unknown_name_is_refused_with_the_choices():
         schedule_spec("bogus", 1)
 
 
-@pytest.mark.parametrize("kind,vpp,m,needle", [("1f1b", 2, 4, "one chunk per rank"),
-                                               ("zbv", 1, 4, "set parallel.vpp=2 \\(got 1\\)"),
-                                               ("interleaved", 2, 3, "multiple of parallel.pp=2")])
+@pytest.mark.parametrize(
+    "kind,vpp,m,needle",
+    [
+        ("1f1b", 2, 4, "one chunk per rank"),
+        ("zbv", 1, 4, "set parallel.vpp=2 \\(got 1\\)"),
+        ("interleaved", 2, 3, "multiple of parallel.pp=2"),
+    ],
+)
 def test_each_spec_keeps_its_chunk_rule(kind, vpp, m, needle):
     with pytest.raises(ValueError, match=needle):
         check_args(kind, 2, vpp, m)
@@ -54,12 +62,23 @@ def test_the_warmup_of_a_zero_bubble_order_is_its_forwards_before_the_first_back
 @pytest.fixture
 def reversed_gpipe():
     """A new kind registered by name: GPipe's forwards with the backwards in forward order."""
+
     def order(pp, vpp, m, rank):
         return [a for a in compute_order("gpipe", pp, vpp, m, rank) if a.kind == F] + sorted(
-            (a for a in compute_order("gpipe", pp, vpp, m, rank) if a.kind != F), key=lambda a: a.microbatch)
+            (a for a in compute_order("gpipe", pp, vpp, m, rank) if a.kind != F), key=lambda a: a.microbatch
+        )
 
-    spec = register(ScheduleSpec("gpipe_fifo", lambda pp, vpp, m: None if vpp == 1 else "vpp=1 only", False, False,
-                                 order, lambda pp, vpp, m, rank: m, lambda pp, vpp, m, rank: m))
+    spec = register(
+        ScheduleSpec(
+            "gpipe_fifo",
+            lambda pp, vpp, m: None if vpp == 1 else "vpp=1 only",
+            False,
+            False,
+            order,
+            lambda pp, vpp, m, rank: m,
+            lambda pp, vpp, m, rank: m,
+        )
+    )
     yield spec
     del SCHEDULES["gpipe_fifo"]
 

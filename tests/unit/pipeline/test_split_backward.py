@@ -3,6 +3,7 @@ unsplit backward's grads, for every layer kind with weights: linears with and wi
 LayerNorm, the embedding and learned positions (first stage: all at W), the head with its fused CE and the
 tied head (last stage), MoE experts (grouped and loop) and router, under full and selective recompute;
 and B leaves every weight grad untouched."""
+
 from __future__ import annotations
 
 import contextlib
@@ -17,16 +18,28 @@ from megaframe.parallel.mesh import single_process_mesh
 from megaframe.pipeline.partition import Stage
 from megaframe.pipeline.split import backward_input, backward_weight, saving
 
-SMALL = ["data=synthetic", "model.num_layers=2", "model.hidden_size=32", "model.num_attention_heads=4",
-         "model.ffn_hidden_size=48", "model.seq_length=16", "model.vocab_size=64"]
-MODELS = {"gpt_tiny": ["model.num_query_groups=2"], "gpt2_tiny": ["model=gpt2_tiny", "model.num_query_groups=null"],
-          "moe_tiny": ["model=moe_tiny", "model.num_query_groups=2", "model.moe_ffn_hidden_size=24"]}
+SMALL = [
+    "data=synthetic",
+    "model.num_layers=2",
+    "model.hidden_size=32",
+    "model.num_attention_heads=4",
+    "model.ffn_hidden_size=48",
+    "model.seq_length=16",
+    "model.vocab_size=64",
+]
+MODELS = {
+    "gpt_tiny": ["model.num_query_groups=2"],
+    "gpt2_tiny": ["model=gpt2_tiny", "model.num_query_groups=null"],
+    "moe_tiny": ["model=moe_tiny", "model.num_query_groups=2", "model.moe_ffn_hidden_size=24"],
+}
 WHERE = {"first": (True, False), "middle": (False, False), "last": (False, True)}
 
 
 @functools.lru_cache(maxsize=None)
 def _cfg(name: str):
-    return load_config(MODELS[name] + SMALL, world_size=1, check_data=False).model  # a Hydra compose: once each
+    return load_config(
+        MODELS[name] + SMALL, world_size=1, check_data=False
+    ).model  # a Hydra compose: once each
 
 
 def _model(name: str, where: str, recompute: str) -> GPT:
@@ -64,7 +77,9 @@ def _run(model: GPT, split: bool, seed: int = 0):
 
 
 # every model at every kind of stage; recompute on the dense model's middle stage
-CASES = [(n, w, "none") for n in MODELS for w in WHERE] + [("gpt_tiny", "middle", r) for r in ("full", "selective")]
+CASES = [(n, w, "none") for n in MODELS for w in WHERE] + [
+    ("gpt_tiny", "middle", r) for r in ("full", "selective")
+]
 
 
 @pytest.mark.parametrize("name,where,recompute", CASES, ids=["-".join(c) for c in CASES])

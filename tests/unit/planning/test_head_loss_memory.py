@@ -2,6 +2,7 @@
 what the trainer runs, with the fused path's losses and grads, and the planner's head transient for it
 (planning.phases.head_transient_bytes) is the allocator peak a real forward + backward of the head and loss
 reaches on the CPU, beside what the loss saves (the meta forward's head activations)."""
+
 from __future__ import annotations
 
 import pytest
@@ -16,10 +17,20 @@ from megaframe.planning.estimate import rank_shape
 from megaframe.planning.phases import head_transient_bytes
 
 # a vocabulary much wider than the hidden size: the [tokens, V] tensors are the head's whole peak
-TINY = ["model=llama3_8b", "data=synthetic", "model.num_layers=1", "model.hidden_size=64",
-        "model.num_attention_heads=4", "model.num_query_groups=2", "model.ffn_hidden_size=128",
-        "model.seq_length=256", "model.vocab_size=8192", "train.micro_batch_size=2",
-        "train.global_batch_size=2", "train.device=cpu"]
+TINY = [
+    "model=llama3_8b",
+    "data=synthetic",
+    "model.num_layers=1",
+    "model.hidden_size=64",
+    "model.num_attention_heads=4",
+    "model.num_query_groups=2",
+    "model.ffn_hidden_size=128",
+    "model.seq_length=256",
+    "model.vocab_size=8192",
+    "train.micro_batch_size=2",
+    "train.global_batch_size=2",
+    "train.device=cpu",
+]
 
 
 def _cfg(*extra: str):
@@ -29,8 +40,9 @@ def _cfg(*extra: str):
 def _loss_and_grads(cfg):
     torch.manual_seed(0)
     model = build_model(cfg, single_process_mesh())
-    ids_BS = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.seq_length + 1),
-                           generator=torch.Generator().manual_seed(1))
+    ids_BS = torch.randint(
+        0, cfg.model.vocab_size, (2, cfg.model.seq_length + 1), generator=torch.Generator().manual_seed(1)
+    )
     loss = model(ids_BS[:, :-1], ids_BS[:, 1:]).float().mean()
     loss.backward()
     return loss.detach(), {n: p.grad.float() for n, p in model.named_parameters()}

@@ -1,5 +1,6 @@
 """The dry-run planner's command line: the table, the JSON, the DOES NOT FIT flag, exit 2 on a bad
 layout, large presets in seconds, and the activation peak against the schedule's own bound."""
+
 import json
 import subprocess
 import sys
@@ -13,13 +14,25 @@ from megaframe.plan import main, ranges, split_args
 from megaframe.planning.estimate import peak_activations, plan_layout
 from tests.e2e.helpers import ROOT, TINY
 
-LLAMA8B = ["model=llama3_8b", "data=synthetic", "parallel.tp=8", "parallel.pp=4", "parallel.sp=true",
-           "train.micro_batch_size=1", "train.global_batch_size=512", "train.precision=bf16"]
+LLAMA8B = [
+    "model=llama3_8b",
+    "data=synthetic",
+    "parallel.tp=8",
+    "parallel.pp=4",
+    "parallel.sp=true",
+    "train.micro_batch_size=1",
+    "train.global_batch_size=512",
+    "train.precision=bf16",
+]
 
 
 def test_split_args_takes_the_planners_own_keys():
     over, own = split_args(["parallel.tp=2", "+world_size=8", "device_memory_gb=80", "+plan_json=x.json"])
-    assert over == ["parallel.tp=2"] and own == {"world_size": "8", "device_memory_gb": "80", "plan_json": "x.json"}
+    assert over == ["parallel.tp=2"] and own == {
+        "world_size": "8",
+        "device_memory_gb": "80",
+        "plan_json": "x.json",
+    }
     assert ranges([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
 
 
@@ -43,8 +56,11 @@ def test_json_and_does_not_fit(tmp_path, capsys):
 
 
 def test_bubble_and_inflight_follow_the_schedule():
-    cfg = load_config(["data=synthetic", *TINY, "model.num_layers=4", "parallel.pp=2", "parallel.vpp=2"],
-                      world_size=2, check_data=False)
+    cfg = load_config(
+        ["data=synthetic", *TINY, "model.num_layers=4", "parallel.pp=2", "parallel.vpp=2"],
+        world_size=2,
+        check_data=False,
+    )
     plan = plan_layout(cfg, 2)
     m = plan.microbatches
     assert plan.bubble == pytest.approx((2 - 1) / (2 * m + 2 - 1))
@@ -56,8 +72,13 @@ def test_bubble_and_inflight_follow_the_schedule():
 
 def test_llama3_8b_plans_in_seconds_from_the_command_line():
     t0 = time.perf_counter()
-    res = subprocess.run([sys.executable, "-m", "megaframe.plan", *LLAMA8B, "+world_size=256",
-                          "+device_memory_gb=80"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-m", "megaframe.plan", *LLAMA8B, "+world_size=256", "+device_memory_gb=80"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     elapsed = time.perf_counter() - t0
     assert res.returncode == 0, res.stderr
     print(res.stdout, f"({elapsed:.1f}s)")
@@ -69,8 +90,16 @@ def test_llama3_8b_plans_in_seconds_from_the_command_line():
 def test_a_phase_over_the_memory_does_not_fit(capsys):
     """Every phase is listed; a layout whose save needs more than the device has does not fit, even though
     its step does (a cpu run: the save's copy of what the rank writes is in the same memory)."""
-    over = ["data=synthetic", "train.device=cpu", "optim.zero=0", "model.num_layers=2", "model.hidden_size=256",
-            "model.ffn_hidden_size=512", "model.vocab_size=2048", "model.seq_length=64"]
+    over = [
+        "data=synthetic",
+        "train.device=cpu",
+        "optim.zero=0",
+        "model.num_layers=2",
+        "model.hidden_size=256",
+        "model.ffn_hidden_size=512",
+        "model.vocab_size=2048",
+        "model.seq_length=64",
+    ]
     r = plan_layout(load_config(over, world_size=1, check_data=False), 1).ranks[0]
     assert set(r.phases) == {"startup", "step", "save", "load"} and r.phases["save"] > r.phases["step"]
     gib = (r.phases["step"] + r.phases["save"]) / 2 / 2**30  # room for the step, not for the save
@@ -78,8 +107,12 @@ def test_a_phase_over_the_memory_does_not_fit(capsys):
     out = capsys.readouterr().out
     assert "memory per phase" in out and "save" in out and "(largest)" in out
     assert "DOES NOT FIT" in out and "(in save)" in out
-    gpu = plan_layout(load_config([o for o in over if o != "train.device=cpu"], world_size=1, check_data=False), 1)
-    assert gpu.ranks[0].phases["save"] < r.phases["save"] and gpu.ranks[0].host_bytes["save"] > 0  # host memory on a GPU
+    gpu = plan_layout(
+        load_config([o for o in over if o != "train.device=cpu"], world_size=1, check_data=False), 1
+    )
+    assert (
+        gpu.ranks[0].phases["save"] < r.phases["save"] and gpu.ranks[0].host_bytes["save"] > 0
+    )  # host memory on a GPU
 
 
 def test_the_planned_head_workspace_follows_the_fused_heads_gpu_chunk():

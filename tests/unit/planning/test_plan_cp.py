@@ -3,6 +3,7 @@ fall ~1/c, the gathered K/V on top for allgather, and its shared causal bias onl
 dropout, the one case that builds it), a row covers every cp·dp
 rank of its coordinate, comm_bytes/cp per step is context.cp_bytes_per_layer x layers x micro-batches,
 the command prints it, and the search enumerates cp with its exchange in the step time."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -17,9 +18,18 @@ from megaframe.planning.estimate import plan_layout
 from megaframe.planning.search import Layout, candidates, layout_config, memory, phase_memory, step_time
 from tests.unit.planning.test_plan_search import SMALL
 
-LONG = ["data=synthetic", "model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4",
-        "model.num_query_groups=2", "model.ffn_hidden_size=256", "model.seq_length=1024", "model.vocab_size=256",
-        "train.micro_batch_size=1", "train.global_batch_size=4"]
+LONG = [
+    "data=synthetic",
+    "model.num_layers=2",
+    "model.hidden_size=64",
+    "model.num_attention_heads=4",
+    "model.num_query_groups=2",
+    "model.ffn_hidden_size=256",
+    "model.seq_length=1024",
+    "model.vocab_size=256",
+    "train.micro_batch_size=1",
+    "train.global_batch_size=4",
+]
 
 
 def plan(world: int, *extra: str):
@@ -39,11 +49,14 @@ def test_activations_fall_about_1_over_c(kind, cp, dropout):
     bias = many.ranks[0].activation_bytes - got  # one micro-batch in flight: the rest is the shared bias
     # without dropout the allgather path attends per query chunk: no [S/c, S] mask (cp_attention.py)
     assert bias == (1024 * 1024 // cp * 4 if kind == "allgather" and dropout > 0 else 0)
-    assert many.layout["cp"] == cp and many.layout["dp"] == 1 and sorted(many.ranks[0].ranks) == list(range(cp))
+    assert (
+        many.layout["cp"] == cp and many.layout["dp"] == 1 and sorted(many.ranks[0].ranks) == list(range(cp))
+    )
 
 
-@pytest.mark.parametrize("kind,recompute", [("allgather", "none"), ("ring", "none"), ("ring", "selective"),
-                                            ("allgather", "full")])
+@pytest.mark.parametrize(
+    "kind,recompute", [("allgather", "none"), ("ring", "none"), ("ring", "selective"), ("allgather", "full")]
+)
 def test_cp_bytes_per_step_follow_the_theory(kind, recompute):
     cfg, p = plan(4, "parallel.cp=2", f"parallel.cp_comm={kind}", f"train.recompute={recompute}")
     micro = 4 // (1 * 2)  # global batch 4, micro-batch 1, dp = 4 / cp = 2
@@ -56,8 +69,12 @@ def test_cp_bytes_per_step_follow_the_theory(kind, recompute):
 
 def test_theory_counts():
     block = 512 * 1 * 2 * 16  # S/c x B x K x E elements
-    assert cp_bytes_per_layer(1024, 2, 1, 2, 16, 2, False) == 4 * block * 2  # bf16 K, V gathered, grads scattered
-    assert cp_bytes_per_layer(1024, 2, 1, 2, 16, 2, True) == 4 * block * 2 + 4 * block * 4  # + 2 fp32 dK/dV moves
+    assert (
+        cp_bytes_per_layer(1024, 2, 1, 2, 16, 2, False) == 4 * block * 2
+    )  # bf16 K, V gathered, grads scattered
+    assert (
+        cp_bytes_per_layer(1024, 2, 1, 2, 16, 2, True) == 4 * block * 2 + 4 * block * 4
+    )  # + 2 fp32 dK/dV moves
     assert cp_bytes_per_layer(1024, 1, 1, 2, 16, 2, True) == 0
 
 
@@ -88,8 +105,14 @@ def test_search_enumerates_cp_and_prices_the_exchange():
     assert hops * h100.latency_s <= ring["cp"] < sent / bw + hops * h100.latency_s
 
 
-@pytest.mark.parametrize("lay", [Layout(1, 1, 1, 2, 1, 1, 1, "none", cp=2), Layout(2, 1, 1, 1, 1, 0, 2, "full", cp=2),
-                                 Layout(1, 2, 1, 1, 1, 1, 1, "selective", cp=2)])
+@pytest.mark.parametrize(
+    "lay",
+    [
+        Layout(1, 1, 1, 2, 1, 1, 1, "none", cp=2),
+        Layout(2, 1, 1, 1, 1, 0, 2, "full", cp=2),
+        Layout(1, 2, 1, 1, 1, 1, 1, "selective", cp=2),
+    ],
+)
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 def test_search_memory_matches_the_exact_planner_under_cp(lay, dropout):
     cfg = load_config(SMALL + [f"model.dropout={dropout}"], world_size=1, check_data=False)

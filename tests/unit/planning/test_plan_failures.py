@@ -1,6 +1,7 @@
 """The planner's failures that are no programming error are one line, never a traceback: a plan that
 cannot be written (+plan_json on a full device) and a gloo link measurement (+device=cpu) that gets no
 answer in time on a busy machine. Real processes and files."""
+
 from __future__ import annotations
 
 import subprocess
@@ -25,13 +26,20 @@ def one_line(res, code: int, *words: str) -> None:
 
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="no /dev/full on this system")
 def test_a_plan_json_that_cannot_be_written_is_one_line():
-    res = subprocess.run(PLAN + ["+plan_json=/dev/full"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        PLAN + ["+plan_json=/dev/full"], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     one_line(res, 2, "+plan_json=/dev/full", "No space left")
 
 
 def test_a_link_measurement_without_answer_in_time_is_one_line():
-    res = subprocess.run(PLAN + ["+search=true", "+device=cpu", "+link_timeout_s=0.01"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        PLAN + ["+search=true", "+device=cpu", "+link_timeout_s=0.01"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     one_line(res, 2, "+device=cpu", "link_timeout_s")
     assert "queue" not in res.stderr.lower()
 
@@ -51,8 +59,13 @@ def test_a_sequence_far_beyond_any_preset_is_planned_in_bounded_time():
     """The fused cross-entropy is sized with one chunk on the meta device: seq_length 1e9 was a Python loop
     of a million chunks that printed nothing and never returned; now it is the usual plan (it does not
     fit)."""
-    res = subprocess.run(PLAN[:-1] + ["model.seq_length=1000000000", "+world_size=1", "+device_memory_gb=80"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=180)
+    res = subprocess.run(
+        PLAN[:-1] + ["model.seq_length=1000000000", "+world_size=1", "+device_memory_gb=80"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     assert "DOES NOT FIT" in res.stdout, res.stdout[-2000:]
 
@@ -62,7 +75,9 @@ def test_a_long_plan_says_it_is_still_working(capfd):
 
     with still_planning("the model", every_s=0.2):
         time.sleep(0.7)
-    lines = [ln for ln in capfd.readouterr().err.splitlines() if ln.startswith("plan: still sizing the model")]
+    lines = [
+        ln for ln in capfd.readouterr().err.splitlines() if ln.startswith("plan: still sizing the model")
+    ]
     assert 2 <= len(lines) <= 4, lines
 
 
@@ -70,7 +85,12 @@ def test_a_layer_count_it_cannot_plan_in_about_a_minute_is_refused_at_once():
     """5000 layers on one pipeline rank took 147 s (each is built and run on the meta device): refused in
     seconds, naming the field and the ways out."""
     t0 = time.monotonic()
-    res = subprocess.run(PLAN[:-1] + ["model.num_layers=5000", "+world_size=1"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=300)
+    res = subprocess.run(
+        PLAN[:-1] + ["model.num_layers=5000", "+world_size=1"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     one_line(res, 2, "model.num_layers=5000", "parallel.pp")
     assert time.monotonic() - t0 < 60

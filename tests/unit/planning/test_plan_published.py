@@ -1,6 +1,7 @@
 """The planner against published training runs (planning.published, docs/planning.md#published-runs): the
 page's table is what the planner computes now, the step-time ratios stay in their bands, and the compute
 model's parts behave as its docstring says (size curve, causal attention, fp8, uneven stages, overlap)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -33,7 +34,9 @@ def rows():
 
 def test_the_page_table_is_current(monkeypatch):
     """benchmarks/validate_published.py --check, in this process: its table from the session's figures."""
-    spec = importlib.util.spec_from_file_location("validate_published", ROOT / "benchmarks" / "validate_published.py")
+    spec = importlib.util.spec_from_file_location(
+        "validate_published", ROOT / "benchmarks" / "validate_published.py"
+    )
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     monkeypatch.setattr(published, "evaluate", cached.evaluate)
@@ -50,7 +53,9 @@ def test_step_time_ratios_stay_in_their_bands(rows):
     held = {e["name"]: e["ratio"] for e in rows if e["held_out"]}
     assert 0.93 <= statistics.median(given.values()) <= 1.07, given
     assert all(0.80 <= v <= 1.25 for v in given.values()), given
-    assert 0.93 <= statistics.median(held.values()) <= 1.07 and all(0.80 <= v <= 1.25 for v in held.values()), held
+    assert 0.93 <= statistics.median(held.values()) <= 1.07 and all(
+        0.80 <= v <= 1.25 for v in held.values()
+    ), held
     errors = [abs(e["ratio"] - 1) for e in rows]
     assert MODEL_ERROR == pytest.approx(2**0.5 * statistics.median(errors), abs=0.01)
 
@@ -96,7 +101,9 @@ def test_uneven_stages_time_the_largest_and_overlap_hides_tp():
 def test_ties_ordered_by_memory_then_simplicity():
     gib = 2**30
     fast = Estimate(Layout(2, 2, 1, 2, 1, 1, 1, "none"), 70 * gib, {"compute": 1.0})
-    lean = Estimate(Layout(1, 1, 1, 8, 1, 1, 1, "none"), 40 * gib + 2**23, {"compute": 1.05})  # 8 MiB more: same
+    lean = Estimate(
+        Layout(1, 1, 1, 8, 1, 1, 1, "none"), 40 * gib + 2**23, {"compute": 1.05}
+    )  # 8 MiB more: same
     complex_ = Estimate(Layout(2, 1, 1, 4, 1, 2, 1, "full"), 40 * gib, {"compute": 1.04})
     slow = Estimate(Layout(1, 1, 1, 8, 1, 1, 1, "none"), 10 * gib, {"compute": 2.0})
     got = break_ties([fast, complex_, lean, slow], 0.1)
@@ -106,8 +113,14 @@ def test_ties_ordered_by_memory_then_simplicity():
 
 def test_a_layout_as_given_prints_and_writes_its_time(capsys, tmp_path):
     out = tmp_path / "plan.json"
-    args = ["data=synthetic", "model=gpt2_tiny", "+world_size=2", "+device=A100", "+device_memory_gb=80",
-            f"+plan_json={out}"]
+    args = [
+        "data=synthetic",
+        "model=gpt2_tiny",
+        "+world_size=2",
+        "+device=A100",
+        "+device_memory_gb=80",
+        f"+plan_json={out}",
+    ]
     assert main(args) == 0
     text = capsys.readouterr().out
     assert "step time on A100" in text and "tokens/s per device" in text and "MFU" in text
@@ -149,14 +162,26 @@ def test_full_recompute_holds_the_recomputed_blocks_working_set():
     from megaframe.planning.block_memory import working_set_bytes
     from megaframe.planning.estimate import plan_layout
 
-    over = ["data=synthetic", "model.num_layers=4", "model.hidden_size=256", "model.num_attention_heads=8",
-            "model.ffn_hidden_size=1024", "model.seq_length=512", "model.vocab_size=256", "train.micro_batch_size=2",
-            "train.global_batch_size=4"]
+    over = [
+        "data=synthetic",
+        "model.num_layers=4",
+        "model.hidden_size=256",
+        "model.num_attention_heads=8",
+        "model.ffn_hidden_size=1024",
+        "model.seq_length=512",
+        "model.vocab_size=256",
+        "train.micro_batch_size=2",
+        "train.global_batch_size=4",
+    ]
     full = load_config([*over, "train.recompute=full"], world_size=1, check_data=False)
     none = load_config(over, world_size=1, check_data=False)
     ws = working_set_bytes(full, 1, 1, "full", 2)
-    per_block = (plan_layout(none, 1).ranks[0].activation_bytes - plan_layout(
-        load_config([*over, "model.num_layers=3"], world_size=1, check_data=False), 1).ranks[0].activation_bytes)
+    per_block = (
+        plan_layout(none, 1).ranks[0].activation_bytes
+        - plan_layout(load_config([*over, "model.num_layers=3"], world_size=1, check_data=False), 1)
+        .ranks[0]
+        .activation_bytes
+    )
     assert ws == per_block > 0 and working_set_bytes(none, 1, 1, "none", 2) == 0
     r = plan_layout(full, 1).ranks[0]
     state = r.params_bytes + r.grads_bytes + r.optim_bytes
@@ -168,8 +193,16 @@ def test_search_tries_vpp_8_and_short_end_stages():
     as a parallel.pp_layout that validate() accepts (Llama 3's 126 layers on pp16 is this shape)."""
     from megaframe.planning.search import candidates
 
-    tiny = ["data=synthetic", "model.hidden_size=64", "model.num_attention_heads=4", "model.num_query_groups=2",
-            "model.ffn_hidden_size=128", "model.seq_length=64", "model.vocab_size=256", "train.global_batch_size=16"]
+    tiny = [
+        "data=synthetic",
+        "model.hidden_size=64",
+        "model.num_attention_heads=4",
+        "model.num_query_groups=2",
+        "model.ffn_hidden_size=128",
+        "model.seq_length=64",
+        "model.vocab_size=256",
+        "train.global_batch_size=16",
+    ]
     c16 = load_config([*tiny, "model.num_layers=16"], world_size=1, check_data=False)
     assert any(x.pp == 2 and x.vpp == 8 for x in candidates(c16, 2, 8, keep=lambda x: x.zero == 1))
     c14 = load_config([*tiny, "model.num_layers=14"], world_size=1, check_data=False)

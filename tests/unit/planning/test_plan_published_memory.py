@@ -1,6 +1,7 @@
 """The planner's memory against the published per-GPU memory (planning.published, torchtitan's reserved
 peaks): the given rows within the issue's 0.85-1.15, one rule for every row (no per-row constant: the
 device's allocator headroom and the loss path the run's config selects)."""
+
 from __future__ import annotations
 
 from megaframe.planning.published import RUNS

@@ -1,6 +1,7 @@
 """The layout search: candidates are exactly the layouts validate() accepts, the search's memory agrees
 with the exact per-rank planner, the step-time model's parts follow its stated rules, and the command
 prints a ranked top list with reasons."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -15,11 +16,29 @@ from megaframe.planning.compute import gemm_dims as _gemm_dims
 from megaframe.planning.compute import gemm_efficiency
 from megaframe.planning.devices import DEVICES, get_device
 from megaframe.planning.estimate import plan_layout
-from megaframe.planning.search import Estimate, Layout, candidates, layout_config, memory, phase_memory, search, step_time, ties
+from megaframe.planning.search import (
+    Estimate,
+    Layout,
+    candidates,
+    layout_config,
+    memory,
+    phase_memory,
+    search,
+    step_time,
+    ties,
+)
 
-SMALL = ["data=synthetic", "model.num_layers=4", "model.hidden_size=64", "model.num_attention_heads=8",
-         "model.num_query_groups=4", "model.ffn_hidden_size=128", "model.seq_length=64", "model.vocab_size=256",
-         "train.global_batch_size=16"]
+SMALL = [
+    "data=synthetic",
+    "model.num_layers=4",
+    "model.hidden_size=64",
+    "model.num_attention_heads=8",
+    "model.num_query_groups=4",
+    "model.ffn_hidden_size=128",
+    "model.seq_length=64",
+    "model.vocab_size=256",
+    "train.global_batch_size=16",
+]
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +51,12 @@ def test_candidates_are_valid_and_cover_the_axes(cfg):
     assert {(x.tp, x.pp) for x in lays} >= {(1, 1), (2, 2), (4, 2), (2, 4), (1, 4)}
     assert not any(x.tp == 8 for x in lays)  # 4 kv heads do not split 8 ways
     assert all(x.tp * x.cp * x.pp * x.dp == 8 for x in lays)
-    assert any(x.vpp == 2 for x in lays) and {x.recompute for x in lays} == {"none", "selective", "full",
-                                                                                "op_selective"}
+    assert any(x.vpp == 2 for x in lays) and {x.recompute for x in lays} == {
+        "none",
+        "selective",
+        "full",
+        "op_selective",
+    }
 
 
 def _search_read(cfg, lay) -> int:
@@ -42,10 +65,19 @@ def _search_read(cfg, lay) -> int:
     return max(_shape(cfg, lay, first, not first, 4).read_bytes for first in (True, False))
 
 
-@pytest.mark.parametrize("lay", [Layout(1, 1, 1, 4, 1, 1, 2, "none"), Layout(2, 2, 1, 1, 1, 1, 1, "none"),
-                                 Layout(2, 2, 2, 1, 1, 0, 2, "full"), Layout(1, 4, 1, 1, 1, 1, 1, "selective"),
-                                 Layout(1, 1, 1, 4, 1, 2, 2, "none"), Layout(1, 1, 1, 4, 1, 3, 1, "none"),
-                                 Layout(1, 1, 1, 4, 1, 2, 2, "none", shard=2), Layout(1, 2, 1, 2, 1, 3, 1, "full")])
+@pytest.mark.parametrize(
+    "lay",
+    [
+        Layout(1, 1, 1, 4, 1, 1, 2, "none"),
+        Layout(2, 2, 1, 1, 1, 1, 1, "none"),
+        Layout(2, 2, 2, 1, 1, 0, 2, "full"),
+        Layout(1, 4, 1, 1, 1, 1, 1, "selective"),
+        Layout(1, 1, 1, 4, 1, 2, 2, "none"),
+        Layout(1, 1, 1, 4, 1, 3, 1, "none"),
+        Layout(1, 1, 1, 4, 1, 2, 2, "none", shard=2),
+        Layout(1, 2, 1, 2, 1, 3, 1, "full"),
+    ],
+)
 def test_search_memory_matches_the_exact_planner(cfg, lay):
     """Every phase of the search's largest rank within 5 % of the exact planner's (a built meta model)."""
     exact = plan_layout(layout_config(cfg, lay), 4, None)
@@ -77,8 +109,18 @@ def test_candidates_search_every_zero_stage_hsdp_and_grad_dtype():
 
 
 def test_bf16_grads_halve_grad_memory_and_reduce_traffic():
-    c = load_config([*SMALL, "train.precision=bf16", "model.hidden_size=1024", "model.ffn_hidden_size=4096",
-                     "model.num_attention_heads=16", "model.num_query_groups=16"], world_size=1, check_data=False)
+    c = load_config(
+        [
+            *SMALL,
+            "train.precision=bf16",
+            "model.hidden_size=1024",
+            "model.ffn_hidden_size=4096",
+            "model.num_attention_heads=16",
+            "model.num_query_groups=16",
+        ],
+        world_size=1,
+        check_data=False,
+    )
     fp32, bf16 = Layout(1, 1, 1, 16, 1, 2, 1, "none"), Layout(1, 1, 1, 16, 1, 2, 1, "none", grad_dtype="bf16")
     g32 = search_mod._state(c, fp32, True, True, 2)[1]
     assert search_mod._state(c, bf16, True, True, 2)[1] * 2 == g32
@@ -90,8 +132,18 @@ def test_bf16_grads_halve_grad_memory_and_reduce_traffic():
 def test_dp_traffic_is_charged_as_overlapped():
     """ZeRO-2's per-micro-batch reduce-scatter hides behind backward; ZeRO-0's after-backward all-reduce
     does not: with links fast enough to hide it, ZeRO-2 pays only its last bucket."""
-    c = load_config([*SMALL, "model.hidden_size=1024", "model.ffn_hidden_size=4096", "model.num_attention_heads=16",
-                     "model.num_query_groups=16", "model.seq_length=2048"], world_size=1, check_data=False)
+    c = load_config(
+        [
+            *SMALL,
+            "model.hidden_size=1024",
+            "model.ffn_hidden_size=4096",
+            "model.num_attention_heads=16",
+            "model.num_query_groups=16",
+            "model.seq_length=2048",
+        ],
+        world_size=1,
+        check_data=False,
+    )
     h100 = DEVICES["H100"]
     z0 = step_time(c, Layout(1, 1, 1, 8, 1, 0, 1, "none"), h100, 8)
     z2 = step_time(c, Layout(1, 1, 1, 8, 1, 2, 1, "none"), h100, 8)
@@ -105,10 +157,14 @@ def test_gemm_efficiency_depends_on_the_shape():
     without an HBM figure (cpu) it is the device's constant."""
     c = load_config(["model=llama3_8b"], world_size=1, check_data=False).model
     h100 = DEVICES["H100"]
-    effs = [gemm_efficiency(h100, "bf16", tokens, _gemm_dims(c, tp)) for tp, tokens in ((1, 8192), (8, 8192), (8, 512))]
+    effs = [
+        gemm_efficiency(h100, "bf16", tokens, _gemm_dims(c, tp))
+        for tp, tokens in ((1, 8192), (8, 8192), (8, 512))
+    ]
     assert h100.efficiency >= effs[0] > effs[1] > effs[2] > 0.3
-    assert gemm_efficiency(dataclasses.replace(h100, hbm_bw=0.0), "bf16", 512, _gemm_dims(c, 8)) == pytest.approx(
-        h100.efficiency)
+    assert gemm_efficiency(
+        dataclasses.replace(h100, hbm_bw=0.0), "bf16", 512, _gemm_dims(c, 8)
+    ) == pytest.approx(h100.efficiency)
 
 
 def test_ties_within_the_measured_error():
@@ -131,8 +187,20 @@ def test_step_time_parts_follow_the_model(cfg):
 
 def test_search_command_prints_a_ranked_top(capsys, tmp_path):
     out_json = tmp_path / "plan.json"
-    assert main([*SMALL, "+world_size=8", "+device_memory_gb=80", "+search=true", "+device=A100", "+top=3",
-                 f"+plan_json={out_json}"]) == 0
+    assert (
+        main(
+            [
+                *SMALL,
+                "+world_size=8",
+                "+device_memory_gb=80",
+                "+search=true",
+                "+device=A100",
+                "+top=3",
+                f"+plan_json={out_json}",
+            ]
+        )
+        == 0
+    )
     cap = capsys.readouterr()
     out = cap.out
     assert "valid layouts" in out and ("#2 loses to #1 by +" in out or "#2 ties with #1" in out)
@@ -144,21 +212,28 @@ def test_search_command_prints_a_ranked_top(capsys, tmp_path):
     assert "search: " in cap.err and "layouts in" in cap.err  # progress, on stderr
     got = json.loads(out_json.read_text())  # +plan_json is written by the search too
     assert got["ranked"] and got["ranked"][0]["layout"]["overrides"] == out.split("run #1 with: ")[1].split()
-    assert set(got["ranked"][0]["phases"]) == {"startup", "step", "save", "load"} and got["ties_with_first"] >= 1
+    assert (
+        set(got["ranked"][0]["phases"]) == {"startup", "step", "save", "load"} and got["ties_with_first"] >= 1
+    )
     assert main([*SMALL, "+world_size=8", "+search=true", "+device=Z80"]) == 2
 
 
 def test_a_tiny_memory_drops_every_layout(cfg):
     ests, n, dropped = search(cfg, 4, DEVICES["H100"], 1e3)
     assert not ests and n == dropped > 0
-    assert get_device("h200").memory_gb == 141 and dataclasses.replace(get_device("B200"), efficiency=0.4).efficiency == 0.4
+    assert (
+        get_device("h200").memory_gb == 141
+        and dataclasses.replace(get_device("B200"), efficiency=0.4).efficiency == 0.4
+    )
 
 
 def test_a_dense_model_pays_no_expert_collective(cfg):
     """Only latency (links infinitely fast, compute free: nothing overlaps): ZeRO-1's reduce-scatter and
     all-gather, 7 ring steps each over dp=8 and one bucket, plus the unhidden tail of as much again; a dense
     model's absent expert collective adds nothing (it used to add its ring's latency)."""
-    dev = dataclasses.replace(DEVICES["H100"], latency_s=1.0, intra_bw=1e30, inter_bw=1e30, hbm_bw=0.0, efficiency=1e12)
+    dev = dataclasses.replace(
+        DEVICES["H100"], latency_s=1.0, intra_bw=1e30, inter_bw=1e30, hbm_bw=0.0, efficiency=1e12
+    )
     lay = Layout(1, 1, 1, 8, 1, 1, 1, "none")  # 16 samples / (mb 1 x dp 8): 2 micro-batches, one bucket
     assert step_time(cfg, lay, dev, 8)["dp"] == pytest.approx(14 + 14 / 2, rel=1e-6)
 
@@ -166,7 +241,9 @@ def test_a_dense_model_pays_no_expert_collective(cfg):
 def test_zero3_pays_latency_per_block_not_per_bucket(cfg):
     """ZeRO-3's collectives go block by block (4 blocks + the params outside them here), whatever
     optim.bucket_size_mb: a tiny bucket size changes nothing for zero=3 and multiplies zero=1's latency."""
-    dev = dataclasses.replace(DEVICES["H100"], latency_s=1.0, intra_bw=1e30, inter_bw=1e30, hbm_bw=0.0, efficiency=1e12)
+    dev = dataclasses.replace(
+        DEVICES["H100"], latency_s=1.0, intra_bw=1e30, inter_bw=1e30, hbm_bw=0.0, efficiency=1e12
+    )
     tiny = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, bucket_size_mb=0.001))
     z3 = Layout(1, 1, 1, 8, 1, 3, 1, "none")
     assert step_time(tiny, z3, dev, 8)["dp"] == step_time(cfg, z3, dev, 8)["dp"]
@@ -180,13 +257,17 @@ def test_search_ranks_zero_bubble_schedules_and_prefers_zbv_at_pp8_small_m(capsy
     pending W (zb_h1 holds more than 1f1b)."""
     from megaframe.planning.timing import _bubble, split_costs
 
-    c = load_config([*SMALL, "model.num_layers=16", "train.global_batch_size=8"], world_size=1, check_data=False)
+    c = load_config(
+        [*SMALL, "model.num_layers=16", "train.global_batch_size=8"], world_size=1, check_data=False
+    )
     lays = candidates(c, 8, 8)
     assert {x.schedule for x in lays if x.pp == 8} == {"", "zb_h1", "zbv"}
     assert all(x.vpp == {"zb_h1": 1, "zbv": 2}[x.schedule] for x in lays if x.schedule)
     h100, base = DEVICES["H100"], Layout(1, 8, 1, 1, 1, 1, 1, "none")
-    times = {s: step_time(c, dataclasses.replace(base, vpp=2 if s == "zbv" else 1, schedule=s), h100, 8)
-             for s in ("1f1b", "zb_h1", "zbv")}
+    times = {
+        s: step_time(c, dataclasses.replace(base, vpp=2 if s == "zbv" else 1, schedule=s), h100, 8)
+        for s in ("1f1b", "zb_h1", "zbv")
+    }
     total = {s: sum(t.values()) for s, t in times.items()}
     assert total["zbv"] < total["zb_h1"] < total["1f1b"], total
     costs = split_costs(c)

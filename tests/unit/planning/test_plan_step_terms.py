@@ -1,5 +1,6 @@
 """docs/planning.md's command: the plan prints the step's peak as named terms under each rank (summing to
 the step phase it prints) and, on a GPU with allocator headroom, the reserved line."""
+
 from __future__ import annotations
 
 import json
@@ -7,9 +8,18 @@ import json
 from megaframe.plan import main
 from megaframe.planning.devices import ALLOC_HEADROOM
 
-ARGS = ["data=synthetic", "model=llama3_8b", "model.num_layers=2", "train.precision=bf16",
-        "train.fused_head_loss=false", "optim.zero=3", "+world_size=8", "train.micro_batch_size=2",
-        "train.global_batch_size=16", "+device=H100"]
+ARGS = [
+    "data=synthetic",
+    "model=llama3_8b",
+    "model.num_layers=2",
+    "train.precision=bf16",
+    "train.fused_head_loss=false",
+    "optim.zero=3",
+    "+world_size=8",
+    "train.micro_batch_size=2",
+    "train.global_batch_size=16",
+    "+device=H100",
+]
 
 
 def test_the_plan_prints_the_step_terms_and_the_reserved_line(capsys, tmp_path):

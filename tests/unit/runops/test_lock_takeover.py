@@ -2,6 +2,7 @@
 time: real processes, real files, the project's own RunLock. Each trial starts three takers at the same
 instant on a fresh folder whose lock names a dead pid (what `kill -9` leaves), or a Slurm job on another
 host that a slow squeue reports finished; the winner keeps holding while the others decide."""
+
 from __future__ import annotations
 
 import json
@@ -51,8 +52,17 @@ def takers(tmp_path, request):
         (bin_ / "squeue").write_text(f"#!{sys.executable}\n{stub}\n")
         (bin_ / "squeue").chmod(0o755)
         env["PATH"] = f"{bin_}:{env.get('PATH', '')}"
-    procs = [subprocess.Popen([sys.executable, "-c", TAKER], cwd=ROOT, env=env, stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True) for _ in range(3)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", TAKER],
+            cwd=ROOT,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(3)
+    ]
     yield procs
     for p in procs:
         p.stdin.close()

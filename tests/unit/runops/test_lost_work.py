@@ -1,5 +1,6 @@
 """Nothing a run writes lands outside its folders or in another
 job's; each test is a reproduction of the note (S1, L1, L2, T2, ...) that failed on the code before."""
+
 import json
 import shutil
 import socket
@@ -21,7 +22,9 @@ def claim(cfg):
 
 
 def dirs(run_dir, ckpt_dir):
-    return SimpleNamespace(run=SimpleNamespace(dir=str(run_dir)), checkpoint=SimpleNamespace(dir=str(ckpt_dir)))
+    return SimpleNamespace(
+        run=SimpleNamespace(dir=str(run_dir)), checkpoint=SimpleNamespace(dir=str(ckpt_dir))
+    )
 
 
 @pytest.fixture
@@ -31,8 +34,9 @@ def no_job(monkeypatch):
 
 
 # --- folders: S1, T2, L1 ---
-@pytest.mark.parametrize("override,key", [("run.dir=", "run.dir"), ("checkpoint.dir=", "checkpoint.dir"),
-                                          ("run.dir=/", "run.dir")])
+@pytest.mark.parametrize(
+    "override,key", [("run.dir=", "run.dir"), ("checkpoint.dir=", "checkpoint.dir"), ("run.dir=/", "run.dir")]
+)
 def test_an_empty_run_dir_is_refused_not_slash_checkpoints(override, key):
     """S1: run.dir=$RUN_DIR with RUN_DIR unset wrote to /checkpoints."""
     with pytest.raises(ConfigError, match=f"^{key}="):
@@ -101,21 +105,40 @@ def fake_squeue(tmp_path, monkeypatch, request):
     $FAKE_SQUEUE; 'invalid' = purged from the controller)."""
     bin_ = tmp_path / "bin"
     bin_.mkdir()
-    say = 'echo "$FAKE_SQUEUE"' if request.param == "squeue" else 'echo "JobId=99 JobName=x JobState=$FAKE_SQUEUE Reason=None"'
-    (bin_ / request.param).write_text('#!/bin/sh\nif [ "$FAKE_SQUEUE" = invalid ]; then\n'
-                                      '  echo "slurm_load_jobs error: Invalid job id specified" >&2; exit 1; fi\n'
-                                      f'{say}\n')
+    say = (
+        'echo "$FAKE_SQUEUE"'
+        if request.param == "squeue"
+        else 'echo "JobId=99 JobName=x JobState=$FAKE_SQUEUE Reason=None"'
+    )
+    (bin_ / request.param).write_text(
+        '#!/bin/sh\nif [ "$FAKE_SQUEUE" = invalid ]; then\n'
+        '  echo "slurm_load_jobs error: Invalid job id specified" >&2; exit 1; fi\n'
+        f"{say}\n"
+    )
     (bin_ / request.param).chmod(0o755)
-    for tool in ("sh", "echo"):  # the fake's own needs; nothing else of the host's PATH (its real Slurm commands)
+    for tool in (
+        "sh",
+        "echo",
+    ):  # the fake's own needs; nothing else of the host's PATH (its real Slurm commands)
         (bin_ / tool).symlink_to(shutil.which(tool))
     monkeypatch.setenv("PATH", str(bin_))
     return monkeypatch
 
 
-@pytest.mark.parametrize("state,taken", [("COMPLETED", True), ("CANCELLED+", True), ("invalid", True),
-                                         ("RUNNING", False), ("PENDING", False), ("", False)])
+@pytest.mark.parametrize(
+    "state,taken",
+    [
+        ("COMPLETED", True),
+        ("CANCELLED+", True),
+        ("invalid", True),
+        ("RUNNING", False),
+        ("PENDING", False),
+        ("", False),
+    ],
+)
 def test_a_stale_lock_on_another_host_is_taken_over_when_slurm_reports_its_job_gone(
-        tmp_path, fake_squeue, no_job, state, taken, capsys):
+    tmp_path, fake_squeue, no_job, state, taken, capsys
+):
     """Open item: a stale lock of a job on another host had to be removed by hand."""
     fake_squeue.setenv("FAKE_SQUEUE", state)
     (tmp_path / "run").mkdir()
@@ -189,19 +212,26 @@ def test_an_unusable_latest_over_one_branch_continues_it_with_a_warning(tmp_path
     fake_ckpt(tmp_path, 4, "A", d2, i2)
     (tmp_path / "latest").unlink()
     said = []
-    assert [p.name for p in resolve.resume_order(tmp_path, warn=said.append)] == ["step_00000004", "step_00000002"]
+    assert [p.name for p in resolve.resume_order(tmp_path, warn=said.append)] == [
+        "step_00000004",
+        "step_00000002",
+    ]
     assert "latest is missing" in said[0]
     assert resolve.head(tmp_path / "nothing-here") is None  # no checkpoint: a fresh start
 
 
-BAD_META = {"list": "[]", "null": "null", "no-tensors": '{"format": "%s", "step": 5, "coverage": "exact"}',
-            "files-list": '{"format": "%s", "step": 5, "coverage": "exact", "files": [], "tensors": {}}',
-            "shards-str": '{"format": "%s", "step": 5, "coverage": "exact", "files": {}, '
-                          '"tensors": {"model/w": {"shards": "x"}}}',
-            # a lineage of the wrong type once gave a TypeError in every lineage reader; "resumed at step 999"
-            "parent-int": '{"format": "%s", "step": 5, "coverage": "exact", "files": {}, "tensors": {}, '
-                          '"lineage": {"parent": 5}}',
-            "step-other": '{"format": "%s", "step": 999, "coverage": "exact", "files": {}, "tensors": {}}'}
+BAD_META = {
+    "list": "[]",
+    "null": "null",
+    "no-tensors": '{"format": "%s", "step": 5, "coverage": "exact"}',
+    "files-list": '{"format": "%s", "step": 5, "coverage": "exact", "files": [], "tensors": {}}',
+    "shards-str": '{"format": "%s", "step": 5, "coverage": "exact", "files": {}, '
+    '"tensors": {"model/w": {"shards": "x"}}}',
+    # a lineage of the wrong type once gave a TypeError in every lineage reader; "resumed at step 999"
+    "parent-int": '{"format": "%s", "step": 5, "coverage": "exact", "files": {}, "tensors": {}, '
+    '"lineage": {"parent": 5}}',
+    "step-other": '{"format": "%s", "step": 999, "coverage": "exact", "files": {}, "tensors": {}}',
+}
 
 
 @pytest.mark.parametrize("form", sorted(BAD_META))
@@ -228,19 +258,30 @@ def test_valid_json_that_is_not_a_checkpoint_is_one_line_in_every_reader(tmp_pat
 
 
 # --- field ranges and one-line errors: W3, W4, T3-T7, S2, C1, K2 ---
-@pytest.mark.parametrize("overrides,msg", [
-    (["optim.lr=1e-3", "optim.min_lr=1"], "optim.min_lr=1.0 must be <= optim.lr=0.001"),  # W3
-    (["optim.warmup_steps=10", "optim.lr_decay_steps=1"], "optim.lr_decay_steps=1 must be > optim.warmup_steps=10"),
-    (["optim.warmup_steps=10", "optim.lr_decay_steps=10"], "optim.lr_decay_steps=10 must be >"),
-    (["data.blend=[{path: /a, weight: inf}, {path: /b, weight: 1}]"], r"data.blend\[0\].weight=inf must be finite"),  # W4
-    (["data.blend=[{path: /a, weight: 1e308}, {path: /b, weight: 1e308}]"], "sum to infinity"),
-    (["train.dist_timeout_s=1e30"], "train.dist_timeout_s=1e.30 must be <= 1e.09"),  # T7
-    (["checkpoint.save_timeout_s=1e14"], "checkpoint.save_timeout_s=.* must be <= 1e.09"),
-    (["checkpoint.allow_config_change=[foo.bar]"], "names 'foo.bar', which is not a config key"),  # K4
-    (["train.hang_timeout_s=1e-9"], "train.hang_timeout_s=1e-09 must be 0 .no watchdog. or >= 1"),  # K6
-    (["parallel.cp=2", "train.sample_interval=2", "model.seq_length=64"],  # C1
-     "train.sample_interval=2 is not built with parallel.cp=2"),
-])
+@pytest.mark.parametrize(
+    "overrides,msg",
+    [
+        (["optim.lr=1e-3", "optim.min_lr=1"], "optim.min_lr=1.0 must be <= optim.lr=0.001"),  # W3
+        (
+            ["optim.warmup_steps=10", "optim.lr_decay_steps=1"],
+            "optim.lr_decay_steps=1 must be > optim.warmup_steps=10",
+        ),
+        (["optim.warmup_steps=10", "optim.lr_decay_steps=10"], "optim.lr_decay_steps=10 must be >"),
+        (
+            ["data.blend=[{path: /a, weight: inf}, {path: /b, weight: 1}]"],
+            r"data.blend\[0\].weight=inf must be finite",
+        ),  # W4
+        (["data.blend=[{path: /a, weight: 1e308}, {path: /b, weight: 1e308}]"], "sum to infinity"),
+        (["train.dist_timeout_s=1e30"], "train.dist_timeout_s=1e.30 must be <= 1e.09"),  # T7
+        (["checkpoint.save_timeout_s=1e14"], "checkpoint.save_timeout_s=.* must be <= 1e.09"),
+        (["checkpoint.allow_config_change=[foo.bar]"], "names 'foo.bar', which is not a config key"),  # K4
+        (["train.hang_timeout_s=1e-9"], "train.hang_timeout_s=1e-09 must be 0 .no watchdog. or >= 1"),  # K6
+        (
+            ["parallel.cp=2", "train.sample_interval=2", "model.seq_length=64"],  # C1
+            "train.sample_interval=2 is not built with parallel.cp=2",
+        ),
+    ],
+)
 def test_fields_that_trained_nonsense_or_crashed_later_are_one_line_at_start(overrides, msg):
     world = 2 if "parallel.cp=2" in overrides else 1
     with pytest.raises(ConfigError, match=msg):
@@ -249,7 +290,10 @@ def test_fields_that_trained_nonsense_or_crashed_later_are_one_line_at_start(ove
 
 def test_wsd_decay_fraction_one_is_accepted_as_its_message_says():
     """K2: refused by the field rule (`must be < 1`) while the schedule's message says (0, 1]."""
-    assert load_config(["data=synthetic", "optim.wsd_decay_fraction=1.0"], world_size=1).optim.wsd_decay_fraction == 1
+    assert (
+        load_config(["data=synthetic", "optim.wsd_decay_fraction=1.0"], world_size=1).optim.wsd_decay_fraction
+        == 1
+    )
 
 
 def _one_error(capsys) -> str:
@@ -258,11 +302,17 @@ def _one_error(capsys) -> str:
     return err[0]
 
 
-@pytest.mark.parametrize("args,msg", [
-    (["--prompt", "caf\udce9"], "is not UTF-8 text"),  # T3: argv bytes arrive surrogate-escaped
-    (["--prompt", "The", "--temperature", "nan"], "--temperature nan must be >= 0"),
-    (["--prompt", "The", "--top-p", "1.5"], "error: --top-p 1.5 must be in (0, 1]"),  # rerun NT02: blamed all three
-])
+@pytest.mark.parametrize(
+    "args,msg",
+    [
+        (["--prompt", "caf\udce9"], "is not UTF-8 text"),  # T3: argv bytes arrive surrogate-escaped
+        (["--prompt", "The", "--temperature", "nan"], "--temperature nan must be >= 0"),
+        (
+            ["--prompt", "The", "--top-p", "1.5"],
+            "error: --top-p 1.5 must be in (0, 1]",
+        ),  # rerun NT02: blamed all three
+    ],
+)
 def test_generate_bad_flags_are_one_line(tmp_path, args, msg, capsys):
     from megaframe.generate import main
 
@@ -279,16 +329,19 @@ def test_generate_prompts_file_not_utf8_names_the_file(tmp_path, capsys):
     assert f"--prompts {tmp_path / 'p.txt'}: not UTF-8 text" in _one_error(capsys)
 
 
-@pytest.mark.parametrize("setting,msg", [
-    ("+device_memory_gb=nan", "+device_memory_gb=nan must be finite"),  # T4
-    ("+device_memory_gb=inf", "+device_memory_gb=inf must be finite"),
-    ("+device_memory_gb=0", "+device_memory_gb=0 must be finite and > 0"),  # K3
-    ("+efficiency=0", "+efficiency=0 must be finite and > 0 and <= 1"),
-    ("+efficiency=50", "+efficiency=50 must be"),
-    ("+top=0", "+top=0 must be finite and >= 1"),
-    ("+search=maybe", "+search=maybe must be true or false"),
-    ("+plan_json=/nonexistent-folder/x.json", "+plan_json=/nonexistent-folder/x.json: not a file"),
-])
+@pytest.mark.parametrize(
+    "setting,msg",
+    [
+        ("+device_memory_gb=nan", "+device_memory_gb=nan must be finite"),  # T4
+        ("+device_memory_gb=inf", "+device_memory_gb=inf must be finite"),
+        ("+device_memory_gb=0", "+device_memory_gb=0 must be finite and > 0"),  # K3
+        ("+efficiency=0", "+efficiency=0 must be finite and > 0 and <= 1"),
+        ("+efficiency=50", "+efficiency=50 must be"),
+        ("+top=0", "+top=0 must be finite and >= 1"),
+        ("+search=maybe", "+search=maybe must be true or false"),
+        ("+plan_json=/nonexistent-folder/x.json", "+plan_json=/nonexistent-folder/x.json: not a file"),
+    ],
+)
 def test_planner_settings_out_of_range_are_one_line_before_the_plan(setting, msg, capsys, tmp_path):
     from megaframe.plan import main
 
@@ -316,8 +369,11 @@ def test_data_verify_of_a_file_is_one_line_and_never_leaves_the_folder(tmp_path,
     data = tmp_path / "data"
     data.mkdir()
     (tmp_path / "secret").write_bytes(b"\x00\x01" * 8)
-    (data / "meta.json").write_text(json.dumps({"vocab_size": 10, "dtype": "uint16",
-                                                "shards": [{"file": "../secret", "sha256": "00" * 32}]}))
+    (data / "meta.json").write_text(
+        json.dumps(
+            {"vocab_size": 10, "dtype": "uint16", "shards": [{"file": "../secret", "sha256": "00" * 32}]}
+        )
+    )
     assert main(["verify", str(data)]) == 2
     line = _one_error(capsys)
     assert "'../secret' is not a plain name inside the folder" in line and "sha256" not in line
@@ -346,8 +402,10 @@ def test_a_save_past_its_limit_is_a_failed_save_not_a_hang(tmp_path, capsys):
         assert tripped == [1]
     finally:
         wd.stop()
-    assert capsys.readouterr().err.strip().splitlines()[-1] == \
-        "megaframe: error: checkpoint step 4 not committed: ...; step_00000002 is intact"
+    assert (
+        capsys.readouterr().err.strip().splitlines()[-1]
+        == "megaframe: error: checkpoint step 4 not committed: ...; step_00000002 is intact"
+    )
 
 
 def test_ranks_that_find_bad_input_mid_run_end_with_the_first_ones_line(tmp_path):
@@ -357,7 +415,9 @@ def test_ranks_that_find_bad_input_mid_run_end_with_the_first_ones_line(tmp_path
 
     assert peer_bad_input(str(tmp_path)) is None
     assert record_bad_input(str(tmp_path), "data shard a is corrupt") == "data shard a is corrupt"
-    assert record_bad_input(str(tmp_path), "data shard b is corrupt") == "data shard a is corrupt"  # the first wins
+    assert (
+        record_bad_input(str(tmp_path), "data shard b is corrupt") == "data shard a is corrupt"
+    )  # the first wins
     assert peer_bad_input(str(tmp_path)) == "data shard a is corrupt"
     claim(dirs(tmp_path, tmp_path / "ck")).release()  # a new launch starts without the old line
     assert peer_bad_input(str(tmp_path)) is None

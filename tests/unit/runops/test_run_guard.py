@@ -1,6 +1,7 @@
 """The run guard owns what watches a run besides its steps: stop signals and timed saves are agreed at
 check steps only, the watchdog starts after start-up and stops at the end, and a malformed fault spec is
 bad input."""
+
 from __future__ import annotations
 
 import os
@@ -20,8 +21,17 @@ from tests.distributed.cases import tiny_config
 
 @pytest.fixture
 def guard(tmp_path):
-    cfg = tiny_config(["train.max_steps=20", "train.log_interval=5", "train.signal_check_interval=4",
-                       "train.hang_timeout_s=600", f"run.dir={tmp_path}", f"checkpoint.dir={tmp_path}/ckpt"], 1)
+    cfg = tiny_config(
+        [
+            "train.max_steps=20",
+            "train.log_interval=5",
+            "train.signal_check_interval=4",
+            "train.hang_timeout_s=600",
+            f"run.dir={tmp_path}",
+            f"checkpoint.dir={tmp_path}/ckpt",
+        ],
+        1,
+    )
     mesh = single_process_mesh("cpu")
     g = RunGuard(cfg.train, mesh, StopFlag(), cfg.run.dir, cfg.run.name)
     ckpt = Checkpointer(cfg, mesh, ("id", "owner"), Resumed(), Accounting(0, 0, 8), g.watch())

@@ -1,6 +1,7 @@
 """A checkpoint folder whose newest checkpoint belongs to another run is continued only when
 asked (runops/access/owner.py), bool fields take true/false only (K5), and data.path typed with a blend is
 refused (K8). One process, real files, fake checkpoints (lineage reads metadata only)."""
+
 import json
 from types import SimpleNamespace
 
@@ -17,8 +18,18 @@ def ckpt(root, step, who, parent=None, run_dir="/elsewhere"):
     d.mkdir(parents=True)
     pid = lineage._meta(parent)["lineage"]["id"] if parent else None
     lin = lineage.lineage_meta(f"{who}@launch", step, parent, pid, root, who or "", run_dir)
-    (d / "metadata.json").write_text(json.dumps({"format": sharded.FORMAT, "step": step, "files": {},
-                                                 "coverage": "exact", "tensors": {}, "lineage": lin}))
+    (d / "metadata.json").write_text(
+        json.dumps(
+            {
+                "format": sharded.FORMAT,
+                "step": step,
+                "files": {},
+                "coverage": "exact",
+                "tensors": {},
+                "lineage": lin,
+            }
+        )
+    )
     (root / "latest").write_text(d.name + "\n")
     return d
 
@@ -44,8 +55,10 @@ def test_another_runs_checkpoint_dir_is_refused_unless_asked(tmp_path, shared, r
     with pytest.raises(ConfigError) as e:
         owner.settle(*cfg(tmp_path / "b", shared, resume))
     line = str(e.value)
-    assert line.startswith(f"checkpoint.dir={shared}: its newest checkpoint step_00000004 belongs to another run "
-                           f"(A, run.dir {tmp_path / 'a'})")
+    assert line.startswith(
+        f"checkpoint.dir={shared}: its newest checkpoint step_00000004 belongs to another run "
+        f"(A, run.dir {tmp_path / 'a'})"
+    )
     assert f"pass checkpoint.resume={shared / 'step_00000004'} (or checkpoint.resume={shared})" in line
     assert not (tmp_path / "b" / owner.ID_NAME).exists()  # a refused run records no identity
 
@@ -60,14 +73,21 @@ def test_asked_on_purpose_it_continues_and_then_the_folder_is_this_runs(tmp_path
         owner.settle(*cfg(tmp_path / "a", shared))  # and A is told, naming B
     # B continued A's history on purpose: B's keep_last never deletes A's checkpoints
     assert lineage.prune(shared, keep_last=1, owner=mine) == []
-    assert [p.name for p in lineage.prune(shared, keep_last=1, owner="A")] == ["step_00000004", "step_00000002"]
+    assert [p.name for p in lineage.prune(shared, keep_last=1, owner="A")] == [
+        "step_00000004",
+        "step_00000002",
+    ]
 
 
 def test_a_checkpoint_dir_given_as_resume_means_its_latest(tmp_path, shared):
-    c = load_config(["data=synthetic", f"checkpoint.resume={shared}", f"run.dir={tmp_path / 'b'}"], world_size=1)
+    c = load_config(
+        ["data=synthetic", f"checkpoint.resume={shared}", f"run.dir={tmp_path / 'b'}"], world_size=1
+    )
     assert c.checkpoint.resume == str(shared / "step_00000004")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(ConfigError, match=f"^checkpoint.resume={tmp_path / 'empty'}: .*no committed checkpoint"):
+    with pytest.raises(
+        ConfigError, match=f"^checkpoint.resume={tmp_path / 'empty'}: .*no committed checkpoint"
+    ):
         load_config(["data=synthetic", f"checkpoint.resume={tmp_path / 'empty'}"], world_size=1)
     with pytest.raises(ConfigError, match="^checkpoint.resume='' must be auto, none or a checkpoint path"):
         load_config(["data=synthetic", "checkpoint.resume=''"], world_size=1)  # not the current folder
@@ -115,12 +135,20 @@ def test_a_bool_field_takes_only_true_or_false():
     from megaframe.config.keys import bool_keys
 
     assert {"optim.overlap_param_gather", "checkpoint.async", "parallel.sp", "train.compile"} <= bool_keys()
-    for key, value in [("optim.overlap_param_gather", "2"), ("checkpoint.async", "yes"), ("parallel.sp", "'true'"),
-                       ("train.compile", "0")]:
+    for key, value in [
+        ("optim.overlap_param_gather", "2"),
+        ("checkpoint.async", "yes"),
+        ("parallel.sp", "'true'"),
+        ("train.compile", "0"),
+    ]:
         with pytest.raises(ConfigError, match=f"^{key}={value} must be true or false"):
             load_config(["data=synthetic", f"{key}={value}"], world_size=1, check_data=False)
-    assert load_config(["data=synthetic", "optim.overlap_param_gather=false"], world_size=1, check_data=False).optim \
-        .overlap_param_gather is False
+    assert (
+        load_config(
+            ["data=synthetic", "optim.overlap_param_gather=false"], world_size=1, check_data=False
+        ).optim.overlap_param_gather
+        is False
+    )
 
 
 def test_data_path_typed_with_a_blend_is_refused_naming_both(tmp_path):

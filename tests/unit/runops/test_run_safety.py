@@ -1,5 +1,6 @@
 """Lineage (what resume=auto follows and keep_last may delete), the run-dir lock, checkpoint file modes,
 the watchdog's save limit, and the token-id range check: one process, real files."""
+
 import json
 import os
 import socket
@@ -19,8 +20,9 @@ def fake_ckpt(root, step, run_id, parent=None, parent_id=None):
     d = sharded.step_dir(root, step)
     d.mkdir(parents=True)
     lin = lineage.lineage_meta(run_id, step, parent, parent_id, root)
-    (d / "metadata.json").write_text(json.dumps({"format": sharded.FORMAT, "step": step, "files": {},
-                                                 "tensors": {}, "lineage": lin}))
+    (d / "metadata.json").write_text(
+        json.dumps({"format": sharded.FORMAT, "step": step, "files": {}, "tensors": {}, "lineage": lin})
+    )
     (root / "latest").write_text(d.name + "\n")
     return d, lin["id"]
 
@@ -35,6 +37,7 @@ def test_rollback_keeps_the_new_branch_and_auto_follows_it(tmp_path):
         parent = (d, ids[s])
     parent = (sharded.step_dir(tmp_path, 4), ids[4])
     import shutil
+
     shutil.rmtree(sharded.step_dir(tmp_path, 6))  # B rewrites step 6
     for s in (5, 6):
         d, i = fake_ckpt(tmp_path, s, "B", *parent)
@@ -52,6 +55,7 @@ def test_a_rewritten_parent_folder_ends_the_chain(tmp_path):
     d2, i2 = fake_ckpt(tmp_path, 2, "A")
     d3, _ = fake_ckpt(tmp_path, 3, "A", d2, i2)
     import shutil
+
     shutil.rmtree(d2)
     fake_ckpt(tmp_path, 2, "C")  # another branch took the name step_00000002
     (tmp_path / "latest").write_text(d3.name)
@@ -63,9 +67,17 @@ def test_cheap_check_reads_sizes_not_bytes(tmp_path):
     d = tmp_path / "step_00000001"
     d.mkdir()
     (d / "shard_00000.safetensors").write_bytes(b"x" * 10)
-    (d / "metadata.json").write_text(json.dumps({"format": sharded.FORMAT, "step": 1, "tensors": {},
-                                                 "coverage": "exact",
-                                                 "files": {"shard_00000.safetensors": {"bytes": 10, "crc32": 1}}}))
+    (d / "metadata.json").write_text(
+        json.dumps(
+            {
+                "format": sharded.FORMAT,
+                "step": 1,
+                "tensors": {},
+                "coverage": "exact",
+                "files": {"shard_00000.safetensors": {"bytes": 10, "crc32": 1}},
+            }
+        )
+    )
     assert lineage.cheap_check(d) is None  # a wrong crc is the load's business, not this check's
     (d / "shard_00000.safetensors").write_bytes(b"x" * 9)
     assert "9 bytes" in lineage.cheap_check(d)
@@ -81,11 +93,18 @@ def test_checkpoint_shards_follow_the_umask(tmp_path, umask, mode, monkeypatch):
 
 
 def test_default_umask_gives_0644_shards(tmp_path):
-    code = ("import os, torch; os.umask(0o022); from megaframe.checkpoint import store; "
-            f"store.write_file(__import__('pathlib').Path({str(tmp_path)!r}), 0, {{'w': torch.zeros(2)}}); "
-            f"print(oct(os.stat(os.path.join({str(tmp_path)!r}, store.shard_name(0))).st_mode & 0o777))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                         env={**os.environ, "PYTHONPATH": os.getcwd()})
+    code = (
+        "import os, torch; os.umask(0o022); from megaframe.checkpoint import store; "
+        f"store.write_file(__import__('pathlib').Path({str(tmp_path)!r}), 0, {{'w': torch.zeros(2)}}); "
+        f"print(oct(os.stat(os.path.join({str(tmp_path)!r}, store.shard_name(0))).st_mode & 0o777))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
+    )
     assert out.stdout.strip() == "0o644", out.stderr
 
 
@@ -96,8 +115,16 @@ def test_run_lock_refuses_a_live_holder_and_takes_over_a_dead_one(tmp_path, monk
         monkeypatch.delenv(var, raising=False)
     holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        (tmp_path / LOCK_NAME).write_text(json.dumps({"host": socket.gethostname(), "pid": holder.pid,
-                                                      "job": "SLURM_JOB_ID=7", "since": time.time()}))
+        (tmp_path / LOCK_NAME).write_text(
+            json.dumps(
+                {
+                    "host": socket.gethostname(),
+                    "pid": holder.pid,
+                    "job": "SLURM_JOB_ID=7",
+                    "since": time.time(),
+                }
+            )
+        )
         with pytest.raises(RunDirBusy, match=f"pid {holder.pid}, SLURM_JOB_ID=7"):
             RunLock(tmp_path).acquire()
         monkeypatch.setenv("SLURM_JOB_ID", "7")  # the same job id, but its holder here is alive
@@ -107,7 +134,9 @@ def test_run_lock_refuses_a_live_holder_and_takes_over_a_dead_one(tmp_path, monk
         holder.kill()
         holder.wait()
     monkeypatch.delenv("SLURM_JOB_ID")
-    (tmp_path / LOCK_NAME).write_text(json.dumps({"host": socket.gethostname(), "pid": holder.pid, "job": ""}))
+    (tmp_path / LOCK_NAME).write_text(
+        json.dumps({"host": socket.gethostname(), "pid": holder.pid, "job": ""})
+    )
     lock = RunLock(tmp_path).acquire()  # the holder is dead: stale, taken over
     assert json.loads((tmp_path / LOCK_NAME).read_text())["pid"] == os.getpid()
     lock.release()
@@ -141,9 +170,18 @@ def test_token_ids_outside_the_vocabulary_name_shard_and_offset(tmp_path):
     ids = np.arange(200, dtype="<u2") % 50
     ids[137] = 60000
     (tmp_path / "shard_00000_00000.bin").write_bytes(ids.tobytes())
-    (tmp_path / "meta.json").write_text(json.dumps({"vocab_size": 64, "dtype": "uint16", "shards": [
-        {"file": "shard_00000_00000.bin", "num_tokens": 200}]}))
+    (tmp_path / "meta.json").write_text(
+        json.dumps(
+            {
+                "vocab_size": 64,
+                "dtype": "uint16",
+                "shards": [{"file": "shard_00000_00000.bin", "num_tokens": 200}],
+            }
+        )
+    )
     data = PreparedData(tmp_path, seq_length=16)
     data[0]  # clean sample
-    with pytest.raises(CorruptShard, match=r"shard_00000_00000.bin is corrupt: token id 60000 at token offset 137"):
+    with pytest.raises(
+        CorruptShard, match=r"shard_00000_00000.bin is corrupt: token id 60000 at token offset 137"
+    ):
         data[8]  # tokens 128..144

@@ -1,6 +1,7 @@
 """The tools that write a folder take it the way a run does (megaframe.atomic_lock): import_hf into a
 checkpoint dir a live run (or import) holds, and a second export_hf into one OUT, are refused with exit 2
 naming the holder, before anything is written; once the holder is dead its lock is taken over."""
+
 import json
 import socket
 import subprocess

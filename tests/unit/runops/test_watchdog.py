@@ -1,4 +1,5 @@
 """Watchdog, fault-injection parsing and the collective ring buffer, in one process (no torchrun)."""
+
 import time
 
 import pytest
@@ -14,7 +15,10 @@ from megaframe.runops.watchdog import HANG_EXIT_CODE, Watchdog
 
 def test_parse_faults():
     assert parse("sleep:rank=1:seconds=0.3") == [Fault("sleep", 1, None, 0.3)]
-    assert parse("hang:rank=2:step=3; sleep:seconds=1:step=5") == [Fault("hang", 2, 3), Fault("sleep", None, 5, 1.0)]
+    assert parse("hang:rank=2:step=3; sleep:seconds=1:step=5") == [
+        Fault("hang", 2, 3),
+        Fault("sleep", None, 5, 1.0),
+    ]
     assert parse("hang") == [Fault("hang", None, 1)]
     for bad in ("nap:rank=1", "sleep:rank=1", "sleep:rank=x:seconds=1", "hang:rank=1:when=3"):
         with pytest.raises(ValueError, match="MEGAFRAME_INJECT"):
@@ -101,7 +105,9 @@ def test_report_tells_enqueued_from_completed_device_collectives():
     report = Watchdog(1, 0, "/nonexistent", stats).report(2.0)
     lines = [ln for ln in report.splitlines() if " group " in ln]
     assert lines[0].endswith("returned") and "event" not in stats.last()[0]
-    assert lines[1].endswith("completed on the GPU") and lines[2].endswith("ENQUEUED, NOT COMPLETED on the GPU")
+    assert lines[1].endswith("completed on the GPU") and lines[2].endswith(
+        "ENQUEUED, NOT COMPLETED on the GPU"
+    )
 
 
 def test_nccl_env_defaults_yield_to_the_user_and_follow_the_run_dir():

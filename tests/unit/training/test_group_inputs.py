@@ -1,6 +1,7 @@
 """Components built from their config group and the derived record (config/derived.py) run as the
 run-config forms kept for callers outside the package do: the same samples, the same step, and an
 evaluator that reads only the train group (its validation data read only when evaluation is on)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -40,7 +41,11 @@ def test_a_step_from_the_groups_is_the_run_configs_step():
     for step in (1, 2):
         ra = train_step(a, opt_a, batches, mesh, cfg, step)
         rb = optimizer_step(b, opt_b, batches, mesh, cfg.optim, derive(cfg, mesh.world), step)
-        assert (ra.loss_sum.item(), ra.grad_norm.item(), ra.lr) == (rb.loss_sum.item(), rb.grad_norm.item(), rb.lr)
+        assert (ra.loss_sum.item(), ra.grad_norm.item(), ra.lr) == (
+            rb.loss_sum.item(),
+            rb.grad_norm.item(),
+            rb.lr,
+        )
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
 
 

@@ -1,6 +1,7 @@
 """The trainer's per-phase memory meter on CPU (training/phase_meter.py): a phase's peak is what the rank held
 when it began plus the most the allocator handed out during it; each phase measured once; a profiler the
 user runs is left alone."""
+
 import torch
 from torch.profiler import ProfilerActivity, profile
 

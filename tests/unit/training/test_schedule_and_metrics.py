@@ -1,4 +1,5 @@
 """The learning-rate schedule and the FLOPs-per-token figure behind MFU."""
+
 from __future__ import annotations
 
 import math
@@ -14,6 +15,7 @@ LR, MIN_LR = 3e-3, 3e-4
 
 
 # ---------------------------------------------------------------- lr_at
+
 
 def test_warmup_is_linear_from_zero():
     assert lr_at(0, LR, MIN_LR, 10, 100) == 0.0
@@ -31,7 +33,9 @@ def test_cosine_decay_ends_at_min_lr_and_is_monotone():
     assert all(MIN_LR <= x <= LR for x in lrs)
     assert lr_at(55, LR, MIN_LR, 10, 100) == pytest.approx((LR + MIN_LR) / 2)  # cosine midpoint
     # the cosine shape: a quarter of the way down
-    assert lr_at(35, LR, MIN_LR, 10, 110) == pytest.approx(MIN_LR + 0.5 * (LR - MIN_LR) * (1 + math.cos(math.pi / 4)))
+    assert lr_at(35, LR, MIN_LR, 10, 110) == pytest.approx(
+        MIN_LR + 0.5 * (LR - MIN_LR) * (1 + math.cos(math.pi / 4))
+    )
 
 
 def test_after_max_steps_stays_at_min_lr():
@@ -42,7 +46,9 @@ def test_after_max_steps_stays_at_min_lr():
 def test_no_warmup():
     assert lr_at(0, LR, MIN_LR, 0, 50) == pytest.approx(LR)
     assert MIN_LR < lr_at(1, LR, MIN_LR, 0, 50) < LR
-    assert lr_at(1, LR, MIN_LR, 0, 50) == pytest.approx(MIN_LR + 0.5 * (LR - MIN_LR) * (1 + math.cos(math.pi / 50)))
+    assert lr_at(1, LR, MIN_LR, 0, 50) == pytest.approx(
+        MIN_LR + 0.5 * (LR - MIN_LR) * (1 + math.cos(math.pi / 50))
+    )
     assert lr_at(50, LR, MIN_LR, 0, 50) == pytest.approx(MIN_LR)
     lrs = [lr_at(s, LR, MIN_LR, 0, 50) for s in range(0, 51)]
     assert all(b < a for a, b in zip(lrs, lrs[1:]))
@@ -60,10 +66,21 @@ def test_min_lr_equal_to_lr_is_constant_after_warmup():
 
 # ---------------------------------------------------------------- FLOPs per token
 
+
 def dense(**kw) -> ModelConfig:
-    base = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256, seq_length=32,
-                vocab_size=100, norm="layernorm", activation="gelu", position_embedding="learned",
-                tie_embeddings=True, bias=True)
+    base = dict(
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        ffn_hidden_size=256,
+        seq_length=32,
+        vocab_size=100,
+        norm="layernorm",
+        activation="gelu",
+        position_embedding="learned",
+        tie_embeddings=True,
+        bias=True,
+    )
     return ModelConfig(**{**base, **kw})
 
 
@@ -85,7 +102,9 @@ def test_llama3_8b_flops_by_hand():
     assert flops_per_token(m) == 6 * n + 12 * 32 * 4096 * 8192
 
 
-@pytest.mark.parametrize("kw", [{}, {"num_layers": 5}, {"seq_length": 128}, {"hidden_size": 96, "num_attention_heads": 6}])
+@pytest.mark.parametrize(
+    "kw", [{}, {"num_layers": 5}, {"seq_length": 128}, {"hidden_size": 96, "num_attention_heads": 6}]
+)
 def test_flops_is_6n_plus_attention_term(kw):
     m = dense(**kw)
     d, L, s, f, v = m.hidden_size, m.num_layers, m.seq_length, m.ffn_hidden_size, m.vocab_size
@@ -118,21 +137,37 @@ def test_matmul_params_equal_the_models_matmul_weights(name):
     model = GPT(m, single_process_mesh(), device=torch.device("meta"))
     # every 2-D weight a token multiplies by: not the position
     # table, and the input embedding only as a tied head
-    n = sum(p.numel() for k, p in model.named_parameters()
-            if p.dim() == 2 and k != "pos_embed" and (k != "embed.weight" or m.tie_embeddings))
+    n = sum(
+        p.numel()
+        for k, p in model.named_parameters()
+        if p.dim() == 2 and k != "pos_embed" and (k != "embed.weight" or m.tie_embeddings)
+    )
     assert matmul_params(m) == n
 
 
 # ---------------------------------------------------------------- published FLOPs figures
 
+
 def test_megatron_gpt3_175b_model_flops():
     """Korthikanti et al. 2022 (and Narayanan et al. 2021 without recompute): model FLOPs per iteration
     72 * B * s * L * h^2 * (1 + s / (6h) + V / (12 L h)) for GPT-3 175B (L=96, h=12288, s=2048, V=51200)."""
     L, h, s, V = 96, 12288, 2048, 51200
-    m = ModelConfig(num_layers=L, hidden_size=h, num_attention_heads=96, ffn_hidden_size=4 * h, seq_length=s,
-                    vocab_size=V, norm="layernorm", activation="gelu", position_embedding="learned",
-                    tie_embeddings=True, bias=True)
-    assert matmul_params(m) / 1e9 == pytest.approx(174.6, abs=0.05)  # the paper's "175B" (biases, norms aside)
+    m = ModelConfig(
+        num_layers=L,
+        hidden_size=h,
+        num_attention_heads=96,
+        ffn_hidden_size=4 * h,
+        seq_length=s,
+        vocab_size=V,
+        norm="layernorm",
+        activation="gelu",
+        position_embedding="learned",
+        tie_embeddings=True,
+        bias=True,
+    )
+    assert matmul_params(m) / 1e9 == pytest.approx(
+        174.6, abs=0.05
+    )  # the paper's "175B" (biases, norms aside)
     per_token = 72 * L * h**2 * (1 + s / (6 * h) + V / (12 * L * h))
     assert flops_per_token(m) == pytest.approx(per_token, rel=1e-12)
     # the 96 * B*s*L*h^2 * (1 + s/6h + V/16Lh) form counts
@@ -147,8 +182,16 @@ def test_palm_params_and_flops(L, d, H, billions):
     256k embedding): their parameter counts, and appendix B's model FLOPs per token 6N + 12 * L * H * Q *
     T."""
     Q, T = 256, 2048
-    m = ModelConfig(num_layers=L, hidden_size=d, num_attention_heads=H, num_query_groups=1, ffn_hidden_size=4 * d,
-                    seq_length=T, vocab_size=256_000, tie_embeddings=True)
+    m = ModelConfig(
+        num_layers=L,
+        hidden_size=d,
+        num_attention_heads=H,
+        num_query_groups=1,
+        ffn_hidden_size=4 * d,
+        seq_length=T,
+        vocab_size=256_000,
+        tie_embeddings=True,
+    )
     assert m.head_dim == Q
     n = matmul_params(m)
     assert n / 1e9 == pytest.approx(billions, abs=0.005)
@@ -163,8 +206,16 @@ def test_moe_counts_only_active_experts_and_router():
     moe.moe_ffn_hidden_size = 128  # the MoE branch's key (read with getattr until it lands)
     assert matmul_params(moe) - matmul_params(dense_m) == L * (2 * 3 * d * 128 - 3 * d * f + d * 8)
     # Mixtral 8x7B: ~12.9B active params per token, of which ~12.5B in matmuls besides the input embedding
-    mix = ModelConfig(num_layers=32, hidden_size=4096, num_attention_heads=32, num_query_groups=8,
-                      ffn_hidden_size=14336, vocab_size=32000, num_experts=8, moe_top_k=2)
+    mix = ModelConfig(
+        num_layers=32,
+        hidden_size=4096,
+        num_attention_heads=32,
+        num_query_groups=8,
+        ffn_hidden_size=14336,
+        vocab_size=32000,
+        num_experts=8,
+        moe_top_k=2,
+    )
     active = matmul_params(mix) + 32000 * 4096 + 32 * 2 * 4096 + 4096  # + input embedding and norms
     assert active / 1e9 == pytest.approx(12.9, abs=0.05)
 
@@ -180,6 +231,7 @@ def test_throughput_figures():
 
 
 # ---------------------------------------------------------------- optim.lr_schedule
+
 
 def test_wsd_is_flat_then_decays_linearly_over_the_last_fraction():
     from megaframe.config import LRSchedule
@@ -202,13 +254,16 @@ def test_linear_and_constant_schedules():
 def test_lr_schedule_is_an_enum_in_the_config():
     from megaframe.config import ConfigError, LRSchedule
 
-    cfg = load_config(["data=synthetic", "optim.lr_schedule=wsd", "optim.wsd_decay_fraction=0.3"], world_size=1)
+    cfg = load_config(
+        ["data=synthetic", "optim.lr_schedule=wsd", "optim.wsd_decay_fraction=0.3"], world_size=1
+    )
     assert cfg.optim.lr_schedule is LRSchedule.wsd and cfg.optim.lr_decay_steps is None
     with pytest.raises(ConfigError, match="lr_schedule"):
         load_config(["data=synthetic", "optim.lr_schedule=cosin"], world_size=1)
 
 
 # ---------------------------------------------------------------- the CPU peak behind MFU
+
 
 def test_cpu_peak_is_measured_once_per_machine_and_cached(tmp_path, monkeypatch):
     from megaframe.training import metrics

@@ -1,5 +1,6 @@
 """The fast path keeps the math: activation recompute and torch.compile give the plain path's losses and
 grads, the step loop does not sync the host, and prefetched batches are the batches."""
+
 from __future__ import annotations
 
 import pytest
@@ -46,6 +47,7 @@ class _NoSync:
         def refuse(name):
             def f(*a, **k):
                 raise AssertionError(f"host sync: Tensor.{name} in the step")
+
             return f
 
         for n in self.NAMES:
@@ -65,8 +67,10 @@ def test_train_step_and_skip_do_not_sync_the_host(monkeypatch):
         model = build_model(cfg, mesh)
         opt = build_optimizer(model, cfg.optim, mesh)
         t = cfg.train
-        batches = [microbatches(build_data(cfg), s, t.global_batch_size, t.micro_batch_size, 0, 1, t.seed)
-                   for s in range(3)]
+        batches = [
+            microbatches(build_data(cfg), s, t.global_batch_size, t.micro_batch_size, 0, 1, t.seed)
+            for s in range(3)
+        ]
         bad = BadSteps(1, False, defer=True)
         with monkeypatch.context() as m:
             _NoSync(m)
@@ -119,8 +123,9 @@ def test_fused_head_cross_entropy_equals_linear_then_cross_entropy(monkeypatch, 
         torch.testing.assert_close(x.grad, xr.grad, rtol=1e-5, atol=1e-7)
         torch.testing.assert_close(w.grad, wr.grad, rtol=1e-5, atol=1e-7)
     with torch.no_grad():
-        torch.testing.assert_close(fused_ce.linear_cross_entropy(x0, w0, target), ref.detach(), rtol=1e-6, atol=1e-6)
-
+        torch.testing.assert_close(
+            fused_ce.linear_cross_entropy(x0, w0, target), ref.detach(), rtol=1e-6, atol=1e-6
+        )
 
 
 def test_gpu_check_dry_runs_every_check_on_cpu():
@@ -131,8 +136,12 @@ def test_gpu_check_dry_runs_every_check_on_cpu():
 
     from megaframe.config import ROOT
 
-    res = subprocess.run([sys.executable, str(ROOT / "scripts/gpu_check.py"), "--dry"], capture_output=True, text=True,
-                         timeout=600)
+    res = subprocess.run(
+        [sys.executable, str(ROOT / "scripts/gpu_check.py"), "--dry"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     assert "ratio megaframe_fp8 / megaframe (wall)" in res.stdout and "ratio loop / grouped:" in res.stdout
     assert "summary:" in res.stdout and "FAILED" not in res.stdout

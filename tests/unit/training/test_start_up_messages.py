@@ -1,6 +1,7 @@
 """What a run says before its first step, checked without a launch: the CPU threads per rank and the
 busy-machine warning, the header's precision / pipeline / held-out labels, FP8's warnings, the continue hint,
 the README's first commands free of lr warnings, `train.py --help`, and transformers' torchao noise."""
+
 from __future__ import annotations
 
 import subprocess
@@ -78,8 +79,9 @@ def test_header_names_the_validation_split_it_holds_out():
 
 
 def test_continue_hint_names_the_run_only_without_run_dir():
-    hint = continue_command("a51d1aa9", ["data=synthetic", "run.dir=runs/sig"],
-                            env={"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"})
+    hint = continue_command(
+        "a51d1aa9", ["data=synthetic", "run.dir=runs/sig"], env={"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
+    )
     assert hint == "; continue with: torchrun --nproc-per-node=2 train.py data=synthetic run.dir=runs/sig"
     assert "run.name=x" in continue_command("x", ["data=synthetic"], env={})
 
@@ -97,8 +99,9 @@ def test_readme_day_one_commands_print_no_lr_warnings():
             continue
         resume = next((o.split("=", 1)[1] for o in over if o.startswith("checkpoint.resume=")), None)
         world = next((int(w.split("=")[1]) for w in tokens(c) if w.startswith("--nproc-per-node=")), 1)
-        cfg = load_config([o for o in over if not o.startswith("checkpoint.resume=")], world_size=world,
-                          check_data=False)
+        cfg = load_config(
+            [o for o in over if not o.startswith("checkpoint.resume=")], world_size=world, check_data=False
+        )
         steps = cfg.train.max_steps
         horizon = horizons.get(resume.split("/checkpoints")[0]) if resume else None
         optim = SimpleNamespace(**{**vars(cfg.optim), "lr_decay_steps": horizon or cfg.optim.lr_decay_steps})
@@ -109,8 +112,9 @@ def test_readme_day_one_commands_print_no_lr_warnings():
 
 
 def test_help_points_to_the_config_reference():
-    res = subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=60)
+    res = subprocess.run(
+        [sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
     assert res.returncode == 0 and "docs/config.md" in res.stdout, res.stdout
 
 
