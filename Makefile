@@ -31,9 +31,11 @@ train: data
 test: $(VENV)/.installed lint
 	$(PY) -m pytest -q -rs $(ARGS); rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
 
-# ruff (pyflakes, pycodestyle, import order, bugbear; pyproject.toml [tool.ruff]): seconds, before the tests
+# ruff (pyflakes, pycodestyle, import order, bugbear; pyproject.toml [tool.ruff]) and ruff's formatter at 110
+# columns (check only): seconds, before the tests
 lint: $(VENV)/.installed
 	$(PY) -m ruff check megaframe tests scripts benchmarks train.py
+	$(PY) -m ruff format --check --quiet megaframe tests scripts benchmarks train.py
 
 test-fast: $(VENV)/.installed
 	$(PY) -m pytest -q -m "not e2e" $(ARGS)

@@ -181,7 +181,7 @@ def _build(
         tok_name, tok = _tokenizer(cfg, files, work, cache)
         t1, cpu1 = time.perf_counter(), time.process_time()
         shards, worker_cpu = encode_units(
-            cfg,
+            cfg.data,
             files,
             records,
             str(work / tok_name),

@@ -12,7 +12,7 @@ from typing import Iterator
 
 from megaframe.atomic_lock import SharedFlock
 from megaframe.config.choices import DocSplit
-from megaframe.config.schema import Config
+from megaframe.config.schema import DataConfig
 from megaframe.data import manifest as mf
 from megaframe.data import partial
 from megaframe.data.progress import Progress
@@ -88,13 +88,13 @@ def _split_units(work: Path, groups: list[list[SourceFile]], records: list[dict]
 
 
 def _plan_units(
-    cfg: Config, files: list[SourceFile], records: list[dict], work: Path, unit_bytes: int, merge: bool
+    d: DataConfig, files: list[SourceFile], records: list[dict], work: Path, unit_bytes: int, merge: bool
 ) -> tuple[list, list[int], tuple]:
     """The units, each unit's task, and (done, todo, per_unit) for this task (nothing to do for a merge)."""
     (work / "units").mkdir(exist_ok=True)
     groups = units(files, unit_bytes)
-    owner = unit_tasks([sum(f.size for f in g) for g in groups], cfg.data.num_tasks)
-    mine = {k for k in range(len(groups)) if owner[k] == cfg.data.task and not merge}
+    owner = unit_tasks([sum(f.size for f in g) for g in groups], d.num_tasks)
+    mine = {k for k in range(len(groups)) if owner[k] == d.task and not merge}
     return groups, owner, _split_units(work, groups, records, mine)
 
 
@@ -126,7 +126,7 @@ class _InOrder:
 
 
 def encode_units(
-    cfg: Config,
+    d: DataConfig,
     files: list[SourceFile],
     records: list[dict],
     tok_path: str,
@@ -142,9 +142,9 @@ def encode_units(
     earlier run or another process, each under its lock (megaframe.data.partial); returns all shards in
     stream order, or {"missing", "tasks"} while other tasks' units are not done; and the worker CPU
     seconds."""
-    groups, owner, (done, todo, per_unit) = _plan_units(cfg, files, records, work, unit_bytes, merge)
+    groups, owner, (done, todo, per_unit) = _plan_units(d, files, records, work, unit_bytes, merge)
     if not merge:  # a merge tokenizes nothing: it only checks and joins the tasks' units
-        announce(cfg.data, [f for _, g, _ in todo for f in g], pool._processes if pool is not None else 1)
+        announce(d, [f for _, g, _ in todo for f in g], pool._processes if pool is not None else 1)
     progress = Progress(sum(text_size(f) for _, g, _ in todo for f in g), show_progress)
     limit = 2 * (pool._processes if pool is not None else 1)  # bounded memory: few chunks in flight
     held: dict[int, SharedFlock] = {}  # the locks of the units being written, released with their records
@@ -155,7 +155,7 @@ def encode_units(
                 continue  # finished by the process we waited for
             stream.acc[k] = []
             progress.start_unit(k, sum(text_size(f) for f in group))
-            batches = iter_documents(group, cfg.data.text_key, cache, DocSplit(cfg.data.split).value)
+            batches = iter_documents(group, d.text_key, cache, DocSplit(d.split).value)
             for c, (docs, chars) in enumerate(_chunks(batches, chunk_chars)):
                 task = (tok_path, str(work), f"shard_{k:05d}_{c:05d}", docs)
                 res = (
@@ -177,7 +177,7 @@ def encode_units(
     cpu = progress.worker_cpu if pool is not None else 0.0
     missing = _still_missing(work, done, per_unit)
     if missing:
-        return {"task": cfg.data.task, "missing": missing, "tasks": owner, "units": len(groups)}, cpu
+        return {"task": d.task, "missing": missing, "tasks": owner, "units": len(groups)}, cpu
     return [s for k in sorted(done) for s in done[k]["shards"]], cpu
 
 

@@ -43,7 +43,7 @@ train.device train.global_batch_size train.log_interval train.max_bad_steps trai
 train.micro_batch_size train.precision
 train.seed train.eval_interval train.eval_iters train.hang_timeout_s train.compile train.compile_timeout_s
 train.recompute
-train.dist_timeout_s train.signal_check_interval train.threads train.fp8_head
+train.dist_timeout_s train.signal_check_interval train.threads train.fp8_head train.fused_head_loss
 train.sample_interval train.sample_prompts train.sample_tokens
 train.downstream_interval train.downstream_tasks train.downstream_include_path train.downstream_limit
 train.downstream_batch_size
