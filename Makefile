@@ -28,16 +28,8 @@ data/demo/prepared/meta.json:
 train: data
 	MEGAFRAME_RUN_NAME=$(RUN) $(PY) train.py $(ARGS)
 
-# Every test. The unit tests (one process each, mostly single-threaded) run on two pytest-xdist workers;
-# the multi-rank, end-to-end and Slurm tests then run one at a time: they start their own ranks and need
-# the cores. With ARGS (a file, -k ...), one plain pytest run of what ARGS names.
-ifeq ($(strip $(ARGS)),)
-test: $(VENV)/.installed lint
-	$(PY) -m pytest -q -rs -n 2 tests/unit && $(PY) -m pytest -q -rs --ignore=tests/unit
-else
 test: $(VENV)/.installed lint
 	$(PY) -m pytest -q -rs $(ARGS); rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
-endif
 
 # ruff (pyflakes, pycodestyle, import order, bugbear; pyproject.toml [tool.ruff]) and ruff's formatter at 110
 # columns (check only): seconds, before the tests
