@@ -1,6 +1,11 @@
+import fcntl
 import os
+import sys
+from pathlib import Path
 
 import pytest
+
+from tests.e2e.helpers import ROOT, run
 
 # Tests never reach the network: wandb offline (or disabled per test), no hub downloads.
 os.environ.setdefault("WANDB_MODE", "offline")
@@ -24,6 +29,32 @@ def pool():
     if _pool is None or _pool.broken:
         _pool = RankPool(4)
     yield _pool
+
+
+@pytest.fixture(scope="session")
+def demo_prepared() -> Path:
+    """The demo corpus prepared in the checkout, as `make data` leaves it (a fresh clone has none: CI runs
+    `make test`, not `make data`). Prepared once per session (~15 s on 2 cores) for every test that reads
+    it: the docs' journey, the rollback runs, the corrupt-data copies. Tests only read it (a test that
+    damages data damages its own copy)."""
+    path = ROOT / "data" / "demo" / "prepared"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # `make test` runs two pytest workers: the first to ask prepares, the other waits and finds it done
+    with open(path.parent / ".prepare-by-tests.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (path / "meta.json").is_file():
+            res = run([sys.executable, "-m", "megaframe.data.prepare"], timeout=300)
+            assert res.returncode == 0, res.stderr[-2000:]
+    return path
+
+
+def pytest_collection_modifyitems(config, items):
+    """`make test` spreads the tests over two pytest-xdist workers (`--dist loadgroup`, one test per unit of
+    work). The Slurm tests share the two-node local cluster, so they run on one worker, one after the other,
+    as one group: started first (xdist orders groups by size), their waits on slurmctld overlap other work."""
+    for item in items:
+        if item.nodeid.startswith("tests/slurm/"):
+            item.add_marker(pytest.mark.xdist_group("slurm"))
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -23,17 +23,20 @@ from tests.slurm.wandb_history import segments
 
 pytestmark = [pytest.mark.slurm, pytest.mark.e2e]
 
-# ~60 s of training on 4 ranks / 2 idle cores: still training when the warning comes (<= 30 s after asking);
-# a larger batch than TINY's keeps float32 reduction-order noise far below 1e-5 over all the steps
-STEPS = 300
+# ~60 s of training on 4 ranks: still training when the warning comes (<= 30 s after asking). Each step
+# sleeps 0.5 s on every rank (the fault injector, counted as compute): the run lasts as long as a real
+# one without burning the cores the rest of the suite runs on; a larger batch than TINY's keeps float32
+# reduction-order noise far below 1e-5 over all the steps
+STEPS = 80
+SLOW_STEPS = {"MEGAFRAME_INJECT": "sleep:seconds=0.5"}
 OVER = [
     "data=synthetic",
     *TINY,
-    "train.global_batch_size=32",
+    "train.global_batch_size=16",
     "train.micro_batch_size=4",
     f"train.max_steps={STEPS}",
     "train.log_interval=1",
-    "checkpoint.interval=100",
+    "checkpoint.interval=30",
 ]
 
 
@@ -65,6 +68,7 @@ def test_two_nodes_signal_checkpoint_requeue_resume_continuous_history(slurm_clu
         ["--job-name=mf-requeue", "--nodes=2", "--ntasks-per-node=2", "--time=10", "--signal=USR1@90"],
         [*OVER, "parallel.tp=2", "logging.wandb.mode=offline"],
         cwd=tmp_path,
+        **SLOW_STEPS,
     )
     name = f"mf-requeue-{job}"
     run_dir, out = tmp_path / "outputs" / name, tmp_path / f"mf-requeue-{job}.out"

@@ -15,7 +15,6 @@ from megaframe.config import ConfigError, load_config
 from megaframe.runops.signals import continue_command
 
 ROOT = Path(__file__).resolve().parents[3]
-DEMO = ROOT / "data" / "demo" / "prepared"
 
 
 def test_threads_come_from_the_key_then_omp_then_cores_over_local_ranks():
@@ -64,17 +63,16 @@ def test_header_labels_precision_schedule_and_fp8_warnings():
     assert precision_warnings(cfg("train.precision=bf16"), "cpu") == []
 
 
-@pytest.mark.skipif(not (DEMO / "meta.json").is_file(), reason="the demo corpus is not prepared (make data)")
-def test_header_names_the_validation_split_it_holds_out():
+def test_header_names_the_validation_split_it_holds_out(demo_prepared):
     from megaframe.data.dataset import build_data
     from megaframe.training.startup import held_out_label
 
-    cfg = load_config(["data=demo", f"data.path={DEMO}", "data.valid_fraction=0.05"], world_size=1)
+    cfg = load_config(["data=demo", f"data.path={demo_prepared}", "data.valid_fraction=0.05"], world_size=1)
     train, valid = build_data(cfg), build_data(cfg, split="valid")
     label = held_out_label(cfg, SimpleNamespace(evaluator=None, data=train))
     share = 100 * valid.num_samples / (valid.num_samples + train.num_samples)
     assert label == f" (+{valid.num_samples} held out for validation, {share:.1f}%)"
-    plain = load_config(["data=demo", f"data.path={DEMO}"], world_size=1)
+    plain = load_config(["data=demo", f"data.path={demo_prepared}"], world_size=1)
     assert held_out_label(plain, SimpleNamespace(evaluator=None, data=train)) == ""
 
 
