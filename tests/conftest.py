@@ -49,11 +49,16 @@ def demo_prepared() -> Path:
 
 
 def pytest_collection_modifyitems(config, items):
-    """`make test` spreads the tests over two pytest-xdist workers (`--dist loadgroup`, one test per unit of
-    work). The Slurm tests share the two-node local cluster, so they run on one worker, one after the other,
-    as one group: started first (xdist orders groups by size), their waits on slurmctld overlap other work."""
+    """`make test` runs two pytest-xdist workers (`--dist loadgroup`). The tests that start processes (the
+    rank pool, torchrun, train.py) are CPU-bound on 2 cores, and two of them at once run each ~1.9x slower
+    (gloo ranks wait for peers that are not scheduled), so they form one group that one worker runs in
+    order; the Slurm tests share the two-node local cluster and mostly wait on slurmctld, one group too.
+    The one-process unit tests go to whichever worker is free: beside the group, they fill its idle time."""
     for item in items:
-        if item.nodeid.startswith("tests/slurm/"):
+        folder = item.nodeid.split("/")[1] if item.nodeid.startswith("tests/") else ""
+        if folder in ("distributed", "e2e", "gpu"):
+            item.add_marker(pytest.mark.xdist_group("processes"))
+        elif folder == "slurm":
             item.add_marker(pytest.mark.xdist_group("slurm"))
 
 
