@@ -29,7 +29,7 @@ train: data
 	MEGAFRAME_RUN_NAME=$(RUN) $(PY) train.py $(ARGS)
 
 test: $(VENV)/.installed lint
-	$(PY) -m pytest -q -rs -n 2 --dist loadgroup $(ARGS); rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
+	$(PY) -m pytest -q -rs -n 2 $(ARGS); rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
 
 # ruff (pyflakes, pycodestyle, import order, bugbear; pyproject.toml [tool.ruff]) and ruff's formatter at 110
 # columns (check only): seconds, before the tests
