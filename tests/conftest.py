@@ -48,18 +48,18 @@ def demo_prepared() -> Path:
     return path
 
 
-GROUPS = {"distributed": "processes", "e2e": "processes", "gpu": "processes", "slurm": "slurm"}
-"""How `make test`'s two pytest-xdist workers share the suite (`-n 2`). The tests that start processes
-(the rank pool, torchrun, train.py) are CPU-bound on 2 cores, and two of them at once each run ~1.9x slower
-(gloo ranks wait for peers that are not scheduled: measured over tests/distributed and tests/e2e), so they
-form one unit of work that one worker runs in order. The Slurm tests share the two-node local cluster and
-mostly wait on slurmctld: a unit of their own, on the other worker. Each one-process test is a unit: they
-go to whichever worker is free, filling the time the others wait."""
+PROCESS_FOLDERS = ("distributed", "e2e", "gpu", "slurm")
+"""How `make test`'s two pytest-xdist workers share the suite (`-n 2`). The tests of these folders start
+processes (the rank pool, torchrun, train.py, Slurm jobs) and are CPU-bound on 2 cores: two of them at once
+each ran ~1.5-1.9x slower (gloo ranks wait for peers that are not scheduled; measured over tests/distributed
+and tests/e2e) and the Slurm jobs up to 4x, so they form one unit of work that one worker runs in order
+(the Slurm tests share the two-node local cluster anyway). Each one-process test is a unit of its own:
+they go to the other worker and fill the time the process tests leave."""
 
 
 def _unit_of(nodeid: str) -> str:
     parts = nodeid.split("/", 2)
-    return GROUPS.get(parts[1], nodeid) if parts[0] == "tests" and len(parts) == 3 else nodeid
+    return "processes" if parts[0] == "tests" and len(parts) == 3 and parts[1] in PROCESS_FOLDERS else nodeid
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -69,7 +69,7 @@ def pytest_xdist_make_scheduler(config, log):
     from xdist.scheduler import LoadScopeScheduling
 
     class FolderUnits(LoadScopeScheduling):
-        """Largest unit first (xdist's reorder): the process tests start at once, the Slurm tests beside."""
+        """Largest unit first (xdist's reorder): the process tests start at once."""
 
         def _split_scope(self, nodeid: str) -> str:
             return _unit_of(nodeid)
