@@ -51,14 +51,32 @@ def demo_prepared() -> Path:
 PROCESS_FOLDERS = ("distributed", "e2e", "gpu", "slurm")
 """How `make test`'s two pytest-xdist workers share the suite (`-n 2`). The tests of these folders start
 processes (the rank pool, torchrun, train.py, Slurm jobs) and are CPU-bound on 2 cores: two of them at once
-each ran ~1.5-1.9x slower (gloo ranks wait for peers that are not scheduled; measured over tests/distributed
-and tests/e2e) and the Slurm jobs up to 4x, so they form one unit of work that one worker runs in order
-(the Slurm tests share the two-node local cluster anyway). Each one-process test is a unit of its own:
-they go to the other worker and fill the time the process tests leave."""
+each ran ~1.9x slower (gloo ranks wait for peers that are not scheduled; measured over tests/distributed and
+tests/e2e), so they form one unit of work that one worker runs in order (the Slurm tests also share the
+two-node local cluster). Each other test is a unit of its own: those go to the other worker and fill the
+time the process tests leave (measured: the pair does ~1.25x the work of one serial run)."""
+ONE_PROCESS_AT_A_TIME = (
+    "tests/e2e/test_checkpoint_pointer.py",
+    "tests/e2e/test_damaged_metadata.py",
+    "tests/e2e/test_data_resume_cli.py",
+    "tests/e2e/test_docs_commands.py",
+    "tests/e2e/test_full_disk.py",
+    "tests/e2e/test_full_disk_tools.py",
+    "tests/e2e/test_lost_work_cli.py",
+)
+"""End-to-end modules whose tests start one single-threaded process at a time (train.py, the tools): they
+share the cores like a unit test, so they fill the other worker too."""
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # One thread per process under two workers: torch's idle intra-op threads spin-wait for work and took
+    # the cores the other worker's ranks needed (measured: with 2 threads the pair ran slower than one
+    # serial run). Set before anything imports torch; every process a test starts inherits it.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def _unit_of(nodeid: str) -> str:
     parts = nodeid.split("/", 2)
+    if nodeid.split("::")[0] in ONE_PROCESS_AT_A_TIME:
+        return nodeid
     return "processes" if parts[0] == "tests" and len(parts) == 3 and parts[1] in PROCESS_FOLDERS else nodeid
 
 

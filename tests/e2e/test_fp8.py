@@ -1,4 +1,4 @@
-"""train.precision=fp8 (torchao float8 GEMMs in the blocks' linears and the head) trains like bf16: 50 steps
+"""train.precision=fp8 (torchao float8 GEMMs in the blocks' linears and the head) trains like bf16: 20 steps
 of a tiny model within 2 % of bf16's final loss, tensorwise and rowwise, at one process and at tp2·sp, pp2
 and zero=3 dp2 (its float8 weights gathered as float8); an fp8 checkpoint resumes at bf16 and a bf16 one
 at fp8 (parameters are bf16 in both)."""
@@ -13,10 +13,10 @@ pytestmark = pytest.mark.e2e
 OVER = [
     "data=synthetic",
     *TINY,
-    "train.max_steps=50",
-    "train.log_interval=50",
+    "train.max_steps=20",
+    "train.log_interval=20",
     "optim.zero=1",
-    "checkpoint.interval=50",
+    "checkpoint.interval=20",
 ]
 
 
@@ -34,7 +34,7 @@ def bf16(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def fp8_one(tmp_path_factory):
-    """fp8 at one process, tensorwise (the default recipe), saved at step 50: a case of the comparison below
+    """fp8 at one process, tensorwise (the default recipe), saved at step 20: a case of the comparison below
     and the fp8 checkpoint the resume test loads at bf16."""
     out = tmp_path_factory.mktemp("fp8")
     res = train(OVER + ["train.precision=fp8", "train.fp8_recipe=tensorwise", f"run.dir={out}"])
@@ -76,8 +76,8 @@ def test_fp8_and_bf16_checkpoints_resume_each_other(tmp_path, bf16, fp8_one):
             OVER
             + [
                 f"train.precision={precision}",
-                "train.max_steps=52",
-                f"checkpoint.resume={src / 'checkpoints' / 'step_00000050'}",
+                "train.max_steps=22",
+                f"checkpoint.resume={src / 'checkpoints' / 'step_00000020'}",
                 f"run.dir={tmp_path / precision}",
             ]
         )
