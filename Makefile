@@ -28,6 +28,7 @@ data/demo/prepared/meta.json:
 train: data
 	MEGAFRAME_RUN_NAME=$(RUN) $(PY) train.py $(ARGS)
 
+# two pytest-xdist workers: the process-starting tests in order on one, the rest beside (tests/workers.py)
 test: $(VENV)/.installed lint
 	$(PY) -m pytest -q -rs -n 2 $(ARGS); rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
 

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import workers
 from tests.e2e.helpers import ROOT, run
 
 # Tests never reach the network: wandb offline (or disabled per test), no hub downloads.
@@ -16,6 +17,11 @@ os.environ.pop("WANDB_API_KEY", None)
 # Point-to-point transfers follow NCCL's rules on gloo (DESIGN §1.3c, parallel/p2p_semantics.py): the rank
 # pool and every torchrun a test starts inherit it, so each pipeline test checks what a GPU run needs.
 os.environ.setdefault("MEGAFRAME_P2P_SEMANTICS", "nccl")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # One thread per process under two workers: torch's idle intra-op threads spin-wait for work and took
+    # the cores the other worker's ranks needed (measured: with 2 threads the pair ran slower than one
+    # serial run). Set before anything imports torch; every process a test starts inherits it.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 _pool = None
 
@@ -48,68 +54,17 @@ def demo_prepared() -> Path:
     return path
 
 
-PROCESS_FOLDERS = ("distributed", "e2e", "gpu")
-"""How `make test`'s two pytest-xdist workers share the suite (`-n 2`). The tests of these folders start
-processes (the rank pool, torchrun, train.py) and are CPU-bound on 2 cores: two of them at once each ran
-~1.9x slower (gloo ranks wait for peers that are not scheduled; measured over tests/distributed and
-tests/e2e), so they form one unit of work that one worker runs in order. The Slurm tests share the two-node
-local cluster and mostly wait (slurmctld's checks, requeues, sleeping steps): one unit, scheduled last, so
-their waits overlap the process tests' tail. Each other test is a unit of its own: those fill the other
-worker (measured: the pair does ~1.25x the work of one serial run)."""
-ONE_PROCESS_AT_A_TIME = (
-    "tests/e2e/test_checkpoint_pointer.py",
-    "tests/e2e/test_damaged_metadata.py",
-    "tests/e2e/test_data_resume_cli.py",
-    "tests/e2e/test_demo_pipeline.py",
-    "tests/e2e/test_docs_commands.py",
-    "tests/e2e/test_full_disk.py",
-    "tests/e2e/test_full_disk_tools.py",
-    "tests/e2e/test_lost_work_cli.py",
-    "tests/e2e/test_user_guidance_cli.py",
-)
-"""End-to-end modules whose tests start one single-threaded process at a time (train.py, the tools): they
-share the cores like a unit test, so they fill the other worker too."""
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    # One thread per process under two workers: torch's idle intra-op threads spin-wait for work and took
-    # the cores the other worker's ranks needed (measured: with 2 threads the pair ran slower than one
-    # serial run). Set before anything imports torch; every process a test starts inherits it.
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-
-
-def _folder(nodeid: str) -> str:
-    parts = nodeid.split("/", 2)
-    return parts[1] if parts[0] == "tests" and len(parts) == 3 else ""
-
-
-def _unit_of(nodeid: str) -> str:
-    if nodeid.split("::")[0] in ONE_PROCESS_AT_A_TIME:
-        return nodeid
-    folder = _folder(nodeid)
-    return "processes" if folder in PROCESS_FOLDERS else "slurm" if folder == "slurm" else nodeid
-
-
 def pytest_collection_modifyitems(config, items):
     """Under the workers, the process tests first and the Slurm tests last: the scheduler hands out units in
     collection order (a stable sort: within each part the tests keep theirs)."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
         first = {"processes": 0, "slurm": 2}
-        items.sort(key=lambda item: first.get(_unit_of(item.nodeid), 1))
+        items.sort(key=lambda item: first.get(workers.unit_of(item.nodeid), 1))
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    # xdist's own `loadgroup` marks do not reach the scheduler under pytest 9 (xdist renames
-    # `item._nodeid`, pytest 9 reads `item._id`): the units are chosen from the path instead
-    from xdist.scheduler import LoadScopeScheduling
-
-    class FolderUnits(LoadScopeScheduling):
-        """Units in collection order (no reorder by size): the process tests first, the Slurm tests last."""
-
-        def _split_scope(self, nodeid: str) -> str:
-            return _unit_of(nodeid)
-
-    config.option.loadscopereorder = False
-    return FolderUnits(config, log)
+    return workers.scheduler(config, log)
 
 
 def pytest_sessionfinish(session, exitstatus):

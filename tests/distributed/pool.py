@@ -100,19 +100,38 @@ class RankPool:
         HSDP shard group size (0 = dp)."""
         assert not self.broken, "pool broken by an earlier timeout"
         assert n <= self.size
-        for c in self.conns:
-            c.send((fn, tp, pp, n, args, ep, p2p, shard, cp))
+        try:
+            for c in self.conns:
+                c.send((fn, tp, pp, n, args, ep, p2p, shard, cp))
+        except OSError as e:  # a worker that died since the last job: the next test gets a fresh pool
+            raise self._died(e) from e
         results, errors = [], []
         for r, c in enumerate(self.conns):
             if not c.poll(timeout):
                 self.broken = True
                 self.close()
                 raise TimeoutError(f"rank {r} gave no result in {timeout}s")
-            ok, val = c.recv()
+            try:
+                ok, val = c.recv()
+            except (EOFError, OSError) as e:  # it died in this job (a crash: exit code -11 is SIGSEGV)
+                raise self._died(e) from e
             (results if ok else errors).append(val if ok else f"rank {r}:\n{val}")
         if errors:
             raise RuntimeError("\n".join(errors))
         return results[:n]
+
+    def _died(self, e: BaseException) -> RuntimeError:
+        """Mark the pool broken (the `pool` fixture then starts a new one), say which workers died how and
+        end the others (they may wait in a collective with the dead one)."""
+        self.broken = True
+        for p in self.procs:  # the dead one's exit code is there once it is reaped
+            p.join(timeout=0.5)
+        codes = {r: p.exitcode for r, p in enumerate(self.procs) if p.exitcode is not None}
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+            p.join(timeout=10)
+        return RuntimeError(f"a pool worker died ({e!r}); exit codes of the dead ranks: {codes}")
 
     def close(self) -> None:
         for c, p in zip(self.conns, self.procs):
