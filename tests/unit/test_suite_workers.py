@@ -10,7 +10,7 @@ from tests.e2e.helpers import ROOT
 from tests.workers import ONE_PROCESS_AT_A_TIME, unit_of
 
 # what starts several training processes at once in a test module's own code
-LAUNCHES_RANKS = re.compile(r"nproc\s*=\s*[2-9]|torch\.distributed\.run|--nproc-per-node|\bpool\b|sbatch\(")
+LAUNCHES_RANKS = re.compile(r"\bnproc\b|torch\.distributed\.run|--nproc-per-node|\bpool\b|sbatch\(")
 
 
 def test_process_tests_share_one_unit_and_the_rest_are_their_own():
