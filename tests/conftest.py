@@ -55,11 +55,9 @@ def demo_prepared() -> Path:
 
 
 def pytest_collection_modifyitems(config, items):
-    """Under the workers, the process tests first and the Slurm tests last: the scheduler hands out units in
-    collection order (a stable sort: within each part the tests keep theirs)."""
+    """Under the workers, the order the scheduler hands out units in (tests/workers.py)."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
-        first = {"processes": 0, "slurm": 2}
-        items.sort(key=lambda item: first.get(workers.unit_of(item.nodeid), 1))
+        items.sort(key=lambda item: workers.position(item.nodeid))
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -38,6 +38,12 @@ def unit_of(nodeid: str) -> str:
     return "processes" if folder in PROCESS_FOLDERS else "slurm" if folder == "slurm" else nodeid
 
 
+def position(nodeid: str) -> int:
+    """Where a test goes in the collection order the scheduler hands out: process tests, then the rest,
+    then the Slurm tests (sort by it stably: within each part the tests keep their order)."""
+    return {"processes": 0, "slurm": 2}.get(unit_of(nodeid), 1)
+
+
 def scheduler(config, log):
     """xdist's scope scheduler over these units, in collection order (no reorder by size): the process tests
     first, the Slurm tests last. xdist's own `loadgroup` marks do not reach its scheduler under pytest 9

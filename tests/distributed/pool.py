@@ -98,7 +98,7 @@ class RankPool:
         """Run fn(mesh, *args) on ranks [0, n) with the given layout; returns their results in rank order.
         `p2p` (native | nccl) overrides the suite's point-to-point semantics for this job's mesh; `shard`:
         HSDP shard group size (0 = dp)."""
-        assert not self.broken, "pool broken by an earlier timeout"
+        assert not self.broken, "pool broken by an earlier timeout or a dead worker"
         assert n <= self.size
         try:
             for c in self.conns:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 
 from tests.e2e.helpers import ROOT
-from tests.workers import ONE_PROCESS_AT_A_TIME, unit_of
+from tests.workers import ONE_PROCESS_AT_A_TIME, position, unit_of
 
 # what starts several training processes at once in a test module's own code
 LAUNCHES_RANKS = re.compile(r"\bnproc\b|torch\.distributed\.run|--nproc-per-node|\bpool\b|sbatch\(")
@@ -23,6 +23,9 @@ def test_process_tests_share_one_unit_and_the_rest_are_their_own():
         "tests/e2e/test_docs_commands.py::test_page_commands_run_in_order[README.md]",
     ):
         assert unit_of(nodeid) == nodeid
+    # handed out in this order: the process tests first, the Slurm tests last
+    ids = ("tests/e2e/test_fp8.py::t", "tests/unit/test_plot.py::t", "tests/slurm/test_sweep.py::t")
+    assert [position(nodeid) for nodeid in ids] == [0, 1, 2]
 
 
 def test_the_one_process_modules_exist_and_start_no_ranks():
