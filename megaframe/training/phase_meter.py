@@ -11,14 +11,16 @@ held when the phase began and the phase's own transients), the quantity the plan
         the caching allocator's own count of the bytes handed to tensors.
   cpu   the bytes held at the phase's start (the rank's state: parameters, gradients and optimizer state
         as memory_figures counts them, once `track` names them; nothing before start-up), plus the peak of
-        the running sum of the CPU allocator's events recorded by torch.profiler(profile_memory=True).
-        The allocator's events were chosen over a TorchDispatchMode: a dispatch mode sees the outputs of the
-        ops called on its own thread, but neither their frees (storages die in C++, after views and autograd
-        let go) nor the scratch a kernel allocates inside itself nor the copies a loader or writer thread
-        makes; the allocator sees every allocation and every free, on every thread, in order. The profiler
-        costs time while it records, which is why each phase is measured once.
+        the running sum of the CPU allocator's events recorded by the kineto profiler (profile_memory,
+        AllocatorProfile below). The allocator's events were chosen over a TorchDispatchMode: a dispatch
+        mode sees the outputs of the ops called, but neither their frees (storages die in C++, after views
+        and autograd let go) nor the scratch a kernel allocates inside itself; the allocator sees every
+        allocation and every free of the rank's thread, in order. The profiler costs time while it records,
+        which is why each phase is measured once.
 
-Not measured: memory outside tensors (the CUDA context, NCCL's buffers, Python objects, mmap'd data).
+Not measured: memory outside tensors (the CUDA context, NCCL's buffers, Python objects, mmap'd data), and on
+CPU the tensors of other threads (a loader's, the async checkpoint writer's): the profile follows the thread
+that starts it, and threads started from Python do not inherit it.
 """
 
 from __future__ import annotations
@@ -120,17 +122,47 @@ def _size(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
-def allocator_profile():
-    """A CPU profile recording the allocator's events. torch.autograd's profiler, not torch.profiler's
-    wrapper: the wrapper's start asks `hasattr(torch, "_inductor")`, which imports inductor and dynamo
-    (about a third of a one-step run's CPU time) into a run that never compiles."""
-    import os
+def allocator_profile() -> "AllocatorProfile":
+    """A CPU profile recording the allocator's events (a context manager; `kineto_results` after it)."""
+    return AllocatorProfile()
 
-    from torch.autograd.profiler import profile
 
-    # kineto prints a line at each profiler start and stop unless told otherwise (read at its first start)
-    os.environ.setdefault("KINETO_LOG_LEVEL", "99")
-    return profile(use_cpu=True, use_kineto=True, profile_memory=True)
+class AllocatorProfile:
+    """The kineto profiler with memory events on and every operator callback off.
+
+    Operator records are not wanted here, and they made the profile unsafe under gloo: a collective started
+    while an operator callback is installed carries the profile (its thread-local state) to gloo's worker
+    thread, which opens and closes its record there, and a record closed after the profile ended writes into
+    freed memory (SIGSEGV in `~TorchOpStorage` or heap corruption, at random, in ranks that measured a phase;
+    checked by tests/distributed/test_memory_profile_gloo.py). Listening to one scope no code uses
+    (LITE_INTERPRETER) leaves the allocator's events, reported on this thread, as the profile's only content.
+
+    torch.autograd's profiler API rather than torch.profiler's wrapper: the wrapper's start asks
+    `hasattr(torch, "_inductor")`, which imports inductor and dynamo (about a third of a one-step run's CPU
+    time) into a run that never compiles."""
+
+    def __init__(self):
+        self.kineto_results = None
+
+    def __enter__(self) -> "AllocatorProfile":
+        import os
+
+        from torch._C._profiler import ProfilerActivity, RecordScope, _ExperimentalConfig
+        from torch.autograd import ProfilerConfig, ProfilerState, _enable_profiler, _prepare_profiler
+
+        # kineto prints a line at each profiler start and stop unless told otherwise (read at its first start)
+        os.environ.setdefault("KINETO_LOG_LEVEL", "99")
+        # state, record shapes, profile memory, with stack, with flops, with modules, experimental
+        config = ProfilerConfig(ProfilerState.KINETO, False, True, False, False, False, _ExperimentalConfig())
+        cpu = {ProfilerActivity.CPU}
+        _prepare_profiler(config, cpu)
+        _enable_profiler(config, cpu, {RecordScope.LITE_INTERPRETER})
+        return self
+
+    def __exit__(self, *exc) -> None:
+        from torch.autograd import _disable_profiler
+
+        self.kineto_results = _disable_profiler()
 
 
 def running_peak(prof) -> int:
