@@ -368,7 +368,8 @@ def simulate(
         peak, peak_w, peak_mem = _static_checks(g, w_fraction, vpp, m)
         replay = _Replay(g, sends, tuple(costs.of(k, split) for k in COMPUTE))
         makespan = replay.run()
-        timeline = [list(zip(s, o)) for s, o in zip(replay.starts, g.orders)]  # as many tuples again
+        # still paused: the timeline is as many small acyclic tuples again as the replay made
+        timeline = [list(zip(s, o)) for s, o in zip(replay.starts, g.orders)]
     for r in range(pp):
         if peak[r] > activation_bound(kind, pp, vpp, m, r):
             raise ScheduleError(
