@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
 import os
@@ -24,7 +25,7 @@ def _fmt_duration(s: float) -> str:
 class Tracker:
     """Appends one JSON line per logged step, prints a readable line, mirrors to wandb (if enabled)."""
 
-    def __init__(self, cfg, run_dir: str, active: bool, max_steps: int):
+    def __init__(self, cfg, run_dir: str, active: bool, max_steps: int, owner: str = ""):
         self.active, self.max_steps = active, max_steps
         self.schedule = cfg.optim.lr_schedule.value
         self.wandb_run = None
@@ -37,7 +38,7 @@ class Tracker:
         # line-buffered: every row reaches the file as it is logged
         self.file = open(self.path, "a", buffering=1)
         if cfg.logging.wandb.mode != "disabled":
-            self.wandb_run = _start_wandb(cfg, run_dir)
+            self.wandb_run = _start_wandb(cfg, run_dir, owner)
 
     def log(self, metrics: dict, start_step: int) -> None:
         if not self.active:
@@ -115,23 +116,33 @@ class Tracker:
             self.wandb_run = None
 
 
-def _start_wandb(cfg, run_dir: str):
-    """Offline/online run with an id derived from the run name, so restarts continue the same run."""
+def wandb_id(owner: str, name: str) -> str:
+    """The wandb run id of a run folder: from its recorded identity (`owner`, ${run.dir}/megaframe.run_id,
+    written at its first start: runops/access/owner.py), so every start in that folder, whatever launched
+    it, continues one wandb run and another folder never joins it; the run name without one. Only the
+    characters wandb accepts in an id, at most 64 (a long one keeps its start and a hash of the whole)."""
+    clean = re.sub(r"[^A-Za-z0-9_-]", "-", owner or name)
+    if len(clean) <= 64:
+        return clean
+    return f"{clean[:55]}-{hashlib.sha256((owner or name).encode()).hexdigest()[:8]}"
+
+
+def _start_wandb(cfg, run_dir: str, owner: str = ""):
+    """Offline/online run with the run folder's id, so restarts continue the same run."""
     try:
         import wandb
     except ImportError:
         print("megaframe: warning: wandb not installed; logging to metrics.jsonl only", file=sys.stderr)
         return None
-    # only characters wandb accepts in an id, at most 64: the same run name gives the same id after a restart
-    run_id = re.sub(r"[^A-Za-z0-9_-]", "-", cfg.run.name)[:64]
     os.environ.setdefault("WANDB_SILENT", "true")  # its banner would break up the step lines
     return wandb.init(
         project=cfg.logging.wandb.project,
         entity=cfg.logging.wandb.entity,
         mode=cfg.logging.wandb.mode,
         dir=run_dir,
-        id=run_id,
-        name=cfg.run.name,
+        id=wandb_id(owner, cfg.run.name),
+        # the name of the folder's first start: a later start with only run.dir given has a new default name
+        name=owner.rpartition("@")[0] or cfg.run.name,
         resume="allow",
         config=plain(cfg),
     )

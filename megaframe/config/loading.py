@@ -11,8 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import hashlib
 import os
 import re
+import socket
+import time
+from pathlib import Path
 from typing import Optional
 
 from megaframe.config.frozen import freeze
@@ -59,25 +63,70 @@ def _register() -> None:
     if not OmegaConf.has_resolver("mf_root"):
         OmegaConf.register_new_resolver("mf_root", lambda: str(ROOT))
     if not OmegaConf.has_resolver("mf_run_name"):
-        OmegaConf.register_new_resolver("mf_run_name", default_run_name)
+        # cached on the composed config: run.name, run.dir and checkpoint.dir each interpolate it, and
+        # every call gives a new timestamp; one value per load is the run's one name (a second load, a
+        # second start, gets its own)
+        OmegaConf.register_new_resolver("mf_run_name", default_run_name, use_cache=True)
 
 
-def default_run_name() -> str:
-    """MEGAFRAME_RUN_NAME, else torchrun's run id (stable across its restarts), else a unique timestamp.
+def default_run_name(env=None) -> str:
+    """MEGAFRAME_RUN_NAME, else a name from torchrun's run (the same for all its workers and restarts),
+    else a unique timestamp. Called once per load_config (the resolver is cached on the composed config).
 
-    Ranks may disagree on a timestamp; the trainer broadcasts rank 0's run dir after init.
+    Ranks of a multi-node launch may disagree on a timestamp; the trainer broadcasts rank 0's name and
+    folders after init, so every rank writes under one name.
     """
-    import time
-
-    name = os.environ.get("MEGAFRAME_RUN_NAME") or os.environ.get("TORCHELASTIC_RUN_ID", "")
+    env = os.environ if env is None else env
+    name = env.get("MEGAFRAME_RUN_NAME", "")
     if name and name != "none":
         return name
+    elastic = env.get("TORCHELASTIC_RUN_ID", "")
+    if elastic:
+        return torchrun_run_name(elastic) or elastic
     # two jobs started in the same second must not share a run dir: milliseconds, then the Slurm job id
     # (unique per job) or a random suffix
     now = time.time()
     stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now)) + f".{int(now * 1000) % 1000:03d}"
-    job = os.environ.get("SLURM_JOB_ID")
+    job = env.get("SLURM_JOB_ID")
     return f"{stamp}-{f'job{job}' if job else os.urandom(3).hex()}"
+
+
+_UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+
+
+def torchrun_run_name(run_id: str, agent_pid: int | None = None) -> str | None:
+    """A readable name for torchrun's own run id: `--standalone` makes a UUID and a plain torchrun says
+    "none". Both become the start time of the torchrun agent (this worker's parent, which outlives its
+    workers' restarts) and a suffix from the id and the agent (two torchruns started in the same second
+    differ). None for an id the user chose (`--rdzv-id=...`: used as it is) or when the agent's start
+    time cannot be read (no /proc: then the id itself)."""
+    if run_id != "none" and not _UUID.fullmatch(run_id):
+        return None
+    pid = os.getppid() if agent_pid is None else agent_pid
+    started = process_start_time(pid)
+    if started is None:
+        return None
+    tag = hashlib.sha256(f"{run_id}|{socket.gethostname()}|{pid}|{started}".encode()).hexdigest()[:6]
+    return time.strftime("%Y%m%d-%H%M%S", time.localtime(started)) + f"-{tag}"
+
+
+def process_start_time(pid: int) -> float | None:
+    """When process `pid` started (seconds since the epoch), from /proc; None where there is none."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        boot = next(
+            float(line.split()[1])
+            for line in Path("/proc/stat").read_text().splitlines()
+            if line.startswith("btime ")
+        )
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+    # field 22 (starttime, clock ticks since boot) counted after the command name's closing parenthesis
+    fields = stat[stat.rindex(")") + 2 :].split()
+    try:
+        return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    except (IndexError, ValueError, OSError):
+        return None
 
 
 def load_config(overrides: list[str], world_size: Optional[int] = None, check_data: bool = True) -> Config:

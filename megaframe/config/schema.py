@@ -311,7 +311,8 @@ class LoggingConfig(Frozen):
 @dataclass
 class RunConfig(Frozen):
     name: str = "dev"
-    """Run name; the wandb id and default run dir derive from it."""
+    """Run name, one per start; the default run dir derives from it (the wandb id from the run dir's
+    recorded identity, megaframe.run_id)."""
     dir: str = "outputs/${run.name}"
     """Output folder shared by every rank: metrics.jsonl, config.yaml, checkpoints."""
 

@@ -45,7 +45,7 @@ class RunGuard:
 
     def report_stop(self, step: int) -> None:
         if self.mesh.is_logger:  # one line for the run, not one per rank
-            self.stop.report(step, continue_command(self.run_name))
+            self.stop.report(step, continue_command(self.run_name, signum=self.stop.signum))
 
     def close(self) -> None:
         if self.watchdog is not None:

@@ -85,19 +85,27 @@ class StopFlag:
         )
 
 
-def continue_command(run_name: str, argv: list[str] | None = None, env=None) -> str:
+def continue_command(
+    run_name: str, argv: list[str] | None = None, env=None, signum: int | None = None
+) -> str:
     """How to continue this run from the checkpoint just saved: the same command with the run's name (a
     default name is a new timestamp at every start; not needed where the command sets run.dir) and without a
-    checkpoint.resume path (the default, auto, takes the newest checkpoint of the run)."""
+    checkpoint.resume path (the default, auto, takes the newest checkpoint of the run). Inside
+    pretrain.sbatch (MEGAFRAME_JOB_SCRIPT, the script as submitted) the pre-timeout SIGUSR1 stop is
+    followed by the job's own requeue: that is said instead of a command to type."""
     env = os.environ if env is None else env
     argv = list(sys.argv[1:] if argv is None else argv)
     args = [a for a in argv if not a.lstrip("+~").startswith(("run.name=", "checkpoint.resume="))]
     if not any(a.lstrip("+").startswith("run.dir=") for a in argv):  # run.dir names the run's folder itself
         args.append(f"run.name={run_name}")
-    if env.get("SLURM_JOB_ID"):  # pretrain.sbatch requeues by itself; a resubmission names the run
+    if env.get("SLURM_JOB_ID"):
+        script = env.get("MEGAFRAME_JOB_SCRIPT")
+        if script and signum == signal.SIGUSR1:
+            return f"; {os.path.basename(script)} requeues job {env['SLURM_JOB_ID']} to continue it"
+        # a resubmission names the run: the script's own default name is the new job's id
         return (
             f"; continue with: MEGAFRAME_RUN_NAME={shlex.quote(run_name)} "
-            "sbatch scripts/slurm/pretrain.sbatch "
+            f"sbatch {shlex.quote(script) if script else '<your job script>'} "
         ) + shlex.join(a for a in args if not a.startswith("run.name="))
     world = int(env.get("WORLD_SIZE", "1"))
     nodes = world // max(int(env.get("LOCAL_WORLD_SIZE", world)), 1)

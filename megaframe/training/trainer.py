@@ -146,7 +146,7 @@ class Loop:
 
     def __init__(self, cfg: Config, mesh: Mesh, su: Setup, guard: RunGuard, ids: tuple[str, str]):
         self.cfg, self.mesh, self.su, self.guard, self.start = cfg, mesh, su, guard, su.resumed.step
-        self.tracker = Tracker(cfg, cfg.run.dir, mesh.is_logger, cfg.train.max_steps)
+        self.tracker = Tracker(cfg, cfg.run.dir, mesh.is_logger, cfg.train.max_steps, ids[1])
         self.meters = Meter(cfg.model, su.derived, mesh, su.acct)
         # on CUDA the grad norms are read (a host sync) only at log steps; on CPU reading is free
         self.bad = BadSteps(cfg.train.max_bad_steps, mesh.rank == 0, defer=mesh.device.type == "cuda")

@@ -43,9 +43,12 @@ global batch in tokens (Llama 3: 1024 x 8192 = 8.4M; Llama 2's 4M tokens for `ll
 and for Mixtral, whose paper gives none (128 x 32768)); the tiny presets stay fp32 for CPU.
 Defaults below are those of `conf/config.yaml` with `model=gpt_tiny data=demo`; another preset may set other
 values (`python train.py model=NAME --cfg` shows them). `${{mf_run_name:}}` is `$MEGAFRAME_RUN_NAME`, else
-torchrun's run id, else a timestamp to the millisecond plus the Slurm job id or a random suffix; one job
-per `run.dir` (a second exits 2 naming the holder). `$WANDB_MODE` wins over `logging.wandb.mode`'s default
-unless the command line sets it.
+under torchrun the start time of its agent and a 6-hex tag (`--rdzv-id=NAME`: NAME), the same for every rank
+and restart, else a timestamp to the millisecond plus the Slurm job id or a random suffix; it is worked out
+once per start, so `run.name`, `run.dir` and `checkpoint.dir` name one run. One job per `run.dir` (a second
+exits 2 naming the holder); the folder's `megaframe.run_id`, written at its first start, is the run's
+identity: its checkpoints' owner and its wandb run id, the same at every later start in that folder.
+`$WANDB_MODE` wins over `logging.wandb.mode`'s default unless the command line sets it.
 """
 
 

@@ -30,16 +30,21 @@ SYN = [
 
 
 def test_ctrl_c_prints_the_command_that_continues_the_run(tmp_path):
+    """A plain `python train.py` (no run.dir, no MEGAFRAME_RUN_NAME): one name for the header's folder, the
+    checkpoints and the stop line, whose command continues that folder's run and its wandb run. Before: three
+    timestamps, and the printed command trained from step 1 in a third folder (and a second wandb id)."""
+    train_py = str(ROOT / "train.py")
+    wandb_env = env(WANDB_MODE="offline", WANDB_SILENT="true")
     proc = subprocess.Popen(
-        [sys.executable, "train.py", *SYN, "train.max_steps=100000", f"run.dir={tmp_path}"],
-        cwd=ROOT,
-        env=env(),
+        [sys.executable, train_py, *SYN, "logging.wandb.mode=offline", "train.max_steps=100000"],
+        cwd=tmp_path,
+        env=wandb_env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
     )
     t0 = time.time()
-    while not list(tmp_path.glob("config.yaml")) or time.time() - t0 < 1:
+    while not list(tmp_path.glob("outputs/*/config.yaml")) or time.time() - t0 < 1:
         assert proc.poll() is None and time.time() - t0 < 120, proc.stdout.read()
         time.sleep(0.2)
     proc.send_signal(signal.SIGINT)
@@ -47,31 +52,42 @@ def test_ctrl_c_prints_the_command_that_continues_the_run(tmp_path):
     assert proc.returncode == 0, out[-2000:]
     assert "zero=1 (optimizer state sharded over dp=1)" in out, out[:2000]  # F10: before, no ZeRO stage
     stop = re.search(
-        r"stopping at step (\d+) after SIGINT; checkpoint saved; continue with: (python train\.py .*)", out
+        r"stopping at step (\d+) after SIGINT; checkpoint saved; continue with: python train\.py (.*)", out
     )
     assert stop, out[-2000:]  # before: "...; checkpoint saved" and nothing on how to go on
     step, cmd = int(stop.group(1)), shlex.split(stop.group(2))
-    # the user's arguments; run.dir names the run, so no run.name (it is needed only without run.dir: a
-    # default name is a new timestamp at every start)
-    assert (
-        not [a for a in cmd if a.startswith("run.name=")]
-        and f"run.dir={tmp_path}" in cmd
-        and "optim.lr=3e-3" in cmd
-    )
+    (run_dir,) = [p.parent for p in tmp_path.glob("outputs/*/config.yaml")]  # one folder
+    name = run_dir.name
+    assert f"run outputs/{name} " in out and "optim.lr=3e-3" in cmd and f"run.name={name}" in cmd, out[:2000]
     # F11: the stop step has its row (before: the last log_interval row), and the save line precedes the
     # summary
-    assert metrics(tmp_path)[-1]["step"] == step
-    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == f"step_{step:08d}"
-    assert f"final loss {metrics(tmp_path)[-1]['loss']:.4f}" in out
-    assert out.index(f"checkpoint: {tmp_path}/checkpoints/step_{step:08d}") < out.index("run summary:")
+    assert metrics(run_dir)[-1]["step"] == step
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{step:08d}"
+    assert f"final loss {metrics(run_dir)[-1]['loss']:.4f}" in out
+    assert out.index(f"checkpoint: outputs/{name}/checkpoints/step_{step:08d}") < out.index("run summary:")
 
     # the printed command continues the run (two more steps); the lr horizon is the first start's 100000
-    res = run([sys.executable, *cmd[1:], f"train.max_steps={step + 2}"], timeout=180)
+    res = subprocess.run(
+        [sys.executable, train_py, *cmd, f"train.max_steps={step + 2}"],
+        cwd=tmp_path,
+        env=wandb_env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert res.returncode == 0, res.stderr[-2000:]
-    assert f"resumed from {tmp_path}/checkpoints/step_{step:08d}" in res.stdout + res.stderr
+    assert f"resumed from outputs/{name}/checkpoints/step_{step:08d}" in res.stdout + res.stderr
     # F9: before, a run ending before its recorded decay horizon said nothing
     assert f"train.max_steps={step + 2} < the decay horizon 100000" in res.stderr, res.stderr[-2000:]
-    assert metrics(tmp_path)[-1]["step"] == step + 2
+    assert metrics(run_dir)[-1]["step"] == step + 2
+    assert [p.parent for p in tmp_path.glob("outputs/*/config.yaml")] == [run_dir]
+    # one wandb run for the folder: both starts under the id its recorded identity gives
+    from tests.slurm.wandb_history import folder_run_id, segments
+
+    rid = folder_run_id(run_dir)
+    segs = segments(run_dir, None)
+    assert len(segs) == 2 and {s["id"] for s in segs} == {rid}, segs
+    assert rid.startswith(name.replace(".", "-"))
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,10 @@ protobufs behind a 7-byte `:W&B` header. Every resume of the same id (a Slurm re
 restart) writes a new directory; `wandb sync` uploads them in start-time order, so a run's history is
 their concatenation in that order.
 
-    python -m tests.slurm.wandb_history outputs/<run>     # prints the segments and their steps
+    python -m tests.slurm.wandb_history outputs/<run> [ID]   # prints the segments and their steps
+
+Without ID: the run folder's own wandb run (its id follows from ${run.dir}/megaframe.run_id, as the
+trainer derives it), else every offline run in the folder. Nothing found is an error (exit 2).
 """
 
 from __future__ import annotations
@@ -72,19 +75,21 @@ def read_run(path: Path) -> dict:
     return run
 
 
-def _segment_key(d: Path, run_id: str):
-    """(timestamp, restart suffix) of `offline-run-<YYYYmmdd_HHMMSS>-<id>[-N]`, None for another id."""
+def _segment_key(d: Path, run_id: str | None):
+    """(timestamp, restart suffix) of `offline-run-<YYYYmmdd_HHMMSS>-<id>[-N]`, None for another id (any
+    id when `run_id` is None)."""
     rest = d.name[len("offline-run-") :]
     stamp, _, tail = rest.partition("-")
-    if tail == run_id:
+    if run_id is None or tail == run_id:
         return stamp, 0
     if tail.startswith(run_id + "-") and tail[len(run_id) + 1 :].isdigit():
         return stamp, int(tail[len(run_id) + 1 :])  # a restart within the same second
     return None
 
 
-def segments(run_dir: Path, run_id: str) -> list[dict]:
-    """Every offline-run segment of `run_id` under run_dir (or run_dir/wandb), oldest first."""
+def segments(run_dir: Path, run_id: str | None) -> list[dict]:
+    """Every offline-run segment of `run_id` (of any id: None) under run_dir (or run_dir/wandb), oldest
+    first."""
     base = Path(run_dir)
     if (base / "wandb").is_dir():
         base = base / "wandb"
@@ -97,10 +102,33 @@ def history(run_dir: Path, run_id: str) -> list[dict]:
     return [row for seg in segments(run_dir, run_id) for row in seg["history"]]
 
 
-if __name__ == "__main__":
-    d = Path(sys.argv[1])
-    rid = sys.argv[2] if len(sys.argv) > 2 else d.name
-    for seg in segments(d, rid):
+def folder_run_id(run_dir: Path) -> str | None:
+    """The wandb id the trainer gives the run folder's run (megaframe/tracking.py: wandb_id), or None for a
+    folder without a recorded run id."""
+    from megaframe.runops.access.owner import read_id
+    from megaframe.tracking import wandb_id
+
+    owner = read_id(run_dir)
+    return wandb_id(owner, "") if owner else None
+
+
+def main(argv: list[str]) -> int:
+    from megaframe.errors import fail
+
+    if not argv or len(argv) > 2:
+        return fail("usage: python -m tests.slurm.wandb_history RUN_DIR [WANDB_ID]")
+    d = Path(argv[0])
+    rid = argv[1] if len(argv) > 1 else folder_run_id(d)
+    segs = segments(d, rid)
+    if not segs:
+        which = f" with id {rid}" if rid else ""
+        return fail(f"{d}: no offline wandb run{which} (looked for {d}/wandb/offline-run-*)")
+    for seg in segs:
         steps = [r.get("_step") for r in seg["history"]]
         span = f"{steps[0]}..{steps[-1]}" if steps else "-"
         print(f"{seg['path']}: id={seg['id']} steps {span} ({len(steps)} rows) exit={seg['exit_code']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -26,10 +26,19 @@ def test_continue_command_under_python_make_torchrun_and_slurm():
     blend = continue_command("b", ["data.blend=[{path: a, weight: 1}]"], env={})
     assert "'data.blend=[{path: a, weight: 1}]'" in blend  # quoted: pasted into a shell it stays one argument
     slurm = continue_command("mf-42", ["model=llama_1b"], env={"SLURM_JOB_ID": "42", "WORLD_SIZE": "64"})
-    assert (
-        slurm
-        == "; continue with: MEGAFRAME_RUN_NAME=mf-42 sbatch scripts/slurm/pretrain.sbatch model=llama_1b"
-    )
+    assert slurm == "; continue with: MEGAFRAME_RUN_NAME=mf-42 sbatch <your job script> model=llama_1b"
+
+
+def test_a_self_requeueing_job_says_so_and_a_resubmission_names_the_submitted_script():
+    """Before: every Slurm stop printed `sbatch scripts/slurm/pretrain.sbatch ...`, also when the job
+    requeues itself and when another script was submitted."""
+    import signal
+
+    job = {"SLURM_JOB_ID": "42", "WORLD_SIZE": "4", "MEGAFRAME_JOB_SCRIPT": "/site/my-cpu.sbatch"}
+    usr1 = continue_command("mf-42", ["model=llama_1b"], env=job, signum=signal.SIGUSR1)
+    assert usr1 == "; my-cpu.sbatch requeues job 42 to continue it"
+    term = continue_command("mf-42", ["model=llama_1b"], env=job, signum=signal.SIGTERM)
+    assert term == "; continue with: MEGAFRAME_RUN_NAME=mf-42 sbatch /site/my-cpu.sbatch model=llama_1b"
 
 
 def _optim(**kw):
