@@ -18,8 +18,19 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.helpers import TINY
-from tests.slurm.helpers import ROOT, count_lines, job_env, sbatch, seconds, show, tail, wait_done, wait_until
-from tests.slurm.wandb_history import segments
+from tests.slurm.helpers import (
+    ROOT,
+    SBATCH_SCRIPT,
+    count_lines,
+    job_env,
+    sbatch,
+    seconds,
+    show,
+    tail,
+    wait_done,
+    wait_until,
+)
+from tests.slurm.wandb_history import folder_run_id, segments
 
 pytestmark = [pytest.mark.slurm, pytest.mark.e2e]
 
@@ -93,6 +104,8 @@ def test_two_nodes_signal_checkpoint_requeue_resume_continuous_history(slurm_clu
     restarts = int(info["Restarts"])
     assert restarts >= 1 and log.count("requeueing job") == restarts, tail(out)
     assert "after SIGUSR1" in log and "resumed from" in log and "training finished" in log, tail(out)
+    # the stop line says the job requeues itself (before: a manual sbatch command)
+    assert f"checkpoint saved; pretrain.sbatch requeues job {job} to continue it" in log, tail(out)
     assert ref.returncode == 0, ref_out[-3000:]
     print(
         f"\njob {job}: training from {t_train:.0f}s, requeued ({restarts}x) at {t_requeue:.0f}s, "
@@ -106,10 +119,11 @@ def test_two_nodes_signal_checkpoint_requeue_resume_continuous_history(slurm_clu
     for a, b in zip(rows, want):
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]), (a["step"], a["loss"], b["loss"])
 
-    # wandb: one offline segment per start, all with the run's id; together steps 1..STEPS once each
-    segs = segments(run_dir, name)
-    assert len(segs) == restarts + 1, [s["path"] for s in segs]
-    assert all(s["id"] == name and s["exit_code"] == 0 for s in segs)
+    # wandb: one offline segment per start, all with the run folder's id; together steps 1..STEPS once each
+    rid = folder_run_id(run_dir)
+    segs = segments(run_dir, rid)
+    assert len(segs) == restarts + 1 and rid.startswith(f"{name}-"), [s["path"] for s in segs]
+    assert all(s["id"] == rid and s["exit_code"] == 0 for s in segs)
     assert all(s["config"]["train"]["max_steps"] == STEPS for s in segs)
     hist = [h for s in segs for h in s["history"]]
     assert [h["_step"] for h in hist] == list(range(1, STEPS + 1))
@@ -164,7 +178,7 @@ def test_torchrun_launcher_per_node_stop_requeue_resume(slurm_cluster, tmp_path)
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     for a, b in zip(rows, _raw_metrics(tmp_path / "ref")):
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]), (a["step"], a["loss"], b["loss"])
-    segs = segments(run_dir, name)
+    segs = segments(run_dir, folder_run_id(run_dir))
     assert len(segs) == 2 and [h["_step"] for s in segs for h in s["history"]] == list(range(1, steps + 1))
 
 
@@ -188,5 +202,7 @@ def test_scancel_checkpoints_without_requeue(slurm_cluster, tmp_path):
     log = out.read_text()
     assert info["JobState"] == "CANCELLED" and int(info["Restarts"]) == 0, f"{info}\n{tail(out)}"
     assert "after SIGTERM" in log and "not requeueing" in log, tail(out)
+    # not requeued: the stop line names the submitted script and the run to resubmit
+    assert f"continue with: MEGAFRAME_RUN_NAME=mf-cancel-{job} sbatch {SBATCH_SCRIPT} " in log, tail(out)
     last = _raw_metrics(run_dir)[-1]["step"]
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{last:08d}"
