@@ -10,10 +10,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from megaframe.config import load_config
-from megaframe.config.loading import default_run_name, torchrun_run_name
+from megaframe.config.loading import default_run_name
 from megaframe.runops.access import owner
 from megaframe.runops.signals import continue_command
-from megaframe.tracking import wandb_id
 
 PLAIN = {"PATH": "/usr/bin"}  # no MEGAFRAME_RUN_NAME, torchrun or Slurm variables
 
@@ -42,9 +41,14 @@ def test_the_printed_continue_command_loads_the_same_folders(monkeypatch):
     assert (again.run.dir, again.checkpoint.dir) == (first.run.dir, first.checkpoint.dir), line
 
 
-def test_torchrun_gets_one_readable_name_for_every_worker_and_restart():
+def test_torchrun_gets_one_readable_name_for_every_worker_and_restart(monkeypatch):
     """Before: the bare UUID of `--standalone` (or, with torchrun's "none", a new timestamp per restart)."""
+    _no_launcher(monkeypatch)
     rid = str(uuid.uuid4())
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", rid)
+    assert re.fullmatch(r"\d{8}-\d{6}-[0-9a-f]{6}", default_run_name())
+    from megaframe.config.loading import torchrun_run_name
+
     agent = os.getpid()  # a live process standing for the agent: its start time is fixed
     name = torchrun_run_name(rid, agent)
     assert re.fullmatch(r"\d{8}-\d{6}-[0-9a-f]{6}", name), name
@@ -60,6 +64,8 @@ def test_torchrun_gets_one_readable_name_for_every_worker_and_restart():
 def test_the_wandb_id_follows_the_run_folder_across_starts(tmp_path):
     """Three starts in one run.dir, each with another default run name (run.dir given, no run.name): one
     identity recorded at the first, one wandb id. Before: the id was the run name, one wandb run per start."""
+    from megaframe.tracking import wandb_id
+
     run_dir = tmp_path / "b"
     run_dir.mkdir()
     ids = set()
@@ -80,6 +86,7 @@ def test_the_wandb_id_follows_the_run_folder_across_starts(tmp_path):
 def test_wandb_history_reads_the_folders_own_run_and_refuses_an_empty_folder(tmp_path, capsys):
     """Before: `python -m tests.slurm.wandb_history runs/b` looked for an id equal to the folder's name,
     printed nothing and exited 0."""
+    from megaframe.tracking import wandb_id
     from tests.slurm import wandb_history
 
     run_dir = tmp_path / "b"
