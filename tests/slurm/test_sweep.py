@@ -149,6 +149,23 @@ def test_a_request_no_partition_can_hold_fails_at_submission(slurm_cluster, tmp_
 
 @pytest.mark.slurm
 @pytest.mark.e2e
+def test_the_plain_documented_command_is_accepted_by_a_cpu_cluster(slurm_cluster, tmp_path):
+    """docs/slurm.md's CPU command on the local (GPU-less) cluster, asked with --test-only (nothing queued).
+    Before: "Invalid generic resource (gres) specification" from the script's own --gpus-per-node=8."""
+    res = subprocess.run(
+        ["sbatch", "--test-only", "--nodes=2", "--time=00:10:00", "--signal=USR1@60", str(SBATCH_SCRIPT)]
+        + ["data=synthetic", "train.max_steps=6"],
+        cwd=tmp_path,
+        env=job_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert res.returncode == 0, res.stderr
+
+
+@pytest.mark.slurm
+@pytest.mark.e2e
 def test_sweep_submits_one_job_per_point_with_its_own_run(slurm_cluster, tmp_path):
     tiny = [o for o in TINY if not o.startswith("optim.lr=")]
     res = subprocess.run(
