@@ -14,19 +14,22 @@ from tests.e2e.helpers import ROOT, TINY, env, metrics, train
 pytestmark = pytest.mark.e2e
 
 
-def _launch(overrides: list[str], nproc: int, restarts: int = 0) -> subprocess.Popen:
+def _launch(overrides: list[str], nproc: int, restarts: int = 0, cwd: Path = ROOT) -> subprocess.Popen:
+    """torchrun as docs/checkpoints.md writes it: no --standalone, so its run id is "none" (c10d on a free
+    port, as --standalone does, but without the UUID)."""
     cmd = [
         sys.executable,
         "-m",
         "torch.distributed.run",
-        "--standalone",
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=localhost:0",
         f"--nproc-per-node={nproc}",
         f"--max-restarts={restarts}",
-        "train.py",
+        str(ROOT / "train.py"),
         *overrides,
     ]
     return subprocess.Popen(
-        cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        cmd, cwd=cwd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
 
 
@@ -71,13 +74,22 @@ def test_sigkill_under_torchrun_restarts_resume_with_identical_losses(tmp_path):
     over = ["data=synthetic", *TINY, "train.max_steps=40", "train.log_interval=1", "checkpoint.interval=5"]
     ref = train(over + [f"run.dir={tmp_path / 'ref'}"], nproc=1)
     assert ref.returncode == 0, ref.stderr[-2000:]
-    proc = _launch(over + [f"run.dir={tmp_path / 'ft'}"], nproc=2, restarts=1)
-    _wait_lines(tmp_path / "ft" / "metrics.jsonl", 12, proc)
+    # no run.dir: the restarted workers find the run by its name (before: torchrun's run id "none" gave each
+    # start a new timestamp, and the restart trained from step 1 in a new folder)
+    (tmp_path / "ft").mkdir()
+    proc = _launch(over, nproc=2, restarts=1, cwd=tmp_path / "ft")
+    t0 = time.time()
+    while not list((tmp_path / "ft").glob("outputs/*/metrics.jsonl")):
+        assert proc.poll() is None and time.time() - t0 < 120, proc.stdout.read()
+        time.sleep(0.05)
+    (run_dir,) = [p.parent for p in (tmp_path / "ft").glob("outputs/*/metrics.jsonl")]
+    _wait_lines(run_dir / "metrics.jsonl", 12, proc)
     os.kill(_workers(proc)[0], signal.SIGKILL)
     out, _ = proc.communicate(timeout=240)
     assert proc.returncode == 0, out[-3000:]
-    assert "resumed from" in out
-    want, got = metrics(tmp_path / "ref"), metrics(tmp_path / "ft")
+    assert f"resumed from outputs/{run_dir.name}/checkpoints/" in out, out[-3000:]
+    assert list((tmp_path / "ft" / "outputs").iterdir()) == [run_dir]
+    want, got = metrics(tmp_path / "ref"), metrics(run_dir)
     assert [r["step"] for r in got] == list(range(1, 41))
     for a, b in zip(got, want):
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]), (a, b)
