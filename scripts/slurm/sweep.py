@@ -217,7 +217,8 @@ def main(argv: list[str]) -> int:
     )
     ap.add_argument("--dry-run", action="store_true", help="print the sbatch commands, submit nothing")
     ap.add_argument("overrides", nargs="*")
-    args = ap.parse_args(argv)
+    # options anywhere among the overrides (`sweep.py optim.lr=1e-3,3e-3 --script site.sbatch`)
+    args = ap.parse_intermixed_args(argv)
     if not args.script.is_file():
         return fail(f"--script {args.script}: no such file; nothing submitted")
     try:

@@ -259,7 +259,8 @@ def test_script_names_the_job_script_every_point_is_submitted_with(tmp_path, cap
     mod = _sweep_module()
     site = tmp_path / "site.sbatch"
     site.write_text("#!/bin/bash\n#SBATCH --ntasks-per-node=2\n")
-    assert mod.main(["--dry-run", "--script", str(site), "optim.lr=1e-3,3e-3", "data=synthetic"]) == 0
+    # an option among the overrides is an option, not an override
+    assert mod.main(["--dry-run", "optim.lr=1e-3,3e-3", "--script", str(site), "data=synthetic"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 2 and all(f" {site} " in ln for ln in lines), lines
     # its #SBATCH lines give the world size: tp=3 does not divide 2 ranks

@@ -122,7 +122,8 @@ def main(argv: list[str]) -> int:
     segs = segments(d, rid)
     if not segs:
         which = f" with id {rid}" if rid else ""
-        return fail(f"{d}: no offline wandb run{which} (looked for {d}/wandb/offline-run-*)")
+        base = d / "wandb" if (d / "wandb").is_dir() else d
+        return fail(f"{d}: no offline wandb run{which} (no {base}/offline-run-* folder)")
     for seg in segs:
         steps = [r.get("_step") for r in seg["history"]]
         span = f"{steps[0]}..{steps[-1]}" if steps else "-"
