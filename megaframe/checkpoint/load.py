@@ -2,7 +2,7 @@
 opening each file once, checking every block it reads against its crc32.
 
 Every piece read goes straight into its destination (a `Sink`): the parameter itself, on its device, and the
-optimizer's own state (a ZeRO rank: the flat owned segments of its moments and master; zero=0: its moments,
+optimizer's own state (a ZeRO rank: the flat owned segments of its rule's state and master; zero=0: its state,
 made at their final size). No tensor of a parameter's full local shape is made on the way, so the host memory
 a load adds is the rank's share where it lives on the host, plus one staging buffer per file being read, of at
 most `staging_bytes` (checkpoint/store.py: STAGING_BYTES = 64 MiB by default): a ZeRO rank's moments are never
@@ -112,7 +112,9 @@ def load_targets(model, optimizer, meta: dict) -> tuple[list[Item], dict[str, Si
     for name, p in model.named_parameters():
         whole = [(0, p.numel())]
         segs, state_master = None, False
-        if optimizer is not None and f"optim/exp_avg/{name}" in have:
+        # the update rule names the state; the master is the strategy's fp32 copy
+        kinds = (*optimizer.rule.states, "master") if optimizer is not None else ()
+        if optimizer is not None and f"optim/{kinds[0]}/{name}" in have:
             segs, state_master = optimizer.load_targets(p)
         # ZeRO-3, a block not gathered now: p's value lives only in this rank's segments of its master
         home = optimizer.param_home(p) if hasattr(optimizer, "param_home") else None
@@ -130,7 +132,7 @@ def load_targets(model, optimizer, meta: dict) -> tuple[list[Item], dict[str, Si
             want(f"model/{name}", p.placement.shard, whole, Sink.whole(p))
         if segs is None:
             continue
-        for kind in ("exp_avg", "exp_avg_sq", "master"):
+        for kind in kinds:
             key = f"optim/{kind}/{name}"
             if kind == "master" and master_is_p:
                 want(key, p.placement.shard, whole, Sink.whole(p))
@@ -141,7 +143,7 @@ def load_targets(model, optimizer, meta: dict) -> tuple[list[Item], dict[str, Si
                     [(lo, lo + n) for lo, n, _ in segs],
                     Sink(tuple(p.shape), [(lo, lo + n, st[kind]) for lo, n, st in segs]),
                 )
-        loaded = {k for k in ("exp_avg", "exp_avg_sq", "master") if f"optim/{k}/{name}" in have}
+        loaded = {k for k in kinds if f"optim/{k}/{name}" in have}
         done.append(lambda p=p, loaded=loaded: optimizer.loaded(p, loaded, int(meta["step"])))
     for name, b, pl in state_buffers(model):
         if f"model/{name}" in have:  # absent in checkpoints of runs without it: keep the init value

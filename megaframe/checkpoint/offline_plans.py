@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from megaframe.checkpoint.layout import Item, my_writes, param_items, share_bytes
 from megaframe.config.schema import OptimConfig
+from megaframe.optim.rule_registry import rule_named
 from megaframe.optim.zero_state import flat_buffers
 from megaframe.parallel.virtual import virtual_mesh
 
@@ -21,8 +22,8 @@ class PlannedZero:
         params = [p for p in model.parameters() if p.requires_grad]
         self.segs = {}
         for buf in flat_buffers(params, o, mesh):
-            # a master copy only for sub-fp32 params (bf16), as the real ZeroOptimizer keeps
-            kinds = ("exp_avg", "exp_avg_sq") + (
+            # the rule's state, and a master only for sub-fp32 params (bf16), as the real ZeroOptimizer keeps
+            kinds = rule_named(o.name).states + (
                 ("master",) if buf.dtype.is_floating_point and buf.dtype.itemsize < 4 else ()
             )
             for s in buf.segments:
@@ -59,17 +60,20 @@ def rank_items(cfg, layout: Layout, models: dict, p: int, d: int, t: int) -> lis
     if key not in models:
         models[key] = build_model(cfg, mesh)
     model = models[key]
-    opt = PlannedZero(model, cfg.optim, mesh) if cfg.optim.zero else _PlainMeta()
+    opt = PlannedZero(model, cfg.optim, mesh) if cfg.optim.zero else _PlainMeta(rule_named(cfg.optim.name))
     return param_items(model, opt, mesh, with_sources=False)
 
 
 class _PlainMeta:
-    """zero=0: every dp rank holds its whole local moments."""
+    """zero=0: every dp rank holds its whole local state of the rule."""
+
+    def __init__(self, rule):
+        self.rule = rule
 
     def logical_state(self, p):
         import torch
 
-        return {k: torch.empty(p.shape, device="meta") for k in ("exp_avg", "exp_avg_sq")}
+        return {k: torch.empty(p.shape, device="meta") for k in self.rule.states}
 
 
 def saved_metadata(cfg, layout: Layout) -> tuple[dict, dict[int, int]]:

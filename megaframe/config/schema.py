@@ -182,6 +182,10 @@ class TrainConfig(Frozen):
 
 @dataclass
 class OptimConfig(Frozen):
+    name: str = "adamw"
+    """The update rule (optim/rule_registry.py registers them): adamw (torch's fused AdamW; weight decay on
+    matrices only). Every rule runs under every optim.zero stage; a checkpoint's optimizer state is the
+    rule's (optim/<state>/<param>)."""
     lr: float = 2e-3
     """Peak learning rate."""
     min_lr: float = 1e-4

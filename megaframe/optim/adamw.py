@@ -1,4 +1,5 @@
-"""The AdamW both optimizer stages run (zero=0 on whole params, zero=1 on owned flat ranges)."""
+"""The AdamW update rule (optim/update_rule.py): torch's fused AdamW, run by every strategy (zero=0 on whole
+params, ZeRO on owned flat ranges). Its state names are written here only."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import inspect
 import torch
 
 from megaframe.config.schema import OptimConfig
+from megaframe.optim.update_rule import Groups, RuleStep, UpdateRule
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -47,3 +49,50 @@ def adamw(params_decay, params_no_decay, cfg: OptimConfig, device: torch.device)
         if ps
     ]
     return AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=True)
+
+
+class AdamWStep(RuleStep):
+    """The rule's step: one torch AdamW over the groups; the clip is its grad_scale, the skip its found_inf
+    (one fused pass, no host sync)."""
+
+    def __init__(self, groups: Groups, cfg: OptimConfig, device: torch.device):
+        self.device = device
+        self.adam = adamw(groups.get("matrix", []), groups.get("vector", []), cfg, device)
+
+    def adopt(self, weights: torch.Tensor, views: dict[str, torch.Tensor]) -> None:
+        # torch's AdamW keeps state it finds; fused AdamW wants its step count as an fp32 tensor on the
+        # params' device, never a Python int
+        step = torch.zeros((), dtype=torch.float32, device=self.device)
+        self.adam.state[weights] = {"step": step, **{k: views[k] for k in MOMENTS}}
+
+    def state_of(self, weights: torch.Tensor) -> dict[str, torch.Tensor]:
+        state = self.adam.state.get(weights, {})
+        return {k: state[k] for k in MOMENTS if k in state}
+
+    def set_step(self, weights: torch.Tensor, step: int) -> None:
+        self.adam.state[weights]["step"] = torch.tensor(float(step), device=self.device)
+
+    def step(self, lr: float, divisor: torch.Tensor, skip: torch.Tensor) -> None:
+        for group in self.adam.param_groups:
+            group["lr"] = lr
+        self.adam.grad_scale = divisor
+        # where found_inf is 1 the fused kernel leaves params, moments and its step count untouched
+        self.adam.found_inf = skip
+        self.adam.step()
+
+    def held(self) -> list[torch.Tensor]:
+        return [
+            v
+            for s in self.adam.state.values()
+            for v in s.values()
+            if isinstance(v, torch.Tensor) and v.dim() > 0
+        ]
+
+
+RULE = UpdateRule(
+    name="adamw",
+    states=MOMENTS,
+    state_bytes={"fp32": (4, 4)},
+    elementwise=True,
+    build=AdamWStep,
+)
