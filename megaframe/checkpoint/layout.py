@@ -109,11 +109,12 @@ def _optimizer_items(name, p, optimizer, mesh, with_sources: bool, weights) -> l
                 continue  # ZeRO-3's fp32 weights above are its master, bit for bit: not written twice
             parts = [(lo, n, st[kind]) for lo, n, st in segs if kind in st]
             if parts:
+                # the state's own dtype (optim.state_dtype; the master fp32): the checkpoint records it
                 items.append(
                     Item(
                         f"optim/{kind}/{name}",
                         p.placement.shard,
-                        "float32",
+                        dtype_name(parts[0][2].dtype),
                         [(lo, lo + n) for lo, n, _ in parts],
                         h,
                         i,

@@ -34,6 +34,7 @@ from megaframe.checkpoint.metadata import (
 )
 from megaframe.checkpoint.read_plan import Index, plan_reads
 from megaframe.checkpoint.store import STAGING_BYTES, ReadStats, read_ranges
+from megaframe.config.schema import OptimConfig
 from megaframe.parallel import comm
 
 # RuntimeErrors that stop a load without saying anything about the checkpoint (torch 2.13 has all three; an
@@ -104,6 +105,12 @@ def load_targets(model, optimizer, meta: dict) -> tuple[list[Item], dict[str, Si
     optimizer state (into the optimizer's own: ZeRO, its segments); and the optimizer's calls to make once all
     is read."""
     have, items, sinks, done = meta["tensors"], [], {}, []
+    # the update rule names the state; the master is the strategy's fp32 copy. A checkpoint of another rule
+    # (checkpoint.allow_config_change=[optim.name]) gives the weights only: the new rule's state starts
+    # fresh (its step count too). Older checkpoints record no rule: the default's (the only one then).
+    saved_rule = ((meta.get("config") or {}).get("optim") or {}).get("name", OptimConfig.name)
+    own = optimizer is not None and saved_rule == optimizer.rule.name
+    kinds = (*optimizer.rule.states, "master") if own else ()
 
     def want(key: str, shard, held, sink: Sink) -> None:
         items.append(Item(key, shard, have[key]["dtype"] if key in have else "float32", held))
@@ -112,9 +119,7 @@ def load_targets(model, optimizer, meta: dict) -> tuple[list[Item], dict[str, Si
     for name, p in model.named_parameters():
         whole = [(0, p.numel())]
         segs, state_master = None, False
-        # the update rule names the state; the master is the strategy's fp32 copy
-        kinds = (*optimizer.rule.states, "master") if optimizer is not None else ()
-        if optimizer is not None and f"optim/{kinds[0]}/{name}" in have:
+        if kinds and f"optim/{kinds[0]}/{name}" in have:
             segs, state_master = optimizer.load_targets(p)
         # ZeRO-3, a block not gathered now: p's value lives only in this rank's segments of its master
         home = optimizer.param_home(p) if hasattr(optimizer, "param_home") else None

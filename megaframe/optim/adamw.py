@@ -8,9 +8,11 @@ import inspect
 import torch
 
 from megaframe.config.schema import OptimConfig
-from megaframe.optim.update_rule import Groups, RuleStep, UpdateRule
+from megaframe.optim.update_rule import STATE_DTYPES, Groups, RuleStep, UpdateRule
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
+WIDEN_NUMEL = 1 << 24
+"""bf16 state: moments widened to fp32 at most this many elements at a time (64 MiB each), the transient."""
 
 
 def _undecorated(fn):
@@ -53,10 +55,11 @@ def adamw(params_decay, params_no_decay, cfg: OptimConfig, device: torch.device)
 
 class AdamWStep(RuleStep):
     """The rule's step: one torch AdamW over the groups; the clip is its grad_scale, the skip its found_inf
-    (one fused pass, no host sync)."""
+    (one fused pass, no host sync). optim.state_dtype=bf16: the same fused kernel on the moments widened to
+    fp32 a batch at a time, rounded back to bf16 after (the update and the weights stay fp32)."""
 
     def __init__(self, groups: Groups, cfg: OptimConfig, device: torch.device):
-        self.device = device
+        self.device, self.dtype = device, STATE_DTYPES[cfg.state_dtype]
         self.adam = adamw(groups.get("matrix", []), groups.get("vector", []), cfg, device)
 
     def adopt(self, weights: torch.Tensor, views: dict[str, torch.Tensor]) -> None:
@@ -75,10 +78,58 @@ class AdamWStep(RuleStep):
     def step(self, lr: float, divisor: torch.Tensor, skip: torch.Tensor) -> None:
         for group in self.adam.param_groups:
             group["lr"] = lr
+        if self.dtype != torch.float32:
+            self._step_widened(divisor, skip)
+            return
         self.adam.grad_scale = divisor
         # where found_inf is 1 the fused kernel leaves params, moments and its step count untouched
         self.adam.found_inf = skip
         self.adam.step()
+
+    @torch.no_grad()
+    def _step_widened(self, divisor: torch.Tensor, skip: torch.Tensor) -> None:
+        for group in self.adam.param_groups:
+            batch, numel = [], 0
+            for w in group["params"]:
+                if w.grad is None:
+                    continue
+                if w not in self.adam.state:  # zero=0: made at the first update, as torch's, in our dtype
+                    self.adopt(w, {k: torch.zeros_like(w, dtype=self.dtype) for k in MOMENTS})
+                batch.append(w)
+                numel += w.numel()
+                if numel >= WIDEN_NUMEL:
+                    self._fused_widened(group, batch, divisor, skip)
+                    batch, numel = [], 0
+            if batch:
+                self._fused_widened(group, batch, divisor, skip)
+
+    def _fused_widened(self, group: dict, ws: list, divisor: torch.Tensor, skip: torch.Tensor) -> None:
+        """torch's fused AdamW step (torch.optim.adam._fused_adam's calls) on fp32 copies of the moments."""
+        states = [self.adam.state[w] for w in ws]
+        wide = {k: [s[k].float() for s in states] for k in MOMENTS}
+        steps = [s["step"] for s in states]
+        torch._foreach_add_(steps, 1)
+        beta1, beta2 = group["betas"]
+        torch._fused_adamw_(
+            ws,
+            [w.grad for w in ws],
+            wide["exp_avg"],
+            wide["exp_avg_sq"],
+            [],
+            steps,
+            amsgrad=False,
+            lr=group["lr"],
+            beta1=beta1,
+            beta2=beta2,
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=False,
+            grad_scale=divisor,
+            found_inf=skip,
+        )
+        torch._foreach_sub_(steps, [skip] * len(steps))
+        for k in MOMENTS:
+            torch._foreach_copy_([s[k] for s in states], wide[k])
 
     def held(self) -> list[torch.Tensor]:
         return [
@@ -92,7 +143,7 @@ class AdamWStep(RuleStep):
 RULE = UpdateRule(
     name="adamw",
     states=MOMENTS,
-    state_bytes={"fp32": (4, 4)},
+    state_bytes={"fp32": (4, 4), "bf16": (2, 2)},
     elementwise=True,
     build=AdamWStep,
 )

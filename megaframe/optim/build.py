@@ -13,6 +13,7 @@ from megaframe.optim.finalize import clip_divisor, finalize
 from megaframe.optim.grads import ReplicatedGrads
 from megaframe.optim.protocol import Optimizer
 from megaframe.optim.rule_registry import rule_named
+from megaframe.optim.update_rule import STATE_DTYPES
 from megaframe.optim.zero import ZeroOptimizer
 from megaframe.parallel.mesh import Mesh
 
@@ -59,7 +60,8 @@ class PlainOptimizer(Optimizer):
         """Where a checkpoint's state of p is read to (checkpoint/load.py): p's state, made here at its
         size (every rank holds all of it), as one segment; no master (a saved master goes into p itself)."""
         # zeros: defined, whatever is read
-        state = {k: torch.zeros(p.shape, dtype=torch.float32, device=p.device) for k in self.rule.states}
+        dtype = STATE_DTYPES[self.cfg.state_dtype]
+        state = {k: torch.zeros(p.shape, dtype=dtype, device=p.device) for k in self.rule.states}
         self.update.adopt(p, state)
         return [(0, p.numel(), {k: t.view(-1) for k, t in state.items()})], False
 

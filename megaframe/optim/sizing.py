@@ -48,7 +48,7 @@ def planned_memory_bytes(
     units = gather_units(model) if model is not None and cfg.zero == 3 else []
     in_units = {id(p) for _, us, _ in units for p in us}
     grads = optim = params_bytes = wide = 0
-    rule_bytes = rule_named(cfg.name).bytes_per_element()
+    rule_bytes = rule_named(cfg.name).bytes_per_element(cfg.state_dtype)
     for axis, ps, ordered, plan in _plans(params, cfg, mesh, model):
         numel = plan[-1][2] if plan else 0
         late = sum(end - start for idx, start, end in plan if any(ordered[i].placement.pp_tied for i in idx))

@@ -21,6 +21,9 @@ import torch
 
 from megaframe.config.schema import OptimConfig
 
+STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+"""optim.state_dtype -> the torch dtype of a rule's per-element state."""
+
 Groups = dict[str, list[torch.Tensor]]
 """The tensors a step updates, by kind: "matrix" (a parameter of >= 2 dims, or a flat range of one) and
 "vector" (norms, biases). A strategy passes 1-D views of owned ranges under ZeRO, whole params at zero=0."""
@@ -60,7 +63,7 @@ class UpdateRule:
     states: tuple[str, ...]
     """Per-element state names, in the order checkpoints write them (optim/<state>/<param>)."""
     state_bytes: Mapping[str, tuple[int, ...]]
-    """Bytes per element of each state (in `states` order), by state dtype name ("fp32")."""
+    """Bytes per element of each state (in `states` order), by optim.state_dtype ("fp32", "bf16")."""
     elementwise: bool
     """True when an update of any flat range equals the same range of the whole parameter's update."""
     build: Callable[[Groups, OptimConfig, torch.device], RuleStep]

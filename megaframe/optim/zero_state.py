@@ -16,7 +16,7 @@ from torch import nn
 
 from megaframe.config.schema import OptimConfig
 from megaframe.optim.buffer import FlatBuffer, Segment, buffer_groups, give_storage, lazy_zeros
-from megaframe.optim.update_rule import RuleStep, UpdateRule
+from megaframe.optim.update_rule import STATE_DTYPES, RuleStep, UpdateRule
 from megaframe.parallel.mesh import Axis, Mesh
 from megaframe.parallel.placement import Placement
 
@@ -93,7 +93,8 @@ def build_state(
                     master[seg.state_lo : seg.state_lo + seg.numel].copy_(source(seg))
         # The state (and a master copied from the param buffer) has no storage until make_state: torch's
         # optimizers make theirs at the first update too, so start-up holds the params only.
-        st = FlatState({k: lazy_zeros(n, torch.float32, device) for k in rule.states}, master)
+        dtype = STATE_DTYPES[cfg.state_dtype]
+        st = FlatState({k: lazy_zeros(n, dtype, device) for k in rule.states}, master)
         states.append(st)
         for seg in buf.segments:
             lo, hi = seg.state_lo, seg.state_lo + seg.numel

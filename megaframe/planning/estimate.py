@@ -149,7 +149,7 @@ def state_bytes(model, cfg: Config, mesh) -> tuple[int, int, int]:
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     if not cfg.optim.zero:
         numel = sum(p.numel() for p in params)
-        state = rule_named(cfg.optim.name).bytes_per_element() * numel
+        state = rule_named(cfg.optim.name).bytes_per_element(cfg.optim.state_dtype) * numel
         return param_bytes, sum(p.numel() * p.element_size() for p in params), state
     if cfg.optim.zero == 3 and mesh.dp.size == 1:  # build_optimizer: nothing to shard, ZeRO-2's layout
         cfg = replace(cfg, optim=replace(cfg.optim, zero=2))

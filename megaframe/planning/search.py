@@ -261,7 +261,8 @@ def _state(cfg: Config, lay: Layout, first: bool, last: bool, a_bytes: int) -> t
     m = cfg.model
     dense, expert = stage_params(m, lay, first, last)
     n = dense + expert
-    state = rule_named(cfg.optim.name).bytes_per_element()  # the update rule's bytes per element
+    # the update rule's bytes per element in optim.state_dtype
+    state = rule_named(cfg.optim.name).bytes_per_element(cfg.optim.state_dtype)
     if not lay.zero:  # a grad per param in its dtype, the rule's state
         return a_bytes * n, a_bytes * n, state * n
     s = lay.shard_size
