@@ -101,8 +101,8 @@ def _say_state_dtype(cfg: Config, meta: dict, verbose: bool) -> None:
     old = ((meta.get("config") or {}).get("optim") or {}).get("state_dtype", OptimConfig.state_dtype)
     if verbose and old != cfg.optim.state_dtype:
         print(
-            f"megaframe: resuming with optim.state_dtype={cfg.optim.state_dtype} from a checkpoint whose "
-            f"optimizer state is {old}: converted as it is read",
+            f"megaframe: warning: resuming with optim.state_dtype={cfg.optim.state_dtype} from a checkpoint "
+            f"whose optimizer state is {old}: converted as it is read",
             file=sys.stderr,
             flush=True,
         )

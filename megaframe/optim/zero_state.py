@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from megaframe.config.schema import OptimConfig
+from megaframe.config.schema import ConfigError, OptimConfig
 from megaframe.optim.buffer import FlatBuffer, Segment, buffer_groups, give_storage, lazy_zeros
 from megaframe.optim.update_rule import STATE_DTYPES, RuleStep, UpdateRule
 from megaframe.parallel.mesh import Axis, Mesh
@@ -79,6 +79,13 @@ def build_state(
     an fp32 master for fp32 params too (zero=3, whose param buffer is not kept whole). A buffer without a
     param buffer (zero=3) takes each segment's starting values from `source(segment)` (in the params'
     dtype, so the master holds what the params would)."""
+    if not rule.elementwise:
+        # its update of a flat range is not that range of the whole matrix's update: it needs an ownership
+        # of whole matrices this strategy does not have
+        raise ConfigError(
+            f"optim.name={rule.name} updates whole matrices; ZeRO's owned ranges cut across them: "
+            "use optim.zero=0"
+        )
     states, segs_of, groups, pre = [], {}, {"matrix": [], "vector": []}, []
     for buf in buffers:
         n = buf.state_numel
