@@ -19,8 +19,6 @@ import torch
 
 from megaframe.checkpoint.boxes import Box, flat_boxes, flat_span, split_rows, to_global
 
-MOMENTS = ("exp_avg", "exp_avg_sq", "master")
-
 
 @dataclass
 class Item:
@@ -100,21 +98,23 @@ def _weight_item(name, p, optimizer, mesh, with_sources: bool) -> tuple[Item, li
 
 
 def _optimizer_items(name, p, optimizer, mesh, with_sources: bool, weights) -> list[Item]:
-    """The optim/<kind>/ items of parameter p: its ZeRO segments of each moment, or its whole state."""
+    """The optim/<kind>/ items of parameter p: its ZeRO segments of each state the update rule keeps (and the
+    master), or its whole state. The kinds are the segments' own: the rule names them, not this file."""
     items = []
     segs = optimizer.state_segments(p) if hasattr(optimizer, "state_segments") else None
     if segs is not None:  # ZeRO: this dp rank's segments, replicated over tp only
         h, i = _replicas(p, mesh, segments=True)
-        for kind in MOMENTS:
+        for kind in dict.fromkeys(k for _, _, st in segs for k in st):
             if kind == "master" and weights is not None and p.dtype == torch.float32:
                 continue  # ZeRO-3's fp32 weights above are its master, bit for bit: not written twice
             parts = [(lo, n, st[kind]) for lo, n, st in segs if kind in st]
             if parts:
+                # the state's own dtype (optim.state_dtype; the master fp32): the checkpoint records it
                 items.append(
                     Item(
                         f"optim/{kind}/{name}",
                         p.placement.shard,
-                        "float32",
+                        dtype_name(parts[0][2].dtype),
                         [(lo, lo + n) for lo, n, _ in parts],
                         h,
                         i,

@@ -2,7 +2,7 @@
 opening each file once, checking every block it reads against its crc32.
 
 Every piece read goes straight into its destination (a `Sink`): the parameter itself, on its device, and the
-optimizer's own state (a ZeRO rank: the flat owned segments of its moments and master; zero=0: its moments,
+optimizer's own state (a ZeRO rank: the flat owned segments of its rule's state and master; zero=0: its state,
 made at their final size). No tensor of a parameter's full local shape is made on the way, so the host memory
 a load adds is the rank's share where it lives on the host, plus one staging buffer per file being read, of at
 most `staging_bytes` (checkpoint/store.py: STAGING_BYTES = 64 MiB by default): a ZeRO rank's moments are never
@@ -34,6 +34,7 @@ from megaframe.checkpoint.metadata import (
 )
 from megaframe.checkpoint.read_plan import Index, plan_reads
 from megaframe.checkpoint.store import STAGING_BYTES, ReadStats, read_ranges
+from megaframe.config.schema import OptimConfig
 from megaframe.parallel import comm
 
 # RuntimeErrors that stop a load without saying anything about the checkpoint (torch 2.13 has all three; an
@@ -104,6 +105,12 @@ def load_targets(model, optimizer, meta: dict) -> tuple[list[Item], dict[str, Si
     optimizer state (into the optimizer's own: ZeRO, its segments); and the optimizer's calls to make once all
     is read."""
     have, items, sinks, done = meta["tensors"], [], {}, []
+    # the update rule names the state; the master is the strategy's fp32 copy. A checkpoint of another rule
+    # (checkpoint.allow_config_change=[optim.name]) gives the weights only: the new rule's state starts
+    # fresh (its step count too). Older checkpoints record no rule: the default's (the only one then).
+    saved_rule = ((meta.get("config") or {}).get("optim") or {}).get("name", OptimConfig.name)
+    own = optimizer is not None and saved_rule == optimizer.rule.name
+    kinds = (*optimizer.rule.states, "master") if own else ()
 
     def want(key: str, shard, held, sink: Sink) -> None:
         items.append(Item(key, shard, have[key]["dtype"] if key in have else "float32", held))
@@ -112,7 +119,7 @@ def load_targets(model, optimizer, meta: dict) -> tuple[list[Item], dict[str, Si
     for name, p in model.named_parameters():
         whole = [(0, p.numel())]
         segs, state_master = None, False
-        if optimizer is not None and f"optim/exp_avg/{name}" in have:
+        if kinds and f"optim/{kinds[0]}/{name}" in have:
             segs, state_master = optimizer.load_targets(p)
         # ZeRO-3, a block not gathered now: p's value lives only in this rank's segments of its master
         home = optimizer.param_home(p) if hasattr(optimizer, "param_home") else None
@@ -130,7 +137,7 @@ def load_targets(model, optimizer, meta: dict) -> tuple[list[Item], dict[str, Si
             want(f"model/{name}", p.placement.shard, whole, Sink.whole(p))
         if segs is None:
             continue
-        for kind in ("exp_avg", "exp_avg_sq", "master"):
+        for kind in kinds:
             key = f"optim/{kind}/{name}"
             if kind == "master" and master_is_p:
                 want(key, p.placement.shard, whole, Sink.whole(p))
@@ -141,7 +148,7 @@ def load_targets(model, optimizer, meta: dict) -> tuple[list[Item], dict[str, Si
                     [(lo, lo + n) for lo, n, _ in segs],
                     Sink(tuple(p.shape), [(lo, lo + n, st[kind]) for lo, n, st in segs]),
                 )
-        loaded = {k for k in ("exp_avg", "exp_avg_sq", "master") if f"optim/{k}/{name}" in have}
+        loaded = {k for k in kinds if f"optim/{k}/{name}" in have}
         done.append(lambda p=p, loaded=loaded: optimizer.loaded(p, loaded, int(meta["step"])))
     for name, b, pl in state_buffers(model):
         if f"model/{name}" in have:  # absent in checkpoints of runs without it: keep the init value

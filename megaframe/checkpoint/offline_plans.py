@@ -7,8 +7,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from megaframe.checkpoint.layout import Item, my_writes, param_items, share_bytes
 from megaframe.config.schema import OptimConfig
+from megaframe.optim.rule_registry import rule_named
+from megaframe.optim.update_rule import STATE_DTYPES
 from megaframe.optim.zero_state import flat_buffers
 from megaframe.parallel.virtual import virtual_mesh
 
@@ -21,12 +25,14 @@ class PlannedZero:
         params = [p for p in model.parameters() if p.requires_grad]
         self.segs = {}
         for buf in flat_buffers(params, o, mesh):
-            # a master copy only for sub-fp32 params (bf16), as the real ZeroOptimizer keeps
-            kinds = ("exp_avg", "exp_avg_sq") + (
-                ("master",) if buf.dtype.is_floating_point and buf.dtype.itemsize < 4 else ()
-            )
+            # the rule's state in its dtype, and an fp32 master only for sub-fp32 params (bf16), as the real
+            # ZeroOptimizer keeps (empty meta tensors: the layout reads their dtype only)
+            kinds = {k: STATE_DTYPES[o.state_dtype] for k in rule_named(o.name).states}
+            if buf.dtype.is_floating_point and buf.dtype.itemsize < 4:
+                kinds["master"] = torch.float32
             for s in buf.segments:
-                self.segs.setdefault(s.param, []).append((s.param_lo, s.numel, {k: None for k in kinds}))
+                views = {k: torch.empty(0, dtype=dt, device="meta") for k, dt in kinds.items()}
+                self.segs.setdefault(s.param, []).append((s.param_lo, s.numel, views))
 
     def state_segments(self, p):
         return self.segs.get(p, [])
@@ -59,17 +65,22 @@ def rank_items(cfg, layout: Layout, models: dict, p: int, d: int, t: int) -> lis
     if key not in models:
         models[key] = build_model(cfg, mesh)
     model = models[key]
-    opt = PlannedZero(model, cfg.optim, mesh) if cfg.optim.zero else _PlainMeta()
+    opt = (
+        PlannedZero(model, cfg.optim, mesh)
+        if cfg.optim.zero
+        else _PlainMeta(rule_named(cfg.optim.name), STATE_DTYPES[cfg.optim.state_dtype])
+    )
     return param_items(model, opt, mesh, with_sources=False)
 
 
 class _PlainMeta:
-    """zero=0: every dp rank holds its whole local moments."""
+    """zero=0: every dp rank holds its whole local state of the rule."""
+
+    def __init__(self, rule, dtype):
+        self.rule, self.dtype = rule, dtype
 
     def logical_state(self, p):
-        import torch
-
-        return {k: torch.empty(p.shape, device="meta") for k in ("exp_avg", "exp_avg_sq")}
+        return {k: torch.empty(p.shape, dtype=self.dtype, device="meta") for k in self.rule.states}
 
 
 def saved_metadata(cfg, layout: Layout) -> tuple[dict, dict[int, int]]:

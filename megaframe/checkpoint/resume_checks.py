@@ -12,6 +12,9 @@ A resumed run must continue the same experiment. These changes are refused (exit
   data.path, data.valid_fraction, and the content of a dataset at the same path; each re-maps the stream's
   positions (samples repeat and others are skipped) or moves the validation split onto trained-on documents.
   When allowed, the warning says what repeats or changes. The tokenizer is compared before (config/checks.py).
+- optim.name: the checkpoint's optimizer state is another update rule's. When allowed, the weights load and
+  the new rule's state starts fresh (checkpoint/load.py), said in one line.
+A changed optim.state_dtype is no refusal: the state converts as it is read (one line says so).
 The parallel layout may change freely (any layout loads any checkpoint).
 """
 
@@ -19,9 +22,10 @@ from __future__ import annotations
 
 import sys
 
-from megaframe.config.schema import Config, ConfigError, plain
+from megaframe.config.schema import Config, ConfigError, OptimConfig, plain
 
 GUARDED_TRAIN = ("global_batch_size", "seed")
+GUARDED_OPTIM = ("name",)
 UNCHECKED_MODEL = ("name",)
 
 
@@ -34,6 +38,12 @@ def differences(cfg: Config, saved: dict, consumed: int = 1) -> list[tuple[str, 
     for k in GUARDED_TRAIN if consumed > 0 else ():
         if k in old_train and old_train[k] != cur_train[k]:
             out.append((f"train.{k}", old_train[k], cur_train[k]))
+    # a checkpoint written before optim.name existed holds the default rule's state (the only one then)
+    old_optim = saved.get("optim") or {}
+    for k in GUARDED_OPTIM:
+        old = old_optim.get(k, getattr(OptimConfig, k))
+        if old != getattr(cfg.optim, k):
+            out.append((f"optim.{k}", old, getattr(cfg.optim, k)))
     cur_model, old_model = plain(cfg.model), saved.get("model", {})
     for k, v in cur_model.items():
         if k not in UNCHECKED_MODEL and k in old_model and old_model[k] != v:
@@ -58,11 +68,18 @@ def check_resume(cfg: Config, meta: dict, path, verbose: bool) -> None:
     # before any sample is consumed (a step-0 import) the data decides nothing yet
     changes += data_changes(cfg.data, meta) if consumed > 0 else []
     for name, old, new, what in changes:
+        if name.startswith("optim."):
+            what = "the new rule's optimizer state starts fresh"
         if not _allowed(name, allow):
-            why = what or (
-                "samples would be skipped or repeated"
-                if name.startswith("train.")
-                else "the weights belong to another model"
+            why = (
+                "its optimizer state belongs to another update rule"
+                if name.startswith("optim.")
+                else what
+                or (
+                    "samples would be skipped or repeated"
+                    if name.startswith("train.")
+                    else "the weights belong to another model"
+                )
             )
             raise ConfigError(
                 f"checkpoint {path} was written with {name}={old}, this run has {new}: {why}; "
@@ -75,6 +92,20 @@ def check_resume(cfg: Config, meta: dict, path, verbose: bool) -> None:
                 file=sys.stderr,
                 flush=True,
             )
+    _say_state_dtype(cfg, meta, verbose)
+
+
+def _say_state_dtype(cfg: Config, meta: dict, verbose: bool) -> None:
+    """One line when the checkpoint's optimizer state is in another dtype than optim.state_dtype: checkpoint/
+    load.py's copies convert it as they read (checkpoints from before the key held fp32 state)."""
+    old = ((meta.get("config") or {}).get("optim") or {}).get("state_dtype", OptimConfig.state_dtype)
+    if verbose and old != cfg.optim.state_dtype:
+        print(
+            f"megaframe: warning: resuming with optim.state_dtype={cfg.optim.state_dtype} from a checkpoint "
+            f"whose optimizer state is {old}: converted as it is read",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def consumed_samples(meta: dict) -> int:

@@ -131,11 +131,14 @@ def _check_model_shapes(m: ModelConfig, p: ParallelConfig) -> None:
 
 
 def _check_optim(cfg: Config, dp: int) -> None:
-    """The lr curve, the ZeRO stage, HSDP's shard groups and what low precision needs of them."""
+    """The update rule, the lr curve, the ZeRO stage, HSDP's shard groups and what low precision needs."""
     p, t = cfg.parallel, cfg.train
     _req(cfg.optim.lr > 0 and cfg.optim.min_lr >= 0, "optim.lr must be > 0 and optim.min_lr >= 0")
     _req(cfg.optim.warmup_steps >= 0, f"optim.warmup_steps={cfg.optim.warmup_steps} must be >= 0")
     _check_lr_schedule(cfg)
+    from megaframe.optim.rule_registry import check_rule_name  # the registry of names, without torch
+
+    check_rule_name(cfg.optim.name)
     _req(cfg.optim.zero in (0, 1, 2, 3), f"optim.zero={cfg.optim.zero} must be 0, 1, 2 or 3")
     # HSDP shards over blocks of the cp·dp ranks (params are replicated over cp too: mesh.py)
     s, dpcp = cfg.optim.shard_group_size, dp * p.cp

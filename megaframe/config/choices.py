@@ -88,6 +88,13 @@ class GradReduceDtype(StrEnum):
     bf16 = "bf16"
 
 
+class StateDtype(StrEnum):
+    """optim.state_dtype: the dtype of the update rule's per-element state (the master stays fp32)."""
+
+    fp32 = "fp32"
+    bf16 = "bf16"
+
+
 class Recompute(StrEnum):
     """train.recompute (op_selective: torch's selective activation checkpointing per block with torchtitan's
     op-level policy, model/recompute.py)."""

@@ -30,6 +30,7 @@ from megaframe.config.choices import (  # noqa: F401  (re-exported: the schema's
     RouterScore,
     SaveErrorPolicy,
     ScheduleKind,
+    StateDtype,
     WandbMode,
 )
 from megaframe.config.data_schema import (  # noqa: F401  (the data group)
@@ -182,6 +183,10 @@ class TrainConfig(Frozen):
 
 @dataclass
 class OptimConfig(Frozen):
+    name: str = "adamw"
+    """The update rule (optim/rule_registry.py registers them): adamw (torch's fused AdamW; weight decay on
+    matrices only). Every rule runs under every optim.zero stage; a checkpoint's optimizer state is the
+    rule's (optim/<state>/<param>)."""
     lr: float = 2e-3
     """Peak learning rate."""
     min_lr: float = 1e-4
@@ -241,6 +246,12 @@ class OptimConfig(Frozen):
     zero_grad) for the clip, the norm and the AdamW step on the fp32 master weights. Each rank's grads
     are already divided by the global token count before the reduction (the loss is), so the bf16 sum
     adds already-averaged values; only its rounding (~2^-8 relative per addition) differs from fp32."""
+    state_dtype: StateDtype = StateDtype.fp32
+    """fp32 | bf16: the dtype of the update rule's per-element state (AdamW's two moments), under every
+    optim.zero stage; the fp32 master weights of bf16 params stay fp32 (torchtitan's bf16 optimizer states,
+    Megatron's --use-precision-aware-optimizer). bf16 saves 4 of AdamW's 8 state bytes per element. The
+    update itself runs in fp32 (the state widened per tensor, then rounded back). A checkpoint records
+    the dtype of each state tensor; resuming into the other dtype converts it as it is read."""
     bucket_size_mb: float = 25.0  # DDP's default bucket size
     """ZeRO grad bucket size in MiB of fp32 grads: one reduce-scatter per bucket, launched as soon as
     backward has finished all of its grads. Smaller buckets start earlier but cost more launches."""

@@ -1,4 +1,5 @@
-"""The AdamW both optimizer stages run (zero=0 on whole params, zero=1 on owned flat ranges)."""
+"""The AdamW update rule (optim/update_rule.py): torch's fused AdamW, run by every strategy (zero=0 on whole
+params, ZeRO on owned flat ranges). Its state names are written here only."""
 
 from __future__ import annotations
 
@@ -7,8 +8,11 @@ import inspect
 import torch
 
 from megaframe.config.schema import OptimConfig
+from megaframe.optim.update_rule import STATE_DTYPES, Groups, RuleStep, UpdateRule
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
+WIDEN_NUMEL = 1 << 24
+"""bf16 state: moments widened to fp32 at most this many elements at a time (64 MiB each), the transient."""
 
 
 def _undecorated(fn):
@@ -47,3 +51,99 @@ def adamw(params_decay, params_no_decay, cfg: OptimConfig, device: torch.device)
         if ps
     ]
     return AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=True)
+
+
+class AdamWStep(RuleStep):
+    """The rule's step: one torch AdamW over the groups; the clip is its grad_scale, the skip its found_inf
+    (one fused pass, no host sync). optim.state_dtype=bf16: the same fused kernel on the moments widened to
+    fp32 a batch at a time, rounded back to bf16 after (the update and the weights stay fp32)."""
+
+    def __init__(self, groups: Groups, cfg: OptimConfig, device: torch.device):
+        self.device, self.dtype = device, STATE_DTYPES[cfg.state_dtype]
+        self.adam = adamw(groups.get("matrix", []), groups.get("vector", []), cfg, device)
+
+    def adopt(self, weights: torch.Tensor, views: dict[str, torch.Tensor]) -> None:
+        # torch's AdamW keeps state it finds; fused AdamW wants its step count as an fp32 tensor on the
+        # params' device, never a Python int
+        step = torch.zeros((), dtype=torch.float32, device=self.device)
+        self.adam.state[weights] = {"step": step, **{k: views[k] for k in MOMENTS}}
+
+    def state_of(self, weights: torch.Tensor) -> dict[str, torch.Tensor]:
+        state = self.adam.state.get(weights, {})
+        return {k: state[k] for k in MOMENTS if k in state}
+
+    def set_step(self, weights: torch.Tensor, step: int) -> None:
+        self.adam.state[weights]["step"] = torch.tensor(float(step), device=self.device)
+
+    def step(self, lr: float, divisor: torch.Tensor, skip: torch.Tensor) -> None:
+        for group in self.adam.param_groups:
+            group["lr"] = lr
+        if self.dtype != torch.float32:
+            self._step_widened(divisor, skip)
+            return
+        self.adam.grad_scale = divisor
+        # where found_inf is 1 the fused kernel leaves params, moments and its step count untouched
+        self.adam.found_inf = skip
+        self.adam.step()
+
+    @torch.no_grad()
+    def _step_widened(self, divisor: torch.Tensor, skip: torch.Tensor) -> None:
+        for group in self.adam.param_groups:
+            batch, numel = [], 0
+            for w in group["params"]:
+                if w.grad is None:
+                    continue
+                if w not in self.adam.state:  # zero=0: made at the first update, as torch's, in our dtype
+                    self.adopt(w, {k: torch.zeros_like(w, dtype=self.dtype) for k in MOMENTS})
+                batch.append(w)
+                numel += w.numel()
+                if numel >= WIDEN_NUMEL:
+                    self._fused_widened(group, batch, divisor, skip)
+                    batch, numel = [], 0
+            if batch:
+                self._fused_widened(group, batch, divisor, skip)
+
+    def _fused_widened(self, group: dict, ws: list, divisor: torch.Tensor, skip: torch.Tensor) -> None:
+        """torch's fused AdamW step (torch.optim.adam._fused_adam's calls) on fp32 copies of the moments."""
+        states = [self.adam.state[w] for w in ws]
+        wide = {k: [s[k].float() for s in states] for k in MOMENTS}
+        steps = [s["step"] for s in states]
+        torch._foreach_add_(steps, 1)
+        beta1, beta2 = group["betas"]
+        torch._fused_adamw_(
+            ws,
+            [w.grad for w in ws],
+            wide["exp_avg"],
+            wide["exp_avg_sq"],
+            [],
+            steps,
+            amsgrad=False,
+            lr=group["lr"],
+            beta1=beta1,
+            beta2=beta2,
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=False,
+            grad_scale=divisor,
+            found_inf=skip,
+        )
+        torch._foreach_sub_(steps, [skip] * len(steps))
+        for k in MOMENTS:
+            torch._foreach_copy_([s[k] for s in states], wide[k])
+
+    def held(self) -> list[torch.Tensor]:
+        return [
+            v
+            for s in self.adam.state.values()
+            for v in s.values()
+            if isinstance(v, torch.Tensor) and v.dim() > 0
+        ]
+
+
+RULE = UpdateRule(
+    name="adamw",
+    states=MOMENTS,
+    state_bytes={"fp32": (4, 4), "bf16": (2, 2)},
+    elementwise=True,
+    build=AdamWStep,
+)

@@ -9,39 +9,42 @@ import torch
 from torch import nn
 
 from megaframe.config.schema import OptimConfig
-from megaframe.optim.adamw import MOMENTS, adamw
 from megaframe.optim.finalize import clip_divisor, finalize
 from megaframe.optim.grads import ReplicatedGrads
 from megaframe.optim.protocol import Optimizer
+from megaframe.optim.rule_registry import rule_named
+from megaframe.optim.update_rule import STATE_DTYPES
 from megaframe.optim.zero import ZeroOptimizer
 from megaframe.parallel.mesh import Mesh
 
 
 class PlainOptimizer(Optimizer):
-    """Replicated AdamW; grads all-reduced over dp in flat buckets after the last micro-batch."""
+    """The update rule on whole replicated params; grads all-reduced over dp in flat buckets after the last
+    micro-batch."""
 
     def __init__(self, model: nn.Module, cfg: OptimConfig, mesh: Mesh):
         self.model, self.cfg, self.mesh = model, cfg, mesh
-        params = list(model.parameters())
-        self.adam = adamw(
-            [p for p in params if p.ndim >= 2], [p for p in params if p.ndim < 2], cfg, mesh.device
-        )
+        self.params = list(model.parameters())
+        self.rule = rule_named(cfg.name)
+        groups = {
+            "matrix": [p for p in self.params if p.ndim >= 2],
+            "vector": [p for p in self.params if p.ndim < 2],
+        }
+        self.update = self.rule.build(groups, cfg, mesh.device)
         self.grads = ReplicatedGrads(model, mesh)
 
     def zero_grad(self) -> None:
-        self.adam.zero_grad(set_to_none=True)
+        for p in self.params:
+            p.grad = None
 
     def backward_context(self, is_last: bool):
         return contextlib.nullcontext()
 
     def step(self, lr: float) -> torch.Tensor:
         norm = finalize(self.grads, self.mesh, self.cfg.clip_grad, clip=False)
-        for group in self.adam.param_groups:
-            group["lr"] = lr
-        self.adam.grad_scale = clip_divisor(norm, self.cfg.clip_grad)  # clipped inside the fused kernel
-        # Every rank computed the same global norm, so all ranks skip (or not) together and stay replicas.
-        self.adam.found_inf = (~torch.isfinite(norm)).float()  # a NaN/Inf skips the update, no host sync
-        self.adam.step()
+        # Clipped inside the rule's step. Every rank computed the same global norm, so all ranks skip (or
+        # not) together and stay replicas; a NaN/Inf skips the update without a host sync.
+        self.update.step(lr, clip_divisor(norm, self.cfg.clip_grad), (~torch.isfinite(norm)).float())
         return norm
 
     def sync_params(self) -> None:
@@ -51,37 +54,35 @@ class PlainOptimizer(Optimizer):
         """Before a save: nothing to do (see sync_params)."""
 
     def logical_state(self, p: nn.Parameter) -> dict[str, torch.Tensor]:
-        state = self.adam.state.get(p, {})
-        return {k: state[k] for k in MOMENTS if k in state}
+        return self.update.state_of(p)
 
     def load_targets(self, p: nn.Parameter) -> tuple[list[tuple[int, int, dict[str, torch.Tensor]]], bool]:
-        """Where a checkpoint's moments of p are read to (checkpoint/load.py): p's state, made here at its
+        """Where a checkpoint's state of p is read to (checkpoint/load.py): p's state, made here at its
         size (every rank holds all of it), as one segment; no master (a saved master goes into p itself)."""
-        state = self.adam.state[p]
-        for k in MOMENTS:
-            state[k] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)  # defined, whatever is read
-        return [(0, p.numel(), {k: state[k].view(-1) for k in MOMENTS})], False
+        # zeros: defined, whatever is read
+        dtype = STATE_DTYPES[self.cfg.state_dtype]
+        state = {k: torch.zeros(p.shape, dtype=dtype, device=p.device) for k in self.rule.states}
+        self.update.adopt(p, state)
+        return [(0, p.numel(), {k: t.view(-1) for k, t in state.items()})], False
 
     def loaded(self, p: nn.Parameter, kinds: set[str], step: int) -> None:
-        # fused AdamW keeps its step counter on the parameter's device
-        self.adam.state[p]["step"] = torch.tensor(float(step), device=p.device)
+        self.update.set_step(p, step)
+
+    def held_state(self) -> list[torch.Tensor]:
+        return self.update.held()
 
     def memory_bytes(self) -> dict[str, int]:
         grads = sum(
             p.grad.numel() * p.grad.element_size() for p in self.model.parameters() if p.grad is not None
         )
-        optim = sum(
-            v.numel() * v.element_size()
-            for s in self.adam.state.values()
-            for v in s.values()
-            if isinstance(v, torch.Tensor) and v.dim() > 0
-        )
+        optim = sum(v.numel() * v.element_size() for v in self.held_state())
         return {"mem/grads_bytes": grads, "mem/optim_bytes": optim}
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, mesh: Mesh) -> Optimizer:
-    """optim.zero=1, 2: the ZeRO-1/-2 distributed optimizer (zero.py); 3: ZeRO-3 (zero3.py); 0: replicated
-    AdamW (fp32 params only).
+    """optim.zero=1, 2: the ZeRO-1/-2 distributed optimizer (zero.py); 3: ZeRO-3 (zero3.py); 0: the rule on
+    replicated params (fp32 params only). Each runs the update rule optim.name chooses
+    (optim/rule_registry.py).
 
     With one data-parallel rank and fp32 params ZeRO has nothing to shard and no master copy to keep, so
     the replicated optimizer runs instead: same math and state, without the flat-buffer copies and

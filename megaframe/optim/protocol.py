@@ -2,7 +2,9 @@
 implement it: PlainOptimizer (optim.zero=0, build.py), ZeroOptimizer (ZeRO-1/-2, zero.py) and
 Zero3Optimizer (zero3.py). An ABC rather than a docstring: a class missing a method cannot be built.
 
-Adam is elementwise, so running it on each rank's parameter slices never changes the math."""
+The update's math is the rule's (optim/update_rule.py, chosen by optim.name; `rule` on every optimizer):
+these classes are the distribution strategy, holding the rule's state under its names. An elementwise rule
+(AdamW) run on each rank's parameter slices never changes the math."""
 
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ import contextlib
 import torch
 from torch import nn
 
+from megaframe.optim.update_rule import UpdateRule
+
 Segments = list[tuple[int, int, dict[str, torch.Tensor]]]
 """(start in p's flat local tensor, length, {state name: view}) of a parameter's state on this rank."""
 
@@ -19,6 +23,9 @@ Segments = list[tuple[int, int, dict[str, torch.Tensor]]]
 class Optimizer(abc.ABC):
     """What every optimizer offers; the call order is zero_grad, (backward_context around each
     micro-batch's backward), step; sync_params/settle before params are read outside a forward."""
+
+    rule: UpdateRule
+    """The update rule whose state this optimizer holds (its names are the checkpoint's optim/<name>/)."""
 
     @abc.abstractmethod
     def zero_grad(self) -> None:
@@ -37,7 +44,7 @@ class Optimizer(abc.ABC):
 
     @abc.abstractmethod
     def logical_state(self, p: nn.Parameter) -> dict[str, torch.Tensor]:
-        """Adam moments (and a master copy if kept) shaped like p's local slice (checkpoints)."""
+        """The rule's state (and a master copy if kept) shaped like p's local slice (checkpoints)."""
 
     @abc.abstractmethod
     def load_targets(self, p: nn.Parameter) -> tuple[Segments, bool]:
@@ -47,6 +54,10 @@ class Optimizer(abc.ABC):
     @abc.abstractmethod
     def loaded(self, p: nn.Parameter, kinds: set[str], step: int) -> None:
         """What to finish once load_targets' segments (the `kinds` the checkpoint held) and p were read."""
+
+    @abc.abstractmethod
+    def held_state(self) -> list[torch.Tensor]:
+        """Every optimizer state tensor this rank holds now (no collective): the save guard's finite check."""
 
     @abc.abstractmethod
     def memory_bytes(self) -> dict[str, int]:

@@ -11,6 +11,7 @@ from megaframe.config.schema import OptimConfig
 from megaframe.optim.buffer import bucket_plan, buffer_groups, grad_dtype, group_plan
 from megaframe.optim.float8_gather import split_groups
 from megaframe.optim.param_gather import gather_units, gathers_per_step, zero3_groups
+from megaframe.optim.rule_registry import rule_named
 from megaframe.parallel.mesh import Mesh
 
 
@@ -38,14 +39,16 @@ def planned_memory_bytes(
 ) -> dict[str, int]:
     """memory_bytes() of the ZeRO optimizer of `params` on this rank of `mesh` (zero=3 needs the `model`
     for its gather units' buckets): the same buffers and bucket padding, and per owned element the state
-    zero_state.build_state keeps (two fp32 moments, plus an fp32 master for low-precision params). zero=3 adds
-    mem/params_bytes: the fp32 owned range plus any bucket no gather unit reads (kept whole; none in a GPT).
+    zero_state.build_state keeps (the update rule's state bytes, plus an fp32 master for low-precision
+    params). zero=3 adds mem/params_bytes: the fp32 owned range plus any bucket no gather unit reads (kept
+    whole; none in a GPT).
     Grads take g bytes an element: 4, or 2 under optim.grad_reduce_dtype=bf16 for bf16 params
     (buffer.grad_dtype); then the step's fp32 copy of the owned range is mem/grads_fp32_bytes, 4 bytes per
     owned element."""
     units = gather_units(model) if model is not None and cfg.zero == 3 else []
     in_units = {id(p) for _, us, _ in units for p in us}
     grads = optim = params_bytes = wide = 0
+    rule_bytes = rule_named(cfg.name).bytes_per_element(cfg.state_dtype)
     for axis, ps, ordered, plan in _plans(params, cfg, mesh, model):
         numel = plan[-1][2] if plan else 0
         late = sum(end - start for idx, start, end in plan if any(ordered[i].placement.pp_tied for i in idx))
@@ -54,14 +57,14 @@ def planned_memory_bytes(
         if cfg.zero == 3:
             resident = sum(end - start for idx, start, end in plan if id(ordered[idx[0]]) not in in_units)
             grads += g * (numel // axis.size + late)  # a tied embedding's bucket: whole for the step
-            optim += 8 * numel // axis.size
+            optim += rule_bytes * numel // axis.size
             params_bytes += 4 * numel // axis.size + resident * ps[0].element_size()
             continue
         if cfg.zero >= 2:  # the shard, plus the whole of late buckets (a tied embedding's)
             grads += g * (numel // axis.size + late)
         else:
             grads += g * numel
-        optim += (numel // axis.size) * (8 if ps[0].dtype == torch.float32 else 12)
+        optim += (numel // axis.size) * (rule_bytes + (0 if ps[0].dtype == torch.float32 else 4))
     out = {"mem/grads_bytes": grads, "mem/optim_bytes": optim, "mem/grads_fp32_bytes": wide}
     return {**out, "mem/params_bytes": params_bytes} if cfg.zero == 3 else out
 

@@ -1,11 +1,12 @@
-"""ZeRO-1 and ZeRO-2 distributed optimizer (and HSDP): dp-sharded AdamW state (ZeRO-2: and grads),
+"""ZeRO-1 and ZeRO-2 distributed optimizer (and HSDP): dp-sharded update-rule state (ZeRO-2: and grads),
 bucketed reduce-scatters overlapped with backward.
 
 Sharding (see buffer.py for the layout): every parameter lives in a contiguous param buffer and its
 fp32 gradient in a grad buffer of the same layout, cut into buckets. dp rank r owns the r-th 1/dp of
-every bucket. It keeps AdamW state only for that range: the Adam moments (fp32) and, for bf16 params,
-an fp32 master copy (fp32 params are their own master: the update writes the param buffer in place).
-So optimizer state per rank is 8 (fp32) or 12 (bf16) bytes per owned element, 1/dp of the whole.
+every bucket. It keeps the update rule's state (optim/update_rule.py) only for that range: the rule's
+per-element state and, for bf16 params, an fp32 master copy (fp32 params are their own master: the update
+writes the param buffer in place). So optimizer state per rank is the rule's bytes per element (AdamW: 8),
+plus 4 for bf16 params, per owned element: 1/dp of the whole.
 
 One step, zero=1:
   backward     grads accumulate in place into the grad buffer: the linears' weight-grad GEMMs (and the
@@ -19,7 +20,7 @@ One step, zero=1:
                embedding over the pipeline ends (its bucket is `late`: never launched from backward),
                launch what backward did not (buckets with an unused param, or late ones), wait for
                everything in flight, sum tp-partial grads over tp (sequence-parallel norms: on this
-               rank's range only), global grad norm; then AdamW on the owned range, clipping as its
+               rank's range only), global grad norm; then the rule's step on the owned range, clipping as its
                grad_scale, and the
                all-gather of the updated param buckets over dp.
 zero=2 keeps no grad buffer (buffer.py): in EVERY micro-batch's backward the hook adds p.grad into its
@@ -48,7 +49,7 @@ the buckets it needs. Readers of parameters outside a forward call sync_params()
 Grad norm: each element is counted once. Ranges are disjoint over the shard axis, so squares are summed
 over it; over tp and pp `Placement.counts_in_norm` drops tp-replicated copies on tp ranks > 0 and pipeline
 duplicates.
-The buffers and the AdamW state over the owned range are built in zero_state.py.
+The buffers and the rule's state over the owned range are built in zero_state.py.
 
 optim.grad_reduce_dtype=bf16 (bf16 params only): the grad buffer, grad_shard and the buckets' acc are
 bf16, so "fp32" above reads "bf16" for everything up to the reduction (zero=1 bf16 params then accumulate
@@ -73,6 +74,7 @@ from megaframe.optim.buffer import Bucket, FlatBuffer, grad_dtype
 from megaframe.optim.finalize import all_reduce_tensors, clip_divisor, finalize
 from megaframe.optim.param_gather import ParamGather
 from megaframe.optim.protocol import Optimizer
+from megaframe.optim.rule_registry import rule_named
 from megaframe.optim.zero_io import ZeroStateIO
 from megaframe.optim.zero_state import build_state, flat_buffers, make_state
 from megaframe.parallel import comm
@@ -98,8 +100,9 @@ class ZeroOptimizer(ZeroStateIO, Optimizer):
         self._pending: list[tuple[FlatBuffer, Bucket]] = []  # zero=2: reduce-scatters not yet added in
         self._acc_bytes = self.gathered_peak = 0  # zero=2: live bucket-sized grads now, and their peak
         self._gathered: tuple | None = None  # (key, {name: full bucket tensor}) of the last gathered bucket
-        self.states, self._segs_of, self.adam, self._owned_grads = build_state(
-            self.buffers, cfg, mesh.device, self.always_master, self._segment_values
+        self.rule = rule_named(cfg.name)
+        self.states, self._segs_of, self.update, self._owned_grads = build_state(
+            self.buffers, self.rule, cfg, mesh.device, self.always_master, self._segment_values
         )
         self._seen = {p: p._version for p in self._segs_of if p.dtype != torch.float32 or self.always_master}
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self.params]
@@ -343,17 +346,12 @@ class ZeroOptimizer(ZeroStateIO, Optimizer):
         self.make_state()
         self._resync_master()
         self._zero_unwritten()
-        # clipping is the fused AdamW's grad_scale (one pass over the grads fewer: finalize.clip_divisor)
+        # the rule's step divides by the clip (one pass over the grads fewer: finalize.clip_divisor)
         norm = finalize(self, self.mesh, self.cfg.clip_grad, clip=False)
-        if self.adam is not None:
-            for group in self.adam.param_groups:
-                group["lr"] = lr
-            self.adam.grad_scale = clip_divisor(norm, self.cfg.clip_grad)
-            # A NaN/Inf norm skips the update on the device, without a host sync: the fused AdamW kernel
-            # leaves params, moments and its step count untouched where found_inf is 1 (the flag the
-            # AMP grad scaler uses). Every rank sees the same global norm, so all skip together.
-            self.adam.found_inf = (~torch.isfinite(norm)).float()
-            self.adam.step()
+        if self.update is not None:
+            # A NaN/Inf norm skips the update on the device, without a host sync. Every rank sees the same
+            # global norm, so all skip together.
+            self.update.step(lr, clip_divisor(norm, self.cfg.clip_grad), (~torch.isfinite(norm)).float())
         self.param_gather.launch(self._launch_param_gather)
         return norm
 

@@ -1,14 +1,14 @@
 """ZeroOptimizer's checkpoint and figure side: the per-rank state segments a checkpoint writes and a load
 reads into, the dp-gathered logical state and grads (tests, debugging), and the memory figures. A mixin of
 zero.py's ZeroOptimizer (and so of zero3.py's), split off to keep the step path readable; it reads the
-optimizer's buffers, states, `_buffer_of`/`_segs_of` maps, param gather and adam step counters."""
+optimizer's buffers, states, `_buffer_of`/`_segs_of` maps, param gather and the rule's step counters. The
+state's names are the update rule's (optim/update_rule.py) plus `master`, the fp32 copy ZeRO keeps."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from megaframe.optim.adamw import MOMENTS
 from megaframe.optim.buffer import Bucket, FlatBuffer, has_storage
 from megaframe.parallel import comm
 
@@ -17,8 +17,9 @@ class ZeroStateIO:
     """Checkpoint segments, gathered state and memory figures of a ZeroOptimizer (see the module doc)."""
 
     def _gather_bucket(self, buf: FlatBuffer, b: Bucket, what: str) -> dict[str, torch.Tensor]:
-        """Full-bucket tensors gathered over dp (collective): 'state' -> moments (+ master), 'grad' ->
-        the reduced grad. Only the last bucket is cached: checkpoints walk params bucket by bucket."""
+        """Full-bucket tensors gathered over dp (collective): 'state' -> the rule's state (+ master),
+        'grad' -> the reduced grad. Only the last bucket is cached: checkpoints walk params bucket by
+        bucket."""
         self.param_gather.wait()
         key = (id(buf), b.index, what)
         if self._gathered is not None and self._gathered[0] == key:
@@ -29,7 +30,7 @@ class ZeroStateIO:
         else:
             self.make_state()
             st = self.states[self.buffers.index(buf)]
-            shards = {k: buf.state_shard(getattr(st, k), b) for k in MOMENTS}
+            shards = {k: buf.state_shard(t, b) for k, t in st.state.items()}
             if st.master is not None:
                 shards["master"] = buf.state_shard(st.master, b)
         full = {}
@@ -49,23 +50,23 @@ class ZeroStateIO:
 
     def state_segments(self, p: nn.Parameter) -> list[tuple[int, int, dict[str, torch.Tensor]]]:
         """This rank's segments of p's state, no collective: (first element of the flat local param,
-        length, {exp_avg, exp_avg_sq[, master]: 1-D views of the flat state}). Checkpoints write these."""
+        length, {the rule's state names[, master]: 1-D views of the flat state}). Checkpoints write these."""
         buf = self._buffer_of.get(p)
         if buf is None:
             return []
-        self.make_state()  # a save before any step writes the zero moments a step would start from
+        self.make_state()  # a save before any step writes the zero state a step would start from
         st = self.states[self.buffers.index(buf)]
         out = []
         for seg, _ in self._segs_of.get(p, []):
             lo, n = seg.state_lo, seg.numel
-            views = {"exp_avg": st.exp_avg[lo : lo + n], "exp_avg_sq": st.exp_avg_sq[lo : lo + n]}
+            views = {k: t[lo : lo + n] for k, t in st.state.items()}
             if st.master is not None:
                 views["master"] = st.master[lo : lo + n]
             out.append((seg.param_lo, n, views))
         return out
 
     def logical_state(self, p: nn.Parameter) -> dict[str, torch.Tensor]:
-        """exp_avg, exp_avg_sq (and the fp32 master of bf16 params) shaped like p's local tensor.
+        """The rule's state (and the fp32 master of bf16 params) shaped like p's local tensor.
         Collective over dp: every dp rank must call it for the same params in the same order."""
         return self._slice(p, "state")
 
@@ -80,7 +81,7 @@ class ZeroStateIO:
         into p itself). Nothing of p's full local size is made: each rank reads its own segments only."""
         self._gathered = None
         self.param_gather.wait()  # a gather in flight would overwrite what is loaded
-        self.make_state()  # the load writes into the moments (and master)
+        self.make_state()  # the load writes into the rule's state (and master)
         buf = self._buffer_of.get(p)
         keeps_master = buf is not None and self.states[self.buffers.index(buf)].master is not None
         return self.state_segments(p), keeps_master
@@ -102,9 +103,13 @@ class ZeroStateIO:
                 st.master[seg.state_lo : seg.state_lo + seg.numel].copy_(
                     flat[seg.param_lo : seg.param_lo + seg.numel]
                 )
-            self.adam.state[weights]["step"].fill_(float(step))
+            self.update.set_step(weights, step)
         if p in self._seen:
             self._seen[p] = p._version  # the master just loaded is exact: do not re-read it from p
+
+    def held_state(self) -> list[torch.Tensor]:
+        """This rank's flat rule state and masters that have storage (made: make_state)."""
+        return [t for st in self.states for t in st.tensors() if has_storage(t)]
 
     def memory_bytes(self) -> dict[str, int]:
         """This rank's persistent grads in their dtype (zero=1: the buffer; zero=2: its shard, plus the acc
@@ -118,7 +123,7 @@ class ZeroStateIO:
             held(buf.grad) + held(buf.grad_shard) + sum(held(b.acc) for b in buf.buckets if b.late)
             for buf in self.buffers
         )
-        optim = sum(held(t) for st in self.states for t in (st.exp_avg, st.exp_avg_sq, st.master))
+        optim = sum(held(t) for t in self.held_state())
         wide = sum(4 * buf.state_numel for buf in self.buffers if buf.grad32 is not None)
         return {
             "mem/grads_bytes": grads,

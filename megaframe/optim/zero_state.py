@@ -1,9 +1,9 @@
 """ZeRO's layout and state (zero.py drives them): the flat buffers a rank's params live in, and the
-AdamW state of this rank's owned range of each.
+update rule's state of this rank's owned range of each.
 
-Weight decay applies to matrices only (p.ndim >= 2). The update itself is torch.optim.AdamW run on
-1-D views of the owned range (segments), so the math is exactly torch's (decoupled decay, bias
-correction) and zero=1 equals zero=0 elementwise.
+The state is "some state per owned element": one flat tensor per name the rule (optim/update_rule.py)
+declares, never named here. The update is the rule's step run on 1-D views of the owned range (segments);
+an elementwise rule's math is then exactly its math on whole params, so zero=1 equals zero=0 elementwise.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from megaframe.config.schema import OptimConfig
-from megaframe.optim.adamw import adamw
+from megaframe.config.schema import ConfigError, OptimConfig
 from megaframe.optim.buffer import FlatBuffer, Segment, buffer_groups, give_storage, lazy_zeros
+from megaframe.optim.update_rule import STATE_DTYPES, RuleStep, UpdateRule
 from megaframe.parallel.mesh import Axis, Mesh
 from megaframe.parallel.placement import Placement
 
@@ -25,10 +25,14 @@ from megaframe.parallel.placement import Placement
 class FlatState:
     """This rank's flat optimizer state for one buffer (state_numel elements each)."""
 
-    exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor
+    state: dict[str, torch.Tensor]
+    """The rule's per-element state, by its names."""
     master: torch.Tensor | None
     """fp32 master weights for low-precision params; None when the param buffer is fp32 already."""
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The rule's state and the master (when kept), made or not."""
+        return [*self.state.values(), *([self.master] if self.master is not None else [])]
 
 
 class OwnedState(NamedTuple):
@@ -37,8 +41,8 @@ class OwnedState(NamedTuple):
     states: list[FlatState]
     """One per buffer, in buffer order."""
     segs_of: dict[nn.Parameter, list[tuple[Segment, torch.Tensor]]]
-    """Each param's owned segments with the 1-D weights AdamW updates for it (param buffer or master)."""
-    adam: torch.optim.AdamW | None
+    """Each param's owned segments with the 1-D weights the rule updates for it (param buffer or master)."""
+    update: RuleStep | None
     """None when this rank owns no element at all."""
     owned_grads: list[tuple[Placement, torch.Tensor]]
     """This rank's final grads: the owned segment of every parameter, viewed in the grad buffer (or shard)."""
@@ -63,14 +67,26 @@ def flat_buffers(params: list[nn.Parameter], cfg: OptimConfig, mesh: Mesh, make=
 
 
 def build_state(
-    buffers: list[FlatBuffer], cfg: OptimConfig, device: torch.device, always_master: bool, source=None
+    buffers: list[FlatBuffer],
+    rule: UpdateRule,
+    cfg: OptimConfig,
+    device: torch.device,
+    always_master: bool,
+    source=None,
 ) -> OwnedState:
-    """Flat moments (and master) per buffer, without storage until make_state; torch AdamW over 1-D
-    segment views of them. `always_master`:
+    """The rule's flat state (and master) per buffer, without storage until make_state; the rule's step over
+    1-D segment views of them. `always_master`:
     an fp32 master for fp32 params too (zero=3, whose param buffer is not kept whole). A buffer without a
     param buffer (zero=3) takes each segment's starting values from `source(segment)` (in the params'
     dtype, so the master holds what the params would)."""
-    states, segs_of, groups, pre = [], {}, ([], []), []
+    if not rule.elementwise:
+        # its update of a flat range is not that range of the whole matrix's update: it needs an ownership
+        # of whole matrices this strategy does not have
+        raise ConfigError(
+            f"optim.name={rule.name} updates whole matrices; ZeRO's owned ranges cut across them: "
+            "use optim.zero=0"
+        )
+    states, segs_of, groups, pre = [], {}, {"matrix": [], "vector": []}, []
     for buf in buffers:
         n = buf.state_numel
         master = None
@@ -82,36 +98,32 @@ def build_state(
                 master = torch.zeros(n, dtype=torch.float32, device=device)
                 for seg in buf.segments:
                     master[seg.state_lo : seg.state_lo + seg.numel].copy_(source(seg))
-        # Moments (and a master copied from the param buffer) have no storage until make_state: torch's
-        # AdamW makes its moments at the first update too, so start-up holds the params only.
-        st = FlatState(lazy_zeros(n, torch.float32, device), lazy_zeros(n, torch.float32, device), master)
+        # The state (and a master copied from the param buffer) has no storage until make_state: torch's
+        # optimizers make theirs at the first update too, so start-up holds the params only.
+        dtype = STATE_DTYPES[cfg.state_dtype]
+        st = FlatState({k: lazy_zeros(n, dtype, device) for k in rule.states}, master)
         states.append(st)
         for seg in buf.segments:
             lo, hi = seg.state_lo, seg.state_lo + seg.numel
             weights = buf.param[seg.buf_lo : seg.buf_lo + seg.numel] if master is None else master[lo:hi]
             weights.grad = buf.owned_grad_at(seg)
-            groups[0 if seg.param.ndim >= 2 else 1].append(weights)
-            step = torch.zeros((), dtype=torch.float32, device=device)
-            # fused AdamW requires its step counter as an fp32
-            # tensor on the params' device, never a Python int.
-            pre.append(
-                (weights, {"step": step, "exp_avg": st.exp_avg[lo:hi], "exp_avg_sq": st.exp_avg_sq[lo:hi]})
-            )
+            groups["matrix" if seg.param.ndim >= 2 else "vector"].append(weights)
+            pre.append((weights, {k: v[lo:hi] for k, v in st.state.items()}))
             segs_of.setdefault(seg.param, []).append((seg, weights))
-    adam = adamw(*groups, cfg, device) if any(groups) else None
-    for weights, s in pre:  # torch AdamW keeps state it finds: point it at our flat moments
-        adam.state[weights] = s
+    update = rule.build(groups, cfg, device) if any(groups.values()) else None
+    for weights, views in pre:  # the step keeps its state in our flat tensors
+        update.adopt(weights, views)
     owned = [(s.param.placement, buf.owned_grad_at(s)) for buf in buffers for s in buf.segments]
-    return OwnedState(states, segs_of, adam, owned)
+    return OwnedState(states, segs_of, update, owned)
 
 
 @torch.no_grad()
 def make_state(buffers: list[FlatBuffer], states: list[FlatState]) -> None:
-    """Give build_state's lazy state its storage: zero moments, and a master copied from the param buffer
+    """Give build_state's lazy state its storage: zero rule state, and a master copied from the param buffer
     (what it holds now: the params as the optimizer's first step or a load finds them). Idempotent."""
     for buf, st in zip(buffers, states):
-        give_storage(st.exp_avg)
-        give_storage(st.exp_avg_sq)
+        for t in st.state.values():
+            give_storage(t)
         if buf.param is not None and give_storage(st.master):
             for b in buf.buckets:
                 buf.state_shard(st.master, b).copy_(buf.shard(buf.param, b))

@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass, field, replace
 from megaframe.config.derived import derive
 from megaframe.config.schema import Config
 from megaframe.model.parallelize import build_model
+from megaframe.optim.rule_registry import rule_named
 from megaframe.optim.sizing import planned_dp_bytes, planned_memory_bytes
 from megaframe.parallel.context import cp_bytes_per_layer
 from megaframe.parallel.virtual import virtual_mesh
@@ -142,13 +143,14 @@ class Plan:
 
 def state_bytes(model, cfg: Config, mesh) -> tuple[int, int, int]:
     """(params, grads, optimizer state) bytes of this rank's model, as the trainer's optimizer lays them
-    out on this (virtual) mesh: ZeRO's own buffer code, or one grad and two moments per element.
+    out on this (virtual) mesh: ZeRO's own buffer code, or one grad and the update rule's state per element.
     (bf16 grad reduction's transient fp32 copy: grads_fp32_bytes.)"""
     params = [p for p in model.parameters() if p.requires_grad]
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     if not cfg.optim.zero:
         numel = sum(p.numel() for p in params)
-        return param_bytes, sum(p.numel() * p.element_size() for p in params), 8 * numel  # 2 fp32 moments
+        state = rule_named(cfg.optim.name).bytes_per_element(cfg.optim.state_dtype) * numel
+        return param_bytes, sum(p.numel() * p.element_size() for p in params), state
     if cfg.optim.zero == 3 and mesh.dp.size == 1:  # build_optimizer: nothing to shard, ZeRO-2's layout
         cfg = replace(cfg, optim=replace(cfg.optim, zero=2))
     mem = planned_memory_bytes(params, cfg.optim, mesh, model)

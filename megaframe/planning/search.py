@@ -22,6 +22,7 @@ import functools
 from dataclasses import dataclass, field
 
 from megaframe.config import Config, ConfigError, validate
+from megaframe.optim.rule_registry import rule_named
 from megaframe.planning.block_memory import _CFGS, act_per_layer, working_set_bytes
 from megaframe.planning.block_memory import on_host as _on_host
 from megaframe.planning.candidate import (
@@ -260,19 +261,22 @@ def _state(cfg: Config, lay: Layout, first: bool, last: bool, a_bytes: int) -> t
     m = cfg.model
     dense, expert = stage_params(m, lay, first, last)
     n = dense + expert
-    if not lay.zero:  # a grad per param in its dtype, two fp32 moments
-        return a_bytes * n, a_bytes * n, 8 * n
+    # the update rule's bytes per element in optim.state_dtype
+    state = rule_named(cfg.optim.name).bytes_per_element(cfg.optim.state_dtype)
+    if not lay.zero:  # a grad per param in its dtype, the rule's state
+        return a_bytes * n, a_bytes * n, state * n
     s = lay.shard_size
     # expert state is sharded over the expert-data-parallel
     # group (cp·dp / ep ranks), dense over the shard group
     owned = dense // s + expert // max(s // lay.ep, 1)
     g = 2 if lay.grad_dtype == "bf16" else 4
     grads = g * (owned if lay.zero >= 2 else n)
-    if lay.zero == 3:  # params: the fp32 owned range (the master), plus what stays whole; state: 2 moments
+    if lay.zero == 3:  # params: the fp32 owned range (the master), plus what stays whole; state: the rule's
         outside = n - end_layers(m, lay, first, last) * sum(layer_params(m, lay.tp, lay.ep))
         whole = a_bytes * outside if ZERO3_WHOLE_OUTSIDE_BLOCKS else 0
-        return 4 * owned + whole, grads, 8 * owned
-    return a_bytes * n, grads, (8 if cfg.train.precision == "fp32" else 12) * owned
+        return 4 * owned + whole, grads, state * owned
+    # a master: 4 more bytes per owned element of low-precision params
+    return a_bytes * n, grads, (state + (0 if cfg.train.precision == "fp32" else 4)) * owned
 
 
 def _shape(cfg: Config, lay: Layout, first: bool, last: bool, a_bytes: int, head_act: int = 0) -> RankShape:

@@ -74,6 +74,7 @@ def run_steps(
         sharded.save(save, stop, model, optimizer, mesh, {"layout": {"dp": mesh.dp.size}})
     mem = memory_figures(model, optimizer, mesh.device)
     every = comm.gather_objects(mem["mem/params_bytes"], mesh.group)  # every rank's, for the share
+    optim_every = comm.gather_objects(mem["mem/optim_bytes"], mesh.group)
     if mesh.rank != 0:
         return None
     buffers = getattr(optimizer, "buffers", [])
@@ -84,6 +85,7 @@ def run_steps(
         "comm": sent,
         "mem": mem,
         "params_bytes_per_rank": every,
+        "optim_bytes_per_rank": optim_every,
         "bucket_uses": bucket_uses(optimizer),
         "buffer_numel": sum(b.numel for b in buffers),
         "buckets": sum(len(b.buckets) for b in buffers),

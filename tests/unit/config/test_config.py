@@ -33,7 +33,8 @@ model.rope_scaling.mscale model.rope_scaling.mscale_all_dim model.rope_scaling.t
 optim.beta1 optim.beta2 optim.bucket_size_mb optim.clip_grad optim.eps optim.lr optim.min_lr
 optim.warmup_steps
 optim.weight_decay optim.zero optim.shard_group_size optim.overlap_param_gather optim.reshard_after_forward
-optim.lr_schedule optim.lr_decay_steps optim.wsd_decay_fraction optim.grad_reduce_dtype
+optim.lr_schedule optim.lr_decay_steps optim.wsd_decay_fraction optim.grad_reduce_dtype optim.name
+optim.state_dtype
 parallel.cp parallel.cp_comm parallel.ep parallel.pp parallel.pp_layout parallel.pp_schedule parallel.sp
 parallel.tp parallel.vpp
 parallel.tp_comm_overlap parallel.tp_comm_chunks train.fp8_recipe data.stages data.document_mask data.task
@@ -218,6 +219,7 @@ def test_unknown_preset_is_a_one_line_error():
         (["model=moe_tiny", "model.moe_router_score=relu"], 1, ["model.moe_router_score"]),
         (["model=moe_tiny", "model.moe_capacity_factor=0"], 1, ["model.moe_capacity_factor"]),
         (["optim.zero=4"], 2, ["optim.zero"]),
+        (["optim.name=lion"], 1, ["optim.name='lion'", "adamw"]),
         (["optim.shard_group_size=3"], 4, ["optim.shard_group_size", "dp=4"]),
         (["optim.shard_group_size=2", "optim.zero=0"], 4, ["optim.shard_group_size", "optim.zero"]),
         (["train.hang_timeout_s=-1"], 1, ["train.hang_timeout_s"]),

@@ -62,3 +62,34 @@ def test_building_and_stepping_leaves_the_compiler_unimported():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_bf16_state_is_torchs_step_with_the_moments_rounded_to_bf16():
+    """optim.state_dtype=bf16: the fused kernel on the moments widened to fp32, rounded back after: bit for
+    bit torch's AdamW whose moments are rounded to bf16 after every step, a skipped step included."""
+    from megaframe.config.schema import OptimConfig
+    from megaframe.optim.adamw import RULE
+
+    ours, ref = _params(0), _params(0)
+    cfg = OptimConfig(state_dtype="bf16", lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+    step = RULE.build({"matrix": ours[:1], "vector": ours[1:]}, cfg, torch.device("cpu"))
+    for i in range(3):
+        for p in ours:
+            p.grad = None
+        (sum((p * p).sum() for p in ours) * (i + 1)).backward()
+        step.step(1e-2, torch.tensor(2.0), torch.tensor(float(i == 1)))
+    ref_opt = _steps(torch.optim.AdamW, ref, n=0)
+    for i in range(3):
+        ref_opt.zero_grad(set_to_none=True)
+        (sum((p * p).sum() for p in ref) * (i + 1)).backward()
+        ref_opt.grad_scale, ref_opt.found_inf = torch.tensor(2.0), torch.tensor(float(i == 1))
+        ref_opt.step()
+        for s in ref_opt.state.values():
+            for k in RULE.states:
+                s[k].copy_(s[k].bfloat16())
+    for a, b in zip(ours, ref):
+        assert torch.equal(a, b)
+    for p, r in zip(ours, ref):
+        for k in RULE.states:
+            assert step.state_of(p)[k].dtype == torch.bfloat16
+            assert torch.equal(step.state_of(p)[k].float(), ref_opt.state[r][k])

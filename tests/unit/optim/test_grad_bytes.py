@@ -69,11 +69,7 @@ def _count(overrides: list[str], steps: int = 2):
     shapes = {tuple(p.shape) for p in params.values()}
     grads = {storage_ptr(b.grad) for b in opt.buffers}
     weights = {storage_ptr(b.param) for b in opt.buffers}
-    state = (
-        grads
-        | weights
-        | {storage_ptr(t) for st in opt.states for t in (st.master, st.exp_avg, st.exp_avg_sq)}
-    )
+    state = grads | weights | {storage_ptr(t) for st in opt.states for t in st.tensors()}
 
     def tracked(x: torch.Tensor) -> bool:
         ptr = storage_ptr(x)

@@ -22,13 +22,14 @@ CONTRACT = {
     "logical_state",
     "load_targets",
     "loaded",
+    "held_state",
     "memory_bytes",
     "sync_params",
     "settle",
 }
 
 
-def test_the_contract_is_the_nine_methods_the_loop_and_checkpoints_call():
+def test_the_contract_is_the_ten_methods_the_loop_and_checkpoints_call():
     assert Optimizer.__abstractmethods__ == CONTRACT
 
 
