@@ -69,4 +69,6 @@ def refusal(m: ModelConfig) -> str | None:
     why = spec.check(m)
     if not why:
         return None
-    return f"model.family={spec.name}: {'; '.join(why)}; these fields fit model.family={infer(m).name}"
+    fits = infer(m).name
+    what = " (megaframe's configurable block: it trains, it does not export)" if fits == "custom" else ""
+    return f"model.family={spec.name}: {'; '.join(why)}; these fields fit model.family={fits}{what}"
