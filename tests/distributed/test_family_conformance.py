@@ -1,8 +1,8 @@
 """Every registered family (megaframe/models/registry.py) on its tiny preset trains under tp2.sp.pp2 (its
 blocks split over heads and the sequence, cut between two pipeline stages, the tied embedding on both ends
 where it ties) exactly like one process: both steps' losses (the second after an update) and step-1 grads.
-Not the weights: Adam turns float32 reduction-order noise in a near-zero grad into a step of up to lr. The one-process half of the
-conformance: tests/unit/models/test_family_conformance.py."""
+Not the weights: Adam turns float32 reduction-order noise in a near-zero grad into a step of up to lr.
+The one-process half of the conformance: tests/unit/models/test_family_conformance.py."""
 
 import pytest
 
