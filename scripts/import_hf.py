@@ -71,11 +71,10 @@ def build_filled_model(cfg, state: dict):
     """A one-process GPT holding the imported full tensors (names and shapes must match exactly)."""
     import torch
 
-    from megaframe.model.gpt import GPT
-    from megaframe.parallel.mesh import single_process_mesh
+    from megaframe.model.parallelize import whole_model
 
-    mesh = single_process_mesh("cpu")
-    model = GPT(cfg.model, mesh, sp=False)
+    model = whole_model(cfg.model)
+    mesh = model.mesh
     names = dict(model.named_parameters())
     if set(names) != set(state):
         raise ValueError(

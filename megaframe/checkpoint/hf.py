@@ -45,11 +45,11 @@ quiet_optional_imports()
 
 
 def family(m: ModelConfig) -> str:
-    """The name of the family whose transformers architecture computes exactly what `m` computes
-    ('llama', 'qwen3', 'gpt2', 'mixtral', ...: models/registry.py); ValueError naming why none does."""
-    from megaframe.models.registry import family_of
+    """The name of `m`'s family ('llama', 'qwen3', 'gpt2', 'mixtral', ...: models/registry.py): the one
+    model.family names, else the one inferred from the config (a config recorded before the key)."""
+    from megaframe.models.registry import spec_of
 
-    return family_of(m).name
+    return spec_of(m).name
 
 
 def to_hf(
@@ -60,10 +60,10 @@ def to_hf(
 ):
     """(transformers config, HF state_dict) for megaframe full tensors `state` (names as in the module doc),
     by `m`'s family adapter. The state_dict omits lm_head.weight when the embeddings are tied (transformers
-    ties it itself)."""
-    from megaframe.models.registry import family_of
+    ties it itself). ValueError naming what the family's transformers class cannot compute."""
+    from megaframe.models.registry import spec_of
 
-    return family_of(m).to_hf(m, state, eos_token_id, bos_token_id)
+    return spec_of(m).to_hf(m, state, eos_token_id, bos_token_id)
 
 
 def build_hf_model(cfg, sd: dict[str, torch.Tensor]):
@@ -110,7 +110,9 @@ def from_hf(source) -> tuple[dict, dict[str, torch.Tensor]]:
         raise ValueError(f"HF weights hold NaN/inf in {len(bad)} tensor(s): {', '.join(bad[:4])}")
     from megaframe.models.registry import by_model_type
 
-    return by_model_type(cfg.model_type).from_hf(cfg, sd)
+    spec = by_model_type(cfg.model_type)
+    fields, state = spec.from_hf(cfg, sd)
+    return dict(fields, family=spec.name), state
 
 
 def _refuse_missing(model, info: dict) -> None:

@@ -141,6 +141,10 @@ def adopt_model(cfg, overrides: list[str]):
                 raise ConfigError(contradiction(f.name, current, theirs, saved.get("name"), overrides, path))
         elif current != theirs:
             changes[f.name] = theirs
+    # recorded before model.family existed: the family its fields fit (load_config infers it), not the
+    # default preset's
+    if "family" not in saved and not _sets(mine, "family"):
+        changes["family"] = None
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **changes))
 
 

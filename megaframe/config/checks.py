@@ -39,6 +39,9 @@ def check_config(cfg: Config, world_size: int, check_data: bool = True, schedule
     )
     _check_context(cfg, world_size)
     dp = world_size // (p.tp * p.pp * p.cp)
+    from megaframe.models.registry import refusal  # the family's own rule (models/<family>/spec.py)
+
+    _req(not (why := refusal(m)), str(why))
     _check_model_shapes(m, p)
     _check_moe(m, p, dp * p.cp)
     _req(t.micro_batch_size >= 1, f"train.micro_batch_size={t.micro_batch_size} must be >= 1")

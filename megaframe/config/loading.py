@@ -163,6 +163,10 @@ def load_config(overrides: list[str], world_size: Optional[int] = None, check_da
         cfg = dataclasses.replace(
             cfg, model=dataclasses.replace(cfg.model, vocab_size=default_vocab_size(cfg))
         )
+    if cfg.model.family is None:  # a config or checkpoint from before model.family: the family it fits
+        from megaframe.models.registry import with_family
+
+        cfg = dataclasses.replace(cfg, model=with_family(cfg.model))
     validate(cfg, world_size, check_data=check_data)
     return freeze(cfg)  # every component reads these values as loaded (config/frozen.py)
 

@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from megaframe.inference.kv import KVCache, check_one_process, forward_cached, forward_full
+from megaframe.inference.kv import check_one_process, forward_cached, forward_full, new_cache
 from megaframe.inference.sampling import SamplingConfig, next_token
 
 
@@ -54,7 +54,7 @@ def generate(
     gen = torch.Generator().manual_seed(sampling.seed)
     ids_BS = torch.tensor([prompt], dtype=torch.long, device=device)
     # preallocated to seq_length, the most positions there can be: no regrowth while decoding
-    cache = KVCache.empty(model, 1, limit) if use_cache else None
+    cache = new_cache(model, limit) if use_cache else None
     out: list[int] = []
     stopped = "max_new_tokens"
     t0 = time.perf_counter()

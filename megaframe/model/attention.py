@@ -21,6 +21,7 @@ from megaframe.layers.norm import Norm
 from megaframe.layers.rng import tp_distinct
 from megaframe.model import rope
 from megaframe.model.documents import DocContext, doc_flex_attention
+from megaframe.model.kv_cache import LayerKV, cached_attention
 from megaframe.parallel import comm
 from megaframe.parallel.context import cp_causal_bias
 from megaframe.parallel.cp_attention import cp_chunked_attention, cp_global_order
@@ -123,7 +124,11 @@ class Attention(nn.Module):
             return q_SBHE, k_SBKE
         return self.q_norm(q_SBHE), self.k_norm(k_SBKE)
 
-    def forward(self, x_SBD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    def forward(
+        self, x_SBD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, kv: LayerKV | None = None
+    ) -> torch.Tensor:
+        """Attention of x_SBD's tokens; with `kv` (decoding, model/kv_cache.py) over the cached positions
+        too, the new tokens continuing at kv.pos."""
         qkv_SBX = self.qkv(x_SBD)
         s, b = qkv_SBX.shape[:2]
         h, k, e = self.heads, self.groups, self.head_dim
@@ -134,11 +139,18 @@ class Attention(nn.Module):
         cos, sin = rope[:2] if rope is not None else (None, None)
         doc = rope[2] if rope is not None and len(rope) == 3 else None
         if cos is not None:  # before the permute: rows of E stay contiguous, so the rotation streams
+            start = kv.pos if kv is not None else 0
             cos_S11E, sin_S11E = (
-                (cos, sin) if cos.dim() == 4 else (cos[:s, None, None, :], sin[:s, None, None, :])
+                (cos, sin)
+                if cos.dim() == 4
+                else (cos[start : start + s, None, None, :], sin[start : start + s, None, None, :])
             )
             q_SBHE, k_SBKE = apply_rope(q_SBHE, cos_S11E, sin_S11E), apply_rope(k_SBKE, cos_S11E, sin_S11E)
         v_SBKE = v.view(s, b, k, e)
+        if kv is not None:  # written before attending: each new position attends to itself too
+            k_BKTE, v_BKTE = kv.extend(k=k_SBKE.permute(1, 2, 0, 3), v=v_SBKE.permute(1, 2, 0, 3))
+            o_BHSE = cached_attention(q_SBHE.permute(1, 2, 0, 3), k_BKTE, v_BKTE, kv.pos)
+            return self.out_proj(o_BHSE.permute(2, 0, 1, 3).reshape(s, b, h * e))
         if self.cp is not None and not self.cp_ring:
             # the whole sequence's K/V (after RoPE: each rotated at its own position)
             k_SBKE, v_SBKE = comm.gather_from_cp(k_SBKE, self.cp), comm.gather_from_cp(v_SBKE, self.cp)

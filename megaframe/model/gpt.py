@@ -1,98 +1,36 @@
-"""The GPT model: Llama-style (RMSNorm, SwiGLU, RoPE, GQA) or GPT-2-style (LayerNorm, GELU, learned
-positions, tied embeddings, biases), built from tensor-parallel layers. The block reads like the
-single-device one; each layer owns its communication.
+"""The stage shell every family shares: the model, or one pipeline rank's part of it. It owns what lies
+outside the blocks (the token embedding and learned positions, the RoPE tables and document context, the
+pipeline chunks, the final norm, the head and the loss, ZeRO-3's gather units) and builds each block through
+its family's builder (model/block.py: `BlockArgs`; the family names it in models/<family>/spec.py).
 
-Legend: B batch, S sequence (S/tp between blocks under sp), D hidden, F ffn on this rank (F/tp),
-V vocab rows on this rank (V/tp).
+Legend: B batch, S sequence (S/tp between blocks under sp), D hidden, V vocab rows on this rank (V/tp).
 Parameter names are global (`layers.{i}....` with the global layer index) so init and checkpoints do
 not depend on the layout.
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from megaframe.config.schema import ModelConfig
 from megaframe.layers.fused_ce import linear_cross_entropy
-from megaframe.layers.linear import ColumnParallelLinear, RowParallelLinear
+from megaframe.layers.linear import ColumnParallelLinear
 from megaframe.layers.norm import Norm
 from megaframe.layers.rng import tp_distinct
 from megaframe.layers.shard import Shard, init_model, sharded_param
 from megaframe.layers.vocab import VocabParallelEmbedding, parallel_logits, vocab_parallel_cross_entropy
-from megaframe.model.attention import Attention
+from megaframe.model.block import BlockArgs, build_block
 from megaframe.model.documents import DocContext, document_context, rope_at
-from megaframe.model.moe import MoE
+from megaframe.model.kv_cache import KVCache
 from megaframe.model.recompute import op_selective_checkpoint
 from megaframe.model.rope import rope_tables
 from megaframe.parallel.context import cp_positions
 from megaframe.parallel.mesh import Mesh
 from megaframe.pipeline.partition import Stage
-
-
-class MLP(nn.Module):
-    """SwiGLU: down(silu(gate) * up) with fused [gate | up]; or GELU: down(gelu(up))."""
-
-    def __init__(self, cfg: ModelConfig, mesh: Mesh, sp: bool, device=None):
-        super().__init__()
-        self.swiglu = cfg.activation == "swiglu"
-        f = cfg.ffn_hidden_size
-        parts = [f, f] if self.swiglu else [f]
-        self.up_proj = ColumnParallelLinear(cfg.hidden_size, parts, mesh.tp, sp, cfg.bias, device)
-        self.down_proj = RowParallelLinear(f, cfg.hidden_size, mesh.tp, sp, cfg.bias, device)
-
-    def forward(self, x_SBD: torch.Tensor) -> torch.Tensor:
-        h_SBX = self.up_proj(x_SBD)
-        if self.swiglu:
-            gate_SBF, up_SBF = h_SBX.chunk(2, dim=-1)
-            h_SBF = F.silu(gate_SBF) * up_SBF
-        else:
-            h_SBF = F.gelu(
-                h_SBX, approximate="tanh"
-            )  # tanh form: HF GPT-2's gelu_new, so imported weights match
-        return self.down_proj(h_SBF)
-
-
-class Block(nn.Module):
-    """Attention and MLP with pre-norms; the MLP is a mixture of experts when cfg.num_experts > 0."""
-
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        mesh: Mesh,
-        sp: bool,
-        device=None,
-        tokens_per_step: int | None = None,
-        recompute: str = "none",
-        cp_ring: bool = False,
-    ):
-        super().__init__()
-        self.attn_norm = Norm(cfg.norm, cfg.hidden_size, cfg.norm_eps, sp, device)
-        self.attn = Attention(
-            cfg, mesh.tp, sp, device, recompute_core=recompute == "selective", cp=mesh.cp, cp_ring=cp_ring
-        )
-        self.mlp_norm = Norm(cfg.norm, cfg.hidden_size, cfg.norm_eps, sp, device)
-        if cfg.num_experts:
-            self.mlp = MoE(cfg, mesh, sp, device, tokens_per_step)
-        else:
-            self.mlp = MLP(cfg, mesh, sp, device)
-        self.dropout = nn.Dropout(cfg.dropout)
-        self.tp, self.sp = mesh.tp, sp
-
-    def forward(self, x_SBD: torch.Tensor, rope) -> torch.Tensor:
-        # under sp each tp rank's residual stream is its own sequence block: distinct masks; without sp
-        # it is a replica, whose masks must agree (layers.rng). No context at all without dropout, so
-        # a compiled block traces nothing extra.
-        if self.sp and self.tp.size > 1 and self.training and self.dropout.p > 0:
-            with tp_distinct(self.tp, x_SBD.device):
-                return self._forward(x_SBD, rope)
-        return self._forward(x_SBD, rope)
-
-    def _forward(self, x_SBD: torch.Tensor, rope) -> torch.Tensor:
-        x_SBD = x_SBD + self.dropout(self.attn(self.attn_norm(x_SBD), rope))
-        return x_SBD + self.dropout(self.mlp(self.mlp_norm(x_SBD)))
 
 
 class _Step(nn.Module):
@@ -116,6 +54,7 @@ class GPT(nn.Module):
     name, same init); its grads are summed with stage 0's: its placement is pp_tied, the last stage's
     copy the pp_duplicate.
     `tokens_per_step` (global batch x seq) scales MoE router losses like the LM loss (see moe/layer.py).
+    `block`: the family's block builder (model/parallelize.py passes the one model.family names).
     """
 
     fused_head_loss = True
@@ -132,6 +71,7 @@ class GPT(nn.Module):
         recompute: str = "none",
         cp_ring: bool = False,
         param_device=None,
+        block: Callable[[BlockArgs, int], nn.Module] = build_block,
     ):
         super().__init__()
         self.cfg, self.mesh = cfg, mesh
@@ -145,13 +85,9 @@ class GPT(nn.Module):
         pdev = param_device or device
         tp = mesh.tp
         self._make_embeddings(cfg, mesh, stage, pdev)
-        self.layers = nn.ModuleDict(
-            {
-                str(i): Block(cfg, mesh, self.sp, pdev, tokens_per_step, recompute, cp_ring)
-                for c in stage.chunks
-                for i in c
-            }
-        )
+        # the family's blocks (models/<family>/spec.py: FamilySpec.block), each told its global index
+        args = BlockArgs(cfg, mesh, self.sp, pdev, tokens_per_step, recompute, cp_ring)
+        self.layers = nn.ModuleDict({str(i): block(args, i) for c in stage.chunks for i in c})
         if stage.last:
             self.final_norm = Norm(cfg.norm, cfg.hidden_size, cfg.norm_eps, self.sp, pdev)
             if not cfg.tie_embeddings:
@@ -310,8 +246,29 @@ class GPT(nn.Module):
         dropout = self.training and self.cfg.dropout > 0
         return "flex" if self.positions.device.type == "cuda" and not dropout else "sdpa"
 
-    def forward(self, input_ids_BS: torch.Tensor, labels_BS: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids_BS: torch.Tensor,
+        labels_BS: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        """Logits [B, S, V] (per-token loss_BS with labels) of the whole model in one process; with
+        `kv_cache` the tokens continue at kv_cache.length, each block reading and extending its cache."""
         assert self.stage.first and self.stage.last and len(self.stage.chunks) == 1, (
             "use forward_chunk under pp"
         )
-        return self.forward_chunk(0, None, input_ids_BS, labels_BS)
+        if kv_cache is None:
+            return self.forward_chunk(0, None, input_ids_BS, labels_BS)
+        assert self.mesh.tp.size == 1 and labels_BS is None, "decoding runs on a one-process model"
+        return self._decode(input_ids_BS, kv_cache)
+
+    def _decode(self, ids_BS: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        pos, s = cache.length, ids_BS.shape[1]
+        x_SBD = self.embed(ids_BS.t())
+        if self.cfg.position_embedding == "learned":  # the new tokens' absolute positions
+            x_SBD = x_SBD + self.pos_embed[pos : pos + s].unsqueeze(1)
+        for i in self.stage.chunks[0]:
+            x_SBD = self.layers[str(i)](x_SBD, self.rope, cache.layer(i))
+        # once per call, after every layer wrote at the same positions
+        cache.length += s
+        return self._head_output(x_SBD, None)

@@ -3,7 +3,8 @@
 this rank's pipeline stage (the run's schedule places chunks in a loop or a V), its tp/ep slices on the
 meta device, the cast to train.precision, the init drawn straight into the slices (deferred to ZeRO-3),
 fp8 GEMMs, tp comm overlap, compile; then the optimizer. Train, plan, the memory phases, generate,
-evaluate and megaframe.load_model all build here, so a model is never assembled (or cast) twice."""
+evaluate and megaframe.load_model all build here, so a model is never assembled (or cast) twice. The blocks
+are the family's (model.family: models/registry.py), so this module sits above models/ in the layers."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from megaframe.config.schema import ModelConfig, OptimConfig, ParallelConfig, Tr
 from megaframe.layers.fp8 import enable_fp8, float8_gathered_weights
 from megaframe.layers.shard import InitSpec, init_model
 from megaframe.model.gpt import GPT
+from megaframe.models.registry import spec_of
 from megaframe.optim.build import build_optimizer
 from megaframe.optim.protocol import Optimizer
 from megaframe.parallel.eager import arm
@@ -69,6 +71,7 @@ def build_model_for(m: ModelConfig, p: ParallelConfig, t: TrainConfig, o: OptimC
         recompute=t.recompute,
         cp_ring=CPComm(p.cp_comm) is CPComm.ring,
         param_device=torch.device("meta"),
+        block=spec_of(m).block,
     )
     # the one cast: free on a meta model; buffers too (the router keeps its bias fp32)
     model.to(PARAM_DTYPES[t.precision])
@@ -93,7 +96,7 @@ def build_model_for(m: ModelConfig, p: ParallelConfig, t: TrainConfig, o: OptimC
 def whole_model(cfg: ModelConfig, device: str = "cpu") -> GPT:
     """The whole model in one process, fp32, uninitialised: what a checkpoint is loaded into
     (megaframe.load_model, generate, evaluate); no run settings (compile, fp8, recompute) apply."""
-    return GPT(cfg, single_process_mesh(device), sp=False)
+    return GPT(cfg, single_process_mesh(device), sp=False, block=spec_of(cfg).block)
 
 
 def deferred_init(o: OptimConfig, mesh: Mesh) -> bool:

@@ -1,18 +1,22 @@
 """The model families by name: adding one is a folder (models/<family>/spec.py) and one line here.
 
-Order matters only for `family_of`: the first family whose spec claims a config exports it (each spec's
-`mismatch` is written so at most one claims any config)."""
+A config names its family (model.family); `spec_of` reads it. A config that names none (one built by
+hand, or recorded before the key existed) gets the first family here whose check accepts it (`infer`):
+`custom`, which accepts any combination of the shared block's switches, comes last."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from megaframe.config.schema import ModelConfig
+from megaframe.models.custom.spec import SPEC as CUSTOM
 from megaframe.models.gpt2.spec import SPEC as GPT2
 from megaframe.models.llama.spec import SPEC as LLAMA
 from megaframe.models.mixtral.spec import SPEC as MIXTRAL
 from megaframe.models.qwen3.spec import SPEC as QWEN3
 from megaframe.models.spec import FamilySpec
 
-FAMILIES: dict[str, FamilySpec] = {s.name: s for s in (LLAMA, GPT2, MIXTRAL, QWEN3)}
+FAMILIES: dict[str, FamilySpec] = {s.name: s for s in (LLAMA, GPT2, MIXTRAL, QWEN3, CUSTOM)}
 
 
 def family(name: str) -> FamilySpec:
@@ -21,38 +25,29 @@ def family(name: str) -> FamilySpec:
     return FAMILIES[name]
 
 
-def family_of(m: ModelConfig) -> FamilySpec:
-    """The family whose transformers architecture computes exactly what `m` computes; ValueError naming,
-    per family, why none does."""
-    reasons = {}
-    for spec in FAMILIES.values():
-        why = spec.mismatch(m)
-        if not why:
-            return spec
-        reasons[spec.name] = "; ".join(why)
-    raise ValueError(
-        "no transformers architecture matches this model: "
-        + " | ".join(f"not {k}: {v}" for k, v in reasons.items())
-    )
+def infer(m: ModelConfig) -> FamilySpec:
+    """The first registered family whose check accepts `m` (custom accepts every config)."""
+    return next(spec for spec in FAMILIES.values() if not spec.check(m))
 
 
-def counting_family(m: ModelConfig) -> FamilySpec:
-    """The family whose counters count `m` (family_of, else Llama's: every family configures the shared
-    transformer, whose generic counters fit any config, HF-exportable or not)."""
-    try:
-        return family_of(m)
-    except ValueError:
-        return LLAMA
+def spec_of(m: ModelConfig) -> FamilySpec:
+    """The family `m` names (model.family), else the inferred one."""
+    return family(m.family) if m.family else infer(m)
+
+
+def with_family(m: ModelConfig) -> ModelConfig:
+    """`m` with model.family filled by `infer` when it names none (load_config's fill)."""
+    return m if m.family else dataclasses.replace(m, family=infer(m).name)
 
 
 def by_model_type(model_type: str) -> FamilySpec:
     """The family importing a transformers config.model_type."""
     for spec in FAMILIES.values():
-        if spec.hf_model_type == model_type:
+        if spec.hf_model_type is not None and spec.hf_model_type == model_type:
             return spec
     raise ValueError(
         f"unsupported transformers model_type {model_type!r} "
-        f"(supported: {', '.join(s.hf_model_type for s in FAMILIES.values())})"
+        f"(supported: {', '.join(s.hf_model_type for s in FAMILIES.values() if s.hf_model_type)})"
     )
 
 
@@ -62,3 +57,18 @@ def preset_family(preset: str) -> FamilySpec:
         if preset in spec.presets:
             return spec
     raise ValueError(f"preset {preset!r} belongs to no registered family")
+
+
+def refusal(m: ModelConfig) -> str | None:
+    """Why `m` is not of the family it names (one line naming each field at fault and the family the
+    fields fit), or None when it is."""
+    try:
+        spec = spec_of(m)
+    except ValueError as e:
+        return f"model.family={m.family}: {e}"
+    why = spec.check(m)
+    if not why:
+        return None
+    fits = infer(m).name
+    what = " (megaframe's configurable block: it trains, it does not export)" if fits == "custom" else ""
+    return f"model.family={spec.name}: {'; '.join(why)}; these fields fit model.family={fits}{what}"

@@ -1,10 +1,11 @@
-"""What defines a model family, in one record: how its model is built, which configs belong to it, its
+"""What defines a model family, in one record: the block it builds, what a config of it must hold, its
 Hugging Face adapter both ways, its parameter and FLOP counters and its presets.
 
 Each family lives in its own folder (models/<family>/spec.py, and hf.py where its adapter is its own) and
-is registered by name in models/registry.py; adding one is a new folder plus one registry line. Families
-configure the shared transformer (model/gpt.py): `build` is model/parallelize.build_model unless a family
-needs more.
+is registered by name in models/registry.py; a config names its family (`model.family`, set in every
+preset under conf/model/). The stage shell (model/gpt.py: embedding, positions, pipeline chunks, head and
+loss) is every family's; the blocks between are the family's `block` builder's (model/block.py's
+`build_block`, the shared block, unless the family brings its own).
 """
 
 from __future__ import annotations
@@ -13,27 +14,43 @@ from dataclasses import dataclass
 from typing import Callable
 
 from megaframe.config.schema import ModelConfig
+from megaframe.model.block import build_block
 from megaframe.models import counts
+
+
+def requires(family: str, m: ModelConfig, **values) -> list[str]:
+    """One line per model.* field of `m` that is not at the value `family` requires ([] when all are)."""
+    return [
+        f"model.{k}={_shown(getattr(m, k))} ({family} requires {_shown(v)})"
+        for k, v in values.items()
+        if getattr(m, k) != v
+    ]
+
+
+def _shown(v) -> str:
+    return str(v).lower() if isinstance(v, bool) else str(v)
 
 
 @dataclass(frozen=True)
 class FamilySpec:
     name: str
-    """Registry key, e.g. 'llama'."""
-    hf_model_type: str
-    """transformers' config.model_type the adapter reads (from_hf is chosen by it)."""
-    hf_architecture: str
-    """transformers class the export names in config.json (e.g. LlamaForCausalLM)."""
+    """Registry key and model.family's value, e.g. 'llama'."""
     presets: tuple[str, ...]
-    """conf/model/<preset>.yaml files of this family."""
-    mismatch: Callable[[ModelConfig], list[str]]
-    """Why a ModelConfig is not of this family ([] when it is): the family whose list is empty exports it."""
+    """conf/model/<preset>.yaml files of this family; the first is its tiny one (CPU tests build it)."""
+    check: Callable[[ModelConfig], list[str]]
+    """What a config of this family must hold: one line per model.* field that breaks it, [] when `m` is
+    one (config/checks.py refuses model.family=NAME with a config it rejects)."""
     to_hf: Callable
-    """(ModelConfig, full state, eos, bos) -> (transformers config, HF state_dict)."""
-    from_hf: Callable
+    """(ModelConfig, full state, eos, bos) -> (transformers config, HF state_dict); ValueError naming what
+    transformers' class cannot compute."""
+    from_hf: Callable | None = None
     """(transformers config, fp32 HF state_dict) -> (ModelConfig fields, full megaframe state)."""
-    build: Callable | None = None
-    """(run Config, Mesh) -> this rank's module; None = model/parallelize.build_model."""
+    hf_model_type: str | None = None
+    """transformers' config.model_type the adapter reads (from_hf is chosen by it); None: no import."""
+    hf_architecture: str | None = None
+    """transformers class the export names in config.json (e.g. LlamaForCausalLM)."""
+    block: Callable = build_block
+    """(model/block.py's BlockArgs, global layer index) -> the block (forward(x_SBD, rope, kv=None))."""
     layer_params: Callable = counts.layer_params
     """(ModelConfig, tp, ep) -> (dense, expert) parameters of one block on one rank."""
     outside_params: Callable = counts.outside_params
@@ -43,12 +60,10 @@ class FamilySpec:
     matmul_params: Callable = counts.matmul_params
     """ModelConfig -> matmul weights one token meets (training/metrics.py)."""
 
+    @property
+    def tiny(self) -> str:
+        """The preset the CPU tests and the conformance test build."""
+        return self.presets[0]
+
     def total_params(self, m: ModelConfig) -> int:
         return m.num_layers * sum(self.layer_params(m, 1, 1)) + self.outside_params(m, 1, True, True)
-
-    def build_model(self, cfg, mesh):
-        if self.build is not None:
-            return self.build(cfg, mesh)
-        from megaframe.model.parallelize import build_model
-
-        return build_model(cfg, mesh)

@@ -105,9 +105,9 @@ def cp_ring(cfg: Config) -> bool:
 
 def layer_params(m, tp: int, ep: int) -> tuple[int, int]:
     """(dense, expert) parameters of one block on one rank: the model family's counter (models/counts.py)."""
-    from megaframe.models.registry import counting_family
+    from megaframe.models.registry import spec_of
 
-    return counting_family(m).layer_params(m, tp, ep)
+    return spec_of(m).layer_params(m, tp, ep)
 
 
 def stage_layers(num_layers: int, lay: Layout) -> list[int]:
@@ -128,8 +128,8 @@ def end_layers(m, lay: Layout, first: bool, last: bool) -> int:
 def stage_params(m, lay: Layout, first: bool, last: bool) -> tuple[int, int]:
     """(dense, expert) parameters of the first or last pipeline rank (the larger of the two when both; the
     family's counters)."""
-    from megaframe.models.registry import counting_family
+    from megaframe.models.registry import spec_of
 
     layers = end_layers(m, lay, first, last)
     dense, expert = (layers * x for x in layer_params(m, lay.tp, lay.ep))
-    return dense + counting_family(m).outside_params(m, lay.tp, first, last), expert
+    return dense + spec_of(m).outside_params(m, lay.tp, first, last), expert

@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from megaframe.config.derived import derive
 from megaframe.config.schema import Config
+from megaframe.model.attention import Attention
 from megaframe.model.parallelize import build_model
 from megaframe.optim.rule_registry import rule_named
 from megaframe.optim.sizing import planned_dp_bytes, planned_memory_bytes
@@ -356,7 +357,7 @@ def cp_bias_bytes(model) -> int:
     """The causal bias [S/cp, S] the layers of a cp rank share under cp_comm=allgather with attention dropout
     (context.cp_causal_bias): built in the first forward and held from then on, once per rank. Without
     dropout the allgather path attends per query chunk and builds no mask (parallel/cp_attention.py)."""
-    attn = next((b.attn for b in model.layers.values()), None)
+    attn = next((a for b in model.layers.values() for a in b.modules() if isinstance(a, Attention)), None)
     if attn is None or not attn.cp_gathered or not attn.dropout > 0:
         return 0
     p = next(model.parameters())

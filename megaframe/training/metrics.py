@@ -69,16 +69,16 @@ def gpu_peak(name: str) -> float:
 def matmul_params(cfg: ModelConfig) -> int:
     """N_matmul of the module docstring: matmul weights one token meets (MoE: only its top_k experts), as
     the model family counts them (models/counts.py)."""
-    from megaframe.models.registry import counting_family
+    from megaframe.models.registry import spec_of
 
-    return counting_family(cfg).matmul_params(cfg)
+    return spec_of(cfg).matmul_params(cfg)
 
 
 def flops_per_token(cfg: ModelConfig, causal: bool = False) -> float:
     """Model FLOPs per trained token (forward + backward), the module docstring's formula (the family's)."""
-    from megaframe.models.registry import counting_family
+    from megaframe.models.registry import spec_of
 
-    return counting_family(cfg).flops_per_token(cfg, causal)
+    return spec_of(cfg).flops_per_token(cfg, causal)
 
 
 def throughput_figures(tokens_per_s: float, fpt: float, world: int, peak: float) -> dict[str, float]:

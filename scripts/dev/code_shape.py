@@ -44,7 +44,8 @@ LAYERS = [
     ["layers"],  # parallel linear/embedding/norm on the mesh
     ["optim"],  # grads, ZeRO, LR: works on Placements, knows no model
     ["model"],  # blocks built from layers
-    ["models"],  # one spec per family: presets, HF adapter, parameter and FLOP counters
+    ["models"],  # one spec per family: its block, its check, presets, HF adapter, counters
+    ["model.parallelize"],  # the one builder: the stage shell around the family's blocks, sliced and cast
     ["data"],  # tokenizer, shards, sample order
     ["checkpoint"],  # save, load, resume, HF conversion
     ["runops"],  # who may write here, signals, watchdog, faults

@@ -30,8 +30,9 @@ TINY = [
 ]
 
 
-def tiny_config(overrides: list[str], world: int):
-    return load_config(TINY + list(overrides), world_size=world, check_data=False)
+def tiny_config(overrides: list[str], world: int, base: list[str] | None = None):
+    """TINY (or `base`) under `overrides`."""
+    return load_config((TINY if base is None else base) + list(overrides), world_size=world, check_data=False)
 
 
 def full_state(model, mesh, grads: bool = False, optimizer=None) -> dict[str, torch.Tensor]:
@@ -62,15 +63,21 @@ def full_state(model, mesh, grads: bool = False, optimizer=None) -> dict[str, to
 
 
 def train_and_report(
-    mesh, overrides: list[str], steps: int, setup=None, seed_dropout: bool = False
+    mesh,
+    overrides: list[str],
+    steps: int,
+    setup=None,
+    seed_dropout: bool = False,
+    base: list[str] | None = None,
 ) -> dict | None:
     """Run `steps` optimizer steps; rank 0 returns losses, step-1 grads, final weights (full tensors).
     `setup(model)`, a module-level function, may change the fresh model first (same on every rank).
     `seed_dropout`: seed the dropout RNG before each step as the trainer does (layers.rng.seed_step), so
-    two runs with dropout draw the same masks whatever the pool's processes ran before."""
+    two runs with dropout draw the same masks whatever the pool's processes ran before. `base`: the
+    options under the overrides (TINY when None)."""
     from megaframe.layers.rng import seed_step
 
-    cfg = tiny_config(overrides + [f"train.max_steps={steps}"], mesh.world)
+    cfg = tiny_config(overrides + [f"train.max_steps={steps}"], mesh.world, base)
     model = build_model(cfg, mesh)
     if setup is not None:
         setup(model)

@@ -13,6 +13,7 @@ from megaframe.parallel.mesh import single_process_mesh
 from tests.distributed.cases import tiny_config
 
 MOE = [
+    "model.family=mixtral",
     "model.num_experts=4",
     "model.moe_top_k=2",
     "model.moe_ffn_hidden_size=64",

@@ -34,7 +34,7 @@ LAYOUTS = [
     ("gpipe-pp2-m4", 2, 1, 2, 1, ["parallel.pp_schedule=gpipe"]),
     ("gpipe-pp2-vpp2-m8", 2, 1, 2, 1, ["parallel.pp_schedule=gpipe", "parallel.vpp=2", L4, MB1]),
     ("gpipe-pp4-vpp2-m8", 4, 1, 4, 1, ["parallel.pp_schedule=gpipe", "parallel.vpp=2", L8, MB1]),
-    ("tp2-sp-pp2", 4, 2, 2, 1, ["parallel.sp=true"]),
+    # tp2-sp-pp2 itself: every family's, tests/distributed/test_family_conformance.py
     ("tp2-sp-pp2-vpp2", 4, 2, 2, 1, ["parallel.sp=true", "parallel.vpp=2", L4]),
     ("pp2-dp2-zero1-m2", 4, 1, 2, 1, []),
     ("interleaved-pp2-vpp2-dp2-zero1", 4, 1, 2, 1, ["parallel.vpp=2", L4]),
@@ -79,7 +79,6 @@ GPT2 = {
     "1f1b-pp2-m8",
     "interleaved-pp4-vpp2-m4",
     "gpipe-pp2-vpp2-m8",
-    "tp2-sp-pp2",
     "pp2-dp2-zero1-m2",
     "zb_h1-pp2-m2",
     "zbv-pp2-m4",

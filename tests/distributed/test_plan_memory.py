@@ -22,7 +22,7 @@ LAYOUTS = [
     ),
     ("tp2-dp2-sp", 4, 2, 1, ["parallel.tp=2", "parallel.sp=true"]),
     ("pp2-vpp2-tp2", 4, 2, 2, ["parallel.tp=2", "parallel.pp=2", "parallel.vpp=2", "model.num_layers=4"]),
-    ("moe-ep2-dp4", 4, 1, 1, ["model.num_experts=4", "parallel.ep=2"]),
+    ("moe-ep2-dp4", 4, 1, 1, ["model.family=mixtral", "model.num_experts=4", "parallel.ep=2"]),
     ("dp4-hsdp2-zero2", 4, 1, 1, ["optim.zero=2", "optim.shard_group_size=2", "optim.bucket_size_mb=0.01"]),
     (
         "pp2-dp2-zero2-tied",

@@ -20,7 +20,7 @@ from tests.e2e.helpers import TINY, metrics, train
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-MOE = ["model.num_experts=4", "model.moe_top_k=2", "model.moe_ffn_hidden_size=64"]
+MOE = ["model.family=mixtral", "model.num_experts=4", "model.moe_top_k=2", "model.moe_ffn_hidden_size=64"]
 MOE_LAYERS, MICRO = 2, 4  # tiny_config: 2 layers, global batch 8 in micro-batches of 2
 
 

@@ -23,8 +23,8 @@ IMBALANCE_WARN = 2.0
 
 
 def moe_layers(model) -> list[tuple[int, MoE]]:
-    """(global layer index, MoE) for this rank's MoE layers."""
-    return [(int(i), block.mlp) for i, block in model.layers.items() if isinstance(block.mlp, MoE)]
+    """(global layer index, MoE) for this rank's MoE layers, wherever the family's block holds them."""
+    return [(int(i), m) for i, block in model.layers.items() for m in block.modules() if isinstance(m, MoE)]
 
 
 def begin_step(model) -> None:

@@ -35,18 +35,6 @@ GPT2_TOP = {
 GELU_TANH = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
 
 
-def mismatch(m: ModelConfig) -> list[str]:
-    why = []
-    style = (m.norm, m.activation, m.position_embedding)
-    if style != ("layernorm", "gelu", "learned"):
-        why.append(f"norm/activation/positions {'/'.join(map(str, style))} (GPT-2: layernorm/gelu/learned)")
-    if m.kv_heads != m.num_attention_heads:
-        why.append(f"kv heads {m.kv_heads}/{m.num_attention_heads} (GPT-2 has no GQA)")
-    if m.num_experts or m.qk_norm or m.kv_channels not in (None, m.hidden_size // m.num_attention_heads):
-        why.append("experts, q/k norms or a head dim other than D/H (GPT-2 has none)")
-    return why
-
-
 def to_hf(m: ModelConfig, state: dict[str, torch.Tensor], eos=None, bos=None):
     sd = {}
     for name, t in state.items():

@@ -149,16 +149,3 @@ def state_in(cfg, sd: dict, bias: bool, extra: dict | None = None) -> dict[str, 
             if pre + theirs in sd:
                 out[mine + rest] = sd[pre + theirs]
     return out
-
-
-def mismatch(m: ModelConfig) -> list[str]:
-    """Why `m` is not a Llama (LlamaForCausalLM computes exactly what a Llama-family config computes)."""
-    why = []
-    style = (m.norm, m.activation, m.position_embedding)
-    if style != ("rmsnorm", "swiglu", "rope"):
-        why.append(f"norm/activation/positions {'/'.join(map(str, style))} (Llama: rmsnorm/swiglu/rope)")
-    if m.num_experts:
-        why.append(f"model.num_experts={m.num_experts} (Llama is dense)")
-    if m.qk_norm:
-        why.append("model.qk_norm=true (Llama has no q/k norms)")
-    return why

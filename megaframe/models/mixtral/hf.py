@@ -122,24 +122,16 @@ def mixtral_state(cfg, sd: dict) -> dict[str, torch.Tensor]:
     return out
 
 
-def mismatch(m) -> list[str]:
-    """Why the ModelConfig `m` is not a Mixtral ([] when MixtralForCausalLM computes what it computes)."""
+def unexportable(m) -> list[str]:
+    """The mixtral-family training options MixtralForCausalLM does not compute: it routes by a softmax over
+    the plain scores and drops no token."""
     why = []
-    style = (m.norm, m.activation, m.position_embedding)
-    if not m.num_experts:
-        why.append("model.num_experts=0 (Mixtral is a MoE)")
-    if style != ("rmsnorm", "swiglu", "rope"):
-        why.append(f"norm/activation/positions {'/'.join(map(str, style))} (Mixtral: rmsnorm/swiglu/rope)")
     if m.moe_router_score != "softmax":
-        why.append(f"model.moe_router_score={m.moe_router_score} (Mixtral: softmax)")
+        why.append(f"model.moe_router_score={m.moe_router_score} (MixtralForCausalLM routes by softmax)")
     if m.moe_expert_bias:
-        why.append("model.moe_expert_bias=true (Mixtral selects by the plain scores)")
+        why.append("model.moe_expert_bias=true (MixtralForCausalLM selects by the plain scores)")
     if m.moe_capacity_factor is not None:
-        why.append(f"model.moe_capacity_factor={m.moe_capacity_factor} (Mixtral is dropless)")
-    if m.bias:
-        why.append("model.bias=true (Mixtral has no biases)")
-    if m.qk_norm:
-        why.append("model.qk_norm=true (Mixtral has no q/k norms)")
+        why.append(f"model.moe_capacity_factor={m.moe_capacity_factor} (MixtralForCausalLM is dropless)")
     return why
 
 
@@ -149,6 +141,9 @@ def to_hf(m, state: dict, eos=None, bos=None):
     from megaframe.models.hf_rope import rope_config
     from megaframe.models.llama.hf import LLAMA_TOP, common_kw, layer_out, split_layer_key
 
+    why = unexportable(m)
+    if why:
+        raise ValueError(f"{m.name} does not export to MixtralForCausalLM: {'; '.join(why)}")
     kw = dict(
         common_kw(m, eos, bos),
         intermediate_size=m.expert_ffn,

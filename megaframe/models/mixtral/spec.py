@@ -1,14 +1,33 @@
-"""Mixtral (Llama attention, every block a softmax top-k dropless MoE of SwiGLU experts)."""
+"""Mixtral (Llama attention, every block a top-k dropless MoE of SwiGLU experts)."""
 
 from megaframe.models.mixtral import hf
-from megaframe.models.spec import FamilySpec
+from megaframe.models.spec import FamilySpec, requires
+
+
+def check(m) -> list[str]:
+    """Mixtral's block: Llama's attention, every MLP a mixture of SwiGLU experts, no biases or q/k norms.
+    megaframe's router options (sigmoid scores, the expert bias, a capacity) train here; the export
+    refuses them (hf.unexportable)."""
+    why = requires(
+        "mixtral",
+        m,
+        norm="rmsnorm",
+        activation="swiglu",
+        position_embedding="rope",
+        qk_norm=False,
+        bias=False,
+    )
+    if m.num_experts < 1:
+        why.append(f"model.num_experts={m.num_experts} (mixtral requires experts: >= 1)")
+    return why
+
 
 SPEC = FamilySpec(
     name="mixtral",
-    hf_model_type="mixtral",
-    hf_architecture="MixtralForCausalLM",
     presets=("moe_tiny", "mixtral_8x7b"),
-    mismatch=hf.mismatch,
+    check=check,
     to_hf=hf.to_hf,
     from_hf=hf.from_hf,
+    hf_model_type="mixtral",
+    hf_architecture="MixtralForCausalLM",
 )

@@ -15,16 +15,6 @@ from megaframe.models.llama import hf as llama
 QK_NORMS = {"attn.q_norm.weight": "self_attn.q_norm.weight", "attn.k_norm.weight": "self_attn.k_norm.weight"}
 
 
-def mismatch(m: ModelConfig) -> list[str]:
-    """Why `m` is not a Qwen3 ([] when Qwen3ForCausalLM computes what it computes)."""
-    why = [w for w in llama.mismatch(m) if "qk_norm" not in w]
-    if not m.qk_norm:
-        why.append("model.qk_norm=false (Qwen3 normalises each head's q and k)")
-    if m.bias:
-        why.append("model.bias=true (Qwen3 has no MLP biases)")
-    return why
-
-
 def to_hf(m: ModelConfig, state: dict, eos=None, bos=None):
     from transformers import Qwen3Config
 

@@ -2,14 +2,30 @@
 tied embeddings in the small models)."""
 
 from megaframe.models.qwen3 import hf
-from megaframe.models.spec import FamilySpec
+from megaframe.models.spec import FamilySpec, requires
+
+
+def check(m) -> list[str]:
+    """Qwen3's block: Llama's with each head's q and k RMSNormed, no biases (its attention_bias would
+    bias attention only; megaframe's one flag covers the MLP too), a dense MLP."""
+    return requires(
+        "qwen3",
+        m,
+        norm="rmsnorm",
+        activation="swiglu",
+        position_embedding="rope",
+        num_experts=0,
+        qk_norm=True,
+        bias=False,
+    )
+
 
 SPEC = FamilySpec(
     name="qwen3",
-    hf_model_type="qwen3",
-    hf_architecture="Qwen3ForCausalLM",
     presets=("qwen3_tiny", "qwen3_0_6b"),
-    mismatch=hf.mismatch,
+    check=check,
     to_hf=hf.to_hf,
     from_hf=hf.from_hf,
+    hf_model_type="qwen3",
+    hf_architecture="Qwen3ForCausalLM",
 )

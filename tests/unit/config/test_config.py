@@ -25,7 +25,7 @@ model.moe_aux_loss_coeff model.moe_bias_update_rate model.moe_capacity_factor mo
 model.moe_ffn_hidden_size model.moe_router_score model.moe_top_k model.moe_z_loss_coeff model.name model.norm
 model.norm_eps model.num_attention_heads model.num_experts
 model.num_layers model.num_query_groups model.position_embedding model.rope_theta model.seq_length
-model.tie_embeddings model.vocab_size model.kv_channels model.qk_norm
+model.tie_embeddings model.vocab_size model.kv_channels model.qk_norm model.family
 model.rope_scaling.rope_type model.rope_scaling.factor model.rope_scaling.low_freq_factor
 model.rope_scaling.high_freq_factor model.rope_scaling.original_max_position_embeddings
 model.rope_scaling.beta_fast model.rope_scaling.beta_slow model.rope_scaling.attention_factor
@@ -63,9 +63,9 @@ def flatten(d: dict, prefix: str = "") -> list[str]:
 
 def param_count(m: ModelConfig) -> int:
     """Parameters computed from the dims alone: the model family's counter (megaframe/models/counts.py)."""
-    from megaframe.models.registry import counting_family
+    from megaframe.models.registry import spec_of
 
-    return counting_family(m).total_params(m)
+    return spec_of(m).total_params(m)
 
 
 def one_line_error(overrides, world_size=1, **kw) -> str:

@@ -13,7 +13,13 @@ from tests.distributed.cases import tiny_config
 LAYOUTS = [
     (["model=gpt2_tiny", "model.num_query_groups=null"], 2, 2, 2, 1),  # tied embeddings across pp
     ([], 2, 2, 2, 1),  # untied
-    (["model.num_experts=4", "parallel.sp=true"], 2, 1, 4, 2),  # experts over ep, sp partial grads
+    (
+        ["model.family=mixtral", "model.num_experts=4", "parallel.sp=true"],
+        2,
+        1,
+        4,
+        2,
+    ),  # experts over ep, sp partial grads
 ]
 
 
