@@ -23,6 +23,7 @@ import numpy as np
 
 from megaframe.atomic import write_atomic
 from megaframe.config.schema import DataConfig
+from megaframe.data.meta_rules import meta_problem, token_dtype
 from megaframe.paths import inside
 
 _TOKENIZERS: dict = {}  # per worker process: tokenizer path -> loaded tokenizer
@@ -34,11 +35,6 @@ def _tokenizer(path: str):
 
         _TOKENIZERS[path] = load_tokenizer(path)
     return _TOKENIZERS[path]
-
-
-def token_dtype(vocab_size: int) -> np.dtype:
-    # uint16 halves the shards wherever every id fits; little-endian explicitly: shards move between machines
-    return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
 
 
 def encode_chunk(task: tuple) -> dict:
@@ -135,6 +131,10 @@ def read_meta(path: Path) -> dict:
                 f"meta.json is corrupt (shards[{i}] is {str(s)[:60]!r}, not an object with a "
                 "file name and num_tokens)"
             )
+    # how the shards are read (dtype, vocabulary, counts) is meta.json's word: its checksum and rules
+    why = meta_problem(meta)
+    if why:
+        raise ValueError(f"meta.json is corrupt: {why}")
     return meta
 
 
@@ -169,6 +169,8 @@ def read_index(folder: Path, entry: dict) -> np.ndarray:
     except (ValueError, OSError, EOFError) as e:
         raise ValueError(f"document index {f} is unreadable ({' '.join(str(e).split())[:80]})") from e
     why = index_problem(starts, int(entry["num_tokens"]))
+    if why is None and isinstance(entry.get("num_docs"), int) and starts.shape != (entry["num_docs"],):
+        why = f"{starts.size} document starts, meta.json says the shard holds {entry['num_docs']} documents"
     if why:
         raise ValueError(f"document index {f} is corrupt: {why}")
     return starts
