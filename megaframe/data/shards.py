@@ -193,6 +193,8 @@ def check_prepared(path: str | Path) -> dict:
             f"{tok.name} does not match the tokenizer the shards were made with "
             "(tokenizer_sha256 in meta.json differs)"
         )
+    if not meta.get("meta_sha256") and tok.is_file():  # no checksum vouches for vocab_size: ask the model
+        vocab_problem(meta, tok, unloadable_ok=True)
     itemsize = np.dtype(meta["dtype"]).itemsize
     for s in meta["shards"]:
         f = inside(path, s["file"])
@@ -208,6 +210,24 @@ def check_prepared(path: str | Path) -> dict:
         if s.get("docs") and not inside(path, s["docs"]).is_file():
             raise ValueError(f"document index {s['docs']} missing")
     return meta
+
+
+def vocab_problem(meta: dict, tok: Path, unloadable_ok: bool = False) -> None:
+    """ValueError unless the tokenizer `tok` has the vocabulary meta.json records (ids are checked against
+    vocab_size, so an edited one must not pass); a sentencepiece model loads in milliseconds. unloadable_ok:
+    a tokenizer that does not load is left to `data verify` (training reads no tokenizer)."""
+    from megaframe.data.tokenizer import TokenizerError, load_tokenizer
+
+    try:
+        size = load_tokenizer(tok).vocab_size
+    except TokenizerError as e:
+        if unloadable_ok:
+            return
+        raise ValueError(str(e)) from e
+    if size != int(meta["vocab_size"]):
+        raise ValueError(
+            f"meta.json says vocab_size {meta['vocab_size']}, its tokenizer {tok.name} has {size}"
+        )
 
 
 class CorruptShard(ValueError):

@@ -206,10 +206,12 @@ def test_without_a_checksum_the_fields_are_held_to_their_rules(prepared, tmp_pat
         PreparedData(path, 8, "train", 0.1)  # the document index is read for the split
 
 
-def test_an_edited_vocabulary_without_a_checksum_is_caught_by_verify(prepared, tmp_path, capsys):
+def test_an_edited_vocabulary_without_a_checksum_is_caught_by_its_tokenizer(prepared, tmp_path, capsys):
     path = edited_meta(prepared, tmp_path, META_EDITS[2][1], legacy=True)
     rc, _, err = verify_cli(path, capsys)
     assert rc == 2 and "meta.json says vocab_size" in err and err.count("\n") == 1, err
+    with pytest.raises(ConfigError, match="meta.json says vocab_size"):
+        run_cfg(f"data.path={path}", check_data=True)  # a sentencepiece model loads in milliseconds
 
 
 def test_data_verify_says_what_had_no_checksum_to_match(prepared, tmp_path, capsys):
