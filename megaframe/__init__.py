@@ -22,8 +22,13 @@ def load_model(path: str):
         step = resolve.step_folder(path)
     except CheckpointError as e:
         raise FileNotFoundError(str(e)) from None
-    meta = sharded.read_metadata(step)
-    cfg: Config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), meta["config"]))
-    model = whole_model(cfg.model)
-    sharded.load_into(step, model)
-    return model.eval()
+
+    def read(step):
+        meta = sharded.read_metadata(step)
+        cfg: Config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), meta["config"]))
+        model = whole_model(cfg.model)
+        sharded.load_into(step, model)
+        return model.eval()
+
+    # a live run's checkpoint dir: the step pruned while it was read is read again at the new `latest`
+    return resolve.read_newest(path, read, step=step)[1]

@@ -106,7 +106,7 @@ def pid_gone(holder: dict) -> str | None:
 
 def describe(h: dict | None) -> str:
     if h is None:
-        return "another process (its lock file is being written)"
+        return "another process (its lock file is being written or names no owner)"
     job = f", {h['job']}" if h.get("job") else ""
     since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(h.get("since", 0) or 0))
     return f"host {h.get('host')}, pid {h.get('pid')}{job}, since {since}"
@@ -122,11 +122,18 @@ def _read(path: Path) -> tuple[bytes, int] | None:
 
 
 def _parse(raw: bytes) -> dict | None:
+    """The holder a lock file names, or None for one naming nobody: not JSON, or JSON without the identity
+    every lock is written with (a host and a whole pid), which no policy could judge alive or gone: such a
+    file counts as unreadable (stale once old, as a half-written one)."""
     try:
         h = json.loads(raw)
     except ValueError:
         return None
-    return h if isinstance(h, dict) else None
+    if not isinstance(h, dict):
+        return None
+    host, pid = h.get("host"), h.get("pid")
+    named = isinstance(host, str) and host and isinstance(pid, int) and not isinstance(pid, bool) and pid > 0
+    return h if named else None
 
 
 @contextlib.contextmanager

@@ -170,14 +170,14 @@ def main(argv: list[str]) -> int:
         opts, overrides = task_options(overrides)
         if "tasks" in opts:
             return run_tasks(ckpt, opts, overrides)
-        from megaframe.inference.files import resolve_step
-
-        step, meta = resolve_step(ckpt)
-        cfg = compose(ckpt, step, meta, overrides)
         import megaframe
+        from megaframe.inference.files import read_step
 
         t0 = time.perf_counter()
-        model = megaframe.load_model(str(step))
+        # a live run's checkpoint dir: a step pruned while read is read again at the new `latest`
+        step, meta, (cfg, model) = read_step(
+            ckpt, lambda step, meta: (compose(ckpt, step, meta, overrides), megaframe.load_model(str(step)))
+        )
         loss, tokens, split = evaluate(model, cfg, every)
     except (ValueError, ConfigError, OSError) as e:  # ConfigError is a ValueError
         return fail(e)

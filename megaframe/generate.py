@@ -43,18 +43,21 @@ def load(ckpt: str, device: str, dtype: str, tokenizer: str | None = None):
     import torch
 
     import megaframe
-    from megaframe.inference.files import find_tokenizer, resolve_step
+    from megaframe.inference.files import find_tokenizer, read_step
 
-    step, meta = resolve_step(ckpt)
-    tok, tok_path = find_tokenizer(step, meta, tokenizer)
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device here")
-    try:
-        model = megaframe.load_model(str(step))
-    except (OSError, KeyError, RuntimeError) as e:
-        raise ValueError(f"{step}: cannot load the model ({str(e).splitlines()[0]})") from e
+
+    def read(step, meta):
+        found = find_tokenizer(step, meta, tokenizer)
+        try:
+            return found, megaframe.load_model(str(step))
+        except (OSError, KeyError, RuntimeError) as e:
+            raise ValueError(f"{step}: cannot load the model ({str(e).splitlines()[0]})") from e
+
+    step, meta, ((tok, tok_path), model) = read_step(ckpt, read)
     model = model.to(device=device, dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)
     if model.rope is not None:  # plain tensors, not buffers: .to() does not move them
         model.rope = tuple(t.to(device) for t in model.rope)

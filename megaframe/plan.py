@@ -44,7 +44,7 @@ from pathlib import Path
 
 from megaframe.config.keys import PLANNER_KEYS as OWN_KEYS
 from megaframe.config.keys import take_tool_keys
-from megaframe.errors import fail
+from megaframe.errors import fail, write_refused
 from megaframe.planning.measure import WARMUP_ROWS
 from megaframe.planning.search_report import human, search_report
 
@@ -410,13 +410,15 @@ def still_planning(what: str, every_s: float = PROGRESS_EVERY_S):
 
 
 def write_plan_json(own: dict, data: dict) -> int:
-    """+plan_json=P: the plan as JSON; a write that fails (a full disk, /dev/full) is one line, exit 2."""
+    """+plan_json=P: the plan as JSON; a write that fails is one line: exit 1 for a full disk (/dev/full,
+    ulimit -f, a read-only mount: as every tool, docs/checkpoints.md), 2 for a path that cannot be one."""
     if "plan_json" not in own:
         return 0
     try:
         Path(own["plan_json"]).write_text(json.dumps(data, indent=1))
     except OSError as e:
-        return fail(f"+plan_json={own['plan_json']}: cannot write the plan ({e})")
+        code = 1 if write_refused(e) else 2
+        return fail(f"+plan_json={own['plan_json']}: cannot write the plan ({e})", code=code)
     return 0
 
 

@@ -31,15 +31,6 @@ from megaframe.quiet import quiet_optional_imports  # noqa: E402
 quiet_optional_imports()  # transformers loads torchao, whose loader lines say nothing to act on
 
 
-def resolve_step(path: str) -> tuple[Path, dict]:
-    """(step folder, verified metadata) for a step folder or a checkpoint dir; ValueError if none."""
-    from megaframe.checkpoint import resolve, sharded
-
-    # a checkpoint dir: what its `latest` names (the live branch after a rollback), never the highest step
-    p = resolve.step_folder(path)
-    return p, sharded.verify(p)
-
-
 def read_checkpoint(step: Path, meta: dict):
     """(ModelConfig, {megaframe name: full tensor}, data config dict) of a verified step folder."""
     import dataclasses
@@ -119,13 +110,18 @@ def write_provenance(src: Path, out: Path) -> None:
 def export(ckpt: str, out: Path, dtype: str) -> Path:
     import torch
 
+    from megaframe.checkpoint import resolve, sharded
     from megaframe.checkpoint.hf import build_hf_model, family, to_hf
 
-    step, meta = resolve_step(ckpt)
-    try:
-        model_cfg, state, data = read_checkpoint(step, meta)
-    except (OSError, KeyError, RuntimeError) as e:  # unreadable shard contents
-        raise ValueError(f"{step}: cannot read the checkpoint ({str(e).splitlines()[0]})") from e
+    def read(step: Path):
+        meta = sharded.verify(step)
+        try:
+            return meta, read_checkpoint(step, meta)
+        except (OSError, KeyError, RuntimeError) as e:  # unreadable shard contents
+            raise ValueError(f"{step}: cannot read the checkpoint ({str(e).splitlines()[0]})") from e
+
+    # a live run's checkpoint dir: a step pruned while it is read is read again at the new `latest`
+    step, (meta, (model_cfg, state, data)) = resolve.read_newest(ckpt, read)
     family(model_cfg)  # refuse an unsupported model before writing anything
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -11,12 +11,20 @@ user picks one (checkpoint.resume=PATH, or the step folder itself).
 
 from __future__ import annotations
 
+import errno
 import sys
 from pathlib import Path
+from typing import Callable, TypeVar
 
 from megaframe.checkpoint import lineage
 from megaframe.checkpoint.metadata import CheckpointError, committed
 from megaframe.checkpoint.metadata import read as read_metadata
+
+T = TypeVar("T")
+
+READ_TRIES = 3
+"""How many newest checkpoints a tool tries to read while a live run prunes them (checkpoint.keep_last):
+each try starts on the `latest` of that moment, so one more save per read must outpace it every time."""
 
 
 class Unresolved(CheckpointError):
@@ -37,6 +45,9 @@ def pointer_problem(root: str | Path) -> str | None:
         return f"cannot be read ({e.strerror or e})"
     shown = name if len(name) <= 60 else name[:57] + "..."
     head = lineage.pointed(root)
+    if head is None and name and "/" not in name and (Path(root) / name).is_dir():
+        # a folder whose metadata.json (written last, at the commit) is gone or was never written
+        return f"names {shown!r}, whose metadata.json is missing (a save that never committed, or deleted)"
     if head is None:
         return f"names {shown!r}, which is not a step folder here"
     try:
@@ -99,3 +110,55 @@ def resume_order(root: str | Path, warn=_warn) -> list[Path]:
     parent); never another branch. Empty when the dir holds no checkpoint; Unresolved as `head`."""
     found = head(root, warn)
     return lineage.chain(found, root) if found is not None else []
+
+
+def _not_found(e: BaseException) -> bool:
+    """Whether `e` (or what it wraps) says a file is gone: an OSError ENOENT, safetensors' own error, or
+    our `no such checkpoint`."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno == errno.ENOENT:
+            return True
+        if "No such file or directory" in str(e) or "no such checkpoint" in str(e):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def vanished(step: Path, e: BaseException) -> bool:
+    """Whether reading `step` failed because the folder was deleted under the reader (a live run's
+    checkpoint.keep_last prunes by deleting whole step folders): a file it reads is gone and the folder
+    no longer holds a committed checkpoint, or the error is that a file is gone and the folder is going."""
+    gone = not (step / "metadata.json").is_file()
+    return gone or (_not_found(e) and lineage.cheap_check(step) is not None)
+
+
+def read_newest(path: str | Path, read: Callable[[Path], T], warn=_warn, step: Path | None = None):
+    """(step folder, read(step folder)) for the checkpoint `path` means (step_folder). A checkpoint dir is
+    live while a run saves into it: when the step read is pruned mid-read, `latest` is resolved again and
+    the new step read, up to READ_TRIES times, with a warning each time; then a CheckpointError that says
+    a live run pruned it. A step folder named itself and deleted mid-read is a CheckpointError saying so.
+    Any other failure of `read` is raised as is."""
+    root = Path(path)
+    step = step or step_folder(root, warn)
+    for _ in range(READ_TRIES):
+        try:
+            return step, read(step)
+        except (OSError, ValueError, KeyError, RuntimeError) as e:  # what a read of removed files raises
+            if not vanished(step, e):
+                raise
+            if root.resolve() == step.resolve():  # the user named this step: no newer one to read
+                raise CheckpointError(
+                    f"{step}: deleted while it was read (a live run pruning it: checkpoint.keep_last); pass "
+                    "its checkpoint dir to read the newest checkpoint"
+                ) from None
+            newer = step_folder(root, warn)
+            if newer.resolve() == step.resolve():
+                raise
+            warn(f"{step.name} was pruned by a live run while it was read; reading the new latest, {newer}")
+            step = newer
+    raise CheckpointError(
+        f"{root}: the checkpoint `latest` named was pruned by a live run while it was read, {READ_TRIES} "
+        "times in a row (checkpoint.keep_last); name a step folder the run keeps, or read after it ends"
+    )

@@ -119,11 +119,10 @@ def _check_model_shapes(m: ModelConfig, p: ParallelConfig) -> None:
     _req(
         m.head_dim % 2 == 0 or m.position_embedding != "rope", "model head dim must be even for RoPE"
     )  # RoPE rotates dim pairs
-    if m.position_embedding == "rope":
-        from megaframe.model.rope_checks import scaling_problem  # beside the formulas, without torch
+    from megaframe.model.rope_checks import scaling_problem  # beside the formulas, without torch
 
-        problem = scaling_problem(m.rope_scaling)
-        _req(problem is None, f"model.rope_scaling: {problem}")
+    problem = scaling_problem(m.rope_scaling, m.position_embedding)
+    _req(problem is None, f"model.rope_scaling: {problem}")
     _req(0.0 <= m.dropout < 1.0, f"model.dropout={m.dropout} must be in [0, 1)")
     if p.sp:
         # sp splits the sequence evenly over the tp ranks

@@ -40,6 +40,7 @@ from megaframe.atomic_lock import Moved, SharedFlock
 from megaframe.config import Config, ConfigError, load_config
 from megaframe.data import manifest as mf
 from megaframe.data import partial
+from megaframe.data.meta_rules import sealed
 from megaframe.data.prepare_tokenizer import put_tokenizer
 from megaframe.data.shards import token_dtype
 from megaframe.data.sources import (
@@ -266,7 +267,8 @@ def _meta(
         "settings": settings,
         "skipped": skips or {},
     }
-    return meta
+    # last: the checksum covers every field above (readers compare it: megaframe.data.meta_rules)
+    return sealed(meta)
 
 
 def _umask() -> int:

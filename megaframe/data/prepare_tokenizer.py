@@ -34,7 +34,11 @@ def put_tokenizer(d: DataConfig, files: list[SourceFile], work: Path, cache: str
         return name
     if (work / "tokenizer.model").is_file():
         return "tokenizer.model"
-    docs = sample_documents(files, d.text_key, cache, d.tokenizer_sample_bytes, DocSplit(d.split).value)
+
+    def sample() -> Iterator[str]:  # deterministic: a retried training reads the very same documents
+        return sample_documents(files, d.text_key, cache, d.tokenizer_sample_bytes, DocSplit(d.split).value)
+
+    docs = sample()
     total = sum(f.size for f in files)
     print(
         f"megaframe: prepare: training a tokenizer (vocab {d.vocab_size}) on "
@@ -47,8 +51,15 @@ def put_tokenizer(d: DataConfig, files: list[SourceFile], work: Path, cache: str
     try:
         # one thread: sentencepiece's result depends on its thread count (and threads barely speed it
         # up), so the same corpus gives the same tokenizer on every machine
+        # the first try streams the sample opened above; a try again (a host refusing sentencepiece a
+        # thread under load) samples anew
+        fresh = iter([_chain(first, docs)])
         path = train_tokenizer(
-            _chain(first, docs), d.vocab_size, work / "tokenizer.tmp", seed=TOKENIZER_SEED, num_threads=1
+            lambda: next(fresh, None) or sample(),
+            d.vocab_size,
+            work / "tokenizer.tmp",
+            seed=TOKENIZER_SEED,
+            num_threads=1,
         )
     except TokenizerError as e:
         raise PrepareError(f"data.vocab_size={d.vocab_size}: {e}") from e

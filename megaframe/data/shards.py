@@ -23,6 +23,7 @@ import numpy as np
 
 from megaframe.atomic import write_atomic
 from megaframe.config.schema import DataConfig
+from megaframe.data.meta_rules import meta_problem, token_dtype
 from megaframe.paths import inside
 
 _TOKENIZERS: dict = {}  # per worker process: tokenizer path -> loaded tokenizer
@@ -34,11 +35,6 @@ def _tokenizer(path: str):
 
         _TOKENIZERS[path] = load_tokenizer(path)
     return _TOKENIZERS[path]
-
-
-def token_dtype(vocab_size: int) -> np.dtype:
-    # uint16 halves the shards wherever every id fits; little-endian explicitly: shards move between machines
-    return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
 
 
 def encode_chunk(task: tuple) -> dict:
@@ -135,6 +131,10 @@ def read_meta(path: Path) -> dict:
                 f"meta.json is corrupt (shards[{i}] is {str(s)[:60]!r}, not an object with a "
                 "file name and num_tokens)"
             )
+    # how the shards are read (dtype, vocabulary, counts) is meta.json's word: its checksum and rules
+    why = meta_problem(meta)
+    if why:
+        raise ValueError(f"meta.json is corrupt: {why}")
     return meta
 
 
@@ -169,6 +169,8 @@ def read_index(folder: Path, entry: dict) -> np.ndarray:
     except (ValueError, OSError, EOFError) as e:
         raise ValueError(f"document index {f} is unreadable ({' '.join(str(e).split())[:80]})") from e
     why = index_problem(starts, int(entry["num_tokens"]))
+    if why is None and isinstance(entry.get("num_docs"), int) and starts.shape != (entry["num_docs"],):
+        why = f"{starts.size} document starts, meta.json says the shard holds {entry['num_docs']} documents"
     if why:
         raise ValueError(f"document index {f} is corrupt: {why}")
     return starts
@@ -191,6 +193,8 @@ def check_prepared(path: str | Path) -> dict:
             f"{tok.name} does not match the tokenizer the shards were made with "
             "(tokenizer_sha256 in meta.json differs)"
         )
+    if not meta.get("meta_sha256") and tok.is_file():  # no checksum vouches for vocab_size: ask the model
+        vocab_problem(meta, tok, unloadable_ok=True)
     itemsize = np.dtype(meta["dtype"]).itemsize
     for s in meta["shards"]:
         f = inside(path, s["file"])
@@ -206,6 +210,24 @@ def check_prepared(path: str | Path) -> dict:
         if s.get("docs") and not inside(path, s["docs"]).is_file():
             raise ValueError(f"document index {s['docs']} missing")
     return meta
+
+
+def vocab_problem(meta: dict, tok: Path, unloadable_ok: bool = False) -> None:
+    """ValueError unless the tokenizer `tok` has the vocabulary meta.json records (ids are checked against
+    vocab_size, so an edited one must not pass); a sentencepiece model loads in milliseconds. unloadable_ok:
+    a tokenizer that does not load is left to `data verify` (training reads no tokenizer)."""
+    from megaframe.data.tokenizer import TokenizerError, load_tokenizer
+
+    try:
+        size = load_tokenizer(tok).vocab_size
+    except TokenizerError as e:
+        if unloadable_ok:
+            return
+        raise ValueError(str(e)) from e
+    if size != int(meta["vocab_size"]):
+        raise ValueError(
+            f"meta.json says vocab_size {meta['vocab_size']}, its tokenizer {tok.name} has {size}"
+        )
 
 
 class CorruptShard(ValueError):

@@ -15,12 +15,14 @@ Choices, and why:
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import os
 import re
+import time
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence, TypeVar
 
 import sentencepiece as spm
 
@@ -31,8 +33,36 @@ over max_sentence_length bytes, which would hide long documents (jsonl web pages
 MAX_SENTENCE_BYTES = 4 * MAX_SENTENCE_CHARS  # a UTF-8 character is at most 4 bytes
 
 
+T = TypeVar("T")
+
+THREAD_TRIES = 4
+"""sentencepiece starts threads (even for num_threads=1) and reports a refused thread creation (EAGAIN:
+the host's process or thread limit reached under load) as a RuntimeError; the work is retried this many
+times in all, with a growing pause, before it counts as a failure."""
+THREAD_PAUSE_S = 0.5
+"""The first pause before a try again (then doubled): a loaded host frees threads within seconds."""
+
+
 class TokenizerError(ValueError):
     """Tokenizer training failed for a reason in the input (too small a vocabulary, no text)."""
+
+
+def _no_thread(e: BaseException) -> bool:
+    """Whether sentencepiece failed because the system refused it a thread (EAGAIN), not for its input."""
+    return os.strerror(errno.EAGAIN) in str(e)
+
+
+def retry_threads(work: Callable[[], T], tries: int = THREAD_TRIES) -> T:
+    """work(), again after a pause (0.5, 1, 2 s) while sentencepiece is refused a thread; work must be
+    repeatable (its input not consumed by a failed try)."""
+    for k in range(tries):
+        try:
+            return work()
+        except RuntimeError as e:
+            if not _no_thread(e) or k == tries - 1:
+                raise
+            time.sleep(THREAD_PAUSE_S * 2**k)
+    raise AssertionError("unreachable")
 
 
 class Tokenizer:
@@ -57,7 +87,9 @@ class Tokenizer:
 
     def encode(self, texts: Sequence[str], num_threads: int | None = None) -> list[list[int]]:
         """Token ids of each text (no eos appended: the caller decides document boundaries)."""
-        return self.sp.encode(list(texts), out_type=int, num_threads=num_threads or os.cpu_count() or 1)
+        texts = list(texts)
+        threads = num_threads or os.cpu_count() or 1
+        return retry_threads(lambda: self.sp.encode(texts, out_type=int, num_threads=threads))
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.sp.decode([int(i) for i in ids])
@@ -147,7 +179,7 @@ def _one_line(e: BaseException) -> str:
 
 
 def train_tokenizer(
-    text_iterator: Iterable[str],
+    text_iterator: Iterable[str] | Callable[[], Iterable[str]],
     vocab_size: int,
     model_prefix: str | Path,
     *,
@@ -160,41 +192,62 @@ def train_tokenizer(
 
     At most `max_sentences` training sentences are kept (a seeded reservoir sample when there are more),
     which bounds the trainer's memory on a large corpus. Raises TokenizerError on bad input.
+    The texts may be a function giving them anew: then (or for a list) a training refused a thread by a
+    loaded host is retried (retry_threads); a one-pass iterator is consumed by the first try.
     """
-    model = io.BytesIO()
-    spm.set_random_generator_seed(seed)  # the reservoir sampling is the only randomness
+    if callable(text_iterator):
+        texts, tries = text_iterator, THREAD_TRIES
+    else:  # a list can be read again; a one-pass iterator cannot
+        texts = lambda: text_iterator  # noqa: E731
+        tries = THREAD_TRIES if isinstance(text_iterator, (list, tuple)) else 1
+    spec = (vocab_size, seed, max_sentences, character_coverage, num_threads)
     try:
-        spm.SentencePieceTrainer.train(
-            # trained into memory: the .model file is written only on success, never half
-            sentence_iterator=_sentences(text_iterator),
-            model_writer=model,
-            model_type="bpe",
-            vocab_size=int(vocab_size),
-            hard_vocab_limit=False,
-            byte_fallback=True,
-            character_coverage=character_coverage,
-            normalization_rule_name="identity",
-            remove_extra_whitespaces=False,
-            # dummy prefix: a text's first word gets the same piece as mid-text; split digits: numbers
-            # tokenize digit by digit, consistently
-            add_dummy_prefix=True,
-            split_digits=True,
-            allow_whitespace_only_pieces=True,
-            unk_id=UNK_ID,
-            eos_id=EOS_ID,
-            bos_id=-1,
-            pad_id=-1,
-            eos_piece="</s>",
-            input_sentence_size=max_sentences,
-            shuffle_input_sentence=True,
-            max_sentence_length=MAX_SENTENCE_BYTES,
-            num_threads=num_threads or os.cpu_count() or 1,
-            minloglevel=2,
-        )
+        model = retry_threads(lambda: _train(texts(), *spec), tries)
     except RuntimeError as e:
         raise TokenizerError(f"tokenizer training failed: {_one_line(e)}") from e
-    if not model.getvalue():
+    if not model:
         raise TokenizerError("tokenizer training produced no model (no text?)")
     path = Path(f"{model_prefix}.model")
-    path.write_bytes(model.getvalue())
+    path.write_bytes(model)
     return path
+
+
+def _train(
+    texts: Iterable[str],
+    vocab_size: int,
+    seed: int,
+    max_sentences: int,
+    character_coverage: float,
+    num_threads: int | None,
+) -> bytes:
+    """One sentencepiece training into memory: the model's bytes (empty when it wrote none)."""
+    model = io.BytesIO()
+    spm.set_random_generator_seed(seed)  # the reservoir sampling is the only randomness
+    spm.SentencePieceTrainer.train(
+        # trained into memory: the .model file is written only on success, never half
+        sentence_iterator=_sentences(texts),
+        model_writer=model,
+        model_type="bpe",
+        vocab_size=int(vocab_size),
+        hard_vocab_limit=False,
+        byte_fallback=True,
+        character_coverage=character_coverage,
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        # dummy prefix: a text's first word gets the same piece as mid-text; split digits: numbers
+        # tokenize digit by digit, consistently
+        add_dummy_prefix=True,
+        split_digits=True,
+        allow_whitespace_only_pieces=True,
+        unk_id=UNK_ID,
+        eos_id=EOS_ID,
+        bos_id=-1,
+        pad_id=-1,
+        eos_piece="</s>",
+        input_sentence_size=max_sentences,
+        shuffle_input_sentence=True,
+        max_sentence_length=MAX_SENTENCE_BYTES,
+        num_threads=num_threads or os.cpu_count() or 1,
+        minloglevel=2,
+    )
+    return model.getvalue()

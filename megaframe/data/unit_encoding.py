@@ -19,6 +19,7 @@ from megaframe.data.progress import Progress
 from megaframe.data.shards import encode_chunk
 from megaframe.data.sources import PrepareError, SourceFile, iter_documents, text_size, units
 from megaframe.data.tasks import announce, unit_tasks, waiting_lock
+from megaframe.errors import write_refused
 
 MAX_CHUNK_CHARS, MIN_CHUNK_CHARS = 8 << 20, 256 << 10
 
@@ -169,6 +170,8 @@ def encode_units(
             stream.pending.append(("unit", k, recs))
         stream.drain(0)
     except OSError as e:
+        if write_refused(e):  # a full disk is no bad input: prepare's main says so in one line, exit 1
+            raise
         raise PrepareError(f"cannot write to {work}: {e}") from e
     finally:
         for lock in held.values():

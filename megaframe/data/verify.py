@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from megaframe.data.meta_rules import CHECKSUM_KEY
 from megaframe.data.shards import read_index, read_meta
 from megaframe.errors import fail
 from megaframe.paths import inside
@@ -47,6 +48,8 @@ def check_shard(folder: Path, entry: dict, dtype: np.dtype, vocab: int) -> str |
                 at = int(np.argmax(ids >= vocab))
                 where = (off + at, int(ids[at]))
             off += ids.size
+    # no sha256 recorded (a format-v1 shard: meta.json's rules refuse one missing in later formats): the
+    # caller reports the shard as unhashed, never as matching
     if entry.get("sha256") and h.hexdigest() != entry["sha256"]:
         return (
             f"shard {entry['file']} is corrupt (sha256 {h.hexdigest()[:16]}..., meta.json says "
@@ -60,13 +63,21 @@ def check_shard(folder: Path, entry: dict, dtype: np.dtype, vocab: int) -> str |
     return None
 
 
-def verify(path: str | Path, files: set[str] | None = None, unchecked: list | None = None) -> int:
+def verify(path: str | Path, files: set[str] | None = None, unchecked: dict | None = None) -> int:
     """Check the shards of a prepared folder (only those named in `files`, if given) and their document
-    indexes; returns the bytes read. ValueError names the first bad file. `unchecked` collects the indexes
-    meta.json records no sha256 for (prepared before it was recorded: their order and range are checked)."""
+    indexes; returns the bytes read. ValueError names the first bad file. `unchecked` collects what
+    meta.json records no checksum for, by kind: "shards" and "indexes" without a sha256 (checked for
+    token range, resp. order and range), "meta" when meta.json itself has none (its fields were held to
+    their rules: megaframe.data.meta_rules)."""
     path = Path(path)
-    meta = read_meta(path)
+    try:
+        meta = read_meta(path)
+    except ValueError as e:  # the folder named once: verify is given several
+        raise ValueError(str(e) if str(path) in str(e) else f"{path}: {e}") from e
     dtype, vocab, nbytes = np.dtype(meta["dtype"]), int(meta["vocab_size"]), 0
+    notes: dict = unchecked if unchecked is not None else {}
+    if not meta.get(CHECKSUM_KEY):
+        notes.setdefault("meta", []).append("meta.json")
     for entry in meta["shards"]:
         if files is not None and entry["file"] not in files:
             continue
@@ -74,6 +85,8 @@ def verify(path: str | Path, files: set[str] | None = None, unchecked: list | No
         if why:
             raise ValueError(f"{path}: {why}")
         nbytes += inside(path, entry["file"]).stat().st_size
+        if not entry.get("sha256"):
+            notes.setdefault("shards", []).append(entry["file"])
         if entry.get("docs"):  # the index decides the train/valid split: a bad one moves it silently
             try:
                 read_index(path, entry)
@@ -81,9 +94,44 @@ def verify(path: str | Path, files: set[str] | None = None, unchecked: list | No
                 why = f"document index {entry['docs']} is unreadable ({e.strerror})"
                 raise ValueError(f"{path}: {why}") from e
             nbytes += inside(path, entry["docs"]).stat().st_size
-            if not entry.get("docs_sha256") and unchecked is not None:
-                unchecked.append(entry["docs"])
+            if not entry.get("docs_sha256"):
+                notes.setdefault("indexes", []).append(entry["docs"])
     return nbytes
+
+
+def check_tokenizer(path: str | Path) -> None:
+    """The folder's tokenizer is the one its shards were made with (its sha256) and has the vocabulary
+    meta.json records (a tokenizer folder too, which start-up leaves to this). ValueError."""
+    from megaframe.data.shards import check_prepared, vocab_problem
+
+    try:
+        meta = check_prepared(path)
+        vocab_problem(meta, inside(path, meta.get("tokenizer", "tokenizer.model")))
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from e
+
+
+def summary(notes: dict, nbytes: int, seconds: float) -> str:
+    """verify's line: what matched its checksum, and, honestly, what had none to match."""
+    shards, indexes, meta = (notes.get(k, []) for k in ("shards", "indexes", "meta"))
+    what = (
+        "every shard matches its sha256 and vocabulary"
+        if not shards
+        else f"{len(shards)} shard(s) have no sha256 in meta.json (format megaframe-tokens-v1): only their "
+        "token ids were checked against the vocabulary, the other shards match their sha256"
+    )
+    if indexes:
+        what += (
+            f"; {len(indexes)} document index(es) have no sha256 in meta.json (prepared before it was "
+            "recorded): only their order and range were checked"
+        )
+    what += (
+        "; meta.json has no checksum (prepared before it was recorded): its fields were checked by their "
+        "rules"
+        if meta
+        else "; meta.json matches its checksum"
+    )
+    return f"{what} ({nbytes / 1e6:.1f} MB read in {seconds:.2f}s)"
 
 
 def first_batch_shards(data, step: int, global_batch: int, base: int, seed: int) -> dict[Path, set[str]]:
@@ -118,20 +166,11 @@ def main(argv: list[str]) -> int:
         print("usage: python -m megaframe.data verify PATH [PATH ...]", file=sys.stderr)
         return 2
     for path in argv[1:]:
-        t0, unchecked = time.perf_counter(), []
+        t0, notes = time.perf_counter(), {}
         try:
-            nbytes = verify(path, unchecked=unchecked)
+            nbytes = verify(path, unchecked=notes)
+            check_tokenizer(path)
         except ValueError as e:
             return fail(e)
-        index = (
-            f"; {len(unchecked)} document index(es) have no sha256 in meta.json (prepared before it was "
-            "recorded): only their order and range were checked"
-            if unchecked
-            else ""
-        )
-        print(
-            f"{path}: every shard matches its sha256 and vocabulary{index} ({nbytes / 1e6:.1f} MB read in "
-            f"{time.perf_counter() - t0:.2f}s)",
-            flush=True,
-        )
+        print(f"{path}: {summary(notes, nbytes, time.perf_counter() - t0)}", flush=True)
     return 0

@@ -122,15 +122,18 @@ class MegaframeLM(TemplateLM):
 def _load(checkpoint: str | None, tokenizer: str | None):
     """(model, one-process mesh, tokenizer) of a checkpoint; ValueError names what is wrong."""
     import megaframe
-    from megaframe.inference.files import find_tokenizer, resolve_step
+    from megaframe.inference.files import find_tokenizer, read_step
     from megaframe.parallel.mesh import single_process_mesh
 
     if not checkpoint:
         raise ValueError("the megaframe lm-eval model needs --model_args checkpoint=PATH")
-    step, meta = resolve_step(checkpoint)
-    tok, _ = find_tokenizer(step, meta, tokenizer)
-    try:
-        model = megaframe.load_model(str(step))
-    except (OSError, KeyError, RuntimeError) as e:
-        raise ValueError(f"{step}: cannot load the model ({str(e).splitlines()[0]})") from e
+
+    def read(step, meta):  # re-read at the new `latest` if a live run prunes the step meanwhile
+        tok, _ = find_tokenizer(step, meta, tokenizer)
+        try:
+            return tok, megaframe.load_model(str(step))
+        except (OSError, KeyError, RuntimeError) as e:
+            raise ValueError(f"{step}: cannot load the model ({str(e).splitlines()[0]})") from e
+
+    _, _, (tok, model) = read_step(checkpoint, read)
     return model, single_process_mesh("cpu"), tok

@@ -4,21 +4,44 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Callable, TypeVar
 
 from megaframe.paths import inside
+
+T = TypeVar("T")
 
 
 def resolve_step(path: str | Path) -> tuple[Path, dict]:
     """(step folder, metadata) of a step folder or a checkpoint dir (what its `latest` names).
     ValueError names what is missing."""
-    from megaframe.checkpoint import resolve, sharded
+    from megaframe.checkpoint import resolve
 
     # a checkpoint dir: the checkpoint `latest` names (the live branch after a rollback), not the highest step
     p = resolve.step_folder(path)
+    return p, step_metadata(p)
+
+
+def step_metadata(step: Path) -> dict:
+    from megaframe.checkpoint import sharded
+
     try:
-        return p, sharded.read_metadata(p)
+        return sharded.read_metadata(step)
     except (OSError, ValueError, KeyError) as e:
-        raise ValueError(f"{p}: unreadable metadata.json ({e})") from e
+        raise ValueError(f"{step}: unreadable metadata.json ({e})") from e
+
+
+def read_step(path: str | Path, read: Callable[[Path, dict], T]) -> tuple[Path, dict, T]:
+    """(step folder, metadata, read(step folder, metadata)) of a step folder or checkpoint dir; everything a
+    tool reads of the step goes in `read`: a live run that prunes the step meanwhile makes it read the new
+    `latest` (megaframe.checkpoint.resolve.read_newest)."""
+    from megaframe.checkpoint import resolve
+
+    def both(step: Path) -> tuple[dict, T]:
+        meta = step_metadata(step)
+        return meta, read(step, meta)
+
+    step, (meta, got) = resolve.read_newest(path, both)
+    return step, meta, got
 
 
 def tokenizer_candidates(step: Path, meta: dict) -> list[Path]:

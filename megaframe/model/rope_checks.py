@@ -7,11 +7,17 @@ from __future__ import annotations
 from megaframe.config.schema import RopeScalingConfig
 
 
-def scaling_problem(rs: RopeScalingConfig) -> str | None:
-    """Why `rs` cannot be computed, or None (config/checks.py turns it into a ConfigError)."""
+def scaling_problem(rs: RopeScalingConfig, position_embedding: str = "rope") -> str | None:
+    """Why `rs` cannot be computed, or None (config/checks.py turns it into a ConfigError); a model whose
+    positions are not RoPE has nothing to scale: a scaling there would be silently ignored."""
     kind = str(rs.rope_type)
     if kind == "default":
         return None
+    if str(position_embedding) != "rope":
+        return (
+            f"rope_type={kind} scales RoPE, but model.position_embedding={position_embedding} (the model "
+            "has no RoPE): drop model.rope_scaling"
+        )
     if not rs.factor > 0:
         return f"rope_type={kind} needs factor > 0 (got {rs.factor})"
     if kind in ("llama3", "yarn") and not (rs.original_max_position_embeddings or 0) > 0:

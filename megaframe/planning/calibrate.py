@@ -118,14 +118,18 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--out", default="device_profile.json", help="where the profile is written")
     ap.add_argument("--quick", action="store_true", help="small sizes and short windows (a smoke test)")
     args = ap.parse_args(argv)
+    from megaframe.errors import fail, write_refused
+
     out = Path(args.out)
     if out.is_dir() or not out.parent.exists():
-        from megaframe.errors import fail
-
         return fail(f"calibrate --out={args.out}: not a file in an existing folder")
     prof = calibrate(args.quick)
     measured = prof.pop("measured")
-    out.write_text(json.dumps({**prof, "measured": measured}, indent=1))
+    try:
+        out.write_text(json.dumps({**prof, "measured": measured}, indent=1))
+    except OSError as e:  # a full disk: exit 1 as every tool (docs/checkpoints.md); another refusal: 2
+        code = 1 if write_refused(e) else 2
+        return fail(f"calibrate --out={args.out}: cannot write the profile ({e})", code=code)
     print(
         f"calibrated {prof['name']}: GEMM {max(r for _, r in measured['gemm_flops']) / 1e12:.2f} TFLOP/s "
         f"(efficiency {prof['efficiency']:.2f}, fixed {prof['gemm_fixed_s'] * 1e6:.1f} us), attention "

@@ -165,7 +165,7 @@ def schedule_repros(s: Setup) -> list[Attempt]:
         ),
         Attempt("T1-nan", "traceback", *cfg(stage("nan"), rc=2, synthetic=False)[:2]),
         Attempt("T1-inf", "traceback", *cfg(stage("inf"), rc=2, synthetic=False)[:2]),
-        Attempt("T6-full", "traceback", [*PLAN, "+world_size=4", "+plan_json=/dev/full"]),
+        Attempt("T6-full", "traceback", [*PLAN, "+world_size=4", "+plan_json=/dev/full"], rc=1),
         Attempt(
             "T6-link",
             "traceback",

@@ -131,6 +131,7 @@ def corrupt_data(tmp_path_factory, demo_prepared):
     sha256 made to match (corruption upstream of the checksum): only the read-time range check sees it."""
     from megaframe.config import load_config
     from megaframe.data.dataset import build_data
+    from megaframe.data.meta_rules import sealed
     from megaframe.data.verify import first_batch_shards
 
     out = _copy_demo(demo_prepared, tmp_path_factory.mktemp("corrupt") / "prepared")
@@ -144,7 +145,7 @@ def corrupt_data(tmp_path_factory, demo_prepared):
         ids[::5] = 65535
         (out / s["file"]).write_bytes(ids.tobytes())
         s["sha256"] = hashlib.sha256((out / s["file"]).read_bytes()).hexdigest()
-    (out / "meta.json").write_text(json.dumps(meta))
+    (out / "meta.json").write_text(json.dumps(sealed(meta)))  # the checksum of the edited fields too
     return out
 
 

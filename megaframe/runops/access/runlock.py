@@ -88,7 +88,7 @@ def holder_gone(holder: dict | None, age: float) -> str | None:
     """Why a lock's holder is gone (the lock may be taken over), or None while it may be alive: the
     policy of every megaframe.lock (atomic_lock.OwnerLock), also of the tools' locks."""
     if holder is None:
-        # half-written by a taker that died at once, or garbage: stale only once it is old
+        # half-written by a taker that died at once, garbage, or naming no owner: stale only once it is old
         # 60 s: far longer than a taker needs from O_EXCL to its fsynced write: a live one is not robbed
         return "unreadable lock file" if age > 60 else None
     if holder.get("host") == socket.gethostname():
@@ -136,7 +136,10 @@ class RunLock:
 
     def _busy(self, h: dict | None) -> str:
         if h is None:
-            return f"{self.key}={self.folder} is locked by another job ({self.path} is being written)"
+            return (
+                f"{self.key}={self.folder} is locked by another job ({self.path} is being written, or names "
+                "no owner: it is taken over once a minute old; remove it if no run is starting there)"
+            )
         return (
             f"{self.key}={self.folder} is in use by another run ({describe(h)}); pick another "
             f"{self.key}, or remove {self.path} if that run is gone"

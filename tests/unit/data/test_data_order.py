@@ -157,6 +157,7 @@ def test_prepared_data_refuses_a_shard_shorter_than_meta(tmp_path):
     path = write_prepared(tmp_path / "prep", [np.arange(10), np.arange(15)])
     meta = json.loads((path / "meta.json").read_text())
     meta["shards"][1]["num_tokens"] = 16
+    meta["num_tokens"] = 26  # the total agrees: the shard's own size is what is wrong
     (path / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(ValueError, match="tokens_00001.bin"):
         PreparedData(path, seq_length=4)

@@ -338,3 +338,21 @@ def test_raw_files_given_as_data_path_get_a_prepare_command_that_runs(tmp_path, 
         load_config(["data=demo", f"data.path={text_corpus}"], world_size=1)
     msg = str(e.value)
     assert f"data.source={text_corpus} data.path={text_corpus}-prepared" in msg, msg
+
+
+def test_a_full_disk_while_tokenizing_is_exit_1_as_for_every_tool(tmp_path, text_corpus, capsys, monkeypatch):
+    """docs/checkpoints.md: the tools on a full disk say it in one line and exit 1 (not bad input); a shard
+    write refused inside the tokenizing loop once ended with exit 2."""
+    import errno
+
+    from megaframe.data import shards
+
+    def full(path, data):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(shards, "write_atomic", full)
+    out = tmp_path / "out"
+    over = (f"data.source={text_corpus}", f"data.path={out}", "data.vocab_size=400", "data.num_workers=1")
+    rc, _, err = run_main(capsys, *over)  # one worker: the shards are written in this process
+    assert rc == 1 and err.count("\n") == 1 and "No space left on device" in err, err
+    assert not out.exists()  # nothing published

@@ -156,6 +156,18 @@ def test_config_refuses_scaling_without_its_fields():
         )
 
 
+@pytest.mark.parametrize("kind", ["linear", "llama3", "yarn"])
+def test_config_refuses_scaling_on_a_model_without_rope(kind):
+    """A learned-position model (gpt2) has no RoPE to scale: the scaling was accepted and did nothing."""
+    over = ["data=synthetic", "model=gpt2_tiny", f"model.rope_scaling.rope_type={kind}"]
+    over += ["model.rope_scaling.factor=2", "model.rope_scaling.original_max_position_embeddings=16"]
+    refused = f"model.rope_scaling: rope_type={kind} scales RoPE, but model.position_embedding=learned"
+    with pytest.raises(ConfigError, match=refused):
+        load_config(over, world_size=1, check_data=False)
+    plain = load_config(["data=synthetic", "model=gpt2_tiny"], world_size=1, check_data=False)
+    assert plain.model.rope_scaling.rope_type == "default"  # the default scaling stays accepted
+
+
 def test_config_scaling_reaches_the_model():
     """model.rope_scaling overrides build the scaled table: equal to plain RoPE on the high frequencies,
     slowed by `factor` on the low ones (gpt_tiny, theta 10000, head dim 32, pretraining context 32)."""

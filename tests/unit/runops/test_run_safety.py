@@ -185,3 +185,37 @@ def test_token_ids_outside_the_vocabulary_name_shard_and_offset(tmp_path):
         CorruptShard, match=r"shard_00000_00000.bin is corrupt: token id 60000 at token offset 137"
     ):
         data[8]  # tokens 128..144
+
+
+def test_a_head_without_metadata_is_named_so(tmp_path):
+    """`latest` naming a step folder whose metadata.json is gone: the warning says so, not that it is no
+    step folder."""
+    from megaframe.checkpoint import resolve
+
+    d2, i2 = fake_ckpt(tmp_path, 2, "A")
+    d4, _ = fake_ckpt(tmp_path, 4, "A", d2, i2)
+    (d4 / "metadata.json").unlink()
+    said = []
+    assert resolve.head(tmp_path, warn=said.append) == d2
+    assert "names 'step_00000004', whose metadata.json is missing" in said[0], said
+
+
+@pytest.mark.parametrize("text", ["{}", '{"pid": "123"}', '{"host": "h"}', '{"host": 5, "pid": 7}'])
+def test_a_lock_naming_no_owner_is_taken_over_once_old(tmp_path, text, capsys):
+    """Valid JSON without an identity (no host, no whole pid) was never stale: `in use by another run
+    (host None, pid None, since 1970...)` forever. Now it is an unreadable lock: busy while fresh (a
+    taker may be writing it), with the way out named, and taken over once a minute old."""
+    import os
+    import time
+
+    from megaframe.runops.access.runlock import LOCK_NAME, RunDirBusy, RunLock
+
+    lock = tmp_path / LOCK_NAME
+    lock.write_text(text)
+    with pytest.raises(RunDirBusy, match="names no owner.*remove it"):
+        RunLock(tmp_path).acquire()
+    old = time.time() - 120
+    os.utime(lock, (old, old))
+    got = RunLock(tmp_path).acquire()
+    assert got.held and "taking over the lock" in capsys.readouterr().out
+    got.release()
