@@ -4,7 +4,7 @@ cp all-gather moves exactly the bytes of the theory."""
 import pytest
 
 from tests.distributed.cases import train_and_report
-from tests.distributed.test_model_equivalence import assert_close_dicts
+from tests.distributed.test_model_equivalence import assert_close_dicts, assert_weights_close
 
 pytestmark = pytest.mark.distributed
 
@@ -23,7 +23,7 @@ def check(got, ref):
     rel = [abs(a - b) / abs(b) for a, b in zip(got["losses"], ref["losses"])]
     assert max(rel) <= 1e-5, (got["losses"], ref["losses"])
     assert_close_dicts(got["grads"], ref["grads"], rtol=1e-4, atol=1e-6, what="grad")
-    assert_close_dicts(got["weights"], ref["weights"], rtol=1e-4, atol=1e-4, what="weight")
+    assert_weights_close(got["weights"], ref["weights"])
 
 
 # (cp, tp, dp, sp, zero, family)
@@ -172,7 +172,7 @@ def test_checkpoint_resumes_across_cp(pool, tmp_path, first, then):
     )[0]
     rel = [abs(a - b) / abs(b) for a, b in zip(got["losses"], ref["losses"][2:])]
     assert max(rel) <= 1e-5, (got["losses"], ref["losses"])
-    assert_close_dicts(got["weights"], ref["weights"], rtol=1e-4, atol=1e-4, what="weight")
+    assert_weights_close(got["weights"], ref["weights"])
 
 
 RING = [

@@ -6,7 +6,7 @@ final weights."""
 import pytest
 
 from tests.distributed.cases import train_and_report
-from tests.distributed.test_model_equivalence import assert_close_dicts
+from tests.distributed.test_model_equivalence import assert_close_dicts, assert_weights_close
 
 pytestmark = pytest.mark.distributed
 
@@ -45,6 +45,6 @@ def test_layout_matches_one_process(pool, name, base, n, layout, over):
     rel = [abs(a - b) / abs(b) for a, b in zip(got["losses"], ref["losses"])]
     assert max(rel) <= 1e-5, (got["losses"], ref["losses"])
     assert_close_dicts(got["grads"], ref["grads"], rtol=1e-4, atol=1e-6, what="grad")
-    assert_close_dicts(got["weights"], ref["weights"], rtol=1e-4, atol=1e-4, what="weight")
+    assert_weights_close(got["weights"], ref["weights"])
     if base is QWEN3:
         assert "layers.0.attn.q_norm.weight" in got["grads"]

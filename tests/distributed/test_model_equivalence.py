@@ -40,6 +40,30 @@ def assert_close_dicts(got, want, rtol, atol, what):
         )
 
 
+# the tiny cases' learning rate (tests/distributed/cases.py): the most one Adam step moves an element
+ADAM_STEP = 3e-3
+
+
+def assert_weights_close(got, want):
+    """Weights after a few Adam steps: each element within 1e-4 (absolute and relative) of the reference,
+    except at most one in 10,000 of a tensor (at least one), each within one Adam step.
+
+    Adam divides by sqrt(v): where an element's grad is near zero, float32 reduction-order noise (which
+    differs by layout and by the CPU's kernels) can flip the direction of its update, moving it by up to a
+    step while every other element agrees to 1e-6; the grads themselves are held to 1e-6 beside this.
+    """
+    assert got.keys() == want.keys()
+    for k in want:
+        diff = (got[k] - want[k]).abs()
+        off = diff > 1e-4 + 1e-4 * want[k].abs()
+        allowed = max(1, off.numel() // 10_000)
+        worst = diff.max().item() if diff.numel() else 0.0
+        assert int(off.sum()) <= allowed and worst <= ADAM_STEP, (
+            f"weight {k}: {int(off.sum())} of {off.numel()} elements past 1e-4 (at most {allowed}), "
+            f"largest difference {worst:.3g} (at most one step, {ADAM_STEP})"
+        )
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 @pytest.mark.parametrize("tp,dp,sp", LAYOUTS, ids=[f"tp{t}-dp{d}{'-sp' if s else ''}" for t, d, s in LAYOUTS])
 def test_layout_matches_one_process(pool, family, tp, dp, sp):
@@ -49,9 +73,7 @@ def test_layout_matches_one_process(pool, family, tp, dp, sp):
     rel = [abs(a - b) / abs(b) for a, b in zip(got["losses"], ref["losses"])]
     assert max(rel) <= 1e-5, (got["losses"], ref["losses"])
     assert_close_dicts(got["grads"], ref["grads"], rtol=1e-4, atol=1e-6, what="grad")
-    # Adam divides by sqrt(v): where a grad is near zero, float32 reduction-order noise in it moves the
-    # update by a fraction of lr (3e-3), so weights get an absolute tolerance of ~3% of one step
-    assert_close_dicts(got["weights"], ref["weights"], rtol=1e-4, atol=1e-4, what="weight")
+    assert_weights_close(got["weights"], ref["weights"])
 
 
 def test_loss_falls_on_synthetic(pool):

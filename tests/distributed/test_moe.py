@@ -6,7 +6,7 @@ import pytest
 
 from tests.distributed.cases import train_and_report
 from tests.distributed.moe_cases import MOE, checkpoint_across_ep, dispatcher_vs_one_process, starve_experts
-from tests.distributed.test_model_equivalence import assert_close_dicts
+from tests.distributed.test_model_equivalence import assert_close_dicts, assert_weights_close
 
 pytestmark = pytest.mark.distributed
 
@@ -58,7 +58,7 @@ def test_moe_layout_matches_one_process(pool, name, n, tp, pp, ep, extra):
     rel = [abs(a - b) / abs(b) for a, b in zip(got["losses"], ref["losses"])]
     assert max(rel) <= 1e-5, (got["losses"], ref["losses"])
     assert_close_dicts(got["grads"], ref["grads"], rtol=1e-4, atol=1e-6, what="grad")
-    assert_close_dicts(got["weights"], ref["weights"], rtol=1e-4, atol=1e-4, what="weight")
+    assert_weights_close(got["weights"], ref["weights"])
     if ep > 1:
         assert all(c.get("ep", 0) > 0 for c in got["comm"]), got["comm"]
 
@@ -70,7 +70,7 @@ def test_ep2_checkpoint_resumes_at_ep1(pool, tmp_path):
     resumed = pool.run(checkpoint_across_ep, 1, over, str(tmp_path / "ck"), 4, 2)[0]
     rel = [abs(a - b) / abs(b) for a, b in zip(resumed["losses"], whole["losses"][2:])]
     assert max(rel) <= 1e-5, (resumed["losses"], whole["losses"])
-    assert_close_dicts(resumed["weights"], whole["weights"], rtol=1e-4, atol=1e-4, what="weight")
+    assert_weights_close(resumed["weights"], whole["weights"])
 
 
 def test_starved_experts_update_like_one_process(pool):
@@ -83,4 +83,4 @@ def test_starved_experts_update_like_one_process(pool):
     assert ref["grads"][up][2:].abs().max() == 0 and ref["grads"][up][:2].abs().max() > 0
     assert max(abs(a - b) / b for a, b in zip(got["losses"], ref["losses"])) <= 1e-5
     assert_close_dicts(got["grads"], ref["grads"], rtol=1e-4, atol=1e-6, what="grad")
-    assert_close_dicts(got["weights"], ref["weights"], rtol=1e-4, atol=1e-4, what="weight")
+    assert_weights_close(got["weights"], ref["weights"])

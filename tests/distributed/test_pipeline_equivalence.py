@@ -12,7 +12,7 @@ from megaframe.parallel.p2p_semantics import ENV_VAR, P2PSemantics
 from tests.distributed.cases import train_and_report
 from tests.distributed.moe_cases import MOE
 from tests.distributed.pipeline_cases import emulates_nccl, train_with_old_exchange, val_loss
-from tests.distributed.test_model_equivalence import assert_close_dicts
+from tests.distributed.test_model_equivalence import assert_close_dicts, assert_weights_close
 
 pytestmark = pytest.mark.distributed
 
@@ -112,7 +112,7 @@ def test_pipeline_matches_one_process(pool, family, name, n, tp, pp, ep, extra):
     rel = [abs(a - b) / abs(b) for a, b in zip(got["losses"], ref["losses"])]
     assert len(rel) == STEPS and max(rel) <= 1e-5, (got["losses"], ref["losses"])
     assert_close_dicts(got["grads"], ref["grads"], rtol=1e-4, atol=1e-6, what="grad")
-    assert_close_dicts(got["weights"], ref["weights"], rtol=1e-4, atol=1e-4, what="weight")
+    assert_weights_close(got["weights"], ref["weights"])
 
 
 def test_the_suite_runs_pipelines_under_nccl_semantics(pool):

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from tests.distributed.test_model_equivalence import assert_close_dicts
+from tests.distributed.test_model_equivalence import assert_close_dicts, assert_weights_close
 from tests.distributed.zero_cases import (
     bf16_checkpoint_roundtrip,
     bf16_losses,
@@ -55,7 +55,7 @@ def test_zero_matches_one_process(pool, family, name, n, tp, pp, extra):
     assert max(rel_errors(got["losses"], ref["losses"])) <= 1e-5, (got["losses"], ref["losses"])
     # the same tolerances as test_model_equivalence (see there for the weights' atol)
     assert_close_dicts(got["grads"], ref["grads"], rtol=1e-4, atol=1e-6, what="grad")
-    assert_close_dicts(got["weights"], ref["weights"], rtol=1e-4, atol=1e-4, what="weight")
+    assert_weights_close(got["weights"], ref["weights"])
 
 
 def test_zero0_and_zero1_agree(pool):

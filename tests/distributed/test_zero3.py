@@ -9,7 +9,7 @@ import pytest
 from megaframe.planning.estimate import plan_layout
 from tests.distributed.cases import tiny_config
 from tests.distributed.ckpt_cases import load_and_report, zero3_freed_load_steps
-from tests.distributed.test_model_equivalence import assert_close_dicts
+from tests.distributed.test_model_equivalence import assert_close_dicts, assert_weights_close
 from tests.distributed.test_zero import FAMILIES, STEPS, reference, rel_errors
 from tests.distributed.zero_cases import bf16_losses, run_steps, save_gather_probe
 
@@ -76,7 +76,7 @@ def test_zero3_matches_one_process(pool, name, family, n, tp, pp, shard, extra):
     got = pool.run(run_steps, n, over, STEPS, tp=tp, pp=pp, shard=shard)[0]
     assert max(rel_errors(got["losses"], ref["losses"])) <= 1e-5, (got["losses"], ref["losses"])
     assert_close_dicts(got["grads"], ref["grads"], rtol=1e-4, atol=1e-6, what="grad")
-    assert_close_dicts(got["weights"], ref["weights"], rtol=1e-4, atol=1e-4, what="weight")
+    assert_weights_close(got["weights"], ref["weights"])
     dp = n // (tp * pp)
     s = shard or dp
     m, b, numels = got["mem"], got["buffer_numel"], got["bucket_numels"]
@@ -124,7 +124,7 @@ def test_zero3_interleaved_pipeline(pool):
     assert_quarter_share(got, ref)
     assert max(rel_errors(got["losses"], ref["losses"])) <= 1e-5, (got["losses"], ref["losses"])
     assert_close_dicts(got["grads"], ref["grads"], rtol=1e-4, atol=1e-6, what="grad")
-    assert_close_dicts(got["weights"], ref["weights"], rtol=1e-4, atol=1e-4, what="weight")
+    assert_weights_close(got["weights"], ref["weights"])
 
 
 def test_zero3_moe_ep2(pool):
@@ -134,7 +134,7 @@ def test_zero3_moe_ep2(pool):
     got = pool.run(run_steps, 4, ["model=moe_tiny", "parallel.ep=2", "optim.zero=3"], STEPS, ep=2)[0]
     assert max(rel_errors(got["losses"], ref["losses"])) <= 1e-5, (got["losses"], ref["losses"])
     assert_close_dicts(got["grads"], ref["grads"], rtol=1e-4, atol=1e-6, what="grad")
-    assert_close_dicts(got["weights"], ref["weights"], rtol=1e-4, atol=1e-4, what="weight")
+    assert_weights_close(got["weights"], ref["weights"])
     assert got["buckets"] == 6  # dense: input step, 2 blocks, output step; experts: 2 blocks
     assert_quarter_share(got, ref)
 
@@ -147,7 +147,7 @@ def test_checkpoint_loads_into_zero3(pool, tmp_path):
         run_steps, 4, ["optim.zero=3", "parallel.pp=2"], STEPS, str(tmp_path / "step_00000003"), None, 3, pp=2
     )[0]
     assert max(rel_errors(got["losses"], full["losses"][3:])) <= 1e-5, (got["losses"], full["losses"])
-    assert_close_dicts(got["weights"], full["weights"], rtol=1e-4, atol=1e-4, what="weight")
+    assert_weights_close(got["weights"], full["weights"])
 
 
 @pytest.mark.parametrize("source", [1, 3])
