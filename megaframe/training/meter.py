@@ -120,6 +120,7 @@ class Meter:
             "grad_norm": res.grad_norm.item(),
             "tokens_per_s": tps,
             "consumed_samples": self.acct.consumed(step),
+            "consumed_tokens": self.acct.consumed_tokens(step),
             "time": time.time(),
             "step_time_s": step_time,
             **speed,
