@@ -19,11 +19,9 @@ def main(argv: list[str]) -> int:
 
     quiet = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) != "0"  # one rank speaks for all
     if "--help" in argv or "-h" in argv:
-        print(
-            __doc__.strip()
-            + "\nEvery config key, its type, default and meaning: docs/config.md (composed from "
-            "conf/config.yaml); e.g. python train.py model=gpt2_tiny parallel.tp=2"
-        )
+        from megaframe.config.usage import usage
+
+        print(__doc__.strip() + "\n\n" + usage())
         return 0
     show = "--cfg" in argv
     argv = [a for a in argv if a != "--cfg"]
