@@ -105,6 +105,11 @@ def seq_change(cfg: Config, old: str, new: str, consumed: int) -> str | None:
         )
     if consumed == 0:
         return None
+    if str(cfg.data.kind) == "synthetic":  # sample i is drawn from (seed, i): none is read twice
+        return (
+            f"RoPE allows it; {consumed} samples of {old} tokens were consumed and the synthetic samples go "
+            f"on at the same token count in samples of {new} tokens (none repeated)"
+        )
     return (
         f"RoPE allows it, but {consumed} samples of {old} tokens were consumed and the sample order is "
         f"rebuilt for samples of {new} tokens: the data continues at the same token count, and until this "
