@@ -374,6 +374,8 @@ def search(
     say = progress or (lambda text: None)
     say("search: enumerating and validating layouts")
     cands = candidates(cfg, world, dev.per_node if not dev.name.startswith("cpu") else world, keep, say)
+    # the first layouts of a shape build its meta-device activation tables (seconds each): say so first
+    say(f"search: {len(cands)} valid layouts; sizing and timing them")
     ticker = Ticker(say, "sized and timed", len(cands))
     for i, lay in enumerate(cands, 1):
         ticker.tick(i, f", {len(out)} fit")
