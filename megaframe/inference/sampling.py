@@ -35,6 +35,8 @@ class SamplingConfig:
             ("--temperature", self.temperature, self.temperature >= 0, ">= 0"),
             ("--top-k", self.top_k, self.top_k >= 0, ">= 0 (0 = off)"),
             ("--top-p", self.top_p, 0 < self.top_p <= 1, "in (0, 1]"),
+            # torch's generator takes a 64-bit seed: a larger one failed after the first prompt was printed
+            ("--seed", self.seed, -(2**63) <= self.seed < 2**64, "in [-2**63, 2**64)"),
         ):
             if not ok:
                 raise ValueError(f"{flag} {value} must be {rule}")

@@ -167,3 +167,7 @@ def test_seeded_sampling_draws_one_stream_per_prompt(run_dir, tmp_path, capsys):
     assert main(args) == 0 and capsys.readouterr().out.splitlines() == texts
     one = [str(run_dir / "ckpt"), "--prompt", "the quick", *args[3:]]
     assert main(one) == 0 and capsys.readouterr().out.splitlines() == texts[:1]
+    # a seed beyond the generator's 64 bits: one line before any output (it failed after the first prompt)
+    assert main([*args[:-1], str(2**64)]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and "--seed 18446744073709551616 must be in" in out.err
