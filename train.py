@@ -21,7 +21,10 @@ def main(argv: list[str]) -> int:
     if "--help" in argv or "-h" in argv:
         from megaframe.config.usage import usage
 
-        print(__doc__.strip() + "\n\n" + usage())
+        try:
+            print(__doc__.strip() + "\n\n" + usage(), flush=True)
+        except BrokenPipeError:  # `train.py --help | head`: the reader left; no traceback for that
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     show = "--cfg" in argv
     argv = [a for a in argv if a != "--cfg"]
