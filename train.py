@@ -19,11 +19,12 @@ def main(argv: list[str]) -> int:
 
     quiet = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) != "0"  # one rank speaks for all
     if "--help" in argv or "-h" in argv:
-        print(
-            __doc__.strip()
-            + "\nEvery config key, its type, default and meaning: docs/config.md (composed from "
-            "conf/config.yaml); e.g. python train.py model=gpt2_tiny parallel.tp=2"
-        )
+        from megaframe.config.usage import usage
+
+        try:
+            print(__doc__.strip() + "\n\n" + usage(), flush=True)
+        except BrokenPipeError:  # `train.py --help | head`: the reader left; no traceback for that
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     show = "--cfg" in argv
     argv = [a for a in argv if a != "--cfg"]

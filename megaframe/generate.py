@@ -143,7 +143,7 @@ def main(argv: list[str]) -> int:
                 f"prompt {n} of {len(prompts)} has {len(ids)} tokens; each must have 1 to {limit - 1} "
                 "(model.seq_length)"
             )
-    for prompt, ids in zip(prompts, encoded):
+    for index, (prompt, ids) in enumerate(zip(prompts, encoded)):
         sys.stdout.write(prompt)
         sys.stdout.flush()
         try:
@@ -156,6 +156,7 @@ def main(argv: list[str]) -> int:
                 tok.eos_id,
                 not args.no_cache,
                 Stream(tok, ids),
+                index,  # each prompt its own stream of (seed, index): not one stream restarted per prompt
             )
         except ValueError as e:
             return fail(e, prefix="\n")  # after the partial continuation on stdout

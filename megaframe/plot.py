@@ -54,15 +54,51 @@ def read_run(run_dir: str | Path) -> list[dict]:
     return [rows[s] for s in sorted(rows)]
 
 
-def tokens_per_step(run_dir: Path, rows: list[dict]) -> float | None:
-    """Global batch x sequence length from the run's config.yaml (None when it has none)."""
+def _config_sizes(path: Path) -> tuple[int, int] | None:
+    """(global batch, seq_length) of a run config file, None when it has none."""
     try:
         from omegaconf import OmegaConf
 
-        cfg = OmegaConf.load(run_dir / "config.yaml")
-        return float(cfg.train.global_batch_size * cfg.model.seq_length)
+        cfg = OmegaConf.load(path)
+        return int(cfg.train.global_batch_size), int(cfg.model.seq_length)
     except (OSError, AttributeError, ValueError, TypeError):
         return None
+
+
+def tokens_per_step(run_dir: Path, rows: list[dict]) -> float | None:
+    """Global batch x sequence length from the run's config.yaml (None when it has none)."""
+    sizes = _config_sizes(run_dir / "config.yaml")
+    return float(sizes[0] * sizes[1]) if sizes else None
+
+
+def seq_lengths(run_dir: Path) -> dict[int, int]:
+    """{start step: seq_length} of each start: config.yaml (step 0) and each resume's config.resume-N.yaml."""
+    out = {}
+    for path in [run_dir / "config.yaml", *run_dir.glob("config.resume-*.yaml")]:
+        start = 0 if path.name == "config.yaml" else path.stem.removeprefix("config.resume-")
+        sizes = _config_sizes(path)
+        if sizes and str(start).isdigit():
+            out[int(start)] = sizes[1]
+    return out
+
+
+def token_positions(run_dir: Path, rows: list[dict]) -> list[float] | None:
+    """Tokens consumed at each row: its consumed_tokens, else its consumed_samples x the seq_length of the
+    start that logged it, else step x the first config's tokens per step (rows written before either was
+    logged); None when no row can be placed. The consumed counts are exact after a resume that changed the
+    batch size or (RoPE) the sequence length, where step x the first config's tokens bent the axis."""
+    seqs, tps, out = seq_lengths(run_dir), tokens_per_step(run_dir, rows), []
+    for r in rows:
+        seq = seqs[max((s for s in seqs if s < r["step"]), default=0)] if seqs else None
+        if r.get("consumed_tokens") is not None:
+            out.append(float(r["consumed_tokens"]))
+        elif r.get("consumed_samples") is not None and seq:
+            out.append(float(r["consumed_samples"] * seq))
+        elif tps:
+            out.append(r["step"] * tps)
+        else:
+            return None
+    return out
 
 
 def plot(runs: list[str], out: str, x_axis: str = "tokens") -> Path:
@@ -77,9 +113,8 @@ def plot(runs: list[str], out: str, x_axis: str = "tokens") -> Path:
     axes = [fig.add_subplot(grid[r, c]) for r, c in GRID]
     for i, run in enumerate(runs):
         rows, color = read_run(run), f"C{i % 10}"
-        tps = tokens_per_step(Path(run), rows) if x_axis == "tokens" else None
-        # step x the first config's tokens per step: a resume that changed the batch size bends this axis
-        xs = [r["step"] * tps for r in rows] if tps else [r["step"] for r in rows]
+        tokens = token_positions(Path(run), rows) if x_axis == "tokens" else None
+        xs = tokens or [r["step"] for r in rows]
         for ax, (key, _) in zip(axes, PANELS):
             pts = [(x, r[key] * SCALE.get(key, 1.0)) for x, r in zip(xs, rows) if r.get(key) is not None]
             if pts:

@@ -1,6 +1,6 @@
 """Export a megaframe checkpoint to a Hugging Face transformers folder.
 
-    python scripts/export_hf.py CKPT OUT [--dtype fp32|bf16] [--force]
+    python scripts/export_hf.py CKPT OUT [--dtype fp32|bf16] [--max-position-embeddings N] [--force]
 
 CKPT is a step folder (step_XXXXXXXX) or a checkpoint dir holding committed step folders (the one its
 `latest` names: the live branch after a rollback); it may have been saved under any parallel layout. OUT
@@ -9,7 +9,10 @@ for their softmax top-k MoE variant, GPT2LMHeadModel for layernorm/gelu/learned-
 run's tokenizer is found (the one the checkpoint records, checked by its sha256, or one of that sha256 beside
 the run's datasets), a transformers tokenizer (a sentencepiece tokenizer.model is converted to tokenizer.json,
 encoding exactly alike) that AutoTokenizer.from_pretrained(OUT) loads offline. All model.vocab_size
-embedding rows are exported, even when the tokenizer has fewer.
+embedding rows are exported, even when the tokenizer has fewer. A RoPE model's max_position_embeddings is
+the model's own context (model.max_position_embeddings, recorded by import_hf from the HF config), not the
+model.seq_length a continued run trained at; --max-position-embeddings N writes N instead (a learned-position
+model always writes its table's seq_length rows).
 Bad input (missing or corrupt checkpoint, unsupported model, OUT not empty, only tokenizers of another sha256
 than the recorded one) exits 2 with one line.
 """
@@ -107,7 +110,23 @@ def write_provenance(src: Path, out: Path) -> None:
     (out / PROVENANCE).write_text(json.dumps(record, indent=1) + "\n")
 
 
-def export(ckpt: str, out: Path, dtype: str) -> Path:
+def advertised(model_cfg, asked: int | None):
+    """The model config to export: max_position_embeddings as asked (--max-position-embeddings), else the
+    model's own (the imported HF config's, else seq_length). ValueError for a learned-position model, whose
+    position table has exactly seq_length rows."""
+    import dataclasses
+
+    if asked is None:
+        return model_cfg
+    if str(model_cfg.position_embedding) != "rope":
+        raise ValueError(
+            f"--max-position-embeddings {asked}: a learned-position model exports its position table's "
+            f"{model_cfg.seq_length} rows (model.seq_length); only a RoPE model's context can be set"
+        )
+    return dataclasses.replace(model_cfg, max_position_embeddings=asked)
+
+
+def export(ckpt: str, out: Path, dtype: str, max_positions: int | None = None) -> Path:
     import torch
 
     from megaframe.checkpoint import resolve, sharded
@@ -123,11 +142,13 @@ def export(ckpt: str, out: Path, dtype: str) -> Path:
     # a live run's checkpoint dir: a step pruned while it is read is read again at the new `latest`
     step, (meta, (model_cfg, state, data)) = resolve.read_newest(ckpt, read)
     family(model_cfg)  # refuse an unsupported model before writing anything
+    model_cfg = advertised(model_cfg, max_positions)
+    context = model_cfg.max_position_embeddings or model_cfg.seq_length
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        tok = export_tokenizer(step, meta, tmp, model_cfg.seq_length)
+        tok = export_tokenizer(step, meta, tmp, context)
         ids = {"eos_token_id": tok.eos_token_id, "bos_token_id": tok.bos_token_id} if tok is not None else {}
         cfg, sd = to_hf(model_cfg, state, **ids)
         model = build_hf_model(cfg, sd)
@@ -143,7 +164,7 @@ def export(ckpt: str, out: Path, dtype: str) -> Path:
     n = sum(t.numel() for t in state.values())
     print(
         f"export: {step} (step {meta['step']}, {n / 1e6:.2f}M params) -> {out} as "
-        f"{cfg.architectures[0]} ({dtype})",
+        f"{cfg.architectures[0]} ({dtype}), max_position_embeddings {context}",
         flush=True,
     )
     return out
@@ -175,9 +196,19 @@ def main(argv: list[str]) -> int:
     ap.add_argument("ckpt", help="step folder or checkpoint dir")
     ap.add_argument("out", help="output transformers folder")
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="weight dtype written")
+    ap.add_argument(
+        "--max-position-embeddings",
+        type=int,
+        default=None,
+        metavar="N",
+        help="context written to config.json (default: the model's own, e.g. the imported HF config's, "
+        "else model.seq_length); RoPE models only",
+    )
     ap.add_argument("--force", action="store_true", help="replace OUT if it exists and is not empty")
     args = ap.parse_args(argv)
     out = Path(args.out)
+    if args.max_position_embeddings is not None and args.max_position_embeddings < 1:
+        return fail(f"--max-position-embeddings {args.max_position_embeddings} must be a positive integer")
     clash = overlaps_input(args.ckpt, out)
     if clash:
         return fail(clash)
@@ -192,7 +223,7 @@ def main(argv: list[str]) -> int:
     try:
         if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.force:
             return fail(f"{out} exists and is not empty (pass --force to replace it)")
-        export(args.ckpt, out, args.dtype)
+        export(args.ckpt, out, args.dtype, args.max_position_embeddings)
     except ValueError as e:
         return fail(" ".join(str(e).split()))
     except Exception as e:  # a full disk or the file-size limit mid-write: OUT.tmp is gone, OUT untouched

@@ -15,6 +15,7 @@ A kind that fixes vpp (1f1b, zb_h1: 1; zbv: 2) uses it unless vpp= is given.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import matplotlib
 
@@ -87,14 +88,28 @@ def plot(kinds: list[str], pp: int, vpps: list[int], m: int, out: str, costs: Co
         ax.set_xlim(0, span)  # one time axis: the kinds compare by length
     unit = "one chunk's F or B" if costs is None else f"F:B:W = {costs.f:g}:{costs.b:g}:{costs.w:g} per stage"
     axes[-1, 0].set_xlabel(f"time ({unit})")
-    legend = [Patch(color=COLOURS[k][c], label=f"{k} chunk {c}") for k in (F, B, W) for c in range(max(vpps))]
+    legend = [Patch(color=colour, label=label) for label, colour in legend_entries(results)]
     axes[-1, 0].legend(
-        handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=3 * max(vpps), fontsize=8
+        handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=len(legend), fontsize=8
     )
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return results
+
+
+def legend_entries(results: list) -> list[tuple[str, str]]:
+    """(label, colour) of each action kind and chunk colour the drawn schedules use, in F, B, W order:
+    an interleaved schedule draws no W, so its legend names none (it listed every kind for every chunk)."""
+    used: dict[tuple, list[int]] = {}
+    for chunk, kind in sorted({(a.chunk, a.kind) for res in results for ev in res.timeline for _, a in ev}):
+        used.setdefault((kind, chunk % 2), []).append(chunk)
+    return [
+        (f"{k} chunk {','.join(map(str, used[(k, c)]))}", COLOURS[k][c])
+        for k in (F, B, W)
+        for c in (0, 1)
+        if (k, c) in used
+    ]
 
 
 def main(argv: list[str]) -> None:
@@ -118,9 +133,12 @@ def main(argv: list[str]) -> None:
         kinds.append(kind)
         vpps.append(vpp)
     costs = _costs(a["costs"])
-    for kind, vpp, res in zip(kinds, vpps, plot(kinds, pp, vpps, m, a["out"], costs)):
+    results = plot(kinds, pp, vpps, m, a["out"], costs)
+    # what was written and its figure: a silent command left the user looking for the file
+    print(f"plot_schedule: wrote {Path(a['out']).resolve()} (bubble = idle / makespan)")
+    for kind, vpp, res in zip(kinds, vpps, results):
         print(
-            f"{a['out']}: {kind} pp={pp} vpp={vpp} m={m} bubble={res.bubble:.4f} idle={res.idle:g} "
+            f"  {kind} pp={pp} vpp={vpp} m={m} bubble={res.bubble:.4f} idle={res.idle:g} "
             f"formula={bubble_formula(pp, vpp, m):.4f}"
         )
 

@@ -6,8 +6,15 @@ A resumed run must continue the same experiment. These changes are refused (exit
   samples. When allowed, the data continues from the checkpoint's consumed samples (exact accounting:
   position = consumed at resume + (step - resume step) x new batch), not from step x new batch.
 - train.seed: the sample order (and init) derive from it; a new seed repeats and skips data at random.
-- any model.* field (model.name, a label, excepted): the weights would be loaded into another model,
-  e.g. a changed model.rope_theta loads without an error and trains a different function.
+- any model.* field (model.name, a label, and model.max_position_embeddings, what export advertises,
+  excepted): the weights would be loaded into another model, e.g. a changed model.rope_theta loads
+  without an error and trains a different function.
+- model.seq_length is the exception for a RoPE model (no position table): a step-0 checkpoint (an import)
+  may continue at any context length; once samples were consumed the sample order is rebuilt for the new
+  sample length, so it needs allow_config_change. The data then continues at the same consumed token count
+  (position ceil(tokens / new seq_length) of the new order, resume_position): within the epoch under way
+  some tokens already trained on repeat and others are skipped. A learned-position model is refused even
+  when allowed (its table has one row per position).
 - what the run trains on (megaframe.data.record): data.stages, data.blend (paths or weights), a plain run's
   data.path, data.valid_fraction, and the content of a dataset at the same path; each re-maps the stream's
   positions (samples repeat and others are skipped) or moves the validation split onto trained-on documents.
@@ -26,7 +33,7 @@ from megaframe.config.schema import Config, ConfigError, OptimConfig, plain
 
 GUARDED_TRAIN = ("global_batch_size", "seed")
 GUARDED_OPTIM = ("name",)
-UNCHECKED_MODEL = ("name",)
+UNCHECKED_MODEL = ("name", "max_position_embeddings")
 
 
 def differences(cfg: Config, saved: dict, consumed: int = 1) -> list[tuple[str, object, object]]:
@@ -70,6 +77,14 @@ def check_resume(cfg: Config, meta: dict, path, verbose: bool) -> None:
     for name, old, new, what in changes:
         if name.startswith("optim."):
             what = "the new rule's optimizer state starts fresh"
+        if name == "model.seq_length":
+            what = seq_change(cfg, old, new, consumed)
+            if what is None:  # a RoPE model before any sample was read: the header names the change
+                continue
+            if what.startswith(LEARNED):  # no allowance helps: the position table has no rows to spare
+                raise ConfigError(
+                    f"checkpoint {path} was written with {name}={old}, this run has {new}: {what}"
+                )
         if not _allowed(name, allow):
             why = (
                 "its optimizer state belongs to another update rule"
@@ -108,6 +123,43 @@ def _say_state_dtype(cfg: Config, meta: dict, verbose: bool) -> None:
         )
 
 
+LEARNED = "a learned-position model"
+
+
+def seq_change(cfg: Config, old: str, new: str, consumed: int) -> str | None:
+    """What a changed model.seq_length does; None when it changes nothing but the model's context
+    (a RoPE model whose checkpoint consumed no sample yet, e.g. an import)."""
+    if str(cfg.model.position_embedding) != "rope":
+        return (
+            f"{LEARNED} (model.position_embedding=learned) holds one trained embedding per position, "
+            f"{old} rows: its context length cannot change (a RoPE model's can)"
+        )
+    if consumed == 0:
+        return None
+    if str(cfg.data.kind) == "synthetic":  # sample i is drawn from (seed, i): none is read twice
+        return (
+            f"RoPE allows it; {consumed} samples of {old} tokens were consumed and the synthetic samples go "
+            f"on at the same token count in samples of {new} tokens (none repeated)"
+        )
+    return (
+        f"RoPE allows it, but {consumed} samples of {old} tokens were consumed and the sample order is "
+        f"rebuilt for samples of {new} tokens: the data continues at the same token count, and until this "
+        "epoch ends some tokens already trained on repeat and others are skipped"
+    )
+
+
+def resume_position(meta: dict, seq_length: int) -> tuple[int, int]:
+    """(samples, tokens) consumed at a resume, the samples counted in this run's seq_length: the
+    checkpoint's own count when the length is the one it ran with, else its tokens in samples of the new
+    length rounded up (the data goes on at the same token count; a RoPE seq_length change)."""
+    samples = consumed_samples(meta)
+    old = int(((meta.get("config") or {}).get("model") or {}).get("seq_length") or seq_length)
+    tokens = int(meta.get("consumed_tokens", samples * old))
+    if old == seq_length:
+        return samples, tokens
+    return -(-tokens // seq_length), tokens
+
+
 def consumed_samples(meta: dict) -> int:
     """Samples the checkpoint's run had consumed (older checkpoints: step x its global batch)."""
     if "consumed_samples" in meta:
@@ -121,10 +173,16 @@ class Accounting:
     """Global sample positions of a run that resumed at `start` with `base` samples consumed:
     step s (1-based) reads positions [base + (s - 1 - start)·G, base + (s - start)·G)."""
 
-    def __init__(self, start: int, base: int, global_batch: int):
-        self.start, self.base, self.gbs = start, base, global_batch
+    def __init__(self, start: int, base: int, global_batch: int, seq_length: int = 0, tokens: int = -1):
+        self.start, self.base, self.gbs, self.seq = start, base, global_batch, seq_length
+        # tokens consumed at the resume: recorded apart from samples, whose length a RoPE resume may change
+        self.base_tokens = base * seq_length if tokens < 0 else tokens
 
     def consumed(self, step: int) -> int:
         """Samples consumed once step `step` is done."""
         # from the resume's consumed count, not step x batch: exact when an allowed batch-size change was made
         return self.base + (step - self.start) * self.gbs
+
+    def consumed_tokens(self, step: int) -> int:
+        """Training tokens consumed once step `step` is done (inputs: seq_length per sample)."""
+        return self.base_tokens + (step - self.start) * self.gbs * self.seq

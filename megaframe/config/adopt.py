@@ -32,10 +32,20 @@ SOFT = frozenset(
         "moe_bias_update_rate",
         "moe_capacity_factor",
         "init_std",
+        "max_position_embeddings",
     }
 )
 """model.* fields a resume may change without a refusal: none shapes a weight or the function computed
-at inference (the init std only matters for a fresh start)."""
+at inference (the init std only matters for a fresh start; max_position_embeddings is what export
+advertises). A RoPE model's seq_length is soft too (soft_fields): RoPE has no position table, so
+continued pretraining may use another context length, as Megatron's --seq-length may differ at a load."""
+
+
+def soft_fields(saved: dict) -> frozenset:
+    """SOFT, with seq_length for a RoPE model (the checkpoint's model, as recorded)."""
+    rope = str(saved.get("position_embedding", "rope")) == "rope"
+    return SOFT | {"seq_length"} if rope else SOFT
+
 
 WANDB_MODES = {
     "online": "online",
@@ -119,6 +129,7 @@ def adopt_model(cfg, overrides: list[str]):
     if not saved:
         return cfg
     mine = set_on_command_line(overrides)
+    soft = soft_fields(saved)
     changes = {}
     enums = enum_fields(ModelConfig)
     for f in dataclasses.fields(ModelConfig):
@@ -137,7 +148,7 @@ def adopt_model(cfg, overrides: list[str]):
                 ) from e
         # None is unset: the checkpoint's value is no contradiction
         if _sets(mine, f.name) and current is not None:
-            if current != theirs and f.name not in SOFT:
+            if current != theirs and f.name not in soft:
                 raise ConfigError(contradiction(f.name, current, theirs, saved.get("name"), overrides, path))
         elif current != theirs:
             changes[f.name] = theirs
@@ -170,6 +181,13 @@ def contradiction(name: str, mine, theirs, saved_preset, overrides: list[str], p
     """The refusal of a model field that differs from the checkpoint's: naming the override the user typed,
     model.NAME=... or, when it came from a preset, model=PRESET and the checkpoint's own preset."""
     keys = {o.split("=", 1)[0].lstrip("+~"): o.split("=", 1)[1] for o in overrides if "=" in o}
+    if name == "seq_length":  # soft for RoPE: only a learned-position model gets here
+        return (
+            f"model.seq_length={mine} contradicts the checkpoint's model.seq_length={theirs} "
+            f"(checkpoint.resume={path}): a learned-position model (model.position_embedding=learned) "
+            f"holds one trained embedding per position, {theirs} rows, so its context length cannot "
+            "change (a RoPE model's can); drop the override to use the checkpoint's"
+        )
     if f"model.{name}" in keys or "model" not in keys:
         return (
             f"model.{name}={mine} contradicts the checkpoint's model.{name}={theirs} "

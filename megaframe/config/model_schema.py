@@ -109,6 +109,11 @@ class ModelConfig(Frozen):
     """RoPE base."""
     rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
     """RoPE frequency scaling (Llama 3.1/3.2, YaRN, linear); rope_type=default is plain RoPE."""
+    max_position_embeddings: Optional[int] = None
+    """The context the model is made for, written as Hugging Face's max_position_embeddings on export;
+    None = seq_length. import_hf records the HF config's, so a RoPE model continued at a shorter
+    model.seq_length still exports its own context. Shapes no weight; learned positions need None or
+    seq_length (the table has seq_length rows)."""
     kv_channels: Optional[int] = None
     """Head dim E (Megatron's name); None = hidden_size /
     num_attention_heads. Qwen3 sets it (heads * E != D)."""

@@ -83,6 +83,7 @@ FIELD_RULES: dict[str, Rule] = {
     "model.norm_eps": POSF,
     "model.init_std": POSF,
     "model.kv_channels": _r(1, opt=True),
+    "model.max_position_embeddings": _r(1, opt=True),
     "model.rope_scaling.factor": POSF,
     "model.rope_scaling.low_freq_factor": POSF,
     "model.rope_scaling.high_freq_factor": POSF,

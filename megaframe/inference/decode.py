@@ -41,8 +41,10 @@ def generate(
     eos: int | None = None,
     use_cache: bool = True,
     on_token: Callable[[int], None] | None = None,
+    index: int = 0,
 ) -> Generation:
-    """Continue `prompt` (token ids) by up to max_new tokens; on_token(id) is called as each one is chosen."""
+    """Continue `prompt` (token ids) by up to max_new tokens; on_token(id) is called as each one is chosen.
+    `index`: the prompt's place among a command's prompts, which picks its sampling stream."""
     check_one_process(model)
     device = next(model.parameters()).device
     limit = model.cfg.seq_length
@@ -51,7 +53,7 @@ def generate(
             f"the prompt has {len(prompt)} tokens; it must have 1 to {limit - 1} (model.seq_length)"
         )
     # a CPU generator: multinomial draws on the host, so a seed gives the same text on CPU and CUDA
-    gen = torch.Generator().manual_seed(sampling.seed)
+    gen = sampling.generator(index)
     ids_BS = torch.tensor([prompt], dtype=torch.long, device=device)
     # preallocated to seq_length, the most positions there can be: no regrowth while decoding
     cache = new_cache(model, limit) if use_cache else None

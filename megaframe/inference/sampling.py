@@ -1,8 +1,9 @@
 """Next-token choice: greedy (temperature 0) or sampling with temperature, top-k and top-p (nucleus).
 
-Sampling draws from a torch.Generator seeded once per generation, so a seed gives the same text on a
-machine every time. Logit rows beyond the tokenizer's vocabulary (the embedding is padded to a
-multiple of the layout's needs) are never chosen.
+Sampling draws from a torch.Generator seeded once per generation from (seed, prompt index) (prompt_seed),
+so a seed gives the same text on a machine every time, and the prompts of one command each draw their own
+stream (one stream restarted per prompt gave every prompt nearly the same continuation). Logit rows beyond
+the tokenizer's vocabulary (the embedding is padded to a multiple of the layout's needs) are never chosen.
 """
 
 from __future__ import annotations
@@ -23,6 +24,10 @@ class SamplingConfig:
     seed: int = 0
     """Seeds the sampling generator."""
 
+    def generator(self, index: int = 0) -> torch.Generator:
+        """The CPU generator of the `index`-th prompt (0-based) of a command: seeded by prompt_seed."""
+        return torch.Generator().manual_seed(prompt_seed(self.seed, index))
+
     def check(self) -> None:
         # `not >=`: a nan temperature fails too (it reached torch.multinomial as nan probabilities)
         # the flag at fault only: naming all three blamed the good ones too
@@ -30,9 +35,24 @@ class SamplingConfig:
             ("--temperature", self.temperature, self.temperature >= 0, ">= 0"),
             ("--top-k", self.top_k, self.top_k >= 0, ">= 0 (0 = off)"),
             ("--top-p", self.top_p, 0 < self.top_p <= 1, "in (0, 1]"),
+            # torch's generator takes a 64-bit seed: a larger one failed after the first prompt was printed
+            ("--seed", self.seed, -(2**63) <= self.seed < 2**64, "in [-2**63, 2**64)"),
         ):
             if not ok:
                 raise ValueError(f"{flag} {value} must be {rule}")
+
+
+def prompt_seed(seed: int, index: int) -> int:
+    """The generator seed of prompt `index` under --seed `seed`: the seed itself for the first prompt (one
+    prompt samples what it always did), else a SeedSequence mix of (seed, index), deterministic and far
+    apart for neighbouring seeds and prompts."""
+    import numpy as np
+
+    if index == 0:
+        return seed
+    # SeedSequence takes non-negative entries only: a negative --seed is mapped, not refused
+    entropy = [seed % 2**64, index]
+    return int(np.random.SeedSequence(entropy).generate_state(1, np.uint64)[0] >> 1)
 
 
 def next_token(

@@ -114,11 +114,39 @@ def _state_choices(
     return out
 
 
-def candidates(cfg: Config, world: int, per_node: int, keep=None) -> list[Layout]:
+def candidates(cfg: Config, world: int, per_node: int, keep=None, progress=None) -> list[Layout]:
     """Every layout validate() accepts: tp within a node, pp dividing the layers (or, past two stages, the
     first and last stage one block short: Llama 3's 126 layers on pp16), vpp up to 8, sp wherever tp > 1.
-    `keep(layout)`: only the layouts it accepts are validated (a narrower search)."""
-    m, out = cfg.model, []
+    `keep(layout)`: only the layouts it accepts are validated (a narrower search). `progress(text)` hears
+    the validation's count every few seconds (minutes for llama3_8b on 64 ranks on a busy machine)."""
+    lays = [x for x in _layouts(cfg, world, per_node) if keep is None or keep(x)]
+    return _valid(cfg, world, lays, Ticker(progress, "validated", len(lays)))
+
+
+class Ticker:
+    """`progress(f"search: {i}/{total} layouts {what} ...")` at most every EVERY_S seconds: a long search
+    says how far it got within seconds instead of looking hung."""
+
+    EVERY_S = 3.0
+
+    def __init__(self, progress, what: str, total: int):
+        import time
+
+        self.say, self.what, self.total = progress, what, total
+        self.t0 = self.last = time.perf_counter()
+
+    def tick(self, i: int, note: str = "") -> None:
+        import time
+
+        now = time.perf_counter()
+        if self.say is not None and now - self.last >= self.EVERY_S:
+            self.last = now
+            self.say(f"search: {i}/{self.total} layouts {self.what}{note} ({now - self.t0:.0f}s)")
+
+
+def _layouts(cfg: Config, world: int, per_node: int):
+    """The layouts candidates() validates, in its order (cheap: no config is built)."""
+    m = cfg.model
     # tp within a node: its per-block all-reduces need the intra-node links
     for tp, cp in [(t, c) for t in divisors(world) if t <= max(per_node, 1) for c in divisors(world // t)]:
         for pp, split in _pipelines(m.num_layers, world // (tp * cp)):
@@ -132,14 +160,12 @@ def candidates(cfg: Config, world: int, per_node: int, keep=None) -> list[Layout
                     )
                     for s in _schedules(pp, vpp)
                 ]:
-                    lays = [
+                    yield from (
                         Layout(tp, pp, vpp, dp, ep, zero, mb, rc, cp, shard, g, sched, split)
                         for zero, shard, g in _state_choices(cfg, tp, cp, dp, ep, per_node)
                         for mb in MICRO_BATCHES
                         for rc in RECOMPUTE
-                    ]
-                    out += _valid(cfg, world, [x for x in lays if keep is None or keep(x)])
-    return out
+                    )
 
 
 VPP = (1, 2, 4, 8)
@@ -165,11 +191,13 @@ def _schedules(pp: int, vpp: int) -> list[str]:
     return [""] + ({1: ["zb_h1"], 2: ["zbv"]}.get(vpp, []) if pp > 1 else [])
 
 
-def _valid(cfg: Config, world: int, lays: list[Layout]) -> list[Layout]:
+def _valid(cfg: Config, world: int, lays: list[Layout], ticker: Ticker | None = None) -> list[Layout]:
     """The layouts validate() accepts. The grad dtype and HSDP group change nothing validate() reads but
     their own checks: one layout per (zero, shard, rest) is validated and its verdict shared."""
     out, seen = [], {}
-    for lay in lays:
+    for i, lay in enumerate(lays):
+        if ticker is not None:
+            ticker.tick(i, f", {len(out)} valid")
         key = dataclasses.replace(lay, grad_dtype="fp32")
         if key not in seen:
             try:
@@ -349,12 +377,12 @@ def search(
     out, dropped, t0 = [], 0, time.perf_counter()
     say = progress or (lambda text: None)
     say("search: enumerating and validating layouts")
-    cands = candidates(cfg, world, dev.per_node if not dev.name.startswith("cpu") else world, keep)
-    last = time.perf_counter()
+    cands = candidates(cfg, world, dev.per_node if not dev.name.startswith("cpu") else world, keep, say)
+    # the first layouts of a shape build its meta-device activation tables (seconds each): say so first
+    say(f"search: {len(cands)} valid layouts; sizing and timing them")
+    ticker = Ticker(say, "sized and timed", len(cands))
     for i, lay in enumerate(cands, 1):
-        if time.perf_counter() - last > 3:
-            last = time.perf_counter()
-            say(f"search: {i}/{len(cands)} layouts sized and timed, {len(out)} fit ({last - t0:.0f}s)")
+        ticker.tick(i, f", {len(out)} fit")
         phases = phase_memory(cfg, lay)
         mem = max(phases.values())
         if cap and mem > cap:

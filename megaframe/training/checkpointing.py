@@ -123,6 +123,8 @@ class Checkpointer:
         }
         meta = {
             "consumed_samples": consumed,
+            # apart from samples: a RoPE resume may change their length (resume_checks.resume_position)
+            "consumed_tokens": self.acct.consumed_tokens(step),
             "layout": {
                 "tp": mesh.tp.size,
                 "cp": mesh.cp.size,

@@ -120,6 +120,7 @@ class Meter:
             "grad_norm": res.grad_norm.item(),
             "tokens_per_s": tps,
             "consumed_samples": self.acct.consumed(step),
+            "consumed_tokens": self.acct.consumed_tokens(step),
             "time": time.time(),
             "step_time_s": step_time,
             **speed,
@@ -143,10 +144,13 @@ class Meter:
         val = f", val_loss {self.last['val_loss']:.4f}" if "val_loss" in self.last else ""
         loss = f"final loss {self.last['loss']:.4f}{val}" if "loss" in self.last else "no step logged"
         steps = f"{self.run_steps} step{'' if self.run_steps == 1 else 's'}"
+        # after a resume this start's figures are a part: the whole run's steps and tokens too (exact,
+        # from the consumed count even across a batch or RoPE seq_length change)
+        whole = f" | whole run: steps 1..{step}, {self.acct.consumed_tokens(step):,} tokens" if start else ""
         return (
             f"run summary: {steps} ({start + 1}..{step}), {tokens:,} tokens in {wall:.1f}s "
-            f"({tokens / max(wall - self.eval_s, 1e-9):,.0f} tokens/s mean, evaluation excluded) | {loss} | "
-            f"checkpoint {checkpoint or 'none'}"
+            f"({tokens / max(wall - self.eval_s, 1e-9):,.0f} tokens/s mean, evaluation excluded) | {loss}"
+            f"{whole} | checkpoint {checkpoint or 'none'}"
         )
 
     def moe(self, step: int, model) -> dict:

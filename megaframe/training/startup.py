@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from megaframe.checkpoint.resume import Resumed, resume
-from megaframe.checkpoint.resume_checks import Accounting
+from megaframe.checkpoint.resume_checks import Accounting, resume_position
 from megaframe.config import Config, ConfigError
 from megaframe.config.derived import Derived, derive, lr_horizon, schedule_kind, settled
 from megaframe.data.blend import BlendedData
@@ -94,7 +94,9 @@ def set_up(cfg: Config, mesh: Mesh, faults=None, run_id: str = "") -> Setup:
         data.order = resumed_order(resumed.meta)  # a resumed run keeps the sample order it began with
     # recorded in config.yaml and every checkpoint: a later resume keeps the first start's LR curve
     cfg = settled(cfg, optim={"lr_decay_steps": lr_horizon(cfg.optim, cfg.train, resumed.meta)})
-    acct = Accounting(resumed.step, resumed.consumed if resumed.path else 0, cfg.train.global_batch_size)
+    # counted in this run's samples: a RoPE resume at another seq_length goes on at the same token count
+    base, tokens = resume_position(resumed.meta, cfg.model.seq_length) if resumed.path else (0, 0)
+    acct = Accounting(resumed.step, base, cfg.train.global_batch_size, cfg.model.seq_length, tokens)
     return Setup(
         model,
         optimizer,
@@ -233,7 +235,7 @@ def describe(cfg: Config, mesh: Mesh, su: Setup, total: int, threads: Threads) -
     )
     print(
         f"model {m.name}: {m.num_layers} layers, D={m.hidden_size}, heads {m.num_attention_heads} "
-        f"(kv {m.kv_heads}), F={m.ffn_hidden_size}, vocab {m.vocab_size}, seq {m.seq_length}"
+        f"(kv {m.kv_heads}), F={m.ffn_hidden_size}, vocab {m.vocab_size}, {context_label(m, su.resumed.meta)}"
         f"{f', {m.num_experts} experts (top-{m.moe_top_k}, F={m.expert_ffn})' if m.num_experts else ''} | "
         f"params {total / 1e6:.2f}M, {local / 1e6:.2f}M on this rank{share} | "
         f"{flops_per_token(m) / 1e6:.1f} MFLOP/token",
@@ -246,6 +248,22 @@ def describe(cfg: Config, mesh: Mesh, su: Setup, total: int, threads: Threads) -
         f"{samples} samples{held_out_label(cfg, su)} | steps {su.resumed.step + 1}..{t.max_steps}",
         flush=True,
     )
+
+
+def context_label(m, meta: dict | None) -> str:
+    """The model's context for the header: seq_length, a change from the resumed checkpoint's (allowed
+    for RoPE), and the RoPE scaling an imported model carries (what a continued-pretraining user checks)."""
+    saved = ((meta or {}).get("config") or {}).get("model") or {}
+    was = saved.get("seq_length")
+    seq = f"seq {m.seq_length}"
+    if was is not None and int(was) != m.seq_length:
+        seq = f"seq_length {was} -> {m.seq_length} (RoPE: allowed at resume)"
+    rs = m.rope_scaling
+    if m.position_embedding == "rope" and str(rs.rope_type) != "default":
+        seq += f", rope {rs.rope_type} x{rs.factor:g}"
+    if m.max_position_embeddings and m.max_position_embeddings != m.seq_length:
+        seq += f", context {m.max_position_embeddings}"
+    return seq
 
 
 def params_on_rank(model, optimizer, zero: int) -> tuple[int, str]:

@@ -9,11 +9,8 @@ tests/unit/config/test_config_docs.py fails while docs/config.md differs from wh
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import inspect
 import sys
-import textwrap
 import typing
 from enum import Enum
 from pathlib import Path
@@ -21,6 +18,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 OUT = ROOT / "docs" / "config.md"
+from megaframe.config.usage import field_docs  # noqa: E402  (after the path insert; train.py --help too)
+
 COMMAND = "python scripts/dev/gen_config_docs.py"
 
 INTRO = """\
@@ -50,31 +49,6 @@ exits 2 naming the holder); the folder's `megaframe.run_id`, written at its firs
 identity: its checkpoints' owner and its wandb run id, the same at every later start in that folder.
 `$WANDB_MODE` wins over `logging.wandb.mode`'s default unless the command line sets it.
 """
-
-
-def field_docs(cls: type) -> dict[str, str]:
-    """name -> the string literal right under the field in the class body (PEP 257's attribute docstring).
-    `checkpoint.async` is declared as `locals()["async"] = field(...)` (a keyword), read the same way."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    body = tree.body[0].body
-    docs, last = {}, None
-    for stmt in body:
-        if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
-            last = stmt.target.id
-        elif isinstance(stmt, ast.Assign) and isinstance(stmt.targets[0], ast.Subscript):
-            key = stmt.targets[0].slice
-            last = key.value if isinstance(key, ast.Constant) else None
-        elif (
-            isinstance(stmt, ast.Expr)
-            and isinstance(stmt.value, ast.Constant)
-            and isinstance(stmt.value.value, str)
-            and last
-        ):
-            docs[last] = " ".join(stmt.value.value.split())
-            last = None
-        else:
-            last = None
-    return docs
 
 
 def type_name(t) -> str:

@@ -23,7 +23,9 @@ TAG = re.compile(r"\[(gpu|cluster|slow|exit \d+|tested-by: *[^\]\s]+)\]")
 SKIP_TAGS = {"gpu", "cluster", "slow"}
 ENV_ASSIGN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 MAX_STEPS = 8
-"""train.max_steps of a page's train command is capped here (a page writes the steps it needs, e.g. a
+"""train.max_steps of a page's train command is capped here. Every page's train command sets its own short
+train.max_steps and warmup (what a reader copying it runs; tests/unit/test_docs_as_written.py checks it);
+the cap only makes the suite's run shorter still (a page writes the steps its later commands need, e.g. a
 checkpoint at step 2, with values at most this)."""
 
 

@@ -47,3 +47,25 @@ def test_panels_on_a_grid_with_mfu_in_percent(tmp_path):
     width, height = struct.unpack(">II", out.read_bytes()[16:24])  # the PNG's IHDR
     assert height >= 450 and width / height < 2.5, (width, height)
     assert dict(PANELS)["mfu"] == "MFU (%)" and SCALE["mfu"] == 100.0
+
+
+def test_the_token_axis_follows_the_consumed_counts_across_a_batch_change(tmp_path):
+    """A run resumed at step 4 with global batch 16 -> 32 (seq 128): step 8 is at 160 consumed samples,
+    20,480 tokens, not step x the first config's 2,048 tokens (16,384); consumed_tokens wins where
+    logged (a RoPE resume at another seq_length), and old rows without counts keep step x tokens."""
+    from megaframe.plot import token_positions
+
+    run = tmp_path / "r"
+    write_run(run, [{"step": s, "loss": 1.0} for s in (1, 4, 8)])
+    (run / "config.yaml").write_text("train:\n  global_batch_size: 16\nmodel:\n  seq_length: 128\n")
+    (run / "config.resume-4.yaml").write_text("train:\n  global_batch_size: 32\nmodel:\n  seq_length: 128\n")
+    rows = [
+        {"step": 1, "consumed_samples": 16},
+        {"step": 4, "consumed_samples": 64},
+        {"step": 8, "consumed_samples": 160},
+    ]
+    assert token_positions(run, rows) == [2048, 8192, 20480]
+    (run / "config.resume-4.yaml").write_text("train:\n  global_batch_size: 64\nmodel:\n  seq_length: 64\n")
+    rows[2] = {"step": 8, "consumed_samples": 320, "consumed_tokens": 28672}
+    assert token_positions(run, rows) == [2048, 8192, 28672]
+    assert token_positions(run, [{"step": 3}]) == [3 * 2048]

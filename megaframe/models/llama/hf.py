@@ -78,7 +78,8 @@ def common_kw(m: ModelConfig, eos, bos) -> dict:
         num_key_value_heads=m.kv_heads,
         head_dim=m.head_dim,
         hidden_act="silu",
-        max_position_embeddings=m.seq_length,
+        # the model's own context (recorded at import), not the length a continued run trained at
+        max_position_embeddings=m.max_position_embeddings or m.seq_length,
         rms_norm_eps=m.norm_eps,
         tie_word_embeddings=m.tie_embeddings,
         attention_dropout=m.dropout,
@@ -112,6 +113,7 @@ def shape_fields(cfg, name: str) -> dict:
         kv_channels=None if head_dim * cfg.num_attention_heads == cfg.hidden_size else head_dim,
         ffn_hidden_size=cfg.intermediate_size,
         seq_length=cfg.max_position_embeddings,
+        max_position_embeddings=cfg.max_position_embeddings,
         vocab_size=cfg.vocab_size,
         norm="rmsnorm",
         activation="swiglu",

@@ -83,6 +83,7 @@ def mixtral_fields(cfg, rope_theta: float) -> dict:
         moe_capacity_factor=None,
         moe_aux_loss_coeff=float(getattr(cfg, "router_aux_loss_coef", 0.0) or 0.0),
         seq_length=cfg.max_position_embeddings,
+        max_position_embeddings=cfg.max_position_embeddings,
         vocab_size=cfg.vocab_size,
         norm="rmsnorm",
         activation="swiglu",

@@ -133,3 +133,24 @@ def test_evaluate_prints_loss_and_perplexity(run_dir):
     loss = float(line.split("loss ")[1].split()[0])
     ppl = float(line.split("perplexity ")[1].split()[0])
     assert abs(math.exp(loss) - ppl) / ppl < 1e-3 and "256 tokens" in line  # 2 batches x 4 x 32
+
+
+def test_seeded_sampling_draws_one_stream_per_prompt(run_dir, tmp_path, capsys):
+    """--seed with several prompts: each prompt samples from its own (seed, index) stream, so three equal
+    prompts get three continuations (one stream restarted per prompt repeated them), the same every run,
+    and the first prompt's text is what a single prompt with that seed gives."""
+    from megaframe.generate import main
+
+    (tmp_path / "prompts.txt").write_text("the quick\nthe quick\nthe quick\n")
+    args = [str(run_dir / "ckpt"), "--prompts", str(tmp_path / "prompts.txt"), "--max-new-tokens", "12"]
+    args += ["--temperature", "1.0", "--seed", "7"]
+    assert main(args) == 0
+    texts = capsys.readouterr().out.splitlines()
+    assert len(texts) == 3 and len(set(texts)) == 3, texts
+    assert main(args) == 0 and capsys.readouterr().out.splitlines() == texts
+    one = [str(run_dir / "ckpt"), "--prompt", "the quick", *args[3:]]
+    assert main(one) == 0 and capsys.readouterr().out.splitlines() == texts[:1]
+    # a seed beyond the generator's 64 bits: one line before any output (it failed after the first prompt)
+    assert main([*args[:-1], str(2**64)]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and "--seed 18446744073709551616 must be in" in out.err

@@ -258,7 +258,18 @@ def test_plot_schedule_draws_f_b_w_and_prints_the_bubble(tmp_path, capsys):
     finally:
         mod.plt.Axes.barh = real
     assert {mod.COLOURS[k][0] for k in "FBW"} == set(drawn)
-    assert "zb_h1 pp=2 vpp=1 m=4 bubble=0.0769" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "zb_h1 pp=2 vpp=1 m=4 bubble=0.0769" in out
+    assert f"plot_schedule: wrote {tmp_path / 's.png'}" in out  # the path written, not silence
+    # the legend names only what is drawn: interleaved has no W, zbv's chunks are 0 and 1
+    runs = [mod.simulate("interleaved", 4, 2, 8), mod.simulate("zbv", 4, 2, 8)]
+    assert [label for label, _ in mod.legend_entries(runs[:1])] == [
+        "F chunk 0",
+        "F chunk 1",
+        "B chunk 0",
+        "B chunk 1",
+    ]
+    assert [label for label, _ in mod.legend_entries(runs[1:])][-2:] == ["W chunk 0", "W chunk 1"]
     with pytest.raises(SystemExit) as e:
         mod.main(["kind=zbv", "vpp=1"])
     assert e.value.code == 2 and "vpp=1" in capsys.readouterr().err

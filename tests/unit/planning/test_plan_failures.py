@@ -94,3 +94,29 @@ def test_a_layer_count_it_cannot_plan_in_about_a_minute_is_refused_at_once():
     )
     one_line(res, 2, "model.num_layers=5000", "parallel.pp")
     assert time.monotonic() - t0 < 60
+
+
+def test_ctrl_c_stops_the_search_at_once_with_one_line():
+    """SIGINT during llama3_8b's 64-rank search (minutes of validation): exit 130 with one line, no
+    traceback, the process gone (no pool or child left burning CPU)."""
+    import queue
+    import signal
+    import threading
+
+    cmd = [sys.executable, "-m", "megaframe.plan", "model=llama3_8b", "+world_size=64", "+search=true"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines: queue.Queue = queue.Queue()
+    reader = threading.Thread(target=lambda: [lines.put(ln) for ln in proc.stderr], daemon=True)
+    reader.start()
+    try:
+        # the start line, then the first count (a bound, not a timing: the search used to be silent)
+        first = [lines.get(timeout=120) for _ in range(2)]
+        assert "layouts validated" in first[1], first
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    reader.join(timeout=30)
+    err = "".join(list(lines.queue))
+    assert proc.returncode == 130 and "Traceback" not in err, err
+    assert err.strip().splitlines() == ["megaframe: plan: search interrupted (Ctrl-C); nothing written"]

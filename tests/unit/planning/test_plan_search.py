@@ -278,3 +278,17 @@ def test_search_ranks_zero_bubble_schedules_and_prefers_zbv_at_pp8_small_m(capsy
     assert bubbles["zbv"] < bubbles["zb_h1"] < bubbles["1f1b"]
     mem = {s: memory(c, dataclasses.replace(base, vpp=2 if s == "zbv" else 1, schedule=s)) for s in total}
     assert mem["zb_h1"] >= mem["1f1b"]  # pending W: the price of the bubble
+
+
+def test_the_search_counts_its_validation_and_sizing(cfg, monkeypatch):
+    """Both passes report `i/total` (every EVERY_S seconds; at 0, every layout): the enumeration and
+    validation, minutes for llama3_8b on 64 ranks, printed nothing before."""
+    monkeypatch.setattr(search_mod.Ticker, "EVERY_S", 0.0)
+    heard: list[str] = []
+    narrow = lambda x: x.zero == 1 and x.recompute == "none" and x.micro_batch == 1  # noqa: E731
+    search(cfg, 4, get_device("A100"), None, progress=heard.append, keep=narrow)
+    validated = [t for t in heard if "layouts validated" in t]
+    sized = [t for t in heard if "layouts sized and timed" in t]
+    total = int(validated[0].split("/")[1].split()[0])
+    assert len(validated) == total and validated[-1].startswith(f"search: {total - 1}/{total} ")
+    assert sized and all("fit" in t for t in sized)

@@ -283,3 +283,27 @@ def test_cpu_peak_is_measured_once_per_machine_and_cached(tmp_path, monkeypatch)
 def test_cpu_peak_measurement_is_a_plausible_matmul_rate():
     peak = __import__("megaframe.training.metrics", fromlist=["x"]).measure_cpu_peak(reps=5)
     assert 1e9 < peak < 1e13
+
+
+def test_the_summary_after_a_resume_adds_the_whole_runs_steps_and_tokens():
+    """A resumed start's summary said only its own part ("200 steps (101..300)"): it adds the whole run's
+    steps and tokens, from the consumed count (exact across a batch-size change at the resume)."""
+    import time
+    from types import SimpleNamespace
+
+    from megaframe.checkpoint.resume_checks import Accounting
+    from megaframe.training.meter import Meter
+
+    # resumed at step 100 with 1,600 samples of 128 tokens consumed, then batch 32 for 200 steps
+    meter = SimpleNamespace(
+        t_start=time.perf_counter(),
+        run_steps=200,
+        tokens_step=32 * 128,
+        last={"loss": 5.2},
+        eval_s=0.0,
+        acct=Accounting(100, 1600, 32, 128),
+    )
+    line = Meter.summary(meter, 100, 300, "ck/step_00000300")
+    assert "200 steps (101..300)" in line and "whole run: steps 1..300, 1,024,000 tokens" in line
+    fresh = Meter.summary(SimpleNamespace(**{**vars(meter), "acct": Accounting(0, 0, 32, 128)}), 0, 200, None)
+    assert "whole run" not in fresh

@@ -114,6 +114,20 @@ def test_help_points_to_the_config_reference():
         [sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60
     )
     assert res.returncode == 0 and "docs/config.md" in res.stdout, res.stdout
+    # the groups with every preset, and the keys a first run sets with their defaults
+    from megaframe.config.schema import CONF_DIR
+
+    for group in ("model", "data"):
+        assert f"  {group}=NAME:" in res.stdout
+        assert all(f"    {p.stem} " in res.stdout for p in (CONF_DIR / group).glob("*.yaml")), res.stdout
+    for key in (
+        "train.max_steps=300",
+        "optim.warmup_steps=20",
+        "model.seq_length=",
+        "checkpoint.resume=auto",
+    ):
+        assert f"  {key}" in res.stdout, res.stdout
+    assert max(len(line) for line in res.stdout.splitlines()) <= 110
 
 
 def test_hf_interop_import_prints_no_torchao_loader_lines():
