@@ -56,7 +56,7 @@ def test_resume_takes_the_checkpoints_model(ckpt):
 
 
 @pytest.mark.parametrize(
-    "override,field", [("model.hidden_size=64", "hidden_size"), ("model=gpt2_tiny", "num_layers")]
+    "override,field", [("model.hidden_size=64", "hidden_size"), ("model=gpt2_tiny", "family")]
 )
 def test_a_contradicting_override_is_one_line(ckpt, override, field):
     path, saved = ckpt
