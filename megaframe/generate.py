@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from megaframe.config.rules import POS, check_option
 from megaframe.errors import fail
 from megaframe.inference.sampling import SamplingConfig
 
@@ -43,7 +44,7 @@ def load(ckpt: str, device: str, dtype: str, tokenizer: str | None = None):
     import torch
 
     import megaframe
-    from megaframe.inference.files import find_tokenizer, resolve_step
+    from megaframe.inference.files import check_vocab, find_tokenizer, resolve_step
 
     step, meta = resolve_step(ckpt)
     tok, tok_path = find_tokenizer(step, meta, tokenizer)
@@ -58,10 +59,7 @@ def load(ckpt: str, device: str, dtype: str, tokenizer: str | None = None):
     model = model.to(device=device, dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)
     if model.rope is not None:  # plain tensors, not buffers: .to() does not move them
         model.rope = tuple(t.to(device) for t in model.rope)
-    if tok.vocab_size > model.cfg.vocab_size:
-        raise ValueError(
-            f"tokenizer {tok_path} has {tok.vocab_size} tokens > model.vocab_size={model.cfg.vocab_size}"
-        )
+    check_vocab(tok, tok_path, model.cfg.vocab_size)
     return model, tok, tok_path, step
 
 
@@ -117,8 +115,7 @@ def main(argv: list[str]) -> int:
     try:
         s.check()
         prompts = _prompts(args)
-        if args.max_new_tokens < 1:
-            raise ValueError(f"--max-new-tokens {args.max_new_tokens} must be >= 1")
+        check_option(f"--max-new-tokens {args.max_new_tokens}", args.max_new_tokens, POS)
         model, tok, tok_path, step = load(args.ckpt, args.device, args.dtype, args.tokenizer)
     except (ValueError, OSError) as e:
         return fail(e)
