@@ -18,7 +18,9 @@ Prints one line: loss (mean token cross-entropy, nats), perplexity, tokens. Bad 
 scores lm-evaluation-harness tasks instead (the optional extra .[eval]; evaluation/lm_eval_adapter.py):
 one line per task with its metrics. Under torchrun the checkpoint is scored in the layout the overrides
 name (parallel.tp=2 parallel.pp=2 ..., dp the remaining ranks), with the one-process scores.
-`checkpoint=CKPT` may replace the leading CKPT in either form.
+Both forms take the checkpoint first or as `checkpoint=CKPT` anywhere, and the task options also in lm-eval's
+spelling (`--tasks hellaswag --batch_size 4 --tokenizer PATH`); each number is range-checked
+(evaluation.lm_tasks.OPTION_RULES: +batch_size >= 1, +num_fewshot >= 0, +limit a fraction or a count).
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ def check_cli_options(argv: list[str]) -> None:
     """lm-eval's own numeric options and --include_path, before lm-eval runs (a negative --limit was an
     islice() error, --num_fewshot -1 was taken); ConfigError/ValueError names the flag and the value."""
     from megaframe.config.rules import POS, check_option
-    from megaframe.evaluation.lm_eval_adapter import batch_option, check_args
+    from megaframe.evaluation.lm_eval_adapter import batch_option, check_args, one_batch_size
     from megaframe.evaluation.lm_tasks import check_task_options
 
     ap = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
@@ -53,7 +53,10 @@ def check_cli_options(argv: list[str]) -> None:
         check_option(shown("max_batch_size", given["max_batch_size"]), given.pop("max_batch_size"), POS)
     check_task_options({k: v for k, v in given.items() if k != "batch_size"}, shown)
     if model == "megaframe":
-        check_args(model_arguments(model_args or []))
+        args = model_arguments(model_args or [])
+        check_args(args)
+        if "batch_size" in args and "batch_size" in given:
+            one_batch_size(args["batch_size"], given["batch_size"])
 
 
 def model_arguments(values: list[str]) -> dict:

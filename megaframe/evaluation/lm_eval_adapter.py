@@ -51,6 +51,16 @@ def batch_option(batch_size) -> int:
         raise ConfigError(f"batch_size={text} must be an integer >= 1, auto or auto:N") from None
 
 
+def one_batch_size(model_arg, cli) -> None:
+    """A batch_size in --model_args beside lm-eval's --batch_size (always passed, default 1): the same
+    value, or the CLI's default, is one batch size (it was a TypeError "multiple values" before); two
+    different ones are refused rather than one silently winning."""
+    if str(cli) not in (str(model_arg), "1"):
+        raise ModelArgumentError(
+            f"--model_args batch_size={model_arg} and --batch_size {cli} differ: give one of them"
+        )
+
+
 @register_model("megaframe")
 class MegaframeLM(TemplateLM):
     def __init__(
@@ -88,11 +98,7 @@ class MegaframeLM(TemplateLM):
         default (else a TypeError "multiple values" before); any bad argument is ModelArgumentError."""
         extra = {k: v for k, v in (additional_config or {}).items() if v is not None}
         if "batch_size" in args and "batch_size" in extra:
-            mine, cli = str(args["batch_size"]), str(extra.pop("batch_size"))
-            if cli not in (mine, "1"):
-                raise ModelArgumentError(
-                    f"--model_args batch_size={mine} and --batch_size {cli} differ: give one of them"
-                )
+            one_batch_size(args["batch_size"], extra.pop("batch_size"))
         try:
             return cls(**args, **extra)
         except ValueError as e:
