@@ -115,8 +115,8 @@ def test_evaluate_refuses_a_tokenizer_larger_than_the_model_and_names_its_own_op
     assert "no tokenizer found" in line and "pass +tokenizer=PATH" in line and "--tokenizer" not in line
 
 
-def test_evaluate_takes_both_argument_styles_alike():
-    from megaframe.evaluate import split_args, task_options
+def test_evaluate_takes_both_argument_styles_alike(capsys):
+    from megaframe.evaluate import main, split_args, task_options
 
     styles = [
         ["runs/x", "+tasks=a", "+batch_size=2", "+tokenizer=t.model", "parallel.tp=2"],
@@ -137,6 +137,9 @@ def test_evaluate_takes_both_argument_styles_alike():
         split_args(["runs/x", "checkpoint=runs/y"])
     with pytest.raises(ValueError, match="--temperature: not an option of evaluate"):
         split_args(["runs/x", "--temperature", "0"])
+    # an lm-eval option without +tasks was silently ignored by the perplexity form
+    assert main(["runs/x", "--batch_size", "4"]) == 2
+    assert "+batch_size=4 is an lm-eval option: add +tasks=" in one_error(capsys)
 
 
 def test_the_model_takes_lm_evals_auto_batch_sizes_and_refuses_bad_ones():
