@@ -38,7 +38,7 @@ def check_cli_options(argv: list[str]) -> None:
     for key, names in FLAGS.items():
         ap.add_argument(*names, dest=key)
     ap.add_argument("--model", dest="model")
-    ap.add_argument("--model_args", "-a", dest="model_args", nargs="+")
+    ap.add_argument("--model_args", "-a", dest="model_args", nargs="+", action="extend")
     given = {k: v for k, v in vars(ap.parse_known_args(argv)[0]).items() if v is not None}
     model, model_args = given.pop("model", None), given.pop("model_args", None)
     shown = lambda key, value: f"{FLAGS[key][0]} {value}"  # noqa: E731

@@ -194,9 +194,9 @@ def lm_eval_cli(*args: str) -> int:
         (["--include_path", "/nonexistent_dir"], "--include_path /nonexistent_dir: no such folder"),
         (["--model_args", "checkpoint={ok},batch_size=0"], "batch_size=0 must be"),
         (["--model_args", "checkpoint={ok}", "--batch_size", "3", "-a", "max_length=0"], "max_length=0"),
-        # named before lm-eval indexes its tasks, not after
+        # named before lm-eval indexes its tasks, not after (lm-eval merges repeated --model_args)
         (
-            ["--model_args", "checkpoint={ok},batch_size=2", "--batch_size", "3"],
+            ["--model_args", "checkpoint={ok}", "-a", "batch_size=2", "--batch_size", "3"],
             "batch_size=2 and --batch_size 3",
         ),
     ],
