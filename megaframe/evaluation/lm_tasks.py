@@ -86,6 +86,8 @@ def run_tasks(
     names = task_list(tasks)
     if not names:
         raise ValueError("no lm-eval tasks given (+tasks=hellaswag,arc_easy)")
+    if include_path and not Path(include_path).is_dir():  # the loop's train.downstream_include_path too
+        raise ValueError(f"include_path={include_path}: no such folder")
     manager = task_manager(names, include_path)
     unknown = [t for t in names if t not in manager.all_tasks]
     if unknown:

@@ -250,3 +250,11 @@ def test_importing_the_adapter_keeps_lm_evals_own_models():
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.split() == ["HFLM", "MegaframeLM"]
+
+
+def test_a_missing_task_folder_is_named_where_tasks_are_scored():
+    """The training loop's train.downstream_include_path reaches run_tasks directly."""
+    from megaframe.evaluation.lm_tasks import run_tasks
+
+    with pytest.raises(ValueError, match="include_path=/nonexistent_dir: no such folder"):
+        run_tasks(None, [TASK], "/nonexistent_dir")
