@@ -18,7 +18,11 @@ import sys
 
 from megaframe.config.rules import POS, check_option
 from megaframe.errors import fail
+from megaframe.inference.sampling import RULES as SAMPLING_RULES
 from megaframe.inference.sampling import SamplingConfig
+
+NUMBER_FLAGS = {"max_new_tokens": POS, **SAMPLING_RULES}
+"""generate's numeric flags, by config/rules.py's rules (the sampling ones: inference.sampling.RULES)."""
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -26,11 +30,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("ckpt")
     ap.add_argument("--prompt", action="append", default=[], help="may repeat")
     ap.add_argument("--prompts", help="a file with one prompt per line")
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--temperature", type=float, default=0.8)
-    ap.add_argument("--top-k", type=int, default=0)
-    ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--seed", type=int, default=0)
+    # the numbers as typed: NUMBER_FLAGS' rules parse and judge them (argparse's own int() refused 1e3 with
+    # a usage block, and took nan and inf)
+    ap.add_argument("--max-new-tokens", default="64")
+    ap.add_argument("--temperature", default="0.8")
+    ap.add_argument("--top-k", default="0")
+    ap.add_argument("--top-p", default="1.0")
+    ap.add_argument("--seed", default="0")
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     # fp32 by default: every checkpoint and every device runs it; bf16 halves the memory on a GPU
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
@@ -111,11 +117,12 @@ def main(argv: list[str]) -> int:
     from megaframe.inference.decode import generate
 
     args = parse(argv)
-    s = SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed)
     try:
-        s.check()
+        for name, rule in NUMBER_FLAGS.items():
+            typed = getattr(args, name)
+            setattr(args, name, check_option(f"--{name.replace('_', '-')} {typed}", typed, rule))
+        s = SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed)
         prompts = _prompts(args)
-        check_option(f"--max-new-tokens {args.max_new_tokens}", args.max_new_tokens, POS)
         model, tok, tok_path, step = load(args.ckpt, args.device, args.dtype, args.tokenizer)
     except (ValueError, OSError) as e:
         return fail(e)

@@ -238,15 +238,17 @@ def as_number(value) -> int | float | None:
 
 def check_option(shown: str, value, rule: Rule | Either):
     """A tool option's value (a number, or the text the user typed) checked by `rule`: the number (an int
-    for an integer rule), or None for an optional one not given. ConfigError `<shown> must be <what the
-    rule allows>`, where `shown` is the option as the user typed it (`+batch_size=-1`, `--top-p 2`)."""
+    for an integer rule, a float for a real one), or None for an optional one not given. ConfigError
+    `<shown> must be <what the rule allows>`, where `shown` is the option as the user typed it
+    (`+batch_size=-1`, `--top-p 2`)."""
     if value is None and rule.optional:
         return None
     v = as_number(value)
     if v is None or rule.why(v) is not None:
         raise ConfigError(f"{shown} must be {describe(rule)}")
-    integer = isinstance(rule, Rule) and rule.integer
-    return int(v) if integer else v
+    if isinstance(rule, Either):  # lm-eval's limit: an int is a count, a float a fraction
+        return v
+    return int(v) if rule.integer else float(v)
 
 
 def check_options(given: dict, table: dict[str, Rule | Either], shown) -> dict:

@@ -311,6 +311,9 @@ def _one_error(capsys) -> str:
         (["--prompt", "The", "--temperature", "inf"], "--temperature inf must be a finite number >= 0"),
         (["--prompt", "The", "--seed", "-1"], "--seed -1 must be an integer >= 0 and < 9223372036854775808"),
         (["--prompt", "The", "--max-new-tokens", "-1"], "--max-new-tokens -1 must be an integer >= 1"),
+        # argparse's int() printed a usage block for these, not one line
+        (["--prompt", "The", "--top-k", "abc"], "--top-k abc must be an integer >= 0"),
+        (["--prompt", "The", "--max-new-tokens", "2.5"], "--max-new-tokens 2.5 must be an integer >= 1"),
         (
             ["--prompt", "The", "--top-p", "1.5"],
             "error: --top-p 1.5 must be a finite number > 0 and <= 1",
