@@ -18,7 +18,9 @@ Prints one line: loss (mean token cross-entropy, nats), perplexity, tokens. Bad 
 scores lm-evaluation-harness tasks instead (the optional extra .[eval]; evaluation/lm_eval_adapter.py):
 one line per task with its metrics. Under torchrun the checkpoint is scored in the layout the overrides
 name (parallel.tp=2 parallel.pp=2 ..., dp the remaining ranks), with the one-process scores.
-`checkpoint=CKPT` may replace the leading CKPT in either form.
+Both forms take the checkpoint first or as `checkpoint=CKPT` anywhere, and the task options also in lm-eval's
+spelling (`--tasks hellaswag --batch_size 4 --tokenizer PATH`); each number is range-checked
+(evaluation.lm_tasks.OPTION_RULES: +batch_size >= 1, +num_fewshot >= 0, +limit a fraction or a count).
 """
 
 from __future__ import annotations
@@ -31,13 +33,55 @@ TASK_KEYS = ("tasks", "include_path", "limit", "num_fewshot", "batch_size", "tok
 
 
 def split_args(argv: list[str]) -> tuple[str, list[str], bool]:
+    """(checkpoint, overrides, --all). Both forms of every command: the checkpoint first or as
+    `checkpoint=CKPT` anywhere; lm-eval's options as `+tasks=...` or lm-eval's own `--tasks ...`."""
+    argv = _dashed_options(argv)
     named = [a for a in argv if a.lstrip("+").startswith("checkpoint=")]
+    if len(named) > 1 or (named and argv and argv[0] is not named[0] and _positional(argv[0])):
+        raise ValueError("two checkpoints given: name one, first or as checkpoint=CKPT")
     if named:  # checkpoint=CKPT anywhere: the same as a leading CKPT
         argv = [named[0].split("=", 1)[1]] + [a for a in argv if a is not named[0]]
-    if not argv or argv[0].startswith("-") or "=" in argv[0]:
-        raise ValueError("usage: python -m megaframe.evaluate CKPT [overrides] (CKPT first)")
-    over = [f"train.eval_iters={a}" if a.isdigit() else a for a in argv[1:] if a != "--all"]
+    if not argv or not _positional(argv[0]):
+        raise ValueError(
+            "usage: python -m megaframe.evaluate CKPT [overrides] (CKPT first, or checkpoint=CKPT)"
+        )
+    over = []
+    for a in argv[1:]:
+        if a == "--all":
+            continue
+        if a.lstrip("-").isdigit():  # a bare integer, also a negative one the rules then name
+            over.append(f"train.eval_iters={a}")
+        elif a.startswith("-"):
+            raise ValueError(
+                f"{a}: not an option of evaluate (--all, key=value overrides, +tasks=... and {KEYS})"
+            )
+        else:
+            over.append(a)
     return argv[0], over, "--all" in argv
+
+
+KEYS = ", ".join(f"+{k}=" for k in TASK_KEYS)
+
+
+def _positional(arg: str) -> bool:
+    return not arg.startswith("-") and "=" not in arg
+
+
+def _dashed_options(argv: list[str]) -> list[str]:
+    """lm-eval's and generate's spelling (`--tokenizer PATH`, `--batch_size=4`, `--checkpoint CKPT`) as
+    the `+key=value` form; the value that follows is taken as is (`--limit -1` is then judged by its rule)."""
+    out, rest = [], list(argv)
+    while rest:
+        a = rest.pop(0)
+        key, eq, value = a[2:].partition("=")
+        key = key.replace("-", "_")
+        if not a.startswith("--") or key not in (*TASK_KEYS, "checkpoint"):
+            out.append(a)
+        elif eq or rest:
+            out.append(f"+{key}={value if eq else rest.pop(0)}")
+        else:
+            raise ValueError(f"{a}: give its value ({a} VALUE or +{key}=VALUE)")
+    return out
 
 
 def compose(ckpt, step, meta: dict, overrides: list[str]):
@@ -132,10 +176,17 @@ def evaluate(model, cfg, every: bool) -> tuple[float, int, str]:
 
 
 def task_options(overrides: list[str]) -> tuple[dict, list[str]]:
-    """The lm-eval options (+tasks=..., +limit=...) and the remaining overrides."""
+    """The lm-eval options (+tasks=..., +limit=...), their numbers parsed and range-checked
+    (evaluation.lm_tasks.OPTION_RULES), and the remaining overrides. ValueError names a bad one."""
     from megaframe.config.keys import take_tool_keys
+    from megaframe.evaluation.lm_tasks import check_task_options
 
-    return take_tool_keys(overrides, TASK_KEYS)
+    for a in overrides:
+        key, eq, value = a.lstrip("+").partition("=")
+        if key in TASK_KEYS and eq and not value:  # else the loader calls it "not a config key"
+            raise ValueError(f"{a}: give a value (+tasks=hellaswag,arc_easy; {KEYS})")
+    opts, rest = take_tool_keys(overrides, TASK_KEYS)
+    return check_task_options(opts, lambda key, value: f"+{key}={value}"), rest
 
 
 def run_tasks(ckpt: str, opts: dict, overrides: list[str]) -> int:
@@ -148,10 +199,10 @@ def run_tasks(ckpt: str, opts: dict, overrides: list[str]) -> int:
     from megaframe.evaluation.lm_tasks import format_scores, run_tasks
 
     t0 = time.perf_counter()
-    limit = float(opts["limit"]) if "limit" in opts else None
-    shots = int(opts["num_fewshot"]) if "num_fewshot" in opts else None
     with task_lm(ckpt, overrides, opts) as (lm, prints):
-        scores = run_tasks(lm, opts["tasks"], opts.get("include_path"), limit, shots)
+        scores = run_tasks(
+            lm, opts["tasks"], opts.get("include_path"), opts.get("limit"), opts.get("num_fewshot")
+        )
     if prints:
         for task, row in sorted(scores.items()):
             print(f"evaluate: {ckpt}: {format_scores({task: row})}", flush=True)
@@ -165,11 +216,17 @@ def main(argv: list[str]) -> int:
     from megaframe.config import ConfigError
     from megaframe.errors import fail
 
+    if argv[:1] in (["--help"], ["-h"]):
+        print(__doc__.strip())
+        return 0
     try:
         ckpt, overrides, every = split_args(argv)
         opts, overrides = task_options(overrides)
         if "tasks" in opts:
             return run_tasks(ckpt, opts, overrides)
+        if opts:  # scoring perplexity would silently ignore it
+            key = next(iter(opts))
+            raise ValueError(f"+{key}={opts[key]} is an lm-eval option: add +tasks=TASK,...")
         import megaframe
         from megaframe.inference.files import read_step
 

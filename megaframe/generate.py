@@ -16,8 +16,13 @@ from __future__ import annotations
 import argparse
 import sys
 
+from megaframe.config.rules import POS, check_option
 from megaframe.errors import fail
+from megaframe.inference.sampling import RULES as SAMPLING_RULES
 from megaframe.inference.sampling import SamplingConfig
+
+NUMBER_FLAGS = {"max_new_tokens": POS, **SAMPLING_RULES}
+"""generate's numeric flags, by config/rules.py's rules (the sampling ones: inference.sampling.RULES)."""
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -25,11 +30,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("ckpt")
     ap.add_argument("--prompt", action="append", default=[], help="may repeat")
     ap.add_argument("--prompts", help="a file with one prompt per line")
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--temperature", type=float, default=0.8)
-    ap.add_argument("--top-k", type=int, default=0)
-    ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--seed", type=int, default=0)
+    # the numbers as typed: NUMBER_FLAGS' rules parse and judge them (argparse's own int() refused 1e3 with
+    # a usage block, and took nan and inf)
+    ap.add_argument("--max-new-tokens", default="64")
+    ap.add_argument("--temperature", default="0.8")
+    ap.add_argument("--top-k", default="0")
+    ap.add_argument("--top-p", default="1.0")
+    ap.add_argument("--seed", default="0")
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     # fp32 by default: every checkpoint and every device runs it; bf16 halves the memory on a GPU
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
@@ -43,7 +50,7 @@ def load(ckpt: str, device: str, dtype: str, tokenizer: str | None = None):
     import torch
 
     import megaframe
-    from megaframe.inference.files import find_tokenizer, read_step
+    from megaframe.inference.files import check_vocab, find_tokenizer, read_step
 
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -61,10 +68,7 @@ def load(ckpt: str, device: str, dtype: str, tokenizer: str | None = None):
     model = model.to(device=device, dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)
     if model.rope is not None:  # plain tensors, not buffers: .to() does not move them
         model.rope = tuple(t.to(device) for t in model.rope)
-    if tok.vocab_size > model.cfg.vocab_size:
-        raise ValueError(
-            f"tokenizer {tok_path} has {tok.vocab_size} tokens > model.vocab_size={model.cfg.vocab_size}"
-        )
+    check_vocab(tok, tok_path, model.cfg.vocab_size)
     return model, tok, tok_path, step
 
 
@@ -116,12 +120,12 @@ def main(argv: list[str]) -> int:
     from megaframe.inference.decode import generate
 
     args = parse(argv)
-    s = SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed)
     try:
-        s.check()
+        for name, rule in NUMBER_FLAGS.items():
+            typed = getattr(args, name)
+            setattr(args, name, check_option(f"--{name.replace('_', '-')} {typed}", typed, rule))
+        s = SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed)
         prompts = _prompts(args)
-        if args.max_new_tokens < 1:
-            raise ValueError(f"--max-new-tokens {args.max_new_tokens} must be >= 1")
         model, tok, tok_path, step = load(args.ckpt, args.device, args.dtype, args.tokenizer)
     except (ValueError, OSError) as e:
         return fail(e)

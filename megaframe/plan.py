@@ -37,13 +37,14 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from megaframe.config.keys import PLANNER_KEYS as OWN_KEYS
 from megaframe.config.keys import take_tool_keys
+from megaframe.config.rules import FIELD_RULES, NONNEG, POS, POSF, SHARE, Rule, check_options
 from megaframe.errors import fail, write_refused
 from megaframe.planning.measure import WARMUP_ROWS
 from megaframe.planning.search_report import human, search_report
@@ -188,39 +189,39 @@ def _verdict(plan) -> list[str]:
     return lines
 
 
-def check_settings(own: dict[str, str]) -> None:
+MAX_MEASURE_STEPS = 1000
+"""+measure_steps' upper bound: each measured layout trains under a 600 s timeout (planning.measure), so a
+larger count only times out every layout after ten minutes each."""
+
+SETTING_RULES = {
+    "world_size": POS,
+    "device_memory_gb": POSF,
+    "efficiency": SHARE,
+    "top": POS,
+    "link_timeout_s": FIELD_RULES["train.dist_timeout_s"],  # a timeout, as the config's timeouts
+    "measure": NONNEG,
+    # a timed step after the warm-up ones
+    "measure_steps": Rule(WARMUP_ROWS + 1, hi=MAX_MEASURE_STEPS, hi_open=False, integer=True),
+}
+"""The planner's own numeric +key=value settings, by config/rules.py's rules."""
+
+
+def check_settings(own: dict[str, str]) -> dict:
     """The planner's own +key=value settings, each in its range before any work (a nan memory, an
-    efficiency of 0 or an unwritable +plan_json were tracebacks, the last after the whole plan);
-    ValueError names the setting and what was typed."""
-
-    def number(key: str, integer: bool, lo: float, hi: float = math.inf, lo_open: bool = False):
-        if key not in own:
-            return
-        try:
-            v = int(own[key]) if integer else float(own[key])
-        except ValueError:
-            raise ValueError(f"+{key}={own[key]} must be {'an integer' if integer else 'a number'}") from None
-        if not math.isfinite(v) or v < lo or (lo_open and v == lo) or v > hi:
-            span = f"{'>' if lo_open else '>='} {lo:g}" + (f" and <= {hi:g}" if hi < math.inf else "")
-            raise ValueError(f"+{key}={own[key]} must be finite and {span}")
-
-    number("world_size", True, 1)
-    number("device_memory_gb", False, 0, lo_open=True)
-    number("efficiency", False, 0, 1, lo_open=True)
-    number("top", True, 1)
-    number("link_timeout_s", False, 0, lo_open=True)
+    efficiency of 0 or an unwritable +plan_json were tracebacks, the last after the whole plan): `own` with
+    its numbers parsed (SETTING_RULES); ValueError names the setting and what was typed."""
+    own = check_options(own, SETTING_RULES, lambda key, value: f"+{key}={value}")
     if own.get("search", "false").lower() not in ("true", "1", "yes", "false", "0", "no"):
         raise ValueError(f"+search={own['search']} must be true or false")
     if "device_profile" in own and not Path(own["device_profile"]).is_file():
         raise ValueError(f"+device_profile={own['device_profile']}: no such file")
-    number("measure", True, 0)
-    number("measure_steps", True, WARMUP_ROWS + 1)  # a timed step after the warm-up ones
     if int(own.get("measure", 0)) and own.get("search", "false").lower() not in ("true", "1", "yes"):
         raise ValueError(f"+measure={own['measure']} measures the search's top layouts: add +search=true")
     if "plan_json" in own:
         out = Path(own["plan_json"])
         if out.is_dir() or not out.parent.is_dir() or not os.access(out.parent, os.W_OK):
             raise ValueError(f"+plan_json={own['plan_json']}: not a file in a writable folder")
+    return own
 
 
 def main(argv: list[str]) -> int:
@@ -235,7 +236,7 @@ def main(argv: list[str]) -> int:
         return calibrate(argv[1:])
     overrides, own = split_args(argv)
     try:
-        check_settings(own)
+        own = check_settings(own)
         world = int(own["world_size"]) if "world_size" in own else None
         memory = float(own["device_memory_gb"]) if "device_memory_gb" in own else None
         world = world or int(os.environ.get("WORLD_SIZE", "0"))  # planning inside a launched job
@@ -277,13 +278,20 @@ def main(argv: list[str]) -> int:
 
 
 def pick_device(own: dict):
-    """+device_profile=PATH (a calibrated profile) or +device=NAME (default H100), +efficiency over it."""
+    """+device_profile=PATH (a calibrated profile) or +device=NAME (default H100), +efficiency over it, and
+    +device_memory_gb as its memory: every line then names one device, the one judged (a plan that fit
+    16 GiB said "step time on H100 SXM5 80GB" beside it)."""
     from megaframe.planning.devices import get_device, load_profile
 
-    eff = float(own["efficiency"]) if "efficiency" in own else None
+    eff = own.get("efficiency")
     if "device_profile" in own:
-        return load_profile(own["device_profile"], efficiency=eff)
-    return get_device(own.get("device", "H100"), float(own.get("link_timeout_s", 120)), efficiency=eff)
+        dev = load_profile(own["device_profile"], efficiency=eff)
+    else:
+        dev = get_device(own.get("device", "H100"), float(own.get("link_timeout_s", 120)), efficiency=eff)
+    if "device_memory_gb" not in own:
+        return dev
+    gb = own["device_memory_gb"]
+    return replace(dev, name=f"{dev.name} with {gb:g} GiB (+device_memory_gb)", memory_gb=gb)
 
 
 def layout_timing(cfg, world: int, dev, plan) -> dict:

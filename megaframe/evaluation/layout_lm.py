@@ -8,17 +8,21 @@ from __future__ import annotations
 import contextlib
 import datetime
 
+TOKENIZER_OPTION = "+tokenizer=PATH"
+"""How evaluate takes a tokenizer: the hint of a missing one names it."""
+
 
 @contextlib.contextmanager
 def task_lm(ckpt: str, overrides: list[str], opts: dict):
     """(lm, whether this rank prints); the process group, when one was started, is ended afterwards."""
-    from megaframe.evaluation.lm_eval_adapter import MegaframeLM
+    from megaframe.evaluation.lm_eval_adapter import DEFAULT_BATCH, MegaframeLM, load_checkpoint
     from megaframe.parallel.launch import env_ranks
 
-    batch = opts.get("batch_size", 8)
+    batch = opts.get("batch_size", DEFAULT_BATCH)
     env = env_ranks()
     if env.world_size == 1:
-        yield MegaframeLM(checkpoint=ckpt, tokenizer=opts.get("tokenizer"), batch_size=batch), True
+        model, mesh, tok = load_checkpoint(ckpt, opts.get("tokenizer"), TOKENIZER_OPTION)
+        yield MegaframeLM(model=model, mesh=mesh, tok=tok, batch_size=batch), True
         return
     from megaframe.parallel.launch import shutdown
 
@@ -34,20 +38,21 @@ def _layout_model(ckpt: str, overrides: list[str], tokenizer: str | None, env):
     run's tokenizer; ValueError/ConfigError on bad input (before any process group exists)."""
     from megaframe.checkpoint import sharded
     from megaframe.config import load_config
-    from megaframe.inference.files import find_tokenizer, resolve_step
+    from megaframe.inference.files import check_vocab, find_tokenizer, resolve_step
     from megaframe.model.parallelize import build_model
     from megaframe.parallel.launch import init_distributed, pick_device
     from megaframe.parallel.mesh import build_mesh
     from megaframe.pipeline import p2p
 
     step, meta = resolve_step(ckpt)
-    tok, _ = find_tokenizer(step, meta, tokenizer)
+    tok, tok_path = find_tokenizer(step, meta, tokenizer, TOKENIZER_OPTION)
     # checkpoint.resume=STEP: model.* is the checkpoint's; the layout is checked against this world size
     cfg = load_config(
         list(overrides) + [f"checkpoint.resume={step}", "train.precision=fp32"],
         world_size=env.world_size,
         check_data=False,
     )
+    check_vocab(tok, tok_path, cfg.model.vocab_size)  # before any process group: one line on every rank
     device = pick_device(cfg.train.device, env.local_rank)
     init_distributed(env, device, cfg.train.dist_timeout_s)
     p = cfg.parallel

@@ -1,10 +1,14 @@
 """lm-evaluation-harness model `megaframe`: a checkpoint (or the live training model) scored by lm-eval.
 
-    lm_eval --model megaframe --model_args checkpoint=PATH[,tokenizer=PATH,batch_size=N] --tasks ...
+    python -m megaframe.evaluation --model megaframe --model_args checkpoint=PATH[,tokenizer=PATH]
+                                   --tasks ... [--batch_size N]
+    lm_eval.simple_evaluate(model="megaframe", model_args="checkpoint=PATH", batch_size=N, ...)
     (after `import megaframe.evaluation.lm_eval_adapter`, or through python -m megaframe.evaluate)
 
 PATH is a step folder or a checkpoint dir (its `latest`). The tokenizer is the run's (the one the checkpoint
-records, else its prepared data's) unless `tokenizer=` names one. Tokenization, truncation and the
+records, else its prepared data's) unless `tokenizer=` names one. The batch size is lm-eval's own
+`--batch_size` (an integer >= 1; `auto` and `auto:N` take 8: there is no memory search here); a
+`batch_size=` in `--model_args` is taken too when it agrees with it. Tokenization, truncation and the
 rolling windows are lm-eval's own (TemplateLM and the `hf` model's), so an exported folder scored by lm-eval's
 `hf` model with the same tokenizer gives the same numbers. Under a training layout (`MegaframeLM.live`)
 every rank gets every request and scoring/scoring.py splits them over dp.
@@ -12,11 +16,49 @@ every rank gets every request and scoring/scoring.py splits them over dp.
 
 from __future__ import annotations
 
+# lm-eval fills its registry with its own models (hf, vllm, ...) only while the registry is empty: a
+# registry holding just `megaframe` made `--model hf` "no model for this name found" in this process.
+# Importing its models module first registers them (lazily, no backend imported).
+import lm_eval.models  # noqa: F401
 from lm_eval import utils
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 
+from megaframe.config.rules import POS, as_number, check_option
+from megaframe.errors import ConfigError
 from megaframe.evaluation import scoring
+from megaframe.evaluation.lm_tasks import OPTION_RULES
+
+DEFAULT_BATCH = 8
+TOKENIZER_OPTION = "--model_args checkpoint=PATH,tokenizer=PATH"
+
+
+class ModelArgumentError(ValueError):
+    """The model cannot be built from its arguments (a missing checkpoint or tokenizer, a bad batch size):
+    bad input, which megaframe's lm-eval entry point prints as one line with exit code 2."""
+
+
+def batch_option(batch_size) -> int:
+    """lm-eval's batch size: an integer >= 1 (OPTION_RULES), or its `auto` / `auto:N` (N re-tunings of the
+    memory search `hf` runs on a GPU), which take DEFAULT_BATCH here."""
+    text = "auto" if batch_size is None else str(batch_size).strip()
+    head, colon, tail = text.partition(":")
+    if head == "auto" and (not colon or POS.why(as_number(tail)) is None):
+        return DEFAULT_BATCH
+    try:
+        return check_option(f"batch_size={text}", batch_size, OPTION_RULES["batch_size"])
+    except ConfigError:
+        raise ConfigError(f"batch_size={text} must be an integer >= 1, auto or auto:N") from None
+
+
+def one_batch_size(model_arg, cli) -> None:
+    """A batch_size in --model_args beside lm-eval's --batch_size (always passed, default 1): the same
+    value, or the CLI's default, is one batch size (it was a TypeError "multiple values" before); two
+    different ones are refused rather than one silently winning."""
+    if str(cli) not in (str(model_arg), "1"):
+        raise ModelArgumentError(
+            f"--model_args batch_size={model_arg} and --batch_size {cli} differ: give one of them"
+        )
 
 
 @register_model("megaframe")
@@ -25,7 +67,7 @@ class MegaframeLM(TemplateLM):
         self,
         checkpoint: str | None = None,
         tokenizer: str | None = None,
-        batch_size: int | str = 8,
+        batch_size: int | str = DEFAULT_BATCH,
         model=None,
         mesh=None,
         tok=None,
@@ -33,11 +75,34 @@ class MegaframeLM(TemplateLM):
         **_ignored,
     ):
         super().__init__()
+        # the numbers first: a bad batch size is named before a checkpoint is read
+        self.batch_size = batch_option(batch_size)
+        max_length = check_option(f"max_length={max_length}", max_length, OPTION_RULES["max_length"])
         if model is None:
-            model, mesh, tok = _load(checkpoint, tokenizer)
+            model, mesh, tok = load_checkpoint(checkpoint, tokenizer)
         self.model, self.mesh, self.tok = model, mesh, tok
-        self.batch_size = 8 if batch_size in ("auto", None) else int(str(batch_size).split(":")[0])
         self._max_length = int(max_length or model.cfg.seq_length)
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> "MegaframeLM":
+        return cls.from_args(utils.simple_parse_args_string(arg_string), additional_config)
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None) -> "MegaframeLM":
+        return cls.from_args(dict(arg_dict), additional_config)
+
+    @classmethod
+    def from_args(cls, args: dict, additional_config: dict | None) -> "MegaframeLM":
+        """lm-eval's CLI path: `--model_args` and its own settings (batch_size, always given: default 1;
+        device, max_batch_size). A batch_size in both is one value when they agree or the CLI's is its
+        default (else a TypeError "multiple values" before); any bad argument is ModelArgumentError."""
+        extra = {k: v for k, v in (additional_config or {}).items() if v is not None}
+        if "batch_size" in args and "batch_size" in extra:
+            one_batch_size(args["batch_size"], extra.pop("batch_size"))
+        try:
+            return cls(**args, **extra)
+        except ValueError as e:
+            raise ModelArgumentError(str(e)) from e
 
     @classmethod
     def live(cls, model, mesh, tok, batch_size: int = 8) -> "MegaframeLM":
@@ -119,21 +184,47 @@ class MegaframeLM(TemplateLM):
         return out
 
 
-def _load(checkpoint: str | None, tokenizer: str | None):
-    """(model, one-process mesh, tokenizer) of a checkpoint; ValueError names what is wrong."""
+def check_args(args: dict) -> None:
+    """The model's arguments checked as far as they can be without loading the weights (the numbers, the
+    checkpoint, its tokenizer and its vocabulary against the model's, from metadata.json): megaframe's
+    lm-eval entry point asks this before lm-eval indexes its task folders (~12 s), so bad input is named
+    within seconds. ModelArgumentError names what is wrong."""
+    from megaframe.inference.files import check_vocab, find_tokenizer, resolve_step
+
+    try:
+        batch_option(args.get("batch_size"))
+        check_option(
+            f"max_length={args.get('max_length')}", args.get("max_length"), OPTION_RULES["max_length"]
+        )
+        if not args.get("checkpoint"):
+            raise ValueError("the megaframe lm-eval model needs --model_args checkpoint=PATH")
+        step, meta = resolve_step(args["checkpoint"])
+        tok, tok_path = find_tokenizer(step, meta, args.get("tokenizer"), TOKENIZER_OPTION)
+        vocab = ((meta.get("config") or {}).get("model") or {}).get("vocab_size")
+        if isinstance(vocab, int):
+            check_vocab(tok, tok_path, vocab)
+    except ValueError as e:
+        raise ModelArgumentError(str(e)) from e
+
+
+def load_checkpoint(checkpoint: str | None, tokenizer: str | None, option: str = TOKENIZER_OPTION):
+    """(model, one-process mesh, tokenizer) of a checkpoint; ValueError names what is wrong, a missing
+    tokenizer with `option`, how the calling tool takes one."""
     import megaframe
-    from megaframe.inference.files import find_tokenizer, read_step
+    from megaframe.inference.files import check_vocab, find_tokenizer, read_step
     from megaframe.parallel.mesh import single_process_mesh
 
     if not checkpoint:
         raise ValueError("the megaframe lm-eval model needs --model_args checkpoint=PATH")
 
     def read(step, meta):  # re-read at the new `latest` if a live run prunes the step meanwhile
-        tok, _ = find_tokenizer(step, meta, tokenizer)
+        tok, tok_path = find_tokenizer(step, meta, tokenizer, option)
         try:
-            return tok, megaframe.load_model(str(step))
+            model = megaframe.load_model(str(step))
         except (OSError, KeyError, RuntimeError) as e:
             raise ValueError(f"{step}: cannot load the model ({str(e).splitlines()[0]})") from e
+        check_vocab(tok, tok_path, model.cfg.vocab_size)
+        return tok, model
 
     _, _, (tok, model) = read_step(checkpoint, read)
     return model, single_process_mesh("cpu"), tok

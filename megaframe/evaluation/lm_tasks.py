@@ -9,8 +9,34 @@ from __future__ import annotations
 
 import functools
 import os
+from pathlib import Path
+
+from megaframe.config.rules import FIELD_RULES, NONNEG, PART, POS, Either, Rule, check_options
 
 STDERR = "_stderr"
+
+OPTION_RULES = {
+    # the training loop's train.downstream_batch_size rule: a batch of 0 divided by zero, a negative one
+    # left requests unscored at log-likelihood 0 (probability 1) and returned better scores with exit 0
+    "batch_size": FIELD_RULES["train.downstream_batch_size"],
+    # lm-eval's limit: below 1 a fraction of each task's documents, from 1 on a count of them
+    "limit": Either((PART, POS)),
+    "num_fewshot": NONNEG,
+    # the model's context in tokens (default: its model.seq_length)
+    "max_length": Rule(1, optional=True, integer=True),
+}
+"""The numeric lm-eval options every megaframe entry point takes (evaluate's +batch_size=..., the lm-eval
+command line's --batch_size ..., the model's batch_size=...): one table, config/rules.py's rules."""
+
+
+def check_task_options(opts: dict, shown) -> dict:
+    """`opts` with its numbers parsed and range-checked (OPTION_RULES) and its include_path an existing
+    folder; ConfigError names the option as `shown(key, value)` writes it."""
+    opts = check_options(opts, OPTION_RULES, shown)
+    path = opts.get("include_path")
+    if path and not Path(path).is_dir():  # lm-eval skips a missing folder and then knows no task
+        raise ValueError(f"{shown('include_path', path)}: no such folder")
+    return opts
 
 
 def _one_line(e: BaseException) -> str:
@@ -60,6 +86,8 @@ def run_tasks(
     names = task_list(tasks)
     if not names:
         raise ValueError("no lm-eval tasks given (+tasks=hellaswag,arc_easy)")
+    if include_path and not Path(include_path).is_dir():  # the loop's train.downstream_include_path too
+        raise ValueError(f"include_path={include_path}: no such folder")
     manager = task_manager(names, include_path)
     unknown = [t for t in names if t not in manager.all_tasks]
     if unknown:

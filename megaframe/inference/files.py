@@ -70,7 +70,13 @@ def tokenizer_candidates(step: Path, meta: dict) -> list[Path]:
     return list(dict.fromkeys(out))
 
 
-def tokenizer_path(step: Path, meta: dict, given: str | None = None) -> Path | None:
+TOKENIZER_OPTION = "--tokenizer PATH"
+"""How generate and export name their tokenizer option; evaluate and the lm-eval model pass their own."""
+
+
+def tokenizer_path(
+    step: Path, meta: dict, given: str | None = None, option: str = TOKENIZER_OPTION
+) -> Path | None:
     """The run's tokenizer file or folder (or `given`, taken as is): the first candidate that exists and, when
     the checkpoint records its tokenizer's sha256, has that sha256 (or one it is an exact conversion of): a
     fallback of another vocabulary would decode every id wrong. None when no candidate exists; ValueError
@@ -92,26 +98,34 @@ def tokenizer_path(step: Path, meta: dict, given: str | None = None) -> Path | N
         sha = sorted(want)[0][:16]
         raise ValueError(
             f"no tokenizer of {step} has the sha256 its checkpoint records ({sha}...): "
-            f"{', '.join(other)} differ (another tokenizer); pass the run's tokenizer with "
-            "--tokenizer PATH"
+            f"{', '.join(other)} differ (another tokenizer); pass the run's tokenizer with {option}"
         )
     return None
 
 
-def find_tokenizer(step: Path, meta: dict, given: str | None = None):
-    """The loaded tokenizer of the run (or `given`) and its path; ValueError when none can be found."""
+def find_tokenizer(step: Path, meta: dict, given: str | None = None, option: str = TOKENIZER_OPTION):
+    """The loaded tokenizer of the run (or `given`) and its path; ValueError when none can be found, its
+    hint naming `option`, the tool's own way to give one (a hint naming another tool's flag misled)."""
     from megaframe.data.tokenizer import TokenizerError, load_tokenizer
 
-    p = tokenizer_path(step, meta, given)
+    p = tokenizer_path(step, meta, given, option)
     if p is None or not p.exists():
         looked = [Path(given)] if given else tokenizer_candidates(step, meta)
         where = ", ".join(map(str, looked)) or "nothing"
-        raise ValueError(f"no tokenizer found for {step} (looked at {where}); pass --tokenizer PATH")
+        raise ValueError(f"no tokenizer found for {step} (looked at {where}); pass {option}")
     try:
         return load_tokenizer(p), p
     except TokenizerError as e:
         # a tokenizer that exists but fails to load stops here: a fallback could decode with other ids
         raise ValueError(str(e)) from e
+
+
+def check_vocab(tok, tok_path, vocab_size: int) -> None:
+    """Every tool that scores or generates with a tokenizer: one with more ids than the model's embedding
+    rows is refused before any text is encoded (its high ids indexed past the table: an IndexError in
+    torch.embedding in the middle of lm-eval's scoring). ValueError names both sizes."""
+    if tok.vocab_size > vocab_size:
+        raise ValueError(f"tokenizer {tok_path} has {tok.vocab_size} tokens > model.vocab_size={vocab_size}")
 
 
 def tokenizer_record(data_cfg) -> dict | None:

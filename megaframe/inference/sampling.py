@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megaframe.config.rules import NONNEG, NONNEGF, SEED, SHARE, check_option
+
 
 @dataclass
 class SamplingConfig:
@@ -29,17 +31,20 @@ class SamplingConfig:
         return torch.Generator().manual_seed(prompt_seed(self.seed, index))
 
     def check(self) -> None:
-        # `not >=`: a nan temperature fails too (it reached torch.multinomial as nan probabilities)
-        # the flag at fault only: naming all three blamed the good ones too
-        for flag, value, ok, rule in (
-            ("--temperature", self.temperature, self.temperature >= 0, ">= 0"),
-            ("--top-k", self.top_k, self.top_k >= 0, ">= 0 (0 = off)"),
-            ("--top-p", self.top_p, 0 < self.top_p <= 1, "in (0, 1]"),
-            # torch's generator takes a 64-bit seed: a larger one failed after the first prompt was printed
-            ("--seed", self.seed, -(2**63) <= self.seed < 2**64, "in [-2**63, 2**64)"),
-        ):
-            if not ok:
-                raise ValueError(f"{flag} {value} must be {rule}")
+        """Each setting by its RULES entry (config/rules.py's rules); ValueError names the flag at fault only
+        (naming all three blamed the good ones too) with the value typed. nan and inf are refused: a nan
+        temperature reached torch.multinomial as nan probabilities, an infinite one sampled uniformly."""
+        for name, rule in RULES.items():
+            value = getattr(self, name)
+            check_option(f"--{name.replace('_', '-')} {value}", value, rule)
+
+
+RULES = {
+    "temperature": NONNEGF,  # 0: greedy
+    "top_k": NONNEG,  # 0: off
+    "top_p": SHARE,
+    "seed": SEED,  # torch.Generator takes a non-negative int64
+}
 
 
 def prompt_seed(seed: int, index: int) -> int:

@@ -44,6 +44,8 @@ from pathlib import Path
 
 import torch
 
+from megaframe.config.rules import NONNEGF, POS, POSF, SHARE, UNIT, Rule, check_option, describe
+
 ALLOC_HEADROOM = 0.03
 """Reserved over allocated on a GPU under expandable segments (module doc: an assumption, one for all)."""
 
@@ -260,9 +262,58 @@ def get_device(name: str, link_timeout_s: float = 120.0, **overrides) -> Device:
     return replace(dev, **{k: v for k, v in overrides.items() if v is not None})
 
 
+PROFILE_RULES: dict[str, Rule] = {
+    "peak_bf16": POSF,  # divisors of the step-time model: a 0 was a ZeroDivisionError
+    "peak_fp32": POSF,
+    "memory_gb": NONNEGF,  # 0: not known (the measured cpu); +device_memory_gb then says it
+    "intra_bw": POSF,
+    "inter_bw": POSF,
+    "per_node": POS,
+    "efficiency": SHARE,
+    "link_eff": SHARE,
+    "latency_s": NONNEGF,
+    "hbm_bw": NONNEGF,  # 0: no per-shape memory model (Device.hbm_bw)
+    "gemm_fixed_s": NONNEGF,
+    "peak_fp8": NONNEGF,  # 0: no fp8 tensor cores
+    "attn_eff": SHARE,
+    "hbm_eff": SHARE,
+    "inter_latency_s": NONNEGF,
+    "alloc_headroom": UNIT,
+}
+"""Every numeric Device field's allowed values (config/rules.py's rules; tests check that each numeric
+field has one): a hand-edited or truncated profile with a 0, a nan, a negative or a text figure is refused
+naming the field, never planned into a traceback or a `nan s` step time."""
+
+
+def check_profile(raw: dict, shown: str) -> dict:
+    """The profile's fields, each of the right type and in its range (PROFILE_RULES; the names text, the
+    hops a rising curve of positive (bytes, seconds) pairs); ValueError `<shown>: <field>=<value> must`."""
+    out = dict(raw)
+    for key in ("name", "source"):
+        if key in raw and not isinstance(raw[key], str):
+            raise ValueError(f"{shown}: {key}={json.dumps(raw[key])} must be text")
+    for key, rule in PROFILE_RULES.items():
+        if key in raw:
+            v, at = raw[key], f"{shown}: {key}={json.dumps(raw[key])}"
+            if isinstance(v, str):  # "80" or "abc": a number in the JSON, never text read as one
+                raise ValueError(f"{at} must be {describe(rule)}, not text")
+            out[key] = check_option(at, v, rule)
+    hops = raw.get("hops", ())
+    try:
+        curve = tuple((check_option("", b, POS), check_option("", t, POSF)) for b, t in hops)
+    except (TypeError, ValueError):
+        curve = None
+    if curve is None or len(curve) == 1 or any(a[0] >= b[0] for a, b in zip(curve, curve[1:])):
+        raise ValueError(
+            f"{shown}: hops={json.dumps(hops)[:80]} must be [[bytes, seconds], ...], positive, bytes rising"
+        )
+    out["hops"] = curve
+    return out
+
+
 def load_profile(path: str, **overrides) -> Device:
     """A device profile written by `python -m megaframe.plan calibrate` (planning.calibrate); ValueError
-    names the file and what is wrong with it."""
+    names the file and what is wrong with it (a field: PROFILE_RULES)."""
     try:
         raw = json.loads(Path(path).read_text())
     except (OSError, ValueError) as e:
@@ -276,7 +327,7 @@ def load_profile(path: str, **overrides) -> Device:
         or raw.keys() - known
     ):
         raise ValueError(f"+device_profile={path}: not a device profile (keys {sorted(known)})")
-    raw["hops"] = tuple(tuple(h) for h in raw.get("hops", ()))
+    raw = check_profile(raw, f"+device_profile={path}")
     try:
         dev = Device(**raw)
     except TypeError as e:

@@ -153,4 +153,4 @@ def test_seeded_sampling_draws_one_stream_per_prompt(run_dir, tmp_path, capsys):
     # a seed beyond the generator's 64 bits: one line before any output (it failed after the first prompt)
     assert main([*args[:-1], str(2**64)]) == 2
     out = capsys.readouterr()
-    assert out.out == "" and "--seed 18446744073709551616 must be in" in out.err
+    assert out.out == "" and "--seed 18446744073709551616 must be" in out.err

@@ -306,10 +306,17 @@ def _one_error(capsys) -> str:
     "args,msg",
     [
         (["--prompt", "caf\udce9"], "is not UTF-8 text"),  # T3: argv bytes arrive surrogate-escaped
-        (["--prompt", "The", "--temperature", "nan"], "--temperature nan must be >= 0"),
+        (["--prompt", "The", "--temperature", "nan"], "--temperature nan must be a finite number >= 0"),
+        # an infinite temperature sampled uniformly; a negative or 2**64 seed failed inside torch
+        (["--prompt", "The", "--temperature", "inf"], "--temperature inf must be a finite number >= 0"),
+        (["--prompt", "The", "--seed", "-1"], "--seed -1 must be an integer >= 0 and < 9223372036854775808"),
+        (["--prompt", "The", "--max-new-tokens", "-1"], "--max-new-tokens -1 must be an integer >= 1"),
+        # argparse's int() printed a usage block for these, not one line
+        (["--prompt", "The", "--top-k", "abc"], "--top-k abc must be an integer >= 0"),
+        (["--prompt", "The", "--max-new-tokens", "2.5"], "--max-new-tokens 2.5 must be an integer >= 1"),
         (
             ["--prompt", "The", "--top-p", "1.5"],
-            "error: --top-p 1.5 must be in (0, 1]",
+            "error: --top-p 1.5 must be a finite number > 0 and <= 1",
         ),  # rerun NT02: blamed all three
     ],
 )
@@ -332,12 +339,12 @@ def test_generate_prompts_file_not_utf8_names_the_file(tmp_path, capsys):
 @pytest.mark.parametrize(
     "setting,msg",
     [
-        ("+device_memory_gb=nan", "+device_memory_gb=nan must be finite"),  # T4
-        ("+device_memory_gb=inf", "+device_memory_gb=inf must be finite"),
-        ("+device_memory_gb=0", "+device_memory_gb=0 must be finite and > 0"),  # K3
-        ("+efficiency=0", "+efficiency=0 must be finite and > 0 and <= 1"),
+        ("+device_memory_gb=nan", "+device_memory_gb=nan must be a finite number > 0"),  # T4
+        ("+device_memory_gb=inf", "+device_memory_gb=inf must be a finite number > 0"),
+        ("+device_memory_gb=0", "+device_memory_gb=0 must be a finite number > 0"),  # K3
+        ("+efficiency=0", "+efficiency=0 must be a finite number > 0 and <= 1"),
         ("+efficiency=50", "+efficiency=50 must be"),
-        ("+top=0", "+top=0 must be finite and >= 1"),
+        ("+top=0", "+top=0 must be an integer >= 1"),
         ("+search=maybe", "+search=maybe must be true or false"),
         ("+plan_json=/nonexistent-folder/x.json", "+plan_json=/nonexistent-folder/x.json: not a file"),
     ],
