@@ -105,11 +105,11 @@ def test_generate_reads_the_new_latest(run, monkeypatch):
 
 
 def test_the_lm_eval_model_reads_the_new_latest(run, monkeypatch):
-    from megaframe.evaluation.lm_eval_adapter import _load
+    from megaframe.evaluation.lm_eval_adapter import load_checkpoint
 
     root, live = run
     live(monkeypatch, sharded, "load_into")
-    model, _, tok = _load(str(root), None)
+    model, _, tok = load_checkpoint(str(root), None)
     assert model is not None and tok.vocab_size <= 384
 
 

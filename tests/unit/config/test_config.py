@@ -25,7 +25,8 @@ model.moe_aux_loss_coeff model.moe_bias_update_rate model.moe_capacity_factor mo
 model.moe_ffn_hidden_size model.moe_router_score model.moe_top_k model.moe_z_loss_coeff model.name model.norm
 model.norm_eps model.num_attention_heads model.num_experts
 model.num_layers model.num_query_groups model.position_embedding model.rope_theta model.seq_length
-model.tie_embeddings model.vocab_size model.kv_channels model.qk_norm model.family model.max_position_embeddings
+model.tie_embeddings model.vocab_size model.kv_channels model.qk_norm model.family
+model.max_position_embeddings
 model.rope_scaling.rope_type model.rope_scaling.factor model.rope_scaling.low_freq_factor
 model.rope_scaling.high_freq_factor model.rope_scaling.original_max_position_embeddings
 model.rope_scaling.beta_fast model.rope_scaling.beta_slow model.rope_scaling.attention_factor
