@@ -33,8 +33,9 @@ def _one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text}"[:300]
 
 
-class Skipped(Exception):
-    """Raised out of the model's scoring call when the agreement says skip (lm-eval lets it through)."""
+class Skipped(ValueError):
+    """Raised out of the model's scoring call when the agreement says skip (lm-eval lets it through); a
+    ValueError: a command line ends with its one line, exit 2."""
 
 
 class TaskGate:
@@ -57,13 +58,18 @@ class TaskGate:
             self.stopping = any(s for _, s in every)
         return not (self.failed or self.stopping)
 
+    def reason(self) -> str:
+        if not self.failed:
+            return "a stop signal arrived"
+        return f"failed on {comm.named_failures(self.failed, max(self.mesh.world, 2))}"
+
 
 @contextlib.contextmanager
 def scoring_window(gate: TaskGate, watchdog, harness_s: float):
     """Around each of the model's scoring calls: skip (raise) unless every rank may score; inside, each
     batch beats the watchdog under train.hang_timeout_s; after, lm-eval's own work has `harness_s` again."""
     if not gate.agree():
-        raise Skipped()
+        raise Skipped(gate.reason())
     if watchdog is None:
         yield
         return
@@ -183,10 +189,8 @@ class Downstream:
             elif not (gate.failed or gate.stopping):  # scored on every rank: all log it, or none does
                 gate.failed = comm.agree(error, self.mesh.group)
         if gate.failed:
-            self._say(
-                f"downstream task {task} at step {step} failed "
-                f"({comm.named_failures(gate.failed, self.mesh.world)}); training goes on"
-            )
+            why = comm.named_failures(gate.failed, self.mesh.world)
+            self._say(f"downstream task {task} at step {step} failed ({why}); training goes on")
             return {}, gate.stopping
         return ({} if gate.stopping else got), gate.stopping
 

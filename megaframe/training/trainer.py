@@ -220,19 +220,21 @@ class Loop:
 
     def save(self, step: int, due: bool, last: bool) -> bool:
         """Checkpoint `step` when `due` (`last`: the run's last save: synchronous, and its failure ends the
-        run); whether a save was tried."""
+        run); whether it saved (written, or writing in the background). A stop after a save that failed
+        (on_save_error=continue) or was refused tries once more, as the run's last."""
         if not due:
             return False
         self.bad.flush()  # a deferred grad-norm read: the save must know whether this step was skipped
         # its traffic is not the step's; its limit is checkpoint.save_timeout_s (Checkpointer.save)
         with self.guard.between(f"checkpoint save at step {step}"), self.su.phases.phase("save"):
-            self.ckpt.save(self.su.model, self.su.optimizer, step, last, self.bad.in_a_row)
-        return True
+            return self.ckpt.save(self.su.model, self.su.optimizer, step, last, self.bad.in_a_row)
 
     def finish(self, start: int, step: int) -> None:
         """The background save committed, the memory phases and the run's summary printed."""
         self.ckpt.finish(step)
-        if self.mesh.is_logger and self.su.phases.figures:  # every phase's peak, a save after the last row's
+        if (
+            self.mesh.is_logger and self.su.phases.figures
+        ):  # every phase's peak, a stop's save after the last row
             print(self.su.phases.summary(), flush=True)
         self.meters.report(start, step, self.ckpt.last_saved)
 
