@@ -6,6 +6,7 @@ runs check_fields first, so no later check (or computation) ever sees a nan, an 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -31,6 +32,8 @@ class Rule:
     hi_open: bool = True
     optional: bool = False
     integer: bool = False
+    bound: str = ""
+    """Why the upper bound is what it is, said after it (a bound tied to the machine names the machine)."""
 
     def why(self, v) -> str | None:
         if v is None:
@@ -46,12 +49,22 @@ class Rule:
         if self.lo is not None and (v <= self.lo if self.lo_open else v < self.lo):
             return f"must be {'>' if self.lo_open else '>='} {self.lo:g}"
         if self.hi is not None and (v >= self.hi if self.hi_open else v > self.hi):
-            return f"must be {'<' if self.hi_open else '<='} {self.hi:g}"
+            return f"must be {'<' if self.hi_open else '<='} {self.hi:g}{self.bound}"
         return None
 
 
-def _r(lo=None, *, gt=False, hi=None, le=False, opt=False, int_=True) -> Rule:
-    return Rule(lo, gt, hi, not le, opt, int_)
+def _r(lo=None, *, gt=False, hi=None, le=False, opt=False, int_=True, bound="") -> Rule:
+    return Rule(lo, gt, hi, not le, opt, int_, bound)
+
+
+THREADS_PER_CPU = 4
+"""train.threads' bound: this many per CPU of the machine that checks the config. Threads past the CPUs
+only wait on each other; far past them the OpenMP pool cannot start (train.threads=100000 ended in a
+segmentation fault)."""
+
+
+def max_threads(cpus: int | None = None) -> int:
+    return THREADS_PER_CPU * (cpus or os.cpu_count() or 1)
 
 
 POS, NONNEG = _r(1), _r(0)  # integer counts and sizes
@@ -112,7 +125,13 @@ FIELD_RULES: dict[str, Rule] = {
     "train.eval_interval": NONNEG,
     "train.eval_iters": POS,
     "train.hang_timeout_s": NONNEGF,
-    "train.threads": _r(1, opt=True),
+    "train.threads": _r(
+        1,
+        hi=max_threads(),
+        le=True,
+        opt=True,
+        bound=f" ({THREADS_PER_CPU} per CPU of this machine's {os.cpu_count() or 1})",
+    ),
     "train.dist_timeout_s": TIMEOUT,
     "train.compile_timeout_s": TIMEOUT,
     "train.signal_check_interval": POS,
@@ -121,6 +140,7 @@ FIELD_RULES: dict[str, Rule] = {
     "train.downstream_interval": NONNEG,
     "train.downstream_limit": NONNEG,
     "train.downstream_batch_size": POS,
+    "train.downstream_harness_timeout_s": TIMEOUT,
     # optim
     "optim.lr": POSF,
     "optim.min_lr": NONNEGF,

@@ -103,7 +103,8 @@ class TrainConfig(Frozen):
     """CPU threads per rank (torch.set_num_threads at start-up, shown in the header). null: OMP_NUM_THREADS
     where the environment sets it (torchrun sets 1 per worker), else the cores this process may use divided
     by the ranks on this node (LOCAL_WORLD_SIZE), at least 1. On a shared machine fewer threads are often
-    faster: threads that wait on each other at every op lose to one that runs."""
+    faster: threads that wait on each other at every op lose to one that runs. At most 4 per CPU of the
+    machine (os.cpu_count(); more is refused, exit 2); above its CPU count a warning at start-up."""
     max_bad_steps: int = 10
     """Stop with an error after this many optimizer steps in
     a row with a non-finite grad norm (each is skipped)."""
@@ -128,8 +129,11 @@ class TrainConfig(Frozen):
     eval_iters: int = 4
     """Global batches of validation samples per evaluation (the same fixed samples every time)."""
     hang_timeout_s: float = 600.0
-    """Hang watchdog: a rank making no step progress for this many seconds writes its Python stacks
-    and last collectives to stderr and ${run.dir}/hang/rank{R}.txt, then exits with code 124; 0 = off."""
+    """Hang watchdog: a rank making no progress for this many seconds writes its Python stacks
+    and last collectives to stderr and ${run.dir}/hang/rank{R}.txt, then exits with code 124; 0 = off.
+    Progress is a step, and between steps each batch of validation, each sampled token and each batch of
+    downstream scoring; a save has checkpoint.save_timeout_s, lm-eval's own work around the scoring
+    train.downstream_harness_timeout_s."""
     dist_timeout_s: float = 600.0
     """Process-group timeout: a collective waiting longer fails the run (NCCL: its watchdog aborts the
     communicator and dumps the flight recorder). Checkpoint saves get checkpoint.save_timeout_s."""
@@ -179,6 +183,11 @@ class TrainConfig(Frozen):
     """Score only the first N documents of each task (a quick in-loop signal); 0 = every document."""
     downstream_batch_size: int = 8
     """Sequences per forward while scoring (each padded to model.seq_length)."""
+    downstream_harness_timeout_s: float = 1800.0
+    """The hang watchdog's limit for lm-eval's own work on a downstream task, outside the model's scoring
+    calls (its task index, the dataset's download, building requests, metrics), where no batch runs to
+    count as progress and no collective can hang. Inside the scoring calls each batch is progress, judged
+    by train.hang_timeout_s like validation and sampling. Must be > 0."""
 
 
 @dataclass

@@ -24,11 +24,24 @@ def task_lm(ckpt: str, overrides: list[str], opts: dict):
         model, mesh, tok = load_checkpoint(ckpt, opts.get("tokenizer"), TOKENIZER_OPTION)
         yield MegaframeLM(model=model, mesh=mesh, tok=tok, batch_size=batch), True
         return
+    from megaframe.evaluation.downstream import TaskGate, scoring_window
     from megaframe.parallel.launch import shutdown
 
     try:
         model, mesh, tok = _layout_model(ckpt, overrides, opts.get("tokenizer"), env)
-        yield MegaframeLM.live(model, mesh, tok, int(batch)), mesh.rank == 0
+        lm = MegaframeLM.live(model, mesh, tok, int(batch))
+        # the tasks agreed over every rank before the first collective: one that fails to load on some
+        # ranks only ends every rank with one line naming them, none waits alone in a collective
+        gate = TaskGate(mesh, lambda: False)
+        lm.scoring = lambda: scoring_window(gate, None, 0)
+        try:
+            yield lm, mesh.rank == 0
+        except Exception as e:
+            if not gate.agreed:
+                gate.agree(f"{type(e).__name__}: {' '.join(str(e).split())}"[:300])
+            raise
+        if not gate.agreed:  # nothing to score on this rank: the others must not wait for it
+            gate.agree(None)
     finally:
         shutdown()
 

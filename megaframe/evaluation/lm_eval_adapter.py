@@ -16,6 +16,8 @@ every rank gets every request and scoring/scoring.py splits them over dp.
 
 from __future__ import annotations
 
+import contextlib
+
 # lm-eval fills its registry with its own models (hf, vllm, ...) only while the registry is empty: a
 # registry holding just `megaframe` made `--model hf` "no model for this name found" in this process.
 # Importing its models module first registers them (lazily, no backend imported).
@@ -82,6 +84,15 @@ class MegaframeLM(TemplateLM):
             model, mesh, tok = load_checkpoint(checkpoint, tokenizer)
         self.model, self.mesh, self.tok = model, mesh, tok
         self._max_length = int(max_length or model.cfg.seq_length)
+        self.beat = None
+        """Called after each scored batch (the training loop's hang watchdog hears the progress)."""
+        self.scoring = None
+        """A context manager factory every scoring method runs in (its collectives run only there): the
+        training loop agrees at its first entry over every rank that each has loaded the task, and may raise
+        to skip it; inside, the hang watchdog hears each batch (evaluation/downstream.py)."""
+
+    def _scoring(self):
+        return self.scoring() if self.scoring is not None else contextlib.nullcontext()
 
     @classmethod
     def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> "MegaframeLM":
@@ -126,7 +137,8 @@ class MegaframeLM(TemplateLM):
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple]:
         pairs = [(ctx, cont) for _, ctx, cont in requests]
-        out = scoring.loglikelihoods(self.model, self.mesh, pairs, self.batch_size)
+        with self._scoring():
+            out = scoring.loglikelihoods(self.model, self.mesh, pairs, self.batch_size, self.beat)
         for (key, _, _), answer in zip(requests, out):
             if key is not None:
                 self.cache_hook.add_partial("loglikelihood", key, answer)
@@ -154,6 +166,10 @@ class MegaframeLM(TemplateLM):
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Greedy continuations cut at the first `until` string (lm-eval's default: the eos text)."""
+        with self._scoring():
+            return self._generate(requests)
+
+    def _generate(self, requests) -> list[str]:
         out = [None] * len(requests)
         groups: dict = {}  # requests sharing gen_kwargs run together
         for i, req in enumerate(requests):
@@ -172,7 +188,7 @@ class MegaframeLM(TemplateLM):
 
             prompts = [self.tok_encode(ctx) for _, ctx in items]
             texts = scoring.greedy_texts(
-                self.model, self.mesh, prompts, max_new, stop, self.tok.vocab_size, self.batch_size
+                self.model, self.mesh, prompts, max_new, stop, self.tok.vocab_size, self.batch_size, self.beat
             )
             for (i, ctx), ids in zip(items, texts):
                 text = self.tok.decode([t for t in ids if t != self.eot_token_id])

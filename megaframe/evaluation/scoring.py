@@ -70,9 +70,10 @@ def _rows(pairs, seq: int):
 
 @torch.no_grad()
 def loglikelihoods(
-    model, mesh, pairs: list[tuple[list[int], list[int]]], batch_size: int = 8
+    model, mesh, pairs: list[tuple[list[int], list[int]]], batch_size: int = 8, beat=None
 ) -> list[tuple[float, bool]]:
-    """(sum of log p(continuation | context), whether greedy decoding gives the continuation) per pair."""
+    """(sum of log p(continuation | context), whether greedy decoding gives the continuation) per pair;
+    `beat()`, when given, after each batch (the hang watchdog hears the progress)."""
     check_layout(mesh)
     seq, dev = model.cfg.seq_length, mesh.device
     mine, rounds = _share(len(pairs), mesh, batch_size)
@@ -82,6 +83,8 @@ def loglikelihoods(
         part = [pairs[i] for i in mine[k * batch_size : (k + 1) * batch_size]]
         ids, tgt, mask = (t.to(dev) for t in _rows(part + [([PAD], [PAD])] * (batch_size - len(part)), seq))
         logits_BSV = forward_logits(model, mesh, ids)
+        if beat is not None:
+            beat()
         if logits_BSV is None:
             continue
         nll_BS = vocab_parallel_cross_entropy(logits_BSV.transpose(0, 1), tgt.t(), mesh.tp).t()
@@ -97,12 +100,12 @@ def loglikelihoods(
 
 @torch.no_grad()
 def greedy_texts(
-    model, mesh, prompts: list[list[int]], max_new: int, stop, vocab: int, batch_size: int = 8
+    model, mesh, prompts: list[list[int]], max_new: int, stop, vocab: int, batch_size: int = 8, beat=None
 ) -> list[list[int]]:
     """Greedy continuations (token ids) of each prompt, at most max_new tokens and never past
     model.seq_length, among the tokenizer's `vocab` ids; `stop(ids)` says when a row is done (an `until`
     string, eos). The dp replicas step together (a max over dp says whether any row anywhere still runs),
-    so ZeRO-3's gathers stay paired."""
+    so ZeRO-3's gathers stay paired. `beat()`, when given, after each token (the hang watchdog hears it)."""
     check_layout(mesh)
     seq, dev = model.cfg.seq_length, mesh.device
     mine, rounds = _share(len(prompts), mesh, batch_size)
@@ -122,6 +125,8 @@ def greedy_texts(
             if not running:
                 break
             toks = _next_tokens(model, mesh, [r + n for r, n in zip(rows, new)], batch_size, seq, vocab)
+            if beat is not None:
+                beat()
             for r in range(len(rows)):
                 if not done[r] and len(rows[r]) + len(new[r]) < seq:
                     new[r].append(int(toks[r]))

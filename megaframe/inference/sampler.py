@@ -51,8 +51,9 @@ def forward_logits(model, mesh, ids_BS: torch.Tensor) -> torch.Tensor | None:
 
 
 @torch.no_grad()
-def greedy(model, mesh, prompt: list[int], new_tokens: int, vocab: int) -> list[int]:
-    """Greedy continuation of `prompt` under the model's layout (collective over tp and pp)."""
+def greedy(model, mesh, prompt: list[int], new_tokens: int, vocab: int, beat=None) -> list[int]:
+    """Greedy continuation of `prompt` under the model's layout (collective over tp and pp); `beat()`, when
+    given, after each token (the hang watchdog hears the progress)."""
     seq = model.cfg.seq_length
     # the prompt's tail, so at least one new position fits; an empty prompt starts from token 0
     ids = list(prompt)[-(seq - 1) :] or [0]
@@ -70,6 +71,8 @@ def greedy(model, mesh, prompt: list[int], new_tokens: int, vocab: int) -> list[
         tok = comm.all_reduce(tok, mesh.pp)
         out.append(int(tok))  # host read: the next forward's input is this token
         ids.append(out[-1])
+        if beat is not None:
+            beat()
     return out
 
 
@@ -121,15 +124,20 @@ class Sampler:
                 )
             self._warned = True
 
-    def sample(self, step: int, model, run_dir: str, wandb_run=None) -> float:
-        """Write the samples of this step; returns the seconds spent."""
+    def sample(self, step: int, model, run_dir: str, wandb_run=None, beat=None) -> float:
+        """Write the samples of this step; returns the seconds spent. `beat()` after each token."""
         t0 = time.perf_counter()
         was_training = model.training
         model.eval()
         counted = self.mesh.stats.pop()  # keep sampling traffic out of the step's comm_bytes
         try:
             rows = [
-                (p, self._text(ids, greedy(model, self.mesh, ids, self.t.sample_tokens, self.tok.vocab_size)))
+                (
+                    p,
+                    self._text(
+                        ids, greedy(model, self.mesh, ids, self.t.sample_tokens, self.tok.vocab_size, beat)
+                    ),
+                )
                 for p, ids in self.prompts
             ]
         finally:

@@ -1,8 +1,12 @@
 """What watches a training run besides its steps, in one place: the hang watchdog, the stop flag
 (signals and timed saves, agreed at check steps), the straggler probe and injected faults. The loop
-asks it three things: `beat` at a step's start, `decide` after the step, `close` at the end."""
+asks it: `beat` at a step's start, `between` around the work between two steps (saves, validation,
+sampling, downstream scoring; that work calls `progress` per batch), `decide` after the step and that
+work, `close` at the end."""
 
 from __future__ import annotations
+
+import contextlib
 
 from megaframe.config.schema import TrainConfig
 from megaframe.errors import ConfigError
@@ -33,11 +37,36 @@ class RunGuard:
             self.watchdog.beat(step)
         self.mesh.stats.pop()
 
-    def decide(self, step: int, start: int, ckpt) -> tuple[bool, bool]:
+    @contextlib.contextmanager
+    def between(self, name: str):
+        """Work between two steps, `name`d in a hang report: the watchdog judges it by its own beats
+        (`progress`, per batch), so a long evaluation is not a hang and a collective hung in it still is;
+        its traffic is not the step's (kept out of comm_bytes)."""
+        counted = self.mesh.stats.pop()
+        try:
+            with self.watchdog.phase(name) if self.watchdog is not None else contextlib.nullcontext():
+                yield
+        finally:
+            self.mesh.stats.pop()
+            for group, nbytes in counted.items():
+                self.mesh.stats.add(group, nbytes)
+
+    def progress(self) -> None:
+        """A batch of the work between two steps is done: the watchdog hears it."""
+        if self.watchdog is not None:
+            self.watchdog.beat()
+
+    def signalled(self) -> bool:
+        """Whether this rank has a stop signal (host only; the ranks agree on it at check steps)."""
+        return self.stop.signum is not None
+
+    def decide(self, step: int, start: int, ckpt, evaluated: bool = False) -> tuple[bool, bool]:
         """(stop now, a timed save is due), the same on every rank. At check steps only (one host
-        all-reduce); `ckpt` (training's Checkpointer) commits its background save when every rank's
-        writer is done: the all-reduced flag, so all ranks commit or none does."""
-        if not checks_at(step, start, self.t):
+        all-reduce), and after a step's evaluation (`evaluated`, the same on every rank: a signal that came
+        during a long evaluation stops the run at once); `ckpt` (training's Checkpointer) commits its
+        background save when every rank's writer is done: the all-reduced flag, so all ranks commit or
+        none does."""
+        if not (evaluated or checks_at(step, start, self.t)):
             return False, False
         stopping, writing, timed = self.stop.decide(self.mesh, busy=ckpt.writing(), due=ckpt.overdue())
         ckpt.poll(all_written=not writing)

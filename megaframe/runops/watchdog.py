@@ -1,9 +1,13 @@
 """Hang watchdog: a daemon thread per rank that ends a run making no progress, leaving evidence.
 
-The trainer feeds it a heartbeat at every step boundary (and around checkpoints). After
-`train.hang_timeout_s` seconds without one it writes this rank's report to stderr and to
-`${run.dir}/hang/rank{R}.txt`, then ends the process with exit code 124 via os._exit: a rank
-blocked inside a collective never returns to Python, so raising or sys.exit could not end it.
+The trainer feeds it a heartbeat at every step boundary (and around checkpoints). Work between two steps
+(validation, sampling, downstream scoring) runs in a named `phase` and beats per batch it scores: a long
+evaluation is progress, a collective hung inside it still trips after `train.hang_timeout_s` without a
+beat; work with no batches to beat by (loading lm-eval's tasks) gets an allowance of its own, as a save
+gets checkpoint.save_timeout_s. After `train.hang_timeout_s` seconds without a beat it writes this
+rank's report to stderr and to `${run.dir}/hang/rank{R}.txt`, then ends the process with exit code 124
+via os._exit: a rank blocked inside a collective never returns to Python, so raising or sys.exit could
+not end it.
 The report holds the step, the seconds since the last heartbeat, the last collectives the rank
 entered (op, group and its global ranks, shape, dtype, bytes, how long ago, whether a blocking call
 returned or an async one was waited for, and on CUDA whether the GPU completed it or it is only
@@ -66,6 +70,7 @@ class Watchdog:
         self.overrun = (
             None  # while suspended(): the one line an overrun ends with (exit 1), else a hang (124)
         )
+        self.doing: str | None = None  # the phase between two steps, named in the report
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -92,12 +97,33 @@ class Watchdog:
         (checkpoint.save_timeout_s) instead of train.hang_timeout_s. `overrun()`, when given, returns the
         error line of exceeding it: the process then ends with exit 1 (a failed save), not 124."""
         self.beat()
+        before = (self.override, self.overrun)
         self.override, self.overrun = limit_s, overrun
         try:
             yield
         finally:
-            self.override, self.overrun = None, None
+            self.override, self.overrun = before
             self.beat()
+
+    @contextmanager
+    def phase(self, name: str, limit_s: float | None = None):
+        """Work between two steps (`name`: validation, sampling, downstream scoring). Its own progress
+        counts: it calls `beat()` per batch, judged by train.hang_timeout_s as steps are. `limit_s`, when
+        given, is the limit instead, for work with no batches to beat by (`allow` changes it inside); a
+        phase past its limit is a hang (exit 124). Phases nest: the outer one's state comes back."""
+        before = (self.doing, self.override, self.overrun)
+        self.doing, self.override, self.overrun = name, limit_s, None
+        self.beat()
+        try:
+            yield self
+        finally:
+            self.doing, self.override, self.overrun = before
+            self.beat()
+
+    def allow(self, limit_s: float | None) -> None:
+        """Inside a phase: judge by `limit_s` from now on (None: train.hang_timeout_s), counting from now."""
+        self.override = limit_s
+        self.beat()
 
     def stop(self) -> None:
         self._stop.set()
@@ -139,9 +165,13 @@ class Watchdog:
 
     def report(self, idle: float) -> str:
         now = time.time()
+        limit = "train.hang_timeout_s=" + f"{self.timeout_s:g}"
+        if self.override is not None:
+            limit = f"its allowance of {self.override:g}s"
+        where = f" in {self.doing}" if self.doing else ""
         lines = [
-            f"megaframe: rank {self.rank}: HANG: no progress for {idle:.1f}s (train.hang_timeout_s="
-            f"{self.timeout_s:g}) after step {self.step}; exiting with code {HANG_EXIT_CODE}",
+            f"megaframe: rank {self.rank}: HANG: no progress for {idle:.1f}s ({limit}){where} after step "
+            f"{self.step}; exiting with code {HANG_EXIT_CODE}",
             f"last {SHOW_COLLECTIVES} collectives entered by rank {self.rank} (oldest first):",
         ]
         for e in self.stats.last(SHOW_COLLECTIVES):

@@ -92,20 +92,33 @@ class Checkpointer:
             try:
                 self._write(model, optimizer, step, self.saver is not None and not last, fail)
             except sharded.SaveError as e:
-                self._failed(e)
+                self._failed(e, step if last else None)
                 return False
         return True
 
-    def _failed(self, e: Exception) -> None:
-        """A save that was not committed (every rank raised it together): stop with exit 1, or go on."""
+    def _failed(self, e: Exception, last_step: int | None = None) -> None:
+        """A save that was not committed (every rank raised it together): stop with exit 1, or go on.
+        `last_step`: it was the run's last save, of that step; no later save can try again, so it ends the
+        run with exit 1 under either policy, naming the steps that are not saved."""
+        self.last_saved = str(lineage.pointed(self.cfg.checkpoint.dir) or "") or None  # the summary's
         if self.cfg.checkpoint.on_save_error == "stop":
             raise TrainingError(f"{e} (checkpoint.on_save_error=stop)") from e
+        if last_step is not None:
+            raise TrainingError(f"{e}; it was the run's last save: {self.unsaved(last_step)}") from e
         if self.mesh.rank == 0:
             print(
                 f"megaframe: warning: {e}; going on (checkpoint.on_save_error=continue)",
                 file=sys.stderr,
                 flush=True,
             )
+
+    def unsaved(self, step: int) -> str:
+        """Which steps up to `step` no committed checkpoint holds, and the one a restart resumes from."""
+        path = lineage.pointed(self.cfg.checkpoint.dir)
+        first = int(path.name.split("_")[-1]) + 1 if path is not None else 1
+        steps = f"step {step}" if first >= step else f"steps {first}-{step}"
+        kept = f"the last committed checkpoint is {path}" if path else "no checkpoint has been committed"
+        return f"{steps} not saved; {kept} (checkpoint.on_save_error=continue)"
 
     def take_io(self) -> dict:
         """This rank's newest save and load figures
@@ -170,19 +183,21 @@ class Checkpointer:
         if self.saver is not None:
             self._settle(lambda: self.saver.poll(all_written))
 
-    def finish(self) -> None:
+    def finish(self, step: int) -> None:
+        """The background save still writing (the run stopped at a step saved in the background) committed:
+        the run's last save, so its failure ends the run (`step`: the run's last step)."""
         if self.saver is not None:
             with self.watchdog.suspended(
                 self.cfg.checkpoint.save_timeout_s, lambda: self.overrun(self.last_saved)
             ):
-                self._settle(self.saver.wait)
+                self._settle(self.saver.wait, step)
 
-    def _settle(self, finish) -> None:
+    def _settle(self, finish, last_step: int | None = None) -> None:
         """Run the background save's commit step; its figures join io, a failed commit goes to _failed."""
         try:
             finish()
         except sharded.SaveError as e:
-            self._failed(e)
+            self._failed(e, last_step)
         self.io.update(self.saver.last_io)
         self.saver.last_io = {}
 

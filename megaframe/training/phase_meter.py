@@ -107,8 +107,8 @@ class PhaseMeter:
                 self.end()
 
     def summary(self) -> str:
-        """One line of every phase measured, for the end of the run (a first save at the last step follows
-        the last metrics row: it is only here)."""
+        """One line of every phase measured, for the end of the run (a first save at a stop follows the
+        last metrics row: it is only here)."""
         parts = [f"{n} {_size(self.figures[n])}" for n in PHASES if n in self.figures]
         return f"memory per phase (peak on this rank): {', '.join(parts)}"
 

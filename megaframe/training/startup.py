@@ -27,10 +27,11 @@ from megaframe.model.parallelize import build_for
 from megaframe.optim.lr_schedule import schedule_warnings
 from megaframe.optim.protocol import Optimizer
 from megaframe.parallel import comm
+from megaframe.parallel.launch import local_world_size
 from megaframe.parallel.mesh import Mesh
 from megaframe.training.metrics import flops_per_token
 from megaframe.training.phase_meter import PhaseMeter
-from megaframe.training.threads import Threads, busy_machine_warning, pick_threads
+from megaframe.training.threads import Threads, busy_machine_warning, oversubscribed_warning, pick_threads
 from megaframe.training.validation import Evaluator
 
 TrainingData = PreparedData | SyntheticData | BlendedData | StagedData
@@ -69,18 +70,24 @@ def set_up(cfg: Config, mesh: Mesh, faults=None, run_id: str = "") -> Setup:
     with phases.phase("startup"):
         model, optimizer = build_for(cfg.model, cfg.parallel, cfg.train, cfg.optim, mesh)
     phases.track(model, optimizer)
+    error = None
     try:
         data = build_data(cfg)
         valid = partial(build_data, cfg, split="valid")
         # each None unless its train.*_interval > 0
         evaluator = Evaluator.build(cfg.train, mesh, valid, cfg.model.seq_length)
         sampler = Sampler.build(cfg.train, cfg.data, mesh)
-        downstream = Downstream.build(cfg.train, cfg.data, mesh)
     except (OSError, ValueError, KeyError) as e:
         # the key the run reads: a blend or stages run never read the data= preset's data.path
         d = cfg.data
         key = "data.stages" if d.stages else "data.blend" if d.blend else f"data.path={d.path}"
-        raise ConfigError(f"{key}: unreadable prepared data ({e})") from e
+        error = f"{key}: unreadable prepared data ({e})"
+    # agreed before any other collective: a node that cannot read the data (or the validation split, or the
+    # tokenizer) ends every rank with its line, instead of leaving the others waiting in the resume's
+    failed = comm.agree(error, mesh.group)
+    if failed:
+        raise ConfigError(comm.named_failures(failed, mesh.world))
+    downstream = Downstream.build(cfg.train, cfg.data, mesh)  # optional: agreed inside, all score or none
     if cfg.data.document_mask:
         set_documents(model, data, cfg)
     phases.begin("load")
@@ -125,10 +132,12 @@ def announce(cfg: Config, mesh: Mesh, su: Setup) -> None:
         )  # what trainer.run applied (the same rule, the same environment)
         describe(cfg, mesh, su, total_params, threads)
         busy = busy_machine_warning(threads.count)
+        over = oversubscribed_warning(threads, local_world_size())
         for line in [
             *schedule_warnings(cfg.optim, cfg.train.max_steps),
             *precision_warnings(cfg, mesh.device.type),
             *([busy] if busy else []),
+            *([over] if over else []),
         ]:
             print(f"megaframe: warning: {line}", file=sys.stderr, flush=True)
         # after the resume: the config written is the one the run goes on with (lr horizon adopted)

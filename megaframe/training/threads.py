@@ -72,3 +72,15 @@ def busy_machine_warning(threads: int) -> str | None:
     except OSError:  # no load average on this platform
         return None
     return load_warning(load, os.cpu_count() or 1, threads)
+
+
+def oversubscribed_warning(chosen: Threads, ranks_here: int, cpus: int | None = None) -> str | None:
+    """One line when train.threads times this node's ranks is above the machine's CPUs (the config's rule
+    refuses only far above: config/rules.py's max_threads), else None."""
+    cpus = cpus or os.cpu_count() or 1
+    if chosen.source != "train.threads" or chosen.count * ranks_here <= cpus:
+        return None
+    return (
+        f"train.threads={chosen.count} x {ranks_here} rank(s) on this node is above its {cpus} CPUs: the "
+        "threads wait on each other (fewer, at most CPUs / ranks, usually run faster)"
+    )

@@ -106,7 +106,10 @@ def take_run_dir(cfg: Config, mesh: Mesh) -> FolderLocks:
 
 def train(cfg: Config, mesh: Mesh, stop: StopFlag, run_id: str = "", owner: str = "") -> None:
     """Start-up (startup.py), then the step loop to train.max_steps or a stop, on every rank:
-    batches -> step -> evaluate -> meter -> save -> stop."""
+    batches -> step -> save -> evaluate -> decide -> meter -> (a stop's or timed save) -> stop.
+
+    A step due a save is saved before its evaluation: a crash or a hang kill while validating, sampling or
+    scoring it never repeats at the same step on a restart (the restart resumes after it)."""
     guard = RunGuard(cfg.train, mesh, stop, cfg.run.dir, cfg.run.name)
     su = set_up(cfg, mesh, guard.faults, run_id)
     cfg = su.cfg  # the LR horizon settled: what the loop, the saves and config.yaml use
@@ -126,10 +129,13 @@ def train(cfg: Config, mesh: Mesh, stop: StopFlag, run_id: str = "", owner: str 
         step = start
         for step in range(start + 1, cfg.train.max_steps + 1):
             res = loop.step(step, loop.batches(step))
-            val = loop.evaluate(step)
-            stopping, timed = guard.decide(step, start, loop.ckpt)  # the same steps on every rank
+            saved = loop.save(step, save_due(cfg, step, False), last=step == cfg.train.max_steps)
+            val, evaluated = loop.evaluate(step)
+            # the same steps on every rank; after an evaluation too: a signal during it stops here
+            stopping, timed = guard.decide(step, start, loop.ckpt, evaluated)
             loop.meter(step, res, val, stopping)
-            loop.save(step, stopping, timed)
+            if not saved:
+                loop.save(step, stopping or timed, last=stopping)
             if stopping:
                 guard.report_stop(step)
                 break
@@ -188,11 +194,14 @@ class Loop:
             raise TrainingError(f"{e}; {self.ckpt.resume_hint()}") from e
         return res
 
-    def evaluate(self, step: int) -> float | None:
-        """The validation loss when due (else None); downstream task scores, when due, join the step's row."""
-        val = evaluate_and_sample(self.su, self.meters, self.tracker, step, self.cfg.run.dir)
-        self.scores = downstream_scores(self.su, self.meters, step)
-        return val
+    def evaluate(self, step: int) -> tuple[float | None, bool]:
+        """(the validation loss when due, else None; whether anything ran: validation, samples or
+        downstream scores, each under the guard's `between`). Downstream scores join the step's row."""
+        val, sampled = evaluate_and_sample(
+            self.su, self.meters, self.tracker, step, self.cfg.run.dir, self.guard
+        )
+        self.scores, scored = downstream_scores(self.su, self.meters, step, self.guard)
+        return val, val is not None or sampled or scored
 
     def meter(self, step: int, res: StepResult, val: float | None, stopping: bool) -> None:
         """The metrics row at log steps, built on every rank (the dp loss all-reduce and MoE figures are
@@ -209,17 +218,23 @@ class Loop:
             self.tracker.log({**row, **self.scores, **self.marker}, self.start)
             self.marker = {}
 
-    def save(self, step: int, stopping: bool, timed: bool) -> None:
-        if save_due(self.cfg, step, stopping) or timed:
-            self.bad.flush()  # a deferred grad-norm read: the save must know whether this step was skipped
-            with self.su.phases.phase("save"):
-                last = step == self.cfg.train.max_steps or stopping
-                self.ckpt.save(self.su.model, self.su.optimizer, step, last, self.bad.in_a_row)
+    def save(self, step: int, due: bool, last: bool) -> bool:
+        """Checkpoint `step` when `due` (`last`: the run's last save: synchronous, and its failure ends the
+        run); whether it saved (written, or writing in the background). A stop after a save that failed
+        (on_save_error=continue) or was refused tries once more, as the run's last."""
+        if not due:
+            return False
+        self.bad.flush()  # a deferred grad-norm read: the save must know whether this step was skipped
+        # its traffic is not the step's; its limit is checkpoint.save_timeout_s (Checkpointer.save)
+        with self.guard.between(f"checkpoint save at step {step}"), self.su.phases.phase("save"):
+            return self.ckpt.save(self.su.model, self.su.optimizer, step, last, self.bad.in_a_row)
 
     def finish(self, start: int, step: int) -> None:
         """The background save committed, the memory phases and the run's summary printed."""
-        self.ckpt.finish()
-        if self.mesh.is_logger and self.su.phases.figures:  # every phase's peak, a save after the last row's
+        self.ckpt.finish(step)
+        if (
+            self.mesh.is_logger and self.su.phases.figures
+        ):  # every phase's peak, a stop's save after the last row
             print(self.su.phases.summary(), flush=True)
         self.meters.report(start, step, self.ckpt.last_saved)
 
@@ -260,25 +275,33 @@ def next_batches(loader: Prefetcher, step: int, run_dir: str) -> list:
         raise ConfigError(record_bad_input(run_dir, str(e))) from e
 
 
-def evaluate_and_sample(su: Setup, meter: Meter, tracker: Tracker, step: int, run_dir: str) -> float | None:
-    """The validation loss when evaluation is due (else None), and samples when due: both off the clock."""
-    val = None
+def evaluate_and_sample(
+    su: Setup, meter: Meter, tracker: Tracker, step: int, run_dir: str, guard: RunGuard
+) -> tuple[float | None, bool]:
+    """(the validation loss when evaluation is due, else None; whether samples were written): both off the
+    clock, each batch or token a beat of the hang watchdog."""
+    val, sampled = None, False
     if su.evaluator is not None and su.evaluator.due(step):
         t0 = time.perf_counter()
-        val = su.evaluator.evaluate(su.model)
+        with guard.between(f"validation at step {step}"):
+            val = su.evaluator.evaluate(su.model, guard.progress)
         meter.paused(time.perf_counter() - t0)  # tokens_per_s counts training time only
     if su.sampler is not None and su.sampler.due(step):  # sampling time is not training time either
-        meter.paused(su.sampler.sample(step, su.model, run_dir, tracker.wandb_run))
-    return val
+        with guard.between(f"sampling at step {step}"):
+            meter.paused(su.sampler.sample(step, su.model, run_dir, tracker.wandb_run, guard.progress))
+        sampled = True
+    return val, sampled
 
 
-def downstream_scores(su: Setup, meter: Meter, step: int) -> dict:
-    """downstream/<task>/<metric> when downstream evaluation is due (else {}), off the clock."""
+def downstream_scores(su: Setup, meter: Meter, step: int, guard: RunGuard) -> tuple[dict, bool]:
+    """(downstream/<task>/<metric> when downstream evaluation is due, else {}; whether it was due), off the
+    clock; each task agreed over the ranks, each scored batch a beat of the hang watchdog."""
     if su.downstream is None or not su.downstream.due(step):
-        return {}
-    row, seconds = su.downstream.score(step, su.model)
+        return {}, False
+    with guard.between(f"downstream scoring at step {step}"):
+        row, seconds = su.downstream.score(step, su.model, guard.watchdog, guard.signalled)
     meter.paused(seconds)  # tokens_per_s counts training time only
-    return row
+    return row, True
 
 
 def save_due(cfg: Config, step: int, stopping: bool) -> bool:

@@ -39,7 +39,8 @@ class Evaluator:
     def maybe(self, step: int, model) -> float | None:
         return self.evaluate(model) if self.due(step) else None
 
-    def evaluate(self, model) -> float:
+    def evaluate(self, model, beat=None) -> float:
+        """The validation loss; `beat()`, when given, after each global batch (the hang watchdog hears it)."""
         t, mesh = self.t, self.mesh
         was_training = model.training
         model.eval()  # no dropout
@@ -63,6 +64,8 @@ class Evaluator:
                         cp_size=mesh.cp.size,
                     )
                     total += loss_sum(model, batches, mesh)
+                    if beat is not None:
+                        beat()
             # the evaluation's one host sync; meaningful on the last pipeline stage
             return reduce_loss(total, model, mesh).item() / self.tokens
         finally:

@@ -1,6 +1,8 @@
 """A full disk mid-run, on real size-limited file systems (a tmpfs mount, RLIMIT_FSIZE): a save that does
 not fit is the documented one line `checkpoint step N not committed: ...` with its temporary folder removed,
-and checkpoint.on_save_error=continue goes on; a full run.dir (metrics) costs a warning, never the run."""
+and checkpoint.on_save_error=continue goes on while a later save can try again (the last save's failure
+ends the run with exit 1, naming the steps not saved); a full run.dir (metrics) costs a warning, never the
+run."""
 
 from __future__ import annotations
 
@@ -74,11 +76,15 @@ def test_a_save_on_a_full_tmpfs_is_one_line_and_continue_goes_on(tmp_path, polic
         assert_one_line_not_committed(res, ck, 1)
         assert "No space left on device" in res.stderr, res.stderr[-3000:]
         assert sharded.committed(ck) == [] and not (ck / "latest").exists()
-        if policy == "stop":
-            assert res.returncode == 1, res.stderr[-3000:]
-        else:  # every save failed, every step trained
-            assert res.returncode == 0, res.stderr[-3000:]
-            assert "step      3/3" in res.stdout, res.stdout[-2000:]
+        assert res.returncode == 1, res.stderr[-3000:]
+        if policy == "continue":  # every save failed and training went on: the last failure is the run's end
+            # (step 3 trained; a failed save ends the run before that step's row and evaluation)
+            assert "step      2/3" in res.stdout, res.stdout[-2000:]
+            assert res.stderr.count("going on (checkpoint.on_save_error=continue)") == 2, res.stderr[-3000:]
+            last = res.stderr.strip().splitlines()[-1]
+            assert last.startswith("megaframe: error: checkpoint step 3 not committed"), last
+            assert "steps 1-3 not saved; no checkpoint has been committed" in last, last
+            assert "run summary" not in res.stdout
 
 
 def test_a_save_past_the_file_size_limit_is_one_line(tmp_path):

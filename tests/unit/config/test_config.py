@@ -48,7 +48,7 @@ train.recompute
 train.dist_timeout_s train.signal_check_interval train.threads train.fp8_head train.fused_head_loss
 train.sample_interval train.sample_prompts train.sample_tokens
 train.downstream_interval train.downstream_tasks train.downstream_include_path train.downstream_limit
-train.downstream_batch_size
+train.downstream_batch_size train.downstream_harness_timeout_s
 """.split()
 )
 

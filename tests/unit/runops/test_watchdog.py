@@ -124,3 +124,46 @@ def test_nccl_env_defaults_yield_to_the_user_and_follow_the_run_dir():
     user = {"TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/scratch/fr_"}
     nccl_env("/runs/c", user)
     assert user["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == "/scratch/fr_"
+
+
+def wait_for(exits: list, seconds: float = 10) -> None:
+    deadline = time.monotonic() + seconds
+    while not exits and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def test_work_between_steps_is_progress_per_batch_and_a_silent_phase_still_trips(tmp_path):
+    """Validation, sampling and scoring longer than the limit, beating per batch, never trip; a phase whose
+    work stops beating (a collective hung inside it) trips at the limit, its report naming the phase."""
+    exits = []
+    dog = Watchdog(0.4, 0, str(tmp_path), CommStats(), exit_fn=exits.append, grace_s=0).start()
+    try:
+        dog.beat(3)
+        with dog.phase("validation at step 3"):
+            for _ in range(12):  # 1.2 s of evaluation, three times the limit
+                time.sleep(0.1)
+                dog.beat()
+        assert exits == [] and dog.doing is None and dog.step == 3
+        with dog.phase("sampling at step 3"):
+            wait_for(exits)
+    finally:
+        dog.stop()
+    assert exits == [HANG_EXIT_CODE]
+    text = (tmp_path / "hang" / "rank0.txt").read_text()
+    assert "(train.hang_timeout_s=0.4) in sampling at step 3 after step 3" in text, text[:300]
+
+
+def test_a_phase_allowance_holds_until_the_work_switches_to_beats(tmp_path):
+    """lm-eval's own work (no batches) runs under its allowance; once scoring, the hang limit again."""
+    exits = []
+    dog = Watchdog(0.3, 1, str(tmp_path), CommStats(), exit_fn=exits.append, grace_s=0).start()
+    try:
+        with dog.phase("downstream task t at step 2", 30.0):
+            time.sleep(0.9)  # three times the hang limit, well inside the allowance
+            assert exits == []
+            dog.allow(None)
+            wait_for(exits)
+    finally:
+        dog.stop()
+    assert exits == [HANG_EXIT_CODE]
+    assert "in downstream task t at step 2" in (tmp_path / "hang" / "rank1.txt").read_text()

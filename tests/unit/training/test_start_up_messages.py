@@ -17,6 +17,28 @@ from megaframe.runops.signals import continue_command
 ROOT = Path(__file__).resolve().parents[3]
 
 
+@pytest.mark.parametrize("extra", [1, 100000, 2**31])
+def test_threads_far_above_the_machines_cpus_are_one_line_exit_2(extra):
+    """train.threads=100000 started 100000 OpenMP threads and ended in a segmentation fault (rc 139)."""
+    import os
+
+    bound = 4 * (os.cpu_count() or 1)
+    asked = bound + extra if extra < 2**31 else extra
+    with pytest.raises(ConfigError, match=rf"^train.threads={asked} must be <= {bound} \(4 per CPU of"):
+        load_config(["data=synthetic", f"train.threads={asked}"], world_size=1)
+    assert load_config(["data=synthetic", f"train.threads={bound}"], world_size=1).train.threads == bound
+
+
+def test_threads_above_the_cpus_of_the_node_are_a_warning():
+    from megaframe.training.threads import Threads, oversubscribed_warning
+
+    key = Threads(3, "train.threads")
+    assert oversubscribed_warning(key, 1, cpus=4) is None
+    line = oversubscribed_warning(key, 2, cpus=4)
+    assert line and line.startswith("train.threads=3 x 2 rank(s) on this node is above its 4 CPUs")
+    assert oversubscribed_warning(Threads(8, "8 cores / 1 rank"), 1, cpus=4) is None  # not the user's
+
+
 def test_threads_come_from_the_key_then_omp_then_cores_over_local_ranks():
     from megaframe.training.threads import pick_threads
 
