@@ -22,7 +22,9 @@ BATCH = ["train.global_batch_size=4", "train.micro_batch_size=2"]
 
 @pytest.mark.parametrize("data", ["synthetic", "demo"])
 @pytest.mark.parametrize("split", ["train", "valid"])
-def test_samples_from_the_data_group_are_the_run_configs(data, split):
+def test_samples_from_the_data_group_are_the_run_configs(data, split, request):
+    if data == "demo":  # the corpus a fresh clone prepares once (it passed only after a test that had)
+        request.getfixturevalue("demo_prepared")
     cfg = tiny_config([f"data={data}", *BATCH], 1)
     m, t = cfg.model, cfg.train
     ours = build_samples(cfg.data, m.seq_length, m.vocab_size, t.seed, t.global_batch_size, split)
