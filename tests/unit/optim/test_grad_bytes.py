@@ -11,8 +11,10 @@ separate clip pass 8 on top, 50 in all.
 Per micro-batch (grads into the fp32 buffer): a linear's weight-grad GEMM writes its fp32 result into the
 buffer in the step's first backward (4) and accumulates in the later ones (read 4, write 4); before, autograd
 wrote a bf16 grad that a hook added into the buffer (write 2, read 2, read 4, write 4). The fused head + CE
-writes its fp32 dW once per micro-batch (4) and scales it into the buffer (read 4, write 4, and read 4 more
-when accumulating); before, it also rounded dW to bf16 and back through the hook (24). The norms keep the
+is told the loss's upstream grad in forward (the executor's 1 / tokens per step), makes the logits' grad
+scaled and sums dW straight into the buffer like a linear (4 / 8); before, it wrote an fp32 dW (4) that
+backward scaled into the buffer (read 4, write 4, and read 4 more when accumulating): 12 / 16.
+The norms keep the
 hook: a bf16 grad is written (cast from fp32, read 4 more), read and copied into the buffer (2 + 4) or added
 (2 + 8). An untied embedding adds only its looked-up rows into the buffer (read 4 + write 4 per token and
 hidden element), after zeroing it in the step's first backward (4); before, a dense bf16 table grad went
@@ -41,11 +43,12 @@ STEP_BYTES = 42  # norm 4 + AdamW 28 + clipped grad written back 4 + master -> b
 # bytes per element in the (first, each later) micro-batch of a step, by how the grad reaches the buffer
 MICROBATCH_BYTES = {
     "linear": (4, 8),  # the weight-grad GEMM into the fp32 buffer
-    "head": (12, 16),  # fp32 dW written, then scaled into the buffer
+    "head": (4, 8),  # dW, scaled in forward (the executor's 1 / tokens), summed into the buffer by the GEMM
     "norm": (12, 16),  # fp32 grad cast to bf16 (6), then copied (6) / added (10) into the buffer
     "embed": (4, 0),  # the buffer zeroed once per step, + ROW_BYTES per looked-up row element
 }
 ROW_BYTES = 8  # an embedding row's grad added into the fp32 buffer: read 4, write 4 per element
+CHECK_BYTES = 8  # the head's check that the promised upstream grad came: one element read and written
 
 
 def _kind(name: str) -> str:
@@ -140,7 +143,7 @@ def test_micro_batch_grad_bytes_per_parameter_follow_the_table(counted):
     rows = sum(ROW_BYTES * tokens * p.shape[1] for n, p in params.items() if _kind(n) == "embed")
     for i, which in ((1, 0), (2, 1), (n_mb, 1)):
         want = sum(p.numel() * MICROBATCH_BYTES[_kind(n)][which] for n, p in params.items())
-        want = (want + rows) / numel
+        want = (want + rows + CHECK_BYTES) / numel
         got = counter.per(f"mb{i}", numel)
         assert got == want, (i, got, want, {k: v for k, v in counter.ops.items() if k[0] == f"mb{i}"})
 
