@@ -2,11 +2,14 @@
 
 Legend: N tokens (flattened sequence x batch), I input features, O output features.
 
-The scaling (dynamic, tensorwise or rowwise), the casts to float8_e4m3 (forward) / e5m2 (grads) and the
-scaled GEMMs in forward and both backward products are torchao's `matmul_with_hp_or_float8_args`, the op its
-`Float8Linear` (and so torchtitan's FP8 path) calls. megaframe's own linears keep their tensor-parallel
-communication, so the swap is of the GEMM, not of the module: `enable_fp8` gives each block linear an
-`Fp8Gemm`, and the linear calls it instead of `F.linear` on its local shards.
+The scaling (dynamic, tensorwise or rowwise: torchao's recipes by name), the casts to float8_e4m3 (forward)
+/ e5m2 (grads) and the scaled GEMMs of forward and grad-input are torchao's, as in its
+`matmul_with_hp_or_float8_args` (the op its `Float8Linear`, and so torchtitan's FP8 path, calls), with each
+operand cast once per micro-batch where the recipe's casts agree; the weight grad is the high-precision GEMM
+into the fp32 main_grad, as a bf16 linear's (`_Fp8Linear`; torchao's rowwise_with_gw_hp keeps it high
+precision too). megaframe's own linears keep their tensor-parallel communication, so the swap is of the
+GEMM, not of the module: `enable_fp8` gives each block linear an `Fp8Gemm`, and the linear calls it instead
+of `F.linear` on its local shards.
 
 The output head's logits GEMM and its two backward GEMMs run float8 too under `train.fp8_head` (off by
 default, as torchtitan and Megatron keep the head bf16):
