@@ -353,6 +353,14 @@ def main(argv=None) -> int:
         help="comma list of megaframe, hf_llama, torchtitan (each one's _fp8 figure comes with --fp8)",
     )
     args = ap.parse_args(argv)
+    unknown = sorted(set(args.sides.split(",")) - {"megaframe", "hf_llama", "torchtitan"})
+    if unknown:  # else nothing would run and the exit code say success
+        print(
+            f"bench_gpu: error: --sides {args.sides}: unknown {', '.join(unknown)} "
+            "(choose from megaframe, hf_llama, torchtitan)",
+            file=sys.stderr,
+        )
+        return 2
     if args.dry:
         args.seq, args.batch, args.micro_batches, args.steps, args.repeats, args.warmup = 32, 1, 2, 1, 1, 1
         args.compile = False

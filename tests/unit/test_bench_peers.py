@@ -77,3 +77,9 @@ def test_bench_times_tokens_per_second_with_no_sync_inside_the_timed_loop(monkey
     timed = events[first : events.index("float", first)]
     assert timed.count("step") == 3 and timed.count("sync") == 0, timed
     assert r["step_ms"] >= 0 and r["mb_ms"] >= 0 and "sync" in events[events.index("float", first) :]
+
+
+def test_bench_refuses_an_unknown_side(capsys):
+    assert _bench_gpu().main(["--dry", "--sides", "megaframe,bogus"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--sides megaframe,bogus: unknown bogus" in err[0], err
