@@ -851,9 +851,10 @@ def main() -> None:
         import megaframe.model.parallelize as par
 
         def compile_blocks(model):
+            # as model/parallelize.py compiles them: the block's forward, its hooks eager around it
             par.arm()
             for block in model.layers.values():
-                block.compile(backend=BACKEND, dynamic=False)
+                block.forward = torch.compile(block.forward, backend=BACKEND, dynamic=False)
 
         par.compile_blocks = compile_blocks
     env()
@@ -884,6 +885,11 @@ def main() -> None:
             ("C mf-bf16", "C", 60, mf_builder("C", "bf16"), True),
             ("C hf-bf16", "C", 60, hf_builder("C"), False),
         ]
+    known = [p[0] for p in plan] + ["C mf-bf16", "C hf-bf16", "A fused-head-CE-alone", "A sdpa-backends"]
+    if ARGS.only and not any(wanted(k) for k in known):  # a typo would spend a device slot on nothing
+        names = ", ".join(known)
+        print(f"gpu_figures: error: --only {ARGS.only!r} names no figure of: {names}", file=sys.stderr)
+        raise SystemExit(2)
     for key, shape, est, build, prof in plan:
         measure(key, shape, est if not ARGS.dry else 1, build, prof)
     if ARGS.extras:

@@ -27,3 +27,17 @@ def test_gpu_figures_dry_runs_megaframe_figures_and_a_peer_on_cpu():
     assert re.search(r"RESULT +A hf-bf16: [0-9,]+ tok/s", out), out[-3000:]
     assert re.search(r"KERNELS +A mf-bf16: ", out) and re.search(r"CATS +A mf-bf16: ", out), out[-3000:]
     assert "==== SUMMARY" in out and re.search(r"ratio A mf-fp8 / A mf-bf16: [0-9.]+", out), out[-3000:]
+
+
+def test_gpu_figures_refuses_an_only_that_names_no_figure():
+    res = subprocess.run(
+        [sys.executable, str(ROOT / "scripts/gpu_figures.py"), "--dry", "--only", "A mf-bf17"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
+    err = [ln for ln in res.stderr.splitlines() if "gpu_figures:" in ln]
+    assert res.returncode == 2 and len(err) == 1, res.stderr[-2000:]
+    assert "'A mf-bf17' names no figure" in err[0], err
+    assert "RESULT" not in res.stdout
