@@ -20,7 +20,10 @@ Figures per side: tokens/s (median of --repeats), MFU = tokens/s x F / peak with
 megaframe's flops_per_token: F = 6 N_matmul + 12 L S H E (head counted, embedding not, no causal discount:
 torchtitan's and MosaicML's count), peak = the device's dense bf16 rate; peak memory
 (torch.cuda.max_memory_allocated); and the step split into its per-micro-batch part (forward + backward) and
-its per-step part (zero_grad, clip, update), each timed between device syncs. --dry: CPU, tiny dims, no
+its per-step part (zero_grad, clip, update), timed between device syncs in a pass of its own after the rate
+(the rate's loop has no sync but its last float(loss)). --fp8: every side float8 too (megaframe
+train.precision=fp8; the peers torchao's convert_to_float8_training, tensorwise, head bf16). Each figure's
+line names the device and versions. --dry: CPU, tiny dims, no
 compile: the harness only (the suite runs it).
 """
 
@@ -49,17 +52,22 @@ DRY_DIMS = dict(
 
 
 class Clock:
-    """Seconds spent in the per-step part of a step, between device syncs (the rest is micro-batches)."""
+    """Seconds spent in the per-step part of a step, between device syncs (the rest is micro-batches), while
+    `on`: only in the split pass, after the rate is timed (a sync inside the timed loop drains the queue and
+    exposes the next launches: 4 per step for megaframe's zero_grad and step, 2 for a peer's update)."""
 
     def __init__(self, device):
-        self.device, self.per_step = device, 0.0
+        self.device, self.per_step, self.on, self.syncs = device, 0.0, False, 0
 
     def sync(self):
+        self.syncs += 1
         if self.device.type == "cuda":
             torch.cuda.synchronize()
 
     def wrap(self, fn):
         def timed(*a, **k):
+            if not self.on:
+                return fn(*a, **k)
             self.sync()
             t = time.perf_counter()
             out = fn(*a, **k)
@@ -151,7 +159,24 @@ def _peer_step(model, forward, device, clock: Clock, tokens_per_step: int):
     return step
 
 
-def hf_side(cfg, args, device, clock: Clock):
+def float8_peer(model, recipe: str = "tensorwise") -> int:
+    """torchao's float8 training on a peer's linears, as torchtitan's Float8 converter applies it: the output
+    head excluded (torchtitan's filter_fqns=["output"]; transformers' lm_head), and linears whose dims are
+    not multiples of 16 left bf16. Returns how many were converted."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    def keep(mod, fqn: str) -> bool:
+        head = fqn.split(".")[-1] in ("lm_head", "output")
+        return not head and mod.in_features % 16 == 0 and mod.out_features % 16 == 0
+
+    before = sum(1 for m in model.modules() if type(m).__name__ == "Float8Linear")
+    convert_to_float8_training(
+        model, module_filter_fn=keep, config=Float8LinearConfig.from_recipe_name(recipe)
+    )
+    return sum(1 for m in model.modules() if type(m).__name__ == "Float8Linear") - before
+
+
+def hf_side(cfg, args, device, clock: Clock, fp8: bool = False):
     import transformers
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -176,6 +201,11 @@ def hf_side(cfg, args, device, clock: Clock):
     hc._attn_implementation = "sdpa"
     with torch.device(device):
         model = LlamaForCausalLM(hc).train()
+    label = f"transformers {transformers.__version__}"
+    if fp8:
+        import torchao
+
+        label += f", torchao {torchao.__version__} float8 tensorwise on {float8_peer(model)} linears"
     loss = _ce_sum
     if args.compile:
         for layer in model.model.layers:
@@ -188,10 +218,10 @@ def hf_side(cfg, args, device, clock: Clock):
         clock,
         args.batch * args.seq * args.micro_batches,
     )
-    return step, f"transformers {transformers.__version__}"
+    return step, label
 
 
-def torchtitan_side(cfg, args, device, clock: Clock):
+def torchtitan_side(cfg, args, device, clock: Clock, fp8: bool = False):
     from functools import partial
 
     import torchtitan
@@ -235,6 +265,11 @@ def torchtitan_side(cfg, args, device, clock: Clock):
     if hasattr(model, "init_states"):
         model.init_states(buffer_device=device)
     model.train()
+    label = f"torchtitan {getattr(torchtitan, '__version__', '0.3')}"
+    if fp8:
+        import torchao
+
+        label += f", torchao {torchao.__version__} float8 tensorwise on {float8_peer(model)} linears"
     loss = _ce_sum
     if args.compile:
         for block in model.layers.values():
@@ -247,11 +282,13 @@ def torchtitan_side(cfg, args, device, clock: Clock):
         clock,
         args.batch * args.seq * args.micro_batches,
     )
-    return step, f"torchtitan {getattr(torchtitan, '__version__', '0.3')}"
+    return step, label
 
 
 def measure(build, args, device, batches) -> dict:
-    """Build a side, run --warmup steps (compiles happen there), then --repeats x --steps timed steps."""
+    """Build a side, run --warmup steps (compiles happen there), then --repeats x --steps timed steps with no
+    sync inside (one at the end, `float(loss)`): tokens/s. Then one split pass over the same steps, the
+    per-step part (zero_grad, clip, update) timed between syncs: ms per step and per micro-batch."""
     clock = Clock(device)
     step, label = build(clock)
     for mbs in batches[: args.warmup]:
@@ -259,24 +296,28 @@ def measure(build, args, device, batches) -> dict:
     clock.sync()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    tps, per_step, per_mb = [], [], []
+    n, tps = len(batches) - args.warmup, []
+    syncs = clock.syncs
     for _ in range(args.repeats):
-        clock.per_step = 0.0
         t = time.perf_counter()
         for mbs in batches[args.warmup :]:
             loss = step(mbs)
-        float(loss)  # waits for the device
-        wall = time.perf_counter() - t
-        n = len(batches) - args.warmup
-        tps.append(n * args.micro_batches * args.batch * args.seq / wall)
-        per_step.append(clock.per_step / n)
-        per_mb.append((wall - clock.per_step) / n / args.micro_batches)
+        float(loss)  # waits for the device: the one sync of the timed loop
+        tps.append(n * args.micro_batches * args.batch * args.seq / (time.perf_counter() - t))
+    syncs = (clock.syncs - syncs) / (n * args.repeats)
+    clock.on, clock.per_step = True, 0.0
+    t = time.perf_counter()
+    for mbs in batches[args.warmup :]:
+        loss = step(mbs)
+    float(loss)
+    wall = time.perf_counter() - t
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
     return {
         "label": label,
         "tps": statistics.median(tps),
-        "step_ms": 1e3 * statistics.median(per_step),
-        "mb_ms": 1e3 * statistics.median(per_mb),
+        "syncs": syncs,
+        "step_ms": 1e3 * clock.per_step / n,
+        "mb_ms": 1e3 * (wall - clock.per_step) / n / args.micro_batches,
         "peak_gib": peak,
     }
 
@@ -299,15 +340,27 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=3, help="timed optimizer steps per repeat")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--fp8", action="store_true", help="also megaframe at train.precision=fp8")
+    ap.add_argument(
+        "--fp8",
+        action="store_true",
+        help="also every side float8: megaframe train.precision=fp8, the peers torchao's float8 (head bf16)",
+    )
     ap.add_argument("--no-compile", dest="compile", action="store_false")
     ap.add_argument("--dry", action="store_true", help="CPU, tiny dims, no compile: the harness only")
     ap.add_argument(
         "--sides",
         default="megaframe,hf_llama,torchtitan",
-        help="comma list of megaframe, hf_llama, torchtitan (megaframe_fp8 comes with --fp8)",
+        help="comma list of megaframe, hf_llama, torchtitan (each one's _fp8 figure comes with --fp8)",
     )
     args = ap.parse_args(argv)
+    unknown = sorted(set(args.sides.split(",")) - {"megaframe", "hf_llama", "torchtitan"})
+    if unknown:  # else nothing would run and the exit code say success
+        print(
+            f"bench_gpu: error: --sides {args.sides}: unknown {', '.join(unknown)} "
+            "(choose from megaframe, hf_llama, torchtitan)",
+            file=sys.stderr,
+        )
+        return 2
     if args.dry:
         args.seq, args.batch, args.micro_batches, args.steps, args.repeats, args.warmup = 32, 1, 2, 1, 1, 1
         args.compile = False
@@ -323,6 +376,9 @@ def main(argv=None) -> int:
     ]
     fpt, peak = flops_per_token(cfg.model), peak_flops(device)
     m = cfg.model
+    # every figure's line names the device and versions: lines are compared across runs and machines
+    name = torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu"
+    where = f"{name}, torch {torch.__version__}"
     print(
         f"bench_gpu | {device.type} {torch.cuda.get_device_name(0) if device.type == 'cuda' else ''}, torch "
         f"{torch.__version__} | {m.num_layers} layers, D={m.hidden_size}, heads {m.num_attention_heads} "
@@ -339,9 +395,15 @@ def main(argv=None) -> int:
         "hf_llama": lambda c: hf_side(cfg, args, device, c),
         "torchtitan": lambda c: torchtitan_side(cfg, args, device, c),
     }
-    sides = {k: v for k, v in sides.items() if k in args.sides.split(",")}
+    fp8 = {
+        "megaframe_fp8": lambda c: megaframe_side(args, device, c, "fp8")[1:],
+        "hf_llama_fp8": lambda c: hf_side(cfg, args, device, c, fp8=True),
+        "torchtitan_fp8": lambda c: torchtitan_side(cfg, args, device, c, fp8=True),
+    }
+    chosen = args.sides.split(",")
+    sides = {k: v for k, v in sides.items() if k in chosen}
     if args.fp8:
-        sides["megaframe_fp8"] = lambda c: megaframe_side(args, device, c, "fp8")[1:]
+        sides.update({k: v for k, v in fp8.items() if k.removesuffix("_fp8") in chosen})
     res, failed = {}, False
     for name, build in sides.items():
         try:
@@ -358,9 +420,13 @@ def main(argv=None) -> int:
         mfu = r["tps"] * fpt / peak if peak else float("nan")
         print(
             f"  {name:13s} tokens/s {r['tps']:10.1f} | MFU {mfu:.3f} | peak {r['peak_gib']:.1f} GiB | "
-            f"per step {r['step_ms']:.1f} ms + per micro-batch {r['mb_ms']:.1f} ms | {r['label']}"
+            f"per step {r['step_ms']:.1f} ms + per micro-batch {r['mb_ms']:.1f} ms | "
+            f"syncs/step in the timed loop {r['syncs']:.0f} | {r['label']} | {where}"
         )
-    for a, b in (("megaframe", "hf_llama"), ("megaframe", "torchtitan"), ("megaframe_fp8", "megaframe")):
+    pairs = [("megaframe", "hf_llama"), ("megaframe", "torchtitan")]
+    pairs += [(f"{s}_fp8", s) for s in ("megaframe", "hf_llama", "torchtitan")]
+    pairs += [("megaframe_fp8", "hf_llama_fp8"), ("megaframe_fp8", "torchtitan_fp8")]
+    for a, b in pairs:
         if a in res and b in res:
             print(f"ratio {a} / {b}: {res[a]['tps'] / res[b]['tps']:.3f}")
     return 1 if failed else 0

@@ -113,17 +113,18 @@ class TrainConfig(Frozen):
     precision: Precision = Precision.fp32
     """fp32 | bf16 | fp8: bf16 parameters and compute, with fp32 master weights, Adam moments and grad
     reduction in the optimizer (needs optim.zero=1). No loss scaling: bf16 has fp32's range. fp8 is bf16
-    with the transformer blocks' linears and the output head as float8 GEMMs through torchao (needs torchao;
-    fast only with train.compile=true on an H100-class GPU); the embedding lookup, router and experts stay
-    bf16, and an fp8 checkpoint is a bf16 one. Under optim.zero=3 with the tensorwise recipe the float8
-    linears' weights are all-gathered as float8 (1 byte per element instead of 2)."""
+    with the transformer blocks' linears as float8 GEMMs through torchao (the head too under train.fp8_head;
+    needs torchao; fast only with train.compile=true on an H100-class GPU); the embedding lookup, router and
+    experts stay bf16, and an fp8 checkpoint is a bf16 one. Under optim.zero=3 with the tensorwise recipe the
+    float8 linears' weights are all-gathered as float8 (1 byte per element instead of 2)."""
     fp8_recipe: Fp8Recipe = Fp8Recipe.tensorwise
     """tensorwise | rowwise: torchao's float8 scaling under train.precision=fp8 (one scale per tensor, or
     per row of each GEMM operand: slower, closer to bf16)."""
-    fp8_head: bool = True
-    """Under train.precision=fp8, the output head's GEMMs (logits and both backward GEMMs, inside the fused
-    head + cross-entropy's chunks) float8 too, where its local weight dims (vocab shard, hidden) are multiples
-    of 16; false keeps the head bf16 (as torchtitan and Megatron do)."""
+    fp8_head: bool = False
+    """Under train.precision=fp8, true runs the output head's GEMMs (logits and both backward GEMMs, inside
+    the fused head + cross-entropy's chunks) float8 too, where its local weight dims (vocab shard, hidden) are
+    multiples of 16. Off by default, as torchtitan and Megatron keep the head bf16: its casts run outside the
+    compiled blocks, over the V-wide logits' grad, and cost more than its float8 GEMMs save."""
     eval_interval: int = 0
     """Compute val_loss on the validation split every this many steps (and at the last); 0 = never."""
     eval_iters: int = 4

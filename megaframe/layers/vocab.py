@@ -11,9 +11,45 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from megaframe.layers import wgrad
 from megaframe.layers.shard import Shard, sharded_param
 from megaframe.parallel import comm
 from megaframe.parallel.mesh import Axis
+
+
+class _RowsIntoMain(torch.autograd.Function):
+    """x_ND = w_VD[ids_N]; backward adds only the looked-up rows' grads into w's fp32 main_grad (ZeRO-1 sets
+    `rows_into_main` on an untied embedding): N x D elements touched, not autograd's dense V x D grad (zero
+    fill, scatter) copied or added into the fp32 buffer by the param's hook (8 / 12 B per element of the
+    table per micro-batch). The step's first backward zeroes main_grad first (4 B per element, once)."""
+
+    @staticmethod
+    def forward(ctx, ids_N, w_VD, main_VD):
+        ctx.save_for_backward(ids_N)
+        ctx.main = main_VD  # on ctx: written by every micro-batch's backward in between (see wgrad.py)
+        ctx.shape = w_VD.shape
+        return F.embedding(ids_N, w_VD)
+
+    @staticmethod
+    def backward(ctx, g_ND):
+        (ids_N,) = ctx.saved_tensors
+        main = ctx.main
+        if wgrad.note_written(main):
+            main.zero_()
+        # accumulate=True sums repeated ids (deterministic: CUDA's index_put_ sorts the indices)
+        main.index_put_((ids_N,), g_ND.to(main.dtype), accumulate=True)
+        wgrad.pending.add(main.data_ptr())
+        # fires the param's hook, which drops it (the grad is in main already); never read or written
+        return None, torch.empty(ctx.shape, dtype=g_ND.dtype, device=g_ND.device), None
+
+
+def embedding(ids: torch.Tensor, w_VD: torch.Tensor) -> torch.Tensor:
+    """F.embedding, with the grad's rows added into w's fp32 main_grad where the optimizer set
+    rows_into_main."""
+    if not (getattr(w_VD, "rows_into_main", False) and torch.is_grad_enabled() and w_VD.requires_grad):
+        return F.embedding(ids, w_VD)
+    x_ND = _RowsIntoMain.apply(ids.reshape(-1), w_VD, w_VD.main_grad)
+    return x_ND.view(*ids.shape, w_VD.shape[1])
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -43,12 +79,12 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, ids_SB: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.embedding(ids_SB, self.weight)
+            return embedding(ids_SB, self.weight)
         outside_SB = (ids_SB < self.start) | (ids_SB >= self.end)
         # Map outside ids to row 0 so the lookup stays in bounds, then zero those rows: the sum over tp
         # leaves exactly one rank's row per token.
         local_SB = (ids_SB - self.start).masked_fill(outside_SB, 0)
-        x_SBD = F.embedding(local_SB, self.weight).masked_fill(outside_SB.unsqueeze(-1), 0.0)
+        x_SBD = embedding(local_SB, self.weight).masked_fill(outside_SB.unsqueeze(-1), 0.0)
         return comm.reduce_scatter_to_sp(x_SBD, self.tp) if self.sp else comm.reduce_from_tp(x_SBD, self.tp)
 
 

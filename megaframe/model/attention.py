@@ -35,21 +35,34 @@ SDPA_PRIORITY = [
     SDPBackend.EFFICIENT_ATTENTION,
     SDPBackend.MATH,
 ]
-"""CUDA SDPA backends, first usable wins. torch's default order puts FlashAttention-2 first; cuDNN's Hopper
-kernels are faster at head dim 64-128 (torchtitan sets this order too); its grads are checked against flash in
+"""CUDA SDPA backends on Hopper (sm90), first usable wins: cuDNN's kernels there are 1.2-1.9x
+FlashAttention-2's at head dim 64-128 (pytorch#142132, #122510); its grads are checked against flash in
 tests/gpu."""
+
+SDPA_PRIORITY_ELSEWHERE = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+"""Every other CUDA device: flash first, no cuDNN. On A100 cuDNN's SDPA is slower than flash
+(transformers#48163: 0.82x), on Blackwell RTX too (0.88x), and on B200 torch 2.13's cuDNN SDPA gives wrong
+outputs with fewer than 8 KV heads (pytorch#193893), where torch's own order would put it first."""
+
+
+def sdpa_priority(capability: tuple[int, int]) -> list[SDPBackend]:
+    """The SDPA backend order for a CUDA device of this compute capability: cuDNN first only where it wins
+    and is correct (Hopper, (9, 0)); flash first elsewhere."""
+    return SDPA_PRIORITY if tuple(capability) == (9, 0) else SDPA_PRIORITY_ELSEWHERE
 
 
 def causal_sdpa(
     q_BHSE: torch.Tensor, k_BKSE: torch.Tensor, v_BKSE: torch.Tensor, dropout: float, gqa: bool
 ) -> torch.Tensor:
-    """Causal SDPA; on CUDA under SDPA_PRIORITY
-    (a context torch.compile traces; the global order is restored)."""
+    """Causal SDPA; on CUDA under sdpa_priority(the device's capability) (a context torch.compile traces;
+    the global order is restored)."""
     if not q_BHSE.is_cuda:
         return F.scaled_dot_product_attention(
             q_BHSE, k_BKSE, v_BKSE, is_causal=True, dropout_p=dropout, enable_gqa=gqa
         )
-    with sdpa_kernel(SDPA_PRIORITY, set_priority=True):
+    # get_device_properties is constant-folded by dynamo: no graph break, no guard per call
+    props = torch.cuda.get_device_properties(q_BHSE.device)
+    with sdpa_kernel(sdpa_priority((props.major, props.minor)), set_priority=True):
         return F.scaled_dot_product_attention(
             q_BHSE, k_BKSE, v_BKSE, is_causal=True, dropout_p=dropout, enable_gqa=gqa
         )

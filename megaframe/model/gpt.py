@@ -166,8 +166,10 @@ class GPT(nn.Module):
     def embed_tokens(self, ids_BS: torch.Tensor, doc: DocContext | None = None) -> torch.Tensor:
         return self.input_step(ids_BS, doc)
 
-    def head_output(self, x_SBD: torch.Tensor, labels_BS: torch.Tensor | None) -> torch.Tensor:
-        return self.output_step(x_SBD, labels_BS)
+    def head_output(
+        self, x_SBD: torch.Tensor, labels_BS: torch.Tensor | None, loss_scale: float | None = None
+    ) -> torch.Tensor:
+        return self.output_step(x_SBD, labels_BS, loss_scale)
 
     def _embed_tokens(self, ids_BS: torch.Tensor, doc: DocContext | None = None) -> torch.Tensor:
         # Transposed to sequence-first: sp splits and gathers dim 0, contiguous (comm's convention).
@@ -191,11 +193,14 @@ class GPT(nn.Module):
         """The output head's weight_VD (this rank's vocab rows): the head's, or the tied embedding's."""
         return self.embed.weight if self.cfg.tie_embeddings else self.head.weight
 
-    def _head_output(self, x_SBD: torch.Tensor, labels_BS: torch.Tensor | None) -> torch.Tensor:
+    def _head_output(
+        self, x_SBD: torch.Tensor, labels_BS: torch.Tensor | None, loss_scale: float | None = None
+    ) -> torch.Tensor:
         x_SBD = self.final_norm(x_SBD)
         # head + loss fused, chunked: no full logits (train.fused_head_loss=false: the whole logits)
         if labels_BS is not None and self.mesh.tp.size == 1 and self.fused_head_loss:
-            return linear_cross_entropy(x_SBD, self.head_weight(), labels_BS.t(), self.head_gemm).t()
+            w_VD, t_SB = self.head_weight(), labels_BS.t()
+            return linear_cross_entropy(x_SBD, w_VD, t_SB, self.head_gemm, loss_scale).t()
         if self.cfg.tie_embeddings:
             logits_SBV = parallel_logits(x_SBD, self.embed.weight, self.mesh.tp, self.sp, self.head_gemm)
         else:
@@ -210,8 +215,11 @@ class GPT(nn.Module):
         x_SBD: torch.Tensor | None,
         input_ids_BS: torch.Tensor,
         labels_BS: torch.Tensor | None,
+        loss_scale: float | None = None,
     ) -> torch.Tensor:
-        """One chunk: hidden states in, hidden states out (or loss_BS / logits on the last stage)."""
+        """One chunk: hidden states in, hidden states out (or loss_BS / logits on the last stage).
+        `loss_scale`: the upstream grad each token's loss will get (the pipeline executor's 1 / tokens per
+        step), known before forward: the fused head then writes its weight grad into main_grad there."""
         doc = None
         if self.doc_eos is not None:
             doc = document_context(input_ids_BS, self.doc_eos, self.mesh.cp, self._doc_kernel())
@@ -232,7 +240,7 @@ class GPT(nn.Module):
             else:
                 x_SBD = self.layers[str(i)](x_SBD, rope)
         if chunk == len(self.stage.chunks) - 1 and self.stage.last:
-            return self.head_output(x_SBD, labels_BS)
+            return self.head_output(x_SBD, labels_BS, loss_scale)
         return x_SBD
 
     def _doc_kernel(self) -> str:

@@ -99,6 +99,9 @@ class ParamGather:
     """Launches and waits for the param all-gathers of a ZeroOptimizer's buffers."""
 
     def __init__(self, model: nn.Module, buffers: list, overlap: bool):
+        # A shard axis of 1 gathers nothing: no hooks to wait on (each would be a graph break at a compiled
+        # block's entry, or a Python call per module per micro-batch)
+        overlap = overlap and any(buf.axis.size > 1 for buf in buffers)
         self.buffers, self.overlap = buffers, overlap
         self.works: list = []  # Work or None, in launch order
         self.waited = 0  # works[:waited] are done

@@ -152,10 +152,17 @@ class ZeroOptimizer(ZeroStateIO, Optimizer):
         if self.stage == 1:
             # The grad buffer has its memory now: linears may write their weight grads into it
             # (layers/wgrad.py) not the embedding: its weight may be the tied head's too, and two grads of one
-            # param are summed by autograd before its hook, where the never-written one would be added in
+            # param are summed by autograd before its hook, where the never-written one would be added in.
+            # An untied embedding adds its looked-up rows into the buffer itself (layers/vocab.py).
             embeds = {id(m.weight) for m in self.model.modules() if isinstance(m, VocabParallelEmbedding)}
+            heads = {
+                id(m.head_weight())
+                for m in self.model.modules()
+                if getattr(m, "output_step", None) is not None and hasattr(m, "head_weight")
+            }
             for p in self.params:
                 p.fuse_wgrad = id(p) not in embeds
+                p.rows_into_main = id(p) in embeds and id(p) not in heads
         for buf in self.buffers:
             for b in buf.buckets:
                 if self.stage == 2 and b.late and b.acc is None:

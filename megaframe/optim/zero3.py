@@ -48,8 +48,9 @@ forward and backward: optim/sizing.py gathers_per_step), reduce-scatters M·(dp-
 scalar (under HSDP dp is the shard group, plus the all-reduce of the grad shard over its replicas; under
 cp, dp is cp·dp). Composes with tp/sp, pp/vpp, ep (expert params in a buffer of their own, sharded over
 edp, one bucket per block too), cp (shards and gathers over cp·dp, both cp_comm kinds), HSDP and full
-recompute (the re-run forward inside backward neither frees nor prefetches); refused with compile
-(config/checks.py): hooks inside compiled blocks are not handled.
+recompute (the re-run forward inside backward neither frees nor prefetches) and train.compile: the blocks'
+forwards are compiled, so these hooks run eagerly around the graph, never traced into it
+(model/parallelize.py).
 """
 
 from __future__ import annotations

@@ -142,7 +142,9 @@ def _forward(a: Action, st: _State, model, batches, tokens_global: int) -> None:
     key = (a.microbatch, a.chunk)
     input_ids_BS, labels_BS = batches[a.microbatch]
     x_SBD = st.inputs.pop(key, None)
-    out = model.forward_chunk(a.chunk, x_SBD, input_ids_BS, labels_BS)
+    # the loss's grad per token is 1 / tokens_global (below), known now: the fused head folds it in forward
+    scale = 1.0 / tokens_global if torch.is_grad_enabled() and _is_loss_chunk(model, a.chunk) else None
+    out = model.forward_chunk(a.chunk, x_SBD, input_ids_BS, labels_BS, loss_scale=scale)
     if not torch.is_grad_enabled():  # forward-only (evaluation): nothing to keep for a backward
         if _is_loss_chunk(model, a.chunk):
             st.loss_sum += out.float().sum()

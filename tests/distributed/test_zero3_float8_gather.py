@@ -14,6 +14,8 @@ pytestmark = pytest.mark.distributed
 STEPS = 4
 # one micro-batch per rank at dp2 (batch 4, micro-batch 2): every collective of a step fits the ring buffer
 BASE = ["train.global_batch_size=4", "optim.zero=3"]
+# the head float8 too (opt-in), so its weight is gathered as float8 as well
+FP8 = ["train.precision=fp8", "train.fp8_head=true"]
 
 
 def _gathers(entries: list[dict]) -> list[dict]:
@@ -33,9 +35,11 @@ _runs: list = []  # the three runs, made once for both tests (the pool fixture i
 @pytest.fixture
 def runs(pool):
     if not _runs:
-        _runs.append(pool.run(gather_probe, 2, BASE + ["train.precision=fp8"], STEPS)[0])
+        _runs.append(pool.run(gather_probe, 2, BASE + FP8, STEPS)[0])
         _runs.append(pool.run(gather_probe, 2, BASE + ["train.precision=bf16"], STEPS)[0])
-        one = ["train.global_batch_size=4", "optim.zero=1", "train.precision=fp8"]
+        # zero=2: its grads take ZeRO-3's path (autograd's bf16 grad, then the hook); zero=1's linears, head
+        # and embedding write theirs into the fp32 buffer, unrounded (layers/wgrad.py): not the same sums
+        one = ["train.global_batch_size=4", "optim.zero=2", *FP8]
         _runs.append(pool.run(gather_probe, 1, one, STEPS)[0])
     return _runs
 
@@ -75,7 +79,7 @@ def test_float8_gather_trains_like_bf16_and_one_process(runs):
 def test_float8_gather_resumes_exactly(pool, tmp_path, runs):
     """A checkpoint load writes the master: the float8 weights' scales are recomputed before the next gather,
     so steps 3-4 after a resume from step 2 are the unbroken run's."""
-    over = BASE + ["train.precision=fp8"]
+    over = BASE + FP8
     pool.run(run_steps, 2, over, STEPS, None, str(tmp_path), 0, 2)
     resumed = pool.run(run_steps, 2, over, STEPS, str(tmp_path / "step_00000002"), None, 2)[0]
     assert resumed["losses"] == runs[0]["losses"][2:], (resumed["losses"], runs[0]["losses"])
@@ -84,7 +88,7 @@ def test_float8_gather_resumes_exactly(pool, tmp_path, runs):
 def test_planner_counts_the_float8_gather(pool):
     """The planner, from the config alone, counts the run's dp bytes (float8 buckets at 1 byte an element, the
     scales' all-reduce) and its grad and optimizer bytes (the split buckets' layout)."""
-    over = BASE + ["train.precision=fp8"]
+    over = BASE + FP8
     run = pool.run(run_steps, 2, over, 2)[0]
     planned = plan_layout(tiny_config(over, 2), 2).ranks[0]
     # step 1's: run_steps gathers every param (bf16) after it to read the grads, so step 2 finds the bf16

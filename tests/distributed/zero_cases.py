@@ -246,3 +246,19 @@ def save_gather_probe(mesh, overrides: list[str], folder: str) -> dict | None:
         if mesh.rank == 0
         else None
     )
+
+
+def run_steps_counting_graphs(mesh, overrides: list[str], steps: int) -> dict | None:
+    """run_steps, with dynamo's counters of this run on rank 0's result: unique graphs, graph breaks,
+    recompiles."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    out = run_steps(mesh, overrides, steps)
+    if out is not None:
+        out["graphs"] = counters["stats"]["unique_graphs"]
+        out["breaks"] = dict(counters["graph_break"])
+        out["recompiles"] = dict(counters["recompiles"])
+    return out

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import Counter
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 from megaframe.layers import wgrad
@@ -33,7 +33,8 @@ NO_DATA = {
     "resize_",
     "set_",
 }
-INDEXED = {"gather", "scatter", "scatter_", "scatter_add", "scatter_add_"}  # self: only the indexed elements
+# self: only the indexed elements (index_put_'s third argument is its values: one per element touched)
+INDEXED = {"gather", "scatter", "scatter_", "scatter_add", "scatter_add_", "index_put", "index_put_"}
 
 
 def storage_ptr(t: torch.Tensor) -> int:
@@ -54,6 +55,10 @@ class ByteCount(TorchDispatchMode):
 
     def _add(self, kind: str, ts, name: str, numel: int | None = None) -> None:
         for t in ts:
+            # a wrapper subclass (torchao's float8 tensor) has no storage: its ops reach the mode again on
+            # its inner plain tensors, counted there
+            if is_traceable_wrapper_subclass(t):
+                continue
             if t.numel() and self.tracked(t):
                 n = (t.numel() if numel is None else numel) * t.element_size()
                 self.bytes[(self.phase, kind)] += n
