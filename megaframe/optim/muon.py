@@ -13,6 +13,7 @@ the whole matrix, and each rank applies its ranges of the orthogonalised update 
 
 from __future__ import annotations
 
+import math
 from itertools import accumulate
 
 import torch
@@ -150,7 +151,8 @@ def _block_ranges(p: torch.Tensor, lr: float, adjust: str) -> list[tuple[int, in
     """[start, end) in p's flat local tensor of each logical matrix's local rows, and its adjusted lr (by
     the logical matrix's global shape, as torch's on a separate weight)."""
     cols, local_cols = p.placement.shard.global_shape[-1], p.shape[-1]
-    per = p[0].numel() if p.placement.expert else 0
+    # from the shape only: a ZeRO-3 param's storage may be freed between its gathers
+    per = math.prod(p.shape[1:]) if p.placement.expert else 0
     out = []
     for e in range(p.shape[0] if p.placement.expert else 1):
         for lo, n, rows in _blocks(p):
