@@ -119,7 +119,9 @@ def load_targets(model, optimizer, meta: dict) -> tuple[list[Item], dict[str, Si
     for name, p in model.named_parameters():
         whole = [(0, p.numel())]
         segs, state_master = None, False
-        if kinds and f"optim/{kinds[0]}/{name}" in have:
+        # the names this kind of parameter holds (Muon: momentum on hidden matrices, moments on the rest)
+        names = optimizer.rule.states_for(p.placement) if own else ()
+        if names and f"optim/{names[0]}/{name}" in have:
             segs, state_master = optimizer.load_targets(p)
         # ZeRO-3, a block not gathered now: p's value lives only in this rank's segments of its master
         home = optimizer.param_home(p) if hasattr(optimizer, "param_home") else None

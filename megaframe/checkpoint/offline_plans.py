@@ -80,7 +80,8 @@ class _PlainMeta:
         self.rule, self.dtype = rule, dtype
 
     def logical_state(self, p):
-        return {k: torch.empty(p.shape, dtype=self.dtype, device="meta") for k in self.rule.states}
+        names = self.rule.states_for(p.placement)
+        return {k: torch.empty(p.shape, dtype=self.dtype, device="meta") for k in names}
 
 
 def saved_metadata(cfg, layout: Layout) -> tuple[dict, dict[int, int]]:

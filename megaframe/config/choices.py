@@ -95,6 +95,13 @@ class StateDtype(StrEnum):
     bf16 = "bf16"
 
 
+class MuonAdjustLR(StrEnum):
+    """optim.muon.adjust_lr_fn: how Muon scales its lr by a matrix's shape A x B (torch.optim.Muon's)."""
+
+    original = "original"
+    match_rms_adamw = "match_rms_adamw"
+
+
 class Recompute(StrEnum):
     """train.recompute (op_selective: torch's selective activation checkpointing per block with torchtitan's
     op-level policy, model/recompute.py)."""

@@ -155,6 +155,10 @@ FIELD_RULES: dict[str, Rule] = {
     "optim.bucket_size_mb": POSF,
     "optim.lr_decay_steps": _r(1, opt=True),
     "optim.wsd_decay_fraction": _r(0, gt=True, hi=1, le=True, int_=False),
+    "optim.muon.adamw_lr": _r(0, gt=True, opt=True, int_=False),
+    "optim.muon.momentum": UNIT,
+    # torch's Newton-Schulz refuses 100 steps or more
+    "optim.muon.ns_steps": _r(1, hi=100),
     # data
     "data.vocab_size": POS,
     "data.tokenizer_sample_bytes": NONNEG,

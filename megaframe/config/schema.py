@@ -22,6 +22,7 @@ from megaframe.config.choices import (  # noqa: F401  (re-exported: the schema's
     Fp8Recipe,
     GradReduceDtype,
     LRSchedule,
+    MuonAdjustLR,
     Norm,
     PositionEmbedding,
     Precision,
@@ -192,11 +193,31 @@ class TrainConfig(Frozen):
 
 
 @dataclass
+class MuonConfig(Frozen):
+    """optim.name=muon: torch.optim.Muon's orthogonalised momentum on the 2-D hidden matrices (each fused
+    QKV / gate-up block and each MoE expert its own matrix), AdamW (optim.beta1, beta2, eps) on the rest."""
+
+    adamw_lr: Optional[float] = None
+    """Peak lr of the AdamW part (embeddings, head, router, norms, biases), on optim.lr's schedule scaled by
+    adamw_lr / optim.lr; None = optim.lr. The matrices take optim.lr and optim.weight_decay."""
+    momentum: float = 0.95
+    """Muon's momentum (torch.optim.Muon's default)."""
+    nesterov: bool = True
+    """Nesterov momentum: orthogonalise grad + momentum * buffer rather than the buffer."""
+    ns_steps: int = 5
+    """Newton-Schulz iterations of the orthogonalisation (coefficients 3.4445, -4.775, 2.0315)."""
+    adjust_lr_fn: MuonAdjustLR = MuonAdjustLR.original
+    """original | match_rms_adamw: the lr of an A x B matrix times sqrt(max(1, A / B)) (Keller Jordan's),
+    or 0.2 * sqrt(max(A, B)) (Moonlight's, to reuse AdamW's lr and weight decay)."""
+
+
+@dataclass
 class OptimConfig(Frozen):
     name: str = "adamw"
     """The update rule (optim/rule_registry.py registers them): adamw (torch's fused AdamW; weight decay on
-    matrices only). Every rule runs under every optim.zero stage; a checkpoint's optimizer state is the
-    rule's (optim/<state>/<param>)."""
+    matrices only) | muon (optim.muon: torch.optim.Muon's math on the hidden matrices, AdamW on the rest).
+    Every rule runs under every optim.zero stage; a checkpoint's optimizer state is the rule's
+    (optim/<state>/<param>)."""
     lr: float = 2e-3
     """Peak learning rate."""
     min_lr: float = 1e-4
@@ -262,6 +283,8 @@ class OptimConfig(Frozen):
     Megatron's --use-precision-aware-optimizer). bf16 saves 4 of AdamW's 8 state bytes per element. The
     update itself runs in fp32 (the state widened per tensor, then rounded back). A checkpoint records
     the dtype of each state tensor; resuming into the other dtype converts it as it is read."""
+    muon: MuonConfig = field(default_factory=MuonConfig)
+    """optim.name=muon's own settings."""
     bucket_size_mb: float = 25.0  # DDP's default bucket size
     """ZeRO grad bucket size in MiB of fp32 grads: one reduce-scatter per bucket, launched as soon as
     backward has finished all of its grads. Smaller buckets start earlier but cost more launches."""

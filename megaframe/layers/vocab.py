@@ -73,6 +73,7 @@ class VocabParallelEmbedding(nn.Module):
             device,
             pp_tied=pp_tied,
             pp_duplicate=pp_duplicate,
+            role="embedding",
         )
         self.start = tp.rank * (vocab // tp.size)
         self.end = self.start + vocab // tp.size

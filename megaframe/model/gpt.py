@@ -10,6 +10,7 @@ not depend on the layout.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable
 
 import torch
@@ -92,6 +93,8 @@ class GPT(nn.Module):
             self.final_norm = Norm(cfg.norm, cfg.hidden_size, cfg.norm_eps, self.sp, pdev)
             if not cfg.tie_embeddings:
                 self.head = ColumnParallelLinear(cfg.hidden_size, [cfg.vocab_size], tp, self.sp, False, pdev)
+                # the output layer, not a hidden matrix: an update rule such as Muon leaves it to AdamW
+                self.head.weight.placement = replace(self.head.weight.placement, role="head")
         self._make_positions(cfg, mesh, device)
         self.drop = nn.Dropout(cfg.dropout)
         self.doc_eos: torch.Tensor | None = (
@@ -122,7 +125,7 @@ class GPT(nn.Module):
         if stage.first and cfg.position_embedding == "learned":
             # replicated; under sp each rank adds the rows of its own sequence block
             self.pos_embed = sharded_param(
-                Shard((cfg.seq_length, cfg.hidden_size)), pdev, tp_partial_grad=self.sp
+                Shard((cfg.seq_length, cfg.hidden_size)), pdev, tp_partial_grad=self.sp, role="embedding"
             )
 
     def _make_positions(self, cfg: ModelConfig, mesh: Mesh, device) -> None:

@@ -58,7 +58,7 @@ class AdamWStep(RuleStep):
     (one fused pass, no host sync). optim.state_dtype=bf16: the same fused kernel on the moments widened to
     fp32 a batch at a time, rounded back to bf16 after (the update and the weights stay fp32)."""
 
-    def __init__(self, groups: Groups, cfg: OptimConfig, device: torch.device):
+    def __init__(self, groups: Groups, cfg: OptimConfig, device: torch.device, mesh=None):
         self.device, self.dtype = device, STATE_DTYPES[cfg.state_dtype]
         self.adam = adamw(groups.get("matrix", []), groups.get("vector", []), cfg, device)
 

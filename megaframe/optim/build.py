@@ -30,7 +30,7 @@ class PlainOptimizer(Optimizer):
             "matrix": [p for p in self.params if p.ndim >= 2],
             "vector": [p for p in self.params if p.ndim < 2],
         }
-        self.update = self.rule.build(groups, cfg, mesh.device)
+        self.update = self.rule.build(groups, cfg, mesh.device, mesh)
         self.grads = ReplicatedGrads(model, mesh)
 
     def zero_grad(self) -> None:
@@ -61,7 +61,8 @@ class PlainOptimizer(Optimizer):
         size (every rank holds all of it), as one segment; no master (a saved master goes into p itself)."""
         # zeros: defined, whatever is read
         dtype = STATE_DTYPES[self.cfg.state_dtype]
-        state = {k: torch.zeros(p.shape, dtype=dtype, device=p.device) for k in self.rule.states}
+        names = self.rule.states_for(p.placement)
+        state = {k: torch.zeros(p.shape, dtype=dtype, device=p.device) for k in names}
         self.update.adopt(p, state)
         return [(0, p.numel(), {k: t.view(-1) for k, t in state.items()})], False
 

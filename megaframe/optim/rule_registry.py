@@ -12,7 +12,7 @@ from megaframe.errors import ConfigError
 if TYPE_CHECKING:
     from megaframe.optim.update_rule import UpdateRule
 
-RULES = {"adamw": "megaframe.optim.adamw"}
+RULES = {"adamw": "megaframe.optim.adamw", "muon": "megaframe.optim.muon"}
 """optim.name -> the module whose RULE it is."""
 
 

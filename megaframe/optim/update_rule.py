@@ -19,8 +19,6 @@ from dataclasses import dataclass
 
 import torch
 
-from megaframe.config.schema import OptimConfig
-
 STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 """optim.state_dtype -> the torch dtype of a rule's per-element state."""
 
@@ -66,9 +64,21 @@ class UpdateRule:
     """Bytes per element of each state (in `states` order), by optim.state_dtype ("fp32", "bf16")."""
     elementwise: bool
     """True when an update of any flat range equals the same range of the whole parameter's update."""
-    build: Callable[[Groups, OptimConfig, torch.device], RuleStep]
-    """Its step over parameter groups (Groups), with the run's optim config, on the params' device."""
+    build: Callable[..., RuleStep]
+    """Its step over parameter groups (Groups), with the run's optim config, on the params' device, and
+    the mesh when the strategy passes whole parameters (a rule gathering tp slices reads it)."""
+    kinds: Mapping[str, tuple[str, ...]] | None = None
+    """The names each kind of parameter holds: "hidden" (Placement.hidden_matrix: a hidden layer's 2-D
+    weight, per expert) and "other"; None: every element holds every name (an elementwise rule)."""
 
-    def bytes_per_element(self, dtype: str = "fp32") -> int:
-        """State bytes per parameter element (the fp32 master a strategy may keep is not the rule's)."""
-        return sum(self.state_bytes[dtype])
+    def states_for(self, placement) -> tuple[str, ...]:
+        """The state names a parameter of this Placement holds."""
+        if self.kinds is None:
+            return self.states
+        return self.kinds["hidden" if placement.hidden_matrix else "other"]
+
+    def bytes_per_element(self, dtype: str = "fp32", placement=None) -> int:
+        """State bytes per parameter element (of a parameter of `placement`; None: every name's, the most);
+        the fp32 master a strategy may keep is not the rule's."""
+        names = self.states if placement is None else self.states_for(placement)
+        return sum(b for k, b in zip(self.states, self.state_bytes[dtype]) if k in names)

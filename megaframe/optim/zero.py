@@ -102,7 +102,7 @@ class ZeroOptimizer(ZeroStateIO, Optimizer):
         self._gathered: tuple | None = None  # (key, {name: full bucket tensor}) of the last gathered bucket
         self.rule = rule_named(cfg.name)
         self.states, self._segs_of, self.update, self._owned_grads = build_state(
-            self.buffers, self.rule, cfg, mesh.device, self.always_master, self._segment_values
+            self.buffers, self.rule, cfg, mesh.device, self.always_master, self._segment_values, mesh
         )
         self._seen = {p: p._version for p in self._segs_of if p.dtype != torch.float32 or self.always_master}
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self.params]

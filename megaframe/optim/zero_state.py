@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from megaframe.config.schema import ConfigError, OptimConfig
+from megaframe.config.schema import OptimConfig
 from megaframe.optim.buffer import FlatBuffer, Segment, buffer_groups, give_storage, lazy_zeros
 from megaframe.optim.update_rule import STATE_DTYPES, RuleStep, UpdateRule
 from megaframe.parallel.mesh import Axis, Mesh
@@ -73,19 +73,15 @@ def build_state(
     device: torch.device,
     always_master: bool,
     source=None,
+    mesh=None,
 ) -> OwnedState:
     """The rule's flat state (and master) per buffer, without storage until make_state; the rule's step over
     1-D segment views of them. `always_master`:
     an fp32 master for fp32 params too (zero=3, whose param buffer is not kept whole). A buffer without a
     param buffer (zero=3) takes each segment's starting values from `source(segment)` (in the params'
-    dtype, so the master holds what the params would)."""
-    if not rule.elementwise:
-        # its update of a flat range is not that range of the whole matrix's update: it needs an ownership
-        # of whole matrices this strategy does not have
-        raise ConfigError(
-            f"optim.name={rule.name} updates whole matrices; ZeRO's owned ranges cut across them: "
-            "use optim.zero=0"
-        )
+    dtype, so the master holds what the params would). A rule that is not elementwise (its update of a
+    range is not that range of the whole matrix's) also gets, with the `mesh`, each owned view's param and
+    offset and every param of the buffers with its shard axis: it rebuilds whole matrices over the axis."""
     states, segs_of, groups, pre = [], {}, {"matrix": [], "vector": []}, []
     for buf in buffers:
         n = buf.state_numel
@@ -110,7 +106,14 @@ def build_state(
             groups["matrix" if seg.param.ndim >= 2 else "vector"].append(weights)
             pre.append((weights, {k: v[lo:hi] for k, v in st.state.items()}))
             segs_of.setdefault(seg.param, []).append((seg, weights))
-    update = rule.build(groups, cfg, device) if any(groups.values()) else None
+    if rule.elementwise:
+        update = rule.build(groups, cfg, device) if any(groups.values()) else None
+    else:
+        # a whole-matrix rule maps each owned view back to its param, and takes part in every matrix's
+        # collectives even where it owns nothing (the same params in the same order on every rank)
+        owned = {w: (seg.param, seg.param_lo) for segs in segs_of.values() for seg, w in segs}
+        layout = [(p, buf.axis) for buf in buffers for p in buf.offset]
+        update = rule.build(groups, cfg, device, mesh, owned=owned, layout=layout)
     for weights, views in pre:  # the step keeps its state in our flat tensors
         update.adopt(weights, views)
     owned = [(s.param.placement, buf.owned_grad_at(s)) for buf in buffers for s in buf.segments]

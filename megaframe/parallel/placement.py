@@ -48,6 +48,11 @@ class Placement:
     """A copy lives on each pipeline end (tied embedding under pp > 1): grads summed over mesh.pp_ends."""
     pp_duplicate: bool = False
     """This rank's copy is the second one of a pp_tied tensor: not counted in the norm, not written."""
+    role: str = "hidden"
+    """hidden | embedding | head | router: what the tensor is to an update rule that treats the hidden
+    matrices apart (Muon orthogonalises the hidden ones; norms and biases are 1-D)."""
+    expert_rows: tuple[int, ...] = ()
+    """Stacked expert weights: the logical matrices fused along each expert's rows ([gate | up]); () = one."""
 
     def __post_init__(self):
         assert self.pp_tied or not self.pp_duplicate, "a pipeline duplicate must be pp_tied"
@@ -73,6 +78,19 @@ class Placement:
         """Mesh axes over which every rank holds the same values (after the grad reductions)."""
         axes = () if self.tp_split else ("tp",)
         return axes + (("edp",) if self.expert else ("dp",)) + (("pp_ends",) if self.pp_tied else ())
+
+    @property
+    def hidden_matrix(self) -> bool:
+        """A hidden layer's 2-D weight (per expert for stacked experts): not embedding, head, router."""
+        return len(self.shard.global_shape) >= 2 and self.role == "hidden"
+
+    @property
+    def matrix_rows(self) -> tuple[int, ...]:
+        """The rows of each logical matrix fused along dim 0 of the global matrix (of each expert's, for
+        experts): fused QKV's (q, k, v), gate/up's (gate, up); one block for an unfused weight."""
+        if self.expert:
+            return self.expert_rows or (self.shard.global_shape[1],)
+        return self.shard.parts if self.shard.dim == 0 else (self.shard.global_shape[0],)
 
     def data_axis(self, mesh: Mesh) -> Axis:
         """The data-parallel axis its grads are summed over and its optimizer state is sharded over."""

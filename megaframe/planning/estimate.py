@@ -149,8 +149,9 @@ def state_bytes(model, cfg: Config, mesh) -> tuple[int, int, int]:
     params = [p for p in model.parameters() if p.requires_grad]
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     if not cfg.optim.zero:
-        numel = sum(p.numel() for p in params)
-        state = rule_named(cfg.optim.name).bytes_per_element(cfg.optim.state_dtype) * numel
+        # per parameter: a rule may keep other state on hidden matrices than on the rest (Muon)
+        rule, dtype = rule_named(cfg.optim.name), cfg.optim.state_dtype
+        state = sum(rule.bytes_per_element(dtype, p.placement) * p.numel() for p in params)
         return param_bytes, sum(p.numel() * p.element_size() for p in params), state
     if cfg.optim.zero == 3 and mesh.dp.size == 1:  # build_optimizer: nothing to shard, ZeRO-2's layout
         cfg = replace(cfg, optim=replace(cfg.optim, zero=2))

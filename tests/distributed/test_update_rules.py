@@ -54,4 +54,10 @@ def test_each_rule_resumes_across_every_stage_at_its_planned_bytes(pool, tmp_pat
     assert at == STEPS
     print(f"{rule} {dtype}: max rel loss diff {max(rel_errors(losses, full['losses'])):.2e}")
     assert max(rel_errors(losses, full["losses"])) <= 1e-5, (losses, full["losses"])
-    assert_weights_close(got["weights"], full["weights"])
+    if rule_named(rule).elementwise:
+        assert_weights_close(got["weights"], full["weights"])
+        return
+    # a whole-matrix rule (Muon) orthogonalises in bf16 (torch's Newton-Schulz): a last-bit difference of
+    # the summed grads can flip an entry's rounding, a few bf16 ulps (of entries <= 0.5) times the lr a step
+    atol = STEPS * tiny_config([], 1).optim.lr * 2**-6
+    assert_close_dicts(got["weights"], full["weights"], rtol=1e-4, atol=atol, what="weight")

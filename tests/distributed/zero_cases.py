@@ -71,7 +71,9 @@ def run_steps(
             grads = full_state(model, mesh, grads=True, optimizer=optimizer)
     weights = full_state(model, mesh, optimizer=optimizer)
     if save:
-        sharded.save(save, stop, model, optimizer, mesh, {"layout": {"dp": mesh.dp.size}})
+        # the rule's name, as the trainer records it: a load reads the optimizer state of its own rule only
+        meta = {"layout": {"dp": mesh.dp.size}, "config": {"optim": {"name": cfg.optim.name}}}
+        sharded.save(save, stop, model, optimizer, mesh, meta)
     mem = memory_figures(model, optimizer, mesh.device)
     every = comm.gather_objects(mem["mem/params_bytes"], mesh.group)  # every rank's, for the share
     optim_every = comm.gather_objects(mem["mem/optim_bytes"], mesh.group)

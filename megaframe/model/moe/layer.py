@@ -63,9 +63,9 @@ class _InjectLoss(torch.autograd.Function):
 class _Stacked(nn.Module):
     """Holds one stacked expert weight, so its global name reads `...experts.up_proj.weight`."""
 
-    def __init__(self, shard: Shard, device, tp_partial_grad: bool):
+    def __init__(self, shard: Shard, device, tp_partial_grad: bool, rows: tuple[int, ...] = ()):
         super().__init__()
-        self.weight = sharded_param(shard, device, tp_partial_grad=tp_partial_grad)
+        self.weight = sharded_param(shard, device, tp_partial_grad=tp_partial_grad, expert_rows=rows)
 
 
 class Experts(nn.Module):
@@ -74,7 +74,7 @@ class Experts(nn.Module):
     def __init__(self, cfg: ModelConfig, ep, sp: bool, device=None):
         super().__init__()
         e, d, f = cfg.num_experts, cfg.hidden_size, cfg.expert_ffn
-        self.up_proj = _Stacked(Shard((e, 2 * f, d), 0, (e,), ep.rank, ep.size, "ep"), device, sp)
+        self.up_proj = _Stacked(Shard((e, 2 * f, d), 0, (e,), ep.rank, ep.size, "ep"), device, sp, (f, f))
         self.down_proj = _Stacked(Shard((e, d, f), 0, (e,), ep.rank, ep.size, "ep"), device, sp)
 
     def forward(

@@ -88,7 +88,7 @@ class Router(nn.Module):
 
     def __init__(self, hidden: int, num_experts: int, sp: bool, device=None, buffer_device=None):
         super().__init__()
-        self.weight = sharded_param(Shard((num_experts, hidden)), device, tp_partial_grad=sp)
+        self.weight = sharded_param(Shard((num_experts, hidden)), device, tp_partial_grad=sp, role="router")
         # buffer_device: the run's device when the weight
         # starts on meta (build_model materialises params only)
         self.register_buffer("expert_bias", torch.zeros(num_experts, device=buffer_device or device))
