@@ -30,7 +30,7 @@ def main(argv: list[str]) -> int:
     argv = [a for a in argv if a != "--cfg"]
     try:
         cfg = load_config(argv)
-        check_wandb_login(cfg, show)
+        check_logging(cfg, show)
     except ConfigError as e:
         if not quiet:
             return fail(e)
@@ -55,12 +55,13 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def check_wandb_login(cfg, show: bool) -> None:
-    """logging.wandb.mode=online without credentials is bad input: refused before any rank starts."""
+def check_logging(cfg, show: bool) -> None:
+    """logging.wandb.mode=online without credentials, or logging.tensorboard.enabled=true without the
+    tensorboard package, is bad input: refused before any rank starts."""
     from megaframe.config import ConfigError
-    from megaframe.tracking import wandb_login_problem
+    from megaframe.tracking import tensorboard_problem, wandb_login_problem
 
-    problem = None if show else wandb_login_problem(cfg)
+    problem = None if show else wandb_login_problem(cfg) or tensorboard_problem(cfg)
     if problem:
         raise ConfigError(problem)
 

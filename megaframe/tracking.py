@@ -1,4 +1,5 @@
-"""Where metrics go: ${run.dir}/metrics.jsonl, a console line, and wandb; all from one logging rank."""
+"""Where metrics go: ${run.dir}/metrics.jsonl, a console line, wandb and TensorBoard; all from one logging
+rank."""
 
 from __future__ import annotations
 
@@ -23,12 +24,14 @@ def _fmt_duration(s: float) -> str:
 
 
 class Tracker:
-    """Appends one JSON line per logged step, prints a readable line, mirrors to wandb (if enabled)."""
+    """Appends one JSON line per logged step, prints a readable line, mirrors to wandb and TensorBoard (each
+    if enabled). `start_step`: the step the run resumed from (0: a fresh run)."""
 
-    def __init__(self, cfg, run_dir: str, active: bool, max_steps: int, owner: str = ""):
+    def __init__(self, cfg, run_dir: str, active: bool, max_steps: int, owner: str = "", start_step: int = 0):
         self.active, self.max_steps = active, max_steps
         self.schedule = cfg.optim.lr_schedule.value
-        self.wandb_run = None
+        self.wandb_run = self.tb = None
+        self.wandb_started = self.wandb_warned = False
         self.t_start = time.time()
         if not active:
             return
@@ -39,6 +42,9 @@ class Tracker:
         self.file = open(self.path, "a", buffering=1)
         if cfg.logging.wandb.mode != "disabled":
             self.wandb_run = _start_wandb(cfg, run_dir, owner)
+            self.wandb_started = self.wandb_run is not None
+        if cfg.logging.tensorboard.enabled:
+            self.tb = start_tensorboard(cfg.logging.tensorboard.dir, start_step)
 
     def log(self, metrics: dict, start_step: int) -> None:
         if not self.active:
@@ -65,6 +71,8 @@ class Tracker:
         print(" | ".join(parts), flush=True)
         if self.wandb_run is not None:  # explicit step: a resumed run continues the same history
             self._wandb(self.wandb_run.log, {k: v for k, v in metrics.items() if k != "step"}, step=step)
+        if self.tb is not None:
+            self.tb = self.tb.log(metrics)
 
     def _append(self, line: str) -> None:
         """metrics.jsonl is not worth a run: on a full disk (or any write error) one warning, then the console
@@ -98,6 +106,10 @@ class Tracker:
                 print(f"megaframe: warning: cannot write {self.path} ({e})", file=sys.stderr, flush=True)
         if self.wandb_run is not None:
             self._wandb(self.wandb_run.finish)
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb_started:
+            _teardown_wandb(quiet=self.wandb_warned)
 
     def _wandb(self, fn, *args, **kwargs) -> None:
         """wandb never stops training: under Slurm a stop signal reaches every process of the step,
@@ -113,7 +125,93 @@ class Tracker:
                 file=sys.stderr,
                 flush=True,
             )
-            self.wandb_run = None
+            self.wandb_run, self.wandb_warned = None, True
+
+
+def tensorboard_problem(cfg) -> str | None:
+    """One line naming the missing package when logging.tensorboard.enabled=true and tensorboard is not
+    installed, else None. Checked before any process group (find_spec: nothing imported)."""
+    import importlib.util
+
+    if not cfg.logging.tensorboard.enabled or importlib.util.find_spec("tensorboard") is not None:
+        return None
+    return (
+        "logging.tensorboard.enabled=true needs the tensorboard package, which is not installed: "
+        "`pip install tensorboard` (a dependency of megaframe), or logging.tensorboard.enabled=false"
+    )
+
+
+def start_tensorboard(folder: str, start_step: int) -> TensorboardLog | None:
+    """The event writer of `folder`; None (one warning, training goes on) when it cannot be opened.
+    purge_step: a restart from the checkpoint of step S logs S+1.. again, and TensorBoard hides what an
+    earlier start logged from S+1 on, so the curve is the one metrics.jsonl's last rows give."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+
+        return TensorboardLog(SummaryWriter(log_dir=folder, purge_step=start_step + 1), folder)
+    except (ImportError, OSError) as e:
+        _tb_warning(folder, e)
+        return None
+
+
+class TensorboardLog:
+    """Every numeric value of a metrics row as a scalar of its own name, at the row's step and wall time
+    (strings such as resumed_from, and None, are not scalars; `time` is the events' own wall time)."""
+
+    def __init__(self, writer, folder: str):
+        self.writer, self.folder = writer, folder
+
+    def log(self, metrics: dict) -> TensorboardLog | None:
+        """self, or None after a write error (one warning: the events are not worth a run)."""
+        step, wall = metrics["step"], metrics.get("time")
+        try:
+            for key, value in metrics.items():
+                if key not in ("step", "time") and _is_scalar(value):
+                    self.writer.add_scalar(key, value, global_step=step, walltime=wall)
+            # each row reaches the file as it is logged, like metrics.jsonl (a killed run loses none)
+            self.writer.flush()
+        except OSError as e:
+            _tb_warning(self.folder, e)
+            self.close()
+            return None
+        return self
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.writer.close()
+
+
+def _is_scalar(value) -> bool:
+    return isinstance(value, (int, float))  # a flag (bool) too, as 0/1
+
+
+def _tb_warning(folder: str, e: Exception) -> None:
+    print(
+        f"megaframe: warning: cannot write TensorBoard events to {folder} ({type(e).__name__}: {e}); "
+        "training goes on, metrics in metrics.jsonl",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def _teardown_wandb(quiet: bool) -> None:
+    """Shut wandb's service down now, while a failure is ours to report: left to wandb's own atexit hook,
+    a service already killed by the stop signal (`scancel` signals every process of the job) ends the log
+    with an "Exception ignored in atexit callback ... ConnectionResetError" traceback after a clean stop.
+    wandb.teardown() unregisters that hook before it talks to the service."""
+    import wandb
+
+    try:
+        wandb.teardown()
+    # the dead service's reset connection (OSError), and wandb's sys.exit with the exit code of a service
+    # killed by a signal (SystemExit): neither may end the run or change its exit status
+    except (wandb.Error, OSError, RuntimeError, SystemExit) as e:
+        if not quiet:
+            print(
+                f"megaframe: warning: wandb did not shut down cleanly ({type(e).__name__}: {e})",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 def wandb_id(owner: str, name: str) -> str:

@@ -67,7 +67,7 @@ def check_config(cfg: Config, world_size: int, check_data: bool = True, schedule
     check_data_fields(cfg)
     from megaframe.runops.access.folders import check_names
 
-    check_names(cfg.run, cfg.checkpoint)
+    check_names(cfg.run, cfg.checkpoint, cfg.logging)
     _check_resume(cfg)
     if check_data and cfg.data.kind == "prepared":
         check_prepared(cfg)

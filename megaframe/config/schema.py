@@ -348,8 +348,20 @@ class WandbConfig(Frozen):
 
 
 @dataclass
+class TensorboardConfig(Frozen):
+    enabled: bool = False
+    """Also write every scalar of metrics.jsonl as TensorBoard events (logging rank only), the step as the
+    global step. Needs the tensorboard package (a dependency of megaframe)."""
+    dir: str = "${run.dir}/tensorboard"
+    """Event folder (`tensorboard --logdir` it). Every start of the run adds an event file to it: one
+    TensorBoard run whose steps continue; a resume hides the steps an earlier start logged after the
+    checkpoint it resumes from."""
+
+
+@dataclass
 class LoggingConfig(Frozen):
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    tensorboard: TensorboardConfig = field(default_factory=TensorboardConfig)
 
 
 @dataclass

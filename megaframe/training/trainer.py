@@ -4,6 +4,7 @@ in meter.py, checkpoints in checkpointing.py). `run(cfg)` is all train.py calls.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import os
 import time
@@ -60,10 +61,13 @@ def run(cfg: Config, stop: StopFlag | None = None) -> None:
         # ranks may have resolved a timestamped run name a second apart: rank 0's wins; the run id
         # (this launch of the run, recorded in each checkpoint's lineage) is rank 0's too
         run_id = f"{cfg.run.name}@{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(3).hex()}"
-        name, run_dir, ckpt_dir, run_id = comm.broadcast_object(
-            (cfg.run.name, cfg.run.dir, cfg.checkpoint.dir, run_id), mesh
+        name, run_dir, ckpt_dir, tb_dir, run_id = comm.broadcast_object(
+            (cfg.run.name, cfg.run.dir, cfg.checkpoint.dir, cfg.logging.tensorboard.dir, run_id), mesh
         )
-        cfg = settled(cfg, run={"name": name, "dir": run_dir}, checkpoint={"dir": ckpt_dir})
+        tb = dataclasses.replace(cfg.logging.tensorboard, dir=tb_dir)
+        cfg = settled(
+            cfg, run={"name": name, "dir": run_dir}, checkpoint={"dir": ckpt_dir}, logging={"tensorboard": tb}
+        )
         lock = take_run_dir(cfg, mesh)
         try:
             if device.type == "cuda" and env.world_size > 1:
@@ -92,7 +96,7 @@ def take_run_dir(cfg: Config, mesh: Mesh) -> FolderLocks:
     locks, err = FolderLocks(), None
     if mesh.rank == 0:
         try:
-            locks = claim(cfg.run, cfg.checkpoint)
+            locks = claim(cfg.run, cfg.checkpoint, cfg.logging)
             locks.owner = settle(cfg.run, cfg.checkpoint)
         except ConfigError as e:
             locks.release()
@@ -152,7 +156,7 @@ class Loop:
 
     def __init__(self, cfg: Config, mesh: Mesh, su: Setup, guard: RunGuard, ids: tuple[str, str]):
         self.cfg, self.mesh, self.su, self.guard, self.start = cfg, mesh, su, guard, su.resumed.step
-        self.tracker = Tracker(cfg, cfg.run.dir, mesh.is_logger, cfg.train.max_steps, ids[1])
+        self.tracker = Tracker(cfg, cfg.run.dir, mesh.is_logger, cfg.train.max_steps, ids[1], self.start)
         self.meters = Meter(cfg.model, su.derived, mesh, su.acct)
         # on CUDA the grad norms are read (a host sync) only at log steps; on CPU reading is free
         self.bad = BadSteps(cfg.train.max_bad_steps, mesh.rank == 0, defer=mesh.device.type == "cuda")

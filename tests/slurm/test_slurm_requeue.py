@@ -202,6 +202,8 @@ def test_scancel_checkpoints_without_requeue(slurm_cluster, tmp_path):
     log = out.read_text()
     assert info["JobState"] == "CANCELLED" and int(info["Restarts"]) == 0, f"{info}\n{tail(out)}"
     assert "after SIGTERM" in log and "not requeueing" in log, tail(out)
+    # wandb's service died of the same signal: shut down by the run, not by wandb's atexit hook's traceback
+    assert "Exception ignored" not in log, tail(out)
     # not requeued: the stop line names the submitted script and the run to resubmit
     assert f"continue with: MEGAFRAME_RUN_NAME=mf-cancel-{job} sbatch {SBATCH_SCRIPT} " in log, tail(out)
     last = _raw_metrics(run_dir)[-1]["step"]

@@ -12,26 +12,31 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from megaframe.config.schema import CheckpointConfig, RunConfig
+from megaframe.config.schema import CheckpointConfig, LoggingConfig, RunConfig
 from megaframe.errors import ConfigError
 from megaframe.runops.access.runlock import RunDirBusy, RunLock
 
+TENSORBOARD_DIR = "logging.tensorboard.dir"
 
-def written(run: RunConfig, ckpt: CheckpointConfig) -> list[tuple[str, str]]:
+
+def written(
+    run: RunConfig, ckpt: CheckpointConfig, logs: LoggingConfig | None = None
+) -> list[tuple[str, str]]:
     """(config key, folder) of everything a run writes; the subfolders of run.dir (samples, hang/,
-    nccl_trace/) are probed through it."""
-    return [("run.dir", run.dir), ("checkpoint.dir", ckpt.dir)]
+    nccl_trace/) are probed through it, TensorBoard's event folder (which may be anywhere) on its own."""
+    tb = [(TENSORBOARD_DIR, logs.tensorboard.dir)] if logs is not None and logs.tensorboard.enabled else []
+    return [("run.dir", run.dir), ("checkpoint.dir", ckpt.dir), *tb]
 
 
-def check_names(run: RunConfig, ckpt: CheckpointConfig) -> None:
+def check_names(run: RunConfig, ckpt: CheckpointConfig, logs: LoggingConfig | None = None) -> None:
     """No process group, no file system writes: an empty folder name (`run.dir=$RUN_DIR` with the
     variable unset) would put checkpoints at /checkpoints and the lock in the current directory."""
-    for key, value in written(run, ckpt):
+    for key, value in written(run, ckpt, logs):
         if not str(value).strip():
             raise ConfigError(f"{key}={value!r} must not be empty (an unset shell variable?)")
     if not str(run.dir).strip("/"):
         raise ConfigError(f"run.dir={run.dir!r} is the file system root; name a run folder")
-    for key, value in written(run, ckpt):
+    for key, value in written(run, ckpt, logs):
         # a folder below an existing plain file can never be created: refused before any rank starts
         for parent in [Path(value), *Path(value).parents]:
             if parent.exists():
@@ -113,15 +118,18 @@ def peer_bad_input(run_dir: str) -> str | None:
         return None
 
 
-def claim(run: RunConfig, ckpt: CheckpointConfig) -> FolderLocks:
+def claim(run: RunConfig, ckpt: CheckpointConfig, logs: LoggingConfig | None = None) -> FolderLocks:
     """Probe and lock every folder the run writes (rank 0 only); ConfigError naming the first problem.
     run.dir first: a refused second job then creates nothing in a shared checkpoint folder."""
     held, seen = FolderLocks(), set()
     try:
-        for key, folder in written(run, ckpt):
+        for key, folder in written(run, ckpt, logs):
             if key == "checkpoint.dir" and not Path(folder).exists():
                 held.created.append(Path(folder))
             probe(key, folder)
+            # written only by the run that holds run.dir's lock: no lock of its own
+            if key == TENSORBOARD_DIR:
+                continue
             if key == "checkpoint.dir":
                 pointer_files(folder)
             real = Path(folder).resolve()
