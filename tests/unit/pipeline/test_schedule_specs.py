@@ -23,7 +23,23 @@ from megaframe.pipeline.simulate import SendModel, simulate
 
 def test_every_kind_is_a_registered_spec():
     assert set(SCHEDULES) == {"gpipe", "1f1b", "interleaved", "zb_h1", "zbv"}
-    assert schedule.ZERO_BUBBLE == ("zb_h1", "zbv") and [k for k, s in SCHEDULES.items() if s.v] == ["zbv"]
+    assert [k for k in SCHEDULES if schedule.splits_backward(k)] == ["zb_h1", "zbv"]
+    assert [k for k, s in SCHEDULES.items() if s.v] == ["zbv"]
+    assert [k for k, s in SCHEDULES.items() if s.searched] == ["zb_h1", "zbv"]
+
+
+def test_the_config_choices_are_the_registered_kinds():
+    """config/choices.py (a schema leaf: it cannot import the registry) lists the names Hydra accepts for
+    parallel.pp_schedule: exactly the registered specs and auto."""
+    from megaframe.config.choices import ScheduleKind
+
+    assert [k.value for k in ScheduleKind] == ["auto", *SCHEDULES]
+
+
+def test_a_spec_is_built_by_keywords():
+    """Positional booleans (v, split_backward) read alike at the call site: a spec names every field."""
+    with pytest.raises(TypeError):
+        ScheduleSpec("x", lambda pp, vpp, m: None, False, False, None, None, None)
 
 
 @pytest.mark.parametrize(
@@ -70,13 +86,11 @@ def reversed_gpipe():
 
     spec = register(
         ScheduleSpec(
-            "gpipe_fifo",
-            lambda pp, vpp, m: None if vpp == 1 else "vpp=1 only",
-            False,
-            False,
-            order,
-            lambda pp, vpp, m, rank: m,
-            lambda pp, vpp, m, rank: m,
+            name="gpipe_fifo",
+            chunk_rule=lambda pp, vpp, m: None if vpp == 1 else "vpp=1 only",
+            order=order,
+            warmup=lambda pp, vpp, m, rank: m,
+            bound=lambda pp, vpp, m, rank: m,
         )
     )
     yield spec
