@@ -130,11 +130,6 @@ def splits_backward(kind: str) -> bool:
     return kind in SCHEDULES and SCHEDULES[kind].split_backward
 
 
-def pending_w_bound(kind: str, pp: int) -> int:
-    """Most W a rank of `kind` holds pending (0 unless the backward is split)."""
-    return SCHEDULES[kind].pending_w(pp)
-
-
 def admitted_vpps(kind: str, pp: int, m: int, most: int = 8) -> list[int]:
     """The chunks per rank (1..most) the kind's chunk rule admits at pp and m micro-batches; none for a name
     no spec has or counts below one (check_args names those)."""

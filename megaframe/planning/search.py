@@ -187,16 +187,12 @@ def _pipelines(layers: int, ranks: int) -> list[tuple[int, tuple]]:
 
 
 def _schedules(pp: int, vpp: int, micro: set[int]) -> list[str]:
-    """The schedules tried at (pp, vpp): the config's (""), and past one stage each registered kind whose
-    spec asks the search to try it (`searched`: the zero-bubble kinds, zb_h1 at vpp 1, zbv at 2) and whose
-    chunk rule admits (pp, vpp) at one of the micro-batch counts `micro` (validate() then holds each
-    layout to its own count)."""
+    """The config's schedule (""), and past one stage each spec marked `searched` (zb_h1, zbv) whose chunk
+    rule admits (pp, vpp) at one of the micro-batch counts `micro` (validate() checks each layout's)."""
     from megaframe.pipeline.schedule import SCHEDULES
 
-    if pp == 1:
-        return [""]
-    tried = [s for s in SCHEDULES.values() if s.searched]
-    return [""] + [s.name for s in tried if any(s.chunk_rule(pp, vpp, m) is None for m in micro)]
+    tried = [s.name for s in SCHEDULES.values() if s.searched and pp > 1]
+    return [""] + [k for k in tried if any(SCHEDULES[k].chunk_rule(pp, vpp, m) is None for m in micro)]
 
 
 def _valid(cfg: Config, world: int, lays: list[Layout], ticker: Ticker | None = None) -> list[Layout]:
