@@ -107,6 +107,12 @@ SCHEDULES: dict[str, ScheduleSpec] = {}
 
 
 def register(spec: ScheduleSpec) -> ScheduleSpec:
+    # a second spec under a taken name would silently replace the kind every run and check reads
+    if spec.name in SCHEDULES or spec.name == "auto":
+        raise ValueError(f"a pipeline schedule named {spec.name!r} is already registered")
+    # a split kind without its W bound would fail every simulation with `bound 0`, far from here
+    if spec.split_backward and spec.pending_w is _no_pending_w:
+        raise ValueError(f"schedule {spec.name!r} splits the backward: give its pending_w bound")
     SCHEDULES[spec.name] = spec
     return spec
 

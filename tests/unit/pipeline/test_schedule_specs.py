@@ -36,6 +36,19 @@ def test_the_config_choices_are_the_registered_kinds():
     assert [k.value for k in ScheduleKind] == ["auto", *SCHEDULES]
 
 
+def test_a_taken_name_or_a_split_kind_without_its_w_bound_is_refused():
+    def spec(name, **kw):
+        rule = lambda *a: None  # noqa: E731
+        return ScheduleSpec(name=name, chunk_rule=rule, order=rule, warmup=rule, bound=rule, **kw)
+
+    for name in ("zb_h1", "auto"):
+        with pytest.raises(ValueError, match=f"{name!r} is already registered"):
+            register(spec(name))
+    with pytest.raises(ValueError, match="give its pending_w bound"):
+        register(spec("split_unbounded", split_backward=True))
+    assert "split_unbounded" not in SCHEDULES and SCHEDULES["zb_h1"].split_backward
+
+
 def test_a_spec_is_built_by_keywords():
     """Positional booleans (v, split_backward) read alike at the call site: a spec names every field."""
     with pytest.raises(TypeError):
