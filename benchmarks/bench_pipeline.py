@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from megaframe.parallel.local import spawn_local
 from megaframe.parallel.p2p_semantics import ENV_VAR, P2PSemantics
+from megaframe.pipeline.schedule import admitted_vpps
 from megaframe.pipeline.simulate import Costs, SendModel, simulate
 
 MODEL = [
@@ -106,7 +107,8 @@ def main(argv: list[str]) -> None:
     pp, m, steps = int(args.get("pp", 2)), int(args.get("microbatches", 8)), int(args.get("steps", 3))
     os.environ[ENV_VAR] = P2PSemantics(args.get("p2p", "native")).value  # the spawned ranks inherit it
     kinds = args.get("kinds", "1f1b,interleaved").split(",")
-    schedules = [(k, 2 if k in ("interleaved", "zbv") else 1) for k in kinds]
+    # each kind at the fewest chunks per rank its rule admits (interleaved and zbv: 2, the others 1)
+    schedules = [(k, (admitted_vpps(k, pp, m) or [1])[0]) for k in kinds]
     per_rank = spawn_local(_worker, pp, pp, m, steps, schedules, timeout_s=900)
     print(f"pp={pp} microbatches={m} cores={os.cpu_count()} p2p={os.environ[ENV_VAR]} (gloo, CPU, small GPT)")
     print(

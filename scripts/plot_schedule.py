@@ -23,11 +23,10 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
-from megaframe.pipeline.schedule import ZERO_BUBBLE, B, F, W, check_args, resolve_kind  # noqa: E402
+from megaframe.pipeline.schedule import B, F, W, admitted_vpps, check_args, resolve_kind, splits_backward  # noqa: E402
 from megaframe.pipeline.simulate import Costs, bubble_formula, simulate  # noqa: E402
 
 COLOURS = {F: ["#4C78A8", "#9ECAE9"], B: ["#F58518", "#FFBF79"], W: ["#54A24B", "#88D27A"]}
-FIXED_VPP = {"1f1b": 1, "zb_h1": 1, "zbv": 2, "gpipe": None, "interleaved": None}
 
 
 def parse(argv: list[str]) -> dict:
@@ -60,7 +59,7 @@ def _costs(text: str | None) -> Costs | None:
 def _draw(ax, kind: str, pp: int, vpp: int, m: int, costs: Costs | None):
     res = simulate(kind, pp, vpp, m, costs=costs)
     scale = 1.0 / vpp if costs is not None else 1.0
-    split = kind in ZERO_BUBBLE
+    split = splits_backward(kind)
     for r, events in enumerate(res.timeline):
         for t, a in events:
             unit = costs or (Costs(1, 1, 1) if split else Costs(1, 1, 0))
@@ -112,6 +111,12 @@ def legend_entries(results: list) -> list[tuple[str, str]]:
     ]
 
 
+def _default_vpp(name: str, pp: int, m: int) -> int:
+    """The one vpp a kind's chunk rule admits (1f1b, zb_h1: 1; zbv: 2), else 2 (auto: interleaved)."""
+    admitted = admitted_vpps(name, pp, m)
+    return admitted[0] if len(admitted) == 1 else 2
+
+
 def main(argv: list[str]) -> None:
     a = parse(argv)
     try:
@@ -124,7 +129,7 @@ def main(argv: list[str]) -> None:
         )
     kinds, vpps = [], []
     for name in a["kind"].split(","):
-        vpp = given if given is not None else (FIXED_VPP.get(name) or 2)
+        vpp = given if given is not None else _default_vpp(name, pp, m)
         kind = resolve_kind(name, vpp)
         try:
             check_args(kind, pp, vpp, m)

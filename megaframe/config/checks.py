@@ -283,11 +283,13 @@ def _check_moe(m: ModelConfig, p: ParallelConfig, dpcp: int) -> None:
 def _check_pipeline(cfg: Config, dp: int, schedules: bool = True) -> None:
     from megaframe.config.derived import schedule_kind
     from megaframe.pipeline.partition import check_runnable, stage_counts
+    from megaframe.pipeline.schedule import splits_backward
 
     p, t = cfg.parallel, cfg.train
     _req(p.vpp == 1 or p.pp > 1, f"parallel.vpp={p.vpp} needs parallel.pp > 1")
     kind = schedule_kind(p)
-    if kind in ("zb_h1", "zbv"):
+    # every kind whose spec splits the backward, registered now or later, by this one rule
+    if splits_backward(kind):
         # the split backward re-runs a weighted op's node for W (pipeline/split.py): a compiled block is one
         # node computing every grad, and torchao's float8 GEMM computes both grads at once
         for bad, why in ((t.compile, "train.compile=true"), (t.precision == "fp8", "train.precision=fp8")):

@@ -46,7 +46,9 @@ class RouterScore(StrEnum):
     sigmoid = "sigmoid"
 
 
-# OmegaConf looks members up by name, and "1f1b" is no identifier: the functional form allows it
+# OmegaConf looks members up by name, and "1f1b" is no identifier: the functional form allows it. The
+# names are pipeline/schedule.py's registered specs (plus auto), held equal to them by
+# tests/unit/pipeline/test_schedule_specs.py: this leaf of the schema cannot import the pipeline.
 ScheduleKind = StrEnum(
     "ScheduleKind",
     [(k, k) for k in ("auto", "gpipe", "1f1b", "interleaved", "zb_h1", "zbv")],

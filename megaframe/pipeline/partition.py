@@ -13,7 +13,7 @@ import functools
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from megaframe.pipeline.schedule import ZERO_BUBBLE, build_schedule, check_args, is_v, stage_of
+from megaframe.pipeline.schedule import build_schedule, check_args, is_v, splits_backward, stage_of
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,7 @@ def check_runnable(
                     f"parallel.pp_layout={list(counts)} leaves pipeline rank {rank} (stages "
                     f"{stages} under {kind}) without any layer or parameter: give it a layer"
                 )
-    if kind in ZERO_BUBBLE and moe and recompute == "full":
+    if splits_backward(kind) and moe and recompute == "full":
         # the recomputed MoE block's saved tensors are read
         # again by W after B released them (pipeline/split.py)
         raise ValueError(
@@ -100,7 +100,7 @@ def check_runnable(
             "MoE model under train.recompute=full: use train.recompute=selective or none, or another "
             "parallel.pp_schedule"
         )
-    if kind in ZERO_BUBBLE and recompute == "op_selective":
+    if splits_backward(kind) and recompute == "op_selective":
         # W re-runs the checkpointed block in a second graph task, and torch hands the selective
         # checkpoint's kept outputs out once (to B's re-run): W's re-run would fail at step 1
         raise ValueError(

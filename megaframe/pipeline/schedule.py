@@ -62,38 +62,57 @@ from megaframe.pipeline.actions import (  # noqa: F401 (re-exported: the schedul
     locate,
     stage_of,
 )
-from megaframe.pipeline.zero_bubble import (  # noqa: F401 (max_pending_w re-exported)
-    activation_limit,
-    max_pending_w,
-    zero_bubble_orders,
-    zero_bubble_plan,
-)
+from megaframe.pipeline.zero_bubble import ZB_H1, ZBV, GreedyRule, zero_bubble_orders, zero_bubble_plan
+
+UnitPlan = tuple[tuple[tuple[Action, ...], ...], list[list[int]]]
+"""Every rank's compute order and the tick each action starts at, run in unit time (F = B = W = 1)."""
 
 
-@dataclass(frozen=True)
+def _no_pending_w(pp: int) -> int:
+    return 0
+
+
+@dataclass(frozen=True, kw_only=True)
 class ScheduleSpec:
     """A pipeline schedule, chosen by name (parallel.pp_schedule): everything the builder, the executor,
-    the simulator and the planner ask of it. Register a new kind with `register`."""
+    the simulator, the config checks and the planner ask of it. Register a new kind with `register`;
+    the config's closed list of names (config/choices.py: ScheduleKind) is held equal to the registry."""
 
     name: str
     chunk_rule: Callable[[int, int, int], str | None]
     """(pp, vpp, micro-batches) -> why this schedule cannot run them (naming the setting); None: it can."""
-    v: bool
-    """Chunks placed in a V (rank r holds stages r and 2·pp-1-r) rather than a loop (chunk·pp + r)."""
-    split_backward: bool
-    """B is the input gradient only and W the weight gradients (the zero-bubble kinds)."""
     order: Callable[[int, int, int, int], list[Action]]
     """(pp, vpp, m, rank) -> the rank's compute order (F, B and W)."""
     warmup: Callable[[int, int, int, int], int]
     """(pp, vpp, m, rank) -> forwards before the rank's first backward."""
     bound: Callable[[int, int, int, int], int]
     """(pp, vpp, m, rank) -> most forwards whose activations the rank holds at once (its memory bound)."""
+    v: bool = False
+    """Chunks placed in a V (rank r holds stages r and 2·pp-1-r) rather than a loop (chunk·pp + r)."""
+    split_backward: bool = False
+    """B is the input gradient only and W the weight gradients (the zero-bubble kinds). Such a kind is
+    refused with what the split does not compose with (train.compile, fp8, some recompute settings: the
+    config checks and pipeline/partition.py ask this field), and timed and sized with W's own cost."""
+    pending_w: Callable[[int], int] = _no_pending_w
+    """pp -> most W a rank holds pending (split backward only; the simulator holds every rank to it)."""
+    searched: bool = False
+    """The layout search (planning/search.py) tries this kind beside the config's own wherever its
+    chunk_rule admits the layout's pp, vpp and micro-batches."""
+    unit_plan: Callable[[int, int], UnitPlan] | None = None
+    """(pp, m) -> the unit-time timetable when the order's generator ran it already (the greedy
+    zero-bubble kinds); None: replayed from the orders (_replay_unit_times)."""
 
 
 SCHEDULES: dict[str, ScheduleSpec] = {}
 
 
 def register(spec: ScheduleSpec) -> ScheduleSpec:
+    # a second spec under a taken name would silently replace the kind every run and check reads
+    if spec.name in SCHEDULES or spec.name == "auto":
+        raise ValueError(f"a pipeline schedule named {spec.name!r} is already registered")
+    # a split kind without its W bound would fail every simulation with `bound 0`, far from here
+    if spec.split_backward and spec.pending_w is _no_pending_w:
+        raise ValueError(f"schedule {spec.name!r} splits the backward: give its pending_w bound")
     SCHEDULES[spec.name] = spec
     return spec
 
@@ -109,6 +128,20 @@ def schedule_spec(kind: str, vpp: int) -> ScheduleSpec:
 def is_v(kind: str) -> bool:
     """Chunks placed in a V (zbv) rather than a loop: rank r holds stages r and 2·pp-1-r."""
     return kind in SCHEDULES and SCHEDULES[kind].v
+
+
+def splits_backward(kind: str) -> bool:
+    """B is the input gradient only and W the weight gradients (the spec's split_backward; False for a name
+    no spec has: check_args names those)."""
+    return kind in SCHEDULES and SCHEDULES[kind].split_backward
+
+
+def admitted_vpps(kind: str, pp: int, m: int, most: int = 8) -> list[int]:
+    """The chunks per rank (1..most) the kind's chunk rule admits at pp and m micro-batches; none for a name
+    no spec has or counts below one (check_args names those)."""
+    if kind not in SCHEDULES or pp < 1 or m < 1:
+        return []
+    return [vpp for vpp in range(1, most + 1) if SCHEDULES[kind].chunk_rule(pp, vpp, m) is None]
 
 
 def check_args(kind: str, pp: int, vpp: int, m: int) -> None:
@@ -242,9 +275,9 @@ def forward_schedule(pp: int, vpp: int, m: int, rank: int, v: bool = False) -> l
 def _unit_times(kind: str, pp: int, vpp: int, m: int) -> tuple[list[list[int]], dict]:
     """Every rank's compute order run with F = B = W = 1 and instant transfers: (start times per rank, in
     compute order; {(F | B | W, microbatch, stage): time the stage's output is sent})."""
-    v = is_v(kind)
-    if kind in ZERO_BUBBLE:  # the greedy ran the unit-time timetable already (_zero_bubble_plan)
-        orders, starts = zero_bubble_plan(kind, pp, m)
+    v, plan = is_v(kind), SCHEDULES[kind].unit_plan
+    if plan is not None:  # the greedy ran the unit-time timetable already (zero_bubble_plan)
+        orders, starts = plan(pp, m)
         sent_at = {
             (a.kind, a.microbatch, stage_of(r, a.chunk, pp, v)): t + 1
             for r in range(pp)
@@ -328,23 +361,28 @@ def _warmup_bound(warmup: Callable[[int, int, int, int], int]) -> Callable[[int,
     return lambda pp, vpp, m, rank: min(m * vpp, warmup(pp, vpp, m, rank) + 1)
 
 
-def _zero_bubble(name: str, vpp: int, v: bool, rule: str) -> ScheduleSpec:
-    """A kind from the greedy list scheduler (pipeline/zero_bubble.py); `vpp` chunks per rank."""
+def _zero_bubble(rule: GreedyRule, vpp: int, chunk_rule: str) -> ScheduleSpec:
+    """A kind from the greedy list scheduler (pipeline/zero_bubble.py) held to `rule`; `vpp` chunks per
+    rank (`chunk_rule`: the refusal of any other, `{vpp}` the one given)."""
 
     def order(pp: int, vpp_: int, m: int, rank: int) -> list[Action]:
-        return list(zero_bubble_orders(name, pp, m)[rank])
+        return list(zero_bubble_orders(rule, pp, m)[rank])
 
     def warmup(pp: int, vpp_: int, m: int, rank: int) -> int:
         return next(i for i, a in enumerate(order(pp, vpp_, m, rank)) if a.kind == B)
 
     return ScheduleSpec(
-        name,
-        lambda pp, vpp_, m: None if vpp_ == vpp else rule.format(vpp=vpp_),
-        v,
-        True,
-        order,
-        warmup,  # the greedy scheduler's limit, counted from F to B like 1F1B's
-        lambda pp, vpp_, m, rank: min(m * vpp_, activation_limit(name, pp, rank)),
+        name=rule.name,
+        chunk_rule=lambda pp, vpp_, m: None if vpp_ == vpp else chunk_rule.format(vpp=vpp_),
+        order=order,
+        # the greedy scheduler's limit, counted from F to B like 1F1B's
+        warmup=warmup,
+        bound=lambda pp, vpp_, m, rank: min(m * vpp_, rule.activations(pp, rank)),
+        v=rule.v,
+        split_backward=True,
+        pending_w=rule.pending_w,
+        searched=True,
+        unit_plan=functools.partial(zero_bubble_plan, rule),
     )
 
 
@@ -361,60 +399,46 @@ def _interleaved_rule(pp: int, vpp: int, m: int) -> str | None:
     return None
 
 
-register(
-    ScheduleSpec(
-        "gpipe",
-        lambda pp, vpp, m: None,
-        False,
-        False,
-        _gpipe_order,
-        _gpipe_warmup,
-        _warmup_bound(_gpipe_warmup),
-    )
-)
-register(
-    ScheduleSpec(
-        "1f1b",
-        lambda pp, vpp, m: (
-            None
-            if vpp == 1
-            else ("parallel.pp_schedule=1f1b runs one chunk per rank: use parallel.vpp=1 or interleaved")
-        ),
-        False,
-        False,
-        _one_f_one_b(_1f1b_warmup),
-        _1f1b_warmup,
-        _warmup_bound(_1f1b_warmup),
-    )
-)
-register(
-    ScheduleSpec(
-        "interleaved",
-        _interleaved_rule,
-        False,
-        False,
-        _one_f_one_b(_interleaved_warmup),
-        _interleaved_warmup,
-        _warmup_bound(_interleaved_warmup),
-    )
-)
-register(
-    _zero_bubble(
-        "zb_h1",
-        1,
-        False,
-        "parallel.pp_schedule=zb_h1 runs one chunk per rank: use parallel.vpp=1 (zbv for two)",
-    )
-)
-register(
-    _zero_bubble(
-        "zbv",
-        2,
-        True,
-        "parallel.pp_schedule=zbv holds two chunks per rank in a V: set parallel.vpp=2 (got {vpp})",
-    )
-)
+def _1f1b_rule(pp: int, vpp: int, m: int) -> str | None:
+    if vpp == 1:
+        return None
+    return "parallel.pp_schedule=1f1b runs one chunk per rank: use parallel.vpp=1 or interleaved"
 
-KINDS = tuple(SCHEDULES)
-ZERO_BUBBLE = tuple(name for name, spec in SCHEDULES.items() if spec.split_backward)
-"""Kinds whose backward is split into B (input gradient) and W (weight gradients)."""
+
+register(
+    ScheduleSpec(
+        name="gpipe",
+        chunk_rule=lambda pp, vpp, m: None,
+        order=_gpipe_order,
+        warmup=_gpipe_warmup,
+        bound=_warmup_bound(_gpipe_warmup),
+    )
+)
+register(
+    ScheduleSpec(
+        name="1f1b",
+        chunk_rule=_1f1b_rule,
+        order=_one_f_one_b(_1f1b_warmup),
+        warmup=_1f1b_warmup,
+        bound=_warmup_bound(_1f1b_warmup),
+    )
+)
+register(
+    ScheduleSpec(
+        name="interleaved",
+        chunk_rule=_interleaved_rule,
+        order=_one_f_one_b(_interleaved_warmup),
+        warmup=_interleaved_warmup,
+        bound=_warmup_bound(_interleaved_warmup),
+    )
+)
+register(
+    _zero_bubble(
+        ZB_H1, 1, "parallel.pp_schedule=zb_h1 runs one chunk per rank: use parallel.vpp=1 (zbv for two)"
+    )
+)
+register(
+    _zero_bubble(
+        ZBV, 2, "parallel.pp_schedule=zbv holds two chunks per rank in a V: set parallel.vpp=2 (got {vpp})"
+    )
+)

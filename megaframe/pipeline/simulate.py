@@ -47,7 +47,6 @@ from megaframe.pipeline.schedule import (
     build_schedule,
     is_v,
     locate,
-    max_pending_w,
     stage_of,
 )
 
@@ -375,8 +374,8 @@ def simulate(
             raise ScheduleError(
                 f"rank {r} holds {peak[r]} activations, bound {activation_bound(kind, pp, vpp, m, r)}"
             )
-    if split and max(peak_w) > max_pending_w(kind, pp):
-        raise ScheduleError(f"a rank holds {max(peak_w)} pending W, bound {max_pending_w(kind, pp)}")
+    if split and max(peak_w) > SCHEDULES[kind].pending_w(pp):
+        raise ScheduleError(f"a rank holds {max(peak_w)} pending W, bound {SCHEDULES[kind].pending_w(pp)}")
     # Every rank does the same work, one F, B and W per (micro-batch, chunk) (B and W one B unsplit).
     busy = (costs.f + costs.b + costs.w) * m * vpp
     return SimResult(

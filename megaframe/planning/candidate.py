@@ -26,8 +26,8 @@ class Layout:
     grad_dtype: str = "fp32"
     """optim.grad_reduce_dtype: the dtype of the grad buffers and their dp reduction."""
     schedule: str = ""
-    """parallel.pp_schedule ("": the config's, e.g. auto);
-    the search also tries zb_h1 (vpp=1) and zbv (vpp=2)."""
+    """parallel.pp_schedule ("": the config's, e.g. auto); the search also tries each kind whose spec says
+    `searched` where its chunk rule admits the layout (zb_h1 at vpp=1, zbv at vpp=2)."""
     pp_layout: tuple = ()
     sp: bool = True
     """parallel.sp wherever tp > 1 (the search always; False times a layout without it, e.g. published runs

@@ -40,7 +40,7 @@ from megaframe.optim.rule_registry import rule_named
 from megaframe.optim.sizing import planned_dp_bytes, planned_memory_bytes
 from megaframe.parallel.context import cp_bytes_per_layer
 from megaframe.parallel.virtual import virtual_mesh
-from megaframe.pipeline.schedule import ZERO_BUBBLE, F, W, compute_order
+from megaframe.pipeline.schedule import F, W, compute_order, splits_backward
 from megaframe.planning.activations import chunk_activation_bytes, head_activation_bytes, w_fraction
 from megaframe.planning.block_memory import on_host as _on_host
 from megaframe.planning.block_memory import plan_documents, working_set_bytes
@@ -209,7 +209,7 @@ def plan_layout(cfg: Config, world_size: int, device_memory_gb: float | None = N
         },
         m,
         kind,
-        _bubble(kind, pp, p.vpp, m, split_costs(cfg, t.recompute) if kind in ZERO_BUBBLE else None),
+        _bubble(kind, pp, p.vpp, m, split_costs(cfg, t.recompute) if splits_backward(kind) else None),
     )
     if device_memory_gb is not None:
         plan.device_memory_bytes = int(device_memory_gb * 2**30)  # GiB, as torch.cuda reports

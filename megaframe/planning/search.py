@@ -151,6 +151,7 @@ def _layouts(cfg: Config, world: int, per_node: int):
     for tp, cp in [(t, c) for t in divisors(world) if t <= max(per_node, 1) for c in divisors(world // t)]:
         for pp, split in _pipelines(m.num_layers, world // (tp * cp)):
             dp = world // (tp * cp * pp)
+            micro = {cfg.train.global_batch_size // (b * dp) for b in MICRO_BATCHES} - {0}
             for vpp in [1] if pp == 1 or split else [v for v in VPP if m.num_layers % (pp * v) == 0]:
                 # ep borrows its ranks from cp·dp
                 for ep, sched in [
@@ -158,7 +159,7 @@ def _layouts(cfg: Config, world: int, per_node: int):
                     for e in (
                         [e for e in divisors(dp * cp) if m.num_experts % e == 0] if m.num_experts else [1]
                     )
-                    for s in _schedules(pp, vpp)
+                    for s in _schedules(pp, vpp, micro)
                 ]:
                     yield from (
                         Layout(tp, pp, vpp, dp, ep, zero, mb, rc, cp, shard, g, sched, split)
@@ -185,10 +186,13 @@ def _pipelines(layers: int, ranks: int) -> list[tuple[int, tuple]]:
     return out
 
 
-def _schedules(pp: int, vpp: int) -> list[str]:
-    """The schedules tried at (pp, vpp): the config's, and the zero-bubble kind of that vpp (zb_h1 at 1,
-    zbv at 2)."""
-    return [""] + ({1: ["zb_h1"], 2: ["zbv"]}.get(vpp, []) if pp > 1 else [])
+def _schedules(pp: int, vpp: int, micro: set[int]) -> list[str]:
+    """The config's schedule (""), and past one stage each spec marked `searched` (zb_h1, zbv) whose chunk
+    rule admits (pp, vpp) at one of the micro-batch counts `micro` (validate() checks each layout's)."""
+    from megaframe.pipeline.schedule import SCHEDULES
+
+    tried = [s.name for s in SCHEDULES.values() if s.searched and pp > 1]
+    return [""] + [k for k in tried if any(SCHEDULES[k].chunk_rule(pp, vpp, m) is None for m in micro)]
 
 
 def _valid(cfg: Config, world: int, lays: list[Layout], ticker: Ticker | None = None) -> list[Layout]:
@@ -218,11 +222,11 @@ def _peak_inflight(kind: str, pp: int, vpp: int, m: int, rank: int, chunk_bytes:
     """Peak activation bytes of the rank's order; a split backward's pending W keeps W_FRACTION of a chunk
     (the weighted ops' inputs and output grads: planning.activations.w_fraction, ~0.49 for llama3_8b's
     blocks)."""
-    from megaframe.pipeline.schedule import ZERO_BUBBLE
+    from megaframe.pipeline.schedule import splits_backward
     from megaframe.pipeline.simulate import W_FRACTION
     from megaframe.planning.estimate import peak_activations
 
-    keep = [int(W_FRACTION * b) for b in chunk_bytes] if kind in ZERO_BUBBLE else None
+    keep = [int(W_FRACTION * b) for b in chunk_bytes] if splits_backward(kind) else None
     return peak_activations(_order(kind, pp, vpp, m, rank), list(chunk_bytes), keep)[0]
 
 

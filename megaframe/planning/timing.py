@@ -32,7 +32,8 @@ Step time (seconds) =
            what the attention core's compute does not hide is paid (plus the hops' latency). Under cp
            the tp / ep / pp activations are the rank's S/cp tokens; dp reduces over cp·dp.
   bubble   the schedule simulator's idle fraction (pipeline.simulate) for (schedule, pp, vpp, micro-batches);
-           the zero-bubble kinds (zb_h1, zbv) are timed with F, B, W costs from the backward's split
+           the kinds whose spec splits the backward (zb_h1, zbv) are timed with F, B, W costs from the
+           backward's split
            (split_costs: B the activation-grad GEMMs + attention backward, W the weight-grad GEMMs).
 
 Checked against measured runs on this machine by benchmarks/validate_planner.py (docs/planning.md: the
@@ -295,12 +296,12 @@ def step_time(
 ) -> dict[str, float]:
     """The module docstring's model: seconds per step by part (fused_attention: planning.compute's
     block_seconds; False only to time software without fused attention kernels, as published runs of 2021)."""
-    from megaframe.pipeline.schedule import ZERO_BUBBLE, resolve_kind
+    from megaframe.pipeline.schedule import resolve_kind, splits_backward
 
     s = _Step(cfg, lay, dev, world, fused_attention)
     compute, tp, ep, cp = _compute(s), _tp(s), _ep(s), _cp(s)
     kind = lay.schedule or resolve_kind(cfg.parallel.pp_schedule, lay.vpp)
-    costs = split_costs(cfg, lay.recompute) if kind in ZERO_BUBBLE else None
+    costs = split_costs(cfg, lay.recompute) if splits_backward(kind) else None
     bubble = _bubble(kind, lay.pp, lay.vpp, s.micro, costs) if lay.pp > 1 else 0.0
     inner = compute + tp + ep + cp
     # the bubble stretches the compute-bound part; reported as its own share so why_slower can name it

@@ -23,7 +23,36 @@ from megaframe.pipeline.simulate import SendModel, simulate
 
 def test_every_kind_is_a_registered_spec():
     assert set(SCHEDULES) == {"gpipe", "1f1b", "interleaved", "zb_h1", "zbv"}
-    assert schedule.ZERO_BUBBLE == ("zb_h1", "zbv") and [k for k, s in SCHEDULES.items() if s.v] == ["zbv"]
+    assert [k for k in SCHEDULES if schedule.splits_backward(k)] == ["zb_h1", "zbv"]
+    assert [k for k, s in SCHEDULES.items() if s.v] == ["zbv"]
+    assert [k for k, s in SCHEDULES.items() if s.searched] == ["zb_h1", "zbv"]
+
+
+def test_the_config_choices_are_the_registered_kinds():
+    """config/choices.py (a schema leaf: it cannot import the registry) lists the names Hydra accepts for
+    parallel.pp_schedule: exactly the registered specs and auto."""
+    from megaframe.config.choices import ScheduleKind
+
+    assert [k.value for k in ScheduleKind] == ["auto", *SCHEDULES]
+
+
+def test_a_taken_name_or_a_split_kind_without_its_w_bound_is_refused():
+    def spec(name, **kw):
+        rule = lambda *a: None  # noqa: E731
+        return ScheduleSpec(name=name, chunk_rule=rule, order=rule, warmup=rule, bound=rule, **kw)
+
+    for name in ("zb_h1", "auto"):
+        with pytest.raises(ValueError, match=f"{name!r} is already registered"):
+            register(spec(name))
+    with pytest.raises(ValueError, match="give its pending_w bound"):
+        register(spec("split_unbounded", split_backward=True))
+    assert "split_unbounded" not in SCHEDULES and SCHEDULES["zb_h1"].split_backward
+
+
+def test_a_spec_is_built_by_keywords():
+    """Positional booleans (v, split_backward) read alike at the call site: a spec names every field."""
+    with pytest.raises(TypeError):
+        ScheduleSpec("x", lambda pp, vpp, m: None, False, False, None, None, None)
 
 
 @pytest.mark.parametrize(
@@ -70,13 +99,11 @@ def reversed_gpipe():
 
     spec = register(
         ScheduleSpec(
-            "gpipe_fifo",
-            lambda pp, vpp, m: None if vpp == 1 else "vpp=1 only",
-            False,
-            False,
-            order,
-            lambda pp, vpp, m, rank: m,
-            lambda pp, vpp, m, rank: m,
+            name="gpipe_fifo",
+            chunk_rule=lambda pp, vpp, m: None if vpp == 1 else "vpp=1 only",
+            order=order,
+            warmup=lambda pp, vpp, m, rank: m,
+            bound=lambda pp, vpp, m, rank: m,
         )
     )
     yield spec
