@@ -14,9 +14,10 @@ from megaframe.models.gpt2.spec import SPEC as GPT2
 from megaframe.models.llama.spec import SPEC as LLAMA
 from megaframe.models.mixtral.spec import SPEC as MIXTRAL
 from megaframe.models.qwen3.spec import SPEC as QWEN3
+from megaframe.models.qwen3_moe.spec import SPEC as QWEN3_MOE
 from megaframe.models.spec import FamilySpec
 
-FAMILIES: dict[str, FamilySpec] = {s.name: s for s in (LLAMA, GPT2, MIXTRAL, QWEN3, CUSTOM)}
+FAMILIES: dict[str, FamilySpec] = {s.name: s for s in (LLAMA, GPT2, MIXTRAL, QWEN3, QWEN3_MOE, CUSTOM)}
 
 
 def family(name: str) -> FamilySpec:
