@@ -11,8 +11,10 @@ Per micro-batch token of a rank (tokens = micro-batch x S / cp), for each of its
               is float8 too under train.fp8_head where its dims allow; the norms and the attention core stay
               bf16, as layers/fp8.py leaves them). MoE experts: the
               rank's routed tokens (top_k of them) over its experts' GEMMs.
-  attention   the causal core (QK^T and PV, half the S x S square: flops_per_token(causal=True)) at
-              the device's fused-attention rate (attn_eff of the bf16 peak).
+  attention   the causal core (QK^T and PV) of the rank's tokens against the sequence's keys
+              (attention_flops) at the device's fused-attention rate (attn_eff of the bf16 peak). Under cp
+              the rank's S/cp tokens already carry the split: parallel/context.py's load-balanced cut (rank
+              r keeps chunks r and 2c-1-r) gives every rank exactly 1/cp of the causal square.
   elementwise norms, residual adds, dropout, RoPE and the MLP's activation: bytes each reads and writes
               over HBM x hbm_eff, forward + backward (about twice the forward). Under sp the [S, D] ones
               run on S/tp tokens; without it every tp rank repeats them.
@@ -99,7 +101,7 @@ def block_seconds(
     per_tok += (3 if "swiglu" in str(m.activation) else 2) * ffn / tp
     if "rope" in str(m.position_embedding):
         per_tok += 2 * (m.num_attention_heads + m.kv_heads) * m.head_dim / tp
-    attn = tokens * 12 * m.seq_length * m.num_attention_heads * m.head_dim / 2 / tp / cp
+    attn = attention_flops(m, tokens, tp, cp)
     attn_rate = dev.peak("bf16" if prec != "fp32" else prec) * (
         dev.attn_eff if dev.hbm_bw else dev.efficiency
     )
@@ -109,12 +111,25 @@ def block_seconds(
         not fused_attention
     ):  # the full square at the GEMM rate; scores, softmax, dropout mask and output in HBM
         heads = m.num_attention_heads // tp
-        attn = (
-            2 * PASSES * micro_batch * heads * gemm_seconds(dev, prec, m.seq_length, m.head_dim, m.seq_length)
-        )
-        elementwise += PASSES * _stream(dev, micro_batch * heads * m.seq_length**2 * (5 * act + 1))
+        rows = m.seq_length // cp  # the rank's queries against every key
+        attn = 2 * PASSES * micro_batch * heads * gemm_seconds(dev, prec, rows, m.head_dim, m.seq_length)
+        elementwise += PASSES * _stream(dev, micro_batch * heads * rows * m.seq_length * (5 * act + 1))
         return {"gemm": PASSES * gemm + scale, "attention": attn, "elementwise": elementwise}
     return {"gemm": PASSES * gemm + scale, "attention": attn / attn_rate, "elementwise": elementwise}
+
+
+def attention_flops(m, tokens: int, tp: int, cp: int) -> float:
+    """FLOPs of the attention core (QK^T and PV, forward + backward: 12 x S x H x E per query token) of
+    `tokens` query tokens of one rank against the whole sequence's keys, its H/tp heads. Exact causal
+    kernels skip the masked half, on average S/2 keys a token: without cp the causal kernel, under cp
+    parallel/cp_attention.py's per-chunk calls and ring_fused.py's visible chunk pairs. Under cp with
+    attention dropout both cp paths compute the whole [S/cp, S] square under a mask (model/attention.py:
+    SDPA with the explicit bias; the ring's masked math, timed at the fused rate though it runs in fp32
+    matmuls: not modelled): twice the causal work. `tokens` is the rank's
+    (S/cp a sequence), so no further division by cp: the balanced cut gives each rank 1/cp of the
+    square (module doc)."""
+    full_square = cp > 1 and m.dropout > 0
+    return tokens * 12 * m.seq_length * m.num_attention_heads * m.head_dim / tp / (1 if full_square else 2)
 
 
 def head_seconds(cfg, dev: Device, tp: int, cp: int, micro_batch: int) -> float:

@@ -135,12 +135,6 @@ class _Step:
         return self.lay.micro_batch * m.seq_length // self.lay.cp * m.hidden_size * self.elem
 
     @property
-    def attn_core(self) -> float:
-        """FLOPs per token of the attention core (QK^T and PV, forward and backward) over all layers."""
-        m = self.cfg.model
-        return 12 * m.num_layers * m.seq_length * m.num_attention_heads * m.head_dim
-
-    @property
     def share(self) -> float:
         """Ranks beyond the cores share them (cpu): each rank gets cores/world of one."""
         return min(1.0, self.dev.per_node / self.world) if self.dev.name.startswith("cpu") else 1.0

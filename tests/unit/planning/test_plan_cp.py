@@ -13,9 +13,11 @@ import pytest
 from megaframe.config import load_config
 from megaframe.parallel.context import cp_bytes_per_layer
 from megaframe.plan import main
+from megaframe.planning.compute import block_seconds
 from megaframe.planning.devices import DEVICES
 from megaframe.planning.estimate import plan_layout
 from megaframe.planning.search import Layout, candidates, layout_config, memory, phase_memory, step_time
+from megaframe.training.metrics import flops_per_token
 from tests.unit.planning.test_plan_search import SMALL
 
 LONG = [
@@ -122,3 +124,34 @@ def test_search_memory_matches_the_exact_planner_under_cp(lay, dropout):
     for k, want in worst.phases.items():  # every phase of the largest rank
         assert abs(got[k] - want) / want < 0.05, (k, got, worst.phases)
     assert memory(cfg, lay) == max(got.values())
+
+
+@pytest.mark.parametrize("cp", [2, 4, 8])
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_a_cp_rank_times_its_share_of_the_attention_once(cp, dropout):
+    """parallel/context.py's balanced cut (rank r keeps chunks r and 2c-1-r) gives each rank 1/cp of the
+    causal square: the rank's S/cp tokens carry the whole split. With attention dropout both cp paths
+    compute the masked [S/cp, S] square in full (model/attention.py): twice the causal share."""
+    cfg = load_config(LONG + [f"model.dropout={dropout}"], world_size=1, check_data=False)
+    h100 = DEVICES["H100"]
+    one = block_seconds(cfg, h100, 1, 1, 1, False)["attention"]
+    share = block_seconds(cfg, h100, 1, cp, 1, False)["attention"]
+    assert share == pytest.approx(one / cp * (2 if dropout else 1), rel=1e-9)
+
+
+def test_no_cp_candidate_beats_the_device():
+    """Every layout of a long-context search plans at most the device's peak in model FLOPs (MFU <= 1),
+    and the FLOPs the kernels really run (the causal half of the attention core, no re-run forward) at
+    most at the device's best GEMM rate: a rate above it is a step the planner times too fast."""
+    # attention-bound: 64k tokens against 2k hidden, compiled (no eager elementwise traffic to hide it)
+    wide = ["model.hidden_size=2048", "model.num_attention_heads=16", "model.ffn_hidden_size=4096"]
+    long = ["model.seq_length=65536", "train.global_batch_size=8", "train.compile=true"]
+    cfg = load_config(LONG + wide + long, world_size=1, check_data=False)
+    h100 = DEVICES["H100"]
+    lays = candidates(cfg, 8, 8, keep=lambda x: x.recompute == "none")
+    assert {x.cp for x in lays} >= {2, 4, 8}
+    tokens = cfg.train.global_batch_size * cfg.model.seq_length
+    for lay in lays:
+        rate = tokens / sum(step_time(cfg, lay, h100, 8).values()) / 8 / h100.peak_bf16
+        assert rate * flops_per_token(cfg.model) <= 1.0, lay
+        assert rate * flops_per_token(cfg.model, causal=True) <= h100.efficiency, lay
