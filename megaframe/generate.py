@@ -76,7 +76,10 @@ class Stream:
     """Writes the text of the tokens so far to stdout as it grows (decoding the whole tail each time, so a
     character split over byte-fallback pieces is written once complete)."""
 
-    def __init__(self, tok, prompt_ids: list[int], out=sys.stdout):
+    def __init__(self, tok, prompt_ids: list[int], out=None):
+        # sys.stdout read when a stream starts, not when this module was imported (a default argument was
+        # bound at import: a caller that swapped sys.stdout later, as a test's capture does, lost the text)
+        out = out if out is not None else sys.stdout
         # decoding after the prompt's ids keeps the space sentencepiece drops at the start of a text
         self.tok, self.out, self.ids = tok, out, list(prompt_ids)
         self.written = tok.decode(self.ids)

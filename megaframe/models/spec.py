@@ -10,11 +10,11 @@ loss) is every family's; the blocks between are the family's `block` builder's (
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import Callable
 
 from megaframe.config.schema import ModelConfig
-from megaframe.model.block import build_block
 from megaframe.models import counts
 
 
@@ -29,6 +29,26 @@ def requires(family: str, m: ModelConfig, **values) -> list[str]:
 
 def _shown(v) -> str:
     return str(v).lower() if isinstance(v, bool) else str(v)
+
+
+def adapter(module: str, name: str) -> Callable:
+    """A family's transformers adapter function (its hf.py's to_hf, from_hf), imported at its first call: the
+    config checks read every family's spec before any rank starts, and the adapters import torch."""
+
+    def call(*args, **kwargs):
+        return getattr(importlib.import_module(module), name)(*args, **kwargs)
+
+    call.__name__ = name
+    return call
+
+
+def shared_block(args, layer: int):
+    """model/block.py's build_block, the shared block: imported when a block is built, so the config checks
+    that read a family's spec (config/checks.py, the job script's check before any rank starts) import no
+    torch."""
+    from megaframe.model.block import build_block
+
+    return build_block(args, layer)
 
 
 @dataclass(frozen=True)
@@ -49,7 +69,7 @@ class FamilySpec:
     """transformers' config.model_type the adapter reads (from_hf is chosen by it); None: no import."""
     hf_architecture: str | None = None
     """transformers class the export names in config.json (e.g. LlamaForCausalLM)."""
-    block: Callable = build_block
+    block: Callable = shared_block
     """(model/block.py's BlockArgs, global layer index) -> the block (forward(x_SBD, rope, kv=None))."""
     layer_params: Callable = counts.layer_params
     """(ModelConfig, tp, ep) -> (dense, expert) parameters of one block on one rank."""

@@ -145,6 +145,8 @@ def small_overrides(cmd: Command) -> list[str]:
     if tool != "train.py":
         return []
     extra = [o for o in TINY if o.split("=", 1)[0] not in keys]
+    if "model" in keys:  # a preset's own grouping stands: GPT-2's family has none (its check refuses GQA)
+        extra = [o for o in extra if not o.startswith("model.num_query_groups=")]
     steps = [int(o.split("=", 1)[1]) for o in over if o.split("=", 1)[0].lstrip("+") == "train.max_steps"]
     if not steps or steps[-1] > MAX_STEPS:
         extra.append(f"train.max_steps={MAX_STEPS}")

@@ -7,9 +7,12 @@ mlp.c_proj = down_proj.weight.T [F, D]; wpe = pos_embed with n_positions = S.
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from megaframe.config.schema import ModelConfig
+
+if TYPE_CHECKING:
+    import torch
 
 GPT2_LAYER = {
     "attn_norm.weight": "ln_1.weight",
@@ -55,6 +58,9 @@ def to_hf(m: ModelConfig, state: dict[str, torch.Tensor], eos=None, bos=None):
 
 
 def _add_zero_gpt2_biases(m: ModelConfig, sd: dict) -> None:
+    # torch imported here: the config checks read this family's spec before any rank imports torch
+    import torch
+
     d, f = m.hidden_size, m.ffn_hidden_size
     for i in range(m.num_layers):
         for key, n in (("attn.c_attn", 3 * d), ("attn.c_proj", d), ("mlp.c_fc", f), ("mlp.c_proj", d)):

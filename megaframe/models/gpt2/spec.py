@@ -1,7 +1,6 @@
 """GPT-2 (LayerNorm, tanh GELU, learned positions, biases, tied embeddings; no GQA)."""
 
-from megaframe.models.gpt2 import hf
-from megaframe.models.spec import FamilySpec, requires
+from megaframe.models.spec import FamilySpec, adapter, requires
 
 
 def check(m) -> list[str]:
@@ -27,8 +26,8 @@ SPEC = FamilySpec(
     name="gpt2",
     presets=("gpt2_tiny", "gpt2_small"),
     check=check,
-    to_hf=hf.to_hf,
-    from_hf=hf.from_hf,
+    to_hf=adapter("megaframe.models.gpt2.hf", "to_hf"),
+    from_hf=adapter("megaframe.models.gpt2.hf", "from_hf"),
     hf_model_type="gpt2",
     hf_architecture="GPT2LMHeadModel",
 )

@@ -1,7 +1,6 @@
 """Llama 2/3.x (RMSNorm, SwiGLU, RoPE with llama3/linear/yarn scaling, GQA, optional biases)."""
 
-from megaframe.models.llama import hf
-from megaframe.models.spec import FamilySpec, requires
+from megaframe.models.spec import FamilySpec, adapter, requires
 
 
 def check(m) -> list[str]:
@@ -22,8 +21,8 @@ SPEC = FamilySpec(
     name="llama",
     presets=("gpt_tiny", "llama_1b", "llama3_8b"),
     check=check,
-    to_hf=hf.to_hf,
-    from_hf=hf.from_hf,
+    to_hf=adapter("megaframe.models.llama.hf", "to_hf"),
+    from_hf=adapter("megaframe.models.llama.hf", "from_hf"),
     hf_model_type="llama",
     hf_architecture="LlamaForCausalLM",
 )

@@ -1,7 +1,6 @@
 """Mixtral (Llama attention, every block a top-k dropless MoE of SwiGLU experts)."""
 
-from megaframe.models.mixtral import hf
-from megaframe.models.spec import FamilySpec, requires
+from megaframe.models.spec import FamilySpec, adapter, requires
 
 
 def check(m) -> list[str]:
@@ -26,8 +25,8 @@ SPEC = FamilySpec(
     name="mixtral",
     presets=("moe_tiny", "mixtral_8x7b"),
     check=check,
-    to_hf=hf.to_hf,
-    from_hf=hf.from_hf,
+    to_hf=adapter("megaframe.models.mixtral.hf", "to_hf"),
+    from_hf=adapter("megaframe.models.mixtral.hf", "from_hf"),
     hf_model_type="mixtral",
     hf_architecture="MixtralForCausalLM",
 )

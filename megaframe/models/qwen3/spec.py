@@ -1,8 +1,7 @@
 """Qwen3 dense (Llama's block with per-head q/k RMSNorm, GQA, head dim set apart from D/H, RoPE theta 1e6,
 tied embeddings in the small models)."""
 
-from megaframe.models.qwen3 import hf
-from megaframe.models.spec import FamilySpec, requires
+from megaframe.models.spec import FamilySpec, adapter, requires
 
 
 def check(m) -> list[str]:
@@ -24,8 +23,8 @@ SPEC = FamilySpec(
     name="qwen3",
     presets=("qwen3_tiny", "qwen3_0_6b"),
     check=check,
-    to_hf=hf.to_hf,
-    from_hf=hf.from_hf,
+    to_hf=adapter("megaframe.models.qwen3.hf", "to_hf"),
+    from_hf=adapter("megaframe.models.qwen3.hf", "from_hf"),
     hf_model_type="qwen3",
     hf_architecture="Qwen3ForCausalLM",
 )

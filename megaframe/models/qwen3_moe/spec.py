@@ -2,8 +2,7 @@
 block's MLP a softmax top-k mixture of fine-grained SwiGLU experts, the k weights renormalised; no shared
 experts; untied embeddings in the released models)."""
 
-from megaframe.models.qwen3_moe import hf
-from megaframe.models.spec import FamilySpec, requires
+from megaframe.models.spec import FamilySpec, adapter, requires
 
 
 def check(m) -> list[str]:
@@ -28,8 +27,8 @@ SPEC = FamilySpec(
     name="qwen3_moe",
     presets=("qwen3_moe_tiny", "qwen3_30b_a3b"),
     check=check,
-    to_hf=hf.to_hf,
-    from_hf=hf.from_hf,
+    to_hf=adapter("megaframe.models.qwen3_moe.hf", "to_hf"),
+    from_hf=adapter("megaframe.models.qwen3_moe.hf", "from_hf"),
     hf_model_type="qwen3_moe",
     hf_architecture="Qwen3MoeForCausalLM",
 )

@@ -36,6 +36,11 @@ def check_names(run: RunConfig, ckpt: CheckpointConfig, logs: LoggingConfig | No
             raise ConfigError(f"{key}={value!r} must not be empty (an unset shell variable?)")
     if not str(run.dir).strip("/"):
         raise ConfigError(f"run.dir={run.dir!r} is the file system root; name a run folder")
+    _check_run_name(str(run.name))
+    for key, value in written(run, ckpt, logs):
+        # the file system's limit on one name (NAME_MAX): a longer one was an OSError traceback at start-up
+        if any(len(part.encode()) > 255 for part in Path(value).parts):
+            raise ConfigError(f"{key}={value}: a folder name longer than 255 bytes (the file system's limit)")
     for key, value in written(run, ckpt, logs):
         # a folder below an existing plain file can never be created: refused before any rank starts
         for parent in [Path(value), *Path(value).parents]:
@@ -43,6 +48,17 @@ def check_names(run: RunConfig, ckpt: CheckpointConfig, logs: LoggingConfig | No
                 if not parent.is_dir():
                     raise ConfigError(f"{key}={value}: {parent} is a file, not a folder")
                 break
+
+
+def _check_run_name(name: str) -> None:
+    """run.name names the run (its default folder outputs/<run.name>, its wandb name): an empty one put the
+    run's files into outputs/ itself, beside every other run's folder, and a `..` part wrote outside it."""
+    if not name.strip():
+        raise ConfigError(f"run.name={name!r} must not be empty (an unset shell variable?)")
+    if ".." in Path(name).parts:
+        raise ConfigError(
+            f"run.name={name}: a `..` part leaves the outputs folder; name the run or set run.dir"
+        )
 
 
 def probe(key: str, folder: str | Path) -> None:

@@ -101,3 +101,17 @@ def test_wandb_history_reads_the_folders_own_run_and_refuses_an_empty_folder(tmp
         "",
     )
     assert wandb_history.folder_run_id(Path(run_dir)) == rid
+
+
+def test_a_run_name_that_is_no_folder_name_is_one_line(monkeypatch, tmp_path):
+    """run.name becomes outputs/<run.name>: an empty name wrote into outputs/ itself, a `..` part outside it,
+    and a name past the file system's 255 bytes was an OSError traceback."""
+    import pytest
+
+    from megaframe.config import ConfigError
+
+    monkeypatch.chdir(tmp_path)
+    for name, says in (("", "must not be empty"), ("../../escape", "`..` part"), ("n" * 300, "255 bytes")):
+        with pytest.raises(ConfigError, match=re.escape(says)):
+            load_config(["data=synthetic", f"run.name={name}"])
+    assert load_config(["data=synthetic", "run.name=group/exp"]).run.dir == "outputs/group/exp"
