@@ -158,9 +158,12 @@ def default_vocab_size(cfg: Config) -> int:
     reads, as for the tokenizer it records: the first stage's first source, else the first blend source, else
     data.path; blended data shares one tokenizer), else data.vocab_size (synthetic data, or data not prepared
     yet), padded to a multiple of VOCAB_PAD and of parallel.tp."""
+    from megaframe.config.rules import FIELD_RULES, check_option
     from megaframe.data.shards import dataset_paths
 
     d = cfg.data
+    # the model's vocabulary is derived from it: a bad one is named as typed (it was model.vocab_size=0)
+    check_option(f"data.vocab_size={d.vocab_size}", d.vocab_size, FIELD_RULES["data.vocab_size"])
     vocab = d.vocab_size
     path = next((p for _, p in dataset_paths(d)), "")  # a stage without a blend: refused by the checks
     if d.kind == "prepared" and path:

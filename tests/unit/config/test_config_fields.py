@@ -169,3 +169,11 @@ def test_default_run_name_is_unique_within_a_millisecond(monkeypatch):
     assert len(names) == 50
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
     assert default_run_name().endswith("-job4242")
+
+
+def test_a_bad_data_vocab_size_is_named_before_the_model_size_derived_from_it():
+    """model.vocab_size left unset is worked out from data.vocab_size: prepare's `data.vocab_size=0` was
+    refused as `model.vocab_size=0`, a key the user never typed."""
+    for value in ("0", "-5"):
+        with pytest.raises(ConfigError, match=rf"^data\.vocab_size={value} must be"):
+            load_config(["data=synthetic", f"data.vocab_size={value}"], world_size=1)
