@@ -19,6 +19,7 @@ checkpoint.allow_config_change checkpoint.async checkpoint.dir checkpoint.interv
 checkpoint.keep_last checkpoint.on_save_error checkpoint.resume checkpoint.save_timeout_s
 data.blend data.kind data.name data.num_workers data.path data.source data.text_key data.tokenizer
 data.tokenizer_sample_bytes data.valid_fraction data.vocab_size data.extensions data.split
+logging.tensorboard.dir logging.tensorboard.enabled
 logging.wandb.entity logging.wandb.mode logging.wandb.project
 model.activation model.bias model.dropout model.ffn_hidden_size model.hidden_size model.init_std
 model.moe_aux_loss_coeff model.moe_bias_update_rate model.moe_capacity_factor model.moe_expert_bias
