@@ -123,16 +123,16 @@ def mixtral_state(cfg, sd: dict) -> dict[str, torch.Tensor]:
     return out
 
 
-def unexportable(m) -> list[str]:
-    """The mixtral-family training options MixtralForCausalLM does not compute: it routes by a softmax over
-    the plain scores and drops no token."""
+def unexportable(m, hf_class: str = "MixtralForCausalLM") -> list[str]:
+    """The training options a transformers MoE of Mixtral's routing (`hf_class`: Mixtral's, Qwen3-MoE's) does
+    not compute: it routes by a softmax over the plain scores and drops no token."""
     why = []
     if m.moe_router_score != "softmax":
-        why.append(f"model.moe_router_score={m.moe_router_score} (MixtralForCausalLM routes by softmax)")
+        why.append(f"model.moe_router_score={m.moe_router_score} ({hf_class} routes by softmax)")
     if m.moe_expert_bias:
-        why.append("model.moe_expert_bias=true (MixtralForCausalLM selects by the plain scores)")
+        why.append(f"model.moe_expert_bias=true ({hf_class} selects by the plain scores)")
     if m.moe_capacity_factor is not None:
-        why.append(f"model.moe_capacity_factor={m.moe_capacity_factor} (MixtralForCausalLM is dropless)")
+        why.append(f"model.moe_capacity_factor={m.moe_capacity_factor} ({hf_class} is dropless)")
     return why
 
 

@@ -27,6 +27,7 @@ from megaframe.config.schema import ModelConfig
 from megaframe.models.hf_rope import rope_config
 from megaframe.models.llama import hf as llama
 from megaframe.models.mixtral.hf import fused
+from megaframe.models.mixtral.hf import unexportable as mixtral_unexportable
 from megaframe.models.qwen3.hf import QK_NORMS
 
 MOE = ("mlp.router.weight", "mlp.experts.up_proj.weight", "mlp.experts.down_proj.weight")
@@ -70,16 +71,9 @@ def experts_in(cfg, sd: dict, i: int) -> dict[str, torch.Tensor]:
 
 
 def unexportable(m: ModelConfig) -> list[str]:
-    """The qwen3_moe training options Qwen3MoeForCausalLM does not compute: it routes by a softmax over
-    the plain scores and drops no token."""
-    why = []
-    if m.moe_router_score != "softmax":
-        why.append(f"model.moe_router_score={m.moe_router_score} (Qwen3MoeForCausalLM routes by softmax)")
-    if m.moe_expert_bias:
-        why.append("model.moe_expert_bias=true (Qwen3MoeForCausalLM selects by the plain scores)")
-    if m.moe_capacity_factor is not None:
-        why.append(f"model.moe_capacity_factor={m.moe_capacity_factor} (Qwen3MoeForCausalLM is dropless)")
-    return why
+    """What Qwen3MoeForCausalLM does not compute: the same routing limits as Mixtral's (softmax over the plain
+    scores, no token dropped)."""
+    return mixtral_unexportable(m, "Qwen3MoeForCausalLM")
 
 
 def to_hf(m: ModelConfig, state: dict, eos=None, bos=None):
