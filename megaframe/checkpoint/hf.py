@@ -72,6 +72,9 @@ def build_hf_model(cfg, sd: dict[str, torch.Tensor]):
 
     model = AutoModelForCausalLM.from_config(cfg, **_fp32())
     missing, unexpected = model.load_state_dict(sd, strict=False)
+    # the layers after the last are DeepSeek's multi-token-prediction depths, which no transformers class
+    # computes (its checkpoints carry them; DeepseekV3ForCausalLM ignores them too)
+    unexpected = [k for k in unexpected if not _past_last_layer(k, cfg)]
     tied = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
     # GPT-2's causal-mask buffers (attn.bias, masked_bias) are no weights: from_config builds them
     missing = [
@@ -82,6 +85,18 @@ def build_hf_model(cfg, sd: dict[str, torch.Tensor]):
     if cfg.tie_word_embeddings:
         model.tie_weights()  # lm_head then shares the loaded embedding, not from_config's random one
     return model.eval()
+
+
+def _past_last_layer(key: str, cfg) -> bool:
+    parts = key.split(".")
+    layers = getattr(cfg, "num_hidden_layers", None)
+    return (
+        len(parts) > 2
+        and parts[:2] == ["model", "layers"]
+        and parts[2].isdigit()
+        and layers is not None
+        and int(parts[2]) >= layers
+    )
 
 
 def _fp32() -> dict:

@@ -31,6 +31,8 @@ SOFT = frozenset(
         "moe_z_loss_coeff",
         "moe_bias_update_rate",
         "moe_capacity_factor",
+        "moe_seq_aux_loss_coeff",
+        "mtp_loss_weight",
         "init_std",
         "max_position_embeddings",
     }

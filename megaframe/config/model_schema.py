@@ -93,6 +93,41 @@ class ModelConfig(Frozen):
     moe_capacity_factor: Optional[float] = None
     """None = dropless. Else each expert takes at most ceil(factor * tokens * top_k / experts) assignments
     of a micro-batch (first come, in token order); the rest are dropped (moe/layer{i}/dropped_frac)."""
+    moe_shared_experts: int = 0
+    """Shared experts beside the routed ones (DeepSeek): one dense SwiGLU of width moe_shared_experts *
+    moe_ffn_hidden_size every token passes through, split over tp; 0 = none (model.family=deepseek_v3)."""
+    moe_n_group: int = 1
+    """Group-limited routing (DeepSeek-V3's n_group): the experts in this many equal groups; a token picks
+    its moe_topk_group best groups (by the sum of each group's two best scores) and its top-k among them."""
+    moe_topk_group: int = 1
+    """Groups a token may route to under moe_n_group > 1 (DeepSeek-V3's topk_group)."""
+    moe_norm_topk_prob: bool = True
+    """Renormalise the chosen k scores to sum 1 (false: the raw scores, DeepSeek-V2's default)."""
+    moe_routed_scaling_factor: float = 1.0
+    """The routed experts' combined output times this (DeepSeek-V3's routed_scaling_factor: 2.5)."""
+    moe_dense_layers: int = 0
+    """The first this many blocks have a dense MLP of width ffn_hidden_size instead of experts
+    (DeepSeek's first_k_dense_replace; model.family=deepseek_v3)."""
+    moe_seq_aux_loss_coeff: float = 0.0
+    """DeepSeek-V3's sequence-wise balance loss weight (its alpha, 1e-4): the Switch-style loss computed per
+    sequence, averaged over the micro-batch's sequences; logged in aux_loss beside moe_aux_loss_coeff's."""
+    q_lora_rank: Optional[int] = None
+    """MLA (model.family=deepseek_v3): queries through a latent of this width (RMSNormed); None = a plain
+    query projection (DeepSeek-V2-Lite)."""
+    kv_lora_rank: Optional[int] = None
+    """MLA: keys and values through one latent of this width (RMSNormed); None = not MLA."""
+    qk_nope_head_dim: Optional[int] = None
+    """MLA: the per-head query/key part without RoPE."""
+    qk_rope_head_dim: Optional[int] = None
+    """MLA: the per-head query/key part with RoPE (the key's part shared by every head)."""
+    v_head_dim: Optional[int] = None
+    """MLA: the per-head value width (apart from the query/key width)."""
+    mtp_num_layers: int = 0
+    """Multi-token prediction depths (DeepSeek-V3's num_nextn_predict_layers; model.family=deepseek_v3):
+    depth k predicts the token k+1 ahead of each position through one more block, the shared embedding and
+    head, on the last pipeline stage; trained only, dropped at generation. Logged as mtp_loss."""
+    mtp_loss_weight: float = 0.1  # Megatron's mtp_loss_scaling_factor; DeepSeek-V3 used 0.3 then 0.1
+    """The objective adds mtp_loss_weight times the mean over the depths of their LM losses."""
     dropout: float = 0.0
     """Dropout on attention probabilities and residual branches (0 keeps layouts bit-comparable)."""
     norm: Norm = Norm.rmsnorm
@@ -131,6 +166,16 @@ class ModelConfig(Frozen):
     @property
     def head_dim(self) -> int:
         return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def mla(self) -> bool:
+        """Multi-head latent attention (kv_lora_rank set)."""
+        return self.kv_lora_rank is not None
+
+    @property
+    def rope_dim(self) -> int:
+        """The per-head width RoPE rotates: MLA's qk_rope_head_dim, else the whole head."""
+        return (self.qk_rope_head_dim or 0) if self.mla else self.head_dim
 
     @property
     def expert_ffn(self) -> int:

@@ -24,6 +24,7 @@ from megaframe.layers.norm import Norm
 from megaframe.layers.rng import tp_distinct
 from megaframe.layers.shard import Shard, init_model, sharded_param
 from megaframe.layers.vocab import VocabParallelEmbedding, parallel_logits, vocab_parallel_cross_entropy
+from megaframe.model import mtp
 from megaframe.model.block import BlockArgs, build_block
 from megaframe.model.documents import DocContext, document_context, rope_at
 from megaframe.model.kv_cache import KVCache
@@ -89,6 +90,11 @@ class GPT(nn.Module):
         # the family's blocks (models/<family>/spec.py: FamilySpec.block), each told its global index
         args = BlockArgs(cfg, mesh, self.sp, pdev, tokens_per_step, recompute, cp_ring)
         self.layers = nn.ModuleDict({str(i): block(args, i) for c in stage.chunks for i in c})
+        self.tokens_per_step, self.mtp = tokens_per_step, None
+        if stage.last and cfg.mtp_num_layers:  # multi-token prediction's depths (model/mtp.py)
+            self.mtp = mtp.build(args, block)
+            # [depth, (token loss sum, tokens)] of this step; a plain attribute: no cast, not saved
+            self.mtp_stats = torch.zeros((cfg.mtp_num_layers, 2), dtype=torch.float64, device=device)
         if stage.last:
             self.final_norm = Norm(cfg.norm, cfg.hidden_size, cfg.norm_eps, self.sp, pdev)
             if not cfg.tie_embeddings:
@@ -110,9 +116,11 @@ class GPT(nn.Module):
     def _make_embeddings(self, cfg: ModelConfig, mesh: Mesh, stage: Stage, pdev) -> None:
         """The token embedding on the pipeline ends that use it, the learned positions on the first."""
         tp = mesh.tp
-        if stage.first or (stage.last and cfg.tie_embeddings):
+        # the last stage reads the table too with a tied head, or to embed MTP's next tokens (model/mtp.py)
+        shared = cfg.tie_embeddings or cfg.mtp_num_layers > 0
+        if stage.first or (stage.last and shared):
             # a copy on each pipeline end; under zbv both ends are rank 0's: one tensor, nothing to sum
-            tied = cfg.tie_embeddings and mesh.pp_ends.size > 1 and not (stage.first and stage.last)
+            tied = shared and mesh.pp_ends.size > 1 and not (stage.first and stage.last)
             self.embed = VocabParallelEmbedding(
                 cfg.vocab_size,
                 cfg.hidden_size,
@@ -134,7 +142,7 @@ class GPT(nn.Module):
         self.positions = cp_positions(cfg.seq_length, mesh.cp.size, mesh.cp.rank, device)
         self.rope = None
         if cfg.position_embedding == "rope":
-            cos, sin = rope_tables(cfg.seq_length, cfg.head_dim, cfg.rope_theta, device, cfg.rope_scaling)
+            cos, sin = rope_tables(cfg.seq_length, cfg.rope_dim, cfg.rope_theta, device, cfg.rope_scaling)
             self.rope = (cos[self.positions], sin[self.positions]) if mesh.cp.size > 1 else (cos, sin)
             self.rope_whole = (cos, sin)  # document masking gathers rows at positions within documents
 
@@ -163,16 +171,19 @@ class GPT(nn.Module):
         units += [(b, list(b.parameters()), True) for b in self.layers.values()]
         if self.output_step is not None:
             head = self.embed.weight if self.cfg.tie_embeddings else self.head.weight
-            units.append((self.output_step, [*self.final_norm.parameters(), head], True))
+            more = [] if self.mtp is None else [*self.mtp.parameters(), self.embed.weight]
+            units.append(
+                (self.output_step, list(dict.fromkeys([*self.final_norm.parameters(), head, *more])), True)
+            )
         return units
 
     def embed_tokens(self, ids_BS: torch.Tensor, doc: DocContext | None = None) -> torch.Tensor:
         return self.input_step(ids_BS, doc)
 
     def head_output(
-        self, x_SBD: torch.Tensor, labels_BS: torch.Tensor | None, loss_scale: float | None = None
+        self, x_SBD: torch.Tensor, labels_BS: torch.Tensor | None, loss_scale: float | None = None, rope=None
     ) -> torch.Tensor:
-        return self.output_step(x_SBD, labels_BS, loss_scale)
+        return self.output_step(x_SBD, labels_BS, loss_scale, rope)
 
     def _embed_tokens(self, ids_BS: torch.Tensor, doc: DocContext | None = None) -> torch.Tensor:
         # Transposed to sequence-first: sp splits and gathers dim 0, contiguous (comm's convention).
@@ -197,13 +208,21 @@ class GPT(nn.Module):
         return self.embed.weight if self.cfg.tie_embeddings else self.head.weight
 
     def _head_output(
-        self, x_SBD: torch.Tensor, labels_BS: torch.Tensor | None, loss_scale: float | None = None
+        self, x_SBD: torch.Tensor, labels_BS: torch.Tensor | None, loss_scale: float | None = None, rope=None
     ) -> torch.Tensor:
-        x_SBD = self.final_norm(x_SBD)
+        h_SBD, x_SBD = x_SBD, self.final_norm(x_SBD)
+        if self.mtp is not None and labels_BS is not None and torch.is_grad_enabled():
+            # MTP reads the head again: both uses take the one unfused path, so its grads add up alike
+            total = mtp.losses(self, h_SBD, labels_BS, rope if rope is not None else self.rope, self._scored)
+            return mtp.attach(self, self._scored(x_SBD, labels_BS), total, loss_scale)
         # head + loss fused, chunked: no full logits (train.fused_head_loss=false: the whole logits)
         if labels_BS is not None and self.mesh.tp.size == 1 and self.fused_head_loss:
             w_VD, t_SB = self.head_weight(), labels_BS.t()
             return linear_cross_entropy(x_SBD, w_VD, t_SB, self.head_gemm, loss_scale).t()
+        return self._scored(x_SBD, labels_BS)
+
+    def _scored(self, x_SBD: torch.Tensor, labels_BS: torch.Tensor | None) -> torch.Tensor:
+        """Logits [B, S, V] of normed hidden states, or with labels the per-token loss_BS (unfused)."""
         if self.cfg.tie_embeddings:
             logits_SBV = parallel_logits(x_SBD, self.embed.weight, self.mesh.tp, self.sp, self.head_gemm)
         else:
@@ -243,7 +262,7 @@ class GPT(nn.Module):
             else:
                 x_SBD = self.layers[str(i)](x_SBD, rope)
         if chunk == len(self.stage.chunks) - 1 and self.stage.last:
-            return self.head_output(x_SBD, labels_BS, loss_scale)
+            return self.head_output(x_SBD, labels_BS, loss_scale, rope)
         return x_SBD
 
     def _doc_kernel(self) -> str:

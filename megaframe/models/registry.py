@@ -10,6 +10,7 @@ import dataclasses
 
 from megaframe.config.schema import ModelConfig
 from megaframe.models.custom.spec import SPEC as CUSTOM
+from megaframe.models.deepseek_v3.spec import SPEC as DEEPSEEK_V3
 from megaframe.models.gpt2.spec import SPEC as GPT2
 from megaframe.models.llama.spec import SPEC as LLAMA
 from megaframe.models.mixtral.spec import SPEC as MIXTRAL
@@ -17,7 +18,9 @@ from megaframe.models.qwen3.spec import SPEC as QWEN3
 from megaframe.models.qwen3_moe.spec import SPEC as QWEN3_MOE
 from megaframe.models.spec import FamilySpec
 
-FAMILIES: dict[str, FamilySpec] = {s.name: s for s in (LLAMA, GPT2, MIXTRAL, QWEN3, QWEN3_MOE, CUSTOM)}
+FAMILIES: dict[str, FamilySpec] = {
+    s.name: s for s in (LLAMA, GPT2, MIXTRAL, QWEN3, QWEN3_MOE, DEEPSEEK_V3, CUSTOM)
+}
 
 
 def family(name: str) -> FamilySpec:
@@ -26,9 +29,28 @@ def family(name: str) -> FamilySpec:
     return FAMILIES[name]
 
 
+def foreign(spec: FamilySpec, m: ModelConfig) -> list[str]:
+    """One line per field another family owns (FamilySpec.owns) that `m` sets off its default while
+    naming `spec`: a family's positive check knows only its own fields."""
+    default = ModelConfig()
+    return [
+        f"model.{k}={getattr(m, k)} ({spec.name} does not compute it; model.family={other.name} does)"
+        for other in FAMILIES.values()
+        if other is not spec
+        for k in other.owns
+        if k not in spec.owns and getattr(m, k) != getattr(default, k)
+    ]
+
+
+def fits(spec: FamilySpec, m: ModelConfig) -> list[str]:
+    """Why `m` is not of `spec`'s family: its check's lines and the other families' fields it sets."""
+    return spec.check(m) + foreign(spec, m)
+
+
 def infer(m: ModelConfig) -> FamilySpec:
-    """The first registered family whose check accepts `m` (custom accepts every config)."""
-    return next(spec for spec in FAMILIES.values() if not spec.check(m))
+    """The first registered family that `fits` `m` (custom fits every config of the shared block; one
+    setting another family's fields and fitting none is custom's, and refused as such)."""
+    return next((spec for spec in FAMILIES.values() if not fits(spec, m)), FAMILIES["custom"])
 
 
 def spec_of(m: ModelConfig) -> FamilySpec:
@@ -67,9 +89,13 @@ def refusal(m: ModelConfig) -> str | None:
         spec = spec_of(m)
     except ValueError as e:
         return f"model.family={m.family}: {e}"
-    why = spec.check(m)
+    why = fits(spec, m)
     if not why:
         return None
-    fits = infer(m).name
-    what = " (megaframe's configurable block: it trains, it does not export)" if fits == "custom" else ""
-    return f"model.family={spec.name}: {'; '.join(why)}; these fields fit model.family={fits}{what}"
+    other = infer(m)
+    if other is spec:  # they fit none (custom's own refusal): no family to point to
+        return f"model.family={spec.name}: {'; '.join(why)}"
+    what = (
+        " (megaframe's configurable block: it trains, it does not export)" if other.name == "custom" else ""
+    )
+    return f"model.family={spec.name}: {'; '.join(why)}; these fields fit model.family={other.name}{what}"

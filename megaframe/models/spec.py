@@ -79,6 +79,9 @@ class FamilySpec:
     """(ModelConfig, causal=False) -> model FLOPs per trained token (MFU's numerator)."""
     matmul_params: Callable = counts.matmul_params
     """ModelConfig -> matmul weights one token meets (training/metrics.py)."""
+    owns: tuple[str, ...] = ()
+    """model.* fields beyond the shared ones that only this family computes (e.g. MLA's widths): any
+    other family refuses a config that sets one off its default (models/registry.py)."""
 
     @property
     def tiny(self) -> str:

@@ -13,6 +13,7 @@ from megaframe.checkpoint.resume_checks import Accounting
 from megaframe.config.derived import Derived
 from megaframe.config.schema import ModelConfig
 from megaframe.errors import TrainingError
+from megaframe.model import mtp
 from megaframe.model.moe import stats as moe_stats
 from megaframe.parallel.mesh import Mesh
 from megaframe.pipeline.executor import reduce_loss
@@ -127,6 +128,7 @@ class Meter:
             **{f"comm_bytes/{g}": sent.get(g, 0) for g in ("tp", "pp", "dp", "ep", "cp")},
             **memory_figures(model, optimizer, mesh.device),
             **self.moe(step, model),
+            **mtp.metrics(model, mesh),
         }
         self.last.update(row)
         return row

@@ -15,6 +15,7 @@ import torch
 
 from megaframe.config.derived import Derived, derive
 from megaframe.config.schema import OptimConfig
+from megaframe.model import mtp
 from megaframe.model.moe import stats as moe_stats
 from megaframe.optim.lr_schedule import lr_at
 from megaframe.parallel.mesh import Mesh
@@ -65,6 +66,7 @@ def optimizer_step(
     tokens_global = d.tokens_per_step
     optimizer.zero_grad()
     moe_stats.begin_step(model)
+    mtp.begin_step(model)
     if probe is not None:
         probe.begin(step)
     # the schedule the model was built for (its stage holds vpp chunks, placed in a loop or a V)

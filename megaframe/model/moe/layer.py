@@ -158,7 +158,16 @@ class MoE(nn.Module):
         n = x_TD.shape[0] * (self.tp.size if self.sp else 1) * self.cp.size
         logits_TE = self.router(x_TD)
         bias_E = self.router.expert_bias if c.moe_expert_bias else None
-        r = router.route(logits_TE, c.moe_top_k, c.moe_router_score, bias_E)
+        groups = (c.moe_n_group, c.moe_topk_group)
+        r = router.route(
+            logits_TE,
+            c.moe_top_k,
+            c.moe_router_score,
+            bias_E,
+            groups,
+            c.moe_norm_topk_prob,
+            c.moe_routed_scaling_factor,
+        )
         if x_TD.is_meta:  # the planner (megaframe.plan): shapes only, so assume perfectly balanced routing
             return self._balanced(x_TD, r).view(s, b, d)
         counts_E = dispatcher.expert_counts(r.experts_TK.reshape(-1), c.num_experts)

@@ -36,9 +36,18 @@ class Routing:
 
 
 def route(
-    logits_TE: torch.Tensor, top_k: int, score: str = "softmax", bias_E: torch.Tensor | None = None
+    logits_TE: torch.Tensor,
+    top_k: int,
+    score: str = "softmax",
+    bias_E: torch.Tensor | None = None,
+    groups: tuple[int, int] = (1, 1),
+    norm: bool = True,
+    scale: float = 1.0,
 ) -> Routing:
-    """Top-k routing of fp32 logits (pure function; the reference the tests check by hand)."""
+    """Top-k routing of fp32 logits (pure function; the reference the tests check by hand). DeepSeek-V3's
+    options: `groups` (n_group, topk_group) limits a token to its topk_group best expert groups (a group's
+    score: the sum of its two best selection scores), `norm` false keeps the chosen scores as they are,
+    `scale` multiplies the combine weights (routed_scaling_factor)."""
     # fp32: in bf16 many scores round to ties, and top-k choices would flip on rounding noise.
     logits_TE = logits_TE.float()
     if score == "softmax":
@@ -48,12 +57,25 @@ def route(
         scores_TE = torch.sigmoid(logits_TE)
         probs_TE = scores_TE / scores_TE.sum(-1, keepdim=True)
     select_TE = scores_TE.detach() if bias_E is None else scores_TE.detach() + bias_E.float()
+    if groups[0] > 1:
+        select_TE = _group_limited(select_TE, *groups)
     # topk on the detached scores: selection is not differentiable; ties go to the lower expert index
     experts_TK = torch.topk(select_TE, top_k, dim=-1, sorted=True).indices
     chosen_TK = scores_TE.gather(-1, experts_TK)
     # clamp: sigmoid scores can all underflow to 0 for a token; 0/0 would turn its output into NaN.
-    weights_TK = chosen_TK / chosen_TK.sum(-1, keepdim=True).clamp_min(1e-20)
-    return Routing(experts_TK, weights_TK, probs_TE)
+    weights_TK = chosen_TK / chosen_TK.sum(-1, keepdim=True).clamp_min(1e-20) if norm else chosen_TK
+    return Routing(experts_TK, weights_TK * scale if scale != 1.0 else weights_TK, probs_TE)
+
+
+def _group_limited(select_TE: torch.Tensor, n_group: int, topk_group: int) -> torch.Tensor:
+    """The selection scores with every expert outside a token's topk_group best groups at -inf (a group's
+    score: its two best experts' summed, as DeepSeek-V3 and transformers' DeepseekV3TopkRouter rank them)."""
+    t, e = select_TE.shape
+    group_TG = select_TE.view(t, n_group, e // n_group).topk(min(2, e // n_group), dim=-1).values.sum(-1)
+    keep_TG = torch.zeros_like(group_TG, dtype=torch.bool)
+    keep_TG.scatter_(1, torch.topk(group_TG, topk_group, dim=-1).indices, True)
+    keep_TE = keep_TG.unsqueeze(-1).expand(t, n_group, e // n_group).reshape(t, e)
+    return select_TE.masked_fill(~keep_TE, float("-inf"))
 
 
 def load_balancing_loss(

@@ -28,6 +28,10 @@ model.norm_eps model.num_attention_heads model.num_experts
 model.num_layers model.num_query_groups model.position_embedding model.rope_theta model.seq_length
 model.tie_embeddings model.vocab_size model.kv_channels model.qk_norm model.family
 model.max_position_embeddings
+model.moe_shared_experts model.moe_n_group model.moe_topk_group model.moe_norm_topk_prob
+model.moe_routed_scaling_factor model.moe_dense_layers model.moe_seq_aux_loss_coeff model.q_lora_rank
+model.kv_lora_rank model.qk_nope_head_dim model.qk_rope_head_dim model.v_head_dim model.mtp_num_layers
+model.mtp_loss_weight
 model.rope_scaling.rope_type model.rope_scaling.factor model.rope_scaling.low_freq_factor
 model.rope_scaling.high_freq_factor model.rope_scaling.original_max_position_embeddings
 model.rope_scaling.beta_fast model.rope_scaling.beta_slow model.rope_scaling.attention_factor
@@ -104,13 +108,16 @@ def test_presets_exist():
 @pytest.mark.parametrize("name", PRESETS)
 def test_preset_composes_validates_and_counts_match_the_model(name):
     from megaframe.model.gpt import GPT
+    from megaframe.models.registry import spec_of
     from megaframe.parallel.mesh import single_process_mesh
 
     cfg = load_config([f"model={name}", "data=synthetic"], world_size=1)
     assert cfg.model.name == name
     assert cfg.data.kind == "synthetic"
-    # the count from dims equals the real model's parameter count (built on meta: no memory)
-    model = GPT(cfg.model, single_process_mesh(), device=torch.device("meta"))
+    # the count from dims equals the real model's parameter count (built on meta: no memory), with the
+    # blocks of the preset's family
+    block = spec_of(cfg.model).block
+    model = GPT(cfg.model, single_process_mesh(), device=torch.device("meta"), block=block)
     assert sum(p.numel() for p in model.parameters()) == param_count(cfg.model)
 
 
@@ -121,6 +128,8 @@ def test_preset_composes_validates_and_counts_match_the_model(name):
         ("llama_1b", 1.1e9, 1.6e9),  # 1.2B untied body + 0.26B head
         ("gpt2_small", 123.5e6, 125.5e6),  # 124.4M with tied embeddings (124.48M with vocab padded to 50304)
         ("mixtral_8x7b", 46.6e9, 46.8e9),  # 46.7B
+        ("deepseek_v2_lite", 15.6e9, 15.8e9),  # 15.7B
+        ("deepseek_v3_671b", 682.5e9, 682.8e9),  # 671.0B and its MTP depth's 11.6B (block and eh_proj)
     ],
 )
 def test_preset_sizes_are_plausible(name, lo, hi):

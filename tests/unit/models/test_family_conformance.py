@@ -62,14 +62,19 @@ def test_counters_equal_numel_on_a_meta_model(name):
     model = whole_model(m, "meta")
     assert spec.total_params(m) == sum(p.numel() for p in model.parameters())
     # the matmul weights one token meets: every block matrix (an expert's top_k / E of the time), the head
+    # (once more per multi-token-prediction depth, with its matrices)
+    blocks = [*model.layers.named_parameters(), *(model.mtp.named_parameters() if model.mtp else [])]
     active = sum(
         p.numel() * m.moe_top_k // m.num_experts if ".experts." in n else p.numel()
-        for n, p in model.layers.named_parameters()
+        for n, p in blocks
         if p.ndim >= 2
     )
-    assert spec.matmul_params(m) == active + m.vocab_size * m.hidden_size
-    core = 12 * m.num_layers * m.seq_length * m.num_attention_heads * m.head_dim
-    assert spec.flops_per_token(m) == 6 * (active + m.vocab_size * m.hidden_size) + core
+    head = (1 + m.mtp_num_layers) * m.vocab_size * m.hidden_size
+    assert spec.matmul_params(m) == active + head
+    # QK^T at the query/key width, PV at the value width (both the head dim outside MLA)
+    widths = m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim if m.mla else 2 * m.head_dim
+    core = 6 * (m.num_layers + m.mtp_num_layers) * m.seq_length * m.num_attention_heads * widths
+    assert spec.flops_per_token(m) == 6 * (active + head) + core
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -107,8 +112,14 @@ def test_hf_round_trip(name):
     with torch.no_grad():
         want = model(x)
         assert (hf_model(x).logits - want).abs().max().item() <= 1e-4
+    # the export's own tensors back exactly, multi-token-prediction depths included (DeepSeek's files carry
+    # them after the last layer)
+    _, whole = spec.from_hf(hf_cfg, sd)
+    assert whole.keys() == state.keys() and all(torch.equal(whole[k], state[k]) for k in state)
+    # through transformers' model: what its class computes (it holds no MTP depth)
     fields, back = hf.from_hf(hf_model)
     assert fields["family"] == name
+    state = {k: v for k, v in state.items() if not k.startswith("mtp.")}
     assert back.keys() == state.keys() and all(torch.equal(back[k], state[k]) for k in state)
     # the imported config builds the same function: its model, holding the state back, gives the logits
     again = whole_model(dataclasses.replace(cfg.model, **fields)).eval()
