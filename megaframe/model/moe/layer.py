@@ -183,7 +183,7 @@ class MoE(nn.Module):
         y_TD = dispatcher.dispatch_combine(x_TD, plan, self.ep, self.experts)
         # Skipped under no_grad (eval): no backward to inject into, and eval batches stay out of step_stats.
         if torch.is_grad_enabled():
-            y_TD = self._add_losses(y_TD, r, logits_TE, batch_E, counts_E, plan, n)
+            y_TD = self._add_losses(y_TD, r, logits_TE, batch_E, counts_E, plan, n, b)
         return y_TD.view(s, b, d)
 
     def _balanced(self, x_TD: torch.Tensor, r: router.Routing) -> torch.Tensor:
@@ -200,8 +200,17 @@ class MoE(nn.Module):
         y_AD = y_AD * r.weights_TK.reshape(-1)[perm_A].unsqueeze(-1).to(y_AD.dtype)
         return torch.zeros_like(x_TD).index_add(0, token_A, y_AD)
 
+    def _sequence_loss(self, r: router.Routing, n: int, batch: int) -> torch.Tensor:
+        """The sequence-wise balance loss (router.sequence_balancing_loss) of this micro-batch's sequences,
+        their counts summed over the ranks that split them (tp under sp, and cp)."""
+        counts_BE = router.sequence_counts(r.experts_TK, batch, self.cfg.num_experts)
+        if self.sp:
+            counts_BE = comm.all_reduce(counts_BE, self.tp)
+        counts_BE = comm.all_reduce(counts_BE, self.cp)
+        return router.sequence_balancing_loss(r.probs_TE, counts_BE, n // batch, self.cfg.moe_top_k)
+
     def _add_losses(
-        self, y_TD, r: router.Routing, logits_TE, batch_E, counts_E, plan, n: int
+        self, y_TD, r: router.Routing, logits_TE, batch_E, counts_E, plan, n: int, batch: int = 1
     ) -> torch.Tensor:
         """Attach the router losses to y's backward and add this micro-batch to the step statistics."""
         c = self.cfg
@@ -209,8 +218,10 @@ class MoE(nn.Module):
         # losses enter the objective as a token-weighted mean, like the LM loss.
         share = n / (self.tokens_per_step or n)
         aux = c.moe_aux_loss_coeff * router.load_balancing_loss(r.probs_TE, batch_E, n, c.moe_top_k)
+        if c.moe_seq_aux_loss_coeff > 0:
+            aux = aux + c.moe_seq_aux_loss_coeff * self._sequence_loss(r, n, batch)
         z = c.moe_z_loss_coeff * router.z_loss(logits_TE, n) if c.moe_z_loss_coeff > 0 else aux.new_zeros(())
-        if c.moe_aux_loss_coeff > 0 or c.moe_z_loss_coeff > 0:
+        if c.moe_aux_loss_coeff > 0 or c.moe_z_loss_coeff > 0 or c.moe_seq_aux_loss_coeff > 0:
             y_TD = _InjectLoss.apply(y_TD, aux + z, share)
         # Kept on the device in fp64 and read only by moe.stats at log steps: no host sync per micro-batch.
         with torch.no_grad():

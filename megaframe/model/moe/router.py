@@ -90,6 +90,28 @@ def load_balancing_loss(
     return e * (probs_TE.sum(0) * counts_E.to(probs_TE.dtype)).sum() / (num_tokens * num_tokens * top_k)
 
 
+def sequence_counts(experts_TK: torch.Tensor, batch: int, num_experts: int) -> torch.Tensor:
+    """[B, E] assignments of each sequence (tokens are sequence-major: token t is sequence t % B)."""
+    seq_T = torch.arange(experts_TK.shape[0], device=experts_TK.device) % batch
+    flat_A = (seq_T[:, None] * num_experts + experts_TK).reshape(-1)
+    counts = flat_A.new_zeros(batch * num_experts).scatter_add_(0, flat_A, torch.ones_like(flat_A))
+    return counts.view(batch, num_experts)
+
+
+def sequence_balancing_loss(
+    probs_TE: torch.Tensor, counts_BE: torch.Tensor, seq: int, top_k: int
+) -> torch.Tensor:
+    """DeepSeek-V3's sequence-wise balance loss, its alpha left out: per sequence b of `seq` tokens,
+    sum_e f_be · P_be with f_be = E · count_be / (K · seq) and P_be the mean over its tokens of the normalised
+    scores, averaged over the B sequences. counts_BE are whole sequences' (constants); probs_TE may be only
+    this rank's tokens of them (sp, cp): the result is then this rank's additive share."""
+    b, e = counts_BE.shape
+    seq_T = torch.arange(probs_TE.shape[0], device=probs_TE.device) % b
+    p_BE = probs_TE.new_zeros(b, e).index_add(0, seq_T, probs_TE) / seq
+    f_BE = counts_BE.to(probs_TE.dtype) * e / (top_k * seq)
+    return (f_BE * p_BE).sum() / b
+
+
 def z_loss(logits_TE: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """sum_t logsumexp(logits_t)^2 / N: this rank's share of the micro-batch mean (N tokens in all)."""
     # logsumexp, not log(sum(exp)): large router logits (what z-loss penalises) would overflow exp().
