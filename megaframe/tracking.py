@@ -65,6 +65,8 @@ class Tracker:
             parts.insert(2, f"val {metrics['val_loss']:.4f}")
         if "aux_loss" in metrics:  # MoE: the router losses added to the objective
             parts.insert(2, f"aux {metrics['aux_loss']:.4f}")
+        if "mtp_loss" in metrics:  # multi-token prediction's depths (model/mtp.py), beside the LM loss
+            parts.insert(2, f"mtp {metrics['mtp_loss']:.4f}")
         if metrics.get("mfu"):
             parts.append(f"mfu {100 * metrics['mfu']:.1f}%")
         parts.append(f"eta {_fmt_duration(eta)}")
