@@ -54,9 +54,10 @@ class ModelConfig(Frozen):
     """Preset name, for logs only."""
     family: Optional[str] = None
     """The model family (megaframe/models/registry.py: llama, gpt2, mixtral, qwen3, qwen3_moe, deepseek_v3,
-    custom): it builds the blocks, says which of the fields below a config of it may set (a config it refuses exits 2
-    naming each field), exports and counts. Every preset sets it; None = inferred at load from the other
-    fields (the first family that accepts them, custom last: configs and checkpoints from before the key)."""
+    custom): it builds the blocks, says which of the fields below a config of it may set (a config it
+    refuses exits 2 naming each field), exports and counts. Every preset sets it; None = inferred at load
+    from the other fields (the first family that accepts them, custom last: configs and checkpoints from
+    before the key)."""
     num_layers: int = 4
     """Transformer blocks."""
     hidden_size: int = 128
