@@ -94,7 +94,9 @@ def group_lines() -> list[str]:
                 for ln in preset.read_text().splitlines()
                 if ln.startswith("#") and "@package" not in ln
             ]
-            out.append(f"    {preset.stem:<14} {_short(comments[0], 90) if comments else ''}")
+            # the description gets what the name leaves of the help's 110 columns
+            name = f"    {preset.stem:<14} "
+            out.append(name + (_short(comments[0], 110 - len(name)) if comments else ""))
     return out
 
 
