@@ -47,10 +47,15 @@ def fits(spec: FamilySpec, m: ModelConfig) -> list[str]:
     return spec.check(m) + foreign(spec, m)
 
 
+def fitting(m: ModelConfig) -> FamilySpec | None:
+    """The first registered family that `fits` `m`, or None (custom fits every config of the shared block,
+    not one setting another family's fields)."""
+    return next((spec for spec in FAMILIES.values() if not fits(spec, m)), None)
+
+
 def infer(m: ModelConfig) -> FamilySpec:
-    """The first registered family that `fits` `m` (custom fits every config of the shared block; one
-    setting another family's fields and fitting none is custom's, and refused as such)."""
-    return next((spec for spec in FAMILIES.values() if not fits(spec, m)), FAMILIES["custom"])
+    """`fitting`'s family; a config no family fits is custom's (and refused as such at load)."""
+    return fitting(m) or FAMILIES["custom"]
 
 
 def spec_of(m: ModelConfig) -> FamilySpec:
@@ -92,8 +97,8 @@ def refusal(m: ModelConfig) -> str | None:
     why = fits(spec, m)
     if not why:
         return None
-    other = infer(m)
-    if other is spec:  # they fit none (custom's own refusal): no family to point to
+    other = fitting(m)
+    if other is None:  # no family computes these fields together: none to point to
         return f"model.family={spec.name}: {'; '.join(why)}"
     what = (
         " (megaframe's configurable block: it trains, it does not export)" if other.name == "custom" else ""

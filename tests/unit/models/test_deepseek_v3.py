@@ -93,3 +93,8 @@ def test_other_families_refuse_its_fields():
         )
     msg = str(e.value)
     assert "model.kv_lora_rank=32 (llama does not compute it; model.family=deepseek_v3 does)" in msg, msg
+    # no family computes a DeepSeek config with a bad group count: the refusal points to none (not custom)
+    with pytest.raises(ConfigError) as e:
+        tiny("deepseek_v3", "model.moe_n_group=3")
+    msg = str(e.value)
+    assert "model.moe_n_group=3 (must divide model.num_experts=8)" in msg and "fit" not in msg, msg
