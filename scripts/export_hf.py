@@ -130,7 +130,7 @@ def export(ckpt: str, out: Path, dtype: str, max_positions: int | None = None) -
     import torch
 
     from megaframe.checkpoint import resolve, sharded
-    from megaframe.checkpoint.hf import build_hf_model, family, to_hf
+    from megaframe.checkpoint.hf import build_hf_model, family, past_last_layer, to_hf
 
     def read(step: Path):
         meta = sharded.verify(step)
@@ -154,7 +154,9 @@ def export(ckpt: str, out: Path, dtype: str, max_positions: int | None = None) -
         model = build_hf_model(cfg, sd)
         if dtype == "bf16":
             model = model.to(torch.bfloat16)
-        model.save_pretrained(str(tmp))
+        # the layers after the last (DeepSeek's MTP depths) travel in the files, as DeepSeek's carry them
+        extra = {k: v.to(next(model.parameters()).dtype) for k, v in past_last_layer(sd, cfg).items()}
+        model.save_pretrained(str(tmp), **({"state_dict": {**model.state_dict(), **extra}} if extra else {}))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -99,6 +99,25 @@ def _past_last_layer(key: str, cfg) -> bool:
     )
 
 
+def past_last_layer(sd: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
+    """The tensors of `sd` in layers after the config's last: DeepSeek's multi-token-prediction depths, which
+    the export writes beside the model's own (as DeepSeek's files carry them) and the import reads back."""
+    return {k: v for k, v in sd.items() if _past_last_layer(k, cfg)}
+
+
+def _read_past_last_layer(folder: Path, cfg) -> dict[str, torch.Tensor]:
+    """past_last_layer's tensors of a folder's safetensors files (transformers' model drops them)."""
+    if not getattr(cfg, "num_nextn_predict_layers", 0):
+        return {}
+    from safetensors import safe_open
+
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            out.update({k: st.get_tensor(k).to(torch.float32) for k in st.keys() if _past_last_layer(k, cfg)})
+    return out
+
+
 def _fp32() -> dict:
     """The fp32 dtype keyword of from_config / from_pretrained
     (renamed torch_dtype -> dtype in transformers 5)."""
@@ -110,16 +129,19 @@ def _fp32() -> dict:
 def from_hf(source) -> tuple[dict, dict[str, torch.Tensor]]:
     """(megaframe ModelConfig fields, full fp32 megaframe state) from a transformers model of a registered
     family (models/registry.py), or from a local folder holding one (loaded offline)."""
+    extra = {}
     if isinstance(source, (str, Path)):
         from transformers import AutoModelForCausalLM
 
+        folder = Path(source)
         source, info = AutoModelForCausalLM.from_pretrained(
             str(source), local_files_only=True, output_loading_info=True, **_fp32()
         )
         _refuse_missing(source, info)
+        extra = _read_past_last_layer(folder, source.config)
     cfg = source.config
     # fp32 whatever the source's dtype: the import is the full-precision state a run starts from
-    sd = {k: v.detach().to(torch.float32).cpu() for k, v in source.state_dict().items()}
+    sd = {k: v.detach().to(torch.float32).cpu() for k, v in source.state_dict().items()} | extra
     bad = [k for k, v in sd.items() if v.is_floating_point() and not torch.isfinite(v).all()]
     if bad:  # a NaN weight trains to nan (every step skipped) and a run "finishes" with nothing learnt
         raise ValueError(f"HF weights hold NaN/inf in {len(bad)} tensor(s): {', '.join(bad[:4])}")

@@ -43,6 +43,28 @@ def test_logits_equal_transformers_without_query_latent_under_yarn_mscale():
     assert err <= 1e-5, err
 
 
+def test_mtp_depths_travel_in_the_exported_files_and_back(tmp_path):
+    """scripts/export_hf.py writes the MTP depth as DeepSeek's files carry it (layer num_layers: its block,
+    enorm, hnorm, eh_proj, shared_head) beside what transformers' class holds; the folder's import reads
+    every tensor back exactly."""
+    import dataclasses
+
+    from megaframe.checkpoint import sharded
+    from megaframe.parallel.mesh import single_process_mesh
+    from tests.unit.hf_scripts import export_hf, import_hf
+
+    cfg = tiny("deepseek_v3")
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=""))
+    model = perturbed(cfg)
+    meta = {"consumed_samples": 0, "config": dataclasses.asdict(cfg)}
+    sharded.save(tmp_path / "ck", 3, model, import_hf.WeightsOnly(), single_process_mesh(), meta)
+    out = export_hf.export(str(tmp_path / "ck"), tmp_path / "hf", "fp32")
+    fields, back = hf.from_hf(out)
+    state = {n: p.detach() for n, p in model.named_parameters()}
+    assert fields["mtp_num_layers"] == 1 and any(k.startswith("mtp.0.") for k in back)
+    assert back.keys() == state.keys() and all(torch.equal(back[k], state[k]) for k in state)
+
+
 def test_mtp_depth_loss_and_its_weight_in_the_objective():
     """Depth 1 scores token p+2 at each position p < S-1 from the last block's output and the embedding of
     token p+1; the objective's MTP term is mtp_loss_weight x its token-loss sum over the loss's tokens."""
