@@ -25,40 +25,37 @@ YARN = [
 ]
 
 
-def test_logits_equal_transformers_without_query_latent_under_yarn_mscale():
+def test_exported_files_give_transformers_logits_and_every_tensor_back(tmp_path):
+    """A shape the conformance test does not build (no query latent as V2-Lite, YaRN with DeepSeek's
+    mscale, the raw top-k scores, one group): scripts/export_hf.py's folder gives transformers' logits, and
+    carries the MTP depth as DeepSeek's files do (layer num_layers: its block, enorm, hnorm, eh_proj,
+    shared_head) beside what transformers' class holds; the folder's import reads every tensor back."""
+    import dataclasses
+
+    from transformers import AutoModelForCausalLM
+
+    from megaframe.checkpoint import sharded
+    from megaframe.parallel.mesh import single_process_mesh
+    from tests.unit.hf_scripts import export_hf, import_hf
+
     cfg = tiny(
         "deepseek_v3",
         "model.q_lora_rank=null",
         "model.moe_n_group=1",
         "model.moe_topk_group=1",
         "model.moe_norm_topk_prob=false",
-        "model.mtp_num_layers=0",
         *YARN,
     )
-    model = perturbed(cfg)
-    hf_cfg, sd = hf.to_hf(cfg.model, {n: p.detach() for n, p in model.named_parameters()})
-    x = ids(cfg)
-    with torch.no_grad():
-        err = (hf.build_hf_model(hf_cfg, sd)(x).logits - model(x)).abs().max().item()
-    assert err <= 1e-5, err
-
-
-def test_mtp_depths_travel_in_the_exported_files_and_back(tmp_path):
-    """scripts/export_hf.py writes the MTP depth as DeepSeek's files carry it (layer num_layers: its block,
-    enorm, hnorm, eh_proj, shared_head) beside what transformers' class holds; the folder's import reads
-    every tensor back exactly."""
-    import dataclasses
-
-    from megaframe.checkpoint import sharded
-    from megaframe.parallel.mesh import single_process_mesh
-    from tests.unit.hf_scripts import export_hf, import_hf
-
-    cfg = tiny("deepseek_v3")
     cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=""))
     model = perturbed(cfg)
     meta = {"consumed_samples": 0, "config": dataclasses.asdict(cfg)}
     sharded.save(tmp_path / "ck", 3, model, import_hf.WeightsOnly(), single_process_mesh(), meta)
     out = export_hf.export(str(tmp_path / "ck"), tmp_path / "hf", "fp32")
+    x = ids(cfg)
+    with torch.no_grad():
+        theirs = AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True, dtype=torch.float32)
+        err = (theirs(x).logits - model(x)).abs().max().item()
+    assert err <= 1e-5, err
     fields, back = hf.from_hf(out)
     state = {n: p.detach() for n, p in model.named_parameters()}
     assert fields["mtp_num_layers"] == 1 and any(k.startswith("mtp.0.") for k in back)
