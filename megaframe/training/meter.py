@@ -159,6 +159,7 @@ class Meter:
         """aux_loss, z_loss and the per-layer expert-load figures (MoE models); warns on imbalance."""
         row = moe_stats.metrics(model, self.mesh)
         if row and self.mesh.is_logger:
-            for line in moe_stats.imbalance_warnings({"step": step, **row}, self.model_cfg.num_layers):
+            rows = moe_stats.table_rows(self.model_cfg)
+            for line in moe_stats.imbalance_warnings({"step": step, **row}, rows):
                 print(line, file=sys.stderr, flush=True)
         return row

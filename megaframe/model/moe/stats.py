@@ -23,8 +23,18 @@ IMBALANCE_WARN = 2.0
 
 
 def moe_layers(model) -> list[tuple[int, MoE]]:
-    """(global layer index, MoE) for this rank's MoE layers, wherever the family's block holds them."""
-    return [(int(i), m) for i, block in model.layers.items() for m in block.modules() if isinstance(m, MoE)]
+    """(global layer index, MoE) for this rank's MoE layers, wherever the family's block holds them; an MTP
+    depth k's block is global layer num_layers + k (DeepSeek's numbering), so its loads are logged and its
+    expert bias moves like every other layer's."""
+    blocks = [(int(i), block) for i, block in model.layers.items()]
+    if getattr(model, "mtp", None) is not None:
+        blocks += [(model.cfg.num_layers + int(k), depth.block) for k, depth in model.mtp.items()]
+    return [(i, m) for i, block in blocks for m in block.modules() if isinstance(m, MoE)]
+
+
+def table_rows(cfg) -> int:
+    """Rows of the statistics table: the trunk's layers, then the MTP depths'."""
+    return cfg.num_layers + cfg.mtp_num_layers
 
 
 def begin_step(model) -> None:
@@ -33,15 +43,15 @@ def begin_step(model) -> None:
 
 
 def reduced_table(model, mesh: Mesh, over_pp: bool) -> torch.Tensor | None:
-    """[num_layers, E + 6] step statistics of the global batch (collective over cp·dp, tp, and pp when
+    """[table_rows, E + 6] step statistics of the global batch (collective over cp·dp, tp, and pp when
     `over_pp`); None for a dense model."""
     cfg = model.cfg
     if cfg.num_experts == 0:
         return None
     # fp64: token counts summed over a large global batch and many steps must stay exact integers.
-    # Every rank builds the full [num_layers, ...] table, zero rows included, so the shapes agree.
+    # Every rank builds the full [table_rows, ...] table, zero rows included, so the shapes agree.
     table = torch.zeros(
-        cfg.num_layers, cfg.num_experts + len(STAT_NAMES), dtype=torch.float64, device=mesh.device
+        table_rows(cfg), cfg.num_experts + len(STAT_NAMES), dtype=torch.float64, device=mesh.device
     )
     for i, layer in moe_layers(model):
         table[i] = layer.step_stats

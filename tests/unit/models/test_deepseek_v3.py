@@ -14,6 +14,7 @@ from megaframe.checkpoint import hf
 from megaframe.config import load_config
 from megaframe.errors import ConfigError
 from megaframe.model.moe import router
+from megaframe.parallel.mesh import single_process_mesh
 from tests.unit.models.test_family_conformance import ids, perturbed, tiny
 
 YARN = [
@@ -117,3 +118,24 @@ def test_other_families_refuse_its_fields():
         tiny("deepseek_v3", "model.moe_n_group=3")
     msg = str(e.value)
     assert "model.moe_n_group=3 (must divide model.num_experts=8)" in msg and "fit" not in msg, msg
+
+
+def test_an_mtp_depths_moe_is_balanced_and_logged_as_the_layer_after_the_last():
+    """The depth's MoE is global layer num_layers + k: its routed counts enter the step's table, its expert
+    bias moves by the aux-loss-free update and `moe/layer{num_layers}` is logged."""
+    from megaframe.model.moe import stats
+
+    cfg = tiny("deepseek_v3", "model.moe_bias_update_rate=0.01")
+    model = perturbed(cfg).train()
+    n = cfg.model.num_layers
+    assert [i for i, _ in stats.moe_layers(model)][-1] == n
+    bias_E = model.mtp["0"].block.mlp.router.expert_bias
+    before = bias_E.clone()
+    x = ids(cfg)
+    stats.begin_step(model)
+    model(x, torch.roll(x, -1, dims=1)).sum().backward()
+    mesh = single_process_mesh()
+    stats.update_expert_bias(model, mesh)
+    assert not torch.equal(bias_E, before)
+    row = stats.metrics(model, mesh)
+    assert row[f"moe/layer{n}/tokens_mean"] > 0
