@@ -48,10 +48,11 @@ def dtype_name(t: torch.dtype) -> str:
 
 def _replicas(p, mesh, segments: bool) -> tuple[int, int]:
     """(holders, my index) of p's local tensor (segments: of its ZeRO segments, already split over dp)."""
-    tp_rep = not p.placement.tp_split  # tp-replicated (norms, biases of row-parallel layers, experts)
+    # tp-replicated (norms, biases of row-parallel layers, experts unless folded over tp)
+    tp_rep = "tp" in p.placement.replicated_over
     tp_n, tp_i = (mesh.tp.size, mesh.tp.rank) if tp_rep else (1, 0)
     if segments:  # ZeRO segments are this shard group's; under HSDP the dp_rep ranks hold them too
-        rep = mesh.dp_rep if (not p.placement.expert and mesh.dp_rep is not None) else None
+        rep = mesh.edp_rep if p.placement.expert else mesh.dp_rep
         if rep is None or rep.size == 1:
             return tp_n, tp_i
         return tp_n * rep.size, rep.rank * tp_n + tp_i  # tp innermost: a distinct part per holder

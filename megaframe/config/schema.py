@@ -62,7 +62,11 @@ class ParallelConfig(Frozen):
     vpp: int = 1
     """Virtual pipeline chunks per pipeline rank; 1 = plain 1F1B."""
     ep: int = 1
-    """Expert-parallel size, borrowed from the data-parallel ranks."""
+    """Expert-parallel size, folded over tp x cp x dp as Megatron folds it (docs/moe.md, "Layout"):
+    ep x etp must divide tp x cp x dp; the experts' data-parallel size is tp·cp·dp / (ep·etp)."""
+    etp: int = 1
+    """Experts' own tensor-parallel size (Megatron's --expert-tensor-parallel-size): each expert's weights
+    split over etp ranks of the folded expert grid, independent of tp."""
     sp: bool = False
     """Sequence parallelism: split the sequence over tp between blocks (needs tp > 1 to matter)."""
     tp_comm_overlap: bool = False

@@ -94,13 +94,14 @@ def sharded_param(
     pp_duplicate: bool = False,
     role: str = "hidden",
     expert_rows: tuple[int, ...] = (),
+    expert_folded: bool = False,
 ) -> nn.Parameter:
     """An uninitialised parameter of the shard's local shape, with its `Placement` (the flags are its
     fields: tp_partial_grad for a tp-replicated parameter whose grad is partial on each tp rank under sp,
     pp_tied / pp_duplicate for a tied embedding's copies on the pipeline ends, role and expert_rows for
-    the update rule: Placement's fields)."""
+    the update rule, expert_folded for experts on the folded grid: Placement's fields)."""
     p = nn.Parameter(torch.empty(shard.local_shape, device=device, dtype=dtype))
-    p.placement = Placement(shard, tp_partial_grad, pp_tied, pp_duplicate, role, expert_rows)
+    p.placement = Placement(shard, tp_partial_grad, pp_tied, pp_duplicate, role, expert_rows, expert_folded)
     return p
 
 

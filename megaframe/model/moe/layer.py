@@ -4,10 +4,11 @@ Legend: S sequence (S/cp, then /tp under sp), B batch, D hidden, T = S·B tokens
 the whole micro-batch (T·cp, ·tp under sp), E experts, L = E/ep local experts, F expert width, K top-k,
 J runs of consecutive positions among a rank's tokens, G ranks splitting one micro-batch's sequence.
 
-Sharding: experts are stacked [E, ...] tensors split along dim 0 over ep (Shard axis "ep"), replicated
-over tp (not tensor-split). Without sp every tp rank sees the same tokens and computes the same expert
-grads; with sp each sees its own sequence block, so the experts' and router's grads are partial over
-tp (tp_partial_grad) and summed before the step. Expert grads are reduced over edp, not dp.
+Sharding: experts are stacked [E, ...] tensors split along dim 0 over ep (Shard axis "ep"). MoE under tp
+needs sp, so every rank of a stage routes its own tokens. With ep = etp = 1 the experts are replicated
+over tp like the router, their grads partial over tp (tp_partial_grad) and summed before the step; with
+ep·etp > 1 they are folded over tp·cp·dp (parallel/rank_grid.py): the ep group may hold tp peers, the
+tp ranks holding the same experts are edp peers, and the grads are summed over edp alone.
 
 Context parallelism: each cp rank routes the tokens it holds (its two chunks of every sequence), as a
 tp rank does its block under sp. The router losses' statistics are the micro-batch's: the routed counts
@@ -63,19 +64,28 @@ class _InjectLoss(torch.autograd.Function):
 class _Stacked(nn.Module):
     """Holds one stacked expert weight, so its global name reads `...experts.up_proj.weight`."""
 
-    def __init__(self, shard: Shard, device, tp_partial_grad: bool, rows: tuple[int, ...] = ()):
+    def __init__(
+        self, shard: Shard, device, tp_partial_grad: bool, rows: tuple[int, ...] = (), folded: bool = False
+    ):
         super().__init__()
-        self.weight = sharded_param(shard, device, tp_partial_grad=tp_partial_grad, expert_rows=rows)
+        self.weight = sharded_param(
+            shard, device, tp_partial_grad=tp_partial_grad, expert_rows=rows, expert_folded=folded
+        )
 
 
 class Experts(nn.Module):
     """L SwiGLU experts: up_proj.weight [L, 2F, D] (fused [gate | up]), down_proj.weight [L, D, F]."""
 
-    def __init__(self, cfg: ModelConfig, ep, sp: bool, device=None):
+    def __init__(self, cfg: ModelConfig, mesh: Mesh, sp: bool, device=None):
         super().__init__()
-        e, d, f = cfg.num_experts, cfg.hidden_size, cfg.expert_ffn
-        self.up_proj = _Stacked(Shard((e, 2 * f, d), 0, (e,), ep.rank, ep.size, "ep"), device, sp, (f, f))
-        self.down_proj = _Stacked(Shard((e, d, f), 0, (e,), ep.rank, ep.size, "ep"), device, sp)
+        e, d, f, ep = cfg.num_experts, cfg.hidden_size, cfg.expert_ffn, mesh.ep
+        folded = mesh.experts_folded
+        # folded experts are no tp copies: their tp peers' grads are summed over edp, not as tp partials
+        partial = sp and not folded
+        up = Shard((e, 2 * f, d), 0, (e,), ep.rank, ep.size, "ep")
+        self.up_proj = _Stacked(up, device, partial, (f, f), folded)
+        down = Shard((e, d, f), 0, (e,), ep.rank, ep.size, "ep")
+        self.down_proj = _Stacked(down, device, partial, (), folded)
 
     def forward(
         self, x_ND: torch.Tensor, sizes: list[int], ends_L: torch.Tensor | None = None
@@ -107,7 +117,7 @@ class MoE(nn.Module):
         self.tokens_per_step = tokens_per_step
         self._ahead: dict[int, torch.Tensor] = {}  # _batch_counts' run order masks, by sequence length
         self.router = router.Router(cfg.hidden_size, cfg.num_experts, sp, device, mesh.device)
-        self.experts = Experts(cfg, mesh.ep, sp, device)
+        self.experts = Experts(cfg, mesh, sp, device)
         # this step's statistics, accumulated over micro-batches on the device (no host sync)
         # (a plain attribute, not a buffer: model.to(bf16) must not cast it)
         # on the mesh's device even when the params start on meta (build_model): not a parameter

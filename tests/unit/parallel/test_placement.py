@@ -19,7 +19,9 @@ LAYOUTS = [
         1,
         4,
         2,
-    ),  # experts over ep, sp partial grads
+    ),  # experts folded: ep over the tp pair, edp over dp
+    (["model.family=mixtral", "model.num_experts=4", "parallel.sp=true"], 2, 1, 2, 4),  # ep over tp x dp
+    (["model.family=mixtral", "model.num_experts=4", "parallel.sp=true"], 2, 1, 2, 1),  # replicated over tp
 ]
 
 
@@ -55,7 +57,9 @@ def test_each_element_written_once_and_counted_once_per_replica(overrides, tp, p
                 _cover(normed, name, pl)
             if pl.pp_tied:
                 tied.append((mesh.pp.rank, name, pl.pp_duplicate))
-            assert pl.tp_partial_grad == (mesh.tp.size > 1 and cfg.parallel.sp and not pl.tp_split)
+            # folded experts are no tp copies (their tp peers are ep or edp peers): no tp-partial grad
+            partial = mesh.tp.size > 1 and cfg.parallel.sp and not pl.tp_split and not pl.expert_folded
+            assert pl.tp_partial_grad == partial
     assert written and all(bool((c == 1).all()) for c in written.values()), {
         k: c.unique().tolist() for k, c in written.items()
     }
