@@ -148,6 +148,12 @@ def _check_optim(cfg: Config, dp: int) -> None:
         s in (0, dpcp) or cfg.optim.zero >= 1,
         f"optim.shard_group_size={s} (HSDP) needs optim.zero >= 1",
     )
+    # Muon orthogonalises each expert's whole matrix: an etp slice of it is not one
+    _req(
+        p.etp == 1 or cfg.optim.name != "muon",
+        f"optim.name={cfg.optim.name} with parallel.etp={p.etp}: Muon needs each expert's whole matrix "
+        "(use parallel.etp=1)",
+    )
     _req(cfg.optim.bucket_size_mb > 0, f"optim.bucket_size_mb={cfg.optim.bucket_size_mb} must be > 0")
     _req(
         t.precision == "fp32" or cfg.optim.zero >= 1,

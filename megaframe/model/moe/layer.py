@@ -78,13 +78,17 @@ class Experts(nn.Module):
 
     def __init__(self, cfg: ModelConfig, mesh: Mesh, sp: bool, device=None):
         super().__init__()
-        e, d, f, ep = cfg.num_experts, cfg.hidden_size, cfg.expert_ffn, mesh.ep
+        e, d, f, ep, etp = cfg.num_experts, cfg.hidden_size, cfg.expert_ffn, mesh.ep, mesh.etp
         folded = mesh.experts_folded
         # folded experts are no tp copies: their tp peers' grads are summed over edp, not as tp partials
         partial = sp and not folded
-        up = Shard((e, 2 * f, d), 0, (e,), ep.rank, ep.size, "ep")
+        # under etp each expert is split as a column-parallel gate/up (gate and up blocks apart, so the
+        # local [gate_i | up_i] pair up) and a row-parallel down projection
+        up_in = Shard((e, 2 * f, d), 1, (f, f), etp.rank, etp.size, "etp") if etp.size > 1 else None
+        down_in = Shard((e, d, f), 2, (), etp.rank, etp.size, "etp") if etp.size > 1 else None
+        up = Shard((e, 2 * f, d), 0, (e,), ep.rank, ep.size, "ep", up_in)
         self.up_proj = _Stacked(up, device, partial, (f, f), folded)
-        down = Shard((e, d, f), 0, (e,), ep.rank, ep.size, "ep")
+        down = Shard((e, d, f), 0, (e,), ep.rank, ep.size, "ep", down_in)
         self.down_proj = _Stacked(down, device, partial, (), folded)
 
     def forward(
@@ -114,6 +118,7 @@ class MoE(nn.Module):
     ):
         super().__init__()
         self.cfg, self.tp, self.ep, self.cp, self.sp = cfg, mesh.tp, mesh.ep, mesh.cp, sp
+        self.etp = mesh.etp
         self.tokens_per_step = tokens_per_step
         self._ahead: dict[int, torch.Tensor] = {}  # _batch_counts' run order masks, by sequence length
         self.router = router.Router(cfg.hidden_size, cfg.num_experts, sp, device, mesh.device)
@@ -181,7 +186,7 @@ class MoE(nn.Module):
         plan = dispatcher.plan(
             r.experts_TK, r.weights_TK, c.num_experts, capacity, counts_E=counts_E, runs=runs
         )
-        y_TD = dispatcher.dispatch_combine(x_TD, plan, self.ep, self.experts)
+        y_TD = dispatcher.dispatch_combine(x_TD, plan, self.ep, self.experts, self.etp)
         # Skipped under no_grad (eval): no backward to inject into, and eval batches stay out of step_stats.
         if torch.is_grad_enabled():
             y_TD = self._add_losses(y_TD, r, logits_TE, batch_E, counts_E, plan, n)

@@ -9,7 +9,7 @@ from megaframe.model.parallelize import build_model
 from megaframe.parallel.virtual import virtual_mesh
 from tests.distributed.cases import tiny_config
 
-# (overrides, tp, pp, dp, ep)
+# (overrides, tp, pp, dp, ep); etp from the overrides
 LAYOUTS = [
     (["model=gpt2_tiny", "model.num_query_groups=null"], 2, 2, 2, 1),  # tied embeddings across pp
     ([], 2, 2, 2, 1),  # untied
@@ -22,27 +22,27 @@ LAYOUTS = [
     ),  # experts folded: ep over the tp pair, edp over dp
     (["model.family=mixtral", "model.num_experts=4", "parallel.sp=true"], 2, 1, 2, 4),  # ep over tp x dp
     (["model.family=mixtral", "model.num_experts=4", "parallel.sp=true"], 2, 1, 2, 1),  # replicated over tp
+    (["model.family=mixtral", "model.num_experts=4", "parallel.sp=true", "parallel.etp=2"], 2, 2, 2, 2),
 ]
 
 
 def _every_rank(overrides, tp, pp, dp, ep):
     over = overrides + [f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.ep={ep}"]
     cfg = tiny_config(over, tp * pp * dp)
+    etp = cfg.parallel.etp
     for p in range(pp):
         for d in range(dp):
             for t in range(tp):
-                mesh = virtual_mesh(tp, pp, dp, t, p, d, device="meta", ep=ep)
+                mesh = virtual_mesh(tp, pp, dp, t, p, d, device="meta", ep=ep, etp=etp)
                 yield cfg, mesh, build_model(cfg, mesh)
 
 
 def _cover(counts: dict, name: str, placement) -> None:
     shard = placement.shard
     full = counts.setdefault(name, torch.zeros(shard.global_shape, dtype=torch.int32))
-    if shard.dim is None:
-        full += 1
-        return
-    for g, _, n in shard.ranges():
-        full.narrow(shard.dim, g, n).add_(1)
+    # the positions of this rank's slice (its inner etp split included), each counted once
+    where = shard.local(torch.arange(full.numel()).view(full.shape))
+    full.view(-1)[where.flatten()] += 1
 
 
 @pytest.mark.parametrize("overrides,tp,pp,dp,ep", LAYOUTS)
