@@ -193,3 +193,30 @@ class RankGrid:
         (just itself where it has none: off the pipeline ends)."""
         # A linear scan over every group: called once per axis at start-up, never in a step.
         return next((g for g in self.groups(name) if position in g), (position,))
+
+
+@dataclass(frozen=True)
+class ExpertGroups:
+    """Sizes and rank spans of the folded expert groups of a layout, for the planner (no processes)."""
+
+    ep: int
+    etp: int
+    edp: int
+    """The experts' data-parallel size: tp·cp·dp / (ep·etp)."""
+    edp_shard: int
+    """Ranks ZeRO shards expert state over: edp, cut by HSDP's replicas."""
+    ep_span: int
+    """Consecutive ranks an ep group spans (ep·etp: its members lie etp apart), what decides whether its
+    all-to-all stays on a node."""
+    edp_span: int
+    """Consecutive ranks an edp group spans (the whole stage when edp > 1)."""
+
+
+def folded_expert_groups(tp: int, cp: int, dp: int, ep: int, etp: int = 1, shard: int = 0) -> ExpertGroups:
+    """The folded expert groups of a layout (ep·etp > 1; with ep = etp = 1 experts follow the dense cut:
+    edp = cp·dp spanning tp·cp·dp). `shard`: optim.shard_group_size (0 = cp·dp)."""
+    grid = RankGrid(tp=tp, dp=dp, pp=1, ep=ep, shard=shard, cp=cp, etp=etp)
+    if not grid.folded:
+        return ExpertGroups(1, 1, cp * dp, grid.shard, tp, grid.stage)
+    edp = grid.edp
+    return ExpertGroups(ep, etp, edp, edp // grid.replicas, ep * etp, grid.stage if edp > 1 else 1)

@@ -7,7 +7,7 @@ The one-process half of the conformance: tests/unit/models/test_family_conforman
 import pytest
 
 from megaframe.models.registry import FAMILIES
-from tests.distributed.cases import TINY, train_and_report
+from tests.distributed.cases import TINY, tiny_config, train_and_report
 from tests.distributed.test_model_equivalence import assert_close_dicts
 
 pytestmark = pytest.mark.distributed
@@ -25,5 +25,48 @@ def test_tp2_sp_pp2_matches_one_process(pool, name):
     over = model + ["parallel.tp=2", "parallel.sp=true", "parallel.pp=2"]
     got = pool.run(train_and_report, 4, over, STEPS, None, False, BASE, tp=2, pp=2)[0]
     rel = [abs(a - b) / abs(b) for a, b in zip(got["losses"], ref["losses"])]
+    assert len(rel) == STEPS and max(rel) <= 1e-5, (got["losses"], ref["losses"])
+    assert_close_dicts(got["grads"], ref["grads"], rtol=1e-4, atol=1e-6, what="grad")
+
+
+# Every layout of a MoE family against one process: (name, ranks, pool layout, overrides). The folded
+# expert layouts (ep over tp, etp, HSDP with ep) run for every MoE family; the others for qwen3_moe
+# (mixtral's: tests/distributed/test_moe.py), few steps at the tiny preset's dims to stay cheap.
+SP = ["parallel.sp=true"]
+MOE_LAYOUTS = [
+    ("tp2.sp", 2, dict(tp=2), ["parallel.tp=2", *SP]),
+    ("ep2", 2, dict(ep=2), ["parallel.ep=2"]),
+    ("ep4", 4, dict(ep=4), ["parallel.ep=4"]),
+    ("pp2", 2, dict(pp=2), ["parallel.pp=2"]),
+    ("vpp2", 2, dict(pp=2), ["parallel.pp=2", "parallel.vpp=2", "model.num_layers=4"]),
+    ("cp2.ring", 2, dict(cp=2), ["parallel.cp=2", "parallel.cp_comm=ring"]),
+    ("cp2.allgather", 2, dict(cp=2), ["parallel.cp=2"]),
+    ("zero3.dp2", 2, {}, ["optim.zero=3"]),
+]
+FOLDED_LAYOUTS = [
+    ("tp2.ep2", 2, dict(tp=2, ep=2), ["parallel.tp=2", *SP, "parallel.ep=2"]),  # ep over the tp pair
+    ("etp2", 2, dict(etp=2), ["parallel.etp=2"]),
+    ("hsdp2.ep2", 4, dict(ep=2, shard=2), ["parallel.ep=2", "optim.zero=1", "optim.shard_group_size=2"]),
+]
+# every family whose tiny preset has experts (a new MoE family gets the folded layouts without an edit)
+MOE_FAMILIES = [n for n, f in FAMILIES.items() if tiny_config([f"model={f.tiny}"], 1, BASE).model.num_experts]
+MOE_CASES = [("qwen3_moe", *c) for c in MOE_LAYOUTS if "qwen3_moe" in FAMILIES] + [
+    (f, *c) for f in MOE_FAMILIES for c in FOLDED_LAYOUTS
+]
+_reference: dict = {}
+
+
+@pytest.mark.parametrize("family,layout,n,kw,over", MOE_CASES, ids=[f"{c[0]}-{c[1]}" for c in MOE_CASES])
+def test_moe_layout_matches_one_process(pool, family, layout, n, kw, over):
+    model = [f"model={FAMILIES[family].tiny}"]
+    # the reference with the same options where an override changes the model (vpp2's four layers)
+    same = [o for o in over if o.startswith("model.")]
+    key = (family, *same)
+    if key not in _reference:
+        _reference[key] = pool.run(train_and_report, 1, model + same, STEPS, None, False, BASE)[0]
+    ref = _reference[key]
+    got = pool.run(train_and_report, n, model + over, STEPS, None, False, BASE, **kw)[0]
+    rel = [abs(a - b) / abs(b) for a, b in zip(got["losses"], ref["losses"])]
+    print(f"{family} {layout}: max rel loss diff {max(rel):.2e}")
     assert len(rel) == STEPS and max(rel) <= 1e-5, (got["losses"], ref["losses"])
     assert_close_dicts(got["grads"], ref["grads"], rtol=1e-4, atol=1e-6, what="grad")
