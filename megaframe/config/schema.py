@@ -265,7 +265,9 @@ class OptimConfig(Frozen):
     shard_group_size: int = 0
     """HSDP: shard grads and optimizer state over groups of this many consecutive dp ranks and replicate
     them across the dp / shard_group_size groups (their shards are all-reduced once per step). 0 = dp
-    (plain ZeRO). Must divide dp; needs optim.zero >= 1 and parallel.ep = 1. Under parallel.cp = c the
+    (plain ZeRO). Must divide dp; needs optim.zero >= 1. With experts (parallel.ep or etp > 1) the expert
+    state keeps the same number of replicas r = dp / s, which must divide the experts' data-parallel size
+    tp·cp·dp / (ep·etp) (docs/zero.md). Under parallel.cp = c the
     ranks cut into groups are the c·dp ranks sharing the params (cp inner): s a multiple of c shards over
     s/c whole cp groups and replicates over dp (Megatron/torchtitan's dp_shard·cp), s < c over part of a
     cp group; s must divide c·dp (0 = c·dp)."""
