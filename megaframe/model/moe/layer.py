@@ -202,7 +202,9 @@ class MoE(nn.Module):
         perm_A = torch.arange(rows, device=x_TD.device)
         token_A = perm_A // k
         x_AD = x_TD[token_A][perm_A]  # gather by token, then the regrouping by local expert
-        y_AD = self.experts(x_AD, sizes)[perm_A]
+        # under etp the experts' slices run on the rows of every etp peer (dispatcher._etp_experts)
+        g = self.etp.size
+        y_AD = self.experts(x_AD.repeat(g, 1), [n * g for n in sizes]).view(g, rows, -1).sum(0)[perm_A]
         y_AD = y_AD * r.weights_TK.reshape(-1)[perm_A].unsqueeze(-1).to(y_AD.dtype)
         return torch.zeros_like(x_TD).index_add(0, token_A, y_AD)
 
