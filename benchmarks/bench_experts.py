@@ -54,7 +54,7 @@ def main() -> None:
         ],
         world_size=1,
     )
-    experts = Experts(cfg.model, single_process_mesh(device).ep, False, device).to(dtype)
+    experts = Experts(cfg.model, single_process_mesh(device), False, device).to(dtype)
     for p in experts.parameters():
         torch.nn.init.normal_(p, std=0.02)
     share = torch.arange(args.experts, 0, -1, dtype=torch.float64)  # skewed: expert 0 gets the most rows

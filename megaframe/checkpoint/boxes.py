@@ -56,6 +56,21 @@ def to_global(box: Box, dim: int | None, ranges: list[tuple[int, int, int]]) -> 
     return out
 
 
+def shard_pieces(box: Box, shard) -> list[tuple[Box, Box]]:
+    """to_global for a layers.shard.Shard, its inner split included (stacked experts under etp: the
+    local box goes through the inner split's dim first, then the outer split's)."""
+    outer = [] if shard.dim is None else shard.ranges()
+    if shard.inner is None:
+        return to_global(box, shard.dim, outer)
+    d = shard.inner.dim
+    out = []
+    for local, mid in to_global(box, d, shard.inner.ranges()):
+        # the outer split leaves dim d alone: a piece of `mid` is the same piece of `local` there
+        pieces = to_global(mid, shard.dim, outer)
+        out += [(part[:d] + (local[d],) + part[d + 1 :], glob) for part, glob in pieces]
+    return out
+
+
 def intersect(a: Box, b: Box) -> Box | None:
     out = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b))
     return out if all(lo < hi for lo, hi in out) else None

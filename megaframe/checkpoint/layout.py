@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megaframe.checkpoint.boxes import Box, flat_boxes, flat_span, split_rows, to_global
+from megaframe.checkpoint.boxes import Box, flat_boxes, flat_span, shard_pieces, split_rows
 
 
 @dataclass
@@ -48,10 +48,11 @@ def dtype_name(t: torch.dtype) -> str:
 
 def _replicas(p, mesh, segments: bool) -> tuple[int, int]:
     """(holders, my index) of p's local tensor (segments: of its ZeRO segments, already split over dp)."""
-    tp_rep = not p.placement.tp_split  # tp-replicated (norms, biases of row-parallel layers, experts)
+    # tp-replicated (norms, biases of row-parallel layers, experts unless folded over tp)
+    tp_rep = "tp" in p.placement.replicated_over
     tp_n, tp_i = (mesh.tp.size, mesh.tp.rank) if tp_rep else (1, 0)
     if segments:  # ZeRO segments are this shard group's; under HSDP the dp_rep ranks hold them too
-        rep = mesh.dp_rep if (not p.placement.expert and mesh.dp_rep is not None) else None
+        rep = mesh.edp_rep if p.placement.expert else mesh.dp_rep
         if rep is None or rep.size == 1:
             return tp_n, tp_i
         return tp_n * rep.size, rep.rank * tp_n + tp_i  # tp innermost: a distinct part per holder
@@ -214,7 +215,7 @@ def my_writes(items: list[Item]) -> list[Stored]:
                 size = tuple(h - l for l, h in box)
                 pieces = [
                     (tuple((pl - bl, ph - bl) for (pl, ph), (bl, _) in zip(local, box)), glob)
-                    for local, glob in to_global(box, it.shard.dim, _ranges(it.shard))
+                    for local, glob in shard_pieces(box, it.shard)
                 ]
                 n = math.prod(size)
                 data = None if src is None else src[first - lo : first - lo + n].view(size)
@@ -235,10 +236,6 @@ def my_writes(items: list[Item]) -> list[Stored]:
     return out
 
 
-def _ranges(shard) -> list[tuple[int, int, int]]:
-    return [] if shard.dim is None else shard.ranges()
-
-
 def needs(items: list[Item]) -> dict[str, list[tuple[Box, Box]]]:
     """key -> (local box, global box) pairs this rank must read: every held element, exactly once."""
     out: dict[str, list[tuple[Box, Box]]] = {}
@@ -246,7 +243,7 @@ def needs(items: list[Item]) -> dict[str, list[tuple[Box, Box]]]:
         pairs = out.setdefault(it.key, [])
         for lo, hi in it.held:
             for box in flat_boxes(it.local_shape, lo, hi):
-                pairs += to_global(box, it.shard.dim, _ranges(it.shard))
+                pairs += shard_pieces(box, it.shard)
     return out
 
 

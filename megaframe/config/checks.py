@@ -19,7 +19,7 @@ def check_config(cfg: Config, world_size: int, check_data: bool = True, schedule
     """Cross-field checks that need no process group; the first problem raises ConfigError."""
     check_fields(cfg)
     m, p, t = cfg.model, cfg.parallel, cfg.train
-    for name in ("tp", "pp", "vpp", "ep"):
+    for name in ("tp", "pp", "vpp", "ep", "etp"):
         _req(getattr(p, name) >= 1, f"parallel.{name}={getattr(p, name)} must be >= 1")
     _req(
         not p.tp_comm_overlap or (p.sp and p.tp > 1),
@@ -36,7 +36,7 @@ def check_config(cfg: Config, world_size: int, check_data: bool = True, schedule
 
     _req(not (why := refusal(m)), str(why))
     _check_model_shapes(m, p)
-    _check_moe(m, p, dp * p.cp)
+    _check_moe(m, p, dp * p.cp, cfg.optim.shard_group_size)
     _req(t.micro_batch_size >= 1, f"train.micro_batch_size={t.micro_batch_size} must be >= 1")
     # every dp rank runs the same number of whole micro-batches: ranks must agree on the schedule's length
     _req(
@@ -145,8 +145,14 @@ def _check_optim(cfg: Config, dp: int) -> None:
         f"optim.shard_group_size={s} must divide {ranks} (0 = all of them)",
     )
     _req(
-        s in (0, dpcp) or (cfg.optim.zero >= 1 and p.ep == 1),
-        f"optim.shard_group_size={s} (HSDP) needs optim.zero >= 1 and parallel.ep=1",
+        s in (0, dpcp) or cfg.optim.zero >= 1,
+        f"optim.shard_group_size={s} (HSDP) needs optim.zero >= 1",
+    )
+    # Muon orthogonalises each expert's whole matrix: an etp slice of it is not one
+    _req(
+        p.etp == 1 or cfg.optim.name != "muon",
+        f"optim.name={cfg.optim.name} with parallel.etp={p.etp}: Muon needs each expert's whole matrix "
+        "(use parallel.etp=1)",
     )
     _req(cfg.optim.bucket_size_mb > 0, f"optim.bucket_size_mb={cfg.optim.bucket_size_mb} must be > 0")
     _req(
@@ -246,20 +252,41 @@ def _check_lr_schedule(cfg: Config) -> None:
     )
 
 
-def _check_moe(m: ModelConfig, p: ParallelConfig, dpcp: int) -> None:
-    """`dpcp`: cp·dp, the ranks ep borrows from (parallel/mesh.py)."""
+def _check_moe(m: ModelConfig, p: ParallelConfig, dpcp: int, shard: int) -> None:
+    """`dpcp`: cp·dp; the experts fold ep x etp over tp x cp x dp (parallel/rank_grid.py). `shard`:
+    optim.shard_group_size (HSDP's replicas must divide the experts' data-parallel size too)."""
     _req(m.num_experts >= 0, f"model.num_experts={m.num_experts} must be >= 0")
-    _req(p.ep == 1 or m.num_experts > 0, f"parallel.ep={p.ep} needs model.num_experts > 0 (a MoE model)")
-    _req(dpcp % p.ep == 0, f"parallel.ep={p.ep} does not divide cp x dp = {dpcp} (ep ranks come from cp·dp)")
+    for name in ("ep", "etp"):
+        n = getattr(p, name)
+        _req(n == 1 or m.num_experts > 0, f"parallel.{name}={n} needs model.num_experts > 0 (a MoE model)")
+    stage = p.tp * dpcp
+    _req(
+        stage % (p.ep * p.etp) == 0,
+        f"parallel.ep={p.ep} x parallel.etp={p.etp} = {p.ep * p.etp} must divide tp x cp x dp = "
+        f"{p.tp} x {p.cp} x {dpcp // p.cp} = {stage} (experts fold over those ranks)",
+    )
+    edp = stage // (p.ep * p.etp)
+    replicas = dpcp // shard if shard and dpcp % shard == 0 else 1
+    _req(
+        edp % replicas == 0,
+        f"optim.shard_group_size={shard} makes cp x dp / {shard} = {replicas} HSDP replicas, which must "
+        f"divide the experts' data-parallel size tp x cp x dp / (ep x etp) = {stage} / {p.ep * p.etp} "
+        f"= {edp}",
+    )
     if m.num_experts == 0:
         return
     _req(m.num_experts % p.ep == 0, f"parallel.ep={p.ep} does not divide model.num_experts={m.num_experts}")
-    # experts are split over ep only: without sp every tp rank would route the same tokens through the
-    # same experts, tp-fold redundant expert FLOPs
+    f = m.expert_ffn
+    _req(
+        f % p.etp == 0,
+        f"parallel.etp={p.etp} does not divide the experts' width {f} (model.moe_ffn_hidden_size)",
+    )
+    # every rank routes its own tokens: without sp the tp ranks would route the same ones, and experts
+    # split or folded over tp would see them tp-fold
     _req(
         p.tp == 1 or p.sp,
         f"model.num_experts={m.num_experts} with parallel.tp={p.tp} needs parallel.sp=true "
-        "(experts are not split over tp: every tp rank would compute the same experts)",
+        "(every tp rank must route its own tokens)",
     )
     _req(
         1 <= m.moe_top_k <= m.num_experts,

@@ -62,7 +62,11 @@ class ParallelConfig(Frozen):
     vpp: int = 1
     """Virtual pipeline chunks per pipeline rank; 1 = plain 1F1B."""
     ep: int = 1
-    """Expert-parallel size, borrowed from the data-parallel ranks."""
+    """Expert-parallel size, folded over tp x cp x dp as Megatron folds it (docs/moe.md, "Layout"):
+    ep x etp must divide tp x cp x dp; the experts' data-parallel size is tp·cp·dp / (ep·etp)."""
+    etp: int = 1
+    """Experts' own tensor-parallel size (Megatron's --expert-tensor-parallel-size): each expert's weights
+    split over etp ranks of the folded expert grid, independent of tp."""
     sp: bool = False
     """Sequence parallelism: split the sequence over tp between blocks (needs tp > 1 to matter)."""
     tp_comm_overlap: bool = False
@@ -261,7 +265,9 @@ class OptimConfig(Frozen):
     shard_group_size: int = 0
     """HSDP: shard grads and optimizer state over groups of this many consecutive dp ranks and replicate
     them across the dp / shard_group_size groups (their shards are all-reduced once per step). 0 = dp
-    (plain ZeRO). Must divide dp; needs optim.zero >= 1 and parallel.ep = 1. Under parallel.cp = c the
+    (plain ZeRO). Must divide dp; needs optim.zero >= 1. With experts (parallel.ep or etp > 1) the expert
+    state keeps the same number of replicas r = dp / s, which must divide the experts' data-parallel size
+    tp·cp·dp / (ep·etp) (docs/zero.md). Under parallel.cp = c the
     ranks cut into groups are the c·dp ranks sharing the params (cp inner): s a multiple of c shards over
     s/c whole cp groups and replicates over dp (Megatron/torchtitan's dp_shard·cp), s < c over part of a
     cp group; s must divide c·dp (0 = c·dp)."""

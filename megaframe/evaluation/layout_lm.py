@@ -74,6 +74,7 @@ def _layout_model(ckpt: str, overrides: list[str], tokenizer: str | None, env):
         p.pp,
         device,
         ep=p.ep,
+        etp=p.etp,
         cp=p.cp,
         shard=cfg.optim.shard_group_size,
         timeout=datetime.timedelta(seconds=cfg.train.dist_timeout_s),

@@ -36,6 +36,9 @@ class Shard:
     rank: int = 0
     size: int = 1
     axis: str = "tp"
+    inner: Optional["Shard"] = None
+    """A second split of the same global tensor along another dim, applied to this one's slice: stacked
+    experts' own tensor parallelism (axis "etp": each expert's rows or columns over parallel.etp)."""
 
     def __post_init__(self):
         if self.dim is not None:
@@ -52,6 +55,8 @@ class Shard:
             return self.global_shape
         shape = list(self.global_shape)
         shape[self.dim] //= self.size
+        if self.inner is not None:
+            shape[self.inner.dim] //= self.inner.size
         return tuple(shape)
 
     def ranges(self, rank: Optional[int] = None) -> list[tuple[int, int, int]]:
@@ -74,7 +79,9 @@ class Shard:
         """This rank's slice of the full tensor."""
         if self.dim is None:
             return full
-        return torch.cat([full.narrow(self.dim, g, n) for g, _, n in self.ranges(rank)], dim=self.dim)
+        mine = torch.cat([full.narrow(self.dim, g, n) for g, _, n in self.ranges(rank)], dim=self.dim)
+        # the inner split's dim is still whole in `mine`: its global offsets index it directly
+        return mine if self.inner is None else self.inner.local(mine)
 
     def place(self, full: torch.Tensor, local: torch.Tensor, rank: int) -> None:
         """Write `rank`'s local slice into the full tensor (the inverse of `local`)."""
@@ -94,13 +101,14 @@ def sharded_param(
     pp_duplicate: bool = False,
     role: str = "hidden",
     expert_rows: tuple[int, ...] = (),
+    expert_folded: bool = False,
 ) -> nn.Parameter:
     """An uninitialised parameter of the shard's local shape, with its `Placement` (the flags are its
     fields: tp_partial_grad for a tp-replicated parameter whose grad is partial on each tp rank under sp,
     pp_tied / pp_duplicate for a tied embedding's copies on the pipeline ends, role and expert_rows for
-    the update rule: Placement's fields)."""
+    the update rule, expert_folded for experts on the folded grid: Placement's fields)."""
     p = nn.Parameter(torch.empty(shard.local_shape, device=device, dtype=dtype))
-    p.placement = Placement(shard, tp_partial_grad, pp_tied, pp_duplicate, role, expert_rows)
+    p.placement = Placement(shard, tp_partial_grad, pp_tied, pp_duplicate, role, expert_rows, expert_folded)
     return p
 
 
@@ -220,10 +228,15 @@ def local_init(
     out = torch.empty((r1 - r0, *local[1:]))
     if shard.expert:
         experts = [e for g, _, n in _ranges(shard) for e in range(g, g + n)][r0:r1]
+        # under etp each expert's own slice: the inner split's blocks of the expert's matrix
+        inner = shard.inner.ranges() if shard.inner is not None else [(0, 0, None)]
         for i, e in enumerate(experts):
-            out[i] = init_region(
-                expert_name(name, e), shape[1:], [(0, n) for n in shape[1:]], seed, std, num_layers
-            )
+            for g, lo, n in inner:
+                region, dst = [(0, m) for m in shape[1:]], out[i]
+                if n is not None:
+                    region[shard.inner.dim - 1] = (g, g + n)
+                    dst = dst.narrow(shard.inner.dim - 1, lo, n)
+                init_region(expert_name(name, e), shape[1:], region, seed, std, num_layers, out=dst)
         return out
     for g, lo, n in _ranges(shard):
         region = [(0, size) for size in shape]
@@ -289,11 +302,20 @@ def init_model(model: nn.Module, seed: int, std: float, num_layers: int, device=
             p.copy_(local.to(p.device, p.dtype))
 
 
-def gather_full(local: torch.Tensor, shard: Shard, axis) -> torch.Tensor:
+def gather_full(local: torch.Tensor, shard: Shard, axis, inner_axis=None) -> torch.Tensor:
     """The full tensor from every rank's slice along `axis` (the mesh axis named by shard.axis: tp, or ep
-    for experts); a plain all-gather (through comm, so it is counted), for tests, export and checks."""
+    for experts; `inner_axis`: etp, for experts split by shard.inner); a plain all-gather (through comm,
+    so it is counted), for tests, export and checks."""
     from megaframe.parallel import comm
 
+    if shard.inner is not None and inner_axis is not None and inner_axis.size > 1:
+        parts = comm.all_gather_dim0(local.detach().reshape(1, *local.shape), inner_axis)
+        mid_shape = list(local.shape)
+        mid_shape[shard.inner.dim] = shard.global_shape[shard.inner.dim]
+        mid = torch.empty(mid_shape, dtype=local.dtype, device=local.device)
+        for r in range(inner_axis.size):
+            shard.inner.place(mid, parts[r], r)
+        local = mid
     if shard.dim is None or axis.size == 1:
         return local.detach().clone()
     # A leading dim of 1 so the dim-0 gather stacks whole slices; fused blocks are then placed one by one.

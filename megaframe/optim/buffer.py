@@ -150,11 +150,22 @@ def buffer_groups(params: list[nn.Parameter], mesh: Mesh) -> list[tuple[Axis, li
     all-reduced over mesh.dp_rep). The trainer's optimizer and the planner both build from this."""
     groups: dict[tuple, tuple[Axis, list[nn.Parameter]]] = {}
     for p in params:
-        axis = p.placement.data_axis(mesh) if p.placement.expert else mesh.dp_shard
+        # experts: edp, or under HSDP its shard group (edp_shard, replicas edp_rep; rank_grid.py)
+        axis = mesh.edp_shard if p.placement.expert else mesh.dp_shard
         # Keyed by dtype (one flat param buffer holds one dtype) and by expert-ness (a different reduce
         # axis); every rank of the axis sees the same params in the same order, so the buffers line up.
         groups.setdefault((p.dtype, p.placement.expert), (axis, []))[1].append(p)
     return list(groups.values())
+
+
+def replicas_of(axis: Axis, mesh: Mesh) -> Axis:
+    """HSDP: the ranks holding the same shard as this one over the shard axis `axis` (dp_rep for the dense
+    shard group, edp_rep for the experts'); size 1 without HSDP."""
+    if axis is mesh.dp_shard:
+        return mesh.dp_rep
+    if axis is mesh.edp_shard:
+        return mesh.edp_rep
+    return Axis("dp", 1, 0, (mesh.rank,), None, mesh.stats)
 
 
 def bucket_plan(params: list[nn.Parameter], bucket_bytes: int, dp: int) -> tuple[list, list]:

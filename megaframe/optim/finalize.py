@@ -84,7 +84,10 @@ def global_norm(grads: list[tuple[Placement, torch.Tensor]], mesh: Mesh, sharded
     owned ranges are disjoint over dp (cp·dp under cp; experts: over edp, and ep ranks hold different
     experts, so cp·dp = ep x edp covers both; under HSDP over the shard group dp_shard, whose replicas
     hold equal shards); replicated grads differ only between ep ranks, for experts. Every group is
-    reduced even when empty on this rank, so all ranks enter the same collectives."""
+    reduced even when empty on this rank, so all ranks enter the same collectives. Experts folded over
+    tp (ep·etp > 1) take their own path: `_folded_norm_sq`."""
+    if mesh.experts_folded:
+        return _folded_norm_sq(grads, mesh, sharded).sqrt()
     groups: dict[str, tuple[Axis | None, list[torch.Tensor]]] = (
         {"dp": (mesh.dp_shard, [])} if sharded else {"dense": (None, []), "expert": (mesh.ep, [])}
     )
@@ -101,6 +104,23 @@ def global_norm(grads: list[tuple[Placement, torch.Tensor]], mesh: Mesh, sharded
     comm.all_reduce(sq, mesh.tp)
     comm.all_reduce(sq, mesh.pp)
     return sq.sqrt()
+
+
+def _folded_norm_sq(grads: list[tuple[Placement, torch.Tensor]], mesh: Mesh, sharded: bool) -> torch.Tensor:
+    """The squared norm when experts are folded over tp·cp·dp: their elements differ over ep and etp (and
+    ZeRO's ranges over the expert shard group), never copies over tp, so their squares are summed over
+    those axes and not over tp; the dense ones as before (shard group, then tp); both over pp."""
+    dense = [g for pl, g in grads if not pl.expert and pl.counts_in_norm(mesh)]
+    expert = [g for pl, g in grads if pl.expert and pl.counts_in_norm(mesh)]
+    sq_dense, sq_expert = _sum_squares(dense, mesh.device), _sum_squares(expert, mesh.device)
+    # the same collectives in the same order on every rank, empty or not
+    axes_dense = ((mesh.dp_shard,) if sharded else ()) + (mesh.tp,)
+    axes_expert = ((mesh.edp_shard,) if sharded else ()) + (mesh.ep, mesh.etp)
+    for axis in axes_dense:
+        sq_dense = comm.all_reduce(sq_dense, axis)
+    for axis in axes_expert:
+        sq_expert = comm.all_reduce(sq_expert, axis)
+    return comm.all_reduce(sq_dense + sq_expert, mesh.pp)
 
 
 def clip_(grads: list[torch.Tensor], norm: torch.Tensor, max_norm: float) -> None:

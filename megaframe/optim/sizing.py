@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from megaframe.config.schema import OptimConfig
-from megaframe.optim.buffer import bucket_plan, buffer_groups, grad_dtype, group_plan
+from megaframe.optim.buffer import bucket_plan, buffer_groups, grad_dtype, group_plan, replicas_of
 from megaframe.optim.float8_gather import split_groups
 from megaframe.optim.param_gather import gather_units, gathers_per_step, zero3_groups
 from megaframe.optim.rule_registry import rule_named
@@ -88,7 +88,7 @@ def planned_dp_bytes(
     units = gather_units(model) if model is not None and cfg.zero == 3 else []
     total, f8 = 0, _float8(model, cfg)
     for axis, ps, ordered, plan in _plans(params, cfg, mesh, model):
-        s, r = axis.size, (mesh.dp_rep.size if axis is mesh.dp_shard else 1)
+        s, r = axis.size, replicas_of(axis, mesh).size
         g = grad_dtype(cfg.grad_reduce_dtype, ps[0].dtype).itemsize
         if any(id(p) in f8 for p in ps):  # the float8 weights' scales: one all-reduce(max) of fp32 a step
             total += int(2 * (s - 1) / s * 4 * sum(id(p) in f8 for p in params))

@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from megaframe.config.schema import OptimConfig
-from megaframe.optim.buffer import FlatBuffer, Segment, buffer_groups, give_storage, lazy_zeros
+from megaframe.optim.buffer import FlatBuffer, Segment, buffer_groups, give_storage, lazy_zeros, replicas_of
 from megaframe.optim.update_rule import STATE_DTYPES, RuleStep, UpdateRule
-from megaframe.parallel.mesh import Axis, Mesh
+from megaframe.parallel.mesh import Mesh
 from megaframe.parallel.placement import Placement
 
 
@@ -60,8 +60,7 @@ def flat_buffers(params: list[nn.Parameter], cfg: OptimConfig, mesh: Mesh, make=
     for axis, ps in buffer_groups(params, mesh):
         buf = make(ps, bucket_bytes, axis, late)
         buf.axis = axis
-        # HSDP: the ranks holding the same shard as this one (size 1 without HSDP, and for experts)
-        buf.rep = mesh.dp_rep if axis is mesh.dp_shard else Axis("dp", 1, 0, (mesh.rank,), None, mesh.stats)
+        buf.rep = replicas_of(axis, mesh)
         buffers.append(buf)
     return buffers
 

@@ -12,18 +12,10 @@ dp, whose grads are reduced once per step, spans nodes. Parameters are replicate
 grads are reduced (and ZeRO-sharded) over the combined `dpcp` axis (cp·dp ranks: Megatron's dp-cp
 group), dpcp_rank = cp_rank + cp * dp_rank; with cp = 1 it is the dp axis itself.
 
-Expert parallelism borrows its ranks from cp·dp (Megatron's "parallel folding"; Megatron also requires
-ep to divide cp·dp): the dpcp group is cut into contiguous blocks of `ep` ranks, each block an `ep` group
-holding all experts between them (each rank E/ep of them); the dpcp ranks holding the same experts (same
-position in their block) form the expert-data-parallel group `edp` (size cp·dp/ep), over which expert
-grads are reduced (every cp and dp rank routes its own tokens, so expert grads are partial over both):
-
-    dpcp_rank = cp_rank + cp * dp_rank = ep_rank + ep * edp_rank
-
-Contiguous blocks put an ep group inside a cp group first (ep <= cp: the ep ranks are cp peers) and
-only then across dp: the token all-to-all runs twice per layer and direction, so it takes the ranks
-nearest in the rank order (same node), like cp's own K/V traffic; the edp reduction runs once a step.
-With cp = 1 this is the dp group cut as before.
+Expert parallelism is folded over tp·cp·dp (Megatron's "MoE parallel folding"; the arithmetic and its
+reasons in parallel/rank_grid.py): etp, ep and edp cut the ranks of a pipeline stage again for the expert
+layers alone, stage_rank = tp_rank + tp * dpcp_rank = etp_rank + etp * (ep_rank + ep * edp_rank). With
+ep = etp = 1 experts are replicated like the router (over tp, grads partial under sp) and edp is dpcp.
 
 Hybrid sharded data parallelism (optim.shard_group_size = s) cuts the ZeRO axis dpcp (dp itself when
 cp = 1) the same way: `dp_shard`, blocks of s consecutive dpcp ranks over which ZeRO shards grads, state
@@ -57,9 +49,12 @@ import torch
 import torch.distributed as dist
 
 from megaframe.parallel.p2p_semantics import NcclStream, P2PSemantics, semantics_from_env, stream_for
+from megaframe.parallel.rank_grid import RankGrid
+
+__all__ = ["Axis", "CommStats", "Mesh", "RankGrid", "build_mesh", "mesh_at", "single_process_mesh"]
 
 RECENT_COLLECTIVES = 64
-REUSABLE = ("dp", "cp", "dpcp", "ep", "edp", "dp_shard", "dp_rep")
+REUSABLE = ("dp", "cp", "dpcp", "ep", "edp", "dp_shard", "dp_rep", "etp", "edp_shard", "edp_rep")
 """Axes whose collectives are all-reduces, gathers and all-to-alls of whole groups (never p2p): one of them
 over the same ranks as another shares its process group (tp, pp and pp_ends keep their own)."""
 
@@ -184,11 +179,11 @@ class Mesh:
     few small exchanges are host-side decisions, and an NCCL communicator over the whole world would cost
     GPU buffers (NVLS memory on H100) for nothing; comm.all_reduce stages a device tensor through the host."""
     ep: Optional[Axis] = None
-    """Expert-parallel axis: a contiguous block of the dpcp
-    group (all-to-all of tokens); bytes count as ep."""
+    """Expert-parallel axis: ep ranks of the stage's folded expert grid holding different experts (the
+    all-to-all of tokens; rank_grid.py); bytes count as ep."""
     edp: Optional[Axis] = None
-    """Expert-data-parallel axis: cp·dp ranks holding the same experts (expert grads, ZeRO shards of expert
-    params); its bytes count as dp traffic. It is the dpcp axis itself when ep = 1."""
+    """Expert-data-parallel axis: the tp·cp·dp/(ep·etp) ranks holding the same expert slices (expert grads,
+    ZeRO shards of expert params); its bytes count as dp traffic. The dpcp axis itself when ep = etp = 1."""
     dp_shard: Optional[Axis] = None
     """HSDP: the s consecutive cp·dp ranks ZeRO shards over (bytes count as dp); dpcp itself by default."""
     dp_rep: Optional[Axis] = None
@@ -200,6 +195,14 @@ class Mesh:
     dpcp: Optional[Axis] = None
     """cp·dp ranks of one (tp, pp) coordinate: the grad reduction and ZeRO axis of dense params (bytes count
     as dp). The dp axis itself when cp = 1."""
+
+    etp: Optional[Axis] = None
+    """Experts' own tensor-parallel axis (parallel.etp): ranks holding different slices of the same experts
+    (tokens all-gathered over it after the dispatch); size 1 by default."""
+    edp_shard: Optional[Axis] = None
+    """HSDP with experts: the edp ranks ZeRO shards expert state over (edp itself without HSDP)."""
+    edp_rep: Optional[Axis] = None
+    """HSDP with experts: the edp ranks holding the same expert shard; size 1 without HSDP."""
 
     def __post_init__(self):
         if self.cp is None:
@@ -213,9 +216,25 @@ class Mesh:
         if self.dp_shard is None:
             object.__setattr__(self, "dp_shard", self.dpcp)  # no HSDP: ZeRO shards over all of cp·dp
         if self.dp_rep is None:
-            object.__setattr__(
-                self, "dp_rep", Axis("dp", 1, 0, (self.dp.ranks[self.dp.rank],), None, self.stats)
-            )
+            object.__setattr__(self, "dp_rep", self._alone("dp"))
+        if self.etp is None:
+            object.__setattr__(self, "etp", self._alone("etp"))
+        # unfolded experts (ep = etp = 1) are sharded and replicated as the dense params are
+        unfolded = self.edp is self.dpcp
+        if self.edp_shard is None:
+            object.__setattr__(self, "edp_shard", self.dp_shard if unfolded else self.edp)
+        if self.edp_rep is None:
+            object.__setattr__(self, "edp_rep", self.dp_rep if unfolded else self._alone("dp"))
+
+    def _alone(self, name: str) -> Axis:
+        """An axis of size 1 holding this rank only."""
+        return Axis(name, 1, 0, (self.dp.ranks[self.dp.rank],), None, self.stats)
+
+    @property
+    def experts_folded(self) -> bool:
+        """Whether experts lie on the folded grid (ep·etp > 1): not replicated over tp, their tp peers
+        being ep, etp or edp peers; else replicated over tp like the router."""
+        return self.ep.size * self.etp.size > 1
 
     @property
     def is_logger(self) -> bool:
@@ -226,107 +245,13 @@ class Mesh:
 
     def describe(self) -> str:
         ep = f" ep={self.ep.size}" if self.ep.size > 1 else ""
+        ep += f" etp={self.etp.size}" if self.etp.size > 1 else ""
         p2p = " p2p=nccl-emulated" if self.pp.p2p is not None else ""
         cp = f" cp={self.cp.size}" if self.cp.size > 1 else ""
         return (
             f"world={self.world} tp={self.tp.size}{cp} pp={self.pp.size} dp={self.dp.size}{ep} "
             f"device={self.device.type}{p2p}"
         )
-
-
-@dataclass(frozen=True)
-class RankGrid:
-    """The rank arithmetic of a layout: the one place that knows the axis order and group membership.
-    build_mesh creates a process group per group listed here; virtual_mesh (planning) reads the same
-    membership without groups. Positions are 0..world-1; build_mesh maps them to process ranks.
-
-        position = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))
-        dpcp_rank = cp_rank + cp * dp_rank = ep_rank + ep * edp_rank = shard_rank + shard * rep_rank
-    """
-
-    tp: int
-    dp: int
-    pp: int
-    ep: int = 1
-    shard: int = 0
-    """HSDP shard group size (dp_shard), out of the cp·dp ranks; 0 means cp·dp (no replication across
-    shard groups)."""
-    cp: int = 1
-    """Context-parallel size (between tp and dp in the rank order)."""
-
-    AXES = ("tp", "dp", "pp", "pp_ends", "ep", "edp", "dp_shard", "dp_rep", "cp", "dpcp")
-    STATS = {"pp_ends": "pp", "edp": "dp", "dp_shard": "dp", "dp_rep": "dp", "dpcp": "dp"}
-    """The byte counter of an axis, where it is not its own name (an Axis's `name`)."""
-
-    def __post_init__(self):
-        # Uneven blocks would give ranks different expert counts and edp groups of different sizes.
-        assert self.cp * self.dp % self.ep == 0, f"ep={self.ep} does not divide cp·dp={self.cp * self.dp}"
-        if not self.shard:
-            object.__setattr__(self, "shard", self.cp * self.dp)
-        assert self.cp * self.dp % self.shard == 0, (
-            f"shard group size {self.shard} does not divide cp·dp={self.cp * self.dp}"
-        )
-
-    @property
-    def hybrid(self) -> bool:
-        """Whether cp·dp is cut into HSDP shard groups (then dp_shard and dp_rep get their own groups)."""
-        return self.shard < self.cp * self.dp
-
-    @property
-    def world(self) -> int:
-        return self.tp * self.cp * self.dp * self.pp
-
-    def position(self, pp_rank: int, dp_rank: int, tp_rank: int, cp_rank: int = 0) -> int:
-        return tp_rank + self.tp * (cp_rank + self.cp * (dp_rank + self.dp * pp_rank))
-
-    def groups(self, name: str) -> list[tuple[int, ...]]:
-        """Every group of axis `name`, in one fixed order (every process creates them in this order)."""
-        at, tp, dp, pp, ep, cp = self.position, self.tp, self.dp, self.pp, self.ep, self.cp
-        ctp = [(c, t) for c in range(cp) for t in range(tp)]
-        dp_groups = [tuple(at(p, d, t, c) for d in range(dp)) for p in range(pp) for c, t in ctp]
-        # ordered by position: dpcp_rank = cp_rank + cp * dp_rank (with cp = 1 the dp groups, in their order)
-        dpcp_groups = [
-            tuple(at(p, d, t, c) for d in range(dp) for c in range(cp)) for p in range(pp) for t in range(tp)
-        ]
-        if name == "tp":
-            return [
-                tuple(at(p, d, t, c) for t in range(tp))
-                for p in range(pp)
-                for d in range(dp)
-                for c in range(cp)
-            ]
-        if name == "dp":
-            return dp_groups
-        if name == "cp":
-            return [
-                tuple(at(p, d, t, c) for c in range(cp))
-                for p in range(pp)
-                for d in range(dp)
-                for t in range(tp)
-            ]
-        if name == "dpcp":
-            return dpcp_groups
-        if name == "pp":
-            return [tuple(at(p, d, t, c) for p in range(pp)) for d in range(dp) for c, t in ctp]
-        if name == "pp_ends":  # first and last pipeline rank: the tied embedding's two copies
-            return (
-                [(at(0, d, t, c), at(pp - 1, d, t, c)) for d in range(dp) for c, t in ctp] if pp > 1 else []
-            )
-        if name == "ep":  # contiguous blocks of ep cp·dp ranks, each holding all experts between them
-            return [g[j : j + ep] for g in dpcp_groups for j in range(0, cp * dp, ep)]
-        if name == "edp":  # the cp·dp ranks holding the same experts: same position in their ep block
-            return [g[e::ep] for g in dpcp_groups for e in range(ep)]
-        if name == "dp_shard":  # HSDP: blocks of `shard` consecutive cp·dp ranks
-            return [g[j : j + self.shard] for g in dpcp_groups for j in range(0, cp * dp, self.shard)]
-        if name == "dp_rep":  # HSDP: the cp·dp ranks at the same position of their shard block
-            return [g[e :: self.shard] for g in dpcp_groups for e in range(self.shard)]
-        raise KeyError(name)
-
-    def group_of(self, name: str, position: int) -> tuple[int, ...]:
-        """The group of axis `name` holding `position`
-        (just itself where it has none: off the pipeline ends)."""
-        # A linear scan over every group: called once per axis at start-up, never in a step.
-        return next((g for g in self.groups(name) if position in g), (position,))
 
 
 def mesh_at(
@@ -360,7 +285,7 @@ def mesh_at(
             p2p=stream,
         )
 
-    experts = grid.ep > 1  # else ep is of size 1 and edp is dp (the Mesh defaults)
+    experts = grid.folded  # else ep and etp are of size 1 and edp is dpcp (the Mesh defaults)
     hybrid = grid.hybrid  # else dp_shard is dp (or dpcp under cp) and dp_rep of size 1 (the Mesh defaults)
     context = grid.cp > 1  # else cp is of size 1 and dpcp is dp (the Mesh defaults)
     return Mesh(
@@ -375,6 +300,9 @@ def mesh_at(
         group=everyone,
         ep=axis("ep") if experts else None,
         edp=axis("edp") if experts else None,
+        etp=axis("etp") if experts else None,
+        edp_shard=axis("edp_shard") if experts and hybrid else None,
+        edp_rep=axis("edp_rep") if experts and hybrid else None,
         dp_shard=axis("dp_shard") if hybrid else None,
         dp_rep=axis("dp_rep") if hybrid else None,
         cp=axis("cp") if context else None,
@@ -392,6 +320,7 @@ def build_mesh(
     world_timeout: Optional[datetime.timedelta] = None,
     shard: int = 0,
     cp: int = 1,
+    etp: int = 1,
 ) -> Mesh:
     """Create every tp/pp/dp (and ep/edp, HSDP's dp_shard/dp_rep, cp/dpcp) group over `ranks` (default:
     all). Collective: every process must call it. `shard`: optim.shard_group_size (0 or dp: no HSDP).
@@ -409,15 +338,9 @@ def build_mesh(
     ranks = list(ranks) if ranks is not None else list(range(dist.get_world_size() if initialized else 1))
     world = len(ranks)
     assert world % (tp * pp * cp) == 0, f"tp*pp*cp={tp * pp * cp} does not divide world {world}"
-    grid = RankGrid(tp, world // (tp * pp * cp), pp, ep=ep, shard=shard, cp=cp)
+    grid = RankGrid(tp, world // (tp * pp * cp), pp, ep=ep, shard=shard, cp=cp, etp=etp)
     groups: dict = {}
-    # cp and dpcp before ep and edp: an ep group may be a whole cp or dpcp group, and then reuses it
-    names = (
-        RankGrid.AXES[:4]
-        + (("cp", "dpcp") if cp > 1 else ())
-        + (("ep", "edp") if ep > 1 else ())
-        + (("dp_shard", "dp_rep") if grid.hybrid else ())
-    )
+    names = grid.creation_order()
     made: dict = {}  # members -> (axis, group) of the data-parallel family's group already created over them
     for name in names:
         for members in grid.groups(name):

@@ -5,9 +5,10 @@ A `Placement` is attached once, where the tensor is created (`layers.shard.shard
 
     tp      split (a `Shard` along `dim`, fused blocks split separately) or replicated; a replicated
             tensor's grad may be partial over tp (sequence parallel: each rank saw its own block)
-    ep      experts stacked along dim 0 are split over ep (then replicated over tp)
+    ep      experts stacked along dim 0 are split over ep; with ep = 1 they are replicated over tp like the
+            router, else (folded: rank_grid.py) their tp peers are ep or edp peers, not copies over tp
     dp      replicated; grads summed over cp·dp (dpcp: cp ranks hold other tokens of the same sequences),
-            or over edp for experts (the cp·dp ranks holding the same experts; ep borrows the others).
+            or over edp for experts (the tp·cp·dp ranks holding the same experts: ep folds the others).
             ZeRO shards the optimizer state over the same axis.
     pp      one stage holds it, except a tied embedding: a copy on each pipeline end whose grads are
             summed over `mesh.pp_ends`; the last stage's copy is the duplicate
@@ -53,6 +54,9 @@ class Placement:
     matrices apart (Muon orthogonalises the hidden ones; norms and biases are 1-D)."""
     expert_rows: tuple[int, ...] = ()
     """Stacked expert weights: the logical matrices fused along each expert's rows ([gate | up]); () = one."""
+    expert_folded: bool = False
+    """Stacked expert weights on the folded expert grid (ep·etp > 1, parallel/rank_grid.py): not copies
+    over tp (tp peers hold other experts or are edp peers), so no tp copy index and no tp-partial grad."""
 
     def __post_init__(self):
         assert self.pp_tied or not self.pp_duplicate, "a pipeline duplicate must be pp_tied"
@@ -76,7 +80,7 @@ class Placement:
     @property
     def replicated_over(self) -> tuple[str, ...]:
         """Mesh axes over which every rank holds the same values (after the grad reductions)."""
-        axes = () if self.tp_split else ("tp",)
+        axes = () if self.tp_split or self.expert_folded else ("tp",)
         return axes + (("edp",) if self.expert else ("dp",)) + (("pp_ends",) if self.pp_tied else ())
 
     @property

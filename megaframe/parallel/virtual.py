@@ -25,8 +25,9 @@ def virtual_mesh(
     shard: int = 0,
     cp: int = 1,
     cp_rank: int = 0,
+    etp: int = 1,
 ) -> Mesh:
     """The mesh rank (pp_rank, dp_rank, tp_rank, cp_rank) would build: build_mesh's own RankGrid and
     mesh_at, with no process groups."""
-    grid = RankGrid(tp, dp, pp, ep=ep, shard=shard, cp=cp)
+    grid = RankGrid(tp, dp, pp, ep=ep, shard=shard, cp=cp, etp=etp)
     return mesh_at(grid, grid.position(pp_rank, dp_rank, tp_rank, cp_rank), device, range(grid.world))

@@ -233,6 +233,7 @@ def _rank_figures(cfg: Config, tp: int, pp: int, dp: int, pp_rank: int, tp_rank:
         pp_rank=pp_rank,
         device="meta",
         ep=cfg.parallel.ep,
+        etp=cfg.parallel.etp,
         shard=cfg.optim.shard_group_size,
         cp=cfg.parallel.cp,
     )

@@ -48,6 +48,7 @@ from dataclasses import dataclass
 
 from megaframe.config.schema import Config
 from megaframe.parallel.context import cp_bytes_per_layer
+from megaframe.parallel.rank_grid import ExpertGroups, folded_expert_groups
 from megaframe.planning.candidate import Layout, cp_ring, stage_layers, stage_params
 from megaframe.planning.compute import rerun_gemm_share, step_compute
 from megaframe.planning.devices import Device
@@ -181,9 +182,15 @@ def _ep(s: _Step) -> float:
         return 0.0
     # each token goes to top_k experts; under sp a tp rank routes its 1/tp of the sequence
     routed = s.act * m.moe_top_k / lay.tp
-    return (
-        4 * s.layers * s.micro * s.coll((lay.ep - 1) / lay.ep * routed, lay.ep, lay.ep - 1, lay.tp * lay.ep)
-    )
+    # the ep group as the mesh folds it (parallel/rank_grid.py): ep·etp consecutive ranks, tp peers first
+    span = _experts(s).ep_span
+    return 4 * s.layers * s.micro * s.coll((lay.ep - 1) / lay.ep * routed, lay.ep, lay.ep - 1, span)
+
+
+def _experts(s: _Step) -> ExpertGroups:
+    """The layout's folded expert groups (sizes and spans), read from the mesh's own rank arithmetic."""
+    lay = s.lay
+    return folded_expert_groups(lay.tp, lay.cp, lay.dp, lay.ep, s.cfg.parallel.etp, lay.shard_size)
 
 
 def _cp(s: _Step) -> float:
@@ -237,7 +244,7 @@ def _dp(s: _Step) -> float:
     if not lay.zero:  # an all-reduce of the fp32 grads after backward: nothing hides it
         return s.coll(2 * (dpcp - 1) / dpcp * 4 * n, dpcp, 2 * (dpcp - 1) * buckets, lay.tp * dpcp)
     g, a, sh = (2 if lay.grad_dtype == "bf16" else 4), s.elem, lay.shard_size
-    edp = max(sh // lay.ep, 1)  # ep borrows its ranks from cp·dp: experts shard over cp·dp / ep
+    edp = _experts(s).edp_shard  # experts shard over tp·cp·dp / (ep·etp), cut by HSDP's replicas
     span = lay.tp * sh
 
     def ring(bytes_per_el: float, times: int) -> float:

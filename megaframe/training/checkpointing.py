@@ -144,6 +144,7 @@ class Checkpointer:
                 "pp": mesh.pp.size,
                 "dp": mesh.dp.size,
                 "ep": mesh.ep.size,
+                "etp": mesh.etp.size,
                 "sp": cfg.parallel.sp,
             },
             "rng": "derived from (train.seed, step, pp and dp rank); no state to restore",

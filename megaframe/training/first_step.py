@@ -14,10 +14,10 @@ import datetime
 
 from torch.distributed.distributed_c10d import _set_pg_timeout
 
-from megaframe.parallel.mesh import Mesh
+from megaframe.parallel.mesh import Mesh, RankGrid
 from megaframe.runops.watchdog import Watchdog
 
-AXES = ("tp", "pp", "dp", "pp_ends", "ep", "edp", "dp_shard", "dp_rep", "cp", "dpcp")
+AXES = RankGrid.AXES + RankGrid.EXPERT_AXES
 
 
 def step_groups(mesh: Mesh) -> list:

@@ -50,6 +50,7 @@ def run(cfg: Config, stop: StopFlag | None = None) -> None:
             cfg.parallel.pp,
             device,
             ep=cfg.parallel.ep,
+            etp=cfg.parallel.etp,
             cp=cfg.parallel.cp,
             timeout=datetime.timedelta(seconds=cfg.train.dist_timeout_s),
             world_timeout=datetime.timedelta(seconds=cfg.checkpoint.save_timeout_s),

@@ -50,7 +50,10 @@ def full_state(model, mesh, grads: bool = False, optimizer=None) -> dict[str, to
 
     mine = {
         n: gather_full(
-            grad(p) if grads else p.data, p.placement.shard, mesh.ep if p.placement.expert else mesh.tp
+            grad(p) if grads else p.data,
+            p.placement.shard,
+            mesh.ep if p.placement.expert else mesh.tp,
+            mesh.etp if p.placement.expert else None,
         )
         for n, p in model.named_parameters()
         if not p.placement.pp_duplicate

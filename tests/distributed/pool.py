@@ -1,11 +1,11 @@
 """A pool of gloo ranks reused across tests: spawned once per session, each job runs on the first n.
 
 Every worker joins one 4-rank gloo world (1 thread each, 2 cores). A job is (fn, tp, pp, n, args, ep, p2p,
-shard): all workers build (or reuse) the mesh over ranks [0, n) — group creation is collective over the whole
-world — then ranks < n call fn(mesh, *args). Point-to-point semantics follow MEGAFRAME_P2P_SEMANTICS (the
-suite sets nccl, tests/conftest.py) unless a job names its own `p2p`. Results come back through pipes. Every
-collective has the process-group timeout and every wait here has its own, so a broken test fails instead of
-hanging.
+shard, cp, etp): all workers build (or reuse) the mesh over ranks [0, n) — group creation is collective over
+the whole world — then ranks < n call fn(mesh, *args). Point-to-point semantics follow
+MEGAFRAME_P2P_SEMANTICS (the suite sets nccl, tests/conftest.py) unless a job names its own `p2p`. Results
+come back through pipes. Every collective has the process-group timeout and every wait here has its own, so
+a broken test fails instead of hanging.
 """
 
 from __future__ import annotations
@@ -43,16 +43,16 @@ def _worker(rank: int, size: int, port: int, conn) -> None:
         job = conn.recv()
         if job is None:
             break
-        fn, tp, pp, n, args, ep, semantics, shard, cp = job
+        fn, tp, pp, n, args, ep, semantics, shard, cp, etp = job
         try:
-            key = (tp, pp, n, ep, semantics, shard, cp)
+            key = (tp, pp, n, ep, semantics, shard, cp, etp)
             if key not in meshes:  # groups are cached: creating them per job would leak sockets
                 suite = os.environ.get(ENV_VAR)
                 if semantics is not None:
                     os.environ[ENV_VAR] = semantics  # build_mesh reads it once
                 try:
                     meshes[key] = build_mesh(
-                        tp, pp, torch.device("cpu"), ranks=range(n), ep=ep, shard=shard, cp=cp
+                        tp, pp, torch.device("cpu"), ranks=range(n), ep=ep, shard=shard, cp=cp, etp=etp
                     )
                 finally:
                     os.environ.pop(ENV_VAR, None)
@@ -94,6 +94,7 @@ class RankPool:
         shard: int = 0,
         timeout: float = JOB_TIMEOUT_S,
         cp: int = 1,
+        etp: int = 1,
     ) -> list:
         """Run fn(mesh, *args) on ranks [0, n) with the given layout; returns their results in rank order.
         `p2p` (native | nccl) overrides the suite's point-to-point semantics for this job's mesh; `shard`:
@@ -102,7 +103,7 @@ class RankPool:
         assert n <= self.size
         try:
             for c in self.conns:
-                c.send((fn, tp, pp, n, args, ep, p2p, shard, cp))
+                c.send((fn, tp, pp, n, args, ep, p2p, shard, cp, etp))
         except OSError as e:  # a worker that died since the last job: the next test gets a fresh pool
             raise self._died(e) from e
         results, errors = [], []

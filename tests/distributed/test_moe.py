@@ -63,11 +63,22 @@ def test_moe_layout_matches_one_process(pool, name, n, tp, pp, ep, extra):
         assert all(c.get("ep", 0) > 0 for c in got["comm"]), got["comm"]
 
 
-def test_ep2_checkpoint_resumes_at_ep1(pool, tmp_path):
+# (saved: ranks, pool layout, overrides), (resumed: the same): expert shards written under one ep/etp
+# layout load under another (the checkpoint holds global expert tensors: any fold reads its own slices)
+FOLD = ["parallel.tp=2", "parallel.sp=true", "parallel.ep=2"]
+RESHARD = [
+    ((2, dict(ep=2), ["parallel.ep=2"]), (1, {}, [])),
+    ((4, dict(ep=2, etp=2), ["parallel.ep=2", "parallel.etp=2"]), (2, dict(tp=2, ep=2), FOLD)),
+]
+
+
+@pytest.mark.parametrize("saved,resumed", RESHARD, ids=["ep2-to-ep1", "ep2.etp2-to-tp2.ep2"])
+def test_expert_checkpoint_resumes_under_another_fold(pool, tmp_path, saved, resumed):
     over = MOE + ["model.moe_expert_bias=true", "model.moe_bias_update_rate=0.01"]
     whole = pool.run(checkpoint_across_ep, 1, over, str(tmp_path / "whole"), 4, 4)[0]
-    pool.run(checkpoint_across_ep, 2, over + ["parallel.ep=2"], str(tmp_path / "ck"), 4, 2, ep=2)
-    resumed = pool.run(checkpoint_across_ep, 1, over, str(tmp_path / "ck"), 4, 2)[0]
+    (n, kw, layout), (m, kw2, layout2) = saved, resumed
+    pool.run(checkpoint_across_ep, n, over + layout, str(tmp_path / "ck"), 4, 2, **kw)
+    resumed = pool.run(checkpoint_across_ep, m, over + layout2, str(tmp_path / "ck"), 4, 2, **kw2)[0]
     rel = [abs(a - b) / abs(b) for a, b in zip(resumed["losses"], whole["losses"][2:])]
     assert max(rel) <= 1e-5, (resumed["losses"], whole["losses"])
     assert_weights_close(resumed["weights"], whole["weights"])

@@ -217,7 +217,7 @@ def test_grouped_experts_match_the_loop_on_cuda():
         ],
         world_size=1,
     ).model
-    experts = Experts(cfg, single_process_mesh("cuda").ep, False, "cuda").to(torch.bfloat16)
+    experts = Experts(cfg, single_process_mesh("cuda"), False, "cuda").to(torch.bfloat16)
     for p in experts.parameters():
         torch.nn.init.normal_(p, std=0.05)
     sizes = [37, 0, 1, 250, 9, 100]

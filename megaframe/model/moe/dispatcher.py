@@ -103,16 +103,21 @@ def _regroup(recv_E: torch.Tensor, recv_RL: list[list[int]]) -> tuple[torch.Tens
     return torch.argsort(expert_R, stable=True), sizes
 
 
-def dispatch_combine(x_TD: torch.Tensor, p: Plan, ep: Axis, experts) -> torch.Tensor:
+def dispatch_combine(x_TD: torch.Tensor, p: Plan, ep: Axis, experts, etp: Axis | None = None) -> torch.Tensor:
     """y_TD = sum over a token's kept assignments of weight · expert(x_token); zero rows for tokens
     whose assignments were all dropped. `experts(x_ND, sizes)` runs the L local experts on consecutive
-    row blocks of the given sizes."""
+    row blocks of the given sizes. `etp`: the experts' own tensor-parallel axis (`_etp_experts`)."""
     num_experts = p.kept_E.numel()
     local = num_experts // ep.size
     # Counts before rows: the receiver must size its buffer and splits before the row all-to-all.
     recv_E = comm.all_to_all_counts(p.kept_E, ep)  # recv_E[r·L + l]: rows rank r sends to our expert l
-    # Stacked so both lists cost one device-to-host copy, not two.
-    kept, recv = torch.stack([p.kept_E, recv_E]).tolist()  # the one host sync: split sizes
+    split = etp is not None and etp.size > 1
+    # under etp the counts every etp peer received too (its rows are gathered here), in the same sync
+    all_recv = comm.all_gather_dim0(recv_E, etp) if split else recv_E
+    # Concatenated so all lists cost one device-to-host copy, not two.
+    host = torch.cat([p.kept_E, all_recv]).tolist()  # the one host sync: split sizes
+    kept, all_host = host[:num_experts], host[num_experts:]
+    recv = all_host[etp.rank * num_experts : (etp.rank + 1) * num_experts] if split else all_host
     n = sum(kept)  # the kept assignments lead token_A; the dropped ones are cut here
     token_A, weight_A = p.token_A[:n], p.weight_A[:n]
     x_AD = x_TD[token_A]
@@ -122,7 +127,9 @@ def dispatch_combine(x_TD: torch.Tensor, p: Plan, ep: Axis, experts) -> torch.Te
     x_RD = comm.all_to_all(x_AD, ep, recv_splits, send_splits)
     # each local expert's rows on the device too: the grouped GEMM's group ends, with no host-to-device copy
     ends_L = recv_E.view(ep.size, local).sum(0).cumsum(0)
-    if ep.size > 1:
+    if split:
+        y_RD = _etp_experts(x_RD, (all_recv, all_host), etp, experts, local)
+    elif ep.size > 1:
         perm_R, sizes = _regroup(recv_E, recv_RL)
         y_RD = experts(x_RD[perm_R], sizes, ends_L)
         # Back to (source rank, local expert) order: the return all-to-all's splits assume the arrival order.
@@ -134,3 +141,21 @@ def dispatch_combine(x_TD: torch.Tensor, p: Plan, ep: Axis, experts) -> torch.Te
     y_AD = y_AD * weight_A.unsqueeze(-1).to(y_AD.dtype)
     # index_add sums a token's K expert outputs; tokens whose assignments were all dropped stay zero.
     return torch.zeros_like(x_TD).index_add(0, token_A, y_AD)
+
+
+def _etp_experts(x_RD: torch.Tensor, counts: tuple, etp: Axis, experts, local: int) -> torch.Tensor:
+    """The local experts split over etp (column-parallel gate/up, row-parallel down: Megatron's expert
+    tensor parallelism): the rows every etp peer received are gathered (all-to-all with uneven splits,
+    autograd-aware), each peer runs its slice of the experts on all of them, and the partial outputs go
+    back to the rows' own peer, where they are summed. counts: (device, host) rows per (etp peer, ep
+    source, local expert), in that order."""
+    counts_GE, host = counts
+    n, per_peer = x_RD.shape[0], len(host) // etp.size
+    rows_J = [sum(host[j * per_peer : (j + 1) * per_peer]) for j in range(etp.size)]
+    x_GD = comm.all_to_all(x_RD.repeat(etp.size, 1), etp, rows_J, [n] * etp.size)
+    recv_RL = [host[k * local : (k + 1) * local] for k in range(len(host) // local)]
+    perm_G, sizes = _regroup(counts_GE, recv_RL)
+    ends_L = counts_GE.view(-1, local).sum(0).cumsum(0)
+    y_GD = experts(x_GD[perm_G], sizes, ends_L)[torch.argsort(perm_G)]  # partial sums over etp
+    y_JND = comm.all_to_all(y_GD, etp, [n] * etp.size, rows_J)
+    return y_JND.view(etp.size, n, -1).sum(0)

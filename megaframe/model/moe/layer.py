@@ -4,10 +4,11 @@ Legend: S sequence (S/cp, then /tp under sp), B batch, D hidden, T = S·B tokens
 the whole micro-batch (T·cp, ·tp under sp), E experts, L = E/ep local experts, F expert width, K top-k,
 J runs of consecutive positions among a rank's tokens, G ranks splitting one micro-batch's sequence.
 
-Sharding: experts are stacked [E, ...] tensors split along dim 0 over ep (Shard axis "ep"), replicated
-over tp (not tensor-split). Without sp every tp rank sees the same tokens and computes the same expert
-grads; with sp each sees its own sequence block, so the experts' and router's grads are partial over
-tp (tp_partial_grad) and summed before the step. Expert grads are reduced over edp, not dp.
+Sharding: experts are stacked [E, ...] tensors split along dim 0 over ep (Shard axis "ep"). MoE under tp
+needs sp, so every rank of a stage routes its own tokens. With ep = etp = 1 the experts are replicated
+over tp like the router, their grads partial over tp (tp_partial_grad) and summed before the step; with
+ep·etp > 1 they are folded over tp·cp·dp (parallel/rank_grid.py): the ep group may hold tp peers, the
+tp ranks holding the same experts are edp peers, and the grads are summed over edp alone.
 
 Context parallelism: each cp rank routes the tokens it holds (its two chunks of every sequence), as a
 tp rank does its block under sp. The router losses' statistics are the micro-batch's: the routed counts
@@ -63,19 +64,32 @@ class _InjectLoss(torch.autograd.Function):
 class _Stacked(nn.Module):
     """Holds one stacked expert weight, so its global name reads `...experts.up_proj.weight`."""
 
-    def __init__(self, shard: Shard, device, tp_partial_grad: bool, rows: tuple[int, ...] = ()):
+    def __init__(
+        self, shard: Shard, device, tp_partial_grad: bool, rows: tuple[int, ...] = (), folded: bool = False
+    ):
         super().__init__()
-        self.weight = sharded_param(shard, device, tp_partial_grad=tp_partial_grad, expert_rows=rows)
+        self.weight = sharded_param(
+            shard, device, tp_partial_grad=tp_partial_grad, expert_rows=rows, expert_folded=folded
+        )
 
 
 class Experts(nn.Module):
     """L SwiGLU experts: up_proj.weight [L, 2F, D] (fused [gate | up]), down_proj.weight [L, D, F]."""
 
-    def __init__(self, cfg: ModelConfig, ep, sp: bool, device=None):
+    def __init__(self, cfg: ModelConfig, mesh: Mesh, sp: bool, device=None):
         super().__init__()
-        e, d, f = cfg.num_experts, cfg.hidden_size, cfg.expert_ffn
-        self.up_proj = _Stacked(Shard((e, 2 * f, d), 0, (e,), ep.rank, ep.size, "ep"), device, sp, (f, f))
-        self.down_proj = _Stacked(Shard((e, d, f), 0, (e,), ep.rank, ep.size, "ep"), device, sp)
+        e, d, f, ep, etp = cfg.num_experts, cfg.hidden_size, cfg.expert_ffn, mesh.ep, mesh.etp
+        folded = mesh.experts_folded
+        # folded experts are no tp copies: their tp peers' grads are summed over edp, not as tp partials
+        partial = sp and not folded
+        # under etp each expert is split as a column-parallel gate/up (gate and up blocks apart, so the
+        # local [gate_i | up_i] pair up) and a row-parallel down projection
+        up_in = Shard((e, 2 * f, d), 1, (f, f), etp.rank, etp.size, "etp") if etp.size > 1 else None
+        down_in = Shard((e, d, f), 2, (), etp.rank, etp.size, "etp") if etp.size > 1 else None
+        up = Shard((e, 2 * f, d), 0, (e,), ep.rank, ep.size, "ep", up_in)
+        self.up_proj = _Stacked(up, device, partial, (f, f), folded)
+        down = Shard((e, d, f), 0, (e,), ep.rank, ep.size, "ep", down_in)
+        self.down_proj = _Stacked(down, device, partial, (), folded)
 
     def forward(
         self, x_ND: torch.Tensor, sizes: list[int], ends_L: torch.Tensor | None = None
@@ -104,10 +118,11 @@ class MoE(nn.Module):
     ):
         super().__init__()
         self.cfg, self.tp, self.ep, self.cp, self.sp = cfg, mesh.tp, mesh.ep, mesh.cp, sp
+        self.etp = mesh.etp
         self.tokens_per_step = tokens_per_step
         self._ahead: dict[int, torch.Tensor] = {}  # _batch_counts' run order masks, by sequence length
         self.router = router.Router(cfg.hidden_size, cfg.num_experts, sp, device, mesh.device)
-        self.experts = Experts(cfg, mesh.ep, sp, device)
+        self.experts = Experts(cfg, mesh, sp, device)
         # this step's statistics, accumulated over micro-batches on the device (no host sync)
         # (a plain attribute, not a buffer: model.to(bf16) must not cast it)
         # on the mesh's device even when the params start on meta (build_model): not a parameter
@@ -180,7 +195,7 @@ class MoE(nn.Module):
         plan = dispatcher.plan(
             r.experts_TK, r.weights_TK, c.num_experts, capacity, counts_E=counts_E, runs=runs
         )
-        y_TD = dispatcher.dispatch_combine(x_TD, plan, self.ep, self.experts)
+        y_TD = dispatcher.dispatch_combine(x_TD, plan, self.ep, self.experts, self.etp)
         # Skipped under no_grad (eval): no backward to inject into, and eval batches stay out of step_stats.
         if torch.is_grad_enabled():
             y_TD = self._add_losses(y_TD, r, logits_TE, batch_E, counts_E, plan, n, b)
@@ -196,7 +211,9 @@ class MoE(nn.Module):
         perm_A = torch.arange(rows, device=x_TD.device)
         token_A = perm_A // k
         x_AD = x_TD[token_A][perm_A]  # gather by token, then the regrouping by local expert
-        y_AD = self.experts(x_AD, sizes)[perm_A]
+        # under etp the experts' slices run on the rows of every etp peer (dispatcher._etp_experts)
+        g = self.etp.size
+        y_AD = self.experts(x_AD.repeat(g, 1), [n * g for n in sizes]).view(g, rows, -1).sum(0)[perm_A]
         y_AD = y_AD * r.weights_TK.reshape(-1)[perm_A].unsqueeze(-1).to(y_AD.dtype)
         return torch.zeros_like(x_TD).index_add(0, token_A, y_AD)
 

@@ -25,7 +25,7 @@ def check(m) -> list[str]:
 
 SPEC = FamilySpec(
     name="qwen3_moe",
-    presets=("qwen3_moe_tiny", "qwen3_30b_a3b"),
+    presets=("qwen3_moe_tiny", "qwen3_30b_a3b", "qwen3_235b_a22b"),
     check=check,
     to_hf=adapter("megaframe.models.qwen3_moe.hf", "to_hf"),
     from_hf=adapter("megaframe.models.qwen3_moe.hf", "from_hf"),

@@ -42,8 +42,8 @@ optim.weight_decay optim.zero optim.shard_group_size optim.overlap_param_gather 
 optim.lr_schedule optim.lr_decay_steps optim.wsd_decay_fraction optim.grad_reduce_dtype optim.name
 optim.state_dtype optim.muon.adamw_lr optim.muon.momentum optim.muon.nesterov optim.muon.ns_steps
 optim.muon.adjust_lr_fn
-parallel.cp parallel.cp_comm parallel.ep parallel.pp parallel.pp_layout parallel.pp_schedule parallel.sp
-parallel.tp parallel.vpp
+parallel.cp parallel.cp_comm parallel.ep parallel.etp parallel.pp parallel.pp_layout parallel.pp_schedule
+parallel.sp parallel.tp parallel.vpp
 parallel.tp_comm_overlap parallel.tp_comm_chunks train.fp8_recipe data.stages data.document_mask data.task
 data.num_tasks
 run.dir run.name
@@ -224,9 +224,30 @@ def test_unknown_preset_is_a_one_line_error():
         (["parallel.pp=2", "parallel.pp_schedule=zigzag"], 2, ["parallel.pp_schedule"]),
         (["model=moe_tiny", "model.moe_top_k=9"], 1, ["model.moe_top_k", "model.num_experts"]),
         (["model=moe_tiny", "parallel.ep=3"], 3, ["parallel.ep", "model.num_experts"]),
-        (["model=moe_tiny", "parallel.ep=4"], 2, ["parallel.ep", "cp x dp"]),
-        (["model=moe_tiny", "parallel.ep=2", "parallel.tp=2"], 2, ["parallel.ep", "cp x dp"]),
-        (["model=moe_tiny", "parallel.ep=4", "parallel.cp=2"], 2, ["parallel.ep=4", "cp x dp = 2"]),
+        (["model=moe_tiny", "parallel.ep=4"], 2, ["parallel.ep=4", "tp x cp x dp = 1 x 1 x 2 = 2"]),
+        (
+            ["model=moe_tiny", "parallel.ep=4", "parallel.tp=2", "parallel.sp=true"],
+            2,
+            ["parallel.ep=4", "tp x cp x dp = 2 x 1 x 1 = 2"],
+        ),
+        (
+            ["model=moe_tiny", "parallel.ep=4", "parallel.cp=2"],
+            2,
+            ["parallel.ep=4", "tp x cp x dp = 1 x 2 x 1"],
+        ),
+        (
+            ["model=moe_tiny", "parallel.ep=2", "parallel.etp=2"],
+            2,
+            ["parallel.etp=2", "must divide tp x cp x dp"],
+        ),
+        (["model=moe_tiny", "parallel.etp=0"], 1, ["parallel.etp=0"]),
+        (["parallel.etp=2"], 2, ["parallel.etp=2", "model.num_experts"]),
+        (["model=moe_tiny", "parallel.etp=2", "model.moe_ffn_hidden_size=63"], 2, ["parallel.etp=2", "63"]),
+        (
+            ["model=moe_tiny", "parallel.ep=2", "optim.zero=1", "optim.shard_group_size=1"],
+            4,
+            ["optim.shard_group_size=1", "4 HSDP replicas", "data-parallel size", "= 2"],
+        ),
         (["parallel.ep=2"], 2, ["parallel.ep", "model.num_experts"]),
         (["model=moe_tiny", "model.moe_router_score=relu"], 1, ["model.moe_router_score"]),
         (["model=moe_tiny", "model.moe_capacity_factor=0"], 1, ["model.moe_capacity_factor"]),
@@ -286,6 +307,10 @@ def test_layout_errors_name_the_field(overrides, world, names):
         (["parallel.pp=2", "parallel.pp_layout=[3,1]"], 4),
         (["model=moe_tiny", "parallel.ep=4"], 4),
         (["model=moe_tiny", "parallel.ep=2", "parallel.tp=2", "parallel.sp=true"], 4),
+        (["model=moe_tiny", "parallel.ep=2", "parallel.tp=2", "parallel.sp=true"], 2),  # ep over the tp pair
+        (["model=moe_tiny", "parallel.ep=4", "parallel.tp=2", "parallel.sp=true"], 4),  # ep over tp x dp
+        (["model=moe_tiny", "parallel.etp=2"], 2),
+        (["model=moe_tiny", "parallel.ep=2", "optim.zero=1", "optim.shard_group_size=2"], 4),  # HSDP with ep
         (["model=moe_tiny", "parallel.ep=8", "parallel.pp=2", "train.global_batch_size=64"], 16),
         (["model=moe_tiny", "parallel.cp=2"], 2),  # MoE under cp: ep borrows from cp·dp
         (["model=moe_tiny", "parallel.cp=2", "parallel.ep=2"], 2),

@@ -169,7 +169,7 @@ def test_grouped_experts_equal_the_per_expert_loop(dtype, path, monkeypatch):
     if path == "padded":
         monkeypatch.setattr(grouped, "grouped_supported", lambda x: False)
     cfg = load_config(["data=synthetic", "model=moe_tiny", "model.vocab_size=64"], world_size=1).model
-    experts = Experts(cfg, single_process_mesh().ep, False).to(dtype)
+    experts = Experts(cfg, single_process_mesh(), False).to(dtype)
     for p in experts.parameters():
         torch.nn.init.normal_(p, std=0.1)
     sizes = [5, 0, 11, 3] + [0] * (cfg.num_experts - 4)

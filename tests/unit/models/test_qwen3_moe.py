@@ -122,11 +122,16 @@ def test_router_options_transformers_lacks_refuse_the_export():
         hf.to_hf(cfg.model, {})
 
 
-def test_qwen3_30b_a3b_is_the_published_size():
-    """30.5B parameters, 3.3B active per token (Qwen3-30B-A3B's model card); the dims its config.json has."""
-    m = load_config(["model=qwen3_30b_a3b", "data=synthetic"], world_size=1, check_data=False).model
+@pytest.mark.parametrize(
+    "preset,total_want,active_want",
+    [("qwen3_30b_a3b", 30_532_122_624, 3_353_032_704), ("qwen3_235b_a22b", 235_093_634_560, 22_190_763_520)],
+)
+def test_qwen3_moe_presets_are_the_published_sizes(preset, total_want, active_want):
+    """30.5B / 3.3B and 235B / 22B parameters, total / active per token (the model cards); the dims their
+    config.json files have."""
+    m = load_config([f"model={preset}", "data=synthetic"], world_size=1, check_data=False).model
     from megaframe.models.registry import family
 
     total = family("qwen3_moe").total_params(m)
     idle = m.num_layers * (m.num_experts - m.moe_top_k) * 3 * m.hidden_size * m.expert_ffn
-    assert total == 30_532_122_624 and total - idle == 3_353_032_704
+    assert total == total_want and total - idle == active_want

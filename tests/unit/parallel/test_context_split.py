@@ -60,25 +60,18 @@ def test_rank_grid_puts_cp_between_tp_and_dp():
 
 
 def test_rank_grid_ep_borrows_from_cp_dp():
-    """ep cuts contiguous blocks out of the dpcp group (cp peers first), edp takes what is left; with
-    cp = 1 the groups are the dp ones of before."""
+    """With tp = 1 ep cuts contiguous blocks out of the dpcp group (cp peers first), edp takes what is
+    left; with cp = 1 the groups are the dp ones of before (tp > 1: test_rank_grid.py's folding)."""
     from megaframe.parallel.mesh import RankGrid
     from megaframe.parallel.virtual import virtual_mesh
 
     g = RankGrid(tp=1, dp=2, pp=1, cp=2, ep=2)  # positions: cp_rank + 2·dp_rank
     assert g.groups("ep") == g.groups("cp") == [(0, 1), (2, 3)]
     assert g.groups("edp") == g.groups("dp") == [(0, 2), (1, 3)]
-    g4 = RankGrid(tp=2, dp=2, pp=1, cp=2, ep=4)
-    assert g4.groups("ep") == g4.groups("dpcp") == [(0, 2, 4, 6), (1, 3, 5, 7)] and g4.groups("edp")[0] == (
-        0,
-    )
+    g4 = RankGrid(tp=1, dp=2, pp=1, cp=2, ep=4)
+    assert g4.groups("ep") == g4.groups("dpcp") == [(0, 1, 2, 3)] and g4.groups("edp")[0] == (0,)
     assert RankGrid(tp=1, dp=1, pp=1, cp=2, ep=2).groups("ep") == [(0, 1)]
-    assert RankGrid(tp=2, dp=4, pp=1, ep=2).groups("ep") == [
-        (0, 2),
-        (4, 6),
-        (1, 3),
-        (5, 7),
-    ]  # cp = 1: as before
+    assert RankGrid(tp=1, dp=4, pp=1, ep=2).groups("ep") == [(0, 1), (2, 3)]  # cp = 1: as before
     m = virtual_mesh(1, 1, 2, dp_rank=1, cp=2, cp_rank=0, ep=2)
     assert (m.ep.rank, m.edp.size, m.edp.rank) == (0, 2, 1)
     plain = virtual_mesh(1, 1, 1, cp=2, cp_rank=1)  # ep = 1: experts reduced over all of cp·dp

@@ -9,7 +9,7 @@ from megaframe.model.parallelize import build_model
 from megaframe.parallel.virtual import virtual_mesh
 from tests.distributed.cases import tiny_config
 
-# (overrides, tp, pp, dp, ep)
+# (overrides, tp, pp, dp, ep); etp from the overrides
 LAYOUTS = [
     (["model=gpt2_tiny", "model.num_query_groups=null"], 2, 2, 2, 1),  # tied embeddings across pp
     ([], 2, 2, 2, 1),  # untied
@@ -19,28 +19,30 @@ LAYOUTS = [
         1,
         4,
         2,
-    ),  # experts over ep, sp partial grads
+    ),  # experts folded: ep over the tp pair, edp over dp
+    (["model.family=mixtral", "model.num_experts=4", "parallel.sp=true"], 2, 1, 2, 4),  # ep over tp x dp
+    (["model.family=mixtral", "model.num_experts=4", "parallel.sp=true"], 2, 1, 2, 1),  # replicated over tp
+    (["model.family=mixtral", "model.num_experts=4", "parallel.sp=true", "parallel.etp=2"], 2, 2, 2, 2),
 ]
 
 
 def _every_rank(overrides, tp, pp, dp, ep):
     over = overrides + [f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.ep={ep}"]
     cfg = tiny_config(over, tp * pp * dp)
+    etp = cfg.parallel.etp
     for p in range(pp):
         for d in range(dp):
             for t in range(tp):
-                mesh = virtual_mesh(tp, pp, dp, t, p, d, device="meta", ep=ep)
+                mesh = virtual_mesh(tp, pp, dp, t, p, d, device="meta", ep=ep, etp=etp)
                 yield cfg, mesh, build_model(cfg, mesh)
 
 
 def _cover(counts: dict, name: str, placement) -> None:
     shard = placement.shard
     full = counts.setdefault(name, torch.zeros(shard.global_shape, dtype=torch.int32))
-    if shard.dim is None:
-        full += 1
-        return
-    for g, _, n in shard.ranges():
-        full.narrow(shard.dim, g, n).add_(1)
+    # the positions of this rank's slice (its inner etp split included), each counted once
+    where = shard.local(torch.arange(full.numel()).view(full.shape))
+    full.view(-1)[where.flatten()] += 1
 
 
 @pytest.mark.parametrize("overrides,tp,pp,dp,ep", LAYOUTS)
@@ -55,7 +57,9 @@ def test_each_element_written_once_and_counted_once_per_replica(overrides, tp, p
                 _cover(normed, name, pl)
             if pl.pp_tied:
                 tied.append((mesh.pp.rank, name, pl.pp_duplicate))
-            assert pl.tp_partial_grad == (mesh.tp.size > 1 and cfg.parallel.sp and not pl.tp_split)
+            # folded experts are no tp copies (their tp peers are ep or edp peers): no tp-partial grad
+            partial = mesh.tp.size > 1 and cfg.parallel.sp and not pl.tp_split and not pl.expert_folded
+            assert pl.tp_partial_grad == partial
     assert written and all(bool((c == 1).all()) for c in written.values()), {
         k: c.unique().tolist() for k, c in written.items()
     }

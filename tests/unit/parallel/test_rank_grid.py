@@ -1,0 +1,64 @@
+"""Experts folded over tp·cp·dp (Megatron's MoE parallel folding): the expert groups cut each pipeline
+stage's ranks as etp (innermost), ep, edp, independently of the dense cut tp, cp, dp; HSDP's replicas
+cut edp as they cut cp·dp."""
+
+import pytest
+
+from megaframe.parallel.rank_grid import RankGrid
+from megaframe.parallel.virtual import virtual_mesh
+
+
+def _partition(groups, world):
+    """Every position in exactly one group."""
+    return sorted(r for g in groups for r in g) == list(range(world))
+
+
+def test_ep_takes_tp_peers_first():
+    g = RankGrid(tp=2, dp=1, pp=1, ep=2)  # tp2 ep2 at world 2: the experts split over the tp pair
+    assert g.groups("ep") == [(0, 1)] and g.groups("edp") == [(0,), (1,)]
+    g = RankGrid(tp=2, dp=2, pp=1, cp=2, ep=4)  # 8 ranks: ep over tp then cp, edp over dp
+    assert g.groups("ep") == [(0, 1, 2, 3), (4, 5, 6, 7)] and g.groups("edp")[0] == (0, 4)
+
+
+@pytest.mark.parametrize(
+    "tp,cp,dp,pp,ep,etp",
+    [(2, 1, 2, 2, 2, 2), (2, 2, 2, 1, 4, 2), (4, 1, 2, 1, 8, 1), (2, 1, 4, 1, 2, 1), (1, 2, 2, 1, 1, 2)],
+)
+def test_expert_groups_fold_each_stage(tp, cp, dp, pp, ep, etp):
+    """stage_rank = etp_rank + etp·(ep_rank + ep·edp_rank): each kind of group partitions the world,
+    stays inside one pipeline stage, and the etp x ep x edp coordinates name each stage rank once."""
+    g = RankGrid(tp=tp, dp=dp, pp=pp, ep=ep, cp=cp, etp=etp)
+    stage = tp * cp * dp
+    assert g.edp == stage // (ep * etp)
+    for name, size in (("etp", etp), ("ep", ep), ("edp", g.edp)):
+        groups = g.groups(name)
+        assert _partition(groups, g.world) and all(len(m) == size for m in groups), name
+        assert all(len({r // stage for r in m}) == 1 for m in groups), name  # one stage each
+    assert all(m == tuple(range(m[0], m[0] + etp)) for m in g.groups("etp"))  # etp innermost
+
+
+def test_qwen3_235b_layout_folds_ep32_over_tp_and_dp():
+    """Megatron-Bridge's Qwen3-235B-A22B run: tp2 pp8 ep32 on 256 ranks (dp 16, so cp x dp = 16 < 32)."""
+    g = RankGrid(tp=2, dp=16, pp=8, ep=32)
+    assert g.edp == 1 and g.groups("ep")[0] == tuple(range(32))
+    mesh = virtual_mesh(2, 8, 16, tp_rank=1, dp_rank=3, pp_rank=5, ep=32, device="meta")
+    assert (mesh.ep.size, mesh.ep.rank, mesh.edp.size, mesh.etp.size) == (32, 7, 1, 1)
+    assert mesh.experts_folded and mesh.dpcp.size == 16
+
+
+def test_hsdp_replicas_cut_edp_as_they_cut_cp_dp():
+    g = RankGrid(tp=1, dp=4, pp=1, ep=2, shard=2)  # 2 replicas; edp = 2: one expert shard rank each
+    assert g.groups("dp_shard") == [(0, 1), (2, 3)] and g.groups("dp_rep") == [(0, 2), (1, 3)]
+    assert g.groups("edp_shard") == [(0,), (2,), (1,), (3,)] and g.groups("edp_rep") == [(0, 2), (1, 3)]
+    g = RankGrid(tp=2, dp=4, pp=1, ep=2, shard=2)  # edp = 4 over 2 replicas: shard blocks of 2
+    assert g.groups("edp") == [(0, 2, 4, 6), (1, 3, 5, 7)]
+    assert g.groups("edp_shard") == [(0, 2), (4, 6), (1, 3), (5, 7)]
+    mesh = virtual_mesh(1, 1, 4, dp_rank=1, ep=2, shard=2, device="meta")
+    assert (mesh.edp_shard.size, mesh.edp_rep.size) == (1, 2)
+    plain = virtual_mesh(1, 1, 4, dp_rank=1, shard=2, device="meta")  # ep = 1: experts as dense
+    assert plain.edp_shard is plain.dp_shard and plain.edp_rep is plain.dp_rep
+
+
+def test_unfolded_experts_keep_the_dense_axes():
+    mesh = virtual_mesh(2, 1, 2, tp_rank=1, device="meta")
+    assert not mesh.experts_folded and mesh.edp is mesh.dpcp and mesh.etp.size == 1
