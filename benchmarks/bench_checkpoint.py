@@ -21,16 +21,17 @@ import torch
 from megaframe.checkpoint import sharded
 from megaframe.checkpoint.async_save import AsyncSaver
 from megaframe.config import load_config
-from megaframe.data.dataset import build_data, microbatches
+from megaframe.data.dataset import microbatches
 from megaframe.model.parallelize import build
 from megaframe.parallel.mesh import single_process_mesh
+from megaframe.training.startup import run_samples
 from megaframe.training.step import train_step
 
 
 def run(cfg, mode: str, steps: int, interval: int, root: str) -> float:
     """Mean step time (s) including checkpoint work, for mode none | sync | async."""
     mesh = single_process_mesh()
-    (model, opt), data = build(cfg, mesh), build_data(cfg)
+    (model, opt), data = build(cfg, mesh), run_samples(cfg)
     saver = AsyncSaver(mesh)
     t = cfg.train
     t0 = None

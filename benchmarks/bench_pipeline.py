@@ -45,11 +45,12 @@ MODEL = [
 
 def _worker(rank: int, port: int, pp: int, m: int, steps: int, schedules: list, out) -> None:
     from megaframe.config import load_config
-    from megaframe.data.dataset import build_data, microbatches
+    from megaframe.data.dataset import microbatches
     from megaframe.model.parallelize import build
     from megaframe.parallel.mesh import build_mesh
     from megaframe.pipeline import p2p
     from megaframe.pipeline.executor import run_schedule
+    from megaframe.training.startup import run_samples
     from megaframe.training.step import rank_schedule
 
     torch.set_num_threads(1)
@@ -75,7 +76,7 @@ def _worker(rank: int, port: int, pp: int, m: int, steps: int, schedules: list, 
             world_size=pp,
             check_data=False,
         )
-        (model, opt), data = build(cfg, mesh), build_data(cfg)
+        (model, opt), data = build(cfg, mesh), run_samples(cfg)
         idle, step_s, costs = [], [], []
         for step in range(steps + 1):  # step 0 warms up
             batches = microbatches(data, step, 2 * m, 2, 0, 1, cfg.train.seed)

@@ -98,8 +98,9 @@ def _timed_step(model, opt, batches, mesh, cfg, step: int) -> tuple[float, float
 
 
 def _worker(rank: int, port: int, steps: int, rounds: int, bucket_mb: float, threads: int, out) -> None:
-    from megaframe.data.dataset import build_data, microbatches
+    from megaframe.data.dataset import microbatches
     from megaframe.parallel.mesh import build_mesh
+    from megaframe.training.startup import run_samples
 
     torch.set_num_threads(threads)
     dist.init_process_group(
@@ -115,7 +116,7 @@ def _worker(rank: int, port: int, steps: int, rounds: int, bucket_mb: float, thr
         for name, over, overlap in MODES
     }
     cfg = next(iter(runs.values()))[0]
-    data, t = build_data(cfg), cfg.train
+    data, t = run_samples(cfg), cfg.train
     times = {name: [] for name in runs}
     sent = {}
     step = 0

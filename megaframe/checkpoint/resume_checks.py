@@ -64,7 +64,7 @@ def _allowed(name: str, allow: list[str]) -> bool:
 
 def check_resume(cfg: Config, meta: dict, path, verbose: bool) -> None:
     """ConfigError on the first change not allowed; the allowed ones are logged (by rank 0, `verbose`)."""
-    from megaframe.data.record import data_changes
+    from megaframe.data.kinds import data_changes
 
     allow = list(cfg.checkpoint.allow_config_change)
     consumed = consumed_samples(meta)

@@ -69,7 +69,10 @@ def check_config(cfg: Config, world_size: int, check_data: bool = True, schedule
 
     check_names(cfg.run, cfg.checkpoint, cfg.logging)
     _check_resume(cfg)
-    if check_data and cfg.data.kind == "prepared":
+    from megaframe.data.kinds import data_folders
+
+    # a kind reading prepared folders: each whole, fitting the model, of the checkpoint's tokenizer
+    if check_data and data_folders(cfg.data):
         check_prepared(cfg)
         check_checkpoint_tokenizer(cfg)
 

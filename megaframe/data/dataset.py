@@ -4,7 +4,7 @@ A sample is seq_length + 1 consecutive tokens (inputs and shifted labels). Prepa
 memory-mapped token shards; sample i of a split starts at token split_start + i * seq_length. The order
 is a seeded bijection per epoch (megaframe.data.order: computed per position, O(1) memory), so global
 position g (counting samples over the whole run) is sample perm_{g // N}(g % N). A blend of datasets
-(megaframe.data.blend) maps g to (dataset, its own position).
+(megaframe.data.mixture, a blend or data stages) maps g to (dataset, its own position).
 The data cursor is therefore derived, never stored: after step t, positions [0, t·G) are consumed, and a
 run resumed under any dp continues at position t·G exactly.
 
@@ -23,7 +23,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from megaframe.config.schema import DataConfig
 from megaframe.data.order import ORDER, sample_index
 from megaframe.data.shards import check_token_range, read_index, read_meta
 from megaframe.parallel.context import cp_keep
@@ -41,6 +40,11 @@ class PreparedData:
 
     shuffle = True
     touched: set | None = None
+
+    @property
+    def parts(self) -> list:
+        """The file readers under it (Samples.parts): itself."""
+        return [self]
 
     def __init__(self, path: str | Path, seq_length: int, split: str = "all", valid_fraction: float = 0.0):
         path = Path(path)
@@ -156,6 +160,7 @@ class SyntheticData:
     """
 
     shuffle = False
+    parts: list = []  # nothing on disk: no shard to check
 
     def __init__(self, vocab_size: int, seq_length: int, seed: int):
         self.vocab_size, self.seq_length, self.seed = vocab_size, seq_length, seed
@@ -237,62 +242,3 @@ class Prefetcher:
     def close(self) -> None:
         # wait: the worker may be inside a read of the mmap; the not-started next step is cancelled
         self.pool.shutdown(wait=True, cancel_futures=True)
-
-
-def build_data(cfg, split: str = "train"):
-    """build_samples for the run config `cfg` (tests, scripts/dev and the command lines hold a whole one)."""
-    m, t = cfg.model, cfg.train
-    return build_samples(cfg.data, m.seq_length, m.vocab_size, t.seed, t.global_batch_size, split)
-
-
-def build_samples(
-    d: DataConfig, seq: int, vocab_size: int, seed: int, global_batch: int, split: str = "train"
-):
-    """The training (or, with split="valid", validation) samples of the data group `d`: synthetic, one
-    prepared dataset, or a blend, cut into samples of `seq` tokens. `vocab_size` (model.vocab_size) bounds
-    synthetic ids; `seed` (train.seed) orders blends and stages and seeds synthetic data; `global_batch`
-    (train.global_batch_size) rounds stage ends to whole steps. Raises OSError/ValueError on unreadable data
-    (callers make it a ConfigError)."""
-    from megaframe.data.blend import BlendedData
-
-    if d.kind == "synthetic":  # validation: the same generator under another seed, never seen in training
-        return SyntheticData(vocab_size, seq, seed if split == "train" else seed + 1_000_003)
-    if d.stages and split == "train":
-        from megaframe.data.record import resolved
-        from megaframe.data.stages import StagedData
-
-        # the union in first-seen order, keyed by the resolved folder: `x` and `x/` are one dataset
-        paths = dict.fromkeys(resolved(b.path) for s in d.stages for b in s.blend)
-        parts = {p: PreparedData(p, seq, split, d.valid_fraction) for p in paths}
-        return StagedData(parts, d.stages, global_batch, seed)
-    if d.stages:  # validation: the last stage's mixture (the data the run ends on)
-        last = d.stages[-1].blend
-        parts = [PreparedData(b.path, seq, split, d.valid_fraction) for b in last]
-        return BlendedData(parts, [b.weight for b in last], seed)
-    if not d.blend:
-        return PreparedData(d.path, seq, split, d.valid_fraction)
-    parts = [PreparedData(b.path, seq, split, d.valid_fraction) for b in d.blend]
-    return BlendedData(parts, [b.weight for b in d.blend], seed)
-
-
-def data_state(d: DataConfig, step: int, seed: int, global_batch: int, order: str = ORDER) -> dict:
-    """The data cursor and what the run trains on, for checkpoint metadata (megaframe.data.record: a resume
-    compares it, evaluate/export/generate read it). The cursor is derived from the step (positions
-    [0, step·G) of the (seed, epoch) order are consumed), so resume needs no saved reader state, under any
-    dp. `seed`, `global_batch`: train.seed and train.global_batch_size."""
-    from megaframe.data.record import mixture, resolved, schedule, sources
-
-    prepared = d.kind == "prepared"
-    return {
-        "kind": d.kind,
-        "path": resolved(d.path) if prepared and not (d.blend or d.stages) else None,
-        "blend": mixture(d.blend),
-        "valid_fraction": d.valid_fraction,
-        "seed": seed,
-        "order": order,
-        "stages": schedule(d.stages),
-        "sources": sources(d) if prepared else [],
-        # the trainer replaces it with Accounting's exact count (a batch size changed at a resume)
-        "consumed_samples": step * global_batch,
-        "cursor": "derived: global sample position = step * global_batch_size + index in the batch",
-    }

@@ -292,26 +292,23 @@ def check_datasets(d: DataConfig, vocab_size: int) -> list[dict]:
     return metas
 
 
-def tokenizer_identity(data_cfg) -> dict | None:
-    """What a checkpoint records of the tokenizer it was trained with (the first dataset's: blended ones
-    share it); None for synthetic data or data that cannot be read."""
-    if data_cfg.kind != "prepared":
-        return None
-    key, path = dataset_paths(data_cfg)[0]
+def folder_tokenizer(path) -> dict | None:
+    """What a checkpoint records of the tokenizer a prepared folder was made with (data/kinds.py:
+    tokenizer_identity asks it of a run's first folder); None when the folder cannot be read."""
     try:
         meta = read_meta(Path(path))
-        tok = inside(
-            path, meta.get("tokenizer", "tokenizer.model")
-        )  # a name from metadata stays in its folder
+        # a name from metadata stays in its folder
+        tok = inside(path, meta.get("tokenizer", "tokenizer.model"))
     except ValueError:
         return None
+    # where generate / export find the run's tokenizer
     return {
         "sha256": meta.get("tokenizer_sha256"),
         "vocab_size": int(meta["vocab_size"]),
         "kind": meta.get("tokenizer_kind", "sentencepiece"),
         "from": str(tok),
         "path": str(tok.resolve()),
-    }  # where generate / export find the run's tokenizer
+    }
 
 
 def same_tokenizer(tok: dict, data: dict) -> bool:

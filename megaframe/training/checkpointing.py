@@ -17,9 +17,8 @@ from megaframe.checkpoint.async_save import AsyncSaver
 from megaframe.checkpoint.resume import Resumed
 from megaframe.checkpoint.resume_checks import Accounting
 from megaframe.config.schema import Config, plain
-from megaframe.data.dataset import data_state
+from megaframe.data.kinds import data_state, tokenizer_identity
 from megaframe.data.order import ORDER
-from megaframe.data.shards import tokenizer_identity
 from megaframe.errors import TrainingError
 from megaframe.parallel.mesh import Mesh
 from megaframe.training.save_guard import state_is_finite

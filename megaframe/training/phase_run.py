@@ -10,10 +10,11 @@ import gc
 from pathlib import Path
 
 from megaframe.checkpoint import sharded
-from megaframe.data.dataset import build_data, microbatches
+from megaframe.data.dataset import microbatches
 from megaframe.model.parallelize import build
 from megaframe.training.phase_meter import PhaseMeter
 from megaframe.training.save_guard import state_is_finite
+from megaframe.training.startup import run_samples
 from megaframe.training.step import train_step
 
 
@@ -26,7 +27,7 @@ def measure_phases(mesh, cfg, folder: str) -> dict:
     meter.end()
     meter.track(model, optimizer)
     batches = microbatches(
-        build_data(cfg),
+        run_samples(cfg),
         0,
         t.global_batch_size,
         t.micro_batch_size,

@@ -16,10 +16,9 @@ from megaframe.checkpoint.resume import Resumed, resume
 from megaframe.checkpoint.resume_checks import Accounting, resume_position
 from megaframe.config import Config, ConfigError
 from megaframe.config.derived import Derived, derive, lr_horizon, schedule_kind, settled
-from megaframe.data.blend import BlendedData
-from megaframe.data.dataset import Prefetcher, PreparedData, SyntheticData, build_data, microbatches
+from megaframe.data.dataset import Prefetcher, microbatches
+from megaframe.data.kinds import Samples, build_samples, data_folders, data_kind
 from megaframe.data.order import resumed_order
-from megaframe.data.stages import StagedData
 from megaframe.evaluation.downstream import Downstream
 from megaframe.inference.sampler import Sampler
 from megaframe.model.gpt import GPT
@@ -34,8 +33,11 @@ from megaframe.training.phase_meter import PhaseMeter
 from megaframe.training.threads import Threads, busy_machine_warning, oversubscribed_warning, pick_threads
 from megaframe.training.validation import Evaluator
 
-TrainingData = PreparedData | SyntheticData | BlendedData | StagedData
-"""What data/dataset.py's build_data returns: synthetic, one prepared dataset, a blend or stages."""
+
+def run_samples(cfg: Config, split: str = "train") -> Samples:
+    """The run's samples of a split (data/kinds.py: build_samples on the run's groups)."""
+    m, t = cfg.model, cfg.train
+    return build_samples(cfg.data, m.seq_length, m.vocab_size, t.seed, t.global_batch_size, split)
 
 
 @dataclass
@@ -44,7 +46,7 @@ class Setup:
 
     model: GPT
     optimizer: Optimizer
-    data: TrainingData
+    data: Samples
     evaluator: Evaluator | None
     sampler: Sampler | None
     resumed: Resumed
@@ -72,8 +74,8 @@ def set_up(cfg: Config, mesh: Mesh, faults=None, run_id: str = "") -> Setup:
     phases.track(model, optimizer)
     error = None
     try:
-        data = build_data(cfg)
-        valid = partial(build_data, cfg, split="valid")
+        data = run_samples(cfg)
+        valid = partial(run_samples, cfg, split="valid")
         # each None unless its train.*_interval > 0
         evaluator = Evaluator.build(cfg.train, mesh, valid, cfg.model.seq_length)
         sampler = Sampler.build(cfg.train, cfg.data, mesh)
@@ -211,24 +213,8 @@ def set_documents(model, data, cfg: Config) -> None:
 
 
 def data_label(cfg: Config) -> str:
-    """What the header calls the data: data.name only where it names this data (the demo group's
-    name: demo stays on when data.path points at another corpus), else the prepared folder."""
-    d = cfg.data
-    if d.kind == "synthetic":
-        return "synthetic"
-    if d.blend:
-        return f"blend of {len(d.blend)} ({', '.join(Path(b.path).name for b in d.blend)})"
-    if d.stages:
-        return (
-            f"{len(d.stages)} stages "
-            f"({' -> '.join('+'.join(Path(b.path).name for b in s.blend) for s in d.stages)})"
-        )
-    from megaframe.config import CONF_DIR
-
-    demo = (CONF_DIR.parent / "data" / "demo" / "prepared").resolve()
-    if d.name == "demo" and Path(d.path).resolve() != demo:
-        return str(d.path)
-    return f"{d.name} ({d.path})"
+    """What the header calls the data: its kind's label (data/kinds.py)."""
+    return data_kind(cfg.data.kind).label(cfg.data)
 
 
 def describe(cfg: Config, mesh: Mesh, su: Setup, total: int, threads: Threads) -> None:
@@ -250,7 +236,7 @@ def describe(cfg: Config, mesh: Mesh, su: Setup, total: int, threads: Threads) -
         f"{flops_per_token(m) / 1e6:.1f} MFLOP/token",
         flush=True,
     )
-    samples = "endless" if cfg.data.kind == "synthetic" else f"{su.data.num_samples}"
+    samples = "endless" if data_kind(cfg.data.kind).endless else f"{su.data.num_samples}"
     print(
         f"batch {t.global_batch_size} x {m.seq_length} = {su.derived.tokens_per_step} tokens/step, "
         f"micro {t.micro_batch_size}, accumulation {accum} | data {data_label(cfg)}: "
@@ -306,10 +292,10 @@ def pipeline_label(cfg: Config) -> str:
 def held_out_label(cfg: Config, su: Setup) -> str:
     """The validation split's size beside the training samples (data.valid_fraction holds out whole
     documents, so on a small corpus the share can be far above the fraction asked for)."""
-    if cfg.data.kind == "synthetic" or cfg.data.valid_fraction <= 0:
+    if data_kind(cfg.data.kind).own_valid or cfg.data.valid_fraction <= 0:
         return ""
     try:
-        held = su.evaluator.data if su.evaluator is not None else build_data(cfg, split="valid")
+        held = su.evaluator.data if su.evaluator is not None else run_samples(cfg, split="valid")
     except (OSError, ValueError, KeyError):  # the header is a courtesy: the evaluator reports a bad split
         return ""
     valid, train = getattr(held, "num_samples", 0), getattr(su.data, "num_samples", 0)
@@ -354,7 +340,8 @@ def zero_label(cfg: Config, mesh: Mesh) -> str:
 def check_first_shards(cfg: Config, mesh: Mesh, data, start: int, acct: Accounting) -> None:
     """Rank 0 hashes the shards the first global batch reads (megaframe.data.verify: a few shard files,
     not the corpus); every rank hears the verdict, so all of them stop with exit 2 on a corrupt shard."""
-    if cfg.data.kind != "prepared":
+    # a kind reading no folder has no shard to hash (every rank asks the same config)
+    if not data_folders(cfg.data):
         return
     err = None
     if mesh.rank == 0:

@@ -62,14 +62,15 @@ def _synchronize() -> None:
 
 def set_up(overrides: list[str], steps: int):
     from megaframe.config import load_config
-    from megaframe.data.dataset import build_data, microbatches
+    from megaframe.data.dataset import microbatches
     from megaframe.model.parallelize import build
     from megaframe.parallel.mesh import single_process_mesh
+    from megaframe.training.startup import run_samples
 
     cfg = load_config(LLAMA_LIKE + overrides, world_size=1, check_data=False)
     mesh = single_process_mesh(DEVICE)
     model, opt = build(cfg, mesh)
-    t, data = cfg.train, build_data(cfg)
+    t, data = cfg.train, run_samples(cfg)
     batches = [
         microbatches(data, s, t.global_batch_size, t.micro_batch_size, 0, 1, t.seed, mesh.device)
         for s in range(steps)

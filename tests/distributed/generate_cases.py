@@ -5,12 +5,13 @@ from __future__ import annotations
 import dataclasses
 
 from megaframe.checkpoint import sharded
-from megaframe.data.dataset import build_data, microbatches
+from megaframe.data.dataset import microbatches
 from megaframe.inference.sampler import greedy
 from megaframe.model.parallelize import build_model
 from megaframe.optim.build import build_optimizer
 from megaframe.training.step import train_step
 from tests.distributed.cases import tiny_config
+from tests.forms import build_data
 
 
 def train_and_save(

@@ -153,7 +153,8 @@ def test_train_continues_from_imported(tmp_path):
     import torch.nn.functional as F
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from megaframe.data.dataset import build_data, microbatches
+    from megaframe.data.dataset import microbatches
+    from tests.forms import build_data
 
     torch.manual_seed(0)
     src = LlamaForCausalLM(

@@ -127,7 +127,8 @@ def test_each_expert_is_initialised_from_its_own_name():
 
 
 def test_forced_imbalance_is_flagged_and_the_bias_pushes_back():
-    from megaframe.data.dataset import build_data, microbatches
+    from megaframe.data.dataset import microbatches
+    from tests.forms import build_data
 
     cfg = cfg_of("model.moe_expert_bias=true", "model.moe_bias_update_rate=0.5", "model.moe_aux_loss_coeff=0")
     mesh = single_process_mesh()

@@ -11,7 +11,6 @@ from types import SimpleNamespace
 import pytest
 
 from megaframe.config.schema import TrainConfig
-from megaframe.data.dataset import build_data
 from megaframe.inference.sampler import Sampler
 from megaframe.model.parallelize import build
 from megaframe.parallel.mesh import single_process_mesh
@@ -21,6 +20,7 @@ from megaframe.runops.watchdog import Watchdog
 from megaframe.training import trainer
 from megaframe.training.validation import Evaluator
 from tests.distributed.cases import tiny_config
+from tests.forms import build_data
 
 LIMIT_S, FORWARD_S = 1.0, 0.15
 """The hang limit, and each forward's sleep: a batch is well inside the limit, the whole work beyond it."""

@@ -86,8 +86,8 @@ def test_header_labels_precision_schedule_and_fp8_warnings():
 
 
 def test_header_names_the_validation_split_it_holds_out(demo_prepared):
-    from megaframe.data.dataset import build_data
     from megaframe.training.startup import held_out_label
+    from tests.forms import build_data
 
     cfg = load_config(["data=demo", f"data.path={demo_prepared}", "data.valid_fraction=0.05"], world_size=1)
     train, valid = build_data(cfg), build_data(cfg, split="valid")
