@@ -50,6 +50,7 @@ LAYERS = [
     ["checkpoint"],  # save, load, resume, HF conversion
     ["runops"],  # who may write here, signals, watchdog, faults
     ["config"],  # composes, adopts a checkpoint, asks each package's rule
+    ["data.prepare"],  # `python -m megaframe.data.prepare`: a command line that composes a config
     ["inference", "tracking"],  # generation on a loaded model; metrics sinks
     ["evaluation"],  # lm-evaluation-harness on a loaded or live model, any layout
     ["training"],  # the loop
@@ -69,8 +70,6 @@ UPWARD_ALLOW: dict[tuple[str, str], str] = {
     " body lives in megaframe/__init__.py until one model builder serves every entry point",
     ("parallel", "pipeline"): "parallel/tp_overlap.py defers its weight grads through pipeline/split.py (the"
     " zero-bubble split backward: pure autograd, no megaframe import)",
-    ("data", "config"): "data/prepare.py is the `python -m megaframe.data.prepare` command line: it composes"
-    " a config like train.py",
 }
 
 

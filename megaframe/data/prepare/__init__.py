@@ -5,7 +5,7 @@
                                      [data.split=file|paragraph] [data.extensions=[.py,.md,...]]
 
 The arguments are Hydra overrides of the main config (conf/config.yaml); with none, the embedded demo
-corpus is prepared into data/demo/prepared. Sources and documents: see megaframe.data.sources.
+corpus is prepared into data/demo/prepared. Sources and documents: see megaframe.data.prepare.sources.
 
 Tokenizer: data.tokenizer=PATH reuses a sentencepiece .model file or a transformers tokenizer folder
 (copied into OUT, loaded offline); otherwise a sentencepiece BPE of data.vocab_size pieces is trained on
@@ -17,7 +17,7 @@ unit's documents, cuts them into chunks and hands each chunk to one of data.num_
 the same whatever the worker count or chunk size: the documents in file order, each followed by eos.
 
 Output (OUT): the tokenizer, shard_*.bin + shard_*.docs.npy, and meta.json, the manifest
-(megaframe.data.manifest). Everything is built in a hidden `.OUT.partial` folder beside OUT and renamed
+(prepare/manifest.py). Everything is built in a hidden `.OUT.partial` folder beside OUT and renamed
 into place at the end, so OUT is either absent or complete. An interrupted run keeps the partial folder
 and the next run resumes it, skipping finished units. Re-running on a finished OUT does nothing when the
 sources and settings are the same, and refuses (exit 2) when they differ: good data is never overwritten.
@@ -38,12 +38,11 @@ from pathlib import Path
 
 from megaframe.atomic_lock import Moved, SharedFlock
 from megaframe.config import Config, ConfigError, load_config
-from megaframe.data import manifest as mf
-from megaframe.data import partial
 from megaframe.data.meta_rules import sealed
-from megaframe.data.prepare_tokenizer import put_tokenizer
-from megaframe.data.shards import token_dtype
-from megaframe.data.sources import (
+from megaframe.data.prepare import manifest as mf
+from megaframe.data.prepare import partial
+from megaframe.data.prepare.prepare_tokenizer import put_tokenizer
+from megaframe.data.prepare.sources import (
     PrepareError,
     SourceFile,
     file_sha256,
@@ -53,9 +52,10 @@ from megaframe.data.sources import (
     skip_line,
     skipped,
 )
-from megaframe.data.tasks import missing_line, waiting_lock
+from megaframe.data.prepare.tasks import missing_line, waiting_lock
+from megaframe.data.prepare.unit_encoding import chunk_size, encode_units, pool_map, worker_pool
+from megaframe.data.shards import token_dtype
 from megaframe.data.tokenizer import load_tokenizer, tokenizer_sha256
-from megaframe.data.unit_encoding import chunk_size, encode_units, pool_map, worker_pool
 from megaframe.errors import fail, write_refused
 
 __all__ = ["PrepareError", "prepare", "main"]
@@ -74,7 +74,7 @@ def prepare(
     """Prepare cfg.data.source into cfg.data.path. Returns meta.json's content plus 'stats' (timings),
     or None when data.path already holds exactly this preparation; under data.num_tasks, {"part": ...}
     when this task's units are done but not every task's. merge: tokenize nothing, write meta.json if
-    every unit is there (megaframe.data.tasks). Raises PrepareError on bad input."""
+    every unit is there (megaframe.data.prepare.tasks). Raises PrepareError on bad input."""
     d = cfg.data
     if not d.path:
         raise PrepareError("data.path is empty: set it to the output folder")
@@ -99,7 +99,8 @@ def prepare(
     created = [p for p in [out.parent, *out.parent.parents] if not p.exists()]
     out.parent.mkdir(parents=True, exist_ok=True)
     fresh = not work.exists()
-    try:  # a plain run holds the partial folder alone, tasks and merges share it (megaframe.data.partial)
+    # a plain run holds the partial folder alone, tasks and merges share it (prepare/partial.py)
+    try:
         lock = partial.enter(work, tasked=d.num_tasks > 1 or merge)
     except (FileNotFoundError, Moved):  # published (renamed away) by another prepare while we came in
         if _already_prepared(out, settings, files):
@@ -167,7 +168,7 @@ def _build(
     lock: SharedFlock,
 ) -> dict:
     """Tokenizer, shards and meta.json inside the partial folder `work`; returns the meta + stats, or
-    {"part": ...} for a task whose units are done while others' are not (megaframe.data.tasks)."""
+    {"part": ...} for a task whose units are done while others' are not (megaframe.data.prepare.tasks)."""
     t0 = time.perf_counter()
     _claim_settings(work, settings)
     os.chmod(work, 0o777 & ~_umask())  # other users' jobs must read the data
@@ -246,7 +247,7 @@ def _meta(
     settings: dict,
     skips: dict | None,
 ) -> dict:
-    """meta.json's content (megaframe.data.manifest) for the shards written in `work` with `tok`;
+    """meta.json's content (megaframe.data.prepare.manifest) for the shards written in `work` with `tok`;
     PrepareError when they hold no token."""
     num_tokens = sum(s["num_tokens"] for s in shards)
     if num_tokens == 0:
@@ -314,7 +315,3 @@ def main(argv: list[str] | None = None) -> int:
         f"tokens/s -> {cfg.data.path}"
     )
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

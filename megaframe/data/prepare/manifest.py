@@ -20,7 +20,7 @@ import json
 from pathlib import Path
 
 from megaframe.atomic import write_atomic
-from megaframe.data.sources import PrepareError, SourceFile, file_sha256
+from megaframe.data.prepare.sources import PrepareError, SourceFile, file_sha256
 
 FORMAT = "megaframe-tokens-v2"
 

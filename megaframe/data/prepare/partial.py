@@ -21,8 +21,8 @@ from pathlib import Path
 import numpy as np
 
 from megaframe.atomic_lock import LockBusy, Moved, SharedFlock, describe
-from megaframe.data import manifest as mf
-from megaframe.data.sources import PrepareError
+from megaframe.data.prepare import manifest as mf
+from megaframe.data.prepare.sources import PrepareError
 
 LOCK = ".lock"
 

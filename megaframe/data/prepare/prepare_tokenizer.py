@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Iterator
 
 from megaframe.config.schema import DataConfig, DocSplit
-from megaframe.data.sources import PrepareError, SourceFile, sample_documents
+from megaframe.data.prepare.sources import PrepareError, SourceFile, sample_documents
 from megaframe.data.tokenizer import TokenizerError, load_tokenizer, train_tokenizer
 
 TOKENIZER_SEED = 1234

@@ -6,7 +6,7 @@ filesystem all tasks see), each unit's record written once its shards are whole,
 writes them. The tokenizer is trained (or copied) once: the first task to take its lock does it while the
 others wait on the lock, then load it. The task that finds every unit done (looked up again under a merge
 lock, so the last of several finishing together sees every record) writes meta.json and renames the folder
-into place once the other tasks have left it (megaframe.data.partial: the folder and unit locks);
+into place once the other tasks have left it (megaframe.data.prepare.partial: the folder and unit locks);
 `prepare merge` does the same by hand, and refuses, naming the missing units and their tasks, while any is
 missing. The shards, their order and the token stream are those of one task with the same
 data.num_workers (chunk sizes come from the whole file list), so the output equals the one-task output

@@ -1,6 +1,6 @@
 """Tokenizing the units of a preparation (megaframe.data.prepare): the worker pool, the chunks of each
 unit's documents handed to it, each unit under its lock with its record written once its shards are whole,
-and the units other tasks or earlier runs finished (megaframe.data.tasks, megaframe.data.partial)."""
+and the units other tasks or earlier runs finished (prepare/tasks.py, prepare/partial.py)."""
 
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ from typing import Iterator
 from megaframe.atomic_lock import SharedFlock
 from megaframe.config.choices import DocSplit
 from megaframe.config.schema import DataConfig
-from megaframe.data import manifest as mf
-from megaframe.data import partial
-from megaframe.data.progress import Progress
+from megaframe.data.prepare import manifest as mf
+from megaframe.data.prepare import partial
+from megaframe.data.prepare.progress import Progress
+from megaframe.data.prepare.sources import PrepareError, SourceFile, iter_documents, text_size, units
+from megaframe.data.prepare.tasks import announce, unit_tasks, waiting_lock
 from megaframe.data.shards import encode_chunk
-from megaframe.data.sources import PrepareError, SourceFile, iter_documents, text_size, units
-from megaframe.data.tasks import announce, unit_tasks, waiting_lock
 from megaframe.errors import write_refused
 
 MAX_CHUNK_CHARS, MIN_CHUNK_CHARS = 8 << 20, 256 << 10
@@ -140,7 +140,7 @@ def encode_units(
     merge: bool = False,
 ) -> tuple[list[dict] | dict, float]:
     """Tokenize every unit (of this task's part, under data.num_tasks; none for a merge) not finished by an
-    earlier run or another process, each under its lock (megaframe.data.partial); returns all shards in
+    earlier run or another process, each under its lock (prepare/partial.py); returns all shards in
     stream order, or {"missing", "tasks"} while other tasks' units are not done; and the worker CPU
     seconds."""
     groups, owner, (done, todo, per_unit) = _plan_units(d, files, records, work, unit_bytes, merge)
