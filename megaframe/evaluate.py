@@ -144,7 +144,7 @@ def evaluate(model, cfg, every: bool) -> tuple[float, int, str]:
     """(mean token loss, tokens scored, split and which of its samples) over the configured samples."""
     import torch
 
-    from megaframe.data.dataset import microbatches
+    from megaframe.data.dataset import BatchShape, microbatches
     from megaframe.parallel.mesh import single_process_mesh
     from megaframe.training.startup import run_samples
     from megaframe.training.validation import loss_sum
@@ -164,7 +164,7 @@ def evaluate(model, cfg, every: bool) -> tuple[float, int, str]:
     with torch.no_grad():
         for k in range(iters):
             total += loss_sum(
-                model, microbatches(data, k, g, t.micro_batch_size, 0, 1, t.seed), mesh
+                model, microbatches(data, k, BatchShape(g, t.micro_batch_size, t.seed), mesh), mesh
             ).double()
     tokens = iters * g * cfg.model.seq_length
     # "all" scored 8 KiB of a 1.2M-token corpus: say which samples, not just the split's name

@@ -18,6 +18,7 @@ global batch over ranks and micro-batches gives the same gradient.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -181,36 +182,41 @@ class SyntheticData:
         return out
 
 
-def microbatches(
-    data,
-    step: int,
-    global_batch: int,
-    micro_batch: int,
-    dp_rank: int,
-    dp_size: int,
-    seed: int,
-    device: torch.device | str = "cpu",
-    base: int = 0,
-    cp_rank: int = 0,
-    cp_size: int = 1,
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """This dp rank's micro-batches of step `step` (0-based, counted from sample position `base`: a run
-    resumed with another global batch continues from its consumed samples): [(input_ids_BS, labels_BS), ...].
-    Under cp every cp rank reads the same samples and keeps its two chunks of each (parallel.context)."""
-    per_rank = global_batch // dp_size
+@dataclass(frozen=True)
+class BatchShape:
+    """The global batch a step reads and where the run's batches start in the sample order."""
+
+    global_batch: int
+    """Samples per step (train.global_batch_size), split over the dp ranks."""
+    micro_batch: int
+    """Samples per micro-batch (train.micro_batch_size)."""
+    seed: int
+    """train.seed: the order of the samples."""
+    base: int = 0
+    """The sample position step 0 starts at (a run resumed with another global batch continues from its
+    consumed samples)."""
+
+
+def microbatches(data, step: int, shape: BatchShape, mesh) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's micro-batches of step `step` (0-based, counted from `shape.base`): [(input_ids_BS,
+    labels_BS), ...]. `mesh` places the reader: its dp rank reads a contiguous block of the global batch;
+    under cp every cp rank reads the same samples and keeps its two chunks of each (parallel.context);
+    the tokens go to `mesh.device`."""
+    dp, cp, device = mesh.dp, mesh.cp, mesh.device
+    per_rank = shape.global_batch // dp.size
     order = getattr(data, "order", ORDER)  # a resumed run keeps the order it began with
     # a contiguous block per dp rank: the global batch holds the same samples whatever dp is
-    first = base + step * global_batch + dp_rank * per_rank
-    out = []
-    for m in range(per_rank // micro_batch):
-        pos = range(first + m * micro_batch, first + (m + 1) * micro_batch)
-        ids = [sample_index(p, data.num_samples, seed, order) if data.shuffle else p for p in pos]
+    first = shape.base + step * shape.global_batch + dp.rank * per_rank
+    out, m = [], shape.micro_batch
+    for k in range(per_rank // m):
+        pos = range(first + k * m, first + (k + 1) * m)
+        ids = [sample_index(p, data.num_samples, shape.seed, order) if data.shuffle else p for p in pos]
         tokens = torch.from_numpy(np.stack([data[i] for i in ids]))
         if torch.device(device).type == "cuda":  # page-locked: the copy below runs async to the host
             tokens = tokens.pin_memory()
         tokens = tokens.to(device, non_blocking=True)
         # views of one copy, shifted by a token; under cp each rank keeps its two chunks of both
-        out.append((cp_keep(tokens[:, :-1], cp_rank, cp_size), cp_keep(tokens[:, 1:], cp_rank, cp_size)))
+        out.append((cp_keep(tokens[:, :-1], cp.rank, cp.size), cp_keep(tokens[:, 1:], cp.rank, cp.size)))
     return out
 
 

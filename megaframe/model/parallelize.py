@@ -28,11 +28,6 @@ from megaframe.pipeline.schedule import ScheduleSpec, schedule_spec
 PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.bfloat16}
 
 
-def build(cfg, mesh: Mesh) -> tuple[GPT, Optimizer]:
-    """build_for with the groups of the run config `cfg` (a megaframe.config.Config)."""
-    return build_for(cfg.model, cfg.parallel, cfg.train, cfg.optim, mesh)
-
-
 def build_for(
     m: ModelConfig, p: ParallelConfig, t: TrainConfig, o: OptimConfig, mesh: Mesh
 ) -> tuple[GPT, Optimizer]:
@@ -45,11 +40,6 @@ def rank_stage(m: ModelConfig, p: ParallelConfig, mesh: Mesh, schedule: Schedule
     """This rank's chunks of layers, placed as `schedule` places them (a loop or a V); every rank derives
     its stage from the same config, so the pipeline neighbours agree on the cut."""
     return stage_layout(m.num_layers, mesh.pp.size, p.vpp, mesh.pp.rank, p.pp_layout, v=schedule.v)
-
-
-def build_model(cfg, mesh: Mesh) -> GPT:
-    """build_model_for with the groups of the run config `cfg` (a megaframe.config.Config)."""
-    return build_model_for(cfg.model, cfg.parallel, cfg.train, cfg.optim, mesh)
 
 
 def build_model_for(m: ModelConfig, p: ParallelConfig, t: TrainConfig, o: OptimConfig, mesh: Mesh) -> GPT:
@@ -72,12 +62,12 @@ def build_model_for(m: ModelConfig, p: ParallelConfig, t: TrainConfig, o: OptimC
         cp_ring=CPComm(p.cp_comm) is CPComm.ring,
         param_device=torch.device("meta"),
         block=spec_of(m).block,
+        schedule=schedule.name,
+        init_spec=InitSpec(t.seed, m.init_std, m.num_layers),
+        fused_head_loss=t.fused_head_loss,
     )
     # the one cast: free on a meta model; buffers too (the router keeps its bias fp32)
     model.to(PARAM_DTYPES[t.precision])
-    model.schedule = schedule
-    model.fused_head_loss = t.fused_head_loss  # tp=1: head + loss fused, or the whole logits
-    model.init_spec = InitSpec(t.seed, m.init_std, m.num_layers)
     if not deferred_init(o, mesh):
         init_model(model, t.seed, m.init_std, m.num_layers, mesh.device)
     # the blocks' GEMMs as torchao float8 (parameters stay as they are); a planning (meta) model keeps the

@@ -16,7 +16,7 @@ from megaframe.checkpoint.resume import Resumed, resume
 from megaframe.checkpoint.resume_checks import Accounting, resume_position
 from megaframe.config import Config, ConfigError
 from megaframe.config.derived import Derived, derive, lr_horizon, schedule_kind, settled
-from megaframe.data.dataset import Prefetcher, microbatches
+from megaframe.data.dataset import BatchShape, Prefetcher, microbatches
 from megaframe.data.kinds import Samples, build_samples, data_folders, data_kind
 from megaframe.data.order import resumed_order
 from megaframe.evaluation.downstream import Downstream
@@ -150,20 +150,9 @@ def batch_loader(cfg: Config, mesh: Mesh, su: Setup) -> Prefetcher:
     """This rank's micro-batches of each step, read one step ahead."""
     t, start, data = cfg.train, su.resumed.step, su.data
     # positions continue from the consumed samples at the resume (exact even if the batch size changed)
+    shape = BatchShape(t.global_batch_size, t.micro_batch_size, t.seed, base=su.acct.base)
     return Prefetcher(
-        lambda s: microbatches(
-            data,
-            s - 1 - start,
-            t.global_batch_size,
-            t.micro_batch_size,
-            mesh.dp.rank,
-            mesh.dp.size,
-            t.seed,
-            mesh.device,
-            base=su.acct.base,
-            cp_rank=mesh.cp.rank,
-            cp_size=mesh.cp.size,
-        ),
+        lambda s: microbatches(data, s - 1 - start, shape, mesh),
         start + 1,
         t.max_steps,
     )

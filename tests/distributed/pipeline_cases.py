@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from megaframe.data.dataset import microbatches
-from megaframe.model.parallelize import build_model
 from megaframe.parallel import comm
 from megaframe.pipeline import p2p
 from tests.distributed.cases import tiny_config, train_and_report
-from tests.forms import build_data
+from tests.forms import build_data, build_model, microbatches
 
 
 def emulates_nccl(mesh) -> bool:

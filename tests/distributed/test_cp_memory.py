@@ -43,8 +43,8 @@ def planned(cp: int, kind: str):
         SEQ4K + [f"parallel.cp={cp}", f"parallel.cp_comm={kind}"], world_size=cp, check_data=False
     )
     plan = plan_layout(cfg, cp)
-    from megaframe.model.parallelize import build_model
     from megaframe.parallel.virtual import virtual_mesh
+    from tests.forms import build_model
 
     bias = cp_bias_bytes(build_model(cfg, virtual_mesh(1, 1, 1, device="meta", cp=cp)))
     return plan.ranks[0].activation_bytes, bias

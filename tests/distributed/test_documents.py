@@ -73,8 +73,7 @@ def _edge_setup(model, extra_eos: list[int], fused: bool = True) -> None:
 def edge_eos() -> list[int]:
     """The id the first sample holds at index 7: as an end id it makes index 8 a document's first token,
     the edge between cp chunks at cp2 (chunks of 8 at S = 32) and cp4 (chunks of 4)."""
-    from megaframe.data.dataset import microbatches
-    from tests.forms import build_data
+    from tests.forms import build_data, microbatches
 
     cfg = tiny_config(MASK, 1)
     x_BS = microbatches(build_data(cfg), 0, 8, 2, 0, 1, cfg.train.seed)[0][0]
@@ -157,9 +156,7 @@ def test_document_mask_under_cp_matches_one_process(pool, name, n, tp, cp, pp, o
 def flex_matches_sdpa(mesh, overrides: list[str]) -> float:
     """Max |logits| difference of this rank's tokens between the FlexAttention block mask and the SDPA
     mask, forward only (CPU has flex's forward alone); S = 256: cp2 chunks of 64, two to a flex tile."""
-    from megaframe.data.dataset import microbatches
-    from megaframe.model.parallelize import build_model
-    from tests.forms import build_data
+    from tests.forms import build_data, build_model, microbatches
 
     cfg = tiny_config(MASK + overrides + ["model.seq_length=256", "model.num_layers=1"], mesh.world)
     model = build_model(cfg, mesh).eval()

@@ -59,14 +59,11 @@ def replica_spread(mesh, overrides: list[str], steps: int, run_dir: str) -> dict
 
 def recompute_losses(mesh, overrides: list[str], steps: int) -> list[float] | None:
     """Losses of `steps` steps seeded as the trainer seeds them."""
-    from megaframe.data.dataset import microbatches
     from megaframe.layers.rng import seed_step
-    from megaframe.model.parallelize import build_model
     from megaframe.optim.build import build_optimizer
     from megaframe.parallel import comm
-    from megaframe.training.step import train_step
     from tests.distributed.cases import tiny_config
-    from tests.forms import build_data
+    from tests.forms import build_data, build_model, microbatches, train_step
 
     cfg = tiny_config(overrides + [f"train.max_steps={steps}"], mesh.world)
     model = build_model(cfg, mesh)

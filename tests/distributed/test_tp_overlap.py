@@ -41,9 +41,9 @@ def test_build_model_sets_every_sp_linear_to_overlap():
     line."""
     from megaframe.config import ConfigError
     from megaframe.layers.linear import ColumnParallelLinear, RowParallelLinear
-    from megaframe.model.parallelize import build_model
     from megaframe.parallel.virtual import virtual_mesh
     from tests.distributed.cases import tiny_config
+    from tests.forms import build_model
 
     cfg = tiny_config(["parallel.tp=2", "parallel.sp=true", "parallel.tp_comm_overlap=true"], 2)
     model = build_model(cfg, virtual_mesh(2, 1, 1))

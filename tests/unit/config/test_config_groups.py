@@ -47,15 +47,6 @@ ROOT_CONFIG_READERS: dict[str, str] = {
     " around a checkpoint like evaluate.py",
     "megaframe/data/prepare/__init__.py": "`python -m megaframe.data.prepare` composes a config",
     "megaframe/__init__.py": "megaframe.load_model rebuilds the whole config a checkpoint recorded",
-    "megaframe/model/parallelize.py:build_model": "the run config's form of build_model_for, kept for the"
-    " callers outside the package (tests, benchmarks,"
-    " scripts/dev, the family specs' builder hook)",
-    "megaframe/model/parallelize.py:build": "the run config's form of build_for (model and optimizer),"
-    " kept for tests and benchmarks",
-    "megaframe/training/step.py:train_step": "the run config's form of optimizer_step, kept for the tests"
-    " and benchmarks that run one step by hand",
-    "megaframe/training/step.py:rank_schedule": "a rank's schedule for a run config, kept for the pipeline"
-    " and ZeRO benchmarks",
     "megaframe/training/phase_run.py": "runs the trainer's start-up, step, save and load for a whole run"
     " config: the planner's phase figures are checked against it",
     "megaframe/checkpoint/offline_plans.py:rank_items": "checkpoint layouts planned without hardware for a"

@@ -13,9 +13,9 @@ import pytest
 from megaframe.config import load_config
 from megaframe.config.choices import DataKind
 from megaframe.data import kinds
-from megaframe.data.dataset import microbatches
 from megaframe.data.verify import first_batch_shards, verify
 from megaframe.training.startup import run_samples
+from tests.forms import microbatches
 
 SMALL = ["model.seq_length=8", "train.global_batch_size=8", "train.micro_batch_size=2"]
 # the config that selects each registered kind (a new kind adds its line: the test below asks for one)

@@ -16,9 +16,10 @@ import torch
 import megaframe
 from megaframe.checkpoint import hf
 from megaframe.config import load_config
-from megaframe.model.parallelize import build_model, whole_model
+from megaframe.model.parallelize import whole_model
 from megaframe.models.registry import FAMILIES, family, infer, spec_of
 from megaframe.parallel.mesh import single_process_mesh
+from tests.forms import build_model
 from tests.unit.checkpoint.test_hf_interop import make_checkpoint
 
 NAMES = list(FAMILIES)
