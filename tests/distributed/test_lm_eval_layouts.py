@@ -13,9 +13,9 @@ pytest.importorskip("lm_eval", reason="lm-eval is the optional extra .[eval] (ma
 
 from megaframe.checkpoint import sharded  # noqa: E402
 from megaframe.config import load_config  # noqa: E402
-from tests.forms import build_model  # noqa: E402
 from megaframe.parallel.mesh import single_process_mesh  # noqa: E402
 from tests.distributed.lm_eval_cases import score_local_task  # noqa: E402
+from tests.forms import build_model  # noqa: E402
 from tests.unit.evaluation.test_lm_eval import TASK, TASKS, TINY, WeightsOnly, worst_gap  # noqa: E402
 
 pytestmark = pytest.mark.distributed

@@ -17,8 +17,8 @@ pytest.importorskip("lm_eval", reason="lm-eval is the optional extra .[eval] (ma
 
 from megaframe.checkpoint import sharded  # noqa: E402
 from megaframe.config import load_config  # noqa: E402
-from tests.forms import build_model  # noqa: E402
 from megaframe.parallel.mesh import single_process_mesh  # noqa: E402
+from tests.forms import build_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[3]
 TASKS = str(ROOT / "tests" / "data" / "lm_eval_tasks")
