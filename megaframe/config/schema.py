@@ -68,7 +68,7 @@ class ParallelConfig(Frozen):
     tp_comm_overlap: bool = False
     """Under sp at tp > 1: cut the all-gather before each column-parallel GEMM and the reduce-scatter after
     each row-parallel one into chunks pipelined with the partial GEMMs (Megatron's and torchtitan's
-    collective matmul; parallel/tp_overlap.py). Equal results; not applied to FP8 linears."""
+    collective matmul; layers/tp_overlap.py). Equal results; not applied to FP8 linears."""
     tp_comm_chunks: int = 4
     """Chunks of the local sequence block under tp_comm_overlap (the largest count <= this dividing it)."""
     pp_schedule: ScheduleKind = ScheduleKind.auto

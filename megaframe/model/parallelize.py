@@ -14,13 +14,13 @@ from megaframe.config.choices import CPComm
 from megaframe.config.schema import ModelConfig, OptimConfig, ParallelConfig, TrainConfig
 from megaframe.layers.fp8 import enable_fp8, float8_gathered_weights
 from megaframe.layers.shard import InitSpec, init_model
+from megaframe.layers.tp_overlap import enable_tp_overlap
 from megaframe.model.gpt import GPT
 from megaframe.models.registry import spec_of
 from megaframe.optim.build import build_optimizer
 from megaframe.optim.protocol import Optimizer
 from megaframe.parallel.eager import arm
 from megaframe.parallel.mesh import Mesh, single_process_mesh
-from megaframe.parallel.tp_overlap import enable_tp_overlap
 from megaframe.pipeline.partition import Stage, stage_layout
 from megaframe.pipeline.schedule import ScheduleSpec, schedule_spec
 

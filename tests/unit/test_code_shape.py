@@ -33,6 +33,15 @@ def test_every_allowance_names_a_reason_and_something_that_exists():
         assert src in units and dst in units and len(why.split()) >= 4, (src, dst)
 
 
+def test_no_import_runs_against_the_layer_order():
+    """Counted with no allowance at all: no import of a later layer (3 were allowed before data/prepare/,
+    the lm-eval adapter's load and tp_overlap moved)."""
+    shape = _shape()
+    assert shape.UPWARD_ALLOW == {}
+    against = shape.upward(shape.graph(ROOT), shape.LAYERS, {})
+    assert len(against) == 0, "\n".join(against)
+
+
 def test_the_layer_order_is_the_one_docs_state():
     shape = _shape()
     line = " < ".join(", ".join(u or "megaframe/__init__" for u in layer) for layer in shape.LAYERS)
