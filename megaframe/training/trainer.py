@@ -31,9 +31,6 @@ from megaframe.training.checkpointing import Checkpointer
 from megaframe.training.first_step import first_step_limits
 from megaframe.training.meter import BadSteps, Meter
 from megaframe.training.startup import Setup, announce, batch_loader, set_up
-from megaframe.training.startup import (
-    data_label as data_label,
-)  # re-exported: its old path, tests import it here
 from megaframe.training.step import StepResult, optimizer_step
 from megaframe.training.threads import apply_threads
 
