@@ -5,8 +5,8 @@ and pp2·ep2, and a checkpoint written at ep2 resumed at ep1."""
 import pytest
 
 from tests.distributed.cases import train_and_report
+from tests.distributed.model.test_model_equivalence import assert_close_dicts, assert_weights_close
 from tests.distributed.moe_cases import MOE, checkpoint_across_ep, dispatcher_vs_one_process, starve_experts
-from tests.distributed.test_model_equivalence import assert_close_dicts, assert_weights_close
 
 pytestmark = pytest.mark.distributed
 

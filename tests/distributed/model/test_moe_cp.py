@@ -7,8 +7,8 @@ for cp_comm allgather and ring."""
 import pytest
 
 from tests.distributed.cases import train_and_report
-from tests.distributed.test_context_parallel import STEPS, check
-from tests.distributed.test_model_equivalence import assert_weights_close
+from tests.distributed.model.test_model_equivalence import assert_weights_close
+from tests.distributed.parallel.test_context_parallel import STEPS, check
 
 pytestmark = pytest.mark.distributed
 

@@ -8,7 +8,7 @@ import pytest
 
 from megaframe.models.registry import FAMILIES
 from tests.distributed.cases import TINY, train_and_report
-from tests.distributed.test_model_equivalence import assert_close_dicts
+from tests.distributed.model.test_model_equivalence import assert_close_dicts
 
 pytestmark = pytest.mark.distributed
 

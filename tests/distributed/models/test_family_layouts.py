@@ -6,7 +6,7 @@ final weights."""
 import pytest
 
 from tests.distributed.cases import train_and_report
-from tests.distributed.test_model_equivalence import assert_close_dicts, assert_weights_close
+from tests.distributed.model.test_model_equivalence import assert_close_dicts, assert_weights_close
 
 pytestmark = pytest.mark.distributed
 

@@ -8,8 +8,8 @@ torch.optim.Muon (tests/unit/optim/test_muon.py); zero=2 HSDP and zero=3 run in 
 import pytest
 
 from tests.distributed.cases import train_and_report
-from tests.distributed.test_model_equivalence import assert_close_dicts
-from tests.distributed.test_zero import rel_errors
+from tests.distributed.model.test_model_equivalence import assert_close_dicts
+from tests.distributed.optim.test_zero import rel_errors
 
 pytestmark = pytest.mark.distributed
 

@@ -11,8 +11,8 @@ from megaframe.checkpoint import sharded
 from megaframe.optim.rule_registry import RULES, rule_named
 from megaframe.planning.estimate import plan_layout
 from tests.distributed.cases import tiny_config
-from tests.distributed.test_model_equivalence import assert_close_dicts, assert_weights_close
-from tests.distributed.test_zero import SMALL_BUCKETS, STEPS, rel_errors
+from tests.distributed.model.test_model_equivalence import assert_close_dicts, assert_weights_close
+from tests.distributed.optim.test_zero import SMALL_BUCKETS, STEPS, rel_errors
 from tests.distributed.zero_cases import run_steps
 
 pytestmark = pytest.mark.distributed

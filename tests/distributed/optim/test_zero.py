@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from tests.distributed.test_model_equivalence import assert_close_dicts, assert_weights_close
+from tests.distributed.model.test_model_equivalence import assert_close_dicts, assert_weights_close
 from tests.distributed.zero_cases import (
     bf16_checkpoint_roundtrip,
     bf16_losses,

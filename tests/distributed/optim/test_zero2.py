@@ -7,8 +7,8 @@ import pytest
 
 from megaframe.planning.estimate import plan_layout
 from tests.distributed.cases import tiny_config
-from tests.distributed.test_model_equivalence import assert_close_dicts, assert_weights_close
-from tests.distributed.test_zero import FAMILIES, HAS_PP, SMALL_BUCKETS, STEPS, reference, rel_errors
+from tests.distributed.model.test_model_equivalence import assert_close_dicts, assert_weights_close
+from tests.distributed.optim.test_zero import FAMILIES, HAS_PP, SMALL_BUCKETS, STEPS, reference, rel_errors
 from tests.distributed.zero_cases import param_gather_probe, run_steps
 
 pytestmark = pytest.mark.distributed

@@ -9,8 +9,8 @@ import pytest
 from megaframe.planning.estimate import plan_layout
 from tests.distributed.cases import tiny_config
 from tests.distributed.ckpt_cases import load_and_report, zero3_freed_load_steps
-from tests.distributed.test_model_equivalence import assert_close_dicts, assert_weights_close
-from tests.distributed.test_zero import FAMILIES, STEPS, reference, rel_errors
+from tests.distributed.model.test_model_equivalence import assert_close_dicts, assert_weights_close
+from tests.distributed.optim.test_zero import FAMILIES, STEPS, reference, rel_errors
 from tests.distributed.zero_cases import bf16_losses, run_steps, save_gather_probe
 
 pytestmark = pytest.mark.distributed

@@ -6,7 +6,7 @@ before, the traced hooks made 7 graphs for 2 layers and broke at every collectiv
 
 import pytest
 
-from tests.distributed.test_model_equivalence import assert_close_dicts, assert_weights_close
+from tests.distributed.model.test_model_equivalence import assert_close_dicts, assert_weights_close
 from tests.distributed.zero_cases import run_steps, run_steps_counting_graphs
 
 pytestmark = pytest.mark.distributed

@@ -22,7 +22,7 @@ import pytest
 
 from megaframe.planning.estimate import plan_layout
 from tests.distributed.cases import tiny_config
-from tests.distributed.test_zero import FAMILIES, HAS_PP, SMALL_BUCKETS
+from tests.distributed.optim.test_zero import FAMILIES, HAS_PP, SMALL_BUCKETS
 from tests.distributed.zero_cases import run_steps
 
 pytestmark = pytest.mark.distributed

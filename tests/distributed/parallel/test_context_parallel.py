@@ -4,7 +4,7 @@ cp all-gather moves exactly the bytes of the theory."""
 import pytest
 
 from tests.distributed.cases import train_and_report
-from tests.distributed.test_model_equivalence import assert_close_dicts, assert_weights_close
+from tests.distributed.model.test_model_equivalence import assert_close_dicts, assert_weights_close
 
 pytestmark = pytest.mark.distributed
 
@@ -226,7 +226,7 @@ def test_zero_and_hsdp_under_cp_match_one_process(pool, name, cp, dp, shard, ext
     """Equal to one process, with grads, state and params sharded 1/s over the cp·dp ranks (s the shard
     group, cp·dp without HSDP) and the dp bytes of zero=3 to the byte (test_zero3's theory, its dp
     being the shard group)."""
-    from tests.distributed.test_zero3 import theory_dp_bytes
+    from tests.distributed.optim.test_zero3 import theory_dp_bytes
     from tests.distributed.zero_cases import run_steps
 
     ref = reference(pool, ())

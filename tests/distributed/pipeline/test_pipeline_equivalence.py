@@ -10,9 +10,9 @@ import pytest
 
 from megaframe.parallel.p2p_semantics import ENV_VAR, P2PSemantics
 from tests.distributed.cases import train_and_report
+from tests.distributed.model.test_model_equivalence import assert_close_dicts, assert_weights_close
 from tests.distributed.moe_cases import MOE
 from tests.distributed.pipeline_cases import emulates_nccl, train_with_old_exchange, val_loss
-from tests.distributed.test_model_equivalence import assert_close_dicts, assert_weights_close
 
 pytestmark = pytest.mark.distributed
 
@@ -34,7 +34,7 @@ LAYOUTS = [
     ("gpipe-pp2-m4", 2, 1, 2, 1, ["parallel.pp_schedule=gpipe"]),
     ("gpipe-pp2-vpp2-m8", 2, 1, 2, 1, ["parallel.pp_schedule=gpipe", "parallel.vpp=2", L4, MB1]),
     ("gpipe-pp4-vpp2-m8", 4, 1, 4, 1, ["parallel.pp_schedule=gpipe", "parallel.vpp=2", L8, MB1]),
-    # tp2-sp-pp2 itself: every family's, tests/distributed/test_family_conformance.py
+    # tp2-sp-pp2 itself: every family's, tests/distributed/models/test_family_conformance.py
     ("tp2-sp-pp2-vpp2", 4, 2, 2, 1, ["parallel.sp=true", "parallel.vpp=2", L4]),
     ("pp2-dp2-zero1-m2", 4, 1, 2, 1, []),
     ("interleaved-pp2-vpp2-dp2-zero1", 4, 1, 2, 1, ["parallel.vpp=2", L4]),

@@ -1,7 +1,8 @@
 """lm-evaluation-harness over megaframe: the `megaframe` model scores the local multiple-choice task
 (tests/data/lm_eval_tasks, no network) exactly as lm-eval's own `hf` model scores the exported folder with
 the same tokenizer; rolling log-likelihoods and greedy generation run; unknown tasks and bad checkpoints
-exit 2 with one line. One process; the training layouts are tests/distributed/test_lm_eval_layouts.py."""
+exit 2 with one line. One process; the training layouts are
+tests/distributed/evaluation/test_lm_eval_layouts.py."""
 
 from __future__ import annotations
 

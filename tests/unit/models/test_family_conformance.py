@@ -3,7 +3,7 @@ preset: its check accepts its presets and the load-time inference finds it again
 counters equal `numel` of a meta model; decoding with the cache (the model's own forward with `kv_cache`)
 gives the full forward's logits; a family with a transformers class round-trips through it (logits equal
 in fp32, the state back exactly). The multi-rank half (tp2.sp.pp2 equal to one process) is
-tests/distributed/test_family_conformance.py."""
+tests/distributed/models/test_family_conformance.py."""
 
 from __future__ import annotations
 
