@@ -313,9 +313,8 @@ class CheckpointConfig(Frozen):
     # `checkpoint.async` is the user-facing name, but `async` is a Python keyword: declare the field
     # through the class namespace; code reads it as `cfg.checkpoint.async_save`.
     __annotations__["async"] = bool
-    locals()["async"] = field(
-        default=False, init=False, repr=False, compare=False
-    )  # kept out of generated code
+    # kept out of generated code
+    locals()["async"] = field(default=False, init=False, repr=False, compare=False)
     """Copy to host, write in a background thread and commit at a later step boundary."""
     save_timeout_s: float = 1800.0
     """The allowance of a checkpoint save or load, used twice: the hang watchdog's limit while one runs

@@ -131,9 +131,10 @@ class PreparedData:
         while lo < hi:
             end = min(hi, int(self.starts[k + 1]))
             piece = self.shards[k][lo - self.starts[k] : end - self.starts[k]]
+            # every layout checks every read
             check_token_range(
                 piece, self.vocab_size, self.path, self.meta["shards"][k]["file"], int(lo - self.starts[k])
-            )  # every layout checks every read
+            )
             if self.touched is not None:  # start-up verification records which shards a batch reads
                 self.touched.add(k)
             pieces.append(piece)

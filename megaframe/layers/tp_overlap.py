@@ -150,9 +150,8 @@ def enable_tp_overlap(model: nn.Module, chunks: int) -> int:
     """Set every tp linear (sequence-parallel, tp > 1, not an FP8 one) to the overlapped path with `chunks`
     chunks; returns how many were set."""
     n = 0
-    for (
-        mod
-    ) in model.modules():  # the tp linears are the modules with an overlap_chunks slot (layers/linear.py)
+    # the tp linears are the modules with an overlap_chunks slot (layers/linear.py)
+    for mod in model.modules():
         if hasattr(mod, "overlap_chunks") and mod.sp and mod.tp.size > 1:
             mod.overlap_chunks, n = chunks, n + 1
     return n

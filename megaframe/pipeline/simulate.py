@@ -120,9 +120,8 @@ class _Graph:
         """Per rank: (0 F | 1 B | 2 W, the batch it waits for or -1), or (-1, the batch it issues)."""
         self.rank_batches: list[list[int]] = []
         self.ops: list[list] = []  # per batch: (is a send, channel key, index in that channel)
-        chans: dict = defaultdict(
-            lambda: ([], [])
-        )  # (sender, receiver) -> ([(batch, message)], [(batch, expected)])
+        # (sender, receiver) -> ([(batch, message)], [(batch, expected)])
+        chans: dict = defaultdict(lambda: ([], []))
         for r in range(pp):
             self._compile(r, builder(kind, pp, vpp, m, r, grouping), chans)
         for (src, dst), (sent, want) in chans.items():

@@ -162,9 +162,8 @@ class Checkpointer:
             path = sharded.save(
                 root, step, model, optimizer, mesh, meta, cfg.checkpoint.keep_last, fail, self.io
             )
-            if (
-                mesh.is_logger
-            ):  # the rank that prints the run summary: under torchrun this line comes before it
+            # the rank that prints the run summary: under torchrun this line comes before it
+            if mesh.is_logger:
                 print(f"checkpoint: {path} ({time.perf_counter() - t0:.2f}s)", flush=True)
         # set even for a save still writing in the background:
         # the next save's lineage follows the order of saves

@@ -129,9 +129,8 @@ def announce(cfg: Config, mesh: Mesh, su: Setup) -> None:
     check_first_shards(cfg, mesh, su.data, start, su.acct)
     total_params = global_param_count(su.model, mesh)  # a collective over pp: every rank takes part
     if mesh.rank == 0:
-        threads = pick_threads(
-            cfg.train.threads
-        )  # what trainer.run applied (the same rule, the same environment)
+        # what trainer.run applied (the same rule, the same environment)
+        threads = pick_threads(cfg.train.threads)
         describe(cfg, mesh, su, total_params, threads)
         busy = busy_machine_warning(threads.count)
         over = oversubscribed_warning(threads, local_world_size())
@@ -185,9 +184,8 @@ def write_run_config(cfg: Config, start: int) -> None:
     path = first if not first.exists() else run_dir / f"config.resume-{start}.yaml"
     try:
         write_atomic(path, OmegaConf.to_yaml(OmegaConf.structured(cfg)))  # a crash leaves no half config
-    except (
-        OSError
-    ) as e:  # a full run.dir: a record of the settings is not worth the run (the checkpoint has them)
+    # a full run.dir: a record of the settings is not worth the run (the checkpoint has them)
+    except OSError as e:
         print(f"megaframe: warning: cannot write {path} ({e}); training goes on", file=sys.stderr, flush=True)
 
 

@@ -233,9 +233,8 @@ class Loop:
     def finish(self, start: int, step: int) -> None:
         """The background save committed, the memory phases and the run's summary printed."""
         self.ckpt.finish(step)
-        if (
-            self.mesh.is_logger and self.su.phases.figures
-        ):  # every phase's peak, a stop's save after the last row
+        # every phase's peak, a stop's save after the last row
+        if self.mesh.is_logger and self.su.phases.figures:
             print(self.su.phases.summary(), flush=True)
         self.meters.report(start, step, self.ckpt.last_saved)
 

@@ -280,9 +280,8 @@ def _umask() -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    merge = (
-        bool(argv) and argv[0] == "merge"
-    )  # python -m megaframe.data.prepare merge data.path=... (same args)
+    # python -m megaframe.data.prepare merge data.path=... (same args)
+    merge = bool(argv) and argv[0] == "merge"
     try:
         cfg = load_config(argv[1:] if merge else argv, world_size=1, check_data=False)
         meta = prepare(cfg, merge=merge)

@@ -46,9 +46,8 @@ class Progress:
         rate = self.tokens / max(now - self.t0, 1e-9)
         self.bar.set_postfix_str(f"{rate / 1e3:,.0f}k tok/s", refresh=False)
         self.bar.update(nbytes)
-        if (
-            self.lines and now - self.t_line > 10 and self.counted
-        ):  # a log file, not a terminal: a line every 10 s
+        # a log file, not a terminal: a line every 10 s
+        if self.lines and now - self.t_line > 10 and self.counted:
             eta = (now - self.t0) * (self.total - self.counted) / self.counted
             print(
                 f"megaframe: prepare: {self.counted / max(self.total, 1):.0%} of the source, "

@@ -285,12 +285,13 @@ def iter_documents(
             yield docs
     except PrepareError:
         raise
+    # unreadable input: name the files, one line
     except (
         OSError,
         ValueError,
         DatasetsError,
         ArrowException,
-    ) as e:  # unreadable input: name the files, one line
+    ) as e:
         raise PrepareError(
             f"cannot read {_where(group)}: {' '.join(str(e).split()) or type(e).__name__}"
         ) from e
