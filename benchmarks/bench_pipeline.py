@@ -50,7 +50,7 @@ def _worker(rank: int, port: int, pp: int, m: int, steps: int, schedules: list, 
     from megaframe.parallel.mesh import build_mesh
     from megaframe.pipeline import p2p
     from megaframe.pipeline.executor import run_schedule
-    from megaframe.pipeline.schedule import build_schedule
+    from megaframe.pipeline.grouping import build_schedule
     from megaframe.training.startup import run_samples
 
     torch.set_num_threads(1)

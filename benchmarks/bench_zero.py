@@ -80,7 +80,7 @@ def _build(mesh, overrides: list[str], overlap):
 def _timed_step(model, opt, batches, mesh, cfg, step: int) -> tuple[float, float]:
     """train_step split in two: (zero_grad + forward/backward, optimizer step) wall seconds."""
     from megaframe.pipeline.executor import run_schedule
-    from megaframe.pipeline.schedule import build_schedule
+    from megaframe.pipeline.grouping import build_schedule
 
     t0 = time.perf_counter()
     opt.zero_grad()

@@ -31,6 +31,7 @@ import gc
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from megaframe.pipeline.grouping import build_schedule
 from megaframe.pipeline.schedule import (
     COMPUTE,
     RECV_B,
@@ -44,7 +45,6 @@ from megaframe.pipeline.schedule import (
     Grouping,
     W,
     activation_bound,
-    build_schedule,
     is_v,
     locate,
     stage_of,

@@ -19,7 +19,7 @@ from megaframe.model.moe import stats as moe_stats
 from megaframe.optim.lr_schedule import lr_at
 from megaframe.parallel.mesh import Mesh
 from megaframe.pipeline.executor import run_schedule
-from megaframe.pipeline.schedule import build_schedule
+from megaframe.pipeline.grouping import build_schedule
 
 
 @dataclass

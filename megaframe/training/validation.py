@@ -16,7 +16,7 @@ import torch
 from megaframe.config.schema import TrainConfig
 from megaframe.data.dataset import BatchShape, microbatches
 from megaframe.pipeline.executor import reduce_loss, run_schedule
-from megaframe.pipeline.schedule import forward_schedule
+from megaframe.pipeline.grouping import forward_schedule
 
 
 class Evaluator:
