@@ -136,10 +136,13 @@ def seq_change(cfg: Config, old: str, new: str, consumed: int) -> str | None:
         )
     if consumed == 0:
         return None
-    if str(cfg.data.kind) == "synthetic":  # sample i is drawn from (seed, i): none is read twice
+    from megaframe.data.kinds import data_kind
+
+    # an endless kind draws sample i from (seed, i): none is read twice
+    if data_kind(cfg.data.kind).endless:
         return (
-            f"RoPE allows it; {consumed} samples of {old} tokens were consumed and the synthetic samples go "
-            f"on at the same token count in samples of {new} tokens (none repeated)"
+            f"RoPE allows it; {consumed} samples of {old} tokens were consumed and the {cfg.data.kind} "
+            f"samples go on at the same token count in samples of {new} tokens (none repeated)"
         )
     return (
         f"RoPE allows it, but {consumed} samples of {old} tokens were consumed and the sample order is "
