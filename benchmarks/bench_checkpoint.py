@@ -21,24 +21,28 @@ import torch
 from megaframe.checkpoint import sharded
 from megaframe.checkpoint.async_save import AsyncSaver
 from megaframe.config import load_config
-from megaframe.data.dataset import build_data, microbatches
-from megaframe.model.parallelize import build
+from megaframe.config.derived import derive
+from megaframe.data.dataset import BatchShape, microbatches
+from megaframe.model.parallelize import build_for
 from megaframe.parallel.mesh import single_process_mesh
-from megaframe.training.step import train_step
+from megaframe.training.startup import run_samples
+from megaframe.training.step import optimizer_step
 
 
 def run(cfg, mode: str, steps: int, interval: int, root: str) -> float:
     """Mean step time (s) including checkpoint work, for mode none | sync | async."""
     mesh = single_process_mesh()
-    (model, opt), data = build(cfg, mesh), build_data(cfg)
+    (model, opt), data = build_for(cfg.model, cfg.parallel, cfg.train, cfg.optim, mesh), run_samples(cfg)
     saver = AsyncSaver(mesh)
     t = cfg.train
     t0 = None
     for step in range(1, steps + 1):
         if step == 2:
             t0 = time.perf_counter()  # step 1 warms up
-        batches = microbatches(data, step - 1, t.global_batch_size, t.micro_batch_size, 0, 1, t.seed)
-        train_step(model, opt, batches, mesh, cfg, step)
+        batches = microbatches(
+            data, step - 1, BatchShape(t.global_batch_size, t.micro_batch_size, t.seed), mesh
+        )
+        optimizer_step(model, opt, batches, mesh, cfg.optim, derive(cfg, 1), step)
         saver.poll(not saver.writing())  # one process: its own writer is all there is
         if step % interval == 0 and mode == "sync":
             sharded.save(root, step, model, opt, mesh, {"config": {}})
@@ -112,7 +116,7 @@ def main(argv: list[str]) -> None:
             times[mode] = run(cfg, mode, steps, interval, f"{root}/{mode}")
         path = sharded.latest(f"{root}/sync")
         mesh = single_process_mesh()
-        model, opt = build(cfg, mesh)
+        model, opt = build_for(cfg.model, cfg.parallel, cfg.train, cfg.optim, mesh)
         t0 = time.perf_counter()
         sharded.load_into(path, model, opt)
         load_s = time.perf_counter() - t0

@@ -55,7 +55,7 @@ def _rank(
     rank: int, port: int, world: int, over: list[str], overlap: bool, fused: bool, steps: int, threads: int, q
 ) -> None:
     from megaframe.config import load_config
-    from megaframe.model.parallelize import build_model
+    from megaframe.model.parallelize import build_model_for
     from megaframe.parallel.context import cp_causal_bias, cp_keep
     from megaframe.parallel.mesh import build_mesh
     from megaframe.planning.activations import allocator_peak
@@ -70,7 +70,7 @@ def _rank(
     )
     mesh = build_mesh(1, 1, torch.device("cpu"), cp=world, timeout=datetime.timedelta(seconds=600))
     cfg = load_config(over, world_size=world, check_data=False)
-    model = build_model(cfg, mesh)
+    model = build_model_for(cfg.model, cfg.parallel, cfg.train, cfg.optim, mesh)
     for block in model.layers.values():
         block.attn.ring_overlap = overlap
         block.attn.ring_fused = fused

@@ -80,9 +80,10 @@ class Clock:
 
 def megaframe_side(args, device, clock: Clock, precision: str = "bf16"):
     from megaframe.config import load_config
-    from megaframe.model.parallelize import build
+    from megaframe.config.derived import derive
+    from megaframe.model.parallelize import build_for
     from megaframe.parallel.mesh import single_process_mesh
-    from megaframe.training.step import train_step
+    from megaframe.training.step import optimizer_step
 
     over = [
         "data=synthetic",
@@ -109,13 +110,13 @@ def megaframe_side(args, device, clock: Clock, precision: str = "bf16"):
     )
     cfg = load_config(over, world_size=1, check_data=False)
     mesh = single_process_mesh(device)
-    model, opt = build(cfg, mesh)
+    model, opt = build_for(cfg.model, cfg.parallel, cfg.train, cfg.optim, mesh)
     opt.zero_grad, opt.step = clock.wrap(opt.zero_grad), clock.wrap(opt.step)
     n = [0]
 
     def step(mbs):
         n[0] += 1
-        return train_step(model, opt, mbs, mesh, cfg, n[0]).loss_sum
+        return optimizer_step(model, opt, mbs, mesh, cfg.optim, derive(cfg, 1), n[0]).loss_sum
 
     return cfg, step, f"megaframe {precision}"
 

@@ -19,7 +19,7 @@ def child(args) -> None:
     import torch
 
     from megaframe.config import load_config
-    from megaframe.model.parallelize import build_model
+    from megaframe.model.parallelize import build_model_for
     from megaframe.parallel.virtual import virtual_mesh
 
     torch.set_num_threads(1)
@@ -39,7 +39,7 @@ def child(args) -> None:
         args.tp, args.pp, args.dp, tp_rank=args.tp_rank, pp_rank=args.pp_rank, device="cpu", ep=args.ep
     )
     t0 = time.perf_counter()
-    model = build_model(cfg, mesh)
+    model = build_model_for(cfg.model, cfg.parallel, cfg.train, cfg.optim, mesh)
     took = time.perf_counter() - t0
     local = sum(p.numel() * p.element_size() for p in model.parameters())
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux

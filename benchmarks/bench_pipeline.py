@@ -45,12 +45,13 @@ MODEL = [
 
 def _worker(rank: int, port: int, pp: int, m: int, steps: int, schedules: list, out) -> None:
     from megaframe.config import load_config
-    from megaframe.data.dataset import build_data, microbatches
-    from megaframe.model.parallelize import build
+    from megaframe.data.dataset import BatchShape, microbatches
+    from megaframe.model.parallelize import build_for
     from megaframe.parallel.mesh import build_mesh
     from megaframe.pipeline import p2p
     from megaframe.pipeline.executor import run_schedule
-    from megaframe.training.step import rank_schedule
+    from megaframe.pipeline.grouping import build_schedule
+    from megaframe.training.startup import run_samples
 
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -75,15 +76,16 @@ def _worker(rank: int, port: int, pp: int, m: int, steps: int, schedules: list, 
             world_size=pp,
             check_data=False,
         )
-        (model, opt), data = build(cfg, mesh), build_data(cfg)
+        (model, opt), data = build_for(cfg.model, cfg.parallel, cfg.train, cfg.optim, mesh), run_samples(cfg)
         idle, step_s, costs = [], [], []
         for step in range(steps + 1):  # step 0 warms up
-            batches = microbatches(data, step, 2 * m, 2, 0, 1, cfg.train.seed)
+            batches = microbatches(data, step, BatchShape(2 * m, 2, cfg.train.seed), mesh)
             timeline = []
             dist.barrier()
             t0 = time.perf_counter()
             opt.zero_grad()
-            run_schedule(rank_schedule(cfg, mesh, m), model, batches, mesh, opt, 2 * m * 128, timeline)
+            order = build_schedule(model.schedule, mesh.pp.size, cfg.parallel.vpp, m, mesh.pp.rank)
+            run_schedule(order, model, batches, mesh, opt, 2 * m * 128, timeline)
             total = time.perf_counter() - t0
             if step:
                 idle.append(1 - sum(e - s for _, s, e in timeline) / total)

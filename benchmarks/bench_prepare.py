@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 from megaframe.config import load_config  # noqa: E402
 from megaframe.data.prepare import prepare  # noqa: E402
-from megaframe.data.sources import iter_documents, offline_hf, resolve_source, units  # noqa: E402
+from megaframe.data.prepare.sources import iter_documents, offline_hf, resolve_source, units  # noqa: E402
 from megaframe.data.tokenizer import Tokenizer  # noqa: E402
 
 

@@ -26,7 +26,7 @@ def _rank(
     rank: int, port: int, world: int, over: list[str], chunks: int, steps: int, threads: int, q
 ) -> None:
     from megaframe.config import load_config
-    from megaframe.model.parallelize import build_model
+    from megaframe.model.parallelize import build_model_for
     from megaframe.parallel.mesh import build_mesh
 
     torch.set_num_threads(threads)
@@ -43,7 +43,8 @@ def _rank(
         ("plain", []),
         ("overlap", ["parallel.tp_comm_overlap=true", f"parallel.tp_comm_chunks={chunks}"]),
     ):
-        models[name] = build_model(load_config(over + extra, world_size=world, check_data=False), mesh)
+        c = load_config(over + extra, world_size=world, check_data=False)
+        models[name] = build_model_for(c.model, c.parallel, c.train, c.optim, mesh)
     cfg = load_config(over, world_size=world, check_data=False)
     ids_BS = torch.randint(
         0, cfg.model.vocab_size, (1, cfg.model.seq_length + 1), generator=torch.Generator().manual_seed(0)

@@ -45,9 +45,10 @@ LR, BETAS, EPS, WD, CLIP = 3e-4, (0.9, 0.95), 1e-8, 0.1, 1.0
 def megaframe_side(args, device: torch.device, precision: str | None = None):
     """(cfg, step function) for megaframe: the trainer's own train_step over one micro-batch."""
     from megaframe.config import load_config
-    from megaframe.model.parallelize import build
+    from megaframe.config.derived import derive
+    from megaframe.model.parallelize import build_for
     from megaframe.parallel.mesh import single_process_mesh
-    from megaframe.training.step import train_step
+    from megaframe.training.step import optimizer_step
 
     over = [
         "data=synthetic",
@@ -76,12 +77,14 @@ def megaframe_side(args, device: torch.device, precision: str | None = None):
     over += ["optim.zero=1"] if precision != "fp32" else []
     cfg = load_config(over, world_size=1, check_data=False)
     mesh = single_process_mesh(device)
-    model, opt = build(cfg, mesh)
+    model, opt = build_for(cfg.model, cfg.parallel, cfg.train, cfg.optim, mesh)
     counter = [0]
 
     def step(ids_BS, labels_BS):
         counter[0] += 1
-        return train_step(model, opt, [(ids_BS, labels_BS)], mesh, cfg, counter[0]).loss_sum
+        return optimizer_step(
+            model, opt, [(ids_BS, labels_BS)], mesh, cfg.optim, derive(cfg, 1), counter[0]
+        ).loss_sum
 
     return cfg, step
 

@@ -59,13 +59,13 @@ MODES = [
 
 def _build(mesh, overrides: list[str], overlap):
     from megaframe.config import load_config
-    from megaframe.model.parallelize import build_model
+    from megaframe.model.parallelize import build_model_for
     from megaframe.optim.build import PlainOptimizer
     from megaframe.optim.zero import ZeroOptimizer
     from megaframe.optim.zero3 import Zero3Optimizer
 
     cfg = load_config(MODEL + overrides, world_size=mesh.world, check_data=False)
-    model = build_model(cfg, mesh)
+    model = build_model_for(cfg.model, cfg.parallel, cfg.train, cfg.optim, mesh)
     if cfg.optim.zero == 3:
         opt = Zero3Optimizer(model, cfg.optim, mesh)
     else:
@@ -80,12 +80,12 @@ def _build(mesh, overrides: list[str], overlap):
 def _timed_step(model, opt, batches, mesh, cfg, step: int) -> tuple[float, float]:
     """train_step split in two: (zero_grad + forward/backward, optimizer step) wall seconds."""
     from megaframe.pipeline.executor import run_schedule
-    from megaframe.training.step import rank_schedule
+    from megaframe.pipeline.grouping import build_schedule
 
     t0 = time.perf_counter()
     opt.zero_grad()
     run_schedule(
-        rank_schedule(cfg, mesh, len(batches)),
+        build_schedule(model.schedule, mesh.pp.size, cfg.parallel.vpp, len(batches), mesh.pp.rank),
         model,
         batches,
         mesh,
@@ -98,8 +98,9 @@ def _timed_step(model, opt, batches, mesh, cfg, step: int) -> tuple[float, float
 
 
 def _worker(rank: int, port: int, steps: int, rounds: int, bucket_mb: float, threads: int, out) -> None:
-    from megaframe.data.dataset import build_data, microbatches
+    from megaframe.data.dataset import BatchShape, microbatches
     from megaframe.parallel.mesh import build_mesh
+    from megaframe.training.startup import run_samples
 
     torch.set_num_threads(threads)
     dist.init_process_group(
@@ -115,7 +116,7 @@ def _worker(rank: int, port: int, steps: int, rounds: int, bucket_mb: float, thr
         for name, over, overlap in MODES
     }
     cfg = next(iter(runs.values()))[0]
-    data, t = build_data(cfg), cfg.train
+    data, t = run_samples(cfg), cfg.train
     times = {name: [] for name in runs}
     sent = {}
     step = 0
@@ -124,7 +125,7 @@ def _worker(rank: int, port: int, steps: int, rounds: int, bucket_mb: float, thr
             for _ in range(steps):
                 step += 1
                 batches = microbatches(
-                    data, step, t.global_batch_size, t.micro_batch_size, mesh.dp.rank, 2, t.seed
+                    data, step, BatchShape(t.global_batch_size, t.micro_batch_size, t.seed), mesh
                 )
                 dist.barrier()
                 mesh.stats.pop()

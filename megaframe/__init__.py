@@ -11,24 +11,7 @@ def load_model(path: str):
     `path` is a step folder (step_XXXXXXXX) or a checkpoint dir holding `latest`.
     `model(input_ids_BS)` returns logits [batch, seq, vocab].
     """
-    from omegaconf import OmegaConf
+    # imported here: `import megaframe` stays free of torch (megaframe/checkpoint/whole_load.py)
+    from megaframe.checkpoint import whole_load
 
-    from megaframe.checkpoint import resolve, sharded
-    from megaframe.checkpoint.metadata import CheckpointError
-    from megaframe.config import Config
-    from megaframe.model.parallelize import whole_model
-
-    try:  # a checkpoint dir: what `latest` names (a rollback's branch), checkpoint/resolve.py
-        step = resolve.step_folder(path)
-    except CheckpointError as e:
-        raise FileNotFoundError(str(e)) from None
-
-    def read(step):
-        meta = sharded.read_metadata(step)
-        cfg: Config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), meta["config"]))
-        model = whole_model(cfg.model)
-        sharded.load_into(step, model)
-        return model.eval()
-
-    # a live run's checkpoint dir: the step pruned while it was read is read again at the new `latest`
-    return resolve.read_newest(path, read, step=step)[1]
+    return whole_load.load_model(path)

@@ -89,6 +89,7 @@ def compose(ckpt, step, meta: dict, overrides: list[str]):
     record (megaframe.data.record): its blend, its last stage's blend (what its val_loss scored) or its
     data.path, with its data.valid_fraction; never the data= preset's data.path of a blend or stages run."""
     from megaframe.config import load_config
+    from megaframe.data.kinds import reads_folders
     from megaframe.data.record import run_folders, scored_blend
 
     keys = {o.split("=", 1)[0].lstrip("+") for o in overrides if "=" in o}
@@ -96,7 +97,7 @@ def compose(ckpt, step, meta: dict, overrides: list[str]):
     record = meta.get("data") or {}
     extra = []
     given = keys & {"data", "data.path", "data.blend", "data.stages"}
-    if not given and data.get("kind", "prepared") == "prepared":
+    if not given and reads_folders(data.get("kind", "prepared")):
         blend, folders = scored_blend(meta), run_folders(meta)
         if blend:
             extra.append(
@@ -120,10 +121,10 @@ def _quoted(path: str) -> str:
 
 def _data_paths(data_cfg) -> set[str]:
     """The prepared folders a data config reads, resolved."""
+    from megaframe.data.kinds import data_folders
     from megaframe.data.record import resolved
-    from megaframe.data.shards import dataset_paths
 
-    return {resolved(p) for _, p in dataset_paths(data_cfg) if p}
+    return {resolved(p) for _, p in data_folders(data_cfg) if p}
 
 
 def trained_on(meta: dict, cfg) -> str | None:
@@ -143,12 +144,13 @@ def evaluate(model, cfg, every: bool) -> tuple[float, int, str]:
     """(mean token loss, tokens scored, split and which of its samples) over the configured samples."""
     import torch
 
-    from megaframe.data.dataset import build_data, microbatches
+    from megaframe.data.dataset import BatchShape, microbatches
     from megaframe.parallel.mesh import single_process_mesh
+    from megaframe.training.startup import run_samples
     from megaframe.training.validation import loss_sum
 
     split = "valid" if cfg.data.valid_fraction > 0 else "all"
-    data = build_data(cfg, split=split)
+    data = run_samples(cfg, split=split)
     t = cfg.train
     # whole micro-batches, at most the split's size: a small validation split is still scored
     g = min(t.global_batch_size, data.num_samples) // t.micro_batch_size * t.micro_batch_size
@@ -162,7 +164,7 @@ def evaluate(model, cfg, every: bool) -> tuple[float, int, str]:
     with torch.no_grad():
         for k in range(iters):
             total += loss_sum(
-                model, microbatches(data, k, g, t.micro_batch_size, 0, 1, t.seed), mesh
+                model, microbatches(data, k, BatchShape(g, t.micro_batch_size, t.seed), mesh), mesh
             ).double()
     tokens = iters * g * cfg.model.seq_length
     # "all" scored 8 KiB of a 1.2M-token corpus: say which samples, not just the split's name
@@ -242,7 +244,7 @@ def main(argv: list[str]) -> int:
     if seen:
         print(f"megaframe: warning: {seen}", file=sys.stderr, flush=True)
         split += ", trained on"
-    d = cfg.data  # a blend is what build_data reads; the data= preset's data.path stays beside it
+    d = cfg.data  # a blend is what run_samples reads; the data= preset's data.path stays beside it
     src = "+".join(b.path for b in (d.stages[-1].blend if d.stages else d.blend)) or d.path
     print(
         f"evaluate: {step} (step {meta.get('step')}) on {src} [{split}]: loss {loss:.4f} | "

@@ -142,9 +142,8 @@ def main(argv: list[str]) -> int:
     )
     encoded = [tok.encode([prompt])[0] for prompt in prompts]
     limit = model.cfg.seq_length
-    for n, ids in enumerate(
-        encoded, 1
-    ):  # all before any output (K10: a long 3rd prompt came after two outputs)
+    # all before any output (K10: a long 3rd prompt came after two outputs)
+    for n, ids in enumerate(encoded, 1):
         if not ids or len(ids) >= limit:
             return fail(
                 f"prompt {n} of {len(prompts)} has {len(ids)} tokens; each must have 1 to {limit - 1} "

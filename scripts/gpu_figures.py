@@ -198,9 +198,10 @@ def mf_builder(shape: str, precision: str, fp8_head: bool = True):
     """megaframe's own train_step on a one-process mesh (bench_gpu.py's megaframe side)."""
 
     def build():
-        from megaframe.model.parallelize import build as mf_build
+        from megaframe.config.derived import derive
+        from megaframe.model.parallelize import build_for
         from megaframe.parallel.mesh import single_process_mesh
-        from megaframe.training.step import train_step
+        from megaframe.training.step import optimizer_step
 
         d = dims(shape)
         extra = (
@@ -210,12 +211,12 @@ def mf_builder(shape: str, precision: str, fp8_head: bool = True):
         )
         cfg = mf_config(d, precision, extra)
         mesh = single_process_mesh(DEV)
-        model, opt = mf_build(cfg, mesh)
+        model, opt = build_for(cfg.model, cfg.parallel, cfg.train, cfg.optim, mesh)
         n = [0]
 
         def step(mbs):
             n[0] += 1
-            return train_step(model, opt, mbs, mesh, cfg, n[0]).loss_sum
+            return optimizer_step(model, opt, mbs, mesh, cfg.optim, derive(cfg, 1), n[0]).loss_sum
 
         def update_only():
             opt.step(LR)  # grads kept from the last step: norm, AdamW (clip as grad_scale), master -> bf16

@@ -159,13 +159,14 @@ def continue_lines(path: Path, cfg, tok: dict | None, overrides: list[str]) -> l
     """The commands that continue pretraining the import: train.py on the data the overrides name when it
     was prepared with the model's tokenizer; else prepare first (before: the printed train command named
     data the check then refused)."""
-    from megaframe.data.shards import same_tokenizer, tokenizer_identity
+    from megaframe.data.kinds import data_folders, tokenizer_identity
+    from megaframe.data.shards import same_tokenizer
 
     rest = [
         o for o in overrides if not o.startswith("model.")
     ]  # the model comes from the checkpoint (config/adopt.py)
     data = tokenizer_identity(cfg.data)
-    if tok is None or cfg.data.kind != "prepared" or (data is not None and same_tokenizer(tok, data)):
+    if tok is None or not data_folders(cfg.data) or (data is not None and same_tokenizer(tok, data)):
         return [
             "continue pretraining with:",
             f"  python train.py checkpoint.resume={path} {' '.join(rest)}".rstrip(),

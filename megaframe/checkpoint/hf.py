@@ -207,9 +207,10 @@ def save_tokenizer(spm_model: str | Path, out: str | Path, model_max_length: int
     # byte_fallback as trained: a character outside the vocabulary becomes <0xNN> pieces, not unk
     tok = Tokenizer(BPE(vocab, merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
     tok.normalizer = _spm_normalizer(proto.normalizer_spec)
+    # the dummy prefix's space
     tok.decoder = decoders.Sequence(
         [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
-    )  # the dummy prefix's space
+    )
     special = {"unk_token": unk}
     if sp.eos_id() >= 0:
         special["eos_token"] = sp.id_to_piece(sp.eos_id())

@@ -89,9 +89,8 @@ def chain(start: Path, root: str | Path, limit: int = 100_000) -> list[Path]:
 def pointed(root: str | Path) -> Path | None:
     """The committed checkpoint `${root}/latest` names, or None (no pointer, or it names nothing)."""
     try:
-        name = (
-            (Path(root) / "latest").read_text(errors="replace").strip()
-        )  # binary garbage: no step folder's name
+        # binary garbage: no step folder's name
+        name = (Path(root) / "latest").read_text(errors="replace").strip()
     except OSError:
         return None
     path = Path(root) / name

@@ -57,13 +57,13 @@ class Layout:
 def rank_items(cfg, layout: Layout, models: dict, p: int, d: int, t: int) -> list[Item]:
     """The items of rank (p, d, t): its model (built once per (pp, tp, ep rank), on meta) and its ZeRO
     segments (zero=1) or whole moments (zero=0)."""
-    from megaframe.model.parallelize import build_model
+    from megaframe.model.parallelize import build_model_for
 
     mesh = virtual_mesh(layout.tp, layout.pp, layout.dp, t, p, d, device="meta", ep=layout.ep)
     # dp replicas hold the same shapes: one meta model per (pp, tp, ep) rank keeps a 256-rank plan cheap
     key = (p, t, mesh.ep.rank)
     if key not in models:
-        models[key] = build_model(cfg, mesh)
+        models[key] = build_model_for(cfg.model, cfg.parallel, cfg.train, cfg.optim, mesh)
     model = models[key]
     opt = (
         PlannedZero(model, cfg.optim, mesh)

@@ -98,9 +98,8 @@ def _load(
     try:
         if faults is not None:
             faults.load_fault(int(meta["step"]))  # MEGAFRAME_INJECT=loadoom: a drill of the branch below
-        meta = sharded.load_into(
-            path, model, optimizer
-        )  # reads this rank's plan, checks every block it reads
+        # reads this rank's plan, checks every block it reads
+        meta = sharded.load_into(path, model, optimizer)
     except (*LOAD_ERRORS, MemoryError) as e:
         if not_the_checkpoints_fault(e):
             return None, "", f"rank {mesh.rank}: {_one(e)}"

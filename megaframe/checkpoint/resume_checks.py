@@ -64,7 +64,7 @@ def _allowed(name: str, allow: list[str]) -> bool:
 
 def check_resume(cfg: Config, meta: dict, path, verbose: bool) -> None:
     """ConfigError on the first change not allowed; the allowed ones are logged (by rank 0, `verbose`)."""
-    from megaframe.data.record import data_changes
+    from megaframe.data.kinds import data_changes
 
     allow = list(cfg.checkpoint.allow_config_change)
     consumed = consumed_samples(meta)
@@ -136,10 +136,13 @@ def seq_change(cfg: Config, old: str, new: str, consumed: int) -> str | None:
         )
     if consumed == 0:
         return None
-    if str(cfg.data.kind) == "synthetic":  # sample i is drawn from (seed, i): none is read twice
+    from megaframe.data.kinds import data_kind
+
+    # an endless kind draws sample i from (seed, i): none is read twice
+    if data_kind(cfg.data.kind).endless:
         return (
-            f"RoPE allows it; {consumed} samples of {old} tokens were consumed and the synthetic samples go "
-            f"on at the same token count in samples of {new} tokens (none repeated)"
+            f"RoPE allows it; {consumed} samples of {old} tokens were consumed and the {cfg.data.kind} "
+            f"samples go on at the same token count in samples of {new} tokens (none repeated)"
         )
     return (
         f"RoPE allows it, but {consumed} samples of {old} tokens were consumed and the sample order is "

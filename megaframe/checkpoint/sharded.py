@@ -65,9 +65,8 @@ def _fsync_write(path: Path, text: str) -> None:
 def begin(root: str | Path, step: int, mesh: Mesh) -> tuple[Path, Path]:
     """Create the (empty) temporary folder of a checkpoint; collective. Returns (tmp, final)."""
     final = step_dir(root, step)
-    tmp = final.with_name(
-        final.name + ".tmp"
-    )  # only the commit's rename creates `final`: no reader sees half a save
+    # only the commit's rename creates `final`: no reader sees half a save
+    tmp = final.with_name(final.name + ".tmp")
     error = None
     if mesh.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -215,9 +214,8 @@ def decide(
     files = {r["file"]: r["info"] for r in reports if r["file"]}
     try:
         commit(root, tmp, final, step, {**meta, "io": io_figures(reports)}, tensors, files)
-    except (
-        OSError
-    ) as e:  # rank 0's metadata or pointer write on a full disk: a verdict, so no peer waits for one
+    # rank 0's metadata or pointer write on a full disk: a verdict, so no peer waits for one
+    except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         return f"checkpoint step {step} not committed: rank 0: {e}"
     # only after the new checkpoint is committed: a crash in

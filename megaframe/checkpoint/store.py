@@ -90,9 +90,8 @@ def write_file(folder: Path, rank: int, tensors: dict[str, torch.Tensor], fail: 
         # and a crash must not leave a commit without its data
         os.fsync(f.fileno())
         n = struct.unpack("<Q", f.read(8))[0]
-        header_crc = zlib.crc32(
-            f.read(n)
-        )  # recorded in metadata.json: a torn header is caught before its offsets are trusted
+        # recorded in metadata.json: a torn header is caught before its offsets are trusted
+        header_crc = zlib.crc32(f.read(n))
     data = sum(t.numel() * t.element_size() for t in tensors.values())
     return {"bytes": path.stat().st_size, "header_crc32": header_crc, "data_bytes": data}
 
@@ -220,9 +219,8 @@ def _span(head: Header, name: str, read: tuple, check: bool) -> tuple:
     item = torch.empty((), dtype=dtype).element_size()
     a, b = first * item, last * item
     nbytes = t["data_offsets"][1] - t["data_offsets"][0]
-    if (
-        b > nbytes
-    ):  # a header that disagrees with metadata.json: never a short read that leaves elements unread
+    # a header that disagrees with metadata.json: never a short read that leaves elements unread
+    if b > nbytes:
         raise CheckpointError(
             f"shard {name} is corrupt (tensor {key} holds {nbytes} bytes, the metadata needs {b})"
         )

@@ -60,9 +60,8 @@ WANDB_MODES = {
 
 
 def _keys(overrides: list[str]) -> set[str]:
-    return {
-        o.split("=", 1)[0].lstrip("+~") for o in overrides if "=" in o
-    }  # +key adds, ~key deletes: both name it
+    # +key adds, ~key deletes: both name it
+    return {o.split("=", 1)[0].lstrip("+~") for o in overrides if "=" in o}
 
 
 def preset_fields(name: str) -> set[str]:
@@ -101,9 +100,8 @@ def resume_point(cfg):
     with a new run.dir. Returns the config with that step folder, so every later check and the resume see one
     path."""
     r = cfg.checkpoint.resume
-    if not str(
-        r
-    ).strip():  # Path("") is the current folder: `checkpoint.resume=$CKPT` with the variable unset
+    # Path("") is the current folder: `checkpoint.resume=$CKPT` with the variable unset
+    if not str(r).strip():
         raise ConfigError(
             f"checkpoint.resume={r!r} must be auto, none or a checkpoint path (an unset shell variable?)"
         )

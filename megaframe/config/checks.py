@@ -69,7 +69,10 @@ def check_config(cfg: Config, world_size: int, check_data: bool = True, schedule
 
     check_names(cfg.run, cfg.checkpoint, cfg.logging)
     _check_resume(cfg)
-    if check_data and cfg.data.kind == "prepared":
+    from megaframe.data.kinds import data_folders
+
+    # a kind reading prepared folders: each whole, fitting the model, of the checkpoint's tokenizer
+    if check_data and data_folders(cfg.data):
         check_prepared(cfg)
         check_checkpoint_tokenizer(cfg)
 
@@ -111,9 +114,8 @@ def _check_model_shapes(m: ModelConfig, p: ParallelConfig) -> None:
     )
     # vocab-parallel embedding and head: each tp rank holds an equal block of rows
     _req(m.vocab_size % p.tp == 0, f"parallel.tp={p.tp} does not divide model.vocab_size={m.vocab_size}")
-    _req(
-        m.head_dim % 2 == 0 or m.position_embedding != "rope", "model head dim must be even for RoPE"
-    )  # RoPE rotates dim pairs
+    # RoPE rotates dim pairs
+    _req(m.head_dim % 2 == 0 or m.position_embedding != "rope", "model head dim must be even for RoPE")
     from megaframe.model.rope_checks import scaling_problem  # beside the formulas, without torch
 
     problem = scaling_problem(m.rope_scaling, m.position_embedding)

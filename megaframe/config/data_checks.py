@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 
 
 def check_data_fields(cfg: Config) -> None:
+    from megaframe.data.kinds import data_kind
     from megaframe.data.record import twice
 
     d, t = cfg.data, cfg.train
@@ -51,7 +52,7 @@ def check_data_fields(cfg: Config) -> None:
         "(lm-eval names)",
     )
     _req(
-        t.eval_interval == 0 or d.kind == "synthetic" or d.valid_fraction > 0,
+        t.eval_interval == 0 or data_kind(d.kind).own_valid or d.valid_fraction > 0,
         f"train.eval_interval={t.eval_interval} needs a validation split: set data.valid_fraction > 0",
     )
 
@@ -115,7 +116,8 @@ def check_checkpoint_tokenizer(cfg: Config) -> None:
     garbage (an imported 8,192-token model fed the demo's 4,096-piece data)."""
     from megaframe.checkpoint.resolve import head
     from megaframe.checkpoint.sharded import read_metadata
-    from megaframe.data.shards import dataset_paths, same_tokenizer, tokenizer_identity
+    from megaframe.data.kinds import data_folders, tokenizer_identity
+    from megaframe.data.shards import same_tokenizer
 
     r = cfg.checkpoint.resume
     if r == "none":
@@ -141,7 +143,7 @@ def check_checkpoint_tokenizer(cfg: Config) -> None:
     # vocabulary size, the one figure an import always has
     if same_tokenizer(tok, data):
         return
-    key, path = dataset_paths(cfg.data)[0]
+    key, path = data_folders(cfg.data)[0]
     fix = f"; prepare the data with data.tokenizer={tok['from']}" if tok.get("from") else ""
     raise ConfigError(
         f"checkpoint {found[-1]} was trained with a {tok['kind']} tokenizer of {tok['vocab_size']} "

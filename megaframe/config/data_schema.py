@@ -147,7 +147,7 @@ class DataConfig(Frozen):
     """For prepare: this task's index under data.num_tasks (a Slurm array's SLURM_ARRAY_TASK_ID)."""
     num_tasks: int = 1
     """For prepare: split the work into this many tasks over disjoint parts of the sources, balanced by bytes
-    (megaframe.data.tasks); the last to finish, or `prepare merge`, writes meta.json."""
+    (megaframe.data.prepare.tasks); the last to finish, or `prepare merge`, writes meta.json."""
     split: DocSplit = DocSplit.file
     """For prepare: file = one document per text file (code, web pages); paragraph = one document per
     blank-line separated paragraph (books). jsonl / json / parquet are always one document per record."""

@@ -159,14 +159,14 @@ def default_vocab_size(cfg: Config) -> int:
     data.path; blended data shares one tokenizer), else data.vocab_size (synthetic data, or data not prepared
     yet), padded to a multiple of VOCAB_PAD and of parallel.tp."""
     from megaframe.config.rules import FIELD_RULES, check_option
-    from megaframe.data.shards import dataset_paths
+    from megaframe.data.kinds import data_folders
 
     d = cfg.data
     # the model's vocabulary is derived from it: a bad one is named as typed (it was model.vocab_size=0)
     check_option(f"data.vocab_size={d.vocab_size}", d.vocab_size, FIELD_RULES["data.vocab_size"])
     vocab = d.vocab_size
-    path = next((p for _, p in dataset_paths(d)), "")  # a stage without a blend: refused by the checks
-    if d.kind == "prepared" and path:
+    path = next((p for _, p in data_folders(d)), "")  # a stage without a blend: refused by the checks
+    if path:
         try:
             vocab = int(json.loads((Path(path) / "meta.json").read_text())["vocab_size"])
         except (OSError, ValueError, KeyError, TypeError):

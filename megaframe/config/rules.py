@@ -126,6 +126,7 @@ FIELD_RULES: dict[str, Rule] = {
     "parallel.pp": POS,
     "parallel.vpp": POS,
     "parallel.ep": POS,
+    "parallel.etp": POS,
     "parallel.cp": POS,
     "parallel.tp_comm_chunks": POS,
     # train

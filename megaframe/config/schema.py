@@ -72,7 +72,7 @@ class ParallelConfig(Frozen):
     tp_comm_overlap: bool = False
     """Under sp at tp > 1: cut the all-gather before each column-parallel GEMM and the reduce-scatter after
     each row-parallel one into chunks pipelined with the partial GEMMs (Megatron's and torchtitan's
-    collective matmul; parallel/tp_overlap.py). Equal results; not applied to FP8 linears."""
+    collective matmul; layers/tp_overlap.py). Equal results; not applied to FP8 linears."""
     tp_comm_chunks: int = 4
     """Chunks of the local sequence block under tp_comm_overlap (the largest count <= this dividing it)."""
     pp_schedule: ScheduleKind = ScheduleKind.auto
@@ -319,9 +319,8 @@ class CheckpointConfig(Frozen):
     # `checkpoint.async` is the user-facing name, but `async` is a Python keyword: declare the field
     # through the class namespace; code reads it as `cfg.checkpoint.async_save`.
     __annotations__["async"] = bool
-    locals()["async"] = field(
-        default=False, init=False, repr=False, compare=False
-    )  # kept out of generated code
+    # kept out of generated code
+    locals()["async"] = field(default=False, init=False, repr=False, compare=False)
     """Copy to host, write in a background thread and commit at a later step boundary."""
     save_timeout_s: float = 1800.0
     """The allowance of a checkpoint save or load, used twice: the hang watchdog's limit while one runs

@@ -4,7 +4,7 @@ A sample is seq_length + 1 consecutive tokens (inputs and shifted labels). Prepa
 memory-mapped token shards; sample i of a split starts at token split_start + i * seq_length. The order
 is a seeded bijection per epoch (megaframe.data.order: computed per position, O(1) memory), so global
 position g (counting samples over the whole run) is sample perm_{g // N}(g % N). A blend of datasets
-(megaframe.data.blend) maps g to (dataset, its own position).
+(megaframe.data.mixture, a blend or data stages) maps g to (dataset, its own position).
 The data cursor is therefore derived, never stored: after step t, positions [0, t·G) are consumed, and a
 run resumed under any dp continues at position t·G exactly.
 
@@ -18,12 +18,12 @@ global batch over ranks and micro-batches gives the same gradient.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from megaframe.config.schema import DataConfig
 from megaframe.data.order import ORDER, sample_index
 from megaframe.data.shards import check_token_range, read_index, read_meta
 from megaframe.parallel.context import cp_keep
@@ -41,6 +41,11 @@ class PreparedData:
 
     shuffle = True
     touched: set | None = None
+
+    @property
+    def parts(self) -> list:
+        """The file readers under it (Samples.parts): itself."""
+        return [self]
 
     def __init__(self, path: str | Path, seq_length: int, split: str = "all", valid_fraction: float = 0.0):
         path = Path(path)
@@ -126,9 +131,10 @@ class PreparedData:
         while lo < hi:
             end = min(hi, int(self.starts[k + 1]))
             piece = self.shards[k][lo - self.starts[k] : end - self.starts[k]]
+            # every layout checks every read
             check_token_range(
                 piece, self.vocab_size, self.path, self.meta["shards"][k]["file"], int(lo - self.starts[k])
-            )  # every layout checks every read
+            )
             if self.touched is not None:  # start-up verification records which shards a batch reads
                 self.touched.add(k)
             pieces.append(piece)
@@ -156,6 +162,7 @@ class SyntheticData:
     """
 
     shuffle = False
+    parts: list = []  # nothing on disk: no shard to check
 
     def __init__(self, vocab_size: int, seq_length: int, seed: int):
         self.vocab_size, self.seq_length, self.seed = vocab_size, seq_length, seed
@@ -176,36 +183,41 @@ class SyntheticData:
         return out
 
 
-def microbatches(
-    data,
-    step: int,
-    global_batch: int,
-    micro_batch: int,
-    dp_rank: int,
-    dp_size: int,
-    seed: int,
-    device: torch.device | str = "cpu",
-    base: int = 0,
-    cp_rank: int = 0,
-    cp_size: int = 1,
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """This dp rank's micro-batches of step `step` (0-based, counted from sample position `base`: a run
-    resumed with another global batch continues from its consumed samples): [(input_ids_BS, labels_BS), ...].
-    Under cp every cp rank reads the same samples and keeps its two chunks of each (parallel.context)."""
-    per_rank = global_batch // dp_size
+@dataclass(frozen=True)
+class BatchShape:
+    """The global batch a step reads and where the run's batches start in the sample order."""
+
+    global_batch: int
+    """Samples per step (train.global_batch_size), split over the dp ranks."""
+    micro_batch: int
+    """Samples per micro-batch (train.micro_batch_size)."""
+    seed: int
+    """train.seed: the order of the samples."""
+    base: int = 0
+    """The sample position step 0 starts at (a run resumed with another global batch continues from its
+    consumed samples)."""
+
+
+def microbatches(data, step: int, shape: BatchShape, mesh) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's micro-batches of step `step` (0-based, counted from `shape.base`): [(input_ids_BS,
+    labels_BS), ...]. `mesh` places the reader: its dp rank reads a contiguous block of the global batch;
+    under cp every cp rank reads the same samples and keeps its two chunks of each (parallel.context);
+    the tokens go to `mesh.device`."""
+    dp, cp, device = mesh.dp, mesh.cp, mesh.device
+    per_rank = shape.global_batch // dp.size
     order = getattr(data, "order", ORDER)  # a resumed run keeps the order it began with
     # a contiguous block per dp rank: the global batch holds the same samples whatever dp is
-    first = base + step * global_batch + dp_rank * per_rank
-    out = []
-    for m in range(per_rank // micro_batch):
-        pos = range(first + m * micro_batch, first + (m + 1) * micro_batch)
-        ids = [sample_index(p, data.num_samples, seed, order) if data.shuffle else p for p in pos]
+    first = shape.base + step * shape.global_batch + dp.rank * per_rank
+    out, m = [], shape.micro_batch
+    for k in range(per_rank // m):
+        pos = range(first + k * m, first + (k + 1) * m)
+        ids = [sample_index(p, data.num_samples, shape.seed, order) if data.shuffle else p for p in pos]
         tokens = torch.from_numpy(np.stack([data[i] for i in ids]))
         if torch.device(device).type == "cuda":  # page-locked: the copy below runs async to the host
             tokens = tokens.pin_memory()
         tokens = tokens.to(device, non_blocking=True)
         # views of one copy, shifted by a token; under cp each rank keeps its two chunks of both
-        out.append((cp_keep(tokens[:, :-1], cp_rank, cp_size), cp_keep(tokens[:, 1:], cp_rank, cp_size)))
+        out.append((cp_keep(tokens[:, :-1], cp.rank, cp.size), cp_keep(tokens[:, 1:], cp.rank, cp.size)))
     return out
 
 
@@ -237,62 +249,3 @@ class Prefetcher:
     def close(self) -> None:
         # wait: the worker may be inside a read of the mmap; the not-started next step is cancelled
         self.pool.shutdown(wait=True, cancel_futures=True)
-
-
-def build_data(cfg, split: str = "train"):
-    """build_samples for the run config `cfg` (tests, scripts/dev and the command lines hold a whole one)."""
-    m, t = cfg.model, cfg.train
-    return build_samples(cfg.data, m.seq_length, m.vocab_size, t.seed, t.global_batch_size, split)
-
-
-def build_samples(
-    d: DataConfig, seq: int, vocab_size: int, seed: int, global_batch: int, split: str = "train"
-):
-    """The training (or, with split="valid", validation) samples of the data group `d`: synthetic, one
-    prepared dataset, or a blend, cut into samples of `seq` tokens. `vocab_size` (model.vocab_size) bounds
-    synthetic ids; `seed` (train.seed) orders blends and stages and seeds synthetic data; `global_batch`
-    (train.global_batch_size) rounds stage ends to whole steps. Raises OSError/ValueError on unreadable data
-    (callers make it a ConfigError)."""
-    from megaframe.data.blend import BlendedData
-
-    if d.kind == "synthetic":  # validation: the same generator under another seed, never seen in training
-        return SyntheticData(vocab_size, seq, seed if split == "train" else seed + 1_000_003)
-    if d.stages and split == "train":
-        from megaframe.data.record import resolved
-        from megaframe.data.stages import StagedData
-
-        # the union in first-seen order, keyed by the resolved folder: `x` and `x/` are one dataset
-        paths = dict.fromkeys(resolved(b.path) for s in d.stages for b in s.blend)
-        parts = {p: PreparedData(p, seq, split, d.valid_fraction) for p in paths}
-        return StagedData(parts, d.stages, global_batch, seed)
-    if d.stages:  # validation: the last stage's mixture (the data the run ends on)
-        last = d.stages[-1].blend
-        parts = [PreparedData(b.path, seq, split, d.valid_fraction) for b in last]
-        return BlendedData(parts, [b.weight for b in last], seed)
-    if not d.blend:
-        return PreparedData(d.path, seq, split, d.valid_fraction)
-    parts = [PreparedData(b.path, seq, split, d.valid_fraction) for b in d.blend]
-    return BlendedData(parts, [b.weight for b in d.blend], seed)
-
-
-def data_state(d: DataConfig, step: int, seed: int, global_batch: int, order: str = ORDER) -> dict:
-    """The data cursor and what the run trains on, for checkpoint metadata (megaframe.data.record: a resume
-    compares it, evaluate/export/generate read it). The cursor is derived from the step (positions
-    [0, step·G) of the (seed, epoch) order are consumed), so resume needs no saved reader state, under any
-    dp. `seed`, `global_batch`: train.seed and train.global_batch_size."""
-    from megaframe.data.record import mixture, resolved, schedule, sources
-
-    prepared = d.kind == "prepared"
-    return {
-        "kind": d.kind,
-        "path": resolved(d.path) if prepared and not (d.blend or d.stages) else None,
-        "blend": mixture(d.blend),
-        "valid_fraction": d.valid_fraction,
-        "seed": seed,
-        "order": order,
-        "stages": schedule(d.stages),
-        "sources": sources(d) if prepared else [],
-        # the trainer replaces it with Accounting's exact count (a batch size changed at a resume)
-        "consumed_samples": step * global_batch,
-        "cursor": "derived: global sample position = step * global_batch_size + index in the batch",
-    }

@@ -2,8 +2,8 @@
 export and generate, so none of them falls back on the data= preset's data.path that a blend or stages run
 never read.
 
-The record is the checkpoint's `data` entry (dataset.data_state) with its `tokenizer` entry
-(shards.tokenizer_identity: the tokenizer's resolved path and sha256):
+The record is the checkpoint's `data` entry (kinds.data_state) with its `tokenizer` entry
+(kinds.tokenizer_identity: the tokenizer's resolved path and sha256):
     sources         every prepared dataset the run reads, [{key, path, content_sha256}], first-seen order
                     (the first stage's first dataset, else the first blend source, else data.path, first)
     path            a plain run's data.path; None in a blend or stages run (the preset's path is not read)
@@ -45,12 +45,11 @@ def content_sha256(folder) -> str | None:
     return hashlib.sha256(json.dumps(keep, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def sources(data_cfg) -> list[dict]:
-    """The record's `sources`: every prepared dataset a run reads, once each, resolved and fingerprinted."""
-    from megaframe.data.shards import dataset_paths
-
+def sources(folders: list[tuple[str, str]]) -> list[dict]:
+    """The record's `sources`: every prepared folder a run reads ((config key, folder) pairs, data/kinds.py:
+    data_folders), once each, resolved and fingerprinted."""
     out, seen = [], set()
-    for key, path in dataset_paths(data_cfg):
+    for key, path in folders:
         where = resolved(path)
         if where and where not in seen:
             seen.add(where)
@@ -142,7 +141,7 @@ def _show_stages(stages: list[dict]) -> str:
 
 
 def kind_change(d: DataConfig, meta: dict) -> list[tuple[str, str, str, str]]:
-    """A switch between prepared and synthetic data (data.kind, recorded in the checkpoint's config)."""
+    """A switch of data.kind (recorded in the checkpoint's config; prepared before it was recorded)."""
     was = str(((meta.get("config") or {}).get("data") or {}).get("kind") or "prepared")
     now = str(getattr(d.kind, "value", d.kind))
     if was == now:
@@ -158,15 +157,13 @@ def kind_change(d: DataConfig, meta: dict) -> list[tuple[str, str, str, str]]:
     ]
 
 
-def data_changes(d: DataConfig, meta: dict) -> list[tuple[str, str, str, str]]:
-    """(config key, recorded, this run's, what it does to the stream) of every change of what the run trains
-    on: its stages, its blend (paths or weights), a plain run's data.path, data.valid_fraction, and the
-    content of a dataset at the same path; a switch between prepared and synthetic data (data.kind).
-    Synthetic data on both sides: nothing to compare."""
-    old = meta.get("data") or {}
-    kind = kind_change(d, meta)
-    if kind or str(getattr(d.kind, "value", d.kind)) != "prepared":
-        return kind
+def prepared_changes(
+    d: DataConfig, old: dict, dataset_folders: list[tuple[str, str]]
+) -> list[tuple[str, str, str, str]]:
+    """(config key, recorded, this run's, what it does to the stream) of every change of what a prepared
+    run trains on against its record `old` (the checkpoint's `data`): its stages, its blend (paths or
+    weights), a plain run's data.path, data.valid_fraction, and the content of a folder at the same path
+    (`dataset_folders`: the run's (config key, folder) pairs)."""
     out = []
     was, now = schedule(old.get("stages")), schedule(d.stages)
     if was or now:
@@ -192,7 +189,7 @@ def data_changes(d: DataConfig, meta: dict) -> list[tuple[str, str, str, str]]:
         )
         out.append(("data.valid_fraction", str(ran), str(f), why))
     recorded = {s["path"]: s.get("content_sha256") for s in old.get("sources") or [] if isinstance(s, dict)}
-    for s in sources(d):
+    for s in sources(dataset_folders):
         want = recorded.get(s["path"])
         if want and s["content_sha256"] != want:
             key = s["key"].split("[")[0]  # data.blend[1].path -> data.blend: allow_config_change's key

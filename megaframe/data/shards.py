@@ -46,9 +46,8 @@ def encode_chunk(task: tuple) -> dict:
     cpu0 = time.process_time()
     tok_path, out_dir, name, docs = task
     tok = _tokenizer(tok_path)
-    ids = tok.encode(
-        docs, num_threads=1
-    )  # one thread: parallelism comes from the processes  # processes give the parallelism
+    # one thread: the processes give the parallelism
+    ids = tok.encode(docs, num_threads=1)
     eos = tok.eos_id
     lengths = np.fromiter((len(x) + 1 for x in ids), np.int64, len(ids))
     total = int(lengths.sum())
@@ -87,9 +86,8 @@ def prepare_command(data_cfg, path) -> str:
     from megaframe.config.schema import ROOT
 
     folder = Path(path)
-    if folder.is_dir() and any(
-        folder.iterdir()
-    ):  # source files, most likely: prepare refuses to write into them
+    # source files, most likely: prepare refuses to write into them
+    if folder.is_dir() and any(folder.iterdir()):
         out = f"{str(path).rstrip('/')}-prepared"
         return f"python -m megaframe.data.prepare data.source={path} data.path={out} (then data.path={out})"
     if data_cfg.name == "demo" and data_cfg.source == str(ROOT / "data/demo/corpus"):
@@ -114,9 +112,8 @@ def read_meta(path: Path) -> dict:
         ) from e
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"meta.json is corrupt ({' '.join(str(e).split()) or type(e).__name__})") from e
-    except (
-        OSError
-    ) as e:  # a file given for the folder, or an unreadable meta.json: bad input, not a traceback
+    # a file given for the folder, or an unreadable meta.json: bad input, not a traceback
+    except OSError as e:
         raise ValueError(
             f"{path}: not a readable prepared data folder ({e.strerror or type(e).__name__})"
         ) from e
@@ -271,10 +268,11 @@ def check_datasets(d: DataConfig, vocab_size: int) -> list[dict]:
         try:
             meta = check_prepared(path)
         except NotPrepared:
+            # the cause says less
             raise NotPrepared(
                 f"{key}={path}: no prepared data (meta.json missing); prepare it with: "
                 f"{prepare_command(d, path)}"
-            ) from None  # the cause says less
+            ) from None
         except ValueError as e:
             raise ValueError(f"{key}={path}: {e}") from e
         vocab = int(meta["vocab_size"])
@@ -292,26 +290,23 @@ def check_datasets(d: DataConfig, vocab_size: int) -> list[dict]:
     return metas
 
 
-def tokenizer_identity(data_cfg) -> dict | None:
-    """What a checkpoint records of the tokenizer it was trained with (the first dataset's: blended ones
-    share it); None for synthetic data or data that cannot be read."""
-    if data_cfg.kind != "prepared":
-        return None
-    key, path = dataset_paths(data_cfg)[0]
+def folder_tokenizer(path) -> dict | None:
+    """What a checkpoint records of the tokenizer a prepared folder was made with (data/kinds.py:
+    tokenizer_identity asks it of a run's first folder); None when the folder cannot be read."""
     try:
         meta = read_meta(Path(path))
-        tok = inside(
-            path, meta.get("tokenizer", "tokenizer.model")
-        )  # a name from metadata stays in its folder
+        # a name from metadata stays in its folder
+        tok = inside(path, meta.get("tokenizer", "tokenizer.model"))
     except ValueError:
         return None
+    # where generate / export find the run's tokenizer
     return {
         "sha256": meta.get("tokenizer_sha256"),
         "vocab_size": int(meta["vocab_size"]),
         "kind": meta.get("tokenizer_kind", "sentencepiece"),
         "from": str(tok),
         "path": str(tok.resolve()),
-    }  # where generate / export find the run's tokenizer
+    }
 
 
 def same_tokenizer(tok: dict, data: dict) -> bool:

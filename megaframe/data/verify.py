@@ -137,20 +137,16 @@ def summary(notes: dict, nbytes: int, seconds: float) -> str:
 def first_batch_shards(data, step: int, global_batch: int, base: int, seed: int) -> dict[Path, set[str]]:
     """{dataset folder: shard files} that the global batch of `step` (0-based, from sample position
     `base`) reads: found by reading that batch once on the host with the readers recording their shards."""
-    from megaframe.data.dataset import microbatches
+    from megaframe.data.dataset import BatchShape, microbatches
+    from megaframe.parallel.mesh import single_process_mesh
 
-    parts = getattr(data, "parts", [data])
+    parts = data.parts  # the file readers under the data (Samples.parts: [] for generated data)
     for p in parts:
         p.touched = set()
     try:
         # the whole global batch as dp=1 in one micro-batch: the samples of that step under any layout
-        microbatches(data, step, global_batch, global_batch, 0, 1, seed, "cpu", base=base)
-        touched = [
-            (p.path, p.meta["shards"][k]["file"])
-            for p in parts
-            if hasattr(p, "path")
-            for k in sorted(p.touched)
-        ]
+        microbatches(data, step, BatchShape(global_batch, global_batch, seed, base), single_process_mesh())
+        touched = [(p.path, p.meta["shards"][k]["file"]) for p in parts for k in sorted(p.touched)]
         out: dict[Path, set[str]] = {}
         for folder, name in touched[:MAX_STARTUP_SHARDS]:
             out.setdefault(folder, set()).add(name)

@@ -52,7 +52,7 @@ def _layout_model(ckpt: str, overrides: list[str], tokenizer: str | None, env):
     from megaframe.checkpoint import sharded
     from megaframe.config import load_config
     from megaframe.inference.files import check_vocab, find_tokenizer, resolve_step
-    from megaframe.model.parallelize import build_model
+    from megaframe.model.parallelize import build_model_for
     from megaframe.parallel.launch import init_distributed, pick_device
     from megaframe.parallel.mesh import build_mesh
     from megaframe.pipeline import p2p
@@ -80,6 +80,6 @@ def _layout_model(ckpt: str, overrides: list[str], tokenizer: str | None, env):
         timeout=datetime.timedelta(seconds=cfg.train.dist_timeout_s),
     )
     p2p.warm_up(mesh.pp, device)  # before the first forward's transfers, as the trainer does
-    model = build_model(cfg, mesh)
+    model = build_model_for(cfg.model, cfg.parallel, cfg.train, cfg.optim, mesh)
     sharded.load_into(step, model)
     return model.eval(), mesh, tok

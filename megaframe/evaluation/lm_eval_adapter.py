@@ -226,7 +226,7 @@ def check_args(args: dict) -> None:
 def load_checkpoint(checkpoint: str | None, tokenizer: str | None, option: str = TOKENIZER_OPTION):
     """(model, one-process mesh, tokenizer) of a checkpoint; ValueError names what is wrong, a missing
     tokenizer with `option`, how the calling tool takes one."""
-    import megaframe
+    from megaframe.checkpoint import whole_load
     from megaframe.inference.files import check_vocab, find_tokenizer, read_step
     from megaframe.parallel.mesh import single_process_mesh
 
@@ -236,7 +236,7 @@ def load_checkpoint(checkpoint: str | None, tokenizer: str | None, option: str =
     def read(step, meta):  # re-read at the new `latest` if a live run prunes the step meanwhile
         tok, tok_path = find_tokenizer(step, meta, tokenizer, option)
         try:
-            model = megaframe.load_model(str(step))
+            model = whole_load.load_model(str(step))
         except (OSError, KeyError, RuntimeError) as e:
             raise ValueError(f"{step}: cannot load the model ({str(e).splitlines()[0]})") from e
         check_vocab(tok, tok_path, model.cfg.vocab_size)

@@ -63,9 +63,8 @@ def generate(
     logits_BSV = forward_cached(model, ids_BS, cache) if use_cache else forward_full(model, ids_BS)
     t_prefill = time.perf_counter()
     for n in range(max_new):
-        tok = int(
-            next_token(logits_BSV[:, -1], sampling, vocab, gen)[0]
-        )  # a host read: the loop needs the id
+        # a host read: the loop needs the id
+        tok = int(next_token(logits_BSV[:, -1], sampling, vocab, gen)[0])
         out.append(tok)
         if on_token is not None:
             on_token(tok)

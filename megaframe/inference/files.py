@@ -130,9 +130,9 @@ def check_vocab(tok, tok_path, vocab_size: int) -> None:
 
 def tokenizer_record(data_cfg) -> dict | None:
     """What a checkpoint records about the run's tokenizer: the prepared data's tokenizer path and hash."""
-    from megaframe.data.shards import dataset_paths
+    from megaframe.data.kinds import data_folders
 
-    for _, folder in dataset_paths(data_cfg):
+    for _, folder in data_folders(data_cfg):
         if not folder:
             continue
         try:

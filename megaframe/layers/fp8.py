@@ -241,9 +241,8 @@ def enable_fp8(model: nn.Module, recipe: str, warn: bool = True, head: bool = Tr
             kept.append(f"head [{v}, {d}]")
             continue
         gpt.head_gemm, n = Fp8Gemm(recipe, pad_inner_dim=True), n + 1
-        if isinstance(
-            getattr(gpt, "head", None), ColumnParallelLinear
-        ):  # tp > 1 or logits: the linear's GEMM
+        # tp > 1 or logits: the linear's GEMM
+        if isinstance(getattr(gpt, "head", None), ColumnParallelLinear):
             gpt.head.gemm = gpt.head_gemm
     if kept and warn:
         print(

@@ -125,9 +125,8 @@ def _accumulate(acc_VD: torch.Tensor, grad_CV: torch.Tensor, x_CD: torch.Tensor,
             torch.mm(grad_CV.t(), x_CD, out=acc_VD)
         else:
             acc_VD.addmm_(grad_CV.t(), x_CD)
-    elif mixed_gemm(
-        acc_VD.device.type
-    ):  # bf16 operands, the GEMM's own fp32 accumulator written out as fp32 (cuBLAS)
+    # bf16 operands, the GEMM's own fp32 accumulator written out as fp32 (cuBLAS)
+    elif mixed_gemm(acc_VD.device.type):
         if first:
             torch.mm(grad_CV.t(), x_CD, torch.float32, out=acc_VD)
         else:
@@ -196,9 +195,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 x_ND[lo : lo + c], gemms, target_N[lo : lo + c], g_N[lo : lo + c].float()
             )
             gemms.grad_input(grad_CV, gx_ND[lo : lo + c])
-            gemms.accumulate(
-                acc_VD, grad_CV, x_ND[lo : lo + c], first=lo == 0
-            )  # (rare path: per-token weights)
+            # (rare path: per-token weights)
+            gemms.accumulate(acc_VD, grad_CV, x_ND[lo : lo + c], first=lo == 0)
         return gx_ND, acc_VD.to(w_VD.dtype), None, None, None
 
 

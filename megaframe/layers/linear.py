@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megaframe.layers import wgrad
+from megaframe.layers import tp_overlap, wgrad
 from megaframe.layers.shard import Shard, sharded_param
-from megaframe.parallel import comm, tp_overlap
+from megaframe.parallel import comm
 from megaframe.parallel.eager import eager
 from megaframe.parallel.mesh import Axis
 from megaframe.pipeline.split import wanted
@@ -73,7 +73,7 @@ class ColumnParallelLinear(nn.Module):
             sharded_param(Shard((out,), 0, tuple(out_parts), tp.rank, tp.size), device) if bias else None
         )
         self.gemm = None  # an Fp8Gemm under train.precision=fp8 (layers/fp8.py:enable_fp8)
-        self.overlap_chunks = 0  # > 0: the sp all-gather chunked under the GEMM (parallel/tp_overlap.py)
+        self.overlap_chunks = 0  # > 0: the sp all-gather chunked under the GEMM (layers/tp_overlap.py)
 
     def forward(self, x_SBI: torch.Tensor) -> torch.Tensor:
         if self.overlap_chunks and self.gemm is None:  # enable_tp_overlap sets it only under sp at tp > 1
@@ -101,7 +101,7 @@ class RowParallelLinear(nn.Module):
         # so its gradient is partial over tp.
         self.bias = sharded_param(Shard((out_features,)), device, tp_partial_grad=sp) if bias else None
         self.gemm = None  # an Fp8Gemm under train.precision=fp8 (layers/fp8.py:enable_fp8)
-        self.overlap_chunks = 0  # > 0: the sp reduce-scatter chunked under the GEMM (parallel/tp_overlap.py)
+        self.overlap_chunks = 0  # > 0: the sp reduce-scatter chunked under the GEMM (layers/tp_overlap.py)
 
     def forward(self, x_SBI: torch.Tensor) -> torch.Tensor:
         if self.overlap_chunks and self.gemm is None:  # enable_tp_overlap sets it only under sp at tp > 1

@@ -69,9 +69,8 @@ class MLP(nn.Module):
             gate_SBF, up_SBF = h_SBX.chunk(2, dim=-1)
             h_SBF = F.silu(gate_SBF) * up_SBF
         else:
-            h_SBF = F.gelu(
-                h_SBX, approximate="tanh"
-            )  # tanh form: HF GPT-2's gelu_new, so imported weights match
+            # tanh form: HF GPT-2's gelu_new, so imported weights match
+            h_SBF = F.gelu(h_SBX, approximate="tanh")
         return self.down_proj(h_SBF)
 
 

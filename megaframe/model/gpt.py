@@ -22,7 +22,7 @@ from megaframe.layers.fused_ce import linear_cross_entropy
 from megaframe.layers.linear import ColumnParallelLinear
 from megaframe.layers.norm import Norm
 from megaframe.layers.rng import tp_distinct
-from megaframe.layers.shard import Shard, init_model, sharded_param
+from megaframe.layers.shard import InitSpec, Shard, init_model, sharded_param
 from megaframe.layers.vocab import VocabParallelEmbedding, parallel_logits, vocab_parallel_cross_entropy
 from megaframe.model import mtp
 from megaframe.model.block import BlockArgs, build_block
@@ -59,8 +59,16 @@ class GPT(nn.Module):
     `block`: the family's block builder (model/parallelize.py passes the one model.family names).
     """
 
-    fused_head_loss = True
-    """tp=1: the head and loss run fused (layers/fused_ce.py); build_model sets train.fused_head_loss."""
+    schedule: str | None
+    """The pipeline schedule kind the stage is placed for (the step runs it; the model knows no schedule
+    beyond its name); None: the run's derived kind."""
+    init_spec: InitSpec | None
+    """How ZeRO-3 materialises the parameters the builder left on meta (optim/zero3.py)."""
+    fused_head_loss: bool
+    """tp=1: the head and loss fused (layers/fused_ce.py), else the whole logits (train.fused_head_loss)."""
+    float8_gathered: tuple = ()
+    """The weights ZeRO-3 gathers as float8 (optim/float8_gather.py), known from shapes once the builder
+    has cast the model (model/parallelize.py)."""
 
     def __init__(
         self,
@@ -74,9 +82,13 @@ class GPT(nn.Module):
         cp_ring: bool = False,
         param_device=None,
         block: Callable[[BlockArgs, int], nn.Module] = build_block,
+        schedule: str | None = None,
+        init_spec: InitSpec | None = None,
+        fused_head_loss: bool = True,
     ):
         super().__init__()
         self.cfg, self.mesh = cfg, mesh
+        self.schedule, self.init_spec, self.fused_head_loss = schedule, init_spec, fused_head_loss
         self.recompute_blocks = recompute if recompute in ("full", "op_selective") else None
         self.stage = stage = stage or Stage.whole(cfg.num_layers)
         # sp means nothing at tp = 1; folding it here keeps every sp branch below from also testing tp.

@@ -14,23 +14,18 @@ from megaframe.config.choices import CPComm
 from megaframe.config.schema import ModelConfig, OptimConfig, ParallelConfig, TrainConfig
 from megaframe.layers.fp8 import enable_fp8, float8_gathered_weights
 from megaframe.layers.shard import InitSpec, init_model
+from megaframe.layers.tp_overlap import enable_tp_overlap
 from megaframe.model.gpt import GPT
 from megaframe.models.registry import spec_of
 from megaframe.optim.build import build_optimizer
 from megaframe.optim.protocol import Optimizer
 from megaframe.parallel.eager import arm
 from megaframe.parallel.mesh import Mesh, single_process_mesh
-from megaframe.parallel.tp_overlap import enable_tp_overlap
 from megaframe.pipeline.partition import Stage, stage_layout
 from megaframe.pipeline.schedule import ScheduleSpec, schedule_spec
 
 # fp8: bf16 params, float8 GEMMs
 PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.bfloat16}
-
-
-def build(cfg, mesh: Mesh) -> tuple[GPT, Optimizer]:
-    """build_for with the groups of the run config `cfg` (a megaframe.config.Config)."""
-    return build_for(cfg.model, cfg.parallel, cfg.train, cfg.optim, mesh)
 
 
 def build_for(
@@ -45,11 +40,6 @@ def rank_stage(m: ModelConfig, p: ParallelConfig, mesh: Mesh, schedule: Schedule
     """This rank's chunks of layers, placed as `schedule` places them (a loop or a V); every rank derives
     its stage from the same config, so the pipeline neighbours agree on the cut."""
     return stage_layout(m.num_layers, mesh.pp.size, p.vpp, mesh.pp.rank, p.pp_layout, v=schedule.v)
-
-
-def build_model(cfg, mesh: Mesh) -> GPT:
-    """build_model_for with the groups of the run config `cfg` (a megaframe.config.Config)."""
-    return build_model_for(cfg.model, cfg.parallel, cfg.train, cfg.optim, mesh)
 
 
 def build_model_for(m: ModelConfig, p: ParallelConfig, t: TrainConfig, o: OptimConfig, mesh: Mesh) -> GPT:
@@ -72,12 +62,12 @@ def build_model_for(m: ModelConfig, p: ParallelConfig, t: TrainConfig, o: OptimC
         cp_ring=CPComm(p.cp_comm) is CPComm.ring,
         param_device=torch.device("meta"),
         block=spec_of(m).block,
+        schedule=schedule.name,
+        init_spec=InitSpec(t.seed, m.init_std, m.num_layers),
+        fused_head_loss=t.fused_head_loss,
     )
     # the one cast: free on a meta model; buffers too (the router keeps its bias fp32)
     model.to(PARAM_DTYPES[t.precision])
-    model.schedule = schedule
-    model.fused_head_loss = t.fused_head_loss  # tp=1: head + loss fused, or the whole logits
-    model.init_spec = InitSpec(t.seed, m.init_std, m.num_layers)
     if not deferred_init(o, mesh):
         init_model(model, t.seed, m.init_std, m.num_layers, mesh.device)
     # the blocks' GEMMs as torchao float8 (parameters stay as they are); a planning (meta) model keeps the

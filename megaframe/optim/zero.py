@@ -198,9 +198,8 @@ class ZeroOptimizer(ZeroStateIO, Optimizer):
                 b.ready.clear()
                 b.launched = False
                 b.acc = None
-                if (
-                    self.stage == 2 and b.late and made
-                ):  # kept for the step: summed over the pipeline ends first
+                # kept for the step: summed over the pipeline ends first
+                if self.stage == 2 and b.late and made:
                     for p in b.params:
                         p.main_grad = buf.acc_view(p)
         for p in self.params:

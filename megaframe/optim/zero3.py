@@ -250,9 +250,8 @@ class Zero3Optimizer(ZeroOptimizer):
 
     def _free(self, i: int) -> None:
         if not any(_held(b) or b.gwork is not None for _, b in self.block_buckets[i]):
-            for _, b in self.block_buckets[
-                i
-            ]:  # already freed (meta start-up, or freed twice): no storage to read
+            # already freed (meta start-up, or freed twice): no storage to read
+            for _, b in self.block_buckets[i]:
                 b.fresh = b.fresh8 = False
             return
         # Last chance to see writes made from outside into

@@ -66,7 +66,7 @@ def run_schedule(
     """Run every action; returns the sum of token losses of this rank's micro-batches (0 off the last stage).
 
     With `timeline`, appends (action, start, end) in perf_counter seconds for each compute action. A
-    forward-only schedule (schedule.forward_schedule: evaluation, under no_grad) keeps no backward roots.
+    forward-only schedule (grouping.forward_schedule: evaluation, under no_grad) keeps no backward roots.
     """
     # A device scalar, summed without .item(): the loss is read on the host only at log steps.
     st = _State(loss_sum=torch.zeros((), device=batches[0][0].device))

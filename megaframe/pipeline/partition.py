@@ -13,7 +13,8 @@ import functools
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from megaframe.pipeline.schedule import build_schedule, check_args, is_v, splits_backward, stage_of
+from megaframe.pipeline.grouping import build_schedule
+from megaframe.pipeline.schedule import check_args, is_v, splits_backward, stage_of
 
 
 @dataclass(frozen=True)

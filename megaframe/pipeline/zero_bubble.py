@@ -56,7 +56,7 @@ def zero_bubble_plan(
 ) -> tuple[tuple[tuple[Action, ...], ...], list[list[int]]]:
     """(zero_bubble_orders' orders, the tick each action starts at). The greedy never idles a rank whose
     next action is ready (a W always is; a B or F it skips stays unready while the rank idles), so these
-    ticks are the unit-time replay's (schedule.py's _unit_times): it reuses them instead of replaying
+    ticks are the unit-time replay's (grouping.py's _unit_times): it reuses them instead of replaying
     (the grid test's time)."""
     v = rule.v
     vpp = 2 if v else 1

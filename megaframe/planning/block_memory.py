@@ -30,7 +30,7 @@ def plan_documents(model, cfg: Config) -> None:
 def act_per_layer(cfg_key, tp: int, recompute: str, cp: int = 1) -> tuple[int, int, int]:
     """(bytes per block, embedding extra, head + loss extra) a micro-batch of 1 saves, from meta forwards of
     a 1- and a 2-layer model and of the two stages of a 2-layer, pp=2 model."""
-    from megaframe.model.parallelize import build_model
+    from megaframe.model.parallelize import build_model_for
     from megaframe.parallel.virtual import virtual_mesh
     from megaframe.planning.activations import chunk_activation_bytes
 
@@ -46,7 +46,7 @@ def act_per_layer(cfg_key, tp: int, recompute: str, cp: int = 1) -> tuple[int, i
             train=dataclasses.replace(cfg.train, recompute=recompute, compile=False),
         )
         mesh = virtual_mesh(tp, pp, 1, pp_rank=pp_rank, device="meta", cp=cp)
-        model = build_model(c, mesh)
+        model = build_model_for(c.model, c.parallel, c.train, c.optim, mesh)
         if c.data.document_mask:  # the documents' mask and tensors, as the exact planner counts them
             plan_documents(model, c)
         return chunk_activation_bytes(model, 0, 1, fused_attention=True)

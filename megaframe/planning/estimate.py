@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, field, replace
 from megaframe.config.derived import derive
 from megaframe.config.schema import Config
 from megaframe.model.attention import Attention
-from megaframe.model.parallelize import build_model
+from megaframe.model.parallelize import build_model_for
 from megaframe.optim.rule_registry import rule_named
 from megaframe.optim.sizing import planned_dp_bytes, planned_memory_bytes
 from megaframe.parallel.context import cp_bytes_per_layer
@@ -237,7 +237,7 @@ def _rank_figures(cfg: Config, tp: int, pp: int, dp: int, pp_rank: int, tp_rank:
         shard=cfg.optim.shard_group_size,
         cp=cfg.parallel.cp,
     )
-    model = build_model(cfg, mesh)
+    model = build_model_for(cfg.model, cfg.parallel, cfg.train, cfg.optim, mesh)
     if cfg.data.document_mask:
         plan_documents(model, cfg)
     params, grads, optim = state_bytes(model, cfg, mesh)

@@ -166,7 +166,7 @@ def _tp(s: _Step) -> float:
     blocks = colls * one
     p = s.cfg.parallel
     if p.tp_comm_overlap and tp > 1 and s.cfg.train.precision != "fp8":
-        # collective matmul (parallel/tp_overlap.py): each block's gathers and reduce-scatters run chunk by
+        # collective matmul (layers/tp_overlap.py): each block's gathers and reduce-scatters run chunk by
         # chunk under its partial GEMMs; paid: what the GEMMs cannot cover, plus the first chunk's
         in_blocks = per_block * s.layers * s.micro * one
         gemm = s.work["gemm"] / s.share

@@ -66,9 +66,8 @@ class StopFlag:
             )
         # every flag in one tensor: one all-reduce per check step, not three
         flags = torch.tensor([float(self.signum is not None), float(busy), float(due)])
-        comm.all_reduce(
-            flags, self.group, op=dist.ReduceOp.MAX
-        )  # MAX: any rank signalled / still writing / due
+        # MAX: any rank signalled / still writing / due
+        comm.all_reduce(flags, self.group, op=dist.ReduceOp.MAX)
         signalled, writing, timed = flags.tolist()  # a CPU tensor: no device sync
         return signalled > 0, writing > 0, timed > 0
 

@@ -32,7 +32,7 @@ import traceback
 from contextlib import contextmanager
 from pathlib import Path
 
-from megaframe.parallel.mesh import CommStats
+from megaframe.parallel.flight import CommStats
 
 HANG_EXIT_CODE = 124
 SAVE_TIMEOUT_EXIT_CODE = 1

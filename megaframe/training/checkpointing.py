@@ -17,9 +17,8 @@ from megaframe.checkpoint.async_save import AsyncSaver
 from megaframe.checkpoint.resume import Resumed
 from megaframe.checkpoint.resume_checks import Accounting
 from megaframe.config.schema import Config, plain
-from megaframe.data.dataset import data_state
+from megaframe.data.kinds import data_state, tokenizer_identity
 from megaframe.data.order import ORDER
-from megaframe.data.shards import tokenizer_identity
 from megaframe.errors import TrainingError
 from megaframe.parallel.mesh import Mesh
 from megaframe.training.save_guard import state_is_finite
@@ -164,9 +163,8 @@ class Checkpointer:
             path = sharded.save(
                 root, step, model, optimizer, mesh, meta, cfg.checkpoint.keep_last, fail, self.io
             )
-            if (
-                mesh.is_logger
-            ):  # the rank that prints the run summary: under torchrun this line comes before it
+            # the rank that prints the run summary: under torchrun this line comes before it
+            if mesh.is_logger:
                 print(f"checkpoint: {path} ({time.perf_counter() - t0:.2f}s)", flush=True)
         # set even for a save still writing in the background:
         # the next save's lineage follows the order of saves

@@ -134,7 +134,7 @@ class AllocatorProfile:
     while an operator callback is installed carries the profile (its thread-local state) to gloo's worker
     thread, which opens and closes its record there, and a record closed after the profile ended writes into
     freed memory (SIGSEGV in `~TorchOpStorage` or heap corruption, at random, in ranks that measured a phase;
-    checked by tests/distributed/test_memory_profile_gloo.py). Listening to one scope no code uses
+    checked by tests/distributed/planning/test_memory_profile_gloo.py). Listening to one scope no code uses
     (LITE_INTERPRETER) leaves the allocator's events, reported on this thread, as the profile's only content.
 
     torch.autograd's profiler API rather than torch.profiler's wrapper: the wrapper's start asks

@@ -2,7 +2,7 @@
 trainer's own meter (training/phase_meter.py) around what the trainer does in each phase: build the model and
 optimizer; one train_step; settle, the finiteness vote and a blocking save (training/checkpointing.py);
 a fresh model and optimizer loaded from that save. The planner's per-phase figures (planning/phases.py) are
-checked against it (tests/distributed/test_plan_phases.py, benchmarks/mem_phases.py)."""
+checked against it (tests/distributed/planning/test_plan_phases.py, benchmarks/mem_phases.py)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,13 @@ import gc
 from pathlib import Path
 
 from megaframe.checkpoint import sharded
-from megaframe.data.dataset import build_data, microbatches
-from megaframe.model.parallelize import build
+from megaframe.config.derived import derive
+from megaframe.data.dataset import BatchShape, microbatches
+from megaframe.model.parallelize import build_for
 from megaframe.training.phase_meter import PhaseMeter
 from megaframe.training.save_guard import state_is_finite
-from megaframe.training.step import train_step
+from megaframe.training.startup import run_samples
+from megaframe.training.step import optimizer_step
 
 
 def measure_phases(mesh, cfg, folder: str) -> dict:
@@ -22,22 +24,13 @@ def measure_phases(mesh, cfg, folder: str) -> dict:
     t = cfg.train
     meter = PhaseMeter(mesh.device)
     meter.begin("startup")
-    model, optimizer = build(cfg, mesh)
+    model, optimizer = build_for(cfg.model, cfg.parallel, cfg.train, cfg.optim, mesh)
     meter.end()
     meter.track(model, optimizer)
-    batches = microbatches(
-        build_data(cfg),
-        0,
-        t.global_batch_size,
-        t.micro_batch_size,
-        mesh.dp.rank,
-        mesh.dp.size,
-        t.seed,
-        cp_rank=mesh.cp.rank,
-        cp_size=mesh.cp.size,
-    )
+    shape = BatchShape(t.global_batch_size, t.micro_batch_size, t.seed)
+    batches = microbatches(run_samples(cfg), 0, shape, mesh)
     with meter.phase("step"):
-        train_step(model, optimizer, batches, mesh, cfg, 1)
+        optimizer_step(model, optimizer, batches, mesh, cfg.optim, derive(cfg, mesh.world), 1)
     del batches
     with meter.phase("save"):
         optimizer.settle()
@@ -45,7 +38,7 @@ def measure_phases(mesh, cfg, folder: str) -> dict:
         path = sharded.save(folder, 1, model, optimizer, mesh, {"step_meta": 1})
     del model, optimizer
     gc.collect()
-    model, optimizer = build(cfg, mesh)
+    model, optimizer = build_for(cfg.model, cfg.parallel, cfg.train, cfg.optim, mesh)
     meter.track(model, optimizer)
     with meter.phase("load"):
         sharded.load_into(Path(path), model, optimizer)

@@ -15,11 +15,10 @@ import torch
 from megaframe.checkpoint.resume import Resumed, resume
 from megaframe.checkpoint.resume_checks import Accounting, resume_position
 from megaframe.config import Config, ConfigError
-from megaframe.config.derived import Derived, derive, lr_horizon, schedule_kind, settled
-from megaframe.data.blend import BlendedData
-from megaframe.data.dataset import Prefetcher, PreparedData, SyntheticData, build_data, microbatches
+from megaframe.config.derived import Derived, derive, lr_horizon, settled
+from megaframe.data.dataset import BatchShape, Prefetcher, microbatches
+from megaframe.data.kinds import Samples, build_samples, data_folders
 from megaframe.data.order import resumed_order
-from megaframe.data.stages import StagedData
 from megaframe.evaluation.downstream import Downstream
 from megaframe.inference.sampler import Sampler
 from megaframe.model.gpt import GPT
@@ -29,13 +28,16 @@ from megaframe.optim.protocol import Optimizer
 from megaframe.parallel import comm
 from megaframe.parallel.launch import local_world_size
 from megaframe.parallel.mesh import Mesh
-from megaframe.training.metrics import flops_per_token
+from megaframe.training.header import describe, precision_warnings
 from megaframe.training.phase_meter import PhaseMeter
-from megaframe.training.threads import Threads, busy_machine_warning, oversubscribed_warning, pick_threads
+from megaframe.training.threads import busy_machine_warning, oversubscribed_warning, pick_threads
 from megaframe.training.validation import Evaluator
 
-TrainingData = PreparedData | SyntheticData | BlendedData | StagedData
-"""What data/dataset.py's build_data returns: synthetic, one prepared dataset, a blend or stages."""
+
+def run_samples(cfg: Config, split: str = "train") -> Samples:
+    """The run's samples of a split (data/kinds.py: build_samples on the run's groups)."""
+    m, t = cfg.model, cfg.train
+    return build_samples(cfg.data, m.seq_length, m.vocab_size, t.seed, t.global_batch_size, split)
 
 
 @dataclass
@@ -44,7 +46,7 @@ class Setup:
 
     model: GPT
     optimizer: Optimizer
-    data: TrainingData
+    data: Samples
     evaluator: Evaluator | None
     sampler: Sampler | None
     resumed: Resumed
@@ -72,8 +74,8 @@ def set_up(cfg: Config, mesh: Mesh, faults=None, run_id: str = "") -> Setup:
     phases.track(model, optimizer)
     error = None
     try:
-        data = build_data(cfg)
-        valid = partial(build_data, cfg, split="valid")
+        data = run_samples(cfg)
+        valid = partial(run_samples, cfg, split="valid")
         # each None unless its train.*_interval > 0
         evaluator = Evaluator.build(cfg.train, mesh, valid, cfg.model.seq_length)
         sampler = Sampler.build(cfg.train, cfg.data, mesh)
@@ -127,9 +129,8 @@ def announce(cfg: Config, mesh: Mesh, su: Setup) -> None:
     check_first_shards(cfg, mesh, su.data, start, su.acct)
     total_params = global_param_count(su.model, mesh)  # a collective over pp: every rank takes part
     if mesh.rank == 0:
-        threads = pick_threads(
-            cfg.train.threads
-        )  # what trainer.run applied (the same rule, the same environment)
+        # what trainer.run applied (the same rule, the same environment)
+        threads = pick_threads(cfg.train.threads)
         describe(cfg, mesh, su, total_params, threads)
         busy = busy_machine_warning(threads.count)
         over = oversubscribed_warning(threads, local_world_size())
@@ -148,20 +149,9 @@ def batch_loader(cfg: Config, mesh: Mesh, su: Setup) -> Prefetcher:
     """This rank's micro-batches of each step, read one step ahead."""
     t, start, data = cfg.train, su.resumed.step, su.data
     # positions continue from the consumed samples at the resume (exact even if the batch size changed)
+    shape = BatchShape(t.global_batch_size, t.micro_batch_size, t.seed, base=su.acct.base)
     return Prefetcher(
-        lambda s: microbatches(
-            data,
-            s - 1 - start,
-            t.global_batch_size,
-            t.micro_batch_size,
-            mesh.dp.rank,
-            mesh.dp.size,
-            t.seed,
-            mesh.device,
-            base=su.acct.base,
-            cp_rank=mesh.cp.rank,
-            cp_size=mesh.cp.size,
-        ),
+        lambda s: microbatches(data, s - 1 - start, shape, mesh),
         start + 1,
         t.max_steps,
     )
@@ -194,9 +184,8 @@ def write_run_config(cfg: Config, start: int) -> None:
     path = first if not first.exists() else run_dir / f"config.resume-{start}.yaml"
     try:
         write_atomic(path, OmegaConf.to_yaml(OmegaConf.structured(cfg)))  # a crash leaves no half config
-    except (
-        OSError
-    ) as e:  # a full run.dir: a record of the settings is not worth the run (the checkpoint has them)
+    # a full run.dir: a record of the settings is not worth the run (the checkpoint has them)
+    except OSError as e:
         print(f"megaframe: warning: cannot write {path} ({e}); training goes on", file=sys.stderr, flush=True)
 
 
@@ -210,151 +199,11 @@ def set_documents(model, data, cfg: Config) -> None:
     model.set_documents(data.eos_ids)
 
 
-def data_label(cfg: Config) -> str:
-    """What the header calls the data: data.name only where it names this data (the demo group's
-    name: demo stays on when data.path points at another corpus), else the prepared folder."""
-    d = cfg.data
-    if d.kind == "synthetic":
-        return "synthetic"
-    if d.blend:
-        return f"blend of {len(d.blend)} ({', '.join(Path(b.path).name for b in d.blend)})"
-    if d.stages:
-        return (
-            f"{len(d.stages)} stages "
-            f"({' -> '.join('+'.join(Path(b.path).name for b in s.blend) for s in d.stages)})"
-        )
-    from megaframe.config import CONF_DIR
-
-    demo = (CONF_DIR.parent / "data" / "demo" / "prepared").resolve()
-    if d.name == "demo" and Path(d.path).resolve() != demo:
-        return str(d.path)
-    return f"{d.name} ({d.path})"
-
-
-def describe(cfg: Config, mesh: Mesh, su: Setup, total: int, threads: Threads) -> None:
-    """Print the derived sizes once, so a user can check the layout before the first step: what a Megatron
-    user checks first (precision, pipeline schedule, ZeRO stage, the validation split) included."""
-    m, t = cfg.model, cfg.train
-    local, share = params_on_rank(su.model, su.optimizer, cfg.optim.zero)
-    accum = su.derived.micro_batches
-    print(
-        f"megaframe | run {cfg.run.dir} | {mesh.describe()} sp={cfg.parallel.sp}{pipeline_label(cfg)} "
-        f"{zero_label(cfg, mesh)} | {precision_label(cfg)} | {threads.label}",
-        flush=True,
-    )
-    print(
-        f"model {m.name}: {m.num_layers} layers, D={m.hidden_size}, heads {m.num_attention_heads} "
-        f"(kv {m.kv_heads}), F={m.ffn_hidden_size}, vocab {m.vocab_size}, {context_label(m, su.resumed.meta)}"
-        f"{f', {m.num_experts} experts (top-{m.moe_top_k}, F={m.expert_ffn})' if m.num_experts else ''} | "
-        f"params {total / 1e6:.2f}M, {local / 1e6:.2f}M on this rank{share} | "
-        f"{flops_per_token(m) / 1e6:.1f} MFLOP/token",
-        flush=True,
-    )
-    samples = "endless" if cfg.data.kind == "synthetic" else f"{su.data.num_samples}"
-    print(
-        f"batch {t.global_batch_size} x {m.seq_length} = {su.derived.tokens_per_step} tokens/step, "
-        f"micro {t.micro_batch_size}, accumulation {accum} | data {data_label(cfg)}: "
-        f"{samples} samples{held_out_label(cfg, su)} | steps {su.resumed.step + 1}..{t.max_steps}",
-        flush=True,
-    )
-
-
-def context_label(m, meta: dict | None) -> str:
-    """The model's context for the header: seq_length, a change from the resumed checkpoint's (allowed
-    for RoPE), and the RoPE scaling an imported model carries (what a continued-pretraining user checks)."""
-    saved = ((meta or {}).get("config") or {}).get("model") or {}
-    was = saved.get("seq_length")
-    seq = f"seq {m.seq_length}"
-    if was is not None and int(was) != m.seq_length:
-        seq = f"seq_length {was} -> {m.seq_length} (RoPE: allowed at resume)"
-    rs = m.rope_scaling
-    if m.position_embedding == "rope" and str(rs.rope_type) != "default":
-        seq += f", rope {rs.rope_type} x{rs.factor:g}"
-    if m.max_position_embeddings and m.max_position_embeddings != m.seq_length:
-        seq += f", context {m.max_position_embeddings}"
-    return seq
-
-
-def params_on_rank(model, optimizer, zero: int) -> tuple[int, str]:
-    """(parameters this rank holds, a note): under ZeRO-3 its shard of the flat buffers plus any bucket kept
-    whole, not the gathered modules' full count (which read as if nothing were sharded)."""
-    if zero == 3 and hasattr(optimizer, "resident"):
-        shard = sum(buf.state_numel for buf in optimizer.buffers) + sum(
-            b.numel for _, b in optimizer.resident
-        )
-        return shard, " (ZeRO-3 shard)"
-    return sum(p.numel() for p in model.parameters()), ""
-
-
-def precision_label(cfg: Config) -> str:
-    p = str(cfg.train.precision)
-    if p == "fp32":
-        return "precision fp32"
-    where = "the blocks and the head" if cfg.train.fp8_head else "the blocks"
-    extra = f", float8 {cfg.train.fp8_recipe} GEMMs in {where}" if p == "fp8" else ""
-    return f"precision {p} (fp32 master weights{extra})"
-
-
-def pipeline_label(cfg: Config) -> str:
-    """The pipeline schedule (kind and virtual stages); empty without a pipeline."""
-    par = cfg.parallel
-    if par.pp == 1:
-        return ""
-    return f" schedule {schedule_kind(par)}{f' vpp={par.vpp}' if par.vpp > 1 else ''}"
-
-
-def held_out_label(cfg: Config, su: Setup) -> str:
-    """The validation split's size beside the training samples (data.valid_fraction holds out whole
-    documents, so on a small corpus the share can be far above the fraction asked for)."""
-    if cfg.data.kind == "synthetic" or cfg.data.valid_fraction <= 0:
-        return ""
-    try:
-        held = su.evaluator.data if su.evaluator is not None else build_data(cfg, split="valid")
-    except (OSError, ValueError, KeyError):  # the header is a courtesy: the evaluator reports a bad split
-        return ""
-    valid, train = getattr(held, "num_samples", 0), getattr(su.data, "num_samples", 0)
-    return f" (+{valid} held out for validation, {100 * valid / max(1, valid + train):.1f}%)" if valid else ""
-
-
-def precision_warnings(cfg: Config, device: str) -> list[str]:
-    """FP8 where it cannot pay: emulated on CPU, and unfused without compile on CUDA (measured at 0.40x
-    bf16's speed on an H100 in docs/gpu-first-run.md)."""
-    if str(cfg.train.precision) != "fp8":
-        return []
-    if device == "cpu":
-        return [
-            "train.precision=fp8 on cpu: float8 is emulated, slower than fp32; it is meant for an "
-            "H100-class GPU with train.compile=true"
-        ]
-    if not cfg.train.compile:
-        return [
-            "train.precision=fp8 without train.compile=true: the float8 scaling runs unfused, measured "
-            "at 0.40x bf16's speed on an H100 (docs/gpu-first-run.md); add train.compile=true"
-        ]
-    return []
-
-
-def zero_label(cfg: Config, mesh: Mesh) -> str:
-    """The ZeRO stage and what it shards over dp (the params count of a ZeRO-3 run reads as if replicated)."""
-    o, dp = cfg.optim, mesh.dp.size
-    what = {
-        0: "nothing sharded",
-        1: "optimizer state sharded",
-        2: "optimizer state and grads sharded",
-        3: "optimizer state, grads and params sharded",
-    }[o.zero]
-    over = (
-        f"groups of {o.shard_group_size} (HSDP)"
-        if o.shard_group_size and o.shard_group_size != dp
-        else f"dp={dp}"
-    )
-    return f"zero={o.zero} ({what}{'' if o.zero == 0 else f' over {over}'})"
-
-
 def check_first_shards(cfg: Config, mesh: Mesh, data, start: int, acct: Accounting) -> None:
     """Rank 0 hashes the shards the first global batch reads (megaframe.data.verify: a few shard files,
     not the corpus); every rank hears the verdict, so all of them stop with exit 2 on a corrupt shard."""
-    if cfg.data.kind != "prepared":
+    # a kind reading no folder has no shard to hash (every rank asks the same config)
+    if not data_folders(cfg.data):
         return
     err = None
     if mesh.rank == 0:

@@ -13,14 +13,14 @@ from dataclasses import dataclass
 
 import torch
 
-from megaframe.config.derived import Derived, derive
+from megaframe.config.derived import Derived
 from megaframe.config.schema import OptimConfig
 from megaframe.model import mtp
 from megaframe.model.moe import stats as moe_stats
 from megaframe.optim.lr_schedule import lr_at
 from megaframe.parallel.mesh import Mesh
 from megaframe.pipeline.executor import run_schedule
-from megaframe.pipeline.schedule import Action, ScheduleSpec, build_schedule
+from megaframe.pipeline.grouping import build_schedule
 
 
 @dataclass
@@ -30,26 +30,6 @@ class StepResult:
     grad_norm: torch.Tensor
     """Global gradient norm before clipping."""
     lr: float
-
-
-def rank_schedule(
-    cfg, mesh: Mesh, num_microbatches: int, spec: ScheduleSpec | None = None, derived: Derived | None = None
-) -> list[Action]:
-    """This rank's pipeline schedule (with pp = 1: forward, backward, forward, backward, ...) for the run
-    config `cfg`. `spec`: the one the model was built for (model/parallelize.py resolves
-    parallel.pp_schedule once, at build); without one, the run's derived record's kind (config/derived.py)."""
-    kind = spec.name if spec is not None else (derived or derive(cfg, mesh.world)).pp_schedule
-    return build_schedule(kind, mesh.pp.size, cfg.parallel.vpp, num_microbatches, mesh.pp.rank)
-
-
-def train_step(
-    model, optimizer, batches, mesh: Mesh, cfg, step: int, probe=None, derived: Derived | None = None
-) -> StepResult:
-    """optimizer_step for the run config `cfg`; `derived`: the run's record (the trainer's, made once),
-    else derived here for a caller outside the loop."""
-    return optimizer_step(
-        model, optimizer, batches, mesh, cfg.optim, derived or derive(cfg, mesh.world), step, probe
-    )
 
 
 def optimizer_step(
@@ -70,7 +50,7 @@ def optimizer_step(
     if probe is not None:
         probe.begin(step)
     # the schedule the model was built for (its stage holds vpp chunks, placed in a loop or a V)
-    kind = model.schedule.name if getattr(model, "schedule", None) is not None else d.pp_schedule
+    kind = model.schedule or d.pp_schedule
     schedule = build_schedule(kind, mesh.pp.size, len(model.stage.chunks), len(batches), mesh.pp.rank)
     loss_sum = run_schedule(
         schedule,

@@ -31,9 +31,6 @@ from megaframe.training.checkpointing import Checkpointer
 from megaframe.training.first_step import first_step_limits
 from megaframe.training.meter import BadSteps, Meter
 from megaframe.training.startup import Setup, announce, batch_loader, set_up
-from megaframe.training.startup import (
-    data_label as data_label,
-)  # re-exported: its old path, tests import it here
 from megaframe.training.step import StepResult, optimizer_step
 from megaframe.training.threads import apply_threads
 
@@ -237,9 +234,8 @@ class Loop:
     def finish(self, start: int, step: int) -> None:
         """The background save committed, the memory phases and the run's summary printed."""
         self.ckpt.finish(step)
-        if (
-            self.mesh.is_logger and self.su.phases.figures
-        ):  # every phase's peak, a stop's save after the last row
+        # every phase's peak, a stop's save after the last row
+        if self.mesh.is_logger and self.su.phases.figures:
             print(self.su.phases.summary(), flush=True)
         self.meters.report(start, step, self.ckpt.last_saved)
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 import torch
 
 from megaframe.config.schema import TrainConfig
-from megaframe.data.dataset import microbatches
+from megaframe.data.dataset import BatchShape, microbatches
 from megaframe.pipeline.executor import reduce_loss, run_schedule
-from megaframe.pipeline.schedule import forward_schedule
+from megaframe.pipeline.grouping import forward_schedule
 
 
 class Evaluator:
@@ -51,18 +51,8 @@ class Evaluator:
                 for k in range(t.eval_iters):
                     # batch k of the validation split's own order: the same samples at every evaluation, split
                     # over dp like training
-                    batches = microbatches(
-                        self.data,
-                        k,
-                        t.global_batch_size,
-                        t.micro_batch_size,
-                        mesh.dp.rank,
-                        mesh.dp.size,
-                        t.seed,
-                        mesh.device,
-                        cp_rank=mesh.cp.rank,
-                        cp_size=mesh.cp.size,
-                    )
+                    shape = BatchShape(t.global_batch_size, t.micro_batch_size, t.seed)
+                    batches = microbatches(self.data, k, shape, mesh)
                     total += loss_sum(model, batches, mesh)
                     if beat is not None:
                         beat()

@@ -1,7 +1,7 @@
 """The shape of megaframe/ a reader relies on, checked (tests/unit/test_code_shape.py):
 
-- every file at most MAX_FILE_LINES lines and every function at most MAX_FUNC_LINES lines, except the
-  entries of ALLOW (each carries the reason it is longer);
+- every file (megaframe/, scripts/, benchmarks/) at most MAX_FILE_LINES lines and every function of
+  megaframe/ at most MAX_FUNC_LINES lines, except the entries of ALLOW (each carries the reason it is longer);
 - no import cycle between modules (imports inside functions count: they hide a cycle from the
   interpreter, not from a reader);
 - no two files share a name (`__init__.py` and `__main__.py` aside): a name says which file it is;
@@ -50,6 +50,7 @@ LAYERS = [
     ["checkpoint"],  # save, load, resume, HF conversion
     ["runops"],  # who may write here, signals, watchdog, faults
     ["config"],  # composes, adopts a checkpoint, asks each package's rule
+    ["data.prepare"],  # `python -m megaframe.data.prepare`: a command line that composes a config
     ["inference", "tracking"],  # generation on a loaded model; metrics sinks
     ["evaluation"],  # lm-evaluation-harness on a loaded or live model, any layout
     ["training"],  # the loop
@@ -57,21 +58,20 @@ LAYERS = [
     ["plan", "generate", "evaluate", "plot", ""],  # command lines and the package's public surface
 ]
 
-# "path" or "path:function" -> why it may be longer than the limit
-ALLOW: dict[str, str] = {}
+# Held to the file limit too. Their functions are not held to MAX_FUNC_LINES: a misuse script's function is
+# a flat list of attempts and a benchmark's main a list of cases, each read top to bottom, which a split
+# into helpers would scatter without making one of them simpler.
+TOOL_FOLDERS = ("scripts", "benchmarks")
 
-# (importer unit, imported unit) -> why the upward edge is allowed for now
-UPWARD_ALLOW: dict[tuple[str, str], str] = {
-    (
-        "evaluation",
-        "",
-    ): "the lm-eval adapter loads a checkpoint through the public megaframe.load_model, whose"
-    " body lives in megaframe/__init__.py until one model builder serves every entry point",
-    ("parallel", "pipeline"): "parallel/tp_overlap.py defers its weight grads through pipeline/split.py (the"
-    " zero-bubble split backward: pure autograd, no megaframe import)",
-    ("data", "config"): "data/prepare.py is the `python -m megaframe.data.prepare` command line: it composes"
-    " a config like train.py",
+# "path" or "path:function" -> why it may be longer than the limit
+ALLOW: dict[str, str] = {
+    "scripts/gpu_figures.py": "the one-GPU figures share module state (device, budget, arguments) across"
+    " their builders; split where it next runs on a GPU, so the split is timed there",
 }
+
+# (importer unit, imported unit) -> why an upward edge is allowed (none today: tests/unit/test_code_shape.py
+# holds it empty, so a new one is a move or a layer of its own, not an allowance)
+UPWARD_ALLOW: dict[tuple[str, str], str] = {}
 
 
 def _code_stats():
@@ -103,14 +103,18 @@ def layer_of(name: str, layers: list[list[str]]) -> int | None:
 def sizes(
     root: Path, allow: dict[str, str], max_file: int = MAX_FILE_LINES, max_func: int = MAX_FUNC_LINES
 ) -> list[str]:
-    """Files and functions over their limit and not allowed."""
+    """Files and functions over their limit and not allowed: every file of megaframe/, scripts/ and
+    benchmarks/; functions in megaframe/ (see TOOL_FOLDERS)."""
     out = []
-    for f in sorted((root / "megaframe").rglob("*.py")):
+    files = [f for top in ("megaframe", *TOOL_FOLDERS) for f in sorted((root / top).rglob("*.py"))]
+    for f in files:
         rel = f.relative_to(root).as_posix()
         text = f.read_text()
         n = len(text.splitlines())
         if n > max_file and rel not in allow:
             out.append(f"{rel}: {n} lines > {max_file}")
+        if not rel.startswith("megaframe/"):
+            continue
         for node in ast.walk(ast.parse(text)):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 length = node.end_lineno - node.lineno + 1

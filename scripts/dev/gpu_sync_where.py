@@ -62,16 +62,17 @@ def _synchronize() -> None:
 
 def set_up(overrides: list[str], steps: int):
     from megaframe.config import load_config
-    from megaframe.data.dataset import build_data, microbatches
-    from megaframe.model.parallelize import build
+    from megaframe.data.dataset import BatchShape, microbatches
+    from megaframe.model.parallelize import build_for
     from megaframe.parallel.mesh import single_process_mesh
+    from megaframe.training.startup import run_samples
 
     cfg = load_config(LLAMA_LIKE + overrides, world_size=1, check_data=False)
     mesh = single_process_mesh(DEVICE)
-    model, opt = build(cfg, mesh)
-    t, data = cfg.train, build_data(cfg)
+    model, opt = build_for(cfg.model, cfg.parallel, cfg.train, cfg.optim, mesh)
+    t, data = cfg.train, run_samples(cfg)
     batches = [
-        microbatches(data, s, t.global_batch_size, t.micro_batch_size, 0, 1, t.seed, mesh.device)
+        microbatches(data, s, BatchShape(t.global_batch_size, t.micro_batch_size, t.seed), mesh)
         for s in range(steps)
     ]
     return cfg, mesh, model, opt, batches
@@ -89,20 +90,21 @@ def _recorder(caught: list):
 
 def run(overrides: list[str], steps: int, error_at: int | None = None) -> int | None:
     """Steps 1..steps; step 1 uncounted. Returns the first step with a sync warning."""
-    from megaframe.training.step import train_step
+    from megaframe.config.derived import derive
+    from megaframe.training.step import optimizer_step
 
     cfg, mesh, model, opt, batches = set_up(overrides, steps)
     first = None
     for step in range(1, steps + 1):
         if step == 1:
-            train_step(model, opt, batches[0], mesh, cfg, 1)
+            optimizer_step(model, opt, batches[0], mesh, cfg.optim, derive(cfg, 1), 1)
             _synchronize()
             continue
         if step == error_at:
             _sync_mode("error")
             try:
                 with torch.autograd.detect_anomaly(check_nan=False):
-                    train_step(model, opt, batches[step - 1], mesh, cfg, step)
+                    optimizer_step(model, opt, batches[step - 1], mesh, cfg.optim, derive(cfg, 1), step)
                 print(f"step {step}: no sync under error mode")
             except RuntimeError:
                 print(f"step {step}: the sync, under error mode with anomaly detection:")
@@ -116,7 +118,7 @@ def run(overrides: list[str], steps: int, error_at: int | None = None) -> int | 
             warnings.showwarning = _recorder(caught)
             _sync_mode("warn")
             try:
-                train_step(model, opt, batches[step - 1], mesh, cfg, step)
+                optimizer_step(model, opt, batches[step - 1], mesh, cfg.optim, derive(cfg, 1), step)
             finally:
                 _sync_mode("default")
         _synchronize()

@@ -5,13 +5,11 @@ from __future__ import annotations
 import torch
 
 from megaframe.config import load_config
-from megaframe.data.dataset import build_data, microbatches
 from megaframe.layers.shard import gather_full
 from megaframe.model.moe import stats as moe_stats
-from megaframe.model.parallelize import build_model
 from megaframe.optim.build import build_optimizer
 from megaframe.parallel import comm
-from megaframe.training.step import train_step
+from tests.forms import build_data, build_model, microbatches, train_step
 
 TINY = [
     "data=synthetic",

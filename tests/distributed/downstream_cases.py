@@ -10,7 +10,7 @@ import os
 
 from megaframe.config import load_config
 from megaframe.data.tokenizer import load_tokenizer
-from megaframe.model.parallelize import build_model
+from tests.forms import build_model
 
 FAILING = "MEGAFRAME_TEST_FAILING_RANKS"
 """The ranks (comma-separated, global) where the flaky task's documents cannot be loaded."""

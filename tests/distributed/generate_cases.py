@@ -5,12 +5,10 @@ from __future__ import annotations
 import dataclasses
 
 from megaframe.checkpoint import sharded
-from megaframe.data.dataset import build_data, microbatches
 from megaframe.inference.sampler import greedy
-from megaframe.model.parallelize import build_model
 from megaframe.optim.build import build_optimizer
-from megaframe.training.step import train_step
 from tests.distributed.cases import tiny_config
+from tests.forms import build_data, build_model, microbatches, train_step
 
 
 def train_and_save(

@@ -5,7 +5,7 @@ from __future__ import annotations
 from megaframe.checkpoint import sharded
 from megaframe.config import load_config
 from megaframe.data.tokenizer import load_tokenizer
-from megaframe.model.parallelize import build_model
+from tests.forms import build_model
 
 
 def score_local_task(mesh, overrides: list[str], step: str, tokenizer: str, tasks: str, task: str) -> dict:

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from megaframe.data.dataset import build_data, microbatches
-from megaframe.model.parallelize import build_model
 from megaframe.parallel import comm
 from megaframe.pipeline import p2p
 from tests.distributed.cases import tiny_config, train_and_report
+from tests.forms import build_data, build_model, microbatches
 
 
 def emulates_nccl(mesh) -> bool:
@@ -64,7 +63,8 @@ def train_with_old_grouping(mesh, overrides: list[str], steps: int) -> dict | No
     """train_and_report with the schedules' receives placed right before their compute (Grouping.ADJACENT,
     the grouping before the pairing): under NCCL semantics interleaved schedules deadlock (the group's
     timeout then fails the job). Used by hand; a deadlocked pool is broken for later jobs."""
-    from megaframe.pipeline.schedule import Grouping, build_schedule
+    from megaframe.pipeline.grouping import build_schedule
+    from megaframe.pipeline.schedule import Grouping
     from megaframe.training import step
 
     fixed = step.build_schedule

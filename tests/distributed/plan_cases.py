@@ -9,13 +9,11 @@ the activations held at once while the real pipeline executor runs a step (`Live
 from __future__ import annotations
 
 from megaframe.config import load_config
-from megaframe.data.dataset import build_data, microbatches
-from megaframe.model.parallelize import build_model
 from megaframe.optim.build import build_optimizer
 from megaframe.planning.activations import allocator_peak, chunk_activation_bytes
 from megaframe.training.metrics import memory_figures
-from megaframe.training.step import train_step
 from tests.distributed.cases import tiny_config
+from tests.forms import build_data, build_model, microbatches, train_step
 
 
 class _Packed:

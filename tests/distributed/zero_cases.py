@@ -7,13 +7,11 @@ import math
 import torch
 
 from megaframe.checkpoint import sharded
-from megaframe.data.dataset import build_data, microbatches
-from megaframe.model.parallelize import build_model
 from megaframe.optim.build import build_optimizer
 from megaframe.parallel import comm
 from megaframe.training.metrics import memory_figures
-from megaframe.training.step import train_step
 from tests.distributed.cases import full_state, tiny_config
+from tests.forms import build_data, build_model, microbatches, train_step
 
 
 def _setup(mesh, overrides: list[str], steps: int):

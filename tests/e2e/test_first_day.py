@@ -115,7 +115,7 @@ def test_pp2_header_counts_the_whole_model_and_ranks_print_no_warning(first, tmp
 
 def test_header_names_the_data_it_reads(tmp_path):
     from megaframe.config import load_config
-    from megaframe.training.trainer import data_label
+    from megaframe.training.header import data_label
 
     demo = load_config(["data=demo"], world_size=1, check_data=False)
     assert data_label(demo).startswith("demo (")

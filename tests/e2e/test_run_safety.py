@@ -130,9 +130,9 @@ def corrupt_data(tmp_path_factory, demo_prepared):
     """A copy of the demo data whose shards hold token ids >= the vocabulary (same sizes), with meta.json's
     sha256 made to match (corruption upstream of the checksum): only the read-time range check sees it."""
     from megaframe.config import load_config
-    from megaframe.data.dataset import build_data
     from megaframe.data.meta_rules import sealed
     from megaframe.data.verify import first_batch_shards
+    from tests.forms import build_data
 
     out = _copy_demo(demo_prepared, tmp_path_factory.mktemp("corrupt") / "prepared")
     cfg = load_config([*TINY, f"data.path={out}"], world_size=1)

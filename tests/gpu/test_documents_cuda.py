@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from megaframe.config import load_config
-from megaframe.model.parallelize import build_model
 from megaframe.parallel.mesh import single_process_mesh
+from tests.forms import build_model
 from tests.unit.model.test_documents import EOS, doc_ids
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

@@ -26,12 +26,10 @@ MOE_LAYERS, MICRO = 2, 4  # tiny_config: 2 layers, global batch 8 in micro-batch
 
 def _sync_counts(overrides: list[str], steps: int) -> tuple[list[int], list[float]]:
     """Device syncs per step after a warm-up step (compile, lazy optimizer state), and the losses."""
-    from megaframe.data.dataset import build_data, microbatches
-    from megaframe.model.parallelize import build_model
     from megaframe.optim.build import build_optimizer
     from megaframe.parallel.mesh import single_process_mesh
-    from megaframe.training.step import train_step
     from tests.distributed.cases import tiny_config
+    from tests.forms import build_data, build_model, microbatches, train_step
 
     cfg = tiny_config(["train.device=cuda", *overrides], 1)
     mesh = single_process_mesh("cuda")

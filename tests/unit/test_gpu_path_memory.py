@@ -9,10 +9,10 @@ import torch.nn.functional as F
 from megaframe.config import load_config
 from megaframe.layers.fused_ce import linear_cross_entropy
 from megaframe.layers.linear import ColumnParallelLinear
-from megaframe.model.parallelize import build_model
 from megaframe.parallel.virtual import virtual_mesh
 from megaframe.planning.activations import saved_bytes
 from megaframe.training.metrics import gpu_peak
+from tests.forms import build_model
 
 
 def test_sp_column_parallel_saves_only_the_local_sequence_block():

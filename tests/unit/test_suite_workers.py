@@ -14,7 +14,7 @@ LAUNCHES_RANKS = re.compile(r"\bnproc\b|torch\.distributed\.run|--nproc-per-node
 
 
 def test_process_tests_share_one_unit_and_the_rest_are_their_own():
-    assert unit_of("tests/distributed/test_zero.py::test_x[dp2]") == "processes"
+    assert unit_of("tests/distributed/optim/test_zero.py::test_x[dp2]") == "processes"
     assert unit_of("tests/e2e/test_train_cli.py::test_torchrun_tp4_sp_matches_one_process") == "processes"
     assert unit_of("tests/gpu/test_cuda_path.py::test_cuda_run_matches_cpu") == "processes"
     assert unit_of("tests/slurm/test_sweep.py::test_expand_is_hydra_multirun_order") == "slurm"

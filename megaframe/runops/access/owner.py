@@ -83,9 +83,8 @@ def settle(run: RunConfig, ckpt: CheckpointConfig) -> str:
     if read_id(run_dir) != mine:
         try:
             write_atomic(run_dir / ID_NAME, mine + "\n")
-        except (
-            OSError
-        ) as e:  # rank 0 alone is here: an exception would leave the peers waiting in the broadcast
+        # rank 0 alone is here: an exception would leave the peers waiting in the broadcast
+        except OSError as e:
             raise ConfigError(f"run.dir={run.dir}: cannot record the run id ({e.strerror or e})") from None
     return mine
 

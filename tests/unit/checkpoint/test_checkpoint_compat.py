@@ -7,7 +7,8 @@ written by commit 1276b81 (before the package's files moved to runops/, checkpoi
 
 and expected_logits.safetensors holds that version's load_model logits for fixed ids. Nothing in a
 checkpoint may name a Python module or file of the package (safetensors and JSON only), so moves and
-renames inside the package never break one."""
+renames inside the package never break one. tests/fixtures/ckpt_d287bc3_tiny is the same run written by
+commit d287bc3 (before the data kinds were registered, load_model's body and the typed builder moved)."""
 
 from __future__ import annotations
 
@@ -18,11 +19,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[3]
 FIXTURE = ROOT / "tests" / "fixtures" / "ckpt_v2_tiny"
+BEFORE_SEAMS = ROOT / "tests" / "fixtures" / "ckpt_d287bc3_tiny"
 MODEL = [
     "data=synthetic",
     "model.num_layers=2",
@@ -38,13 +41,30 @@ MODEL = [
 ]
 
 
-def test_an_earlier_versions_checkpoint_gives_its_logits():
+@pytest.mark.parametrize("fixture", [FIXTURE, BEFORE_SEAMS], ids=["v2", "d287bc3"])
+def test_an_earlier_versions_checkpoint_gives_its_logits(fixture):
     import megaframe
 
-    want = load_file(str(FIXTURE / "expected_logits.safetensors"))
+    want = load_file(str(fixture / "expected_logits.safetensors"))
     with torch.no_grad():
-        got = megaframe.load_model(str(FIXTURE))(want["ids"])
+        got = megaframe.load_model(str(fixture))(want["ids"])
     torch.testing.assert_close(got, want["logits"], rtol=1e-5, atol=1e-6)
+
+
+def test_the_data_record_of_a_checkpoint_before_the_data_kinds_compares_equal():
+    """A resume of the d287bc3 checkpoint with the run's own settings sees no change of data."""
+    from megaframe.checkpoint.sharded import read_metadata
+    from megaframe.config import load_config
+    from megaframe.data.kinds import data_changes, data_state
+
+    meta = read_metadata(BEFORE_SEAMS / "step_00000002")
+    cfg = load_config(MODEL, world_size=1)
+    assert data_changes(cfg.data, meta) == []
+    # what this code records for the same run is what that code recorded
+    state = data_state(cfg.data, 2, cfg.train.seed, cfg.train.global_batch_size)
+    assert {k: v for k, v in state.items() if k != "kind"} == {
+        k: v for k, v in meta["data"].items() if k != "kind"
+    }
 
 
 def test_an_earlier_versions_checkpoint_verifies_and_resumes(tmp_path):

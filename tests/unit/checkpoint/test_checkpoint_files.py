@@ -15,12 +15,12 @@ import torch
 from megaframe.checkpoint import sharded
 from megaframe.checkpoint.boxes import flat_boxes
 from megaframe.checkpoint.metadata import CheckpointError
-from megaframe.model.parallelize import build_model
 from megaframe.optim.build import build_optimizer
 from megaframe.parallel.mesh import single_process_mesh
 from megaframe.paths import OutsideFolder, inside
 from tests.distributed.cases import tiny_config
 from tests.e2e.helpers import ROOT, env
+from tests.forms import build_model
 
 PY = [sys.executable, "-m", "megaframe.checkpoint", "verify"]
 

@@ -18,8 +18,8 @@ import megaframe
 from megaframe.checkpoint import hf, sharded
 from megaframe.config import load_config
 from megaframe.data.order import ORDER
-from megaframe.model.parallelize import build_model
 from megaframe.parallel.mesh import single_process_mesh
+from tests.forms import build_model
 from tests.unit.hf_scripts import export_hf, import_hf
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -153,7 +153,7 @@ def test_train_continues_from_imported(tmp_path):
     import torch.nn.functional as F
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from megaframe.data.dataset import build_data, microbatches
+    from tests.forms import build_data, microbatches
 
     torch.manual_seed(0)
     src = LlamaForCausalLM(

@@ -16,8 +16,8 @@ import pytest
 from megaframe.checkpoint import sharded
 from megaframe.checkpoint.metadata import CheckpointError
 from megaframe.config import load_config
-from megaframe.model.parallelize import build_model
 from megaframe.parallel.mesh import single_process_mesh
+from tests.forms import build_model
 from tests.unit.hf_scripts import export_hf
 
 TINY = [

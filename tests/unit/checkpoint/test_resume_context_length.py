@@ -13,9 +13,9 @@ import pytest
 from megaframe.checkpoint import sharded
 from megaframe.checkpoint.resume_checks import Accounting, check_resume, resume_position
 from megaframe.config import ConfigError, load_config
-from megaframe.model.parallelize import build_model
 from megaframe.parallel.mesh import single_process_mesh
-from megaframe.training.startup import context_label
+from megaframe.training.header import context_label
+from tests.forms import build_model
 from tests.unit.hf_scripts import export_hf, import_hf
 
 TINY = ["data=synthetic", "model.num_layers=1", "model.hidden_size=32", "model.ffn_hidden_size=64"]

@@ -11,11 +11,11 @@ import torch
 from megaframe.checkpoint import sharded
 from megaframe.checkpoint.resume import resume
 from megaframe.errors import TrainingError
-from megaframe.model.parallelize import build_model
 from megaframe.optim.build import build_optimizer
 from megaframe.parallel.mesh import single_process_mesh
 from megaframe.runops.faults import Injector, parse
 from tests.distributed.cases import tiny_config
+from tests.forms import build_model
 
 
 @pytest.fixture

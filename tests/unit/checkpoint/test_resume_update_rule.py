@@ -11,10 +11,10 @@ from megaframe.checkpoint.load import load_targets
 from megaframe.checkpoint.resume_checks import check_resume
 from megaframe.config import ConfigError
 from megaframe.config.schema import plain
-from megaframe.model.parallelize import build_model
 from megaframe.optim.build import build_optimizer
 from megaframe.parallel.mesh import single_process_mesh
 from tests.distributed.cases import tiny_config
+from tests.forms import build_model
 
 
 def meta_of(cfg, **optim) -> dict:

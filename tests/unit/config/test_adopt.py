@@ -9,8 +9,8 @@ import pytest
 
 from megaframe.checkpoint import sharded
 from megaframe.config import ConfigError, load_config
-from megaframe.model.parallelize import build_model
 from megaframe.parallel.mesh import single_process_mesh
+from tests.forms import build_model
 
 SMALL = [
     "data=synthetic",

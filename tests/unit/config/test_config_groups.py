@@ -45,19 +45,8 @@ ROOT_CONFIG_READERS: dict[str, str] = {
     "megaframe/plot.py": "command line: reads a run folder's config.yaml (plain YAML, not the schema)",
     "megaframe/evaluation/layout_lm.py": "the lm-eval command line in a parallel layout: composes a config"
     " around a checkpoint like evaluate.py",
-    "megaframe/data/prepare.py": "the `python -m megaframe.data.prepare` command line composes a config",
+    "megaframe/data/prepare/__init__.py": "`python -m megaframe.data.prepare` composes a config",
     "megaframe/__init__.py": "megaframe.load_model rebuilds the whole config a checkpoint recorded",
-    "megaframe/model/parallelize.py:build_model": "the run config's form of build_model_for, kept for the"
-    " callers outside the package (tests, benchmarks,"
-    " scripts/dev, the family specs' builder hook)",
-    "megaframe/model/parallelize.py:build": "the run config's form of build_for (model and optimizer),"
-    " kept for tests and benchmarks",
-    "megaframe/data/dataset.py:build_data": "the run config's form of build_samples, kept for tests,"
-    " scripts/dev and the command lines",
-    "megaframe/training/step.py:train_step": "the run config's form of optimizer_step, kept for the tests"
-    " and benchmarks that run one step by hand",
-    "megaframe/training/step.py:rank_schedule": "a rank's schedule for a run config, kept for the pipeline"
-    " and ZeRO benchmarks",
     "megaframe/training/phase_run.py": "runs the trainer's start-up, step, save and load for a whole run"
     " config: the planner's phase figures are checked against it",
     "megaframe/checkpoint/offline_plans.py:rank_items": "checkpoint layouts planned without hardware for a"

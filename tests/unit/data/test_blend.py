@@ -10,8 +10,10 @@ import pytest
 import torch
 
 from megaframe.config import load_config
-from megaframe.data.blend import BlendedData, blend_pattern
-from megaframe.data.dataset import PreparedData, build_data, data_state, microbatches
+from megaframe.data.dataset import PreparedData
+from megaframe.data.kinds import data_state
+from megaframe.data.mixture import BlendedData, blend_pattern
+from tests.forms import build_data, microbatches
 from tests.unit.data.test_data_order import write_prepared
 
 SEQ = 8

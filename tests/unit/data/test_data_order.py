@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from megaframe.data.dataset import PreparedData, SyntheticData, microbatches, sample_index
+from megaframe.data.dataset import PreparedData, SyntheticData, sample_index
+from tests.forms import microbatches
 
 SEQ = 6
 

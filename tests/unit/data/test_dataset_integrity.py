@@ -16,7 +16,8 @@ import pytest
 from megaframe.config import ConfigError, load_config
 from megaframe.data import prepare as prep
 from megaframe.data import verify
-from megaframe.data.dataset import PreparedData, build_data
+from megaframe.data.dataset import PreparedData
+from tests.forms import build_data
 from tests.unit.data.test_prepare import paragraphs, write_text_corpus
 from tests.unit.data.test_run_record import blend, stages
 

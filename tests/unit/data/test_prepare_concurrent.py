@@ -15,8 +15,8 @@ import time
 import pytest
 
 from megaframe.config import ROOT
-from megaframe.data import partial
-from megaframe.data.sources import PrepareError
+from megaframe.data.prepare import partial
+from megaframe.data.prepare.sources import PrepareError
 from tests.unit.data.test_prepare import paragraphs, run_main
 
 # prepare with many small shards in one unit, each taking 0.25 s (a slow tokenizer, a large corpus): a
@@ -25,7 +25,7 @@ from tests.unit.data.test_prepare import paragraphs, run_main
 DRIVER = """
 import os, sys, time
 from megaframe.data import prepare as p
-from megaframe.data import unit_encoding as u
+from megaframe.data.prepare import unit_encoding as u
 u.MAX_CHUNK_CHARS = u.MIN_CHUNK_CHARS = 8 << 10
 real = u.encode_chunk
 def slow(task):

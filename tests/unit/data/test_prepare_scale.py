@@ -12,8 +12,8 @@ import pytest
 from megaframe.atomic_lock import SharedFlock
 from megaframe.config import load_config
 from megaframe.data import prepare as prep
-from megaframe.data import unit_encoding
-from megaframe.data.sources import resolve_source, sample_documents
+from megaframe.data.prepare import unit_encoding
+from megaframe.data.prepare.sources import resolve_source, sample_documents
 from megaframe.data.tokenizer import load_tokenizer
 from tests.unit.data.test_prepare import paragraphs, read_tokens, run_main, split_docs, write_text_corpus
 
@@ -207,7 +207,7 @@ def test_tokenizer_sample_spreads_over_the_corpus(tmp_path):
 def mf_cache(tmp_path):
     import contextlib
 
-    from megaframe.data.sources import offline_hf
+    from megaframe.data.prepare.sources import offline_hf
 
     @contextlib.contextmanager
     def ctx():

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from megaframe.config import ROOT
-from megaframe.data.tasks import unit_tasks
+from megaframe.data.prepare.tasks import unit_tasks
 from tests.e2e.stdlib_corpus import write_corpus
 
 ARGS = ["data.vocab_size=512", "data.num_workers=1"]

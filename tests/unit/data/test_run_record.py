@@ -16,10 +16,9 @@ from megaframe.checkpoint import sharded
 from megaframe.config import ConfigError, load_config
 from megaframe.config.schema import plain
 from megaframe.data import prepare as prep
-from megaframe.data.dataset import data_state
-from megaframe.data.shards import tokenizer_identity
-from megaframe.model.parallelize import build_model
+from megaframe.data.kinds import data_state, tokenizer_identity
 from megaframe.parallel.mesh import single_process_mesh
+from tests.forms import build_model
 from tests.unit.data.test_prepare import paragraphs, write_text_corpus
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -17,8 +17,8 @@ pytest.importorskip("lm_eval", reason="lm-eval is the optional extra .[eval] (ma
 
 from megaframe.checkpoint import sharded  # noqa: E402
 from megaframe.config import load_config  # noqa: E402
-from megaframe.model.parallelize import build_model  # noqa: E402
 from megaframe.parallel.mesh import single_process_mesh  # noqa: E402
+from tests.forms import build_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[3]
 TASKS = str(ROOT / "tests" / "data" / "lm_eval_tasks")
@@ -227,14 +227,14 @@ def test_a_construction_error_inside_lm_eval_is_one_line(runs, monkeypatch, caps
     indexing alone takes ~12 s)."""
     import lm_eval.__main__
 
-    import megaframe
+    from megaframe.checkpoint import whole_load
     from megaframe.evaluation.lm_eval_adapter import MegaframeLM
 
     def build_as_lm_eval_does():
         MegaframeLM.create_from_arg_obj({"checkpoint": str(runs["ok"])}, {"batch_size": 1, "device": None})
 
     monkeypatch.setattr(lm_eval.__main__, "cli_evaluate", build_as_lm_eval_does)
-    monkeypatch.setattr(megaframe, "load_model", lambda step: (_ for _ in ()).throw(OSError("torn shard")))
+    monkeypatch.setattr(whole_load, "load_model", lambda step: (_ for _ in ()).throw(OSError("torn shard")))
     assert lm_eval_cli("--model_args", f"checkpoint={runs['ok']}") == 2
     assert "cannot load the model (torn shard)" in one_error(capsys)
 

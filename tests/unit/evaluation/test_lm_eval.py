@@ -1,7 +1,8 @@
 """lm-evaluation-harness over megaframe: the `megaframe` model scores the local multiple-choice task
 (tests/data/lm_eval_tasks, no network) exactly as lm-eval's own `hf` model scores the exported folder with
 the same tokenizer; rolling log-likelihoods and greedy generation run; unknown tasks and bad checkpoints
-exit 2 with one line. One process; the training layouts are tests/distributed/test_lm_eval_layouts.py."""
+exit 2 with one line. One process; the training layouts are
+tests/distributed/evaluation/test_lm_eval_layouts.py."""
 
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ pytest.importorskip("lm_eval", reason="lm-eval is the optional extra .[eval] (ma
 
 from megaframe.checkpoint import sharded  # noqa: E402
 from megaframe.config import load_config  # noqa: E402
-from megaframe.model.parallelize import build_model  # noqa: E402
 from megaframe.parallel.mesh import single_process_mesh  # noqa: E402
+from tests.forms import build_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[3]
 TASKS = str(ROOT / "tests" / "data" / "lm_eval_tasks")

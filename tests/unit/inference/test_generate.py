@@ -17,8 +17,8 @@ from megaframe.checkpoint import sharded
 from megaframe.config import load_config
 from megaframe.inference.decode import generate
 from megaframe.inference.sampling import SamplingConfig, next_token
-from megaframe.model.parallelize import build_model
 from megaframe.parallel.mesh import single_process_mesh
+from tests.forms import build_model
 
 ROOT = Path(__file__).resolve().parents[3]
 TINY = [

@@ -8,9 +8,9 @@ from torchao.float8.float8_training_tensor import Float8TrainingTensor
 
 from megaframe.layers import fused_ce
 from megaframe.layers.fp8 import Fp8Gemm
-from megaframe.model.parallelize import build_model
 from megaframe.parallel.mesh import single_process_mesh
 from tests.distributed.cases import tiny_config
+from tests.forms import build_model
 
 
 class Float8Matmuls(TorchDispatchMode):

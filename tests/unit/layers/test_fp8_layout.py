@@ -5,9 +5,9 @@ before)."""
 import torch
 
 from megaframe.layers.linear import ColumnParallelLinear, RowParallelLinear
-from megaframe.model.parallelize import build_model
 from megaframe.parallel.mesh import single_process_mesh
 from tests.distributed.cases import tiny_config
+from tests.forms import build_model
 
 
 def test_linears_that_do_not_fit_float8_stay_bf16_with_one_warning(capsys):

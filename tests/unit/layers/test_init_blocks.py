@@ -8,9 +8,9 @@ import torch
 
 from megaframe.layers import shard as shard_mod
 from megaframe.layers.shard import Shard, full_init, local_init
-from megaframe.model.parallelize import build_model
 from megaframe.parallel.virtual import virtual_mesh
 from tests.distributed.cases import tiny_config
+from tests.forms import build_model
 
 
 @pytest.fixture

@@ -11,11 +11,11 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megaframe.layers.shard import full_init_param
-from megaframe.model.parallelize import build_model
 from megaframe.optim.build import build_optimizer
 from megaframe.optim.zero3 import Zero3Optimizer
 from megaframe.parallel.virtual import virtual_mesh
 from tests.distributed.cases import tiny_config
+from tests.forms import build_model
 
 MODEL = ["model.num_layers=4", "model.hidden_size=128", "model.ffn_hidden_size=256", "model.vocab_size=512"]
 

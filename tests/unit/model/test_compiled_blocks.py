@@ -13,12 +13,10 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from megaframe.data.dataset import build_data, microbatches
-from megaframe.model.parallelize import build_model
 from megaframe.optim.build import build_optimizer
 from megaframe.parallel.mesh import single_process_mesh
-from megaframe.training.step import train_step
 from tests.distributed.cases import tiny_config
+from tests.forms import build_data, build_model, microbatches, train_step
 
 
 @pytest.mark.parametrize("zero", [1, 3])

@@ -10,8 +10,8 @@ import torch
 
 from megaframe.config import load_config
 from megaframe.model.documents import FLEX_BLOCK, document_context
-from megaframe.model.parallelize import build_model
 from megaframe.parallel.mesh import single_process_mesh
+from tests.forms import build_model
 
 EOS = [0, 64, 128, 192]  # the synthetic data's end-of-document ids (multiples of 64) at vocab 256
 

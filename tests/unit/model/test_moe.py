@@ -11,12 +11,11 @@ import torch
 from megaframe.config import load_config
 from megaframe.layers.shard import full_init
 from megaframe.model.moe import dispatcher, router, stats
-from megaframe.model.parallelize import build_model
 from megaframe.optim.build import build_optimizer
 from megaframe.parallel.mesh import single_process_mesh
-from megaframe.training.step import train_step
 from tests.distributed.cases import TINY
 from tests.distributed.moe_cases import MOE, _layer
+from tests.forms import build_model, train_step
 
 torch.set_num_threads(1)
 
@@ -127,7 +126,7 @@ def test_each_expert_is_initialised_from_its_own_name():
 
 
 def test_forced_imbalance_is_flagged_and_the_bias_pushes_back():
-    from megaframe.data.dataset import build_data, microbatches
+    from tests.forms import build_data, microbatches
 
     cfg = cfg_of("model.moe_expert_bias=true", "model.moe_bias_update_rate=0.5", "model.moe_aux_loss_coeff=0")
     mesh = single_process_mesh()

@@ -3,7 +3,7 @@ preset: its check accepts its presets and the load-time inference finds it again
 counters equal `numel` of a meta model; decoding with the cache (the model's own forward with `kv_cache`)
 gives the full forward's logits; a family with a transformers class round-trips through it (logits equal
 in fp32, the state back exactly). The multi-rank half (tp2.sp.pp2 equal to one process) is
-tests/distributed/test_family_conformance.py."""
+tests/distributed/models/test_family_conformance.py."""
 
 from __future__ import annotations
 
@@ -16,9 +16,10 @@ import torch
 import megaframe
 from megaframe.checkpoint import hf
 from megaframe.config import load_config
-from megaframe.model.parallelize import build_model, whole_model
+from megaframe.model.parallelize import whole_model
 from megaframe.models.registry import FAMILIES, family, infer, spec_of
 from megaframe.parallel.mesh import single_process_mesh
+from tests.forms import build_model
 from tests.unit.checkpoint.test_hf_interop import make_checkpoint
 
 NAMES = list(FAMILIES)

@@ -11,11 +11,11 @@ import pytest
 
 from megaframe.config import load_config
 from megaframe.model.gpt import GPT
-from megaframe.model.parallelize import build_model
 from megaframe.parallel.mesh import single_process_mesh
 from megaframe.parallel.virtual import virtual_mesh
 from megaframe.planning.candidate import Layout, stage_params
 from megaframe.training.metrics import flops_per_token
+from tests.forms import build_model
 
 ROOT = Path(__file__).resolve().parents[3]
 PRESETS = sorted(p.stem for p in (ROOT / "conf" / "model").glob("*.yaml"))

@@ -99,11 +99,10 @@ def test_twenty_training_steps_match_transformers(tmp_path):
     agree to fp32 noise."""
     import torch.nn.functional as F
 
-    from megaframe.data.dataset import build_data, microbatches
     from megaframe.optim.build import build_optimizer
     from megaframe.optim.lr_schedule import lr_at
     from megaframe.parallel.mesh import single_process_mesh
-    from megaframe.training.step import train_step
+    from tests.forms import build_data, microbatches, train_step
 
     ref = hf_qwen3(tmp_path / "hf", True).train()
     assert import_hf.main([str(tmp_path / "hf"), str(tmp_path / "ck"), "data=synthetic"]) == 0

@@ -80,8 +80,8 @@ def test_import_and_export_match_transformers(tmp_path):
 def test_per_expert_layout_converts_both_ways():
     """transformers 4 (and the published safetensors) hold one gate/up/down per expert: exported that
     way and read back, the state is the same tensors."""
-    from megaframe.model.parallelize import build_model
     from megaframe.parallel.mesh import single_process_mesh
+    from tests.forms import build_model
 
     cfg = load_config(["model=qwen3_moe_tiny", "data=synthetic", "model.num_layers=2"], world_size=1)
     state = {n: p.detach() for n, p in build_model(cfg, single_process_mesh()).named_parameters()}

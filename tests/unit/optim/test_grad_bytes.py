@@ -27,13 +27,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megaframe.data.dataset import build_data, microbatches
 from megaframe.layers.fp8 import Fp8Gemm
-from megaframe.model.parallelize import build_model
 from megaframe.optim.build import build_optimizer
 from megaframe.parallel.mesh import single_process_mesh
-from megaframe.training.step import train_step
 from tests.distributed.cases import tiny_config
+from tests.forms import build_data, build_model, microbatches, train_step
 from tests.unit.optim.byte_count import ByteCount, storage_ptr
 
 # tokens per micro-batch (24 x 2 = 48) and every dim differ, so no activation has a parameter's shape

@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megaframe.model.parallelize import build_model
 from megaframe.optim.build import build_optimizer
 from megaframe.parallel.mesh import single_process_mesh
 from tests.distributed.cases import tiny_config
+from tests.forms import build_model
 
 STEPS = 5
 MOE = ["model=moe_tiny", "model.num_experts=4", "model.moe_ffn_hidden_size=48", "model.moe_top_k=1"]

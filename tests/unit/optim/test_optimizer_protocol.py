@@ -7,13 +7,13 @@ import inspect
 
 import pytest
 
-from megaframe.model.parallelize import build_model
 from megaframe.optim.build import PlainOptimizer, build_optimizer
 from megaframe.optim.protocol import Optimizer
 from megaframe.optim.zero import ZeroOptimizer
 from megaframe.optim.zero3 import Zero3Optimizer
 from megaframe.parallel.mesh import single_process_mesh
 from tests.distributed.cases import tiny_config
+from tests.forms import build_model
 
 CONTRACT = {
     "zero_grad",

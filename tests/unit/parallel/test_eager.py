@@ -18,7 +18,7 @@ import sys
 import torch
 import megaframe.evaluate, megaframe.generate, megaframe.plan, megaframe.training.trainer  # noqa: F401
 from megaframe.config import load_config
-from megaframe.model.parallelize import build_model
+from tests.forms import build_model
 from megaframe.parallel.mesh import single_process_mesh
 from megaframe.training.phase_meter import PhaseMeter
 

@@ -5,9 +5,9 @@ once per data-parallel replica; the tied embedding's copies are marked on the pi
 import pytest
 import torch
 
-from megaframe.model.parallelize import build_model
 from megaframe.parallel.virtual import virtual_mesh
 from tests.distributed.cases import tiny_config
+from tests.forms import build_model
 
 # (overrides, tp, pp, dp, ep); etp from the overrides
 LAYOUTS = [

@@ -4,6 +4,7 @@ import itertools
 
 import pytest
 
+from megaframe.pipeline.grouping import build_schedule
 from megaframe.pipeline.partition import stage_counts, stage_layout
 from megaframe.pipeline.schedule import (
     RECV_B,
@@ -15,7 +16,6 @@ from megaframe.pipeline.schedule import (
     F,
     Grouping,
     activation_bound,
-    build_schedule,
     check_args,
     compute_order,
 )
@@ -161,7 +161,8 @@ def test_stage_layout_loop_order_and_uneven_split():
 @pytest.mark.parametrize("pp,vpp,m", [(2, 1, 1), (2, 2, 3), (4, 2, 8), (4, 3, 2), (3, 1, 5)])
 def test_forward_schedule_is_deadlock_free_under_rendezvous(pp, vpp, m):
     """Evaluation's forward-only schedule: every forward once, paired sends/receives that meet."""
-    from megaframe.pipeline.schedule import RECV_F, SEND_F, F, forward_schedule, stage_of
+    from megaframe.pipeline.grouping import forward_schedule
+    from megaframe.pipeline.schedule import RECV_F, SEND_F, F, stage_of
 
     scheds = [forward_schedule(pp, vpp, m, r) for r in range(pp)]
     for r, s in enumerate(scheds):
@@ -217,7 +218,7 @@ def test_zero_bubble_grid_is_deadlock_free_under_both_send_models():
 def test_greedy_ticks_are_the_unit_time_replay(kind, pp, m):
     """_unit_times reuses the greedy scheduler's ticks for the zero-bubble kinds: they are what replaying
     its orders in unit time gives."""
-    from megaframe.pipeline.schedule import _replay_unit_times, _unit_times
+    from megaframe.pipeline.grouping import _replay_unit_times, _unit_times
 
     assert _unit_times(kind, pp, 2 if kind == "zbv" else 1, m) == _replay_unit_times(
         kind, pp, 2 if kind == "zbv" else 1, m

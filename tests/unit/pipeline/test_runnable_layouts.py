@@ -1,7 +1,7 @@
 """A pipeline layout the executor cannot run is refused by the config checks (exit 2, one line, before any
 rank starts), because they build every rank's schedule as the executor does; the planner says the same
 line instead of a traceback. The layouts that do run are proved equal to one process in
-tests/distributed/test_pipeline_equivalence.py (zbv with a 0-layer middle stage among them)."""
+tests/distributed/pipeline/test_pipeline_equivalence.py (zbv with a 0-layer middle stage among them)."""
 
 from __future__ import annotations
 

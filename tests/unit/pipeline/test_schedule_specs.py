@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 
 from megaframe.pipeline import schedule
+from megaframe.pipeline.grouping import build_schedule
 from megaframe.pipeline.schedule import (
     SCHEDULES,
     F,
     ScheduleSpec,
     activation_bound,
-    build_schedule,
     check_args,
     compute_order,
     num_warmup,

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from megaframe.config import load_config
-from megaframe.model.parallelize import build_model
 from megaframe.parallel.mesh import single_process_mesh
 from megaframe.parallel.virtual import virtual_mesh
 from megaframe.planning.activations import allocator_peak, head_activation_bytes
 from megaframe.planning.estimate import rank_shape
 from megaframe.planning.phases import head_transient_bytes
+from tests.forms import build_model
 
 # a vocabulary much wider than the hidden size: the [tokens, V] tensors are the head's whole peak
 TINY = [

@@ -11,9 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from megaframe.config.schema import TrainConfig
-from megaframe.data.dataset import build_data
 from megaframe.inference.sampler import Sampler
-from megaframe.model.parallelize import build
 from megaframe.parallel.mesh import single_process_mesh
 from megaframe.runops.guard import RunGuard
 from megaframe.runops.signals import StopFlag
@@ -21,6 +19,7 @@ from megaframe.runops.watchdog import Watchdog
 from megaframe.training import trainer
 from megaframe.training.validation import Evaluator
 from tests.distributed.cases import tiny_config
+from tests.forms import build, build_data
 
 LIMIT_S, FORWARD_S = 1.0, 0.15
 """The hang limit, and each forward's sleep: a batch is well inside the limit, the whole work beyond it."""

@@ -10,12 +10,13 @@ import pytest
 import torch
 
 from megaframe.config.derived import derive
-from megaframe.data.dataset import build_data, build_samples, microbatches
-from megaframe.model.parallelize import build, build_for
+from megaframe.data.kinds import build_samples
+from megaframe.model.parallelize import build_for
 from megaframe.parallel.mesh import single_process_mesh
-from megaframe.training.step import optimizer_step, train_step
+from megaframe.training.step import optimizer_step
 from megaframe.training.validation import Evaluator
 from tests.distributed.cases import tiny_config
+from tests.forms import build, build_data, microbatches, train_step
 
 BATCH = ["train.global_batch_size=4", "train.micro_batch_size=2"]
 

@@ -55,11 +55,9 @@ class _NoSync:
 
 
 def test_train_step_and_skip_do_not_sync_the_host(monkeypatch):
-    from megaframe.data.dataset import build_data, microbatches
-    from megaframe.model.parallelize import build_model
     from megaframe.optim.build import build_optimizer
-    from megaframe.training.step import train_step
     from megaframe.training.trainer import BadSteps, TrainingError
+    from tests.forms import build_data, build_model, microbatches, train_step
 
     for zero in (1, 0):
         cfg = tiny_config([f"optim.zero={zero}"], 1)
@@ -88,7 +86,8 @@ def test_train_step_and_skip_do_not_sync_the_host(monkeypatch):
 
 
 def test_prefetcher_hands_out_the_same_batches_in_order():
-    from megaframe.data.dataset import Prefetcher, build_data, microbatches
+    from megaframe.data.dataset import Prefetcher
+    from tests.forms import build_data, microbatches
 
     cfg = tiny_config([], 1)
     data, t = build_data(cfg), cfg.train

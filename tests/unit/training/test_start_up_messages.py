@@ -65,7 +65,7 @@ def test_busy_machine_warns_once_with_the_load_and_the_way_out():
 
 
 def test_header_labels_precision_schedule_and_fp8_warnings():
-    from megaframe.training.startup import pipeline_label, precision_label, precision_warnings
+    from megaframe.training.header import pipeline_label, precision_label, precision_warnings
 
     def cfg(*over, world=1):
         return load_config(["data=synthetic", *over], world_size=world, check_data=False)
@@ -86,8 +86,8 @@ def test_header_labels_precision_schedule_and_fp8_warnings():
 
 
 def test_header_names_the_validation_split_it_holds_out(demo_prepared):
-    from megaframe.data.dataset import build_data
-    from megaframe.training.startup import held_out_label
+    from megaframe.training.header import held_out_label
+    from tests.forms import build_data
 
     cfg = load_config(["data=demo", f"data.path={demo_prepared}", "data.valid_fraction=0.05"], world_size=1)
     train, valid = build_data(cfg), build_data(cfg, split="valid")

@@ -1,0 +1,63 @@
+"""Every registered update rule (optim/rule_registry.py) in each optim.state_dtype under every distribution
+strategy: zero=0, 1, 2 (here with HSDP), 3. One chain of short runs per rule and dtype, each loading the
+previous one's checkpoint under a different layout and stage, continues one uninterrupted one-process run
+(losses, final weights); the last link resumes into the other state dtype (converted as read). On every rank
+of each run the optimizer state measured (mem/optim_bytes) equals the planner's (planning/estimate.py
+plan_layout, from the config alone), and the checkpoint records the state's dtype."""
+
+import pytest
+
+from megaframe.checkpoint import sharded
+from megaframe.optim.rule_registry import RULES, rule_named
+from megaframe.planning.estimate import plan_layout
+from tests.distributed.cases import tiny_config
+from tests.distributed.model.test_model_equivalence import assert_close_dicts, assert_weights_close
+from tests.distributed.optim.test_zero import SMALL_BUCKETS, STEPS, rel_errors
+from tests.distributed.zero_cases import run_steps
+
+pytestmark = pytest.mark.distributed
+
+# (ranks, overrides, HSDP shard size, steps it runs): each link loads the one before under another layout
+CHAIN = [
+    (2, ["optim.zero=0"], 0, 1),
+    (4, ["optim.zero=1"] + SMALL_BUCKETS, 0, 1),
+    (4, ["optim.zero=2", "optim.shard_group_size=2"] + SMALL_BUCKETS, 2, 1),
+    (2, ["optim.zero=3"], 0, 1),
+    (1, ["optim.zero=0"], 0, 2),
+]
+OTHER = {"fp32": "bf16", "bf16": "fp32"}
+TORCH_DTYPE = {"fp32": "float32", "bf16": "bfloat16"}
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("rule", list(RULES))
+def test_each_rule_resumes_across_every_stage_at_its_planned_bytes(pool, tmp_path, rule, dtype):
+    ours = [f"optim.name={rule}", f"optim.state_dtype={dtype}"]
+    full = pool.run(run_steps, 1, ours + ["optim.zero=0"], STEPS)[0]
+    losses, load, at = [], None, 0
+    for i, (n, over, shard, steps) in enumerate(CHAIN):
+        last = i == len(CHAIN) - 1
+        run = [f"optim.name={rule}", f"optim.state_dtype={OTHER[dtype] if last else dtype}"] + over
+        save = None if last else str(tmp_path / str(i))
+        got = pool.run(run_steps, n, run, STEPS, load, save, at, at + steps, shard=shard)[0]
+        at += steps
+        load = f"{save}/step_{at:08d}"
+        losses += got["losses"]
+        planned = plan_layout(tiny_config(run, n), n).ranks[0].optim_bytes
+        assert got["optim_bytes_per_rank"] == [planned] * n, (run, got["optim_bytes_per_rank"], planned)
+        if save:
+            tensors = sharded.read_metadata(load)["tensors"]
+            state = [v["dtype"] for k, v in tensors.items() if k.split("/")[1] in rule_named(rule).states]
+            assert set(state) == {TORCH_DTYPE[dtype]}, set(state)
+            if "optim.zero=3" in over:  # fp32 ZeRO-3 weights are its master, bit for bit: written once
+                assert not [k for k in tensors if k.startswith("optim/master/")]
+    assert at == STEPS
+    print(f"{rule} {dtype}: max rel loss diff {max(rel_errors(losses, full['losses'])):.2e}")
+    assert max(rel_errors(losses, full["losses"])) <= 1e-5, (losses, full["losses"])
+    if rule_named(rule).elementwise:
+        assert_weights_close(got["weights"], full["weights"])
+        return
+    # a whole-matrix rule (Muon) orthogonalises in bf16 (torch's Newton-Schulz): a last-bit difference of
+    # the summed grads can flip an entry's rounding, a few bf16 ulps (of entries <= 0.5) times the lr a step
+    atol = STEPS * tiny_config([], 1).optim.lr * 2**-6
+    assert_close_dicts(got["weights"], full["weights"], rtol=1e-4, atol=atol, what="weight")
