@@ -17,6 +17,11 @@ import math
 from itertools import accumulate
 
 import torch
+
+# torch's own Newton-Schulz and lr adjustment, so the math is the reference's bit for bit
+# (tests/unit/optim/test_muon.py). Private: torch's public API is the Muon optimizer class only, which
+# steps whole 2-D params it owns; here the matrix is a tp-gathered block of a fused weight or one expert
+# of a stacked one, and ZeRO owns flat ranges of it. A torch that moves them fails this import at once.
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
 from megaframe.config.schema import OptimConfig

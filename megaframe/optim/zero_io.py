@@ -46,7 +46,10 @@ class ZeroStateIO:
             return {}
         b = buf.bucket_of[p]
         o = buf.offset[p] - b.start
-        return {k: v[o : o + p.numel()].view(p.shape) for k, v in self._gather_bucket(buf, b, what).items()}
+        # the names p's kind holds (a rule may keep others on other params), the master, or the grad
+        keep = set(self.rule.states_for(p.placement)) | {"master", "grad"}
+        full = self._gather_bucket(buf, b, what)
+        return {k: v[o : o + p.numel()].view(p.shape) for k, v in full.items() if k in keep}
 
     def state_segments(self, p: nn.Parameter) -> list[tuple[int, int, dict[str, torch.Tensor]]]:
         """This rank's segments of p's state, no collective: (first element of the flat local param,

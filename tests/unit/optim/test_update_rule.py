@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from megaframe.config.choices import StateDtype
 from megaframe.layers.shard import Shard
@@ -80,9 +81,13 @@ def test_zero_holds_each_params_own_state_names_only(dtype):
     model = build_model(cfg, mesh)
     opt = build_optimizer(model, cfg.optim, mesh)
     opt.make_state()
+    for t in opt.held_state():  # distinct values, so a misplaced read shows
+        t.copy_(torch.randn(t.shape))
     rule = rule_named("muon")
     want = sum((rule.bytes_per_element(dtype, p.placement) + 4) * p.numel() for p in model.parameters())
     assert opt.memory_bytes()["mem/optim_bytes"] == want
     for p in model.parameters():
-        for _, _, views in opt.state_segments(p):
-            assert set(views) == {*rule.states_for(p.placement), "master"}, views.keys()
+        (_, _, views), logical = *opt.state_segments(p), opt.logical_state(p)
+        assert set(views) == {*rule.states_for(p.placement), "master"} == set(logical), views.keys()
+        for k, v in views.items():  # the gathered logical state reads the packed names at their place
+            assert logical[k].data_ptr() != v.data_ptr() and logical[k].reshape(-1).equal(v)
