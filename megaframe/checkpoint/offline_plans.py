@@ -27,10 +27,12 @@ class PlannedZero:
         for buf in flat_buffers(params, o, mesh):
             # the rule's state in its dtype, and an fp32 master only for sub-fp32 params (bf16), as the real
             # ZeroOptimizer keeps (empty meta tensors: the layout reads their dtype only)
-            kinds = {k: STATE_DTYPES[o.state_dtype] for k in rule_named(o.name).states}
-            if buf.dtype.is_floating_point and buf.dtype.itemsize < 4:
-                kinds["master"] = torch.float32
+            # (of the names each param's kind holds: rule.states_for)
+            rule, master = rule_named(o.name), buf.dtype.is_floating_point and buf.dtype.itemsize < 4
             for s in buf.segments:
+                kinds = {k: STATE_DTYPES[o.state_dtype] for k in rule.states_for(s.param.placement)}
+                if master:
+                    kinds["master"] = torch.float32
                 views = {k: torch.empty(0, dtype=dt, device="meta") for k, dt in kinds.items()}
                 self.segs.setdefault(s.param, []).append((s.param_lo, s.numel, views))
 

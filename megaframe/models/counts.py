@@ -49,6 +49,18 @@ def layer_params(m: ModelConfig, tp: int = 1, ep: int = 1) -> tuple[int, int]:
     return attention_params(m, tp) + dense + 2 * _norm(m, m.hidden_size), expert
 
 
+def matrix_params(m: ModelConfig, tp: int = 1, ep: int = 1) -> tuple[int, int]:
+    """(dense, expert) elements of one block's hidden matrices on one rank (Placement.hidden_matrix: the
+    attention and MLP weights, every expert's; not norms, biases nor the router): an update rule keeping
+    other state on them (Muon) is sized by these."""
+    d, h, k, e = m.hidden_size, m.num_attention_heads, m.kv_heads, m.head_dim
+    attn = (d * (h + 2 * k) * e + h * e * d) // tp
+    if m.num_experts:
+        return attn, mlp_params(m, tp, ep)[1]
+    per = 2 if m.activation == "swiglu" else 1
+    return attn + (per + 1) * d * m.ffn_hidden_size // tp, 0
+
+
 def outside_params(m: ModelConfig, tp: int, first: bool, last: bool) -> int:
     """Parameters outside the blocks on a pipeline rank: the embedding (and learned positions) on the
     first, the final norm and the head on the last (with tied embeddings the last keeps its own copy of

@@ -8,7 +8,8 @@ gate, up of gate/up: Placement.matrix_rows) and each expert of a stacked expert 
 slice is gathered over tp for the orthogonalisation (every tp rank runs it, then keeps its own rows/columns);
 experts split over ep are whole on their rank. The update needs whole matrices (`elementwise=False`): under
 ZeRO each rank updates the momentum of its owned ranges, the direction is summed over the shard axis into
-the whole matrix, and each rank applies its ranges of the orthogonalised update (MuonStep).
+the whole matrix, one rank of the axis (its owner, balanced by Newton-Schulz work: `_owners`)
+orthogonalises it and broadcasts the result, and each rank applies its ranges of the update (MuonStep).
 """
 
 from __future__ import annotations
@@ -17,6 +18,11 @@ import math
 from itertools import accumulate
 
 import torch
+
+# torch's own Newton-Schulz and lr adjustment, so the math is the reference's bit for bit
+# (tests/unit/optim/test_muon.py). Private: torch's public API is the Muon optimizer class only, which
+# steps whole 2-D params it owns; here the matrix is a tp-gathered block of a fused weight or one expert
+# of a stacked one, and ZeRO owns flat ranges of it. A torch that moves them fails this import at once.
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
 from megaframe.config.schema import OptimConfig
@@ -48,8 +54,8 @@ class MuonStep(RuleStep):
     A strategy passing whole params (zero=0) gives neither `owned` nor `layout`. ZeRO passes `owned` (each
     flat view it owns -> its param and offset in the param's flat local tensor) and `layout` (every param
     with the axis its ranges are cut over, the same order on every rank): each rank updates the momentum of
-    its ranges, the zero-filled direction of each whole matrix is summed over the axis, every rank
-    orthogonalises it and applies its own ranges."""
+    its ranges, the zero-filled direction of each whole matrix is summed over the axis, its owner
+    orthogonalises it and broadcasts the result, every rank applies its own ranges."""
 
     def __init__(
         self, groups: Groups, cfg: OptimConfig, device: torch.device, mesh=None, owned=None, layout=None
@@ -69,6 +75,7 @@ class MuonStep(RuleStep):
         for w in hidden:
             p, lo = self.owned[w]
             self.segs[p].append((w, lo))
+        self.owner = _owners(self.matrices)
         adamw_lr = cfg.muon.adamw_lr if cfg.muon.adamw_lr is not None else cfg.lr
         # the AdamW part follows optim.lr's schedule (warmup, decay) scaled to its own peak
         self.adamw_scale = adamw_lr / cfg.lr if cfg.lr else 0.0
@@ -117,7 +124,15 @@ class MuonStep(RuleStep):
         if flat is not None:
             # the ranges of the axis's ranks are disjoint and cover p: their sum is p's whole direction
             direction = comm.all_reduce(flat, axis).view(p.shape)
-        ortho = self._orthogonalised(p, direction).view(-1)
+        if axis is None:
+            ortho = self._orthogonalised(p, direction).view(-1)
+        else:
+            # one rank of the axis (the matrix's owner, balanced by Newton-Schulz work) orthogonalises it
+            # and sends the result to the others, each applying its own ranges
+            owner = self.owner[p]
+            mine = axis.rank == owner
+            ortho = self._orthogonalised(p, direction).view(-1) if mine else torch.empty_like(flat)
+            comm.broadcast(ortho, axis, owner)
         for w, lo in segs:
             new = w * (1 - lr * self.cfg.weight_decay)
             flat_new = new.view(-1)
@@ -145,6 +160,26 @@ class MuonStep(RuleStep):
 
     def held(self) -> list[torch.Tensor]:
         return list(self.momentum.values()) + (self.adam.held() if self.adam is not None else [])
+
+
+def _ns_cost(p: torch.Tensor) -> int:
+    """Newton-Schulz work of p's whole (tp-gathered) logical matrices: rows x cols x min(rows, cols) each."""
+    pl = p.placement
+    cols = pl.shard.global_shape[-1]
+    return (p.shape[0] if pl.expert else 1) * sum(r * cols * min(r, cols) for r in pl.matrix_rows)
+
+
+def _owners(matrices: list) -> dict:
+    """The rank of its axis that orthogonalises each matrix summed over an axis: the costliest first, each to
+    the least loaded rank so far (the same order and result on every rank of the axis)."""
+    load: dict[tuple, list[int]] = {}
+    owner = {}
+    ranked = sorted((m for m in matrices if m[1] is not None), key=lambda m: -_ns_cost(m[0]))
+    for p, axis in ranked:
+        work = load.setdefault(axis.ranks, [0] * axis.size)
+        owner[p] = work.index(min(work))
+        work[owner[p]] += _ns_cost(p)
+    return owner
 
 
 def _block_ranges(p: torch.Tensor, lr: float, adjust: str) -> list[tuple[int, int, float]]:

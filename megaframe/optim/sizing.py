@@ -48,8 +48,9 @@ def planned_memory_bytes(
     units = gather_units(model) if model is not None and cfg.zero == 3 else []
     in_units = {id(p) for _, us, _ in units for p in us}
     grads = optim = params_bytes = wide = 0
-    rule_bytes = rule_named(cfg.name).bytes_per_element(cfg.state_dtype)
+    rule = rule_named(cfg.name)
     for axis, ps, ordered, plan in _plans(params, cfg, mesh, model):
+        state = rule_state_bytes(rule, cfg.state_dtype, _owned(ordered, plan, axis.rank, axis.size))
         numel = plan[-1][2] if plan else 0
         late = sum(end - start for idx, start, end in plan if any(ordered[i].placement.pp_tied for i in idx))
         g = grad_dtype(cfg.grad_reduce_dtype, ps[0].dtype).itemsize
@@ -57,16 +58,43 @@ def planned_memory_bytes(
         if cfg.zero == 3:
             resident = sum(end - start for idx, start, end in plan if id(ordered[idx[0]]) not in in_units)
             grads += g * (numel // axis.size + late)  # a tied embedding's bucket: whole for the step
-            optim += rule_bytes * numel // axis.size
+            optim += state
             params_bytes += 4 * numel // axis.size + resident * ps[0].element_size()
             continue
         if cfg.zero >= 2:  # the shard, plus the whole of late buckets (a tied embedding's)
             grads += g * (numel // axis.size + late)
         else:
             grads += g * numel
-        optim += (numel // axis.size) * (rule_bytes + (0 if ps[0].dtype == torch.float32 else 4))
+        optim += state + (numel // axis.size) * (0 if ps[0].dtype == torch.float32 else 4)
     out = {"mem/grads_bytes": grads, "mem/optim_bytes": optim, "mem/grads_fp32_bytes": wide}
     return {**out, "mem/params_bytes": params_bytes} if cfg.zero == 3 else out
+
+
+def _owned(ordered: list[nn.Parameter], plan, rank: int, size: int) -> list[tuple[nn.Parameter, int]]:
+    """(param, elements) of each segment `rank` of `size` owns (buffer.FlatBuffer's segments), and the
+    rank's whole range's elements as (None, n) first."""
+    out, total = [], 0
+    for idx, start, end in plan:
+        share = (end - start) // size
+        lo, hi, at = start + rank * share, start + (rank + 1) * share, start
+        total += share
+        for i in idx:
+            n = ordered[i].numel()
+            if min(hi, at + n) > max(lo, at):
+                out.append((ordered[i], min(hi, at + n) - max(lo, at)))
+            at += n
+    return [(None, total), *out]
+
+
+def rule_state_bytes(rule, dtype: str, owned: list[tuple[nn.Parameter | None, int]]) -> int:
+    """The bytes of zero_state's rule state over `owned` (_owned): a name every segment's param holds spans
+    the whole range, padding included; another only the segments whose params hold it."""
+    (_, total), segs = owned[0], owned[1:]
+    out = 0
+    for k, b in zip(rule.states, rule.state_bytes[dtype]):
+        holders = [n for p, n in segs if k in rule.states_for(p.placement)]
+        out += b * (total if len(holders) == len(segs) else sum(holders))
+    return out
 
 
 def planned_dp_bytes(

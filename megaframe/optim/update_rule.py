@@ -77,8 +77,11 @@ class UpdateRule:
             return self.states
         return self.kinds["hidden" if placement.hidden_matrix else "other"]
 
-    def bytes_per_element(self, dtype: str = "fp32", placement=None) -> int:
-        """State bytes per parameter element (of a parameter of `placement`; None: every name's, the most);
-        the fp32 master a strategy may keep is not the rule's."""
-        names = self.states if placement is None else self.states_for(placement)
+    def bytes_per_element(self, dtype: str = "fp32", placement=None, kind: str | None = None) -> int:
+        """State bytes per parameter element of a parameter of `placement` (or of `kind`, "hidden" or
+        "other"; neither: every name's, the most); the fp32 master a strategy may keep is not the rule's."""
+        if placement is not None:
+            names = self.states_for(placement)
+        else:
+            names = self.kinds[kind] if kind is not None and self.kinds is not None else self.states
         return sum(b for k, b in zip(self.states, self.state_bytes[dtype]) if k in names)

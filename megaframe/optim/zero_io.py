@@ -30,7 +30,7 @@ class ZeroStateIO:
         else:
             self.make_state()
             st = self.states[self.buffers.index(buf)]
-            shards = {k: buf.state_shard(t, b) for k, t in st.state.items()}
+            shards = {k: _state_shard(buf, st, b, k) for k in st.state}
             if st.master is not None:
                 shards["master"] = buf.state_shard(st.master, b)
         full = {}
@@ -46,7 +46,10 @@ class ZeroStateIO:
             return {}
         b = buf.bucket_of[p]
         o = buf.offset[p] - b.start
-        return {k: v[o : o + p.numel()].view(p.shape) for k, v in self._gather_bucket(buf, b, what).items()}
+        # the names p's kind holds (a rule may keep others on other params), the master, or the grad
+        keep = set(self.rule.states_for(p.placement)) | {"master", "grad"}
+        full = self._gather_bucket(buf, b, what)
+        return {k: v[o : o + p.numel()].view(p.shape) for k, v in full.items() if k in keep}
 
     def state_segments(self, p: nn.Parameter) -> list[tuple[int, int, dict[str, torch.Tensor]]]:
         """This rank's segments of p's state, no collective: (first element of the flat local param,
@@ -59,7 +62,7 @@ class ZeroStateIO:
         out = []
         for seg, _ in self._segs_of.get(p, []):
             lo, n = seg.state_lo, seg.numel
-            views = {k: t[lo : lo + n] for k, t in st.state.items()}
+            views = st.views(seg)
             if st.master is not None:
                 views["master"] = st.master[lo : lo + n]
             out.append((seg.param_lo, n, views))
@@ -131,6 +134,19 @@ class ZeroStateIO:
             "mem/gathered_peak_bytes": self.gathered_peak,
             "mem/grads_fp32_bytes": wide,
         }
+
+
+def _state_shard(buf: FlatBuffer, st, b: Bucket, k: str) -> torch.Tensor:
+    """This rank's share of bucket b of state `k`, laid out as the master (zeros where a param holds no k)."""
+    if k not in st.at:
+        return buf.state_shard(st.state[k], b)
+    share = b.shard_numel(buf.dp_size)
+    out = torch.zeros(share, dtype=st.state[k].dtype, device=st.state[k].device)
+    for seg in buf.segments:
+        lo = st.at[k].get(id(seg))
+        if lo is not None and b.state_lo <= seg.state_lo < b.state_lo + share:
+            out[seg.state_lo - b.state_lo :][: seg.numel].copy_(st.state[k][lo : lo + seg.numel])
+    return out
 
 
 def held(t: torch.Tensor | None) -> int:

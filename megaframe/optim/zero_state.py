@@ -2,13 +2,17 @@
 update rule's state of this rank's owned range of each.
 
 The state is "some state per owned element": one flat tensor per name the rule (optim/update_rule.py)
-declares, never named here. The update is the rule's step run on 1-D views of the owned range (segments);
-an elementwise rule's math is then exactly its math on whole params, so zero=1 equals zero=0 elementwise.
+declares, never named here, holding only the elements of the params that name is kept for (a rule may keep
+other state on hidden matrices than on the rest: Muon's momentum, AdamW's moments); a name every param
+holds spans the rank's whole range (padding included), laid out as the master. The update is the rule's
+step run on 1-D views of the owned range (segments); an elementwise rule's math is then exactly its math
+on whole params, so zero=1 equals zero=0 elementwise.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import NamedTuple
 
 import torch
@@ -29,6 +33,18 @@ class FlatState:
     """The rule's per-element state, by its names."""
     master: torch.Tensor | None
     """fp32 master weights for low-precision params; None when the param buffer is fp32 already."""
+    at: dict[str, dict[int, int]]
+    """Per name kept for some params only: id(segment) -> its first element in that name's tensor (a segment
+    absent holds none of it); a name every param holds is at each segment's state_lo."""
+
+    def views(self, seg) -> dict[str, torch.Tensor]:
+        """The 1-D views of `seg`'s state, by the names its param holds."""
+        out = {}
+        for k, t in self.state.items():
+            lo = self.at[k].get(id(seg)) if k in self.at else seg.state_lo
+            if lo is not None:
+                out[k] = t[lo : lo + seg.numel]
+        return out
 
     def tensors(self) -> list[torch.Tensor]:
         """The rule's state and the master (when kept), made or not."""
@@ -95,15 +111,14 @@ def build_state(
                     master[seg.state_lo : seg.state_lo + seg.numel].copy_(source(seg))
         # The state (and a master copied from the param buffer) has no storage until make_state: torch's
         # optimizers make theirs at the first update too, so start-up holds the params only.
-        dtype = STATE_DTYPES[cfg.state_dtype]
-        st = FlatState({k: lazy_zeros(n, dtype, device) for k in rule.states}, master)
+        st = _rule_state(buf, rule, STATE_DTYPES[cfg.state_dtype], device, master)
         states.append(st)
         for seg in buf.segments:
             lo, hi = seg.state_lo, seg.state_lo + seg.numel
             weights = buf.param[seg.buf_lo : seg.buf_lo + seg.numel] if master is None else master[lo:hi]
             weights.grad = buf.owned_grad_at(seg)
             groups["matrix" if seg.param.ndim >= 2 else "vector"].append(weights)
-            pre.append((weights, {k: v[lo:hi] for k, v in st.state.items()}))
+            pre.append((weights, st.views(seg)))
             segs_of.setdefault(seg.param, []).append((seg, weights))
     if rule.elementwise:
         update = rule.build(groups, cfg, device) if any(groups.values()) else None
@@ -117,6 +132,20 @@ def build_state(
         update.adopt(weights, views)
     owned = [(s.param.placement, buf.owned_grad_at(s)) for buf in buffers for s in buf.segments]
     return OwnedState(states, segs_of, update, owned)
+
+
+def _rule_state(buf: FlatBuffer, rule: UpdateRule, dtype: torch.dtype, device, master) -> FlatState:
+    """The rule's lazy flat state of buf's owned range: per name, the whole range when every param holds it,
+    else only the segments of the params that do, packed in segment order."""
+    state, at = {}, {}
+    for k in rule.states:
+        holders = [s for s in buf.segments if k in rule.states_for(s.param.placement)]
+        if len(holders) == len(buf.segments):
+            state[k] = lazy_zeros(buf.state_numel, dtype, device)
+            continue
+        at[k] = dict(zip(map(id, holders), accumulate((0, *(s.numel for s in holders)))))
+        state[k] = lazy_zeros(sum(s.numel for s in holders), dtype, device)
+    return FlatState(state, master, at)
 
 
 @torch.no_grad()

@@ -78,6 +78,16 @@ def all_reduce(x: torch.Tensor, axis: Axis, op=dist.ReduceOp.SUM) -> torch.Tenso
     return x
 
 
+def broadcast(x: torch.Tensor, axis: Axis, src: int) -> torch.Tensor:
+    """In place: x of the axis's rank `src` (its coordinate on the axis) on every rank; returns x."""
+    if axis.size == 1:
+        return x
+    entry = _enter(axis, "broadcast", x, _nbytes(x) if axis.rank == src else 0)
+    if entry is not None:
+        _done(axis, entry, x, dist.broadcast(x, src=axis.ranks[src], group=axis.group))
+    return x
+
+
 def all_gather_dim0(x: torch.Tensor, axis: Axis) -> torch.Tensor:
     """Concatenate every rank's x along dim 0, in axis-rank order."""
     if axis.size == 1:

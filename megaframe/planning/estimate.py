@@ -159,6 +159,30 @@ def state_bytes(model, cfg: Config, mesh) -> tuple[int, int, int]:
     return mem.get("mem/params_bytes", param_bytes), mem["mem/grads_bytes"], mem["mem/optim_bytes"]
 
 
+def optim_bytes_by_dp_rank(model, cfg: Config, tp_rank: int, pp_rank: int, dp: int) -> list[int]:
+    """The optimizer state bytes of each dp rank (cp rank 0) of the coordinate `model` was built for."""
+    p = cfg.parallel
+    return [
+        state_bytes(
+            model,
+            cfg,
+            virtual_mesh(
+                p.tp,
+                p.pp,
+                dp,
+                tp_rank=tp_rank,
+                pp_rank=pp_rank,
+                dp_rank=r,
+                device="meta",
+                ep=p.ep,
+                shard=cfg.optim.shard_group_size,
+                cp=p.cp,
+            ),
+        )[2]
+        for r in range(dp)
+    ]
+
+
 def grads_fp32_bytes(model, cfg: Config, mesh) -> int:
     """mem/grads_fp32_bytes of this rank: bf16 grad reduction's fp32 copy of the owned grads (0 otherwise)."""
     if cfg.optim.grad_reduce_dtype != "bf16" or not cfg.optim.zero:
@@ -241,6 +265,10 @@ def _rank_figures(cfg: Config, tp: int, pp: int, dp: int, pp_rank: int, tp_rank:
     if cfg.data.document_mask:
         plan_documents(model, cfg)
     params, grads, optim = state_bytes(model, cfg, mesh)
+    if cfg.optim.zero and rule_named(cfg.optim.name).kinds is not None:
+        # a rule keeping other state on hidden matrices than on the rest holds different bytes on each dp
+        # rank (whose owned ranges hold other params): the coordinate's most
+        optim = max(optim_bytes_by_dp_rank(model, cfg, tp_rank, pp_rank, dp))
     chunks, act, inflight = _activations(model, cfg, order)
     out = RankFigures(
         pp_rank,

@@ -22,6 +22,7 @@ import functools
 from dataclasses import dataclass, field
 
 from megaframe.config import Config, ConfigError, validate
+from megaframe.models.counts import matrix_params
 from megaframe.optim.rule_registry import rule_named
 from megaframe.planning.block_memory import _CFGS, act_per_layer, working_set_bytes
 from megaframe.planning.block_memory import on_host as _on_host
@@ -293,22 +294,24 @@ def _state(cfg: Config, lay: Layout, first: bool, last: bool, a_bytes: int) -> t
     m = cfg.model
     dense, expert = stage_params(m, lay, first, last)
     n = dense + expert
-    # the update rule's bytes per element in optim.state_dtype
-    state = rule_named(cfg.optim.name).bytes_per_element(cfg.optim.state_dtype)
+    # the rule's bytes per element in optim.state_dtype by kind (Muon: other state on the hidden matrices)
+    rule, dt = rule_named(cfg.optim.name), cfg.optim.state_dtype
+    hid, other = (rule.bytes_per_element(dt, kind=k) for k in ("hidden", "other"))
+    h_dense, h_expert = (end_layers(m, lay, first, last) * x for x in matrix_params(m, lay.tp, lay.ep))
     if not lay.zero:  # a grad per param in its dtype, the rule's state
-        return a_bytes * n, a_bytes * n, state * n
-    s = lay.shard_size
-    # expert state is sharded over the expert-data-parallel
-    # group (cp·dp / ep ranks), dense over the shard group
-    owned = dense // s + expert // max(s // lay.ep, 1)
+        return a_bytes * n, a_bytes * n, hid * (h_dense + h_expert) + other * (n - h_dense - h_expert)
+    # expert state is sharded over the expert-data-parallel group (cp·dp / ep ranks), dense over the shard one
+    s, es = lay.shard_size, max(lay.shard_size // lay.ep, 1)
+    owned, hidden = dense // s + expert // es, h_dense // s + h_expert // es
+    state = hid * hidden + other * (owned - hidden)
     g = 2 if lay.grad_dtype == "bf16" else 4
     grads = g * (owned if lay.zero >= 2 else n)
     if lay.zero == 3:  # params: the fp32 owned range (the master), plus what stays whole; state: the rule's
         outside = n - end_layers(m, lay, first, last) * sum(layer_params(m, lay.tp, lay.ep))
         whole = a_bytes * outside if ZERO3_WHOLE_OUTSIDE_BLOCKS else 0
-        return 4 * owned + whole, grads, state * owned
+        return 4 * owned + whole, grads, state
     # a master: 4 more bytes per owned element of low-precision params
-    return a_bytes * n, grads, (state + (0 if cfg.train.precision == "fp32" else 4)) * owned
+    return a_bytes * n, grads, state + (0 if cfg.train.precision == "fp32" else 4) * owned
 
 
 def _shape(cfg: Config, lay: Layout, first: bool, last: bool, a_bytes: int, head_act: int = 0) -> RankShape:

@@ -1,9 +1,8 @@
 """optim.name=muon across layouts against one process (optim/muon.py): tensor-parallel slices gathered for the
-orthogonalisation (tp2, sp), ZeRO's owned ranges summed into whole matrices over dp (zero=1 dp2), and MoE
-experts whole on their ep rank beside ZeRO-sharded dense matrices (ep2, zero=1), and experts' ranges under
-ZeRO-3 (dp2). One process itself equals
-torch.optim.Muon (tests/unit/optim/test_muon.py); zero=2 HSDP and zero=3 run in the conformance chain
-(test_update_rules.py)."""
+orthogonalisation (tp2, sp), pipeline stages (pp2), ZeRO's owned ranges summed into whole matrices over dp
+(zero=1 dp2), and MoE experts whole on their ep rank beside ZeRO-sharded dense matrices (ep2, zero=1), and
+experts' ranges under ZeRO-3 (dp2). One process equals torch.optim.Muon (tests/unit/optim/test_muon.py);
+zero=2 HSDP and zero=3 run in the conformance chain (test_update_rules.py)."""
 
 import pytest
 
@@ -23,6 +22,7 @@ FAMILIES = {
 # family, ranks, pool layout, overrides
 LAYOUTS = {
     "tp2-sp": ("dense", 2, {"tp": 2}, ["optim.zero=0", "parallel.tp=2", "parallel.sp=true"]),
+    "pp2": ("dense", 2, {"pp": 2}, ["optim.zero=0", "parallel.pp=2"]),
     "zero1-dp2": ("dense", 2, {}, ["optim.zero=1", "optim.bucket_size_mb=0.01"]),
     "ep2-zero1": ("moe", 2, {"ep": 2}, ["optim.zero=1", "parallel.ep=2"]),
     # the experts' ranges over a param whose storage ZeRO-3 frees between its gathers

@@ -114,3 +114,26 @@ def test_muon_equals_torchs_muon_on_the_logical_matrices(over):
     # the state each kind holds: momentum on the hidden matrices, AdamW's two moments on the rest
     for n, p in names.items():
         assert set(opt.logical_state(p)) == set(opt.rule.states_for(p.placement)), n
+
+
+def test_each_summed_matrix_is_orthogonalised_by_one_rank_balanced_by_work():
+    """Under ZeRO one rank of the axis runs a matrix's Newton-Schulz (rows x cols x min work), the costliest
+    first to the least loaded rank: the same owners on every rank, the work split near evenly."""
+    from types import SimpleNamespace
+
+    from megaframe.layers.shard import Shard
+    from megaframe.optim.muon import _ns_cost, _owners
+    from megaframe.parallel.placement import Placement
+
+    def matrix(rows, cols):
+        p = torch.nn.Parameter(torch.empty(rows, cols))
+        p.placement = Placement(Shard((rows, cols), 0, (rows,)))
+        return p
+
+    axis = SimpleNamespace(ranks=(0, 1), size=2)
+    mats = [(matrix(64, 64), axis), (matrix(32, 64), axis), (matrix(32, 64), axis), (matrix(8, 8), None)]
+    owner = _owners(mats)
+    assert mats[3][0] not in owner  # whole on this rank: no owner to pick
+    assert [owner[p] for p, _ in mats[:3]] == [0, 1, 1]
+    work = [sum(_ns_cost(p) for p, _ in mats[:3] if owner[p] == r) for r in (0, 1)]
+    assert work == [64 * 64 * 64, 2 * 32 * 64 * 32]

@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from megaframe.config.choices import StateDtype
 from megaframe.layers.shard import Shard
@@ -62,3 +63,31 @@ def test_muon_keeps_momentum_on_hidden_matrices_and_adamws_moments_on_the_rest()
     assert rule.states_for(embedding) == rule_named("adamw").states == rule.states_for(norm)
     assert (rule.bytes_per_element("fp32", qkv), rule.bytes_per_element("bf16", qkv)) == (4, 2)
     assert (rule.bytes_per_element("fp32", norm), rule.bytes_per_element("bf16", norm)) == (8, 4)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_zero_holds_each_params_own_state_names_only(dtype):
+    """ZeRO's flat state keeps a name only for the params whose kind holds it (Muon: momentum on the hidden
+    matrices, AdamW's moments on the rest): the bytes per element a zero=0 run holds, not every name's."""
+    from megaframe.model.parallelize import build_model
+    from megaframe.optim.build import build_optimizer
+    from megaframe.parallel.mesh import single_process_mesh
+    from tests.distributed.cases import tiny_config
+
+    # bf16 params: one process keeps ZeRO's flat state (and an fp32 master, 4 bytes an element)
+    over = ["optim.name=muon", "optim.zero=1", f"optim.state_dtype={dtype}", "train.precision=bf16"]
+    cfg = tiny_config(over, 1)
+    mesh = single_process_mesh()
+    model = build_model(cfg, mesh)
+    opt = build_optimizer(model, cfg.optim, mesh)
+    opt.make_state()
+    for t in opt.held_state():  # distinct values, so a misplaced read shows
+        t.copy_(torch.randn(t.shape))
+    rule = rule_named("muon")
+    want = sum((rule.bytes_per_element(dtype, p.placement) + 4) * p.numel() for p in model.parameters())
+    assert opt.memory_bytes()["mem/optim_bytes"] == want
+    for p in model.parameters():
+        (_, _, views), logical = *opt.state_segments(p), opt.logical_state(p)
+        assert set(views) == {*rule.states_for(p.placement), "master"} == set(logical), views.keys()
+        for k, v in views.items():  # the gathered logical state reads the packed names at their place
+            assert logical[k].data_ptr() != v.data_ptr() and logical[k].reshape(-1).equal(v)

@@ -292,3 +292,14 @@ def test_the_search_counts_its_validation_and_sizing(cfg, monkeypatch):
     total = int(validated[0].split("/")[1].split()[0])
     assert len(validated) == total and validated[-1].startswith(f"search: {total - 1}/{total} ")
     assert sized and all("fit" in t for t in sized)
+
+
+@pytest.mark.parametrize("model", ["gpt_tiny", "moe_tiny"])
+@pytest.mark.parametrize("rule", ["adamw", "muon"])
+def test_the_search_sizes_each_rules_state_at_zero0_as_the_built_model_holds(rule, model):
+    """zero=0: the rule's bytes per element of each kind of parameter (Muon: momentum on the hidden
+    matrices, AdamW's moments on the rest), as estimate.state_bytes counts a built model's Placements."""
+    over = [f"model={model}", f"optim.name={rule}", "optim.zero=0", "optim.state_dtype=bf16"]
+    cfg = load_config(over, world_size=1, check_data=False)
+    lay = Layout(1, 1, 1, 1, 1, 0, 1, "none")
+    assert search_mod._state(cfg, lay, True, True, 4)[2] == plan_layout(cfg, 1).ranks[0].optim_bytes
