@@ -98,6 +98,10 @@ class CommStats:
 
     _next_event: int = 0
 
+    observer: object = None
+    """parallel/observe.py's Observer when the training loop watches the collectives (each rank's hold
+    in them, profiler ranges); None: nothing watched."""
+
     def add(self, group: str, nbytes: float) -> None:
         self.sent[group] = self.sent.get(group, 0) + int(nbytes)
 

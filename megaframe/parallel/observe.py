@@ -1,0 +1,135 @@
+"""What the training loop watches in every collective: how long this rank was held in it (each rank's
+arrival, for the straggler figures) and, while a step is profiled, a named profiler range around it.
+
+The mesh's CommStats carries one `Observer` (None: nothing watched, the planner's virtual meshes and the
+unit tests). `comm.py` calls `enter` as a collective starts and `leave` once this rank is released from it
+(a blocking call returned, or an async one's Work was waited for).
+
+Arrivals are compared through the time each rank is *held*: a collective over a group completes at one
+moment for all its ranks (none can leave an all-reduce, all-gather or reduce-scatter before the last
+one's data is in), so rank r's hold is `done - arrival_r` and `hold_max - hold_r` is how much later r
+arrived than the earliest rank. Each hold is a difference of one process's own monotonic clock: no clock
+is compared across processes or hosts, and no synchronisation is added. The last arriver is the rank
+held least. On CUDA the host call only enqueues the collective, so the hold is measured on the stream
+(CUDA events before and after; read at the log step, where the host already syncs).
+
+Profiler ranges cost nothing when off: `named` and `action_range` hand back one shared null context, so a
+step unprofiled creates no record_function and no closure (tests/unit/parallel/test_observe.py counts).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+
+HOLDS_PER_WINDOW = 8192
+"""At most this many holds per group between two log steps (the same first N on every rank of a group,
+as they enter the group's collectives in the same order): a long log interval cannot grow the list."""
+
+NULL = contextlib.nullcontext()
+"""The one context handed out while nothing is profiled (no allocation per call)."""
+
+
+class Observer:
+    """This rank's watch over its collectives: `holds` per group (axis name, ranks) since the last
+    `take`, and whether profiler ranges are named (`ranges`, set by the step profiler)."""
+
+    def __init__(self, arrivals: bool = True):
+        self.arrivals, self.ranges = arrivals, False
+        self.holds: dict[tuple, list] = {}
+        self.ranges_opened = 0
+
+    def enter(self, entry: dict, axis, x: torch.Tensor) -> None:
+        """A collective over `axis` starts (its ring-buffer `entry` carries the watch to `leave`)."""
+        if self.ranges:
+            rf = torch.autograd.profiler.record_function(
+                f"comm.{entry['op']}[{axis.name}] {entry['bytes']}B {list(entry['shape'])}"
+            )
+            rf.__enter__()
+            self.ranges_opened += 1
+            entry["range"] = rf
+        if self.arrivals:
+            entry["held_from"] = _mark(x)
+
+    def launched(self, entry: dict) -> None:
+        """An async collective was launched: its range covers the launch (its wait is timed by `held`)."""
+        rf = entry.pop("range", None)
+        if rf is not None:
+            rf.__exit__(None, None, None)
+        entry.pop("held_from", None)
+
+    def leave(self, entry: dict, axis, x: torch.Tensor) -> None:
+        """This rank was released from the blocking collective `entry` (range closed, hold noted)."""
+        self.launched_range(entry)
+        start = entry.pop("held_from", None)
+        if start is not None:
+            self._note(axis, start, _mark(x))
+
+    def launched_range(self, entry: dict) -> None:
+        rf = entry.pop("range", None)
+        if rf is not None:
+            rf.__exit__(None, None, None)
+
+    def held(self, axis, start, x: torch.Tensor) -> None:
+        """An async collective's Work was waited for from `start` (`mark`) to now."""
+        self._note(axis, start, _mark(x))
+
+    def _note(self, axis, start, end) -> None:
+        holds = self.holds.setdefault((axis.name, tuple(axis.ranks)), [])
+        if len(holds) < HOLDS_PER_WINDOW:
+            holds.append((start, end))
+
+    def take(self) -> dict[tuple, list[float]]:
+        """{(axis name, ranks): holds in seconds, in order} since the last take (reads CUDA events: call it
+        where the host already waits for the device, the log step)."""
+        out, self.holds = self.holds, {}
+        return {k: [_seconds(a, b) for a, b in v] for k, v in out.items()}
+
+
+def mark(x: torch.Tensor):
+    """A point in time for `held`: the host's monotonic clock, or an event on x's stream on CUDA."""
+    return _mark(x)
+
+
+def _mark(x: torch.Tensor):
+    if x.is_cuda:
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+    return time.monotonic()
+
+
+def _seconds(a, b) -> float:
+    if isinstance(a, float):
+        return b - a
+    b.synchronize()
+    return a.elapsed_time(b) / 1e3
+
+
+def observer_of(stats) -> Observer | None:
+    return getattr(stats, "observer", None)
+
+
+def named(stats, name: str):
+    """A profiler range called `name` while the mesh's observer names ranges, else the shared NULL."""
+    obs = getattr(stats, "observer", None)
+    if obs is None or not obs.ranges:
+        return NULL
+    obs.ranges_opened += 1
+    return torch.autograd.profiler.record_function(name)
+
+
+ACTION_NAMES = {"F": "forward", "B": "backward", "W": "backward_weight"}
+
+
+def action_range(stats, kind: str, microbatch: int, chunk: int, split: bool):
+    """The range of one pipeline action: forward, backward (backward_input when W is apart) or
+    backward_weight, of micro-batch `microbatch` and chunk `chunk`."""
+    obs = getattr(stats, "observer", None)
+    if obs is None or not obs.ranges:
+        return NULL
+    name = "backward_input" if kind == "B" and split else ACTION_NAMES[kind]
+    obs.ranges_opened += 1
+    return torch.autograd.profiler.record_function(f"{name} mb{microbatch} chunk{chunk}")
