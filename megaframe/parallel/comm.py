@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from megaframe.parallel.eager import eager
 from megaframe.parallel.mesh import Axis
-from megaframe.parallel.observe import NULL, mark, named
+from megaframe.parallel.observe import mark, p2p_range
 
 # torch 2.13 renamed the flat collectives; keep working on the older names (torch >= 2.6 on GPU hosts).
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -399,14 +399,7 @@ def batch_isend_irecv(
     # P2POp takes global ranks even with a group; axis ranks are positions within the axis.
     sends_g = [(t, axis.ranks[p]) for t, p in sends]
     recvs_g = [(t, axis.ranks[p]) for t, p in recvs]
-    obs = axis.stats.observer
-    # the name is built only while profiling: an unprofiled step formats no string here
-    launch = (
-        named(axis.stats, f"comm.{entry['op']}[{axis.name}] {entry['bytes']}B")
-        if obs and obs.ranges
-        else NULL
-    )
-    with launch:
+    with p2p_range(axis, entry):  # a profiler range while profiled; a shared null context otherwise
         if axis.p2p is not None:
             works = [axis.p2p.submit(sends_g, recvs_g)]
         else:

@@ -97,10 +97,7 @@ class CommStats:
             entry["event"] = event
 
     _next_event: int = 0
-
-    observer: object = None
-    """parallel/observe.py's Observer when the training loop watches the collectives (each rank's hold
-    in them, profiler ranges); None: nothing watched."""
+    observer: object = None  # parallel/observe.py's Observer: holds in collectives, profiler ranges
 
     def add(self, group: str, nbytes: float) -> None:
         self.sent[group] = self.sent.get(group, 0) + int(nbytes)

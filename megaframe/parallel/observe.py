@@ -121,6 +121,15 @@ def named(stats, name: str):
     return torch.autograd.profiler.record_function(name)
 
 
+def p2p_range(axis, entry: dict):
+    """The range of a pipeline batch's launch (its name built only while profiling)."""
+    obs = getattr(axis.stats, "observer", None)
+    if obs is None or not obs.ranges:
+        return NULL
+    obs.ranges_opened += 1
+    return torch.autograd.profiler.record_function(f"comm.{entry['op']}[{axis.name}] {entry['bytes']}B")
+
+
 ACTION_NAMES = {"F": "forward", "B": "backward", "W": "backward_weight"}
 
 

@@ -11,7 +11,7 @@ enter its collectives in one program order). Each instance's lag is charged to i
 figures weigh by lag, not by count: a rank slow once a step arrives last at the step's first collective
 only (the ones after it start together), so by count it would be one among hundreds of near-ties.
 
-  last_arrival_rank   the rank charged the most lag (-1: none stands out, see `named`)
+  last_arrival_rank   the rank charged the most lag (-1: none stands out: SHARE_MIN, LAG_MIN_FRACTION)
   last_arrival_share  its part of all the lag charged in the window (0..1)
   last_arrival_lag_s  the seconds per step its peers waited for it
 
@@ -24,11 +24,11 @@ under straggler/pp/ but left out of the overall figures and the warning: the pip
 from __future__ import annotations
 
 SAME_WORK = ("tp", "cp", "dp", "dpcp", "ep", "edp", "dp_shard", "dp_rep")
-SHARE_MIN = 0.75
-"""A rank is named when it caused at least this share of the window's waiting..."""
+SHARE_MIN = 2 / 3
+"""A rank is named when it caused at least this share of the window's waiting (twice all others')..."""
 LAG_MIN_FRACTION = 0.05
-"""... and its peers waited for it at least this fraction of a step (noise is spread over the ranks and
-is a sliver of the step)."""
+"""... and its peers waited for it at least this fraction of a step more than for the others (noise is
+spread over the ranks: the excess of one over the rest stays a sliver of the step)."""
 LAG_MIN_S = 0.002
 PERSIST = 2
 """Log windows in a row naming the same rank before the warning."""
@@ -63,7 +63,9 @@ def figures(lags: dict[int, float], steps: int, step_time: float, prefix: str) -
                 f"{prefix}last_arrival_lag_s": 0.0}  # fmt: skip
     rank = max(lags, key=lags.__getitem__)
     share, per_step = lags[rank] / total, lags[rank] / max(1, steps)
-    named = share >= SHARE_MIN and per_step >= max(LAG_MIN_S, LAG_MIN_FRACTION * step_time)
+    others = [v for r, v in lags.items() if r != rank]
+    excess = (lags[rank] - (sum(others) / len(others) if others else 0.0)) / max(1, steps)
+    named = share >= SHARE_MIN and excess >= max(LAG_MIN_S, LAG_MIN_FRACTION * step_time)
     return {
         f"{prefix}last_arrival_rank": rank if named else -1,
         f"{prefix}last_arrival_share": share,

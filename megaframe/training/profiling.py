@@ -109,7 +109,8 @@ class MemorySnapshots:
             print("megaframe: note: train.memory_snapshot is CUDA only; ignored on cpu", file=sys.stderr)
 
     def begin(self, step: int) -> None:
-        if self.on and not self.recording and step >= self.steps[0]:
+        # from the first chosen step to the last (a resume past the first starts at once)
+        if self.on and not self.recording and self.steps[0] <= step <= self.steps[-1]:
             self.cuda.record(True)
             self.recording = True
 

@@ -1,6 +1,6 @@
-"""This incarnation's clock for the goodput figures (runops/goodput.py): where its wall time goes, written
-on every metrics row as `clock/*`, with `goodput/*` summed over the folder's earlier incarnations (read
-once from metrics.jsonl at start-up) and this one."""
+"""This incarnation's clock for the goodput figures (runops/goodput_account.py): where its wall time
+goes, written on every metrics row as `clock/*`, with `goodput/*` summed over the folder's earlier
+incarnations (read once from metrics.jsonl at start-up) and this one."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from megaframe.runops import goodput
+from megaframe.runops import goodput_account as goodput
 
 STARTUP_PHASES = ("process", "setup", "loop")
 """process: the process's start (under Slurm the job's, when earlier) to train(): imports, the process
@@ -37,7 +37,8 @@ class RunClock:
 
     def __init__(self, run_id: str, start: float | None = None):
         """Made as train() begins: the `process` phase ends here."""
-        self.run_id, self.start_step = run_id, 0
+        # a caller without a run id (a test's direct train()) still gets incarnations told apart
+        self.run_id, self.start_step = run_id or f"pid{os.getpid()}@{time.time():.3f}", 0
         self.start = process_start() if start is None else start
         self.counters = dict.fromkeys(goodput.COUNTERS, 0.0)
         self.phases: dict[str, float] = {}
@@ -88,7 +89,7 @@ class RunClock:
 
 def summary(figures: dict) -> str:
     """The goodput part of the run's closing line."""
-    if not figures:
+    if "goodput/fraction" not in figures:
         return ""
     parts = ", ".join(
         f"{k} {figures[f'goodput/{k}_s']:.1f}s"

@@ -129,8 +129,9 @@ def read_rows(run_dir: str | Path) -> list[dict]:
 
 def of_folder(run_dir: str | Path) -> dict:
     """The goodput figures of a run folder (finished or running); ValueError when it has no clocked row."""
+    rows = read_rows(run_dir)
     try:
-        incs = from_rows(read_rows(run_dir))
+        incs = from_rows(rows)
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"{run_dir}: metrics.jsonl holds a malformed clock row ({e})") from e
     if not incs:
