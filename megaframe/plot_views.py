@@ -45,7 +45,12 @@ def trace_files(where: str) -> dict[int, Path]:
         return {int(m.group(1)) if m else 0: p}
     if not p.is_dir():
         raise ValueError(f"--trace {where}: no such file or folder")
-    found = sorted((TRACE_NAME.search(f.name), f) for f in p.iterdir() if TRACE_NAME.search(f.name))
+    try:
+        names = list(p.iterdir())
+    except OSError as e:  # a folder we may not read
+        raise ValueError(f"--trace {where}: cannot list it ({e.strerror})") from None
+    found = sorted(((TRACE_NAME.search(f.name), f) for f in names if TRACE_NAME.search(f.name)),
+                   key=lambda mf: (mf[0].group(2, 3), int(mf[0].group(1))))  # fmt: skip
     if not found:
         raise ValueError(f"--trace {where}: no rank<R>_steps<A>-<B>.json(.gz) trace in it")
     steps = found[0][0].group(2, 3)
@@ -63,11 +68,13 @@ def kind_of(name: str) -> str | None:
 def step_ranges(events: list[dict], step: int | None) -> list[tuple[str, str, float, float]]:
     """(kind, name, start s, duration s) of the named ranges inside step `step` (None: the first
     profiled), times from that step's start."""
-    steps = sorted((e for e in events if re.fullmatch(r"step \d+", e["name"])), key=lambda e: e["ts"])
-    if step is not None:
-        steps = [e for e in steps if e["name"] == f"step {step}"]
+    every = sorted((e for e in events if re.fullmatch(r"step \d+", e["name"])), key=lambda e: e["ts"])
+    steps = [e for e in every if step is None or e["name"] == f"step {step}"]
     if not steps:
-        raise ValueError(f"no 'step {step if step is not None else 'N'}' range in the trace")
+        held = ", ".join(e["name"] for e in every) or "none"
+        raise ValueError(
+            f"no 'step {step if step is not None else 'N'}' range in the trace (it holds: {held})"
+        )
     t0, t1 = steps[0]["ts"], steps[0]["ts"] + steps[0]["dur"]
     out = []
     for e in events:
@@ -84,7 +91,12 @@ def draw_trace(where: str, out: str, step: int | None = None) -> Path:
     import matplotlib.pyplot as plt
 
     files = trace_files(where)
-    rows = {r: step_ranges(read_trace(f), step) for r, f in sorted(files.items())}
+    rows = {}
+    for r, f in sorted(files.items()):
+        try:
+            rows[r] = step_ranges(read_trace(f), step)
+        except ValueError as e:
+            raise ValueError(f"{f}: {e}" if str(f) not in str(e) else str(e)) from None
     fig, ax = plt.subplots(figsize=(13, 1.0 + 0.9 * len(rows)))
     for y, ranges in enumerate(rows.values()):
         for kind, name, t, d in ranges:

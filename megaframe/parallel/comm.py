@@ -52,7 +52,7 @@ class _TrackedWork:
 
     def wait(self, *args, **kwargs):
         obs = self.axis.stats.observer
-        start = mark(self.x) if obs is not None and obs.arrivals else None
+        start = mark(self.x.is_cuda) if obs is not None and obs.arrivals else None
         out = self.work.wait(*args, **kwargs)
         # Marked after the wait, not at launch: a hang inside the wait must leave the entry open.
         self.axis.stats.returned(self.entry, self.on_device)
@@ -359,7 +359,11 @@ class _BatchWork:
     def wait(self, *args, **kwargs):
         if self.waited:  # a gloo Work waited twice waits for a second transfer that never comes
             return True
+        obs = self.stats.observer  # a rank held here waits for its pipeline peer (runops/arrivals.py)
+        start = mark(self.on_device) if obs is not None and obs.arrivals else None
         out = self.work.wait(*args, **kwargs)
+        if start is not None:
+            obs.p2p_held(start, mark(self.on_device))
         self.waited = True
         self.pending[0] -= 1
         if self.pending[0] == 0:

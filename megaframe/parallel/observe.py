@@ -39,6 +39,7 @@ class Observer:
     def __init__(self, arrivals: bool = True):
         self.arrivals, self.ranges = arrivals, False
         self.holds: dict[tuple, list] = {}
+        self.p2p: list = []
         self.ranges_opened = 0
 
     def enter(self, entry: dict, axis, x: torch.Tensor) -> None:
@@ -51,7 +52,7 @@ class Observer:
             self.ranges_opened += 1
             entry["range"] = rf
         if self.arrivals:
-            entry["held_from"] = _mark(x)
+            entry["held_from"] = _mark(x.is_cuda)
 
     def launched(self, entry: dict) -> None:
         """An async collective was launched: its range covers the launch (its wait is timed by `held`)."""
@@ -65,7 +66,7 @@ class Observer:
         self.launched_range(entry)
         start = entry.pop("held_from", None)
         if start is not None:
-            self._note(axis, start, _mark(x))
+            self._note(axis, start, _mark(x.is_cuda))
 
     def launched_range(self, entry: dict) -> None:
         rf = entry.pop("range", None)
@@ -74,27 +75,35 @@ class Observer:
 
     def held(self, axis, start, x: torch.Tensor) -> None:
         """An async collective's Work was waited for from `start` (`mark`) to now."""
-        self._note(axis, start, _mark(x))
+        self._note(axis, start, _mark(x.is_cuda))
+
+    def p2p_held(self, start, end) -> None:
+        """This rank waited for a pipeline transfer from `start` to `end` (`mark`s)."""
+        if len(self.p2p) < HOLDS_PER_WINDOW:
+            self.p2p.append((start, end))
 
     def _note(self, axis, start, end) -> None:
         holds = self.holds.setdefault((axis.name, tuple(axis.ranks)), [])
         if len(holds) < HOLDS_PER_WINDOW:
             holds.append((start, end))
 
-    def take(self) -> dict[tuple, list[float]]:
-        """{(axis name, ranks): holds in seconds, in order} since the last take (reads CUDA events: call it
-        where the host already waits for the device, the log step)."""
+    def take(self) -> tuple[dict[tuple, list[float]], float]:
+        """({(axis name, ranks): holds in seconds, in order}, seconds waited for pipeline transfers) since
+        the last take (reads CUDA events: call it where the host already waits for the device)."""
         out, self.holds = self.holds, {}
-        return {k: [_seconds(a, b) for a, b in v] for k, v in out.items()}
+        p2p, self.p2p = self.p2p, []
+        return {k: [_seconds(a, b) for a, b in v] for k, v in out.items()}, sum(
+            _seconds(a, b) for a, b in p2p
+        )
 
 
-def mark(x: torch.Tensor):
-    """A point in time for `held`: the host's monotonic clock, or an event on x's stream on CUDA."""
-    return _mark(x)
+def mark(on_device: bool):
+    """A point in time for `held`: the host's monotonic clock, or an event on the stream on CUDA."""
+    return _mark(on_device)
 
 
-def _mark(x: torch.Tensor):
-    if x.is_cuda:
+def _mark(on_device: bool):
+    if on_device:
         ev = torch.cuda.Event(enable_timing=True)
         ev.record()
         return ev

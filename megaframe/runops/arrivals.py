@@ -73,14 +73,30 @@ def figures(lags: dict[int, float], steps: int, step_time: float, prefix: str) -
     }
 
 
-def window(every: list[dict], steps: int, step_time: float) -> tuple[dict, tuple | None]:
+def inherited(by_group: dict, p2p: list[float]) -> dict:
+    """by_group less the lateness each rank inherited from its pipeline: a rank that waited longer for
+    pipeline transfers than its same-work peers arrives late by that much through no fault of its own
+    (the next stage of a slow rank waits for its activations, then reaches its dp collective late)."""
+    out = {}
+    for (axis, ranks), lags in by_group.items():
+        base = min(p2p[r] for r in ranks) if p2p else 0.0
+        out[(axis, ranks)] = {r: max(0.0, v - (p2p[r] - base if p2p else 0.0)) for r, v in lags.items()}
+    return out
+
+
+def window(
+    every: list[dict], steps: int, step_time: float, p2p: list[float] | None = None
+) -> tuple[dict, tuple | None]:
     """The straggler/ figures of one log window (overall and per axis) and (rank, group key, lag/step)
-    of the named rank, or None."""
-    by_axis, by_group = charge(every)
+    of the named rank, or None. `p2p`: each rank's seconds waiting for pipeline transfers."""
+    _, by_group = charge(every)
+    by_group = inherited(by_group, p2p or [])
+    by_axis: dict[str, dict[int, float]] = {}
     overall: dict[int, float] = {}
-    for axis, lags in by_axis.items():
-        if axis in SAME_WORK:
-            for r, v in lags.items():
+    for (axis, _), lags in by_group.items():
+        for r, v in lags.items():
+            by_axis.setdefault(axis, {})[r] = by_axis.get(axis, {}).get(r, 0.0) + v
+            if axis in SAME_WORK:
                 overall[r] = overall.get(r, 0.0) + v
     row = figures(overall, steps, step_time, "straggler/")
     for axis, lags in sorted(by_axis.items()):

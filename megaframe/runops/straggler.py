@@ -45,7 +45,7 @@ class StragglerProbe:
 
     def watch(self, mesh: Mesh) -> Observer:
         """Note every rank's hold in each collective from now on (runops/arrivals.py)."""
-        mesh.stats.observer = mesh.stats.observer or Observer()
+        mesh.stats.observer = mesh.stats.observer or Observer(arrivals=False)  # on inside steps
         return mesh.stats.observer
 
     def begin(self, step: int) -> None:
@@ -71,9 +71,10 @@ class StragglerProbe:
 
     def _arrival_figures(self, mesh: Mesh, step: int, steps: int, step_time: float) -> dict:
         """Every rank's holds, host and memory peak, gathered over the mesh (a log step's collective)."""
-        mine = {"holds": mesh.stats.observer.take(), "host": socket.gethostname(), "peak": peak_bytes(mesh)}
+        holds, p2p = mesh.stats.observer.take()
+        mine = {"holds": holds, "p2p": p2p, "host": socket.gethostname(), "peak": peak_bytes(mesh)}
         every = comm.gather_objects(mine, mesh.group)
-        row, named = arrivals.window([e["holds"] for e in every], steps, step_time)
+        row, named = arrivals.window([e["holds"] for e in every], steps, step_time, [e["p2p"] for e in every])
         line = self.persist.update(named, [e["host"] for e in every], step)
         if line and mesh.rank == 0:
             print(line, file=sys.stderr, flush=True)

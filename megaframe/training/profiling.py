@@ -19,8 +19,6 @@ from pathlib import Path
 
 import torch
 
-from megaframe.parallel.observe import NULL
-
 
 def runs_of(steps: list[int]) -> dict[int, int]:
     """{first step: last step} of each run of consecutive steps in `steps`."""
@@ -144,19 +142,21 @@ class Watch:
         observer = probe.watch(mesh)
         self.prof = StepProfiler(t.profile_steps, run_dir, mesh.rank, observer, mesh.device)
         self.mem = MemorySnapshots(t.memory_snapshot, run_dir, mesh.rank, mesh.device)
-        self.active = bool(t.profile_steps) or self.mem.cuda_device
-        self._step = 0
+        self.observer, self._step = observer, 0
 
     def step(self, step: int):
         self._step = step
-        return self if self.active else NULL
+        return self
 
     def __enter__(self):
+        # arrivals are compared inside steps only: a save or an evaluation waits on rank 0's own work
+        self.observer.arrivals = True
         self.prof.begin(self._step)
         self.mem.begin(self._step)
         return self
 
     def __exit__(self, kind, exc, tb) -> None:
+        self.observer.arrivals = False
         if kind is None:
             self.prof.end(self._step)
             self.mem.end(self._step)

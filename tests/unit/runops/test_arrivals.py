@@ -57,3 +57,19 @@ def test_the_warning_comes_once_the_same_rank_persists():
     assert line and "rank 1 (host h1)" in line and "tp group (ranks 0, 1)" in line and "0.200s" in line
     assert p.update(named, ["h0", "h1"], 30) is None  # not every window
     assert p.update(None, ["h0", "h1"], 40) is None and p.count == 0
+
+
+def test_the_next_stage_of_a_slow_rank_is_not_blamed_for_the_lateness_it_inherited():
+    """pp2 x dp2: rank 1 (stage 0) is slow; rank 3 (stage 1, its pipeline peer) waits for its activations
+    and so reaches its own dp collective late by as much, but it waited that much longer for transfers."""
+    steps = 4
+    every = [{("dp", (0, 1)): [], ("dp", (2, 3)): []} for _ in range(4)]
+    for _ in range(steps):
+        for r, held in ((0, 0.5), (1, 0.0), (2, 0.5), (3, 0.0)):
+            every[r][("dp", (0, 1)) if r < 2 else ("dp", (2, 3))].append(held)
+    for r in range(4):
+        every[r] = {k: v for k, v in every[r].items() if r in k[1]}
+    p2p = [0.1 * steps, 0.1 * steps, 0.1 * steps, 0.6 * steps]
+    assert arrivals.window(every, steps, 1.0)[0]["straggler/last_arrival_rank"] == -1  # 1 and 3 tie
+    row, named = arrivals.window(every, steps, 1.0, p2p)
+    assert row["straggler/last_arrival_rank"] == 1 and named[1] == ("dp", (0, 1))
