@@ -149,10 +149,11 @@ class Watch:
         return self
 
     def __enter__(self):
-        # arrivals are compared inside steps only: a save or an evaluation waits on rank 0's own work
-        self.observer.arrivals = True
         self.prof.begin(self._step)
         self.mem.begin(self._step)
+        # arrivals are compared inside steps only (a save or an evaluation waits on rank 0's own work),
+        # and not in a profiled step: each rank's profiler starts in its own time, seconds apart
+        self.observer.arrivals = self.prof.prof is None
         return self
 
     def __exit__(self, kind, exc, tb) -> None:

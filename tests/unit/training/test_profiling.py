@@ -46,7 +46,7 @@ def test_memory_snapshots_record_from_the_first_chosen_step_and_dump_each(tmp_pa
 def test_an_out_of_memory_error_writes_a_snapshot_and_goes_on(tmp_path):
     cuda = FakeCuda()
     watch = Watch.__new__(Watch)  # its parts only: no mesh needed
-    watch.prof = type("P", (), {"begin": lambda s, n: None, "end": lambda s, n: None})()
+    watch.prof = type("P", (), {"begin": lambda s, n: None, "end": lambda s, n: None, "prof": None})()
     watch.mem = MemorySnapshots([], str(tmp_path), 0, torch.device("cuda", 0), cuda)
     watch.observer, watch._step = Observer(), 0
     with pytest.raises(torch.OutOfMemoryError), watch.step(5):
