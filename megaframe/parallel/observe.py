@@ -56,19 +56,18 @@ class Observer:
 
     def launched(self, entry: dict) -> None:
         """An async collective was launched: its range covers the launch (its wait is timed by `held`)."""
-        rf = entry.pop("range", None)
-        if rf is not None:
-            rf.__exit__(None, None, None)
+        self._close_range(entry)
         entry.pop("held_from", None)
 
     def leave(self, entry: dict, axis, x: torch.Tensor) -> None:
         """This rank was released from the blocking collective `entry` (range closed, hold noted)."""
-        self.launched_range(entry)
+        self._close_range(entry)
         start = entry.pop("held_from", None)
         if start is not None:
             self._note(axis, start, _mark(x.is_cuda))
 
-    def launched_range(self, entry: dict) -> None:
+    @staticmethod
+    def _close_range(entry: dict) -> None:
         rf = entry.pop("range", None)
         if rf is not None:
             rf.__exit__(None, None, None)
@@ -115,10 +114,6 @@ def _seconds(a, b) -> float:
         return b - a
     b.synchronize()
     return a.elapsed_time(b) / 1e3
-
-
-def observer_of(stats) -> Observer | None:
-    return getattr(stats, "observer", None)
 
 
 def named(stats, name: str):

@@ -24,8 +24,10 @@ under straggler/pp/ but left out of the overall figures and the warning: the pip
 from __future__ import annotations
 
 SAME_WORK = ("tp", "cp", "dp", "dpcp", "ep", "edp", "dp_shard", "dp_rep")
-SHARE_MIN = 2 / 3
-"""A rank is named when it caused at least this share of the window's waiting (twice all others')..."""
+SHARE_MIN = 0.55
+"""A rank is named when it caused most of the window's waiting (some ranks wait by the layout itself: under
+cp the causal attention's blocks differ in work: a slow rank's peers are never the only ones waited for)
+..."""
 LAG_MIN_FRACTION = 0.05
 """... and its peers waited for it at least this fraction of a step more than for the others (noise is
 spread over the ranks: the excess of one over the rest stays a sliver of the step)."""

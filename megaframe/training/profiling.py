@@ -143,6 +143,14 @@ class Watch:
         self.prof = StepProfiler(t.profile_steps, run_dir, mesh.rank, observer, mesh.device)
         self.mem = MemorySnapshots(t.memory_snapshot, run_dir, mesh.rank, mesh.device)
         self.observer, self._step = observer, 0
+        late = sorted(s for s in {*t.profile_steps, *t.memory_snapshot} if s > t.max_steps)
+        if late and mesh.rank == 0:  # asked for, never reached: said, not silently skipped
+            print(
+                f"megaframe: note: steps {late} of train.profile_steps / train.memory_snapshot are past "
+                f"train.max_steps={t.max_steps}: not recorded",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def step(self, step: int):
         self._step = step
