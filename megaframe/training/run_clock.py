@@ -18,18 +18,26 @@ header, the tracker (wandb) and the checkpointer, up to the first step."""
 
 
 def process_start() -> float:
-    """Unix time this process started (psutil; else now), or the Slurm job's start when that is earlier
+    """Unix time this process started (else now), or the Slurm job's start when that is earlier
     and within the hour (an srun step started long after its allocation is not this start-up's)."""
-    try:
-        import psutil
-
-        start = psutil.Process().create_time()
-    except (ImportError, OSError):
-        start = time.time()
+    start = time.time() - process_age()
     job = os.environ.get("SLURM_JOB_START_TIME", "")
     if job.isdigit() and 0 <= start - int(job) < 3600:
         start = float(job)
     return start
+
+
+def process_age() -> float:
+    """Seconds since this process started, from /proc (10 ms ticks; psutil's create_time adds the boot time,
+    known to the second only, and put a restart before its predecessor's last row); 0 off Linux."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return max(0.0, uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return 0.0
 
 
 class RunClock:

@@ -55,6 +55,10 @@ def test_lost_progress_and_checkpoint_blocking_match_the_injected_faults(tmp_pat
     assert DELAY_S <= slow - ordinary <= DELAY_S + max(0.5, 2 * ordinary)
     assert last["goodput/checkpoint_s"] == pytest.approx(slow + b[-1]["clock/checkpoint_s"], rel=1e-6)
     assert last["goodput/incarnations"] == 2 and last["goodput/gap_s"] >= 0
+    # no bucket overlaps another: a restart's start is after its predecessor's last row (to 10 ms)
+    buckets = sum(last[f"goodput/{k}_s"] for k in ("productive", "startup", "data_wait", "checkpoint",
+                                                   "eval", "lost_progress", "gap"))  # fmt: skip
+    assert buckets <= last["goodput/wall_s"] + 0.05
     for k in ("productive", "startup", "checkpoint", "lost_progress", "gap"):
         assert offline[f"goodput/{k}_s"] == pytest.approx(last[f"goodput/{k}_s"], abs=0.05), k
     assert "| goodput " in second.stdout and "lost_progress" in second.stdout

@@ -101,3 +101,14 @@ def test_the_command_prints_the_table_and_refuses_a_folder_without_a_clock(tmp_p
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "clock/run_id": "a"}\n')
     assert cli.main([str(tmp_path)]) == 2
     assert "malformed clock row" in capsys.readouterr().err
+
+
+def test_the_process_start_is_read_to_the_tick():
+    """psutil's create_time adds a boot time known to the second: a restart could seem to start before its
+    predecessor's last row. /proc's ticks since boot against /proc/uptime do not."""
+    import time
+
+    from megaframe.training.run_clock import process_age, process_start
+
+    assert 0 < process_age() < 24 * 3600
+    assert abs(process_start() - (time.time() - process_age())) < 0.05
