@@ -142,7 +142,7 @@ class Watch:
         observer = probe.watch(mesh)
         self.prof = StepProfiler(t.profile_steps, run_dir, mesh.rank, observer, mesh.device)
         self.mem = MemorySnapshots(t.memory_snapshot, run_dir, mesh.rank, mesh.device)
-        self.observer, self._step = observer, 0
+        self.observer, self._step, self._exported = observer, 0, False
         late = sorted(s for s in {*t.profile_steps, *t.memory_snapshot} if s > t.max_steps)
         if late and mesh.rank == 0:  # asked for, never reached: said, not silently skipped
             print(
@@ -160,14 +160,16 @@ class Watch:
         self.prof.begin(self._step)
         self.mem.begin(self._step)
         # arrivals are compared inside steps only (a save or an evaluation waits on rank 0's own work),
-        # and not in a profiled step: each rank's profiler starts in its own time, seconds apart
-        self.observer.arrivals = self.prof.prof is None
+        # not in a profiled step nor the one after it: each rank's profiler starts and writes its trace
+        # in its own time, seconds apart
+        self.observer.arrivals = self.prof.prof is None and not self._exported
+        self._exported = False
         return self
 
     def __exit__(self, kind, exc, tb) -> None:
         self.observer.arrivals = False
         if kind is None:
-            self.prof.end(self._step)
+            self._exported = self.prof.end(self._step) is not None
             self.mem.end(self._step)
         elif issubclass(kind, torch.OutOfMemoryError):
             self.mem.oom()  # the error goes on: the run exits as before, the snapshot written

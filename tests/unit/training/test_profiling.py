@@ -48,7 +48,7 @@ def test_an_out_of_memory_error_writes_a_snapshot_and_goes_on(tmp_path):
     watch = Watch.__new__(Watch)  # its parts only: no mesh needed
     watch.prof = type("P", (), {"begin": lambda s, n: None, "end": lambda s, n: None, "prof": None})()
     watch.mem = MemorySnapshots([], str(tmp_path), 0, torch.device("cuda", 0), cuda)
-    watch.observer, watch._step = Observer(), 0
+    watch.observer, watch._step, watch._exported = Observer(), 0, False
     with pytest.raises(torch.OutOfMemoryError), watch.step(5):
         raise torch.OutOfMemoryError("CUDA out of memory")
     assert cuda.calls == [("dump", "memory_rank0_oom.pickle")]
