@@ -1,6 +1,8 @@
 """Training curves from metrics.jsonl, without a wandb account: several runs on one figure.
 
     python -m megaframe.plot RUN_DIR [RUN_DIR ...] [--out FILE.png] [--x tokens|step]
+    python -m megaframe.plot --trace RUN_DIR/profile [--step N] [--out FILE.png]   one profiled step per rank
+    python -m megaframe.plot --goodput RUN_DIR [--out FILE.png]                    the wall time by bucket
 
 Panels: loss (solid) and val_loss (dashed, where logged) against tokens seen (or steps), learning
 rate, grad norm, tokens/s and MFU. Each run is one colour, labelled by its folder name. A step logged
@@ -16,6 +18,7 @@ import os
 import sys
 from pathlib import Path
 
+from megaframe import plot_views
 from megaframe.errors import fail, write_refused
 
 PANELS = [
@@ -141,23 +144,34 @@ def plot(runs: list[str], out: str, x_axis: str = "tokens") -> Path:
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="python -m megaframe.plot", description=__doc__.split("\n\n")[0])
-    ap.add_argument("runs", nargs="+", help="run folders holding metrics.jsonl")
+    ap.add_argument("runs", nargs="*", help="run folders holding metrics.jsonl")
     ap.add_argument("--out", default="loss.png")
     ap.add_argument("--x", choices=["tokens", "step"], default="tokens", help="x axis")
+    ap.add_argument("--trace", help="a train.profile_steps trace, or the profile/ folder: one step per rank")
+    ap.add_argument("--step", type=int, help="with --trace: the profiled step to draw (default: the first)")
+    ap.add_argument("--goodput", metavar="RUN_DIR", help="the run's wall time by goodput bucket")
     args = ap.parse_args(argv)
+    if bool(args.runs) + bool(args.trace) + bool(args.goodput) != 1:
+        return fail("give run folders, or --trace PATH, or --goodput RUN_DIR (one of them)")
     out = Path(args.out)
     # before reading any run: a missing folder was a FileNotFoundError traceback from savefig
     if out.is_dir() or not out.parent.is_dir() or not os.access(out.parent, os.W_OK):
         return fail(f"--out {args.out}: not a file in a writable folder")
     try:
-        path = plot(args.runs, args.out, args.x)
+        if args.trace:
+            path = plot_views.draw_trace(args.trace, args.out, args.step)
+        elif args.goodput:
+            path = plot_views.draw_goodput(args.goodput, args.out)
+        else:
+            path = plot(args.runs, args.out, args.x)
     except ValueError as e:
         return fail(e)
     except OSError as e:  # a full disk or the file-size limit at savefig
         if not write_refused(e):
             raise
         return fail(f"--out {args.out}: cannot write the plot ({e})", code=1)
-    print(f"plot: {len(args.runs)} run(s) -> {path}", flush=True)
+    what = f"{len(args.runs)} run(s)" if args.runs else ("trace" if args.trace else "goodput")
+    print(f"plot: {what} -> {path}", flush=True)
     return 0
 
 

@@ -19,6 +19,7 @@ ONE_PROCESS_AT_A_TIME = (
     "tests/e2e/test_docs_commands.py",
     "tests/e2e/test_full_disk.py",
     "tests/e2e/test_full_disk_tools.py",
+    "tests/e2e/test_goodput_faults.py",
     "tests/e2e/test_logging_cli.py",
     "tests/e2e/test_lost_work_cli.py",
     "tests/e2e/test_user_guidance_cli.py",

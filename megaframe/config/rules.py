@@ -187,6 +187,8 @@ FIELD_RULES: dict[str, Rule] = {
     "checkpoint.save_timeout_s": TIMEOUT,
     # the numbers inside lists: `[]` stands for every element
     "parallel.pp_layout[]": NONNEG,
+    "train.profile_steps[]": POS,
+    "train.memory_snapshot[]": POS,
     "data.blend[].weight": POSF,
     "data.stages[].until_step": _r(1, opt=True),
     "data.stages[].until_tokens": _r(1, opt=True, int_=False),

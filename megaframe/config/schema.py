@@ -189,6 +189,17 @@ class TrainConfig(Frozen):
     """Score only the first N documents of each task (a quick in-loop signal); 0 = every document."""
     downstream_batch_size: int = 8
     """Sequences per forward while scoring (each padded to model.seq_length)."""
+    # -- where the time goes (training/profiling.py; docs/checkpoints.md#profiling)
+    profile_steps: list[int] = field(default_factory=list)
+    """Steps to profile with torch.profiler: each run of consecutive steps writes one Chrome/Perfetto trace
+    per rank, ${run.dir}/profile/rank<R>_steps<A>-<B>.json.gz, with a named range for each pipeline action,
+    collective and the optimizer step (`python -m megaframe.plot --trace`). Empty (default): no profiler,
+    no range, nothing recorded."""
+    memory_snapshot: list[int] = field(default_factory=list)
+    """CUDA: record the allocator's history from the first of these steps on and write torch's memory
+    snapshot after each of them, ${run.dir}/profile/memory_rank<R>_step<S>.pickle (pytorch.org/memory_viz).
+    Ignored on CPU (one note). Empty (default): nothing recorded. Whatever it holds, a CUDA run that runs
+    out of memory in a step writes memory_rank<R>_oom.pickle before it exits."""
     downstream_harness_timeout_s: float = 1800.0
     """The hang watchdog's limit for lm-eval's own work on a downstream task, outside the model's scoring
     calls (its task index, the dataset's download, building requests, metrics), where no batch runs to

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from megaframe.parallel.eager import eager
 from megaframe.parallel.mesh import Axis
+from megaframe.parallel.observe import mark, p2p_range
 
 # torch 2.13 renamed the flat collectives; keep working on the older names (torch >= 2.6 on GPU hosts).
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -36,19 +37,27 @@ def _enter(axis: Axis, op: str, x: torch.Tensor, sent: float) -> dict | None:
     # Counted before the call, so a rank stuck inside the collective still shows it as its last entry.
     axis.stats.add(axis.name, sent)
     entry = axis.stats.record(op, axis.name, axis.ranks, x.shape, x.dtype, _nbytes(x))
-    return None if axis.virtual else entry
+    if axis.virtual:
+        return None
+    if axis.stats.observer is not None:  # the arrival clock starts after the bookkeeping above
+        axis.stats.observer.enter(entry, axis, x)
+    return entry
 
 
 class _TrackedWork:
     """An async collective's Work that marks its ring-buffer entry done once waited for."""
 
-    def __init__(self, work, entry: dict, axis: Axis, on_device: bool):
-        self.work, self.entry, self.axis, self.on_device = work, entry, axis, on_device
+    def __init__(self, work, entry: dict, axis: Axis, x: torch.Tensor):
+        self.work, self.entry, self.axis, self.x, self.on_device = work, entry, axis, x, x.is_cuda
 
     def wait(self, *args, **kwargs):
+        obs = self.axis.stats.observer
+        start = mark(self.x.is_cuda) if obs is not None and obs.arrivals else None
         out = self.work.wait(*args, **kwargs)
         # Marked after the wait, not at launch: a hang inside the wait must leave the entry open.
         self.axis.stats.returned(self.entry, self.on_device)
+        if start is not None:  # an async collective holds a rank in its wait: the hold its arrival shows
+            obs.held(self.axis, start, self.x)
         return out
 
     def __getattr__(self, name):
@@ -58,11 +67,16 @@ class _TrackedWork:
 def _done(axis: Axis, entry: dict, x: torch.Tensor, work=None):
     """Mark a blocking collective as returned; an async one as launched, done when its Work is waited
     for. On CUDA "returned" is only "enqueued": CommStats.returned records an event the watchdog checks."""
+    obs = axis.stats.observer
     if work is None:
         axis.stats.returned(entry, x.is_cuda)
+        if obs is not None:
+            obs.leave(entry, axis, x)
         return None
     entry["async"] = True
-    return _TrackedWork(work, entry, axis, x.is_cuda)
+    if obs is not None:
+        obs.launched(entry)
+    return _TrackedWork(work, entry, axis, x)
 
 
 def all_reduce(x: torch.Tensor, axis: Axis, op=dist.ReduceOp.SUM) -> torch.Tensor:
@@ -355,7 +369,11 @@ class _BatchWork:
     def wait(self, *args, **kwargs):
         if self.waited:  # a gloo Work waited twice waits for a second transfer that never comes
             return True
+        obs = self.stats.observer  # a rank held here waits for its pipeline peer (runops/arrivals.py)
+        start = mark(self.on_device) if obs is not None and obs.arrivals else None
         out = self.work.wait(*args, **kwargs)
+        if start is not None:
+            obs.p2p_held(start, mark(self.on_device))
         self.waited = True
         self.pending[0] -= 1
         if self.pending[0] == 0:
@@ -395,12 +413,13 @@ def batch_isend_irecv(
     # P2POp takes global ranks even with a group; axis ranks are positions within the axis.
     sends_g = [(t, axis.ranks[p]) for t, p in sends]
     recvs_g = [(t, axis.ranks[p]) for t, p in recvs]
-    if axis.p2p is not None:
-        works = [axis.p2p.submit(sends_g, recvs_g)]
-    else:
-        ops = [dist.P2POp(dist.isend, t, peer, group=axis.group) for t, peer in sends_g]
-        ops += [dist.P2POp(dist.irecv, t, peer, group=axis.group) for t, peer in recvs_g]
-        works = dist.batch_isend_irecv(ops)
+    with p2p_range(axis, entry):  # a profiler range while profiled; a shared null context otherwise
+        if axis.p2p is not None:
+            works = [axis.p2p.submit(sends_g, recvs_g)]
+        else:
+            ops = [dist.P2POp(dist.isend, t, peer, group=axis.group) for t, peer in sends_g]
+            ops += [dist.P2POp(dist.irecv, t, peer, group=axis.group) for t, peer in recvs_g]
+            works = dist.batch_isend_irecv(ops)
     # Shared counter (a list, so every _BatchWork sees one cell): the entry is done when the last Work is.
     pending = [len(works)]
     on_device = first.is_cuda and axis.p2p is None  # the NCCL emulation is gloo (host) only

@@ -46,6 +46,8 @@ class CommStats:
             entry["event"] = event
 
     _next_event: int = 0
+    # parallel/observe.py's Observer: holds in collectives, profiler ranges
+    observer: object = None
 
     def add(self, group: str, nbytes: float) -> None:
         self.sent[group] = self.sent.get(group, 0) + int(nbytes)

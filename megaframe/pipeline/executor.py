@@ -27,6 +27,7 @@ from torch.autograd import Variable
 
 from megaframe.parallel import comm
 from megaframe.parallel.mesh import Mesh
+from megaframe.parallel.observe import action_range
 from megaframe.pipeline import p2p, split
 from megaframe.pipeline.schedule import (
     COMPUTE,
@@ -92,13 +93,15 @@ def run_schedule(
         if transfer is not None:  # the compute reads this batch's receive
             transfer.wait()
         t0 = time.perf_counter()
-        if a.kind == F:
-            # a split chunk's saved tensors boxed: B releases those W will not read (split.py)
-            with split.saving() if splits else contextlib.nullcontext():
-                _forward(a, st, model, batches, tokens_global)
-        else:
-            with optimizer.backward_context(is_last=i == last_b.get(a.chunk)):
-                _backward(a, st, model, params)
+        # a profiler range per action while a step is profiled (train.profile_steps), else a shared null
+        with action_range(mesh.stats, a.kind, a.microbatch, a.chunk, splits):
+            if a.kind == F:
+                # a split chunk's saved tensors boxed: B releases those W will not read (split.py)
+                with split.saving() if splits else contextlib.nullcontext():
+                    _forward(a, st, model, batches, tokens_global)
+            else:
+                with optimizer.backward_context(is_last=i == last_b.get(a.chunk)):
+                    _backward(a, st, model, params)
         if timeline is not None:
             timeline.append((a, t0, time.perf_counter()))
     _communicate(comm, st, mesh, shape, dtype, batches[0][0].device)

@@ -5,6 +5,8 @@ Set once in the environment of every rank (read at start-up, then passed to the 
     MEGAFRAME_INJECT="sleep:rank=1:seconds=0.3"        rank 1 computes 0.3 s longer every step
     MEGAFRAME_INJECT="sleep:rank=1:seconds=0.3:step=5" ... at step 5 only
     MEGAFRAME_INJECT="hang:rank=1:step=3"              rank 1 blocks forever at the start of step 3
+    MEGAFRAME_INJECT="kill:rank=0:step=6"              rank 0 is SIGKILLed at the start of step 6 (steps
+                                                       after the last checkpoint are lost; goodput drills)
     MEGAFRAME_INJECT="sleep:rank=0:seconds=1;hang:rank=2:step=9"   several, separated by ';'
     MEGAFRAME_INJECT="slow_save:rank=0:seconds=8"      rank 0's checkpoint saves take 8 s longer (step=S: that
                                                        save)
@@ -16,7 +18,8 @@ Set once in the environment of every rank (read at start-up, then passed to the 
                                                        step: any)
 
 `rank` is the global rank (omitted: every rank); `step` the optimizer step (omitted: every step for
-sleep, step 1 for hang). The delay happens at the start of the step's compute window, so the straggler
+sleep, step 1 for hang and kill). A kill, like a failed save, strikes a torchrun group's first attempt only.
+The delay happens at the start of the step's compute window, so the straggler
 figures count it as compute; a hang never returns, so only the watchdog (train.hang_timeout_s) ends it.
 An unparsable value is a bad input (exit 2).
 """
@@ -24,6 +27,7 @@ An unparsable value is a bad input (exit 2).
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import threading
 import time
@@ -35,7 +39,7 @@ ENV = "MEGAFRAME_INJECT"
 @dataclass(frozen=True)
 class Fault:
     kind: str
-    """sleep | hang | slow_save | savefail | savekill | loadoom."""
+    """sleep | hang | kill | slow_save | savefail | savekill | loadoom."""
     rank: int | None
     step: int | None
     seconds: float = 0.0
@@ -49,18 +53,18 @@ def parse(spec: str) -> list[Fault]:
         try:
             kv = dict(f.split("=", 1) for f in fields)
             rank = int(kv.pop("rank")) if "rank" in kv else None
-            step = int(kv.pop("step")) if "step" in kv else (1 if kind == "hang" else None)
+            step = int(kv.pop("step")) if "step" in kv else (1 if kind in ("hang", "kill") else None)
             seconds = float(kv.pop("seconds", 0.0))
         except ValueError as e:
             raise ValueError(f"{ENV}={spec!r}: cannot parse {part!r} ({e})") from e
         if (
-            kind not in ("sleep", "hang", "slow_save", "savefail", "savekill", "loadoom")
+            kind not in ("sleep", "hang", "kill", "slow_save", "savefail", "savekill", "loadoom")
             or kv
             or (kind in ("sleep", "slow_save") and seconds <= 0)
         ):
             raise ValueError(
                 f"{ENV}={spec!r}: {part!r} must be sleep|slow_save:[rank=R:][step=S:]seconds=X "
-                f"or hang|savefail|savekill|loadoom:[rank=R:][step=S]"
+                f"or hang|kill|savefail|savekill|loadoom:[rank=R:][step=S]"
             )
         faults.append(Fault(kind, rank, step, seconds))
     return faults
@@ -101,9 +105,15 @@ class Injector:
     def apply(self, step: int) -> float:
         slept = 0.0
         for f in self.faults:
-            if f.kind not in ("sleep", "hang"):
+            if f.kind not in ("sleep", "hang", "kill"):
                 continue
             if f.step is not None and f.step != step:
+                continue
+            if f.kind == "kill" and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+                print(f"megaframe: rank {self.rank}: injected kill at step {step} ({ENV})", file=sys.stderr)
+                sys.stderr.flush()
+                os.kill(os.getpid(), signal.SIGKILL)
+            if f.kind == "kill":
                 continue
             if f.kind == "hang":
                 print(

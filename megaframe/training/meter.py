@@ -133,10 +133,10 @@ class Meter:
         self.last.update(row)
         return row
 
-    def report(self, start: int, step: int, checkpoint: str | None) -> None:
-        """The logger prints the summary of a run that trained at least one step."""
+    def report(self, start: int, step: int, checkpoint: str | None, goodput: str = "") -> None:
+        """The logger prints the summary of a run that trained at least one step (`goodput`: its part)."""
         if self.mesh.is_logger and self.run_steps:  # one write: under pp another rank prints at the same time
-            sys.stdout.write(self.summary(start, step, checkpoint) + "\n")
+            sys.stdout.write(self.summary(start, step, checkpoint) + goodput + "\n")
             sys.stdout.flush()
 
     def summary(self, start: int, step: int, checkpoint: str | None) -> str:

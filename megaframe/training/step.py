@@ -19,6 +19,7 @@ from megaframe.model import mtp
 from megaframe.model.moe import stats as moe_stats
 from megaframe.optim.lr_schedule import lr_at
 from megaframe.parallel.mesh import Mesh
+from megaframe.parallel.observe import named
 from megaframe.pipeline.executor import run_schedule
 from megaframe.pipeline.grouping import build_schedule
 
@@ -63,7 +64,8 @@ def optimizer_step(
     )
     # a Python float from the step alone: no device tensor, no sync, the same on every rank
     lr = lr_at(step, o.lr, o.min_lr, o.warmup_steps, d.lr_horizon, o.lr_schedule, o.wsd_decay_fraction)
-    norm = optimizer.step(lr)
+    with named(mesh.stats, "optimizer_step"):  # a profiler range while profiled (train.profile_steps)
+        norm = optimizer.step(lr)
     # once per optimizer step, from the expert loads this
     # step's micro-batches recorded (begin_step reset them)
     moe_stats.update_expert_bias(model, mesh)  # no-op unless model.moe_expert_bias

@@ -27,9 +27,12 @@ from megaframe.runops.guard import RunGuard
 from megaframe.runops.signals import StopFlag
 from megaframe.runops.straggler import StragglerProbe
 from megaframe.tracking import Tracker
+from megaframe.training import run_clock
 from megaframe.training.checkpointing import Checkpointer
 from megaframe.training.first_step import first_step_limits
 from megaframe.training.meter import BadSteps, Meter
+from megaframe.training.profiling import Watch
+from megaframe.training.run_clock import RunClock
 from megaframe.training.startup import Setup, announce, batch_loader, set_up
 from megaframe.training.step import StepResult, optimizer_step
 from megaframe.training.threads import apply_threads
@@ -112,8 +115,10 @@ def train(cfg: Config, mesh: Mesh, stop: StopFlag, run_id: str = "", owner: str 
 
     A step due a save is saved before its evaluation: a crash or a hang kill while validating, sampling or
     scoring it never repeats at the same step on a restart (the restart resumes after it)."""
+    clock = RunClock(run_id)  # goodput: this incarnation's wall time by bucket (training/run_clock.py)
     guard = RunGuard(cfg.train, mesh, stop, cfg.run.dir, cfg.run.name)
     su = set_up(cfg, mesh, guard.faults, run_id)
+    clock.phase("setup")
     cfg = su.cfg  # the LR horizon settled: what the loop, the saves and config.yaml use
     start = su.resumed.step
     if start >= cfg.train.max_steps:  # a resume with nothing left: one line, no header, no lr warnings, rc 0
@@ -127,7 +132,7 @@ def train(cfg: Config, mesh: Mesh, stop: StopFlag, run_id: str = "", owner: str 
     announce(cfg, mesh, su)
     loop = None
     try:  # the guard closes (watchdog stopped, handlers restored) however the loop ends or fails to start
-        loop = Loop(cfg, mesh, su, guard, (run_id, owner))
+        loop = Loop(cfg, mesh, su, guard, (run_id, owner), clock)
         step = start
         for step in range(start + 1, cfg.train.max_steps + 1):
             res = loop.step(step, loop.batches(step))
@@ -152,8 +157,11 @@ class Loop:
     """The step loop's parts, built after start-up: tracker, meter, bad-step counter, checkpointer and
     the batch loader; one method per verb of train()."""
 
-    def __init__(self, cfg: Config, mesh: Mesh, su: Setup, guard: RunGuard, ids: tuple[str, str]):
+    def __init__(self, cfg: Config, mesh: Mesh, su: Setup, guard: RunGuard, ids: tuple[str, str], clock):
         self.cfg, self.mesh, self.su, self.guard, self.start = cfg, mesh, su, guard, su.resumed.step
+        self.clock = clock
+        clock.resumed(self.start, cfg.run.dir, mesh.is_logger)
+        self.watch = Watch(cfg.train, cfg.run.dir, mesh, guard.probe)
         self.tracker = Tracker(cfg, cfg.run.dir, mesh.is_logger, cfg.train.max_steps, ids[1], self.start)
         self.meters = Meter(cfg.model, su.derived, mesh, su.acct)
         # on CUDA the grad norms are read (a host sync) only at log steps; on CPU reading is free
@@ -172,9 +180,11 @@ class Loop:
     def batches(self, step: int) -> list:
         """The step's micro-batches (read while the previous step computed); the guard hears the step."""
         self.guard.beat(step)
+        self.clock.first_step()  # start-up ends at the first step's start
         # dropout RNG: equal on tp ranks, a function of the step
         seed_step(self.cfg.train.seed, step, self.mesh)
-        return next_batches(self.loader, step, self.cfg.run.dir)
+        with self.clock.timing("data_wait"):
+            return next_batches(self.loader, step, self.cfg.run.dir)
 
     def step(self, step: int, batches: list) -> StepResult:
         """One optimizer step, counted, its grad norm checked (too many bad steps in a row end the run)."""
@@ -185,7 +195,8 @@ class Loop:
             if t.compile and step == self.start + 1
             else contextlib.nullcontext()
         )
-        with limits, su.phases.phase("step"):  # the first step's peak (grads and moments appear in it)
+        # the first step's peak (grads and moments appear in it); a profiled step in the profiler
+        with self.clock.timing("step"), self.watch.step(step), limits, su.phases.phase("step"):
             res = optimizer_step(
                 su.model, su.optimizer, batches, self.mesh, self.cfg.optim, su.derived, step, self.guard.probe
             )
@@ -199,10 +210,11 @@ class Loop:
     def evaluate(self, step: int) -> tuple[float | None, bool]:
         """(the validation loss when due, else None; whether anything ran: validation, samples or
         downstream scores, each under the guard's `between`). Downstream scores join the step's row."""
-        val, sampled = evaluate_and_sample(
-            self.su, self.meters, self.tracker, step, self.cfg.run.dir, self.guard
-        )
-        self.scores, scored = downstream_scores(self.su, self.meters, step, self.guard)
+        with self.clock.timing("eval"):
+            val, sampled = evaluate_and_sample(
+                self.su, self.meters, self.tracker, step, self.cfg.run.dir, self.guard
+            )
+            self.scores, scored = downstream_scores(self.su, self.meters, step, self.guard)
         return val, val is not None or sampled or scored
 
     def meter(self, step: int, res: StepResult, val: float | None, stopping: bool) -> None:
@@ -217,6 +229,8 @@ class Loop:
             or stopping
         ):
             row = log_row(self.su, self.meters, self.guard.probe, self.ckpt, self.mesh, step, res, val)
+            if self.mesh.is_logger:  # goodput/* summed over the folder's incarnations, and this one's clock
+                row.update(self.clock.row(step))
             self.tracker.log({**row, **self.scores, **self.marker}, self.start)
             self.marker = {}
 
@@ -228,18 +242,25 @@ class Loop:
             return False
         self.bad.flush()  # a deferred grad-norm read: the save must know whether this step was skipped
         # its traffic is not the step's; its limit is checkpoint.save_timeout_s (Checkpointer.save)
-        with self.guard.between(f"checkpoint save at step {step}"), self.su.phases.phase("save"):
+        with (
+            self.clock.timing("checkpoint"),
+            self.guard.between(f"checkpoint save at step {step}"),
+            self.su.phases.phase("save"),
+        ):
             return self.ckpt.save(self.su.model, self.su.optimizer, step, last, self.bad.in_a_row)
 
     def finish(self, start: int, step: int) -> None:
         """The background save committed, the memory phases and the run's summary printed."""
-        self.ckpt.finish(step)
+        with self.clock.timing("checkpoint"):
+            self.ckpt.finish(step)
         # every phase's peak, a stop's save after the last row
         if self.mesh.is_logger and self.su.phases.figures:
             print(self.su.phases.summary(), flush=True)
-        self.meters.report(start, step, self.ckpt.last_saved)
+        goodput = run_clock.summary(self.clock.row(step)) if self.mesh.is_logger else ""
+        self.meters.report(start, step, self.ckpt.last_saved, goodput)
 
     def close(self) -> None:
+        self.watch.close()
         self.loader.close()
         self.tracker.finish()
 
@@ -255,9 +276,10 @@ def log_row(
     val: float | None,
 ) -> dict:
     """The step's metrics row, built on every rank: the dp loss all-reduce and MoE figures are collectives."""
+    figures = meter.metrics(step, res, su.model, su.optimizer)
     row = {
-        **meter.metrics(step, res, su.model, su.optimizer),
-        **probe.gather(mesh),
+        **figures,
+        **probe.gather(mesh, step, figures["step_time_s"]),
         **ckpt.take_io(),
         **stage_metric(su.data, su.acct.consumed(step)),
         **su.phases.take(),

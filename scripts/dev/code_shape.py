@@ -55,7 +55,15 @@ LAYERS = [
     ["evaluation"],  # lm-evaluation-harness on a loaded or live model, any layout
     ["training"],  # the loop
     ["planning"],  # memory and time models (reads the loop's meters and FLOPs)
-    ["plan", "generate", "evaluate", "plot", ""],  # command lines and the package's public surface
+    [
+        "plan",
+        "generate",
+        "evaluate",
+        "plot",
+        "plot_views",
+        "goodput",
+        "",
+    ],  # command lines and the package's public surface
 ]
 
 # Held to the file limit too. Their functions are not held to MAX_FUNC_LINES: a misuse script's function is

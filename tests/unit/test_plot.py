@@ -69,3 +69,44 @@ def test_the_token_axis_follows_the_consumed_counts_across_a_batch_change(tmp_pa
     rows[2] = {"step": 8, "consumed_samples": 320, "consumed_tokens": 28672}
     assert token_positions(run, rows) == [2048, 8192, 28672]
     assert token_positions(run, [{"step": 3}]) == [3 * 2048]
+
+
+def _trace(path, step_us, names):
+    events = [{"ph": "X", "name": "step 3", "ts": 0, "dur": step_us, "pid": 1, "tid": 1}]
+    events += [
+        {"ph": "X", "name": n, "ts": 10 + 100 * i, "dur": 90, "pid": 1, "tid": 1} for i, n in enumerate(names)
+    ]
+    events.append(
+        {"ph": "X", "name": "aten::mm", "ts": 20, "dur": 5, "pid": 1, "tid": 1}
+    )  # torch's own: not drawn
+    path.write_text(json.dumps({"traceEvents": events}))
+
+
+def test_one_profiled_step_per_rank_and_the_goodput_bar(tmp_path, capsys):
+    """--trace draws the named ranges of each rank's trace (train.profile_steps), --goodput a run's wall by
+    bucket; each refuses what is not one (exit 2, one line)."""
+    from megaframe.plot_views import read_trace, step_ranges
+
+    prof = tmp_path / "profile"
+    prof.mkdir()
+    names = [
+        "forward mb0 chunk0",
+        "comm.all_reduce[tp] 2048B [8, 2, 64]",
+        "backward mb0 chunk0",
+        "optimizer_step",
+    ]
+    for rank in (0, 1):
+        _trace(prof / f"rank{rank}_steps3-3.json", 1000, names)
+    kinds = [k for k, *_ in step_ranges(read_trace(prof / "rank0_steps3-3.json"), 3)]
+    assert kinds == ["forward", "comm", "backward", "optimizer_step"]
+    assert main(["--trace", str(prof), "--out", str(tmp_path / "step.png")]) == 0
+    assert (tmp_path / "step.png").stat().st_size > 0 and "plot: trace" in capsys.readouterr().out
+    run = tmp_path / "run"
+    run.mkdir()
+    row = {"step": 2, "time": 30.0, "clock/run_id": "a", "clock/start": 0.0, "clock/startup_s": 10.0,
+           "clock/step_s": 15.0, "clock/checkpoint_s": 2.0}  # fmt: skip
+    (run / "metrics.jsonl").write_text(json.dumps(row) + "\n")
+    assert main(["--goodput", str(run), "--out", str(tmp_path / "g.png")]) == 0
+    for argv in (["--trace", str(run)], ["--goodput", str(prof)], ["--trace", str(prof), str(run)]):
+        assert main([*argv, "--out", str(tmp_path / "x.png")]) == 2
+        assert capsys.readouterr().err.startswith("megaframe: error:")

@@ -144,3 +144,19 @@ def test_an_event_folder_that_cannot_be_made_is_refused_naming_the_key(tmp_path)
     (tmp_path / "file").write_text("")
     with pytest.raises(ConfigError, match=r"logging\.tensorboard\.dir=.*file/tb: .*is a file"):
         _cfg(tmp_path / "run", f"logging.tensorboard.dir={tmp_path / 'file' / 'tb'}")
+
+
+def test_wandb_keeps_its_own_system_metrics_on(tmp_path, monkeypatch):
+    """wandb records GPU/CPU/memory/network by itself (its System section), offline too: megaframe's
+    wandb.init turns none of it off (docs/checkpoints.md#wandb-system-metrics-memory-goodput)."""
+    import wandb
+
+    from megaframe.tracking import _start_wandb
+
+    seen = {}
+    monkeypatch.setattr(wandb, "init", lambda **kw: seen.update(kw) or object())
+    cfg = load_config(["data=synthetic", f"run.dir={tmp_path}", "logging.wandb.mode=offline"], world_size=1)
+    _start_wandb(cfg, str(tmp_path))
+    assert seen["mode"] == "offline"
+    settings = seen.get("settings")
+    assert settings is None or not getattr(settings, "x_disable_stats", False)

@@ -55,6 +55,7 @@ train.dist_timeout_s train.signal_check_interval train.threads train.fp8_head tr
 train.sample_interval train.sample_prompts train.sample_tokens
 train.downstream_interval train.downstream_tasks train.downstream_include_path train.downstream_limit
 train.downstream_batch_size train.downstream_harness_timeout_s
+train.profile_steps train.memory_snapshot
 """.split()
 )
 

@@ -86,6 +86,8 @@ def test_bad_value_of_every_field_is_refused_naming_it(key, value, base_cfg):
 STAGE = "{{until_step: {s}, until_tokens: {t}, blend: [{{path: /x, weight: {w}}}]}}"
 LIST_CASES = [
     ("parallel.pp_layout[1]=-1", ["parallel.pp=2", "parallel.pp_layout=[3,-1]"]),
+    ("train.profile_steps[1]=0", ["train.profile_steps=[3,0]"]),
+    ("train.memory_snapshot[0]=-2", ["train.memory_snapshot=[-2]"]),
     ("data.blend[0].weight=nan", ["data.blend=[{path: /x, weight: nan}]"]),
     ("data.blend[1].weight=inf", ["data.blend=[{path: /x, weight: 1}, {path: /y, weight: inf}]"]),
     ("data.blend[0].weight=0.0", ["data.blend=[{path: /x, weight: 0}]"]),
