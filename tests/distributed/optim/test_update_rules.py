@@ -8,7 +8,6 @@ plan_layout, from the config alone), and the checkpoint records the state's dtyp
 import pytest
 
 from megaframe.checkpoint import sharded
-from megaframe.model.parallelize import build_model
 from megaframe.optim.rule_registry import RULES, rule_named
 from megaframe.parallel.virtual import virtual_mesh
 from megaframe.planning.estimate import optim_bytes_by_dp_rank, plan_layout
@@ -16,6 +15,7 @@ from tests.distributed.cases import tiny_config
 from tests.distributed.model.test_model_equivalence import assert_close_dicts, assert_weights_close
 from tests.distributed.optim.test_zero import SMALL_BUCKETS, STEPS, rel_errors
 from tests.distributed.zero_cases import run_steps
+from tests.forms import build_model
 
 pytestmark = pytest.mark.distributed
 
