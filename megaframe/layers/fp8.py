@@ -282,8 +282,10 @@ def float8_gathered_weights(model: nn.Module, precision: str, recipe: str, head:
 
 
 def _blocks(model: nn.Module):
-    # a pipeline stage's model chunks (vpp) or one model: each keeps its blocks in .layers
+    # a pipeline stage's model chunks (vpp) or one model: each keeps its blocks in .layers, and the last
+    # stage its multi-token-prediction depths (blocks too) in .mtp
     for mod in model.modules():
-        layers = getattr(mod, "layers", None)
-        if isinstance(layers, nn.ModuleDict):
-            yield layers
+        for name in ("layers", "mtp"):
+            blocks = getattr(mod, name, None)
+            if isinstance(blocks, nn.ModuleDict):
+                yield blocks

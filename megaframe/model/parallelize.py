@@ -104,5 +104,7 @@ def compile_blocks(model: GPT) -> None:
     waits and releases: Python with collectives) run eagerly around the compiled graph, never traced into
     it, where each would break it."""
     arm()  # the eager collectives become graph breaks (and torch._dynamo is imported) only now
-    for block in model.layers.values():
+    # the multi-token-prediction depths' blocks (last stage) are blocks of the same family too
+    depths = [] if getattr(model, "mtp", None) is None else [d.block for d in model.mtp.values()]
+    for block in [*model.layers.values(), *depths]:
         block.forward = torch.compile(block.forward, dynamic=False)

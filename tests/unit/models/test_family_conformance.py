@@ -176,3 +176,28 @@ def test_where_to_add_a_family_names_paths_that_exist():
             assert where.exists(), f"docs/architecture.md names {p}: {where} does not exist"
     for name in NAMES:
         assert (root / "megaframe" / "models" / name / "spec.py").is_file(), name
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_fp8_switches_every_block_linear_and_computes_the_bf16_function(name):
+    """train.precision=fp8 reaches every linear of the family's own block (a block whose projections are
+    not megaframe's parallel linears would silently stay bf16) and computes what bf16 does, to float8's
+    rounding: the loss of one batch within 2 %, not bit-equal."""
+    from megaframe.layers.fp8 import Fp8Gemm
+    from megaframe.layers.linear import ColumnParallelLinear, RowParallelLinear
+
+    losses, mesh = {}, single_process_mesh()
+    for precision in ("bf16", "fp8"):
+        cfg = tiny(name, f"train.precision={precision}", "model.hidden_size=64", "model.vocab_size=256")
+        model = build_model(cfg, mesh)
+        x = ids(cfg)
+        with torch.no_grad():
+            losses[precision] = model(x, torch.roll(x, -1, dims=1)).float().mean().item()
+    # the blocks' (and MTP depths') linears; the head follows train.fp8_head (off by default)
+    blocks = [model.layers] + ([model.mtp] if getattr(model, "mtp", None) is not None else [])
+    kinds = (ColumnParallelLinear, RowParallelLinear)
+    linears = {n: m for b in blocks for n, m in b.named_modules() if isinstance(m, kinds)}
+    bf16 = [n for n, m in linears.items() if not isinstance(getattr(m, "gemm", None), Fp8Gemm)]
+    assert linears and bf16 == [], bf16
+    rel = abs(losses["fp8"] - losses["bf16"]) / abs(losses["bf16"])
+    assert 0 < rel < 0.02, losses
