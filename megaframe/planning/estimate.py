@@ -253,10 +253,15 @@ def _rank_figures(
         found = cache[key]
     model_part, chunks, keep, extra, shape, working = found
     act, inflight = peak_activations(order, chunks, keep)
+    # replace() re-runs __post_init__: the activations go in with it (total_bytes is their sum)
     out = replace(
-        model_part, pp_rank=pp_rank, tp_rank=tp_rank, ranks=list(mesh.dpcp.ranks), peak_inflight=inflight
+        model_part,
+        pp_rank=pp_rank,
+        tp_rank=tp_rank,
+        ranks=list(mesh.dpcp.ranks),
+        peak_inflight=inflight,
+        activation_bytes=act + extra,
     )
-    out.activation_bytes = act + extra
     params, grads, optim = out.params_bytes, out.grads_bytes, out.optim_bytes
     out.phases = phase_peaks(
         shape, params, grads, optim, out.activation_bytes + working, on_host=_on_host(cfg)
