@@ -46,6 +46,7 @@ from megaframe.config.keys import PLANNER_KEYS as OWN_KEYS
 from megaframe.config.keys import take_tool_keys
 from megaframe.config.rules import FIELD_RULES, NONNEG, POS, POSF, SHARE, Rule, check_options
 from megaframe.errors import fail, write_refused
+from megaframe.planning.answer import layout_timing, timing_line
 from megaframe.planning.measure import WARMUP_ROWS
 from megaframe.planning.search_report import human, search_report
 
@@ -262,6 +263,8 @@ def main(argv: list[str]) -> int:
         dev = pick_device(own)
     except ValueError as e:
         return fail(f"plan settings: {e}")
+    if memory is None and ("device" in own or "device_profile" in own) and dev.memory_gb:
+        memory = dev.memory_gb  # a device named alone: fits is judged against its own memory
     with still_planning(f"{cfg.model.name} on {world} rank(s)"):
         plan = plan_layout(cfg, world, memory)
         timing = layout_timing(cfg, world, dev, plan)
@@ -292,55 +295,6 @@ def pick_device(own: dict):
         return dev
     gb = own["device_memory_gb"]
     return replace(dev, name=f"{dev.name} with {gb:g} GiB (+device_memory_gb)", memory_gb=gb)
-
-
-def layout_timing(cfg, world: int, dev, plan) -> dict:
-    """The step-time model (planning.timing) of the layout as given: step_time_s, tokens_per_s_per_device,
-    mfu (model FLOPs, training.metrics, over the device's peak at train.precision), the largest phase
-    peak (peak_bytes) and fits, with the step's parts."""
-    from megaframe.planning.candidate import Layout
-    from megaframe.planning.timing import step_time
-    from megaframe.training.metrics import flops_per_token
-
-    p, t, o = cfg.parallel, cfg.train, cfg.optim
-    lay = Layout(
-        p.tp,
-        p.pp,
-        p.vpp,
-        plan.layout["dp"],
-        p.ep,
-        o.zero,
-        t.micro_batch_size,
-        str(getattr(t.recompute, "value", t.recompute)),
-        p.cp,
-        o.shard_group_size,
-        str(getattr(o.grad_reduce_dtype, "value", o.grad_reduce_dtype)),
-        "",
-        tuple(p.pp_layout or ()),
-    )
-    parts = step_time(cfg, lay, dev, world)
-    step = sum(parts.values())
-    tps = t.global_batch_size * cfg.model.seq_length / step / world
-    prec = str(getattr(t.precision, "value", t.precision))
-    return {
-        "device": dev.name,
-        "step_time_s": step,
-        "tokens_per_s_per_device": tps,
-        "mfu": tps * flops_per_token(cfg.model) / dev.peak(prec),
-        "step_parts_s": parts,
-        "peak_bytes": max(r.peak_bytes for r in plan.ranks),
-        "fits": plan.fits,
-        "reserved_bytes": int(max(r.peak_bytes for r in plan.ranks) * (1 + dev.alloc_headroom)),
-    }
-
-
-def timing_line(tm: dict) -> str:
-    parts = " ".join(f"{k} {v * 1e3:.0f}" for k, v in tm["step_parts_s"].items() if v > 0)
-    return (
-        f"step time on {tm['device']}: {tm['step_time_s']:.3f} s, {tm['tokens_per_s_per_device']:.0f} "
-        f"tokens/s per device, MFU {100 * tm['mfu']:.1f}% (parts, ms: {parts}); "
-        f"planning/timing.py's model, docs/planning.md#published-runs for its error"
-    )
 
 
 def search_main(cfg, world: int, memory_gb: float | None, own: dict, overrides: list[str] = ()) -> int:

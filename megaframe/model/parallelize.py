@@ -78,7 +78,10 @@ def build_model_for(m: ModelConfig, p: ParallelConfig, t: TrainConfig, o: OptimC
     model.float8_gathered = float8_gathered_weights(model, t.precision, t.fp8_recipe, t.fp8_head)
     if p.tp_comm_overlap:
         enable_tp_overlap(model, p.tp_comm_chunks)
-    if t.compile:
+    # a planning (meta) model never runs: compiling its blocks would trace them through AOT's partitioner,
+    # which cannot place meta tensors (a crash), and the planner sizes the eager saves and times compile
+    # from the config (planning/compute.py's elementwise traffic)
+    if t.compile and torch.device(mesh.device).type != "meta":
         compile_blocks(model)
     return model
 

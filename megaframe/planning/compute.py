@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 
 from megaframe.planning.devices import Device
+from megaframe.planning.moe_time import experts_seconds, router_bytes
 from megaframe.training.metrics import flops_per_token
 
 PASSES = 3
@@ -75,21 +76,23 @@ def _stream(dev: Device, nbytes: float) -> float:
 
 
 def block_seconds(
-    cfg, dev: Device, tp: int, cp: int, micro_batch: int, sp: bool, fused_attention: bool = True
+    cfg, dev: Device, tp: int, cp: int, micro_batch: int, sp: bool, ep: int = 1
 ) -> dict[str, float]:
-    """Seconds of one block's forward + backward for one micro-batch on one rank, by kind (module doc).
-    fused_attention=False times attention as software before fused kernels ran it (Megatron-LM 2021):
-    the whole S x S square as two batched GEMMs, its scores, softmax and dropout through HBM."""
+    """Seconds of one block's forward + backward for one micro-batch on one rank, by kind (module doc)."""
     m, prec = cfg.model, cfg.train.precision
     prec = str(getattr(prec, "value", prec))
     tokens = micro_batch * m.seq_length // cp
     gemm_prec = "fp8" if prec == "fp8" else prec
     dims = gemm_dims(m, tp)
-    if m.num_experts:  # the rank's routed token-expert pairs through its experts' MLP GEMMs
-        dense, experts = dims[:2], dims[2:]
-        routed = tokens * m.moe_top_k
-        gemm = sum(gemm_seconds(dev, gemm_prec, tokens, k, n) for k, n in dense)
-        gemm += sum(gemm_seconds(dev, gemm_prec, routed, k, n) for k, n in experts)
+    router = 0.0
+    if m.num_experts:  # attention's GEMMs, then the rank's experts as grouped GEMMs (planning.moe_time)
+        gemm = sum(gemm_seconds(dev, gemm_prec, tokens, k, n) for k, n in dims[:2])
+        # the experts stay bf16 under fp8 (layers/fp8.py converts nn.Linear only)
+        ex_prec = "bf16" if gemm_prec == "fp8" else gemm_prec
+        gemm += experts_seconds(gemm_seconds, dev, ex_prec, m, tokens // (tp if sp else 1), 1, ep)
+        gemm += gemm_seconds(dev, "bf16" if prec == "fp8" else prec, tokens, m.hidden_size, m.num_experts)
+        router = _stream(dev, router_bytes(m, tokens // (tp if sp else 1), 4 if prec == "fp32" else 2))
+        dims = dims[:2]
     else:
         gemm = sum(gemm_seconds(dev, gemm_prec, tokens, k, n) for k, n in dims)
     act = 4 if prec == "fp32" else 2
@@ -107,15 +110,7 @@ def block_seconds(
     )
     eager = 1.0 if cfg.train.compile else EAGER_TRAFFIC
     elementwise = PASSES * eager * _stream(dev, tokens * per_tok * act)
-    if (
-        not fused_attention
-    ):  # the full square at the GEMM rate; scores, softmax, dropout mask and output in HBM
-        heads = m.num_attention_heads // tp
-        rows = m.seq_length // cp  # the rank's queries against every key
-        attn = 2 * PASSES * micro_batch * heads * gemm_seconds(dev, prec, rows, m.head_dim, m.seq_length)
-        elementwise += PASSES * _stream(dev, micro_batch * heads * rows * m.seq_length * (5 * act + 1))
-        return {"gemm": PASSES * gemm + scale, "attention": attn, "elementwise": elementwise}
-    return {"gemm": PASSES * gemm + scale, "attention": attn / attn_rate, "elementwise": elementwise}
+    return {"gemm": PASSES * gemm + scale, "attention": attn / attn_rate, "elementwise": elementwise + router}
 
 
 def attention_flops(m, tokens: int, tp: int, cp: int) -> float:
@@ -145,12 +140,11 @@ def head_seconds(cfg, dev: Device, tp: int, cp: int, micro_batch: int) -> float:
     )
 
 
-def step_compute(
-    cfg, dev: Device, lay, layers: int, micro: int, head: bool, fused_attention: bool = True
-) -> dict[str, float]:
+def step_compute(cfg, dev: Device, lay, layers: int, micro: int, head: bool) -> dict[str, float]:
     """Seconds of a rank's step by kind: `layers` blocks (its pipeline stage's) for `micro` micro-batches,
     the head when it holds it; recompute's re-run forward added to each kind it repeats."""
-    b = block_seconds(cfg, dev, lay.tp, lay.cp, lay.micro_batch, lay.tp > 1 and lay.sp, fused_attention)
+    sp = lay.tp > 1 and lay.sp
+    b = block_seconds(cfg, dev, lay.tp, lay.cp, lay.micro_batch, sp, lay.ep)
     rerun = {
         "none": (0.0, 0.0, 0.0),
         "selective": (0.0, 1 / 3, 0.0),

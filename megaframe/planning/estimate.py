@@ -35,12 +35,12 @@ from dataclasses import asdict, dataclass, field, replace
 from megaframe.config.derived import derive
 from megaframe.config.schema import Config
 from megaframe.model.attention import Attention
-from megaframe.model.parallelize import build_model_for
+from megaframe.model.parallelize import build_model_for, rank_stage
 from megaframe.optim.rule_registry import rule_named
 from megaframe.optim.sizing import planned_dp_bytes, planned_memory_bytes
 from megaframe.parallel.context import cp_bytes_per_layer
 from megaframe.parallel.virtual import virtual_mesh
-from megaframe.pipeline.schedule import F, W, compute_order, splits_backward
+from megaframe.pipeline.schedule import F, W, compute_order, schedule_spec, splits_backward
 from megaframe.planning.activations import chunk_activation_bytes, head_activation_bytes, w_fraction
 from megaframe.planning.block_memory import on_host as _on_host
 from megaframe.planning.block_memory import plan_documents, working_set_bytes
@@ -237,18 +237,21 @@ def plan_layout(cfg: Config, world_size: int, device_memory_gb: float | None = N
     )
     if device_memory_gb is not None:
         plan.device_memory_bytes = int(device_memory_gb * 2**30)  # GiB, as torch.cuda reports
+    cache: dict = {}
     for pp_rank in range(pp):
         order = compute_order(kind, pp, p.vpp, m, pp_rank)
-        # each tp rank is sized from its own model; the dp ranks
+        # each tp rank is sized from its own model (or one of the same shape); the dp ranks
         # of a coordinate hold the same (module doc): sized once
         for tp_rank in range(tp):
-            plan.ranks.append(_rank_figures(cfg, tp, pp, dp, pp_rank, tp_rank, order))
+            plan.ranks.append(_rank_figures(cfg, tp, pp, dp, pp_rank, tp_rank, order, cache))
     for r in plan.ranks:
         r.fits = None if plan.device_memory_bytes is None else r.peak_bytes <= plan.device_memory_bytes
     return plan
 
 
-def _rank_figures(cfg: Config, tp: int, pp: int, dp: int, pp_rank: int, tp_rank: int, order) -> RankFigures:
+def _rank_figures(
+    cfg: Config, tp: int, pp: int, dp: int, pp_rank: int, tp_rank: int, order, cache: dict | None = None
+) -> RankFigures:
     mesh = virtual_mesh(
         tp,
         pp,
@@ -261,36 +264,30 @@ def _rank_figures(cfg: Config, tp: int, pp: int, dp: int, pp_rank: int, tp_rank:
         shard=cfg.optim.shard_group_size,
         cp=cfg.parallel.cp,
     )
-    model = build_model_for(cfg.model, cfg.parallel, cfg.train, cfg.optim, mesh)
-    if cfg.data.document_mask:
-        plan_documents(model, cfg)
-    params, grads, optim = state_bytes(model, cfg, mesh)
-    if cfg.optim.zero and rule_named(cfg.optim.name).kinds is not None:
-        # a rule keeping other state on hidden matrices than on the rest holds different bytes on each dp
-        # rank (whose owned ranges hold other params): the coordinate's most
-        optim = max(optim_bytes_by_dp_rank(model, cfg, tp_rank, pp_rank, dp))
-    chunks, act, inflight = _activations(model, cfg, order)
-    out = RankFigures(
-        pp_rank,
-        tp_rank,
-        list(mesh.dpcp.ranks),
-        params,
-        grads,
-        optim,
-        chunks,
-        inflight,
-        act + cp_bias_bytes(model),
-        cp_comm_bytes=cp_step_bytes(cfg, model, dp),
-        grads_fp32_bytes=grads_fp32_bytes(model, cfg, mesh),
+    # what the rank's model decides is the same on every rank of the same shape: the stage's chunk sizes,
+    # whether it holds the embedding / head, and a tp rank at an edge (a padded vocab slice) or inside;
+    # blocks are equal in size, so a 126-layer pp16 tp8 plan builds 3 x 3 models, not 128
+    spec = schedule_spec(cfg.parallel.pp_schedule, cfg.parallel.vpp)
+    stage = rank_stage(cfg.model, cfg.parallel, mesh, spec)
+    key = (tuple(len(c) for c in stage.chunks), stage.first, stage.last, min(tp_rank, 1), tp_rank == tp - 1)
+    if cache is None or key not in cache:
+        found = _model_figures(cfg, mesh, dp, any(a.kind == W for a in order), (tp_rank, pp_rank))
+        if cache is not None:
+            cache[key] = found
+    else:
+        found = cache[key]
+    model_part, chunks, keep, extra, shape, working = found
+    act, inflight = peak_activations(order, chunks, keep)
+    # replace() re-runs __post_init__: the activations go in with it (total_bytes is their sum)
+    out = replace(
+        model_part,
+        pp_rank=pp_rank,
+        tp_rank=tp_rank,
+        ranks=list(mesh.dpcp.ranks),
+        peak_inflight=inflight,
+        activation_bytes=act + extra,
     )
-    shape = rank_shape(model, cfg, mesh)
-    working = working_set_bytes(
-        cfg,
-        tp,
-        cfg.parallel.cp,
-        str(getattr(cfg.train.recompute, "value", cfg.train.recompute)),
-        cfg.train.micro_batch_size,
-    )
+    params, grads, optim = out.params_bytes, out.grads_bytes, out.optim_bytes
     out.phases = phase_peaks(
         shape, params, grads, optim, out.activation_bytes + working, on_host=_on_host(cfg)
     )
@@ -300,25 +297,50 @@ def _rank_figures(cfg: Config, tp: int, pp: int, dp: int, pp_rank: int, tp_rank:
     out.today_load_bytes = today_load(
         shape, params + grads + optim, cfg.optim.zero == 3 or cfg.train.precision != "fp32"
     )
-    out.dp_comm_bytes = _dp_comm_bytes(model, cfg, mesh, dp)
     return out
 
 
-def _activations(model, cfg: Config, order) -> tuple[list[int], int, int]:
-    """(activation bytes per chunk, peak activation bytes, micro-batches in flight at it) under `order`."""
+def _model_figures(cfg: Config, mesh, dp: int, split: bool, coord: tuple[int, int]) -> tuple:
+    """What the rank's own model decides: its state and comm bytes (a RankFigures with no schedule yet),
+    activations per chunk, the share a pending W keeps, the cp bias, the phases' shape, the working set.
+    `coord`: the (tp, pp) rank it is built for (every rank of its shape holds the same)."""
+    model = build_model_for(cfg.model, cfg.parallel, cfg.train, cfg.optim, mesh)
+    if cfg.data.document_mask:
+        plan_documents(model, cfg)
+    params, grads, optim = state_bytes(model, cfg, mesh)
+    if cfg.optim.zero and rule_named(cfg.optim.name).kinds is not None:
+        # a rule keeping other state on hidden matrices than on the rest holds different bytes on each dp
+        # rank (whose owned ranges hold other params): the coordinate's most
+        optim = max(optim_bytes_by_dp_rank(model, cfg, coord[0], coord[1], dp))
     # fused: real devices run a fused attention kernel; meta's math path would count the S x S matrix
+    mb = cfg.train.micro_batch_size
     chunks = [
-        chunk_activation_bytes(model, c, cfg.train.micro_batch_size, fused_attention=True)
-        for c in range(len(model.stage.chunks))
+        chunk_activation_bytes(model, c, mb, fused_attention=True) for c in range(len(model.stage.chunks))
     ]
     # a split backward's pending W keeps the weighted ops' inputs and output grads (planning.activations)
-    keep = (
-        [int(b * w_fraction(model, c, cfg.train.micro_batch_size)) for c, b in enumerate(chunks)]
-        if any(a.kind == W for a in order)
-        else None
+    keep = [int(b * w_fraction(model, c, mb)) for c, b in enumerate(chunks)] if split else None
+    out = RankFigures(
+        0,
+        0,
+        [],
+        params,
+        grads,
+        optim,
+        chunks,
+        0,
+        0,
+        cp_comm_bytes=cp_step_bytes(cfg, model, dp),
+        grads_fp32_bytes=grads_fp32_bytes(model, cfg, mesh),
     )
-    act, inflight = peak_activations(order, chunks, keep)
-    return chunks, act, inflight
+    out.dp_comm_bytes = _dp_comm_bytes(model, cfg, mesh, dp)
+    working = working_set_bytes(
+        cfg,
+        mesh.tp.size,
+        cfg.parallel.cp,
+        str(getattr(cfg.train.recompute, "value", cfg.train.recompute)),
+        mb,
+    )
+    return out, chunks, keep, cp_bias_bytes(model), rank_shape(model, cfg, mesh), working
 
 
 def _dp_comm_bytes(model, cfg: Config, mesh, dp: int) -> int | None:

@@ -64,10 +64,11 @@ def search_report(cfg, world, dev, ests, n, dropped, top, cap) -> str:
             lines.append(f"#{i} loses to #1 by {why_slower(e, best)}")
     if k > 1:
         lines.append(
-            f"#1-#{k} are ties: within {100 * MODEL_ERROR:.0f}% of the fastest, the step-time model's median "
-            "error on published runs (docs/planning.md#published-runs); "
-            "ordered by peak memory (whole GiB), then "
-            f"fewer parallel axes; measure the first few (e.g. 20 steps each) before choosing"
+            f"#1-#{k} ({100 * k / len(ests):.0f}% of the {len(ests)} ranked) are ties: within "
+            f"{100 * MODEL_ERROR:.0f}% of the fastest, sqrt(2) x the step-time model's dispersion on "
+            "published runs (docs/planning.md#published-runs), so the model cannot order them; ordered "
+            "instead by what it knows best: peak memory (whole GiB, the most headroom first), then fewer "
+            "parallel axes (fewer collectives); measure the first few (e.g. 20 steps each) before choosing"
         )
     lines.append("run #1 with: " + " ".join(best.layout.overrides()))
     return "\n".join(lines)

@@ -1,7 +1,7 @@
 """The planner's step-time model: seconds per step of a layout, by part (planning.search ranks by it).
 
 Step time (seconds) =
-    (compute + tp_comm + ep_comm + cp_comm) / (1 - bubble) + pp_comm + dp_comm
+    (compute + tp_comm + ep_comm + cp_comm) / (1 - bubble) + pp_comm + dp_comm + optim
   compute  the slowest pipeline rank's compute seconds by kind of work (planning.compute: its blocks'
            GEMMs on a roofline with a size curve, fp8 at its own peak, the causal attention core, the
            elementwise work over HBM, the head and fused cross-entropy on the last rank, recompute's re-run)
@@ -12,9 +12,9 @@ Step time (seconds) =
            tp: 4 all-reduce-sized collectives of a micro-batch's activations per block (2 forward, 2
            backward; 6 with full recompute; +1 under sp for the backward's re-gathers), 2 more per
            micro-batch for the embedding and the head, and the vocab-parallel loss's two small
-           all-reduces (fp32 per token: the max, then the target logit and the exp-sum); ep: 4
-           all-to-alls of the routed tokens per MoE block; pp: one activation and one gradient per
-           micro-batch per virtual stage; dp: see below.
+           all-reduces (fp32 per token: the max, then the target logit and the exp-sum); ep: the
+           experts' all-to-alls over the expert group (planning.moe_time); pp: one activation and one
+           gradient per micro-batch per virtual stage; dp: see below.
   dp       the reduce-scatter of grads in the reduce dtype (fp32 or bf16: optim.grad_reduce_dtype) over the
            shard group and the all-gather of params, ZeRO-0's all-reduce, HSDP's all-reduce of the shard over
            the replicas; charged as the trainer overlaps them (_dp_exposed): ZeRO-1 reduces during the last
@@ -31,6 +31,7 @@ Step time (seconds) =
            needed before attention), the ring overlaps its exchange with the block attention, so only
            what the attention core's compute does not hide is paid (plus the hops' latency). Under cp
            the tp / ep / pp activations are the rank's S/cp tokens; dp reduces over cp·dp.
+  optim    the optimizer's update of the owned elements over HBM (planning.step_fixed)
   bubble   the schedule simulator's idle fraction (pipeline.simulate) for (schedule, pp, vpp, micro-batches);
            the kinds whose spec splits the backward (zb_h1, zbv) are timed with F, B, W costs from the
            backward's split
@@ -53,6 +54,7 @@ from megaframe.planning.candidate import Layout, cp_ring, stage_layers, stage_pa
 from megaframe.planning.compute import rerun_gemm_share, step_compute
 from megaframe.planning.devices import Device
 from megaframe.planning.gloo_link import hop_seconds
+from megaframe.planning.moe_time import all_to_all_seconds
 from megaframe.training.metrics import flops_per_token
 
 
@@ -100,7 +102,6 @@ class _Step:
     lay: Layout
     dev: Device
     world: int
-    fused_attention: bool = True
 
     @property
     def elem(self) -> int:
@@ -122,9 +123,7 @@ class _Step:
         on the last rank."""
         lays = stage_layers(self.cfg.model.num_layers, self.lay)
         parts = [
-            step_compute(
-                self.cfg, self.dev, self.lay, n, self.micro, r == len(lays) - 1, self.fused_attention
-            )
+            step_compute(self.cfg, self.dev, self.lay, n, self.micro, r == len(lays) - 1)
             for r, n in enumerate(lays)
         ]
         return max(parts, key=lambda p: sum(p.values()))
@@ -177,14 +176,15 @@ def _tp(s: _Step) -> float:
 
 
 def _ep(s: _Step) -> float:
+    """The experts' all-to-alls over the expert group (planning.moe_time): dispatch and combine, forward
+    and backward, and the forward's again where recompute re-runs it."""
     m, lay = s.cfg.model, s.lay
     if not m.num_experts or lay.ep == 1:
         return 0.0
     # each token goes to top_k experts; under sp a tp rank routes its 1/tp of the sequence
-    routed = s.act * m.moe_top_k / lay.tp
-    # the ep group as the mesh folds it (parallel/rank_grid.py): ep·etp consecutive ranks, tp peers first
-    span = _experts(s).ep_span
-    return 4 * s.layers * s.micro * s.coll((lay.ep - 1) / lay.ep * routed, lay.ep, lay.ep - 1, span)
+    routed = s.act * m.moe_top_k / (lay.tp if lay.sp else 1)
+    per_layer = 4 + (2 if lay.recompute in ("full", "op_selective") else 0)
+    return per_layer * s.layers * s.micro * all_to_all_seconds(s, routed)
 
 
 def _experts(s: _Step) -> ExpertGroups:
@@ -292,15 +292,14 @@ def _hsdp(s: _Step, n: int, g: int, sh: int, buckets: int) -> float:
     return s.coll(2 * (rep - 1) / rep * g * n / sh, rep, 2 * (rep - 1) * buckets, lay.tp * dpcp)
 
 
-def step_time(
-    cfg: Config, lay: Layout, dev: Device, world: int, fused_attention: bool = True
-) -> dict[str, float]:
-    """The module docstring's model: seconds per step by part (fused_attention: planning.compute's
-    block_seconds; False only to time software without fused attention kernels, as published runs of 2021)."""
+def step_time(cfg: Config, lay: Layout, dev: Device, world: int) -> dict[str, float]:
+    """The module docstring's model: seconds per step by part."""
     from megaframe.pipeline.schedule import resolve_kind, splits_backward
 
-    s = _Step(cfg, lay, dev, world, fused_attention)
+    s = _Step(cfg, lay, dev, world)
     compute, tp, ep, cp = _compute(s), _tp(s), _ep(s), _cp(s)
+    from megaframe.planning.step_fixed import optimizer_seconds
+
     kind = lay.schedule or resolve_kind(cfg.parallel.pp_schedule, lay.vpp)
     costs = split_costs(cfg, lay.recompute) if splits_backward(kind) else None
     bubble = _bubble(kind, lay.pp, lay.vpp, s.micro, costs) if lay.pp > 1 else 0.0
@@ -314,4 +313,5 @@ def step_time(
         "bubble": inner / (1 - bubble) - inner,
         "pp": _pp(s),
         "dp": _dp(s),
+        "optim": optimizer_seconds(s),
     }
