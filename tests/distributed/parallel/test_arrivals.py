@@ -19,9 +19,12 @@ import pytest
 
 pytestmark = pytest.mark.distributed
 
-STEPS = 22
-"""Ten log windows of 2 steps (3-4, ..., 21-22): on a loaded 2-core host a rank descheduled for a second is,
-for that window, the rank the others wait for; >= 90 % leaves room for one such hiccup."""
+STEPS = 12
+"""Ten log windows of one step (3, ..., 12): on a loaded 2-core host a rank descheduled for longer than the
+injected sleep is, for that window, the rank the others wait for; >= 90 % leaves room for one such hiccup."""
+SLEEP_S = 0.6
+"""The injected lateness per step: far above a tiny step's compute (tens of ms) and the scheduler's usual
+jitter, so each window's last arrival is the injected rank's."""
 LAYOUTS = {
     # name: (world, tp, pp, cp, overrides, slow rank)
     "tp2.sp": (2, 2, 1, 1, ["parallel.tp=2", "parallel.sp=true"], 1),
@@ -43,7 +46,7 @@ def _train(mesh, overrides, run_dir, inject):
         overrides
         + [
             f"train.max_steps={STEPS}",
-            "train.log_interval=2",
+            "train.log_interval=1",
             "train.hang_timeout_s=0",
             "checkpoint.interval=0",
             f"run.dir={run_dir}",
@@ -78,7 +81,7 @@ def _train(mesh, overrides, run_dir, inject):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_the_slow_rank_is_named_by_its_arrivals(pool, tmp_path, layout):
     world, tp, pp, cp, over, slow = LAYOUTS[layout]
-    inject = f"sleep:rank={slow}:seconds=1.0" if slow is not None else ""
+    inject = f"sleep:rank={slow}:seconds={SLEEP_S}" if slow is not None else ""
     ranges = pool.run(_train, world, over, str(tmp_path), inject, tp=tp, pp=pp, cp=cp)
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     windows = [r for r in rows if r["step"] > 2]  # steps 1-2: start-up work on every rank, no fair race
