@@ -30,8 +30,8 @@ def test_tp2_sp_pp2_matches_one_process(pool, name):
 
 
 # Layouts beyond tp2.sp.pp2 against one process: (name, ranks, pool mesh, overrides). LAYOUTS run for the
-# MoE families with layouts of their own to prove (qwen3_moe; mixtral's: tests/distributed/model/test_moe.py) and
-# for the families whose block is their own (MLA's K and V of two widths through the cp kernels, document
+# MoE families with layouts of their own to prove (qwen3_moe; mixtral's: tests/distributed/model/test_moe.py)
+# and for the families whose block is their own (MLA's K and V of two widths through the cp kernels, document
 # masks, ep with shared experts and group-limited routing); the folded expert layouts (ep over tp, etp, HSDP
 # with ep) for every family whose tiny preset has experts. Few steps at the tiny presets' dims.
 SP = ["parallel.sp=true"]

@@ -69,10 +69,10 @@ def test_muon_keeps_momentum_on_hidden_matrices_and_adamws_moments_on_the_rest()
 def test_zero_holds_each_params_own_state_names_only(dtype):
     """ZeRO's flat state keeps a name only for the params whose kind holds it (Muon: momentum on the hidden
     matrices, AdamW's moments on the rest): the bytes per element a zero=0 run holds, not every name's."""
-    from tests.forms import build_model
     from megaframe.optim.build import build_optimizer
     from megaframe.parallel.mesh import single_process_mesh
     from tests.distributed.cases import tiny_config
+    from tests.forms import build_model
 
     # bf16 params: one process keeps ZeRO's flat state (and an fp32 master, 4 bytes an element)
     over = ["optim.name=muon", "optim.zero=1", f"optim.state_dtype={dtype}", "train.precision=bf16"]
