@@ -30,6 +30,10 @@ ROOT_CONFIG_READERS: dict[str, str] = {
     " record",
     "megaframe/training/startup.py": "the wiring: builds the model, data, evaluator, sampler and meter from"
     " the run config, and prints the header that names every group",
+    "megaframe/training/header.py": "the start-up header, which names every group of the run config (the"
+    " wiring's printing, apart from startup.py)",
+    "megaframe/checkpoint/whole_load.py": "megaframe.load_model's body: rebuilds the whole config a"
+    " checkpoint recorded",
     "megaframe/training/checkpointing.py": "checkpoint metadata records the whole config (config.yaml's"
     " copy a resume compares against and load_model rebuilds)",
     "megaframe/checkpoint/resume.py": "a resume compares the whole saved config to this run's and may"
