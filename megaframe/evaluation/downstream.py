@@ -25,7 +25,7 @@ import sys
 import time
 
 from megaframe.config.schema import DataConfig, TrainConfig
-from megaframe.parallel import comm
+from megaframe.parallel import agreement, comm
 
 
 def _one_line(e: BaseException) -> str:
@@ -61,7 +61,7 @@ class TaskGate:
     def reason(self) -> str:
         if not self.failed:
             return "a stop signal arrived"
-        return f"failed on {comm.named_failures(self.failed, max(self.mesh.world, 2))}"
+        return f"failed on {agreement.named_failures(self.failed, max(self.mesh.world, 2))}"
 
 
 @contextlib.contextmanager
@@ -112,10 +112,10 @@ class Downstream:
                 built = cls(t, mesh, load_tokenizer(rec["path"]))
             except (OSError, ValueError, RuntimeError) as e:
                 why = f"cannot load the tokenizer ({_one_line(e)})"
-        failed = comm.agree(why, mesh.group)
+        failed = agreement.agree(why, mesh.group)
         if failed:
             if mesh.is_logger:
-                why = comm.named_failures(failed, mesh.world)
+                why = agreement.named_failures(failed, mesh.world)
                 print(
                     f"megaframe: warning: train.downstream_interval: {why}; no downstream scores",
                     file=sys.stderr,
@@ -187,9 +187,9 @@ class Downstream:
             if not gate.agreed:  # it failed (or had nothing to score) before the model was called
                 gate.agree(error)
             elif not (gate.failed or gate.stopping):  # scored on every rank: all log it, or none does
-                gate.failed = comm.agree(error, self.mesh.group)
+                gate.failed = agreement.agree(error, self.mesh.group)
         if gate.failed:
-            why = comm.named_failures(gate.failed, self.mesh.world)
+            why = agreement.named_failures(gate.failed, self.mesh.world)
             self._say(f"downstream task {task} at step {step} failed ({why}); training goes on")
             return {}, gate.stopping
         return ({} if gate.stopping else got), gate.stopping

@@ -426,29 +426,6 @@ def batch_isend_irecv(
     return [_BatchWork(w, entry, pending, axis.stats, on_device) for w in works]
 
 
-def agree(error: str | None, group) -> dict[int, str]:
-    """{rank: its error} of the ranks whose part of a piece of optional per-rank work failed (a task that
-    did not load, a library missing on one node), the same on every rank: empty means every rank may go on
-    into the work's collectives; otherwise all of them skip it, and none waits alone in a collective the
-    failed rank never enters. Over the whole-mesh `group` (None: one process)."""
-    return {r: e for r, e in enumerate(gather_objects(error, group)) if e is not None}
-
-
-def named_failures(failed: dict[int, str], world: int) -> str:
-    """`failed` (agree's answer) for one line: each reason once, naming its ranks where the job has several
-    (the first four: at a thousand ranks failing alike, one line still)."""
-    if world == 1:
-        return "; ".join(failed.values())
-    by_reason: dict[str, list[int]] = {}
-    for r, e in sorted(failed.items()):
-        by_reason.setdefault(e, []).append(r)
-    parts = []
-    for e, ranks in by_reason.items():
-        more = f" and {len(ranks) - 4} more" if len(ranks) > 4 else ""
-        parts.append(f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks[:4]))}{more}: {e}")
-    return "; ".join(parts)
-
-
 def gather_objects(obj, group) -> list:
     """Every rank's picklable `obj`, in rank order, over the whole-mesh `group` (None: one process).
     Used where ranks must agree on an outcome (a checkpoint commit, a load), never in a step."""

@@ -162,25 +162,10 @@ def state_bytes(model, cfg: Config, mesh) -> tuple[int, int, int]:
 def optim_bytes_by_dp_rank(model, cfg: Config, tp_rank: int, pp_rank: int, dp: int) -> list[int]:
     """The optimizer state bytes of each dp rank (cp rank 0) of the coordinate `model` was built for."""
     p = cfg.parallel
-    return [
-        state_bytes(
-            model,
-            cfg,
-            virtual_mesh(
-                p.tp,
-                p.pp,
-                dp,
-                tp_rank=tp_rank,
-                pp_rank=pp_rank,
-                dp_rank=r,
-                device="meta",
-                ep=p.ep,
-                shard=cfg.optim.shard_group_size,
-                cp=p.cp,
-            ),
-        )[2]
-        for r in range(dp)
-    ]
+    at = dict(tp_rank=tp_rank, pp_rank=pp_rank, device="meta", ep=p.ep, etp=p.etp, cp=p.cp)
+    at["shard"] = cfg.optim.shard_group_size
+    meshes = [virtual_mesh(p.tp, p.pp, dp, dp_rank=r, **at) for r in range(dp)]
+    return [state_bytes(model, cfg, mesh)[2] for mesh in meshes]
 
 
 def grads_fp32_bytes(model, cfg: Config, mesh) -> int:

@@ -25,7 +25,7 @@ from megaframe.model.gpt import GPT
 from megaframe.model.parallelize import build_for
 from megaframe.optim.lr_schedule import schedule_warnings
 from megaframe.optim.protocol import Optimizer
-from megaframe.parallel import comm
+from megaframe.parallel import agreement, comm
 from megaframe.parallel.launch import local_world_size
 from megaframe.parallel.mesh import Mesh
 from megaframe.training.header import describe, precision_warnings
@@ -86,9 +86,9 @@ def set_up(cfg: Config, mesh: Mesh, faults=None, run_id: str = "") -> Setup:
         error = f"{key}: unreadable prepared data ({e})"
     # agreed before any other collective: a node that cannot read the data (or the validation split, or the
     # tokenizer) ends every rank with its line, instead of leaving the others waiting in the resume's
-    failed = comm.agree(error, mesh.group)
+    failed = agreement.agree(error, mesh.group)
     if failed:
-        raise ConfigError(comm.named_failures(failed, mesh.world))
+        raise ConfigError(agreement.named_failures(failed, mesh.world))
     downstream = Downstream.build(cfg.train, cfg.data, mesh)  # optional: agreed inside, all score or none
     if cfg.data.document_mask:
         set_documents(model, data, cfg)
