@@ -97,9 +97,10 @@ def test_a_save_past_the_file_size_limit_is_one_line(tmp_path):
 
 def test_a_full_run_dir_warns_once_and_the_run_trains_and_saves(tmp_path):
     with tmpfs(tmp_path / "mnt", "64k") as mnt:
-        # four 4-KiB pages left: the lock, the run id and config.yaml fit at start-up, and metrics.jsonl's
-        # first page; its ~11th row needs a fifth page, in the middle of the run
-        (mnt / "filler").write_bytes(b"\0" * (48 << 10))
+        # six 4-KiB pages left: the lock, the run id and config.yaml (two pages) fit at start-up, and
+        # metrics.jsonl's first two pages; a row is ~1.8 KB (the goodput and clock figures), so its ~5th row
+        # needs another page, in the middle of the run
+        (mnt / "filler").write_bytes(b"\0" * (40 << 10))
         ck = tmp_path / "ck"
         res = train(
             OVER
