@@ -32,19 +32,20 @@ def main(argv: list[str] | None = None) -> int:
     common = [f"train.max_steps={args.steps}", "train.log_interval=1", *args.overrides]
     dirs = []
     for rule in ("adamw", "muon"):
-        run_dir = Path(args.run_root) / rule
+        # absolute: the runs, the lr read back and the plot all use one folder, wherever this is run from
+        run_dir = Path(args.run_root).resolve() / rule
         cmd = [sys.executable, str(ROOT / "train.py"), f"optim.name={rule}", f"run.dir={run_dir}", *common]
         # Muon: its own lr on the hidden matrices, the AdamW run's peak lr on the embedding, head, norms
         if rule == "muon":
             adamw_lr = float(OmegaConf.load(Path(dirs[0]) / "config.yaml").optim.lr)
             cmd += [f"optim.lr={args.muon_lr}", f"optim.muon.adamw_lr={adamw_lr}"]
-        subprocess.run(cmd, check=True, cwd=ROOT)
+        subprocess.run(cmd, check=True)
         dirs.append(str(run_dir))
     for rule, d in zip(("adamw", "muon"), dirs):
         last = (Path(d) / "metrics.jsonl").read_text().splitlines()[-1]
         print(f"{rule}: final loss {json.loads(last)['loss']:.4f}")
     plot = [sys.executable, "-m", "megaframe.plot", *dirs, "--out", args.out, "--x", "tokens"]
-    return subprocess.run(plot, cwd=ROOT).returncode
+    return subprocess.run(plot).returncode
 
 
 if __name__ == "__main__":
