@@ -52,7 +52,9 @@ def test_lost_progress_and_checkpoint_blocking_match_the_injected_faults(tmp_pat
         ).stdout  # fmt: skip
     )
     assert last["goodput/lost_progress_s"] == pytest.approx(lost, rel=1e-6)
-    assert DELAY_S <= slow - ordinary <= DELAY_S + max(0.5, 2 * ordinary)
+    # the slow save holds the injected sleep plus its own ordinary work, which varies from save to save
+    # by more than an ordinary save's size on a loaded host: bound it, do not subtract an estimate
+    assert DELAY_S <= slow <= DELAY_S + max(0.5, 3 * ordinary)
     assert last["goodput/checkpoint_s"] == pytest.approx(slow + b[-1]["clock/checkpoint_s"], rel=1e-6)
     assert last["goodput/incarnations"] == 2 and last["goodput/gap_s"] >= 0
     # no bucket overlaps another: a restart's start is after its predecessor's last row (to 10 ms)
