@@ -28,9 +28,10 @@ data/demo/prepared/meta.json:
 train: data
 	MEGAFRAME_RUN_NAME=$(RUN) $(PY) train.py $(ARGS)
 
-# two pytest-xdist workers: the process-starting tests in order on one, the rest beside (tests/workers.py)
+# three pytest-xdist lanes on 2 cores: the process-starting tests in order, the rest beside them, and the
+# Slurm tests (mostly waiting) beside both (tests/workers.py)
 test: $(VENV)/.installed lint
-	$(PY) -m pytest -q -rs -n 2 $(ARGS); rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
+	$(PY) -m pytest -q -rs -n 3 $(ARGS); rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
 
 # ruff (pyflakes, pycodestyle, import order, bugbear; pyproject.toml [tool.ruff]) and ruff's formatter at 110
 # columns (check only): seconds, before the tests

@@ -1,16 +1,22 @@
-"""The units of work of `make test`'s two pytest-xdist workers: tests/conftest.py hands them to xdist's
-scheduler and orders the tests; tests/unit/test_suite_workers.py checks the split."""
+"""The units of work of `make test`'s pytest-xdist workers and the lane each takes them from:
+tests/conftest.py hands them to xdist's scheduler and orders the tests; tests/unit/test_suite_workers.py
+checks the split."""
 
 from __future__ import annotations
 
 PROCESS_FOLDERS = ("distributed", "e2e", "gpu")
-"""How `make test`'s two pytest-xdist workers share the suite (`-n 2`). The tests of these folders start
-processes (the rank pool, torchrun, train.py) and are CPU-bound on 2 cores: two of them at once each ran
-~1.9x slower (gloo ranks wait for peers that are not scheduled; measured over tests/distributed and
-tests/e2e), so they form one unit of work that one worker runs in order. The Slurm tests share the two-node
-local cluster and mostly wait (slurmctld's checks, requeues, sleeping steps): one unit, scheduled last, so
-their waits overlap the process tests' tail. Each other test is a unit of its own: those fill the other
-worker (measured: the pair does ~1.25x the work of one serial run)."""
+"""How `make test`'s three pytest-xdist workers (`-n 3`, lanes gw0 gw1 gw2) share the suite on 2 cores.
+
+gw0, the process lane: the tests of these folders start processes (the rank pool, torchrun, train.py) and
+are CPU-bound on 2 cores: two of them at once each ran ~1.9x slower (gloo ranks wait for peers that are
+not scheduled; measured over tests/distributed and tests/e2e), so this lane runs them a module at a time, in
+order (a module's fixtures share runs between its tests).
+gw1, the unit lane: every other test, each its own unit; when none is left it takes process modules from
+the back of the process lane's queue, so the two CPU lanes end together whatever the split (before, with
+two workers and the process tests one fixed unit, one lane idled for minutes at the end).
+gw2, the waiting lane: the Slurm tests share the two-node local cluster and mostly wait (slurmctld's 30 s
+checks, requeues, steps that sleep): one unit, started at once beside the CPU lanes instead of after them
+(their ~6 minutes of waiting ran serially at the end of a lane before); then it helps as gw1 does."""
 ONE_PROCESS_AT_A_TIME = (
     "tests/e2e/test_checkpoint_pointer.py",
     "tests/e2e/test_damaged_metadata.py",
@@ -34,27 +40,61 @@ def folder_of(nodeid: str) -> str:
 
 
 def unit_of(nodeid: str) -> str:
-    if nodeid.split("::")[0] in ONE_PROCESS_AT_A_TIME:
+    """The unit a test is handed out in: its module for the process tests (run in order, fixtures shared),
+    "slurm" for the Slurm tests, the test itself otherwise."""
+    module = nodeid.split("::")[0]
+    if module in ONE_PROCESS_AT_A_TIME:
         return nodeid
     folder = folder_of(nodeid)
-    return "processes" if folder in PROCESS_FOLDERS else "slurm" if folder == "slurm" else nodeid
+    return module if folder in PROCESS_FOLDERS else "slurm" if folder == "slurm" else nodeid
+
+
+def lane_of(unit: str) -> str:
+    """The lane whose queue holds a unit: a process module, the Slurm unit, or a test of its own."""
+    if unit == "slurm":
+        return "slurm"
+    return "processes" if folder_of(unit) in PROCESS_FOLDERS and "::" not in unit else "units"
 
 
 def position(nodeid: str) -> int:
-    """Where a test goes in the collection order the scheduler hands out: process tests, then the rest,
-    then the Slurm tests (sort by it stably: within each part the tests keep their order)."""
-    return {"processes": 0, "slurm": 2}.get(unit_of(nodeid), 1)
+    """Where a test goes in the collection order: process tests, then the rest, then the Slurm tests (sort
+    by it stably: within each part the tests keep their order)."""
+    return {"processes": 0, "slurm": 2}.get(lane_of(unit_of(nodeid)), 1)
+
+
+PREFERENCES = {
+    "gw0": (("processes", "first"), ("units", "first"), ("slurm", "first")),
+    "gw1": (("units", "first"), ("processes", "last"), ("slurm", "first")),
+    "gw2": (("slurm", "first"), ("units", "first"), ("processes", "last")),
+}
+"""Per lane, where it takes its next unit from: a lane, and which end of that lane's queue."""
+
+
+def pick(queue: list[str], worker: str) -> str:
+    """The unit `worker` runs next out of the units still queued (in collection order)."""
+    for lane, end in PREFERENCES.get(worker, PREFERENCES["gw1"]):
+        mine = [u for u in queue if lane_of(u) == lane]
+        if mine:
+            return mine[0] if end == "first" else mine[-1]
+    raise LookupError("no unit queued")
 
 
 def scheduler(config, log):
-    """xdist's scope scheduler over these units, in collection order (no reorder by size): the process tests
-    first, the Slurm tests last. xdist's own `loadgroup` marks do not reach its scheduler under pytest 9
-    (xdist renames `item._nodeid`, pytest 9 reads `item._id`), hence units chosen from the path."""
+    """xdist's scope scheduler over these units, each worker taking its next unit by its lane (`pick`).
+    xdist's own `loadgroup` marks do not reach its scheduler under pytest 9 (xdist renames
+    `item._nodeid`, pytest 9 reads `item._id`), hence units chosen from the path."""
     from xdist.scheduler import LoadScopeScheduling
 
-    class FolderUnits(LoadScopeScheduling):
+    class Lanes(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             return unit_of(nodeid)
 
+        def _assign_work_unit(self, node) -> None:
+            scope = pick(list(self.workqueue), node.workerinput["workerid"])
+            work_unit = self.workqueue.pop(scope)
+            self.assigned_work.setdefault(node, {})[scope] = work_unit
+            collection = self.registered_collections[node]
+            node.send_runtest_some([collection.index(i) for i, done in work_unit.items() if not done])
+
     config.option.loadscopereorder = False
-    return FolderUnits(config, log)
+    return Lanes(config, log)
