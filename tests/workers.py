@@ -31,7 +31,7 @@ ONE_PROCESS_AT_A_TIME = (
     "tests/e2e/test_user_guidance_cli.py",
 )
 """End-to-end modules whose tests start one single-threaded process at a time (train.py, the tools): they
-share the cores like a unit test, so they fill the other worker too."""
+share the cores like a unit test, so they run on the unit lane (a module at a time: its tests share its runs)."""
 
 
 def folder_of(nodeid: str) -> str:
@@ -40,20 +40,24 @@ def folder_of(nodeid: str) -> str:
 
 
 def unit_of(nodeid: str) -> str:
-    """The unit a test is handed out in: its module for the process tests (run in order, fixtures shared),
-    "slurm" for the Slurm tests, the test itself otherwise."""
+    """The unit a test is handed out in: its module for the tests that start processes (run in order, the
+    module's fixtures sharing runs between its tests: the docs journey's scratch checkout, a reference
+    run), "slurm" for the Slurm tests, the test itself otherwise."""
     module = nodeid.split("::")[0]
-    if module in ONE_PROCESS_AT_A_TIME:
-        return nodeid
-    folder = folder_of(nodeid)
-    return module if folder in PROCESS_FOLDERS else "slurm" if folder == "slurm" else nodeid
+    if folder_of(nodeid) == "slurm":
+        return "slurm"
+    return module if folder_of(nodeid) in PROCESS_FOLDERS else nodeid
 
 
 def lane_of(unit: str) -> str:
-    """The lane whose queue holds a unit: a process module, the Slurm unit, or a test of its own."""
+    """The lane whose queue holds a unit: a process module, the Slurm unit, or a unit test or one-process
+    e2e module (those share the cores like a unit test)."""
     if unit == "slurm":
         return "slurm"
-    return "processes" if folder_of(unit) in PROCESS_FOLDERS and "::" not in unit else "units"
+    module = unit.split("::")[0]
+    return (
+        "processes" if folder_of(unit) in PROCESS_FOLDERS and module not in ONE_PROCESS_AT_A_TIME else "units"
+    )
 
 
 def position(nodeid: str) -> int:

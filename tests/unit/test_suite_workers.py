@@ -22,11 +22,13 @@ def test_process_tests_go_by_module_and_the_rest_are_their_own():
     )
     assert unit_of("tests/gpu/test_cuda_path.py::test_cuda_run_matches_cpu") == "tests/gpu/test_cuda_path.py"
     assert unit_of("tests/slurm/test_sweep.py::test_expand_is_hydra_multirun_order") == "slurm"
-    for nodeid in (
-        "tests/unit/config/test_config_frozen.py::test_a",
-        "tests/e2e/test_docs_commands.py::test_page_commands_run_in_order[README.md]",
-    ):
-        assert unit_of(nodeid) == nodeid and lane_of(nodeid) == "units"
+    assert (
+        unit_of("tests/unit/config/test_config_frozen.py::test_a")
+        == "tests/unit/config/test_config_frozen.py::test_a"
+    )
+    # a one-process e2e module: one unit (its tests share the module's runs), on the unit lane
+    docs = "tests/e2e/test_docs_commands.py"
+    assert unit_of(f"{docs}::test_page_commands_run_in_order[README.md]") == docs and lane_of(docs) == "units"
     assert lane_of(zero) == "processes" and lane_of("slurm") == "slurm"
     # collected in this order: the process tests first, the Slurm tests last
     ids = ("tests/e2e/test_fp8.py::t", "tests/unit/test_plot.py::t", "tests/slurm/test_sweep.py::t")
