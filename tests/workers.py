@@ -31,7 +31,8 @@ ONE_PROCESS_AT_A_TIME = (
     "tests/e2e/test_user_guidance_cli.py",
 )
 """End-to-end modules whose tests start one single-threaded process at a time (train.py, the tools): they
-share the cores like a unit test, so they run on the unit lane (a module at a time: its tests share its runs)."""
+share the cores like a unit test, so they run on the unit lane, a module at a time (its tests share its
+runs)."""
 
 
 def folder_of(nodeid: str) -> str:
