@@ -39,6 +39,7 @@ from megaframe.checkpoint.metadata import (
     check_coverage,
     committed,  # noqa: F401  (public API)
     confined,
+    sealed,
 )
 from megaframe.checkpoint.metadata import read as read_metadata  # noqa: F401
 from megaframe.checkpoint.staging import PinnedStaging
@@ -248,7 +249,14 @@ def commit(root, tmp: Path, final: Path, step: int, meta: dict, tensors: dict, f
     _fsync_write(
         tmp / "metadata.json",
         json.dumps(
-            {"format": FORMAT, "step": step, **meta, "files": files, "coverage": "exact", "tensors": tensors},
+            {
+                "format": FORMAT,
+                "step": step,
+                **sealed(meta),
+                "files": files,
+                "coverage": "exact",
+                "tensors": tensors,
+            },
             indent=1,
         ),
     )
