@@ -273,14 +273,15 @@ def sealed(meta: dict) -> dict:
 
 
 def position_problem(meta: dict) -> str | None:
-    """The first sealed position field whose value no longer matches the sha256 the save recorded (with its
-    value), or None. Checkpoints written before the seal (none recorded) are taken at their word, as then."""
+    """Why the sealed position cannot be trusted (the first field whose value no longer matches the sha256
+    the save recorded, with its value; or a seal that is not one), or None. Checkpoints written before the
+    seal (none recorded) are taken at their word, as then."""
     seal = meta.get(SEAL_KEY)
     if seal is None:
         return None
     if not isinstance(seal, dict):
-        return f"{SEAL_KEY} {seal!r} is not an object"
+        return f"{SEAL_KEY} {json.dumps(seal)[:80]} is not the object of sha256s a save writes"
     for k in POSITION_FIELDS:
         if k in seal and (k not in meta or _digest(meta[k]) != seal[k]):
-            return f"{k} {json.dumps(meta.get(k))[:80]}"
+            return f"{k} {json.dumps(meta.get(k))[:80]} does not match the {SEAL_KEY} its save recorded"
     return None

@@ -32,7 +32,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from megaframe.checkpoint.metadata import SEAL_KEY, position_problem
+from megaframe.checkpoint.metadata import position_problem
 from megaframe.config.schema import Config, ConfigError, OptimConfig, plain
 
 GUARDED_TRAIN = ("global_batch_size", "seed")
@@ -74,9 +74,8 @@ def check_resume(cfg: Config, meta: dict, path, verbose: bool) -> None:
     if edited:
         # no allowance: the position is the checkpoint's record of what was read, not a setting
         raise ConfigError(
-            f"{Path(path) / 'metadata.json'}: {edited} does not match the {SEAL_KEY} its save recorded (the "
-            "file was edited after the save; resumed, the run would skip or repeat data): restore the saved "
-            "value or resume from another checkpoint"
+            f"{Path(path) / 'metadata.json'}: {edited} (the file was edited after the save; resumed, the run "
+            "would skip or repeat data): restore the saved value or resume from another checkpoint"
         )
     allow = list(cfg.checkpoint.allow_config_change)
     consumed = consumed_samples(meta)
