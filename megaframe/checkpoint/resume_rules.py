@@ -7,18 +7,18 @@ from __future__ import annotations
 from pathlib import Path
 
 from megaframe.config.numeric_rule import _req
-from megaframe.config.schema import Config
+from megaframe.config.schema import CheckpointConfig, DataConfig
 from megaframe.errors import ConfigError
 
 
-def check_resume_setting(cfg: Config) -> None:
+def check_resume_setting(ck: CheckpointConfig) -> None:
     """checkpoint.resume names a committed checkpoint whose metadata is whole."""
-    r = cfg.checkpoint.resume
+    r = ck.resume
     if r == "auto":  # a checkpoint dir whose live branch cannot be told is refused before any rank starts
         from megaframe.checkpoint.resolve import Unresolved, head
 
         try:
-            head(cfg.checkpoint.dir, warn=lambda msg: None)  # resume warns once, on rank 0
+            head(ck.dir, warn=lambda msg: None)  # resume warns once, on rank 0
         except Unresolved as e:
             raise ConfigError(f"checkpoint.resume=auto: {e}") from None
     _req(
@@ -34,7 +34,7 @@ def check_resume_setting(cfg: Config) -> None:
             raise ConfigError(f"checkpoint.resume={r}: {e}") from e
 
 
-def check_checkpoint_tokenizer(cfg: Config) -> None:
+def check_checkpoint_tokenizer(ck: CheckpointConfig, d: DataConfig) -> None:
     """The checkpoint a run continues (checkpoint.resume, or the newest in checkpoint.dir) was trained
     with the tokenizer the data was prepared with: token ids of another tokenizer train silently on
     garbage (an imported 8,192-token model fed the demo's 4,096-piece data)."""
@@ -43,11 +43,11 @@ def check_checkpoint_tokenizer(cfg: Config) -> None:
     from megaframe.data.kinds import data_folders, tokenizer_identity
     from megaframe.data.shards import same_tokenizer
 
-    r = cfg.checkpoint.resume
+    r = ck.resume
     if r == "none":
         return
     try:  # resume=auto's pick (the `latest` branch), or the named folder
-        pick = head(cfg.checkpoint.dir, warn=lambda msg: None) if r == "auto" else Path(r)
+        pick = head(ck.dir, warn=lambda msg: None) if r == "auto" else Path(r)
     except ValueError:
         return  # reported by check_resume_setting
     if pick is None:
@@ -57,7 +57,7 @@ def check_checkpoint_tokenizer(cfg: Config) -> None:
         meta = read_metadata(found[-1])
     except (OSError, ValueError):
         return  # the resume itself reports an unreadable checkpoint
-    data = tokenizer_identity(cfg.data)
+    data = tokenizer_identity(d)
     tok = meta.get("tokenizer")
     if data is None or (tok is None and "imported_from" not in meta):
         return  # a checkpoint written before tokenizers were recorded: nothing to compare
@@ -67,7 +67,7 @@ def check_checkpoint_tokenizer(cfg: Config) -> None:
     # vocabulary size, the one figure an import always has
     if same_tokenizer(tok, data):
         return
-    key, path = data_folders(cfg.data)[0]
+    key, path = data_folders(d)[0]
     fix = f"; prepare the data with data.tokenizer={tok['from']}" if tok.get("from") else ""
     raise ConfigError(
         f"checkpoint {found[-1]} was trained with a {tok['kind']} tokenizer of {tok['vocab_size']} "

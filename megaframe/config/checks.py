@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from megaframe.checkpoint.resume_rules import check_checkpoint_tokenizer, check_resume_setting
 from megaframe.config.rules import FIELD_RULES, Rule, _req, check_fields  # noqa: F401  (public API: the one table)
-from megaframe.data.config_rules import check_data_fields, check_prepared
+from megaframe.data.config_rules import check_data_fields, check_prepared_folders
 from megaframe.errors import ConfigError
 from megaframe.models.shape_rules import check_model
 from megaframe.parallel.layout_rules import check_layout
@@ -22,7 +22,7 @@ def check_config(cfg: Config, world_size: int, check_data: bool = True, schedule
     """Cross-field checks that need no process group; the first problem raises ConfigError."""
     check_fields(cfg)
     m, p, t = cfg.model, cfg.parallel, cfg.train
-    check_layout(cfg, world_size)
+    check_layout(p, m, t, world_size)
     dp = world_size // (p.tp * p.pp * p.cp)
     check_model(m, p, dp * p.cp, cfg.optim.shard_group_size)
     _req(t.micro_batch_size >= 1, f"train.micro_batch_size={t.micro_batch_size} must be >= 1")
@@ -50,17 +50,17 @@ def check_config(cfg: Config, world_size: int, check_data: bool = True, schedule
     )
     _req(t.signal_check_interval >= 1, f"train.signal_check_interval={t.signal_check_interval} must be >= 1")
     _check_optim(cfg, dp)
-    check_data_fields(cfg)
+    check_data_fields(cfg.data, t, m)
     from megaframe.runops.access.folders import check_names
 
     check_names(cfg.run, cfg.checkpoint, cfg.logging)
-    check_resume_setting(cfg)
+    check_resume_setting(cfg.checkpoint)
     from megaframe.data.kinds import data_folders
 
     # a kind reading prepared folders: each whole, fitting the model, of the checkpoint's tokenizer
     if check_data and data_folders(cfg.data):
-        check_prepared(cfg)
-        check_checkpoint_tokenizer(cfg)
+        check_prepared_folders(cfg.data, m.vocab_size)
+        check_checkpoint_tokenizer(cfg.checkpoint, cfg.data)
 
 
 def _check_allowed_changes(cfg: Config) -> None:

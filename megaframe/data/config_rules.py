@@ -13,14 +13,13 @@ from megaframe.errors import ConfigError
 from megaframe.errors import one_line as _one_line
 
 if TYPE_CHECKING:
-    from megaframe.config.schema import Config
+    from megaframe.config.schema import DataConfig, ModelConfig, TrainConfig
 
 
-def check_data_fields(cfg: Config) -> None:
+def check_data_fields(d: DataConfig, t: TrainConfig, m: ModelConfig) -> None:
     from megaframe.data.kinds import data_kind
     from megaframe.data.record import twice
 
-    d, t = cfg.data, cfg.train
     _req(d.num_workers >= 0, f"data.num_workers={d.num_workers} must be >= 0 (0 = every core)")
     _req(
         d.tokenizer_sample_bytes >= 0, f"data.tokenizer_sample_bytes={d.tokenizer_sample_bytes} must be >= 0"
@@ -35,7 +34,7 @@ def check_data_fields(cfg: Config) -> None:
         f"data.blend weights {[b.weight for b in d.blend]} sum to infinity: scale them down",
     )
     _req((why := twice(d.blend, "data.blend")) is None, str(why))
-    check_stages(d, t, cfg.model.seq_length)
+    check_stages(d, t, m.seq_length)
     _req(
         t.eval_interval >= 0 and t.eval_iters >= 1,
         f"train.eval_interval={t.eval_interval} must be >= 0 and train.eval_iters={t.eval_iters} >= 1",
@@ -99,11 +98,11 @@ def check_stages(d, t, seq_length: int) -> None:
         )
 
 
-def check_prepared(cfg: Config) -> None:
+def check_prepared_folders(d: DataConfig, vocab_size: int) -> None:
     """Every prepared dataset (data.path, or each data.blend path) is whole and fits the model."""
     from megaframe.data.shards import check_datasets
 
     try:
-        check_datasets(cfg.data, cfg.model.vocab_size)
+        check_datasets(d, vocab_size)
     except ValueError as e:
         raise ConfigError(_one_line(e)) from e

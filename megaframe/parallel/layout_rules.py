@@ -5,12 +5,11 @@ wrong). Each names the field at fault in one line; no process group needed."""
 from __future__ import annotations
 
 from megaframe.config.numeric_rule import _req
-from megaframe.config.schema import Config
+from megaframe.config.schema import ModelConfig, ParallelConfig, TrainConfig
 
 
-def check_layout(cfg: Config, world_size: int) -> None:
+def check_layout(p: ParallelConfig, m: ModelConfig, t: TrainConfig, world_size: int) -> None:
     """The parallel group against itself and the world size; ConfigError on the first problem."""
-    p = cfg.parallel
     for name in ("tp", "pp", "vpp", "ep", "etp"):
         _req(getattr(p, name) >= 1, f"parallel.{name}={getattr(p, name)} must be >= 1")
     _req(
@@ -22,12 +21,11 @@ def check_layout(cfg: Config, world_size: int) -> None:
         world_size % (p.tp * p.pp) == 0,
         f"parallel.tp={p.tp} x parallel.pp={p.pp} does not divide the world size {world_size}",
     )
-    check_context(cfg, world_size)
+    check_context(p, m, t, world_size)
 
 
-def check_context(cfg: Config, world_size: int) -> None:
+def check_context(p: ParallelConfig, m: ModelConfig, t: TrainConfig, world_size: int) -> None:
     """Context parallelism: layouts that divide, and the combinations not built (refused, never wrong)."""
-    m, p = cfg.model, cfg.parallel
     _req(p.cp >= 1, f"parallel.cp={p.cp} must be >= 1")
     if p.cp == 1:
         return
@@ -49,14 +47,14 @@ def check_context(cfg: Config, world_size: int) -> None:
     # the sampler feeds whole sequences to a model whose positions are split over cp: it crashed every rank at
     # the first sample step, after training; refused before any step until it runs under cp
     _req(
-        cfg.train.sample_interval == 0,
-        f"train.sample_interval={cfg.train.sample_interval} is not built with parallel.cp={p.cp}: set "
+        t.sample_interval == 0,
+        f"train.sample_interval={t.sample_interval} is not built with parallel.cp={p.cp}: set "
         "train.sample_interval=0 (sample after training: python -m megaframe.generate CHECKPOINT_DIR)",
     )
     # scoring reads whole sequences, as the sampler does
     _req(
-        cfg.train.downstream_interval == 0,
-        f"train.downstream_interval={cfg.train.downstream_interval} "
+        t.downstream_interval == 0,
+        f"train.downstream_interval={t.downstream_interval} "
         f"is not built with parallel.cp={p.cp}: set "
         "train.downstream_interval=0 (score after training: python -m megaframe.evaluate "
         "checkpoint=DIR +tasks=...)",
