@@ -39,6 +39,7 @@ from megaframe.checkpoint.metadata import (
     check_coverage,
     committed,  # noqa: F401  (public API)
     confined,
+    position_problem,
     sealed,
 )
 from megaframe.checkpoint.metadata import read as read_metadata  # noqa: F401
@@ -307,10 +308,14 @@ def prune(root: str | Path, keep_last: int, owner: str | None = None) -> None:
 
 
 def verify(path: str | Path) -> dict:
-    """Full offline verification: metadata complete, coverage exact, every byte of every file against its
-    checksums. Returns the metadata; CheckpointError (a ValueError) naming the file otherwise."""
+    """Full offline verification: metadata complete, coverage exact, the sealed sample position unedited,
+    every byte of every file against its checksums. Returns the metadata; CheckpointError (a ValueError)
+    naming the file otherwise."""
     meta = check_complete(path)
     check_coverage(meta["tensors"])
+    edited = position_problem(meta)  # what a resume would refuse: the sample position edited by hand
+    if edited:
+        raise CheckpointError(f"{Path(path) / 'metadata.json'}: {edited}")
     if "v1_files" in meta:  # a v1 checkpoint: one crc32 per whole file
         from megaframe.checkpoint.load import file_crc32
 

@@ -73,3 +73,7 @@ def test_a_hand_edited_position_is_refused_naming_the_field_and_the_file(saved, 
                 resume(load_config(run, world_size=1), None, None, mesh)
             text = str(info.value)
             assert f"{copy / 'metadata.json'}: {field} " in text and "\n" not in text, text
+        # the offline verification (python -m megaframe.checkpoint verify) says the same
+        with pytest.raises(sharded.CheckpointError, match=f"metadata.json: {field} "):
+            sharded.verify(copy)
+    sharded.verify(path)  # the untouched one verifies
