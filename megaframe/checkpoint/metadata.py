@@ -7,11 +7,13 @@ metadata.json (format v2):
     tensors: {logical key: {"global_shape", "dtype", "shards": [{"file", "key", "shape",
              "pieces": [[stored box, global box], ...]}]}}
     coverage: "exact" (set by the commit after check_coverage passed)
+    position_sha256: {field: sha256} of the fields a resume's sample position is read from (POSITION_FIELDS)
 v1 checkpoints ({"dim", "ranges"} per shard, a crc32 per whole file) are read through `upgrade`.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from pathlib import Path
@@ -252,3 +254,34 @@ def committed(root: str | Path) -> list[Path]:
         # last, so its presence marks a commit
         if p.name[5:].isdigit() and p.is_dir() and (p / "metadata.json").is_file()
     )
+
+
+POSITION_FIELDS = ("consumed_samples", "consumed_tokens", "data")
+"""The fields a resume reads its sample position from (checkpoint/resume_checks.py): an edited one would make
+the resumed run skip or repeat data without a sign, so the commit seals each one."""
+SEAL_KEY = "position_sha256"
+
+
+def _digest(value) -> str:
+    # sorted keys, compact: the same for the dict the save wrote and the one a reader parses back
+    return hashlib.sha256(json.dumps(value, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def sealed(meta: dict) -> dict:
+    """`meta` with the sha256 of each of its POSITION_FIELDS, as the commit writes it."""
+    return {**meta, SEAL_KEY: {k: _digest(meta[k]) for k in POSITION_FIELDS if k in meta}}
+
+
+def position_problem(meta: dict) -> str | None:
+    """Why the sealed position cannot be trusted (the first field whose value no longer matches the sha256
+    the save recorded, with its value; or a seal that is not one), or None. Checkpoints written before the
+    seal (none recorded) are taken at their word, as then."""
+    seal = meta.get(SEAL_KEY)
+    if seal is None:
+        return None
+    if not isinstance(seal, dict):
+        return f"{SEAL_KEY} {json.dumps(seal)[:80]} is not the object of sha256s a save writes"
+    for k in POSITION_FIELDS:
+        if k in seal and (k not in meta or _digest(meta[k]) != seal[k]):
+            return f"{k} {json.dumps(meta.get(k))[:80]} does not match the {SEAL_KEY} its save recorded"
+    return None

@@ -19,6 +19,8 @@ A resumed run must continue the same experiment. These changes are refused (exit
   data.path, data.valid_fraction, and the content of a dataset at the same path; each re-maps the stream's
   positions (samples repeat and others are skipped) or moves the validation split onto trained-on documents.
   When allowed, the warning says what repeats or changes. The tokenizer is compared before (config/checks.py).
+- the sample position itself (consumed_samples, consumed_tokens, the data record) is no setting: the save
+  seals it (checkpoint/metadata.py: position_sha256) and a hand-edited one is refused, never allowed.
 - optim.name: the checkpoint's optimizer state is another update rule's. When allowed, the weights load and
   the new rule's state starts fresh (checkpoint/load.py), said in one line.
 A changed optim.state_dtype is no refusal: the state converts as it is read (one line says so).
@@ -28,7 +30,9 @@ The parallel layout may change freely (any layout loads any checkpoint).
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
+from megaframe.checkpoint.metadata import position_problem
 from megaframe.config.schema import Config, ConfigError, OptimConfig, plain
 
 GUARDED_TRAIN = ("global_batch_size", "seed")
@@ -66,6 +70,13 @@ def check_resume(cfg: Config, meta: dict, path, verbose: bool) -> None:
     """ConfigError on the first change not allowed; the allowed ones are logged (by rank 0, `verbose`)."""
     from megaframe.data.kinds import data_changes
 
+    edited = position_problem(meta)
+    if edited:
+        # no allowance: the position is the checkpoint's record of what was read, not a setting
+        raise ConfigError(
+            f"{Path(path) / 'metadata.json'}: {edited} (the file was edited after the save; resumed, the run "
+            "would skip or repeat data): restore the saved value or resume from another checkpoint"
+        )
     allow = list(cfg.checkpoint.allow_config_change)
     consumed = consumed_samples(meta)
     changes = [

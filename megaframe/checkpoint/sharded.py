@@ -39,6 +39,8 @@ from megaframe.checkpoint.metadata import (
     check_coverage,
     committed,  # noqa: F401  (public API)
     confined,
+    position_problem,
+    sealed,
 )
 from megaframe.checkpoint.metadata import read as read_metadata  # noqa: F401
 from megaframe.checkpoint.staging import PinnedStaging
@@ -248,7 +250,14 @@ def commit(root, tmp: Path, final: Path, step: int, meta: dict, tensors: dict, f
     _fsync_write(
         tmp / "metadata.json",
         json.dumps(
-            {"format": FORMAT, "step": step, **meta, "files": files, "coverage": "exact", "tensors": tensors},
+            {
+                "format": FORMAT,
+                "step": step,
+                **sealed(meta),
+                "files": files,
+                "coverage": "exact",
+                "tensors": tensors,
+            },
             indent=1,
         ),
     )
@@ -299,10 +308,14 @@ def prune(root: str | Path, keep_last: int, owner: str | None = None) -> None:
 
 
 def verify(path: str | Path) -> dict:
-    """Full offline verification: metadata complete, coverage exact, every byte of every file against its
-    checksums. Returns the metadata; CheckpointError (a ValueError) naming the file otherwise."""
+    """Full offline verification: metadata complete, coverage exact, the sealed sample position unedited,
+    every byte of every file against its checksums. Returns the metadata; CheckpointError (a ValueError)
+    naming the file otherwise."""
     meta = check_complete(path)
     check_coverage(meta["tensors"])
+    edited = position_problem(meta)  # what a resume would refuse: the sample position edited by hand
+    if edited:
+        raise CheckpointError(f"{Path(path) / 'metadata.json'}: {edited}")
     if "v1_files" in meta:  # a v1 checkpoint: one crc32 per whole file
         from megaframe.checkpoint.load import file_crc32
 

@@ -4,7 +4,7 @@ Every rank of the job takes part. Each dp replica scores its contiguous share of
 logits exist on the last pipeline stage as this rank's vocab rows (tp), so the log-probabilities come
 from the training loss's vocab-parallel cross-entropy and the greedy check from the max gathered over
 tp. The last stage's figures reach the other stages by a sum over pp (they add 0), and the shares are
-gathered over dp: every rank ends with every result, all through parallel/comm.py.
+gathered over dp: every rank ends with every result, all through parallel/comm/.
 
 Rows are padded to model.seq_length (sp splits the sequence evenly; causal attention never reads the
 padding) and every dp rank runs the same number of forwards (empty rows fill the last batch): ZeRO-3

@@ -54,7 +54,7 @@ class _GatheredLinear(torch.autograd.Function):
         return gx_SBI, gw_OI, gb_O, None
 
 
-# eager inside a torch.compile'd block, like the collectives in comm (see comm._eager)
+# eager inside a torch.compile'd block, like the collectives in comm (see comm/autograd_ops.py: _eager)
 _gathered_linear = eager(_GatheredLinear.apply)
 
 

@@ -19,7 +19,7 @@ Row-parallel (`_MatmulScatter`):
 
 The chunked GEMMs add up the same products as the whole ones, in another blocking: equal to the
 unoverlapped path up to float rounding (the tests hold it to 1e-6). Chunks come from one flat collective
-each, through parallel/comm.py, so the byte counts and the watchdog's ring buffer see them.
+each, through parallel/comm/, so the byte counts and the watchdog's ring buffer see them.
 """
 
 from __future__ import annotations

@@ -80,6 +80,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
 
 
+def position_rows(
+    cos: torch.Tensor, sin: torch.Tensor, start: int, s: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos_S11E, sin_S11E of the s positions from `start` (a decoding cache's next position, else 0), shaped
+    to broadcast over x_SBHE; document masking's per-sample tables ([S, B, 1, E]) as they are."""
+    if cos.dim() == 4:
+        return cos, sin
+    return cos[start : start + s, None, None, :], sin[start : start + s, None, None, :]
+
+
 # eager under train.compile: dynamo would trace through the cache and rebuild the bias inside the graph
 _cp_bias = eager(cp_causal_bias)
 
@@ -96,16 +106,7 @@ class Attention(nn.Module):
         cp_ring: bool = False,
     ):
         super().__init__()
-        self.cp = cp if cp is not None and cp.size > 1 else None
-        self.cp_ring, self.seq = cp_ring and self.cp is not None, cfg.seq_length
-        # causal by global position: this rank's queries against the cp group's gathered K/V, per query
-        # chunk without a mask (cp_attention.py); with attention dropout one SDPA call under the shared
-        # [S/c, S] bias (context.cp_causal_bias, built on first use)
-        self.cp_gathered = self.cp is not None and not self.cp_ring
-        self.ring_overlap = True  # benchmarks/bench_cp.py turns it off to time the exchange unhidden
-        self.ring_tile_elems: int | None = None  # ring_attention's tile (None: the device's default)
-        self.ring_fused = True  # benchmarks/bench_cp.py turns it off to time the fp32 math ring
-        self.recompute_core = recompute_core
+        self.kernel_settings(cfg, tp, recompute_core, cp, cp_ring)
         e = cfg.head_dim
         # Whole heads per rank (config/checks.py requires tp to divide both): attention never crosses ranks.
         self.heads, self.groups, self.head_dim = (
@@ -113,7 +114,6 @@ class Attention(nn.Module):
             cfg.kv_heads // tp.size,
             e,
         )
-        self.dropout, self.tp = cfg.dropout, tp
         self.qkv = ColumnParallelLinear(
             cfg.hidden_size,
             [cfg.num_attention_heads * e, cfg.kv_heads * e, cfg.kv_heads * e],
@@ -130,6 +130,22 @@ class Attention(nn.Module):
             # partial over tp (summed before the step) whenever tp > 1, sp or not
             self.q_norm = Norm("rmsnorm", e, cfg.norm_eps, tp.size > 1, device)
             self.k_norm = Norm("rmsnorm", e, cfg.norm_eps, tp.size > 1, device)
+
+    def kernel_settings(
+        self, cfg: ModelConfig, tp: Axis, recompute_core: bool, cp: Axis | None, cp_ring: bool
+    ) -> None:
+        """What the attention core reads (attend, _core): the cp group and its kernel, selective recompute,
+        the dropout; set by every attention whatever its projections (models/deepseek_v3/mla.py)."""
+        self.cp = cp if cp is not None and cp.size > 1 else None
+        self.cp_ring, self.seq = cp_ring and self.cp is not None, cfg.seq_length
+        # causal by global position: this rank's queries against the cp group's gathered K/V, per query
+        # chunk without a mask (cp_attention.py); with attention dropout one SDPA call under the shared
+        # [S/c, S] bias (context.cp_causal_bias, built on first use)
+        self.cp_gathered = self.cp is not None and not self.cp_ring
+        self.ring_overlap = True  # benchmarks/bench_cp.py turns it off to time the exchange unhidden
+        self.ring_tile_elems: int | None = None  # ring_attention's tile (None: the device's default)
+        self.ring_fused = True  # benchmarks/bench_cp.py turns it off to time the fp32 math ring
+        self.recompute_core, self.dropout, self.tp = recompute_core, cfg.dropout, tp
 
     def norm_qk(self, q_SBHE: torch.Tensor, k_SBKE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Qwen3's per-head RMSNorm of queries and keys (model.qk_norm), before RoPE; else as they are."""
@@ -152,32 +168,43 @@ class Attention(nn.Module):
         cos, sin = rope[:2] if rope is not None else (None, None)
         doc = rope[2] if rope is not None and len(rope) == 3 else None
         if cos is not None:  # before the permute: rows of E stay contiguous, so the rotation streams
-            start = kv.pos if kv is not None else 0
-            cos_S11E, sin_S11E = (
-                (cos, sin)
-                if cos.dim() == 4
-                else (cos[start : start + s, None, None, :], sin[start : start + s, None, None, :])
-            )
+            cos_S11E, sin_S11E = position_rows(cos, sin, kv.pos if kv is not None else 0, s)
             q_SBHE, k_SBKE = apply_rope(q_SBHE, cos_S11E, sin_S11E), apply_rope(k_SBKE, cos_S11E, sin_S11E)
-        v_SBKE = v.view(s, b, k, e)
+        return self.out_proj(self.attend(q_SBHE, k_SBKE, v.view(s, b, k, e), doc, kv))
+
+    def attend(
+        self,
+        q_SBHE: torch.Tensor,
+        k_SBKE: torch.Tensor,
+        v_SBKV: torch.Tensor,
+        doc: DocContext | None,
+        kv: LayerKV | None,
+    ) -> torch.Tensor:
+        """The attention core of this rank's heads, RoPE applied, as [S, B, H·V] (V: the value width, which
+        may differ from the query/key width E): through the decoding cache, else the cp group's gathered
+        K/V or its ring, under selective recompute, by _core's kernels."""
+        s, b, h, e, vd = *q_SBHE.shape[:3], q_SBHE.shape[-1], v_SBKV.shape[-1]
         if kv is not None:  # written before attending: each new position attends to itself too
-            k_BKTE, v_BKTE = kv.extend(k=k_SBKE.permute(1, 2, 0, 3), v=v_SBKE.permute(1, 2, 0, 3))
-            o_BHSE = cached_attention(q_SBHE.permute(1, 2, 0, 3), k_BKTE, v_BKTE, kv.pos)
-            return self.out_proj(o_BHSE.permute(2, 0, 1, 3).reshape(s, b, h * e))
-        if self.cp is not None and not self.cp_ring:
+            # cached at their own widths (model/kv_cache.py)
+            k_BKTE, v_BKTV = kv.extend(k=k_SBKE.permute(1, 2, 0, 3), v=v_SBKV.permute(1, 2, 0, 3))
+            o_BHSV = cached_attention(q_SBHE.permute(1, 2, 0, 3), k_BKTE, v_BKTV, kv.pos)
+            return o_BHSV.permute(2, 0, 1, 3).reshape(s, b, h * vd)
+        if self.cp is not None and vd != e:
+            # the cp kernels hold K and V at one width: V padded with zeros (zero outputs, cut below)
+            v_SBKV = F.pad(v_SBKV, (0, e - vd))
+        if self.cp_gathered:
             # the whole sequence's K/V (after RoPE: each rotated at its own position)
-            k_SBKE, v_SBKE = comm.gather_from_cp(k_SBKE, self.cp), comm.gather_from_cp(v_SBKE, self.cp)
-        q_BHSE = q_SBHE.permute(1, 2, 0, 3)
-        k_BKSE = k_SBKE.permute(1, 2, 0, 3)
-        v_BKSE = v_SBKE.permute(1, 2, 0, 3)
+            k_SBKE, v_SBKV = comm.gather_from_cp(k_SBKE, self.cp), comm.gather_from_cp(v_SBKV, self.cp)
+        q_BHSE, k_BKSE, v_BKSV = (t.permute(1, 2, 0, 3) for t in (q_SBHE, k_SBKE, v_SBKV))
         if self.recompute_core and self.training and torch.is_grad_enabled():
             # selective recompute (Megatron): drop what SDPA saved for backward (probabilities, or the
             # flash/efficient kernels' logsumexp) and re-run it in backward; RNG state is restored
-            o_BHSE = checkpoint(self._core, q_BHSE, k_BKSE, v_BKSE, doc, use_reentrant=False)
+            o_BHSX = checkpoint(self._core, q_BHSE, k_BKSE, v_BKSV, doc, use_reentrant=False)
         else:
-            o_BHSE = self._core(q_BHSE, k_BKSE, v_BKSE, doc)
-        o_SBX = o_BHSE.permute(2, 0, 1, 3).reshape(s, b, h * e)
-        return self.out_proj(o_SBX)
+            o_BHSX = self._core(q_BHSE, k_BKSE, v_BKSV, doc)
+        if o_BHSX.shape[-1] != vd:  # the padded V's zero columns
+            o_BHSX = o_BHSX[..., :vd]
+        return o_BHSX.permute(2, 0, 1, 3).reshape(s, b, h * vd)
 
     def _core(
         self, q_BHSE: torch.Tensor, k_BKSE: torch.Tensor, v_BKSE: torch.Tensor, doc: DocContext | None = None

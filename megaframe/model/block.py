@@ -75,7 +75,11 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Attention and MLP with pre-norms; the MLP is a mixture of experts when cfg.num_experts > 0."""
+    """Attention and MLP with pre-norms and residuals; the MLP a mixture of experts when num_experts > 0.
+
+    A family whose attention or MLP differs keeps this wiring (norms, residuals, dropout, sp's distinct
+    masks) and passes its own: `attention`, a class built like Attention (its kernels' settings: selective
+    recompute, cp), and `mlp`, the built module (models/deepseek_v3/block.py)."""
 
     def __init__(
         self,
@@ -86,14 +90,18 @@ class Block(nn.Module):
         tokens_per_step: int | None = None,
         recompute: str = "none",
         cp_ring: bool = False,
+        attention: type[Attention] = Attention,
+        mlp: nn.Module | None = None,
     ):
         super().__init__()
         self.attn_norm = Norm(cfg.norm, cfg.hidden_size, cfg.norm_eps, sp, device)
-        self.attn = Attention(
+        self.attn = attention(
             cfg, mesh.tp, sp, device, recompute_core=recompute == "selective", cp=mesh.cp, cp_ring=cp_ring
         )
         self.mlp_norm = Norm(cfg.norm, cfg.hidden_size, cfg.norm_eps, sp, device)
-        if cfg.num_experts:
+        if mlp is not None:
+            self.mlp = mlp
+        elif cfg.num_experts:
             self.mlp = MoE(cfg, mesh, sp, device, tokens_per_step)
         else:
             self.mlp = MLP(cfg, mesh, sp, device)

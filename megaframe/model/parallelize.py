@@ -102,7 +102,7 @@ def compile_blocks(model: GPT) -> None:
     """torch.compile every transformer block's forward in place (parameter names unchanged, so init,
     checkpoints and the optimizer's buffers see the same parameters). Per block, not the whole model:
     the blocks are identical, so inductor compiles one graph and reuses it; the pipeline's cuts stay
-    outside, and the tp/sp collectives inside a block run eagerly between its compiled pieces (comm.py).
+    outside, and the tp/sp collectives inside a block run eagerly between its compiled pieces (comm/).
     The forward, not the module call (Module.compile): the module's hooks (ZeRO's parameter gathers,
     waits and releases: Python with collectives) run eagerly around the compiled graph, never traced into
     it, where each would break it."""

@@ -1,5 +1,5 @@
 """The collective flight records: the bytes each rank sent per group and the last collectives it entered
-(a ring buffer the hang watchdog dumps), kept by every Axis and filled by parallel/comm.py."""
+(a ring buffer the hang watchdog dumps), kept by every Axis and filled by parallel/comm/."""
 
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ class CommStats:
 
     def record(self, op: str, group: str, ranks, shape, dtype, nbytes: int) -> dict:
         """Note a collective as it is entered; entry['done'] is set once a blocking call returns (see
-        `noting`) or an async one's Work is waited for (comm._done)."""
+        `noting`) or an async one's Work is waited for (comm/accounting.py: done)."""
         entry = {
             "op": op,
             "group": group,

@@ -2,7 +2,7 @@
 arrival, for the straggler figures) and, while a step is profiled, a named profiler range around it.
 
 The mesh's CommStats carries one `Observer` (None: nothing watched, the planner's virtual meshes and the
-unit tests). `comm.py` calls `enter` as a collective starts and `leave` once this rank is released from it
+unit tests). `comm/` calls `enter` as a collective starts and `leave` once this rank is released from it
 (a blocking call returned, or an async one's Work was waited for).
 
 Arrivals are compared through the time each rank is *held*: a collective over a group completes at one

@@ -229,7 +229,7 @@ def dropout_keep(q_BHQE: torch.Tensor, gathered: int, p: float) -> torch.Tensor:
     return torch.empty(b, h, q, gathered, dtype=q_BHQE.dtype, device=q_BHQE.device).bernoulli_(1 - p).bool()
 
 
-@eager  # p2p inside: eager between a compiled block's pieces (as comm.py's collectives)
+@eager  # p2p inside: eager between a compiled block's pieces (as comm/'s collectives)
 def ring_attention(
     q_BHQE: torch.Tensor,
     k_BKNE: torch.Tensor,

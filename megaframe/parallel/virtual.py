@@ -3,7 +3,7 @@
 `build_model_for(..., virtual_mesh(...))` builds that rank's exact part of the model (shapes, dtypes,
 which layers, which shards) on the meta device, so the planner sizes every rank of a 1024-GPU layout
 from one process in seconds. Collectives over a virtual axis return tensors of the right shape
-without communicating (see comm._enter), so a meta forward also runs under tp and sp.
+without communicating (see comm/accounting.py: enter), so a meta forward also runs under tp and sp.
 """
 
 from __future__ import annotations

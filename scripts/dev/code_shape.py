@@ -37,7 +37,11 @@ LAYERS = [
         "config.frozen",
         "config.data_schema",
         "config.model_schema",
+        "config.train_schema",
+        "config.optim_schema",
         "config.schema",
+        "config.numeric_rule",
+        "config.rules",
     ],
     ["parallel"],  # mesh, collectives, launch env: knows no model
     ["pipeline"],  # stages, schedules as data, their executor: runs any chunk module

@@ -158,7 +158,7 @@ def test_a_bad_choice_from_a_file_names_its_field():
 
 
 def test_no_collective_outside_comm():
-    """Every collective and p2p transfer goes through megaframe/parallel/comm.py (bytes counted, the
+    """Every collective and p2p transfer goes through megaframe/parallel/comm/ (bytes counted, the
     watchdog's ring buffer fed, virtual axes honoured); the NCCL emulation below comm is the one other
     file."""
     assert _code_stats().stats()["collectives_outside_comm"] == []

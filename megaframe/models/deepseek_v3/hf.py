@@ -26,7 +26,7 @@ import torch
 
 from megaframe.config.schema import ModelConfig
 from megaframe.models.hf_rope import rope_config, rope_from_hf
-from megaframe.models.llama.hf import LLAMA_TOP
+from megaframe.models.llama.hf import LLAMA_TOP, common_kw
 from megaframe.models.mixtral.hf import fused
 from megaframe.models.qwen3_moe.hf import MOE, experts_in, experts_out
 
@@ -96,14 +96,12 @@ def unexportable(m: ModelConfig) -> list[str]:
 
 
 def config_kw(m: ModelConfig, eos, bos) -> dict:
+    """Llama's keywords (common_kw: the family checks make its heads one key and value each, the head
+    untied) without head_dim, which DeepseekV3Config sets itself (the RoPE part), plus MLA's and the MoE's."""
+    common = {k: v for k, v in common_kw(m, eos, bos).items() if k != "head_dim"}
     return dict(
-        vocab_size=m.vocab_size,
-        hidden_size=m.hidden_size,
-        intermediate_size=m.ffn_hidden_size,
+        common,
         moe_intermediate_size=m.expert_ffn,
-        num_hidden_layers=m.num_layers,
-        num_attention_heads=m.num_attention_heads,
-        num_key_value_heads=m.num_attention_heads,
         n_shared_experts=m.moe_shared_experts,
         n_routed_experts=m.num_experts,
         num_experts_per_tok=m.moe_top_k,
@@ -119,16 +117,7 @@ def config_kw(m: ModelConfig, eos, bos) -> dict:
         v_head_dim=m.v_head_dim,
         num_nextn_predict_layers=m.mtp_num_layers,
         rope_interleave=True,
-        hidden_act="silu",
-        max_position_embeddings=m.max_position_embeddings or m.seq_length,
-        rms_norm_eps=m.norm_eps,
-        tie_word_embeddings=False,
         attention_bias=False,
-        attention_dropout=m.dropout,
-        bos_token_id=bos,
-        eos_token_id=eos,
-        pad_token_id=None,
-        initializer_range=m.init_std,
     )
 
 

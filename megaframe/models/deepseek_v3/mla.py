@@ -32,14 +32,13 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from megaframe.config.schema import ModelConfig
 from megaframe.layers.linear import ColumnParallelLinear, RowParallelLinear
 from megaframe.layers.norm import Norm
 from megaframe.layers.shard import Shard, sharded_param
-from megaframe.model.attention import Attention, apply_rope
-from megaframe.model.kv_cache import LayerKV, cached_attention
+from megaframe.model.attention import Attention, apply_rope, position_rows
+from megaframe.model.kv_cache import LayerKV
 from megaframe.parallel import comm
 from megaframe.parallel.mesh import Axis
 
@@ -77,12 +76,9 @@ class MLA(Attention):
         cp: Axis | None = None,
         cp_ring: bool = False,
     ):
-        nn.Module.__init__(self)  # not Attention's projections: its kernels' settings, set here
-        self.cp = cp if cp is not None and cp.size > 1 else None
-        self.cp_ring, self.seq = cp_ring and self.cp is not None, cfg.seq_length
-        self.cp_gathered = self.cp is not None and not self.cp_ring
-        self.ring_overlap, self.ring_tile_elems, self.ring_fused = True, None, True
-        self.recompute_core, self.dropout, self.tp, self.sp = recompute_core, cfg.dropout, tp, sp
+        nn.Module.__init__(self)  # not Attention's projections: its kernels' settings only
+        self.kernel_settings(cfg, tp, recompute_core, cp, cp_ring)
+        self.sp = sp
         h, n, r, v = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.heads, self.nope, self.rope_dim, self.v_dim = h // tp.size, n, r, v
         self.head_dim = n + r  # the query/key width Q (Attention's name)
@@ -116,10 +112,7 @@ class MLA(Attention):
         # the shared key meets only this rank's heads: its grad is summed over tp's (or sp's) ranks
         r_SBR = comm.gather_from_sp(r_SBR, self.tp) if self.sp else comm.copy_to_tp(r_SBR, self.tp)
         q_SBHN, q_SBHR = q_SBX.view(s, b, h, n + r).split([n, r], dim=-1)
-        cos, sin = rope[:2]
-        if cos.dim() != 4:  # per-position tables (document masking passes [S, B, 1, R] ones)
-            start = kv.pos if kv is not None else 0
-            cos, sin = cos[start : start + s, None, None, :], sin[start : start + s, None, None, :]
+        cos, sin = position_rows(*rope[:2], kv.pos if kv is not None else 0, s)
         q_SBHR, r_SB1R = apply_rope(q_SBHR, cos, sin), apply_rope(r_SBR.unsqueeze(2), cos, sin)
         q_SBHQ = torch.cat([q_SBHN, q_SBHR], dim=-1)
         if self.mscale != 1.0:
@@ -129,19 +122,6 @@ class MLA(Attention):
 
     def forward(self, x_SBD: torch.Tensor, rope, kv: LayerKV | None = None) -> torch.Tensor:
         q_SBHQ, k_SBHQ, v_SBHV = self._qkv(x_SBD, rope, kv)
-        s, b, h, vd = *q_SBHQ.shape[:3], self.v_dim
         doc = rope[2] if len(rope) == 3 else None
-        if kv is not None:  # decoding: K and V cached at their own widths (model/kv_cache.py)
-            k_BHTQ, v_BHTV = kv.extend(k=k_SBHQ.permute(1, 2, 0, 3), v=v_SBHV.permute(1, 2, 0, 3))
-            o_BHSV = cached_attention(q_SBHQ.permute(1, 2, 0, 3), k_BHTQ, v_BHTV, kv.pos)
-            return self.out_proj(o_BHSV.permute(2, 0, 1, 3).reshape(s, b, h * vd))
-        if self.cp is not None:  # the cp kernels' one K/V width: V padded to Q (the module doc)
-            v_SBHV = F.pad(v_SBHV, (0, self.head_dim - vd))
-        if self.cp_gathered:
-            k_SBHQ, v_SBHV = comm.gather_from_cp(k_SBHQ, self.cp), comm.gather_from_cp(v_SBHV, self.cp)
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (q_SBHQ, k_SBHQ, v_SBHV))
-        if self.recompute_core and self.training and torch.is_grad_enabled():
-            o_BHSX = checkpoint(self._core, q, k, v, doc, use_reentrant=False)
-        else:
-            o_BHSX = self._core(q, k, v, doc)
-        return self.out_proj(o_BHSX[..., :vd].permute(2, 0, 1, 3).reshape(s, b, h * vd))
+        # Attention's core: the cache at MLA's own widths, V padded to Q for the cp kernels (the module doc)
+        return self.out_proj(self.attend(q_SBHQ, k_SBHQ, v_SBHV, doc, kv))

@@ -1,27 +1,25 @@
 """Cross-field checks of the data group and of what a run reads (config/checks.py's check_config runs them):
-the blend and stages, the validation and sampling intervals that need data, the prepared folders, and the
-tokenizer a resumed checkpoint was trained with.
+the blend and stages, the validation and sampling intervals that need data, the prepared folders (the
+tokenizer a resumed checkpoint was trained with: checkpoint/resume_rules.py).
 """
 
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import TYPE_CHECKING
 
-from megaframe.config.rules import _req
+from megaframe.config.numeric_rule import _req
 from megaframe.errors import ConfigError
 from megaframe.errors import one_line as _one_line
 
 if TYPE_CHECKING:
-    from megaframe.config.schema import Config
+    from megaframe.config.schema import DataConfig, ModelConfig, TrainConfig
 
 
-def check_data_fields(cfg: Config) -> None:
+def check_data_fields(d: DataConfig, t: TrainConfig, m: ModelConfig) -> None:
     from megaframe.data.kinds import data_kind
     from megaframe.data.record import twice
 
-    d, t = cfg.data, cfg.train
     _req(d.num_workers >= 0, f"data.num_workers={d.num_workers} must be >= 0 (0 = every core)")
     _req(
         d.tokenizer_sample_bytes >= 0, f"data.tokenizer_sample_bytes={d.tokenizer_sample_bytes} must be >= 0"
@@ -36,7 +34,7 @@ def check_data_fields(cfg: Config) -> None:
         f"data.blend weights {[b.weight for b in d.blend]} sum to infinity: scale them down",
     )
     _req((why := twice(d.blend, "data.blend")) is None, str(why))
-    check_stages(d, t, cfg.model.seq_length)
+    check_stages(d, t, m.seq_length)
     _req(
         t.eval_interval >= 0 and t.eval_iters >= 1,
         f"train.eval_interval={t.eval_interval} must be >= 0 and train.eval_iters={t.eval_iters} >= 1",
@@ -100,53 +98,11 @@ def check_stages(d, t, seq_length: int) -> None:
         )
 
 
-def check_prepared(cfg: Config) -> None:
+def check_prepared_folders(d: DataConfig, vocab_size: int) -> None:
     """Every prepared dataset (data.path, or each data.blend path) is whole and fits the model."""
     from megaframe.data.shards import check_datasets
 
     try:
-        check_datasets(cfg.data, cfg.model.vocab_size)
+        check_datasets(d, vocab_size)
     except ValueError as e:
         raise ConfigError(_one_line(e)) from e
-
-
-def check_checkpoint_tokenizer(cfg: Config) -> None:
-    """The checkpoint a run continues (checkpoint.resume, or the newest in checkpoint.dir) was trained
-    with the tokenizer the data was prepared with: token ids of another tokenizer train silently on
-    garbage (an imported 8,192-token model fed the demo's 4,096-piece data)."""
-    from megaframe.checkpoint.resolve import head
-    from megaframe.checkpoint.sharded import read_metadata
-    from megaframe.data.kinds import data_folders, tokenizer_identity
-    from megaframe.data.shards import same_tokenizer
-
-    r = cfg.checkpoint.resume
-    if r == "none":
-        return
-    try:  # resume=auto's pick (the `latest` branch), or the named folder
-        pick = head(cfg.checkpoint.dir, warn=lambda msg: None) if r == "auto" else Path(r)
-    except ValueError:
-        return  # reported by _check_resume
-    if pick is None:
-        return
-    found = [pick]
-    try:
-        meta = read_metadata(found[-1])
-    except (OSError, ValueError):
-        return  # the resume itself reports an unreadable checkpoint
-    data = tokenizer_identity(cfg.data)
-    tok = meta.get("tokenizer")
-    if data is None or (tok is None and "imported_from" not in meta):
-        return  # a checkpoint written before tokenizers were recorded: nothing to compare
-    if tok is None:  # an import without tokenizer files: its vocabulary is all there is to compare
-        tok = {"vocab_size": meta["config"]["model"]["vocab_size"], "kind": "unknown", "sha256": None}
-    # the hash when both sides recorded one (or the one an imported tokenizer was converted from); else the
-    # vocabulary size, the one figure an import always has
-    if same_tokenizer(tok, data):
-        return
-    key, path = data_folders(cfg.data)[0]
-    fix = f"; prepare the data with data.tokenizer={tok['from']}" if tok.get("from") else ""
-    raise ConfigError(
-        f"checkpoint {found[-1]} was trained with a {tok['kind']} tokenizer of {tok['vocab_size']} "
-        f"tokens, but {key}={path} was prepared with a {data['kind']} tokenizer of "
-        f"{data['vocab_size']} tokens{fix}"
-    )
