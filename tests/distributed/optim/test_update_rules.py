@@ -10,7 +10,8 @@ import pytest
 from megaframe.checkpoint import sharded
 from megaframe.optim.rule_registry import RULES, rule_named
 from megaframe.parallel.virtual import virtual_mesh
-from megaframe.planning.estimate import optim_bytes_by_dp_rank, plan_layout
+from megaframe.planning.memory.rank_plan import plan_layout
+from megaframe.planning.memory.rank_state import optim_bytes_by_dp_rank
 from tests.distributed.cases import tiny_config
 from tests.distributed.model.test_model_equivalence import assert_close_dicts, assert_weights_close
 from tests.distributed.optim.test_zero import SMALL_BUCKETS, STEPS, rel_errors

@@ -111,7 +111,7 @@ def test_flex_attention_forward_matches_the_sdpa_mask_on_cpu():
 
 
 def _planned_activations(over: list[str]) -> int:
-    from megaframe.planning.estimate import plan_layout
+    from megaframe.planning.memory.rank_plan import plan_layout
 
     cfg = load_config(PLAN + over, world_size=1, check_data=False)
     return plan_layout(cfg, 1).ranks[0].chunk_activation_bytes[0]
@@ -133,7 +133,7 @@ def test_planner_counts_the_document_mask_as_measured():
     the [B, 1, S, S] mask SDPA saves per layer, and the per-token RoPE rows. On an accelerator
     (FlexAttention) the block mask's int32 tiles instead of the per-layer copies, counted."""
     from megaframe.model.documents import block_mask_bytes
-    from megaframe.planning.activations import chunk_activation_bytes
+    from megaframe.planning.memory.activations import chunk_activation_bytes
 
     b, s, layers, e = 2, 256, 2, 16  # gpt_tiny's head dim 16
     plain, cpu = (
@@ -167,11 +167,12 @@ def test_block_mask_bytes_count_a_real_block_mask():
 
 
 def test_layout_search_counts_the_document_mask_like_the_exact_planner():
-    """The search's per-layer figures (planning/search.py) include the documents' mask as the exact planner
+    """The search's per-layer figures (memory/dims.py) include the documents' mask as the exact planner
     does (train.device=cpu: SDPA's per-layer float copy of the [S, S] mask, 22 % of the peak here; the
     accelerator's block mask is too small to tell apart at this size)."""
-    from megaframe.planning.estimate import plan_layout
-    from megaframe.planning.search import Layout, layout_config, phase_memory
+    from megaframe.planning.candidate import Layout, layout_config
+    from megaframe.planning.memory.dims import phase_memory
+    from megaframe.planning.memory.rank_plan import plan_layout
     from tests.unit.planning.test_plan_search import SMALL
 
     small = [o for o in SMALL if not o.startswith("model.seq_length")]  # S = 512: the S x S mask matters

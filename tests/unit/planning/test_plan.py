@@ -11,7 +11,8 @@ import pytest
 from megaframe.config import load_config
 from megaframe.pipeline.schedule import activation_bound, compute_order
 from megaframe.plan import main, ranges, split_args
-from megaframe.planning.estimate import peak_activations, plan_layout
+from megaframe.planning.memory.inflight import peak_activations
+from megaframe.planning.memory.rank_plan import plan_layout
 from tests.e2e.helpers import ROOT, TINY
 
 LLAMA8B = [
@@ -120,7 +121,7 @@ def test_the_planned_head_workspace_follows_the_fused_heads_gpu_chunk():
     layers.fused_ce.CHUNK_ELEMS, so the plan must use the same budget (it once kept an older, 16x smaller
     one)."""
     from megaframe.layers.fused_ce import CHUNK_ELEMS
-    from megaframe.planning.phases import HEAD_CHUNK_ELEMS
+    from megaframe.planning.memory.phases import HEAD_CHUNK_ELEMS
 
     assert HEAD_CHUNK_ELEMS["cuda"] == CHUNK_ELEMS["cuda"]
 

@@ -12,7 +12,7 @@ from megaframe.config.schema import Config
 
 
 def on_host(cfg: Config) -> bool:
-    """A run on the cpu: host copies are in the memory being planned (planning.phases)."""
+    """A run on the cpu: host copies are in the memory being planned (planning.memory.phases)."""
     return str(getattr(cfg.train.device, "value", cfg.train.device)) == "cpu"
 
 
@@ -32,7 +32,7 @@ def act_per_layer(cfg_key, tp: int, recompute: str, cp: int = 1) -> tuple[int, i
     a 1- and a 2-layer model and of the two stages of a 2-layer, pp=2 model."""
     from megaframe.model.parallelize import build_model_for
     from megaframe.parallel.virtual import virtual_mesh
-    from megaframe.planning.activations import chunk_activation_bytes
+    from megaframe.planning.memory.activations import chunk_activation_bytes
 
     cfg = _CFGS[cfg_key]
 
