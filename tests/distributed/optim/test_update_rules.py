@@ -2,7 +2,7 @@
 strategy: zero=0, 1, 2 (here with HSDP), 3. One chain of short runs per rule and dtype, each loading the
 previous one's checkpoint under a different layout and stage, continues one uninterrupted one-process run
 (losses, final weights); the last link resumes into the other state dtype (converted as read). On every rank
-of each run the optimizer state measured (mem/optim_bytes) equals the planner's (planning/estimate.py
+of each run the optimizer state measured (mem/optim_bytes) equals the planner's (planning/memory/rank_state.py
 plan_layout, from the config alone), and the checkpoint records the state's dtype."""
 
 import pytest

@@ -292,7 +292,7 @@ def test_the_search_counts_its_validation_and_sizing(cfg, monkeypatch):
 @pytest.mark.parametrize("rule", ["adamw", "muon"])
 def test_the_search_sizes_each_rules_state_at_zero0_as_the_built_model_holds(rule, model):
     """zero=0: the rule's bytes per element of each kind of parameter (Muon: momentum on the hidden
-    matrices, AdamW's moments on the rest), as estimate.state_bytes counts a built model's Placements."""
+    matrices, AdamW's moments on the rest), as rank_state.state_bytes counts a built model's Placements."""
     over = [f"model={model}", f"optim.name={rule}", "optim.zero=0", "optim.state_dtype=bf16"]
     cfg = load_config(over, world_size=1, check_data=False)
     lay = Layout(1, 1, 1, 1, 1, 0, 1, "none")
