@@ -174,18 +174,20 @@ def _verdict(plan) -> list[str]:
     ]
     if plan.device_memory_bytes is None:
         return lines
-    cap = human(plan.device_memory_bytes)
+    cap, mem = human(plan.device_memory_bytes), plan.device_memory_bytes
+    # judged with the allocator's headroom over the allocated peaks (Plan.headroom), said when there is one
+    said = f" with the allocator's {100 * plan.headroom:.0f} % headroom" if plan.headroom else ""
     over = [r for _, r in merged_rows(plan) if not r.fits]
     for r in over:
-        bad = [k for k, v in r.phases.items() if v > plan.device_memory_bytes] or ["step"]
+        bad = [k for k, v in r.phases.items() if plan.needs(v) > mem] or ["step"]
         lines.append(
-            f"DOES NOT FIT: ranks {ranges(r.ranks)} (pp {r.pp_rank}) need {human(r.peak_bytes)} "
-            f"> {cap} per device (in {', '.join(bad)})"
+            f"DOES NOT FIT: ranks {ranges(r.ranks)} (pp {r.pp_rank}) need {human(plan.needs(r.peak_bytes))}"
+            f"{said} > {cap} per device (in {', '.join(bad)})"
         )
     if not over:
         lines.append(
-            f"fits: every rank within {cap} per device in every phase "
-            f"({human(plan.device_memory_bytes - worst.peak_bytes)} to spare on the largest)"
+            f"fits: every rank within {cap} per device in every phase{said} "
+            f"({human(mem - plan.needs(worst.peak_bytes))} to spare on the largest)"
         )
     return lines
 
@@ -266,7 +268,7 @@ def main(argv: list[str]) -> int:
     if memory is None and ("device" in own or "device_profile" in own) and dev.memory_gb:
         memory = dev.memory_gb  # a device named alone: fits is judged against its own memory
     with still_planning(f"{cfg.model.name} on {world} rank(s)"):
-        plan = plan_layout(cfg, world, memory)
+        plan = plan_layout(cfg, world, memory, dev.alloc_headroom)
         timing = layout_timing(cfg, world, dev, plan)
     print(render(plan, cfg), flush=True)
     print(timing_line(timing), flush=True)

@@ -49,7 +49,8 @@ def act_per_layer(cfg_key, tp: int, recompute: str, cp: int = 1) -> tuple[int, i
         model = build_model_for(c.model, c.parallel, c.train, c.optim, mesh)
         if c.data.document_mask:  # the documents' mask and tensors, as the exact planner counts them
             plan_documents(model, c)
-        return chunk_activation_bytes(model, 0, 1, fused_attention=True)
+        # the compiled blocks' saves from the run's own train.compile (the meta model itself is eager)
+        return chunk_activation_bytes(model, 0, 1, True, cfg.train.compile, not on_host(cfg))
 
     # a 2-layer minus a 1-layer model: one block's bytes, the embedding and head cancel out
     per_layer = measure(2, 1, 0) - measure(1, 1, 0)

@@ -130,6 +130,14 @@ class Plan:
     with F, B, W costs from the backward's split, planning.steptime.timing.split_costs)."""
     ranks: list[RankFigures] = field(default_factory=list)
     device_memory_bytes: int | None = None
+    headroom: float = 0.0
+    """The allocator's reserve over the allocated peak a rank must leave (Device.alloc_headroom): a rank
+    fits when its largest phase x (1 + headroom), what torch.cuda.max_memory_reserved reads, is within the
+    device's memory."""
+
+    def needs(self, nbytes: int) -> int:
+        """The device memory `nbytes` allocated take with the allocator's headroom."""
+        return int(nbytes * (1 + self.headroom))
 
     @property
     def fits(self) -> bool | None:
@@ -141,8 +149,10 @@ class Plan:
         return {**asdict(self), "fits": self.fits}
 
 
-def plan_layout(cfg: Config, world_size: int, device_memory_gb: float | None = None) -> Plan:
-    """Size every rank of the (validated) config on `world_size` ranks."""
+def plan_layout(
+    cfg: Config, world_size: int, device_memory_gb: float | None = None, headroom: float = 0.0
+) -> Plan:
+    """Size every rank of the (validated) config on `world_size` ranks; `headroom`: Plan.headroom."""
     p, t = cfg.parallel, cfg.train
     tp, pp, cp = p.tp, p.pp, p.cp
     derived = derive(cfg, world_size)  # cp ranks read the same samples: dp alone divides the micro-batches
@@ -166,6 +176,7 @@ def plan_layout(cfg: Config, world_size: int, device_memory_gb: float | None = N
         kind,
         _bubble(kind, pp, p.vpp, m, split_costs(cfg, t.recompute) if splits_backward(kind) else None),
     )
+    plan.headroom = headroom
     if device_memory_gb is not None:
         plan.device_memory_bytes = int(device_memory_gb * 2**30)  # GiB, as torch.cuda reports
     cache: dict = {}
@@ -176,7 +187,8 @@ def plan_layout(cfg: Config, world_size: int, device_memory_gb: float | None = N
         for tp_rank in range(tp):
             plan.ranks.append(_rank_figures(cfg, tp, pp, dp, pp_rank, tp_rank, order, cache))
     for r in plan.ranks:
-        r.fits = None if plan.device_memory_bytes is None else r.peak_bytes <= plan.device_memory_bytes
+        cap = plan.device_memory_bytes
+        r.fits = None if cap is None else plan.needs(r.peak_bytes) <= cap
     return plan
 
 
@@ -243,10 +255,12 @@ def _model_figures(cfg: Config, mesh, dp: int, split: bool, coord: tuple[int, in
         # a rule keeping other state on hidden matrices than on the rest holds different bytes on each dp
         # rank (whose owned ranges hold other params): the coordinate's most
         optim = max(optim_bytes_by_dp_rank(model, cfg, coord[0], coord[1], dp))
-    # fused: real devices run a fused attention kernel; meta's math path would count the S x S matrix
+    # fused: real devices run a fused attention kernel; meta's math path would count the S x S matrix; a GPU
+    # also runs RMSNorm's fused kernel (a CPU run the composite, which the CPU measurements hold it to)
     mb = cfg.train.micro_batch_size
     chunks = [
-        chunk_activation_bytes(model, c, mb, fused_attention=True) for c in range(len(model.stage.chunks))
+        chunk_activation_bytes(model, c, mb, True, cfg.train.compile, not _on_host(cfg))
+        for c in range(len(model.stage.chunks))
     ]
     # a split backward's pending W keeps the weighted ops' inputs and output grads (memory.activations)
     keep = [int(b * w_fraction(model, c, mb)) for c, b in enumerate(chunks)] if split else None
