@@ -252,6 +252,7 @@ def main(argv: list[str]) -> int:
         return fail(e if isinstance(e, ConfigError) else f"plan settings: {e}")
     if searching:
         return search_main(cfg, world, memory, own, overrides)
+    from megaframe.planning.memory.block_memory import on_host
     from megaframe.planning.memory.rank_plan import plan_layout
 
     per_rank = -(-cfg.model.num_layers // cfg.parallel.pp)
@@ -268,7 +269,7 @@ def main(argv: list[str]) -> int:
     if memory is None and ("device" in own or "device_profile" in own) and dev.memory_gb:
         memory = dev.memory_gb  # a device named alone: fits is judged against its own memory
     with still_planning(f"{cfg.model.name} on {world} rank(s)"):
-        plan = plan_layout(cfg, world, memory, dev.alloc_headroom)
+        plan = plan_layout(cfg, world, memory, 0.0 if on_host(cfg) else dev.alloc_headroom)
         timing = layout_timing(cfg, world, dev, plan)
     print(render(plan, cfg), flush=True)
     print(timing_line(timing), flush=True)
