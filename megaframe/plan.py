@@ -268,6 +268,7 @@ def main(argv: list[str]) -> int:
         return fail(f"plan settings: {e}")
     if memory is None and ("device" in own or "device_profile" in own) and dev.memory_gb:
         memory = dev.memory_gb  # a device named alone: fits is judged against its own memory
+    cfg = for_device(cfg, dev)
     with still_planning(f"{cfg.model.name} on {world} rank(s)"):
         plan = plan_layout(cfg, world, memory, 0.0 if on_host(cfg) else dev.alloc_headroom)
         timing = layout_timing(cfg, world, dev, plan)
@@ -300,6 +301,14 @@ def pick_device(own: dict):
     return replace(dev, name=f"{dev.name} with {gb:g} GiB (+device_memory_gb)", memory_gb=gb)
 
 
+def for_device(cfg, dev):
+    """The config as it runs on the planned device: train.device=auto resolves to cuda on a GPU (+device),
+    so the plan counts that GPU's kernels (planning.memory.block_memory.gpu_kernels), not this host's."""
+    if str(cfg.train.device) != "auto" or dev.name.startswith("cpu"):
+        return cfg
+    return replace(cfg, train=replace(cfg.train, device="cuda"))
+
+
 def search_main(cfg, world: int, memory_gb: float | None, own: dict, overrides: list[str] = ()) -> int:
     from megaframe.planning.search.rank import MODEL_ERROR, search, ties
 
@@ -309,6 +318,7 @@ def search_main(cfg, world: int, memory_gb: float | None, own: dict, overrides: 
     except ValueError as e:
         return fail(f"plan settings: {e}")
     cap = memory_gb * 2**30 if memory_gb is not None else None
+    cfg = for_device(cfg, dev)
     try:
         ests, n, dropped = search(
             cfg, world, dev, cap, progress=lambda text: print(text, file=sys.stderr, flush=True)

@@ -39,8 +39,8 @@ from megaframe.optim.rule_registry import rule_named
 from megaframe.parallel.virtual import virtual_mesh
 from megaframe.pipeline.schedule import W, compute_order, schedule_spec, splits_backward
 from megaframe.planning.memory.activations import chunk_activation_bytes, w_fraction
+from megaframe.planning.memory.block_memory import gpu_kernels, plan_documents, working_set_bytes
 from megaframe.planning.memory.block_memory import on_host as _on_host
-from megaframe.planning.memory.block_memory import plan_documents, working_set_bytes
 from megaframe.planning.memory.inflight import peak_activations
 from megaframe.planning.memory.phases import host_peaks, phase_peaks, step_terms, today_load, today_startup
 from megaframe.planning.memory.rank_state import (
@@ -259,7 +259,7 @@ def _model_figures(cfg: Config, mesh, dp: int, split: bool, coord: tuple[int, in
     # also runs RMSNorm's fused kernel (a CPU run the composite, which the CPU measurements hold it to)
     mb = cfg.train.micro_batch_size
     chunks = [
-        chunk_activation_bytes(model, c, mb, True, cfg.train.compile, not _on_host(cfg))
+        chunk_activation_bytes(model, c, mb, True, cfg.train.compile, gpu_kernels(cfg))
         for c in range(len(model.stage.chunks))
     ]
     # a split backward's pending W keeps the weighted ops' inputs and output grads (memory.activations)

@@ -3,11 +3,14 @@ ops the meta device runs: RMSNorm's fused kernel keeps its input and the per-row
 composite, two fp32 copies of the input), a compiled block's SwiGLU keeps [gate | up] and recomputes the
 silu; and a rank fits only with the allocator's headroom over its allocated peak."""
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from megaframe.config import load_config
+from megaframe.plan import main
 from megaframe.planning.memory.activations import FusedAttentionSizes, count_saved
 from megaframe.planning.memory.rank_plan import plan_layout
 from tests.e2e.helpers import TINY
@@ -53,3 +56,18 @@ def test_a_rank_fits_with_the_allocators_headroom(headroom):
     # device memory between the allocated peak and the peak with a 50 % headroom
     plan = plan_layout(cfg, 1, 1.25 * peak / 2**30, headroom)
     assert plan.fits is (headroom == 0.0)
+
+
+def test_the_command_plans_an_auto_device_as_the_gpu_it_names(tmp_path, capsys):
+    """train.device=auto: plan_layout alone plans what this (CPU) host would run, `python -m megaframe.plan
+    +device=H100` what that GPU runs (the fused RMSNorm's saves), the same as train.device=cuda."""
+    out, base = tmp_path / "plan.json", ["data=synthetic", *TINY]
+    assert main([*base, "+world_size=1", "+device=H100", f"+plan_json={out}"]) == 0
+    capsys.readouterr()
+    planned = json.loads(out.read_text())["ranks"][0]["chunk_activation_bytes"]
+
+    def chunks(*over: str) -> list[int]:
+        cfg = load_config([*base, *over], world_size=1, check_data=False)
+        return plan_layout(cfg, 1).ranks[0].chunk_activation_bytes
+
+    assert planned == chunks("train.device=cuda") and chunks() == chunks("train.device=cpu") != planned
