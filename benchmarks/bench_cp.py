@@ -11,7 +11,7 @@ measured in the same run; a line per cp also gives the ring's math / fused step-
 A small GPT (D=64, 4 heads, 2 kv groups, FFN 256, vocab 256), one sequence per step: tokens/s is
 seq / (fastest step time: on a shared machine the least disturbed one), the whole cp group working on one
 sequence, every rank starting each step together (a barrier) and the slowest rank's time counted. Peak: the
-CPU allocator's own events during one forward + backward (planning.activations.allocator_peak), max over the
+CPU allocator's own events during one forward + backward (memory.activations.allocator_peak), max over the
 cp ranks, next to the planner's activation figure for the same layout. With more ranks than cores, cp ranks
 share cores: tokens/s then shows the communication and split-attention overhead, not a speed-up.
 """
@@ -58,7 +58,7 @@ def _rank(
     from megaframe.model.parallelize import build_model_for
     from megaframe.parallel.context import cp_causal_bias, cp_keep
     from megaframe.parallel.mesh import build_mesh
-    from megaframe.planning.activations import allocator_peak
+    from megaframe.planning.memory.activations import allocator_peak
 
     torch.set_num_threads(threads)
     dist.init_process_group(
@@ -107,7 +107,7 @@ def run(
 
 def planned(seq: int, cp: int, kind: str, layers: int) -> int:
     from megaframe.config import load_config
-    from megaframe.planning.estimate import plan_layout
+    from megaframe.planning.memory.rank_plan import plan_layout
 
     cfg = load_config(overrides(seq, cp, kind, layers), world_size=cp, check_data=False)
     return plan_layout(cfg, cp).ranks[0].activation_bytes

@@ -7,7 +7,7 @@
 Each layout runs on gloo ranks spawned here (one thread each): start-up, one step, a blocking save and the
 load of that save into a fresh model, each measured by the trainer's own meter
 (megaframe/training/phase_run.py: the tensor bytes the rank allocated, from the CPU allocator's events). The
-planner (planning/phases.py) sizes the same config (`--json` keeps the measured figures, `--replan` plans them
+planner (memory/phases.py) sizes the same config (`--json` keeps the measured figures, `--replan` plans them
 again without measuring). Prints phase x layout: measured (the largest rank), planned (that rank's
 coordinate), ratio; then zero=3 dp4 against one process at zero=0 for start-up, save and load. The default
 model (8 layers, hidden 1024, ffn 4096, vocab 8192, seq 256, GQA 16/4 heads) has 113M parameters.
@@ -89,7 +89,7 @@ def measure(name: str, base: list[str]) -> list[dict]:
 def planned(name: str, base: list[str], rows: list[dict]) -> list[tuple[dict, dict]]:
     """[(measured, planned phases of its coordinate)] per rank of one layout."""
     from megaframe.config import load_config
-    from megaframe.planning.estimate import plan_layout
+    from megaframe.planning.memory.rank_plan import plan_layout
 
     n, _, _, extra = LAYOUTS[name]
     plan = {

@@ -148,8 +148,9 @@ def spearman(a: list[float], b: list[float]) -> float:
 
 def main(argv: list[str]) -> int:
     from megaframe.config import load_config
+    from megaframe.planning.candidate import Layout, layout_config
     from megaframe.planning.devices import measure_cpu
-    from megaframe.planning.search import Layout, layout_config, step_time
+    from megaframe.planning.steptime.timing import step_time
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=8)

@@ -7,10 +7,10 @@ The config is composed and validated as train.py does (megaframe.config.load_con
 is not read, since planning happens before it exists), so a layout train.py would refuse exits 2 with
 the same one-line message. `+world_size` (required unless $WORLD_SIZE is set), `+device_memory_gb`
 (GiB per device) and `+plan_json` are the planner's own and are removed before composing. Every
-rank's model is then built on the meta device with a virtual mesh (megaframe.planning.estimate).
+rank's model is then built on the meta device with a virtual mesh (megaframe.planning.memory.rank_plan).
 A rank over the device memory prints a `DOES NOT FIT` line (exit code 0: the plan itself worked).
 The layout's step time, tokens/s per device and MFU on the device (the step-time model of
-megaframe.planning.timing) follow; `+plan_json` has them as step_time_s, tokens_per_s_per_device, mfu,
+planning.steptime.timing) follow; `+plan_json` has them as step_time_s, tokens_per_s_per_device, mfu,
 peak_bytes and fits.
 
     python -m megaframe.plan calibrate [--out PATH] [--quick]
@@ -24,7 +24,7 @@ measures GEMM, attention and collective throughput on the present device and wri
 
 proposes a layout instead: every valid (tp, cp, pp, vpp, dp, ep, ZeRO stage, HSDP shard group, grad reduce
 dtype, micro-batch, recompute) is sized in every phase (start-up, step, save, load), those with a phase over
-the memory dropped, the rest ranked by the step-time model of megaframe.planning.search (device figures and
+the memory dropped, the rest ranked by the step-time model of planning.search.rank (device figures and
 their sources in megaframe.planning.devices); the top ones are printed with their memory per phase and why
 each is slower than the first, and the layouts within the model's measured error of #1 are called ties.
 Progress goes to stderr; `+plan_json=PATH` writes every ranked layout. The model, data and batch settings
@@ -48,7 +48,7 @@ from megaframe.config.rules import FIELD_RULES, NONNEG, POS, POSF, SHARE, Rule, 
 from megaframe.errors import fail, write_refused
 from megaframe.planning.answer import layout_timing, timing_line
 from megaframe.planning.measure import WARMUP_ROWS
-from megaframe.planning.search_report import human, search_report
+from megaframe.planning.search.report import human, search_report
 
 
 def split_args(argv: list[str]) -> tuple[list[str], dict[str, str]]:
@@ -93,8 +93,8 @@ def render(plan, cfg) -> str:
 
 
 def _phase_lines(plan) -> list[str]:
-    """Each row's peak per phase (planning.phases), the largest named."""
-    from megaframe.planning.estimate import merged_rows
+    """Each row's peak per phase (planning.memory.phases), the largest named."""
+    from megaframe.planning.memory.rank_plan import merged_rows
 
     lines = ["memory per phase (peak of the rank; a layout fits only if every phase does):"]
     for tps, r in merged_rows(plan):
@@ -108,7 +108,7 @@ def _phase_lines(plan) -> list[str]:
             else ""
         )
         lines.append(f"  pp {r.pp_rank} tp {ranges(tps)}: {cells}{host}")
-        # the step's peak by what holds it (planning.phases.step_terms), each term named
+        # the step's peak by what holds it (planning.memory.phases.step_terms), each term named
         terms = " + ".join(f"{k} {human(v)}" for k, v in r.step_terms.items() if v)
         lines.append(f"    step = {terms}" if terms else "")
     return [x for x in lines if x]
@@ -119,9 +119,9 @@ def cp_label(lay: dict) -> str:
 
 
 def _table(plan) -> list[str]:
-    from megaframe.planning.estimate import merged_rows
+    from megaframe.planning.memory.rank_plan import merged_rows
 
-    # "step": the step phase's peak (planning.phases), the one total a rank has; it adds what the state and
+    # "step": the step phase's peak (memory.phases), the one total a rank has; it adds what the state and
     # activations alone miss (the head's logits, gloo's staging copies)
     head = (
         "pp",
@@ -164,7 +164,7 @@ def _table(plan) -> list[str]:
 
 
 def _verdict(plan) -> list[str]:
-    from megaframe.planning.estimate import merged_rows
+    from megaframe.planning.memory.rank_plan import merged_rows
 
     worst = max(plan.ranks, key=lambda r: r.peak_bytes)
     phase = max(worst.phases, key=worst.phases.get) if worst.phases else "step"
@@ -174,18 +174,20 @@ def _verdict(plan) -> list[str]:
     ]
     if plan.device_memory_bytes is None:
         return lines
-    cap = human(plan.device_memory_bytes)
+    cap, mem = human(plan.device_memory_bytes), plan.device_memory_bytes
+    # judged with the allocator's headroom over the allocated peaks (Plan.headroom), said when there is one
+    said = f" with the allocator's {100 * plan.headroom:.0f} % headroom" if plan.headroom else ""
     over = [r for _, r in merged_rows(plan) if not r.fits]
     for r in over:
-        bad = [k for k, v in r.phases.items() if v > plan.device_memory_bytes] or ["step"]
+        bad = [k for k, v in r.phases.items() if plan.needs(v) > mem] or ["step"]
         lines.append(
-            f"DOES NOT FIT: ranks {ranges(r.ranks)} (pp {r.pp_rank}) need {human(r.peak_bytes)} "
-            f"> {cap} per device (in {', '.join(bad)})"
+            f"DOES NOT FIT: ranks {ranges(r.ranks)} (pp {r.pp_rank}) need {human(plan.needs(r.peak_bytes))}"
+            f"{said} > {cap} per device (in {', '.join(bad)})"
         )
     if not over:
         lines.append(
-            f"fits: every rank within {cap} per device in every phase "
-            f"({human(plan.device_memory_bytes - worst.peak_bytes)} to spare on the largest)"
+            f"fits: every rank within {cap} per device in every phase{said} "
+            f"({human(mem - plan.needs(worst.peak_bytes))} to spare on the largest)"
         )
     return lines
 
@@ -250,7 +252,8 @@ def main(argv: list[str]) -> int:
         return fail(e if isinstance(e, ConfigError) else f"plan settings: {e}")
     if searching:
         return search_main(cfg, world, memory, own, overrides)
-    from megaframe.planning.estimate import plan_layout
+    from megaframe.planning.memory.block_memory import on_host
+    from megaframe.planning.memory.rank_plan import plan_layout
 
     per_rank = -(-cfg.model.num_layers // cfg.parallel.pp)
     if per_rank > MAX_LAYERS_PER_RANK:  # bounded: a plan that would run for minutes is refused in a second
@@ -265,8 +268,9 @@ def main(argv: list[str]) -> int:
         return fail(f"plan settings: {e}")
     if memory is None and ("device" in own or "device_profile" in own) and dev.memory_gb:
         memory = dev.memory_gb  # a device named alone: fits is judged against its own memory
+    cfg = for_device(cfg, dev)
     with still_planning(f"{cfg.model.name} on {world} rank(s)"):
-        plan = plan_layout(cfg, world, memory)
+        plan = plan_layout(cfg, world, memory, 0.0 if on_host(cfg) else dev.alloc_headroom)
         timing = layout_timing(cfg, world, dev, plan)
     print(render(plan, cfg), flush=True)
     print(timing_line(timing), flush=True)
@@ -297,8 +301,16 @@ def pick_device(own: dict):
     return replace(dev, name=f"{dev.name} with {gb:g} GiB (+device_memory_gb)", memory_gb=gb)
 
 
+def for_device(cfg, dev):
+    """The config as it runs on the planned device: train.device=auto resolves to cuda on a GPU (+device),
+    so the plan counts that GPU's kernels (planning.memory.block_memory.gpu_kernels), not this host's."""
+    if str(cfg.train.device) != "auto" or dev.name.startswith("cpu"):
+        return cfg
+    return replace(cfg, train=replace(cfg.train, device="cuda"))
+
+
 def search_main(cfg, world: int, memory_gb: float | None, own: dict, overrides: list[str] = ()) -> int:
-    from megaframe.planning.search import MODEL_ERROR, search, ties
+    from megaframe.planning.search.rank import MODEL_ERROR, search, ties
 
     try:
         dev = pick_device(own)
@@ -306,6 +318,7 @@ def search_main(cfg, world: int, memory_gb: float | None, own: dict, overrides: 
     except ValueError as e:
         return fail(f"plan settings: {e}")
     cap = memory_gb * 2**30 if memory_gb is not None else None
+    cfg = for_device(cfg, dev)
     try:
         ests, n, dropped = search(
             cfg, world, dev, cap, progress=lambda text: print(text, file=sys.stderr, flush=True)

@@ -80,7 +80,7 @@ def build_model_for(m: ModelConfig, p: ParallelConfig, t: TrainConfig, o: OptimC
         enable_tp_overlap(model, p.tp_comm_chunks)
     # a planning (meta) model never runs: compiling its blocks would trace them through AOT's partitioner,
     # which cannot place meta tensors (a crash), and the planner sizes the eager saves and times compile
-    # from the config (planning/compute.py's elementwise traffic)
+    # from the config (planning/steptime/compute.py's elementwise traffic)
     if t.compile and torch.device(mesh.device).type != "meta":
         compile_blocks(model)
     return model

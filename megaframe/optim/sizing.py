@@ -143,7 +143,7 @@ def largest_segment(
 ) -> int:
     """Elements of the largest owned segment (one param's part of one rank's share of a bucket) over the shard
     ranks of this coordinate: what a resume reads into one window of the moments (and, at zero=3, of the
-    master) at most (planning.phases' load)."""
+    master) at most (planning.memory.phases' load)."""
     best = 0
     for axis, _, ordered, plan in _plans(params, cfg, mesh, model):
         for idx, start, end in plan:

@@ -96,7 +96,7 @@ class ScheduleSpec:
     pending_w: Callable[[int], int] = _no_pending_w
     """pp -> most W a rank holds pending (split backward only; the simulator holds every rank to it)."""
     searched: bool = False
-    """The layout search (planning/search.py) tries this kind beside the config's own wherever its
+    """The layout search (planning/search/candidates.py) tries this kind beside the config's own wherever its
     chunk_rule admits the layout's pp, vpp and micro-batches."""
     unit_plan: Callable[[int, int], UnitPlan] | None = None
     """(pp, m) -> the unit-time timetable when the order's generator ran it already (the greedy

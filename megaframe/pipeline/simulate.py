@@ -45,7 +45,7 @@ from megaframe.pipeline.sim_graph import ScheduleError, ScheduleGraph, graph_mem
 
 W_FRACTION = 0.5
 """Default share of a micro-batch chunk's saved activations that a pending W keeps (the weighted layers'
-inputs and output grads); planning.activations.w_fraction measures it for a model."""
+inputs and output grads); planning.memory.activations.w_fraction measures it for a model."""
 
 
 class SendModel(enum.Enum):

@@ -7,10 +7,10 @@ from megaframe.planning.error_bands import RATIO_SPREAD, band, layout_kind, para
 
 
 def layout_timing(cfg, world: int, dev, plan) -> dict:
-    """The step-time model (planning.timing) of the layout as given: step_time_s, tokens_per_s_per_device,
+    """The step-time model (steptime.timing) of the layout as given: step_time_s, tokens_per_s_per_device,
     mfu (model FLOPs, training.metrics, over the device's peak at train.precision), the largest phase
     peak (peak_bytes) and fits, with the step's parts."""
-    from megaframe.planning.timing import step_time
+    from megaframe.planning.steptime.timing import step_time
     from megaframe.training.metrics import flops_per_token
 
     p, t = cfg.parallel, cfg.train
@@ -73,6 +73,6 @@ def cli_layout(cfg, dp: int):
 def cli_step_seconds(cfg, world: int, dev) -> dict[str, float]:
     """The step's parts as `plan` times the config on `world` ranks (dp from the config's derivation)."""
     from megaframe.config.derived import derive
-    from megaframe.planning.timing import step_time
+    from megaframe.planning.steptime.timing import step_time
 
     return step_time(cfg, cli_layout(cfg, derive(cfg, world).dp), dev, world)

@@ -3,7 +3,7 @@ profile (planning.devices.Device as JSON) that `+device_profile=PATH` then plans
 
 Measured on the present device (CUDA if there is one, else one CPU core): bf16 GEMM throughput over a
 sweep of square sizes (the largest's fraction of the rated peak is `efficiency`, and `gemm_fixed_s` is the
-fixed time that fits the smallest one: the size curve planning.compute uses); causal SDPA's forward +
+fixed time that fits the smallest one: the size curve planning.steptime.compute uses); causal SDPA's forward +
 backward rate (`attn_eff`); a device-to-device copy's bandwidth (`hbm_bw`, hbm_eff 1: measured). On CPU the
 peak is the measured matmul rate itself (torch's kernels are the device) and the link is gloo between two
 local processes (planning.gloo_link); on a GPU the rated peak comes from training.metrics.GPU_PEAK and the

@@ -1,5 +1,5 @@
 """A candidate layout of the search (planning.search) and the parameter counts the memory and
-step-time models (planning.timing) share: one record, read by both."""
+step-time models (planning.steptime.timing) share: one record, read by both."""
 
 from __future__ import annotations
 

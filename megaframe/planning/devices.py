@@ -87,7 +87,7 @@ class Device:
     """Seconds per ring step across nodes (InfiniBand)."""
     alloc_headroom: float = 0.0
     """Fraction of the allocated peak the caching allocator keeps reserved on top (fragmentation; module
-    doc). planning.phases' peaks are allocated bytes, what torch.cuda.max_memory_allocated reads; the
+    doc). planning.memory.phases' peaks are allocated bytes, what torch.cuda.max_memory_allocated reads; the
     published comparison and the plan's `reserved` line add this."""
 
     def peak(self, precision: str) -> float:

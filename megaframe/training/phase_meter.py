@@ -5,7 +5,7 @@ first for readers that keep a step's later line).
 
 A phase's figure is the most this rank held at any moment of it, everything included (what it already
 held when the phase began and the phase's own transients), the quantity the planner predicts per phase
-(planning/phases.py) and the one a device's capacity bounds:
+(planning/memory/phases.py) and the one a device's capacity bounds:
 
   cuda  torch.cuda.max_memory_allocated after torch.cuda.reset_peak_memory_stats at the phase's start:
         the caching allocator's own count of the bytes handed to tensors.

@@ -1,7 +1,7 @@
 """One rank's four phase peaks (start-up, the first step, a save, the load of that save), measured by the
 trainer's own meter (training/phase_meter.py) around what the trainer does in each phase: build the model and
 optimizer; one train_step; settle, the finiteness vote and a blocking save (training/checkpointing.py);
-a fresh model and optimizer loaded from that save. The planner's per-phase figures (planning/phases.py) are
+a fresh model and optimizer loaded from that save. The planner's per-phase figures (memory/phases.py) are
 checked against it (tests/distributed/planning/test_plan_phases.py, benchmarks/mem_phases.py)."""
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from megaframe.config import load_config
 from megaframe.optim.build import build_optimizer
-from megaframe.planning.activations import allocator_peak, chunk_activation_bytes
+from megaframe.planning.memory.activations import allocator_peak, chunk_activation_bytes
 from megaframe.training.metrics import memory_figures
 from tests.distributed.cases import tiny_config
 from tests.forms import build_data, build_model, microbatches, train_step

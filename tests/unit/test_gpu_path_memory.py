@@ -10,7 +10,7 @@ from megaframe.config import load_config
 from megaframe.layers.fused_ce import linear_cross_entropy
 from megaframe.layers.linear import ColumnParallelLinear
 from megaframe.parallel.virtual import virtual_mesh
-from megaframe.planning.activations import saved_bytes
+from megaframe.planning.memory.activations import saved_bytes
 from megaframe.training.metrics import gpu_peak
 from tests.forms import build_model
 

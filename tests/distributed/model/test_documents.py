@@ -7,7 +7,7 @@ at a cp chunk edge."""
 import pytest
 import torch
 
-from megaframe.planning.estimate import plan_layout
+from megaframe.planning.memory.rank_plan import plan_layout
 from tests.distributed.cases import tiny_config, train_and_report
 
 pytestmark = pytest.mark.distributed

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megaframe.parallel.virtual import virtual_mesh
-from megaframe.planning.activations import chunk_activation_bytes
+from megaframe.planning.memory.activations import chunk_activation_bytes
 from tests.distributed.cases import tiny_config, train_and_report
 from tests.distributed.model.test_model_equivalence import assert_close_dicts
 from tests.distributed.zero_cases import run_steps

@@ -2,7 +2,7 @@
 strategy: zero=0, 1, 2 (here with HSDP), 3. One chain of short runs per rule and dtype, each loading the
 previous one's checkpoint under a different layout and stage, continues one uninterrupted one-process run
 (losses, final weights); the last link resumes into the other state dtype (converted as read). On every rank
-of each run the optimizer state measured (mem/optim_bytes) equals the planner's (planning/estimate.py
+of each run the optimizer state measured (mem/optim_bytes) equals the planner's (planning/memory/rank_state.py
 plan_layout, from the config alone), and the checkpoint records the state's dtype."""
 
 import pytest
@@ -10,7 +10,8 @@ import pytest
 from megaframe.checkpoint import sharded
 from megaframe.optim.rule_registry import RULES, rule_named
 from megaframe.parallel.virtual import virtual_mesh
-from megaframe.planning.estimate import optim_bytes_by_dp_rank, plan_layout
+from megaframe.planning.memory.rank_plan import plan_layout
+from megaframe.planning.memory.rank_state import optim_bytes_by_dp_rank
 from tests.distributed.cases import tiny_config
 from tests.distributed.model.test_model_equivalence import assert_close_dicts, assert_weights_close
 from tests.distributed.optim.test_zero import SMALL_BUCKETS, STEPS, rel_errors

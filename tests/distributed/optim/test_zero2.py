@@ -5,7 +5,7 @@ test_update_rules.py)."""
 
 import pytest
 
-from megaframe.planning.estimate import plan_layout
+from megaframe.planning.memory.rank_plan import plan_layout
 from tests.distributed.cases import tiny_config
 from tests.distributed.model.test_model_equivalence import assert_close_dicts, assert_weights_close
 from tests.distributed.optim.test_zero import FAMILIES, HAS_PP, SMALL_BUCKETS, STEPS, reference, rel_errors

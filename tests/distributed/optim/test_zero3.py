@@ -6,7 +6,7 @@ the layout, dp bytes to theory to the byte, and a resume chain zero=3 dp4 -> zer
 
 import pytest
 
-from megaframe.planning.estimate import plan_layout
+from megaframe.planning.memory.rank_plan import plan_layout
 from tests.distributed.cases import tiny_config
 from tests.distributed.ckpt_cases import load_and_report, zero3_freed_load_steps
 from tests.distributed.model.test_model_equivalence import assert_close_dicts, assert_weights_close

@@ -4,7 +4,7 @@ the bf16 one (loss within 2 %) and like the fp8 one-process run (to fp32 noise: 
 
 import pytest
 
-from megaframe.planning.estimate import plan_layout
+from megaframe.planning.memory.rank_plan import plan_layout
 from tests.distributed.cases import tiny_config
 from tests.distributed.float8_gather_cases import gather_probe
 from tests.distributed.zero_cases import run_steps

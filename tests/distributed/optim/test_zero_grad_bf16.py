@@ -20,7 +20,7 @@ its norm, and even one bucket's grads scaled by 0.99 exceeds the bound: the grad
 
 import pytest
 
-from megaframe.planning.estimate import plan_layout
+from megaframe.planning.memory.rank_plan import plan_layout
 from tests.distributed.cases import tiny_config
 from tests.distributed.optim.test_zero import FAMILIES, HAS_PP, SMALL_BUCKETS
 from tests.distributed.zero_cases import run_steps

@@ -8,7 +8,8 @@ dropout the allgather path attends per query chunk and holds no [S/c, S] causal 
 import pytest
 
 from megaframe.config import load_config
-from megaframe.planning.estimate import cp_bias_bytes, plan_layout
+from megaframe.planning.memory.rank_plan import plan_layout
+from megaframe.planning.memory.rank_state import cp_bias_bytes
 from tests.distributed.plan_cases import measure_cp_peak
 
 pytestmark = pytest.mark.distributed

@@ -4,7 +4,7 @@ at the peak of the real pipeline schedule), each within 10 %."""
 
 import pytest
 
-from megaframe.planning.estimate import plan_layout
+from megaframe.planning.memory.rank_plan import plan_layout
 from tests.distributed.cases import tiny_config
 from tests.distributed.plan_cases import measure_memory, mesh_coordinates
 

@@ -1,4 +1,4 @@
-"""The planner's memory per phase (start-up, first step, save, load: planning/phases.py) against the peaks the
+"""The planner's memory per phase (start-up, first step, save, load: memory/phases.py) against the peaks the
 trainer's meter measures on the gloo pool (training/phase_meter.py), each within 10 %, at ZeRO-1 (dp2,
 pp2·dp2) and ZeRO-3 (dp2, dp4): what each phase holds is counted (ZeRO-3's gathered and prefetched blocks, its
 grad buckets in flight and gloo's copies of the collectives at the last block's backward; the save's host copy
@@ -16,7 +16,7 @@ machine): the same allowance. NCCL works in place (no such copies)."""
 
 import pytest
 
-from megaframe.planning.estimate import plan_layout
+from megaframe.planning.memory.rank_plan import plan_layout
 from tests.distributed.cases import tiny_config
 from tests.distributed.phase_cases import measure_phases
 

@@ -1,4 +1,4 @@
-"""The step phase's named terms (planning.phases.step_terms) that the default layouts of test_plan_phases.py
+"""The step phase's named terms (memory.phases.step_terms) that the default layouts of test_plan_phases.py
 leave at zero, held to the trainer's measured step peak on the gloo pool within the same 10 % (plus the same
 allowance for gloo's worker-thread copies): ZeRO-3 with optim.reshard_after_forward=false (every block
 kept gathered from its forward to its backward, not the running and the prefetched one), and the
@@ -9,7 +9,7 @@ were left out."""
 
 import pytest
 
-from megaframe.planning.estimate import plan_layout
+from megaframe.planning.memory.rank_plan import plan_layout
 from tests.distributed.cases import tiny_config
 from tests.distributed.phase_cases import measure_phases
 from tests.distributed.step_term_cases import gathered_high

@@ -23,7 +23,7 @@ from megaframe.pipeline.schedule import (
 )
 from megaframe.pipeline.simulate import SendModel, simulate
 from megaframe.planning.devices import DEVICES
-from megaframe.planning.search import search
+from megaframe.planning.search.rank import search
 
 TOY = "toy_split"
 

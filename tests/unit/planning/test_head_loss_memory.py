@@ -1,6 +1,6 @@
 """train.fused_head_loss=false (the whole logits and their fp32 log-softmax, as torchtitan's loss runs) is
 what the trainer runs, with the fused path's losses and grads, and the planner's head transient for it
-(planning.phases.head_transient_bytes) is the allocator peak a real forward + backward of the head and loss
+(memory.phases.head_transient_bytes) is the allocator peak a real forward + backward of the head and loss
 reaches on the CPU, beside what the loss saves (the meta forward's head activations)."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import torch
 from megaframe.config import load_config
 from megaframe.parallel.mesh import single_process_mesh
 from megaframe.parallel.virtual import virtual_mesh
-from megaframe.planning.activations import allocator_peak, head_activation_bytes
-from megaframe.planning.estimate import rank_shape
-from megaframe.planning.phases import head_transient_bytes
+from megaframe.planning.memory.activations import allocator_peak, head_activation_bytes
+from megaframe.planning.memory.phases import head_transient_bytes
+from megaframe.planning.memory.rank_state import rank_shape
 from tests.forms import build_model
 
 # a vocabulary much wider than the hidden size: the [tokens, V] tensors are the head's whole peak

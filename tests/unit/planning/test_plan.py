@@ -11,7 +11,8 @@ import pytest
 from megaframe.config import load_config
 from megaframe.pipeline.schedule import activation_bound, compute_order
 from megaframe.plan import main, ranges, split_args
-from megaframe.planning.estimate import peak_activations, plan_layout
+from megaframe.planning.memory.inflight import peak_activations
+from megaframe.planning.memory.rank_plan import plan_layout
 from tests.e2e.helpers import ROOT, TINY
 
 LLAMA8B = [
@@ -120,14 +121,15 @@ def test_the_planned_head_workspace_follows_the_fused_heads_gpu_chunk():
     layers.fused_ce.CHUNK_ELEMS, so the plan must use the same budget (it once kept an older, 16x smaller
     one)."""
     from megaframe.layers.fused_ce import CHUNK_ELEMS
-    from megaframe.planning.phases import HEAD_CHUNK_ELEMS
+    from megaframe.planning.memory.phases import HEAD_CHUNK_ELEMS
 
     assert HEAD_CHUNK_ELEMS["cuda"] == CHUNK_ELEMS["cuda"]
 
 
 def test_a_compiled_layout_plans_as_its_eager_one_less_the_elementwise_traffic(tmp_path, capsys):
     """train.compile=true plans (it crashed: AOT's partitioner on the meta model's compiled blocks): the
-    memory is the eager plan's to the byte, the step time differs only in the elementwise part."""
+    memory is the eager plan's less the silu output a compiled SwiGLU recomputes (one [S, B, F] per layer
+    and micro-batch), the state to the byte; the step time differs only in the elementwise part."""
     plans = {}
     for flag in ("false", "true"):
         out = tmp_path / f"{flag}.json"
@@ -137,7 +139,13 @@ def test_a_compiled_layout_plans_as_its_eager_one_less_the_elementwise_traffic(t
         plans[flag] = json.loads(out.read_text())
     capsys.readouterr()
     eager, compiled = plans["false"], plans["true"]
-    assert compiled["ranks"] == eager["ranks"] and compiled["peak_bytes"] == eager["peak_bytes"]
+    silu = 2 * 32 * 128 * 4  # TINY: micro-batch 2 x seq 32 x ffn 128, fp32; one layer a stage
+    for c, e in zip(compiled["ranks"], eager["ranks"]):
+        assert c["chunk_activation_bytes"] == [b - silu for b in e["chunk_activation_bytes"]]
+        assert [c[k] for k in ("params_bytes", "grads_bytes", "optim_bytes")] == [
+            e[k] for k in ("params_bytes", "grads_bytes", "optim_bytes")
+        ]
+    assert compiled["peak_bytes"] < eager["peak_bytes"]
     differ = {k for k, v in compiled["step_parts_s"].items() if v != eager["step_parts_s"][k]}
     assert compiled["step_parts_s"]["compute"] < eager["step_parts_s"]["compute"]
     assert differ <= {"compute", "bubble", "dp"}  # what the compute shifts; the collectives are the same

@@ -13,10 +13,13 @@ import pytest
 from megaframe.config import load_config
 from megaframe.parallel.context import cp_bytes_per_layer
 from megaframe.plan import main
-from megaframe.planning.compute import block_seconds
+from megaframe.planning.candidate import Layout, layout_config
 from megaframe.planning.devices import DEVICES
-from megaframe.planning.estimate import plan_layout
-from megaframe.planning.search import Layout, candidates, layout_config, memory, phase_memory, step_time
+from megaframe.planning.memory.dims import memory, phase_memory
+from megaframe.planning.memory.rank_plan import plan_layout
+from megaframe.planning.search.candidates import candidates
+from megaframe.planning.steptime.compute import block_seconds
+from megaframe.planning.steptime.timing import step_time
 from megaframe.training.metrics import flops_per_token
 from tests.unit.planning.test_plan_search import SMALL
 
@@ -95,7 +98,7 @@ def test_search_enumerates_cp_and_prices_the_exchange():
     h100 = DEVICES["H100"]
     base = step_time(cfg, Layout(1, 1, 1, 8, 1, 1, 1, "none"), h100, 8)
     cp = step_time(cfg, Layout(1, 1, 1, 4, 1, 1, 1, "none", cp=2), h100, 8)
-    # the same FLOPs; S/cp tokens per GEMM are no faster (planning.timing.gemm_efficiency)
+    # the same FLOPs; S/cp tokens per GEMM are no faster (planning.steptime.timing.gemm_efficiency)
     assert base["cp"] == 0 and cp["cp"] > 0 and base["compute"] <= cp["compute"] <= 2.5 * base["compute"]
     ring_cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, cp_comm="ring"))
     ring = step_time(ring_cfg, Layout(1, 1, 1, 4, 1, 1, 1, "none", cp=2), h100, 8)

@@ -14,7 +14,6 @@ from megaframe.config import load_config
 from megaframe.plan import main
 from megaframe.planning.answer import cli_step_seconds
 from megaframe.planning.candidate import Layout, stage_layers
-from megaframe.planning.compute import block_seconds, gemm_seconds
 from megaframe.planning.devices import DEVICES, load_profile
 from megaframe.planning.error_bands import (
     KINDS,
@@ -23,8 +22,9 @@ from megaframe.planning.error_bands import (
     spread,
     summary,
 )
-from megaframe.planning.search import MODEL_ERROR, Estimate, break_ties
-from megaframe.planning.timing import step_time
+from megaframe.planning.search.rank import MODEL_ERROR, Estimate, break_ties
+from megaframe.planning.steptime.compute import block_seconds, gemm_seconds
+from megaframe.planning.steptime.timing import step_time
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -151,7 +151,8 @@ def test_calibrate_writes_a_profile_the_planner_uses(tmp_path, capsys):
 
 def test_fp8_layouts_are_sized_as_bf16_and_timed_faster():
     """fp8 keeps bf16 params and activations (2 bytes, ZeRO >= 1) and runs its block GEMMs faster."""
-    from megaframe.planning.search import _state_choices, phase_memory
+    from megaframe.planning.memory.dims import phase_memory
+    from megaframe.planning.search.candidates import _state_choices
 
     base = ["model=llama3_8b", "model.num_layers=2"]
     b16 = load_config([*base, "train.precision=bf16"], world_size=1, check_data=False)
@@ -166,8 +167,8 @@ def test_fp8_layouts_are_sized_as_bf16_and_timed_faster():
 def test_full_recompute_holds_the_recomputed_blocks_working_set():
     """Under full recompute the step also holds one block's whole saved set while it is re-run: the block
     recompute=none keeps (search.working_set_bytes), in both the exact planner and the search."""
-    from megaframe.planning.block_memory import working_set_bytes
-    from megaframe.planning.estimate import plan_layout
+    from megaframe.planning.memory.block_memory import working_set_bytes
+    from megaframe.planning.memory.rank_plan import plan_layout
 
     over = [
         "data=synthetic",
@@ -198,7 +199,7 @@ def test_full_recompute_holds_the_recomputed_blocks_working_set():
 def test_search_tries_vpp_8_and_short_end_stages():
     """vpp up to 8 where the layers allow it, and (past two stages) the first and last stage one block short
     as a parallel.pp_layout that validate() accepts (Llama 3's 126 layers on pp16 is this shape)."""
-    from megaframe.planning.search import candidates
+    from megaframe.planning.search.candidates import candidates
 
     tiny = [
         "data=synthetic",

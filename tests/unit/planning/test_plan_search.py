@@ -11,22 +11,16 @@ import pytest
 
 from megaframe.config import load_config
 from megaframe.plan import main
-from megaframe.planning import search as search_mod
-from megaframe.planning.compute import gemm_dims as _gemm_dims
-from megaframe.planning.compute import gemm_efficiency
+from megaframe.planning.candidate import Layout, layout_config
 from megaframe.planning.devices import DEVICES, get_device
-from megaframe.planning.estimate import plan_layout
-from megaframe.planning.search import (
-    Estimate,
-    Layout,
-    candidates,
-    layout_config,
-    memory,
-    phase_memory,
-    search,
-    step_time,
-    ties,
-)
+from megaframe.planning.memory import dims
+from megaframe.planning.memory.dims import memory, phase_memory
+from megaframe.planning.memory.rank_plan import plan_layout
+from megaframe.planning.search.candidates import Ticker, candidates
+from megaframe.planning.search.rank import Estimate, search, ties
+from megaframe.planning.steptime.compute import gemm_dims as _gemm_dims
+from megaframe.planning.steptime.compute import gemm_efficiency
+from megaframe.planning.steptime.timing import step_time
 
 SMALL = [
     "data=synthetic",
@@ -60,7 +54,7 @@ def test_candidates_are_valid_and_cover_the_axes(cfg):
 
 
 def _search_read(cfg, lay) -> int:
-    from megaframe.planning.search import _shape
+    from megaframe.planning.memory.dims import _shape
 
     return max(_shape(cfg, lay, first, not first, 4).read_bytes for first in (True, False))
 
@@ -122,8 +116,8 @@ def test_bf16_grads_halve_grad_memory_and_reduce_traffic():
         check_data=False,
     )
     fp32, bf16 = Layout(1, 1, 1, 16, 1, 2, 1, "none"), Layout(1, 1, 1, 16, 1, 2, 1, "none", grad_dtype="bf16")
-    g32 = search_mod._state(c, fp32, True, True, 2)[1]
-    assert search_mod._state(c, bf16, True, True, 2)[1] * 2 == g32
+    g32 = dims._state(c, fp32, True, True, 2)[1]
+    assert dims._state(c, bf16, True, True, 2)[1] * 2 == g32
     slow = dataclasses.replace(DEVICES["H100"], inter_bw=1e9)  # a slow link: the reduce-scatter is exposed
     t32, t16 = step_time(c, fp32, slow, 16)["dp"], step_time(c, bf16, slow, 16)["dp"]
     assert t16 < t32
@@ -255,7 +249,7 @@ def test_search_ranks_zero_bubble_schedules_and_prefers_zbv_at_pp8_small_m(capsy
     """pp8 with 8 micro-batches: the bubble is most of the cost, and the model (schedule simulated with F, B,
     W from the backward's split) puts zbv ahead of 1f1b, zb_h1 between; the memory model counts the
     pending W (zb_h1 holds more than 1f1b)."""
-    from megaframe.planning.timing import _bubble, split_costs
+    from megaframe.planning.steptime.timing import _bubble, split_costs
 
     c = load_config(
         [*SMALL, "model.num_layers=16", "train.global_batch_size=8"], world_size=1, check_data=False
@@ -283,7 +277,7 @@ def test_search_ranks_zero_bubble_schedules_and_prefers_zbv_at_pp8_small_m(capsy
 def test_the_search_counts_its_validation_and_sizing(cfg, monkeypatch):
     """Both passes report `i/total` (every EVERY_S seconds; at 0, every layout): the enumeration and
     validation, minutes for llama3_8b on 64 ranks, printed nothing before."""
-    monkeypatch.setattr(search_mod.Ticker, "EVERY_S", 0.0)
+    monkeypatch.setattr(Ticker, "EVERY_S", 0.0)
     heard: list[str] = []
     narrow = lambda x: x.zero == 1 and x.recompute == "none" and x.micro_batch == 1  # noqa: E731
     search(cfg, 4, get_device("A100"), None, progress=heard.append, keep=narrow)
@@ -298,8 +292,8 @@ def test_the_search_counts_its_validation_and_sizing(cfg, monkeypatch):
 @pytest.mark.parametrize("rule", ["adamw", "muon"])
 def test_the_search_sizes_each_rules_state_at_zero0_as_the_built_model_holds(rule, model):
     """zero=0: the rule's bytes per element of each kind of parameter (Muon: momentum on the hidden
-    matrices, AdamW's moments on the rest), as estimate.state_bytes counts a built model's Placements."""
+    matrices, AdamW's moments on the rest), as rank_state.state_bytes counts a built model's Placements."""
     over = [f"model={model}", f"optim.name={rule}", "optim.zero=0", "optim.state_dtype=bf16"]
     cfg = load_config(over, world_size=1, check_data=False)
     lay = Layout(1, 1, 1, 1, 1, 0, 1, "none")
-    assert search_mod._state(cfg, lay, True, True, 4)[2] == plan_layout(cfg, 1).ranks[0].optim_bytes
+    assert dims._state(cfg, lay, True, True, 4)[2] == plan_layout(cfg, 1).ranks[0].optim_bytes

@@ -30,7 +30,7 @@ from __future__ import annotations
 import functools
 
 from megaframe.planning.devices import Device
-from megaframe.planning.moe_time import experts_seconds, router_bytes
+from megaframe.planning.steptime.moe import experts_seconds, router_bytes
 from megaframe.training.metrics import flops_per_token
 
 PASSES = 3
@@ -85,7 +85,7 @@ def block_seconds(
     gemm_prec = "fp8" if prec == "fp8" else prec
     dims = gemm_dims(m, tp)
     router = 0.0
-    if m.num_experts:  # attention's GEMMs, then the rank's experts as grouped GEMMs (planning.moe_time)
+    if m.num_experts:  # attention's GEMMs, then the rank's experts as grouped GEMMs (planning.steptime.moe)
         gemm = sum(gemm_seconds(dev, gemm_prec, tokens, k, n) for k, n in dims[:2])
         # the experts stay bf16 under fp8 (layers/fp8.py converts nn.Linear only)
         ex_prec = "bf16" if gemm_prec == "fp8" else gemm_prec

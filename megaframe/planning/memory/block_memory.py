@@ -8,12 +8,22 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import torch
+
 from megaframe.config.schema import Config
 
 
 def on_host(cfg: Config) -> bool:
-    """A run on the cpu: host copies are in the memory being planned (planning.phases)."""
+    """A run on the cpu: host copies are in the memory being planned (planning.memory.phases)."""
     return str(getattr(cfg.train.device, "value", cfg.train.device)) == "cpu"
+
+
+def gpu_kernels(cfg: Config) -> bool:
+    """Whether the run's activations are a GPU's kernels' saves (RMSNorm's fused kernel: activations.py):
+    train.device=cuda, or auto where this process sees a GPU, as the trainer resolves it. `python -m
+    megaframe.plan` resolves auto for the device it plans (+device, a GPU by default: plan.for_device)."""
+    device = str(getattr(cfg.train.device, "value", cfg.train.device))
+    return device == "cuda" or (device == "auto" and torch.cuda.is_available())
 
 
 def plan_documents(model, cfg: Config) -> None:
@@ -32,7 +42,7 @@ def act_per_layer(cfg_key, tp: int, recompute: str, cp: int = 1) -> tuple[int, i
     a 1- and a 2-layer model and of the two stages of a 2-layer, pp=2 model."""
     from megaframe.model.parallelize import build_model_for
     from megaframe.parallel.virtual import virtual_mesh
-    from megaframe.planning.activations import chunk_activation_bytes
+    from megaframe.planning.memory.activations import chunk_activation_bytes
 
     cfg = _CFGS[cfg_key]
 
@@ -49,7 +59,8 @@ def act_per_layer(cfg_key, tp: int, recompute: str, cp: int = 1) -> tuple[int, i
         model = build_model_for(c.model, c.parallel, c.train, c.optim, mesh)
         if c.data.document_mask:  # the documents' mask and tensors, as the exact planner counts them
             plan_documents(model, c)
-        return chunk_activation_bytes(model, 0, 1, fused_attention=True)
+        # the compiled blocks' saves from the run's own train.compile (the meta model itself is eager)
+        return chunk_activation_bytes(model, 0, 1, True, cfg.train.compile, gpu_kernels(cfg))
 
     # a 2-layer minus a 1-layer model: one block's bytes, the embedding and head cancel out
     per_layer = measure(2, 1, 0) - measure(1, 1, 0)

@@ -15,7 +15,7 @@ meta device with a virtual mesh (no process groups; megaframe.parallel.virtual),
                buckets);
                zero=3: params are the owned 1/dp (fp32 master), every param sharded
   activations  the bytes one micro-batch of each pipeline chunk saves for backward (a meta-device
-               forward, planning.activations), times the chunks in flight at the schedule's peak:
+               forward, planning.memory.activations), times the chunks in flight at the schedule's peak:
                the rank's own action list (pipeline/schedule.py) walked forward by forward; under
                cp the forward runs on the rank's S/cp tokens with attention over a virtual cp axis
                (the gathered K/V, or the ring's own block), plus, with attention dropout, the cp causal bias
@@ -34,26 +34,25 @@ from dataclasses import asdict, dataclass, field, replace
 
 from megaframe.config.derived import derive
 from megaframe.config.schema import Config
-from megaframe.model.attention import Attention
 from megaframe.model.parallelize import build_model_for, rank_stage
 from megaframe.optim.rule_registry import rule_named
-from megaframe.optim.sizing import planned_dp_bytes, planned_memory_bytes
-from megaframe.parallel.context import cp_bytes_per_layer
 from megaframe.parallel.virtual import virtual_mesh
-from megaframe.pipeline.schedule import F, W, compute_order, schedule_spec, splits_backward
-from megaframe.planning.activations import chunk_activation_bytes, head_activation_bytes, w_fraction
-from megaframe.planning.block_memory import on_host as _on_host
-from megaframe.planning.block_memory import plan_documents, working_set_bytes
-from megaframe.planning.phases import (
-    RankShape,
-    head_kind,
-    host_peaks,
-    phase_peaks,
-    step_terms,
-    today_load,
-    today_startup,
+from megaframe.pipeline.schedule import W, compute_order, schedule_spec, splits_backward
+from megaframe.planning.memory.activations import chunk_activation_bytes, w_fraction
+from megaframe.planning.memory.block_memory import gpu_kernels, plan_documents, working_set_bytes
+from megaframe.planning.memory.block_memory import on_host as _on_host
+from megaframe.planning.memory.inflight import peak_activations
+from megaframe.planning.memory.phases import host_peaks, phase_peaks, step_terms, today_load, today_startup
+from megaframe.planning.memory.rank_state import (
+    cp_bias_bytes,
+    cp_step_bytes,
+    dp_comm_bytes,
+    grads_fp32_bytes,
+    optim_bytes_by_dp_rank,
+    rank_shape,
+    state_bytes,
 )
-from megaframe.planning.timing import _bubble, split_costs
+from megaframe.planning.steptime.timing import _bubble, split_costs
 
 
 @dataclass
@@ -83,13 +82,13 @@ class RankFigures:
     (mem/grads_fp32_bytes). It lives from the reduction to the next step's zero_grad, after the last
     backward has freed the activations, so the peak holds the larger of the two, not both."""
     phases: dict[str, int] = field(default_factory=dict)
-    """Peak bytes of start-up, the step, a save and a resume's load (planning.phases)."""
+    """Peak bytes of start-up, the step, a save and a resume's load (memory.phases)."""
     today_startup_bytes: int = 0
     """Start-up as it was before meta-device init (the whole local model in fp32), for comparison."""
     today_load_bytes: int = 0
     """A resume's load as it was before shard-wise reads (full local-shape tensors), for comparison."""
     step_terms: dict[str, int] = field(default_factory=dict)
-    """The step phase's peak as named terms (planning.phases.step_terms; they sum to phases["step"])."""
+    """The step phase's peak as named terms (memory.phases.step_terms; they sum to phases["step"])."""
     host_bytes: dict[str, int] = field(default_factory=dict)
     """Host memory a save (its copy of what the rank writes) and a load (the staging buffer) add."""
 
@@ -128,9 +127,17 @@ class Plan:
     schedule: str
     bubble: float
     """Idle / makespan of the step from the schedule simulation (equal F and B times; zero-bubble kinds
-    with F, B, W costs from the backward's split, planning.timing.split_costs)."""
+    with F, B, W costs from the backward's split, planning.steptime.timing.split_costs)."""
     ranks: list[RankFigures] = field(default_factory=list)
     device_memory_bytes: int | None = None
+    headroom: float = 0.0
+    """The allocator's reserve over the allocated peak a rank must leave (Device.alloc_headroom): a rank
+    fits when its largest phase x (1 + headroom), what torch.cuda.max_memory_reserved reads, is within the
+    device's memory."""
+
+    def needs(self, nbytes: int) -> int:
+        """The device memory `nbytes` allocated take with the allocator's headroom."""
+        return int(nbytes * (1 + self.headroom))
 
     @property
     def fits(self) -> bool | None:
@@ -142,61 +149,10 @@ class Plan:
         return {**asdict(self), "fits": self.fits}
 
 
-def state_bytes(model, cfg: Config, mesh) -> tuple[int, int, int]:
-    """(params, grads, optimizer state) bytes of this rank's model, as the trainer's optimizer lays them
-    out on this (virtual) mesh: ZeRO's own buffer code, or one grad and the update rule's state per element.
-    (bf16 grad reduction's transient fp32 copy: grads_fp32_bytes.)"""
-    params = [p for p in model.parameters() if p.requires_grad]
-    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    if not cfg.optim.zero:
-        # per parameter: a rule may keep other state on hidden matrices than on the rest (Muon)
-        rule, dtype = rule_named(cfg.optim.name), cfg.optim.state_dtype
-        state = sum(rule.bytes_per_element(dtype, p.placement) * p.numel() for p in params)
-        return param_bytes, sum(p.numel() * p.element_size() for p in params), state
-    if cfg.optim.zero == 3 and mesh.dp.size == 1:  # build_optimizer: nothing to shard, ZeRO-2's layout
-        cfg = replace(cfg, optim=replace(cfg.optim, zero=2))
-    mem = planned_memory_bytes(params, cfg.optim, mesh, model)
-    return mem.get("mem/params_bytes", param_bytes), mem["mem/grads_bytes"], mem["mem/optim_bytes"]
-
-
-def optim_bytes_by_dp_rank(model, cfg: Config, tp_rank: int, pp_rank: int, dp: int) -> list[int]:
-    """The optimizer state bytes of each dp rank (cp rank 0) of the coordinate `model` was built for."""
-    p = cfg.parallel
-    at = dict(tp_rank=tp_rank, pp_rank=pp_rank, device="meta", ep=p.ep, etp=p.etp, cp=p.cp)
-    at["shard"] = cfg.optim.shard_group_size
-    meshes = [virtual_mesh(p.tp, p.pp, dp, dp_rank=r, **at) for r in range(dp)]
-    return [state_bytes(model, cfg, mesh)[2] for mesh in meshes]
-
-
-def grads_fp32_bytes(model, cfg: Config, mesh) -> int:
-    """mem/grads_fp32_bytes of this rank: bf16 grad reduction's fp32 copy of the owned grads (0 otherwise)."""
-    if cfg.optim.grad_reduce_dtype != "bf16" or not cfg.optim.zero:
-        return 0
-    if cfg.optim.zero == 3 and mesh.dp.size == 1:  # as state_bytes: ZeRO-2's layout
-        cfg = replace(cfg, optim=replace(cfg.optim, zero=2))
-    params = [p for p in model.parameters() if p.requires_grad]
-    return planned_memory_bytes(params, cfg.optim, mesh, model)["mem/grads_fp32_bytes"]
-
-
-def peak_activations(order, chunk_bytes: list[int], w_bytes: list[int] | None = None) -> tuple[int, int]:
-    """(peak bytes, chunks held at that peak) walking a rank's compute order: F adds, B frees; under a
-    split backward (W in the order) B frees all but w_bytes (what W reads), which W frees."""
-    held = count = peak = peak_count = 0
-    keep = w_bytes or [0] * len(chunk_bytes)
-    for a in order:
-        if a.kind == W:
-            held -= keep[a.chunk]
-        else:
-            sign = 1 if a.kind == F else -1
-            held += sign * chunk_bytes[a.chunk] + (0 if a.kind == F else keep[a.chunk])
-            count += sign
-        if held > peak:
-            peak, peak_count = held, count
-    return peak, peak_count
-
-
-def plan_layout(cfg: Config, world_size: int, device_memory_gb: float | None = None) -> Plan:
-    """Size every rank of the (validated) config on `world_size` ranks."""
+def plan_layout(
+    cfg: Config, world_size: int, device_memory_gb: float | None = None, headroom: float = 0.0
+) -> Plan:
+    """Size every rank of the (validated) config on `world_size` ranks; `headroom`: Plan.headroom."""
     p, t = cfg.parallel, cfg.train
     tp, pp, cp = p.tp, p.pp, p.cp
     derived = derive(cfg, world_size)  # cp ranks read the same samples: dp alone divides the micro-batches
@@ -220,6 +176,7 @@ def plan_layout(cfg: Config, world_size: int, device_memory_gb: float | None = N
         kind,
         _bubble(kind, pp, p.vpp, m, split_costs(cfg, t.recompute) if splits_backward(kind) else None),
     )
+    plan.headroom = headroom
     if device_memory_gb is not None:
         plan.device_memory_bytes = int(device_memory_gb * 2**30)  # GiB, as torch.cuda reports
     cache: dict = {}
@@ -230,7 +187,8 @@ def plan_layout(cfg: Config, world_size: int, device_memory_gb: float | None = N
         for tp_rank in range(tp):
             plan.ranks.append(_rank_figures(cfg, tp, pp, dp, pp_rank, tp_rank, order, cache))
     for r in plan.ranks:
-        r.fits = None if plan.device_memory_bytes is None else r.peak_bytes <= plan.device_memory_bytes
+        cap = plan.device_memory_bytes
+        r.fits = None if cap is None else plan.needs(r.peak_bytes) <= cap
     return plan
 
 
@@ -297,12 +255,14 @@ def _model_figures(cfg: Config, mesh, dp: int, split: bool, coord: tuple[int, in
         # a rule keeping other state on hidden matrices than on the rest holds different bytes on each dp
         # rank (whose owned ranges hold other params): the coordinate's most
         optim = max(optim_bytes_by_dp_rank(model, cfg, coord[0], coord[1], dp))
-    # fused: real devices run a fused attention kernel; meta's math path would count the S x S matrix
+    # fused: real devices run a fused attention kernel; meta's math path would count the S x S matrix; a GPU
+    # also runs RMSNorm's fused kernel (a CPU run the composite, which the CPU measurements hold it to)
     mb = cfg.train.micro_batch_size
     chunks = [
-        chunk_activation_bytes(model, c, mb, fused_attention=True) for c in range(len(model.stage.chunks))
+        chunk_activation_bytes(model, c, mb, True, cfg.train.compile, gpu_kernels(cfg))
+        for c in range(len(model.stage.chunks))
     ]
-    # a split backward's pending W keeps the weighted ops' inputs and output grads (planning.activations)
+    # a split backward's pending W keeps the weighted ops' inputs and output grads (memory.activations)
     keep = [int(b * w_fraction(model, c, mb)) for c, b in enumerate(chunks)] if split else None
     out = RankFigures(
         0,
@@ -317,7 +277,7 @@ def _model_figures(cfg: Config, mesh, dp: int, split: bool, coord: tuple[int, in
         cp_comm_bytes=cp_step_bytes(cfg, model, dp),
         grads_fp32_bytes=grads_fp32_bytes(model, cfg, mesh),
     )
-    out.dp_comm_bytes = _dp_comm_bytes(model, cfg, mesh, dp)
+    out.dp_comm_bytes = dp_comm_bytes(model, cfg, mesh, dp)
     working = working_set_bytes(
         cfg,
         mesh.tp.size,
@@ -326,103 +286,6 @@ def _model_figures(cfg: Config, mesh, dp: int, split: bool, coord: tuple[int, in
         mb,
     )
     return out, chunks, keep, cp_bias_bytes(model), rank_shape(model, cfg, mesh), working
-
-
-def _dp_comm_bytes(model, cfg: Config, mesh, dp: int) -> int | None:
-    """The bytes this rank sends on dp per step under ZeRO; None where the optimizer is not ZeRO."""
-    if cfg.optim.zero and not (
-        mesh.dp_shard.size == 1 and cfg.train.precision == "fp32"
-    ):  # build_optimizer's choice
-        m = cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)
-        return planned_dp_bytes([p for p in model.parameters() if p.requires_grad], cfg.optim, mesh, m, model)
-    return None
-
-
-def rank_shape(model, cfg: Config, mesh) -> RankShape:
-    """What the phase model reads of this rank's (meta) model: its local sizes before ZeRO, the ZeRO-3 units
-    its step gathers and reduces, and the largest range its load reads into one destination."""
-    from megaframe.optim.buffer import grad_dtype
-    from megaframe.optim.param_gather import blocks_of
-
-    ps = list(model.parameters())
-    elem = ps[0].element_size()
-    blocks = [sum(p.numel() for p in b.parameters()) * elem for b in blocks_of(model)]
-    t, o = cfg.train, cfg.optim
-    zero = 2 if o.zero == 3 and mesh.dp.size == 1 else o.zero  # build_optimizer: nothing to shard at dp 1
-    logits = t.micro_batch_size * cfg.model.seq_length // mesh.cp.size * cfg.model.vocab_size // mesh.tp.size
-    out = [p for p in (getattr(model, "final_norm", None), getattr(model, "head", None)) if p is not None]
-    out_params = [q for m in out for q in m.parameters()]
-    if model.stage.last and cfg.model.tie_embeddings:
-        out_params.append(model.embed.weight)
-    return RankShape(
-        sum(p.numel() for p in ps),
-        max(p.numel() for p in ps),
-        max(blocks, default=0),
-        elem,
-        mesh.dp_shard.size if zero else 1,
-        mesh.dpcp.size,
-        zero,
-        logits if model.stage.last else 0,
-        sum(blocks),
-        grad_elem=grad_dtype(o.grad_reduce_dtype, ps[0].dtype).itemsize,
-        out_numel=sum(q.numel() for q in out_params),
-        out_acc=not any(q.placement.pp_tied for q in out_params),
-        block_param_numel=max((q.numel() for b in blocks_of(model) for q in b.parameters()), default=0),
-        head_act=head_activation_bytes(model, t.micro_batch_size) if model.stage.last else 0,
-        read_bytes=_read_bytes(model, cfg, mesh, zero, elem),
-        gloo=_on_host(cfg),
-        head_kind=head_kind(mesh.tp.size, cfg.train.fused_head_loss),
-        reshard=cfg.optim.reshard_after_forward,
-    )
-
-
-def _read_bytes(model, cfg: Config, mesh, zero: int, elem: int) -> int:
-    """The largest range this rank's resume reads into one destination (planning.phases' load): a whole local
-    param (zero 0-2, in its dtype), an fp32 moment (zero=0: whole; ZeRO: its owned segment), and at zero=3
-    everything in owned segments (the fp32 master too)."""
-    from megaframe.optim.sizing import largest_segment
-
-    ps = [p for p in model.parameters() if p.requires_grad]
-    whole = max(p.numel() for p in ps)
-    if not zero:
-        return 4 * whole
-    seg = 4 * largest_segment(ps, replace(cfg.optim, zero=zero), mesh, model)
-    return seg if zero == 3 else max(seg, elem * whole)
-
-
-def cp_bias_bytes(model) -> int:
-    """The causal bias [S/cp, S] the layers of a cp rank share under cp_comm=allgather with attention dropout
-    (context.cp_causal_bias): built in the first forward and held from then on, once per rank. Without
-    dropout the allgather path attends per query chunk and builds no mask (parallel/cp_attention.py)."""
-    attn = next((a for b in model.layers.values() for a in b.modules() if isinstance(a, Attention)), None)
-    if attn is None or not attn.cp_gathered or not attn.dropout > 0:
-        return 0
-    p = next(model.parameters())
-    return model.cfg.seq_length**2 // attn.cp.size * p.element_size()
-
-
-def cp_step_bytes(cfg: Config, model, dp: int) -> int:
-    """comm_bytes/cp of one step on this rank: every layer it holds, every micro-batch; under document
-    masking also the end-of-document flags, one byte a token, all-gathered per micro-batch and chunk."""
-    mesh, m, t = model.mesh, cfg.model, cfg.train
-    micro = t.global_batch_size // (t.micro_batch_size * dp)
-    ring = str(getattr(cfg.parallel.cp_comm, "value", cfg.parallel.cp_comm)) == "ring"
-    per = cp_bytes_per_layer(
-        m.seq_length,
-        mesh.cp.size,
-        t.micro_batch_size,
-        m.kv_heads // mesh.tp.size,
-        m.head_dim,
-        next(model.parameters()).element_size(),
-        ring,
-        t.recompute,
-    )
-    flags = 0
-    if cfg.data.document_mask:
-        flags = (
-            len(model.stage.chunks) * (mesh.cp.size - 1) * t.micro_batch_size * m.seq_length // mesh.cp.size
-        )
-    return len(model.layers) * micro * per + micro * flags
 
 
 def merged_rows(plan: Plan) -> list[tuple[list[int], RankFigures]]:

@@ -16,7 +16,7 @@ def human(n: float) -> str:
 
 
 def search_report(cfg, world, dev, ests, n, dropped, top, cap) -> str:
-    from megaframe.planning.search import MODEL_ERROR, ties, why_slower
+    from megaframe.planning.search.rank import MODEL_ERROR, ties, why_slower
 
     m, t = cfg.model, cfg.train
     tokens = t.global_batch_size * m.seq_length

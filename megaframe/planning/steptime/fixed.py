@@ -1,4 +1,4 @@
-"""The step's parts outside the micro-batches (planning.timing): the optimizer's update.
+"""The step's parts outside the micro-batches (planning.steptime.timing): the optimizer's update.
 
 optim  after the last reduce, every rank updates the elements it owns (1/shard group under ZeRO, all of
        them at zero=0; an expert's over the experts' shard group) in one pass over HBM: it reads the grad

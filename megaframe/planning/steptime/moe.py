@@ -1,4 +1,4 @@
-"""The step-time model's MoE parts (planning.compute, planning.timing): what a rank spends on its experts.
+"""The step-time model's MoE parts (steptime.compute, steptime.timing): what a rank spends on its experts.
 
 Placement as the trainer runs it (parallel/rank_grid.py): the experts fold each stage's tp·cp·dp ranks
 as etp x ep x edp, etp innermost, so an ep group's members lie etp apart and it spans ep·etp consecutive

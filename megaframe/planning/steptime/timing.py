@@ -2,7 +2,7 @@
 
 Step time (seconds) =
     (compute + tp_comm + ep_comm + cp_comm) / (1 - bubble) + pp_comm + dp_comm + optim
-  compute  the slowest pipeline rank's compute seconds by kind of work (planning.compute: its blocks'
+  compute  the slowest pipeline rank's compute seconds by kind of work (planning.steptime.compute: its blocks'
            GEMMs on a roofline with a size curve, fp8 at its own peak, the causal attention core, the
            elementwise work over HBM, the head and fused cross-entropy on the last rank, recompute's re-run)
   comm     per axis: bytes a rank sends (ring all-reduce 2(n-1)/n, all-gather / reduce-scatter / all-to-all
@@ -13,7 +13,7 @@ Step time (seconds) =
            backward; 6 with full recompute; +1 under sp for the backward's re-gathers), 2 more per
            micro-batch for the embedding and the head, and the vocab-parallel loss's two small
            all-reduces (fp32 per token: the max, then the target logit and the exp-sum); ep: the
-           experts' all-to-alls over the expert group (planning.moe_time); pp: one activation and one
+           experts' all-to-alls over the expert group (planning.steptime.moe); pp: one activation and one
            gradient per micro-batch per virtual stage; dp: see below.
   dp       the reduce-scatter of grads in the reduce dtype (fp32 or bf16: optim.grad_reduce_dtype) over the
            shard group and the all-gather of params, ZeRO-0's all-reduce, HSDP's all-reduce of the shard over
@@ -31,7 +31,7 @@ Step time (seconds) =
            needed before attention), the ring overlaps its exchange with the block attention, so only
            what the attention core's compute does not hide is paid (plus the hops' latency). Under cp
            the tp / ep / pp activations are the rank's S/cp tokens; dp reduces over cp·dp.
-  optim    the optimizer's update of the owned elements over HBM (planning.step_fixed)
+  optim    the optimizer's update of the owned elements over HBM (planning.steptime.fixed)
   bubble   the schedule simulator's idle fraction (pipeline.simulate) for (schedule, pp, vpp, micro-batches);
            the kinds whose spec splits the backward (zb_h1, zbv) are timed with F, B, W costs from the
            backward's split
@@ -51,10 +51,10 @@ from megaframe.config.schema import Config
 from megaframe.parallel.context import cp_bytes_per_layer
 from megaframe.parallel.rank_grid import ExpertGroups, folded_expert_groups
 from megaframe.planning.candidate import Layout, cp_ring, stage_layers, stage_params
-from megaframe.planning.compute import rerun_gemm_share, step_compute
 from megaframe.planning.devices import Device
 from megaframe.planning.gloo_link import hop_seconds
-from megaframe.planning.moe_time import all_to_all_seconds
+from megaframe.planning.steptime.compute import rerun_gemm_share, step_compute
+from megaframe.planning.steptime.moe import all_to_all_seconds
 from megaframe.training.metrics import flops_per_token
 
 
@@ -119,7 +119,7 @@ class _Step:
 
     @functools.cached_property
     def work(self) -> dict[str, float]:
-        """Compute seconds of the slowest pipeline rank by kind (planning.compute): its blocks, the head
+        """Compute seconds of the slowest pipeline rank by kind (steptime.compute): its blocks, the head
         on the last rank."""
         lays = stage_layers(self.cfg.model.num_layers, self.lay)
         parts = [
@@ -176,7 +176,7 @@ def _tp(s: _Step) -> float:
 
 
 def _ep(s: _Step) -> float:
-    """The experts' all-to-alls over the expert group (planning.moe_time): dispatch and combine, forward
+    """The experts' all-to-alls over the expert group (planning.steptime.moe): dispatch and combine, forward
     and backward, and the forward's again where recompute re-runs it."""
     m, lay = s.cfg.model, s.lay
     if not m.num_experts or lay.ep == 1:
@@ -298,7 +298,7 @@ def step_time(cfg: Config, lay: Layout, dev: Device, world: int) -> dict[str, fl
 
     s = _Step(cfg, lay, dev, world)
     compute, tp, ep, cp = _compute(s), _tp(s), _ep(s), _cp(s)
-    from megaframe.planning.step_fixed import optimizer_seconds
+    from megaframe.planning.steptime.fixed import optimizer_seconds
 
     kind = lay.schedule or resolve_kind(cfg.parallel.pp_schedule, lay.vpp)
     costs = split_costs(cfg, lay.recompute) if splits_backward(kind) else None

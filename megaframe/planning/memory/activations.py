@@ -9,7 +9,8 @@ One difference between devices needs care: on meta, `scaled_dot_product_attentio
 math decomposition, which saves the [B, H, S, S] attention matrix; the fused kernels every real
 device runs (flash / memory-efficient on CUDA, flash on CPU) save only q, k, v, the output and the
 row log-sum-exp [B, H, S] (fp32). `FusedAttentionSizes` swaps in a shape-only stand-in that saves
-exactly those, so meta figures are what a real device keeps. The cp all-gather path without dropout
+exactly those, so meta figures are what a real device keeps; RMSNorm likewise (the fused kernel's input
+and per-row reciprocal RMS, not the composite's fp32 copies). The cp all-gather path without dropout
 (parallel/cp_attention.py) calls the CPU flash kernel itself, which has meta shapes: it runs as is on
 meta and saves what it saves on CPU (the same five tensors, no mask).
 
@@ -95,23 +96,82 @@ class _FusedAttention(torch.autograd.Function):
         raise RuntimeError("the planner's attention stand-in has no backward")
 
 
+class _FusedRMSNorm(torch.autograd.Function):
+    """Shape-only stand-in for the fused RMSNorm kernel a GPU runs (aten._fused_rms_norm, what F.rms_norm
+    dispatches to on CUDA, and what a compiled block's partitioner keeps of the decomposition): it saves the
+    input and the fp32 reciprocal RMS per row [..., 1]. The composite path meta and CPU run instead saves
+    two fp32 copies of the input (the upcast and the normalised rows): 4x the input's bf16 bytes, which a
+    real device never holds (405B at tp8: 192 MiB a layer a micro-batch)."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        rstd = torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device)
+        ctx.save_for_backward(x, rstd)
+        return torch.empty_like(x)
+
+    @staticmethod
+    def backward(ctx, g):  # pragma: no cover - planning never runs backward
+        raise RuntimeError("the planner's rms_norm stand-in has no backward")
+
+
+class _FusedSwiGLU(torch.autograd.Function):
+    """Shape-only stand-in for silu(gate) * up inside a compiled block: inductor's partitioner keeps the
+    inputs (gate and up, views of the [gate | up] projection output already saved) and recomputes the
+    silu in backward, so the silu output (one [S, B, F] tensor a layer) is not held as eager holds it."""
+
+    @staticmethod
+    def forward(ctx, gate, up):
+        ctx.save_for_backward(gate, up)
+        return torch.empty_like(up)
+
+    @staticmethod
+    def backward(ctx, g):  # pragma: no cover - planning never runs backward
+        raise RuntimeError("the planner's swiglu stand-in has no backward")
+
+
 class FusedAttentionSizes(TorchFunctionMode):
-    """Inside this mode scaled_dot_product_attention saves what a fused kernel saves (see above)."""
+    """Inside this mode scaled_dot_product_attention and rms_norm save what a GPU's fused kernels save
+    (see above; rms_norm only with `fused_norm`: a GPU's kernel or a compiled block, _FusedRMSNorm);
+    `compiled` (train.compile's blocks) also fuses silu(gate) * up."""
+
+    def __init__(self, compiled: bool = False, fused_norm: bool = False):
+        super().__init__()
+        self.compiled, self.fused_norm = compiled, fused_norm or compiled
+        self._silu: dict[int, tuple] = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if self.compiled and func is F.silu:
+            # a placeholder outside autograd: the product below is what the compiled graph saves for
+            out = torch.empty_like(args[0]).detach()
+            self._silu[id(out)] = (out, args[0])
+            return out
+        if self.compiled and func in (torch.Tensor.mul, torch.mul) and id(args[0]) in self._silu:
+            return _FusedSwiGLU.apply(self._silu.pop(id(args[0]))[1], args[1])
         if func is F.scaled_dot_product_attention:
             mask = (kwargs or {}).get("attn_mask", args[3] if len(args) > 3 else None)
             return _FusedAttention.apply(*args[:3], mask)  # scale, dropout, gqa change nothing saved
+        if self.fused_norm and func is F.rms_norm:
+            weight = (kwargs or {}).get("weight", args[2] if len(args) > 2 else None)
+            return _FusedRMSNorm.apply(args[0], weight)
         return func(*args, **(kwargs or {}))
 
 
-def chunk_activation_bytes(model, chunk: int, micro_batch: int, fused_attention: bool) -> int:
+def chunk_activation_bytes(
+    model,
+    chunk: int,
+    micro_batch: int,
+    fused_attention: bool,
+    compiled: bool = False,
+    fused_norm: bool = False,
+) -> int:
     """Bytes one micro-batch of `chunk` saves for backward on this rank (model: a megaframe GPT).
 
     The chunk's input is what the pipeline hands it: token ids on the first stage, else a hidden-state
     tensor [S (S/tp under sp), B, D] in the parameters' dtype that requires grad (a received activation).
     Under context parallelism S is this cp rank's S/cp tokens, and attention runs over the cp axis as in
     training (the gathered K/V, or the ring's blocks), on a virtual axis without communicating.
+    `compiled`: the blocks run compiled (train.compile): their SwiGLU keeps its inputs, not the silu output;
+    `fused_norm`: RMSNorm runs the GPU's fused kernel (a CPU run's composite saves more: see above).
     """
     cfg, device = model.cfg, next(model.parameters()).device
     dtype = next(model.parameters()).dtype
@@ -123,7 +183,7 @@ def chunk_activation_bytes(model, chunk: int, micro_batch: int, fused_attention:
         # requires grad like a received activation, so the first layer saves what it saves in training
         x_SBD = torch.empty(s, micro_batch, cfg.hidden_size, dtype=dtype, device=device, requires_grad=True)
     params = list(model.parameters())
-    with FusedAttentionSizes() if fused_attention else _nothing():
+    with FusedAttentionSizes(compiled, fused_norm) if fused_attention else _nothing():
         # the ids double as labels: the loss saves its tensors with the real shapes
         return saved_bytes(lambda: model.forward_chunk(chunk, x_SBD, ids_BS, ids_BS), params)
 

@@ -4,7 +4,7 @@ peak of each on one rank (what training/phase_meter.py measures and logs as mem/
 A layout fits only if every phase fits: the steady step is not the only moment a rank may run out.
 Modelled for how start-up, save and load work once parameters are built on the meta device:
 
-  resident  params + grads + optimizer state as the trainer holds them between steps (estimate.state_bytes)
+  resident  params + grads + optimizer state as the trainer holds them between steps (rank_state.state_bytes)
   startup   params + (bf16 runs) INIT_FP32_TENSORS of the rank's largest local tensors in fp32 (a
             parameter's initial values are drawn in fp32, then cast into its shard); nothing else is ever
             whole. ZeRO-3 draws each owned segment instead (its fp32 rows and their cast); ZeRO-1/2 copy the
