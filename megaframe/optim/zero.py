@@ -70,7 +70,7 @@ from torch import nn
 from megaframe.config.schema import OptimConfig
 from megaframe.layers import wgrad
 from megaframe.layers.vocab import VocabParallelEmbedding
-from megaframe.optim.buffer import Bucket, FlatBuffer, grad_dtype
+from megaframe.optim.buffer import Bucket, FlatBuffer, grad_dtype, widens_grads
 from megaframe.optim.finalize import all_reduce_tensors, clip_divisor, finalize
 from megaframe.optim.param_gather import ParamGather
 from megaframe.optim.protocol import Optimizer
@@ -104,6 +104,7 @@ class ZeroOptimizer(ZeroStateIO, Optimizer):
         self.states, self._segs_of, self.update, self._owned_grads = build_state(
             self.buffers, self.rule, cfg, mesh.device, self.always_master, self._segment_values, mesh
         )
+        self._casts: dict | None = None  # per bucket: (master ranges to cast, those the step writes)
         self._seen = {p: p._version for p in self._segs_of if p.dtype != torch.float32 or self.always_master}
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self.params]
         self.param_gather = self._make_param_gather(model)
@@ -131,6 +132,7 @@ class ZeroOptimizer(ZeroStateIO, Optimizer):
             sharded_grads=self.stage == 2,
             grad_dtype=self._grad_dtype(params),
             lazy_grads=True,
+            widen=widens_grads(self.cfg),
         )
 
     def _grad_dtype(self, params: list[nn.Parameter]) -> torch.dtype:
@@ -391,9 +393,25 @@ class ZeroOptimizer(ZeroStateIO, Optimizer):
         st = self.states[self.buffers.index(buf)]
         if st.master is not None:
             # The cast to the params' dtype happens once, on the owned range, before the gather: ranks then
-            # gather bf16, half the bytes of gathering the fp32 master.
-            mine.copy_(buf.state_shard(st.master, b))
+            # gather bf16, half the bytes of gathering the fp32 master. Ranges the step wrote in its own
+            # pass (writes_low) are not cast again.
+            casts = self._casts_of(b)
+            if casts is None:
+                mine.copy_(buf.state_shard(st.master, b))
+            for w in casts or ():
+                w.low.copy_(w)
         return comm.all_gather_flat(buf.bucket_range(buf.param, b), mine, buf.axis, async_op=True)
+
+    def _casts_of(self, b: Bucket) -> list[torch.Tensor] | None:
+        """The master ranges of bucket b the step left for the cast (None: all of them, the whole shard)."""
+        if self._casts is None:
+            self._casts = {}
+            for segs in self._segs_of.values():
+                for seg, w in segs:
+                    bucket = self._buffer_of[seg.param].bucket_of[seg.param]
+                    self._casts.setdefault(bucket, ([], []))[self.update.writes_low(w)].append(w)
+        left, written = self._casts.get(b, ([], []))
+        return None if not written else left
 
     def sync_params(self) -> None:
         """Wait for the parameter all-gathers still in flight (overlap_param_gather): call before reading
