@@ -99,9 +99,25 @@ def test_compiled_pass_is_the_eager_step_to_fp32_rounding_and_writes_the_bf16_pa
     """optim.step_kernel=compiled (adamw_fused.py) on bf16-reduced grads, bf16 state and an fp32 master with
     its bf16 param: the master and moments of the eager step (torch's fused AdamW on fp32 copies of the
     grads and moments) to fp32 rounding, a clip divisor and a skipped step included, and the bf16 param is
-    the master rounded (the cast the strategy no longer runs)."""
+    the master rounded (the cast the strategy no longer runs). The pass compiles to one loop (inductor's
+    C++ kernel here) with no intermediate buffer: one read of each input, one write of each output."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
     from megaframe.config.schema import OptimConfig
+    from megaframe.optim import adamw_fused
     from megaframe.optim.adamw import RULE
+
+    n = 40
+    args = [torch.empty(n, dtype=torch.bfloat16), torch.randn(n).bfloat16(), torch.randn(n)]
+    args += [torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16)]
+    scalars = adamw_fused.scalars_of(torch.ones(1), torch.tensor(1e-2), 0.1, None, torch.tensor(0.0))[0]
+    torch._dynamo.reset()
+    compiled = torch.compile(adamw_fused._math, dynamic=True)
+    _, code = run_and_get_code(compiled, *args, scalars, (0.9, 0.95, 1e-8))
+    assert len(set(re.findall(r"cpp_fused_\w+", code[0]))) == 1, code[0]
+    assert not re.findall(r"empty_strided\w*\(", code[0]), code[0]  # no buffer allocated
 
     cfg = OptimConfig(state_dtype="bf16", lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
     compiled_cfg = OptimConfig(**{**cfg.__dict__, "step_kernel": "compiled"})
@@ -127,3 +143,4 @@ def test_compiled_pass_is_the_eager_step_to_fp32_rounding_and_writes_the_bf16_pa
             a, b = fused.state_of(p)[k].float(), eager.state_of(r)[k].float()
             torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-6)  # bf16: one rounding apart at most
         assert fused.adam.state[p]["step"].item() == eager.adam.state[r]["step"].item() == 2
+    assert not adamw_fused._failed  # the compiled pass ran, not the eager fallback

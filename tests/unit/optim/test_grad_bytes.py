@@ -42,6 +42,7 @@ import pytest
 import torch
 
 from megaframe.layers.fp8 import Fp8Gemm
+from megaframe.optim import adamw_fused
 from megaframe.optim.build import build_optimizer
 from megaframe.parallel.mesh import single_process_mesh
 from tests.distributed.cases import tiny_config
@@ -128,6 +129,7 @@ def _count(overrides: list[str], steps: int = 2):
         return run
 
     model.forward_chunk = phase("mb", model.forward_chunk)
+
     def within(name, fn):  # a phase inside the step's, back to it after
         def run(*a, **k):
             was, counter.phase = counter.phase, name
@@ -187,6 +189,8 @@ def test_step_bytes_per_parameter_by_kernel_and_dtypes_follow_the_table(kernel, 
     numel = sum(p.numel() for p in params.values())
     step = counter.per("zero_grad", numel) + counter.per("step", numel)
     assert step == STEP_TABLE[(kernel, state, grads)], (step, counter.ops)
+    # the counter takes the compiled op for one pass: it must have been one (test_adamw.py checks the loop)
+    assert not adamw_fused._failed
 
 
 @pytest.mark.parametrize("kernel", ["eager", "compiled"])
@@ -198,6 +202,7 @@ def test_muon_adamw_part_bytes_per_element_follow_the_table(kernel):
     hidden = sum(p.numel() for p in params.values()) - adamw
     update, cast = MUON_ADAMW[kernel]
     assert counter.per("adamw", adamw) == update, counter.ops
+    assert not adamw_fused._failed
     # the cast of the hidden matrices' ranges stays (6 per element); the AdamW ranges' only when eager
     assert counter.per("to_bf16", 1) == 6 * hidden + cast * adamw, counter.ops
 
