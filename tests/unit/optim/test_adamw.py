@@ -144,3 +144,42 @@ def test_compiled_pass_is_the_eager_step_to_fp32_rounding_and_writes_the_bf16_pa
             torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-6)  # bf16: one rounding apart at most
         assert fused.adam.state[p]["step"].item() == eager.adam.state[r]["step"].item() == 2
     assert not adamw_fused._failed  # the compiled pass ran, not the eager fallback
+
+
+def test_a_compile_that_fails_warns_once_and_runs_the_same_update_eagerly(monkeypatch, capsys):
+    """optim.step_kernel=compiled without a working compiler (no C++ compiler, an old Triton): one warning
+    line, then the same math in eager ops, equal to the eager step; nothing was written before it failed."""
+    from megaframe.config.schema import OptimConfig
+    from megaframe.optim import adamw_fused
+    from megaframe.optim.adamw import RULE
+
+    def no_compiler(fn, **kw):
+        def fail(*a, **k):
+            raise RuntimeError("no working C++ compiler\ndetails")
+
+        return fail
+
+    monkeypatch.setattr(adamw_fused, "_compiled", None)
+    monkeypatch.setattr(adamw_fused, "_failed", False)
+    monkeypatch.setattr(torch, "compile", no_compiler)
+    cfg = OptimConfig(lr=1e-2, weight_decay=0.1)
+    ours, ref = _params(0), _params(0)
+    fused = RULE.build(
+        {"matrix": ours[:1], "vector": ours[1:]},
+        OptimConfig(**{**cfg.__dict__, "step_kernel": "compiled"}),
+        torch.device("cpu"),
+    )
+    eager = RULE.build({"matrix": ref[:1], "vector": ref[1:]}, cfg, torch.device("cpu"))
+    for i in range(2):
+        for p, r in zip(ours, ref):
+            p.grad = r.grad = torch.full_like(p, 0.5 * (i + 1))
+        fused.step(1e-2, torch.tensor(2.0), torch.tensor(0.0))
+        eager.step(1e-2, torch.tensor(2.0), torch.tensor(0.0))
+    for p, r in zip(ours, ref):
+        torch.testing.assert_close(p.detach(), r.detach(), rtol=1e-6, atol=1e-7)
+    err = capsys.readouterr().err.splitlines()
+    assert err == [
+        "megaframe: warning: optim.step_kernel=compiled: no compiled update "
+        "(RuntimeError: no working C++ compiler); eager instead"
+    ], err
+    assert adamw_fused._failed
