@@ -23,7 +23,9 @@ One step, zero=1:
                rank's range only), global grad norm; then the rule's step on the owned range, clipping as its
                grad_scale, and the
                all-gather of the updated param buckets over dp.
-zero=2 and the reduction's own details (HSDP's all-reduce, bf16 grads) are zero_grads.py's.
+The backward side (the hooks, zero=2's accumulation, bf16 grads, the GradSource) is zero_grads.py. A step
+that writes the bf16 param range itself (optim.step_kernel=compiled: RuleStep.writes_low) leaves no cast
+of the master for the all-gather (_launch_param_gather).
 
 HSDP (optim.shard_group_size = s < dp): the axis sharded over is mesh.dp_shard (s consecutive dp ranks);
 after the reduce-scatters, this rank's reduced shard is all-reduced over mesh.dp_rep (the dp/s ranks
@@ -42,7 +44,6 @@ Grad norm: each element is counted once. Ranges are disjoint over the shard axis
 over it; over tp and pp `Placement.counts_in_norm` drops tp-replicated copies on tp ranks > 0 and pipeline
 duplicates.
 The buffers and the rule's state over the owned range are built in zero_state.py.
-
 """
 
 from __future__ import annotations
