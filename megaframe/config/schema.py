@@ -287,15 +287,15 @@ class OptimConfig(Frozen):
     """ZeRO: the all-gather of updated parameters runs bucket by bucket during the next forward (each
     module's forward pre-hook waits for its bucket) instead of being waited for at the end of the step."""
     grad_reduce_dtype: GradReduceDtype = GradReduceDtype.fp32
-    """fp32 | bf16 (Megatron's --grad-reduce-in-bf16, FSDP's reduce_dtype; needs train.precision=bf16):
-    the dtype of the ZeRO grad buffers (zero=1: the whole buffer; zero=2/3: the owned shard and the
-    bucket accumulators), of the grads' accumulation over micro-batches and of their reduce-scatter /
-    all-reduce over dp. bf16 halves the grad memory and the grads' dp traffic. The reduced owned range
-    is widened to fp32 once per step (a transient copy, 4 bytes per owned element, freed at the next
-    zero_grad) for the clip, the norm and the AdamW step on the fp32 master weights (under
-    optim.step_kernel=compiled not: the norm and the compiled pass read the bf16 grads as they are).
-    Each rank's grads are already divided by the global token count before the reduction (the loss is),
-    so the bf16 sum adds already-averaged values; only its rounding (~2^-8 relative per addition) differs from fp32."""
+    """fp32 | bf16 (Megatron's --grad-reduce-in-bf16, FSDP's reduce_dtype; needs train.precision=bf16): the
+    dtype of the ZeRO grad buffers (zero=1: the whole buffer; zero=2/3: the owned shard and the bucket
+    accumulators), of the grads' accumulation over micro-batches and of their reduce-scatter / all-reduce
+    over dp. bf16 halves the grad memory and the grads' dp traffic. The reduced owned range is widened to
+    fp32 once per step (a transient copy, 4 bytes per owned element, freed at the next zero_grad) for the
+    clip, the norm and the AdamW step on the fp32 master weights (under optim.step_kernel=compiled not: the
+    norm and the compiled pass read the bf16 grads as they are). Each rank's grads are already divided by
+    the global token count before the reduction (the loss is), so the bf16 sum adds already-averaged
+    values; only its rounding (~2^-8 relative per addition) differs from fp32."""
     state_dtype: StateDtype = StateDtype.fp32
     """fp32 | bf16: the dtype of the update rule's per-element state (AdamW's two moments), under every
     optim.zero stage; the fp32 master weights of bf16 params stay fp32 (torchtitan's bf16 optimizer states,
