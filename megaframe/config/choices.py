@@ -97,6 +97,14 @@ class StateDtype(StrEnum):
     bf16 = "bf16"
 
 
+class StepKernel(StrEnum):
+    """optim.step_kernel: how AdamW's update of an owned range runs (torch's fused kernel, or one compiled
+    pass that also writes the bf16 parameter)."""
+
+    eager = "eager"
+    compiled = "compiled"
+
+
 class MuonAdjustLR(StrEnum):
     """optim.muon.adjust_lr_fn: how Muon scales its lr by a matrix's shape A x B (torch.optim.Muon's)."""
 

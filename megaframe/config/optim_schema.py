@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from megaframe.config.choices import GradReduceDtype, LRSchedule, MuonAdjustLR, StateDtype
+from megaframe.config.choices import GradReduceDtype, LRSchedule, MuonAdjustLR, StateDtype, StepKernel
 from megaframe.config.frozen import Frozen
 
 
@@ -89,20 +89,30 @@ class OptimConfig(Frozen):
     """ZeRO: the all-gather of updated parameters runs bucket by bucket during the next forward (each
     module's forward pre-hook waits for its bucket) instead of being waited for at the end of the step."""
     grad_reduce_dtype: GradReduceDtype = GradReduceDtype.fp32
-    """fp32 | bf16 (Megatron's --grad-reduce-in-bf16, FSDP's reduce_dtype; needs train.precision=bf16):
-    the dtype of the ZeRO grad buffers (zero=1: the whole buffer; zero=2/3: the owned shard and the
-    bucket accumulators), of the grads' accumulation over micro-batches and of their reduce-scatter /
-    all-reduce over dp. bf16 halves the grad memory and the grads' dp traffic. The reduced owned range
-    is widened to fp32 once per step (a transient copy, 4 bytes per owned element, freed at the next
-    zero_grad) for the clip, the norm and the AdamW step on the fp32 master weights. Each rank's grads
-    are already divided by the global token count before the reduction (the loss is), so the bf16 sum
-    adds already-averaged values; only its rounding (~2^-8 relative per addition) differs from fp32."""
+    """fp32 | bf16 (Megatron's --grad-reduce-in-bf16, FSDP's reduce_dtype; needs train.precision=bf16): the
+    dtype of the ZeRO grad buffers (zero=1: the whole buffer; zero=2/3: the owned shard and the bucket
+    accumulators), of the grads' accumulation over micro-batches and of their reduce-scatter / all-reduce
+    over dp. bf16 halves the grad memory and the grads' dp traffic. The reduced owned range is widened to
+    fp32 once per step (a transient copy, 4 bytes per owned element, freed at the next zero_grad) for the
+    clip, the norm and the AdamW step on the fp32 master weights (under optim.step_kernel=compiled not: the
+    norm and the compiled pass read the bf16 grads as they are). Each rank's grads are already divided by
+    the global token count before the reduction (the loss is), so the bf16 sum adds already-averaged
+    values; only its rounding (~2^-8 relative per addition) differs from fp32."""
     state_dtype: StateDtype = StateDtype.fp32
     """fp32 | bf16: the dtype of the update rule's per-element state (AdamW's two moments), under every
     optim.zero stage; the fp32 master weights of bf16 params stay fp32 (torchtitan's bf16 optimizer states,
     Megatron's --use-precision-aware-optimizer). bf16 saves 4 of AdamW's 8 state bytes per element. The
     update itself runs in fp32 (the state widened per tensor, then rounded back). A checkpoint records
     the dtype of each state tensor; resuming into the other dtype converts it as it is read."""
+    step_kernel: StepKernel = StepKernel.eager
+    """eager | compiled: how AdamW's update (optim.name=adamw, and Muon's AdamW part) runs on each owned
+    range. eager: torch's fused AdamW kernel on the fp32 master, which writes the clipped grad back, then a
+    cast of the master into the bf16 params (42 bytes per parameter per step with fp32 state). compiled: one
+    torch.compile'd pass per range that reads the grad once, updates the moments and the master and writes
+    the bf16 parameter itself, the clip a scale inside it (34 bytes; 26 with optim.state_dtype=bf16;
+    optim/adamw_fused.py). Inductor's C++ kernel on CPU, a Triton kernel on CUDA; the first step pays the
+    compile (seconds), and a compile that fails falls back to the same math in eager ops with one warning.
+    The losses stay equal up to float rounding."""
     muon: MuonConfig = field(default_factory=MuonConfig)
     """optim.name=muon's own settings."""
     bucket_size_mb: float = 25.0  # DDP's default bucket size

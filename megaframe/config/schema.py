@@ -32,6 +32,7 @@ from megaframe.config.choices import (  # noqa: F401  (re-exported: the schema's
     SaveErrorPolicy,
     ScheduleKind,
     StateDtype,
+    StepKernel,
     WandbMode,
 )
 from megaframe.config.data_schema import (  # noqa: F401  (the data group)

@@ -60,6 +60,7 @@ class AdamWStep(RuleStep):
 
     def __init__(self, groups: Groups, cfg: OptimConfig, device: torch.device, mesh=None):
         self.device, self.dtype = device, STATE_DTYPES[cfg.state_dtype]
+        self.compiled = cfg.step_kernel == "compiled"
         self.adam = adamw(groups.get("matrix", []), groups.get("vector", []), cfg, device)
 
     def adopt(self, weights: torch.Tensor, views: dict[str, torch.Tensor]) -> None:
@@ -75,9 +76,16 @@ class AdamWStep(RuleStep):
     def set_step(self, weights: torch.Tensor, step: int) -> None:
         self.adam.state[weights]["step"] = torch.tensor(float(step), device=self.device)
 
+    def writes_low(self, weights: torch.Tensor) -> bool:
+        # the compiled pass writes the low-precision param (weights.low) itself
+        return self.compiled and getattr(weights, "low", None) is not None
+
     def step(self, lr: float, divisor: torch.Tensor, skip: torch.Tensor) -> None:
         for group in self.adam.param_groups:
             group["lr"] = lr
+        if self.compiled:
+            self._step_compiled(lr, divisor, skip)
+            return
         if self.dtype != torch.float32:
             self._step_widened(divisor, skip)
             return
@@ -85,6 +93,30 @@ class AdamWStep(RuleStep):
         # where found_inf is 1 the fused kernel leaves params, moments and its step count untouched
         self.adam.found_inf = skip
         self.adam.step()
+
+    @torch.no_grad()
+    def _step_compiled(self, lr: float, divisor: torch.Tensor | None, skip: torch.Tensor) -> None:
+        """optim.step_kernel=compiled: one pass per range (adamw_fused.py), the step counts kept as torch's
+        (one fp32 tensor per range, not advanced by a skipped step)."""
+        from megaframe.optim.adamw_fused import adamw_range_, scalars_of
+
+        lr_t = torch.tensor(lr, dtype=torch.float32).to(self.device, non_blocking=True)
+        for group in self.adam.param_groups:
+            ws = [w for w in group["params"] if w.grad is not None]
+            for w in ws:
+                if w not in self.adam.state:  # zero=0: made at the first update, as torch's, in our dtype
+                    self.adopt(w, {k: torch.zeros_like(w, dtype=self.dtype) for k in MOMENTS})
+            if not ws:
+                continue
+            states = [self.adam.state[w] for w in ws]
+            steps = [s["step"] for s in states]
+            torch._foreach_add_(steps, 1)
+            rows = scalars_of(torch.stack(steps), lr_t, group["weight_decay"], divisor, skip)
+            beta1, beta2 = group["betas"]
+            for w, s, row in zip(ws, states, rows.unbind(0)):
+                low = getattr(w, "low", None)
+                adamw_range_(low, w.grad, w, s["exp_avg"], s["exp_avg_sq"], row, beta1, beta2, group["eps"])
+            torch._foreach_sub_(steps, [skip] * len(steps))
 
     @torch.no_grad()
     def _step_widened(self, divisor: torch.Tensor, skip: torch.Tensor) -> None:

@@ -122,6 +122,12 @@ def give_storage(t: torch.Tensor | None) -> bool:
     return True
 
 
+def widens_grads(cfg) -> bool:
+    """Whether bf16-reduced grads are widened into grad32 for the step: not when optim.step_kernel=compiled,
+    whose pass reads them as they are (2 B an element, not a 6 B widening and a 4 B read)."""
+    return cfg.step_kernel != "compiled"
+
+
 def grad_dtype(reduce_dtype: str, param_dtype: torch.dtype) -> torch.dtype:
     """The dtype a buffer's grads accumulate and are reduced in (optim.grad_reduce_dtype): bf16 only for
     bf16 params (config/checks.py refuses bf16 reduction of fp32 training); fp32 otherwise."""
@@ -212,11 +218,13 @@ class FlatBuffer:
         device=None,
         whole_param: bool = True,
         lazy_grads: bool = False,
+        widen: bool = True,
     ):
         """`whole_param=False` (ZeRO-3): no param buffer and no re-pointing; the optimizer gives the
         params their storage (bucket by bucket) and the master its values. `device`: where the buffers
         live (default: the params', which may be meta before ZeRO-3 materialises them). `lazy_grads`: the
-        grad buffer (or shard) gets its storage only at alloc_grads (the optimizer's first backward)."""
+        grad buffer (or shard) gets its storage only at alloc_grads (the optimizer's first backward).
+        `widen=False`: no grad32; the norm and the update read bf16-reduced grads as they are."""
         self.dtype, self.grad_dtype = params[0].dtype, grad_dtype
         self.grad_elem = grad_dtype.itemsize
         self.dp_rank, self.dp_size = dp_rank, dp_size
@@ -237,7 +245,7 @@ class FlatBuffer:
         # (not lazy_zeros: its storage is resized, and the null one cannot be; freed by the first zero_grad)
         self.grad32 = (
             None
-            if grad_dtype == torch.float32
+            if grad_dtype == torch.float32 or not widen
             else torch.zeros(self.state_numel, dtype=torch.float32, device=device)
         )
         # Zeros, not empty: the padding belongs to no param;

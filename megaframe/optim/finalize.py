@@ -73,8 +73,9 @@ def all_reduce_tensors(tensors: list[torch.Tensor], axis: Axis) -> None:
 def _sum_squares(tensors: list[torch.Tensor], device) -> torch.Tensor:
     if not tensors:
         return torch.zeros((), dtype=torch.float32, device=device)
-    # one norm per tensor (a fused kernel), squared and summed: no flat copy of the grads
-    return torch.stack(torch._foreach_norm(tensors)).square().sum()
+    # one norm per tensor (a fused kernel), squared and summed: no flat copy of the grads; fp32 norms of bf16
+    # grads (optim.step_kernel=compiled reads bf16-reduced grads as they are, 2 B an element)
+    return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32)).square().sum()
 
 
 def global_norm(grads: list[tuple[Placement, torch.Tensor]], mesh: Mesh, sharded: bool) -> torch.Tensor:

@@ -7,9 +7,10 @@ the logical ones, as torch would see them on separate weights: each block of a f
 gate, up of gate/up: Placement.matrix_rows) and each expert of a stacked expert weight. A tensor-parallel
 slice is gathered over tp for the orthogonalisation (every tp rank runs it, then keeps its own rows/columns);
 experts split over ep are whole on their rank. The update needs whole matrices (`elementwise=False`): under
-ZeRO each rank updates the momentum of its owned ranges, the direction is summed over the shard axis into
-the whole matrix, one rank of the axis (its owner, balanced by Newton-Schulz work: `_owners`)
-orthogonalises it and broadcasts the result, and each rank applies its ranges of the update (MuonStep).
+ZeRO each rank updates the momentum of its owned ranges and sends their direction to the matrix's owner
+(one rank of the shard axis, balanced by Newton-Schulz work: `_owners`), which orthogonalises the whole
+matrix and sends each rank back its ranges of the result (muon_exchange.py: bytes per rank follow its
+share), and each rank applies its ranges of the update (MuonStep).
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 from megaframe.config.schema import OptimConfig
 from megaframe.layers.shard import gather_full
 from megaframe.optim.adamw import MOMENTS, AdamWStep
+from megaframe.optim.muon_exchange import from_owners, to_owners
 from megaframe.optim.update_rule import STATE_DTYPES, Groups, RuleStep, UpdateRule
-from megaframe.parallel import comm
 
 MOMENTUM = "momentum_buffer"
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -53,9 +54,9 @@ class MuonStep(RuleStep):
 
     A strategy passing whole params (zero=0) gives neither `owned` nor `layout`. ZeRO passes `owned` (each
     flat view it owns -> its param and offset in the param's flat local tensor) and `layout` (every param
-    with the axis its ranges are cut over, the same order on every rank): each rank updates the momentum of
-    its ranges, the zero-filled direction of each whole matrix is summed over the axis, its owner
-    orthogonalises it and broadcasts the result, every rank applies its own ranges."""
+    with the axis its ranges are cut over and every axis rank's range of it, the same order on every rank):
+    each rank updates the momentum of its ranges and sends their direction to the matrix's owner, which
+    orthogonalises the whole matrix and sends each rank its ranges of the result; every rank applies them."""
 
     def __init__(
         self, groups: Groups, cfg: OptimConfig, device: torch.device, mesh=None, owned=None, layout=None
@@ -68,14 +69,21 @@ class MuonStep(RuleStep):
         self._hidden = set(hidden)
         rest = {k: [w for w in ps if w not in self._hidden] for k, ps in groups.items()}
         self.adam = AdamWStep(rest, cfg, device) if any(rest.values()) else None
-        # every hidden matrix, with the axis to sum its direction over (None: whole on this rank)
-        layout = layout if layout is not None else [(w, None) for w in hidden]
-        self.matrices = [(p, axis) for p, axis in layout if p.placement.hidden_matrix]
+        # every hidden matrix, with the axis its ranges are cut over (None: whole on this rank) and each
+        # axis rank's range of it (muon_exchange.rank_ranges)
+        layout = layout if layout is not None else [(w, None, None) for w in hidden]
+        self.matrices = [(p, axis) for p, axis, _ in layout if p.placement.hidden_matrix]
+        self.ranges = {p: r for p, _, r in layout}
         self.segs: dict[torch.Tensor, list[tuple[torch.Tensor, int]]] = {p: [] for p, _ in self.matrices}
         for w in hidden:
             p, lo = self.owned[w]
             self.segs[p].append((w, lo))
         self.owner = _owners(self.matrices)
+        # the matrices cut over each shard axis, in layout order (the same on every rank of the axis)
+        self.by_axis: dict[tuple, tuple] = {}
+        for p, axis in self.matrices:
+            if axis is not None:
+                self.by_axis.setdefault(axis.ranks, (axis, []))[1].append(p)
         adamw_lr = cfg.muon.adamw_lr if cfg.muon.adamw_lr is not None else cfg.lr
         # the AdamW part follows optim.lr's schedule (warmup, decay) scaled to its own peak
         self.adamw_scale = adamw_lr / cfg.lr if cfg.lr else 0.0
@@ -97,50 +105,60 @@ class MuonStep(RuleStep):
         if weights not in self._hidden:
             self.adam.set_step(weights, step)
 
+    def writes_low(self, weights: torch.Tensor) -> bool:
+        return weights not in self._hidden and self.adam.writes_low(weights)
+
     def step(self, lr: float, divisor: torch.Tensor | None, skip: torch.Tensor) -> None:
         if self.adam is not None:
             self.adam.step(lr * self.adamw_scale, divisor, skip)
+        skip = skip.bool()
         for p, axis in self.matrices:
-            self._update(p, axis, lr, divisor, skip.bool())
+            if axis is None and self.segs[p] and self.segs[p][0][0].grad is not None:
+                direction = self._direction(p, divisor, skip)
+                self._apply(p, self._orthogonalised(p, direction.view(p.shape)).view(-1), lr, skip)
+        for axis, mats in self.by_axis.values():
+            self._step_sharded(axis, mats, lr, divisor, skip)
 
     @torch.no_grad()
-    def _update(self, p: torch.Tensor, axis, lr: float, divisor, skip: torch.Tensor) -> None:
-        m, segs = self.cfg.muon, self.segs[p]
-        if axis is None and (not segs or segs[0][0].grad is None):
-            return
-        flat = torch.zeros(p.numel(), dtype=torch.float32, device=p.device) if axis is not None else None
-        direction = None
-        for w, lo in segs:
-            grad = w.grad if divisor is None else w.grad / divisor
-            if w not in self.momentum:  # made at the first update, as torch's
-                self.momentum[w] = torch.zeros_like(w, dtype=self.dtype)
-            buf = self.momentum[w].float()
-            # where skip is 1 (a non-finite norm) nothing changes, chosen on the device without a host sync
-            buf = torch.where(skip, buf, buf.lerp(grad, 1 - m.momentum))
-            self.momentum[w].copy_(buf)
-            direction = grad.lerp(buf, m.momentum) if m.nesterov else buf
-            if flat is not None:
-                flat[lo : lo + w.numel()] = direction.view(-1)
-        if flat is not None:
-            # the ranges of the axis's ranks are disjoint and cover p: their sum is p's whole direction
-            direction = comm.all_reduce(flat, axis).view(p.shape)
-        if axis is None:
-            ortho = self._orthogonalised(p, direction).view(-1)
-        else:
-            # one rank of the axis (the matrix's owner, balanced by Newton-Schulz work) orthogonalises it
-            # and sends the result to the others, each applying its own ranges
-            owner = self.owner[p]
-            mine = axis.rank == owner
-            ortho = self._orthogonalised(p, direction).view(-1) if mine else torch.empty_like(flat)
-            comm.broadcast(ortho, axis, owner)
-        for w, lo in segs:
-            new = w * (1 - lr * self.cfg.weight_decay)
-            flat_new = new.view(-1)
-            for a, b, alr in _block_ranges(p, lr, m.adjust_lr_fn.value):
-                a, b = max(a, lo), min(b, lo + w.numel())
-                if a < b:
-                    flat_new[a - lo : b - lo].add_(ortho[a:b], alpha=-alr)
-            w.copy_(torch.where(skip, w, new))
+    def _step_sharded(self, axis, mats: list, lr: float, divisor, skip: torch.Tensor) -> None:
+        """The matrices cut over `axis`: each rank's ranges of their directions to their owners, which
+        orthogonalise them, and each rank's ranges of the results back (muon_exchange.py)."""
+        dev = self.mesh.device
+        pieces = {p: self._direction(p, divisor, skip) for p in mats if self.segs[p]}
+        whole = to_owners(axis, mats, self.ranges, self.owner, pieces, dev)
+        # in mats order: an owner's tp peers own the same matrices and gather them over tp in this order
+        results = {p: self._orthogonalised(p, d.view(p.shape)).view(-1) for p, d in whole.items()}
+        mine = from_owners(axis, mats, self.ranges, self.owner, results, dev)
+        for p in mats:
+            if self.segs[p]:
+                self._apply(p, mine[p], lr, skip)
+
+    @torch.no_grad()
+    def _direction(self, p: torch.Tensor, divisor, skip: torch.Tensor) -> torch.Tensor:
+        """Momentum of this rank's range of p updated (not where skip is 1); returns the range's direction
+        (flat fp32). A parameter lies in one bucket: a rank owns one range of it at most."""
+        m, ((w, _),) = self.cfg.muon, self.segs[p]
+        grad = w.grad.float() if divisor is None else w.grad.float() / divisor
+        if w not in self.momentum:  # made at the first update, as torch's
+            self.momentum[w] = torch.zeros_like(w, dtype=self.dtype)
+        buf = self.momentum[w].float()
+        # where skip is 1 (a non-finite norm) nothing changes, chosen on the device without a host sync
+        buf = torch.where(skip, buf, buf.lerp(grad, 1 - m.momentum))
+        self.momentum[w].copy_(buf)
+        return (grad.lerp(buf, m.momentum) if m.nesterov else buf).reshape(-1)
+
+    @torch.no_grad()
+    def _apply(self, p: torch.Tensor, update: torch.Tensor, lr: float, skip: torch.Tensor) -> None:
+        """Decay and the orthogonalised update of this rank's range of p (`update`: that range, flat), each
+        logical matrix at its shape-adjusted lr."""
+        ((w, lo),) = self.segs[p]
+        new = w * (1 - lr * self.cfg.weight_decay)
+        flat_new = new.view(-1)
+        for a, b, alr in _block_ranges(p, lr, self.cfg.muon.adjust_lr_fn.value):
+            a, b = max(a, lo), min(b, lo + w.numel())
+            if a < b:
+                flat_new[a - lo : b - lo].add_(update[a - lo : b - lo], alpha=-alr)
+        w.copy_(torch.where(skip, w, new))
 
     def _orthogonalised(self, p: torch.Tensor, direction: torch.Tensor) -> torch.Tensor:
         """torch's Newton-Schulz of each logical matrix of the whole (tp-gathered) tensor, p's slice of it
@@ -170,7 +188,7 @@ def _ns_cost(p: torch.Tensor) -> int:
 
 
 def _owners(matrices: list) -> dict:
-    """The rank of its axis that orthogonalises each matrix summed over an axis: the costliest first, each to
+    """The rank of its axis that orthogonalises each matrix cut over an axis: the costliest first, each to
     the least loaded rank so far (the same order and result on every rank of the axis)."""
     load: dict[tuple, list[int]] = {}
     owner = {}

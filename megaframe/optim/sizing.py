@@ -8,7 +8,14 @@ import torch
 from torch import nn
 
 from megaframe.config.schema import OptimConfig
-from megaframe.optim.buffer import bucket_plan, buffer_groups, grad_dtype, group_plan, replicas_of
+from megaframe.optim.buffer import (
+    bucket_plan,
+    buffer_groups,
+    grad_dtype,
+    group_plan,
+    replicas_of,
+    widens_grads,
+)
 from megaframe.optim.float8_gather import split_groups
 from megaframe.optim.param_gather import gather_units, gathers_per_step, zero3_groups
 from megaframe.optim.rule_registry import rule_named
@@ -54,7 +61,7 @@ def planned_memory_bytes(
         numel = plan[-1][2] if plan else 0
         late = sum(end - start for idx, start, end in plan if any(ordered[i].placement.pp_tied for i in idx))
         g = grad_dtype(cfg.grad_reduce_dtype, ps[0].dtype).itemsize
-        wide += 4 * numel // axis.size if g != 4 else 0
+        wide += 4 * numel // axis.size if g != 4 and widens_grads(cfg) else 0
         if cfg.zero == 3:
             resident = sum(end - start for idx, start, end in plan if id(ordered[idx[0]]) not in in_units)
             grads += g * (numel // axis.size + late)  # a tied embedding's bucket: whole for the step

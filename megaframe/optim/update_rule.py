@@ -48,6 +48,11 @@ class RuleStep(abc.ABC):
         """One update: grads divided by `divisor` (the clip), nothing changed where `skip` is 1 (a non-finite
         grad norm, checked on the device without a host sync)."""
 
+    def writes_low(self, weights: torch.Tensor) -> bool:
+        """Whether the step writes `weights.low` (the param's low-precision copy a strategy sets on an fp32
+        master) itself; else the strategy casts the master into it after the step."""
+        return False
+
     @abc.abstractmethod
     def held(self) -> list[torch.Tensor]:
         """Every state tensor this step holds (the save guard checks them, memory figures count them)."""

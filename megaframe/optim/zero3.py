@@ -59,7 +59,7 @@ import torch
 from torch import nn
 
 from megaframe.layers.shard import init_flat, materialize
-from megaframe.optim.buffer import Bucket, FlatBuffer, Segment
+from megaframe.optim.buffer import Bucket, FlatBuffer, Segment, widens_grads
 from megaframe.optim.float8_gather import Float8Gather, float8_weights, split_groups
 from megaframe.optim.param_gather import gather_units, zero3_groups
 from megaframe.optim.zero import ZeroOptimizer
@@ -133,6 +133,7 @@ class Zero3Optimizer(ZeroOptimizer):
             device=self.mesh.device,
             whole_param=False,
             lazy_grads=True,
+            widen=widens_grads(self.cfg),
         )
         for b in buf.buckets:
             self._bucket_storage(buf, b)

@@ -20,6 +20,7 @@ from torch import nn
 
 from megaframe.config.schema import OptimConfig
 from megaframe.optim.buffer import FlatBuffer, Segment, buffer_groups, give_storage, lazy_zeros, replicas_of
+from megaframe.optim.muon_exchange import rank_ranges
 from megaframe.optim.update_rule import STATE_DTYPES, RuleStep, UpdateRule
 from megaframe.parallel.mesh import Mesh
 from megaframe.parallel.placement import Placement
@@ -116,7 +117,13 @@ def build_state(
         for seg in buf.segments:
             lo, hi = seg.state_lo, seg.state_lo + seg.numel
             weights = buf.param[seg.buf_lo : seg.buf_lo + seg.numel] if master is None else master[lo:hi]
-            weights.grad = buf.owned_grad_at(seg)
+            grad = buf.owned_grad_at(seg)
+            if grad.dtype != weights.dtype:  # bf16-reduced grads read as they are (buffer.widens_grads)
+                weights.grad_dtype = None
+            weights.grad = grad
+            if master is not None and buf.param is not None:
+                # the params' copy of the master's range: a step may write it in its pass (writes_low)
+                weights.low = buf.param[seg.buf_lo : seg.buf_lo + seg.numel]
             groups["matrix" if seg.param.ndim >= 2 else "vector"].append(weights)
             pre.append((weights, st.views(seg)))
             segs_of.setdefault(seg.param, []).append((seg, weights))
@@ -126,7 +133,7 @@ def build_state(
         # a whole-matrix rule maps each owned view back to its param, and takes part in every matrix's
         # collectives even where it owns nothing (the same params in the same order on every rank)
         owned = {w: (seg.param, seg.param_lo) for segs in segs_of.values() for seg, w in segs}
-        layout = [(p, buf.axis) for buf in buffers for p in buf.offset]
+        layout = [(p, buf.axis, rank_ranges(buf, p)) for buf in buffers for p in buf.offset]
         update = rule.build(groups, cfg, device, mesh, owned=owned, layout=layout)
     for weights, views in pre:  # the step keeps its state in our flat tensors
         update.adopt(weights, views)

@@ -1,8 +1,9 @@
 """optim.name=muon across layouts against one process (optim/muon.py): tensor-parallel slices gathered for the
-orthogonalisation (tp2, sp), pipeline stages (pp2), ZeRO's owned ranges summed into whole matrices over dp
-(zero=1 dp2), and MoE experts whole on their ep rank beside ZeRO-sharded dense matrices (ep2, zero=1), and
-experts' ranges under ZeRO-3 (dp2). One process equals torch.optim.Muon (tests/unit/optim/test_muon.py);
-zero=2 HSDP and zero=3 run in the conformance chain (test_update_rules.py)."""
+orthogonalisation (tp2, sp), pipeline stages (pp2), ZeRO's owned ranges sent to each matrix's owner and its
+result's ranges sent back (zero=1 dp2, optim/muon_exchange.py), and MoE experts whole on their ep rank beside
+ZeRO-sharded dense matrices (ep2, zero=1), and experts' ranges under ZeRO-3 (dp2). One process equals
+torch.optim.Muon (tests/unit/optim/test_muon.py); zero=2 HSDP and zero=3 run in the conformance chain
+(test_update_rules.py)."""
 
 import pytest
 
@@ -42,8 +43,9 @@ def test_muon_layout_matches_one_process(pool, layout):
     worst = max(rel_errors(got["losses"], ref["losses"]))
     print(f"muon {layout}: max rel loss diff {worst:.2e}")
     assert worst <= 1e-5, (got["losses"], ref["losses"])
-    # ZeRO's summed ranges give the one-process direction bit for bit. Under tp and ep the grads differ
-    # from one process's by ~1e-7 (other reduction orders), which can flip the bf16 rounding of torch's
-    # Newton-Schulz: a few bf16 ulps of an orthogonalised entry (<= 0.5), each lr / 512 of a weight
+    # ZeRO's ranges, placed into the whole matrix by its owner, give the one-process direction bit for bit.
+    # Under tp and ep the grads differ from one process's by ~1e-7 (other reduction orders), which can flip
+    # the bf16 rounding of torch's Newton-Schulz: a few bf16 ulps of an orthogonalised entry (<= 0.5), each
+    # lr / 512 of a weight
     atol = 1e-4 if not kw else STEPS * LR * 2**-6
     assert_close_dicts(got["weights"], ref["weights"], rtol=1e-4, atol=atol, what="weight")

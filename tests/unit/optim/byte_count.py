@@ -20,7 +20,7 @@ from megaframe.layers import wgrad
 
 aten = torch.ops.aten
 BODIES = {"megaframe::wgrad_into_main": wgrad.wgrad_body}
-WRITE_ONLY_SELF = {"zero_", "fill_", "copy_"}
+WRITE_ONLY_SELF = {"zero_", "fill_", "copy_", "_foreach_copy_"}
 NO_DATA = {
     "empty",
     "empty_like",

@@ -93,3 +93,93 @@ def test_bf16_state_is_torchs_step_with_the_moments_rounded_to_bf16():
         for k in RULE.states:
             assert step.state_of(p)[k].dtype == torch.bfloat16
             assert torch.equal(step.state_of(p)[k].float(), ref_opt.state[r][k])
+
+
+def test_compiled_pass_is_the_eager_step_to_fp32_rounding_and_writes_the_bf16_param():
+    """optim.step_kernel=compiled (adamw_fused.py) on bf16-reduced grads, bf16 state and an fp32 master with
+    its bf16 param: the master and moments of the eager step (torch's fused AdamW on fp32 copies of the
+    grads and moments) to fp32 rounding, a clip divisor and a skipped step included, and the bf16 param is
+    the master rounded (the cast the strategy no longer runs). The pass compiles to one loop (inductor's
+    C++ kernel here) with no intermediate buffer: one read of each input, one write of each output."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    from megaframe.config.schema import OptimConfig
+    from megaframe.optim import adamw_fused
+    from megaframe.optim.adamw import RULE
+
+    n = 40
+    args = [torch.empty(n, dtype=torch.bfloat16), torch.randn(n).bfloat16(), torch.randn(n)]
+    args += [torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16)]
+    scalars = adamw_fused.scalars_of(torch.ones(1), torch.tensor(1e-2), 0.1, None, torch.tensor(0.0))[0]
+    torch._dynamo.reset()
+    compiled = torch.compile(adamw_fused._math, dynamic=True)
+    _, code = run_and_get_code(compiled, *args, scalars, (0.9, 0.95, 1e-8))
+    assert len(set(re.findall(r"cpp_fused_\w+", code[0]))) == 1, code[0]
+    assert not re.findall(r"empty_strided\w*\(", code[0]), code[0]  # no buffer allocated
+
+    cfg = OptimConfig(state_dtype="bf16", lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+    compiled_cfg = OptimConfig(**{**cfg.__dict__, "step_kernel": "compiled"})
+    ours, ref = _params(0), _params(0)
+    for p in ours:
+        p.grad_dtype = None  # bf16 grads on the fp32 master, as ZeRO's segments under bf16 reduction
+        p.low = torch.empty_like(p, dtype=torch.bfloat16)
+    cpu = torch.device("cpu")
+    fused = RULE.build({"matrix": ours[:1], "vector": ours[1:]}, compiled_cfg, cpu)
+    eager = RULE.build({"matrix": ref[:1], "vector": ref[1:]}, cfg, cpu)
+    assert fused.writes_low(ours[0]) and not eager.writes_low(ref[0])
+    g = torch.Generator().manual_seed(1)
+    for i in range(3):
+        grads = [torch.randn(p.shape, generator=g).bfloat16() for p in ours]
+        for p, r, gr in zip(ours, ref, grads):
+            p.grad, r.grad = gr, gr.float()
+        fused.step(1e-2, torch.tensor(2.0), torch.tensor(float(i == 1)))
+        eager.step(1e-2, torch.tensor(2.0), torch.tensor(float(i == 1)))
+    for p, r in zip(ours, ref):
+        torch.testing.assert_close(p.detach(), r.detach(), rtol=1e-6, atol=1e-7)
+        assert torch.equal(p.low, p.detach().bfloat16())
+        for k in RULE.states:
+            a, b = fused.state_of(p)[k].float(), eager.state_of(r)[k].float()
+            torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-6)  # bf16: one rounding apart at most
+        assert fused.adam.state[p]["step"].item() == eager.adam.state[r]["step"].item() == 2
+    assert not adamw_fused._failed  # the compiled pass ran, not the eager fallback
+
+
+def test_a_compile_that_fails_warns_once_and_runs_the_same_update_eagerly(monkeypatch, capsys):
+    """optim.step_kernel=compiled without a working compiler (no C++ compiler, an old Triton): one warning
+    line, then the same math in eager ops, equal to the eager step; nothing was written before it failed."""
+    from megaframe.config.schema import OptimConfig
+    from megaframe.optim import adamw_fused
+    from megaframe.optim.adamw import RULE
+
+    def no_compiler(fn, **kw):
+        def fail(*a, **k):
+            raise RuntimeError("no working C++ compiler\ndetails")
+
+        return fail
+
+    monkeypatch.setattr(adamw_fused, "_compiled", None)
+    monkeypatch.setattr(adamw_fused, "_failed", False)
+    monkeypatch.setattr(torch, "compile", no_compiler)
+    cfg = OptimConfig(lr=1e-2, weight_decay=0.1)
+    ours, ref = _params(0), _params(0)
+    fused = RULE.build(
+        {"matrix": ours[:1], "vector": ours[1:]},
+        OptimConfig(**{**cfg.__dict__, "step_kernel": "compiled"}),
+        torch.device("cpu"),
+    )
+    eager = RULE.build({"matrix": ref[:1], "vector": ref[1:]}, cfg, torch.device("cpu"))
+    for i in range(2):
+        for p, r in zip(ours, ref):
+            p.grad = r.grad = torch.full_like(p, 0.5 * (i + 1))
+        fused.step(1e-2, torch.tensor(2.0), torch.tensor(0.0))
+        eager.step(1e-2, torch.tensor(2.0), torch.tensor(0.0))
+    for p, r in zip(ours, ref):
+        torch.testing.assert_close(p.detach(), r.detach(), rtol=1e-6, atol=1e-7)
+    err = capsys.readouterr().err.splitlines()
+    assert err == [
+        "megaframe: warning: optim.step_kernel=compiled: no compiled update "
+        "(RuntimeError: no working C++ compiler); eager instead"
+    ], err
+    assert adamw_fused._failed

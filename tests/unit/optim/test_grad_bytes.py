@@ -2,11 +2,25 @@
 counted op by op on CPU and held to a table in bytes per parameter element. These passes are memory-bound on a
 GPU (about 1 ms per GB on an H100), so bytes are their time.
 
-Per optimizer step (zero_grad + step): today's fused AdamW reads and writes each param's fp32 master and
-moments (8 + 8 + 8) and reads its grad (4); the norm reads the grad (4); the master is cast to the bf16
-params (4 + 2). Clipping is AdamW's grad_scale, whose only cost is the kernel writing the clipped grad back
-(4), and zero_grad zeroes nothing (each grad's first write of the step overwrites). Before: zero_() 4 and a
-separate clip pass 8 on top, 50 in all.
+Per optimizer step (zero_grad + step), optim.step_kernel=eager: torch's fused AdamW reads and writes each
+param's fp32 master and moments (8 + 8 + 8) and reads its grad (4); the norm reads the grad (4); the master
+is cast to the bf16 params (4 + 2). Clipping is AdamW's grad_scale, whose only cost is the kernel writing
+the clipped grad back (4), and zero_grad zeroes nothing (each grad's first write of the step overwrites).
+Before that: zero_() 4 and a separate clip pass 8 on top, 50 in all. A step's transient copies count too.
+
+optim.step_kernel=compiled (optim/adamw_fused.py): one pass per owned range reads the grad, the moments and
+the master once and writes the moments, the master and the bf16 param once, the clip a scale inside it;
+bf16-reduced grads are read as they are (no fp32 widening). Bytes per parameter, eager -> compiled
+(STEP_TABLE; the norm's 4, or 2 from bf16 grads, is in each: the clip needs the whole norm before the pass):
+
+    state   grads   eager                                            compiled
+    fp32    fp32    42 (norm 4, AdamW 28 + grad back 4, cast 6)      34 (norm 4, pass 4+8+16+2)
+    bf16    fp32    66 (+ moments widened 4+8, rounded back 8+4)     26 (norm 4, pass 4+8+8+2)
+    fp32    bf16    48 (+ grads widened 2+4)                         30 (norm 2, pass 2+8+16+2)
+    bf16    bf16    72                                               22 (norm 2, pass 2+8+8+2)
+
+Muon's AdamW part (embeddings, head, norms): its pass 32 -> 30 per AdamW element, and the cast of its
+ranges to bf16 (6) dropped; the hidden matrices' momentum and Newton-Schulz are Muon's own.
 
 Per micro-batch (grads into the fp32 buffer): a linear's weight-grad GEMM writes its fp32 result into the
 buffer in the step's first backward (4) and accumulates in the later ones (read 4, write 4); before, autograd
@@ -28,6 +42,7 @@ import pytest
 import torch
 
 from megaframe.layers.fp8 import Fp8Gemm
+from megaframe.optim import adamw_fused
 from megaframe.optim.build import build_optimizer
 from megaframe.parallel.mesh import single_process_mesh
 from tests.distributed.cases import tiny_config
@@ -38,6 +53,20 @@ from tests.unit.optim.byte_count import ByteCount, storage_ptr
 SHAPES = ["train.precision=bf16", "model.seq_length=24", "model.ffn_hidden_size=96"]
 
 STEP_BYTES = 42  # norm 4 + AdamW 28 + clipped grad written back 4 + master -> bf16 6 (zero_grad 0, clip 0)
+STEP_PHASES = ("step", "adamw", "to_bf16")
+# (optim.step_kernel, optim.state_dtype, optim.grad_reduce_dtype) -> bytes per parameter of a step
+STEP_TABLE = {
+    ("eager", "fp32", "fp32"): 42,
+    ("eager", "bf16", "fp32"): 66,
+    ("eager", "fp32", "bf16"): 48,
+    ("eager", "bf16", "bf16"): 72,
+    ("compiled", "fp32", "fp32"): 34,
+    ("compiled", "bf16", "fp32"): 26,
+    ("compiled", "fp32", "bf16"): 30,
+    ("compiled", "bf16", "bf16"): 22,
+}
+# Muon's AdamW part: (its pass per AdamW element, the cast to bf16 of its ranges per AdamW element)
+MUON_ADAMW = {"eager": (32, 6), "compiled": (28, 0)}
 # bytes per element in the (first, each later) micro-batch of a step, by how the grad reaches the buffer
 MICROBATCH_BYTES = {
     "linear": (4, 8),  # the weight-grad GEMM into the fp32 buffer
@@ -76,11 +105,14 @@ def _count(overrides: list[str], steps: int = 2):
     grads = {storage_ptr(b.grad) for b in opt.buffers}
     weights = {storage_ptr(b.param) for b in opt.buffers}
     state = grads | weights | {storage_ptr(t) for st in opt.states for t in st.tensors()}
+    # a step's transient copies of state or grads (bf16 state widened to fp32) count too; its scalars (norms,
+    # clip divisor, step counts) are smaller than any parameter
+    smallest = min(p.numel() for p in params.values())
 
     def tracked(x: torch.Tensor) -> bool:
         ptr = storage_ptr(x)
-        if counter.phase == "step":
-            return ptr in state
+        if counter.phase in STEP_PHASES:
+            return ptr in state or x.numel() >= smallest
         # a micro-batch: the grad buffer, and parameter-shaped grads on their way there (not the params)
         return ptr in grads or (tuple(x.shape) in shapes and ptr not in weights)
 
@@ -97,6 +129,20 @@ def _count(overrides: list[str], steps: int = 2):
         return run
 
     model.forward_chunk = phase("mb", model.forward_chunk)
+
+    def within(name, fn):  # a phase inside the step's, back to it after
+        def run(*a, **k):
+            was, counter.phase = counter.phase, name
+            try:
+                return fn(*a, **k)
+            finally:
+                counter.phase = was
+
+        return run
+
+    if cfg.optim.name == "muon":  # Muon's AdamW part apart: its pass over the AdamW ranges, their cast
+        opt.update.adam.step = within("adamw", opt.update.adam.step)
+        opt._launch_param_gather = within("to_bf16", opt._launch_param_gather)
     opt.zero_grad = phase("zero_grad", opt.zero_grad)
     opt.step = phase("step", opt.step)
     cast = Fp8Gemm.cast
@@ -128,6 +174,37 @@ def test_optimizer_step_bytes_per_parameter_follow_the_table(counted):
     numel = sum(p.numel() for p in params.values())
     step = counter.per("zero_grad", numel) + counter.per("step", numel)
     assert step == STEP_BYTES, (step, counter.ops)
+
+
+# each compiled case pays a compile on CPU (the dtypes differ): the two that meet the targets; the others
+# in STEP_TABLE were counted the same way (fp32 grads compiled: 34 and 26)
+STEP_CASES = [("eager", "bf16", "bf16"), ("compiled", "fp32", "bf16"), ("compiled", "bf16", "bf16")]
+
+
+@pytest.mark.parametrize("kernel,state,grads", STEP_CASES)
+def test_step_bytes_per_parameter_by_kernel_and_dtypes_follow_the_table(kernel, state, grads):
+    """The eager step's other dtypes, and the compiled pass's (the compile on CPU: inductor's C++ loop)."""
+    over = [f"optim.step_kernel={kernel}", f"optim.state_dtype={state}", f"optim.grad_reduce_dtype={grads}"]
+    counter, params, _, _ = _count(over)
+    numel = sum(p.numel() for p in params.values())
+    step = counter.per("zero_grad", numel) + counter.per("step", numel)
+    assert step == STEP_TABLE[(kernel, state, grads)], (step, counter.ops)
+    # the counter takes the compiled op for one pass: it must have been one (test_adamw.py checks the loop)
+    assert not adamw_fused._failed
+
+
+@pytest.mark.parametrize("kernel", ["eager", "compiled"])
+def test_muon_adamw_part_bytes_per_element_follow_the_table(kernel):
+    # bf16 grads: the compiled fp32-state case's pass (compiled once for both)
+    over = ["optim.name=muon", f"optim.step_kernel={kernel}", "optim.grad_reduce_dtype=bf16"]
+    counter, params, _, _ = _count(over)
+    adamw = sum(p.numel() for p in params.values() if not p.placement.hidden_matrix)
+    hidden = sum(p.numel() for p in params.values()) - adamw
+    update, cast = MUON_ADAMW[kernel]
+    assert counter.per("adamw", adamw) == update, counter.ops
+    assert not adamw_fused._failed
+    # the cast of the hidden matrices' ranges stays (6 per element); the AdamW ranges' only when eager
+    assert counter.per("to_bf16", 1) == 6 * hidden + cast * adamw, counter.ops
 
 
 def test_micro_batch_grad_bytes_per_parameter_follow_the_table(counted):

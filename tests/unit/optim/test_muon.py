@@ -137,3 +137,38 @@ def test_each_summed_matrix_is_orthogonalised_by_one_rank_balanced_by_work():
     assert [owner[p] for p, _ in mats[:3]] == [0, 1, 1]
     work = [sum(_ns_cost(p) for p, _ in mats[:3] if owner[p] == r) for r in (0, 1)]
     assert work == [64 * 64 * 64, 2 * 32 * 64 * 32]
+
+
+def test_each_ranks_muon_bytes_follow_its_share_of_the_matrices():
+    """Under ZeRO a rank sends its ranges of the matrices others own and, as an owner, the others' ranges of
+    its matrices back: the bytes each rank sends (counted by comm's CommStats on a virtual dp axis of 4)
+    equal that, against the all-reduce of every whole matrix plus its owner's broadcast before."""
+    from megaframe.layers.shard import Shard
+    from megaframe.optim.buffer import FlatBuffer
+    from megaframe.optim.muon import _owners
+    from megaframe.optim.muon_exchange import from_owners, rank_ranges, to_owners
+    from megaframe.parallel.flight import CommStats
+    from megaframe.parallel.mesh import Axis
+    from megaframe.parallel.placement import Placement
+
+    n, shapes = 4, [(48, 40), (64, 32), (100, 7), (30, 30), (16, 16)]
+    mats = [torch.nn.Parameter(torch.empty(s)) for s in shapes]
+    for p in mats:
+        p.placement = Placement(Shard(tuple(p.shape), 0, (p.shape[0],)))
+    # 2 KiB buckets of fp32 grads: params straddle ranks' ranges, and a rank owns none of some
+    ranges = {p: rank_ranges(FlatBuffer(mats, 2048, 0, n, set()), p) for p in mats}
+    for p in mats:
+        assert sum(k for _, k in ranges[p]) == p.numel()
+    for r in range(n):
+        axis = Axis("dp", n, r, tuple(range(n)), None, CommStats(), virtual=True)
+        owner = _owners([(p, axis) for p in mats])
+        pieces = {p: torch.zeros(ranges[p][r][1]) for p in mats if ranges[p][r][1]}
+        whole = to_owners(axis, mats, ranges, owner, pieces, "cpu")
+        assert {id(p) for p in whole} == {id(p) for p in mats if owner[p] == r}
+        back = from_owners(axis, mats, ranges, owner, whole, "cpu")
+        assert {id(p): t.numel() for p, t in back.items()} == {id(p): t.numel() for p, t in pieces.items()}
+        mine = sum(ranges[p][r][1] for p in mats if owner[p] != r)
+        theirs = sum(p.numel() - ranges[p][r][1] for p in mats if owner[p] == r)
+        assert axis.stats.sent["dp"] == 4 * (mine + theirs)
+        before = sum(2 * (n - 1) / n * 4 * p.numel() + (4 * p.numel() if owner[p] == r else 0) for p in mats)
+        assert 4 * (mine + theirs) < before / 2, (r, mine + theirs, before)
