@@ -41,7 +41,7 @@ optim.warmup_steps
 optim.weight_decay optim.zero optim.shard_group_size optim.overlap_param_gather optim.reshard_after_forward
 optim.lr_schedule optim.lr_decay_steps optim.wsd_decay_fraction optim.grad_reduce_dtype optim.name
 optim.state_dtype optim.muon.adamw_lr optim.muon.momentum optim.muon.nesterov optim.muon.ns_steps
-optim.muon.adjust_lr_fn
+optim.muon.adjust_lr_fn optim.step_kernel
 parallel.cp parallel.cp_comm parallel.ep parallel.etp parallel.pp parallel.pp_layout parallel.pp_schedule
 parallel.sp parallel.tp parallel.vpp
 parallel.tp_comm_overlap parallel.tp_comm_chunks train.fp8_recipe data.stages data.document_mask data.task
