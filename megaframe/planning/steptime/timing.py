@@ -1,7 +1,7 @@
 """The planner's step-time model: seconds per step of a layout, by part (planning.search ranks by it).
 
 Step time (seconds) =
-    (compute + tp_comm + ep_comm + cp_comm) / (1 - bubble) + pp_comm + dp_comm + optim
+    (compute + tp_comm + ep_comm + cp_comm + launch) / (1 - bubble) + pp_comm + dp_comm + optim
   compute  the slowest pipeline rank's compute seconds by kind of work (planning.steptime.compute: its blocks'
            GEMMs on a roofline with a size curve, fp8 at its own peak, the causal attention core, the
            elementwise work over HBM, the head and fused cross-entropy on the last rank, recompute's re-run)
@@ -32,6 +32,9 @@ Step time (seconds) =
            what the attention core's compute does not hide is paid (plus the hops' latency). Under cp
            the tp / ep / pp activations are the rank's S/cp tokens; dp reduces over cp·dp.
   optim    the optimizer's update of the owned elements over HBM (planning.steptime.fixed)
+  launch   the host's kernel launches where a block's GPU work per micro-batch is shorter than their issue
+           time, and the MoE dispatcher's host sync per layer forward with its counts' all-to-all
+           (planning.steptime.launches); each collective call's latency is in its axis's ring steps above.
   bubble   the schedule simulator's idle fraction (pipeline.simulate) for (schedule, pp, vpp, micro-batches);
            the kinds whose spec splits the backward (zb_h1, zbv) are timed with F, B, W costs from the
            backward's split
@@ -222,6 +225,38 @@ def _cp(s: _Step) -> float:
     return max(t - hop_lat - core, 0.0) + hop_lat
 
 
+def _tp_colls_per_block(lay: Layout) -> int:
+    """The tp collectives one block issues per micro-batch (_tp's count)."""
+    if lay.tp == 1:
+        return 0
+    return (6 if lay.recompute in ("full", "op_selective") else 4) + 1
+
+
+def _launch(s: _Step) -> float:
+    """Launch-bound time and MoE host syncs (planning.steptime.launches); 0 on the cpu (no launch queue)."""
+    from megaframe.planning.steptime import launches as launch
+
+    if not s.dev.hbm_bw:
+        return 0.0
+    m, lay = s.cfg.model, s.lay
+    compiled = bool(s.cfg.train.compile)
+    rerun = lay.recompute in ("full", "op_selective")
+    per_mb = s.layers * s.micro
+    work = s.work
+    blocks = (sum(work.values()) - work["head"]) / s.share / max(per_mb, 1)
+    ep_colls = (4 + (2 if rerun else 0)) if m.num_experts and lay.ep > 1 else 0
+    k = launch.block_kernels(m, compiled, _tp_colls_per_block(lay) + ep_colls, rerun)
+    t = per_mb * launch.exposed(k, blocks)
+    if work["head"]:
+        t += s.micro * launch.exposed(launch.head_kernels(compiled), work["head"] / s.share / s.micro)
+    if m.num_experts:
+        forwards = per_mb * (2 if rerun else 1)
+        # the counts' all-to-all ahead of the sync: a small message, its latency
+        counts = all_to_all_seconds(s, 8 * m.num_experts) if lay.ep > 1 else 0.0
+        t += launch.moe_sync_seconds(forwards) + forwards * counts
+    return t
+
+
 def _pp(s: _Step) -> float:
     lay = s.lay
     if lay.pp == 1:
@@ -297,19 +332,21 @@ def step_time(cfg: Config, lay: Layout, dev: Device, world: int) -> dict[str, fl
     from megaframe.pipeline.schedule import resolve_kind, splits_backward
 
     s = _Step(cfg, lay, dev, world)
-    compute, tp, ep, cp = _compute(s), _tp(s), _ep(s), _cp(s)
+    compute, tp, ep, cp, fixed = _compute(s), _tp(s), _ep(s), _cp(s), _launch(s)
     from megaframe.planning.steptime.fixed import optimizer_seconds
 
     kind = lay.schedule or resolve_kind(cfg.parallel.pp_schedule, lay.vpp)
     costs = split_costs(cfg, lay.recompute) if splits_backward(kind) else None
     bubble = _bubble(kind, lay.pp, lay.vpp, s.micro, costs) if lay.pp > 1 else 0.0
-    inner = compute + tp + ep + cp
+    # launch-bound time stretches with the micro-batches' work, so the bubble scales it too
+    inner = compute + tp + ep + cp + fixed
     # the bubble stretches the compute-bound part; reported as its own share so why_slower can name it
     return {
         "compute": compute,
         "tp": tp,
         "ep": ep,
         "cp": cp,
+        "launch": fixed,
         "bubble": inner / (1 - bubble) - inner,
         "pp": _pp(s),
         "dp": _dp(s),

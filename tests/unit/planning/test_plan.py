@@ -148,4 +148,5 @@ def test_a_compiled_layout_plans_as_its_eager_one_less_the_elementwise_traffic(t
     assert compiled["peak_bytes"] < eager["peak_bytes"]
     differ = {k for k, v in compiled["step_parts_s"].items() if v != eager["step_parts_s"][k]}
     assert compiled["step_parts_s"]["compute"] < eager["step_parts_s"]["compute"]
-    assert differ <= {"compute", "bubble", "dp"}  # what the compute shifts; the collectives are the same
+    # what the compute shifts (and the launches: compiled, fewer kernels); the collectives are the same
+    assert differ <= {"compute", "launch", "bubble", "dp"}
