@@ -6,10 +6,13 @@ optim  after the last reduce, every rank updates the elements it owns (1/shard g
        optim/update_rule.py's bytes_per_element at optim.state_dtype: AdamW's two moments, Muon's one),
        reads and writes the fp32 master where the params are not fp32, writes the param in its dtype, and
        reads the grads once more for the clipping norm. Nothing overlaps it (the next forward needs the
-       params). Muon's Newton-Schulz iterations are GEMMs on top of this: not modelled. This is the step
-       of optim.step_kernel=compiled (optim/adamw_fused.py), counted in tests/unit/optim/test_grad_bytes.py
-       (34 / 26 / 30 / 22 bytes per element with bf16 params); the eager step moves more (42 / 66 / 48 /
-       72: the clipped grad written back, the master cast again, bf16 state and grads widened).
+       params). Muon's Newton-Schulz iterations are GEMMs on top of this: not modelled. That is the step of
+       optim.step_kernel=compiled (optim/adamw_fused.py). The eager step (the default) moves more: torch's
+       fused AdamW writes the clipped grad back (4) and the master is read again for its cast to the
+       params (4); bf16 grads are first widened to fp32 (read 2, write 4) and bf16 state is widened and
+       rounded back around the update (2 x (its bf16 + fp32 bytes)). Both held to the bytes counted op by
+       op in tests/unit/optim/test_grad_bytes.py (bf16 params: compiled 34 / 26 / 30 / 22, eager 42 / 66 /
+       48 / 72 for fp32 or bf16 state x fp32 or bf16 grads).
 """
 
 from __future__ import annotations
@@ -22,10 +25,19 @@ def update_bytes_per_element(cfg, grad_bytes: int) -> int:
     """HBM bytes the update moves per owned element (module doc)."""
     o = cfg.optim
     prec = str(getattr(cfg.train.precision, "value", cfg.train.precision))
-    state = rule_named(o.name).bytes_per_element(str(getattr(o.state_dtype, "value", o.state_dtype)))
+    dtype = str(getattr(o.state_dtype, "value", o.state_dtype))
+    rule = rule_named(o.name)
+    state = rule.bytes_per_element(dtype)
     param = 4 if prec == "fp32" else 2
     master = 0 if prec == "fp32" else 8  # the fp32 copy read and written
-    return 2 * grad_bytes + 2 * state + master + param
+    if str(getattr(o.step_kernel, "value", o.step_kernel)) == "compiled":
+        return 2 * grad_bytes + 2 * state + master + param
+    # eager: the norm and torch's fused AdamW read fp32 grads and step fp32 state (widened first)
+    fp32_state = rule.bytes_per_element("fp32")
+    grad_back = 4 + (4 if master else 0)  # the clipped grad written back; the master read for its cast
+    widen_grads = 6 if grad_bytes == 2 else 0
+    widen_state = 2 * (state + fp32_state) if dtype == "bf16" else 0
+    return 2 * 4 + 2 * fp32_state + master + param + grad_back + widen_grads + widen_state
 
 
 def optimizer_seconds(s) -> float:

@@ -181,6 +181,18 @@ def test_optimizer_step_bytes_per_parameter_follow_the_table(counted):
 STEP_CASES = [("eager", "bf16", "bf16"), ("compiled", "fp32", "bf16"), ("compiled", "bf16", "bf16")]
 
 
+@pytest.mark.parametrize("kernel,state,grads", sorted(STEP_TABLE))
+def test_the_planner_moves_the_counted_bytes_per_element(kernel, state, grads):
+    """The planner's update time (planning/steptime/fixed.py) charges the bytes this file counts, for each
+    kernel and dtype, eager (the default) included."""
+    from megaframe.config import load_config
+    from megaframe.planning.steptime.fixed import update_bytes_per_element
+
+    over = [f"optim.step_kernel={kernel}", f"optim.state_dtype={state}", f"optim.grad_reduce_dtype={grads}"]
+    cfg = load_config(["data=synthetic", "train.precision=bf16", *over])
+    assert update_bytes_per_element(cfg, 2 if grads == "bf16" else 4) == STEP_TABLE[(kernel, state, grads)]
+
+
 @pytest.mark.parametrize("kernel,state,grads", STEP_CASES)
 def test_step_bytes_per_parameter_by_kernel_and_dtypes_follow_the_table(kernel, state, grads):
     """The eager step's other dtypes, and the compiled pass's (the compile on CPU: inductor's C++ loop)."""
