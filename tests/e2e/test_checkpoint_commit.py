@@ -45,7 +45,8 @@ def test_a_failed_write_on_one_rank_stops_without_commit_then_resume_continues(
         "checkpoint.keep_last=1",
         f"checkpoint.async={str(mode == 'async').lower()}",
     ]
-    bad = train(over, nproc=2, MEGAFRAME_INJECT="savefail:rank=1:step=4")
+    # ranks started as srun does (no torchrun agent): the commit protocol is the subject, not the launcher
+    bad = train(over, nproc=2, launcher="env", MEGAFRAME_INJECT="savefail:rank=1:step=4")
     assert bad.returncode == 1, bad.stderr[-3000:]
     assert (
         "checkpoint step 4 not committed" in bad.stderr and "injected write failure on rank 1" in bad.stderr
@@ -54,7 +55,7 @@ def test_a_failed_write_on_one_rank_stops_without_commit_then_resume_continues(
     assert [p.name for p in sharded.committed(ck)] == ["step_00000002"]  # keep_last=1 pruned nothing good
     assert (ck / "latest").read_text().strip() == "step_00000002" and not list(ck.glob("*.tmp"))
     sharded.verify(ck / "step_00000002")
-    again = train(over, nproc=2)
+    again = train(over, nproc=2, launcher="env")
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resumed from" in again.stdout and "step_00000002" in again.stdout
     rows = metrics(tmp_path)

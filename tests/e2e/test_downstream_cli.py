@@ -16,7 +16,8 @@ TASKS = ROOT / "tests" / "data" / "lm_eval_tasks"
 @pytest.mark.parametrize("nproc, layout", [(1, []), (2, ["parallel.pp=2"])])
 def test_downstream_scores_logged_and_a_failing_task_does_not_stop_the_run(tmp_path, nproc, layout):
     """pp2: the rank that logs is the last stage's (LOCAL_RANK 1), where lm-eval itself would return
-    nothing."""
+    nothing. Ranks started as srun does (LOCAL_RANK set, no torchrun agent): the launcher is not the
+    subject."""
     res = train(
         TINY
         + layout
@@ -32,6 +33,7 @@ def test_downstream_scores_logged_and_a_failing_task_does_not_stop_the_run(tmp_p
         ],
         nproc=nproc,
         timeout=600,
+        launcher="env",
     )
     assert res.returncode == 0, res.stderr[-3000:]
     rows = {r["step"]: r for r in metrics(tmp_path)}

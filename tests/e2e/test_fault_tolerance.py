@@ -1,6 +1,5 @@
 """Stop signals, SIGKILL under torchrun restarts, and corrupt checkpoints: the run always comes back."""
 
-import os
 import signal
 import subprocess
 import sys
@@ -14,7 +13,9 @@ from tests.e2e.helpers import ROOT, TINY, env, metrics, train
 pytestmark = pytest.mark.e2e
 
 
-def _launch(overrides: list[str], nproc: int, restarts: int = 0, cwd: Path = ROOT) -> subprocess.Popen:
+def _launch(
+    overrides: list[str], nproc: int, restarts: int = 0, cwd: Path = ROOT, **extra_env
+) -> subprocess.Popen:
     """torchrun as docs/checkpoints.md writes it: no --standalone, so its run id is "none" (c10d on a free
     port, as --standalone does, but without the UUID)."""
     cmd = [
@@ -29,23 +30,8 @@ def _launch(overrides: list[str], nproc: int, restarts: int = 0, cwd: Path = ROO
         *overrides,
     ]
     return subprocess.Popen(
-        cmd, cwd=cwd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        cmd, cwd=cwd, env=env(**extra_env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
-
-
-def _wait_lines(path: Path, n: int, proc: subprocess.Popen, timeout: float = 120) -> None:
-    t0 = time.time()
-    while time.time() - t0 < timeout:
-        if path.is_file() and len(path.read_text().splitlines()) >= n:
-            return
-        assert proc.poll() is None, proc.stdout.read()
-        time.sleep(0.05)
-    raise TimeoutError(f"{path} never reached {n} lines")
-
-
-def _workers(proc: subprocess.Popen) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout
-    return [int(x) for x in out.split()]
 
 
 # SIGTERM on one rank stops all at one step with a checkpoint: tests/e2e/test_signal_interval.py (the same
@@ -71,26 +57,26 @@ def test_signal_during_start_up_stops_at_the_first_step_with_a_checkpoint(tmp_pa
 
 
 def test_sigkill_under_torchrun_restarts_resume_with_identical_losses(tmp_path):
-    over = ["data=synthetic", *TINY, "train.max_steps=40", "train.log_interval=1", "checkpoint.interval=5"]
+    """Rank 0 is SIGKILLed at the start of step 6 (MEGAFRAME_INJECT=kill, the first attempt only; steps 4-5
+    trained after the step-4 checkpoint are lost): torchrun restarts the group, which resumes from step 4 in
+    the same run folder and ends with the losses of an uninterrupted run. (The kill is injected at a fixed
+    step rather than sent from here after some metrics lines: the same SIGKILL, without a race between the
+    kill and the end of the run, so the run needs 8 steps instead of 40.)"""
+    over = ["data=synthetic", *TINY, "train.max_steps=8", "train.log_interval=1", "checkpoint.interval=2"]
     ref = train(over + [f"run.dir={tmp_path / 'ref'}"], nproc=1)
     assert ref.returncode == 0, ref.stderr[-2000:]
     # no run.dir: the restarted workers find the run by its name (before: torchrun's run id "none" gave each
     # start a new timestamp, and the restart trained from step 1 in a new folder)
     (tmp_path / "ft").mkdir()
-    proc = _launch(over, nproc=2, restarts=1, cwd=tmp_path / "ft")
-    t0 = time.time()
-    while not list((tmp_path / "ft").glob("outputs/*/metrics.jsonl")):
-        assert proc.poll() is None and time.time() - t0 < 120, proc.stdout.read()
-        time.sleep(0.05)
-    (run_dir,) = [p.parent for p in (tmp_path / "ft").glob("outputs/*/metrics.jsonl")]
-    _wait_lines(run_dir / "metrics.jsonl", 12, proc)
-    os.kill(_workers(proc)[0], signal.SIGKILL)
+    proc = _launch(over, nproc=2, restarts=1, cwd=tmp_path / "ft", MEGAFRAME_INJECT="kill:rank=0:step=6")
     out, _ = proc.communicate(timeout=240)
     assert proc.returncode == 0, out[-3000:]
-    assert f"resumed from outputs/{run_dir.name}/checkpoints/" in out, out[-3000:]
+    assert "rank 0: injected kill at step 6" in out, out[-3000:]
+    (run_dir,) = [p.parent for p in (tmp_path / "ft").glob("outputs/*/metrics.jsonl")]
+    assert f"resumed from outputs/{run_dir.name}/checkpoints/step_00000004" in out, out[-3000:]
     assert list((tmp_path / "ft" / "outputs").iterdir()) == [run_dir]
     want, got = metrics(tmp_path / "ref"), metrics(run_dir)
-    assert [r["step"] for r in got] == list(range(1, 41))
+    assert [r["step"] for r in got] == list(range(1, 9))
     for a, b in zip(got, want):
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]), (a, b)
 
@@ -177,11 +163,11 @@ def test_tp2_pp2_checkpoint_resumes_under_another_layout(tmp_path_factory, name,
         "train.micro_batch_size=1",
     ]
     if not (base / "checkpoints" / "step_00000003").is_dir():  # one source run shared by the parameters
-        src = train(over + ["parallel.tp=2", "parallel.pp=2", f"run.dir={base}"], nproc=4)
+        src = train(over + ["parallel.tp=2", "parallel.pp=2", f"run.dir={base}"], nproc=4, launcher="env")
         assert src.returncode == 0, src.stderr[-3000:]
     run = tmp_path_factory.mktemp(name)
     shutil.copytree(base / "checkpoints" / "step_00000003", run / "checkpoints" / "step_00000003")
-    res = train(over + layout + [f"run.dir={run}"], nproc=nproc)
+    res = train(over + layout + [f"run.dir={run}"], nproc=nproc, launcher="env")
     assert res.returncode == 0, res.stderr[-3000:]
     want, got = metrics(base)[3:], metrics(run)
     assert [r["step"] for r in got] == [4, 5, 6]
@@ -200,7 +186,7 @@ def test_async_save_commits_every_checkpoint_and_resumes(tmp_path):
         "checkpoint.interval=2",
         "checkpoint.async=true",
     ]
-    res = train(over + [f"run.dir={tmp_path / 'a'}"], nproc=2)
+    res = train(over + [f"run.dir={tmp_path / 'a'}"], nproc=2, launcher="env")
     assert res.returncode == 0, res.stderr[-3000:]
     ck = tmp_path / "a" / "checkpoints"
     assert [p.name for p in sharded.committed(ck)] == ["step_00000002", "step_00000004", "step_00000006"]

@@ -60,7 +60,9 @@ def test_fp8_trains_like_bf16(tmp_path, bf16, nproc, extra, request):
     if nproc == 1 and extra == ["train.fp8_recipe=tensorwise"]:
         tmp_path = request.getfixturevalue("fp8_one")
     else:
-        res = train(OVER + ["train.precision=fp8", *extra, f"run.dir={tmp_path}"], nproc=nproc)
+        # ranks started as srun does: the layouts are the subject here, not torchrun
+        over = OVER + ["train.precision=fp8", *extra, f"run.dir={tmp_path}"]
+        res = train(over, nproc=nproc, launcher="env")
         assert res.returncode == 0, res.stderr[-2000:]
     loss = metrics(tmp_path)[-1]["loss"]
     assert abs(loss - bf16[1]) / bf16[1] < 0.02, (loss, bf16[1])

@@ -68,7 +68,8 @@ def test_resume_continues_with_uninterrupted_losses(tmp_path, nproc, layout):
     """The README's resume, same command line plus checkpoint.resume=STEP_FOLDER into a new run.dir, with a
     preset that leaves vocab_size to the data (it was refused: 'model.vocab_size=None contradicts ...')."""
     over = ["model=gpt_tiny", "data=synthetic", *TINY, "train.max_steps=6", "train.log_interval=1", *layout]
-    full = train(over + ["checkpoint.interval=3", f"run.dir={tmp_path / 'a'}"], nproc=nproc)
+    # tp2's ranks started as srun does (no torchrun agent): the resume is the subject, not the launcher
+    full = train(over + ["checkpoint.interval=3", f"run.dir={tmp_path / 'a'}"], nproc=nproc, launcher="env")
     assert full.returncode == 0, full.stderr[-2000:]
     ck = tmp_path / "a" / "checkpoints"
     assert (ck / "latest").read_text().strip() == "step_00000006"
@@ -77,7 +78,9 @@ def test_resume_continues_with_uninterrupted_losses(tmp_path, nproc, layout):
     assert meta["tensors"]["model/embed.weight"]["global_shape"] == [4096, 64]
     # a second run pointed at the step-3 checkpoint resumes there and continues identically
     resumed = train(
-        over + [f"run.dir={tmp_path / 'b'}", f"checkpoint.resume={ck / 'step_00000003'}"], nproc=nproc
+        over + [f"run.dir={tmp_path / 'b'}", f"checkpoint.resume={ck / 'step_00000003'}"],
+        nproc=nproc,
+        launcher="env",
     )
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "resumed from" in resumed.stdout
