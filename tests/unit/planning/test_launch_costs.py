@@ -12,19 +12,11 @@ from megaframe.planning.candidate import Layout
 from megaframe.planning.devices import DEVICES
 from megaframe.planning.steptime import launches as launch
 from megaframe.planning.steptime.timing import step_time
+from tests.unit.planning.test_plan_search import SMALL
 
-TINY = [
-    "data=synthetic",
-    "model.num_layers=4",
-    "model.hidden_size=64",
-    "model.num_attention_heads=8",
-    "model.num_query_groups=4",
-    "model.ffn_hidden_size=128",
-    "model.seq_length=64",
-    "model.vocab_size=256",
-    "train.precision=bf16",
-    "train.global_batch_size=128",
-]
+# test_plan_search's small model, in bf16 and at a batch of 128 (many micro-batches of short kernels)
+TINY = [o for o in SMALL if not o.startswith("train.global_batch_size")]
+TINY += ["train.precision=bf16", "train.global_batch_size=128"]
 H100 = DEVICES["H100"]
 
 
