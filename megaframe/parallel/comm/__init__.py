@@ -36,7 +36,6 @@ from megaframe.parallel.comm.plain import (  # noqa: F401
     all_reduce,
     all_to_all_counts,
     all_to_all_rows,
-    broadcast,
     reduce_scatter_dim0,
     reduce_scatter_flat,
     split_dim0,

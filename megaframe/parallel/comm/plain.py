@@ -1,4 +1,4 @@
-"""Plain collectives over one mesh axis (no autograd): in-place all-reduce and broadcast, dim-0 and flat
+"""Plain collectives over one mesh axis (no autograd): in-place all-reduce, dim-0 and flat
 all-gather and reduce-scatter (ZeRO's buckets, async), the all-to-alls of expert dispatch, the
 whole-world flat gather."""
 
@@ -27,16 +27,6 @@ def all_reduce(x: torch.Tensor, axis: Axis, op=dist.ReduceOp.SUM) -> torch.Tenso
     entry = enter(axis, "all_reduce", x, 2 * (axis.size - 1) / axis.size * nbytes(x))
     if entry is not None:
         done(axis, entry, x, dist.all_reduce(x, op=op, group=axis.group))
-    return x
-
-
-def broadcast(x: torch.Tensor, axis: Axis, src: int) -> torch.Tensor:
-    """In place: x of the axis's rank `src` (its coordinate on the axis) on every rank; returns x."""
-    if axis.size == 1:
-        return x
-    entry = enter(axis, "broadcast", x, nbytes(x) if axis.rank == src else 0)
-    if entry is not None:
-        done(axis, entry, x, dist.broadcast(x, src=axis.ranks[src], group=axis.group))
     return x
 
 
