@@ -24,13 +24,13 @@ from megaframe.planning.candidate import stage_params
 def update_bytes_per_element(cfg, grad_bytes: int) -> int:
     """HBM bytes the update moves per owned element (module doc)."""
     o = cfg.optim
-    prec = str(getattr(cfg.train.precision, "value", cfg.train.precision))
-    dtype = str(getattr(o.state_dtype, "value", o.state_dtype))
+    # StrEnum members: str() gives the value (a config read back from a dict holds the plain strings)
+    prec, dtype = str(cfg.train.precision), str(o.state_dtype)
     rule = rule_named(o.name)
     state = rule.bytes_per_element(dtype)
     param = 4 if prec == "fp32" else 2
     master = 0 if prec == "fp32" else 8  # the fp32 copy read and written
-    if str(getattr(o.step_kernel, "value", o.step_kernel)) == "compiled":
+    if str(o.step_kernel) == "compiled":
         return 2 * grad_bytes + 2 * state + master + param
     # eager: the norm and torch's fused AdamW read fp32 grads and step fp32 state (widened first)
     fp32_state = rule.bytes_per_element("fp32")
