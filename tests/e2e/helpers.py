@@ -5,12 +5,15 @@ from __future__ import annotations
 import json
 import os
 import random
+import select
 import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from tests.e2e import warm_start
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = [
@@ -39,21 +42,33 @@ def env(gpu: bool = False, **extra) -> dict:
     return e
 
 
-def run(args: list[str], timeout: float = 300, gpu: bool = False, **extra_env) -> subprocess.CompletedProcess:
+def run(
+    args: list[str], timeout: float = 300, gpu: bool = False, fresh: bool = False, **extra_env
+) -> subprocess.CompletedProcess:
+    """`args` in the checkout with env(); `python train.py ...` and `python -m megaframe.X ...` as a fork of
+    the warm server (tests/e2e/warm_start.py) unless `fresh`: a test whose subject is the start of the
+    interpreter (its imports, a signal during start-up) asks for a fresh one."""
+    if not fresh and (proc := _start_warm(args, gpu, extra_env)) is not None:
+        return _finish([proc], args, timeout, grace=None)
     return subprocess.run(
         args, cwd=ROOT, env=env(gpu, **extra_env), capture_output=True, text=True, timeout=timeout
     )
 
 
 def train(
-    overrides: list[str], nproc: int = 1, timeout: float = 300, launcher: str = "torchrun", **extra_env
+    overrides: list[str],
+    nproc: int = 1,
+    timeout: float = 300,
+    launcher: str = "torchrun",
+    fresh: bool = False,
+    **extra_env,
 ) -> subprocess.CompletedProcess:
     """train.py at `nproc` ranks. launcher="env" starts the ranks directly with RANK / WORLD_SIZE /
     LOCAL_RANK / MASTER_ADDR / MASTER_PORT set, as srun does (see megaframe/parallel/launch.py): no torchrun
     agent (about 2 s of CPU and 1.5 s of wall per launch), for tests whose subject is not the launcher."""
     gpu = "train.device=cuda" in overrides  # the GPU tests (tests/gpu) ask for it by name
     if nproc > 1 and launcher == "env":
-        return _train_env_ranks(overrides, nproc, timeout, gpu, extra_env)
+        return _train_env_ranks(overrides, nproc, timeout, gpu, extra_env, fresh)
     if nproc == 1:
         cmd = [sys.executable, "train.py"]
     else:
@@ -65,7 +80,69 @@ def train(
             f"--nproc-per-node={nproc}",
             "train.py",
         ]
-    return run(cmd + overrides, timeout=timeout, gpu=gpu, **extra_env)
+    return run(cmd + overrides, timeout=timeout, gpu=gpu, fresh=fresh, **extra_env)
+
+
+def _start_warm(args: list[str], gpu: bool, extra_env: dict):
+    """`args` as a fork of the warm server, or None where it cannot stand for a fresh interpreter."""
+    if gpu or args[:1] != [sys.executable] or not warm_start.eligible(args[1:]):
+        return None
+    server = warm_server()
+    if server is None:
+        return None
+    proc = _Forked(args[1:], env(gpu, **extra_env), server)
+    return proc if proc.cmd.pid is not None else None
+
+
+_server: list = []  # [the warm server's socket path or None], once started
+
+
+def warm_server() -> str | None:
+    """The socket of this pytest worker's warm server (tests/e2e/warm_start.py), started on first use;
+    None when MEGAFRAME_TEST_FORK=0 or it did not come up (then every command starts fresh)."""
+    if not _server:
+        _server.append(None)
+        if os.environ.get("MEGAFRAME_TEST_FORK", "1") != "0":
+            path = os.path.join(tempfile.mkdtemp(prefix="megaframe-warm-"), "socket")
+            proc = subprocess.Popen(
+                [sys.executable, warm_start.__file__, path], cwd=ROOT, env=env(),
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            )  # fmt: skip
+            # its imports take seconds; two minutes is a server that will not come up
+            if select.select([proc.stdout], [], [], 120)[0] and proc.stdout.readline().strip() == "ready":
+                _server[0] = path
+                _server.append(proc)  # held: its stdin closing (this worker ending) ends it
+            else:
+                proc.kill()
+    return _server[0]
+
+
+class _Output:
+    """stdout and stderr in temporary files, read back once the command ended."""
+
+    def __init__(self):
+        self.files = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+
+    def output(self) -> tuple[str, str]:
+        texts = []
+        for f in self.files:
+            f.seek(0)
+            texts.append(f.read())
+            f.close()
+        return texts[0], texts[1]
+
+
+class _Forked(_Output):
+    def __init__(self, argv: list[str], e: dict, server: str):
+        super().__init__()
+        with open(os.devnull) as null:
+            fds = (null.fileno(), self.files[0].fileno(), self.files[1].fileno())
+            self.cmd = warm_start.Command(argv, e, str(ROOT), fds, server)
+        self.poll, self.kill, self.wait = self.cmd.poll, self.cmd.kill, self.cmd.wait
+
+    @property
+    def returncode(self):
+        return self.cmd.returncode
 
 
 def _free_port() -> int:
@@ -82,49 +159,59 @@ def _free_port() -> int:
     raise RuntimeError("no free port in 12000-31999")
 
 
-def _train_env_ranks(overrides, nproc, timeout, gpu, extra_env) -> subprocess.CompletedProcess:
+def _train_env_ranks(overrides, nproc, timeout, gpu, extra_env, fresh) -> subprocess.CompletedProcess:
     """Each rank's stdout and stderr, rank 0 first; the exit code is the largest of the ranks' (srun's).
-    When a rank fails, the others get 20 s to end on their own (they usually fail the same collective),
-    then are killed, as srun --kill-on-bad-exit does: a survivor would otherwise wait out the dist timeout."""
+    The ranks are forks of the warm server where run() would fork (else fresh interpreters)."""
     port = str(_free_port())
-    procs, files = [], []
+    procs = []
     for rank in range(nproc):
         ranks = dict(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc))
         ranks.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-        out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
-        files.append((out, err))
-        e = env(gpu, **ranks, **extra_env)
         cmd = [sys.executable, "train.py", *overrides]
-        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=e, stdout=out, stderr=err, text=True))
+        proc = None if fresh else _start_warm(cmd, gpu, {**ranks, **extra_env})
+        procs.append(proc if proc is not None else _Fresh(cmd, env(gpu, **ranks, **extra_env)))
+    return _finish(procs, ["train.py", *overrides], timeout, grace=20)
+
+
+class _Fresh(_Output):
+    """A fresh interpreter: the same face as _Forked."""
+
+    def __init__(self, cmd: list[str], e: dict):
+        super().__init__()
+        out, err = self.files
+        self.popen = subprocess.Popen(cmd, cwd=ROOT, env=e, stdout=out, stderr=err, text=True)
+        self.poll, self.kill, self.wait = self.popen.poll, self.popen.kill, self.popen.wait
+
+    @property
+    def returncode(self):
+        return self.popen.returncode
+
+
+def _finish(procs, args, timeout: float, grace: float | None) -> subprocess.CompletedProcess:
+    """Wait for every process; past `timeout` kill them all and raise TimeoutExpired. With `grace`: once one
+    fails, the others get that long to end on their own (they usually fail the same collective), then are
+    killed, as srun --kill-on-bad-exit does: a survivor would otherwise wait out the dist timeout."""
     deadline, killed_at = time.monotonic() + timeout, None
     try:
         while any(p.poll() is None for p in procs):
             now = time.monotonic()
             if now > deadline:
-                raise subprocess.TimeoutExpired(["train.py", *overrides], timeout)
-            if killed_at is None and any(p.returncode for p in procs):
-                killed_at = now + 20
+                raise subprocess.TimeoutExpired(args, timeout)
+            if grace is not None and killed_at is None and any(p.returncode for p in procs):
+                killed_at = now + grace
             if killed_at is not None and now > killed_at:
                 for p in procs:
                     if p.poll() is None:
                         p.kill()
-            time.sleep(0.05)
+            time.sleep(0.02)
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    texts = []
-    for out, err in files:
-        out.seek(0)
-        err.seek(0)
-        texts.append((out.read(), err.read()))
-        out.close()
-        err.close()
+    texts = [p.output() for p in procs]
     code = max(procs, key=lambda p: abs(p.returncode)).returncode
-    return subprocess.CompletedProcess(
-        ["train.py", *overrides], code, "".join(o for o, _ in texts), "".join(e for _, e in texts)
-    )
+    return subprocess.CompletedProcess(args, code, "".join(o for o, _ in texts), "".join(e for _, e in texts))
 
 
 def metrics(run_dir: Path) -> list[dict]:

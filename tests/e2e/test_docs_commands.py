@@ -18,8 +18,9 @@ import pytest
 
 from megaframe.config.keys import PLANNER_KEYS
 from megaframe.evaluate import TASK_KEYS
+from tests.e2e import warm_start
 from tests.e2e.docs_commands import PAGES, ROOT, commands, hydra_overrides, small_overrides
-from tests.e2e.helpers import env
+from tests.e2e.helpers import env, warm_server
 
 pytestmark = pytest.mark.e2e
 TIMEOUT_S = 240
@@ -94,6 +95,9 @@ class Journey:
     def __init__(self, root: Path):
         self.work = scratch_checkout(root)
         bin_dir = str(Path(sys.executable).parent)
+        server = warm_server()
+        if server is not None:  # `python train.py` and `python -m megaframe.X` as forks of the warm server
+            bin_dir = warm_start.shim(str(root), server, sys.executable) + os.pathsep + bin_dir
         self.env = env(
             PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
             PET_STANDALONE="1",
