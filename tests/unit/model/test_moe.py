@@ -3,6 +3,7 @@ dropping, the layer against a per-token loop, per-expert init, and the imbalance
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -20,7 +21,9 @@ from tests.forms import build_model, train_step
 torch.set_num_threads(1)
 
 
+@functools.lru_cache(maxsize=None)
 def cfg_of(*extra):
+    # a Hydra compose each: once per set of overrides (the config is frozen, so tests can share it)
     return load_config(TINY + MOE + list(extra), world_size=1, check_data=False)
 
 
