@@ -50,9 +50,18 @@ class _MetaGroupedMM(torch.autograd.Function):
         raise RuntimeError("the planner's grouped GEMM stand-in has no backward")
 
 
+def meta_grouped_mm(x_ND: torch.Tensor, w_LOI: torch.Tensor, offs_L: torch.Tensor) -> torch.Tensor:
+    """`_MetaGroupedMM`, seen by torch function modes as one op (as torch._grouped_mm is on a device):
+    the planner's recorder of weighted ops' inputs (planning.memory.activations) counts it."""
+    args = (x_ND, w_LOI, offs_L)
+    if torch.overrides.has_torch_function(args):
+        return torch.overrides.handle_torch_function(meta_grouped_mm, args, *args)
+    return _MetaGroupedMM.apply(*args)
+
+
 def _group_mm(x_ND: torch.Tensor, w_LOI: torch.Tensor, offs_L: torch.Tensor) -> torch.Tensor:
     if x_ND.is_meta:
-        return _MetaGroupedMM.apply(x_ND, w_LOI, offs_L)
+        return meta_grouped_mm(x_ND, w_LOI, offs_L)
     return torch._grouped_mm(x_ND, w_LOI.transpose(-2, -1), offs=offs_L)
 
 
