@@ -88,7 +88,8 @@ def _ep_bytes_vs_theory(cfg, mesh, layer: MoE, x_TBD: torch.Tensor) -> dict:
     """(counted, expected) ep bytes summed over ranks for one forward + backward. A row (D fp32) that
     leaves its rank crosses ep four times: dispatch and combine forward, both again in backward; the
     rows a rank receives are other ranks' departures, so over all ranks it is 4 x the rows sent off-rank.
-    Plus one even all-to-all of E int64 counts per rank."""
+    Its combine weight (fp32) goes with it, and its grad comes back: twice. Plus one even all-to-all of E
+    int64 counts per rank."""
     import torch.distributed as dist
 
     counted = mesh.stats.pop().get("ep", 0)
@@ -96,7 +97,7 @@ def _ep_bytes_vs_theory(cfg, mesh, layer: MoE, x_TBD: torch.Tensor) -> dict:
     with torch.no_grad():
         experts = torch.topk(layer.router(x_TBD.reshape(-1, x_TBD.shape[-1])), cfg.model.moe_top_k).indices
     off_rank = (experts // (e // ep) != mesh.ep.rank).sum().item()
-    expected = 4 * off_rank * x_TBD.shape[-1] * 4 + int((ep - 1) / ep * e * 8)
+    expected = 4 * off_rank * x_TBD.shape[-1] * 4 + 2 * off_rank * 4 + int((ep - 1) / ep * e * 8)
     both = torch.tensor([counted, expected], dtype=torch.float64)
     dist.all_reduce(both, group=mesh.group)
     return {"ep_bytes": both[0].item(), "ep_bytes_theory": both[1].item()}

@@ -199,7 +199,8 @@ def test_checkpoint_round_trip_on_cuda(tmp_path, save):
 
 def test_grouped_experts_match_the_loop_on_cuda():
     """The experts' grouped GEMM (CUTLASS on sm90 in bf16, the padded bmm elsewhere) against the per-expert
-    loop: outputs and grads within bf16 rounding, group sizes that are not multiples of 8 and empty ones."""
+    loop: outputs and grads (the weights' too: each row weighted inside its expert) within bf16 rounding,
+    group sizes that are not multiples of 8 and empty ones."""
     from megaframe.config import load_config
     from megaframe.model.moe.layer import Experts
     from megaframe.parallel.mesh import single_process_mesh
@@ -221,10 +222,12 @@ def test_grouped_experts_match_the_loop_on_cuda():
     sizes = [37, 0, 1, 250, 9, 100]
     x = torch.randn(sum(sizes), cfg.hidden_size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     g = torch.randn_like(x)
+    # the router's fp32 combine weights, applied inside the experts as the dispatcher runs them
+    w = torch.rand(sum(sizes), 1, device="cuda", requires_grad=True)
     outs = []
     for fn in (experts.forward, experts.forward_loop):
-        y = fn(x, sizes)
-        outs.append((y, *torch.autograd.grad(y, (x, *experts.parameters()), g)))
+        y = fn(x, sizes, w_N1=w)
+        outs.append((y, *torch.autograd.grad(y, (x, w, *experts.parameters()), g)))
     for a, b in zip(*outs):
         assert ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-6)).item() < 2e-2
 

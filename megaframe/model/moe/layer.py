@@ -92,21 +92,29 @@ class Experts(nn.Module):
         self.down_proj = _Stacked(down, device, partial, (), folded)
 
     def forward(
-        self, x_ND: torch.Tensor, sizes: list[int], ends_L: torch.Tensor | None = None
+        self,
+        x_ND: torch.Tensor,
+        sizes: list[int],
+        ends_L: torch.Tensor | None = None,
+        w_N1: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Rows grouped by local expert (sizes[l] rows for expert l; ends_L their cumulative sums on the
-        device), all experts in one grouped GEMM per projection (moe/grouped.py). Every expert's weight
-        takes part, even with no rows, so each gets a (zero) grad like in one process."""
-        return grouped.swiglu_experts(x_ND, self.up_proj.weight, self.down_proj.weight, sizes, ends_L)
+        device), all experts in one grouped GEMM per projection (moe/grouped.py), each row's output
+        weighted by w_N1 when given. Every expert's weight takes part, even with no rows, so each gets a
+        (zero) grad like in one process."""
+        up, down = self.up_proj.weight, self.down_proj.weight
+        return grouped.swiglu_experts(x_ND, up, down, sizes, ends_L, w_N1)
 
-    def forward_loop(self, x_ND: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    def forward_loop(
+        self, x_ND: torch.Tensor, sizes: list[int], w_N1: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The per-expert loop the grouped GEMM replaced: the reference its tests and bench compare to."""
         outs = []
-        for w_up, w_down, rows_ND in zip(
-            self.up_proj.weight.unbind(0), self.down_proj.weight.unbind(0), x_ND.split(sizes)
+        w_rows = [None] * len(sizes) if w_N1 is None else w_N1.split(sizes)
+        for w_up, w_down, rows_ND, w_M1 in zip(
+            self.up_proj.weight.unbind(0), self.down_proj.weight.unbind(0), x_ND.split(sizes), w_rows
         ):
-            gate_NF, up_NF = F.linear(rows_ND, w_up).chunk(2, dim=-1)
-            outs.append(F.linear(F.silu(gate_NF) * up_NF, w_down))
+            outs.append(F.linear(grouped.weighted_swiglu(F.linear(rows_ND, w_up), w_M1), w_down))
         return torch.cat(outs)
 
 
@@ -183,8 +191,6 @@ class MoE(nn.Module):
             c.moe_norm_topk_prob,
             c.moe_routed_scaling_factor,
         )
-        if x_TD.is_meta:  # the planner (megaframe.plan): shapes only, so assume perfectly balanced routing
-            return self._balanced(x_TD, r).view(s, b, d)
         counts_E = dispatcher.expert_counts(r.experts_TK.reshape(-1), c.num_experts)
         batch_E, runs = self._batch_counts(r.experts_TK, counts_E, b)
         capacity = None
@@ -195,27 +201,14 @@ class MoE(nn.Module):
         plan = dispatcher.plan(
             r.experts_TK, r.weights_TK, c.num_experts, capacity, counts_E=counts_E, runs=runs
         )
-        y_TD = dispatcher.dispatch_combine(x_TD, plan, self.ep, self.experts, self.etp)
+        # the planner (megaframe.plan) runs this forward on meta tensors: shapes only, no values to sync on,
+        # so its route assumes perfectly balanced routing; every saved tensor is the trainer's own
+        route = dispatcher.balanced_route(plan, self.ep, self.etp, capacity) if x_TD.is_meta else None
+        y_TD = dispatcher.dispatch_combine(x_TD, plan, self.ep, self.experts, self.etp, route)
         # Skipped under no_grad (eval): no backward to inject into, and eval batches stay out of step_stats.
         if torch.is_grad_enabled():
             y_TD = self._add_losses(y_TD, r, logits_TE, batch_E, counts_E, plan, n, b)
         return y_TD.view(s, b, d)
-
-    def _balanced(self, x_TD: torch.Tensor, r: router.Routing) -> torch.Tensor:
-        """dispatch_combine's operations (so the same tensors are saved for backward) with every local
-        expert getting an equal share of the T·K rows this rank receives over the ep group."""
-        k, local = self.cfg.moe_top_k, self.cfg.num_experts // self.ep.size
-        rows = x_TD.shape[0] * k
-        sizes = [rows // local] * local
-        sizes[-1] += rows - sum(sizes)  # the remainder to the last expert: sizes must sum to the rows
-        perm_A = torch.arange(rows, device=x_TD.device)
-        token_A = perm_A // k
-        x_AD = x_TD[token_A][perm_A]  # gather by token, then the regrouping by local expert
-        # under etp the experts' slices run on the rows of every etp peer (dispatcher._etp_experts)
-        g = self.etp.size
-        y_AD = self.experts(x_AD.repeat(g, 1), [n * g for n in sizes]).view(g, rows, -1).sum(0)[perm_A]
-        y_AD = y_AD * r.weights_TK.reshape(-1)[perm_A].unsqueeze(-1).to(y_AD.dtype)
-        return torch.zeros_like(x_TD).index_add(0, token_A, y_AD)
 
     def _sequence_loss(self, r: router.Routing, n: int, batch: int) -> torch.Tensor:
         """The sequence-wise balance loss (router.sequence_balancing_loss) of this micro-batch's sequences,

@@ -235,6 +235,7 @@ class _WeightInputs(TorchFunctionMode):
     output grad) and its output's bytes (the output grad W reads, the same size)."""
 
     WEIGHTED = {"linear", "mm", "matmul", "addmm", "bmm", "embedding", "rms_norm", "layer_norm"}
+    WEIGHTED |= {"_grouped_mm", "meta_grouped_mm"}  # the MoE experts' GEMMs, on a device and on meta
     """The ops that apply a weight (a transposed weight is a view of it: matched by storage)."""
 
     def __init__(self, params: Iterable[torch.Tensor]):

@@ -10,6 +10,7 @@ from megaframe.parallel.virtual import virtual_mesh
 from megaframe.planning.memory.activations import chunk_activation_bytes
 from tests.distributed.cases import tiny_config, train_and_report
 from tests.distributed.model.test_model_equivalence import assert_close_dicts
+from tests.distributed.moe_cases import MOE
 from tests.distributed.zero_cases import run_steps
 from tests.forms import build_model
 
@@ -50,19 +51,19 @@ def test_op_selective_matches_one_process_without_recompute(pool, name, n, tp, p
     _assert_matches(got, ref)
 
 
-def _cpu_model(recompute: str, device: str = "cpu", layers: int = 2):
-    cfg = tiny_config([f"train.recompute={recompute}", f"model.num_layers={layers}"], 1)
+def _cpu_model(recompute: str, device: str = "cpu", layers: int = 2, extra: tuple = ()):
+    cfg = tiny_config([f"train.recompute={recompute}", f"model.num_layers={layers}", *extra], 1)
     model = build_model(cfg, virtual_mesh(1, 1, 1, device=device))
     model.train()
     return model
 
 
-def _per_block(recompute: str, device: str = "cpu") -> int:
+def _per_block(recompute: str, device: str = "cpu", extra: tuple = ()) -> int:
     """One block's saved bytes for a micro-batch of 2 as the planner measures it (search._act_per_layer):
     a 2-layer minus a 1-layer model, through the trainer's forward_chunk. On meta the fused attention's
     stand-in; on CPU the real kernels."""
     fused = device == "meta"
-    two, one = (_cpu_model(recompute, device, n) for n in (2, 1))
+    two, one = (_cpu_model(recompute, device, n, extra) for n in (2, 1))
     return chunk_activation_bytes(two, 0, 2, fused_attention=fused) - chunk_activation_bytes(one, 0, 2, fused)
 
 
@@ -81,6 +82,14 @@ def test_op_selective_keeps_fewer_bytes_than_none_and_more_than_full():
     assert got["full"] < got["op_selective"] < got["none"], got
 
 
-def test_planner_counts_op_selective_as_the_trainer_keeps_it():
+# an MoE block (4 experts, top-2): dropless, the rows it keeps grow with the tokens times top-k alone, so the
+# planner's balanced routing and the trainer's real one keep the same bytes (the ids pick real experts)
+MOE_BLOCK = tuple(MOE)
+
+
+@pytest.mark.parametrize(
+    "recompute,extra", [("op_selective", ()), ("none", MOE_BLOCK)], ids=["op_selective", "moe"]
+)
+def test_planner_counts_a_block_as_the_trainer_keeps_it(recompute, extra):
     """The planner's meta forward (attention stand-in) and a real CPU block keep the same bytes."""
-    assert _per_block("op_selective", "meta") == _per_block("op_selective")
+    assert _per_block(recompute, "meta", extra) == _per_block(recompute, extra=extra)

@@ -3,6 +3,7 @@ dropping, the layer against a per-token loop, per-expert init, and the imbalance
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -20,7 +21,9 @@ from tests.forms import build_model, train_step
 torch.set_num_threads(1)
 
 
+@functools.lru_cache(maxsize=None)
 def cfg_of(*extra):
+    # a Hydra compose each: once per set of overrides (the config is frozen, so tests can share it)
     return load_config(TINY + MOE + list(extra), world_size=1, check_data=False)
 
 
@@ -174,12 +177,56 @@ def test_grouped_experts_equal_the_per_expert_loop(dtype, path, monkeypatch):
     sizes = [5, 0, 11, 3] + [0] * (cfg.num_experts - 4)
     x = torch.randn(sum(sizes), cfg.hidden_size, dtype=dtype, requires_grad=True)
     g = torch.randn(sum(sizes), cfg.hidden_size, dtype=dtype)
+    w = torch.rand(sum(sizes), 1, requires_grad=True)  # the router's fp32 combine weights
     outs = []
-    for fn in (experts.forward, experts.forward_loop):
-        y = fn(x, sizes)
-        outs.append((y, *torch.autograd.grad(y, (x, *experts.parameters()), g)))
+    for weights in (None, w):
+        for fn in (experts.forward, experts.forward_loop):
+            y = fn(x, sizes, w_N1=weights)
+            wrt = (x, *experts.parameters()) + ((w,) if weights is not None else ())
+            outs.append((y, *torch.autograd.grad(y, wrt, g)))
+    outs = [outs[0] + outs[2], outs[1] + outs[3]]
     for a, b in zip(*outs):  # grouped: bit for bit; bmm blocks its sums differently from mm (fp32 1e-5)
         if path == "grouped":
             assert torch.equal(a, b)
         else:
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_the_weighted_swiglu_is_the_eager_product_and_its_grads():
+    """silu(gate) · up · w with silu recomputed in backward: the eager expression's grads (float64)."""
+    from megaframe.model.moe import grouped
+
+    g = torch.Generator().manual_seed(3)
+    gate_up = torch.randn(7, 10, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.rand(7, 1, dtype=torch.float64, generator=g, requires_grad=True)
+    dh = torch.randn(7, 5, dtype=torch.float64, generator=g)
+    gate, up = gate_up.chunk(2, dim=-1)
+    want = torch.nn.functional.silu(gate) * up * w
+    got = grouped.weighted_swiglu(gate_up, w)
+    torch.testing.assert_close(got, want)
+    for a, b in zip(torch.autograd.grad(got, (gate_up, w), dh), torch.autograd.grad(want, (gate_up, w), dh)):
+        torch.testing.assert_close(a, b)
+
+
+def test_a_layer_keeps_its_routed_rows_once():
+    """What one MoE layer's backward keeps per routed row (T·K rows, real routing on CPU, fp32): the
+    experts' input once, their [gate | up] and the down projection's input, the fp32 combine weight and
+    two int64 indices (which token, which weight). The row moves and the combine keep indices only; the
+    weights are applied inside the experts, so no expert output row is kept."""
+    cfg = cfg_of()
+    layer = _layer(cfg, single_process_mesh())
+    s, b, d, f, k = 16, 2, cfg.model.hidden_size, cfg.model.expert_ffn, cfg.model.moe_top_k
+    params = {p.untyped_storage()._cdata for p in layer.parameters()}
+    saved: dict[int, tuple[int, int]] = {}
+
+    def pack(t):
+        key = t.untyped_storage()._cdata
+        if key not in params:
+            saved.setdefault(key, (t.shape[0] if t.dim() else 0, t.untyped_storage().nbytes()))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        layer(torch.randn(s, b, d, requires_grad=True))
+    rows = s * b * k
+    routed = sum(n for first, n in saved.values() if first == rows)
+    assert routed == rows * (4 * (d + 2 * f + f) + 4 + 2 * 8)
