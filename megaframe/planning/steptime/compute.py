@@ -30,7 +30,13 @@ from __future__ import annotations
 import functools
 
 from megaframe.planning.devices import Device
-from megaframe.planning.steptime.moe import experts_seconds, router_bytes
+from megaframe.planning.steptime.moe import (
+    experts_seconds,
+    grouped_kernel,
+    padded_bytes,
+    permute_rows,
+    router_bytes,
+)
 from megaframe.training.metrics import flops_per_token
 
 PASSES = 3
@@ -89,9 +95,11 @@ def block_seconds(
         gemm = sum(gemm_seconds(dev, gemm_prec, tokens, k, n) for k, n in dims[:2])
         # the experts stay bf16 under fp8 (layers/fp8.py converts nn.Linear only)
         ex_prec = "bf16" if gemm_prec == "fp8" else gemm_prec
-        gemm += experts_seconds(gemm_seconds, dev, ex_prec, m, tokens // (tp if sp else 1), 1, ep)
-        gemm += gemm_seconds(dev, "bf16" if prec == "fp8" else prec, tokens, m.hidden_size, m.num_experts)
-        router = _stream(dev, router_bytes(m, tokens // (tp if sp else 1), 4 if prec == "fp32" else 2))
+        routed = tokens // (tp if sp else 1)  # under sp each tp rank routes its own block
+        gemm += experts_seconds(gemm_seconds, dev, ex_prec, m, routed, 1, ep)
+        # the router's GEMM runs in fp32 whatever the precision (router.py: x.float(), an fp32 weight)
+        gemm += gemm_seconds(dev, "fp32", routed, m.hidden_size, m.num_experts)
+        router = _stream(dev, moe_bytes(m, dev, ex_prec, routed, ep))
         dims = dims[:2]
     else:
         gemm = sum(gemm_seconds(dev, gemm_prec, tokens, k, n) for k, n in dims)
@@ -111,6 +119,14 @@ def block_seconds(
     eager = 1.0 if cfg.train.compile else EAGER_TRAFFIC
     elementwise = PASSES * eager * _stream(dev, tokens * per_tok * act)
     return {"gemm": PASSES * gemm + scale, "attention": attn / attn_rate, "elementwise": elementwise + router}
+
+
+def moe_bytes(m, dev: Device, prec: str, routed: int, ep: int) -> float:
+    """HBM bytes of an MoE layer's router, permutation and (without a grouped kernel) padding passes for
+    one micro-batch, forward + backward (planning.steptime.moe: each counted from the trainer's code)."""
+    elem = 4 if prec == "fp32" else 2
+    out = router_bytes(m, routed, elem) + permute_rows(routed, m.moe_top_k, ep) * m.hidden_size * elem
+    return out + (0.0 if grouped_kernel(dev, prec) else padded_bytes(m, routed, ep, elem))
 
 
 def attention_flops(m, tokens: int, tp: int, cp: int) -> float:

@@ -1,0 +1,48 @@
+"""The step-time model's MoE terms (planning.steptime.moe, compute, launches) held to hand counts of what the
+trainer's model/moe/ code does per layer and micro-batch."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from megaframe.planning.devices import DEVICES
+from megaframe.planning.steptime import compute, launches, moe
+
+# D 4, E 8 experts of width 6, top 2: small enough to count by hand
+M = SimpleNamespace(hidden_size=4, num_experts=8, expert_ffn=6, moe_top_k=2, moe_z_loss_coeff=0.0)
+
+
+def test_the_permutation_rows_are_the_dispatchers_passes():
+    # 10 tokens, top 2: A = 20 assignments. Forward: gather 2A, weight multiply 2A, zeros T, index_add 3A;
+    # backward: index_select 2A, the multiply's grads 2A + 4A, the gather's zeros T and index_put 3A
+    assert moe.permute_rows(10, 2, 1) == 7 * 20 + 10 + 11 * 20 + 10
+    # under ep the busiest rank's R = 1.2 A = 24 rows are regrouped and back: 4R forward, 8R backward
+    assert moe.permute_rows(10, 2, 8) == moe.permute_rows(10, 2, 1) + 12 * 24
+
+
+def test_the_router_bytes_are_its_casts_and_score_passes():
+    # x to fp32 and back, the grads' add (bf16): (2 + 4) + (4 + 2) + 3 x 2 = 18 bytes a [T, D] element;
+    # [T, E] fp32 passes: 12 forward (softmax 2, top-k, the aux sum, entropy 2 + 2 + 3 + 1) + 7 backward
+    assert moe.router_bytes(M, 10, 2) == 18 * 10 * 4 + 19 * 10 * 8 * 4
+    z = SimpleNamespace(**{**vars(M), "moe_z_loss_coeff": 1e-3})  # the z-loss's logsumexp: one more read
+    assert moe.router_bytes(z, 10, 2) == moe.router_bytes(M, 10, 2) + 10 * 8 * 4
+
+
+def test_the_padded_path_is_charged_where_no_grouped_kernel_runs():
+    # 10 tokens, ep 2: 4 local experts, 24 routed rows, the busiest expert's 6 rows: a [4, 6, in] batch
+    # per projection (in 4 out 12, in 6 out 4): zeroed, filled and gathered back; backward the same again
+    per = (24 * 4 + 48 * 4 + 48 * 12) + (24 * 6 + 48 * 6 + 48 * 4)
+    assert moe.padded_bytes(M, 10, 2, 2) == 2 * per * 2
+    h100, a100 = DEVICES["H100"], DEVICES["A100"]
+    assert moe.grouped_kernel(h100, "bf16") and not moe.grouped_kernel(a100, "bf16")
+    assert not moe.grouped_kernel(h100, "fp32")
+    base = moe.router_bytes(M, 10, 2) + moe.permute_rows(10, 2, 2) * 4 * 2
+    assert compute.moe_bytes(M, h100, "bf16", 10, 2) == base
+    assert compute.moe_bytes(M, a100, "bf16", 10, 2) == base + moe.padded_bytes(M, 10, 2, 2)
+
+
+def test_the_moe_kernels_are_counted_per_op_and_grow_under_ep():
+    # forward: router 3, route 6, counts 3, plan 4, dispatch 11, losses 9, statistics 18; backward 5 + 10
+    # + 6 + 12; ep adds the regrouping and its inverse (8 forward, 6 backward)
+    assert launches.moe_kernels(1) == (54, 33)
+    assert launches.moe_kernels(8) == (62, 39)
