@@ -36,6 +36,7 @@ from megaframe.planning.steptime.moe import (
     padded_bytes,
     permute_rows,
     router_bytes,
+    swiglu_bytes,
 )
 from megaframe.training.metrics import flops_per_token
 
@@ -107,7 +108,8 @@ def block_seconds(
     scale = 0.0
     if prec == "fp8":  # amax read + fp8 write of each bf16 operand, forward and the backward's grad operand
         scale = _stream(dev, sum(3 * act * (tokens * k + k * n) for k, n in dims))
-    d, ffn = m.hidden_size, (m.expert_ffn * m.moe_top_k if m.num_experts else m.ffn_hidden_size)
+    # the experts' activation is counted with the rest of the MoE layer's passes (moe_bytes)
+    d, ffn = m.hidden_size, (0 if m.num_experts else m.ffn_hidden_size)
     per_tok = (4 + 6 + (5 if m.dropout > 0 else 0)) * d / (tp if sp else 1)  # norms, residuals, dropout
     per_tok += (3 if "swiglu" in str(m.activation) else 2) * ffn / tp
     if "rope" in str(m.position_embedding):
@@ -122,10 +124,12 @@ def block_seconds(
 
 
 def moe_bytes(m, dev: Device, prec: str, routed: int, ep: int) -> float:
-    """HBM bytes of an MoE layer's router, permutation and (without a grouped kernel) padding passes for
-    one micro-batch, forward + backward (planning.steptime.moe: each counted from the trainer's code)."""
+    """HBM bytes of an MoE layer's router, permutation, experts' SwiGLU and (without a grouped kernel)
+    padding passes for one micro-batch, forward + backward (planning.steptime.moe: each counted from the
+    trainer's code)."""
     elem = 4 if prec == "fp32" else 2
     out = router_bytes(m, routed, elem) + permute_rows(routed, m.moe_top_k, ep) * m.hidden_size * elem
+    out += swiglu_bytes(m, routed, ep, elem)
     return out + (0.0 if grouped_kernel(dev, prec) else padded_bytes(m, routed, ep, elem))
 
 

@@ -13,7 +13,7 @@ rank, each split over etp). Each rank routes its own tokens (T = micro-batch x S
                  runs no faster than the loop of per-expert cuBLAS GEMMs it replaces (pytorch/pytorch#163425,
                  H200, 32 groups). Checked, not fitted: at Qwen3-30B-A3B's shape (32768 tokens, D 2048, 128
                  experts of 768, top 8: 2048 rows a group, balanced) these GEMMs with the permutation's and
-                 SwiGLU's forward passes below come to 8.7 ms on H100 against 10.2 ms measured for
+                 SwiGLU's forward passes below come to 9.0 ms on H100 against 10.2 ms measured for
                  torch._grouped_mm's fused MoE forward (ByteDance-Seed/VeOmni#460). Without a Hopper
                  grouped kernel (no fp8 tensor cores here: A100; or fp32) the experts run moe/grouped.py's
                  padded path: the rows scattered into a zeroed [E/ep, rows, in] batch and gathered back
@@ -107,6 +107,18 @@ def permute_rows(tokens: int, top_k: int, ep: int) -> float:
     forward = 2 * a + 4 * r + 2 * a + tokens + 3 * a
     backward = 2 * a + 2 * a + 4 * a + 8 * r + tokens + 3 * a
     return forward + backward
+
+
+def swiglu_bytes(m, tokens: int, ep: int, elem: int) -> float:
+    """HBM bytes of the experts' SwiGLU between their two grouped GEMMs (moe/grouped.py), forward +
+    backward, on the busiest rank's routed rows (F elements each side of the [rows, 2F] up output). Eager
+    ops: the rest of the layer's forward reads the split sizes the host sync returned (Python ints that
+    change every step, under compile_blocks' dynamic=False a recompile each, so torch.compile gives up on
+    that frame). Forward: silu of the gate view (read F, write F), its product with up (read 2F, write F);
+    backward: the product's two grads (read 2F, write F each), silu's (read 2F, write F), the chunk's
+    grads concatenated into [rows, 2F] (read 2F, write 2F): 18F a row."""
+    rows = tokens * m.moe_top_k * (IMBALANCE if ep > 1 else 1.0)
+    return 18 * rows * m.expert_ffn * elem
 
 
 def padded_bytes(m, tokens: int, ep: int, elem: int) -> float:

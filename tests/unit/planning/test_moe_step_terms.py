@@ -36,7 +36,7 @@ def test_the_padded_path_is_charged_where_no_grouped_kernel_runs():
     h100, a100 = DEVICES["H100"], DEVICES["A100"]
     assert moe.grouped_kernel(h100, "bf16") and not moe.grouped_kernel(a100, "bf16")
     assert not moe.grouped_kernel(h100, "fp32")
-    base = moe.router_bytes(M, 10, 2) + moe.permute_rows(10, 2, 2) * 4 * 2
+    base = moe.router_bytes(M, 10, 2) + moe.permute_rows(10, 2, 2) * 4 * 2 + moe.swiglu_bytes(M, 10, 2, 2)
     assert compute.moe_bytes(M, h100, "bf16", 10, 2) == base
     assert compute.moe_bytes(M, a100, "bf16", 10, 2) == base + moe.padded_bytes(M, 10, 2, 2)
 
@@ -46,3 +46,10 @@ def test_the_moe_kernels_are_counted_per_op_and_grow_under_ep():
     # + 6 + 12; ep adds the regrouping and its inverse (8 forward, 6 backward)
     assert launches.moe_kernels(1) == (54, 33)
     assert launches.moe_kernels(8) == (62, 39)
+
+
+def test_the_experts_swiglu_runs_eagerly_on_the_busiest_ranks_rows():
+    # 10 tokens, top 2, ep 2: 24 rows of F = 6; forward silu 2F + product 3F, backward 3F + 3F + 3F + the
+    # chunk's concatenation 4F: 18F a row, in bf16
+    assert moe.swiglu_bytes(M, 10, 2, 2) == 18 * 24 * 6 * 2
+    assert moe.swiglu_bytes(M, 10, 1, 2) == 18 * 20 * 6 * 2  # no ep: the rank's own 20 rows
