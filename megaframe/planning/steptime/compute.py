@@ -98,8 +98,9 @@ def block_seconds(
         ex_prec = "bf16" if gemm_prec == "fp8" else gemm_prec
         routed = tokens // (tp if sp else 1)  # under sp each tp rank routes its own block
         gemm += experts_seconds(gemm_seconds, dev, ex_prec, m, routed, 1, ep)
-        # the router's GEMM runs in fp32 whatever the precision (router.py: x.float(), an fp32 weight)
-        gemm += gemm_seconds(dev, "fp32", routed, m.hidden_size, m.num_experts)
+        # the router's GEMM runs in fp32 whatever the precision (router.py: x.float(), an fp32 weight), on
+        # the CUDA cores: megaframe leaves torch's float32 matmul precision at "highest" (no TF32)
+        gemm += gemm_seconds(dev, "fp32_cores", routed, m.hidden_size, m.num_experts)
         router = _stream(dev, moe_bytes(m, dev, ex_prec, routed, ep))
         dims = dims[:2]
     else:

@@ -3,8 +3,12 @@ trainer's model/moe/ code does per layer and micro-batch."""
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
+import pytest
+
+from megaframe.config import load_config
 from megaframe.planning.devices import DEVICES
 from megaframe.planning.steptime import compute, launches, moe
 
@@ -53,3 +57,18 @@ def test_the_experts_swiglu_runs_eagerly_on_the_busiest_ranks_rows():
     # chunk's concatenation 4F: 18F a row, in bf16
     assert moe.swiglu_bytes(M, 10, 2, 2) == 18 * 24 * 6 * 2
     assert moe.swiglu_bytes(M, 10, 1, 2) == 18 * 20 * 6 * 2  # no ep: the rank's own 20 rows
+
+
+def test_the_router_gemm_runs_in_fp32_on_the_cuda_cores():
+    args = ["data=synthetic", "model=moe_tiny", "train.precision=bf16"]
+    cfg = load_config(args, world_size=1, check_data=False)
+    h100, b200 = DEVICES["H100"], DEVICES["B200"]
+    assert h100.peak("fp32_cores") == 67e12 and b200.peak("fp32_cores") == b200.peak_fp32
+    tf32 = dataclasses.replace(h100, peak_fp32_cores=0.0)  # unknown: the TF32 figure stands in
+    m, mb = cfg.model, cfg.train.micro_batch_size
+    t = mb * m.seq_length
+    one = [compute.gemm_seconds(d, "fp32_cores", t, m.hidden_size, m.num_experts) for d in (h100, tf32)]
+    gemm = [compute.block_seconds(cfg, d, 1, 1, mb, False)["gemm"] for d in (h100, tf32)]
+    # forward, input grad and weight grad of the [T, D] x [D, E] router GEMM
+    assert one[0] > one[1]
+    assert gemm[0] - gemm[1] == pytest.approx(compute.PASSES * (one[0] - one[1]))
