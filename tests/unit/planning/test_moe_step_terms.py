@@ -72,3 +72,20 @@ def test_the_router_gemm_runs_in_fp32_on_the_cuda_cores():
     # forward, input grad and weight grad of the [T, D] x [D, E] router GEMM
     assert one[0] > one[1]
     assert gemm[0] - gemm[1] == pytest.approx(compute.PASSES * (one[0] - one[1]))
+
+
+@pytest.mark.parametrize("ep", [8, 16])
+def test_the_all_to_all_rides_the_link_its_expert_group_lands_on(ep):
+    from megaframe.planning.candidate import Layout
+    from megaframe.planning.steptime.timing import _Step
+
+    cfg = load_config(["data=synthetic", "model=moe_tiny"], world_size=1, check_data=False)
+    h100 = DEVICES["H100"]
+    s = _Step(cfg, Layout(1, 1, 1, ep, ep, 1, 1, "none"), h100, ep)
+    nv, ib = h100.intra_bw * h100.link_eff, h100.inter_bw * h100.link_eff
+    out = (ep - 1) / ep * 1e6 * moe.IMBALANCE  # the busiest rank's rows leaving it
+    if ep == 8:  # tp·cp·dp ranks fold ep innermost: 8 consecutive ranks, one node, NVLink
+        want = out / nv + 7 * h100.latency_s
+    else:  # 16 ranks over two nodes: 7 of the 15 peers on NVLink, 8 over InfiniBand
+        want = max(7 / 15 * out / nv + 7 * h100.latency_s, 8 / 15 * out / ib + 8 * h100.inter_latency_s)
+    assert moe.all_to_all_seconds(s, 1e6) == pytest.approx(want, rel=1e-12)
