@@ -12,7 +12,7 @@ moe sync the dispatcher reads the split sizes on the host once per MoE layer and
          (model/moe/dispatcher.py: `.tolist()`, a device sync; again in a re-run forward): the host waits
          for the GPU to drain, so the queue is empty and the GPU idles for the sync's round trip and the
          next launch (SYNC_S + LAUNCH_S) however large the work; plus the counts' own all-to-all over the
-         expert group before it (a small message: its ring latency).
+         expert group before it, and their gathers under sp / cp / etp (small messages: their latency).
 
 LAUNCH_S = 5 us, SYNC_S = 6 us, both sourced, not fitted: NVIDIA's "Getting Started with CUDA Graphs"
 (A. Gray, NVIDIA Developer Blog, 2019) times a stream of short kernels at 3.8 us each when launch-bound

@@ -89,3 +89,16 @@ def test_the_all_to_all_rides_the_link_its_expert_group_lands_on(ep):
     else:  # 16 ranks over two nodes: 7 of the 15 peers on NVLink, 8 over InfiniBand
         want = max(7 / 15 * out / nv + 7 * h100.latency_s, 8 / 15 * out / ib + 8 * h100.inter_latency_s)
     assert moe.all_to_all_seconds(s, 1e6) == pytest.approx(want, rel=1e-12)
+
+
+def test_the_counts_collectives_ahead_of_the_host_sync_pay_their_latency():
+    from megaframe.planning.candidate import Layout
+    from megaframe.planning.steptime.timing import _moe_count_colls, _Step
+
+    cfg = load_config(["data=synthetic", "model=moe_tiny"], world_size=1, check_data=False)
+    h100, e = DEVICES["H100"], cfg.model.num_experts
+    nv = h100.intra_bw * h100.link_eff
+    assert _moe_count_colls(_Step(cfg, Layout(1, 1, 1, 8, 1, 1, 1, "none"), h100, 8)) == 0.0
+    # tp 2 under sp: one run's int64 counts all-gathered from the one peer, one ring step
+    sp = _Step(cfg, Layout(2, 1, 1, 4, 1, 1, 1, "none", sp=True), h100, 8)
+    assert _moe_count_colls(sp) == pytest.approx(8 * e / nv + h100.latency_s, rel=1e-12)
