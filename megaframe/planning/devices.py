@@ -26,6 +26,9 @@ the validation runs (docs/planning.md's published-run table is a held-out check 
                  segments per-parameter FSDP on LLaMA-7B measured 1.27-1.35 x (meta-llama/llama-recipes
                  #41 and #165: peak reserved over peak active), an upper bound not used here. The cpu: 0
                  (no caching allocator; the phases are what the host allocator hands out).
+  peak_fp32_cores  a float32 matmul without TF32 (torch's default "highest" precision, which megaframe
+                 keeps: the MoE router's fp32 GEMM): the datasheets' fp32 figure (B200's DGX datasheet has
+                 none: 0, peak_fp32 stands in).
   latency_s / inter_latency_s   per ring step on NVLink / across nodes on InfiniBand (nccl-tests small-message
                  all-reduce: ~10 us on 8 NVLink GPUs over 14 steps, ~2-3 us a step; ~5 us a step over IB).
 
@@ -85,12 +88,19 @@ class Device:
     hbm_eff: float = 0.8
     inter_latency_s: float = 5e-6
     """Seconds per ring step across nodes (InfiniBand)."""
+    peak_fp32_cores: float = 0.0
+    """fp32 FLOP/s of the CUDA cores (no TF32): where a float32 matmul runs under torch's default
+    "highest" float32 matmul precision, which megaframe leaves as it is (the MoE router's fp32 GEMM,
+    moe/router.py); 0: not known, peak_fp32 is used."""
     alloc_headroom: float = 0.0
     """Fraction of the allocated peak the caching allocator keeps reserved on top (fragmentation; module
     doc). planning.memory.phases' peaks are allocated bytes, what torch.cuda.max_memory_allocated reads; the
     published comparison and the plan's `reserved` line add this."""
 
     def peak(self, precision: str) -> float:
+        """Dense FLOP/s at a precision; "fp32_cores": a float32 matmul without TF32 (peak_fp32_cores)."""
+        if precision == "fp32_cores":
+            return self.peak_fp32_cores or self.peak_fp32
         if precision == "fp8":
             return self.peak_fp8 or self.peak_bf16
         return self.peak_bf16 if precision == "bf16" else self.peak_fp32
@@ -101,6 +111,7 @@ class Device:
 
 _H100 = (
     "NVIDIA H100 Tensor Core GPU datasheet (SXM5: 989 TF bf16 dense, 1,979 TF fp8 dense, 495 TF tf32 dense, "
+    "67 TF fp32, "
     "NVLink 900 GB/s bidirectional, HBM3 3.35 TB/s); DGX H100: 8 GPUs, ConnectX-7 400 Gb/s per GPU"
 )
 DEVICES = {
@@ -116,6 +127,7 @@ DEVICES = {
         hbm_bw=3.35e12,
         peak_fp8=1979e12,
         attn_eff=0.35,
+        peak_fp32_cores=67e12,
         alloc_headroom=ALLOC_HEADROOM,
         source=_H100,
     ),
@@ -131,6 +143,7 @@ DEVICES = {
         hbm_bw=2.4e12,
         peak_fp8=1979e12,
         attn_eff=0.3,
+        peak_fp32_cores=67e12,
         alloc_headroom=ALLOC_HEADROOM,
         source="torchtitan docs/performance.md's Grand Teton hosts (8 H100 with 96 GB HBM2e at "
         "2.4 TB/s, NVLink, 400 Gb/s RDMA per GPU, the default 500 W power limit); peaks "
@@ -150,9 +163,10 @@ DEVICES = {
         hbm_bw=4.8e12,
         peak_fp8=1979e12,
         attn_eff=0.35,
+        peak_fp32_cores=67e12,
         alloc_headroom=ALLOC_HEADROOM,
-        source="NVIDIA H200 Tensor Core GPU datasheet (same compute and NVLink as H100 SXM, 141 GB "
-        "HBM3e at 4.8 TB/s); HGX H200 with 400 Gb/s NDR per GPU",
+        source="NVIDIA H200 Tensor Core GPU datasheet (same compute, 67 TF fp32, and NVLink as H100 SXM, "
+        "141 GB HBM3e at 4.8 TB/s); HGX H200 with 400 Gb/s NDR per GPU",
     ),
     "A100": Device(
         "A100 SXM4 80GB",
@@ -165,9 +179,10 @@ DEVICES = {
         efficiency=0.85,
         hbm_bw=2.039e12,
         attn_eff=0.55,
+        peak_fp32_cores=19.5e12,
         alloc_headroom=ALLOC_HEADROOM,
-        source="NVIDIA A100 Tensor Core GPU datasheet (312 TF bf16 dense, 156 TF tf32, no fp8, NVLink "
-        "600 GB/s bidirectional, HBM2e 2,039 GB/s); DGX A100: ConnectX-6 200 Gb/s HDR per GPU",
+        source="NVIDIA A100 Tensor Core GPU datasheet (312 TF bf16 dense, 156 TF tf32, 19.5 TF fp32, no fp8, "
+        "NVLink 600 GB/s bidirectional, HBM2e 2,039 GB/s); DGX A100: ConnectX-6 200 Gb/s HDR per GPU",
     ),
     "B200": Device(
         "B200 SXM 180GB",
@@ -279,6 +294,7 @@ PROFILE_RULES: dict[str, Rule] = {
     "hbm_eff": SHARE,
     "inter_latency_s": NONNEGF,
     "alloc_headroom": UNIT,
+    "peak_fp32_cores": NONNEGF,  # 0: not known (peak_fp32 stands in)
 }
 """Every numeric Device field's allowed values (config/rules.py's rules; tests check that each numeric
 field has one): a hand-edited or truncated profile with a 0, a nan, a negative or a text figure is refused

@@ -30,7 +30,14 @@ from __future__ import annotations
 import functools
 
 from megaframe.planning.devices import Device
-from megaframe.planning.steptime.moe import experts_seconds, router_bytes
+from megaframe.planning.steptime.moe import (
+    experts_seconds,
+    grouped_kernel,
+    padded_bytes,
+    permute_rows,
+    router_bytes,
+    swiglu_bytes,
+)
 from megaframe.training.metrics import flops_per_token
 
 PASSES = 3
@@ -89,9 +96,12 @@ def block_seconds(
         gemm = sum(gemm_seconds(dev, gemm_prec, tokens, k, n) for k, n in dims[:2])
         # the experts stay bf16 under fp8 (layers/fp8.py converts nn.Linear only)
         ex_prec = "bf16" if gemm_prec == "fp8" else gemm_prec
-        gemm += experts_seconds(gemm_seconds, dev, ex_prec, m, tokens // (tp if sp else 1), 1, ep)
-        gemm += gemm_seconds(dev, "bf16" if prec == "fp8" else prec, tokens, m.hidden_size, m.num_experts)
-        router = _stream(dev, router_bytes(m, tokens // (tp if sp else 1), 4 if prec == "fp32" else 2))
+        routed = tokens // (tp if sp else 1)  # under sp each tp rank routes its own block
+        gemm += experts_seconds(gemm_seconds, dev, ex_prec, m, routed, 1, ep)
+        # the router's GEMM runs in fp32 whatever the precision (router.py: x.float(), an fp32 weight), on
+        # the CUDA cores: megaframe leaves torch's float32 matmul precision at "highest" (no TF32)
+        gemm += gemm_seconds(dev, "fp32_cores", routed, m.hidden_size, m.num_experts)
+        router = _stream(dev, moe_bytes(m, dev, ex_prec, routed, ep))
         dims = dims[:2]
     else:
         gemm = sum(gemm_seconds(dev, gemm_prec, tokens, k, n) for k, n in dims)
@@ -99,7 +109,8 @@ def block_seconds(
     scale = 0.0
     if prec == "fp8":  # amax read + fp8 write of each bf16 operand, forward and the backward's grad operand
         scale = _stream(dev, sum(3 * act * (tokens * k + k * n) for k, n in dims))
-    d, ffn = m.hidden_size, (m.expert_ffn * m.moe_top_k if m.num_experts else m.ffn_hidden_size)
+    # the experts' activation is counted with the rest of the MoE layer's passes (moe_bytes)
+    d, ffn = m.hidden_size, (0 if m.num_experts else m.ffn_hidden_size)
     per_tok = (4 + 6 + (5 if m.dropout > 0 else 0)) * d / (tp if sp else 1)  # norms, residuals, dropout
     per_tok += (3 if "swiglu" in str(m.activation) else 2) * ffn / tp
     if "rope" in str(m.position_embedding):
@@ -111,6 +122,16 @@ def block_seconds(
     eager = 1.0 if cfg.train.compile else EAGER_TRAFFIC
     elementwise = PASSES * eager * _stream(dev, tokens * per_tok * act)
     return {"gemm": PASSES * gemm + scale, "attention": attn / attn_rate, "elementwise": elementwise + router}
+
+
+def moe_bytes(m, dev: Device, prec: str, routed: int, ep: int) -> float:
+    """HBM bytes of an MoE layer's router, permutation, experts' SwiGLU and (without a grouped kernel)
+    padding passes for one micro-batch, forward + backward (planning.steptime.moe: each counted from the
+    trainer's code)."""
+    elem = 4 if prec == "fp32" else 2
+    out = router_bytes(m, routed, elem) + permute_rows(routed, m.moe_top_k, ep) * m.hidden_size * elem
+    out += swiglu_bytes(m, routed, ep, elem)
+    return out + (0.0 if grouped_kernel(dev, prec) else padded_bytes(m, routed, ep, elem))
 
 
 def attention_flops(m, tokens: int, tp: int, cp: int) -> float:

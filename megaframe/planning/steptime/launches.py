@@ -12,7 +12,7 @@ moe sync the dispatcher reads the split sizes on the host once per MoE layer and
          (model/moe/dispatcher.py: `.tolist()`, a device sync; again in a re-run forward): the host waits
          for the GPU to drain, so the queue is empty and the GPU idles for the sync's round trip and the
          next launch (SYNC_S + LAUNCH_S) however large the work; plus the counts' own all-to-all over the
-         expert group before it (a small message: its ring latency).
+         expert group before it, and their gathers under sp / cp / etp (small messages: their latency).
 
 LAUNCH_S = 5 us, SYNC_S = 6 us, both sourced, not fitted: NVIDIA's "Getting Started with CUDA Graphs"
 (A. Gray, NVIDIA Developer Blog, 2019) times a stream of short kernels at 3.8 us each when launch-bound
@@ -35,7 +35,7 @@ def _act(m) -> str:
     return str(getattr(m.activation, "value", m.activation))
 
 
-def block_kernels(m, compiled: bool, tp_colls: int, rerun: bool = False) -> int:
+def block_kernels(m, compiled: bool, tp_colls: int, rerun: bool = False, ep: int = 1) -> int:
     """Kernels one block issues for one micro-batch, forward + backward, on a GPU (module doc).
 
     Forward, eager: 2 norms (fused RMSNorm / LayerNorm, 1 each), 4 GEMMs (fused [q|k|v], out-proj, MLP up
@@ -49,10 +49,9 @@ def block_kernels(m, compiled: bool, tp_colls: int, rerun: bool = False) -> int:
     two grads, the [gate|up] concatenation: 4; else 1), the residual branch points' grad adds (2), dropout's
     multiply (2). Compiled (train.compile=true): the elementwise ops fuse into one Triton kernel per region
     between GEMMs/attention (norm, RoPE, activation, residual+norm: 4 forward, 4 backward), GEMMs,
-    attention and the grad adds as eager. An MoE block (its experts in place of the MLP): the router GEMM,
-    softmax, top-k, the counts, the permutation's sort and gathers, the combine's scatter and weighting,
-    the losses' reductions (about 12 forward, 24 backward) and the experts' grouped GEMMs (2 forward with the
-    activation's kernels, 4 backward), in place of the MLP's GEMMs. Plus `tp_colls` collective kernels.
+    attention and the grad adds as eager. An MoE block: its experts' two grouped GEMMs (and the
+    activation's kernels above) in place of the MLP's four, plus the router and dispatch kernels
+    `moe_kernels` counts. Plus `tp_colls` collective kernels.
     """
     swiglu = "swiglu" in _act(m)
     rope = 10 if "rope" in str(m.position_embedding) else 0
@@ -67,13 +66,32 @@ def block_kernels(m, compiled: bool, tp_colls: int, rerun: bool = False) -> int:
         fwd = 2 + gemms + 1 + rope + act_f + 2 + 2 * drop
         bwd = 2 * gemms + weights + 3 + 4 + rope + act_b + 2 + drop
     if m.num_experts:
-        # router, permutation, combine, losses (12 forward, 24 backward); the grouped GEMMs (2 forward
-        # with the activation's kernels counted above, 4 backward); the shared expert's dense MLP
-        fwd += 12 + 2
-        bwd += 24 + 4
+        # the router, dispatch and losses (moe_kernels); the shared expert's dense MLP
+        f, b = moe_kernels(ep)
+        fwd, bwd = fwd + f, bwd + b
         if getattr(m, "moe_shared_experts", 0):
             fwd, bwd = fwd + 2 + act_f, bwd + 4 + 2 + act_b
     return fwd * (2 if rerun else 1) + bwd + tp_colls
+
+
+def moe_kernels(ep: int) -> tuple[int, int]:
+    """(forward, backward) kernels of an MoE layer's router, dispatch and losses for one micro-batch,
+    beyond its experts' grouped GEMMs and activation and the rows' all-to-alls (counted by the caller),
+    one per torch op of model/moe/ (a sort counted once), as the trainer runs them eagerly after the
+    dispatcher's host sync breaks the compiled graph. Forward: the router (x and the weight cast to fp32,
+    the GEMM: 3), route (softmax, top-k, gather, sum, clamp, divide: 6), the counts (zeros, ones,
+    scatter_add: 3), plan (sort, zeros, the token index, the weights' gather: 4), dispatch_combine (the
+    counts' all-to-all, cat, the host copy, the gather by token, the group ends' sum and cumsum, the ends'
+    int cast, the weight's cast and multiply, zeros and index_add: 11; under ep the regrouping's arange,
+    repeat, repeat_interleave (2), sort and gather, and its inverse's sort and gather: 8), the losses
+    (the aux loss's 6 and its coefficient, the z term's zeros and add: 9) and the step statistics (18).
+    Backward: the router's (dgrad, wgrad, the two casts' and the weight-grad add: 5), route's (softmax,
+    the gather's zeros and scatter, the division's 4, the clamp's mask, the grads' add: 10), the aux
+    loss's 5 and the injected seed 1, dispatch_combine's (index_select, the multiply's two products, the
+    weight grad's sum and cast, the token gather's zeros and index_put and sort, the weights' gather's 3,
+    the two grads of x added: 12; under ep each regrouping's zeros, sort and index_put: 6)."""
+    under_ep = ep > 1
+    return 3 + 6 + 3 + 4 + 11 + 8 * under_ep + 9 + 18, 5 + 10 + 6 + 12 + 6 * under_ep
 
 
 def head_kernels(compiled: bool) -> int:

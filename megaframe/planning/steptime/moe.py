@@ -7,11 +7,24 @@ rank, each split over etp). Each rank routes its own tokens (T = micro-batch x S
 
   grouped GEMMs  a rank's experts receive T·top_k rows on average (dropless), IMBALANCE x that on the
                  busiest rank; each of its E/ep experts runs [rows / (E/ep), D] x [D, ffn] as one group of
-                 moe/grouped.py's grouped GEMM: timed per expert on the size curve (fine-grained experts,
-                 e.g. 128 x 768, run far below the peak a single [T·top_k, D] GEMM would reach).
-  router         the router's [T, D] x [D, E] GEMM, its fp32 softmax / top-k over [T, E], and the
-                 permutation: the routed rows written into expert order and back (dispatch and combine)
-                 and their gradients, over HBM.
+                 moe/grouped.py's grouped GEMM: timed per expert on the size curve, each group with its own
+                 fixed time (fine-grained experts, e.g. 128 x 768, run far below the peak a single
+                 [T·top_k, D] GEMM would reach). Per group, not as one large GEMM: torch._grouped_mm in bf16
+                 runs no faster than the loop of per-expert cuBLAS GEMMs it replaces (pytorch/pytorch#163425,
+                 H200, 32 groups). Checked, not fitted: at Qwen3-30B-A3B's shape (32768 tokens, D 2048, 128
+                 experts of 768, top 8: 2048 rows a group, balanced) these GEMMs with the permutation's and
+                 SwiGLU's forward passes below come to 9.0 ms on H100 against 10.2 ms measured for
+                 torch._grouped_mm's fused MoE forward (ByteDance-Seed/VeOmni#460). Without a Hopper
+                 grouped kernel (no fp8 tensor cores here: A100; or fp32) the experts run moe/grouped.py's
+                 padded path: the rows scattered into a zeroed [E/ep, rows, in] batch and gathered back
+                 around each bmm (`padded_bytes`).
+  router         the router's fp32 [T, D] x [D, E] GEMM (forward, input and weight grads: x.float() and
+                 F.linear in fp32, router.py) at the device's fp32 rate, the casts of x to fp32 and of its
+                 grad back, and the passes over the fp32 [T, E] scores (`router_bytes`).
+  permutation    the dispatcher's passes over the routed rows, counted op by op from
+                 moe/dispatcher.py's dispatch_combine and their autograd backward (`permute_rows`): the
+                 gather by token, the regrouping by local expert and back (ep > 1), the combine weight's
+                 multiply and the index_add, each an HBM read and write of its rows.
   all-to-all     4 per MoE layer and micro-batch (dispatch and combine, forward and backward; a re-run
                  forward repeats its 2) of the busiest rank's routed rows, (ep-1)/ep of them leaving it:
                  on NVLink when the group is inside a node, else the share bound for other nodes over
@@ -64,10 +77,66 @@ def experts_seconds(gemm_seconds, dev, prec: str, m, tokens: int, tp: int, ep: i
 
 
 def router_bytes(m, tokens: int, elem: int) -> float:
-    """HBM bytes of the router's softmax / top-k and the permutation, forward + backward (module doc)."""
-    scores = tokens * m.num_experts * 4 * 4  # fp32 logits -> probabilities -> top-k, and their grads
-    permute = 2 * 2 * tokens * m.moe_top_k * m.hidden_size * elem  # dispatch + combine, read + write
-    return 2 * (scores + permute)
+    """HBM bytes of the router's work beside its GEMM, forward + backward, counted from router.py and
+    MoE.forward: x cast to fp32 (read elem, write 4 a [T, D] element) and its fp32 grad cast back and added
+    to the experts' grad of x (read 4, write elem; read 2 x elem, write elem); over the fp32 [T, E] scores,
+    forward: softmax (read, write), top-k (read), the aux loss's sum over tokens (read), the logged
+    entropy (clamp, log: read and write each; the product: two reads, a write; the sum: a read), the
+    z-loss's logsumexp (a read) where its coefficient is set; backward: the chosen scores' grad scattered
+    into zeros (a write), added to the aux loss's (two reads, a write), the softmax's backward (two reads,
+    a write)."""
+    d, e = m.hidden_size, m.num_experts
+    casts = tokens * d * ((elem + 4) + (4 + elem) + 3 * elem)
+    z = getattr(m, "moe_z_loss_coeff", 0) or 0
+    scores = (2 + 1 + 1 + 2 + 2 + 3 + 1 + (1 if z > 0 else 0)) + (1 + 3 + 3)
+    return casts + tokens * e * 4 * scores
+
+
+def permute_rows(tokens: int, top_k: int, ep: int) -> float:
+    """Rows (of D elements) the dispatcher's permutation reads plus writes for one MoE layer and
+    micro-batch, forward + backward, on the busiest rank (moe/dispatcher.py's dispatch_combine; A = T·top_k
+    assignments of the rank's own tokens, R = IMBALANCE x A rows its experts receive when ep > 1).
+    Forward: x_TD[token_A] (read A, write A); under ep the regrouping x_RD[perm_R] and its inverse
+    y_RD[argsort(perm_R)] (read R, write R each); the combine weight's multiply (read A, write A); the
+    combine, zeros_like (write T) and index_add (read A, read and write a target row per source row:
+    3A). Backward: the index_add's grad index_select (2A); the multiply's grad of y (2A) and of the weight
+    ((g * y): read 2A, write A; its sum: read A); each indexing's backward, zeros and an accumulating
+    index_put (the regrouping and its inverse: R + 3R each; the gather by token: T + 3A)."""
+    a = tokens * top_k
+    r = IMBALANCE * a if ep > 1 else 0.0
+    forward = 2 * a + 4 * r + 2 * a + tokens + 3 * a
+    backward = 2 * a + 2 * a + 4 * a + 8 * r + tokens + 3 * a
+    return forward + backward
+
+
+def swiglu_bytes(m, tokens: int, ep: int, elem: int) -> float:
+    """HBM bytes of the experts' SwiGLU between their two grouped GEMMs (moe/grouped.py), forward +
+    backward, on the busiest rank's routed rows (F elements each side of the [rows, 2F] up output). Eager
+    ops: the rest of the layer's forward reads the split sizes the host sync returned (Python ints that
+    change every step, under compile_blocks' dynamic=False a recompile each, so torch.compile gives up on
+    that frame). Forward: silu of the gate view (read F, write F), its product with up (read 2F, write F);
+    backward: the product's two grads (read 2F, write F each), silu's (read 2F, write F), the chunk's
+    grads concatenated into [rows, 2F] (read 2F, write 2F): 18F a row."""
+    rows = tokens * m.moe_top_k * (IMBALANCE if ep > 1 else 1.0)
+    return 18 * rows * m.expert_ffn * elem
+
+
+def padded_bytes(m, tokens: int, ep: int, elem: int) -> float:
+    """HBM bytes of moe/grouped.py's padded path around the experts' two bmm's, forward + backward (module
+    doc): per projection (in D out 2F, then in F out D) the [E/ep, M, in] batch zeroed (write) and filled
+    (read and write a row per routed row), the output rows gathered back (read, write); backward the
+    same passes again for the grads. M: the busiest expert's rows (expert_rows)."""
+    f, d, local = m.expert_ffn, m.hidden_size, m.num_experts // ep
+    rows = tokens * m.moe_top_k * (IMBALANCE if ep > 1 else 1.0)
+    pad = local * expert_rows(m, tokens, ep)
+    per = sum(pad * i + 2 * rows * i + 2 * rows * o for i, o in ((d, 2 * f), (f, d)))
+    return 2 * per * elem
+
+
+def grouped_kernel(dev, prec: str) -> bool:
+    """Whether the trainer's experts run torch._grouped_mm (moe/grouped.py: bf16 on sm90+; fp8 tensor
+    cores mark Hopper and later in the device table) rather than the padded bmm."""
+    return prec != "fp32" and bool(dev.peak_fp8)
 
 
 def all_to_all_seconds(s, routed_bytes: float) -> float:

@@ -33,8 +33,9 @@ Step time (seconds) =
            the tp / ep / pp activations are the rank's S/cp tokens; dp reduces over cp·dp.
   optim    the optimizer's update of the owned elements over HBM (planning.steptime.fixed)
   launch   the host's kernel launches where a block's GPU work per micro-batch is shorter than their issue
-           time, and the MoE dispatcher's host sync per layer forward with its counts' all-to-all
-           (planning.steptime.launches); each collective call's latency is in its axis's ring steps above.
+           time, and the MoE dispatcher's host sync per layer forward with the counts' collectives ahead
+           of it (planning.steptime.launches); each collective call's latency is in its axis's ring
+           steps above.
   bubble   the schedule simulator's idle fraction (pipeline.simulate) for (schedule, pp, vpp, micro-batches);
            the kinds whose spec splits the backward (zb_h1, zbv) are timed with F, B, W costs from the
            backward's split
@@ -245,15 +246,31 @@ def _launch(s: _Step) -> float:
     work = s.work
     blocks = (sum(work.values()) - work["head"]) / s.share / max(per_mb, 1)
     ep_colls = (4 + (2 if rerun else 0)) if m.num_experts and lay.ep > 1 else 0
-    k = launch.block_kernels(m, compiled, _tp_colls_per_block(lay) + ep_colls, rerun)
+    k = launch.block_kernels(m, compiled, _tp_colls_per_block(lay) + ep_colls, rerun, lay.ep)
     t = per_mb * launch.exposed(k, blocks)
     if work["head"]:
         t += s.micro * launch.exposed(launch.head_kernels(compiled), work["head"] / s.share / s.micro)
     if m.num_experts:
         forwards = per_mb * (2 if rerun else 1)
-        # the counts' all-to-all ahead of the sync: a small message, its latency
-        counts = all_to_all_seconds(s, 8 * m.num_experts) if lay.ep > 1 else 0.0
-        t += launch.moe_sync_seconds(forwards) + forwards * counts
+        t += launch.moe_sync_seconds(forwards) + forwards * _moe_count_colls(s)
+    return t
+
+
+def _moe_count_colls(s: _Step) -> float:
+    """The small collectives of int64 expert counts an MoE layer's forward issues ahead of its host sync,
+    so nothing hides their latency: under sp and cp the routed counts of each run gathered over the ranks
+    splitting the sequence (model/moe/layer.py's _batch_counts: up to 2 runs a rank under cp), the counts'
+    all-to-all over the expert group and, under etp, their all-gather over it (moe/dispatcher.py)."""
+    lay, e = s.lay, s.cfg.model.num_experts
+    t = all_to_all_seconds(s, 8 * e) if lay.ep > 1 else 0.0
+    runs = 2 if lay.cp > 1 else 1
+    if lay.tp > 1 and lay.sp:
+        t += s.coll((lay.tp - 1) * runs * e * 8, lay.tp, lay.tp - 1, lay.tp)
+    if lay.cp > 1:
+        t += s.coll((lay.cp - 1) * runs * e * 8 * lay.tp, lay.cp, lay.cp - 1, lay.tp * lay.cp)
+    etp = s.cfg.parallel.etp
+    if lay.ep > 1 and etp > 1:
+        t += s.coll((etp - 1) * e * 8, etp, etp - 1, etp)
     return t
 
 

@@ -1,0 +1,104 @@
+"""The step-time model's MoE terms (planning.steptime.moe, compute, launches) held to hand counts of what the
+trainer's model/moe/ code does per layer and micro-batch."""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+
+from megaframe.config import load_config
+from megaframe.planning.devices import DEVICES
+from megaframe.planning.steptime import compute, launches, moe
+
+# D 4, E 8 experts of width 6, top 2: small enough to count by hand
+M = SimpleNamespace(hidden_size=4, num_experts=8, expert_ffn=6, moe_top_k=2, moe_z_loss_coeff=0.0)
+
+
+def test_the_permutation_rows_are_the_dispatchers_passes():
+    # 10 tokens, top 2: A = 20 assignments. Forward: gather 2A, weight multiply 2A, zeros T, index_add 3A;
+    # backward: index_select 2A, the multiply's grads 2A + 4A, the gather's zeros T and index_put 3A
+    assert moe.permute_rows(10, 2, 1) == 7 * 20 + 10 + 11 * 20 + 10
+    # under ep the busiest rank's R = 1.2 A = 24 rows are regrouped and back: 4R forward, 8R backward
+    assert moe.permute_rows(10, 2, 8) == moe.permute_rows(10, 2, 1) + 12 * 24
+
+
+def test_the_router_bytes_are_its_casts_and_score_passes():
+    # x to fp32 and back, the grads' add (bf16): (2 + 4) + (4 + 2) + 3 x 2 = 18 bytes a [T, D] element;
+    # [T, E] fp32 passes: 12 forward (softmax 2, top-k, the aux sum, entropy 2 + 2 + 3 + 1) + 7 backward
+    assert moe.router_bytes(M, 10, 2) == 18 * 10 * 4 + 19 * 10 * 8 * 4
+    z = SimpleNamespace(**{**vars(M), "moe_z_loss_coeff": 1e-3})  # the z-loss's logsumexp: one more read
+    assert moe.router_bytes(z, 10, 2) == moe.router_bytes(M, 10, 2) + 10 * 8 * 4
+
+
+def test_the_padded_path_is_charged_where_no_grouped_kernel_runs():
+    # 10 tokens, ep 2: 4 local experts, 24 routed rows, the busiest expert's 6 rows: a [4, 6, in] batch
+    # per projection (in 4 out 12, in 6 out 4): zeroed, filled and gathered back; backward the same again
+    per = (24 * 4 + 48 * 4 + 48 * 12) + (24 * 6 + 48 * 6 + 48 * 4)
+    assert moe.padded_bytes(M, 10, 2, 2) == 2 * per * 2
+    h100, a100 = DEVICES["H100"], DEVICES["A100"]
+    assert moe.grouped_kernel(h100, "bf16") and not moe.grouped_kernel(a100, "bf16")
+    assert not moe.grouped_kernel(h100, "fp32")
+    base = moe.router_bytes(M, 10, 2) + moe.permute_rows(10, 2, 2) * 4 * 2 + moe.swiglu_bytes(M, 10, 2, 2)
+    assert compute.moe_bytes(M, h100, "bf16", 10, 2) == base
+    assert compute.moe_bytes(M, a100, "bf16", 10, 2) == base + moe.padded_bytes(M, 10, 2, 2)
+
+
+def test_the_moe_kernels_are_counted_per_op_and_grow_under_ep():
+    # forward: router 3, route 6, counts 3, plan 4, dispatch 11, losses 9, statistics 18; backward 5 + 10
+    # + 6 + 12; ep adds the regrouping and its inverse (8 forward, 6 backward)
+    assert launches.moe_kernels(1) == (54, 33)
+    assert launches.moe_kernels(8) == (62, 39)
+
+
+def test_the_experts_swiglu_runs_eagerly_on_the_busiest_ranks_rows():
+    # 10 tokens, top 2, ep 2: 24 rows of F = 6; forward silu 2F + product 3F, backward 3F + 3F + 3F + the
+    # chunk's concatenation 4F: 18F a row, in bf16
+    assert moe.swiglu_bytes(M, 10, 2, 2) == 18 * 24 * 6 * 2
+    assert moe.swiglu_bytes(M, 10, 1, 2) == 18 * 20 * 6 * 2  # no ep: the rank's own 20 rows
+
+
+def test_the_router_gemm_runs_in_fp32_on_the_cuda_cores():
+    args = ["data=synthetic", "model=moe_tiny", "train.precision=bf16"]
+    cfg = load_config(args, world_size=1, check_data=False)
+    h100, b200 = DEVICES["H100"], DEVICES["B200"]
+    assert h100.peak("fp32_cores") == 67e12 and b200.peak("fp32_cores") == b200.peak_fp32
+    tf32 = dataclasses.replace(h100, peak_fp32_cores=0.0)  # unknown: the TF32 figure stands in
+    m, mb = cfg.model, cfg.train.micro_batch_size
+    t = mb * m.seq_length
+    one = [compute.gemm_seconds(d, "fp32_cores", t, m.hidden_size, m.num_experts) for d in (h100, tf32)]
+    gemm = [compute.block_seconds(cfg, d, 1, 1, mb, False)["gemm"] for d in (h100, tf32)]
+    # forward, input grad and weight grad of the [T, D] x [D, E] router GEMM
+    assert one[0] > one[1]
+    assert gemm[0] - gemm[1] == pytest.approx(compute.PASSES * (one[0] - one[1]))
+
+
+@pytest.mark.parametrize("ep", [8, 16])
+def test_the_all_to_all_rides_the_link_its_expert_group_lands_on(ep):
+    from megaframe.planning.candidate import Layout
+    from megaframe.planning.steptime.timing import _Step
+
+    cfg = load_config(["data=synthetic", "model=moe_tiny"], world_size=1, check_data=False)
+    h100 = DEVICES["H100"]
+    s = _Step(cfg, Layout(1, 1, 1, ep, ep, 1, 1, "none"), h100, ep)
+    nv, ib = h100.intra_bw * h100.link_eff, h100.inter_bw * h100.link_eff
+    out = (ep - 1) / ep * 1e6 * moe.IMBALANCE  # the busiest rank's rows leaving it
+    if ep == 8:  # tp·cp·dp ranks fold ep innermost: 8 consecutive ranks, one node, NVLink
+        want = out / nv + 7 * h100.latency_s
+    else:  # 16 ranks over two nodes: 7 of the 15 peers on NVLink, 8 over InfiniBand
+        want = max(7 / 15 * out / nv + 7 * h100.latency_s, 8 / 15 * out / ib + 8 * h100.inter_latency_s)
+    assert moe.all_to_all_seconds(s, 1e6) == pytest.approx(want, rel=1e-12)
+
+
+def test_the_counts_collectives_ahead_of_the_host_sync_pay_their_latency():
+    from megaframe.planning.candidate import Layout
+    from megaframe.planning.steptime.timing import _moe_count_colls, _Step
+
+    cfg = load_config(["data=synthetic", "model=moe_tiny"], world_size=1, check_data=False)
+    h100, e = DEVICES["H100"], cfg.model.num_experts
+    nv = h100.intra_bw * h100.link_eff
+    assert _moe_count_colls(_Step(cfg, Layout(1, 1, 1, 8, 1, 1, 1, "none"), h100, 8)) == 0.0
+    # tp 2 under sp: one run's int64 counts all-gathered from the one peer, one ring step
+    sp = _Step(cfg, Layout(2, 1, 1, 4, 1, 1, 1, "none", sp=True), h100, 8)
+    assert _moe_count_colls(sp) == pytest.approx(8 * e / nv + h100.latency_s, rel=1e-12)
