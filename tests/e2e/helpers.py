@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import select
 import socket
 import subprocess
 import sys
@@ -109,7 +108,7 @@ def warm_server() -> str | None:
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
             )  # fmt: skip
             # its imports take seconds; two minutes is a server that will not come up
-            if select.select([proc.stdout], [], [], 120)[0] and proc.stdout.readline().strip() == "ready":
+            if warm_start.readable(proc.stdout, 120) and proc.stdout.readline().strip() == "ready":
                 _server[0] = path
                 _server.append(proc)  # held: its stdin closing (this worker ending) ends it
             else:

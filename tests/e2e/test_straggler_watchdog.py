@@ -17,6 +17,7 @@ def test_injected_sleep_names_the_slow_rank(tmp_path):
         BASE + ["train.max_steps=6", "train.log_interval=3", f"run.dir={tmp_path}"],
         nproc=2,
         timeout=180,
+        launcher="env",  # the ranks' arrivals are the subject, not torchrun
         MEGAFRAME_INJECT="sleep:rank=1:seconds=0.3",
     )
     assert res.returncode == 0, res.stderr[-3000:]
@@ -25,7 +26,9 @@ def test_injected_sleep_names_the_slow_rank(tmp_path):
     for row in rows[1:]:  # the first step's compute includes start-up work on every rank: not a fair race
         print({k: v for k, v in row.items() if k.startswith("straggler/")})
         assert row["straggler/slowest_rank"] == 1
-        assert row["straggler/compute_s_max"] >= 0.3 > row["straggler/compute_s_min"]
+        # the slow rank's compute holds the sleep; the other's is not bounded: on a loaded host its tiny
+        # step alone has taken 0.38 s
+        assert row["straggler/compute_s_max"] >= 0.3
 
 
 def test_injected_hang_trips_the_watchdog_on_every_rank(tmp_path):

@@ -211,6 +211,14 @@ def _reap(children: dict[int, socket.socket]) -> None:
         conn.close()
 
 
+def readable(f, timeout_s: float) -> bool:
+    """Whether `f` (a file object, socket or descriptor) has something to read within `timeout_s`. poll, not
+    select: a pytest worker may hold descriptors numbered past select's 1024."""
+    p = select.poll()
+    p.register(f, select.POLLIN)
+    return bool(p.poll(timeout_s * 1000))
+
+
 def kill_group(pid: int) -> None:
     try:
         os.killpg(pid, signal.SIGKILL)
@@ -237,7 +245,7 @@ class Command:
             self.conn.close()
 
     def poll(self) -> int | None:
-        if self.returncode is None and select.select([self.conn], [], [], 0)[0]:
+        if self.returncode is None and readable(self.conn, 0):
             self._read_rc()
         return self.returncode
 
