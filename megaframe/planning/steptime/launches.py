@@ -49,9 +49,10 @@ def block_kernels(m, compiled: bool, tp_colls: int, rerun: bool = False, ep: int
     two grads, the [gate|up] concatenation: 4; else 1), the residual branch points' grad adds (2), dropout's
     multiply (2). Compiled (train.compile=true): the elementwise ops fuse into one Triton kernel per region
     between GEMMs/attention (norm, RoPE, activation, residual+norm: 4 forward, 4 backward), GEMMs,
-    attention and the grad adds as eager. An MoE block: its experts' two grouped GEMMs (and the
-    activation's kernels above) in place of the MLP's four, plus the router and dispatch kernels
-    `moe_kernels` counts. Plus `tp_colls` collective kernels.
+    attention and the grad adds as eager. An MoE block: its experts' two grouped GEMMs in place of the
+    MLP's four, its experts' weighted SwiGLU (eager, after the dispatcher's host sync) in place of the
+    activation above, plus the router and dispatch kernels: all that `moe_kernels` counts. Plus
+    `tp_colls` collective kernels.
     """
     swiglu = "swiglu" in _act(m)
     rope = 10 if "rope" in str(m.position_embedding) else 0
@@ -59,14 +60,17 @@ def block_kernels(m, compiled: bool, tp_colls: int, rerun: bool = False, ep: int
     act_f, act_b = (2, 4) if swiglu else (1, 1)
     gemms = 2 if m.num_experts else 4  # an MoE block's MLP GEMMs are its experts' grouped ones
     weights = gemms + 2
+    # an MoE block's experts run their own activation (moe_kernels), not the MLP's (nor its fused region)
+    mlp_f, mlp_b = (0, 0) if m.num_experts else (act_f, act_b)
     if compiled:
-        fwd = gemms + 1 + 4
-        bwd = 2 * gemms + weights + 3 + 4 + 2
+        regions = 4 - (1 if m.num_experts else 0)
+        fwd = gemms + 1 + regions
+        bwd = 2 * gemms + weights + 3 + regions + 2
     else:
-        fwd = 2 + gemms + 1 + rope + act_f + 2 + 2 * drop
-        bwd = 2 * gemms + weights + 3 + 4 + rope + act_b + 2 + drop
+        fwd = 2 + gemms + 1 + rope + mlp_f + 2 + 2 * drop
+        bwd = 2 * gemms + weights + 3 + 4 + rope + mlp_b + 2 + drop
     if m.num_experts:
-        # the router, dispatch and losses (moe_kernels); the shared expert's dense MLP
+        # the router, dispatch, experts' activation and losses (moe_kernels); the shared expert's dense MLP
         f, b = moe_kernels(ep)
         fwd, bwd = fwd + f, bwd + b
         if getattr(m, "moe_shared_experts", 0):
@@ -75,23 +79,30 @@ def block_kernels(m, compiled: bool, tp_colls: int, rerun: bool = False, ep: int
 
 
 def moe_kernels(ep: int) -> tuple[int, int]:
-    """(forward, backward) kernels of an MoE layer's router, dispatch and losses for one micro-batch,
-    beyond its experts' grouped GEMMs and activation and the rows' all-to-alls (counted by the caller),
-    one per torch op of model/moe/ (a sort counted once), as the trainer runs them eagerly after the
-    dispatcher's host sync breaks the compiled graph. Forward: the router (x and the weight cast to fp32,
-    the GEMM: 3), route (softmax, top-k, gather, sum, clamp, divide: 6), the counts (zeros, ones,
-    scatter_add: 3), plan (sort, zeros, the token index, the weights' gather: 4), dispatch_combine (the
-    counts' all-to-all, cat, the host copy, the gather by token, the group ends' sum and cumsum, the ends'
-    int cast, the weight's cast and multiply, zeros and index_add: 11; under ep the regrouping's arange,
-    repeat, repeat_interleave (2), sort and gather, and its inverse's sort and gather: 8), the losses
-    (the aux loss's 6 and its coefficient, the z term's zeros and add: 9) and the step statistics (18).
-    Backward: the router's (dgrad, wgrad, the two casts' and the weight-grad add: 5), route's (softmax,
-    the gather's zeros and scatter, the division's 4, the clamp's mask, the grads' add: 10), the aux
-    loss's 5 and the injected seed 1, dispatch_combine's (index_select, the multiply's two products, the
-    weight grad's sum and cast, the token gather's zeros and index_put and sort, the weights' gather's 3,
-    the two grads of x added: 12; under ep each regrouping's zeros, sort and index_put: 6)."""
+    """(forward, backward) kernels of an MoE layer's router, dispatch, experts' activation and losses for
+    one micro-batch, beyond its experts' grouped GEMMs and the rows' and weights' all-to-alls (counted by
+    the caller), one per torch op of model/moe/ (a sort counted once; bf16 activations, so the weight's
+    casts run), as the trainer runs them eagerly after the dispatcher's host sync breaks the compiled
+    graph. Forward: the router (x and the weight cast to fp32, the GEMM: 3), route (softmax, top-k,
+    gather, sum, clamp, divide: 6), the counts (zeros, ones, scatter_add: 3), plan (sort, zeros, the
+    token index, the weights' gather: 4), dispatch_combine (cat, the host copy, the gather by token, the
+    group ends' sum and cumsum, the ends' int cast, the combine's zeros and index_add: 8; under ep the
+    counts' all-to-all, the regrouping's arange, repeat, repeat_interleave (2) and sort, its gathers of
+    the rows and of the weights, its inverse's zeros and index_add: 10), the experts' weighted SwiGLU
+    (silu, the product with up, the weight's cast and product: 4), the losses (the aux loss's 6 and its
+    coefficient, the z term's zeros and add: 9) and the step statistics (18). Backward: the router's
+    (dgrad, wgrad, the two casts' and the weight-grad add: 5), route's (softmax, the gather's zeros and
+    scatter, the division's 4, the clamp's mask, the grads' add: 10), the aux loss's 5 and the injected
+    seed 1, dispatch_combine's (the combine's index_select, the token gather's zeros, sort and index_put,
+    the weights' slice (zeros, copy) and the plan's gather of them (zeros, sort, index_put), the two grads
+    of x added: 10; under ep the inverse's index_select and the regrouping's two gathers' zeros, sort and
+    index_put: 7), the weighted SwiGLU's (sigmoid, silu's product, dh·w with the weight's cast; the
+    weight's grad: two casts to fp32, two products, the sum; the gate's grad: four products, 1 - sig,
+    1 + ...; the up grad's product and the concatenation: 17)."""
     under_ep = ep > 1
-    return 3 + 6 + 3 + 4 + 11 + 8 * under_ep + 9 + 18, 5 + 10 + 6 + 12 + 6 * under_ep
+    forward = 3 + 6 + 3 + 4 + 8 + 10 * under_ep + 4 + 9 + 18
+    backward = 5 + 10 + 6 + 10 + 7 * under_ep + 17
+    return forward, backward
 
 
 def head_kernels(compiled: bool) -> int:

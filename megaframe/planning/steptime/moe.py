@@ -13,22 +13,25 @@ rank, each split over etp). Each rank routes its own tokens (T = micro-batch x S
                  runs no faster than the loop of per-expert cuBLAS GEMMs it replaces (pytorch/pytorch#163425,
                  H200, 32 groups). Checked, not fitted: at Qwen3-30B-A3B's shape (32768 tokens, D 2048, 128
                  experts of 768, top 8: 2048 rows a group, balanced) these GEMMs with the permutation's and
-                 SwiGLU's forward passes below come to 9.0 ms on H100 against 10.2 ms measured for
+                 SwiGLU's forward passes below come to 8.5 ms on H100 against 10.2 ms measured for
                  torch._grouped_mm's fused MoE forward (ByteDance-Seed/VeOmni#460). Without a Hopper
                  grouped kernel (no fp8 tensor cores here: A100; or fp32) the experts run moe/grouped.py's
                  padded path: the rows scattered into a zeroed [E/ep, rows, in] batch and gathered back
-                 around each bmm (`padded_bytes`).
+                 around each bmm (`padded_bytes`). The router's combine weights are applied inside the
+                 experts (moe/grouped.py's weighted SwiGLU, silu recomputed in backward: `swiglu_bytes`).
   router         the router's fp32 [T, D] x [D, E] GEMM (forward, input and weight grads: x.float() and
                  F.linear in fp32, router.py) at the device's fp32 rate, the casts of x to fp32 and of its
                  grad back, and the passes over the fp32 [T, E] scores (`router_bytes`).
   permutation    the dispatcher's passes over the routed rows, counted op by op from
-                 moe/dispatcher.py's dispatch_combine and their autograd backward (`permute_rows`): the
-                 gather by token, the regrouping by local expert and back (ep > 1), the combine weight's
-                 multiply and the index_add, each an HBM read and write of its rows.
-  all-to-all     4 per MoE layer and micro-batch (dispatch and combine, forward and backward; a re-run
-                 forward repeats its 2) of the busiest rank's routed rows, (ep-1)/ep of them leaving it:
-                 on NVLink when the group is inside a node, else the share bound for other nodes over
-                 InfiniBand (ep/node of the peers are local), plus ep-1 steps of that link's latency.
+                 moe/dispatcher.py's dispatch_combine and moe/rows.py's backward (`permute_rows`): the
+                 gather by token, the regrouping by local expert and back (ep > 1), the combine's
+                 index_add into zeros, each an HBM read and write of its rows.
+  all-to-all     4 per MoE layer and micro-batch of the busiest rank's routed rows (dispatch and combine,
+                 forward and backward) and 2 of their fp32 combine weights, 4 bytes a row (dispatch,
+                 forward and backward: the weights travel with their rows); a re-run forward repeats its
+                 2 and 1. Each: (ep-1)/ep of them leaving the rank, on NVLink when the group is inside a
+                 node, else the share bound for other nodes over InfiniBand (ep/node of the peers are
+                 local), plus ep-1 steps of that link's latency.
   shared experts a dense MLP beside the routed ones (model.moe_shared_experts x the expert width, where
                  a family has them): a plain GEMM on every token.
 
@@ -94,43 +97,60 @@ def router_bytes(m, tokens: int, elem: int) -> float:
 
 def permute_rows(tokens: int, top_k: int, ep: int) -> float:
     """Rows (of D elements) the dispatcher's permutation reads plus writes for one MoE layer and
-    micro-batch, forward + backward, on the busiest rank (moe/dispatcher.py's dispatch_combine; A = T·top_k
-    assignments of the rank's own tokens, R = IMBALANCE x A rows its experts receive when ep > 1).
-    Forward: x_TD[token_A] (read A, write A); under ep the regrouping x_RD[perm_R] and its inverse
-    y_RD[argsort(perm_R)] (read R, write R each); the combine weight's multiply (read A, write A); the
-    combine, zeros_like (write T) and index_add (read A, read and write a target row per source row:
-    3A). Backward: the index_add's grad index_select (2A); the multiply's grad of y (2A) and of the weight
-    ((g * y): read 2A, write A; its sum: read A); each indexing's backward, zeros and an accumulating
-    index_put (the regrouping and its inverse: R + 3R each; the gather by token: T + 3A)."""
+    micro-batch, forward + backward, on the busiest rank (moe/dispatcher.py's dispatch_combine with
+    moe/rows.py's row moves; A = T·top_k assignments of the rank's own tokens, R = IMBALANCE x A rows its
+    experts receive when ep > 1). Forward: the gather by token, x_TD[token_A] (read A, write A); under ep
+    the regrouping's gather x_RD[perm_R] (read R, write R) and its inverse, a scatter_rows: zeros (write
+    R) and index_add_ (read a source row, read and write its target row: 3R); the combine, a scatter_rows
+    into [T, D]: zeros (write T) and index_add_ (3A). Backward (rows.py's): the combine's index_select
+    (read A, write A); under ep the inverse's index_select (2R) and the regrouping's zeros and
+    accumulating index_put_ (R + 3R); the gather by token's zeros and index_put_ (T + 3A). The combine
+    weight is applied inside the experts (`swiglu_bytes`); its own moves (the [A, 1] fp32 weights
+    gathered, regrouped and their grads: 4 bytes a row, not D elements) are left out."""
     a = tokens * top_k
     r = IMBALANCE * a if ep > 1 else 0.0
-    forward = 2 * a + 4 * r + 2 * a + tokens + 3 * a
-    backward = 2 * a + 2 * a + 4 * a + 8 * r + tokens + 3 * a
+    forward = 2 * a + (2 * r + 4 * r) + tokens + 3 * a
+    backward = 2 * a + (2 * r + 4 * r) + tokens + 3 * a
     return forward + backward
 
 
 def swiglu_bytes(m, tokens: int, ep: int, elem: int) -> float:
-    """HBM bytes of the experts' SwiGLU between their two grouped GEMMs (moe/grouped.py), forward +
-    backward, on the busiest rank's routed rows (F elements each side of the [rows, 2F] up output). Eager
-    ops: the rest of the layer's forward reads the split sizes the host sync returned (Python ints that
-    change every step, under compile_blocks' dynamic=False a recompile each, so torch.compile gives up on
-    that frame). Forward: silu of the gate view (read F, write F), its product with up (read 2F, write F);
-    backward: the product's two grads (read 2F, write F each), silu's (read 2F, write F), the chunk's
-    grads concatenated into [rows, 2F] (read 2F, write 2F): 18F a row."""
+    """HBM bytes of the experts' weighted SwiGLU between their two grouped GEMMs (moe/grouped.py's
+    _WeightedSwiGLU), forward + backward, on the busiest rank's routed rows (F elements each side of the
+    [rows, 2F] up output; the [rows, 1] fp32 combine weight's own reads and casts, 4 bytes a row, left
+    out). Eager ops: the rest of the layer's forward reads the split sizes the host sync returned (Python
+    ints that change every step, under compile_blocks' dynamic=False a recompile each, so torch.compile
+    gives up on that frame). Forward: silu of the gate view (read F, write F), its product with up (read
+    2F, write F), that times the weight (read F, write F): 7F. Backward, silu recomputed from the saved
+    [gate | up]: sigmoid (read F, write F), silu = gate · sig (read 2F, write F), dh · w (read F, write
+    F), the gate's grad (dh·w) · up · (sig · (1 + gate · (1 - sig))): four products of two F operands
+    (read 2F, write F each) and 1 - sig, 1 + ... (read F, write F each), the up grad (dh·w) · silu (read
+    2F, write F), the two grads concatenated into [rows, 2F] (read 2F, write 2F): 30F; and the weight's
+    grad in fp32: dh cast to fp32 (read F, write 4-byte F), silu · up (read 2F, write F) cast to fp32
+    (read F, write 4-byte F), their product (read two, write one 4-byte F), its sum over F (read 4-byte
+    F), the casts no-ops in fp32."""
     rows = tokens * m.moe_top_k * (IMBALANCE if ep > 1 else 1.0)
-    return 18 * rows * m.expert_ffn * elem
+    forward = (2 + 3 + 2) * elem
+    backward = (2 + 3 + 2 + (4 * 3 + 2 * 2) + 3 + 4) * elem
+    casts = 0 if elem == 4 else 2 * (elem + 4)
+    weight_grad = casts + 3 * elem + 3 * 4 + 4
+    return rows * m.expert_ffn * (forward + backward + weight_grad)
 
 
 def padded_bytes(m, tokens: int, ep: int, elem: int) -> float:
     """HBM bytes of moe/grouped.py's padded path around the experts' two bmm's, forward + backward (module
-    doc): per projection (in D out 2F, then in F out D) the [E/ep, M, in] batch zeroed (write) and filled
-    (read and write a row per routed row), the output rows gathered back (read, write); backward the
-    same passes again for the grads. M: the busiest expert's rows (expert_rows)."""
+    doc), per projection (in D out 2F, then in F out D) of its [E/ep, M, in] batch (M: the busiest
+    expert's rows, expert_rows) and the routed rows. Forward: the batch zeroed (write), index_put (out of
+    place: the zeros cloned, read and write, then a row per routed row, read and write), the output rows
+    gathered back (read, write). Backward: that gather's grad, zeros of [E/ep, M, out] (write) and an
+    accumulating index_put (read a grad row, read and write its target); the index_put's grad of the rows,
+    a gather (read, write; the zeros take no grad)."""
     f, d, local = m.expert_ffn, m.hidden_size, m.num_experts // ep
     rows = tokens * m.moe_top_k * (IMBALANCE if ep > 1 else 1.0)
     pad = local * expert_rows(m, tokens, ep)
-    per = sum(pad * i + 2 * rows * i + 2 * rows * o for i, o in ((d, 2 * f), (f, d)))
-    return 2 * per * elem
+    forward = sum(3 * pad * i + 2 * rows * i + 2 * rows * o for i, o in ((d, 2 * f), (f, d)))
+    backward = sum(pad * o + 3 * rows * o + 2 * rows * i for i, o in ((d, 2 * f), (f, d)))
+    return (forward + backward) * elem
 
 
 def grouped_kernel(dev, prec: str) -> bool:

@@ -180,15 +180,28 @@ def _tp(s: _Step) -> float:
 
 
 def _ep(s: _Step) -> float:
-    """The experts' all-to-alls over the expert group (planning.steptime.moe): dispatch and combine, forward
-    and backward, and the forward's again where recompute re-runs it."""
+    """The experts' all-to-alls over the expert group (planning.steptime.moe): the rows' dispatch and
+    combine, forward and backward, the fp32 combine weights' dispatch (they travel with their rows to be
+    applied inside the experts: moe/dispatcher.py), forward and backward, and the forward's again where
+    recompute re-runs it. Each pays its own latency."""
     m, lay = s.cfg.model, s.lay
     if not m.num_experts or lay.ep == 1:
         return 0.0
     # each token goes to top_k experts; under sp a tp rank routes its 1/tp of the sequence
     routed = s.act * m.moe_top_k / (lay.tp if lay.sp else 1)
-    per_layer = 4 + (2 if lay.recompute in ("full", "op_selective") else 0)
-    return per_layer * s.layers * s.micro * all_to_all_seconds(s, routed)
+    rows, weights = _ep_colls(lay)
+    # one fp32 weight (4 bytes) a routed row of D elements
+    weight_bytes = routed / (m.hidden_size * s.elem) * 4
+    one = rows * all_to_all_seconds(s, routed) + weights * all_to_all_seconds(s, weight_bytes)
+    return s.layers * s.micro * one
+
+
+def _ep_colls(lay: Layout) -> tuple[int, int]:
+    """(all-to-alls of the routed rows, of their combine weights) an MoE layer issues per micro-batch
+    under ep: rows 2 forward (dispatch, combine) and their 2 backward, the weights 1 forward (dispatch)
+    and its backward; a re-run forward repeats its 2 and 1."""
+    rerun = lay.recompute in ("full", "op_selective")
+    return 4 + (2 if rerun else 0), 2 + (1 if rerun else 0)
 
 
 def _experts(s: _Step) -> ExpertGroups:
@@ -245,7 +258,7 @@ def _launch(s: _Step) -> float:
     per_mb = s.layers * s.micro
     work = s.work
     blocks = (sum(work.values()) - work["head"]) / s.share / max(per_mb, 1)
-    ep_colls = (4 + (2 if rerun else 0)) if m.num_experts and lay.ep > 1 else 0
+    ep_colls = sum(_ep_colls(lay)) if m.num_experts and lay.ep > 1 else 0
     k = launch.block_kernels(m, compiled, _tp_colls_per_block(lay) + ep_colls, rerun, lay.ep)
     t = per_mb * launch.exposed(k, blocks)
     if work["head"]:
@@ -260,7 +273,8 @@ def _moe_count_colls(s: _Step) -> float:
     """The small collectives of int64 expert counts an MoE layer's forward issues ahead of its host sync,
     so nothing hides their latency: under sp and cp the routed counts of each run gathered over the ranks
     splitting the sequence (model/moe/layer.py's _batch_counts: up to 2 runs a rank under cp), the counts'
-    all-to-all over the expert group and, under etp, their all-gather over it (moe/dispatcher.py)."""
+    all-to-all over the expert group and, under etp, their all-gather over it (moe/dispatcher.py). The
+    combine weights' all-to-all runs after the sync, beside the rows' (_ep)."""
     lay, e = s.lay, s.cfg.model.num_experts
     t = all_to_all_seconds(s, 8 * e) if lay.ep > 1 else 0.0
     runs = 2 if lay.cp > 1 else 1

@@ -16,12 +16,20 @@ from megaframe.planning.steptime import compute, launches, moe
 M = SimpleNamespace(hidden_size=4, num_experts=8, expert_ffn=6, moe_top_k=2, moe_z_loss_coeff=0.0)
 
 
+@pytest.fixture(scope="module")
+def cfg():
+    """moe_tiny composed once for the tests that time its collectives."""
+    return load_config(["data=synthetic", "model=moe_tiny"], world_size=1, check_data=False)
+
+
 def test_the_permutation_rows_are_the_dispatchers_passes():
-    # 10 tokens, top 2: A = 20 assignments. Forward: gather 2A, weight multiply 2A, zeros T, index_add 3A;
-    # backward: index_select 2A, the multiply's grads 2A + 4A, the gather's zeros T and index_put 3A
-    assert moe.permute_rows(10, 2, 1) == 7 * 20 + 10 + 11 * 20 + 10
-    # under ep the busiest rank's R = 1.2 A = 24 rows are regrouped and back: 4R forward, 8R backward
-    assert moe.permute_rows(10, 2, 8) == moe.permute_rows(10, 2, 1) + 12 * 24
+    # 10 tokens, top 2: A = 20 assignments. Forward: the gather by token 2A, the combine's zeros T and
+    # index_add_ 3A (no weight multiply: the experts apply it); backward (moe/rows.py): the combine's
+    # index_select 2A, the gather's zeros T and accumulating index_put_ 3A
+    assert moe.permute_rows(10, 2, 1) == (2 + 3) * 20 + 10 + (2 + 3) * 20 + 10
+    # under ep the busiest rank's R = 1.2 A = 24 rows: forward the regrouping's gather 2R and its inverse's
+    # zeros R and index_add_ 3R; backward the inverse's index_select 2R, the gather's zeros R, index_put_ 3R
+    assert moe.permute_rows(10, 2, 8) == moe.permute_rows(10, 2, 1) + (2 + 1 + 3) * 24 + (2 + 1 + 3) * 24
 
 
 def test_the_router_bytes_are_its_casts_and_score_passes():
@@ -34,9 +42,13 @@ def test_the_router_bytes_are_its_casts_and_score_passes():
 
 def test_the_padded_path_is_charged_where_no_grouped_kernel_runs():
     # 10 tokens, ep 2: 4 local experts, 24 routed rows, the busiest expert's 6 rows: a [4, 6, in] batch
-    # per projection (in 4 out 12, in 6 out 4): zeroed, filled and gathered back; backward the same again
-    per = (24 * 4 + 48 * 4 + 48 * 12) + (24 * 6 + 48 * 6 + 48 * 4)
-    assert moe.padded_bytes(M, 10, 2, 2) == 2 * per * 2
+    # per projection (in 4 out 12, in 6 out 4). Forward: zeroed (24 x in), index_put's clone of it (read
+    # and write), the 24 rows put (read, write), the 24 output rows gathered back (read, write)
+    fwd = (3 * 24 * 4 + 48 * 4 + 48 * 12) + (3 * 24 * 6 + 48 * 6 + 48 * 4)
+    # backward: the gather's grad, zeros [4, 6, out] and an accumulating index_put (read a row, read and
+    # write its target); the put rows' grad gathered (read, write)
+    bwd = (24 * 12 + 72 * 12 + 48 * 4) + (24 * 4 + 72 * 4 + 48 * 6)
+    assert moe.padded_bytes(M, 10, 2, 2) == (fwd + bwd) * 2
     h100, a100 = DEVICES["H100"], DEVICES["A100"]
     assert moe.grouped_kernel(h100, "bf16") and not moe.grouped_kernel(a100, "bf16")
     assert not moe.grouped_kernel(h100, "fp32")
@@ -46,17 +58,38 @@ def test_the_padded_path_is_charged_where_no_grouped_kernel_runs():
 
 
 def test_the_moe_kernels_are_counted_per_op_and_grow_under_ep():
-    # forward: router 3, route 6, counts 3, plan 4, dispatch 11, losses 9, statistics 18; backward 5 + 10
-    # + 6 + 12; ep adds the regrouping and its inverse (8 forward, 6 backward)
-    assert launches.moe_kernels(1) == (54, 33)
-    assert launches.moe_kernels(8) == (62, 39)
+    # forward: router 3, route 6, counts 3, plan 4, dispatch 8, the weighted SwiGLU 4, losses 9,
+    # statistics 18; backward: router 5, route 10, aux loss 6, dispatch 10, the weighted SwiGLU 17
+    assert launches.moe_kernels(1) == (3 + 6 + 3 + 4 + 8 + 4 + 9 + 18, 5 + 10 + 6 + 10 + 17)
+    # ep adds the counts' all-to-all, the regrouping (arange, repeat, repeat_interleave 2, sort, the rows'
+    # and the weights' gathers) and its inverse (zeros, index_add): 10; backward the inverse's
+    # index_select and each gather's zeros, sort and index_put: 7
+    assert launches.moe_kernels(8) == (55 + 10, 48 + 7)
+
+
+def test_an_moe_blocks_activation_is_its_experts_weighted_swiglu():
+    # eager forward: 2 norms, 2 grouped GEMMs, attention, RoPE 10, 2 residual adds (the MLP's SwiGLU is
+    # the experts', in moe_kernels); backward: 4 GEMMs, 4 weight-grad adds, attention 3, norms 4, RoPE
+    # 10, residual grads 2
+    m = SimpleNamespace(**vars(M), activation="swiglu", position_embedding="rope", dropout=0.0)
+    f, b = launches.moe_kernels(1)
+    assert launches.block_kernels(m, False, 0) == (2 + 2 + 1 + 10 + 2 + f) + (4 + 4 + 3 + 4 + 10 + 2 + b)
+    # compiled: the norm, RoPE and residual+norm regions (3 each way; the activation runs eagerly)
+    assert launches.block_kernels(m, True, 0) == (2 + 1 + 3 + f) + (4 + 4 + 3 + 3 + 2 + b)
 
 
 def test_the_experts_swiglu_runs_eagerly_on_the_busiest_ranks_rows():
-    # 10 tokens, top 2, ep 2: 24 rows of F = 6; forward silu 2F + product 3F, backward 3F + 3F + 3F + the
-    # chunk's concatenation 4F: 18F a row, in bf16
-    assert moe.swiglu_bytes(M, 10, 2, 2) == 18 * 24 * 6 * 2
-    assert moe.swiglu_bytes(M, 10, 1, 2) == 18 * 20 * 6 * 2  # no ep: the rank's own 20 rows
+    # 10 tokens, top 2, ep 2: 24 rows of F = 6, bf16. Forward: silu 2F, x up 3F, x the weight 2F. Backward
+    # (silu recomputed): sigmoid 2F, silu 3F, dh·w 2F, the gate's grad (four products 3F, two one-operand
+    # ops 2F), the up grad 3F, the concatenation 4F; bytes a row and F:
+    fwd, bwd = 7 * 2, (2 + 3 + 2 + 12 + 4 + 3 + 4) * 2
+    # the weight's fp32 grad: dh to fp32 (2 + 4), silu·up (3 x 2) to fp32 (2 + 4), the product (3 x 4), the
+    # sum (4)
+    dw = (2 + 4) + 3 * 2 + (2 + 4) + 3 * 4 + 4
+    assert moe.swiglu_bytes(M, 10, 2, 2) == 24 * 6 * (fwd + bwd + dw)
+    assert moe.swiglu_bytes(M, 10, 1, 2) == 20 * 6 * (fwd + bwd + dw)  # no ep: the rank's own 20 rows
+    # fp32: 4 bytes an element, the casts no-ops
+    assert moe.swiglu_bytes(M, 10, 1, 4) == 20 * 6 * (7 * 4 + 30 * 4 + 3 * 4 + 3 * 4 + 4)
 
 
 def test_the_router_gemm_runs_in_fp32_on_the_cuda_cores():
@@ -75,11 +108,10 @@ def test_the_router_gemm_runs_in_fp32_on_the_cuda_cores():
 
 
 @pytest.mark.parametrize("ep", [8, 16])
-def test_the_all_to_all_rides_the_link_its_expert_group_lands_on(ep):
+def test_the_all_to_all_rides_the_link_its_expert_group_lands_on(ep, cfg):
     from megaframe.planning.candidate import Layout
     from megaframe.planning.steptime.timing import _Step
 
-    cfg = load_config(["data=synthetic", "model=moe_tiny"], world_size=1, check_data=False)
     h100 = DEVICES["H100"]
     s = _Step(cfg, Layout(1, 1, 1, ep, ep, 1, 1, "none"), h100, ep)
     nv, ib = h100.intra_bw * h100.link_eff, h100.inter_bw * h100.link_eff
@@ -91,14 +123,30 @@ def test_the_all_to_all_rides_the_link_its_expert_group_lands_on(ep):
     assert moe.all_to_all_seconds(s, 1e6) == pytest.approx(want, rel=1e-12)
 
 
-def test_the_counts_collectives_ahead_of_the_host_sync_pay_their_latency():
+def test_the_counts_collectives_ahead_of_the_host_sync_pay_their_latency(cfg):
     from megaframe.planning.candidate import Layout
     from megaframe.planning.steptime.timing import _moe_count_colls, _Step
 
-    cfg = load_config(["data=synthetic", "model=moe_tiny"], world_size=1, check_data=False)
     h100, e = DEVICES["H100"], cfg.model.num_experts
     nv = h100.intra_bw * h100.link_eff
     assert _moe_count_colls(_Step(cfg, Layout(1, 1, 1, 8, 1, 1, 1, "none"), h100, 8)) == 0.0
     # tp 2 under sp: one run's int64 counts all-gathered from the one peer, one ring step
     sp = _Step(cfg, Layout(2, 1, 1, 4, 1, 1, 1, "none", sp=True), h100, 8)
     assert _moe_count_colls(sp) == pytest.approx(8 * e / nv + h100.latency_s, rel=1e-12)
+
+
+def test_the_combine_weights_travel_in_their_own_all_to_all(cfg):
+    from megaframe.planning.candidate import Layout
+    from megaframe.planning.steptime.timing import _ep, _ep_colls, _Step
+
+    m, h100 = cfg.model, DEVICES["H100"]
+    s = _Step(cfg, Layout(1, 1, 1, 8, 8, 1, 1, "none"), h100, 8)
+    rows = s.lay.micro_batch * m.seq_length * m.moe_top_k  # the rank's routed rows a micro-batch
+    # the rows' dispatch and combine, forward and backward (D elements each), and the fp32 weights'
+    # dispatch, forward and backward (4 bytes a row), each with its own latency
+    a2a = moe.all_to_all_seconds
+    one = 4 * a2a(s, rows * m.hidden_size * s.elem) + 2 * a2a(s, rows * 4)
+    assert _ep(s) == pytest.approx(s.layers * s.micro * one, rel=1e-12)
+    # each a collective launch; a re-run forward repeats the rows' 2 and the weights' 1
+    assert _ep_colls(s.lay) == (4, 2)
+    assert _ep_colls(dataclasses.replace(s.lay, recompute="full")) == (6, 3)
