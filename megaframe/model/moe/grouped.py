@@ -96,10 +96,12 @@ class _WeightedSwiGLU(torch.autograd.Function):
         gate_NF, up_NF = gate_up_N2F.chunk(2, dim=-1)
         sig_NF = torch.sigmoid(gate_NF)
         silu_NF = gate_NF * sig_NF
-        # the weight's grad summed in fp32 (the weight is the router's fp32 probability)
+        # the weight's grad accumulated in fp32 (the weight is the router's fp32 probability): the
+        # reduction reads the product in its dtype and sums in fp32, where two .float() copies of [N, F]
+        # cost 12 more bytes an element in bf16 for the same sum
         dw_N1 = None
         if ctx.needs_input_grad[1]:
-            dw_N1 = (dh_NF.float() * (silu_NF * up_NF).float()).sum(-1, keepdim=True).to(w_N1.dtype)
+            dw_N1 = (dh_NF * (silu_NF * up_NF)).sum(-1, keepdim=True, dtype=torch.float32).to(w_N1.dtype)
         dwh_NF = dh_NF * w_N1.to(dh_NF.dtype)
         dgate_NF = dwh_NF * up_NF * (sig_NF * (1 + gate_NF * (1 - sig_NF)))
         return torch.cat([dgate_NF, dwh_NF * silu_NF], dim=-1), dw_N1

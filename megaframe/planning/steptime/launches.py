@@ -97,11 +97,11 @@ def moe_kernels(ep: int) -> tuple[int, int]:
     the weights' slice (zeros, copy) and the plan's gather of them (zeros, sort, index_put), the two grads
     of x added: 10; under ep the inverse's index_select and the regrouping's two gathers' zeros, sort and
     index_put: 7), the weighted SwiGLU's (sigmoid, silu's product, dh·w with the weight's cast; the
-    weight's grad: two casts to fp32, two products, the sum; the gate's grad: four products, 1 - sig,
-    1 + ...; the up grad's product and the concatenation: 17)."""
+    weight's grad: two products, the sum in fp32; the gate's grad: four products, 1 - sig, 1 + ...; the
+    up grad's product and the concatenation: 15)."""
     under_ep = ep > 1
     forward = 3 + 6 + 3 + 4 + 8 + 10 * under_ep + 4 + 9 + 18
-    backward = 5 + 10 + 6 + 10 + 7 * under_ep + 17
+    backward = 5 + 10 + 6 + 10 + 7 * under_ep + 15
     return forward, backward
 
 

@@ -126,14 +126,12 @@ def swiglu_bytes(m, tokens: int, ep: int, elem: int) -> float:
     F), the gate's grad (dh·w) · up · (sig · (1 + gate · (1 - sig))): four products of two F operands
     (read 2F, write F each) and 1 - sig, 1 + ... (read F, write F each), the up grad (dh·w) · silu (read
     2F, write F), the two grads concatenated into [rows, 2F] (read 2F, write 2F): 30F; and the weight's
-    grad in fp32: dh cast to fp32 (read F, write 4-byte F), silu · up (read 2F, write F) cast to fp32
-    (read F, write 4-byte F), their product (read two, write one 4-byte F), its sum over F (read 4-byte
-    F), the casts no-ops in fp32."""
+    grad: silu · up (read 2F, write F), its product with dh (read 2F, write F), the sum over F in fp32
+    (read F): 7F."""
     rows = tokens * m.moe_top_k * (IMBALANCE if ep > 1 else 1.0)
     forward = (2 + 3 + 2) * elem
     backward = (2 + 3 + 2 + (4 * 3 + 2 * 2) + 3 + 4) * elem
-    casts = 0 if elem == 4 else 2 * (elem + 4)
-    weight_grad = casts + 3 * elem + 3 * 4 + 4
+    weight_grad = (3 + 3 + 1) * elem
     return rows * m.expert_ffn * (forward + backward + weight_grad)
 
 

@@ -59,12 +59,12 @@ def test_the_padded_path_is_charged_where_no_grouped_kernel_runs():
 
 def test_the_moe_kernels_are_counted_per_op_and_grow_under_ep():
     # forward: router 3, route 6, counts 3, plan 4, dispatch 8, the weighted SwiGLU 4, losses 9,
-    # statistics 18; backward: router 5, route 10, aux loss 6, dispatch 10, the weighted SwiGLU 17
-    assert launches.moe_kernels(1) == (3 + 6 + 3 + 4 + 8 + 4 + 9 + 18, 5 + 10 + 6 + 10 + 17)
+    # statistics 18; backward: router 5, route 10, aux loss 6, dispatch 10, the weighted SwiGLU 15
+    assert launches.moe_kernels(1) == (3 + 6 + 3 + 4 + 8 + 4 + 9 + 18, 5 + 10 + 6 + 10 + 15)
     # ep adds the counts' all-to-all, the regrouping (arange, repeat, repeat_interleave 2, sort, the rows'
     # and the weights' gathers) and its inverse (zeros, index_add): 10; backward the inverse's
     # index_select and each gather's zeros, sort and index_put: 7
-    assert launches.moe_kernels(8) == (55 + 10, 48 + 7)
+    assert launches.moe_kernels(8) == (55 + 10, 46 + 7)
 
 
 def test_an_moe_blocks_activation_is_its_experts_weighted_swiglu():
@@ -83,13 +83,12 @@ def test_the_experts_swiglu_runs_eagerly_on_the_busiest_ranks_rows():
     # (silu recomputed): sigmoid 2F, silu 3F, dh·w 2F, the gate's grad (four products 3F, two one-operand
     # ops 2F), the up grad 3F, the concatenation 4F; bytes a row and F:
     fwd, bwd = 7 * 2, (2 + 3 + 2 + 12 + 4 + 3 + 4) * 2
-    # the weight's fp32 grad: dh to fp32 (2 + 4), silu·up (3 x 2) to fp32 (2 + 4), the product (3 x 4), the
-    # sum (4)
-    dw = (2 + 4) + 3 * 2 + (2 + 4) + 3 * 4 + 4
+    # the weight's grad: silu·up (3 x 2), its product with dh (3 x 2), the sum in fp32 reading it (2)
+    dw = 3 * 2 + 3 * 2 + 2
     assert moe.swiglu_bytes(M, 10, 2, 2) == 24 * 6 * (fwd + bwd + dw)
     assert moe.swiglu_bytes(M, 10, 1, 2) == 20 * 6 * (fwd + bwd + dw)  # no ep: the rank's own 20 rows
-    # fp32: 4 bytes an element, the casts no-ops
-    assert moe.swiglu_bytes(M, 10, 1, 4) == 20 * 6 * (7 * 4 + 30 * 4 + 3 * 4 + 3 * 4 + 4)
+    # fp32: 4 bytes an element
+    assert moe.swiglu_bytes(M, 10, 1, 4) == 20 * 6 * (7 * 4 + 30 * 4 + 7 * 4)
 
 
 def test_the_router_gemm_runs_in_fp32_on_the_cuda_cores():
