@@ -83,8 +83,11 @@ def train(
 
 
 def _start_warm(args: list[str], gpu: bool, extra_env: dict):
-    """`args` as a fork of the warm server, or None where it cannot stand for a fresh interpreter."""
+    """`args` as a fork of the warm server, or None where it cannot stand for a fresh interpreter (a
+    command that sets what the interpreter reads at start: warm_start.READ_AT_START)."""
     if gpu or args[:1] != [sys.executable] or not warm_start.eligible(args[1:]):
+        return None
+    if any(k.startswith(warm_start.READ_AT_START) for k in extra_env):
         return None
     server = warm_server()
     if server is None:
@@ -93,27 +96,32 @@ def _start_warm(args: list[str], gpu: bool, extra_env: dict):
     return proc if proc.cmd.pid is not None else None
 
 
-_server: list = []  # [the warm server's socket path or None], once started
+_servers: dict[tuple, str | None] = {}  # start signature -> the socket of its server (None: did not come up)
+_held: list[subprocess.Popen] = []  # the servers: their stdin closing (this worker ending) ends them
 
 
 def warm_server() -> str | None:
-    """The socket of this pytest worker's warm server (tests/e2e/warm_start.py), started on first use;
-    None when MEGAFRAME_TEST_FORK=0 or it did not come up (then every command starts fresh)."""
-    if not _server:
-        _server.append(None)
-        if os.environ.get("MEGAFRAME_TEST_FORK", "1") != "0":
-            path = os.path.join(tempfile.mkdtemp(prefix="megaframe-warm-"), "socket")
-            proc = subprocess.Popen(
-                [sys.executable, warm_start.__file__, path], cwd=ROOT, env=env(),
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-            )  # fmt: skip
-            # its imports take seconds; two minutes is a server that will not come up
-            if warm_start.readable(proc.stdout, 120) and proc.stdout.readline().strip() == "ready":
-                _server[0] = path
-                _server.append(proc)  # held: its stdin closing (this worker ending) ends it
-            else:
-                proc.kill()
-    return _server[0]
+    """The socket of this pytest worker's warm server for env() as it is now (tests/e2e/warm_start.py),
+    started on first use; None when MEGAFRAME_TEST_FORK=0 or it did not come up (then commands start
+    fresh). One server per start signature: a test that moves this worker's own environment (an in-process
+    compile sets TORCHINDUCTOR_CACHE_DIR) gets a server that started with it."""
+    if os.environ.get("MEGAFRAME_TEST_FORK", "1") == "0":
+        return None
+    base = env()
+    key = warm_start.start_signature(base)
+    if key not in _servers:
+        path = os.path.join(tempfile.mkdtemp(prefix="megaframe-warm-"), "socket")
+        proc = subprocess.Popen(
+            [sys.executable, warm_start.__file__, path], cwd=ROOT, env=base,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        _held.append(proc)
+        # its imports take seconds; two minutes is a server that will not come up
+        ok = warm_start.readable(proc.stdout, 120) and proc.stdout.readline().strip() == "ready"
+        _servers[key] = path if ok else None
+        if not ok:
+            proc.kill()
+    return _servers[key]
 
 
 class _Output:

@@ -49,8 +49,11 @@ PRELOAD = (
     "megaframe.tracking",
     "megaframe.training.trainer",
 )
-# environment the interpreter and torch read once, at start: a command that sets one differently starts fresh
-READ_AT_START = ("OMP_", "MKL_", "KMP_", "TORCH", "PYTHON", "CUDA", "LD_", "MALLOC")
+# environment the interpreter and the preloaded modules read once, at start: a command that sets one
+# differently starts fresh. Not TORCHINDUCTOR_* / TORCHDYNAMO_*: the server never imports the compiler (a
+# fork that compiles imports it after its environment is set), and an in-process compile sets
+# TORCHINDUCTOR_CACHE_DIR in a pytest worker's environment
+READ_AT_START = ("OMP_", "MKL_", "KMP_", "TORCH_", "PYTHON", "CUDA", "LD_", "MALLOC")
 
 
 def eligible(args: list[str]) -> bool:
@@ -60,10 +63,14 @@ def eligible(args: list[str]) -> bool:
     return args[0].endswith(".py") or (args[0] == "-m" and len(args) > 1 and args[1].startswith("megaframe"))
 
 
+def start_signature(env: dict) -> tuple:
+    """What of `env` is read at start: two environments with the same signature can share a server."""
+    return tuple(sorted((k, v) for k, v in env.items() if k.startswith(READ_AT_START)))
+
+
 def same_start(env: dict, server_env: dict) -> bool:
     """Whether `env` agrees with the server's on everything read at start."""
-    keys = {k for k in (*env, *server_env) if k.startswith(READ_AT_START)}
-    return all(env.get(k) == server_env.get(k) for k in keys)
+    return start_signature(env) == start_signature(server_env)
 
 
 # ---------------------------------------------------------------------------------------------- the child

@@ -80,3 +80,18 @@ def test_the_shim_forwards_pipes_and_exit_codes_through_a_shell(server, tmp_path
     )
     assert res.stdout.splitlines() == [f"ARGV ['5'] CWD {str(tmp_path).upper()} X NONE", "rc=5", "42"]
     assert res.stderr == "to stderr\n"
+
+
+def test_a_worker_whose_own_environment_moved_still_forks(server, tmp_path, monkeypatch):
+    """An in-process compile sets TORCHINDUCTOR_CACHE_DIR in the worker's environment: not read at the
+    server's start, so the same server takes the commands; a variable that is read at start (TORCH_*) gets
+    a server started with it, not a refusal of every later command."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    assert helpers.warm_server() == server
+    cmd, out, _ = _fork(server, tmp_path, "0")
+    assert cmd.pid is not None and cmd.wait(timeout=60) == 0
+    monkeypatch.setenv("TORCH_SHOW_CPP_STACKTRACES", "1")
+    other = helpers.warm_server()
+    assert other not in (None, server)
+    cmd, out, _ = _fork(other, tmp_path, "0")
+    assert cmd.pid is not None and cmd.wait(timeout=60) == 0
