@@ -159,7 +159,8 @@ def test_val_loss_is_layout_free_and_leaves_comm_bytes_alone(prepared, tmp_path)
     ]
     one = train(over + [f"run.dir={tmp_path / 'one'}"], timeout=120)
     assert one.returncode == 0, one.stderr[-2000:]
-    pp2 = train(over + ["parallel.pp=2", f"run.dir={tmp_path / 'pp2'}"], nproc=2, timeout=180)
+    # ranks started as srun does: the validation loss is the subject, not the launcher
+    pp2 = train(over + ["parallel.pp=2", f"run.dir={tmp_path / 'pp2'}"], nproc=2, timeout=180, launcher="env")
     assert pp2.returncode == 0, pp2.stderr[-3000:]
     ref, got = metrics(tmp_path / "one"), metrics(tmp_path / "pp2")
     assert (
