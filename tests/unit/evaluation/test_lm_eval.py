@@ -7,7 +7,6 @@ tests/distributed/evaluation/test_lm_eval_layouts.py."""
 from __future__ import annotations
 
 import dataclasses
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +18,7 @@ pytest.importorskip("lm_eval", reason="lm-eval is the optional extra .[eval] (ma
 from megaframe.checkpoint import sharded  # noqa: E402
 from megaframe.config import load_config  # noqa: E402
 from megaframe.parallel.mesh import single_process_mesh  # noqa: E402
+from tests.e2e.helpers import run  # noqa: E402
 from tests.forms import build_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -60,13 +60,7 @@ def run_dir(tmp_path_factory) -> Path:
     sharded.save(
         d / "ckpt", 3, model, WeightsOnly(), single_process_mesh(), {"config": dataclasses.asdict(cfg)}
     )
-    res = subprocess.run(
-        [sys.executable, "scripts/export_hf.py", str(d / "ckpt"), str(d / "hf")],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    res = run([sys.executable, "scripts/export_hf.py", str(d / "ckpt"), str(d / "hf")], timeout=300)
     assert res.returncode == 0, res.stderr
     return d
 
@@ -134,14 +128,7 @@ def test_rolling_and_generate_until(run_dir):
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "megaframe.evaluate", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
-    )
+    return run([sys.executable, "-m", "megaframe.evaluate", *args], timeout=300, HF_HUB_OFFLINE="1")
 
 
 def test_evaluate_cli_runs_tasks_and_refuses_bad_input(run_dir):
@@ -163,7 +150,7 @@ def test_evaluate_cli_runs_tasks_and_refuses_bad_input(run_dir):
 
 def test_lm_evals_own_command_line_runs_the_megaframe_model(run_dir):
     """lm-eval's CLI (through megaframe's entry point, which registers the model) on a step folder."""
-    res = subprocess.run(
+    res = run(
         [
             sys.executable,
             "-m",
@@ -179,11 +166,8 @@ def test_lm_evals_own_command_line_runs_the_megaframe_model(run_dir):
             "--include_path",
             TASKS,
         ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
         timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
+        HF_HUB_OFFLINE="1",
     )
     assert res.returncode == 0, res.stderr[-2000:]
     assert TASK in res.stdout and "acc" in res.stdout

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from megaframe.parallel.local import spawn_local
+from tests.e2e.helpers import run
 
 ROOT = Path(__file__).resolve().parents[3]
 PLAN = [sys.executable, "-m", "megaframe.plan", "data=synthetic", "+world_size=2"]
@@ -26,18 +27,13 @@ def one_line(res, code: int, *words: str) -> None:
 
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="no /dev/full on this system")
 def test_a_plan_json_that_cannot_be_written_is_one_line():
-    res = subprocess.run(
-        PLAN + ["+plan_json=/dev/full"], cwd=ROOT, capture_output=True, text=True, timeout=300
-    )
+    res = run(PLAN + ["+plan_json=/dev/full"], timeout=300)
     one_line(res, 1, "+plan_json=/dev/full", "No space left")  # a full disk: exit 1, as every tool
 
 
 def test_a_link_measurement_without_answer_in_time_is_one_line():
-    res = subprocess.run(
+    res = run(
         PLAN + ["+search=true", "+device=cpu", "+link_timeout_s=0.01"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
         timeout=300,
     )
     one_line(res, 2, "+device=cpu", "link_timeout_s")
@@ -59,11 +55,8 @@ def test_a_sequence_far_beyond_any_preset_is_planned_in_bounded_time():
     """The fused cross-entropy is sized with one chunk on the meta device: seq_length 1e9 was a Python loop
     of a million chunks that printed nothing and never returned; now it is the usual plan (it does not
     fit)."""
-    res = subprocess.run(
+    res = run(
         PLAN[:-1] + ["model.seq_length=1000000000", "+world_size=1", "+device_memory_gb=80"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
         timeout=180,
     )
     assert res.returncode == 0, res.stderr[-2000:]
@@ -85,11 +78,8 @@ def test_a_layer_count_it_cannot_plan_in_about_a_minute_is_refused_at_once():
     """5000 layers on one pipeline rank took 147 s (each is built and run on the meta device): refused in
     seconds, naming the field and the ways out."""
     t0 = time.monotonic()
-    res = subprocess.run(
+    res = run(
         PLAN[:-1] + ["model.num_layers=5000", "+world_size=1"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
         timeout=300,
     )
     one_line(res, 2, "model.num_layers=5000", "parallel.pp")
