@@ -11,7 +11,9 @@ Ranks are still separate processes talking gloo.
 
 Two callers: tests/e2e/helpers.py (run / train) and `python` itself for the docs' shell commands: shim()
 writes an executable `python` that forwards an eligible command here and execs the real interpreter for
-anything else (`-c`, `-m pip`, flags).
+anything else (`-c`, `-m pip`, flags). A forked command's own `sys.executable` is the server's shim, so what
+it starts with `[sys.executable, SCRIPT.py, ...]` (scripts/compare_rules.py's two runs, the benchmarks
+scripts/gpu_check.py runs) is forked too, and the rest runs on the real interpreter as before.
 
 What a fork cannot give, so the tests whose subject it is start real processes (`fresh=True` in
 helpers.run / helpers.train, or their own subprocess): the interpreter's own start (imports timed, a
@@ -54,18 +56,27 @@ PRELOAD = (
 # fork that compiles imports it after its environment is set), and an in-process compile sets
 # TORCHINDUCTOR_CACHE_DIR in a pytest worker's environment
 READ_AT_START = ("OMP_", "MKL_", "KMP_", "TORCH_", "PYTHON", "CUDA", "LD_", "MALLOC")
+# ...except these: read when a process group is made, not at import (torchrun's agent sets
+# TORCH_NCCL_ASYNC_ERROR_HANDLING for its workers)
+READ_LATER = ("TORCH_NCCL_",)
 
 
 def eligible(args: list[str]) -> bool:
-    """`SCRIPT.py ...` or `-m megaframe.X ...` (the interpreter's arguments, without the interpreter)."""
+    """`[-u] SCRIPT.py ...`, `[-u] -m megaframe.X ...` or `-m torch.distributed.run ...` (the interpreter's
+    arguments, without the interpreter): torchrun's agent forked too starts its workers (`-u train.py`) with
+    the fork's sys.executable, the server's shim, so they are forks as well."""
+    args = args[1:] if args[:1] == ["-u"] else args
     if not args:
         return False
-    return args[0].endswith(".py") or (args[0] == "-m" and len(args) > 1 and args[1].startswith("megaframe"))
+    module = args[1] if args[0] == "-m" and len(args) > 1 else ""
+    return args[0].endswith(".py") or module.startswith("megaframe") or module == "torch.distributed.run"
 
 
 def start_signature(env: dict) -> tuple:
     """What of `env` is read at start: two environments with the same signature can share a server."""
-    return tuple(sorted((k, v) for k, v in env.items() if k.startswith(READ_AT_START)))
+    return tuple(
+        sorted((k, v) for k, v in env.items() if k.startswith(READ_AT_START) and not k.startswith(READ_LATER))
+    )
 
 
 def same_start(env: dict, server_env: dict) -> bool:
@@ -101,6 +112,7 @@ def _stdio(unbuffered: bool) -> None:
 def _run(argv: list[str]) -> None:
     import runpy
 
+    argv = argv[1:] if argv[0] == "-u" else argv
     if argv[0] == "-m":
         sys.argv = [argv[1], *argv[2:]]
         sys.path[0] = os.getcwd()
@@ -111,8 +123,9 @@ def _run(argv: list[str]) -> None:
         runpy.run_path(argv[0], run_name="__main__")
 
 
-def _child(req: dict, fds: list[int]) -> None:
-    """In the fork: become the command, run it, end as the interpreter would (threads joined, atexit)."""
+def _child(req: dict, fds: list[int], executable: str) -> None:
+    """In the fork: become the command, run it, end as the interpreter would (threads joined, atexit);
+    `executable` is what it sees as sys.executable."""
     code = 1
     try:
         # its own process group (a timeout kills the command and whatever it started); the server sets it
@@ -126,7 +139,8 @@ def _child(req: dict, fds: list[int]) -> None:
         os.chdir(req["cwd"])
         os.environ.clear()
         os.environ.update(req["env"])
-        _stdio(bool(req["env"].get("PYTHONUNBUFFERED")))
+        _stdio(bool(req["env"].get("PYTHONUNBUFFERED")) or req["argv"][0] == "-u")
+        sys.executable = executable
         try:
             _run(req["argv"])
             code = 0
@@ -163,45 +177,58 @@ def serve(path: str) -> None:
     from megaframe.config import load_config
 
     load_config(["data=synthetic"])
+    # the forks' sys.executable: their own python commands come back here (or run on the real interpreter)
+    executable = os.path.join(shim(os.path.dirname(os.path.abspath(path)), path, sys.executable), "python")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(path)
     listener.listen(64)
     start_env = dict(os.environ)
     print("ready", flush=True)
     children: dict[int, socket.socket] = {}
+    # commands whose caller went away (a shim killed by SIGKILL, as torchrun's agent ends a worker that
+    # ignores SIGTERM): killed with it, as the real process would have been, then reaped
+    orphaned: set[int] = set()
     open_ = True
     while open_ or children:
-        ready, _, _ = select.select([listener, 0] if open_ else [], [], [], 0.02)
+        # a caller never writes after its request: its connection turning readable is its end
+        watched = [c for pid, c in children.items() if pid not in orphaned]
+        ready, _, _ = select.select([listener, 0] * open_ + watched, [], [], 0.02)
         if 0 in ready:
             open_ = bool(os.read(0, 4096))
         if listener in ready:
-            conn, _ = listener.accept()
-            msg, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
-            req = json.loads(msg)
-            if not same_start(req["env"], start_env):
-                conn.send(json.dumps({"pid": None}).encode())  # the caller starts it fresh
-                conn.close()
-                for fd in fds:
-                    os.close(fd)
-                continue
-            pid = os.fork()
-            if pid == 0:
-                listener.close()
-                for c in (*children.values(), conn):
-                    c.close()
-                _child(req, fds)
-            try:
-                os.setpgid(pid, pid)
-            except OSError:  # it has set it itself, or already ended
-                pass
-            for fd in fds:
-                os.close(fd)
-            conn.send(json.dumps({"pid": pid}).encode())
-            children[pid] = conn
-        _reap(children)
-        if not open_:
-            for pid in children:
+            _start(listener, start_env, children, executable)
+        for pid, conn in list(children.items()):
+            if conn in ready or not open_:
+                orphaned.add(pid)
                 kill_group(pid)
+        _reap(children)
+
+
+def _start(listener: socket.socket, start_env: dict, children: dict, executable: str) -> None:
+    """Take one request: fork its command (into `children`) or refuse it (the caller starts it fresh)."""
+    conn, _ = listener.accept()
+    msg, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+    req = json.loads(msg)
+    if not same_start(req["env"], start_env):
+        conn.send(json.dumps({"pid": None}).encode())
+        conn.close()
+        for fd in fds:
+            os.close(fd)
+        return
+    pid = os.fork()
+    if pid == 0:
+        listener.close()
+        for c in (*children.values(), conn):
+            c.close()
+        _child(req, fds, executable)
+    try:
+        os.setpgid(pid, pid)
+    except OSError:  # it has set it itself, or already ended
+        pass
+    for fd in fds:
+        os.close(fd)
+    conn.send(json.dumps({"pid": pid}).encode())
+    children[pid] = conn
 
 
 def _reap(children: dict[int, socket.socket]) -> None:

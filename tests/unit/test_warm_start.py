@@ -95,3 +95,20 @@ def test_a_worker_whose_own_environment_moved_still_forks(server, tmp_path, monk
     assert other not in (None, server)
     cmd, out, _ = _fork(other, tmp_path, "0")
     assert cmd.pid is not None and cmd.wait(timeout=60) == 0
+
+
+def test_what_a_forked_command_starts_with_its_own_python_is_forked_too(server, tmp_path):
+    """scripts/compare_rules.py runs train.py twice with sys.executable: from a fork, those are forks of the
+    server (torch already imported at their first line), and `-c` still runs on the real interpreter."""
+    (tmp_path / "inner.py").write_text("import sys\nprint('warm' if 'torch' in sys.modules else 'fresh')\n")
+    (tmp_path / "outer.py").write_text(
+        "import subprocess, sys\n"
+        "subprocess.run([sys.executable, 'inner.py'], check=True)\n"
+        "subprocess.run([sys.executable, '-c', 'import sys; print(\"torch\" in sys.modules)'], check=True)\n"
+    )
+    out = tmp_path / "out"
+    with open(os.devnull) as null, open(out, "w") as o:
+        fds = (null.fileno(), o.fileno(), o.fileno())
+        cmd = warm_start.Command(["outer.py"], helpers.env(), str(tmp_path), fds, server)
+    assert cmd.wait(timeout=60) == 0
+    assert out.read_text().split() == ["warm", "False"]
