@@ -59,7 +59,9 @@ class Device:
     peak_bf16: float
     """Dense bf16 FLOP/s per device."""
     peak_fp32: float
-    """fp32 FLOP/s per device (TF32 tensor cores on GPUs, as PyTorch uses for fp32 matmuls when allowed)."""
+    """fp32 FLOP/s per device: TF32 tensor cores on GPUs, as PyTorch runs fp32 matmuls when allowed, which
+    megaframe does not allow (peak("tf32")); an fp32 run's GEMMs are timed at peak_fp32_cores, this where
+    that is not known (the cpu's measured rate, B200)."""
     memory_gb: float
     intra_bw: float
     """Bytes/s per direction between devices of one node (NVLink)."""
@@ -98,8 +100,10 @@ class Device:
     published comparison and the plan's `reserved` line add this."""
 
     def peak(self, precision: str) -> float:
-        """Dense FLOP/s at a precision; "fp32_cores": a float32 matmul without TF32 (peak_fp32_cores)."""
-        if precision == "fp32_cores":
+        """Dense FLOP/s at a precision. "fp32" (and "fp32_cores") is a float32 matmul as megaframe runs it,
+        without TF32 (torch's default "highest" float32 matmul precision, which megaframe never lowers):
+        peak_fp32_cores where known; "tf32" is the TF32 tensor cores' peak_fp32."""
+        if precision in ("fp32", "fp32_cores"):
             return self.peak_fp32_cores or self.peak_fp32
         if precision == "fp8":
             return self.peak_fp8 or self.peak_bf16

@@ -1,5 +1,6 @@
 """The step-time model's MoE terms (planning.steptime.moe, compute, launches) held to hand counts of what the
-trainer's model/moe/ code does per layer and micro-batch."""
+trainer's model/moe/ code does per layer and micro-batch, and where a float32 GEMM runs (the MoE router's,
+and every GEMM of an fp32 run): on the CUDA cores, megaframe never allowing TF32."""
 
 from __future__ import annotations
 
@@ -104,6 +105,20 @@ def test_the_router_gemm_runs_in_fp32_on_the_cuda_cores():
     # forward, input grad and weight grad of the [T, D] x [D, E] router GEMM
     assert one[0] > one[1]
     assert gemm[0] - gemm[1] == pytest.approx(compute.PASSES * (one[0] - one[1]))
+
+
+def test_an_fp32_runs_gemms_and_mfu_are_timed_on_the_cuda_cores():
+    """train.precision=fp32 on a GPU: its GEMMs run at torch's "highest" float32 precision (no TF32), ~15x
+    below the bf16 peak on an H100; they were timed at the TF32 peak (half the bf16 one)."""
+    h100 = DEVICES["H100"]
+    assert h100.peak("fp32") == h100.peak("fp32_cores") == 67e12 and h100.peak("tf32") == h100.peak_fp32
+    gemm = {}
+    for prec in ("fp32", "bf16"):
+        args = ["data=synthetic", "model=llama3_8b", "model.num_layers=1", f"train.precision={prec}"]
+        c = load_config(args, world_size=1, check_data=False)
+        gemm[prec] = compute.block_seconds(c, h100, 1, 1, c.train.micro_batch_size, False)["gemm"]
+    # 8B's GEMMs are compute-bound: the ratio is the peaks' (the bytes move it a little)
+    assert gemm["fp32"] / gemm["bf16"] == pytest.approx(h100.peak_bf16 / 67e12, rel=0.05)
 
 
 @pytest.mark.parametrize("ep", [8, 16])
