@@ -17,9 +17,9 @@ scripts/gpu_check.py runs) is forked too, and the rest runs on the real interpre
 
 What a fork cannot give, so the tests whose subject it is start real processes (`fresh=True` in
 helpers.run / helpers.train, or their own subprocess): the interpreter's own start (imports timed, a
-signal during start-up), srun's agent (the Slurm tests run real jobs), a worker's parent being its
-torchrun agent (a fork's parent is the server; torchrun's own tests whose subject that is start fresh), and a
-hash seed per process (every fork shares the server's). The environment torch and the interpreter read at start is the server's: a command that
+signal during start-up), srun's agent (the Slurm tests run real jobs), a worker whose parent is its
+torchrun agent (a fork's parent is the server), and a hash seed per process (every fork shares the
+server's). The environment torch and the interpreter read at start is the server's: a command that
 changes one (`READ_AT_START`) starts fresh. megaframe reads its variables when called, not at import.
 MEGAFRAME_TEST_FORK=0 turns the server off.
 
@@ -333,7 +333,9 @@ def shim_main(path: str, real: str) -> None:
         signal.signal(sig, lambda s, _: os.killpg(cmd.pid, s))
     rc = cmd.wait()
     if rc < 0:
-        signal.signal(-rc, signal.SIG_DFL)
+        # end by the command's signal (SIGKILL's handler cannot be set, nor needs resetting)
+        if -rc not in (signal.SIGKILL, signal.SIGSTOP):
+            signal.signal(-rc, signal.SIG_DFL)
         os.kill(os.getpid(), -rc)
     sys.exit(rc)
 

@@ -112,3 +112,15 @@ def test_what_a_forked_command_starts_with_its_own_python_is_forked_too(server, 
         cmd = warm_start.Command(["outer.py"], helpers.env(), str(tmp_path), fds, server)
     assert cmd.wait(timeout=60) == 0
     assert out.read_text().split() == ["warm", "False"]
+
+
+def test_the_shim_of_a_command_killed_by_sigkill_ends_by_sigkill(server, tmp_path):
+    """torchrun's agent reads a worker killed by SIGKILL from the shim's own end (it exited 1 instead)."""
+    (tmp_path / "sleeper.py").write_text("import os, time\nprint(os.getpid(), flush=True)\ntime.sleep(600)\n")
+    folder = warm_start.shim(str(tmp_path), server, sys.executable)
+    shim = os.path.join(folder, "python")
+    proc = subprocess.Popen([shim, "sleeper.py"], cwd=tmp_path, env=helpers.env(), stdout=subprocess.PIPE)
+    fork = int(proc.stdout.readline())
+    assert fork != proc.pid  # the command runs in the server's fork, the shim waits for it
+    os.kill(fork, signal.SIGKILL)
+    assert proc.wait(timeout=60) == -signal.SIGKILL
