@@ -116,7 +116,14 @@ def test_out_of_memory_while_loading_stops_on_that_checkpoint(tmp_path):
     ck = tmp_path / "checkpoints"
     before = sorted(p.name for p in ck.iterdir()), (ck / "latest").read_text()
     lines = (tmp_path / "metrics.jsonl").read_text()
-    bad = train(over + ["train.max_steps=9"], nproc=2, timeout=180, MEGAFRAME_INJECT="loadoom:rank=1:step=6")
+    # ranks started as srun does (no torchrun agent): the resume's load is the subject, not the launcher
+    bad = train(
+        over + ["train.max_steps=9"],
+        nproc=2,
+        timeout=180,
+        launcher="env",
+        MEGAFRAME_INJECT="loadoom:rank=1:step=6",
+    )
     assert bad.returncode == 1, bad.stderr[-2000:]
     errors = [x for x in bad.stderr.splitlines() if x.startswith("megaframe: error:")]
     assert errors and all(
