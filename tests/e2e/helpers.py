@@ -115,6 +115,7 @@ def _server_for(args: list[str], gpu: bool, extra_env: dict) -> str | None:
 
 _servers: dict[tuple, str | None] = {}  # start signature -> the socket of its server (None: did not come up)
 _held: list[subprocess.Popen] = []  # the servers: their stdin closing (this worker ending) ends them
+_OWNER = os.getpid()
 
 
 @atexit.register
@@ -122,6 +123,8 @@ def _end_servers() -> None:
     """Each server ended and waited for as this worker exits: its CPU and its forks' then count among this
     process's children (what `/usr/bin/time pytest` reports; before, the servers outlived their worker and
     a measure of an e2e module missed every forked command)."""
+    if os.getpid() != _OWNER:  # a fork of this worker inherits the hook, not the servers
+        return
     for proc in _held:
         proc.stdin.close()
     for proc in _held:
