@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import random
@@ -42,16 +43,27 @@ def env(gpu: bool = False, **extra) -> dict:
 
 
 def run(
-    args: list[str], timeout: float = 300, gpu: bool = False, fresh: bool = False, **extra_env
+    args: list[str],
+    timeout: float = 300,
+    gpu: bool = False,
+    fresh: bool = False,
+    cwd: Path = ROOT,
+    **extra_env,
 ) -> subprocess.CompletedProcess:
-    """`args` in the checkout with env(); `python train.py ...` and `python -m megaframe.X ...` as a fork of
-    the warm server (tests/e2e/warm_start.py) unless `fresh`: a test whose subject is the start of the
-    interpreter (its imports, a signal during start-up) asks for a fresh one."""
-    if not fresh and (proc := _start_warm(args, gpu, extra_env)) is not None:
+    """`args` in `cwd` (the checkout) with env(); `python train.py ...` and `python -m megaframe.X ...` as a
+    fork of the warm server (tests/e2e/warm_start.py) unless `fresh`: a test whose subject is the start of
+    the interpreter (its imports, a signal during start-up) asks for a fresh one."""
+    if not fresh and (proc := _start_warm(args, gpu, extra_env, cwd)) is not None:
         return _finish([proc], args, timeout, grace=None)
     return subprocess.run(
-        args, cwd=ROOT, env=env(gpu, **extra_env), capture_output=True, text=True, timeout=timeout
+        args, cwd=cwd, env=env(gpu, **extra_env), capture_output=True, text=True, timeout=timeout
     )
+
+
+def start(args: list[str], cwd: Path = ROOT, **extra_env) -> "_Started":
+    """`args` started in the background as run() starts them, for a test that signals the running command:
+    pid, poll, send_signal, communicate. Its stdout and stderr go to one file, in order (stderr=STDOUT)."""
+    return _Started(args, Path(cwd), extra_env)
 
 
 def train(
@@ -82,22 +94,45 @@ def train(
     return run(cmd + overrides, timeout=timeout, gpu=gpu, fresh=fresh, **extra_env)
 
 
-def _start_warm(args: list[str], gpu: bool, extra_env: dict):
+def _start_warm(args: list[str], gpu: bool, extra_env: dict, cwd: Path = ROOT):
     """`args` as a fork of the warm server, or None where it cannot stand for a fresh interpreter (a
     command that sets what the interpreter reads at start: warm_start.READ_AT_START)."""
+    server = _server_for(args, gpu, extra_env)
+    if server is None:
+        return None
+    proc = _Forked(args[1:], env(gpu, **extra_env), server, cwd)
+    return proc if proc.cmd.pid is not None else None
+
+
+def _server_for(args: list[str], gpu: bool, extra_env: dict) -> str | None:
+    """The warm server that may start `args`, or None."""
     if gpu or args[:1] != [sys.executable] or not warm_start.eligible(args[1:]):
         return None
     if any(k.startswith(warm_start.READ_AT_START) for k in extra_env):
         return None
-    server = warm_server()
-    if server is None:
-        return None
-    proc = _Forked(args[1:], env(gpu, **extra_env), server)
-    return proc if proc.cmd.pid is not None else None
+    return warm_server()
 
 
 _servers: dict[tuple, str | None] = {}  # start signature -> the socket of its server (None: did not come up)
 _held: list[subprocess.Popen] = []  # the servers: their stdin closing (this worker ending) ends them
+_OWNER = os.getpid()
+
+
+@atexit.register
+def _end_servers() -> None:
+    """Each server ended and waited for as this worker exits: its CPU and its forks' then count among this
+    process's children (what `/usr/bin/time pytest` reports; before, the servers outlived their worker and
+    a measure of an e2e module missed every forked command)."""
+    if os.getpid() != _OWNER:  # a fork of this worker inherits the hook, not the servers
+        return
+    for proc in _held:
+        proc.stdin.close()
+    for proc in _held:
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def warm_server() -> str | None:
@@ -140,16 +175,55 @@ class _Output:
 
 
 class _Forked(_Output):
-    def __init__(self, argv: list[str], e: dict, server: str):
+    def __init__(self, argv: list[str], e: dict, server: str, cwd: Path = ROOT):
         super().__init__()
         with open(os.devnull) as null:
             fds = (null.fileno(), self.files[0].fileno(), self.files[1].fileno())
-            self.cmd = warm_start.Command(argv, e, str(ROOT), fds, server)
+            self.cmd = warm_start.Command(argv, e, str(cwd), fds, server)
         self.poll, self.kill, self.wait = self.cmd.poll, self.cmd.kill, self.cmd.wait
 
     @property
     def returncode(self):
         return self.cmd.returncode
+
+
+class _Started:
+    """A background command (start()): a fork of the warm server where one may stand for it, else a fresh
+    interpreter; either way the face of a subprocess.Popen with stderr=STDOUT."""
+
+    def __init__(self, args: list[str], cwd: Path, extra_env: dict):
+        self.file = tempfile.TemporaryFile()
+        e, server, self.cmd = env(**extra_env), _server_for(args, False, extra_env), None
+        if server is not None:
+            with open(os.devnull) as null:
+                fds = (null.fileno(), self.file.fileno(), self.file.fileno())
+                self.cmd = warm_start.Command(args[1:], e, str(cwd), fds, server)
+        if self.cmd is None or self.cmd.pid is None:
+            self.cmd = subprocess.Popen(args, cwd=cwd, env=e, stdout=self.file, stderr=subprocess.STDOUT)
+        self.pid, self.poll = self.cmd.pid, self.cmd.poll
+
+    @property
+    def returncode(self):
+        return self.cmd.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def output(self) -> str:
+        """What it printed so far (pread: the command writes at the file's shared offset, left alone)."""
+        fd = self.file.fileno()
+        return os.pread(fd, os.fstat(fd).st_size, 0).decode(errors="replace")
+
+    def communicate(self, timeout: float) -> tuple[str, None]:
+        """Its output once it ended; past `timeout` it is killed and TimeoutExpired raised."""
+        try:
+            self.cmd.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.cmd.kill()
+            self.cmd.wait()
+            raise
+        return self.output(), None
 
 
 def _free_port() -> int:

@@ -102,6 +102,7 @@ def test_pp2_header_counts_the_whole_model_and_ranks_print_no_warning(first, tmp
         SMALL + ["train.max_steps=1", "model.num_layers=2", "parallel.pp=2", f"run.dir={tmp_path / 'b'}"],
         nproc=2,
         timeout=180,
+        launcher="env",  # ranks started as srun does: the header and the ranks' warnings are the subject
     )
     assert two.returncode == 0, two.stderr[-2000:]
     one2 = train(

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.e2e import helpers
 from tests.e2e.helpers import ROOT, TINY, env
 
 pytestmark = pytest.mark.e2e
@@ -35,6 +36,12 @@ def tmpfs(where: Path, size: str, fill: int = 0):
 
 
 def run(args: list[str], fsize: int | None = None) -> subprocess.CompletedProcess:
+    """`python ARGS` as a fork of the warm interpreter (helpers.run): the tools' writes are the subject, not
+    the interpreter's start. Under a file-size limit a fresh interpreter: the limit is set in the child
+    before it starts, which a fork of the server cannot get."""
+    if fsize is None:
+        return helpers.run([sys.executable, *args], timeout=300)
+
     def limit():  # in the child only
         resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
 
@@ -45,7 +52,7 @@ def run(args: list[str], fsize: int | None = None) -> subprocess.CompletedProces
         capture_output=True,
         text=True,
         timeout=300,
-        preexec_fn=limit if fsize else None,
+        preexec_fn=limit,
     )
 
 

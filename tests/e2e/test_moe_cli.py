@@ -13,7 +13,8 @@ MOE = [
     "data=synthetic",
     *TINY,
     "model.moe_ffn_hidden_size=64",
-    "train.max_steps=6",
+    # 3 steps: routing, aux losses and expert grads of steps 2-3 follow the ep4 optimizer's updates
+    "train.max_steps=3",
     "train.log_interval=1",
 ]
 
@@ -26,7 +27,7 @@ def test_torchrun_ep4_matches_one_process_and_loads(tmp_path):
     four = train(MOE + ["parallel.ep=4", f"run.dir={tmp_path / 'ep4'}"], nproc=4)
     assert four.returncode == 0, four.stderr[-3000:]
     ref, got = metrics(tmp_path / "one"), metrics(tmp_path / "ep4")
-    assert [r["step"] for r in got] == list(range(1, 7))
+    assert [r["step"] for r in got] == list(range(1, 4))
     for a, b in zip(got, ref):
         assert abs(a["loss"] - b["loss"]) / b["loss"] <= 1e-4, (a["loss"], b["loss"])
         assert abs(a["aux_loss"] - b["aux_loss"]) / b["aux_loss"] <= 1e-4, (a["aux_loss"], b["aux_loss"])

@@ -6,7 +6,6 @@ import hashlib
 import json
 import shutil
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -15,7 +14,7 @@ import numpy as np
 import pytest
 
 from megaframe.checkpoint import sharded
-from tests.e2e.helpers import ROOT, TINY, env, metrics, run, train
+from tests.e2e.helpers import TINY, metrics, run, start, train
 
 pytestmark = pytest.mark.e2e
 
@@ -80,18 +79,11 @@ def test_rollback_with_keep_last_keeps_the_new_branch_and_auto_continues_it(tmp_
 
 def test_second_run_on_a_busy_run_dir_exits_2_and_touches_nothing(tmp_path):
     over = SYN + ["train.max_steps=100000", "checkpoint.interval=2", f"run.dir={tmp_path}"]
-    first = subprocess.Popen(
-        [sys.executable, "train.py", *over],
-        cwd=ROOT,
-        env=env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    first = start([sys.executable, "train.py", *over])
     try:
         t0 = time.time()
         while not (tmp_path / "checkpoints" / "latest").is_file():
-            assert first.poll() is None and time.time() - t0 < 120, first.stdout.read()
+            assert first.poll() is None and time.time() - t0 < 120, first.output()
             time.sleep(0.1)
         first.send_signal(signal.SIGSTOP)  # frozen: its files must stay exactly as they are now
         before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}

@@ -10,13 +10,12 @@ tests/e2e/test_train_cli.py::test_torchrun_refuses_tp_that_does_not_divide_world
 import re
 import shlex
 import signal
-import subprocess
 import sys
 import time
 
 import pytest
 
-from tests.e2e.helpers import ROOT, TINY, env, metrics, run
+from tests.e2e.helpers import ROOT, TINY, metrics, run, start
 
 pytestmark = pytest.mark.e2e
 
@@ -34,18 +33,15 @@ def test_ctrl_c_prints_the_command_that_continues_the_run(tmp_path):
     checkpoints and the stop line, whose command continues that folder's run and its wandb run. Before: three
     timestamps, and the printed command trained from step 1 in a third folder (and a second wandb id)."""
     train_py = str(ROOT / "train.py")
-    wandb_env = env(WANDB_MODE="offline", WANDB_SILENT="true")
-    proc = subprocess.Popen(
+    wandb_env = dict(WANDB_MODE="offline", WANDB_SILENT="true")
+    proc = start(
         [sys.executable, train_py, *SYN, "logging.wandb.mode=offline", "train.max_steps=100000"],
         cwd=tmp_path,
-        env=wandb_env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+        **wandb_env,
     )
     t0 = time.time()
     while not list(tmp_path.glob("outputs/*/config.yaml")) or time.time() - t0 < 1:
-        assert proc.poll() is None and time.time() - t0 < 120, proc.stdout.read()
+        assert proc.poll() is None and time.time() - t0 < 120, proc.output()
         time.sleep(0.2)
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=60)
@@ -67,14 +63,7 @@ def test_ctrl_c_prints_the_command_that_continues_the_run(tmp_path):
     assert out.index(f"checkpoint: outputs/{name}/checkpoints/step_{step:08d}") < out.index("run summary:")
 
     # the printed command continues the run (two more steps); the lr horizon is the first start's 100000
-    res = subprocess.run(
-        [sys.executable, train_py, *cmd, f"train.max_steps={step + 2}"],
-        cwd=tmp_path,
-        env=wandb_env,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+    res = run([sys.executable, train_py, *cmd, f"train.max_steps={step + 2}"], 180, cwd=tmp_path, **wandb_env)
     assert res.returncode == 0, res.stderr[-2000:]
     assert f"resumed from outputs/{name}/checkpoints/step_{step:08d}" in res.stdout + res.stderr
     # F9: before, a run ending before its recorded decay horizon said nothing

@@ -74,6 +74,7 @@ def test_torchrun_zero3_logs_sharded_memory_and_resumes(tmp_path):
             f"checkpoint.resume={tmp_path / 'full' / 'checkpoints' / 'step_00000002'}",
         ],
         nproc=2,
+        launcher="env",  # ranks started as srun does: the resume is the subject (torchrun: the run above)
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     got = {r["step"]: r["loss"] for r in metrics(tmp_path / "res")}
