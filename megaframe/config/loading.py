@@ -59,7 +59,11 @@ def _register() -> None:
     from hydra.core.config_store import ConfigStore
     from omegaconf import OmegaConf
 
-    ConfigStore.instance().store(name="megaframe_schema", node=Config)
+    store = ConfigStore.instance()
+    # once per process: structuring the schema is ~40 ms of CPU, a quarter of a load, and every load (each
+    # rank of each job of a tool or test) stored the same node again; Hydra deep-copies it on each read
+    if "megaframe_schema.yaml" not in store.repo:
+        store.store(name="megaframe_schema", node=Config)
     if not OmegaConf.has_resolver("mf_root"):
         OmegaConf.register_new_resolver("mf_root", lambda: str(ROOT))
     if not OmegaConf.has_resolver("mf_run_name"):

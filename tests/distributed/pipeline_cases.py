@@ -6,7 +6,7 @@ import torch
 
 from megaframe.parallel import comm
 from megaframe.pipeline import p2p
-from tests.distributed.cases import tiny_config, train_and_report
+from tests.distributed.cases import job_config, train_and_report
 from tests.forms import build_data, build_model, microbatches
 
 
@@ -20,7 +20,7 @@ def val_loss(mesh, overrides: list[str]) -> float | None:
     model, as the mean token loss; rank 0 returns it."""
     from megaframe.training.validation import loss_sum
 
-    cfg = tiny_config(overrides, mesh.world)
+    cfg = job_config(mesh, overrides)
     model, data, t = build_model(cfg, mesh), build_data(cfg), cfg.train
     model.eval()
     batches = microbatches(

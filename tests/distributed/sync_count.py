@@ -137,9 +137,10 @@ def syncs_per_step(mesh, overrides: list[str], steps: int, run_dir: str) -> dict
     any rank and the world collectives, with where they happened."""
     from megaframe.runops.signals import StopFlag
     from megaframe.training import trainer
-    from tests.distributed.cases import tiny_config
+    from tests.distributed.cases import job_config
 
-    cfg = tiny_config(
+    cfg = job_config(
+        mesh,
         overrides
         + [
             f"train.max_steps={steps}",
@@ -148,7 +149,6 @@ def syncs_per_step(mesh, overrides: list[str], steps: int, run_dir: str) -> dict
             f"run.dir={run_dir}",
             f"checkpoint.dir={run_dir}/checkpoints",
         ],
-        mesh.world,
     )
     counter = SyncCounter(mesh)
     real_step, real_bad = trainer.optimizer_step, trainer.BadSteps

@@ -10,12 +10,12 @@ from megaframe.checkpoint import sharded
 from megaframe.optim.build import build_optimizer
 from megaframe.parallel import comm
 from megaframe.training.metrics import memory_figures
-from tests.distributed.cases import full_state, tiny_config
+from tests.distributed.cases import full_state, job_config
 from tests.forms import build_data, build_model, microbatches, train_step
 
 
 def _setup(mesh, overrides: list[str], steps: int):
-    cfg = tiny_config(overrides + [f"train.max_steps={steps}"], mesh.world)
+    cfg = job_config(mesh, overrides + [f"train.max_steps={steps}"])
     model = build_model(cfg, mesh)
     return cfg, model, build_optimizer(model, cfg.optim, mesh), build_data(cfg)
 

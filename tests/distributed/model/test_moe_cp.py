@@ -1,8 +1,8 @@
 """MoE under context parallelism trains like one process: each cp rank routes the tokens it holds, the
 router losses and capacity see the whole micro-batch (counts gathered over cp), and ep borrows its ranks
-from cp·dp (expert grads over edp, dense ones over cp·dp). Losses (6 steps), step-1 grads and the final
-weights against one process, and the logged router figures (aux/z loss, per-expert loads) of the last step,
-for cp_comm allgather and ring."""
+from cp·dp (expert grads over edp, dense ones over cp·dp). Losses (test_context_parallel's STEPS), step-1
+grads and the final weights against one process, and the logged router figures (aux/z loss, per-expert
+loads) of the last step, for cp_comm allgather and ring."""
 
 import pytest
 
@@ -63,23 +63,25 @@ def test_moe_under_cp_matches_one_process(pool, name, cp, dp, ep, tp, extra):
 
 def test_cp_ep_checkpoint_resumes_in_one_process(pool, tmp_path):
     """Layout-free checkpoints with experts under cp: 2 steps at cp2·dp2·ep4 (ZeRO-1: expert moments
-    sharded over edp, dense ones over cp·dp; the expert bias buffer), saved, 2 more in one process give
-    the uninterrupted one-process losses and weights."""
+    sharded over edp, dense ones over cp·dp; the expert bias buffer), saved, one more in one process gives
+    the uninterrupted one-process losses and weights (its loss reads the loaded weights and bias, its update
+    the loaded moments)."""
     from tests.distributed.moe_cases import checkpoint_across_ep
+    from tests.distributed.zero_cases import run_steps
 
     over = MOE + ["optim.zero=1", "model.moe_expert_bias=true", "model.moe_bias_update_rate=0.01"]
-    whole = pool.run(checkpoint_across_ep, 1, over, str(tmp_path / "whole"), 4, 4)[0]
+    whole = pool.run(run_steps, 1, over, 3)[0]  # (nothing to save: the uninterrupted run)
     pool.run(
         checkpoint_across_ep,
         4,
         over + ["parallel.cp=2", "parallel.ep=4"],
         str(tmp_path / "ck"),
-        4,
+        3,
         2,
         cp=2,
         ep=4,
     )
-    resumed = pool.run(checkpoint_across_ep, 1, over, str(tmp_path / "ck"), 4, 2)[0]
+    resumed = pool.run(checkpoint_across_ep, 1, over, str(tmp_path / "ck"), 3, 2)[0]
     rel = [abs(a - b) / abs(b) for a, b in zip(resumed["losses"], whole["losses"][2:])]
     assert max(rel) <= 1e-5, (resumed["losses"], whole["losses"])
     assert_weights_close(resumed["weights"], whole["weights"])

@@ -18,10 +18,23 @@ BASE = [o for o in TINY if not o.startswith(("model.num_attention_heads", "model
 BASE = [o for o in BASE if not o.startswith(("model.hidden_size", "model.ffn_hidden_size"))]
 
 
+_reference: dict = {}
+
+
+def reference(pool, family: str, same: list[str]) -> dict:
+    """One process on the family's tiny preset under `same` (the options that change the model or data),
+    run once per module: the tp2.sp.pp2 test and the layouts of the same options share it."""
+    key = (family, *same)
+    if key not in _reference:
+        model = [f"model={FAMILIES[family].tiny}"]
+        _reference[key] = pool.run(train_and_report, 1, model + same, STEPS, None, False, BASE)[0]
+    return _reference[key]
+
+
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_tp2_sp_pp2_matches_one_process(pool, name):
     model = [f"model={FAMILIES[name].tiny}"]
-    ref = pool.run(train_and_report, 1, model, STEPS, None, False, BASE)[0]
+    ref = reference(pool, name, [])
     over = model + ["parallel.tp=2", "parallel.sp=true", "parallel.pp=2"]
     got = pool.run(train_and_report, 4, over, STEPS, None, False, BASE, tp=2, pp=2)[0]
     rel = [abs(a - b) / abs(b) for a, b in zip(got["losses"], ref["losses"])]
@@ -55,7 +68,6 @@ MOE_FAMILIES = [n for n, f in FAMILIES.items() if tiny_config([f"model={f.tiny}"
 OWN_BLOCK = [name for name, spec in FAMILIES.items() if spec.block is not FAMILIES["llama"].block]
 CASES = [(f, *c) for f in ["qwen3_moe", *OWN_BLOCK] if f in FAMILIES for c in LAYOUTS]
 CASES += [(f, *c) for f in MOE_FAMILIES for c in FOLDED_LAYOUTS]
-_reference: dict = {}
 
 
 @pytest.mark.parametrize("family,layout,n,kw,over", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
@@ -63,11 +75,7 @@ def test_layout_matches_one_process(pool, family, layout, n, kw, over):
     model = [f"model={FAMILIES[family].tiny}"]
     # the reference with the same options where an override changes the model or data (vpp2's four
     # layers, document masks)
-    same = [o for o in over if o.startswith(("model.", "data."))]
-    key = (family, *same)
-    if key not in _reference:
-        _reference[key] = pool.run(train_and_report, 1, model + same, STEPS, None, False, BASE)[0]
-    ref = _reference[key]
+    ref = reference(pool, family, [o for o in over if o.startswith(("model.", "data."))])
     got = pool.run(train_and_report, n, model + over, STEPS, None, False, BASE, **kw)[0]
     rel = [abs(a - b) / abs(b) for a, b in zip(got["losses"], ref["losses"])]
     print(f"{family} {layout}: max relative loss difference {max(rel):.2e}")

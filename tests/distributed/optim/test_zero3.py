@@ -53,6 +53,9 @@ def assert_quarter_share(got: dict, ref: dict, tied_pp: bool = False) -> None:
     assert len(share) == 4 and all(abs(x - 0.25) <= 0.01 for x in share), share
 
 
+# the resume tests save after step 2 of STEPS (3): the last step's loss reads the loaded weights, its update
+# the loaded state and the schedule's place
+RESUME_AT = 2
 G2 = FAMILIES["gpt2_tiny"]
 NO_RESHARD = "optim.reshard_after_forward=false"
 # (name, family, ranks, tp, pp, HSDP shard group size (0: dp), overrides)
@@ -140,13 +143,13 @@ def test_zero3_moe_ep2(pool):
 
 
 def test_checkpoint_loads_into_zero3(pool, tmp_path):
-    """The other way: zero=1 at dp2 for steps 1-3, then zero=3 at dp4 (pp2) for 4-6, losses continuing."""
+    """The other way: zero=1 at dp2 for steps 1-2, then zero=3 at dp4 (pp2) for the last (STEPS = 3),
+    losses continuing."""
     full = reference(pool, "gpt_tiny")
-    pool.run(run_steps, 2, ["optim.zero=1"], STEPS, None, str(tmp_path), 0, 3)
-    got = pool.run(
-        run_steps, 4, ["optim.zero=3", "parallel.pp=2"], STEPS, str(tmp_path / "step_00000003"), None, 3, pp=2
-    )[0]
-    assert max(rel_errors(got["losses"], full["losses"][3:])) <= 1e-5, (got["losses"], full["losses"])
+    pool.run(run_steps, 2, ["optim.zero=1"], STEPS, None, str(tmp_path), 0, RESUME_AT)
+    path = str(tmp_path / f"step_{RESUME_AT:08d}")
+    got = pool.run(run_steps, 4, ["optim.zero=3", "parallel.pp=2"], STEPS, path, None, RESUME_AT, pp=2)[0]
+    assert max(rel_errors(got["losses"], full["losses"][RESUME_AT:])) <= 1e-5, (got["losses"], full["losses"])
     assert_weights_close(got["weights"], full["weights"])
 
 
@@ -157,10 +160,11 @@ def test_checkpoint_loads_into_freed_zero3_blocks(pool, tmp_path, source):
     carry them: the losses continue, and a rank reads less than a load into gathered blocks, which reads every
     block whole."""
     full = reference(pool, "gpt_tiny")
-    pool.run(run_steps, 2, [f"optim.zero={source}"], STEPS, None, str(tmp_path), 0, 3)
-    path = str(tmp_path / "step_00000003")
-    got = pool.run(zero3_freed_load_steps, 2, ["optim.zero=3"], STEPS, path, 3)
-    assert max(rel_errors(got[0]["losses"], full["losses"][3:])) <= 1e-5, (got[0]["losses"], full["losses"])
+    pool.run(run_steps, 2, [f"optim.zero={source}"], STEPS, None, str(tmp_path), 0, RESUME_AT)
+    path = str(tmp_path / f"step_{RESUME_AT:08d}")
+    got = pool.run(zero3_freed_load_steps, 2, ["optim.zero=3"], STEPS, path, RESUME_AT)
+    losses = got[0]["losses"]
+    assert max(rel_errors(losses, full["losses"][RESUME_AT:])) <= 1e-5, (losses, full["losses"])
     whole = pool.run(load_and_report, 2, ["optim.zero=3"], path)
     print(
         f"\nzero={source} checkpoint into zero=3 dp2: bytes needed per rank, blocks freed "

@@ -40,9 +40,10 @@ def _train(mesh, overrides, run_dir, inject):
 
     from megaframe.runops.signals import StopFlag
     from megaframe.training import trainer
-    from tests.distributed.cases import tiny_config
+    from tests.distributed.cases import job_config
 
-    cfg = tiny_config(
+    cfg = job_config(
+        mesh,
         overrides
         + [
             f"train.max_steps={STEPS}",
@@ -52,7 +53,6 @@ def _train(mesh, overrides, run_dir, inject):
             f"run.dir={run_dir}",
             f"checkpoint.dir={run_dir}/checkpoints",
         ],
-        mesh.world,
     )
     opened, per_step = [0], []
     real_rf, real_step = torch.autograd.profiler.record_function, trainer.optimizer_step
