@@ -22,6 +22,10 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # the cores the other worker's ranks needed (measured: with 2 threads the pair ran slower than one
     # serial run). Set before anything imports torch; every process a test starts inherits it.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+# A process that compiles (train.compile=true) compiles in-process instead of starting inductor's pool of
+# compile workers (~10 s of CPU each time on 2 cores; the generated code is the same); every process a test
+# starts inherits it (the warm server's forks too: the compiler is imported after their environment is set)
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 _pool = None
 
