@@ -120,6 +120,8 @@ def test_the_suite_runs_its_commands_on_cpu_unless_a_test_asks_for_cuda(monkeypa
     seen = []
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: seen.append(k["env"]))
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    # every command through subprocess.run, where its environment is seen (a warm fork gets the same env())
+    monkeypatch.setenv("MEGAFRAME_TEST_FORK", "0")
     helpers.train(["train.max_steps=1"], nproc=2)
     helpers.train(["train.device=cuda"])
     assert seen[0]["CUDA_VISIBLE_DEVICES"] == "" and seen[1]["CUDA_VISIBLE_DEVICES"] == "3"

@@ -124,3 +124,11 @@ def test_the_shim_of_a_command_killed_by_sigkill_ends_by_sigkill(server, tmp_pat
     assert fork != proc.pid  # the command runs in the server's fork, the shim waits for it
     os.kill(fork, signal.SIGKILL)
     assert proc.wait(timeout=60) == -signal.SIGKILL
+
+
+def test_a_signal_to_the_shim_after_its_command_ended_keeps_the_commands_exit_code():
+    """torchrun's agent SIGTERMs every worker once one fails: a shim whose command had just ended (its code
+    not yet read) raised ProcessLookupError passing the signal on, and ended with 1 instead of the code."""
+    ended = subprocess.Popen(["true"], start_new_session=True)
+    ended.wait()
+    warm_start._forward(ended.pid, signal.SIGTERM)  # no group left: nothing to pass it to, no error
