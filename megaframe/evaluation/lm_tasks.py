@@ -54,20 +54,29 @@ def task_list(tasks) -> list[str]:
 def task_manager(names: list[str], include_path: str | None = None):
     """lm-eval's TaskManager that knows `names`. Indexing lm-eval's own ~14,000 task YAMLs takes 10 s to
     over a minute of CPU, per process and (uncached) per call: the training loop scores each task at each
-    due step. So a folder that holds every named task is indexed alone, and the built-in index is built
-    only for a name the folder lacks (a hub task), once per process."""
+    due step. So a folder that holds every named task is indexed alone, and for a name the folder lacks
+    (a hub task) only the built-in YAMLs that can define it (evaluation/task_subset.py), once per process."""
     if include_path:
-        local = _indexed(str(include_path), False)
+        local = _indexed(str(include_path))
         if all(n in local.all_tasks for n in names):
             return local
-    return _indexed(str(include_path) if include_path else None, True)
+    return _with_builtins(tuple(sorted(set(names))), str(include_path) if include_path else None)
 
 
 @functools.lru_cache(maxsize=8)
-def _indexed(include_path: str | None, defaults: bool):
+def _indexed(include_path: str):
     from lm_eval.tasks import TaskManager
 
-    return TaskManager(include_path=include_path, include_defaults=defaults)
+    return TaskManager(include_path=include_path, include_defaults=False)
+
+
+@functools.lru_cache(maxsize=8)
+def _with_builtins(names: tuple[str, ...], include_path: str | None):
+    import lm_eval.tasks
+
+    from megaframe.evaluation.task_subset import subset_manager
+
+    return subset_manager(list(names), Path(lm_eval.tasks.__file__).parent, include_path)
 
 
 def run_tasks(

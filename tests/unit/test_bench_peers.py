@@ -2,22 +2,17 @@
 runs its harness on CPU (--dry) and reports every peer."""
 
 import re
-import subprocess
 import sys
 
 import torch
 
 from megaframe.config import ROOT
+from tests.e2e.helpers import run
 
 
 def test_bench_gpu_dry_reports_megaframe_transformers_and_torchtitan():
-    res = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks/bench_gpu.py"), "--dry", "--fp8"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-    )
+    # a fork of the suite's warm interpreter (tests/e2e/warm_start.py): the subject is the harness's lines
+    res = run([sys.executable, str(ROOT / "benchmarks/bench_gpu.py"), "--dry", "--fp8"], 600)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     out = res.stdout
     assert "2 micro-batches x 1 x 32 tokens per step" in out and "(6 N_matmul + 12 L S H E)" in out

@@ -5,19 +5,18 @@ figure prints its KERNELS and CATS lines, and the summary its ratios. The transf
 peers' own harness is tests/unit/test_bench_peers.py's; here one peer figure, to keep this cheap."""
 
 import re
-import subprocess
 import sys
 
 from megaframe.config import ROOT
+from tests.e2e.helpers import run
+
+# the scripts run as forks of the suite's warm interpreter (tests/e2e/warm_start.py): their subject is the
+# harness and its lines, not the interpreter's start
 
 
 def test_gpu_figures_dry_runs_megaframe_figures_and_a_peer_on_cpu():
-    res = subprocess.run(
-        [sys.executable, str(ROOT / "scripts/gpu_figures.py"), "--dry", "--only", "A mf,A hf-bf16"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
+    res = run(
+        [sys.executable, str(ROOT / "scripts/gpu_figures.py"), "--dry", "--only", "A mf,A hf-bf16"], 600
     )
     out = res.stdout
     assert res.returncode == 0, out[-3000:] + res.stderr[-2000:]
@@ -30,13 +29,7 @@ def test_gpu_figures_dry_runs_megaframe_figures_and_a_peer_on_cpu():
 
 
 def test_gpu_figures_refuses_an_only_that_names_no_figure():
-    res = subprocess.run(
-        [sys.executable, str(ROOT / "scripts/gpu_figures.py"), "--dry", "--only", "A mf-bf17"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-    )
+    res = run([sys.executable, str(ROOT / "scripts/gpu_figures.py"), "--dry", "--only", "A mf-bf17"], 600)
     err = [ln for ln in res.stderr.splitlines() if "gpu_figures:" in ln]
     assert res.returncode == 2 and len(err) == 1, res.stderr[-2000:]
     assert "'A mf-bf17' names no figure" in err[0], err

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -19,7 +18,7 @@ from megaframe.optim.build import build_optimizer
 from megaframe.parallel.mesh import single_process_mesh
 from megaframe.paths import OutsideFolder, inside
 from tests.distributed.cases import tiny_config
-from tests.e2e.helpers import ROOT, env
+from tests.e2e.helpers import run
 from tests.forms import build_model
 
 PY = [sys.executable, "-m", "megaframe.checkpoint", "verify"]
@@ -43,12 +42,12 @@ def flip(path, where: float) -> None:
 
 def test_verify_cli_and_a_corrupt_block_named_at_load(saved):
     path, cfg, mesh = saved
-    ok = subprocess.run(PY + [str(path)], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
+    ok = run(PY + [str(path)], timeout=120)  # forks of the warm interpreter: the subject is the command
     assert ok.returncode == 0 and "ok:" in ok.stdout, ok.stderr
     shard = path / "shard_00000.safetensors"
     flip(shard, 0.6)  # same size: only the block checksums can see it
     assert sharded.latest(path.parent) == path  # metadata-only: latest() reads no shard bytes
-    bad = subprocess.run(PY + [str(path)], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
+    bad = run(PY + [str(path)], timeout=120)
     assert bad.returncode == 2 and "corrupt" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
     model = build_model(cfg, mesh)
     with pytest.raises(CheckpointError, match=r"shard_00000.safetensors is corrupt: tensor \S+#\d+, bytes"):
@@ -72,7 +71,7 @@ def test_file_names_stay_inside_the_folder(tmp_path, saved):
     (path / "metadata.json").write_text(json.dumps(meta))
     with pytest.raises(CheckpointError, match="not a plain name"):
         sharded.check_complete(path)
-    res = subprocess.run(
+    res = run(
         [
             sys.executable,
             "train.py",
@@ -80,10 +79,6 @@ def test_file_names_stay_inside_the_folder(tmp_path, saved):
             f"checkpoint.resume={path}",
             f"run.dir={tmp_path / 'run'}",
         ],
-        cwd=ROOT,
-        env=env(),
-        capture_output=True,
-        text=True,
         timeout=120,
     )
     assert res.returncode == 2 and "not a plain name" in res.stderr, res.stderr[-2000:]

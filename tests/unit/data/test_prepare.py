@@ -10,16 +10,16 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from megaframe.config import ROOT, load_config
+from megaframe.config import load_config
 from megaframe.data import prepare as prep
 from megaframe.data.tokenizer import Tokenizer
+from tests.e2e.helpers import run
 
 SENTENCES = [
     "The quick brown fox jumps over the lazy dog.",
@@ -164,7 +164,7 @@ def test_jsonl_and_parquet_source(tmp_path, capsys):
 
 def test_missing_source_cli(tmp_path):
     out = tmp_path / "out"
-    proc = subprocess.run(
+    proc = run(  # a fork of the warm interpreter: the subject is the exit code and its line
         [
             sys.executable,
             "-m",
@@ -172,9 +172,6 @@ def test_missing_source_cli(tmp_path):
             f"data.source={tmp_path / 'nope'}",
             f"data.path={out}",
         ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
         timeout=60,
     )
     assert proc.returncode == 2

@@ -8,35 +8,21 @@ meta.json names a missing or short shard is not published."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
-from megaframe.config import ROOT
 from megaframe.data.prepare import partial
 from megaframe.data.prepare.sources import PrepareError
+from tests.e2e.helpers import run
 from tests.unit.data.test_prepare import paragraphs, run_main
 
-# prepare with many small shards in one unit, each taking 0.25 s (a slow tokenizer, a large corpus): a
-# second process started once the first shard exists finds the first mid-unit. $START_AFTER delays main()
-# until that file exists, so both have imported everything by then.
-DRIVER = """
-import os, sys, time
-from megaframe.data import prepare as p
-from megaframe.data.prepare import unit_encoding as u
-u.MAX_CHUNK_CHARS = u.MIN_CHUNK_CHARS = 8 << 10
-real = u.encode_chunk
-def slow(task):
-    time.sleep(0.25)
-    return real(task)
-u.encode_chunk = slow
-wait = os.environ.get("START_AFTER")
-while wait and not os.path.exists(wait):
-    time.sleep(0.02)
-sys.exit(p.main(sys.argv[1:]))
-"""
+# prepare with many small shards in one unit, each taking 0.25 s (a slow tokenizer, a large corpus), a
+# second process started once the first shard exists finding the first mid-unit: prepare_slow_shards.py
+DRIVER = str(Path(__file__).with_name("prepare_slow_shards.py"))
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +35,7 @@ def corpus(tmp_path_factory):
     for i in range(3):
         (src / f"part{i}.txt").write_text("\n\n".join(paras[(i + k) % 40] for k in range(400)) + "\n")
     ref = root / "ref"
-    res = subprocess.run(
+    res = run(
         [
             sys.executable,
             "-m",
@@ -60,16 +46,14 @@ def corpus(tmp_path_factory):
             "data.num_workers=1",
             "data.split=paragraph",
         ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
         timeout=300,
     )
     assert res.returncode == 0, res.stderr
     return src, ref
 
 
-def start(corpus, out, mode: str, after=None) -> subprocess.Popen:
+def start(corpus, out, mode: str, after=None):
+    """prepare through DRIVER in its own process (a fork of the warm interpreter), to its end."""
     src, ref = corpus
     args = [
         f"data.source={src}",
@@ -81,41 +65,21 @@ def start(corpus, out, mode: str, after=None) -> subprocess.Popen:
     if mode != "plain":
         task, n = mode.split("/")
         args += [f"data.task={task}", f"data.num_tasks={n}"]
-    env = None
-    if after is not None:
-        import os
-
-        env = {**os.environ, "START_AFTER": str(after)}
-    return subprocess.Popen(
-        [sys.executable, "-c", DRIVER, *args],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    wait = {} if after is None else {"START_AFTER": str(after)}
+    return run([sys.executable, DRIVER, *args], timeout=300, **wait)
 
 
 def race(corpus, out, first: str, second: str):
     """`second` begins once `first` has written its first shard; returns both (rc, stdout, stderr)."""
     shard = out.parent / f".{out.name}.partial" / "shard_00000_00000.bin"
-    a = start(corpus, out, first)
-    b = start(corpus, out, second, after=shard)
-    try:
-        return [(p.wait(timeout=300), *p.communicate()) for p in (a, b)]
-    finally:
-        for p in (a, b):
-            p.kill()
+    with ThreadPoolExecutor(2) as pool:  # both processes at once
+        a = pool.submit(start, corpus, out, first)
+        b = pool.submit(start, corpus, out, second, shard)
+        return [(r.returncode, r.stdout, r.stderr) for r in (a.result(), b.result())]
 
 
 def assert_complete(corpus, out):
-    res = subprocess.run(
-        [sys.executable, "-m", "megaframe.data", "verify", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    res = run([sys.executable, "-m", "megaframe.data", "verify", str(out)], timeout=120)
     assert res.returncode == 0, res.stdout + res.stderr
     got, ref = (json.loads((d / "meta.json").read_text()) for d in (out, corpus[1]))
     assert (got["num_tokens"], got["num_documents"]) == (ref["num_tokens"], ref["num_documents"])

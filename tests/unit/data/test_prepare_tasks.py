@@ -5,27 +5,24 @@ a killed task re-run completes the set; a re-run of a finished part does nothing
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
-from megaframe.config import ROOT
 from megaframe.data.prepare.tasks import unit_tasks
+from tests.e2e.helpers import run
 from tests.e2e.stdlib_corpus import write_corpus
 
 ARGS = ["data.vocab_size=512", "data.num_workers=1"]
-UNIT = (
-    "import sys; from megaframe.data import prepare as p; "
-    "p.UNIT_BYTES = 64 << 10; sys.exit(p.main(sys.argv[1:]))"
-)
+UNIT = str(Path(__file__).with_name("prepare_small_units.py"))
 
 
 def prep(*args, timeout=300):
-    """prepare in a subprocess, with small units (64 KB) so a small corpus has several per task."""
-    return subprocess.run(
-        [sys.executable, "-c", UNIT, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
-    )
+    """prepare in its own process (a fork of the warm interpreter), with small units (64 KB) so a small
+    corpus has several per task."""
+    return run([sys.executable, UNIT, *args], timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -48,19 +45,10 @@ def test_four_tasks_equal_one_task(corpus, tmp_path):
     src, one = corpus
     out = tmp_path / "four"
     common = [f"data.source={src}", f"data.path={out}", *ARGS, "data.num_tasks=4"]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", UNIT, *common, f"data.task={i}"],
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for i in range(4)
-    ]
-    for p in procs:
-        _, err = p.communicate(timeout=300)
-        assert p.returncode == 0, err
+    with ThreadPoolExecutor(4) as pool:  # the four tasks at once, each its own process
+        results = list(pool.map(lambda i: prep(*common, f"data.task={i}"), range(4)))
+    for res in results:
+        assert res.returncode == 0, res.stderr
     a, b = (json.loads((d / "meta.json").read_text()) for d in (one, out))
     assert (a["num_documents"], a["num_tokens"]) == (b["num_documents"], b["num_tokens"])
     assert [s["file"] for s in a["shards"]] == [s["file"] for s in b["shards"]] and len(a["shards"]) >= 4

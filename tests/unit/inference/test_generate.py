@@ -18,6 +18,7 @@ from megaframe.config import load_config
 from megaframe.inference.decode import generate
 from megaframe.inference.sampling import SamplingConfig, next_token
 from megaframe.parallel.mesh import single_process_mesh
+from tests.e2e.helpers import run
 from tests.forms import build_model
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -89,14 +90,9 @@ def test_top_k_and_top_p_keep_only_the_likely_tokens():
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**__import__("os").environ, "OMP_NUM_THREADS": "1"},
-    )
+    """The command as a fork of the suite's warm interpreter (tests/e2e/warm_start.py): the subject is the
+    command's output and exit code, not the interpreter's start."""
+    return run([sys.executable, *args], timeout=120)
 
 
 def test_cli_streams_prompt_and_text_only(run_dir):

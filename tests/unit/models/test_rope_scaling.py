@@ -5,7 +5,6 @@ table reproduces (dynamic) exits 2 naming it. Tiny random models made here, offl
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import torch
 import megaframe
 from megaframe.config import load_config
 from megaframe.errors import ConfigError
+from tests.e2e.helpers import run
 from tests.unit.hf_scripts import export_hf, import_hf
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -126,16 +126,16 @@ def _plain_cos(model):
 
 def test_dynamic_scaling_exits_2_naming_it(tmp_path):
     hf_llama(tmp_path / "hf", {"rope_type": "dynamic", "factor": 2.0}, False)
-    r = subprocess.run(
+    # a fork of the suite's warm interpreter (tests/e2e/warm_start.py): the subject is the script's exit
+    # code and message, not the interpreter's start
+    r = run(
         [
             sys.executable,
-            str(ROOT / "scripts" / "import_hf.py"),
+            "scripts/import_hf.py",
             str(tmp_path / "hf"),
             str(tmp_path / "ck"),
             "data=synthetic",
         ],
-        capture_output=True,
-        text=True,
         timeout=120,
     )
     assert r.returncode == 2, r.stderr
@@ -193,12 +193,10 @@ def test_config_scaling_reaches_the_model():
 def test_train_continues_an_imported_llama3_checkpoint(tmp_path):
     """train.py takes the scaling from the checkpoint (no model.* overrides) and trains on from it."""
     import json
-    import os
 
     hf_llama(tmp_path / "hf", SCALINGS["llama3.2"][0], True)
     assert import_hf.main([str(tmp_path / "hf"), str(tmp_path / "ck"), "data=synthetic"]) == 0
-    env = dict(os.environ, WANDB_MODE="disabled", OMP_NUM_THREADS="1")
-    r = subprocess.run(
+    r = run(
         [
             sys.executable,
             "train.py",
@@ -210,10 +208,6 @@ def test_train_continues_an_imported_llama3_checkpoint(tmp_path):
             f"run.dir={tmp_path / 'run'}",
             f"checkpoint.dir={tmp_path / 'run' / 'ck'}",
         ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
         timeout=180,
     )
     assert r.returncode == 0, r.stderr[-2000:]
