@@ -149,7 +149,8 @@ def test_evaluate_cli_runs_tasks_and_refuses_bad_input(run_dir):
 
 
 def test_lm_evals_own_command_line_runs_the_megaframe_model(run_dir):
-    """lm-eval's CLI (through megaframe's entry point, which registers the model) on a step folder."""
+    """lm-eval's CLI (through megaframe's entry point, which registers the model) on a checkpoint folder (its
+    latest step), as docs/after-training.md shows it."""
     res = run(
         [
             sys.executable,
@@ -158,7 +159,7 @@ def test_lm_evals_own_command_line_runs_the_megaframe_model(run_dir):
             "--model",
             "megaframe",
             "--model_args",
-            f"checkpoint={run_dir / 'ckpt' / 'step_00000003'}",
+            f"checkpoint={run_dir / 'ckpt'}",
             "--batch_size",
             "4",
             "--tasks",
