@@ -203,6 +203,7 @@ def serve(path: str) -> None:
                 orphaned.add(pid)
                 kill_group(pid)
         _reap(children)
+        orphaned &= children.keys()  # a reaped pid may be a later command's
 
 
 def _start(listener: socket.socket, start_env: dict, children: dict, executable: str) -> None:
