@@ -23,8 +23,9 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # serial run). Set before anything imports torch; every process a test starts inherits it.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 # A process that compiles (train.compile=true) compiles in-process instead of starting inductor's pool of
-# compile workers (~10 s of CPU each time on 2 cores; the generated code is the same); every process a test
-# starts inherits it (the warm server's forks too: the compiler is imported after their environment is set)
+# compile workers, one per core (~10 s of CPU each time on 2 cores for a tiny model's few kernels; the
+# generated code is the same); every process a test starts inherits it: the rank pool's ranks, torchrun's
+# workers, the warm server's forks (the compiler is imported after their environment is set)
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 _pool = None

@@ -23,10 +23,6 @@ COLLECTIVE_TIMEOUT_S = 60
 
 
 def _worker(rank: int, size: int, port: int, conn) -> None:
-    # inductor compiles in this process, not in a pool of compile workers of its own (one per core): each
-    # rank that compiles started one (python + torch + inductor per core, ~10 s of CPU for a tp2 or cp2
-    # compile test on 2 cores) to compile a tiny model's few kernels; the code it generates is the same
-    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     import torch
     import torch.distributed as dist
 

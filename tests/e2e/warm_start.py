@@ -255,9 +255,12 @@ def readable(f, timeout_s: float) -> bool:
     return bool(p.poll(timeout_s * 1000))
 
 
-def kill_group(pid: int) -> None:
+def kill_group(pid: int, sig: int = signal.SIGKILL) -> None:
+    """`sig` to the command's process group; one that has ended already is left alone (the shim passes a
+    signal on that may arrive after its command ended: torchrun's agent SIGTERMs every worker once one
+    fails, and a shim that raised here ended with 1 instead of the command's own code)."""
     try:
-        os.killpg(pid, signal.SIGKILL)
+        os.killpg(pid, sig)
     except ProcessLookupError:
         pass
 
@@ -322,16 +325,6 @@ def shim(folder: str, path: str, real: str) -> str:
     return folder
 
 
-def _forward(pid: int, sig: int) -> None:
-    """A signal to the shim, passed on to its command's group; the command may have ended already (its
-    exit code not yet read): torchrun's agent SIGTERMs every worker once one fails, and a shim that raised
-    here ended with 1 instead of the command's own code."""
-    try:
-        os.killpg(pid, sig)
-    except ProcessLookupError:
-        pass
-
-
 def shim_main(path: str, real: str) -> None:
     """The shim's body: forward to the server, pass signals on to the command, exit as it did."""
     args = sys.argv[1:]
@@ -341,7 +334,7 @@ def shim_main(path: str, real: str) -> None:
     if cmd.pid is None:
         os.execv(real, [real, *args])
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, lambda s, _: _forward(cmd.pid, s))
+        signal.signal(sig, lambda s, _: kill_group(cmd.pid, s))
     rc = cmd.wait()
     if rc < 0:
         # end by the command's signal (SIGKILL's handler cannot be set, nor needs resetting)

@@ -131,4 +131,4 @@ def test_a_signal_to_the_shim_after_its_command_ended_keeps_the_commands_exit_co
     not yet read) raised ProcessLookupError passing the signal on, and ended with 1 instead of the code."""
     ended = subprocess.Popen(["true"], start_new_session=True)
     ended.wait()
-    warm_start._forward(ended.pid, signal.SIGTERM)  # no group left: nothing to pass it to, no error
+    warm_start.kill_group(ended.pid, signal.SIGTERM)  # no group left: nothing to pass it to, no error
