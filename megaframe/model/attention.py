@@ -170,7 +170,20 @@ class Attention(nn.Module):
         if cos is not None:  # before the permute: rows of E stay contiguous, so the rotation streams
             cos_S11E, sin_S11E = position_rows(cos, sin, kv.pos if kv is not None else 0, s)
             q_SBHE, k_SBKE = apply_rope(q_SBHE, cos_S11E, sin_S11E), apply_rope(k_SBKE, cos_S11E, sin_S11E)
-        return self.out_proj(self.attend(q_SBHE, k_SBKE, v.view(s, b, k, e), doc, kv))
+        v_SBKE = v.view(s, b, k, e)
+        if cos is not None and not hasattr(self, "q_norm") and self.owns_v(q_SBHE, v_SBKE, kv):
+            # q and k are rotated copies now, so the view v would be the only thing keeping the whole
+            # [q | k | v] output alive: attention saves its inputs for backward. Its own copy (k of h + 2k
+            # heads) lets the rest go after forward: 34 MiB a layer a micro-batch at 405B tp8
+            v_SBKE = v_SBKE.contiguous()
+        return self.out_proj(self.attend(q_SBHE, k_SBKE, v_SBKE, doc, kv))
+
+    def owns_v(self, q: torch.Tensor, v: torch.Tensor, kv: LayerKV | None) -> bool:
+        """Whether to copy v, a view of its projection's output, before attention, where the caller knows
+        nothing else keeps that output for backward: not when the cp kernels make a new V anyway (the
+        all-gather, or the padding to the query width), nor when decoding (no backward)."""
+        copied_anyway = self.cp is not None and (self.cp_gathered or v.shape[-1] != q.shape[-1])
+        return kv is None and torch.is_grad_enabled() and not copied_anyway
 
     def attend(
         self,

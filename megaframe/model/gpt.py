@@ -259,11 +259,7 @@ class GPT(nn.Module):
             doc = document_context(input_ids_BS, self.doc_eos, self.mesh.cp, self._doc_kernel())
         if chunk == 0 and self.stage.first:
             x_SBD = self.embed_tokens(input_ids_BS, doc)
-        # what attention needs: (cos, sin) tables, and under
-        # document masking per-token ones plus the documents
-        rope = self.rope
-        if doc is not None:
-            rope = (*(rope_at(*self.rope_whole, doc.pos_BQ) if self.rope is not None else (None, None)), doc)
+        rope = self.rope_for(x_SBD.dtype, doc)
         blocks = self.recompute_blocks if self.training and torch.is_grad_enabled() else None
         for i in self.stage.chunks[chunk]:
             # full keeps only the block's input; backward re-runs its forward (same RNG: same dropout)
@@ -276,6 +272,18 @@ class GPT(nn.Module):
         if chunk == len(self.stage.chunks) - 1 and self.stage.last:
             return self.head_output(x_SBD, labels_BS, loss_scale, rope)
         return x_SBD
+
+    def rope_for(self, dtype: torch.dtype, doc: DocContext | None = None) -> tuple | None:
+        """What attention needs: the (cos, sin) tables, and under document masking per-token ones plus the
+        documents. In the blocks' dtype, cast once a chunk rather than per layer and per q and k (apply_rope
+        casts what it is given): every layer's rotation saves views of one pair (8 MiB a layer a
+        micro-batch at 405B)."""
+        rope = self.rope
+        if doc is not None:
+            rope = (*(rope_at(*self.rope_whole, doc.pos_BQ) if self.rope is not None else (None, None)), doc)
+        if rope is None or rope[0] is None:
+            return rope
+        return (rope[0].to(dtype), rope[1].to(dtype), *rope[2:])
 
     def _doc_kernel(self) -> str:
         """Document masking's attention kernel (model/documents.py): the ring masks its own blocks; CUDA runs

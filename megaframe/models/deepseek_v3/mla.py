@@ -118,6 +118,10 @@ class MLA(Attention):
         if self.mscale != 1.0:
             q_SBHQ = q_SBHQ * self.mscale
         k_SBHQ = torch.cat([k_SBHN, r_SB1R.expand(s, b, h, r)], dim=-1)
+        if self.owns_v(q_SBHQ, v_SBHV, kv):
+            # k is a new tensor (the cat): the view v alone would keep kv_b_proj's whole [k_nope | v] output
+            # for attention's backward
+            v_SBHV = v_SBHV.contiguous()
         return q_SBHQ, k_SBHQ, v_SBHV
 
     def forward(self, x_SBD: torch.Tensor, rope, kv: LayerKV | None = None) -> torch.Tensor:

@@ -205,7 +205,8 @@ def block_activation_bytes(model, layer: int, micro_batch: int, fused_attention:
     s = local_seq(model) // model.mesh.tp.size if model.sp else local_seq(model)
     x_SBD = torch.empty(s, micro_batch, cfg.hidden_size, dtype=p.dtype, device=p.device, requires_grad=True)
     with FusedAttentionSizes() if fused_attention else _nothing():
-        return saved_bytes(lambda: model.layers[str(layer)](x_SBD, model.rope), list(model.parameters()))
+        rope = model.rope_for(x_SBD.dtype)
+        return saved_bytes(lambda: model.layers[str(layer)](x_SBD, rope), list(model.parameters()))
 
 
 def head_activation_bytes(model, micro_batch: int, fused_attention: bool = True) -> int:

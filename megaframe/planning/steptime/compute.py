@@ -115,6 +115,9 @@ def block_seconds(
     per_tok += (3 if "swiglu" in str(m.activation) else 2) * ffn / tp
     if "rope" in str(m.position_embedding):
         per_tok += 2 * (m.num_attention_heads + m.kv_heads) * m.head_dim / tp
+        ring = str(getattr(cfg.parallel.cp_comm, "value", cfg.parallel.cp_comm)) == "ring"
+        if not m.qk_norm and (cp == 1 or ring):  # v copied out of the projection (attention.py: owns_v)
+            per_tok += 2 * m.kv_heads * m.head_dim / tp
     attn = attention_flops(m, tokens, tp, cp)
     attn_rate = dev.peak("bf16" if prec != "fp32" else prec) * (
         dev.attn_eff if dev.hbm_bw else dev.efficiency
