@@ -23,6 +23,7 @@ from torch import nn
 
 from megaframe.layers.shard import Shard, sharded_param
 from megaframe.parallel.placement import Placement
+from megaframe.pipeline.split import wanted
 
 
 @dataclass
@@ -147,4 +148,30 @@ class Router(nn.Module):
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
         # fp32 gate even in a bf16 model: expert choice is a discrete decision sensitive to rounding.
-        return F.linear(x_TD.float(), self.weight.float())
+        if x_TD.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return F.linear(x_TD, self.weight)
+        return _Fp32Gate.apply(x_TD, self.weight)
+
+
+class _Fp32Gate(torch.autograd.Function):
+    """logits_TE = float(x_TD) @ float(w_ED)^T, as F.linear on the fp32 casts computes it, forward and backward,
+    but saving x and w as they came (bf16) and casting them again in backward (as Megatron's router gating
+    does): autograd would keep the fp32 copy of x, twice x's bytes, a [T, D] fp32 tensor a layer a
+    micro-batch (64 MiB at Qwen3-30B-A3B's 8192 tokens). The casts are exact, so the grads are the same."""
+
+    @staticmethod
+    def forward(ctx, x_TD, w_ED):
+        ctx.save_for_backward(x_TD, w_ED)
+        return F.linear(x_TD.float(), w_ED.float())
+
+    @staticmethod
+    def backward(ctx, g_TE):
+        x_TD, w_ED = ctx.saved_tensors
+        # a split backward (zero-bubble) asks for grad x (B) and grad w (W) in two passes
+        whole = torch.compiler.is_compiling()
+        gx = gw = None
+        if ctx.needs_input_grad[0] and (whole or wanted(x_TD)):
+            gx = (g_TE @ w_ED.float()).to(x_TD.dtype)
+        if ctx.needs_input_grad[1] and (whole or wanted(w_ED)):
+            gw = (g_TE.t() @ x_TD.float()).to(w_ED.dtype)
+        return gx, gw

@@ -81,7 +81,8 @@ def experts_seconds(gemm_seconds, dev, prec: str, m, tokens: int, tp: int, ep: i
 
 def router_bytes(m, tokens: int, elem: int) -> float:
     """HBM bytes of the router's work beside its GEMM, forward + backward, counted from router.py and
-    MoE.forward: x cast to fp32 (read elem, write 4 a [T, D] element) and its fp32 grad cast back and added
+    MoE.forward: x cast to fp32 (read elem, write 4 a [T, D] element), in forward and again in backward (the
+    gate keeps x as it came, not its fp32 copy), and its fp32 grad cast back and added
     to the experts' grad of x (read 4, write elem; read 2 x elem, write elem); over the fp32 [T, E] scores,
     forward: softmax (read, write), top-k (read), the aux loss's sum over tokens (read), the logged
     entropy (clamp, log: read and write each; the product: two reads, a write; the sum: a read), the
@@ -89,7 +90,7 @@ def router_bytes(m, tokens: int, elem: int) -> float:
     into zeros (a write), added to the aux loss's (two reads, a write), the softmax's backward (two reads,
     a write)."""
     d, e = m.hidden_size, m.num_experts
-    casts = tokens * d * ((elem + 4) + (4 + elem) + 3 * elem)
+    casts = tokens * d * (2 * (elem + 4) + (4 + elem) + 3 * elem)
     z = getattr(m, "moe_z_loss_coeff", 0) or 0
     scores = (2 + 1 + 1 + 2 + 2 + 3 + 1 + (1 if z > 0 else 0)) + (1 + 3 + 3)
     return casts + tokens * e * 4 * scores

@@ -34,9 +34,10 @@ def test_the_permutation_rows_are_the_dispatchers_passes():
 
 
 def test_the_router_bytes_are_its_casts_and_score_passes():
-    # x to fp32 and back, the grads' add (bf16): (2 + 4) + (4 + 2) + 3 x 2 = 18 bytes a [T, D] element;
+    # x to fp32 in forward and again in backward (the gate keeps bf16 x), the grad back and the grads' add
+    # (bf16): 2 x (2 + 4) + (4 + 2) + 3 x 2 = 24 bytes a [T, D] element;
     # [T, E] fp32 passes: 12 forward (softmax 2, top-k, the aux sum, entropy 2 + 2 + 3 + 1) + 7 backward
-    assert moe.router_bytes(M, 10, 2) == 18 * 10 * 4 + 19 * 10 * 8 * 4
+    assert moe.router_bytes(M, 10, 2) == 24 * 10 * 4 + 19 * 10 * 8 * 4
     z = SimpleNamespace(**{**vars(M), "moe_z_loss_coeff": 1e-3})  # the z-loss's logsumexp: one more read
     assert moe.router_bytes(z, 10, 2) == moe.router_bytes(M, 10, 2) + 10 * 8 * 4
 

@@ -1,5 +1,6 @@
-"""What attention keeps for backward: v's own heads, not the whole projection output it was cut from, and one
-pair of RoPE tables per chunk, not a bf16 cast per layer and per q and k.
+"""A block keeps for backward only what its backward reads: attention keeps v's own heads, not the whole
+projection output it was cut from, and one pair of RoPE tables per chunk, not a bf16 cast per layer and per
+q and k; the MoE gate keeps x as it came, not its fp32 copy.
 
 Legend: S tokens, B micro-batch, H query heads, K kv heads, E head dim.
 
@@ -61,14 +62,14 @@ def _model(overrides: list[str], device: str = "cpu"):
 
 def test_a_rotated_attention_keeps_v_not_the_whole_qkv_output():
     model = _model(LLAMA)
-    outputs: list[int] = []
+    # the outputs themselves, held: a key of a freed storage could come back as a later tensor's
+    outputs: list[torch.Tensor] = []
     for i in ("0", "1"):
-        model.layers[i].attn.qkv.register_forward_hook(
-            lambda m, a, out: outputs.append(activations._storage_key(out))
-        )
+        model.layers[i].attn.qkv.register_forward_hook(lambda m, a, out: outputs.append(out))
     ids_BS = torch.randint(0, 256, (1, S))
     saved = _saved(model, lambda: model.forward_chunk(0, None, ids_BS, ids_BS))
-    assert len(outputs) == 2 and not set(outputs) & set(saved)  # old code: both layers' [q | k | v] kept
+    keys = {activations._storage_key(t) for t in outputs}
+    assert len(keys) == 2 and not keys & set(saved)  # old code: both layers' [q | k | v] kept
     v_bytes = S * K * E * 2
     assert sum(1 for t in saved.values() if t.untyped_storage().nbytes() == v_bytes and t.shape[-1] == E) >= 2
     # one (cos, sin) pair in the blocks' dtype for the chunk; before, each layer cast two pairs of its own
@@ -81,12 +82,32 @@ def test_mla_keeps_v_not_the_whole_k_nope_and_v_output():
     kv_b_proj's whole [k_nope | v] output. On meta, with the planner's stand-in for the fused kernel a GPU
     runs (CPU's math path copies v anyway)."""
     model = _model(["data=synthetic", "model=deepseek_v3_tiny", "train.precision=bf16"], "meta")
-    outputs: list[int] = []
-    model.layers["0"].attn.kv_b_proj.register_forward_hook(
-        lambda m, a, out: outputs.append(activations._storage_key(out))
-    )
+    outputs: list[torch.Tensor] = []
+    model.layers["0"].attn.kv_b_proj.register_forward_hook(lambda m, a, out: outputs.append(out))
     ids_BS = torch.zeros(1, model.cfg.seq_length, dtype=torch.long, device="meta")
     with activations.FusedAttentionSizes(False, True):
         saved = _saved(model, lambda: model.forward_chunk(0, None, ids_BS, ids_BS))
-    kept = [tuple(saved[k].shape) for k in set(outputs) & set(saved)]
+    kept = [tuple(saved[k].shape) for k in {activations._storage_key(t) for t in outputs} & set(saved)]
     assert outputs and not kept, kept
+
+
+def test_the_moe_gate_keeps_x_as_it_came_not_its_fp32_copy():
+    """The router's fp32 GEMM (model/moe/router.py) keeps the bf16 x and casts it again in backward, as
+    Megatron's router gating does: autograd would keep the fp32 copy (twice x's bytes a layer a micro-batch).
+    Its output and both grads are F.linear's on the fp32 casts, bit for bit."""
+    import torch.nn.functional as F
+
+    from megaframe.model.moe.router import _Fp32Gate
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(64, D, generator=gen).bfloat16().requires_grad_()
+    w = torch.randn(8, D, generator=gen).bfloat16().requires_grad_()
+    g = torch.randn(64, 8, generator=gen)
+    saved = _saved(torch.nn.Linear(1, 1), lambda: _Fp32Gate.apply(x, w).backward(g))
+    assert {t.dtype for t in saved.values()} == {torch.bfloat16}, saved
+    got = (_Fp32Gate.apply(x, w), x.grad.clone(), w.grad.clone())
+    x.grad = w.grad = None
+    ref = F.linear(x.float(), w.float())
+    ref.backward(g)
+    for a, b in zip(got, (ref, x.grad, w.grad)):
+        assert torch.equal(a, b)
