@@ -154,9 +154,9 @@ class Router(nn.Module):
 
 
 class _Fp32Gate(torch.autograd.Function):
-    """logits_TE = float(x_TD) @ float(w_ED)^T, as F.linear on the fp32 casts computes it, forward and backward,
-    but saving x and w as they came (bf16) and casting them again in backward (as Megatron's router gating
-    does): autograd would keep the fp32 copy of x, twice x's bytes, a [T, D] fp32 tensor a layer a
+    """logits_TE = float(x_TD) @ float(w_ED)^T, as F.linear on the fp32 casts computes it, forward and
+    backward, but saving x and w as they came (bf16) and casting them again in backward (as Megatron's router
+    gating does): autograd would keep the fp32 copy of x, twice x's bytes, a [T, D] fp32 tensor a layer a
     micro-batch (64 MiB at Qwen3-30B-A3B's 8192 tokens). The casts are exact, so the grads are the same."""
 
     @staticmethod
