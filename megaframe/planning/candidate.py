@@ -39,6 +39,16 @@ class Layout:
         """Ranks the ZeRO state is sharded over (1 at zero=0)."""
         return 0 if not self.zero else (self.shard or self.dp * self.cp)
 
+    def expert_shard_size(self, etp: int = 1) -> int:
+        """Ranks a stage's expert state is sharded over (1 at zero=0): the experts' data parallelism
+        tp·cp·dp / (ep·etp), cut by HSDP's replicas, as the trainer folds the expert groups over tp·cp·dp
+        (parallel/rank_grid.py); the search's layouts have etp = 1."""
+        from megaframe.parallel.rank_grid import folded_expert_groups
+
+        if not self.zero:
+            return 1
+        return folded_expert_groups(self.tp, self.cp, self.dp, self.ep, etp, self.shard).edp_shard
+
     def label(self) -> str:
         ep = f" ep={self.ep}" if self.ep > 1 else ""
         cp = f" cp={self.cp}" if self.cp > 1 else ""

@@ -84,8 +84,8 @@ def _state(cfg: Config, lay: Layout, first: bool, last: bool, a_bytes: int) -> t
     h_dense, h_expert = (end_layers(m, lay, first, last) * x for x in matrix_params(m, lay.tp, lay.ep))
     if not lay.zero:  # a grad per param in its dtype, the rule's state
         return a_bytes * n, a_bytes * n, hid * (h_dense + h_expert) + other * (n - h_dense - h_expert)
-    # expert state is sharded over the expert-data-parallel group (cp·dp / ep ranks), dense over the shard one
-    s, es = lay.shard_size, max(lay.shard_size // lay.ep, 1)
+    # dense state is sharded over the shard group, expert state over the experts' (tp·cp·dp / ep ranks)
+    s, es = lay.shard_size, lay.expert_shard_size(cfg.parallel.etp)
     owned, hidden = dense // s + expert // es, h_dense // s + h_expert // es
     state = hid * hidden + other * (owned - hidden)
     g = 2 if lay.grad_dtype == "bf16" else 4

@@ -81,11 +81,14 @@ def _layouts(cfg: Config, world: int, per_node: int):
             dp = world // (tp * cp * pp)
             micro = {cfg.train.global_batch_size // (b * dp) for b in MICRO_BATCHES} - {0}
             for vpp in [1] if pp == 1 or split else [v for v in VPP if m.num_layers % (pp * v) == 0]:
-                # ep borrows its ranks from cp·dp
+                # ep folds over the stage's tp·cp·dp ranks, tp first, as the trainer places the experts
+                # (parallel/rank_grid.py): Megatron-Bridge's Qwen3-235B ep32 over tp2 x dp16
                 for ep, sched in [
                     (e, s)
                     for e in (
-                        [e for e in divisors(dp * cp) if m.num_experts % e == 0] if m.num_experts else [1]
+                        [e for e in divisors(tp * cp * dp) if m.num_experts % e == 0]
+                        if m.num_experts
+                        else [1]
                     )
                     for s in _schedules(pp, vpp, micro)
                 ]:

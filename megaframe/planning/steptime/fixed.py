@@ -47,6 +47,6 @@ def optimizer_seconds(s) -> float:
         return 0.0
     dense, expert = stage_params(s.cfg.model, lay, True, lay.pp == 1)
     sh = lay.shard_size or 1
-    owned = dense / sh + expert / max(sh // lay.ep, 1)
+    owned = dense / sh + expert / lay.expert_shard_size(s.cfg.parallel.etp)
     grad = 2 if lay.grad_dtype == "bf16" else 4
     return owned * update_bytes_per_element(s.cfg, grad) / (dev.hbm_bw * dev.hbm_eff)

@@ -89,6 +89,39 @@ def test_search_memory_matches_the_exact_planner(cfg, lay):
     assert memory(cfg, lay) == max(got.values())
 
 
+MOE = ["data=synthetic", "model=qwen3_moe_tiny", "train.global_batch_size=8"]
+
+
+@pytest.mark.parametrize(
+    "lay",
+    [
+        Layout(2, 1, 1, 2, 2, 1, 1, "none"),
+        Layout(2, 1, 1, 2, 2, 3, 1, "none"),
+        Layout(2, 1, 1, 2, 4, 2, 1, "none"),
+        Layout(1, 1, 1, 4, 2, 1, 1, "none"),
+    ],
+)
+def test_search_memory_of_moe_layouts_matches_the_exact_planner(lay):
+    """Expert state is sharded over the experts' data parallelism, tp·cp·dp / ep as the trainer folds it
+    (parallel/rank_grid.py), not cp·dp / ep: under tp2 ep2 the search counted the experts' optimizer state
+    twice over (zero=1 step +8 %, zero=3 +20 %)."""
+    moe = load_config(MOE, world_size=1, check_data=False)
+    exact = plan_layout(layout_config(moe, lay), 4, None)
+    worst = max(exact.ranks, key=lambda r: r.peak_bytes)
+    assert dims._state(moe, lay, True, True, 2)[2] == worst.optim_bytes
+    got = phase_memory(moe, lay)
+    assert abs(got["step"] - worst.phases["step"]) < 0.01 * worst.phases["step"], (got, worst.phases)
+
+
+def test_candidates_fold_ep_over_tp_as_the_trainer_does():
+    """ep takes its ranks from tp·cp·dp (Megatron's MoE parallel folding), so a layout whose ep exceeds
+    cp·dp (Megatron-Bridge's Qwen3-235B: ep32 over tp2 x dp16) is proposed; before, ep came from cp·dp."""
+    moe = load_config(MOE, world_size=1, check_data=False)
+    lays = candidates(moe, 8, 8, keep=lambda x: x.pp == 1 and x.zero == 1 and x.micro_batch == 1)
+    assert any(x.ep > x.cp * x.dp for x in lays)
+    assert {(x.tp, x.dp, x.ep) for x in lays if x.cp == 1} >= {(2, 4, 8), (2, 4, 2), (1, 8, 8)}
+
+
 def test_candidates_search_every_zero_stage_hsdp_and_grad_dtype():
     bf16 = load_config([*SMALL, "train.precision=bf16"], world_size=1, check_data=False)
     lays = candidates(bf16, 16, 8)
