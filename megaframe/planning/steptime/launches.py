@@ -40,7 +40,8 @@ def block_kernels(m, compiled: bool, tp_colls: int, rerun: bool = False, ep: int
 
     Forward, eager: 2 norms (fused RMSNorm / LayerNorm, 1 each), 4 GEMMs (fused [q|k|v], out-proj, MLP up
     with the gate fused, down), the attention core (1 fused kernel), RoPE on q and k (apply_rope: neg, cat,
-    two multiplies and an add, 5 each), the activation (SwiGLU: silu and the multiply, 2; else 1), 2
+    two multiplies and an add, 5 each) and v's copy where q and k are its only other users (no q/k norm: 1),
+    the activation (SwiGLU: silu and the multiply, 2; else 1), 2
     residual adds, dropout's mask and multiply at its 2 sites where dropout > 0. Backward: 2 GEMMs per
     forward GEMM (input and weight grads) and the weight grad's accumulation over micro-batches (an add per
     weight: 4 GEMM weights + 2 norm weights), the fused attention backward (3: the output-grad dot
@@ -48,14 +49,16 @@ def block_kernels(m, compiled: bool, tp_colls: int, rerun: bool = False, ep: int
     reduction), RoPE's (as many as its forward), the activation's (SwiGLU: silu's backward, the product's
     two grads, the [gate|up] concatenation: 4; else 1), the residual branch points' grad adds (2), dropout's
     multiply (2). Compiled (train.compile=true): the elementwise ops fuse into one Triton kernel per region
-    between GEMMs/attention (norm, RoPE, activation, residual+norm: 4 forward, 4 backward), GEMMs,
-    attention and the grad adds as eager. An MoE block: its experts' two grouped GEMMs in place of the
+    between GEMMs/attention (norm, RoPE with v's copy, activation, residual+norm: 4 forward, 4 backward),
+    GEMMs, attention and the grad adds as eager. An MoE block: its experts' two grouped GEMMs in place of the
     MLP's four, its experts' weighted SwiGLU (eager, after the dispatcher's host sync) in place of the
     activation above, plus the router and dispatch kernels: all that `moe_kernels` counts. Plus
     `tp_colls` collective kernels.
     """
     swiglu = "swiglu" in _act(m)
     rope = 10 if "rope" in str(m.position_embedding) else 0
+    # attention's copy of v out of the [q | k | v] output once q and k are rotated (model/attention.py)
+    v_copy = 1 if rope and not getattr(m, "qk_norm", False) else 0
     drop = 2 if m.dropout > 0 else 0
     act_f, act_b = (2, 4) if swiglu else (1, 1)
     gemms = 2 if m.num_experts else 4  # an MoE block's MLP GEMMs are its experts' grouped ones
@@ -67,7 +70,7 @@ def block_kernels(m, compiled: bool, tp_colls: int, rerun: bool = False, ep: int
         fwd = gemms + 1 + regions
         bwd = 2 * gemms + weights + 3 + regions + 2
     else:
-        fwd = 2 + gemms + 1 + rope + mlp_f + 2 + 2 * drop
+        fwd = 2 + gemms + 1 + rope + v_copy + mlp_f + 2 + 2 * drop
         bwd = 2 * gemms + weights + 3 + 4 + rope + mlp_b + 2 + drop
     if m.num_experts:
         # the router, dispatch, experts' activation and losses (moe_kernels); the shared expert's dense MLP

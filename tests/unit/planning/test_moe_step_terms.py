@@ -70,12 +70,15 @@ def test_the_moe_kernels_are_counted_per_op_and_grow_under_ep():
 
 
 def test_an_moe_blocks_activation_is_its_experts_weighted_swiglu():
-    # eager forward: 2 norms, 2 grouped GEMMs, attention, RoPE 10, 2 residual adds (the MLP's SwiGLU is
-    # the experts', in moe_kernels); backward: 4 GEMMs, 4 weight-grad adds, attention 3, norms 4, RoPE
-    # 10, residual grads 2
+    # eager forward: 2 norms, 2 grouped GEMMs, attention, RoPE 10 and v's copy, 2 residual adds (the MLP's
+    # SwiGLU is the experts', in moe_kernels); backward: 4 GEMMs, 4 weight-grad adds, attention 3, norms 4,
+    # RoPE 10, residual grads 2
     m = SimpleNamespace(**vars(M), activation="swiglu", position_embedding="rope", dropout=0.0)
     f, b = launches.moe_kernels(1)
-    assert launches.block_kernels(m, False, 0) == (2 + 2 + 1 + 10 + 2 + f) + (4 + 4 + 3 + 4 + 10 + 2 + b)
+    assert launches.block_kernels(m, False, 0) == (2 + 2 + 1 + 10 + 1 + 2 + f) + (4 + 4 + 3 + 4 + 10 + 2 + b)
+    # q/k norms keep their views of the [q | k | v] output: v is not copied
+    qk = SimpleNamespace(**vars(m), qk_norm=True)
+    assert launches.block_kernels(qk, False, 0) == launches.block_kernels(m, False, 0) - 1
     # compiled: the norm, RoPE and residual+norm regions (3 each way; the activation runs eagerly)
     assert launches.block_kernels(m, True, 0) == (2 + 1 + 3 + f) + (4 + 4 + 3 + 3 + 2 + b)
 
