@@ -14,7 +14,9 @@ The checks:
 - bench_gpu B: all 16 layers, megaframe fp8 against bf16;
 - bench_vs_hf: a llama_1b-shaped step (8 of its 16 layers, so three models share one 80 GB GPU) compiled,
   megaframe bf16 and FP8 against transformers in the same run: tokens/s, MFU, the ratios;
-- bench_experts: the MoE experts' grouped GEMM against the per-expert loop, bf16.
+- bench_experts: the MoE experts' grouped GEMM against the per-expert loop, bf16;
+- bench_moe_block: qwen3_30b_a3b's MoE block at 1 and 4 sequences a micro-batch: GPU time, the host's time to
+  issue it and the planner's time for it (where the published MoE runs plan too fast, docs/planning.md).
 NCCL refuses two ranks on one GPU, so every check is one process. Exit code: 0 when every check passed.
 """
 
@@ -178,6 +180,11 @@ def benches(dry: bool) -> list[tuple[str, list[str], str]]:
             "bench_experts (grouped vs loop)",
             py + [str(ROOT / "benchmarks/bench_experts.py"), *experts],
             r"ratio|median",
+        ),
+        (
+            "bench_moe_block (an MoE block at 1 and 4 sequences: gpu vs host vs planned)",
+            py + [str(ROOT / "benchmarks/bench_moe_block.py"), *(["--dry", "--repeats", "1"] if dry else [])],
+            r"tokens: gpu",
         ),
     ]
 

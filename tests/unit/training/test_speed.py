@@ -129,7 +129,8 @@ def test_fused_head_cross_entropy_equals_linear_then_cross_entropy(monkeypatch, 
 
 def test_gpu_check_dry_runs_every_check_on_cpu():
     """scripts/gpu_check.py --dry: the prepared GPU check's harness at tiny sizes on CPU (tests/gpu skip,
-    the benches run: bench_vs_hf with its fp8 side, bench_experts), one line per check, exit 0."""
+    the benches run: bench_vs_hf with its fp8 side, bench_experts, bench_moe_block), one line per check,
+    exit 0."""
     import sys
 
     from megaframe.config import ROOT
@@ -140,6 +141,7 @@ def test_gpu_check_dry_runs_every_check_on_cpu():
     res = run([sys.executable, str(ROOT / "scripts/gpu_check.py"), "--dry"], 600)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     assert "ratio megaframe_fp8 / megaframe (wall)" in res.stdout and "ratio loop / grouped:" in res.stdout
+    assert "4 x 32 tokens: gpu " in res.stdout and "ratio measured / planned" in res.stdout
     assert "summary:" in res.stdout and "FAILED" not in res.stdout
     # the speed targets are parsed from bench_gpu's lines (judged only on a GPU)
     assert "(dry)        A megaframe / compiled transformers:" in res.stdout, res.stdout[-3000:]
