@@ -10,9 +10,10 @@ import pytest
 
 from megaframe.config import load_config
 from megaframe.pipeline.schedule import activation_bound, compute_order
-from megaframe.plan import main, ranges, split_args
+from megaframe.plan import main, split_args
 from megaframe.planning.memory.inflight import peak_activations
 from megaframe.planning.memory.rank_plan import plan_layout
+from megaframe.planning.render import ranges
 from tests.e2e.helpers import ROOT, TINY
 
 LLAMA8B = [
