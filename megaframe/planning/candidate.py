@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from megaframe.config.choices import CPComm
 from megaframe.config.schema import Config
+from megaframe.parallel.rank_grid import folded_expert_groups
 
 
 @dataclass(frozen=True)
@@ -43,8 +44,6 @@ class Layout:
         """Ranks a stage's expert state is sharded over (1 at zero=0): the experts' data parallelism
         tp·cp·dp / (ep·etp), cut by HSDP's replicas, as the trainer folds the expert groups over tp·cp·dp
         (parallel/rank_grid.py); the search's layouts have etp = 1."""
-        from megaframe.parallel.rank_grid import folded_expert_groups
-
         if not self.zero:
             return 1
         return folded_expert_groups(self.tp, self.cp, self.dp, self.ep, etp, self.shard).edp_shard

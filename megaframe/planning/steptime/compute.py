@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import functools
 
+from megaframe.planning.candidate import cp_ring
 from megaframe.planning.devices import Device
+from megaframe.planning.steptime.launches import copies_v
 from megaframe.planning.steptime.moe import (
     experts_seconds,
     grouped_kernel,
@@ -115,8 +117,7 @@ def block_seconds(
     per_tok += (3 if "swiglu" in str(m.activation) else 2) * ffn / tp
     if "rope" in str(m.position_embedding):
         per_tok += 2 * (m.num_attention_heads + m.kv_heads) * m.head_dim / tp
-        ring = str(getattr(cfg.parallel.cp_comm, "value", cfg.parallel.cp_comm)) == "ring"
-        if not m.qk_norm and (cp == 1 or ring):  # v copied out of the projection (attention.py: owns_v)
+        if copies_v(m, cp > 1 and not cp_ring(cfg)):  # v copied out of the [q | k | v] output
             per_tok += 2 * m.kv_heads * m.head_dim / tp
     attn = attention_flops(m, tokens, tp, cp)
     attn_rate = dev.peak("bf16" if prec != "fp32" else prec) * (

@@ -35,7 +35,17 @@ def _act(m) -> str:
     return str(getattr(m.activation, "value", m.activation))
 
 
-def block_kernels(m, compiled: bool, tp_colls: int, rerun: bool = False, ep: int = 1) -> int:
+def copies_v(m, cp_gathered: bool = False) -> bool:
+    """Whether attention copies v out of the [q | k | v] output before attending (model/attention.py:
+    Attention.owns_v): q and k rotated by RoPE, no q/k norm keeping views of the output, and no cp
+    all-gather making a new V anyway. One kernel a block forward, and its bytes (compute.block_seconds)."""
+    rope = "rope" in str(m.position_embedding)
+    return rope and not getattr(m, "qk_norm", False) and not cp_gathered
+
+
+def block_kernels(
+    m, compiled: bool, tp_colls: int, rerun: bool = False, ep: int = 1, cp_gathered: bool = False
+) -> int:
     """Kernels one block issues for one micro-batch, forward + backward, on a GPU (module doc).
 
     Forward, eager: 2 norms (fused RMSNorm / LayerNorm, 1 each), 4 GEMMs (fused [q|k|v], out-proj, MLP up
@@ -53,12 +63,11 @@ def block_kernels(m, compiled: bool, tp_colls: int, rerun: bool = False, ep: int
     GEMMs, attention and the grad adds as eager. An MoE block: its experts' two grouped GEMMs in place of the
     MLP's four, its experts' weighted SwiGLU (eager, after the dispatcher's host sync) in place of the
     activation above, plus the router and dispatch kernels: all that `moe_kernels` counts. Plus
-    `tp_colls` collective kernels.
+    `tp_colls` collective kernels. `cp_gathered`: parallel.cp > 1 over the all-gather (no copy of v).
     """
     swiglu = "swiglu" in _act(m)
     rope = 10 if "rope" in str(m.position_embedding) else 0
-    # attention's copy of v out of the [q | k | v] output once q and k are rotated (model/attention.py)
-    v_copy = 1 if rope and not getattr(m, "qk_norm", False) else 0
+    v_copy = 1 if copies_v(m, cp_gathered) else 0
     drop = 2 if m.dropout > 0 else 0
     act_f, act_b = (2, 4) if swiglu else (1, 1)
     gemms = 2 if m.num_experts else 4  # an MoE block's MLP GEMMs are its experts' grouped ones

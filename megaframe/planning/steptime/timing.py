@@ -259,7 +259,8 @@ def _launch(s: _Step) -> float:
     work = s.work
     blocks = (sum(work.values()) - work["head"]) / s.share / max(per_mb, 1)
     ep_colls = sum(_ep_colls(lay)) if m.num_experts and lay.ep > 1 else 0
-    k = launch.block_kernels(m, compiled, _tp_colls_per_block(lay) + ep_colls, rerun, lay.ep)
+    gathered = lay.cp > 1 and not cp_ring(s.cfg)
+    k = launch.block_kernels(m, compiled, _tp_colls_per_block(lay) + ep_colls, rerun, lay.ep, gathered)
     t = per_mb * launch.exposed(k, blocks)
     if work["head"]:
         t += s.micro * launch.exposed(launch.head_kernels(compiled), work["head"] / s.share / s.micro)

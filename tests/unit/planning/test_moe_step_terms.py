@@ -76,9 +76,10 @@ def test_an_moe_blocks_activation_is_its_experts_weighted_swiglu():
     m = SimpleNamespace(**vars(M), activation="swiglu", position_embedding="rope", dropout=0.0)
     f, b = launches.moe_kernels(1)
     assert launches.block_kernels(m, False, 0) == (2 + 2 + 1 + 10 + 1 + 2 + f) + (4 + 4 + 3 + 4 + 10 + 2 + b)
-    # q/k norms keep their views of the [q | k | v] output: v is not copied
+    # q/k norms keep their views of the [q | k | v] output, and the cp all-gather makes a new V: not copied
     qk = SimpleNamespace(**vars(m), qk_norm=True)
     assert launches.block_kernels(qk, False, 0) == launches.block_kernels(m, False, 0) - 1
+    assert launches.block_kernels(m, False, 0, cp_gathered=True) == launches.block_kernels(m, False, 0) - 1
     # compiled: the norm, RoPE and residual+norm regions (3 each way; the activation runs eagerly)
     assert launches.block_kernels(m, True, 0) == (2 + 1 + 3 + f) + (4 + 4 + 3 + 3 + 2 + b)
 
