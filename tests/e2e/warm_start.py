@@ -62,11 +62,16 @@ READ_AT_START = ("OMP_", "MKL_", "KMP_", "TORCH_", "PYTHON", "CUDA", "LD_", "MAL
 READ_LATER = ("TORCH_NCCL_",)
 
 
+def unbuffered(args: list[str]) -> tuple[bool, list[str]]:
+    """(whether `-u` leads the interpreter's arguments, the arguments without it)."""
+    return (True, args[1:]) if args[:1] == ["-u"] else (False, args)
+
+
 def eligible(args: list[str]) -> bool:
     """`[-u] SCRIPT.py ...`, `[-u] -m megaframe.X ...` or `-m torch.distributed.run ...` (the interpreter's
     arguments, without the interpreter): torchrun's agent forked too starts its workers (`-u train.py`) with
     the fork's sys.executable, the server's shim, so they are forks as well."""
-    args = args[1:] if args[:1] == ["-u"] else args
+    args = unbuffered(args)[1]
     if not args:
         return False
     module = args[1] if args[0] == "-m" and len(args) > 1 else ""
@@ -113,7 +118,6 @@ def _stdio(unbuffered: bool) -> None:
 def _run(argv: list[str]) -> None:
     import runpy
 
-    argv = argv[1:] if argv[0] == "-u" else argv
     if argv[0] == "-m":
         sys.argv = [argv[1], *argv[2:]]
         sys.path[0] = os.getcwd()
@@ -140,10 +144,11 @@ def _child(req: dict, fds: list[int], executable: str) -> None:
         os.chdir(req["cwd"])
         os.environ.clear()
         os.environ.update(req["env"])
-        _stdio(bool(req["env"].get("PYTHONUNBUFFERED")) or req["argv"][0] == "-u")
+        flag, argv = unbuffered(req["argv"])
+        _stdio(bool(req["env"].get("PYTHONUNBUFFERED")) or flag)
         sys.executable = executable
         try:
-            _run(req["argv"])
+            _run(argv)
             code = 0
         except SystemExit as e:
             code = _exit_code(e)
