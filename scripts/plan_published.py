@@ -121,6 +121,7 @@ def main() -> int:
                 "step_time_s": p["step_time_s"],
                 "fits": p["fits"],
                 "reserved_gib": p["reserved_bytes"] / 2**30,
+                "step_parts_s": p["step_parts_s"],
             }
             for r, p in zip(rows, planned)
         ]

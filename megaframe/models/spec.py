@@ -75,6 +75,10 @@ class FamilySpec:
     """(ModelConfig, tp, ep) -> (dense, expert) parameters of one block on one rank."""
     outside_params: Callable = counts.outside_params
     """(ModelConfig, tp, first, last) -> parameters outside the blocks on a pipeline rank."""
+    stage_params: Callable | None = None
+    """(ModelConfig, tp, ep, global block indices, first, last) -> (dense, expert) parameters of a pipeline
+    rank, for a family whose blocks differ by index (dense and MoE blocks, extra blocks past the last);
+    None: every block is `layer_params`' and the rest `outside_params`' (`rank_params`)."""
     flops_per_token: Callable = counts.flops_per_token
     """(ModelConfig, causal=False) -> model FLOPs per trained token (MFU's numerator)."""
     matmul_params: Callable = counts.matmul_params
@@ -88,5 +92,12 @@ class FamilySpec:
         """The preset the CPU tests and the conformance test build."""
         return self.presets[0]
 
+    def rank_params(self, m: ModelConfig, tp: int, ep: int, layers, first: bool, last: bool) -> tuple[int, int]:
+        """(dense, expert) parameters of a pipeline rank holding the blocks `layers` (global indices)."""
+        if self.stage_params is not None:
+            return self.stage_params(m, tp, ep, layers, first, last)
+        dense, expert = self.layer_params(m, tp, ep)
+        return len(layers) * dense + self.outside_params(m, tp, first, last), len(layers) * expert
+
     def total_params(self, m: ModelConfig) -> int:
-        return m.num_layers * sum(self.layer_params(m, 1, 1)) + self.outside_params(m, 1, True, True)
+        return sum(self.rank_params(m, 1, 1, range(m.num_layers), True, True))

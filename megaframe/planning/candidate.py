@@ -134,11 +134,26 @@ def end_layers(m, lay: Layout, first: bool, last: bool) -> int:
     return max(per[0] if first else 0, per[-1] if last else 0) if (first or last) else max(per)
 
 
+def rank_layers(m, lay: Layout, rank: int) -> tuple[int, ...]:
+    """Global indices of the blocks pipeline rank `rank` holds, as the trainer splits them
+    (pipeline/partition.py; an even split rounded down where num_layers does not divide)."""
+    from megaframe.pipeline.partition import stage_layout
+
+    try:
+        chunks = stage_layout(m.num_layers, lay.pp, lay.vpp, rank, lay.pp_layout or None).chunks
+    except ValueError:  # a layout the trainer refuses still gets a plan that says so
+        per = m.num_layers // (lay.pp * lay.vpp)
+        chunks = [range((c * lay.pp + rank) * per, (c * lay.pp + rank + 1) * per) for c in range(lay.vpp)]
+    return tuple(i for chunk in chunks for i in chunk)
+
+
 def stage_params(m, lay: Layout, first: bool, last: bool) -> tuple[int, int]:
-    """(dense, expert) parameters of the first or last pipeline rank (the larger of the two when both; the
-    family's counters)."""
+    """(dense, expert) parameters of the first or last pipeline rank (the larger of the two when both; when
+    neither, the largest middle rank's blocks): the family's count of the blocks it holds and its ends."""
     from megaframe.models.registry import spec_of
 
-    layers = end_layers(m, lay, first, last)
-    dense, expert = (layers * x for x in layer_params(m, lay.tp, lay.ep))
-    return dense + spec_of(m).outside_params(m, lay.tp, first, last), expert
+    spec, pp = spec_of(m), lay.pp
+    ends = [(r, r == 0, r == pp - 1) for r, end in ((0, first), (pp - 1, last)) if end]
+    ranks = ends or [(r, False, False) for r in (range(1, pp - 1) or range(pp))]
+    counts = (spec.rank_params(m, lay.tp, lay.ep, rank_layers(m, lay, r), f, la) for r, f, la in ranks)
+    return max(counts, key=sum)

@@ -27,7 +27,7 @@ SMALL_DP = 64
 
 RATIO_SPREAD = {
     "dense": (0.789, 1.099),
-    "moe": (0.525, 0.97),
+    "moe": (0.525, 0.836),
     "cp": (0.822, 1.051),
     "small at large dp": (0.842, 1.13),
 }
@@ -96,6 +96,4 @@ def param_count(m) -> float:
     """The model's parameters, every expert's included (the family's counters, models/counts.py)."""
     from megaframe.models.registry import spec_of
 
-    spec = spec_of(m)
-    dense, expert = spec.layer_params(m, 1, 1)
-    return m.num_layers * (dense + expert) + spec.outside_params(m, 1, True, True)
+    return spec_of(m).total_params(m)

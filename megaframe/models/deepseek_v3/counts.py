@@ -6,8 +6,9 @@ Legend: D hidden, H heads, N / R / V the no-RoPE, RoPE and value head widths, Q 
 latents, E experts, Fe expert width, Fs shared width (moe_shared_experts x Fe), F dense width, L layers,
 M MTP depths, S seq_length, Vo vocab rows.
 
-layer_params is a MoE block's (the planner's uniform layer); the first moe_dense_layers blocks' difference
-to it is counted with the first stage's outside parameters, the MTP depths with the last stage's.
+layer_params is a MoE block's (the planner's uniform layer); a pipeline rank's count (stage_params) takes
+each block by its index: the first moe_dense_layers blocks dense, the rest MoE, and the MTP depths (blocks
+L, L + 1, ... on the last rank) MoE blocks whose experts split over ep like every other block's.
 """
 
 from __future__ import annotations
@@ -53,23 +54,31 @@ def layer_params(m: ModelConfig, tp: int = 1, ep: int = 1) -> tuple[int, int]:
     return moe_layer(m, tp, ep) if m.num_experts else (dense_layer(m, tp), 0)
 
 
-def mtp_params(m: ModelConfig, tp: int = 1, ep: int = 1) -> int:
-    """One MTP depth (mtp.py): enorm, hnorm, its final norm, eh_proj [D, 2D] (replicated), one block."""
-    d = m.hidden_size
-    return 3 * d + 2 * d * d + sum(layer_params(m, tp, ep))
+def block_params(m: ModelConfig, layer: int, tp: int = 1, ep: int = 1) -> tuple[int, int]:
+    """(dense, expert) of block `layer` (global index; an MTP depth's block is L + its depth) on one rank."""
+    return (dense_layer(m, tp), 0) if layer < _dense_layers(m) else layer_params(m, tp, ep)
+
+
+def stage_params(m: ModelConfig, tp: int, ep: int, layers, first: bool, last: bool) -> tuple[int, int]:
+    """(dense, expert) of a pipeline rank holding blocks `layers`: each block by its kind, the shell's
+    embedding and head (counts.outside_params), and on the last rank the MTP depths (their norms and
+    eh_proj dense, their blocks by kind) with the embedding's copy they read (gpt.py)."""
+    dense = expert = 0
+    mtp = range(m.num_layers, m.num_layers + m.mtp_num_layers) if last else range(0)
+    for i in [*layers, *mtp]:
+        d, e = block_params(m, i, tp, ep)
+        dense, expert = dense + d, expert + e
+    dense += counts.outside_params(m, tp, first, last) + len(mtp) * (3 * m.hidden_size + 2 * m.hidden_size**2)
+    if mtp and not first and not m.tie_embeddings:
+        dense += m.vocab_size * m.hidden_size // tp
+    return dense, expert
 
 
 def outside_params(m: ModelConfig, tp: int, first: bool, last: bool) -> int:
-    """counts.outside_params, plus the dense first blocks' difference to a MoE block on the first stage
-    and the MTP depths on the last (the head and embedding they share counted once, as the shell's)."""
-    n = counts.outside_params(m, tp, first, last)
-    if first:
-        n += _dense_layers(m) * (dense_layer(m, tp) - sum(layer_params(m, tp)))
-    if last and m.mtp_num_layers:
-        n += m.mtp_num_layers * mtp_params(m, tp)
-        if not first and not m.tie_embeddings:  # the embedding's copy on the last stage (gpt.py)
-            n += m.vocab_size * m.hidden_size // tp
-    return n
+    """Everything of a rank but its blocks' uniform MoE count at ep = 1 (stage_params less layer_params):
+    the dense first blocks' difference to a MoE block on the first, the MTP depths on the last."""
+    blocks = range(_dense_layers(m)) if first else range(0)
+    return sum(stage_params(m, tp, 1, blocks, first, last)) - len(blocks) * sum(layer_params(m, tp))
 
 
 def _attention_matmuls(m: ModelConfig) -> int:

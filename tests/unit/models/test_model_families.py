@@ -55,11 +55,18 @@ CUTS = [
     ("moe_tiny", 2, 1, 2),
     ("gpt2_tiny", 1, 2, 1),
     ("qwen3_tiny", 1, 4, 1),
+    # dense first blocks on the first stage, the MTP depth's experts on the last
+    ("deepseek_v3_tiny", 1, 2, 2),
+    ("deepseek_v3_tiny", 2, 2, 2),
+    # an uneven split: the dense block and two MoE blocks on the first rank
+    ("deepseek_v3_tiny", 1, 2, 2, (3, 1)),
 ]
 
 
-@pytest.mark.parametrize("preset,tp,pp,ep", CUTS)
-def test_stage_counts_equal_each_rank(preset, tp, pp, ep):
+@pytest.mark.parametrize(
+    "preset,tp,pp,ep,layout", [c if len(c) == 5 else (*c, ()) for c in CUTS], ids=lambda v: str(v)
+)
+def test_stage_counts_equal_each_rank(preset, tp, pp, ep, layout):
     world = tp * pp * ep
     cfg = preset_config(
         preset,
@@ -68,9 +75,10 @@ def test_stage_counts_equal_each_rank(preset, tp, pp, ep):
         f"parallel.ep={ep}",
         f"parallel.sp={tp > 1}",
         f"train.global_batch_size={8 * ep}",
+        *([f"parallel.pp_layout=[{','.join(map(str, layout))}]"] if layout else []),
         world=world,
     )
-    lay = Layout(tp=tp, pp=pp, vpp=1, dp=ep, ep=ep, zero=0, micro_batch=1, recompute="none")
+    lay = Layout(tp=tp, pp=pp, vpp=1, dp=ep, ep=ep, zero=0, micro_batch=1, recompute="none", pp_layout=layout)
     assert world == tp * pp * lay.dp
     for pp_rank in range(pp):
         for tp_rank in range(tp):

@@ -51,6 +51,13 @@ def test_the_planned_figures_are_current_for_a_row_of_each_kind(rows):
         assert step == pytest.approx(e["step_time_s"], rel=1e-6), e["name"]
 
 
+def test_no_step_part_of_any_row_is_negative(rows):
+    """Each part of a planned step is a time the step pays: a negative one is a miscount (a pipeline rank's
+    parameters counted below zero gave DeepSeek-V3's pp16 row a dp part of -0.02 s)."""
+    for e in rows:
+        assert all(v >= 0 for v in e["step_parts_s"].values()), (e["name"], e["step_parts_s"])
+
+
 def test_the_rows_are_what_a_user_types():
     """Every row is a command line: its overrides compose and validate as `plan` does, with no setting
     outside the config (no per-source switch), on a device `+device=` names."""
