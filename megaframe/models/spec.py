@@ -92,7 +92,9 @@ class FamilySpec:
         """The preset the CPU tests and the conformance test build."""
         return self.presets[0]
 
-    def rank_params(self, m: ModelConfig, tp: int, ep: int, layers, first: bool, last: bool) -> tuple[int, int]:
+    def rank_params(
+        self, m: ModelConfig, tp: int, ep: int, layers, first: bool, last: bool
+    ) -> tuple[int, int]:
         """(dense, expert) parameters of a pipeline rank holding the blocks `layers` (global indices)."""
         if self.stage_params is not None:
             return self.stage_params(m, tp, ep, layers, first, last)
