@@ -303,24 +303,28 @@ def _dp(s: _Step) -> float:
     dense, expert = stage_params(cfg.model, lay, True, lay.pp == 1)
     n = dense + expert
     dpcp = lay.dp * lay.cp  # parameters are replicated over cp: grads reduce (and ZeRO shards) over cp·dp
-    # one collective per bucket: the ring latency is paid per bucket; ZeRO-3's buckets are its blocks (and
-    # the params outside them), whatever bucket_size_mb says (optim/sizing.py's group_plan)
-    buckets = max(1, math.ceil(4 * n / (cfg.optim.bucket_size_mb * 2**20)))
+    # one collective per bucket: the ring latency is paid per bucket. The experts' grads are a buffer of
+    # their own with its own buckets (optim/buffer.py's bucket_plan per buffer), reduced over their group;
+    # ZeRO-3's buckets are its blocks (and the params outside them), whatever bucket_size_mb says
+    # (optim/sizing.py's group_plan)
+    bucket = cfg.optim.bucket_size_mb * 2**20
+    dense_b, expert_b = (max(1, math.ceil(4 * x / bucket)) for x in (dense, expert))
     if lay.zero == 3:
-        buckets = s.layers + 1
+        dense_b = expert_b = s.layers + 1
+    edp = _experts(s).edp_shard  # experts shard over tp·cp·dp / (ep·etp), cut by HSDP's replicas
+    buckets = dense_b + (expert_b if expert and edp > 1 else 0)
     if not lay.zero:  # an all-reduce of the fp32 grads after backward: nothing hides it
         return s.coll(2 * (dpcp - 1) / dpcp * 4 * n, dpcp, 2 * (dpcp - 1) * buckets, lay.tp * dpcp)
     g, a, sh = (2 if lay.grad_dtype == "bf16" else 4), s.elem, lay.shard_size
-    edp = _experts(s).edp_shard  # experts shard over tp·cp·dp / (ep·etp), cut by HSDP's replicas
     span = lay.tp * sh
 
     def ring(bytes_per_el: float, times: int) -> float:
         """`times` reduce-scatters (or all-gathers) of every element at bytes_per_el over the shard group."""
         # a dense model has no expert collective: no latency either (it was charged one before)
-        moe = (
-            s.coll((edp - 1) / edp * bytes_per_el * expert, edp, (edp - 1) * buckets, span) if expert else 0.0
-        )
-        return times * (s.coll((sh - 1) / sh * bytes_per_el * dense, sh, (sh - 1) * buckets, span) + moe)
+        moe = 0.0
+        if expert:
+            moe = s.coll((edp - 1) / edp * bytes_per_el * expert, edp, (edp - 1) * expert_b, span)
+        return times * (s.coll((sh - 1) / sh * bytes_per_el * dense, sh, (sh - 1) * dense_b, span) + moe)
 
     compute = _compute(s)
     # a link carrying the tp / cp exchanges during the compute lends dp only the rest of its time

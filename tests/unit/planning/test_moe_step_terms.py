@@ -169,3 +169,25 @@ def test_the_combine_weights_travel_in_their_own_all_to_all(cfg):
     # each a collective launch; a re-run forward repeats the rows' 2 and the weights' 1
     assert _ep_colls(s.lay) == (4, 2)
     assert _ep_colls(dataclasses.replace(s.lay, recompute="full")) == (6, 3)
+
+
+def test_the_dense_grads_pay_the_latency_of_their_own_buckets_only(cfg, monkeypatch):
+    """The experts' grads are a buffer of their own (optim/buffer.py's bucket_plan per buffer): with ep over
+    every dp rank they have no dp collective, so (the compute that hides it held fixed) the dp time cannot
+    grow with the experts' size; counting the dense ring's buckets over every parameter charged it a
+    bucket's latency per expert bucket too."""
+    from megaframe.planning.candidate import Layout
+    from megaframe.planning.steptime import timing
+    from megaframe.planning.steptime.timing import _dp, _Step
+
+    monkeypatch.setattr(timing, "_compute", lambda s: 1e-3)
+
+    lay, h100 = Layout(1, 1, 1, 8, 8, 1, 1, "none"), DEVICES["H100"]
+
+    def dp(width: int) -> float:
+        m = dataclasses.replace(cfg.model, moe_ffn_hidden_size=width)
+        small = dataclasses.replace(cfg.optim, bucket_size_mb=0.01)  # many buckets: their latency shows
+        return _dp(_Step(dataclasses.replace(cfg, model=m, optim=small), lay, h100, 8))
+
+    assert dp(cfg.model.expert_ffn) > 0
+    assert dp(4 * cfg.model.expert_ffn) == pytest.approx(dp(cfg.model.expert_ffn), rel=1e-12)
