@@ -61,14 +61,15 @@ def gemm_dims(m, tp: int) -> tuple[tuple[int, int], ...]:
 
 
 @functools.lru_cache(maxsize=None)
-def gemm_seconds(dev: Device, precision: str, tokens: int, k: int, n: int) -> float:
-    """One forward GEMM [tokens, k] x [k, n] on the roofline with the size curve (module doc)."""
+def gemm_seconds(dev: Device, precision: str, tokens: int, k: int, n: int, fixed: float = 1.0) -> float:
+    """One forward GEMM [tokens, k] x [k, n] on the roofline with the size curve (module doc); `fixed`
+    scales the device's fixed time (a grouped GEMM's group: moe.GROUPED_FIXED)."""
     peak = dev.peak(precision)
     elem = {"fp8": 1, "bf16": 2}.get(precision, 4)
     flops = 2.0 * tokens * k * n
     if not dev.hbm_bw:  # no per-shape model (the cpu): the measured rate at `efficiency`
         return flops / (peak * dev.efficiency)
-    rate = peak * dev.efficiency * flops / (flops + dev.efficiency * peak * dev.gemm_fixed_s)
+    rate = peak * dev.efficiency * flops / (flops + dev.efficiency * peak * dev.gemm_fixed_s * fixed)
     memory = elem * (tokens * k + k * n) + 2 * tokens * n  # fp8 GEMMs write bf16 outputs
     return max(flops / rate, memory / (dev.hbm_bw * dev.hbm_eff))
 

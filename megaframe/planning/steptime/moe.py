@@ -8,13 +8,20 @@ rank, each split over etp). Each rank routes its own tokens (T = micro-batch x S
   grouped GEMMs  a rank's experts receive T·top_k rows on average (dropless), IMBALANCE x that on the
                  busiest rank; each of its E/ep experts runs [rows / (E/ep), D] x [D, ffn] as one group of
                  moe/grouped.py's grouped GEMM: timed per expert on the size curve, each group with its own
-                 fixed time (fine-grained experts, e.g. 128 x 768, run far below the peak a single
-                 [T·top_k, D] GEMM would reach). Per group, not as one large GEMM: torch._grouped_mm in bf16
-                 runs no faster than the loop of per-expert cuBLAS GEMMs it replaces (pytorch/pytorch#163425,
-                 H200, 32 groups). Checked, not fitted: at Qwen3-30B-A3B's shape (32768 tokens, D 2048, 128
-                 experts of 768, top 8: 2048 rows a group, balanced) these GEMMs with the permutation's and
-                 SwiGLU's forward passes below come to 8.5 ms on H100 against 10.2 ms measured for
-                 torch._grouped_mm's fused MoE forward (ByteDance-Seed/VeOmni#460). Without a Hopper
+                 fixed time, GROUPED_FIXED x the device's (fine-grained experts, e.g. 128 x 768, run far
+                 below the peak a single [T·top_k, D] GEMM would reach). Per group, not as one large GEMM:
+                 torch._grouped_mm in bf16 runs no faster than the loop of per-expert cuBLAS GEMMs it
+                 replaces (pytorch/pytorch#163425, H200, 32 groups). GROUPED_FIXED is read off three
+                 published measurements of Hopper grouped kernels, none of them a training run: 128 groups
+                 of [512, 2048] x [2048, 1536] (Qwen3-30B-A3B's up projection) at 160.5 TFLOP/s on H100 in
+                 CUTLASS's SM90 grouped kernel, torch._grouped_mm's (tgale96/grouped_gemm#37; the curve
+                 gives 158 at 2, 261 at 1); torch._grouped_mm's fused MoE forward at Qwen3-30B-A3B's shape
+                 (32768 tokens, D 2048, 128 experts of 768, top 8: 2048 rows a group) in 10.2 ms on H100
+                 (ByteDance-Seed/VeOmni#460), which these GEMMs with the permutation's and SwiGLU's forward
+                 passes below put at 10.5 ms at 2 (8.5 at 1); torch._grouped_mm at 256 groups of [1024,
+                 6144] x [6144, 4096] at 603 TFLOP/s on a clock-bound H200 (tile-ai/TileOPs#1567; 603 at 2,
+                 665 at 1). Measured on Hopper only: taken for every device with a grouped kernel (an
+                 assumption). Without a Hopper
                  grouped kernel (no fp8 tensor cores here: A100; or fp32) the experts run moe/grouped.py's
                  padded path: the rows scattered into a zeroed [E/ep, rows, in] batch and gathered back
                  around each bmm (`padded_bytes`). The router's combine weights are applied inside the
@@ -44,6 +51,8 @@ from __future__ import annotations
 
 IMBALANCE = 1.2
 """Busiest rank's routed rows over the mean (module doc: an assumption with its sources)."""
+GROUPED_FIXED = 2.0
+"""A grouped GEMM's fixed time per group over a dense GEMM's (devices.gemm_fixed_s): module doc's sources."""
 
 
 def expert_group(lay, etp: int) -> tuple[int, int]:
@@ -70,7 +79,9 @@ def experts_seconds(gemm_seconds, dev, prec: str, m, tokens: int, tp: int, ep: i
     expert's dense GEMMs where the model has one."""
     rows = max(1, round(expert_rows(m, tokens, ep)))
     local = m.num_experts // ep
-    t = local * sum(gemm_seconds(dev, prec, rows, k, n) for k, n in expert_gemms(m, tp))
+    # the padded path's bmm is one batched GEMM of equal groups: the dense curve's fixed time
+    fixed = GROUPED_FIXED if grouped_kernel(dev, prec) else 1.0
+    t = local * sum(gemm_seconds(dev, prec, rows, k, n, fixed) for k, n in expert_gemms(m, tp))
     # DeepSeek's shared experts: one dense SwiGLU of moe_shared_experts x the expert width on every token
     shared = (getattr(m, "moe_shared_experts", 0) or 0) * m.expert_ffn
     if shared:
