@@ -38,6 +38,8 @@ def pool():
     from tests.distributed.pool import RankPool
 
     if _pool is None or _pool.broken:
+        if _pool is not None:
+            _pool.close()  # its pipes, else held open by this worker for the rest of the session
         _pool = RankPool(4)
     yield _pool
 

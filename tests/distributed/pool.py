@@ -6,12 +6,19 @@ the whole world — then ranks < n call fn(mesh, *args). Point-to-point semantic
 MEGAFRAME_P2P_SEMANTICS (the suite sets nccl, tests/conftest.py) unless a job names its own `p2p`. Results
 come back through pipes. Every collective has the process-group timeout and every wait here has its own, so
 a broken test fails instead of hanging.
+
+Jobs and results cross the pipes pickled by value, not with multiprocessing's pickler: that one moves each
+tensor into shared memory, and the receiving process keeps a descriptor open on it for as long as the tensor
+lives. The layout tests keep their one-process references for a whole module, so the pytest worker of the
+process lane held thousands of them (past select()'s 1,024), and a tensor a test passed became shared memory
+in the test's own process.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import traceback
 
 import torch.multiprocessing as mp
@@ -40,7 +47,7 @@ def _worker(rank: int, size: int, port: int, conn) -> None:
     )
     meshes = {}
     while True:
-        job = conn.recv()
+        job = pickle.loads(conn.recv_bytes())
         if job is None:
             break
         fn, tp, pp, n, args, ep, semantics, shard, cp, etp = job
@@ -63,10 +70,15 @@ def _worker(rank: int, size: int, port: int, conn) -> None:
             mesh = meshes[key]
             if mesh is not None:
                 mesh.stats.pop()
-            conn.send((True, fn(mesh, *args) if mesh is not None else None))
+            _send(conn, (True, fn(mesh, *args) if mesh is not None else None))
         except BaseException:  # report, keep serving; the test decides
-            conn.send((False, traceback.format_exc()))
+            _send(conn, (False, traceback.format_exc()))
     dist.destroy_process_group()
+
+
+def _send(conn, obj) -> None:
+    """obj by value (see the module's docstring)."""
+    conn.send_bytes(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
 
 
 class RankPool:
@@ -103,7 +115,7 @@ class RankPool:
         assert n <= self.size
         try:
             for c in self.conns:
-                c.send((fn, tp, pp, n, args, ep, p2p, shard, cp, etp))
+                _send(c, (fn, tp, pp, n, args, ep, p2p, shard, cp, etp))
         except OSError as e:  # a worker that died since the last job: the next test gets a fresh pool
             raise self._died(e) from e
         results, errors = [], []
@@ -113,7 +125,7 @@ class RankPool:
                 self.close()
                 raise TimeoutError(f"rank {r} gave no result in {timeout}s")
             try:
-                ok, val = c.recv()
+                ok, val = pickle.loads(c.recv_bytes())
             except (EOFError, OSError) as e:  # it died in this job (a crash: exit code -11 is SIGSEGV)
                 raise self._died(e) from e
             (results if ok else errors).append(val if ok else f"rank {r}:\n{val}")
@@ -138,10 +150,12 @@ class RankPool:
         for c, p in zip(self.conns, self.procs):
             try:
                 if p.is_alive() and not self.broken:
-                    c.send(None)
+                    _send(c, None)
             except (BrokenPipeError, OSError):
                 pass
-        for p in self.procs:
+        for c, p in zip(self.conns, self.procs):
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
+                p.join(timeout=10)
+            c.close()  # a replaced pool leaves none of its pipes open in the pytest worker
