@@ -8,8 +8,8 @@ time for the same block: does the block wait on its GPU or on its host?
 Per micro-batch size, the median over --repeats of: gpu ms (CUDA events around forward + backward; on CPU the
 wall time), host ms (until the last op is issued, before the closing sync: the dispatcher's host sync inside
 forward is in it), aten ops issued (non-view, counted once by a dispatch mode: about the kernels a GPU runs),
-the planner's ms for the block (planning/steptime: compute.block_seconds, launches.exposed over
-launches.block_kernels, the dispatcher's sync) on the device's table entry, and measured / planned. A
+the planner's ms for the block (planning/steptime: compute.block_seconds and timing.block_host_seconds,
+the launches it exposes and the dispatcher's sync) on the device's table entry, and measured / planned. A
 measured / planned well above 1 that host ms tracks says the step-time model's launch term (LAUNCH_S a kernel
 over block_kernels' count) is short for this block: the published MoE runs' gap (docs/planning.md).
 """
@@ -86,14 +86,17 @@ def _measure(block, x_SBD, rope, repeats: int, device: torch.device) -> tuple[fl
 
 
 def _planned_ms(cfg, seqs: int, device_name: str) -> float:
+    """The step-time model's ms for this block and micro-batch on one rank: its GPU work and what the host
+    adds to it (timing.block_host_seconds, as the step charges every block)."""
+    from megaframe.planning.candidate import Layout
     from megaframe.planning.devices import get_device
-    from megaframe.planning.steptime import launches
     from megaframe.planning.steptime.compute import block_seconds
+    from megaframe.planning.steptime.timing import _Step, block_host_seconds
 
     dev = get_device(device_name)
     work = sum(block_seconds(cfg, dev, 1, 1, seqs, False, 1).values())
-    kernels = launches.block_kernels(cfg.model, False, 0, False, 1)
-    return (work + launches.exposed(kernels, work) + launches.moe_sync_seconds(1)) * 1e3
+    one_rank = _Step(cfg, Layout(1, 1, 1, 1, 1, 0, seqs, "none"), dev, 1)
+    return (work + block_host_seconds(one_rank, work)) * 1e3
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -246,27 +246,40 @@ def _tp_colls_per_block(lay: Layout) -> int:
     return (6 if lay.recompute in ("full", "op_selective") else 4) + 1
 
 
-def _launch(s: _Step) -> float:
-    """Launch-bound time and MoE host syncs (planning.steptime.launches); 0 on the cpu (no launch queue)."""
+def block_host_seconds(s: _Step, gpu_s: float) -> float:
+    """What the host adds to one block's micro-batch of gpu_s GPU seconds (planning.steptime.launches): the
+    launches it exposes and, in an MoE block, the dispatcher's host sync with the counts' collectives ahead
+    of it, once a forward (twice where recompute re-runs it). 0 on the cpu (no launch queue)."""
     from megaframe.planning.steptime import launches as launch
 
     if not s.dev.hbm_bw:
         return 0.0
     m, lay = s.cfg.model, s.lay
-    compiled = bool(s.cfg.train.compile)
     rerun = lay.recompute in ("full", "op_selective")
+    ep_colls = sum(_ep_colls(lay)) if m.num_experts and lay.ep > 1 else 0
+    gathered = lay.cp > 1 and not cp_ring(s.cfg)
+    colls = _tp_colls_per_block(lay) + ep_colls
+    k = launch.block_kernels(m, bool(s.cfg.train.compile), colls, rerun, lay.ep, gathered)
+    t = launch.exposed(k, gpu_s)
+    if m.num_experts:
+        t += (2 if rerun else 1) * (launch.moe_sync_seconds(1) + _moe_count_colls(s))
+    return t
+
+
+def _launch(s: _Step) -> float:
+    """Launch-bound time and MoE host syncs of the step (block_host_seconds per block and micro-batch, the
+    head's launches per micro-batch); 0 on the cpu (no launch queue)."""
+    from megaframe.planning.steptime import launches as launch
+
+    if not s.dev.hbm_bw:
+        return 0.0
     per_mb = s.layers * s.micro
     work = s.work
     blocks = (sum(work.values()) - work["head"]) / s.share / max(per_mb, 1)
-    ep_colls = sum(_ep_colls(lay)) if m.num_experts and lay.ep > 1 else 0
-    gathered = lay.cp > 1 and not cp_ring(s.cfg)
-    k = launch.block_kernels(m, compiled, _tp_colls_per_block(lay) + ep_colls, rerun, lay.ep, gathered)
-    t = per_mb * launch.exposed(k, blocks)
+    t = per_mb * block_host_seconds(s, blocks)
     if work["head"]:
-        t += s.micro * launch.exposed(launch.head_kernels(compiled), work["head"] / s.share / s.micro)
-    if m.num_experts:
-        forwards = per_mb * (2 if rerun else 1)
-        t += launch.moe_sync_seconds(forwards) + forwards * _moe_count_colls(s)
+        head = launch.head_kernels(bool(s.cfg.train.compile))
+        t += s.micro * launch.exposed(head, work["head"] / s.share / s.micro)
     return t
 
 
