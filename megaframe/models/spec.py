@@ -74,7 +74,8 @@ class FamilySpec:
     layer_params: Callable = counts.layer_params
     """(ModelConfig, tp, ep) -> (dense, expert) parameters of one block on one rank."""
     outside_params: Callable = counts.outside_params
-    """(ModelConfig, tp, first, last) -> parameters outside the blocks on a pipeline rank."""
+    """(ModelConfig, tp, first, last) -> parameters outside the blocks on a pipeline rank (read only where
+    `stage_params` is None: a family that gives stage_params counts its ranks' ends there)."""
     stage_params: Callable | None = None
     """(ModelConfig, tp, ep, global block indices, first, last) -> (dense, expert) parameters of a pipeline
     rank, for a family whose blocks differ by index (dense and MoE blocks, extra blocks past the last);

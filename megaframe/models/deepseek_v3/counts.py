@@ -74,13 +74,6 @@ def stage_params(m: ModelConfig, tp: int, ep: int, layers, first: bool, last: bo
     return dense, expert
 
 
-def outside_params(m: ModelConfig, tp: int, first: bool, last: bool) -> int:
-    """Everything of a rank but its blocks' uniform MoE count at ep = 1 (stage_params less layer_params):
-    the dense first blocks' difference to a MoE block on the first, the MTP depths on the last."""
-    blocks = range(_dense_layers(m)) if first else range(0)
-    return sum(stage_params(m, tp, 1, blocks, first, last)) - len(blocks) * sum(layer_params(m, tp))
-
-
 def _attention_matmuls(m: ModelConfig) -> int:
     d, h = m.hidden_size, m.num_attention_heads
     q = d * m.q_lora_rank + m.q_lora_rank * _q_out(m) if m.q_lora_rank else d * _q_out(m)

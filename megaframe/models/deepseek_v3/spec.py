@@ -90,7 +90,6 @@ SPEC = FamilySpec(
     hf_architecture="DeepseekV3ForCausalLM",
     block=_block,
     layer_params=counts.layer_params,
-    outside_params=counts.outside_params,
     stage_params=counts.stage_params,
     flops_per_token=counts.flops_per_token,
     matmul_params=counts.matmul_params,
