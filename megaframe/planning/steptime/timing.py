@@ -349,8 +349,9 @@ def _dp(s: _Step) -> float:
     if lay.zero == 3:
         # block by block: the next unit's gather hides behind one unit's forward (and backward, where
         # reshard_after_forward gathers again), the reduce-scatter behind one unit's backward; a unit's
-        # traffic the unit's own compute cannot cover is paid, not absorbed by the rest of the step
-        units = buckets * micro
+        # traffic the unit's own compute cannot cover is paid, not absorbed by the rest of the step. A unit
+        # is a block (and the params outside them), its dense and expert collectives alike
+        units = (s.layers + 1) * micro
         f_gather, b_coll = ring(a, micro) / units, ring(g, micro) / units
         if cfg.optim.reshard_after_forward:
             b_coll += f_gather

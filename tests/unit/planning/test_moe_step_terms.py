@@ -214,3 +214,22 @@ def test_the_grouped_gemms_meet_the_published_kernel_measurements():
     # tile-ai/TileOPs#1567: torch._grouped_mm, 256 groups of [1024, 6144] x [6144, 4096], 603 TFLOP/s (H200)
     t = compute.gemm_seconds(h200, "bf16", 1024, 6144, 4096, g)
     assert 2 * 1024 * 6144 * 4096 / t / 1e12 == pytest.approx(603, rel=0.05)
+
+
+def test_zero3_hides_a_blocks_dense_and_expert_collectives_behind_that_block(cfg, monkeypatch):
+    """ZeRO-3's overlap unit is a block: its dense and its experts' gathers and reduce-scatters run during
+    the same block's compute, so with every collective costing 1 s and all hidden but the last unit's, the
+    exposed tail is one block's four (gather and reduce-scatter, dense and expert) plus the re-gather of
+    reshard_after_forward, not half of that, as counting the experts' buckets as units of their own gave."""
+    from megaframe.planning.candidate import Layout
+    from megaframe.planning.steptime import timing
+    from megaframe.planning.steptime.timing import _dp, _Step
+
+    monkeypatch.setattr(timing, "_compute", lambda s: 1e9)  # every unit's traffic hidden but the tail
+    monkeypatch.setattr(timing._Step, "coll", lambda self, nbytes, n, steps, span: 1.0)
+    s = _Step(cfg, Layout(1, 1, 1, 8, 2, 3, 1, "none"), DEVICES["H100"], 8)
+    assert timing._experts(s).edp_shard > 1  # the experts do have a dp collective here
+    units = (s.layers + 1) * s.micro
+    # per micro-batch a gather and a reduce-scatter of each unit, dense and expert: 2 colls a ring call
+    gather, reduce = 2 * s.micro / units, 2 * s.micro / units
+    assert _dp(s) == pytest.approx(gather + reduce + gather)
