@@ -47,7 +47,7 @@ def _worker(rank: int, size: int, port: int, conn) -> None:
     )
     meshes = {}
     while True:
-        job = pickle.loads(conn.recv_bytes())
+        job = _recv(conn)
         if job is None:
             break
         fn, tp, pp, n, args, ep, semantics, shard, cp, etp = job
@@ -79,6 +79,11 @@ def _worker(rank: int, size: int, port: int, conn) -> None:
 def _send(conn, obj) -> None:
     """obj by value (see the module's docstring)."""
     conn.send_bytes(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _recv(conn):
+    """What _send sent, by value."""
+    return pickle.loads(conn.recv_bytes())
 
 
 class RankPool:
@@ -125,7 +130,7 @@ class RankPool:
                 self.close()
                 raise TimeoutError(f"rank {r} gave no result in {timeout}s")
             try:
-                ok, val = pickle.loads(c.recv_bytes())
+                ok, val = _recv(c)
             except (EOFError, OSError) as e:  # it died in this job (a crash: exit code -11 is SIGSEGV)
                 raise self._died(e) from e
             (results if ok else errors).append(val if ok else f"rank {r}:\n{val}")
