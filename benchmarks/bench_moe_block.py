@@ -91,11 +91,12 @@ def _planned_ms(cfg, seqs: int, device_name: str) -> float:
     from megaframe.planning.candidate import Layout
     from megaframe.planning.devices import get_device
     from megaframe.planning.steptime.compute import block_seconds
-    from megaframe.planning.steptime.timing import _Step, block_host_seconds
+    from megaframe.planning.steptime.step import Step
+    from megaframe.planning.steptime.timing import block_host_seconds
 
     dev = get_device(device_name)
     work = sum(block_seconds(cfg, dev, 1, 1, seqs, False, 1).values())
-    one_rank = _Step(cfg, Layout(1, 1, 1, 1, 1, 0, seqs, "none"), dev, 1)
+    one_rank = Step(cfg, Layout(1, 1, 1, 1, 1, 0, seqs, "none"), dev, 1)
     return (work + block_host_seconds(one_rank, work)) * 1e3
 
 

@@ -49,25 +49,17 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
 
 from megaframe.config.schema import Config
 from megaframe.parallel.context import cp_bytes_per_layer
 from megaframe.parallel.rank_grid import ExpertGroups, folded_expert_groups
-from megaframe.planning.candidate import Layout, cp_ring, stage_layers, stage_params
+from megaframe.planning.candidate import Layout, cp_ring, stage_params
 from megaframe.planning.devices import Device
 from megaframe.planning.gloo_link import hop_seconds
-from megaframe.planning.steptime.compute import rerun_gemm_share, step_compute
+from megaframe.planning.steptime.compute import rerun_gemm_share
 from megaframe.planning.steptime.moe import all_to_all_seconds
+from megaframe.planning.steptime.step import Step
 from megaframe.training.metrics import flops_per_token
-
-
-def _ring(nbytes: float, n: int, steps: float, bw: float, latency: float, hops: tuple = ()) -> float:
-    """Seconds for a collective moving nbytes per rank over a ring of n ranks in `steps` hops: bandwidth
-    plus a latency per hop, or `steps` hops of nbytes / steps on a measured curve (Device.hops)."""
-    if n <= 1:
-        return 0.0
-    return steps * hop_seconds(hops, nbytes / steps) if hops else nbytes / bw + steps * latency
 
 
 @functools.lru_cache(maxsize=None)
@@ -98,65 +90,11 @@ def split_costs(cfg: Config, recompute: str = "none") -> tuple[float, float, flo
     return tuple(float(f"{x / f:.3g}") for x in (1.0 * f, b, w))
 
 
-@dataclass(frozen=True)
-class _Step:
-    """What every part of one layout's step time reads."""
-
-    cfg: Config
-    lay: Layout
-    dev: Device
-    world: int
-
-    @property
-    def elem(self) -> int:
-        return 4 if self.cfg.train.precision == "fp32" else 2  # fp8 runs keep bf16 activations
-
-    @property
-    def micro(self) -> int:
-        """Micro-batches per step on a rank."""
-        return self.cfg.train.global_batch_size // (self.lay.micro_batch * self.lay.dp)
-
-    @property
-    def layers(self) -> int:
-        """Blocks of the largest pipeline stage (an uneven parallel.pp_layout: its largest rank)."""
-        return max(stage_layers(self.cfg.model.num_layers, self.lay))
-
-    @functools.cached_property
-    def work(self) -> dict[str, float]:
-        """Compute seconds of the slowest pipeline rank by kind (steptime.compute): its blocks, the head
-        on the last rank."""
-        lays = stage_layers(self.cfg.model.num_layers, self.lay)
-        parts = [
-            step_compute(self.cfg, self.dev, self.lay, n, self.micro, r == len(lays) - 1)
-            for r, n in enumerate(lays)
-        ]
-        return max(parts, key=lambda p: sum(p.values()))
-
-    @property
-    def act(self) -> int:
-        """Bytes of one micro-batch's [S/cp, B, D] activations: a cp rank's S/cp tokens."""
-        m = self.cfg.model
-        return self.lay.micro_batch * m.seq_length // self.lay.cp * m.hidden_size * self.elem
-
-    @property
-    def share(self) -> float:
-        """Ranks beyond the cores share them (cpu): each rank gets cores/world of one."""
-        return min(1.0, self.dev.per_node / self.world) if self.dev.name.startswith("cpu") else 1.0
-
-    def coll(self, nbytes: float, n: int, steps: float, span: int) -> float:
-        """A ring collective over n ranks whose group spans
-        `span` consecutive ranks (NVLink within a node)."""
-        d = self.dev
-        on_node = d.name.startswith("cpu") or span <= d.per_node
-        bw = (d.intra_bw if on_node else d.inter_bw) * d.link_eff
-        return _ring(nbytes, n, steps, bw, d.latency_s if on_node else d.inter_latency_s, d.hops)
-
-
-def _compute(s: _Step) -> float:
+def _compute(s: Step) -> float:
     return sum(s.work.values()) / s.share
 
 
-def _tp(s: _Step) -> float:
+def _tp(s: Step) -> float:
     lay, tp = s.lay, s.lay.tp
     # under sp the two column-parallel linears re-gather their saved sequence block in backward for the
     # weight grad (layers.linear._GatheredLinear): two more all-gathers, one all-reduce's worth, per block;
@@ -179,7 +117,7 @@ def _tp(s: _Step) -> float:
     return blocks + loss
 
 
-def _ep(s: _Step) -> float:
+def _ep(s: Step) -> float:
     """The experts' all-to-alls over the expert group (planning.steptime.moe): the rows' dispatch and
     combine, forward and backward, the fp32 combine weights' dispatch (they travel with their rows to be
     applied inside the experts: moe/dispatcher.py), forward and backward, and the forward's again where
@@ -204,13 +142,13 @@ def _ep_colls(lay: Layout) -> tuple[int, int]:
     return 4 + (2 if rerun else 0), 2 + (1 if rerun else 0)
 
 
-def _experts(s: _Step) -> ExpertGroups:
+def _experts(s: Step) -> ExpertGroups:
     """The layout's folded expert groups (sizes and spans), read from the mesh's own rank arithmetic."""
     lay = s.lay
     return folded_expert_groups(lay.tp, lay.cp, lay.dp, lay.ep, s.cfg.parallel.etp, lay.shard_size)
 
 
-def _cp(s: _Step) -> float:
+def _cp(s: Step) -> float:
     """The K/V exchange (module doc); the ring's is hidden behind the block attention up to its time."""
     m, lay, c = s.cfg.model, s.lay, s.lay.cp
     if c == 1:
@@ -246,7 +184,7 @@ def _tp_colls_per_block(lay: Layout) -> int:
     return (6 if lay.recompute in ("full", "op_selective") else 4) + 1
 
 
-def block_host_seconds(s: _Step, gpu_s: float) -> float:
+def block_host_seconds(s: Step, gpu_s: float) -> float:
     """What the host adds to one block's micro-batch of gpu_s GPU seconds (planning.steptime.launches): the
     launches it exposes and, in an MoE block, the dispatcher's host sync with the counts' collectives ahead
     of it, once a forward (twice where recompute re-runs it). 0 on the cpu (no launch queue)."""
@@ -266,7 +204,7 @@ def block_host_seconds(s: _Step, gpu_s: float) -> float:
     return t
 
 
-def _launch(s: _Step) -> float:
+def _launch(s: Step) -> float:
     """Launch-bound time and MoE host syncs of the step (block_host_seconds per block and micro-batch, the
     head's launches per micro-batch); 0 on the cpu (no launch queue)."""
     from megaframe.planning.steptime import launches as launch
@@ -283,7 +221,7 @@ def _launch(s: _Step) -> float:
     return t
 
 
-def _moe_count_colls(s: _Step) -> float:
+def _moe_count_colls(s: Step) -> float:
     """The small collectives of int64 expert counts an MoE layer's forward issues ahead of its host sync,
     so nothing hides their latency: under sp and cp the routed counts of each run gathered over the ranks
     splitting the sequence (model/moe/layer.py's _batch_counts: up to 2 runs a rank under cp), the counts'
@@ -302,7 +240,7 @@ def _moe_count_colls(s: _Step) -> float:
     return t
 
 
-def _pp(s: _Step) -> float:
+def _pp(s: Step) -> float:
     lay = s.lay
     if lay.pp == 1:
         return 0.0
@@ -310,7 +248,7 @@ def _pp(s: _Step) -> float:
     return 2 * s.micro * lay.vpp * s.coll(s.act / lay.tp, 2, 1, lay.tp * lay.cp * lay.dp * lay.pp)
 
 
-def _dp(s: _Step) -> float:
+def _dp(s: Step) -> float:
     """The dp time the step pays (module doc): each collective's time less the compute it overlaps."""
     lay, cfg = s.lay, s.cfg
     dense, expert = stage_params(cfg.model, lay, True, lay.pp == 1)
@@ -367,7 +305,7 @@ def _dp(s: _Step) -> float:
     return sum(max(t - window, 0.0) for t, window in hidden) + tail + _hsdp(s, n, g, sh, buckets)
 
 
-def _hsdp(s: _Step, n: int, g: int, sh: int, buckets: int) -> float:
+def _hsdp(s: Step, n: int, g: int, sh: int, buckets: int) -> float:
     """HSDP: the owned shard all-reduced over the replicas after backward (paid in full)."""
     lay = s.lay
     dpcp = lay.dp * lay.cp
@@ -381,7 +319,7 @@ def step_time(cfg: Config, lay: Layout, dev: Device, world: int) -> dict[str, fl
     """The module docstring's model: seconds per step by part."""
     from megaframe.pipeline.schedule import resolve_kind, splits_backward
 
-    s = _Step(cfg, lay, dev, world)
+    s = Step(cfg, lay, dev, world)
     compute, tp, ep, cp, fixed = _compute(s), _tp(s), _ep(s), _cp(s), _launch(s)
     from megaframe.planning.steptime.fixed import optimizer_seconds
 

@@ -3,7 +3,7 @@
 import pytest
 
 from megaframe.planning.gloo_link import SIZES, hop_seconds, measure_hops
-from megaframe.planning.steptime.timing import _ring
+from megaframe.planning.steptime.step import ring_seconds
 
 
 def test_hop_curve_interpolates_log_log_and_extends_by_the_last_bandwidth():
@@ -13,8 +13,8 @@ def test_hop_curve_interpolates_log_log_and_extends_by_the_last_bandwidth():
     assert hop_seconds(curve, 2048) == pytest.approx(2**0.5 * 1e-3)  # halfway in log-log
     assert hop_seconds(curve, 8192) == pytest.approx(2e-3 + 4096 * 1e-3 / 3072)
     # a ring collective of 3 hops of 1 KiB each on the curve; one rank: free
-    assert _ring(3072, 4, 3, bw=1.0, latency=9.0, hops=curve) == pytest.approx(3e-3)
-    assert _ring(3072, 1, 3, bw=1.0, latency=9.0, hops=curve) == 0.0
+    assert ring_seconds(3072, 4, 3, bw=1.0, latency=9.0, hops=curve) == pytest.approx(3e-3)
+    assert ring_seconds(3072, 1, 3, bw=1.0, latency=9.0, hops=curve) == 0.0
 
 
 def test_measured_hops_cover_the_sizes_and_never_fall():

@@ -129,10 +129,10 @@ def test_an_fp32_runs_gemms_and_mfu_are_timed_on_the_cuda_cores():
 @pytest.mark.parametrize("ep", [8, 16])
 def test_the_all_to_all_rides_the_link_its_expert_group_lands_on(ep, cfg):
     from megaframe.planning.candidate import Layout
-    from megaframe.planning.steptime.timing import _Step
+    from megaframe.planning.steptime.step import Step
 
     h100 = DEVICES["H100"]
-    s = _Step(cfg, Layout(1, 1, 1, ep, ep, 1, 1, "none"), h100, ep)
+    s = Step(cfg, Layout(1, 1, 1, ep, ep, 1, 1, "none"), h100, ep)
     nv, ib = h100.intra_bw * h100.link_eff, h100.inter_bw * h100.link_eff
     out = (ep - 1) / ep * 1e6 * moe.IMBALANCE  # the busiest rank's rows leaving it
     if ep == 8:  # tp·cp·dp ranks fold ep innermost: 8 consecutive ranks, one node, NVLink
@@ -144,22 +144,24 @@ def test_the_all_to_all_rides_the_link_its_expert_group_lands_on(ep, cfg):
 
 def test_the_counts_collectives_ahead_of_the_host_sync_pay_their_latency(cfg):
     from megaframe.planning.candidate import Layout
-    from megaframe.planning.steptime.timing import _moe_count_colls, _Step
+    from megaframe.planning.steptime.step import Step
+    from megaframe.planning.steptime.timing import _moe_count_colls
 
     h100, e = DEVICES["H100"], cfg.model.num_experts
     nv = h100.intra_bw * h100.link_eff
-    assert _moe_count_colls(_Step(cfg, Layout(1, 1, 1, 8, 1, 1, 1, "none"), h100, 8)) == 0.0
+    assert _moe_count_colls(Step(cfg, Layout(1, 1, 1, 8, 1, 1, 1, "none"), h100, 8)) == 0.0
     # tp 2 under sp: one run's int64 counts all-gathered from the one peer, one ring step
-    sp = _Step(cfg, Layout(2, 1, 1, 4, 1, 1, 1, "none", sp=True), h100, 8)
+    sp = Step(cfg, Layout(2, 1, 1, 4, 1, 1, 1, "none", sp=True), h100, 8)
     assert _moe_count_colls(sp) == pytest.approx(8 * e / nv + h100.latency_s, rel=1e-12)
 
 
 def test_the_combine_weights_travel_in_their_own_all_to_all(cfg):
     from megaframe.planning.candidate import Layout
-    from megaframe.planning.steptime.timing import _ep, _ep_colls, _Step
+    from megaframe.planning.steptime.step import Step
+    from megaframe.planning.steptime.timing import _ep, _ep_colls
 
     m, h100 = cfg.model, DEVICES["H100"]
-    s = _Step(cfg, Layout(1, 1, 1, 8, 8, 1, 1, "none"), h100, 8)
+    s = Step(cfg, Layout(1, 1, 1, 8, 8, 1, 1, "none"), h100, 8)
     rows = s.lay.micro_batch * m.seq_length * m.moe_top_k  # the rank's routed rows a micro-batch
     # the rows' dispatch and combine, forward and backward (D elements each), and the fp32 weights'
     # dispatch, forward and backward (4 bytes a row), each with its own latency
@@ -178,7 +180,8 @@ def test_the_dense_grads_pay_the_latency_of_their_own_buckets_only(cfg, monkeypa
     bucket's latency per expert bucket too."""
     from megaframe.planning.candidate import Layout
     from megaframe.planning.steptime import timing
-    from megaframe.planning.steptime.timing import _dp, _Step
+    from megaframe.planning.steptime.step import Step
+    from megaframe.planning.steptime.timing import _dp
 
     monkeypatch.setattr(timing, "_compute", lambda s: 1e-3)
 
@@ -187,7 +190,7 @@ def test_the_dense_grads_pay_the_latency_of_their_own_buckets_only(cfg, monkeypa
     def dp(width: int) -> float:
         m = dataclasses.replace(cfg.model, moe_ffn_hidden_size=width)
         small = dataclasses.replace(cfg.optim, bucket_size_mb=0.01)  # many buckets: their latency shows
-        return _dp(_Step(dataclasses.replace(cfg, model=m, optim=small), lay, h100, 8))
+        return _dp(Step(dataclasses.replace(cfg, model=m, optim=small), lay, h100, 8))
 
     assert dp(cfg.model.expert_ffn) > 0
     assert dp(4 * cfg.model.expert_ffn) == pytest.approx(dp(cfg.model.expert_ffn), rel=1e-12)
@@ -223,11 +226,12 @@ def test_zero3_hides_a_blocks_dense_and_expert_collectives_behind_that_block(cfg
     reshard_after_forward, not half of that, as counting the experts' buckets as units of their own gave."""
     from megaframe.planning.candidate import Layout
     from megaframe.planning.steptime import timing
-    from megaframe.planning.steptime.timing import _dp, _Step
+    from megaframe.planning.steptime.step import Step
+    from megaframe.planning.steptime.timing import _dp
 
     monkeypatch.setattr(timing, "_compute", lambda s: 1e9)  # every unit's traffic hidden but the tail
-    monkeypatch.setattr(timing._Step, "coll", lambda self, nbytes, n, steps, span: 1.0)
-    s = _Step(cfg, Layout(1, 1, 1, 8, 2, 3, 1, "none"), DEVICES["H100"], 8)
+    monkeypatch.setattr(Step, "coll", lambda self, nbytes, n, steps, span: 1.0)
+    s = Step(cfg, Layout(1, 1, 1, 8, 2, 3, 1, "none"), DEVICES["H100"], 8)
     assert timing._experts(s).edp_shard > 1  # the experts do have a dp collective here
     units = (s.layers + 1) * s.micro
     # per micro-batch a gather and a reduce-scatter of each unit, dense and expert: 2 colls a ring call
