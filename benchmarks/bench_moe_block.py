@@ -4,6 +4,8 @@ time for the same block: does the block wait on its GPU or on its host?
     python benchmarks/bench_moe_block.py                     # CUDA: qwen3_30b_a3b's block, 4096 tokens a
                                                              # sequence, all 128 experts on the device (ep 1)
     python benchmarks/bench_moe_block.py --dry               # CPU, qwen3_moe_tiny: the harness (the suite)
+    python benchmarks/bench_moe_block.py --dry --seq-length 1 --precision fp32 --seqs 1
+                                                             # CPU, one token: the host's own time per op
 
 Per micro-batch size, the median over --repeats of: gpu ms (CUDA events around forward + backward; on CPU the
 wall time), host ms (until the last op is issued, before the closing sync: the dispatcher's host sync inside
@@ -11,7 +13,9 @@ forward is in it), aten ops issued (non-view, counted once by a dispatch mode: a
 the planner's ms for the block (planning/steptime: compute.block_seconds and timing.block_host_seconds,
 the launches it exposes and the dispatcher's sync) on the device's table entry, and measured / planned. A
 measured / planned well above 1 that host ms tracks says the step-time model's launch term (LAUNCH_S a kernel
-over block_kernels' count) is short for this block: the published MoE runs' gap (docs/planning.md).
+over block_kernels' count) is short for this block: the published MoE runs' gap (docs/planning.md). Host us
+a op is host ms over the ops: at one token in fp32 on the CPU the kernels do next to nothing, so it is the
+eager dispatch's and autograd's own cost per op on this host (a GPU's host adds the CUDA launch to it).
 """
 
 from __future__ import annotations
@@ -36,22 +40,30 @@ class _Ops(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _block(model_name: str, seqs: int, dry: bool, device: torch.device):
+def _block(model_name: str, seqs: int, dry: bool, device: torch.device, seq: int, precision: str):
     from megaframe.config import load_config
     from megaframe.model.parallelize import build_model_for
     from megaframe.parallel.mesh import single_process_mesh
 
-    # --dry: the tiny Qwen3-MoE (8 experts) at 32 tokens a sequence
-    model_name, shape = ("qwen3_moe_tiny", ["model.seq_length=32"]) if dry else (model_name, [])
-    over = ["data=synthetic", f"model={model_name}", "model.num_layers=1", *shape, "train.precision=bf16"]
+    # --dry: the tiny Qwen3-MoE (8 experts) at 32 tokens a sequence unless told
+    model_name, shape = ("qwen3_moe_tiny", [f"model.seq_length={seq or 32}"]) if dry else (model_name, [])
+    shape += [f"model.seq_length={seq}"] if seq and not dry else []
+    over = [
+        "data=synthetic",
+        f"model={model_name}",
+        "model.num_layers=1",
+        *shape,
+        f"train.precision={precision}",
+    ]
     over += [f"train.micro_batch_size={seqs}", f"train.global_batch_size={seqs}"]
     over.append(f"train.device={device.type}")
     cfg = load_config(over, world_size=1, check_data=False)
     torch.manual_seed(0)
     model = build_model_for(cfg.model, cfg.parallel, cfg.train, cfg.optim, single_process_mesh(device))
     block, m = model.layers["0"].train(), cfg.model
-    x_SBD = torch.randn(m.seq_length, seqs, m.hidden_size, device=device, dtype=torch.bfloat16)
-    return cfg, block, x_SBD.requires_grad_(), model.rope_for(torch.bfloat16)
+    dtype = torch.float32 if precision == "fp32" else torch.bfloat16
+    x_SBD = torch.randn(m.seq_length, seqs, m.hidden_size, device=device, dtype=dtype)
+    return cfg, block, x_SBD.requires_grad_(), model.rope_for(dtype)
 
 
 def _measure(block, x_SBD, rope, repeats: int, device: torch.device) -> tuple[float, float, int]:
@@ -107,6 +119,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--device-entry", help="the planner's device (default: H100, or H200 on one)")
     ap.add_argument("--dry", action="store_true", help="CPU and a tiny shape")
+    ap.add_argument(
+        "--seq-length", type=int, default=0, help="tokens a sequence (default: the model's; 32 dry)"
+    )
+    ap.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available() and not args.dry
     device = torch.device("cuda" if cuda else "cpu")
@@ -115,12 +131,13 @@ def main(argv: list[str] | None = None) -> None:
     model = "qwen3_moe_tiny" if args.dry else args.model
     print(f"MoE block of {model} on {name}; planned on the {entry} entry (planning/devices.py)")
     for seqs in args.seqs:
-        cfg, block, x_SBD, rope = _block(args.model, seqs, args.dry, device)
+        cfg, block, x_SBD, rope = _block(args.model, seqs, args.dry, device, args.seq_length, args.precision)
         gpu, host, ops = _measure(block, x_SBD, rope, args.repeats, device)
         planned = _planned_ms(cfg, seqs, entry)
         print(
             f"  {seqs} x {cfg.model.seq_length} tokens: gpu {gpu:.2f} ms, host {host:.2f} ms, {ops} aten "
-            f"ops, planned {planned:.2f} ms, ratio measured / planned {gpu / planned:.2f}"
+            f"ops ({host / ops * 1e3:.1f} us a op on the host), planned {planned:.2f} ms, ratio measured / "
+            f"planned {gpu / planned:.2f}"
         )
         del block, x_SBD
 
