@@ -31,16 +31,18 @@ SOFT = frozenset(
         "moe_z_loss_coeff",
         "moe_bias_update_rate",
         "moe_capacity_factor",
+        "moe_force_balance",
         "moe_seq_aux_loss_coeff",
         "mtp_loss_weight",
         "init_std",
         "max_position_embeddings",
     }
 )
-"""model.* fields a resume may change without a refusal: none shapes a weight or the function computed
-at inference (the init std only matters for a fresh start; max_position_embeddings is what export
-advertises). A RoPE model's seq_length is soft too (soft_fields): RoPE has no position table, so
-continued pretraining may use another context length, as Megatron's --seq-length may differ at a load."""
+"""model.* fields a resume may change without a refusal: none shapes a weight or the function computed at
+inference (the init std only matters for a fresh start; max_position_embeddings is what export advertises;
+moe_force_balance does change the routing, on purpose: a throughput benchmark may run a trained checkpoint
+under it). A RoPE model's seq_length is soft too (soft_fields): RoPE has no position table, so continued
+pretraining may use another context length, as Megatron's --seq-length may differ at a load."""
 
 
 def soft_fields(saved: dict) -> frozenset:

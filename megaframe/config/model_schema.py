@@ -94,6 +94,12 @@ class ModelConfig(Frozen):
     moe_capacity_factor: Optional[float] = None
     """None = dropless. Else each expert takes at most ceil(factor * tokens * top_k / experts) assignments
     of a micro-batch (first come, in token order); the rest are dropped (moe/layer{i}/dropped_frac)."""
+    moe_force_balance: bool = False
+    """Throughput benchmarks only: a token at sequence position p goes to experts (p·K + j) mod E, j < K,
+    whatever its scores, so every expert and every ep rank gets the same rows (Megatron's
+    moe_router_force_load_balancing, torchtitan's _debug_force_load_balance). The combine weights are
+    still those experts' scores and the router losses still train the gate; the routing means nothing.
+    The planner times it at even load (planning/steptime/moe.py's imbalance)."""
     moe_shared_experts: int = 0
     """Shared experts beside the routed ones (DeepSeek): one dense SwiGLU of width moe_shared_experts *
     moe_ffn_hidden_size every token passes through, split over tp; 0 = none (model.family=deepseek_v3)."""

@@ -129,6 +129,7 @@ class MoE(nn.Module):
         self.etp = mesh.etp
         self.tokens_per_step = tokens_per_step
         self._ahead: dict[int, torch.Tensor] = {}  # _batch_counts' run order masks, by sequence length
+        self._forced: dict[tuple, torch.Tensor] = {}  # _forced_experts' choices, by (rows, batch, device)
         self.router = router.Router(cfg.hidden_size, cfg.num_experts, sp, device, mesh.device)
         self.experts = Experts(cfg, mesh, sp, device)
         # this step's statistics, accumulated over micro-batches on the device (no host sync)
@@ -173,6 +174,22 @@ class MoE(nn.Module):
         before_JE = (self._ahead[seq][:, :, None] * all_GJE.reshape(-1, e)[None]).sum(1)
         return all_GJE.sum((0, 1)), (run_JE, before_JE)
 
+    def _forced_experts(self, rows: int, batch: int, device: torch.device) -> torch.Tensor:
+        """model.moe_force_balance's experts_TK for this rank's tokens (router.balanced_experts): each row's
+        global sequence position from the runs the rank holds (context.cp_runs: its cp chunks, its sp
+        block), repeated over the batch (tokens are sequence-major). A constant of the layout: built once."""
+        key = (rows, batch, device)
+        if key not in self._forced:
+            blocks = self.tp.size if self.sp else 1
+            seq = rows * blocks * self.cp.size
+            me = context.cp_runs(seq, self.cp.size, self.cp.rank, blocks, self.tp.rank if blocks > 1 else 0)
+            pos_S = torch.cat([torch.arange(g, g + hi - lo, device=device) for lo, hi, g in me])
+            c = self.cfg
+            self._forced[key] = router.balanced_experts(
+                pos_S.repeat_interleave(batch), c.moe_top_k, c.num_experts
+            )
+        return self._forced[key]
+
     def forward(self, x_SBD: torch.Tensor) -> torch.Tensor:
         c = self.cfg
         s, b, d = x_SBD.shape
@@ -190,6 +207,7 @@ class MoE(nn.Module):
             groups,
             c.moe_norm_topk_prob,
             c.moe_routed_scaling_factor,
+            self._forced_experts(s, b, x_TD.device) if c.moe_force_balance else None,
         )
         counts_E = dispatcher.expert_counts(r.experts_TK.reshape(-1), c.num_experts)
         batch_E, runs = self._batch_counts(r.experts_TK, counts_E, b)

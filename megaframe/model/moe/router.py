@@ -44,11 +44,13 @@ def route(
     groups: tuple[int, int] = (1, 1),
     norm: bool = True,
     scale: float = 1.0,
+    forced_TK: torch.Tensor | None = None,
 ) -> Routing:
     """Top-k routing of fp32 logits (pure function; the reference the tests check by hand). DeepSeek-V3's
     options: `groups` (n_group, topk_group) limits a token to its topk_group best expert groups (a group's
     score: the sum of its two best selection scores), `norm` false keeps the chosen scores as they are,
-    `scale` multiplies the combine weights (routed_scaling_factor)."""
+    `scale` multiplies the combine weights (routed_scaling_factor). `forced_TK`: the experts chosen
+    already (model.moe_force_balance: `balanced_experts`), weighted by their scores as top-k's would be."""
     # fp32: in bf16 many scores round to ties, and top-k choices would flip on rounding noise.
     logits_TE = logits_TE.float()
     if score == "softmax":
@@ -57,15 +59,27 @@ def route(
     else:
         scores_TE = torch.sigmoid(logits_TE)
         probs_TE = scores_TE / scores_TE.sum(-1, keepdim=True)
-    select_TE = scores_TE.detach() if bias_E is None else scores_TE.detach() + bias_E.float()
-    if groups[0] > 1:
-        select_TE = _group_limited(select_TE, *groups)
-    # topk on the detached scores: selection is not differentiable; ties go to the lower expert index
-    experts_TK = torch.topk(select_TE, top_k, dim=-1, sorted=True).indices
+    if forced_TK is not None:
+        experts_TK = forced_TK
+    else:
+        select_TE = scores_TE.detach() if bias_E is None else scores_TE.detach() + bias_E.float()
+        if groups[0] > 1:
+            select_TE = _group_limited(select_TE, *groups)
+        # topk on the detached scores: selection is not differentiable; ties go to the lower expert index
+        experts_TK = torch.topk(select_TE, top_k, dim=-1, sorted=True).indices
     chosen_TK = scores_TE.gather(-1, experts_TK)
     # clamp: sigmoid scores can all underflow to 0 for a token; 0/0 would turn its output into NaN.
     weights_TK = chosen_TK / chosen_TK.sum(-1, keepdim=True).clamp_min(1e-20) if norm else chosen_TK
     return Routing(experts_TK, weights_TK * scale if scale != 1.0 else weights_TK, probs_TE)
+
+
+def balanced_experts(positions_T: torch.Tensor, top_k: int, num_experts: int) -> torch.Tensor:
+    """experts_TK of model.moe_force_balance: the token at sequence position p goes to (p·K + j) mod E for
+    j < K. Any run of consecutive positions hands the E experts its run·K assignments round-robin, so a
+    rank's tokens (a run per sp block, two per cp chunk pair) load every expert alike to one row per
+    sequence; from the position alone, so every layout routes a token the same way."""
+    j_K = torch.arange(top_k, device=positions_T.device)
+    return (positions_T[:, None] * top_k + j_K) % num_experts
 
 
 def _group_limited(select_TE: torch.Tensor, n_group: int, topk_group: int) -> torch.Tensor:

@@ -44,7 +44,8 @@ rank, each split over etp). Each rank routes its own tokens (T = micro-batch x S
 
 IMBALANCE is an assumption, stated: the busiest expert rank's load over the mean under an auxiliary
 load-balancing loss (Switch Transformer, Fedus et al. 2021, and GShard report per-expert loads within
-~1.1-1.3 x of the mean once balanced; DeepSeek-V3's report the same order): 1.2.
+~1.1-1.3 x of the mean once balanced; DeepSeek-V3's report the same order): 1.2. Under
+model.moe_force_balance every expert takes the same rows (router.balanced_experts): 1 (`imbalance`).
 """
 
 from __future__ import annotations
@@ -53,6 +54,11 @@ IMBALANCE = 1.2
 """Busiest rank's routed rows over the mean (module doc: an assumption with its sources)."""
 GROUPED_FIXED = 2.0
 """A grouped GEMM's fixed time per group over a dense GEMM's (devices.gemm_fixed_s): module doc's sources."""
+
+
+def imbalance(m) -> float:
+    """The busiest rank's routed rows over the mean for this model (module doc)."""
+    return 1.0 if getattr(m, "moe_force_balance", False) else IMBALANCE
 
 
 def expert_group(lay, etp: int) -> tuple[int, int]:
@@ -71,7 +77,7 @@ def expert_gemms(m, tp: int) -> tuple[tuple[int, int], ...]:
 
 def expert_rows(m, tokens: int, ep: int) -> float:
     """Rows one local expert of the busiest rank multiplies in a micro-batch (module doc)."""
-    return IMBALANCE * tokens * m.moe_top_k * ep / m.num_experts
+    return imbalance(m) * tokens * m.moe_top_k * ep / m.num_experts
 
 
 def experts_seconds(gemm_seconds, dev, prec: str, m, tokens: int, tp: int, ep: int) -> float:
@@ -107,20 +113,20 @@ def router_bytes(m, tokens: int, elem: int) -> float:
     return casts + tokens * e * 4 * scores
 
 
-def permute_rows(tokens: int, top_k: int, ep: int) -> float:
-    """Rows (of D elements) the dispatcher's permutation reads plus writes for one MoE layer and
-    micro-batch, forward + backward, on the busiest rank (moe/dispatcher.py's dispatch_combine with
-    moe/rows.py's row moves; A = T·top_k assignments of the rank's own tokens, R = IMBALANCE x A rows its
-    experts receive when ep > 1). Forward: the gather by token, x_TD[token_A] (read A, write A); under ep
-    the regrouping's gather x_RD[perm_R] (read R, write R) and its inverse, a scatter_rows: zeros (write
-    R) and index_add_ (read a source row, read and write its target row: 3R); the combine, a scatter_rows
-    into [T, D]: zeros (write T) and index_add_ (3A). Backward (rows.py's): the combine's index_select
-    (read A, write A); under ep the inverse's index_select (2R) and the regrouping's zeros and
-    accumulating index_put_ (R + 3R); the gather by token's zeros and index_put_ (T + 3A). The combine
-    weight is applied inside the experts (`swiglu_bytes`); its own moves (the [A, 1] fp32 weights
-    gathered, regrouped and their grads: 4 bytes a row, not D elements) are left out."""
+def permute_rows(tokens: int, top_k: int, ep: int, imb: float = IMBALANCE) -> float:
+    """Rows (of D elements) the dispatcher's permutation reads plus writes for one MoE layer and micro-batch,
+    forward + backward, on the busiest rank (moe/dispatcher.py's dispatch_combine with moe/rows.py's row
+    moves; A = T·top_k assignments of the rank's own tokens, R = imb x A rows its experts receive when ep > 1;
+    imb: `imbalance`). Forward: the gather by token, x_TD[token_A] (read A, write A); under ep the
+    regrouping's gather x_RD[perm_R] (read R, write R) and its inverse, a scatter_rows: zeros (write R) and
+    index_add_ (read a source row, read and write its target row: 3R); the combine, a scatter_rows into [T,
+    D]: zeros (write T) and index_add_ (3A). Backward (rows.py's): the combine's index_select (read A, write
+    A); under ep the inverse's index_select (2R) and the regrouping's zeros and accumulating index_put_ (R +
+    3R); the gather by token's zeros and index_put_ (T + 3A). The combine weight is applied inside the experts
+    (`swiglu_bytes`); its own moves (the [A, 1] fp32 weights gathered, regrouped and their grads: 4 bytes a
+    row, not D elements) are left out."""
     a = tokens * top_k
-    r = IMBALANCE * a if ep > 1 else 0.0
+    r = imb * a if ep > 1 else 0.0
     forward = 2 * a + (2 * r + 4 * r) + tokens + 3 * a
     backward = 2 * a + (2 * r + 4 * r) + tokens + 3 * a
     return forward + backward
@@ -140,7 +146,7 @@ def swiglu_bytes(m, tokens: int, ep: int, elem: int) -> float:
     2F, write F), the two grads concatenated into [rows, 2F] (read 2F, write 2F): 30F; and the weight's
     grad: silu · up (read 2F, write F), its product with dh (read 2F, write F), the sum over F in fp32
     (read F): 7F."""
-    rows = tokens * m.moe_top_k * (IMBALANCE if ep > 1 else 1.0)
+    rows = tokens * m.moe_top_k * (imbalance(m) if ep > 1 else 1.0)
     forward = (2 + 3 + 2) * elem
     backward = (2 + 3 + 2 + (4 * 3 + 2 * 2) + 3 + 4) * elem
     weight_grad = (3 + 3 + 1) * elem
@@ -156,7 +162,7 @@ def padded_bytes(m, tokens: int, ep: int, elem: int) -> float:
     accumulating index_put (read a grad row, read and write its target); the index_put's grad of the rows,
     a gather (read, write; the zeros take no grad)."""
     f, d, local = m.expert_ffn, m.hidden_size, m.num_experts // ep
-    rows = tokens * m.moe_top_k * (IMBALANCE if ep > 1 else 1.0)
+    rows = tokens * m.moe_top_k * (imbalance(m) if ep > 1 else 1.0)
     pad = local * expert_rows(m, tokens, ep)
     forward = sum(3 * pad * i + 2 * rows * i + 2 * rows * o for i, o in ((d, 2 * f), (f, d)))
     backward = sum(pad * o + 3 * rows * o + 2 * rows * i for i, o in ((d, 2 * f), (f, d)))
@@ -176,7 +182,7 @@ def all_to_all_seconds(s, routed_bytes: float) -> float:
     n, span = expert_group(lay, s.cfg.parallel.etp)
     if n <= 1:
         return 0.0
-    out = (n - 1) / n * routed_bytes * IMBALANCE
+    out = (n - 1) / n * routed_bytes * imbalance(s.cfg.model)
     if dev.name.startswith("cpu") or span <= dev.per_node:
         return s.coll(out, n, n - 1, span)
     # group peers on this node: members lie span / n apart

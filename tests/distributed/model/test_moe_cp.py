@@ -31,6 +31,16 @@ LAYOUTS = [
     ("cp2-dp2-ep2-zero1-clip", 2, 2, 2, 1, ["optim.zero=1", "optim.clip_grad=0.3"]),
     ("ring-cp2-dp2-ep4", 2, 2, 4, 1, ["parallel.cp_comm=ring"]),
     ("cp2-tp2-sp-ep2-capacity", 2, 1, 2, 2, ["parallel.sp=true", "model.moe_capacity_factor=1.0"]),
+    # routed by global position, each rank's from its cp chunks and sp block: at 24 tokens the blocks start
+    # at positions 0, 18, 6, 12, which local positions would route unlike one process (period E/K = 4)
+    (
+        "cp2-tp2-sp-ep2-forced-balance",
+        2,
+        1,
+        2,
+        2,
+        ["parallel.sp=true", "model.moe_force_balance=true", "model.seq_length=24"],
+    ),
     ("cp2-pp2-ep2-sigmoid", 2, 1, 2, 1, ["parallel.pp=2", "model.moe_router_score=sigmoid"]),
     (
         "cp2-ep2-capacity-expert-bias",

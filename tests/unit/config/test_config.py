@@ -29,6 +29,7 @@ model.num_layers model.num_query_groups model.position_embedding model.rope_thet
 model.tie_embeddings model.vocab_size model.kv_channels model.qk_norm model.family
 model.max_position_embeddings
 model.moe_shared_experts model.moe_n_group model.moe_topk_group model.moe_norm_topk_prob
+model.moe_force_balance
 model.moe_routed_scaling_factor model.moe_dense_layers model.moe_seq_aux_loss_coeff model.q_lora_rank
 model.kv_lora_rank model.qk_nope_head_dim model.qk_rope_head_dim model.v_head_dim model.mtp_num_layers
 model.mtp_loss_weight

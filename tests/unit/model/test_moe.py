@@ -230,3 +230,22 @@ def test_a_layer_keeps_its_routed_rows_once():
     rows = s * b * k
     routed = sum(n for first, n in saved.values() if first == rows)
     assert routed == rows * (4 * (d + 2 * f + f) + 4 + 2 * 8)
+
+
+def test_forced_balance_routes_by_position_and_loads_every_expert_alike():
+    """model.moe_force_balance: the experts of a token follow its sequence position, (p·K + j) mod E, not
+    its scores; each expert takes the same rows; the combine weights are those experts' renormalised scores,
+    so the router's gate still gets a gradient."""
+    cfg = cfg_of("model.moe_force_balance=true")
+    e, k = cfg.model.num_experts, cfg.model.moe_top_k
+    x = torch.randn(16, 2, 64, generator=torch.Generator().manual_seed(0))
+    layer, y, _, grads = _layer_outputs(cfg, x)
+    assert layer.step_stats[:e].tolist() == [16 * 2 * k / e] * e  # 32 tokens x 2 over 4 experts
+    assert grads["router.weight"].abs().sum() > 0
+    forced_TK = layer._forced_experts(16, 2, x.device)
+    assert forced_TK[:4].tolist() == [[0, 1], [0, 1], [2, 3], [2, 3]]  # positions 0, 0, 1, 1 (sequence-major)
+    r = router.route(layer.router(x.reshape(-1, 64)), k, forced_TK=forced_TK)
+    chosen_TK = r.probs_TE.gather(-1, forced_TK)
+    torch.testing.assert_close(r.weights_TK, chosen_TK / chosen_TK.sum(-1, keepdim=True))
+    _, y_free, _, _ = _layer_outputs(cfg_of(), x)
+    assert not torch.equal(y, y_free)  # the scores would have chosen otherwise
