@@ -25,11 +25,16 @@ import torch.nn.functional as F
 
 
 def grouped_supported(x: torch.Tensor) -> bool:
-    """Whether torch._grouped_mm runs for x's device and dtype (CPU: any float; CUDA: bf16 on sm90+).
-    On meta (the planner) too, as `_MetaGroupedMM`: what the CPU and H100 kernels save (the rows and the
-    group ends), where the padded path would save the padded batch and its indices."""
+    """Whether torch._grouped_mm runs for x's device and dtype (CPU: any float, bf16 alone under
+    torch.compile; CUDA: bf16 on sm90+). On meta (the planner) too, as `_MetaGroupedMM`: what the CPU and
+    H100 kernels save (the rows and the group ends), where the padded path would save the padded batch and
+    its indices."""
     if not hasattr(torch, "_grouped_mm"):
         return False
+    if x.device.type == "cpu" and torch.compiler.is_compiling():
+        # the fake kernel dynamo traces with allows bf16 alone (torch/_meta_registrations.py), where the
+        # CPU kernel takes any float: an fp32 MoE under train.compile=true failed to trace
+        return x.dtype == torch.bfloat16
     if x.device.type in ("cpu", "meta"):
         return True
     return x.is_cuda and x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)

@@ -51,6 +51,10 @@ class _InjectLoss(torch.autograd.Function):
     def forward(ctx, y, loss, scale: float):
         ctx.scale = scale
         ctx.loss_meta = (loss.dtype, loss.device)
+        if torch.compiler.is_compiling():
+            # a new tensor, not a view: AOT autograd rebuilds an output that aliases an input outside the
+            # graph, and the router losses' seed was lost (compiled router grads 30-90 % off eager's)
+            return y.clone()
         return y.view_as(y)
 
     @staticmethod
