@@ -131,9 +131,12 @@ def from_hf(source) -> tuple[dict, dict[str, torch.Tensor]]:
     family (models/registry.py), or from a local folder holding one (loaded offline)."""
     extra = {}
     if isinstance(source, (str, Path)):
-        from transformers import AutoModelForCausalLM
+        from megaframe.models.hf_rope import refuse_folder_rope_type
 
         folder = Path(source)
+        refuse_folder_rope_type(folder)
+        from transformers import AutoModelForCausalLM
+
         source, info = AutoModelForCausalLM.from_pretrained(
             str(source), local_files_only=True, output_loading_info=True, **_fp32()
         )
