@@ -176,6 +176,10 @@ def serve(path: str) -> None:
     """Accept commands on the socket at `path`, fork one child each; end when stdin closes (the pytest
     worker is gone), killing what still runs. Single-threaded: a fork of a threaded process can inherit a
     lock another thread held."""
+    # the checkout's megaframe, as `python train.py` run in it imports: started as tests/e2e/warm_start.py,
+    # this interpreter's sys.path[0] is tests/e2e, and megaframe came from wherever the environment installs
+    # it (another worktree's editable install: every fork then ran that code, not the one under test)
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     for name in PRELOAD:
         importlib.import_module(name)
     # the first composition's one-time work (ConfigStore registrations, Hydra's override grammar, the
