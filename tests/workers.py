@@ -42,11 +42,12 @@ SHARED_SETUP = (
     "tests/unit/data/test_run_record.py",
     "tests/unit/evaluation/test_lm_eval.py",
     "tests/unit/optim/test_grad_bytes.py",
+    "tests/unit/test_code_health.py",
 )
 """Unit-test modules whose tests share a module fixture that costs seconds of CPU (a prepared corpus, trained
-tokenizers, a checkpoint and its HF export, a transformers folder, counted optimizer steps): one unit, so one
-worker builds it. As a unit per test, the lanes that took tests of one module each built it again (the
-prepared corpus and lm-eval's checkpoint were built twice per run)."""
+tokenizers, a checkpoint and its HF export, a transformers folder, counted optimizer steps, the package's code
+statistics): one unit, so one worker builds it. As a unit per test, the lanes that took tests of one module
+each built it again (the prepared corpus and lm-eval's checkpoint were built twice per run)."""
 
 
 def folder_of(nodeid: str) -> str:
