@@ -137,6 +137,11 @@ def _child(req: dict, fds: list[int], executable: str) -> None:
         # its own process group (a timeout kills the command and whatever it started); the server sets it
         # too, so that it exists before the caller can learn the pid (the shells' way)
         os.setpgid(0, 0)
+        # the server's child-exit wake-up is not the command's: SIGCHLD back to its default, the pipe closed
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for fd in _WAKE:
+            os.close(fd)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         for target, fd in enumerate(fds):
@@ -173,6 +178,10 @@ def _child(req: dict, fds: list[int], executable: str) -> None:
 # --------------------------------------------------------------------------------------------- the server
 
 
+_WAKE: tuple[int, ...] = ()
+"""The server's SIGCHLD wake-up pipe (read end, write end); a fork closes both."""
+
+
 def serve(path: str) -> None:
     """Accept commands on the socket at `path`, fork one child each; end when stdin closes (the pytest
     worker is gone), killing what still runs. Single-threaded: a fork of a threaded process can inherit a
@@ -199,11 +208,25 @@ def serve(path: str) -> None:
     # commands whose caller went away (a shim killed by SIGKILL, as torchrun's agent ends a worker that
     # ignores SIGTERM): killed with it, as the real process would have been, then reaped
     orphaned: set[int] = set()
+    # a child's exit wakes the loop (SIGCHLD's handler writes to a pipe the loop watches) instead of a poll
+    # every 20 ms: the server idles for most of a suite, and the poll cost it ~7 ms of CPU a second
+    global _WAKE
+    _WAKE = os.pipe()
+    for fd in _WAKE:
+        os.set_blocking(fd, False)
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # a Python handler, so that the wake-up fd is written
+    signal.set_wakeup_fd(_WAKE[1], warn_on_full_buffer=False)
     open_ = True
     while open_ or children:
         # a caller never writes after its request: its connection turning readable is its end
         watched = [c for pid, c in children.items() if pid not in orphaned]
-        ready, _, _ = select.select([listener, 0] * open_ + watched, [], [], 0.02)
+        # the timeout only a safety net: every event the loop acts on makes one of these readable
+        ready, _, _ = select.select([listener, 0] * open_ + watched + [_WAKE[0]], [], [], 1.0)
+        if _WAKE[0] in ready:
+            try:
+                os.read(_WAKE[0], 4096)
+            except BlockingIOError:
+                pass
         if 0 in ready:
             open_ = bool(os.read(0, 4096))
         if listener in ready:
