@@ -51,6 +51,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import importlib.util
 import math
 import os
 import signal
@@ -811,6 +812,37 @@ def _on_term(signum, frame) -> None:  # timeout's SIGTERM: keep what was measure
     os._exit(124)
 
 
+def figures(tt: bool) -> list[tuple]:
+    """(figure, shape, seconds it may need on one H100 incl. compile, builder, profile?), most important
+    first; the torchtitan figures only where it imports (tt)."""
+    plan = [
+        ("A mf-bf16", "A", 60, mf_builder("A", "bf16"), True),
+        ("A hf-bf16", "A", 60, hf_builder("A"), True),
+        ("A tt-bf16", "A", 55, tt_builder("A"), False),
+        ("A mf-fp8", "A", 70, mf_builder("A", "fp8"), True),
+        ("A mf-fp8-nohead", "A", 35, mf_builder("A", "fp8", fp8_head=False), False),
+        ("A tt-fp8", "A", 60, tt_builder("A", fp8=True), False),
+        ("A hf-fp8", "A", 60, hf_builder("A", fp8=True), False),
+    ]
+    if not tt:
+        plan = [p for p in plan if not p[0].startswith("A tt")]
+    if ARGS.with_8b or "C" in ARGS.only:
+        plan += [
+            ("C mf-bf16", "C", 60, mf_builder("C", "bf16"), True),
+            ("C hf-bf16", "C", 60, hf_builder("C"), False),
+        ]
+    return plan
+
+
+def refuse_an_only_naming_no_figure(plan: list[tuple]) -> None:
+    """A typo in --only would spend a device slot on nothing: exit 2, one line naming the figures."""
+    known = [p[0] for p in plan] + ["C mf-bf16", "C hf-bf16", "A fused-head-CE-alone", "A sdpa-backends"]
+    if ARGS.only and not any(wanted(k) for k in known):
+        names = ", ".join(known)
+        print(f"gpu_figures: error: --only {ARGS.only!r} names no figure of: {names}", file=sys.stderr)
+        raise SystemExit(2)
+
+
 def main() -> None:
     global ARGS, DEV, BACKEND
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -846,6 +878,10 @@ def main() -> None:
         torch.set_num_threads(1)
     else:
         DEV = torch.device("cuda", torch.cuda.current_device())
+    if importlib.util.find_spec("torchtitan") is None:
+        # its import fails, so the figure list is known now: a bad --only is refused in a second, before
+        # env() imports transformers, torchao and triton (seconds of CPU); else after torchtitan's import
+        refuse_an_only_naming_no_figure(figures(tt=False))
     sys.path.insert(0, os.getcwd())  # the project root, when megaframe is not installed
     signal.signal(signal.SIGTERM, _on_term)
     if BACKEND != "inductor":  # --dry: megaframe's blocks compiled with the same backend as the peers'
@@ -869,28 +905,8 @@ def main() -> None:
             "torchtitan",
             f"not importable ({first_line(e)[:80]}): carry its wheels (see the docstring)",
         )
-    # (figure, shape, seconds it may need on one H100 incl. compile, builder, profile?) most important first
-    plan = [
-        ("A mf-bf16", "A", 60, mf_builder("A", "bf16"), True),
-        ("A hf-bf16", "A", 60, hf_builder("A"), True),
-        ("A tt-bf16", "A", 55, tt_builder("A"), False),
-        ("A mf-fp8", "A", 70, mf_builder("A", "fp8"), True),
-        ("A mf-fp8-nohead", "A", 35, mf_builder("A", "fp8", fp8_head=False), False),
-        ("A tt-fp8", "A", 60, tt_builder("A", fp8=True), False),
-        ("A hf-fp8", "A", 60, hf_builder("A", fp8=True), False),
-    ]
-    if not tt:
-        plan = [p for p in plan if not p[0].startswith("A tt")]
-    if ARGS.with_8b or "C" in ARGS.only:
-        plan += [
-            ("C mf-bf16", "C", 60, mf_builder("C", "bf16"), True),
-            ("C hf-bf16", "C", 60, hf_builder("C"), False),
-        ]
-    known = [p[0] for p in plan] + ["C mf-bf16", "C hf-bf16", "A fused-head-CE-alone", "A sdpa-backends"]
-    if ARGS.only and not any(wanted(k) for k in known):  # a typo would spend a device slot on nothing
-        names = ", ".join(known)
-        print(f"gpu_figures: error: --only {ARGS.only!r} names no figure of: {names}", file=sys.stderr)
-        raise SystemExit(2)
+    plan = figures(tt)
+    refuse_an_only_naming_no_figure(plan)
     for key, shape, est, build, prof in plan:
         measure(key, shape, est if not ARGS.dry else 1, build, prof)
     if ARGS.extras:

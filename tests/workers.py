@@ -35,6 +35,21 @@ share the cores like a unit test, so they run on the unit lane, a module at a ti
 runs)."""
 
 
+SHARED_SETUP = (
+    "tests/unit/checkpoint/test_hf_import_checks.py",
+    "tests/unit/data/test_prepare_concurrent.py",
+    "tests/unit/data/test_prepare_tasks.py",
+    "tests/unit/data/test_run_record.py",
+    "tests/unit/evaluation/test_lm_eval.py",
+    "tests/unit/optim/test_grad_bytes.py",
+    "tests/unit/test_code_health.py",
+)
+"""Unit-test modules whose tests share a module fixture that costs seconds of CPU (a prepared corpus, trained
+tokenizers, a checkpoint and its HF export, a transformers folder, counted optimizer steps, the package's code
+statistics): one unit, so one worker builds it. As a unit per test, the lanes that took tests of one module
+each built it again (the prepared corpus and lm-eval's checkpoint were built twice per run)."""
+
+
 def folder_of(nodeid: str) -> str:
     parts = nodeid.split("/", 2)
     return parts[1] if parts[0] == "tests" and len(parts) == 3 else ""
@@ -43,11 +58,11 @@ def folder_of(nodeid: str) -> str:
 def unit_of(nodeid: str) -> str:
     """The unit a test is handed out in: its module for the tests that start processes (run in order, the
     module's fixtures sharing runs between its tests: the docs journey's scratch checkout, a reference
-    run), "slurm" for the Slurm tests, the test itself otherwise."""
+    run) and for SHARED_SETUP's, "slurm" for the Slurm tests, the test itself otherwise."""
     module = nodeid.split("::")[0]
     if folder_of(nodeid) == "slurm":
         return "slurm"
-    return module if folder_of(nodeid) in PROCESS_FOLDERS else nodeid
+    return module if folder_of(nodeid) in PROCESS_FOLDERS or module in SHARED_SETUP else nodeid
 
 
 def lane_of(unit: str) -> str:

@@ -131,9 +131,13 @@ def from_hf(source) -> tuple[dict, dict[str, torch.Tensor]]:
     family (models/registry.py), or from a local folder holding one (loaded offline)."""
     extra = {}
     if isinstance(source, (str, Path)):
-        from transformers import AutoModelForCausalLM
+        from megaframe.models.hf_rope import refuse_folder_rope_type
 
         folder = Path(source)
+        refuse_folder_rope_type(folder)
+        _open_weight_files(folder)
+        from transformers import AutoModelForCausalLM
+
         source, info = AutoModelForCausalLM.from_pretrained(
             str(source), local_files_only=True, output_loading_info=True, **_fp32()
         )
@@ -150,6 +154,25 @@ def from_hf(source) -> tuple[dict, dict[str, torch.Tensor]]:
     spec = by_model_type(cfg.model_type)
     fields, state = spec.from_hf(cfg, sd)
     return dict(fields, family=spec.name), state
+
+
+def _open_weight_files(folder: Path) -> None:
+    """Each safetensors file the folder's weights are in (its index's, else model.safetensors), opened:
+    a truncated or corrupt one raises the SafetensorError transformers' load would, before transformers'
+    modeling imports and the other files' tensors (seconds of CPU for a refusal). Tensors are not read."""
+    import json
+
+    from safetensors import safe_open
+
+    index = folder / "model.safetensors.index.json"
+    try:
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else []
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return  # a damaged index: transformers' load names it
+    for name in names or ["model.safetensors"]:
+        if (folder / name).is_file():
+            with safe_open(str(folder / name), "pt"):
+                pass
 
 
 def _refuse_missing(model, info: dict) -> None:

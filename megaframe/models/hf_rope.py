@@ -43,13 +43,9 @@ def rope_config(cls, kw: dict, theta: float, rs: RopeScalingConfig, arch: str):
     return cfg
 
 
-def rope_from_hf(cfg) -> tuple[float, RopeScalingConfig]:
-    """(rope_theta, scaling) of a transformers config; ValueError naming a rope_type megaframe cannot
-    reproduce exactly (dynamic NTK rescales per call length, longrope switches tables by length)."""
-    params = dict(getattr(cfg, "rope_parameters", None) or {})
-    if not params:  # transformers 4: rope_theta beside an optional rope_scaling dict
-        scaling = getattr(cfg, "rope_scaling", None) or {}
-        params = {"rope_theta": getattr(cfg, "rope_theta", 10000.0), **scaling}
+def rope_type(params: dict) -> str:
+    """The rope_type of a transformers RoPE dict (rope_parameters, or 4.x's rope_scaling); ValueError naming
+    one megaframe cannot reproduce exactly."""
     kind = params.get("rope_type", params.get("type", "default"))
     if kind not in FIELDS:
         why = (
@@ -58,6 +54,34 @@ def rope_from_hf(cfg) -> tuple[float, RopeScalingConfig]:
             else ""
         )
         raise ValueError(f"RoPE scaling {kind!r} is not supported (supported: {', '.join(FIELDS)}){why}")
+    return kind
+
+
+def refuse_folder_rope_type(folder) -> None:
+    """rope_type's refusal read from a transformers folder's config.json alone, before its weights load:
+    loading the model first (transformers' modeling imports, the weights) made that refusal take seconds.
+    An unreadable config, or one with no single RoPE dict, is left to the load that follows."""
+    import json
+    from pathlib import Path
+
+    try:
+        raw = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError):
+        return
+    for key in ("rope_parameters", "rope_scaling"):
+        params = raw.get(key) if isinstance(raw, dict) else None
+        if isinstance(params, dict) and ("rope_type" in params or "type" in params):
+            rope_type(params)
+
+
+def rope_from_hf(cfg) -> tuple[float, RopeScalingConfig]:
+    """(rope_theta, scaling) of a transformers config; ValueError naming a rope_type megaframe cannot
+    reproduce exactly (dynamic NTK rescales per call length, longrope switches tables by length)."""
+    params = dict(getattr(cfg, "rope_parameters", None) or {})
+    if not params:  # transformers 4: rope_theta beside an optional rope_scaling dict
+        scaling = getattr(cfg, "rope_scaling", None) or {}
+        params = {"rope_theta": getattr(cfg, "rope_theta", 10000.0), **scaling}
+    kind = rope_type(params)
     if kind == "yarn" and params.get("factor") is None:  # DeepSeek-style: transformers derives it
         params["factor"] = cfg.max_position_embeddings / params["original_max_position_embeddings"]
     if params.get("partial_rotary_factor", 1.0) != 1.0:

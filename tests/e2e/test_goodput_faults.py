@@ -4,12 +4,11 @@ restart that resumes from step 3. Each bucket is checked against what was inject
 against `python -m megaframe.goodput`, and the summary line carries them."""
 
 import json
-import subprocess
 import sys
 
 import pytest
 
-from tests.e2e.helpers import ROOT, TINY, env, train
+from tests.e2e.helpers import TINY, run, train
 
 pytestmark = pytest.mark.e2e
 
@@ -34,22 +33,13 @@ def test_lost_progress_and_checkpoint_blocking_match_the_injected_faults(tmp_pat
     # checkpoint blocking: the slow save's delay over an ordinary save (the second run's saves: 6 and 7)
     ordinary = b[-1]["clock/checkpoint_s"] / 2
     slow = a[5]["clock/checkpoint_s"]
-    out = subprocess.run(
-        [sys.executable, "-m", "megaframe.goodput", str(tmp_path), "--json"],
-        cwd=ROOT, env=env(), capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+    # forks of the suite's warm interpreter (helpers.run), as the train runs above
+    out = run([sys.executable, "-m", "megaframe.goodput", str(tmp_path), "--json"], timeout=60)
     offline = json.loads(out.stdout)
     print(
         f"lost_progress_s {last['goodput/lost_progress_s']:.3f} (truth {lost:.3f}); slow save {slow:.3f}s "
         f"= delay {DELAY_S} + ordinary {ordinary:.3f}; gap {last['goodput/gap_s']:.2f}s\n"
-        + subprocess.run(
-            [sys.executable, "-m", "megaframe.goodput", str(tmp_path)],
-            cwd=ROOT,
-            env=env(),
-            capture_output=True,
-            text=True,
-            timeout=60,
-        ).stdout  # fmt: skip
+        + run([sys.executable, "-m", "megaframe.goodput", str(tmp_path)], timeout=60).stdout
     )
     assert last["goodput/lost_progress_s"] == pytest.approx(lost, rel=1e-6)
     # the slow save holds the injected sleep plus its own ordinary work, which varies from save to save

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.e2e.helpers import ROOT, TINY, env
+from tests.e2e.helpers import TINY, start
 
 pytestmark = pytest.mark.e2e
 
@@ -25,7 +25,10 @@ def test_sigterm_stops_every_rank_at_the_next_check_step(tmp_path):
         "train.signal_check_interval=3",
         f"run.dir={tmp_path}",
     ]
-    proc = subprocess.Popen(
+    # torchrun as a fork of the suite's warm interpreter (helpers.start), its workers forks too: the subject
+    # is the ranks' agreement on a stop step, not the interpreters' start. The agent's children are then the
+    # workers' shims, which pass a signal on to their worker
+    proc = start(
         [
             sys.executable,
             "-m",
@@ -34,12 +37,7 @@ def test_sigterm_stops_every_rank_at_the_next_check_step(tmp_path):
             "--nproc-per-node=2",
             "train.py",
             *over,
-        ],
-        cwd=ROOT,
-        env=env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+        ]
     )
     metrics = tmp_path / "metrics.jsonl"
     t0 = time.time()

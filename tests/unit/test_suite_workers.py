@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 
 from tests.e2e.helpers import ROOT
-from tests.workers import ONE_PROCESS_AT_A_TIME, lane_of, pick, position, unit_of
+from tests.workers import ONE_PROCESS_AT_A_TIME, SHARED_SETUP, lane_of, pick, position, unit_of
 
 # what starts several training processes at once in a test module's own code
 LAUNCHES_RANKS = re.compile(r"\bnproc\b|torch\.distributed\.run|--nproc-per-node|\bpool\b|sbatch\(")
@@ -26,6 +26,9 @@ def test_process_tests_go_by_module_and_the_rest_are_their_own():
         unit_of("tests/unit/config/test_config_frozen.py::test_a")
         == "tests/unit/config/test_config_frozen.py::test_a"
     )
+    # a unit module whose tests share a costly module fixture: one unit, on the unit lane
+    shared = "tests/unit/evaluation/test_lm_eval.py"
+    assert unit_of(f"{shared}::test_rolling_and_generate_until") == shared and lane_of(shared) == "units"
     # a one-process e2e module: one unit (its tests share the module's runs), on the unit lane
     docs = "tests/e2e/test_docs_commands.py"
     assert unit_of(f"{docs}::test_page_commands_run_in_order[README.md]") == docs and lane_of(docs) == "units"
@@ -43,6 +46,11 @@ def test_each_lane_takes_its_own_work_then_helps_from_the_other_end():
     # the unit lane, its own tests done, takes the last process module: the lanes meet in the middle
     assert pick(queue[:2] + ["slurm"], "gw1") == "tests/e2e/b.py"
     assert pick(["tests/unit/d.py::t"], "gw0") == pick(["tests/unit/d.py::t"], "gw2") == "tests/unit/d.py::t"
+
+
+def test_the_shared_setup_modules_exist_and_share_a_module_fixture():
+    for path in SHARED_SETUP:
+        assert 'scope="module"' in (ROOT / path).read_text(), f"{path}: no module fixture to share"
 
 
 def test_the_one_process_modules_exist_and_start_no_ranks():

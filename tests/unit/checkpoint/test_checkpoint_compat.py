@@ -15,13 +15,14 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
+
+from tests.e2e.helpers import run
 
 ROOT = Path(__file__).resolve().parents[3]
 FIXTURE = ROOT / "tests" / "fixtures" / "ckpt_v2_tiny"
@@ -70,15 +71,12 @@ def test_the_data_record_of_a_checkpoint_before_the_data_kinds_compares_equal():
 def test_an_earlier_versions_checkpoint_verifies_and_resumes(tmp_path):
     ck = tmp_path / "checkpoints"
     shutil.copytree(FIXTURE, ck)  # the run writes beside what it resumes: never into the fixture
-    verify = subprocess.run(
-        [sys.executable, "-m", "megaframe.checkpoint", "verify", str(ck / "step_00000002")],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
+    # forks of the suite's warm interpreter (tests/e2e/warm_start.py): the subject is the old checkpoint
+    verify = run(
+        [sys.executable, "-m", "megaframe.checkpoint", "verify", str(ck / "step_00000002")], timeout=120
     )
     assert verify.returncode == 0, verify.stderr
-    res = subprocess.run(
+    res = run(
         [
             sys.executable,
             "train.py",
@@ -90,9 +88,6 @@ def test_an_earlier_versions_checkpoint_verifies_and_resumes(tmp_path):
             "checkpoint.interval=0",
             f"checkpoint.resume={ck / 'step_00000002'}",
         ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
         timeout=300,
     )
     assert res.returncode == 0, res.stderr[-3000:]

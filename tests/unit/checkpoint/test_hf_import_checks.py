@@ -5,13 +5,14 @@ tied head may be absent) and a NaN/inf weight. Real transformers folders and saf
 from __future__ import annotations
 
 import importlib.util
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+
+from tests.e2e.helpers import run
 
 ROOT = Path(__file__).resolve().parents[3]
 _spec = importlib.util.spec_from_file_location("import_hf", ROOT / "scripts" / "import_hf.py")
@@ -74,11 +75,9 @@ def test_a_truncated_safetensors_is_one_line(untied, tmp_path):
     folder = copy(untied, tmp_path / "hf")
     f = folder / "model.safetensors"
     f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
-    res = subprocess.run(
+    # a fork of the suite's warm interpreter (tests/e2e/warm_start.py): the subject is the script's refusal
+    res = run(
         [sys.executable, "scripts/import_hf.py", str(folder), str(tmp_path / "ck"), "data=synthetic"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
         timeout=120,
     )
     assert res.returncode == 2, res.stderr[-2000:]

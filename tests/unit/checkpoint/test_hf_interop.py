@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,6 +17,7 @@ from megaframe.checkpoint import hf, sharded
 from megaframe.config import load_config
 from megaframe.data.order import ORDER
 from megaframe.parallel.mesh import single_process_mesh
+from tests.e2e import helpers
 from tests.forms import build_model
 from tests.unit.hf_scripts import export_hf, import_hf
 
@@ -183,10 +182,8 @@ def test_train_continues_from_imported(tmp_path):
         "logging.wandb.mode=disabled",
         f"run.dir={tmp_path / 'run'}",
     ]
-    env = dict(os.environ, WANDB_MODE="disabled", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    res = subprocess.run(
-        [sys.executable, "train.py", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
-    )
+    # a fork of the suite's warm interpreter (tests/e2e/warm_start.py): the subject is the resumed run
+    res = helpers.run([sys.executable, "train.py", *args], timeout=120, HF_HUB_OFFLINE="1")
     assert res.returncode == 0, res.stderr[-2000:]
     assert "resumed from" in res.stdout and "at step 0" in res.stdout
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -205,12 +202,8 @@ def test_train_continues_from_imported(tmp_path):
 
 
 def test_bad_input_exits_2(tmp_path, capsys):
-    res = subprocess.run(
-        [sys.executable, "scripts/export_hf.py", str(tmp_path / "missing"), str(tmp_path / "o")],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
+    res = helpers.run(
+        [sys.executable, "scripts/export_hf.py", str(tmp_path / "missing"), str(tmp_path / "o")], timeout=60
     )
     assert res.returncode == 2 and res.stderr.strip().startswith("megaframe: error:"), res.stderr
     assert len(res.stderr.strip().splitlines()) == 1

@@ -7,7 +7,6 @@ adapter registered without hiding lm-eval's own models. In-process; one tiny che
 from __future__ import annotations
 
 import dataclasses
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,6 +17,7 @@ pytest.importorskip("lm_eval", reason="lm-eval is the optional extra .[eval] (ma
 from megaframe.checkpoint import sharded  # noqa: E402
 from megaframe.config import load_config  # noqa: E402
 from megaframe.parallel.mesh import single_process_mesh  # noqa: E402
+from tests.e2e.helpers import run  # noqa: E402
 from tests.forms import build_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -239,15 +239,18 @@ def test_a_construction_error_inside_lm_eval_is_one_line(runs, monkeypatch, caps
     assert "cannot load the model (torn shard)" in one_error(capsys)
 
 
-def test_importing_the_adapter_keeps_lm_evals_own_models():
+def test_importing_the_adapter_keeps_lm_evals_own_models(tmp_path):
     """lm-eval fills its registry only while it is empty: after the adapter registered `megaframe` alone,
-    `hf` was "no model for this name found". A fresh process: this one's registry is filled already."""
-    code = (
+    `hf` was "no model for this name found". Another process: this one's registry is filled already. A fork
+    of the suite's warm interpreter (tests/e2e/warm_start.py), which never imports lm-eval: its registry is
+    as empty as a fresh interpreter's, without importing torch again."""
+    script = tmp_path / "registry.py"
+    script.write_text(
         "import megaframe.evaluation.lm_eval_adapter\n"
         "from lm_eval.api.registry import get_model\n"
         "print(get_model('hf').__name__, get_model('megaframe').__name__)\n"
     )
-    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    res = run([sys.executable, str(script)], timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.split() == ["HFLM", "MegaframeLM"]
 

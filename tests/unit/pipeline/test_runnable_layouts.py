@@ -5,13 +5,13 @@ tests/distributed/pipeline/test_pipeline_equivalence.py (zbv with a 0-layer midd
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
 import pytest
 
 from megaframe.config import ConfigError, load_config
 from megaframe.pipeline.partition import check_runnable
+from tests.e2e.helpers import run
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[3]
 ZBV = ["data=synthetic", "parallel.pp=2", "parallel.vpp=2", "parallel.pp_schedule=zbv"]
@@ -79,11 +79,9 @@ def test_check_runnable_builds_every_ranks_schedule():
 
 
 def test_planner_refuses_a_rank_without_layers_in_one_line():
-    res = subprocess.run(
+    # a fork of the suite's warm interpreter (tests/e2e/warm_start.py): the subject is the refusal
+    res = run(
         [sys.executable, "-m", "megaframe.plan", *ZBV, "+world_size=2", "parallel.pp_layout=[4,0,0,0]"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
         timeout=120,
     )
     assert res.returncode == 2, res.stderr[-2000:]
