@@ -103,7 +103,7 @@ def _planned_ms(cfg, seqs: int, device_name: str) -> float:
     from megaframe.planning.candidate import Layout
     from megaframe.planning.devices import get_device
     from megaframe.planning.steptime.compute import block_seconds
-    from megaframe.planning.steptime.step import Step
+    from megaframe.planning.steptime.inputs import Step
     from megaframe.planning.steptime.timing import block_host_seconds
 
     dev = get_device(device_name)

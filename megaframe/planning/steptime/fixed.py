@@ -41,7 +41,7 @@ def update_bytes_per_element(cfg, grad_bytes: int) -> int:
 
 
 def optimizer_seconds(s) -> float:
-    """Seconds of the optimizer's update on the largest pipeline rank (module doc); s: steptime.step.Step."""
+    """Seconds of the optimizer's update on the largest pipeline rank (module doc); s: inputs.Step."""
     lay, dev = s.lay, s.dev
     if not dev.hbm_bw:  # the cpu: its measured rate folds memory traffic into the compute
         return 0.0

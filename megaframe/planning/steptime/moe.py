@@ -177,7 +177,7 @@ def grouped_kernel(dev, prec: str) -> bool:
 
 def all_to_all_seconds(s, routed_bytes: float) -> float:
     """Seconds of one all-to-all of a rank's routed rows over its expert group (module doc); s: the
-    steptime.step.Step (its device, layout and link model)."""
+    steptime.inputs.Step (its device, layout and link model)."""
     dev, lay = s.dev, s.lay
     n, span = expert_group(lay, s.cfg.parallel.etp)
     if n <= 1:

@@ -57,8 +57,8 @@ from megaframe.planning.candidate import Layout, cp_ring, stage_params
 from megaframe.planning.devices import Device
 from megaframe.planning.gloo_link import hop_seconds
 from megaframe.planning.steptime.compute import rerun_gemm_share
+from megaframe.planning.steptime.inputs import Step
 from megaframe.planning.steptime.moe import all_to_all_seconds
-from megaframe.planning.steptime.step import Step
 from megaframe.training.metrics import flops_per_token
 
 

@@ -3,7 +3,7 @@
 import pytest
 
 from megaframe.planning.gloo_link import SIZES, hop_seconds, measure_hops
-from megaframe.planning.steptime.step import ring_seconds
+from megaframe.planning.steptime.inputs import ring_seconds
 
 
 def test_hop_curve_interpolates_log_log_and_extends_by_the_last_bandwidth():

@@ -129,7 +129,7 @@ def test_an_fp32_runs_gemms_and_mfu_are_timed_on_the_cuda_cores():
 @pytest.mark.parametrize("ep", [8, 16])
 def test_the_all_to_all_rides_the_link_its_expert_group_lands_on(ep, cfg):
     from megaframe.planning.candidate import Layout
-    from megaframe.planning.steptime.step import Step
+    from megaframe.planning.steptime.inputs import Step
 
     h100 = DEVICES["H100"]
     s = Step(cfg, Layout(1, 1, 1, ep, ep, 1, 1, "none"), h100, ep)
@@ -144,7 +144,7 @@ def test_the_all_to_all_rides_the_link_its_expert_group_lands_on(ep, cfg):
 
 def test_the_counts_collectives_ahead_of_the_host_sync_pay_their_latency(cfg):
     from megaframe.planning.candidate import Layout
-    from megaframe.planning.steptime.step import Step
+    from megaframe.planning.steptime.inputs import Step
     from megaframe.planning.steptime.timing import _moe_count_colls
 
     h100, e = DEVICES["H100"], cfg.model.num_experts
@@ -157,7 +157,7 @@ def test_the_counts_collectives_ahead_of_the_host_sync_pay_their_latency(cfg):
 
 def test_the_combine_weights_travel_in_their_own_all_to_all(cfg):
     from megaframe.planning.candidate import Layout
-    from megaframe.planning.steptime.step import Step
+    from megaframe.planning.steptime.inputs import Step
     from megaframe.planning.steptime.timing import _ep, _ep_colls
 
     m, h100 = cfg.model, DEVICES["H100"]
@@ -180,7 +180,7 @@ def test_the_dense_grads_pay_the_latency_of_their_own_buckets_only(cfg, monkeypa
     bucket's latency per expert bucket too."""
     from megaframe.planning.candidate import Layout
     from megaframe.planning.steptime import timing
-    from megaframe.planning.steptime.step import Step
+    from megaframe.planning.steptime.inputs import Step
     from megaframe.planning.steptime.timing import _dp
 
     monkeypatch.setattr(timing, "_compute", lambda s: 1e-3)
@@ -226,7 +226,7 @@ def test_zero3_hides_a_blocks_dense_and_expert_collectives_behind_that_block(cfg
     reshard_after_forward, not half of that, as counting the experts' buckets as units of their own gave."""
     from megaframe.planning.candidate import Layout
     from megaframe.planning.steptime import timing
-    from megaframe.planning.steptime.step import Step
+    from megaframe.planning.steptime.inputs import Step
     from megaframe.planning.steptime.timing import _dp
 
     monkeypatch.setattr(timing, "_compute", lambda s: 1e9)  # every unit's traffic hidden but the tail
