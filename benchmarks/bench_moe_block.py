@@ -46,8 +46,9 @@ def _block(model_name: str, seqs: int, dry: bool, device: torch.device, seq: int
     from megaframe.parallel.mesh import single_process_mesh
 
     # --dry: the tiny Qwen3-MoE (8 experts) at 32 tokens a sequence unless told
-    model_name, shape = ("qwen3_moe_tiny", [f"model.seq_length={seq or 32}"]) if dry else (model_name, [])
-    shape += [f"model.seq_length={seq}"] if seq and not dry else []
+    if dry:
+        model_name, seq = "qwen3_moe_tiny", seq or 32
+    shape = [f"model.seq_length={seq}"] if seq else []
     over = [
         "data=synthetic",
         f"model={model_name}",

@@ -152,13 +152,7 @@ class MoE(nn.Module):
         if blocks * self.cp.size == 1:
             return counts_E, None
         rows = experts_TK.shape[0] // batch  # tokens are sequence-major: row s holds tokens s·B .. s·B+B-1
-        seq = rows * blocks * self.cp.size
-        runs = [
-            context.cp_runs(seq, self.cp.size, r, blocks, t)
-            for r in range(self.cp.size)
-            for t in range(blocks)
-        ]
-        me = runs[self.cp.rank * blocks + (self.tp.rank if blocks > 1 else 0)]
+        seq, runs, me = self._sequence_runs(rows)
         e = self.cfg.num_experts
         run_JE = torch.stack(
             [dispatcher.expert_counts(experts_TK[lo * batch : hi * batch].reshape(-1), e) for lo, hi, _ in me]
@@ -178,15 +172,25 @@ class MoE(nn.Module):
         before_JE = (self._ahead[seq][:, :, None] * all_GJE.reshape(-1, e)[None]).sum(1)
         return all_GJE.sum((0, 1)), (run_JE, before_JE)
 
+    def _sequence_runs(self, rows: int) -> tuple[int, list, list]:
+        """(sequence length, the runs of every rank splitting a micro-batch's sequence in (cp rank, tp rank)
+        order, this rank's runs) for `rows` rows a rank (context.cp_runs: cp chunks, sp blocks over tp)."""
+        blocks = self.tp.size if self.sp else 1
+        seq = rows * blocks * self.cp.size
+        runs = [
+            context.cp_runs(seq, self.cp.size, r, blocks, t)
+            for r in range(self.cp.size)
+            for t in range(blocks)
+        ]
+        return seq, runs, runs[self.cp.rank * blocks + (self.tp.rank if blocks > 1 else 0)]
+
     def _forced_experts(self, rows: int, batch: int, device: torch.device) -> torch.Tensor:
         """model.moe_force_balance's experts_TK for this rank's tokens (router.balanced_experts): each row's
-        global sequence position from the runs the rank holds (context.cp_runs: its cp chunks, its sp
-        block), repeated over the batch (tokens are sequence-major). A constant of the layout: built once."""
+        global sequence position from the runs the rank holds (its cp chunks, its sp block), repeated over
+        the batch (tokens are sequence-major). A constant of the layout: built once."""
         key = (rows, batch, device)
         if key not in self._forced:
-            blocks = self.tp.size if self.sp else 1
-            seq = rows * blocks * self.cp.size
-            me = context.cp_runs(seq, self.cp.size, self.cp.rank, blocks, self.tp.rank if blocks > 1 else 0)
+            me = self._sequence_runs(rows)[2]
             pos_S = torch.cat([torch.arange(g, g + hi - lo, device=device) for lo, hi, g in me])
             c = self.cfg
             self._forced[key] = router.balanced_experts(

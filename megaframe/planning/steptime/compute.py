@@ -35,7 +35,6 @@ from megaframe.planning.steptime.launches import copies_v
 from megaframe.planning.steptime.moe import (
     experts_seconds,
     grouped_kernel,
-    imbalance,
     padded_bytes,
     permute_rows,
     router_bytes,
@@ -135,8 +134,7 @@ def moe_bytes(m, dev: Device, prec: str, routed: int, ep: int) -> float:
     padding passes for one micro-batch, forward + backward (planning.steptime.moe: each counted from the
     trainer's code)."""
     elem = 4 if prec == "fp32" else 2
-    moves = permute_rows(routed, m.moe_top_k, ep, imbalance(m))
-    out = router_bytes(m, routed, elem) + moves * m.hidden_size * elem
+    out = router_bytes(m, routed, elem) + permute_rows(m, routed, ep) * m.hidden_size * elem
     out += swiglu_bytes(m, routed, ep, elem)
     return out + (0.0 if grouped_kernel(dev, prec) else padded_bytes(m, routed, ep, elem))
 

@@ -113,20 +113,20 @@ def router_bytes(m, tokens: int, elem: int) -> float:
     return casts + tokens * e * 4 * scores
 
 
-def permute_rows(tokens: int, top_k: int, ep: int, imb: float = IMBALANCE) -> float:
+def permute_rows(m, tokens: int, ep: int) -> float:
     """Rows (of D elements) the dispatcher's permutation reads plus writes for one MoE layer and micro-batch,
     forward + backward, on the busiest rank (moe/dispatcher.py's dispatch_combine with moe/rows.py's row
-    moves; A = T·top_k assignments of the rank's own tokens, R = imb x A rows its experts receive when ep > 1;
-    imb: `imbalance`). Forward: the gather by token, x_TD[token_A] (read A, write A); under ep the
-    regrouping's gather x_RD[perm_R] (read R, write R) and its inverse, a scatter_rows: zeros (write R) and
-    index_add_ (read a source row, read and write its target row: 3R); the combine, a scatter_rows into [T,
-    D]: zeros (write T) and index_add_ (3A). Backward (rows.py's): the combine's index_select (read A, write
-    A); under ep the inverse's index_select (2R) and the regrouping's zeros and accumulating index_put_ (R +
-    3R); the gather by token's zeros and index_put_ (T + 3A). The combine weight is applied inside the experts
+    moves; A = T·top_k assignments of the rank's own tokens, R = imbalance(m) x A rows its experts receive
+    when ep > 1). Forward: the gather by token, x_TD[token_A] (read A, write A); under ep the regrouping's
+    gather x_RD[perm_R] (read R, write R) and its inverse, a scatter_rows: zeros (write R) and index_add_
+    (read a source row, read and write its target row: 3R); the combine, a scatter_rows into [T, D]: zeros
+    (write T) and index_add_ (3A). Backward (rows.py's): the combine's index_select (read A, write A); under
+    ep the inverse's index_select (2R) and the regrouping's zeros and accumulating index_put_ (R + 3R); the
+    gather by token's zeros and index_put_ (T + 3A). The combine weight is applied inside the experts
     (`swiglu_bytes`); its own moves (the [A, 1] fp32 weights gathered, regrouped and their grads: 4 bytes a
     row, not D elements) are left out."""
-    a = tokens * top_k
-    r = imb * a if ep > 1 else 0.0
+    a = tokens * m.moe_top_k
+    r = imbalance(m) * a if ep > 1 else 0.0
     forward = 2 * a + (2 * r + 4 * r) + tokens + 3 * a
     backward = 2 * a + (2 * r + 4 * r) + tokens + 3 * a
     return forward + backward

@@ -27,10 +27,10 @@ def test_the_permutation_rows_are_the_dispatchers_passes():
     # 10 tokens, top 2: A = 20 assignments. Forward: the gather by token 2A, the combine's zeros T and
     # index_add_ 3A (no weight multiply: the experts apply it); backward (moe/rows.py): the combine's
     # index_select 2A, the gather's zeros T and accumulating index_put_ 3A
-    assert moe.permute_rows(10, 2, 1) == (2 + 3) * 20 + 10 + (2 + 3) * 20 + 10
+    assert moe.permute_rows(M, 10, 1) == (2 + 3) * 20 + 10 + (2 + 3) * 20 + 10
     # under ep the busiest rank's R = 1.2 A = 24 rows: forward the regrouping's gather 2R and its inverse's
     # zeros R and index_add_ 3R; backward the inverse's index_select 2R, the gather's zeros R, index_put_ 3R
-    assert moe.permute_rows(10, 2, 8) == moe.permute_rows(10, 2, 1) + (2 + 1 + 3) * 24 + (2 + 1 + 3) * 24
+    assert moe.permute_rows(M, 10, 8) == moe.permute_rows(M, 10, 1) + (2 + 1 + 3) * 24 + (2 + 1 + 3) * 24
 
 
 def test_the_router_bytes_are_its_casts_and_score_passes():
@@ -54,7 +54,7 @@ def test_the_padded_path_is_charged_where_no_grouped_kernel_runs():
     h100, a100 = DEVICES["H100"], DEVICES["A100"]
     assert moe.grouped_kernel(h100, "bf16") and not moe.grouped_kernel(a100, "bf16")
     assert not moe.grouped_kernel(h100, "fp32")
-    base = moe.router_bytes(M, 10, 2) + moe.permute_rows(10, 2, 2) * 4 * 2 + moe.swiglu_bytes(M, 10, 2, 2)
+    base = moe.router_bytes(M, 10, 2) + moe.permute_rows(M, 10, 2) * 4 * 2 + moe.swiglu_bytes(M, 10, 2, 2)
     assert compute.moe_bytes(M, h100, "bf16", 10, 2) == base
     assert compute.moe_bytes(M, a100, "bf16", 10, 2) == base + moe.padded_bytes(M, 10, 2, 2)
 
@@ -212,7 +212,8 @@ def test_the_grouped_gemms_meet_the_published_kernel_measurements():
         compute.gemm_seconds(h100, "bf16", 2048, k, n, g) for k, n in ((2048, 1536), (768, 2048))
     )
     # the permutation's forward is half its rows (ep 1); the SwiGLU's forward 7 bf16 passes of F a row
-    passes = moe.permute_rows(tokens, 8, 1) / 2 * 2048 * 2 + 7 * rows * 768 * 2
+    top8 = SimpleNamespace(moe_top_k=8)
+    passes = moe.permute_rows(top8, tokens, 1) / 2 * 2048 * 2 + 7 * rows * 768 * 2
     assert (gemms + compute._stream(h100, passes)) * 1e3 == pytest.approx(10.2, rel=0.05)
     # tile-ai/TileOPs#1567: torch._grouped_mm, 256 groups of [1024, 6144] x [6144, 4096], 603 TFLOP/s (H200)
     t = compute.gemm_seconds(h200, "bf16", 1024, 6144, 4096, g)
