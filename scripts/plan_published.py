@@ -112,7 +112,7 @@ def main() -> int:
         text = PAGE.read_text()
         start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
         PAGE.write_text(text[:start] + "\n" + new + "\n" + text[end:])
-        # what the test holds the summary and a row of each kind to (re-planning all 43 takes minutes)
+        # what the test holds the summary and a row of each kind to (re-planning all 52 takes minutes)
         figures = [
             {
                 "name": r["name"],

@@ -19,7 +19,10 @@ def layout_timing(cfg, world: int, dev, plan) -> dict:
     step = sum(parts.values())
     tps = t.global_batch_size * cfg.model.seq_length / step / world
     prec = str(getattr(t.precision, "value", t.precision))
-    kind = layout_kind(cfg.model.num_experts, p.cp, p.tp, p.pp, plan.layout["dp"], param_count(cfg.model))
+    across = ep_across(lay, p, dev)
+    kind = layout_kind(
+        cfg.model.num_experts, p.cp, p.tp, p.pp, plan.layout["dp"], param_count(cfg.model), across
+    )
     return {
         "device": dev.name,
         "step_time_s": step,
@@ -45,6 +48,15 @@ def timing_line(tm: dict) -> str:
         f"  band {lo:.3f}-{hi:.3f} s: a {kind} layout; on published {kind} runs this model's step time was "
         f"{r_lo:.2f}-{r_hi:.2f} x the published one (10th-90th percentile, docs/planning.md#published-runs)"
     )
+
+
+def ep_across(lay, p, dev) -> bool:
+    """Whether the layout's expert group spans more than one of the device's nodes (steptime.moe)."""
+    from megaframe.planning.steptime.moe import expert_group
+
+    if lay.ep <= 1 or dev.name.startswith("cpu"):
+        return False
+    return expert_group(lay, p.etp)[1] > dev.per_node
 
 
 def cli_layout(cfg, dp: int):

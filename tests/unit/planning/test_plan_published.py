@@ -103,6 +103,25 @@ def test_a_named_device_alone_decides_fits_and_the_band_is_printed(tmp_path, cap
     assert json.loads(out.read_text())["fits"] is None  # no device named: no memory to judge against
 
 
+@pytest.mark.parametrize(
+    ("world", "ep", "device", "kind"),
+    [
+        (16, 8, "H100", "moe"),
+        (16, 16, "H100", "moe (ep across nodes)"),
+        (16, 16, "B200", "moe (ep across nodes)"),
+    ],
+)
+def test_an_expert_group_over_nodes_is_a_kind_of_its_own(world, ep, device, kind, tmp_path):
+    """The band of an MoE layout is its kind's: the expert group inside a node (8 ranks of an 8-GPU node)
+    or spanning nodes (16), where the all-to-all crosses InfiniBand."""
+    out = tmp_path / "plan.json"
+    moe = ["data=synthetic", "model=moe_tiny", "model.num_experts=16", f"parallel.ep={ep}"]
+    batch = [f"train.global_batch_size={world}", "train.micro_batch_size=1"]
+    args = [*moe, *batch, f"+world_size={world}", f"+plan_json={out}"]
+    assert main([*args, f"+device={device}"]) == 0
+    assert json.loads(out.read_text())["layout_kind"] == kind
+
+
 def test_gemm_efficiency_rises_with_size_and_fp8_is_faster():
     a100 = DEVICES["A100"]
     effs = [2 * n**3 / gemm_seconds(a100, "bf16", n, n, n) / a100.peak_bf16 for n in (512, 2048, 8192)]
