@@ -158,6 +158,13 @@ class DocSplit(StrEnum):
     paragraph = "paragraph"
 
 
+class EPDispatch(StrEnum):
+    """How the tokens reach their experts over ep (megaframe/model/moe/dispatcher.py)."""
+
+    all_to_all = "all_to_all"
+    node = "node"
+
+
 class CPComm(StrEnum):
     """How context-parallel ranks see each other's keys and values (megaframe/parallel/context.py)."""
 

@@ -95,8 +95,9 @@ class ModelConfig(Frozen):
     """None = dropless. Else each expert takes at most ceil(factor * tokens * top_k / experts) assignments
     of a micro-batch (first come, in token order); the rest are dropped (moe/layer{i}/dropped_frac)."""
     moe_force_balance: bool = False
-    """Throughput benchmarks only: a token at sequence position p goes to experts (p·K + j) mod E, j < K,
-    whatever its scores, so every expert and every ep rank gets the same rows (Megatron's
+    """Throughput benchmarks only: a token at sequence position p goes to experts (p + j·(E // K)) mod E,
+    j < K, whatever its scores, so every expert and every ep rank gets the same rows, a token's experts
+    spread over the ranks as a trained router's are (Megatron's
     moe_router_force_load_balancing, torchtitan's _debug_force_load_balance). The combine weights are
     still those experts' scores and the router losses still train the gate; the routing means nothing.
     The planner times it at even load (planning/steptime/moe.py's imbalance)."""

@@ -94,6 +94,7 @@ FIELD_RULES: dict[str, Rule] = {
     "parallel.vpp": POS,
     "parallel.ep": POS,
     "parallel.etp": POS,
+    "parallel.ranks_per_node": NONNEG,
     "parallel.cp": POS,
     "parallel.tp_comm_chunks": POS,
     # train

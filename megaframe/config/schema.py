@@ -19,6 +19,7 @@ from megaframe.config.choices import (  # noqa: F401  (re-exported: the schema's
     DataKind,
     Device,
     DocSplit,
+    EPDispatch,
     Fp8Recipe,
     GradReduceDtype,
     LRSchedule,
@@ -70,6 +71,14 @@ class ParallelConfig(Frozen):
     etp: int = 1
     """Experts' own tensor-parallel size (Megatron's --expert-tensor-parallel-size): each expert's weights
     split over etp ranks of the folded expert grid, independent of tp."""
+    ep_dispatch: EPDispatch = EPDispatch.all_to_all
+    """all_to_all: one all-to-all over the ep group, a row per (token, expert) | node: a token crosses to
+    another node once for all its experts there, then reaches them inside the node (DeepEP's and
+    HybridEP's way; docs/moe.md "Dispatch by node"). Equal results to float noise; dropless experts and
+    etp = 1 only. Where the ep group lies in one node both are the same all-to-all."""
+    ranks_per_node: int = 0
+    """Ranks on one node, for parallel.ep_dispatch=node; 0: the launcher's (torchrun's LOCAL_WORLD_SIZE,
+    srun's tasks per node). Set it to emulate nodes on one machine."""
     sp: bool = False
     """Sequence parallelism: split the sequence over tp between blocks (needs tp > 1 to matter)."""
     tp_comm_overlap: bool = False

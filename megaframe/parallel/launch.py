@@ -60,6 +60,25 @@ def local_world_size(environ=os.environ) -> int:
     return int(per_node.group()) if per_node else 1
 
 
+def dispatch_node(p, world: int, environ=os.environ) -> int:
+    """Ranks per node for parallel.ep_dispatch=node (parallel.ranks_per_node, else the launcher's), checked
+    against the layout before any process group: 0 when the ep all-to-all does not go by node."""
+    from megaframe.errors import ConfigError
+    from megaframe.parallel.rank_grid import RankGrid
+
+    if p.ep_dispatch != "node" or p.ep == 1:
+        return 0
+    node = p.ranks_per_node or local_world_size(environ)
+    try:
+        RankGrid(p.tp, world // (p.tp * p.pp * p.cp), p.pp, ep=p.ep, cp=p.cp, etp=p.etp, node=node)
+    except ValueError as e:
+        where = f"parallel.ranks_per_node={p.ranks_per_node}" + (
+            "" if p.ranks_per_node else f" ({node}: the launcher's)"
+        )
+        raise ConfigError(f"{where}: {e}") from e
+    return node
+
+
 NCCL_DEFAULTS = {
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",  # a failed or timed-out collective aborts the communicator and
     # ends the process, instead of leaving the others hanging

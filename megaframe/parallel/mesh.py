@@ -123,6 +123,11 @@ class Mesh:
     """HSDP with experts: the edp ranks ZeRO shards expert state over (edp itself without HSDP)."""
     edp_rep: Optional[Axis] = None
     """HSDP with experts: the edp ranks holding the same expert shard; size 1 without HSDP."""
+    ep_node: Optional[Axis] = None
+    """parallel.ep_dispatch=node: the ep ranks on this rank's node (consecutive ep ranks); None otherwise."""
+    ep_rail: Optional[Axis] = None
+    """parallel.ep_dispatch=node: one ep rank per node, each at this rank's place on its node, in node order
+    (a token crosses nodes over it once per node it needs); None otherwise. Bytes of both count as ep."""
 
     def __post_init__(self):
         if self.cp is None:
@@ -166,6 +171,8 @@ class Mesh:
     def describe(self) -> str:
         ep = f" ep={self.ep.size}" if self.ep.size > 1 else ""
         ep += f" etp={self.etp.size}" if self.etp.size > 1 else ""
+        if self.ep_node is not None:
+            ep += f" (dispatch by node: {self.ep_rail.size} nodes of {self.ep_node.size} ep ranks)"
         p2p = " p2p=nccl-emulated" if self.pp.p2p is not None else ""
         cp = f" cp={self.cp.size}" if self.cp.size > 1 else ""
         return (
@@ -227,6 +234,8 @@ def mesh_at(
         dp_rep=axis("dp_rep") if hybrid else None,
         cp=axis("cp") if context else None,
         dpcp=axis("dpcp") if context else None,
+        ep_node=axis("ep_node") if grid.by_node else None,
+        ep_rail=axis("ep_rail") if grid.by_node else None,
     )
 
 
@@ -241,9 +250,11 @@ def build_mesh(
     shard: int = 0,
     cp: int = 1,
     etp: int = 1,
+    node: int = 0,
 ) -> Mesh:
     """Create every tp/pp/dp (and ep/edp, HSDP's dp_shard/dp_rep, cp/dpcp) group over `ranks` (default:
     all). Collective: every process must call it. `shard`: optim.shard_group_size (0 or dp: no HSDP).
+    `node`: ranks per node when the ep all-to-all goes by node (ep_node / ep_rail; 0: it does not).
 
     `timeout` (train.dist_timeout_s) applies to every group: new_group does not inherit
     init_process_group's, it takes the backend's default (30 min on gloo, 10 on NCCL) unless told.
@@ -258,7 +269,7 @@ def build_mesh(
     ranks = list(ranks) if ranks is not None else list(range(dist.get_world_size() if initialized else 1))
     world = len(ranks)
     assert world % (tp * pp * cp) == 0, f"tp*pp*cp={tp * pp * cp} does not divide world {world}"
-    grid = RankGrid(tp, world // (tp * pp * cp), pp, ep=ep, shard=shard, cp=cp, etp=etp)
+    grid = RankGrid(tp, world // (tp * pp * cp), pp, ep=ep, shard=shard, cp=cp, etp=etp, node=node)
     groups: dict = {}
     names = grid.creation_order()
     made: dict = {}  # members -> (axis, group) of the data-parallel family's group already created over them

@@ -14,6 +14,11 @@ direction), then cp, then dp, and edp = tp·cp·dp / (ep·etp) follows. Every ra
 (MoE under tp needs sp), so the expert grads are partial over all of tp·cp·dp and summed over edp.
 With tp = etp = 1 this is the cut of cp·dp into ep blocks of before.
 
+Dispatch by node (parallel.ep_dispatch=node, `node` positions a node): each ep group is cut again into
+its members on one node (`ep_node`, consecutive ep ranks) and `ep_rail`, the members at the same place of
+their node (one per node, in node order): a token crosses nodes over ep_rail once per node it needs, then
+reaches its experts over ep_node (moe/dispatcher.py).
+
 HSDP (shard = s < cp·dp) runs r = cp·dp/s replicas of the optimizer (Megatron's distributed optimizer
 instances); the experts keep the same replica count: edp is cut into `edp_shard` blocks of edp/r
 consecutive edp ranks (ZeRO shards expert state over them) and `edp_rep`, their r replicas.
@@ -21,6 +26,7 @@ consecutive edp ranks (ZeRO shards expert state over them) and `edp_rep`, their 
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 
@@ -40,9 +46,12 @@ class RankGrid:
     """Context-parallel size (between tp and dp in the rank order)."""
     etp: int = 1
     """Experts' own tensor-parallel size (innermost in the experts' cut of the stage)."""
+    node: int = 0
+    """Positions per node when the ep all-to-all goes by node (ep_node / ep_rail axes); 0: not cut."""
 
     AXES = ("tp", "dp", "pp", "pp_ends", "ep", "edp", "dp_shard", "dp_rep", "cp", "dpcp")
     EXPERT_AXES = ("etp", "edp_shard", "edp_rep")
+    NODE_AXES = ("ep_node", "ep_rail")
     STATS = {
         "pp_ends": "pp",
         "edp": "dp",
@@ -51,6 +60,8 @@ class RankGrid:
         "dpcp": "dp",
         "edp_shard": "dp",
         "edp_rep": "dp",
+        "ep_node": "ep",
+        "ep_rail": "ep",
     }
     """The byte counter of an axis, where it is not its own name (an Axis's `name`)."""
 
@@ -65,6 +76,8 @@ class RankGrid:
             f"shard group size {self.shard} does not divide cp·dp={self.cp * self.dp}"
         )
         assert self.edp % self.replicas == 0, f"{self.replicas} HSDP replicas do not divide edp={self.edp}"
+        if self.by_node:
+            self._node_blocks()  # raises where an ep group does not split into equal node blocks
 
     @property
     def stage(self) -> int:
@@ -93,6 +106,25 @@ class RankGrid:
         return self.ep * self.etp > 1
 
     @property
+    def by_node(self) -> bool:
+        """Whether the ep groups are cut by node (ep_node, ep_rail axes)."""
+        return self.node > 0 and self.ep > 1
+
+    def _node_blocks(self) -> int:
+        """Ep ranks per node in every ep group (the ep_node size), the same for all of them: an ep group's
+        positions increase with its ep rank, so each node's members are consecutive ep ranks."""
+        sizes = set()
+        for g in self._expert_groups("ep"):
+            per_node = Counter(q // self.node for q in g)
+            sizes |= set(per_node.values())
+        if len(sizes) != 1:
+            raise ValueError(
+                "parallel.ep_dispatch=node needs every ep group to hold the same ranks on each of its "
+                f"nodes; at {self.node} ranks a node they hold {sorted(sizes)}"
+            )
+        return sizes.pop()
+
+    @property
     def world(self) -> int:
         return self.stage * self.pp
 
@@ -109,6 +141,7 @@ class RankGrid:
                 if self.folded
                 else ()
             )
+            + (self.NODE_AXES if self.by_node else ())
         )
 
     def position(self, pp_rank: int, dp_rank: int, tp_rank: int, cp_rank: int = 0) -> int:
@@ -150,6 +183,11 @@ class RankGrid:
 
     def groups(self, name: str) -> list[tuple[int, ...]]:
         """Every group of axis `name`, in one fixed order (every process creates them in this order)."""
+        if name in self.NODE_AXES:
+            g, ep = self._node_blocks(), self._expert_groups("ep")
+            if name == "ep_node":
+                return [e[j : j + g] for e in ep for j in range(0, self.ep, g)]
+            return [e[i::g] for e in ep for i in range(g)]
         if name in ("ep", "edp", "etp", "edp_shard", "edp_rep"):
             return self._expert_groups(name)
         at, tp, dp, pp, cp = self.position, self.tp, self.dp, self.pp, self.cp

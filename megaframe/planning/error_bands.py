@@ -28,7 +28,7 @@ SMALL_DP = 64
 RATIO_SPREAD = {
     "dense": (0.79, 1.123),
     "moe": (0.546, 0.877),
-    "moe (ep across nodes)": (1.439, 2.438),
+    "moe (ep across nodes)": (1.121, 1.764),
     "cp": (0.85, 1.116),
     "small at large dp": (0.842, 1.13),
 }
@@ -46,10 +46,9 @@ def layout_kind(
     num_experts: int, cp: int, tp: int, pp: int, dp: int, params: float, ep_across_nodes: bool = False
 ) -> str:
     """Which kind of layout a plan is, for its error band (module doc): moe before cp before the rest. An
-    MoE layout whose expert group spans nodes is a kind of its own: its all-to-all crosses InfiniBand,
-    where the published runs used dispatchers that send a token once per node and overlap the exchange
-    with another micro-batch (HybridEP, DeepEP) while megaframe's plan is NCCL's all-to-all of every
-    routed row (docs/planning.md#published-runs)."""
+    MoE layout whose expert group spans nodes is a kind of its own: its all-to-all crosses InfiniBand, the
+    step's largest part there, and the published runs of it overlapped that exchange with another
+    micro-batch's compute, which megaframe does not (docs/planning.md#published-runs)."""
     if num_experts:
         return "moe (ep across nodes)" if ep_across_nodes else "moe"
     if cp > 1:

@@ -18,7 +18,14 @@ from megaframe.data.stages import stage_metric
 from megaframe.errors import TrainingError  # also re-exported for train.py
 from megaframe.layers.rng import seed_step
 from megaframe.parallel import comm
-from megaframe.parallel.launch import env_ranks, init_distributed, nccl_env, pick_device, shutdown
+from megaframe.parallel.launch import (
+    dispatch_node,
+    env_ranks,
+    init_distributed,
+    nccl_env,
+    pick_device,
+    shutdown,
+)
 from megaframe.parallel.mesh import Mesh, build_mesh
 from megaframe.pipeline import p2p
 from megaframe.runops.access.folders import FolderLocks, claim, peer_bad_input, record_bad_input
@@ -52,6 +59,7 @@ def run(cfg: Config, stop: StopFlag | None = None) -> None:
             ep=cfg.parallel.ep,
             etp=cfg.parallel.etp,
             cp=cfg.parallel.cp,
+            node=dispatch_node(cfg.parallel, env.world_size),
             timeout=datetime.timedelta(seconds=cfg.train.dist_timeout_s),
             world_timeout=datetime.timedelta(seconds=cfg.checkpoint.save_timeout_s),
             shard=cfg.optim.shard_group_size,

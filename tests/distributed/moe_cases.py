@@ -54,7 +54,8 @@ def dispatcher_vs_one_process(mesh, overrides: list[str]) -> dict | None:
     mesh.stats.pop()
     y, gx, grads = _run(_layer(cfg, mesh), _tokens(mesh.rank, t, d))
     layer = _layer(cfg, mesh)
-    sent = _ep_bytes_vs_theory(cfg, mesh, layer, _tokens(mesh.rank, t, d))
+    bytes_vs_theory = _ep_bytes_vs_theory if mesh.ep_rail is None else _rail_bytes_vs_theory
+    sent = bytes_vs_theory(cfg, mesh, layer, _tokens(mesh.rank, t, d))
     full = {
         n: gather_full(g, p.placement.shard, mesh.ep if p.placement.expert else mesh.tp)
         for (n, p), g in zip(layer.named_parameters(), grads.values())
@@ -101,6 +102,36 @@ def _ep_bytes_vs_theory(cfg, mesh, layer: MoE, x_TBD: torch.Tensor) -> dict:
     both = torch.tensor([counted, expected], dtype=torch.float64)
     dist.all_reduce(both, group=mesh.group)
     return {"ep_bytes": both[0].item(), "ep_bytes_theory": both[1].item()}
+
+
+def _rail_bytes_vs_theory(cfg, mesh, layer: MoE, x_TBD: torch.Tensor) -> dict:
+    """Under parallel.ep_dispatch=node: (counted, expected) bytes between nodes (over ep_rail, counted on
+    an axis of its own) summed over ranks for one forward + backward, and what the plain dispatcher would
+    send between nodes. A (token, other node) pair crosses four times (rows there and back, forward and
+    backward), its K expert ids once and its K weights twice; plus the N int64 counts. The plain dispatcher
+    sends a row per (token, expert on another node), four times."""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    from megaframe.parallel.flight import CommStats
+
+    rail = dataclasses.replace(mesh.ep_rail, stats=CommStats())
+    layer.by_node = (rail, mesh.ep_node)
+    _run(layer, x_TBD)
+    counted = rail.stats.sent.get("ep", 0)
+    e, k, n, d = cfg.model.num_experts, cfg.model.moe_top_k, rail.size, x_TBD.shape[-1]
+    with torch.no_grad():
+        experts = torch.topk(layer.router(x_TBD.reshape(-1, d)), k).indices
+    node_TK = experts // (e // n)
+    hit_TN = torch.zeros(node_TK.shape[0], n, dtype=torch.bool).scatter_(1, node_TK, True)
+    pairs = hit_TN.sum().item() - hit_TN[:, rail.rank].sum().item()
+    plain = (node_TK != rail.rank).sum().item()
+    expected = 4 * pairs * d * 4 + pairs * k * 8 + 2 * pairs * k * 4 + (n - 1) * 8
+    got = torch.tensor([counted, expected, 4 * pairs * d * 4, 4 * plain * d * 4], dtype=torch.float64)
+    dist.all_reduce(got, group=mesh.group)
+    names = ("ep_bytes", "ep_bytes_theory", "node_row_bytes", "plain_node_row_bytes")
+    return {name: v.item() for name, v in zip(names, got)}
 
 
 def checkpoint_across_ep(mesh, overrides: list[str], folder: str, steps: int, save_at: int) -> dict | None:

@@ -36,7 +36,7 @@ from torch import nn
 
 from megaframe.config.schema import ModelConfig
 from megaframe.layers.shard import Shard, sharded_param
-from megaframe.model.moe import dispatcher, grouped, router
+from megaframe.model.moe import dispatcher, grouped, node_dispatch, router
 from megaframe.parallel import comm, context
 from megaframe.parallel.mesh import Mesh
 
@@ -131,6 +131,8 @@ class MoE(nn.Module):
         super().__init__()
         self.cfg, self.tp, self.ep, self.cp, self.sp = cfg, mesh.tp, mesh.ep, mesh.cp, sp
         self.etp = mesh.etp
+        # parallel.ep_dispatch=node: the ep group cut by node (moe/node_dispatch.py); None: one all-to-all
+        self.by_node = (mesh.ep_rail, mesh.ep_node) if mesh.ep_rail is not None else None
         self.tokens_per_step = tokens_per_step
         self._ahead: dict[int, torch.Tensor] = {}  # _batch_counts' run order masks, by sequence length
         self._forced: dict[tuple, torch.Tensor] = {}  # _forced_experts' choices, by (rows, batch, device)
@@ -230,7 +232,13 @@ class MoE(nn.Module):
         # the planner (megaframe.plan) runs this forward on meta tensors: shapes only, no values to sync on,
         # so its route assumes perfectly balanced routing; every saved tensor is the trainer's own
         route = dispatcher.balanced_route(plan, self.ep, self.etp, capacity) if x_TD.is_meta else None
-        y_TD = dispatcher.dispatch_combine(x_TD, plan, self.ep, self.experts, self.etp, route)
+        if self.by_node is not None and not x_TD.is_meta:
+            rail, node = self.by_node
+            y_TD = node_dispatch.dispatch_combine_by_node(
+                x_TD, r.experts_TK, r.weights_TK, c.num_experts, rail, node, self.experts
+            )
+        else:
+            y_TD = dispatcher.dispatch_combine(x_TD, plan, self.ep, self.experts, self.etp, route)
         # Skipped under no_grad (eval): no backward to inject into, and eval batches stay out of step_stats.
         if torch.is_grad_enabled():
             y_TD = self._add_losses(y_TD, r, logits_TE, batch_E, counts_E, plan, n, b)

@@ -74,12 +74,15 @@ def route(
 
 
 def balanced_experts(positions_T: torch.Tensor, top_k: int, num_experts: int) -> torch.Tensor:
-    """experts_TK of model.moe_force_balance: the token at sequence position p goes to (p·K + j) mod E for
-    j < K. Any run of consecutive positions hands the E experts its run·K assignments round-robin, so a
-    rank's tokens (a run per sp block, two per cp chunk pair) load every expert alike to one row per
-    sequence; from the position alone, so every layout routes a token the same way."""
-    j_K = torch.arange(top_k, device=positions_T.device)
-    return (positions_T[:, None] * top_k + j_K) % num_experts
+    """experts_TK of model.moe_force_balance: the token at sequence position p goes to (p + j·s) mod E for
+    j < K, s = E // K. Any E consecutive positions give every expert exactly K assignments, so a rank's
+    tokens (a run per sp block, two per cp chunk pair) load the experts alike to K rows per run; and a
+    token's K experts lie s apart, spread over the ep ranks and nodes as a trained router's are (each on
+    its own rank once ep >= K), not K neighbours on one rank, so the ep all-to-all carries what a real run's
+    would (under parallel.ep_dispatch=node too). From the position alone: every layout routes a token
+    the same way."""
+    j_K = torch.arange(top_k, device=positions_T.device) * (num_experts // top_k)
+    return (positions_T[:, None] + j_K) % num_experts
 
 
 def _group_limited(select_TE: torch.Tensor, n_group: int, topk_group: int) -> torch.Tensor:

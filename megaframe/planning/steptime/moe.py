@@ -38,7 +38,8 @@ rank, each split over etp). Each rank routes its own tokens (T = micro-batch x S
                  forward and backward: the weights travel with their rows); a re-run forward repeats its
                  2 and 1. Each: (ep-1)/ep of them leaving the rank, on NVLink when the group is inside a
                  node, else the share bound for other nodes over InfiniBand (ep/node of the peers are
-                 local), plus ep-1 steps of that link's latency.
+                 local), plus ep-1 steps of that link's latency. Under parallel.ep_dispatch=node with the
+                 group across nodes, two stages instead (steptime/by_node.py).
   shared experts a dense MLP beside the routed ones (model.moe_shared_experts x the expert width, where
                  a family has them): a plain GEMM on every token.
 

@@ -56,6 +56,7 @@ from megaframe.parallel.rank_grid import ExpertGroups, folded_expert_groups
 from megaframe.planning.candidate import Layout, cp_ring, stage_params
 from megaframe.planning.devices import Device
 from megaframe.planning.gloo_link import hop_seconds
+from megaframe.planning.steptime.by_node import node_dispatch_seconds, node_split
 from megaframe.planning.steptime.compute import rerun_gemm_share
 from megaframe.planning.steptime.inputs import Step
 from megaframe.planning.steptime.moe import all_to_all_seconds
@@ -130,6 +131,8 @@ def _ep(s: Step) -> float:
     rows, weights = _ep_colls(lay)
     # one fp32 weight (4 bytes) a routed row of D elements
     weight_bytes = routed / (m.hidden_size * s.elem) * 4
+    if node_split(s) is not None:  # parallel.ep_dispatch=node across nodes: two stages (steptime.by_node)
+        return s.layers * s.micro * node_dispatch_seconds(s, routed, rows, weights)
     one = rows * all_to_all_seconds(s, routed) + weights * all_to_all_seconds(s, weight_bytes)
     return s.layers * s.micro * one
 
@@ -200,7 +203,9 @@ def block_host_seconds(s: Step, gpu_s: float) -> float:
     k = launch.block_kernels(m, bool(s.cfg.train.compile), colls, rerun, lay.ep, gathered)
     t = launch.exposed(k, gpu_s)
     if m.num_experts:
-        t += (2 if rerun else 1) * (launch.moe_sync_seconds(1) + _moe_count_colls(s))
+        # dispatch by node syncs twice a forward: each of its two all-to-alls needs its split sizes
+        syncs = 2 if node_split(s) is not None else 1
+        t += (2 if rerun else 1) * (launch.moe_sync_seconds(syncs) + _moe_count_colls(s))
     return t
 
 

@@ -50,6 +50,19 @@ def test_dispatcher_all_to_all_autograd_matches_one_process(pool, ep):
         assert err <= 1e-5 * max(scale, 1.0), (name, errs)
 
 
+def test_dispatch_by_node_matches_one_process_and_crosses_nodes_once_per_token_and_node(pool):
+    """parallel.ep_dispatch=node on 4 ranks of 2 nodes: the layer's output and grads equal one process's,
+    and the bytes between nodes are a row per (token, other node it needs), fewer than the plain
+    dispatcher's row per (token, expert there) once a token has two experts on the other node."""
+    over = ["parallel.ep=4", "parallel.ep_dispatch=node", "parallel.ranks_per_node=2"]
+    errs = pool.run(dispatcher_vs_one_process, 4, over, ep=4, node=2)[0]
+    scale, rows, plain = errs.pop("scale"), errs.pop("node_row_bytes"), errs.pop("plain_node_row_bytes")
+    assert errs.pop("ep_bytes") == errs.pop("ep_bytes_theory") > 0
+    assert 0 < rows < plain, (rows, plain)
+    for name, err in errs.items():
+        assert err <= 1e-5 * max(scale, 1.0), (name, errs)
+
+
 @pytest.mark.parametrize("name,n,tp,pp,ep,extra", LAYOUTS, ids=[layout[0] for layout in LAYOUTS])
 def test_moe_layout_matches_one_process(pool, name, n, tp, pp, ep, extra):
     options = [o for o in extra if not o.startswith(LAYOUT_ONLY)]

@@ -32,7 +32,7 @@ LAYOUTS = [
     ("ring-cp2-dp2-ep4", 2, 2, 4, 1, ["parallel.cp_comm=ring"]),
     ("cp2-tp2-sp-ep2-capacity", 2, 1, 2, 2, ["parallel.sp=true", "model.moe_capacity_factor=1.0"]),
     # routed by global position, each rank's from its cp chunks and sp block: at 24 tokens the blocks start
-    # at positions 0, 18, 6, 12, which local positions would route unlike one process (period E/K = 4)
+    # at positions 0, 18, 6, 12, which local positions would route unlike one process (period E = 8)
     (
         "cp2-tp2-sp-ep2-forced-balance",
         2,
@@ -42,6 +42,22 @@ LAYOUTS = [
         ["parallel.sp=true", "model.moe_force_balance=true", "model.seq_length=24"],
     ),
     ("cp2-pp2-ep2-sigmoid", 2, 1, 2, 1, ["parallel.pp=2", "model.moe_router_score=sigmoid"]),
+    # by node, 2 ranks a node: a token crosses to the other node once for its experts there (ep_rail), then
+    # reaches them inside it (ep_node); forced balance sends every token to the other node half the time
+    ("cp2-dp2-ep4-by-node", 2, 2, 4, 1, ["parallel.ep_dispatch=node", "parallel.ranks_per_node=2"]),
+    (
+        "cp2-tp2-sp-ep4-by-node-forced-balance",
+        2,
+        1,
+        4,
+        2,
+        [
+            "parallel.sp=true",
+            "parallel.ep_dispatch=node",
+            "parallel.ranks_per_node=2",
+            "model.moe_force_balance=true",
+        ],
+    ),
     (
         "cp2-ep2-capacity-expert-bias",
         2,
@@ -59,7 +75,8 @@ def test_moe_under_cp_matches_one_process(pool, name, cp, dp, ep, tp, extra):
     ref = reference(pool, tuple(o for o in extra if not o.startswith(LAYOUT_ONLY)))
     over = MOE + extra + [f"parallel.cp={cp}", f"parallel.ep={ep}", f"parallel.tp={tp}"]
     pp = 2 if "parallel.pp=2" in extra else 1
-    got = pool.run(train_and_report, cp * dp * tp * pp, over, STEPS, tp=tp, cp=cp, ep=ep, pp=pp)[0]
+    node = 2 if "parallel.ep_dispatch=node" in extra else 0
+    got = pool.run(train_and_report, cp * dp * tp * pp, over, STEPS, tp=tp, cp=cp, ep=ep, pp=pp, node=node)[0]
     check(got, ref)
     # the global grad norm (clipping is active where clip_grad=0.3): each element counted once over ep x edp
     assert got["norms"] == pytest.approx(ref["norms"], rel=1e-5), (got["norms"], ref["norms"])

@@ -44,7 +44,7 @@ optim.lr_schedule optim.lr_decay_steps optim.wsd_decay_fraction optim.grad_reduc
 optim.state_dtype optim.muon.adamw_lr optim.muon.momentum optim.muon.nesterov optim.muon.ns_steps
 optim.muon.adjust_lr_fn optim.step_kernel
 parallel.cp parallel.cp_comm parallel.ep parallel.etp parallel.pp parallel.pp_layout parallel.pp_schedule
-parallel.sp parallel.tp parallel.vpp
+parallel.sp parallel.tp parallel.vpp parallel.ep_dispatch parallel.ranks_per_node
 parallel.tp_comm_overlap parallel.tp_comm_chunks train.fp8_recipe data.stages data.document_mask data.task
 data.num_tasks
 run.dir run.name
@@ -251,6 +251,18 @@ def test_unknown_preset_is_a_one_line_error():
             ["optim.shard_group_size=1", "4 HSDP replicas", "data-parallel size", "= 2"],
         ),
         (["parallel.ep=2"], 2, ["parallel.ep", "model.num_experts"]),
+        (
+            ["model=moe_tiny", "parallel.ep=2", "parallel.ep_dispatch=node", "model.moe_capacity_factor=1.0"],
+            2,
+            ["parallel.ep_dispatch=node", "model.moe_capacity_factor=1.0"],
+        ),
+        (
+            ["model=moe_tiny", "parallel.ep=4", "parallel.ep_dispatch=node", "parallel.ranks_per_node=3"],
+            4,
+            ["parallel.ranks_per_node=3", "same ranks on each of its nodes"],
+        ),
+        (["parallel.ranks_per_node=-1"], 1, ["parallel.ranks_per_node=-1"]),
+        (["parallel.ep_dispatch=deepep"], 1, ["parallel.ep_dispatch"]),
         (["model=moe_tiny", "model.moe_router_score=relu"], 1, ["model.moe_router_score"]),
         (["model=moe_tiny", "model.moe_capacity_factor=0"], 1, ["model.moe_capacity_factor"]),
         (["optim.zero=4"], 2, ["optim.zero"]),

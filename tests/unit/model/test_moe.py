@@ -233,7 +233,7 @@ def test_a_layer_keeps_its_routed_rows_once():
 
 
 def test_forced_balance_routes_by_position_and_loads_every_expert_alike():
-    """model.moe_force_balance: the experts of a token follow its sequence position, (p·K + j) mod E, not
+    """model.moe_force_balance: the experts of a token follow its sequence position, (p + j·E/K) mod E, not
     its scores; each expert takes the same rows; the combine weights are those experts' renormalised scores,
     so the router's gate still gets a gradient."""
     cfg = cfg_of("model.moe_force_balance=true")
@@ -243,7 +243,8 @@ def test_forced_balance_routes_by_position_and_loads_every_expert_alike():
     assert layer.step_stats[:e].tolist() == [16 * 2 * k / e] * e  # 32 tokens x 2 over 4 experts
     assert grads["router.weight"].abs().sum() > 0
     forced_TK = layer._forced_experts(16, 2, x.device)
-    assert forced_TK[:4].tolist() == [[0, 1], [0, 1], [2, 3], [2, 3]]  # positions 0, 0, 1, 1 (sequence-major)
+    # positions 0, 0, 1, 1 (sequence-major); a token's 2 experts lie E/K = 2 apart (on ep2, one on each rank)
+    assert forced_TK[:4].tolist() == [[0, 2], [0, 2], [1, 3], [1, 3]]
     r = router.route(layer.router(x.reshape(-1, 64)), k, forced_TK=forced_TK)
     chosen_TK = r.probs_TE.gather(-1, forced_TK)
     torch.testing.assert_close(r.weights_TK, chosen_TK / chosen_TK.sum(-1, keepdim=True))

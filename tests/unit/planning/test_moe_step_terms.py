@@ -257,3 +257,46 @@ def test_a_force_balanced_run_is_timed_at_even_load(monkeypatch):
     assert sum(planned.values()) < sum(step_time(trained, lay, DEVICES["H100"], 8).values())
     monkeypatch.setattr(moe, "IMBALANCE", 1.0)
     assert step_time(trained, lay, DEVICES["H100"], 8) == pytest.approx(planned, rel=1e-12)
+
+
+def test_the_nodes_a_token_needs_are_the_routing_rules():
+    """steptime.by_node's distinct nodes per token: under forced balance the trainer's own rule
+    (router.balanced_experts) counted over its period; else k experts drawn alike (the closed form)."""
+    import itertools
+    import math
+
+    import torch
+
+    from megaframe.model.moe.router import balanced_experts
+    from megaframe.planning.steptime.by_node import nodes_per_token
+
+    for e, k, nodes in ((128, 8, 2), (256, 8, 4), (8, 2, 2), (128, 4, 8)):
+        experts_EK = balanced_experts(torch.arange(e), k, e)
+        counted = sum(len(set((row // (e // nodes)).tolist())) for row in experts_EK) / e
+        forced = SimpleNamespace(num_experts=e, moe_top_k=k, moe_force_balance=True)
+        assert nodes_per_token(forced, nodes) == counted
+    trained = SimpleNamespace(num_experts=8, moe_top_k=2, moe_force_balance=False)
+    by_hand = sum(len({a // 4, b // 4}) for a, b in itertools.combinations(range(8), 2)) / math.comb(8, 2)
+    assert nodes_per_token(trained, 2) == pytest.approx(by_hand)
+
+
+def test_dispatch_by_node_crosses_infiniband_once_per_token_and_node():
+    """parallel.ep_dispatch=node with the expert group over two 8-GPU nodes (Qwen3-30B-A3B's ep16): the rail
+    all-to-all carries a row per (token, other node) where the plain one carries a row per (token, expert
+    off the node), so its ep part is smaller; inside one node the two are the same all-to-all."""
+    from megaframe.planning.candidate import Layout
+    from megaframe.planning.steptime.timing import step_time
+
+    over = ["data=synthetic", "model=qwen3_30b_a3b", "train.global_batch_size=64", "train.micro_batch_size=1"]
+    plain, node = (
+        load_config(over + extra, world_size=16, check_data=False)
+        for extra in ([], ["parallel.ep_dispatch=node"])
+    )
+    across, inside = Layout(1, 1, 1, 16, 16, 1, 1, "none"), Layout(1, 1, 1, 16, 8, 1, 1, "none")
+    h100 = DEVICES["H100"]
+    ep_plain, ep_node = (step_time(c, across, h100, 16)["ep"] for c in (plain, node))
+    # over InfiniBand a token's rows: plain 8 x 8/16 off the node at 1.2 x the mean load, 4.8; by node 1.99
+    # nodes x 1/2 (+ its ids and weights), 4.8 x fewer; but the node's NVLink stage, the routed rows at
+    # 7/8 off the rank, runs after the rail's (two all-to-alls, moe/node_dispatch.py): about 2.4 x in all
+    assert 2 < ep_plain / ep_node < 3
+    assert step_time(node, inside, h100, 16) == step_time(plain, inside, h100, 16)
