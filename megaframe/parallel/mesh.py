@@ -171,7 +171,7 @@ class Mesh:
     def describe(self) -> str:
         ep = f" ep={self.ep.size}" if self.ep.size > 1 else ""
         ep += f" etp={self.etp.size}" if self.etp.size > 1 else ""
-        if self.ep_node is not None:
+        if self.ep_rail is not None and self.ep_rail.size > 1:
             ep += f" (dispatch by node: {self.ep_rail.size} nodes of {self.ep_node.size} ep ranks)"
         p2p = " p2p=nccl-emulated" if self.pp.p2p is not None else ""
         cp = f" cp={self.cp.size}" if self.cp.size > 1 else ""

@@ -131,8 +131,10 @@ class MoE(nn.Module):
         super().__init__()
         self.cfg, self.tp, self.ep, self.cp, self.sp = cfg, mesh.tp, mesh.ep, mesh.cp, sp
         self.etp = mesh.etp
-        # parallel.ep_dispatch=node: the ep group cut by node (moe/node_dispatch.py); None: one all-to-all
-        self.by_node = (mesh.ep_rail, mesh.ep_node) if mesh.ep_rail is not None else None
+        # parallel.ep_dispatch=node with the ep group over several nodes (moe/node_dispatch.py); None: one
+        # all-to-all (inside one node the two are the same exchange)
+        across = mesh.ep_rail is not None and mesh.ep_rail.size > 1
+        self.by_node = (mesh.ep_rail, mesh.ep_node) if across else None
         self.tokens_per_step = tokens_per_step
         self._ahead: dict[int, torch.Tensor] = {}  # _batch_counts' run order masks, by sequence length
         self._forced: dict[tuple, torch.Tensor] = {}  # _forced_experts' choices, by (rows, batch, device)
@@ -221,6 +223,21 @@ class MoE(nn.Module):
         )
         counts_E = dispatcher.expert_counts(r.experts_TK.reshape(-1), c.num_experts)
         batch_E, runs = self._batch_counts(r.experts_TK, counts_E, b)
+        y_TD, dropped = self._dispatch(x_TD, r, counts_E, runs, n)
+        # Skipped under no_grad (eval): no backward to inject into, and eval batches stay out of step_stats.
+        if torch.is_grad_enabled():
+            y_TD = self._add_losses(y_TD, r, logits_TE, batch_E, counts_E, dropped, n, b)
+        return y_TD.view(s, b, d)
+
+    def _dispatch(self, x_TD, r: router.Routing, counts_E, runs, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(y_TD: each token's weighted expert outputs, the assignments dropped by the capacity limit)."""
+        c = self.cfg
+        if self.by_node is not None and not x_TD.is_meta:  # dropless only (config/checks.py)
+            rail, node = self.by_node
+            y_TD = node_dispatch.dispatch_combine_by_node(
+                x_TD, r.experts_TK, r.weights_TK, c.num_experts, rail, node, self.experts
+            )
+            return y_TD, torch.zeros((), dtype=torch.int64, device=x_TD.device)
         capacity = None
         if c.moe_capacity_factor is not None:
             # From n, the whole micro-batch's tokens
@@ -230,19 +247,10 @@ class MoE(nn.Module):
             r.experts_TK, r.weights_TK, c.num_experts, capacity, counts_E=counts_E, runs=runs
         )
         # the planner (megaframe.plan) runs this forward on meta tensors: shapes only, no values to sync on,
-        # so its route assumes perfectly balanced routing; every saved tensor is the trainer's own
+        # so its route assumes perfectly balanced routing (and the plain dispatch: dispatch by node keeps
+        # what it does, the experts' input rows); every saved tensor is the trainer's own
         route = dispatcher.balanced_route(plan, self.ep, self.etp, capacity) if x_TD.is_meta else None
-        if self.by_node is not None and not x_TD.is_meta:
-            rail, node = self.by_node
-            y_TD = node_dispatch.dispatch_combine_by_node(
-                x_TD, r.experts_TK, r.weights_TK, c.num_experts, rail, node, self.experts
-            )
-        else:
-            y_TD = dispatcher.dispatch_combine(x_TD, plan, self.ep, self.experts, self.etp, route)
-        # Skipped under no_grad (eval): no backward to inject into, and eval batches stay out of step_stats.
-        if torch.is_grad_enabled():
-            y_TD = self._add_losses(y_TD, r, logits_TE, batch_E, counts_E, plan, n, b)
-        return y_TD.view(s, b, d)
+        return dispatcher.dispatch_combine(x_TD, plan, self.ep, self.experts, self.etp, route), plan.dropped
 
     def _sequence_loss(self, r: router.Routing, n: int, batch: int) -> torch.Tensor:
         """The sequence-wise balance loss (router.sequence_balancing_loss) of this micro-batch's sequences,
@@ -254,7 +262,7 @@ class MoE(nn.Module):
         return router.sequence_balancing_loss(r.probs_TE, counts_BE, n // batch, self.cfg.moe_top_k)
 
     def _add_losses(
-        self, y_TD, r: router.Routing, logits_TE, batch_E, counts_E, plan, n: int, batch: int = 1
+        self, y_TD, r: router.Routing, logits_TE, batch_E, counts_E, dropped, n: int, batch: int = 1
     ) -> torch.Tensor:
         """Attach the router losses to y's backward and add this micro-batch to the step statistics."""
         c = self.cfg
@@ -271,7 +279,7 @@ class MoE(nn.Module):
         with torch.no_grad():
             row = torch.stack(
                 [
-                    plan.dropped.to(torch.float64),
+                    dropped.to(torch.float64),
                     counts_E.sum().to(torch.float64),
                     router.entropy_sum(r.probs_TE).to(torch.float64),
                     torch.full((), float(r.probs_TE.shape[0]), dtype=torch.float64, device=y_TD.device),
