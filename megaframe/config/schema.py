@@ -78,7 +78,7 @@ class ParallelConfig(Frozen):
     etp = 1 only. Where the ep group lies in one node both are the same all-to-all."""
     ranks_per_node: int = 0
     """Ranks on one node, for parallel.ep_dispatch=node; 0: the launcher's (torchrun's LOCAL_WORLD_SIZE,
-    srun's tasks per node). Set it to emulate nodes on one machine."""
+    srun's tasks per node). Set it to emulate nodes on one machine; the planner takes its +device's."""
     sp: bool = False
     """Sequence parallelism: split the sequence over tp between blocks (needs tp > 1 to matter)."""
     tp_comm_overlap: bool = False
