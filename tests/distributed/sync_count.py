@@ -17,6 +17,7 @@ commit, bad-step checks, logging) in the rank pool and attributes each event to 
 
 from __future__ import annotations
 
+import dataclasses
 import traceback
 from contextlib import ExitStack
 from unittest import mock
@@ -25,6 +26,8 @@ import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from megaframe.parallel.mesh import Axis
 
 aten = torch.ops.aten
 READS = {aten._local_scalar_dense.default}
@@ -96,11 +99,9 @@ class SyncCounter:
     """`with SyncCounter(mesh) as c:` ... c.mark() at each step start; c.steps: per step, the events."""
 
     def __init__(self, mesh):
-        self.axis_groups = {
-            id(a.group)
-            for a in (mesh.tp, mesh.pp, mesh.dp, mesh.pp_ends, mesh.ep, mesh.edp)
-            if a.group is not None
-        }
+        # every axis of the mesh (tp, pp, dp, ep, cp, the experts' and HSDP's, ep_node and ep_rail)
+        axes = [getattr(mesh, f.name) for f in dataclasses.fields(mesh)]
+        self.axis_groups = {id(a.group) for a in axes if isinstance(a, Axis) and a.group is not None}
         self.steps: list[dict[str, list[str]]] = [{"syncs": [], "world": []}]
         self._stack = ExitStack()
 

@@ -52,6 +52,16 @@ LAYOUTS = [
         MOE + ["parallel.cp=2", "parallel.ep=2", "model.moe_capacity_factor=1.0"],
         2,
     ),
+    # dispatch by node over two emulated nodes: each of its two all-to-alls needs its split sizes, 2 syncs
+    (
+        "moe-ep4-by-node",
+        4,
+        1,
+        1,
+        4,
+        MOE + ["parallel.ep=4", "parallel.ep_dispatch=node", "parallel.ranks_per_node=2"],
+        2,
+    ),
     # document masking under cp: the end flags' all-gather and the per-block masks read nothing back
     (
         "dense-cp2-ring-document-mask",
@@ -68,9 +78,12 @@ LAYOUTS = [
 @pytest.mark.parametrize("name,n,tp,pp,ep,over,moe_layers", LAYOUTS, ids=[x[0] for x in LAYOUTS])
 def test_host_syncs_per_step_within_budget(pool, tmp_path, name, n, tp, pp, ep, over, moe_layers):
     cp = 2 if "parallel.cp=2" in over else 1
-    counts = pool.run(syncs_per_step, n, over + CKPT, STEPS, str(tmp_path), tp=tp, pp=pp, ep=ep, cp=cp)[0]
+    node = 2 if "parallel.ep_dispatch=node" in over else 0
+    args = (syncs_per_step, n, over + CKPT, STEPS, str(tmp_path))
+    counts = pool.run(*args, tp=tp, pp=pp, ep=ep, cp=cp, node=node)[0]
     micro = 8 // (2 * (n // (tp * pp * cp)))  # global batch 8, micro-batch 2, over dp
-    budget = moe_layers * micro  # the MoE split sizes: one .tolist() per MoE layer and micro-batch
+    # the MoE split sizes: one .tolist() per MoE layer and micro-batch (by node: one per all-to-all, two)
+    budget = moe_layers * micro * (2 if node else 1)
     print(name, {s: (len(c["syncs"]), len(c["world"])) for s, c in counts.items()})
     for s in PLAIN_STEPS:
         assert len(counts[s]["syncs"]) <= budget, (name, s, budget, counts[s]["syncs"])
