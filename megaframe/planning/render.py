@@ -26,7 +26,8 @@ def render(plan, cfg) -> str:
     head = (
         f"plan: {m.name} ({m.num_layers} layers, D={m.hidden_size}, seq {m.seq_length}) on "
         f"{plan.world_size} ranks | tp={lay['tp']} pp={lay['pp']} vpp={lay['vpp']} dp={lay['dp']} "
-        f"sp={lay['sp']}{cp_label(lay)} | {lay['precision']}, optim.zero={lay['zero']}"
+        f"sp={lay['sp']}{cp_label(lay)}{ep_label(cfg.parallel)} | {lay['precision']}, "
+        f"optim.zero={lay['zero']}"
         f"{' shard_group_size=' + str(cfg.optim.shard_group_size) if cfg.optim.shard_group_size else ''}"
         f"{' grad_reduce_dtype=bf16' if lay.get('grad_reduce_dtype') == 'bf16' else ''} | micro-batch "
         f"{lay['micro_batch_size']} x {plan.microbatches} micro-batches per step, schedule {plan.schedule}"
@@ -62,6 +63,14 @@ def _phase_lines(plan) -> list[str]:
         terms = " + ".join(f"{k} {human(v)}" for k, v in r.step_terms.items() if v)
         lines.append(f"    step = {terms}" if terms else "")
     return [x for x in lines if x]
+
+
+def ep_label(p) -> str:
+    """The experts' axes of the header: ep, etp, and dispatch by node where the config sets it."""
+    if p.ep * p.etp == 1:
+        return ""
+    by_node = " by node" if p.ep_dispatch == "node" and p.ep > 1 else ""
+    return f" ep={p.ep}{by_node}" + (f" etp={p.etp}" if p.etp > 1 else "")
 
 
 def cp_label(lay: dict) -> str:
