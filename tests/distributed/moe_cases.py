@@ -108,8 +108,8 @@ def _rail_bytes_vs_theory(cfg, mesh, layer: MoE, x_TBD: torch.Tensor) -> dict:
     """Under parallel.ep_dispatch=node: (counted, expected) bytes between nodes (over ep_rail, counted on
     an axis of its own) summed over ranks for one forward + backward, and what the plain dispatcher would
     send between nodes. A (token, other node) pair crosses four times (rows there and back, forward and
-    backward), its K expert ids once and its K weights twice; plus the N int64 counts. The plain dispatcher
-    sends a row per (token, expert on another node), four times."""
+    backward), its K expert ids (int32) once and its K weights twice; plus the N int64 counts. The plain
+    dispatcher sends a row per (token, expert on another node), four times."""
     import dataclasses
 
     import torch.distributed as dist
@@ -127,7 +127,7 @@ def _rail_bytes_vs_theory(cfg, mesh, layer: MoE, x_TBD: torch.Tensor) -> dict:
     hit_TN = torch.zeros(node_TK.shape[0], n, dtype=torch.bool).scatter_(1, node_TK, True)
     pairs = hit_TN.sum().item() - hit_TN[:, rail.rank].sum().item()
     plain = (node_TK != rail.rank).sum().item()
-    expected = 4 * pairs * d * 4 + pairs * k * 8 + 2 * pairs * k * 4 + (n - 1) * 8
+    expected = 4 * pairs * d * 4 + pairs * k * 4 + 2 * pairs * k * 4 + (n - 1) * 8
     got = torch.tensor([counted, expected, 4 * pairs * d * 4, 4 * plain * d * 4], dtype=torch.float64)
     dist.all_reduce(got, group=mesh.group)
     names = ("ep_bytes", "ep_bytes_theory", "node_row_bytes", "plain_node_row_bytes")

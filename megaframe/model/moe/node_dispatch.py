@@ -8,7 +8,7 @@ it receives, D hidden.
 The plain dispatcher (moe/dispatcher.py) sends a row per (token, expert): a token whose K experts lie on
 one other node crosses the slow link K times. Here the first all-to-all, over ep_rail (one ep rank per
 node, each at this rank's place on its node), carries a row per (token, node it needs) with the token's
-expert ids on that node (the others marked LN) and their combine weights. On arrival the rows are
+expert ids on that node (the others marked LN; int32) and their combine weights. On arrival the rows are
 dispatched inside the node by the plain dispatcher over ep_node, as tokens whose marked assignments are
 dropped ones (sorted last, cut before the row all-to-all), and it returns per received row the weighted
 sum of that node's experts. The second all-to-all brings those partial sums back, and they are summed
@@ -65,7 +65,8 @@ def dispatch_combine_by_node(
     local_PK = experts_TK[token_P] - (node_P * per_node)[:, None]
     local_PK = torch.where((local_PK >= 0) & (local_PK < per_node), local_PK, per_node)
     x_RD = comm.all_to_all(rows.gather_rows(x_TD, token_P), rail, recv, send)
-    local_RK = comm.all_to_all(local_PK, rail, recv, send)
+    # int32 on the wire (a node's expert ids are small): half the bytes of int64 ids
+    local_RK = comm.all_to_all(local_PK.to(torch.int32), rail, recv, send).long()
     w_RK = comm.all_to_all(weights_TK[token_P], rail, recv, send)
     y_RD = dispatcher.dispatch_combine(x_RD, inner_plan(local_RK, w_RK, per_node), node, experts)
     y_PD = comm.all_to_all(y_RD, rail, send, recv)

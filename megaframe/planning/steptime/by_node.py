@@ -3,7 +3,7 @@ group spans nodes: what steptime.timing's `_ep` charges in place of moe.all_to_a
 
 A rank's T tokens (T·K routed rows, `routed` bytes) go first over the rail, one rank a node: a row per
 (token, other node it needs), d distinct nodes a token on average (`nodes_per_token`), (N-1)/N of them off
-the node, over InfiniBand; with each, its K expert ids (int64, forward only) and K combine weights (fp32,
+the node, over InfiniBand; with each, its K expert ids (int32, forward only) and K combine weights (fp32,
 forward and backward). Then inside each node its share of the K assignments reach their experts over the
 node's G ep ranks, NVLink: the T·K routed rows as the plain dispatcher moves them, (G-1)/G of them off the
 rank, with one fp32 weight each. The stages run one after the other, each paying its latencies; the way
@@ -63,5 +63,5 @@ def node_dispatch_seconds(s, routed: float, rows: int, weights: int) -> float:
 
     inner = routed * imbalance(m) * (local - 1) / local
     # the ids go forward only, once a dispatch: one per forward (two where recompute re-runs it)
-    t = rail(pairs * row, rows) + rail(pairs * k * 8, rows // 2 - 1) + rail(pairs * k * 4, weights)
+    t = rail(pairs * row, rows) + rail(pairs * k * 4, rows // 2 - 1) + rail(pairs * k * 4, weights)
     return t + node(inner, rows) + node(inner / row * 4, weights)
