@@ -236,7 +236,7 @@ def measure_cpu(cores: int | None = None, link_timeout_s: float = 120.0) -> Devi
     line) when the link measurement gets no answer within link_timeout_s."""
     import os
 
-    from megaframe.planning.gloo_link import measure_hops
+    from megaframe.planning.gloo_link import measure_hops, tail_seconds_per_byte
 
     rate = _matmul_rate()
     try:
@@ -246,8 +246,7 @@ def measure_cpu(cores: int | None = None, link_timeout_s: float = 120.0) -> Devi
             f"+device=cpu: the gloo link measurement failed: {e}; retry on a quieter machine, raise "
             "+link_timeout_s, or plan for a table device (+device=H100, ...)"
         ) from None
-    (s0, t0), (s1, t1) = hops[-2], hops[-1]
-    bw = (s1 - s0) / (t1 - t0)  # the largest sizes' bandwidth, for the printed summary
+    bw = 1 / tail_seconds_per_byte(hops)  # the largest sizes' bandwidth, for the printed summary
     cores = cores or os.cpu_count() or 1
     return Device(
         f"cpu (measured: {rate / 1e9:.1f} GFLOP/s fp32 per core; gloo hop {hops[0][1] * 1e6:.0f} us "

@@ -81,5 +81,11 @@ def hop_seconds(curve: tuple[tuple[int, float], ...], nbytes: float) -> float:
         if nbytes <= s1:
             w = (math.log(nbytes) - math.log(s0)) / (math.log(s1) - math.log(s0))
             return math.exp(math.log(t0) + w * (math.log(t1) - math.log(t0)))
+    return curve[-1][1] + (nbytes - curve[-1][0]) * tail_seconds_per_byte(curve)
+
+
+def tail_seconds_per_byte(curve: tuple[tuple[int, float], ...]) -> float:
+    """The last segment's seconds a byte; where noise left its two hops equal (the curve never falls: a
+    larger hop's faster average is raised to the smaller one's), the largest hop's own average."""
     (s0, t0), (s1, t1) = curve[-2], curve[-1]
-    return t1 + (nbytes - s1) * (t1 - t0) / (s1 - s0)
+    return (t1 - t0) / (s1 - s0) if t1 > t0 else t1 / s1

@@ -2,7 +2,7 @@
 
 import pytest
 
-from megaframe.planning.gloo_link import SIZES, hop_seconds, measure_hops
+from megaframe.planning.gloo_link import SIZES, hop_seconds, measure_hops, tail_seconds_per_byte
 from megaframe.planning.steptime.inputs import ring_seconds
 
 
@@ -15,6 +15,11 @@ def test_hop_curve_interpolates_log_log_and_extends_by_the_last_bandwidth():
     # a ring collective of 3 hops of 1 KiB each on the curve; one rank: free
     assert ring_seconds(3072, 4, 3, bw=1.0, latency=9.0, hops=curve) == pytest.approx(3e-3)
     assert ring_seconds(3072, 1, 3, bw=1.0, latency=9.0, hops=curve) == 0.0
+    # noise can leave the largest two hops equal (the curve never falls): the tail then runs at the
+    # largest hop's own rate, where it divided by zero (a busy machine's `plan calibrate --quick`)
+    flat = ((4, 1e-4), (1024, 2e-3), (4096, 2e-3))
+    assert hop_seconds(flat, 8192) == pytest.approx(2e-3 + 4096 * 2e-3 / 4096)
+    assert tail_seconds_per_byte(flat) == pytest.approx(2e-3 / 4096)
 
 
 def test_measured_hops_cover_the_sizes_and_never_fall():
