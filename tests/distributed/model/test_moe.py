@@ -97,12 +97,17 @@ def test_expert_checkpoint_resumes_under_another_fold(pool, tmp_path, saved, res
     assert_weights_close(resumed["weights"], whole["weights"])
 
 
-def test_starved_experts_update_like_one_process(pool):
+@pytest.mark.parametrize("node", [0, 1], ids=["all-to-all", "by-node"])
+def test_starved_experts_update_like_one_process(pool, node):
     """Experts 2 and 3 (ep rank 1's) never get a token: their zero grads still go through ZeRO over
-    edp, and AdamW's weight decay moves them exactly as in one process."""
+    edp, and AdamW's weight decay moves them exactly as in one process. By node (a rank a node), rank 1
+    is sent nothing and sends nothing back: every all-to-all of the rail carries empty blocks."""
     over = MOE + ["model.moe_expert_bias=true", "model.moe_bias_update_rate=0"]
     ref = pool.run(train_and_report, 1, over, 2, starve_experts)[0]
-    got = pool.run(train_and_report, 2, over + ["parallel.ep=2"], 2, starve_experts, ep=2)[0]
+    by_node = ["parallel.ep_dispatch=node", f"parallel.ranks_per_node={node}"] if node else []
+    got = pool.run(
+        train_and_report, 2, over + ["parallel.ep=2", *by_node], 2, starve_experts, ep=2, node=node
+    )[0]
     up = "layers.0.mlp.experts.up_proj.weight"
     assert ref["grads"][up][2:].abs().max() == 0 and ref["grads"][up][:2].abs().max() > 0
     assert max(abs(a - b) / b for a, b in zip(got["losses"], ref["losses"])) <= 1e-5
