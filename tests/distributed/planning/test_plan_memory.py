@@ -93,3 +93,24 @@ def test_virtual_mesh_is_the_real_mesh(pool, tp, pp, ep):
         p, d, t = got["coord"]
         want = mesh_coordinates(virtual_mesh(tp, pp, 4 // (tp * pp), t, p, d, device="cpu", ep=ep))
         assert want == got, (tp, pp, ep, got, want)
+
+
+def test_dispatch_by_node_keeps_what_the_plain_dispatch_keeps(pool):
+    """The planner sizes an MoE layer by the plain dispatch's saved tensors (its meta forward runs that
+    path). By node (ep4 over 2 emulated nodes) a rank keeps the same rows for backward; what it adds is
+    int64 indices: the (token, node) pairs' tokens (P <= T·N) and the received pairs' assignment order and
+    tokens, marked ones included (2·R·K, R <= N·T), 8 bytes each, per MoE layer and micro-batch. Summed
+    over the ranks the extra stays within that; one saved copy of the routed rows on each rank would not."""
+    over = ["model.family=mixtral", "model.num_experts=4", "parallel.ep=4"]
+    plain = pool.run(measure_memory, 4, over, ep=4)
+    by_node = pool.run(measure_memory, 4, [*over, "parallel.ep_dispatch=node"], ep=4, node=2)
+    cfg = tiny_config(over, 4)
+    t, k, n = cfg.model.seq_length * cfg.train.micro_batch_size, cfg.model.moe_top_k, 2
+    indices = cfg.model.num_layers * 8 * (t * n + 2 * (n * t) * k)
+    extra = sum(
+        sum(b["chunk_activation_bytes"]) - sum(a["chunk_activation_bytes"]) for a, b in zip(plain, by_node)
+    )
+    rows = cfg.model.num_layers * t * k * cfg.model.hidden_size * 4
+    assert 0 <= extra <= 4 * indices < 4 * rows, (extra, indices, rows)
+    for a, b in zip(plain, by_node):
+        assert b["live_after"] == 0 and b["activation_peak_bytes"] <= a["activation_peak_bytes"] + indices
