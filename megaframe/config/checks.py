@@ -99,7 +99,6 @@ def _check_optim(cfg: Config, dp: int) -> None:
         s in (0, dpcp) or cfg.optim.zero >= 1,
         f"optim.shard_group_size={s} (HSDP) needs optim.zero >= 1",
     )
-    _check_ep_dispatch(cfg, dp)
     # Muon orthogonalises each expert's whole matrix: an etp slice of it is not one
     _req(
         p.etp == 1 or cfg.optim.name != "muon",
@@ -176,23 +175,3 @@ def _check_pipeline(cfg: Config, dp: int, schedules: bool = True) -> None:
         )
     except ValueError as e:
         raise ConfigError(str(e)) from e
-
-
-def _check_ep_dispatch(cfg, dp: int) -> None:
-    """parallel.ep_dispatch=node: dropless experts without etp, and ep groups that split evenly by node."""
-    p = cfg.parallel
-    if p.ep_dispatch != "node" or p.ep == 1:
-        return
-    _req(
-        cfg.model.moe_capacity_factor is None,
-        f"parallel.ep_dispatch=node with model.moe_capacity_factor={cfg.model.moe_capacity_factor}: "
-        "dispatch by node runs dropless experts only (model.moe_capacity_factor=null)",
-    )
-    _req(p.etp == 1, f"parallel.ep_dispatch=node with parallel.etp={p.etp}: it needs parallel.etp=1")
-    if p.ranks_per_node:
-        from megaframe.parallel.rank_grid import RankGrid
-
-        try:
-            RankGrid(p.tp, dp, p.pp, ep=p.ep, cp=p.cp, etp=p.etp, node=p.ranks_per_node)
-        except ValueError as e:
-            _req(False, f"parallel.ranks_per_node={p.ranks_per_node}: {e}")

@@ -1,6 +1,6 @@
 """The layout's rules (config/checks.py runs them, in its order): every axis at least 1, the world
-size they divide, and context parallelism's divisions and the combinations not built (refused, never
-wrong). Each names the field at fault in one line; no process group needed."""
+size they divide, context parallelism's divisions and the combinations not built (refused, never
+wrong), and what dispatch by node needs. Each names the field at fault in one line; no process group needed."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ def check_layout(p: ParallelConfig, m: ModelConfig, t: TrainConfig, world_size: 
         f"parallel.tp={p.tp} x parallel.pp={p.pp} does not divide the world size {world_size}",
     )
     check_context(p, m, t, world_size)
+    check_ep_dispatch(p, m, world_size)
 
 
 def check_context(p: ParallelConfig, m: ModelConfig, t: TrainConfig, world_size: int) -> None:
@@ -59,3 +60,24 @@ def check_context(p: ParallelConfig, m: ModelConfig, t: TrainConfig, world_size:
         "train.downstream_interval=0 (score after training: python -m megaframe.evaluate "
         "checkpoint=DIR +tasks=...)",
     )
+
+
+def check_ep_dispatch(p: ParallelConfig, m: ModelConfig, world_size: int) -> None:
+    """parallel.ep_dispatch=node: dropless experts without etp, and ep groups that split evenly by node."""
+    if p.ep_dispatch != "node" or p.ep == 1:
+        return
+    _req(
+        m.moe_capacity_factor is None,
+        f"parallel.ep_dispatch=node with model.moe_capacity_factor={m.moe_capacity_factor}: "
+        "dispatch by node runs dropless experts only (model.moe_capacity_factor=null)",
+    )
+    _req(p.etp == 1, f"parallel.ep_dispatch=node with parallel.etp={p.etp}: it needs parallel.etp=1")
+    dp = world_size // (p.tp * p.pp * p.cp)
+    # the ep groups' own rule (ep·etp dividing tp·cp·dp) is checked and named elsewhere
+    if p.ranks_per_node and dp and (p.tp * p.cp * dp) % (p.ep * p.etp) == 0:
+        from megaframe.parallel.rank_grid import RankGrid
+
+        try:
+            RankGrid(p.tp, dp, p.pp, ep=p.ep, cp=p.cp, etp=p.etp, node=p.ranks_per_node)
+        except ValueError as e:
+            _req(False, f"parallel.ranks_per_node={p.ranks_per_node}: {e}")

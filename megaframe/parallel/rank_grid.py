@@ -17,7 +17,7 @@ With tp = etp = 1 this is the cut of cp·dp into ep blocks of before.
 Dispatch by node (parallel.ep_dispatch=node, `node` positions a node): each ep group is cut again into
 its members on one node (`ep_node`, consecutive ep ranks) and `ep_rail`, the members at the same place of
 their node (one per node, in node order): a token crosses nodes over ep_rail once per node it needs, then
-reaches its experts over ep_node (moe/dispatcher.py).
+reaches its experts over ep_node (model/moe/node_dispatch.py).
 
 HSDP (shard = s < cp·dp) runs r = cp·dp/s replicas of the optimizer (Megatron's distributed optimizer
 instances); the experts keep the same replica count: edp is cut into `edp_shard` blocks of edp/r
