@@ -1,6 +1,7 @@
 """The layout's rules (config/checks.py runs them, in its order): every axis at least 1, the world
 size they divide, context parallelism's divisions and the combinations not built (refused, never
-wrong), and what dispatch by node needs. Each names the field at fault in one line; no process group needed."""
+wrong), and what dispatch by node needs. Each names the field at fault in one line; no process group
+needed."""
 
 from __future__ import annotations
 
