@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from megaframe.planning.error_bands import RATIO_SPREAD, band, layout_kind, param_count
+from megaframe.planning.steptime.moe import spans_nodes
 
 
 def layout_timing(cfg, world: int, dev, plan) -> dict:
@@ -19,7 +20,7 @@ def layout_timing(cfg, world: int, dev, plan) -> dict:
     step = sum(parts.values())
     tps = t.global_batch_size * cfg.model.seq_length / step / world
     prec = str(getattr(t.precision, "value", t.precision))
-    across = ep_across(lay, p, dev)
+    across = spans_nodes(lay, p.etp, dev)
     kind = layout_kind(
         cfg.model.num_experts, p.cp, p.tp, p.pp, plan.layout["dp"], param_count(cfg.model), across
     )
@@ -48,15 +49,6 @@ def timing_line(tm: dict) -> str:
         f"  band {lo:.3f}-{hi:.3f} s: a {kind} layout; on published {kind} runs this model's step time was "
         f"{r_lo:.2f}-{r_hi:.2f} x the published one (10th-90th percentile, docs/planning.md#published-runs)"
     )
-
-
-def ep_across(lay, p, dev) -> bool:
-    """Whether the layout's expert group spans more than one of the device's nodes (steptime.moe)."""
-    from megaframe.planning.steptime.moe import expert_group
-
-    if lay.ep <= 1 or dev.name.startswith("cpu"):
-        return False
-    return expert_group(lay, p.etp)[1] > dev.per_node
 
 
 def cli_layout(cfg, dp: int):

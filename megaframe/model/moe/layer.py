@@ -232,7 +232,7 @@ class MoE(nn.Module):
     def _dispatch(self, x_TD, r: router.Routing, counts_E, runs, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(y_TD: each token's weighted expert outputs, the assignments dropped by the capacity limit)."""
         c = self.cfg
-        if self.by_node is not None and not x_TD.is_meta:  # dropless only (config/checks.py)
+        if self.by_node is not None and not x_TD.is_meta:  # dropless only (parallel/layout_rules.py)
             rail, node = self.by_node
             y_TD = node_dispatch.dispatch_combine_by_node(
                 x_TD, r.experts_TK, r.weights_TK, c.num_experts, rail, node, self.experts

@@ -16,7 +16,7 @@ per token: the same y as one process to float noise (only the summation order of
 differs). DeepSeek-V3's report (sec. 3.2.2) sends its tokens so, and DeepEP and Megatron's HybridEP
 dispatcher implement it in fused kernels; this is its plain torch form over two NCCL all-to-alls.
 
-Dropless experts and etp = 1 only (config/checks.py). Two host syncs per layer and micro-batch, where
+Dropless experts and etp = 1 only (parallel/layout_rules.py). Two host syncs per layer and micro-batch, where
 the plain dispatch has one: each all-to-all's split sizes must be on the host before its rows move.
 """
 

@@ -15,18 +15,16 @@ from __future__ import annotations
 
 import math
 
-from megaframe.planning.steptime.moe import expert_group, imbalance
+from megaframe.planning.steptime.moe import expert_group, imbalance, spans_nodes
 
 
 def node_split(s) -> tuple[int, int] | None:
     """(nodes N, ep ranks a node G) of the layout's expert group when its all-to-all goes by node and the
     group spans nodes; None where the plain all-to-all is planned (it is the same one inside a node)."""
-    dev, lay = s.dev, s.lay
-    if s.cfg.parallel.ep_dispatch != "node" or lay.ep <= 1 or dev.name.startswith("cpu"):
+    dev, lay, etp = s.dev, s.lay, s.cfg.parallel.etp
+    if s.cfg.parallel.ep_dispatch != "node" or not spans_nodes(lay, etp, dev):
         return None
-    n, span = expert_group(lay, s.cfg.parallel.etp)
-    if span <= dev.per_node:
-        return None
+    n, span = expert_group(lay, etp)
     local = max(dev.per_node // max(span // n, 1), 1)
     return n // local, local
 

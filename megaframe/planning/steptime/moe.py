@@ -69,6 +69,12 @@ def expert_group(lay, etp: int) -> tuple[int, int]:
     return lay.ep, folded_expert_groups(lay.tp, lay.cp, lay.dp, lay.ep, etp, lay.shard_size).ep_span
 
 
+def spans_nodes(lay, etp: int, dev) -> bool:
+    """Whether the layout's expert group reaches beyond one of the device's nodes (its all-to-all then
+    crosses InfiniBand); never on the cpu, which has no nodes."""
+    return lay.ep > 1 and not dev.name.startswith("cpu") and expert_group(lay, etp)[1] > dev.per_node
+
+
 def expert_gemms(m, tp: int) -> tuple[tuple[int, int], ...]:
     """(k, n) of one expert's up (gate fused under swiglu) and down projections on a tp rank."""
     d, f = m.hidden_size, m.expert_ffn
@@ -184,7 +190,7 @@ def all_to_all_seconds(s, routed_bytes: float) -> float:
     if n <= 1:
         return 0.0
     out = (n - 1) / n * routed_bytes * imbalance(s.cfg.model)
-    if dev.name.startswith("cpu") or span <= dev.per_node:
+    if not spans_nodes(lay, s.cfg.parallel.etp, dev):
         return s.coll(out, n, n - 1, span)
     # group peers on this node: members lie span / n apart
     local = max(dev.per_node // max(span // n, 1), 1)
