@@ -137,7 +137,10 @@ def main(argv: list[str]) -> int:
     cfg = for_device(cfg, dev)
     with still_planning(f"{cfg.model.name} on {world} rank(s)"):
         plan = plan_layout(cfg, world, memory, 0.0 if on_host(cfg) else dev.alloc_headroom)
-        timing = layout_timing(cfg, world, dev, plan)
+        try:
+            timing = layout_timing(cfg, world, dev, plan)
+        except ConfigError as e:  # a layout the device's nodes cannot hold as set (dispatch by node)
+            return fail(e)
     print(render(plan, cfg), flush=True)
     print(timing_line(timing), flush=True)
     if dev.alloc_headroom:  # what torch.cuda.max_memory_reserved would read (torchtitan's memory figure)

@@ -70,13 +70,14 @@ def dispatch_node(p, world: int, environ=os.environ) -> int:
         return 0
     node = p.ranks_per_node or local_world_size(environ)
     try:
-        RankGrid(p.tp, world // (p.tp * p.pp * p.cp), p.pp, ep=p.ep, cp=p.cp, etp=p.etp, node=node)
+        grid = RankGrid(p.tp, world // (p.tp * p.pp * p.cp), p.pp, ep=p.ep, cp=p.cp, etp=p.etp, node=node)
     except ValueError as e:
         where = f"parallel.ranks_per_node={p.ranks_per_node}" + (
             "" if p.ranks_per_node else f" ({node}: the launcher's)"
         )
         raise ConfigError(f"{where}: {e}") from e
-    return node
+    # an ep group inside one node: the plain all-to-all is the same exchange (no node axes, no groups)
+    return node if len(grid.groups("ep_rail")[0]) > 1 else 0
 
 
 NCCL_DEFAULTS = {

@@ -77,6 +77,9 @@ class RankGrid:
         )
         assert self.edp % self.replicas == 0, f"{self.replicas} HSDP replicas do not divide edp={self.edp}"
         if self.by_node:
+            # the by-node dispatch gathers no rows over etp: it would run the experts' slices alone
+            if self.etp > 1:
+                raise ValueError(f"parallel.ep_dispatch=node needs parallel.etp=1 (got {self.etp})")
             self._node_blocks()  # raises where an ep group does not split into equal node blocks
 
     @property

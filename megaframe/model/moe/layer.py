@@ -135,6 +135,8 @@ class MoE(nn.Module):
         # all-to-all (inside one node the two are the same exchange)
         across = mesh.ep_rail is not None and mesh.ep_rail.size > 1
         self.by_node = (mesh.ep_rail, mesh.ep_node) if across else None
+        # its rows skip the capacity cut and the etp gathers: refused by the config, held here as well
+        assert not across or (cfg.moe_capacity_factor is None and mesh.etp.size == 1), "dispatch by node"
         self.tokens_per_step = tokens_per_step
         self._ahead: dict[int, torch.Tensor] = {}  # _batch_counts' run order masks, by sequence length
         self._forced: dict[tuple, torch.Tensor] = {}  # _forced_experts' choices, by (rows, batch, device)

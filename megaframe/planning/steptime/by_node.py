@@ -18,15 +18,67 @@ import math
 from megaframe.planning.steptime.moe import expert_group, imbalance, spans_nodes
 
 
+def splits_by_node(lay, etp: int, per_node: int) -> bool:
+    """Whether the layout's ep groups split into equal blocks of nodes of per_node ranks, as dispatch by
+    node needs (parallel/rank_grid.py; the trainer refuses the layout otherwise)."""
+    from megaframe.parallel.rank_grid import RankGrid
+
+    try:
+        RankGrid(lay.tp, lay.dp, 1, ep=lay.ep, cp=lay.cp, etp=etp, node=per_node)
+    except (ValueError, AssertionError):
+        return False
+    return True
+
+
 def node_split(s) -> tuple[int, int] | None:
     """(nodes N, ep ranks a node G) of the layout's expert group when its all-to-all goes by node and the
-    group spans nodes; None where the plain all-to-all is planned (it is the same one inside a node)."""
+    group spans nodes; None where the plain all-to-all is planned (the same one inside a node)."""
     dev, lay, etp = s.dev, s.lay, s.cfg.parallel.etp
     if s.cfg.parallel.ep_dispatch != "node" or not spans_nodes(lay, etp, dev):
         return None
+    if not splits_by_node(lay, etp, dev.per_node):
+        from megaframe.errors import ConfigError
+
+        # the trainer refuses the layout on such nodes (parallel/launch.py dispatch_node): so does the plan
+        raise ConfigError(
+            f"parallel.ep_dispatch=node: ep={lay.ep} does not split into equal blocks of {dev.name}'s "
+            f"{dev.per_node}-GPU nodes"
+        )
     n, span = expert_group(lay, etp)
     local = max(dev.per_node // max(span // n, 1), 1)
     return n // local, local
+
+
+def node_colls(rows: int, weights: int) -> int:
+    """Collective kernels of the by-node all-to-alls a layer issues per micro-batch, given the plain
+    dispatch's (steptime.timing._ep_colls): each of its row and weight exchanges runs twice, over the rail
+    and inside the node, and the ids go over the rail once a forward."""
+    return 2 * rows + 2 * weights + rows // 2 - 1
+
+
+NODE_KERNELS = (23, 7)
+"""(forward, backward) kernels model/moe/node_dispatch.py adds to a layer's micro-batch beyond the plain
+dispatcher's (launches.moe_kernels), one an aten op other than a view, counted on the CPU by
+tests/unit/planning/test_moe_step_terms.py (37 against the plain path's 14 forward, 21 against 14
+backward): node_pairs (the assignments' nodes, zeros, scatter, not, the int8 cast, argsort), the pair
+counts and split sizes, the pairs' tokens and nodes, their ids (gather, offset, two compares, and, where),
+the ids' int32 cast and back, the weights' gather, the inner plan's own counts and sort, and the final
+combine; backward, the pairs' gathers of rows and weights and the combine's."""
+
+
+def node_counts_seconds(s) -> float:
+    """The by-node exchanges of expert counts ahead of the two host syncs (their latency, nothing hides
+    it): the pairs a node gets over the rail (N int64), then a node's experts over the node (E/N int64)."""
+    dev, e = s.dev, s.cfg.model.num_experts
+    nodes, local = node_split(s)
+    rail = (nodes - 1) / nodes * nodes * 8 / (dev.inter_bw * dev.link_eff) + (nodes - 1) * dev.inter_latency_s
+    if local == 1:
+        return rail
+    return (
+        rail
+        + (local - 1) / local * e / nodes * 8 / (dev.intra_bw * dev.link_eff)
+        + (local - 1) * dev.latency_s
+    )
 
 
 def nodes_per_token(m, nodes: int) -> float:
@@ -49,7 +101,8 @@ def node_dispatch_seconds(s, routed: float, rows: int, weights: int) -> float:
     dev, m = s.dev, s.cfg.model
     nodes, local = node_split(s)
     k, row = m.moe_top_k, m.hidden_size * s.elem
-    pairs = routed / k / row * nodes_per_token(m, nodes) * (nodes - 1) / nodes
+    # the busiest node's pairs, as the plain all-to-all carries the busiest rank's rows
+    pairs = routed / k / row * nodes_per_token(m, nodes) * (nodes - 1) / nodes * imbalance(m)
 
     def rail(nbytes: float, times: int) -> float:
         return times * (nbytes / (dev.inter_bw * dev.link_eff) + (nodes - 1) * dev.inter_latency_s)

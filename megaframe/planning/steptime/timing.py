@@ -56,7 +56,13 @@ from megaframe.parallel.rank_grid import ExpertGroups, folded_expert_groups
 from megaframe.planning.candidate import Layout, cp_ring, stage_params
 from megaframe.planning.devices import Device
 from megaframe.planning.gloo_link import hop_seconds
-from megaframe.planning.steptime.by_node import node_dispatch_seconds, node_split
+from megaframe.planning.steptime.by_node import (
+    NODE_KERNELS,
+    node_colls,
+    node_counts_seconds,
+    node_dispatch_seconds,
+    node_split,
+)
 from megaframe.planning.steptime.compute import rerun_gemm_share
 from megaframe.planning.steptime.inputs import Step
 from megaframe.planning.steptime.moe import all_to_all_seconds
@@ -197,14 +203,19 @@ def block_host_seconds(s: Step, gpu_s: float) -> float:
         return 0.0
     m, lay = s.cfg.model, s.lay
     rerun = lay.recompute in ("full", "op_selective")
+    by_node = m.num_experts and node_split(s) is not None
     ep_colls = sum(_ep_colls(lay)) if m.num_experts and lay.ep > 1 else 0
+    if by_node:  # two stages, each with the plain exchange's rows and weights, and the ids
+        ep_colls = node_colls(*_ep_colls(lay))
     gathered = lay.cp > 1 and not cp_ring(s.cfg)
     colls = _tp_colls_per_block(lay) + ep_colls
     k = launch.block_kernels(m, bool(s.cfg.train.compile), colls, rerun, lay.ep, gathered)
+    if by_node:
+        k += NODE_KERNELS[0] * (2 if rerun else 1) + NODE_KERNELS[1]
     t = launch.exposed(k, gpu_s)
     if m.num_experts:
         # dispatch by node syncs twice a forward: each of its two all-to-alls needs its split sizes
-        syncs = 2 if node_split(s) is not None else 1
+        syncs = 2 if by_node else 1
         t += (2 if rerun else 1) * (launch.moe_sync_seconds(syncs) + _moe_count_colls(s))
     return t
 
@@ -234,6 +245,8 @@ def _moe_count_colls(s: Step) -> float:
     combine weights' all-to-all runs after the sync, beside the rows' (_ep)."""
     lay, e = s.lay, s.cfg.model.num_experts
     t = all_to_all_seconds(s, 8 * e) if lay.ep > 1 else 0.0
+    if node_split(s) is not None:  # the rail's pair counts, then the node's expert counts
+        t = node_counts_seconds(s)
     runs = 2 if lay.cp > 1 else 1
     if lay.tp > 1 and lay.sp:
         t += s.coll((lay.tp - 1) * runs * e * 8, lay.tp, lay.tp - 1, lay.tp)

@@ -49,6 +49,11 @@ from tests.unit.config.test_config import one_line_error
             4,
             ["parallel.ranks_per_node=3", "same ranks on each of its nodes"],
         ),
+        (
+            ["model=moe_tiny", "parallel.ep=2", "parallel.etp=2", "parallel.ep_dispatch=node"],
+            4,
+            ["parallel.ep_dispatch=node", "parallel.etp=2"],
+        ),
         (["parallel.ranks_per_node=-1"], 1, ["parallel.ranks_per_node=-1"]),
         (["parallel.ep_dispatch=deepep"], 1, ["parallel.ep_dispatch"]),
         (["model=moe_tiny", "model.moe_router_score=relu"], 1, ["model.moe_router_score"]),

@@ -70,10 +70,13 @@ def test_dispatch_by_node_cuts_each_ep_group_into_its_nodes_and_rails():
     g = RankGrid(tp=2, dp=8, pp=1, ep=16, node=8)  # Qwen3-30B-A3B's ep16 on two 8-GPU nodes, tp2 folded in
     assert g.groups("ep_node") == [tuple(range(8)), tuple(range(8, 16))]
     assert g.groups("ep_rail") == [(i, i + 8) for i in range(8)]
-    g = RankGrid(tp=1, dp=8, pp=1, ep=4, etp=2, node=4)  # members lie etp apart: two per node
-    assert g.groups("ep") == [(0, 2, 4, 6), (1, 3, 5, 7)]
-    assert g.groups("ep_node") == [(0, 2), (4, 6), (1, 3), (5, 7)]
-    assert g.groups("ep_rail") == [(0, 4), (2, 6), (1, 5), (3, 7)]
+    g = RankGrid(tp=2, dp=4, pp=1, ep=4, node=2)  # two ep groups over tp·dp, two nodes each
+    assert g.groups("ep") == [(0, 1, 2, 3), (4, 5, 6, 7)]
+    assert g.groups("ep_node") == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    assert g.groups("ep_rail") == [(0, 2), (1, 3), (4, 6), (5, 7)]
+    # its rows are not gathered over etp: the experts' slices would run on them alone
+    with pytest.raises(ValueError, match="parallel.etp=1"):
+        RankGrid(tp=1, dp=8, pp=1, ep=4, etp=2, node=4)
     assert "ep_rail" in g.creation_order() and "ep_rail" not in RankGrid(1, 8, 1, ep=4).creation_order()
     with pytest.raises(ValueError, match="same ranks on each of its nodes"):
         RankGrid(tp=1, dp=6, pp=1, ep=6, node=4)
@@ -86,7 +89,7 @@ def test_the_node_size_is_the_launchers_unless_set_and_is_checked_before_any_gro
     over = ["model=moe_tiny", "parallel.ep=4", "parallel.ep_dispatch=node"]
     p = load_config(over, world_size=4, check_data=False).parallel
     assert dispatch_node(p, 4, {"LOCAL_WORLD_SIZE": "2"}) == 2
-    assert dispatch_node(p, 4, {"SLURM_STEP_TASKS_PER_NODE": "4"}) == 4
+    assert dispatch_node(p, 4, {"SLURM_STEP_TASKS_PER_NODE": "2"}) == 2
     p = load_config([*over, "parallel.ranks_per_node=2"], world_size=4, check_data=False).parallel
     assert dispatch_node(p, 4, {"LOCAL_WORLD_SIZE": "4"}) == 2
     plain = load_config(over[:2], world_size=4, check_data=False).parallel
@@ -94,3 +97,5 @@ def test_the_node_size_is_the_launchers_unless_set_and_is_checked_before_any_gro
     p = load_config(over, world_size=4, check_data=False).parallel
     with pytest.raises(ConfigError, match=r"parallel.ranks_per_node=0 \(3: the launcher's\)"):
         dispatch_node(p, 4, {"LOCAL_WORLD_SIZE": "3"})
+    # the whole ep group on one node: no node axes (the plain all-to-all, no extra process groups)
+    assert dispatch_node(p, 4, {"LOCAL_WORLD_SIZE": "4"}) == 0

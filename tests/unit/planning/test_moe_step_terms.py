@@ -300,3 +300,63 @@ def test_dispatch_by_node_crosses_infiniband_once_per_token_and_node():
     # 7/8 off the rank, runs after the rail's (two all-to-alls, moe/node_dispatch.py): about 2.4 x in all
     assert 2 < ep_plain / ep_node < 3
     assert step_time(node, inside, h100, 16) == step_time(plain, inside, h100, 16)
+
+
+def test_dispatch_by_node_issues_the_kernels_the_planner_adds():
+    """by_node.NODE_KERNELS is the by-node path's aten ops beyond the plain dispatcher's (views aside),
+    counted on one process (the all-to-alls of size-1 axes are free: only the row and index work counts)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from megaframe.model.moe import dispatcher, node_dispatch
+    from megaframe.parallel.mesh import single_process_mesh
+    from megaframe.planning.steptime.by_node import NODE_KERNELS
+
+    views = {"view", "_unsafe_view", "t", "reshape", "slice", "expand", "unsqueeze", "squeeze", "alias"}
+    views |= {"detach", "select", "as_strided", "transpose", "permute", "split"}
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += func.__name__.split(".")[0] not in views
+            return func(*args, **(kwargs or {}))
+
+    ax, (t, e, d) = single_process_mesh().ep, (64, 8, 16)
+    x = torch.randn(t, d, requires_grad=True)
+    logits = torch.randn(t, e, requires_grad=True, generator=torch.Generator().manual_seed(0))
+    counts = []
+    for by_node in (False, True):
+        w_TK, e_TK = torch.softmax(logits, -1).topk(2)
+        with Ops() as fwd:
+            if by_node:
+                y = node_dispatch.dispatch_combine_by_node(x, e_TK, w_TK, e, ax, ax, lambda r, s, n, w: r * w)
+            else:
+                y = dispatcher.dispatch_combine(
+                    x, dispatcher.plan(e_TK, w_TK, e), ax, lambda r, s, n, w: r * w
+                )
+        with Ops() as bwd:
+            y.sum().backward()
+        counts.append((fwd.n, bwd.n))
+    (f0, b0), (f1, b1) = counts
+    assert (f1 - f0, b1 - b0) == NODE_KERNELS, counts
+
+
+def test_a_by_node_layout_the_nodes_cannot_cut_evenly_is_refused_by_plan_and_search(capsys):
+    """96 experts at ep12 on 8-GPU nodes: the ep group's 12 ranks hold 8 on one node and 4 on the next,
+    which the trainer refuses at launch; `plan` says so in one line (exit 2) rather than time a rail of one
+    node, and the search leaves such ep sizes out."""
+    from megaframe.plan import main
+    from megaframe.planning.search.candidates import candidates
+
+    over = ["data=synthetic", "model=moe_tiny", "model.num_experts=96", "train.global_batch_size=48"]
+    over += ["train.micro_batch_size=1"]
+    node = ["parallel.ep_dispatch=node", "+world_size=48", "+device=H100"]
+    assert main([*over, "parallel.ep=12", *node]) == 2
+    assert "does not split into equal blocks" in capsys.readouterr().err
+    cfg = load_config([*over, "parallel.ep_dispatch=node"], world_size=48, check_data=False)
+    keep = lambda lay: lay.tp == lay.pp == lay.cp == 1 and lay.zero == 1 and lay.recompute == "none"  # noqa: E731
+    eps = {lay.ep for lay in candidates(cfg, 48, 8, keep=keep)}
+    assert 8 in eps and 16 in eps and 12 not in eps and 6 not in eps, sorted(eps)
