@@ -43,7 +43,8 @@ LAYOUTS = [
     ),
     ("cp2-pp2-ep2-sigmoid", 2, 1, 2, 1, ["parallel.pp=2", "model.moe_router_score=sigmoid"]),
     # by node, 2 ranks a node: a token crosses to the other node once for its experts there (ep_rail), then
-    # reaches them inside it (ep_node); forced balance sends every token to the other node half the time
+    # reaches them inside it (ep_node); under forced balance (experts p and p + 4) every token has one expert
+    # on each node, so each crosses to the other node exactly once
     ("cp2-dp2-ep4-by-node", 2, 2, 4, 1, ["parallel.ep_dispatch=node", "parallel.ranks_per_node=2"]),
     (
         "cp2-tp2-sp-ep4-by-node-forced-balance",
