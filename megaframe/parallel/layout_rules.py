@@ -76,9 +76,7 @@ def check_ep_dispatch(p: ParallelConfig, m: ModelConfig, world_size: int) -> Non
     dp = world_size // (p.tp * p.pp * p.cp)
     # the ep groups' own rule (ep·etp dividing tp·cp·dp) is checked and named elsewhere
     if p.ranks_per_node and dp and (p.tp * p.cp * dp) % (p.ep * p.etp) == 0:
-        from megaframe.parallel.rank_grid import RankGrid
+        from megaframe.parallel.rank_grid import node_refusal
 
-        try:
-            RankGrid(p.tp, dp, p.pp, ep=p.ep, cp=p.cp, etp=p.etp, node=p.ranks_per_node)
-        except ValueError as e:
-            _req(False, f"parallel.ranks_per_node={p.ranks_per_node}: {e}")
+        why = node_refusal(p.tp, dp, p.ep, p.cp, p.etp, p.ranks_per_node)
+        _req(why is None, f"parallel.ranks_per_node={p.ranks_per_node}: {why}")

@@ -236,6 +236,16 @@ class RankGrid:
         return next((g for g in self.groups(name) if position in g), (position,))
 
 
+def node_refusal(tp: int, dp: int, ep: int, cp: int = 1, etp: int = 1, node: int = 0) -> str | None:
+    """Why dispatch by node cannot cut a stage's ep groups into nodes of `node` ranks, or None where it can
+    (the grid's own check, read without building any group; every stage is cut alike)."""
+    try:
+        RankGrid(tp, dp, 1, ep=ep, cp=cp, etp=etp, node=node)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 @dataclass(frozen=True)
 class ExpertGroups:
     """Sizes and rank spans of the folded expert groups of a layout, for the planner (no processes)."""

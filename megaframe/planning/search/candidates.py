@@ -9,8 +9,8 @@ from __future__ import annotations
 import dataclasses
 
 from megaframe.config import Config, ConfigError, validate
+from megaframe.parallel.rank_grid import node_refusal
 from megaframe.planning.candidate import Layout, layout_config
-from megaframe.planning.steptime.by_node import splits_by_node
 
 RECOMPUTE = ("none", "selective", "full", "op_selective")
 
@@ -76,28 +76,17 @@ class Ticker:
 def _layouts(cfg: Config, world: int, per_node: int):
     """The layouts candidates() validates, in its order (cheap: no config is built)."""
     m = cfg.model
-    node = cfg.parallel.ep_dispatch == "node"
     # tp within a node: its per-block all-reduces need the intra-node links
     for tp, cp in [(t, c) for t in divisors(world) if t <= max(per_node, 1) for c in divisors(world // t)]:
         for pp, split in _pipelines(m.num_layers, world // (tp * cp)):
             dp = world // (tp * cp * pp)
             micro = {cfg.train.global_batch_size // (b * dp) for b in MICRO_BATCHES} - {0}
-
-            def by_node_ok(ep: int, tp=tp, cp=cp, dp=dp) -> bool:
-                """Dispatch by node needs ep groups cut evenly by the device's nodes (the trainer's rule)."""
-                lay = Layout(tp, 1, 1, dp, ep, 1, 1, "none", cp)
-                return not node or ep == 1 or splits_by_node(lay, cfg.parallel.etp, per_node)
-
             for vpp in [1] if pp == 1 or split else [v for v in VPP if m.num_layers % (pp * v) == 0]:
                 # ep folds over the stage's tp·cp·dp ranks, tp first, as the trainer places the experts
                 # (parallel/rank_grid.py): Megatron-Bridge's Qwen3-235B ep32 over tp2 x dp16
                 for ep, sched in [
                     (e, s)
-                    for e in (
-                        [e for e in divisors(tp * cp * dp) if m.num_experts % e == 0 and by_node_ok(e)]
-                        if m.num_experts
-                        else [1]
-                    )
+                    for e in _expert_sizes(cfg, tp, cp, dp, per_node)
                     for s in _schedules(pp, vpp, micro)
                 ]:
                     yield from (
@@ -106,6 +95,18 @@ def _layouts(cfg: Config, world: int, per_node: int):
                         for mb in MICRO_BATCHES
                         for rc in RECOMPUTE
                     )
+
+
+def _expert_sizes(cfg: Config, tp: int, cp: int, dp: int, per_node: int) -> list[int]:
+    """The ep sizes tried for a stage of tp·cp·dp ranks: those dividing it and the experts, and under
+    parallel.ep_dispatch=node only the ones the nodes cut evenly (the trainer refuses the rest)."""
+    m, p = cfg.model, cfg.parallel
+    if not m.num_experts:
+        return [1]
+    sizes = [e for e in divisors(tp * cp * dp) if m.num_experts % e == 0]
+    if p.ep_dispatch != "node":
+        return sizes
+    return [e for e in sizes if e == 1 or node_refusal(tp, dp, e, cp, p.etp, per_node) is None]
 
 
 VPP = (1, 2, 4, 8)

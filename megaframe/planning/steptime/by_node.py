@@ -15,19 +15,8 @@ from __future__ import annotations
 
 import math
 
+from megaframe.parallel.rank_grid import node_refusal
 from megaframe.planning.steptime.moe import expert_group, imbalance, spans_nodes
-
-
-def splits_by_node(lay, etp: int, per_node: int) -> bool:
-    """Whether the layout's ep groups split into equal blocks of nodes of per_node ranks, as dispatch by
-    node needs (parallel/rank_grid.py; the trainer refuses the layout otherwise)."""
-    from megaframe.parallel.rank_grid import RankGrid
-
-    try:
-        RankGrid(lay.tp, lay.dp, 1, ep=lay.ep, cp=lay.cp, etp=etp, node=per_node)
-    except (ValueError, AssertionError):
-        return False
-    return True
 
 
 def node_split(s) -> tuple[int, int] | None:
@@ -36,7 +25,7 @@ def node_split(s) -> tuple[int, int] | None:
     dev, lay, etp = s.dev, s.lay, s.cfg.parallel.etp
     if s.cfg.parallel.ep_dispatch != "node" or not spans_nodes(lay, etp, dev):
         return None
-    if not splits_by_node(lay, etp, dev.per_node):
+    if node_refusal(lay.tp, lay.dp, lay.ep, lay.cp, etp, dev.per_node) is not None:
         from megaframe.errors import ConfigError
 
         # the trainer refuses the layout on such nodes (parallel/launch.py dispatch_node): so does the plan
@@ -66,19 +55,23 @@ the ids' int32 cast and back, the weights' gather, the inner plan's own counts a
 combine; backward, the pairs' gathers of rows and weights and the combine's."""
 
 
+def _rail_seconds(dev, nodes: int, nbytes: float) -> float:
+    """One all-to-all over the rail: nbytes leaving the rank over InfiniBand, a latency per other node."""
+    return nbytes / (dev.inter_bw * dev.link_eff) + (nodes - 1) * dev.inter_latency_s
+
+
+def _node_seconds(dev, local: int, nbytes: float) -> float:
+    """One all-to-all inside the node: nbytes leaving the rank over NVLink, a latency per other rank."""
+    return 0.0 if local == 1 else nbytes / (dev.intra_bw * dev.link_eff) + (local - 1) * dev.latency_s
+
+
 def node_counts_seconds(s) -> float:
     """The by-node exchanges of expert counts ahead of the two host syncs (their latency, nothing hides
     it): the pairs a node gets over the rail (N int64), then a node's experts over the node (E/N int64)."""
     dev, e = s.dev, s.cfg.model.num_experts
     nodes, local = node_split(s)
-    rail = (nodes - 1) / nodes * nodes * 8 / (dev.inter_bw * dev.link_eff) + (nodes - 1) * dev.inter_latency_s
-    if local == 1:
-        return rail
-    return (
-        rail
-        + (local - 1) / local * e / nodes * 8 / (dev.intra_bw * dev.link_eff)
-        + (local - 1) * dev.latency_s
-    )
+    rail = _rail_seconds(dev, nodes, (nodes - 1) * 8)
+    return rail + _node_seconds(dev, local, (local - 1) / local * e / nodes * 8)
 
 
 def nodes_per_token(m, nodes: int) -> float:
@@ -103,16 +96,10 @@ def node_dispatch_seconds(s, routed: float, rows: int, weights: int) -> float:
     k, row = m.moe_top_k, m.hidden_size * s.elem
     # the busiest node's pairs, as the plain all-to-all carries the busiest rank's rows
     pairs = routed / k / row * nodes_per_token(m, nodes) * (nodes - 1) / nodes * imbalance(m)
-
-    def rail(nbytes: float, times: int) -> float:
-        return times * (nbytes / (dev.inter_bw * dev.link_eff) + (nodes - 1) * dev.inter_latency_s)
-
-    def node(nbytes: float, times: int) -> float:
-        if local == 1:
-            return 0.0
-        return times * (nbytes / (dev.intra_bw * dev.link_eff) + (local - 1) * dev.latency_s)
-
     inner = routed * imbalance(m) * (local - 1) / local
     # the ids go forward only, once a dispatch: one per forward (two where recompute re-runs it)
-    t = rail(pairs * row, rows) + rail(pairs * k * 4, rows // 2 - 1) + rail(pairs * k * 4, weights)
-    return t + node(inner, rows) + node(inner / row * 4, weights)
+    ids = rows // 2 - 1
+    t = rows * _rail_seconds(dev, nodes, pairs * row) + (ids + weights) * _rail_seconds(
+        dev, nodes, pairs * k * 4
+    )
+    return t + rows * _node_seconds(dev, local, inner) + weights * _node_seconds(dev, local, inner / row * 4)
