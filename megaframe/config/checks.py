@@ -142,6 +142,30 @@ def _check_lr_schedule(cfg: Config) -> None:
     )
 
 
+def _check_overlap(cfg: Config, kind: str) -> None:
+    """What a forward running beside another micro-batch's backward (ScheduleSpec.overlap) composes with."""
+    from megaframe.pipeline.schedule import SCHEDULES
+
+    if kind not in SCHEDULES or not SCHEDULES[kind].overlap:
+        return
+    t, o = cfg.train, cfg.optim
+    recompute = getattr(t.recompute, "value", t.recompute)
+    # the recomputed forward runs inside the backward, where only the chunk's own collectives carry its
+    # lane (parallel/lanes.py): its tp/ep/cp collectives could meet the concurrent forward's
+    _req(
+        recompute == "none",
+        f"parallel.pp_schedule={kind} runs a forward beside a backward and does not compose with "
+        f"train.recompute={recompute}: use train.recompute=none, or another parallel.pp_schedule",
+    )
+    # ZeRO-3 gathers each block's params over dp in the forward: the forward and the backward would share
+    # the data-parallel communicators, whose collectives are not laned
+    _req(
+        o.zero < 3,
+        f"parallel.pp_schedule={kind} runs a forward beside a backward and does not compose with "
+        f"optim.zero={o.zero}: use optim.zero <= 2, or another parallel.pp_schedule",
+    )
+
+
 def _check_pipeline(cfg: Config, dp: int, schedules: bool = True) -> None:
     from megaframe.config.derived import schedule_kind
     from megaframe.pipeline.partition import check_runnable, stage_counts
@@ -159,6 +183,7 @@ def _check_pipeline(cfg: Config, dp: int, schedules: bool = True) -> None:
                 not bad,
                 f"parallel.pp_schedule={kind} splits each backward in two and does not compose with {why}",
             )
+    _check_overlap(cfg, kind)
     try:
         counts = stage_counts(cfg.model.num_layers, p.pp, p.vpp, p.pp_layout)
         # every rank's schedule is built here, as the executor will build it: a layout it cannot run is

@@ -51,12 +51,26 @@ class RouterScore(StrEnum):
 # tests/unit/pipeline/test_schedule_specs.py: this leaf of the schema cannot import the pipeline.
 ScheduleKind = StrEnum(
     "ScheduleKind",
-    [(k, k) for k in ("auto", "gpipe", "1f1b", "interleaved", "zb_h1", "zbv")],
+    [
+        (k, k)
+        for k in (
+            "auto",
+            "gpipe",
+            "1f1b",
+            "interleaved",
+            "zb_h1",
+            "zbv",
+            "1f1b_overlap",
+            "interleaved_overlap",
+        )
+    ],
     module=__name__,
 )
 ScheduleKind.__doc__ = (
     "parallel.pp_schedule (auto: interleaved when vpp > 1, else 1f1b; zb_h1 and zbv: zero-bubble, "
-    "backward split into input and weight gradients, zbv in a V over vpp=2)."
+    "backward split into input and weight gradients, zbv in a V over vpp=2; 1f1b_overlap and "
+    "interleaved_overlap: each steady forward runs beside another micro-batch's backward, so one's "
+    "all-to-alls overlap the other's compute, Megatron's moe_a2a_overlap)."
 )
 
 

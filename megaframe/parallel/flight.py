@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from contextlib import contextmanager
@@ -49,8 +50,18 @@ class CommStats:
     # parallel/observe.py's Observer: holds in collectives, profiler ranges
     observer: object = None
 
-    def add(self, group: str, nbytes: float) -> None:
-        self.sent[group] = self.sent.get(group, 0) + int(nbytes)
+    # the overlapped pipeline kinds count from two threads (parallel/lanes.py): a read-add-write is not atomic
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    on_lane: list = field(default_factory=lambda: [0, 0])
+    """Collectives entered on each lane over axes that have a twin (parallel/lanes.py; the overlapped
+    pipeline kinds): both count where a forward and a backward ran at once."""
+
+    def add(self, group: str, nbytes: float, lane: int | None = None) -> None:
+        with self._lock:
+            self.sent[group] = self.sent.get(group, 0) + int(nbytes)
+            if lane is not None:
+                self.on_lane[lane] += 1
 
     def record(self, op: str, group: str, ranks, shape, dtype, nbytes: int) -> dict:
         """Note a collective as it is entered; entry['done'] is set once a blocking call returns (see

@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from megaframe.parallel.flight import CommStats
+from megaframe.parallel.lanes import LANED
 from megaframe.parallel.p2p_semantics import NcclStream, P2PSemantics, semantics_from_env, stream_for
 from megaframe.parallel.rank_grid import RankGrid
 
@@ -69,6 +70,9 @@ class Axis:
     virtual: bool = False
     """A planning axis (megaframe.parallel.virtual): sizes and coordinates only; collectives return
     tensors of the right shape without communicating."""
+    twin: Optional[dist.ProcessGroup] = None
+    """A second communicator over the same ranks, for the overlapped pipeline kinds' second lane
+    (parallel/lanes.py: a forward and a backward running at once each enter their own); None elsewhere."""
     p2p: Optional[NcclStream] = None
     """The pipeline axis's emulated NCCL p2p stream (MEGAFRAME_P2P_SEMANTICS=nccl, parallel/p2p_semantics.py);
     None: point-to-point transfers use the backend's own semantics."""
@@ -189,10 +193,12 @@ def mesh_at(
     groups: Optional[dict] = None,
     everyone=None,
     emulate_nccl: bool = False,
+    twins: Optional[dict] = None,
 ) -> Mesh:
     """The Mesh of `position` in the grid; `ranks` maps positions to process ranks. `groups` maps (axis,
     members) to its process group; None builds a virtual mesh (planning: sizes and coordinates only).
-    `emulate_nccl`: the pp axis sends and receives through an emulated NCCL stream (p2p_semantics.py)."""
+    `emulate_nccl`: the pp axis sends and receives through an emulated NCCL stream (p2p_semantics.py).
+    `twins`: lane 1's communicators by members (build_mesh's _twin_groups), given to the laned axes."""
     stats = CommStats()
 
     def axis(name: str) -> Axis:
@@ -209,6 +215,7 @@ def mesh_at(
             group,
             stats,
             virtual=groups is None and size > 1,
+            twin=(twins or {}).get(members) if name in LANED else None,
             p2p=stream,
         )
 
@@ -251,10 +258,12 @@ def build_mesh(
     cp: int = 1,
     etp: int = 1,
     node: int = 0,
+    lanes: int = 1,
 ) -> Mesh:
     """Create every tp/pp/dp (and ep/edp, HSDP's dp_shard/dp_rep, cp/dpcp) group over `ranks` (default:
     all). Collective: every process must call it. `shard`: optim.shard_group_size (0 or dp: no HSDP).
     `node`: ranks per node when the ep all-to-all goes by node (ep_node / ep_rail; 0: it does not).
+    `lanes`: 2 gives the compute axes a twin communicator each (the overlapped pipeline kinds' second lane).
 
     `timeout` (train.dist_timeout_s) applies to every group: new_group does not inherit
     init_process_group's, it takes the backend's default (30 min on gloo, 10 on NCCL) unless told.
@@ -279,15 +288,19 @@ def build_mesh(
                 continue
             # e.g. ep = dp, ep = cp, dpcp = cp (dp = 1). Not a dp_shard over a cp group: its reduce-scatters
             # run during backward beside cp's attention traffic, and one communicator would serialise them.
-            if name in REUSABLE and members in made and not (name == "dp_shard" and made[members][0] == "cp"):
+            # Under two lanes a compute axis keeps its own communicator: the data-parallel family's
+            # collectives run in a backward's hooks, beside the other lane's forward (parallel/lanes.py).
+            shares = name in REUSABLE and not (lanes > 1 and name in LANED)
+            if shares and members in made and not (name == "dp_shard" and made[members][0] == "cp"):
                 # Reuse: a second communicator over the same ranks costs NCCL memory and init time.
                 # Every process takes this branch alike, so the new_group calls below stay in step.
                 groups[(name, members)] = made[members][1]
                 continue
             # new_group is collective over the whole world: every process creates every group, in order
             groups[(name, members)] = dist.new_group([ranks[i] for i in members], timeout=timeout)
-            if name in REUSABLE:
+            if shares:
                 made[members] = (name, groups[(name, members)])
+    twins = _twin_groups(grid, ranks, timeout) if lanes > 1 and initialized else {}
     # Created before the `me not in ranks` exit: processes outside the job must still join the call.
     everyone = (
         dist.new_group(ranks, timeout=world_timeout, backend="gloo") if (world > 1 and initialized) else None
@@ -295,7 +308,20 @@ def build_mesh(
     if me not in ranks:
         return None  # type: ignore[return-value]
     emulate_nccl = semantics_from_env() is P2PSemantics.NCCL  # read once; the pp axis carries the mode
-    return mesh_at(grid, ranks.index(me), device, ranks, groups, everyone, emulate_nccl)
+    return mesh_at(grid, ranks.index(me), device, ranks, groups, everyone, emulate_nccl, twins)
+
+
+def _twin_groups(grid: RankGrid, ranks: Sequence[int], timeout) -> dict:
+    """Lane 1's communicators (parallel/lanes.py): one per distinct member set of the laned axes, whose
+    collectives a lane enters in program order from one thread at a time. Collective, in one order."""
+    twins: dict = {}
+    for name in grid.creation_order():
+        if name not in LANED:
+            continue
+        for members in grid.groups(name):
+            if len(members) > 1 and members not in twins:
+                twins[members] = dist.new_group([ranks[i] for i in members], timeout=timeout)
+    return twins
 
 
 def single_process_mesh(device: torch.device | str = "cpu") -> Mesh:

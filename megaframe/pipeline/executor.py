@@ -20,15 +20,17 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch.autograd import Variable
 
-from megaframe.parallel import comm
+from megaframe.parallel import comm, lanes
 from megaframe.parallel.mesh import Mesh
 from megaframe.parallel.observe import action_range
 from megaframe.pipeline import p2p, split
+from megaframe.pipeline.overlap import Pairs
 from megaframe.pipeline.schedule import (
     COMPUTE,
     RECV_B,
@@ -36,6 +38,7 @@ from megaframe.pipeline.schedule import (
     SEND_B,
     SEND_F,
     Action,
+    B,
     F,
     W,
     locate,
@@ -63,10 +66,13 @@ def run_schedule(
     optimizer,
     tokens_global: int,
     timeline: list | None = None,
+    paired: frozenset[int] | None = None,
 ) -> torch.Tensor:
     """Run every action; returns the sum of token losses of this rank's micro-batches (0 off the last stage).
 
-    With `timeline`, appends (action, start, end) in perf_counter seconds for each compute action. A
+    With `timeline`, appends (action, start, end) in perf_counter seconds for each compute action. `paired`
+    (an overlapped kind's schedule.paired_forwards, else None): the forwards, by position in the compute
+    order, run beside the backward after them (pipeline/overlap.py). A
     forward-only schedule (grouping.forward_schedule: evaluation, under no_grad) keeps no backward roots.
     """
     # A device scalar, summed without .item(): the loss is read on the host only at log steps.
@@ -81,29 +87,55 @@ def run_schedule(
     shape = _activation_shape(model, batches[0][0])
     dtype = next(model.parameters()).dtype
     comm: list[Action] = []
-    for i, a in enumerate(actions):
-        if a.kind not in COMPUTE:
-            comm.append(a)
-            continue
-        # Issued before the compute: the schedule placed this batch to meet the peer's, and delaying it
-        # behind our compute would stall the peer's matching batch (NCCL sends rendezvous).
-        _communicate(comm, st, mesh, shape, dtype, batches[0][0].device)
-        comm = []
-        transfer = st.arriving.pop((RECV_F if a.kind == F else RECV_B, a.microbatch, a.chunk), None)
-        if transfer is not None:  # the compute reads this batch's receive
-            transfer.wait()
-        t0 = time.perf_counter()
-        # a profiler range per action while a step is profiled (train.profile_steps), else a shared null
-        with action_range(mesh.stats, a.kind, a.microbatch, a.chunk, splits):
-            if a.kind == F:
-                # a split chunk's saved tensors boxed: B releases those W will not read (split.py)
-                with split.saving() if splits else contextlib.nullcontext():
-                    _forward(a, st, model, batches, tokens_global)
-            else:
-                with optimizer.backward_context(is_last=i == last_b.get(a.chunk)):
-                    _backward(a, st, model, params)
-        if timeline is not None:
-            timeline.append((a, t0, time.perf_counter()))
+    pairs = Pairs(paired, batches[0][0].device) if paired is not None else None
+
+    def compute(a: Action, i: int) -> Callable[[], None]:
+        def run() -> None:
+            # a profiler range per action while a step is profiled (train.profile_steps), else a shared null
+            with action_range(mesh.stats, a.kind, a.microbatch, a.chunk, splits):
+                if a.kind == F:
+                    # a split chunk's saved tensors boxed: B releases those W will not read (split.py)
+                    with split.saving() if splits else contextlib.nullcontext():
+                        _forward(a, st, model, batches, tokens_global, pairs)
+                else:
+                    with optimizer.backward_context(is_last=i == last_b.get(a.chunk)):
+                        _backward(a, st, model, params)
+
+        return run
+
+    n, skip = -1, False  # n: the position in the compute order
+    try:
+        for i, a in enumerate(actions):
+            if a.kind not in COMPUTE:
+                comm.append(a)
+                continue
+            # Issued before the compute: the schedule placed this batch to meet the peer's, and delaying it
+            # behind our compute would stall the peer's matching batch (NCCL sends rendezvous).
+            _communicate(comm, st, mesh, shape, dtype, batches[0][0].device)
+            comm, n = [], n + 1
+            if skip:  # the backward of the pair just run
+                skip = False
+                continue
+            if pairs is not None and n in pairs.paired:
+                _run_pair(
+                    a, actions[i + 1], st, pairs, compute(a, i), compute(actions[i + 1], i + 1), timeline
+                )
+                skip = True
+                continue
+            _await(a, st)
+            t0 = time.perf_counter()
+            if pairs is None:
+                compute(a, i)()
+            else:  # an overlapped kind's unpaired action, on its micro-batch's lane
+                key = (a.microbatch, a.chunk)
+                lane = pairs.forward_lane(key, None) if a.kind == F else pairs.lane[key]
+                with lanes.use(lane):
+                    compute(a, i)()
+            if timeline is not None:
+                timeline.append((a, t0, time.perf_counter()))
+    finally:
+        if pairs is not None:
+            pairs.close()
     _communicate(comm, st, mesh, shape, dtype, batches[0][0].device)
     for transfer in st.in_flight:  # the sends must have left before the step's optimizer and the next step
         transfer.wait()
@@ -111,6 +143,25 @@ def run_schedule(
         "schedule left work undone"
     )
     return st.loss_sum
+
+
+def _await(a: Action, st: _State) -> None:
+    transfer = st.arriving.pop((RECV_F if a.kind == F else RECV_B, a.microbatch, a.chunk), None)
+    if transfer is not None:  # the compute reads this batch's receive
+        transfer.wait()
+
+
+def _run_pair(f: Action, b: Action, st: _State, pairs: Pairs, run_f, run_b, timeline) -> None:
+    """An overlapped kind's forward and the backward after it (another micro-batch's), at once."""
+    # adjacent in the action list: the timetable runs the pair in one tick (grouping._replay_unit_times)
+    assert b.kind == B and b.microbatch != f.microbatch, (f, b)
+    _await(f, st)
+    _await(b, st)
+    b_key = (b.microbatch, b.chunk)
+    f_lane = pairs.forward_lane((f.microbatch, f.chunk), beside=b_key)
+    f_span, b_span = pairs.run(run_f, run_b, (f_lane, pairs.lane[b_key]))
+    if timeline is not None:
+        timeline += [(f, *f_span), (b, *b_span)]
 
 
 def reduce_loss(loss_sum: torch.Tensor, model, mesh: Mesh) -> torch.Tensor:
@@ -141,13 +192,15 @@ def _neighbour_chunk(model, chunk: int, step: int) -> int | None:
     return c if rank == model.mesh.pp.rank else None
 
 
-def _forward(a: Action, st: _State, model, batches, tokens_global: int) -> None:
+def _forward(a: Action, st: _State, model, batches, tokens_global: int, pairs: Pairs | None = None) -> None:
     key = (a.microbatch, a.chunk)
     input_ids_BS, labels_BS = batches[a.microbatch]
     x_SBD = st.inputs.pop(key, None)
     # the loss's grad per token is 1 / tokens_global (below), known now: the fused head folds it in forward
     scale = 1.0 / tokens_global if torch.is_grad_enabled() and _is_loss_chunk(model, a.chunk) else None
     out = model.forward_chunk(a.chunk, x_SBD, input_ids_BS, labels_BS, loss_scale=scale)
+    if pairs is not None:  # its backward runs on its lane, on whichever thread autograd runs it
+        out = lanes.mark(out, pairs.lane[key])
     if not torch.is_grad_enabled():  # forward-only (evaluation): nothing to keep for a backward
         if _is_loss_chunk(model, a.chunk):
             st.loss_sum += out.float().sum()

@@ -21,7 +21,7 @@ from megaframe.pipeline.actions import (
     locate,
     stage_of,
 )
-from megaframe.pipeline.schedule import SCHEDULES, compute_order, is_v
+from megaframe.pipeline.schedule import SCHEDULES, compute_order, is_v, paired_forwards
 
 
 def build_schedule(
@@ -108,6 +108,16 @@ def _replay_unit_times(kind: str, pp: int, vpp: int, m: int) -> tuple[list[list[
     sent_at: dict = {}
     starts: list[list[int]] = [[] for _ in range(pp)]
     clock = [0] * pp
+    pairs = [paired_forwards(kind, pp, vpp, m, r) for r in range(pp)]
+
+    def dep_of(r: int, a: Action):
+        s = stage_of(r, a.chunk, pp, v)
+        # W waits only for its own B, which comes before it in this rank's order.
+        dep = (F, a.microbatch, s - 1) if a.kind == F else (B, a.microbatch, s + 1)
+        if a.kind == W or (dep[0] == F and s == 0) or (dep[0] == B and s == last):
+            return s, None
+        return s, dep
+
     # Fixed point: sweep the ranks until none can start its next action; a rank blocks on a dependency
     # another rank has yet to produce, like the real pipeline with instant transfers.
     progress = True
@@ -115,17 +125,18 @@ def _replay_unit_times(kind: str, pp: int, vpp: int, m: int) -> tuple[list[list[
         progress = False
         for r in range(pp):
             while len(starts[r]) < len(orders[r]):
-                a = orders[r][len(starts[r])]
-                s = stage_of(r, a.chunk, pp, v)
-                # W waits only for its own B, which comes before it in this rank's order.
-                dep = (F, a.microbatch, s - 1) if a.kind == F else (B, a.microbatch, s + 1)
-                if a.kind == W or (dep[0] == F and s == 0) or (dep[0] == B and s == last):
-                    dep = None
-                if dep is not None and dep not in sent_at:
-                    break  # its input is not computed yet
-                # Starts when both the rank is free and the input has been sent (transfers take no time).
-                starts[r].append(max(clock[r], sent_at[dep] if dep else 0))
-                clock[r] = sent_at[(a.kind, a.microbatch, s)] = starts[r][-1] + 1
+                i = len(starts[r])
+                # an overlapped kind's steady pair (F, then another micro-batch's B) is one tick
+                n = 2 if i in pairs[r] else 1
+                deps = [dep_of(r, a) for a in orders[r][i : i + n]]
+                if any(d is not None and d not in sent_at for _, d in deps):
+                    break  # an input is not computed yet
+                # Starts when both the rank is free and the inputs have been sent (transfers take no time).
+                t = max([clock[r]] + [sent_at[d] for _, d in deps if d is not None])
+                for a, (s, _) in zip(orders[r][i : i + n], deps):
+                    starts[r].append(t)
+                    sent_at[(a.kind, a.microbatch, s)] = t + 1
+                clock[r] = t + 1
                 progress = True
     if any(len(starts[r]) < len(orders[r]) for r in range(pp)):
         raise ValueError(f"{kind} pp={pp} vpp={vpp} m={m}: the compute orders wait on each other")

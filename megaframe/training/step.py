@@ -22,6 +22,7 @@ from megaframe.parallel.mesh import Mesh
 from megaframe.parallel.observe import named
 from megaframe.pipeline.executor import run_schedule
 from megaframe.pipeline.grouping import build_schedule
+from megaframe.pipeline.schedule import SCHEDULES, paired_forwards
 
 
 @dataclass
@@ -52,7 +53,8 @@ def optimizer_step(
         probe.begin(step)
     # the schedule the model was built for (its stage holds vpp chunks, placed in a loop or a V)
     kind = model.schedule or d.pp_schedule
-    schedule = build_schedule(kind, mesh.pp.size, len(model.stage.chunks), len(batches), mesh.pp.rank)
+    shape = (kind, mesh.pp.size, len(model.stage.chunks), len(batches), mesh.pp.rank)
+    schedule = build_schedule(*shape)
     loss_sum = run_schedule(
         schedule,
         model,
@@ -61,6 +63,7 @@ def optimizer_step(
         optimizer,
         tokens_global,
         timeline=probe.spans if probe is not None else None,
+        paired=paired_forwards(*shape) if SCHEDULES[kind].overlap else None,
     )
     # a Python float from the step alone: no device tensor, no sync, the same on every rank
     lr = lr_at(step, o.lr, o.min_lr, o.warmup_steps, d.lr_horizon, o.lr_schedule, o.wsd_decay_fraction)

@@ -28,6 +28,7 @@ from megaframe.parallel.launch import (
 )
 from megaframe.parallel.mesh import Mesh, build_mesh
 from megaframe.pipeline import p2p
+from megaframe.pipeline.schedule import schedule_spec
 from megaframe.runops.access.folders import FolderLocks, claim, peer_bad_input, record_bad_input
 from megaframe.runops.access.owner import settle
 from megaframe.runops.guard import RunGuard
@@ -63,6 +64,8 @@ def run(cfg: Config, stop: StopFlag | None = None) -> None:
             timeout=datetime.timedelta(seconds=cfg.train.dist_timeout_s),
             world_timeout=datetime.timedelta(seconds=cfg.checkpoint.save_timeout_s),
             shard=cfg.optim.shard_group_size,
+            # an overlapped kind runs a forward and a backward at once, each on its own communicators
+            lanes=2 if schedule_spec(cfg.parallel.pp_schedule, cfg.parallel.vpp).overlap else 1,
         )
         # before anything else talks over pp: NCCL builds a pair's channel at its first transfer, and ranks
         # first meeting in different schedule phases can deadlock

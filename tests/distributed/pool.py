@@ -50,16 +50,25 @@ def _worker(rank: int, size: int, port: int, conn) -> None:
         job = _recv(conn)
         if job is None:
             break
-        fn, tp, pp, n, args, ep, semantics, shard, cp, etp, node = job
+        fn, tp, pp, n, args, ep, semantics, shard, cp, etp, node, lanes = job
         try:
-            key = (tp, pp, n, ep, semantics, shard, cp, etp, node)
+            key = (tp, pp, n, ep, semantics, shard, cp, etp, node, lanes)
             if key not in meshes:  # groups are cached: creating them per job would leak sockets
                 suite = os.environ.get(ENV_VAR)
                 if semantics is not None:
                     os.environ[ENV_VAR] = semantics  # build_mesh reads it once
                 try:
                     meshes[key] = build_mesh(
-                        tp, pp, torch.device("cpu"), range(n), ep, shard=shard, cp=cp, etp=etp, node=node
+                        tp,
+                        pp,
+                        torch.device("cpu"),
+                        range(n),
+                        ep,
+                        shard=shard,
+                        cp=cp,
+                        etp=etp,
+                        node=node,
+                        lanes=lanes,
                     )
                 finally:
                     os.environ.pop(ENV_VAR, None)
@@ -113,16 +122,17 @@ class RankPool:
         cp: int = 1,
         etp: int = 1,
         node: int = 0,
+        lanes: int = 1,
     ) -> list:
         """Run fn(mesh, *args) on ranks [0, n) with the given layout; returns their results in rank order.
         `p2p` (native | nccl) overrides the suite's point-to-point semantics for this job's mesh; `shard`:
         HSDP shard group size (0 = dp); `node`: ranks per node of parallel.ep_dispatch=node (0: not by
-        node)."""
+        node); `lanes`: 2 for the overlapped pipeline kinds (their compute axes' twin communicators)."""
         assert not self.broken, "pool broken by an earlier timeout or a dead worker"
         assert n <= self.size
         try:
             for c in self.conns:
-                _send(c, (fn, tp, pp, n, args, ep, p2p, shard, cp, etp, node))
+                _send(c, (fn, tp, pp, n, args, ep, p2p, shard, cp, etp, node, lanes))
         except OSError as e:  # a worker that died since the last job: the next test gets a fresh pool
             raise self._died(e) from e
         results, errors = [], []

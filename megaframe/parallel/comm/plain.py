@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from megaframe.parallel.comm.accounting import done, enter, nbytes
+from megaframe.parallel.lanes import group_of
 from megaframe.parallel.mesh import Axis
 
 # torch 2.13 renamed the flat collectives; keep working on the older names (torch >= 2.6 on GPU hosts).
@@ -21,12 +22,12 @@ def all_reduce(x: torch.Tensor, axis: Axis, op=dist.ReduceOp.SUM) -> torch.Tenso
     """In place all-reduce over `axis`; returns x."""
     if axis.size == 1:
         return x
-    if x.is_cuda and dist.get_backend(axis.group) == "gloo":  # the mesh's world group (host decisions)
+    if x.is_cuda and dist.get_backend(group_of(axis)) == "gloo":  # the mesh's world group (host decisions)
         host = all_reduce(x.cpu(), axis, op)
         return x.copy_(host)
     entry = enter(axis, "all_reduce", x, 2 * (axis.size - 1) / axis.size * nbytes(x))
     if entry is not None:
-        done(axis, entry, x, dist.all_reduce(x, op=op, group=axis.group))
+        done(axis, entry, x, dist.all_reduce(x, op=op, group=group_of(axis)))
     return x
 
 
@@ -39,7 +40,7 @@ def all_gather_dim0(x: torch.Tensor, axis: Axis) -> torch.Tensor:
     out = torch.empty((axis.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
     entry = enter(axis, "all_gather", x, (axis.size - 1) * nbytes(x))
     if entry is not None:
-        done(axis, entry, x, _all_gather_flat(out, x, group=axis.group))
+        done(axis, entry, x, _all_gather_flat(out, x, group=group_of(axis)))
     return out
 
 
@@ -53,7 +54,7 @@ def reduce_scatter_dim0(x: torch.Tensor, axis: Axis) -> torch.Tensor:
     out = torch.empty((x.shape[0] // axis.size, *x.shape[1:]), dtype=x.dtype, device=x.device)
     entry = enter(axis, "reduce_scatter", x, (axis.size - 1) / axis.size * nbytes(x))
     if entry is not None:
-        done(axis, entry, x, _reduce_scatter_flat(out, x, group=axis.group))
+        done(axis, entry, x, _reduce_scatter_flat(out, x, group=group_of(axis)))
     return out
 
 
@@ -74,7 +75,7 @@ def reduce_scatter_flat(out: torch.Tensor, x: torch.Tensor, axis: Axis, async_op
     entry = enter(axis, "reduce_scatter_flat", x, (axis.size - 1) / axis.size * nbytes(x))
     if entry is None:
         return None
-    return done(axis, entry, x, _reduce_scatter_flat(out, x, group=axis.group, async_op=async_op))
+    return done(axis, entry, x, _reduce_scatter_flat(out, x, group=group_of(axis), async_op=async_op))
 
 
 def all_gather_flat(out: torch.Tensor, x: torch.Tensor, axis: Axis, async_op: bool = False):
@@ -90,7 +91,7 @@ def all_gather_flat(out: torch.Tensor, x: torch.Tensor, axis: Axis, async_op: bo
     entry = enter(axis, "all_gather_flat", x, (axis.size - 1) * nbytes(x))
     if entry is None:
         return None
-    return done(axis, entry, x, _all_gather_flat(out, x, group=axis.group, async_op=async_op))
+    return done(axis, entry, x, _all_gather_flat(out, x, group=group_of(axis), async_op=async_op))
 
 
 def split_dim0(x: torch.Tensor, axis: Axis) -> torch.Tensor:
@@ -110,7 +111,7 @@ def all_to_all_counts(counts: torch.Tensor, axis: Axis) -> torch.Tensor:
     out = torch.empty_like(counts)
     entry = enter(axis, "all_to_all_counts", counts, (axis.size - 1) / axis.size * nbytes(counts))
     if entry is not None:
-        done(axis, entry, counts, dist.all_to_all_single(out, counts, group=axis.group))
+        done(axis, entry, counts, dist.all_to_all_single(out, counts, group=group_of(axis)))
     return out
 
 
@@ -134,7 +135,7 @@ def all_to_all_rows(x: torch.Tensor, axis: Axis, out_splits: list[int], in_split
                 x,
                 output_split_sizes=list(out_splits),
                 input_split_sizes=list(in_splits),
-                group=axis.group,
+                group=group_of(axis),
             ),
         )
     return out

@@ -282,3 +282,44 @@ def test_stage_layout_v_places_both_ends_on_rank_0():
     s0, s3 = (stage_layout(10, 4, 2, r, layout=counts, v=True) for r in (0, 3))
     assert s0.chunks == ((0,), (9,)) and s0.first and s0.last and s0.v
     assert s3.chunks == ((4,), (5,)) and not s3.first and not s3.last
+
+
+OVERLAP_GRID = [("1f1b_overlap", 1, 1, m) for m in (1, 2, 5)] + [
+    ("interleaved_overlap", pp, vpp, m)
+    for pp, vpp, m in itertools.product([2, 3, 4], [2, 3], [2, 3, 4, 6, 8, 12])
+    if m % pp == 0
+]
+
+
+@pytest.mark.parametrize(
+    "kind,pp,vpp,m", OVERLAP_GRID, ids=[f"{k}-pp{p}-vpp{v}-m{m}" for k, p, v, m in OVERLAP_GRID]
+)
+def test_overlapped_kinds_pair_steady_forwards_with_backwards_and_keep_the_bubble(kind, pp, vpp, m):
+    """Each pair is a forward and the backward right after it in the action list (nothing to send or
+    receive between: the executor runs them at once), of different micro-batches; no deadlock under either
+    send model (the last warm-up forward would close a cycle through the later stages if paired), the
+    activations within the bound (one forward more than the base kind), and the base kind's bubble."""
+    from megaframe.pipeline.schedule import paired_forwards
+
+    pairs = 0
+    for rank in range(pp):
+        actions, order = build_schedule(kind, pp, vpp, m, rank), compute_order(kind, pp, vpp, m, rank)
+        compute = [i for i, a in enumerate(actions) if a.kind in (F, B)]
+        for n in paired_forwards(kind, pp, vpp, m, rank):
+            f, b = order[n], order[n + 1]
+            assert f.kind == F and b.kind == B and f.microbatch != b.microbatch
+            assert compute[n + 1] == compute[n] + 1, (rank, f, b)  # adjacent: no transfer between
+            pairs += 1
+    assert pairs > 0 or m * vpp <= 2 * pp  # a steady state where there are enough micro-batches
+    for sends in SendModel:
+        res = simulate(kind, pp, vpp, m, sends)
+        assert res.bubble == pytest.approx(bubble_formula(pp, vpp, m), abs=1e-12)
+        for r in range(pp):
+            assert res.peak_inflight[r] <= activation_bound(kind, pp, vpp, m, r)
+            base = "1f1b" if kind == "1f1b_overlap" else "interleaved"
+            assert activation_bound(kind, pp, vpp, m, r) <= activation_bound(base, pp, vpp, m, r) + 1
+
+
+def test_a_pipelined_1f1b_overlap_is_refused_towards_the_interleaved_one():
+    with pytest.raises(ValueError, match="at pp=2 use interleaved_overlap"):
+        check_args("1f1b_overlap", 2, 1, 4)

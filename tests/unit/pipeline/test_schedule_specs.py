@@ -22,7 +22,16 @@ from megaframe.pipeline.simulate import SendModel, simulate
 
 
 def test_every_kind_is_a_registered_spec():
-    assert set(SCHEDULES) == {"gpipe", "1f1b", "interleaved", "zb_h1", "zbv"}
+    assert set(SCHEDULES) == {
+        "gpipe",
+        "1f1b",
+        "interleaved",
+        "zb_h1",
+        "zbv",
+        "1f1b_overlap",
+        "interleaved_overlap",
+    }
+    assert [k for k, s in SCHEDULES.items() if s.overlap] == ["1f1b_overlap", "interleaved_overlap"]
     assert [k for k in SCHEDULES if schedule.splits_backward(k)] == ["zb_h1", "zbv"]
     assert [k for k, s in SCHEDULES.items() if s.v] == ["zbv"]
     assert [k for k, s in SCHEDULES.items() if s.searched] == ["zb_h1", "zbv"]

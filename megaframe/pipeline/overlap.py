@@ -1,0 +1,61 @@
+"""The overlapped kinds' pair (pipeline/schedule.py: ScheduleSpec.overlap): a forward and another
+micro-batch's backward run at once, the forward on a worker thread and the backward on the calling one,
+each on its own lane of communicators (parallel/lanes.py), so the all-to-alls of one overlap the other's
+compute. Megatron's moe_a2a_overlap interleaves the two by hand, layer by layer, on one thread; here the
+waits of each thread's collectives leave the device and the host to the other.
+
+What the two share is only read by both or written by one: the weights (read), the grads (written by the
+backward only), the model's per-step statistics (written by the forward only), the executor's maps (keys of
+different micro-batches). The random streams are drawn by forwards only, which keep their order.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from megaframe.parallel import lanes
+
+
+class Pairs:
+    """Runs the pairs of one schedule and gives each (micro-batch, chunk) its lane."""
+
+    def __init__(self, paired: frozenset[int], device: torch.device):
+        self.paired, self.device = paired, device
+        self.lane: dict[tuple[int, int], int] = {}
+        self._pool: ThreadPoolExecutor | None = None
+
+    def forward_lane(self, key: tuple[int, int], beside: tuple[int, int] | None) -> int:
+        """The lane of a forward: the other one than the backward it runs beside, else lane 0."""
+        self.lane[key] = 0 if beside is None else 1 - self.lane[beside]
+        return self.lane[key]
+
+    def run(self, forward: Callable[[], None], backward: Callable[[], None], lanes_fb: tuple[int, int]):
+        """forward on the worker, backward here, each on its lane; returns both (start, end) times."""
+        if self._pool is None:
+            # one worker for the step's pairs: a thread per pair would cost its start each time
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megaframe-forward")
+        f_lane, b_lane = lanes_fb
+        future = self._pool.submit(_timed, forward, f_lane, self.device, True)
+        try:
+            b_span = _timed(backward, b_lane, self.device, False)
+        finally:
+            # the forward's exception (if any) is raised here, after the backward is done with the lanes
+            f_span = future.result()
+        return f_span, b_span
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+
+def _timed(fn: Callable[[], None], lane: int, device: torch.device, stream: bool) -> tuple[float, float]:
+    """fn on `lane`; a forward on the lane's stream too (a backward runs on its forward's streams)."""
+    t0 = time.perf_counter()
+    with lanes.use(lane), lanes.on_stream(lane if stream else 0, device):
+        fn()
+    return t0, time.perf_counter()

@@ -1,0 +1,53 @@
+"""Rank-pool functions for the overlapped pipeline kinds (pipeline/overlap.py)."""
+
+from __future__ import annotations
+
+from megaframe.pipeline.schedule import compute_order, paired_forwards
+from tests.distributed.cases import job_config
+from tests.forms import build_data, build_model, microbatches, train_step
+
+
+class _Spans:
+    """The executor's timeline of one step (what training.straggler.StragglerProbe collects)."""
+
+    def __init__(self):
+        self.spans: list = []
+
+    def begin(self, step: int) -> None:
+        pass
+
+
+def pairs_at_once(mesh, overrides: list[str]) -> dict | None:
+    """One step; rank 0 returns how many of its forward-backward pairs ran at once (their spans intersect)
+    out of all, and the collectives entered on each lane."""
+    cfg = job_config(mesh, overrides + ["train.max_steps=1"])
+    model = build_model(cfg, mesh)
+    from megaframe.optim.build import build_optimizer
+
+    optimizer, data, t = build_optimizer(model, cfg.optim, mesh), build_data(cfg), cfg.train
+    batches = microbatches(
+        data,
+        0,
+        t.global_batch_size,
+        t.micro_batch_size,
+        mesh.dp.rank,
+        mesh.dp.size,
+        t.seed,
+        cp_rank=mesh.cp.rank,
+        cp_size=mesh.cp.size,
+    )
+    probe = _Spans()
+    mesh.stats.on_lane[:] = [0, 0]
+    train_step(model, optimizer, batches, mesh, cfg, 1, probe=probe)
+    span = {a: (t0, t1) for a, t0, t1 in probe.spans}
+    kind, vpp = cfg.parallel.pp_schedule.value, cfg.parallel.vpp
+    if kind == "auto":
+        kind = "interleaved" if vpp > 1 else "1f1b"
+    order = compute_order(kind, mesh.pp.size, vpp, len(batches), mesh.pp.rank)
+    pairs = [
+        (order[i], order[i + 1]) for i in paired_forwards(kind, mesh.pp.size, vpp, len(batches), mesh.pp.rank)
+    ]
+    at_once = sum(1 for f, b in pairs if span[f][0] < span[b][1] and span[b][0] < span[f][1])
+    if mesh.rank != 0:
+        return None
+    return {"pairs": len(pairs), "at_once": at_once, "on_lane": list(mesh.stats.on_lane)}
