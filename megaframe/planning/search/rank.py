@@ -17,7 +17,7 @@ HEADROOM = 0.9
 """Fraction of the device memory a layout may fill."""
 
 
-MODEL_ERROR = 0.16
+MODEL_ERROR = 0.15
 """The search's tie band: sqrt(2) x the step-time model's dispersion on published training runs (the median
 of |ratio / median ratio - 1| over planning/published_runs.json, docs/planning.md's table from
 scripts/plan_published.py, held by tests/unit/planning/test_plan_published.py): the typical error of the

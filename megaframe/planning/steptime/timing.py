@@ -36,6 +36,9 @@ Step time (seconds) =
            time, and the MoE dispatcher's host sync per layer forward with the counts' collectives ahead
            of it (planning.steptime.launches); each collective call's latency is in its axis's ring
            steps above.
+  overlap  the overlapped kinds (1f1b_overlap, interleaved_overlap: pipeline/overlap.py) run each steady
+           forward beside another micro-batch's backward: in that share of the micro-batches' work the
+           experts' all-to-alls are paid only where they outlast the compute beside them (_overlapped_ep)
   bubble   the schedule simulator's idle fraction (pipeline.simulate) for (schedule, pp, vpp, micro-batches);
            the kinds whose spec splits the backward (zb_h1, zbv) are timed with F, B, W costs from the
            backward's split
@@ -333,6 +336,21 @@ def _hsdp(s: Step, n: int, g: int, sh: int, buckets: int) -> float:
     return s.coll(2 * (rep - 1) / rep * g * n / sh, rep, 2 * (rep - 1) * buckets, lay.tp * dpcp)
 
 
+def _overlapped_ep(kind: str, lay: Layout, micro: int, ep: float, compute: float) -> float:
+    """The experts' all-to-all time left exposed: all of it, but under an overlapped kind, whose pairs (a
+    forward beside another micro-batch's backward) run a share of the micro-batches' work where each
+    side's exchanges overlap the other's compute; there only what outlasts that compute is paid. The
+    share is the first pipeline rank's (the longest warm-up: the fewest pairs)."""
+    from megaframe.pipeline.schedule import SCHEDULES
+
+    spec = SCHEDULES.get(kind)
+    if spec is None or not spec.overlap or ep <= 0.0:
+        return ep
+    total = micro * lay.vpp
+    share = max(total - spec.warmup(lay.pp, lay.vpp, micro, 0), 0) / total
+    return (1.0 - share) * ep + share * max(ep - compute, 0.0)
+
+
 def step_time(cfg: Config, lay: Layout, dev: Device, world: int) -> dict[str, float]:
     """The module docstring's model: seconds per step by part."""
     from megaframe.pipeline.schedule import resolve_kind, splits_backward
@@ -342,6 +360,7 @@ def step_time(cfg: Config, lay: Layout, dev: Device, world: int) -> dict[str, fl
     from megaframe.planning.steptime.fixed import optimizer_seconds
 
     kind = lay.schedule or resolve_kind(cfg.parallel.pp_schedule, lay.vpp)
+    ep = _overlapped_ep(kind, lay, s.micro, ep, compute)
     costs = split_costs(cfg, lay.recompute) if splits_backward(kind) else None
     bubble = _bubble(kind, lay.pp, lay.vpp, s.micro, costs) if lay.pp > 1 else 0.0
     # launch-bound time stretches with the micro-batches' work, so the bubble scales it too

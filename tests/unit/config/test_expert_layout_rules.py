@@ -1,6 +1,6 @@
 """The experts' layout keys refused in one line that names the field at fault (exit 2 from train.py and
 plan): ep and etp against the experts and the ranks they fold over, dispatch by node against capacity and
-the nodes, the router's choices, MoE under tp without sp."""
+the nodes, the router's choices, MoE under tp without sp, the overlapped pipeline kinds' limits."""
 
 from __future__ import annotations
 
@@ -59,6 +59,22 @@ from tests.unit.config.test_config import one_line_error
         (["model=moe_tiny", "model.moe_router_score=relu"], 1, ["model.moe_router_score"]),
         (["model=moe_tiny", "model.moe_capacity_factor=0"], 1, ["model.moe_capacity_factor"]),
         (["model=moe_tiny", "parallel.tp=2"], 2, ["parallel.tp=2", "parallel.sp=true"]),
+        # a forward beside a backward: no recomputed forward inside the backward, no ZeRO-3 gathers in it
+        (
+            ["model=moe_tiny", "parallel.pp_schedule=1f1b_overlap", "train.recompute=selective"],
+            1,
+            ["parallel.pp_schedule=1f1b_overlap", "train.recompute=selective"],
+        ),
+        (
+            ["model=moe_tiny", "parallel.pp_schedule=1f1b_overlap", "optim.zero=3"],
+            2,
+            ["parallel.pp_schedule=1f1b_overlap", "optim.zero=3"],
+        ),
+        (
+            ["model=moe_tiny", "parallel.pp_schedule=1f1b_overlap", "parallel.pp=2"],
+            2,
+            ["parallel.pp_schedule=1f1b_overlap", "interleaved_overlap"],
+        ),
     ],
 )
 def test_expert_layout_errors_name_the_field(overrides, world, names):
