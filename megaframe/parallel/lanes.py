@@ -85,7 +85,9 @@ def on_stream(lane: int, device: torch.device):
     if device.type != "cuda" or lane == 0:
         yield
         return
-    side = _side.setdefault(device, torch.cuda.Stream(device))
+    side = _side.get(device)
+    if side is None:  # made once: a stream per pair would cost its creation each time
+        side = _side[device] = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
         yield
