@@ -53,7 +53,7 @@ def _layout_model(ckpt: str, overrides: list[str], tokenizer: str | None, env):
     from megaframe.config import load_config
     from megaframe.inference.files import check_vocab, find_tokenizer, resolve_step
     from megaframe.model.parallelize import build_model_for
-    from megaframe.parallel.launch import dispatch_node, init_distributed, pick_device
+    from megaframe.parallel.launch import dispatch_node, init_distributed, job_hosts, pick_device
     from megaframe.parallel.mesh import build_mesh
     from megaframe.pipeline import p2p
 
@@ -76,7 +76,7 @@ def _layout_model(ckpt: str, overrides: list[str], tokenizer: str | None, env):
         ep=p.ep,
         etp=p.etp,
         cp=p.cp,
-        node=dispatch_node(p, env.world_size),
+        node=dispatch_node(p, env.world_size, hosts=job_hosts(p, env.world_size)),
         shard=cfg.optim.shard_group_size,
         timeout=datetime.timedelta(seconds=cfg.train.dist_timeout_s),
     )

@@ -8,8 +8,10 @@ the SLURM_* variables describe the agent). One process needs no process group at
 from __future__ import annotations
 
 import datetime
+import itertools
 import os
 import re
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,15 +62,41 @@ def local_world_size(environ=os.environ) -> int:
     return int(per_node.group()) if per_node else 1
 
 
-def dispatch_node(p, world: int, environ=os.environ) -> int:
-    """Ranks per node for parallel.ep_dispatch=node (parallel.ranks_per_node, else the launcher's), checked
-    against the layout before any process group: 0 when the ep all-to-all does not go by node."""
+def ranks_per_host(hosts: list[str]) -> int:
+    """Ranks per node from every rank's host name, in rank order. The node axes take consecutive ranks as
+    one node, as torchrun and srun's block distribution place them: a host whose ranks are not consecutive
+    (srun --distribution=cyclic) or hosts with different numbers of ranks raise ValueError, naming them."""
+    blocks = [(host, len(list(run))) for host, run in itertools.groupby(hosts)]
+    names = [host for host, _ in blocks]
+    split = next((h for h in names if names.count(h) > 1), None)
+    if split is not None:
+        ranks = [r for r, h in enumerate(hosts) if h == split]
+        raise ValueError(f"host {split} holds ranks {ranks[:6]}, not consecutive (a cyclic rank layout)")
+    sizes = {n for _, n in blocks}
+    if len(sizes) > 1:
+        raise ValueError(f"the hosts hold different numbers of ranks: {dict(blocks[:4])}")
+    return sizes.pop()
+
+
+def dispatch_node(p, world: int, environ=os.environ, hosts: list[str] | None = None) -> int:
+    """Ranks per node for parallel.ep_dispatch=node (parallel.ranks_per_node, else counted from every rank's
+    `hosts` where given, else the launcher's), checked against the layout before any process group: 0 when
+    the ep all-to-all does not go by node. Counted from the host names, every rank gets the same answer; the
+    launcher's count is this rank's alone (a node given fewer ranks would cut the groups differently)."""
     from megaframe.errors import ConfigError
     from megaframe.parallel.rank_grid import RankGrid
 
     if p.ep_dispatch != "node" or p.ep == 1:
         return 0
-    node = p.ranks_per_node or local_world_size(environ)
+    if not p.ranks_per_node and hosts is not None:
+        try:
+            node = ranks_per_host(hosts)
+        except ValueError as e:
+            raise ConfigError(
+                f"parallel.ep_dispatch=node: {e}; set parallel.ranks_per_node to override"
+            ) from e
+    else:
+        node = p.ranks_per_node or local_world_size(environ)
     try:
         grid = RankGrid(p.tp, world // (p.tp * p.pp * p.cp), p.pp, ep=p.ep, cp=p.cp, etp=p.etp, node=node)
     except ValueError as e:
@@ -78,6 +106,16 @@ def dispatch_node(p, world: int, environ=os.environ) -> int:
         raise ConfigError(f"{where}: {e}") from e
     # an ep group inside one node: the plain all-to-all is the same exchange (no node axes, no groups)
     return node if len(grid.groups("ep_rail")[0]) > 1 else 0
+
+
+def job_hosts(p, world: int) -> list[str] | None:
+    """Every rank's host name, in rank order, where dispatch by node needs the nodes counted (one gather
+    over the default group at start-up); None elsewhere."""
+    from megaframe.parallel.comm import gather_objects
+
+    if p.ep_dispatch != "node" or p.ep == 1 or p.ranks_per_node or world == 1:
+        return None
+    return gather_objects(socket.gethostname(), dist.group.WORLD)
 
 
 NCCL_DEFAULTS = {

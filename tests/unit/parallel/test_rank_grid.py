@@ -99,3 +99,24 @@ def test_the_node_size_is_the_launchers_unless_set_and_is_checked_before_any_gro
         dispatch_node(p, 4, {"LOCAL_WORLD_SIZE": "3"})
     # the whole ep group on one node: no node axes (the plain all-to-all, no extra process groups)
     assert dispatch_node(p, 4, {"LOCAL_WORLD_SIZE": "4"}) == 0
+
+
+def test_the_nodes_are_counted_from_every_ranks_host_alike_on_every_rank():
+    """Counted from the hosts (one gather at start-up), every rank cuts the groups alike: the launcher's
+    LOCAL_WORLD_SIZE is each rank's own, and a node given fewer ranks would cut them otherwise. A cyclic
+    rank layout, or nodes with different numbers of ranks, is refused in one line."""
+    from megaframe.config import ConfigError, load_config
+    from megaframe.parallel.launch import dispatch_node, ranks_per_host
+
+    assert ranks_per_host(["a", "a", "b", "b"]) == 2 and ranks_per_host(["a"] * 4) == 4
+    over = ["model=moe_tiny", "parallel.ep=4", "parallel.ep_dispatch=node"]
+    p = load_config(over, world_size=4, check_data=False).parallel
+    # this rank's launcher says 4 a node; the hosts say 2: the hosts win, on every rank
+    assert dispatch_node(p, 4, {"LOCAL_WORLD_SIZE": "4"}, hosts=["a", "a", "b", "b"]) == 2
+    with pytest.raises(ConfigError, match=r"host a holds ranks \[0, 2\], not consecutive"):
+        dispatch_node(p, 4, {}, hosts=["a", "b", "a", "b"])
+    with pytest.raises(ConfigError, match="different numbers of ranks"):
+        dispatch_node(p, 4, {}, hosts=["a", "a", "a", "b"])
+    # parallel.ranks_per_node overrides the hosts (the CPU tests emulate two nodes on one host)
+    p = load_config([*over, "parallel.ranks_per_node=2"], world_size=4, check_data=False).parallel
+    assert dispatch_node(p, 4, {}, hosts=["a"] * 4) == 2
