@@ -279,12 +279,26 @@ def build_mesh(
     world = len(ranks)
     assert world % (tp * pp * cp) == 0, f"tp*pp*cp={tp * pp * cp} does not divide world {world}"
     grid = RankGrid(tp, world // (tp * pp * cp), pp, ep=ep, shard=shard, cp=cp, etp=etp, node=node)
+    groups = _groups(grid, ranks, timeout, lanes) if initialized else {}
+    twins = _twin_groups(grid, ranks, timeout) if lanes > 1 and initialized else {}
+    # Created before the `me not in ranks` exit: processes outside the job must still join the call.
+    everyone = (
+        dist.new_group(ranks, timeout=world_timeout, backend="gloo") if (world > 1 and initialized) else None
+    )
+    if me not in ranks:
+        return None  # type: ignore[return-value]
+    emulate_nccl = semantics_from_env() is P2PSemantics.NCCL  # read once; the pp axis carries the mode
+    return mesh_at(grid, ranks.index(me), device, ranks, groups, everyone, emulate_nccl, twins)
+
+
+def _groups(grid: RankGrid, ranks: Sequence[int], timeout, lanes: int) -> dict:
+    """(axis name, members) -> process group of every axis of size > 1 (REUSABLE ones over the same ranks
+    share one). Collective over the whole world: every process creates every group, in one order."""
     groups: dict = {}
-    names = grid.creation_order()
     made: dict = {}  # members -> (axis, group) of the data-parallel family's group already created over them
-    for name in names:
+    for name in grid.creation_order():
         for members in grid.groups(name):
-            if len(members) == 1 or not initialized:
+            if len(members) == 1:
                 continue
             # e.g. ep = dp, ep = cp, dpcp = cp (dp = 1). Not a dp_shard over a cp group: its reduce-scatters
             # run during backward beside cp's attention traffic, and one communicator would serialise them.
@@ -300,15 +314,7 @@ def build_mesh(
             groups[(name, members)] = dist.new_group([ranks[i] for i in members], timeout=timeout)
             if shares:
                 made[members] = (name, groups[(name, members)])
-    twins = _twin_groups(grid, ranks, timeout) if lanes > 1 and initialized else {}
-    # Created before the `me not in ranks` exit: processes outside the job must still join the call.
-    everyone = (
-        dist.new_group(ranks, timeout=world_timeout, backend="gloo") if (world > 1 and initialized) else None
-    )
-    if me not in ranks:
-        return None  # type: ignore[return-value]
-    emulate_nccl = semantics_from_env() is P2PSemantics.NCCL  # read once; the pp axis carries the mode
-    return mesh_at(grid, ranks.index(me), device, ranks, groups, everyone, emulate_nccl, twins)
+    return groups
 
 
 def _twin_groups(grid: RankGrid, ranks: Sequence[int], timeout) -> dict:

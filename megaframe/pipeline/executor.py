@@ -86,63 +86,89 @@ def run_schedule(
     # sender and receiver must agree on it (the same micro-batch shape on every rank).
     shape = _activation_shape(model, batches[0][0])
     dtype = next(model.parameters()).dtype
-    comm: list[Action] = []
-    pairs = Pairs(paired, batches[0][0].device) if paired is not None else None
-
-    def compute(a: Action, i: int) -> Callable[[], None]:
-        def run() -> None:
-            # a profiler range per action while a step is profiled (train.profile_steps), else a shared null
-            with action_range(mesh.stats, a.kind, a.microbatch, a.chunk, splits):
-                if a.kind == F:
-                    # a split chunk's saved tensors boxed: B releases those W will not read (split.py)
-                    with split.saving() if splits else contextlib.nullcontext():
-                        _forward(a, st, model, batches, tokens_global, pairs)
-                else:
-                    with optimizer.backward_context(is_last=i == last_b.get(a.chunk)):
-                        _backward(a, st, model, params)
-
-        return run
-
-    n, skip = -1, False  # n: the position in the compute order
+    step = _Step(st, model, batches, mesh, optimizer, tokens_global, splits, last_b, params)
+    step.pairs = Pairs(paired, batches[0][0].device) if paired is not None else None
     try:
-        for i, a in enumerate(actions):
-            if a.kind not in COMPUTE:
-                comm.append(a)
-                continue
-            # Issued before the compute: the schedule placed this batch to meet the peer's, and delaying it
-            # behind our compute would stall the peer's matching batch (NCCL sends rendezvous).
-            _communicate(comm, st, mesh, shape, dtype, batches[0][0].device)
-            comm, n = [], n + 1
-            if skip:  # the backward of the pair just run
-                skip = False
-                continue
-            if pairs is not None and n in pairs.paired:
-                _run_pair(
-                    a, actions[i + 1], st, pairs, compute(a, i), compute(actions[i + 1], i + 1), timeline
-                )
-                skip = True
-                continue
-            _await(a, st)
-            t0 = time.perf_counter()
-            if pairs is None:
-                compute(a, i)()
-            else:  # an overlapped kind's unpaired action, on its micro-batch's lane
-                key = (a.microbatch, a.chunk)
-                lane = pairs.forward_lane(key, None) if a.kind == F else pairs.lane[key]
-                with lanes.use(lane):
-                    compute(a, i)()
-            if timeline is not None:
-                timeline.append((a, t0, time.perf_counter()))
+        _run_actions(actions, step, shape, dtype, timeline)
     finally:
-        if pairs is not None:
-            pairs.close()
-    _communicate(comm, st, mesh, shape, dtype, batches[0][0].device)
+        if step.pairs is not None:
+            step.pairs.close()
     for transfer in st.in_flight:  # the sends must have left before the step's optimizer and the next step
         transfer.wait()
     assert not (st.inputs or st.outputs or st.grads or st.to_send or st.arriving or st.pending_w), (
         "schedule left work undone"
     )
     return st.loss_sum
+
+
+@dataclass
+class _Step:
+    """What every compute action of one run_schedule reads."""
+
+    st: _State
+    model: object
+    batches: list
+    mesh: Mesh
+    optimizer: object
+    tokens_global: int
+    splits: bool
+    last_b: dict
+    params: list | None
+    pairs: Pairs | None = None
+
+    def compute(self, a: Action, i: int) -> Callable[[], None]:
+        """Action a (at i in the action list), to run here or on the pair's worker."""
+
+        def run() -> None:
+            # a profiler range per action while a step is profiled (train.profile_steps), else a shared null
+            with action_range(self.mesh.stats, a.kind, a.microbatch, a.chunk, self.splits):
+                if a.kind == F:
+                    # a split chunk's saved tensors boxed: B releases those W will not read (split.py)
+                    with split.saving() if self.splits else contextlib.nullcontext():
+                        _forward(a, self.st, self.model, self.batches, self.tokens_global, self.pairs)
+                else:
+                    with self.optimizer.backward_context(is_last=i == self.last_b.get(a.chunk)):
+                        _backward(a, self.st, self.model, self.params)
+
+        return run
+
+    def single(self, a: Action, i: int, timeline: list | None) -> None:
+        """An action run alone (under an overlapped kind, on its micro-batch's lane)."""
+        _await(a, self.st)
+        t0 = time.perf_counter()
+        if self.pairs is None:
+            self.compute(a, i)()
+        else:
+            key = (a.microbatch, a.chunk)
+            lane = self.pairs.forward_lane(key, None) if a.kind == F else self.pairs.lane[key]
+            with lanes.use(lane):
+                self.compute(a, i)()
+        if timeline is not None:
+            timeline.append((a, t0, time.perf_counter()))
+
+
+def _run_actions(actions: list[Action], step: _Step, shape, dtype, timeline: list | None) -> None:
+    """run_schedule's loop: each batch of transfers, then the compute after it (a pair at once)."""
+    comm: list[Action] = []
+    device, pairs = step.batches[0][0].device, step.pairs
+    n, skip = -1, False  # n: the position in the compute order
+    for i, a in enumerate(actions):
+        if a.kind not in COMPUTE:
+            comm.append(a)
+            continue
+        # Issued before the compute: the schedule placed this batch to meet the peer's, and delaying it
+        # behind our compute would stall the peer's matching batch (NCCL sends rendezvous).
+        _communicate(comm, step.st, step.mesh, shape, dtype, device)
+        comm, n = [], n + 1
+        if skip:  # the backward of the pair just run
+            skip = False
+        elif pairs is not None and n in pairs.paired:
+            b = actions[i + 1]
+            _run_pair(a, b, step.st, pairs, step.compute(a, i), step.compute(b, i + 1), timeline)
+            skip = True
+        else:
+            step.single(a, i, timeline)
+    _communicate(comm, step.st, step.mesh, shape, dtype, device)
 
 
 def _await(a: Action, st: _State) -> None:
