@@ -100,7 +100,8 @@ class ScheduleSpec:
     """pp -> most W a rank holds pending (split backward only; the simulator holds every rank to it)."""
     searched: bool = False
     """The layout search (planning/search/candidates.py) tries this kind beside the config's own wherever its
-    chunk_rule admits the layout's pp, vpp and micro-batches."""
+    chunk_rule admits the layout's pp, vpp and micro-batches. (The overlapped kinds are tried for models with
+    experts, whose all-to-alls they hide, whatever this says.)"""
     overlap: bool = False
     """Each steady-state forward runs beside the backward that follows it in the order (another
     micro-batch's), on its own thread and communicators (parallel/lanes.py), so the collectives of one (the

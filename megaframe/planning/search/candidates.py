@@ -87,7 +87,7 @@ def _layouts(cfg: Config, world: int, per_node: int):
                 for ep, sched in [
                     (e, s)
                     for e in _expert_sizes(cfg, tp, cp, dp, per_node)
-                    for s in _schedules(pp, vpp, micro)
+                    for s in _schedules(pp, vpp, micro, m.num_experts > 0)
                 ]:
                     yield from (
                         Layout(tp, pp, vpp, dp, ep, zero, mb, rc, cp, shard, g, sched, split)
@@ -126,12 +126,13 @@ def _pipelines(layers: int, ranks: int) -> list[tuple[int, tuple]]:
     return out
 
 
-def _schedules(pp: int, vpp: int, micro: set[int]) -> list[str]:
-    """The config's schedule (""), and past one stage each spec marked `searched` (zb_h1, zbv) whose chunk
-    rule admits (pp, vpp) at one of the micro-batch counts `micro` (validate() checks each layout's)."""
+def _schedules(pp: int, vpp: int, micro: set[int], moe: bool = False) -> list[str]:
+    """The config's schedule (""), past one stage each spec marked `searched` (zb_h1, zbv), and for a model
+    with experts the overlapped kinds (their pairs hide the all-to-alls), each where its chunk rule admits
+    (pp, vpp) at one of the micro-batch counts `micro` (validate() checks each layout's)."""
     from megaframe.pipeline.schedule import SCHEDULES
 
-    tried = [s.name for s in SCHEDULES.values() if s.searched and pp > 1]
+    tried = [s.name for s in SCHEDULES.values() if (s.searched and pp > 1) or (s.overlap and moe)]
     return [""] + [k for k in tried if any(SCHEDULES[k].chunk_rule(pp, vpp, m) is None for m in micro)]
 
 

@@ -125,6 +125,24 @@ def test_candidates_fold_ep_over_tp_as_the_trainer_does():
     assert {(x.tp, x.dp, x.ep) for x in lays if x.cp == 1} >= {(2, 4, 8), (2, 4, 2), (1, 8, 8)}
 
 
+def test_an_expert_model_is_searched_under_the_overlapped_kinds_too(cfg):
+    """Their pairs hide the experts' all-to-alls: tried for a model with experts (1f1b_overlap without a
+    pipeline, interleaved_overlap over chunks), validated like any kind (recompute refused there), and never
+    for a dense model, where they only hold one chunk more."""
+    moe = load_config(MOE, world_size=1, check_data=False)
+    lays = candidates(moe, 8, 8, keep=lambda x: x.zero == 1 and x.micro_batch == 1)
+    kinds = {(x.schedule, x.pp > 1, x.vpp > 1) for x in lays if "overlap" in x.schedule}
+    assert kinds == {("1f1b_overlap", False, False), ("interleaved_overlap", True, True)}, kinds
+    assert all(x.recompute == "none" for x in lays if "overlap" in x.schedule)
+    assert not any("overlap" in x.schedule for x in candidates(cfg, 8, 8, keep=lambda x: x.zero == 1))
+    # the overlap is planned: its pairs (7 of 8 micro-batches) pay only the all-to-all past the compute
+    one = next(x for x in lays if x.schedule == "1f1b_overlap" and x.ep == 8 and x.tp == 1 and x.cp == 1)
+    plain, h100 = dataclasses.replace(one, schedule=""), get_device("H100")
+    moe = load_config([*MOE, "train.global_batch_size=64"], world_size=1, check_data=False)
+    over, base = step_time(moe, one, h100, 8), step_time(moe, plain, h100, 8)
+    assert base["ep"] > 0 and over["ep"] < base["ep"] and over["compute"] == base["compute"]
+
+
 def test_candidates_search_every_zero_stage_hsdp_and_grad_dtype():
     bf16 = load_config([*SMALL, "train.precision=bf16"], world_size=1, check_data=False)
     lays = candidates(bf16, 16, 8)
