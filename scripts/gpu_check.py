@@ -8,7 +8,8 @@
 The checks:
 - tests/gpu (pytest): device syncs per step (none dense; one per MoE layer and micro-batch), flash
   attention on the model's call, the fused cross-entropy in bf16, the watchdog's CUDA events, checkpoint
-  round trips, CPU vs CUDA losses, grouped experts against the loop, compiled FP8 against bf16;
+  round trips, CPU vs CUDA losses, grouped experts against the loop, compiled FP8 against bf16, the
+  overlapped pipeline kind's side stream and threads against 1f1b;
 - bench_gpu A: the llama_1b shape (8 of 16 layers, 8 micro-batches of 2 x 2048 per step), megaframe against
   compiled transformers and compiled torchtitan: tokens/s, MFU, peak memory, per-step vs per-micro-batch ms;
 - bench_gpu B: all 16 layers, megaframe fp8 against bf16;
