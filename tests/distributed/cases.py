@@ -77,6 +77,22 @@ def full_state(model, mesh, grads: bool = False, optimizer=None) -> dict[str, to
     return {k: v for part in parts for k, v in part.items()}
 
 
+def rank_batches(data, step: int, cfg, mesh) -> list:
+    """This rank's micro-batches of optimizer step `step` (from 1): its dp slice, its cp chunks."""
+    t = cfg.train
+    return microbatches(
+        data,
+        step - 1,
+        t.global_batch_size,
+        t.micro_batch_size,
+        mesh.dp.rank,
+        mesh.dp.size,
+        t.seed,
+        cp_rank=mesh.cp.rank,
+        cp_size=mesh.cp.size,
+    )
+
+
 def train_and_report(
     mesh,
     overrides: list[str],
@@ -103,17 +119,7 @@ def train_and_report(
     t = cfg.train
     losses, grads, comm_tp, norms = [], None, [], []
     for step in range(1, steps + 1):
-        batches = microbatches(
-            data,
-            step - 1,
-            t.global_batch_size,
-            t.micro_batch_size,
-            mesh.dp.rank,
-            mesh.dp.size,
-            t.seed,
-            cp_rank=mesh.cp.rank,
-            cp_size=mesh.cp.size,
-        )
+        batches = rank_batches(data, step, cfg, mesh)
         mesh.stats.pop()
         if seed_dropout:
             seed_step(t.seed, step, mesh)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from megaframe.pipeline.schedule import compute_order, paired_forwards
-from tests.distributed.cases import job_config
-from tests.forms import build_data, build_model, microbatches, train_step
+from megaframe.optim.build import build_optimizer
+from megaframe.pipeline.schedule import compute_order, paired_forwards, resolve_kind
+from tests.distributed.cases import job_config, rank_batches
+from tests.forms import build_data, build_model, train_step
 
 
 class _Spans:
@@ -22,27 +23,14 @@ def pairs_at_once(mesh, overrides: list[str]) -> dict | None:
     out of all, and the collectives entered on each lane."""
     cfg = job_config(mesh, overrides + ["train.max_steps=1"])
     model = build_model(cfg, mesh)
-    from megaframe.optim.build import build_optimizer
-
-    optimizer, data, t = build_optimizer(model, cfg.optim, mesh), build_data(cfg), cfg.train
-    batches = microbatches(
-        data,
-        0,
-        t.global_batch_size,
-        t.micro_batch_size,
-        mesh.dp.rank,
-        mesh.dp.size,
-        t.seed,
-        cp_rank=mesh.cp.rank,
-        cp_size=mesh.cp.size,
-    )
+    optimizer, data = build_optimizer(model, cfg.optim, mesh), build_data(cfg)
+    batches = rank_batches(data, 1, cfg, mesh)
     probe = _Spans()
     mesh.stats.on_lane[:] = [0, 0]
     train_step(model, optimizer, batches, mesh, cfg, 1, probe=probe)
     span = {a: (t0, t1) for a, t0, t1 in probe.spans}
-    kind, vpp = cfg.parallel.pp_schedule.value, cfg.parallel.vpp
-    if kind == "auto":
-        kind = "interleaved" if vpp > 1 else "1f1b"
+    vpp = cfg.parallel.vpp
+    kind = resolve_kind(cfg.parallel.pp_schedule.value, vpp)
     order = compute_order(kind, mesh.pp.size, vpp, len(batches), mesh.pp.rank)
     pairs = [
         (order[i], order[i + 1]) for i in paired_forwards(kind, mesh.pp.size, vpp, len(batches), mesh.pp.rank)
