@@ -38,7 +38,14 @@ from megaframe.config.schema import ModelConfig
 from megaframe.layers.shard import Shard, sharded_param
 from megaframe.model.moe import dispatcher, grouped, node_dispatch, router
 from megaframe.parallel import comm, context
+from megaframe.parallel.eager import eager
 from megaframe.parallel.mesh import Mesh
+
+# The dispatch runs eagerly inside a compiled block (train.compile): its row counts follow the routing and
+# its collectives note bytes and times on the host, so dynamo, guarding on them, recompiled its frames
+# every micro-batch until it hit its recompile limit (8 per frame); its host sync breaks the graph anyway.
+_eager_dispatch = eager(dispatcher.dispatch_combine)
+_eager_by_node = eager(node_dispatch.dispatch_combine_by_node)
 
 STAT_NAMES = ("dropped", "assigned", "entropy_sum", "tokens", "aux", "z")
 """Per-step scalars each MoE layer accumulates after its E per-expert routed counts (see moe.stats)."""
@@ -236,7 +243,7 @@ class MoE(nn.Module):
         c = self.cfg
         if self.by_node is not None and not x_TD.is_meta:  # dropless only (parallel/layout_rules.py)
             rail, node = self.by_node
-            y_TD = node_dispatch.dispatch_combine_by_node(
+            y_TD = _eager_by_node(
                 x_TD, r.experts_TK, r.weights_TK, c.num_experts, rail, node, self.experts
             )
             return y_TD, torch.zeros((), dtype=torch.int64, device=x_TD.device)
@@ -252,7 +259,7 @@ class MoE(nn.Module):
         # so its route assumes perfectly balanced routing (and the plain dispatch: dispatch by node keeps
         # what it does, the experts' input rows); every saved tensor is the trainer's own
         route = dispatcher.balanced_route(plan, self.ep, self.etp, capacity) if x_TD.is_meta else None
-        return dispatcher.dispatch_combine(x_TD, plan, self.ep, self.experts, self.etp, route), plan.dropped
+        return _eager_dispatch(x_TD, plan, self.ep, self.experts, self.etp, route), plan.dropped
 
     def _sequence_loss(self, r: router.Routing, n: int, batch: int) -> torch.Tensor:
         """The sequence-wise balance loss (router.sequence_balancing_loss) of this micro-batch's sequences,
