@@ -24,6 +24,8 @@ import time
 
 import torch
 
+from megaframe.parallel import lanes
+
 HOLDS_PER_WINDOW = 8192
 """At most this many holds per group between two log steps (the same first N on every rank of a group,
 as they enter the group's collectives in the same order): a long log interval cannot grow the list."""
@@ -33,8 +35,8 @@ NULL = contextlib.nullcontext()
 
 
 class Observer:
-    """This rank's watch over its collectives: `holds` per group (axis name, ranks) since the last
-    `take`, and whether profiler ranges are named (`ranges`, set by the step profiler)."""
+    """This rank's watch over its collectives: `holds` per group and lane (axis name, ranks, lane) since the
+    last `take`, and whether profiler ranges are named (`ranges`, set by the step profiler)."""
 
     def __init__(self, arrivals: bool = True):
         self.arrivals, self.ranges = arrivals, False
@@ -82,7 +84,10 @@ class Observer:
             self.p2p.append((start, end))
 
     def _note(self, axis, start, end) -> None:
-        holds = self.holds.setdefault((axis.name, tuple(axis.ranks)), [])
+        # a lane's own list: under the overlapped kinds the two lanes' collectives interleave differently on
+        # each rank, while each lane enters its own in the same order on every rank (parallel/lanes.py)
+        lane = lanes.current() if axis.twin is not None else 0
+        holds = self.holds.setdefault((axis.name, tuple(axis.ranks), lane), [])
         if len(holds) < HOLDS_PER_WINDOW:
             holds.append((start, end))
 
@@ -91,9 +96,10 @@ class Observer:
         the last take (reads CUDA events: call it where the host already waits for the device)."""
         out, self.holds = self.holds, {}
         p2p, self.p2p = self.p2p, []
-        return {k: [_seconds(a, b) for a, b in v] for k, v in out.items()}, sum(
-            _seconds(a, b) for a, b in p2p
-        )
+        merged: dict[tuple, list[float]] = {}
+        for (name, ranks, _), v in sorted(out.items(), key=lambda kv: kv[0][2]):  # lane 0's, then lane 1's
+            merged.setdefault((name, ranks), []).extend(_seconds(a, b) for a, b in v)
+        return merged, sum(_seconds(a, b) for a, b in p2p)
 
 
 def mark(on_device: bool):

@@ -33,6 +33,17 @@ from megaframe.runops import arrivals
 from megaframe.runops.faults import Injector
 
 
+def busy_seconds(spans: list) -> float:
+    """Seconds inside any of the (action, start, end) spans: their union, so an overlapped kind's pair (a
+    forward and a backward at once, pipeline/overlap.py) counts its shared time once."""
+    total, reach = 0.0, float("-inf")
+    for _, start, end in sorted(spans, key=lambda s: s[1]):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
 class StragglerProbe:
     """Passed to optimizer_step: begin(step) opens the step's compute window; `spans` is the executor's
     timeline of (action, start, end)."""
@@ -56,7 +67,7 @@ class StragglerProbe:
             self.compute_s += self.injector.apply(step)
 
     def _fold(self) -> None:
-        self.compute_s += sum(end - start for _, start, end in self.spans)
+        self.compute_s += busy_seconds(self.spans)
         self.spans.clear()
 
     def gather(self, mesh: Mesh, step: int = 0, step_time: float = 0.0) -> dict:

@@ -243,9 +243,7 @@ class MoE(nn.Module):
         c = self.cfg
         if self.by_node is not None and not x_TD.is_meta:  # dropless only (parallel/layout_rules.py)
             rail, node = self.by_node
-            y_TD = _eager_by_node(
-                x_TD, r.experts_TK, r.weights_TK, c.num_experts, rail, node, self.experts
-            )
+            y_TD = _eager_by_node(x_TD, r.experts_TK, r.weights_TK, c.num_experts, rail, node, self.experts)
             return y_TD, torch.zeros((), dtype=torch.int64, device=x_TD.device)
         capacity = None
         if c.moe_capacity_factor is not None:

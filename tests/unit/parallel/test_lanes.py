@@ -77,3 +77,27 @@ def test_bytes_are_counted_per_lane_from_two_threads():
     finally:
         sys.setswitchinterval(interval)
     assert stats.sent == {"ep": 200_000} and stats.on_lane == [100_000, 100_000]
+
+
+def test_each_lane_keeps_its_own_holds_and_the_window_lists_lane_0_then_lane_1():
+    """The straggler figures pair the k-th hold of a group across its ranks: under two lanes the lanes'
+    collectives interleave differently on each rank, so each lane keeps its own list (each in the group's
+    order on every rank) and the window gives lane 0's, then lane 1's."""
+    from megaframe.parallel.observe import Observer
+
+    obs, ax = Observer(), _axis()
+    with lanes.use(1):
+        obs._note(ax, 10.0, 10.5)
+    obs._note(ax, 0.0, 0.1)
+    with lanes.use(1):
+        obs._note(ax, 11.0, 11.7)
+    holds, _ = obs.take()
+    assert list(holds) == [("ep", (0, 1))]
+    assert [round(h, 6) for h in holds[("ep", (0, 1))]] == [0.1, 0.5, 0.7]
+
+
+def test_the_compute_window_counts_a_pairs_shared_time_once():
+    from megaframe.runops.straggler import busy_seconds
+
+    spans = [("F", 0.0, 2.0), ("B", 1.0, 3.0), ("F", 5.0, 6.0), ("B", 5.5, 5.7)]
+    assert busy_seconds(spans) == 4.0 and busy_seconds([]) == 0.0
