@@ -204,12 +204,16 @@ def _scaled_in_forward(ctx, g_N: torch.Tensor, x_ND: torch.Tensor, w_VD: torch.T
     """Backward when forward made the grads already times the promised upstream grad (ctx.scale) and summed
     dW into main_grad: hand on grad x as it is; for the weight, check on the device that every token's
     upstream grad is the promised one. A caller that broke the promise (another loss reduction) gets a NaN
-    in main_grad, so the step's grad norm is non-finite and the optimizer skips it (no host sync)."""
+    in grad x (flowing into every grad before it) or, without one, in main_grad, so the step's grad norm is
+    non-finite and the optimizer skips it (no host sync). Grad x first: it is this micro-batch's own, where
+    main_grad is shared with the head's next forward, which an overlapped kind runs at the same time on
+    another thread (pipeline/overlap.py: two read-add-writes of one buffer lose one)."""
     gx = ctx.grads[0] if ctx.needs_input_grad[0] and wanted(x_ND) else None
     if not (ctx.needs_input_grad[1] and wanted(w_VD)):
         return gx, None
     kept = ((g_N.float() - ctx.scale).abs() <= 1e-6 * abs(ctx.scale)).all()
-    ctx.main.view(-1)[:1].add_(torch.where(kept, 0.0, float("nan")))
+    broken = torch.where(kept, 0.0, float("nan"))
+    (gx if gx is not None else ctx.main).view(-1)[:1].add_(broken)
     wgrad.pending.add(ctx.main.data_ptr())
     return gx, torch.empty_like(w_VD)  # fires the param's hook, which drops it (wgrad.py)
 

@@ -10,14 +10,15 @@ other lane than the backward it runs beside (pipeline/executor.py), so the two t
 communicator, and every rank of a group, running the same schedule, uses the same lane for the same work.
 
 The lane is the thread's (`use`), as torch's grad mode is. Backward ops on CUDA run on the autograd engine's
-device thread, not the thread that called backward, so the chunk's output carries a mark (`mark`) whose
-backward sets that thread's lane before any other node of the chunk's backward runs.
+device thread, not the thread that called backward, so the chunk's output carries a mark (`mark`: a hook on
+its grad) that sets that thread's lane before any other node of the chunk's backward runs.
 
 Legend: none (no shaped tensors here).
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 from contextlib import contextmanager
 
@@ -54,24 +55,19 @@ def group_of(axis):
     return twin if twin is not None and current() == 1 else axis.group
 
 
-class _Mark(torch.autograd.Function):
-    """forward: identity; backward: sets the running thread's lane to the forward's, then identity."""
-
-    @staticmethod
-    def forward(ctx, x, lane: int):
-        ctx.lane = lane
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        # the first node of the chunk's backward: every collective after it on this thread is the chunk's
-        _local.lane = ctx.lane
-        return g, None
+def _set_lane(lane: int, grad: torch.Tensor) -> None:
+    # the first hook of the chunk's backward: every collective after it on this thread is the chunk's
+    _local.lane = lane
 
 
 def mark(x: torch.Tensor, lane: int) -> torch.Tensor:
-    """x, whose backward runs on `lane` from here on (on whichever thread autograd runs it)."""
-    return _Mark.apply(x, lane) if x.requires_grad else x
+    """x, whose backward runs on `lane` from here on (on whichever thread autograd runs it): a hook on its
+    grad, which runs before any other node of the chunk's backward. A hook, not an identity op: the output
+    stays the tensor it was, so the executor's release of a sent output frees its storage (a view would
+    keep it alive through its base)."""
+    if x.requires_grad:
+        x.register_hook(functools.partial(_set_lane, lane))
+    return x
 
 
 _side: dict = {}  # device -> lane 1's CUDA stream, made once

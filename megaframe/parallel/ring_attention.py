@@ -31,8 +31,6 @@ the transfer on the critical path, so the bench shows what the overlap saves.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from megaframe.parallel import comm
@@ -161,8 +159,7 @@ class _RingAttention(torch.autograd.Function):
         pos_q = cp_positions(seq, c, r, q_BHQE.device)
         keep_BHQT = None
         if ctx.rng is not None:  # the forward's mask, drawn again from the generator state it started from
-            with _rng_at(ctx.rng, q_BHQE.device):
-                keep_BHQT = dropout_keep(q_BHQE, c * n, ctx.dropout_p)
+            keep_BHQT = dropout_keep(q_BHQE, c * n, ctx.dropout_p, _generator_at(ctx.rng, q_BHQE.device))
         q, do = q_BHQE.float(), do_BHQE.float()
         delta = (do * o).sum(-1)
         ref = lse.where(torch.isfinite(lse), 0)
@@ -208,25 +205,26 @@ def _rng_state(device: torch.device) -> torch.Tensor:
     return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
 
 
-@contextlib.contextmanager
-def _rng_at(state: torch.Tensor, device: torch.device):
-    """Within: the device's default generator at `state`; restored after (the backward pass's own draws,
-    and those of a later forward, are untouched)."""
-    cuda = device.type == "cuda"
-    with torch.random.fork_rng(devices=[device] if cuda else []):
-        if cuda:
-            torch.cuda.set_rng_state(state, device)
-        else:
-            torch.set_rng_state(state)
-        yield
+def _generator_at(state: torch.Tensor, device: torch.device) -> torch.Generator:
+    """A generator of its own at `state`: the backward draws the forward's mask again without touching the
+    default one, which a forward running beside it on another thread draws from (the overlapped pipeline
+    kinds, pipeline/overlap.py; setting and restoring the default generator there moved that forward's
+    masks)."""
+    gen = torch.Generator(device)
+    gen.set_state(state)
+    return gen
 
 
-def dropout_keep(q_BHQE: torch.Tensor, gathered: int, p: float) -> torch.Tensor:
+def dropout_keep(
+    q_BHQE: torch.Tensor, gathered: int, p: float, generator: torch.Generator | None = None
+) -> torch.Tensor:
     """The attention-dropout keep mask (True = kept) of this rank's queries against `gathered` tokens,
     drawn as SDPA's math kernel draws it for the all-gather path: one bernoulli_ of a [B, H, Q, T] tensor
-    of the queries' dtype from the default generator (same values, same generator state after)."""
+    of the queries' dtype from the default generator (same values, same generator state after), or from
+    `generator`."""
     b, h, q = q_BHQE.shape[:3]
-    return torch.empty(b, h, q, gathered, dtype=q_BHQE.dtype, device=q_BHQE.device).bernoulli_(1 - p).bool()
+    keep = torch.empty(b, h, q, gathered, dtype=q_BHQE.dtype, device=q_BHQE.device)
+    return keep.bernoulli_(1 - p, generator=generator).bool()
 
 
 @eager  # p2p inside: eager between a compiled block's pieces (as comm/'s collectives)

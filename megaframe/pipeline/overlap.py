@@ -4,9 +4,13 @@ each on its own lane of communicators (parallel/lanes.py), so the all-to-alls of
 compute. Megatron's moe_a2a_overlap interleaves the two by hand, layer by layer, on one thread; here the
 waits of each thread's collectives leave the device and the host to the other.
 
-What the two share is only read by both or written by one: the weights (read), the grads (written by the
-backward only), the model's per-step statistics (written by the forward only), the executor's maps (keys of
-different micro-batches). The random streams are drawn by forwards only, which keep their order.
+What the two share is only read by both or written by one: the weights (read); the grads, written by the
+backward, but for the fused head's dW, which its forward sums into main_grad (so the head's backward writes
+its check into grad x, not there: layers/fused_ce.py); the model's per-step statistics (written by the
+forward only); the executor's maps (keys of different micro-batches). The default random streams are drawn
+by forwards only, which keep their order: the ring attention's backward draws its mask again from a
+generator of its own (parallel/ring_attention.py). A profiled step records every thread
+(training/profiling.py); the straggler figures keep each lane's collectives apart (parallel/observe.py).
 """
 
 from __future__ import annotations

@@ -25,8 +25,10 @@ def step_groups(mesh: Mesh) -> list:
     groups: dict = {}
     for name in AXES:
         axis = getattr(mesh, name, None)
-        if axis is not None and axis.group is not None:
-            groups[id(axis.group)] = axis.group
+        # the twin too: the overlapped kinds' second lane (parallel/lanes.py) runs half the step's collectives
+        for group in (axis.group, axis.twin) if axis is not None else ():
+            if group is not None:
+                groups[id(group)] = group
     return list(groups.values())
 
 

@@ -36,8 +36,13 @@ def runs_of(steps: list[int]) -> dict[int, int]:
 class StepProfiler:
     """`with prof.step(n):` around the loop's step `n`; records the steps of train.profile_steps."""
 
-    def __init__(self, steps: list[int], run_dir: str, rank: int, observer, device: torch.device):
+    def __init__(
+        self, steps: list[int], run_dir: str, rank: int, observer, device: torch.device, all_threads=False
+    ):
         self.runs, self.rank, self.observer, self.device = runs_of(steps), rank, observer, device
+        # an overlapped pipeline kind runs each pair's forward on a worker thread (pipeline/overlap.py):
+        # the profiler records the thread that started it only, unless told to record them all
+        self.all_threads = all_threads
         self.folder = Path(run_dir) / "profile"
         self.prof, self.first, self.last = None, 0, 0
         self.written: list[Path] = []
@@ -48,7 +53,14 @@ class StepProfiler:
 
             os.environ.setdefault("KINETO_LOG_LEVEL", "99")  # no kineto banner between the step lines
             acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
-            self.prof = profile(activities=acts, record_shapes=False)
+            from torch._C._profiler import _ExperimentalConfig
+
+            every = (
+                {"experimental_config": _ExperimentalConfig(profile_all_threads=True)}
+                if self.all_threads
+                else {}
+            )
+            self.prof = profile(activities=acts, record_shapes=False, **every)
             self.prof.__enter__()
             self.first, self.last = step, self.runs[step]
             self.observer.ranges = True
@@ -138,9 +150,9 @@ class Watch:
     figures), the profiler of train.profile_steps and the memory snapshots (each only when asked for).
     `with watch.step(n):` around step n's work."""
 
-    def __init__(self, t, run_dir: str, mesh, probe):
+    def __init__(self, t, run_dir: str, mesh, probe, all_threads: bool = False):
         observer = probe.watch(mesh)
-        self.prof = StepProfiler(t.profile_steps, run_dir, mesh.rank, observer, mesh.device)
+        self.prof = StepProfiler(t.profile_steps, run_dir, mesh.rank, observer, mesh.device, all_threads)
         self.mem = MemorySnapshots(t.memory_snapshot, run_dir, mesh.rank, mesh.device)
         self.observer, self._step, self._exported = observer, 0, False
         late = sorted(s for s in {*t.profile_steps, *t.memory_snapshot} if s > t.max_steps)

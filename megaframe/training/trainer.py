@@ -173,7 +173,8 @@ class Loop:
         self.cfg, self.mesh, self.su, self.guard, self.start = cfg, mesh, su, guard, su.resumed.step
         self.clock = clock
         clock.resumed(self.start, cfg.run.dir, mesh.is_logger)
-        self.watch = Watch(cfg.train, cfg.run.dir, mesh, guard.probe)
+        overlapped = schedule_spec(cfg.parallel.pp_schedule, cfg.parallel.vpp).overlap  # a worker thread too
+        self.watch = Watch(cfg.train, cfg.run.dir, mesh, guard.probe, all_threads=overlapped)
         self.tracker = Tracker(cfg, cfg.run.dir, mesh.is_logger, cfg.train.max_steps, ids[1], self.start)
         self.meters = Meter(cfg.model, su.derived, mesh, su.acct)
         # on CUDA the grad norms are read (a host sync) only at log steps; on CPU reading is free

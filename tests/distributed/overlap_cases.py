@@ -39,3 +39,18 @@ def pairs_at_once(mesh, overrides: list[str]) -> dict | None:
     if mesh.rank != 0:
         return None
     return {"pairs": len(pairs), "at_once": at_once, "on_lane": list(mesh.stats.on_lane)}
+
+
+def report_switching_often(mesh, overrides: list[str], steps: int) -> dict | None:
+    """cases.train_and_report (dropout seeded per step), with the interpreter switching threads every 10
+    microseconds: a pair's two threads then interleave at many more points than at the default 5 ms."""
+    import sys
+
+    from tests.distributed.cases import train_and_report
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    try:
+        return train_and_report(mesh, overrides, steps, None, True)
+    finally:
+        sys.setswitchinterval(interval)

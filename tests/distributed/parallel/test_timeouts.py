@@ -74,14 +74,14 @@ def test_stop_flag_and_world_group_are_gloo_with_the_configured_timeout(pool):
     assert got == {"flag": 91.0, "world_backend": "gloo"}, got
 
 
-def first_step_timeouts(mesh) -> dict | None:
+def first_step_timeouts(mesh, lanes: int = 1) -> dict | None:
     """tp2·pp2 with dist_timeout_s=37: the groups' and the watchdog's limits inside and after the
-    first-step context (compile_timeout_s=500)."""
+    first-step context (compile_timeout_s=500); `lanes` 2: tp's twin (the overlapped kinds) among them."""
     from megaframe.parallel.mesh import CommStats, build_mesh
     from megaframe.runops.watchdog import Watchdog
     from megaframe.training.first_step import first_step_limits, step_groups
 
-    m = build_mesh(2, 2, torch.device("cpu"), timeout=datetime.timedelta(seconds=37))
+    m = build_mesh(2, 2, torch.device("cpu"), timeout=datetime.timedelta(seconds=37), lanes=lanes)
     dog = Watchdog(0, mesh.rank, "/nonexistent", CommStats())
 
     def seconds():
@@ -98,8 +98,10 @@ def first_step_timeouts(mesh) -> dict | None:
     )
 
 
-def test_a_compiled_first_step_gets_the_compile_timeout_then_the_usual_one(pool):
+@pytest.mark.parametrize("lanes", [1, 2])
+def test_a_compiled_first_step_gets_the_compile_timeout_then_the_usual_one(pool, lanes):
     """#15: at large pp, stage k's first receives wait while stages 0..k-1 compile in turn; NCCL counts
-    from enqueue, so step 1 could outlast train.dist_timeout_s and train.hang_timeout_s."""
-    got = pool.run(first_step_timeouts, 4)[0]
-    assert got == {"inside": ([500.0], 500.0), "after": ([37.0], None), "groups": 3}, got
+    from enqueue, so step 1 could outlast train.dist_timeout_s and train.hang_timeout_s. Under an
+    overlapped kind the second lane's communicators get the compile timeout too."""
+    got = pool.run(first_step_timeouts, 4, lanes)[0]
+    assert got == {"inside": ([500.0], 500.0), "after": ([37.0], None), "groups": 2 + lanes}, got

@@ -1,6 +1,6 @@
 """The fused head + CE (layers/fused_ce.py) told the loss's upstream grad in forward (the executor's 1 /
 tokens per step): its grads come out scaled and dW is summed straight into the weight's fp32 main_grad, equal
-to the unscaled path's; a caller whose upstream grad differs gets a NaN in main_grad (the step is skipped,
+to the unscaled path's; a caller whose upstream grad differs gets a NaN in its grads (the step is skipped,
 not silently wrong). Its chunks are equal where the token count allows, so the compiled chain has one
 static shape."""
 
@@ -38,11 +38,24 @@ def test_grads_scaled_in_forward_equal_the_backward_scaled_ones(monkeypatch):
     wgrad.forget([main])
 
 
-def test_an_upstream_grad_other_than_the_promised_one_poisons_main_grad():
+def test_an_upstream_grad_other_than_the_promised_one_poisons_the_grads():
+    """The NaN goes into grad x, this micro-batch's own, which carries it into every grad before the head
+    (main_grad is shared with the head's next forward, which an overlapped kind runs at the same time); into
+    main_grad where x takes no grad. Kept, the promise leaves both untouched."""
     x, w, t = _inputs()
     main = _into_main(w)
     fused_ce.linear_cross_entropy(x, w, t, scale=1 / 64).sum().backward()  # upstream grad 1, not 1/64
+    assert torch.isnan(x.grad).any() and not torch.isnan(main).any()
+    wgrad.forget([main])
+    x, w, t = _inputs()
+    main = _into_main(w)
+    fused_ce.linear_cross_entropy(x.detach(), w, t, scale=1 / 64).sum().backward()
     assert torch.isnan(main).any()
+    wgrad.forget([main])
+    x, w, t = _inputs()
+    main = _into_main(w)
+    (fused_ce.linear_cross_entropy(x, w, t, scale=1 / 64).sum() / 64).backward()
+    assert torch.isfinite(x.grad).all() and torch.isfinite(main).all()
     wgrad.forget([main])
 
 

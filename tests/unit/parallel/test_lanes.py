@@ -49,7 +49,10 @@ def test_the_mark_sets_the_lane_of_the_thread_that_runs_the_backward():
             seen.append(lanes.current())  # runs after the mark's backward: the chunk's lane
             return g
 
-    z = lanes.mark(_Probe.apply(x) * 3, 1)
+    out = _Probe.apply(x) * 3
+    z = lanes.mark(out, 1)
+    # the output itself, not a view of it: the executor's release of a sent output must free its storage
+    assert z is out and z._base is None
     assert lanes.current() == 0
     worker = threading.Thread(target=lambda: (z.sum() + y.sum()).backward())
     worker.start()

@@ -76,3 +76,30 @@ def test_the_kill_fault_and_the_profile_keys():
     for bad in ("train.profile_steps=[0]", "train.memory_snapshot=[-2]"):
         with pytest.raises(ConfigError, match=bad.split("=")[0].replace("[", r"\[")):
             load_config(["data=synthetic", bad], world_size=1, check_data=False)
+
+
+def test_an_overlapped_kinds_worker_thread_is_in_the_trace(tmp_path):
+    """An overlapped pipeline kind runs each pair's forward on a worker thread: its ops are in the trace
+    (told to record every thread), where by default the profiler records the thread that started it only."""
+    import gzip
+    import json
+    import threading
+
+    import torch
+
+    from megaframe.parallel.observe import Observer
+    from megaframe.training.profiling import StepProfiler
+
+    def worker_ops(all_threads: bool) -> int:
+        prof = StepProfiler(
+            [1], str(tmp_path / str(all_threads)), 0, Observer(), torch.device("cpu"), all_threads
+        )
+        prof.begin(1)
+        main = threading.get_native_id()
+        t = threading.Thread(target=lambda: torch.mm(torch.ones(8, 8), torch.ones(8, 8)))
+        t.start()
+        t.join()
+        trace = json.load(gzip.open(prof.end(1)))["traceEvents"]
+        return sum(1 for e in trace if e.get("name") == "aten::mm" and e.get("tid") != main)
+
+    assert worker_ops(True) == 1 and worker_ops(False) == 0
