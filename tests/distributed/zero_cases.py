@@ -10,7 +10,7 @@ from megaframe.checkpoint import sharded
 from megaframe.optim.build import build_optimizer
 from megaframe.parallel import comm
 from megaframe.training.metrics import memory_figures
-from tests.distributed.cases import full_state, job_config
+from tests.distributed.cases import full_state, job_config, rank_batches
 from tests.forms import build_data, build_model, microbatches, train_step
 
 
@@ -23,17 +23,7 @@ def _setup(mesh, overrides: list[str], steps: int):
 def _step(mesh, cfg, model, optimizer, data, step: int) -> tuple[float, dict]:
     """One optimizer step; returns the global mean loss and the bytes sent per group during the step."""
     t = cfg.train
-    batches = microbatches(
-        data,
-        step - 1,
-        t.global_batch_size,
-        t.micro_batch_size,
-        mesh.dp.rank,
-        mesh.dp.size,
-        t.seed,
-        cp_rank=mesh.cp.rank,
-        cp_size=mesh.cp.size,
-    )
+    batches = rank_batches(data, step, cfg, mesh)
     mesh.stats.pop()
     res = train_step(model, optimizer, batches, mesh, cfg, step)
     sent = dict(mesh.stats.pop())
