@@ -82,11 +82,15 @@ def precision_label(cfg: Config) -> str:
 
 
 def pipeline_label(cfg: Config) -> str:
-    """The pipeline schedule (kind and virtual stages); empty without a pipeline."""
+    """The pipeline schedule (kind and virtual stages); empty without a pipeline, unless the kind is an
+    overlapped one (a forward beside a backward: worth seeing at pp = 1 too)."""
+    from megaframe.pipeline.schedule import SCHEDULES
+
     par = cfg.parallel
-    if par.pp == 1:
+    kind = schedule_kind(par)
+    if par.pp == 1 and not SCHEDULES[kind].overlap:
         return ""
-    return f" schedule {schedule_kind(par)}{f' vpp={par.vpp}' if par.vpp > 1 else ''}"
+    return f" schedule {kind}{f' vpp={par.vpp}' if par.vpp > 1 else ''}"
 
 
 def held_out_label(cfg: Config, su) -> str:

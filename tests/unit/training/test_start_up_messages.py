@@ -77,6 +77,8 @@ def test_header_labels_precision_schedule_and_fp8_warnings():
     zbv = cfg("parallel.pp=2", "parallel.vpp=2", "parallel.pp_schedule=zbv", world=2)
     assert pipeline_label(zbv) == " schedule zbv vpp=2"
     assert pipeline_label(cfg("parallel.pp=2", world=2)) == " schedule 1f1b"  # auto, resolved
+    # a forward beside a backward is worth seeing without a pipeline too
+    assert pipeline_label(cfg("parallel.pp_schedule=1f1b_overlap")) == " schedule 1f1b_overlap"
     [cpu] = precision_warnings(fp8, "cpu")
     assert "emulated" in cpu and "train.compile=true" in cpu
     [cuda] = precision_warnings(fp8, "cuda")
