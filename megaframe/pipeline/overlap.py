@@ -9,12 +9,14 @@ backward, but for the fused head's dW, which its forward sums into main_grad (so
 its check into grad x, not there: layers/fused_ce.py); the model's per-step statistics (written by the
 forward only); the executor's maps (keys of different micro-batches). The default random streams are drawn
 by forwards only, which keep their order: the ring attention's backward draws its mask again from a
-generator of its own (parallel/ring_attention.py). A profiled step records every thread
+generator of its own (parallel/ring_attention.py). The worker saves its tensors under the caller's
+saved-tensor hooks (a thread starts without any). A profiled step records every thread
 (training/profiling.py); the straggler figures keep each lane's collectives apart (parallel/observe.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -43,7 +45,7 @@ class Pairs:
             # one worker for the step's pairs: a thread per pair would cost its start each time
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megaframe-forward")
         f_lane, b_lane = lanes_fb
-        future = self._pool.submit(_timed, forward, f_lane, self.device, True)
+        future = self._pool.submit(_timed, forward, f_lane, self.device, True, _saved_hooks())
         try:
             b_span = _timed(backward, b_lane, self.device, False)
         finally:
@@ -57,9 +59,20 @@ class Pairs:
             self._pool = None
 
 
-def _timed(fn: Callable[[], None], lane: int, device: torch.device, stream: bool) -> tuple[float, float]:
-    """fn on `lane`; a forward on the lane's stream too (a backward runs on its forward's streams)."""
+def _saved_hooks():
+    """The calling thread's saved-tensor hooks (pack, unpack), or None: a thread starts without any, and the
+    forward on the worker must save its tensors as it would on the caller."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top(False) if top is not None else None
+
+
+def _timed(
+    fn: Callable[[], None], lane: int, device: torch.device, stream: bool, hooks=None
+) -> tuple[float, float]:
+    """fn on `lane`; a forward on the lane's stream too (a backward runs on its forward's streams), under
+    the caller's saved-tensor `hooks` where given."""
     t0 = time.perf_counter()
-    with lanes.use(lane), lanes.on_stream(lane if stream else 0, device):
+    saving = torch.autograd.graph.saved_tensors_hooks(*hooks) if hooks else contextlib.nullcontext()
+    with lanes.use(lane), lanes.on_stream(lane if stream else 0, device), saving:
         fn()
     return t0, time.perf_counter()

@@ -8,6 +8,8 @@ the activations held at once while the real pipeline executor runs a step (`Live
 
 from __future__ import annotations
 
+import threading
+
 from megaframe.config import load_config
 from megaframe.optim.build import build_optimizer
 from megaframe.planning.memory.activations import allocator_peak, chunk_activation_bytes
@@ -34,20 +36,24 @@ class LiveSaved:
         self.exclude = {p.untyped_storage()._cdata for p in params}
         self.refs: dict[int, list[int]] = {}  # storage -> [references, bytes]
         self.live = self.peak = 0
+        # an overlapped kind's forward saves on a worker thread while the backward releases on this one
+        self.lock = threading.Lock()
 
     def hold(self, key: int, nbytes: int) -> None:
-        ref = self.refs.setdefault(key, [0, nbytes])
-        ref[0] += 1
-        if ref[0] == 1:
-            self.live += nbytes
-            self.peak = max(self.peak, self.live)
+        with self.lock:
+            ref = self.refs.setdefault(key, [0, nbytes])
+            ref[0] += 1
+            if ref[0] == 1:
+                self.live += nbytes
+                self.peak = max(self.peak, self.live)
 
     def release(self, key: int) -> None:
-        ref = self.refs[key]
-        ref[0] -= 1
-        if ref[0] == 0:
-            self.live -= ref[1]
-            del self.refs[key]
+        with self.lock:
+            ref = self.refs[key]
+            ref[0] -= 1
+            if ref[0] == 0:
+                self.live -= ref[1]
+                del self.refs[key]
 
     def pack(self, t):
         if t.untyped_storage()._cdata in self.exclude:
