@@ -23,6 +23,7 @@ STEPS = 3
 FAMILY_OVERRIDES = {"gpt_tiny": [], "gpt2_tiny": ["model=gpt2_tiny", "model.num_query_groups=null"]}
 L4, L8, MB1 = "model.num_layers=4", "model.num_layers=8", "train.micro_batch_size=1"
 ZB1, ZBV = "parallel.pp_schedule=zb_h1", ["parallel.pp_schedule=zbv", "parallel.vpp=2"]
+OVERLAP = "parallel.pp_schedule=interleaved_overlap"
 # (name, ranks, tp, pp, ep, overrides); the tiny model has 2 layers and 4 micro-batches of 2 (8 at dp=1)
 # unless overridden; m = micro-batches per dp rank
 LAYOUTS = [
@@ -60,6 +61,8 @@ LAYOUTS = [
         [ZB1, L4, "parallel.pp_layout=[3,1]", "train.recompute=full"],
     ),
     ("moe-zb_h1-pp2-ep2", 4, 1, 2, 2, MOE + [ZB1]),
+    # a forward beside a backward over 4 stages (MoE layouts: test_forward_beside_backward.py)
+    ("interleaved_overlap-pp4-vpp2-m8", 4, 1, 4, 1, [OVERLAP, "parallel.vpp=2", L8, MB1]),
     ("zbv-pp2-m4", 2, 1, 2, 1, [*ZBV, L4]),
     # a 0-layer virtual stage in the middle of the V hands its input on: B returns the output's gradient
     ("zbv-pp2-empty-middle-stage", 2, 1, 2, 1, [*ZBV, L4, "parallel.pp_layout=[2,0,1,1]"]),
@@ -111,11 +114,23 @@ def _model_options(family: str, extra: list[str]) -> list[str]:
 def test_pipeline_matches_one_process(pool, family, name, n, tp, pp, ep, extra):
     ref = reference(pool, _model_options(family, extra))
     over = FAMILY_OVERRIDES[family] + [f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.ep={ep}", *extra]
-    got = pool.run(train_and_report, n, over, STEPS, tp=tp, pp=pp, ep=ep)[0]
+    lanes = 2 if OVERLAP in extra else 1
+    got = pool.run(train_and_report, n, over, STEPS, tp=tp, pp=pp, ep=ep, lanes=lanes)[0]
     rel = [abs(a - b) / abs(b) for a, b in zip(got["losses"], ref["losses"])]
     assert len(rel) == STEPS and max(rel) <= 1e-5, (got["losses"], ref["losses"])
     assert_close_dicts(got["grads"], ref["grads"], rtol=1e-4, atol=1e-6, what="grad")
     assert_weights_close(got["weights"], ref["weights"])
+
+
+def test_every_registered_kind_trains_like_one_process_somewhere():
+    """A kind registered in pipeline/schedule.py gets a multi-rank run against one process: here, or
+    (the overlapped kinds' MoE layouts) in test_forward_beside_backward.py."""
+    from megaframe.pipeline.schedule import SCHEDULES
+    from tests.distributed.pipeline.test_forward_beside_backward import LAYOUTS as OVERLAPPED
+
+    named = {o.split("=", 1)[1] for *_, extra in LAYOUTS + OVERLAPPED for o in extra if "pp_schedule=" in o}
+    # parallel.pp_schedule=auto: 1f1b, or interleaved with chunks
+    assert set(SCHEDULES) <= named | {"1f1b", "interleaved"}, set(SCHEDULES) - named
 
 
 def test_the_suite_runs_pipelines_under_nccl_semantics(pool):
