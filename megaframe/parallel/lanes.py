@@ -55,6 +55,12 @@ def group_of(axis):
     return twin if twin is not None and current() == 1 else axis.group
 
 
+def lane_of(axis) -> int | None:
+    """This thread's lane for a collective over `axis`, as its counts and holds are kept apart: None where
+    the axis has no twin (its collectives have one order whatever the thread)."""
+    return current() if axis.twin is not None else None
+
+
 def _set_lane(lane: int, grad: torch.Tensor) -> None:
     # the first hook of the chunk's backward: every collective after it on this thread is the chunk's
     _local.lane = lane

@@ -86,7 +86,7 @@ class Observer:
     def _note(self, axis, start, end) -> None:
         # a lane's own list: under the overlapped kinds the two lanes' collectives interleave differently on
         # each rank, while each lane enters its own in the same order on every rank (parallel/lanes.py)
-        lane = lanes.current() if axis.twin is not None else 0
+        lane = lanes.lane_of(axis) or 0
         holds = self.holds.setdefault((axis.name, tuple(axis.ranks), lane), [])
         if len(holds) < HOLDS_PER_WINDOW:
             holds.append((start, end))

@@ -139,9 +139,7 @@ class _Step:
         if self.pairs is None:
             self.compute(a, i)()
         else:
-            key = (a.microbatch, a.chunk)
-            lane = self.pairs.forward_lane(key, None) if a.kind == F else self.pairs.lane[key]
-            with lanes.use(lane):
+            with lanes.use(self.pairs.alone(a.kind == F, (a.microbatch, a.chunk))):
                 self.compute(a, i)()
         if timeline is not None:
             timeline.append((a, t0, time.perf_counter()))
@@ -183,9 +181,7 @@ def _run_pair(f: Action, b: Action, st: _State, pairs: Pairs, run_f, run_b, time
     assert b.kind == B and b.microbatch != f.microbatch, (f, b)
     _await(f, st)
     _await(b, st)
-    b_key = (b.microbatch, b.chunk)
-    f_lane = pairs.forward_lane((f.microbatch, f.chunk), beside=b_key)
-    f_span, b_span = pairs.run(run_f, run_b, (f_lane, pairs.lane[b_key]))
+    f_span, b_span = pairs.run(run_f, run_b, (f.microbatch, f.chunk), (b.microbatch, b.chunk))
     if timeline is not None:
         timeline += [(f, *f_span), (b, *b_span)]
 

@@ -34,17 +34,20 @@ class Pairs:
         self.lane: dict[tuple[int, int], int] = {}
         self._pool: ThreadPoolExecutor | None = None
 
-    def forward_lane(self, key: tuple[int, int], beside: tuple[int, int] | None) -> int:
-        """The lane of a forward: the other one than the backward it runs beside, else lane 0."""
-        self.lane[key] = 0 if beside is None else 1 - self.lane[beside]
+    def alone(self, forward: bool, key: tuple[int, int]) -> int:
+        """The lane of an action run alone: a forward's is lane 0, a backward's its forward's."""
+        if forward:
+            self.lane[key] = 0
         return self.lane[key]
 
-    def run(self, forward: Callable[[], None], backward: Callable[[], None], lanes_fb: tuple[int, int]):
-        """forward on the worker, backward here, each on its lane; returns both (start, end) times."""
+    def run(self, forward: Callable[[], None], backward: Callable[[], None], f_key, b_key):
+        """forward (of micro-batch, chunk `f_key`) on the worker and backward (`b_key`'s) here, each on its
+        lane: the forward on the other lane than the backward's; returns both (start, end) times."""
         if self._pool is None:
             # one worker for the step's pairs: a thread per pair would cost its start each time
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megaframe-forward")
-        f_lane, b_lane = lanes_fb
+        b_lane = self.lane[b_key]
+        f_lane = self.lane[f_key] = 1 - b_lane
         future = self._pool.submit(_timed, forward, f_lane, self.device, True, _saved_hooks())
         try:
             b_span = _timed(backward, b_lane, self.device, False)

@@ -20,7 +20,7 @@ def enter(axis: Axis, op: str, x: torch.Tensor, sent: float) -> dict | None:
     """Count the bytes sent, note the collective in the
     ring buffer; None on a virtual axis (skip the call)."""
     # Counted before the call, so a rank stuck inside the collective still shows it as its last entry.
-    axis.stats.add(axis.name, sent, lanes.current() if axis.twin is not None else None)
+    axis.stats.add(axis.name, sent, lanes.lane_of(axis))
     entry = axis.stats.record(op, axis.name, axis.ranks, x.shape, x.dtype, nbytes(x))
     if axis.virtual:
         return None

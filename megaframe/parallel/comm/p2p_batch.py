@@ -8,7 +8,6 @@ import torch.distributed as dist
 
 from megaframe.parallel import lanes
 from megaframe.parallel.comm.accounting import nbytes
-from megaframe.parallel.lanes import group_of
 from megaframe.parallel.mesh import Axis
 from megaframe.parallel.observe import mark, p2p_range
 
@@ -51,7 +50,7 @@ def batch_isend_irecv(
     Work returned, never pick out the receives' Works by position. Bytes sent count as `axis` traffic.
     """
     for t, _ in sends:
-        axis.stats.add(axis.name, nbytes(t), lanes.current() if axis.twin is not None else None)
+        axis.stats.add(axis.name, nbytes(t), lanes.lane_of(axis))
     if axis.virtual:  # the planner's axis: counted, nothing to move (the receive buffers keep their shapes)
         return []
     # An empty batch must not reach torch: dist.batch_isend_irecv reads op 0's group and raises on [].
@@ -74,8 +73,9 @@ def batch_isend_irecv(
         if axis.p2p is not None:
             works = [axis.p2p.submit(sends_g, recvs_g)]
         else:
-            ops = [dist.P2POp(dist.isend, t, peer, group=group_of(axis)) for t, peer in sends_g]
-            ops += [dist.P2POp(dist.irecv, t, peer, group=group_of(axis)) for t, peer in recvs_g]
+            group = lanes.group_of(axis)
+            ops = [dist.P2POp(dist.isend, t, peer, group=group) for t, peer in sends_g]
+            ops += [dist.P2POp(dist.irecv, t, peer, group=group) for t, peer in recvs_g]
             works = dist.batch_isend_irecv(ops)
     # Shared counter (a list, so every _BatchWork sees one cell): the entry is done when the last Work is.
     pending = [len(works)]
